@@ -1,0 +1,275 @@
+"""Per-layer timing: forward, recompute and backward estimates from measured runs.
+
+The runtime records how long each job took (CUDA events on a GPU, a monotonic
+clock on the CPU backend) and calls :meth:`ModelTimer.end_iteration` after every
+pipelined call. The planner (:meth:`ModelExecutePlan.auto`) and the simulator
+read the per-layer estimates.
+
+Statistics, per layer and kind ("fwd", "re", "bwd"):
+
+* before any measurement, estimates are proportional to the layer's size
+  (parameter + buffer bytes); backward = 2 x forward, recompute = forward;
+* the first iteration in which a (layer, kind) is measured is dropped
+  (allocator warm-up, kernel autotuning, lazy initialisation);
+* later iterations feed an exponential moving average with factor 0.9 and
+  bias correction, so the first kept measurement is the estimate itself
+  rather than a tenth of it.
+
+A job runs several layers at once, so its time is split among them: a forward
+or recompute record in proportion to the current estimates of that kind, a
+backward record in proportion to the recompute estimates (backward cost follows
+forward cost much more closely than parameter size does).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from torch import nn
+
+KINDS = ("fwd", "re", "bwd")
+
+#: Milliseconds assumed per byte of layer state before anything was measured.
+#: Only ratios matter to the planner; the scale makes the numbers readable
+#: (a 100 MB fp32 layer starts at 1 ms forward).
+PRIOR_MS_PER_BYTE = 1.0 / 100e6
+#: A layer without parameters (activation, reshape) is not free: before
+#: measurements it costs this share of the largest layer's estimate.
+PRIOR_FLOOR_SHARE = 0.01
+
+
+def _module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (shared tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _module_param_bytes(module: nn.Module) -> int:
+    """Bytes of a module's trainable parameters (shared tensors counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for p in module.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+class ModelTimer:
+    """Moving-average per-layer times of one model.
+
+    Thread-safe: device worker threads call :meth:`record` concurrently.
+
+    Attributes:
+        num_layers: number of layers timed.
+        layer_param_bytes: parameter + buffer bytes of each layer (what a stage
+            upload moves).
+        layer_grad_bytes: bytes of each layer's trainable parameters (what a
+            backward stage downloads as gradients).
+    """
+
+    #: Print one line per layer and kind to stderr whenever an estimate changes.
+    VERBOSE: ClassVar[bool] = False
+    #: Weight of the previous average in the exponential moving average.
+    EMA_FACTOR: ClassVar[float] = 0.9
+
+    def __init__(self, layers: Sequence[nn.Module] | nn.Module) -> None:
+        if isinstance(layers, nn.Module):
+            layers = list(layers.children()) if isinstance(layers, nn.Sequential) else [layers]
+        layers = list(layers)
+        if not layers:
+            raise ValueError("ModelTimer needs at least one layer")
+        self.num_layers = len(layers)
+        self.layer_param_bytes: list[int] = [_module_bytes(m) for m in layers]
+        self.layer_grad_bytes: list[int] = [_module_param_bytes(m) for m in layers]
+        self._lock = threading.RLock()
+        self._prior = self._size_prior(self.layer_param_bytes)
+        # EMA state per kind and layer: biased average and number of kept samples.
+        self._ema: dict[str, list[float]] = {k: [0.0] * self.num_layers for k in KINDS}
+        self._count: dict[str, list[int]] = {k: [0] * self.num_layers for k in KINDS}
+        # Iterations seen per kind and layer, counting the dropped first one.
+        self._seen: dict[str, list[int]] = {k: [0] * self.num_layers for k in KINDS}
+        # Records of the running iteration, summed per kind and layer.
+        self._pending: dict[str, dict[int, float]] = {k: {} for k in KINDS}
+        self.iterations = 0
+
+    # -- estimates ------------------------------------------------------------
+    @staticmethod
+    def _size_prior(nbytes: Sequence[int]) -> list[float]:
+        raw = [b * PRIOR_MS_PER_BYTE for b in nbytes]
+        top = max(raw)
+        floor = top * PRIOR_FLOOR_SHARE if top > 0 else 1.0
+        return [max(r, floor) for r in raw]
+
+    def _measured(self, kind: str, layer: int) -> float | None:
+        n = self._count[kind][layer]
+        if n == 0:
+            return None
+        return self._ema[kind][layer] / (1.0 - self.EMA_FACTOR**n)
+
+    def _estimate(self, kind: str, layer: int) -> float:
+        m = self._measured(kind, layer)
+        if m is not None:
+            return m
+        if kind == "fwd":
+            return self._prior[layer]
+        if kind == "re":
+            return self._estimate("fwd", layer)
+        return 2.0 * self._estimate("fwd", layer)
+
+    def estimate(self, kind: str, layer: int) -> float:
+        """Current estimate (ms) of ``kind`` for one layer."""
+        _check_kind(kind)
+        with self._lock:
+            return self._estimate(kind, layer)
+
+    @property
+    def fwd_ms(self) -> list[float]:
+        """Forward estimate per layer (ms)."""
+        return self._estimates("fwd")
+
+    @property
+    def re_ms(self) -> list[float]:
+        """Recompute estimate per layer (ms); the forward estimate until measured."""
+        return self._estimates("re")
+
+    @property
+    def bwd_ms(self) -> list[float]:
+        """Backward estimate per layer (ms); 2 x forward until measured."""
+        return self._estimates("bwd")
+
+    def _estimates(self, kind: str) -> list[float]:
+        with self._lock:
+            return [self._estimate(kind, i) for i in range(self.num_layers)]
+
+    def stage_ms(self, kind: str, layers: range | Sequence[int]) -> float:
+        """Estimated time of a stage. ``kind``: "fwd", "re", "bwd", or the job kinds
+        "forward" (= fwd), "backward" (= re + bwd) and "fused" (= fwd + bwd)."""
+        parts = {
+            "forward": ("fwd",),
+            "backward": ("re", "bwd"),
+            "fused": ("fwd", "bwd"),
+        }.get(kind)
+        if parts is None:
+            _check_kind(kind)
+            parts = (kind,)
+        with self._lock:
+            return sum(self._estimate(k, i) for k in parts for i in layers)
+
+    def has_measurements(self, kind: str | None = None) -> bool:
+        """Whether any estimate (of ``kind``, or of any kind) comes from measurements."""
+        kinds = KINDS if kind is None else (kind,)
+        with self._lock:
+            return any(c > 0 for k in kinds for c in self._count[k])
+
+    # -- recording --------------------------------------------------------------
+    def record(self, kind: str, layers: range | Sequence[int], ms: float) -> None:
+        """Record the measured time of running ``layers`` (all microbatches of one job).
+
+        The time is split among the layers (see the module docstring) and added to
+        this iteration's records; :meth:`end_iteration` folds them into the averages.
+        """
+        _check_kind(kind)
+        layers = list(layers)
+        if not layers:
+            return
+        ms = float(ms)
+        if ms < 0 or ms != ms:  # negative or NaN: a broken clock, never a timing
+            raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
+        for i in layers:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"layer {i} is outside the timed layers 0..{self.num_layers - 1}")
+        with self._lock:
+            if len(layers) == 1:
+                shares = [1.0]
+            else:
+                weight_kind = "fwd" if kind == "fwd" else "re"
+                weights = [self._estimate(weight_kind, i) for i in layers]
+                total = sum(weights)
+                shares = (
+                    [w / total for w in weights] if total > 0 else [1.0 / len(layers)] * len(layers)
+                )
+            pending = self._pending[kind]
+            for i, s in zip(layers, shares):
+                pending[i] = pending.get(i, 0.0) + ms * s
+
+    def end_iteration(self) -> None:
+        """Fold this iteration's records into the moving averages."""
+        lines = []
+        with self._lock:
+            self.iterations += 1
+            f = self.EMA_FACTOR
+            for kind in KINDS:
+                pending, self._pending[kind] = self._pending[kind], {}
+                for i in sorted(pending):
+                    x = pending[i]
+                    self._seen[kind][i] += 1
+                    if self._seen[kind][i] == 1:
+                        continue  # first measured iteration: warm-up, dropped
+                    self._ema[kind][i] = f * self._ema[kind][i] + (1.0 - f) * x
+                    self._count[kind][i] += 1
+                    if self.VERBOSE:
+                        est = self._measured(kind, i)
+                        lines.append(
+                            f"Layer {i} {kind:<5}new record: {x:.3f} ms  new estimate: {est:.3f} ms"
+                        )
+        if lines:
+            print("\n".join(lines), file=sys.stderr, flush=True)
+
+    # -- persistence ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Averages and counters (for checkpoints; pending records are not saved)."""
+        with self._lock:
+            return {
+                "num_layers": self.num_layers,
+                "ema": {k: list(v) for k, v in self._ema.items()},
+                "count": {k: list(v) for k, v in self._count.items()},
+                "seen": {k: list(v) for k, v in self._seen.items()},
+                "iterations": self.iterations,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned for a model with the same layers."""
+        if state.get("num_layers") != self.num_layers:
+            raise ValueError(
+                f"timer state is for {state.get('num_layers')} layers but this model has "
+                f"{self.num_layers}; load it into a timer of the same model"
+            )
+        with self._lock:
+            for k in KINDS:
+                self._ema[k] = [float(x) for x in state["ema"][k]]
+                self._count[k] = [int(x) for x in state["count"][k]]
+                self._seen[k] = [int(x) for x in state["seen"][k]]
+                self._pending[k] = {}
+            self.iterations = int(state.get("iterations", 0))
+
+    def reset(self) -> None:
+        """Forget all measurements (back to size-proportional estimates)."""
+        with self._lock:
+            for k in KINDS:
+                self._ema[k] = [0.0] * self.num_layers
+                self._count[k] = [0] * self.num_layers
+                self._seen[k] = [0] * self.num_layers
+                self._pending[k] = {}
+            self.iterations = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelTimer({self.num_layers} layers, {self.iterations} iterations, "
+            f"measured={self.has_measurements()})"
+        )
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"timing kind must be one of {KINDS}, got {kind!r}")
