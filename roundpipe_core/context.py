@@ -1,0 +1,114 @@
+"""Thread-local execution context of the layer a worker is running.
+
+Model code may ask whether it is being recomputed (``doing_recompute``) and
+keep non-deterministic decisions of its forward (MoE routing, say) for the
+recompute pass (``save_for_recompute`` / ``get_recompute_data``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+_local = threading.local()
+
+
+class RecomputeStore:
+    """Data saved in the forward of one pipelined call, keyed by (layer, microbatch)."""
+
+    def __init__(self) -> None:
+        self._data: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: tuple[int, int], data: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._data[key] = data
+
+    def get(self, key: tuple[int, int]) -> tuple[Any, ...]:
+        with self._lock:
+            if key not in self._data:
+                raise RuntimeError(
+                    f"get_recompute_data(): layer {key[0]} saved nothing for microbatch {key[1]} "
+                    "in its forward; call save_for_recompute(...) in the forward pass"
+                )
+            return self._data[key]
+
+
+class _Frame:
+    __slots__ = ("layer", "microbatch", "recompute", "store", "device")
+
+    def __init__(self, layer: int, microbatch: int, recompute: bool,
+                 store: RecomputeStore | None, device: torch.device) -> None:
+        self.layer = layer
+        self.microbatch = microbatch
+        self.recompute = recompute
+        self.store = store
+        self.device = device
+
+
+def _frame() -> _Frame | None:
+    return getattr(_local, "frame", None)
+
+
+@contextmanager
+def running_layer(layer: int, microbatch: int, recompute: bool,
+                  store: RecomputeStore | None, device: torch.device) -> Iterator[None]:
+    """Mark the current thread as running ``layer`` for ``microbatch`` (engine use)."""
+    prev = _frame()
+    _local.frame = _Frame(layer, microbatch, recompute, store, device)
+    try:
+        yield
+    finally:
+        _local.frame = prev
+
+
+def doing_recompute() -> bool:
+    """True while a layer's forward is re-run for the backward pass."""
+    f = _frame()
+    return f is not None and f.recompute
+
+
+def current_layer() -> int | None:
+    """Index of the layer this thread is running, or None outside RoundPipe."""
+    f = _frame()
+    return None if f is None else f.layer
+
+
+def current_microbatch() -> int | None:
+    """Index of the microbatch this thread is running, or None outside RoundPipe."""
+    f = _frame()
+    return None if f is None else f.microbatch
+
+
+def save_for_recompute(*data: Any) -> None:
+    """Keep ``data`` from this layer's forward for its recompute pass.
+
+    Tensors are kept on the host, so the recompute may run on another device.
+    Outside RoundPipe, or during the recompute itself, this does nothing.
+    """
+    f = _frame()
+    if f is None or f.recompute or f.store is None:
+        return
+    host = tree_map(lambda t: t.detach().to("cpu") if isinstance(t, torch.Tensor) else t, data)
+    f.store.put((f.layer, f.microbatch), host)
+
+
+def get_recompute_data() -> Any:
+    """During recompute, what this layer passed to ``save_for_recompute`` in its forward.
+
+    Returns the saved object itself if one was saved, else the tuple. Tensors
+    come back on the device the recompute runs on.
+    """
+    f = _frame()
+    if f is None or not f.recompute:
+        raise RuntimeError("get_recompute_data() is only valid while doing_recompute() is True")
+    assert f.store is not None
+    data = f.store.get((f.layer, f.microbatch))
+    dev = f.device
+    data = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, data)
+    return data[0] if len(data) == 1 else data

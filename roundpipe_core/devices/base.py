@@ -1,0 +1,167 @@
+"""The worker interface: one thread per compute device, plus transfer primitives.
+
+The scheduler, transfer engine and runtime only talk to devices through this
+interface, so the CPU backend (threads that play devices) runs exactly the
+code the CUDA backend runs. A backend implements the primitives marked
+``abstractmethod``; the thread and its job queue are shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+
+class MemoryLedger:
+    """Bytes a device holds, by tag ("param", "grad", "activation"), with the peak.
+
+    Thread-safe; the CPU backend records every copy it makes so tests can assert
+    the memory bound (a device holds only the stages it runs and prefetches).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.peak_total = 0
+
+    def alloc(self, nbytes: int, tag: str) -> None:
+        with self._lock:
+            self.current[tag] = self.current.get(tag, 0) + nbytes
+            self.peak[tag] = max(self.peak.get(tag, 0), self.current[tag])
+            self.peak_total = max(self.peak_total, sum(self.current.values()))
+
+    def free(self, nbytes: int, tag: str) -> None:
+        with self._lock:
+            self.current[tag] = self.current.get(tag, 0) - nbytes
+
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.current.values())
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak = dict(self.current)
+            self.peak_total = sum(self.current.values())
+
+
+_STOP = object()
+
+
+class Worker(ABC):
+    """A compute device driven by one controller thread.
+
+    Work is submitted as callables that run on the worker's own thread, in
+    order; ``submit`` returns a ``Future`` so failures reach the caller.
+    """
+
+    kind = "abstract"
+
+    def __init__(self, index: int, device: torch.device) -> None:
+        self.index = index
+        self.device = device
+        self.ledger = MemoryLedger()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"roundpipe-{self.kind}-{index}", daemon=True
+        )
+        self._closed = False
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.index}, {self.device})"
+
+    # -- thread -------------------------------------------------------------
+    def _loop(self) -> None:
+        self._thread_init()
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            fn, args, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+    def _thread_init(self) -> None:
+        """Per-thread set-up (e.g. selecting the CUDA device)."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        fut: Future = Future()
+        self._queue.put((fn, args, fut))
+        return fut
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    # -- transfers ----------------------------------------------------------
+    @abstractmethod
+    def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
+        """Host -> device copies. ``channel`` is "param" (prefetchable, low priority) or
+        "activation" (the running stage waits on it). The copies are safe to use by
+        compute issued after ``wait_channel(channel)``."""
+
+    @abstractmethod
+    def wait_channel(self, channel: str) -> None:
+        """Make subsequent compute wait for every copy issued so far on ``channel``."""
+
+    @abstractmethod
+    def copy_out(self, tensors: Sequence[torch.Tensor], channel: str = "download") -> list[torch.Tensor]:
+        """Device -> host copies, complete when this returns (ordered after compute so far)."""
+
+    @abstractmethod
+    def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
+        """Forget device tensors (ledger bookkeeping; CUDA keeps them alive until their streams are done)."""
+
+    # -- compute ------------------------------------------------------------
+    @abstractmethod
+    def compute(self) -> contextlib.AbstractContextManager:
+        """Context in which this worker runs model code."""
+
+    @abstractmethod
+    def get_rng_state(self) -> Any:
+        """RNG state that model code running on this worker draws from."""
+
+    @abstractmethod
+    def set_rng_state(self, state: Any) -> None: ...
+
+    @abstractmethod
+    def time_point(self) -> Any:
+        """A marker in this worker's compute timeline."""
+
+    @abstractmethod
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two markers (may synchronise)."""
+
+    @abstractmethod
+    def memory_capacity(self) -> int:
+        """Bytes of memory this device offers (for the planner's default memory limit)."""
+
+    def synchronize(self) -> None:
+        """Wait until all work issued on this device is done."""
+
+
+@contextlib.contextmanager
+def no_op_context() -> Iterator[None]:
+    yield

@@ -1,0 +1,75 @@
+"""CPU backend: a thread that plays a device.
+
+It copies a stage's weights into buffers of its own ("upload"), runs the stage,
+hands gradients back ("download") and keeps a ledger of the bytes it holds.
+All model code of the CPU backend runs under one process-wide lock: the CPU
+random generator is shared by all threads, so only serialised compute gives
+each (layer, microbatch) a well-defined RNG state to save and replay — and
+intra-op threads already use every core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .base import Worker
+
+_CPU_COMPUTE_LOCK = threading.RLock()
+
+#: Memory a CPU worker reports to the planner (the default model_memory_limit
+#: is 60% of it). Override with env ROUNDPIPE_CPU_DEVICE_MEMORY_GB.
+DEFAULT_CPU_DEVICE_MEMORY_GB = 8.0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CPUWorker(Worker):
+    kind = "cpu"
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index, torch.device("cpu"))
+
+    def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
+        out = [t.detach().clone() for t in tensors]
+        for t in out:
+            self.ledger.alloc(_nbytes(t), channel)
+        return out
+
+    def wait_channel(self, channel: str) -> None:
+        # Copies are synchronous on the CPU backend.
+        return None
+
+    def copy_out(self, tensors: Sequence[torch.Tensor], channel: str = "download") -> list[torch.Tensor]:
+        return [t.detach().clone() for t in tensors]
+
+    def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
+        for t in tensors:
+            self.ledger.free(_nbytes(t), tag)
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        return _CPU_COMPUTE_LOCK
+
+    def get_rng_state(self) -> Any:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: Any) -> None:
+        torch.set_rng_state(state)
+
+    def time_point(self) -> Any:
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return (end - start) * 1000.0
+
+    def memory_capacity(self) -> int:
+        gb = float(os.environ.get("ROUNDPIPE_CPU_DEVICE_MEMORY_GB", DEFAULT_CPU_DEVICE_MEMORY_GB))
+        return int(gb * 1024**3)

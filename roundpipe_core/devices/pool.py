@@ -1,0 +1,161 @@
+"""The device pool of this process: parse the ``devices`` argument, own the
+workers, and run a schedule (one queue of jobs per worker) on them."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
+from typing import Any
+
+import torch
+
+from .base import Worker
+from .cpu import CPUWorker
+
+DEFAULT_CPU_DEVICES = 2
+_live_pools: weakref.WeakSet = weakref.WeakSet()
+
+
+def _cuda_worker(index: int, device: torch.device) -> Worker:
+    from .cuda import CUDAWorker  # imported lazily: CUDA pieces stay optional
+
+    return CUDAWorker(index, device)
+
+
+def _cpu_count_from_env() -> int:
+    raw = os.environ.get("ROUNDPIPE_CPU_DEVICES", str(DEFAULT_CPU_DEVICES))
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"ROUNDPIPE_CPU_DEVICES must be a positive integer, got {raw!r}") from None
+    if n < 1:
+        raise ValueError(f"ROUNDPIPE_CPU_DEVICES must be a positive integer, got {raw!r}")
+    return n
+
+
+def resolve_devices(devices: Any) -> list[torch.device]:
+    """Turn the user's ``devices`` argument into one ``torch.device`` per worker.
+
+    ``None``: every CUDA GPU if there are any, else ``ROUNDPIPE_CPU_DEVICES`` (default 2)
+    CPU workers. ``int``: that many workers of the default kind. ``"cpu:N"``: N CPU
+    workers. A list of devices / device strings: one worker each (``"cpu"`` entries
+    each give one CPU worker).
+    """
+    has_cuda = torch.cuda.is_available()
+    if devices is None:
+        if has_cuda:
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")] * _cpu_count_from_env()
+    if isinstance(devices, bool):
+        raise TypeError("devices must be None, an int, 'cpu:N' or a list of devices, got a bool")
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"devices must be >= 1, got {devices}")
+        if has_cuda:
+            if devices > torch.cuda.device_count():
+                raise ValueError(
+                    f"devices={devices} but only {torch.cuda.device_count()} CUDA GPU(s) are visible"
+                )
+            return [torch.device("cuda", i) for i in range(devices)]
+        return [torch.device("cpu")] * devices
+    if isinstance(devices, str):
+        if devices == "cpu":
+            return [torch.device("cpu")] * _cpu_count_from_env()
+        if devices.startswith("cpu:"):
+            try:
+                n = int(devices[4:])
+            except ValueError:
+                n = 0
+            if n < 1:
+                raise ValueError(f"devices={devices!r}: write 'cpu:N' with N a positive integer")
+            return [torch.device("cpu")] * n
+        return resolve_devices([devices])
+    if isinstance(devices, Sequence):
+        if len(devices) == 0:
+            raise ValueError("devices is an empty list; give at least one device")
+        out = []
+        for d in devices:
+            try:
+                dev = torch.device(d)
+            except (TypeError, RuntimeError) as exc:
+                raise TypeError(f"devices entry {d!r} is not a device: {exc}") from None
+            if dev.type == "cuda":
+                if not has_cuda:
+                    raise ValueError(f"devices entry {d!r} asks for CUDA, but no CUDA GPU is available")
+                if dev.index is None:
+                    dev = torch.device("cuda", 0)
+            elif dev.type != "cpu":
+                raise ValueError(f"devices entry {d!r}: only 'cpu' and 'cuda' devices are supported")
+            out.append(dev)
+        return out
+    raise TypeError(
+        f"devices must be None, an int, 'cpu:N' or a list of devices, got {type(devices).__name__}"
+    )
+
+
+class PoolError(RuntimeError):
+    """Raised in a job that stopped because another job of the same run failed."""
+
+
+class DevicePool:
+    """The workers of this process, one thread each."""
+
+    def __init__(self, devices: Any = None) -> None:
+        devs = resolve_devices(devices)
+        self.workers: list[Worker] = []
+        for i, d in enumerate(devs):
+            self.workers.append(CPUWorker(i) if d.type == "cpu" else _cuda_worker(i, d))
+        self._closed = False
+        _live_pools.add(self)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __repr__(self) -> str:
+        return f"DevicePool({[str(w.device) for w in self.workers]})"
+
+    @property
+    def is_cuda(self) -> bool:
+        return any(w.device.type == "cuda" for w in self.workers)
+
+    def memory_capacity(self) -> int:
+        """Bytes of the smallest device (the planner's default limit is 60% of it)."""
+        return min(w.memory_capacity() for w in self.workers)
+
+    def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
+        """Run ``run_queue(worker, queue)`` on every worker that has jobs; wait for all.
+
+        If any worker fails, the first failure that is not a ``PoolError`` (a job that
+        only stopped because another failed) is raised here.
+        """
+        if self._closed:
+            raise RuntimeError("this RoundPipe's device pool is closed; create a new RoundPipe")
+        futures: list[Future] = []
+        for worker, q in zip(self.workers, queues):
+            if q:
+                futures.append(worker.submit(run_queue, worker, q))
+        wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            primary = [e for e in errors if not isinstance(e, PoolError)]
+            raise (primary or errors)[0]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self.workers:
+            w.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+@atexit.register
+def _close_all_pools() -> None:
+    for pool in list(_live_pools):
+        pool.close()

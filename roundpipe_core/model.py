@@ -1,0 +1,526 @@
+"""RoundPipe: wraps an ``nn.Sequential``, owns its layers, the optimizer's master
+copies and the asynchronous step.
+
+The wrapped module stays on the host. Each pipelined call splits the batch
+into microbatches, builds the iteration's schedule (``schedule.py``) and runs
+it on the device pool (``runtime.py``). Gradients land in the master copies
+(``optim_parameters()``); ``step()`` runs the user's optimizer on them on a
+dedicated thread and copies the result back into the module's own parameters.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import batch as batching
+from .devices.pool import DevicePool
+from .plan import ModelExecutePlan
+from .runtime import PipelineRun, run_queue
+from .schedule import Job, boundary_layers, build_schedule, jobs_by_device
+from .timer import ModelTimer
+
+_PIN_CHOICES = ("alloc", "register", "off")
+_GRAINS = ("stage", "layer")
+
+
+@dataclass
+class RoundPipeRunConfig:
+    """How a pipelined call runs. ``None`` fields fall back to the model's config,
+    then to the defaults noted here.
+
+    Attributes:
+        requires_grad: build an autograd graph in ``forward()`` (default: grad mode is
+            on and the model has trainable parameters).
+        output_device: where outputs are returned (default CPU).
+        preserve_rng_state: replay the forward's RNG in recompute (default True).
+        recompute_grain: "stage" (recompute a whole stage, then backward) or "layer"
+            (recompute and backpropagate one layer at a time; less memory). Default "stage".
+        num_microbatch: microbatches per call (default: number of devices + 1).
+        split_input: ``f(args, kwargs, num_microbatch) -> [(args, kwargs), ...]``.
+        split_label: ``f(label, num_microbatch) -> [label, ...]``.
+        merge_output: ``f([output, ...]) -> output``.
+        execute_plan: a ``ModelExecutePlan`` (default: planned automatically).
+    """
+
+    requires_grad: bool | None = None
+    output_device: torch.device | str | None = None
+    preserve_rng_state: bool | None = None
+    recompute_grain: str | None = None
+    num_microbatch: int | None = None
+    split_input: Callable[..., Any] | None = None
+    split_label: Callable[..., Any] | None = None
+    merge_output: Callable[..., Any] | None = None
+    execute_plan: ModelExecutePlan | None = None
+
+    def merged_over(self, base: RoundPipeRunConfig) -> RoundPipeRunConfig:
+        """This config with its ``None`` fields taken from ``base``."""
+        return replace(
+            base, **{f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        )
+
+
+class _OptimCtxState(threading.local):
+    depth = 0
+
+
+_OPTIM_CTX = _OptimCtxState()
+
+
+class OptimizerCtx:
+    """Inside ``with OptimizerCtx():`` a RoundPipe's ``parameters()`` /
+    ``named_parameters()`` are its master (optimizer) parameters, so
+    ``torch.optim.AdamW(model.parameters())`` gets the fp32 masters."""
+
+    def __enter__(self) -> OptimizerCtx:
+        _OPTIM_CTX.depth += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _OPTIM_CTX.depth -= 1
+
+
+def _default_dtype_of(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+class RoundPipe(nn.Module):
+    """Train or run an ``nn.Sequential`` whose state lives in host memory on a pool of devices.
+
+    Args:
+        model: an ``nn.Sequential`` (each child is a layer) or any module (one layer).
+            It is wrapped in place: after ``synchronize()`` its parameters hold the
+            trained values.
+        optim_dtype: dtype of the master copies the optimizer updates (default: the
+            model's). Typical: bf16/fp16 model, ``torch.float32`` masters.
+        name: a name for logs.
+        model_run_config: default ``RoundPipeRunConfig`` of this model's calls.
+        pin_model: host memory of the parameters on CUDA: "alloc" (pinned copies),
+            "register" (pin the existing storage) or "off" (pageable, e.g. mmap-loaded).
+            Accepted and ignored on the CPU backend.
+        devices: ``None`` (all GPUs, else ``ROUNDPIPE_CPU_DEVICES`` CPU workers, default 2),
+            an int, ``"cpu:N"``, a list of devices, or the ``DevicePool`` of another RoundPipe.
+        original_model: the object attribute lookups fall through to (a preset passes the
+            Hugging Face model it converted); default ``model``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_dtype: torch.dtype | None = None,
+        name: str | None = None,
+        model_run_config: RoundPipeRunConfig | None = None,
+        pin_model: str = "alloc",
+        devices: Any = None,
+        original_model: Any = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"RoundPipe wraps an nn.Module (ideally nn.Sequential), got {type(model).__name__}")
+        if isinstance(model, RoundPipe):
+            raise TypeError("this model is already wrapped in RoundPipe")
+        if pin_model not in _PIN_CHOICES:
+            raise ValueError(f"pin_model must be one of {_PIN_CHOICES}, got {pin_model!r}")
+        if optim_dtype is not None and not (isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point):
+            raise TypeError(f"optim_dtype must be a floating torch.dtype such as torch.float32, got {optim_dtype!r}")
+        if model_run_config is None:
+            model_run_config = RoundPipeRunConfig()
+        if not isinstance(model_run_config, RoundPipeRunConfig):
+            raise TypeError(f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}")
+        _check_run_config(model_run_config)
+
+        self.model = model
+        layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
+        if not layers:
+            raise ValueError("the nn.Sequential is empty; give it at least one layer")
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "_original_model", original_model if original_model is not None else model)
+        self.name = name or type(model).__name__
+        self.pin_model = pin_model
+        self.model_run_config = model_run_config
+        self.optim_dtype = optim_dtype or _default_dtype_of(model)
+
+        object.__setattr__(self, "pool", devices if isinstance(devices, DevicePool) else DevicePool(devices))
+        self._owns_pool = not isinstance(devices, DevicePool)
+        if self.pool.is_cuda:
+            from .devices import memory
+
+            memory.prepare_host_params(model, pin_model)
+
+        # fp32 (optim_dtype) master copies of the trainable parameters; frozen ones get none.
+        self._masters: list[tuple[str, nn.Parameter, nn.Parameter]] = []
+        self._master_of: dict[int, nn.Parameter] = {}
+        for pname, p in model.named_parameters():
+            if p.requires_grad:
+                m = nn.Parameter(p.detach().to(dtype=self.optim_dtype, copy=True))
+                self._masters.append((pname, p, m))
+                self._master_of[id(p)] = m
+        self._grad_lock = threading.Lock()
+        self._optimizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"roundpipe-optim-{self.name}")
+        self._pending_step: Future | None = None
+        self._call_lock = threading.RLock()
+        self.model_timer = ModelTimer(layers)
+        self.last_schedule: list[Job] = []
+        self.last_job_times: list[tuple[Job, int, float]] = []
+        self._closer = weakref.finalize(self, _close_resources, self.pool if self._owns_pool else None, self._optimizer)
+
+    # -- attribute fall-through --------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original_model")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.pool)
+
+    def __repr__(self) -> str:
+        return f"RoundPipe(name={self.name!r}, layers={self.num_layers}, devices={self.pool!r})"
+
+    # -- parameters ----------------------------------------------------------------
+    def optim_parameters(self) -> list[nn.Parameter]:
+        """The master copies the optimizer updates (trainable parameters only)."""
+        return [m for _, _, m in self._masters]
+
+    def optim_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, m) for n, _, m in self._masters]
+
+    def master_param(self, param: torch.Tensor) -> nn.Parameter | None:
+        """The master copy of one of the model's parameters (None if it is frozen)."""
+        return self._master_of.get(id(param))
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        if _OPTIM_CTX.depth > 0:
+            return iter(self.optim_parameters())
+        return super().parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+        if _OPTIM_CTX.depth > 0:
+            return iter(self.optim_named_parameters())
+        return super().named_parameters(*args, **kwargs)
+
+    def _accumulate_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        master = self._master_of.get(id(param))
+        if master is None:
+            return
+        # The in-flight asynchronous step reads and clears the master grads: wait for it.
+        self._wait_step_done()
+        grad = grad.to(master.dtype)
+        with self._grad_lock:
+            if master.grad is None:
+                master.grad = grad
+            else:
+                master.grad.add_(grad)
+
+    # -- optimizer step ---------------------------------------------------------------
+    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
+        """Run ``step_fn`` (e.g. ``lambda: (opt.step(), opt.zero_grad())``) on the master
+        copies on the optimizer thread, then copy the masters into the model.
+
+        With ``is_async=True`` it returns at once and the next call overlaps with the
+        update; the new weights enter the model at the next ``step()`` / ``synchronize()``,
+        so each iteration computes with weights one step stale (as upstream RoundPipe).
+        """
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+        self.synchronize()
+        self._pending_step = self._optimizer.submit(step_fn)
+        if not is_async:
+            self.synchronize()
+
+    def _wait_step_done(self) -> None:
+        fut = self._pending_step
+        if fut is not None:
+            fut.exception()  # waits; the error itself is raised by synchronize()
+
+    def synchronize(self) -> None:
+        """Wait for the in-flight step (re-raising its error) and copy masters into the model."""
+        fut = self._pending_step
+        if fut is None:
+            return
+        self._pending_step = None
+        fut.result()
+        with torch.no_grad():
+            for _, p, m in self._masters:
+                p.copy_(m)
+
+    # -- configuration -----------------------------------------------------------------
+    def _config(self, run_config: RoundPipeRunConfig | None) -> RoundPipeRunConfig:
+        if run_config is None:
+            run_config = RoundPipeRunConfig()
+        if not isinstance(run_config, RoundPipeRunConfig):
+            raise TypeError(f"run_config must be a RoundPipeRunConfig, got {type(run_config).__name__}")
+        _check_run_config(run_config)
+        return run_config.merged_over(self.model_run_config)
+
+    def _plan(self, cfg: RoundPipeRunConfig, run_type: str) -> ModelExecutePlan:
+        plan = cfg.execute_plan
+        if plan is None:
+            plan = self.default_plan(run_type)
+        elif not isinstance(plan, ModelExecutePlan):
+            raise TypeError(f"execute_plan must be a ModelExecutePlan, got {type(plan).__name__}")
+        plan.check_valid(self.num_layers, run_type, self.num_devices)
+        return plan
+
+    def default_plan(self, run_type: str) -> ModelExecutePlan:
+        """The plan used when none is given."""
+        return ModelExecutePlan.uniform(self.num_layers, self.num_devices + (run_type == "fused"), run_type)
+
+    def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], list[int], int | None]:
+        m = cfg.num_microbatch or self.num_devices + 1
+        if cfg.split_input is not None:
+            parts = [tuple(p) for p in cfg.split_input(args, kwargs, m)]
+            if not parts:
+                raise ValueError("split_input returned no microbatches")
+            return [(tuple(a), dict(k)) for a, k in parts], [], None
+        bs = batching.batch_size_of((args, kwargs))
+        sizes = batching.split_sizes(bs, m)
+        parts = batching.split_tree((args, kwargs), sizes, bs)
+        return [(tuple(a), dict(k)) for a, k in parts], sizes, bs
+
+    def _new_run(self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan, run_type: str, **kw: Any) -> PipelineRun:
+        return PipelineRun(
+            self.layers,
+            boundary_layers(plan, run_type),
+            self._accumulate_grad,
+            self.model_timer,
+            preserve_rng_state=bool(cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True),
+            recompute_grain=cfg.recompute_grain or "stage",
+            **kw,
+        )
+
+    def _execute(self, run: PipelineRun, jobs: list[Job]) -> None:
+        self.pool.run(jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q))
+        self.model_timer.end_iteration()
+        self.last_schedule = jobs
+        self.last_job_times = list(run.job_times)
+
+    # -- pipelined calls -------------------------------------------------------------------
+    def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any) -> Any:
+        """Pipelined, microbatched forward of the whole model.
+
+        Under grad mode (and ``requires_grad`` not False) the output is part of the
+        autograd graph: ``loss.backward()`` runs the backward plan on the pool.
+        """
+        cfg = self._config(roundpipe_run_config)
+        requires_grad = cfg.requires_grad
+        if requires_grad is None:
+            requires_grad = torch.is_grad_enabled() and bool(self._masters)
+        run_type = "train" if requires_grad else "infer"
+        with self._call_lock:
+            plan = self._plan(cfg, run_type)
+            mbs, sizes, bs = self._split(cfg, args, kwargs)
+            if run_type == "infer":
+                run = self._new_run(cfg, plan, run_type)
+                for i, mb in enumerate(mbs):
+                    run.put_act(0, i, mb)
+                jobs = build_schedule(plan, run_type, self.num_devices, len(mbs))
+                self._execute(run, jobs)
+                return _to_output_device(self._merge(cfg, run.outputs, len(mbs)), cfg.output_device)
+        if cfg.merge_output is not None:
+            raise ValueError(
+                "a custom merge_output cannot be differentiated through; use it for inference "
+                "(torch.no_grad() or requires_grad=False) or with forward_backward()"
+            )
+        return _AutogradForward(self, cfg, plan, mbs, sizes, bs).run(args, kwargs)
+
+    def _merge(self, cfg: RoundPipeRunConfig, outputs: dict[int, Any], n: int) -> Any:
+        ordered = [outputs[i] for i in range(n)]
+        return (cfg.merge_output or batching.default_merge_output)(ordered)
+
+    def forward_backward(
+        self,
+        input_args: tuple = (),
+        input_kwargs: dict | None = None,
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig | None = None,
+    ) -> Any:
+        """Forward, loss and backward in one pipelined pass (the last stage fuses them).
+
+        Args:
+            input_args / input_kwargs: the model's inputs (split into microbatches).
+            label: labels, split like the inputs.
+            loss_fn: ``loss_fn(output, label) -> scalar`` per microbatch.
+            return_outputs: also return the merged outputs.
+            run_config: per-call ``RoundPipeRunConfig``.
+
+        Returns:
+            The sum of the per-microbatch losses (a detached CPU tensor), or
+            ``(loss, outputs)``. Gradients of that sum are accumulated into the master
+            copies' ``.grad``.
+        """
+        if loss_fn is None or not callable(loss_fn):
+            raise TypeError("forward_backward needs loss_fn(output, label) -> scalar tensor")
+        if not isinstance(input_args, (tuple, list)):
+            input_args = (input_args,)
+        if input_kwargs is None:
+            input_kwargs = {}
+        if not isinstance(input_kwargs, dict):
+            raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+        cfg = self._config(run_config)
+        with self._call_lock:
+            plan = self._plan(cfg, "fused")
+            mbs, sizes, bs = self._split(cfg, tuple(input_args), input_kwargs)
+            if cfg.split_label is not None:
+                labels = list(cfg.split_label(label, len(mbs)))
+            else:
+                labels = batching.split_tree(label, sizes, bs) if sizes else [label] * len(mbs)
+            if len(labels) != len(mbs):
+                raise ValueError(f"split_label gave {len(labels)} label parts for {len(mbs)} microbatches")
+            run = self._new_run(cfg, plan, "fused", loss_fn=loss_fn, labels=labels, return_outputs=return_outputs)
+            for i, mb in enumerate(mbs):
+                run.put_act(0, i, mb)
+            jobs = build_schedule(plan, "fused", self.num_devices, len(mbs))
+            self._execute(run, jobs)
+            loss = torch.stack([run.losses[i] for i in range(len(mbs))]).sum()
+            if return_outputs:
+                return loss, _to_output_device(self._merge(cfg, run.outputs, len(mbs)), cfg.output_device)
+            return loss
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish the pending step and stop this RoundPipe's threads."""
+        try:
+            self.synchronize()
+        finally:
+            self._closer()
+
+
+def _close_resources(pool: DevicePool | None, optimizer: ThreadPoolExecutor) -> None:
+    optimizer.shutdown(wait=True)
+    if pool is not None:
+        pool.close()
+
+
+def _check_run_config(cfg: RoundPipeRunConfig) -> None:
+    if cfg.recompute_grain is not None and cfg.recompute_grain not in _GRAINS:
+        raise ValueError(f"recompute_grain must be one of {_GRAINS}, got {cfg.recompute_grain!r}")
+    n = cfg.num_microbatch
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"num_microbatch must be a positive int, got {n!r}")
+    for name in ("split_input", "split_label", "merge_output"):
+        f = getattr(cfg, name)
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be callable, got {type(f).__name__}")
+
+
+def _to_output_device(value: Any, device: Any) -> Any:
+    if device is None or torch.device(device).type == "cpu":
+        return value
+    leaves, rebuild = batching.flatten(value)
+    return rebuild([x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves])
+
+
+class _AutogradForward:
+    """forward() with autograd: the pipelined forward runs inside an autograd.Function
+    whose backward runs the backward plan on the pool."""
+
+    def __init__(self, rp: RoundPipe, cfg: RoundPipeRunConfig, plan: ModelExecutePlan,
+                 mbs: list, sizes: list[int], bs: int | None) -> None:
+        self.rp, self.cfg, self.plan, self.mbs, self.sizes, self.bs = rp, cfg, plan, mbs, sizes, bs
+        self.run_state: PipelineRun | None = None
+        self.out_leaves: list[Any] = []
+        self.out_rebuild: Any = None
+        self.in_leaves: list[Any] = []
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        self.in_leaves, _ = batching.flatten((args, kwargs))
+        tensors = [x for x in self.in_leaves if isinstance(x, torch.Tensor)]
+        dummy = torch.zeros((), requires_grad=True)
+        outs = _PipelineFunction.apply(self, dummy, *tensors)
+        it = iter(outs)
+        leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self.out_leaves]
+        return _to_output_device(self.out_rebuild(leaves), self.cfg.output_device)
+
+    def forward_phase(self, needs_grad: list[bool]) -> tuple[torch.Tensor, ...]:
+        rp = self.rp
+        # which leaves of the (args, kwargs) pytree take a gradient
+        it = iter(needs_grad)
+        needs = [next(it) if isinstance(x, torch.Tensor) else False for x in self.in_leaves]
+        run = rp._new_run(self.cfg, self.plan, "train", input_needs_grad=needs)
+        for i, mb in enumerate(self.mbs):
+            run.put_act(0, i, mb)
+        with rp._call_lock:
+            jobs = build_schedule(self.plan, "train", rp.num_devices, len(self.mbs), phase="forward")
+            rp._execute(run, jobs)
+        self.run_state = run
+        self.num_fwd_jobs = len(jobs)
+        merged = rp._merge(self.cfg, run.outputs, len(self.mbs))
+        self.out_leaves, self.out_rebuild = batching.flatten(merged)
+        return tuple(x for x in self.out_leaves if isinstance(x, torch.Tensor))
+
+    def backward_phase(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+        rp, run = self.rp, self.run_state
+        if run is None:
+            raise RuntimeError("backward through a RoundPipe forward can only run once")
+        n = len(self.mbs)
+        # split each output gradient like the output was merged (per leaf, all leaves)
+        it = iter(grad_outputs)
+        per_leaf: list[list[torch.Tensor | None]] = []
+        for leaf in self.out_leaves:
+            g = next(it) if isinstance(leaf, torch.Tensor) else None
+            if g is None:
+                per_leaf.append([None] * n)
+            elif leaf.dim() >= 1 and self.sizes and leaf.shape[0] == sum(self.sizes) and n > 1:
+                per_leaf.append(list(torch.split(g, self.sizes, dim=0)))
+            else:
+                per_leaf.append([g] * n)
+        for m in range(n):
+            run.put_grad(rp.num_layers, m, [pl[m] for pl in per_leaf])
+        with rp._call_lock:
+            jobs = build_schedule(self.plan, "train", rp.num_devices, n, phase="backward",
+                                  start_device=self.num_fwd_jobs % rp.num_devices)
+            rp._execute(run, jobs)
+        run.drop_activations()
+        self.run_state = None
+        # merge input gradients over microbatches
+        grads: list[torch.Tensor | None] = []
+        for i, leaf in enumerate(self.in_leaves):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            parts = [(run.take_grad(0, m) or [None] * len(self.in_leaves))[i] for m in range(n)]
+            if all(p is None for p in parts):
+                grads.append(None)
+                continue
+            split = self.bs is not None and leaf.dim() >= 1 and leaf.shape[0] == self.bs and n > 1
+            parts_t = [p if p is not None else torch.zeros_like(leaf if not split else leaf[:s]) for p, s in
+                       zip(parts, self.sizes or [0] * n)]
+            grads.append(torch.cat(parts_t, 0) if split else torch.stack(parts_t).sum(0))
+        return grads
+
+
+class _PipelineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _AutogradForward, dummy: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        outs = call.forward_phase(list(ctx.needs_input_grad[2:]))
+        non_diff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+        grads = ctx.call.backward_phase(grad_outputs)
+        return (None, None, *grads)

@@ -1,0 +1,428 @@
+"""Running jobs on a worker: forward, fused forward+loss+backward, recompute+backward.
+
+One ``PipelineRun`` holds the state of a pipelined call: the activations at
+layer boundaries (kept on the host, keyed by ``(boundary, microbatch)``), the
+gradients flowing back, the RNG states saved for recompute and the losses.
+Jobs on different workers meet only through it: a job waits for what it needs
+and publishes what it produces, so stages on different devices overlap on
+different microbatches. If any job fails, the run is aborted and every waiting
+job stops (``PoolError``) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .batch import flatten
+from .context import RecomputeStore, running_layer
+from .devices.base import Worker
+from .devices.pool import PoolError
+from .schedule import BACKWARD, FORWARD, FUSED, Job
+from .transfer import GradSink, StageReplica, download_grads, release_stage, upload_stage, write_back_buffers
+
+_WAIT_SLICE_S = 0.05
+
+
+class PipelineRun:
+    """Shared state of one pipelined forward / backward / forward_backward call."""
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        boundaries: set[int],
+        grad_sink: GradSink,
+        timer: Any,
+        preserve_rng_state: bool = True,
+        recompute_grain: str = "stage",
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        labels: list[Any] | None = None,
+        return_outputs: bool = False,
+        input_needs_grad: list[bool] | None = None,
+    ) -> None:
+        self.layers = layers
+        self.num_layers = len(layers)
+        self.boundaries = boundaries
+        self.grad_sink = grad_sink
+        self.timer = timer
+        self.preserve_rng_state = preserve_rng_state
+        self.recompute_grain = recompute_grain
+        self.loss_fn = loss_fn
+        self.labels = labels or []
+        self.return_outputs = return_outputs
+        self.input_needs_grad = input_needs_grad
+        self.store = RecomputeStore()
+        self._cond = threading.Condition()
+        self._acts: dict[tuple[int, int], Any] = {}
+        self._grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self.rng: dict[tuple[int, int], Any] = {}
+        self.outputs: dict[int, Any] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.failed: BaseException | None = None
+        self.job_times: list[tuple[Job, int, float]] = []  # (job, device, busy ms)
+
+    # -- rendezvous -----------------------------------------------------------
+    def put_act(self, boundary: int, mb: int, value: Any) -> None:
+        with self._cond:
+            self._acts[(boundary, mb)] = value
+            self._cond.notify_all()
+
+    def put_grad(self, boundary: int, mb: int, grads: list[torch.Tensor | None]) -> None:
+        with self._cond:
+            self._grads[(boundary, mb)] = grads
+            self._cond.notify_all()
+
+    def _wait(self, table: dict, key: tuple[int, int], what: str) -> Any:
+        with self._cond:
+            while key not in table:
+                if self.failed is not None:
+                    raise PoolError(f"stopped waiting for {what} {key}: another job failed")
+                self._cond.wait(_WAIT_SLICE_S)
+            return table[key]
+
+    def get_act(self, boundary: int, mb: int) -> Any:
+        return self._wait(self._acts, (boundary, mb), "the activation at layer boundary/microbatch")
+
+    def get_grad(self, boundary: int, mb: int) -> list[torch.Tensor | None]:
+        return self._wait(self._grads, (boundary, mb), "the gradient at layer boundary/microbatch")
+
+    def take_grad(self, boundary: int, mb: int) -> list[torch.Tensor | None] | None:
+        with self._cond:
+            return self._grads.get((boundary, mb))
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self.failed is None:
+                self.failed = exc
+            self._cond.notify_all()
+
+    def drop_activations(self) -> None:
+        """Free the saved boundary activations once backward no longer needs them."""
+        with self._cond:
+            self._acts.clear()
+            self.rng.clear()
+
+
+# -- moving pytrees between host and device -------------------------------------
+def _to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
+    leaves, rebuild = flatten(value)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
+    new = list(leaves)
+    for i, t in zip(idx, dev):
+        new[i] = t
+    return rebuild(new), dev
+
+
+def _to_host(worker: Worker, value: Any) -> Any:
+    leaves, rebuild = flatten(value)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    host = worker.copy_out([leaves[i].detach() for i in idx]) if idx else []
+    new = list(leaves)
+    for i, t in zip(idx, host):
+        new[i] = t
+    return rebuild(new)
+
+
+def _grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    host = worker.copy_out([grads[i] for i in idx]) if idx else []
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    for i, g in zip(idx, host):
+        out[i] = g
+    return out
+
+
+def _grads_to_device(worker: Worker, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    dev = worker.copy_in([grads[i] for i in idx], "activation") if idx else []
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    for i, g in zip(idx, dev):
+        out[i] = g
+    return out, dev
+
+
+def _requires_grad_inputs(value: Any, needs: list[bool] | None) -> tuple[Any, list[torch.Tensor | None]]:
+    """Detached copy of ``value`` whose differentiable leaves require grad.
+
+    Returns the new value and, per leaf, the tensor whose ``.grad`` is the input
+    gradient (None for leaves that take no gradient).
+    """
+    leaves, rebuild = flatten(value)
+    new, tracked = [], []
+    for i, x in enumerate(leaves):
+        want = (
+            isinstance(x, torch.Tensor)
+            and (x.is_floating_point() or x.is_complex())
+            and (needs is None or (i < len(needs) and needs[i]))
+        )
+        if want:
+            x = x.detach().requires_grad_(True)
+            tracked.append(x)
+        else:
+            tracked.append(None)
+        new.append(x)
+    return rebuild(new), tracked
+
+
+def _needs(run: PipelineRun, start: int) -> list[bool] | None:
+    """Which input leaves take a gradient: all float leaves inside the model; at layer 0
+    only the call's inputs that require grad."""
+    if start > 0:
+        return None
+    return run.input_needs_grad if run.input_needs_grad is not None else []
+
+
+def _publishes_input_grad(run: PipelineRun, start: int) -> bool:
+    return start > 0 or bool(run.input_needs_grad and any(run.input_needs_grad))
+
+
+def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
+    leaves = flatten(out)[0]
+    if len(leaves) != len(grads):
+        raise RuntimeError(
+            f"the stage output has {len(leaves)} leaves but {len(grads)} gradients arrived; "
+            "a layer returns differently structured outputs in recompute than in forward"
+        )
+    tensors, gs = [], []
+    for x, g in zip(leaves, grads):
+        if g is not None and isinstance(x, torch.Tensor) and x.requires_grad:
+            tensors.append(x)
+            gs.append(g)
+    if tensors:
+        torch.autograd.backward(tensors, gs)
+
+
+def _call_layer(layer: nn.Module, index: int, x: Any) -> Any:
+    """nn.Sequential semantics: layer 0 gets the call's (*args, **kwargs), others the previous output."""
+    if index == 0:
+        args, kwargs = x
+        return layer(*args, **kwargs)
+    return layer(x)
+
+
+def _annotate(exc: BaseException, job: Job, layer: int | None, mb: int, worker: Worker) -> None:
+    where = f"layer {layer}" if layer is not None else f"layers {job.layers.start}..{job.layers.stop - 1}"
+    note = (
+        f"RoundPipe: raised in {where}, microbatch {mb}, {job.kind} stage {job.stage} "
+        f"on device {worker.index} ({worker.device})"
+    )
+    if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", []):
+        exc.add_note(note)
+
+
+class _Clock:
+    """Per-job timing: per-layer and per-stage sums over microbatches."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.marks: list[tuple[str, range, Any, Any]] = []
+
+    def span(self, kind: str, layers: range, start: Any) -> None:
+        self.marks.append((kind, layers, start, self.worker.time_point()))
+
+    def commit(self, timer: Any) -> float:
+        sums: dict[tuple[str, int, int], float] = defaultdict(float)
+        total = 0.0
+        for kind, layers, a, b in self.marks:
+            ms = self.worker.elapsed_ms(a, b)
+            sums[(kind, layers.start, layers.stop)] += ms
+            total += ms
+        if timer is not None:
+            for (kind, start, stop), ms in sums.items():
+                timer.record(kind, range(start, stop), ms)
+        return total
+
+
+# -- jobs -------------------------------------------------------------------------
+def _forward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock) -> None:
+    r = job.layers
+    value = run.get_act(r.start, mb)
+    x, held = _to_device(worker, value)
+    worker.wait_channel("activation")
+    layer_idx: int | None = None
+    try:
+        with worker.compute(), torch.no_grad():
+            for layer_idx in r:
+                if layer_idx in run.boundaries:
+                    if run.preserve_rng_state:
+                        run.rng[(layer_idx, mb)] = worker.get_rng_state()
+                    if layer_idx != r.start:
+                        run.put_act(layer_idx, mb, _to_host(worker, x))
+                t0 = worker.time_point()
+                with running_layer(layer_idx, mb, False, run.store, worker.device):
+                    x = _call_layer(stage.layer(layer_idx), layer_idx, x)
+                clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
+            out = _to_host(worker, x)
+    except BaseException as exc:
+        _annotate(exc, job, layer_idx, mb, worker)
+        raise
+    finally:
+        worker.release(held, "activation")
+    if r.stop == run.num_layers:
+        run.outputs[mb] = out
+    run.put_act(r.stop, mb, out)
+
+
+def _fused_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock) -> None:
+    r = job.layers
+    value = run.get_act(r.start, mb)
+    x, held = _to_device(worker, value)
+    label, held_label = _to_device(worker, run.labels[mb])
+    worker.wait_channel("activation")
+    x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
+    layer_idx: int | None = None
+    try:
+        with worker.compute(), torch.enable_grad():
+            for layer_idx in r:
+                t0 = worker.time_point()
+                with running_layer(layer_idx, mb, False, run.store, worker.device):
+                    x = _call_layer(stage.layer(layer_idx), layer_idx, x)
+                clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
+            layer_idx = None
+            assert run.loss_fn is not None
+            loss = run.loss_fn(x, label)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(
+                    "loss_fn must return a scalar tensor (one loss per microbatch), got "
+                    f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
+                )
+            t0 = worker.time_point()
+            if loss.requires_grad:
+                loss.reshape(()).backward()
+            clock.span("bwd", r, t0)
+            run.losses[mb] = worker.copy_out([loss.detach().reshape(())])[0]
+            if run.return_outputs:
+                run.outputs[mb] = _to_host(worker, x)
+            if _publishes_input_grad(run, r.start):
+                run.put_grad(r.start, mb, _grads_to_host(worker, [t.grad if t is not None else None for t in tracked]))
+    except BaseException as exc:
+        _annotate(exc, job, layer_idx, mb, worker)
+        raise
+    finally:
+        worker.release(held, "activation")
+        worker.release(held_label, "activation")
+
+
+def _backward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock) -> None:
+    r = job.layers
+    grads_out = run.get_grad(r.stop, mb)
+    value = run.get_act(r.start, mb)
+    x_in, held = _to_device(worker, value)
+    g_dev, held_g = _grads_to_device(worker, grads_out)
+    worker.wait_channel("activation")
+    needs = _needs(run, r.start)
+    layer_idx: int | None = None
+    try:
+        with worker.compute():
+            saved_rng = run.rng.get((r.start, mb)) if run.preserve_rng_state else None
+            prev_rng = worker.get_rng_state() if saved_rng is not None else None
+            if saved_rng is not None:
+                worker.set_rng_state(saved_rng)
+            try:
+                if run.recompute_grain == "layer":
+                    tracked = _backward_layerwise(run, job, stage, worker, mb, x_in, g_dev, needs, clock)
+                else:
+                    x, tracked = _requires_grad_inputs(x_in, needs)
+                    with torch.enable_grad():
+                        for layer_idx in r:
+                            t0 = worker.time_point()
+                            with running_layer(layer_idx, mb, True, run.store, worker.device):
+                                x = _call_layer(stage.layer(layer_idx), layer_idx, x)
+                            clock.span("re", range(layer_idx, layer_idx + 1), t0)
+                        layer_idx = None
+                        t0 = worker.time_point()
+                        _backward(x, g_dev)
+                        clock.span("bwd", r, t0)
+            finally:
+                if prev_rng is not None:
+                    worker.set_rng_state(prev_rng)
+            if _publishes_input_grad(run, r.start):
+                run.put_grad(r.start, mb, _grads_to_host(worker, [t.grad if t is not None else None for t in tracked]))
+    except BaseException as exc:
+        _annotate(exc, job, layer_idx, mb, worker)
+        raise
+    finally:
+        worker.release(held, "activation")
+        worker.release(held_g, "activation")
+
+
+def _backward_layerwise(
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int,
+    x_in: Any, g_dev: list[torch.Tensor | None], needs: list[bool] | None, clock: _Clock,
+) -> list[torch.Tensor | None]:
+    """Recompute grain "layer": re-run the stage without autograd to get each layer's
+    input, then recompute and backpropagate one layer at a time (one layer's graph alive)."""
+    r = job.layers
+    inputs, states = [], []
+    x = x_in
+    with torch.no_grad():
+        for layer_idx in r:
+            states.append(worker.get_rng_state() if run.preserve_rng_state else None)
+            inputs.append(x)
+            t0 = worker.time_point()
+            with running_layer(layer_idx, mb, True, run.store, worker.device):
+                x = _call_layer(stage.layer(layer_idx), layer_idx, x)
+            clock.span("re", range(layer_idx, layer_idx + 1), t0)
+    grads = g_dev
+    tracked: list[torch.Tensor | None] = []
+    for pos in reversed(range(len(r))):
+        layer_idx = r[pos]
+        xin, tracked = _requires_grad_inputs(inputs[pos], needs if layer_idx == 0 else None)
+        if states[pos] is not None:
+            worker.set_rng_state(states[pos])
+        t0 = worker.time_point()
+        with torch.enable_grad():
+            with running_layer(layer_idx, mb, True, run.store, worker.device):
+                out = _call_layer(stage.layer(layer_idx), layer_idx, xin)
+            _backward(out, grads)
+        clock.span("bwd", range(layer_idx, layer_idx + 1), t0)
+        grads = [t.grad if t is not None else None for t in tracked]
+        inputs[pos] = None  # free as we go
+    return tracked
+
+
+_RUNNERS = {FORWARD: _forward_microbatch, FUSED: _fused_microbatch, BACKWARD: _backward_microbatch}
+
+
+def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
+    """Run one worker's jobs in launch order, prefetching the next job's parameters
+    while the current one computes."""
+    prefetched: StageReplica | None = None
+    try:
+        for i, job in enumerate(jobs):
+            if run.failed is not None:
+                raise PoolError("another job of this run failed")
+            stage = prefetched or upload_stage(
+                worker, [run.layers[i_] for i_ in job.layers], list(job.layers)
+            )
+            prefetched = None
+            try:
+                worker.wait_channel("param")
+                if i + 1 < len(jobs):
+                    nxt = jobs[i + 1].layers
+                    prefetched = upload_stage(worker, [run.layers[i_] for i_ in nxt], list(nxt))
+                clock = _Clock(worker)
+                runner = _RUNNERS[job.kind]
+                for mb in job.microbatches:
+                    runner(run, job, stage, worker, mb, clock)
+                if job.kind in (FUSED, BACKWARD):
+                    download_grads(stage, run.grad_sink)
+                if job.kind in (FORWARD, FUSED):
+                    write_back_buffers(stage)
+                busy = clock.commit(run.timer)
+                with run._cond:
+                    run.job_times.append((job, worker.index, busy))
+            finally:
+                release_stage(stage)
+    except BaseException as exc:
+        run.fail(exc)
+        raise
+    finally:
+        if prefetched is not None:
+            release_stage(prefetched)

@@ -1,0 +1,165 @@
+"""Parameter upload, gradient download and accumulation.
+
+A stage is "uploaded" by giving a worker a parameter-less copy (skeleton) of
+each of its layers and filling the skeleton's parameter and buffer slots with
+device copies of the host tensors. After the stage ran for every microbatch,
+gradients are downloaded once (summed over microbatches by autograd on the
+device) and handed to the accumulator of the master copies; buffers written
+by a real forward are copied back to the host module; then the device copies
+are dropped. The same code serves every backend: only ``Worker.copy_in`` /
+``copy_out`` / ``release`` differ.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .devices.base import Worker
+
+GradSink = Callable[[torch.Tensor, torch.Tensor], None]
+"""Called as ``sink(host_param, host_grad)`` for each downloaded gradient."""
+
+
+@dataclass
+class _Slot:
+    module: nn.Module   # a module inside the replica
+    name: str           # attribute name of the parameter / buffer in it
+    source: torch.Tensor  # the host tensor it mirrors
+    is_param: bool
+
+
+@dataclass
+class LayerReplica:
+    """A device-resident copy of one layer."""
+
+    index: int
+    module: nn.Module
+    slots: list[_Slot]
+    # host tensor id -> device tensor (one per distinct host tensor: tied weights stay tied)
+    device_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    sources: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class StageReplica:
+    """The layers of one job, uploaded to one worker."""
+
+    worker: Worker
+    layers: list[LayerReplica]
+    param_tensors: list[torch.Tensor]
+
+    def layer(self, index: int) -> nn.Module:
+        for lr in self.layers:
+            if lr.index == index:
+                return lr.module
+        raise KeyError(index)
+
+
+def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
+    """Deep-copy ``layer`` without copying its tensors: parameters and buffers become
+    meta-device placeholders to be filled by an upload. Shared tensors stay shared."""
+    memo: dict[int, object] = {}
+    for p in layer.parameters(recurse=True):
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in layer.buffers(recurse=True):
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    replica = copy.deepcopy(layer, memo)
+    slots: list[_Slot] = []
+    for (_, orig), (_, rep) in zip(
+        layer.named_modules(remove_duplicate=False), replica.named_modules(remove_duplicate=False)
+    ):
+        for name, p in orig._parameters.items():
+            if p is not None:
+                slots.append(_Slot(rep, name, p, True))
+        for name, b in orig._buffers.items():
+            if b is not None:
+                slots.append(_Slot(rep, name, b, False))
+        # deepcopy keeps the training flag of the moment; follow the host module's
+        rep.training = orig.training
+    return replica, slots
+
+
+def upload_stage(worker: Worker, layers: Sequence[nn.Module], indices: Sequence[int]) -> StageReplica:
+    """Issue the upload of a stage's layers to ``worker`` (asynchronous on CUDA:
+    compute must ``worker.wait_channel("param")`` before using it)."""
+    replicas: list[LayerReplica] = []
+    all_dev: list[torch.Tensor] = []
+    for idx, layer in zip(indices, layers):
+        module, slots = make_skeleton(layer)
+        sources: dict[int, torch.Tensor] = {}
+        for s in slots:
+            sources.setdefault(id(s.source), s.source)
+        keys = list(sources)
+        dev = worker.copy_in([sources[k].detach() for k in keys], "param")
+        lr = LayerReplica(idx, module, slots, sources=sources)
+        made_params: dict[int, torch.Tensor] = {}
+        for k, t in zip(keys, dev):
+            lr.device_tensors[k] = t
+        for s in slots:
+            t = lr.device_tensors[id(s.source)]
+            if s.is_param:
+                if id(s.source) not in made_params:
+                    made_params[id(s.source)] = nn.Parameter(t, requires_grad=s.source.requires_grad)
+                s.module._parameters[s.name] = made_params[id(s.source)]
+            else:
+                s.module._buffers[s.name] = t
+        # the Parameter wrappers replace the raw tensors so grads land on them
+        for k, p in made_params.items():
+            lr.device_tensors[k] = p
+        replicas.append(lr)
+        all_dev.extend(dev)
+    return StageReplica(worker, replicas, all_dev)
+
+
+def download_grads(stage: StageReplica, sink: GradSink) -> None:
+    """Download the gradients the stage accumulated and pass them to ``sink``."""
+    pending_src: list[torch.Tensor] = []
+    pending_dev: list[torch.Tensor] = []
+    for lr in stage.layers:
+        for k, src in lr.sources.items():
+            dev = lr.device_tensors[k]
+            if isinstance(src, nn.Parameter) and src.requires_grad and dev.grad is not None:
+                pending_src.append(src)
+                pending_dev.append(dev.grad)
+    if not pending_dev:
+        return
+    host = stage.worker.copy_out(pending_dev, "download")
+    for src, g in zip(pending_src, host):
+        sink(src, g)
+    for lr in stage.layers:
+        for dev in lr.device_tensors.values():
+            dev.grad = None
+
+
+def write_back_buffers(stage: StageReplica) -> None:
+    """Copy buffers a real forward may have written (BatchNorm statistics) back to the host."""
+    pairs = [
+        (src, lr.device_tensors[k])
+        for lr in stage.layers
+        for k, src in lr.sources.items()
+        if not isinstance(src, nn.Parameter)
+    ]
+    if not pairs:
+        return
+    host = stage.worker.copy_out([d for _, d in pairs], "download")
+    with torch.no_grad():
+        for (src, _), h in zip(pairs, host):
+            src.copy_(h)
+
+
+def release_stage(stage: StageReplica) -> None:
+    """Drop the device copies of a stage (the skeletons go with them)."""
+    stage.worker.release(stage.param_tensors, "param")
+    for lr in stage.layers:
+        for s in lr.slots:
+            if s.is_param:
+                s.module._parameters[s.name] = None
+            else:
+                s.module._buffers[s.name] = None
+        lr.device_tensors.clear()
+    stage.param_tensors = []
