@@ -1,0 +1,6 @@
+"""Make the tiny-model helpers importable from the preset tests."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))

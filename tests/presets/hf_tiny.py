@@ -1,0 +1,88 @@
+"""Tiny random Hugging Face causal LMs built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 97
+
+
+def make_model(kind: str, seed: int = 0, **overrides):
+    """A tiny fp32 model of ``kind`` in train mode with dropout off."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        use_cache=False,
+    )
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**{**common, **overrides})
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(
+            **{**common, "head_dim": 8, "use_sliding_window": True, "sliding_window": 4,
+               "max_window_layers": 1, **overrides}
+        )
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(
+            **{**common, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2,
+               **overrides}
+        )
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**{**common, "sliding_window": 5, **overrides})
+        model = tf.MistralForCausalLM(cfg)
+    elif kind == "gpt2":
+        cfg = tf.GPT2Config(
+            **{"n_embd": 32, "n_layer": 3, "n_head": 4, "n_positions": 64, "vocab_size": VOCAB,
+               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
+               **overrides}
+        )
+        model = tf.GPT2LMHeadModel(cfg)
+    elif kind == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(
+            **{**common, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 4,
+               "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+               "norm_topk_prob": True, **overrides}
+        )
+        model = tf.Qwen3MoeForCausalLM(cfg)
+        # Router weights start at zero in HF's init: give them values so routing is non-trivial.
+        with torch.no_grad():
+            for p_name, p in model.named_parameters():
+                if p_name.endswith("gate.weight"):
+                    p.normal_(0, 0.5)
+    else:
+        raise ValueError(kind)
+    model.train()
+    return model
+
+
+KINDS = ["llama", "qwen3", "qwen2", "mistral", "gpt2", "qwen3_moe"]
+
+
+def make_batch(batch: int = 5, seq: int = 8, padding: str | None = "right", seed: int = 1):
+    """input_ids, attention_mask and labels (-100 on padding) with uneven lengths."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if padding is not None:
+        for b in range(batch):
+            n_pad = (b * 3) % (seq - 2)
+            if n_pad == 0:
+                continue
+            if padding == "right":
+                mask[b, seq - n_pad:] = 0
+            else:
+                mask[b, :n_pad] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
