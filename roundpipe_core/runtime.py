@@ -24,7 +24,14 @@ from .context import RecomputeStore, running_layer
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .schedule import BACKWARD, FORWARD, FUSED, Job
-from .transfer import GradSink, StageReplica, download_grads, release_stage, upload_stage, write_back_buffers
+from .transfer import (
+    GradSink,
+    StageReplica,
+    download_grads,
+    release_stage,
+    upload_stage,
+    write_back_buffers,
+)
 
 _WAIT_SLICE_S = 0.05
 

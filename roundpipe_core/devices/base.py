@@ -93,7 +93,7 @@ class Worker(ABC):
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
 
-    def _thread_init(self) -> None:
+    def _thread_init(self) -> None:  # noqa: B027 - optional hook
         """Per-thread set-up (e.g. selecting the CUDA device)."""
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
@@ -158,7 +158,7 @@ class Worker(ABC):
     def memory_capacity(self) -> int:
         """Bytes of memory this device offers (for the planner's default memory limit)."""
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 - optional hook; synchronous backends need nothing
         """Wait until all work issued on this device is done."""
 
 

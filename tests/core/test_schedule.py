@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from _util import mlp, sum_sq
 
-import torch
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.schedule import BACKWARD, FORWARD, FUSED, boundary_layers, build_schedule, jobs_by_device
+from roundpipe_core.schedule import (
+    BACKWARD,
+    FORWARD,
+    FUSED,
+    boundary_layers,
+    build_schedule,
+    jobs_by_device,
+)
 
 P = ModelExecutePlan
 
