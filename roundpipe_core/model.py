@@ -170,6 +170,7 @@ class RoundPipe(nn.Module):
         self._pending_step: Future | None = None
         self._call_lock = threading.RLock()
         self.model_timer = ModelTimer(layers)
+        self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         self.last_schedule: list[Job] = []
         self.last_job_times: list[tuple[Job, int, float]] = []
         self._closer = weakref.finalize(self, _close_resources, self.pool if self._owns_pool else None, self._optimizer)
@@ -229,6 +230,51 @@ class RoundPipe(nn.Module):
                 master.grad = grad
             else:
                 master.grad.add_(grad)
+
+    def register_grad_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> Callable[[], None]:
+        """Call ``hook(masters)`` as soon as those master gradients are complete for the
+        current pipelined call (every backward stage holding them has been accumulated).
+
+        It runs on a worker thread while later stages still compute, so a data-parallel
+        reducer can start reducing early layers (deep layers finish first). Returns a
+        function that removes the hook.
+        """
+        self._grad_hooks.append(hook)
+        return lambda: self._grad_hooks.remove(hook) if hook in self._grad_hooks else None
+
+    def _grad_tracker(self, jobs: list[Job]) -> Callable[[Job], None] | None:
+        """Count, per master, the gradient-producing jobs of a call; report a master
+        to the grad hooks when its last job has been accumulated."""
+        if not self._grad_hooks:
+            return None
+        owners: dict[int, list[nn.Parameter]] = {}
+        remaining: dict[int, int] = {}
+        for job in jobs:
+            if job.kind == "forward":
+                continue
+            seen: dict[int, nn.Parameter] = {}
+            for i in job.layers:
+                for p in self.layers[i].parameters():
+                    m = self._master_of.get(id(p))
+                    if m is not None:
+                        seen[id(m)] = m
+            owners[job.index] = list(seen.values())
+            for k in seen:
+                remaining[k] = remaining.get(k, 0) + 1
+        lock = threading.Lock()
+
+        def done(job: Job) -> None:
+            final = []
+            with lock:
+                for m in owners.get(job.index, []):
+                    remaining[id(m)] -= 1
+                    if remaining[id(m)] == 0:
+                        final.append(m)
+            if final:
+                for hook in list(self._grad_hooks):
+                    hook(final)
+
+        return done
 
     # -- optimizer step ---------------------------------------------------------------
     def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
@@ -387,10 +433,11 @@ class RoundPipe(nn.Module):
                 labels = batching.split_tree(label, sizes, bs) if sizes else [label] * len(mbs)
             if len(labels) != len(mbs):
                 raise ValueError(f"split_label gave {len(labels)} label parts for {len(mbs)} microbatches")
-            run = self._new_run(cfg, plan, "fused", loss_fn=loss_fn, labels=labels, return_outputs=return_outputs)
+            jobs = build_schedule(plan, "fused", self.num_devices, len(mbs))
+            run = self._new_run(cfg, plan, "fused", loss_fn=loss_fn, labels=labels, return_outputs=return_outputs,
+                                grads_done=self._grad_tracker(jobs))
             for i, mb in enumerate(mbs):
                 run.put_act(0, i, mb)
-            jobs = build_schedule(plan, "fused", self.num_devices, len(mbs))
             self._execute(run, jobs)
             loss = torch.stack([run.losses[i] for i in range(len(mbs))]).sum()
             if return_outputs:
@@ -490,6 +537,7 @@ class _AutogradForward:
         with rp._call_lock:
             jobs = build_schedule(self.plan, "train", rp.num_devices, n, phase="backward",
                                   start_device=self.num_fwd_jobs % rp.num_devices)
+            run.grads_done = rp._grad_tracker(jobs)
             rp._execute(run, jobs)
         run.drop_activations()
         self.run_state = None

@@ -51,6 +51,7 @@ class PipelineRun:
         labels: list[Any] | None = None,
         return_outputs: bool = False,
         input_needs_grad: list[bool] | None = None,
+        grads_done: Callable[[Job], None] | None = None,
     ) -> None:
         self.layers = layers
         self.num_layers = len(layers)
@@ -63,6 +64,7 @@ class PipelineRun:
         self.labels = labels or []
         self.return_outputs = return_outputs
         self.input_needs_grad = input_needs_grad
+        self.grads_done = grads_done
         self.store = RecomputeStore()
         self._cond = threading.Condition()
         self._acts: dict[tuple[int, int], Any] = {}
@@ -420,6 +422,8 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                     runner(run, job, stage, worker, mb, clock)
                 if job.kind in (FUSED, BACKWARD):
                     download_grads(stage, run.grad_sink)
+                    if run.grads_done is not None:
+                        run.grads_done(job)
                 if job.kind in (FORWARD, FUSED):
                     write_back_buffers(stage)
                 busy = clock.commit(run.timer)
