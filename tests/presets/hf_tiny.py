@@ -45,6 +45,7 @@ def make_model(kind: str, seed: int = 0, **overrides):
         cfg = tf.GPT2Config(
             **{"n_embd": 32, "n_layer": 3, "n_head": 4, "n_positions": 64, "vocab_size": VOCAB,
                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
+               "bos_token_id": 1, "eos_token_id": 1,
                **overrides}
         )
         model = tf.GPT2LMHeadModel(cfg)

@@ -77,7 +77,7 @@ def assert_grads_match(rp, model, ref_grads, where: str) -> None:
 
 @pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_forward_backward_matches_hf(kind: str, padding: str) -> None:
+def test_forward_backward_matches_hf(kind: str, padding: str, pool_devices) -> None:
     model = make_model(kind)
     ids, mask, labels = make_batch(padding=padding)
     ref_logits, ref_loss, ref_grads = hf_reference(model, ids, mask, labels)
@@ -86,7 +86,7 @@ def test_forward_backward_matches_hf(kind: str, padding: str) -> None:
         where = f"{kind}/{padding}/{setup_name}"
         rp = wrap_model_to_roundpipe(
             model,
-            devices=setup["devices"],
+            devices=pool_devices(setup["devices"]),
             model_run_config=RoundPipeRunConfig(
                 num_microbatch=setup["num_microbatch"], execute_plan=setup["plan"]
             ),
@@ -144,6 +144,7 @@ def test_inference_and_position_ids() -> None:
         ref_plain = model(input_ids=ids).logits
     rp = wrap_model_to_roundpipe(model, devices=2)
     try:
+        assert rp.vocab_size == model.vocab_size == 97 and rp.config is model.config
         with torch.no_grad():
             got = rp(input_ids=ids, attention_mask=mask, position_ids=pos)
             got_b = rp(input_ids=ids, attention_mask=mask, position_ids=pos.expand(ids.shape[0], -1))

@@ -1,0 +1,179 @@
+"""Detect violations of the forward-function rules of seed 004.
+
+RoundPipe runs different layers at the same time on different devices
+(threads), on per-device copies of their parameters and buffers. A layer's
+``forward`` may therefore *read* anything, but may *write* only its own
+buffers:
+
+============================  ====  =====
+what                          read  write
+============================  ====  =====
+global variables              yes   no
+plain attributes (``self.x``)  yes   no
+parameters                    yes   no
+buffers of this layer only    yes   yes
+buffers shared between layers yes   no
+============================  ====  =====
+
+:func:`check_forward_rules` runs a layer's forward once while watching it and
+warns (``RuntimeWarning``) about each write it sees, naming the layer and the
+attribute: a plain attribute that is added, rebound or whose container is
+mutated (``self.calls += 1``, ``self.cache.append(...)``, ``self.cfg.x = ...``),
+a parameter written in place, or a shared buffer written in place or rebound.
+The engine calls it once per layer on the first forward (:class:`ForwardRuleChecker`).
+
+Writes to global variables cannot be seen from the module and are not detected.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# Keys every nn.Module has in its __dict__: the engine and PyTorch manage them.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training"}
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
+
+
+def _fingerprint(value: Any, depth: int = 0) -> Any:
+    """A cheap value that changes when ``value`` is rebound or (shallowly) mutated."""
+    if isinstance(value, _IMMUTABLE):
+        return ("v", value)
+    if isinstance(value, torch.Tensor):
+        return ("t", id(value), value._version)
+    if isinstance(value, nn.Module):
+        return ("m", id(value))  # submodules are checked on their own
+    if isinstance(value, tuple) and depth < 2:
+        return ("tuple", tuple(_fingerprint(v, depth + 1) for v in value))
+    if isinstance(value, (list, dict, set, frozenset)) and depth < 2:
+        if isinstance(value, dict):
+            items = tuple((repr(k), _fingerprint(v, depth + 1)) for k, v in value.items())
+        else:
+            items = tuple(sorted((_fingerprint(v, depth + 1) for v in value), key=repr))
+        return ("c", id(value), type(value).__name__, items)
+    if callable(value) or isinstance(value, type):
+        return ("o", id(value))
+    attrs = getattr(value, "__dict__", None)
+    if isinstance(attrs, dict) and depth < 1:
+        # plain objects held by the layer (a config, say): one level of their attributes
+        return ("obj", id(value), tuple((k, _fingerprint(v, depth + 1)) for k, v in attrs.items()))
+    return ("o", id(value))
+
+
+def _plain_attributes(module: nn.Module) -> dict[tuple[str, str], Any]:
+    snap: dict[tuple[str, str], Any] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        for key, value in vars(mod).items():
+            if key in _MODULE_INTERNALS:
+                continue
+            snap[(mod_name, key)] = _fingerprint(value)
+    return snap
+
+
+def _qualified(mod_name: str, key: str) -> str:
+    return f"{mod_name}.{key}" if mod_name else key
+
+
+def find_shared_buffers(layers: Sequence[nn.Module]) -> list[set[str]]:
+    """For each layer, the names of its buffers that another layer also holds (same tensor)."""
+    owners: dict[int, set[int]] = {}
+    named: list[list[tuple[str, torch.Tensor]]] = []
+    for i, layer in enumerate(layers):
+        bufs = list(layer.named_buffers(remove_duplicate=False))
+        named.append(bufs)
+        for _, b in bufs:
+            owners.setdefault(id(b), set()).add(i)
+    return [{name for name, b in bufs if len(owners[id(b)]) > 1} for bufs in named]
+
+
+def check_forward_rules(
+    layer_index: int,
+    module: nn.Module,
+    run: Callable[[], Any],
+    shared_buffers: Collection[str] = (),
+    error: bool = False,
+) -> Any:
+    """Run ``run()`` (the forward of ``module``) and report forward-rule violations.
+
+    Args:
+        layer_index: index of the layer in the model (named in the message).
+        module: the module whose forward ``run`` executes (the engine's copy of
+            the layer on its device, or the layer itself).
+        run: executes the forward and returns its result.
+        shared_buffers: names (as in ``module.named_buffers()``) of buffers that
+            other layers share; writing them is a violation (see
+            :func:`find_shared_buffers`).
+        error: raise ``ValueError`` instead of warning.
+
+    Returns:
+        What ``run()`` returned.
+
+    Raises:
+        ValueError: with ``error=True``, on the first forward that breaks a rule.
+    """
+    attrs_before = _plain_attributes(module)
+    params = [(n, p, p._version) for n, p in module.named_parameters(remove_duplicate=True)]
+    shared_set = set(shared_buffers)
+    buffers = {
+        n: (b, b._version) for n, b in module.named_buffers(remove_duplicate=False) if n in shared_set
+    }
+    out = run()
+    problems: list[str] = []
+    attrs_after = _plain_attributes(module)
+    for key in sorted(set(attrs_before) | set(attrs_after)):
+        before, after = attrs_before.get(key), attrs_after.get(key)
+        if before == after:
+            continue
+        what = "added" if before is None else ("deleted" if after is None else "written")
+        problems.append(f"plain attribute '{_qualified(*key)}' {what}")
+    for name, p, version in params:
+        if p._version != version:
+            problems.append(f"parameter '{name}' written in place (parameters are read-only)")
+    now = dict(module.named_buffers(remove_duplicate=False))
+    for name, (b, version) in buffers.items():
+        if now.get(name) is not b:
+            problems.append(f"shared buffer '{name}' rebound")
+        elif b._version != version:
+            problems.append(f"shared buffer '{name}' written in place")
+    for problem in problems:
+        msg = (
+            f"RoundPipe forward rule violated in layer {layer_index} ({type(module).__name__}): "
+            f"{problem} during forward. Layers run concurrently on different devices: a forward "
+            "may only write buffers that belong to this layer alone (register_buffer); keep "
+            "other state out of forward"
+        )
+        if error:
+            raise ValueError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return out
+
+
+class ForwardRuleChecker:
+    """Check each layer of a model once, on its first forward (thread-safe).
+
+    Example (engine side)::
+
+        checker = ForwardRuleChecker(layers)
+        out = checker.run(i, replica_module, lambda: replica_module(x))
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], error: bool = False) -> None:
+        self.shared = find_shared_buffers(layers)
+        self.error = error
+        self._done: set[int] = set()
+        self._lock = threading.Lock()
+
+    def run(self, layer_index: int, module: nn.Module, run: Callable[[], Any]) -> Any:
+        """``run()``, watched for violations the first time ``layer_index`` runs."""
+        with self._lock:
+            first = layer_index not in self._done
+            self._done.add(layer_index)
+        if not first:
+            return run()
+        shared = self.shared[layer_index] if layer_index < len(self.shared) else set()
+        return check_forward_rules(layer_index, module, run, shared, self.error)
