@@ -1,0 +1,571 @@
+"""CUDA backend: one controller thread per GPU, four streams, events between them.
+
+Streams of one worker (all on its GPU):
+
+- ``param``: parameter uploads. Low priority and *chunked*: a stage's weights
+  are cut into pieces of ``param_chunk_bytes`` and a feeder thread keeps at
+  most ``param_inflight_chunks`` of them queued on the GPU, so an activation
+  upload issued meanwhile waits behind a few megabytes, not a whole stage.
+  This is what lets the next stage's weights be prefetched while the running
+  stage keeps being fed its inputs.
+- ``activation``: activation uploads the running stage waits on
+  (``torch.cuda.Stream(priority=-1)``, the higher priority), issued at once.
+- ``compute``: model code (the current stream inside ``compute()`` and the
+  worker thread's default).
+- ``download``: device -> host copies into pinned buffers.
+
+Ordering uses CUDA events, not host synchronisation: ``copy_in`` records an
+event after its copies, ``wait_channel`` makes the compute stream wait on it,
+``copy_out`` makes the download stream wait on an event recorded on compute.
+The only host waits are ``copy_out`` (it returns completed host tensors),
+``elapsed_ms`` and ``synchronize``.
+
+Lifetime across streams: a device tensor made by ``copy_in`` is allocated on
+its channel's stream and marked with ``record_stream(compute)``, so the caching
+allocator does not hand its memory out again until the compute work issued
+before the tensor is freed has finished — whether the runtime drops it after
+``release`` or earlier. Host sources must not be modified until their upload
+has completed (``wait_host``), which matters for weights the optimizer
+rewrites while the next iteration prefetches them.
+
+This module imports on machines without CUDA; only constructing a worker needs a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .base import Worker
+from .memory import cuda_available
+
+PARAM = "param"
+ACTIVATION = "activation"
+DOWNLOAD = "download"
+CHANNELS = (PARAM, ACTIVATION)
+
+#: Size of one parameter-upload piece; env ROUNDPIPE_PARAM_CHUNK_MB overrides.
+DEFAULT_PARAM_CHUNK_BYTES = 32 * 1024**2
+#: Parameter pieces queued on the GPU at once; 0 issues every piece at once
+#: (no feeder thread). Env ROUNDPIPE_PARAM_INFLIGHT overrides.
+DEFAULT_PARAM_INFLIGHT_CHUNKS = 2
+#: Host waits on the feeder give up after this many seconds (a hang is a bug).
+FEEDER_TIMEOUT_S = 600.0
+
+# Workers sharing one GPU (tests put several on one device) share its random
+# generator; their compute is serialised so that each stage's RNG state is
+# well defined, as on the CPU backend. One worker per GPU takes no lock.
+_DEVICE_LOCKS: dict[int, threading.RLock] = collections.defaultdict(threading.RLock)
+_DEVICE_USERS: collections.Counter[int] = collections.Counter()
+_REGISTRY_LOCK = threading.Lock()
+
+
+def discover_cuda_devices() -> list[torch.device]:
+    """The visible GPUs as ``torch.device("cuda", i)``; ``[]`` without CUDA. Never raises."""
+    if not cuda_available():
+        return []
+    try:
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 - a broken driver means no GPUs here
+        return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(float(raw))
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} must be a number") from exc
+
+
+def _mark_used_by(t: torch.Tensor, stream: Any) -> None:
+    """Tell the caching allocator that ``stream`` uses ``t``: its memory is not handed
+    out again after ``t`` is freed until the work queued on ``stream`` by then is done."""
+    if t.is_cuda and t.numel():
+        t.record_stream(stream)
+
+
+# ---------------------------------------------------------------------------
+# chunk planning (pure; tested on CPU)
+# ---------------------------------------------------------------------------
+Piece = tuple[int, int, int]  # (tensor index, first element, end element)
+
+
+def plan_chunks(
+    numels: Sequence[int], element_sizes: Sequence[int], chunk_bytes: int
+) -> list[list[Piece]]:
+    """Cut the copies of several tensors into units of at most ``chunk_bytes`` bytes.
+
+    Small tensors are grouped into one unit (one feeder step, several copies);
+    a tensor larger than a chunk is split into element ranges. Every element
+    of every tensor is covered exactly once, in order. A unit never exceeds
+    ``chunk_bytes`` unless a single element does.
+
+    Args:
+        numels: element count of each tensor.
+        element_sizes: bytes per element of each tensor.
+        chunk_bytes: the unit size.
+
+    Returns:
+        A list of units, each a list of ``(tensor index, start, stop)`` element ranges.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if len(numels) != len(element_sizes):
+        raise ValueError(
+            f"got {len(numels)} element counts but {len(element_sizes)} element sizes; "
+            "give one element size per tensor"
+        )
+    units: list[list[Piece]] = []
+    current: list[Piece] = []
+    used = 0
+    for i, (n, esize) in enumerate(zip(numels, element_sizes)):
+        start = 0
+        while start < n:
+            room = chunk_bytes - used
+            take = min(n - start, max(room // esize, 0))
+            if take == 0:
+                if current:  # unit full: close it and retry in a fresh one
+                    units.append(current)
+                    current, used = [], 0
+                    continue
+                take = 1  # a single element larger than a chunk
+            current.append((i, start, start + take))
+            used += take * esize
+            start += take
+            if used >= chunk_bytes:
+                units.append(current)
+                current, used = [], 0
+    if current:
+        units.append(current)
+    return units
+
+
+# ---------------------------------------------------------------------------
+# the parameter feeder (backend-agnostic; tested on CPU with fake events)
+# ---------------------------------------------------------------------------
+class ChunkFeeder:
+    """Issues batches of copy units in order on one stream, with few units in flight.
+
+    A *unit* is a callable that enqueues asynchronous work and returns a token
+    with ``synchronize()`` (a CUDA event recorded after that work). Before
+    issuing a unit the feeder waits until fewer than ``depth`` units are still
+    running, so work on other streams (activation uploads) is never queued
+    behind more than ``depth`` units.
+
+    Args:
+        name: thread name.
+        depth: maximum units in flight (>= 1).
+        thread_init: run once on the feeder thread (selects the CUDA device).
+    """
+
+    def __init__(
+        self, name: str, depth: int, thread_init: Callable[[], None] | None = None
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.depth = depth
+        self._thread_init = thread_init
+        self._cv = threading.Condition()
+        self._queue: collections.deque[tuple[int, list[Callable[[], Any]]]] = collections.deque()
+        self._submitted = 0  # last ticket handed out
+        self._issued = 0  # last ticket whose units are all enqueued
+        self._tokens: dict[int, Any] = {}  # ticket -> token of its last unit
+        self._error: BaseException | None = None
+        self._closed = False
+        self.max_inflight_seen = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, units: list[Callable[[], Any]]) -> int:
+        """Queue a batch of units; returns its ticket (tickets increase by one)."""
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the parameter feeder is closed")
+            self._raise_if_failed()
+            self._submitted += 1
+            ticket = self._submitted
+            self._queue.append((ticket, units))
+            self._cv.notify_all()
+            return ticket
+
+    @property
+    def last_ticket(self) -> int:
+        with self._cv:
+            return self._submitted
+
+    def wait_issued(self, ticket: int, timeout: float = FEEDER_TIMEOUT_S) -> Any:
+        """Block until batch ``ticket`` is fully enqueued; return its last unit's token.
+
+        Tokens of earlier batches are dropped (stream order makes the latest
+        one imply them). ``None`` when nothing has been issued at all.
+        """
+        with self._cv:
+            ok = self._cv.wait_for(
+                lambda: self._issued >= ticket or self._error is not None, timeout
+            )
+            self._raise_if_failed()
+            if not ok:
+                raise TimeoutError(f"parameter upload batch {ticket} not issued after {timeout} s")
+            # Stream order: a later batch's token implies this one, so an older ticket
+            # whose token was pruned is answered with the nearest later token.
+            later = [t for t in self._tokens if t >= ticket]
+            token = self._tokens[min(later)] if later else None
+            for t in [t for t in self._tokens if t < ticket]:
+                del self._tokens[t]
+            return token
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"parameter upload failed: {self._error!r}") from self._error
+
+    def _loop(self) -> None:
+        try:
+            if self._thread_init is not None:
+                self._thread_init()
+            inflight: collections.deque[Any] = collections.deque()
+            # An empty batch is answered with the last unit's token: it implies
+            # everything issued before it on the stream.
+            token = None
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._queue or self._closed)
+                    if not self._queue:
+                        return  # closed and drained
+                    ticket, units = self._queue.popleft()
+                for unit in units:
+                    while len(inflight) >= self.depth:
+                        inflight.popleft().synchronize()
+                    token = unit()
+                    inflight.append(token)
+                    self.max_inflight_seen = max(self.max_inflight_seen, len(inflight))
+                with self._cv:
+                    self._tokens[ticket] = token
+                    self._issued = ticket
+                    self._cv.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiter
+            with self._cv:
+                self._error = exc
+                self._cv.notify_all()
+
+
+# ---------------------------------------------------------------------------
+# the worker
+# ---------------------------------------------------------------------------
+def _check_cuda_device(device: torch.device | str | int) -> torch.device:
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"CUDAWorker needs a cuda device, got {device}; use CPUWorker for 'cpu'")
+    if not cuda_available():
+        raise ValueError(
+            f"device {device} was requested but CUDA is not available on this machine; "
+            "pass devices=None or 'cpu:N' to run on CPU workers"
+        )
+    count = torch.cuda.device_count()
+    index = 0 if device.index is None else device.index
+    if not 0 <= index < count:
+        raise ValueError(
+            f"device {device} does not exist: {count} GPU(s) are visible "
+            f"(cuda:0..cuda:{count - 1}); check CUDA_VISIBLE_DEVICES"
+        )
+    return torch.device("cuda", index)
+
+
+class CUDAWorker(Worker):
+    """A GPU driven by one controller thread (see the module docstring).
+
+    Args:
+        index: the worker's position in the pool.
+        device: its GPU (``torch.device("cuda", i)``); several workers may share one GPU.
+        param_chunk_bytes: piece size of parameter uploads.
+        param_inflight_chunks: pieces queued at once on the parameter stream
+            (0 = no feeder: issue a whole upload at once).
+        pin_downloads: download into pinned host buffers (async DMA); False = pageable.
+    """
+
+    kind = "cuda"
+
+    def __init__(
+        self,
+        index: int,
+        device: torch.device | str | int,
+        param_chunk_bytes: int | None = None,
+        param_inflight_chunks: int | None = None,
+        pin_downloads: bool = True,
+    ) -> None:
+        device = _check_cuda_device(device)
+        self.param_chunk_bytes = (
+            param_chunk_bytes
+            if param_chunk_bytes is not None
+            else _env_int("ROUNDPIPE_PARAM_CHUNK_MB", DEFAULT_PARAM_CHUNK_BYTES // 1024**2)
+            * 1024**2
+        )
+        if self.param_chunk_bytes <= 0:
+            raise ValueError(f"param_chunk_bytes must be positive, got {self.param_chunk_bytes}")
+        depth = (
+            param_inflight_chunks
+            if param_inflight_chunks is not None
+            else _env_int("ROUNDPIPE_PARAM_INFLIGHT", DEFAULT_PARAM_INFLIGHT_CHUNKS)
+        )
+        if depth < 0:
+            raise ValueError(f"param_inflight_chunks must be >= 0, got {depth}")
+        self.pin_downloads = pin_downloads
+        with torch.cuda.device(device):
+            # Lower number = higher priority; out-of-range values are clamped by PyTorch.
+            self.param_stream = torch.cuda.Stream(device, priority=0)
+            self.activation_stream = torch.cuda.Stream(device, priority=-1)
+            self.compute_stream = torch.cuda.Stream(device, priority=0)
+            self.download_stream = torch.cuda.Stream(device, priority=0)
+        self._streams = {PARAM: self.param_stream, ACTIVATION: self.activation_stream}
+        # Last event recorded on each upload channel (activation; param without a feeder).
+        self._events: dict[str, torch.cuda.Event | None] = {PARAM: None, ACTIVATION: None}
+        self._event_lock = threading.Lock()
+        # Per-copy tickets: data_ptr of a param upload -> (feeder ticket or event).
+        self._tickets: dict[int, Any] = {}
+        self._feeder = (
+            ChunkFeeder(
+                f"roundpipe-cuda-{index}-param", depth, lambda: torch.cuda.set_device(device)
+            )
+            if depth > 0
+            else None
+        )
+        with _REGISTRY_LOCK:
+            _DEVICE_USERS[device.index] += 1
+            self._device_lock = _DEVICE_LOCKS[device.index]
+        super().__init__(index, device)
+
+    # -- thread -------------------------------------------------------------
+    def _thread_init(self) -> None:
+        torch.cuda.set_device(self.device)
+        # Code the runtime runs on this thread outside compute() also lands on compute.
+        torch.cuda.set_stream(self.compute_stream)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._closed:
+            return
+        if self._feeder is not None:
+            self._feeder.close(timeout)
+        with _REGISTRY_LOCK:
+            _DEVICE_USERS[self.device.index] -= 1
+        super().close(timeout)
+
+    # -- transfers ----------------------------------------------------------
+    def _new_device_tensor(self, like: torch.Tensor) -> torch.Tensor:
+        """Uninitialised device memory shaped like ``like`` (a seam for test doubles)."""
+        return torch.empty(like.shape, dtype=like.dtype, device=self.device)
+
+    def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
+        if channel not in CHANNELS:
+            raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
+        stream = self._streams[channel]
+        srcs = [t.detach() for t in tensors]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            # Allocated on the channel's stream: the memory is free for that stream now;
+            # record_stream(compute) holds it after free until compute is done with it.
+            outs = [self._new_device_tensor(t) for t in srcs]
+        for out in outs:
+            _mark_used_by(out, self.compute_stream)
+            self.ledger.alloc(_nbytes(out), channel)
+        if channel == PARAM and self._feeder is not None:
+            ticket = self._submit_param(srcs, outs)
+            for out in outs:
+                if out.numel():
+                    self._tickets[out.data_ptr()] = ticket
+            return outs
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for src, out in zip(srcs, outs):
+                if out.numel():
+                    out.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        with self._event_lock:
+            self._events[channel] = event
+        for out in outs:
+            if out.numel():
+                self._tickets[out.data_ptr()] = event
+        return outs
+
+    def _submit_param(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
+        """Cut a parameter upload into units and hand them to the feeder."""
+        srcs = [s if s.is_contiguous() else s.contiguous() for s in srcs]
+        flat_src = [s.reshape(-1) for s in srcs]
+        flat_dst = [o.view(-1) for o in outs]
+        units = plan_chunks(
+            [s.numel() for s in srcs], [s.element_size() for s in srcs], self.param_chunk_bytes
+        )
+        stream = self.param_stream
+
+        def make_unit(pieces: list[Piece]) -> Callable[[], torch.cuda.Event]:
+            def unit() -> torch.cuda.Event:
+                with torch.cuda.stream(stream):
+                    for i, a, b in pieces:
+                        flat_dst[i][a:b].copy_(flat_src[i][a:b], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                return event
+
+            return unit
+
+        return self._feeder.submit([make_unit(p) for p in units])
+
+    def _param_event(self, ticket: int | None = None) -> torch.cuda.Event | None:
+        if self._feeder is None:
+            with self._event_lock:
+                return self._events[PARAM]
+        ticket = self._feeder.last_ticket if ticket is None else ticket
+        return self._feeder.wait_issued(ticket) if ticket else None
+
+    def wait_channel(self, channel: str) -> None:
+        if channel not in CHANNELS:
+            raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
+        if channel == PARAM:
+            event = self._param_event()
+        else:
+            with self._event_lock:
+                event = self._events[channel]
+        if event is not None:
+            self.compute_stream.wait_event(event)
+
+    def wait_for(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Make compute wait only for the uploads that produced ``tensors``.
+
+        Finer than ``wait_channel``: a stage can wait for its own weights while
+        the next stage's prefetch, issued later on the same channel, keeps going.
+        Tensors not made by ``copy_in`` are ignored.
+        """
+        latest_ticket = 0
+        events = []
+        for t in tensors:
+            got = self._tickets.get(t.data_ptr()) if t.numel() else None
+            if isinstance(got, int):
+                latest_ticket = max(latest_ticket, got)
+            elif got is not None:
+                events.append(got)
+        if latest_ticket:
+            events.append(self._feeder.wait_issued(latest_ticket))
+        for event in events:
+            if event is not None:
+                self.compute_stream.wait_event(event)
+
+    def wait_host(self, channel: str = PARAM) -> None:
+        """Block until every upload issued on ``channel`` has read its host source.
+
+        Call before writing to host tensors that were just uploaded (e.g. the
+        optimizer copying new weights into the model while a prefetch reads them).
+        """
+        if channel == PARAM:
+            event = self._param_event()
+        else:
+            with self._event_lock:
+                event = self._events[channel]
+        if event is not None:
+            event.synchronize()
+
+    def copy_out(
+        self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
+    ) -> list[torch.Tensor]:
+        outs, done = self.copy_out_async(tensors, channel)
+        # Correctness first: the caller gets finished host tensors. The per-layer
+        # async path (gradients of layer i handed to the optimizer thread while
+        # layer i-1 still computes) is copy_out_async + done.synchronize() there.
+        done.synchronize()
+        return outs
+
+    def copy_out_async(
+        self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
+    ) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+        """Start device -> host copies after the compute issued so far; return (host tensors, event).
+
+        The host tensors are valid once ``event.synchronize()`` (or ``query()``)
+        says so. The device sources are kept from reuse until the download
+        stream is done with them.
+        """
+        srcs = [t.detach() for t in tensors]
+        stream = self.download_stream
+        with torch.cuda.device(self.device):
+            ready = torch.cuda.Event()
+            ready.record(self.compute_stream)
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                outs = []
+                for src in srcs:
+                    host = torch.empty(
+                        src.shape, dtype=src.dtype, device="cpu", pin_memory=self.pin_downloads
+                    )
+                    if src.numel():
+                        _mark_used_by(src, stream)
+                        host.copy_(src, non_blocking=self.pin_downloads)
+                    outs.append(host)
+                done = torch.cuda.Event()
+                done.record(stream)
+        return outs, done
+
+    def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
+        for t in tensors:
+            self.ledger.free(_nbytes(t), tag)
+            if t.numel():
+                self._tickets.pop(t.data_ptr(), None)
+            # Uploads already carry record_stream(compute); this covers device
+            # tensors the runtime made itself on another stream.
+            _mark_used_by(t, self.compute_stream)
+
+    # -- compute ------------------------------------------------------------
+    @contextlib.contextmanager
+    def _compute_ctx(self) -> Iterator[None]:
+        shared = _DEVICE_USERS[self.device.index] > 1
+        lock = self._device_lock if shared else contextlib.nullcontext()
+        with lock, torch.cuda.device(self.device), torch.cuda.stream(self.compute_stream):
+            yield
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        return self._compute_ctx()
+
+    def get_rng_state(self) -> Any:
+        # Model code on this worker draws from the GPU's generator. The CPU
+        # generator is shared by all GPU threads and is not part of the state:
+        # layers must not draw CPU random numbers they need replayed.
+        return torch.cuda.get_rng_state(self.device)
+
+    def set_rng_state(self, state: Any) -> None:
+        torch.cuda.set_rng_state(state, self.device)
+
+    def time_point(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.compute_stream)
+        return event
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    def memory_capacity(self) -> int:
+        try:
+            return int(torch.cuda.mem_get_info(self.device)[1])
+        except Exception:  # noqa: BLE001 - no context yet / query refused: use properties
+            return int(torch.cuda.get_device_properties(self.device).total_memory)
+
+    def synchronize(self) -> None:
+        if self._feeder is not None:
+            self._feeder.wait_issued(self._feeder.last_ticket)
+        torch.cuda.synchronize(self.device)

@@ -1,0 +1,341 @@
+"""Host-memory residency of the model and GPU memory queries.
+
+``pin_model`` decides how the CPU copy of the model's weights is made
+page-locked, which is what lets parameter uploads run asynchronously at full
+PCIe bandwidth:
+
+- ``"alloc"``: the weights are copied into pinned memory. The copies are packed
+  into a few large slabs, so PyTorch's pinned allocator (which rounds every
+  request up to a power of two) wastes at most the tail of each slab instead
+  of up to half of every tensor.
+- ``"register"``: the existing storages are page-locked in place with
+  ``cudaHostRegister`` (no second copy; uploads are a little slower).
+- ``"off"``: nothing is pinned (e.g. weights ``mmap``-ed from disk that must not
+  be copied); uploads go through the driver's staging buffers.
+
+On the CPU backend (or any machine without CUDA) every mode is accepted and
+does nothing: there is no device to transfer to.
+
+The memory queries (``gpu_memory_info``, ``get_min_gpu_memory``,
+``default_model_memory_limit``) never raise on a machine without GPUs; they
+return ``[]`` / ``None`` instead, so planning code can fall back to its CPU
+defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+PIN_MODES = ("alloc", "register", "off")
+
+#: Size of one pinned slab for ``pin_model="alloc"``: a power of two, so the
+#: pinned allocator does not round it up. Storages larger than a slab get a
+#: slab of their own.
+DEFAULT_SLAB_BYTES = 256 * 1024**2
+
+#: Alignment of each storage inside a slab (bytes); 512 keeps every tensor
+#: aligned for vectorised kernels and DMA.
+_ALIGN = 512
+
+#: cudaErrorHostMemoryAlreadyRegistered: the pages were already pinned.
+_CUDA_ERR_ALREADY_REGISTERED = 712
+
+
+def cuda_available() -> bool:
+    """Whether a usable CUDA device exists; never raises."""
+    try:
+        return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
+    except Exception:  # noqa: BLE001 - a broken driver means "no GPU" here
+        return False
+
+
+def check_pin_mode(mode: str) -> str:
+    """Validate a ``pin_model`` value and return it.
+
+    Raises:
+        ValueError: if ``mode`` is not one of ``"alloc"``, ``"register"``, ``"off"``.
+    """
+    if not isinstance(mode, str) or mode not in PIN_MODES:
+        raise ValueError(
+            f"pin_model must be one of {PIN_MODES}, got {mode!r}: use 'alloc' (pinned copies, "
+            "fastest), 'register' (cudaHostRegister in place, less host memory) or 'off' "
+            "(pageable, e.g. for mmap-loaded weights)"
+        )
+    return mode
+
+
+# ---------------------------------------------------------------------------
+# pin_model
+# ---------------------------------------------------------------------------
+@dataclass
+class PinHandle:
+    """What ``pin_model`` did, and how to undo it.
+
+    Attributes:
+        mode: the mode that was requested.
+        active: False when pinning was a no-op (CPU backend, mode "off", nothing to pin).
+        nbytes: bytes of tensor storage made page-locked.
+        slabs: for "alloc", the number of pinned slabs allocated.
+        registered: for "register", ``(pointer, nbytes)`` of each registered range.
+    """
+
+    mode: str
+    active: bool = False
+    nbytes: int = 0
+    slabs: int = 0
+    registered: list[tuple[int, int]] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Unregister what "register" pinned (call before the storages are freed).
+
+        "alloc" needs no release: the pinned slabs are freed with the tensors.
+        Idempotent.
+        """
+        if not self.registered:
+            return
+        cudart = torch.cuda.cudart()
+        for ptr, _ in self.registered:
+            cudart.cudaHostUnregister(ptr)
+        self.registered = []
+        self.active = False
+
+
+def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers of ``module``, each object once (tied weights appear once)."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _storage_groups(
+    tensors: Iterable[torch.Tensor],
+) -> list[tuple[torch.UntypedStorage, list[torch.Tensor]]]:
+    """Group CPU tensors by the storage they view, so shared storages are handled once."""
+    groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    for t in tensors:
+        if t.device.type != "cpu" or t.is_sparse or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        key = storage.data_ptr()
+        if key not in groups:
+            groups[key] = (storage, [])
+        groups[key][1].append(t)
+    return list(groups.values())
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def pack_slabs(sizes: Sequence[int], slab_bytes: int = DEFAULT_SLAB_BYTES) -> list[tuple[int, int]]:
+    """Assign each storage (by byte size) a ``(slab index, byte offset)``, first-fit in order.
+
+    A storage larger than ``slab_bytes`` gets a slab of its own. Offsets are
+    aligned to 512 bytes.
+
+    Returns:
+        One ``(slab, offset)`` per entry of ``sizes``.
+    """
+    if slab_bytes <= 0:
+        raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
+    placement: list[tuple[int, int]] = []
+    slab_used: list[int] = []
+    current = -1  # slab being filled by small storages
+    for size in sizes:
+        if size > slab_bytes:
+            slab_used.append(size)
+            placement.append((len(slab_used) - 1, 0))
+            continue
+        if current < 0 or _round_up(slab_used[current], _ALIGN) + size > slab_bytes:
+            slab_used.append(0)
+            current = len(slab_used) - 1
+        offset = _round_up(slab_used[current], _ALIGN)
+        placement.append((current, offset))
+        slab_used[current] = offset + size
+    return placement
+
+
+def slab_sizes(sizes: Sequence[int], placement: Sequence[tuple[int, int]]) -> list[int]:
+    """Bytes each slab of a ``pack_slabs`` placement must hold."""
+    out: dict[int, int] = {}
+    for size, (slab, offset) in zip(sizes, placement):
+        out[slab] = max(out.get(slab, 0), offset + size)
+    return [out[i] for i in range(len(out))]
+
+
+def _rebind(t: torch.Tensor, storage: torch.UntypedStorage, byte_offset: int) -> None:
+    """Point ``t`` (parameter or buffer) at ``storage``, keeping its view geometry.
+
+    ``byte_offset`` is where the tensor's *original storage* starts in the new one.
+    """
+    elem = t.element_size()
+    if byte_offset % elem:
+        raise ValueError(f"misaligned slab offset {byte_offset} for element size {elem}")
+    new = torch.empty(0, dtype=t.dtype, device=storage.device)
+    new.set_(storage, byte_offset // elem + t.storage_offset(), t.size(), t.stride())
+    # ``.data`` keeps the Parameter object (optimizer / module references stay valid).
+    t.data = new
+
+
+def pack_module_tensors(
+    tensors: Sequence[torch.Tensor], pin: bool, slab_bytes: int = DEFAULT_SLAB_BYTES
+) -> tuple[int, int]:
+    """Copy the storages of ``tensors`` into packed slabs and rebind the tensors to them.
+
+    Tensors sharing a storage (tied weights, views) keep sharing it. With
+    ``pin=False`` the slabs are ordinary CPU memory, which is how the packing is
+    tested on machines without CUDA.
+
+    Returns:
+        ``(bytes packed, number of slabs)``.
+    """
+    groups = _storage_groups(tensors)
+    sizes = [storage.nbytes() for storage, _ in groups]
+    placement = pack_slabs(sizes, slab_bytes)
+    slabs = [
+        torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in slab_sizes(sizes, placement)
+    ]
+    for (storage, views), (slab, offset), size in zip(groups, placement, sizes):
+        dst = slabs[slab][offset : offset + size]
+        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,)))
+        for t in views:
+            _rebind(t, slabs[slab].untyped_storage(), offset)
+    return sum(sizes), len(slabs)
+
+
+def _register(groups: list[tuple[torch.UntypedStorage, list[torch.Tensor]]]) -> PinHandle:
+    handle = PinHandle(mode="register", active=True)
+    cudart = torch.cuda.cudart()
+    for storage, _ in groups:
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        # cudaHostRegisterDefault = 0: page-lock and map for DMA.
+        err = cudart.cudaHostRegister(ptr, size, 0)
+        code = int(err.value) if hasattr(err, "value") else int(err)
+        if code == _CUDA_ERR_ALREADY_REGISTERED:
+            continue
+        if code != 0:
+            handle.release()
+            raise RuntimeError(
+                f"cudaHostRegister failed with CUDA error {code} on {size} bytes; use "
+                "pin_model='alloc' or 'off' instead (e.g. memory locked by ulimit -l)"
+            )
+        handle.registered.append((ptr, size))
+        handle.nbytes += size
+    return handle
+
+
+def pin_model(
+    module: nn.Module,
+    mode: str = "alloc",
+    *,
+    enabled: bool | None = None,
+    slab_bytes: int = DEFAULT_SLAB_BYTES,
+) -> PinHandle:
+    """Make the CPU copy of ``module``'s parameters and buffers page-locked.
+
+    Args:
+        module: the model whose tensors live in CPU memory.
+        mode: ``"alloc"``, ``"register"`` or ``"off"`` (see the module docstring).
+        enabled: whether the device pool uploads to CUDA. ``None`` = whether CUDA is
+            available. With False (the CPU backend) every mode is a no-op.
+        slab_bytes: slab size for ``"alloc"``.
+
+    Returns:
+        A ``PinHandle``; call ``release()`` on it before dropping a "register"-ed model.
+
+    Raises:
+        ValueError: for an unknown mode.
+        RuntimeError: if ``cudaHostRegister`` refuses the memory.
+    """
+    check_pin_mode(mode)
+    if enabled is None:
+        enabled = cuda_available()
+    if not enabled or mode == "off":
+        return PinHandle(mode=mode)
+    groups = _storage_groups(_module_tensors(module))
+    # Storages already pinned (a second RoundPipe on the same model, user-pinned) stay as they are.
+    groups = [(s, ts) for s, ts in groups if not ts[0].is_pinned()]
+    if not groups:
+        return PinHandle(mode=mode)
+    if mode == "register":
+        return _register(groups)
+    tensors = [t for _, ts in groups for t in ts]
+    nbytes, slabs = pack_module_tensors(tensors, pin=True, slab_bytes=slab_bytes)
+    return PinHandle(mode=mode, active=True, nbytes=nbytes, slabs=slabs)
+
+
+# ---------------------------------------------------------------------------
+# GPU memory queries
+# ---------------------------------------------------------------------------
+def _device_index(device: torch.device | int) -> int:
+    if isinstance(device, int):
+        return device
+    return device.index if device.index is not None else 0
+
+
+def gpu_memory_info(devices: Sequence[torch.device | int] | None = None) -> list[tuple[int, int]]:
+    """``(free bytes, total bytes)`` per GPU; ``[]`` without CUDA. Never raises.
+
+    Args:
+        devices: GPUs to query (``torch.device`` or index); ``None`` = all visible GPUs.
+    """
+    if not cuda_available():
+        return []
+    try:
+        indices = (
+            list(range(torch.cuda.device_count()))
+            if devices is None
+            else [
+                _device_index(d)
+                for d in devices
+                if not isinstance(d, torch.device) or d.type == "cuda"
+            ]
+        )
+        out = []
+        for i in sorted(set(indices)):
+            try:
+                free, total = torch.cuda.mem_get_info(i)
+            except Exception:  # noqa: BLE001 - context creation can fail; fall back to properties
+                total = int(torch.cuda.get_device_properties(i).total_memory)
+                free = total
+            out.append((int(free), int(total)))
+        return out
+    except Exception:  # noqa: BLE001 - queries must never crash planning
+        return []
+
+
+def get_min_gpu_memory(devices: Sequence[torch.device | int] | None = None) -> int | None:
+    """Total memory of the smallest GPU in bytes, or ``None`` when there is no GPU."""
+    info = gpu_memory_info(devices)
+    return min(total for _, total in info) if info else None
+
+
+def default_model_memory_limit(
+    devices: Sequence[torch.device | int] | None = None, fraction: float = 0.6
+) -> int | None:
+    """``fraction`` (default 60%) of the smallest GPU's memory; ``None`` without GPUs."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    smallest = get_min_gpu_memory(devices)
+    return None if smallest is None else int(smallest * fraction)
+
+
+def prepare_host_params(
+    module: nn.Module, mode: str = "alloc", enabled: bool | None = None
+) -> PinHandle:
+    """What ``RoundPipe.__init__`` calls on a CUDA pool: ``pin_model(module, mode)``.
+
+    Keep the returned handle and call ``release()`` on it when the RoundPipe is
+    closed (it unregisters "register"-ed memory; a no-op otherwise).
+    """
+    return pin_model(module, mode, enabled=enabled)
