@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import batch as batching
+from .checks import ForwardRuleChecker
 from .devices.pool import DevicePool
 from .plan import ModelExecutePlan
 from .runtime import PipelineRun, run_queue
@@ -170,6 +171,7 @@ class RoundPipe(nn.Module):
         self._pending_step: Future | None = None
         self._call_lock = threading.RLock()
         self.model_timer = ModelTimer(layers)
+        self._rule_checker = ForwardRuleChecker(layers)
         self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         self.last_schedule: list[Job] = []
         self.last_job_times: list[tuple[Job, int, float]] = []
@@ -350,6 +352,7 @@ class RoundPipe(nn.Module):
             self.model_timer,
             preserve_rng_state=bool(cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True),
             recompute_grain=cfg.recompute_grain or "stage",
+            rule_checker=self._rule_checker,
             **kw,
         )
 

@@ -52,6 +52,7 @@ class PipelineRun:
         return_outputs: bool = False,
         input_needs_grad: list[bool] | None = None,
         grads_done: Callable[[Job], None] | None = None,
+        rule_checker: Any = None,
     ) -> None:
         self.layers = layers
         self.num_layers = len(layers)
@@ -65,6 +66,7 @@ class PipelineRun:
         self.return_outputs = return_outputs
         self.input_needs_grad = input_needs_grad
         self.grads_done = grads_done
+        self.rule_checker = rule_checker  # checks.ForwardRuleChecker: watches each layer's first forward
         self.store = RecomputeStore()
         self._cond = threading.Condition()
         self._acts: dict[tuple[int, int], Any] = {}
@@ -215,6 +217,14 @@ def _call_layer(layer: nn.Module, index: int, x: Any) -> Any:
     return layer(x)
 
 
+def _forward_layer(run: PipelineRun, stage: StageReplica, index: int, x: Any) -> Any:
+    """A real (not recomputed) forward of one layer, watched for forward-rule violations once."""
+    module = stage.layer(index)
+    if run.rule_checker is None:
+        return _call_layer(module, index, x)
+    return run.rule_checker.run(index, module, lambda: _call_layer(module, index, x))
+
+
 def _annotate(exc: BaseException, job: Job, layer: int | None, mb: int, worker: Worker) -> None:
     where = f"layer {layer}" if layer is not None else f"layers {job.layers.start}..{job.layers.stop - 1}"
     note = (
@@ -265,7 +275,7 @@ def _forward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker:
                         run.put_act(layer_idx, mb, _to_host(worker, x))
                 t0 = worker.time_point()
                 with running_layer(layer_idx, mb, False, run.store, worker.device):
-                    x = _call_layer(stage.layer(layer_idx), layer_idx, x)
+                    x = _forward_layer(run, stage, layer_idx, x)
                 clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
             out = _to_host(worker, x)
     except BaseException as exc:
@@ -291,7 +301,7 @@ def _fused_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: W
             for layer_idx in r:
                 t0 = worker.time_point()
                 with running_layer(layer_idx, mb, False, run.store, worker.device):
-                    x = _call_layer(stage.layer(layer_idx), layer_idx, x)
+                    x = _forward_layer(run, stage, layer_idx, x)
                 clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
             layer_idx = None
             assert run.loss_fn is not None

@@ -111,3 +111,30 @@ def test_close_stops_worker_threads():
     assert not any(name.startswith("roundpipe-") for name in leftover), leftover
     with pytest.raises(RuntimeError, match="closed"):
         rp.forward_backward((torch.randn(4, 8),), label=torch.randn(4, 4), loss_fn=sum_sq)
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 12)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # a plain attribute written in forward: lost on a device copy
+        return self.lin(x)
+
+
+def test_forward_rule_violation_warns_naming_the_layer_once():
+    model = mlp()
+    model[2] = _Counting()
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        with pytest.warns(RuntimeWarning, match=r"layer 2 .*'calls'"):
+            rp.forward_backward((torch.randn(4, 8),), label=torch.randn(4, 4), loss_fn=sum_sq)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # checked on the first forward only
+            rp.forward_backward((torch.randn(4, 8),), label=torch.randn(4, 4), loss_fn=sum_sq)
+    finally:
+        rp.close()
