@@ -1,0 +1,165 @@
+"""Shared pieces of the Lightning tests: a small Sequential LightningModule that can
+train through RoundPipe or plainly, its data, Trainer factories and comparisons."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from roundpipe_lightning import RoundPipeStrategy
+
+IN_DIM, HIDDEN, OUT_DIM = 8, 16, 4
+BATCH = 6
+NUM_SAMPLES = 30  # 5 batches per epoch
+
+
+def make_data(n: int = NUM_SAMPLES, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, IN_DIM, generator=g), torch.randn(n, OUT_DIM, generator=g))
+
+
+def loader(n: int = NUM_SAMPLES, batch_size: int = BATCH, seed: int = 1) -> DataLoader:
+    return DataLoader(make_data(n, seed), batch_size=batch_size, shuffle=False)
+
+
+def build_net(seed: int = 0, dropout: float = 0.0, heavy: int = 0) -> nn.Sequential:
+    """Linear/Tanh layers, one nn.Sequential child each (7 layers); ``heavy`` > 0 inserts
+    a wide layer pair in the middle (for planner tests)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(IN_DIM, HIDDEN), nn.Tanh()]
+    if heavy:
+        layers += [nn.Linear(HIDDEN, heavy), nn.Linear(heavy, HIDDEN)]
+    layers += [nn.Linear(HIDDEN, HIDDEN), nn.Tanh()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    layers += [nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT_DIM)]
+    return nn.Sequential(*layers)
+
+
+class SeqModule(L.LightningModule):
+    """A regression MLP.
+
+    Args:
+        mode: "roundpipe" (``forward_backward``), "rp_forward" (``self.roundpipe(x)`` +
+            backward through autograd) or "plain" (``self.net(x)``, for the default strategy).
+        manual: manual optimization (``accumulate`` and ``clip`` handled in training_step).
+        accumulate: manual optimization only: step every this many batches.
+        clip: manual optimization only: ``self.clip_gradients`` value before the step.
+        scheduler: add a StepLR scheduler.
+        lr: AdamW learning rate.
+    """
+
+    def __init__(
+        self,
+        mode: str = "roundpipe",
+        manual: bool = False,
+        accumulate: int = 1,
+        clip: float | None = None,
+        clip_algorithm: str = "norm",
+        scheduler: bool = False,
+        lr: float = 1e-2,
+        seed: int = 0,
+        dropout: float = 0.0,
+        heavy: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = build_net(seed, dropout, heavy)
+        self.automatic_optimization = not manual
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def configure_sequential(self) -> nn.Module:
+        return self.net
+
+    def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # Sum over the microbatch / full batch size: the per-microbatch losses add up to
+        # the batch mean, the same objective as the plain run.
+        scale = BATCH * (self.hparams.accumulate if not self.automatic_optimization else 1)
+        return ((out.float() - y.float()) ** 2).sum() / scale
+
+    def _loss_and_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mode = self.hparams.mode
+        if mode == "roundpipe":
+            return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
+        out = self.roundpipe(x) if mode == "rp_forward" else self.net(x)
+        loss = self.loss_fn(out, y)
+        if not self.automatic_optimization:
+            self.manual_backward(loss)
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        if self.automatic_optimization:
+            loss = self._loss_and_backward(x, y)
+            self.losses.append(float(loss.detach()))
+            self.log("train_loss", loss.detach())
+            return loss
+        opt = self.optimizers()
+        loss = self._loss_and_backward(x, y)
+        self.losses.append(float(loss.detach()))
+        if (batch_idx + 1) % self.hparams.accumulate == 0:
+            if self.hparams.clip is not None:
+                self.clip_gradients(opt, self.hparams.clip, self.hparams.clip_algorithm)
+            opt.step()
+            opt.zero_grad()
+            sch = self.lr_schedulers()
+            if sch is not None:
+                sch.step()
+        return loss.detach()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        out = self.net(x) if self.hparams.mode == "plain" else self.roundpipe(x)
+        loss = self.loss_fn(out, y)
+        self.val_losses.append(float(loss))
+        self.log("val_loss", loss)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        if not self.hparams.scheduler:
+            return opt
+        sch = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+
+def trainer_kwargs(**kw: Any) -> dict[str, Any]:
+    base = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        num_sanity_val_steps=0,
+    )
+    base.update(kw)
+    return base
+
+
+def rp_trainer(
+    devices: int = 2, num_microbatch: int = 3, async_step: bool = False, strategy_kw: dict | None = None, **kw: Any
+) -> L.Trainer:
+    strategy = RoundPipeStrategy(num_microbatch=num_microbatch, async_step=async_step, **(strategy_kw or {}))
+    return L.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, **kw))
+
+
+def plain_trainer(**kw: Any) -> L.Trainer:
+    return L.Trainer(**trainer_kwargs(devices=1, **kw))
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone().float() for n, p in module.named_parameters()}
+
+
+def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in a)
+
+
+def roundpipe_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe")]
