@@ -1,0 +1,406 @@
+"""Experimental automatic split of an arbitrary model (seed 004, ``use_sequential_preset=False``).
+
+:func:`auto_wrap` walks the module tree:
+
+1. If the model is a *chain* -- an ``nn.Sequential``, or a module whose
+   ``forward`` (traced with ``torch.fx``, its direct children as leaves) feeds
+   one input through its children and simple single-input functions one after
+   the other -- it becomes an ``nn.Sequential`` of those steps. Steps with more
+   than ``split_threshold`` parameters that are chains themselves are split
+   further, recursively. The result is a plain :class:`RoundPipe` with every
+   feature (pipelining, ``forward_backward``).
+2. Otherwise (skip connections, several inputs, an encoder-decoder, control
+   flow) it returns an :class:`AutoRoundPipe`. That one walks the tree by
+   parameter size: a submodule with at most ``split_threshold`` parameters, or
+   a chain, becomes a *unit* run by an inner RoundPipe on the shared device
+   pool (a chain unit pipelined over its layers); bigger non-chain modules are
+   opened and their children visited. The glue code between units (the
+   original ``forward`` of the opened modules: residual adds, routing between
+   encoder and decoder ...) runs on the host, as does any parameter owned
+   directly by an opened module.
+
+What an ``AutoRoundPipe`` offers: ``forward`` (inference, or training through
+autograd: ``loss.backward()``), fp32 master weights (``optim_parameters()``,
+``OptimizerCtx``), ``step(step_fn, is_async)`` / ``synchronize()`` and the
+attribute fall-through. It does **not** offer ``forward_backward`` (it raises
+``TypeError``): the loss is computed by host code after several separate
+pipelined calls, so there is no last stage to fuse.
+
+Performance loss against a hand-written Sequential (the reason to prefer a
+preset or a manual conversion):
+
+* every unit call is its own pipelined call: the pipeline fills and drains
+  once per unit instead of once per iteration, so with few microbatches most
+  devices idle;
+* the backward of each unit recomputes its forward from its own inputs, and the
+  units run one after another in the order autograd reaches them;
+* glue code and directly-owned parameters run on the host CPU;
+* ``step(is_async=True)`` overlaps the optimizer only with work done before the
+  next training ``forward`` (which waits for the step), not with the forward
+  itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .model import RoundPipe, RoundPipeRunConfig
+
+__all__ = ["AutoRoundPipe", "auto_wrap", "chain_layers", "split_layers"]
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# --------------------------------------------------------------------------- chain detection
+
+
+class _Prev:
+    """Marks where the previous step's output goes in a step's arguments (a class, so that
+    deep copies of the step keep it identical)."""
+
+
+def _templates(node: Any) -> tuple[tuple, dict]:
+    from torch.fx.node import map_arg
+
+    return map_arg(node.args, lambda n: _Prev), map_arg(dict(node.kwargs), lambda n: _Prev)
+
+
+class FxStep(nn.Module):
+    """One step of a traced chain that is not a plain ``child(x)`` call.
+
+    It calls ``target`` (a function, a method name on the input, or a child
+    module) with the traced arguments, the previous step's output put where
+    the trace had it.
+    """
+
+    def __init__(
+        self, kind: str, target: Any, args: tuple, kwargs: dict, module: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        self.kind = kind
+        self.target = target
+        self.args = args
+        self.kwargs = kwargs
+        self.module = module
+
+    def forward(self, x: Any) -> Any:
+        from torch.fx.node import map_aggregate
+
+        args = map_aggregate(self.args, lambda a: x if a is _Prev else a)
+        kwargs = map_aggregate(self.kwargs, lambda a: x if a is _Prev else a)
+        if self.kind == "call_module":
+            return self.module(*args, **kwargs)
+        if self.kind == "call_method":
+            return getattr(args[0], self.target)(*args[1:], **kwargs)
+        return self.target(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        name = self.target if isinstance(self.target, str) else getattr(self.target, "__name__", repr(self.target))
+        return f"{self.kind}: {name}"
+
+
+def chain_layers(module: nn.Module) -> list[nn.Module] | None:
+    """The steps of ``module`` if its forward is a chain, else ``None``.
+
+    A chain takes one input and passes each step's output, and nothing else,
+    to the next step; the last step's output is returned. Steps are direct
+    children (called once each) or functions/methods of the running value.
+    """
+    if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
+        layers = list(module.children())
+        return layers if layers and len({id(m) for m in layers}) == len(module) else None
+    if type(module).forward is nn.Module.forward or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    if not any(True for _ in module.children()):
+        return None
+    try:
+        import torch.fx as fx
+
+        class _ChildrenAsLeaves(fx.Tracer):
+            def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+                return "." not in qualname
+
+        graph = _ChildrenAsLeaves().trace(module)
+    except Exception:  # noqa: BLE001 - anything fx cannot trace is not a chain we can prove
+        return None
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != 1 or nodes[0] is not placeholders[0]:
+        return None
+    prev = placeholders[0]
+    steps: list[nn.Module] = []
+    used: set[int] = set()
+    for node in nodes[1:]:
+        if len(prev.users) != 1:
+            return None
+        if node.op == "output":
+            return steps if node.args[0] is prev and steps else None
+        if node.op not in ("call_module", "call_function", "call_method"):
+            return None  # get_attr: the forward uses a parameter/buffer of the module itself
+        if node.all_input_nodes != [prev]:
+            return None
+        if node.op == "call_module":
+            child = module.get_submodule(node.target)
+            if id(child) in used:
+                return None  # a child called twice cannot be two Sequential layers
+            used.add(id(child))
+            if node.args == (prev,) and not node.kwargs:
+                steps.append(child)
+            else:
+                steps.append(FxStep("call_module", node.target, *_templates(node), module=child))
+        else:
+            steps.append(FxStep(node.op, node.target, *_templates(node)))
+        prev = node
+    return None
+
+
+def split_layers(module: nn.Module, split_threshold: int) -> list[nn.Module]:
+    """``module`` as a list of Sequential layers: chains are opened, and steps with more than
+    ``split_threshold`` parameters that are chains are opened recursively."""
+    steps = chain_layers(module)
+    if steps is None:
+        return [module]
+    out: list[nn.Module] = []
+    for step in steps:
+        if _numel(step) > split_threshold and chain_layers(step) is not None:
+            out.extend(split_layers(step, split_threshold))
+        else:
+            out.append(step)
+    return out
+
+
+def _default_threshold(model: nn.Module) -> int:
+    return max(1, _numel(model) // 8)
+
+
+# --------------------------------------------------------------------------- AutoRoundPipe
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _common_prefix(a: str, b: str) -> str:
+    pa, pb = a.split(".") if a else [], b.split(".") if b else []
+    out = []
+    for x, y in zip(pa, pb):
+        if x != y:
+            break
+        out.append(x)
+    return ".".join(out)
+
+
+def _plan_units(model: nn.Module, threshold: int, forced: set[str]) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
+    """Units (qualified name, module) and host parameters (owned directly by opened modules)."""
+    units: list[tuple[str, nn.Module]] = []
+    host: list[tuple[str, nn.Parameter]] = []
+
+    def visit(name: str, m: nn.Module) -> None:
+        n = _numel(m)
+        if n == 0:
+            return  # no parameters: it runs on the host as glue
+        has_param_children = any(_numel(c) for c in m.children())
+        if name in forced or n <= threshold or not has_param_children or chain_layers(m) is not None:
+            units.append((name, m))
+            return
+        for pname, p in m.named_parameters(recurse=False):
+            host.append((_join(name, pname), p))
+        for cname, child in m.named_children():
+            visit(_join(name, cname), child)
+
+    visit("", model)
+    return units, host
+
+
+def _units_without_sharing(model: nn.Module, threshold: int) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
+    """Plan units; where a parameter is used by two units (or a unit and the host), their
+    common ancestor becomes one unit -- RoundPipe instances cannot share parameters."""
+    forced: set[str] = set()
+    while True:
+        units, host = _plan_units(model, threshold, forced)
+        owner: dict[int, str] = {}
+        conflict: str | None = None
+        places = [(name, list(m.parameters())) for name, m in units]
+        places += [(name.rsplit(".", 1)[0] if "." in name else "", [p]) for name, p in host]
+        for place, params in places:
+            for p in params:
+                prev = owner.setdefault(id(p), place)
+                if prev != place:
+                    conflict = _common_prefix(prev, place)
+                    break
+            if conflict is not None:
+                break
+        if conflict is None:
+            return units, host
+        if conflict in forced:  # cannot happen, but never loop forever
+            raise RuntimeError(f"automatic split could not separate shared parameters under {conflict!r}")
+        forced.add(conflict)
+
+
+class _Direct(nn.Module):
+    """Runs a unit's own ``forward`` (the class's), bypassing the redirect installed on the
+    host module while an AutoRoundPipe forward runs."""
+
+    def __init__(self, unit: nn.Module) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return type(self.unit).forward(self.unit, *args, **kwargs)
+
+
+def _make_redirect(inner: RoundPipe) -> Callable[..., Any]:
+    # A plain function (not functools.partial): the engine deep-copies layers into device
+    # replicas, and deepcopy keeps functions as they are instead of copying ``inner``.
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        cfg = RoundPipeRunConfig(requires_grad=torch.is_grad_enabled())
+        return inner(*args, roundpipe_run_config=cfg, **kwargs)
+
+    return forward
+
+
+class AutoRoundPipe(RoundPipe):
+    """A model that could not become one Sequential, run unit by unit on the device pool.
+
+    See the module docstring for how units are chosen and what is lost. The
+    master weights, ``step`` / ``synchronize``, ``OptimizerCtx`` and the
+    attribute fall-through are RoundPipe's (this class is one); ``forward``
+    runs the original model's ``forward`` on the host with each unit's calls
+    sent to an inner RoundPipe on the shared pool.
+
+    Attributes:
+        units: ``(qualified name, inner RoundPipe)`` per unit.
+        host_parameters: ``(qualified name, parameter)`` of parameters used by
+            host glue code.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        split_threshold: int | None = None,
+        optim_dtype: torch.dtype | None = None,
+        name: str | None = None,
+        model_run_config: RoundPipeRunConfig | None = None,
+        pin_model: str = "alloc",
+        devices: Any = None,
+        original_model: Any = None,
+    ) -> None:
+        super().__init__(
+            model, optim_dtype=optim_dtype, name=name, model_run_config=model_run_config,
+            pin_model=pin_model, devices=devices, original_model=original_model,
+        )
+        threshold = split_threshold if split_threshold is not None else _default_threshold(model)
+        unit_modules, host = _units_without_sharing(model, threshold)
+        units: list[tuple[str, RoundPipe]] = []
+        for uname, unit in unit_modules:
+            layers = split_layers(unit, threshold)
+            seq = nn.Sequential(*layers) if len(layers) > 1 else nn.Sequential(_Direct(unit))
+            # The outer RoundPipe owns the master copies: build the inner one with the
+            # parameters momentarily frozen so it makes none, and send its gradients here.
+            trainable = [p for p in unit.parameters() if p.requires_grad]
+            for p in trainable:
+                p.requires_grad_(False)
+            try:
+                inner = RoundPipe(
+                    seq, optim_dtype=optim_dtype, name=f"{self.name}.{uname or 'root'}",
+                    model_run_config=model_run_config, pin_model="off", devices=self.pool,
+                    original_model=unit,
+                )
+            finally:
+                for p in trainable:
+                    p.requires_grad_(True)
+            object.__setattr__(inner, "_accumulate_grad", self._accumulate_grad)
+            units.append((uname, inner))
+        object.__setattr__(self, "units", units)
+        object.__setattr__(self, "host_parameters", host)
+        object.__setattr__(self, "_unit_modules", [m for _, m in unit_modules])
+
+    def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any) -> Any:
+        """Run the original model's forward on the host, its units on the device pool."""
+        if roundpipe_run_config is not None:
+            raise TypeError(
+                "AutoRoundPipe.forward does not take roundpipe_run_config (each unit runs with "
+                "the model_run_config given at wrapping time)"
+            )
+        if torch.is_grad_enabled():
+            # Gradients of this forward's backward must not land while a step reads them.
+            self.synchronize()
+        with self._call_lock:
+            for (_, inner), unit in zip(self.units, self._unit_modules):
+                object.__setattr__(unit, "forward", _make_redirect(inner))
+            try:
+                return self.model(*args, **kwargs)
+            finally:
+                for unit in self._unit_modules:
+                    object.__delattr__(unit, "forward")
+
+    def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not available: the model is not one Sequential, so there is no last stage to fuse."""
+        raise TypeError(
+            "forward_backward() is not supported by AutoRoundPipe: the automatic split could not "
+            f"turn {type(self.model).__name__} into an nn.Sequential, so forward and loss cannot be "
+            "fused into the last stage. Use `loss = loss_fn(model(*inputs), label); loss.backward()` "
+            "instead, or convert the model to an nn.Sequential (or add a preset) for full speed"
+        )
+
+    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
+        """As :meth:`RoundPipe.step`; gradients of host parameters are moved to their masters first."""
+        self.synchronize()
+        for _, p in self.host_parameters:
+            if p.grad is not None:
+                self._accumulate_grad(p, p.grad)
+                p.grad = None
+        super().step(step_fn, is_async=is_async)
+
+    def _all_inner(self) -> Iterator[RoundPipe]:
+        return (inner for _, inner in self.units)
+
+    def close(self) -> None:
+        """Stop the inner RoundPipes, then this one (and the shared pool)."""
+        try:
+            for inner in self._all_inner():
+                inner.close()
+        finally:
+            super().close()
+
+    def __repr__(self) -> str:
+        names = ", ".join(n or "<root>" for n, _ in self.units)
+        return f"AutoRoundPipe(name={self.name!r}, units=[{names}], devices={self.pool!r})"
+
+
+def auto_wrap(
+    model: nn.Module,
+    split_threshold: int | None = None,
+    model_run_config: RoundPipeRunConfig | None = None,
+    optim_dtype: torch.dtype | None = None,
+    **roundpipe_kwargs: Any,
+) -> RoundPipe:
+    """Automatic split: a RoundPipe over a Sequential when the model is a chain, else an AutoRoundPipe.
+
+    Args:
+        model: any module.
+        split_threshold: modules with more parameters (elements) than this are split
+            further; default 1/8 of the model's parameters.
+        model_run_config: default run config (of the RoundPipe, or of every unit).
+        optim_dtype: dtype of the master weights.
+        **roundpipe_kwargs: ``pin_model``, ``devices``, ``name``.
+    """
+    if split_threshold is not None and (not isinstance(split_threshold, int) or split_threshold < 1):
+        raise ValueError(f"split_threshold must be a positive int (parameters), got {split_threshold!r}")
+    threshold = split_threshold if split_threshold is not None else _default_threshold(model)
+    layers = split_layers(model, threshold)
+    if len(layers) > 1:
+        return RoundPipe(
+            nn.Sequential(*layers), optim_dtype=optim_dtype, model_run_config=model_run_config,
+            original_model=model, **roundpipe_kwargs,
+        )
+    return AutoRoundPipe(
+        model, split_threshold=threshold, optim_dtype=optim_dtype,
+        model_run_config=model_run_config, **roundpipe_kwargs,
+    )

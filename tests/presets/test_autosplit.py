@@ -1,0 +1,210 @@
+"""Experimental automatic split (use_sequential_preset=False): chains become a pipelined
+RoundPipe; non-sequential models an AutoRoundPipe that trains like plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe_core import OptimizerCtx, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+from roundpipe_core.autosplit import AutoRoundPipe, FxStep, chain_layers
+
+RTOL = 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+class ChainNet(nn.Module):
+    """Not an nn.Sequential, but its forward is a chain (with a function step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.body(self.inp(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))  # skip connection: not a chain
+
+
+class SkipNet(nn.Module):
+    """Long skip connection, a parameter used by glue code, a tied input/output matrix."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(3)])
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.head = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 5))
+
+    def forward(self, x, extra=None):
+        h = self.embed(x)
+        first = h
+        for block in self.blocks:
+            h = block(h)
+        h = (h + first) * self.scale
+        if extra is not None:
+            h = h + extra
+        return self.head(h)
+
+
+def test_chain_detection() -> None:
+    steps = chain_layers(ChainNet())
+    assert steps is not None and len(steps) == 4 and isinstance(steps[2], FxStep)
+    assert chain_layers(Block(4)) is None
+    assert chain_layers(SkipNet()) is None
+    assert chain_layers(nn.ModuleList([nn.Linear(2, 2)])) is None
+
+
+def test_chain_model_becomes_pipelined_roundpipe() -> None:
+    torch.manual_seed(0)
+    model = ChainNet()
+    ref_model = copy.deepcopy(model)
+    x, y = torch.randn(6, 6), torch.randn(6, 3)
+    nn.functional.mse_loss(ref_model(x), y, reduction="sum").backward()
+    rp = wrap_model_to_roundpipe(model, use_sequential_preset=False, split_threshold=100, devices=2)
+    try:
+        assert type(rp) is RoundPipe
+        # body (16*16*2+32 params > 100) was opened: inp, Linear, Tanh, Linear, relu, out
+        assert rp.num_layers == 6
+        loss = rp.forward_backward(
+            input_args=(x,), label=y, loss_fn=lambda o, t: nn.functional.mse_loss(o, t, reduction="sum")
+        )
+        assert abs(loss.item() - nn.functional.mse_loss(ref_model(x), y, reduction="sum").item()) < 1e-4
+        for (n, p), rp_ in zip(model.named_parameters(), ref_model.parameters()):
+            assert rel_err(rp.master_param(p).grad, rp_.grad) <= RTOL, n
+    finally:
+        rp.close()
+
+
+def _train_compare(model: nn.Module, make_inputs, loss_fn, rp_kwargs: dict, steps: int = 3) -> AutoRoundPipe:
+    """Train ``model`` through AutoRoundPipe and a deep copy with plain PyTorch; compare."""
+    ref = copy.deepcopy(model)
+    # SGD, not Adam: Adam turns the rounding noise of gradients that are analytically zero
+    # (the key bias of attention) into full-size steps of random sign.
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    rp = wrap_model_to_roundpipe(model, use_sequential_preset=False, **rp_kwargs)
+    assert isinstance(rp, AutoRoundPipe)
+    with OptimizerCtx():
+        opt = torch.optim.SGD(rp.parameters(), lr=0.1, momentum=0.9)
+    assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))
+    try:
+        for it in range(steps):
+            inputs = make_inputs(it)
+            ref_loss = loss_fn(ref(*inputs))
+            ref_loss.backward()
+            loss = loss_fn(rp(*inputs))
+            assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item()) + 1e-6
+            loss.backward()
+            # gradients of this iteration equal plain PyTorch's
+            named_ref = dict(ref.named_parameters())
+            for n, p in model.named_parameters():
+                g = rp.master_param(p).grad if p.grad is None else p.grad
+                assert g is not None, f"no gradient for {n}"
+                assert rel_err(g, named_ref[n].grad) <= RTOL, f"{n} at step {it}"
+            ref_opt.step()
+            ref_opt.zero_grad()
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=(it % 2 == 0))
+        rp.synchronize()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert rel_err(p.detach(), q.detach()) <= 1e-5, f"{n} after training"
+        return rp
+    except BaseException:
+        rp.close()
+        raise
+
+
+def test_skip_connection_model_trains_like_pytorch() -> None:
+    torch.manual_seed(0)
+    model = SkipNet()
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(5, 7, 6, generator=gen), torch.randn(5, 7, 16, generator=gen)) for _ in range(3)]
+    rp = _train_compare(
+        model,
+        lambda it: data[it],
+        lambda out: out.pow(2).mean(),
+        dict(split_threshold=1200, devices=2, model_run_config=RoundPipeRunConfig(num_microbatch=2)),
+    )
+    try:
+        names = [n for n, _ in rp.units]
+        assert names == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"], names
+        assert [n for n, _ in rp.host_parameters] == ["scale"]
+        assert rp.units[-1][1].num_layers == 2  # the head is a chain: pipelined over 2 layers
+        with pytest.raises(TypeError, match="forward_backward"):
+            rp.forward_backward(input_args=(torch.randn(2, 7, 6),), label=None, loss_fn=lambda o, t: o.sum())
+        # inference and the original model are unchanged afterwards
+        x = torch.randn(3, 7, 6)
+        with torch.no_grad():
+            assert rel_err(rp(x), model(x)) <= RTOL
+        assert "forward" not in vars(model.blocks[0])
+    finally:
+        rp.close()
+
+
+def test_encoder_decoder_trains_like_pytorch() -> None:
+    torch.manual_seed(0)
+    model = nn.Transformer(
+        d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=24,
+        dropout=0.0, batch_first=True,
+    )
+    gen = torch.Generator().manual_seed(2)
+    src = torch.randn(4, 9, 16, generator=gen)
+    tgt = torch.randn(4, 6, 16, generator=gen)
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(6)
+    target = torch.randn(4, 6, 16, generator=gen)
+    rp = _train_compare(
+        model,
+        lambda it: (src + it, tgt, None, tgt_mask),
+        lambda out: (out - target).pow(2).mean(),
+        dict(devices=3, split_threshold=2000),
+        steps=2,
+    )
+    try:
+        assert len(rp.units) >= 4 and rp.num_devices == 3
+    finally:
+        rp.close()
+
+
+def test_shared_parameters_between_units_merge_them() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+            self.b = nn.Linear(4, 4)
+            self.b.weight = self.a[0].weight  # shared between two subtrees
+
+        def forward(self, x):
+            return self.b(self.a(x)) + x
+
+    torch.manual_seed(0)
+    model = Tied()
+    rp = wrap_model_to_roundpipe(model, use_sequential_preset=False, split_threshold=5, devices=1)
+    try:
+        assert [n for n, _ in rp.units] == [""]  # merged up to the root
+        ref = copy.deepcopy(model)
+        x = torch.randn(3, 4)
+        ref(x).sum().backward()
+        rp(x).sum().backward()
+        assert rel_err(rp.master_param(model.b.weight).grad, ref.b.weight.grad) <= RTOL
+    finally:
+        rp.close()
+
+
+def test_bad_threshold() -> None:
+    with pytest.raises(ValueError, match="split_threshold"):
+        wrap_model_to_roundpipe(SkipNet(), use_sequential_preset=False, split_threshold=0)
