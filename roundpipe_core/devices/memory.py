@@ -137,11 +137,17 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def pack_slabs(sizes: Sequence[int], slab_bytes: int = DEFAULT_SLAB_BYTES) -> list[tuple[int, int]]:
     """Assign each storage (by byte size) a ``(slab index, byte offset)``, first-fit in order.
 
-    A storage larger than ``slab_bytes`` gets a slab of its own. Offsets are
-    aligned to 512 bytes.
+    A slab holds ``slab_bytes`` (a power of two, so the pinned allocator does
+    not round it up). A storage larger than that opens a slab of the next power
+    of two, whose leftover room later small storages fill. Offsets are aligned
+    to 512 bytes.
 
     Returns:
         One ``(slab, offset)`` per entry of ``sizes``.
@@ -149,19 +155,19 @@ def pack_slabs(sizes: Sequence[int], slab_bytes: int = DEFAULT_SLAB_BYTES) -> li
     if slab_bytes <= 0:
         raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
     placement: list[tuple[int, int]] = []
-    slab_used: list[int] = []
-    current = -1  # slab being filled by small storages
+    used: list[int] = []
+    capacity: list[int] = []
     for size in sizes:
-        if size > slab_bytes:
-            slab_used.append(size)
-            placement.append((len(slab_used) - 1, 0))
-            continue
-        if current < 0 or _round_up(slab_used[current], _ALIGN) + size > slab_bytes:
-            slab_used.append(0)
-            current = len(slab_used) - 1
-        offset = _round_up(slab_used[current], _ALIGN)
-        placement.append((current, offset))
-        slab_used[current] = offset + size
+        for slab in range(len(used)):
+            offset = _round_up(used[slab], _ALIGN)
+            if offset + size <= capacity[slab]:
+                break
+        else:
+            slab, offset = len(used), 0
+            used.append(0)
+            capacity.append(slab_bytes if size <= slab_bytes else _next_pow2(size))
+        placement.append((slab, offset))
+        used[slab] = offset + size
     return placement
 
 
@@ -213,16 +219,36 @@ def pack_module_tensors(
     return sum(sizes), len(slabs)
 
 
+_PAGE = 4096
+
+
+def page_ranges(spans: Iterable[tuple[int, int]], page: int = _PAGE) -> list[tuple[int, int]]:
+    """Merge ``(pointer, nbytes)`` spans into disjoint page-aligned ``(pointer, nbytes)`` ranges.
+
+    Small CPU tensors share pages; ``cudaHostRegister`` refuses a range that
+    overlaps one already registered, so each page is registered exactly once.
+    """
+    merged: list[list[int]] = []
+    for ptr, n in sorted(spans):
+        if n <= 0:
+            continue
+        start, end = ptr // page * page, _round_up(ptr + n, page)
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b - a) for a, b in merged]
+
+
 def _register(groups: list[tuple[torch.UntypedStorage, list[torch.Tensor]]]) -> PinHandle:
     handle = PinHandle(mode="register", active=True)
     cudart = torch.cuda.cudart()
-    for storage, _ in groups:
-        ptr, size = storage.data_ptr(), storage.nbytes()
+    for ptr, size in page_ranges((s.data_ptr(), s.nbytes()) for s, _ in groups):
         # cudaHostRegisterDefault = 0: page-lock and map for DMA.
         err = cudart.cudaHostRegister(ptr, size, 0)
         code = int(err.value) if hasattr(err, "value") else int(err)
         if code == _CUDA_ERR_ALREADY_REGISTERED:
-            continue
+            continue  # pinned by someone else (uploads from it are still async)
         if code != 0:
             handle.release()
             raise RuntimeError(

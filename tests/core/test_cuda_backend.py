@@ -301,26 +301,37 @@ def test_pin_model_is_a_no_op_on_the_cpu_backend(mode: str, no_cuda: None) -> No
     assert [p.data_ptr() for p in model.parameters()] == ptrs
 
 
-def test_pack_slabs_aligns_and_never_overlaps() -> None:
+def test_pack_slabs_aligns_fits_and_never_overlaps() -> None:
     sizes = [100, 700, 5000, 3, 2048, 9000, 1]
     placement = memory.pack_slabs(sizes, slab_bytes=4096)
     spans: dict[int, list[tuple[int, int]]] = {}
     for size, (slab, off) in zip(sizes, placement):
         assert off % 512 == 0
-        if size <= 4096:
-            assert off + size <= 4096
-        else:
-            assert off == 0  # oversize: a slab of its own
         spans.setdefault(slab, []).append((off, off + size))
     for ranges in spans.values():
         ranges.sort()
         for (_, b0), (a1, _) in zip(ranges, ranges[1:]):
             assert b0 <= a1
-    big = [slab for size, (slab, _) in zip(sizes, placement) if size > 4096]
-    assert len(set(big)) == 2 and all(len(spans[s]) == 1 for s in big)
-    assert memory.slab_sizes(sizes, placement)[placement[2][0]] == 5000
+    # oversize storages open a power-of-two slab at offset 0; small ones fill the rest
+    assert placement[2] == (1, 0) and placement[5] == (2, 0)
+    assert placement[6] == (1, 5120)  # slab 0 is full by then (4096 bytes used)
+    assert memory.slab_sizes(sizes, placement) == [4096, 5121, 9000]
+    caps = {0: 4096, 1: 8192, 2: 16384}
+    for slab, n in enumerate(memory.slab_sizes(sizes, placement)):
+        assert n <= caps[slab]
     with pytest.raises(ValueError):
         memory.pack_slabs([1], 0)
+
+
+def test_page_ranges_merge_shared_pages() -> None:
+    spans = [
+        (4096 * 3 + 100, 50),
+        (4096 * 3 + 200, 5000),
+        (4096 * 10, 4096),
+        (0, 0),
+        (4096 * 11, 1),
+    ]
+    assert memory.page_ranges(spans) == [(4096 * 3, 4096 * 2), (4096 * 10, 4096 * 2)]
 
 
 def test_packing_keeps_values_ties_views_and_training() -> None:

@@ -1,0 +1,506 @@
+"""Train a Qwen3-1.7B-shaped model (random weights) for a few steps and report throughput.
+
+One engine per process (GPU memory statistics stay clean)::
+
+    python benchmarks/gpu_train.py --engine roundpipe_core --json results.jsonl
+    python benchmarks/gpu_train.py --engine plain          --json results.jsonl
+    python benchmarks/gpu_train.py --engine published      --json results.jsonl   # needs `roundpipe`
+    python benchmarks/gpu_train.py --table results.jsonl                          # side-by-side table
+
+Engines:
+
+- ``roundpipe_core``: this project. bf16 parameters in pinned host memory, fp32
+  master copies, ``forward_backward`` + ``AdamW(fused=True)`` on the masters
+  through ``step()`` (asynchronous, one step stale), on every visible GPU.
+- ``plain``: plain PyTorch on one GPU: fp32 parameters, bf16 autocast,
+  activation checkpointing of every decoder layer, ``AdamW(fused=True)`` on the
+  GPU. Skipped (reported "oom") when it does not fit.
+- ``published``: the published ``roundpipe`` package (PyPI ``roundpipe``),
+  same model, same loss, same optimizer as ``roundpipe_core``. Only run, never copied.
+
+The model is a pure-PyTorch replica of Qwen3-1.7B's shapes (28 decoder layers,
+hidden 2048, 16 query / 8 key-value heads of 128, q/k RMSNorm, RoPE theta 1e6,
+SwiGLU 6144, vocabulary 151936, tied embeddings): no download, no transformers.
+As an ``nn.Sequential``: [embedding, 28 decoder layers, final norm + LM head].
+
+``--tiny`` shrinks everything (and runs on CPU workers without a GPU) to smoke-test
+the script itself.
+
+Each run appends one JSON object to ``--json``: engine, status (ok / oom /
+error / unavailable), tokens_per_s, step_s, peak GPU memory (allocated and
+reserved, GiB), and for roundpipe_core the stage sizes of the plan used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GIB = 1024**3
+
+
+# ---------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------
+class Shape:
+    def __init__(self, tiny: bool = False) -> None:
+        if tiny:
+            self.vocab, self.hidden, self.layers, self.heads, self.kv_heads = 512, 64, 3, 4, 2
+            self.head_dim, self.ffn = 16, 128
+        else:  # Qwen3-1.7B
+            self.vocab, self.hidden, self.layers, self.heads, self.kv_heads = (
+                151936,
+                2048,
+                28,
+                16,
+                8,
+            )
+            self.head_dim, self.ffn = 128, 6144
+        self.rope_theta = 1_000_000.0
+        self.eps = 1e-6
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.s = s
+        self.input_norm = RMSNorm(s.hidden, s.eps)
+        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        self.q_norm = RMSNorm(s.head_dim, s.eps)
+        self.k_norm = RMSNorm(s.head_dim, s.eps)
+        self.post_norm = RMSNorm(s.hidden, s.eps)
+        self.gate_proj = nn.Linear(s.hidden, s.ffn, bias=False)
+        self.up_proj = nn.Linear(s.hidden, s.ffn, bias=False)
+        self.down_proj = nn.Linear(s.ffn, s.hidden, bias=False)
+        inv = 1.0 / (
+            s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim)
+        )
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        b, t, _ = x.shape
+        h = self.input_norm(x)
+        q = self.q_norm(self.q_proj(h).view(b, t, s.heads, s.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(h).view(b, t, s.kv_heads, s.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        # RoPE tables computed in fp32 from the position index (device-agnostic temporaries).
+        freqs = torch.outer(
+            torch.arange(t, device=x.device, dtype=torch.float32), self.inv_freq.float()
+        )
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        rep = s.heads // s.kv_heads
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Embed(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+
+class Head(nn.Module):
+    def __init__(self, s: Shape, embed: Embed) -> None:
+        super().__init__()
+        self.norm = RMSNorm(s.hidden, s.eps)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.lm_head.weight = embed.embed_tokens.weight  # tied, as in Qwen3-1.7B
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+
+def build_model(
+    s: Shape, device: str | torch.device, dtype: torch.dtype, seed: int = 0
+) -> nn.Sequential:
+    """The model, randomly initialised directly on ``device`` in ``dtype`` (fast, no fp32 detour)."""
+    with torch.device("meta"):
+        embed = Embed(s)
+        layers = [DecoderLayer(s) for _ in range(s.layers)]
+        head = Head(s, embed)
+        model = nn.Sequential(embed, *layers, head)
+    model = model.to_empty(device=device)
+    head.lm_head.weight = embed.embed_tokens.weight  # re-tie after materialisation
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        for layer in layers:
+            inv = 1.0 / (
+                s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim)
+            )
+            layer.inv_freq = inv.to(device)
+    return model.to(dtype)
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_batch(s: Shape, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, s.vocab, (batch, seq + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def make_loss_fn(total_tokens: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Token-sum cross entropy / tokens of the whole batch: microbatch losses add up to the batch mean."""
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return (
+            F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
+            )
+            / total_tokens
+        )
+
+    return loss_fn
+
+
+# ---------------------------------------------------------------------------
+# engines
+# ---------------------------------------------------------------------------
+def _gpu_stats(result: dict[str, Any]) -> None:
+    if torch.cuda.is_available():
+        result["peak_alloc_gib"] = round(
+            max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / GIB,
+            2,
+        )
+        result["peak_reserved_gib"] = round(
+            max(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count())) / GIB,
+            2,
+        )
+
+
+def _reset_gpu_stats() -> None:
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+            torch.cuda.reset_peak_memory_stats(i)
+
+
+def _timed_loop(
+    step: Callable[[], float],
+    finish: Callable[[], None],
+    warmup: int,
+    steps: int,
+    tokens: int,
+    result: dict[str, Any],
+    between_warmups: Callable[[int], None] | None = None,
+) -> None:
+    losses = []
+    for i in range(warmup):
+        losses.append(step())
+        if between_warmups is not None:
+            between_warmups(i)
+    finish()
+    _reset_gpu_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        losses.append(step())
+    finish()
+    dt = time.perf_counter() - t0
+    result.update(
+        status="ok",
+        steps=steps,
+        step_s=round(dt / steps, 3),
+        tokens_per_s=round(tokens * steps / dt, 1),
+        losses=[round(x, 4) for x in losses],
+    )
+    _gpu_stats(result)
+
+
+def run_roundpipe(
+    args: argparse.Namespace, s: Shape, result: dict[str, Any], published: bool
+) -> None:
+    if published:
+        import roundpipe as rp_mod  # the published package, run as is
+
+        result["version"] = getattr(rp_mod, "__version__", "?")
+    else:
+        import roundpipe_core as rp_mod
+
+    t0 = time.perf_counter()
+    model = build_model(s, "cpu", torch.bfloat16)
+    result["params"] = num_params(model)
+    ids, labels = make_batch(s, args.batch, args.seq, seed=1)
+    tokens = ids.numel()
+    loss_fn = make_loss_fn(tokens)
+    kwargs: dict[str, Any] = {"optim_dtype": torch.float32, "pin_model": args.pin_model}
+    if not published and args.tiny and not torch.cuda.is_available():
+        kwargs["devices"] = "cpu:2"
+    run_cfg_kwargs: dict[str, Any] = {}
+    if args.num_microbatch:
+        run_cfg_kwargs["num_microbatch"] = args.num_microbatch
+    if run_cfg_kwargs:
+        kwargs["model_run_config"] = rp_mod.RoundPipeRunConfig(**run_cfg_kwargs)
+    rp = rp_mod.RoundPipe(model, **kwargs)
+    opt = torch.optim.AdamW(list(rp.optim_parameters()), lr=1e-5, fused=True)
+    result["setup_s"] = round(time.perf_counter() - t0, 1)
+    state: dict[str, Any] = {"cfg": None}
+
+    def step() -> float:
+        fb_kwargs: dict[str, Any] = {"input_args": (ids,), "label": labels, "loss_fn": loss_fn}
+        if state["cfg"] is not None:
+            fb_kwargs["run_config"] = state["cfg"]
+        loss = rp.forward_backward(**fb_kwargs)
+        rp.step(lambda: (opt.step(), opt.zero_grad(set_to_none=True)), is_async=True)
+        if isinstance(loss, (list, tuple)):
+            loss = sum(float(x) for x in loss)
+        return float(loss)
+
+    def replan(i: int) -> None:
+        # After a measured iteration, let our planner choose the stages (the published
+        # package plans automatically by itself).
+        if published or args.plan != "auto" or i != 0:
+            return
+        try:
+            plan = rp_mod.ModelExecutePlan.auto("fused", rp)
+            state["cfg"] = rp_mod.RoundPipeRunConfig(execute_plan=plan, **run_cfg_kwargs)
+        except Exception as exc:  # noqa: BLE001 - report and keep the default plan
+            result["plan_error"] = f"{type(exc).__name__}: {exc}"
+
+    try:
+        _timed_loop(
+            step,
+            rp.synchronize,
+            max(args.warmup, 2 if args.plan == "auto" else 1),
+            args.steps,
+            tokens,
+            result,
+            replan,
+        )
+        if not published:
+            _describe_plan(rp, result)
+    finally:
+        close = getattr(rp, "close", None)
+        if callable(close):
+            close()
+
+
+def _describe_plan(rp: Any, result: dict[str, Any]) -> None:
+    """Stage sizes of the plan last run, and the memory bound they imply."""
+    jobs = getattr(rp, "last_schedule", None) or []
+    layer_bytes = [
+        sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in rp.layers
+    ]
+    stages = []
+    for job in jobs:
+        nbytes = sum(layer_bytes[i] for i in job.layers)
+        # backward / fused stages hold their gradients too
+        stages.append((job.kind, len(job.layers), nbytes * (2 if job.kind != "forward" else 1)))
+    if stages:
+        letter = {"forward": "F", "fused": "X", "backward": "B"}
+        result["stages"] = [f"{letter.get(k, k)}{n}" for k, n, _ in stages]
+        top = sorted((b for _, _, b in stages), reverse=True)[:2]
+        result["two_largest_stages_gib"] = round(sum(top) / GIB, 2)
+
+
+def run_plain(args: argparse.Namespace, s: Shape, result: dict[str, Any]) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.cuda.is_available():
+        if not args.tiny:
+            result.update(status="unavailable", error="no CUDA GPU")
+            return
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", 0)
+    t0 = time.perf_counter()
+    model = build_model(s, device, torch.float32)
+    result["params"] = num_params(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda" or None)
+    ids, labels = make_batch(s, args.batch, args.seq, seed=1)
+    ids, labels = ids.to(device), labels.to(device)
+    loss_fn = make_loss_fn(ids.numel())
+    embed, *blocks, head = list(model)
+    result["setup_s"] = round(time.perf_counter() - t0, 1)
+
+    def step() -> float:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            x = embed(ids)
+            for blk in blocks:
+                x = checkpoint(blk, x, use_reentrant=False)
+            loss = loss_fn(head(x), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def finish() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    _timed_loop(step, finish, args.warmup, args.steps, ids.numel(), result)
+
+
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    s = Shape(args.tiny)
+    result: dict[str, Any] = {
+        "engine": args.engine,
+        "batch": args.batch,
+        "seq": args.seq,
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+    }
+    torch.manual_seed(0)
+    try:
+        if args.engine == "plain":
+            run_plain(args, s, result)
+        elif args.engine == "published":
+            try:
+                import roundpipe  # noqa: F401
+            except Exception as exc:  # noqa: BLE001 - not installed: say so in the table
+                result.update(status="unavailable", error=f"cannot import roundpipe: {exc}")
+                return result
+            run_roundpipe(args, s, result, published=True)
+        else:
+            run_roundpipe(args, s, result, published=False)
+    except torch.cuda.OutOfMemoryError as exc:
+        result.update(status="oom", error=str(exc).splitlines()[0][:200])
+        _gpu_stats(result)
+    except Exception as exc:  # noqa: BLE001 - one engine failing must not hide the others
+        traceback.print_exc()
+        result.update(
+            status="error",
+            error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+        )
+        _gpu_stats(result)
+    return result
+
+
+# ---------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------
+def print_table(path: str) -> None:
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    base = {r["engine"]: r for r in rows if r.get("status") == "ok"}
+    ref = base.get("plain")
+    print()
+    print(
+        "| engine | status | tokens/s | vs plain | s/step | first loss | peak alloc GiB | peak reserved GiB | 2 largest stages GiB | note |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        tps = r.get("tokens_per_s")
+        ratio = f"{tps / ref['tokens_per_s']:.2f}x" if tps and ref else ""
+        note = r.get("error") or ""
+        if r.get("stages"):
+            note = (note + " " if note else "") + f"stages {','.join(r['stages'])}"
+        if r.get("plan_error"):
+            note += f" (auto plan failed: {r['plan_error'][:80]})"
+
+        def fmt(v: Any) -> str:
+            return "" if v is None else str(v)
+
+        print(
+            f"| {r.get('engine')} | {r.get('status')} | {fmt(tps)} | {ratio} | {fmt(r.get('step_s'))} | "
+            f"{fmt((r.get('losses') or [None])[0])} | "
+            f"{fmt(r.get('peak_alloc_gib'))} | {fmt(r.get('peak_reserved_gib'))} | "
+            f"{fmt(r.get('two_largest_stages_gib'))} | {note} |"
+        )
+    if rows:
+        r0 = next((r for r in rows if r.get("params")), rows[0])
+        print(
+            f"\nmodel: Qwen3-1.7B shape{' (TINY)' if r0.get('seq', 0) < 256 else ''}, params {r0.get('params', '?')}, "
+            f"batch {r0.get('batch')} x seq {r0.get('seq')}; GPU {r0.get('gpu')} x{r0.get('gpus')}; torch {r0.get('torch')}"
+        )
+        print(
+            "stages: F = forward, X = fused forward+backward, B = recompute+backward, with layer counts; "
+            "'2 largest stages' counts parameters, plus gradients for X/B stages"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--engine", choices=["roundpipe_core", "plain", "published"], default="roundpipe_core"
+    )
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument(
+        "--num-microbatch",
+        type=int,
+        default=None,
+        help="RoundPipe microbatches (default: engine's)",
+    )
+    ap.add_argument(
+        "--plan",
+        choices=["auto", "default"],
+        default="auto",
+        help="roundpipe_core: plan from measured times after warm-up",
+    )
+    ap.add_argument("--pin-model", choices=["alloc", "register", "off"], default="alloc")
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny model, for a smoke test (runs on CPU too)"
+    )
+    ap.add_argument("--json", help="append the result as one JSON line to this file")
+    ap.add_argument("--table", help="print the table of a results file and exit")
+    args = ap.parse_args(argv)
+    if args.table:
+        print_table(args.table)
+        return 0
+    if args.tiny and args.seq == 2048:
+        args.seq = 32
+    result = run_engine(args)
+    line = json.dumps(result)
+    print("RESULT", line, flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(line + "\n")
+    return 0 if result.get("status") in ("ok", "oom", "unavailable") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
