@@ -170,6 +170,7 @@ def wrap_model_to_roundpipe(
             model, optim_dtype=optim_dtype, model_run_config=model_run_config, **roundpipe_kwargs
         )
     seq = convert_to_sequential(model)
+    roundpipe_kwargs.setdefault("name", type(unwrap_peft(model)).__name__)
     return RoundPipe(
         seq,
         optim_dtype=optim_dtype,

@@ -27,9 +27,10 @@ def make_model(kind: str, seed: int = 0, **overrides):
         cfg = tf.LlamaConfig(**{**common, **overrides})
         model = tf.LlamaForCausalLM(cfg)
     elif kind == "qwen3":
+        # tied embeddings, like the small Qwen3 checkpoints
         cfg = tf.Qwen3Config(
             **{**common, "head_dim": 8, "use_sliding_window": True, "sliding_window": 4,
-               "max_window_layers": 1, **overrides}
+               "max_window_layers": 1, "tie_word_embeddings": True, **overrides}
         )
         model = tf.Qwen3ForCausalLM(cfg)
     elif kind == "qwen2":
