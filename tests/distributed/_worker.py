@@ -1,0 +1,191 @@
+"""One rank of the distributed tests: ``python _worker.py SCENARIO OUT_DIR``.
+
+Reads its place in the job from the environment (``NODE_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``, ``ROUNDPIPE_DIST_TIMEOUT``) like a real
+one-process-per-node launch, runs a RoundPipe with 2 CPU workers, and writes what
+the test checks under OUT_DIR.
+
+Scenarios:
+    train  -- collectives, then several training configurations (mean/sum, overlap
+              on/off, gradient accumulation, autograd backward) from rank-specific
+              initial weights made identical by ``broadcast_masters``; saves params.
+    kill   -- trains until rank 1 dies inside its backward (``os._exit``).
+    stall  -- trains until rank 1 stops taking part (sleeps, alive): rank 0 must hit
+              the process-group timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from _common import GLOBAL_BATCH, build_model, load_distributed, make_data, make_optimizer, shard  # noqa: E402
+
+from roundpipe_core import RoundPipe, RoundPipeRunConfig  # noqa: E402
+
+D = load_distributed()
+
+TRAIN_CONFIGS = {
+    # name: (op, overlap, accum, bucket_bytes, use_autograd_backward)
+    "mean_overlap_small_buckets": ("mean", True, 1, 200, False),
+    "sum_no_overlap_accum2": ("sum", False, 2, D.DEFAULT_BUCKET_BYTES, False),
+    "mean_overlap_accum2_autograd": ("mean", True, 2, 600, True),
+    "sum_overlap_one_bucket": ("sum", True, 1, D.DEFAULT_BUCKET_BYTES, False),
+}
+STEPS = 3
+
+
+def make_rp(rank: int) -> RoundPipe:
+    # Each rank starts from different weights: broadcast_masters must make them equal.
+    return RoundPipe(build_model(seed=rank), devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+
+
+def train(rank: int, world: int, op: str, overlap: bool, accum: int, bucket_bytes: int, autograd: bool) -> dict:
+    rp = make_rp(rank)
+    try:
+        D.broadcast_masters(rp)
+        opt = make_optimizer(rp.optim_parameters())
+        reducer = D.GradientAllReducer(rp, op=op, bucket_bytes=bucket_bytes, overlap=overlap)
+        # sum over ranks of (sum_local / B_global) == mean over ranks of (sum_local / B_local)
+        denom = (GLOBAL_BATCH if op == "sum" else GLOBAL_BATCH // world) * accum
+
+        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return ((out - y) ** 2).sum() / denom
+
+        hook_ready = 0
+        for window in make_data(STEPS, accum):
+            for i, (x, y) in enumerate(window):
+                if i == accum - 1:
+                    reducer.arm()
+                xs, ys = shard(x, rank, world), shard(y, rank, world)
+                if autograd:
+                    loss_fn(rp(xs), ys).backward()
+                else:
+                    rp.forward_backward(input_args=(xs,), label=ys, loss_fn=loss_fn)
+            rnd = reducer._round
+            if rnd is not None:  # buckets the grad hook released during the call
+                hook_ready += sum(e.is_set() for e in rnd.ready)
+            reducer.finish()
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        rp.synchronize()
+        reducer.close()
+        return {
+            "params": {n: p.detach().clone() for n, p in rp.model.named_parameters()},
+            "in_sync": D.params_in_sync(rp),
+            "buckets": len(reducer.buckets),
+            "hook_ready": hook_ready,
+        }
+    finally:
+        rp.close()
+
+
+def none_grads(rank: int) -> dict:
+    """A master without a gradient on one rank still takes part (as zeros) and gets the
+    reduced gradient; one without a gradient anywhere keeps ``grad=None``."""
+    rp = RoundPipe(build_model(0), devices="cpu:2")
+    try:
+        m = rp.optim_parameters()
+        m[0].grad = torch.full_like(m[0], float(rank + 1))
+        m[1].grad = torch.ones_like(m[1]) if rank == 0 else None
+        m[2].grad = None
+        with D.GradientAllReducer(rp, op="mean", bucket_bytes=64) as r:
+            r.finish()
+        return {"g0": m[0].grad.clone(), "g1": None if m[1].grad is None else m[1].grad.clone(),
+                "g2_is_none": m[2].grad is None}
+    finally:
+        rp.close()
+
+
+def misuse(rank: int, world: int) -> str:
+    """arm() before the first of two backward calls: finish() must refuse."""
+    rp = make_rp(rank)
+    try:
+        D.broadcast_masters(rp)
+        reducer = D.GradientAllReducer(rp, overlap=True, bucket_bytes=200)
+        x, y = make_data(1, 1)[0][0]
+        reducer.arm()
+        for _ in range(2):
+            rp.forward_backward(input_args=(shard(x, rank, world),), label=shard(y, rank, world),
+                                loss_fn=lambda o, t: ((o - t) ** 2).sum())
+        try:
+            reducer.finish()
+        except RuntimeError as exc:
+            return str(exc)
+        return ""
+    finally:
+        rp.close()
+
+
+def collectives(rank: int, world: int) -> dict:
+    gathered = D.all_gather(torch.arange(rank + 2, dtype=torch.float32))  # sizes 2 and 3
+    D.barrier()
+    return {
+        "mean": D.all_reduce(torch.tensor([float(rank), 10.0 * rank])).tolist(),
+        "sum": D.all_reduce(torch.tensor([rank + 1]), op="sum").tolist(),
+        "max": D.all_reduce(torch.tensor([float(rank)]), op="max").tolist(),
+        "gather": gathered.tolist(),
+        "obj": D.broadcast_object({"from": rank, "list": [rank]}, src=0),
+    }
+
+
+def run_train(rank: int, world: int, out: Path) -> None:
+    info = {"collectives": collectives(rank, world)}
+    for name, cfg in TRAIN_CONFIGS.items():
+        res = train(rank, world, *cfg)
+        torch.save(res["params"], out / f"{name}_rank{rank}.pt")
+        info[name] = {k: res[k] for k in ("in_sync", "buckets", "hook_ready")}
+    torch.save(none_grads(rank), out / f"none_grads_rank{rank}.pt")
+    info["misuse_error"] = misuse(rank, world)
+    (out / f"info_rank{rank}.json").write_text(json.dumps(info))
+
+
+def run_failure(rank: int, world: int, out: Path, mode: str) -> None:
+    """Train with overlap until rank 1 fails at step 3 (dies in its backward, or stalls)."""
+    rp = make_rp(rank)
+    D.broadcast_masters(rp)
+    opt = make_optimizer(rp.optim_parameters())
+    reducer = D.GradientAllReducer(rp, bucket_bytes=200)
+
+    def die(_masters: list) -> None:
+        (out / "rank1_died").write_text(str(time.time()))
+        os._exit(17)  # a crash in the middle of the backward pass
+
+    x, y = make_data(1, 1)[0][0]
+    for step in range(10_000):
+        if rank == 1 and step == 3:
+            if mode == "kill":
+                rp.register_grad_hook(die)
+            else:
+                (out / "rank1_stalled").write_text(str(time.time()))
+                time.sleep(600)  # alive, sockets open, never reaches the collective
+        reducer.arm()
+        rp.forward_backward(input_args=(shard(x, rank, world),), label=shard(y, rank, world),
+                            loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        reducer.finish()
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+    (out / f"rank{rank}_finished").write_text("training ended without noticing the failed peer")
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    D.init_process_group()  # NODE_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / ROUNDPIPE_DIST_TIMEOUT
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if scenario == "train":
+        run_train(rank, world, out)
+        D.barrier()
+        D.destroy_process_group()
+    elif scenario in ("kill", "stall"):
+        run_failure(rank, world, out, scenario)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Two processes on 127.0.0.1 as two "nodes" (gloo, CPU backend, 2 workers each).
+
+* The parameters after N steps (``is_async=False``) are identical on both ranks and
+  equal, within 1e-5 relative, to plain PyTorch trained on the concatenated batch --
+  for mean and sum reduction, with and without overlap, with gradient accumulation
+  and with an autograd ``loss.backward()`` through the pipeline; ranks start from
+  different weights that ``broadcast_masters`` makes equal.
+* A rank that dies mid-backward makes the other fail with an error; a rank that
+  stalls makes the other fail at the process-group timeout. Nothing hangs: every
+  process is waited on with a hard deadline and killed past it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import build_model, launch, reference_run, rel_err, wait_all  # noqa: E402
+
+PG_TIMEOUT_S = 10.0
+# Process start-up (importing torch on a loaded 2-core box) plus the run itself.
+STARTUP_ALLOWANCE_S = 45.0
+
+TRAIN_CONFIGS = {  # must match _worker.TRAIN_CONFIGS: name -> accumulation steps
+    "mean_overlap_small_buckets": 1,
+    "sum_no_overlap_accum2": 2,
+    "mean_overlap_accum2_autograd": 2,
+    "sum_overlap_one_bucket": 1,
+}
+STEPS = 3
+
+
+def _fail_with_logs(procs, why: str) -> None:
+    logs = "\n".join(f"--- rank {p.rank} ---\n{p.output()[-4000:]}" for p in procs)
+    pytest.fail(f"{why}\n{logs}")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp_train")
+    procs = launch("train", out, timeout_s=PG_TIMEOUT_S)
+    codes = wait_all(procs, STARTUP_ALLOWANCE_S + 45)
+    if codes != [0, 0]:
+        _fail_with_logs(procs, f"training processes exited with {codes} (None = killed after the deadline)")
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(TRAIN_CONFIGS))
+def test_ranks_identical_and_equal_to_single_process(trained: Path, name: str) -> None:
+    p0 = torch.load(trained / f"{name}_rank0.pt")
+    p1 = torch.load(trained / f"{name}_rank1.pt")
+    ref = reference_run(STEPS, TRAIN_CONFIGS[name])
+    init = dict(build_model(0).named_parameters())
+    assert set(p0) == set(ref) == set(p1)
+    for k in ref:
+        assert torch.equal(p0[k], p1[k]), f"{name}: {k} differs between the ranks"
+        err = rel_err(p0[k], ref[k])
+        assert err <= 1e-5, f"{name}: {k} rel err {err:.2e} vs single-process PyTorch on the whole batch"
+    # the comparison is not vacuous: training moved the trainable weights, the frozen layer stayed
+    assert max((p0[k] - init[k]).abs().max().item() for k in ref if init[k].requires_grad) > 1e-2
+    assert torch.equal(p0["2.weight"], init["2.weight"].detach())
+
+
+@pytest.mark.timeout(150)
+def test_overlap_is_driven_by_the_grad_hook(trained: Path) -> None:
+    info = json.loads((trained / "info_rank0.json").read_text())
+    for name in ("mean_overlap_small_buckets", "mean_overlap_accum2_autograd", "sum_overlap_one_bucket"):
+        # every bucket of every armed step was released by the hook during the backward call
+        assert info[name]["hook_ready"] == info[name]["buckets"] * STEPS, (name, info[name])
+        assert info[name]["in_sync"]
+    assert info["mean_overlap_small_buckets"]["buckets"] > 3  # several buckets, issued in a fixed order
+    assert info["sum_no_overlap_accum2"]["hook_ready"] == 0
+
+
+@pytest.mark.timeout(150)
+def test_missing_gradients_take_part_as_zeros(trained: Path) -> None:
+    for rank in (0, 1):
+        g = torch.load(trained / f"none_grads_rank{rank}.pt")
+        assert torch.equal(g["g0"], torch.full_like(g["g0"], 1.5))  # mean of 1 and 2
+        assert g["g1"] is not None and torch.equal(g["g1"], torch.full_like(g["g1"], 0.5))  # mean of 1 and "none"
+        assert g["g2_is_none"]  # no rank had one: stays None, as in one process
+
+
+@pytest.mark.timeout(150)
+def test_collectives_and_misuse(trained: Path) -> None:
+    for rank in (0, 1):
+        info = json.loads((trained / f"info_rank{rank}.json").read_text())
+        c = info["collectives"]
+        assert c["mean"] == [0.5, 5.0]
+        assert c["sum"] == [3]
+        assert c["max"] == [1.0]
+        assert c["gather"] == [[0.0, 1.0, 0.0], [0.0, 1.0, 2.0]]  # unequal sizes, zero-padded
+        assert c["obj"] == {"from": 0, "list": [0]}
+        assert "arm() must come right before the LAST backward" in info["misuse_error"]
+
+
+def _wait_for_marker(procs, path: Path, deadline_s: float) -> float:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if path.exists() and path.read_text():
+            return time.monotonic()
+        if procs[0].popen.poll() is not None:
+            break
+        time.sleep(0.1)
+    wait_all(procs, 0.1)
+    _fail_with_logs(procs, f"{path.name} never appeared")
+    raise AssertionError  # unreachable
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_failed_rank_ends_the_job_within_the_timeout(tmp_path: Path, mode: str) -> None:
+    """Rank 1 dies inside its backward (``kill``) or stops taking part while alive
+    (``stall``): rank 0 must exit with the reducer's error within the process-group
+    timeout (plus slack for a loaded machine), not hang."""
+    procs = launch(mode, tmp_path, timeout_s=PG_TIMEOUT_S)
+    marker = tmp_path / ("rank1_died" if mode == "kill" else "rank1_stalled")
+    try:
+        _wait_for_marker(procs, marker, STARTUP_ALLOWANCE_S + 30)
+        code0 = wait_all(procs[:1], PG_TIMEOUT_S + 20)[0]
+    finally:
+        wait_all(procs, 0.1)  # kills rank 1 if it is still sleeping
+    log0 = procs[0].output()
+    if code0 is None:
+        _fail_with_logs(procs, f"rank 0 still running {PG_TIMEOUT_S + 20:.0f} s after rank 1 {mode}ed: it hangs")
+    assert code0 != 0
+    assert "gradient all-reduce failed on rank 0 of 2" in log0, log0[-3000:]
+    assert not (tmp_path / "rank0_finished").exists()
+    if mode == "kill":
+        assert procs[1].popen.returncode == 17

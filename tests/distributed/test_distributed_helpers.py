@@ -1,0 +1,126 @@
+"""In-process checks of ``roundpipe_lightning.distributed`` that need no peer:
+launch-environment parsing, timeouts, argument validation, bucketing, and the
+world-size-1 identities."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe_core import RoundPipe
+from roundpipe_lightning import distributed as D
+
+
+@pytest.fixture
+def rp():
+    r = RoundPipe(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), devices="cpu:2")
+    yield r
+    r.close()
+
+
+def test_torchrun_environment() -> None:
+    env = D.dist_env_from_environ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+                                   "LOCAL_RANK": "0"})
+    assert env == D.DistEnv(1, 2, "10.0.0.1", 29500, "torchrun")
+
+
+def test_node_rank_environment() -> None:
+    env = D.dist_env_from_environ({"NODE_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "host-a",
+                                   "MASTER_PORT": "1234"})
+    assert (env.rank, env.world_size, env.master_addr, env.source) == (0, 3, "host-a", "env")
+
+
+def test_slurm_environment() -> None:
+    env = D.dist_env_from_environ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train",
+                                   "SLURM_NODELIST": "gpu[007-010,12],cpu1", "SLURM_JOB_ID": "81234"})
+    assert (env.rank, env.world_size, env.master_addr, env.source) == (2, 4, "gpu007", "slurm")
+    assert env.master_port == 15000 + 1234
+    # an interactive allocation's shell is not a launch
+    with pytest.raises(ValueError, match="no distributed launch"):
+        D.dist_env_from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "bash",
+                                 "SLURM_NODELIST": "n1"})
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({}, "no distributed launch"),
+        ({"NODE_RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR, MASTER_PORT"),
+        ({"NODE_RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "NODE_RANK must be an integer"),
+        ({"NODE_RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "outside 0..1"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "a", "MASTER_PORT": "70000"}, "TCP port"),
+    ],
+)
+def test_bad_environment_names_the_problem(env: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        D.dist_env_from_environ(env)
+
+
+def test_timeout_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(D.TIMEOUT_ENV, raising=False)
+    assert D.resolve_timeout() == D.DEFAULT_TIMEOUT
+    assert D.resolve_timeout(12) == timedelta(seconds=12)
+    monkeypatch.setenv(D.TIMEOUT_ENV, "7.5")
+    assert D.resolve_timeout() == timedelta(seconds=7.5)
+    monkeypatch.setenv(D.TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=D.TIMEOUT_ENV):
+        D.resolve_timeout()
+    with pytest.raises(ValueError, match="positive"):
+        D.resolve_timeout(0)
+    with pytest.raises(TypeError):
+        D.resolve_timeout("10")
+
+
+def test_reducer_validates_arguments(rp: RoundPipe) -> None:
+    with pytest.raises(ValueError, match="'mean' or 'sum'"):
+        D.GradientAllReducer(rp, op="avg")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        D.GradientAllReducer(rp, bucket_bytes=0)
+    with pytest.raises(TypeError, match="needs a RoundPipe"):
+        D.GradientAllReducer(nn.Linear(2, 2))
+
+
+def test_buckets_are_reverse_order_and_capped(rp: RoundPipe) -> None:
+    masters = rp.optim_parameters()  # 0.weight(32) 0.bias(8) 2.weight(16) 2.bias(2) floats
+    r = D.GradientAllReducer(rp, bucket_bytes=4 * 20, overlap=False)
+    order = [p for b in r.buckets for p in b.params]
+    assert [id(p) for p in order] == [id(p) for p in reversed(masters)]
+    assert [[p.numel() for p in b.params] for b in r.buckets] == [[2, 16], [8], [32]]
+    r.close()
+
+
+def test_mixed_dtypes_get_separate_buckets() -> None:
+    ts = [torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)]
+    assert [len(b) for b in D._bucketize(ts, 1 << 20)] == [1, 2]
+
+
+def test_single_process_is_an_identity(rp: RoundPipe) -> None:
+    """Without a process group (or with world size 1) everything is a cheap no-op."""
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+    before = [p.grad.clone() for p in rp.optim_parameters()]
+    with D.GradientAllReducer(rp) as r:
+        r.arm()
+        r.finish()
+    D.sync_gradients(rp)
+    D.broadcast_masters(rp)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, rp.optim_parameters()))
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(D.all_reduce(t), t)
+    assert torch.equal(D.all_reduce(torch.tensor([3]), op="mean"), torch.tensor([3.0]))
+    assert D.all_gather(t).shape == (1, 2)
+    assert D.broadcast_object({"a": 1}) == {"a": 1}
+    assert D.params_in_sync(rp)
+    D.barrier()
+    with pytest.raises(ValueError, match="op must be"):
+        D.all_reduce(t, op="avg")
+
+
+def test_close_removes_the_grad_hook(rp: RoundPipe) -> None:
+    r = D.GradientAllReducer(rp, overlap=True)
+    assert len(rp._grad_hooks) == 1
+    r.close()
+    assert rp._grad_hooks == []
