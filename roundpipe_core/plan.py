@@ -259,6 +259,8 @@ class ModelExecutePlan:
             raise ValueError("bwd_owners given without a bwd layout; give bwd too")
         if f is None and b is None:
             raise ValueError("give at least one of fwd= and bwd= to build a plan from a layout")
+        if f is None and run_type == "infer":
+            raise ValueError("an 'infer' plan needs fwd=; bwd alone does not define it")
         for spec in (f, b):
             if spec is not None and spec.owners is not None and num_devices is not None:
                 for i, d in enumerate(spec.owners):
@@ -335,8 +337,6 @@ class ModelExecutePlan:
         fo = f.owners if f is not None else None
         bo = b.owners if b is not None else None
         if fwd_ranges is None:  # mirror the backward stages
-            if run_type == "infer":
-                raise ValueError("an 'infer' plan needs fwd=; bwd alone does not define it")
             assert bwd_ranges is not None
             mirrored = bwd_ranges[1:] if run_type == "fused" else bwd_ranges
             fwd_ranges = list(reversed(mirrored))
@@ -398,7 +398,6 @@ class ModelExecutePlan:
             run_type=run_type,
         )
 
-
     # -- automatic planning -------------------------------------------------------
     @staticmethod
     def auto(
@@ -408,6 +407,9 @@ class ModelExecutePlan:
         upper_threshold: float = 1.1,
         model_memory_limit: float | None = None,
         method: str = "exact",
+        objective: str = "pipeline",
+        num_microbatch: int | None = None,
+        refine: bool = True,
     ) -> ModelExecutePlan | list[ModelExecutePlan]:
         """Plan stages from measured layer times (seed 000), optimally for the planner's cost.
 
@@ -419,9 +421,15 @@ class ModelExecutePlan:
         backward/fused stages) stays under ``model_memory_limit / 2``: one stage runs
         while the next one's parameters are prefetched.
 
-        Unlike the published greedy search, which only tries stage caps between the
-        slowest layer and ``upper_threshold`` times that, the default ``method="exact"``
-        returns a partition of minimum cost over all caps (see :func:`search_plans`);
+        The published planner minimises ``max(total stages, min_stages) x slowest
+        stage`` (``objective="stages"``) greedily, trying only stage caps between the
+        slowest layer and ``upper_threshold`` times that. Here ``method="exact"``
+        returns the minimum over all caps (see :func:`search_plans`). Minimised
+        exactly, that cost turns out to favour a few huge stages, whose pipeline fill
+        and drain it does not charge; so the default ``objective="pipeline"``
+        minimises the round-robin iteration time of the stages instead
+        (:func:`pipeline_estimate`, exact for equal stages), and ``refine=True``
+        simulates the near-optimal candidates and keeps the fastest.
         ``upper_threshold`` only steers ``method="greedy"``, kept as the reference.
 
         Args:
@@ -438,6 +446,10 @@ class ModelExecutePlan:
                 smallest device's memory (CPU workers report ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB``,
                 8 GB unless set). A layer bigger than half of it raises the limit, with a warning.
             method: "exact" (default) or "greedy".
+            objective: "pipeline" (default) or "stages" (the published cost).
+            num_microbatch: microbatches per iteration, for the "pipeline" objective;
+                default number of devices + 1 (RoundPipe's default).
+            refine: simulate near-optimal candidates ("pipeline" objective only).
 
         Returns:
             One plan for one model, a list of plans (in order) for several.
@@ -499,8 +511,20 @@ class ModelExecutePlan:
                 stacklevel=2,
             )
             cap = float(need)
+        num_devices = max(devices) if devices else min_stages
+        if num_microbatch is None:
+            num_microbatch = num_devices + 1
         result = search_plans(
-            run_type, profiles, min_stages, cap, method=method, upper_threshold=upper_threshold
+            run_type,
+            profiles,
+            min_stages,
+            cap,
+            method=method,
+            upper_threshold=upper_threshold,
+            objective=objective,
+            num_devices=num_devices,
+            num_microbatch=num_microbatch,
+            refine=refine and objective == "pipeline" and method == "exact",
         )
         return result.plans[0] if len(models) == 1 else result.plans
 
@@ -779,9 +803,15 @@ class _Part:
 
     def count(self, n: int, cap: float, mem_cap: float) -> float:
         """Fewest stages covering layers 0..n-1 (greedy from the end is optimal here)."""
+        p, q = self.cost_prefix, self.mem_prefix
+        slack, mslack = _slack(cap), mem_cap * (1 + 1e-12)
+        left = bisect.bisect_left
         stages, j = 0, n
         while j > 0:
-            i = self.cut(j, cap, mem_cap)
+            i = left(p, p[j] - slack, 0, j)
+            if mslack != math.inf:
+                k = left(q, q[j] - mslack, 0, j)
+                i = i if i > k else k
             if i >= j:
                 return math.inf
             stages += 1
@@ -854,6 +884,26 @@ class _Problem:
             return math.inf
         return 1 + self.fwd.count(f, cap, m) + self.bwd.count(f, cap, m)
 
+    def work(self, cap: float) -> float:
+        """Summed stage time (per microbatch) of the plan packed under ``cap``.
+
+        Only "fused" depends on the cap: a larger fused stage saves its recompute.
+        Non-increasing in the cap.
+        """
+        n = self.n
+        total = self.fwd.cost_prefix[n]
+        if self.run_type == "train":
+            total += self.bwd.cost_prefix[n]
+        elif self.run_type == "fused":
+            f = min(self.fused_start(cap), n)
+            total = (
+                self.fwd.cost_prefix[f]
+                + self.bwd.cost_prefix[f]
+                + self.fused.cost_prefix[n]
+                - self.fused.cost_prefix[f]
+            )
+        return total
+
     def candidates(self) -> list[float]:
         """Every stage time a plan of this model can have."""
         n = self.n
@@ -878,30 +928,55 @@ class _Problem:
 
 
 OBJECTIVES = ("stages", "pipeline")
+#: The refinement step also simulates stage counts this far from the estimate's optimum.
+REFINE_SPREAD = 2
 
 
-def pipeline_estimate(num_stages: int, stage_ms: float, num_devices: int, num_microbatch: int) -> float:
-    """Iteration time of ``num_stages`` stages of ``stage_ms`` each under round-robin dispatch.
+def pipeline_estimate(
+    num_stages: int,
+    stage_ms: float,
+    num_devices: int,
+    num_microbatch: int,
+    work_ms: float = 0.0,
+) -> float:
+    """Estimated iteration time of a plan under round-robin dispatch.
 
     Device ``d`` runs stages ``d, d + N, ...``, each for all ``M`` microbatches; a
     stage starts once its device is free and the previous stage finished its first
-    microbatch. With equal stages this gives exactly
-    ``stage_ms * max(ceil(S / N) * M + (S - 1) mod N, S + M - 1)`` (the simulator
-    agrees); it is non-decreasing in both the stage count and the stage time, which
+    microbatch. With ``S`` equal stages of ``T`` this gives exactly
+    ``T * max(ceil(S / N) * M + (S - 1) mod N, S + M - 1)`` (the simulator agrees).
+    Stages are rarely equal, so the estimate is at least the work spread over the
+    devices plus the fill/drain ramp, ``M * work_ms / N + (min(N, M) - 1) * T``,
+    where ``work_ms`` is the summed stage time per microbatch (on one device this
+    is the exact answer; a larger fused stage saves recompute work). For equal
+    stages this never exceeds the exact formula, so that case stays exact. The
+    equal-stage term is pessimistic for uneven stages; ``refine`` corrects that.
+
+    It is non-decreasing in the stage count, the stage time and the work, which
     the exact search relies on.
     """
     s, n, m = num_stages, num_devices, num_microbatch
-    return stage_ms * max(-(-s // n) * m + (s - 1) % n, s + m - 1)
+    if n == 1 and work_ms > 0:
+        return m * work_ms  # one device never waits: the work is the time
+    equal = stage_ms * max(-(-s // n) * m + (s - 1) % n, s + m - 1)
+    return max(equal, m * work_ms / n + (min(n, m) - 1) * stage_ms)
 
 
 def plan_cost(
     plan: ModelExecutePlan, profile: LayerProfile, run_type: str, min_stages: int = 1
 ) -> tuple[float, int, float]:
-    """The planner's objective for one plan: ``(cost, num_stages, slowest_stage_ms)``.
+    """The published cost of one plan: ``(cost, num_stages, slowest_stage_ms)``.
 
     Forward stages cost their forward time, backward stages recompute + backward,
     the fused stage forward + backward; ``cost = max(num_stages, min_stages) * slowest``.
     """
+    times = stage_times(plan, profile, run_type)
+    slowest = max(times)
+    return max(len(times), min_stages) * slowest, len(times), slowest
+
+
+def stage_times(plan: ModelExecutePlan, profile: LayerProfile, run_type: str) -> list[float]:
+    """Per-microbatch time of every stage the plan runs for ``run_type``, in launch order."""
     fwd = list(profile.fwd_ms)
     re = list(profile.re_ms) if profile.re_ms is not None else fwd
     bwd = list(profile.bwd_ms)
@@ -912,8 +987,23 @@ def plan_cost(
         for k, r in enumerate(plan.bwd_plan):
             first = fwd if (run_type == "fused" and k == 0) else re
             times.append(sum(first[i] + bwd[i] for i in r))
-    slowest = max(times)
-    return max(len(times), min_stages) * slowest, len(times), slowest
+    return times
+
+
+def plan_objective(
+    plans: Sequence[ModelExecutePlan],
+    profiles: Sequence[LayerProfile],
+    run_type: str,
+    objective: str = "stages",
+    min_stages: int = 1,
+    num_devices: int | None = None,
+    num_microbatch: int | None = None,
+) -> float:
+    """The value :func:`search_plans` minimises, for given plans (one per model)."""
+    times = [t for plan, prof in zip(plans, profiles) for t in stage_times(plan, prof, run_type)]
+    if objective == "stages":
+        return max(len(times), min_stages) * max(times)
+    return pipeline_estimate(len(times), max(times), num_devices, num_microbatch, sum(times))  # type: ignore[arg-type]
 
 
 def search_plans(
@@ -926,23 +1016,39 @@ def search_plans(
     objective: str = "stages",
     num_devices: int | None = None,
     num_microbatch: int | None = None,
+    refine: bool = False,
 ) -> PlanSearch:
     """Partition one or more models (planned jointly: one shared stage time cap).
 
-    Minimises ``max(total stages, min_stages) * stage cap``, where every stage's
-    time stays under the cap and its memory under ``memory_cap_bytes``.
+    Every stage's time stays under the cap and its memory under ``memory_cap_bytes``.
+    Objectives (functions of the total stage count S and the cap T):
+
+    * ``"stages"`` — the published planner's ``max(S, min_stages) * T``;
+    * ``"pipeline"`` — :func:`pipeline_estimate`, the round-robin iteration time of
+      S stages of time T on ``num_devices`` devices with ``num_microbatch``
+      microbatches. It also charges the pipeline's fill and drain, which the
+      published cost ignores (minimised exactly, that cost prefers a few huge
+      stages: fewer stages, less slack, but a longer ramp).
 
     ``method="exact"`` finds the minimum: the optimal cap is the time of some stage,
     so it is one of the sums of contiguous layers; the stage count is a
     non-increasing step function of the cap, computed by greedy packing (optimal
-    for a fixed cap), and a pruned bisection over the sorted candidate caps visits
-    only the caps where the count drops and the cost can still improve.
+    for a fixed cap), and both objectives are non-decreasing in S and T, so a
+    pruned bisection over the sorted candidate caps visits only caps where the
+    count drops and the objective can still improve.
     ``method="greedy"`` is the published search, kept as a reference: only caps
     between the slowest layer and ``upper_threshold`` times that are tried.
 
+    ``refine=True`` (with the "pipeline" objective) then runs the event simulator
+    on the plans with the optimum's stage count and up to two stages fewer or more
+    (each at its smallest cap), plus the greedy search's pick, and keeps the
+    fastest: with uneven stages the estimate, exact for equal stages, can misrank
+    close candidates.
+
     Raises:
-        ValueError: unknown method / run type, no profiles, or a layer that cannot fit
-            ``memory_cap_bytes`` (``auto()`` raises the cap instead, with a warning).
+        ValueError: unknown method / objective / run type, no profiles, or a layer
+            that cannot fit ``memory_cap_bytes`` (``auto()`` raises the cap instead,
+            with a warning).
     """
     _check_run_type(run_type)
     if method not in ("exact", "greedy"):
@@ -953,6 +1059,8 @@ def search_plans(
         for name, v in (("num_devices", num_devices), ("num_microbatch", num_microbatch)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"objective='pipeline' needs {name} (an int >= 1), got {v!r}")
+    elif refine:
+        raise ValueError("refine=True needs objective='pipeline'")
     if not profiles:
         raise ValueError("give at least one model to plan")
     if not isinstance(min_stages, int) or min_stages < 1:
@@ -960,44 +1068,43 @@ def search_plans(
     if upper_threshold < 1.0:
         raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold!r}")
     problems = [_Problem(p, run_type, memory_cap_bytes) for p in profiles]
-    evaluated = 0
-
-    def stages(cap: float) -> float:
-        nonlocal evaluated
-        evaluated += 1
-        return sum(pr.stages(cap) for pr in problems)
-
     cands = sorted({c for pr in problems for c in pr.candidates()})
+    counts: dict[int, float] = {}
+    works: dict[int, float] = {}
+
+    def s_at(idx: int) -> float:
+        if idx not in counts:
+            counts[idx] = sum(pr.stages(cands[idx]) for pr in problems)
+        return counts[idx]
+
+    def w_at(idx: int) -> float:
+        if idx not in works:
+            works[idx] = sum(pr.work(cands[idx]) for pr in problems)
+        return works[idx]
+
+    def value(num: float, cap: float, work: float) -> float:
+        if objective == "stages":
+            return max(num, min_stages) * cap
+        return pipeline_estimate(int(num), cap, num_devices, num_microbatch, work)  # type: ignore[arg-type]
+
+    def cost(idx: int) -> float:
+        return value(s_at(idx), cands[idx], w_at(idx))
+
     # Smallest feasible cap (feasibility is monotone in the cap).
-    lo, hi = 0, len(cands) - 1
-    if stages(cands[hi]) == math.inf:
+    if s_at(len(cands) - 1) == math.inf:
         raise ValueError(
             f"a layer needs more than the memory cap of {memory_cap_bytes / _GB:.3f} GB per "
             "stage; raise model_memory_limit"
         )
+    lo, hi = 0, len(cands) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if stages(cands[mid]) < math.inf:
+        if s_at(mid) < math.inf:
             hi = mid
         else:
             lo = mid + 1
     first = lo
-    results: dict[int, float] = {}
-
-    def s_at(idx: int) -> float:
-        if idx not in results:
-            results[idx] = stages(cands[idx])
-        return results[idx]
-
     best_idx = first
-
-    def cost(idx: int) -> float:
-        return objective_value(s_at(idx), cands[idx])
-
-    def objective_value(num: float, cap: float) -> float:
-        if objective == "stages":
-            return max(num, min_stages) * cap
-        return pipeline_estimate(int(num), cap, num_devices, num_microbatch)  # type: ignore[arg-type]
 
     def consider(idx: int) -> None:
         nonlocal best_idx
@@ -1005,13 +1112,13 @@ def search_plans(
         if c < b * (1 - 1e-12) or (c <= b * (1 + 1e-12) and cands[idx] < cands[best_idx]):
             best_idx = idx
 
+    greedy_end = bisect.bisect_right(cands, _slack(cands[first] * upper_threshold))
     if method == "greedy":
-        limit = _slack(cands[first] * upper_threshold)
-        for idx in range(first, bisect.bisect_right(cands, limit)):
+        for idx in range(first, greedy_end):
             consider(idx)
     else:
-        # Past the first cap with at most min_stages (pipeline: one) stages the cost
-        # only grows.
+        # Past the first cap with at most min_stages (pipeline: one) stages the
+        # objective only grows.
         floor = min_stages if objective == "stages" else 1
         lo, hi = first, len(cands) - 1
         while lo < hi:
@@ -1026,22 +1133,85 @@ def search_plans(
         stack = [(first, last)]
         while stack:
             a, b = stack.pop()
-            if b - a < 2 or s_at(a) == s_at(b):
-                continue  # same count throughout: the left end is the cheapest
-            if objective_value(s_at(b), cands[a + 1]) >= cost(best_idx) * (1 + 1e-12):
+            if b - a < 2 or (s_at(a) == s_at(b) and (objective == "stages" or w_at(a) == w_at(b))):
+                continue  # same count (and work) throughout: the left end is the cheapest
+            # Between a and b: at least b's stages and work (both non-increasing in
+            # the cap) and at least a's next cap.
+            if value(s_at(b), cands[a + 1], w_at(b)) >= cost(best_idx) * (1 + 1e-12):
                 continue  # nothing in between can beat the best so far
             mid = (a + b) // 2
             consider(mid)
             stack.append((mid, b))
             stack.append((a, mid))
-    cap = cands[best_idx]
-    plans = [pr.build(cap) for pr in problems]
-    total = int(s_at(best_idx))
+    chosen = best_idx
+    if refine and method == "exact":
+        greedy_pick = min(
+            range(first, greedy_end), key=lambda i: (max(s_at(i), min_stages) * cands[i], i)
+        )
+        shortlist = [best_idx, greedy_pick]
+        for target in range(
+            int(s_at(best_idx)) - REFINE_SPREAD, int(s_at(best_idx)) + REFINE_SPREAD + 1
+        ):
+            if target < 1:
+                continue
+            lo, hi = first, len(cands) - 1  # smallest cap with at most `target` stages
+            if s_at(hi) > target:
+                continue
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if s_at(mid) <= target:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            shortlist.append(lo)
+        chosen = _refine(
+            run_type,
+            profiles,
+            problems,
+            cands,
+            sorted(set(shortlist), key=lambda i: (cost(i), i)),
+            num_devices,
+            num_microbatch,  # type: ignore[arg-type]
+        )
+    cap = cands[chosen]
+    total = int(s_at(chosen))
     return PlanSearch(
-        plans=plans,
+        plans=[pr.build(cap) for pr in problems],
         stage_ms=cap,
         num_stages=total,
-        cost=objective_value(total, cap),
+        cost=cost(chosen),
         memory_cap_bytes=memory_cap_bytes,
-        evaluated=evaluated,
+        evaluated=len(counts),
     )
+
+
+def _refine(
+    run_type: str,
+    profiles: Sequence[LayerProfile],
+    problems: Sequence[_Problem],
+    cands: list[float],
+    shortlist: list[int],
+    num_devices: int,
+    num_microbatch: int,
+) -> int:
+    """Of the shortlisted caps (best estimate first), the one whose plans simulate fastest."""
+    from .simulate import simulate  # simulate imports this module
+
+    best, best_time = shortlist[0], math.inf
+    for idx in shortlist:
+        total = 0.0
+        for prof, pr in zip(profiles, problems):
+            plan = pr.build(cands[idx])
+            sim = simulate(
+                plan,
+                prof.fwd_ms,
+                prof.bwd_ms,
+                num_devices,
+                num_microbatch,
+                run_type=run_type,
+                re_ms=prof.re_ms,
+            )
+            total += sim.makespan_ms  # jointly planned models run one after another
+        if total < best_time * (1 - 1e-9):
+            best, best_time = idx, total
+    return best

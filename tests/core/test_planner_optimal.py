@@ -1,0 +1,209 @@
+"""The exact planner against brute force and against the published greedy search.
+
+Random profiles come from a seeded generator (property-style: many small random
+cases, reproducible); brute force enumerates every valid plan of a few layers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from roundpipe_core.plan import (
+    LayerProfile,
+    ModelExecutePlan,
+    pipeline_estimate,
+    plan_cost,
+    plan_objective,
+    search_plans,
+)
+
+
+def compositions(n: int):
+    """Every way to cut layers 0..n-1 into contiguous stages, as lists of ranges."""
+    if n == 0:
+        yield []
+        return
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        stages, start = [], 0
+        for i, cut in enumerate(cuts, start=1):
+            if cut:
+                stages.append(range(start, i))
+                start = i
+        stages.append(range(start, n))
+        yield stages
+
+
+def all_plans(n: int, run_type: str):
+    if run_type == "infer":
+        for f in compositions(n):
+            yield ModelExecutePlan(f, [])
+    elif run_type == "train":
+        for f in compositions(n):
+            for b in compositions(n):
+                yield ModelExecutePlan(f, list(reversed(b)))
+    else:
+        for start in range(n):
+            for f in compositions(start):
+                for b in compositions(start):
+                    yield ModelExecutePlan(f, [range(start, n)] + list(reversed(b)))
+
+
+def memory_ok(plan: ModelExecutePlan, prof: LayerProfile, run_type: str, cap: float) -> bool:
+    fmem, bmem = prof.stage_mem()
+    stages = [(r, fmem) for r in plan.fwd_plan]
+    if run_type != "infer":
+        stages += [(r, bmem) for r in plan.bwd_plan]
+    return all(sum(mem[i] for i in r) <= cap for r, mem in stages)
+
+
+def random_profile(rng: random.Random, n: int, with_memory: bool) -> LayerProfile:
+    # Integer-ish times make ties (and so tie-breaking bugs) likely.
+    fwd = [float(rng.choice([1, 1, 2, 3, 5, 8])) for _ in range(n)]
+    bwd = [f * rng.choice([1.5, 2.0, 2.5]) for f in fwd]
+    re = [f * rng.choice([1.0, 1.0, 1.2]) for f in fwd]
+    mem = [rng.randint(1, 6) for _ in range(n)] if with_memory else None
+    return LayerProfile(fwd, bwd, re_ms=re, param_bytes=mem)
+
+
+def brute_force(prof, run_type, objective, min_stages, cap, devices, microbatches):
+    best = None
+    for plan in all_plans(prof.num_layers, run_type):
+        if not memory_ok(plan, prof, run_type, cap):
+            continue
+        value = plan_objective(
+            [plan], [prof], run_type, objective, min_stages, devices, microbatches
+        )
+        if best is None or value < best:
+            best = value
+    return best
+
+
+@pytest.mark.parametrize("run_type", ["infer", "train", "fused"])
+@pytest.mark.parametrize("objective", ["stages", "pipeline"])
+def test_exact_matches_brute_force(run_type, objective):
+    rng = random.Random(f"{run_type}-{objective}")
+    for _ in range(60):
+        n = rng.randint(1, 6 if run_type != "train" else 5)
+        with_memory = rng.random() < 0.5
+        prof = random_profile(rng, n, with_memory)
+        fmem, bmem = prof.stage_mem()
+        biggest = max(fmem if run_type == "infer" else bmem)
+        cap = float(rng.randint(biggest, biggest * 3)) if with_memory else float("inf")
+        m = rng.randint(1, 5)
+        devices, mbs = rng.randint(1, 4), rng.randint(1, 6)
+        res = search_plans(
+            run_type, [prof], m, cap, objective=objective, num_devices=devices, num_microbatch=mbs
+        )
+        plan = res.plans[0]
+        plan.check_valid(n, run_type)
+        assert memory_ok(plan, prof, run_type, cap)
+        _, stages, slowest = plan_cost(plan, prof, run_type, m)
+        assert slowest <= res.stage_ms * (1 + 1e-9)
+        assert stages == res.num_stages
+        expect = brute_force(prof, run_type, objective, m, cap, devices, mbs)
+        assert res.cost == pytest.approx(expect, rel=1e-9), (prof, m, devices, mbs)
+
+
+@pytest.mark.parametrize("objective", ["stages", "pipeline"])
+def test_exact_joint_planning_matches_brute_force(objective):
+    rng = random.Random(7)
+    for _ in range(25):
+        profs = [random_profile(rng, rng.randint(1, 4), False) for _ in range(2)]
+        m, devices, mbs = rng.randint(1, 6), rng.randint(1, 4), rng.randint(1, 6)
+        kw = dict(objective=objective, num_devices=devices, num_microbatch=mbs)
+        res = search_plans("fused", profs, m, **kw)
+        best = None
+        for p0 in all_plans(profs[0].num_layers, "fused"):
+            for p1 in all_plans(profs[1].num_layers, "fused"):
+                value = plan_objective([p0, p1], profs, "fused", min_stages=m, **kw)
+                best = value if best is None else min(best, value)
+        assert res.cost == pytest.approx(best, rel=1e-9)
+        assert plan_objective(res.plans, profs, "fused", min_stages=m, **kw) == pytest.approx(best)
+        assert len(res.plans) == 2
+
+
+@pytest.mark.parametrize("run_type", ["infer", "train", "fused"])
+def test_exact_never_worse_than_greedy(run_type):
+    rng = random.Random(run_type)
+    for _ in range(150):
+        n = rng.randint(1, 40)
+        prof = LayerProfile(
+            [rng.uniform(0.1, 5.0) for _ in range(n)],
+            [rng.uniform(0.2, 10.0) for _ in range(n)],
+            param_bytes=[rng.randint(1, 100) for _ in range(n)],
+        )
+        cap = float(rng.randint(200, 2000))
+        m = rng.randint(1, 16)
+        exact = search_plans(run_type, [prof], m, cap)
+        greedy = search_plans(run_type, [prof], m, cap, method="greedy")
+        assert exact.cost <= greedy.cost * (1 + 1e-9)
+        for res in (exact, greedy):
+            value, _, _ = plan_cost(res.plans[0], prof, run_type, m)
+            assert value <= res.cost * (1 + 1e-9)
+
+
+def test_exact_strictly_better_than_greedy():
+    # One slow layer and two medium ones: the greedy window (<= 1.1 x the slowest
+    # layer) forces three stages (cost 3 x 10 = 30); two stages of <= 12 cost 24.
+    prof = LayerProfile([10.0, 6.0, 6.0], [0.0, 0.0, 0.0])
+    exact = search_plans("infer", [prof], 2)
+    greedy = search_plans("infer", [prof], 2, method="greedy")
+    assert greedy.cost == pytest.approx(30.0)
+    assert exact.cost == pytest.approx(24.0)
+    assert exact.plans[0].fwd_plan == [range(0, 1), range(1, 3)]
+    # A transformer-shaped profile (LM head 5x a layer) on 2 devices.
+    fwd = [0.05] + [1.0] * 28 + [5.0]
+    qwen = LayerProfile(fwd, [2 * f for f in fwd])
+    e = search_plans("fused", [qwen], 2)
+    g = search_plans("fused", [qwen], 2, method="greedy")
+    assert e.cost < g.cost * 0.99
+
+
+def test_pipeline_estimate_is_exact_for_equal_stages():
+    from roundpipe_core.simulate import simulate
+
+    for s, n, m in itertools.product(range(1, 13), range(1, 6), range(1, 9)):
+        plan = ModelExecutePlan.uniform(s, s, "infer")
+        sim = simulate(plan, [1.0] * s, [1.0] * s, n, m, run_type="infer")
+        assert sim.makespan_ms == pytest.approx(pipeline_estimate(s, 1.0, n, m, float(s)))
+
+
+def test_refine_never_slower_than_greedy_in_simulation():
+    from roundpipe_core.simulate import simulate
+
+    rng = random.Random(11)
+    for _ in range(20):
+        n = rng.randint(4, 30)
+        fwd = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        fwd[-1] *= rng.choice([1, 3, 5])
+        prof = LayerProfile(fwd, [2 * f for f in fwd])
+        devices = rng.choice([2, 4, 8])
+        mbs = devices + rng.choice([1, devices])
+        kw = dict(num_devices=devices, num_microbatch=mbs)
+        best = search_plans("fused", [prof], devices, objective="pipeline", refine=True, **kw)
+        greedy = search_plans("fused", [prof], devices, method="greedy")
+
+        ours = simulate(best.plans[0], fwd, prof.bwd_ms, devices, mbs).makespan_ms
+        theirs = simulate(greedy.plans[0], fwd, prof.bwd_ms, devices, mbs).makespan_ms
+        assert ours <= theirs * (1 + 1e-9)
+
+
+def test_search_rejects_bad_arguments():
+    prof = LayerProfile([1.0, 2.0], [1.0, 2.0], param_bytes=[10, 10])
+    with pytest.raises(ValueError, match="method"):
+        search_plans("fused", [prof], method="dp")
+    with pytest.raises(ValueError, match="objective"):
+        search_plans("fused", [prof], objective="speed")
+    with pytest.raises(ValueError, match="needs num_devices"):
+        search_plans("fused", [prof], objective="pipeline")
+    with pytest.raises(ValueError, match="memory cap"):
+        search_plans("fused", [prof], 1, memory_cap_bytes=15)
+    with pytest.raises(ValueError, match="at least one model"):
+        search_plans("fused", [])
+    with pytest.raises(ValueError, match="fwd_ms has 2"):
+        LayerProfile([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match=r"bwd_ms\[1\]"):
+        LayerProfile([1.0, 2.0], [1.0, float("nan")])
