@@ -27,13 +27,31 @@ def loader(n: int = NUM_SAMPLES, batch_size: int = BATCH, seed: int = 1) -> Data
     return DataLoader(make_data(n, seed), batch_size=batch_size, shuffle=False)
 
 
-def build_net(seed: int = 0, dropout: float = 0.0, heavy: int = 0) -> nn.Sequential:
-    """Linear/Tanh layers, one nn.Sequential child each (7 layers); ``heavy`` > 0 inserts
-    a wide layer pair in the middle (for planner tests)."""
+class Heavy(nn.Module):
+    """A layer whose compute time is many times its neighbours' (``rounds`` small matmuls)
+    while its parameters stay small: only measured times reveal it."""
+
+    def __init__(self, rounds: int) -> None:
+        super().__init__()
+        self.rounds = rounds
+        self.weight = nn.Parameter(torch.eye(HIDDEN) + 0.01 * torch.randn(HIDDEN, HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.rounds):
+            x = torch.tanh(x @ self.weight)
+        return x
+
+
+def build_net(seed: int = 0, dropout: float = 0.0, heavy: int = 0, wide: int = 0) -> nn.Sequential:
+    """Linear/Tanh layers, one nn.Sequential child each (7 layers). For planner tests
+    ``heavy`` > 0 inserts a compute-heavy layer at index 2, ``wide`` > 0 a pair of
+    parameter-heavy layers there."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = [nn.Linear(IN_DIM, HIDDEN), nn.Tanh()]
     if heavy:
-        layers += [nn.Linear(HIDDEN, heavy), nn.Linear(heavy, HIDDEN)]
+        layers.append(Heavy(heavy))
+    if wide:
+        layers += [nn.Linear(HIDDEN, wide), nn.Linear(wide, HIDDEN)]
     layers += [nn.Linear(HIDDEN, HIDDEN), nn.Tanh()]
     if dropout:
         layers.append(nn.Dropout(dropout))
@@ -66,10 +84,11 @@ class SeqModule(L.LightningModule):
         seed: int = 0,
         dropout: float = 0.0,
         heavy: int = 0,
+        wide: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = build_net(seed, dropout, heavy)
+        self.net = build_net(seed, dropout, heavy, wide)
         self.automatic_optimization = not manual
         self.losses: list[float] = []
         self.val_losses: list[float] = []
@@ -126,6 +145,74 @@ class SeqModule(L.LightningModule):
             return opt
         sch = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+
+VOCAB, SEQ, WIDTH = 64, 12, 16
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(self.norm(h)))
+
+
+class TinyLM(L.LightningModule):
+    """Token-id LM (embedding, two residual blocks, head) with a torchmetrics metric."""
+
+    def __init__(self, mode: str = "roundpipe", seed: int = 0) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.mode = mode
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(
+            nn.Embedding(VOCAB, WIDTH), ResidualMLP(WIDTH), ResidualMLP(WIDTH), nn.Linear(WIDTH, VOCAB)
+        )
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=VOCAB, average="micro")
+        self.val_ce = torchmetrics.MeanMetric()
+
+    def configure_sequential(self) -> nn.Module:
+        return self.net
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / (BATCH * SEQ)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.mode == "plain":
+            return self.loss_fn(self.net(x), y)
+        return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) if self.mode == "plain" else self.roundpipe(x)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self._logits(x)
+        self.val_acc.update(logits.flatten(0, 1), y.flatten())
+        self.val_ce.update(nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        self.log("val_acc", self.val_acc)
+        self.log("val_ce", self.val_ce)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._logits(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def token_loader(n: int = NUM_SAMPLES, seed: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return DataLoader(TensorDataset(seq[:, :-1], seq[:, 1:]), batch_size=BATCH, shuffle=False)
 
 
 def trainer_kwargs(**kw: Any) -> dict[str, Any]:

@@ -1,0 +1,129 @@
+"""Precision modes: half-precision weights with fp32 masters, autocast on the workers,
+dynamic loss scaling that skips overflowing steps."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from rpl_helpers import SeqModule, loader, max_rel_err, params_of, plain_trainer, rp_trainer
+from torch import nn
+
+from roundpipe_lightning import RoundPipeStrategy
+
+
+class Capture(L.Callback):
+    """Keeps the strategy's RoundPipe and master params at the end of training."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        rp = pl_module.roundpipe
+        self.masters = [m.detach().clone() for m in rp.optim_parameters()]
+        self.scaler = trainer.strategy._loss_scaler
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_half_true_keeps_fp32_masters(precision: str, dtype: torch.dtype) -> None:
+    cap = Capture()
+    m = SeqModule(lr=3e-3)
+    rp_trainer(max_steps=10, precision=precision, callbacks=[cap]).fit(m, loader())
+    assert all(p.dtype == dtype for p in m.parameters())
+    assert all(x.dtype == torch.float32 for x in cap.masters)
+    # the masters keep precision the half weights cannot hold
+    assert any(not torch.equal(x, x.to(dtype).float()) for x in cap.masters)
+    for p, x in zip(m.parameters(), cap.masters):
+        assert torch.equal(p, x.to(dtype))
+    # it trains: the fp32 run reaches about the same weights
+    ref = SeqModule(lr=3e-3)
+    rp_trainer(max_steps=10).fit(ref, loader())
+    assert max_rel_err(params_of(m), params_of(ref)) < 5e-2
+    assert m.losses[-1] < m.losses[0]
+
+
+SEEN_DTYPES: list[torch.dtype] = []
+
+
+class DtypeProbe(nn.Module):
+    """Identity that records the dtype its input arrives in (a Linear's output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        SEEN_DTYPES.append(x.dtype)
+        return x
+
+
+class ProbedModule(SeqModule):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.net.insert(1, DtypeProbe())
+
+
+def test_bf16_mixed_runs_layers_under_autocast_on_workers() -> None:
+    SEEN_DTYPES.clear()
+    m = ProbedModule()
+    rp_trainer(max_steps=4, precision="bf16-mixed").fit(m, loader())
+    assert SEEN_DTYPES and set(SEEN_DTYPES) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    # same autocast recipe as Lightning's default strategy
+    ref = ProbedModule(mode="plain")
+    plain_trainer(max_steps=4, precision="bf16-mixed").fit(ref, loader())
+    assert max_rel_err(params_of(m), params_of(ref)) < 1e-2
+    # after fit the hooks are gone: the module runs in fp32 again
+    SEEN_DTYPES.clear()
+    m.net(torch.randn(2, 8))
+    assert SEEN_DTYPES == [torch.float32]
+
+
+def _mixed16(init_scale: float = 2.0**16) -> MixedPrecision:
+    # Lightning turns precision="16-mixed" into bf16-mixed on CPU; the plugin keeps fp16 + scaler.
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
+
+
+def test_16_mixed_scales_losses_and_matches_lightning() -> None:
+    SEEN_DTYPES.clear()
+    cap = Capture()
+    m = ProbedModule()
+    L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatch=3, async_step=False), accelerator="cpu", devices=2,
+        plugins=[_mixed16()], max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[cap],
+    ).fit(m, loader())
+    assert set(SEEN_DTYPES) == {torch.float16}
+    ref = ProbedModule(mode="plain")
+    ref_trainer = L.Trainer(
+        accelerator="cpu", devices=1, plugins=[_mixed16()], max_steps=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    ref_trainer.fit(ref, loader())
+    # at 2**16 the fp16 activation gradients overflow at first: both runs skip and back off alike
+    assert cap.scaler.scale == ref_trainer.precision_plugin.scaler.get_scale() < 2.0**16
+    assert cap.scaler.skipped_steps >= 1
+    assert max_rel_err(params_of(m), params_of(ref)) < 1e-2
+    # the user sees the unscaled loss
+    assert m.losses == pytest.approx(ref.losses, rel=1e-2)
+
+
+class StepRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.params: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        trainer.strategy.roundpipe.synchronize()
+        self.params.append(params_of(pl_module))
+
+
+def test_16_mixed_skips_overflowing_step() -> None:
+    dl = loader()
+    dl.dataset.tensors[1][12:18] = 1e30  # batch 2: the loss overflows fp32 -> inf gradients
+    rec, cap = StepRecorder(), Capture()
+    m = SeqModule()
+    L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatch=3, async_step=True), accelerator="cpu", devices=2,
+        plugins=[_mixed16(init_scale=256.0)], max_steps=5, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[rec, cap],
+    ).fit(m, dl)
+    assert cap.scaler.skipped_steps == 1
+    assert cap.scaler.scale == 128.0
+    # step 3 (batch 2) changed nothing; the others did
+    assert max_rel_err(rec.params[2], rec.params[1]) == 0.0
+    assert max_rel_err(rec.params[3], rec.params[2]) > 0.0
+    assert all(torch.isfinite(p).all() for p in m.parameters())
