@@ -151,6 +151,9 @@ def test_inference_and_position_ids() -> None:
             got = rp(input_ids=ids, attention_mask=mask, position_ids=pos)
             got_b = rp(input_ids=ids, attention_mask=mask, position_ids=pos.expand(ids.shape[0], -1))
             got_plain = rp(ids)
+            embeds = model.get_input_embeddings()(ids)
+            got_embeds = rp(inputs_embeds=embeds, attention_mask=mask, position_ids=pos)
+        assert rel_err(got_embeds, ref) <= RTOL
         assert rel_err(got, ref) <= RTOL
         assert rel_err(got_b, ref) <= RTOL
         assert rel_err(got_plain, ref_plain) <= RTOL
