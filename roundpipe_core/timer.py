@@ -173,19 +173,26 @@ class ModelTimer:
             return any(c > 0 for k in kinds for c in self._count[k])
 
     # -- recording --------------------------------------------------------------
-    def record(self, kind: str, layers: range | Sequence[int], ms: float) -> None:
+    def record(
+        self, kind: str, layers: range | Sequence[int], ms: float, microbatches: int = 1
+    ) -> None:
         """Record the measured time of running ``layers`` (all microbatches of one job).
 
         The time is split among the layers (see the module docstring) and added to
         this iteration's records; :meth:`end_iteration` folds them into the averages.
+        With ``microbatches`` > 1 the time is divided by it, so estimates are per
+        microbatch and calls with different microbatch counts average consistently.
         """
         _check_kind(kind)
         layers = list(layers)
         if not layers:
             return
         ms = float(ms)
-        if ms < 0 or ms != ms:  # negative or NaN: a broken clock, never a timing
+        if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
             raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+        ms /= microbatches
         for i in layers:
             if not 0 <= i < self.num_layers:
                 raise ValueError(f"layer {i} is outside the timed layers 0..{self.num_layers - 1}")

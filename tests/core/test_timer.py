@@ -70,6 +70,16 @@ def test_records_of_one_iteration_add_up():
     assert timer.bwd_ms[0] == pytest.approx(7.0)
 
 
+def test_per_microbatch_normalisation():
+    timer = ModelTimer([nn.Linear(2, 2)])
+    for mbs in (3, 3, 6):  # the first iteration is dropped
+        timer.record("fwd", [0], 2.0 * mbs, microbatches=mbs)
+        timer.end_iteration()
+    assert timer.fwd_ms[0] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="microbatches"):
+        timer.record("fwd", [0], 1.0, microbatches=0)
+
+
 def test_unmeasured_kinds_follow_measured_forward():
     timer = ModelTimer([nn.Linear(2, 2)])
     for _ in range(2):
@@ -132,6 +142,10 @@ def test_bad_input_rejected():
         timer.record("fwd", [5], 1.0)
     with pytest.raises(ValueError, match="finite"):
         timer.record("fwd", [0], float("nan"))
+    with pytest.raises(ValueError, match="finite"):
+        timer.record("fwd", [0], float("inf"))
+    with pytest.raises(ValueError, match="finite"):
+        timer.record("fwd", [0], -1.0)
     with pytest.raises(ValueError, match="at least one layer"):
         ModelTimer([])
 
