@@ -203,3 +203,14 @@ def test_timeline_renders():
     plan = P.uniform(4, 4, "fused")
     text = simulate(plan, [1.0] * 4, [2.0] * 4, 2, 3).timeline(width=40)
     assert text.count("\n") == 1 and "X" in text and "B" in text and "F" in text
+
+
+def test_chrome_trace():
+    import json
+
+    plan = P.uniform(4, 2, "fused")
+    res = simulate(plan, [1.0] * 4, [2.0] * 4, 2, 2, upload_ms=0.5)
+    trace = json.loads(json.dumps(res.chrome_trace()))
+    assert len(trace["traceEvents"]) == len(res.events)
+    first = trace["traceEvents"][0]
+    assert first["ph"] == "X" and first["tid"] == "device 0 upload" and first["dur"] == 1000.0  # two layers x 0.5 ms
