@@ -1195,14 +1195,15 @@ def _refine(
     num_microbatch: int,
 ) -> int:
     """Of the shortlisted caps (best estimate first), the one whose plans simulate fastest."""
-    from .simulate import simulate  # simulate imports this module
+    from .simulate import makespan_ms  # simulate imports this module
 
     best, best_time = shortlist[0], math.inf
     for idx in shortlist:
         total = 0.0
         for prof, pr in zip(profiles, problems):
             plan = pr.build(cands[idx])
-            sim = simulate(
+            # Jointly planned models run one after another.
+            total += makespan_ms(
                 plan,
                 prof.fwd_ms,
                 prof.bwd_ms,
@@ -1211,7 +1212,6 @@ def _refine(
                 run_type=run_type,
                 re_ms=prof.re_ms,
             )
-            total += sim.makespan_ms  # jointly planned models run one after another
         if total < best_time * (1 - 1e-9):
             best, best_time = idx, total
     return best

@@ -269,6 +269,40 @@ def simulate(
     return _finish(events, num_devices, all_jobs, iterations)
 
 
+def makespan_ms(
+    plan: ModelExecutePlan,
+    fwd_ms: Sequence[float],
+    bwd_ms: Sequence[float],
+    num_devices: int,
+    num_microbatch: int,
+    run_type: str = "fused",
+    re_ms: Sequence[float] | None = None,
+) -> float:
+    """Round-robin iteration time only, as :func:`simulate` computes it but without
+    building the timeline (the planner calls this for its candidates)."""
+    n = len(fwd_ms)
+    fwd = [float(x) for x in fwd_ms]
+    bwd = [float(x) for x in bwd_ms]
+    re = [float(x) for x in re_ms] if re_ms is not None else fwd
+    jobs = build_schedule(plan, run_type, num_devices, num_microbatch)
+    return _run_iteration(
+        jobs,
+        plan,
+        run_type,
+        fwd,
+        bwd,
+        re,
+        [0.0] * n,
+        0.0,
+        0.0,
+        0,
+        [0.0] * num_devices,
+        [0.0] * num_devices,
+        [[] for _ in range(num_devices)],
+        None,
+    )
+
+
 def _stage_time(job: Job, fwd: list[float], bwd: list[float], re: list[float]) -> float:
     if job.kind == FORWARD:
         return sum(fwd[i] for i in job.layers)
@@ -291,9 +325,11 @@ def _run_iteration(
     device_free: list[float],
     upload_free: list[float],
     job_ends: list[list[float]],
-    events: list[SimEvent],
+    events: list[SimEvent] | None,
 ) -> float:
-    """Time one iteration's jobs in launch order (every dependency points backwards)."""
+    """Time one iteration's jobs in launch order (every dependency points backwards).
+
+    ``events=None`` only computes the end time (the planner's fast path)."""
     fwd_jobs: list[Job] = [j for j in jobs if j.kind == FORWARD]
     fwd_starts = [j.layers.start for j in fwd_jobs]
     end: dict[tuple[int, int], float] = {}  # (job index, microbatch) -> end time
@@ -311,7 +347,10 @@ def _run_iteration(
             ustart = max(upload_free[d], prev2, barrier)
             upload_free[d] = ustart + up
             params_ready = ustart + up
-            events.append(SimEvent(d, "upload", job.stage, -1, ustart, ustart + up, job.index, it))
+            if events is not None:
+                events.append(
+                    SimEvent(d, "upload", job.stage, -1, ustart, ustart + up, job.index, it)
+                )
         if job.kind != FORWARD:
             bwd_job_of_stage[job.stage] = job
         saved_from: Job | None = None
@@ -339,7 +378,8 @@ def _run_iteration(
             finish = ready + dur
             end[job.index, m] = finish
             device_free[d] = finish
-            events.append(SimEvent(d, job.kind, job.stage, m, ready, finish, job.index, it))
+            if events is not None:
+                events.append(SimEvent(d, job.kind, job.stage, m, ready, finish, job.index, it))
             last = max(last, finish)
             if job.kind == FORWARD:
                 forward_done = max(forward_done, finish)
