@@ -418,14 +418,14 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
             if run.failed is not None:
                 raise PoolError("another job of this run failed")
             stage = prefetched or upload_stage(
-                worker, [run.layers[i_] for i_ in job.layers], list(job.layers)
+                worker, [run.layers[i_] for i_ in job.layers], list(job.layers), i % 2
             )
             prefetched = None
             try:
                 worker.wait_channel("param")
                 if i + 1 < len(jobs):
                     nxt = jobs[i + 1].layers
-                    prefetched = upload_stage(worker, [run.layers[i_] for i_ in nxt], list(nxt))
+                    prefetched = upload_stage(worker, [run.layers[i_] for i_ in nxt], list(nxt), (i + 1) % 2)
                 clock = _Clock(worker)
                 runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:

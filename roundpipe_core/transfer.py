@@ -60,6 +60,9 @@ class StageReplica:
         raise KeyError(index)
 
 
+_SYNCED_TYPES = (bool, int, float, str, type(None))
+
+
 def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
     """Deep-copy ``layer`` without copying its tensors: parameters and buffers become
     meta-device placeholders to be filled by an upload. Shared tensors stay shared."""
@@ -79,18 +82,55 @@ def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
         for name, b in orig._buffers.items():
             if b is not None:
                 slots.append(_Slot(rep, name, b, False))
-        # deepcopy keeps the training flag of the moment; follow the host module's
-        rep.training = orig.training
     return replica, slots
 
 
-def upload_stage(worker: Worker, layers: Sequence[nn.Module], indices: Sequence[int]) -> StageReplica:
+def _signature(layer: nn.Module) -> tuple:
+    """Changes when the layer's module tree or its tensors are replaced (a cached
+    skeleton is then rebuilt)."""
+    return tuple(
+        (id(m), tuple(id(t) for t in m._parameters.values()), tuple(id(t) for t in m._buffers.values()))
+        for m in layer.modules()
+    )
+
+
+def _sync_plain_attributes(layer: nn.Module, replica: nn.Module) -> None:
+    """A cached skeleton follows the host module's flags (``training``, dropout ``p``, ...)."""
+    for orig, rep in zip(layer.modules(), replica.modules()):
+        for k, v in orig.__dict__.items():
+            if isinstance(v, _SYNCED_TYPES) and rep.__dict__.get(k, _MISSING) is not v:
+                rep.__dict__[k] = v
+
+
+_MISSING = object()
+
+
+def _skeleton_for(worker: Worker, layer: nn.Module, slot: int) -> tuple[nn.Module, list[_Slot]]:
+    """The worker's cached skeleton of ``layer``; two per layer (``slot`` 0/1) so the
+    running stage and the prefetched one never share module objects."""
+    cache = worker.skeletons
+    key = (id(layer), slot)
+    sig = _signature(layer)
+    hit = cache.get(key)
+    if hit is None or hit[0] is not layer or hit[1] != sig:
+        replica, slots = make_skeleton(layer)
+        hit = (layer, sig, replica, slots)
+        cache[key] = hit
+    _, _, replica, slots = hit
+    _sync_plain_attributes(layer, replica)
+    return replica, slots
+
+
+def upload_stage(
+    worker: Worker, layers: Sequence[nn.Module], indices: Sequence[int], slot: int = 0
+) -> StageReplica:
     """Issue the upload of a stage's layers to ``worker`` (asynchronous on CUDA:
-    compute must ``worker.wait_channel("param")`` before using it)."""
+    compute must ``worker.wait_channel("param")`` before using it). ``slot`` (0/1)
+    picks the skeleton copy: consecutive jobs of a worker alternate."""
     replicas: list[LayerReplica] = []
     all_dev: list[torch.Tensor] = []
     for idx, layer in zip(indices, layers):
-        module, slots = make_skeleton(layer)
+        module, slots = _skeleton_for(worker, layer, slot)
         sources: dict[int, torch.Tensor] = {}
         for s in slots:
             sources.setdefault(id(s.source), s.source)
@@ -153,7 +193,7 @@ def write_back_buffers(stage: StageReplica) -> None:
 
 
 def release_stage(stage: StageReplica) -> None:
-    """Drop the device copies of a stage (the skeletons go with them)."""
+    """Drop the device copies of a stage; the emptied skeletons stay cached."""
     stage.worker.release(stage.param_tensors, "param")
     for lr in stage.layers:
         for s in lr.slots:

@@ -68,6 +68,8 @@ class Worker(ABC):
         self.index = index
         self.device = device
         self.ledger = MemoryLedger()
+        # parameter-less copies of layers, reused across uploads (see transfer.py)
+        self.skeletons: dict[tuple[int, int], Any] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-{self.kind}-{index}", daemon=True

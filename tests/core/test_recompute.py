@@ -207,8 +207,12 @@ def test_eval_mode_follows_the_host_module():
     x = torch.randn(5, 4)
     rp = RoundPipe(model, devices="cpu:2")
     try:
-        rp.eval()
         with torch.no_grad():
+            rp(x)  # train mode: device copies of the layers are made and cached
+            rp.eval()
             assert_close_rel(rp(x), copy.deepcopy(model).eval()(x), what="eval output")
+            rp.train()
+            model[1].p = 0.0  # plain attributes of the host module reach cached copies too
+            assert_close_rel(rp(x), copy.deepcopy(model).eval()(x), what="p=0 output")
     finally:
         rp.close()
