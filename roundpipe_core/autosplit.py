@@ -301,21 +301,12 @@ class AutoRoundPipe(RoundPipe):
         for uname, unit in unit_modules:
             layers = split_layers(unit, threshold)
             seq = nn.Sequential(*layers) if len(layers) > 1 else nn.Sequential(_Direct(unit))
-            # The outer RoundPipe owns the master copies: build the inner one with the
-            # parameters momentarily frozen so it makes none, and send its gradients here.
-            trainable = [p for p in unit.parameters() if p.requires_grad]
-            for p in trainable:
-                p.requires_grad_(False)
-            try:
-                inner = RoundPipe(
-                    seq, optim_dtype=optim_dtype, name=f"{self.name}.{uname or 'root'}",
-                    model_run_config=model_run_config, pin_model="off", devices=self.pool,
-                    original_model=unit,
-                )
-            finally:
-                for p in trainable:
-                    p.requires_grad_(True)
-            object.__setattr__(inner, "_accumulate_grad", self._accumulate_grad)
+            # The outer RoundPipe owns the master copies; the inner one sends its gradients there.
+            inner = RoundPipe(
+                seq, optim_dtype=optim_dtype, name=f"{self.name}.{uname or 'root'}",
+                model_run_config=model_run_config, pin_model="off", devices=self.pool,
+                original_model=unit, master_owner=self,
+            )
             units.append((uname, inner))
         object.__setattr__(self, "units", units)
         object.__setattr__(self, "host_parameters", host)

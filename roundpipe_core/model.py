@@ -113,6 +113,9 @@ class RoundPipe(nn.Module):
             an int, ``"cpu:N"``, a list of devices, or the ``DevicePool`` of another RoundPipe.
         original_model: the object attribute lookups fall through to (a preset passes the
             Hugging Face model it converted); default ``model``.
+        master_owner: another RoundPipe whose master copies cover this model's parameters
+            (an automatic split runs parts of one model as inner RoundPipes): this one then
+            makes no masters and accumulates its gradients into the owner's.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class RoundPipe(nn.Module):
         pin_model: str = "alloc",
         devices: Any = None,
         original_model: Any = None,
+        master_owner: RoundPipe | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -161,8 +165,11 @@ class RoundPipe(nn.Module):
         # fp32 (optim_dtype) master copies of the trainable parameters; frozen ones get none.
         self._masters: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         self._master_of: dict[int, nn.Parameter] = {}
+        if master_owner is not None and not isinstance(master_owner, RoundPipe):
+            raise TypeError(f"master_owner must be a RoundPipe, got {type(master_owner).__name__}")
+        object.__setattr__(self, "_master_owner", master_owner)
         for pname, p in model.named_parameters():
-            if p.requires_grad:
+            if master_owner is None and p.requires_grad:
                 m = nn.Parameter(p.detach().to(dtype=self.optim_dtype, copy=True))
                 self._masters.append((pname, p, m))
                 self._master_of[id(p)] = m
@@ -221,6 +228,9 @@ class RoundPipe(nn.Module):
         return super().named_parameters(*args, **kwargs)
 
     def _accumulate_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        if self._master_owner is not None:
+            self._master_owner._accumulate_grad(param, grad)
+            return
         master = self._master_of.get(id(param))
         if master is None:
             return
