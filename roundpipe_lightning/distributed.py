@@ -62,6 +62,7 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Gradient bytes per all-reduce (as DDP's ``bucket_cap_mb=25``)."""
 
 _OPS = ("mean", "sum")
+_pg_timeout: timedelta | None = None  # what init_process_group() used; reducers' groups inherit it
 _POLL_S = 0.05  # how often waiting threads look for an abort
 
 
@@ -236,6 +237,8 @@ def init_process_group(
             )
         return dist.group.WORLD
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    global _pg_timeout
+    _pg_timeout = td
     dist.init_process_group(
         backend, init_method=f"tcp://{host}:{env.master_port}", rank=env.rank, world_size=env.world_size,
         timeout=td,
@@ -506,13 +509,22 @@ class GradientAllReducer:
 
     Args:
         rp: the ``RoundPipe`` whose ``optim_parameters()`` gradients are reduced.
-        process_group: the group (default: the default group). With world size 1 the
-            reducer does nothing.
+        process_group: the group to reduce over. Default: a new gloo group of all ranks,
+            owned by this reducer, so that collectives the training loop issues on the
+            default group while a round is armed (``self.log(..., sync_dist=True)``,
+            barriers) cannot interleave with the reducer thread's -- two threads issuing
+            collectives on one group would order them differently on different ranks.
+            Creating it is collective: every rank constructs its reducers in the same order.
+            Pass a group only if nothing else uses it while a round is armed. With world
+            size 1 (or no process group) the reducer does nothing.
         op: "mean" (divide the sum by the world size, as DDP) or "sum".
         bucket_bytes: gradient bytes per collective.
         overlap: register a grad hook so an armed round starts reducing a bucket as
             soon as its gradients are complete.
-        timeout: bound on waiting for each collective (default: the group's timeout).
+        timeout: bound on every collective of the reducer's own group (default: the
+            timeout :func:`init_process_group` used, else ``$ROUNDPIPE_DIST_TIMEOUT``, else
+            30 minutes). With an explicit ``process_group``: a bound on waiting for each
+            all-reduce (default: that group's own timeout).
     """
 
     def __init__(
@@ -531,16 +543,23 @@ class GradientAllReducer:
         if not hasattr(rp, "optim_parameters") or not hasattr(rp, "register_grad_hook"):
             raise TypeError(f"GradientAllReducer needs a RoundPipe, got {type(rp).__name__}")
         self.rp = rp
-        self.group = process_group
         self.op = op
         self.overlap = bool(overlap)
-        self.timeout = None if timeout is None else resolve_timeout(timeout)
+        self._owns_group = process_group is None and _world(None) > 1
+        if self._owns_group:
+            td = resolve_timeout(timeout) if timeout is not None or _pg_timeout is None else _pg_timeout
+            process_group = dist.new_group(backend="gloo", timeout=td)
+            self.timeout = None  # the group's own timeout bounds every collective
+        else:
+            self.timeout = None if timeout is None else resolve_timeout(timeout)
+        self.group = process_group
         params = list(reversed(rp.optim_parameters()))
         self.buckets = [_Bucket(i, b) for i, b in enumerate(_bucketize(params, bucket_bytes))]
         self._slot = {id(p): b.index for b in self.buckets for p in b.params}
         self._lock = threading.Lock()
         self._round: _Round | None = None
         self._remove_hook = rp.register_grad_hook(self._on_grads_ready) if self.overlap else None
+        self._closed = False
         self.last_finish_wait_s = 0.0
         """Seconds the last ``finish()`` blocked the caller (the exposed communication)."""
         self.last_reduce_s = 0.0
@@ -565,6 +584,7 @@ class GradientAllReducer:
         Raises:
             RuntimeError: a round is already armed (call ``finish()`` first).
         """
+        self._check_open()
         if self._round is not None:
             raise RuntimeError("GradientAllReducer.arm() called twice; call finish() after each arm()")
         if not self.overlap or self.world_size == 1:
@@ -639,6 +659,7 @@ class GradientAllReducer:
             RuntimeError: a collective failed or timed out (a peer died or stalled), or
                 the overlap was armed too early; the original error is chained.
         """
+        self._check_open()
         start = time.perf_counter()
         with self._lock:
             rnd, self._round = self._round, None
@@ -665,6 +686,10 @@ class GradientAllReducer:
                 f"timeout= / {TIMEOUT_ENV}): {rnd.error}"
             ) from rnd.error
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this GradientAllReducer is closed; make a new one")
+
     def abort(self) -> None:
         """Drop an armed round without issuing any further collective (after a failed
         pipelined call). Peers waiting on this rank fail at the group's timeout."""
@@ -675,11 +700,18 @@ class GradientAllReducer:
             rnd.set_all_ready()
 
     def close(self) -> None:
-        """Abort any armed round and remove the grad hook."""
+        """Abort any armed round, remove the grad hook and free the reducer's own group."""
+        self._closed = True
         self.abort()
         if self._remove_hook is not None:
             self._remove_hook()
             self._remove_hook = None
+        if self._owns_group and self.group is not None:
+            group, self.group = self.group, None
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError, AssertionError):
+                pass  # the default group is already gone (teardown order); nothing left to free
 
     def __enter__(self) -> GradientAllReducer:
         return self

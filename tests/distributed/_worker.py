@@ -65,9 +65,13 @@ def train(rank: int, world: int, op: str, overlap: bool, accum: int, bucket_byte
                     reducer.arm()
                 xs, ys = shard(x, rank, world), shard(y, rank, world)
                 if autograd:
-                    loss_fn(rp(xs), ys).backward()
+                    loss = loss_fn(rp(xs), ys)
+                    loss.backward()
                 else:
-                    rp.forward_backward(input_args=(xs,), label=ys, loss_fn=loss_fn)
+                    loss = rp.forward_backward(input_args=(xs,), label=ys, loss_fn=loss_fn)
+                # A collective on the default group while the reducer thread may be
+                # reducing (as self.log(..., sync_dist=True) does): must not interleave.
+                D.all_reduce(loss.detach(), op="mean")
             rnd = reducer._round
             if rnd is not None:  # buckets the grad hook released during the call
                 hook_ready += sum(e.is_set() for e in rnd.ready)
