@@ -411,10 +411,9 @@ class ModelExecutePlan:
         num_microbatch: int | None = None,
         refine: bool = True,
     ) -> ModelExecutePlan | list[ModelExecutePlan]:
-        """Plan stages from measured layer times (seed 000), optimally for the planner's cost.
+        """Plan stages from measured layer times (seed 000).
 
-        The cost of a partition is ``max(total stages, min_stages) x slowest stage``:
-        stages should be even (the slowest sets the pace) and there should be enough
+        Stages should be even (the slowest sets the pace) and there should be enough
         of them to keep every device busy. Forward stages cost the layers' forward
         time, backward stages recompute + backward, the fused stage of "fused"
         forward + backward. Each stage's memory (parameters, plus gradients for
@@ -439,8 +438,10 @@ class ModelExecutePlan:
                 few iterations first), or :class:`~roundpipe_core.timer.ModelTimer` /
                 :class:`LayerProfile` objects. Several models are planned jointly with
                 one shared stage cap (e.g. an encoder and a decoder run one after another).
-            min_stages: stages below which the pipeline starves; default: the number of
-                devices (the largest pool among the models).
+            min_stages: stages below which the pipeline starves, for ``objective="stages"``;
+                default: the number of devices (the largest pool among the models). The
+                "pipeline" objective charges starvation itself and uses this only as the
+                device count when no model has a pool.
             upper_threshold: search window of ``method="greedy"``.
             model_memory_limit: GB a device may use for the model; default 60% of the
                 smallest device's memory (CPU workers report ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB``,
