@@ -350,9 +350,10 @@ class CUDAWorker(Worker):
             if depth > 0
             else None
         )
+        self.gpu_index: int = device.index
         with _REGISTRY_LOCK:
-            _DEVICE_USERS[device.index] += 1
-            self._device_lock = _DEVICE_LOCKS[device.index]
+            _DEVICE_USERS[self.gpu_index] += 1
+            self._device_lock = _DEVICE_LOCKS[self.gpu_index]
         super().__init__(index, device)
 
     # -- thread -------------------------------------------------------------
@@ -367,7 +368,7 @@ class CUDAWorker(Worker):
         if self._feeder is not None:
             self._feeder.close(timeout)
         with _REGISTRY_LOCK:
-            _DEVICE_USERS[self.device.index] -= 1
+            _DEVICE_USERS[self.gpu_index] -= 1
         super().close(timeout)
 
     # -- transfers ----------------------------------------------------------
@@ -533,7 +534,7 @@ class CUDAWorker(Worker):
     # -- compute ------------------------------------------------------------
     @contextlib.contextmanager
     def _compute_ctx(self) -> Iterator[None]:
-        shared = _DEVICE_USERS[self.device.index] > 1
+        shared = _DEVICE_USERS[self.gpu_index] > 1
         lock = self._device_lock if shared else contextlib.nullcontext()
         with lock, torch.cuda.device(self.device), torch.cuda.stream(self.compute_stream):
             yield

@@ -9,6 +9,7 @@ no-ops, memory queries). The second part (marked ``cuda``) drives a real
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -633,74 +634,12 @@ def test_cuda_pin_model_modes(mode: str) -> None:
 # ---------------------------------------------------------------------------
 # the whole engine through CUDAWorker's code, on CPU ("fake CUDA")
 # ---------------------------------------------------------------------------
-class _FakeStream:
-    def __init__(self, device=None, priority: int = 0) -> None:
-        self.priority = priority
-        self.waited: list[_FakeEvent] = []
-
-    def wait_event(self, event: _FakeEvent) -> None:
-        assert event.recorded, "a stream waits on an event that was never recorded"
-        self.waited.append(event)
-
-
-class _FakeEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
-        self.recorded = False
-        self.t = 0.0
-
-    def record(self, stream: _FakeStream | None = None) -> None:
-        self.recorded, self.t = True, time.perf_counter()
-
-    def synchronize(self) -> None:
-        assert self.recorded
-
-    def query(self) -> bool:
-        return self.recorded
-
-    def elapsed_time(self, end: _FakeEvent) -> float:
-        return (end.t - self.t) * 1000.0
-
-
-class _CPUBackedCUDAWorker(CUDAWorker):
-    """CUDAWorker whose "device memory" is CPU memory: every CUDA call is faked, the
-    worker's own logic (feeder, chunking, tickets, ledger, RNG, locks) runs for real."""
-
-    def __init__(self, index: int, device: torch.device) -> None:
-        super().__init__(
-            index, device, param_chunk_bytes=96, param_inflight_chunks=2, pin_downloads=False
-        )
-
-    def _new_device_tensor(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.empty(like.shape, dtype=like.dtype)
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch):
-    from contextlib import nullcontext
-
-    c = torch.cuda
-    monkeypatch.setattr(c, "is_available", lambda: True)
-    monkeypatch.setattr(c, "device_count", lambda: 1)
-    monkeypatch.setattr(c, "Stream", _FakeStream)
-    monkeypatch.setattr(c, "Event", _FakeEvent)
-    monkeypatch.setattr(c, "stream", lambda s: nullcontext())
-    monkeypatch.setattr(c, "device", lambda d: nullcontext())
-    monkeypatch.setattr(c, "set_device", lambda d: None)
-    monkeypatch.setattr(c, "set_stream", lambda s: None)
-    monkeypatch.setattr(c, "synchronize", lambda d=None: None)
-    monkeypatch.setattr(c, "get_rng_state", lambda d=None: torch.get_rng_state())
-    monkeypatch.setattr(c, "set_rng_state", lambda s, d=None: torch.set_rng_state(s))
-    monkeypatch.setattr(c, "mem_get_info", lambda d=None: (8 << 30, 16 << 30))
-    monkeypatch.setattr(cuda_mod, "CUDAWorker", _CPUBackedCUDAWorker)
-    yield
-
-
 @pytest.mark.skipif(
     memory.cuda_available(),
     reason="a real GPU is here: the cuda-marked tests drive the real worker",
 )
 @pytest.mark.parametrize("grain", ["stage", "layer"])
-def test_engine_through_cuda_worker_logic_matches_pytorch(fake_cuda: None, grain: str) -> None:
+def test_engine_through_cuda_worker_logic_matches_pytorch(fake_cuda: type, grain: str) -> None:
     import copy
 
     from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
@@ -720,7 +659,7 @@ def test_engine_through_cuda_worker_logic_matches_pytorch(fake_cuda: None, grain
     model.eval()
     rp = RoundPipe(model, devices=["cuda:0"] * 3, pin_model="off")
     try:
-        assert all(isinstance(w, _CPUBackedCUDAWorker) for w in rp.pool.workers)
+        assert all(isinstance(w, fake_cuda) for w in rp.pool.workers)
         plan = ModelExecutePlan(
             [range(0, 3), range(3, 5)], [range(5, 6), range(4, 5), range(2, 4), range(0, 2)]
         )
@@ -741,3 +680,17 @@ def test_engine_through_cuda_worker_logic_matches_pytorch(fake_cuda: None, grain
             assert w.compute_stream.waited
     finally:
         rp.close()
+
+
+def test_routing_cpu_workers_to_cuda(fake_cuda: None, route_cpu_workers_to_cuda: None) -> None:
+    """ROUNDPIPE_TEST_DEVICE=cuda turns the CPU workers a test asks for into CUDA workers."""
+    from roundpipe_core.devices import pool
+
+    cuda0 = torch.device("cuda", 0)
+    assert pool.resolve_devices("cpu:3") == [cuda0] * 3
+    assert pool.resolve_devices(4) == [cuda0] * 4  # more workers than GPUs: they share
+    n_default = int(os.environ.get("ROUNDPIPE_CPU_DEVICES", "2"))
+    assert pool.resolve_devices(None) == [cuda0] * n_default  # the CPU default count
+    assert pool.resolve_devices(["cpu", "cuda:0"]) == [cuda0, cuda0]
+    with pytest.raises(ValueError):
+        pool.resolve_devices("cpu:0")
