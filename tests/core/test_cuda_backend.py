@@ -682,10 +682,14 @@ def test_engine_through_cuda_worker_logic_matches_pytorch(fake_cuda: type, grain
         rp.close()
 
 
-def test_routing_cpu_workers_to_cuda(fake_cuda: None, route_cpu_workers_to_cuda: None) -> None:
+def test_routing_cpu_workers_to_cuda(
+    monkeypatch: pytest.MonkeyPatch, route_cpu_workers_to_cuda: None
+) -> None:
     """ROUNDPIPE_TEST_DEVICE=cuda turns the CPU workers a test asks for into CUDA workers."""
     from roundpipe_core.devices import pool
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cuda0 = torch.device("cuda", 0)
     assert pool.resolve_devices("cpu:3") == [cuda0] * 3
     assert pool.resolve_devices(4) == [cuda0] * 4  # more workers than GPUs: they share
