@@ -157,10 +157,12 @@ class RoundPipe(nn.Module):
 
         object.__setattr__(self, "pool", devices if isinstance(devices, DevicePool) else DevicePool(devices))
         self._owns_pool = not isinstance(devices, DevicePool)
+        pin_handle = None
         if self.pool.is_cuda:
             from .devices import memory
 
-            memory.prepare_host_params(model, pin_model)
+            # pinned host memory makes uploads asynchronous; "register" must be undone at close
+            pin_handle = memory.prepare_host_params(model, pin_model)
 
         # fp32 (optim_dtype) master copies of the trainable parameters; frozen ones get none.
         self._masters: list[tuple[str, nn.Parameter, nn.Parameter]] = []
@@ -182,7 +184,9 @@ class RoundPipe(nn.Module):
         self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         self.last_schedule: list[Job] = []
         self.last_job_times: list[tuple[Job, int, float]] = []
-        self._closer = weakref.finalize(self, _close_resources, self.pool if self._owns_pool else None, self._optimizer)
+        self._closer = weakref.finalize(
+            self, _close_resources, self.pool if self._owns_pool else None, self._optimizer, pin_handle
+        )
 
     # -- attribute fall-through --------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -466,10 +470,12 @@ class RoundPipe(nn.Module):
             self._closer()
 
 
-def _close_resources(pool: DevicePool | None, optimizer: ThreadPoolExecutor) -> None:
+def _close_resources(pool: DevicePool | None, optimizer: ThreadPoolExecutor, pin_handle: Any = None) -> None:
     optimizer.shutdown(wait=True)
     if pool is not None:
         pool.close()
+    if pin_handle is not None:
+        pin_handle.release()
 
 
 def _check_run_config(cfg: RoundPipeRunConfig) -> None:
