@@ -69,7 +69,9 @@ class SeqModule(L.LightningModule):
         accumulate: manual optimization only: step every this many batches.
         clip: manual optimization only: ``self.clip_gradients`` value before the step.
         scheduler: add a StepLR scheduler.
-        lr: AdamW learning rate.
+        lr: learning rate.
+        optimizer: "adamw" or "sgd" (SGD with momentum is not invariant to the gradient's
+            scale, so it exposes a wrong accumulation factor that Adam would hide).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class SeqModule(L.LightningModule):
         dropout: float = 0.0,
         heavy: int = 0,
         wide: int = 0,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -140,7 +143,10 @@ class SeqModule(L.LightningModule):
         self.log("val_loss", loss)
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        if self.hparams.optimizer == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         if not self.hparams.scheduler:
             return opt
         sch = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)

@@ -20,6 +20,8 @@ TOL = 1e-5
 AUTOMATIC_CASES = {
     "plain": dict(trainer=dict(max_steps=6)),
     "accumulate2": dict(trainer=dict(max_steps=5, accumulate_grad_batches=2)),
+    "accumulate3_sgd": dict(trainer=dict(max_steps=4, accumulate_grad_batches=3), module=dict(optimizer="sgd")),
+    "clip_norm_sgd": dict(trainer=dict(max_steps=6, gradient_clip_val=0.5), module=dict(optimizer="sgd")),
     "clip_norm": dict(trainer=dict(max_steps=6, gradient_clip_val=0.05)),
     "clip_value": dict(trainer=dict(max_steps=6, gradient_clip_val=0.01, gradient_clip_algorithm="value")),
     "accumulate2_clip_scheduler": dict(
@@ -61,6 +63,7 @@ def test_automatic_optimization_through_roundpipe_forward_matches() -> None:
 MANUAL_CASES = {
     "plain": dict(trainer=dict(max_steps=6)),
     "accumulate2": dict(trainer=dict(max_steps=3), module=dict(accumulate=2)),
+    "accumulate2_sgd": dict(trainer=dict(max_steps=3), module=dict(accumulate=2, optimizer="sgd")),
     "clip": dict(trainer=dict(max_steps=6), module=dict(clip=0.05)),
     "accumulate2_clip_scheduler": dict(trainer=dict(max_steps=3), module=dict(accumulate=2, clip=0.05, scheduler=True)),
 }
