@@ -478,6 +478,7 @@ class RoundPipeStrategy(ParallelStrategy):
         # Wait for the previous step (rp.step would do the same first): from here on the
         # master gradients of this window are complete and nothing else touches them.
         rp.synchronize()
+        self.reduce_gradients(opt)
         found_inf = False
         if self._loss_scaler is not None and not skip:
             found_inf = self._loss_scaler.unscale_(p for g in opt.param_groups for p in g["params"])
@@ -495,6 +496,11 @@ class RoundPipeStrategy(ParallelStrategy):
 
         rp.step(step_fn, is_async=self.async_step)
         return closure_result
+
+    def reduce_gradients(self, optimizer: Optimizer) -> None:
+        """Combine the window's master gradients across processes before they are
+        unscaled, clipped and stepped. One process: nothing to combine. (The point
+        where data parallelism over several processes all-reduces.)"""
 
     # -- evaluation sees the current weights --------------------------------------------------------
     def _sync_weights(self) -> None:
