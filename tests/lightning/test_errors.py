@@ -197,3 +197,9 @@ def test_multi_node_is_refused_clearly() -> None:
     with pytest.raises(ValueError, match="num_nodes"):
         t.fit(SeqModule(), loader())
     assert roundpipe_threads() == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+def test_gpu_devices_without_gpus_fail_before_training() -> None:
+    with pytest.raises(Exception, match="(?i)gpu|cuda"):
+        L.Trainer(strategy=RoundPipeStrategy(), accelerator="gpu", devices=2)
