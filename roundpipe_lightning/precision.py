@@ -116,14 +116,21 @@ class DynamicLossScaler:
     def unscale_(self, params: Iterable[torch.Tensor]) -> bool:
         """Divide the gradients of ``params`` by the scale; True if any is not finite."""
         grads = [p.grad for p in params if p.grad is not None]
-        found_inf = False
-        inv = 1.0 / self.scale
+        if not grads:
+            return False
+        found = torch.zeros(1, device=grads[0].device)
+        inv = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
         with torch.no_grad():
+            # one fused pass per device and dtype (the kernel torch's GradScaler uses)
+            by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
             for g in grads:
-                if not found_inf and not bool(torch.isfinite(g).all()):
-                    found_inf = True
-                g.mul_(inv)
-        return found_inf
+                by_key.setdefault((g.device, g.dtype), []).append(g)
+            for (device, _), group in by_key.items():
+                f = found if device == found.device else torch.zeros(1, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(group, f, inv.to(device))
+                if f is not found:
+                    found += f.to(found.device)
+        return bool(found.item())
 
     def update(self, found_inf: bool) -> None:
         """Shrink the scale after an overflow, grow it after enough clean steps."""
