@@ -521,6 +521,10 @@ class GradientAllReducer:
         bucket_bytes: gradient bytes per collective.
         overlap: register a grad hook so an armed round starts reducing a bucket as
             soon as its gradients are complete.
+        params: the tensors whose ``.grad`` is reduced (default: all of
+            ``rp.optim_parameters()``). An optimizer's parameters (e.g. one reducer per
+            optimizer), which may include tensors outside RoundPipe that get their
+            gradients through ordinary autograd: those are reduced too, only never early.
         timeout: bound on every collective of the reducer's own group (default: the
             timeout :func:`init_process_group` used, else ``$ROUNDPIPE_DIST_TIMEOUT``, else
             30 minutes). With an explicit ``process_group``: a bound on waiting for each
@@ -535,6 +539,7 @@ class GradientAllReducer:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         timeout: float | int | timedelta | None = None,
+        params: Iterable[torch.Tensor] | None = None,
     ) -> None:
         if op not in _OPS:
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
@@ -553,7 +558,8 @@ class GradientAllReducer:
         else:
             self.timeout = None if timeout is None else resolve_timeout(timeout)
         self.group = process_group
-        params = list(reversed(rp.optim_parameters()))
+        chosen = _unique_params(rp.optim_parameters() if params is None else params)
+        params = list(reversed(chosen))
         self.buckets = [_Bucket(i, b) for i, b in enumerate(_bucketize(params, bucket_bytes))]
         self._slot = {id(p): b.index for b in self.buckets for p in b.params}
         self._lock = threading.Lock()
@@ -718,6 +724,18 @@ class GradientAllReducer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params must be tensors (parameters), got {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
 
 
 def sync_gradients(rp: Any, group: Any | None = None, op: str = "mean",

@@ -6,8 +6,8 @@ Accepted forms (all checked against the model's layers and the device pool):
 * ``"auto"`` -- ``ModelExecutePlan.auto(run_type, roundpipe)`` (before any
   measurement the layer timer's estimates are proportional to layer size;
   :class:`~roundpipe_lightning.AutoReplan` re-plans from measured times);
-* a layout string, e.g. ``"fwd=3,2 bwd=1,1,2,1"`` or with owner devices
-  ``"fwd=0:3,1:2 bwd=0:1,1:1,0:2,1:1"`` (``;`` also separates) -- see
+* a layout string, e.g. ``"fwd=3,2 bwd=1,2,2,1"`` or with owner devices
+  ``"fwd=0:3,1:2 bwd=0:1,1:2,0:2,1:1"`` (``;`` also separates) -- see
   ``ModelExecutePlan.from_layout``;
 * a dict of ``ModelExecutePlan.from_layout`` arguments (``{"fwd": "3,2", "bwd": "1,1,2,1"}``);
 * a ``ModelExecutePlan``.
@@ -22,7 +22,7 @@ from roundpipe_core import ModelExecutePlan
 
 
 def describe_plan(plan: ModelExecutePlan) -> str:
-    """One line for logs: the layout string (``fwd=3,2 bwd=1,1,2,1``)."""
+    """One line for logs: the layout string (``fwd=3,2 bwd=1,2,2,1``)."""
     try:
         return plan.to_layout_string()
     except Exception:  # noqa: BLE001 - any plan still has a repr

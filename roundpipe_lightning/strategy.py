@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -102,7 +103,7 @@ class RoundPipeStrategy(ParallelStrategy):
         num_microbatch: microbatches per pipelined call (default: devices + 1).
         execute_plan: the stage plan of ``forward_backward``: ``None`` (the engine's
             default), ``"auto"`` (``ModelExecutePlan.auto`` at setup), a
-            ``ModelExecutePlan``, a layout string such as ``"fwd=3,2;bwd=1,1,2,1"``
+            ``ModelExecutePlan``, a layout string such as ``"fwd=3,2 bwd=1,2,2,1"``
             (see :func:`roundpipe_lightning.plans.resolve_execute_plan`) or a dict of
             ``ModelExecutePlan.from_layout`` arguments.
         optim_dtype: dtype of the optimizer's master weights (default fp32; a name
@@ -266,8 +267,7 @@ class RoundPipeStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self._precision_mode is None:
-            self._precision_mode = resolve_precision(self.precision_plugin)
+        self._precision_mode = resolve_precision(self.precision_plugin)
         assert self.model is not None
         # Half-precision plugins cast the module here, before RoundPipe copies fp32 masters.
         self.model = self.precision_plugin.convert_module(self.model)
@@ -334,8 +334,6 @@ class RoundPipeStrategy(ParallelStrategy):
             "recompute_grain": self.recompute_grain,
             "preserve_rng_state": self.preserve_rng_state,
         }
-        from dataclasses import replace
-
         cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
         devices = self.compute_devices
         pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
