@@ -98,10 +98,13 @@ def none_grads(rank: int) -> dict:
         m[0].grad = torch.full_like(m[0], float(rank + 1))
         m[1].grad = torch.ones_like(m[1]) if rank == 0 else None
         m[2].grad = None
-        with D.GradientAllReducer(rp, op="mean", bucket_bytes=64) as r:
+        m[3].grad = torch.full_like(m[3], float(rank))  # not in params: left alone
+        outside = torch.nn.Parameter(torch.zeros(3))  # not RoundPipe's: reduced too
+        outside.grad = torch.full_like(outside, 4.0 * rank)
+        with D.GradientAllReducer(rp, op="mean", bucket_bytes=64, params=[*m[:3], outside]) as r:
             r.finish()
         return {"g0": m[0].grad.clone(), "g1": None if m[1].grad is None else m[1].grad.clone(),
-                "g2_is_none": m[2].grad is None}
+                "g2_is_none": m[2].grad is None, "g3": m[3].grad.clone(), "outside": outside.grad.clone()}
     finally:
         rp.close()
 

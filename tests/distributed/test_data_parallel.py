@@ -81,12 +81,14 @@ def test_overlap_is_driven_by_the_grad_hook(trained: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_missing_gradients_take_part_as_zeros(trained: Path) -> None:
+def test_missing_gradients_take_part_as_zeros_and_params_select(trained: Path) -> None:
     for rank in (0, 1):
         g = torch.load(trained / f"none_grads_rank{rank}.pt")
         assert torch.equal(g["g0"], torch.full_like(g["g0"], 1.5))  # mean of 1 and 2
         assert g["g1"] is not None and torch.equal(g["g1"], torch.full_like(g["g1"], 0.5))  # mean of 1 and "none"
         assert g["g2_is_none"]  # no rank had one: stays None, as in one process
+        assert torch.equal(g["g3"], torch.full_like(g["g3"], float(rank)))  # not in params: untouched
+        assert torch.equal(g["outside"], torch.full_like(g["outside"], 2.0))  # a non-RoundPipe tensor: reduced
 
 
 @pytest.mark.timeout(150)

@@ -124,3 +124,15 @@ def test_close_removes_the_grad_hook(rp: RoundPipe) -> None:
     assert len(rp._grad_hooks) == 1
     r.close()
     assert rp._grad_hooks == []
+
+
+def test_params_select_what_is_reduced(rp: RoundPipe) -> None:
+    masters = rp.optim_parameters()
+    extra = nn.Parameter(torch.zeros(2))
+    r = D.GradientAllReducer(rp, params=[masters[0], extra, masters[0]], overlap=False)
+    assert [id(p) for b in r.buckets for p in b.params] == [id(extra), id(masters[0])]  # deduplicated, reversed
+    r.close()
+    with pytest.raises(TypeError, match="params must be tensors"):
+        D.GradientAllReducer(rp, params=[1.0])
+    with pytest.raises(RuntimeError, match="closed"):
+        r.finish()
