@@ -187,6 +187,7 @@ class StageTimeLogger(Callback):
         self.every_n_steps = every_n_steps
         self.log_layers = log_layers
         self._t0: float | None = None
+        self._last_step: int | None = None
         self.last_metrics: dict[str, float] = {}
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -201,8 +202,10 @@ class StageTimeLogger(Callback):
         step_ms = (time.perf_counter() - self._t0) * 1000.0 if self._t0 is not None else 0.0
         every = self.every_n_steps or max(1, trainer.log_every_n_steps)
         step = trainer.global_step
-        if step == 0 or step % every != 0 or not trainer.loggers:
+        # with gradient accumulation several batches end at the same global step: log once
+        if step == 0 or step % every != 0 or step == self._last_step or not trainer.loggers:
             return
+        self._last_step = step
         rp = _roundpipe_of(trainer, "StageTimeLogger")
         metrics = self.collect(rp, step_ms)
         self.last_metrics = metrics

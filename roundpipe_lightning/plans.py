@@ -9,7 +9,7 @@ Accepted forms (all checked against the model's layers and the device pool):
 * a layout string, e.g. ``"fwd=3,2 bwd=1,2,2,1"`` or with owner devices
   ``"fwd=0:3,1:2 bwd=0:1,1:2,0:2,1:1"`` (``;`` also separates) -- see
   ``ModelExecutePlan.from_layout``;
-* a dict of ``ModelExecutePlan.from_layout`` arguments (``{"fwd": "3,2", "bwd": "1,1,2,1"}``);
+* a dict of ``ModelExecutePlan.from_layout`` arguments (``{"fwd": "3,2", "bwd": "1,2,2,1"}``);
 * a ``ModelExecutePlan``.
 """
 

@@ -130,3 +130,10 @@ def test_execute_plan_auto_at_setup() -> None:
     ref = SeqModule(mode="plain", wide=WIDE)
     plain_trainer(max_steps=2).fit(ref, loader())
     assert max_rel_err(params_of(m), params_of(ref)) <= 1e-5
+
+
+def test_stage_time_logger_logs_once_per_step_with_accumulation(tmp_path: Path) -> None:
+    stl = StageTimeLogger(every_n_steps=1, log_layers=False)
+    rp_trainer(max_steps=3, accumulate_grad_batches=2, logger=TensorBoardLogger(tmp_path, name="tb"),
+               callbacks=[stl]).fit(SeqModule(), loader())
+    assert [e.step for e in _events(tmp_path).Scalars("roundpipe/bubble_ratio")] == [1, 2, 3]
