@@ -630,6 +630,12 @@ class GradientAllReducer:
         """Issue one async all-reduce per bucket in the fixed order, then wait for each
         and write the result back into ``.grad``. Errors are kept for ``finish()``."""
         try:
+            # An asynchronous optimizer step still in flight reads and clears the grads.
+            # Accumulating a gradient waits for it, but a master of a stage that produced
+            # no gradient at all is reported without that wait: wait here too.
+            wait_step = getattr(self.rp, "_wait_step_done", None)
+            if wait_step is not None:
+                wait_step()
             pending = []
             for b in self.buckets:
                 while not rnd.ready[b.index].wait(_POLL_S):

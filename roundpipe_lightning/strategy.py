@@ -71,6 +71,8 @@ from .precision import (
 
 log = logging.getLogger(__name__)
 
+_MISSING = object()
+
 CHECKPOINT_KEY = "roundpipe"
 CHECKPOINT_FORMAT = 1
 
@@ -178,6 +180,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._real_zero_grad: dict[int, Callable[..., None]] = {}
         self._in_training_step = False
         self._failed = False
+        self._previous_attr: Any = _MISSING
 
     # -- topology (single process now; one process per node later) ---------------------------
     @property
@@ -363,6 +366,8 @@ class RoundPipeStrategy(ParallelStrategy):
             self._close_roundpipe()
             raise
         # Not a registered submodule: the LightningModule's state_dict keeps its own names only.
+        # A value the module had under that name (e.g. ``self.roundpipe = None``) comes back at teardown.
+        self._previous_attr = lm.__dict__.get("roundpipe", _MISSING)
         object.__setattr__(lm, "roundpipe", rp)
 
     @property
@@ -604,6 +609,9 @@ class RoundPipeStrategy(ParallelStrategy):
             lm = self.lightning_module
             if lm is not None and lm.__dict__.get("roundpipe") is rp:
                 object.__delattr__(lm, "roundpipe")
+                if self._previous_attr is not _MISSING:
+                    object.__setattr__(lm, "roundpipe", self._previous_attr)
+            self._previous_attr = _MISSING
 
     def teardown(self) -> None:
         try:

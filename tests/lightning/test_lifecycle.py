@@ -167,3 +167,17 @@ def test_hugging_face_model_through_preset() -> None:
     assert probe.rp.config is m.lm.config  # attribute fall-through to the HF model
     assert list(m.state_dict()) == list(ref.state_dict())
     assert max_rel_err(params_of(m), params_of(ref)) <= 1e-5
+
+
+class DeclaresAttribute(SeqModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.roundpipe = None  # declared for readers / type checkers
+
+
+def test_declared_roundpipe_attribute_is_restored() -> None:
+    probe = Probe()
+    m = DeclaresAttribute()
+    rp_trainer(max_steps=1, callbacks=[probe]).fit(m, loader())
+    assert probe.rp is not None
+    assert m.roundpipe is None
