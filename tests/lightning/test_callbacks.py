@@ -137,3 +137,14 @@ def test_stage_time_logger_logs_once_per_step_with_accumulation(tmp_path: Path) 
     rp_trainer(max_steps=3, accumulate_grad_batches=2, logger=TensorBoardLogger(tmp_path, name="tb"),
                callbacks=[stl]).fit(SeqModule(), loader())
     assert [e.step for e in _events(tmp_path).Scalars("roundpipe/bubble_ratio")] == [1, 2, 3]
+
+
+def test_auto_replan_for_roundpipe_forward_training() -> None:
+    """run_type="train" plans the forward()/backward path (loss from self.roundpipe(x))."""
+    replan = AutoReplan(warmup_steps=2, run_type="train")
+    m = SeqModule(mode="rp_forward", heavy=HEAVY)
+    rp_trainer(max_steps=4, callbacks=[replan]).fit(m, loader())
+    assert replan.history and replan.plan.fwd_plan and replan.plan.bwd_plan
+    ref = SeqModule(mode="plain", heavy=HEAVY)
+    plain_trainer(max_steps=4).fit(ref, loader())
+    assert max_rel_err(params_of(m), params_of(ref)) <= 1e-5

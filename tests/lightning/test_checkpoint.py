@@ -109,3 +109,36 @@ def test_model_checkpoint_callback_and_validate_from_checkpoint(tmp_path: Path) 
     assert cb.best_model_path
     out = rp_trainer().validate(SeqModule(seed=5), loader(), ckpt_path=cb.best_model_path)
     assert out[0]["val_loss"] == pytest.approx(float(cb.best_model_score), rel=1e-5)
+
+
+def test_resume_restores_loss_scaler_and_timer(tmp_path: Path) -> None:
+    """16-mixed: the dynamic loss scale (backed off by early overflows) and the layer
+    timer's measurements come back on resume; the run continues identically."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def trainer(max_steps: int, callbacks: list) -> L.Trainer:
+        from roundpipe_lightning import RoundPipeStrategy
+
+        return L.Trainer(
+            strategy=RoundPipeStrategy(num_microbatch=3, async_step=True), accelerator="cpu", devices=2,
+            plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=max_steps, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        )
+
+    seen = {}
+
+    class Spy(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["scale"] = trainer.strategy._loss_scaler.scale
+            seen["measured"] = pl_module.roundpipe.model_timer.has_measurements()
+
+    a = SeqModule()
+    trainer(5, [ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=5)]).fit(a, loader())
+    a2 = SeqModule(seed=9)
+    trainer(10, [Spy()]).fit(a2, loader(), ckpt_path=tmp_path / "a" / "epoch=0-step=5.ckpt")
+    b = SeqModule()
+    trainer(10, [ModelCheckpoint(dirpath=tmp_path / "b", every_n_train_steps=5)]).fit(b, loader())
+    assert seen["scale"] < 2.0**16 and seen["measured"]
+    assert a.losses + a2.losses == b.losses
+    assert max_rel_err(params_of(a2), params_of(b)) == 0.0
