@@ -9,9 +9,10 @@ Scenarios:
     train  -- collectives, then several training configurations (mean/sum, overlap
               on/off, gradient accumulation, autograd backward) from rank-specific
               initial weights made identical by ``broadcast_masters``; saves params.
-    kill   -- trains until rank 1 dies inside its backward (``os._exit``).
-    stall  -- trains until rank 1 stops taking part (sleeps, alive): rank 0 must hit
-              the process-group timeout.
+    kill   -- trains until rank ``$FAIL_RANK`` (default 1) dies inside its backward
+              (``os._exit``); with rank 0 the rendezvous host dies too.
+    stall  -- trains until rank ``$FAIL_RANK`` stops taking part (sleeps, alive): the
+              other must hit the process-group timeout.
 """
 
 from __future__ import annotations
@@ -153,23 +154,24 @@ def run_train(rank: int, world: int, out: Path) -> None:
 
 
 def run_failure(rank: int, world: int, out: Path, mode: str) -> None:
-    """Train with overlap until rank 1 fails at step 3 (dies in its backward, or stalls)."""
+    """Train with overlap until rank $FAIL_RANK fails at step 3 (dies in its backward, or stalls)."""
+    fail_rank = int(os.environ.get("FAIL_RANK", "1"))
     rp = make_rp(rank)
     D.broadcast_masters(rp)
     opt = make_optimizer(rp.optim_parameters())
     reducer = D.GradientAllReducer(rp, bucket_bytes=200)
 
     def die(_masters: list) -> None:
-        (out / "rank1_died").write_text(str(time.time()))
+        (out / "peer_died").write_text(str(time.time()))
         os._exit(17)  # a crash in the middle of the backward pass
 
     x, y = make_data(1, 1)[0][0]
     for step in range(10_000):
-        if rank == 1 and step == 3:
+        if rank == fail_rank and step == 3:
             if mode == "kill":
                 rp.register_grad_hook(die)
             else:
-                (out / "rank1_stalled").write_text(str(time.time()))
+                (out / "peer_stalled").write_text(str(time.time()))
                 time.sleep(600)  # alive, sockets open, never reaches the collective
         reducer.arm()
         rp.forward_backward(input_args=(shard(x, rank, world),), label=shard(y, rank, world),

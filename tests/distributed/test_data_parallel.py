@@ -104,12 +104,12 @@ def test_collectives_and_misuse(trained: Path) -> None:
         assert "arm() must come right before the LAST backward" in info["misuse_error"]
 
 
-def _wait_for_marker(procs, path: Path, deadline_s: float) -> float:
+def _wait_for_marker(procs, survivor, path: Path, deadline_s: float) -> float:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if path.exists() and path.read_text():
             return time.monotonic()
-        if procs[0].popen.poll() is not None:
+        if survivor.popen.poll() is not None:
             break
         time.sleep(0.1)
     wait_all(procs, 0.1)
@@ -119,26 +119,29 @@ def _wait_for_marker(procs, path: Path, deadline_s: float) -> float:
 
 @pytest.mark.timeout(150)
 def test_failed_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
-    """Rank 1 dies inside its backward (``kill``) or stops taking part while alive
-    (``stall``): rank 0 must exit with the reducer's error within the process-group
-    timeout (plus slack for a loaded machine), not hang. Both jobs run at once."""
+    """Rank 0 (which also hosts the rendezvous store) dies inside its backward
+    (``kill``), or rank 1 stops taking part while alive (``stall``): the other rank must
+    exit with the reducer's error within the process-group timeout (plus slack for a
+    loaded machine), not hang. Both jobs run at once."""
+    failing = {"kill": 0, "stall": 1}
     jobs = {}
-    for mode in ("kill", "stall"):
+    for mode, rank in failing.items():
         (tmp_path / mode).mkdir()
-        jobs[mode] = launch(mode, tmp_path / mode, timeout_s=PG_TIMEOUT_S)
+        jobs[mode] = launch(mode, tmp_path / mode, timeout_s=PG_TIMEOUT_S, extra_env={"FAIL_RANK": str(rank)})
     try:
         for mode, procs in jobs.items():
-            marker = tmp_path / mode / ("rank1_died" if mode == "kill" else "rank1_stalled")
-            _wait_for_marker(procs, marker, STARTUP_ALLOWANCE_S + 30)
-            code0 = wait_all(procs[:1], PG_TIMEOUT_S + 20)[0]
-            log0 = procs[0].output()
-            if code0 is None:
-                _fail_with_logs(procs, f"{mode}: rank 0 still running {PG_TIMEOUT_S + 20:.0f} s after rank 1 "
-                                       "failed: it hangs")
-            assert code0 != 0, mode
-            assert "gradient all-reduce failed on rank 0 of 2" in log0, log0[-3000:]
-            assert not (tmp_path / mode / "rank0_finished").exists()
+            survivor = procs[1 - failing[mode]]
+            marker = tmp_path / mode / ("peer_died" if mode == "kill" else "peer_stalled")
+            _wait_for_marker(procs, survivor, marker, STARTUP_ALLOWANCE_S + 30)
+            code = wait_all([survivor], PG_TIMEOUT_S + 20)[0]
+            log = survivor.output()
+            if code is None:
+                _fail_with_logs(procs, f"{mode}: rank {survivor.rank} still running {PG_TIMEOUT_S + 20:.0f} s "
+                                       f"after rank {failing[mode]} failed: it hangs")
+            assert code != 0, mode
+            assert f"gradient all-reduce failed on rank {survivor.rank} of 2" in log, log[-3000:]
+            assert not (tmp_path / mode / f"rank{survivor.rank}_finished").exists()
     finally:
         for procs in jobs.values():
-            wait_all(procs, 0.1)  # kills whatever still runs (the stalled rank 1)
-    assert jobs["kill"][1].popen.returncode == 17
+            wait_all(procs, 0.1)  # kills whatever still runs (the stalled rank)
+    assert jobs["kill"][0].popen.returncode == 17
