@@ -9,7 +9,9 @@ milliseconds on 2 cores) and the same data, trained with AdamW:
 - ``checkpoint``: plain PyTorch with per-layer ``torch.utils.checkpoint``
   (the same recompute work RoundPipe does);
 - ``roundpipe``: RoundPipe on 1 CPU worker, ``is_async=False``, its default
-  plan (fused last stage + recompute).
+  plan (fused last stage + recompute) and default microbatches (devices + 1 = 2);
+- ``roundpipe M=1``: the same with one microbatch (full-size matrix products,
+  as the baselines have: isolates the engine's own cost from the smaller GEMMs).
 
 The configurations are interleaved step by step (A, B, C, A, B, C, ...) after a
 warm-up, and the median step time of each is reported with its ratio to the
@@ -56,6 +58,9 @@ def main() -> None:
     rp = RoundPipe(rp_model, devices="cpu:1", optim_dtype=torch.float32,
                    model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches))
     opt_rp = torch.optim.AdamW(rp.optim_parameters(), lr=1e-4, fused=True)
+    rp1 = RoundPipe(build(args.width), devices="cpu:1", optim_dtype=torch.float32,
+                    model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    opt_rp1 = torch.optim.AdamW(rp1.optim_parameters(), lr=1e-4, fused=True)
 
     def step_plain() -> None:
         loss_fn(plain(x), y).backward()
@@ -74,7 +79,11 @@ def main() -> None:
         rp.forward_backward((x,), label=y, loss_fn=loss_fn)
         rp.step(lambda: (opt_rp.step(), opt_rp.zero_grad()), is_async=False)
 
-    runs = {"plain": step_plain, "checkpoint": step_ckpt, "roundpipe": step_rp}
+    def step_rp1() -> None:
+        rp1.forward_backward((x,), label=y, loss_fn=loss_fn)
+        rp1.step(lambda: (opt_rp1.step(), opt_rp1.zero_grad()), is_async=False)
+
+    runs = {"plain": step_plain, "checkpoint": step_ckpt, "roundpipe": step_rp, "roundpipe M=1": step_rp1}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(2):  # warm-up
         for fn in runs.values():
@@ -85,12 +94,13 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     rp.close()
+    rp1.close()
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     print(f"8 x Linear({args.width}) + GELU, batch {args.batch}, {args.steps} interleaved steps, "
           f"torch threads {torch.get_num_threads()}")
-    print(f"{'config':<12}{'median ms':>11}{'/ plain':>9}{'/ checkpoint':>14}")
+    print(f"{'config':<15}{'median ms':>11}{'/ plain':>9}{'/ checkpoint':>14}")
     for k in runs:
-        print(f"{k:<12}{med[k]:>11.1f}{med[k] / med['plain']:>9.2f}{med[k] / med['checkpoint']:>14.2f}")
+        print(f"{k:<15}{med[k]:>11.1f}{med[k] / med['plain']:>9.2f}{med[k] / med['checkpoint']:>14.2f}")
 
 
 if __name__ == "__main__":
