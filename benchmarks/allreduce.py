@@ -11,7 +11,8 @@ side in the same processes, interleaved round by round:
   the grad hook while earlier stages still run their backward.
 
 Reported per mode: step time, its overhead over ``local`` as a share of the step,
-and the time ``finish()`` blocked the training loop (exposed communication).
+and the time ``finish()`` blocked the training loop (the exposed communication),
+also as a share of the step.
 
 Command (what the README quotes)::
 
@@ -172,10 +173,14 @@ def launch(args: argparse.Namespace) -> None:
     print(f"{args.world} processes x {args.devices} CPU workers, gloo on 127.0.0.1; "
           f"median of {args.rounds}x{args.steps} steps per mode")
     print(f"raw all-reduce of all gradients (nothing else running): {_median(res['raw']) * 1e3:.1f} ms\n")
-    print(f"{'mode':<9}{'step ms':>10}{'vs local':>10}{'all-reduce share':>18}{'finish() blocked ms':>21}")
+    print(f"{'mode':<9}{'step ms':>9}{'vs local':>10}{'overhead share':>16}{'finish() blocked ms':>21}"
+          f"{'blocked share':>15}")
     for m in MODES:
         share = (t[m] - t["local"]) / t[m] if m != "local" else 0.0
-        print(f"{m:<9}{t[m] * 1e3:>10.1f}{t[m] / t['local']:>10.3f}{share * 100:>17.1f}%{w[m] * 1e3:>21.1f}")
+        print(f"{m:<9}{t[m] * 1e3:>9.1f}{t[m] / t['local']:>10.3f}{share * 100:>15.1f}%{w[m] * 1e3:>21.1f}"
+              f"{w[m] / t[m] * 100:>14.1f}%")
+    print("\noverhead share: (step - local step) / step. blocked share: time the loop waited in finish() / step "
+          "(the all-reduce not hidden behind compute; less noisy on a shared machine).")
 
 
 def main() -> None:

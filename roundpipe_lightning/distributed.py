@@ -447,18 +447,18 @@ class _Bucket:
                     raise TypeError("sparse gradients cannot be all-reduced by GradientAllReducer")
                 buf[off:off + n].copy_(g.reshape(-1))
             off += n
-        for i, p in enumerate(self.params):
-            buf[self.numel + i] = 0.0 if p.grad is None else 1.0
+        buf[self.numel:] = torch.tensor([p.grad is not None for p in self.params], dtype=self.dtype)
         return buf
 
     def unflatten(self, buf: torch.Tensor, divisor: int) -> None:
         if divisor != 1:
             buf[: self.numel].div_(divisor)
         off = 0
+        had_grad = (buf[self.numel:] > 0).tolist()  # per param: some rank had a gradient
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 n = p.numel()
-                if float(buf[self.numel + i]) > 0:  # some rank had a gradient
+                if had_grad[i]:
                     part = buf[off:off + n].view_as(p)
                     if p.grad is None:
                         p.grad = part.clone()
