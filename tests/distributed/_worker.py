@@ -38,6 +38,8 @@ TRAIN_CONFIGS = {
     "sum_no_overlap_accum2": ("sum", False, 2, D.DEFAULT_BUCKET_BYTES, False),
     "mean_overlap_accum2_autograd": ("mean", True, 2, 600, True),
     "sum_overlap_one_bucket": ("sum", True, 1, D.DEFAULT_BUCKET_BYTES, False),
+    # the same loop driven through DataParallel, the strategy's interface
+    "dataparallel_mean_overlap_accum2": ("mean", True, 2, 400, "dataparallel"),
 }
 STEPS = 3
 
@@ -47,7 +49,10 @@ def make_rp(rank: int) -> RoundPipe:
     return RoundPipe(build_model(seed=rank), devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3))
 
 
-def train(rank: int, world: int, op: str, overlap: bool, accum: int, bucket_bytes: int, autograd: bool) -> dict:
+def train(rank: int, world: int, op: str, overlap: bool, accum: int, bucket_bytes: int,
+          autograd: bool | str) -> dict:
+    if autograd == "dataparallel":
+        return train_dataparallel(rank, world, op, overlap, accum, bucket_bytes)
     rp = make_rp(rank)
     try:
         D.broadcast_masters(rp)
@@ -87,6 +92,42 @@ def train(rank: int, world: int, op: str, overlap: bool, accum: int, bucket_byte
             "hook_ready": hook_ready,
         }
     finally:
+        rp.close()
+
+
+def train_dataparallel(rank: int, world: int, op: str, overlap: bool, accum: int, bucket_bytes: int) -> dict:
+    """The Lightning strategy's sequence of calls, without Lightning: the last micro-step
+    of each window runs inside ``wrap_closure`` (as Lightning runs training_step inside
+    the optimizer step's closure), then ``reduce(opt)`` and the step."""
+    rp = make_rp(rank)
+    dp = D.DataParallel(op=op, overlap=overlap, bucket_bytes=bucket_bytes)
+    try:
+        opt = make_optimizer(rp.optim_parameters())
+        dp.attach(rp, [opt])  # broadcasts rank 0's weights
+        denom = (GLOBAL_BATCH if op == "sum" else GLOBAL_BATCH // world) * accum
+
+        def micro_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return rp.forward_backward(input_args=(shard(x, rank, world),), label=shard(y, rank, world),
+                                       loss_fn=lambda o, t: ((o - t) ** 2).sum() / denom)
+
+        hook_ready = 0
+        for window in make_data(STEPS, accum):
+            for x, y in window[:-1]:
+                micro_step(x, y)
+            dp.wrap_closure(opt, lambda last=window[-1]: micro_step(*last))()
+            reducer = dp._reducers[id(opt)]
+            hook_ready += sum(e.is_set() for e in reducer._round.ready) if reducer._round is not None else 0
+            dp.reduce(opt)
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        rp.synchronize()
+        return {
+            "params": {n: p.detach().clone() for n, p in rp.model.named_parameters()},
+            "in_sync": D.params_in_sync(rp),
+            "buckets": len(dp._reducers[id(opt)].buckets),
+            "hook_ready": hook_ready,
+        }
+    finally:
+        dp.detach()
         rp.close()
 
 

@@ -33,6 +33,7 @@ TRAIN_CONFIGS = {  # must match _worker.TRAIN_CONFIGS: name -> accumulation step
     "sum_no_overlap_accum2": 2,
     "mean_overlap_accum2_autograd": 2,
     "sum_overlap_one_bucket": 1,
+    "dataparallel_mean_overlap_accum2": 2,
 }
 STEPS = 3
 
@@ -72,7 +73,8 @@ def test_ranks_identical_and_equal_to_single_process(trained: Path, name: str) -
 @pytest.mark.timeout(150)
 def test_overlap_is_driven_by_the_grad_hook(trained: Path) -> None:
     info = json.loads((trained / "info_rank0.json").read_text())
-    for name in ("mean_overlap_small_buckets", "mean_overlap_accum2_autograd", "sum_overlap_one_bucket"):
+    for name in ("mean_overlap_small_buckets", "mean_overlap_accum2_autograd", "sum_overlap_one_bucket",
+                 "dataparallel_mean_overlap_accum2"):
         # every bucket of every armed step was released by the hook during the backward call
         assert info[name]["hook_ready"] == info[name]["buckets"] * STEPS, (name, info[name])
         assert info[name]["in_sync"]

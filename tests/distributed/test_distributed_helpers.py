@@ -136,3 +136,21 @@ def test_params_select_what_is_reduced(rp: RoundPipe) -> None:
         D.GradientAllReducer(rp, params=[1.0])
     with pytest.raises(RuntimeError, match="closed"):
         r.finish()
+
+
+def test_dataparallel_in_one_process_is_a_no_op(rp: RoundPipe) -> None:
+    dp = D.DataParallel()
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+    dp.connect(None, world_size=1)  # creates no process group
+    dp.attach(rp, [opt])
+    calls = []
+    closure = dp.wrap_closure(opt, lambda: calls.append(1) or "loss")
+    assert closure() == "loss" and calls == [1]
+    dp.reduce(opt)
+    dp.abort()
+    dp.detach()
+    assert rp._grad_hooks == []
+    for bad, match in ((dict(op="avg"), "op must"), (dict(bucket_bytes=0), "bucket_bytes"),
+                       (dict(backend="mpi"), "backend"), (dict(timeout=-1), "positive")):
+        with pytest.raises(ValueError, match=match):
+            D.DataParallel(**bad)
