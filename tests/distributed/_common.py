@@ -73,7 +73,9 @@ def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+    # SGD, not Adam: Adam's update hardly depends on the gradient's scale, so it would
+    # hide a missing (or doubled) division by the world size.
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
 
 
 def reference_run(steps: int, accum: int) -> dict[str, torch.Tensor]:
