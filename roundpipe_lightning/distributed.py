@@ -16,6 +16,9 @@ What is here (no Lightning import; the strategy wires it into Lightning):
 * :class:`GradientAllReducer` -- bucketed all-reduce of the master gradients,
   optionally overlapped with the backward pass through RoundPipe's grad hook.
 * :func:`sync_gradients` -- the one-shot, non-overlapped form.
+* :class:`DataParallel` -- the whole interface a training loop (the Lightning
+  strategy) needs: ``connect``, ``attach``, ``wrap_closure``, ``reduce``,
+  ``abort``, ``detach``.
 * :func:`broadcast_masters` -- make every rank start from rank ``src``'s weights.
 * :func:`init_process_group` / :func:`dist_env_from_environ` -- process-group
   set-up from a Lightning ``ClusterEnvironment`` or from the environment that
@@ -558,6 +561,8 @@ class GradientAllReducer:
         else:
             self.timeout = None if timeout is None else resolve_timeout(timeout)
         self.group = process_group
+        # fixed at construction: a reducer built before the process group stays a no-op
+        self._world_size = _world(process_group)
         chosen = _unique_params(rp.optim_parameters() if params is None else params)
         params = list(reversed(chosen))
         self.buckets = [_Bucket(i, b) for i, b in enumerate(_bucketize(params, bucket_bytes))]
@@ -573,7 +578,7 @@ class GradientAllReducer:
 
     @property
     def world_size(self) -> int:
-        return _world(self.group)
+        return self._world_size
 
     @property
     def armed(self) -> bool:
