@@ -181,6 +181,7 @@ class RoundPipe(nn.Module):
         self._call_lock = threading.RLock()
         self.model_timer = ModelTimer(layers)
         self._rule_checker = ForwardRuleChecker(layers)
+        self._default_plans: dict[tuple[str, int], tuple[ModelExecutePlan, bool]] = {}
         self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         self.last_schedule: list[Job] = []
         self.last_job_times: list[tuple[Job, int, float]] = []
@@ -336,15 +337,29 @@ class RoundPipe(nn.Module):
     def _plan(self, cfg: RoundPipeRunConfig, run_type: str) -> ModelExecutePlan:
         plan = cfg.execute_plan
         if plan is None:
-            plan = self.default_plan(run_type)
+            plan = self.default_plan(run_type, cfg.num_microbatch)
         elif not isinstance(plan, ModelExecutePlan):
             raise TypeError(f"execute_plan must be a ModelExecutePlan, got {type(plan).__name__}")
         plan.check_valid(self.num_layers, run_type, self.num_devices)
         return plan
 
-    def default_plan(self, run_type: str) -> ModelExecutePlan:
-        """The plan used when none is given."""
-        return ModelExecutePlan.uniform(self.num_layers, self.num_devices + (run_type == "fused"), run_type)
+    def default_plan(self, run_type: str, num_microbatch: int | None = None) -> ModelExecutePlan:
+        """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
+
+        Planned once from size-proportional estimates, then once more when the timer
+        has its first measurements (after the warm-up iteration); cached otherwise, so
+        calls do not re-plan. ``ModelExecutePlan.auto`` / the ``AutoReplan`` callback
+        re-plan on demand.
+        """
+        m = num_microbatch or self.num_devices + 1
+        measured = self.model_timer.has_measurements()
+        key = (run_type, m)
+        cached = self._default_plans.get(key)
+        if cached is None or (measured and not cached[1]):
+            plan = ModelExecutePlan.auto(run_type, self, num_microbatch=m)
+            cached = (plan, measured)
+            self._default_plans[key] = cached
+        return cached[0]
 
     def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], list[int], int | None]:
         m = cfg.num_microbatch or self.num_devices + 1

@@ -245,7 +245,7 @@ class _Clock:
     def span(self, kind: str, layers: range, start: Any) -> None:
         self.marks.append((kind, layers, start, self.worker.time_point()))
 
-    def commit(self, timer: Any) -> float:
+    def commit(self, timer: Any, microbatches: int) -> float:
         sums: dict[tuple[str, int, int], float] = defaultdict(float)
         total = 0.0
         for kind, layers, a, b in self.marks:
@@ -254,7 +254,8 @@ class _Clock:
             total += ms
         if timer is not None:
             for (kind, start, stop), ms in sums.items():
-                timer.record(kind, range(start, stop), ms)
+                # per-microbatch estimates: calls with different microbatch counts average consistently
+                timer.record(kind, range(start, stop), ms, microbatches=microbatches)
         return total
 
 
@@ -436,7 +437,7 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                         run.grads_done(job)
                 if job.kind in (FORWARD, FUSED):
                     write_back_buffers(stage)
-                busy = clock.commit(run.timer)
+                busy = clock.commit(run.timer, len(job.microbatches))
                 with run._cond:
                     run.job_times.append((job, worker.index, busy))
             finally:

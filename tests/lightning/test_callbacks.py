@@ -21,6 +21,7 @@ from rpl_helpers import (
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from roundpipe_core import ModelExecutePlan
 from roundpipe_lightning import AutoReplan, StageTimeLogger
 
 
@@ -72,16 +73,18 @@ def test_auto_replan_changes_plan_and_keeps_the_math(tmp_path: Path) -> None:
 
     class Spy(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            seen_plans.append(pl_module.roundpipe.plan_for("fused"))
+            rp = pl_module.roundpipe
+            seen_plans.append((rp.plan_for("fused"), rp.default_plan("fused", rp.num_devices + 1)))
 
     m = SeqModule(heavy=HEAVY)
     logger = TensorBoardLogger(tmp_path, name="tb")
     rp_trainer(max_steps=6, logger=logger, callbacks=[replan, Spy()]).fit(m, loader())
-    default = seen_plans[0]
+    first = seen_plans[0][0]  # planned from size-proportional estimates: the heavy layer is invisible
     assert len(replan.history) == 1 and replan.history[0][0] == 3
     new = replan.plan
-    assert new != default
-    assert seen_plans[:3] == [default] * 3 and seen_plans[3:] == [new] * 3
+    assert new != first
+    assert all(used == default for used, default in seen_plans[:3])  # nothing installed yet
+    assert [used for used, _ in seen_plans[3:]] == [new] * 3
     # logged: text and stage counts
     acc = _events(tmp_path)
     assert "roundpipe/plan_bwd_stages" in acc.Tags()["scalars"]
@@ -121,12 +124,15 @@ def test_execute_plan_auto_at_setup() -> None:
     class Spy(L.Callback):
         def on_train_start(self, trainer, pl_module):
             rp = pl_module.roundpipe
-            seen.append((rp.plan_for("fused"), rp.default_plan("fused")))
+            seen.append((rp.plan_for("fused"), rp.default_plan("fused"), rp.num_layers))
 
     m = SeqModule(wide=WIDE)
     rp_trainer(max_steps=2, callbacks=[Spy()], strategy_kw=dict(execute_plan="auto")).fit(m, loader())
-    plan, default = seen[0]
-    assert plan != default
+    plan, default, num_layers = seen[0]
+    # the engine's own default is the same planner on the same (unmeasured) estimates,
+    # and it is not the uniform split: the wide layers get stages of their own
+    assert plan == default
+    assert plan != ModelExecutePlan.uniform(num_layers, len(plan.bwd_plan), "fused")
     ref = SeqModule(mode="plain", wide=WIDE)
     plain_trainer(max_steps=2).fit(ref, loader())
     assert max_rel_err(params_of(m), params_of(ref)) <= 1e-5
