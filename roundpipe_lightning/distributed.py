@@ -800,23 +800,22 @@ class DataParallel:
         bucket_bytes: gradient bytes per all-reduce.
         timeout: process-group timeout (seconds / ``timedelta``; default
             ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        backend: backend of the default group ("gloo"; "nccl" only for GPU collectives
-            of other code -- the gradients are always reduced over gloo).
+
+    The default group is gloo: everything the strategy communicates -- master
+    gradients, logged metrics (its root device is the CPU), broadcast objects --
+    lives in host memory, which NCCL cannot reduce.
     """
 
     def __init__(self, op: str = "mean", overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout: float | int | timedelta | None = None, backend: str = "gloo") -> None:
+                 timeout: float | int | timedelta | None = None) -> None:
         if op not in _OPS:
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.op = op
         self.overlap = bool(overlap)
         self.bucket_bytes = bucket_bytes
         self.timeout = resolve_timeout(timeout)
-        self.backend = backend
         self._reducers: dict[int, GradientAllReducer] = {}
 
     @property
@@ -834,7 +833,7 @@ class DataParallel:
         if world_size is None:
             world_size = cluster_environment.world_size() if cluster_environment is not None else 1
         if world_size > 1:
-            init_process_group(cluster_environment, backend=self.backend, timeout=self.timeout)
+            init_process_group(cluster_environment, backend="gloo", timeout=self.timeout)
 
     def attach(self, rp: Any, optimizers: Sequence[Any] = ()) -> None:
         """Make every rank hold rank 0's weights and build the reducers (collective).

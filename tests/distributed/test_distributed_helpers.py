@@ -151,6 +151,6 @@ def test_dataparallel_in_one_process_is_a_no_op(rp: RoundPipe) -> None:
     dp.detach()
     assert rp._grad_hooks == []
     for bad, match in ((dict(op="avg"), "op must"), (dict(bucket_bytes=0), "bucket_bytes"),
-                       (dict(backend="mpi"), "backend"), (dict(timeout=-1), "positive")):
+                       (dict(timeout=-1), "positive")):
         with pytest.raises(ValueError, match=match):
             D.DataParallel(**bad)
