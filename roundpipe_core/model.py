@@ -179,6 +179,7 @@ class RoundPipe(nn.Module):
         self._grad_lock = threading.Lock()
         self._optimizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"roundpipe-optim-{self.name}")
         self._pending_step: Future | None = None
+        self._step_guarded = False
         # -- pipelined (non-blocking) calls, see overlap.py --------------------------
         self._versions = WeightVersions(layers, self._masters)
         self._steps = 0            # step() calls so far; step k produces weight version k
@@ -189,6 +190,7 @@ class RoundPipe(nn.Module):
         self._failure: BaseException | None = None  # first failure of pipelined work
         self._failure_reported = False
         self._pipe_lock = threading.RLock()
+        self._merge_lock = threading.Lock()  # taken before _pipe_lock, never while holding it
         self._timer_lock = threading.Lock()
         self._next_device = 0      # round-robin continues from one pipelined call to the next
         self._pipelined_calls = 0
@@ -330,6 +332,7 @@ class RoundPipe(nn.Module):
         if not deferred:
             self.synchronize()
             self._pending_step = self._opt_tail = self._optimizer.submit(step_fn)
+            self._step_guarded = False  # its error is raised by synchronize()
             self._steps += 1
         else:
             self._defer_step(step_fn)
@@ -359,6 +362,7 @@ class RoundPipe(nn.Module):
                 step_fn()
 
             self._pending_step = self._opt_tail = self._optimizer.submit(self._guarded, deferred_step)
+            self._step_guarded = True  # its error is raised through _raise_failure()
             self._steps += 1
 
     def _guarded(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -441,8 +445,9 @@ class RoundPipe(nn.Module):
             tail.exception()
         self._raise_failure()
         with self._pipe_lock:
-            for r in list(self._inflight):  # finished runs not followed by a step
-                self._merge_grads(r)
+            leftover = list(self._inflight)
+        for r in leftover:  # finished runs not followed by a step
+            self._merge_grads(r)
         fut = self._pending_step
         if fut is None:
             return
@@ -624,6 +629,11 @@ class RoundPipe(nn.Module):
             mbs, sizes, bs = self._split(cfg, args, kwargs)
             labels = self._split_label(cfg, label, mbs, sizes, bs)
             self._check_labels(labels, mbs)
+            if self._pending_step is not None and not self._step_guarded:
+                # a blocking-style step is in flight: its error must reach the pipelined
+                # failure path (synchronize() would otherwise see only later, guarded steps)
+                self._pending_step = self._opt_tail = self._optimizer.submit(self._guarded, self._pending_step.result)
+                self._step_guarded = True
             # continue round-robin where the previous call stopped: the device that ran its
             # last job is the last to become free, so this call's first job goes elsewhere
             jobs = build_schedule(plan, "fused", self.num_devices, len(mbs), start_device=self._next_device)
@@ -652,6 +662,7 @@ class RoundPipe(nn.Module):
                     self.last_job_times = list(run.job_times)
                     self.last_job_spans = list(run.job_spans)
                 p.job_spans = list(run.job_spans)
+                run.drop_activations()  # the handle keeps losses and outputs only
                 if p.error is not None:
                     if isinstance(p.error, PoolError) and self._failure is not None:
                         p.error = self._failure  # aborted because of that failure: report the cause
@@ -671,14 +682,18 @@ class RoundPipe(nn.Module):
             return pending
 
     def _merge_grads(self, r: PendingResult) -> None:
-        """Add a finished pipelined run's gradients to the masters' ``.grad`` (once)."""
-        with self._pipe_lock:
+        """Add a finished pipelined run's gradients to the masters' ``.grad`` (once).
+
+        ``merged`` turns True only after the addition, under one lock: a step that finds
+        the run merged (by ``result()`` on another thread) sees its gradients."""
+        with self._merge_lock:
             if r.merged:
                 return
+            r.buffer.merge_into_masters(self._grad_lock)
             r.merged = True
-            if r in self._inflight:
-                self._inflight.remove(r)
-        r.buffer.merge_into_masters(self._grad_lock)
+            with self._pipe_lock:
+                if r in self._inflight:
+                    self._inflight.remove(r)
 
     def _pending_result(self, r: PendingResult) -> Any:
         if r.error is not None:

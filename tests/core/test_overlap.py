@@ -84,6 +84,10 @@ def test_pipelined_sgd_matches_the_blocking_sequence(devices, plan, calls_per_st
     # the one-step-stale math is really what ran: fresh weights (is_async=False) differ
     fresh, _, _ = _train(devices, plan, True, calls_per_step, is_async=False, slow="none")
     assert any((a - b).abs().max() > 1e-4 for a, b in zip(params, fresh))
+    # and is_async=False stays plain PyTorch math with pipelined calls too
+    fresh_pipelined, _, _ = _train(devices, plan, False, calls_per_step, is_async=False, slow="none")
+    for a, b in zip(fresh_pipelined, fresh):
+        assert_close_rel(a, b, 1e-6, "is_async=False")
 
 
 def test_blocking_calls_mixed_with_pipelined_ones_keep_the_same_math():
@@ -201,6 +205,26 @@ def test_a_failed_pipelined_iteration_surfaces_and_the_next_call_works(surface):
         for (_, q, m) in rp._masters:
             assert torch.equal(q.detach(), m.detach())
             assert torch.isfinite(q).all()
+    finally:
+        rp.close()
+
+
+def test_an_async_step_error_before_pipelined_calls_is_not_lost():
+    rp = RoundPipe(mlp(), devices="cpu:2")
+    try:
+        x, y = _batches(1)[0]
+        rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+
+        def bad():
+            raise ArithmeticError("optimizer exploded")
+
+        rp.step(bad)
+        p = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
+        p.wait(timeout=30)
+        with pytest.raises(ArithmeticError, match="optimizer exploded"):
+            rp.synchronize()
+        assert torch.isfinite(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False).result(timeout=30))
+        rp.synchronize()
     finally:
         rp.close()
 
