@@ -271,3 +271,15 @@ def test_simulated_upload_waits_for_the_previous_iterations_upload():
     # ends; only then may the host copy of layer 0 change and iteration 1 upload it
     assert first1 > fwd0_end  # device 1 was free at fwd0_end
     assert first1 == pytest.approx(fused0_end)
+
+
+def test_simulated_optimizer_step_delays_the_iteration_two_later():
+    plan = ModelExecutePlan.uniform(8, 8, "fused")
+    fast = simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5, iterations=4, overlap_iterations=True)
+    slow = simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5, iterations=4, overlap_iterations=True, step_ms=60.0)
+    assert slow.iteration_ms > fast.iteration_ms
+    for it in (2, 3):
+        prev_end = max(e.end for e in slow.events if e.iteration == it - 2)
+        assert min(e.start for e in slow.events if e.iteration == it) >= prev_end + 60.0 - 1e-9
+    with pytest.raises(ValueError, match="step_ms"):
+        simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5, step_ms=-1.0)
