@@ -22,7 +22,8 @@ from torch import nn
 
 from . import batch as batching
 from .checks import ForwardRuleChecker
-from .devices.pool import DevicePool
+from .devices.pool import DevicePool, PoolError
+from .overlap import GradBuffer, PendingResult, WeightVersions
 from .plan import ModelExecutePlan
 from .runtime import PipelineRun, run_queue
 from .schedule import Job, boundary_layers, build_schedule, jobs_by_device
@@ -178,6 +179,22 @@ class RoundPipe(nn.Module):
         self._grad_lock = threading.Lock()
         self._optimizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"roundpipe-optim-{self.name}")
         self._pending_step: Future | None = None
+        self._step_guarded = False
+        # -- pipelined (non-blocking) calls, see overlap.py --------------------------
+        self._versions = WeightVersions(layers, self._masters)
+        self._steps = 0            # step() calls so far; step k produces weight version k
+        self._target_version = 0   # the version a call issued now computes with
+        self._inflight: list[PendingResult] = []  # pipelined runs whose grads are not in .grad yet
+        self._opt_tail: Future | None = None      # last task queued on the optimizer thread
+        self._publish_tail: Future | None = None  # last weight publication queued
+        self._failure: BaseException | None = None  # first failure of pipelined work
+        self._failure_reported = False
+        self._pipe_lock = threading.RLock()
+        self._merge_lock = threading.Lock()  # taken before _pipe_lock, never while holding it
+        self._timer_lock = threading.Lock()
+        self._next_device = 0      # round-robin continues from one pipelined call to the next
+        self._pipelined_calls = 0
+        self.last_job_spans: list[tuple[Job, int, float, float]] = []
         self._call_lock = threading.RLock()
         self.model_timer = ModelTimer(layers)
         self._rule_checker = ForwardRuleChecker(layers)
@@ -301,29 +318,144 @@ class RoundPipe(nn.Module):
         With ``is_async=True`` it returns at once and the next call overlaps with the
         update; the new weights enter the model at the next ``step()`` / ``synchronize()``,
         so each iteration computes with weights one step stale (as upstream RoundPipe).
+
+        After a non-blocking ``forward_backward(blocking=False)`` whose gradients are not
+        in ``.grad`` yet, the step is deferred (this call does not wait): the optimizer
+        thread runs it once those gradients are complete, and the previous step's weights
+        reach the model layer by layer as the in-flight iterations stop reading the old
+        ones -- the same math as the blocking loop.
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
-        self.synchronize()
-        self._pending_step = self._optimizer.submit(step_fn)
+        self._raise_failure()
+        with self._pipe_lock:
+            deferred = bool(self._inflight)
+        if not deferred:
+            self.synchronize()
+            self._pending_step = self._opt_tail = self._optimizer.submit(step_fn)
+            self._step_guarded = False  # its error is raised by synchronize()
+            self._steps += 1
+        else:
+            self._defer_step(step_fn)
         if not is_async:
             self.synchronize()
+
+    def _defer_step(self, step_fn: Callable[[], Any]) -> None:
+        """Queue, on the optimizer thread: publish the last step's weights (as the blocking
+        ``step()`` copies them at its call), then the step itself once the gradients of
+        the pipelined runs issued before it are complete."""
+        with self._pipe_lock:
+            version = self._steps  # the blocking step() would copy this version into the model now
+            runs = [r for r in self._inflight if not r.merged]
+            self._target_version = version
+            self._publish_tail = self._optimizer.submit(self._guarded, self._versions.publish, version,
+                                                        lambda: self._failure is not None)
+
+            def deferred_step() -> None:
+                for r in runs:
+                    r.wait()
+                    if r.error is not None:
+                        raise r.error
+                if self._failure is not None:
+                    raise self._failure
+                for r in runs:
+                    self._merge_grads(r)
+                step_fn()
+
+            self._pending_step = self._opt_tail = self._optimizer.submit(self._guarded, deferred_step)
+            self._step_guarded = True  # its error is raised through _raise_failure()
+            self._steps += 1
+
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Optimizer-thread work of the pipelined path: a failure is recorded (and aborts
+        the in-flight runs) instead of escaping, so it is raised exactly once, by the next call."""
+        try:
+            if self._failure is not None:
+                return  # an earlier failure: everything queued after it is skipped
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - surfaced by _raise_failure()
+            self._record_failure(exc)
+
+    def _record_failure(self, exc: BaseException) -> None:
+        with self._pipe_lock:
+            if self._failure is None:
+                self._failure = exc
+                self._failure_reported = False
+            runs = list(self._inflight)
+        for r in runs:
+            if r.run is not None:
+                r.run.fail(PoolError("an earlier pipelined iteration or step failed"))
+
+    def _raise_failure(self) -> None:
+        """After a pipelined failure: wait until everything in flight has stopped, put the
+        masters into the model (the state the last good step left), raise the error once."""
+        if self._failure is None:
+            return
+        with self._pipe_lock:
+            runs = list(self._inflight)
+        for r in runs:
+            r.wait()
+        tail = self._opt_tail
+        if tail is not None:
+            tail.exception()
+        with self._pipe_lock:
+            exc, reported = self._failure, self._failure_reported
+            for r in self._inflight:
+                r.buffer.grads.clear()  # a failed pipeline's gradients are dropped
+            self._inflight.clear()
+            self._failure = None
+            self._pending_step = self._opt_tail = self._publish_tail = None
+            self._copy_masters_to_model()
+        if exc is not None and not reported:
+            raise exc
+
+    def _copy_masters_to_model(self) -> None:
+        with torch.no_grad():
+            for _, p, m in self._masters:
+                p.copy_(m)
+        self._versions.set_all(self._steps)
+        self._target_version = self._steps
 
     def _wait_step_done(self) -> None:
         fut = self._pending_step
         if fut is not None:
             fut.exception()  # waits; the error itself is raised by synchronize()
 
+    def _drain_runs(self) -> None:
+        """Before a blocking call: wait for the pipelined runs and for the weights the
+        model should hold now; their gradients stay buffered until the next step."""
+        with self._pipe_lock:
+            runs = list(self._inflight)
+            publish = self._publish_tail
+        for r in runs:
+            r.wait()
+        if publish is not None:
+            publish.exception()
+        self._raise_failure()
+
     def synchronize(self) -> None:
-        """Wait for the in-flight step (re-raising its error) and copy masters into the model."""
+        """Wait for everything in flight -- pipelined iterations and steps -- (re-raising
+        an error) and copy the masters into the model."""
+        self._raise_failure()
+        with self._pipe_lock:
+            runs = list(self._inflight)
+        for r in runs:
+            r.wait()
+        tail = self._opt_tail
+        if tail is not None:
+            tail.exception()
+        self._raise_failure()
+        with self._pipe_lock:
+            leftover = list(self._inflight)
+        for r in leftover:  # finished runs not followed by a step
+            self._merge_grads(r)
         fut = self._pending_step
         if fut is None:
             return
-        self._pending_step = None
+        self._pending_step = self._opt_tail = self._publish_tail = None
         fut.result()
-        with torch.no_grad():
-            for _, p, m in self._masters:
-                p.copy_(m)
+        with self._pipe_lock:
+            self._copy_masters_to_model()
 
     # -- configuration -----------------------------------------------------------------
     def _config(self, run_config: RoundPipeRunConfig | None) -> RoundPipeRunConfig:
@@ -399,6 +531,7 @@ class RoundPipe(nn.Module):
         autograd graph: ``loss.backward()`` runs the backward plan on the pool.
         """
         cfg = self._config(roundpipe_run_config)
+        self._drain_runs()
         requires_grad = cfg.requires_grad
         if requires_grad is None:
             requires_grad = torch.is_grad_enabled() and bool(self._masters)
@@ -432,6 +565,7 @@ class RoundPipe(nn.Module):
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         return_outputs: bool = False,
         run_config: RoundPipeRunConfig | None = None,
+        blocking: bool = True,
     ) -> Any:
         """Forward, loss and backward in one pipelined pass (the last stage fuses them).
 
@@ -441,11 +575,19 @@ class RoundPipe(nn.Module):
             loss_fn: ``loss_fn(output, label) -> scalar`` per microbatch.
             return_outputs: also return the merged outputs.
             run_config: per-call ``RoundPipeRunConfig``.
+            blocking: ``False`` queues the iteration on the devices and returns a
+                ``PendingResult`` at once. Each device starts on it as soon as it is done
+                with the previous iterations, so the next iteration's forward overlaps this
+                one's backward tail. A following ``step()`` is deferred until the
+                iteration's gradients are complete. Results, parameters and gradients are
+                those of the same sequence of blocking calls (with ``step(is_async=True)``:
+                one step stale). A failure is raised by ``result()`` or the next call.
 
         Returns:
             The sum of the per-microbatch losses (a detached CPU tensor), or
             ``(loss, outputs)``. Gradients of that sum are accumulated into the master
-            copies' ``.grad``.
+            copies' ``.grad``. With ``blocking=False``: a ``PendingResult`` whose
+            ``result()`` returns that (and has put the gradients into ``.grad``).
         """
         if loss_fn is None or not callable(loss_fn):
             raise TypeError("forward_backward needs loss_fn(output, label) -> scalar tensor")
@@ -456,15 +598,15 @@ class RoundPipe(nn.Module):
         if not isinstance(input_kwargs, dict):
             raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
         cfg = self._config(run_config)
+        if not blocking:
+            return self._forward_backward_pipelined(cfg, tuple(input_args), input_kwargs, label, loss_fn,
+                                                    return_outputs)
+        self._drain_runs()
         with self._call_lock:
             plan = self._plan(cfg, "fused")
             mbs, sizes, bs = self._split(cfg, tuple(input_args), input_kwargs)
-            if cfg.split_label is not None:
-                labels = list(cfg.split_label(label, len(mbs)))
-            else:
-                labels = batching.split_tree(label, sizes, bs) if sizes else [label] * len(mbs)
-            if len(labels) != len(mbs):
-                raise ValueError(f"split_label gave {len(labels)} label parts for {len(mbs)} microbatches")
+            labels = self._split_label(cfg, label, mbs, sizes, bs)
+            self._check_labels(labels, mbs)
             jobs = build_schedule(plan, "fused", self.num_devices, len(mbs))
             run = self._new_run(cfg, plan, "fused", loss_fn=loss_fn, labels=labels, return_outputs=return_outputs,
                                 grads_done=self._grad_tracker(jobs))
@@ -475,6 +617,121 @@ class RoundPipe(nn.Module):
             if return_outputs:
                 return loss, _to_output_device(self._merge(cfg, run.outputs, len(mbs)), cfg.output_device)
             return loss
+
+    def _split_label(self, cfg: RoundPipeRunConfig, label: Any, mbs: list, sizes: list[int], bs: int | None) -> list:
+        if cfg.split_label is not None:
+            return list(cfg.split_label(label, len(mbs)))
+        return batching.split_tree(label, sizes, bs) if sizes else [label] * len(mbs)
+
+    @staticmethod
+    def _check_labels(labels: list, mbs: list) -> None:
+        if len(labels) != len(mbs):
+            raise ValueError(f"split_label gave {len(labels)} label parts for {len(mbs)} microbatches")
+
+    # -- pipelined (non-blocking) calls -------------------------------------------------------
+    def _forward_backward_pipelined(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict, label: Any,
+                                    loss_fn: Callable[[Any, Any], torch.Tensor], return_outputs: bool) -> PendingResult:
+        if self._master_owner is not None:
+            raise ValueError("blocking=False is not supported on a RoundPipe whose masters another one owns")
+        if self._grad_hooks:
+            raise ValueError(
+                "blocking=False does not support gradient hooks (register_grad_hook, e.g. data-parallel "
+                "overlap) yet; use blocking=True"
+            )
+        self._raise_failure()
+        with self._call_lock, self._pipe_lock:
+            plan = self._plan(cfg, "fused")
+            mbs, sizes, bs = self._split(cfg, args, kwargs)
+            labels = self._split_label(cfg, label, mbs, sizes, bs)
+            self._check_labels(labels, mbs)
+            if self._pending_step is not None and not self._step_guarded:
+                # a blocking-style step is in flight: its error must reach the pipelined
+                # failure path (synchronize() would otherwise see only later, guarded steps)
+                self._pending_step = self._opt_tail = self._optimizer.submit(self._guarded, self._pending_step.result)
+                self._step_guarded = True
+            # continue round-robin where the previous call stopped: the device that ran its
+            # last job is the last to become free, so this call's first job goes elsewhere
+            jobs = build_schedule(plan, "fused", self.num_devices, len(mbs), start_device=self._next_device)
+            self._next_device = (self._next_device + len(jobs)) % self.num_devices
+            buffer = GradBuffer(self._master_of)
+            timer = _DeferredTimer()
+            run = PipelineRun(
+                self.layers, boundary_layers(plan, "fused"), buffer.add, timer,
+                preserve_rng_state=bool(cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True),
+                recompute_grain=cfg.recompute_grain or "stage", rule_checker=self._rule_checker,
+                loss_fn=loss_fn, labels=labels, return_outputs=return_outputs,
+            )
+            run.weights = self._versions
+            run.reader = self._versions.register(self._target_version, [j.layers for j in jobs])
+            for i, mb in enumerate(mbs):
+                run.put_act(0, i, mb)
+            queues = jobs_by_device(jobs, self.num_devices)
+
+            def finish(p: PendingResult) -> None:
+                self._versions.finish(run.reader)
+                with self._timer_lock:
+                    if p.error is None:
+                        timer.replay(self.model_timer)
+                        self.model_timer.end_iteration()
+                    self.last_schedule = jobs
+                    self.last_job_times = list(run.job_times)
+                    self.last_job_spans = list(run.job_spans)
+                p.job_spans = list(run.job_spans)
+                run.drop_activations()  # the handle keeps losses and outputs only
+                if p.error is not None:
+                    if isinstance(p.error, PoolError) and self._failure is not None:
+                        p.error = self._failure  # aborted because of that failure: report the cause
+                    self._record_failure(p.error)
+
+            # prev_step: the step that consumes the gradients issued before these
+            pending = PendingResult(self, self._pipelined_calls, run, buffer, cfg, len(mbs), return_outputs,
+                                    prev_step=self._opt_tail)
+            try:
+                futures = self.pool.submit(queues, lambda w, q: run_queue(run, w, q))
+            except BaseException:
+                self._versions.finish(run.reader)
+                raise
+            self._inflight.append(pending)
+            self._pipelined_calls += 1
+            pending.start(futures, finish)
+            return pending
+
+    def _merge_grads(self, r: PendingResult) -> None:
+        """Add a finished pipelined run's gradients to the masters' ``.grad`` (once).
+
+        ``merged`` turns True only after the addition, under one lock: a step that finds
+        the run merged (by ``result()`` on another thread) sees its gradients."""
+        with self._merge_lock:
+            if r.merged:
+                return
+            r.buffer.merge_into_masters(self._grad_lock)
+            r.merged = True
+            with self._pipe_lock:
+                if r in self._inflight:
+                    self._inflight.remove(r)
+
+    def _pending_result(self, r: PendingResult) -> Any:
+        if r.error is not None:
+            with self._pipe_lock:
+                if self._failure is r.error:
+                    self._failure_reported = True
+            raise r.error
+        if r.prev_step is not None:
+            r.prev_step.exception()  # that step consumed the gradients before these
+        if not r.merged and self._failure is not None:
+            self._raise_failure()  # its gradients were dropped with the failed pipeline
+        with self._pipe_lock:
+            # runs issued after the same step, up to this one, go into .grad together
+            earlier = self._inflight[: self._inflight.index(r) + 1] if r in self._inflight else []
+        for e in earlier:
+            e.wait()  # never under _pipe_lock: a run's completion callback takes it
+        for e in earlier:
+            self._merge_grads(e)
+        run = r.run
+        loss = torch.stack([run.losses[i] for i in range(r.num_microbatch)]).sum()
+        if r.return_outputs:
+            return loss, _to_output_device(self._merge(r.cfg, run.outputs, r.num_microbatch), r.cfg.output_device)
+        return loss
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -510,6 +767,25 @@ def _to_output_device(value: Any, device: Any) -> Any:
         return value
     leaves, rebuild = batching.flatten(value)
     return rebuild([x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves])
+
+
+class _DeferredTimer:
+    """Collects a pipelined run's timings; they enter the ModelTimer when the run is done,
+    so overlapping runs do not mix their records within one timer iteration."""
+
+    def __init__(self) -> None:
+        self._records: list[tuple[tuple, dict]] = []
+        self._lock = threading.Lock()
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            self._records.append((args, kwargs))
+
+    def replay(self, timer: ModelTimer) -> None:
+        with self._lock:
+            records, self._records = self._records, []
+        for args, kwargs in records:
+            timer.record(*args, **kwargs)
 
 
 class _AutogradForward:

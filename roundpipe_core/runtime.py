@@ -12,6 +12,7 @@ job stops (``PoolError``) instead of hanging.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +77,12 @@ class PipelineRun:
         self.losses: dict[int, torch.Tensor] = {}
         self.failed: BaseException | None = None
         self.job_times: list[tuple[Job, int, float]] = []  # (job, device, busy ms)
+        # (job, device, start, end): wall clock (perf_counter) from params ready to job done
+        self.job_spans: list[tuple[Job, int, float, float]] = []
+        # Pipelined runs only (overlap.py): the weight-version gate of uploads and this
+        # run's registration as a reader of one version.
+        self.weights: Any = None
+        self.reader: Any = None
 
     # -- rendezvous -----------------------------------------------------------
     def put_act(self, boundary: int, mb: int, value: Any) -> None:
@@ -410,6 +417,22 @@ def _backward_layerwise(
 _RUNNERS = {FORWARD: _forward_microbatch, FUSED: _fused_microbatch, BACKWARD: _backward_microbatch}
 
 
+def _upload(run: PipelineRun, worker: Worker, job: Job, slot: int, wait: bool = True) -> StageReplica | None:
+    """Upload a job's layers. A pipelined run first waits until the host copy holds the
+    weight version it reads; with ``wait=False`` (prefetch) it gives up instead of waiting,
+    so the current job is not held back by the next one's weights."""
+    layers = list(job.layers)
+    if run.weights is not None:
+        if not wait and not run.weights.ready(run.reader, layers):
+            return None
+        run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
+    stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot)
+    if run.weights is not None:
+        # the host copy of these layers may be overwritten once this upload has read it
+        run.weights.uploaded(run.reader, layers, worker.param_fence())
+    return stage
+
+
 def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
     """Run one worker's jobs in launch order, prefetching the next job's parameters
     while the current one computes."""
@@ -418,15 +441,14 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
         for i, job in enumerate(jobs):
             if run.failed is not None:
                 raise PoolError("another job of this run failed")
-            stage = prefetched or upload_stage(
-                worker, [run.layers[i_] for i_ in job.layers], list(job.layers), i % 2
-            )
+            stage = prefetched or _upload(run, worker, job, i % 2)
+            assert stage is not None
             prefetched = None
             try:
                 worker.wait_channel("param")
+                start = time.perf_counter()
                 if i + 1 < len(jobs):
-                    nxt = jobs[i + 1].layers
-                    prefetched = upload_stage(worker, [run.layers[i_] for i_ in nxt], list(nxt), (i + 1) % 2)
+                    prefetched = _upload(run, worker, jobs[i + 1], (i + 1) % 2, wait=False)
                 clock = _Clock(worker)
                 runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:
@@ -438,8 +460,10 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                 if job.kind in (FORWARD, FUSED):
                     write_back_buffers(stage)
                 busy = clock.commit(run.timer, len(job.microbatches))
+                end = time.perf_counter()
                 with run._cond:
                     run.job_times.append((job, worker.index, busy))
+                    run.job_spans.append((job, worker.index, start, end))
             finally:
                 release_stage(stage)
     except BaseException as exc:

@@ -175,6 +175,7 @@ def simulate(
     bound_schedule: str = "1f1b",
     iterations: int = 1,
     overlap_iterations: bool = False,
+    step_ms: float = 0.0,
 ) -> SimResult:
     """Simulate one iteration (or several) of ``plan``.
 
@@ -196,7 +197,16 @@ def simulate(
         iterations: iterations to simulate back to back.
         overlap_iterations: round-robin only — let the next iteration start on a
             device as soon as that device is free, as the one-step-stale asynchronous
-            update allows, instead of after the whole previous iteration.
+            update allows, instead of after the whole previous iteration. This models
+            ``forward_backward(blocking=False)``: round-robin continues from one
+            iteration to the next, iteration ``it`` reads the weights of step ``it - 2``
+            (so it waits for iteration ``it - 2`` and that step), and its upload of a layer
+            waits until iteration ``it - 1`` has uploaded that layer (the host copy is
+            overwritten only then). Uploads follow the engine's prefetch: during the
+            previous job of the same iteration on that device if the weights are ready
+            then, else when the job itself is due; never across iterations.
+        step_ms: time of one optimizer step on the host. Step k starts when iteration k
+            and step k - 1 are done; an iteration needs the step two before it.
 
     Returns:
         A :class:`SimResult`.
@@ -228,8 +238,12 @@ def simulate(
             bound_schedule,
             iterations,
         )
+    if not step_ms >= 0:
+        raise ValueError(f"step_ms must be >= 0, got {step_ms!r}")
     jobs = build_schedule(plan, run_type, num_devices, num_microbatch)
     events: list[SimEvent] = []
+    gate = _WeightGate(num_devices) if overlap_iterations else None
+    step_ends: list[float] = []
     device_free = [0.0] * num_devices
     upload_free = [0.0] * num_devices
     # End times of the last two jobs per device: a prefetch may start once the job
@@ -243,12 +257,11 @@ def simulate(
             plan, run_type, num_devices, num_microbatch, start_device=start_device
         )
         all_jobs += sched
-        if overlap_iterations:
-            # One-step-stale update: iteration it uses the weights of step it - 2,
-            # so it may start once iteration it - 2 is done.
-            barrier = iter_ends[it - 2] if it >= 2 else 0.0
-        else:
-            barrier = iter_ends[-1] if iter_ends else 0.0
+        # One-step-stale update: iteration it uses the weights of step it - 2 (the step
+        # after iteration it - 2), so it may start once that step is done.
+        barrier = step_ends[it - 2] if it >= 2 else 0.0
+        if not overlap_iterations:
+            barrier = max([barrier] + iter_ends[-1:])
         ends = _run_iteration(
             sched,
             plan,
@@ -264,8 +277,10 @@ def simulate(
             upload_free,
             job_ends,
             events,
+            gate,
         )
         iter_ends.append(max([ends] + iter_ends))
+        step_ends.append(max([iter_ends[-1]] + step_ends[-1:]) + step_ms)
     return _finish(events, num_devices, all_jobs, iterations)
 
 
@@ -311,6 +326,36 @@ def _stage_time(job: Job, fwd: list[float], bwd: list[float], re: list[float]) -
     return sum(re[i] + bwd[i] for i in job.layers)
 
 
+class _WeightGate:
+    """Per-layer weight versions of overlapped iterations (the engine's WeightVersions):
+    when each layer was last uploaded by the previous iteration, and which iteration the
+    last job on each device belonged to (prefetch never crosses iterations)."""
+
+    def __init__(self, num_devices: int) -> None:
+        self.prev: dict[int, float] = {}  # layer -> end of its last upload in the previous iteration
+        self.cur: dict[int, float] = {}
+        self.last_iter = [-1] * num_devices
+
+    def next_iteration(self) -> None:
+        self.prev, self.cur = self.cur, {}
+
+    def upload_start(self, job: Job, it: int, job_ends: list[float], barrier: float) -> float:
+        d = job.device
+        prev1 = job_ends[-1] if job_ends else 0.0
+        same = self.last_iter[d] == it
+        # prefetched while the previous job of this iteration runs, else due at its own start
+        due = (job_ends[-2] if len(job_ends) >= 2 else 0.0) if same else prev1
+        opens = max([barrier] + [self.prev.get(i, 0.0) for i in job.layers])
+        if opens > due:  # weights not published at prefetch time: uploaded when the job is due
+            due = max(prev1, opens)
+        self.last_iter[d] = it
+        return due
+
+    def uploaded(self, job: Job, end: float) -> None:
+        for i in job.layers:
+            self.cur[i] = max(self.cur.get(i, 0.0), end)
+
+
 def _run_iteration(
     jobs: list[Job],
     plan: ModelExecutePlan,
@@ -326,10 +371,14 @@ def _run_iteration(
     upload_free: list[float],
     job_ends: list[list[float]],
     events: list[SimEvent] | None,
+    gate: _WeightGate | None = None,
 ) -> float:
     """Time one iteration's jobs in launch order (every dependency points backwards).
 
-    ``events=None`` only computes the end time (the planner's fast path)."""
+    ``events=None`` only computes the end time (the planner's fast path); ``gate``
+    adds the per-layer weight-version rule of overlapped iterations."""
+    if gate is not None:
+        gate.next_iteration()
     fwd_jobs: list[Job] = [j for j in jobs if j.kind == FORWARD]
     fwd_starts = [j.layers.start for j in fwd_jobs]
     end: dict[tuple[int, int], float] = {}  # (job index, microbatch) -> end time
@@ -342,7 +391,16 @@ def _run_iteration(
         # Parameter upload, prefetched on the device's copy channel.
         params_ready = barrier
         up = sum(upl[i] for i in job.layers)
-        if up > 0:
+        if gate is not None:
+            ustart = max(upload_free[d], gate.upload_start(job, it, job_ends[d], barrier))
+            upload_free[d] = ustart + up
+            params_ready = ustart + up
+            gate.uploaded(job, ustart + up)
+            if up > 0 and events is not None:
+                events.append(
+                    SimEvent(d, "upload", job.stage, -1, ustart, ustart + up, job.index, it)
+                )
+        elif up > 0:
             prev2 = job_ends[d][-2] if len(job_ends[d]) >= 2 else 0.0
             ustart = max(upload_free[d], prev2, barrier)
             upload_free[d] = ustart + up

@@ -132,6 +132,11 @@ class Worker(ABC):
     def copy_out(self, tensors: Sequence[torch.Tensor], channel: str = "download") -> list[torch.Tensor]:
         """Device -> host copies, complete when this returns (ordered after compute so far)."""
 
+    def param_fence(self) -> Callable[[], None]:
+        """A function that blocks until every "param" upload issued so far has read its
+        host source (the host copy may then be overwritten). Synchronous backends: no-op."""
+        return _noop
+
     @abstractmethod
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         """Forget device tensors (ledger bookkeeping; CUDA keeps them alive until their streams are done)."""
@@ -162,6 +167,10 @@ class Worker(ABC):
 
     def synchronize(self) -> None:  # noqa: B027 - optional hook; synchronous backends need nothing
         """Wait until all work issued on this device is done."""
+
+
+def _noop() -> None:
+    return None
 
 
 @contextlib.contextmanager

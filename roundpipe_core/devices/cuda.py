@@ -206,11 +206,13 @@ class ChunkFeeder:
         with self._cv:
             return self._submitted
 
-    def wait_issued(self, ticket: int, timeout: float = FEEDER_TIMEOUT_S) -> Any:
+    def wait_issued(self, ticket: int, timeout: float = FEEDER_TIMEOUT_S, prune: bool = True) -> Any:
         """Block until batch ``ticket`` is fully enqueued; return its last unit's token.
 
         Tokens of earlier batches are dropped (stream order makes the latest
-        one imply them). ``None`` when nothing has been issued at all.
+        one imply them) unless ``prune`` is False (a caller on another thread
+        must not make the worker's own waits coarser). ``None`` when nothing
+        has been issued at all.
         """
         with self._cv:
             ok = self._cv.wait_for(
@@ -223,8 +225,9 @@ class ChunkFeeder:
             # whose token was pruned is answered with the nearest later token.
             later = [t for t in self._tokens if t >= ticket]
             token = self._tokens[min(later)] if later else None
-            for t in [t for t in self._tokens if t < ticket]:
-                del self._tokens[t]
+            if prune:
+                for t in [t for t in self._tokens if t < ticket]:
+                    del self._tokens[t]
             return token
 
     def close(self, timeout: float = 10.0) -> None:
@@ -482,6 +485,26 @@ class CUDAWorker(Worker):
                 event = self._events[channel]
         if event is not None:
             event.synchronize()
+
+    def param_fence(self) -> Callable[[], None]:
+        """Like ``wait_host("param")`` for the uploads issued so far, callable later from
+        another thread (the optimizer thread publishing new weights waits on it)."""
+        if self._feeder is None:
+            with self._event_lock:
+                event = self._events[PARAM]
+        else:
+            ticket = self._feeder.last_ticket
+            event = None
+
+        def fence() -> None:
+            if self._feeder is None:
+                ev = event
+            else:
+                ev = self._feeder.wait_issued(ticket, prune=False) if ticket else None
+            if ev is not None:
+                ev.synchronize()
+
+        return fence
 
     def copy_out(
         self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD

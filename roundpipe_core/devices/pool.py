@@ -125,18 +125,24 @@ class DevicePool:
         """Bytes of the smallest device (the planner's default limit is 60% of it)."""
         return min(w.memory_capacity() for w in self.workers)
 
+    def submit(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> list[Future]:
+        """Queue ``run_queue(worker, queue)`` on every worker that has jobs; return the futures.
+
+        Each worker runs what it was given in submission order, so the queues of a later
+        call start on a worker as soon as it is done with the earlier ones (pipelined
+        iterations); nothing here waits.
+        """
+        if self._closed:
+            raise RuntimeError("this RoundPipe's device pool is closed; create a new RoundPipe")
+        return [worker.submit(run_queue, worker, q) for worker, q in zip(self.workers, queues) if q]
+
     def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
         """Run ``run_queue(worker, queue)`` on every worker that has jobs; wait for all.
 
         If any worker fails, the first failure that is not a ``PoolError`` (a job that
         only stopped because another failed) is raised here.
         """
-        if self._closed:
-            raise RuntimeError("this RoundPipe's device pool is closed; create a new RoundPipe")
-        futures: list[Future] = []
-        for worker, q in zip(self.workers, queues):
-            if q:
-                futures.append(worker.submit(run_queue, worker, q))
+        futures = self.submit(queues, run_queue)
         wait(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:

@@ -1,0 +1,285 @@
+"""Overlapping consecutive iterations: forward_backward(blocking=False).
+
+The contract: the same parameters, losses and gradients as the same sequence of
+blocking calls (with step(is_async=True): one step stale), while a device that
+is done with iteration k already runs iteration k+1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _util import assert_close_rel, mlp, sum_sq
+from torch import nn
+
+from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core.schedule import BACKWARD, FORWARD, FUSED
+from roundpipe_core.simulate import simulate
+
+
+def _batches(n, seed=0, bs=6):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(bs, 8, generator=g), torch.randn(bs, 4, generator=g)) for _ in range(n)]
+
+
+# 6 layers: forward stages hold more layers than backward stages (asymmetric)
+ASYMMETRIC = ModelExecutePlan([range(0, 3), range(3, 4)], [range(4, 6), range(2, 4), range(1, 2), range(0, 1)])
+
+
+class _Sleep(nn.Module):
+    def forward(self, x):
+        time.sleep(0.002)
+        return x
+
+
+def _train(devices, plan, blocking, calls_per_step=1, n=5, is_async=True, slow="step"):
+    """``slow="step"``: a slow optimizer step (uploads would outrun the new weights without
+    the version gate); ``"layers"``: slow layers (a late backward stage of iteration k
+    would upload weights already overwritten for k+1 without the publication fence)."""
+    model = mlp()
+    if slow == "layers":
+        for i in range(len(model)):
+            model[i] = nn.Sequential(model[i], _Sleep())
+    cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=plan)
+    rp = RoundPipe(model, devices=f"cpu:{devices}", model_run_config=cfg)
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.05)
+
+    def slow_step():
+        if slow == "step":
+            time.sleep(0.02)
+        opt.step()
+        opt.zero_grad()
+
+    out = []
+    try:
+        for k, (x, y) in enumerate(_batches(n)):
+            out.append(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=blocking))
+            if (k + 1) % calls_per_step == 0:
+                rp.step(slow_step, is_async=is_async)
+        rp.synchronize()
+        losses = [r if blocking else r.result() for r in out]
+        grads = {n: m.grad.clone() for n, m in rp.optim_named_parameters() if m.grad is not None}
+        return [p.detach().clone() for p in model.parameters()], losses, grads
+    finally:
+        rp.close()
+
+
+@pytest.mark.parametrize(
+    "devices,plan,calls_per_step,slow",
+    [(2, None, 1, "step"), (3, ASYMMETRIC, 1, "layers"), (3, ASYMMETRIC, 2, "step")],
+    ids=["2dev-uniform-slowstep", "3dev-asymmetric-slowlayers", "3dev-asymmetric-accumulate"],
+)
+def test_pipelined_sgd_matches_the_blocking_sequence(devices, plan, calls_per_step, slow):
+    ref_params, ref_losses, ref_grads = _train(devices, plan, True, calls_per_step, slow=slow)
+    params, losses, grads = _train(devices, plan, False, calls_per_step, slow=slow)
+    for a, b in zip(params, ref_params):
+        assert_close_rel(a, b, 1e-6, "parameters")
+    for a, b in zip(losses, ref_losses):
+        assert_close_rel(a, b, 1e-6, "losses")
+    assert set(grads) == set(ref_grads)  # leftover grads of the last calls (not stepped)
+    for n in grads:
+        assert_close_rel(grads[n], ref_grads[n], 1e-6, n)
+    # the one-step-stale math is really what ran: fresh weights (is_async=False) differ
+    fresh, _, _ = _train(devices, plan, True, calls_per_step, is_async=False, slow="none")
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(params, fresh))
+    # and is_async=False stays plain PyTorch math with pipelined calls too
+    fresh_pipelined, _, _ = _train(devices, plan, False, calls_per_step, is_async=False, slow="none")
+    for a, b in zip(fresh_pipelined, fresh):
+        assert_close_rel(a, b, 1e-6, "is_async=False")
+
+
+def test_blocking_calls_mixed_with_pipelined_ones_keep_the_same_math():
+    def run(modes):
+        model = mlp()
+        rp = RoundPipe(model, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+        opt = torch.optim.SGD(rp.optim_parameters(), lr=0.05)
+        try:
+            losses = []
+            for blocking, (x, y) in zip(modes, _batches(len(modes), seed=1)):
+                r = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=blocking)
+                rp.step(lambda: (opt.step(), opt.zero_grad()))
+                losses.append(r if blocking else r.result())
+            rp.synchronize()
+            return [p.detach().clone() for p in model.parameters()], losses
+        finally:
+            rp.close()
+
+    ref, ref_losses = run([True] * 5)
+    got, losses = run([False, False, True, False, True])
+    for a, b in zip(got + losses, ref + ref_losses):
+        assert_close_rel(a, b, 1e-6)
+
+
+class _Slow(nn.Module):
+    """A layer with a fixed floor of compute time, so stages are long enough to
+    see the ordering of jobs from different iterations."""
+
+    def __init__(self, width=12):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        time.sleep(0.002)
+        return torch.tanh(self.lin(x))
+
+
+def test_next_iteration_starts_before_the_previous_one_ends():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), *[_Slow() for _ in range(4)], nn.Linear(12, 4))
+    rp = RoundPipe(model, devices="cpu:3", model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.01)
+    try:
+        pending = []
+        for x, y in _batches(4, bs=8):
+            p = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
+            rp.step(lambda: (opt.step(), opt.zero_grad()))
+            pending.append(p)
+        assert not pending[0].done() or not pending[-1].done()  # the calls returned early
+        rp.synchronize()
+        assert all(p.done() for p in pending)
+
+        def spans(p, kinds):
+            return [(s, e) for job, _, s, e in p.job_spans if job.kind in kinds]
+
+        for a, b in zip(pending, pending[1:]):
+            last = max(job.index for job, *_ in a.job_spans)
+            last_end = next(e for job, _, _, e in a.job_spans if job.index == last)
+            assert next(job for job, *_ in a.job_spans if job.index == last).kind == BACKWARD
+            first_fwd_start = min(s for s, _ in spans(b, (FORWARD,)))
+            assert first_fwd_start < last_end, "iteration k+1 waited for the end of iteration k"
+        for a, c in zip(pending, pending[2:]):
+            # ... but it computes with the weights of the step after iteration k-1
+            assert min(s for s, _ in spans(c, (FORWARD, FUSED, BACKWARD))) >= max(
+                e for _, e in spans(a, (FORWARD, FUSED, BACKWARD))
+            )
+    finally:
+        rp.close()
+
+
+class _Fragile(nn.Module):
+    """Fails on a poisoned batch (inputs over 1e3), an ordinary linear layer otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 12)
+
+    def forward(self, x):
+        if bool((x.abs() > 1e3).any()):
+            raise FloatingPointError("poisoned batch")
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("surface", ["result", "next_call"])
+def test_a_failed_pipelined_iteration_surfaces_and_the_next_call_works(surface):
+    model = mlp()
+    model[0] = _Fragile()
+    rp = RoundPipe(model, devices="cpu:3", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.05)
+    batches = _batches(4, seed=2)
+    batches[1][0][0, 0] = 1e4  # iteration 1 fails in layer 0
+    try:
+        pending = []
+        for x, y in batches[:3]:
+            pending.append(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False))
+            rp.step(lambda: (opt.step(), opt.zero_grad()))
+        if surface == "result":
+            with pytest.raises(FloatingPointError, match="poisoned batch") as info:
+                pending[1].result(timeout=30)
+            assert "layer 0" in " ".join(getattr(info.value, "__notes__", []))
+            with pytest.raises(FloatingPointError):  # aborted by it: reports the cause
+                pending[2].result(timeout=30)
+        else:
+            for p in pending:
+                p.wait(timeout=30)
+            with pytest.raises(FloatingPointError, match="poisoned batch"):
+                rp.step(lambda: opt.step())
+        # reported once; the pipeline is drained and usable, blocking or not
+        x, y = batches[3]
+        p = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
+        rp.step(lambda: (opt.step(), opt.zero_grad()))
+        assert torch.isfinite(p.result(timeout=30))
+        assert torch.isfinite(rp.forward_backward((x,), label=y, loss_fn=sum_sq))
+        rp.synchronize()
+        for (_, q, m) in rp._masters:
+            assert torch.equal(q.detach(), m.detach())
+            assert torch.isfinite(q).all()
+    finally:
+        rp.close()
+
+
+def test_an_async_step_error_before_pipelined_calls_is_not_lost():
+    rp = RoundPipe(mlp(), devices="cpu:2")
+    try:
+        x, y = _batches(1)[0]
+        rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+
+        def bad():
+            raise ArithmeticError("optimizer exploded")
+
+        rp.step(bad)
+        p = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
+        p.wait(timeout=30)
+        with pytest.raises(ArithmeticError, match="optimizer exploded"):
+            rp.synchronize()
+        assert torch.isfinite(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False).result(timeout=30))
+        rp.synchronize()
+    finally:
+        rp.close()
+
+
+def test_engine_dispatch_is_the_simulated_overlap_schedule():
+    """What the simulator's overlap_iterations times is what pipelined calls run:
+    round-robin continues from one iteration to the next."""
+    plan = ASYMMETRIC
+    iters, devices = 3, 3
+    rp = RoundPipe(mlp(), devices=f"cpu:{devices}", model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan))
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.01)
+    try:
+        pending = []
+        for x, y in _batches(iters):
+            pending.append(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False))
+            rp.step(lambda: opt.step())
+        rp.synchronize()
+        ran = [sorted((job.index, job.kind, job.layers, dev) for job, dev, *_ in p.job_spans) for p in pending]
+    finally:
+        rp.close()
+    sim = simulate(plan, [1.0] * 6, [2.0] * 6, devices, 3, iterations=iters, overlap_iterations=True)
+    per_iter = len(sim.jobs) // iters
+    expected = [
+        sorted((j.index, j.kind, j.layers, j.device) for j in sim.jobs[k * per_iter : (k + 1) * per_iter])
+        for k in range(iters)
+    ]
+    assert ran == expected
+
+
+def test_simulated_upload_waits_for_the_previous_iterations_upload():
+    """Iteration 1's first forward (device 1 is free at once) uploads layer 0 only after
+    iteration 0's last backward stage (queued behind device 0's other jobs) has read it."""
+    plan = ModelExecutePlan(
+        [range(0, 1), range(1, 2)],
+        [range(2, 3), range(1, 2), range(0, 1)],
+        fwd_owners=[1, 0],
+        bwd_owners=[0, 0, 0],
+    )
+    res = simulate(plan, [1.0] * 3, [2.0] * 3, 2, 2, iterations=2, overlap_iterations=True)
+    fused0_end = max(e.end for e in res.events if e.iteration == 0 and e.kind == "fused")
+    first1 = min(e.start for e in res.events if e.iteration == 1 and e.kind == "forward" and e.stage == 0)
+    fwd0_end = max(e.end for e in res.events if e.iteration == 0 and e.kind == "forward" and e.stage == 0)
+    # device 0 runs F1, X, B1, B0: B0 (layer 0) is prefetched when B1 starts, i.e. when X
+    # ends; only then may the host copy of layer 0 change and iteration 1 upload it
+    assert first1 > fwd0_end  # device 1 was free at fwd0_end
+    assert first1 == pytest.approx(fused0_end)
+
+
+def test_simulated_optimizer_step_delays_the_iteration_two_later():
+    plan = ModelExecutePlan.uniform(8, 8, "fused")
+    fast = simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5, iterations=4, overlap_iterations=True)
+    slow = simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5, iterations=4, overlap_iterations=True, step_ms=60.0)
+    assert slow.iteration_ms > fast.iteration_ms
+    for it in (2, 3):
+        prev_end = max(e.end for e in slow.events if e.iteration == it - 2)
+        assert min(e.start for e in slow.events if e.iteration == it) >= prev_end + 60.0 - 1e-9
+    with pytest.raises(ValueError, match="step_ms"):
+        simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5, step_ms=-1.0)
