@@ -386,11 +386,8 @@ class RoundPipe(nn.Module):
             if r.run is not None:
                 r.run.fail(PoolError("an earlier pipelined iteration or step failed"))
 
-    def _raise_failure(self) -> None:
-        """After a pipelined failure: wait until everything in flight has stopped, put the
-        masters into the model (the state the last good step left), raise the error once."""
-        if self._failure is None:
-            return
+    def _drain(self) -> None:
+        """Wait until every pipelined run in flight and the optimizer thread's queue have stopped."""
         with self._pipe_lock:
             runs = list(self._inflight)
         for r in runs:
@@ -398,6 +395,13 @@ class RoundPipe(nn.Module):
         tail = self._opt_tail
         if tail is not None:
             tail.exception()
+
+    def _raise_failure(self) -> None:
+        """After a pipelined failure: wait until everything in flight has stopped, put the
+        masters into the model (the state the last good step left), raise the error once."""
+        if self._failure is None:
+            return
+        self._drain()
         with self._pipe_lock:
             exc, reported = self._failure, self._failure_reported
             for r in self._inflight:
@@ -437,13 +441,7 @@ class RoundPipe(nn.Module):
         """Wait for everything in flight -- pipelined iterations and steps -- (re-raising
         an error) and copy the masters into the model."""
         self._raise_failure()
-        with self._pipe_lock:
-            runs = list(self._inflight)
-        for r in runs:
-            r.wait()
-        tail = self._opt_tail
-        if tail is not None:
-            tail.exception()
+        self._drain()
         self._raise_failure()
         with self._pipe_lock:
             leftover = list(self._inflight)

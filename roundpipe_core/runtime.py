@@ -196,8 +196,12 @@ def _needs(run: PipelineRun, start: int) -> list[bool] | None:
     return run.input_needs_grad if run.input_needs_grad is not None else []
 
 
-def _publishes_input_grad(run: PipelineRun, start: int) -> bool:
-    return start > 0 or bool(run.input_needs_grad and any(run.input_needs_grad))
+def _publish_input_grad(
+    run: PipelineRun, start: int, mb: int, worker: Worker, tracked: list[torch.Tensor | None]
+) -> None:
+    """Hand the gradient of the stage input to the stage before (or to the caller at layer 0)."""
+    if start > 0 or bool(run.input_needs_grad and any(run.input_needs_grad)):
+        run.put_grad(start, mb, _grads_to_host(worker, [t.grad if t is not None else None for t in tracked]))
 
 
 def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
@@ -326,8 +330,7 @@ def _fused_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: W
             run.losses[mb] = worker.copy_out([loss.detach().reshape(())])[0]
             if run.return_outputs:
                 run.outputs[mb] = _to_host(worker, x)
-            if _publishes_input_grad(run, r.start):
-                run.put_grad(r.start, mb, _grads_to_host(worker, [t.grad if t is not None else None for t in tracked]))
+            _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
         _annotate(exc, job, layer_idx, mb, worker)
         raise
@@ -369,8 +372,7 @@ def _backward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker
             finally:
                 if prev_rng is not None:
                     worker.set_rng_state(prev_rng)
-            if _publishes_input_grad(run, r.start):
-                run.put_grad(r.start, mb, _grads_to_host(worker, [t.grad if t is not None else None for t in tracked]))
+            _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
         _annotate(exc, job, layer_idx, mb, worker)
         raise
