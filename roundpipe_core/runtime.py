@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -72,7 +73,11 @@ class PipelineRun:
         self._cond = threading.Condition()
         self._acts: dict[tuple[int, int], Any] = {}
         self._grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        self.rng: dict[tuple[int, int], Any] = {}
+        # Random numbers of layer l on microbatch m come from a generator seeded with
+        # (rng_base, l, m): independent of which worker runs it and when, so runs are
+        # reproducible under a seed and a recompute replays the forward's masks exactly.
+        # Drawn here, in the caller's thread, from the caller's generator.
+        self.rng_base = int(torch.randint(0, 2**62, (1,)).item())
         self.outputs: dict[int, Any] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.failed: BaseException | None = None
@@ -123,7 +128,6 @@ class PipelineRun:
         """Free the saved boundary activations once backward no longer needs them."""
         with self._cond:
             self._acts.clear()
-            self.rng.clear()
 
 
 # -- moving pytrees between host and device -------------------------------------
@@ -220,6 +224,34 @@ def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
         torch.autograd.backward(tensors, gs)
 
 
+@contextmanager
+def _own_rng(worker: Worker) -> Iterator[None]:
+    """Give back the worker's generator as it was: per-layer seeding must not disturb
+    the random stream of the code around RoundPipe."""
+    state = worker.get_rng_state()
+    try:
+        yield
+    finally:
+        worker.set_rng_state(state)
+
+
+def _layer_rng_state(worker: Worker, run: PipelineRun, layer: int, mb: int) -> Any:
+    gen = torch.Generator(device=worker.device)
+    gen.manual_seed(hash((run.rng_base, layer, mb)) & (2**63 - 1))
+    return gen.get_state()
+
+
+def _seed_layer(run: PipelineRun, worker: Worker, layer: int, mb: int) -> None:
+    """Before a real forward of ``layer`` on ``mb``: its own deterministic random stream."""
+    worker.set_rng_state(_layer_rng_state(worker, run, layer, mb))
+
+
+def _replay_seed(run: PipelineRun, worker: Worker, layer: int, mb: int) -> None:
+    """Before a recompute: the forward's stream again (``preserve_rng_state``), else fresh numbers."""
+    if run.preserve_rng_state:
+        _seed_layer(run, worker, layer, mb)
+
+
 def _call_layer(layer: nn.Module, index: int, x: Any) -> Any:
     """nn.Sequential semantics: layer 0 gets the call's (*args, **kwargs), others the previous output."""
     if index == 0:
@@ -278,13 +310,11 @@ def _forward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker:
     worker.wait_channel("activation")
     layer_idx: int | None = None
     try:
-        with worker.compute(), torch.no_grad():
+        with worker.compute(), torch.no_grad(), _own_rng(worker):
             for layer_idx in r:
-                if layer_idx in run.boundaries:
-                    if run.preserve_rng_state:
-                        run.rng[(layer_idx, mb)] = worker.get_rng_state()
-                    if layer_idx != r.start:
-                        run.put_act(layer_idx, mb, _to_host(worker, x))
+                if layer_idx in run.boundaries and layer_idx != r.start:
+                    run.put_act(layer_idx, mb, _to_host(worker, x))
+                _seed_layer(run, worker, layer_idx, mb)
                 t0 = worker.time_point()
                 with running_layer(layer_idx, mb, False, run.store, worker.device):
                     x = _forward_layer(run, stage, layer_idx, x)
@@ -309,8 +339,9 @@ def _fused_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: W
     x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
     layer_idx: int | None = None
     try:
-        with worker.compute(), torch.enable_grad():
+        with worker.compute(), torch.enable_grad(), _own_rng(worker):
             for layer_idx in r:
+                _seed_layer(run, worker, layer_idx, mb)
                 t0 = worker.time_point()
                 with running_layer(layer_idx, mb, False, run.store, worker.device):
                     x = _forward_layer(run, stage, layer_idx, x)
@@ -349,29 +380,22 @@ def _backward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker
     needs = _needs(run, r.start)
     layer_idx: int | None = None
     try:
-        with worker.compute():
-            saved_rng = run.rng.get((r.start, mb)) if run.preserve_rng_state else None
-            prev_rng = worker.get_rng_state() if saved_rng is not None else None
-            if saved_rng is not None:
-                worker.set_rng_state(saved_rng)
-            try:
-                if run.recompute_grain == "layer":
-                    tracked = _backward_layerwise(run, job, stage, worker, mb, x_in, g_dev, needs, clock)
-                else:
-                    x, tracked = _requires_grad_inputs(x_in, needs)
-                    with torch.enable_grad():
-                        for layer_idx in r:
-                            t0 = worker.time_point()
-                            with running_layer(layer_idx, mb, True, run.store, worker.device):
-                                x = _call_layer(stage.layer(layer_idx), layer_idx, x)
-                            clock.span("re", range(layer_idx, layer_idx + 1), t0)
-                        layer_idx = None
+        with worker.compute(), _own_rng(worker):
+            if run.recompute_grain == "layer":
+                tracked = _backward_layerwise(run, job, stage, worker, mb, x_in, g_dev, needs, clock)
+            else:
+                x, tracked = _requires_grad_inputs(x_in, needs)
+                with torch.enable_grad():
+                    for layer_idx in r:
+                        _replay_seed(run, worker, layer_idx, mb)
                         t0 = worker.time_point()
-                        _backward(x, g_dev)
-                        clock.span("bwd", r, t0)
-            finally:
-                if prev_rng is not None:
-                    worker.set_rng_state(prev_rng)
+                        with running_layer(layer_idx, mb, True, run.store, worker.device):
+                            x = _call_layer(stage.layer(layer_idx), layer_idx, x)
+                        clock.span("re", range(layer_idx, layer_idx + 1), t0)
+                    layer_idx = None
+                    t0 = worker.time_point()
+                    _backward(x, g_dev)
+                    clock.span("bwd", r, t0)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
         _annotate(exc, job, layer_idx, mb, worker)
@@ -388,11 +412,11 @@ def _backward_layerwise(
     """Recompute grain "layer": re-run the stage without autograd to get each layer's
     input, then recompute and backpropagate one layer at a time (one layer's graph alive)."""
     r = job.layers
-    inputs, states = [], []
+    inputs = []
     x = x_in
     with torch.no_grad():
         for layer_idx in r:
-            states.append(worker.get_rng_state() if run.preserve_rng_state else None)
+            _replay_seed(run, worker, layer_idx, mb)
             inputs.append(x)
             t0 = worker.time_point()
             with running_layer(layer_idx, mb, True, run.store, worker.device):
@@ -403,8 +427,7 @@ def _backward_layerwise(
     for pos in reversed(range(len(r))):
         layer_idx = r[pos]
         xin, tracked = _requires_grad_inputs(inputs[pos], needs if layer_idx == 0 else None)
-        if states[pos] is not None:
-            worker.set_rng_state(states[pos])
+        _replay_seed(run, worker, layer_idx, mb)
         t0 = worker.time_point()
         with torch.enable_grad():
             with running_layer(layer_idx, mb, True, run.store, worker.device):

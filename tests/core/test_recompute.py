@@ -216,3 +216,24 @@ def test_eval_mode_follows_the_host_module():
             assert_close_rel(rp(x), copy.deepcopy(model).eval()(x), what="p=0 output")
     finally:
         rp.close()
+
+
+def test_dropout_runs_are_reproducible_under_a_seed_whatever_the_thread_timing():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.4)) for _ in range(6)])
+    x, y = torch.randn(9, 8), torch.randn(9, 8)
+    plan = ModelExecutePlan([range(0, 2), range(2, 4)], [range(4, 6), range(3, 4), range(0, 3)])
+    results = []
+    for _ in range(3):
+        rp = RoundPipe(copy.deepcopy(model), devices="cpu:3")
+        try:
+            torch.manual_seed(123)
+            loss = rp.forward_backward((x,), label=y, loss_fn=sum_sq,
+                                       run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan))
+            results.append((loss, [p.grad.clone() for p in rp.optim_parameters()], torch.rand(1)))
+        finally:
+            rp.close()
+    for loss, grads, after in results[1:]:
+        assert torch.equal(loss, results[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(grads, results[0][1]))
+        assert torch.equal(after, results[0][2])  # the caller's random stream is left as it was
