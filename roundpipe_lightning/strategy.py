@@ -60,6 +60,7 @@ from torch.optim import Optimizer
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 
 from ._engine import LightningRoundPipe
+from .distributed import DataParallel
 from .plans import resolve_execute_plan
 from .precision import (
     DynamicLossScaler,
@@ -117,6 +118,12 @@ class RoundPipeStrategy(ParallelStrategy):
         preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
         model_run_config: further ``RoundPipeRunConfig`` defaults; the explicit
             arguments above take precedence over its fields.
+        grad_reduce_op: with several processes (``num_nodes``), "mean" (as DDP) or
+            "sum" of the master gradients over processes.
+        overlap_grad_reduce: start all-reducing a bucket of gradients as soon as its
+            layers' backward is done, while earlier layers still compute.
+        process_group_timeout: seconds after which a collective whose peer died fails
+            (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer).
     """
@@ -133,6 +140,9 @@ class RoundPipeStrategy(ParallelStrategy):
         recompute_grain: str | None = None,
         preserve_rng_state: bool = True,
         model_run_config: RoundPipeRunConfig | None = None,
+        grad_reduce_op: str = "mean",
+        overlap_grad_reduce: bool = True,
+        process_group_timeout: float | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -181,6 +191,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self._in_training_step = False
         self._failed = False
         self._previous_attr: Any = _MISSING
+        # one process per node, data parallel over torch.distributed (no-ops in one process)
+        self._dp = DataParallel(op=grad_reduce_op, overlap=overlap_grad_reduce, timeout=process_group_timeout)
 
     # -- topology (single process now; one process per node later) ---------------------------
     @property
@@ -252,11 +264,16 @@ class RoundPipeStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         # Fail on an unsupported configuration before anything starts.
         self._precision_mode = resolve_precision(self.precision_plugin)
-        if self.num_nodes > 1 or self.world_size > 1:
-            raise ValueError(
-                f"RoundPipeStrategy runs in one process (num_nodes=1); got num_nodes={self.num_nodes}, "
-                f"world_size={self.world_size}. Multi-process data parallel is not available yet."
-            )
+        if self.world_size > 1:
+            env = self.cluster_environment
+            if env is None or not env.creates_processes_externally:
+                raise ValueError(
+                    f"RoundPipeStrategy with num_nodes={self.num_nodes} runs one process per node, started "
+                    "by a launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
+                    "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 environment. "
+                    "This process was not started that way."
+                )
+            self._dp.connect(env, self.world_size)
         devices = self.compute_devices
         kinds = {d.type for d in devices}
         if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
@@ -277,6 +294,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self._build_roundpipe()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # every process starts from rank 0's weights; one gradient reducer per optimizer
+            self._dp.attach(self.roundpipe, self.optimizers)
         self.setup_precision_plugin()
 
     def _sequential_of(self, lm: LightningModule) -> tuple[nn.Module, Any]:
@@ -476,7 +495,8 @@ class RoundPipeStrategy(ParallelStrategy):
         assert isinstance(model, pl.LightningModule)
         opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         rp = self.roundpipe
-        closure_result = closure()
+        # (several processes: the closure's backward starts all-reducing finished layers)
+        closure_result = self._dp.wrap_closure(opt, closure)()
         skip = closure_result is None and model.automatic_optimization
         # Wait for the previous step (rp.step would do the same first): from here on the
         # master gradients of this window are complete and nothing else touches them.
@@ -501,9 +521,10 @@ class RoundPipeStrategy(ParallelStrategy):
         return closure_result
 
     def reduce_gradients(self, optimizer: Optimizer) -> None:
-        """Combine the window's master gradients across processes before they are
-        unscaled, clipped and stepped. One process: nothing to combine. (The point
-        where data parallelism over several processes all-reduces.)"""
+        """Combine the window's master gradients across processes (all-reduce over gloo)
+        before they are unscaled, clipped and stepped. Collective: every process calls it
+        for every optimizer step, skipped ones included. One process: nothing to do."""
+        self._dp.reduce(optimizer)
 
     # -- evaluation sees the current weights --------------------------------------------------------
     def _sync_weights(self) -> None:
@@ -590,6 +611,7 @@ class RoundPipeStrategy(ParallelStrategy):
     # -- teardown --------------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        self._dp.abort()
 
     def _close_roundpipe(self) -> None:
         """Finish the in-flight step, stop the worker threads, undo what setup installed."""
@@ -615,6 +637,7 @@ class RoundPipeStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         try:
+            self._dp.detach()
             self._close_roundpipe()
         finally:
             self._release_optimizers()
