@@ -10,6 +10,8 @@ import itertools
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from roundpipe_core.plan import (
     LayerProfile,
@@ -105,6 +107,34 @@ def test_exact_matches_brute_force(run_type, objective):
         assert stages == res.num_stages
         expect = brute_force(prof, run_type, objective, m, cap, devices, mbs)
         assert res.cost == pytest.approx(expect, rel=1e-9), (prof, m, devices, mbs)
+
+
+@st.composite
+def _planning_case(draw):
+    run_type = draw(st.sampled_from(["infer", "train", "fused"]))
+    n = draw(st.integers(1, 5 if run_type == "train" else 6))
+    fwd = draw(st.lists(st.sampled_from([1.0, 2.0, 3.0, 5.0, 8.0]), min_size=n, max_size=n))
+    ratio = draw(st.sampled_from([1.5, 2.0, 2.5]))
+    mem = draw(st.one_of(st.none(), st.lists(st.integers(1, 6), min_size=n, max_size=n)))
+    prof = LayerProfile(fwd, [f * ratio for f in fwd], param_bytes=mem)
+    fmem, bmem = prof.stage_mem()
+    biggest = max(fmem if run_type == "infer" else bmem)
+    cap = float(draw(st.integers(biggest, biggest * 3))) if mem is not None else float("inf")
+    return (run_type, prof, cap, draw(st.integers(1, 5)), draw(st.integers(1, 4)), draw(st.integers(1, 6)),
+            draw(st.sampled_from(["stages", "pipeline"])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(_planning_case())
+def test_exact_is_optimal_against_brute_force_hypothesis(case):
+    """Property test (hypothesis): on any small profile the exact search finds the
+    minimum of its objective over every valid plan under the memory cap."""
+    run_type, prof, cap, m, devices, mbs, objective = case
+    res = search_plans(run_type, [prof], m, cap, objective=objective, num_devices=devices, num_microbatch=mbs)
+    assert memory_ok(res.plans[0], prof, run_type, cap)
+    res.plans[0].check_valid(prof.num_layers, run_type)
+    expect = brute_force(prof, run_type, objective, m, cap, devices, mbs)
+    assert res.cost == pytest.approx(expect, rel=1e-9)
 
 
 @pytest.mark.parametrize("objective", ["stages", "pipeline"])
