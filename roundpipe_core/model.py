@@ -503,12 +503,17 @@ class RoundPipe(nn.Module):
         parts = batching.split_tree((args, kwargs), sizes, bs)
         return [(tuple(a), dict(k)) for a, k in parts], sizes, bs
 
-    def _new_run(self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan, run_type: str, **kw: Any) -> PipelineRun:
+    def _new_run(
+        self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan, run_type: str,
+        grad_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None, timer: Any = None, **kw: Any,
+    ) -> PipelineRun:
+        """A run's state; gradients go to the masters and times to the model timer unless
+        a pipelined call gives its own buffer and timer."""
         return PipelineRun(
             self.layers,
             boundary_layers(plan, run_type),
-            self._accumulate_grad,
-            self.model_timer,
+            grad_sink or self._accumulate_grad,
+            timer if timer is not None else self.model_timer,
             preserve_rng_state=bool(cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True),
             recompute_grain=cfg.recompute_grain or "stage",
             rule_checker=self._rule_checker,
@@ -653,12 +658,8 @@ class RoundPipe(nn.Module):
             self._next_device = (self._next_device + len(jobs)) % self.num_devices
             buffer = GradBuffer(self._master_of)
             timer = _DeferredTimer()
-            run = PipelineRun(
-                self.layers, boundary_layers(plan, "fused"), buffer.add, timer,
-                preserve_rng_state=bool(cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True),
-                recompute_grain=cfg.recompute_grain or "stage", rule_checker=self._rule_checker,
-                loss_fn=loss_fn, labels=labels, return_outputs=return_outputs,
-            )
+            run = self._new_run(cfg, plan, "fused", grad_sink=buffer.add, timer=timer,
+                                loss_fn=loss_fn, labels=labels, return_outputs=return_outputs)
             run.weights = self._versions
             run.reader = self._versions.register(self._target_version, [j.layers for j in jobs])
             for i, mb in enumerate(mbs):

@@ -440,14 +440,17 @@ class CUDAWorker(Worker):
         ticket = self._feeder.last_ticket if ticket is None else ticket
         return self._feeder.wait_issued(ticket) if ticket else None
 
-    def wait_channel(self, channel: str) -> None:
+    def _channel_event(self, channel: str) -> Any:
+        """The event of the latest copy issued on ``channel`` (None if none yet)."""
         if channel not in CHANNELS:
             raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
         if channel == PARAM:
-            event = self._param_event()
-        else:
-            with self._event_lock:
-                event = self._events[channel]
+            return self._param_event()
+        with self._event_lock:
+            return self._events[channel]
+
+    def wait_channel(self, channel: str) -> None:
+        event = self._channel_event(channel)
         if event is not None:
             self.compute_stream.wait_event(event)
 
@@ -478,11 +481,7 @@ class CUDAWorker(Worker):
         Call before writing to host tensors that were just uploaded (e.g. the
         optimizer copying new weights into the model while a prefetch reads them).
         """
-        if channel == PARAM:
-            event = self._param_event()
-        else:
-            with self._event_lock:
-                event = self._events[channel]
+        event = self._channel_event(channel)
         if event is not None:
             event.synchronize()
 
