@@ -71,7 +71,9 @@ class Head(nn.Module):
 
 def build_model(vocab: int, dim: int, layers: int, heads: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(vocab, dim), *[Block(dim, heads) for _ in range(layers)], Head(dim, vocab))
+    return nn.Sequential(
+        nn.Embedding(vocab, dim), *[Block(dim, heads) for _ in range(layers)], Head(dim, vocab)
+    )
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -85,8 +87,11 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     D.init_process_group(timeout=120)
     rank = torch.distributed.get_rank()
-    rp = RoundPipe(build_model(args.vocab, args.dim, args.layers, args.heads), devices=f"cpu:{args.devices}",
-                   model_run_config=RoundPipeRunConfig(num_microbatch=args.devices + 1))
+    rp = RoundPipe(
+        build_model(args.vocab, args.dim, args.layers, args.heads),
+        devices=f"cpu:{args.devices}",
+        model_run_config=RoundPipeRunConfig(num_microbatch=args.devices + 1),
+    )
     D.broadcast_masters(rp)
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-4)
     reducers = {
@@ -131,10 +136,17 @@ def worker(args: argparse.Namespace) -> None:
         torch.distributed.all_reduce(flat)
         raw.append(time.perf_counter() - t0)
     if rank == 0:
-        Path(args.out).write_text(json.dumps({
-            "times": times, "exposed": exposed, "raw": raw,
-            "params": flat.numel(), "buckets": len(reducers["overlap"].buckets),
-        }))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "times": times,
+                    "exposed": exposed,
+                    "raw": raw,
+                    "params": flat.numel(),
+                    "buckets": len(reducers["overlap"].buckets),
+                }
+            )
+        )
     for r in reducers.values():
         r.close()
     rp.close()
@@ -155,12 +167,22 @@ def launch(args: argparse.Namespace) -> None:
         out = Path(tmp) / "result.json"
         procs = []
         for rank in range(args.world):
-            env = dict(os.environ, NODE_RANK=str(rank), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port), OMP_NUM_THREADS=str(args.threads),
-                       PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            env = dict(
+                os.environ,
+                NODE_RANK=str(rank),
+                WORLD_SIZE=str(args.world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS=str(args.threads),
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            )
             env.pop("RANK", None)
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--out", str(out), *sys.argv[1:]],
-                                          env=env))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", "--out", str(out), *sys.argv[1:]],
+                    env=env,
+                )
+            )
         codes = [p.wait(timeout=1800) for p in procs]
         if any(codes):
             raise SystemExit(f"benchmark processes exited with {codes}")
@@ -168,19 +190,31 @@ def launch(args: argparse.Namespace) -> None:
     t = {m: _median(res["times"][m]) for m in MODES}
     w = {m: _median(res["exposed"][m]) for m in MODES}
     mb = res["params"] * 4 / 2**20
-    print(f"\nmodel: dim={args.dim} layers={args.layers} seq={args.seq} batch/rank={args.batch} "
-          f"params={res['params'] / 1e6:.2f}M (grads {mb:.1f} MiB, {res['buckets']} buckets of <= {args.bucket_mb} MiB)")
-    print(f"{args.world} processes x {args.devices} CPU workers, gloo on 127.0.0.1; "
-          f"median of {args.rounds}x{args.steps} steps per mode")
-    print(f"raw all-reduce of all gradients (nothing else running): {_median(res['raw']) * 1e3:.1f} ms\n")
-    print(f"{'mode':<9}{'step ms':>9}{'vs local':>10}{'overhead share':>16}{'finish() blocked ms':>21}"
-          f"{'blocked share':>15}")
+    print(
+        f"\nmodel: dim={args.dim} layers={args.layers} seq={args.seq} batch/rank={args.batch} "
+        f"params={res['params'] / 1e6:.2f}M (grads {mb:.1f} MiB, {res['buckets']} buckets of <= {args.bucket_mb} MiB)"
+    )
+    print(
+        f"{args.world} processes x {args.devices} CPU workers, gloo on 127.0.0.1; "
+        f"median of {args.rounds}x{args.steps} steps per mode"
+    )
+    print(
+        f"raw all-reduce of all gradients (nothing else running): {_median(res['raw']) * 1e3:.1f} ms\n"
+    )
+    print(
+        f"{'mode':<9}{'step ms':>9}{'vs local':>10}{'overhead share':>16}{'finish() blocked ms':>21}"
+        f"{'blocked share':>15}"
+    )
     for m in MODES:
         share = (t[m] - t["local"]) / t[m] if m != "local" else 0.0
-        print(f"{m:<9}{t[m] * 1e3:>9.1f}{t[m] / t['local']:>10.3f}{share * 100:>15.1f}%{w[m] * 1e3:>21.1f}"
-              f"{w[m] / t[m] * 100:>14.1f}%")
-    print("\noverhead share: (step - local step) / step. blocked share: time the loop waited in finish() / step "
-          "(the all-reduce not hidden behind compute; less noisy on a shared machine).")
+        print(
+            f"{m:<9}{t[m] * 1e3:>9.1f}{t[m] / t['local']:>10.3f}{share * 100:>15.1f}%{w[m] * 1e3:>21.1f}"
+            f"{w[m] / t[m] * 100:>14.1f}%"
+        )
+    print(
+        "\noverhead share: (step - local step) / step. blocked share: time the loop waited in finish() / step "
+        "(the all-reduce not hidden behind compute; less noisy on a shared machine)."
+    )
 
 
 def main() -> None:

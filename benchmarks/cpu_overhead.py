@@ -36,7 +36,9 @@ from roundpipe_core import RoundPipe, RoundPipeRunConfig
 
 def build(width: int, layers: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
+    )
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -44,7 +46,9 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
@@ -55,11 +59,19 @@ def main() -> None:
     plain, ckpt, rp_model = build(args.width), build(args.width), build(args.width)
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True)
     opt_ckpt = torch.optim.AdamW(ckpt.parameters(), lr=1e-4, fused=True)
-    rp = RoundPipe(rp_model, devices="cpu:1", optim_dtype=torch.float32,
-                   model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches))
+    rp = RoundPipe(
+        rp_model,
+        devices="cpu:1",
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches),
+    )
     opt_rp = torch.optim.AdamW(rp.optim_parameters(), lr=1e-4, fused=True)
-    rp1 = RoundPipe(build(args.width), devices="cpu:1", optim_dtype=torch.float32,
-                    model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    rp1 = RoundPipe(
+        build(args.width),
+        devices="cpu:1",
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=1),
+    )
     opt_rp1 = torch.optim.AdamW(rp1.optim_parameters(), lr=1e-4, fused=True)
 
     def step_plain() -> None:
@@ -83,7 +95,12 @@ def main() -> None:
         rp1.forward_backward((x,), label=y, loss_fn=loss_fn)
         rp1.step(lambda: (opt_rp1.step(), opt_rp1.zero_grad()), is_async=False)
 
-    runs = {"plain": step_plain, "checkpoint": step_ckpt, "roundpipe": step_rp, "roundpipe M=1": step_rp1}
+    runs = {
+        "plain": step_plain,
+        "checkpoint": step_ckpt,
+        "roundpipe": step_rp,
+        "roundpipe M=1": step_rp1,
+    }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(2):  # warm-up
         for fn in runs.values():
@@ -96,11 +113,15 @@ def main() -> None:
     rp.close()
     rp1.close()
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
-    print(f"8 x Linear({args.width}) + GELU, batch {args.batch}, {args.steps} interleaved steps, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"8 x Linear({args.width}) + GELU, batch {args.batch}, {args.steps} interleaved steps, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"{'config':<15}{'median ms':>11}{'/ plain':>9}{'/ checkpoint':>14}")
     for k in runs:
-        print(f"{k:<15}{med[k]:>11.1f}{med[k] / med['plain']:>9.2f}{med[k] / med['checkpoint']:>14.2f}")
+        print(
+            f"{k:<15}{med[k]:>11.1f}{med[k] / med['plain']:>9.2f}{med[k] / med['checkpoint']:>14.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,12 @@ from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 
 def build(layers: int, width: int) -> nn.Sequential:
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-              for _ in range(layers)]
+    blocks = [
+        nn.Sequential(
+            nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)
+        )
+        for _ in range(layers)
+    ]
     return nn.Sequential(*blocks)
 
 
@@ -50,7 +54,9 @@ def time_plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -
     return sorted(times)[len(times) // 2]
 
 
-def time_roundpipe(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, devices: int, stages: int):
+def time_roundpipe(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, devices: int, stages: int
+):
     rp = RoundPipe(model, devices=f"cpu:{devices}", optim_dtype=torch.float32)
     layers = rp.num_layers
     plan = ModelExecutePlan.uniform(layers, stages, "fused")
@@ -71,7 +77,9 @@ def time_roundpipe(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=32)
@@ -82,13 +90,17 @@ def main() -> None:
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, args.width)
     plain = time_plain(copy.deepcopy(model), x, y, args.steps)
-    print(f"model: {args.layers} blocks x width {args.width} = {model_bytes / 2**20:.1f} MiB of fp32 parameters")
+    print(
+        f"model: {args.layers} blocks x width {args.width} = {model_bytes / 2**20:.1f} MiB of fp32 parameters"
+    )
     print(f"{'config':<28}{'stages':>7}{'peak dev / model':>18}{'time / plain':>14}")
     print(f"{'plain PyTorch':<28}{'-':>7}{1.0:>18.2f}{1.0:>14.2f}")
     for devices in (1, 2, 4):
         stages = 2 * devices + 2
         t, peak = time_roundpipe(copy.deepcopy(model), x, y, args.steps, devices, stages)
-        print(f"{f'RoundPipe, {devices} CPU worker(s)':<28}{stages:>7}{peak / model_bytes:>18.2f}{t / plain:>14.2f}")
+        print(
+            f"{f'RoundPipe, {devices} CPU worker(s)':<28}{stages:>7}{peak / model_bytes:>18.2f}{t / plain:>14.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -233,13 +233,22 @@ def overlap_report(key: str = "qwen3-1.7b", devices: int = 8, mbs: int = 9) -> l
     fwd, bwd, re = list(prof.fwd_ms), list(prof.bwd_ms), list(prof.re_ms or prof.fwd_ms)
     plan = auto_plan(prof, devices, mbs)
     per_layer = [f + r + b for f, r, b in zip(fwd, re, bwd)]
-    bound = simulate_bound_stages(balanced_stages(per_layer, devices), fwd, bwd, devices, mbs, re_ms=re)
+    bound = simulate_bound_stages(
+        balanced_stages(per_layer, devices), fwd, bwd, devices, mbs, re_ms=re
+    )
     one = simulate(plan, fwd, bwd, devices, mbs, re_ms=re)
 
     def per_iteration(iterations: int, step_ms: float = 0.0) -> float:
         return simulate(
-            plan, fwd, bwd, devices, mbs, re_ms=re, iterations=iterations,
-            overlap_iterations=True, step_ms=step_ms,
+            plan,
+            fwd,
+            bwd,
+            devices,
+            mbs,
+            re_ms=re,
+            iterations=iterations,
+            overlap_iterations=True,
+            step_ms=step_ms,
         ).iteration_ms
 
     name = SHAPES[key].name

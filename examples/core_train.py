@@ -18,7 +18,9 @@ from roundpipe_core import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--devices", default=None, help="None (all GPUs, else 2 CPU workers), an int, or 'cpu:N'")
+    ap.add_argument(
+        "--devices", default=None, help="None (all GPUs, else 2 CPU workers), an int, or 'cpu:N'"
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--microbatches", type=int, default=4)
     args = ap.parse_args()
@@ -30,8 +32,12 @@ def main() -> None:
         *[nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU()) for _ in range(6)],
         nn.Linear(64, 8),
     )
-    model = RoundPipe(net, optim_dtype=torch.float32, devices=args.devices,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches))
+    model = RoundPipe(
+        net,
+        optim_dtype=torch.float32,
+        devices=args.devices,
+        model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches),
+    )
     with OptimizerCtx():  # model.parameters() are the fp32 master copies here
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
 

@@ -33,14 +33,16 @@ def batches(data: torch.Tensor, batch: int, max_len: int, gen: torch.Generator):
         ids = torch.full((batch, max_len), PAD)
         mask = torch.zeros(batch, max_len, dtype=torch.long)
         for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
-            ids[i, :n] = data[s:s + n]
+            ids[i, :n] = data[s : s + n]
             mask[i, :n] = 1
         yield ids, mask, ids.masked_fill(mask == 0, -100)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--devices", default=None, help="None (all GPUs, else 2 CPU workers), an int, or 'cpu:N'")
+    ap.add_argument(
+        "--devices", default=None, help="None (all GPUs, else 2 CPU workers), an int, or 'cpu:N'"
+    )
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
@@ -50,15 +52,25 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=PAD + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq,
-        pad_token_id=PAD, bos_token_id=None, eos_token_id=None, use_cache=False,  # no KV cache in training
+        vocab_size=PAD + 1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.seq,
+        pad_token_id=PAD,
+        bos_token_id=None,
+        eos_token_id=None,
+        use_cache=False,  # no KV cache in training
     )
     model = LlamaForCausalLM(config)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        model = get_peft_model(
+            model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+        )
 
     rp = wrap_model_to_roundpipe(
         model,
@@ -66,8 +78,10 @@ def main() -> None:
         model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches),
         devices=args.devices,
     )
-    print(f"{rp!r}: {rp.num_layers} layers (input adapter, {config.num_hidden_layers} decoder layers, "
-          f"norm + lm_head); vocab {rp.config.vocab_size}; trainable tensors {len(rp.optim_parameters())}")
+    print(
+        f"{rp!r}: {rp.num_layers} layers (input adapter, {config.num_hidden_layers} decoder layers, "
+        f"norm + lm_head); vocab {rp.config.vocab_size}; trainable tensors {len(rp.optim_parameters())}"
+    )
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=3e-3 if not args.lora else 1e-2)
 
     data = torch.tensor(list(CORPUS.read_bytes()), dtype=torch.long)
@@ -92,7 +106,7 @@ def main() -> None:
     prompt = torch.tensor([list(b"The lighthouse ")])
     with torch.no_grad():
         for _ in range(40):
-            logits = rp(input_ids=prompt[:, -args.seq:])
+            logits = rp(input_ids=prompt[:, -args.seq :])
             prompt = torch.cat([prompt, logits[:, -1:].argmax(-1)], dim=1)
     text = bytes(min(t, 255) for t in prompt[0].tolist()).decode("utf-8", "replace")
     print(f"sample: {text!r}")

@@ -76,7 +76,11 @@ class DecoderBlock(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, t, d = h.shape
-        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.ln1(h))
+            .view(b, t, 3, self.n_heads, d // self.n_heads)
+            .permute(2, 0, 3, 1, 4)
+        )
         a = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
@@ -104,7 +108,10 @@ class TokenCrossEntropy:
         self.num_tokens = num_tokens
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / self.num_tokens
+        return (
+            F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            / self.num_tokens
+        )
 
 
 class ByteLM(L.LightningModule):
@@ -150,7 +157,9 @@ class ByteLM(L.LightningModule):
         x, y = batch
         if self._pipelined():
             # forward, loss and backward in one pipelined pass; the loss comes back detached
-            loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=TokenCrossEntropy(y.numel()))
+            loss = self.roundpipe.forward_backward(
+                input_args=(x,), label=y, loss_fn=TokenCrossEntropy(y.numel())
+            )
         else:
             loss = TokenCrossEntropy(y.numel())(self.net(x), y)
         self.log("train_loss", loss, prog_bar=True)
@@ -166,9 +175,14 @@ class ByteLM(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and ".pos." not in n]
-        no_decay = [p for n, p in self.named_parameters() if not (p.dim() >= 2 and ".pos." not in n)]
+        no_decay = [
+            p for n, p in self.named_parameters() if not (p.dim() >= 2 and ".pos." not in n)
+        ]
         opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [
+                {"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
             lr=self.hparams.lr,
             betas=(0.9, 0.95),
         )
@@ -185,7 +199,9 @@ class ByteLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     @torch.no_grad()
-    def generate(self, prompt: str, num_bytes: int = 200, temperature: float = 0.8, top_k: int = 20) -> str:
+    def generate(
+        self, prompt: str, num_bytes: int = 200, temperature: float = 0.8, top_k: int = 20
+    ) -> str:
         """Sample a continuation with the plain module (its weights are current after fit)."""
         was_training = self.training
         self.eval()
@@ -207,7 +223,9 @@ class ByteWindows(Dataset):
 
     def __init__(self, data: torch.Tensor, seq_len: int, stride: int) -> None:
         if len(data) <= seq_len + 1:
-            raise ValueError(f"the text has {len(data)} bytes, fewer than seq_len + 2 = {seq_len + 2}")
+            raise ValueError(
+                f"the text has {len(data)} bytes, fewer than seq_len + 2 = {seq_len + 2}"
+            )
         self.data, self.seq_len = data, seq_len
         self.starts = list(range(0, len(data) - seq_len - 1, stride))
 
@@ -231,10 +249,19 @@ class ByteCorpus(L.LightningDataModule):
     """
 
     def __init__(
-        self, path: str = str(DEFAULT_CORPUS), seq_len: int = 128, batch_size: int = 16, val_fraction: float = 0.1
+        self,
+        path: str = str(DEFAULT_CORPUS),
+        seq_len: int = 128,
+        batch_size: int = 16,
+        val_fraction: float = 0.1,
     ) -> None:
         super().__init__()
-        self.path, self.seq_len, self.batch_size, self.val_fraction = path, seq_len, batch_size, val_fraction
+        self.path, self.seq_len, self.batch_size, self.val_fraction = (
+            path,
+            seq_len,
+            batch_size,
+            val_fraction,
+        )
 
     def setup(self, stage: str | None = None) -> None:
         raw = torch.frombuffer(bytearray(Path(self.path).read_bytes()), dtype=torch.uint8).long()
@@ -253,14 +280,20 @@ class ByteCorpus(L.LightningDataModule):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS))
-    p.add_argument("--out-dir", default="runs/lightning_finetune", help="TensorBoard logs and checkpoints")
+    p.add_argument(
+        "--out-dir", default="runs/lightning_finetune", help="TensorBoard logs and checkpoints"
+    )
     p.add_argument("--strategy", choices=["roundpipe", "plain"], default="roundpipe")
     p.add_argument("--accelerator", default="cpu", help="cpu (CPU workers) or gpu")
     p.add_argument("--devices", type=int, default=2, help="CPU workers or GPUs in this process")
     p.add_argument("--num-microbatch", type=int, default=4)
-    p.add_argument("--layout", default=None, help='stage plan, e.g. "fwd=2,2 bwd=1,1,1,1,1,1" or "auto"')
+    p.add_argument(
+        "--layout", default=None, help='stage plan, e.g. "fwd=2,2 bwd=1,1,1,1,1,1" or "auto"'
+    )
     p.add_argument("--auto-replan", action="store_true", help="re-plan from measured layer times")
-    p.add_argument("--sync-step", action="store_true", help="synchronous optimizer step (no staleness)")
+    p.add_argument(
+        "--sync-step", action="store_true", help="synchronous optimizer step (no staleness)"
+    )
     p.add_argument("--precision", default="32-true")
     p.add_argument("--max-steps", type=int, default=120)
     p.add_argument("--val-every", type=int, default=40, help="validate every N training batches")
@@ -283,8 +316,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     L.seed_everything(args.seed, workers=True)
     model = ByteLM(
-        d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, seq_len=args.seq_len,
-        dropout=args.dropout, lr=args.lr,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        seq_len=args.seq_len,
+        dropout=args.dropout,
+        lr=args.lr,
     )
     if args.init_from:
         state = torch.load(args.init_from, map_location="cpu", weights_only=False)["state_dict"]
@@ -292,12 +329,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = ByteCorpus(args.corpus, seq_len=args.seq_len, batch_size=args.batch_size)
     out = Path(args.out_dir)
     callbacks: list[L.Callback] = [
-        ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_loss", save_top_k=1, save_last=True),
+        ModelCheckpoint(
+            dirpath=out / "checkpoints", monitor="val_loss", save_top_k=1, save_last=True
+        ),
         LearningRateMonitor(logging_interval="step"),
     ]
     if args.strategy == "roundpipe":
         strategy: Any = RoundPipeStrategy(
-            num_microbatch=args.num_microbatch, execute_plan=args.layout, async_step=not args.sync_step
+            num_microbatch=args.num_microbatch,
+            execute_plan=args.layout,
+            async_step=not args.sync_step,
         )
         callbacks.append(StageTimeLogger(every_n_steps=25))
         if args.auto_replan:
@@ -323,7 +364,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     losses: list[float] = []
 
     class KeepLosses(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any) -> None:
+        def on_train_batch_end(
+            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *a: Any
+        ) -> None:
             losses.append(float(outputs["loss"]))
 
     trainer.callbacks.append(KeepLosses())
@@ -343,7 +386,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"TensorBoard: tensorboard --logdir {out}")
     if args.generate > 0:
         print("\nsample:\n" + model.generate("The river ", num_bytes=args.generate))
-    return {"losses": losses, "val_loss": val_loss, "seconds": seconds, "trainer": trainer, "model": model}
+    return {
+        "losses": losses,
+        "val_loss": val_loss,
+        "seconds": seconds,
+        "trainer": trainer,
+        "model": model,
+    }
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ from .model import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from .plan import ModelExecutePlan
 
 
-def wrap_model_to_roundpipe(model, use_sequential_preset=True, model_run_config=None, optim_dtype=None, **roundpipe_kwargs):
+def wrap_model_to_roundpipe(
+    model, use_sequential_preset=True, model_run_config=None, optim_dtype=None, **roundpipe_kwargs
+):
     """Wrap a Hugging Face model (via a preset) or any model into RoundPipe; see ``roundpipe_core.presets``."""
     from .presets import wrap_model_to_roundpipe as _wrap
 

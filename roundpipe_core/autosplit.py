@@ -101,7 +101,11 @@ class FxStep(nn.Module):
         return self.target(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        name = self.target if isinstance(self.target, str) else getattr(self.target, "__name__", repr(self.target))
+        name = (
+            self.target
+            if isinstance(self.target, str)
+            else getattr(self.target, "__name__", repr(self.target))
+        )
         return f"{self.kind}: {name}"
 
 
@@ -115,7 +119,9 @@ def chain_layers(module: nn.Module) -> list[nn.Module] | None:
     if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
         layers = list(module.children())
         return layers if layers and len({id(m) for m in layers}) == len(module) else None
-    if type(module).forward is nn.Module.forward or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+    if type(module).forward is nn.Module.forward or isinstance(
+        module, (nn.ModuleList, nn.ModuleDict)
+    ):
         return None
     if not any(True for _ in module.children()):
         return None
@@ -196,7 +202,9 @@ def _common_prefix(a: str, b: str) -> str:
     return ".".join(out)
 
 
-def _plan_units(model: nn.Module, threshold: int, forced: set[str]) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
+def _plan_units(
+    model: nn.Module, threshold: int, forced: set[str]
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
     """Units (qualified name, module) and host parameters (owned directly by opened modules)."""
     units: list[tuple[str, nn.Module]] = []
     host: list[tuple[str, nn.Parameter]] = []
@@ -206,7 +214,12 @@ def _plan_units(model: nn.Module, threshold: int, forced: set[str]) -> tuple[lis
         if n == 0:
             return  # no parameters: it runs on the host as glue
         has_param_children = any(_numel(c) for c in m.children())
-        if name in forced or n <= threshold or not has_param_children or chain_layers(m) is not None:
+        if (
+            name in forced
+            or n <= threshold
+            or not has_param_children
+            or chain_layers(m) is not None
+        ):
             units.append((name, m))
             return
         for pname, p in m.named_parameters(recurse=False):
@@ -218,7 +231,9 @@ def _plan_units(model: nn.Module, threshold: int, forced: set[str]) -> tuple[lis
     return units, host
 
 
-def _units_without_sharing(model: nn.Module, threshold: int) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
+def _units_without_sharing(
+    model: nn.Module, threshold: int
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
     """Plan units; where a parameter is used by two units (or a unit and the host), their
     common ancestor becomes one unit -- RoundPipe instances cannot share parameters."""
     forced: set[str] = set()
@@ -239,7 +254,9 @@ def _units_without_sharing(model: nn.Module, threshold: int) -> tuple[list[tuple
         if conflict is None:
             return units, host
         if conflict in forced:  # cannot happen, but never loop forever
-            raise RuntimeError(f"automatic split could not separate shared parameters under {conflict!r}")
+            raise RuntimeError(
+                f"automatic split could not separate shared parameters under {conflict!r}"
+            )
         forced.add(conflict)
 
 
@@ -292,8 +309,13 @@ class AutoRoundPipe(RoundPipe):
         original_model: Any = None,
     ) -> None:
         super().__init__(
-            model, optim_dtype=optim_dtype, name=name, model_run_config=model_run_config,
-            pin_model=pin_model, devices=devices, original_model=original_model,
+            model,
+            optim_dtype=optim_dtype,
+            name=name,
+            model_run_config=model_run_config,
+            pin_model=pin_model,
+            devices=devices,
+            original_model=original_model,
         )
         threshold = split_threshold if split_threshold is not None else _default_threshold(model)
         unit_modules, host = _units_without_sharing(model, threshold)
@@ -303,16 +325,23 @@ class AutoRoundPipe(RoundPipe):
             seq = nn.Sequential(*layers) if len(layers) > 1 else nn.Sequential(_Direct(unit))
             # The outer RoundPipe owns the master copies; the inner one sends its gradients there.
             inner = RoundPipe(
-                seq, optim_dtype=optim_dtype, name=f"{self.name}.{uname or 'root'}",
-                model_run_config=model_run_config, pin_model="off", devices=self.pool,
-                original_model=unit, master_owner=self,
+                seq,
+                optim_dtype=optim_dtype,
+                name=f"{self.name}.{uname or 'root'}",
+                model_run_config=model_run_config,
+                pin_model="off",
+                devices=self.pool,
+                original_model=unit,
+                master_owner=self,
             )
             units.append((uname, inner))
         object.__setattr__(self, "units", units)
         object.__setattr__(self, "host_parameters", host)
         object.__setattr__(self, "_unit_modules", [m for _, m in unit_modules])
 
-    def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any) -> Any:
+    def forward(
+        self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any
+    ) -> Any:
         """Run the original model's forward on the host, its units on the device pool."""
         if roundpipe_run_config is not None:
             raise TypeError(
@@ -382,16 +411,26 @@ def auto_wrap(
         optim_dtype: dtype of the master weights.
         **roundpipe_kwargs: ``pin_model``, ``devices``, ``name``.
     """
-    if split_threshold is not None and (not isinstance(split_threshold, int) or split_threshold < 1):
-        raise ValueError(f"split_threshold must be a positive int (parameters), got {split_threshold!r}")
+    if split_threshold is not None and (
+        not isinstance(split_threshold, int) or split_threshold < 1
+    ):
+        raise ValueError(
+            f"split_threshold must be a positive int (parameters), got {split_threshold!r}"
+        )
     threshold = split_threshold if split_threshold is not None else _default_threshold(model)
     layers = split_layers(model, threshold)
     if len(layers) > 1:
         return RoundPipe(
-            nn.Sequential(*layers), optim_dtype=optim_dtype, model_run_config=model_run_config,
-            original_model=model, **roundpipe_kwargs,
+            nn.Sequential(*layers),
+            optim_dtype=optim_dtype,
+            model_run_config=model_run_config,
+            original_model=model,
+            **roundpipe_kwargs,
         )
     return AutoRoundPipe(
-        model, split_threshold=threshold, optim_dtype=optim_dtype,
-        model_run_config=model_run_config, **roundpipe_kwargs,
+        model,
+        split_threshold=threshold,
+        optim_dtype=optim_dtype,
+        model_run_config=model_run_config,
+        **roundpipe_kwargs,
     )

@@ -25,15 +25,21 @@ def flatten(obj: Any) -> tuple[list[Any], Rebuild]:
         return [obj], lambda leaves: leaves[0]
     if type(obj) in pytree.SUPPORTED_NODES:
         children, ctx = pytree.SUPPORTED_NODES[type(obj)].flatten_fn(obj)
-        return _flatten_children(list(children), lambda kids: pytree.SUPPORTED_NODES[type(obj)].unflatten_fn(kids, ctx))
+        return _flatten_children(
+            list(children), lambda kids: pytree.SUPPORTED_NODES[type(obj)].unflatten_fn(kids, ctx)
+        )
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = [f.name for f in dataclasses.fields(obj) if f.init]
         children = [getattr(obj, n) for n in names]
-        return _flatten_children(children, lambda kids: dataclasses.replace(obj, **dict(zip(names, kids))))
+        return _flatten_children(
+            children, lambda kids: dataclasses.replace(obj, **dict(zip(names, kids)))
+        )
     return [obj], lambda leaves: leaves[0]
 
 
-def _flatten_children(children: list[Any], build: Callable[[list[Any]], Any]) -> tuple[list[Any], Rebuild]:
+def _flatten_children(
+    children: list[Any], build: Callable[[list[Any]], Any]
+) -> tuple[list[Any], Rebuild]:
     parts = [flatten(c) for c in children]
     counts = [len(p[0]) for p in parts]
     leaves = [leaf for p in parts for leaf in p[0]]
@@ -41,7 +47,7 @@ def _flatten_children(children: list[Any], build: Callable[[list[Any]], Any]) ->
     def rebuild(new_leaves: list[Any]) -> Any:
         kids, pos = [], 0
         for (_, rb), n in zip(parts, counts):
-            kids.append(rb(new_leaves[pos:pos + n]))
+            kids.append(rb(new_leaves[pos : pos + n]))
             pos += n
         return build(kids)
 
@@ -107,7 +113,9 @@ def default_merge_output(outputs: list[Any]) -> Any:
     flat = [flatten(o) for o in outputs]
     n = len(flat[0][0])
     if any(len(f[0]) != n for f in flat):
-        raise ValueError("microbatch outputs have different structures; give a merge_output function")
+        raise ValueError(
+            "microbatch outputs have different structures; give a merge_output function"
+        )
     merged = []
     for i in range(n):
         vals = [f[0][i] for f in flat]

@@ -120,7 +120,9 @@ def check_forward_rules(
     params = [(n, p, p._version) for n, p in module.named_parameters(remove_duplicate=True)]
     shared_set = set(shared_buffers)
     buffers = {
-        n: (b, b._version) for n, b in module.named_buffers(remove_duplicate=False) if n in shared_set
+        n: (b, b._version)
+        for n, b in module.named_buffers(remove_duplicate=False)
+        if n in shared_set
     }
     out = run()
     problems: list[str] = []

@@ -42,8 +42,14 @@ class RecomputeStore:
 class _Frame:
     __slots__ = ("layer", "microbatch", "recompute", "store", "device")
 
-    def __init__(self, layer: int, microbatch: int, recompute: bool,
-                 store: RecomputeStore | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        layer: int,
+        microbatch: int,
+        recompute: bool,
+        store: RecomputeStore | None,
+        device: torch.device,
+    ) -> None:
         self.layer = layer
         self.microbatch = microbatch
         self.recompute = recompute
@@ -56,8 +62,9 @@ def _frame() -> _Frame | None:
 
 
 @contextmanager
-def running_layer(layer: int, microbatch: int, recompute: bool,
-                  store: RecomputeStore | None, device: torch.device) -> Iterator[None]:
+def running_layer(
+    layer: int, microbatch: int, recompute: bool, store: RecomputeStore | None, device: torch.device
+) -> Iterator[None]:
     """Mark the current thread as running ``layer`` for ``microbatch`` (engine use)."""
     prev = _frame()
     _local.frame = _Frame(layer, microbatch, recompute, store, device)

@@ -65,7 +65,12 @@ class RoundPipeRunConfig:
     def merged_over(self, base: RoundPipeRunConfig) -> RoundPipeRunConfig:
         """This config with its ``None`` fields taken from ``base``."""
         return replace(
-            base, **{f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+            base,
+            **{
+                f.name: getattr(self, f.name)
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            },
         )
 
 
@@ -132,17 +137,25 @@ class RoundPipe(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
-            raise TypeError(f"RoundPipe wraps an nn.Module (ideally nn.Sequential), got {type(model).__name__}")
+            raise TypeError(
+                f"RoundPipe wraps an nn.Module (ideally nn.Sequential), got {type(model).__name__}"
+            )
         if isinstance(model, RoundPipe):
             raise TypeError("this model is already wrapped in RoundPipe")
         if pin_model not in _PIN_CHOICES:
             raise ValueError(f"pin_model must be one of {_PIN_CHOICES}, got {pin_model!r}")
-        if optim_dtype is not None and not (isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point):
-            raise TypeError(f"optim_dtype must be a floating torch.dtype such as torch.float32, got {optim_dtype!r}")
+        if optim_dtype is not None and not (
+            isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"optim_dtype must be a floating torch.dtype such as torch.float32, got {optim_dtype!r}"
+            )
         if model_run_config is None:
             model_run_config = RoundPipeRunConfig()
         if not isinstance(model_run_config, RoundPipeRunConfig):
-            raise TypeError(f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}")
+            raise TypeError(
+                f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}"
+            )
         _check_run_config(model_run_config)
 
         self.model = model
@@ -150,13 +163,17 @@ class RoundPipe(nn.Module):
         if not layers:
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
         object.__setattr__(self, "layers", layers)
-        object.__setattr__(self, "_original_model", original_model if original_model is not None else model)
+        object.__setattr__(
+            self, "_original_model", original_model if original_model is not None else model
+        )
         self.name = name or type(model).__name__
         self.pin_model = pin_model
         self.model_run_config = model_run_config
         self.optim_dtype = optim_dtype or _default_dtype_of(model)
 
-        object.__setattr__(self, "pool", devices if isinstance(devices, DevicePool) else DevicePool(devices))
+        object.__setattr__(
+            self, "pool", devices if isinstance(devices, DevicePool) else DevicePool(devices)
+        )
         self._owns_pool = not isinstance(devices, DevicePool)
         pin_handle = None
         if self.pool.is_cuda:
@@ -177,22 +194,24 @@ class RoundPipe(nn.Module):
                 self._masters.append((pname, p, m))
                 self._master_of[id(p)] = m
         self._grad_lock = threading.Lock()
-        self._optimizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"roundpipe-optim-{self.name}")
+        self._optimizer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"roundpipe-optim-{self.name}"
+        )
         self._pending_step: Future | None = None
         self._step_guarded = False
         # -- pipelined (non-blocking) calls, see overlap.py --------------------------
         self._versions = WeightVersions(layers, self._masters)
-        self._steps = 0            # step() calls so far; step k produces weight version k
-        self._target_version = 0   # the version a call issued now computes with
+        self._steps = 0  # step() calls so far; step k produces weight version k
+        self._target_version = 0  # the version a call issued now computes with
         self._inflight: list[PendingResult] = []  # pipelined runs whose grads are not in .grad yet
-        self._opt_tail: Future | None = None      # last task queued on the optimizer thread
+        self._opt_tail: Future | None = None  # last task queued on the optimizer thread
         self._publish_tail: Future | None = None  # last weight publication queued
         self._failure: BaseException | None = None  # first failure of pipelined work
         self._failure_reported = False
         self._pipe_lock = threading.RLock()
         self._merge_lock = threading.Lock()  # taken before _pipe_lock, never while holding it
         self._timer_lock = threading.Lock()
-        self._next_device = 0      # round-robin continues from one pipelined call to the next
+        self._next_device = 0  # round-robin continues from one pipelined call to the next
         self._pipelined_calls = 0
         self.last_job_spans: list[tuple[Job, int, float, float]] = []
         self._call_lock = threading.RLock()
@@ -203,7 +222,11 @@ class RoundPipe(nn.Module):
         self.last_schedule: list[Job] = []
         self.last_job_times: list[tuple[Job, int, float]] = []
         self._closer = weakref.finalize(
-            self, _close_resources, self.pool if self._owns_pool else None, self._optimizer, pin_handle
+            self,
+            _close_resources,
+            self.pool if self._owns_pool else None,
+            self._optimizer,
+            pin_handle,
         )
 
     # -- attribute fall-through --------------------------------------------------
@@ -348,8 +371,9 @@ class RoundPipe(nn.Module):
             version = self._steps  # the blocking step() would copy this version into the model now
             runs = [r for r in self._inflight if not r.merged]
             self._target_version = version
-            self._publish_tail = self._optimizer.submit(self._guarded, self._versions.publish, version,
-                                                        lambda: self._failure is not None)
+            self._publish_tail = self._optimizer.submit(
+                self._guarded, self._versions.publish, version, lambda: self._failure is not None
+            )
 
             def deferred_step() -> None:
                 for r in runs:
@@ -362,7 +386,9 @@ class RoundPipe(nn.Module):
                     self._merge_grads(r)
                 step_fn()
 
-            self._pending_step = self._opt_tail = self._optimizer.submit(self._guarded, deferred_step)
+            self._pending_step = self._opt_tail = self._optimizer.submit(
+                self._guarded, deferred_step
+            )
             self._step_guarded = True  # its error is raised through _raise_failure()
             self._steps += 1
 
@@ -460,7 +486,9 @@ class RoundPipe(nn.Module):
         if run_config is None:
             run_config = RoundPipeRunConfig()
         if not isinstance(run_config, RoundPipeRunConfig):
-            raise TypeError(f"run_config must be a RoundPipeRunConfig, got {type(run_config).__name__}")
+            raise TypeError(
+                f"run_config must be a RoundPipeRunConfig, got {type(run_config).__name__}"
+            )
         _check_run_config(run_config)
         return run_config.merged_over(self.model_run_config)
 
@@ -491,7 +519,9 @@ class RoundPipe(nn.Module):
             self._default_plans[key] = cached
         return cached[0]
 
-    def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], list[int], int | None]:
+    def _split(
+        self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict
+    ) -> tuple[list[tuple[tuple, dict]], list[int], int | None]:
         m = cfg.num_microbatch or self.num_devices + 1
         if cfg.split_input is not None:
             parts = [tuple(p) for p in cfg.split_input(args, kwargs, m)]
@@ -504,8 +534,13 @@ class RoundPipe(nn.Module):
         return [(tuple(a), dict(k)) for a, k in parts], sizes, bs
 
     def _new_run(
-        self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan, run_type: str,
-        grad_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None, timer: Any = None, **kw: Any,
+        self,
+        cfg: RoundPipeRunConfig,
+        plan: ModelExecutePlan,
+        run_type: str,
+        grad_sink: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        timer: Any = None,
+        **kw: Any,
     ) -> PipelineRun:
         """A run's state; gradients go to the masters and times to the model timer unless
         a pipelined call gives its own buffer and timer."""
@@ -514,7 +549,9 @@ class RoundPipe(nn.Module):
             boundary_layers(plan, run_type),
             grad_sink or self._accumulate_grad,
             timer if timer is not None else self.model_timer,
-            preserve_rng_state=bool(cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True),
+            preserve_rng_state=bool(
+                cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True
+            ),
             recompute_grain=cfg.recompute_grain or "stage",
             rule_checker=self._rule_checker,
             **kw,
@@ -527,7 +564,9 @@ class RoundPipe(nn.Module):
         self.last_job_times = list(run.job_times)
 
     # -- pipelined calls -------------------------------------------------------------------
-    def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any) -> Any:
+    def forward(
+        self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any
+    ) -> Any:
         """Pipelined, microbatched forward of the whole model.
 
         Under grad mode (and ``requires_grad`` not False) the output is part of the
@@ -602,8 +641,9 @@ class RoundPipe(nn.Module):
             raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
         cfg = self._config(run_config)
         if not blocking:
-            return self._forward_backward_pipelined(cfg, tuple(input_args), input_kwargs, label, loss_fn,
-                                                    return_outputs)
+            return self._forward_backward_pipelined(
+                cfg, tuple(input_args), input_kwargs, label, loss_fn, return_outputs
+            )
         self._drain_runs()
         with self._call_lock:
             plan = self._plan(cfg, "fused")
@@ -611,17 +651,28 @@ class RoundPipe(nn.Module):
             labels = self._split_label(cfg, label, mbs, sizes, bs)
             self._check_labels(labels, mbs)
             jobs = build_schedule(plan, "fused", self.num_devices, len(mbs))
-            run = self._new_run(cfg, plan, "fused", loss_fn=loss_fn, labels=labels, return_outputs=return_outputs,
-                                grads_done=self._grad_tracker(jobs))
+            run = self._new_run(
+                cfg,
+                plan,
+                "fused",
+                loss_fn=loss_fn,
+                labels=labels,
+                return_outputs=return_outputs,
+                grads_done=self._grad_tracker(jobs),
+            )
             for i, mb in enumerate(mbs):
                 run.put_act(0, i, mb)
             self._execute(run, jobs)
             loss = torch.stack([run.losses[i] for i in range(len(mbs))]).sum()
             if return_outputs:
-                return loss, _to_output_device(self._merge(cfg, run.outputs, len(mbs)), cfg.output_device)
+                return loss, _to_output_device(
+                    self._merge(cfg, run.outputs, len(mbs)), cfg.output_device
+                )
             return loss
 
-    def _split_label(self, cfg: RoundPipeRunConfig, label: Any, mbs: list, sizes: list[int], bs: int | None) -> list:
+    def _split_label(
+        self, cfg: RoundPipeRunConfig, label: Any, mbs: list, sizes: list[int], bs: int | None
+    ) -> list:
         if cfg.split_label is not None:
             return list(cfg.split_label(label, len(mbs)))
         return batching.split_tree(label, sizes, bs) if sizes else [label] * len(mbs)
@@ -629,13 +680,24 @@ class RoundPipe(nn.Module):
     @staticmethod
     def _check_labels(labels: list, mbs: list) -> None:
         if len(labels) != len(mbs):
-            raise ValueError(f"split_label gave {len(labels)} label parts for {len(mbs)} microbatches")
+            raise ValueError(
+                f"split_label gave {len(labels)} label parts for {len(mbs)} microbatches"
+            )
 
     # -- pipelined (non-blocking) calls -------------------------------------------------------
-    def _forward_backward_pipelined(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict, label: Any,
-                                    loss_fn: Callable[[Any, Any], torch.Tensor], return_outputs: bool) -> PendingResult:
+    def _forward_backward_pipelined(
+        self,
+        cfg: RoundPipeRunConfig,
+        args: tuple,
+        kwargs: dict,
+        label: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        return_outputs: bool,
+    ) -> PendingResult:
         if self._master_owner is not None:
-            raise ValueError("blocking=False is not supported on a RoundPipe whose masters another one owns")
+            raise ValueError(
+                "blocking=False is not supported on a RoundPipe whose masters another one owns"
+            )
         if self._grad_hooks:
             raise ValueError(
                 "blocking=False does not support gradient hooks (register_grad_hook, e.g. data-parallel "
@@ -650,16 +712,28 @@ class RoundPipe(nn.Module):
             if self._pending_step is not None and not self._step_guarded:
                 # a blocking-style step is in flight: its error must reach the pipelined
                 # failure path (synchronize() would otherwise see only later, guarded steps)
-                self._pending_step = self._opt_tail = self._optimizer.submit(self._guarded, self._pending_step.result)
+                self._pending_step = self._opt_tail = self._optimizer.submit(
+                    self._guarded, self._pending_step.result
+                )
                 self._step_guarded = True
             # continue round-robin where the previous call stopped: the device that ran its
             # last job is the last to become free, so this call's first job goes elsewhere
-            jobs = build_schedule(plan, "fused", self.num_devices, len(mbs), start_device=self._next_device)
+            jobs = build_schedule(
+                plan, "fused", self.num_devices, len(mbs), start_device=self._next_device
+            )
             self._next_device = (self._next_device + len(jobs)) % self.num_devices
             buffer = GradBuffer(self._master_of)
             timer = _DeferredTimer()
-            run = self._new_run(cfg, plan, "fused", grad_sink=buffer.add, timer=timer,
-                                loss_fn=loss_fn, labels=labels, return_outputs=return_outputs)
+            run = self._new_run(
+                cfg,
+                plan,
+                "fused",
+                grad_sink=buffer.add,
+                timer=timer,
+                loss_fn=loss_fn,
+                labels=labels,
+                return_outputs=return_outputs,
+            )
             run.weights = self._versions
             run.reader = self._versions.register(self._target_version, [j.layers for j in jobs])
             for i, mb in enumerate(mbs):
@@ -683,8 +757,16 @@ class RoundPipe(nn.Module):
                     self._record_failure(p.error)
 
             # prev_step: the step that consumes the gradients issued before these
-            pending = PendingResult(self, self._pipelined_calls, run, buffer, cfg, len(mbs), return_outputs,
-                                    prev_step=self._opt_tail)
+            pending = PendingResult(
+                self,
+                self._pipelined_calls,
+                run,
+                buffer,
+                cfg,
+                len(mbs),
+                return_outputs,
+                prev_step=self._opt_tail,
+            )
             try:
                 futures = self.pool.submit(queues, lambda w, q: run_queue(run, w, q))
             except BaseException:
@@ -729,7 +811,9 @@ class RoundPipe(nn.Module):
         run = r.run
         loss = torch.stack([run.losses[i] for i in range(r.num_microbatch)]).sum()
         if r.return_outputs:
-            return loss, _to_output_device(self._merge(r.cfg, run.outputs, r.num_microbatch), r.cfg.output_device)
+            return loss, _to_output_device(
+                self._merge(r.cfg, run.outputs, r.num_microbatch), r.cfg.output_device
+            )
         return loss
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -741,7 +825,9 @@ class RoundPipe(nn.Module):
             self._closer()
 
 
-def _close_resources(pool: DevicePool | None, optimizer: ThreadPoolExecutor, pin_handle: Any = None) -> None:
+def _close_resources(
+    pool: DevicePool | None, optimizer: ThreadPoolExecutor, pin_handle: Any = None
+) -> None:
     optimizer.shutdown(wait=True)
     if pool is not None:
         pool.close()
@@ -791,8 +877,15 @@ class _AutogradForward:
     """forward() with autograd: the pipelined forward runs inside an autograd.Function
     whose backward runs the backward plan on the pool."""
 
-    def __init__(self, rp: RoundPipe, cfg: RoundPipeRunConfig, plan: ModelExecutePlan,
-                 mbs: list, sizes: list[int], bs: int | None) -> None:
+    def __init__(
+        self,
+        rp: RoundPipe,
+        cfg: RoundPipeRunConfig,
+        plan: ModelExecutePlan,
+        mbs: list,
+        sizes: list[int],
+        bs: int | None,
+    ) -> None:
         self.rp, self.cfg, self.plan, self.mbs, self.sizes, self.bs = rp, cfg, plan, mbs, sizes, bs
         self.run_state: PipelineRun | None = None
         self.out_leaves: list[Any] = []
@@ -817,7 +910,9 @@ class _AutogradForward:
         for i, mb in enumerate(self.mbs):
             run.put_act(0, i, mb)
         with rp._call_lock:
-            jobs = build_schedule(self.plan, "train", rp.num_devices, len(self.mbs), phase="forward")
+            jobs = build_schedule(
+                self.plan, "train", rp.num_devices, len(self.mbs), phase="forward"
+            )
             rp._execute(run, jobs)
         self.run_state = run
         self.num_fwd_jobs = len(jobs)
@@ -825,7 +920,9 @@ class _AutogradForward:
         self.out_leaves, self.out_rebuild = batching.flatten(merged)
         return tuple(x for x in self.out_leaves if isinstance(x, torch.Tensor))
 
-    def backward_phase(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
+    def backward_phase(
+        self, grad_outputs: tuple[torch.Tensor | None, ...]
+    ) -> list[torch.Tensor | None]:
         rp, run = self.rp, self.run_state
         if run is None:
             raise RuntimeError("backward through a RoundPipe forward can only run once")
@@ -844,8 +941,14 @@ class _AutogradForward:
         for m in range(n):
             run.put_grad(rp.num_layers, m, [pl[m] for pl in per_leaf])
         with rp._call_lock:
-            jobs = build_schedule(self.plan, "train", rp.num_devices, n, phase="backward",
-                                  start_device=self.num_fwd_jobs % rp.num_devices)
+            jobs = build_schedule(
+                self.plan,
+                "train",
+                rp.num_devices,
+                n,
+                phase="backward",
+                start_device=self.num_fwd_jobs % rp.num_devices,
+            )
             run.grads_done = rp._grad_tracker(jobs)
             rp._execute(run, jobs)
         run.drop_activations()
@@ -860,15 +963,19 @@ class _AutogradForward:
                 grads.append(None)
                 continue
             split = self.bs is not None and leaf.dim() >= 1 and leaf.shape[0] == self.bs and n > 1
-            parts_t = [p if p is not None else torch.zeros_like(leaf if not split else leaf[:s]) for p, s in
-                       zip(parts, self.sizes or [0] * n)]
+            parts_t = [
+                p if p is not None else torch.zeros_like(leaf if not split else leaf[:s])
+                for p, s in zip(parts, self.sizes or [0] * n)
+            ]
             grads.append(torch.cat(parts_t, 0) if split else torch.stack(parts_t).sum(0))
         return grads
 
 
 class _PipelineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, call: _AutogradForward, dummy: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, call: _AutogradForward, dummy: torch.Tensor, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.call = call
         ctx.set_materialize_grads(False)
         outs = call.forward_phase(list(ctx.needs_input_grad[2:]))

@@ -63,7 +63,9 @@ class WeightVersions:
         masters: ``(name, model_param, master_param)`` of the trainable parameters.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], masters: Sequence[tuple[str, nn.Parameter, nn.Parameter]]) -> None:
+    def __init__(
+        self, layers: Sequence[nn.Module], masters: Sequence[tuple[str, nn.Parameter, nn.Parameter]]
+    ) -> None:
         master_of = {id(p): (p, m) for _, p, m in masters}
         self._cond = threading.Condition()
         # per layer: the (model param, master) pairs it holds; per master: the layers holding it
@@ -95,13 +97,17 @@ class WeightVersions:
         return reader
 
     def _ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        return all(self.version[id(m)] >= reader.version for i in layers for _, m in self.layer_pairs[i])
+        return all(
+            self.version[id(m)] >= reader.version for i in layers for _, m in self.layer_pairs[i]
+        )
 
     def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
         with self._cond:
             return self._ready(reader, layers)
 
-    def wait_ready(self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]) -> None:
+    def wait_ready(
+        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]
+    ) -> None:
         """Block until ``layers`` hold ``reader``'s version; PoolError once ``failed()``."""
         with self._cond:
             while not self._ready(reader, layers):
@@ -128,7 +134,9 @@ class WeightVersions:
     # -- publication (optimizer thread) ------------------------------------------------
     def _blocked(self, mid: int, version: int) -> bool:
         return any(
-            r.version < version and r.pending.get(i, 0) > 0 for r in self._readers for i in self.holders[mid]
+            r.version < version and r.pending.get(i, 0) > 0
+            for r in self._readers
+            for i in self.holders[mid]
         )
 
     def publish(self, version: int, failed: Callable[[], bool]) -> None:
@@ -223,8 +231,17 @@ class PendingResult:
     the iteration -- or of an earlier one that aborted it -- is raised there.
     """
 
-    def __init__(self, owner: Any, index: int, run: Any, buffer: GradBuffer, cfg: Any, num_microbatch: int,
-                 return_outputs: bool, prev_step: Future | None) -> None:
+    def __init__(
+        self,
+        owner: Any,
+        index: int,
+        run: Any,
+        buffer: GradBuffer,
+        cfg: Any,
+        num_microbatch: int,
+        return_outputs: bool,
+        prev_step: Future | None,
+    ) -> None:
         self._owner = owner
         self.index = index  # pipelined calls of this RoundPipe, counted from 0
         self.run = run

@@ -68,7 +68,9 @@ class PipelineRun:
         self.return_outputs = return_outputs
         self.input_needs_grad = input_needs_grad
         self.grads_done = grads_done
-        self.rule_checker = rule_checker  # checks.ForwardRuleChecker: watches each layer's first forward
+        self.rule_checker = (
+            rule_checker  # checks.ForwardRuleChecker: watches each layer's first forward
+        )
         self.store = RecomputeStore()
         self._cond = threading.Condition()
         self._acts: dict[tuple[int, int], Any] = {}
@@ -160,7 +162,9 @@ def _grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[tor
     return out
 
 
-def _grads_to_device(worker: Worker, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+def _grads_to_device(
+    worker: Worker, grads: list[torch.Tensor | None]
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
     idx = [i for i, g in enumerate(grads) if g is not None]
     dev = worker.copy_in([grads[i] for i in idx], "activation") if idx else []
     out: list[torch.Tensor | None] = [None] * len(grads)
@@ -169,7 +173,9 @@ def _grads_to_device(worker: Worker, grads: list[torch.Tensor | None]) -> tuple[
     return out, dev
 
 
-def _requires_grad_inputs(value: Any, needs: list[bool] | None) -> tuple[Any, list[torch.Tensor | None]]:
+def _requires_grad_inputs(
+    value: Any, needs: list[bool] | None
+) -> tuple[Any, list[torch.Tensor | None]]:
     """Detached copy of ``value`` whose differentiable leaves require grad.
 
     Returns the new value and, per leaf, the tensor whose ``.grad`` is the input
@@ -205,7 +211,9 @@ def _publish_input_grad(
 ) -> None:
     """Hand the gradient of the stage input to the stage before (or to the caller at layer 0)."""
     if start > 0 or bool(run.input_needs_grad and any(run.input_needs_grad)):
-        run.put_grad(start, mb, _grads_to_host(worker, [t.grad if t is not None else None for t in tracked]))
+        run.put_grad(
+            start, mb, _grads_to_host(worker, [t.grad if t is not None else None for t in tracked])
+        )
 
 
 def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
@@ -269,7 +277,11 @@ def _forward_layer(run: PipelineRun, stage: StageReplica, index: int, x: Any) ->
 
 
 def _annotate(exc: BaseException, job: Job, layer: int | None, mb: int, worker: Worker) -> None:
-    where = f"layer {layer}" if layer is not None else f"layers {job.layers.start}..{job.layers.stop - 1}"
+    where = (
+        f"layer {layer}"
+        if layer is not None
+        else f"layers {job.layers.start}..{job.layers.stop - 1}"
+    )
     note = (
         f"RoundPipe: raised in {where}, microbatch {mb}, {job.kind} stage {job.stage} "
         f"on device {worker.index} ({worker.device})"
@@ -303,7 +315,9 @@ class _Clock:
 
 
 # -- jobs -------------------------------------------------------------------------
-def _forward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock) -> None:
+def _forward_microbatch(
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
+) -> None:
     r = job.layers
     value = run.get_act(r.start, mb)
     x, held = _to_device(worker, value)
@@ -330,7 +344,9 @@ def _forward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker:
     run.put_act(r.stop, mb, out)
 
 
-def _fused_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock) -> None:
+def _fused_microbatch(
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
+) -> None:
     r = job.layers
     value = run.get_act(r.start, mb)
     x, held = _to_device(worker, value)
@@ -370,7 +386,9 @@ def _fused_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: W
         worker.release(held_label, "activation")
 
 
-def _backward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock) -> None:
+def _backward_microbatch(
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
+) -> None:
     r = job.layers
     grads_out = run.get_grad(r.stop, mb)
     value = run.get_act(r.start, mb)
@@ -382,7 +400,9 @@ def _backward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker
     try:
         with worker.compute(), _own_rng(worker):
             if run.recompute_grain == "layer":
-                tracked = _backward_layerwise(run, job, stage, worker, mb, x_in, g_dev, needs, clock)
+                tracked = _backward_layerwise(
+                    run, job, stage, worker, mb, x_in, g_dev, needs, clock
+                )
             else:
                 x, tracked = _requires_grad_inputs(x_in, needs)
                 with torch.enable_grad():
@@ -406,8 +426,15 @@ def _backward_microbatch(run: PipelineRun, job: Job, stage: StageReplica, worker
 
 
 def _backward_layerwise(
-    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int,
-    x_in: Any, g_dev: list[torch.Tensor | None], needs: list[bool] | None, clock: _Clock,
+    run: PipelineRun,
+    job: Job,
+    stage: StageReplica,
+    worker: Worker,
+    mb: int,
+    x_in: Any,
+    g_dev: list[torch.Tensor | None],
+    needs: list[bool] | None,
+    clock: _Clock,
 ) -> list[torch.Tensor | None]:
     """Recompute grain "layer": re-run the stage without autograd to get each layer's
     input, then recompute and backpropagate one layer at a time (one layer's graph alive)."""
@@ -442,7 +469,9 @@ def _backward_layerwise(
 _RUNNERS = {FORWARD: _forward_microbatch, FUSED: _fused_microbatch, BACKWARD: _backward_microbatch}
 
 
-def _upload(run: PipelineRun, worker: Worker, job: Job, slot: int, wait: bool = True) -> StageReplica | None:
+def _upload(
+    run: PipelineRun, worker: Worker, job: Job, slot: int, wait: bool = True
+) -> StageReplica | None:
     """Upload a job's layers. A pipelined run first waits until the host copy holds the
     weight version it reads; with ``wait=False`` (prefetch) it gives up instead of waiting,
     so the current job is not held back by the next one's weights."""

@@ -332,7 +332,9 @@ class _WeightGate:
     last job on each device belonged to (prefetch never crosses iterations)."""
 
     def __init__(self, num_devices: int) -> None:
-        self.prev: dict[int, float] = {}  # layer -> end of its last upload in the previous iteration
+        self.prev: dict[
+            int, float
+        ] = {}  # layer -> end of its last upload in the previous iteration
         self.cur: dict[int, float] = {}
         self.last_iter = [-1] * num_devices
 

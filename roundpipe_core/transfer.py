@@ -27,8 +27,8 @@ GradSink = Callable[[torch.Tensor, torch.Tensor], None]
 
 @dataclass
 class _Slot:
-    module: nn.Module   # a module inside the replica
-    name: str           # attribute name of the parameter / buffer in it
+    module: nn.Module  # a module inside the replica
+    name: str  # attribute name of the parameter / buffer in it
     source: torch.Tensor  # the host tensor it mirrors
     is_param: bool
 
@@ -68,7 +68,9 @@ def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
     meta-device placeholders to be filled by an upload. Shared tensors stay shared."""
     memo: dict[int, object] = {}
     for p in layer.parameters(recurse=True):
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(
+            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+        )
     for b in layer.buffers(recurse=True):
         memo[id(b)] = torch.empty_like(b, device="meta")
     replica = copy.deepcopy(layer, memo)
@@ -89,7 +91,11 @@ def _signature(layer: nn.Module) -> tuple:
     """Changes when the layer's module tree or its tensors are replaced (a cached
     skeleton is then rebuilt)."""
     return tuple(
-        (id(m), tuple(id(t) for t in m._parameters.values()), tuple(id(t) for t in m._buffers.values()))
+        (
+            id(m),
+            tuple(id(t) for t in m._parameters.values()),
+            tuple(id(t) for t in m._buffers.values()),
+        )
         for m in layer.modules()
     )
 
@@ -144,7 +150,9 @@ def upload_stage(
             t = lr.device_tensors[id(s.source)]
             if s.is_param:
                 if id(s.source) not in made_params:
-                    made_params[id(s.source)] = nn.Parameter(t, requires_grad=s.source.requires_grad)
+                    made_params[id(s.source)] = nn.Parameter(
+                        t, requires_grad=s.source.requires_grad
+                    )
                 s.module._parameters[s.name] = made_params[id(s.source)]
             else:
                 s.module._buffers[s.name] = t

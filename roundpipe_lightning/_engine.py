@@ -52,7 +52,9 @@ class LightningRoundPipe(RoundPipe):
         plan.check_valid(self.num_layers, run_type, self.num_devices)
         self.plans[run_type] = plan
 
-    def plan_for(self, run_type: str, run_config: RoundPipeRunConfig | None = None) -> ModelExecutePlan:
+    def plan_for(
+        self, run_type: str, run_config: RoundPipeRunConfig | None = None
+    ) -> ModelExecutePlan:
         """The plan a call of ``run_type`` with ``run_config`` runs."""
         if run_config is not None and run_config.execute_plan is not None:
             return run_config.execute_plan
@@ -62,14 +64,18 @@ class LightningRoundPipe(RoundPipe):
             return self.model_run_config.execute_plan
         return self.default_plan(run_type)
 
-    def _with_plan(self, run_config: RoundPipeRunConfig | None, run_type: str) -> RoundPipeRunConfig | None:
+    def _with_plan(
+        self, run_config: RoundPipeRunConfig | None, run_type: str
+    ) -> RoundPipeRunConfig | None:
         plan = self.plans.get(run_type)
         if plan is None or (run_config is not None and run_config.execute_plan is not None):
             return run_config
         return replace(run_config or RoundPipeRunConfig(), execute_plan=plan)
 
     # -- pipelined calls ---------------------------------------------------------------
-    def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any) -> Any:
+    def forward(
+        self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any
+    ) -> Any:
         cfg = self._config(roundpipe_run_config)
         requires_grad = cfg.requires_grad
         if requires_grad is None:
@@ -123,7 +129,9 @@ def _batch_size(args: Any, kwargs: Any) -> tuple[int, int]:
         x = stack.pop(0)
         if isinstance(x, torch.Tensor):
             samples = int(x.shape[0]) if x.dim() > 0 else 1
-            tokens = x.numel() if not (x.is_floating_point() or x.is_complex()) and x.dim() >= 2 else 0
+            tokens = (
+                x.numel() if not (x.is_floating_point() or x.is_complex()) and x.dim() >= 2 else 0
+            )
             return samples, tokens
         if isinstance(x, dict):
             stack.extend(x.values())

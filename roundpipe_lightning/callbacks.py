@@ -77,12 +77,18 @@ class AutoReplan(Callback):
     """
 
     def __init__(
-        self, warmup_steps: int = 5, every_n_steps: int | None = None, run_type: str = "fused", **auto_kwargs: Any
+        self,
+        warmup_steps: int = 5,
+        every_n_steps: int | None = None,
+        run_type: str = "fused",
+        **auto_kwargs: Any,
     ) -> None:
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
             raise ValueError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
         if every_n_steps is not None and (
-            not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1
+            not isinstance(every_n_steps, int)
+            or isinstance(every_n_steps, bool)
+            or every_n_steps < 1
         ):
             raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
         if run_type not in ("infer", "train", "fused"):
@@ -140,7 +146,9 @@ class AutoReplan(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text(f"roundpipe/plan_{self.run_type}", text, global_step=step)
+                logger.experiment.add_text(
+                    f"roundpipe/plan_{self.run_type}", text, global_step=step
+                )
         return plan
 
     def state_dict(self) -> dict[str, Any]:
@@ -181,7 +189,9 @@ class StageTimeLogger(Callback):
 
     def __init__(self, every_n_steps: int | None = None, log_layers: bool = True) -> None:
         if every_n_steps is not None and (
-            not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1
+            not isinstance(every_n_steps, int)
+            or isinstance(every_n_steps, bool)
+            or every_n_steps < 1
         ):
             raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
@@ -193,7 +203,9 @@ class StageTimeLogger(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         _check_strategy(trainer, "StageTimeLogger")
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(

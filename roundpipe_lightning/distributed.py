@@ -88,7 +88,9 @@ def resolve_timeout(timeout: float | int | timedelta | None = None) -> timedelta
         except ValueError:
             raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
-        raise TypeError(f"timeout must be seconds (a number) or a datetime.timedelta, got {type(timeout).__name__}")
+        raise TypeError(
+            f"timeout must be seconds (a number) or a datetime.timedelta, got {type(timeout).__name__}"
+        )
     td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     if not td.total_seconds() > 0 or math.isinf(td.total_seconds()):
         raise ValueError(f"timeout must be a positive, finite duration, got {timeout!r}")
@@ -154,10 +156,16 @@ def dist_env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         source, rank_var = "torchrun", "RANK"
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+    elif (
+        "SLURM_PROCID" in env
+        and "SLURM_NTASKS" in env
+        and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    ):
         # (an interactive allocation's shell is not a launch, as in Lightning's SLURMEnvironment)
         if "SLURM_NODELIST" not in env and "MASTER_ADDR" not in env:
-            raise ValueError("SLURM launch without SLURM_NODELIST: set MASTER_ADDR to rank 0's host")
+            raise ValueError(
+                "SLURM launch without SLURM_NODELIST: set MASTER_ADDR to rank 0's host"
+            )
         rank = _int_var(env, "SLURM_PROCID")
         world = _int_var(env, "SLURM_NTASKS")
         addr = env.get("MASTER_ADDR") or _slurm_root_address(env["SLURM_NODELIST"])
@@ -182,8 +190,15 @@ def dist_env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
             "set all of "
             f"{rank_var}, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
         )
-    return _checked(DistEnv(_int_var(env, rank_var), _int_var(env, "WORLD_SIZE"), env["MASTER_ADDR"],
-                            _int_var(env, "MASTER_PORT"), source))
+    return _checked(
+        DistEnv(
+            _int_var(env, rank_var),
+            _int_var(env, "WORLD_SIZE"),
+            env["MASTER_ADDR"],
+            _int_var(env, "MASTER_PORT"),
+            source,
+        )
+    )
 
 
 def _checked(e: DistEnv) -> DistEnv:
@@ -230,8 +245,15 @@ def init_process_group(
         env = _checked(DistEnv(int(r), int(w), str(addr), port, type(cluster_environment).__name__))
     else:
         env = dist_env_from_environ()
-        env = _checked(DistEnv(env.rank if rank is None else rank, env.world_size if world_size is None else world_size,
-                               env.master_addr, env.master_port, env.source))
+        env = _checked(
+            DistEnv(
+                env.rank if rank is None else rank,
+                env.world_size if world_size is None else world_size,
+                env.master_addr,
+                env.master_port,
+                env.source,
+            )
+        )
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(
@@ -243,7 +265,10 @@ def init_process_group(
     global _pg_timeout
     _pg_timeout = td
     dist.init_process_group(
-        backend, init_method=f"tcp://{host}:{env.master_port}", rank=env.rank, world_size=env.world_size,
+        backend,
+        init_method=f"tcp://{host}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
         timeout=td,
     )
     return dist.group.WORLD
@@ -269,8 +294,12 @@ def _is_nccl(group: Any | None) -> bool:
 # ---------------------------------------------------------------------------------------------
 # small collectives (identities without a process group)
 # ---------------------------------------------------------------------------------------------
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-               "product": dist.ReduceOp.PRODUCT}
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any | None = None) -> torch.Tensor:
@@ -283,7 +312,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any | None = None)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"all_reduce takes a tensor, got {type(tensor).__name__}")
     if op not in _REDUCE_OPS and op != "mean":
-        raise ValueError(f"op must be one of 'mean', {', '.join(repr(k) for k in _REDUCE_OPS)}; got {op!r}")
+        raise ValueError(
+            f"op must be one of 'mean', {', '.join(repr(k) for k in _REDUCE_OPS)}; got {op!r}"
+        )
     out = tensor.detach().clone()
     if op == "mean" and not out.is_floating_point():
         out = out.to(torch.get_default_dtype())
@@ -349,8 +380,9 @@ def _comm_device(group: Any | None) -> torch.device:
 # ---------------------------------------------------------------------------------------------
 # weights
 # ---------------------------------------------------------------------------------------------
-def _broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, group: Any | None,
-                       bucket_bytes: int) -> None:
+def _broadcast_tensors(
+    tensors: Sequence[torch.Tensor], src: int, group: Any | None, bucket_bytes: int
+) -> None:
     """Broadcast tensors in place, flattened into per-dtype buckets."""
     dev = _comm_device(group)
     for bucket in _bucketize(list(tensors), bucket_bytes):
@@ -360,12 +392,13 @@ def _broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, group: Any | N
         with torch.no_grad():
             for t in bucket:
                 n = t.numel()
-                t.copy_(flat[off:off + n].view_as(t))
+                t.copy_(flat[off : off + n].view_as(t))
                 off += n
 
 
-def broadcast_masters(rp: Any, src: int = 0, group: Any | None = None,
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+def broadcast_masters(
+    rp: Any, src: int = 0, group: Any | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
     """Make every rank hold rank ``src``'s weights: the fp32 master parameters, the
     frozen parameters and the buffers (BatchNorm statistics) of ``rp.model``; then
     copy the masters into the model's own parameters.
@@ -384,7 +417,9 @@ def broadcast_masters(rp: Any, src: int = 0, group: Any | None = None,
             tensors.append(p)
         else:
             pairs.append((p, m))
-    tensors.extend(b for b in rp.model.buffers() if b.is_floating_point() or b.dtype in (torch.long, torch.int))
+    tensors.extend(
+        b for b in rp.model.buffers() if b.is_floating_point() or b.dtype in (torch.long, torch.int)
+    )
     _broadcast_tensors(tensors, src, group, bucket_bytes)
     with torch.no_grad():
         for p, m in pairs:
@@ -396,11 +431,25 @@ def params_in_sync(rp: Any, group: Any | None = None) -> bool:
     one all-gather of a checksum per parameter). Collective."""
     if _world(group) == 1:
         return True
-    sums = torch.stack([
-        torch.stack([m.detach().double().sum(), m.detach().double().abs().sum(),
-                     (m.detach().double().reshape(-1) * torch.arange(1, m.numel() + 1, dtype=torch.float64)).sum()])
-        for m in rp.optim_parameters()
-    ]) if rp.optim_parameters() else torch.zeros(1, 3, dtype=torch.float64)
+    sums = (
+        torch.stack(
+            [
+                torch.stack(
+                    [
+                        m.detach().double().sum(),
+                        m.detach().double().abs().sum(),
+                        (
+                            m.detach().double().reshape(-1)
+                            * torch.arange(1, m.numel() + 1, dtype=torch.float64)
+                        ).sum(),
+                    ]
+                )
+                for m in rp.optim_parameters()
+            ]
+        )
+        if rp.optim_parameters()
+        else torch.zeros(1, 3, dtype=torch.float64)
+    )
     everyone = all_gather(sums, group)
     return bool((everyone == everyone[0:1]).all())
 
@@ -444,25 +493,27 @@ class _Bucket:
             n = p.numel()
             g = p.grad
             if g is None:
-                buf[off:off + n].zero_()
+                buf[off : off + n].zero_()
             else:
                 if g.is_sparse:
                     raise TypeError("sparse gradients cannot be all-reduced by GradientAllReducer")
-                buf[off:off + n].copy_(g.reshape(-1))
+                buf[off : off + n].copy_(g.reshape(-1))
             off += n
-        buf[self.numel:] = torch.tensor([p.grad is not None for p in self.params], dtype=self.dtype)
+        buf[self.numel :] = torch.tensor(
+            [p.grad is not None for p in self.params], dtype=self.dtype
+        )
         return buf
 
     def unflatten(self, buf: torch.Tensor, divisor: int) -> None:
         if divisor != 1:
             buf[: self.numel].div_(divisor)
         off = 0
-        had_grad = (buf[self.numel:] > 0).tolist()  # per param: some rank had a gradient
+        had_grad = (buf[self.numel :] > 0).tolist()  # per param: some rank had a gradient
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 n = p.numel()
                 if had_grad[i]:
-                    part = buf[off:off + n].view_as(p)
+                    part = buf[off : off + n].view_as(p)
                     if p.grad is None:
                         p.grad = part.clone()
                     else:
@@ -555,7 +606,11 @@ class GradientAllReducer:
         self.overlap = bool(overlap)
         self._owns_group = process_group is None and _world(None) > 1
         if self._owns_group:
-            td = resolve_timeout(timeout) if timeout is not None or _pg_timeout is None else _pg_timeout
+            td = (
+                resolve_timeout(timeout)
+                if timeout is not None or _pg_timeout is None
+                else _pg_timeout
+            )
             process_group = dist.new_group(backend="gloo", timeout=td)
             self.timeout = None  # the group's own timeout bounds every collective
         else:
@@ -597,12 +652,15 @@ class GradientAllReducer:
         """
         self._check_open()
         if self._round is not None:
-            raise RuntimeError("GradientAllReducer.arm() called twice; call finish() after each arm()")
+            raise RuntimeError(
+                "GradientAllReducer.arm() called twice; call finish() after each arm()"
+            )
         if not self.overlap or self.world_size == 1:
             return
         rnd = _Round(self.buckets)
-        rnd.thread = threading.Thread(target=self._reduce, args=(rnd,), daemon=True,
-                                      name="roundpipe-allreduce")
+        rnd.thread = threading.Thread(
+            target=self._reduce, args=(rnd,), daemon=True, name="roundpipe-allreduce"
+        )
         with self._lock:
             self._round = rnd
         rnd.thread.start()
@@ -692,7 +750,9 @@ class GradientAllReducer:
             while rnd.thread.is_alive():
                 rnd.thread.join(0.5)  # short joins keep Ctrl-C working
         self.last_finish_wait_s = time.perf_counter() - start
-        self.last_reduce_s = rnd.issue_times[-1] - rnd.issue_times[0] if len(rnd.issue_times) == 2 else 0.0
+        self.last_reduce_s = (
+            rnd.issue_times[-1] - rnd.issue_times[0] if len(rnd.issue_times) == 2 else 0.0
+        )
         if rnd.misuse is not None:
             raise rnd.misuse
         if rnd.error is not None:
@@ -749,8 +809,9 @@ def _unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def sync_gradients(rp: Any, group: Any | None = None, op: str = "mean",
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+def sync_gradients(
+    rp: Any, group: Any | None = None, op: str = "mean", bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
     """All-reduce ``rp``'s master gradients now (no overlap). Collective.
 
     Equivalent to ``GradientAllReducer(rp, group, op, overlap=False).finish()`` on the
@@ -806,8 +867,13 @@ class DataParallel:
     lives in host memory, which NCCL cannot reduce.
     """
 
-    def __init__(self, op: str = "mean", overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout: float | int | timedelta | None = None) -> None:
+    def __init__(
+        self,
+        op: str = "mean",
+        overlap: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float | int | timedelta | None = None,
+    ) -> None:
         if op not in _OPS:
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -822,7 +888,9 @@ class DataParallel:
     def world_size(self) -> int:
         return _world(None)
 
-    def connect(self, cluster_environment: Any | None = None, world_size: int | None = None) -> None:
+    def connect(
+        self, cluster_environment: Any | None = None, world_size: int | None = None
+    ) -> None:
         """Create the default process group when the job has several processes.
 
         Args:
@@ -849,8 +917,12 @@ class DataParallel:
         for raw in raws:
             params = [p for g in raw.param_groups for p in g["params"]]
             self._reducers[id(raw)] = GradientAllReducer(
-                rp, op=self.op, bucket_bytes=self.bucket_bytes, overlap=self.overlap and len(raws) == 1,
-                timeout=self.timeout, params=params,
+                rp,
+                op=self.op,
+                bucket_bytes=self.bucket_bytes,
+                overlap=self.overlap and len(raws) == 1,
+                timeout=self.timeout,
+                params=params,
             )
 
     def wrap_closure(self, optimizer: Any, closure: Any) -> Any:

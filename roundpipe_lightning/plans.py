@@ -29,7 +29,9 @@ def describe_plan(plan: ModelExecutePlan) -> str:
         return repr(plan)
 
 
-def resolve_execute_plan(spec: Any, roundpipe: Any, run_type: str = "fused") -> ModelExecutePlan | None:
+def resolve_execute_plan(
+    spec: Any, roundpipe: Any, run_type: str = "fused"
+) -> ModelExecutePlan | None:
     """The plan ``spec`` describes for ``roundpipe`` and ``run_type``.
 
     Raises:

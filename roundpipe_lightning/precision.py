@@ -88,7 +88,12 @@ class DynamicLossScaler:
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
     ) -> None:
-        if init_scale <= 0 or growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1:
+        if (
+            init_scale <= 0
+            or growth_factor <= 1.0
+            or not 0.0 < backoff_factor < 1.0
+            or growth_interval < 1
+        ):
             raise ValueError(
                 "DynamicLossScaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "
                 f"and growth_interval >= 1; got {init_scale}, {growth_factor}, {backoff_factor}, {growth_interval}"

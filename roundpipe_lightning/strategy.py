@@ -78,10 +78,16 @@ CHECKPOINT_KEY = "roundpipe"
 CHECKPOINT_FORMAT = 1
 
 _DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float64": torch.float64, "double": torch.float64,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "double": torch.float64,
 }
 
 
@@ -96,7 +102,9 @@ def _parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
         raise ValueError(
             f"optim_dtype={value!r} is not a floating dtype name; use e.g. 'float32', 'bfloat16' or 'float16'"
         )
-    raise TypeError(f"optim_dtype must be a torch.dtype, a dtype name or None, got {type(value).__name__}")
+    raise TypeError(
+        f"optim_dtype must be a torch.dtype, a dtype name or None, got {type(value).__name__}"
+    )
 
 
 class RoundPipeStrategy(ParallelStrategy):
@@ -157,18 +165,26 @@ class RoundPipeStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         if num_microbatch is not None and (
-            not isinstance(num_microbatch, int) or isinstance(num_microbatch, bool) or num_microbatch < 1
+            not isinstance(num_microbatch, int)
+            or isinstance(num_microbatch, bool)
+            or num_microbatch < 1
         ):
-            raise ValueError(f"num_microbatch must be a positive int or None, got {num_microbatch!r}")
+            raise ValueError(
+                f"num_microbatch must be a positive int or None, got {num_microbatch!r}"
+            )
         if pin_model not in ("alloc", "register", "off"):
             raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
         if recompute_grain is not None and recompute_grain not in ("stage", "layer"):
-            raise ValueError(f"recompute_grain must be 'stage', 'layer' or None, got {recompute_grain!r}")
+            raise ValueError(
+                f"recompute_grain must be 'stage', 'layer' or None, got {recompute_grain!r}"
+            )
         if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
             raise TypeError(
                 f"model_run_config must be a roundpipe_core.RoundPipeRunConfig, got {type(model_run_config).__name__}"
             )
-        if execute_plan is not None and not isinstance(execute_plan, (ModelExecutePlan, str, Mapping)):
+        if execute_plan is not None and not isinstance(
+            execute_plan, (ModelExecutePlan, str, Mapping)
+        ):
             raise TypeError(
                 "execute_plan must be None, 'auto', a ModelExecutePlan, a layout string or a dict of "
                 f"ModelExecutePlan.from_layout arguments, got {type(execute_plan).__name__}"
@@ -192,7 +208,9 @@ class RoundPipeStrategy(ParallelStrategy):
         self._failed = False
         self._previous_attr: Any = _MISSING
         # one process per node, data parallel over torch.distributed (no-ops in one process)
-        self._dp = DataParallel(op=grad_reduce_op, overlap=overlap_grad_reduce, timeout=process_group_timeout)
+        self._dp = DataParallel(
+            op=grad_reduce_op, overlap=overlap_grad_reduce, timeout=process_group_timeout
+        )
 
     # -- topology (single process now; one process per node later) ---------------------------
     @property
@@ -243,7 +261,10 @@ class RoundPipeStrategy(ParallelStrategy):
         return dist.is_available() and dist.is_initialized()
 
     def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor) and self._dist_ready():
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
@@ -332,7 +353,9 @@ class RoundPipeStrategy(ParallelStrategy):
             )
         if isinstance(net, nn.Sequential):
             if len(net) == 0:
-                raise ValueError("configure_sequential() returned an empty nn.Sequential; give it layers")
+                raise ValueError(
+                    "configure_sequential() returned an empty nn.Sequential; give it layers"
+                )
             return net, None
         from roundpipe_core.presets import convert_to_sequential, find_preset, unwrap_peft
 
@@ -393,7 +416,9 @@ class RoundPipeStrategy(ParallelStrategy):
     def roundpipe(self) -> LightningRoundPipe:
         """The RoundPipe of the current run (after setup)."""
         if self._rp is None:
-            raise RuntimeError("RoundPipeStrategy has no RoundPipe yet; it is built when the Trainer runs")
+            raise RuntimeError(
+                "RoundPipeStrategy has no RoundPipe yet; it is built when the Trainer runs"
+            )
         return self._rp
 
     def _loss_multiplier(self) -> float:
@@ -465,7 +490,9 @@ class RoundPipeStrategy(ParallelStrategy):
         finally:
             self._in_training_step = False
 
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
         """A no-op for a ``forward_backward`` loss (already backpropagated); a normal backward
         for a loss with a graph (e.g. built from ``self.roundpipe(x)``)."""
         lm = self.lightning_module
@@ -602,7 +629,9 @@ class RoundPipeStrategy(ParallelStrategy):
             try:
                 self._rp.model_timer.load_state_dict(state["timer"])
             except ValueError as exc:
-                rank_zero_warn(f"RoundPipe layer timings in the checkpoint were not restored: {exc}")
+                rank_zero_warn(
+                    f"RoundPipe layer timings in the checkpoint were not restored: {exc}"
+                )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         self._sync_weights()
@@ -648,7 +677,9 @@ class RoundPipeStrategy(ParallelStrategy):
     # -- registry -------------------------------------------------------------------------------------
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="RoundPipe pipelined training")
+        strategy_registry.register(
+            cls.strategy_name, cls, description="RoundPipe pipelined training"
+        )
 
 
 if RoundPipeStrategy.strategy_name not in StrategyRegistry:

@@ -129,7 +129,9 @@ class Worker(ABC):
         """Make subsequent compute wait for every copy issued so far on ``channel``."""
 
     @abstractmethod
-    def copy_out(self, tensors: Sequence[torch.Tensor], channel: str = "download") -> list[torch.Tensor]:
+    def copy_out(
+        self, tensors: Sequence[torch.Tensor], channel: str = "download"
+    ) -> list[torch.Tensor]:
         """Device -> host copies, complete when this returns (ordered after compute so far)."""
 
     def param_fence(self) -> Callable[[], None]:

@@ -48,7 +48,9 @@ class CPUWorker(Worker):
         # Copies are synchronous on the CPU backend.
         return None
 
-    def copy_out(self, tensors: Sequence[torch.Tensor], channel: str = "download") -> list[torch.Tensor]:
+    def copy_out(
+        self, tensors: Sequence[torch.Tensor], channel: str = "download"
+    ) -> list[torch.Tensor]:
         return [t.detach().clone() for t in tensors]
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:

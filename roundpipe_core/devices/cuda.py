@@ -206,7 +206,9 @@ class ChunkFeeder:
         with self._cv:
             return self._submitted
 
-    def wait_issued(self, ticket: int, timeout: float = FEEDER_TIMEOUT_S, prune: bool = True) -> Any:
+    def wait_issued(
+        self, ticket: int, timeout: float = FEEDER_TIMEOUT_S, prune: bool = True
+    ) -> Any:
         """Block until batch ``ticket`` is fully enqueued; return its last unit's token.
 
         Tokens of earlier batches are dropped (stream order makes the latest

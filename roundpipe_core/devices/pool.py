@@ -84,11 +84,15 @@ def resolve_devices(devices: Any) -> list[torch.device]:
                 raise TypeError(f"devices entry {d!r} is not a device: {exc}") from None
             if dev.type == "cuda":
                 if not has_cuda:
-                    raise ValueError(f"devices entry {d!r} asks for CUDA, but no CUDA GPU is available")
+                    raise ValueError(
+                        f"devices entry {d!r} asks for CUDA, but no CUDA GPU is available"
+                    )
                 if dev.index is None:
                     dev = torch.device("cuda", 0)
             elif dev.type != "cpu":
-                raise ValueError(f"devices entry {d!r}: only 'cpu' and 'cuda' devices are supported")
+                raise ValueError(
+                    f"devices entry {d!r}: only 'cpu' and 'cuda' devices are supported"
+                )
             out.append(dev)
         return out
     raise TypeError(
@@ -125,7 +129,9 @@ class DevicePool:
         """Bytes of the smallest device (the planner's default limit is 60% of it)."""
         return min(w.memory_capacity() for w in self.workers)
 
-    def submit(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> list[Future]:
+    def submit(
+        self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]
+    ) -> list[Future]:
         """Queue ``run_queue(worker, queue)`` on every worker that has jobs; return the futures.
 
         Each worker runs what it was given in submission order, so the queues of a later

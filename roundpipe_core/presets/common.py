@@ -327,7 +327,9 @@ class CausalLMOutputAdapter(nn.Module):
     :class:`CausalLMOutput` whose merged ``.loss`` is HF's loss over the whole batch.
     """
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Module, ignore_index: int = IGNORE_INDEX) -> None:
+    def __init__(
+        self, norm: nn.Module, lm_head: nn.Module, ignore_index: int = IGNORE_INDEX
+    ) -> None:
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
@@ -338,7 +340,9 @@ class CausalLMOutputAdapter(nn.Module):
         logits = self.lm_head(self.norm(hidden))
         if labels is None:
             return logits
-        loss_sum = causal_lm_loss(logits, labels, num_items_in_batch=1, ignore_index=self.ignore_index)
+        loss_sum = causal_lm_loss(
+            logits, labels, num_items_in_batch=1, ignore_index=self.ignore_index
+        )
         num_items = (shift_labels(labels, self.ignore_index) != self.ignore_index).sum()
         return CausalLMOutput(logits=logits, loss_sum=loss_sum, num_items=num_items)
 
@@ -370,7 +374,9 @@ def _run_with_router_replay(run: Callable[[], torch.Tensor], num_routers: int) -
         try:
             out = run()
             if _routing.replay:
-                raise RuntimeError("a router saved in forward was not called again in the recompute")
+                raise RuntimeError(
+                    "a router saved in forward was not called again in the recompute"
+                )
         finally:
             _routing.replay = None
         return out

@@ -40,7 +40,9 @@ def convert_qwen3_moe(model: nn.Module) -> nn.Sequential:
             RuntimeWarning,
             stacklevel=3,
         )
-    kind = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+    kind = (
+        "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+    )
     return convert_rotary_decoder_lm(
         model, layer_kinds=[kind] * config.num_hidden_layers, router_of=_routers
     )

@@ -27,7 +27,9 @@ def reference_grads(model: nn.Module, x, y, loss_fn=sum_sq):
     ref = copy.deepcopy(model)
     loss = loss_fn(ref(x), y)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None
+    }
 
 
 def master_grads(rp: RoundPipe) -> dict[str, torch.Tensor]:
@@ -39,7 +41,9 @@ def assert_close_rel(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5, what: 
     a, b = a.double(), b.double()
     err = (a - b).abs().max().item()
     scale = max(b.abs().max().item(), 1e-12)
-    assert err <= rel * scale + 1e-12, f"{what}: max abs err {err:.3e} vs scale {scale:.3e} (rel {err / scale:.3e})"
+    assert err <= rel * scale + 1e-12, (
+        f"{what}: max abs err {err:.3e} vs scale {scale:.3e} (rel {err / scale:.3e})"
+    )
 
 
 def assert_grads_match(rp: RoundPipe, ref: dict[str, torch.Tensor], rel: float = 1e-5) -> None:

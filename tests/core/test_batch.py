@@ -44,7 +44,10 @@ def test_split_pytrees_broadcasts_non_batch_leaves():
 
 
 def test_merge_concatenates_and_sums_scalars():
-    outs = [{"h": torch.ones(2, 3), "loss": torch.tensor(1.0), "n": "x"}, {"h": torch.zeros(1, 3), "loss": torch.tensor(2.0), "n": "x"}]
+    outs = [
+        {"h": torch.ones(2, 3), "loss": torch.tensor(1.0), "n": "x"},
+        {"h": torch.zeros(1, 3), "loss": torch.tensor(2.0), "n": "x"},
+    ]
     m = default_merge_output(outs)
     assert m["h"].shape == (3, 3) and m["loss"].item() == 3.0 and m["n"] == "x"
 
@@ -79,8 +82,12 @@ def test_custom_split_label_and_merge_functions_are_used():
 
     rp = RoundPipe(model, devices="cpu:2")
     try:
-        cfg = RoundPipeRunConfig(split_input=split_input, split_label=split_label, merge_output=merge)
-        loss, out = rp.forward_backward((x,), label=y, loss_fn=sum_sq, return_outputs=True, run_config=cfg)
+        cfg = RoundPipeRunConfig(
+            split_input=split_input, split_label=split_label, merge_output=merge
+        )
+        loss, out = rp.forward_backward(
+            (x,), label=y, loss_fn=sum_sq, return_outputs=True, run_config=cfg
+        )
         assert calls == {"split_input": 1, "split_label": 1, "merge": 1}
         assert out.shape == (6, 4)
         assert torch.allclose(loss, sum_sq(out, y), rtol=1e-5)

@@ -27,8 +27,12 @@ def test_forward_backward_matches_pytorch(devices, num_microbatch):
     ref_loss, ref = reference_grads(model, x, y)
     rp = RoundPipe(model, devices=f"cpu:{devices}")
     try:
-        loss = rp.forward_backward((x,), label=y, loss_fn=sum_sq,
-                                   run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
+        loss = rp.forward_backward(
+            (x,),
+            label=y,
+            loss_fn=sum_sq,
+            run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
+        )
         assert_close_rel(loss, ref_loss, what="loss")
         assert_grads_match(rp, ref)
     finally:
@@ -37,8 +41,12 @@ def test_forward_backward_matches_pytorch(devices, num_microbatch):
 
 FUSED_PLANS = {
     "one_stage": P([], [range(0, 6)]),
-    "layer_per_stage": P([range(i, i + 1) for i in range(5)], [range(i, i + 1) for i in reversed(range(6))]),
-    "asymmetric": P([range(0, 3), range(3, 5)], [range(5, 6), range(4, 5), range(2, 4), range(0, 2)]),
+    "layer_per_stage": P(
+        [range(i, i + 1) for i in range(5)], [range(i, i + 1) for i in reversed(range(6))]
+    ),
+    "asymmetric": P(
+        [range(0, 3), range(3, 5)], [range(5, 6), range(4, 5), range(2, 4), range(0, 2)]
+    ),
     "big_fused": P([range(0, 1)], [range(1, 6), range(0, 1)]),
     "fused_then_one": P([range(0, 4)], [range(4, 6), range(0, 4)]),
 }
@@ -52,7 +60,9 @@ def test_fused_plans_and_recompute_grains(plan_name, grain):
     ref_loss, ref = reference_grads(model, x, y)
     rp = RoundPipe(model, devices="cpu:3")
     try:
-        cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=FUSED_PLANS[plan_name], recompute_grain=grain)
+        cfg = RoundPipeRunConfig(
+            num_microbatch=3, execute_plan=FUSED_PLANS[plan_name], recompute_grain=grain
+        )
         loss = rp.forward_backward((x,), label=y, loss_fn=sum_sq, run_config=cfg)
         assert_close_rel(loss, ref_loss, what="loss")
         assert_grads_match(rp, ref)
@@ -62,8 +72,12 @@ def test_fused_plans_and_recompute_grains(plan_name, grain):
 
 TRAIN_PLANS = {
     "one_stage": P([range(0, 6)], [range(0, 6)]),
-    "layer_per_stage": P([range(i, i + 1) for i in range(6)], [range(i, i + 1) for i in reversed(range(6))]),
-    "asymmetric": P([range(0, 4), range(4, 6)], [range(5, 6), range(3, 5), range(1, 3), range(0, 1)]),
+    "layer_per_stage": P(
+        [range(i, i + 1) for i in range(6)], [range(i, i + 1) for i in reversed(range(6))]
+    ),
+    "asymmetric": P(
+        [range(0, 4), range(4, 6)], [range(5, 6), range(3, 5), range(1, 3), range(0, 1)]
+    ),
 }
 
 
@@ -79,7 +93,9 @@ def test_autograd_backward_after_forward(plan_name, grain):
     rp = RoundPipe(model, devices="cpu:2")
     try:
         xin = x.clone().requires_grad_(True)
-        cfg = RoundPipeRunConfig(num_microbatch=4, execute_plan=TRAIN_PLANS[plan_name], recompute_grain=grain)
+        cfg = RoundPipeRunConfig(
+            num_microbatch=4, execute_plan=TRAIN_PLANS[plan_name], recompute_grain=grain
+        )
         out = rp(xin, roundpipe_run_config=cfg)
         assert out.requires_grad
         loss = sum_sq(out, y)
@@ -168,8 +184,13 @@ def test_kwargs_inputs_dict_outputs_and_return_outputs(grain):
     try:
         plan = P([range(0, 2)], [range(2, 4), range(0, 2)])
         loss, out = rp.forward_backward(
-            input_kwargs={"x": x, "scale": scale, "bias": bias, "tag": "keep"}, label=y, loss_fn=_dict_loss,
-            return_outputs=True, run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan, recompute_grain=grain),
+            input_kwargs={"x": x, "scale": scale, "bias": bias, "tag": "keep"},
+            label=y,
+            loss_fn=_dict_loss,
+            return_outputs=True,
+            run_config=RoundPipeRunConfig(
+                num_microbatch=3, execute_plan=plan, recompute_grain=grain
+            ),
         )
         assert_close_rel(loss, ref_loss.detach(), what="loss")
         assert set(out) == {"logits", "aux"}
@@ -192,16 +213,24 @@ class _TiedHead(nn.Module):
 def test_tied_parameters_get_summed_gradients():
     torch.manual_seed(7)
     emb = nn.Embedding(11, 6)
-    model = nn.Sequential(emb, nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 6), _TiedHead(emb))
+    model = nn.Sequential(
+        emb, nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 6), _TiedHead(emb)
+    )
     tokens = torch.randint(0, 11, (5, 3))
     target = torch.randn(5, 3, 11)
     ref_loss, ref = reference_grads(model, tokens, target)
     rp = RoundPipe(model, devices="cpu:3")
     try:
-        assert len(rp.optim_parameters()) == len(list(model.parameters()))  # one master for the shared weight
+        assert len(rp.optim_parameters()) == len(
+            list(model.parameters())
+        )  # one master for the shared weight
         plan = P([range(0, 2), range(2, 3)], [range(3, 4), range(2, 3), range(0, 2)])
-        loss = rp.forward_backward((tokens,), label=target, loss_fn=sum_sq,
-                                   run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        loss = rp.forward_backward(
+            (tokens,),
+            label=target,
+            loss_fn=sum_sq,
+            run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+        )
         assert_close_rel(loss, ref_loss, what="loss")
         assert_grads_match(rp, ref)
     finally:

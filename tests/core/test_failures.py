@@ -76,7 +76,9 @@ def test_constructor_and_config_validation():
     with pytest.raises(TypeError, match="optim_dtype"):
         RoundPipe(mlp(), optim_dtype=torch.int32, devices="cpu:1")
     with pytest.raises(ValueError, match="recompute_grain"):
-        RoundPipe(mlp(), model_run_config=RoundPipeRunConfig(recompute_grain="block"), devices="cpu:1")
+        RoundPipe(
+            mlp(), model_run_config=RoundPipeRunConfig(recompute_grain="block"), devices="cpu:1"
+        )
     with pytest.raises(ValueError, match="num_microbatch"):
         RoundPipe(mlp(), model_run_config=RoundPipeRunConfig(num_microbatch=0), devices="cpu:1")
     with pytest.raises(ValueError, match="empty"):
@@ -90,10 +92,16 @@ def test_constructor_and_config_validation():
 def test_invalid_plan_is_rejected_before_running():
     rp = RoundPipe(mlp(), devices="cpu:2")
     try:
-        bad = ModelExecutePlan([range(0, 3)], [range(5, 6), range(3, 5), range(0, 3)])  # fwd ends at 2, fused starts at 5
+        bad = ModelExecutePlan(
+            [range(0, 3)], [range(5, 6), range(3, 5), range(0, 3)]
+        )  # fwd ends at 2, fused starts at 5
         with pytest.raises(ValueError, match="must end where the first backward stage starts"):
-            rp.forward_backward((torch.randn(3, 8),), label=torch.randn(3, 4), loss_fn=sum_sq,
-                                run_config=RoundPipeRunConfig(execute_plan=bad))
+            rp.forward_backward(
+                (torch.randn(3, 8),),
+                label=torch.randn(3, 4),
+                loss_fn=sum_sq,
+                run_config=RoundPipeRunConfig(execute_plan=bad),
+            )
         owners = ModelExecutePlan([range(0, 6)], [range(0, 6)], fwd_owners=[5])
         with pytest.raises(ValueError, match="only 2 device"):
             with torch.no_grad():

@@ -85,9 +85,15 @@ def test_bf16_model_with_fp32_masters():
         assert all(p.dtype == torch.float32 for p in rp.optim_parameters())
         opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-3, fused=True)
         for x, y in _batches(2):
-            loss = rp.forward_backward((x.bfloat16(),), label=y.bfloat16(), loss_fn=lambda o, t: sum_sq(o.float(), t.float()))
+            loss = rp.forward_backward(
+                (x.bfloat16(),),
+                label=y.bfloat16(),
+                loss_fn=lambda o, t: sum_sq(o.float(), t.float()),
+            )
             assert torch.isfinite(loss)
-            assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in rp.optim_parameters())
+            assert all(
+                p.grad is not None and p.grad.dtype == torch.float32 for p in rp.optim_parameters()
+            )
             rp.step(lambda: (opt.step(), opt.zero_grad()))
         rp.synchronize()
         for (_, p), m in zip(model.named_parameters(), rp.optim_parameters()):

@@ -25,7 +25,9 @@ def _batches(n, seed=0, bs=6):
 
 
 # 6 layers: forward stages hold more layers than backward stages (asymmetric)
-ASYMMETRIC = ModelExecutePlan([range(0, 3), range(3, 4)], [range(4, 6), range(2, 4), range(1, 2), range(0, 1)])
+ASYMMETRIC = ModelExecutePlan(
+    [range(0, 3), range(3, 4)], [range(4, 6), range(2, 4), range(1, 2), range(0, 1)]
+)
 
 
 class _Sleep(nn.Module):
@@ -85,7 +87,9 @@ def test_pipelined_sgd_matches_the_blocking_sequence(devices, plan, calls_per_st
     fresh, _, _ = _train(devices, plan, True, calls_per_step, is_async=False, slow="none")
     assert any((a - b).abs().max() > 1e-4 for a, b in zip(params, fresh))
     # and is_async=False stays plain PyTorch math with pipelined calls too
-    fresh_pipelined, _, _ = _train(devices, plan, False, calls_per_step, is_async=False, slow="none")
+    fresh_pipelined, _, _ = _train(
+        devices, plan, False, calls_per_step, is_async=False, slow="none"
+    )
     for a, b in zip(fresh_pipelined, fresh):
         assert_close_rel(a, b, 1e-6, "is_async=False")
 
@@ -93,7 +97,9 @@ def test_pipelined_sgd_matches_the_blocking_sequence(devices, plan, calls_per_st
 def test_blocking_calls_mixed_with_pipelined_ones_keep_the_same_math():
     def run(modes):
         model = mlp()
-        rp = RoundPipe(model, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+        rp = RoundPipe(
+            model, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
+        )
         opt = torch.optim.SGD(rp.optim_parameters(), lr=0.05)
         try:
             losses = []
@@ -202,7 +208,7 @@ def test_a_failed_pipelined_iteration_surfaces_and_the_next_call_works(surface):
         assert torch.isfinite(p.result(timeout=30))
         assert torch.isfinite(rp.forward_backward((x,), label=y, loss_fn=sum_sq))
         rp.synchronize()
-        for (_, q, m) in rp._masters:
+        for _, q, m in rp._masters:
             assert torch.equal(q.detach(), m.detach())
             assert torch.isfinite(q).all()
     finally:
@@ -223,7 +229,9 @@ def test_an_async_step_error_before_pipelined_calls_is_not_lost():
         p.wait(timeout=30)
         with pytest.raises(ArithmeticError, match="optimizer exploded"):
             rp.synchronize()
-        assert torch.isfinite(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False).result(timeout=30))
+        assert torch.isfinite(
+            rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False).result(timeout=30)
+        )
         rp.synchronize()
     finally:
         rp.close()
@@ -234,7 +242,11 @@ def test_engine_dispatch_is_the_simulated_overlap_schedule():
     round-robin continues from one iteration to the next."""
     plan = ASYMMETRIC
     iters, devices = 3, 3
-    rp = RoundPipe(mlp(), devices=f"cpu:{devices}", model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan))
+    rp = RoundPipe(
+        mlp(),
+        devices=f"cpu:{devices}",
+        model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan),
+    )
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.01)
     try:
         pending = []
@@ -242,13 +254,21 @@ def test_engine_dispatch_is_the_simulated_overlap_schedule():
             pending.append(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False))
             rp.step(lambda: opt.step())
         rp.synchronize()
-        ran = [sorted((job.index, job.kind, job.layers, dev) for job, dev, *_ in p.job_spans) for p in pending]
+        ran = [
+            sorted((job.index, job.kind, job.layers, dev) for job, dev, *_ in p.job_spans)
+            for p in pending
+        ]
     finally:
         rp.close()
-    sim = simulate(plan, [1.0] * 6, [2.0] * 6, devices, 3, iterations=iters, overlap_iterations=True)
+    sim = simulate(
+        plan, [1.0] * 6, [2.0] * 6, devices, 3, iterations=iters, overlap_iterations=True
+    )
     per_iter = len(sim.jobs) // iters
     expected = [
-        sorted((j.index, j.kind, j.layers, j.device) for j in sim.jobs[k * per_iter : (k + 1) * per_iter])
+        sorted(
+            (j.index, j.kind, j.layers, j.device)
+            for j in sim.jobs[k * per_iter : (k + 1) * per_iter]
+        )
         for k in range(iters)
     ]
     assert ran == expected
@@ -265,8 +285,12 @@ def test_simulated_upload_waits_for_the_previous_iterations_upload():
     )
     res = simulate(plan, [1.0] * 3, [2.0] * 3, 2, 2, iterations=2, overlap_iterations=True)
     fused0_end = max(e.end for e in res.events if e.iteration == 0 and e.kind == "fused")
-    first1 = min(e.start for e in res.events if e.iteration == 1 and e.kind == "forward" and e.stage == 0)
-    fwd0_end = max(e.end for e in res.events if e.iteration == 0 and e.kind == "forward" and e.stage == 0)
+    first1 = min(
+        e.start for e in res.events if e.iteration == 1 and e.kind == "forward" and e.stage == 0
+    )
+    fwd0_end = max(
+        e.end for e in res.events if e.iteration == 0 and e.kind == "forward" and e.stage == 0
+    )
     # device 0 runs F1, X, B1, B0: B0 (layer 0) is prefetched when B1 starts, i.e. when X
     # ends; only then may the host copy of layer 0 change and iteration 1 upload it
     assert first1 > fwd0_end  # device 1 was free at fwd0_end
@@ -276,7 +300,9 @@ def test_simulated_upload_waits_for_the_previous_iterations_upload():
 def test_simulated_optimizer_step_delays_the_iteration_two_later():
     plan = ModelExecutePlan.uniform(8, 8, "fused")
     fast = simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5, iterations=4, overlap_iterations=True)
-    slow = simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5, iterations=4, overlap_iterations=True, step_ms=60.0)
+    slow = simulate(
+        plan, [1.0] * 8, [2.0] * 8, 4, 5, iterations=4, overlap_iterations=True, step_ms=60.0
+    )
     assert slow.iteration_ms > fast.iteration_ms
     for it in (2, 3):
         prev_end = max(e.end for e in slow.events if e.iteration == it - 2)

@@ -120,8 +120,15 @@ def _planning_case(draw):
     fmem, bmem = prof.stage_mem()
     biggest = max(fmem if run_type == "infer" else bmem)
     cap = float(draw(st.integers(biggest, biggest * 3))) if mem is not None else float("inf")
-    return (run_type, prof, cap, draw(st.integers(1, 5)), draw(st.integers(1, 4)), draw(st.integers(1, 6)),
-            draw(st.sampled_from(["stages", "pipeline"])))
+    return (
+        run_type,
+        prof,
+        cap,
+        draw(st.integers(1, 5)),
+        draw(st.integers(1, 4)),
+        draw(st.integers(1, 6)),
+        draw(st.sampled_from(["stages", "pipeline"])),
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -130,7 +137,9 @@ def test_exact_is_optimal_against_brute_force_hypothesis(case):
     """Property test (hypothesis): on any small profile the exact search finds the
     minimum of its objective over every valid plan under the memory cap."""
     run_type, prof, cap, m, devices, mbs, objective = case
-    res = search_plans(run_type, [prof], m, cap, objective=objective, num_devices=devices, num_microbatch=mbs)
+    res = search_plans(
+        run_type, [prof], m, cap, objective=objective, num_devices=devices, num_microbatch=mbs
+    )
     assert memory_ok(res.plans[0], prof, run_type, cap)
     res.plans[0].check_valid(prof.num_layers, run_type)
     expect = brute_force(prof, run_type, objective, m, cap, devices, mbs)

@@ -44,7 +44,9 @@ class RecordingDropout(nn.Module):
             mask = self.log["replay"][key]
         else:
             mask = (torch.rand_like(x) >= self.p).to(x.dtype) / (1 - self.p)
-            self.log.setdefault("recompute" if doing_recompute() else "forward", {}).setdefault(key, []).append(mask)
+            self.log.setdefault("recompute" if doing_recompute() else "forward", {}).setdefault(
+                key, []
+            ).append(mask)
         return x * mask
 
 
@@ -66,14 +68,18 @@ def test_dropout_masks_replayed_in_recompute_and_gradients_exact(grain):
     plan = ModelExecutePlan([range(0, 2), range(2, 4)], [range(4, 6), range(2, 4), range(0, 2)])
     rp = RoundPipe(model, devices="cpu:2")
     try:
-        cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=plan, recompute_grain=grain, preserve_rng_state=True)
+        cfg = RoundPipeRunConfig(
+            num_microbatch=3, execute_plan=plan, recompute_grain=grain, preserve_rng_state=True
+        )
         loss = rp.forward_backward((x,), label=y, loss_fn=sum_sq, run_config=cfg)
         fwd, rec = log["forward"], log["recompute"]
         # layers 1..3 run in forward stages and are recomputed; every recompute replays the forward mask
         assert set(rec) == {(layer, mb) for layer in (1, 2, 3) for mb in range(3)}
         for key, masks in rec.items():
             for m in masks:
-                assert torch.equal(m, fwd[key][0]), f"recompute of layer/microbatch {key} drew a different mask"
+                assert torch.equal(m, fwd[key][0]), (
+                    f"recompute of layer/microbatch {key} drew a different mask"
+                )
         # gradients equal plain PyTorch run on the same masks, microbatch by microbatch
         ref = copy.deepcopy(model)
         ref_log = {"replay": {k: v[0] for k, v in fwd.items()}}
@@ -106,7 +112,9 @@ def test_without_preserved_rng_recompute_draws_new_masks():
     try:
         cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, preserve_rng_state=False)
         rp.forward_backward((x,), label=y, loss_fn=sum_sq, run_config=cfg)
-        diffs = [not torch.equal(log["recompute"][k][0], log["forward"][k][0]) for k in log["recompute"]]
+        diffs = [
+            not torch.equal(log["recompute"][k][0], log["forward"][k][0]) for k in log["recompute"]
+        ]
         assert any(diffs)
     finally:
         rp.close()
@@ -148,8 +156,12 @@ def test_save_for_recompute_keeps_routing_for_the_recompute():
     plan = ModelExecutePlan([range(0, 2)], [range(2, 4), range(0, 2)])
     rp = RoundPipe(model, devices="cpu:2")
     try:
-        loss = rp.forward_backward((x,), label=y, loss_fn=sum_sq,
-                                   run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=plan))
+        loss = rp.forward_backward(
+            (x,),
+            label=y,
+            loss_fn=sum_sq,
+            run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=plan),
+        )
         assert len(log["recompute"]) == 4
         for mb, choice in log["recompute"]:
             assert torch.equal(choice, log["forward"][mb])
@@ -176,22 +188,43 @@ def test_get_recompute_data_outside_recompute_is_an_error():
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 def test_batchnorm_buffers_updated_once_per_microbatch_forward(grain):
     torch.manual_seed(5)
-    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    model = nn.Sequential(
+        nn.Linear(4, 6),
+        nn.BatchNorm1d(6),
+        nn.ReLU(),
+        nn.Linear(6, 6),
+        nn.BatchNorm1d(6),
+        nn.Linear(6, 2),
+    )
     x, y = torch.randn(9, 4), torch.randn(9, 2)
     ref = copy.deepcopy(model)
     plan = ModelExecutePlan([range(0, 3), range(3, 5)], [range(5, 6), range(2, 5), range(0, 2)])
     rp = RoundPipe(model, devices="cpu:3")
     try:
-        loss = rp.forward_backward((x,), label=y, loss_fn=sum_sq,
-                                   run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan, recompute_grain=grain))
+        loss = rp.forward_backward(
+            (x,),
+            label=y,
+            loss_fn=sum_sq,
+            run_config=RoundPipeRunConfig(
+                num_microbatch=3, execute_plan=plan, recompute_grain=grain
+            ),
+        )
         ref_loss = torch.zeros(())
-        for xm, ym in zip(x.split(3), y.split(3)):  # the same microbatches, in order, in plain PyTorch
+        for xm, ym in zip(
+            x.split(3), y.split(3)
+        ):  # the same microbatches, in order, in plain PyTorch
             part = sum_sq(ref(xm), ym)
             part.backward()
             ref_loss += part.detach()
         assert_close_rel(loss, ref_loss, what="loss")
         assert_grads_match(rp, {n: p.grad for n, p in ref.named_parameters()})
-        for name in ("1.running_mean", "1.running_var", "4.running_mean", "4.running_var", "1.num_batches_tracked"):
+        for name in (
+            "1.running_mean",
+            "1.running_var",
+            "4.running_mean",
+            "4.running_var",
+            "1.num_batches_tracked",
+        ):
             got, exp = model.state_dict()[name], ref.state_dict()[name]
             if got.is_floating_point():
                 assert_close_rel(got, exp, what=name)
@@ -228,8 +261,12 @@ def test_dropout_runs_are_reproducible_under_a_seed_whatever_the_thread_timing()
         rp = RoundPipe(copy.deepcopy(model), devices="cpu:3")
         try:
             torch.manual_seed(123)
-            loss = rp.forward_backward((x,), label=y, loss_fn=sum_sq,
-                                       run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan))
+            loss = rp.forward_backward(
+                (x,),
+                label=y,
+                loss_fn=sum_sq,
+                run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan),
+            )
             results.append((loss, [p.grad.clone() for p in rp.optim_parameters()], torch.rand(1)))
         finally:
             rp.close()

@@ -38,7 +38,12 @@ def test_train_phases_continue_the_rotation():
 
 
 def test_owners_pin_stages():
-    plan = P([range(0, 4), range(4, 7)], [range(7, 9), range(4, 7), range(0, 4)], fwd_owners=[0, 0], bwd_owners=[1, 1, 0])
+    plan = P(
+        [range(0, 4), range(4, 7)],
+        [range(7, 9), range(4, 7), range(0, 4)],
+        fwd_owners=[0, 0],
+        bwd_owners=[1, 1, 0],
+    )
     jobs = build_schedule(plan, "fused", 2, 3)
     assert [j.device for j in jobs] == [0, 0, 1, 1, 0]
 
@@ -62,8 +67,12 @@ def test_engine_runs_the_schedule_it_built_on_the_owner_devices():
     plan = P([range(0, 3)], [range(3, 6), range(0, 3)], fwd_owners=[1], bwd_owners=[1, 0])
     rp = RoundPipe(model, devices="cpu:2")
     try:
-        rp.forward_backward((torch.randn(4, 8),), label=torch.randn(4, 4), loss_fn=sum_sq,
-                            run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        rp.forward_backward(
+            (torch.randn(4, 8),),
+            label=torch.randn(4, 4),
+            loss_fn=sum_sq,
+            run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+        )
         assert [j.device for j in rp.last_schedule] == [1, 1, 0]
         ran = sorted((job.index, dev) for job, dev, _ in rp.last_job_times)
         assert ran == [(0, 1), (1, 1), (2, 0)]

@@ -213,4 +213,6 @@ def test_chrome_trace():
     trace = json.loads(json.dumps(res.chrome_trace()))
     assert len(trace["traceEvents"]) == len(res.events)
     first = trace["traceEvents"][0]
-    assert first["ph"] == "X" and first["tid"] == "device 0 upload" and first["dur"] == 1000.0  # two layers x 0.5 ms
+    assert (
+        first["ph"] == "X" and first["tid"] == "device 0 upload" and first["dur"] == 1000.0
+    )  # two layers x 0.5 ms

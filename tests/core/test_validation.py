@@ -13,13 +13,21 @@ P = ModelExecutePlan
     "plan, run_type, message",
     [
         (P([range(0, 2)], []), "infer", "does not cover layer 2"),
-        (P([range(0, 2), range(1, 4)], []), "infer", "layer 1 appears in fwd_plan\\[0\\] and again in fwd_plan\\[1\\]"),
+        (
+            P([range(0, 2), range(1, 4)], []),
+            "infer",
+            "layer 1 appears in fwd_plan\\[0\\] and again in fwd_plan\\[1\\]",
+        ),
         (P([range(2, 4), range(0, 2)], []), "infer", "increasing"),
         (P([range(0, 2), range(2, 2), range(2, 4)], []), "infer", "fwd_plan\\[1\\].*empty"),
         (P([range(0, 4)], [range(0, 2), range(2, 4)]), "train", "decreasing"),
         (P([range(0, 4)], [range(2, 4)]), "train", "bwd_plan does not cover layer 0"),
         (P([range(0, 5)], [range(0, 4)]), "train", "outside the model's layers"),
-        (P([range(0, 3)], [range(2, 4), range(0, 2)]), "fused", "must end where the first backward stage starts"),
+        (
+            P([range(0, 3)], [range(2, 4), range(0, 2)]),
+            "fused",
+            "must end where the first backward stage starts",
+        ),
         (P([range(0, 2)], [range(0, 4)]), "fused", "fwd_plan must be empty"),
         (P([], [range(2, 4), range(0, 2)]), "fused", "give forward stages"),
         (P([range(0, 4)], [], fwd_owners=[0, 1]), "infer", "one owner device per stage"),

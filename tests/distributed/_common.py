@@ -34,7 +34,9 @@ def load_distributed() -> ModuleType:
     for name in ("roundpipe_lightning.distributed", "_rp_distributed"):
         if name in sys.modules:
             return sys.modules[name]
-    spec = importlib.util.spec_from_file_location("_rp_distributed", ROOT / "roundpipe_lightning" / "distributed.py")
+    spec = importlib.util.spec_from_file_location(
+        "_rp_distributed", ROOT / "roundpipe_lightning" / "distributed.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up while it executes
@@ -56,12 +58,19 @@ def build_model(seed: int = 0) -> nn.Sequential:
     )
 
 
-def make_data(steps: int, accum: int, seed: int = 123) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def make_data(
+    steps: int, accum: int, seed: int = 123
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """``steps`` optimizer steps of ``accum`` global micro-batches each."""
     g = torch.Generator().manual_seed(seed)
     return [
-        [(torch.randn(GLOBAL_BATCH, IN_DIM, generator=g), torch.randn(GLOBAL_BATCH, OUT_DIM, generator=g))
-         for _ in range(accum)]
+        [
+            (
+                torch.randn(GLOBAL_BATCH, IN_DIM, generator=g),
+                torch.randn(GLOBAL_BATCH, OUT_DIM, generator=g),
+            )
+            for _ in range(accum)
+        ]
         for _ in range(steps)
     ]
 
@@ -69,7 +78,7 @@ def make_data(steps: int, accum: int, seed: int = 123) -> list[list[tuple[torch.
 def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s contiguous part of a global batch (concatenation = the batch)."""
     n = t.shape[0] // world
-    return t[rank * n:(rank + 1) * n]
+    return t[rank * n : (rank + 1) * n]
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
@@ -114,8 +123,13 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def launch(scenario: str, out: Path, world: int = 2, timeout_s: float = 10.0,
-           extra_env: dict[str, str] | None = None) -> list[Proc]:
+def launch(
+    scenario: str,
+    out: Path,
+    world: int = 2,
+    timeout_s: float = 10.0,
+    extra_env: dict[str, str] | None = None,
+) -> list[Proc]:
     """Start ``world`` worker processes on 127.0.0.1, one per "node", with the
     hand-written launch environment (``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_*``)."""
     port = free_port()
@@ -124,16 +138,27 @@ def launch(scenario: str, out: Path, world: int = 2, timeout_s: float = 10.0,
         env = dict(os.environ)
         for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
             env.pop(k, None)
-        env.update({
-            "NODE_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "ROUNDPIPE_DIST_TIMEOUT": str(timeout_s),
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        })
+        env.update(
+            {
+                "NODE_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "ROUNDPIPE_DIST_TIMEOUT": str(timeout_s),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+            }
+        )
         env.update(extra_env or {})
         log = out / f"rank{rank}.log"
         with open(log, "w") as fh:
-            popen = subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env,
-                                     stdout=fh, stderr=subprocess.STDOUT, cwd=str(ROOT))
+            popen = subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(out)],
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                cwd=str(ROOT),
+            )
         procs.append(Proc(rank, popen, log))
     return procs
 

@@ -37,7 +37,9 @@ class Lit(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(IN_DIM, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, OUT_DIM))
+        self.net = nn.Sequential(
+            nn.Linear(IN_DIM, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, OUT_DIM)
+        )
         self._batch = 1
 
     def configure_sequential(self) -> nn.Module:
@@ -59,10 +61,18 @@ class Lit(L.LightningModule):
 
 
 def trainer(max_steps: int, num_nodes: int) -> L.Trainer:
-    return L.Trainer(strategy=RoundPipeStrategy(async_step=True, num_microbatch=3, process_group_timeout=20),
-                     accelerator="cpu", devices=2, num_nodes=num_nodes, max_steps=max_steps,
-                     accumulate_grad_batches=ACCUM, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(
+        strategy=RoundPipeStrategy(async_step=True, num_microbatch=3, process_group_timeout=20),
+        accelerator="cpu",
+        devices=2,
+        num_nodes=num_nodes,
+        max_steps=max_steps,
+        accumulate_grad_batches=ACCUM,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def run(loader: DataLoader, num_nodes: int, ckpt: Path) -> dict:
@@ -76,8 +86,14 @@ def run(loader: DataLoader, num_nodes: int, ckpt: Path) -> dict:
     resumed = Lit()
     tr2 = trainer(RESUMED_STEPS, num_nodes)
     tr2.fit(resumed, loader, ckpt_path=ckpt)
-    return {"first": first, "resumed": {k: v.detach().clone() for k, v in resumed.net.state_dict().items()},
-            "loss": loss, "step": tr2.global_step, "world": tr.world_size, "rank": tr.global_rank}
+    return {
+        "first": first,
+        "resumed": {k: v.detach().clone() for k, v in resumed.net.state_dict().items()},
+        "loss": loss,
+        "step": tr2.global_step,
+        "world": tr.world_size,
+        "rank": tr.global_rank,
+    }
 
 
 def main() -> None:
@@ -86,12 +102,16 @@ def main() -> None:
     rank = int(os.environ["NODE_RANK"])
     ds = dataset()
     # each global batch of GLOBAL_BATCH samples splits in two halves, in order
-    loader = DataLoader(ds, batch_size=GLOBAL_BATCH // 2,
-                        sampler=DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=False))
+    loader = DataLoader(
+        ds,
+        batch_size=GLOBAL_BATCH // 2,
+        sampler=DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=False),
+    )
     res = run(loader, 2, out / "model.ckpt")
     torch.save({"first": res["first"], "resumed": res["resumed"]}, out / f"params_rank{rank}.pt")
     (out / f"info_rank{rank}.json").write_text(
-        json.dumps({k: res[k] for k in ("loss", "step", "world", "rank")}))
+        json.dumps({k: res[k] for k in ("loss", "step", "world", "rank")})
+    )
 
 
 if __name__ == "__main__":

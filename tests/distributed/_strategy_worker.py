@@ -35,7 +35,9 @@ class Net(L.LightningModule):
             raise RuntimeError("rank 1 crashed on purpose")
         x, y = batch
         n = x.shape[0]  # this rank's share of the global batch; the strategy averages ranks
-        loss = self.roundpipe.forward_backward((x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum() / n)
+        loss = self.roundpipe.forward_backward(
+            (x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum() / n
+        )
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -53,19 +55,30 @@ def main() -> None:
     # half of it. Lightning would insert one itself (the strategy is distributed), but a
     # shuffling one; this one keeps the order so the run compares with the reference.
     ds = TensorDataset(xs, ys)
-    sampler = DistributedSampler(ds, num_replicas=2, rank=int(os.environ["NODE_RANK"]), shuffle=False)
+    sampler = DistributedSampler(
+        ds, num_replicas=2, rank=int(os.environ["NODE_RANK"]), shuffle=False
+    )
     loader = DataLoader(ds, batch_size=GLOBAL_BATCH // 2, sampler=sampler)
     model = Net(crash_at)
     trainer = L.Trainer(
         strategy=RoundPipeStrategy(num_microbatch=3, async_step=False, process_group_timeout=15),
-        accelerator="cpu", devices=2, num_nodes=2, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        num_nodes=2,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, loader)
     rank = trainer.global_rank
     assert trainer._accelerator_connector.is_distributed  # Lightning distributes plain samplers
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": rank}
-    torch.save({n: p.detach().clone() for n, p in model.net.named_parameters()}, out / f"params_rank{rank}.pt")
+    torch.save(
+        {n: p.detach().clone() for n, p in model.net.named_parameters()},
+        out / f"params_rank{rank}.pt",
+    )
     trainer.save_checkpoint(out / "final.ckpt")  # written by rank 0 only
     print(f"rank {rank} done, world {trainer.world_size}", flush=True)
 

@@ -46,11 +46,22 @@ STEPS = 3
 
 def make_rp(rank: int) -> RoundPipe:
     # Each rank starts from different weights: broadcast_masters must make them equal.
-    return RoundPipe(build_model(seed=rank), devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    return RoundPipe(
+        build_model(seed=rank),
+        devices="cpu:2",
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
 
 
-def train(rank: int, world: int, op: str, overlap: bool, accum: int, bucket_bytes: int,
-          autograd: bool | str) -> dict:
+def train(
+    rank: int,
+    world: int,
+    op: str,
+    overlap: bool,
+    accum: int,
+    bucket_bytes: int,
+    autograd: bool | str,
+) -> dict:
     if autograd == "dataparallel":
         return train_dataparallel(rank, world, op, overlap, accum, bucket_bytes)
     rp = make_rp(rank)
@@ -95,7 +106,9 @@ def train(rank: int, world: int, op: str, overlap: bool, accum: int, bucket_byte
         rp.close()
 
 
-def train_dataparallel(rank: int, world: int, op: str, overlap: bool, accum: int, bucket_bytes: int) -> dict:
+def train_dataparallel(
+    rank: int, world: int, op: str, overlap: bool, accum: int, bucket_bytes: int
+) -> dict:
     """The Lightning strategy's sequence of calls, without Lightning: the last micro-step
     of each window runs inside ``wrap_closure`` (as Lightning runs training_step inside
     the optimizer step's closure), then ``reduce(opt)`` and the step."""
@@ -107,8 +120,11 @@ def train_dataparallel(rank: int, world: int, op: str, overlap: bool, accum: int
         denom = (GLOBAL_BATCH if op == "sum" else GLOBAL_BATCH // world) * accum
 
         def micro_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return rp.forward_backward(input_args=(shard(x, rank, world),), label=shard(y, rank, world),
-                                       loss_fn=lambda o, t: ((o - t) ** 2).sum() / denom)
+            return rp.forward_backward(
+                input_args=(shard(x, rank, world),),
+                label=shard(y, rank, world),
+                loss_fn=lambda o, t: ((o - t) ** 2).sum() / denom,
+            )
 
         hook_ready = 0
         for window in make_data(STEPS, accum):
@@ -116,7 +132,9 @@ def train_dataparallel(rank: int, world: int, op: str, overlap: bool, accum: int
                 micro_step(x, y)
             dp.wrap_closure(opt, lambda last=window[-1]: micro_step(*last))()
             reducer = dp._reducers[id(opt)]
-            hook_ready += sum(e.is_set() for e in reducer._round.ready) if reducer._round is not None else 0
+            hook_ready += (
+                sum(e.is_set() for e in reducer._round.ready) if reducer._round is not None else 0
+            )
             dp.reduce(opt)
             rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
         rp.synchronize()
@@ -145,8 +163,13 @@ def none_grads(rank: int) -> dict:
         outside.grad = torch.full_like(outside, 4.0 * rank)
         with D.GradientAllReducer(rp, op="mean", bucket_bytes=64, params=[*m[:3], outside]) as r:
             r.finish()
-        return {"g0": m[0].grad.clone(), "g1": None if m[1].grad is None else m[1].grad.clone(),
-                "g2_is_none": m[2].grad is None, "g3": m[3].grad.clone(), "outside": outside.grad.clone()}
+        return {
+            "g0": m[0].grad.clone(),
+            "g1": None if m[1].grad is None else m[1].grad.clone(),
+            "g2_is_none": m[2].grad is None,
+            "g3": m[3].grad.clone(),
+            "outside": outside.grad.clone(),
+        }
     finally:
         rp.close()
 
@@ -160,8 +183,11 @@ def misuse(rank: int, world: int) -> str:
         x, y = make_data(1, 1)[0][0]
         reducer.arm()
         for _ in range(2):
-            rp.forward_backward(input_args=(shard(x, rank, world),), label=shard(y, rank, world),
-                                loss_fn=lambda o, t: ((o - t) ** 2).sum())
+            rp.forward_backward(
+                input_args=(shard(x, rank, world),),
+                label=shard(y, rank, world),
+                loss_fn=lambda o, t: ((o - t) ** 2).sum(),
+            )
         try:
             reducer.finish()
         except RuntimeError as exc:
@@ -215,8 +241,11 @@ def run_failure(rank: int, world: int, out: Path, mode: str) -> None:
                 (out / "peer_stalled").write_text(str(time.time()))
                 time.sleep(600)  # alive, sockets open, never reaches the collective
         reducer.arm()
-        rp.forward_backward(input_args=(shard(x, rank, world),), label=shard(y, rank, world),
-                            loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        rp.forward_backward(
+            input_args=(shard(x, rank, world),),
+            label=shard(y, rank, world),
+            loss_fn=lambda o, t: ((o - t) ** 2).mean(),
+        )
         reducer.finish()
         rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     (out / f"rank{rank}_finished").write_text("training ended without noticing the failed peer")

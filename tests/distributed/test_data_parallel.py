@@ -49,7 +49,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     procs = launch("train", out, timeout_s=PG_TIMEOUT_S)
     codes = wait_all(procs, STARTUP_ALLOWANCE_S + 45)
     if codes != [0, 0]:
-        _fail_with_logs(procs, f"training processes exited with {codes} (None = killed after the deadline)")
+        _fail_with_logs(
+            procs, f"training processes exited with {codes} (None = killed after the deadline)"
+        )
     return out
 
 
@@ -64,7 +66,9 @@ def test_ranks_identical_and_equal_to_single_process(trained: Path, name: str) -
     for k in ref:
         assert torch.equal(p0[k], p1[k]), f"{name}: {k} differs between the ranks"
         err = rel_err(p0[k], ref[k])
-        assert err <= 1e-5, f"{name}: {k} rel err {err:.2e} vs single-process PyTorch on the whole batch"
+        assert err <= 1e-5, (
+            f"{name}: {k} rel err {err:.2e} vs single-process PyTorch on the whole batch"
+        )
     # the comparison is not vacuous: training moved the trainable weights, the frozen layer stayed
     assert max((p0[k] - init[k]).abs().max().item() for k in ref if init[k].requires_grad) > 1e-2
     assert torch.equal(p0["2.weight"], init["2.weight"].detach())
@@ -73,12 +77,18 @@ def test_ranks_identical_and_equal_to_single_process(trained: Path, name: str) -
 @pytest.mark.timeout(150)
 def test_overlap_is_driven_by_the_grad_hook(trained: Path) -> None:
     info = json.loads((trained / "info_rank0.json").read_text())
-    for name in ("mean_overlap_small_buckets", "mean_overlap_accum2_autograd", "sum_overlap_one_bucket",
-                 "dataparallel_mean_overlap_accum2"):
+    for name in (
+        "mean_overlap_small_buckets",
+        "mean_overlap_accum2_autograd",
+        "sum_overlap_one_bucket",
+        "dataparallel_mean_overlap_accum2",
+    ):
         # every bucket of every armed step was released by the hook during the backward call
         assert info[name]["hook_ready"] == info[name]["buckets"] * STEPS, (name, info[name])
         assert info[name]["in_sync"]
-    assert info["mean_overlap_small_buckets"]["buckets"] > 3  # several buckets, issued in a fixed order
+    assert (
+        info["mean_overlap_small_buckets"]["buckets"] > 3
+    )  # several buckets, issued in a fixed order
     assert info["sum_no_overlap_accum2"]["hook_ready"] == 0
 
 
@@ -87,10 +97,16 @@ def test_missing_gradients_take_part_as_zeros_and_params_select(trained: Path) -
     for rank in (0, 1):
         g = torch.load(trained / f"none_grads_rank{rank}.pt")
         assert torch.equal(g["g0"], torch.full_like(g["g0"], 1.5))  # mean of 1 and 2
-        assert g["g1"] is not None and torch.equal(g["g1"], torch.full_like(g["g1"], 0.5))  # mean of 1 and "none"
+        assert g["g1"] is not None and torch.equal(
+            g["g1"], torch.full_like(g["g1"], 0.5)
+        )  # mean of 1 and "none"
         assert g["g2_is_none"]  # no rank had one: stays None, as in one process
-        assert torch.equal(g["g3"], torch.full_like(g["g3"], float(rank)))  # not in params: untouched
-        assert torch.equal(g["outside"], torch.full_like(g["outside"], 2.0))  # a non-RoundPipe tensor: reduced
+        assert torch.equal(
+            g["g3"], torch.full_like(g["g3"], float(rank))
+        )  # not in params: untouched
+        assert torch.equal(
+            g["outside"], torch.full_like(g["outside"], 2.0)
+        )  # a non-RoundPipe tensor: reduced
 
 
 @pytest.mark.timeout(150)
@@ -129,7 +145,9 @@ def test_failed_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
     jobs = {}
     for mode, rank in failing.items():
         (tmp_path / mode).mkdir()
-        jobs[mode] = launch(mode, tmp_path / mode, timeout_s=PG_TIMEOUT_S, extra_env={"FAIL_RANK": str(rank)})
+        jobs[mode] = launch(
+            mode, tmp_path / mode, timeout_s=PG_TIMEOUT_S, extra_env={"FAIL_RANK": str(rank)}
+        )
     try:
         for mode, procs in jobs.items():
             survivor = procs[1 - failing[mode]]
@@ -138,8 +156,11 @@ def test_failed_rank_ends_the_job_within_the_timeout(tmp_path: Path) -> None:
             code = wait_all([survivor], PG_TIMEOUT_S + 20)[0]
             log = survivor.output()
             if code is None:
-                _fail_with_logs(procs, f"{mode}: rank {survivor.rank} still running {PG_TIMEOUT_S + 20:.0f} s "
-                                       f"after rank {failing[mode]} failed: it hangs")
+                _fail_with_logs(
+                    procs,
+                    f"{mode}: rank {survivor.rank} still running {PG_TIMEOUT_S + 20:.0f} s "
+                    f"after rank {failing[mode]} failed: it hangs",
+                )
             assert code != 0, mode
             assert f"gradient all-reduce failed on rank {survivor.rank} of 2" in log, log[-3000:]
             assert not (tmp_path / mode / f"rank{survivor.rank}_finished").exists()

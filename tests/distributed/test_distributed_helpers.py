@@ -22,26 +22,47 @@ def rp():
 
 
 def test_torchrun_environment() -> None:
-    env = D.dist_env_from_environ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
-                                   "LOCAL_RANK": "0"})
+    env = D.dist_env_from_environ(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29500",
+            "LOCAL_RANK": "0",
+        }
+    )
     assert env == D.DistEnv(1, 2, "10.0.0.1", 29500, "torchrun")
 
 
 def test_node_rank_environment() -> None:
-    env = D.dist_env_from_environ({"NODE_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "host-a",
-                                   "MASTER_PORT": "1234"})
+    env = D.dist_env_from_environ(
+        {"NODE_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "host-a", "MASTER_PORT": "1234"}
+    )
     assert (env.rank, env.world_size, env.master_addr, env.source) == (0, 3, "host-a", "env")
 
 
 def test_slurm_environment() -> None:
-    env = D.dist_env_from_environ({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train",
-                                   "SLURM_NODELIST": "gpu[007-010,12],cpu1", "SLURM_JOB_ID": "81234"})
+    env = D.dist_env_from_environ(
+        {
+            "SLURM_PROCID": "2",
+            "SLURM_NTASKS": "4",
+            "SLURM_JOB_NAME": "train",
+            "SLURM_NODELIST": "gpu[007-010,12],cpu1",
+            "SLURM_JOB_ID": "81234",
+        }
+    )
     assert (env.rank, env.world_size, env.master_addr, env.source) == (2, 4, "gpu007", "slurm")
     assert env.master_port == 15000 + 1234
     # an interactive allocation's shell is not a launch
     with pytest.raises(ValueError, match="no distributed launch"):
-        D.dist_env_from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "bash",
-                                 "SLURM_NODELIST": "n1"})
+        D.dist_env_from_environ(
+            {
+                "SLURM_PROCID": "0",
+                "SLURM_NTASKS": "1",
+                "SLURM_JOB_NAME": "bash",
+                "SLURM_NODELIST": "n1",
+            }
+        )
 
 
 @pytest.mark.parametrize(
@@ -49,8 +70,14 @@ def test_slurm_environment() -> None:
     [
         ({}, "no distributed launch"),
         ({"NODE_RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR, MASTER_PORT"),
-        ({"NODE_RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "NODE_RANK must be an integer"),
-        ({"NODE_RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "outside 0..1"),
+        (
+            {"NODE_RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"},
+            "NODE_RANK must be an integer",
+        ),
+        (
+            {"NODE_RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"},
+            "outside 0..1",
+        ),
         ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "a", "MASTER_PORT": "70000"}, "TCP port"),
     ],
 )
@@ -130,7 +157,10 @@ def test_params_select_what_is_reduced(rp: RoundPipe) -> None:
     masters = rp.optim_parameters()
     extra = nn.Parameter(torch.zeros(2))
     r = D.GradientAllReducer(rp, params=[masters[0], extra, masters[0]], overlap=False)
-    assert [id(p) for b in r.buckets for p in b.params] == [id(extra), id(masters[0])]  # deduplicated, reversed
+    assert [id(p) for b in r.buckets for p in b.params] == [
+        id(extra),
+        id(masters[0]),
+    ]  # deduplicated, reversed
     r.close()
     with pytest.raises(TypeError, match="params must be tensors"):
         D.GradientAllReducer(rp, params=[1.0])
@@ -150,7 +180,10 @@ def test_dataparallel_in_one_process_is_a_no_op(rp: RoundPipe) -> None:
     dp.abort()
     dp.detach()
     assert rp._grad_hooks == []
-    for bad, match in ((dict(op="avg"), "op must"), (dict(bucket_bytes=0), "bucket_bytes"),
-                       (dict(timeout=-1), "positive")):
+    for bad, match in (
+        (dict(op="avg"), "op must"),
+        (dict(bucket_bytes=0), "bucket_bytes"),
+        (dict(timeout=-1), "positive"),
+    ):
         with pytest.raises(ValueError, match=match):
             D.DataParallel(**bad)

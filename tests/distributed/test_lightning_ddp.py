@@ -35,14 +35,32 @@ def _launch(out: Path) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "GROUP_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NAME")}
-        env.update({"NODE_RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "GROUP_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NAME")
+        }
+        env.update(
+            {
+                "NODE_RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+            }
+        )
         with open(out / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(LIT_WORKER), str(out)], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT)))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(LIT_WORKER), str(out)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(ROOT),
+                )
+            )
     return procs
 
 
@@ -62,8 +80,11 @@ def _wait(procs: list[subprocess.Popen], deadline_s: float) -> list[int | None]:
 
 
 def _logs(out: Path) -> str:
-    return "\n".join(f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-4000:]}"
-                     for r in range(2) if (out / f"rank{r}.log").exists())
+    return "\n".join(
+        f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text(errors='replace')[-4000:]}"
+        for r in range(2)
+        if (out / f"rank{r}.log").exists()
+    )
 
 
 @pytest.mark.timeout(DEADLINE_S + 90)
@@ -75,7 +96,9 @@ def test_two_nodes_async_accumulate_log_and_resume_like_one_process(tmp_path: Pa
     out.mkdir()
     procs = _launch(out)
     try:
-        ref = run(DataLoader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False), 1, tmp_path / "ref.ckpt")
+        ref = run(
+            DataLoader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False), 1, tmp_path / "ref.ckpt"
+        )
         codes = _wait(procs, DEADLINE_S)
     finally:
         _wait(procs, 0.1)
@@ -87,11 +110,14 @@ def test_two_nodes_async_accumulate_log_and_resume_like_one_process(tmp_path: Pa
     for r in range(2):
         assert infos[r]["step"] == RESUMED_STEPS == ref["step"]
         assert abs(infos[r]["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (
-            f"rank {r} logged {infos[r]['loss']} with sync_dist, the global mean is {ref['loss']}")
+            f"rank {r} logged {infos[r]['loss']} with sync_dist, the global mean is {ref['loss']}"
+        )
     for phase in ("first", "resumed"):
         for k, want in ref[phase].items():
             got0, got1 = params[0][phase][k], params[1][phase][k]
             assert torch.equal(got0, got1), f"{phase}: {k} differs between the nodes"
-            assert rel_err(got0, want) <= 1e-5, f"{phase}: {k} rel err {rel_err(got0, want):.2e} vs one process"
+            assert rel_err(got0, want) <= 1e-5, (
+                f"{phase}: {k} rel err {rel_err(got0, want):.2e} vs one process"
+            )
     # not vacuous: the resumed run trained further
     assert any(not torch.equal(ref["first"][k], ref["resumed"][k]) for k in ref["first"])

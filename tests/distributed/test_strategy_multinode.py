@@ -26,15 +26,31 @@ def _launch(out: Path, *args: str) -> list[tuple[subprocess.Popen, Path]]:
         env = dict(os.environ)
         for k in ("RANK", "SLURM_PROCID", "SLURM_NTASKS", "GROUP_RANK"):
             env.pop(k, None)
-        env.update({
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-            "NODE_RANK": str(rank), "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        })
+        env.update(
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": "2",
+                "NODE_RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+            }
+        )
         log = out / f"rank{rank}.log"
         with open(log, "w") as fh:
-            procs.append((subprocess.Popen([sys.executable, str(WORKER), str(out), *args], env=env, cwd=str(ROOT),
-                                           stdout=fh, stderr=subprocess.STDOUT), log))
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), str(out), *args],
+                        env=env,
+                        cwd=str(ROOT),
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                    ),
+                    log,
+                )
+            )
     return procs
 
 
@@ -54,7 +70,9 @@ def _wait(procs, deadline_s: float) -> list[int | None]:
 
 
 def _logs(procs) -> str:
-    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for _, log in procs)
+    return "\n".join(
+        f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for _, log in procs
+    )
 
 
 def test_two_nodes_train_like_one_process_on_the_whole_batch(tmp_path: Path) -> None:

@@ -176,9 +176,14 @@ class TinyLM(L.LightningModule):
         self.mode = mode
         torch.manual_seed(seed)
         self.net = nn.Sequential(
-            nn.Embedding(VOCAB, WIDTH), ResidualMLP(WIDTH), ResidualMLP(WIDTH), nn.Linear(WIDTH, VOCAB)
+            nn.Embedding(VOCAB, WIDTH),
+            ResidualMLP(WIDTH),
+            ResidualMLP(WIDTH),
+            nn.Linear(WIDTH, VOCAB),
         )
-        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=VOCAB, average="micro")
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(
+            num_classes=VOCAB, average="micro"
+        )
         self.val_ce = torchmetrics.MeanMetric()
 
     def configure_sequential(self) -> nn.Module:
@@ -186,7 +191,9 @@ class TinyLM(L.LightningModule):
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / (BATCH * SEQ)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / (
+            BATCH * SEQ
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -235,9 +242,15 @@ def trainer_kwargs(**kw: Any) -> dict[str, Any]:
 
 
 def rp_trainer(
-    devices: int = 2, num_microbatch: int = 3, async_step: bool = False, strategy_kw: dict | None = None, **kw: Any
+    devices: int = 2,
+    num_microbatch: int = 3,
+    async_step: bool = False,
+    strategy_kw: dict | None = None,
+    **kw: Any,
 ) -> L.Trainer:
-    strategy = RoundPipeStrategy(num_microbatch=num_microbatch, async_step=async_step, **(strategy_kw or {}))
+    strategy = RoundPipeStrategy(
+        num_microbatch=num_microbatch, async_step=async_step, **(strategy_kw or {})
+    )
     return L.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, **kw))
 
 

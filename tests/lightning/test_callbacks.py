@@ -40,11 +40,20 @@ def test_stage_time_logger_writes_tensorboard_scalars(tmp_path: Path) -> None:
     acc = _events(tmp_path)
     tags = set(acc.Tags()["scalars"])
     expected = {
-        "roundpipe/layer_00/fwd_ms", "roundpipe/layer_06/re_ms", "roundpipe/layer_03/bwd_ms",
-        "roundpipe/stage/fused0_ms", "roundpipe/stage/forward0_ms", "roundpipe/stage/backward1_ms",
-        "roundpipe/device_0/busy_ms", "roundpipe/device_1/busy_ms", "roundpipe/bubble_ratio",
-        "roundpipe/sim_iteration_ms", "roundpipe/sim_bubble_ratio", "roundpipe/step_ms",
-        "roundpipe/samples_per_s", "roundpipe/call_ms",
+        "roundpipe/layer_00/fwd_ms",
+        "roundpipe/layer_06/re_ms",
+        "roundpipe/layer_03/bwd_ms",
+        "roundpipe/stage/fused0_ms",
+        "roundpipe/stage/forward0_ms",
+        "roundpipe/stage/backward1_ms",
+        "roundpipe/device_0/busy_ms",
+        "roundpipe/device_1/busy_ms",
+        "roundpipe/bubble_ratio",
+        "roundpipe/sim_iteration_ms",
+        "roundpipe/sim_bubble_ratio",
+        "roundpipe/step_ms",
+        "roundpipe/samples_per_s",
+        "roundpipe/call_ms",
     }
     assert expected <= tags, expected - tags
     assert [e.step for e in acc.Scalars("roundpipe/bubble_ratio")] == [2, 4, 6]
@@ -58,8 +67,12 @@ def test_stage_time_logger_writes_tensorboard_scalars(tmp_path: Path) -> None:
 def test_stage_time_logger_counts_tokens(tmp_path: Path) -> None:
     """Token-id inputs (2-D integer tensors) also get tokens/s."""
     stl = StageTimeLogger(every_n_steps=1, log_layers=False)
-    rp_trainer(max_steps=2, logger=TensorBoardLogger(tmp_path), callbacks=[stl]).fit(TinyLM(), token_loader())
-    assert stl.last_metrics["roundpipe/tokens_per_s"] > stl.last_metrics["roundpipe/samples_per_s"] > 0
+    rp_trainer(max_steps=2, logger=TensorBoardLogger(tmp_path), callbacks=[stl]).fit(
+        TinyLM(), token_loader()
+    )
+    assert (
+        stl.last_metrics["roundpipe/tokens_per_s"] > stl.last_metrics["roundpipe/samples_per_s"] > 0
+    )
     assert not any(k.startswith("roundpipe/layer_") for k in stl.last_metrics)
 
 
@@ -79,7 +92,9 @@ def test_auto_replan_changes_plan_and_keeps_the_math(tmp_path: Path) -> None:
     m = SeqModule(heavy=HEAVY)
     logger = TensorBoardLogger(tmp_path, name="tb")
     rp_trainer(max_steps=6, logger=logger, callbacks=[replan, Spy()]).fit(m, loader())
-    first = seen_plans[0][0]  # planned from size-proportional estimates: the heavy layer is invisible
+    first = seen_plans[0][
+        0
+    ]  # planned from size-proportional estimates: the heavy layer is invisible
     assert len(replan.history) == 1 and replan.history[0][0] == 3
     new = replan.plan
     assert new != first
@@ -127,7 +142,9 @@ def test_execute_plan_auto_at_setup() -> None:
             seen.append((rp.plan_for("fused"), rp.default_plan("fused"), rp.num_layers))
 
     m = SeqModule(wide=WIDE)
-    rp_trainer(max_steps=2, callbacks=[Spy()], strategy_kw=dict(execute_plan="auto")).fit(m, loader())
+    rp_trainer(max_steps=2, callbacks=[Spy()], strategy_kw=dict(execute_plan="auto")).fit(
+        m, loader()
+    )
     plan, default, num_layers = seen[0]
     # the engine's own default is the same planner on the same (unmeasured) estimates,
     # and it is not the uniform split: the wide layers get stages of their own
@@ -140,8 +157,12 @@ def test_execute_plan_auto_at_setup() -> None:
 
 def test_stage_time_logger_logs_once_per_step_with_accumulation(tmp_path: Path) -> None:
     stl = StageTimeLogger(every_n_steps=1, log_layers=False)
-    rp_trainer(max_steps=3, accumulate_grad_batches=2, logger=TensorBoardLogger(tmp_path, name="tb"),
-               callbacks=[stl]).fit(SeqModule(), loader())
+    rp_trainer(
+        max_steps=3,
+        accumulate_grad_batches=2,
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[stl],
+    ).fit(SeqModule(), loader())
     assert [e.step for e in _events(tmp_path).Scalars("roundpipe/bubble_ratio")] == [1, 2, 3]
 
 

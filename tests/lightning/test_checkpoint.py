@@ -15,7 +15,9 @@ from rpl_helpers import SeqModule, loader, max_rel_err, params_of, plain_trainer
 
 @pytest.mark.parametrize("async_step", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
-def test_resume_is_identical_to_straight_run(tmp_path: Path, async_step: bool, precision: str) -> None:
+def test_resume_is_identical_to_straight_run(
+    tmp_path: Path, async_step: bool, precision: str
+) -> None:
     kw = dict(async_step=async_step, precision=precision)
     # run A: 10 steps (ModelCheckpoint saves at step 10), then resume to 20
     a = SeqModule()
@@ -121,9 +123,15 @@ def test_resume_restores_loss_scaler_and_timer(tmp_path: Path) -> None:
         from roundpipe_lightning import RoundPipeStrategy
 
         return L.Trainer(
-            strategy=RoundPipeStrategy(num_microbatch=3, async_step=True), accelerator="cpu", devices=2,
-            plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=max_steps, logger=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+            strategy=RoundPipeStrategy(num_microbatch=3, async_step=True),
+            accelerator="cpu",
+            devices=2,
+            plugins=[MixedPrecision("16-mixed", "cpu")],
+            max_steps=max_steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
         )
 
     seen = {}

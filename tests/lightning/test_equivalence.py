@@ -21,18 +21,29 @@ TOL = 1e-5
 AUTOMATIC_CASES = {
     "plain": dict(trainer=dict(max_steps=6)),
     "accumulate2": dict(trainer=dict(max_steps=5, accumulate_grad_batches=2)),
-    "accumulate3_sgd": dict(trainer=dict(max_steps=4, accumulate_grad_batches=3), module=dict(optimizer="sgd")),
-    "clip_norm_sgd": dict(trainer=dict(max_steps=6, gradient_clip_val=0.5), module=dict(optimizer="sgd")),
-    "clip_norm": dict(trainer=dict(max_steps=6, gradient_clip_val=0.05)),
-    "clip_value": dict(trainer=dict(max_steps=6, gradient_clip_val=0.01, gradient_clip_algorithm="value")),
-    "accumulate2_clip_scheduler": dict(
-        trainer=dict(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.05), module=dict(scheduler=True)
+    "accumulate3_sgd": dict(
+        trainer=dict(max_steps=4, accumulate_grad_batches=3), module=dict(optimizer="sgd")
     ),
-    "max_epochs_validation": dict(trainer=dict(max_epochs=2, val_check_interval=2, limit_val_batches=2)),
+    "clip_norm_sgd": dict(
+        trainer=dict(max_steps=6, gradient_clip_val=0.5), module=dict(optimizer="sgd")
+    ),
+    "clip_norm": dict(trainer=dict(max_steps=6, gradient_clip_val=0.05)),
+    "clip_value": dict(
+        trainer=dict(max_steps=6, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    ),
+    "accumulate2_clip_scheduler": dict(
+        trainer=dict(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.05),
+        module=dict(scheduler=True),
+    ),
+    "max_epochs_validation": dict(
+        trainer=dict(max_epochs=2, val_check_interval=2, limit_val_batches=2)
+    ),
 }
 
 
-def _run(case: dict, roundpipe_mode: str, manual: bool = False) -> tuple[dict, dict, SeqModule, SeqModule]:
+def _run(
+    case: dict, roundpipe_mode: str, manual: bool = False
+) -> tuple[dict, dict, SeqModule, SeqModule]:
     module_kw = dict(case.get("module", {}))
     trainer_kw = dict(case["trainer"])
     val = trainer_kw.get("limit_val_batches") is not None
@@ -66,7 +77,9 @@ MANUAL_CASES = {
     "accumulate2": dict(trainer=dict(max_steps=3), module=dict(accumulate=2)),
     "accumulate2_sgd": dict(trainer=dict(max_steps=3), module=dict(accumulate=2, optimizer="sgd")),
     "clip": dict(trainer=dict(max_steps=6), module=dict(clip=0.05)),
-    "accumulate2_clip_scheduler": dict(trainer=dict(max_steps=3), module=dict(accumulate=2, clip=0.05, scheduler=True)),
+    "accumulate2_clip_scheduler": dict(
+        trainer=dict(max_steps=3), module=dict(accumulate=2, clip=0.05, scheduler=True)
+    ),
 }
 
 

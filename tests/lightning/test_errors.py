@@ -191,15 +191,23 @@ def test_callback_arguments() -> None:
 
 def test_multi_node_is_refused_clearly() -> None:
     t = L.Trainer(
-        strategy=RoundPipeStrategy(), accelerator="cpu", devices=2, num_nodes=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=RoundPipeStrategy(),
+        accelerator="cpu",
+        devices=2,
+        num_nodes=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     with pytest.raises(ValueError, match="num_nodes"):
         t.fit(SeqModule(), loader())
     assert roundpipe_threads() == []
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPUs")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without GPUs"
+)
 def test_gpu_devices_without_gpus_fail_before_training() -> None:
     with pytest.raises(Exception, match="(?i)gpu|cuda"):
         L.Trainer(strategy=RoundPipeStrategy(), accelerator="gpu", devices=2)

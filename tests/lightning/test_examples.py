@@ -25,14 +25,36 @@ def _scalars(log_dir: Path) -> set[str]:
     return tags
 
 
-def test_finetune_example_trains_with_falling_loss(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_finetune_example_trains_with_falling_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     import lightning_finetune
 
-    res = lightning_finetune.main([
-        "--out-dir", str(tmp_path), "--max-steps", "40", "--d-model", "32", "--n-layers", "2",
-        "--n-heads", "2", "--seq-len", "32", "--batch-size", "8", "--val-every", "20",
-        "--generate", "20", "--no-progress-bar", "--lr", "1e-2",
-    ])
+    res = lightning_finetune.main(
+        [
+            "--out-dir",
+            str(tmp_path),
+            "--max-steps",
+            "40",
+            "--d-model",
+            "32",
+            "--n-layers",
+            "2",
+            "--n-heads",
+            "2",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "8",
+            "--val-every",
+            "20",
+            "--generate",
+            "20",
+            "--no-progress-bar",
+            "--lr",
+            "1e-2",
+        ]
+    )
     losses = res["losses"]
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
@@ -48,8 +70,23 @@ def test_finetune_example_trains_with_falling_loss(tmp_path: Path, capsys: pytes
 def test_finetune_example_resume_and_init_from(tmp_path: Path) -> None:
     import lightning_finetune
 
-    small = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32",
-             "--batch-size", "8", "--val-every", "10", "--generate", "0", "--no-progress-bar"]
+    small = [
+        "--d-model",
+        "32",
+        "--n-layers",
+        "2",
+        "--n-heads",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--val-every",
+        "10",
+        "--generate",
+        "0",
+        "--no-progress-bar",
+    ]
     lightning_finetune.main(["--out-dir", str(tmp_path / "a"), "--max-steps", "10", *small])
     last = tmp_path / "a" / "checkpoints" / "last.ckpt"
     res = lightning_finetune.main(
@@ -57,27 +94,57 @@ def test_finetune_example_resume_and_init_from(tmp_path: Path) -> None:
     )
     assert res["trainer"].global_step == 14 and len(res["losses"]) == 4
     res = lightning_finetune.main(
-        ["--out-dir", str(tmp_path / "b"), "--max-steps", "3", "--init-from", str(last),
-         "--layout", "fwd=1,1 bwd=2,1,1", "--precision", "bf16-true", *small]
+        [
+            "--out-dir",
+            str(tmp_path / "b"),
+            "--max-steps",
+            "3",
+            "--init-from",
+            str(last),
+            "--layout",
+            "fwd=1,1 bwd=2,1,1",
+            "--precision",
+            "bf16-true",
+            *small,
+        ]
     )
     assert len(res["losses"]) == 3
 
 
-def test_cli_config_sets_strategy_layout_and_callbacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_config_sets_strategy_layout_and_callbacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("jsonargparse")
     import cli
 
     from roundpipe_lightning import AutoReplan, StageTimeLogger
 
     monkeypatch.chdir(tmp_path)
-    run = cli.main([
-        "fit", "--config", str(EXAMPLES / "config.yaml"),
-        "--data.path", str(EXAMPLES / "data" / "tiny_corpus.txt"),
-        "--trainer.max_steps", "6", "--trainer.val_check_interval", "3",
-        "--trainer.enable_progress_bar", "false",
-        "--model.d_model", "32", "--model.n_heads", "2", "--model.seq_len", "32",
-        "--data.seq_len", "32", "--data.batch_size", "8",
-    ])
+    run = cli.main(
+        [
+            "fit",
+            "--config",
+            str(EXAMPLES / "config.yaml"),
+            "--data.path",
+            str(EXAMPLES / "data" / "tiny_corpus.txt"),
+            "--trainer.max_steps",
+            "6",
+            "--trainer.val_check_interval",
+            "3",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--model.d_model",
+            "32",
+            "--model.n_heads",
+            "2",
+            "--model.seq_len",
+            "32",
+            "--data.seq_len",
+            "32",
+            "--data.batch_size",
+            "8",
+        ]
+    )
     trainer = run.trainer
     assert isinstance(trainer.strategy, RoundPipeStrategy)
     assert trainer.strategy.execute_plan == "fwd=2,2 bwd=2,1,1,1,1"

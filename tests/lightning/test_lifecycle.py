@@ -41,7 +41,9 @@ def test_devices_are_cpu_workers_in_one_process(devices: int) -> None:
     t.fit(m, loader())
     assert probe.num_devices == devices and probe.kinds == ["cpu"] * devices
     assert probe.submodules == ["net"]  # self.roundpipe is not registered as a submodule
-    assert probe.rp.model is m.net and isinstance(probe.rp, roundpipe_lightning._engine.LightningRoundPipe)
+    assert probe.rp.model is m.net and isinstance(
+        probe.rp, roundpipe_lightning._engine.LightningRoundPipe
+    )
     assert "roundpipe" not in vars(m)  # removed at teardown
     assert roundpipe_threads() == []
 
@@ -62,7 +64,9 @@ def test_registered_strategy_name() -> None:
 def test_layout_plans_train_identically(layout) -> None:
     probe = Probe()
     m = SeqModule()
-    rp_trainer(max_steps=4, callbacks=[probe], strategy_kw=dict(execute_plan=layout)).fit(m, loader())
+    rp_trainer(max_steps=4, callbacks=[probe], strategy_kw=dict(execute_plan=layout)).fit(
+        m, loader()
+    )
     plan = probe.rp.plan_for("fused")
     jobs = probe.rp.last_schedule
     assert [j.layers for j in jobs if j.kind != "forward"] == plan.bwd_plan
@@ -76,7 +80,9 @@ def test_layout_plans_train_identically(layout) -> None:
 
 def test_recompute_grain_layer_and_more_microbatches() -> None:
     m = SeqModule(mode="rp_forward")
-    rp_trainer(max_steps=3, num_microbatch=5, strategy_kw=dict(recompute_grain="layer")).fit(m, loader())
+    rp_trainer(max_steps=3, num_microbatch=5, strategy_kw=dict(recompute_grain="layer")).fit(
+        m, loader()
+    )
     ref = SeqModule(mode="plain")
     plain_trainer(max_steps=3).fit(ref, loader())
     assert max_rel_err(params_of(m), params_of(ref)) <= 1e-5
@@ -137,8 +143,14 @@ def test_hugging_face_model_through_preset() -> None:
             super().__init__()
             torch.manual_seed(0)
             cfg = transformers.LlamaConfig(
-                hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=64, max_position_embeddings=32, use_cache=False,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=64,
+                max_position_embeddings=32,
+                use_cache=False,
             )
             self.lm = transformers.LlamaForCausalLM(cfg)
             self.use_rp = roundpipe

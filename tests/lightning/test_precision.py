@@ -22,7 +22,9 @@ class Capture(L.Callback):
         self.scaler = trainer.strategy._loss_scaler
 
 
-@pytest.mark.parametrize("precision, dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+@pytest.mark.parametrize(
+    "precision, dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)]
+)
 def test_half_true_keeps_fp32_masters(precision: str, dtype: torch.dtype) -> None:
     cap = Capture()
     m = SeqModule(lr=3e-3)
@@ -75,7 +77,9 @@ def test_bf16_mixed_runs_layers_under_autocast_on_workers() -> None:
 
 def _mixed16(init_scale: float = 2.0**16) -> MixedPrecision:
     # Lightning turns precision="16-mixed" into bf16-mixed on CPU; the plugin keeps fp16 + scaler.
-    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
+    return MixedPrecision(
+        "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale)
+    )
 
 
 def test_16_mixed_scales_losses_and_matches_lightning() -> None:
@@ -83,15 +87,28 @@ def test_16_mixed_scales_losses_and_matches_lightning() -> None:
     cap = Capture()
     m = ProbedModule()
     L.Trainer(
-        strategy=RoundPipeStrategy(num_microbatch=3, async_step=False), accelerator="cpu", devices=2,
-        plugins=[_mixed16()], max_steps=4, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[cap],
+        strategy=RoundPipeStrategy(num_microbatch=3, async_step=False),
+        accelerator="cpu",
+        devices=2,
+        plugins=[_mixed16()],
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cap],
     ).fit(m, loader())
     assert set(SEEN_DTYPES) == {torch.float16}
     ref = ProbedModule(mode="plain")
     ref_trainer = L.Trainer(
-        accelerator="cpu", devices=1, plugins=[_mixed16()], max_steps=4, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        plugins=[_mixed16()],
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     ref_trainer.fit(ref, loader())
     # at 2**16 the fp16 activation gradients overflow at first: both runs skip and back off alike
@@ -117,9 +134,16 @@ def test_16_mixed_skips_overflowing_step() -> None:
     rec, cap = StepRecorder(), Capture()
     m = SeqModule()
     L.Trainer(
-        strategy=RoundPipeStrategy(num_microbatch=3, async_step=True), accelerator="cpu", devices=2,
-        plugins=[_mixed16(init_scale=256.0)], max_steps=5, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[rec, cap],
+        strategy=RoundPipeStrategy(num_microbatch=3, async_step=True),
+        accelerator="cpu",
+        devices=2,
+        plugins=[_mixed16(init_scale=256.0)],
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rec, cap],
     ).fit(m, dl)
     assert cap.scaler.skipped_steps == 1
     assert cap.scaler.scale == 128.0

@@ -29,14 +29,26 @@ def make_model(kind: str, seed: int = 0, **overrides):
     elif kind == "qwen3":
         # tied embeddings, like the small Qwen3 checkpoints
         cfg = tf.Qwen3Config(
-            **{**common, "head_dim": 8, "use_sliding_window": True, "sliding_window": 4,
-               "max_window_layers": 1, "tie_word_embeddings": True, **overrides}
+            **{
+                **common,
+                "head_dim": 8,
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "max_window_layers": 1,
+                "tie_word_embeddings": True,
+                **overrides,
+            }
         )
         model = tf.Qwen3ForCausalLM(cfg)
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(
-            **{**common, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2,
-               **overrides}
+            **{
+                **common,
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "max_window_layers": 2,
+                **overrides,
+            }
         )
         model = tf.Qwen2ForCausalLM(cfg)
     elif kind == "mistral":
@@ -44,17 +56,35 @@ def make_model(kind: str, seed: int = 0, **overrides):
         model = tf.MistralForCausalLM(cfg)
     elif kind == "gpt2":
         cfg = tf.GPT2Config(
-            **{"n_embd": 32, "n_layer": 3, "n_head": 4, "n_positions": 64, "vocab_size": VOCAB,
-               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False,
-               "bos_token_id": 1, "eos_token_id": 1,
-               **overrides}
+            **{
+                "n_embd": 32,
+                "n_layer": 3,
+                "n_head": 4,
+                "n_positions": 64,
+                "vocab_size": VOCAB,
+                "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0,
+                "use_cache": False,
+                "bos_token_id": 1,
+                "eos_token_id": 1,
+                **overrides,
+            }
         )
         model = tf.GPT2LMHeadModel(cfg)
     elif kind == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(
-            **{**common, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 4,
-               "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [1],
-               "norm_topk_prob": True, **overrides}
+            **{
+                **common,
+                "head_dim": 8,
+                "moe_intermediate_size": 16,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [1],
+                "norm_topk_prob": True,
+                **overrides,
+            }
         )
         model = tf.Qwen3MoeForCausalLM(cfg)
         # Router weights start at zero in HF's init: give them values so routing is non-trivial.
@@ -82,7 +112,7 @@ def make_batch(batch: int = 5, seq: int = 8, padding: str | None = "right", seed
             if n_pad == 0:
                 continue
             if padding == "right":
-                mask[b, seq - n_pad:] = 0
+                mask[b, seq - n_pad :] = 0
             else:
                 mask[b, :n_pad] = 0
     ids = ids.masked_fill(mask == 0, 0)

@@ -83,16 +83,23 @@ def test_chain_model_becomes_pipelined_roundpipe() -> None:
         # body (16*16*2+32 params > 100) was opened: inp, Linear, Tanh, Linear, relu, out
         assert rp.num_layers == 6
         loss = rp.forward_backward(
-            input_args=(x,), label=y, loss_fn=lambda o, t: nn.functional.mse_loss(o, t, reduction="sum")
+            input_args=(x,),
+            label=y,
+            loss_fn=lambda o, t: nn.functional.mse_loss(o, t, reduction="sum"),
         )
-        assert abs(loss.item() - nn.functional.mse_loss(ref_model(x), y, reduction="sum").item()) < 1e-4
+        assert (
+            abs(loss.item() - nn.functional.mse_loss(ref_model(x), y, reduction="sum").item())
+            < 1e-4
+        )
         for (n, p), rp_ in zip(model.named_parameters(), ref_model.parameters()):
             assert rel_err(rp.master_param(p).grad, rp_.grad) <= RTOL, n
     finally:
         rp.close()
 
 
-def _train_compare(model: nn.Module, make_inputs, loss_fn, rp_kwargs: dict, steps: int = 3) -> AutoRoundPipe:
+def _train_compare(
+    model: nn.Module, make_inputs, loss_fn, rp_kwargs: dict, steps: int = 3
+) -> AutoRoundPipe:
     """Train ``model`` through AutoRoundPipe and a deep copy with plain PyTorch; compare."""
     ref = copy.deepcopy(model)
     # SGD, not Adam: Adam turns the rounding noise of gradients that are analytically zero
@@ -133,12 +140,17 @@ def test_skip_connection_model_trains_like_pytorch() -> None:
     torch.manual_seed(0)
     model = SkipNet()
     gen = torch.Generator().manual_seed(1)
-    data = [(torch.randn(5, 7, 6, generator=gen), torch.randn(5, 7, 16, generator=gen)) for _ in range(3)]
+    data = [
+        (torch.randn(5, 7, 6, generator=gen), torch.randn(5, 7, 16, generator=gen))
+        for _ in range(3)
+    ]
     rp = _train_compare(
         model,
         lambda it: data[it],
         lambda out: out.pow(2).mean(),
-        dict(split_threshold=1200, devices=2, model_run_config=RoundPipeRunConfig(num_microbatch=2)),
+        dict(
+            split_threshold=1200, devices=2, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+        ),
     )
     try:
         names = [n for n, _ in rp.units]
@@ -146,7 +158,9 @@ def test_skip_connection_model_trains_like_pytorch() -> None:
         assert [n for n, _ in rp.host_parameters] == ["scale"]
         assert rp.units[-1][1].num_layers == 2  # the head is a chain: pipelined over 2 layers
         with pytest.raises(TypeError, match="forward_backward"):
-            rp.forward_backward(input_args=(torch.randn(2, 7, 6),), label=None, loss_fn=lambda o, t: o.sum())
+            rp.forward_backward(
+                input_args=(torch.randn(2, 7, 6),), label=None, loss_fn=lambda o, t: o.sum()
+            )
         # inference and the original model are unchanged afterwards
         x = torch.randn(3, 7, 6)
         with torch.no_grad():
@@ -159,8 +173,13 @@ def test_skip_connection_model_trains_like_pytorch() -> None:
 def test_encoder_decoder_trains_like_pytorch() -> None:
     torch.manual_seed(0)
     model = nn.Transformer(
-        d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=24,
-        dropout=0.0, batch_first=True,
+        d_model=16,
+        nhead=2,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dim_feedforward=24,
+        dropout=0.0,
+        batch_first=True,
     )
     gen = torch.Generator().manual_seed(2)
     src = torch.randn(4, 9, 16, generator=gen)

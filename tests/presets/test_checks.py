@@ -120,7 +120,9 @@ def test_shared_buffer_write_detected_and_error_mode() -> None:
     msgs = _warnings_of(1, layers[1], shared[1])
     assert len(msgs) == 1 and "shared buffer 'table'" in msgs[0] and "layer 1" in msgs[0]
     with pytest.raises(ValueError, match="layer 0"):
-        check_forward_rules(0, layers[0], lambda: layers[0](torch.ones(1, 4)), shared[0], error=True)
+        check_forward_rules(
+            0, layers[0], lambda: layers[0](torch.ones(1, 4)), shared[0], error=True
+        )
 
 
 def test_checker_checks_each_layer_once() -> None:
@@ -152,7 +154,12 @@ def test_presets_follow_the_rules(kind: str) -> None:
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         with running_layer(0, 0, False, store, torch.device("cpu")):
-            x = check_forward_rules(0, layers[0], lambda: layers[0](input_ids=ids, attention_mask=mask, labels=labels), shared[0])
+            x = check_forward_rules(
+                0,
+                layers[0],
+                lambda: layers[0](input_ids=ids, attention_mask=mask, labels=labels),
+                shared[0],
+            )
         for i in range(1, len(layers)):
             with running_layer(i, 0, False, store, torch.device("cpu")):
                 x = check_forward_rules(i, layers[i], lambda: layers[i](x), shared[i])  # noqa: B023

@@ -102,7 +102,9 @@ def test_forward_backward_matches_hf(kind: str, padding: str, pool_devices) -> N
                 return_outputs=True,
             )
             assert rel_err(logits, ref_logits) <= RTOL, f"{where}: logits differ"
-            assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item()), f"{where}: loss"
+            assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item()), (
+                f"{where}: loss"
+            )
             assert_grads_match(rp, model, ref_grads, where)
         finally:
             rp.close()
@@ -124,7 +126,9 @@ def test_autograd_forward_with_labels_matches_hf(kind: str, grain: str) -> None:
     rp = wrap_model_to_roundpipe(
         model,
         devices=2,
-        model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan, recompute_grain=grain),
+        model_run_config=RoundPipeRunConfig(
+            num_microbatch=3, execute_plan=plan, recompute_grain=grain
+        ),
     )
     try:
         out = rp(input_ids=ids, attention_mask=mask, labels=labels)
@@ -149,7 +153,9 @@ def test_inference_and_position_ids() -> None:
         assert rp.vocab_size == model.vocab_size == 97 and rp.config is model.config
         with torch.no_grad():
             got = rp(input_ids=ids, attention_mask=mask, position_ids=pos)
-            got_b = rp(input_ids=ids, attention_mask=mask, position_ids=pos.expand(ids.shape[0], -1))
+            got_b = rp(
+                input_ids=ids, attention_mask=mask, position_ids=pos.expand(ids.shape[0], -1)
+            )
             got_plain = rp(ids)
             embeds = model.get_input_embeddings()(ids)
             got_embeds = rp(inputs_embeds=embeds, attention_mask=mask, position_ids=pos)
@@ -165,10 +171,14 @@ def test_plain_loss_is_mean_per_microbatch() -> None:
     """Documented behaviour: ``causal_lm_loss`` as loss_fn sums per-microbatch means."""
     model = make_model("llama")
     ids, mask, labels = make_batch(padding="right")
-    rp = wrap_model_to_roundpipe(model, devices=1, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    rp = wrap_model_to_roundpipe(
+        model, devices=1, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
     try:
         loss = rp.forward_backward(
-            input_kwargs={"input_ids": ids, "attention_mask": mask}, label=labels, loss_fn=causal_lm_loss
+            input_kwargs={"input_ids": ids, "attention_mask": mask},
+            label=labels,
+            loss_fn=causal_lm_loss,
         )
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask).logits

@@ -1,0 +1,94 @@
+"""The engine's small vocabularies as ``str`` Enums, validated in one place.
+
+Each member *is* its text (``RunType.FUSED == "fused"``), so a user may pass the
+plain string and logs, layouts and traces print it unchanged. Code inside the
+engine compares against the members, never against bare literals.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TypeVar
+
+__all__ = ["JobKind", "PinMode", "RecomputeGrain", "RunType", "parse_kind"]
+
+
+class RunType(str, Enum):
+    """What a pipelined call computes.
+
+    ``INFER``: forward only. ``TRAIN``: forward now, backward later through
+    autograd (``forward()`` under grad mode). ``FUSED``: ``forward_backward()``,
+    whose first backward stage also runs the forward of its layers and the loss.
+    """
+
+    INFER = "infer"
+    TRAIN = "train"
+    FUSED = "fused"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class JobKind(str, Enum):
+    """What one job of a schedule does with its stage. The one-letter ``code`` is
+    the text form of a job (``"2F0"``: stage 2, forward, device 0)."""
+
+    FORWARD = "forward"
+    FUSED = "fused"
+    BACKWARD = "backward"
+
+    @property
+    def code(self) -> str:
+        return {"forward": "F", "fused": "X", "backward": "B"}[self.value]
+
+    @classmethod
+    def from_code(cls, code: str) -> JobKind:
+        for kind in cls:
+            if kind.code == code:
+                return kind
+        raise ValueError(f"unknown job kind code {code!r}; expected one of F, X, B")
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RecomputeGrain(str, Enum):
+    """How a backward stage recomputes: the whole stage then its backward
+    (``STAGE``), or one layer at a time (``LAYER``: less activation memory)."""
+
+    STAGE = "stage"
+    LAYER = "layer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PinMode(str, Enum):
+    """Host memory of the model's parameters on CUDA: pinned copies (``ALLOC``),
+    the existing storage pinned in place (``REGISTER``), or pageable (``OFF``)."""
+
+    ALLOC = "alloc"
+    REGISTER = "register"
+    OFF = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_E = TypeVar("_E", bound=Enum)
+
+
+def parse_kind(enum: type[_E], value: object, name: str) -> _E:
+    """``value`` (a member or its text) as a member of ``enum``.
+
+    Raises:
+        ValueError: naming the argument ``name``, the bad value and the choices.
+    """
+    if isinstance(value, enum):
+        return value
+    if isinstance(value, str):
+        for member in enum:
+            if member.value == value:
+                return member
+    choices = ", ".join(repr(m.value) for m in enum)
+    raise ValueError(f"{name} must be one of {choices}; got {value!r}")
