@@ -446,6 +446,11 @@ class RoundPipe(nn.Module):
         self._versions.set_all(self._steps)
         self._target_version = self._steps
 
+    def wait_step(self) -> None:
+        """Block until the step queued by ``step()`` (if any) has finished; its error, if
+        any, is raised by ``synchronize()``. The masters are then safe to read."""
+        self._wait_step_done()
+
     def _wait_step_done(self) -> None:
         fut = self._pending_step
         if fut is not None:
