@@ -1,6 +1,6 @@
 """Device memory bound and engine overhead of RoundPipe on the CPU backend, side by side.
 
-    python benchmarks/memory_and_overhead.py [--layers 16] [--width 512] [--steps 6]
+    python benchmarks/memory_and_overhead.py [--layers 16] [--width 512] [--rounds 12]
 
 One run trains the same nn.Sequential (a stack of MLP blocks) with plain
 PyTorch and with RoundPipe on 1, 2 and 4 CPU workers, and prints, per
@@ -9,7 +9,8 @@ configuration:
 - ``peak dev / model``: the most parameter bytes any one device held at once,
   as a share of the whole model — the point of RoundPipe: a device needs room
   for two stages (the running one and the prefetched one), not for the model;
-- ``time / plain``: step time relative to plain PyTorch in the same run. On the
+- ``time / plain``: median step time relative to plain PyTorch, the variants
+  interleaved round by round in the same run (with the spread). On the
   CPU backend every "device" shares the same cores, so this measures the
   engine's bookkeeping (uploads are real copies, activations go through the
   host, compute is serialised); it is not the GPU speed-up.
@@ -19,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
+from _interleave import interleave
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
@@ -42,38 +43,29 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
 
 
-def time_plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
+
+    def step() -> None:
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+
+    return step
 
 
-def time_roundpipe(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, devices: int, stages: int
-):
+def roundpipe_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, devices: int, stages: int):
     rp = RoundPipe(model, devices=f"cpu:{devices}", optim_dtype=torch.float32)
-    layers = rp.num_layers
-    plan = ModelExecutePlan.uniform(layers, stages, "fused")
+    plan = ModelExecutePlan.uniform(rp.num_layers, stages, "fused")
     cfg = RoundPipeRunConfig(num_microbatch=devices + 1, execute_plan=plan)
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-4, fused=True)
-    times = []
-    try:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            rp.forward_backward((x,), label=y, loss_fn=loss_fn, run_config=cfg)
-            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
-            times.append(time.perf_counter() - t0)
-        rp.synchronize()
-        peak = max(w.ledger.peak.get("param", 0) for w in rp.pool.workers)
-    finally:
-        rp.close()
-    return sorted(times)[len(times) // 2], peak
+
+    def step() -> None:
+        rp.forward_backward((x,), label=y, loss_fn=loss_fn, run_config=cfg)
+        # synchronous step: a timed round must not leave work running into the next variant's
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+
+    return rp, step
 
 
 def main() -> None:
@@ -83,23 +75,44 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=12)
     args = ap.parse_args()
     model = build(args.layers, args.width)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, args.width)
-    plain = time_plain(copy.deepcopy(model), x, y, args.steps)
-    print(
-        f"model: {args.layers} blocks x width {args.width} = {model_bytes / 2**20:.1f} MiB of fp32 parameters"
-    )
-    print(f"{'config':<28}{'stages':>7}{'peak dev / model':>18}{'time / plain':>14}")
-    print(f"{'plain PyTorch':<28}{'-':>7}{1.0:>18.2f}{1.0:>14.2f}")
+    variants = {"plain PyTorch": plain_step(copy.deepcopy(model), x, y)}
+    pipes, stages_of = {}, {}
     for devices in (1, 2, 4):
-        stages = 2 * devices + 2
-        t, peak = time_roundpipe(copy.deepcopy(model), x, y, args.steps, devices, stages)
+        name = f"RoundPipe, {devices} CPU worker(s)"
+        stages_of[name] = 2 * devices + 2
+        pipes[name], variants[name] = roundpipe_step(
+            copy.deepcopy(model), x, y, devices, stages_of[name]
+        )
+    try:
+        timings = interleave(variants, rounds=args.rounds)
+        peaks = {
+            name: max(w.ledger.peak.get("param", 0) for w in rp.pool.workers)
+            for name, rp in pipes.items()
+        }
+    finally:
+        for rp in pipes.values():
+            rp.close()
+    print(
+        f"model: {args.layers} blocks x width {args.width} = {model_bytes / 2**20:.1f} MiB of fp32 "
+        f"parameters; {args.rounds} interleaved rounds, median and interquartile spread"
+    )
+    plain = timings["plain PyTorch"]
+    print(
+        f"{'config':<28}{'stages':>7}{'peak dev / model':>18}{'time / plain':>14}{'p25..p75 ms':>16}"
+    )
+    for name, t in timings.items():
+        lo, hi = t.spread_ms
+        stages = str(stages_of.get(name, "-"))
+        peak = peaks[name] / model_bytes if name in peaks else 1.0
         print(
-            f"{f'RoundPipe, {devices} CPU worker(s)':<28}{stages:>7}{peak / model_bytes:>18.2f}{t / plain:>14.2f}"
+            f"{name:<28}{stages:>7}{peak:>18.2f}{t.median_ms / plain.median_ms:>14.2f}"
+            f"{f'{lo:.1f}..{hi:.1f}':>16}"
         )
 
 
