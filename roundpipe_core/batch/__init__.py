@@ -7,10 +7,12 @@ Three ways to say how a call is cut into microbatches (``RoundPipeRunConfig``):
   first, as ``torch.tensor_split``); every other leaf (non-tensors, 0-dim
   tensors, tensors of another leading size) is replicated to every microbatch.
 * **specs**: a structure that mirrors the value, whose leaves are
-  ``TensorChunkSpec(dim)`` (split along ``dim``), ``Replicate`` (``_Replicate``,
-  class or instance: the whole subtree goes to every microbatch) or ``None``
+  ``TensorChunkSpec(dim)`` (split along ``dim``), ``Replicate`` (class or
+  instance: the whole subtree goes to every microbatch) or ``None``
   (automatic for that subtree). ``split_input`` takes ``(args_spec,
-  kwargs_spec)``; a dict spec may name only some keys.
+  kwargs_spec)``; a dict spec may name only some keys. The markers of
+  ``torch.distributed.pipelining.microbatch`` (``TensorChunkSpec``, ``_Replicate``,
+  ``_CustomReducer``), which the published RoundPipe documents, work the same.
 * **a function**: ``split_input(args, kwargs, n)`` returning either
   ``(args_list, kwargs_list)`` (the published RoundPipe's contract) or
   ``[(args, kwargs), ...]``; ``split_label(label, n) -> [label, ...]``.
@@ -19,7 +21,7 @@ Merging (``merge_output``): ``None``/``True`` concatenates tensors along dim 0,
 **averages** 0-dim tensors over the microbatches and keeps non-tensors that
 are equal in every microbatch; a spec structure uses ``TensorChunkSpec(dim)``
 (concatenate along ``dim``), ``Replicate`` (equal in every microbatch) or a
-reducer (``avg_reducer``, ``sum_reducer``, any ``_CustomReducer``); a function
+reducer (``avg_reducer``, ``sum_reducer``, any ``Reducer``); a function
 gets the list of outputs; ``False`` returns every leaf as a
 :class:`RoundPipePackedData` of its per-microbatch values, which a following
 RoundPipe call takes as already split.
@@ -40,6 +42,7 @@ from .merge import (
 )
 from .split import SplitInputs, default_split_input, split_call_inputs, split_call_labels
 from .tree import (
+    Reducer,
     Replicate,
     RoundPipePackedData,
     TensorChunkSpec,
@@ -55,6 +58,7 @@ __all__ = [
     "RoundPipePackedData",
     "TensorChunkSpec",
     "Replicate",
+    "Reducer",
     "avg_reducer",
     "sum_reducer",
     "SplitInputs",

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
 from .tree import (
     RoundPipePackedData,
     _chunk_dim,
+    _is_chunk,
+    _is_reducer,
     _is_replicate,
     _leaf_specs,
     _MeanReducer,
@@ -128,7 +129,7 @@ def _merge_leaf(vals: list[Any], marker: Any, where: str) -> tuple[Any, tuple]:
                 return _mean(vals), ("mean", n)
             return torch.cat(vals, dim=0), ("cat", 0, tuple(int(v.shape[0]) for v in vals))
         return _replicated(vals, where), ("none",)
-    if isinstance(marker, TensorChunkSpec):
+    if _is_chunk(marker):
         dim = _chunk_dim(marker, v0, where)
         return torch.cat(vals, dim=dim), ("cat", dim, tuple(int(v.shape[dim]) for v in vals))
     if _is_replicate(marker):
@@ -138,7 +139,7 @@ def _merge_leaf(vals: list[Any], marker: Any, where: str) -> tuple[Any, tuple]:
         return _mean(vals), ("mean", n)
     if isinstance(marker, _SumReducer):
         return torch.stack(vals).sum(0) if isinstance(v0, torch.Tensor) else sum(vals), ("sum",)
-    if isinstance(marker, _CustomReducer):
+    if _is_reducer(marker):
         acc = marker.init_value
         for v in vals:
             acc = marker.reduce_fn(acc, v)

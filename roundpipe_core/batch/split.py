@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer
 
 from .tree import (
     RoundPipePackedData,
     _chunk_dim,
+    _is_chunk,
+    _is_reducer,
     _is_replicate,
     _leaf_specs,
     _with_dim,
@@ -115,7 +116,7 @@ def _split_leaves(
         dims = [
             int(x.shape[d])
             for x, m, w in zip(leaves, markers, places)
-            if isinstance(m, TensorChunkSpec) and (d := _chunk_dim(m, x, w)) >= 0
+            if _is_chunk(m) and (d := _chunk_dim(m, x, w)) >= 0
         ]
         cap = min([num_microbatch, *dims] + ([bs] if bs is not None else []))
         if cap < 1:
@@ -128,7 +129,7 @@ def _split_leaves(
     for x, m, w in zip(leaves, markers, places):
         if isinstance(x, RoundPipePackedData):
             chunks, rule = list(x), _LeafRule("packed")
-        elif isinstance(m, TensorChunkSpec):
+        elif _is_chunk(m):
             dim = _chunk_dim(m, x, w)
             chunks = list(torch.tensor_split(x, n, dim=dim))
             rule = _LeafRule("chunk", dim, tuple(int(c.shape[dim]) for c in chunks))
@@ -198,7 +199,7 @@ def split_call_inputs(
     else:
         args_spec, kwargs_spec = _check_spec_pair(split_input)
     markers = _leaf_specs(args_spec, args, "args") + _leaf_specs(kwargs_spec, kwargs, "kwargs")
-    if any(isinstance(m, (_CustomReducer, bool)) for m, _ in markers):
+    if any((_is_reducer(m) or isinstance(m, bool)) for m, _ in markers):
         raise TypeError(
             "reducers are merge specs; split_input takes TensorChunkSpec, Replicate, None"
         )

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
 from torch.utils import _pytree as pytree
 
 __all__ = [
     "RoundPipePackedData",
     "TensorChunkSpec",
     "Replicate",
+    "Reducer",
     "avg_reducer",
     "sum_reducer",
     "flatten",
@@ -23,9 +24,61 @@ __all__ = [
 ]
 
 Rebuild = Callable[[list[Any]], Any]
-#: The published RoundPipe (and torch.distributed.pipelining) spell the replicate marker
-#: ``_Replicate``; both the class and an instance are accepted.
-Replicate = _Replicate
+
+# torch.distributed.pipelining's markers (TensorChunkSpec, _Replicate, _CustomReducer) are
+# what the published RoundPipe documents; they are accepted wherever ours are. Importing
+# that package costs seconds (it pulls in torch.distributed), so it is never imported
+# here: a spec built from torch's classes means the module is loaded already.
+_TORCH_MB = "torch.distributed.pipelining.microbatch"
+
+
+class TensorChunkSpec:
+    """Split a tensor into microbatches along ``split_dim`` (merge: concatenate along it)."""
+
+    def __init__(self, split_dim: int) -> None:
+        if not isinstance(split_dim, int) or isinstance(split_dim, bool):
+            raise TypeError(f"split_dim must be an int, got {split_dim!r}")
+        self.split_dim = split_dim
+
+    def __repr__(self) -> str:
+        return f"TensorChunkSpec({self.split_dim})"
+
+
+class Replicate:
+    """Marker (the class or an instance): the subtree goes whole to every microbatch
+    (merge: it must be equal in every microbatch)."""
+
+    def __repr__(self) -> str:
+        return "Replicate"
+
+
+class Reducer:
+    """Merge marker: fold the microbatch values, ``acc = reduce_fn(acc, value)`` from
+    ``init_value`` (torch's ``_CustomReducer`` is accepted as well)."""
+
+    def __init__(self, init_value: Any, reduce_fn: Callable[[Any, Any], Any]) -> None:
+        self.init_value = init_value
+        self.reduce_fn = reduce_fn
+
+
+def _torch_marker(spec: Any, name: str) -> bool:
+    mod = sys.modules.get(_TORCH_MB)
+    if mod is None:
+        return False
+    cls = getattr(mod, name, None)
+    return cls is not None and (spec is cls or isinstance(spec, cls))
+
+
+def _is_chunk(spec: Any) -> bool:
+    return isinstance(spec, TensorChunkSpec) or (
+        not isinstance(spec, type) and _torch_marker(spec, "TensorChunkSpec")
+    )
+
+
+def _is_reducer(spec: Any) -> bool:
+    return isinstance(spec, Reducer) or (
+        not isinstance(spec, type) and _torch_marker(spec, "_CustomReducer")
+    )
 
 
 # --------------------------------------------------------------------------- packed data
@@ -58,7 +111,7 @@ class RoundPipePackedData(list):
 
 
 # --------------------------------------------------------------------------- reducers
-class _MeanReducer(_CustomReducer):
+class _MeanReducer(Reducer):
     """Average over microbatches (a fold cannot express a mean, so merging treats it
     as sum then divide; its gradient is ``g / n`` per microbatch)."""
 
@@ -69,7 +122,7 @@ class _MeanReducer(_CustomReducer):
         return "avg_reducer"
 
 
-class _SumReducer(_CustomReducer):
+class _SumReducer(Reducer):
     """Sum over microbatches (gradient ``g`` to every microbatch)."""
 
     def __init__(self) -> None:
@@ -162,14 +215,15 @@ def split_tree(obj: Any, sizes: list[int], batch_size: int | None) -> list[Any]:
 
 # --------------------------------------------------------------------------- specs
 def _is_replicate(spec: Any) -> bool:
-    return spec is _Replicate or isinstance(spec, _Replicate)
+    return spec is Replicate or isinstance(spec, Replicate) or _torch_marker(spec, "_Replicate")
 
 
 def _is_marker(spec: Any) -> bool:
     return (
         spec is None
         or _is_replicate(spec)
-        or isinstance(spec, (TensorChunkSpec, _CustomReducer))
+        or _is_chunk(spec)
+        or _is_reducer(spec)
         or isinstance(spec, bool)
     )
 
@@ -212,7 +266,7 @@ def _with_dim(shape: torch.Size, dim: int, size: int) -> list[int]:
     return s
 
 
-def _chunk_dim(spec: TensorChunkSpec, leaf: Any, where: str) -> int:
+def _chunk_dim(spec: Any, leaf: Any, where: str) -> int:
     if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
         raise TypeError(
             f"TensorChunkSpec({spec.split_dim}) at {where} needs a tensor with at least one "

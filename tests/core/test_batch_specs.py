@@ -8,6 +8,7 @@ import torch
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
 
 from roundpipe_core.batch import (
+    Reducer,
     Replicate,
     RoundPipePackedData,
     avg_reducer,
@@ -18,6 +19,7 @@ from roundpipe_core.batch import (
     split_call_labels,
     sum_reducer,
 )
+from roundpipe_core.batch import TensorChunkSpec as OurChunk
 
 
 # --------------------------------------------------------------------------- merge rule
@@ -222,3 +224,25 @@ def test_custom_functions_have_no_adjoint():
     m = merge_outputs_with_grad(lambda xs: xs[0], [torch.ones(1)] * 2)
     with pytest.raises(ValueError, match="custom merge_output"):
         m.split_output_grads([torch.ones(1)])
+
+
+def test_own_markers_work_like_torchs_and_dataclass_specs_mirror_outputs():
+    import dataclasses
+
+    x = torch.arange(12.0).reshape(2, 6)
+    ours = split_call_inputs(((OurChunk(1), Replicate), None), (x, "k"), {}, 3).parts
+    theirs = split_call_inputs(((TensorChunkSpec(1), _Replicate), None), (x, "k"), {}, 3).parts
+    assert all(torch.equal(a[0][0], b[0][0]) and a[0][1] == "k" for a, b in zip(ours, theirs))
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        loss_sum: torch.Tensor
+        n: torch.Tensor
+
+    outs = [Out(torch.ones(2, 3), torch.tensor(4.0), torch.tensor(2)) for _ in range(3)]
+    prod = Reducer(1, lambda a, b: a * b)
+    m = merge_outputs(Out(None, sum_reducer, prod), outs)
+    assert m.logits.shape == (6, 3) and m.loss_sum.item() == 12.0 and m.n.item() == 8
+    with pytest.raises(TypeError, match="split_dim must be an int"):
+        OurChunk("0")
