@@ -8,9 +8,8 @@ implementations runs when the caller leaves ``fused`` / ``foreach`` unset:
 
 * ``fused=True`` where torch has a fused CPU kernel (Adam, AdamW, SGD, Adagrad) and
   every parameter is a floating-point tensor on a device that kernel supports;
-* ``foreach=True`` where torch's multi-tensor path measured faster than its
-  per-tensor loop on CPU (see ``benchmarks/optimizers.py``);
-* torch's default otherwise.
+* torch's default otherwise: torch's multi-tensor (foreach) path measured slower
+  than its per-tensor loop on CPU for all the others (``benchmarks/optimizers.py``).
 
 A value the caller passes is always respected. :func:`fused_variant` and
 :func:`use_fastest_` give a user's plain torch optimizer the same treatment.
@@ -43,9 +42,12 @@ __all__ = [
     "use_fastest_",
 ]
 
-# Which torch implementation runs by default, per optimizer (CPU). "fused" needs a
-# fused CPU kernel in torch; "foreach" was measured faster than the per-tensor loop by
-# benchmarks/optimizers.py (20M fp32 parameters, 2-16 threads); "default" keeps torch's.
+# Which torch implementation runs by default, per optimizer (CPU). "fused" where torch
+# has a fused CPU kernel; elsewhere "default" (torch's per-tensor loop on CPU), because
+# benchmarks/optimizers.py --variants measured torch 2.13's foreach path *slower* on CPU
+# for every one of them (0.5-0.95x the loop's CPU time, 20M fp32 params in 31 tensors):
+# its CPU kernels loop over the tensors anyway and allocate more temporaries. "foreach"
+# stays available for an optimizer where that changes.
 _IMPL: dict[str, str] = {
     "Adam": "fused",
     "AdamW": "fused",
@@ -54,10 +56,10 @@ _IMPL: dict[str, str] = {
     "Adadelta": "default",
     "Adamax": "default",
     "ASGD": "default",
-    "NAdam": "foreach",
+    "NAdam": "default",
     "RAdam": "default",
-    "RMSprop": "foreach",
-    "Rprop": "foreach",
+    "RMSprop": "default",
+    "Rprop": "default",
     "Adafactor": "default",
 }
 

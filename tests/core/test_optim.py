@@ -93,9 +93,11 @@ def test_unknown_name_is_a_value_error():
         optim.fastest_impl("Lion")
 
 
-@pytest.mark.parametrize("name", ["AdamW", "SGD", "Adagrad", "RMSprop", "NAdam"])
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD", "Adagrad", "RMSprop"])
 @pytest.mark.parametrize("how", ["fused_variant", "use_fastest_"])
-def test_user_optimizer_switched_mid_run_keeps_the_trajectory(name, how):
+def test_user_optimizer_switched_mid_run_keeps_the_trajectory(name, how, monkeypatch):
+    if name == "RMSprop":  # no optimizer measured faster with foreach: test that path anyway
+        monkeypatch.setitem(optim._IMPL, name, "foreach")
     kw = {"momentum": 0.9} if name in ("SGD", "RMSprop") else {}
     ref = _run(lambda ps: getattr(torch.optim, name)(ps, **kw), steps=6)
 
