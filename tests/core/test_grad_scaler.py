@@ -80,12 +80,13 @@ def test_same_sequence_as_torch_in_program_order(opt_name):
     assert scaler.state_dict() == ref_state
 
 
-def test_step_on_another_thread_with_update_before_it():
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_step_on_another_thread_with_update_before_it(opt_name):
     """The published pattern: the training thread calls update() right after handing
     the step to the optimizer thread; the next iteration's scale() runs on a worker."""
-    ref_scales, _, ref_params, _ = _reference(OPTIMIZERS["sgd"])
+    ref_scales, _, ref_params, _ = _reference(OPTIMIZERS[opt_name])
     model = mlp()
-    opt = OPTIMIZERS["sgd"](model.parameters())
+    opt = OPTIMIZERS[opt_name](model.parameters())
     scaler = GradScaler(**KW)
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
     rng = random.Random(0)
