@@ -21,6 +21,7 @@ __all__ = [
     "batch_size_of",
     "split_sizes",
     "split_tree",
+    "check_run_specs",
 ]
 
 Rebuild = Callable[[list[Any]], Any]
@@ -258,6 +259,51 @@ def _leaf_specs(spec: Any, value: Any, where: str) -> list[tuple[Any, str]]:
             )
         pairs = [(s, kid, f"{where}[{i}]") for i, (s, kid) in enumerate(zip(skids, kids))]
     return [m for s, kid, w in pairs for m in _leaf_specs(s, kid, w)]
+
+
+def check_run_specs(
+    split_input: Any = None, split_label: Any = None, merge_output: Any = None
+) -> None:
+    """Check the split/merge fields of a run config when it is made, before any call.
+
+    Raises:
+        TypeError: naming the field and the offending part, with the accepted forms.
+    """
+    if split_input is not None and not callable(split_input):
+        if not (isinstance(split_input, (tuple, list)) and len(split_input) == 2):
+            raise TypeError(
+                "split_input must be None, a function f(args, kwargs, n) or a pair "
+                f"(args_spec, kwargs_spec); got {split_input!r}"
+            )
+        _check_spec_tree(split_input[0], "split_input[0]", split=True)
+        _check_spec_tree(split_input[1], "split_input[1]", split=True)
+    if split_label is not None and not callable(split_label):
+        _check_spec_tree(split_label, "split_label", split=True)
+    if (
+        merge_output is not None
+        and not callable(merge_output)
+        and not isinstance(merge_output, bool)
+    ):
+        _check_spec_tree(merge_output, "merge_output", split=False)
+
+
+def _check_spec_tree(spec: Any, where: str, split: bool) -> None:
+    if _is_marker(spec) and not isinstance(spec, bool):
+        if split and _is_reducer(spec):
+            raise TypeError(
+                f"{where}: reducers merge outputs; to split use TensorChunkSpec(dim), Replicate or None"
+            )
+        return
+    node = _children(spec)
+    if node is None:
+        raise TypeError(
+            f"{where} is {spec!r}; a spec holds TensorChunkSpec(dim), Replicate, "
+            + ("" if split else "a reducer, ")
+            + "or None, in containers that mirror the value"
+        )
+    kids, _, keys = node
+    for i, kid in enumerate(kids):
+        _check_spec_tree(kid, f"{where}[{keys[i]!r}]" if keys else f"{where}[{i}]", split)
 
 
 def _with_dim(shape: torch.Size, dim: int, size: int) -> list[int]:

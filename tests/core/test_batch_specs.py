@@ -12,6 +12,7 @@ from roundpipe_core.batch import (
     Replicate,
     RoundPipePackedData,
     avg_reducer,
+    check_run_specs,
     flatten,
     merge_outputs,
     merge_outputs_with_grad,
@@ -246,3 +247,18 @@ def test_own_markers_work_like_torchs_and_dataclass_specs_mirror_outputs():
     assert m.logits.shape == (6, 3) and m.loss_sum.item() == 12.0 and m.n.item() == 8
     with pytest.raises(TypeError, match="split_dim must be an int"):
         OurChunk("0")
+
+
+def test_run_specs_are_checked_when_the_config_is_made():
+    check_run_specs(None, None, None)
+    check_run_specs(_pairs_split, lambda lab, n: [lab] * n, lambda outs: outs[0])
+    check_run_specs(((TensorChunkSpec(1), _Replicate), {"m": None}), (Replicate,), False)
+    check_run_specs(None, None, {"h": TensorChunkSpec(0), "loss": avg_reducer})
+    with pytest.raises(TypeError, match="split_input must be"):
+        check_run_specs(split_input=5)
+    with pytest.raises(TypeError, match=r"split_input\[0\]\[1\] is 3"):
+        check_run_specs(split_input=((None, 3), None))
+    with pytest.raises(TypeError, match=r"split_label\[0\]: reducers merge outputs"):
+        check_run_specs(split_label=(sum_reducer,))
+    with pytest.raises(TypeError, match=r"merge_output\['loss'\] is 'mean'"):
+        check_run_specs(merge_output={"loss": "mean"})
