@@ -10,7 +10,7 @@ import torch
 from _util import mlp, sum_sq
 
 from roundpipe_core import RoundPipe, RoundPipeRunConfig
-from roundpipe_core.batch import default_merge_output, default_split_input, split_sizes
+from roundpipe_core.batch import default_split_input, merge_outputs, split_sizes, sum_merge_output
 
 
 def test_split_sizes_near_equal_and_capped_by_batch():
@@ -43,12 +43,12 @@ def test_split_pytrees_broadcasts_non_batch_leaves():
     assert k0["flag"] is True and torch.equal(k1["w"], x[3:])
 
 
-def test_merge_concatenates_and_sums_scalars():
+def test_sum_merge_concatenates_and_sums_scalars():
     outs = [
         {"h": torch.ones(2, 3), "loss": torch.tensor(1.0), "n": "x"},
         {"h": torch.zeros(1, 3), "loss": torch.tensor(2.0), "n": "x"},
     ]
-    m = default_merge_output(outs)
+    m = sum_merge_output(outs)
     assert m["h"].shape == (3, 3) and m["loss"].item() == 3.0 and m["n"] == "x"
 
 
@@ -58,7 +58,7 @@ def test_hf_model_output_splits_and_merges():
     o = out_cls(logits=torch.randn(4, 2, 3))
     parts = default_split_input((o,), {}, 2)
     assert isinstance(parts[0][0][0], out_cls) and parts[0][0][0].logits.shape == (2, 2, 3)
-    merged = default_merge_output([p[0][0] for p in parts])
+    merged = merge_outputs(None, [p[0][0] for p in parts])
     assert torch.equal(merged.logits, o.logits)
 
 

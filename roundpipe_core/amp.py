@@ -1,0 +1,268 @@
+"""Loss scaling for fp16 training with RoundPipe's asynchronous optimizer thread.
+
+:class:`GradScaler` is a drop-in for ``torch.amp.GradScaler`` (same arguments, methods
+and state dict; the arithmetic *is* torch's: it drives a ``torch.amp.GradScaler("cpu")``
+internally). What it adds is the threading RoundPipe needs: ``scale()`` runs in the
+loss function on device worker threads, ``step()`` runs inside ``rp.step(step_fn)`` on
+the optimizer thread, and ``update()`` is called on the training thread right after
+``rp.step(...)`` returns -- before the optimizer thread has looked at the gradients.
+
+So ``update()`` does not need the step to have happened yet: when no inf check of this
+iteration has been recorded, it is *deferred* and completes on the optimizer thread as
+soon as ``step()`` has run for the optimizers the scaler steps each iteration. Until
+then, ``scale()``, ``get_scale()`` and ``state_dict()`` wait for it (a timeout turns a
+forgotten ``step()`` into an error, never a hang). Each iteration therefore scales its
+loss with exactly the scale ``torch.amp.GradScaler`` would use, and ``step()`` unscales
+the gradients with the scale they were made with -- whatever the thread timing.
+
+Usage (the published RoundPipe's pattern)::
+
+    scaler = GradScaler()
+    for x, y in data:
+        rp.forward_backward(input_args=(x,), label=y,
+                            loss_fn=lambda out, lbl: scaler.scale(criterion(out, lbl)))
+        rp.step(lambda: (scaler.step(opt), opt.zero_grad()))
+        scaler.update()
+
+With several optimizers, "this iteration's step" means a ``step()`` of every optimizer
+the scaler has stepped before; in the very first iteration it knows only those stepped
+so far, so there call ``rp.synchronize()`` before ``update()`` (or step them all before
+the first ``update()``).
+
+Calling ``update()`` inside ``step_fn`` (after ``scaler.step``) is exact too when the
+step is synchronous (``rp.step(fn, is_async=False)``); with an asynchronous step the
+next iteration's losses may be scaled before that ``update()`` runs, so keep
+``update()`` on the training thread there.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import abc
+from typing import Any, overload
+
+import torch
+
+__all__ = ["GradScaler"]
+
+
+class GradScaler:
+    """Gradient scaler for mixed precision, safe across RoundPipe's threads.
+
+    Args:
+        init_scale: initial scale factor.
+        growth_factor: factor the scale is multiplied by after ``growth_interval``
+            consecutive iterations without inf/NaN gradients.
+        backoff_factor: factor the scale is multiplied by after an iteration with
+            inf/NaN gradients (whose optimizer step is skipped).
+        growth_interval: iterations without inf/NaN before the scale grows.
+        enabled: ``False`` makes ``step`` a plain ``optimizer.step()`` and every
+            other method a no-op.
+        wait_timeout: seconds ``scale()`` / ``get_scale()`` / ``state_dict()`` wait for a
+            deferred ``update()`` to find its ``step()`` before raising ``RuntimeError``.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        wait_timeout: float = 300.0,
+    ) -> None:
+        if not isinstance(growth_interval, int) or isinstance(growth_interval, bool):
+            raise TypeError(f"growth_interval must be an int, got {growth_interval!r}")
+        if wait_timeout <= 0:
+            raise ValueError(f"wait_timeout must be positive seconds, got {wait_timeout!r}")
+        self._impl = torch.amp.GradScaler(
+            "cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled
+        )
+        if self._impl.is_enabled():
+            # the scale lives with the fp32 masters on the CPU; scale() copies it to the
+            # loss's device
+            self._impl._lazy_init_scale_growth_tracker(torch.device("cpu"))
+        # _step_lock serialises the optimizer side (torch's per-optimizer bookkeeping) and is
+        # held while an optimizer steps; _cond guards the scale and the deferred update and
+        # is never held during a step, so scale()/update() do not wait for one. Order:
+        # _step_lock before _cond.
+        self._step_lock = threading.RLock()
+        self._cond = threading.Condition()
+        self._timeout = float(wait_timeout)
+        self._pending = False  # an update() waiting for this iteration's step()
+        self._pending_scale: float | torch.Tensor | None = None
+        self._stepped: set[int] = set()  # ids of optimizers stepped since the last update
+        self._known: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    # -- scaling ---------------------------------------------------------------------
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+    @overload
+    def scale(self, outputs: abc.Iterable[torch.Tensor]) -> abc.Iterable[torch.Tensor]: ...
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a tensor (or an iterable of tensors) by the current scale.
+
+        Safe to call from any thread; waits while an ``update()`` is deferred.
+        Returns ``outputs`` unchanged when disabled.
+        """
+        if not self.is_enabled():
+            return outputs
+        with self._cond:
+            self._wait_resolved("scale()")
+            s = self._impl._scale.clone()  # a snapshot: a later update cannot touch the graph
+        return _apply_scale(outputs, s)
+
+    # -- the optimizer side ---------------------------------------------------------------
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale (optional; ``step`` does it).
+
+        Gradients are checked for inf/NaN as part of it, exactly as torch does.
+        """
+        if not self.is_enabled():
+            return
+        with self._step_lock:
+            self._impl.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless ``unscale_`` ran) and run ``optimizer.step(*args, **kwargs)``
+        unless the gradients hold inf/NaN.
+
+        Returns:
+            ``optimizer.step``'s return value, or ``None`` when the step was skipped.
+        """
+        if not self.is_enabled():
+            return optimizer.step(*args, **kwargs)
+        with self._step_lock:
+            retval = self._impl.step(optimizer, *args, **kwargs)
+            with self._cond:
+                self._stepped.add(id(optimizer))
+                self._known.add(optimizer)
+                if self._pending and self._all_known_stepped():
+                    self._resolve(self._pending_scale)
+            return retval
+
+    # -- the training-thread side -------------------------------------------------------
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale for the next iteration (torch's rule: back off after an
+        iteration with inf/NaN, grow after ``growth_interval`` clean ones).
+
+        Called before the optimizer thread has run ``step()`` for this iteration, the
+        update is deferred until it has (see the module docs); it never blocks.
+
+        Args:
+            new_scale: set this scale instead of the automatic rule.
+        """
+        if not self.is_enabled():
+            return
+        with self._cond:
+            self._wait_resolved("update()")
+            done = bool(self._stepped) and self._all_known_stepped()
+            if not done and not (new_scale is not None and not self._known):
+                # this iteration's step() has not run yet: it completes the update
+                self._pending, self._pending_scale = True, new_scale
+                return
+        with self._step_lock, self._cond:
+            self._resolve(new_scale)
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled); waits for a deferred update."""
+        if not self.is_enabled():
+            return 1.0
+        with self._cond:
+            self._wait_resolved("get_scale()")
+            return self._impl.get_scale()
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is on."""
+        return self._impl.is_enabled()
+
+    def get_growth_factor(self, up_to_date: bool = False) -> float:
+        """The growth factor (``up_to_date`` is accepted for the published signature)."""
+        with self._cond:
+            return self._impl.get_growth_factor()
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor."""
+        with self._step_lock, self._cond:
+            self._impl.set_growth_factor(new_factor)
+
+    def get_backoff_factor(self, up_to_date: bool = False) -> float:
+        """The backoff factor."""
+        with self._cond:
+            return self._impl.get_backoff_factor()
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor."""
+        with self._step_lock, self._cond:
+            self._impl.set_backoff_factor(new_factor)
+
+    def get_growth_interval(self, up_to_date: bool = False) -> int:
+        """The growth interval."""
+        with self._cond:
+            return self._impl.get_growth_interval()
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval."""
+        with self._step_lock, self._cond:
+            self._impl.set_growth_interval(new_interval)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.amp.GradScaler``'s state dict (same keys; loadable by either)."""
+        with self._cond:
+            self._wait_resolved("state_dict()")
+            return self._impl.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by this class or by ``torch.amp.GradScaler``."""
+        with self._cond:
+            self._wait_resolved("load_state_dict()")
+        with self._step_lock, self._cond:
+            self._impl.load_state_dict(state_dict)
+
+    # -- internals ----------------------------------------------------------------------
+    def _all_known_stepped(self) -> bool:
+        # an iteration is complete once every optimizer this scaler steps has stepped
+        return all(id(opt) in self._stepped for opt in self._known)
+
+    def _resolve(self, new_scale: float | torch.Tensor | None) -> None:
+        """torch's update() with this iteration's inf checks (caller holds both locks)."""
+        self._impl.update(new_scale)
+        self._pending, self._pending_scale = False, None
+        self._stepped.clear()
+        self._cond.notify_all()
+
+    def _wait_resolved(self, what: str) -> None:
+        if not self._pending:
+            return
+        if not self._cond.wait_for(lambda: not self._pending, timeout=self._timeout):
+            raise RuntimeError(
+                f"GradScaler.{what} waited {self._timeout:g}s for the deferred update(): "
+                "update() was called before scaler.step(optimizer) of this iteration and no "
+                "step came. Call scaler.step(optimizer) (e.g. inside rp.step's step_fn) "
+                "before the next scale()."
+            )
+
+
+def _apply_scale(outputs: Any, scale: torch.Tensor) -> Any:
+    if isinstance(outputs, torch.Tensor):
+        return outputs * scale.to(device=outputs.device, non_blocking=True)
+    cache: dict[torch.device, torch.Tensor] = {}
+
+    def apply(val: Any) -> Any:
+        if isinstance(val, torch.Tensor):
+            if val.device not in cache:
+                cache[val.device] = scale.to(device=val.device, non_blocking=True)
+            return val * cache[val.device]
+        if isinstance(val, abc.Iterable):
+            mapped = map(apply, val)
+            return type(val)(mapped) if isinstance(val, (list, tuple)) else mapped
+        raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+    return apply(outputs)

@@ -1,0 +1,204 @@
+"""Merge per-microbatch outputs (automatic, specs, a function, or kept apart) and
+send the merged output's gradients back to the microbatches."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .tree import (
+    RoundPipePackedData,
+    _chunk_dim,
+    _is_chunk,
+    _is_reducer,
+    _is_replicate,
+    _leaf_specs,
+    _MeanReducer,
+    _SumReducer,
+    flatten,
+)
+
+__all__ = [
+    "MergedOutputs",
+    "merge_outputs",
+    "merge_outputs_with_grad",
+    "sum_merge_output",
+    "default_merge_output",
+]
+
+
+class MergedOutputs(NamedTuple):
+    """Merged outputs and how each tensor leaf was merged (for the backward).
+
+    ``leaf_rules[i]`` is ``("cat", dim, sizes)``, ``("mean", n)``, ``("sum",)``,
+    ``("first",)`` (replicated) or ``("none",)`` (no gradient path), per leaf of
+    ``flatten(merged)``.
+    """
+
+    merged: Any
+    leaf_rules: list[tuple] | None
+    num_microbatch: int = 1
+
+    def split_output_grads(self, grads: list[torch.Tensor | None]) -> list[list[Any]]:
+        """Per-microbatch gradients of the output leaves from the merged output's.
+
+        Args:
+            grads: one gradient (or ``None``) per leaf of ``flatten(merged)``.
+
+        Returns:
+            For each microbatch, one gradient per output leaf: the matching slice of a
+            concatenation, ``g / n`` for an average, ``g`` for a sum, ``g`` to
+            microbatch 0 only for a replicated value.
+        """
+        if self.leaf_rules is None:
+            raise ValueError(
+                "outputs merged by a custom merge_output function cannot be differentiated "
+                "through; use a merge spec, or use the function for inference"
+            )
+        n = self.num_microbatch
+        out: list[list[Any]] = [[] for _ in range(n)]
+        for g, rule in zip(grads, self.leaf_rules):
+            if g is None or rule[0] == "none":
+                parts: list[Any] = [None] * n
+            elif rule[0] == "cat":
+                parts = list(torch.split(g, list(rule[2]), dim=rule[1]))
+            elif rule[0] == "mean":
+                parts = [g / rule[1]] * n
+            elif rule[0] == "sum":
+                parts = [g] * n
+            else:  # first
+                parts = [g] + [None] * (n - 1)
+            for i in range(n):
+                out[i].append(parts[i])
+        return out
+
+
+def merge_outputs(merge_output: Any, outputs: list[Any]) -> Any:
+    """Merge the per-microbatch outputs as ``merge_output`` says (see the module doc)."""
+    return merge_outputs_with_grad(merge_output, outputs).merged
+
+
+def merge_outputs_with_grad(merge_output: Any, outputs: list[Any]) -> MergedOutputs:
+    """:func:`merge_outputs` that also says how to send gradients back per microbatch."""
+    if not outputs:
+        raise ValueError("no microbatch outputs to merge")
+    n = len(outputs)
+    if merge_output is False:
+        leaves, rebuild = flatten(outputs[0])
+        flat = _same_structure(outputs)
+        packed = [RoundPipePackedData([f[i] for f in flat]) for i in range(len(leaves))]
+        return MergedOutputs(rebuild(packed), None, n)
+    if callable(merge_output):
+        return MergedOutputs(merge_output(list(outputs)), None, n)
+    if merge_output is None or merge_output is True:
+        spec_leaves = None
+    else:
+        spec_leaves = _leaf_specs(merge_output, outputs[0], "merge_output")
+    if n == 1:
+        leaves, _ = flatten(outputs[0])
+        rules = [("first",) if isinstance(x, torch.Tensor) else ("none",) for x in leaves]
+        return MergedOutputs(outputs[0], rules, 1)
+    flat = _same_structure(outputs)
+    rebuild = flatten(outputs[0])[1]
+    merged, rules = [], []
+    for i in range(len(flat[0])):
+        vals = [f[i] for f in flat]
+        m, w = spec_leaves[i] if spec_leaves is not None else (None, f"output leaf {i}")
+        value, rule = _merge_leaf(vals, m, w)
+        merged.append(value)
+        rules.append(rule)
+    return MergedOutputs(rebuild(merged), rules, n)
+
+
+def _same_structure(outputs: list[Any]) -> list[list[Any]]:
+    flat = [flatten(o)[0] for o in outputs]
+    if any(len(f) != len(flat[0]) for f in flat):
+        raise ValueError(
+            "microbatch outputs have different structures; give a merge_output function"
+        )
+    return flat
+
+
+def _merge_leaf(vals: list[Any], marker: Any, where: str) -> tuple[Any, tuple]:
+    v0 = vals[0]
+    n = len(vals)
+    if marker is None:  # automatic
+        if isinstance(v0, torch.Tensor):
+            if v0.dim() == 0:
+                return _mean(vals), ("mean", n)
+            return torch.cat(vals, dim=0), ("cat", 0, tuple(int(v.shape[0]) for v in vals))
+        return _replicated(vals, where), ("none",)
+    if _is_chunk(marker):
+        dim = _chunk_dim(marker, v0, where)
+        return torch.cat(vals, dim=dim), ("cat", dim, tuple(int(v.shape[dim]) for v in vals))
+    if _is_replicate(marker):
+        value = _replicated(vals, where)
+        return value, (("first",) if isinstance(v0, torch.Tensor) else ("none",))
+    if isinstance(marker, _MeanReducer):
+        return _mean(vals), ("mean", n)
+    if isinstance(marker, _SumReducer):
+        return torch.stack(vals).sum(0) if isinstance(v0, torch.Tensor) else sum(vals), ("sum",)
+    if _is_reducer(marker):
+        acc = marker.init_value
+        for v in vals:
+            acc = marker.reduce_fn(acc, v)
+        return acc, ("none",)
+    raise TypeError(
+        f"{marker!r} is not a merge marker ({where}); use TensorChunkSpec(dim), Replicate, "
+        "a reducer or None"
+    )
+
+
+def _mean(vals: list[torch.Tensor]) -> torch.Tensor:
+    stacked = torch.stack(vals)
+    if not (stacked.is_floating_point() or stacked.is_complex()):
+        stacked = stacked.to(torch.get_default_dtype())  # an average of counts is fractional
+    return stacked.mean(0)
+
+
+def _replicated(vals: list[Any], where: str) -> Any:
+    v0 = vals[0]
+    for v in vals[1:]:
+        same = (
+            isinstance(v, torch.Tensor) and v.shape == v0.shape and bool(torch.equal(v, v0))
+            if isinstance(v0, torch.Tensor)
+            else _safe_eq(v, v0)
+        )
+        if not same:
+            raise ValueError(
+                f"{where} differs between microbatches ({v0!r} vs {v!r}) and cannot be "
+                "merged as replicated; give a merge_output spec or function for it"
+            )
+    return v0
+
+
+def _safe_eq(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects without a usable == are compared by identity
+        return a is b
+
+
+def sum_merge_output(outputs: list[Any]) -> Any:
+    """Concatenate batch-leading tensors along dim 0, **sum** 0-dim tensors and keep the
+    first microbatch's value for non-tensors: for per-microbatch sums (a loss summed
+    over tokens, a token count) whose total is wanted rather than their average."""
+    if len(outputs) == 1:
+        return outputs[0]
+    flat = _same_structure(outputs)
+    merged = []
+    for i in range(len(flat[0])):
+        vals = [f[i] for f in flat]
+        v0 = vals[0]
+        if isinstance(v0, torch.Tensor):
+            merged.append(torch.stack(vals).sum(0) if v0.dim() == 0 else torch.cat(vals, dim=0))
+        else:
+            merged.append(v0)
+    return flatten(outputs[0])[1](merged)
+
+
+#: What the engine merges with until it calls :func:`merge_outputs` (whose automatic rule
+#: averages 0-dim tensors, as the published RoundPipe); its autograd backward sends the
+#: same gradient to every microbatch, which is the adjoint of this sum.
+default_merge_output = sum_merge_output

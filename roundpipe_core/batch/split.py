@@ -1,0 +1,347 @@
+"""Cut a call's inputs and labels into microbatches (automatic, specs, or a function)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .tree import (
+    RoundPipePackedData,
+    _chunk_dim,
+    _is_chunk,
+    _is_reducer,
+    _is_replicate,
+    _leaf_specs,
+    _with_dim,
+    batch_size_of,
+    flatten,
+    split_sizes,
+    split_tree,
+)
+
+__all__ = ["SplitInputs", "split_call_inputs", "split_call_labels", "default_split_input"]
+
+
+class _LeafRule(NamedTuple):
+    """How one tensor leaf was cut (its adjoint joins the per-microbatch gradients)."""
+
+    kind: str  # "chunk" | "replicate" | "packed"
+    dim: int = 0
+    sizes: tuple[int, ...] = ()
+
+
+class SplitInputs(NamedTuple):
+    """A call's inputs cut into microbatches.
+
+    Attributes:
+        parts: ``[(args, kwargs), ...]``, one per microbatch.
+        sizes: batch rows per microbatch along dim 0 when the split was by batch rows
+            (automatic, or packed data); ``[]`` when a function or other dims decided.
+        batch_size: the batch size those sizes add up to, or ``None``.
+        leaf_rules: per leaf of ``flatten((args, kwargs))``, how it was cut; ``None``
+            when a custom function split the inputs.
+    """
+
+    parts: list[tuple[tuple, dict]]
+    sizes: list[int]
+    batch_size: int | None
+    leaf_rules: list[_LeafRule] | None
+
+    def join_input_grads(self, per_microbatch: list[list[torch.Tensor | None]]) -> list[Any]:
+        """Gradients w.r.t. the original input leaves from per-microbatch leaf gradients.
+
+        Args:
+            per_microbatch: for each microbatch, the gradients of its input leaves
+                (``flatten`` order of that microbatch's ``(args, kwargs)``).
+
+        Returns:
+            One gradient (or ``None``) per leaf of the original ``(args, kwargs)``:
+            chunks are concatenated back, replicated leaves get the sum.
+        """
+        if self.leaf_rules is None:
+            raise ValueError(
+                "inputs split by a custom split_input function cannot take a gradient: their "
+                "microbatch leaves do not map back to the input; use a split spec instead"
+            )
+        out: list[Any] = []
+        for i, rule in enumerate(self.leaf_rules):
+            parts = [g[i] if i < len(g) else None for g in per_microbatch]
+            if all(p is None for p in parts):
+                out.append(None)
+            elif rule.kind == "chunk":
+                ref = next(p for p in parts if p is not None)
+                full = [
+                    p if p is not None else ref.new_zeros(_with_dim(ref.shape, rule.dim, s))
+                    for p, s in zip(parts, rule.sizes)
+                ]
+                out.append(torch.cat(full, dim=rule.dim))
+            elif rule.kind == "replicate":
+                out.append(torch.stack([p for p in parts if p is not None]).sum(0))
+            else:  # packed: one value per microbatch, kept apart
+                out.append(RoundPipePackedData(parts))
+        return out
+
+
+def _split_leaves(
+    leaves: list[Any], marked: list[tuple[Any, str]], num_microbatch: int, where: str
+) -> tuple[list[list[Any]], list[_LeafRule], list[int], int | None]:
+    """Cut each leaf by its marker; returns per-microbatch leaves, rules, row sizes, batch."""
+    markers = [m for m, _ in marked]
+    places = [w for _, w in marked]
+    packed = [x for x in leaves if isinstance(x, RoundPipePackedData)]
+    if packed:
+        lens = {len(p) for p in packed}
+        if len(lens) != 1 or 0 in lens:
+            raise ValueError(
+                f"packed inputs ({where}) hold different or zero numbers of microbatches: "
+                f"{sorted(lens)}; pass outputs of calls that ran the same number"
+            )
+    # automatic leaves: batch size from the first auto tensor, or from the packed data
+    auto = [x for x, m in zip(leaves, markers) if m is None]
+    bs = batch_size_of(auto)
+    sizes: list[int] | None = None
+    if packed:
+        n = len(packed[0])
+        psizes = [
+            int(v.shape[0]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None
+            for v in packed[0]
+        ]
+        if all(s is not None for s in psizes):
+            sizes = [int(s) for s in psizes]  # type: ignore[arg-type]
+            bs = sum(sizes)
+        else:
+            sizes, bs = None, None
+    else:
+        dims = [
+            int(x.shape[d])
+            for x, m, w in zip(leaves, markers, places)
+            if _is_chunk(m) and (d := _chunk_dim(m, x, w)) >= 0
+        ]
+        cap = min([num_microbatch, *dims] + ([bs] if bs is not None else []))
+        if cap < 1:
+            raise ValueError(f"cannot split an empty batch ({where})")
+        n = cap if (dims or bs is not None) else 1
+        if bs is not None:
+            sizes = split_sizes(bs, n)
+    per_mb: list[list[Any]] = [[] for _ in range(n)]
+    rules: list[_LeafRule] = []
+    for x, m, w in zip(leaves, markers, places):
+        if isinstance(x, RoundPipePackedData):
+            chunks, rule = list(x), _LeafRule("packed")
+        elif _is_chunk(m):
+            dim = _chunk_dim(m, x, w)
+            chunks = list(torch.tensor_split(x, n, dim=dim))
+            rule = _LeafRule("chunk", dim, tuple(int(c.shape[dim]) for c in chunks))
+        elif (
+            m is None
+            and sizes is not None
+            and isinstance(x, torch.Tensor)
+            and x.dim() >= 1
+            and x.shape[0] == bs
+        ):
+            chunks = list(torch.split(x, sizes, dim=0))
+            rule = _LeafRule("chunk", 0, tuple(sizes))
+        elif m is None or _is_replicate(m):
+            chunks, rule = [x] * n, _LeafRule("replicate")
+        else:
+            raise TypeError(
+                f"{m!r} is not a split marker ({w}); use TensorChunkSpec(dim), Replicate or None"
+            )
+        for i in range(n):
+            per_mb[i].append(chunks[i])
+        rules.append(rule)
+    row_sizes = sizes if sizes is not None else []
+    return per_mb, rules, row_sizes, (bs if sizes is not None else None)
+
+
+def _check_spec_pair(split_input: Any) -> tuple[Any, Any]:
+    if not (isinstance(split_input, (tuple, list)) and len(split_input) == 2):
+        raise TypeError(
+            "split_input must be None, a function f(args, kwargs, n) or a pair "
+            f"(args_spec, kwargs_spec); got {split_input!r}"
+        )
+    return split_input[0], split_input[1]
+
+
+def split_call_inputs(
+    split_input: Any, args: tuple, kwargs: dict, num_microbatch: int
+) -> SplitInputs:
+    """Cut a call's ``(args, kwargs)`` into microbatches as ``split_input`` says.
+
+    Args:
+        split_input: ``None`` (automatic), ``(args_spec, kwargs_spec)``, or a function
+            ``f(args, kwargs, n)`` returning ``(args_list, kwargs_list)`` or
+            ``[(args, kwargs), ...]``.
+        args: positional inputs.
+        kwargs: keyword inputs.
+        num_microbatch: the number of microbatches wanted (fewer when the batch is
+            smaller; packed inputs decide it themselves).
+
+    Returns:
+        A :class:`SplitInputs`.
+
+    Raises:
+        TypeError / ValueError: on a malformed spec or function result, naming it.
+    """
+    if (
+        not isinstance(num_microbatch, int)
+        or isinstance(num_microbatch, bool)
+        or num_microbatch < 1
+    ):
+        raise ValueError(f"num_microbatch must be a positive int, got {num_microbatch!r}")
+    args, kwargs = tuple(args), dict(kwargs)
+    if callable(split_input):
+        parts = _normalise_split_result(split_input(args, kwargs, num_microbatch))
+        return SplitInputs(_unpack_packed(parts), [], None, None)
+    if split_input is None:
+        args_spec, kwargs_spec = None, None
+    else:
+        args_spec, kwargs_spec = _check_spec_pair(split_input)
+    markers = _leaf_specs(args_spec, args, "args") + _leaf_specs(kwargs_spec, kwargs, "kwargs")
+    if any((_is_reducer(m) or isinstance(m, bool)) for m, _ in markers):
+        raise TypeError(
+            "reducers are merge specs; split_input takes TensorChunkSpec, Replicate, None"
+        )
+    leaves, rebuild = flatten((args, kwargs))
+    per_mb, rules, sizes, bs = _split_leaves(leaves, markers, num_microbatch, "split_input")
+    parts = [rebuild(mb) for mb in per_mb]
+    return SplitInputs([(tuple(a), dict(k)) for a, k in parts], sizes, bs, rules)
+
+
+def _normalise_split_result(result: Any) -> list[tuple[tuple, dict]]:
+    """Accept ``(args_list, kwargs_list)`` and ``[(args, kwargs), ...]`` unambiguously."""
+    what = f"split_input returned {type(result).__name__}"
+    if not isinstance(result, (tuple, list)):
+        raise TypeError(f"{what}; return (args_list, kwargs_list) or [(args, kwargs), ...]")
+    # (args_list, kwargs_list): two sequences, the second all dicts. A list of
+    # (args, kwargs) pairs never looks like that: its second pair starts with a tuple.
+    if (
+        len(result) == 2
+        and all(isinstance(x, (tuple, list)) for x in result)
+        and all(isinstance(k, dict) for k in result[1])
+    ):
+        args_list, kwargs_list = result
+        if len(args_list) != len(kwargs_list):
+            raise ValueError(
+                f"split_input returned {len(args_list)} args but {len(kwargs_list)} kwargs; "
+                "both lists need one entry per microbatch"
+            )
+        pairs = list(zip(args_list, kwargs_list))
+    else:
+        pairs = list(result)
+        for i, p in enumerate(pairs):
+            if not (isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[1], dict)):
+                raise TypeError(
+                    f"split_input returned {type(p).__name__} for microbatch {i}; return "
+                    "(args_list, kwargs_list) or [(args_tuple, kwargs_dict), ...]"
+                )
+    if not pairs:
+        raise ValueError("split_input returned no microbatches")
+    out = []
+    for i, (a, k) in enumerate(pairs):
+        if not isinstance(a, (tuple, list)):
+            raise TypeError(
+                f"split_input: the args of microbatch {i} are a {type(a).__name__}, not a tuple"
+            )
+        if not isinstance(k, dict):
+            raise TypeError(
+                f"split_input: the kwargs of microbatch {i} are a {type(k).__name__}, not a dict"
+            )
+        out.append((tuple(a), dict(k)))
+    return out
+
+
+def _unpack_packed(parts: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """Microbatch ``i`` takes element ``i`` of any packed leaf a custom split passed on."""
+    out = []
+    for i, part in enumerate(parts):
+        leaves, rebuild = flatten(part)
+        if not any(isinstance(x, RoundPipePackedData) for x in leaves):
+            out.append(part)
+            continue
+        new = []
+        for x in leaves:
+            if isinstance(x, RoundPipePackedData):
+                if len(x) != len(parts):
+                    raise ValueError(
+                        f"packed input holds {len(x)} microbatches but split_input made "
+                        f"{len(parts)}"
+                    )
+                x = x[i]
+            new.append(x)
+        a, k = rebuild(new)
+        out.append((tuple(a), dict(k)))
+    return out
+
+
+def split_call_labels(
+    split_label: Any,
+    label: Any,
+    num_parts: int,
+    sizes: list[int] | None = None,
+    batch_size: int | None = None,
+) -> list[Any]:
+    """Cut ``label`` into exactly ``num_parts`` microbatches (those of the inputs).
+
+    Args:
+        split_label: ``None`` (automatic), a spec mirroring the label, or a function
+            ``f(label, n) -> [label, ...]``.
+        label: the labels.
+        num_parts: the number of input microbatches.
+        sizes / batch_size: the inputs' row split (from :class:`SplitInputs`); automatic
+            splitting uses it so label rows match input rows.
+
+    Raises:
+        ValueError: when the labels cannot be cut into ``num_parts`` parts.
+    """
+    if callable(split_label):
+        labels = split_label(label, num_parts)
+        if not isinstance(labels, (list, tuple)):
+            raise TypeError(
+                f"split_label returned {type(labels).__name__}; return a list with one label "
+                "per microbatch"
+            )
+        labels = list(labels)
+    elif num_parts == 1:
+        labels = [_single(label)]
+    elif split_label is None and sizes and len(sizes) == num_parts:
+        leaves, rebuild = flatten(label)
+        if any(isinstance(x, RoundPipePackedData) for x in leaves):
+            labels = _split_marked(label, None, num_parts)
+        else:
+            labels = split_tree(label, sizes, batch_size)
+    else:
+        labels = _split_marked(label, split_label, num_parts)
+    if len(labels) != num_parts:
+        raise ValueError(
+            f"split_label gave {len(labels)} label parts for {num_parts} microbatches; "
+            "labels and inputs must split into the same number of microbatches"
+        )
+    return labels
+
+
+def _single(value: Any) -> Any:
+    leaves, rebuild = flatten(value)
+    if not any(isinstance(x, RoundPipePackedData) for x in leaves):
+        return value
+    return rebuild([x[0] if isinstance(x, RoundPipePackedData) else x for x in leaves])
+
+
+def _split_marked(label: Any, spec: Any, n: int) -> list[Any]:
+    markers = _leaf_specs(spec, label, "label")
+    leaves, rebuild = flatten(label)
+    per_mb, _, _, _ = _split_leaves(leaves, markers, n, "split_label")
+    if len(per_mb) != n:
+        if all(m is None for m, _ in markers) and len(per_mb) == 1 and batch_size_of(label) is None:
+            return [label] * n  # nothing to split: every microbatch sees the same label
+        raise ValueError(
+            f"labels split into {len(per_mb)} parts but the inputs into {n}; give a "
+            "split_label spec or function that cuts them alike"
+        )
+    return [rebuild(mb) for mb in per_mb]
+
+
+def default_split_input(args: tuple, kwargs: dict, num_microbatch: int) -> list[tuple[tuple, dict]]:
+    """Split positional and keyword inputs into at most ``num_microbatch`` microbatches."""
+    return split_call_inputs(None, args, kwargs, num_microbatch).parts

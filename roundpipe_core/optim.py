@@ -1,0 +1,295 @@
+"""CPU optimizers under the published RoundPipe's names, backed by torch's own.
+
+RoundPipe runs the optimizer on the CPU over fp32 master weights, so its speed is the
+CPU speed of the update. Each class here *is* the torch optimizer of the same name
+(a subclass: same constructor signature and defaults, same ``state_dict``, works with
+LR schedulers and ``torch.amp.GradScaler``); the only change is which of torch's
+implementations runs when the caller leaves ``fused`` / ``foreach`` unset:
+
+* ``fused=True`` where torch has a fused CPU kernel (Adam, AdamW, SGD, Adagrad) and
+  every parameter is a floating-point tensor on a device that kernel supports;
+* torch's default otherwise: torch's multi-tensor (foreach) path measured slower
+  than its per-tensor loop on CPU for all the others (``benchmarks/optimizers.py``).
+
+A value the caller passes is always respected. :func:`fused_variant` and
+:func:`use_fastest_` give a user's plain torch optimizer the same treatment.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+__all__ = [
+    "Adam",
+    "AdamW",
+    "SGD",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "ASGD",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "Adafactor",
+    "fastest_impl",
+    "fused_variant",
+    "use_fastest_",
+]
+
+# Which torch implementation runs by default, per optimizer (CPU). "fused" where torch
+# has a fused CPU kernel; elsewhere "default" (torch's per-tensor loop on CPU), because
+# benchmarks/optimizers.py --variants measured torch 2.13's foreach path *slower* on CPU
+# for every one of them (0.5-0.95x the loop's CPU time, 20M fp32 params in 31 tensors):
+# its CPU kernels loop over the tensors anyway and allocate more temporaries. "foreach"
+# stays available for an optimizer where that changes.
+_IMPL: dict[str, str] = {
+    "Adam": "fused",
+    "AdamW": "fused",
+    "SGD": "fused",
+    "Adagrad": "fused",
+    "Adadelta": "default",
+    "Adamax": "default",
+    "ASGD": "default",
+    "NAdam": "default",
+    "RAdam": "default",
+    "RMSprop": "default",
+    "Rprop": "default",
+    "Adafactor": "default",
+}
+
+
+def fastest_impl(name: str) -> str:
+    """``"fused"``, ``"foreach"`` or ``"default"``: what this module runs for optimizer ``name``."""
+    if name not in _IMPL:
+        raise ValueError(f"unknown optimizer {name!r}; known: {sorted(_IMPL)}")
+    return _IMPL[name]
+
+
+def _param_tensors(params: list[Any]) -> list[torch.Tensor]:
+    """The tensors of a params list in any of torch's forms (tensors, named, groups)."""
+    out: list[torch.Tensor] = []
+    for p in params:
+        if isinstance(p, dict):
+            out.extend(_param_tensors(list(p["params"])) if "params" in p else [])
+        elif isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
+            out.append(p[1])
+        elif isinstance(p, torch.Tensor):
+            out.append(p)
+    return out
+
+
+def _fused_ok(tensors: list[torch.Tensor]) -> bool:
+    devices = _get_fused_kernels_supported_devices()
+    return bool(tensors) and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.device.type in devices
+        and torch.is_floating_point(t)
+        and not t.is_sparse
+        for t in tensors
+    )
+
+
+def _foreach_ok(tensors: list[torch.Tensor]) -> bool:
+    return bool(tensors) and all(
+        type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_sparse for t in tensors
+    )
+
+
+class _FastestByDefault:
+    """Mixin: fill ``fused`` / ``foreach`` with this module's choice when left unset."""
+
+    _torch_cls: type[torch.optim.Optimizer]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        base = next(b for b in cls.__mro__[1:] if b.__module__.startswith("torch.optim"))
+        cls._torch_cls = base
+        cls.__signature__ = inspect.signature(base)  # type: ignore[attr-defined]
+        cls.__doc__ = (
+            f"``torch.optim.{base.__name__}`` running torch's fastest CPU implementation "
+            f"({fastest_impl(base.__name__)}) unless ``fused``/``foreach`` are given.\n\n"
+            f"Same arguments and defaults as ``torch.optim.{base.__name__}``."
+        )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        sig = inspect.signature(self._torch_cls)
+        bound = sig.bind(*args, **kwargs)
+        params = bound.arguments["params"]
+        if isinstance(params, torch.Tensor):
+            raise TypeError(
+                "params argument given to the optimizer should be an iterable of Tensors or "
+                f"dicts, but got {torch.typename(params)}"
+            )
+        params = list(params) if isinstance(params, Iterable) else params
+        bound.arguments["params"] = params
+        _choose_impl(self._torch_cls.__name__, bound.arguments, _param_tensors(params))
+        super().__init__(*bound.args, **bound.kwargs)  # type: ignore[call-arg]
+
+
+def _choose_impl(name: str, arguments: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    if arguments.get("fused") is not None or arguments.get("foreach") is not None:
+        return  # the caller chose
+    if arguments.get("differentiable") or arguments.get("capturable"):
+        return  # neither fast path supports these; torch decides
+    impl = _IMPL[name]
+    if impl == "fused" and _fused_ok(tensors):
+        arguments["fused"] = True
+    elif impl == "foreach" and _foreach_ok(tensors):
+        arguments["foreach"] = True
+
+
+class Adam(_FastestByDefault, torch.optim.Adam):
+    pass
+
+
+class AdamW(_FastestByDefault, torch.optim.AdamW):
+    pass
+
+
+class SGD(_FastestByDefault, torch.optim.SGD):
+    pass
+
+
+class Adagrad(_FastestByDefault, torch.optim.Adagrad):
+    pass
+
+
+class Adadelta(_FastestByDefault, torch.optim.Adadelta):
+    pass
+
+
+class Adamax(_FastestByDefault, torch.optim.Adamax):
+    pass
+
+
+class ASGD(_FastestByDefault, torch.optim.ASGD):
+    pass
+
+
+class NAdam(_FastestByDefault, torch.optim.NAdam):
+    pass
+
+
+class RAdam(_FastestByDefault, torch.optim.RAdam):
+    pass
+
+
+class RMSprop(_FastestByDefault, torch.optim.RMSprop):
+    pass
+
+
+class Rprop(_FastestByDefault, torch.optim.Rprop):
+    pass
+
+
+class Adafactor(_FastestByDefault, torch.optim.Adafactor):
+    pass
+
+
+_OURS: dict[str, type[torch.optim.Optimizer]] = {
+    c.__name__: c
+    for c in (Adam, AdamW, SGD, Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop)
+    + (Adafactor,)
+}
+
+
+# --------------------------------------------------------------------------- user optimizers
+def _upgrade(optimizer: torch.optim.Optimizer) -> tuple[str, str] | None:
+    """(torch class name, implementation) to switch ``optimizer`` to, or None to leave it."""
+    torch_cls = next(
+        (c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")), None
+    )
+    if torch_cls is None or type(optimizer) not in (torch_cls, _OURS.get(torch_cls.__name__)):
+        return None  # an unknown class, or a user subclass that may rely on its own step
+    impl = _IMPL.get(torch_cls.__name__, "default")
+    if impl == "default":
+        return None
+    groups = optimizer.param_groups
+    if any(g.get("fused") or g.get("foreach") is not None for g in groups):
+        return None  # already fast, or the user chose an implementation
+    if any(g.get("differentiable") or g.get("capturable") for g in groups):
+        return None
+    tensors = [p for g in groups for p in g["params"]]
+    if impl == "fused" and not _fused_ok(tensors):
+        return None
+    if impl == "foreach" and not _foreach_ok(tensors):
+        return None
+    return torch_cls.__name__, impl
+
+
+def _fused_steps(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
+    """State with ``step`` as the fp32 tensor on the parameter's device that fused kernels read."""
+    state: dict[Any, dict[str, Any]] = {}
+    for p, s in optimizer.state.items():
+        s = dict(s)
+        if "step" in s:
+            step = s["step"]
+            s["step"] = (
+                step.to(dtype=torch.float32, device=p.device)
+                if isinstance(step, torch.Tensor)
+                else torch.tensor(float(step), dtype=torch.float32, device=p.device)
+            )
+        state[p] = s
+    return state
+
+
+def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The fastest equivalent of a plain torch optimizer, on the same parameters and state.
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer (or one of this module's) built without
+            choosing ``fused`` / ``foreach``.
+
+    Returns:
+        A new optimizer of this module's class with the same parameter groups and
+        hyper-parameters, running the fused (or foreach) implementation, whose state
+        holds the same tensors (no copy) -- or ``None`` when there is nothing faster:
+        an optimizer without a faster CPU path here, one already fused/foreach or whose
+        caller chose an implementation, a subclass with its own ``step``, or parameters
+        the fast path does not take (non-float, sparse, unsupported device).
+    """
+    target = _upgrade(optimizer)
+    if target is None:
+        return None
+    name, impl = target
+    groups = []
+    for g in optimizer.param_groups:
+        g = dict(g)
+        g["fused" if impl == "fused" else "foreach"] = True
+        groups.append(g)
+    cls = _OURS[name]
+    new = cls(groups)
+    for k, v in optimizer.defaults.items():
+        new.defaults.setdefault(k, v)
+    new.state.update(_fused_steps(optimizer) if impl == "fused" else optimizer.state)
+    return new
+
+
+def use_fastest_(optimizer: torch.optim.Optimizer) -> bool:
+    """Switch ``optimizer`` in place to the implementation :func:`fused_variant` would use.
+
+    The object stays the same, so LR schedulers and references to it keep working.
+
+    Returns:
+        Whether it was switched (``False`` in every case :func:`fused_variant` returns None).
+    """
+    target = _upgrade(optimizer)
+    if target is None:
+        return False
+    _, impl = target
+    key = "fused" if impl == "fused" else "foreach"
+    if impl == "fused":
+        for p, s in _fused_steps(optimizer).items():
+            optimizer.state[p] = s
+        # fused kernels unscale inside the step when torch.amp.GradScaler asks them to
+        optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+    optimizer.defaults[key] = True
+    for g in optimizer.param_groups:
+        g[key] = True
+    return True
