@@ -25,8 +25,12 @@ its channel's stream and marked with ``record_stream(compute)``, so the caching
 allocator does not hand its memory out again until the compute work issued
 before the tensor is freed has finished — whether the runtime drops it after
 ``release`` or earlier. Host sources must not be modified until their upload
-has completed (``wait_host``), which matters for weights the optimizer
+has completed (``param_fence``), which matters for weights the optimizer
 rewrites while the next iteration prefetches them.
+
+Every copy goes through ``_copy_on`` and every host buffer through
+``_new_host_tensor``: the test double of this worker (tests/conftest.py) runs
+those copies late, so a missing wait shows up as wrong data on a CPU.
 
 This module imports on machines without CUDA; only constructing a worker needs a GPU.
 """
@@ -44,6 +48,15 @@ import torch
 
 from .base import Worker
 from .memory import cuda_available
+
+__all__ = [
+    "ChunkFeeder",
+    "CUDAWorker",
+    "DEFAULT_PARAM_CHUNK_BYTES",
+    "DEFAULT_PARAM_INFLIGHT_CHUNKS",
+    "discover_cuda_devices",
+    "plan_chunks",
+]
 
 PARAM = "param"
 ACTIVATION = "activation"
@@ -381,6 +394,23 @@ class CUDAWorker(Worker):
         """Uninitialised device memory shaped like ``like`` (a seam for test doubles)."""
         return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
+    def _new_host_tensor(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised host buffer for a download (a seam for test doubles)."""
+        return torch.empty(
+            like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_downloads
+        )
+
+    def _copy_on(
+        self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool
+    ) -> None:
+        """Enqueue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``; nothing waits.
+
+        The one place copies are issued, so that the test double can run them late.
+        """
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=non_blocking)
+
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
         if channel not in CHANNELS:
             raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
@@ -394,15 +424,19 @@ class CUDAWorker(Worker):
             _mark_used_by(out, self.compute_stream)
             self.ledger.alloc(_nbytes(out), channel)
         if channel == PARAM and self._feeder is not None:
-            ticket = self._submit_param(srcs, outs)
+            try:
+                ticket = self._submit_param(srcs, outs)
+            except BaseException:
+                # the caller never gets these tensors, so it cannot release them
+                for out in outs:
+                    self.ledger.free(_nbytes(out), channel)
+                raise
             for out in outs:
                 if out.numel():
                     self._tickets[out.data_ptr()] = ticket
             return outs
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for src, out in zip(srcs, outs):
-                if out.numel():
-                    out.copy_(src, non_blocking=True)
+        with torch.cuda.device(self.device):
+            self._copy_on(stream, [(o, s) for s, o in zip(srcs, outs) if o.numel()], True)
             event = torch.cuda.Event()
             event.record(stream)
         with self._event_lock:
@@ -424,11 +458,11 @@ class CUDAWorker(Worker):
 
         def make_unit(pieces: list[Piece]) -> Callable[[], torch.cuda.Event]:
             def unit() -> torch.cuda.Event:
-                with torch.cuda.stream(stream):
-                    for i, a, b in pieces:
-                        flat_dst[i][a:b].copy_(flat_src[i][a:b], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
+                self._copy_on(
+                    stream, [(flat_dst[i][a:b], flat_src[i][a:b]) for i, a, b in pieces], True
+                )
+                event = torch.cuda.Event()
+                event.record(stream)
                 return event
 
             return unit
@@ -477,19 +511,10 @@ class CUDAWorker(Worker):
             if event is not None:
                 self.compute_stream.wait_event(event)
 
-    def wait_host(self, channel: str = PARAM) -> None:
-        """Block until every upload issued on ``channel`` has read its host source.
-
-        Call before writing to host tensors that were just uploaded (e.g. the
-        optimizer copying new weights into the model while a prefetch reads them).
-        """
-        event = self._channel_event(channel)
-        if event is not None:
-            event.synchronize()
-
     def param_fence(self) -> Callable[[], None]:
-        """Like ``wait_host("param")`` for the uploads issued so far, callable later from
-        another thread (the optimizer thread publishing new weights waits on it)."""
+        """A function that blocks until every parameter upload issued so far has read its
+        host source; callable later from another thread (the optimizer thread publishing
+        new weights into the host copy waits on it)."""
         if self._feeder is None:
             with self._event_lock:
                 event = self._events[PARAM]
@@ -532,18 +557,14 @@ class CUDAWorker(Worker):
             ready = torch.cuda.Event()
             ready.record(self.compute_stream)
             stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                outs = []
-                for src in srcs:
-                    host = torch.empty(
-                        src.shape, dtype=src.dtype, device="cpu", pin_memory=self.pin_downloads
-                    )
-                    if src.numel():
-                        _mark_used_by(src, stream)
-                        host.copy_(src, non_blocking=self.pin_downloads)
-                    outs.append(host)
-                done = torch.cuda.Event()
-                done.record(stream)
+            outs = [self._new_host_tensor(src) for src in srcs]
+            for src in srcs:
+                _mark_used_by(src, stream)
+            self._copy_on(
+                stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], self.pin_downloads
+            )
+            done = torch.cuda.Event()
+            done.record(stream)
         return outs, done
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
@@ -585,10 +606,17 @@ class CUDAWorker(Worker):
         return float(start.elapsed_time(end))
 
     def memory_capacity(self) -> int:
+        """Bytes this worker may plan for: what its GPU has free plus what this process
+        already reserved there (PyTorch's cache counts as ours), shared evenly by the
+        workers of this process on that GPU, so that each does not plan for the whole card."""
         try:
-            return int(torch.cuda.mem_get_info(self.device)[1])
+            free, _ = torch.cuda.mem_get_info(self.device)
+            available = int(free) + int(torch.cuda.memory_reserved(self.device))
         except Exception:  # noqa: BLE001 - no context yet / query refused: use properties
-            return int(torch.cuda.get_device_properties(self.device).total_memory)
+            available = int(torch.cuda.get_device_properties(self.device).total_memory)
+        with _REGISTRY_LOCK:
+            sharing = max(_DEVICE_USERS[self.gpu_index], 1)
+        return available // sharing
 
     def synchronize(self) -> None:
         if self._feeder is not None:

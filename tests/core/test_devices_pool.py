@@ -17,6 +17,15 @@ from roundpipe_core.devices.base import WorkerStartError
 from roundpipe_core.devices.cpu import CPUWorker
 from roundpipe_core.devices.pool import DevicePool
 
+# Taken at import, before any fixture routes CPU workers to (fake) CUDA: these tests
+# are about the CPU worker and the pool themselves.
+_resolve_devices = pool_mod.resolve_devices
+
+
+@pytest.fixture(autouse=True)
+def _cpu_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_mod, "resolve_devices", _resolve_devices)
+
 
 class Payload:
     """Something a job holds (stands in for a bound method of a RoundPipe, or tensors)."""
