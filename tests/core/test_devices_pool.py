@@ -96,6 +96,24 @@ def test_a_failed_job_its_tensors_and_frames_are_freed(pool: DevicePool) -> None
     assert _freed(ref)
 
 
+def test_a_roundpipe_dropped_without_close_is_freed_with_its_threads() -> None:
+    from torch import nn
+
+    from roundpipe_core import RoundPipe
+
+    rp = RoundPipe(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), devices="cpu:2")
+    rp.forward_backward(
+        (torch.randn(4, 8),), label=torch.randn(4, 8), loss_fn=lambda o, t: ((o - t) ** 2).sum()
+    )
+    threads = [w._thread for w in rp.pool.workers]
+    ref = weakref.ref(rp)
+    del rp
+    assert _freed(ref), "the RoundPipe is still referenced after its last call"
+    for t in threads:
+        t.join(5)
+        assert not t.is_alive()
+
+
 def test_jobs_still_run_in_order_and_results_reach_the_caller(pool: DevicePool) -> None:
     order: list[int] = []
     futs = [pool.workers[0].submit(order.append, i) for i in range(20)]
