@@ -129,6 +129,27 @@ def test_failed_parameter_submission_leaves_nothing_in_the_ledger(make_worker, m
     assert worker.ledger.current.get("param", 0) == 0
 
 
+@pytest.mark.parametrize("channel", ["param", "activation"])
+def test_out_of_memory_midway_through_an_upload_leaves_nothing_in_the_ledger(
+    make_worker, monkeypatch: pytest.MonkeyPatch, channel: str
+) -> None:
+    worker = make_worker()
+    make = type(worker)._new_device_tensor
+    calls = []
+
+    def oom_on_second(self: Any, like: torch.Tensor) -> torch.Tensor:
+        calls.append(like.shape)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("fake: CUDA out of memory")
+        return make(self, like)
+
+    monkeypatch.setattr(type(worker), "_new_device_tensor", oom_on_second)
+    with pytest.raises(torch.OutOfMemoryError):
+        _on(worker, lambda: worker.copy_in([torch.ones(10), torch.ones(20)], channel))
+    assert worker.ledger.current.get(channel, 0) == 0
+    assert worker._tickets == {}
+
+
 def test_memory_capacity_is_free_plus_reserved_shared_by_workers_of_one_gpu(
     make_worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
