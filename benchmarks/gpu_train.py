@@ -7,6 +7,10 @@ One engine per process (GPU memory statistics stay clean)::
     python benchmarks/gpu_train.py --engine published      --json results.jsonl   # needs `roundpipe`
     python benchmarks/gpu_train.py --table results.jsonl                          # side-by-side table
 
+    # several stages, two workers sharing one GPU, peak memory checked against its bound
+    python benchmarks/gpu_train.py --engine roundpipe_core --layers 8 --devices 2 \
+        --plan uniform --stages 5 --check-memory --label multi-stage --json results.jsonl
+
 Engines:
 
 - ``roundpipe_core``: this project. bf16 parameters in pinned host memory, fp32
@@ -26,9 +30,20 @@ As an ``nn.Sequential``: [embedding, 28 decoder layers, final norm + LM head].
 ``--tiny`` shrinks everything (and runs on CPU workers without a GPU) to smoke-test
 the script itself.
 
+Progress goes to stdout as it happens (flushed): the set-up time, then one line
+per step with its time and loss, so a run killed by a time limit still shows
+how far it got.
+
 Each run appends one JSON object to ``--json``: engine, status (ok / oom /
 error / unavailable), tokens_per_s, step_s, peak GPU memory (allocated and
 reserved, GiB), and for roundpipe_core the stage sizes of the plan used.
+
+``--check-memory`` (roundpipe_core, with a GPU) compares the peak GPU memory of
+the timed steps with what the design allows each worker: its running stage
+(parameters and gradients) plus the stage it prefetches, plus the memory one
+microbatch of the heaviest stage needs (measured alone beforehand), plus what
+stays allocated between steps (library workspaces). The result row says
+pass/FAIL with the numbers.
 """
 
 from __future__ import annotations
@@ -53,7 +68,7 @@ GIB = 1024**3
 # the model
 # ---------------------------------------------------------------------------
 class Shape:
-    def __init__(self, tiny: bool = False) -> None:
+    def __init__(self, tiny: bool = False, layers: int | None = None) -> None:
         if tiny:
             self.vocab, self.hidden, self.layers, self.heads, self.kv_heads = 512, 64, 3, 4, 2
             self.head_dim, self.ffn = 16, 128
@@ -66,6 +81,8 @@ class Shape:
                 8,
             )
             self.head_dim, self.ffn = 128, 6144
+        if layers is not None:
+            self.layers = layers
         self.rope_theta = 1_000_000.0
         self.eps = 1e-6
 
@@ -198,6 +215,9 @@ def make_loss_fn(total_tokens: int) -> Callable[[torch.Tensor, torch.Tensor], to
 # ---------------------------------------------------------------------------
 def _gpu_stats(result: dict[str, Any]) -> None:
     if torch.cuda.is_available():
+        result["peak_alloc_bytes"] = max(
+            torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())
+        )
         result["peak_alloc_gib"] = round(
             max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / GIB,
             2,
@@ -215,6 +235,11 @@ def _reset_gpu_stats() -> None:
             torch.cuda.reset_peak_memory_stats(i)
 
 
+def progress(msg: str) -> None:
+    """One progress line, flushed at once (a killed run still shows how far it got)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
 def _timed_loop(
     step: Callable[[], float],
     finish: Callable[[], None],
@@ -226,14 +251,22 @@ def _timed_loop(
 ) -> None:
     losses = []
     for i in range(warmup):
+        t0 = time.perf_counter()
         losses.append(step())
+        progress(
+            f"warm-up step {i + 1}/{warmup}: {time.perf_counter() - t0:.2f} s, loss {losses[-1]:.4f}"
+        )
         if between_warmups is not None:
             between_warmups(i)
     finish()
     _reset_gpu_stats()
+    result["resident_between_steps_bytes"] = _allocated()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
+        t1 = time.perf_counter()
         losses.append(step())
+        # async engines: the time of a step is when its call returned, the total is exact
+        progress(f"step {i + 1}/{steps}: {time.perf_counter() - t1:.2f} s, loss {losses[-1]:.4f}")
     finish()
     dt = time.perf_counter() - t0
     result.update(
@@ -244,6 +277,13 @@ def _timed_loop(
         losses=[round(x, 4) for x in losses],
     )
     _gpu_stats(result)
+    progress(f"timed: {result['step_s']} s/step, {result['tokens_per_s']} tokens/s")
+
+
+def _allocated() -> int:
+    if not torch.cuda.is_available():
+        return 0
+    return max(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
 
 
 def run_roundpipe(
@@ -269,8 +309,11 @@ def run_roundpipe(
     tokens = ids.numel()
     loss_fn = make_loss_fn(tokens)
     kwargs: dict[str, Any] = {"optim_dtype": torch.float32, "pin_model": args.pin_model}
-    if not published and args.tiny and not torch.cuda.is_available():
-        kwargs["devices"] = "cpu:2"
+    if not published:
+        devices = _devices(args)
+        if devices is not None:
+            kwargs["devices"] = devices
+            result["workers"] = [str(d) for d in devices] if isinstance(devices, list) else devices
     run_cfg_kwargs: dict[str, Any] = {}
     if args.num_microbatch:
         run_cfg_kwargs["num_microbatch"] = args.num_microbatch
@@ -278,8 +321,13 @@ def run_roundpipe(
         kwargs["model_run_config"] = rp_mod.RoundPipeRunConfig(**run_cfg_kwargs)
     rp = rp_mod.RoundPipe(model, **kwargs)
     opt = torch.optim.AdamW(list(rp.optim_parameters()), lr=1e-5, fused=True)
-    result["setup_s"] = round(time.perf_counter() - t0, 1)
     state: dict[str, Any] = {"cfg": None}
+    if not published and args.plan == "uniform":
+        # A forced plan of several stages: prefetch and recompute are exercised even on one GPU.
+        plan = rp_mod.ModelExecutePlan.uniform(rp.num_layers, args.stages, "fused")
+        state["cfg"] = rp_mod.RoundPipeRunConfig(execute_plan=plan, **run_cfg_kwargs)
+    result["setup_s"] = round(time.perf_counter() - t0, 1)
+    progress(f"set-up: {result['setup_s']} s ({result['params']} parameters)")
 
     def step() -> float:
         fb_kwargs: dict[str, Any] = {"input_args": (ids,), "label": labels, "loss_fn": loss_fn}
@@ -314,10 +362,123 @@ def run_roundpipe(
         )
         if not published:
             _describe_plan(rp, result)
+            if args.check_memory:
+                _check_memory(rp, result, ids, labels, loss_fn, state["cfg"], args)
     finally:
         close = getattr(rp, "close", None)
         if callable(close):
             close()
+
+
+def _devices(args: argparse.Namespace) -> Any:
+    """The ``devices`` argument: ``--devices`` workers spread over the visible GPUs
+    (several share a GPU when there are fewer GPUs), CPU workers without a GPU."""
+    if not torch.cuda.is_available():
+        return f"cpu:{args.devices or 2}" if args.tiny else None
+    if not args.devices:
+        return None
+    n = torch.cuda.device_count()
+    return [torch.device("cuda", i % n) for i in range(args.devices)]
+
+
+def _stage_bytes(rp: Any, layers: range, with_grads: bool) -> int:
+    nbytes = sum(
+        t.numel() * t.element_size()
+        for i in layers
+        for t in list(rp.layers[i].parameters()) + list(rp.layers[i].buffers())
+    )
+    if with_grads:
+        nbytes += sum(
+            p.numel() * p.element_size()
+            for i in layers
+            for p in rp.layers[i].parameters()
+            if p.requires_grad
+        )
+    return nbytes
+
+
+def _microbatch_peak(
+    rp: Any, layers: range, ids: torch.Tensor, labels: torch.Tensor, loss_fn: Any, mb: int
+) -> int:
+    """Bytes one microbatch of a backward / fused stage needs beyond its parameters and
+    gradients: the stage alone on the GPU, forward + loss + backward, peak minus resident."""
+    import copy
+
+    dev = torch.device("cuda", 0)
+    stage = [copy.deepcopy(rp.layers[i]).to(dev) for i in layers]
+    n = max(1, ids.shape[0] // mb)
+    x: Any = ids[:n].to(dev)
+    if layers.start > 0:  # a hidden state of the right shape and dtype stands in for the input
+        hidden = rp.layers[0].embed_tokens.weight
+        x = torch.randn(n, ids.shape[1], hidden.shape[1], device=dev, dtype=hidden.dtype)
+        x.requires_grad_(True)
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    out = x
+    for layer in stage:
+        out = layer(out)
+    if layers.stop == rp.num_layers:
+        loss = loss_fn(out, labels[:n].to(dev))
+    else:
+        loss = out.float().square().mean()
+    loss.backward()
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - before
+    grads = sum(p.numel() * p.element_size() for layer in stage for p in layer.parameters())
+    del stage, x, out, loss
+    torch.cuda.empty_cache()
+    return max(peak - grads, 0)
+
+
+def _check_memory(
+    rp: Any,
+    result: dict[str, Any],
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: Any,
+    cfg: Any,
+    args: argparse.Namespace,
+) -> None:
+    """Peak GPU memory of the timed steps vs. running + prefetched stage per worker
+    + one microbatch of the heaviest stage + what stays allocated between steps."""
+    if not torch.cuda.is_available():
+        result["mem_check"] = "skipped (no GPU)"
+        progress("memory check: skipped, no GPU here")
+        return
+    jobs = list(getattr(rp, "last_schedule", None) or [])
+    if not jobs or torch.cuda.device_count() != 1:
+        result["mem_check"] = "skipped (needs the schedule and exactly one GPU)"
+        return
+    peak = int(result.get("peak_alloc_bytes", 0))
+    per_worker: dict[int, list[Any]] = {}
+    for job in jobs:
+        per_worker.setdefault(job.device, []).append(job)
+    held = 0
+    for queue in per_worker.values():
+        worst = 0
+        for i, job in enumerate(queue):
+            running = _stage_bytes(rp, job.layers, with_grads=job.kind != "forward")
+            prefetched = _stage_bytes(rp, queue[i + 1].layers, False) if i + 1 < len(queue) else 0
+            worst = max(worst, running + prefetched)
+        held += worst
+    mb = cfg.num_microbatch if cfg is not None and cfg.num_microbatch else args.num_microbatch
+    mb = mb or max(len(j.microbatches) for j in jobs)
+    heaviest = {j.layers for j in jobs if j.kind != "forward"}
+    act = max(_microbatch_peak(rp, r, ids, labels, loss_fn, mb) for r in heaviest)
+    resident = int(result.get("resident_between_steps_bytes", 0))
+    bound = held + act + resident
+    result.update(
+        mem_bound_gib=round(bound / GIB, 3),
+        mem_stages_gib=round(held / GIB, 3),
+        mem_microbatch_gib=round(act / GIB, 3),
+        mem_check="pass" if peak <= bound else "FAIL",
+    )
+    progress(
+        f"memory check: peak {peak / GIB:.3f} GiB vs bound {bound / GIB:.3f} GiB = stages held "
+        f"{held / GIB:.3f} (running + prefetched, {len(per_worker)} worker(s)) + one microbatch "
+        f"{act / GIB:.3f} + resident {resident / GIB:.3f}: {result['mem_check']}"
+    )
 
 
 def _describe_plan(rp: Any, result: dict[str, Any]) -> None:
@@ -357,6 +518,7 @@ def run_plain(args: argparse.Namespace, s: Shape, result: dict[str, Any]) -> Non
     loss_fn = make_loss_fn(ids.numel())
     embed, *blocks, head = list(model)
     result["setup_s"] = round(time.perf_counter() - t0, 1)
+    progress(f"set-up: {result['setup_s']} s ({result['params']} parameters, on {device})")
 
     def step() -> float:
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -377,9 +539,9 @@ def run_plain(args: argparse.Namespace, s: Shape, result: dict[str, Any]) -> Non
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
-    s = Shape(args.tiny)
+    s = Shape(args.tiny, args.layers)
     result: dict[str, Any] = {
-        "engine": args.engine,
+        "engine": args.label or args.engine,
         "batch": args.batch,
         "seq": args.seq,
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
@@ -429,10 +591,24 @@ def print_table(path: str) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         tps = r.get("tokens_per_s")
-        ratio = f"{tps / ref['tokens_per_s']:.2f}x" if tps and ref else ""
+        # a ratio only between runs of the same model and batch
+        same = ref is not None and all(r.get(k) == ref.get(k) for k in ("params", "batch", "seq"))
+        ratio = f"{tps / ref['tokens_per_s']:.2f}x" if tps and ref and same else ""
         note = r.get("error") or ""
         if r.get("stages"):
             note = (note + " " if note else "") + f"stages {','.join(r['stages'])}"
+        if r.get("workers"):
+            note += f" workers {r['workers']}"
+        if r.get("mem_check"):
+            note += f"; memory check {r['mem_check']}"
+            if r.get("mem_bound_gib") is not None:
+                note += (
+                    f" (peak {r.get('peak_alloc_gib')} <= bound {r['mem_bound_gib']} GiB: stages "
+                    f"{r.get('mem_stages_gib')} + one microbatch {r.get('mem_microbatch_gib')} "
+                    f"+ resident {round(r.get('resident_between_steps_bytes', 0) / GIB, 3)})"
+                )
+        if r.get("params") and ref and r.get("params") != ref.get("params"):
+            note += f"; {r['params']} params"
         if r.get("plan_error"):
             note += f" (auto plan failed: {r['plan_error'][:80]})"
 
@@ -474,10 +650,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--plan",
-        choices=["auto", "default"],
+        choices=["auto", "default", "uniform"],
         default="auto",
-        help="roundpipe_core: plan from measured times after warm-up",
+        help="roundpipe_core: auto = plan from measured times after warm-up; "
+        "uniform = --stages stages of equal layer counts (forced multi-stage)",
     )
+    ap.add_argument("--stages", type=int, default=4, help="stages of --plan uniform")
+    ap.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="roundpipe_core workers, spread over the visible GPUs (default: one per GPU)",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 28)")
+    ap.add_argument(
+        "--check-memory",
+        action="store_true",
+        help="roundpipe_core: check the peak GPU memory against the per-worker stage bound",
+    )
+    ap.add_argument("--label", default=None, help="name of the result row (default: --engine)")
     ap.add_argument("--pin-model", choices=["alloc", "register", "off"], default="alloc")
     ap.add_argument(
         "--tiny", action="store_true", help="tiny model, for a smoke test (runs on CPU too)"

@@ -25,13 +25,18 @@ int, ``None``) becomes a CUDA worker, spread round-robin over the visible GPUs.
 the CUDA calls are faked (streams, events, devices) and the "device memory" is
 CPU memory, so the whole suite runs through ``CUDAWorker``'s own logic
 (chunked parameter feeder, upload tickets, events, ledger, RNG, per-GPU lock).
+Fake copies land late and fresh buffers hold NaN, so a missing wait on any
+channel (parameter upload, activation upload, download) gives wrong numbers.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -163,29 +168,133 @@ def route_cpu_workers_to_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- fake CUDA: CUDAWorker's logic on CPU memory ----------------------------------
+#: A copy nobody waits for still lands after this long (a real GPU finishes it too);
+#: code that reads sooner without waiting sees the fill pattern instead of the data.
+FAKE_COPY_DELAY_S = 0.25
+
+
+def _poisoned(like: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor shaped like ``like`` whose contents betray a read before its copy landed:
+    NaN for floating point, the dtype's minimum (an invalid index) for integers."""
+    if like.dtype.is_floating_point or like.dtype.is_complex:
+        return torch.full(like.shape, float("nan"), dtype=like.dtype)
+    if like.dtype == torch.bool:
+        return torch.ones(like.shape, dtype=torch.bool)
+    return torch.full(like.shape, torch.iinfo(like.dtype).min, dtype=like.dtype)
+
+
 class _FakeStream:
+    """A CUDA stream played on the CPU.
+
+    Copies issued on it (``CUDAWorker._copy_on``) do not run when issued: they run
+    when an event recorded after them is waited on (``Event.synchronize``, or a
+    ``wait_event`` of the compute stream), or ``FAKE_COPY_DELAY_S`` after issue
+    (a background drainer) — as late as a real GPU may run them. The compute
+    stream is the worker's own thread: nothing is queued on it, and its
+    ``wait_event`` blocks that thread until the event's copies have run.
+    """
+
     def __init__(self, device: Any = None, priority: int = 0) -> None:
         self.priority = priority
         self.waited: list[_FakeEvent] = []
+        self._lock = threading.RLock()
+        self._ops: collections.deque[tuple[int, float, Callable[[], None]]] = collections.deque()
+        self._issued = 0
+        self._done = 0
+        _DRAINER.watch(self)
+
+    def enqueue(self, op: Callable[[], None]) -> None:
+        with self._lock:
+            self._issued += 1
+            self._ops.append((self._issued, time.monotonic(), op))
+
+    def mark(self) -> int:
+        """Position of the last operation issued so far (what an event recorded now waits for)."""
+        with self._lock:
+            return self._issued
+
+    def done(self, seq: int) -> bool:
+        with self._lock:
+            return self._done >= seq
+
+    def run_until(self, seq: int) -> None:
+        with self._lock:
+            while self._ops and self._ops[0][0] <= seq:
+                n, _, op = self._ops.popleft()
+                op()
+                self._done = n
+
+    def run_due(self, issued_before: float) -> None:
+        with self._lock:
+            while self._ops and self._ops[0][1] <= issued_before:
+                self.run_until(self._ops[0][0])
 
     def wait_event(self, event: _FakeEvent) -> None:
         assert event.recorded, "a stream waits on an event that was never recorded"
         self.waited.append(event)
+        with self._lock:
+            if self._ops:  # later work on this stream runs after the event
+                self.enqueue(event.synchronize)
+                return
+        event.synchronize()  # an idle stream (compute: the worker thread) waits now
+
+
+class _Drainer:
+    """Runs the copies nobody waited for once they are ``FAKE_COPY_DELAY_S`` old."""
+
+    def __init__(self) -> None:
+        self._streams: weakref.WeakSet[_FakeStream] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, stream: _FakeStream) -> None:
+        with self._lock:
+            self._streams.add(stream)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="fake-cuda-drainer", daemon=True
+                )
+                self._thread.start()
+
+    def streams(self) -> list[_FakeStream]:
+        with self._lock:
+            return list(self._streams)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(FAKE_COPY_DELAY_S / 5)
+            cutoff = time.monotonic() - FAKE_COPY_DELAY_S
+            for stream in self.streams():
+                stream.run_due(cutoff)
+
+
+_DRAINER = _Drainer()
+
+
+def _fake_synchronize(device: Any = None) -> None:
+    for stream in _DRAINER.streams():
+        stream.run_until(stream.mark())
 
 
 class _FakeEvent:
     def __init__(self, enable_timing: bool = False) -> None:
         self.recorded = False
         self.t = 0.0
+        self._stream: _FakeStream | None = None
+        self._seq = 0
 
     def record(self, stream: _FakeStream | None = None) -> None:
         self.recorded, self.t = True, time.perf_counter()
+        self._stream = stream
+        self._seq = stream.mark() if stream is not None else 0
 
     def synchronize(self) -> None:
         assert self.recorded, "synchronize() on an event that was never recorded"
+        if self._stream is not None:
+            self._stream.run_until(self._seq)
 
     def query(self) -> bool:
-        return self.recorded
+        return self.recorded and (self._stream is None or self._stream.done(self._seq))
 
     def elapsed_time(self, end: _FakeEvent) -> float:
         return (end.t - self.t) * 1000.0
@@ -196,19 +305,43 @@ def _cpu_backed_worker_class() -> type:
 
     class CPUBackedCUDAWorker(CUDAWorker):
         """CUDAWorker whose "device memory" is CPU memory: the CUDA calls are faked,
-        the worker's own logic (feeder, chunking, tickets, ledger, RNG, locks) is real.
-        Tiny parameter chunks so that every upload goes through several feeder units."""
+        the worker's own logic (feeder, chunking, tickets, events, ledger, RNG, locks)
+        is real. Copies land late (see ``_FakeStream``) into buffers filled with NaN,
+        so compute or a caller that skips a wait reads NaN. Tiny parameter chunks, so
+        that every upload goes through several feeder units."""
 
-        def __init__(self, index: int, device: torch.device) -> None:
-            super().__init__(
-                index, device, param_chunk_bytes=96, param_inflight_chunks=2, pin_downloads=False
-            )
+        def __init__(self, index: int, device: torch.device, **kwargs: Any) -> None:
+            kwargs = {
+                "param_chunk_bytes": 96,
+                "param_inflight_chunks": 2,
+                "pin_downloads": False,
+                **kwargs,
+            }
+            super().__init__(index, device, **kwargs)
             # Model code sees where its tensors really are (layers that move
             # temporaries to ``device`` must find CPU memory there).
             self.device = torch.device("cpu")
 
         def _new_device_tensor(self, like: torch.Tensor) -> torch.Tensor:
-            return torch.empty(like.shape, dtype=like.dtype)
+            return _poisoned(like)
+
+        def _new_host_tensor(self, like: torch.Tensor) -> torch.Tensor:
+            return _poisoned(like)
+
+        def _copy_on(
+            self,
+            stream: _FakeStream,
+            pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+            non_blocking: bool,
+        ) -> None:
+            pairs = list(pairs)
+
+            def copy() -> None:
+                with torch.no_grad():
+                    for dst, src in pairs:
+                        dst.copy_(src)
+
+            stream.enqueue(copy)
 
     return CPUBackedCUDAWorker
 
@@ -231,10 +364,11 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type:
     monkeypatch.setattr(c, "device", lambda d: nullcontext())
     monkeypatch.setattr(c, "set_device", lambda d: None)
     monkeypatch.setattr(c, "set_stream", lambda s: None)
-    monkeypatch.setattr(c, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(c, "synchronize", _fake_synchronize)
     monkeypatch.setattr(c, "get_rng_state", lambda d=None: torch.get_rng_state())
     monkeypatch.setattr(c, "set_rng_state", lambda s, d=None: torch.set_rng_state(s))
     monkeypatch.setattr(c, "mem_get_info", lambda d=None: (8 << 30, 16 << 30))
+    monkeypatch.setattr(c, "memory_reserved", lambda d=None: 0)
     monkeypatch.setattr(cuda_mod, "CUDAWorker", CPUBackedCUDAWorker)
     # pin_model: "alloc" still packs the weights into slabs (of ordinary memory);
     # "register" has no host registry to call.

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["MemoryLedger", "Worker", "WorkerStartError", "no_op_context"]
+
 
 class MemoryLedger:
     """Bytes a device holds, by tag ("param", "grad", "activation"), with the peak.
@@ -55,6 +57,10 @@ class MemoryLedger:
 _STOP = object()
 
 
+class WorkerStartError(RuntimeError):
+    """A worker's thread failed to set itself up; every job given to it fails with this."""
+
+
 class Worker(ABC):
     """A compute device driven by one controller thread.
 
@@ -75,6 +81,8 @@ class Worker(ABC):
             target=self._loop, name=f"roundpipe-{self.kind}-{index}", daemon=True
         )
         self._closed = False
+        self._start_error: BaseException | None = None
+        self._started = threading.Event()
         self._thread.start()
 
     def __repr__(self) -> str:
@@ -82,40 +90,83 @@ class Worker(ABC):
 
     # -- thread -------------------------------------------------------------
     def _loop(self) -> None:
-        self._thread_init()
+        try:
+            self._thread_init()
+        except BaseException as exc:  # noqa: BLE001 - handed to every job, below
+            self._start_error = exc
+        self._started.set()
         while True:
             item = self._queue.get()
             if item is _STOP:
                 return
             fn, args, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
+            # Drop the queue's reference at once: from here on only these locals hold the job.
+            item = None
+            if fut.set_running_or_notify_cancel():
+                if self._start_error is not None:
+                    fut.set_exception(self._start_failure())
+                else:
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(exc)
+            # This frame lives as long as the worker: an idle worker must not keep the
+            # last job alive (its callable may be a bound method of the model, its
+            # arguments hold tensors, a failed job's traceback holds its frames).
+            fn = args = fut = None
+
+    def _start_failure(self) -> WorkerStartError:
+        """A fresh error for one caller (one exception object raised in several
+        threads would collect all their tracebacks)."""
+        cause = self._start_error
+        err = WorkerStartError(
+            f"{self!r} could not start its thread: {type(cause).__name__}: {cause}; "
+            "no job can run on it (close this RoundPipe and create a new one)"
+        )
+        err.__cause__ = cause
+        return err
+
+    def wait_started(self, timeout: float = 60.0) -> None:
+        """Block until the worker's thread has set itself up.
+
+        Raises:
+            WorkerStartError: if the set-up raised.
+            TimeoutError: if it did not finish within ``timeout`` seconds.
+        """
+        if not self._started.wait(timeout):
+            raise TimeoutError(f"{self!r} did not start its thread within {timeout} s")
+        if self._start_error is not None:
+            raise self._start_failure()
 
     def _thread_init(self) -> None:  # noqa: B027 - optional hook
         """Per-thread set-up (e.g. selecting the CUDA device)."""
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on this worker's thread after the jobs already queued.
+
+        Returns:
+            A ``Future`` with the result, or the exception ``fn`` raised.
+
+        Raises:
+            RuntimeError: if the worker is closed.
+            WorkerStartError: if the worker's thread failed to start.
+        """
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
+        if self._start_error is not None:
+            raise self._start_failure()
         fut: Future = Future()
         self._queue.put((fn, args, fut))
         return fut
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread after the jobs already queued (waits up to ``timeout`` s)."""
         if self._closed:
             return
         self._closed = True
         self._queue.put(_STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closed
 
     # -- transfers ----------------------------------------------------------
     @abstractmethod

@@ -11,6 +11,7 @@ intra-op threads already use every core.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -21,11 +22,36 @@ import torch
 
 from .base import Worker
 
+__all__ = ["CPUWorker", "DEFAULT_CPU_DEVICE_MEMORY_GB", "cpu_device_memory_bytes"]
+
 _CPU_COMPUTE_LOCK = threading.RLock()
 
 #: Memory a CPU worker reports to the planner (the default model_memory_limit
 #: is 60% of it). Override with env ROUNDPIPE_CPU_DEVICE_MEMORY_GB.
 DEFAULT_CPU_DEVICE_MEMORY_GB = 8.0
+_MEMORY_ENV = "ROUNDPIPE_CPU_DEVICE_MEMORY_GB"
+
+
+def cpu_device_memory_bytes() -> int:
+    """Bytes a CPU worker offers: env ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB`` (GiB) or 8 GiB.
+
+    Raises:
+        ValueError: if the variable is not a positive, finite number.
+    """
+    raw = os.environ.get(_MEMORY_ENV, "").strip()
+    if not raw:
+        return int(DEFAULT_CPU_DEVICE_MEMORY_GB * 1024**3)
+    try:
+        gb = float(raw)
+    except ValueError:
+        gb = math.nan
+    # Below one byte the planner could place nothing, so it counts as zero too.
+    if not math.isfinite(gb) or gb * 1024**3 < 1:
+        raise ValueError(
+            f"environment variable {_MEMORY_ENV}={raw!r} must be a positive number of GiB "
+            f"(e.g. {_MEMORY_ENV}=8); unset it for the default of {DEFAULT_CPU_DEVICE_MEMORY_GB:g}"
+        )
+    return int(gb * 1024**3)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -33,9 +59,12 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class CPUWorker(Worker):
+    """A thread that plays a device: uploads are copies, the ledger counts their bytes."""
+
     kind = "cpu"
 
     def __init__(self, index: int) -> None:
+        cpu_device_memory_bytes()  # a bad setting fails when the pool is built, not mid-plan
         super().__init__(index, torch.device("cpu"))
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
@@ -73,5 +102,4 @@ class CPUWorker(Worker):
         return (end - start) * 1000.0
 
     def memory_capacity(self) -> int:
-        gb = float(os.environ.get("ROUNDPIPE_CPU_DEVICE_MEMORY_GB", DEFAULT_CPU_DEVICE_MEMORY_GB))
-        return int(gb * 1024**3)
+        return cpu_device_memory_bytes()

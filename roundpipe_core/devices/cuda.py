@@ -25,8 +25,12 @@ its channel's stream and marked with ``record_stream(compute)``, so the caching
 allocator does not hand its memory out again until the compute work issued
 before the tensor is freed has finished — whether the runtime drops it after
 ``release`` or earlier. Host sources must not be modified until their upload
-has completed (``wait_host``), which matters for weights the optimizer
+has completed (``param_fence``), which matters for weights the optimizer
 rewrites while the next iteration prefetches them.
+
+Every copy goes through ``_copy_on`` and every host buffer through
+``_new_host_tensor``: the test double of this worker (tests/conftest.py) runs
+those copies late, so a missing wait shows up as wrong data on a CPU.
 
 This module imports on machines without CUDA; only constructing a worker needs a GPU.
 """
@@ -43,7 +47,17 @@ from typing import Any
 import torch
 
 from .base import Worker
+from .feeder import ChunkFeeder, Piece, plan_chunks
 from .memory import cuda_available
+
+__all__ = [
+    "ChunkFeeder",
+    "CUDAWorker",
+    "DEFAULT_PARAM_CHUNK_BYTES",
+    "DEFAULT_PARAM_INFLIGHT_CHUNKS",
+    "discover_cuda_devices",
+    "plan_chunks",
+]
 
 PARAM = "param"
 ACTIVATION = "activation"
@@ -55,8 +69,6 @@ DEFAULT_PARAM_CHUNK_BYTES = 32 * 1024**2
 #: Parameter pieces queued on the GPU at once; 0 issues every piece at once
 #: (no feeder thread). Env ROUNDPIPE_PARAM_INFLIGHT overrides.
 DEFAULT_PARAM_INFLIGHT_CHUNKS = 2
-#: Host waits on the feeder give up after this many seconds (a hang is a bug).
-FEEDER_TIMEOUT_S = 600.0
 
 # Workers sharing one GPU (tests put several on one device) share its random
 # generator; their compute is serialised so that each stage's RNG state is
@@ -95,182 +107,6 @@ def _mark_used_by(t: torch.Tensor, stream: Any) -> None:
     out again after ``t`` is freed until the work queued on ``stream`` by then is done."""
     if t.is_cuda and t.numel():
         t.record_stream(stream)
-
-
-# ---------------------------------------------------------------------------
-# chunk planning (pure; tested on CPU)
-# ---------------------------------------------------------------------------
-Piece = tuple[int, int, int]  # (tensor index, first element, end element)
-
-
-def plan_chunks(
-    numels: Sequence[int], element_sizes: Sequence[int], chunk_bytes: int
-) -> list[list[Piece]]:
-    """Cut the copies of several tensors into units of at most ``chunk_bytes`` bytes.
-
-    Small tensors are grouped into one unit (one feeder step, several copies);
-    a tensor larger than a chunk is split into element ranges. Every element
-    of every tensor is covered exactly once, in order. A unit never exceeds
-    ``chunk_bytes`` unless a single element does.
-
-    Args:
-        numels: element count of each tensor.
-        element_sizes: bytes per element of each tensor.
-        chunk_bytes: the unit size.
-
-    Returns:
-        A list of units, each a list of ``(tensor index, start, stop)`` element ranges.
-    """
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    if len(numels) != len(element_sizes):
-        raise ValueError(
-            f"got {len(numels)} element counts but {len(element_sizes)} element sizes; "
-            "give one element size per tensor"
-        )
-    units: list[list[Piece]] = []
-    current: list[Piece] = []
-    used = 0
-    for i, (n, esize) in enumerate(zip(numels, element_sizes)):
-        start = 0
-        while start < n:
-            room = chunk_bytes - used
-            take = min(n - start, max(room // esize, 0))
-            if take == 0:
-                if current:  # unit full: close it and retry in a fresh one
-                    units.append(current)
-                    current, used = [], 0
-                    continue
-                take = 1  # a single element larger than a chunk
-            current.append((i, start, start + take))
-            used += take * esize
-            start += take
-            if used >= chunk_bytes:
-                units.append(current)
-                current, used = [], 0
-    if current:
-        units.append(current)
-    return units
-
-
-# ---------------------------------------------------------------------------
-# the parameter feeder (backend-agnostic; tested on CPU with fake events)
-# ---------------------------------------------------------------------------
-class ChunkFeeder:
-    """Issues batches of copy units in order on one stream, with few units in flight.
-
-    A *unit* is a callable that enqueues asynchronous work and returns a token
-    with ``synchronize()`` (a CUDA event recorded after that work). Before
-    issuing a unit the feeder waits until fewer than ``depth`` units are still
-    running, so work on other streams (activation uploads) is never queued
-    behind more than ``depth`` units.
-
-    Args:
-        name: thread name.
-        depth: maximum units in flight (>= 1).
-        thread_init: run once on the feeder thread (selects the CUDA device).
-    """
-
-    def __init__(
-        self, name: str, depth: int, thread_init: Callable[[], None] | None = None
-    ) -> None:
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        self.depth = depth
-        self._thread_init = thread_init
-        self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[int, list[Callable[[], Any]]]] = collections.deque()
-        self._submitted = 0  # last ticket handed out
-        self._issued = 0  # last ticket whose units are all enqueued
-        self._tokens: dict[int, Any] = {}  # ticket -> token of its last unit
-        self._error: BaseException | None = None
-        self._closed = False
-        self.max_inflight_seen = 0
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, units: list[Callable[[], Any]]) -> int:
-        """Queue a batch of units; returns its ticket (tickets increase by one)."""
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the parameter feeder is closed")
-            self._raise_if_failed()
-            self._submitted += 1
-            ticket = self._submitted
-            self._queue.append((ticket, units))
-            self._cv.notify_all()
-            return ticket
-
-    @property
-    def last_ticket(self) -> int:
-        with self._cv:
-            return self._submitted
-
-    def wait_issued(
-        self, ticket: int, timeout: float = FEEDER_TIMEOUT_S, prune: bool = True
-    ) -> Any:
-        """Block until batch ``ticket`` is fully enqueued; return its last unit's token.
-
-        Tokens of earlier batches are dropped (stream order makes the latest
-        one imply them) unless ``prune`` is False (a caller on another thread
-        must not make the worker's own waits coarser). ``None`` when nothing
-        has been issued at all.
-        """
-        with self._cv:
-            ok = self._cv.wait_for(
-                lambda: self._issued >= ticket or self._error is not None, timeout
-            )
-            self._raise_if_failed()
-            if not ok:
-                raise TimeoutError(f"parameter upload batch {ticket} not issued after {timeout} s")
-            # Stream order: a later batch's token implies this one, so an older ticket
-            # whose token was pruned is answered with the nearest later token.
-            later = [t for t in self._tokens if t >= ticket]
-            token = self._tokens[min(later)] if later else None
-            if prune:
-                for t in [t for t in self._tokens if t < ticket]:
-                    del self._tokens[t]
-            return token
-
-    def close(self, timeout: float = 10.0) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"parameter upload failed: {self._error!r}") from self._error
-
-    def _loop(self) -> None:
-        try:
-            if self._thread_init is not None:
-                self._thread_init()
-            inflight: collections.deque[Any] = collections.deque()
-            # An empty batch is answered with the last unit's token: it implies
-            # everything issued before it on the stream.
-            token = None
-            while True:
-                with self._cv:
-                    self._cv.wait_for(lambda: self._queue or self._closed)
-                    if not self._queue:
-                        return  # closed and drained
-                    ticket, units = self._queue.popleft()
-                for unit in units:
-                    while len(inflight) >= self.depth:
-                        inflight.popleft().synchronize()
-                    token = unit()
-                    inflight.append(token)
-                    self.max_inflight_seen = max(self.max_inflight_seen, len(inflight))
-                with self._cv:
-                    self._tokens[ticket] = token
-                    self._issued = ticket
-                    self._cv.notify_all()
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiter
-            with self._cv:
-                self._error = exc
-                self._cv.notify_all()
 
 
 # ---------------------------------------------------------------------------
@@ -381,6 +217,23 @@ class CUDAWorker(Worker):
         """Uninitialised device memory shaped like ``like`` (a seam for test doubles)."""
         return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
+    def _new_host_tensor(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised host buffer for a download (a seam for test doubles)."""
+        return torch.empty(
+            like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_downloads
+        )
+
+    def _copy_on(
+        self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool
+    ) -> None:
+        """Enqueue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``; nothing waits.
+
+        The one place copies are issued, so that the test double can run them late.
+        """
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=non_blocking)
+
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
         if channel not in CHANNELS:
             raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
@@ -394,15 +247,19 @@ class CUDAWorker(Worker):
             _mark_used_by(out, self.compute_stream)
             self.ledger.alloc(_nbytes(out), channel)
         if channel == PARAM and self._feeder is not None:
-            ticket = self._submit_param(srcs, outs)
+            try:
+                ticket = self._submit_param(srcs, outs)
+            except BaseException:
+                # the caller never gets these tensors, so it cannot release them
+                for out in outs:
+                    self.ledger.free(_nbytes(out), channel)
+                raise
             for out in outs:
                 if out.numel():
                     self._tickets[out.data_ptr()] = ticket
             return outs
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for src, out in zip(srcs, outs):
-                if out.numel():
-                    out.copy_(src, non_blocking=True)
+        with torch.cuda.device(self.device):
+            self._copy_on(stream, [(o, s) for s, o in zip(srcs, outs) if o.numel()], True)
             event = torch.cuda.Event()
             event.record(stream)
         with self._event_lock:
@@ -424,11 +281,11 @@ class CUDAWorker(Worker):
 
         def make_unit(pieces: list[Piece]) -> Callable[[], torch.cuda.Event]:
             def unit() -> torch.cuda.Event:
-                with torch.cuda.stream(stream):
-                    for i, a, b in pieces:
-                        flat_dst[i][a:b].copy_(flat_src[i][a:b], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
+                self._copy_on(
+                    stream, [(flat_dst[i][a:b], flat_src[i][a:b]) for i, a, b in pieces], True
+                )
+                event = torch.cuda.Event()
+                event.record(stream)
                 return event
 
             return unit
@@ -477,19 +334,10 @@ class CUDAWorker(Worker):
             if event is not None:
                 self.compute_stream.wait_event(event)
 
-    def wait_host(self, channel: str = PARAM) -> None:
-        """Block until every upload issued on ``channel`` has read its host source.
-
-        Call before writing to host tensors that were just uploaded (e.g. the
-        optimizer copying new weights into the model while a prefetch reads them).
-        """
-        event = self._channel_event(channel)
-        if event is not None:
-            event.synchronize()
-
     def param_fence(self) -> Callable[[], None]:
-        """Like ``wait_host("param")`` for the uploads issued so far, callable later from
-        another thread (the optimizer thread publishing new weights waits on it)."""
+        """A function that blocks until every parameter upload issued so far has read its
+        host source; callable later from another thread (the optimizer thread publishing
+        new weights into the host copy waits on it)."""
         if self._feeder is None:
             with self._event_lock:
                 event = self._events[PARAM]
@@ -532,18 +380,14 @@ class CUDAWorker(Worker):
             ready = torch.cuda.Event()
             ready.record(self.compute_stream)
             stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                outs = []
-                for src in srcs:
-                    host = torch.empty(
-                        src.shape, dtype=src.dtype, device="cpu", pin_memory=self.pin_downloads
-                    )
-                    if src.numel():
-                        _mark_used_by(src, stream)
-                        host.copy_(src, non_blocking=self.pin_downloads)
-                    outs.append(host)
-                done = torch.cuda.Event()
-                done.record(stream)
+            outs = [self._new_host_tensor(src) for src in srcs]
+            for src in srcs:
+                _mark_used_by(src, stream)
+            self._copy_on(
+                stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], self.pin_downloads
+            )
+            done = torch.cuda.Event()
+            done.record(stream)
         return outs, done
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
@@ -585,10 +429,17 @@ class CUDAWorker(Worker):
         return float(start.elapsed_time(end))
 
     def memory_capacity(self) -> int:
+        """Bytes this worker may plan for: what its GPU has free plus what this process
+        already reserved there (PyTorch's cache counts as ours), shared evenly by the
+        workers of this process on that GPU, so that each does not plan for the whole card."""
         try:
-            return int(torch.cuda.mem_get_info(self.device)[1])
+            free, _ = torch.cuda.mem_get_info(self.device)
+            available = int(free) + int(torch.cuda.memory_reserved(self.device))
         except Exception:  # noqa: BLE001 - no context yet / query refused: use properties
-            return int(torch.cuda.get_device_properties(self.device).total_memory)
+            available = int(torch.cuda.get_device_properties(self.device).total_memory)
+        with _REGISTRY_LOCK:
+            sharing = max(_DEVICE_USERS[self.gpu_index], 1)
+        return available // sharing
 
     def synchronize(self) -> None:
         if self._feeder is not None:

@@ -24,11 +24,35 @@ defaults.
 
 from __future__ import annotations
 
+import bisect
+import ctypes
+import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+
+__all__ = [
+    "DEFAULT_SLAB_BYTES",
+    "PIN_MODES",
+    "PinHandle",
+    "check_pin_mode",
+    "cuda_available",
+    "default_model_memory_limit",
+    "get_min_gpu_memory",
+    "gpu_memory_info",
+    "pack_module_tensors",
+    "pack_slabs",
+    "page_ranges",
+    "page_size",
+    "pin_model",
+    "prepare_host_params",
+    "registered_ranges",
+    "slab_sizes",
+]
 
 PIN_MODES = ("alloc", "register", "off")
 
@@ -94,14 +118,31 @@ class PinHandle:
 
         "alloc" needs no release: the pinned slabs are freed with the tensors.
         Idempotent.
+
+        Raises:
+            RuntimeError: if ``cudaHostUnregister`` refused a range (after trying them all);
+                such memory stays page-locked until the process exits.
         """
         if not self.registered:
             return
         cudart = torch.cuda.cudart()
-        for ptr, _ in self.registered:
-            cudart.cudaHostUnregister(ptr)
-        self.registered = []
-        self.active = False
+        failed: list[tuple[int, int, int]] = []
+        with _REGISTRY_LOCK:
+            for ptr, size in self.registered:
+                code = _error_code(cudart.cudaHostUnregister(ptr))
+                _REGISTERED.pop(ptr, None)
+                if code != 0:
+                    _clear_last_cuda_error(cudart)
+                    failed.append((ptr, size, code))
+            self.registered = []
+            self.active = False
+        if failed:
+            ptr, size, code = failed[0]
+            raise RuntimeError(
+                f"cudaHostUnregister failed for {len(failed)} range(s), the first of {size} "
+                f"bytes at {ptr:#x} with CUDA error {code}; that host memory stays page-locked "
+                "until the process exits (pin_model='alloc' avoids registering)"
+            )
 
 
 def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -219,15 +260,31 @@ def pack_module_tensors(
     return sum(sizes), len(slabs)
 
 
-_PAGE = 4096
+_FALLBACK_PAGE = 4096
 
 
-def page_ranges(spans: Iterable[tuple[int, int]], page: int = _PAGE) -> list[tuple[int, int]]:
+def page_size() -> int:
+    """The host's memory page size (4 KiB on most x86 hosts, 64 KiB on some ARM servers)."""
+    try:
+        size = int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):  # not a POSIX host
+        return _FALLBACK_PAGE
+    return size if size > 0 else _FALLBACK_PAGE
+
+
+def page_ranges(spans: Iterable[tuple[int, int]], page: int | None = None) -> list[tuple[int, int]]:
     """Merge ``(pointer, nbytes)`` spans into disjoint page-aligned ``(pointer, nbytes)`` ranges.
 
     Small CPU tensors share pages; ``cudaHostRegister`` refuses a range that
     overlaps one already registered, so each page is registered exactly once.
+
+    Args:
+        spans: ``(pointer, nbytes)`` of each storage; empty spans are ignored.
+        page: page size in bytes; ``None`` = this host's (``page_size()``).
     """
+    page = page_size() if page is None else page
+    if page <= 0:
+        raise ValueError(f"page must be a positive number of bytes, got {page}")
     merged: list[list[int]] = []
     for ptr, n in sorted(spans):
         if n <= 0:
@@ -240,23 +297,103 @@ def page_ranges(spans: Iterable[tuple[int, int]], page: int = _PAGE) -> list[tup
     return [(a, b - a) for a, b in merged]
 
 
+# Ranges this process registered through pin_model, start -> bytes: a second
+# RoundPipe over (partly) the same storages registers only what is not yet
+# covered, instead of provoking "already registered" errors.
+_REGISTERED: dict[int, int] = {}
+_REGISTRY_LOCK = threading.RLock()
+
+
+def registered_ranges() -> list[tuple[int, int]]:
+    """``(pointer, nbytes)`` of every host range ``pin_model(mode="register")`` holds now."""
+    with _REGISTRY_LOCK:
+        return sorted(_REGISTERED.items())
+
+
+def _uncovered(start: int, size: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[start, start + size)`` outside the sorted disjoint ranges ``taken``."""
+    end = start + size
+    out: list[tuple[int, int]] = []
+    # the last range starting at or before `start` may still cover it
+    i = max(bisect.bisect_right(taken, (start, float("inf"))) - 1, 0)
+    cursor = start
+    for a, n in taken[i:]:
+        b = a + n
+        if a >= end:
+            break
+        if b <= cursor:
+            continue
+        if a > cursor:
+            out.append((cursor, a - cursor))
+        cursor = max(cursor, b)
+    if cursor < end:
+        out.append((cursor, end - cursor))
+    return out
+
+
+def _error_code(err: Any) -> int:
+    """The integer of a cudart binding's return value (an enum or an int)."""
+    return int(err.value) if hasattr(err, "value") else int(err)
+
+
+def _clear_last_cuda_error(cudart: Any) -> bool:
+    """Reset this thread's CUDA "last error" after an error we chose to handle.
+
+    The runtime remembers the last failed call, and PyTorch's check after every
+    kernel launch reads it: a handled ``cudaHostRegister`` error would otherwise
+    surface as the failure of some unrelated later kernel. PyTorch's binding
+    has no ``cudaGetLastError``, so it is looked up in the CUDA runtime the
+    process already loaded. Returns whether the error could be cleared.
+    """
+    fn = getattr(cudart, "cudaGetLastError", None)
+    if fn is not None:
+        fn()
+        return True
+    for lib in _loaded_cudart_candidates():
+        try:
+            get_last = ctypes.CDLL(lib).cudaGetLastError
+        except (OSError, AttributeError):
+            continue
+        get_last.restype = ctypes.c_int
+        get_last()
+        return True
+    return False
+
+
+def _loaded_cudart_candidates() -> list[str | None]:
+    """Where the CUDA runtime PyTorch uses can be found: the process's global symbols,
+    then the sonames of this build's CUDA major version (dlopen returns the loaded copy)."""
+    names: list[str | None] = [None]
+    major = (torch.version.cuda or "").split(".")[0]
+    if major:
+        names.append(f"libcudart.so.{major}")
+    names.append("libcudart.so")
+    return names
+
+
 def _register(groups: list[tuple[torch.UntypedStorage, list[torch.Tensor]]]) -> PinHandle:
     handle = PinHandle(mode="register", active=True)
     cudart = torch.cuda.cudart()
-    for ptr, size in page_ranges((s.data_ptr(), s.nbytes()) for s, _ in groups):
-        # cudaHostRegisterDefault = 0: page-lock and map for DMA.
-        err = cudart.cudaHostRegister(ptr, size, 0)
-        code = int(err.value) if hasattr(err, "value") else int(err)
-        if code == _CUDA_ERR_ALREADY_REGISTERED:
-            continue  # pinned by someone else (uploads from it are still async)
-        if code != 0:
-            handle.release()
-            raise RuntimeError(
-                f"cudaHostRegister failed with CUDA error {code} on {size} bytes; use "
-                "pin_model='alloc' or 'off' instead (e.g. memory locked by ulimit -l)"
-            )
-        handle.registered.append((ptr, size))
-        handle.nbytes += size
+    with _REGISTRY_LOCK:
+        taken = sorted(_REGISTERED.items())
+        for ptr, size in page_ranges((s.data_ptr(), s.nbytes()) for s, _ in groups):
+            for start, n in _uncovered(ptr, size, taken):
+                # cudaHostRegisterDefault = 0: page-lock and map for DMA.
+                code = _error_code(cudart.cudaHostRegister(start, n, 0))
+                if code == _CUDA_ERR_ALREADY_REGISTERED:
+                    # pinned by someone else in this process (uploads from it are still async)
+                    _clear_last_cuda_error(cudart)
+                    continue
+                if code != 0:
+                    _clear_last_cuda_error(cudart)
+                    handle.release()
+                    raise RuntimeError(
+                        f"cudaHostRegister failed with CUDA error {code} on {n} bytes; use "
+                        "pin_model='alloc' or 'off' instead (e.g. memory locked by ulimit -l)"
+                    )
+                handle.registered.append((start, n))
+                handle.nbytes += n
+                _REGISTERED[start] = n
     return handle
 
 

@@ -15,7 +15,11 @@ import torch
 from .base import Worker
 from .cpu import CPUWorker
 
+__all__ = ["DEFAULT_CPU_DEVICES", "DevicePool", "PoolError", "resolve_devices"]
+
 DEFAULT_CPU_DEVICES = 2
+#: Seconds a new pool waits for each worker thread to set itself up (CUDA context creation).
+WORKER_START_TIMEOUT_S = 120.0
 _live_pools: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -110,9 +114,17 @@ class DevicePool:
     def __init__(self, devices: Any = None) -> None:
         devs = resolve_devices(devices)
         self.workers: list[Worker] = []
-        for i, d in enumerate(devs):
-            self.workers.append(CPUWorker(i) if d.type == "cpu" else _cuda_worker(i, d))
         self._closed = False
+        try:
+            for i, d in enumerate(devs):
+                self.workers.append(CPUWorker(i) if d.type == "cpu" else _cuda_worker(i, d))
+            # A worker whose thread set-up failed would fail every job it is given while
+            # the other workers wait for its activations: refuse the pool up front.
+            for w in self.workers:
+                w.wait_started(WORKER_START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
         _live_pools.add(self)
 
     def __len__(self) -> int:
@@ -156,15 +168,12 @@ class DevicePool:
             raise (primary or errors)[0]
 
     def close(self) -> None:
+        """Stop every worker thread (after the jobs already queued). Idempotent."""
         if self._closed:
             return
         self._closed = True
         for w in self.workers:
             w.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
 
 @atexit.register

@@ -1,0 +1,346 @@
+"""CUDAWorker on fake CUDA: copies land late, so a missing wait on any channel is caught;
+error paths of the worker (ledger, memory capacity) and of host registration.
+
+These run on a machine without a GPU (the fake is refused where one is visible).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from roundpipe_core.devices import cuda as cuda_mod
+from roundpipe_core.devices import memory
+from roundpipe_core.devices.base import WorkerStartError
+
+# Taken at import: the fake_cuda fixture replaces registration with a no-op for engine tests.
+_register = memory._register
+
+pytestmark = pytest.mark.skipif(
+    memory.cuda_available(), reason="fake CUDA is for machines without a GPU"
+)
+
+
+@pytest.fixture
+def make_worker(fake_cuda: type):
+    made: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        w = fake_cuda(len(made), torch.device("cuda", 0), **kwargs)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def _on(worker: Any, fn: Any) -> Any:
+    return worker.submit(fn).result(timeout=30)
+
+
+# ---------------------------------------------------------------------------
+# the fake catches a missing wait on each channel
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "channel,inflight", [("activation", 2), ("param", 2), ("param", 0)], ids=str
+)
+def test_an_upload_is_visible_only_after_its_wait(make_worker, channel: str, inflight: int) -> None:
+    worker = make_worker(param_inflight_chunks=inflight)
+    host = [torch.arange(40, dtype=torch.float32), torch.arange(7)]
+
+    def job() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        dev = worker.copy_in(host, channel)
+        before = [d.clone() for d in dev]  # what compute would read without a wait
+        worker.wait_channel(channel)
+        after = [d.clone() for d in dev]
+        worker.release(dev, channel)
+        return before, after
+
+    before, after = _on(worker, job)
+    # Without the wait the last piece has not landed (the feeder may already have
+    # waited for earlier pieces to keep its depth): NaN / an invalid index there.
+    assert torch.isnan(before[0][-1]), before[0]
+    assert before[1][-1] == torch.iinfo(torch.int64).min
+    for a, h in zip(after, host):
+        assert torch.equal(a, h)
+    assert worker.ledger.current[channel] == 0
+
+
+def test_wait_for_covers_exactly_its_own_upload(make_worker) -> None:
+    worker = make_worker()
+    a, b = torch.ones(50), torch.full((50,), 2.0)
+
+    def job() -> tuple[torch.Tensor, torch.Tensor]:
+        da = worker.copy_in([a], "param")
+        db = worker.copy_in([b], "param")
+        worker.wait_for(da)
+        return da[0].clone(), db[0].clone()
+
+    got_a, got_b = _on(worker, job)
+    assert torch.equal(got_a, a)
+    assert torch.isnan(got_b[-1])  # the later upload was not waited for
+
+
+def test_a_download_is_complete_only_after_its_event(make_worker) -> None:
+    worker = make_worker()
+    src = torch.arange(12, dtype=torch.float32)
+
+    def job() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        outs, done = worker.copy_out_async([src])
+        early = outs[0].clone()
+        done.synchronize()
+        return early, outs[0].clone(), worker.copy_out([src])
+
+    early, late, blocking = _on(worker, job)
+    assert torch.isnan(early).all()
+    assert torch.equal(late, src) and torch.equal(blocking[0], src)
+
+
+def test_copies_nobody_waits_for_still_land(make_worker) -> None:
+    """As on a GPU, a copy completes by itself eventually (the drainer), and an
+    event's query() turns true then."""
+    worker = make_worker()
+    src = torch.ones(5)
+    outs, done = _on(worker, lambda: worker.copy_out_async([src]))
+    deadline = threading.Event()
+    for _ in range(100):
+        if done.query():
+            break
+        deadline.wait(0.05)
+    assert done.query() and torch.equal(outs[0], src)
+
+
+# ---------------------------------------------------------------------------
+# worker error paths
+# ---------------------------------------------------------------------------
+def test_failed_parameter_submission_leaves_nothing_in_the_ledger(make_worker, monkeypatch) -> None:
+    worker = make_worker()
+
+    def refuse(srcs: Any, outs: Any) -> int:
+        raise RuntimeError("the parameter feeder is closed")
+
+    monkeypatch.setattr(worker, "_submit_param", refuse)
+    with pytest.raises(RuntimeError, match="feeder is closed"):
+        _on(worker, lambda: worker.copy_in([torch.ones(100)], "param"))
+    assert worker.ledger.current.get("param", 0) == 0
+
+
+@pytest.mark.parametrize("channel", ["param", "activation"])
+def test_out_of_memory_midway_through_an_upload_leaves_nothing_in_the_ledger(
+    make_worker, monkeypatch: pytest.MonkeyPatch, channel: str
+) -> None:
+    worker = make_worker()
+    make = type(worker)._new_device_tensor
+    calls = []
+
+    def oom_on_second(self: Any, like: torch.Tensor) -> torch.Tensor:
+        calls.append(like.shape)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("fake: CUDA out of memory")
+        return make(self, like)
+
+    monkeypatch.setattr(type(worker), "_new_device_tensor", oom_on_second)
+    with pytest.raises(torch.OutOfMemoryError):
+        _on(worker, lambda: worker.copy_in([torch.ones(10), torch.ones(20)], channel))
+    assert worker.ledger.current.get(channel, 0) == 0
+    assert worker._tickets == {}
+
+
+def test_memory_capacity_is_free_plus_reserved_shared_by_workers_of_one_gpu(
+    make_worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gib = 1024**3
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 6 * gib)
+    first = make_worker()
+    assert first.memory_capacity() == 16 * gib
+    second = make_worker()  # a second worker on the same GPU
+    assert first.memory_capacity() == second.memory_capacity() == 8 * gib
+    second.close()
+    assert first.memory_capacity() == 16 * gib
+
+    class Props:
+        total_memory = 24 * gib
+
+    def refuse(d: Any = None) -> tuple[int, int]:
+        raise RuntimeError("no context yet")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", refuse)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: Props())
+    assert first.memory_capacity() == 24 * gib
+
+
+def test_a_cuda_worker_whose_thread_cannot_select_its_gpu_fails_the_pool(
+    fake_cuda: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from roundpipe_core.devices.pool import DevicePool
+
+    def refuse(device: Any) -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    with pytest.raises(WorkerStartError, match="invalid device ordinal"):
+        DevicePool(["cuda:0", "cuda:0"])
+    assert cuda_mod._DEVICE_USERS[0] == 0  # the workers that were made are closed again
+
+
+# ---------------------------------------------------------------------------
+# cudaHostRegister / cudaHostUnregister
+# ---------------------------------------------------------------------------
+class FakeCudart:
+    """Host registration with the CUDA runtime's rules: overlapping ranges are refused
+    with error 712, and every failed call becomes the thread's "last error"."""
+
+    def __init__(self, fail_register: int = 0, fail_unregister: int = 0) -> None:
+        self.ranges: dict[int, int] = {}
+        self.calls: list[tuple[str, int, int]] = []
+        self.last_error = 0
+        self.refused = 0
+        self.fail_register = fail_register
+        self.fail_unregister = fail_unregister
+
+    def _fail(self, code: int) -> int:
+        self.refused += 1
+        self.last_error = code
+        return code
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.calls.append(("register", ptr, size))
+        if self.fail_register:
+            return self._fail(self.fail_register)
+        for a, n in self.ranges.items():
+            if ptr < a + n and a < ptr + size:
+                return self._fail(712)
+        self.ranges[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.calls.append(("unregister", ptr, 0))
+        if self.fail_unregister or ptr not in self.ranges:
+            return self._fail(self.fail_unregister or 713)
+        del self.ranges[ptr]
+        return 0
+
+    def cudaGetLastError(self) -> int:
+        err, self.last_error = self.last_error, 0
+        return err
+
+
+@pytest.fixture
+def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    return fake
+
+
+def _groups(*tensors: torch.Tensor) -> list:
+    return memory._storage_groups(list(tensors))
+
+
+def test_register_and_release_balance_and_page_align(cudart: FakeCudart) -> None:
+    page = memory.page_size()
+    t = torch.ones(3 * page // 4 + 5)
+    handle = _register(_groups(t))
+    try:
+        assert handle.registered and all(
+            p % page == 0 and n % page == 0 for p, n in handle.registered
+        )
+        assert memory.registered_ranges() == sorted(handle.registered)
+    finally:
+        handle.release()
+    assert cudart.ranges == {} and memory.registered_ranges() == []
+    handle.release()  # idempotent
+
+
+class _Span:
+    """Stands in for a storage: only its address range matters to registration."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self._ptr, self._nbytes = ptr, nbytes
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+def test_second_registration_of_the_same_pages_registers_only_the_rest(
+    cudart: FakeCudart,
+) -> None:
+    page = memory.page_size()
+    first = _register([(_Span(10 * page, 2 * page), [])])
+    try:
+        second = _register([(_Span(9 * page + 7, 5 * page - 7), [])])
+        try:
+            # the overlap was seen before calling CUDA: no call was refused
+            assert cudart.refused == 0
+            assert second.registered == [(9 * page, page), (12 * page, 2 * page)]
+            assert second.nbytes == 3 * page
+        finally:
+            second.release()
+        assert memory.registered_ranges() == [(10 * page, 2 * page)]
+    finally:
+        first.release()
+    assert cudart.ranges == {}
+
+
+def test_already_registered_by_someone_else_is_skipped_and_the_error_cleared(
+    cudart: FakeCudart,
+) -> None:
+    t = torch.ones(1000)
+    page = memory.page_size()
+    start = t.untyped_storage().data_ptr() // page * page
+    cudart.ranges[start] = page  # registered behind our back: error 712 when we try
+    handle = _register(_groups(t))
+    try:
+        assert cudart.refused == 1 and start not in dict(handle.registered)
+        assert cudart.last_error == 0, "a skipped 712 must not stay CUDA's last error"
+    finally:
+        handle.release()
+
+
+def test_register_failure_releases_what_it_registered_and_clears_the_error(
+    cudart: FakeCudart,
+) -> None:
+    cudart.fail_register = 2  # cudaErrorMemoryAllocation
+    with pytest.raises(RuntimeError, match="cudaHostRegister failed with CUDA error 2"):
+        _register(_groups(torch.ones(10)))
+    assert cudart.last_error == 0 and memory.registered_ranges() == []
+
+
+def test_unregister_failure_is_reported(cudart: FakeCudart) -> None:
+    handle = _register(_groups(torch.ones(10), torch.ones(5000)))
+    cudart.fail_unregister = 1
+    with pytest.raises(RuntimeError, match="cudaHostUnregister failed for .* CUDA error 1"):
+        handle.release()
+    assert memory.registered_ranges() == [] and not handle.registered
+    assert cudart.last_error == 0
+
+
+def test_page_size_comes_from_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "sysconf", lambda name: 65536)
+    assert memory.page_size() == 65536
+    spans = [(65536 + 10, 100), (65536 + 5000, 10)]
+    assert memory.page_ranges(spans) == [(65536, 65536)]  # one 64 KiB page, not two 4 KiB ones
+
+    def no_sysconf(name: str) -> int:
+        raise ValueError(name)
+
+    monkeypatch.setattr(os, "sysconf", no_sysconf)
+    assert memory.page_size() == 4096
+
+
+def test_uncovered_parts_of_a_range() -> None:
+    taken = [(100, 50), (200, 10), (300, 100)]
+    assert memory._uncovered(0, 100, taken) == [(0, 100)]
+    assert memory._uncovered(120, 200, taken) == [(150, 50), (210, 90)]
+    assert memory._uncovered(320, 50, taken) == []
+    assert memory._uncovered(0, 500, []) == [(0, 500)]
+    assert memory._uncovered(390, 20, taken) == [(400, 10)]
