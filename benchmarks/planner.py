@@ -54,7 +54,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from roundpipe_core.plan import LayerProfile, ModelExecutePlan, search_plans
+from roundpipe_core.plan import ModelExecutePlan
+from roundpipe_core.planner import search_plans
+from roundpipe_core.profile import LayerProfile
 from roundpipe_core.simulate import balanced_stages, simulate, simulate_bound_stages
 
 GB = 1024**3

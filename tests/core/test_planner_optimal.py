@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roundpipe_core.plan import (
-    LayerProfile,
-    ModelExecutePlan,
+from roundpipe_core.plan import ModelExecutePlan
+from roundpipe_core.planner import (
     pipeline_estimate,
     plan_cost,
     plan_objective,
     search_plans,
 )
+from roundpipe_core.profile import LayerProfile
 
 
 def compositions(n: int):
