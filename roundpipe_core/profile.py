@@ -37,6 +37,7 @@ __all__ = [
     "LayerSizes",
     "StageMemory",
     "check_plan_fits",
+    "format_bytes",
     "layer_sizes",
     "measure_activation_bytes",
     "profile_of",
@@ -346,6 +347,14 @@ def stage_memory(
     return out
 
 
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units for messages: ``"12.0 MiB"``, ``"1.50 GiB"``."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}" if n / size < 100 else f"{n / size:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
 def check_plan_fits(
     plan: ModelExecutePlan,
     profile: LayerProfile,
@@ -371,10 +380,10 @@ def check_plan_fits(
         if need > capacity_bytes:
             raise ValueError(
                 f"{s.kind} stage {s.stage} (layers {s.layers.start}..{s.layers.stop - 1}) needs "
-                f"{need / _GB:.3f} GB on its device — parameters {s.param_bytes / _GB:.3f}, "
-                f"gradients {s.grad_bytes / _GB:.3f}, activations of one microbatch "
-                f"{s.act_bytes / _GB:.3f}, next stage's prefetched parameters "
-                f"{prefetch / _GB:.3f} — but the device has {capacity_bytes / _GB:.3f} GB; "
+                f"{format_bytes(need)} on its device (parameters {format_bytes(s.param_bytes)}, "
+                f"gradients {format_bytes(s.grad_bytes)}, activations of one microbatch "
+                f"{format_bytes(s.act_bytes)}, next stage's prefetched parameters "
+                f"{format_bytes(prefetch)}) but the device has {format_bytes(capacity_bytes)}; "
                 "split the stage, use fewer tokens per microbatch (more microbatches), or "
                 "recompute_grain='layer'"
             )
