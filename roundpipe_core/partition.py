@@ -93,23 +93,39 @@ class Partitioner:
         return out
 
     def segment_sums(self, n: int) -> list[float]:
-        """Sorted costs of every contiguous run of layers inside 0..n-1 (every cap that
-        can be some stage's exact cost)."""
+        """Sorted distinct costs of every contiguous run of layers inside 0..n-1 (every
+        cap that can be some stage's exact cost)."""
         if n not in self._sums:
             p = self.cost_prefix
             self._sums[n] = sorted({p[j] - p[i] for i in range(n) for j in range(i + 1, n + 1)})
         return self._sums[n]
+
+    def smallest_cap(self, n: int, k: float, hi: float, mem_cap: float = math.inf) -> float:
+        """The smallest cap under which layers 0..n-1 pack into at most ``k`` stages,
+        given that ``hi`` is such a cap.
+
+        Bisection on the real line (the count never grows with the cap), then snapped
+        to the slowest stage of that packing: a segment's exact cost, under which
+        greedy packing needs no more stages. No list of candidate caps is built.
+        """
+        lo = 0.0
+        for _ in range(200):
+            if hi - lo <= 1e-13 * hi:
+                break
+            mid = 0.5 * (lo + hi)
+            if self.count(n, mid, mem_cap) <= k:
+                hi = mid
+            else:
+                lo = mid
+        p = self.cost_prefix
+        return max(p[r.stop] - p[r.start] for r in self.pack(n, hi, mem_cap))
 
     def balanced(self, n: int, cap: float, mem_cap: float = math.inf) -> list[range]:
         """As few stages as under ``cap``, packed under the smallest cap that keeps them
         that few (deepest first): the stages come out as even as the count allows."""
         if n == 0:
             return []
-        k = self.count(n, cap, mem_cap)
-        sums = self.segment_sums(n)
-        hi = min(bisect.bisect_right(sums, with_slack(cap)), len(sums) - 1)
-        lo = first_true(0, hi, lambda i: self.count(n, sums[i], mem_cap) <= k)
-        best = sums[lo] if self.count(n, sums[lo], mem_cap) <= k else cap
+        best = self.smallest_cap(n, self.count(n, cap, mem_cap), cap, mem_cap)
         return self.pack(n, min(best, cap), mem_cap)
 
 
@@ -122,6 +138,5 @@ def min_max_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     if n == 0:
         return []
     part = Partitioner(costs)
-    sums = part.segment_sums(n)
-    idx = first_true(0, len(sums) - 1, lambda i: part.count(n, sums[i]) <= num_stages)
-    return list(reversed(part.pack(n, sums[idx])))
+    everything = part.cost_prefix[n]  # one stage of every layer always fits
+    return list(reversed(part.pack(n, part.smallest_cap(n, num_stages, everything))))
