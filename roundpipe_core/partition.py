@@ -100,24 +100,28 @@ class Partitioner:
             self._sums[n] = sorted({p[j] - p[i] for i in range(n) for j in range(i + 1, n + 1)})
         return self._sums[n]
 
-    def smallest_cap(self, n: int, k: float, hi: float, mem_cap: float = math.inf) -> float:
+    def smallest_cap(
+        self, n: int, k: float, hi: float, mem_cap: float = math.inf, rel_tol: float = 1e-13
+    ) -> float:
         """The smallest cap under which layers 0..n-1 pack into at most ``k`` stages,
-        given that ``hi`` is such a cap.
+        given that ``hi`` is such a cap (to ``rel_tol``: a larger one trades exactness
+        for fewer packings).
 
         Bisection on the real line (the count never grows with the cap), then snapped
         to the slowest stage of that packing: a segment's exact cost, under which
         greedy packing needs no more stages. No list of candidate caps is built.
         """
-        lo = 0.0
+        p = self.cost_prefix
+        lo = (p[n] - p[0]) / k if k > 0 else 0.0  # the slowest stage is at least the mean
+        lo = min(lo, hi) * (1 - 1e-12)
         for _ in range(200):
-            if hi - lo <= 1e-13 * hi:
+            if hi - lo <= rel_tol * hi:
                 break
             mid = 0.5 * (lo + hi)
             if self.count(n, mid, mem_cap) <= k:
                 hi = mid
             else:
                 lo = mid
-        p = self.cost_prefix
         return max(p[r.stop] - p[r.start] for r in self.pack(n, hi, mem_cap))
 
     def balanced(self, n: int, cap: float, mem_cap: float = math.inf) -> list[range]:

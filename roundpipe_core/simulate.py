@@ -319,7 +319,7 @@ def _run_iteration(
         gate.next_iteration()
     fwd_jobs: list[Job] = [j for j in jobs if j.kind == FORWARD]
     fwd_starts = [j.layers.start for j in fwd_jobs]
-    end: dict[tuple[int, int], float] = {}  # (job index, microbatch) -> end time
+    end: dict[int, list[float]] = {}  # job index -> end time of each of its microbatches
     bwd_job_of_stage: dict[int, Job] = {}
     forward_done = barrier
     last = barrier
@@ -354,33 +354,40 @@ def _run_iteration(
             # The forward job that ran the layer just below this stage saved its input.
             k = bisect.bisect_right(fwd_starts, job.layers.start - 1) - 1
             saved_from = fwd_jobs[k]
-        for m in job.microbatches:
-            ready = max(device_free[d], params_ready, barrier)
-            prev: Job | None = None
-            if job.kind == FORWARD:
-                if job.stage > 0:
-                    prev = fwd_jobs[job.stage - 1]
-            elif job.stage == 0:
-                if run_type == RunType.FUSED and fwd_jobs:
-                    prev = fwd_jobs[-1]
-                elif run_type == RunType.TRAIN:
-                    ready = max(ready, forward_done)
-            else:
-                prev = bwd_job_of_stage[job.stage - 1]
-            if prev is not None:
-                ready = max(ready, end[prev.index, m] + (act if prev.device != d else 0.0))
-            if saved_from is not None:
-                ready = max(ready, end[saved_from.index, m])
-            finish = ready + dur
-            end[job.index, m] = finish
-            device_free[d] = finish
+        prev: Job | None = None
+        start = max(device_free[d], params_ready, barrier)
+        if job.kind == FORWARD:
+            if job.stage > 0:
+                prev = fwd_jobs[job.stage - 1]
+        elif job.stage == 0:
+            if run_type == RunType.FUSED and fwd_jobs:
+                prev = fwd_jobs[-1]
+            elif run_type == RunType.TRAIN:
+                start = max(start, forward_done)
+        else:
+            prev = bwd_job_of_stage[job.stage - 1]
+        # Every job of a schedule runs the same microbatches in the same order, so a
+        # dependency's end times line up with this job's by position.
+        prev_ends = end[prev.index] if prev is not None else None
+        delay = act if prev is not None and prev.device != d else 0.0
+        saved_ends = end[saved_from.index] if saved_from is not None else None
+        t = start
+        ends: list[float] = []
+        for pos, m in enumerate(job.microbatches):
+            ready = t
+            if prev_ends is not None and prev_ends[pos] + delay > ready:
+                ready = prev_ends[pos] + delay
+            if saved_ends is not None and saved_ends[pos] > ready:
+                ready = saved_ends[pos]
+            t = ready + dur
+            ends.append(t)
             if events is not None:
-                events.append(
-                    SimEvent(d, str(job.kind), job.stage, m, ready, finish, job.index, it)
-                )
-            last = max(last, finish)
-            if job.kind == FORWARD:
-                forward_done = max(forward_done, finish)
+                events.append(SimEvent(d, str(job.kind), job.stage, m, ready, t, job.index, it))
+        end[job.index] = ends
+        device_free[d] = t
+        last = max(last, t)
+        if job.kind == FORWARD:
+            forward_done = max(forward_done, t)
         job_ends[d].append(device_free[d])
     return last
 

@@ -35,7 +35,8 @@ ALLOWED = {
     "baseline": {"partition", "simresult"},
     "simulate": {"baseline", "kinds", "plan", "schedule", "simresult"},
     "profile": {"kinds", "plan"},
-    "planner": {"kinds", "partition", "plan", "profile", "simulate"},
+    "search": {"kinds", "partition", "plan", "profile", "simulate"},
+    "planner": {"kinds", "plan", "profile", "search"},
 }
 
 
