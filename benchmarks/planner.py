@@ -408,6 +408,21 @@ def overlap_report(key: str = "qwen3-1.7b", devices: int = 8, mbs: int = 9) -> l
     for step_ms in (0.5 * one.makespan_ms, one.makespan_ms, 1.5 * one.makespan_ms):
         steps.append(f"step {step_ms:.0f}: {bound.makespan_ms / per_iteration(32, step_ms):.2f}x")
     lines.append("  with a host optimizer step (32 iterations): " + ", ".join(steps))
+    steady = ModelExecutePlan.auto(
+        "fused",
+        prof,
+        min_stages=devices,
+        model_memory_limit=0.6 * DEVICE_MEMORY_GB,
+        num_microbatch=mbs,
+        overlap_iterations=True,
+    )
+    ov = simulate(
+        steady, fwd, bwd, devices, mbs, re_ms=re, iterations=32, overlap_iterations=True
+    ).iteration_ms
+    lines.append(
+        f"  planned for overlap (auto(..., overlap_iterations=True): {steady.to_layout_string()}): "
+        f"32 iterations: {ov:.1f} per iteration, {bound.makespan_ms / ov:.2f}x"
+    )
     return lines
 
 

@@ -63,6 +63,7 @@ def auto(
     objective: str = ...,
     num_microbatch: int | None = ...,
     refine: bool = ...,
+    overlap_iterations: bool = ...,
 ) -> ModelExecutePlan: ...
 
 
@@ -80,6 +81,7 @@ def auto(
     objective: str = ...,
     num_microbatch: int | None = ...,
     refine: bool = ...,
+    overlap_iterations: bool = ...,
 ) -> list[ModelExecutePlan]: ...
 
 
@@ -93,6 +95,7 @@ def auto(
     objective: str = "pipeline",
     num_microbatch: int | None = None,
     refine: bool = True,
+    overlap_iterations: bool = False,
 ) -> ModelExecutePlan | list[ModelExecutePlan]:
     """Plan stages from measured layer times (``ModelExecutePlan.auto``).
 
@@ -134,7 +137,11 @@ def auto(
         objective: "pipeline" (default) or "stages" (the published cost).
         num_microbatch: microbatches per iteration, for the "pipeline" objective;
             default number of devices + 1 (RoundPipe's default).
-        refine: simulate near-optimal candidates ("pipeline" objective only).
+        refine: simulate near-optimal candidates and walk to faster neighbours
+            ("pipeline" objective only).
+        overlap_iterations: rank plans ("fused") by the steady state of overlapped
+            ``forward_backward(blocking=False)`` calls instead of one iteration alone;
+            pass it when the engine overlaps iterations.
 
     Returns:
         One plan for one model, a list of plans (in order) for several.
@@ -189,6 +196,7 @@ def auto(
         num_devices=num_devices,
         num_microbatch=num_microbatch,
         refine=refine and objective == "pipeline" and method == "exact",
+        overlap_iterations=overlap_iterations,
     )
     return result.plans[0] if len(models) == 1 else result.plans
 

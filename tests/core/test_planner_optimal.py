@@ -279,3 +279,27 @@ def test_walk_never_slower_and_sometimes_faster_in_simulation():
         assert times[1] <= times[0] * (1 + 1e-9)
         improved += times[1] < times[0] * (1 - 1e-6)
     assert improved >= 3
+
+
+def test_overlap_aware_plan_is_faster_in_the_overlapped_steady_state():
+    """With overlap_iterations the planner ranks plans by what blocking=False runs: the
+    steady state of overlapped iterations, where another plan can win."""
+    from roundpipe_core.planner import auto
+    from roundpipe_core.simulate import simulate
+
+    # Qwen-shaped: a cheap embedding, 20 equal layers, an LM head of five layers' cost.
+    fwd = [0.02] + [1.0] * 20 + [5.0]
+    bwd = [0.1] + [2.0] * 20 + [10.0]
+    prof = LayerProfile(fwd, bwd)
+    devices, mbs = 4, 5
+    one = auto("fused", prof, min_stages=devices, num_microbatch=mbs)
+    steady = auto("fused", prof, min_stages=devices, num_microbatch=mbs, overlap_iterations=True)
+    steady.check_valid(len(fwd), "fused")
+
+    def per_iteration(plan, iterations):
+        return simulate(
+            plan, fwd, bwd, devices, mbs, iterations=iterations, overlap_iterations=True
+        ).iteration_ms
+
+    assert per_iteration(steady, 32) < 0.95 * per_iteration(one, 32)
+    assert per_iteration(one, 1) <= per_iteration(steady, 1) * (1 + 1e-9)
