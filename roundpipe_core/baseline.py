@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .kinds import JobKind
 from .partition import min_max_partition
 from .simresult import SimEvent, SimResult, per_layer, summarize
 
@@ -122,7 +123,7 @@ def _run_bound(
                 events.append(
                     SimEvent(
                         d,
-                        "forward" if kind == "F" else "backward",
+                        JobKind.from_code(kind).value,
                         s,
                         m,
                         ready,

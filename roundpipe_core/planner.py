@@ -116,7 +116,7 @@ def auto(
     round-robin iteration time of the stages instead (:func:`pipeline_estimate`,
     exact for equal stages), and ``refine=True`` simulates the near-optimal
     candidates and keeps the fastest. ``upper_threshold`` only steers
-    ``method="greedy"``, kept as the reference.
+    ``method="greedy"`` (the published planner's window of caps).
 
     Args:
         run_type: "infer", "train" (``forward()`` then backward through autograd)

@@ -283,8 +283,9 @@ def search_plans(
     for a fixed cap), and both objectives are non-decreasing in S and T, so a
     pruned bisection over the sorted candidate caps visits only caps where the
     count drops and the objective can still improve.
-    ``method="greedy"`` is the published search, kept as a reference: only caps
-    between the slowest layer and ``upper_threshold`` times that are tried.
+    ``method="greedy"`` restricts the caps as the published planner does: only
+    caps between the slowest layer and ``upper_threshold`` times that are tried
+    (its other rules differ; ``benchmarks/planner.py`` has a faithful rewrite).
 
     ``refine=True`` (with the "pipeline" objective) then runs the event simulator
     on the plans with the optimum's stage count and up to two stages fewer or more

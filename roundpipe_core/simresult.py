@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .kinds import JobKind
 from .schedule import Job
 
 __all__ = ["SimEvent", "SimResult", "summarize", "per_layer"]
@@ -99,7 +100,7 @@ class SimResult:
             for e in self.events:
                 if e.device != d or e.kind == "upload":
                     continue
-                ch = {"forward": "F", "fused": "X", "backward": "B"}[e.kind]
+                ch = JobKind(e.kind).code
                 a = min(width - 1, int(e.start * scale))
                 b = max(a + 1, min(width, int(round(e.end * scale))))
                 for x in range(a, b):

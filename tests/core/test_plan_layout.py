@@ -209,3 +209,18 @@ def test_huge_counts_build_nothing_per_layer():
         tracemalloc.stop()
     assert plan.fwd_plan == [range(0, 10**6)]
     assert peak < 1_000_000, f"validating one stage allocated {peak} bytes"
+
+
+def test_parse_layout_is_public_and_round_trips_with_format_layout():
+    from roundpipe_core.layout import format_layout, parse_layout
+
+    owned = parse_layout(" 0:4, 1:3 ", "fwd")
+    assert (owned.counts, owned.owners, owned.items) == ([4, 3], [0, 1], ["0:4", "1:3"])
+    assert owned.describe() == "4+3" and owned.num_layers_covered() == 7
+    assert format_layout([range(0, 4), range(4, 7)], owned.owners) == "0:4,1:3"
+    plain = parse_layout([7, 5])
+    assert plain.owners is None and format_layout([range(0, 7), range(7, 12)], None) == "7,5"
+    ranges = parse_layout([range(0, 3), range(3, 5)])
+    assert ranges.counts is None and ranges.num_layers_covered() == 5
+    with pytest.raises(ValueError, match=r"layout item 0 \(range\(3, 3\)\).*non-empty"):
+        parse_layout([range(3, 3)])
