@@ -143,3 +143,27 @@ def test_simulator_reports_peak_memory_per_device():
     assert [str(j) for j in res.jobs] == ["0F0", "1F1", "0X0", "1B1", "2B0"]
     assert res.peak_bytes == [11 * mib, 5 * mib]
     assert simulate(plan, prof.fwd_ms, prof.bwd_ms, 2, 2).peak_bytes == []
+
+
+def test_auto_reads_activation_bytes_a_model_records():
+    """A RoundPipe model (or its timer) that records saved-activation bytes per layer
+    gets them counted in auto()'s per-stage memory cap."""
+    from roundpipe_core import RoundPipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        layer = (64 * 64 + 64) * 4
+        limit_gb = 2 * 6 * 2 * layer / 1024**3  # every layer's params + grads fit one stage
+        assert profile_of(rp).act_bytes is None
+        rp.layer_activation_bytes = [5 * layer] * 6
+        assert profile_of(rp).act_bytes == [5 * layer] * 6
+        heavy = ModelExecutePlan.auto("train", rp, model_memory_limit=limit_gb, min_stages=1)
+        # 1 + 1 + 5 layers' worth per layer: two layers no longer fit half the limit.
+        half = limit_gb * 1024**3 / 2
+        assert [len(r) for r in heavy.bwd_plan] == [1] * 6
+        for s in stage_memory(heavy, profile_of(rp), "train"):
+            assert s.total_bytes <= half, (s, heavy)
+    finally:
+        rp.close()
