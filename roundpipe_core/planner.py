@@ -27,6 +27,7 @@ from .search import (
     plan_cost,
     plan_objective,
     search_plans,
+    simulated_iteration_ms,
     stage_times,
 )
 
@@ -38,7 +39,9 @@ __all__ = [
     "pipeline_estimate",
     "plan_cost",
     "plan_objective",
+    "predicted_speedup",
     "search_plans",
+    "simulated_iteration_ms",
     "stage_times",
 ]
 
@@ -221,3 +224,32 @@ def _memory_cap(profiles: Sequence[LayerProfile], run_type: RunType, cap: float)
         )
         return need
     return cap
+
+
+def predicted_speedup(
+    current: ModelExecutePlan,
+    candidate: ModelExecutePlan,
+    model: Any,
+    run_type: RunType | str,
+    num_devices: int,
+    num_microbatch: int,
+    overlap_iterations: bool = False,
+) -> float:
+    """How much faster ``candidate`` would run than ``current``: the ratio of their
+    simulated iteration times on ``model``'s profile (> 1: the candidate is faster).
+
+    Re-planning from noisy timings can flip between near-equal plans; a caller
+    switches only when this exceeds its threshold (e.g. ``> 1.05``), ideally with a
+    smoothed profile.
+    """
+    rt = parse_kind(RunType, run_type, "run_type")
+    prof = profile_of(model)
+    for name, plan in (("current", current), ("candidate", candidate)):
+        if not isinstance(plan, ModelExecutePlan):
+            raise TypeError(f"{name} must be a ModelExecutePlan, got {type(plan).__name__}")
+        plan.check_valid(prof.num_layers, rt, num_devices)
+    old = simulated_iteration_ms(current, prof, rt, num_devices, num_microbatch, overlap_iterations)
+    new = simulated_iteration_ms(
+        candidate, prof, rt, num_devices, num_microbatch, overlap_iterations
+    )
+    return old / new if new > 0 else (1.0 if old == 0 else math.inf)

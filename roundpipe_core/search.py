@@ -29,6 +29,7 @@ __all__ = [
     "plan_cost",
     "plan_objective",
     "search_plans",
+    "simulated_iteration_ms",
     "stage_times",
 ]
 
@@ -465,7 +466,7 @@ def _refine(
         total = 0.0
         for prof, pr in zip(profiles, problems):
             # Jointly planned models run one after another.
-            total += _iteration_ms(
+            total += simulated_iteration_ms(
                 pr.build(cands[idx]), prof, run_type, num_devices, num_microbatch, overlap
             )
         if total < best_time * (1 - 1e-9):
@@ -477,18 +478,19 @@ def _refine(
 OVERLAP_ITERATIONS = 4
 
 
-def _iteration_ms(
+def simulated_iteration_ms(
     plan: ModelExecutePlan,
     profile: LayerProfile,
-    run_type: RunType,
+    run_type: RunType | str,
     num_devices: int,
     num_microbatch: int,
-    overlap: bool,
+    overlap: bool = False,
 ) -> float:
     """The simulated time of one iteration of ``plan``; with ``overlap`` ("fused" only)
     the steady state of back-to-back ``forward_backward(blocking=False)`` calls: the
     time per iteration over :data:`OVERLAP_ITERATIONS` iterations after as many
     warm-up ones."""
+    run_type = parse_kind(RunType, run_type, "run_type")
     if not overlap or run_type != RunType.FUSED:
         return makespan_ms(
             plan,
@@ -548,7 +550,7 @@ def _walk(
     def simulated(p: ModelExecutePlan) -> float:
         key = p.to_layout_string()
         if key not in seen:
-            seen[key] = _iteration_ms(
+            seen[key] = simulated_iteration_ms(
                 p, profile, problem.run_type, num_devices, num_microbatch, overlap
             )
         return seen[key]

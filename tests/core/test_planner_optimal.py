@@ -303,3 +303,19 @@ def test_overlap_aware_plan_is_faster_in_the_overlapped_steady_state():
 
     assert per_iteration(steady, 32) < 0.95 * per_iteration(one, 32)
     assert per_iteration(one, 1) <= per_iteration(steady, 1) * (1 + 1e-9)
+
+
+def test_predicted_speedup_ranks_plans_by_simulation():
+    from roundpipe_core.planner import predicted_speedup, simulated_iteration_ms
+
+    fwd = [1.0] * 8
+    prof = LayerProfile(fwd, [2.0] * 8)
+    good = ModelExecutePlan.from_layout(fwd="2,2,2", bwd="2,2,2,2", run_type="fused")
+    poor = ModelExecutePlan.from_layout(fwd="6", bwd="2,6", run_type="fused")
+    gain = predicted_speedup(poor, good, prof, "fused", 2, 3)
+    t_poor = simulated_iteration_ms(poor, prof, "fused", 2, 3, False)
+    t_good = simulated_iteration_ms(good, prof, "fused", 2, 3, False)
+    assert gain == pytest.approx(t_poor / t_good) and gain > 1.0
+    assert predicted_speedup(good, good, prof, "fused", 2, 3) == 1.0
+    with pytest.raises(ValueError, match="bwd_plan"):
+        predicted_speedup(good, ModelExecutePlan([range(0, 8)], []), prof, "fused", 2, 3)
