@@ -76,7 +76,9 @@ def test_auto_is_the_planners():
 
 
 def test_job_codes_round_trip():
-    plan = ModelExecutePlan.from_layout(fwd="2,1", bwd="1:1,0:2,1:1", run_type="fused", num_devices=2)
+    plan = ModelExecutePlan.from_layout(
+        fwd="2,1", bwd="1:1,0:2,1:1", run_type="fused", num_devices=2
+    )
     jobs = build_schedule(plan, "fused", num_devices=2, num_microbatch=3)
     text = format_schedule(jobs)
     assert text == "0F0 1F1 0X1 1B0 2B1"
