@@ -4,6 +4,11 @@ stateless pool of devices (CUDA GPUs, or CPU threads that play devices)."""
 from .context import doing_recompute, get_recompute_data, save_for_recompute
 from .model import OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from .plan import ModelExecutePlan
+from .planner import auto as _auto_planner
+
+# The planner sits above plan.py (it runs the simulator, which reads plans), so the
+# package, not plan.py, connects the published spelling ModelExecutePlan.auto to it.
+ModelExecutePlan.install_planner(_auto_planner)
 
 
 def wrap_model_to_roundpipe(

@@ -5,17 +5,40 @@ which order. The runtime executes the list, the simulator times the same list,
 and the timer / stage-time logger annotate it. Dispatch is round-robin
 (``job k -> device (start_device + k) mod N``) unless the plan pins a stage to
 an owner device.
+
+A job prints as ``"<stage><kind code><device>"`` — ``"2F0"`` is forward stage 2
+on device 0, ``"0X1"`` the fused stage on device 1, ``"3B0"`` backward stage 3 —
+and a schedule as those codes separated by spaces; :func:`parse_schedule`
+reads them back against the plan (which knows each stage's layers).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+from .kinds import JobKind, RunType, parse_kind
 from .plan import ModelExecutePlan
 
-FORWARD = "forward"
-FUSED = "fused"
-BACKWARD = "backward"
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "FUSED",
+    "Job",
+    "boundary_layers",
+    "build_schedule",
+    "format_schedule",
+    "jobs_by_device",
+    "parse_job_code",
+    "parse_schedule",
+]
+
+# Short names the runtime and tests compare job kinds against.
+FORWARD = JobKind.FORWARD
+FUSED = JobKind.FUSED
+BACKWARD = JobKind.BACKWARD
+
+_CODE = re.compile(r"([0-9]+)([A-Z])([0-9]+)")
 
 
 @dataclass(frozen=True)
@@ -24,9 +47,9 @@ class Job:
 
     Attributes:
         index: position in launch order within the schedule.
-        kind: ``"forward"`` (no autograd; saves stage inputs for recompute),
-            ``"fused"`` (forward + loss + backward of the last layers) or
-            ``"backward"`` (recompute + backward).
+        kind: ``FORWARD`` (no autograd; saves stage inputs for recompute),
+            ``FUSED`` (forward + loss + backward of the last layers) or
+            ``BACKWARD`` (recompute + backward).
         layers: the layer indices of the stage.
         device: index of the device in the pool that runs it.
         microbatches: the microbatch indices, run in this order.
@@ -35,16 +58,64 @@ class Job:
     """
 
     index: int
-    kind: str
+    kind: JobKind
     layers: range
     device: int
     microbatches: range
     stage: int
 
+    @property
+    def code(self) -> str:
+        """The job's text form, ``"2F0"``: stage, kind code, device."""
+        return f"{self.stage}{JobKind(self.kind).code}{self.device}"
+
+    def __str__(self) -> str:
+        return self.code
+
+
+def parse_job_code(text: str) -> tuple[int, JobKind, int]:
+    """``"2F0"`` -> ``(2, JobKind.FORWARD, 0)``.
+
+    Raises:
+        ValueError: naming the text when it is not ``<stage><F|X|B><device>``.
+    """
+    m = _CODE.fullmatch(text.strip()) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(
+            f"job {text!r} is not <stage><kind><device> such as '2F0' (kinds: F, X, B)"
+        )
+    return int(m.group(1)), JobKind.from_code(m.group(2)), int(m.group(3))
+
+
+def format_schedule(jobs: list[Job]) -> str:
+    """A schedule as text: ``"0F0 1F1 0X0 1B1"``."""
+    return " ".join(job.code for job in jobs)
+
+
+def parse_schedule(text: str, plan: ModelExecutePlan, num_microbatch: int) -> list[Job]:
+    """Rebuild the jobs of :func:`format_schedule` output for ``plan``.
+
+    Raises:
+        ValueError: a code that does not parse, or names a stage the plan lacks.
+    """
+    if num_microbatch < 1:
+        raise ValueError(f"num_microbatch must be >= 1, got {num_microbatch}")
+    jobs = []
+    for k, tok in enumerate(text.split()):
+        stage, kind, device = parse_job_code(tok)
+        stages = plan.fwd_plan if kind == FORWARD else plan.bwd_plan
+        if stage >= len(stages):
+            side = "fwd_plan" if kind == FORWARD else "bwd_plan"
+            raise ValueError(
+                f"job {k} ({tok!r}) names stage {stage} but {side} has {len(stages)} stages"
+            )
+        jobs.append(Job(k, kind, stages[stage], device, range(num_microbatch), stage))
+    return jobs
+
 
 def build_schedule(
     plan: ModelExecutePlan,
-    run_type: str,
+    run_type: RunType | str,
     num_devices: int,
     num_microbatch: int,
     phase: str = "all",
@@ -63,23 +134,26 @@ def build_schedule(
         start_device: round-robin offset of the first job (the backward phase of
             "train" continues where its forward phase stopped).
     """
+    rt = parse_kind(RunType, run_type, "run_type")
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if num_microbatch < 1:
         raise ValueError(f"num_microbatch must be >= 1, got {num_microbatch}")
+    if phase not in ("all", "forward", "backward"):
+        raise ValueError(f"phase must be 'all', 'forward' or 'backward', got {phase!r}")
     mbs = range(num_microbatch)
-    entries: list[tuple[str, range, int, int | None]] = []
+    entries: list[tuple[JobKind, range, int, int | None]] = []
     do_fwd = phase in ("all", "forward")
     do_bwd = phase in ("all", "backward")
-    if run_type in ("infer", "train", "fused") and do_fwd:
+    if do_fwd:
         owners = plan.fwd_owners
         for i, r in enumerate(plan.fwd_plan):
             entries.append((FORWARD, r, i, owners[i] if owners else None))
-    if run_type == "fused" and do_fwd:
+    if rt == RunType.FUSED and do_fwd:
         owners = plan.bwd_owners
         for i, r in enumerate(plan.bwd_plan):
             entries.append((FUSED if i == 0 else BACKWARD, r, i, owners[i] if owners else None))
-    if run_type == "train" and do_bwd:
+    if rt == RunType.TRAIN and do_bwd:
         owners = plan.bwd_owners
         for i, r in enumerate(plan.bwd_plan):
             entries.append((BACKWARD, r, i, owners[i] if owners else None))
@@ -90,13 +164,13 @@ def build_schedule(
     return jobs
 
 
-def boundary_layers(plan: ModelExecutePlan, run_type: str) -> set[int]:
+def boundary_layers(plan: ModelExecutePlan, run_type: RunType | str) -> set[int]:
     """Layer indices whose inputs a forward pass must keep for the backward stages.
 
     Only each backward stage's input is kept (full recompute); with asymmetric
     plans these need not coincide with forward stage boundaries.
     """
-    if run_type == "infer":
+    if parse_kind(RunType, run_type, "run_type") == RunType.INFER:
         return set()
     return {r.start for r in plan.bwd_plan}
 

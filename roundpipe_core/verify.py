@@ -45,7 +45,10 @@ from torch import nn
 
 from . import batch as batching
 from .context import current_microbatch, doing_recompute
-from .plan import ModelExecutePlan, _parse_spec
+from .devices.pool import DevicePool
+from .layout import parse_layout
+from .model import RoundPipe, RoundPipeRunConfig
+from .plan import ModelExecutePlan
 
 PlanSpec = ModelExecutePlan | str | Sequence[Any]
 
@@ -279,7 +282,7 @@ def _as_plan(spec: PlanSpec, num_layers: int, num_devices: int) -> tuple[str, Mo
         return spec, ModelExecutePlan.from_layout_string(
             spec, num_layers=num_layers, num_devices=num_devices, run_type="fused"
         )
-    parsed = _parse_spec(spec, "layout")
+    parsed = parse_layout(spec, "layout")
     if parsed.counts is None:
         raise ValueError(f"layout {spec!r}: give stage sizes ('1,2,3') or device:size pairs")
     if sum(parsed.counts) != num_layers:
@@ -331,8 +334,6 @@ def compare_plans(
     Returns:
         A :class:`VerifyReport`; ``report.ok`` tells whether every plan matched.
     """
-    from .devices.pool import DevicePool
-
     if not isinstance(inputs, (tuple, list)):
         inputs = (inputs,)
     inputs = tuple(inputs)
@@ -402,8 +403,6 @@ def _compare(
     ref_rec: _Recorder,
     n: int,
 ) -> VerifyReport:
-    from .model import RoundPipe, RoundPipeRunConfig
-
     num_devices = len(pool)
     # The pipeline's microbatch split, reproduced for the reference loss.
     m = num_microbatch or num_devices + 1

@@ -155,3 +155,72 @@ def test_layout_string_separators():
     assert a.fwd_plan == [range(0, 2), range(2, 4)]
     assert a.bwd_owners == [1, 0]
     assert a.to_layout_string() == "fwd=2,2 bwd=1:1,0:3"
+
+
+# -- hostile input: named errors, nothing huge built ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(fwd="7,+-2", run_type="infer"), r"fwd item 1 \('\+-2'\).*digits 0-9"),
+        (dict(fwd="7,+2", run_type="infer"), r"fwd item 1 \('\+2'\).*digits 0-9"),
+        (dict(fwd="\u00b2", run_type="infer"), r"fwd item 0 \('\u00b2'\).*digits 0-9"),
+        (dict(fwd="\u0663", run_type="infer"), r"fwd item 0 \('\u0663'\).*digits 0-9"),
+        (dict(fwd="\u0663:2", run_type="infer"), r"fwd item 0 .*the device.*digits 0-9"),
+        (dict(fwd="01:2,1:2", run_type="infer"), r"fwd item 0 \('01:2'\): the device.*1 without"),
+        (dict(fwd="2,07", run_type="infer"), r"fwd item 1 \('07'\).*7 without leading zeros"),
+        (
+            dict(fwd="4,3", fwd_owners=["01", 1], run_type="infer"),
+            r"fwd_owners\[0\] must be an int",
+        ),
+        (dict(fwd="4,3", fwd_owners=[0, 1.0], run_type="infer"), r"fwd_owners\[1\] must be an int"),
+        (dict(fwd="4,3", fwd_owners="01", run_type="infer"), r"fwd_owners must be a list"),
+        (dict(fwd="4", num_devices=-1, run_type="infer"), r"num_devices must be an int >= 1.*-1"),
+        (dict(fwd="0:4", num_devices=0, run_type="infer"), r"num_devices must be an int >= 1"),
+        (
+            dict(fwd="10000000", num_layers=12, run_type="train"),
+            r"fwd counts add up to 10000000.*12 layers",
+        ),
+    ],
+)
+def test_hostile_layout_items_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        P.from_layout(**kwargs)
+
+
+def test_check_valid_rejects_negative_pool():
+    with pytest.raises(ValueError, match=r"num_devices must be an int >= 1.*-1"):
+        P.uniform(4, 2, "fused").check_valid(4, "fused", num_devices=-1)
+
+
+def test_huge_counts_build_nothing_per_layer():
+    """A layout claiming a million layers is checked from its stage ends, not layer by layer."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        plan = P.from_layout(fwd="1000000", run_type="infer")
+        P([range(0, 10**6)], [range(0, 10**6)]).check_valid(10**6, "train")
+        with pytest.raises(ValueError, match="does not cover layer 999999"):
+            P([range(0, 10**6 - 1)], []).check_valid(10**6, "infer")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert plan.fwd_plan == [range(0, 10**6)]
+    assert peak < 1_000_000, f"validating one stage allocated {peak} bytes"
+
+
+def test_parse_layout_is_public_and_round_trips_with_format_layout():
+    from roundpipe_core.layout import format_layout, parse_layout
+
+    owned = parse_layout(" 0:4, 1:3 ", "fwd")
+    assert (owned.counts, owned.owners, owned.items) == ([4, 3], [0, 1], ["0:4", "1:3"])
+    assert owned.describe() == "4+3" and owned.num_layers_covered() == 7
+    assert format_layout([range(0, 4), range(4, 7)], owned.owners) == "0:4,1:3"
+    plain = parse_layout([7, 5])
+    assert plain.owners is None and format_layout([range(0, 7), range(7, 12)], None) == "7,5"
+    ranges = parse_layout([range(0, 3), range(3, 5)])
+    assert ranges.counts is None and ranges.num_layers_covered() == 5
+    with pytest.raises(ValueError, match=r"layout item 0 \(range\(3, 3\)\).*non-empty"):
+        parse_layout([range(3, 3)])

@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roundpipe_core.plan import (
-    LayerProfile,
-    ModelExecutePlan,
+from roundpipe_core.plan import ModelExecutePlan
+from roundpipe_core.planner import (
     pipeline_estimate,
     plan_cost,
     plan_objective,
     search_plans,
 )
+from roundpipe_core.profile import LayerProfile
 
 
 def compositions(n: int):
@@ -246,3 +246,76 @@ def test_search_rejects_bad_arguments():
         LayerProfile([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match=r"bwd_ms\[1\]"):
         LayerProfile([1.0, 2.0], [1.0, float("nan")])
+
+
+def test_walk_never_slower_and_sometimes_faster_in_simulation():
+    """The simulator-guided walk starts from the cap search's pick and only moves to
+    faster plans; on uneven profiles it finds some."""
+    from roundpipe_core.simulate import makespan_ms
+
+    rnd = random.Random(7)
+    improved = 0
+    for _ in range(30):
+        n = rnd.randint(4, 12)
+        fwd = [rnd.uniform(0.2, 3.0) for _ in range(n)]
+        bwd = [x * rnd.uniform(1.5, 2.5) for x in fwd]
+        prof = LayerProfile(fwd, bwd)
+        devices = rnd.randint(2, 4)
+        mbs = rnd.randint(devices, 2 * devices + 1)
+        times = []
+        for walk in (False, True):
+            found = search_plans(
+                "fused",
+                [prof],
+                devices,
+                objective="pipeline",
+                num_devices=devices,
+                num_microbatch=mbs,
+                refine=True,
+                walk=walk,
+            )
+            found.plans[0].check_valid(n, "fused")
+            times.append(makespan_ms(found.plans[0], fwd, bwd, devices, mbs))
+        assert times[1] <= times[0] * (1 + 1e-9)
+        improved += times[1] < times[0] * (1 - 1e-6)
+    assert improved >= 3
+
+
+def test_overlap_aware_plan_is_faster_in_the_overlapped_steady_state():
+    """With overlap_iterations the planner ranks plans by what blocking=False runs: the
+    steady state of overlapped iterations, where another plan can win."""
+    from roundpipe_core.planner import auto
+    from roundpipe_core.simulate import simulate
+
+    # Qwen-shaped: a cheap embedding, 20 equal layers, an LM head of five layers' cost.
+    fwd = [0.02] + [1.0] * 20 + [5.0]
+    bwd = [0.1] + [2.0] * 20 + [10.0]
+    prof = LayerProfile(fwd, bwd)
+    devices, mbs = 4, 5
+    one = auto("fused", prof, min_stages=devices, num_microbatch=mbs)
+    steady = auto("fused", prof, min_stages=devices, num_microbatch=mbs, overlap_iterations=True)
+    steady.check_valid(len(fwd), "fused")
+
+    def per_iteration(plan, iterations):
+        return simulate(
+            plan, fwd, bwd, devices, mbs, iterations=iterations, overlap_iterations=True
+        ).iteration_ms
+
+    assert per_iteration(steady, 32) < 0.95 * per_iteration(one, 32)
+    assert per_iteration(one, 1) <= per_iteration(steady, 1) * (1 + 1e-9)
+
+
+def test_predicted_speedup_ranks_plans_by_simulation():
+    from roundpipe_core.planner import predicted_speedup, simulated_iteration_ms
+
+    fwd = [1.0] * 8
+    prof = LayerProfile(fwd, [2.0] * 8)
+    good = ModelExecutePlan.from_layout(fwd="2,2,2", bwd="2,2,2,2", run_type="fused")
+    poor = ModelExecutePlan.from_layout(fwd="6", bwd="2,6", run_type="fused")
+    gain = predicted_speedup(poor, good, prof, "fused", 2, 3)
+    t_poor = simulated_iteration_ms(poor, prof, "fused", 2, 3, False)
+    t_good = simulated_iteration_ms(good, prof, "fused", 2, 3, False)
+    assert gain == pytest.approx(t_poor / t_good) and gain > 1.0
+    assert predicted_speedup(good, good, prof, "fused", 2, 3) == 1.0
+    with pytest.raises(ValueError, match="bwd_plan"):
+        predicted_speedup(good, ModelExecutePlan([range(0, 8)], []), prof, "fused", 2, 3)

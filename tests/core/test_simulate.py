@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from roundpipe_core.plan import LayerProfile, ModelExecutePlan, stage_times
+from roundpipe_core.plan import ModelExecutePlan
+from roundpipe_core.planner import stage_times
+from roundpipe_core.profile import LayerProfile
 from roundpipe_core.schedule import build_schedule
 from roundpipe_core.simulate import balanced_stages, simulate, simulate_bound_stages
 

@@ -1,0 +1,255 @@
+"""Automatic planning: partition layers into stages that keep every device busy.
+
+:func:`auto` (also reachable as ``ModelExecutePlan.auto``) reads each model's
+:class:`~roundpipe_core.profile.LayerProfile` — measured per-layer times, or
+size-based estimates before anything was measured — and searches the stage
+partition under a per-stage memory cap that counts parameters, gradients and
+one microbatch's saved activations. :func:`search_plans` is the search itself;
+it lives in :mod:`roundpipe_core.search`, which packs stages with
+:mod:`roundpipe_core.partition` and checks its shortlist with the event
+simulator, so the plan chosen is ranked by the schedule the engine runs.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any, overload
+
+from .kinds import RunType, parse_kind
+from .plan import ModelExecutePlan
+from .profile import LayerProfile, profile_of
+from .search import (
+    OBJECTIVES,
+    PlanSearch,
+    pipeline_estimate,
+    plan_cost,
+    plan_objective,
+    search_plans,
+    simulated_iteration_ms,
+    stage_times,
+)
+
+__all__ = [
+    "DEFAULT_MEMORY_SHARE",
+    "OBJECTIVES",
+    "PlanSearch",
+    "auto",
+    "pipeline_estimate",
+    "plan_cost",
+    "plan_objective",
+    "predicted_speedup",
+    "search_plans",
+    "simulated_iteration_ms",
+    "stage_times",
+]
+
+#: Share of the smallest device's memory that ``auto()`` plans with by default.
+DEFAULT_MEMORY_SHARE = 0.6
+_GB = 1024**3
+
+
+# -- auto() -----------------------------------------------------------------------------
+
+
+@overload
+def auto(
+    run_type: RunType | str,
+    model: Any,
+    /,
+    *,
+    min_stages: int | None = ...,
+    upper_threshold: float = ...,
+    model_memory_limit: float | None = ...,
+    method: str = ...,
+    objective: str = ...,
+    num_microbatch: int | None = ...,
+    refine: bool = ...,
+    overlap_iterations: bool = ...,
+) -> ModelExecutePlan: ...
+
+
+@overload
+def auto(
+    run_type: RunType | str,
+    model: Any,
+    other: Any,
+    /,
+    *models: Any,
+    min_stages: int | None = ...,
+    upper_threshold: float = ...,
+    model_memory_limit: float | None = ...,
+    method: str = ...,
+    objective: str = ...,
+    num_microbatch: int | None = ...,
+    refine: bool = ...,
+    overlap_iterations: bool = ...,
+) -> list[ModelExecutePlan]: ...
+
+
+def auto(
+    run_type: RunType | str,
+    *models: Any,
+    min_stages: int | None = None,
+    upper_threshold: float = 1.1,
+    model_memory_limit: float | None = None,
+    method: str = "exact",
+    objective: str = "pipeline",
+    num_microbatch: int | None = None,
+    refine: bool = True,
+    overlap_iterations: bool = False,
+) -> ModelExecutePlan | list[ModelExecutePlan]:
+    """Plan stages from measured layer times (``ModelExecutePlan.auto``).
+
+    Stages should be even (the slowest sets the pace) and there should be enough
+    of them to keep every device busy. Forward stages cost the layers' forward
+    time, backward stages recompute + backward, the fused stage of "fused"
+    forward + backward. Each stage's memory — parameters, plus for backward and
+    fused stages their gradients and one microbatch's saved activations — stays
+    under ``model_memory_limit / 2``: one stage runs while the next one's
+    parameters are prefetched.
+
+    The published planner minimises ``max(total stages, min_stages) x slowest
+    stage`` (``objective="stages"``) greedily, trying only stage caps between the
+    slowest layer and ``upper_threshold`` times that. Here ``method="exact"``
+    returns the minimum over all caps (see :func:`search_plans`). Minimised
+    exactly, that cost favours a few huge stages, whose pipeline fill and drain it
+    does not charge; so the default ``objective="pipeline"`` minimises the
+    round-robin iteration time of the stages instead (:func:`pipeline_estimate`,
+    exact for equal stages), and ``refine=True`` simulates the near-optimal
+    candidates and keeps the fastest. ``upper_threshold`` only steers
+    ``method="greedy"`` (the published planner's window of caps).
+
+    Args:
+        run_type: "infer", "train" (``forward()`` then backward through autograd)
+            or "fused" (``forward_backward()``).
+        *models: RoundPipe models (see :func:`profile_of`), or
+            :class:`~roundpipe_core.timer.ModelTimer` / :class:`LayerProfile`
+            objects. Several models are planned jointly with one shared stage cap
+            (e.g. an encoder and a decoder run one after another).
+        min_stages: stages below which the pipeline starves, for ``objective="stages"``;
+            default: the number of devices (the largest pool among the models). The
+            "pipeline" objective charges starvation itself and uses this only as the
+            device count when no model has a pool.
+        upper_threshold: search window of ``method="greedy"``.
+        model_memory_limit: GB a device may use for the model; default 60% of the
+            smallest device's memory (CPU workers report ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB``,
+            8 GB unless set). A layer bigger than half of it raises the limit, with a warning.
+        method: "exact" (default) or "greedy".
+        objective: "pipeline" (default) or "stages" (the published cost).
+        num_microbatch: microbatches per iteration, for the "pipeline" objective;
+            default number of devices + 1 (RoundPipe's default).
+        refine: simulate near-optimal candidates and walk to faster neighbours
+            ("pipeline" objective only).
+        overlap_iterations: rank plans ("fused") by the steady state of overlapped
+            ``forward_backward(blocking=False)`` calls instead of one iteration alone;
+            pass it when the engine overlaps iterations.
+
+    Returns:
+        One plan for one model, a list of plans (in order) for several.
+    """
+    rt = parse_kind(RunType, run_type, "run_type")
+    if not models:
+        raise ValueError("ModelExecutePlan.auto() needs at least one model to plan")
+    profiles: list[LayerProfile] = []
+    devices: list[int] = []
+    capacities: list[int] = []
+    for i, m in enumerate(models):
+        try:
+            profiles.append(profile_of(m))
+        except TypeError as exc:
+            raise TypeError(f"model {i}: {exc}") from None
+        if isinstance(m, LayerProfile):
+            continue
+        if getattr(m, "num_devices", None) is not None:
+            devices.append(int(m.num_devices))
+        pool = getattr(m, "pool", None)
+        for w in getattr(pool, "workers", ()) or ():
+            capacities.append(int(w.memory_capacity()))
+    if min_stages is None:
+        if not devices:
+            raise ValueError(
+                "min_stages is needed when no RoundPipe model is given (it defaults to "
+                "the number of devices)"
+            )
+        min_stages = max(devices)
+    if not isinstance(min_stages, int) or isinstance(min_stages, bool) or min_stages < 1:
+        raise ValueError(f"min_stages must be an int >= 1, got {min_stages!r}")
+    if model_memory_limit is None:
+        limit_bytes = DEFAULT_MEMORY_SHARE * min(capacities) if capacities else math.inf
+    else:
+        if not isinstance(model_memory_limit, (int, float)) or not model_memory_limit > 0:
+            raise ValueError(
+                f"model_memory_limit must be a positive number of GB, got {model_memory_limit!r}"
+            )
+        limit_bytes = float(model_memory_limit) * _GB
+    cap = _memory_cap(profiles, rt, limit_bytes / 2)
+    num_devices = max(devices) if devices else min_stages
+    if num_microbatch is None:
+        num_microbatch = num_devices + 1
+    result = search_plans(
+        rt,
+        profiles,
+        min_stages,
+        cap,
+        method=method,
+        upper_threshold=upper_threshold,
+        objective=objective,
+        num_devices=num_devices,
+        num_microbatch=num_microbatch,
+        refine=refine and objective == "pipeline" and method == "exact",
+        overlap_iterations=overlap_iterations,
+    )
+    return result.plans[0] if len(models) == 1 else result.plans
+
+
+def _memory_cap(profiles: Sequence[LayerProfile], run_type: RunType, cap: float) -> float:
+    """``cap``, raised (with a warning) to the largest single layer when one exceeds it."""
+    need, which = 0.0, (0, 0)
+    for k, prof in enumerate(profiles):
+        fmem, bmem = prof.stage_mem()
+        per_layer = fmem if run_type == RunType.INFER else bmem
+        big = max(range(len(per_layer)), key=per_layer.__getitem__)
+        if per_layer[big] > cap and per_layer[big] > need:
+            need, which = per_layer[big], (k, big)
+    if need > cap:
+        warnings.warn(
+            f"layer {which[1]} of model {which[0]} needs {need / _GB:.3f} GB in one stage "
+            "(parameters, gradients and one microbatch's saved activations), more than "
+            f"model_memory_limit / 2 = {cap / _GB:.3f} GB; planning with a limit of "
+            f"{2 * need / _GB:.3f} GB instead (raise model_memory_limit to silence this)",
+            RuntimeWarning,
+            stacklevel=4,  # the caller of ModelExecutePlan.auto
+        )
+        return need
+    return cap
+
+
+def predicted_speedup(
+    current: ModelExecutePlan,
+    candidate: ModelExecutePlan,
+    model: Any,
+    run_type: RunType | str,
+    num_devices: int,
+    num_microbatch: int,
+    overlap_iterations: bool = False,
+) -> float:
+    """How much faster ``candidate`` would run than ``current``: the ratio of their
+    simulated iteration times on ``model``'s profile (> 1: the candidate is faster).
+
+    Re-planning from noisy timings can flip between near-equal plans; a caller
+    switches only when this exceeds its threshold (e.g. ``> 1.05``), ideally with a
+    smoothed profile.
+    """
+    rt = parse_kind(RunType, run_type, "run_type")
+    prof = profile_of(model)
+    for name, plan in (("current", current), ("candidate", candidate)):
+        if not isinstance(plan, ModelExecutePlan):
+            raise TypeError(f"{name} must be a ModelExecutePlan, got {type(plan).__name__}")
+        plan.check_valid(prof.num_layers, rt, num_devices)
+    old = simulated_iteration_ms(current, prof, rt, num_devices, num_microbatch, overlap_iterations)
+    new = simulated_iteration_ms(
+        candidate, prof, rt, num_devices, num_microbatch, overlap_iterations
+    )
+    return old / new if new > 0 else (1.0 if old == 0 else math.inf)

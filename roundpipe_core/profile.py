@@ -1,0 +1,428 @@
+"""What the planner knows about a model's layers: times, sizes and activation memory.
+
+* :class:`LayerProfile` — per-layer times (ms) and bytes, the planner's input.
+* :func:`layer_sizes` — bytes per layer from the modules: what a stage upload
+  moves, what gradients it holds, and how much of it is dense compute. A tied
+  (shared) parameter is uploaded by every stage whose layers use it, but it is
+  one tensor in host memory and costs compute only where it multiplies: an
+  embedding table is read a few rows at a time, so its bytes say nothing about
+  its time, while the LM head that shares it runs a full matrix product.
+* :func:`measure_activation_bytes` — saved-tensor bytes per layer, measured with
+  ``torch.autograd.graph.saved_tensors_hooks`` on a small real forward;
+  :func:`scale_activation_bytes` extends them to another token count.
+* :func:`stage_memory` / :func:`check_plan_fits` — the memory a plan's stages
+  need on a device, and a clear refusal of a plan that cannot fit.
+
+A backward or fused stage holds its parameters, their gradients and, while it
+runs one microbatch, the saved activations of its layers; a forward stage runs
+without autograd and holds only its parameters. One more stage's parameters
+may be prefetched beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .kinds import JobKind, RunType, parse_kind
+from .plan import ModelExecutePlan
+
+__all__ = [
+    "LayerProfile",
+    "LayerSizes",
+    "StageMemory",
+    "check_plan_fits",
+    "format_bytes",
+    "layer_sizes",
+    "measure_activation_bytes",
+    "profile_of",
+    "scale_activation_bytes",
+    "size_prior_ms",
+    "stage_memory",
+]
+
+_GB = 1024**3
+#: Milliseconds assumed per byte of dense layer weights before anything was measured
+#: (only ratios matter to the planner; the scale keeps the numbers readable).
+PRIOR_MS_PER_BYTE = 1.0 / 100e6
+#: A layer without dense weights (activation, embedding lookup) is not free: before
+#: measurements it costs this share of the largest layer's estimate.
+PRIOR_FLOOR_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What the planner knows about one model: per-layer times (ms) and sizes (bytes).
+
+    Attributes:
+        fwd_ms: forward time per layer.
+        bwd_ms: backward time per layer (without the recompute).
+        re_ms: recompute time per layer; ``None`` = the forward time.
+        param_bytes: bytes a stage upload moves per layer; ``None`` = 0 (no memory cap).
+        grad_bytes: gradient bytes per layer held by backward stages; ``None`` = ``param_bytes``.
+        act_bytes: saved-activation bytes per layer for one microbatch, held while a
+            backward or fused stage runs; ``None`` = 0.
+    """
+
+    fwd_ms: Sequence[float]
+    bwd_ms: Sequence[float]
+    re_ms: Sequence[float] | None = None
+    param_bytes: Sequence[int] | None = None
+    grad_bytes: Sequence[int] | None = None
+    act_bytes: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.fwd_ms)
+        if n < 1:
+            raise ValueError("a layer profile needs at least one layer")
+        names = ("fwd_ms", "bwd_ms", "re_ms", "param_bytes", "grad_bytes", "act_bytes")
+        for name in names[1:]:
+            seq = getattr(self, name)
+            if seq is not None and len(seq) != n:
+                raise ValueError(
+                    f"{name} has {len(seq)} entries but fwd_ms has {n}; give one per layer"
+                )
+        for name in names:
+            for i, x in enumerate(getattr(self, name) or ()):
+                if not (isinstance(x, (int, float)) and math.isfinite(x) and x >= 0):
+                    raise ValueError(f"{name}[{i}] = {x!r} must be a finite number >= 0")
+
+    @property
+    def num_layers(self) -> int:
+        """Layers in the profile."""
+        return len(self.fwd_ms)
+
+    @classmethod
+    def from_timer(cls, timer: Any, act_bytes: Sequence[float] | None = None) -> LayerProfile:
+        """The current estimates of a :class:`~roundpipe_core.timer.ModelTimer`.
+
+        ``act_bytes`` defaults to the timer's ``layer_activation_bytes`` when it has them.
+        """
+        if act_bytes is None:
+            act_bytes = getattr(timer, "layer_activation_bytes", None)
+        return cls(
+            fwd_ms=timer.fwd_ms,
+            bwd_ms=timer.bwd_ms,
+            re_ms=timer.re_ms,
+            param_bytes=timer.layer_param_bytes,
+            grad_bytes=getattr(timer, "layer_grad_bytes", None),
+            act_bytes=act_bytes,
+        )
+
+    def stage_mem(self) -> tuple[list[float], list[float]]:
+        """Bytes per layer held by a forward stage (parameters) and by a backward or
+        fused stage (parameters + gradients + one microbatch's saved activations)."""
+        n = self.num_layers
+        params = [float(x) for x in self.param_bytes] if self.param_bytes is not None else [0.0] * n
+        grads = [float(x) for x in self.grad_bytes] if self.grad_bytes is not None else params
+        acts = [float(x) for x in self.act_bytes] if self.act_bytes is not None else [0.0] * n
+        return params, [p + g + a for p, g, a in zip(params, grads, acts)]
+
+
+# -- sizes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerSizes:
+    """Bytes per layer, from the modules.
+
+    Attributes:
+        upload_bytes: parameters + buffers a stage upload moves (a tensor shared by
+            two layers is uploaded by each stage that runs one of them).
+        grad_bytes: trainable parameters (gradients a backward stage holds).
+        compute_bytes: dense weights the layer computes with: parameters of lookup
+            modules (``nn.Embedding``, ``nn.EmbeddingBag``) are left out unless the
+            layer also uses the same tensor in a dense op.
+        host_bytes: the model's parameters and buffers with every tensor counted once.
+    """
+
+    upload_bytes: list[int]
+    grad_bytes: list[int]
+    compute_bytes: list[int]
+    host_bytes: int
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
+    """Measure :class:`LayerSizes` of an ``nn.Sequential`` (or a list of layers)."""
+    if isinstance(layers, nn.Module):
+        layers = list(layers.children()) if isinstance(layers, nn.Sequential) else [layers]
+    upload, grads, compute = [], [], []
+    everywhere: set[int] = set()
+    host = 0
+    for layer in layers:
+        seen: set[int] = set()
+        up = gr = 0
+        for t in list(layer.parameters()) + list(layer.buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            up += _nbytes(t)
+            if isinstance(t, nn.Parameter) and t.requires_grad:
+                gr += _nbytes(t)
+            if id(t) not in everywhere:
+                everywhere.add(id(t))
+                host += _nbytes(t)
+        lookup: set[int] = set()
+        dense: set[int] = set()
+        for mod in layer.modules():
+            direct = list(mod.parameters(recurse=False))
+            target = lookup if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) else dense
+            target.update(id(p) for p in direct)
+        comp = sum(_nbytes(p) for p in layer.parameters() if id(p) not in lookup or id(p) in dense)
+        upload.append(up)
+        grads.append(gr)
+        compute.append(comp)
+    return LayerSizes(upload, grads, compute, host)
+
+
+def size_prior_ms(compute_bytes: Sequence[int]) -> list[float]:
+    """Forward time per layer before any measurement: proportional to dense weights,
+    with a floor of :data:`PRIOR_FLOOR_SHARE` of the largest layer."""
+    raw = [b * PRIOR_MS_PER_BYTE for b in compute_bytes]
+    top = max(raw, default=0.0)
+    floor = top * PRIOR_FLOOR_SHARE if top > 0 else 1.0
+    return [max(r, floor) for r in raw]
+
+
+# -- activations ------------------------------------------------------------------------
+
+
+def _leaves(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _leaves(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _leaves(v)]
+    return []
+
+
+def measure_activation_bytes(
+    layers: Sequence[nn.Module] | nn.Module, *args: Any, **kwargs: Any
+) -> list[int]:
+    """Saved-tensor bytes per layer of one forward with autograd, on ``args``/``kwargs``.
+
+    Layer 0 gets ``(*args, **kwargs)``, every later layer the previous output
+    (``nn.Sequential`` semantics). Every tensor autograd saves for the backward is
+    counted once per layer by its storage; the model's own parameters and buffers
+    are not activations and are left out. Run it on a small batch on the CPU and
+    :func:`scale_activation_bytes` to the real one.
+    """
+    if isinstance(layers, nn.Module):
+        layers = list(layers.children()) if isinstance(layers, nn.Sequential) else [layers]
+    state = {
+        t.untyped_storage().data_ptr()
+        for layer in layers
+        for t in list(layer.parameters()) + list(layer.buffers())
+    }
+    out: list[int] = []
+    x: Any = None
+    with torch.enable_grad():
+        for i, layer in enumerate(layers):
+            counter = _SavedBytes(state)
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
+                x = layer(*args, **kwargs) if i == 0 else layer(x)
+            out.append(counter.total)
+            # Detach between layers: each layer's graph is measured on its own.
+            x = _detach_tree(x)
+    return out
+
+
+class _SavedBytes:
+    """Pack hook that adds up the storages autograd saves, each once, skipping ``state``."""
+
+    def __init__(self, state: set[int]) -> None:
+        self.state = state
+        self.seen: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta":  # no storage to share: count the tensor
+            self.seen[id(t)] = _nbytes(t)
+            return t
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.state:  # a view keeps its whole storage alive
+            self.seen[ptr] = max(self.seen.get(ptr, 0), storage.nbytes())
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _detach_tree(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.is_floating_point())
+    if isinstance(x, tuple):
+        items = [_detach_tree(v) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    if isinstance(x, list):
+        return [_detach_tree(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _detach_tree(v) for k, v in x.items()}
+    return x
+
+
+def scale_activation_bytes(
+    measured: Sequence[float], measured_tokens: int, tokens: int
+) -> list[float]:
+    """Activation bytes for ``tokens`` tokens per microbatch from a measurement at
+    ``measured_tokens`` (saved tensors grow with the tokens a layer processes)."""
+    if measured_tokens < 1 or tokens < 1:
+        raise ValueError(
+            f"token counts must be >= 1, got measured_tokens={measured_tokens}, tokens={tokens}"
+        )
+    return [float(b) * tokens / measured_tokens for b in measured]
+
+
+# -- stage memory -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one stage holds on its device while it runs.
+
+    Attributes:
+        kind: the job kind of the stage.
+        stage: its index in its plan.
+        layers: its layers.
+        param_bytes / grad_bytes / act_bytes: parameters, gradients, saved activations
+            of one microbatch (the last two are 0 for a forward stage).
+    """
+
+    kind: JobKind
+    stage: int
+    layers: range
+    param_bytes: float
+    grad_bytes: float
+    act_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        """Everything the running stage holds."""
+        return self.param_bytes + self.grad_bytes + self.act_bytes
+
+
+def stage_memory(
+    plan: ModelExecutePlan, profile: LayerProfile, run_type: RunType | str
+) -> list[StageMemory]:
+    """What each stage of ``plan`` holds while it runs, in launch order."""
+    rt = parse_kind(RunType, run_type, "run_type")
+    n = profile.num_layers
+    params = (
+        [float(x) for x in profile.param_bytes] if profile.param_bytes is not None else [0.0] * n
+    )
+    grads = [float(x) for x in profile.grad_bytes] if profile.grad_bytes is not None else params
+    acts = [float(x) for x in profile.act_bytes] if profile.act_bytes is not None else [0.0] * n
+    out = [
+        StageMemory(JobKind.FORWARD, i, r, sum(params[j] for j in r), 0.0, 0.0)
+        for i, r in enumerate(plan.fwd_plan)
+    ]
+    if rt != RunType.INFER:
+        for i, r in enumerate(plan.bwd_plan):
+            kind = JobKind.FUSED if (rt == RunType.FUSED and i == 0) else JobKind.BACKWARD
+            out.append(
+                StageMemory(
+                    kind,
+                    i,
+                    r,
+                    sum(params[j] for j in r),
+                    sum(grads[j] for j in r),
+                    sum(acts[j] for j in r),
+                )
+            )
+    return out
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units for messages: ``"12.0 MiB"``, ``"1.50 GiB"``."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}" if n / size < 100 else f"{n / size:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def check_plan_fits(
+    plan: ModelExecutePlan,
+    profile: LayerProfile,
+    run_type: RunType | str,
+    capacity_bytes: float,
+) -> None:
+    """Refuse a plan whose stages cannot fit a device of ``capacity_bytes``.
+
+    A device holds the running stage and the next stage's prefetched parameters;
+    the check asks that the running stage plus the largest other stage's
+    parameters fit (round-robin may put any stage next).
+
+    Raises:
+        ValueError: naming the stage, its layers and the bytes it needs.
+    """
+    if not capacity_bytes > 0:
+        raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
+    stages = stage_memory(plan, profile, run_type)
+    for s in stages:
+        others = [o.param_bytes for o in stages if o is not s]
+        prefetch = max(others, default=0.0)
+        need = s.total_bytes + prefetch
+        if need > capacity_bytes:
+            raise ValueError(
+                f"{s.kind} stage {s.stage} (layers {s.layers.start}..{s.layers.stop - 1}) needs "
+                f"{format_bytes(need)} on its device (parameters {format_bytes(s.param_bytes)}, "
+                f"gradients {format_bytes(s.grad_bytes)}, activations of one microbatch "
+                f"{format_bytes(s.act_bytes)}, next stage's prefetched parameters "
+                f"{format_bytes(prefetch)}) but the device has {format_bytes(capacity_bytes)}; "
+                "split the stage, use fewer tokens per microbatch (more microbatches), or "
+                "recompute_grain='layer'"
+            )
+
+
+# -- a model's profile ---------------------------------------------------------------
+
+
+def profile_of(model: Any) -> LayerProfile:
+    """The planner's view of one model: a :class:`LayerProfile` as given, a
+    ``ModelTimer``'s estimates, or a RoundPipe model's.
+
+    Before anything was measured, a RoundPipe model's profile comes from its
+    layers' sizes (:func:`~roundpipe_core.profile.layer_sizes`): time follows the
+    dense weights a layer computes with, so an embedding table — even one tied
+    to the LM head — does not look as slow as the head. Saved-activation bytes
+    per microbatch come from the model's (or its timer's) ``layer_activation_bytes``
+    when it records them.
+    """
+    if isinstance(model, LayerProfile):
+        return model
+    timer = getattr(model, "model_timer", model)
+    if not hasattr(timer, "fwd_ms") or not hasattr(timer, "layer_param_bytes"):
+        raise TypeError(
+            f"{type(model).__name__} is not a RoundPipe model, ModelTimer or LayerProfile; "
+            "pass the RoundPipe objects to plan"
+        )
+    act = getattr(model, "layer_activation_bytes", None)
+    layers = getattr(model, "layers", None)
+    measured = timer.has_measurements() if hasattr(timer, "has_measurements") else True
+    if measured or layers is None:
+        return LayerProfile.from_timer(timer, act_bytes=act)
+    sizes = layer_sizes(list(layers))
+    fwd = size_prior_ms(sizes.compute_bytes)
+    return LayerProfile(
+        fwd_ms=fwd,
+        bwd_ms=[2.0 * f for f in fwd],
+        re_ms=fwd,
+        param_bytes=sizes.upload_bytes,
+        grad_bytes=sizes.grad_bytes,
+        act_bytes=act if act is not None else getattr(timer, "layer_activation_bytes", None),
+    )

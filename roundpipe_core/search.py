@@ -1,0 +1,572 @@
+"""The stage-partition search behind :func:`roundpipe_core.planner.auto`.
+
+For one stage-time cap, greedy packing from the deepest layer gives the fewest
+stages (optimal for that cap); :func:`search_plans` searches the caps — every
+one a sum of contiguous layers — for the best objective, then (``refine``)
+simulates the closest candidates and walks to neighbouring plans (the fused
+split moved, a side given a stage more or fewer, balanced again) while the
+simulated iteration gets shorter, so the plan returned is ranked by the
+schedule the engine runs, not only by the estimate.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .kinds import RunType, parse_kind
+from .partition import Partitioner, first_true, with_slack
+from .plan import ModelExecutePlan
+from .profile import LayerProfile
+from .simulate import makespan_ms, simulate
+
+__all__ = [
+    "OBJECTIVES",
+    "PlanSearch",
+    "pipeline_estimate",
+    "plan_cost",
+    "plan_objective",
+    "search_plans",
+    "simulated_iteration_ms",
+    "stage_times",
+]
+
+_GB = 1024**3
+
+
+@dataclass
+class PlanSearch:
+    """Result of a planner search.
+
+    Attributes:
+        plans: one plan per model.
+        stage_ms: the stage time cap the plans were packed under (their slowest stage
+            is at most this).
+        num_stages: stages of all models together.
+        cost: ``max(num_stages, min_stages) * stage_ms``, the planner's objective.
+        memory_cap_bytes: per-stage memory bound used.
+        evaluated: stage caps the search evaluated.
+    """
+
+    plans: list[ModelExecutePlan]
+    stage_ms: float
+    num_stages: int
+    cost: float
+    memory_cap_bytes: float
+    evaluated: int
+
+
+class _Problem:
+    """One model's partition problem for one run type."""
+
+    def __init__(self, profile: LayerProfile, run_type: RunType, mem_cap: float) -> None:
+        self.run_type = run_type
+        self.n = profile.num_layers
+        self.mem_cap = mem_cap
+        fwd = list(profile.fwd_ms)
+        bwd = list(profile.bwd_ms)
+        re = list(profile.re_ms) if profile.re_ms is not None else fwd
+        fmem, bmem = profile.stage_mem()
+        self.fwd = Partitioner(fwd, fmem)
+        self.bwd = Partitioner([r + b for r, b in zip(re, bwd)], bmem)
+        self.fused = Partitioner([f + b for f, b in zip(fwd, bwd)], bmem)
+        self._splits: dict[tuple[int, int, int], list[range] | None] = {}
+
+    def fused_start(self, cap: float) -> int:
+        """First layer of the largest fused stage (deepest layers) under ``cap``."""
+        return self.fused.cut(self.n, cap, self.mem_cap)
+
+    def stages(self, cap: float) -> float:
+        n, m = self.n, self.mem_cap
+        if self.run_type == RunType.INFER:
+            return self.fwd.count(n, cap, m)
+        if self.run_type == RunType.TRAIN:
+            return self.fwd.count(n, cap, m) + self.bwd.count(n, cap, m)
+        f = self.fused_start(cap)
+        if f >= n:
+            return math.inf
+        return 1 + self.fwd.count(f, cap, m) + self.bwd.count(f, cap, m)
+
+    def work(self, cap: float) -> float:
+        """Summed stage time (per microbatch) of the plan packed under ``cap``.
+
+        Only "fused" depends on the cap: a larger fused stage saves its recompute.
+        Non-increasing in the cap.
+        """
+        n = self.n
+        total = self.fwd.cost_prefix[n]
+        if self.run_type == RunType.TRAIN:
+            total += self.bwd.cost_prefix[n]
+        elif self.run_type == RunType.FUSED:
+            f = min(self.fused_start(cap), n)
+            total = (
+                self.fwd.cost_prefix[f]
+                + self.bwd.cost_prefix[f]
+                + self.fused.cost_prefix[n]
+                - self.fused.cost_prefix[f]
+            )
+        return total
+
+    def candidates(self) -> list[float]:
+        """Every stage time a plan of this model can have."""
+        n = self.n
+        if self.run_type == RunType.INFER:
+            return self.fwd.segment_sums(n)
+        if self.run_type == RunType.TRAIN:
+            return self.fwd.segment_sums(n) + self.bwd.segment_sums(n)
+        p = self.fused.cost_prefix
+        suffix = [p[n] - p[f] for f in range(n)]
+        return self.fwd.segment_sums(n - 1) + self.bwd.segment_sums(n - 1) + suffix
+
+    def build(self, cap: float) -> ModelExecutePlan:
+        n, m = self.n, self.mem_cap
+        if self.run_type == RunType.FUSED:
+            f = self.fused_start(cap)
+            fwd = list(reversed(self.fwd.balanced(f, cap, m)))
+            bwd = [range(f, n)] + self.bwd.balanced(f, cap, m)
+            return ModelExecutePlan(fwd, bwd)
+        fwd = list(reversed(self.fwd.balanced(n, cap, m)))
+        bwd = self.bwd.balanced(n, cap, m) if self.run_type == RunType.TRAIN else []
+        return ModelExecutePlan(fwd, bwd)
+
+    def _split(self, part: Partitioner, f: int, k: int) -> list[range] | None:
+        """Layers 0..f-1 in at most ``k`` stages as even as memory allows (deepest
+        first), or ``None`` when ``k`` stages cannot hold them."""
+        key = (id(part), f, k)
+        if key not in self._splits:
+            self._splits[key] = None
+            if f == 0 or k < 1 or k > f:
+                self._splits[key] = [] if f == 0 and k == 0 else None
+            elif part.count(f, part.cost_prefix[f], self.mem_cap) <= k:
+                # Balance to a millionth: the walk ranks plans by simulation anyway.
+                cap = part.smallest_cap(f, k, part.cost_prefix[f], self.mem_cap, rel_tol=1e-6)
+                self._splits[key] = part.pack(f, cap, self.mem_cap)
+        return self._splits[key]
+
+    def neighbours(self, plan: ModelExecutePlan, spread: int) -> Iterator[ModelExecutePlan]:
+        """Plans one move from ``plan``: the fused split moved by up to ``spread`` layers,
+        or the sides given up to ``spread`` stages more or fewer; every side balanced."""
+        n, rt = self.n, self.run_type
+        fused = rt == RunType.FUSED
+        f0 = plan.bwd_plan[0].start if fused else n
+        kf0 = len(plan.fwd_plan)
+        kb0 = len(plan.bwd_plan) - (1 if fused else 0)
+        deltas = range(-spread, spread + 1)
+        if rt == RunType.INFER:
+            moves = [(f0, kf0 + d, kb0) for d in deltas if d]
+        else:  # both sides at once too: the best counts often move together
+            moves = [(f0, kf0 + a, kb0 + b) for a in deltas for b in deltas if a or b]
+        if fused:
+            q = self.fused.mem_prefix
+            for d in range(-spread, spread + 1):
+                f = f0 + d
+                if d and 0 <= f < n and q[n] - q[f] <= self.mem_cap * (1 + 1e-12):
+                    # Keep each side's stage count, within what the new split allows.
+                    moves.append((f, min(max(kf0, 1), f), min(max(kb0, 1), f)))
+        for f, kf, kb in moves:
+            fw = self._split(self.fwd, f, kf)
+            bw = self._split(self.bwd, f, kb) if rt != RunType.INFER else []
+            if fw is not None and bw is not None:
+                yield ModelExecutePlan(list(reversed(fw)), ([range(f, n)] if fused else []) + bw)
+
+
+OBJECTIVES = ("stages", "pipeline")
+#: The refinement step also simulates stage counts this far from the estimate's optimum.
+REFINE_SPREAD = 2
+
+
+def pipeline_estimate(
+    num_stages: int,
+    stage_ms: float,
+    num_devices: int,
+    num_microbatch: int,
+    work_ms: float = 0.0,
+) -> float:
+    """Estimated iteration time of a plan under round-robin dispatch.
+
+    Device ``d`` runs stages ``d, d + N, ...``, each for all ``M`` microbatches; a
+    stage starts once its device is free and the previous stage finished its first
+    microbatch. With ``S`` equal stages of ``T`` this gives exactly
+    ``T * max(ceil(S / N) * M + (S - 1) mod N, S + M - 1)`` (the simulator agrees).
+    Stages are rarely equal, so the estimate is at least the work spread over the
+    devices plus the fill/drain ramp, ``M * work_ms / N + (min(N, M) - 1) * T``,
+    where ``work_ms`` is the summed stage time per microbatch (on one device this
+    is the exact answer; a larger fused stage saves recompute work). For equal
+    stages this never exceeds the exact formula, so that case stays exact. The
+    equal-stage term is pessimistic for uneven stages; ``refine`` corrects that.
+
+    It is non-decreasing in the stage count, the stage time and the work, which
+    the exact search relies on.
+    """
+    s, n, m = num_stages, num_devices, num_microbatch
+    if n == 1 and work_ms > 0:
+        return m * work_ms  # one device never waits: the work is the time
+    equal = stage_ms * max(-(-s // n) * m + (s - 1) % n, s + m - 1)
+    return max(equal, m * work_ms / n + (min(n, m) - 1) * stage_ms)
+
+
+def plan_cost(
+    plan: ModelExecutePlan, profile: LayerProfile, run_type: RunType | str, min_stages: int = 1
+) -> tuple[float, int, float]:
+    """The published cost of one plan: ``(cost, num_stages, slowest_stage_ms)``.
+
+    Forward stages cost their forward time, backward stages recompute + backward,
+    the fused stage forward + backward; ``cost = max(num_stages, min_stages) * slowest``.
+    """
+    times = stage_times(plan, profile, run_type)
+    slowest = max(times)
+    return max(len(times), min_stages) * slowest, len(times), slowest
+
+
+def stage_times(
+    plan: ModelExecutePlan, profile: LayerProfile, run_type: RunType | str
+) -> list[float]:
+    """Per-microbatch time of every stage the plan runs for ``run_type``, in launch order."""
+    rt = parse_kind(RunType, run_type, "run_type")
+    fwd = list(profile.fwd_ms)
+    re = list(profile.re_ms) if profile.re_ms is not None else fwd
+    bwd = list(profile.bwd_ms)
+    times = [sum(fwd[i] for i in r) for r in plan.fwd_plan]
+    if rt != RunType.INFER:
+        for k, r in enumerate(plan.bwd_plan):
+            first = fwd if (rt == RunType.FUSED and k == 0) else re
+            times.append(sum(first[i] + bwd[i] for i in r))
+    return times
+
+
+def plan_objective(
+    plans: Sequence[ModelExecutePlan],
+    profiles: Sequence[LayerProfile],
+    run_type: RunType | str,
+    objective: str = "stages",
+    min_stages: int = 1,
+    num_devices: int | None = None,
+    num_microbatch: int | None = None,
+) -> float:
+    """The value :func:`search_plans` minimises, for given plans (one per model)."""
+    times = [t for plan, prof in zip(plans, profiles) for t in stage_times(plan, prof, run_type)]
+    if objective == "stages":
+        return max(len(times), min_stages) * max(times)
+    return pipeline_estimate(len(times), max(times), num_devices, num_microbatch, sum(times))  # type: ignore[arg-type]
+
+
+def search_plans(
+    run_type: RunType | str,
+    profiles: Sequence[LayerProfile],
+    min_stages: int = 1,
+    memory_cap_bytes: float = math.inf,
+    method: str = "exact",
+    upper_threshold: float = 1.1,
+    objective: str = "stages",
+    num_devices: int | None = None,
+    num_microbatch: int | None = None,
+    refine: bool = False,
+    walk: bool = True,
+    overlap_iterations: bool = False,
+) -> PlanSearch:
+    """Partition one or more models (planned jointly: one shared stage time cap).
+
+    Every stage's time stays under the cap and its memory under ``memory_cap_bytes``.
+    Objectives (functions of the total stage count S and the cap T):
+
+    * ``"stages"`` — the published planner's ``max(S, min_stages) * T``;
+    * ``"pipeline"`` — :func:`pipeline_estimate`, the round-robin iteration time of
+      S stages of time T on ``num_devices`` devices with ``num_microbatch``
+      microbatches. It also charges the pipeline's fill and drain, which the
+      published cost ignores (minimised exactly, that cost prefers a few huge
+      stages: fewer stages, less slack, but a longer ramp).
+
+    ``method="exact"`` finds the minimum: the optimal cap is the time of some stage,
+    so it is one of the sums of contiguous layers; the stage count is a
+    non-increasing step function of the cap, computed by greedy packing (optimal
+    for a fixed cap), and both objectives are non-decreasing in S and T, so a
+    pruned bisection over the sorted candidate caps visits only caps where the
+    count drops and the objective can still improve.
+    ``method="greedy"`` restricts the caps as the published planner does: only
+    caps between the slowest layer and ``upper_threshold`` times that are tried
+    (its other rules differ; ``benchmarks/planner.py`` has a faithful rewrite).
+
+    ``refine=True`` (with the "pipeline" objective) then runs the event simulator
+    on the plans with the optimum's stage count and up to two stages fewer or more
+    (each at its smallest cap), plus the greedy search's pick, and keeps the
+    fastest: with uneven stages the estimate, exact for equal stages, can misrank
+    close candidates. With ``walk`` (the default) each model's plan then
+    hill-climbs on the simulated iteration time from the three best shortlisted
+    plans: the fused split moved by up to two layers, each side given up to two
+    stages more or fewer, balanced again (see :func:`_walk`). The walk never
+    returns a plan that simulates slower than the one it started from. Plans are
+    timed one iteration alone, or with ``overlap_iterations`` ("fused") in the
+    steady state of overlapped ``forward_backward(blocking=False)`` calls.
+
+    Raises:
+        ValueError: unknown method / objective / run type, no profiles, or a layer
+            that cannot fit ``memory_cap_bytes`` (``auto()`` raises the cap instead,
+            with a warning).
+    """
+    rt = parse_kind(RunType, run_type, "run_type")
+    if method not in ("exact", "greedy"):
+        raise ValueError(f"method must be 'exact' or 'greedy', got {method!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if objective == "pipeline":
+        for name, v in (("num_devices", num_devices), ("num_microbatch", num_microbatch)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"objective='pipeline' needs {name} (an int >= 1), got {v!r}")
+    elif refine:
+        raise ValueError("refine=True needs objective='pipeline'")
+    if not profiles:
+        raise ValueError("give at least one model to plan")
+    if not isinstance(min_stages, int) or min_stages < 1:
+        raise ValueError(f"min_stages must be an int >= 1, got {min_stages!r}")
+    if upper_threshold < 1.0:
+        raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold!r}")
+    problems = [_Problem(p, rt, memory_cap_bytes) for p in profiles]
+    cands = sorted({c for pr in problems for c in pr.candidates()})
+    counts: dict[int, float] = {}
+    works: dict[int, float] = {}
+
+    def s_at(idx: int) -> float:
+        if idx not in counts:
+            counts[idx] = sum(pr.stages(cands[idx]) for pr in problems)
+        return counts[idx]
+
+    def w_at(idx: int) -> float:
+        if idx not in works:
+            works[idx] = sum(pr.work(cands[idx]) for pr in problems)
+        return works[idx]
+
+    def value(num: float, cap: float, work: float) -> float:
+        if objective == "stages":
+            return max(num, min_stages) * cap
+        return pipeline_estimate(int(num), cap, num_devices, num_microbatch, work)  # type: ignore[arg-type]
+
+    def cost(idx: int) -> float:
+        return value(s_at(idx), cands[idx], w_at(idx))
+
+    # Smallest feasible cap (feasibility is monotone in the cap).
+    if s_at(len(cands) - 1) == math.inf:
+        raise ValueError(
+            f"a layer needs more than the memory cap of {memory_cap_bytes / _GB:.3f} GB per "
+            "stage; raise model_memory_limit"
+        )
+    last_idx = len(cands) - 1
+
+    def fewest(at_most: float) -> int:
+        """Smallest cap index whose plans have at most ``at_most`` stages (the stage
+        count never grows with the cap)."""
+        return first_true(0, last_idx, lambda i: s_at(i) <= at_most)
+
+    first = first_true(0, last_idx, lambda i: s_at(i) < math.inf)  # smallest feasible cap
+    best_idx = first
+
+    def consider(idx: int) -> None:
+        nonlocal best_idx
+        c, b = cost(idx), cost(best_idx)
+        if c < b * (1 - 1e-12) or (c <= b * (1 + 1e-12) and cands[idx] < cands[best_idx]):
+            best_idx = idx
+
+    greedy_end = bisect.bisect_right(cands, with_slack(cands[first] * upper_threshold))
+    if method == "greedy":
+        for idx in range(first, greedy_end):
+            consider(idx)
+    else:
+        # Past the first cap with at most min_stages (pipeline: one) stages the
+        # objective only grows.
+        last = fewest(min_stages if objective == "stages" else 1)
+        consider(first)
+        consider(last)
+        stack = [(first, last)]
+        while stack:
+            a, b = stack.pop()
+            if b - a < 2 or (s_at(a) == s_at(b) and (objective == "stages" or w_at(a) == w_at(b))):
+                continue  # same count (and work) throughout: the left end is the cheapest
+            # Between a and b: at least b's stages and work (both non-increasing in
+            # the cap) and at least a's next cap.
+            if value(s_at(b), cands[a + 1], w_at(b)) >= cost(best_idx) * (1 + 1e-12):
+                continue  # nothing in between can beat the best so far
+            mid = (a + b) // 2
+            consider(mid)
+            stack.append((mid, b))
+            stack.append((a, mid))
+    chosen = best_idx
+    if refine and method == "exact" and num_devices is not None and num_microbatch is not None:
+        greedy_pick = min(
+            range(first, greedy_end), key=lambda i: (max(s_at(i), min_stages) * cands[i], i)
+        )
+        shortlist = [best_idx, greedy_pick]
+        for target in range(
+            int(s_at(best_idx)) - REFINE_SPREAD, int(s_at(best_idx)) + REFINE_SPREAD + 1
+        ):
+            if target >= 1 and s_at(last_idx) <= target:
+                shortlist.append(fewest(target))
+        shortlist = sorted(set(shortlist), key=lambda i: (cost(i), i))
+        chosen = _refine(
+            rt,
+            profiles,
+            problems,
+            cands,
+            shortlist,
+            num_devices,
+            num_microbatch,
+            overlap_iterations,
+        )
+    cap = cands[chosen]
+    plans = [pr.build(cap) for pr in problems]
+    if refine and walk and num_devices is not None and num_microbatch is not None:
+        # Jointly planned models run one after another: each walks on its own, from
+        # the chosen plan and from the other shortlisted ones.
+        seeds = [cands[i] for i in [chosen, *shortlist] if i != chosen][: WALK_SEEDS - 1]
+        plans = [
+            _walk(
+                pr,
+                prof,
+                [plan] + [pr.build(c) for c in seeds],
+                num_devices,
+                num_microbatch,
+                overlap_iterations,
+            )
+            for pr, prof, plan in zip(problems, profiles, plans)
+        ]
+        times = [t for plan, prof in zip(plans, profiles) for t in stage_times(plan, prof, rt)]
+        return PlanSearch(
+            plans=plans,
+            stage_ms=max(times),
+            num_stages=len(times),
+            cost=plan_objective(
+                plans, profiles, rt, objective, min_stages, num_devices, num_microbatch
+            ),
+            memory_cap_bytes=memory_cap_bytes,
+            evaluated=len(counts),
+        )
+    return PlanSearch(
+        plans=plans,
+        stage_ms=cap,
+        num_stages=int(s_at(chosen)),
+        cost=cost(chosen),
+        memory_cap_bytes=memory_cap_bytes,
+        evaluated=len(counts),
+    )
+
+
+def _refine(
+    run_type: RunType,
+    profiles: Sequence[LayerProfile],
+    problems: Sequence[_Problem],
+    cands: list[float],
+    shortlist: list[int],
+    num_devices: int,
+    num_microbatch: int,
+    overlap: bool = False,
+) -> int:
+    """Of the shortlisted caps (best estimate first), the one whose plans simulate fastest."""
+    best, best_time = shortlist[0], math.inf
+    for idx in shortlist:
+        total = 0.0
+        for prof, pr in zip(profiles, problems):
+            # Jointly planned models run one after another.
+            total += simulated_iteration_ms(
+                pr.build(cands[idx]), prof, run_type, num_devices, num_microbatch, overlap
+            )
+        if total < best_time * (1 - 1e-9):
+            best, best_time = idx, total
+    return best
+
+
+#: Iterations per window when measuring the steady state of overlapped iterations.
+OVERLAP_ITERATIONS = 4
+
+
+def simulated_iteration_ms(
+    plan: ModelExecutePlan,
+    profile: LayerProfile,
+    run_type: RunType | str,
+    num_devices: int,
+    num_microbatch: int,
+    overlap: bool = False,
+) -> float:
+    """The simulated time of one iteration of ``plan``; with ``overlap`` ("fused" only)
+    the steady state of back-to-back ``forward_backward(blocking=False)`` calls: the
+    time per iteration over :data:`OVERLAP_ITERATIONS` iterations after as many
+    warm-up ones."""
+    run_type = parse_kind(RunType, run_type, "run_type")
+    if not overlap or run_type != RunType.FUSED:
+        return makespan_ms(
+            plan,
+            profile.fwd_ms,
+            profile.bwd_ms,
+            num_devices,
+            num_microbatch,
+            run_type=run_type,
+            re_ms=profile.re_ms,
+        )
+
+    def span(iterations: int) -> float:
+        return simulate(
+            plan,
+            profile.fwd_ms,
+            profile.bwd_ms,
+            num_devices,
+            num_microbatch,
+            run_type=run_type,
+            re_ms=profile.re_ms,
+            iterations=iterations,
+            overlap_iterations=True,
+        ).makespan_ms
+
+    # Overlapped iterations can settle into a period of more than one iteration (two
+    # calls sharing one fill, then a wait for the step two back), so the steady state
+    # is measured over a whole window after a warm-up window of the same length.
+    k = OVERLAP_ITERATIONS
+    return (span(2 * k) - span(k)) / k
+
+
+#: Stages more or fewer per side, or layers the fused split moves, in one walk step.
+WALK_SPREAD = 2
+#: Walk steps at most from each starting plan (each keeps the fastest neighbour).
+WALK_STEPS = 8
+#: Starting plans of the walk: the chosen one and the next shortlisted ones.
+WALK_SEEDS = 3
+
+
+def _walk(
+    problem: _Problem,
+    profile: LayerProfile,
+    starts: list[ModelExecutePlan],
+    num_devices: int,
+    num_microbatch: int,
+    overlap: bool = False,
+) -> ModelExecutePlan:
+    """Hill-climb on the simulated iteration time from each start through its neighbours;
+    the fastest plan seen (the first start on ties).
+
+    The cap search ranks plans by an estimate that is exact only for equal stages;
+    the schedule's real iteration time also depends on where the fused split falls
+    and how many stages each side has, which the walk tries directly.
+    """
+    seen: dict[str, float] = {}
+
+    def simulated(p: ModelExecutePlan) -> float:
+        key = p.to_layout_string()
+        if key not in seen:
+            seen[key] = simulated_iteration_ms(
+                p, profile, problem.run_type, num_devices, num_microbatch, overlap
+            )
+        return seen[key]
+
+    best, best_ms = starts[0], simulated(starts[0])
+    for start in starts:
+        cur, cur_ms = start, simulated(start)
+        for _ in range(WALK_STEPS):
+            step, step_ms = cur, cur_ms
+            for cand in problem.neighbours(cur, WALK_SPREAD):
+                ms = simulated(cand)
+                if ms < step_ms * (1 - 1e-9):
+                    step, step_ms = cand, ms
+            if step is cur:
+                break
+            cur, cur_ms = step, step_ms
+        if cur_ms < best_ms * (1 - 1e-9):
+            best, best_ms = cur, cur_ms
+    return best
