@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from types import SimpleNamespace
 
@@ -145,8 +146,25 @@ def test_auto_bad_arguments():
         ModelExecutePlan.auto("fused", LayerProfile([1.0], [1.0]))
 
 
+class _Slow(nn.Module):
+    """A layer with a fixed extra cost on whatever device runs it: a cost that timing
+    noise (a loaded CPU, kernel-launch overhead dwarfing small kernels on a GPU) cannot hide."""
+
+    def __init__(self, inner: nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            torch.cuda._sleep(int(self.seconds * 2e9))  # GPU clock cycles, ~2 GHz
+        else:
+            time.sleep(self.seconds)
+        return self.inner(x)
+
+
 def test_heavy_layer_isolated_after_warm_up():
-    """A real CPU run: layer 3 is 8x wider; measured timings make auto() give it its own stage."""
+    """A real run: layer 3 costs far more than the others; measured timings make auto() give it its own stage."""
     torch.manual_seed(0)
     width = 160
 
@@ -154,7 +172,7 @@ def test_heavy_layer_isolated_after_warm_up():
         return nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width))
 
     layers = [block(width) for _ in range(8)]
-    layers[3] = block(8 * width)
+    layers[3] = _Slow(block(width), 0.03)
     rp = RoundPipe(nn.Sequential(*layers), devices="cpu:4")
     try:
         x, y = torch.randn(1000, width), torch.randn(1000, width)
