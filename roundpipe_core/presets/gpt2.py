@@ -11,12 +11,14 @@ from torch import nn
 
 from .common import (
     CausalLMInputAdapter,
-    CausalLMOutputAdapter,
     DecoderBlock,
     build_sequential,
     mask_functions,
+    output_adapter,
     prepare_hf_model,
 )
+
+__all__ = ["convert_gpt2"]
 
 
 def convert_gpt2(model: nn.Module) -> nn.Sequential:
@@ -34,5 +36,5 @@ def convert_gpt2(model: nn.Module) -> nn.Sequential:
     return build_sequential(
         CausalLMInputAdapter(tr.wte, position_embedding=tr.wpe, dropout=tr.drop),
         blocks,
-        CausalLMOutputAdapter(tr.ln_f, model.lm_head),
+        output_adapter(tr.ln_f, model.lm_head),
     )

@@ -6,6 +6,8 @@ from torch import nn
 
 from .common import convert_rotary_decoder_lm
 
+__all__ = ["convert_llama"]
+
 
 def convert_llama(model: nn.Module) -> nn.Sequential:
     """``LlamaForCausalLM`` -> ``Sequential(input adapter, decoder layers..., norm + lm_head)``.

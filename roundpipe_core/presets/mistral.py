@@ -7,6 +7,8 @@ from torch import nn
 
 from .common import convert_rotary_decoder_lm
 
+__all__ = ["convert_mistral"]
+
 
 def convert_mistral(model: nn.Module) -> nn.Sequential:
     """``MistralForCausalLM`` -> Sequential."""

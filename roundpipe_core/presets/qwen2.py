@@ -6,6 +6,8 @@ from torch import nn
 
 from .common import convert_rotary_decoder_lm
 
+__all__ = ["convert_qwen2"]
+
 
 def convert_qwen2(model: nn.Module) -> nn.Sequential:
     """``Qwen2ForCausalLM`` -> Sequential; each block builds the mask of its layer type."""

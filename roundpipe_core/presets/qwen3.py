@@ -7,6 +7,8 @@ from torch import nn
 
 from .common import convert_rotary_decoder_lm
 
+__all__ = ["convert_qwen3"]
+
 
 def convert_qwen3(model: nn.Module) -> nn.Sequential:
     """``Qwen3ForCausalLM`` -> Sequential; each block builds the mask of its layer type."""
