@@ -62,6 +62,7 @@ def _child(args: argparse.Namespace) -> None:
         p.grad = torch.zeros_like(p)
     extras = {
         "return_logits": args.variant == "full",
+        "logits_to_keep": 0,
         "num_items_in_batch": None,
         "output_router_logits": False,
         "router_stats": None,

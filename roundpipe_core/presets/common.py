@@ -92,6 +92,7 @@ class CausalLMInputAdapter(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
         return_logits: bool = True,
         output_router_logits: bool | None = None,
+        logits_to_keep: int = 0,
         **unsupported: Any,
     ) -> DecoderState:
         """Embed the tokens and build the decoder state (see :mod:`.state`).
@@ -105,6 +106,8 @@ class CausalLMInputAdapter(nn.Module):
             return_logits: ``False`` (with ``labels``): no logits; the loss is
                 computed in token chunks from the hidden states and the LM-head weight.
             output_router_logits: MoE models: compute ``aux_loss``.
+            logits_to_keep: ``k > 0``: logits of the last ``k`` positions only
+                (inference; with ``labels`` the loss needs every position).
         """
         unsupported = {k: v for k, v in unsupported.items() if v is not None and v is not False}
         if output_router_logits and self.router_logits_default is None:
@@ -113,7 +116,8 @@ class CausalLMInputAdapter(nn.Module):
             raise TypeError(
                 f"a RoundPipe-converted causal LM does not take {sorted(unsupported)}; it accepts "
                 "input_ids (or inputs_embeds), attention_mask, position_ids, labels, "
-                "num_items_in_batch, return_logits and (MoE models) output_router_logits "
+                "num_items_in_batch, return_logits, logits_to_keep and (MoE models) "
+                "output_router_logits "
                 "(training runs without a KV cache: load the model with use_cache=False)"
             )
         if (input_ids is None) == (inputs_embeds is None):
@@ -124,6 +128,15 @@ class CausalLMInputAdapter(nn.Module):
             raise ValueError(
                 "return_logits=False returns only the loss, so it needs labels=; without labels "
                 "call the model with return_logits=True (the default)"
+            )
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+            raise TypeError(
+                f"logits_to_keep must be an int (keep the last k positions), got {logits_to_keep!r}"
+            )
+        if logits_to_keep < 0 or (logits_to_keep and labels is not None):
+            raise ValueError(
+                f"logits_to_keep={logits_to_keep} must be >= 0, and 0 (all positions) when labels "
+                "are given: the loss needs the logits of every position"
             )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, seq = hidden.shape[:2]
@@ -159,6 +172,7 @@ class CausalLMInputAdapter(nn.Module):
             output_router_logits = bool(self.router_logits_default)
         extras = {
             "return_logits": return_logits,
+            "logits_to_keep": logits_to_keep,
             "num_items_in_batch": _check_num_items(num_items_in_batch, hidden.device),
             "output_router_logits": bool(output_router_logits),
             "router_stats": None,

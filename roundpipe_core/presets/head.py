@@ -190,7 +190,10 @@ class CausalLMOutputAdapter(nn.Module):
     def forward(self, *state: Any) -> Any:
         hidden, _cos, _sin, _pos, _mask, labels, extras = unpack_state(state)
         hidden = self.norm(hidden)
-        logits = self.lm_head(hidden) if extras.get("return_logits", True) else None
+        keep = extras.get("logits_to_keep", 0)
+        logits = None
+        if extras.get("return_logits", True):
+            logits = self.lm_head(hidden[:, -keep:] if keep else hidden)
         fields: dict[str, Any] = {"logits": logits}
         batch = hidden.shape[0]
         if labels is not None:

@@ -9,6 +9,7 @@ microbatches along dim 0. ``extras`` is a dict of per-call options and running
 sums that only some layers read:
 
 * ``"return_logits"`` (bool): the last layer computes the logits.
+* ``"logits_to_keep"`` (int): ``k > 0``: logits of the last ``k`` positions only.
 * ``"num_items_in_batch"`` (0-dim tensor or ``None``): the loss denominator.
 * ``"output_router_logits"`` (bool): MoE blocks add their router sums.
 * ``"router_stats"``: ``(expert_tokens, router_probs, rows)`` per-sample sums, or ``None``.

@@ -150,6 +150,10 @@ def test_call_argument_errors() -> None:
             rp(input_ids=ids, labels=labels, num_items_in_batch=0)
         with pytest.raises(ValueError, match="num_items_in_batch"):
             rp(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor([3, 4]))
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            rp(input_ids=ids, labels=labels, logits_to_keep=1)
+        with pytest.raises(TypeError, match="logits_to_keep"):
+            rp(input_ids=ids, logits_to_keep=torch.tensor([1]))
         with pytest.raises(TypeError, match="output_router_logits"):
             rp(input_ids=ids, output_router_logits=True)  # a dense model has no router
         with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -157,12 +157,14 @@ def test_inference_and_position_ids() -> None:
                 input_ids=ids, attention_mask=mask, position_ids=pos.expand(ids.shape[0], -1)
             ).logits
             got_plain = rp(ids).logits
+            got_last = rp(ids, logits_to_keep=2).logits
             embeds = model.get_input_embeddings()(ids)
             got_embeds = rp(inputs_embeds=embeds, attention_mask=mask, position_ids=pos).logits
         assert rel_err(got_embeds, ref) <= RTOL
         assert rel_err(got, ref) <= RTOL
         assert rel_err(got_b, ref) <= RTOL
         assert rel_err(got_plain, ref_plain) <= RTOL
+        assert got_last.shape[1] == 2 and rel_err(got_last, ref_plain[:, -2:]) <= RTOL
     finally:
         rp.close()
 
