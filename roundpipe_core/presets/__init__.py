@@ -112,10 +112,11 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
         module = type(model).__module__ or ""
         if not module.startswith("peft"):
             return model
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "model", None), nn.Module):
-            model = model.model
+        get_base = getattr(model, "get_base_model", None)
+        if callable(get_base):
+            model = get_base()
+        elif isinstance(inner := getattr(model, "model", None), nn.Module):
+            model = inner
         else:
             return model
     return model

@@ -279,7 +279,7 @@ class DecoderBlock(nn.Module):
 # --------------------------------------------------------------------------- helpers
 
 
-def prepare_hf_model(model: nn.Module) -> None:
+def prepare_hf_model(model: Any) -> None:
     """Settings a Hugging Face model needs before conversion (training without cache)."""
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:  # transformers < 5
@@ -330,7 +330,7 @@ def output_adapter(
 
 
 def convert_rotary_decoder_lm(
-    model: nn.Module,
+    model: Any,
     layer_kinds: Sequence[str] | None = None,
     router_of: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
     rescore: Rescore = rescore_softmax_then_topk,

@@ -7,6 +7,8 @@ head weight by the output adapter: both pipeline layers hold the same
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .common import (
@@ -21,7 +23,7 @@ from .common import (
 __all__ = ["convert_gpt2"]
 
 
-def convert_gpt2(model: nn.Module) -> nn.Sequential:
+def convert_gpt2(model: Any) -> nn.Sequential:
     """``GPT2LMHeadModel`` -> ``Sequential(wte + wpe + dropout, GPT2Block..., ln_f + lm_head)``."""
     prepare_hf_model(model)
     config = model.config

@@ -10,6 +10,8 @@ are. ``output_router_logits=True`` adds the router load-balancing loss
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .common import convert_rotary_decoder_lm
@@ -18,11 +20,11 @@ from .moe import rescore_topk_then_softmax
 __all__ = ["convert_gpt_oss"]
 
 
-def _routers(layer: nn.Module) -> list[nn.Module]:
+def _routers(layer: Any) -> list[nn.Module]:
     return [layer.mlp.router]
 
 
-def convert_gpt_oss(model: nn.Module) -> nn.Sequential:
+def convert_gpt_oss(model: Any) -> nn.Sequential:
     """``GptOssForCausalLM`` -> Sequential; each block builds the mask of its layer type."""
     return convert_rotary_decoder_lm(
         model,

@@ -117,14 +117,18 @@ class RoundPipeMoeCausalLMOutput(MoeCausalLMOutputWithPast):
 
     def __post_init__(self) -> None:
         loss = _loss_from_samples(self)
-        if self.per_sample_router_probs is not None:
+        if (
+            self.per_sample_router_probs is not None
+            and self.per_sample_expert_tokens is not None
+            and self.per_sample_router_rows is not None
+        ):
             aux = aux_loss_from_stats(
                 self.per_sample_expert_tokens,
                 self.per_sample_router_probs,
                 self.per_sample_router_rows,
             )
             self.aux_loss = aux
-            if loss is not None:
+            if loss is not None and self.per_sample_aux_coef is not None:
                 coef = self.per_sample_aux_coef[0].to(loss.device)
                 loss = loss + coef * aux.to(loss.device)
         if loss is not None:

@@ -10,6 +10,8 @@ its gradient reaches the router weights.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .common import convert_rotary_decoder_lm
@@ -17,7 +19,7 @@ from .common import convert_rotary_decoder_lm
 __all__ = ["convert_qwen3_moe"]
 
 
-def _routers(layer: nn.Module) -> list[nn.Module]:
+def _routers(layer: Any) -> list[nn.Module]:
     mlp = getattr(layer, "mlp", None)
     gate = getattr(mlp, "gate", None)
     # Dense layers (mlp_only_layers / decoder_sparse_step) have no router.
@@ -26,7 +28,7 @@ def _routers(layer: nn.Module) -> list[nn.Module]:
     return []
 
 
-def convert_qwen3_moe(model: nn.Module) -> nn.Sequential:
+def convert_qwen3_moe(model: Any) -> nn.Sequential:
     """``Qwen3MoeForCausalLM`` -> Sequential whose MoE blocks replay routing in recompute."""
     config = model.config
     kind = (
