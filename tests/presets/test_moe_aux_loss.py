@@ -106,3 +106,42 @@ def test_aux_loss_in_forward_backward_and_config_default(kind: str) -> None:
         assert plain.aux_loss is None
     finally:
         rp.close()
+
+
+def test_qwen3_moe_trains_with_aux_loss_like_hf() -> None:
+    """Three SGD steps on loss + coef * aux_loss: the routers (and everything else) end where
+    Hugging Face's own training of a copy ends."""
+    import copy
+
+    model = make_model("qwen3_moe", router_aux_loss_coef=0.5)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    rp = wrap_model_to_roundpipe(model, devices=2)
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.5)
+    try:
+        for step in range(3):
+            ids, mask, labels = make_batch(padding="right", seed=10 + step)
+            kwargs = dict(
+                input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True
+            )
+            ref(**kwargs).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            rp.forward_backward(
+                input_kwargs=kwargs,
+                loss_fn=model_output_loss,
+                run_config=RoundPipeRunConfig(num_microbatch=1),
+            )
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        rp.synchronize()
+        moved = 0
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert rel_err(p.detach(), q.detach()) <= 1e-5, name
+            moved += name.endswith("mlp.gate.weight")
+        assert moved == 2
+        start = make_model("qwen3_moe")
+        assert not torch.equal(
+            start.model.layers[0].mlp.gate.weight, model.model.layers[0].mlp.gate.weight
+        )
+    finally:
+        rp.close()
