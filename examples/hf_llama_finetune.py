@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from roundpipe_core import RoundPipeRunConfig, wrap_model_to_roundpipe
-from roundpipe_core.presets import causal_lm_loss_fn
+from roundpipe_core.presets import count_label_tokens, model_output_loss
 
 CORPUS = pathlib.Path(__file__).parent / "data" / "tiny_corpus.txt"
 PAD = 256  # byte ids 0..255, plus a padding id
@@ -89,11 +89,18 @@ def main() -> None:
     first = last = None
     for step in range(1, args.steps + 1):
         ids, mask, labels = next(stream)
-        # causal_lm_loss_fn(labels): the per-microbatch losses sum to HF's mean loss of the batch
+        # The model computes its own loss from labels=. num_items_in_batch counts the whole
+        # batch's label tokens, so the per-microbatch losses sum to HF's mean loss of the batch;
+        # return_logits=False computes it in token chunks without the (tokens x vocab) logits.
         loss = rp.forward_backward(
-            input_kwargs={"input_ids": ids, "attention_mask": mask},
-            label=labels,
-            loss_fn=causal_lm_loss_fn(labels),
+            input_kwargs={
+                "input_ids": ids,
+                "attention_mask": mask,
+                "labels": labels,
+                "num_items_in_batch": count_label_tokens(labels),
+                "return_logits": False,
+            },
+            loss_fn=model_output_loss,
         )
         rp.step(lambda: (opt.step(), opt.zero_grad()))  # asynchronous: weights one step stale
         first = first if first is not None else loss.item()
@@ -106,7 +113,7 @@ def main() -> None:
     prompt = torch.tensor([list(b"The lighthouse ")])
     with torch.no_grad():
         for _ in range(40):
-            logits = rp(input_ids=prompt[:, -args.seq :])
+            logits = rp(input_ids=prompt[:, -args.seq :]).logits
             prompt = torch.cat([prompt, logits[:, -1:].argmax(-1)], dim=1)
     text = bytes(min(t, 255) for t in prompt[0].tolist()).decode("utf-8", "replace")
     print(f"sample: {text!r}")

@@ -3,37 +3,60 @@
 ``wrap_model_to_roundpipe(model)`` looks the model's class up in a registry of
 *presets* (converters), converts it and wraps the result in a ``RoundPipe``
 whose attribute access falls through to the original model
-(``rp.config``, ``rp.vocab_size`` keep working). Users add presets for their
-own classes with :func:`register_preset`.
+(``rp.config``, ``rp.vocab_size`` keep working); a model without a preset
+gets the experimental automatic split. Users add presets for their own
+classes with :func:`register_preset`.
 
 Built-in presets: ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
 ``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``GPT2LMHeadModel``,
-``Qwen3MoeForCausalLM``. Classes are matched by name along the MRO, so
-``transformers`` is imported only when a model is converted.
+``Qwen3MoeForCausalLM``, ``GptOssForCausalLM``. Classes are matched by name
+along the MRO, so ``transformers`` is imported only when a model is converted.
+
+A converted model is called like the original (``input_ids``,
+``attention_mask``, ``position_ids``, ``labels``, ``num_items_in_batch``, and
+``return_logits=False`` for a loss computed in token chunks without the full
+logits; MoE models: ``output_router_logits``) and returns a Hugging Face
+``ModelOutput`` (:mod:`.head`).
 
 Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import logging
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .common import (
+from ..autosplit import auto_wrap
+from ..devices.pool import DevicePool, resolve_devices
+from ..model import RoundPipe, RoundPipeRunConfig
+from .common import CausalLMInputAdapter, DecoderBlock
+from .gpt2 import convert_gpt2
+from .gpt_oss import convert_gpt_oss
+from .llama import convert_llama
+from .loss import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
     IGNORE_INDEX,
-    CausalLMInputAdapter,
     CausalLMLossFn,
-    CausalLMOutput,
-    CausalLMOutputAdapter,
-    DecoderBlock,
     causal_lm_loss,
     causal_lm_loss_fn,
+    chunked_linear_cross_entropy,
     count_label_tokens,
     shift_labels,
 )
+from .mistral import convert_mistral
+from .qwen2 import convert_qwen2
+from .qwen3 import convert_qwen3
+from .qwen3_moe import convert_qwen3_moe
+
+_log = logging.getLogger(__name__)
+
+# Upstream's default: modules holding at least this many bytes themselves are wrapped whole.
+DEFAULT_LOWER_THRESHOLD = 16 * 1024
 
 Converter = Callable[[nn.Module], nn.Sequential]
 
@@ -89,30 +112,39 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
         module = type(model).__module__ or ""
         if not module.startswith("peft"):
             return model
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "model", None), nn.Module):
-            model = model.model
+        get_base = getattr(model, "get_base_model", None)
+        if callable(get_base):
+            model = get_base()
+        elif isinstance(inner := getattr(model, "model", None), nn.Module):
+            model = inner
         else:
             return model
     return model
+
+
+class NoPresetError(ValueError, NotImplementedError):
+    """No preset converts this model's class.
+
+    A ``ValueError`` (a value the call cannot take) and, as in the published
+    RoundPipe, a ``NotImplementedError``, so code written for either catches it.
+    """
 
 
 def convert_to_sequential(model: nn.Module) -> nn.Sequential:
     """Convert ``model`` (possibly peft-wrapped) with its preset.
 
     Raises:
-        ValueError: if no preset matches; the message lists the known ones.
+        NoPresetError: if no preset matches; the message lists the known ones.
     """
     base = unwrap_peft(model)
     converter = find_preset(base)
     if converter is None:
-        raise ValueError(
+        raise NoPresetError(
             f"no RoundPipe preset for {type(base).__name__}; known presets: "
             f"{', '.join(known_presets())}. Register one with "
             "roundpipe_core.presets.register_preset(cls, converter), convert the model to an "
-            "nn.Sequential yourself, or pass use_sequential_preset=False for the experimental "
-            "automatic split"
+            "nn.Sequential yourself, or pass use_sequential_preset=None/False for the "
+            "experimental automatic split"
         )
     seq = converter(base)
     if not isinstance(seq, nn.Sequential):
@@ -122,95 +154,298 @@ def convert_to_sequential(model: nn.Module) -> nn.Sequential:
     return seq
 
 
-def wrap_model_to_roundpipe(
-    model: nn.Module,
-    use_sequential_preset: bool = True,
-    model_run_config: Any = None,
-    optim_dtype: torch.dtype | None = None,
-    split_threshold: int | None = None,
-    **roundpipe_kwargs: Any,
-) -> Any:
-    """Wrap a model for RoundPipe in one call.
+def model_output_loss(outputs: Any, labels: Any = None) -> torch.Tensor:
+    """``loss_fn`` for ``forward_backward`` when the model computes its own loss (``labels=`` input).
 
-    Args:
-        model: a Hugging Face causal LM with a preset (possibly wrapped by
-            ``peft``), an ``nn.Sequential``, or -- with
-            ``use_sequential_preset=False`` -- any module.
-        use_sequential_preset: ``True``: convert with the preset of the
-            model's class (``ValueError`` listing the known presets if there is
-            none). ``False``: skip presets and use the experimental automatic
-            split (:mod:`roundpipe_core.autosplit`).
-        model_run_config: default ``RoundPipeRunConfig`` of the model.
-        optim_dtype: dtype of the optimizer's master weights (``None`` = as the model).
-        split_threshold: automatic split only: modules with more parameters
-            (elements) than this are split further (default: 1/8 of the model).
-        **roundpipe_kwargs: more ``RoundPipe(...)`` arguments (``pin_model``,
-            ``devices``, ``name``).
+    Example::
 
-    Returns:
-        A ``RoundPipe`` (attribute access falls through to ``model``), or an
-        ``AutoRoundPipe`` when the automatic split cannot make a Sequential.
+        n = count_label_tokens(labels)   # whole batch: microbatch losses sum to HF's loss
+        loss = rp.forward_backward(
+            input_kwargs={"input_ids": ids, "labels": labels, "num_items_in_batch": n,
+                          "return_logits": False},
+            loss_fn=model_output_loss)
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"wrap_model_to_roundpipe needs an nn.Module, got {type(model).__name__}")
-    if not use_sequential_preset:
-        from ..autosplit import auto_wrap
-
-        return auto_wrap(
-            model,
-            split_threshold=split_threshold,
-            model_run_config=model_run_config,
-            optim_dtype=optim_dtype,
-            **roundpipe_kwargs,
+    loss = getattr(outputs, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"model_output_loss needs an output with a .loss tensor, got {type(outputs).__name__} "
+            "without one; call the model with labels="
         )
-    from ..model import RoundPipe
+    return loss
 
-    if isinstance(model, nn.Sequential):
-        return RoundPipe(
-            model, optim_dtype=optim_dtype, model_run_config=model_run_config, **roundpipe_kwargs
+
+def _check_int(name: str, value: Any, minimum: int, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {kind} (bytes), got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum} (bytes), got {value}")
+
+
+def _check_wrap_arguments(
+    use_sequential_preset: Any,
+    lower_threshold: Any,
+    upper_threshold: Any,
+    skip_modules: Any,
+    override_config: Any,
+    model_run_config: Any,
+    name: Any,
+    split_threshold: Any,
+) -> None:
+    if use_sequential_preset is not None and not isinstance(use_sequential_preset, bool):
+        raise TypeError(
+            "use_sequential_preset must be None (try a preset, else split automatically), True "
+            f"(a preset or an error) or False (automatic split), got {use_sequential_preset!r}"
         )
-    seq = convert_to_sequential(model)
-    roundpipe_kwargs.setdefault("name", type(unwrap_peft(model)).__name__)
-    return RoundPipe(
-        seq,
-        optim_dtype=optim_dtype,
+    _check_int("lower_threshold", lower_threshold, 0, allow_none=False)
+    _check_int("upper_threshold", upper_threshold, 1, allow_none=True)
+    if split_threshold is not None:
+        if isinstance(split_threshold, bool) or not isinstance(split_threshold, int):
+            raise TypeError(f"split_threshold must be an int (parameters), got {split_threshold!r}")
+        if upper_threshold is not None:
+            raise ValueError(
+                "give upper_threshold (bytes, as the published RoundPipe) or split_threshold "
+                "(parameters), not both"
+            )
+    if isinstance(skip_modules, (nn.Module, str, bytes)) or not isinstance(
+        skip_modules, Collection
+    ):
+        raise TypeError(
+            f"skip_modules must be a collection of nn.Module (e.g. [model.lm_head]), got "
+            f"{type(skip_modules).__name__}"
+        )
+    for m in skip_modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"skip_modules may hold only nn.Module objects, got {type(m).__name__}")
+    if override_config is not None:
+        if not isinstance(override_config, Mapping):
+            raise TypeError(
+                "override_config must be a dict {submodule: RoundPipeRunConfig}, got "
+                f"{type(override_config).__name__}"
+            )
+        for k, v in override_config.items():
+            if not isinstance(k, nn.Module) or not isinstance(v, RoundPipeRunConfig):
+                raise TypeError(
+                    "override_config must map nn.Module objects to RoundPipeRunConfig, got "
+                    f"{type(k).__name__} -> {type(v).__name__}"
+                )
+    if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
+        raise TypeError(
+            f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}"
+        )
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+
+
+def _model_bytes(model: nn.Module) -> tuple[int, int]:
+    """(parameter + buffer bytes, parameter elements) of ``model``, shared tensors once."""
+    seen: set[int] = set()
+    nbytes = numel = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        nbytes += t.numel() * t.element_size()
+        if isinstance(t, nn.Parameter):
+            numel += t.numel()
+    return nbytes, numel
+
+
+def _num_devices(devices: Any) -> int:
+    if isinstance(devices, DevicePool):
+        return len(devices)
+    return len(resolve_devices(devices))
+
+
+def _auto_split(
+    model: nn.Module,
+    lower_threshold: int,
+    upper_threshold: int | None,
+    skip_modules: Collection[nn.Module],
+    override_config: Mapping[nn.Module, Any] | None,
+    model_run_config: Any,
+    optim_dtype: torch.dtype | None,
+    split_threshold: int | None,
+    roundpipe_kwargs: dict[str, Any],
+) -> Any:
+    """The automatic split, called with what :func:`roundpipe_core.autosplit.auto_wrap` takes.
+
+    The thresholds are bytes (as the published RoundPipe's); the automatic
+    split measures parameters, so a byte threshold becomes elements at the
+    model's average bytes per parameter. Options it does not take yet are
+    passed on once it does, and refused (not silently ignored) until then.
+    """
+    accepted = inspect.signature(auto_wrap).parameters
+    extra: dict[str, Any] = {}
+    for arg, value, default in (
+        ("lower_threshold", lower_threshold, DEFAULT_LOWER_THRESHOLD),
+        ("skip_modules", skip_modules, None),
+        ("override_config", override_config, None),
+    ):
+        if arg in accepted:
+            extra[arg] = value
+        elif value != default and not (default is None and not value):
+            raise ValueError(
+                f"{arg}= is not supported by this version's automatic split "
+                "(use_sequential_preset=False); leave it at its default"
+            )
+    if split_threshold is None:
+        nbytes, numel = _model_bytes(model)
+        if upper_threshold is None:
+            # as the published RoundPipe: the model spread over one unit more than devices
+            upper_threshold = max(1, nbytes // (_num_devices(roundpipe_kwargs.get("devices")) + 1))
+        if "upper_threshold" in accepted:
+            extra["upper_threshold"] = upper_threshold
+        else:
+            bytes_per_param = nbytes / numel if numel else 4.0
+            split_threshold = max(1, int(upper_threshold / bytes_per_param))
+    return auto_wrap(
+        model,
+        split_threshold=split_threshold,
         model_run_config=model_run_config,
-        original_model=model,
+        optim_dtype=optim_dtype,
+        **extra,
         **roundpipe_kwargs,
     )
 
 
-def _register_builtin() -> None:
-    from .gpt2 import convert_gpt2
-    from .llama import convert_llama
-    from .mistral import convert_mistral
-    from .qwen2 import convert_qwen2
-    from .qwen3 import convert_qwen3
-    from .qwen3_moe import convert_qwen3_moe
+def wrap_model_to_roundpipe(
+    model: nn.Module,
+    use_sequential_preset: bool | None = None,
+    lower_threshold: int = DEFAULT_LOWER_THRESHOLD,
+    upper_threshold: int | None = None,
+    skip_modules: Collection[nn.Module] = (),
+    override_config: Mapping[nn.Module, Any] | None = None,
+    model_run_config: Any = None,
+    name: str | None = None,
+    optim_dtype: torch.dtype | None = None,
+    split_threshold: int | None = None,
+    **roundpipe_kwargs: Any,
+) -> Any:
+    """Wrap a model for RoundPipe in one call, with a preset or the automatic split.
 
+    Args:
+        model: a Hugging Face causal LM (possibly wrapped by ``peft``), an
+            ``nn.Sequential``, or any module.
+        use_sequential_preset: ``None`` (default): convert with the preset of
+            the model's class if there is one, else use the automatic split.
+            ``True``: a preset or :class:`NoPresetError` (listing the known
+            presets). ``False``: the automatic split
+            (:mod:`roundpipe_core.autosplit`), even if a preset exists.
+        lower_threshold: automatic split: modules holding at least this many
+            bytes of their own parameters/buffers are wrapped whole (default 16 KiB).
+        upper_threshold: automatic split: modules larger than this many bytes
+            are split further (default: the model's bytes / (devices + 1)).
+        skip_modules: automatic split: modules left as they are.
+        override_config: automatic split: ``{submodule: RoundPipeRunConfig}``.
+        model_run_config: default ``RoundPipeRunConfig`` of the model.
+        name: a name for logs (default: the model's class name).
+        optim_dtype: dtype of the optimizer's master weights (``None`` = as the model).
+        split_threshold: automatic split: the threshold in parameters instead
+            of ``upper_threshold`` bytes.
+        **roundpipe_kwargs: more ``RoundPipe(...)`` arguments (``pin_model``, ``devices``).
+
+    The automatic-split options are ignored when a preset converts the model.
+
+    Returns:
+        A ``RoundPipe`` (attribute access falls through to ``model``), or an
+        ``AutoRoundPipe`` when the automatic split cannot make a Sequential.
+
+    Raises:
+        TypeError / ValueError: for arguments of the wrong type or value.
+        NoPresetError: ``use_sequential_preset=True`` and no preset matches.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap_model_to_roundpipe needs an nn.Module, got {type(model).__name__}")
+    _check_wrap_arguments(
+        use_sequential_preset,
+        lower_threshold,
+        upper_threshold,
+        skip_modules,
+        override_config,
+        model_run_config,
+        name,
+        split_threshold,
+    )
+    if name is not None:
+        roundpipe_kwargs["name"] = name
+    if isinstance(model, nn.Sequential) and use_sequential_preset is not False:
+        return RoundPipe(
+            model, optim_dtype=optim_dtype, model_run_config=model_run_config, **roundpipe_kwargs
+        )
+    if use_sequential_preset is not False:
+        base = unwrap_peft(model)
+        if use_sequential_preset or find_preset(base) is not None:
+            seq = convert_to_sequential(model)
+            if use_sequential_preset is None:
+                _log.info(
+                    "wrap_model_to_roundpipe: %s converted by its sequential preset; pass "
+                    "use_sequential_preset=False for the automatic split instead",
+                    type(base).__name__,
+                )
+            roundpipe_kwargs.setdefault("name", type(base).__name__)
+            return RoundPipe(
+                seq,
+                optim_dtype=optim_dtype,
+                model_run_config=model_run_config,
+                original_model=model,
+                **roundpipe_kwargs,
+            )
+    return _auto_split(
+        model,
+        lower_threshold,
+        upper_threshold,
+        skip_modules,
+        override_config,
+        model_run_config,
+        optim_dtype,
+        split_threshold,
+        roundpipe_kwargs,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # The output classes need transformers (optional): load them on first use.
+    if name in ("RoundPipeCausalLMOutput", "RoundPipeMoeCausalLMOutput", "CausalLMOutputAdapter"):
+        from . import head
+
+        return getattr(head, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _register_builtin() -> None:
     register_preset("LlamaForCausalLM", convert_llama)
     register_preset("Qwen3ForCausalLM", convert_qwen3)
     register_preset("Qwen2ForCausalLM", convert_qwen2)
     register_preset("MistralForCausalLM", convert_mistral)
     register_preset("GPT2LMHeadModel", convert_gpt2)
     register_preset("Qwen3MoeForCausalLM", convert_qwen3_moe)
+    register_preset("GptOssForCausalLM", convert_gpt_oss)
 
 
 _register_builtin()
 
 __all__ = [
+    "DEFAULT_LOSS_CHUNK_TOKENS",
+    "DEFAULT_LOWER_THRESHOLD",
     "IGNORE_INDEX",
     "CausalLMInputAdapter",
     "CausalLMLossFn",
-    "CausalLMOutput",
     "CausalLMOutputAdapter",
     "DecoderBlock",
+    "NoPresetError",
+    "RoundPipeCausalLMOutput",
+    "RoundPipeMoeCausalLMOutput",
     "causal_lm_loss",
     "causal_lm_loss_fn",
+    "chunked_linear_cross_entropy",
     "convert_to_sequential",
     "count_label_tokens",
     "find_preset",
     "known_presets",
+    "model_output_loss",
     "register_preset",
     "shift_labels",
     "unwrap_peft",

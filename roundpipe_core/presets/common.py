@@ -4,23 +4,15 @@ A preset turns a causal language model into an ``nn.Sequential`` of
 
 * an **input adapter** (token embeddings, position ids, rotary cos/sin),
 * one **decoder block** per transformer layer, and
-* an **output adapter** (final norm + LM head).
+* an **output adapter** (final norm + LM head + loss, :mod:`.head`).
 
 The pieces *reuse* the Hugging Face module objects, so the Sequential shares
 every parameter with the original model: training it updates the original
 model in place and ``model.state_dict()`` stays current. Tied embeddings stay
-tied (the input and output adapters hold the same ``Parameter``).
-
-What travels between layers is a plain tuple, the *decoder state*::
-
-    (hidden_states, cos, sin, position_ids, attention_mask_2d, labels)
-
-Every tensor in it has the batch as dim 0, so the engine can split
-microbatches along dim 0. The 4D attention mask is deliberately **not** passed
-between layers: for long sequences a ``(B, 1, S, S)`` mask is larger than the
-hidden states, so each block rebuilds it from the 2D padding mask on its own
-device with Hugging Face's own mask functions (``create_causal_mask`` and
-friends), which is what keeps the conversion exact for every attention
+tied (the input and output adapters hold the same ``Parameter``). What travels
+between the layers is described in :mod:`.state`; each block rebuilds its 4D
+attention mask with Hugging Face's own mask functions (``create_causal_mask``
+and friends), which keeps the conversion exact for every attention
 implementation (eager, sdpa, flash).
 
 Forward-rule notes (seed 004): none of these modules writes a plain attribute
@@ -30,8 +22,6 @@ device of its input.
 
 from __future__ import annotations
 
-import dataclasses
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,166 +29,42 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..context import current_layer, doing_recompute, get_recompute_data, save_for_recompute
+from .loss import IGNORE_INDEX
+from .moe import (
+    Rescore,
+    RouterStats,
+    add_router_stats,
+    install_router_replay,
+    rescore_softmax_then_topk,
+    run_with_router_replay,
+)
+from .state import DecoderState, unpack_state
 
-IGNORE_INDEX = -100
-
-DecoderState = tuple[Any, ...]
-STATE_FIELDS = ("hidden_states", "cos", "sin", "position_ids", "attention_mask", "labels")
-
-
-def _unpack_state(state: tuple[Any, ...]) -> DecoderState:
-    """Accept the decoder state either splatted (``layer(*state)``) or as one tuple."""
-    if len(state) == 1 and isinstance(state[0], (tuple, list)):
-        state = tuple(state[0])
-    if len(state) != len(STATE_FIELDS):
-        raise TypeError(
-            f"a preset layer expects the decoder state {STATE_FIELDS} from the previous layer, "
-            f"got {len(state)} values; run the layers of a converted model in order"
-        )
-    return state
-
-
-# --------------------------------------------------------------------------- loss
-
-
-def _logits_of(output: Any) -> torch.Tensor:
-    """The logits of a preset output: a tensor, a dict or a ``ModelOutput``."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and "logits" in output:
-        return output["logits"]
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    raise TypeError(
-        f"causal_lm_loss expects logits (a tensor, or an object with .logits), got {type(output).__name__}"
-    )
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Hugging Face's label shift: token ``t`` predicts label ``t + 1``; the last position is ignored."""
-    padded = nn.functional.pad(labels, (0, 1), value=ignore_index)
-    return padded[..., 1:]
-
-
-def count_label_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
-    """Number of tokens that contribute to the causal-LM loss of ``labels`` (after the shift)."""
-    return int((shift_labels(labels, ignore_index) != ignore_index).sum())
-
-
-def causal_lm_loss(
-    output: Any,
-    labels: torch.Tensor,
-    num_items_in_batch: int | torch.Tensor | None = None,
-    ignore_index: int = IGNORE_INDEX,
-) -> torch.Tensor:
-    """Hugging Face's causal-LM loss (``ForCausalLMLoss``) on one (micro)batch.
-
-    Labels are shifted inside (pass ``labels = input_ids`` with padding set to
-    ``-100``), the cross-entropy is computed in fp32.
-
-    Args:
-        output: logits ``(B, S, V)``, or a preset output carrying ``logits``.
-        labels: ``(B, S)`` token ids, ``ignore_index`` where no loss is wanted.
-        num_items_in_batch: ``None`` = mean over this batch's counted tokens
-            (exactly ``model(..., labels=labels).loss``). A number = sum of the
-            token losses divided by it (HF's gradient-accumulation mode).
-        ignore_index: label value that is skipped.
-
-    Returns:
-        Scalar loss.
-
-    Note:
-        ``forward_backward`` sums the per-microbatch losses. Passing this
-        function directly as ``loss_fn`` therefore gives the *sum of the
-        microbatch means*, which is not HF's loss of the whole batch (the
-        microbatches hold different numbers of counted tokens). Use
-        :func:`causal_lm_loss_fn` to get HF's loss exactly.
-    """
-    logits = _logits_of(output).float()
-    target = shift_labels(labels, ignore_index).to(logits.device)
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_target = target.reshape(-1)
-    if num_items_in_batch is None:
-        return nn.functional.cross_entropy(flat_logits, flat_target, ignore_index=ignore_index)
-    total = nn.functional.cross_entropy(
-        flat_logits, flat_target, ignore_index=ignore_index, reduction="sum"
-    )
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
-
-
-class CausalLMLossFn:
-    """``loss_fn`` for ``forward_backward`` whose microbatch sum equals HF's loss of the whole batch.
-
-    Every microbatch divides the *sum* of its token losses by the number of
-    counted tokens in the **whole** batch, so the engine's sum over
-    microbatches is exactly the mean over all counted tokens -- the value
-    ``hf_model(..., labels=labels).loss`` returns, and the gradient it gives.
-    """
-
-    def __init__(self, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> None:
-        self.ignore_index = ignore_index
-        self.num_items_in_batch = count_label_tokens(labels, ignore_index)
-
-    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(output, labels, self.num_items_in_batch, self.ignore_index)
-
-
-def causal_lm_loss_fn(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> CausalLMLossFn:
-    """Make the ``loss_fn`` for ``forward_backward(label=labels, ...)`` of a converted causal LM.
-
-    Example::
-
-        loss = rp.forward_backward(
-            input_kwargs={"input_ids": ids, "attention_mask": mask},
-            label=labels, loss_fn=causal_lm_loss_fn(labels))
-        # loss == hf_model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    """
-    return CausalLMLossFn(labels, ignore_index)
-
-
-@dataclasses.dataclass
-class CausalLMOutput:
-    """What a converted causal LM returns when it is called with ``labels``.
-
-    Each microbatch returns the *sum* of its token losses and its number of
-    counted tokens; the engine's default merge concatenates ``logits`` and sums
-    the two scalars, so :attr:`loss` of the merged output is exactly HF's loss
-    of the whole batch (mean over all counted tokens), and it is
-    differentiable: ``rp(input_ids=..., labels=...).loss.backward()`` works.
-
-    Attributes:
-        logits: ``(B, S, V)``.
-        loss_sum: sum of the token cross-entropies (fp32 scalar).
-        num_items: number of counted (non-ignored, shifted) tokens.
-    """
-
-    logits: torch.Tensor
-    loss_sum: torch.Tensor | None = None
-    num_items: torch.Tensor | None = None
-
-    @property
-    def loss(self) -> torch.Tensor | None:
-        """HF's causal-LM loss: ``loss_sum / num_items``."""
-        if self.loss_sum is None or self.num_items is None:
-            return None
-        return self.loss_sum / self.num_items.to(self.loss_sum.device)
+__all__ = [
+    "CausalLMInputAdapter",
+    "DecoderBlock",
+    "build_sequential",
+    "convert_rotary_decoder_lm",
+    "mask_functions",
+    "output_adapter",
+    "prepare_hf_model",
+]
 
 
 # --------------------------------------------------------------------------- adapters
 
 
 class CausalLMInputAdapter(nn.Module):
-    """Layer 0 of a converted causal LM: embeddings, position ids, rotary tables.
+    """Layer 0 of a converted causal LM: embeddings, position ids, rotary tables, call options.
 
     Args:
         embed_tokens: the model's token embedding (shared, not copied).
         rotary_emb: the model's rotary embedding module, or ``None``.
         position_embedding: learned absolute position embedding (GPT-2), or ``None``.
         dropout: embedding dropout (GPT-2), or ``None``.
+        router_logits_default: MoE models: ``config.output_router_logits`` (the
+            default of ``output_router_logits``); ``None`` for dense models,
+            which do not take the argument.
     """
 
     def __init__(
@@ -207,12 +73,14 @@ class CausalLMInputAdapter(nn.Module):
         rotary_emb: nn.Module | None = None,
         position_embedding: nn.Module | None = None,
         dropout: nn.Module | None = None,
+        router_logits_default: bool | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
         self.position_embedding = position_embedding
         self.dropout = dropout
+        self.router_logits_default = router_logits_default
 
     def forward(
         self,
@@ -221,18 +89,55 @@ class CausalLMInputAdapter(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        return_logits: bool = True,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int = 0,
         **unsupported: Any,
     ) -> DecoderState:
-        """Embed the tokens and build the decoder state (see module docstring)."""
+        """Embed the tokens and build the decoder state (see :mod:`.state`).
+
+        Args:
+            input_ids / inputs_embeds: exactly one of them.
+            attention_mask: ``(B, S)`` padding mask.
+            position_ids: ``(B, S)`` or ``(1, S)``; default ``0..S-1``.
+            labels: ``(B, S)`` token ids (shifted inside), ``-100`` where no loss.
+            num_items_in_batch: loss denominator (see :mod:`.head`).
+            return_logits: ``False`` (with ``labels``): no logits; the loss is
+                computed in token chunks from the hidden states and the LM-head weight.
+            output_router_logits: MoE models: compute ``aux_loss``.
+            logits_to_keep: ``k > 0``: logits of the last ``k`` positions only
+                (inference; with ``labels`` the loss needs every position).
+        """
         unsupported = {k: v for k, v in unsupported.items() if v is not None and v is not False}
+        if output_router_logits and self.router_logits_default is None:
+            unsupported["output_router_logits"] = output_router_logits
         if unsupported:
             raise TypeError(
                 f"a RoundPipe-converted causal LM does not take {sorted(unsupported)}; it accepts "
-                "input_ids (or inputs_embeds), attention_mask, position_ids and labels "
+                "input_ids (or inputs_embeds), attention_mask, position_ids, labels, "
+                "num_items_in_batch, return_logits, logits_to_keep and (MoE models) "
+                "output_router_logits "
                 "(training runs without a KV cache: load the model with use_cache=False)"
             )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids or inputs_embeds")
+        if not isinstance(return_logits, bool):
+            raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
+        if not return_logits and labels is None:
+            raise ValueError(
+                "return_logits=False returns only the loss, so it needs labels=; without labels "
+                "call the model with return_logits=True (the default)"
+            )
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+            raise TypeError(
+                f"logits_to_keep must be an int (keep the last k positions), got {logits_to_keep!r}"
+            )
+        if logits_to_keep < 0 or (logits_to_keep and labels is not None):
+            raise ValueError(
+                f"logits_to_keep={logits_to_keep} must be >= 0, and 0 (all positions) when labels "
+                "are given: the loss needs the logits of every position"
+            )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, seq = hidden.shape[:2]
         if position_ids is None:
@@ -263,7 +168,34 @@ class CausalLMInputAdapter(nn.Module):
             attention_mask = attention_mask.to(hidden.device)
         if labels is not None:
             labels = labels.to(hidden.device)
-        return (hidden, cos, sin, position_ids, attention_mask, labels)
+        if output_router_logits is None:
+            output_router_logits = bool(self.router_logits_default)
+        extras = {
+            "return_logits": return_logits,
+            "logits_to_keep": logits_to_keep,
+            "num_items_in_batch": _check_num_items(num_items_in_batch, hidden.device),
+            "output_router_logits": bool(output_router_logits),
+            "router_stats": None,
+        }
+        return (hidden, cos, sin, position_ids, attention_mask, labels, extras)
+
+
+def _check_num_items(value: Any, device: torch.device) -> torch.Tensor | None:
+    """``num_items_in_batch`` as a 0-dim tensor (so the engine hands it whole to every microbatch)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"num_items_in_batch must be one number, got a tensor of shape {tuple(value.shape)}"
+            )
+        return value.reshape(()).to(device)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(
+            f"num_items_in_batch must be a positive number (the counted label tokens of the whole "
+            f"batch), got {value!r}"
+        )
+    return torch.tensor(value, device=device)
 
 
 MaskFn = Callable[..., Any]
@@ -282,7 +214,9 @@ class DecoderBlock(nn.Module):
         mask_fn: ``create_causal_mask`` or ``create_sliding_window_causal_mask``.
         rotary: whether the layer takes ``position_embeddings=(cos, sin)``.
         routers: router modules inside the layer whose top-k choice must be
-            replayed in the recompute pass (MoE), see :func:`install_router_replay`.
+            replayed in the recompute pass (MoE), see :mod:`.moe`.
+        mask_with_position_ids: pass ``position_ids`` to the mask function (as
+            the original model does; GPT-OSS does not).
     """
 
     def __init__(
@@ -292,6 +226,7 @@ class DecoderBlock(nn.Module):
         mask_fn: MaskFn,
         rotary: bool = True,
         routers: Sequence[nn.Module] = (),
+        mask_with_position_ids: bool = True,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -300,137 +235,51 @@ class DecoderBlock(nn.Module):
         self.mask_fn = mask_fn
         self.rotary = rotary
         self.num_routers = len(routers)
+        self.mask_with_position_ids = mask_with_position_ids
 
     def forward(self, *state: Any) -> DecoderState:
-        hidden, cos, sin, position_ids, attention_mask, labels = _unpack_state(state)
-        mask = self.mask_fn(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            cache=None,
-            position_ids=position_ids,
-        )
-        kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids}
+        hidden, cos, sin, position_ids, attention_mask, labels, extras = unpack_state(state)
+        mask_kwargs: dict[str, Any] = {
+            "config": self.config,
+            "inputs_embeds": hidden,
+            "attention_mask": attention_mask,
+            "cache": None,
+        }
+        if self.mask_with_position_ids:
+            mask_kwargs["position_ids"] = position_ids
+        kwargs: dict[str, Any] = {
+            "attention_mask": self.mask_fn(**mask_kwargs),
+            "position_ids": position_ids,
+        }
         if self.rotary:
             kwargs["position_embeddings"] = (cos, sin)
-        if self.num_routers:
-            hidden = _run_with_router_replay(lambda: self.layer(hidden, **kwargs), self.num_routers)
-        else:
-            hidden = self.layer(hidden, **kwargs)
-        return (hidden, cos, sin, position_ids, attention_mask, labels)
-
-
-class CausalLMOutputAdapter(nn.Module):
-    """Last layer of a converted causal LM: final norm and LM head.
-
-    Returns the logits, or -- when ``labels`` were given to the model -- a
-    :class:`CausalLMOutput` whose merged ``.loss`` is HF's loss over the whole batch.
-    """
-
-    def __init__(
-        self, norm: nn.Module, lm_head: nn.Module, ignore_index: int = IGNORE_INDEX
-    ) -> None:
-        super().__init__()
-        self.norm = norm
-        self.lm_head = lm_head
-        self.ignore_index = ignore_index
-
-    def forward(self, *state: Any) -> Any:
-        hidden, _cos, _sin, _pos, _mask, labels = _unpack_state(state)
-        logits = self.lm_head(self.norm(hidden))
-        if labels is None:
-            return logits
-        loss_sum = causal_lm_loss(
-            logits, labels, num_items_in_batch=1, ignore_index=self.ignore_index
+        if not self.num_routers:
+            out = self.layer(hidden, **kwargs)
+            return (out, cos, sin, position_ids, attention_mask, labels, extras)
+        captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if extras["output_router_logits"]:
+            captured = []
+        out = run_with_router_replay(
+            lambda: self.layer(hidden, **kwargs), self.num_routers, capture=captured
         )
-        num_items = (shift_labels(labels, self.ignore_index) != self.ignore_index).sum()
-        return CausalLMOutput(logits=logits, loss_sum=loss_sum, num_items=num_items)
-
-
-# --------------------------------------------------------------------------- MoE routing replay
-
-_routing = threading.local()
-
-
-def _run_with_router_replay(run: Callable[[], torch.Tensor], num_routers: int) -> torch.Tensor:
-    """Run a layer so that its routers' top-k choices are kept for / replayed in the recompute.
-
-    In the forward pass the choices are recorded and handed to
-    ``save_for_recompute``; in the recompute pass they are fetched with
-    ``get_recompute_data`` and the routers reuse them (the routing weights are
-    still recomputed, so their gradient flows). Routing can differ between the
-    two passes (non-deterministic kernels, ties, jitter noise); without the
-    replay the backward would differentiate a different network.
-    """
-    if current_layer() is None:  # plain PyTorch use of the model: nothing to keep
-        return run()
-    if doing_recompute():
-        saved = get_recompute_data()
-        if not isinstance(saved, (tuple, list)) or len(saved) != num_routers:
-            raise RuntimeError(
-                f"expected the routing of {num_routers} router(s) saved by the forward pass, got {saved!r}"
+        if captured is not None:
+            previous = extras["router_stats"]
+            stats = add_router_stats(
+                None if previous is None else RouterStats(*previous),
+                captured,
+                attention_mask,
+                hidden.shape[0],
+                hidden.shape[1],
             )
-        _routing.replay = list(saved)
-        try:
-            out = run()
-            if _routing.replay:
-                raise RuntimeError(
-                    "a router saved in forward was not called again in the recompute"
-                )
-        finally:
-            _routing.replay = None
-        return out
-    _routing.record = []
-    try:
-        out = run()
-        recorded = tuple(_routing.record)
-    finally:
-        _routing.record = None
-    if len(recorded) != num_routers:
-        raise RuntimeError(
-            f"expected {num_routers} router call(s) in this layer's forward, saw {len(recorded)}"
-        )
-    save_for_recompute(recorded)
-    return out
-
-
-def topk_router_replay_hook(
-    module: nn.Module, args: tuple[Any, ...], output: tuple[torch.Tensor, ...]
-) -> tuple[torch.Tensor, ...] | None:
-    """Forward hook for a top-k router returning ``(router_logits, scores, indices)``.
-
-    Outside a RoundPipe layer it does nothing. In forward it records the
-    chosen experts; in recompute it replaces them by the recorded ones and
-    recomputes the routing weights of *those* experts from the router logits
-    the same way the router does (softmax in fp32, gather, optional
-    renormalisation), so gradients reach the router weights.
-    """
-    record = getattr(_routing, "record", None)
-    replay = getattr(_routing, "replay", None)
-    if record is None and replay is None:
-        return None
-    router_logits, _scores, indices = output
-    if record is not None:
-        record.append(indices.detach())
-        return None
-    saved = replay.pop(0).to(indices.device)
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
-    scores = probs.gather(-1, saved)
-    if getattr(module, "norm_topk_prob", False):
-        scores = scores / scores.sum(dim=-1, keepdim=True)
-    return router_logits, scores.to(router_logits.dtype), saved
-
-
-def install_router_replay(router: nn.Module) -> None:
-    """Register :func:`topk_router_replay_hook` on ``router`` once (idempotent)."""
-    if topk_router_replay_hook not in router._forward_hooks.values():
-        router.register_forward_hook(topk_router_replay_hook)
+            # a new dict: the input state may be kept by the engine for the recompute
+            extras = {**extras, "router_stats": None if stats is None else tuple(stats)}
+        return (out, cos, sin, position_ids, attention_mask, labels, extras)
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def prepare_hf_model(model: nn.Module) -> None:
+def prepare_hf_model(model: Any) -> None:
     """Settings a Hugging Face model needs before conversion (training without cache)."""
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:  # transformers < 5
@@ -461,10 +310,31 @@ def mask_functions(config: Any) -> tuple[MaskFn, MaskFn]:
     return create_causal_mask, create_sliding_window_causal_mask
 
 
+def output_adapter(
+    norm: nn.Module,
+    lm_head: nn.Module,
+    num_experts: int | None = None,
+    router_aux_loss_coef: float = 0.0,
+) -> nn.Module:
+    """The last layer (:class:`.head.CausalLMOutputAdapter`); ``num_experts`` only for MoE models."""
+    # imported here: .head needs transformers, an optional dependency of roundpipe_core
+    from .head import CausalLMOutputAdapter
+
+    return CausalLMOutputAdapter(
+        norm,
+        lm_head,
+        ignore_index=IGNORE_INDEX,
+        num_experts=num_experts,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )
+
+
 def convert_rotary_decoder_lm(
-    model: nn.Module,
+    model: Any,
     layer_kinds: Sequence[str] | None = None,
     router_of: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
+    rescore: Rescore = rescore_softmax_then_topk,
+    mask_with_position_ids: bool = True,
 ) -> nn.Sequential:
     """Convert a Llama-family causal LM (``model.model.{embed_tokens,layers,norm,rotary_emb}``, ``model.lm_head``).
 
@@ -472,8 +342,13 @@ def convert_rotary_decoder_lm(
         model: the ``*ForCausalLM`` module.
         layer_kinds: per layer ``"full_attention"`` or ``"sliding_attention"``;
             ``None`` = all full.
-        router_of: returns the MoE routers inside a decoder layer whose choices
-            must be replayed in recompute (empty for dense layers).
+        router_of: MoE models: the routers inside a decoder layer (empty for
+            dense layers); their choices are replayed in recompute, and the
+            model takes ``output_router_logits`` (needs ``model.num_experts``
+            and ``model.router_aux_loss_coef``, as Hugging Face's MoE models have).
+        rescore: how the routers turn logits into the weights of given experts.
+        mask_with_position_ids: whether the original model passes
+            ``position_ids`` to its mask functions.
     """
     prepare_hf_model(model)
     backbone = model.model
@@ -488,7 +363,7 @@ def convert_rotary_decoder_lm(
             raise ValueError(f"unsupported attention layer type {kind!r} for a RoundPipe preset")
         routers = list(router_of(layer)) if router_of is not None else []
         for router in routers:
-            install_router_replay(router)
+            install_router_replay(router, rescore)
         blocks.append(
             DecoderBlock(
                 layer,
@@ -496,10 +371,23 @@ def convert_rotary_decoder_lm(
                 sliding_mask if kind == "sliding_attention" else full_mask,
                 rotary=True,
                 routers=routers,
+                mask_with_position_ids=mask_with_position_ids,
             )
         )
+    moe = router_of is not None
     return build_sequential(
-        CausalLMInputAdapter(backbone.embed_tokens, rotary_emb=backbone.rotary_emb),
+        CausalLMInputAdapter(
+            backbone.embed_tokens,
+            rotary_emb=backbone.rotary_emb,
+            router_logits_default=bool(getattr(config, "output_router_logits", False))
+            if moe
+            else None,
+        ),
         blocks,
-        CausalLMOutputAdapter(backbone.norm, model.lm_head),
+        output_adapter(
+            backbone.norm,
+            model.lm_head,
+            num_experts=int(model.num_experts) if moe else None,
+            router_aux_loss_coef=float(getattr(model, "router_aux_loss_coef", 0.0)) if moe else 0.0,
+        ),
     )

@@ -7,19 +7,23 @@ head weight by the output adapter: both pipeline layers hold the same
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .common import (
     CausalLMInputAdapter,
-    CausalLMOutputAdapter,
     DecoderBlock,
     build_sequential,
     mask_functions,
+    output_adapter,
     prepare_hf_model,
 )
 
+__all__ = ["convert_gpt2"]
 
-def convert_gpt2(model: nn.Module) -> nn.Sequential:
+
+def convert_gpt2(model: Any) -> nn.Sequential:
     """``GPT2LMHeadModel`` -> ``Sequential(wte + wpe + dropout, GPT2Block..., ln_f + lm_head)``."""
     prepare_hf_model(model)
     config = model.config
@@ -34,5 +38,5 @@ def convert_gpt2(model: nn.Module) -> nn.Sequential:
     return build_sequential(
         CausalLMInputAdapter(tr.wte, position_embedding=tr.wpe, dropout=tr.drop),
         blocks,
-        CausalLMOutputAdapter(tr.ln_f, model.lm_head),
+        output_adapter(tr.ln_f, model.lm_head),
     )

@@ -92,13 +92,44 @@ def make_model(kind: str, seed: int = 0, **overrides):
             for p_name, p in model.named_parameters():
                 if p_name.endswith("gate.weight"):
                     p.normal_(0, 0.5)
+    elif kind == "gpt_oss":
+        cfg = tf.GptOssConfig(
+            **{
+                **common,
+                "intermediate_size": 16,
+                "head_dim": 8,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "attention_bias": True,
+                "router_aux_loss_coef": 0.02,
+                # YaRN as the released model, with a pre-YaRN length consistent with 64 positions
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 32.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
+                    "original_max_position_embeddings": 2,
+                    "rope_theta": 150000.0,
+                },
+                **overrides,
+            }
+        )
+        cfg._attn_implementation = "eager"  # GPT-OSS has no sdpa path (attention sinks)
+        model = tf.GptOssForCausalLM(cfg)
+        with torch.no_grad():
+            for p_name, p in model.named_parameters():
+                if p_name.endswith("router.weight"):
+                    p.normal_(0, 0.5)
     else:
         raise ValueError(kind)
     model.train()
     return model
 
 
-KINDS = ["llama", "qwen3", "qwen2", "mistral", "gpt2", "qwen3_moe"]
+KINDS = ["llama", "qwen3", "qwen2", "mistral", "gpt2", "qwen3_moe", "gpt_oss"]
 
 
 def make_batch(batch: int = 5, seq: int = 8, padding: str | None = "right", seed: int = 1):

@@ -141,7 +141,7 @@ def test_unknown_class_lists_presets() -> None:
             return x
 
     with pytest.raises(ValueError) as info:
-        wrap_model_to_roundpipe(NotAnLM(), devices=1)
+        wrap_model_to_roundpipe(NotAnLM(), use_sequential_preset=True, devices=1)
     msg = str(info.value)
     assert "NotAnLM" in msg
     for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel", "Qwen3MoeForCausalLM"):

@@ -95,13 +95,13 @@ def test_forward_backward_matches_hf(kind: str, padding: str, pool_devices) -> N
             assert rp.num_layers == 5 and rp.num_devices == setup["devices"]
             if kind in ("qwen3", "gpt2"):  # tied: one Parameter in the first and last layer
                 assert rp.layers[0].embed_tokens.weight is rp.layers[-1].lm_head.weight
-            loss, logits = rp.forward_backward(
+            loss, out = rp.forward_backward(
                 input_kwargs={"input_ids": ids, "attention_mask": mask},
                 label=labels,
                 loss_fn=causal_lm_loss_fn(labels),
                 return_outputs=True,
             )
-            assert rel_err(logits, ref_logits) <= RTOL, f"{where}: logits differ"
+            assert rel_err(out.logits, ref_logits) <= RTOL, f"{where}: logits differ"
             assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item()), (
                 f"{where}: loss"
             )
@@ -152,17 +152,19 @@ def test_inference_and_position_ids() -> None:
     try:
         assert rp.vocab_size == model.vocab_size == 97 and rp.config is model.config
         with torch.no_grad():
-            got = rp(input_ids=ids, attention_mask=mask, position_ids=pos)
+            got = rp(input_ids=ids, attention_mask=mask, position_ids=pos).logits
             got_b = rp(
                 input_ids=ids, attention_mask=mask, position_ids=pos.expand(ids.shape[0], -1)
-            )
-            got_plain = rp(ids)
+            ).logits
+            got_plain = rp(ids).logits
+            got_last = rp(ids, logits_to_keep=2).logits
             embeds = model.get_input_embeddings()(ids)
-            got_embeds = rp(inputs_embeds=embeds, attention_mask=mask, position_ids=pos)
+            got_embeds = rp(inputs_embeds=embeds, attention_mask=mask, position_ids=pos).logits
         assert rel_err(got_embeds, ref) <= RTOL
         assert rel_err(got, ref) <= RTOL
         assert rel_err(got_b, ref) <= RTOL
         assert rel_err(got_plain, ref_plain) <= RTOL
+        assert got_last.shape[1] == 2 and rel_err(got_last, ref_plain[:, -2:]) <= RTOL
     finally:
         rp.close()
 
