@@ -127,7 +127,8 @@ class Core:
         def iteration() -> None:
             for _ in range(n):
                 self.fb(rp_iter)
-            rp_iter.zero_grad(set_to_none=True)
+                for p in rp_iter.optim_parameters():  # no step: drop the gradients instead
+                    p.grad = None
 
         def step() -> None:
             for _ in range(n):
