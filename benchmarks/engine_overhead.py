@@ -45,9 +45,8 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) < 4:
-        m = statistics.median(values)
-        return m, m, m
+    if len(values) < 4:  # too few for quartiles: the full range instead
+        return statistics.median(values), min(values), max(values)
     q = statistics.quantiles(values, n=4)
     return statistics.median(values), q[0], q[2]
 
