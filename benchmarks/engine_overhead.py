@@ -13,19 +13,23 @@ recompute, one tiny extra forward per layer-microbatch outside the fused stage,
 which is counted as overhead here). Every cell's two variants are interleaved
 round by round with all other cells.
 
-Printed per cell: median ms of each side, the engine overhead (RoundPipe - plain,
-per round, median and interquartile spread) divided by the call's jobs and by
-layers x microbatches; then a least-squares split of all cells' overhead into
-``a`` ms per job + ``b`` ms per layer-microbatch + ``c`` ms per call.
+Printed per cell, on two clocks measured in the same runs: median ms of each side,
+the engine overhead (RoundPipe - plain, per round, median and interquartile
+spread) divided by the call's jobs and by layers x microbatches; then a
+least-squares split of all cells' overhead into ``a`` ms per job + ``b`` ms per
+layer-microbatch + ``c`` ms per call. The wall clock is what a user waits for;
+the process CPU time (all threads of this process) is what the engine costs
+when other processes share the cores, as on a busy CI box.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from collections.abc import Callable
 
 import torch
-from _interleave import interleave
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
@@ -49,6 +53,30 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
         return statistics.median(values), min(values), max(values)
     q = statistics.quantiles(values, n=4)
     return statistics.median(values), q[0], q[2]
+
+
+def measure(
+    variants: dict[str, Callable[[], None]], rounds: int, warmup: int = 2
+) -> dict[str, dict[str, list[float]]]:
+    """Per-round seconds of every variant on two clocks, interleaved as in
+    ``_interleave.interleave`` (the order rotates each round): ``"wall"``
+    (perf_counter) and ``"cpu"`` (process_time: every thread of this process,
+    the worker's included, but not other processes)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
+    out: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            w0, c0 = time.perf_counter(), time.process_time()
+            variants[name]()
+            c1, w1 = time.process_time(), time.perf_counter()
+            out[name]["wall"].append(w1 - w0)
+            out[name]["cpu"].append(c1 - c0)
+    return out
 
 
 class Cell:
@@ -103,7 +131,7 @@ def main() -> None:
         variants[f"rp {c.layers}x{c.mbs}"] = c.run_roundpipe
         variants[f"plain {c.layers}x{c.mbs}"] = c.run_plain
     try:
-        timings = interleave(variants, rounds=args.rounds, warmup=2)
+        timings = measure(variants, rounds=args.rounds, warmup=2)
     finally:
         for c in cells:
             c.rp.close()
@@ -114,38 +142,40 @@ def main() -> None:
         f"{torch.get_num_threads()}, {args.rounds} interleaved rounds; overhead = RoundPipe - "
         "plain per round: median [p25..p75]"
     )
-    head = (
-        f"{'layers':>6} {'mbs':>4} {'jobs':>5} {'plain ms':>9} {'rp ms':>9} {'rp/plain':>9}"
-        f" {'overhead ms':>22} {'ms / job':>20} {'ms / layer-mb':>20}"
-    )
-    print(head)
-    rows: list[tuple[float, float, float]] = []  # (jobs, layer-mbs, overhead ms)
-    for c in cells:
-        rp = timings[f"rp {c.layers}x{c.mbs}"].seconds
-        plain = timings[f"plain {c.layers}x{c.mbs}"].seconds
-        over = [(a - b) * 1e3 for a, b in zip(rp, plain)]
-        lm = c.layers * c.mbs
-        o, per_job, per_lm = (
-            _quartiles(over),
-            _quartiles([v / c.jobs for v in over]),
-            _quartiles([v / lm for v in over]),
-        )
-        rp_ms, plain_ms = statistics.median(rp) * 1e3, statistics.median(plain) * 1e3
+    for clock, what in (
+        ("wall", "wall clock (what a user waits for; inflated on a loaded machine)"),
+        ("cpu", "process CPU time, all threads (insensitive to other processes' load)"),
+    ):
+        print(f"\n{what}")
         print(
-            f"{c.layers:>6} {c.mbs:>4} {c.jobs:>5} {plain_ms:>9.2f} {rp_ms:>9.2f} "
-            f"{rp_ms / plain_ms:>9.2f} {f'{o[0]:.2f} [{o[1]:.2f}..{o[2]:.2f}]':>22}"
-            f" {f'{per_job[0]:.3f} [{per_job[1]:.3f}..{per_job[2]:.3f}]':>20}"
-            f" {f'{per_lm[0]:.4f} [{per_lm[1]:.4f}..{per_lm[2]:.4f}]':>20}"
+            f"{'layers':>6} {'mbs':>4} {'jobs':>5} {'plain ms':>9} {'rp ms':>9} {'rp/plain':>9}"
+            f" {'overhead ms':>22} {'ms / job':>20} {'ms / layer-mb':>22}"
         )
-        rows.append((float(c.jobs), float(lm), o[0]))
-    if len(rows) >= 3:
-        a_mat = torch.tensor([[j, lm, 1.0] for j, lm, _ in rows], dtype=torch.float64)
-        b_vec = torch.tensor([[o] for _, _, o in rows], dtype=torch.float64)
-        coef = torch.linalg.lstsq(a_mat, b_vec).solution.flatten().tolist()
-        print(
-            f"least squares over the cells' median overheads: {coef[0]:.3f} ms per job + "
-            f"{coef[1]:.4f} ms per layer-microbatch + {coef[2]:.2f} ms per call"
-        )
+        rows: list[tuple[float, float, float]] = []  # (jobs, layer-mbs, overhead ms)
+        for c in cells:
+            rp = timings[f"rp {c.layers}x{c.mbs}"][clock]
+            plain = timings[f"plain {c.layers}x{c.mbs}"][clock]
+            over = [(a - b) * 1e3 for a, b in zip(rp, plain)]
+            lm = c.layers * c.mbs
+            o = _quartiles(over)
+            per_job = _quartiles([v / c.jobs for v in over])
+            per_lm = _quartiles([v / lm for v in over])
+            rp_ms, plain_ms = statistics.median(rp) * 1e3, statistics.median(plain) * 1e3
+            print(
+                f"{c.layers:>6} {c.mbs:>4} {c.jobs:>5} {plain_ms:>9.2f} {rp_ms:>9.2f} "
+                f"{rp_ms / plain_ms:>9.2f} {f'{o[0]:.2f} [{o[1]:.2f}..{o[2]:.2f}]':>22}"
+                f" {f'{per_job[0]:.3f} [{per_job[1]:.3f}..{per_job[2]:.3f}]':>20}"
+                f" {f'{per_lm[0]:.4f} [{per_lm[1]:.4f}..{per_lm[2]:.4f}]':>22}"
+            )
+            rows.append((float(c.jobs), float(lm), o[0]))
+        if len(rows) >= 3:
+            a_mat = torch.tensor([[j, lm, 1.0] for j, lm, _ in rows], dtype=torch.float64)
+            b_vec = torch.tensor([[o] for _, _, o in rows], dtype=torch.float64)
+            coef = torch.linalg.lstsq(a_mat, b_vec).solution.flatten().tolist()
+            print(
+                f"least squares over the cells' median overheads: {coef[0]:.3f} ms per job + "
+                f"{coef[1]:.4f} ms per layer-microbatch + {coef[2]:.2f} ms per call"
+            )
 
 
 if __name__ == "__main__":
