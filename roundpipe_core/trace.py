@@ -17,8 +17,9 @@ measured and a simulated iteration open side by side with the same rows:
 :func:`chrome_trace` turns spans into the trace-event JSON object: one process per
 timeline, one thread (row) per device lane, named like the simulator's own
 ``SimResult.chrome_trace()`` rows (``"device 0"``, ``"device 0 upload"``) and
-ordered device by device with the optimizer last. :func:`merge_traces` puts a
-measured and a simulated trace into one file; :func:`write_trace` saves it.
+ordered device by device with the optimizer last. :func:`side_by_side_trace` (or
+:func:`merge_traces`) puts a measured and a simulated timeline into one file;
+:func:`write_trace` saves it.
 
 Compute spans are named like the schedule's text form of a job: ``"2F0"`` is
 stage 2, forward (``X`` fused, ``B`` backward), on device 0.
@@ -46,6 +47,7 @@ __all__ = [
     "job_name",
     "merge_traces",
     "row_name",
+    "side_by_side_trace",
     "spans_from_job_spans",
     "spans_from_roundpipe",
     "spans_from_simulation",
@@ -447,6 +449,18 @@ def merge_traces(*traces: Mapping[str, Any]) -> dict[str, Any]:
                 )
         events += list(trace["traceEvents"])
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def side_by_side_trace(
+    measured: Sequence[Span], simulated: Sequence[Span] | None = None
+) -> dict[str, Any]:
+    """One trace with the measured timeline (process "RoundPipe (measured)", pid 0)
+    and, if given, the simulated one ("RoundPipe (simulated)", pid 1) below it, each
+    starting at 0 so the two line up in the viewer."""
+    traces = [chrome_trace(measured, "RoundPipe (measured)", pid=0)]
+    if simulated is not None:
+        traces.append(chrome_trace(simulated, "RoundPipe (simulated)", pid=1))
+    return merge_traces(*traces)
 
 
 def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:

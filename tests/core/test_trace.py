@@ -27,6 +27,7 @@ from roundpipe_core.trace import (
     job_name,
     merge_traces,
     row_name,
+    side_by_side_trace,
     spans_from_job_spans,
     spans_from_roundpipe,
     spans_from_simulation,
@@ -227,6 +228,27 @@ def test_merge_traces_keeps_both_processes_and_rejects_a_shared_pid():
     _check_trace_format(merged)
     with pytest.raises(ValueError, match="both use pid 0"):
         merge_traces(a, a)
+
+
+def test_side_by_side_trace_of_a_real_run_and_its_simulation(tmp_path):
+    schedule, spans, _ = _measured_run(devices=2, calls=1)
+    sim = simulate(PLAN, [1.0] * 6, [2.0] * 6, 2, 3)
+    trace = side_by_side_trace(spans, spans_from_simulation(sim))
+    _check_trace_format(json.loads(write_trace(tmp_path / "both.json", trace).read_text()))
+    rows: dict[int, set[str]] = {}
+    for e in trace["traceEvents"]:
+        if e["name"] == "thread_name":
+            rows.setdefault(e["pid"], set()).add(e["args"]["name"])
+    assert rows == {0: {"device 0", "device 1"}, 1: {"device 0", "device 1"}}
+    names = {
+        p: {e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == p}
+        for p in (0, 1)
+    }
+    assert names[0] == {job_name(j) for j in schedule}
+    assert names[1] == {job_name(j) for j in build_schedule(PLAN, "fused", 2, 3)}
+    for p in (0, 1):  # both start at 0
+        assert min(e["ts"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == p) == 0.0
+    assert side_by_side_trace(spans)["traceEvents"][0]["args"]["name"] == "RoundPipe (measured)"
 
 
 def test_span_recorder_records_failed_work_and_wraps():
