@@ -35,9 +35,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .kinds import JobKind
+
+if TYPE_CHECKING:  # the simulator is only read here, never needed at import time
+    from .simulate import SimResult
 
 __all__ = [
     "LANES",
@@ -172,8 +175,7 @@ def spans_from_job_spans(job_spans: Iterable[tuple[Any, int, float, float]]) -> 
             ) from None
         args = _job_args(job)
         if int(device) != int(job.device):
-            # the schedule's device and the worker that ran it differ only if a plan is
-            # re-dispatched; both are worth seeing
+            # a job that ran elsewhere than its schedule says must stand out in the viewer
             args["scheduled_device"] = int(job.device)
         out.append(Span(int(device), "compute", job_name(job), float(start), float(end), args))
     return out
@@ -189,7 +191,7 @@ def spans_from_roundpipe(rp: Any) -> list[Span]:
 
 
 def spans_from_simulation(
-    sim: Any, iteration: int | None = None, per_job: bool = True
+    sim: SimResult, iteration: int | None = None, per_job: bool = True
 ) -> list[Span]:
     """The simulator's timeline as spans (milliseconds become seconds).
 
