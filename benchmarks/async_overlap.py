@@ -1,0 +1,319 @@
+"""How much of an optimizer step the engine hides behind the next iteration.
+
+    python benchmarks/async_overlap.py [--rounds 8] [--iters 4] [--step-ms auto]
+                                       [--lightning-rounds 4] [--no-lightning]
+
+The step is made as long as one iteration (a sleep plus a tiny SGD step, sized to
+the measured iteration unless ``--step-ms`` is given), the case where overlap
+matters most: a loop that waits for every step takes iteration + step per step,
+one that hides the step fully takes max(iteration, step), the ideal.
+
+Core variants, each ``--iters`` steps of one MLP on ``--devices`` CPU workers, run
+round by round, interleaved:
+
+- ``sync``: ``forward_backward()`` then ``step(is_async=False)``;
+- ``async``: ``forward_backward()`` then ``step(is_async=True)``;
+- ``blocking=False``: ``forward_backward(blocking=False)`` then ``step(is_async=True)``
+  (overlapped iterations), results collected at the end;
+- ``iteration only`` / ``step only``: the two halves alone, for the ideal.
+
+Printed: ms per step (median and interquartile spread), the per-round ratios
+sync / variant (median and spread; the ideal ratio is sync / ideal), and the share
+of the possible overlap each variant recovers, (sync - variant) / (sync - ideal).
+
+Lightning (unless ``--no-lightning``): the same network trained by
+``Trainer(strategy=RoundPipeStrategy(async_step=...))`` with an optimizer whose
+step sleeps as long as a measured Lightning iteration; ms per step after the
+first, ``async_step=False`` / ``True`` per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _interleave import Timing, format_table, interleave
+from torch import nn
+
+from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+
+
+def build(width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
+    )
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 4:  # too few for quartiles: the full range instead
+        return statistics.median(values), min(values), max(values)
+    q = statistics.quantiles(values, n=4)
+    return statistics.median(values), q[0], q[2]
+
+
+class Core:
+    """One RoundPipe per variant (the same network and data), so no variant inherits
+    another's pending work."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.x = torch.randn(args.batch, args.width)
+        self.y = torch.randn(args.batch, args.width)
+        self.step_s = 0.0
+        self._rps: list[RoundPipe] = []
+
+    def new(self) -> tuple[RoundPipe, Callable[[], None]]:
+        a = self.args
+        plan = ModelExecutePlan.uniform(a.layers, a.stages, "fused") if a.stages else None
+        rp = RoundPipe(
+            build(a.width, a.layers),
+            devices=f"cpu:{a.devices}",
+            optim_dtype=torch.float32,
+            model_run_config=RoundPipeRunConfig(num_microbatch=a.microbatches, execute_plan=plan),
+        )
+        self._rps.append(rp)
+        opt = torch.optim.SGD(rp.optim_parameters(), lr=1e-4)
+
+        def step_fn() -> None:
+            time.sleep(self.step_s)
+            opt.step()
+            opt.zero_grad()
+
+        return rp, step_fn
+
+    def fb(self, rp: RoundPipe, blocking: bool = True) -> Any:
+        return rp.forward_backward((self.x,), label=self.y, loss_fn=loss_fn, blocking=blocking)
+
+    def variants(self) -> dict[str, Callable[[], None]]:
+        n = self.args.iters
+        rp_sync, step_sync = self.new()
+        rp_async, step_async = self.new()
+        rp_pipe, step_pipe = self.new()
+        rp_iter, _ = self.new()
+        _, step_only = self.new()
+
+        def sync() -> None:
+            for _ in range(n):
+                self.fb(rp_sync)
+                rp_sync.step(step_sync, is_async=False)
+
+        def asynchronous() -> None:
+            for _ in range(n):
+                self.fb(rp_async)
+                rp_async.step(step_async, is_async=True)
+            rp_async.synchronize()
+
+        def pipelined() -> None:
+            pending = []
+            for _ in range(n):
+                pending.append(self.fb(rp_pipe, blocking=False))
+                rp_pipe.step(step_pipe, is_async=True)
+            for p in pending:
+                p.result(timeout=600)
+            rp_pipe.synchronize()
+
+        def iteration() -> None:
+            for _ in range(n):
+                self.fb(rp_iter)
+                for p in rp_iter.optim_parameters():  # no step: drop the gradients instead
+                    p.grad = None
+
+        def step() -> None:
+            for _ in range(n):
+                step_only()
+
+        return {
+            "sync": sync,
+            "async": asynchronous,
+            "blocking=False": pipelined,
+            "iteration only": iteration,
+            "step only": step,
+        }
+
+    def calibrate(self) -> float:
+        """Median seconds of one blocking iteration (no step)."""
+        rp, _ = self.new()
+        times = []
+        for _ in range(8):  # the first calls pay for allocation and thread start-up
+            t0 = time.perf_counter()
+            self.fb(rp)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[3:])
+
+    def close(self) -> None:
+        for rp in self._rps:
+            rp.close()
+
+
+def report(timings: dict[str, Timing], iters: int, baseline: str, ideal: list[str]) -> None:
+    """Per-step table, per-round ratios to ``baseline`` and the overlap recovered, where
+    the ideal per round is the larger of the two ``ideal`` variants."""
+    per_step = {k: Timing(k, [s / iters for s in t.seconds]) for k, t in timings.items()}
+    print(format_table(per_step, [baseline]))
+    base = per_step[baseline].seconds
+    ideal_s = [max(a, b) for a, b in zip(*(per_step[k].seconds for k in ideal))]
+    print(
+        f"ideal max({', '.join(ideal)}): {statistics.median(ideal_s) * 1e3:.1f} ms/step "
+        f"(per-round {baseline} / ideal: "
+        + "{:.2f} [{:.2f}..{:.2f}])".format(*_quartiles([b / i for b, i in zip(base, ideal_s)]))
+    )
+    for k, t in per_step.items():
+        if k == baseline or k in ideal:
+            continue
+        ratio = _quartiles([b / s for b, s in zip(base, t.seconds)])
+        recovered = _quartiles(
+            [(b - s) / (b - i) for b, s, i in zip(base, t.seconds, ideal_s) if b > i]
+        )
+        print(
+            f"  {baseline} / {k}: {ratio[0]:.2f} [{ratio[1]:.2f}..{ratio[2]:.2f}]   "
+            f"overlap recovered: {recovered[0]:.0%} [{recovered[1]:.0%}..{recovered[2]:.0%}]"
+        )
+
+
+# -- Lightning ----------------------------------------------------------------------------
+
+
+def lightning_bench(args: argparse.Namespace) -> None:
+    import lightning as L
+
+    # Trainer start-up chatter would bury the numbers
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from roundpipe_lightning import RoundPipeStrategy
+
+    steps = args.iters + 1  # the first step (setup, first upload) is not timed
+    data = TensorDataset(
+        torch.randn(steps * args.batch, args.width), torch.randn(steps * args.batch, args.width)
+    )
+    sleep_s = [0.0]
+
+    class SleepySGD(torch.optim.SGD):
+        """SGD whose step also sleeps: a host step as long as an iteration."""
+
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            time.sleep(sleep_s[0])
+            return super().step(closure)
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.t0 = self.t1 = 0.0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            if idx == 1:
+                self.t0 = time.perf_counter()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            pl_module.roundpipe.synchronize()  # the last step is part of the time
+            self.t1 = time.perf_counter()
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build(args.width, args.layers)
+
+        def configure_sequential(self) -> nn.Module:
+            return self.net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+
+        def configure_optimizers(self) -> Any:
+            return SleepySGD(self.parameters(), lr=1e-4)
+
+    def fit(async_step: bool) -> float:
+        clock = Clock()
+        trainer = L.Trainer(
+            strategy=RoundPipeStrategy(async_step=async_step),
+            accelerator="cpu",
+            devices=args.devices,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[clock],
+        )
+        loader = DataLoader(data, batch_size=args.batch)
+        trainer.fit(Lit(), loader)
+        return (clock.t1 - clock.t0) / (steps - 1)
+
+    iteration_s = statistics.median(fit(False) for _ in range(2))
+    sleep_s[0] = iteration_s if args.step_ms is None else args.step_ms / 1e3
+    t_sync: list[float] = []
+    t_async: list[float] = []
+    for r in range(args.lightning_rounds):
+        for async_step in (False, True) if r % 2 == 0 else (True, False):
+            (t_async if async_step else t_sync).append(fit(async_step))
+    s, a = statistics.median(t_sync), statistics.median(t_async)
+    ratio = _quartiles([x / y for x, y in zip(t_sync, t_async)])
+    ideal = max(iteration_s, sleep_s[0])
+    print(
+        f"\nLightning, {steps - 1} timed steps per fit, {args.lightning_rounds} interleaved "
+        f"rounds; iteration without step {iteration_s * 1e3:.1f} ms, step sleeps "
+        f"{sleep_s[0] * 1e3:.1f} ms"
+    )
+    print(f"  async_step=False: {s * 1e3:.1f} ms/step   async_step=True: {a * 1e3:.1f} ms/step")
+    line = f"  False / True: {ratio[0]:.2f} [{ratio[1]:.2f}..{ratio[2]:.2f}]   "
+    line += f"ideal max(iteration, step) {ideal * 1e3:.1f} ms/step (False / ideal {s / ideal:.2f})"
+    if s > ideal:
+        line += f"; overlap recovered {(s - a) / (s - ideal):.0%}"
+    print(line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--stages", type=int, default=4, help="uniform plan stages (0: auto)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=4, help="steps per variant and round")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument(
+        "--step-ms", type=float, default=None, help="step length (default: one iteration)"
+    )
+    ap.add_argument("--lightning-rounds", type=int, default=4)
+    ap.add_argument("--no-lightning", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    core = Core(args)
+    try:
+        iteration_s = core.calibrate()
+        core.step_s = iteration_s if args.step_ms is None else args.step_ms / 1e3
+        print(
+            f"{args.layers} x (Linear({args.width}) + GELU), batch {args.batch}, "
+            f"{args.microbatches} microbatches, {args.devices} CPU workers, torch threads "
+            f"{torch.get_num_threads()}; iteration {iteration_s * 1e3:.1f} ms, step sleeps "
+            f"{core.step_s * 1e3:.1f} ms; {args.iters} steps per variant, {args.rounds} "
+            "interleaved rounds (ms per step)"
+        )
+        timings = interleave(core.variants(), rounds=args.rounds, warmup=1)
+    finally:
+        core.close()
+    report(timings, args.iters, "sync", ["iteration only", "step only"])
+    if not args.no_lightning:
+        lightning_bench(args)
+
+
+if __name__ == "__main__":
+    main()

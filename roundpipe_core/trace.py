@@ -1,0 +1,483 @@
+"""Timelines of pipelined calls in Chrome's trace-event format (Perfetto, chrome://tracing).
+
+A timeline is a flat list of :class:`Span` records: what ran (``name``), on which
+device (``None``: on the host), on which lane of that device (compute, parameter
+upload, activation transfer, gradient transfer, or the optimizer step), and when.
+The records come from three places that this module converts the same way, so a
+measured and a simulated iteration open side by side with the same rows:
+
+* a real call's job spans (``RoundPipe.last_job_spans`` or a ``PendingResult``'s
+  ``job_spans``: ``(job, device, start, end)`` with ``time.perf_counter`` seconds),
+  via :func:`spans_from_job_spans`;
+* the simulator's events (:class:`roundpipe_core.simulate.SimResult`), via
+  :func:`spans_from_simulation`;
+* anything timed by hand with a :class:`SpanRecorder` (e.g. the optimizer step:
+  ``rp.step(recorder.wrap(step_fn))``).
+
+:func:`chrome_trace` turns spans into the trace-event JSON object: one process per
+timeline, one thread (row) per device lane, named like the simulator's own
+``SimResult.chrome_trace()`` rows (``"device 0"``, ``"device 0 upload"``) and
+ordered device by device with the optimizer last. :func:`side_by_side_trace` (or
+:func:`merge_traces`) puts a measured and a simulated timeline into one file;
+:func:`write_trace` saves it.
+
+Compute spans are named like the schedule's text form of a job: ``"2F0"`` is
+stage 2, forward (``X`` fused, ``B`` backward), on device 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .kinds import JobKind
+
+if TYPE_CHECKING:  # the simulator is only read here, never needed at import time
+    from .simulate import SimResult
+
+__all__ = [
+    "LANES",
+    "Span",
+    "SpanRecorder",
+    "chrome_trace",
+    "job_name",
+    "merge_traces",
+    "row_name",
+    "side_by_side_trace",
+    "spans_from_job_spans",
+    "spans_from_roundpipe",
+    "spans_from_simulation",
+    "write_trace",
+]
+
+#: The lanes of a device, in the order their rows appear under it.
+LANES: tuple[str, ...] = ("compute", "upload", "activation", "gradient", "optimizer")
+
+# Rows of one device take this many consecutive thread ids; host rows (device None)
+# start at _HOST_TID so they sort after every device.
+_TID_STRIDE = len(LANES)
+_HOST_TID = 1_000_000
+
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval on a timeline.
+
+    Attributes:
+        device: index of the device in the pool; ``None`` for host work (the
+            optimizer step).
+        lane: one of :data:`LANES`: ``"compute"`` (a job's stage on a device),
+            ``"upload"`` (parameters to the device), ``"activation"`` /
+            ``"gradient"`` (transfers between stages), ``"optimizer"`` (the step).
+        name: what ran, e.g. ``"2F0"`` for a job (stage, kind code, device).
+        start_s: start time in seconds (any origin; a trace subtracts its earliest start).
+        end_s: end time in seconds, ``>= start_s``.
+        args: extra fields shown in the trace viewer; compute spans carry ``kind``
+            (``"forward"``, ``"fused"`` or ``"backward"``), ``stage``, ``layers``,
+            ``microbatches`` and ``job``.
+    """
+
+    device: int | None
+    lane: str
+    name: str
+    start_s: float
+    end_s: float
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lane not in LANES:
+            raise ValueError(f"Span.lane must be one of {LANES}; got {self.lane!r}")
+        if self.device is not None and (
+            not isinstance(self.device, int) or isinstance(self.device, bool) or self.device < 0
+        ):
+            raise ValueError(
+                f"Span.device must be a device index >= 0 or None (host); got {self.device!r}"
+            )
+        if not isinstance(self.name, str):
+            raise TypeError(f"Span.name must be a str; got {type(self.name).__name__}")
+        for what, value in (("start_s", self.start_s), ("end_s", self.end_s)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"Span.{what} must be a finite number of seconds; got {value!r}")
+        if self.end_s < self.start_s:
+            raise ValueError(
+                f"Span {self.name!r} ends before it starts ({self.end_s!r} < {self.start_s!r}); "
+                "pass start_s <= end_s"
+            )
+
+    @property
+    def duration_s(self) -> float:
+        """``end_s - start_s``."""
+        return self.end_s - self.start_s
+
+    @property
+    def kind(self) -> str:
+        """What the span's colour and trace category are keyed on: the job kind for
+        compute spans (``"forward"``/``"fused"``/``"backward"``), else the lane."""
+        if self.lane == "compute":
+            return str(self.args.get("kind", "compute"))
+        return self.lane
+
+
+def job_name(job: Any) -> str:
+    """The text form of a job: stage, kind code, device (``"2F0"``).
+
+    Args:
+        job: a :class:`roundpipe_core.schedule.Job` (anything with ``stage``, ``kind``
+            and ``device``).
+    """
+    return f"{job.stage}{JobKind(str(job.kind)).code}{job.device}"
+
+
+def _range_text(r: range) -> str:
+    if len(r) == 0:
+        return "-"
+    return f"{r.start}" if len(r) == 1 else f"{r.start}-{r[-1]}"
+
+
+def _job_args(job: Any) -> dict[str, Any]:
+    return {
+        "kind": str(job.kind),
+        "stage": int(job.stage),
+        "layers": _range_text(job.layers),
+        "microbatches": _range_text(job.microbatches),
+        "job": int(job.index),
+    }
+
+
+def spans_from_job_spans(job_spans: Iterable[tuple[Any, int, float, float]]) -> list[Span]:
+    """Compute spans of a measured call, in the order given.
+
+    Args:
+        job_spans: ``(job, device, start, end)`` tuples as the runtime records them
+            (``RoundPipe.last_job_spans``, ``PendingResult.job_spans``): the job of the
+            schedule, the index of the device that ran it, and ``time.perf_counter()``
+            seconds from its parameters being ready to its last microbatch being done.
+
+    Returns:
+        One ``"compute"`` :class:`Span` per job, named by :func:`job_name`.
+    """
+    out = []
+    for entry in job_spans:
+        try:
+            job, device, start, end = entry
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"job_spans entries must be (job, device, start, end) tuples; got {entry!r}"
+            ) from None
+        args = _job_args(job)
+        if int(device) != int(job.device):
+            # a job that ran elsewhere than its schedule says must stand out in the viewer
+            args["scheduled_device"] = int(job.device)
+        out.append(Span(int(device), "compute", job_name(job), float(start), float(end), args))
+    return out
+
+
+def spans_from_roundpipe(rp: Any) -> list[Span]:
+    """Compute spans of ``rp``'s last recorded call (``rp.last_job_spans``).
+
+    Today the runtime records spans for ``forward_backward(blocking=False)`` calls;
+    after a blocking call the list is that of the last non-blocking one (or empty).
+    """
+    return spans_from_job_spans(getattr(rp, "last_job_spans", None) or [])
+
+
+def spans_from_simulation(
+    sim: SimResult, iteration: int | None = None, per_job: bool = True
+) -> list[Span]:
+    """The simulator's timeline as spans (milliseconds become seconds).
+
+    Args:
+        sim: a :class:`roundpipe_core.simulate.SimResult`.
+        iteration: only this iteration (negative counts from the last one, so ``-1``
+            is the last); ``None`` keeps all.
+        per_job: merge a job's microbatch events into one span from its first start
+            to its last end, as a measured call records them. Events without a job
+            (the weight-bound baseline) stay per microbatch.
+
+    Returns:
+        Spans sorted by start time: ``"compute"`` spans named like measured ones
+        (``"2F0"``), ``"upload"`` spans named ``"up 2F0"``.
+    """
+    events = list(getattr(sim, "events", None) or [])
+    if iteration is not None:
+        iterations = sorted({e.iteration for e in events})
+        if not iterations:
+            return []
+        if not -len(iterations) <= iteration < len(iterations):
+            raise ValueError(
+                f"iteration={iteration} is out of range: the simulation has "
+                f"{len(iterations)} iteration(s); pass 0..{len(iterations) - 1}, -1 or None"
+            )
+        keep = iterations[iteration]
+        events = [e for e in events if e.iteration == keep]
+    # Jobs of iteration k occupy sim.jobs[k * per_iter : (k + 1) * per_iter].
+    jobs = list(getattr(sim, "jobs", None) or [])
+    total = max((e.iteration for e in getattr(sim, "events", [])), default=0) + 1
+    per_iter = len(jobs) // total if jobs and len(jobs) % total == 0 else 0
+
+    def job_of(e: Any) -> Any:
+        if e.job < 0 or per_iter == 0:
+            return None
+        return jobs[e.iteration * per_iter + e.job]
+
+    def compute_name(e: Any) -> str:
+        code = JobKind(e.kind).code
+        return f"{e.stage}{code}{e.device}"
+
+    out: list[Span] = []
+    groups: dict[tuple[int, int], list[Any]] = {}
+    for e in events:
+        job = job_of(e)
+        if e.kind == "upload":
+            name = f"up {job_name(job)}" if job is not None else f"up s{e.stage}"
+            args = {"stage": e.stage, "job": e.job, "iteration": e.iteration}
+            out.append(Span(e.device, "upload", name, e.start / 1e3, e.end / 1e3, args))
+        elif per_job and e.job >= 0:
+            groups.setdefault((e.iteration, e.job), []).append(e)
+        else:
+            args = {"kind": e.kind, "stage": e.stage, "microbatches": str(e.microbatch)}
+            args.update({"job": e.job, "iteration": e.iteration})
+            out.append(Span(e.device, "compute", compute_name(e), e.start / 1e3, e.end / 1e3, args))
+    for (it, _), evs in groups.items():
+        e0 = evs[0]
+        job = job_of(e0)
+        if job is not None:
+            args = _job_args(job)
+        else:
+            mbs = sorted(e.microbatch for e in evs)
+            args = {"kind": e0.kind, "stage": e0.stage, "microbatches": f"{mbs[0]}-{mbs[-1]}"}
+            args["job"] = e0.job
+        args["iteration"] = it
+        start = min(e.start for e in evs) / 1e3
+        end = max(e.end for e in evs) / 1e3
+        out.append(Span(e0.device, "compute", compute_name(e0), start, end, args))
+    out.sort(key=lambda s: (s.start_s, s.end_s))
+    return out
+
+
+class SpanRecorder:
+    """Times host work into spans, from any thread (e.g. the optimizer thread).
+
+    Example::
+
+        recorder = SpanRecorder()
+        rp.step(recorder.wrap(lambda: (opt.step(), opt.zero_grad())))
+        rp.synchronize()
+        spans = spans_from_roundpipe(rp) + recorder.spans
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        """Args:
+        clock: seconds; the default matches the runtime's job spans.
+        """
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._spans: list[Span] = []
+
+    @contextmanager
+    def span(self, lane: str, name: str, device: int | None = None, **args: Any) -> Iterator[None]:
+        """Record the body of the ``with`` block as one span (also if it raises)."""
+        if lane not in LANES:  # fail at entry, not after the timed work
+            raise ValueError(f"lane must be one of {LANES}; got {lane!r}")
+        start = self._clock()
+        try:
+            yield
+        finally:
+            end = self._clock()
+            with self._lock:
+                self._spans.append(Span(device, lane, name, start, end, dict(args)))
+
+    def wrap(
+        self,
+        fn: Callable[[], _R],
+        lane: str = "optimizer",
+        name: str = "step",
+        device: int | None = None,
+    ) -> Callable[[], _R]:
+        """``fn`` timed as a span each time it is called (default: an optimizer step)."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+
+        def timed() -> _R:
+            with self.span(lane, name, device):
+                return fn()
+
+        return timed
+
+    @property
+    def spans(self) -> list[Span]:
+        """The spans recorded so far, in the order they ended."""
+        with self._lock:
+            return list(self._spans)
+
+    def clear(self) -> None:
+        """Forget the recorded spans."""
+        with self._lock:
+            self._spans.clear()
+
+
+def row_name(device: int | None, lane: str) -> str:
+    """The row (thread) name of a device lane: ``"device 0"`` for compute,
+    ``"device 0 upload"`` for another lane, ``"optimizer"`` / ``"host <lane>"`` on the host."""
+    if device is None:
+        return "optimizer" if lane == "optimizer" else f"host {lane}"
+    return f"device {device}" if lane == "compute" else f"device {device} {lane}"
+
+
+def _tid(device: int | None, lane: str) -> int:
+    lane_index = LANES.index(lane)
+    if device is None:
+        return _HOST_TID + lane_index
+    return 1 + device * _TID_STRIDE + lane_index
+
+
+def _json_value(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, range):
+        return _range_text(value)
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    return str(value)
+
+
+def chrome_trace(
+    spans: Sequence[Span],
+    process_name: str = "RoundPipe (measured)",
+    pid: int = 0,
+    origin_s: float | None = None,
+) -> dict[str, Any]:
+    """A trace-event JSON object of ``spans`` (load it in Perfetto or chrome://tracing).
+
+    Each span becomes a complete event (``"ph": "X"``) with ``ts``/``dur`` in
+    microseconds from ``origin_s``; each device lane is a thread named by
+    :func:`row_name` and sorted device by device (compute, upload, activation,
+    gradient) with host rows (the optimizer) last.
+
+    Args:
+        spans: the timeline; events keep this order.
+        process_name: the name of the process row group (``"RoundPipe (simulated)"``
+            for a simulation, so both can sit in one file, see :func:`merge_traces`).
+        pid: the process id of every event.
+        origin_s: the time that becomes ``ts = 0``; default the earliest start.
+
+    Returns:
+        ``{"traceEvents": [...], "displayTimeUnit": "ms"}``.
+    """
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0:
+        raise ValueError(f"pid must be an int >= 0; got {pid!r}")
+    bad = [s for s in spans if not isinstance(s, Span)]
+    if bad:
+        raise TypeError(
+            f"chrome_trace takes Span records; got {type(bad[0]).__name__}. Convert job spans "
+            "with spans_from_job_spans() and simulations with spans_from_simulation()"
+        )
+    if origin_s is None:
+        origin_s = min((s.start_s for s in spans), default=0.0)
+    meta: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process_name}}
+    ]
+    rows = sorted(
+        {(s.device, s.lane) for s in spans},
+        key=lambda r: _tid(*r),
+    )
+    for order, (device, lane) in enumerate(rows):
+        tid = _tid(device, lane)
+        meta.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": pid,
+                "tid": tid,
+                "args": {"name": row_name(device, lane)},
+            }
+        )
+        meta.append(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": pid,
+                "tid": tid,
+                "args": {"sort_index": order},
+            }
+        )
+    events = [
+        {
+            "name": s.name,
+            "cat": s.kind,
+            "ph": "X",
+            "ts": (s.start_s - origin_s) * 1e6,
+            "dur": (s.end_s - s.start_s) * 1e6,
+            "pid": pid,
+            "tid": _tid(s.device, s.lane),
+            "args": _json_value(dict(s.args)),
+        }
+        for s in spans
+    ]
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+
+
+def merge_traces(*traces: Mapping[str, Any]) -> dict[str, Any]:
+    """One trace holding the events of several (e.g. measured and simulated), each
+    as its own process group.
+
+    Raises:
+        ValueError: if two traces use the same ``pid`` (build them with distinct
+            ``pid`` arguments to :func:`chrome_trace`).
+    """
+    events: list[Any] = []
+    owner: dict[Any, int] = {}
+    for k, trace in enumerate(traces):
+        if not isinstance(trace, Mapping) or "traceEvents" not in trace:
+            raise TypeError(f"trace {k} is not a trace-event object with 'traceEvents'")
+        for pid in {e.get("pid") for e in trace["traceEvents"]}:
+            if owner.setdefault(pid, k) != k:
+                raise ValueError(
+                    f"traces {owner[pid]} and {k} both use pid {pid!r}; give each trace its "
+                    "own pid (chrome_trace(..., pid=1))"
+                )
+        events += list(trace["traceEvents"])
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def side_by_side_trace(
+    measured: Sequence[Span], simulated: Sequence[Span] | None = None
+) -> dict[str, Any]:
+    """One trace with the measured timeline (process "RoundPipe (measured)", pid 0)
+    and, if given, the simulated one ("RoundPipe (simulated)", pid 1) below it, each
+    starting at 0 so the two line up in the viewer."""
+    traces = [chrome_trace(measured, "RoundPipe (measured)", pid=0)]
+    if simulated is not None:
+        traces.append(chrome_trace(simulated, "RoundPipe (simulated)", pid=1))
+    return merge_traces(*traces)
+
+
+def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:
+    """Write ``trace`` as JSON to ``path`` (parent folders are created).
+
+    Returns:
+        The path written.
+    """
+    if not isinstance(trace, Mapping) or not isinstance(trace.get("traceEvents"), list):
+        raise TypeError(
+            "write_trace expects a trace-event object {'traceEvents': [...]}, e.g. from "
+            "chrome_trace(spans)"
+        )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        json.dump(trace, f)
+    return path
