@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+__all__ = ["ForwardRuleChecker", "check_forward_rules", "find_shared_buffers"]
+
 # Keys every nn.Module has in its __dict__: the engine and PyTorch manage them.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training"}
 _IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device)
