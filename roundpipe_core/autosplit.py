@@ -361,7 +361,7 @@ class AutoRoundPipe(RoundPipeBase):
         self._check_open()
         if torch.is_grad_enabled():
             # Gradients of this forward's backward must not land while a step reads them.
-            self.synchronize()
+            self._settle()
         with self._call_lock:
             for (_, inner), unit in zip(self.units, self._unit_modules):
                 object.__setattr__(unit, "forward", _make_redirect(inner))

@@ -340,13 +340,12 @@ class RoundPipeBase(nn.Module):
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
         self._pipeline.raise_failure()
         if not self._pipeline.inflight():
-            self.synchronize()
-            self._take_model_grads()
+            self._settle()
             self._stepper.queue_step(fn)  # its error is raised by synchronize()
         else:
             self._pipeline.defer_step(fn)  # its error is raised through raise_failure()
         if not is_async:
-            self.synchronize()
+            self._settle()
 
     def _take_model_grads(self) -> None:
         """Hook for wrappers whose model parameters collect gradients themselves."""
@@ -366,20 +365,45 @@ class RoundPipeBase(nn.Module):
         self._pipeline.wait_all()
         self._stepper.wait_publication()
         self._pipeline.raise_failure()
+        self._home().masters.take_back_grads()
 
     def synchronize(self) -> None:
         """Wait for everything in flight -- pipelined iterations and steps -- (re-raising
-        an error) and copy the masters into the model."""
+        an error), copy the masters into the model and show the accumulated gradients on
+        the model's own parameters.
+
+        Afterwards, as in upstream RoundPipe, each trainable parameter of the wrapped
+        module holds the latest weights and its ``.grad`` the gradients accumulated since
+        the last step (in the parameter's dtype; the master's own tensor when the dtypes
+        match), so an optimizer over the module's parameters works::
+
+            opt = torch.optim.Adam(model.parameters())
+            rp.forward_backward(...); rp.synchronize(); opt.step(); opt.zero_grad()
+
+        The masters keep their ``.grad`` too. At the next call, ``step()`` or
+        ``synchronize()``, what was done to the module's ``.grad`` in between decides
+        the masters' ``.grad``: set to None (``zero_grad()``) -> None; replaced or
+        changed in place -> that tensor; untouched -> the masters' ``.grad`` stands
+        (a ``step()`` on the masters consumed it). The module's ``.grad`` is then
+        cleared again: the masters hold the gradients between synchronizations.
+        """
+        self._settle()
+        self._home().masters.hand_grads_to_model()
+
+    def _settle(self) -> None:
+        """``synchronize()`` without showing the gradients on the model."""
+        home = self._home()
+        home.masters.take_back_grads()
         pipeline = self._pipeline
         pipeline.raise_failure()
         pipeline.drain()
         pipeline.raise_failure()
         pipeline.merge_finished()  # finished runs not followed by a step
         fut = self._stepper.take_pending()
-        if fut is None:
-            return
-        fut.result()
-        pipeline.publish_all()
+        if fut is not None:
+            fut.result()
+            pipeline.publish_all()
+        self._take_model_grads()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -37,8 +37,8 @@ class MasterWeights:
                     m = nn.Parameter(p.detach().to(dtype=optim_dtype, copy=True))
                     self.entries.append((pname, p, m))
                     self.master_of[id(p)] = m
-        # model parameter id -> the .grad tensor synchronize() handed it (see hand_grads_to_model)
-        self._handed: dict[int, torch.Tensor] = {}
+        # model parameter id -> (param, master, the .grad handed to it, its version, shared)
+        self._handed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor, int, bool]] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -84,3 +84,32 @@ class MasterWeights:
                 if m is not None:
                     seen[id(m)] = m
         return list(seen.values())
+
+    def hand_grads_to_model(self) -> None:
+        """Show each master's accumulated gradient as its model parameter's ``.grad``
+        (``synchronize()``; see there for what happens next)."""
+        with self.grad_lock:
+            for _, p, m in self.entries:
+                g = m.grad
+                if g is None:
+                    continue
+                shared = g.dtype == p.dtype and g.device == p.device
+                shown = g if shared else g.detach().to(p.dtype)
+                p.grad = shown
+                self._handed[id(p)] = (p, m, shown, shown._version, shared)
+
+    def take_back_grads(self) -> None:
+        """Before gradients are added or a step runs: what was done to the model's
+        ``.grad`` since ``hand_grads_to_model`` decides the masters' ``.grad``."""
+        if not self._handed:
+            return
+        with self.grad_lock:
+            handed, self._handed = self._handed, {}
+            for p, m, shown, version, shared in handed.values():
+                now = p.grad
+                if now is None:  # zeroed (set_to_none): the gradients were consumed
+                    m.grad = None
+                elif now is not shown or (not shared and now._version != version):
+                    m.grad = now.detach().to(m.dtype, copy=True)  # replaced or changed
+                # else untouched, or the master's own tensor: the master's .grad stands
+                p.grad = None

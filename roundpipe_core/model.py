@@ -506,6 +506,7 @@ class RoundPipe(RoundPipeBase):
             )
         pipeline = self._pipeline
         pipeline.raise_failure()
+        self.masters.take_back_grads()
         t0 = time.perf_counter()
         with self._call_lock:
             plan = self._plan(run_config, RunType.FUSED)

@@ -289,3 +289,74 @@ def test_attribute_writes_and_deletes_fall_through_to_the_original_model() -> No
         assert not rp.training
     finally:
         rp.close()
+
+
+# -- synchronize() shows the gradients on the wrapped module ------------------------------
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_optimizer_over_the_wrapped_module_after_synchronize(set_to_none: bool) -> None:
+    """Upstream's minimum loop: an optimizer over the module's own parameters."""
+    model = mlp()
+    ref = copy.deepcopy(model)
+    rp = RoundPipe(model, devices="cpu:2")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    try:
+        for it in range(3):
+            x, y = _data(seed=it)
+            rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+            rp.synchronize()
+            sum_sq(ref(x), y).backward()
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert_close_rel(p.grad, q.grad, what=f"{n}.grad at {it}")
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close_rel(p.detach(), q.detach(), what=n)
+    finally:
+        rp.close()
+
+
+def test_synchronize_then_step_on_the_masters_consumes_the_gradients_once() -> None:
+    model = mlp()
+    x, y = _data()
+    _, ref = reference_grads(model, x, y)
+    rp = RoundPipe(model, devices="cpu:2")
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.0)  # weights stay: ref grads hold
+    seen: list[dict[str, torch.Tensor]] = []
+    try:
+        rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+        rp.synchronize()  # shown on the module; the masters keep them for the step
+        assert_grads_match(rp, ref)
+        rp.step(lambda: (seen.append(master_grads(rp)), opt.step(), opt.zero_grad()), False)
+        assert set(seen[0]) == set(ref)
+        for n in ref:
+            assert_close_rel(seen[0][n], ref[n], what=n)
+        assert all(p.grad is None for p in model.parameters())
+        assert all(m.grad is None for m in rp.optim_parameters())
+        rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+        assert_grads_match(rp, ref)  # this call's gradients only
+    finally:
+        rp.close()
+
+
+def test_synchronize_shows_half_precision_copies_and_keeps_fp32_masters() -> None:
+    model = mlp().to(torch.bfloat16)
+    x, y = _data()
+    rp = RoundPipe(model, devices="cpu:2", optim_dtype=torch.float32)
+    try:
+        rp.forward_backward((x.bfloat16(),), label=y.bfloat16(), loss_fn=sum_sq)
+        rp.synchronize()
+        for p in model.parameters():
+            master = rp.master_param(p)
+            assert p.grad is not None and p.grad.dtype == torch.bfloat16
+            assert master.grad.dtype == torch.float32
+            assert torch.equal(p.grad, master.grad.bfloat16())
+        before = {id(m): m.grad.clone() for m in rp.optim_parameters()}
+        rp.forward_backward((x.bfloat16(),), label=y.bfloat16(), loss_fn=sum_sq)
+        for m in rp.optim_parameters():  # untouched copies: the fp32 masters accumulate on
+            assert torch.allclose(m.grad, 2 * before[id(m)], rtol=1e-2, atol=1e-3)
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        rp.close()
