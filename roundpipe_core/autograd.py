@@ -35,7 +35,8 @@ class PipelineOps:
     Attributes:
         num_layers: layers of the model.
         num_devices: devices of the pool.
-        new_run: a ``TRAIN`` run's state, given which input leaves take a gradient.
+        new_run: a ``TRAIN`` run's state, given which input leaves take a gradient and
+            the per-job callback of its backward (see ``grad_tracker``).
         execute: run a job list of a run on the pool (blocking), serialized with the
             RoundPipe's other calls.
         grad_tracker: the per-job callback that reports completed master gradients
@@ -44,7 +45,7 @@ class PipelineOps:
 
     num_layers: int
     num_devices: int
-    new_run: Callable[[list[bool]], PipelineRun]
+    new_run: Callable[[list[bool], Callable[[Job], None] | None], PipelineRun]
     execute: Callable[[PipelineRun, list[Job]], None]
     grad_tracker: Callable[[list[Job]], Callable[[Job], None] | None]
 
@@ -67,7 +68,7 @@ class AutogradForward:
         self.out_leaves: list[Any] = []
         self.out_rebuild: Any = None
         self.in_leaves: list[Any] = []
-        self.num_fwd_jobs = 0
+        self.bwd_jobs: list[Job] = []
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         """The call's merged output, part of the caller's autograd graph."""
@@ -85,15 +86,22 @@ class AutogradForward:
         # which leaves of the (args, kwargs) pytree take a gradient
         it = iter(needs_grad)
         needs = [next(it) if isinstance(x, torch.Tensor) else False for x in self.in_leaves]
-        run = ops.new_run(needs)
+        n = len(self.mbs)
+        jobs = build_schedule(self.plan, RunType.TRAIN, ops.num_devices, n, phase="forward")
+        # the backward's jobs are known now: the run is complete before it starts
+        self.bwd_jobs = build_schedule(
+            self.plan,
+            RunType.TRAIN,
+            ops.num_devices,
+            n,
+            phase="backward",
+            start_device=len(jobs) % ops.num_devices,
+        )
+        run = ops.new_run(needs, ops.grad_tracker(self.bwd_jobs))
         for i, mb in enumerate(self.mbs):
             run.put_act(0, i, mb)
-        jobs = build_schedule(
-            self.plan, RunType.TRAIN, ops.num_devices, len(self.mbs), phase="forward"
-        )
         ops.execute(run, jobs)
         self.run_state = run
-        self.num_fwd_jobs = len(jobs)
         outputs = [run.outputs[i] for i in range(len(self.mbs))]
         merged = (self.cfg.merge_output or batching.default_merge_output)(outputs)
         self.out_leaves, self.out_rebuild = batching.flatten(merged)
@@ -119,16 +127,7 @@ class AutogradForward:
                 per_leaf.append([g] * n)
         for m in range(n):
             run.put_grad(ops.num_layers, m, [pl[m] for pl in per_leaf])
-        jobs = build_schedule(
-            self.plan,
-            RunType.TRAIN,
-            ops.num_devices,
-            n,
-            phase="backward",
-            start_device=self.num_fwd_jobs % ops.num_devices,
-        )
-        run.grads_done = ops.grad_tracker(jobs)
-        ops.execute(run, jobs)
+        ops.execute(run, self.bwd_jobs)
         run.drop_activations()
         self.run_state = None
         return self._input_grads(run, n)

@@ -382,8 +382,15 @@ class RoundPipe(RoundPipeBase):
     def _train_ops(self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan) -> PipelineOps:
         buffer = GradBuffer(self._home().masters.master_of)
 
-        def new_run(needs: list[bool]) -> PipelineRun:
-            return self._new_run(cfg, plan, RunType.TRAIN, buffer.add, input_needs_grad=needs)
+        def new_run(needs: list[bool], grads_done: Callable[[Job], None] | None) -> PipelineRun:
+            return self._new_run(
+                cfg,
+                plan,
+                RunType.TRAIN,
+                buffer.add,
+                input_needs_grad=needs,
+                grads_done=grads_done,
+            )
 
         def execute(run: PipelineRun, jobs: list[Job]) -> None:
             self._execute_locked(run, jobs)

@@ -64,31 +64,45 @@ def test_loss_multiplier_must_return_a_number() -> None:
 
 
 # -- autocast -------------------------------------------------------------------------------
+# The caller enters the autocast of the workers' device type (CPU workers here; CUDA
+# workers under ROUNDPIPE_TEST_DEVICE=cuda), and the reference runs on that device.
+def _worker_device(rp: RoundPipe) -> torch.device:
+    return rp.pool.workers[0].device
+
+
+def _assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype, what
+    if got.device.type == "cpu" and want.device.type == "cpu":
+        assert torch.equal(got, want), what  # the same kernels on the same inputs
+    else:
+        assert_close_rel(got.float().cpu(), want.float().cpu(), rel=1e-2, what=what)
+
+
 def test_forward_under_caller_autocast_matches_pytorch_dtype() -> None:
     model = mlp()
     x, _ = _data()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = copy.deepcopy(model)(x)
-    rp = RoundPipe(model, devices="cpu:2")
+    rp = RoundPipe(copy.deepcopy(model), devices="cpu:2")
+    dev = _worker_device(rp)
     try:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
+            ref = model.to(dev)(x.to(dev))
             out = rp(x)
-        assert out.dtype == ref.dtype == torch.bfloat16
-        assert torch.equal(out, ref)
+        assert out.dtype == torch.bfloat16
+        _assert_same(out, ref.cpu(), "output")
         with torch.no_grad():
             assert rp(x).dtype == torch.float32  # outside the autocast: nothing is entered
     finally:
         rp.close()
 
 
-def _bf16_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    ref = copy.deepcopy(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = ref(x)
-        loss = sum_sq(out.float(), y)
+def _bf16_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dev: torch.device):
+    ref = copy.deepcopy(model).to(dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        out = ref(x.to(dev))
+        loss = sum_sq(out.float(), y.to(dev))
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-    return loss.detach(), out.detach(), grads
+    grads = {n: p.grad.cpu() for n, p in ref.named_parameters()}
+    return loss.detach().cpu(), out.detach().cpu(), grads
 
 
 def _sum_sq_f32(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -98,10 +112,10 @@ def _sum_sq_f32(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def test_forward_backward_under_caller_autocast_matches_pytorch() -> None:
     model = mlp()
     x, y = _data()
-    ref_loss, ref_out, ref = _bf16_reference(model, x, y)
     rp = RoundPipe(model, devices="cpu:2")
+    ref_loss, ref_out, ref = _bf16_reference(model, x, y, _worker_device(rp))
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(_worker_device(rp).type, dtype=torch.bfloat16):
             loss, out = rp.forward_backward(
                 (x,),
                 label=y,
@@ -109,8 +123,8 @@ def test_forward_backward_under_caller_autocast_matches_pytorch() -> None:
                 return_outputs=True,
                 run_config=RoundPipeRunConfig(num_microbatch=1),
             )
-        assert out.dtype == ref_out.dtype == torch.bfloat16
-        assert torch.equal(out, ref_out)
+        assert out.dtype == torch.bfloat16
+        _assert_same(out, ref_out, "output")
         assert_close_rel(loss, ref_loss, what="loss")
         assert_grads_match(rp, ref)
     finally:
@@ -122,16 +136,17 @@ def test_forward_with_autograd_under_caller_autocast_matches_pytorch(grain: str)
     """The recompute in backward runs under the autocast its forward ran under."""
     model = mlp()
     x, y = _data()
-    ref_loss, ref_out, ref = _bf16_reference(model, x, y)
     rp = RoundPipe(model, devices="cpu:2")
+    dev = _worker_device(rp)
+    ref_loss, ref_out, ref = _bf16_reference(model, x, y, dev)
     try:
         cfg = RoundPipeRunConfig(num_microbatch=1, recompute_grain=grain)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             out = rp(x, roundpipe_run_config=cfg)
             loss = sum_sq(out.float(), y)
         assert out.dtype == torch.bfloat16
-        assert torch.equal(out.detach(), ref_out)
-        loss.backward()
+        _assert_same(out.detach(), ref_out, "output")
+        loss.backward()  # outside the autocast: the recompute must still use it
         assert_close_rel(loss.detach(), ref_loss, what="loss")
         assert_grads_match(rp, ref)
     finally:
