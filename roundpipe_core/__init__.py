@@ -7,23 +7,9 @@ from .context import doing_recompute, get_recompute_data, save_for_recompute
 from .model import OptimizerCtx, RoundPipe
 from .pipelined import PendingResult
 from .plan import ModelExecutePlan
+from .presets import wrap_model_to_roundpipe
 
 __version__ = "0.1.0"  # the same as pyproject.toml's [project] version (a test checks)
-
-
-def wrap_model_to_roundpipe(
-    model, use_sequential_preset=True, model_run_config=None, optim_dtype=None, **roundpipe_kwargs
-):
-    """Wrap a Hugging Face model (via a preset) or any model into RoundPipe; see ``roundpipe_core.presets``."""
-    from .presets import wrap_model_to_roundpipe as _wrap
-
-    return _wrap(
-        model,
-        use_sequential_preset=use_sequential_preset,
-        model_run_config=model_run_config,
-        optim_dtype=optim_dtype,
-        **roundpipe_kwargs,
-    )
 
 
 __all__ = [

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .devices import memory
 from .devices.pool import DevicePool
 from .kinds import PinMode, parse_kind
 from .masters import MasterWeights
@@ -138,8 +139,6 @@ class RoundPipeBase(nn.Module):
         )
         pin_handle = None
         if self.pool.is_cuda:
-            from .devices import memory  # CUDA-only pieces stay optional on CPU installs
-
             # pinned host memory makes uploads asynchronous; "register" must be undone at close
             pin_handle = memory.prepare_host_params(model, pin)
 
