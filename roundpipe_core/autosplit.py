@@ -1,4 +1,4 @@
-"""Experimental automatic split of an arbitrary model (seed 004, ``use_sequential_preset=False``).
+"""Experimental automatic split of an arbitrary model (``use_sequential_preset=False``).
 
 :func:`auto_wrap` walks the module tree:
 

@@ -1,4 +1,4 @@
-"""Detect violations of the forward-function rules of seed 004.
+"""Detect violations of the rules a layer's forward must follow under RoundPipe.
 
 RoundPipe runs different layers at the same time on different devices
 (threads), on per-device copies of their parameters and buffers. A layer's

@@ -17,7 +17,13 @@ import torch
 from .kinds import RecomputeGrain, parse_kind
 from .plan import ModelExecutePlan
 
-__all__ = ["RoundPipeRunConfig", "check_run_config", "output_device"]
+__all__ = [
+    "RoundPipeRunConfig",
+    "batch_extent",
+    "check_run_config",
+    "default_loss_fn",
+    "output_device",
+]
 
 
 @dataclass
@@ -109,3 +115,26 @@ def output_device(value: object) -> torch.device:
         f"output_device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
         f"got {value!r}"
     )
+
+
+def default_loss_fn(outputs: Any, labels: Any) -> Any:
+    """``forward_backward``'s default loss: the model's output is the loss."""
+    return outputs
+
+
+def batch_extent(args: Any, kwargs: Any) -> tuple[int, int]:
+    """(samples, tokens) of a call: the leading dimension of the first input tensor and,
+    if that tensor holds integer token ids (two or more dimensions), its number of
+    elements (else 0)."""
+    stack: list[Any] = [args, kwargs]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            samples = int(x.shape[0]) if x.dim() > 0 else 1
+            integral = not (x.is_floating_point() or x.is_complex())
+            return samples, (x.numel() if integral and x.dim() >= 2 else 0)
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return 0, 0

@@ -28,7 +28,7 @@ from . import batch as batching
 from .autograd import AutogradForward, PipelineOps
 from .base import OptimizerCtx, RoundPipeBase
 from .checks import ForwardRuleChecker
-from .config import RoundPipeRunConfig, check_run_config
+from .config import RoundPipeRunConfig, batch_extent, check_run_config, default_loss_fn
 from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
 from .pipelined import (
     DeferredTimer,
@@ -50,29 +50,6 @@ __all__ = [
     "batch_extent",
     "default_loss_fn",
 ]
-
-
-def default_loss_fn(outputs: Any, labels: Any) -> Any:
-    """``forward_backward``'s default loss: the model's output is the loss."""
-    return outputs
-
-
-def batch_extent(args: Any, kwargs: Any) -> tuple[int, int]:
-    """(samples, tokens) of a call: the leading dimension of the first input tensor and,
-    if that tensor holds integer token ids (two or more dimensions), its number of
-    elements (else 0)."""
-    stack: list[Any] = [args, kwargs]
-    while stack:
-        x = stack.pop(0)
-        if isinstance(x, torch.Tensor):
-            samples = int(x.shape[0]) if x.dim() > 0 else 1
-            integral = not (x.is_floating_point() or x.is_complex())
-            return samples, (x.numel() if integral and x.dim() >= 2 else 0)
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return 0, 0
 
 
 class RoundPipe(RoundPipeBase):
@@ -180,7 +157,10 @@ class RoundPipe(RoundPipeBase):
         return self._resolve_plan(parse_kind(RunType, run_type, "run_type"), run_config)
 
     def _resolve_plan(
-        self, run_type: RunType, run_config: RoundPipeRunConfig | None
+        self,
+        run_type: RunType,
+        run_config: RoundPipeRunConfig | None,
+        num_microbatch: int | None = None,
     ) -> ModelExecutePlan:
         # the calls resolve plans here, not through plan_for: a subclass overriding
         # plan_for cannot change which plan a call runs
@@ -191,11 +171,22 @@ class RoundPipe(RoundPipeBase):
             return plan
         if self.model_run_config.execute_plan is not None:
             return self.model_run_config.execute_plan
-        m = run_config.num_microbatch if run_config is not None else None
+        m = num_microbatch or (run_config.num_microbatch if run_config is not None else None)
         return self.default_plan(run_type, m or self.model_run_config.num_microbatch)
 
-    def _plan(self, run_config: RoundPipeRunConfig | None, run_type: RunType) -> ModelExecutePlan:
-        plan = self._resolve_plan(run_type, run_config)
+    def _plan(
+        self,
+        run_config: RoundPipeRunConfig | None,
+        run_type: RunType,
+        cfg: RoundPipeRunConfig,
+        num_microbatch: int,
+    ) -> ModelExecutePlan:
+        """The call's plan; a default plan is made for the microbatches the batch gives
+        (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them)."""
+        asked = cfg.num_microbatch or self.num_devices + 1
+        plan = self._resolve_plan(
+            run_type, run_config, num_microbatch if num_microbatch < asked else None
+        )
         plan.check_valid(self.num_layers, run_type, self.num_devices)
         return plan
 
@@ -351,8 +342,8 @@ class RoundPipe(RoundPipeBase):
             requires_grad = torch.is_grad_enabled() and bool(self._home().masters)
         run_type = RunType.TRAIN if requires_grad else RunType.INFER
         with self._call_lock:
-            plan = self._plan(roundpipe_run_config, run_type)
             mbs, sizes, bs = self._split(cfg, args, kwargs)
+            plan = self._plan(roundpipe_run_config, run_type, cfg, len(mbs))
             if run_type == RunType.INFER:
                 run = self._new_run(cfg, plan, run_type, self._no_grads)
                 for i, mb in enumerate(mbs):
@@ -463,8 +454,8 @@ class RoundPipe(RoundPipeBase):
             )
         self._drain_runs()
         with self._call_lock:
-            plan = self._plan(run_config, RunType.FUSED)
             mbs, sizes, bs = self._split(cfg, args, input_kwargs)
+            plan = self._plan(run_config, RunType.FUSED, cfg, len(mbs))
             labels = self._split_label(cfg, label, mbs, sizes, bs)
             jobs = build_schedule(plan, RunType.FUSED, self.num_devices, len(mbs))
             # gradients wait in the call's buffer: a call that fails leaves .grad as it was
@@ -516,8 +507,8 @@ class RoundPipe(RoundPipeBase):
         self.masters.take_back_grads()
         t0 = time.perf_counter()
         with self._call_lock:
-            plan = self._plan(run_config, RunType.FUSED)
             mbs, sizes, bs = self._split(cfg, args, kwargs)
+            plan = self._plan(run_config, RunType.FUSED, cfg, len(mbs))
             labels = self._split_label(cfg, label, mbs, sizes, bs)
             # a blocking-style step in flight: its error must reach the pipelined failure path
             self._stepper.guard_pending()

@@ -360,3 +360,28 @@ def test_synchronize_shows_half_precision_copies_and_keeps_fp32_masters() -> Non
         assert all(p.grad is None for p in model.parameters())
     finally:
         rp.close()
+
+
+def test_default_plan_is_made_for_the_microbatches_the_batch_gives(monkeypatch) -> None:
+    """num_microbatch=10**6 on a batch of 6 plans 6 microbatches, not a million."""
+    planned: list[int | None] = []
+    auto = ModelExecutePlan.auto
+
+    def recording_auto(run_type, *models, num_microbatch=None, **kw):
+        planned.append(num_microbatch)
+        return auto(run_type, *models, num_microbatch=num_microbatch, **kw)
+
+    monkeypatch.setattr(ModelExecutePlan, "auto", staticmethod(recording_auto))
+    x, y = _data(batch=6)
+    model = mlp()
+    _, ref = reference_grads(model, x, y)
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        rp.forward_backward(
+            (x,), label=y, loss_fn=sum_sq, run_config=RoundPipeRunConfig(num_microbatch=10**6)
+        )
+        assert planned and max(p for p in planned if p is not None) == 6
+        assert len({j.microbatches for j in rp.last_schedule if len(j.microbatches) == 6}) >= 1
+        assert_grads_match(rp, ref)
+    finally:
+        rp.close()
