@@ -1,4 +1,4 @@
-"""Experimental automatic split of an arbitrary model (seed 004, ``use_sequential_preset=False``).
+"""Experimental automatic split of an arbitrary model (``use_sequential_preset=False``).
 
 :func:`auto_wrap` walks the module tree:
 
@@ -22,9 +22,9 @@
 What an ``AutoRoundPipe`` offers: ``forward`` (inference, or training through
 autograd: ``loss.backward()``), fp32 master weights (``optim_parameters()``,
 ``OptimizerCtx``), ``step(step_fn, is_async)`` / ``synchronize()`` and the
-attribute fall-through. It does **not** offer ``forward_backward`` (it raises
-``TypeError``): the loss is computed by host code after several separate
-pipelined calls, so there is no last stage to fuse.
+attribute fall-through. Its ``forward_backward`` raises ``TypeError``: the
+loss is computed by host code after several separate pipelined calls, so there
+is no last stage to fuse.
 
 Performance loss against a hand-written Sequential (the reason to prefer a
 preset or a manual conversion):
@@ -46,9 +46,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
+from torch.fx.node import map_aggregate, map_arg
 
-from .model import RoundPipe, RoundPipeRunConfig
+from .base import RoundPipeBase
+from .config import RoundPipeRunConfig, check_run_config
+from .kinds import PinMode
+from .model import RoundPipe
 
 __all__ = ["AutoRoundPipe", "auto_wrap", "chain_layers", "split_layers"]
 
@@ -66,9 +71,11 @@ class _Prev:
 
 
 def _templates(node: Any) -> tuple[tuple, dict]:
-    from torch.fx.node import map_arg
-
-    return map_arg(node.args, lambda n: _Prev), map_arg(dict(node.kwargs), lambda n: _Prev)
+    # _Prev (a class) stands in for the node: not an fx Argument, hence the ignores
+    return (
+        map_arg(node.args, lambda n: _Prev),  # type: ignore[arg-type,return-value]
+        map_arg(dict(node.kwargs), lambda n: _Prev),  # type: ignore[arg-type,return-value]
+    )
 
 
 class FxStep(nn.Module):
@@ -90,11 +97,10 @@ class FxStep(nn.Module):
         self.module = module
 
     def forward(self, x: Any) -> Any:
-        from torch.fx.node import map_aggregate
-
         args = map_aggregate(self.args, lambda a: x if a is _Prev else a)
         kwargs = map_aggregate(self.kwargs, lambda a: x if a is _Prev else a)
         if self.kind == "call_module":
+            assert self.module is not None
             return self.module(*args, **kwargs)
         if self.kind == "call_method":
             return getattr(args[0], self.target)(*args[1:], **kwargs)
@@ -126,7 +132,6 @@ def chain_layers(module: nn.Module) -> list[nn.Module] | None:
     if not any(True for _ in module.children()):
         return None
     try:
-        import torch.fx as fx
 
         class _ChildrenAsLeaves(fx.Tracer):
             def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -282,14 +287,16 @@ def _make_redirect(inner: RoundPipe) -> Callable[..., Any]:
     return forward
 
 
-class AutoRoundPipe(RoundPipe):
+class AutoRoundPipe(RoundPipeBase):
     """A model that could not become one Sequential, run unit by unit on the device pool.
 
     See the module docstring for how units are chosen and what is lost. The
     master weights, ``step`` / ``synchronize``, ``OptimizerCtx`` and the
-    attribute fall-through are RoundPipe's (this class is one); ``forward``
-    runs the original model's ``forward`` on the host with each unit's calls
-    sent to an inner RoundPipe on the shared pool.
+    attribute fall-through are :class:`RoundPipeBase`'s (shared with
+    ``RoundPipe``, its sibling); ``forward`` runs the original model's
+    ``forward`` on the host with each unit's calls sent to an inner RoundPipe
+    on the shared pool. ``forward_backward`` raises: with no last stage to fuse,
+    compute the loss from ``forward``'s output and call ``backward()``.
 
     Attributes:
         units: ``(qualified name, inner RoundPipe)`` per unit.
@@ -304,19 +311,21 @@ class AutoRoundPipe(RoundPipe):
         optim_dtype: torch.dtype | None = None,
         name: str | None = None,
         model_run_config: RoundPipeRunConfig | None = None,
-        pin_model: str = "alloc",
+        pin_model: PinMode | str = PinMode.ALLOC,
         devices: Any = None,
         original_model: Any = None,
     ) -> None:
+        if model_run_config is not None:
+            check_run_config(model_run_config, "model_run_config")
         super().__init__(
             model,
             optim_dtype=optim_dtype,
             name=name,
-            model_run_config=model_run_config,
             pin_model=pin_model,
             devices=devices,
             original_model=original_model,
         )
+        self.model_run_config = model_run_config or RoundPipeRunConfig()
         threshold = split_threshold if split_threshold is not None else _default_threshold(model)
         unit_modules, host = _units_without_sharing(model, threshold)
         units: list[tuple[str, RoundPipe]] = []
@@ -338,6 +347,7 @@ class AutoRoundPipe(RoundPipe):
         object.__setattr__(self, "units", units)
         object.__setattr__(self, "host_parameters", host)
         object.__setattr__(self, "_unit_modules", [m for _, m in unit_modules])
+        self._seal()
 
     def forward(
         self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any
@@ -348,9 +358,10 @@ class AutoRoundPipe(RoundPipe):
                 "AutoRoundPipe.forward does not take roundpipe_run_config (each unit runs with "
                 "the model_run_config given at wrapping time)"
             )
+        self._check_open()
         if torch.is_grad_enabled():
             # Gradients of this forward's backward must not land while a step reads them.
-            self.synchronize()
+            self._settle()
         with self._call_lock:
             for (_, inner), unit in zip(self.units, self._unit_modules):
                 object.__setattr__(unit, "forward", _make_redirect(inner))
@@ -361,7 +372,11 @@ class AutoRoundPipe(RoundPipe):
                     object.__delattr__(unit, "forward")
 
     def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
-        """Not available: the model is not one Sequential, so there is no last stage to fuse."""
+        """Not available: the model is not one Sequential, so there is no last stage to fuse.
+
+        Raises:
+            TypeError: always, saying what to do instead.
+        """
         raise TypeError(
             "forward_backward() is not supported by AutoRoundPipe: the automatic split could not "
             f"turn {type(self.model).__name__} into an nn.Sequential, so forward and loss cannot be "
@@ -369,14 +384,13 @@ class AutoRoundPipe(RoundPipe):
             "instead, or convert the model to an nn.Sequential (or add a preset) for full speed"
         )
 
-    def step(self, step_fn: Callable[[], Any], is_async: bool = True) -> None:
-        """As :meth:`RoundPipe.step`; gradients of host parameters are moved to their masters first."""
-        self.synchronize()
+    def _take_model_grads(self) -> None:
+        """Before a step: gradients of host parameters (used by glue code on the host)
+        collect in the parameters' own ``.grad``; move them to their masters."""
         for _, p in self.host_parameters:
             if p.grad is not None:
-                self._accumulate_grad(p, p.grad)
+                self.masters.add_grad(p, p.grad)
                 p.grad = None
-        super().step(step_fn, is_async=is_async)
 
     def _all_inner(self) -> Iterator[RoundPipe]:
         return (inner for _, inner in self.units)
@@ -400,7 +414,7 @@ def auto_wrap(
     model_run_config: RoundPipeRunConfig | None = None,
     optim_dtype: torch.dtype | None = None,
     **roundpipe_kwargs: Any,
-) -> RoundPipe:
+) -> RoundPipe | AutoRoundPipe:
     """Automatic split: a RoundPipe over a Sequential when the model is a chain, else an AutoRoundPipe.
 
     Args:

@@ -1,4 +1,4 @@
-"""Detect violations of the forward-function rules of seed 004.
+"""Detect violations of the rules a layer's forward must follow under RoundPipe.
 
 RoundPipe runs different layers at the same time on different devices
 (threads), on per-device copies of their parameters and buffers. A layer's
@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+__all__ = ["ForwardRuleChecker", "check_forward_rules", "find_shared_buffers"]
 
 # Keys every nn.Module has in its __dict__: the engine and PyTorch manage them.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training"}

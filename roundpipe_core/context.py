@@ -15,6 +15,16 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+__all__ = [
+    "RecomputeStore",
+    "current_layer",
+    "current_microbatch",
+    "doing_recompute",
+    "get_recompute_data",
+    "running_layer",
+    "save_for_recompute",
+]
+
 _local = threading.local()
 
 

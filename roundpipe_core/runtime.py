@@ -14,9 +14,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,17 +25,73 @@ from .batch import flatten
 from .context import RecomputeStore, running_layer
 from .devices.base import Worker
 from .devices.pool import PoolError
-from .schedule import BACKWARD, FORWARD, FUSED, Job
+from .kinds import JobKind, RecomputeGrain
+from .schedule import Job
 from .transfer import (
     GradSink,
     StageReplica,
     download_grads,
+    grads_to_device,
+    grads_to_host,
     release_stage,
+    to_device,
+    to_host,
     upload_stage,
     write_back_buffers,
 )
 
+__all__ = ["AutocastState", "PipelineRun", "WeightGate", "run_queue"]
+
 _WAIT_SLICE_S = 0.05
+
+
+class WeightGate(Protocol):
+    """Which weight version the host copy holds (``pipelined.WeightVersions``): a
+    pipelined run's upload waits until the layers hold the version it reads."""
+
+    def ready(self, reader: Any, layers: Sequence[int]) -> bool: ...
+
+    def wait_ready(
+        self, reader: Any, layers: Sequence[int], failed: Callable[[], bool]
+    ) -> None: ...
+
+    def uploaded(self, reader: Any, layers: Sequence[int], fence: Callable[[], None]) -> None: ...
+
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+
+class AutocastState:
+    """The calling thread's ``torch.autocast`` state, per device type, captured so that
+    worker threads compute under the autocast the caller asked for.
+
+    A worker enters the state recorded for *its own* device type: a CPU worker the
+    caller's CPU autocast, a CUDA worker the caller's CUDA autocast -- what plain
+    PyTorch would do with the model on that device.
+    """
+
+    __slots__ = ("cache_enabled", "states")
+
+    def __init__(self, states: dict[str, torch.dtype], cache_enabled: bool = True) -> None:
+        self.states = states  # device type -> dtype, only for enabled device types
+        self.cache_enabled = cache_enabled
+
+    @classmethod
+    def capture(cls) -> AutocastState:
+        """The current thread's autocast state."""
+        states = {
+            dev: torch.get_autocast_dtype(dev)
+            for dev in _AUTOCAST_DEVICE_TYPES
+            if torch.is_autocast_enabled(dev)
+        }
+        return cls(states, torch.is_autocast_cache_enabled())
+
+    def enter(self, device: torch.device) -> AbstractContextManager[Any]:
+        """A context running ``device``'s compute under the captured autocast (or nothing)."""
+        dtype = self.states.get(device.type)
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=dtype, cache_enabled=self.cache_enabled)
 
 
 class PipelineRun:
@@ -48,13 +104,18 @@ class PipelineRun:
         grad_sink: GradSink,
         timer: Any,
         preserve_rng_state: bool = True,
-        recompute_grain: str = "stage",
+        recompute_grain: RecomputeGrain = RecomputeGrain.STAGE,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         labels: list[Any] | None = None,
         return_outputs: bool = False,
         input_needs_grad: list[bool] | None = None,
         grads_done: Callable[[Job], None] | None = None,
         rule_checker: Any = None,
+        autocast: AutocastState | None = None,
+        loss_scale: float = 1.0,
+        rng_base: int = 0,
+        weights: WeightGate | None = None,
+        reader: Any = None,
     ) -> None:
         self.layers = layers
         self.num_layers = len(layers)
@@ -64,6 +125,7 @@ class PipelineRun:
         self.preserve_rng_state = preserve_rng_state
         self.recompute_grain = recompute_grain
         self.loss_fn = loss_fn
+        self.loss_scale = loss_scale  # multiplies each loss before its backward only
         self.labels = labels or []
         self.return_outputs = return_outputs
         self.input_needs_grad = input_needs_grad
@@ -72,24 +134,26 @@ class PipelineRun:
             rule_checker  # checks.ForwardRuleChecker: watches each layer's first forward
         )
         self.store = RecomputeStore()
+        # the caller's autocast, re-entered around layer compute on the worker threads
+        # (autocast state is thread-local, so it would otherwise be dropped there)
+        self.autocast = autocast if autocast is not None else AutocastState.capture()
         self._cond = threading.Condition()
         self._acts: dict[tuple[int, int], Any] = {}
         self._grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         # Random numbers of layer l on microbatch m come from a generator seeded with
         # (rng_base, l, m): independent of which worker runs it and when, so runs are
         # reproducible under a seed and a recompute replays the forward's masks exactly.
-        # Drawn here, in the caller's thread, from the caller's generator.
-        self.rng_base = int(torch.randint(0, 2**62, (1,)).item())
+        self.rng_base = rng_base
         self.outputs: dict[int, Any] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.failed: BaseException | None = None
         self.job_times: list[tuple[Job, int, float]] = []  # (job, device, busy ms)
         # (job, device, start, end): wall clock (perf_counter) from params ready to job done
         self.job_spans: list[tuple[Job, int, float, float]] = []
-        # Pipelined runs only (overlap.py): the weight-version gate of uploads and this
+        # Pipelined runs only (pipelined.py): the weight-version gate of uploads and this
         # run's registration as a reader of one version.
-        self.weights: Any = None
-        self.reader: Any = None
+        self.weights = weights
+        self.reader = reader
 
     # -- rendezvous -----------------------------------------------------------
     def put_act(self, boundary: int, mb: int, value: Any) -> None:
@@ -132,47 +196,6 @@ class PipelineRun:
             self._acts.clear()
 
 
-# -- moving pytrees between host and device -------------------------------------
-def _to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
-    leaves, rebuild = flatten(value)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
-    new = list(leaves)
-    for i, t in zip(idx, dev):
-        new[i] = t
-    return rebuild(new), dev
-
-
-def _to_host(worker: Worker, value: Any) -> Any:
-    leaves, rebuild = flatten(value)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    host = worker.copy_out([leaves[i].detach() for i in idx]) if idx else []
-    new = list(leaves)
-    for i, t in zip(idx, host):
-        new[i] = t
-    return rebuild(new)
-
-
-def _grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    idx = [i for i, g in enumerate(grads) if g is not None]
-    host = worker.copy_out([grads[i] for i in idx]) if idx else []
-    out: list[torch.Tensor | None] = [None] * len(grads)
-    for i, g in zip(idx, host):
-        out[i] = g
-    return out
-
-
-def _grads_to_device(
-    worker: Worker, grads: list[torch.Tensor | None]
-) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-    idx = [i for i, g in enumerate(grads) if g is not None]
-    dev = worker.copy_in([grads[i] for i in idx], "activation") if idx else []
-    out: list[torch.Tensor | None] = [None] * len(grads)
-    for i, g in zip(idx, dev):
-        out[i] = g
-    return out, dev
-
-
 def _requires_grad_inputs(
     value: Any, needs: list[bool] | None
 ) -> tuple[Any, list[torch.Tensor | None]]:
@@ -212,7 +235,7 @@ def _publish_input_grad(
     """Hand the gradient of the stage input to the stage before (or to the caller at layer 0)."""
     if start > 0 or bool(run.input_needs_grad and any(run.input_needs_grad)):
         run.put_grad(
-            start, mb, _grads_to_host(worker, [t.grad if t is not None else None for t in tracked])
+            start, mb, grads_to_host(worker, [t.grad if t is not None else None for t in tracked])
         )
 
 
@@ -320,20 +343,23 @@ def _forward_microbatch(
 ) -> None:
     r = job.layers
     value = run.get_act(r.start, mb)
-    x, held = _to_device(worker, value)
+    x, held = to_device(worker, value)
     worker.wait_channel("activation")
     layer_idx: int | None = None
     try:
         with worker.compute(), torch.no_grad(), _own_rng(worker):
             for layer_idx in r:
                 if layer_idx in run.boundaries and layer_idx != r.start:
-                    run.put_act(layer_idx, mb, _to_host(worker, x))
+                    run.put_act(layer_idx, mb, to_host(worker, x))
                 _seed_layer(run, worker, layer_idx, mb)
                 t0 = worker.time_point()
-                with running_layer(layer_idx, mb, False, run.store, worker.device):
+                with (
+                    running_layer(layer_idx, mb, False, run.store, worker.device),
+                    run.autocast.enter(worker.device),
+                ):
                     x = _forward_layer(run, stage, layer_idx, x)
                 clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
-            out = _to_host(worker, x)
+            out = to_host(worker, x)
     except BaseException as exc:
         _annotate(exc, job, layer_idx, mb, worker)
         raise
@@ -344,13 +370,37 @@ def _forward_microbatch(
     run.put_act(r.stop, mb, out)
 
 
+def _loss_parts(loss: Any) -> list[torch.Tensor]:
+    """The scalar losses ``loss_fn`` returned (one, or a tuple / list of several), checked
+    the way ``torch.autograd.backward`` would check them."""
+    parts = list(loss) if isinstance(loss, (tuple, list)) else [loss]
+    if not parts:
+        raise TypeError("loss_fn returned an empty sequence; return a scalar loss tensor")
+    for i, p in enumerate(parts):
+        what = "loss_fn's result" if len(parts) == 1 else f"loss {i} of loss_fn's result"
+        if not isinstance(p, torch.Tensor) or p.numel() != 1:
+            shape = tuple(p.shape) if isinstance(p, torch.Tensor) else ""
+            raise TypeError(
+                f"{what} must be a scalar tensor (one loss per microbatch), got "
+                f"{type(p).__name__}{shape}"
+            )
+        if not p.requires_grad:
+            raise RuntimeError(
+                f"{what} does not require grad and has no grad_fn, so there is nothing to "
+                "backpropagate (plain loss.backward() fails the same way): compute the loss "
+                "from the model's output with differentiable operations, not a constant or "
+                "a detached tensor"
+            )
+    return [p.reshape(()) for p in parts]
+
+
 def _fused_microbatch(
     run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
 ) -> None:
     r = job.layers
     value = run.get_act(r.start, mb)
-    x, held = _to_device(worker, value)
-    label, held_label = _to_device(worker, run.labels[mb])
+    x, held = to_device(worker, value)
+    label, held_label = to_device(worker, run.labels[mb])
     worker.wait_channel("activation")
     x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
     layer_idx: int | None = None
@@ -359,24 +409,27 @@ def _fused_microbatch(
             for layer_idx in r:
                 _seed_layer(run, worker, layer_idx, mb)
                 t0 = worker.time_point()
-                with running_layer(layer_idx, mb, False, run.store, worker.device):
+                with (
+                    running_layer(layer_idx, mb, False, run.store, worker.device),
+                    run.autocast.enter(worker.device),
+                ):
                     x = _forward_layer(run, stage, layer_idx, x)
                 clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
             layer_idx = None
             assert run.loss_fn is not None
-            loss = run.loss_fn(x, label)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(
-                    "loss_fn must return a scalar tensor (one loss per microbatch), got "
-                    f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}"
-                )
+            with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
+                loss = run.loss_fn(x, label)
+            parts = _loss_parts(loss)
             t0 = worker.time_point()
-            if loss.requires_grad:
-                loss.reshape(()).backward()
+            total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+            if run.loss_scale != 1.0:
+                total = total * run.loss_scale
+            total.backward()
             clock.span("bwd", r, t0)
-            run.losses[mb] = worker.copy_out([loss.detach().reshape(())])[0]
+            host = worker.copy_out([p.detach() for p in parts])
+            run.losses[mb] = type(loss)(host) if isinstance(loss, (tuple, list)) else host[0]
             if run.return_outputs:
-                run.outputs[mb] = _to_host(worker, x)
+                run.outputs[mb] = to_host(worker, x)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
         _annotate(exc, job, layer_idx, mb, worker)
@@ -392,14 +445,14 @@ def _backward_microbatch(
     r = job.layers
     grads_out = run.get_grad(r.stop, mb)
     value = run.get_act(r.start, mb)
-    x_in, held = _to_device(worker, value)
-    g_dev, held_g = _grads_to_device(worker, grads_out)
+    x_in, held = to_device(worker, value)
+    g_dev, held_g = grads_to_device(worker, grads_out)
     worker.wait_channel("activation")
     needs = _needs(run, r.start)
     layer_idx: int | None = None
     try:
         with worker.compute(), _own_rng(worker):
-            if run.recompute_grain == "layer":
+            if run.recompute_grain == RecomputeGrain.LAYER:
                 tracked = _backward_layerwise(
                     run, job, stage, worker, mb, x_in, g_dev, needs, clock
                 )
@@ -409,7 +462,10 @@ def _backward_microbatch(
                     for layer_idx in r:
                         _replay_seed(run, worker, layer_idx, mb)
                         t0 = worker.time_point()
-                        with running_layer(layer_idx, mb, True, run.store, worker.device):
+                        with (
+                            running_layer(layer_idx, mb, True, run.store, worker.device),
+                            run.autocast.enter(worker.device),
+                        ):
                             x = _call_layer(stage.layer(layer_idx), layer_idx, x)
                         clock.span("re", range(layer_idx, layer_idx + 1), t0)
                     layer_idx = None
@@ -446,7 +502,10 @@ def _backward_layerwise(
             _replay_seed(run, worker, layer_idx, mb)
             inputs.append(x)
             t0 = worker.time_point()
-            with running_layer(layer_idx, mb, True, run.store, worker.device):
+            with (
+                running_layer(layer_idx, mb, True, run.store, worker.device),
+                run.autocast.enter(worker.device),
+            ):
                 x = _call_layer(stage.layer(layer_idx), layer_idx, x)
             clock.span("re", range(layer_idx, layer_idx + 1), t0)
     grads = g_dev
@@ -457,7 +516,10 @@ def _backward_layerwise(
         _replay_seed(run, worker, layer_idx, mb)
         t0 = worker.time_point()
         with torch.enable_grad():
-            with running_layer(layer_idx, mb, True, run.store, worker.device):
+            with (
+                running_layer(layer_idx, mb, True, run.store, worker.device),
+                run.autocast.enter(worker.device),
+            ):
                 out = _call_layer(stage.layer(layer_idx), layer_idx, xin)
             _backward(out, grads)
         clock.span("bwd", range(layer_idx, layer_idx + 1), t0)
@@ -466,7 +528,12 @@ def _backward_layerwise(
     return tracked
 
 
-_RUNNERS = {FORWARD: _forward_microbatch, FUSED: _fused_microbatch, BACKWARD: _backward_microbatch}
+# keyed by text: a Job's kind is the JobKind's text (members hash and compare like it)
+_RUNNERS: dict[str, Callable[[PipelineRun, Job, StageReplica, Worker, int, _Clock], None]] = {
+    JobKind.FORWARD: _forward_microbatch,
+    JobKind.FUSED: _fused_microbatch,
+    JobKind.BACKWARD: _backward_microbatch,
+}
 
 
 def _upload(
@@ -507,11 +574,11 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                 runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:
                     runner(run, job, stage, worker, mb, clock)
-                if job.kind in (FUSED, BACKWARD):
+                if job.kind in (JobKind.FUSED, JobKind.BACKWARD):
                     download_grads(stage, run.grad_sink)
                     if run.grads_done is not None:
                         run.grads_done(job)
-                if job.kind in (FORWARD, FUSED):
+                if job.kind in (JobKind.FORWARD, JobKind.FUSED):
                     write_back_buffers(stage)
                 busy = clock.commit(run.timer, len(job.microbatches))
                 end = time.perf_counter()

@@ -30,6 +30,8 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+__all__ = ["ModelTimer"]
+
 KINDS = ("fwd", "re", "bwd")
 
 #: Milliseconds assumed per byte of layer state before anything was measured.

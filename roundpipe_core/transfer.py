@@ -15,11 +15,28 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from .batch import flatten
 from .devices.base import Worker
+
+__all__ = [
+    "GradSink",
+    "LayerReplica",
+    "StageReplica",
+    "download_grads",
+    "grads_to_device",
+    "grads_to_host",
+    "make_skeleton",
+    "release_stage",
+    "to_device",
+    "to_host",
+    "upload_stage",
+    "write_back_buffers",
+]
 
 GradSink = Callable[[torch.Tensor, torch.Tensor], None]
 """Called as ``sink(host_param, host_grad)`` for each downloaded gradient."""
@@ -153,7 +170,7 @@ def upload_stage(
                     made_params[id(s.source)] = nn.Parameter(
                         t, requires_grad=s.source.requires_grad
                     )
-                s.module._parameters[s.name] = made_params[id(s.source)]
+                s.module._parameters[s.name] = made_params[id(s.source)]  # type: ignore[assignment]
             else:
                 s.module._buffers[s.name] = t
         # the Parameter wrappers replace the raw tensors so grads land on them
@@ -211,3 +228,46 @@ def release_stage(stage: StageReplica) -> None:
                 s.module._buffers[s.name] = None
         lr.device_tensors.clear()
     stage.param_tensors = []
+
+
+# -- activations and their gradients: pytrees between host and device ---------------
+def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
+    leaves, rebuild = flatten(value)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
+    new = list(leaves)
+    for i, t in zip(idx, dev):
+        new[i] = t
+    return rebuild(new), dev
+
+
+def to_host(worker: Worker, value: Any) -> Any:
+    leaves, rebuild = flatten(value)
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    host = worker.copy_out([leaves[i].detach() for i in idx]) if idx else []
+    new = list(leaves)
+    for i, t in zip(idx, host):
+        new[i] = t
+    return rebuild(new)
+
+
+def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    present = [(i, g) for i, g in enumerate(grads) if g is not None]
+    idx = [i for i, _ in present]
+    host = worker.copy_out([g for _, g in present]) if present else []
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    for i, g in zip(idx, host):
+        out[i] = g
+    return out
+
+
+def grads_to_device(
+    worker: Worker, grads: list[torch.Tensor | None]
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    present = [(i, g) for i, g in enumerate(grads) if g is not None]
+    idx = [i for i, _ in present]
+    dev = worker.copy_in([g for _, g in present], "activation") if present else []
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    for i, g in zip(idx, dev):
+        out[i] = g
+    return out, dev

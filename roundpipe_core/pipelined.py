@@ -20,8 +20,14 @@ while other devices still run k's backward tail. Three pieces make that exact:
   result) -- the order a blocking loop accumulates in.
 * :class:`PendingResult`, the handle a non-blocking call returns.
 
-``RoundPipe`` (model.py) ties them to its optimizer thread; this module holds
-no policy about when steps run.
+:class:`PipelinedRuns` ties them to the masters and the optimizer thread
+(``stepper.py``): it keeps the iterations in flight, merges their gradients in
+issue order, defers a step until the gradients it consumes are complete and
+turns a failure into one error raised by the next call.
+
+Lock order: ``PipelinedRuns._merge_lock`` before ``PipelinedRuns._lock``; the
+stepper's and the masters' locks are innermost. No lock here is held while
+waiting for an iteration or a queued step.
 """
 
 from __future__ import annotations
@@ -34,13 +40,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import batch as batching
+from .config import RoundPipeRunConfig
 from .devices.pool import PoolError
+from .masters import MasterWeights
+from .runtime import PipelineRun
+from .stepper import Stepper
+
+__all__ = ["GradBuffer", "PendingResult", "PipelinedRuns", "WeightVersions", "assemble_result"]
 
 _WAIT_SLICE_S = 0.05
-
-
-def _noop() -> None:
-    return None
 
 
 class _Reader:
@@ -51,7 +60,6 @@ class _Reader:
         self.version = version
         self.pending = counts
         self.fences: dict[int, list[Callable[[], None]]] = {}
-        self.finished = False
 
 
 class WeightVersions:
@@ -126,7 +134,6 @@ class WeightVersions:
     def finish(self, reader: _Reader) -> None:
         """The run is over (done, failed or aborted): it uploads nothing more."""
         with self._cond:
-            reader.finished = True
             if reader in self._readers:
                 self._readers.remove(reader)
             self._cond.notify_all()
@@ -196,7 +203,7 @@ class GradBuffer:
     def __init__(self, master_of: dict[int, nn.Parameter]) -> None:
         self._master_of = master_of
         self._lock = threading.Lock()
-        self.grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
 
     def add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """The run's grad sink: ``(host param, downloaded grad)``."""
@@ -205,21 +212,78 @@ class GradBuffer:
             return
         grad = grad.to(master.dtype)
         with self._lock:
-            hit = self.grads.get(id(master))
+            hit = self._grads.get(id(master))
             if hit is None:
-                self.grads[id(master)] = (master, grad)
+                self._grads[id(master)] = (master, grad)
             else:
                 hit[1].add_(grad)
 
-    def merge_into_masters(self, lock: threading.Lock) -> None:
+    def take(
+        self, masters: Sequence[nn.Parameter] | None = None
+    ) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """The buffered ``(master, grad)`` pairs (of ``masters`` only, if given); they
+        leave the buffer."""
         with self._lock:
-            items, self.grads = list(self.grads.values()), {}
-        with lock:
-            for master, g in items:
-                if master.grad is None:
-                    master.grad = g
-                else:
-                    master.grad.add_(g)
+            if masters is None:
+                items, self._grads = list(self._grads.values()), {}
+                return items
+            return [hit for m in masters if (hit := self._grads.pop(id(m), None)) is not None]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._grads = {}
+
+
+def assemble_result(
+    cfg: RoundPipeRunConfig,
+    losses: dict[int, Any],
+    outputs: dict[int, Any],
+    num_microbatch: int,
+    return_outputs: bool,
+) -> Any:
+    """What ``forward_backward`` returns from a finished run's per-microbatch losses and outputs."""
+    loss = sum_losses([losses[i] for i in range(num_microbatch)])
+    if not return_outputs:
+        return loss
+    merged = (cfg.merge_output or batching.default_merge_output)(
+        [outputs[i] for i in range(num_microbatch)]
+    )
+    return loss, to_output_device(merged, cfg.output_device)
+
+
+def sum_losses(per_microbatch: list[Any]) -> Any:
+    """The sum over microbatches; a loss_fn returning several losses gives one sum each."""
+    first = per_microbatch[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(torch.stack(parts).sum() for parts in zip(*per_microbatch))
+    return torch.stack(per_microbatch).sum()
+
+
+def to_output_device(value: Any, device: Any) -> Any:
+    """``value``'s tensors on ``device`` (CPU outputs stay where they are)."""
+    if device is None or torch.device(device).type == "cpu":
+        return value
+    leaves, rebuild = batching.flatten(value)
+    return rebuild([x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves])
+
+
+class DeferredTimer:
+    """Collects a pipelined run's timings; they enter the ModelTimer when the run is done,
+    so overlapping runs do not mix their records within one timer iteration."""
+
+    def __init__(self) -> None:
+        self._records: list[tuple[tuple, dict]] = []
+        self._lock = threading.Lock()
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            self._records.append((args, kwargs))
+
+    def replay(self, timer: Any) -> None:
+        with self._lock:
+            records, self._records = self._records, []
+        for args, kwargs in records:
+            timer.record(*args, **kwargs)
 
 
 class PendingResult:
@@ -233,23 +297,23 @@ class PendingResult:
 
     def __init__(
         self,
-        owner: Any,
+        runs: PipelinedRuns,
         index: int,
-        run: Any,
+        run: PipelineRun,
         buffer: GradBuffer,
-        cfg: Any,
+        cfg: RoundPipeRunConfig,
         num_microbatch: int,
         return_outputs: bool,
         prev_step: Future | None,
     ) -> None:
-        self._owner = owner
+        self._runs = runs
         self.index = index  # pipelined calls of this RoundPipe, counted from 0
         self.run = run
         self.buffer = buffer
         self.cfg = cfg
         self.num_microbatch = num_microbatch
         self.return_outputs = return_outputs
-        self.prev_step = prev_step
+        self.prev_step = prev_step  # the step that consumes the gradients issued before these
         self._futures: list[Future] = []
         self._finish: Callable[[PendingResult], Any] | None = None
         self._done = threading.Event()
@@ -283,6 +347,8 @@ class PendingResult:
             if self._finish is not None:
                 self._finish(self)
         finally:
+            # the workers' futures and the finish callback are not needed any more
+            self._futures, self._finish = [], None
             self._done.set()
 
     def done(self) -> bool:
@@ -297,4 +363,151 @@ class PendingResult:
     def result(self, timeout: float | None = None) -> Any:
         """The loss (or ``(loss, outputs)``) of the call; raises its error if it failed."""
         self.wait(timeout)
-        return self._owner._pending_result(self)
+        return self._runs.result_of(self)
+
+
+class PipelinedRuns:
+    """The overlapped iterations of one RoundPipe: weight versions, the runs in flight,
+    the merge of their gradients and the steps deferred behind them.
+
+    Args:
+        layers: the model's layers.
+        masters: the master copies the gradients go to.
+        stepper: the optimizer thread steps and publications are queued on.
+    """
+
+    def __init__(self, layers: list[nn.Module], masters: MasterWeights, stepper: Stepper) -> None:
+        self.masters = masters
+        self.stepper = stepper
+        self.versions = WeightVersions(layers, masters.entries)
+        self._lock = threading.Lock()  # guards the fields below
+        self._merge_lock = threading.Lock()  # one merge at a time; taken before _lock
+        self._inflight: list[PendingResult] = []  # runs whose grads are not in .grad yet
+        self.target_version = 0  # the weight version a call issued now computes with
+        self.next_device = 0  # round-robin continues from one pipelined call to the next
+        self.calls = 0
+        stepper.on_failure = self.abort_all
+
+    def inflight(self) -> list[PendingResult]:
+        with self._lock:
+            return list(self._inflight)
+
+    def add(self, pending: PendingResult) -> None:
+        with self._lock:
+            self._inflight.append(pending)
+            self.calls += 1
+
+    def abort_all(self) -> None:
+        """Stop every run in flight (a step or an earlier iteration failed)."""
+        for r in self.inflight():
+            r.run.fail(PoolError("an earlier pipelined iteration or step failed"))
+
+    def merge(self, r: PendingResult) -> None:
+        """Add a finished run's gradients to the masters' ``.grad`` (once).
+
+        ``merged`` turns True only after the addition, under one lock: a step that finds
+        the run merged (by ``result()`` on another thread) sees its gradients."""
+        with self._merge_lock:
+            if r.merged:
+                return
+            self.masters.add_many(r.buffer.take())
+            r.merged = True
+            with self._lock:
+                if r in self._inflight:
+                    self._inflight.remove(r)
+
+    def merge_finished(self) -> None:
+        """Merge every run in flight (all finished: the caller waited for them)."""
+        for r in self.inflight():
+            self.merge(r)
+
+    def wait_all(self) -> None:
+        for r in self.inflight():
+            r.wait()
+
+    def drain(self) -> None:
+        """Wait until every run in flight and the optimizer thread's queue have stopped."""
+        self.wait_all()
+        self.stepper.wait_tail()
+
+    def raise_failure(self) -> None:
+        """After a pipelined failure: wait until everything in flight has stopped, drop the
+        failed pipeline's gradients, put the masters into the model (the state the last
+        good step left) and raise the error once."""
+        if self.stepper.failure is None:
+            return
+        self.drain()
+        with self._lock:
+            for r in self._inflight:
+                r.buffer.clear()
+            self._inflight.clear()
+        exc = self.stepper.reset_after_failure()
+        self.publish_all()
+        if exc is not None:
+            raise exc
+
+    def publish_all(self) -> None:
+        """The masters are the model's weights now (``synchronize()``)."""
+        steps = self.stepper.steps
+        self.masters.copy_to_model()
+        self.versions.set_all(steps)
+        with self._lock:
+            self.target_version = steps
+
+    def defer_step(self, step_fn: Callable[[], Any]) -> None:
+        """Queue, on the optimizer thread: publish the last step's weights (as the blocking
+        ``step()`` copies them at its call), then the step itself once the gradients of
+        the pipelined runs issued before it are complete."""
+        stepper = self.stepper
+        version = stepper.steps  # the blocking step() would copy this version into the model now
+        runs = [r for r in self.inflight() if not r.merged]
+        with self._lock:
+            self.target_version = version
+        versions = self.versions
+        stepper.queue_publication(
+            lambda: versions.publish(version, lambda: stepper.failure is not None)
+        )
+        merge = self.merge
+
+        def deferred_step() -> None:
+            for r in runs:
+                r.wait()
+                if r.error is not None:
+                    raise r.error
+            failure = stepper.failure
+            if failure is not None:
+                raise failure
+            for r in runs:
+                merge(r)
+            step_fn()
+
+        stepper.queue_guarded_step(deferred_step)
+
+    def record_run_error(self, p: PendingResult) -> None:
+        """A run ended with ``p.error``: report the cause if a failure aborted it."""
+        assert p.error is not None
+        failure = self.stepper.failure
+        if isinstance(p.error, PoolError) and failure is not None:
+            p.error = failure
+        self.stepper.record_failure(p.error)
+
+    def result_of(self, r: PendingResult) -> Any:
+        """``r.result()``: raise its error, or merge it (and the runs before it) and
+        return what the blocking call would have returned."""
+        if r.error is not None:
+            self.stepper.mark_reported(r.error)
+            raise r.error
+        if r.prev_step is not None:
+            r.prev_step.exception()  # that step consumed the gradients before these
+        if not r.merged and self.stepper.failure is not None:
+            self.raise_failure()  # its gradients were dropped with the failed pipeline
+        with self._lock:
+            # runs issued after the same step, up to this one, go into .grad together
+            earlier = self._inflight[: self._inflight.index(r) + 1] if r in self._inflight else []
+        for e in earlier:
+            e.wait()  # never under a lock: a run's completion callback takes them
+        for e in earlier:
+            self.merge(e)
+        return assemble_result(
+            r.cfg, r.run.losses, r.run.outputs, r.num_microbatch, r.return_outputs
+        )

@@ -1,0 +1,170 @@
+"""``forward()`` with autograd: the pipelined forward inside an ``autograd.Function``
+whose backward runs the backward plan on the device pool.
+
+The Function sees the call's input tensors and returns the output tensors, so
+``loss.backward()`` on anything computed from the outputs reaches
+:meth:`AutogradForward.backward_phase`: the output gradients are split per
+microbatch like the outputs were merged, the backward stages recompute and
+backpropagate on the pool, the parameter gradients go to the masters and the
+input gradients are merged back for the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import batch as batching
+from .config import RoundPipeRunConfig
+from .kinds import RunType
+from .pipelined import to_output_device
+from .plan import ModelExecutePlan
+from .runtime import PipelineRun
+from .schedule import Job, build_schedule
+
+__all__ = ["AutogradForward", "PipelineOps"]
+
+
+@dataclass(frozen=True)
+class PipelineOps:
+    """What a forward-with-autograd call needs from its RoundPipe.
+
+    Attributes:
+        num_layers: layers of the model.
+        num_devices: devices of the pool.
+        new_run: a ``TRAIN`` run's state, given which input leaves take a gradient and
+            the per-job callback of its backward (see ``grad_tracker``).
+        execute: run a job list of a run on the pool (blocking), serialized with the
+            RoundPipe's other calls.
+        grad_tracker: the per-job callback that reports completed master gradients
+            to the gradient hooks (None when there are none).
+    """
+
+    num_layers: int
+    num_devices: int
+    new_run: Callable[[list[bool], Callable[[Job], None] | None], PipelineRun]
+    execute: Callable[[PipelineRun, list[Job]], None]
+    grad_tracker: Callable[[list[Job]], Callable[[Job], None] | None]
+
+
+class AutogradForward:
+    """One ``forward()`` call under grad mode (see the module docstring)."""
+
+    def __init__(
+        self,
+        ops: PipelineOps,
+        cfg: RoundPipeRunConfig,
+        plan: ModelExecutePlan,
+        mbs: list,
+        sizes: list[int],
+        bs: int | None,
+    ) -> None:
+        self.ops, self.cfg, self.plan = ops, cfg, plan
+        self.mbs, self.sizes, self.bs = mbs, sizes, bs
+        self.run_state: PipelineRun | None = None
+        self.out_leaves: list[Any] = []
+        self.out_rebuild: Any = None
+        self.in_leaves: list[Any] = []
+        self.bwd_jobs: list[Job] = []
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        """The call's merged output, part of the caller's autograd graph."""
+        self.in_leaves, _ = batching.flatten((args, kwargs))
+        tensors = [x for x in self.in_leaves if isinstance(x, torch.Tensor)]
+        # a leaf that requires grad: backward reaches the Function even when no input does
+        dummy = torch.zeros((), requires_grad=True)
+        outs = _PipelineFunction.apply(self, dummy, *tensors)
+        it = iter(outs)
+        leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self.out_leaves]
+        return to_output_device(self.out_rebuild(leaves), self.cfg.output_device)
+
+    def forward_phase(self, needs_grad: list[bool]) -> tuple[torch.Tensor, ...]:
+        ops = self.ops
+        # which leaves of the (args, kwargs) pytree take a gradient
+        it = iter(needs_grad)
+        needs = [next(it) if isinstance(x, torch.Tensor) else False for x in self.in_leaves]
+        n = len(self.mbs)
+        jobs = build_schedule(self.plan, RunType.TRAIN, ops.num_devices, n, phase="forward")
+        # the backward's jobs are known now: the run is complete before it starts
+        self.bwd_jobs = build_schedule(
+            self.plan,
+            RunType.TRAIN,
+            ops.num_devices,
+            n,
+            phase="backward",
+            start_device=len(jobs) % ops.num_devices,
+        )
+        run = ops.new_run(needs, ops.grad_tracker(self.bwd_jobs))
+        for i, mb in enumerate(self.mbs):
+            run.put_act(0, i, mb)
+        ops.execute(run, jobs)
+        self.run_state = run
+        outputs = [run.outputs[i] for i in range(len(self.mbs))]
+        merged = (self.cfg.merge_output or batching.default_merge_output)(outputs)
+        self.out_leaves, self.out_rebuild = batching.flatten(merged)
+        return tuple(x for x in self.out_leaves if isinstance(x, torch.Tensor))
+
+    def backward_phase(
+        self, grad_outputs: tuple[torch.Tensor | None, ...]
+    ) -> list[torch.Tensor | None]:
+        ops, run = self.ops, self.run_state
+        if run is None:
+            raise RuntimeError("backward through a RoundPipe forward can only run once")
+        n = len(self.mbs)
+        # split each output gradient like the output was merged (per leaf, all leaves)
+        it = iter(grad_outputs)
+        per_leaf: list[list[torch.Tensor | None]] = []
+        for leaf in self.out_leaves:
+            g = next(it) if isinstance(leaf, torch.Tensor) else None
+            if g is None:
+                per_leaf.append([None] * n)
+            elif leaf.dim() >= 1 and self.sizes and leaf.shape[0] == sum(self.sizes) and n > 1:
+                per_leaf.append(list(torch.split(g, self.sizes, dim=0)))
+            else:
+                per_leaf.append([g] * n)
+        for m in range(n):
+            run.put_grad(ops.num_layers, m, [pl[m] for pl in per_leaf])
+        ops.execute(run, self.bwd_jobs)
+        run.drop_activations()
+        self.run_state = None
+        return self._input_grads(run, n)
+
+    def _input_grads(self, run: PipelineRun, n: int) -> list[torch.Tensor | None]:
+        """The gradients of the call's input tensors, merged over microbatches."""
+        grads: list[torch.Tensor | None] = []
+        for i, leaf in enumerate(self.in_leaves):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            parts = [(run.take_grad(0, m) or [None] * len(self.in_leaves))[i] for m in range(n)]
+            if all(p is None for p in parts):
+                grads.append(None)
+                continue
+            split = self.bs is not None and leaf.dim() >= 1 and leaf.shape[0] == self.bs and n > 1
+            parts_t = [
+                p if p is not None else torch.zeros_like(leaf if not split else leaf[:s])
+                for p, s in zip(parts, self.sizes or [0] * n)
+            ]
+            grads.append(torch.cat(parts_t, 0) if split else torch.stack(parts_t).sum(0))
+        return grads
+
+
+class _PipelineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, call: AutogradForward, dummy: torch.Tensor, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        outs = call.forward_phase(list(ctx.needs_input_grad[2:]))
+        non_diff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:  # type: ignore[override]
+        grads = ctx.call.backward_phase(grad_outputs)
+        return (None, None, *grads)

@@ -1,0 +1,426 @@
+"""What every RoundPipe wrapper shares (:class:`RoundPipeBase`): the wrapped module
+and its layers, the optimizer's master copies and their gradients, the
+asynchronous step and ``synchronize()``, the device pool, attribute
+fall-through to the original model, and ``OptimizerCtx``.
+
+``RoundPipe`` (``model.py``) adds the pipelined calls of an ``nn.Sequential``;
+``AutoRoundPipe`` (``autosplit.py``) runs a model that is not one. Both subclass
+:class:`RoundPipeBase`; neither subclasses the other.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .devices import memory
+from .devices.pool import DevicePool
+from .kinds import PinMode, parse_kind
+from .masters import MasterWeights
+from .pipelined import GradBuffer, PipelinedRuns
+from .schedule import Job
+from .stepper import ClosedError, Stepper
+
+__all__ = ["OptimizerCtx", "RoundPipeBase"]
+
+_CLOSE_JOIN_S = 10.0
+
+
+class _OptimCtxState(threading.local):
+    depth = 0
+
+
+_OPTIM_CTX = _OptimCtxState()
+
+
+class OptimizerCtx:
+    """Inside ``with OptimizerCtx():`` a RoundPipe's ``parameters()`` /
+    ``named_parameters()`` are its master (optimizer) parameters, so
+    ``torch.optim.AdamW(model.parameters())`` gets the fp32 masters."""
+
+    def __enter__(self) -> OptimizerCtx:
+        _OPTIM_CTX.depth += 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _OPTIM_CTX.depth -= 1
+
+
+def _default_dtype_of(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def _release(name: str, pool: DevicePool | None, stepper: Stepper, pin_handle: Any = None) -> None:
+    """Free a RoundPipe's threads and memory (``close()``, garbage collection or exit).
+
+    It never waits for a step still running -- a stuck ``step_fn`` must not hang
+    interpreter exit -- and warns about a step error nobody has seen.
+    """
+    unseen = stepper.unobserved_error()
+    stepper.shutdown()
+    if pool is not None:
+        pool.close()
+    if pin_handle is not None:
+        pin_handle.release()
+    if unseen is not None:
+        warnings.warn(
+            f"RoundPipe {name!r}: an optimizer step raised {unseen!r} and the error was never "
+            "raised to the caller; call synchronize() (or close()) to see step errors",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+class RoundPipeBase(nn.Module):
+    """What every RoundPipe wrapper shares: the wrapped module and its layers, the master
+    copies and their gradients, the asynchronous step, ``synchronize()``, the device pool
+    and attribute fall-through to the original model.
+
+    Args:
+        model: the module; its layers are the children of an ``nn.Sequential``, else itself.
+        optim_dtype: dtype of the master copies (default: the model's).
+        name: a name for logs.
+        pin_model: host memory of the parameters on CUDA: "alloc", "register" or "off".
+        devices: the device pool (see ``RoundPipe``), or a ``DevicePool`` to share.
+        original_model: where attribute reads and writes fall through to (default ``model``).
+        master_owner: another RoundPipe whose master copies cover this model's parameters;
+            this one then makes no masters and accumulates its gradients into the owner's.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_dtype: torch.dtype | None = None,
+        name: str | None = None,
+        pin_model: PinMode | str = PinMode.ALLOC,
+        devices: Any = None,
+        original_model: Any = None,
+        master_owner: RoundPipeBase | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"RoundPipe wraps an nn.Module (ideally nn.Sequential), got {type(model).__name__}"
+            )
+        if isinstance(model, RoundPipeBase):
+            raise TypeError("this model is already wrapped in RoundPipe")
+        pin = parse_kind(PinMode, pin_model, "pin_model")
+        if optim_dtype is not None and not (
+            isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"optim_dtype must be a floating torch.dtype such as torch.float32, got {optim_dtype!r}"
+            )
+        if master_owner is not None and not isinstance(master_owner, RoundPipeBase):
+            raise TypeError(f"master_owner must be a RoundPipe, got {type(master_owner).__name__}")
+        self.model = model
+        layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
+        if not layers:
+            raise ValueError("the nn.Sequential is empty; give it at least one layer")
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(
+            self, "_original_model", original_model if original_model is not None else model
+        )
+        self.name = name or type(model).__name__
+        self.pin_model = pin
+        self.optim_dtype = optim_dtype or _default_dtype_of(model)
+        object.__setattr__(
+            self, "pool", devices if isinstance(devices, DevicePool) else DevicePool(devices)
+        )
+        pin_handle = None
+        if self.pool.is_cuda:
+            # pinned host memory makes uploads asynchronous; "register" must be undone at close
+            pin_handle = memory.prepare_host_params(model, pin)
+
+        self.masters = MasterWeights(model, self.optim_dtype, create=master_owner is None)
+        object.__setattr__(self, "_master_owner", master_owner)
+        self._stepper = Stepper(self.name)
+        self._pipeline = PipelinedRuns(layers, self.masters, self._stepper)
+        self._call_lock = threading.RLock()  # issues one call at a time
+        self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
+        self._closer = weakref.finalize(
+            self,
+            _release,
+            self.name,
+            None if isinstance(devices, DevicePool) else self.pool,
+            self._stepper,
+            pin_handle,
+        )
+
+    # -- attribute fall-through --------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original_model")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    def _is_own(self, name: str) -> bool:
+        d = self.__dict__
+        return (
+            "_rp_sealed" not in d
+            or name in d
+            or hasattr(type(self), name)
+            or any(name in d.get(k, {}) for k in ("_parameters", "_buffers", "_modules"))
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Writes of names RoundPipe does not have go to the original model (like reads)."""
+        if self._is_own(name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self.__dict__["_original_model"], name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._is_own(name):
+            super().__delattr__(name)
+        else:
+            delattr(self.__dict__["_original_model"], name)
+
+    def _seal(self) -> None:
+        """End of construction: from now on unknown attribute writes fall through."""
+        object.__setattr__(self, "_rp_sealed", True)
+
+    def set_original_model(self, original_model: Any) -> None:
+        """Make attribute reads and writes RoundPipe does not handle fall through to
+        ``original_model`` (a preset passes the Hugging Face model it converted)."""
+        if original_model is None:
+            raise TypeError("set_original_model needs a model, got None")
+        object.__setattr__(self, "_original_model", original_model)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.pool)
+
+    @property
+    def _masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        # (name, model parameter, master) triples; read by roundpipe_lightning's subclass
+        return self.masters.entries
+
+    # -- parameters ----------------------------------------------------------------
+    def optim_parameters(self) -> list[nn.Parameter]:
+        """The master copies the optimizer updates (trainable parameters only)."""
+        return self.masters.params()
+
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> list[tuple[str, nn.Parameter]]:
+        """``(name, master)`` of the trainable parameters, named as in the wrapped module.
+
+        Args:
+            prefix: prepended to every name (``"prefix.name"``).
+            remove_duplicate: list a parameter shared by several modules once (else under
+                each of its names).
+        """
+        out = []
+        for pname, p in self.model.named_parameters(
+            prefix=prefix, remove_duplicate=remove_duplicate
+        ):
+            m = self.masters.master_of.get(id(p))
+            if m is not None:
+                out.append((pname, m))
+        return out
+
+    def master_param(self, param: torch.Tensor) -> nn.Parameter | None:
+        """The master copy of one of the model's parameters (None if it is frozen)."""
+        return self.masters.master_of.get(id(param))
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        if _OPTIM_CTX.depth > 0:
+            return iter(self.optim_parameters())
+        return super().parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+        if _OPTIM_CTX.depth > 0:
+            return iter(self.optim_named_parameters())
+        return super().named_parameters(*args, **kwargs)
+
+    # -- gradients -----------------------------------------------------------------
+    def _home(self) -> RoundPipeBase:
+        """The RoundPipe whose masters receive this one's gradients."""
+        owner = self._master_owner
+        return owner._home() if owner is not None else self
+
+    def _fold_grads(self, buffer: GradBuffer) -> None:
+        """Add a finished call's buffered gradients to the masters' ``.grad``."""
+        home = self._home()
+        # the asynchronous step in flight reads and clears the master grads: wait for it
+        home.wait_step()
+        home.masters.add_many(buffer.take())
+
+    def register_grad_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> Callable[[], None]:
+        """Call ``hook(masters)`` as soon as those master gradients are complete for the
+        current pipelined call (every backward stage holding them has been accumulated).
+
+        It runs on a worker thread while later stages still compute, so a data-parallel
+        reducer can start reducing early layers (deep layers finish first). Returns a
+        function that removes the hook.
+        """
+        self._grad_hooks.append(hook)
+        return lambda: self._grad_hooks.remove(hook) if hook in self._grad_hooks else None
+
+    def _grad_tracker(
+        self, jobs: list[Job], buffer: GradBuffer | None = None
+    ) -> Callable[[Job], None] | None:
+        """Count, per master, the gradient-producing jobs of a call; when a master's last
+        job is done, move its buffered gradient into ``.grad`` and report it to the hooks."""
+        if not self._grad_hooks:
+            return None
+        owners: dict[int, list[nn.Parameter]] = {}
+        remaining: dict[int, int] = {}
+        for job in jobs:
+            if job.kind == "forward":
+                continue
+            seen = self._home().masters.of_layers([self.layers[i] for i in job.layers])
+            owners[job.index] = seen
+            for m in seen:
+                remaining[id(m)] = remaining.get(id(m), 0) + 1
+        lock = threading.Lock()
+        hooks, home = self._grad_hooks, self._home()
+
+        def done(job: Job) -> None:
+            final = []
+            with lock:
+                for m in owners.get(job.index, []):
+                    remaining[id(m)] -= 1
+                    if remaining[id(m)] == 0:
+                        final.append(m)
+            if final:
+                if buffer is not None:
+                    home.wait_step()
+                    home.masters.add_many(buffer.take(final))
+                for hook in list(hooks):
+                    hook(final)
+
+        return done
+
+    # -- optimizer step ---------------------------------------------------------------
+    def step(
+        self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
+    ) -> None:
+        """Run ``step_fn(*args, **kwargs)`` (e.g. ``lambda: (opt.step(), opt.zero_grad())``)
+        on the master copies on the optimizer thread, then copy the masters into the model.
+
+        With ``is_async=True`` it returns at once and the next call overlaps with the
+        update; the new weights enter the model at the next ``step()`` / ``synchronize()``,
+        so each iteration computes with weights one step stale (as upstream RoundPipe).
+
+        After a non-blocking ``forward_backward(blocking=False)`` whose gradients are not
+        in ``.grad`` yet, the step is deferred (this call does not wait): the optimizer
+        thread runs it once those gradients are complete, and the previous step's weights
+        reach the model layer by layer as the in-flight iterations stop reading the old
+        ones -- the same math as the blocking loop.
+
+        Raises:
+            TypeError: ``step_fn`` is not callable.
+            RuntimeError: this RoundPipe is closed.
+        """
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+        if not isinstance(is_async, bool):
+            raise TypeError(f"is_async must be True or False, got {is_async!r}")
+        self._check_open()
+        fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
+        self._pipeline.raise_failure()
+        if not self._pipeline.inflight():
+            self._settle()
+            self._stepper.queue_step(fn)  # its error is raised by synchronize()
+        else:
+            self._pipeline.defer_step(fn)  # its error is raised through raise_failure()
+        if not is_async:
+            self._settle()
+
+    def _take_model_grads(self) -> None:
+        """Hook for wrappers whose model parameters collect gradients themselves."""
+
+    def wait_step(self) -> None:
+        """Block until the step queued by ``step()`` (if any) has finished; its error, if
+        any, is raised by ``synchronize()``. The masters are then safe to read."""
+        self._stepper.wait_step()
+
+    def _wait_step_done(self) -> None:
+        # the name roundpipe_lightning.distributed calls
+        self._stepper.wait_step()
+
+    def _drain_runs(self) -> None:
+        """Before a blocking call: wait for the pipelined runs and for the weights the
+        model should hold now; their gradients stay buffered until the next step."""
+        self._pipeline.wait_all()
+        self._stepper.wait_publication()
+        self._pipeline.raise_failure()
+        self._home().masters.take_back_grads()
+
+    def synchronize(self) -> None:
+        """Wait for everything in flight -- pipelined iterations and steps -- (re-raising
+        an error), copy the masters into the model and show the accumulated gradients on
+        the model's own parameters.
+
+        Afterwards, as in upstream RoundPipe, each trainable parameter of the wrapped
+        module holds the latest weights and its ``.grad`` the gradients accumulated since
+        the last step (in the parameter's dtype; the master's own tensor when the dtypes
+        match), so an optimizer over the module's parameters works::
+
+            opt = torch.optim.Adam(model.parameters())
+            rp.forward_backward(...); rp.synchronize(); opt.step(); opt.zero_grad()
+
+        The masters keep their ``.grad`` too. At the next call, ``step()`` or
+        ``synchronize()``, what was done to the module's ``.grad`` in between decides
+        the masters' ``.grad``: set to None (``zero_grad()``) -> None; replaced or
+        changed in place -> that tensor; untouched -> the masters' ``.grad`` stands
+        (a ``step()`` on the masters consumed it). The module's ``.grad`` is then
+        cleared again: the masters hold the gradients between synchronizations.
+        """
+        self._settle()
+        self._home().masters.hand_grads_to_model()
+
+    def _settle(self) -> None:
+        """``synchronize()`` without showing the gradients on the model."""
+        home = self._home()
+        home.masters.take_back_grads()
+        pipeline = self._pipeline
+        pipeline.raise_failure()
+        pipeline.drain()
+        pipeline.raise_failure()
+        pipeline.merge_finished()  # finished runs not followed by a step
+        fut = self._stepper.take_pending()
+        if fut is not None:
+            fut.result()
+            pipeline.publish_all()
+        self._take_model_grads()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        try:
+            self._stepper.check_open()
+        except ClosedError:
+            raise ClosedError(
+                f"this RoundPipe ({self.name!r}) is closed; create a new one to keep training"
+            ) from None
+
+    def close(self) -> None:
+        """Finish the pending step and stop this RoundPipe's threads. Safe to call twice."""
+        if self._stepper.closed:
+            return
+        try:
+            self.synchronize()
+        finally:
+            # the queue is empty after synchronize(): the thread ends at once; the bound
+            # only matters when synchronize() raised with work still queued
+            self._stepper.shutdown(timeout=_CLOSE_JOIN_S)
+            self._closer()

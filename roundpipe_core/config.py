@@ -1,0 +1,140 @@
+"""``RoundPipeRunConfig``: how one pipelined call runs, and its validation.
+
+A field left ``None`` falls back to the model's ``model_run_config``, then to
+the default noted on the field. Validation happens once, when a config meets
+the engine (construction of a RoundPipe, or a call), so a bad value fails
+before any compute starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from .kinds import RecomputeGrain, parse_kind
+from .plan import ModelExecutePlan
+
+__all__ = [
+    "RoundPipeRunConfig",
+    "batch_extent",
+    "check_run_config",
+    "default_loss_fn",
+    "output_device",
+]
+
+
+@dataclass
+class RoundPipeRunConfig:
+    """How a pipelined call runs. ``None`` fields fall back to the model's config,
+    then to the defaults noted here.
+
+    Attributes:
+        requires_grad: build an autograd graph in ``forward()`` (default: grad mode is
+            on and the model has trainable parameters).
+        output_device: where outputs are returned (default CPU).
+        preserve_rng_state: replay the forward's RNG in recompute (default True).
+        recompute_grain: "stage" (recompute a whole stage, then backward) or "layer"
+            (recompute and backpropagate one layer at a time; less memory). Default "stage".
+        num_microbatch: microbatches per call (default: number of devices + 1).
+        split_input: ``f(args, kwargs, num_microbatch) -> [(args, kwargs), ...]``.
+        split_label: ``f(label, num_microbatch) -> [label, ...]``.
+        merge_output: ``f([output, ...]) -> output``.
+        execute_plan: a ``ModelExecutePlan`` (default: planned automatically).
+    """
+
+    requires_grad: bool | None = None
+    output_device: torch.device | str | None = None
+    preserve_rng_state: bool | None = None
+    recompute_grain: RecomputeGrain | str | None = None
+    num_microbatch: int | None = None
+    split_input: Callable[..., Any] | None = None
+    split_label: Callable[..., Any] | None = None
+    merge_output: Callable[..., Any] | None = None
+    execute_plan: ModelExecutePlan | None = None
+
+    def merged_over(self, base: RoundPipeRunConfig) -> RoundPipeRunConfig:
+        """This config with its ``None`` fields taken from ``base``."""
+        return replace(
+            base,
+            **{
+                f.name: getattr(self, f.name)
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            },
+        )
+
+
+def check_run_config(cfg: object, name: str = "run_config") -> RoundPipeRunConfig:
+    """``cfg`` checked field by field.
+
+    Raises:
+        TypeError: ``cfg`` is not a ``RoundPipeRunConfig``, or a field has the wrong type.
+        ValueError: a field has a value outside its choices.
+    """
+    if not isinstance(cfg, RoundPipeRunConfig):
+        raise TypeError(f"{name} must be a RoundPipeRunConfig, got {type(cfg).__name__}")
+    if cfg.recompute_grain is not None:
+        parse_kind(RecomputeGrain, cfg.recompute_grain, "recompute_grain")
+    n = cfg.num_microbatch
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise ValueError(f"num_microbatch must be a positive int, got {n!r}")
+    for field_name in ("requires_grad", "preserve_rng_state"):
+        v = getattr(cfg, field_name)
+        if v is not None and not isinstance(v, bool):
+            raise TypeError(f"{field_name} must be True, False or None, got {v!r}")
+    for field_name in ("split_input", "split_label", "merge_output"):
+        f = getattr(cfg, field_name)
+        if f is not None and not callable(f):
+            raise TypeError(f"{field_name} must be callable, got {type(f).__name__}")
+    if cfg.output_device is not None:
+        output_device(cfg.output_device)
+    if cfg.execute_plan is not None and not isinstance(cfg.execute_plan, ModelExecutePlan):
+        raise TypeError(
+            f"execute_plan must be a ModelExecutePlan, got {type(cfg.execute_plan).__name__}"
+        )
+    return cfg
+
+
+def output_device(value: object) -> torch.device:
+    """``value`` as a ``torch.device``.
+
+    Raises:
+        ValueError: it names no device (``"nonsense"``), so the call fails before compute.
+    """
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError:
+            pass
+    raise ValueError(
+        f"output_device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
+        f"got {value!r}"
+    )
+
+
+def default_loss_fn(outputs: Any, labels: Any) -> Any:
+    """``forward_backward``'s default loss: the model's output is the loss."""
+    return outputs
+
+
+def batch_extent(args: Any, kwargs: Any) -> tuple[int, int]:
+    """(samples, tokens) of a call: the leading dimension of the first input tensor and,
+    if that tensor holds integer token ids (two or more dimensions), its number of
+    elements (else 0)."""
+    stack: list[Any] = [args, kwargs]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            samples = int(x.shape[0]) if x.dim() > 0 else 1
+            integral = not (x.is_floating_point() or x.is_complex())
+            return samples, (x.numel() if integral and x.dim() >= 2 else 0)
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return 0, 0

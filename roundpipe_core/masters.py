@@ -1,0 +1,115 @@
+"""The optimizer's master copies of a model's trainable parameters and their gradients.
+
+The wrapped module keeps its own parameters (what devices upload); the masters
+(``optim_dtype``, usually fp32) are what the optimizer updates. Gradients of
+every pipelined call are accumulated into the masters' ``.grad``; a step's
+result reaches the module through :meth:`MasterWeights.copy_to_model`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["MasterWeights"]
+
+
+class MasterWeights:
+    """``(name, model parameter, master)`` for each trainable parameter of ``model``.
+
+    Args:
+        model: the wrapped module.
+        optim_dtype: dtype of the masters.
+        create: False for a model whose masters another RoundPipe owns (none are made).
+    """
+
+    def __init__(self, model: nn.Module, optim_dtype: torch.dtype, create: bool = True) -> None:
+        self.entries: list[tuple[str, nn.Parameter, nn.Parameter]] = []
+        self.master_of: dict[int, nn.Parameter] = {}
+        # guards the masters' .grad: workers add to it while the caller may read it
+        self.grad_lock = threading.Lock()
+        if create:
+            for pname, p in model.named_parameters():
+                if p.requires_grad:
+                    m = nn.Parameter(p.detach().to(dtype=optim_dtype, copy=True))
+                    self.entries.append((pname, p, m))
+                    self.master_of[id(p)] = m
+        # model parameter id -> (param, master, the .grad handed to it, its version, shared)
+        self._handed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor, int, bool]] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def params(self) -> list[nn.Parameter]:
+        return [m for _, _, m in self.entries]
+
+    def add_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` (of the model parameter ``param``) to its master's ``.grad``."""
+        master = self.master_of.get(id(param))
+        if master is None:
+            return  # frozen parameter
+        self.add_to_master(master, grad.to(master.dtype))
+
+    def add_to_master(self, master: nn.Parameter, grad: torch.Tensor) -> None:
+        with self.grad_lock:
+            if master.grad is None:
+                master.grad = grad
+            else:
+                master.grad.add_(grad)
+
+    def add_many(self, items: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Add ``(master, grad)`` pairs (a pipelined run's buffered gradients)."""
+        with self.grad_lock:
+            for master, g in items:
+                if master.grad is None:
+                    master.grad = g
+                else:
+                    master.grad.add_(g)
+
+    def copy_to_model(self) -> None:
+        """Put the masters' values into the model's parameters."""
+        with torch.no_grad():
+            for _, p, m in self.entries:
+                p.copy_(m)
+
+    def of_layers(self, layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+        """The masters of the parameters of ``layers`` (each once)."""
+        seen: dict[int, nn.Parameter] = {}
+        for layer in layers:
+            for p in layer.parameters():
+                m = self.master_of.get(id(p))
+                if m is not None:
+                    seen[id(m)] = m
+        return list(seen.values())
+
+    def hand_grads_to_model(self) -> None:
+        """Show each master's accumulated gradient as its model parameter's ``.grad``
+        (``synchronize()``; see there for what happens next)."""
+        with self.grad_lock:
+            for _, p, m in self.entries:
+                g = m.grad
+                if g is None:
+                    continue
+                shared = g.dtype == p.dtype and g.device == p.device
+                shown = g if shared else g.detach().to(p.dtype)
+                p.grad = shown
+                self._handed[id(p)] = (p, m, shown, shown._version, shared)
+
+    def take_back_grads(self) -> None:
+        """Before gradients are added or a step runs: what was done to the model's
+        ``.grad`` since ``hand_grads_to_model`` decides the masters' ``.grad``."""
+        if not self._handed:
+            return
+        with self.grad_lock:
+            handed, self._handed = self._handed, {}
+            for p, m, shown, version, shared in handed.values():
+                now = p.grad
+                if now is None:  # zeroed (set_to_none): the gradients were consumed
+                    m.grad = None
+                elif now is not shown or (not shared and now._version != version):
+                    m.grad = now.detach().to(m.dtype, copy=True)  # replaced or changed
+                # else untouched, or the master's own tensor: the master's .grad stands
+                p.grad = None

@@ -1,0 +1,263 @@
+"""The optimizer thread of a RoundPipe: queued steps, their order, their failures.
+
+``step()`` hands the user's ``step_fn`` to one dedicated thread, so the update
+of the masters overlaps the next pipelined call. Work queued there runs in
+submission order (one thread): a weight publication, the merge of pipelined
+gradients, a step.
+
+Two kinds of queued work:
+
+* a **plain step** (after blocking calls): its error stays in its future and
+  is raised by the next ``synchronize()`` (which ``step()`` and ``close()``
+  call).
+* **guarded work** (the pipelined path: deferred steps and weight
+  publications): an error becomes the stepper's *failure*; everything queued
+  after it is skipped, ``on_failure`` aborts the iterations in flight, and the
+  error is raised exactly once, by the next call.
+
+Locking discipline: one lock, ``Stepper._lock``, guards every mutable field
+(pending step, queue tail, last publication, step count, failure and whether
+it was reported). It is held only to read or assign those fields and to put
+work on the queue -- never while waiting on a future, running queued work or
+calling ``on_failure`` -- so it cannot take part in a lock-order cycle.
+Several fields that change together change in one method here.
+
+The thread is a daemon and the stepper holds no reference to its RoundPipe:
+a step that never returns cannot keep the interpreter from exiting, and a
+RoundPipe dropped without ``close()`` can be garbage-collected.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["ClosedError", "OptimizerThread", "Stepper"]
+
+_Item = tuple[Future, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+class ClosedError(RuntimeError):
+    """Work was given to a RoundPipe after ``close()``."""
+
+
+def _serve(work: queue.SimpleQueue[_Item | None]) -> None:
+    # A plain function over the queue only: the thread references nothing else, so
+    # it keeps no RoundPipe alive between items.
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        fut, fn, args, kwargs = item
+        del item
+        if fut.set_running_or_notify_cancel():
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to the future's owner
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+                del result
+        del fut, fn, args, kwargs
+
+
+class OptimizerThread:
+    """One daemon thread running submitted callables in order, each into a ``Future``."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=_serve, args=(self._queue,), name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Queue ``fn(*args, **kwargs)``.
+
+        Raises:
+            ClosedError: after ``shutdown()``.
+        """
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise ClosedError("this RoundPipe is closed; create a new one to keep training")
+            self._queue.put((fut, fn, args, kwargs))
+        return fut
+
+    def shutdown(self, timeout: float | None = 0.0) -> None:
+        """Stop taking work; the thread ends after what is queued. Waits up to ``timeout``
+        seconds for that (``None``: until it has ended)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
+        if threading.current_thread() is not self._thread and (timeout is None or timeout > 0):
+            self._thread.join(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class Stepper:
+    """The optimizer thread of one RoundPipe with its pending step and failure state.
+
+    Args:
+        name: the RoundPipe's name (names the thread).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._thread = OptimizerThread(f"roundpipe-optim-{name}")
+        self._lock = threading.Lock()
+        self._pending: Future | None = None  # the last step queued
+        self._pending_guarded = False  # whether its error goes to the failure state
+        self._tail: Future | None = None  # the last work queued
+        self._publish: Future | None = None  # the last weight publication queued
+        self._failure: BaseException | None = None  # first failure of guarded work
+        self._reported = False  # the failure has been raised to the user
+        self._steps = 0  # steps queued so far: step k produces weight version k
+        # aborts the pipelined iterations in flight when guarded work fails
+        self.on_failure: Callable[[], None] | None = None
+
+    # -- state -----------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        with self._lock:
+            return self._steps
+
+    @property
+    def failure(self) -> BaseException | None:
+        with self._lock:
+            return self._failure
+
+    @property
+    def closed(self) -> bool:
+        return self._thread.closed
+
+    def pending(self) -> Future | None:
+        with self._lock:
+            return self._pending
+
+    def tail(self) -> Future | None:
+        with self._lock:
+            return self._tail
+
+    def last_publication(self) -> Future | None:
+        with self._lock:
+            return self._publish
+
+    # -- queueing ----------------------------------------------------------------------
+    def queue_step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """A plain step: its error is raised by the next ``take_pending().result()``."""
+        with self._lock:
+            fut = self._thread.submit(step_fn, *args, **kwargs)
+            self._pending = self._tail = fut
+            self._pending_guarded = False
+            self._steps += 1
+
+    def queue_guarded_step(self, fn: Callable[[], Any]) -> int:
+        """A step of the pipelined path; returns the weight version it produces."""
+        with self._lock:
+            fut = self._thread.submit(self._run_guarded, fn)
+            self._pending = self._tail = fut
+            self._pending_guarded = True
+            self._steps += 1
+            return self._steps
+
+    def queue_publication(self, fn: Callable[[], Any]) -> None:
+        """Guarded work that writes a step's weights into the model."""
+        with self._lock:
+            fut = self._thread.submit(self._run_guarded, fn)
+            self._publish = self._tail = fut
+
+    def guard_pending(self) -> None:
+        """Route the error of a plain step still in flight to the failure state: a
+        pipelined call is issued after it, and only guarded errors reach that path."""
+        with self._lock:
+            fut = self._pending
+            if fut is None or self._pending_guarded:
+                return
+            self._pending = self._tail = self._thread.submit(self._run_guarded, fut.result)
+            self._pending_guarded = True
+
+    def _run_guarded(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self.failure is not None:
+            return  # an earlier failure: everything queued after it is skipped
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - raised to the user by the next call
+            self.record_failure(exc)
+
+    # -- failures ----------------------------------------------------------------------
+    def record_failure(self, exc: BaseException) -> None:
+        """Keep the first failure of the pipelined path and abort the work in flight."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = exc
+                self._reported = False
+        callback = self.on_failure
+        if callback is not None:
+            callback()
+
+    def mark_reported(self, exc: BaseException) -> None:
+        """``exc`` has been raised to the user (by a ``PendingResult``)."""
+        with self._lock:
+            if self._failure is exc:
+                self._reported = True
+
+    def reset_after_failure(self) -> BaseException | None:
+        """Forget the failure and everything queued; return it unless already raised."""
+        with self._lock:
+            exc, reported = self._failure, self._reported
+            self._failure = None
+            self._pending = self._tail = self._publish = None
+        return None if reported else exc
+
+    def take_pending(self) -> Future | None:
+        """The pending step (to wait on and raise from); the stepper forgets it."""
+        with self._lock:
+            fut = self._pending
+            self._pending = self._tail = self._publish = None
+        return fut
+
+    # -- waiting -----------------------------------------------------------------------
+    def wait_step(self) -> None:
+        """Block until the pending step has run (its error is not raised here)."""
+        fut = self.pending()
+        if fut is not None:
+            fut.exception()
+
+    def wait_tail(self) -> None:
+        """Block until everything queued so far has run."""
+        fut = self.tail()
+        if fut is not None:
+            fut.exception()
+
+    def wait_publication(self) -> None:
+        fut = self.last_publication()
+        if fut is not None:
+            fut.exception()
+
+    # -- end -------------------------------------------------------------------------
+    def unobserved_error(self) -> BaseException | None:
+        """An error of queued work that finished and was never raised to the user."""
+        with self._lock:
+            if self._failure is not None and not self._reported:
+                return self._failure
+            fut = self._pending
+        if fut is not None and fut.done() and not fut.cancelled():
+            return fut.exception()
+        return None
+
+    def check_open(self) -> None:
+        """Raises ClosedError after ``shutdown()``."""
+        if self._thread.closed:
+            raise ClosedError("this RoundPipe is closed; create a new one to keep training")
+
+    def shutdown(self, timeout: float | None = 0.0) -> None:
+        """Stop the thread once its queue is done; wait up to ``timeout`` seconds."""
+        self._thread.shutdown(timeout)

@@ -1,0 +1,104 @@
+"""Lifecycle: a dropped RoundPipe is collectable, the optimizer thread never holds up
+interpreter exit, and an asynchronous step error nobody saw is reported."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import weakref
+from pathlib import Path
+
+import torch
+from _util import mlp, sum_sq
+
+from roundpipe_core import RoundPipe
+
+_ROOT = Path(__file__).parents[2]
+
+
+def test_dropped_roundpipe_is_garbage_collected() -> None:
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    rp = RoundPipe(mlp(), devices="cpu:2")
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+    rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+    rp.step(lambda: (opt.step(), opt.zero_grad()))
+    rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False).result(timeout=60)
+    rp.step(lambda: (opt.step(), opt.zero_grad()))
+    sum_sq(rp(x), y).backward()
+    with torch.no_grad():
+        rp(x)
+    ref = weakref.ref(rp)
+    del rp
+    gc.collect()
+    assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+
+
+def _run(script: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+_PRELUDE = """
+    import threading, torch
+    from torch import nn
+    from roundpipe_core import RoundPipe
+    rp = RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), devices="cpu:2")
+    rp.forward_backward((torch.randn(3, 4),), label=None, loss_fn=lambda o, _: o.sum())
+"""
+
+
+def test_a_stuck_step_does_not_hang_interpreter_exit() -> None:
+    proc = _run(
+        _PRELUDE
+        + """
+    started = threading.Event()
+    def stuck():
+        started.set()
+        threading.Event().wait()  # never returns
+    rp.step(stuck)
+    started.wait(30)
+    print("leaving")
+    """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "leaving" in proc.stdout
+
+
+def test_unobserved_step_error_is_reported_at_exit() -> None:
+    proc = _run(
+        _PRELUDE
+        + """
+    def bad():
+        raise ValueError("step went wrong")
+    rp.step(bad)
+    rp.wait_step()
+    """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "RuntimeWarning" in proc.stderr and "step went wrong" in proc.stderr, proc.stderr
+
+
+def test_observed_step_error_is_not_reported_again() -> None:
+    proc = _run(
+        _PRELUDE
+        + """
+    def bad():
+        raise ValueError("step went wrong")
+    rp.step(bad)
+    try:
+        rp.synchronize()
+    except ValueError:
+        print("seen")
+    """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "seen" in proc.stdout and "RuntimeWarning" not in proc.stderr, proc.stderr
