@@ -11,6 +11,7 @@ dedicated thread and copies the result back into the module's own parameters.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +24,7 @@ from torch import nn
 from . import batch as batching
 from .checks import ForwardRuleChecker
 from .devices.pool import DevicePool, PoolError
+from .kinds import RunType, parse_kind
 from .overlap import GradBuffer, PendingResult, WeightVersions
 from .plan import ModelExecutePlan
 from .runtime import PipelineRun, run_queue
@@ -221,6 +223,16 @@ class RoundPipe(nn.Module):
         self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         self.last_schedule: list[Job] = []
         self.last_job_times: list[tuple[Job, int, float]] = []
+        # -- hooks for adapters (e.g. the Lightning strategy) ---------------------------
+        # loss_multiplier(): each microbatch loss of a forward_backward is multiplied by it
+        # before its backward (gradient accumulation, loss scaling); the call returns the
+        # unmultiplied loss.
+        self.loss_multiplier: Callable[[], float] | None = None
+        self._run_type_plans: dict[RunType, ModelExecutePlan] = {}
+        # wall time and batch size of the last pipelined call (throughput / bubble logging)
+        self.last_call_ms: float = 0.0
+        self.last_call_samples: int = 0
+        self.last_call_tokens: int = 0
         self._closer = weakref.finalize(
             self,
             _close_resources,
@@ -497,16 +509,60 @@ class RoundPipe(nn.Module):
         _check_run_config(run_config)
         return run_config.merged_over(self.model_run_config)
 
-    def _plan(self, cfg: RoundPipeRunConfig, run_type: str) -> ModelExecutePlan:
-        plan = cfg.execute_plan
+    def set_plan(self, run_type: RunType | str, plan: ModelExecutePlan | None) -> None:
+        """Use ``plan`` for the calls of ``run_type`` ("infer", "train", "fused") that do
+        not pass their own ``execute_plan``; ``None`` returns that run type to the model's
+        default plan.
+
+        Raises:
+            TypeError: ``plan`` is not a ``ModelExecutePlan``.
+            ValueError: ``run_type`` is unknown, or ``plan`` is not valid for this model,
+                run type and device pool.
+        """
+        rt = parse_kind(RunType, run_type, "run_type")
         if plan is None:
-            plan = self.default_plan(run_type, cfg.num_microbatch)
-        elif not isinstance(plan, ModelExecutePlan):
+            self._run_type_plans.pop(rt, None)
+            return
+        if not isinstance(plan, ModelExecutePlan):
+            raise TypeError(f"plan must be a ModelExecutePlan or None, got {type(plan).__name__}")
+        plan.check_valid(self.num_layers, rt, self.num_devices)
+        self._run_type_plans[rt] = plan
+
+    def plan_for(
+        self, run_type: RunType | str, run_config: RoundPipeRunConfig | None = None
+    ) -> ModelExecutePlan:
+        """The plan a call of ``run_type`` with ``run_config`` runs.
+
+        Precedence: ``run_config.execute_plan``, then the plan given to ``set_plan``,
+        then ``model_run_config.execute_plan``, then ``default_plan``.
+        """
+        return self._resolve_plan(parse_kind(RunType, run_type, "run_type"), run_config)
+
+    def _resolve_plan(
+        self, run_type: RunType, run_config: RoundPipeRunConfig | None
+    ) -> ModelExecutePlan:
+        # not overridable on purpose: the calls resolve plans here, so a subclass's
+        # plan_for cannot change which plan a call runs
+        if run_config is not None and run_config.execute_plan is not None:
+            return run_config.execute_plan
+        plan = self._run_type_plans.get(run_type)
+        if plan is not None:
+            return plan
+        if self.model_run_config.execute_plan is not None:
+            return self.model_run_config.execute_plan
+        m = run_config.num_microbatch if run_config is not None else None
+        return self.default_plan(run_type, m or self.model_run_config.num_microbatch)
+
+    def _plan(self, run_config: RoundPipeRunConfig | None, run_type: RunType) -> ModelExecutePlan:
+        plan = self._resolve_plan(run_type, run_config)
+        if not isinstance(plan, ModelExecutePlan):
             raise TypeError(f"execute_plan must be a ModelExecutePlan, got {type(plan).__name__}")
         plan.check_valid(self.num_layers, run_type, self.num_devices)
         return plan
 
-    def default_plan(self, run_type: str, num_microbatch: int | None = None) -> ModelExecutePlan:
+    def default_plan(
+        self, run_type: RunType | str, num_microbatch: int | None = None
+    ) -> ModelExecutePlan:
         """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
 
         Planned once from size-proportional estimates, then once more when the timer
@@ -514,6 +570,7 @@ class RoundPipe(nn.Module):
         calls do not re-plan. ``ModelExecutePlan.auto`` / the ``AutoReplan`` callback
         re-plan on demand.
         """
+        run_type = parse_kind(RunType, run_type, "run_type")
         m = num_microbatch or self.num_devices + 1
         measured = self.model_timer.has_measurements()
         key = (run_type, m)
@@ -577,28 +634,51 @@ class RoundPipe(nn.Module):
         Under grad mode (and ``requires_grad`` not False) the output is part of the
         autograd graph: ``loss.backward()`` runs the backward plan on the pool.
         """
+        t0 = time.perf_counter()
         cfg = self._config(roundpipe_run_config)
         self._drain_runs()
         requires_grad = cfg.requires_grad
         if requires_grad is None:
             requires_grad = torch.is_grad_enabled() and bool(self._masters)
-        run_type = "train" if requires_grad else "infer"
+        run_type = RunType.TRAIN if requires_grad else RunType.INFER
         with self._call_lock:
-            plan = self._plan(cfg, run_type)
+            plan = self._plan(roundpipe_run_config, run_type)
             mbs, sizes, bs = self._split(cfg, args, kwargs)
-            if run_type == "infer":
+            if run_type == RunType.INFER:
                 run = self._new_run(cfg, plan, run_type)
                 for i, mb in enumerate(mbs):
                     run.put_act(0, i, mb)
                 jobs = build_schedule(plan, run_type, self.num_devices, len(mbs))
                 self._execute(run, jobs)
-                return _to_output_device(self._merge(cfg, run.outputs, len(mbs)), cfg.output_device)
+                out = _to_output_device(self._merge(cfg, run.outputs, len(mbs)), cfg.output_device)
+                self._record_call(t0, args, kwargs)
+                return out
         if cfg.merge_output is not None:
             raise ValueError(
                 "a custom merge_output cannot be differentiated through; use it for inference "
                 "(torch.no_grad() or requires_grad=False) or with forward_backward()"
             )
-        return _AutogradForward(self, cfg, plan, mbs, sizes, bs).run(args, kwargs)
+        out = _AutogradForward(self, cfg, plan, mbs, sizes, bs).run(args, kwargs)
+        self._record_call(t0, args, kwargs)
+        return out
+
+    def _record_call(self, t0: float, args: Any, kwargs: Any) -> None:
+        """Wall time and batch size of the call that started at ``t0``."""
+        self.last_call_ms = (time.perf_counter() - t0) * 1000.0
+        self.last_call_samples, self.last_call_tokens = batch_extent(args, kwargs)
+
+    def _loss_factor(self) -> float:
+        """The loss multiplier of this call, read once in the caller's thread."""
+        if self.loss_multiplier is None:
+            return 1.0
+        # a subclass that overrides forward_backward and scales the loss itself must not
+        # have the factor applied a second time (roundpipe_lightning's LightningRoundPipe)
+        if type(self).forward_backward is not RoundPipe.forward_backward:
+            return 1.0
+        factor = self.loss_multiplier()
+        if not isinstance(factor, (int, float, torch.Tensor)) or isinstance(factor, bool):
+            raise TypeError(f"loss_multiplier() must return a number, got {type(factor).__name__}")
+        return float(factor)
 
     def _merge(self, cfg: RoundPipeRunConfig, outputs: dict[int, Any], n: int) -> Any:
         ordered = [outputs[i] for i in range(n)]
@@ -644,31 +724,42 @@ class RoundPipe(nn.Module):
             input_kwargs = {}
         if not isinstance(input_kwargs, dict):
             raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+        t0 = time.perf_counter()
         cfg = self._config(run_config)
+        factor = self._loss_factor()
         if not blocking:
             return self._forward_backward_pipelined(
-                cfg, tuple(input_args), input_kwargs, label, loss_fn, return_outputs
+                cfg,
+                run_config,
+                tuple(input_args),
+                input_kwargs,
+                label,
+                loss_fn,
+                return_outputs,
+                factor,
             )
         self._drain_runs()
         with self._call_lock:
-            plan = self._plan(cfg, "fused")
+            plan = self._plan(run_config, RunType.FUSED)
             mbs, sizes, bs = self._split(cfg, tuple(input_args), input_kwargs)
             labels = self._split_label(cfg, label, mbs, sizes, bs)
             self._check_labels(labels, mbs)
-            jobs = build_schedule(plan, "fused", self.num_devices, len(mbs))
+            jobs = build_schedule(plan, RunType.FUSED, self.num_devices, len(mbs))
             run = self._new_run(
                 cfg,
                 plan,
-                "fused",
+                RunType.FUSED,
                 loss_fn=loss_fn,
                 labels=labels,
                 return_outputs=return_outputs,
                 grads_done=self._grad_tracker(jobs),
+                loss_scale=factor,
             )
             for i, mb in enumerate(mbs):
                 run.put_act(0, i, mb)
             self._execute(run, jobs)
             loss = torch.stack([run.losses[i] for i in range(len(mbs))]).sum()
+            self._record_call(t0, input_args, input_kwargs)
             if return_outputs:
                 return loss, _to_output_device(
                     self._merge(cfg, run.outputs, len(mbs)), cfg.output_device
@@ -693,11 +784,13 @@ class RoundPipe(nn.Module):
     def _forward_backward_pipelined(
         self,
         cfg: RoundPipeRunConfig,
+        run_config: RoundPipeRunConfig | None,
         args: tuple,
         kwargs: dict,
         label: Any,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         return_outputs: bool,
+        factor: float,
     ) -> PendingResult:
         if self._master_owner is not None:
             raise ValueError(
@@ -709,8 +802,9 @@ class RoundPipe(nn.Module):
                 "overlap) yet; use blocking=True"
             )
         self._raise_failure()
+        t0 = time.perf_counter()
         with self._call_lock, self._pipe_lock:
-            plan = self._plan(cfg, "fused")
+            plan = self._plan(run_config, RunType.FUSED)
             mbs, sizes, bs = self._split(cfg, args, kwargs)
             labels = self._split_label(cfg, label, mbs, sizes, bs)
             self._check_labels(labels, mbs)
@@ -724,7 +818,7 @@ class RoundPipe(nn.Module):
             # continue round-robin where the previous call stopped: the device that ran its
             # last job is the last to become free, so this call's first job goes elsewhere
             jobs = build_schedule(
-                plan, "fused", self.num_devices, len(mbs), start_device=self._next_device
+                plan, RunType.FUSED, self.num_devices, len(mbs), start_device=self._next_device
             )
             self._next_device = (self._next_device + len(jobs)) % self.num_devices
             buffer = GradBuffer(self._master_of)
@@ -732,12 +826,13 @@ class RoundPipe(nn.Module):
             run = self._new_run(
                 cfg,
                 plan,
-                "fused",
+                RunType.FUSED,
                 grad_sink=buffer.add,
                 timer=timer,
                 loss_fn=loss_fn,
                 labels=labels,
                 return_outputs=return_outputs,
+                loss_scale=factor,
             )
             run.weights = self._versions
             run.reader = self._versions.register(self._target_version, [j.layers for j in jobs])
@@ -755,6 +850,8 @@ class RoundPipe(nn.Module):
                     self.last_job_times = list(run.job_times)
                     self.last_job_spans = list(run.job_spans)
                 p.job_spans = list(run.job_spans)
+                if p.error is None:
+                    self._record_call(t0, args, kwargs)
                 run.drop_activations()  # the handle keeps losses and outputs only
                 if p.error is not None:
                     if isinstance(p.error, PoolError) and self._failure is not None:
@@ -911,12 +1008,12 @@ class _AutogradForward:
         # which leaves of the (args, kwargs) pytree take a gradient
         it = iter(needs_grad)
         needs = [next(it) if isinstance(x, torch.Tensor) else False for x in self.in_leaves]
-        run = rp._new_run(self.cfg, self.plan, "train", input_needs_grad=needs)
+        run = rp._new_run(self.cfg, self.plan, RunType.TRAIN, input_needs_grad=needs)
         for i, mb in enumerate(self.mbs):
             run.put_act(0, i, mb)
         with rp._call_lock:
             jobs = build_schedule(
-                self.plan, "train", rp.num_devices, len(self.mbs), phase="forward"
+                self.plan, RunType.TRAIN, rp.num_devices, len(self.mbs), phase="forward"
             )
             rp._execute(run, jobs)
         self.run_state = run
@@ -948,7 +1045,7 @@ class _AutogradForward:
         with rp._call_lock:
             jobs = build_schedule(
                 self.plan,
-                "train",
+                RunType.TRAIN,
                 rp.num_devices,
                 n,
                 phase="backward",
@@ -993,3 +1090,21 @@ class _PipelineFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         grads = ctx.call.backward_phase(grad_outputs)
         return (None, None, *grads)
+
+
+def batch_extent(args: Any, kwargs: Any) -> tuple[int, int]:
+    """(samples, tokens) of a call: the leading dimension of the first input tensor and,
+    if that tensor holds integer token ids (two or more dimensions), its number of
+    elements (else 0)."""
+    stack: list[Any] = [args, kwargs]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            samples = int(x.shape[0]) if x.dim() > 0 else 1
+            integral = not (x.is_floating_point() or x.is_complex())
+            return samples, (x.numel() if integral and x.dim() >= 2 else 0)
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return 0, 0

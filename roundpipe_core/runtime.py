@@ -15,7 +15,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -36,6 +36,40 @@ from .transfer import (
 )
 
 _WAIT_SLICE_S = 0.05
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+
+class AutocastState:
+    """The calling thread's ``torch.autocast`` state, per device type, captured so that
+    worker threads compute under the autocast the caller asked for.
+
+    A worker enters the state recorded for *its own* device type: a CPU worker the
+    caller's CPU autocast, a CUDA worker the caller's CUDA autocast -- what plain
+    PyTorch would do with the model on that device.
+    """
+
+    __slots__ = ("cache_enabled", "states")
+
+    def __init__(self, states: dict[str, torch.dtype], cache_enabled: bool = True) -> None:
+        self.states = states  # device type -> dtype, only for enabled device types
+        self.cache_enabled = cache_enabled
+
+    @classmethod
+    def capture(cls) -> AutocastState:
+        """The current thread's autocast state."""
+        states = {
+            dev: torch.get_autocast_dtype(dev)
+            for dev in _AUTOCAST_DEVICE_TYPES
+            if torch.is_autocast_enabled(dev)
+        }
+        return cls(states, torch.is_autocast_cache_enabled())
+
+    def enter(self, device: torch.device) -> AbstractContextManager[Any]:
+        """A context running ``device``'s compute under the captured autocast (or nothing)."""
+        dtype = self.states.get(device.type)
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=dtype, cache_enabled=self.cache_enabled)
 
 
 class PipelineRun:
@@ -55,6 +89,8 @@ class PipelineRun:
         input_needs_grad: list[bool] | None = None,
         grads_done: Callable[[Job], None] | None = None,
         rule_checker: Any = None,
+        autocast: AutocastState | None = None,
+        loss_scale: float = 1.0,
     ) -> None:
         self.layers = layers
         self.num_layers = len(layers)
@@ -64,6 +100,7 @@ class PipelineRun:
         self.preserve_rng_state = preserve_rng_state
         self.recompute_grain = recompute_grain
         self.loss_fn = loss_fn
+        self.loss_scale = loss_scale  # multiplies each loss before its backward only
         self.labels = labels or []
         self.return_outputs = return_outputs
         self.input_needs_grad = input_needs_grad
@@ -72,6 +109,9 @@ class PipelineRun:
             rule_checker  # checks.ForwardRuleChecker: watches each layer's first forward
         )
         self.store = RecomputeStore()
+        # the caller's autocast, re-entered around layer compute on the worker threads
+        # (autocast state is thread-local, so it would otherwise be dropped there)
+        self.autocast = autocast if autocast is not None else AutocastState.capture()
         self._cond = threading.Condition()
         self._acts: dict[tuple[int, int], Any] = {}
         self._grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
@@ -330,7 +370,10 @@ def _forward_microbatch(
                     run.put_act(layer_idx, mb, _to_host(worker, x))
                 _seed_layer(run, worker, layer_idx, mb)
                 t0 = worker.time_point()
-                with running_layer(layer_idx, mb, False, run.store, worker.device):
+                with (
+                    running_layer(layer_idx, mb, False, run.store, worker.device),
+                    run.autocast.enter(worker.device),
+                ):
                     x = _forward_layer(run, stage, layer_idx, x)
                 clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
             out = _to_host(worker, x)
@@ -359,12 +402,16 @@ def _fused_microbatch(
             for layer_idx in r:
                 _seed_layer(run, worker, layer_idx, mb)
                 t0 = worker.time_point()
-                with running_layer(layer_idx, mb, False, run.store, worker.device):
+                with (
+                    running_layer(layer_idx, mb, False, run.store, worker.device),
+                    run.autocast.enter(worker.device),
+                ):
                     x = _forward_layer(run, stage, layer_idx, x)
                 clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
             layer_idx = None
             assert run.loss_fn is not None
-            loss = run.loss_fn(x, label)
+            with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
+                loss = run.loss_fn(x, label)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(
                     "loss_fn must return a scalar tensor (one loss per microbatch), got "
@@ -372,7 +419,10 @@ def _fused_microbatch(
                 )
             t0 = worker.time_point()
             if loss.requires_grad:
-                loss.reshape(()).backward()
+                scaled = loss.reshape(())
+                if run.loss_scale != 1.0:
+                    scaled = scaled * run.loss_scale
+                scaled.backward()
             clock.span("bwd", r, t0)
             run.losses[mb] = worker.copy_out([loss.detach().reshape(())])[0]
             if run.return_outputs:
@@ -409,7 +459,10 @@ def _backward_microbatch(
                     for layer_idx in r:
                         _replay_seed(run, worker, layer_idx, mb)
                         t0 = worker.time_point()
-                        with running_layer(layer_idx, mb, True, run.store, worker.device):
+                        with (
+                            running_layer(layer_idx, mb, True, run.store, worker.device),
+                            run.autocast.enter(worker.device),
+                        ):
                             x = _call_layer(stage.layer(layer_idx), layer_idx, x)
                         clock.span("re", range(layer_idx, layer_idx + 1), t0)
                     layer_idx = None
@@ -446,7 +499,10 @@ def _backward_layerwise(
             _replay_seed(run, worker, layer_idx, mb)
             inputs.append(x)
             t0 = worker.time_point()
-            with running_layer(layer_idx, mb, True, run.store, worker.device):
+            with (
+                running_layer(layer_idx, mb, True, run.store, worker.device),
+                run.autocast.enter(worker.device),
+            ):
                 x = _call_layer(stage.layer(layer_idx), layer_idx, x)
             clock.span("re", range(layer_idx, layer_idx + 1), t0)
     grads = g_dev
@@ -457,7 +513,10 @@ def _backward_layerwise(
         _replay_seed(run, worker, layer_idx, mb)
         t0 = worker.time_point()
         with torch.enable_grad():
-            with running_layer(layer_idx, mb, True, run.store, worker.device):
+            with (
+                running_layer(layer_idx, mb, True, run.store, worker.device),
+                run.autocast.enter(worker.device),
+            ):
                 out = _call_layer(stage.layer(layer_idx), layer_idx, xin)
             _backward(out, grads)
         clock.span("bwd", range(layer_idx, layer_idx + 1), t0)

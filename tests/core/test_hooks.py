@@ -1,0 +1,190 @@
+"""The engine's hooks for adapters: loss multiplier, the caller's autocast on the
+workers, per-run-type plans and the last call's wall time / batch size."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _util import assert_close_rel, assert_grads_match, master_grads, mlp, sum_sq
+from torch import nn
+
+from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+
+P = ModelExecutePlan
+
+
+def _data(batch: int = 6, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 8, generator=g), torch.randn(batch, 4, generator=g)
+
+
+# -- loss multiplier ----------------------------------------------------------------------
+@pytest.mark.parametrize("blocking", [True, False])
+def test_loss_multiplier_scales_gradients_not_the_returned_loss(blocking: bool) -> None:
+    model = mlp()
+    x, y = _data()
+    plain = RoundPipe(copy.deepcopy(model), devices="cpu:2")
+    scaled = RoundPipe(copy.deepcopy(model), devices="cpu:2")
+    calls: list[int] = []
+
+    def multiplier() -> float:
+        calls.append(1)
+        return 0.25
+
+    scaled.loss_multiplier = multiplier
+    try:
+        ref_loss, ref_out = plain.forward_backward(
+            (x,), label=y, loss_fn=sum_sq, return_outputs=True
+        )
+        result = scaled.forward_backward(
+            (x,), label=y, loss_fn=sum_sq, return_outputs=True, blocking=blocking
+        )
+        loss, out = result if blocking else result.result(timeout=60)
+        assert calls == [1]  # consulted once per call, not per microbatch
+        assert torch.equal(loss, ref_loss)  # the unmultiplied loss
+        assert torch.equal(out, ref_out)
+        ref = {n: g * 0.25 for n, g in master_grads(plain).items()}
+        assert_grads_match(scaled, ref)
+    finally:
+        plain.close()
+        scaled.close()
+
+
+def test_loss_multiplier_must_return_a_number() -> None:
+    rp = RoundPipe(mlp(), devices="cpu:2")
+    rp.loss_multiplier = lambda: "half"  # type: ignore[assignment,return-value]
+    x, y = _data()
+    try:
+        with pytest.raises(TypeError, match="loss_multiplier"):
+            rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+    finally:
+        rp.close()
+
+
+# -- autocast -------------------------------------------------------------------------------
+def test_forward_under_caller_autocast_matches_pytorch_dtype() -> None:
+    model = mlp()
+    x, _ = _data()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = copy.deepcopy(model)(x)
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = rp(x)
+        assert out.dtype == ref.dtype == torch.bfloat16
+        assert torch.equal(out, ref)
+        with torch.no_grad():
+            assert rp(x).dtype == torch.float32  # outside the autocast: nothing is entered
+    finally:
+        rp.close()
+
+
+def _bf16_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ref(x)
+        loss = sum_sq(out.float(), y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    return loss.detach(), out.detach(), grads
+
+
+def _sum_sq_f32(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return sum_sq(out.float(), y)
+
+
+def test_forward_backward_under_caller_autocast_matches_pytorch() -> None:
+    model = mlp()
+    x, y = _data()
+    ref_loss, ref_out, ref = _bf16_reference(model, x, y)
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, out = rp.forward_backward(
+                (x,),
+                label=y,
+                loss_fn=_sum_sq_f32,
+                return_outputs=True,
+                run_config=RoundPipeRunConfig(num_microbatch=1),
+            )
+        assert out.dtype == ref_out.dtype == torch.bfloat16
+        assert torch.equal(out, ref_out)
+        assert_close_rel(loss, ref_loss, what="loss")
+        assert_grads_match(rp, ref)
+    finally:
+        rp.close()
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_forward_with_autograd_under_caller_autocast_matches_pytorch(grain: str) -> None:
+    """The recompute in backward runs under the autocast its forward ran under."""
+    model = mlp()
+    x, y = _data()
+    ref_loss, ref_out, ref = _bf16_reference(model, x, y)
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        cfg = RoundPipeRunConfig(num_microbatch=1, recompute_grain=grain)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = rp(x, roundpipe_run_config=cfg)
+            loss = sum_sq(out.float(), y)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out.detach(), ref_out)
+        loss.backward()
+        assert_close_rel(loss.detach(), ref_loss, what="loss")
+        assert_grads_match(rp, ref)
+    finally:
+        rp.close()
+
+
+# -- per-run-type plans ---------------------------------------------------------------------
+def test_plan_precedence() -> None:
+    fused_a = P([range(0, 3)], [range(3, 6), range(0, 3)])
+    fused_b = P([range(0, 2)], [range(2, 6), range(0, 2)])
+    fused_c = P([], [range(0, 6)])
+    rp = RoundPipe(
+        mlp(), devices="cpu:2", model_run_config=RoundPipeRunConfig(execute_plan=fused_a)
+    )
+    x, y = _data()
+    try:
+        assert rp.plan_for("fused") is fused_a  # model_run_config's beats the default
+        rp.set_plan("fused", fused_b)
+        assert rp.plan_for("fused") is fused_b  # set_plan's beats model_run_config's
+        assert rp.plan_for("fused", RoundPipeRunConfig(execute_plan=fused_c)) is fused_c
+        rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+        assert {j.layers for j in rp.last_schedule} == set(fused_b.fwd_plan + fused_b.bwd_plan)
+        rp.set_plan("fused", None)
+        assert rp.plan_for("fused") is fused_a
+        with pytest.raises(ValueError, match="run_type"):
+            rp.set_plan("training", fused_b)
+        with pytest.raises(ValueError):
+            rp.set_plan("infer", fused_b)  # a fused plan is not valid for inference
+        with pytest.raises(TypeError, match="ModelExecutePlan"):
+            rp.set_plan("fused", "6")  # type: ignore[arg-type]
+    finally:
+        rp.close()
+
+
+def test_plan_for_default_is_the_default_plan() -> None:
+    rp = RoundPipe(mlp(), devices="cpu:2")
+    try:
+        assert rp.plan_for("infer") is rp.default_plan("infer")
+    finally:
+        rp.close()
+
+
+# -- last call --------------------------------------------------------------------------------
+def test_last_call_fields() -> None:
+    rp = RoundPipe(nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4)), devices="cpu:2")
+    ids = torch.randint(0, 10, (3, 5))
+    try:
+        assert (rp.last_call_ms, rp.last_call_samples, rp.last_call_tokens) == (0.0, 0, 0)
+        rp.forward_backward((ids,), label=None, loss_fn=lambda out, _: out.sum())
+        assert rp.last_call_ms > 0.0
+        assert (rp.last_call_samples, rp.last_call_tokens) == (3, 15)
+        with torch.no_grad():
+            rp(torch.randint(0, 10, (2, 4)))
+        assert (rp.last_call_samples, rp.last_call_tokens) == (2, 8)
+    finally:
+        rp.close()
