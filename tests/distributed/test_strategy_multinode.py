@@ -85,7 +85,7 @@ def test_two_nodes_train_like_one_process_on_the_whole_batch(tmp_path: Path) -> 
     for name in ref:
         assert torch.equal(r0[name], r1[name]), f"{name} differs between ranks"
         assert rel_err(r0[name], ref[name]) <= 1e-5, name
-    ckpt = torch.load(tmp_path / "final.ckpt", weights_only=False)  # rank 0 wrote it
+    ckpt = torch.load(tmp_path / "final.ckpt", weights_only=True)  # rank 0 wrote it
     for name in ref:
         assert torch.equal(ckpt["state_dict"][f"net.{name}"], r0[name])
 
