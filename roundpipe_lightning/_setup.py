@@ -8,13 +8,25 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from roundpipe_core import RoundPipe
 
-__all__ = ["parse_dtype", "check_bool", "check_choice", "sequential_of", "adopt_optimizer"]
+__all__ = [
+    "parse_dtype",
+    "check_bool",
+    "check_choice",
+    "check_num_microbatch",
+    "check_type",
+    "check_pool_devices",
+    "sequential_of",
+    "adopt_optimizer",
+    "op_name",
+    "reaches_params",
+]
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -166,3 +178,65 @@ def adopt_optimizer(
             """Gradients are cleared by the RoundPipe step right after the update."""
 
         opt.zero_grad = deferred_zero_grad  # type: ignore[method-assign]
+
+
+def op_name(reduce_op: ReduceOp | str | None) -> str:
+    """Lightning's ``reduce_op`` ("mean", "avg", "sum", ``ReduceOp.SUM``, None) as the
+    op name of :func:`roundpipe_core.distributed.all_reduce`."""
+    if reduce_op is None:
+        return "sum"
+    name = reduce_op if isinstance(reduce_op, str) else str(getattr(reduce_op, "name", reduce_op))
+    name = name.lower().rsplit(".", 1)[-1]
+    return {"avg": "mean", "prod": "product"}.get(name, name)
+
+
+def reaches_params(loss: Tensor, params: set[int]) -> bool:
+    """Whether ``loss``'s autograd graph accumulates into one of ``params`` (by id)."""
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
+        if var is not None and id(var) in params:
+            return True
+        stack.extend(f for f, _ in fn.next_functions)
+    return False
+
+
+def check_num_microbatch(value: Any) -> int | None:
+    """``value`` if it is None or an int >= 1."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(
+            f"RoundPipeStrategy(num_microbatch={value!r}): num_microbatch must be a positive int "
+            f"or None, got {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(
+            f"RoundPipeStrategy(num_microbatch={value!r}): num_microbatch must be >= 1 (or None "
+            "for devices + 1)"
+        )
+    return value
+
+
+def check_type(name: str, value: Any, types: tuple[type, ...], accepted: str) -> None:
+    """A TypeError naming ``name`` unless ``value`` is None or one of ``types``."""
+    if value is not None and not isinstance(value, types):
+        raise TypeError(
+            f"RoundPipeStrategy({name}=...): {name} must be None or {accepted}, got "
+            f"{type(value).__name__}"
+        )
+
+
+def check_pool_devices(devices: list[torch.device]) -> list[torch.device]:
+    """``devices`` if they are all CPU workers or all CUDA GPUs."""
+    kinds = {d.type for d in devices}
+    if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
+        raise ValueError(
+            f"RoundPipeStrategy runs on CPU workers or CUDA GPUs, got devices {devices}; "
+            "use Trainer(accelerator='cpu' or 'gpu', devices=N)"
+        )
+    return devices

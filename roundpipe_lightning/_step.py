@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["QueuedStep", "release", "mark_step_requested"]
+__all__ = ["QueuedStep", "release", "mark_step_requested", "uncount_last_step"]
 
 _local = threading.local()
 
@@ -112,3 +112,17 @@ def mark_step_requested(optimizer: Optimizer) -> None:
     step runs later, on another thread."""
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def uncount_last_step(trainer: Any) -> None:
+    """Take back the last optimizer step from ``trainer.global_step``: it was counted when
+    it was queued (Lightning counts a step when ``optimizer_step`` returns) but failed on
+    the optimizer thread, so the weights never received it."""
+    lm = trainer.lightning_module
+    loop = trainer.fit_loop.epoch_loop
+    if lm.automatic_optimization:
+        progress = loop.automatic_optimization.optim_progress.optimizer.step
+    else:
+        progress = loop.manual_optimization.optim_step_progress
+    for tracker in (progress.total, progress.current):
+        tracker.completed = max(0, tracker.completed - 1)

@@ -1,37 +1,25 @@
 """``RoundPipeStrategy``: train a LightningModule's ``nn.Sequential`` with RoundPipe.
 
-The LightningModule returns its network from ``configure_sequential()``; at
-setup the strategy wraps it in a plain ``RoundPipe`` whose device pool is the
-Trainer's devices (``accelerator="cpu", devices=N``: N CPU workers;
-``accelerator="gpu", devices=N``: N GPUs), all in this one process, and sets
+At setup the strategy wraps what ``configure_sequential()`` returns in a plain
+``RoundPipe`` whose pool is the Trainer's devices (``accelerator="cpu",
+devices=N``: N CPU workers; ``"gpu"``: N GPUs), in this one process, and sets
 ``lightning_module.roundpipe``. It composes the engine through its hooks:
-``loss_multiplier`` (gradient accumulation and the loss scale), ``set_plan``
-(layouts, ``AutoReplan``) and the caller's autocast state, which the engine
-carries to its worker threads.
-
-How Lightning's training loop maps onto RoundPipe:
+``loss_multiplier`` (``1/accumulate_grad_batches`` times the loss scale),
+``set_plan`` (layouts, ``AutoReplan``) and the caller's autocast state, which
+the engine carries to its worker threads.
 
 * ``training_step`` calls ``self.roundpipe.forward_backward(...)`` (any of the
-  engine's arguments, ``blocking=False`` included), which already
-  backpropagated into the fp32 master gradients; the backward of such a
-  (detached) loss is a no-op and a loss built from ``self.roundpipe(x)`` is
-  backpropagated through the pipeline as usual.
-* ``configure_optimizers`` is written as usual (``AdamW(self.parameters())``);
-  the strategy swaps every model parameter in the optimizer for its master
-  copy, so the optimizer state is fp32 and lives on the host.
-* The optimizer step is ``roundpipe.step(step_fn, is_async=async_step)``.
-  Everything that looks at gradients -- ``on_before_optimizer_step``, loss-scale
-  unscaling, gradient clipping -- runs on the main thread right before it
-  (:class:`~roundpipe_lightning.precision.RoundPipePrecision`), when the window's
-  gradients are complete; ``step_fn`` (on RoundPipe's optimizer thread) runs
-  ``optimizer.step()`` with the hyperparameters of the moment it was queued and
-  clears the gradients. Lightning's own ``zero_grad`` calls are no-ops.
-* ``accumulate_grad_batches=k``: every microbatch loss is multiplied by ``1/k``
-  (as Lightning divides the loss), gradients accumulate in the master ``.grad``
-  over the window and one RoundPipe step follows.
-* With ``async_step=True`` the weights are flushed (the queued step finished and
-  copied into the module) before every hook where users read them: epoch and
-  training end, validation / test / predict start, checkpoints.
+  engine's arguments, ``blocking=False`` included): it already backpropagated
+  into the fp32 master gradients, so its backward is a no-op; a loss built from
+  ``self.roundpipe(x)`` is backpropagated through the pipeline as usual.
+* The optimizer built in ``configure_optimizers`` is pointed at the masters; its
+  step is ``roundpipe.step(step_fn, is_async=async_step)``. Everything that looks
+  at gradients (reduction over processes, unscaling, ``on_before_optimizer_step``,
+  clipping) runs on the main thread first (:class:`RoundPipePrecision`);
+  ``step_fn`` runs ``optimizer.step()`` with the hyperparameters of the moment it
+  was queued, then clears the gradients (Lightning's ``zero_grad`` is a no-op).
+* With ``async_step=True`` the weights are flushed before every hook where users
+  read them: epoch and training end, validation / test / predict start, checkpoints.
 
 Several processes (one per node) are data parallel over ``torch.distributed``
 (:mod:`roundpipe_core.distributed`); collectives are identities in one process.
@@ -50,7 +38,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -64,8 +51,20 @@ from typing_extensions import override
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
 
-from ._setup import adopt_optimizer, check_bool, check_choice, parse_dtype, sequential_of
-from ._step import QueuedStep, mark_step_requested, release
+from ._setup import (
+    adopt_optimizer,
+    check_bool,
+    check_choice,
+    check_num_microbatch,
+    check_pool_devices,
+    check_type,
+    op_name,
+    parse_dtype,
+    reaches_params,
+    sequential_of,
+)
+from ._step import QueuedStep, mark_step_requested, release, uncount_last_step
+from .callbacks import FlushWeights
 from .plans import resolve_execute_plan
 from .precision import LossScaler, RoundPipePrecision
 
@@ -81,46 +80,6 @@ CHECKPOINT_FORMAT = 1
 
 def _raw(opt: Any) -> Optimizer:
     return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
-
-
-def _op_name(reduce_op: ReduceOp | str | None) -> str:
-    """Lightning's ``reduce_op`` ("mean", "avg", "sum", ``ReduceOp.SUM``, None) as the
-    op name of :func:`roundpipe_core.distributed.all_reduce`."""
-    if reduce_op is None:
-        return "sum"
-    name = reduce_op if isinstance(reduce_op, str) else str(getattr(reduce_op, "name", reduce_op))
-    name = name.lower().rsplit(".", 1)[-1]
-    return {"avg": "mean", "prod": "product"}.get(name, name)
-
-
-def _module_param_reached(loss: Tensor, params: set[int]) -> bool:
-    """Whether ``loss``'s autograd graph accumulates into one of ``params`` (by id)."""
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
-        if var is not None and id(var) in params:
-            return True
-        stack.extend(f for f, _ in fn.next_functions)
-    return False
-
-
-class _FlushWeights(Callback):
-    """Runs before the user's callbacks and module hooks (the strategy puts it first):
-    the queued optimizer step finishes and its weights reach the module before any of
-    them reads the weights."""
-
-    def __init__(self, strategy: RoundPipeStrategy) -> None:
-        self._strategy = strategy
-
-    def _flush(self, *_: Any) -> None:
-        self._strategy._sync_weights()
-
-    on_train_epoch_end = on_train_end = on_validation_start = _flush
-    on_test_start = on_predict_start = on_save_checkpoint = _flush
 
 
 class RoundPipeStrategy(ParallelStrategy):
@@ -186,32 +145,19 @@ class RoundPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if num_microbatch is not None:
-            if not isinstance(num_microbatch, int) or isinstance(num_microbatch, bool):
-                raise TypeError(
-                    f"RoundPipeStrategy(num_microbatch={num_microbatch!r}): num_microbatch must be a "
-                    f"positive int or None, got {type(num_microbatch).__name__}"
-                )
-            if num_microbatch < 1:
-                raise ValueError(
-                    f"RoundPipeStrategy(num_microbatch={num_microbatch!r}): num_microbatch must be "
-                    ">= 1 (or None for devices + 1)"
-                )
         check_choice("pin_model", pin_model, ("alloc", "register", "off"))
         check_choice("recompute_grain", recompute_grain, ("stage", "layer", None))
         check_choice("grad_reduce_op", grad_reduce_op, ("mean", "sum"))
-        if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
-            raise TypeError(
-                f"model_run_config must be a roundpipe_core.RoundPipeRunConfig, got {type(model_run_config).__name__}"
-            )
-        if execute_plan is not None and not isinstance(
-            execute_plan, (ModelExecutePlan, str, Mapping)
-        ):
-            raise TypeError(
-                "execute_plan must be None, 'auto', a ModelExecutePlan, a layout string or a dict of "
-                f"ModelExecutePlan.from_layout arguments, got {type(execute_plan).__name__}"
-            )
-        self.num_microbatch = num_microbatch
+        check_type(
+            "model_run_config", model_run_config, (RoundPipeRunConfig,), "a RoundPipeRunConfig"
+        )
+        check_type(
+            "execute_plan",
+            execute_plan,
+            (ModelExecutePlan, str, Mapping),
+            "'auto', a ModelExecutePlan, a layout string or a dict of from_layout arguments",
+        )
+        self.num_microbatch = check_num_microbatch(num_microbatch)
         self.execute_plan = execute_plan
         self.optim_dtype = parse_dtype(optim_dtype)
         self.pin_model = pin_model
@@ -227,7 +173,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._step_failed = False
         self._failed = False
         self._previous_attr: Any = _MISSING
-        self._flush_callback = _FlushWeights(self)
+        self._flush_callback = FlushWeights(self._sync_weights)
         try:
             # one process per node, data parallel over torch.distributed (no-ops in one process)
             self._dp = D.DataParallel(
@@ -320,7 +266,7 @@ class RoundPipeStrategy(ParallelStrategy):
     ) -> Tensor | Any:
         if not isinstance(tensor, Tensor):
             return tensor
-        return D.all_reduce(tensor, _op_name(reduce_op), group)
+        return D.all_reduce(tensor, op_name(reduce_op), group)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -345,13 +291,7 @@ class RoundPipeStrategy(ParallelStrategy):
                     "This process was not started that way."
                 )
             self._dp.connect(env, self.world_size)
-        devices = self.compute_devices
-        kinds = {d.type for d in devices}
-        if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
-            raise ValueError(
-                f"RoundPipeStrategy runs on CPU workers or CUDA GPUs, got devices {devices}; "
-                "use Trainer(accelerator='cpu' or 'gpu', devices=N)"
-            )
+        devices = check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
         self.accelerator.setup_device(devices[0])
 
@@ -460,7 +400,7 @@ class RoundPipeStrategy(ParallelStrategy):
         (already backpropagated), a normal backward for one built from ``self.roundpipe(x)``."""
         if closure_loss.requires_grad and self._rp is not None:
             own = {id(p) for p in self._rp.model.parameters()}
-            if _module_param_reached(closure_loss, own):
+            if reaches_params(closure_loss, own):
                 # the network ran outside RoundPipe: its gradients would never reach the
                 # masters the optimizer steps, so training would silently do nothing
                 raise RuntimeError(
@@ -520,12 +460,6 @@ class RoundPipeStrategy(ParallelStrategy):
         rp.step(step_fn, is_async=self.async_step)
         return closure_result
 
-    def reduce_gradients(self, optimizer: Optimizer) -> None:
-        """Combine the window's master gradients across processes (all-reduce over gloo)
-        before they are unscaled, clipped and stepped. Collective: every process calls it
-        for every optimizer step, skipped ones included. One process: nothing to do."""
-        self._dp.reduce(optimizer)
-
     # -- the weights users read are current ---------------------------------------------------------
     def _sync_weights(self) -> None:
         """Finish the queued step and copy the masters into the module. A failed queued
@@ -539,22 +473,10 @@ class RoundPipeStrategy(ParallelStrategy):
         except BaseException:
             if self._step_failed:
                 self._step_failed = False
-                self._uncount_failed_step()
+                lm = self.lightning_module
+                if self.async_step and lm is not None and lm._trainer is not None:
+                    uncount_last_step(lm.trainer)
             raise
-
-    def _uncount_failed_step(self) -> None:
-        lm = self.lightning_module
-        trainer = lm._trainer if lm is not None else None
-        if trainer is None or not self.async_step:
-            return
-        loop = trainer.fit_loop.epoch_loop
-        if lm.automatic_optimization:
-            progress = loop.automatic_optimization.optim_progress.optimizer.step
-        else:
-            progress = loop.manual_optimization.optim_step_progress
-        # (Lightning counts a step as completed when optimizer_step returns)
-        for tracker in (progress.total, progress.current):
-            tracker.completed = max(0, tracker.completed - 1)
 
     @override
     def on_validation_start(self) -> None:
