@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan
 
-from .plans import describe_plan
+from .plans import _one_plan, describe_plan
 
 __all__ = ["AutoReplan", "StageTimeLogger", "FlushWeights"]
 
@@ -135,7 +135,7 @@ class AutoReplan(Callback):
     def replan(self, trainer: Trainer, rp: Any, step: int) -> ModelExecutePlan:
         """Plan from the timer now, install and log the plan; returns it."""
         old = rp.plan_for(self.run_type)
-        plan = ModelExecutePlan.auto(self.run_type, rp, **self.auto_kwargs)
+        plan = _one_plan(ModelExecutePlan.auto(self.run_type, rp, **self.auto_kwargs))
         rp.set_plan(self.run_type, plan)
         self.plan, self.last_replan_step = plan, step
         self.history.append((step, plan))
@@ -224,7 +224,7 @@ class StageTimeLogger(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step_ms = (time.perf_counter() - self._t0) * 1000.0 if self._t0 is not None else 0.0
-        every = self.every_n_steps or max(1, trainer.log_every_n_steps)
+        every = self.every_n_steps or max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
         step = trainer.global_step
         # with gradient accumulation several batches end at the same global step: log once
         if step == 0 or step % every != 0 or step == self._last_step or not trainer.loggers:

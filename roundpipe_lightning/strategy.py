@@ -38,6 +38,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -229,7 +230,6 @@ class RoundPipeStrategy(ParallelStrategy):
         return list(self.parallel_devices or [torch.device("cpu")])
 
     @property
-    @override
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
@@ -243,7 +243,7 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank)
             self.cluster_environment.set_world_size(self.num_nodes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def model_to_device(self) -> None:
@@ -303,8 +303,10 @@ class RoundPipeStrategy(ParallelStrategy):
         # Half-precision plugins cast the module here, before RoundPipe copies fp32 masters.
         self.model = self.precision_plugin.convert_module(self.model)
         self._build_roundpipe()
-        if self.async_step and self._flush_callback not in trainer.callbacks:
-            trainer.callbacks.insert(0, self._flush_callback)
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if self.async_step and self._flush_callback not in callbacks:
+            # first: callback hooks run before the module's and the strategy's
+            callbacks.insert(0, self._flush_callback)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
@@ -317,12 +319,11 @@ class RoundPipeStrategy(ParallelStrategy):
         self._close_roundpipe()
         seq, original = sequential_of(lm)
         cfg = self.model_run_config or RoundPipeRunConfig()
-        overrides = {
-            "num_microbatch": self.num_microbatch,
-            "recompute_grain": self.recompute_grain,
-            "preserve_rng_state": self.preserve_rng_state,
-        }
-        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+        if self.num_microbatch is not None:
+            cfg = replace(cfg, num_microbatch=self.num_microbatch)
+        if self.recompute_grain is not None:
+            cfg = replace(cfg, recompute_grain=self.recompute_grain)
+        cfg = replace(cfg, preserve_rng_state=self.preserve_rng_state)
         devices = self.compute_devices
         pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
         rp = RoundPipe(
@@ -603,8 +604,9 @@ class RoundPipeStrategy(ParallelStrategy):
             self._failed = self._step_failed = False
             lm = self.lightning_module
             trainer = lm._trainer if lm is not None else None
-            if trainer is not None and self._flush_callback in trainer.callbacks:
-                trainer.callbacks.remove(self._flush_callback)
+            callbacks: list[Callback] = getattr(trainer, "callbacks", [])
+            if self._flush_callback in callbacks:
+                callbacks.remove(self._flush_callback)
             # ParallelStrategy.teardown: cluster environment, optimizers/model to CPU, plugins.
             super().teardown()
 

@@ -246,7 +246,7 @@ def init_process_group(
                 f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}, but the launch says rank {env.rank} of {env.world_size}"
             )
-        return dist.group.WORLD
+        return _world_group()
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     global _pg_timeout
     _pg_timeout = td
@@ -257,7 +257,13 @@ def init_process_group(
         world_size=env.world_size,
         timeout=td,
     )
-    return dist.group.WORLD
+    return _world_group()
+
+
+def _world_group() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None  # initialised just before
+    return group
 
 
 def destroy_process_group() -> None:

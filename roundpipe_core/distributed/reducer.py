@@ -149,7 +149,7 @@ class _Bucket:
     gradient, then one "has a gradient" count per master (so a master without a
     gradient on every rank keeps ``grad=None``, as it would in one process)."""
 
-    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+    def __init__(self, index: int, params: list[torch.Tensor]) -> None:
         self.index = index
         self.params = params
         self.dtype = params[0].dtype
