@@ -196,3 +196,16 @@ def test_dataparallel_in_one_process_is_a_no_op(rp: RoundPipe) -> None:
     ):
         with pytest.raises(ValueError, match=match):
             D.DataParallel(**bad)
+
+
+def test_core_module_needs_no_lightning_and_the_old_path_still_works() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, roundpipe_core.distributed as D; "
+        "assert 'lightning' not in sys.modules, 'roundpipe_core.distributed imported Lightning'; "
+        "from roundpipe_lightning import distributed as old; "
+        "assert old.DataParallel is D.DataParallel and old.__all__ == D.__all__"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
