@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lr=args.lr,
     )
     if args.init_from:
-        state = torch.load(args.init_from, map_location="cpu", weights_only=False)["state_dict"]
+        # weights_only: a crafted checkpoint cannot run code when it is unpickled
+        state = torch.load(args.init_from, map_location="cpu", weights_only=True)["state_dict"]
         model.load_state_dict(state)
     data = ByteCorpus(args.corpus, seq_len=args.seq_len, batch_size=args.batch_size)
     out = Path(args.out_dir)

@@ -5,6 +5,7 @@ Importing this package also registers the strategy name ``"roundpipe"``
 """
 
 from .callbacks import AutoReplan, StageTimeLogger
+from .precision import RoundPipePrecision
 from .strategy import RoundPipeStrategy
 
-__all__ = ["RoundPipeStrategy", "AutoReplan", "StageTimeLogger"]
+__all__ = ["RoundPipeStrategy", "RoundPipePrecision", "AutoReplan", "StageTimeLogger"]

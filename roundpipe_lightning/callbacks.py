@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan
 
-from .plans import describe_plan
+from .plans import _one_plan, describe_plan
+
+__all__ = ["AutoReplan", "StageTimeLogger", "FlushWeights"]
 
 
 def _roundpipe_of(trainer: Trainer, who: str) -> Any:
@@ -101,9 +105,11 @@ class AutoReplan(Callback):
         self.last_replan_step: int | None = None
         self.history: list[tuple[int, ModelExecutePlan]] = []
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         _check_strategy(trainer, "AutoReplan")
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A plan restored from a checkpoint goes back into the new RoundPipe.
         if self.plan is not None:
@@ -114,6 +120,7 @@ class AutoReplan(Callback):
             return step >= self.warmup_steps
         return self.every_n_steps is not None and step - self.last_replan_step >= self.every_n_steps
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -128,7 +135,7 @@ class AutoReplan(Callback):
     def replan(self, trainer: Trainer, rp: Any, step: int) -> ModelExecutePlan:
         """Plan from the timer now, install and log the plan; returns it."""
         old = rp.plan_for(self.run_type)
-        plan = ModelExecutePlan.auto(self.run_type, rp, **self.auto_kwargs)
+        plan = _one_plan(ModelExecutePlan.auto(self.run_type, rp, **self.auto_kwargs))
         rp.set_plan(self.run_type, plan)
         self.plan, self.last_replan_step = plan, step
         self.history.append((step, plan))
@@ -151,6 +158,7 @@ class AutoReplan(Callback):
                 )
         return plan
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "plan": _plan_to_state(self.plan) if self.plan is not None else None,
@@ -158,6 +166,7 @@ class AutoReplan(Callback):
             "run_type": self.run_type,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("run_type", self.run_type) != self.run_type:
             return  # a plan for another kind of call
@@ -200,19 +209,22 @@ class StageTimeLogger(Callback):
         self._last_step: int | None = None
         self.last_metrics: dict[str, float] = {}
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         _check_strategy(trainer, "StageTimeLogger")
 
+    @override
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._t0 = time.perf_counter()
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step_ms = (time.perf_counter() - self._t0) * 1000.0 if self._t0 is not None else 0.0
-        every = self.every_n_steps or max(1, trainer.log_every_n_steps)
+        every = self.every_n_steps or max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
         step = trainer.global_step
         # with gradient accumulation several batches end at the same global step: log once
         if step == 0 or step % every != 0 or step == self._last_step or not trainer.loggers:
@@ -240,7 +252,7 @@ class StageTimeLogger(Callback):
         m.update(stage_ms)
         for d, b in enumerate(busy):
             m[f"roundpipe/device_{d}/busy_ms"] = b
-        wall = float(getattr(rp, "last_call_ms", 0.0))
+        wall = float(rp.last_call_ms)
         if wall > 0 and rp.last_job_times:
             m["roundpipe/call_ms"] = wall
             m["roundpipe/bubble_ratio"] = max(0.0, 1.0 - sum(busy) / (wall * rp.num_devices))
@@ -250,8 +262,7 @@ class StageTimeLogger(Callback):
             m["roundpipe/sim_bubble_ratio"] = sim.bubble_ratio
         if step_ms > 0:
             m["roundpipe/step_ms"] = step_ms
-            samples = getattr(rp, "last_call_samples", 0)
-            tokens = getattr(rp, "last_call_tokens", 0)
+            samples, tokens = rp.last_call_samples, rp.last_call_tokens
             if samples:
                 m["roundpipe/samples_per_s"] = samples / (step_ms / 1000.0)
             if tokens:
@@ -285,3 +296,42 @@ class StageTimeLogger(Callback):
             )
         except ValueError:
             return None
+
+
+class FlushWeights(Callback):
+    """Calls ``flush`` (the strategy's: finish the queued optimizer step and copy its
+    weights into the module) before each hook where users read weights.
+
+    RoundPipeStrategy with ``async_step=True`` puts it first in ``trainer.callbacks``:
+    callback hooks run before the LightningModule's and the strategy's own, so every
+    user callback and module hook then sees the weights of every step taken so far.
+    """
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._flush()

@@ -20,6 +20,14 @@ from typing import Any
 
 from roundpipe_core import ModelExecutePlan
 
+__all__ = ["describe_plan", "resolve_execute_plan"]
+
+
+def _one_plan(plan: ModelExecutePlan | list[ModelExecutePlan]) -> ModelExecutePlan:
+    """``ModelExecutePlan.auto`` of one model returns one plan (a list for several)."""
+    assert isinstance(plan, ModelExecutePlan)
+    return plan
+
 
 def describe_plan(plan: ModelExecutePlan) -> str:
     """One line for logs: the layout string (``fwd=3,2 bwd=1,2,2,1``)."""
@@ -46,7 +54,7 @@ def resolve_execute_plan(
         if isinstance(spec, ModelExecutePlan):
             plan = spec
         elif isinstance(spec, str) and spec.strip().lower() == "auto":
-            plan = ModelExecutePlan.auto(run_type, roundpipe)
+            plan = _one_plan(ModelExecutePlan.auto(run_type, roundpipe))
         elif isinstance(spec, str):
             plan = ModelExecutePlan.from_layout_string(
                 spec, num_layers=num_layers, num_devices=num_devices, run_type=run_type

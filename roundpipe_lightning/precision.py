@@ -1,72 +1,65 @@
-"""Precision modes under RoundPipe.
+"""``RoundPipePrecision``: Lightning's precision modes under RoundPipe.
 
-The engine runs model code on worker threads, so what Lightning's precision
-plugins do on the main thread has to be redone where the layers run:
+The plugin owns everything precision-specific of a RoundPipe run:
 
 * ``32-true``: nothing to do.
-* ``16-true`` / ``bf16-true``: Lightning casts the module to half precision
-  before the strategy wraps it; RoundPipe keeps fp32 master copies
-  (``optim_dtype``), so the optimizer updates fp32 weights.
-* ``bf16-mixed`` / ``16-mixed``: fp32 weights, layers run under
-  ``torch.autocast``. Autocast state is thread-local, so it is entered by
-  forward hooks on each layer (they run on whichever worker runs the layer,
-  in forward and in recompute alike).
-* ``16-mixed`` also scales the loss (:class:`DynamicLossScaler`): the strategy
-  multiplies every microbatch loss by the scale, unscales the master gradients
-  before clipping and the step, and skips steps whose gradients overflowed.
+* ``16-true`` / ``bf16-true``: the module is cast to half precision before the
+  strategy wraps it; RoundPipe keeps fp32 master copies (``optim_dtype``), so the
+  optimizer updates fp32 weights.
+* ``bf16-mixed`` / ``16-mixed``: fp32 weights, layers run under ``torch.autocast``.
+  The plugin enters autocast around ``training_step`` / ``validation_step`` on
+  the main thread (as Lightning's ``MixedPrecision`` does) and the engine carries
+  the caller's autocast state to the worker threads that run the layers.
+* ``16-mixed`` also scales the loss dynamically (a :class:`LossScaler`): every
+  microbatch loss is multiplied by the scale (the strategy's loss multiplier),
+  the master gradients are unscaled before clipping and the step, and a step
+  whose gradients overflowed is skipped.
+
+The Trainer's own plugin (``precision="bf16-mixed"``, ``plugins=[MixedPrecision(...)]``)
+is converted by :meth:`RoundPipePrecision.from_plugin` when the strategy receives it.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Generator, Iterable
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol, runtime_checkable
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from torch import nn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+__all__ = ["SUPPORTED", "LossScaler", "DynamicLossScaler", "RoundPipePrecision"]
 
 SUPPORTED = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+"""Lightning precision strings RoundPipe runs."""
 
 
-@dataclass(frozen=True)
-class PrecisionMode:
-    """What the strategy does for the Trainer's precision plugin.
+@runtime_checkable
+class LossScaler(Protocol):
+    """What the plugin needs of a loss scaler (so another implementation -- e.g. one
+    shaped like ``torch.amp.GradScaler`` -- can replace :class:`DynamicLossScaler`)."""
 
-    Attributes:
-        name: Lightning's precision string.
-        autocast_dtype: dtype layers run under ``torch.autocast`` (None: no autocast).
-        loss_scaling: whether losses are scaled dynamically (``16-mixed``).
-    """
+    def get_scale(self) -> float:
+        """The factor the losses of the current accumulation window are multiplied by."""
+        ...
 
-    name: str
-    autocast_dtype: torch.dtype | None = None
-    loss_scaling: bool = False
+    def unscale_(self, params: Iterable[Tensor]) -> bool:
+        """Divide the gradients of ``params`` by the scale; True if any is not finite."""
+        ...
 
+    def update(self, found_inf: bool) -> None:
+        """Adjust the scale after a window (shrink after an overflow, grow when stable)."""
+        ...
 
-def resolve_precision(plugin: Precision) -> PrecisionMode:
-    """Map the Trainer's precision plugin to a :class:`PrecisionMode`.
+    def state_dict(self) -> dict[str, Any]: ...
 
-    Raises:
-        ValueError: for plugins RoundPipe cannot run (64-bit, Transformer Engine,
-            bitsandbytes, DeepSpeed/FSDP/XLA precision, custom plugins).
-    """
-    if type(plugin) is Precision:
-        return PrecisionMode("32-true")
-    if type(plugin) is HalfPrecision:
-        return PrecisionMode(plugin.precision)
-    if type(plugin) is MixedPrecision:
-        if plugin.precision == "bf16-mixed":
-            return PrecisionMode("bf16-mixed", autocast_dtype=torch.bfloat16)
-        return PrecisionMode("16-mixed", autocast_dtype=torch.float16, loss_scaling=True)
-    name = getattr(plugin, "precision", None)
-    raise ValueError(
-        f"RoundPipeStrategy does not support the precision plugin {type(plugin).__name__}"
-        f"{f' (precision={name!r})' if name else ''}. Use Trainer(precision=...) with one of "
-        f"{', '.join(repr(s) for s in SUPPORTED)}."
-    )
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class DynamicLossScaler:
@@ -89,8 +82,8 @@ class DynamicLossScaler:
         growth_interval: int = 2000,
     ) -> None:
         if (
-            init_scale <= 0
-            or growth_factor <= 1.0
+            not init_scale > 0
+            or not growth_factor > 1.0
             or not 0.0 < backoff_factor < 1.0
             or growth_interval < 1
         ):
@@ -106,9 +99,8 @@ class DynamicLossScaler:
         self.skipped_steps = 0
 
     @classmethod
-    def from_plugin(cls, plugin: MixedPrecision) -> DynamicLossScaler:
-        """Take the settings of the plugin's ``torch.amp.GradScaler`` (if it has one)."""
-        scaler = getattr(plugin, "scaler", None)
+    def from_grad_scaler(cls, scaler: Any | None) -> DynamicLossScaler:
+        """Take the settings of a ``torch.amp.GradScaler`` (defaults for None)."""
         if scaler is None:
             return cls()
         return cls(
@@ -118,7 +110,10 @@ class DynamicLossScaler:
             growth_interval=int(getattr(scaler, "_growth_interval", 2000)),
         )
 
-    def unscale_(self, params: Iterable[torch.Tensor]) -> bool:
+    def get_scale(self) -> float:
+        return self.scale
+
+    def unscale_(self, params: Iterable[Tensor]) -> bool:
         """Divide the gradients of ``params`` by the scale; True if any is not finite."""
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
@@ -127,7 +122,7 @@ class DynamicLossScaler:
         inv = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
         with torch.no_grad():
             # one fused pass per device and dtype (the kernel torch's GradScaler uses)
-            by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             for g in grads:
                 by_key.setdefault((g.device, g.dtype), []).append(g)
             for (device, _), group in by_key.items():
@@ -170,57 +165,169 @@ class DynamicLossScaler:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
-_AUTOCAST = threading.local()
+def _lightning_plugin(precision: str, device: str) -> Precision:
+    """Lightning's own plugin for ``precision``: it provides the module conversion and
+    the forward contexts (default dtype, autocast) that RoundPipePrecision reuses."""
+    if precision == "32-true":
+        return Precision()
+    if precision in ("16-true", "bf16-true"):
+        return HalfPrecision(precision)  # type: ignore[arg-type]
+    # its GradScaler stays unused: the master gradients are unscaled by our LossScaler
+    return MixedPrecision(precision, device)  # type: ignore[arg-type]
 
 
-def _first_tensor_device(value: Any) -> torch.device | None:
-    stack = [value]
-    while stack:
-        x = stack.pop(0)
-        if isinstance(x, torch.Tensor):
-            return x.device
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return None
+class RoundPipePrecision(Precision):
+    """Precision plugin of :class:`~roundpipe_lightning.RoundPipeStrategy` (see the module docstring).
 
-
-def install_autocast(layers: Iterable[nn.Module], dtype: torch.dtype) -> list[Any]:
-    """Run each layer under ``torch.autocast(<device of its input>, dtype)``.
-
-    Forward hooks travel with the layer: the engine's per-device copies of a
-    layer are deep copies that keep them, so the autocast is entered on the
-    worker thread that runs the layer, in forward and in recompute.
-
-    Returns:
-        The hook handles; ``remove_hooks(handles)`` takes them off again.
+    Args:
+        precision: one of ``SUPPORTED`` ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true").
+        scaler: the loss scaler of ``16-mixed`` (default: a :class:`DynamicLossScaler`);
+            must be None for the other modes.
+        device: device type autocast is entered for on the main thread ("cpu" or "cuda");
+            the engine enters the same dtype on each worker's own device type.
     """
 
-    def enter(module: nn.Module, args: Any, kwargs: Any) -> None:
-        device = _first_tensor_device((args, kwargs))
-        if device is None:
-            device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        ctx = torch.autocast(device.type, dtype=dtype, cache_enabled=False)
-        ctx.__enter__()
-        stack = getattr(_AUTOCAST, "stack", None)
-        if stack is None:
-            stack = _AUTOCAST.stack = []
-        stack.append(ctx)
+    def __init__(
+        self, precision: str = "32-true", scaler: LossScaler | None = None, device: str = "cpu"
+    ) -> None:
+        if precision not in SUPPORTED:
+            raise ValueError(
+                f"RoundPipePrecision(precision={precision!r}) is not supported; use one of "
+                f"{', '.join(repr(s) for s in SUPPORTED)}"
+            )
+        if scaler is not None and precision != "16-mixed":
+            raise ValueError(
+                f"a loss scaler is only used with precision='16-mixed', got precision={precision!r}"
+            )
+        if scaler is not None and not isinstance(scaler, LossScaler):
+            raise TypeError(
+                "scaler must provide get_scale(), unscale_(params), update(found_inf), state_dict() "
+                f"and load_state_dict() (roundpipe_lightning.precision.LossScaler), got "
+                f"{type(scaler).__name__}"
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.scaler: LossScaler | None = scaler
+        if precision == "16-mixed" and scaler is None:
+            self.scaler = DynamicLossScaler()
+        self._lightning = _lightning_plugin(precision, device)
 
-    def leave(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        stack = getattr(_AUTOCAST, "stack", None)
-        if stack:
-            stack.pop().__exit__(None, None, None)
+    @classmethod
+    def from_plugin(cls, plugin: Precision | None) -> RoundPipePrecision:
+        """The RoundPipe counterpart of a Lightning precision plugin (the Trainer's).
 
-    handles = []
-    for layer in layers:
-        handles.append(layer.register_forward_pre_hook(enter, with_kwargs=True))
-        handles.append(layer.register_forward_hook(leave, with_kwargs=True, always_call=True))
-    return handles
+        Raises:
+            ValueError: for plugins RoundPipe cannot run (64-bit, Transformer Engine,
+                bitsandbytes, DeepSpeed/FSDP/XLA precision, custom plugins).
+        """
+        if plugin is None or type(plugin) is Precision:
+            return cls("32-true")
+        if isinstance(plugin, RoundPipePrecision):
+            return plugin
+        if type(plugin) is HalfPrecision:
+            return cls(plugin.precision)
+        if type(plugin) is MixedPrecision:
+            scaler = None
+            if plugin.precision == "16-mixed":
+                scaler = DynamicLossScaler.from_grad_scaler(plugin.scaler)
+            out = cls(plugin.precision, scaler=scaler, device=plugin.device)
+            out._lightning = plugin  # the user's own autocast settings (device)
+            return out
+        name = getattr(plugin, "precision", None)
+        raise ValueError(
+            f"RoundPipeStrategy does not support the precision plugin {type(plugin).__name__}"
+            f"{f' (precision={name!r})' if name else ''}. Use Trainer(precision=...) with one of "
+            f"{', '.join(repr(s) for s in SUPPORTED)}."
+        )
 
+    # -- loss scale ------------------------------------------------------------------------
+    def loss_scale(self) -> float:
+        """The factor on the losses of the current window (1.0 without a scaler)."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
 
-def remove_hooks(handles: list[Any]) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
+    # -- module and contexts: Lightning's own plugin for the mode -----------------------------
+    @override
+    def convert_module(self, module: Module) -> Module:
+        return self._lightning.convert_module(module)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return self._lightning.tensor_init_context()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self._lightning.module_init_context()
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        # entered on the main thread around the step methods; the engine captures the
+        # autocast state there and re-enters it on its worker threads
+        with self._lightning.forward_context():
+            yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return self._lightning.convert_input(data)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return self._lightning.convert_output(data)
+
+    # -- backward ----------------------------------------------------------------------------
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        # only a loss with a graph (``self.roundpipe(x)``) is backpropagated here; a
+        # forward_backward loss was scaled by the strategy's loss multiplier
+        if self.scaler is not None and tensor.requires_grad:
+            tensor = tensor * self.loss_scale()
+        return super().pre_backward(tensor, module)
+
+    @override
+    def backward(  # type: ignore[override]
+        self,
+        tensor: Tensor,
+        model: pl.LightningModule,
+        optimizer: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        # A forward_backward loss is detached: the engine already backpropagated it.
+        if tensor.requires_grad:
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    # -- optimizer step ----------------------------------------------------------------------
+    def prepare_step(
+        self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any]
+    ) -> tuple[Any, bool]:
+        """Everything of an optimizer step except ``optimizer.step()`` itself, on the
+        calling thread: run the closure (training_step and backward), unscale the
+        gradients, call ``on_before_optimizer_step`` and clip, update the loss scale.
+
+        Returns:
+            ``(closure_result, do_update)``: ``do_update`` is False when the step must be
+            skipped (the closure returned None in automatic optimization, or the scaled
+            gradients overflowed).
+        """
+        closure_result = closure()
+        skip = closure_result is None and model.automatic_optimization
+        found_inf = False
+        if self.scaler is not None and not skip:
+            found_inf = self.scaler.unscale_(p for g in optimizer.param_groups for p in g["params"])
+        self._after_closure(model, optimizer)  # hooks + gradient clipping, as Lightning's plugins
+        if self.scaler is not None and not skip:
+            self.scaler.update(found_inf)
+        return closure_result, not (skip or found_inf)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """A synchronous step (RoundPipeStrategy queues the step on RoundPipe instead)."""
+        closure_result, do_update = self.prepare_step(optimizer, model, closure)
+        if do_update:
+            optimizer.step(**kwargs)
+        return closure_result

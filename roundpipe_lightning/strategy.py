@@ -1,36 +1,28 @@
 """``RoundPipeStrategy``: train a LightningModule's ``nn.Sequential`` with RoundPipe.
 
-The LightningModule returns its network from ``configure_sequential()``; at
-setup the strategy wraps it in a RoundPipe whose device pool is the Trainer's
-devices (``accelerator="cpu", devices=N``: N CPU workers; ``accelerator="gpu",
-devices=N``: N GPUs), all in this one process, and sets
-``lightning_module.roundpipe``.
+At setup the strategy wraps what ``configure_sequential()`` returns in a plain
+``RoundPipe`` whose pool is the Trainer's devices (``accelerator="cpu",
+devices=N``: N CPU workers; ``"gpu"``: N GPUs), in this one process, and sets
+``lightning_module.roundpipe``. It composes the engine through its hooks:
+``loss_multiplier`` (``1/accumulate_grad_batches`` times the loss scale),
+``set_plan`` (layouts, ``AutoReplan``) and the caller's autocast state, which
+the engine carries to its worker threads.
 
-How Lightning's training loop maps onto RoundPipe:
+* ``training_step`` calls ``self.roundpipe.forward_backward(...)`` (any of the
+  engine's arguments, ``blocking=False`` included): it already backpropagated
+  into the fp32 master gradients, so its backward is a no-op; a loss built from
+  ``self.roundpipe(x)`` is backpropagated through the pipeline as usual.
+* The optimizer built in ``configure_optimizers`` is pointed at the masters; its
+  step is ``roundpipe.step(step_fn, is_async=async_step)``. Everything that looks
+  at gradients (reduction over processes, unscaling, ``on_before_optimizer_step``,
+  clipping) runs on the main thread first (:class:`RoundPipePrecision`);
+  ``step_fn`` runs ``optimizer.step()`` with the hyperparameters of the moment it
+  was queued, then clears the gradients (Lightning's ``zero_grad`` is a no-op).
+* With ``async_step=True`` the weights are flushed before every hook where users
+  read them: epoch and training end, validation / test / predict start, checkpoints.
 
-* ``training_step`` calls ``self.roundpipe.forward_backward(...)``, which
-  already backpropagated into the fp32 master gradients; the strategy's
-  ``backward`` is a no-op for such a (detached) loss and a normal backward for
-  a loss built from ``self.roundpipe(x)`` (autograd through the pipeline).
-* ``configure_optimizers`` is written as usual (``AdamW(self.parameters())``);
-  the strategy swaps every model parameter in the optimizer for its master
-  copy, so the optimizer state is fp32 and lives on the host.
-* The optimizer step is ``roundpipe.step(step_fn, is_async=async_step)``.
-  Everything that looks at gradients -- ``on_before_optimizer_step``, loss-scale
-  unscaling, gradient clipping -- runs on the main thread right before it,
-  when the window's gradients are complete; ``step_fn`` (on RoundPipe's
-  optimizer thread) runs ``optimizer.step()`` and clears the gradients.
-  Lightning's own ``zero_grad`` calls are therefore no-ops: in automatic
-  optimization Lightning zeroes *after* ``training_step``, which would wipe the
-  gradients ``forward_backward`` just produced.
-* ``accumulate_grad_batches=k``: every microbatch loss is multiplied by
-  ``1/k`` (as Lightning divides the loss), gradients accumulate in the master
-  ``.grad`` over the window and one RoundPipe step follows.
-
-Data parallelism over several processes (one per node, issue 7) grows from
-``ParallelStrategy``: cluster environment, world ranks and the distributed
-sampler are already wired; collectives use ``torch.distributed`` when a process
-group exists and are identities otherwise.
+Several processes (one per node) are data parallel over ``torch.distributed``
+(:mod:`roundpipe_core.distributed`); collectives are identities in one process.
 """
 
 from __future__ import annotations
@@ -38,16 +30,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -56,19 +47,29 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core import distributed as D
 
-from ._engine import LightningRoundPipe
-from .distributed import DataParallel
-from .plans import resolve_execute_plan
-from .precision import (
-    DynamicLossScaler,
-    PrecisionMode,
-    install_autocast,
-    remove_hooks,
-    resolve_precision,
+from ._setup import (
+    adopt_optimizer,
+    check_bool,
+    check_choice,
+    check_num_microbatch,
+    check_pool_devices,
+    check_type,
+    op_name,
+    parse_dtype,
+    reaches_params,
+    sequential_of,
 )
+from ._step import QueuedStep, mark_step_requested, release, uncount_last_step
+from .callbacks import FlushWeights
+from .plans import resolve_execute_plan
+from .precision import LossScaler, RoundPipePrecision
+
+__all__ = ["RoundPipeStrategy", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
 
 log = logging.getLogger(__name__)
 
@@ -77,34 +78,9 @@ _MISSING = object()
 CHECKPOINT_KEY = "roundpipe"
 CHECKPOINT_FORMAT = 1
 
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float64": torch.float64,
-    "double": torch.float64,
-}
 
-
-def _parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    """``torch.float32`` or a name ("float32", "torch.bfloat16", "bf16") -> dtype (YAML/CLI friendly)."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
-        raise ValueError(
-            f"optim_dtype={value!r} is not a floating dtype name; use e.g. 'float32', 'bfloat16' or 'float16'"
-        )
-    raise TypeError(
-        f"optim_dtype must be a torch.dtype, a dtype name or None, got {type(value).__name__}"
-    )
+def _raw(opt: Any) -> Optimizer:
+    return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
 class RoundPipeStrategy(ParallelStrategy):
@@ -130,10 +106,15 @@ class RoundPipeStrategy(ParallelStrategy):
             "sum" of the master gradients over processes.
         overlap_grad_reduce: start all-reducing a bucket of gradients as soon as its
             layers' backward is done, while earlier layers still compute.
-        process_group_timeout: seconds after which a collective whose peer died fails
-            (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
+        process_group_timeout: seconds (or a ``timedelta``) after which a collective
+            whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
-            as for any Lightning ``ParallelStrategy`` (normally left to the Trainer).
+            as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
+            precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
+
+    Raises:
+        TypeError / ValueError: an argument of the wrong type or value (the message
+            names the argument and what it accepts).
     """
 
     strategy_name = "roundpipe"
@@ -150,13 +131,14 @@ class RoundPipeStrategy(ParallelStrategy):
         model_run_config: RoundPipeRunConfig | None = None,
         grad_reduce_op: str = "mean",
         overlap_grad_reduce: bool = True,
-        process_group_timeout: float | None = None,
+        process_group_timeout: float | timedelta | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        self._default_precision = RoundPipePrecision()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -164,55 +146,69 @@ class RoundPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if num_microbatch is not None and (
-            not isinstance(num_microbatch, int)
-            or isinstance(num_microbatch, bool)
-            or num_microbatch < 1
-        ):
-            raise ValueError(
-                f"num_microbatch must be a positive int or None, got {num_microbatch!r}"
-            )
-        if pin_model not in ("alloc", "register", "off"):
-            raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
-        if recompute_grain is not None and recompute_grain not in ("stage", "layer"):
-            raise ValueError(
-                f"recompute_grain must be 'stage', 'layer' or None, got {recompute_grain!r}"
-            )
-        if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
-            raise TypeError(
-                f"model_run_config must be a roundpipe_core.RoundPipeRunConfig, got {type(model_run_config).__name__}"
-            )
-        if execute_plan is not None and not isinstance(
-            execute_plan, (ModelExecutePlan, str, Mapping)
-        ):
-            raise TypeError(
-                "execute_plan must be None, 'auto', a ModelExecutePlan, a layout string or a dict of "
-                f"ModelExecutePlan.from_layout arguments, got {type(execute_plan).__name__}"
-            )
-        self.num_microbatch = num_microbatch
+        check_choice("pin_model", pin_model, ("alloc", "register", "off"))
+        check_choice("recompute_grain", recompute_grain, ("stage", "layer", None))
+        check_choice("grad_reduce_op", grad_reduce_op, ("mean", "sum"))
+        check_type(
+            "model_run_config", model_run_config, (RoundPipeRunConfig,), "a RoundPipeRunConfig"
+        )
+        check_type(
+            "execute_plan",
+            execute_plan,
+            (ModelExecutePlan, str, Mapping),
+            "'auto', a ModelExecutePlan, a layout string or a dict of from_layout arguments",
+        )
+        self.num_microbatch = check_num_microbatch(num_microbatch)
         self.execute_plan = execute_plan
-        self.optim_dtype = _parse_dtype(optim_dtype)
+        self.optim_dtype = parse_dtype(optim_dtype)
         self.pin_model = pin_model
-        self.async_step = bool(async_step)
+        self.async_step = check_bool("async_step", async_step)
         self.recompute_grain = recompute_grain
-        self.preserve_rng_state = bool(preserve_rng_state)
+        self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state)
         self.model_run_config = model_run_config
         self._num_nodes = 1
-        self._rp: LightningRoundPipe | None = None
+        self._rp: RoundPipe | None = None
         self._rp_open = False
-        self._precision_mode: PrecisionMode | None = None
-        self._loss_scaler: DynamicLossScaler | None = None
-        self._hook_handles: list[Any] = []
         self._real_zero_grad: dict[int, Callable[..., None]] = {}
         self._in_training_step = False
+        self._step_failed = False
         self._failed = False
         self._previous_attr: Any = _MISSING
-        # one process per node, data parallel over torch.distributed (no-ops in one process)
-        self._dp = DataParallel(
-            op=grad_reduce_op, overlap=overlap_grad_reduce, timeout=process_group_timeout
-        )
+        self._flush_callback = FlushWeights(self._sync_weights)
+        try:
+            # one process per node, data parallel over torch.distributed (no-ops in one process)
+            self._dp = D.DataParallel(
+                op=grad_reduce_op,
+                overlap=check_bool("overlap_grad_reduce", overlap_grad_reduce),
+                timeout=process_group_timeout,
+            )
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"RoundPipeStrategy: {exc}") from None
 
-    # -- topology (single process now; one process per node later) ---------------------------
+    # -- precision ---------------------------------------------------------------------------------
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> RoundPipePrecision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            return self._default_precision
+        if not isinstance(plugin, RoundPipePrecision):
+            # converted on first use, so that an unsupported plugin fails when the run starts
+            plugin = self._precision_plugin = RoundPipePrecision.from_plugin(plugin)
+        return plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # None stays None: Lightning treats a strategy that has a plugin as having been
+        # given one, and would then refuse Trainer(precision=...) / plugins=[...]
+        self._precision_plugin = plugin
+
+    @property
+    def _loss_scaler(self) -> LossScaler | None:
+        """The loss scaler of ``16-mixed`` (None otherwise)."""
+        return self.precision_plugin.scaler
+
+    # -- topology -------------------------------------------------------------------------------
     @property
     def num_nodes(self) -> int:
         return self._num_nodes
@@ -222,6 +218,7 @@ class RoundPipeStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
+    @override
     def root_device(self) -> torch.device:
         # Model state, batches and losses live on the host; the pool's devices are
         # RoundPipe's business.
@@ -237,6 +234,7 @@ class RoundPipeStrategy(ParallelStrategy):
         return self.world_size > 1
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # One process per node: the node's whole pool consumes one shard.
         return {"num_replicas": self.world_size, "rank": self.global_rank}
@@ -245,46 +243,44 @@ class RoundPipeStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank)
             self.cluster_environment.set_world_size(self.num_nodes)
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
+    @override
     def model_to_device(self) -> None:
         # Parameters stay in host memory; RoundPipe uploads stages to its devices.
         return None
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Master weights exist only once RoundPipe is built in setup().
         return True
 
-    # -- collectives (identities in one process) ------------------------------------------------
-    def _dist_ready(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
+    # -- collectives: roundpipe_core.distributed (identities in one process) ----------------------
+    @override
     def reduce(
         self,
         tensor: Tensor | Any,
         group: Any | None = None,
         reduce_op: ReduceOp | str | None = "mean",
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor) and self._dist_ready():
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return D.all_reduce(tensor, op_name(reduce_op), group)
 
+    @override
     def barrier(self, name: str | None = None) -> None:
-        if self._dist_ready():
-            dist.barrier()
+        D.barrier(timeout=self._dp.timeout)
 
+    @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not self._dist_ready():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return D.broadcast_object(obj, src)
 
     # -- setup ------------------------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         # Fail on an unsupported configuration before anything starts.
-        self._precision_mode = resolve_precision(self.precision_plugin)
+        _ = self.precision_plugin
         if self.world_size > 1:
             env = self.cluster_environment
             if env is None or not env.creates_processes_externally:
@@ -295,94 +291,42 @@ class RoundPipeStrategy(ParallelStrategy):
                     "This process was not started that way."
                 )
             self._dp.connect(env, self.world_size)
-        devices = self.compute_devices
-        kinds = {d.type for d in devices}
-        if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
-            raise ValueError(
-                f"RoundPipeStrategy runs on CPU workers or CUDA GPUs, got devices {devices}; "
-                "use Trainer(accelerator='cpu' or 'gpu', devices=N)"
-            )
+        devices = check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
         self.accelerator.setup_device(devices[0])
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._precision_mode = resolve_precision(self.precision_plugin)
         assert self.model is not None
         # Half-precision plugins cast the module here, before RoundPipe copies fp32 masters.
         self.model = self.precision_plugin.convert_module(self.model)
         self._build_roundpipe()
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if self.async_step and self._flush_callback not in callbacks:
+            # first: callback hooks run before the module's and the strategy's
+            callbacks.insert(0, self._flush_callback)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
             self._dp.attach(self.roundpipe, self.optimizers)
         self.setup_precision_plugin()
 
-    def _sequential_of(self, lm: LightningModule) -> tuple[nn.Module, Any]:
-        """Call ``configure_sequential()`` and check what it returned."""
-        hook = getattr(lm, "configure_sequential", None)
-        if hook is None or not callable(hook):
-            raise TypeError(
-                f"{type(lm).__name__} has no configure_sequential() method, which RoundPipeStrategy needs. "
-                "Add one that returns the network as an nn.Sequential of layers, e.g.\n"
-                "    def configure_sequential(self):\n"
-                "        return self.net  # nn.Sequential(embedding, block, ..., head)"
-            )
-        net = hook()
-        if isinstance(net, RoundPipe):
-            raise TypeError(
-                "configure_sequential() returned a RoundPipe; return the plain nn.Sequential (or "
-                "Hugging Face model) instead -- RoundPipeStrategy wraps it and sets self.roundpipe"
-            )
-        if not isinstance(net, nn.Module):
-            raise TypeError(
-                f"configure_sequential() must return an nn.Module (an nn.Sequential of layers), got "
-                f"{type(net).__name__}"
-            )
-        if net is lm:
-            raise ValueError(
-                "configure_sequential() returned the LightningModule itself; return the network "
-                "submodule (e.g. self.net), an nn.Sequential of layers"
-            )
-        if not any(m is net for m in lm.modules()):
-            raise ValueError(
-                "configure_sequential() must return a submodule of the LightningModule (assign it in "
-                "__init__, e.g. self.net = nn.Sequential(...), and return self.net) so that its weights "
-                "are part of the module's state_dict and its checkpoints"
-            )
-        if isinstance(net, nn.Sequential):
-            if len(net) == 0:
-                raise ValueError(
-                    "configure_sequential() returned an empty nn.Sequential; give it layers"
-                )
-            return net, None
-        from roundpipe_core.presets import convert_to_sequential, find_preset, unwrap_peft
-
-        if find_preset(unwrap_peft(net)) is not None:
-            return convert_to_sequential(net), net
-        rank_zero_warn(
-            f"configure_sequential() returned a {type(net).__name__}, not an nn.Sequential and no preset "
-            "converts it: RoundPipe runs it as a single layer (no pipelining). Return an nn.Sequential of "
-            "layers to pipeline it."
-        )
-        return net, None
-
     def _build_roundpipe(self) -> None:
         lm = self.lightning_module
         assert lm is not None
         self._close_roundpipe()
-        seq, original = self._sequential_of(lm)
+        seq, original = sequential_of(lm)
         cfg = self.model_run_config or RoundPipeRunConfig()
-        overrides = {
-            "num_microbatch": self.num_microbatch,
-            "recompute_grain": self.recompute_grain,
-            "preserve_rng_state": self.preserve_rng_state,
-        }
-        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+        if self.num_microbatch is not None:
+            cfg = replace(cfg, num_microbatch=self.num_microbatch)
+        if self.recompute_grain is not None:
+            cfg = replace(cfg, recompute_grain=self.recompute_grain)
+        cfg = replace(cfg, preserve_rng_state=self.preserve_rng_state)
         devices = self.compute_devices
         pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
-        rp = LightningRoundPipe(
+        rp = RoundPipe(
             seq,
             optim_dtype=self.optim_dtype,
             name=type(lm).__name__,
@@ -396,13 +340,6 @@ class RoundPipeStrategy(ParallelStrategy):
             plan = resolve_execute_plan(self.execute_plan, rp, "fused")
             if plan is not None:
                 rp.set_plan("fused", plan)
-            mode = self._precision_mode
-            assert mode is not None
-            if mode.autocast_dtype is not None:
-                self._hook_handles = install_autocast(rp.layers, mode.autocast_dtype)
-            self._loss_scaler = (
-                DynamicLossScaler.from_plugin(self.precision_plugin) if mode.loss_scaling else None
-            )
             rp.loss_multiplier = self._loss_multiplier
         except BaseException:
             self._close_roundpipe()
@@ -413,7 +350,7 @@ class RoundPipeStrategy(ParallelStrategy):
         object.__setattr__(lm, "roundpipe", rp)
 
     @property
-    def roundpipe(self) -> LightningRoundPipe:
+    def roundpipe(self) -> RoundPipe:
         """The RoundPipe of the current run (after setup)."""
         if self._rp is None:
             raise RuntimeError(
@@ -422,67 +359,33 @@ class RoundPipeStrategy(ParallelStrategy):
         return self._rp
 
     def _loss_multiplier(self) -> float:
-        """Factor on each microbatch loss inside ``forward_backward`` (see the module docstring)."""
+        """Factor on each microbatch loss inside ``forward_backward``: ``1/k`` for
+        ``accumulate_grad_batches=k`` (as Lightning divides the loss) times the loss scale."""
         if not self._in_training_step:
             return 1.0
         factor = 1.0
         lm = self.lightning_module
         if lm is not None and lm.automatic_optimization and lm._trainer is not None:
             factor /= lm.trainer.accumulate_grad_batches
-        if self._loss_scaler is not None:
-            factor *= self._loss_scaler.scale
-        return factor
+        return factor * self.precision_plugin.loss_scale()
 
     # -- optimizers ---------------------------------------------------------------------------------
+    @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         for opt in self.optimizers:
-            self._adopt_optimizer(opt._optimizer if isinstance(opt, LightningOptimizer) else opt)
-
-    def _adopt_optimizer(self, opt: Optimizer) -> None:
-        """Point ``opt`` at the master copies and defer its ``zero_grad`` to the RoundPipe step."""
-        if isinstance(opt, torch.optim.LBFGS):
-            raise TypeError(
-                "LBFGS re-evaluates the loss inside optimizer.step(), which RoundPipe's (asynchronous) "
-                "step cannot do; choose another optimizer"
-            )
-        rp = self.roundpipe
-        masters = {}
-        for p in rp.model.parameters():
-            m = rp.master_param(p)
-            if m is not None:
-                masters[id(p)] = m
-        adopted = 0
-        for group in opt.param_groups:
-            new, seen = [], set()
-            for p in group["params"]:
-                m = masters.get(id(p), p)
-                adopted += m is not p
-                if id(m) not in seen:
-                    seen.add(id(m))
-                    new.append(m)
-            group["params"] = new
-        if adopted == 0 and any(len(g["params"]) for g in opt.param_groups) and masters:
-            rank_zero_warn(
-                f"{type(opt).__name__} holds none of the parameters of configure_sequential()'s network; "
-                "RoundPipe will not train it. Build it from self.parameters()."
-            )
-        if id(opt) not in self._real_zero_grad:
-            self._real_zero_grad[id(opt)] = opt.zero_grad
-
-            def deferred_zero_grad(set_to_none: bool = True) -> None:
-                """Gradients are cleared by the RoundPipe step right after the update."""
-
-            opt.zero_grad = deferred_zero_grad  # type: ignore[method-assign]
+            adopt_optimizer(_raw(opt), self.roundpipe, self._real_zero_grad)
 
     def _release_optimizers(self) -> None:
         for opt in self.optimizers:
-            raw = opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+            raw = _raw(opt)
             if id(raw) in self._real_zero_grad and "zero_grad" in vars(raw):
                 del raw.zero_grad
+            release(raw)
         self._real_zero_grad.clear()
 
     # -- training --------------------------------------------------------------------------------------
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._in_training_step = True
         try:
@@ -490,25 +393,27 @@ class RoundPipeStrategy(ParallelStrategy):
         finally:
             self._in_training_step = False
 
+    @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """A no-op for a ``forward_backward`` loss (already backpropagated); a normal backward
-        for a loss with a graph (e.g. built from ``self.roundpipe(x)``)."""
-        lm = self.lightning_module
-        assert lm is not None
-        self.pre_backward(closure_loss)
-        # The base Precision hooks only call on_before/after_backward; AMP loss scaling is ours.
-        Precision.pre_backward(self.precision_plugin, closure_loss, lm)
-        if closure_loss.requires_grad:
-            loss = closure_loss
-            if self._loss_scaler is not None:
-                loss = loss * self._loss_scaler.scale
-            lm.backward(loss, *args, **kwargs)
-        closure_loss = Precision.post_backward(self.precision_plugin, closure_loss, lm)
-        self.post_backward(closure_loss)
-        return closure_loss
+        """Backward through the precision plugin: a no-op for a ``forward_backward`` loss
+        (already backpropagated), a normal backward for one built from ``self.roundpipe(x)``."""
+        if closure_loss.requires_grad and self._rp is not None:
+            own = {id(p) for p in self._rp.model.parameters()}
+            if reaches_params(closure_loss, own):
+                # the network ran outside RoundPipe: its gradients would never reach the
+                # masters the optimizer steps, so training would silently do nothing
+                raise RuntimeError(
+                    "the loss was computed by calling the network configure_sequential() returned "
+                    "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "
+                    "call it through self.roundpipe instead: "
+                    "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) "
+                    "or out = self.roundpipe(x)"
+                )
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -516,65 +421,87 @@ class RoundPipeStrategy(ParallelStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run the closure (training_step), prepare the master gradients on this thread
-        (hooks, unscaling, clipping), then hand ``optimizer.step()`` to RoundPipe."""
+        """Run the closure (training_step) and prepare the master gradients on this thread
+        (reduce over processes, unscale, hooks, clipping), then hand ``optimizer.step()``
+        to RoundPipe."""
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule)
-        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        opt = _raw(optimizer)
         rp = self.roundpipe
-        # (several processes: the closure's backward starts all-reducing finished layers)
-        closure_result = self._dp.wrap_closure(opt, closure)()
-        skip = closure_result is None and model.automatic_optimization
-        # Wait for the previous step (rp.step would do the same first): from here on the
-        # master gradients of this window are complete and nothing else touches them.
-        rp.synchronize()
-        self.reduce_gradients(opt)
-        found_inf = False
-        if self._loss_scaler is not None and not skip:
-            found_inf = self._loss_scaler.unscale_(p for g in opt.param_groups for p in g["params"])
-        # on_before_optimizer_step hooks + gradient clipping (automatic optimization)
-        self.precision_plugin._after_closure(model, opt)
-        if self._loss_scaler is not None and not skip:
-            self._loss_scaler.update(found_inf)
-        do_update = not (skip or found_inf)
+
+        def closure_and_reduce() -> Any:
+            # (several processes: the closure's backward starts all-reducing finished layers)
+            result = self._dp.wrap_closure(opt, closure)()
+            # the previous step finishes (rp.step would wait for it too): from here on the
+            # window's master gradients are complete and nothing else touches them
+            self._sync_weights()
+            self._dp.reduce(opt)
+            return result
+
+        closure_result, do_update = self.precision_plugin.prepare_step(
+            opt, model, closure_and_reduce
+        )
         zero_grad = self._real_zero_grad.get(id(opt), opt.zero_grad)
+        # the hyperparameters of this step, before Lightning steps the LR schedulers
+        queued = QueuedStep(opt) if self.async_step and do_update else None
 
         def step_fn() -> None:
-            if do_update:
-                opt.step(**kwargs)
-            zero_grad(set_to_none=True)
+            try:
+                if queued is not None:
+                    queued.run(**kwargs)
+                elif do_update:
+                    opt.step(**kwargs)
+                zero_grad(set_to_none=True)
+            except BaseException:
+                self._step_failed = True
+                raise
 
+        if do_update:
+            mark_step_requested(opt)
         rp.step(step_fn, is_async=self.async_step)
         return closure_result
 
-    def reduce_gradients(self, optimizer: Optimizer) -> None:
-        """Combine the window's master gradients across processes (all-reduce over gloo)
-        before they are unscaled, clipped and stepped. Collective: every process calls it
-        for every optimizer step, skipped ones included. One process: nothing to do."""
-        self._dp.reduce(optimizer)
-
-    # -- evaluation sees the current weights --------------------------------------------------------
+    # -- the weights users read are current ---------------------------------------------------------
     def _sync_weights(self) -> None:
-        if self._rp is not None and self._rp_open:
+        """Finish the queued step and copy the masters into the module. A failed queued
+        step is raised here; it was already counted by Lightning when it was queued, so
+        the count is taken back (a checkpoint saved on the exception then records the
+        global step its weights belong to)."""
+        if self._rp is None or not self._rp_open:
+            return
+        try:
             self._rp.synchronize()
+        except BaseException:
+            if self._step_failed:
+                self._step_failed = False
+                lm = self.lightning_module
+                if self.async_step and lm is not None and lm._trainer is not None:
+                    uncount_last_step(lm.trainer)
+            raise
 
+    @override
     def on_validation_start(self) -> None:
         self._sync_weights()
 
+    @override
     def on_test_start(self) -> None:
         self._sync_weights()
 
+    @override
     def on_predict_start(self) -> None:
         self._sync_weights()
 
+    @override
     def on_train_end(self) -> None:
         self._sync_weights()
 
     # -- checkpoints ------------------------------------------------------------------------------------
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._sync_weights()
         return super().lightning_module_state_dict()
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         self._sync_weights()
         return super().optimizer_state(optimizer)
@@ -606,6 +533,7 @@ class RoundPipeStrategy(ParallelStrategy):
             state["timer"] = self._rp.model_timer.state_dict()
         return state
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
@@ -613,6 +541,7 @@ class RoundPipeStrategy(ParallelStrategy):
             checkpoint[CHECKPOINT_KEY] = self.roundpipe_state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._sync_weights()
         super().load_model_state_dict(checkpoint, strict=strict)
@@ -633,11 +562,13 @@ class RoundPipeStrategy(ParallelStrategy):
                     f"RoundPipe layer timings in the checkpoint were not restored: {exc}"
                 )
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         self._sync_weights()
         super().load_optimizer_state_dict(checkpoint)
 
     # -- teardown --------------------------------------------------------------------------------------
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         self._dp.abort()
@@ -655,7 +586,6 @@ class RoundPipeStrategy(ParallelStrategy):
                 raise
             log.debug("RoundPipe.close() after a failure raised: %r", exc)
         finally:
-            remove_hooks(self._hook_handles)
             rp.loss_multiplier = None
             lm = self.lightning_module
             if lm is not None and lm.__dict__.get("roundpipe") is rp:
@@ -664,18 +594,25 @@ class RoundPipeStrategy(ParallelStrategy):
                     object.__setattr__(lm, "roundpipe", self._previous_attr)
             self._previous_attr = _MISSING
 
+    @override
     def teardown(self) -> None:
         try:
             self._dp.detach()
             self._close_roundpipe()
         finally:
             self._release_optimizers()
-            self._failed = False
+            self._failed = self._step_failed = False
+            lm = self.lightning_module
+            trainer = lm._trainer if lm is not None else None
+            callbacks: list[Callback] = getattr(trainer, "callbacks", [])
+            if self._flush_callback in callbacks:
+                callbacks.remove(self._flush_callback)
             # ParallelStrategy.teardown: cluster environment, optimizers/model to CPU, plugins.
             super().teardown()
 
     # -- registry -------------------------------------------------------------------------------------
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="RoundPipe pipelined training"

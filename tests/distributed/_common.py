@@ -1,15 +1,12 @@
 """Shared pieces of the distributed tests: the model, the data, the plain-PyTorch
 reference, and a launcher of N local processes acting as nodes.
 
-The worker processes (``_worker.py``) load ``roundpipe_lightning/distributed.py``
-by file path instead of importing the ``roundpipe_lightning`` package: the
-package imports Lightning, which costs ~7 s per process on a 2-core CI box, and
-the module itself needs only ``torch`` and ``roundpipe_core``.
+The worker processes (``_worker.py``) use ``roundpipe_core.distributed``, which
+needs only ``torch``: no Lightning start-up cost per process.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -30,18 +27,11 @@ GLOBAL_BATCH = 12  # split in 2 contiguous halves, one per rank
 
 
 def load_distributed() -> ModuleType:
-    """``roundpipe_lightning.distributed`` without importing the package (and Lightning)."""
-    for name in ("roundpipe_lightning.distributed", "_rp_distributed"):
-        if name in sys.modules:
-            return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        "_rp_distributed", ROOT / "roundpipe_lightning" / "distributed.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while it executes
-    spec.loader.exec_module(mod)
-    return mod
+    """``roundpipe_core.distributed`` (it imports no Lightning, which costs ~7 s per
+    process on a 2-core CI box)."""
+    import roundpipe_core.distributed
+
+    return roundpipe_core.distributed
 
 
 def build_model(seed: int = 0) -> nn.Sequential:

@@ -1,4 +1,4 @@
-"""In-process checks of ``roundpipe_lightning.distributed`` that need no peer:
+"""In-process checks of ``roundpipe_core.distributed`` that need no peer:
 launch-environment parsing, timeouts, argument validation, bucketing, and the
 world-size-1 identities."""
 
@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from roundpipe_core import RoundPipe
-from roundpipe_lightning import distributed as D
+from roundpipe_core import distributed as D
+from roundpipe_core.distributed.reducer import _bucketize
 
 
 @pytest.fixture
@@ -97,6 +98,14 @@ def test_timeout_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
         D.resolve_timeout()
     with pytest.raises(ValueError, match="positive"):
         D.resolve_timeout(0)
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="positive, finite"):
+            D.resolve_timeout(bad)
+    with pytest.raises(ValueError, match="too large"):
+        D.resolve_timeout(1e30)
+    monkeypatch.setenv(D.TIMEOUT_ENV, "inf")
+    with pytest.raises(ValueError, match=D.TIMEOUT_ENV):
+        D.resolve_timeout()
     with pytest.raises(TypeError):
         D.resolve_timeout("10")
 
@@ -121,7 +130,7 @@ def test_buckets_are_reverse_order_and_capped(rp: RoundPipe) -> None:
 
 def test_mixed_dtypes_get_separate_buckets() -> None:
     ts = [torch.zeros(2), torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)]
-    assert [len(b) for b in D._bucketize(ts, 1 << 20)] == [1, 2]
+    assert [len(b) for b in _bucketize(ts, 1 << 20)] == [1, 2]
 
 
 def test_single_process_is_an_identity(rp: RoundPipe) -> None:
@@ -187,3 +196,16 @@ def test_dataparallel_in_one_process_is_a_no_op(rp: RoundPipe) -> None:
     ):
         with pytest.raises(ValueError, match=match):
             D.DataParallel(**bad)
+
+
+def test_core_module_needs_no_lightning_and_the_old_path_still_works() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, roundpipe_core.distributed as D; "
+        "assert 'lightning' not in sys.modules, 'roundpipe_core.distributed imported Lightning'; "
+        "from roundpipe_lightning import distributed as old; "
+        "assert old.DataParallel is D.DataParallel and old.__all__ == D.__all__"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

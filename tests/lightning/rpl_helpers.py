@@ -23,8 +23,10 @@ def make_data(n: int = NUM_SAMPLES, seed: int = 1) -> TensorDataset:
     return TensorDataset(torch.randn(n, IN_DIM, generator=g), torch.randn(n, OUT_DIM, generator=g))
 
 
-def loader(n: int = NUM_SAMPLES, batch_size: int = BATCH, seed: int = 1) -> DataLoader:
-    return DataLoader(make_data(n, seed), batch_size=batch_size, shuffle=False)
+def loader(
+    n: int = NUM_SAMPLES, batch_size: int = BATCH, seed: int = 1, shuffle: bool = False
+) -> DataLoader:
+    return DataLoader(make_data(n, seed), batch_size=batch_size, shuffle=shuffle)
 
 
 class Heavy(nn.Module):
@@ -63,7 +65,8 @@ class SeqModule(L.LightningModule):
     """A regression MLP.
 
     Args:
-        mode: "roundpipe" (``forward_backward``), "rp_forward" (``self.roundpipe(x)`` +
+        mode: "roundpipe" (``forward_backward``), "roundpipe_nonblocking"
+            (``forward_backward(..., blocking=False).result()``), "rp_forward" (``self.roundpipe(x)`` +
             backward through autograd) or "plain" (``self.net(x)``, for the default strategy).
         manual: manual optimization (``accumulate`` and ``clip`` handled in training_step).
         accumulate: manual optimization only: step every this many batches.
@@ -109,6 +112,11 @@ class SeqModule(L.LightningModule):
         mode = self.hparams.mode
         if mode == "roundpipe":
             return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
+        if mode == "roundpipe_nonblocking":
+            pending = self.roundpipe.forward_backward(
+                input_args=(x,), label=y, loss_fn=self.loss_fn, blocking=False
+            )
+            return pending.result()
         out = self.roundpipe(x) if mode == "rp_forward" else self.net(x)
         loss = self.loss_fn(out, y)
         if not self.automatic_optimization:

@@ -38,8 +38,8 @@ def test_resume_is_identical_to_straight_run(
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
     # the checkpoint B wrote at step 10 holds what A saved
-    sa = torch.load(ckpt, weights_only=False)
-    sb = torch.load(tmp_path / "b" / "epoch=1-step=10.ckpt", weights_only=False)
+    sa = torch.load(ckpt, weights_only=True)
+    sb = torch.load(tmp_path / "b" / "epoch=1-step=10.ckpt", weights_only=True)
     for k, v in sa["state_dict"].items():
         assert torch.equal(v, sb["state_dict"][k]), k
 
@@ -73,7 +73,7 @@ def test_fp32_checkpoint_stores_no_duplicate_masters(tmp_path: Path) -> None:
     t = rp_trainer(max_steps=2)
     t.fit(m, loader())
     t.save_checkpoint(tmp_path / "m.ckpt")
-    ck = torch.load(tmp_path / "m.ckpt", weights_only=False)
+    ck = torch.load(tmp_path / "m.ckpt", weights_only=True)
     assert ck["roundpipe"]["masters"] == {}  # fp32 masters == fp32 weights after synchronize
 
 

@@ -84,18 +84,30 @@ def test_unsupported_precision() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs, exc",
+    "kwargs, exc, pattern",
     [
-        (dict(num_microbatch=0), ValueError),
-        (dict(recompute_grain="block"), ValueError),
-        (dict(pin_model="yes"), ValueError),
-        (dict(optim_dtype="float8"), ValueError),
-        (dict(execute_plan=3), TypeError),
-        (dict(model_run_config={"num_microbatch": 2}), TypeError),
+        (dict(num_microbatch=0), ValueError, "num_microbatch=0"),
+        (dict(num_microbatch="3"), TypeError, "num_microbatch='3'"),
+        (dict(num_microbatch=True), TypeError, "num_microbatch=True"),
+        (dict(recompute_grain="block"), ValueError, "recompute_grain='block'"),
+        (dict(pin_model="yes"), ValueError, "pin_model='yes'"),
+        (dict(pin_model=1), TypeError, "pin_model=1"),
+        (dict(optim_dtype="float8"), ValueError, "optim_dtype='float8'"),
+        (dict(execute_plan=3), TypeError, "execute_plan"),
+        (dict(model_run_config={"num_microbatch": 2}), TypeError, "model_run_config"),
+        # strings that bool() would turn into True
+        (dict(async_step="False"), TypeError, "async_step='False'.*true / false"),
+        (dict(preserve_rng_state="false"), TypeError, "preserve_rng_state='false'"),
+        (dict(overlap_grad_reduce=0), TypeError, "overlap_grad_reduce=0"),
+        (dict(grad_reduce_op="avg"), ValueError, "grad_reduce_op='avg'"),
+        (dict(process_group_timeout=float("inf")), ValueError, "timeout=inf"),
+        (dict(process_group_timeout=float("nan")), ValueError, "timeout=nan"),
+        (dict(process_group_timeout=-5), ValueError, "positive, finite"),
+        (dict(process_group_timeout="30"), TypeError, "timeout must be seconds"),
     ],
 )
-def test_bad_strategy_arguments(kwargs, exc) -> None:
-    with pytest.raises(exc):
+def test_bad_strategy_arguments(kwargs, exc, pattern) -> None:
+    with pytest.raises(exc, match=pattern):
         RoundPipeStrategy(**kwargs)
 
 
@@ -211,3 +223,25 @@ def test_multi_node_is_refused_clearly() -> None:
 def test_gpu_devices_without_gpus_fail_before_training() -> None:
     with pytest.raises(Exception, match="(?i)gpu|cuda"):
         L.Trainer(strategy=RoundPipeStrategy(), accelerator="gpu", devices=2)
+
+
+class CallsNetDirectly(SeqModule):
+    """The first thing a Hugging Face user writes: the network, not self.roundpipe."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss_fn(self.net(x), y)
+        if not self.automatic_optimization:
+            self.manual_backward(loss)
+            return None
+        return loss
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_calling_the_network_directly_names_self_roundpipe(manual: bool) -> None:
+    m = CallsNetDirectly(manual=manual)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"self\.roundpipe\.forward_backward"):
+        rp_trainer(max_steps=2).fit(m, loader())
+    assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
+    assert roundpipe_threads() == []

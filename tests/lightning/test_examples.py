@@ -157,3 +157,27 @@ def test_cli_config_sets_strategy_layout_and_callbacks(
     assert (tmp_path / "runs" / "cli" / "checkpoints" / "last.ckpt").exists()
     assert "val_loss" in _scalars(tmp_path / "runs" / "cli")
     assert roundpipe_threads() == []
+
+
+class _RunsCode:
+    """Unpickling this calls ``Path.touch(marker)``: what a crafted checkpoint does."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_finetune_example_init_from_runs_no_code(tmp_path: Path) -> None:
+    import pickle
+
+    import lightning_finetune
+    import torch
+
+    marker = tmp_path / "code_ran"
+    crafted = tmp_path / "crafted.ckpt"
+    torch.save({"state_dict": {}, "payload": _RunsCode(marker)}, crafted)
+    with pytest.raises(pickle.UnpicklingError):
+        lightning_finetune.main(["--out-dir", str(tmp_path), "--init-from", str(crafted)])
+    assert not marker.exists()

@@ -19,7 +19,7 @@ from rpl_helpers import (
     trainer_kwargs,
 )
 
-import roundpipe_lightning
+from roundpipe_core import RoundPipe
 from roundpipe_lightning import RoundPipeStrategy
 
 
@@ -41,9 +41,8 @@ def test_devices_are_cpu_workers_in_one_process(devices: int) -> None:
     t.fit(m, loader())
     assert probe.num_devices == devices and probe.kinds == ["cpu"] * devices
     assert probe.submodules == ["net"]  # self.roundpipe is not registered as a submodule
-    assert probe.rp.model is m.net and isinstance(
-        probe.rp, roundpipe_lightning._engine.LightningRoundPipe
-    )
+    # the engine's own class, composed (not subclassed) by the strategy
+    assert probe.rp.model is m.net and type(probe.rp) is RoundPipe
     assert "roundpipe" not in vars(m)  # removed at teardown
     assert roundpipe_threads() == []
 

@@ -11,6 +11,7 @@ from rpl_helpers import SeqModule, loader, max_rel_err, params_of, plain_trainer
 from torch import nn
 
 from roundpipe_lightning import RoundPipeStrategy
+from roundpipe_lightning.precision import DynamicLossScaler, RoundPipePrecision
 
 
 class Capture(L.Callback):
@@ -151,3 +152,39 @@ def test_16_mixed_skips_overflowing_step() -> None:
     assert max_rel_err(rec.params[2], rec.params[1]) == 0.0
     assert max_rel_err(rec.params[3], rec.params[2]) > 0.0
     assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_strategy_runs_its_own_precision_plugin() -> None:
+    t = rp_trainer(max_steps=1, precision="bf16-mixed")
+    t.fit(SeqModule(), loader())
+    plugin = t.precision_plugin
+    assert isinstance(plugin, RoundPipePrecision) and plugin.precision == "bf16-mixed"
+    assert plugin.scaler is None and t.precision == "bf16-mixed"
+
+
+def test_a_given_roundpipe_precision_and_scaler_are_used() -> None:
+    scaler = DynamicLossScaler(init_scale=256.0, growth_interval=2)
+    cap = Capture()
+    L.Trainer(
+        strategy=RoundPipeStrategy(num_microbatch=3, async_step=False),
+        accelerator="cpu",
+        devices=2,
+        plugins=[RoundPipePrecision("16-mixed", scaler=scaler)],
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cap],
+    ).fit(SeqModule(), loader())
+    assert cap.scaler is scaler
+    assert scaler.scale == 256.0 * 2**2  # four clean steps, growth every two
+
+
+def test_precision_plugin_arguments() -> None:
+    with pytest.raises(ValueError, match="'64-true'"):
+        RoundPipePrecision("64-true")
+    with pytest.raises(ValueError, match="only used with precision='16-mixed'"):
+        RoundPipePrecision("bf16-mixed", scaler=DynamicLossScaler())
+    with pytest.raises(TypeError, match="LossScaler"):
+        RoundPipePrecision("16-mixed", scaler=object())  # type: ignore[arg-type]

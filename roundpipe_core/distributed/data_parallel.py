@@ -1,0 +1,138 @@
+"""``DataParallel``: the whole multi-process interface a training loop (the
+Lightning strategy) needs, behind five calls that are cheap no-ops in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from .group import group_size, init_process_group, resolve_timeout
+from .reducer import DEFAULT_BUCKET_BYTES, REDUCE_OPS, GradientAllReducer, broadcast_masters
+
+__all__ = ["DataParallel"]
+
+
+def _raw_optimizer(opt: Any) -> Any:
+    """The torch optimizer behind a Lightning ``LightningOptimizer`` (or ``opt`` itself)."""
+    return getattr(opt, "_optimizer", opt)
+
+
+class DataParallel:
+    """Everything a training loop (the Lightning strategy) needs for data parallel
+    RoundPipe over several processes, behind five calls:
+
+    ========================  ====================================================
+    ``connect(env, world)``   create the process group (``world_size > 1`` only)
+    ``attach(rp, opts)``      broadcast rank 0's weights; one reducer per optimizer
+    ``wrap_closure(opt, c)``  arm that optimizer's reducer, then run ``c`` (the
+                              window's last training step): overlap its backward
+    ``reduce(opt)``           finish: that optimizer's gradients are reduced
+    ``abort()`` / ``detach()``  after an exception / at teardown
+    ========================  ====================================================
+
+    In one process every call is a cheap no-op, so a strategy can call them
+    unconditionally.
+
+    Args:
+        op: "mean" (as DDP) or "sum" of the gradients over processes.
+        overlap: start reducing buckets from the grad hook during the last backward.
+            Used when there is a single optimizer (with several, the steps of manual
+            optimization each reduce their own parameters at ``reduce()``).
+        bucket_bytes: gradient bytes per all-reduce.
+        timeout: process-group timeout (seconds / ``timedelta``; default
+            ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
+
+    The default group is gloo: everything the strategy communicates -- master
+    gradients, logged metrics (its root device is the CPU), broadcast objects --
+    lives in host memory, which NCCL cannot reduce.
+    """
+
+    def __init__(
+        self,
+        op: str = "mean",
+        overlap: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: float | int | timedelta | None = None,
+    ) -> None:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self.op = op
+        self.overlap = bool(overlap)
+        self.bucket_bytes = bucket_bytes
+        self.timeout = resolve_timeout(timeout)
+        self._reducers: dict[int, GradientAllReducer] = {}
+
+    @property
+    def world_size(self) -> int:
+        return group_size(None)
+
+    def connect(
+        self, cluster_environment: Any | None = None, world_size: int | None = None
+    ) -> None:
+        """Create the default process group when the job has several processes.
+
+        Args:
+            cluster_environment: the strategy's Lightning ``ClusterEnvironment`` (None: read
+                the environment).
+            world_size: the number of processes (the strategy's ``world_size``); 1 = no-op.
+        """
+        if world_size is None:
+            world_size = cluster_environment.world_size() if cluster_environment is not None else 1
+        if world_size > 1:
+            init_process_group(cluster_environment, backend="gloo", timeout=self.timeout)
+
+    def attach(self, rp: Any, optimizers: Sequence[Any] = ()) -> None:
+        """Make every rank hold rank 0's weights and build the reducers (collective).
+
+        Call after the RoundPipe is built and the optimizers point at its masters; again
+        after re-building either (the old reducers are closed first).
+        """
+        self.detach()
+        if self.world_size == 1:
+            return
+        broadcast_masters(rp)
+        raws = [_raw_optimizer(o) for o in optimizers]
+        for raw in raws:
+            params = [p for g in raw.param_groups for p in g["params"]]
+            self._reducers[id(raw)] = GradientAllReducer(
+                rp,
+                op=self.op,
+                bucket_bytes=self.bucket_bytes,
+                overlap=self.overlap and len(raws) == 1,
+                timeout=self.timeout,
+                params=params,
+            )
+
+    def wrap_closure(self, optimizer: Any, closure: Any) -> Any:
+        """``closure`` preceded by arming ``optimizer``'s reducer (``closure`` itself when
+        there is nothing to overlap)."""
+        reducer = self._reducers.get(id(_raw_optimizer(optimizer)))
+        if reducer is None or not reducer.overlap:
+            return closure
+
+        def armed_closure(*args: Any, **kwargs: Any) -> Any:
+            reducer.arm()
+            return closure(*args, **kwargs)
+
+        return armed_closure
+
+    def reduce(self, optimizer: Any) -> None:
+        """All-reduce ``optimizer``'s gradients (finish its armed round). Collective:
+        every rank calls it for every optimizer step, skipped steps included."""
+        reducer = self._reducers.get(id(_raw_optimizer(optimizer)))
+        if reducer is not None:
+            reducer.finish()
+
+    def abort(self) -> None:
+        """Drop armed rounds without further collectives (after an exception)."""
+        for r in self._reducers.values():
+            r.abort()
+
+    def detach(self) -> None:
+        """Close the reducers (their groups and grad hooks). The default group stays."""
+        reducers, self._reducers = list(self._reducers.values()), {}
+        for r in reducers:
+            r.close()

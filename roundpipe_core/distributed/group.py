@@ -1,0 +1,428 @@
+"""Process-group set-up and the small collectives of data-parallel RoundPipe.
+
+Everything here is an identity (or a no-op) without a process group, so code
+written for several processes runs unchanged in one. Every collective is
+bounded by the process group's timeout, and a collective that fails -- a peer
+died (gloo: "Connection reset by peer") or stalled past the timeout -- raises a
+``RuntimeError`` that names this rank and the cause, with gloo's own error chained.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "TIMEOUT_ENV",
+    "DistEnv",
+    "resolve_timeout",
+    "dist_env_from_environ",
+    "init_process_group",
+    "destroy_process_group",
+    "all_reduce",
+    "barrier",
+    "broadcast_object",
+    "all_gather",
+    "CollectiveError",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""Process-group timeout when none is given (torch's own default)."""
+
+TIMEOUT_ENV = "ROUNDPIPE_DIST_TIMEOUT"
+"""Environment variable: the process-group timeout in seconds."""
+
+_pg_timeout: timedelta | None = None  # what init_process_group() used; reducers' groups inherit it
+
+
+# ---------------------------------------------------------------------------------------------
+# process-group set-up
+# ---------------------------------------------------------------------------------------------
+def resolve_timeout(timeout: float | int | timedelta | None = None) -> timedelta:
+    """The process-group timeout: ``timeout`` (seconds or ``timedelta``), else
+    ``$ROUNDPIPE_DIST_TIMEOUT`` seconds, else 30 minutes.
+
+    Raises:
+        ValueError: a non-positive, infinite, NaN or unparsable timeout.
+        TypeError: a timeout that is neither a number nor a ``timedelta``.
+    """
+    raw: str | None = None
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
+        raise TypeError(
+            f"timeout must be seconds (a number) or a datetime.timedelta, got {type(timeout).__name__}"
+        )
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    # checked before building a timedelta, which overflows on inf and rejects nan unclearly
+    if not (seconds > 0 and math.isfinite(seconds)):
+        source = f"{TIMEOUT_ENV}={raw!r}" if raw is not None else f"timeout={timeout!r}"
+        raise ValueError(
+            f"{source} is not a positive, finite number of seconds; give e.g. 1800 (30 minutes)"
+        )
+    try:
+        return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(
+            f"timeout={timeout!r} seconds is too large for a datetime.timedelta; give at most "
+            f"{int(timedelta.max.total_seconds())}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, as read from the environment.
+
+    Attributes:
+        rank: global rank of this process (its node's rank with one process per node).
+        world_size: number of processes.
+        master_addr / master_port: the rendezvous of rank 0.
+        source: which launcher the values came from ("torchrun", "slurm", "env").
+    """
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    source: str
+
+
+def _int_var(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def _slurm_root_address(nodelist: str) -> str:
+    """First host of a SLURM node list: ``node[003-005,9],gpu1`` -> ``node003``."""
+    depth, first = 0, ""
+    for ch in nodelist.strip():
+        if ch == "," and depth == 0:
+            break
+        depth += ch == "["
+        depth -= ch == "]"
+        first += ch
+    if "[" not in first:
+        return first
+    prefix, rest = first.split("[", 1)
+    return prefix + rest.rstrip("]").split(",")[0].split("-")[0]
+
+
+def dist_env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank, world size and rendezvous from the environment a launcher sets.
+
+    Recognised, in this order:
+
+    * torchrun / torchelastic: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+    * SLURM (``srun``, one task per node): ``SLURM_PROCID``, ``SLURM_NTASKS``,
+      ``SLURM_NODELIST`` (rank 0's host); port from ``MASTER_PORT`` or derived from
+      ``SLURM_JOB_ID`` (as Lightning does).
+    * a hand-written launch, one process per node: ``NODE_RANK``, ``WORLD_SIZE`` (number
+      of nodes), ``MASTER_ADDR``, ``MASTER_PORT``.
+
+    Raises:
+        ValueError: naming the variables that are missing or malformed.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        source, rank_var = "torchrun", "RANK"
+    elif (
+        "SLURM_PROCID" in env
+        and "SLURM_NTASKS" in env
+        and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    ):
+        # (an interactive allocation's shell is not a launch, as in Lightning's SLURMEnvironment)
+        if "SLURM_NODELIST" not in env and "MASTER_ADDR" not in env:
+            raise ValueError(
+                "SLURM launch without SLURM_NODELIST: set MASTER_ADDR to rank 0's host"
+            )
+        rank = _int_var(env, "SLURM_PROCID")
+        world = _int_var(env, "SLURM_NTASKS")
+        addr = env.get("MASTER_ADDR") or _slurm_root_address(env["SLURM_NODELIST"])
+        if "MASTER_PORT" in env:
+            port = _int_var(env, "MASTER_PORT")
+        else:
+            job = env.get("SLURM_JOB_ID", "0")
+            port = 15000 + (int(job[-4:]) if job[-4:].isdigit() else 0)
+        return _checked(DistEnv(rank, world, addr, port, "slurm"))
+    elif "NODE_RANK" in env:
+        source, rank_var = "env", "NODE_RANK"
+    else:
+        raise ValueError(
+            "no distributed launch found in the environment: set RANK, WORLD_SIZE, MASTER_ADDR and "
+            "MASTER_PORT (torchrun does), run under SLURM (srun), or set NODE_RANK, WORLD_SIZE, "
+            "MASTER_ADDR and MASTER_PORT on every node (one process per node)"
+        )
+    missing = [v for v in (rank_var, "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env]
+    if missing:
+        raise ValueError(
+            f"distributed launch ({source}) is missing environment variable(s) {', '.join(missing)}; "
+            "set all of "
+            f"{rank_var}, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+        )
+    return _checked(
+        DistEnv(
+            _int_var(env, rank_var),
+            _int_var(env, "WORLD_SIZE"),
+            env["MASTER_ADDR"],
+            _int_var(env, "MASTER_PORT"),
+            source,
+        )
+    )
+
+
+def _checked(e: DistEnv) -> DistEnv:
+    if e.world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {e.world_size} (from {e.source})")
+    if not 0 <= e.rank < e.world_size:
+        raise ValueError(f"rank {e.rank} is outside 0..{e.world_size - 1} (from {e.source})")
+    if not 0 < e.master_port < 65536:
+        raise ValueError(f"MASTER_PORT must be a TCP port (1..65535), got {e.master_port}")
+    return e
+
+
+def init_process_group(
+    cluster_environment: Any | None = None,
+    backend: str = "gloo",
+    timeout: float | int | timedelta | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> dist.ProcessGroup:
+    """Create (or reuse) the default process group for data-parallel RoundPipe.
+
+    Args:
+        cluster_environment: a Lightning ``ClusterEnvironment`` (the strategy's; its
+            ``main_address``, ``main_port``, ``global_rank()``, ``world_size()`` are used).
+            ``None``: read the environment (:func:`dist_env_from_environ`).
+        backend: "gloo" (host gradients; the default) or "nccl".
+        timeout: bound on every collective (seconds or ``timedelta``; see :func:`resolve_timeout`).
+        rank / world_size: override the environment's values.
+
+    Returns:
+        The default process group (``torch.distributed.group.WORLD``).
+
+    Raises:
+        ValueError: a missing or inconsistent environment, or a group that already
+            exists with another world size.
+    """
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this PyTorch build")
+    td = resolve_timeout(timeout)
+    if cluster_environment is not None:
+        addr, port = cluster_environment.main_address, int(cluster_environment.main_port)
+        r = cluster_environment.global_rank() if rank is None else rank
+        w = cluster_environment.world_size() if world_size is None else world_size
+        env = _checked(DistEnv(int(r), int(w), str(addr), port, type(cluster_environment).__name__))
+    else:
+        env = dist_env_from_environ()
+        env = _checked(
+            DistEnv(
+                env.rank if rank is None else rank,
+                env.world_size if world_size is None else world_size,
+                env.master_addr,
+                env.master_port,
+                env.source,
+            )
+        )
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise ValueError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the launch says rank {env.rank} of {env.world_size}"
+            )
+        return _world_group()
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    global _pg_timeout
+    _pg_timeout = td
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{host}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=td,
+    )
+    return _world_group()
+
+
+def _world_group() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None  # initialised just before
+    return group
+
+
+def destroy_process_group() -> None:
+    """Tear down the default group if there is one (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def group_size(group: Any | None = None) -> int:
+    """World size of ``group`` (the default group if None); 1 without a process group."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_nccl(group: Any | None = None) -> bool:
+    """Whether ``group`` runs on NCCL (it then reduces GPU tensors only)."""
+    try:
+        return dist.get_backend(group) == "nccl"
+    except (RuntimeError, ValueError):
+        return False
+
+
+def group_timeout() -> timedelta | None:
+    """The timeout :func:`init_process_group` created the default group with (None:
+    the group was made elsewhere, or not at all)."""
+    return _pg_timeout
+
+
+def comm_device(group: Any | None = None) -> torch.device:
+    """Where ``group`` reduces tensors: the current GPU for NCCL, the host for gloo."""
+    if is_nccl(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank: a peer died, stalled past the timeout or
+    called a different collective. The backend's own error is the ``__cause__``."""
+
+
+def collective_error(what: str, exc: BaseException, group: Any | None = None) -> CollectiveError:
+    """The error to raise for ``exc`` from the collective ``what``: names this rank and
+    the likely cause, so a dead peer reads the same wherever it is first noticed."""
+    try:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    except (RuntimeError, ValueError):
+        rank, world = -1, -1  # the group itself is gone
+    where = f"rank {rank} of {world}" if rank >= 0 else "this rank (its process group is gone)"
+    return CollectiveError(
+        f"{what} failed on {where}: a peer process may have died or stalled (collectives are "
+        f"bounded by the process-group timeout; set it with timeout= / process_group_timeout= / "
+        f"{TIMEOUT_ENV}): {exc}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# small collectives (identities without a process group)
+# ---------------------------------------------------------------------------------------------
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any | None = None) -> torch.Tensor:
+    """The reduction of ``tensor`` over the group, as a new tensor on ``tensor``'s device.
+
+    Args:
+        tensor: the local value.
+        op: "mean", "sum", "max", "min" or "product". "mean" of an integer tensor
+            gives a float tensor.
+        group: the process group (default: the default group).
+
+    Raises:
+        CollectiveError: the collective failed (a peer died or stalled).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"all_reduce takes a tensor, got {type(tensor).__name__}")
+    if op not in _REDUCE_OPS and op != "mean":
+        raise ValueError(
+            f"op must be one of 'mean', {', '.join(repr(k) for k in _REDUCE_OPS)}; got {op!r}"
+        )
+    out = tensor.detach().clone()
+    if op == "mean" and not out.is_floating_point():
+        out = out.to(torch.get_default_dtype())
+    if group_size(group) == 1:
+        return out
+    comm = out.to(comm_device(group))  # gloo reduces host tensors, NCCL GPU tensors
+    try:
+        dist.all_reduce(comm, op=_REDUCE_OPS.get(op, dist.ReduceOp.SUM), group=group)
+    except RuntimeError as exc:
+        raise collective_error(f"all_reduce({op})", exc, group) from exc
+    if op == "mean":
+        comm.div_(dist.get_world_size(group))
+    return comm.to(tensor.device)
+
+
+def barrier(group: Any | None = None, timeout: float | int | timedelta | None = None) -> None:
+    """Wait for every rank. On gloo this is ``monitored_barrier``: a rank that does not
+    arrive within ``timeout`` (default: the environment's / 30 min) is named in the error.
+
+    Raises:
+        CollectiveError: a rank did not arrive in time or the group is broken.
+    """
+    if group_size(group) == 1:
+        return
+    try:
+        if is_nccl(group):
+            dist.barrier(group=group)
+        else:
+            dist.monitored_barrier(
+                group=group, timeout=resolve_timeout(timeout), wait_all_ranks=True
+            )
+    except RuntimeError as exc:
+        raise collective_error("barrier", exc, group) from exc
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any | None = None) -> Any:
+    """Rank ``src``'s ``obj`` (any picklable object) on every rank.
+
+    Raises:
+        CollectiveError: the collective failed (a peer died or stalled).
+    """
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+    except RuntimeError as exc:
+        raise collective_error(f"broadcast_object(src={src})", exc, group) from exc
+    return box[0]
+
+
+def all_gather(tensor: torch.Tensor, group: Any | None = None) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked along a new first dimension (``[world, *shape]``).
+
+    Ranks may pass tensors whose sizes differ (not their number of dimensions or
+    dtype): they are padded with zeros to the largest size along each dimension.
+
+    Raises:
+        CollectiveError: the collective failed (a peer died or stalled).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"all_gather takes a tensor, got {type(tensor).__name__}")
+    t = tensor.detach()
+    world = group_size(group)
+    if world == 1:
+        return t.clone().unsqueeze(0)
+    dev = comm_device(group)
+    try:
+        shape = torch.tensor(list(t.shape), dtype=torch.long, device=dev)
+        shapes = [torch.empty_like(shape) for _ in range(world)]
+        dist.all_gather(shapes, shape, group=group)
+        biggest = torch.stack(shapes).max(0).values.tolist() if t.dim() else []
+        padded = torch.zeros(biggest, dtype=t.dtype, device=dev)
+        padded[tuple(slice(0, n) for n in t.shape)] = t.to(dev)
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+    except RuntimeError as exc:
+        raise collective_error("all_gather", exc, group) from exc
+    return torch.stack(parts).to(tensor.device)

@@ -1,0 +1,488 @@
+"""Master weights and gradients across ranks: bucketed gradient all-reduce
+(optionally overlapped with the backward pass through RoundPipe's grad hook),
+and broadcasting / checking the master weights.
+
+The buckets are flat host buffers: the master gradients live on the host, so
+gloo reduces them in place; an NCCL group stages each bucket through its GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .group import (
+    all_gather,
+    collective_error,
+    comm_device,
+    group_size,
+    group_timeout,
+    is_nccl,
+    resolve_timeout,
+)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "GradientAllReducer",
+    "sync_gradients",
+    "broadcast_masters",
+    "params_in_sync",
+]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""Gradient bytes per all-reduce (as DDP's ``bucket_cap_mb=25``)."""
+
+REDUCE_OPS = ("mean", "sum")
+"""How gradients combine over ranks."""
+
+_POLL_S = 0.05  # how often waiting threads look for an abort
+
+
+# ---------------------------------------------------------------------------------------------
+# weights
+# ---------------------------------------------------------------------------------------------
+def _broadcast_tensors(
+    tensors: Sequence[torch.Tensor], src: int, group: Any | None, bucket_bytes: int
+) -> None:
+    """Broadcast tensors in place, flattened into per-dtype buckets."""
+    dev = comm_device(group)
+    for bucket in _bucketize(list(tensors), bucket_bytes):
+        flat = torch.cat([t.detach().reshape(-1).to(dev) for t in bucket])
+        try:
+            dist.broadcast(flat, src=src, group=group)
+        except RuntimeError as exc:
+            raise collective_error(f"broadcast of rank {src}'s weights", exc, group) from exc
+        off = 0
+        with torch.no_grad():
+            for t in bucket:
+                n = t.numel()
+                t.copy_(flat[off : off + n].view_as(t))
+                off += n
+
+
+def broadcast_masters(
+    rp: Any, src: int = 0, group: Any | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
+    """Make every rank hold rank ``src``'s weights: the fp32 master parameters, the
+    frozen parameters and the buffers (BatchNorm statistics) of ``rp.model``; then
+    copy the masters into the model's own parameters.
+
+    Call it once after building the RoundPipe (and after loading a checkpoint on one
+    rank only), before the first step. Collective: every rank must call it.
+    """
+    if group_size(group) == 1:
+        return
+    rp.synchronize()  # no step in flight writes the masters while we overwrite them
+    tensors: list[torch.Tensor] = list(rp.optim_parameters())
+    pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+    for p in rp.model.parameters():
+        m = rp.master_param(p)
+        if m is None:
+            tensors.append(p)
+        else:
+            pairs.append((p, m))
+    tensors.extend(
+        b for b in rp.model.buffers() if b.is_floating_point() or b.dtype in (torch.long, torch.int)
+    )
+    _broadcast_tensors(tensors, src, group, bucket_bytes)
+    with torch.no_grad():
+        for p, m in pairs:
+            p.copy_(m)
+
+
+def params_in_sync(rp: Any, group: Any | None = None) -> bool:
+    """True when every rank holds bit-identical master parameters (a debugging aid:
+    one all-gather of a checksum per parameter). Collective."""
+    if group_size(group) == 1:
+        return True
+    sums = (
+        torch.stack(
+            [
+                torch.stack(
+                    [
+                        m.detach().double().sum(),
+                        m.detach().double().abs().sum(),
+                        (
+                            m.detach().double().reshape(-1)
+                            * torch.arange(1, m.numel() + 1, dtype=torch.float64)
+                        ).sum(),
+                    ]
+                )
+                for m in rp.optim_parameters()
+            ]
+        )
+        if rp.optim_parameters()
+        else torch.zeros(1, 3, dtype=torch.float64)
+    )
+    everyone = all_gather(sums, group)
+    return bool((everyone == everyone[0:1]).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# gradient all-reduce
+# ---------------------------------------------------------------------------------------------
+def _bucketize(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``params`` of one dtype, each up to ``bucket_bytes``
+    (a single larger tensor gets a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets and buckets[-1][0].dtype == p.dtype and size + nbytes <= bucket_bytes:
+            buckets[-1].append(p)
+            size += nbytes
+        else:
+            buckets.append([p])
+            size = nbytes
+    return buckets
+
+
+class _Bucket:
+    """Masters reduced together, and the flat host buffer they travel in: every
+    gradient, then one "has a gradient" count per master (so a master without a
+    gradient on every rank keeps ``grad=None``, as it would in one process)."""
+
+    def __init__(self, index: int, params: list[torch.Tensor]) -> None:
+        self.index = index
+        self.params = params
+        self.dtype = params[0].dtype
+        self.numel = sum(p.numel() for p in params)
+        self.buffer: torch.Tensor | None = None
+
+    def flatten(self) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.numel + len(self.params), dtype=self.dtype)
+        buf, off = self.buffer, 0
+        for p in self.params:
+            n = p.numel()
+            g = p.grad
+            if g is None:
+                buf[off : off + n].zero_()
+            else:
+                if g.is_sparse:
+                    raise TypeError("sparse gradients cannot be all-reduced by GradientAllReducer")
+                buf[off : off + n].copy_(g.reshape(-1))
+            off += n
+        buf[self.numel :] = torch.tensor(
+            [p.grad is not None for p in self.params], dtype=self.dtype
+        )
+        return buf
+
+    def unflatten(self, buf: torch.Tensor, divisor: int) -> None:
+        if divisor != 1:
+            buf[: self.numel].div_(divisor)
+        off = 0
+        had_grad = (buf[self.numel :] > 0).tolist()  # per param: some rank had a gradient
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                n = p.numel()
+                if had_grad[i]:
+                    part = buf[off : off + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = part.clone()
+                    else:
+                        p.grad.copy_(part)
+                off += n
+
+
+class _Round:
+    """One reduction: readiness of each bucket, the worker thread, the first error."""
+
+    def __init__(self, buckets: list[_Bucket]) -> None:
+        self.remaining = [len(b.params) for b in buckets]
+        self.ready = [threading.Event() for _ in buckets]
+        self.fired: set[int] = set()
+        self.aborted = threading.Event()
+        self.error: BaseException | None = None
+        self.misuse: RuntimeError | None = None
+        self.thread: threading.Thread | None = None
+        self.issue_times: list[float] = []
+
+    def set_all_ready(self) -> None:
+        for e in self.ready:
+            e.set()
+
+
+class GradientAllReducer:
+    """All-reduce RoundPipe's master gradients over a process group.
+
+    Buckets hold the masters in *reverse* parameter order (the deepest layers'
+    gradients are complete first) and are always all-reduced in that fixed order,
+    from one thread per round, so every rank issues the same collectives in the same
+    order whatever order the grad hooks fire in on each rank.
+
+    Usage (one optimizer step, ``k`` accumulation micro-steps)::
+
+        reducer = GradientAllReducer(rp, op="mean")
+        for i, (x, y) in enumerate(micro_batches):
+            if i == k - 1:
+                reducer.arm()          # overlap the reduction with this last backward
+            rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        reducer.finish()               # all reduced; .grad holds the mean over ranks
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=...)
+
+    Without ``arm()`` (or with ``overlap=False``), ``finish()`` reduces everything
+    then and there. ``finish()`` may follow any number of pipelined calls; it treats
+    every gradient as complete when it is called.
+
+    Args:
+        rp: the ``RoundPipe`` whose ``optim_parameters()`` gradients are reduced.
+        process_group: the group to reduce over. Default: a new gloo group of all ranks,
+            owned by this reducer, so that collectives the training loop issues on the
+            default group while a round is armed (``self.log(..., sync_dist=True)``,
+            barriers) cannot interleave with the reducer thread's -- two threads issuing
+            collectives on one group would order them differently on different ranks.
+            Creating it is collective: every rank constructs its reducers in the same order.
+            Pass a group only if nothing else uses it while a round is armed. With world
+            size 1 (or no process group) the reducer does nothing.
+        op: "mean" (divide the sum by the world size, as DDP) or "sum".
+        bucket_bytes: gradient bytes per collective.
+        overlap: register a grad hook so an armed round starts reducing a bucket as
+            soon as its gradients are complete.
+        params: the tensors whose ``.grad`` is reduced (default: all of
+            ``rp.optim_parameters()``). An optimizer's parameters (e.g. one reducer per
+            optimizer), which may include tensors outside RoundPipe that get their
+            gradients through ordinary autograd: those are reduced too, only never early.
+        timeout: bound on every collective of the reducer's own group (default: the
+            timeout :func:`init_process_group` used, else ``$ROUNDPIPE_DIST_TIMEOUT``, else
+            30 minutes). With an explicit ``process_group``: a bound on waiting for each
+            all-reduce (default: that group's own timeout).
+    """
+
+    def __init__(
+        self,
+        rp: Any,
+        process_group: Any | None = None,
+        op: str = "mean",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap: bool = True,
+        timeout: float | int | timedelta | None = None,
+        params: Iterable[torch.Tensor] | None = None,
+    ) -> None:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if not hasattr(rp, "optim_parameters") or not hasattr(rp, "register_grad_hook"):
+            raise TypeError(f"GradientAllReducer needs a RoundPipe, got {type(rp).__name__}")
+        self.rp = rp
+        self.op = op
+        self.overlap = bool(overlap)
+        self._owns_group = process_group is None and group_size(None) > 1
+        if self._owns_group:
+            inherited = group_timeout()
+            td = resolve_timeout(timeout) if timeout is not None or inherited is None else inherited
+            process_group = dist.new_group(backend="gloo", timeout=td)
+            self.timeout = None  # the group's own timeout bounds every collective
+        else:
+            self.timeout = None if timeout is None else resolve_timeout(timeout)
+        self.group = process_group
+        # fixed at construction: a reducer built before the process group stays a no-op
+        self._world_size = group_size(process_group)
+        chosen = _unique_params(rp.optim_parameters() if params is None else params)
+        params = list(reversed(chosen))
+        self.buckets = [_Bucket(i, b) for i, b in enumerate(_bucketize(params, bucket_bytes))]
+        self._slot = {id(p): b.index for b in self.buckets for p in b.params}
+        self._lock = threading.Lock()
+        self._round: _Round | None = None
+        self._remove_hook = rp.register_grad_hook(self._on_grads_ready) if self.overlap else None
+        self._closed = False
+        self.last_finish_wait_s = 0.0
+        """Seconds the last ``finish()`` blocked the caller (the exposed communication)."""
+        self.last_reduce_s = 0.0
+        """Seconds from the last round's first collective to its last result."""
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def armed(self) -> bool:
+        return self._round is not None
+
+    # -- overlap ------------------------------------------------------------------------------
+    def arm(self) -> None:
+        """Start a round now: buckets are reduced as the grad hook reports them complete.
+
+        Call it right before the *last* gradient-producing pipelined call of the
+        optimizer step (the last ``forward_backward`` / ``loss.backward()`` of the
+        accumulation window). A no-op with ``overlap=False`` or world size 1.
+
+        Raises:
+            RuntimeError: a round is already armed (call ``finish()`` first).
+        """
+        self._check_open()
+        if self._round is not None:
+            raise RuntimeError(
+                "GradientAllReducer.arm() called twice; call finish() after each arm()"
+            )
+        if not self.overlap or self.world_size == 1:
+            return
+        rnd = _Round(self.buckets)
+        rnd.thread = threading.Thread(
+            target=self._reduce, args=(rnd,), daemon=True, name="roundpipe-allreduce"
+        )
+        with self._lock:
+            self._round = rnd
+        rnd.thread.start()
+
+    def _on_grads_ready(self, masters: list[nn.Parameter]) -> None:
+        """Grad hook (a worker thread): mark masters complete; release full buckets."""
+        with self._lock:
+            rnd = self._round
+            if rnd is None:
+                return
+            for m in masters:
+                slot = self._slot.get(id(m))
+                if slot is None:
+                    continue
+                if id(m) in rnd.fired:
+                    if rnd.misuse is None:
+                        rnd.misuse = RuntimeError(
+                            "a master gradient changed after its all-reduce had started: arm() must come "
+                            "right before the LAST backward (forward_backward) of the optimizer step, "
+                            "not earlier in the accumulation window"
+                        )
+                    continue
+                rnd.fired.add(id(m))
+                rnd.remaining[slot] -= 1
+                if rnd.remaining[slot] == 0:
+                    rnd.ready[slot].set()
+
+    # -- the reduction --------------------------------------------------------------------------
+    def _reduce(self, rnd: _Round) -> None:
+        """Issue one async all-reduce per bucket in the fixed order, then wait for each
+        and write the result back into ``.grad``. Errors are kept for ``finish()``."""
+        try:
+            # An asynchronous optimizer step still in flight reads and clears the grads.
+            # Accumulating a gradient waits for it, but a master of a stage that produced
+            # no gradient at all is reported without that wait: wait here too.
+            self.rp.wait_step()
+            pending = []
+            for b in self.buckets:
+                while not rnd.ready[b.index].wait(_POLL_S):
+                    if rnd.aborted.is_set():
+                        return
+                if rnd.aborted.is_set():
+                    return  # do not issue a collective our peers may never match
+                buf = b.flatten()
+                if is_nccl(self.group):
+                    buf = buf.to(comm_device(self.group), non_blocking=True)
+                if not rnd.issue_times:
+                    rnd.issue_times.append(time.perf_counter())
+                work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                pending.append((b, buf, work))
+            divisor = self.world_size if self.op == "mean" else 1
+            for b, buf, work in pending:
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
+                b.unflatten(buf.cpu() if buf.device.type != "cpu" else buf, divisor)
+            if rnd.issue_times:
+                rnd.issue_times.append(time.perf_counter())
+        except BaseException as exc:  # noqa: BLE001 - handed to finish() on the caller's thread
+            rnd.error = rnd.error or exc
+
+    def finish(self) -> None:
+        """Complete the reduction; on return every master's ``.grad`` is the sum (or
+        mean) over ranks. Treats all gradients as complete now. Collective: every rank
+        must call it once per optimizer step, skipped steps included.
+
+        Raises:
+            RuntimeError: a collective failed or timed out (a peer died or stalled), or
+                the overlap was armed too early; the original error is chained.
+        """
+        self._check_open()
+        start = time.perf_counter()
+        with self._lock:
+            rnd, self._round = self._round, None
+        if self.world_size == 1:
+            return
+        if rnd is None:
+            rnd = _Round(self.buckets)
+            rnd.set_all_ready()
+            self._reduce(rnd)
+        else:
+            rnd.set_all_ready()
+            assert rnd.thread is not None
+            while rnd.thread.is_alive():
+                rnd.thread.join(0.5)  # short joins keep Ctrl-C working
+        self.last_finish_wait_s = time.perf_counter() - start
+        self.last_reduce_s = (
+            rnd.issue_times[-1] - rnd.issue_times[0] if len(rnd.issue_times) == 2 else 0.0
+        )
+        if rnd.misuse is not None:
+            raise rnd.misuse
+        if rnd.error is not None:
+            raise collective_error("gradient all-reduce", rnd.error, self.group) from rnd.error
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this GradientAllReducer is closed; make a new one")
+
+    def abort(self) -> None:
+        """Drop an armed round without issuing any further collective (after a failed
+        pipelined call). Peers waiting on this rank fail at the group's timeout."""
+        with self._lock:
+            rnd, self._round = self._round, None
+        if rnd is not None:
+            rnd.aborted.set()
+            rnd.set_all_ready()
+
+    def close(self) -> None:
+        """Abort any armed round, remove the grad hook and free the reducer's own group."""
+        self._closed = True
+        self.abort()
+        if self._remove_hook is not None:
+            self._remove_hook()
+            self._remove_hook = None
+        if self._owns_group and self.group is not None:
+            group, self.group = self.group, None
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError, AssertionError):
+                pass  # the default group is already gone (teardown order); nothing left to free
+
+    def __enter__(self) -> GradientAllReducer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params must be tensors (parameters), got {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def sync_gradients(
+    rp: Any, group: Any | None = None, op: str = "mean", bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
+    """All-reduce ``rp``'s master gradients now (no overlap). Collective.
+
+    Equivalent to ``GradientAllReducer(rp, group, op, overlap=False).finish()`` on the
+    default group (called from the training loop's own thread, so no group of its own
+    is needed -- and creating one every step would cost a rendezvous).
+    """
+    if group is None and group_size(None) > 1:
+        group = dist.group.WORLD
+    reducer = GradientAllReducer(rp, group, op=op, bucket_bytes=bucket_bytes, overlap=False)
+    try:
+        reducer.finish()
+    finally:
+        reducer.close()

@@ -1,0 +1,242 @@
+"""Checks and conversions of RoundPipeStrategy's set-up: its constructor arguments,
+what ``configure_sequential()`` returns, and the optimizers it points at the masters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from roundpipe_core import RoundPipe
+
+__all__ = [
+    "parse_dtype",
+    "check_bool",
+    "check_choice",
+    "check_num_microbatch",
+    "check_type",
+    "check_pool_devices",
+    "sequential_of",
+    "adopt_optimizer",
+    "op_name",
+    "reaches_params",
+]
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``torch.float32`` or a name ("float32", "torch.bfloat16", "bf16") -> dtype (YAML/CLI friendly)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+        raise ValueError(
+            f"optim_dtype={value!r} is not a floating dtype name; use e.g. 'float32', 'bfloat16' or 'float16'"
+        )
+    raise TypeError(
+        f"optim_dtype must be a torch.dtype, a dtype name or None, got {type(value).__name__}"
+    )
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool. No ``bool()`` coercion: ``"False"`` would become True."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"RoundPipeStrategy({name}={value!r}): {name} must be True or False (a bool), got "
+            f"{type(value).__name__}; in YAML write true / false without quotes"
+        )
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    """``value`` if it is one of ``choices`` (a clear TypeError / ValueError otherwise)."""
+    kinds = {type(c) for c in choices if c is not None}
+    if value is not None and not isinstance(value, tuple(kinds)):
+        raise TypeError(
+            f"RoundPipeStrategy({name}={value!r}): {name} must be one of {choices}, got "
+            f"{type(value).__name__}"
+        )
+    if value not in choices:
+        raise ValueError(f"RoundPipeStrategy({name}={value!r}): {name} must be one of {choices}")
+    return value
+
+
+def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
+    """Call ``configure_sequential()`` and check what it returned.
+
+    Returns:
+        ``(network, original)``: the module RoundPipe wraps and, when a preset converted
+        a Hugging Face model, that model (else None).
+    """
+    hook = getattr(lm, "configure_sequential", None)
+    if hook is None or not callable(hook):
+        raise TypeError(
+            f"{type(lm).__name__} has no configure_sequential() method, which RoundPipeStrategy needs. "
+            "Add one that returns the network as an nn.Sequential of layers, e.g.\n"
+            "    def configure_sequential(self):\n"
+            "        return self.net  # nn.Sequential(embedding, block, ..., head)"
+        )
+    net = hook()
+    if isinstance(net, RoundPipe):
+        raise TypeError(
+            "configure_sequential() returned a RoundPipe; return the plain nn.Sequential (or "
+            "Hugging Face model) instead -- RoundPipeStrategy wraps it and sets self.roundpipe"
+        )
+    if not isinstance(net, nn.Module):
+        raise TypeError(
+            f"configure_sequential() must return an nn.Module (an nn.Sequential of layers), got "
+            f"{type(net).__name__}"
+        )
+    if net is lm:
+        raise ValueError(
+            "configure_sequential() returned the LightningModule itself; return the network "
+            "submodule (e.g. self.net), an nn.Sequential of layers"
+        )
+    if not any(m is net for m in lm.modules()):
+        raise ValueError(
+            "configure_sequential() must return a submodule of the LightningModule (assign it in "
+            "__init__, e.g. self.net = nn.Sequential(...), and return self.net) so that its weights "
+            "are part of the module's state_dict and its checkpoints"
+        )
+    if isinstance(net, nn.Sequential):
+        if len(net) == 0:
+            raise ValueError(
+                "configure_sequential() returned an empty nn.Sequential; give it layers"
+            )
+        return net, None
+    from roundpipe_core.presets import convert_to_sequential, find_preset, unwrap_peft
+
+    if find_preset(unwrap_peft(net)) is not None:
+        return convert_to_sequential(net), net
+    rank_zero_warn(
+        f"configure_sequential() returned a {type(net).__name__}, not an nn.Sequential and no preset "
+        "converts it: RoundPipe runs it as a single layer (no pipelining). Return an nn.Sequential of "
+        "layers to pipeline it."
+    )
+    return net, None
+
+
+def adopt_optimizer(
+    opt: Optimizer, rp: RoundPipe, real_zero_grad: dict[int, Callable[..., None]]
+) -> None:
+    """Point ``opt`` at ``rp``'s master copies and defer its ``zero_grad`` to the RoundPipe
+    step (its own ``zero_grad`` is kept in ``real_zero_grad[id(opt)]``).
+
+    Lightning zeroes the gradients *after* ``training_step`` in automatic optimization,
+    which would wipe what ``forward_backward`` just produced; the queued step clears them
+    right after the update instead.
+    """
+    if isinstance(opt, torch.optim.LBFGS):
+        raise TypeError(
+            "LBFGS re-evaluates the loss inside optimizer.step(), which RoundPipe's (asynchronous) "
+            "step cannot do; choose another optimizer"
+        )
+    masters = {}
+    for p in rp.model.parameters():
+        m = rp.master_param(p)
+        if m is not None:
+            masters[id(p)] = m
+    adopted = 0
+    for group in opt.param_groups:
+        new, seen = [], set()
+        for p in group["params"]:
+            m = masters.get(id(p), p)
+            adopted += m is not p
+            if id(m) not in seen:
+                seen.add(id(m))
+                new.append(m)
+        group["params"] = new
+    if adopted == 0 and any(len(g["params"]) for g in opt.param_groups) and masters:
+        rank_zero_warn(
+            f"{type(opt).__name__} holds none of the parameters of configure_sequential()'s network; "
+            "RoundPipe will not train it. Build it from self.parameters()."
+        )
+    if id(opt) not in real_zero_grad:
+        real_zero_grad[id(opt)] = opt.zero_grad
+
+        def deferred_zero_grad(set_to_none: bool = True) -> None:
+            """Gradients are cleared by the RoundPipe step right after the update."""
+
+        opt.zero_grad = deferred_zero_grad  # type: ignore[method-assign]
+
+
+def op_name(reduce_op: ReduceOp | str | None) -> str:
+    """Lightning's ``reduce_op`` ("mean", "avg", "sum", ``ReduceOp.SUM``, None) as the
+    op name of :func:`roundpipe_core.distributed.all_reduce`."""
+    if reduce_op is None:
+        return "sum"
+    name = reduce_op if isinstance(reduce_op, str) else str(getattr(reduce_op, "name", reduce_op))
+    name = name.lower().rsplit(".", 1)[-1]
+    return {"avg": "mean", "prod": "product"}.get(name, name)
+
+
+def reaches_params(loss: Tensor, params: set[int]) -> bool:
+    """Whether ``loss``'s autograd graph accumulates into one of ``params`` (by id)."""
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
+        if var is not None and id(var) in params:
+            return True
+        stack.extend(f for f, _ in fn.next_functions)
+    return False
+
+
+def check_num_microbatch(value: Any) -> int | None:
+    """``value`` if it is None or an int >= 1."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(
+            f"RoundPipeStrategy(num_microbatch={value!r}): num_microbatch must be a positive int "
+            f"or None, got {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(
+            f"RoundPipeStrategy(num_microbatch={value!r}): num_microbatch must be >= 1 (or None "
+            "for devices + 1)"
+        )
+    return value
+
+
+def check_type(name: str, value: Any, types: tuple[type, ...], accepted: str) -> None:
+    """A TypeError naming ``name`` unless ``value`` is None or one of ``types``."""
+    if value is not None and not isinstance(value, types):
+        raise TypeError(
+            f"RoundPipeStrategy({name}=...): {name} must be None or {accepted}, got "
+            f"{type(value).__name__}"
+        )
+
+
+def check_pool_devices(devices: list[torch.device]) -> list[torch.device]:
+    """``devices`` if they are all CPU workers or all CUDA GPUs."""
+    kinds = {d.type for d in devices}
+    if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
+        raise ValueError(
+            f"RoundPipeStrategy runs on CPU workers or CUDA GPUs, got devices {devices}; "
+            "use Trainer(accelerator='cpu' or 'gpu', devices=N)"
+        )
+    return devices

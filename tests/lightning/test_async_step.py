@@ -1,0 +1,149 @@
+"""``async_step=True``: the queued optimizer step is the one plain Lightning would take
+(its own hyperparameters, one step stale as documented), users never read weights a
+step behind, and a failed step is not counted."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from rpl_helpers import BATCH, SeqModule, build_net, loader, max_rel_err, params_of, rp_trainer
+
+TOL = 1e-5
+STEPS = 5
+LR_FACTORS = [1.0, 0.1, 2.0, 0.5, 3.0, 0.2, 1.5]
+
+
+def lr_lambda(step: int) -> float:
+    return LR_FACTORS[step % len(LR_FACTORS)]
+
+
+def slow_start(optimizer, args, kwargs) -> None:
+    # the queued step starts only after Lightning has stepped the scheduler on the main
+    # thread: a step that read the live param_groups would get the next step's lr
+    time.sleep(0.02)
+
+
+class PerStepSchedule(SeqModule):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        opt.register_step_pre_hook(slow_start)
+        sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+
+def stale_one_reference(steps: int) -> dict[str, torch.Tensor]:
+    """Plain PyTorch with RoundPipe's documented async semantics: the gradient of
+    iteration k is taken at the weights after step k-2, and step k uses the learning
+    rate the scheduler gives step k."""
+    net = build_net(0)
+    compute = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    for k, (x, y) in enumerate(loader()):
+        if k == steps:
+            break
+        compute.zero_grad()
+        (((compute(x) - y) ** 2).sum() / BATCH).backward()
+        for p, q in zip(net.parameters(), compute.parameters()):
+            p.grad = q.grad.clone()
+        before = copy.deepcopy(net.state_dict())
+        opt.step()
+        opt.zero_grad()
+        sch.step()
+        compute.load_state_dict(before)
+    return {f"net.{n}": p.detach().clone() for n, p in net.named_parameters()}
+
+
+def test_queued_step_uses_its_own_learning_rate() -> None:
+    runs = []
+    for _ in range(2):
+        m = PerStepSchedule()
+        rp_trainer(max_steps=STEPS, async_step=True).fit(m, loader())
+        runs.append(params_of(m))
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), f"{name}: seeded runs differ"
+    assert max_rel_err(runs[0], stale_one_reference(STEPS)) <= TOL
+
+
+class WeightReader(L.Callback):
+    """Records, at each hook where users read weights, whether the module's weights
+    are already those of every step taken so far."""
+
+    def __init__(self) -> None:
+        self.stale: list[str] = []
+
+    def _check(self, hook: str, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        seen = params_of(pl_module)
+        trainer.strategy.roundpipe.synchronize()
+        if max_rel_err(seen, params_of(pl_module)) != 0.0:
+            self.stale.append(hook)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._check("callback.on_train_epoch_end", trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._check("callback.on_train_end", trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._check("callback.on_validation_start", trainer, pl_module)
+
+
+class ReadsWeights(SeqModule):
+    def __init__(self, reader: WeightReader, **kw) -> None:
+        super().__init__(**kw)
+        self.reader = reader
+
+    def on_train_epoch_end(self) -> None:
+        self.reader._check("module.on_train_epoch_end", self.trainer, self)
+
+    def on_train_end(self) -> None:
+        self.reader._check("module.on_train_end", self.trainer, self)
+
+
+def test_hooks_never_see_weights_a_step_behind() -> None:
+    reader = WeightReader()
+    m = ReadsWeights(reader)
+    t = rp_trainer(
+        max_epochs=2, async_step=True, callbacks=[reader], val_check_interval=3, limit_val_batches=1
+    )
+    t.fit(m, loader(), loader())
+    assert reader.stale == []
+
+
+class FailsAtThirdStep(SeqModule):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        calls = {"n": 0}
+        real_step = opt.step
+
+        def step(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("optimizer blew up")
+            return real_step(*a, **k)
+
+        opt.step = step
+        return opt
+
+
+def test_failed_async_step_is_not_counted_in_the_exception_checkpoint(tmp_path: Path) -> None:
+    m = FailsAtThirdStep()
+    saver = OnExceptionCheckpoint(dirpath=tmp_path, filename="on_exception")
+    with pytest.raises(RuntimeError, match="optimizer blew up"):
+        rp_trainer(max_steps=6, async_step=True, callbacks=[saver], enable_checkpointing=True).fit(
+            m, loader()
+        )
+    ckpt = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    # two steps were applied to the weights it holds
+    assert ckpt["global_step"] == 2
+    ref = SeqModule(optimizer="sgd", lr=0.1)
+    ref.configure_optimizers = lambda: torch.optim.SGD(ref.parameters(), lr=0.1)
+    rp_trainer(max_steps=2, async_step=True).fit(ref, loader())
+    want = params_of(ref)
+    assert max_rel_err({k: v.float() for k, v in ckpt["state_dict"].items()}, want) == 0.0
