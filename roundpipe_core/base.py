@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checks import check_not_compiled_in_place
 from .devices import memory
 from .devices.pool import DevicePool
 from .kinds import PinMode, parse_kind
@@ -127,6 +128,7 @@ class RoundPipeBase(nn.Module):
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
+        check_not_compiled_in_place(layers)
         object.__setattr__(self, "layers", layers)
         object.__setattr__(
             self, "_original_model", original_model if original_model is not None else model

@@ -35,7 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ForwardRuleChecker", "check_forward_rules", "find_shared_buffers"]
+__all__ = [
+    "ForwardRuleChecker",
+    "check_forward_rules",
+    "check_not_compiled_in_place",
+    "find_shared_buffers",
+]
 
 # Keys every nn.Module has in its __dict__: the engine and PyTorch manage them.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training"}
@@ -181,3 +186,24 @@ class ForwardRuleChecker:
             return run()
         shared = self.shared[layer_index] if layer_index < len(self.shared) else set()
         return check_forward_rules(layer_index, module, run, shared, self.error)
+
+
+def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
+    """Refuse layers compiled in place (``module.compile()``).
+
+    The compiled function is bound to the host module, while devices run copies of
+    each layer: the copies would silently run uncompiled (or the host module itself).
+    ``torch.compile(module)`` returns a new module that copies with its compilation.
+
+    Raises:
+        ValueError: naming the first such module and the fix.
+    """
+    for i, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                where = f"layer {i}" + (f" (submodule {name!r})" if name else "")
+                raise ValueError(
+                    f"{where} was compiled in place with .compile(), which RoundPipe's "
+                    "per-device copies cannot keep; compile it as a new module instead "
+                    "(layers[i] = torch.compile(layer)) before wrapping"
+                )

@@ -27,7 +27,7 @@ from torch import nn
 from . import batch as batching
 from .autograd import AutogradForward, PipelineOps
 from .base import OptimizerCtx, RoundPipeBase
-from .checks import ForwardRuleChecker
+from .checks import ForwardRuleChecker, check_not_compiled_in_place
 from .config import RoundPipeRunConfig, batch_extent, check_run_config, default_loss_fn
 from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
 from .pipelined import (
@@ -214,6 +214,8 @@ class RoundPipe(RoundPipeBase):
 
     # -- call set-up -------------------------------------------------------------------------
     def _config(self, run_config: RoundPipeRunConfig | None) -> RoundPipeRunConfig:
+        # every call, before compute: .compile() may be called on a layer after wrapping
+        check_not_compiled_in_place(self.layers)
         if run_config is None:
             return self.model_run_config
         return check_run_config(run_config).merged_over(self.model_run_config)

@@ -385,3 +385,18 @@ def test_default_plan_is_made_for_the_microbatches_the_batch_gives(monkeypatch) 
         assert_grads_match(rp, ref)
     finally:
         rp.close()
+
+
+def test_layers_compiled_in_place_are_refused() -> None:
+    model = mlp()
+    model[2].compile()  # the compiled function stays bound to the host module
+    with pytest.raises(ValueError, match=r"layer 2 .*compiled in place.*torch\.compile"):
+        RoundPipe(model, devices="cpu:2")
+    model = mlp()
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        model[1][0].compile()  # after wrapping: refused at the next call, before compute
+        with pytest.raises(ValueError, match=r"layer 1 \(submodule '0'\)"):
+            rp(torch.randn(3, 8))
+    finally:
+        rp.close()

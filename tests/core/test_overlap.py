@@ -208,7 +208,7 @@ def test_a_failed_pipelined_iteration_surfaces_and_the_next_call_works(surface):
         assert torch.isfinite(p.result(timeout=30))
         assert torch.isfinite(rp.forward_backward((x,), label=y, loss_fn=sum_sq))
         rp.synchronize()
-        for _, q, m in rp._masters:
+        for _, q, m in rp.masters.entries:
             assert torch.equal(q.detach(), m.detach())
             assert torch.isfinite(q).all()
     finally:
