@@ -172,7 +172,7 @@ def test_heavy_layer_isolated_after_warm_up():
         return nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width))
 
     layers = [block(width) for _ in range(8)]
-    layers[3] = _Slow(block(width), 0.03)
+    layers[3] = _Slow(block(width), 0.006)
     rp = RoundPipe(nn.Sequential(*layers), devices="cpu:4")
     try:
         x, y = torch.randn(1000, width), torch.randn(1000, width)
