@@ -49,6 +49,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -60,6 +61,12 @@ from torch.optim import Optimizer
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 
 from ._engine import LightningRoundPipe
+from .checkpoint_io import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_KEY,
+    StreamingCheckpointIO,
+    check_roundpipe_section,
+)
 from .distributed import DataParallel
 from .plans import resolve_execute_plan
 from .precision import (
@@ -73,9 +80,6 @@ from .precision import (
 log = logging.getLogger(__name__)
 
 _MISSING = object()
-
-CHECKPOINT_KEY = "roundpipe"
-CHECKPOINT_FORMAT = 1
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -571,6 +575,21 @@ class RoundPipeStrategy(ParallelStrategy):
         self._sync_weights()
 
     # -- checkpoints ------------------------------------------------------------------------------------
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Streaming, atomic saves and memory-mapped loads (:class:`StreamingCheckpointIO`)
+        unless a ``checkpoint_io`` was passed to the strategy or the Trainer's plugins."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = StreamingCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
+            self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._sync_weights()
         return super().lightning_module_state_dict()
@@ -594,11 +613,12 @@ class RoundPipeStrategy(ParallelStrategy):
     def roundpipe_state_dict(self) -> dict[str, Any]:
         """What the strategy adds to a checkpoint under ``checkpoint["roundpipe"]``:
         master weights that differ in dtype from the model's (fp32 masters of a
-        half-precision model), the loss scaler and the layer timer."""
+        half-precision model), the loss scaler and the layer timer.
+
+        The masters are the live tensors, not copies (host memory holds one of each):
+        the step is drained here and nothing updates them until the save returns."""
         self._sync_weights()
-        masters = {
-            name: m.detach().clone() for name, p, m in self._named_masters() if m.dtype != p.dtype
-        }
+        masters = {name: m.detach() for name, p, m in self._named_masters() if m.dtype != p.dtype}
         state: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
         if self._loss_scaler is not None:
             state["loss_scaler"] = self._loss_scaler.state_dict()
@@ -615,9 +635,12 @@ class RoundPipeStrategy(ParallelStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._sync_weights()
+        section = checkpoint.get(CHECKPOINT_KEY)
+        # checked before anything is loaded, so a bad file leaves the model as it was
+        params = {name: p for name, p, _ in self._named_masters()}
+        saved = check_roundpipe_section(section, params, strict=strict)
+        state = section or {}
         super().load_model_state_dict(checkpoint, strict=strict)
-        state = checkpoint.get(CHECKPOINT_KEY) or {}
-        saved = state.get("masters", {})
         with torch.no_grad():
             for name, p, m in self._named_masters():
                 src = saved.get(name)
