@@ -184,12 +184,20 @@ def child_lightning(
     peaks: dict[str, int] = {}
 
     class Phases(L.Callback):
+        """Training peak up to the last step, then the peak of a checkpoint saved there
+        (where ModelCheckpoint saves: all training state alive); on resume, the peak of
+        setup + restore up to the first step."""
+
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             peaks.setdefault("restore", _peak() - base)
             _reset_peak()
 
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            peaks.setdefault("train", _peak() - base)
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == steps and "train" not in peaks:
+                peaks["train"] = _peak() - base
+                _reset_peak()
+                trainer.save_checkpoint(ckpt)
+                peaks["save"] = _peak() - base
 
     x, y = _data(width, "fp32")
     data = DataLoader(TensorDataset(x.repeat(4, 1), y.repeat(4, 1)), batch_size=24)
@@ -206,16 +214,14 @@ def child_lightning(
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
+            callbacks=[Phases()],
         )
 
     base = _rss()
     _reset_peak()
     t = trainer(steps)
     t.fit(Lit(), data)
-    train_peak = peaks["train"]
-    _reset_peak()
-    t.save_checkpoint(ckpt)
-    save_peak = _peak() - base
+    train_peak, save_peak = peaks["train"], peaks["save"]
     del t
     import gc
 
@@ -233,9 +239,36 @@ def child_lightning(
     }
 
 
+def child_matmul(size: int, seconds: float) -> dict[str, Any]:
+    """Single-thread matmul throughput in fp32 and bf16 (GFLOP/s) under this process's
+    oneDNN ISA cap (``ONEDNN_MAX_CPU_ISA``), and whether oneDNN has bf16 kernels."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {
+        "isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native"),
+        "bf16_kernels": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    }
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(size, size).to(dt), torch.randn(size, size).to(dt)
+        a @ b
+        k, start = 0, time.perf_counter()
+        while True:
+            a @ b
+            k += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds and k >= 2:
+                break
+        out[name] = 2 * size**3 * k / elapsed / 1e9
+    return out
+
+
 # -- driver ------------------------------------------------------------------------------------------
-def _run_child(args: list[str]) -> dict[str, Any]:
+def _run_child(args: list[str], extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     env = dict(os.environ)
+    env.update(extra_env or {})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
@@ -255,12 +288,32 @@ def _summary(values: list[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(med)} ({fmt.format(min(values))}..{fmt.format(max(values))})"
 
 
+def _precision(rounds: int) -> None:
+    """bf16 vs fp32 matmul speed on this CPU as it is, and with oneDNN capped to the
+    instruction sets of CPUs without bf16 support (AVX512 without BF16; AVX2 only)."""
+    caps = ["native", "AVX512_CORE", "AVX2"]
+    res: dict[str, list[dict[str, Any]]] = {c: [] for c in caps}
+    for _ in range(rounds):
+        for cap in caps:
+            env = {} if cap == "native" else {"ONEDNN_MAX_CPU_ISA": cap}
+            res[cap].append(_run_child(["--child", "matmul", "1024", "1.0"], env))
+    print("\n== matmul 1024x1024, one thread: bf16 speed / fp32 speed ==")
+    print(
+        f"{'oneDNN ISA':12} {'bf16 kernels':>12} {'fp32 GFLOP/s':>14} {'bf16 GFLOP/s':>14} {'bf16 / fp32':>22}"
+    )
+    for cap, rows in res.items():
+        print(
+            f"{cap:12} {str(rows[0]['bf16_kernels']):>12} {statistics.median(r['fp32'] for r in rows):14.1f} "
+            f"{statistics.median(r['bf16'] for r in rows):14.2f} {_summary([r['bf16'] / r['fp32'] for r in rows]):>22}"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line and run the requested parts (or one child measurement)."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--part", choices=["budget", "checkpoint", "all"], default="all")
+    p.add_argument("--part", choices=["budget", "checkpoint", "precision", "all"], default="all")
     p.add_argument(
         "--width", type=int, default=1536, help="block width (1536 x 8 blocks ~ 151M params)"
     )
@@ -270,8 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        kind, dtype = a.child[0], a.child[1]
-        if kind == "core":
+        kind, dtype = a.child[0], a.child[1] if len(a.child) > 1 else ""
+        if kind == "matmul":
+            out = child_matmul(int(a.child[1]), float(a.child[2]))
+        elif kind == "core":
             out = child_core(a.width, a.blocks, dtype, a.steps)
         elif kind == "plain":
             out = child_plain(a.width, a.blocks, dtype, a.steps)
@@ -279,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
             out = child_lightning(a.width, a.blocks, dtype, a.steps, a.child[2], a.child[3])
         print(json.dumps(out))
         return
+    if a.part in ("precision", "all"):
+        _precision(a.rounds)
     common = ["--width", str(a.width), "--blocks", str(a.blocks), "--steps", str(a.steps)]
     if a.part in ("budget", "all"):
         res: dict[tuple[str, str], list[dict[str, Any]]] = {}
