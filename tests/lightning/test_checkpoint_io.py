@@ -316,3 +316,9 @@ def test_bad_section_leaves_the_running_model_as_it_was(tmp_path: Path) -> None:
     # (bf16-true cast the module at setup, before the failed restore)
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, before[k].to(v.dtype)), k
+
+
+def test_legacy_format_file_loads_without_mmap(tmp_path: Path) -> None:
+    path = tmp_path / "legacy.ckpt"
+    torch.save({"a": torch.arange(5)}, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(StreamingCheckpointIO().load_checkpoint(path)["a"], torch.arange(5))
