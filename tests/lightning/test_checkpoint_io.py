@@ -322,3 +322,22 @@ def test_legacy_format_file_loads_without_mmap(tmp_path: Path) -> None:
     path = tmp_path / "legacy.ckpt"
     torch.save({"a": torch.arange(5)}, path, _use_new_zipfile_serialization=False)
     assert torch.equal(StreamingCheckpointIO().load_checkpoint(path)["a"], torch.arange(5))
+
+
+def test_host_memory_budget_from_a_callback_as_documented() -> None:
+    """docs/host-memory.md: the budget read at on_fit_start counts the optimizer's masters."""
+    from roundpipe_core.host_memory import check_host_memory, estimate_host_memory
+
+    seen = {}
+
+    class Budget(L.Callback):
+        def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            budget = estimate_host_memory(pl_module.roundpipe, optimizer=list(trainer.optimizers))
+            check_host_memory(budget)
+            seen["budget"] = budget
+
+    m = SeqModule()
+    rp_trainer(max_steps=1, callbacks=[Budget()]).fit(m, loader())
+    n = sum(p.numel() for p in m.parameters())
+    b = seen["budget"]
+    assert b.num_params == n and b.optimizer_state == 8 * n and b.masters == 4 * n
