@@ -40,6 +40,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -51,6 +52,7 @@ from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
+from roundpipe_core.host_memory import check_host_memory, estimate_host_memory
 
 from ._setup import (
     adopt_optimizer,
@@ -66,6 +68,12 @@ from ._setup import (
 )
 from ._step import QueuedStep, mark_step_requested, release, uncount_last_step
 from .callbacks import FlushWeights
+from .checkpoint_io import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_KEY,
+    StreamingCheckpointIO,
+    check_roundpipe_section,
+)
 from .plans import resolve_execute_plan
 from .precision import LossScaler, RoundPipePrecision
 
@@ -74,9 +82,6 @@ __all__ = ["RoundPipeStrategy", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
 log = logging.getLogger(__name__)
 
 _MISSING = object()
-
-CHECKPOINT_KEY = "roundpipe"
-CHECKPOINT_FORMAT = 1
 
 
 def _raw(opt: Any) -> Optimizer:
@@ -309,6 +314,14 @@ class RoundPipeStrategy(ParallelStrategy):
             callbacks.insert(0, self._flush_callback)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            # refuse, with numbers, a run whose state cannot fit in host memory
+            budget = estimate_host_memory(
+                self.roundpipe,
+                optimizer=[_raw(o) for o in self.optimizers],
+                num_microbatch=self.num_microbatch,
+            )
+            log.info("RoundPipe host memory:\n%s", budget)
+            check_host_memory(budget)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
             self._dp.attach(self.roundpipe, self.optimizers)
         self.setup_precision_plugin()
@@ -496,6 +509,21 @@ class RoundPipeStrategy(ParallelStrategy):
         self._sync_weights()
 
     # -- checkpoints ------------------------------------------------------------------------------------
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Streaming, atomic saves and memory-mapped loads (:class:`StreamingCheckpointIO`)
+        unless a ``checkpoint_io`` was passed to the strategy or the Trainer's plugins."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = StreamingCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
+            self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._sync_weights()
@@ -521,11 +549,12 @@ class RoundPipeStrategy(ParallelStrategy):
     def roundpipe_state_dict(self) -> dict[str, Any]:
         """What the strategy adds to a checkpoint under ``checkpoint["roundpipe"]``:
         master weights that differ in dtype from the model's (fp32 masters of a
-        half-precision model), the loss scaler and the layer timer."""
+        half-precision model), the loss scaler and the layer timer.
+
+        The masters are the live tensors, not copies (host memory holds one of each):
+        the step is drained here and nothing updates them until the save returns."""
         self._sync_weights()
-        masters = {
-            name: m.detach().clone() for name, p, m in self._named_masters() if m.dtype != p.dtype
-        }
+        masters = {name: m.detach() for name, p, m in self._named_masters() if m.dtype != p.dtype}
         state: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
         if self._loss_scaler is not None:
             state["loss_scaler"] = self._loss_scaler.state_dict()
@@ -544,9 +573,12 @@ class RoundPipeStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._sync_weights()
+        section = checkpoint.get(CHECKPOINT_KEY)
+        # checked before anything is loaded, so a bad file leaves the model as it was
+        params = {name: p for name, p, _ in self._named_masters()}
+        saved = check_roundpipe_section(section, params, strict=strict)
+        state = section or {}
         super().load_model_state_dict(checkpoint, strict=strict)
-        state = checkpoint.get(CHECKPOINT_KEY) or {}
-        saved = state.get("masters", {})
         with torch.no_grad():
             for name, p, m in self._named_masters():
                 src = saved.get(name)

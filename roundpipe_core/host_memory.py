@@ -1,0 +1,484 @@
+"""The host-memory budget of a RoundPipe run, before it starts.
+
+RoundPipe keeps the whole training state in host RAM, so host RAM decides how
+large a model a machine can train. :func:`estimate_host_memory` adds up what a
+run holds at its peak, line by line:
+
+========================  ==========================================================
+weights                   the model's parameters and buffers (model dtype)
+masters                   the optimizer's copies of the trainable parameters
+                          (``optim_dtype``); none where they share the weights' storage
+gradients                 one gradient per master (``optim_dtype``)
+optimizer state           states per parameter x master size: Adam/AdamW 2, SGD with
+                          momentum 1, without 0, ... (see :data:`OPTIMIZER_STATES`)
+pinned buffers            CUDA only: slab rounding of ``pin_model="alloc"`` and the
+                          pinned gradient-download buffers
+worker stage copies       CPU workers only: each worker's copy of the stage it runs,
+                          its gradients and the prefetched next stage (from the plan)
+activations               stage-boundary activations kept for recompute (if given)
+========================  ==========================================================
+
+:func:`check_host_memory` compares what is still to be allocated with what the
+machine has available (``psutil``, else ``/proc/meminfo`` ``MemAvailable``, and a
+cgroup v2 limit when one is set) and raises :class:`HostMemoryError` with the
+table when it does not fit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "HostMemoryBudget",
+    "HostMemoryError",
+    "available_host_memory",
+    "check_host_memory",
+    "estimate_host_memory",
+    "optimizer_states_per_param",
+]
+
+#: Parameter-sized state tensors each optimizer keeps (torch.optim defaults; the scalar
+#: ``step`` counters are negligible). Options that add states are handled by
+#: :func:`optimizer_states_per_param`.
+OPTIMIZER_STATES: dict[str, int] = {
+    "adam": 2,
+    "adamw": 2,
+    "adamax": 2,
+    "nadam": 2,
+    "radam": 2,
+    "sparseadam": 2,
+    "adadelta": 2,
+    "rprop": 2,
+    "adagrad": 1,
+    "asgd": 1,
+    "rmsprop": 1,
+    "sgd": 0,
+}
+
+
+class HostMemoryError(ValueError, MemoryError):
+    """The run needs more host memory than the machine has available.
+
+    A ``ValueError`` (a configuration that cannot work) and a ``MemoryError``.
+    """
+
+
+def optimizer_states_per_param(optimizer: Any) -> int:
+    """Parameter-sized state tensors ``optimizer`` keeps per parameter.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` instance (its options are read: SGD
+            ``momentum``, Adam ``amsgrad``, RMSprop ``momentum``/``centered``), an
+            optimizer class, or a name such as ``"adamw"`` or ``"sgd"``.
+
+    Raises:
+        ValueError: for an optimizer this table does not know (pass
+            ``optimizer_states=N`` to :func:`estimate_host_memory` instead).
+        TypeError: for anything else.
+    """
+    defaults: dict[str, Any] = {}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        name = type(optimizer).__name__
+        groups = optimizer.param_groups or [optimizer.defaults]
+        defaults = {
+            k: any(bool(g.get(k)) for g in groups) for k in ("momentum", "amsgrad", "centered")
+        }
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        name = optimizer.__name__
+    elif isinstance(optimizer, str):
+        name = optimizer
+    else:
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, its class or a name such as 'adamw', "
+            f"got {type(optimizer).__name__}"
+        )
+    key = name.lower().replace("_", "").replace("-", "")
+    if key not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"no state count known for optimizer {name!r} (known: {', '.join(sorted(OPTIMIZER_STATES))}); "
+            "pass optimizer_states=<parameter-sized tensors it keeps per parameter>"
+        )
+    n = OPTIMIZER_STATES[key]
+    if key == "sgd" and defaults.get("momentum"):
+        n += 1
+    if key in ("adam", "adamw") and defaults.get("amsgrad"):
+        n += 1
+    if key == "rmsprop":
+        n += int(bool(defaults.get("momentum"))) + int(bool(defaults.get("centered")))
+    return n
+
+
+def _optimizer_name(optimizer: Any) -> str:
+    if isinstance(optimizer, str):
+        return optimizer
+    if isinstance(optimizer, type):
+        return optimizer.__name__
+    return type(optimizer).__name__
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied weights count once)."""
+    seen = set(skip or ())
+    total = 0
+    for t in tensors:
+        if t.device.type != "cpu" or t.is_meta:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key in seen or key == 0:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class HostMemoryBudget:
+    """Host bytes a run needs at its peak, by kind (see the module docstring).
+
+    Attributes:
+        num_params: parameters of the model (tied ones once).
+        weights, masters, gradients, optimizer_state, pinned, worker_copies, activations:
+            bytes of each line.
+        already_allocated: bytes of the lines above that existed when the estimate was
+            made (the weights, and the masters of a built RoundPipe); only the rest
+            still has to fit into available memory.
+        optimizer: the optimizer the state line assumes, with its states per parameter.
+    """
+
+    num_params: int
+    weights: int
+    masters: int
+    gradients: int
+    optimizer_state: int
+    pinned: int
+    worker_copies: int
+    activations: int
+    already_allocated: int = 0
+    optimizer: str = ""
+
+    @property
+    def total(self) -> int:
+        """All lines added up: the run's peak host memory for its state."""
+        return (
+            self.weights
+            + self.masters
+            + self.gradients
+            + self.optimizer_state
+            + self.pinned
+            + self.worker_copies
+            + self.activations
+        )
+
+    @property
+    def to_allocate(self) -> int:
+        """What is not allocated yet: this must fit into the available memory."""
+        return max(self.total - self.already_allocated, 0)
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total / max(self.num_params, 1)
+
+    def rows(self) -> list[tuple[str, int]]:
+        """``(line, bytes)`` in table order."""
+        return [
+            ("weights", self.weights),
+            ("masters", self.masters),
+            ("gradients", self.gradients),
+            (
+                f"optimizer state ({self.optimizer})" if self.optimizer else "optimizer state",
+                self.optimizer_state,
+            ),
+            ("pinned buffers", self.pinned),
+            ("worker stage copies", self.worker_copies),
+            ("activations", self.activations),
+        ]
+
+    def __str__(self) -> str:
+        n = max(self.num_params, 1)
+        lines = [f"host memory budget for {self.num_params:,} parameters"]
+        width = max(len(name) for name, _ in self.rows())
+        for name, b in self.rows():
+            lines.append(f"  {name:<{width}}  {_fmt(b):>11}  {b / n:6.2f} B/param")
+        lines.append(
+            f"  {'total':<{width}}  {_fmt(self.total):>11}  {self.bytes_per_param:6.2f} B/param"
+        )
+        lines.append(f"  {'still to allocate':<{width}}  {_fmt(self.to_allocate):>11}")
+        return "\n".join(lines)
+
+
+def _masters_of(
+    model: nn.Module,
+) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]] | None]:
+    """(the wrapped module, [(param, master)]) of a RoundPipe; (model, None) for a plain module."""
+    masters = getattr(model, "_masters", None)
+    inner = getattr(model, "model", None)
+    if isinstance(masters, list) and isinstance(inner, nn.Module) and hasattr(model, "pool"):
+        return inner, [(p, m) for _, p, m in masters]
+    return model, None
+
+
+def _worker_copies(rp: Any, plan: Any, num_microbatch: int) -> int:
+    """Peak bytes the CPU workers hold together: per worker, the largest (stage copy +
+    its gradients + the next stage it prefetches) over its jobs in the plan's schedule."""
+    from .schedule import FORWARD, build_schedule, jobs_by_device
+
+    layer_bytes: list[int] = []
+    layer_grads: list[int] = []
+    for layer in rp.layers:
+        tensors = list(layer.parameters()) + list(layer.buffers())
+        layer_bytes.append(_unique_storage_bytes(tensors))
+        layer_grads.append(
+            sum(
+                _nbytes(p)
+                for p in {id(p): p for p in layer.parameters() if p.requires_grad}.values()
+            )
+        )
+    jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch)
+    total = 0
+    for queue in jobs_by_device(jobs, rp.num_devices):
+        peak = 0
+        for i, job in enumerate(queue):
+            held = sum(layer_bytes[k] for k in job.layers)
+            if job.kind != FORWARD:
+                held += sum(layer_grads[k] for k in job.layers)
+            if i + 1 < len(queue):
+                held += sum(layer_bytes[k] for k in queue[i + 1].layers)
+            peak = max(peak, held)
+        total += peak
+    return total
+
+
+def estimate_host_memory(
+    model: nn.Module,
+    *,
+    optimizer: Any = "adamw",
+    optimizer_states: int | None = None,
+    optim_dtype: torch.dtype | None = None,
+    num_microbatch: int | None = None,
+    activation_bytes_per_microbatch: int = 0,
+    plan: Any = None,
+) -> HostMemoryBudget:
+    """The host bytes a training run of ``model`` needs at its peak (see the module docstring).
+
+    Args:
+        model: a built ``RoundPipe`` (its masters, device pool, pinning and default
+            "fused" plan are read), or a plain module (then: weights, separate masters,
+            gradients and optimizer state only -- the lines a RoundPipe adds need one).
+        optimizer: the optimizer (instance, class or name; see
+            :func:`optimizer_states_per_param`), or a list of optimizer instances: each
+            then counts state for the parameters it holds (as the Lightning strategy
+            has them after pointing them at the masters).
+        optimizer_states: parameter-sized states per parameter; overrides ``optimizer``.
+        optim_dtype: master dtype for a plain module (default: the model's dtype; a
+            RoundPipe's own masters are measured).
+        num_microbatch: microbatches per call (default: devices + 1).
+        activation_bytes_per_microbatch: bytes of one stage-boundary activation of one
+            microbatch (e.g. ``mb_size * seq * hidden * 2`` for bf16 hidden states).
+            RoundPipe keeps one per forward stage boundary and microbatch for recompute.
+        plan: the "fused" ``ModelExecutePlan`` to budget the worker copies for
+            (default: the RoundPipe's current plan for ``forward_backward``).
+
+    Raises:
+        TypeError / ValueError: for a non-module, a negative byte count or an
+            unknown optimizer without ``optimizer_states``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or a RoundPipe, got {type(model).__name__}")
+    if optimizer_states is not None and (
+        not isinstance(optimizer_states, int)
+        or isinstance(optimizer_states, bool)
+        or optimizer_states < 0
+    ):
+        raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
+    if not isinstance(activation_bytes_per_microbatch, int) or activation_bytes_per_microbatch < 0:
+        raise ValueError(
+            f"activation_bytes_per_microbatch must be an int >= 0 (bytes), got {activation_bytes_per_microbatch!r}"
+        )
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
+    if optimizer_states is not None:
+        states, opt_label = optimizer_states, f"{optimizer_states}/param"
+    elif optimizers is not None:
+        if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            raise TypeError(
+                "optimizer given as a list must hold torch.optim.Optimizer instances (their parameters "
+                f"decide which masters carry state), got {[type(o).__name__ for o in optimizers]}"
+            )
+        states = 0  # per optimizer below
+        opt_label = ", ".join(
+            f"{type(o).__name__}: {optimizer_states_per_param(o)}/param" for o in optimizers
+        )
+    else:
+        states = optimizer_states_per_param(optimizer)
+        opt_label = f"{_optimizer_name(optimizer)}: {states}/param"
+
+    inner, pairs = _masters_of(model)
+    params = {id(p): p for p in inner.parameters()}
+    weights = _unique_storage_bytes(list(inner.parameters()) + list(inner.buffers()))
+    num_params = sum(p.numel() for p in params.values())
+    weight_ptrs = {
+        t.untyped_storage().data_ptr() for t in list(inner.parameters()) + list(inner.buffers())
+    }
+    if pairs is not None:
+        mlist = list({id(m): m for _, m in pairs}.values())
+        masters = _unique_storage_bytes(mlist, skip=weight_ptrs)
+        master_numel_bytes = sum(_nbytes(m) for m in mlist)
+        already = weights + masters
+    else:
+        dtype = optim_dtype
+        trainable = [p for p in params.values() if p.requires_grad]
+        itemsize = {
+            id(p): torch.empty((), dtype=dtype or p.dtype).element_size() for p in trainable
+        }
+        master_numel_bytes = sum(p.numel() * itemsize[id(p)] for p in trainable)
+        masters = master_numel_bytes
+        already = weights
+    gradients = master_numel_bytes
+    if optimizers is not None and optimizer_states is None:
+        # each optimizer keeps state for the parameters it holds (the strategy's masters)
+        optimizer_state = sum(
+            optimizer_states_per_param(o)
+            * sum(
+                _nbytes(p) for p in {id(p): p for g in o.param_groups for p in g["params"]}.values()
+            )
+            for o in optimizers
+        )
+    else:
+        optimizer_state = states * master_numel_bytes
+
+    pinned = worker_copies = activations = 0
+    if pairs is not None:
+        rp: Any = model
+        run_plan = plan
+        if run_plan is None:
+            plan_for = getattr(rp, "plan_for", None)
+            run_plan = (
+                plan_for("fused")
+                if callable(plan_for)
+                else rp.default_plan("fused", num_microbatch)
+            )
+        m = num_microbatch or rp.num_devices + 1
+        if rp.pool.is_cuda:
+            pinned = _cuda_pinned(rp, run_plan)
+        else:
+            worker_copies = _worker_copies(rp, run_plan, m)
+        activations = activation_bytes_per_microbatch * m * max(len(run_plan.fwd_plan), 1)
+    elif activation_bytes_per_microbatch:
+        activations = activation_bytes_per_microbatch * (num_microbatch or 1)
+    return HostMemoryBudget(
+        num_params=num_params,
+        weights=weights,
+        masters=masters,
+        gradients=gradients,
+        optimizer_state=optimizer_state,
+        pinned=pinned,
+        worker_copies=worker_copies,
+        activations=activations,
+        already_allocated=already,
+        optimizer=opt_label,
+    )
+
+
+def _cuda_pinned(rp: Any, plan: Any) -> int:
+    """Pinned host bytes beyond the weights: the slabs' rounding (``pin_model="alloc"``)
+    and, per GPU, a pinned download buffer for the largest backward stage's gradients
+    (the pinned allocator rounds each to a power of two and keeps it cached)."""
+    from .devices.memory import pack_slabs, slab_sizes
+
+    extra = 0
+    if rp.pin_model == "alloc":
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage() for t in rp.model.parameters()
+        }
+        sizes = [s.nbytes() for s in storages.values()]
+        extra += max(sum(slab_sizes(sizes, pack_slabs(sizes))) - sum(sizes), 0)
+    largest = 0
+    for stage in plan.bwd_plan:
+        grads = sum(_nbytes(p) for i in stage for p in rp.layers[i].parameters() if p.requires_grad)
+        largest = max(largest, grads)
+    extra += rp.num_devices * (1 << max(largest - 1, 0).bit_length() if largest else 0)
+    return extra
+
+
+def available_host_memory() -> int | None:
+    """Bytes this process can still allocate: ``psutil``'s available memory (else
+    ``/proc/meminfo`` ``MemAvailable``), capped by a cgroup v2 ``memory.max``. ``None``
+    where neither can be read."""
+    avail: int | None = None
+    try:
+        import psutil  # type: ignore[import-untyped]
+
+        avail = int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - not installed or unsupported: fall back
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        avail = int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            avail = None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                room = int(limit) - int(f.read().strip())
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_host_memory(
+    budget: HostMemoryBudget, available: int | None = None, headroom: float = 0.05
+) -> None:
+    """Raise if what the run still has to allocate does not fit into available memory.
+
+    Args:
+        budget: from :func:`estimate_host_memory`.
+        available: bytes available (default: :func:`available_host_memory`; nothing is
+            checked where that is unknown).
+        headroom: fraction of ``available`` left for everything else (the Python
+            process, data loading, the page cache).
+
+    Raises:
+        HostMemoryError: with the budget table and the numbers, when it does not fit.
+        ValueError: for a headroom outside [0, 1).
+    """
+    if not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 1.0:
+        raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
+    # an escape hatch for machines where "available" understates what works (swap, overcommit)
+    if os.environ.get("ROUNDPIPE_SKIP_MEMORY_CHECK", "").strip() not in ("", "0"):
+        return
+    if available is None:
+        available = available_host_memory()
+        if available is None:
+            return
+    usable = int(available * (1.0 - headroom))
+    if budget.to_allocate <= usable:
+        return
+    raise HostMemoryError(
+        f"this run needs {_fmt(budget.to_allocate)} more host memory, but only {_fmt(available)} is "
+        f"available ({_fmt(usable)} after {headroom:.0%} headroom).\n{budget}\n"
+        "Reduce it: a lower-precision model (bf16 weights), optim_dtype equal to the model's dtype, "
+        "an optimizer with fewer states (SGD), fewer CPU workers or smaller stages, or a machine "
+        "with more memory. Set ROUNDPIPE_SKIP_MEMORY_CHECK=1 to try anyway."
+    )

@@ -1,0 +1,264 @@
+"""``StreamingCheckpointIO``: checkpoints that cost no host memory beyond the state itself.
+
+RoundPipe keeps the whole training state in host memory, so a checkpoint must
+not need a second copy of it. Lightning's default ``TorchCheckpointIO`` first
+serialises the checkpoint into an in-memory ``BytesIO`` (to write the file in
+one go) -- a whole checkpoint's worth of RAM on top of training. This
+``CheckpointIO`` instead:
+
+* **saves** with ``torch.save`` into an open temporary file next to the target.
+  ``torch.save`` pickles only the (small) object structure into memory; each
+  tensor storage is written from its own memory straight into the zip
+  archive, so nothing is buffered or cloned. The temporary file is flushed,
+  ``fsync``-ed and renamed over the target (``os.replace``), and the directory
+  is ``fsync``-ed: the target is always either the previous complete file or
+  the new complete file, never a half-written one.
+* **loads** with ``torch.load(mmap=True)``: tensors are views of the mapped
+  file, read page by page as they are copied into the model, so restoring does
+  not hold a second copy of the state in anonymous memory. Because every save
+  writes a *new* file and renames it, a mapped checkpoint is never modified in
+  place while a run still reads from it.
+
+Files are ordinary ``torch.save`` archives: ``torch.load(path, weights_only=True)``
+and ``LightningModule.load_from_checkpoint`` read them. Paths that are not on
+the local filesystem (``s3://...``) fall back to Lightning's ``TorchCheckpointIO``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import zipfile
+from collections.abc import Callable, Mapping
+from typing import IO, Any, cast
+
+import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_KEY",
+    "StreamingCheckpointIO",
+    "check_roundpipe_section",
+]
+
+log = logging.getLogger(__name__)
+
+#: Key of the strategy's own section in a Lightning checkpoint.
+CHECKPOINT_KEY = "roundpipe"
+#: Version of that section's layout; a file with another version is refused, not guessed at.
+CHECKPOINT_FORMAT = 1
+
+
+def _is_local(path: _PATH) -> bool:
+    protocol = get_filesystem(path).protocol
+    protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
+    return "file" in protocols or "local" in protocols
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the rename durable. Not every platform can open a directory (Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _WriteSink:
+    """The file ``torch.save`` writes to: passes each chunk (a view of a tensor's memory)
+    straight to the file and remembers the first write that failed."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+
+class StreamingCheckpointIO(TorchCheckpointIO):
+    """Atomic, unbuffered checkpoint writes and memory-mapped reads (see the module docstring).
+
+    Args:
+        mmap: load checkpoints memory-mapped (``torch.load(mmap=True)``). Files in
+            torch's legacy (non-zip) format are read normally.
+        fsync: flush the file and its directory to disk before the save returns
+            (a crash right after the save then still finds the checkpoint).
+    """
+
+    def __init__(self, mmap: bool = True, fsync: bool = True) -> None:
+        super().__init__()
+        if not isinstance(mmap, bool) or not isinstance(fsync, bool):
+            raise TypeError(
+                f"StreamingCheckpointIO(mmap=..., fsync=...) takes bools, got mmap={mmap!r}, fsync={fsync!r}"
+            )
+        self.mmap = mmap
+        self.fsync = fsync
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Write ``checkpoint`` to ``path`` atomically, streaming each tensor to the file.
+
+        Args:
+            checkpoint: the checkpoint dict (as Lightning's ``dump_checkpoint`` builds it).
+            path: target file; its directory is created if needed.
+            storage_options: not supported (as for ``TorchCheckpointIO``).
+
+        Raises:
+            TypeError: if ``storage_options`` is given.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint does not take storage_options "
+                f"(got {storage_options!r}); pass a CheckpointIO of your own that uses them"
+            )
+        if not _is_local(path):
+            super().save_checkpoint(checkpoint, path)
+            return
+        target = os.path.abspath(os.fspath(path))
+        directory = os.path.dirname(target)
+        os.makedirs(directory, exist_ok=True)
+        # Same directory as the target: os.replace is then a rename within one filesystem.
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory
+        )
+        try:
+            with os.fdopen(fd, "wb") as f:
+                sink = _WriteSink(f)
+                try:
+                    torch.save(checkpoint, cast(IO[bytes], sink))
+                except BaseException as exc:
+                    # torch's zip writer turns a failed write into a RuntimeError while closing
+                    # the archive; the caller should see what failed (disk full, Ctrl-C)
+                    if sink.error is not None and sink.error is not exc:
+                        raise sink.error from exc
+                    raise
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.fsync:
+            _fsync_dir(directory)
+        log.debug("Saved checkpoint %s", target)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint; local zip-format files are memory-mapped.
+
+        Args:
+            path: the checkpoint file.
+            map_location: as for ``torch.load``.
+            weights_only: as for ``torch.load``; ``None`` means ``True`` (only tensors and
+                plain containers are unpickled -- a crafted file cannot run code). Pass
+                ``False`` only for a trusted file that holds other objects.
+
+        Raises:
+            FileNotFoundError: if ``path`` does not exist.
+        """
+        if weights_only is None:
+            weights_only = True
+        if not _is_local(path):
+            return super().load_checkpoint(
+                path, map_location=map_location, weights_only=weights_only
+            )
+        target = os.fspath(path)
+        if not os.path.exists(target):
+            raise FileNotFoundError(f"Checkpoint file not found: {target}")
+        mmap = self.mmap and zipfile.is_zipfile(target)
+        return torch.load(target, map_location=map_location, weights_only=weights_only, mmap=mmap)
+
+
+def check_roundpipe_section(
+    section: Any, params: Mapping[str, torch.Tensor], strict: bool = True
+) -> dict[str, torch.Tensor]:
+    """Validate the ``"roundpipe"`` section of a checkpoint before anything is loaded from it.
+
+    Args:
+        section: ``checkpoint.get("roundpipe")``; ``None`` (a checkpoint written without
+            RoundPipe) is valid and has no masters.
+        params: the trainable parameters that have master copies, by LightningModule name.
+        strict: as for ``load_state_dict``: masters of names that are not such
+            parameters are an error (otherwise ignored).
+
+    Returns:
+        The saved master weights by parameter name (possibly empty).
+
+    Raises:
+        TypeError: if the section, its ``"masters"`` or a master is of the wrong type.
+        ValueError: for an unknown ``"format"`` version, a master whose shape differs
+            from its parameter's, or (``strict``) a master of an unknown parameter.
+    """
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise TypeError(
+            f"checkpoint[{CHECKPOINT_KEY!r}] must be a dict (RoundPipe's master weights, loss scaler and "
+            f"timings), got {type(section).__name__}; remove the key to load the model weights only"
+        )
+    version = section.get("format")
+    if version != CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"checkpoint[{CHECKPOINT_KEY!r}] has format {version!r}; this roundpipe_lightning reads format "
+            f"{CHECKPOINT_FORMAT}. Load it with the version that wrote it, or remove the key to load the "
+            "model weights only"
+        )
+    masters = section.get("masters", {})
+    if not isinstance(masters, Mapping):
+        raise TypeError(
+            f"checkpoint[{CHECKPOINT_KEY!r}]['masters'] must be a dict of parameter name -> tensor, "
+            f"got {type(masters).__name__}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name, saved in masters.items():
+        if not isinstance(saved, torch.Tensor):
+            raise TypeError(
+                f"checkpoint[{CHECKPOINT_KEY!r}]['masters'][{name!r}] must be a tensor, got {type(saved).__name__}"
+            )
+        param = params.get(name)
+        if param is None:
+            if strict:
+                raise ValueError(
+                    f"checkpoint[{CHECKPOINT_KEY!r}]['masters'] holds {name!r}, which is not a trainable "
+                    "parameter of this LightningModule; load with strict=False to ignore it"
+                )
+            continue
+        if saved.shape != param.shape:
+            raise ValueError(
+                f"master weight {name!r} in the checkpoint has shape {tuple(saved.shape)}, but the "
+                f"parameter has shape {tuple(param.shape)}; the checkpoint was written for another model"
+            )
+        out[name] = saved
+    return out

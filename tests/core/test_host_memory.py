@@ -1,0 +1,197 @@
+"""The host-memory budget: each line against the bytes a real run allocates, the optimizer
+state table, the readable table and the refusal of a run that cannot fit."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe_core import ModelExecutePlan, OptimizerCtx, RoundPipe
+from roundpipe_core.host_memory import (
+    HostMemoryBudget,
+    HostMemoryError,
+    available_host_memory,
+    check_host_memory,
+    estimate_host_memory,
+    optimizer_states_per_param,
+)
+
+W = 32
+
+
+def _net(dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(W, W) for _ in range(4)], nn.LayerNorm(W)).to(dtype)
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize(
+    ("opt", "n"),
+    [
+        ("adamw", 2),
+        ("Adam", 2),
+        ("sgd", 0),
+        (torch.optim.Adagrad, 1),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), 0),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1),
+        (lambda ps: torch.optim.AdamW(ps, amsgrad=True), 3),
+        (lambda ps: torch.optim.RMSprop(ps, momentum=0.9, centered=True), 3),
+    ],
+)
+def test_optimizer_states_per_param(opt: object, n: int) -> None:
+    if callable(opt) and not isinstance(opt, type):
+        opt = opt([nn.Parameter(torch.zeros(2))])
+    assert optimizer_states_per_param(opt) == n
+
+
+def test_optimizer_state_errors_name_the_fix() -> None:
+    class Mine(torch.optim.Optimizer):
+        pass
+
+    with pytest.raises(ValueError, match="'Mine'.*optimizer_states="):
+        optimizer_states_per_param(Mine)
+    with pytest.raises(TypeError, match="got int"):
+        optimizer_states_per_param(3)
+
+
+def test_plain_module_lines_are_exact_and_tied_weights_count_once() -> None:
+    net = _net()
+    net[1].weight = net[0].weight  # tied: one storage
+    n = sum(p.numel() for p in net.parameters())
+    b = estimate_host_memory(net, optimizer="adamw", optim_dtype=torch.float32)
+    assert b.num_params == n
+    assert b.weights == 4 * n and b.masters == 4 * n and b.gradients == 4 * n
+    assert b.optimizer_state == 8 * n
+    assert b.worker_copies == 0 and b.pinned == 0
+    assert b.total == 20 * n and b.bytes_per_param == 20.0
+    assert b.already_allocated == b.weights
+    bf = estimate_host_memory(_net(torch.bfloat16), optimizer="sgd", optim_dtype=torch.float32)
+    assert bf.weights == 2 * bf.num_params and bf.masters == 4 * bf.num_params
+    assert bf.optimizer_state == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make_opt", ["adamw", "sgd_momentum"])
+def test_roundpipe_lines_match_what_a_step_allocates(dtype: torch.dtype, make_opt: str) -> None:
+    """Masters, gradients and optimizer state are predicted to the byte; the workers'
+    stage copies cover what their ledgers recorded."""
+    rp = RoundPipe(_net(dtype), optim_dtype=torch.float32, devices="cpu:2")
+    try:
+        with OptimizerCtx():
+            if make_opt == "adamw":
+                opt: torch.optim.Optimizer = torch.optim.AdamW(rp.parameters(), lr=1e-3)
+            else:
+                opt = torch.optim.SGD(rp.parameters(), lr=1e-3, momentum=0.9)
+        b = estimate_host_memory(rp, optimizer=opt, num_microbatch=3)
+        net = rp.model
+        assert b.weights == _bytes(list(net.parameters()) + list(net.buffers()))
+        masters = rp.optim_parameters()
+        assert b.masters == _bytes(masters)
+        assert b.already_allocated == b.weights + b.masters
+        x, y = torch.randn(6, W).to(dtype), torch.randn(6, W).to(dtype)
+        rp.forward_backward(
+            input_args=(x,), label=y, loss_fn=lambda o, t: ((o.float() - t.float()) ** 2).mean()
+        )
+        rp.synchronize()
+        assert b.gradients == _bytes([m.grad for m in masters])
+        rp.step(opt.step, is_async=False)
+        state = [
+            t for s in opt.state.values() for k, t in s.items() if k != "step" and t.numel() > 1
+        ]
+        assert b.optimizer_state == _bytes(state)
+        ledger = sum(w.ledger.peak_total for w in rp.pool.workers)
+        assert ledger > 0 and b.worker_copies >= ledger
+    finally:
+        rp.close()
+
+
+def test_worker_copies_follow_the_plan() -> None:
+    """Per worker: the largest (stage + its gradients on backward + the prefetched next
+    stage) over its jobs; summed over workers."""
+    rp = RoundPipe(_net(), devices="cpu:2")
+    try:
+        layer = [_bytes(list(m.parameters())) for m in rp.layers]
+        one_stage = ModelExecutePlan()
+        one_stage.fwd_plan, one_stage.bwd_plan = [], [range(0, 5)]
+        b = estimate_host_memory(rp, plan=one_stage, num_microbatch=2)
+        # a single fused job on worker 0: weights + their gradients; worker 1 idle
+        assert b.worker_copies == 2 * sum(layer)
+        per_layer = ModelExecutePlan.uniform(5, 5, "fused")
+        b2 = estimate_host_memory(rp, plan=per_layer, num_microbatch=2)
+        assert 0 < b2.worker_copies < b.worker_copies
+    finally:
+        rp.close()
+
+
+def test_activation_line() -> None:
+    rp = RoundPipe(_net(), devices="cpu:2")
+    try:
+        plan = rp.default_plan("fused", 3)
+        b = estimate_host_memory(rp, num_microbatch=3, activation_bytes_per_microbatch=1000)
+        assert b.activations == 1000 * 3 * max(len(plan.fwd_plan), 1)
+        with pytest.raises(ValueError, match="activation_bytes_per_microbatch"):
+            estimate_host_memory(rp, activation_bytes_per_microbatch=-1)
+        with pytest.raises(TypeError, match="Optimizer instances"):
+            estimate_host_memory(rp, optimizer=["adamw"])
+    finally:
+        rp.close()
+
+
+def test_table_is_readable() -> None:
+    b = estimate_host_memory(_net(), optimizer="adamw", optim_dtype=torch.float32)
+    text = str(b)
+    for row in ("weights", "masters", "gradients", "optimizer state (adamw: 2/param)", "total"):
+        assert row in text
+    assert "20.00 B/param" in text
+    assert f"{b.num_params:,} parameters" in text
+
+
+def _budget(total_gib: float, allocated_gib: float = 0.0) -> HostMemoryBudget:
+    g = int(total_gib * 1024**3)
+    return HostMemoryBudget(
+        num_params=g // 20,
+        weights=g // 5,
+        masters=g // 5,
+        gradients=g // 5,
+        optimizer_state=g - 3 * (g // 5),
+        pinned=0,
+        worker_copies=0,
+        activations=0,
+        already_allocated=int(allocated_gib * 1024**3),
+        optimizer="adamw: 2/param",
+    )
+
+
+def test_check_refuses_with_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ROUNDPIPE_SKIP_MEMORY_CHECK", raising=False)
+    with pytest.raises(
+        HostMemoryError, match=r"needs 9\.00 GiB more.*only 8\.00 GiB is available"
+    ) as info:
+        check_host_memory(_budget(10, allocated_gib=1), available=8 * 1024**3)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, MemoryError)
+    assert "optimizer state" in str(info.value)  # the table comes with it
+    check_host_memory(_budget(10, allocated_gib=3), available=8 * 1024**3, headroom=0.0)
+    # 5% headroom: 7.6 GiB usable
+    with pytest.raises(HostMemoryError):
+        check_host_memory(_budget(10, allocated_gib=2.2), available=8 * 1024**3)
+    monkeypatch.setenv("ROUNDPIPE_SKIP_MEMORY_CHECK", "1")
+    check_host_memory(_budget(100), available=1)
+    with pytest.raises(ValueError, match="headroom"):
+        check_host_memory(_budget(1), available=1, headroom=1.5)
+
+
+def test_available_host_memory_without_psutil(monkeypatch: pytest.MonkeyPatch) -> None:
+    avail = available_host_memory()
+    if avail is None:
+        pytest.skip("no memory information on this platform")
+    assert avail > 0
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import fails: /proc/meminfo
+    fallback = available_host_memory()
+    assert fallback is not None and fallback > 0
+    assert abs(fallback - avail) < max(avail, fallback) * 0.5
