@@ -116,6 +116,7 @@ class GradScaler:
             return outputs
         with self._cond:
             self._wait_resolved("scale()")
+            assert self._impl._scale is not None  # set by the first scale() of an enabled scaler
             s = self._impl._scale.clone()  # a snapshot: a later update cannot touch the graph
         return _apply_scale(outputs, s)
 

@@ -129,7 +129,7 @@ class _FastestByDefault:
         params = list(params) if isinstance(params, Iterable) else params
         bound.arguments["params"] = params
         _choose_impl(self._torch_cls.__name__, bound.arguments, _param_tensors(params))
-        super().__init__(*bound.args, **bound.kwargs)  # type: ignore[call-arg]
+        super().__init__(*bound.args, **bound.kwargs)
 
 
 def _choose_impl(name: str, arguments: dict[str, Any], tensors: list[torch.Tensor]) -> None:
@@ -264,7 +264,7 @@ def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | N
         g["fused" if impl == "fused" else "foreach"] = True
         groups.append(g)
     cls = _OURS[name]
-    new = cls(groups)
+    new = cls(groups)  # type: ignore[call-arg]  # each of our classes takes the torch signature
     for k, v in optimizer.defaults.items():
         new.defaults.setdefault(k, v)
     new.state.update(_fused_steps(optimizer) if impl == "fused" else optimizer.state)

@@ -290,6 +290,7 @@ class CUDAWorker(Worker):
 
             return unit
 
+        assert self._feeder is not None
         return self._feeder.submit([make_unit(p) for p in units])
 
     def _param_event(self, ticket: int | None = None) -> torch.cuda.Event | None:
@@ -329,6 +330,7 @@ class CUDAWorker(Worker):
             elif got is not None:
                 events.append(got)
         if latest_ticket:
+            assert self._feeder is not None  # tickets come only from the feeder
             events.append(self._feeder.wait_issued(latest_ticket))
         for event in events:
             if event is not None:

@@ -162,7 +162,7 @@ class DevicePool:
         """
         futures = self.submit(queues, run_queue)
         wait(futures)
-        errors = [f.exception() for f in futures if f.exception() is not None]
+        errors = [e for f in futures if (e := f.exception()) is not None]
         if errors:
             primary = [e for e in errors if not isinstance(e, PoolError)]
             raise (primary or errors)[0]

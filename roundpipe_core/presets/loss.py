@@ -174,7 +174,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -200,7 +200,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return losses
 
     @staticmethod
-    def backward(ctx: Any, grad_losses: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, grad_losses: torch.Tensor) -> Any:
         hidden, weight, bias, target, lse_all = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -279,4 +279,4 @@ def chunked_linear_cross_entropy(
     target = target.to(hidden.device)
     _check_targets(target, weight.shape[0], ignore_index)
     out = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, target, ignore_index, chunk_tokens)
-    return out  # type: ignore[no-any-return]
+    return out
