@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..host_memory import available_host_memory
 from .base import Worker
 
 __all__ = ["CPUWorker", "DEFAULT_CPU_DEVICE_MEMORY_GB", "cpu_device_memory_bytes"]
@@ -32,15 +33,24 @@ DEFAULT_CPU_DEVICE_MEMORY_GB = 8.0
 _MEMORY_ENV = "ROUNDPIPE_CPU_DEVICE_MEMORY_GB"
 
 
-def cpu_device_memory_bytes() -> int:
-    """Bytes a CPU worker offers: env ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB`` (GiB) or 8 GiB.
+def cpu_device_memory_bytes(share: int = 1) -> int:
+    """Bytes a CPU worker offers: env ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB`` (GiB) if set, else
+    8 GiB or, when less, this worker's ``1/share`` of the host memory available now.
+
+    A CPU worker's stage copies come out of the same host memory as the model state, so
+    the default must not promise every worker 8 GiB of a machine that the state has
+    already filled.
 
     Raises:
         ValueError: if the variable is not a positive, finite number.
     """
     raw = os.environ.get(_MEMORY_ENV, "").strip()
     if not raw:
-        return int(DEFAULT_CPU_DEVICE_MEMORY_GB * 1024**3)
+        default = int(DEFAULT_CPU_DEVICE_MEMORY_GB * 1024**3)
+        available = available_host_memory()
+        if available is None:
+            return default
+        return max(1, min(default, available // max(1, share)))
     try:
         gb = float(raw)
     except ValueError:
@@ -62,6 +72,9 @@ class CPUWorker(Worker):
     """A thread that plays a device: uploads are copies, the ledger counts their bytes."""
 
     kind = "cpu"
+
+    #: How many CPU workers of one pool split the host's free memory (the pool sets it).
+    share: int = 1
 
     def __init__(self, index: int) -> None:
         cpu_device_memory_bytes()  # a bad setting fails when the pool is built, not mid-plan
@@ -102,4 +115,4 @@ class CPUWorker(Worker):
         return (end - start) * 1000.0
 
     def memory_capacity(self) -> int:
-        return cpu_device_memory_bytes()
+        return cpu_device_memory_bytes(self.share)

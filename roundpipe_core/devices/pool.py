@@ -116,8 +116,14 @@ class DevicePool:
         self.workers: list[Worker] = []
         self._closed = False
         try:
+            num_cpu = sum(d.type == "cpu" for d in devs)
             for i, d in enumerate(devs):
-                self.workers.append(CPUWorker(i) if d.type == "cpu" else _cuda_worker(i, d))
+                if d.type == "cpu":
+                    cpu_worker = CPUWorker(i)
+                    cpu_worker.share = num_cpu
+                    self.workers.append(cpu_worker)
+                else:
+                    self.workers.append(_cuda_worker(i, d))
             # A worker whose thread set-up failed would fail every job it is given while
             # the other workers wait for its activations: refuse the pool up front.
             for w in self.workers:
