@@ -5,6 +5,7 @@ one heavy layer after warm-up without changing the math, and its plan survives a
 from __future__ import annotations
 
 import json
+import logging
 import re
 import statistics
 import time
@@ -337,3 +338,18 @@ def test_every_tag_written_is_documented(tmp_path: Path) -> None:
             f"{tag} ({form}) is not in {owner.__name__}'s docstring"
         )
         assert f"`roundpipe/{form}`" in docs, f"{tag} ({form}) is not in docs/lightning.md"
+
+
+def test_one_cpu_worker_gets_a_hint(caplog: pytest.LogCaptureFixture) -> None:
+    """devices="auto" on CPU is one worker: training runs, and a log line says that it
+    pipelines nothing and how to choose more workers."""
+    with caplog.at_level(logging.WARNING, logger="roundpipe_lightning"):
+        rp_trainer(devices="auto", max_steps=1).fit(SeqModule(), loader())
+    hints = [r.getMessage() for r in caplog.records if r.name == "roundpipe_lightning"]
+    assert len(hints) == 1
+    assert "1 CPU worker" in hints[0] and "nothing is pipelined" in hints[0]
+    assert "devices=N" in hints[0] and "ROUNDPIPE_CPU_DEVICES" in hints[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="roundpipe_lightning"):
+        rp_trainer(devices=2, max_steps=1).fit(SeqModule(), loader())
+    assert not [r for r in caplog.records if r.name == "roundpipe_lightning"]
