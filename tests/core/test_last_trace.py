@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,17 @@ def test_span_recorder_keeps_the_latest_spans_only():
     assert [s.name for s in recorder.spans] == ["b", "c"]
     with pytest.raises(ValueError, match="max_spans must be an int >= 1"):
         SpanRecorder(max_spans=0)
+
+
+def test_core_example_writes_the_last_trace(tmp_path, monkeypatch, capsys):
+    examples = Path(__file__).parents[2] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    import core_train
+
+    path = tmp_path / "last.json"
+    core_train.main(["--devices", "cpu:2", "--steps", "3", "--trace", str(path)])
+    assert "trace of the last iteration" in capsys.readouterr().out
+    trace = json.loads(path.read_text())
+    rows = set(_rows(trace).values())
+    assert rows == {"device 0", "device 1", "optimizer"}
+    assert len([e for e in _x_events(trace) if e["cat"] == "optimizer"]) >= 1

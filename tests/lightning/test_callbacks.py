@@ -353,3 +353,19 @@ def test_one_cpu_worker_gets_a_hint(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="roundpipe_lightning"):
         rp_trainer(devices=2, max_steps=1).fit(SeqModule(), loader())
     assert not [r for r in caplog.records if r.name == "roundpipe_lightning"]
+
+
+def test_finetune_example_writes_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "examples"))
+    import lightning_finetune
+
+    small = ["--d-model", "16", "--n-layers", "2", "--n-heads", "2", "--seq-len", "16"]
+    lightning_finetune.main(
+        ["--out-dir", str(tmp_path), "--max-steps", "10", "--val-every", "10", "--generate", "0"]
+        + ["--no-progress-bar", "--batch-size", "4", "--trace", str(tmp_path / "tr"), *small]
+    )
+    # the example logs every 10 steps: Lightning's step 9
+    assert [p.name for p in (tmp_path / "tr").iterdir()] == ["step_9.json"]
+    trace = json.loads((tmp_path / "tr" / "step_9.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert [e.step for e in _events(tmp_path).Images("roundpipe/timeline")] == [9]
