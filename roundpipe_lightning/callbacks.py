@@ -191,7 +191,8 @@ class StageTimeLogger(Callback):
     It logs at the steps Lightning logs its own metrics: after the optimizer step of
     the batch where ``(step + 1) % every_n_steps == 0``, at Lightning's logging step
     ``step`` (the number of optimizer steps before that batch), so with
-    ``log_every_n_steps=5`` both land at steps 4, 9, 14. Under ``roundpipe/``:
+    ``log_every_n_steps=5`` both land at steps 4, 9, 14 (and, like Lightning's, at
+    the step after which ``trainer.should_stop`` ends training). Under ``roundpipe/``:
 
     * ``layer_XX/fwd_ms``, ``layer_XX/re_ms``, ``layer_XX/bwd_ms``: the layer timer's
       moving averages for one microbatch (``log_layers=False`` turns them off);
@@ -272,7 +273,9 @@ class StageTimeLogger(Callback):
             return
         every = self.every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
         step = _lightning_log_step(trainer)
-        if every < 1 or (step + 1) % every != 0 or step == self._last_step:
+        # Lightning also logs the batch after which training stops (early stopping)
+        due = every >= 1 and ((step + 1) % every == 0 or trainer.should_stop)
+        if not due or step == self._last_step:
             return
         self._last_step = step
         rp = _roundpipe_of(trainer, "StageTimeLogger")

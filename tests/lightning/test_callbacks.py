@@ -248,6 +248,26 @@ def test_logging_steps_match_lightnings_own(tmp_path: Path) -> None:
     assert [e.step for e in acc.Scalars("roundpipe/call_ms")] == lightning_steps
 
 
+def test_logs_like_lightning_when_training_stops_early(tmp_path: Path) -> None:
+    class StopAfterTwo(L.Callback):  # listed first: runs before StageTimeLogger's hook
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                trainer.should_stop = True
+
+    stl = StageTimeLogger(log_layers=False, log_timeline=False)
+    trainer = rp_trainer(
+        max_steps=10,
+        log_every_n_steps=5,
+        logger=TensorBoardLogger(tmp_path, name="tb"),
+        callbacks=[StopAfterTwo(), stl],
+    )
+    trainer.fit(SeqModule(), loader())
+    acc = _events(tmp_path)
+    lightning_steps = [e.step for e in acc.Scalars("train_loss")]
+    assert lightning_steps == [1]
+    assert [e.step for e in acc.Scalars("roundpipe/call_ms")] == lightning_steps
+
+
 def test_simulated_iteration_is_on_the_measured_scale(tmp_path: Path) -> None:
     """sim_iteration_ms simulates one call from per-microbatch estimates: it lands near the
     measured call (dividing the estimates by the microbatch count again gave a third)."""
