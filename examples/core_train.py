@@ -1,9 +1,11 @@
 """Train an nn.Sequential with the RoundPipe core directly (no Lightning).
 
-    python examples/core_train.py [--devices cpu:2] [--steps 30]
+    python examples/core_train.py [--devices cpu:2] [--steps 30] [--trace last.json]
 
 A small regression MLP learns y = sin(W x); the loss falls, and the script
 checks at the end that the module's own parameters hold the trained weights.
+``--trace PATH`` saves the last iteration's measured timeline (``last_trace()``:
+a row per device and the optimizer step) as JSON for https://ui.perfetto.dev.
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ import torch
 from torch import nn
 
 from roundpipe_core import OptimizerCtx, RoundPipe, RoundPipeRunConfig
+from roundpipe_core.trace import write_trace
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
         "--devices", default=None, help="None (all GPUs, else 2 CPU workers), an int, or 'cpu:N'"
     )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--microbatches", type=int, default=4)
-    args = ap.parse_args()
+    ap.add_argument("--trace", default=None, help="write the last iteration's trace here (JSON)")
+    args = ap.parse_args(argv)
 
     torch.manual_seed(0)
     true_w = torch.randn(16, 8) * 0.25
@@ -52,6 +56,9 @@ def main() -> None:
         if step == 1 or step % 10 == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}")
     model.synchronize()
+    if args.trace:
+        # after synchronize(): the last step has run, so its span is in the trace
+        print(f"trace of the last iteration: {write_trace(args.trace, model.last_trace())}")
     for p, m in zip(net.parameters(), model.optim_parameters()):
         assert torch.equal(p.detach(), m.detach())
     model.close()

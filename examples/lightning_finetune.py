@@ -16,7 +16,9 @@ Useful flags: ``--layout "fwd=2,2 bwd=1,1,1,1,1,1"`` fixes the stage plan,
 trains bf16 weights with fp32 masters, ``--resume PATH`` continues from a
 checkpoint, ``--init-from PATH`` starts a new run (fine-tune) from a checkpoint's
 weights, ``--strategy plain`` runs the same module on Lightning's default
-strategy for comparison.
+strategy for comparison, ``--trace DIR`` writes each logged step's measured and
+simulated timeline as Perfetto-loadable JSON (TensorBoard's Images tab shows the
+same as the picture ``roundpipe/timeline``).
 """
 
 from __future__ import annotations
@@ -309,6 +311,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-from", default=None, help="checkpoint whose weights start a new run")
     p.add_argument("--generate", type=int, default=200, help="bytes to sample at the end (0: none)")
     p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="write each logged step's measured and simulated timeline to DIR (Perfetto JSON)",
+    )
     return p.parse_args(argv)
 
 
@@ -341,7 +349,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             execute_plan=args.layout,
             async_step=not args.sync_step,
         )
-        callbacks.append(StageTimeLogger(every_n_steps=25))
+        # at the Trainer's log_every_n_steps, beside Lightning's own scalars
+        callbacks.append(StageTimeLogger(trace_dir=args.trace))
         if args.auto_replan:
             callbacks.append(AutoReplan(warmup_steps=10))
         devices = args.devices

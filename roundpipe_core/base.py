@@ -28,6 +28,7 @@ from .masters import MasterWeights
 from .pipelined import GradBuffer, PipelinedRuns
 from .schedule import Job
 from .stepper import ClosedError, Stepper
+from .trace import SpanRecorder, chrome_trace, spans_from_roundpipe
 
 __all__ = ["OptimizerCtx", "RoundPipeBase"]
 
@@ -150,6 +151,8 @@ class RoundPipeBase(nn.Module):
         self._pipeline = PipelinedRuns(layers, self.masters, self._stepper)
         self._call_lock = threading.RLock()  # issues one call at a time
         self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
+        # optimizer steps for last_trace(); a few are enough to cover the last call
+        self._step_recorder = SpanRecorder(max_spans=8)
         self._closer = weakref.finalize(
             self,
             _release,
@@ -339,6 +342,7 @@ class RoundPipeBase(nn.Module):
             raise TypeError(f"is_async must be True or False, got {is_async!r}")
         self._check_open()
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
+        fn = self._step_recorder.wrap(fn)
         self._pipeline.raise_failure()
         if not self._pipeline.inflight():
             self._settle()
@@ -347,6 +351,15 @@ class RoundPipeBase(nn.Module):
             self._pipeline.defer_step(fn)  # its error is raised through raise_failure()
         if not is_async:
             self._settle()
+
+    def last_trace(self) -> dict[str, Any]:
+        """The last pipelined call's measured timeline (blocking or not) as a Chrome
+        trace-event object: a row per device with its jobs' compute spans and an
+        ``optimizer`` row with the ``step()`` calls that ran during or after the call.
+        Save it with :func:`roundpipe_core.trace.write_trace` and open it in Perfetto.
+        Transfers are not measured, so they have no rows (see :mod:`roundpipe_core.trace`).
+        """
+        return chrome_trace(spans_from_roundpipe(self))
 
     def _take_model_grads(self) -> None:
         """Hook for wrappers whose model parameters collect gradients themselves."""

@@ -303,6 +303,7 @@ class RoundPipe(RoundPipeBase):
         self.model_timer.end_iteration()
         self.last_schedule = jobs
         self.last_job_times = list(run.job_times)
+        self.last_job_spans = list(run.job_spans)
 
     def _execute_locked(self, run: PipelineRun, jobs: list[Job]) -> None:
         with self._call_lock:

@@ -11,8 +11,12 @@ measured and a simulated iteration open side by side with the same rows:
   via :func:`spans_from_job_spans`;
 * the simulator's events (:class:`roundpipe_core.simulate.SimResult`), via
   :func:`spans_from_simulation`;
-* anything timed by hand with a :class:`SpanRecorder` (e.g. the optimizer step:
-  ``rp.step(recorder.wrap(step_fn))``).
+* anything timed with a :class:`SpanRecorder` (``RoundPipe.step()`` times its
+  ``step_fn`` so; :meth:`RoundPipe.last_trace` returns the last call's compute and
+  optimizer spans as a trace).
+
+The runtime measures compute only: parameter upload and activation / gradient
+transfer rows come from the simulator, not from measured calls.
 
 :func:`chrome_trace` turns spans into the trace-event JSON object: one process per
 timeline, one thread (row) per device lane, named like the simulator's own
@@ -31,6 +35,7 @@ import json
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,6 +53,7 @@ __all__ = [
     "SpanRecorder",
     "chrome_trace",
     "job_name",
+    "last_call_spans",
     "merge_traces",
     "row_name",
     "side_by_side_trace",
@@ -181,13 +187,39 @@ def spans_from_job_spans(job_spans: Iterable[tuple[Any, int, float, float]]) -> 
     return out
 
 
-def spans_from_roundpipe(rp: Any) -> list[Span]:
-    """Compute spans of ``rp``'s last recorded call (``rp.last_job_spans``).
+def last_call_spans(
+    job_spans: Iterable[tuple[Any, int, float, float]], step_spans: Iterable[Span] = ()
+) -> list[Span]:
+    """The spans of one measured call: its compute spans and the optimizer steps that
+    ran while or after it ran.
 
-    Today the runtime records spans for ``forward_backward(blocking=False)`` calls;
-    after a blocking call the list is that of the last non-blocking one (or empty).
+    Args:
+        job_spans: the call's ``(job, device, start, end)`` tuples (see
+            :func:`spans_from_job_spans`).
+        step_spans: recorded optimizer spans (a :class:`SpanRecorder`'s ``spans``);
+            those that ended before the call's first job started belong to earlier
+            calls and are left out, so an asynchronous step that overlaps the call
+            shows beside it.
+
+    Returns:
+        Compute spans then optimizer spans, each in the order given.
     """
-    return spans_from_job_spans(getattr(rp, "last_job_spans", None) or [])
+    compute = spans_from_job_spans(job_spans)
+    start = min((s.start_s for s in compute), default=-math.inf)
+    return compute + [s for s in step_spans if s.end_s >= start]
+
+
+def spans_from_roundpipe(rp: Any) -> list[Span]:
+    """The measured timeline of ``rp``'s last pipelined call (blocking or not): one
+    compute span per job (``rp.last_job_spans``) and the optimizer steps queued with
+    ``rp.step()`` that ran during or after that call (see :func:`last_call_spans`).
+
+    Parameter upload and activation / gradient transfer spans are not measured by
+    the runtime, so a measured timeline has compute and optimizer rows only.
+    """
+    recorder = getattr(rp, "_step_recorder", None)
+    steps = recorder.spans if isinstance(recorder, SpanRecorder) else []
+    return last_call_spans(getattr(rp, "last_job_spans", None) or [], steps)
 
 
 def spans_from_simulation(
@@ -267,21 +299,30 @@ def spans_from_simulation(
 class SpanRecorder:
     """Times host work into spans, from any thread (e.g. the optimizer thread).
 
-    Example::
+    ``RoundPipe.step()`` already times its ``step_fn`` this way (its spans are in
+    ``rp.last_trace()``); a recorder adds other host work to a timeline::
 
         recorder = SpanRecorder()
-        rp.step(recorder.wrap(lambda: (opt.step(), opt.zero_grad())))
-        rp.synchronize()
+        with recorder.span("optimizer", "clip"):
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         spans = spans_from_roundpipe(rp) + recorder.spans
     """
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.perf_counter, max_spans: int | None = None
+    ) -> None:
         """Args:
         clock: seconds; the default matches the runtime's job spans.
+        max_spans: keep only the latest this many spans (a recorder that lives as
+            long as a training run must not grow without bound); ``None``: keep all.
         """
+        if max_spans is not None and (
+            not isinstance(max_spans, int) or isinstance(max_spans, bool) or max_spans < 1
+        ):
+            raise ValueError(f"max_spans must be an int >= 1 or None; got {max_spans!r}")
         self._clock = clock
         self._lock = threading.Lock()
-        self._spans: list[Span] = []
+        self._spans: deque[Span] = deque(maxlen=max_spans)
 
     @contextmanager
     def span(self, lane: str, name: str, device: int | None = None, **args: Any) -> Iterator[None]:

@@ -3,6 +3,7 @@ what ``configure_sequential()`` returns, and the optimizers it points at the mas
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ __all__ = [
     "op_name",
     "reaches_params",
 ]
+
+_log = logging.getLogger("roundpipe_lightning")
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -232,11 +235,21 @@ def check_type(name: str, value: Any, types: tuple[type, ...], accepted: str) ->
 
 
 def check_pool_devices(devices: list[torch.device]) -> list[torch.device]:
-    """``devices`` if they are all CPU workers or all CUDA GPUs."""
+    """``devices`` if they are all CPU workers or all CUDA GPUs; a single CPU worker
+    gets a hint that nothing is pipelined and how to ask for more."""
     kinds = {d.type for d in devices}
     if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
         raise ValueError(
             f"RoundPipeStrategy runs on CPU workers or CUDA GPUs, got devices {devices}; "
             "use Trainer(accelerator='cpu' or 'gpu', devices=N)"
+        )
+    if devices[0].type == "cpu" and len(devices) == 1:
+        # devices="auto" on CPU is one device: training works but nothing overlaps
+        _log.warning(
+            "RoundPipeStrategy runs on 1 CPU worker (what Trainer(devices='auto') gives on "
+            "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
+            "Trainer(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
+            "machine's cores); RoundPipe used without Lightning takes devices=N or reads "
+            "ROUNDPIPE_CPU_DEVICES."
         )
     return devices

@@ -5,14 +5,22 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan
+from roundpipe_core.trace import (
+    side_by_side_trace,
+    spans_from_roundpipe,
+    spans_from_simulation,
+    write_trace,
+)
 
 from .plans import _one_plan, describe_plan
 
@@ -65,10 +73,12 @@ class AutoReplan(Callback):
     After ``warmup_steps`` optimizer steps (and then every ``every_n_steps`` if
     given) it runs ``ModelExecutePlan.auto(run_type, roundpipe, **auto_kwargs)``
     on the layer timer's moving averages and installs the result for the
-    strategy's ``run_type`` calls (``"fused"``: ``forward_backward``). Each new
-    plan is logged as text (TensorBoard) and as the scalars
-    ``roundpipe/plan_fwd_stages`` / ``roundpipe/plan_bwd_stages``; the installed
-    plan is saved in checkpoints and re-installed on resume.
+    strategy's ``run_type`` calls (``"fused"``: ``forward_backward``). Each
+    re-plan is logged, at the optimizer step it ran after, as the text
+    ``roundpipe/plan_<run_type>`` (TensorBoard) and the scalars
+    ``roundpipe/plan_fwd_stages`` / ``roundpipe/plan_bwd_stages`` (stage counts)
+    and ``roundpipe/plan_changed`` (1.0 if the plan differs from the one before,
+    else 0.0); the installed plan is saved in checkpoints and re-installed on resume.
 
     Args:
         warmup_steps: optimizer steps measured before the first re-plan (the
@@ -176,38 +186,71 @@ class AutoReplan(Callback):
 
 
 class StageTimeLogger(Callback):
-    """Log RoundPipe's timings through ``trainer.logger`` (TensorBoard by default).
+    """Log RoundPipe's timings through ``trainer.loggers`` (TensorBoard by default).
 
-    Every ``every_n_steps`` optimizer steps it logs, under ``roundpipe/``:
+    It logs at the steps Lightning logs its own metrics: after the optimizer step of
+    the batch where ``(step + 1) % every_n_steps == 0``, at Lightning's logging step
+    ``step`` (the number of optimizer steps before that batch), so with
+    ``log_every_n_steps=5`` both land at steps 4, 9, 14 (and, like Lightning's, at
+    the step after which ``trainer.should_stop`` ends training). Under ``roundpipe/``:
 
-    * ``layer_XX/fwd_ms``, ``re_ms``, ``bwd_ms``: the layer timer's moving averages
-      (all microbatches of one iteration; ``log_layers=False`` turns them off);
-    * ``stage/<kind><index>_ms``: measured busy time of each job of the last
-      pipelined call (``forward0``, ``fused0``, ``backward2``, ...);
-    * ``device_D/busy_ms`` and ``bubble_ratio``: per-device busy time of the last
-      call and ``1 - sum(busy) / (call wall time x devices)``;
-    * ``sim_iteration_ms`` / ``sim_bubble_ratio``: the same plan simulated with
-      the timer's estimates (``roundpipe_core.simulate``);
-    * ``step_ms``, ``samples_per_s`` and, for token-id inputs, ``tokens_per_s``.
+    * ``layer_XX/fwd_ms``, ``layer_XX/re_ms``, ``layer_XX/bwd_ms``: the layer timer's
+      moving averages for one microbatch (``log_layers=False`` turns them off);
+    * ``stage/<kind><stage>_ms``: busy time of each job of the last pipelined call,
+      all its microbatches (``fused0``, ``forward0``, ``backward2``, ...);
+    * ``device_D/busy_ms``: busy time of device ``D`` in that call;
+    * ``call_ms``: the call's wall time (``RoundPipe.last_call_ms``);
+    * ``bubble_ratio``: ``1 - sum(busy) / (call_ms x devices)``;
+    * ``sim_iteration_ms`` / ``sim_bubble_ratio``: one iteration of the same plan
+      simulated with the timer's per-microbatch estimates (``roundpipe_core.simulate``),
+      on the scale of ``call_ms``: a simulated time far below the measured one means
+      time goes to something the estimates do not hold (transfers, launch overhead,
+      a loaded host);
+    * ``step_ms``: the training step's wall time (batch start to batch end), with
+      ``samples_per_s`` and, for token-id inputs, ``tokens_per_s`` derived from it;
+    * the image ``roundpipe/timeline`` (TensorBoard loggers, needs matplotlib): the
+      last call measured above its simulation, same time scale, a lane per device,
+      stages coloured by kind (:func:`roundpipe_lightning.timeline.render_timeline`).
+
+    With ``trace_dir`` it also writes ``trace_dir/step_<step>.json`` at each logging
+    step: the measured call (``RoundPipe.last_trace()``'s spans) and its simulation
+    side by side as Chrome trace-event JSON (open in https://ui.perfetto.dev).
 
     Args:
         every_n_steps: logging interval in optimizer steps (default: the Trainer's
             ``log_every_n_steps``).
         log_layers: also log the per-layer estimates.
+        trace_dir: folder for the trace files; ``None`` writes none.
+        log_timeline: log the ``roundpipe/timeline`` image to TensorBoard loggers.
     """
 
-    def __init__(self, every_n_steps: int | None = None, log_layers: bool = True) -> None:
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        log_layers: bool = True,
+        trace_dir: str | Path | None = None,
+        log_timeline: bool = True,
+    ) -> None:
         if every_n_steps is not None and (
             not isinstance(every_n_steps, int)
             or isinstance(every_n_steps, bool)
             or every_n_steps < 1
         ):
             raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
+        if trace_dir is not None and not isinstance(trace_dir, (str, Path)):
+            raise TypeError(
+                f"trace_dir must be a folder path (str or Path) or None, got {type(trace_dir).__name__}"
+            )
         self.every_n_steps = every_n_steps
         self.log_layers = log_layers
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self.log_timeline = log_timeline
         self._t0: float | None = None
+        self._global_step_at_start = 0
         self._last_step: int | None = None
         self.last_metrics: dict[str, float] = {}
+        self.last_trace_path: Path | None = None
+        self.last_image: np.ndarray | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -218,26 +261,51 @@ class StageTimeLogger(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._t0 = time.perf_counter()
+        self._global_step_at_start = trainer.global_step
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step_ms = (time.perf_counter() - self._t0) * 1000.0 if self._t0 is not None else 0.0
-        every = self.every_n_steps or max(1, trainer.log_every_n_steps)  # type: ignore[attr-defined]
-        step = trainer.global_step
-        # with gradient accumulation several batches end at the same global step: log once
-        if step == 0 or step % every != 0 or step == self._last_step or not trainer.loggers:
+        # with gradient accumulation only the batch that stepped the optimizer logs
+        if trainer.global_step == self._global_step_at_start or not trainer.loggers:
+            return
+        every = self.every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
+        step = _lightning_log_step(trainer)
+        # Lightning also logs the batch after which training stops (early stopping)
+        due = every >= 1 and ((step + 1) % every == 0 or trainer.should_stop)
+        if not due or step == self._last_step:
             return
         self._last_step = step
         rp = _roundpipe_of(trainer, "StageTimeLogger")
-        metrics = self.collect(rp, step_ms)
+        sim = self._simulate(rp)
+        metrics = self.collect(rp, step_ms, sim)
         self.last_metrics = metrics
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+        measured = spans_from_roundpipe(rp)
+        simulated = spans_from_simulation(sim, iteration=-1) if sim is not None else None
+        if self.trace_dir is not None and measured:
+            path = self.trace_dir / f"step_{step}.json"
+            self.last_trace_path = write_trace(path, side_by_side_trace(measured, simulated))
+        tensorboards = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        if self.log_timeline and tensorboards and measured:
+            try:
+                from .timeline import render_timeline
 
-    def collect(self, rp: Any, step_ms: float) -> dict[str, float]:
-        """The metrics of the last pipelined call of ``rp`` (see the class docstring)."""
+                image = render_timeline(measured, simulated, title=f"step {step}")
+            except ImportError:
+                rank_zero_info("StageTimeLogger: pip install matplotlib to log roundpipe/timeline")
+                self.log_timeline = False  # say it once
+                return
+            self.last_image = image
+            for lg in tensorboards:
+                lg.experiment.add_image("roundpipe/timeline", image, step, dataformats="HWC")
+
+    def collect(self, rp: Any, step_ms: float, sim: Any = None) -> dict[str, float]:
+        """The metrics of the last pipelined call of ``rp`` (see the class docstring);
+        ``sim`` is its simulation (:meth:`_simulate`), ``None`` for no ``sim_*`` tags."""
         m: dict[str, float] = {}
         timer = rp.model_timer
         if self.log_layers:
@@ -256,10 +324,9 @@ class StageTimeLogger(Callback):
         if wall > 0 and rp.last_job_times:
             m["roundpipe/call_ms"] = wall
             m["roundpipe/bubble_ratio"] = max(0.0, 1.0 - sum(busy) / (wall * rp.num_devices))
-        sim = self._simulate(rp)
         if sim is not None:
-            m["roundpipe/sim_iteration_ms"] = sim.makespan_ms
-            m["roundpipe/sim_bubble_ratio"] = sim.bubble_ratio
+            m["roundpipe/sim_iteration_ms"] = float(sim.makespan_ms)
+            m["roundpipe/sim_bubble_ratio"] = float(sim.bubble_ratio)
         if step_ms > 0:
             m["roundpipe/step_ms"] = step_ms
             samples, tokens = rp.last_call_samples, rp.last_call_tokens
@@ -271,7 +338,8 @@ class StageTimeLogger(Callback):
 
     @staticmethod
     def _simulate(rp: Any) -> Any:
-        """Simulate the last call's plan with the timer's per-microbatch estimates."""
+        """One iteration of the last call's plan, simulated with the timer's estimates
+        (already per microbatch: the timer divides each job's time by its microbatches)."""
         jobs = rp.last_schedule
         if not jobs:
             return None
@@ -283,19 +351,29 @@ class StageTimeLogger(Callback):
             return None  # forward and backward phases ran as separate calls
         mbs = len(jobs[0].microbatches)
         timer = rp.model_timer
-        plan = rp.plan_for(run_type)
         try:
             return simulate(
-                plan,
-                [x / mbs for x in timer.fwd_ms],
-                [x / mbs for x in timer.bwd_ms],
+                rp.plan_for(run_type),
+                timer.fwd_ms,
+                timer.bwd_ms,
                 rp.num_devices,
                 mbs,
                 run_type=run_type,
-                re_ms=[x / mbs for x in timer.re_ms],
+                re_ms=timer.re_ms,
             )
         except ValueError:
             return None
+
+
+def _lightning_log_step(trainer: Trainer) -> int:
+    """The step Lightning logs the current batch's metrics at: the optimizer steps
+    before this batch (``fit_loop.epoch_loop._batches_that_stepped``, which Lightning
+    increments only after ``on_train_batch_end``)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    return trainer.global_step - 1  # one optimizer: the same count
 
 
 class FlushWeights(Callback):
