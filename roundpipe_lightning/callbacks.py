@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan
+from roundpipe_core.planner import predicted_speedup
 from roundpipe_core.trace import (
     side_by_side_trace,
     spans_from_roundpipe,
@@ -80,14 +81,22 @@ class AutoReplan(Callback):
     and ``roundpipe/plan_changed`` (1.0 if the plan differs from the one before,
     else 0.0); the installed plan is saved in checkpoints and re-installed on resume.
 
+    Timings are noisy, and near-equal plans trade places from one measurement to
+    the next. A new plan is therefore installed only when the simulator, on the
+    timer's moving averages, predicts it at least ``min_gain`` faster than the plan
+    in use; otherwise the plan in use stays. Either way the log line says why, with
+    the predicted gain.
+
     Args:
         warmup_steps: optimizer steps measured before the first re-plan (the
             timer drops each layer's first measurement).
         every_n_steps: re-plan again every this many steps after the first; None: once.
         run_type: the kind of call to plan: "fused" (``forward_backward``),
             "train" (``roundpipe(x)`` + backward) or "infer".
+        min_gain: the predicted speed-up (0.05: 5 %) a new plan must bring to replace
+            the plan in use.
         **auto_kwargs: passed to ``ModelExecutePlan.auto`` (``min_stages``,
-            ``upper_threshold``, ``model_memory_limit``, ``method``).
+            ``upper_threshold``, ``model_memory_limit``, ``num_microbatch``, ...).
     """
 
     def __init__(
@@ -95,6 +104,7 @@ class AutoReplan(Callback):
         warmup_steps: int = 5,
         every_n_steps: int | None = None,
         run_type: str = "fused",
+        min_gain: float = 0.05,
         **auto_kwargs: Any,
     ) -> None:
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
@@ -107,6 +117,14 @@ class AutoReplan(Callback):
             raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+        if (
+            not isinstance(min_gain, (int, float))
+            or isinstance(min_gain, bool)
+            or not 0 <= min_gain < 10
+        ):
+            raise ValueError(f"min_gain must be a number in [0, 10) (0.05 = 5 %), got {min_gain!r}")
+        self.min_gain = float(min_gain)
+        self.last_predicted_gain: float | None = None
         self.warmup_steps = warmup_steps
         self.every_n_steps = every_n_steps
         self.run_type = run_type
@@ -145,16 +163,32 @@ class AutoReplan(Callback):
     def replan(self, trainer: Trainer, rp: Any, step: int) -> ModelExecutePlan:
         """Plan from the timer now, install and log the plan; returns it."""
         old = rp.plan_for(self.run_type)
-        plan = _one_plan(ModelExecutePlan.auto(self.run_type, rp, **self.auto_kwargs))
+        candidate = _one_plan(ModelExecutePlan.auto(self.run_type, rp, **self.auto_kwargs))
+        m = (
+            self.auto_kwargs.get("num_microbatch")
+            or rp.model_run_config.num_microbatch
+            or rp.num_devices + 1
+        )
+        gain = predicted_speedup(old, candidate, rp, self.run_type, rp.num_devices, m)
+        self.last_predicted_gain = gain
+        changed = candidate != old and gain >= 1.0 + self.min_gain
+        plan = candidate if changed else old
         rp.set_plan(self.run_type, plan)
         self.plan, self.last_replan_step = plan, step
         self.history.append((step, plan))
         text = describe_plan(plan)
-        changed = plan != old
-        rank_zero_info(
-            f"AutoReplan (step {step}): {'new' if changed else 'unchanged'} {self.run_type} plan {text}"
-            + (f" (was {describe_plan(old)})" if changed else "")
-        )
+        if changed:
+            why = (
+                f"new {self.run_type} plan {text} (was {describe_plan(old)}): predicted {gain:.3f}x"
+            )
+        elif candidate == old:
+            why = f"kept {self.run_type} plan {text}: the planner chose it again"
+        else:
+            why = (
+                f"kept {self.run_type} plan {text}: the best alternative {describe_plan(candidate)} "
+                f"is predicted {gain:.3f}x, below the {1.0 + self.min_gain:.3f}x threshold (min_gain)"
+            )
+        rank_zero_info(f"AutoReplan (step {step}): {why}")
         metrics = {
             "roundpipe/plan_fwd_stages": float(len(plan.fwd_plan)),
             "roundpipe/plan_bwd_stages": float(len(plan.bwd_plan)),

@@ -125,6 +125,53 @@ def test_auto_replan_changes_plan_and_keeps_the_math(tmp_path: Path) -> None:
     assert max_rel_err(params_of(m), params_of(ref)) <= 1e-5
 
 
+def test_auto_replan_switches_only_past_the_predicted_gain(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Noise-driven flips are refused: a candidate that the simulator predicts less than
+    ``min_gain`` faster does not replace the plan in use, and the log line says why."""
+    from types import SimpleNamespace
+
+    from roundpipe_core import RoundPipe
+    from roundpipe_core.planner import predicted_speedup
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)]
+    rp = RoundPipe(nn.Sequential(*layers), devices="cpu:2")
+    try:
+        x, y = torch.randn(24, 32), torch.randn(24, 32)
+        for _ in range(3):  # measured timings for the planner
+            rp.forward_backward((x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+        old = ModelExecutePlan.uniform(8, 8, "fused")  # many small stages: not the best
+        rp.set_plan("fused", old)
+        candidate = ModelExecutePlan.auto("fused", rp)
+        assert candidate != old
+        gain = predicted_speedup(old, candidate, rp, "fused", rp.num_devices, rp.num_devices + 1)
+        assert 1.0 < gain < 10.0
+        trainer = SimpleNamespace(loggers=[])
+
+        keep = AutoReplan(min_gain=gain - 1.0 + 0.01)
+        with caplog.at_level(logging.INFO):
+            assert keep.replan(trainer, rp, step=5) == old
+        assert rp.plan_for("fused") == old and keep.last_predicted_gain == pytest.approx(gain)
+        assert "kept fused plan" in caplog.records[-1].getMessage()
+        assert "below the" in caplog.records[-1].getMessage()
+
+        switch = AutoReplan(min_gain=max(0.0, gain - 1.0 - 0.01))
+        with caplog.at_level(logging.INFO):
+            assert switch.replan(trainer, rp, step=6) == candidate
+        assert rp.plan_for("fused") == candidate
+        assert "new fused plan" in caplog.records[-1].getMessage()
+    finally:
+        rp.close()
+
+
+def test_auto_replan_rejects_a_bad_min_gain() -> None:
+    for bad in (-0.1, "0.05", True, 10.0):
+        with pytest.raises(ValueError, match="min_gain"):
+            AutoReplan(min_gain=bad)
+
+
 def test_auto_replan_every_n_steps_and_resume(tmp_path: Path) -> None:
     replan = AutoReplan(warmup_steps=2, every_n_steps=2)
     ck = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
