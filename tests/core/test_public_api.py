@@ -212,8 +212,8 @@ def test_grad_scaler_constructor_and_methods() -> None:
     assert _has_var(GradScaler.step, inspect.Parameter.VAR_KEYWORD)
     for getter in ("get_growth_factor", "get_backoff_factor", "get_growth_interval"):
         _assert_prefix(getattr(GradScaler, getter), ["up_to_date"])
-    # published: update(new_scale=None, is_async=True)
-    _assert_prefix(GradScaler.update, ["new_scale", "is_async"])
+    # 0.1.1: update(new_scale=None) (the repository added is_async= after that release)
+    _assert_prefix(GradScaler.update, ["new_scale"])
 
 
 # --------------------------------------------------------------------------- signatures
