@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,8 +97,16 @@ def fresh_top_level() -> set[str]:
     whether or not the package exports it.
     """
     code = "import json, roundpipe_core; print(json.dumps(sorted(vars(roundpipe_core))))"
+    # the same copy of the package as this process imported, whatever is installed
+    root = str(Path(roundpipe_core.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=env,
     )
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
