@@ -35,9 +35,9 @@ preset or a manual conversion):
 * the backward of each unit recomputes its forward from its own inputs, and the
   units run one after another in the order autograd reaches them;
 * glue code and directly-owned parameters run on the host CPU;
-* ``step(is_async=True)`` overlaps the optimizer only with work done before the
-  next training ``forward`` (which waits for the step), not with the forward
-  itself.
+* the optimizer step overlaps with the next ``forward`` (one step stale, as
+  ``RoundPipe``), but that forward's backward waits for the step before its
+  gradients land.
 """
 
 from __future__ import annotations
@@ -359,9 +359,9 @@ class AutoRoundPipe(RoundPipeBase):
                 "the model_run_config given at wrapping time)"
             )
         self._check_open()
-        if torch.is_grad_enabled():
-            # Gradients of this forward's backward must not land while a step reads them.
-            self._settle()
+        # no wait for a step in flight: like RoundPipe.forward, this computes with the weights
+        # the model holds (one step stale after step(is_async=True)); gradients of its
+        # backward wait for the step before they land (RoundPipeBase._fold_grads)
         with self._call_lock:
             for (_, inner), unit in zip(self.units, self._unit_modules):
                 object.__setattr__(unit, "forward", _make_redirect(inner))

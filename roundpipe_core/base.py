@@ -212,7 +212,7 @@ class RoundPipeBase(nn.Module):
 
     @property
     def _masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        # (name, model parameter, master) triples; read by roundpipe_lightning's subclass
+        # (name, model parameter, master) triples; host_memory.py reads them to count masters
         return self.masters.entries
 
     # -- parameters ----------------------------------------------------------------
@@ -354,10 +354,6 @@ class RoundPipeBase(nn.Module):
     def wait_step(self) -> None:
         """Block until the step queued by ``step()`` (if any) has finished; its error, if
         any, is raised by ``synchronize()``. The masters are then safe to read."""
-        self._stepper.wait_step()
-
-    def _wait_step_done(self) -> None:
-        # the name roundpipe_lightning.distributed calls
         self._stepper.wait_step()
 
     def _drain_runs(self) -> None:

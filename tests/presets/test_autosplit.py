@@ -100,8 +100,13 @@ def test_chain_model_becomes_pipelined_roundpipe() -> None:
 def _train_compare(
     model: nn.Module, make_inputs, loss_fn, rp_kwargs: dict, steps: int = 3
 ) -> AutoRoundPipe:
-    """Train ``model`` through AutoRoundPipe and a deep copy with plain PyTorch; compare."""
+    """Train ``model`` through AutoRoundPipe and a deep copy with plain PyTorch; compare.
+
+    After ``step(is_async=True)`` the next iteration computes with the weights from before
+    that step (published at the next step()), so the reference runs its forward on ``view``:
+    ``ref``'s weights without the asynchronous step just taken."""
     ref = copy.deepcopy(model)
+    view = copy.deepcopy(model)
     # SGD, not Adam: Adam turns the rounding noise of gradients that are analytically zero
     # (the key bias of attention) into full-size steps of random sign.
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -113,8 +118,10 @@ def _train_compare(
     try:
         for it in range(steps):
             inputs = make_inputs(it)
-            ref_loss = loss_fn(ref(*inputs))
+            ref_loss = loss_fn(view(*inputs))
             ref_loss.backward()
+            for q, v in zip(ref.parameters(), view.parameters()):
+                q.grad, v.grad = v.grad, None
             loss = loss_fn(rp(*inputs))
             assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item()) + 1e-6
             loss.backward()
@@ -124,9 +131,14 @@ def _train_compare(
                 g = rp.master_param(p).grad if p.grad is None else p.grad
                 assert g is not None, f"no gradient for {n}"
                 assert rel_err(g, named_ref[n].grad) <= RTOL, f"{n} at step {it}"
+            is_async = it % 2 == 0
+            before = [q.detach().clone() for q in ref.parameters()]
             ref_opt.step()
             ref_opt.zero_grad()
-            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=(it % 2 == 0))
+            with torch.no_grad():
+                for v, q, b in zip(view.parameters(), ref.parameters(), before):
+                    v.copy_(b if is_async else q)
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
         rp.synchronize()
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert rel_err(p.detach(), q.detach()) <= 1e-5, f"{n} after training"
