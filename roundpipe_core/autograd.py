@@ -136,7 +136,7 @@ class AutogradForward:
 
 class _PipelineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, call: AutogradForward, dummy: torch.Tensor, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.call = call
@@ -148,6 +148,6 @@ class _PipelineFunction(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         grads = ctx.call.backward_phase(grad_outputs)
         return (None, None, *grads)

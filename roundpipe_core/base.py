@@ -243,12 +243,12 @@ class RoundPipeBase(nn.Module):
         """The master copy of one of the model's parameters (None if it is frozen)."""
         return self.masters.master_of.get(id(param))
 
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         if _OPTIM_CTX.depth > 0:
             return iter(self.optim_parameters())
         return super().parameters(recurse)
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         if _OPTIM_CTX.depth > 0:
             return iter(self.optim_named_parameters())
         return super().named_parameters(*args, **kwargs)
