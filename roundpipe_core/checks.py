@@ -239,6 +239,26 @@ class PlanFitChecker:
         self._measured = False
         self._checked: set[tuple] = set()
 
+    def set_activation_bytes(self, value: Sequence[float] | None) -> None:
+        """Give the bytes instead of measuring them (``None``: measure again).
+
+        Raises:
+            ValueError: not one non-negative number per layer.
+        """
+        if value is not None:
+            vals = list(value)
+            if len(vals) != len(self.layers) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in vals
+            ):
+                raise ValueError(
+                    f"layer_activation_bytes must be {len(self.layers)} non-negative numbers "
+                    f"(one per layer) or None, got {value!r}"
+                )
+            value = [float(v) for v in vals]
+        self.activation_bytes = value
+        self._measured = value is not None
+        self._checked.clear()
+
     def measure(self, args: tuple, kwargs: dict, rows: int) -> None:
         """Saved-activation bytes of a microbatch of ``rows`` rows, measured on two rows
         (``rows`` 0: on the whole microbatch as given). Runs once; a layer that cannot run

@@ -205,8 +205,13 @@ class RoundPipe(RoundPipeBase):
     @property
     def layer_activation_bytes(self) -> list[float] | None:
         """Saved-activation bytes per layer for one microbatch of the first training call
-        that ran a manual plan (``None`` until measured); the planner counts them."""
+        that ran a manual plan (``None`` until measured); the planner counts them. Set it
+        (one number per layer) to give them without that measurement."""
         return self._plan_fits.activation_bytes
+
+    @layer_activation_bytes.setter
+    def layer_activation_bytes(self, value: list[float] | None) -> None:
+        self._plan_fits.set_activation_bytes(value)
 
     def default_plan(
         self, run_type: RunType | str, num_microbatch: int | None = None

@@ -118,3 +118,22 @@ def test_the_measuring_forward_leaves_no_trace() -> None:
             rp.close()
     (l0, r0, m0), (l1, r1, m1) = results
     assert torch.equal(l0, l1) and torch.equal(r0, r1) and torch.equal(m0, m1)
+
+
+def test_given_activation_bytes_replace_the_measurement(monkeypatch) -> None:
+    rp = RoundPipe(_wide(), devices=2)
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    try:
+        with pytest.raises(ValueError, match="one per layer"):
+            rp.layer_activation_bytes = [1.0, 2.0]
+        rp.layer_activation_bytes = [10**15, 0, 0, 0, 0]  # a petabyte: no device holds it
+        with pytest.raises(ValueError, match="activations"):
+            rp.forward_backward(
+                input_args=(x,),
+                label=y,
+                loss_fn=sum_sq,
+                run_config=RoundPipeRunConfig(execute_plan=_one_stage()),
+            )
+        assert rp.layer_activation_bytes == [1e15, 0.0, 0.0, 0.0, 0.0]  # not measured over
+    finally:
+        rp.close()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from roundpipe_core import OptimizerCtx, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
-from roundpipe_core.autosplit import AutoRoundPipe, FxStep, chain_layers
+from roundpipe_core.autosplit import AutoRoundPipe, FxStep, auto_wrap, chain_layers
 
 RTOL = 1e-5
 
@@ -239,3 +239,133 @@ def test_shared_parameters_between_units_merge_them() -> None:
 def test_bad_threshold() -> None:
     with pytest.raises(ValueError, match="split_threshold"):
         wrap_model_to_roundpipe(SkipNet(), use_sequential_preset=False, split_threshold=0)
+
+
+#: a lower threshold no module reaches: no module is kept whole for its own parameters
+NO_LOWER = 10**9
+
+
+def _skipnet_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 5, 6, generator=gen), torch.randn(4, 5, 16, generator=gen))] * 2
+
+
+def test_upper_threshold_in_bytes_cuts_like_the_same_threshold_in_parameters() -> None:
+    torch.manual_seed(0)
+    by_bytes = wrap_model_to_roundpipe(
+        SkipNet(),
+        use_sequential_preset=False,
+        upper_threshold=1200 * 4,
+        lower_threshold=NO_LOWER,
+        devices=1,
+    )
+    by_params = wrap_model_to_roundpipe(
+        SkipNet(),
+        use_sequential_preset=False,
+        split_threshold=1200,
+        lower_threshold=NO_LOWER,
+        devices=1,
+    )
+    try:
+        assert [n for n, _ in by_bytes.units] == [n for n, _ in by_params.units]
+        assert [n for n, _ in by_bytes.units] == [
+            "embed",
+            "blocks.0",
+            "blocks.1",
+            "blocks.2",
+            "head",
+        ]
+    finally:
+        by_bytes.close()
+        by_params.close()
+
+
+def test_lower_threshold_keeps_big_owners_whole_and_runs_small_units_unsplit() -> None:
+    torch.manual_seed(0)
+    model = SkipNet()
+    cfg = RoundPipeRunConfig(num_microbatch=2)
+    # the root owns `scale` (16 floats = 64 bytes): at 64 bytes it becomes one unit
+    rp = auto_wrap(model, upper_threshold=1200 * 4, lower_threshold=64, devices=1)
+    try:
+        assert [n for n, _ in rp.units] == [""] and rp.host_parameters == []
+    finally:
+        rp.close()
+    # at 65 bytes the root is opened; units under 65 bytes run as one microbatch
+    rp = auto_wrap(
+        model, upper_threshold=1200 * 4, lower_threshold=1000, model_run_config=cfg, devices=1
+    )
+    try:
+        got = []
+        for (n, inner), unit in zip(rp.units, rp._unit_modules):
+            nbytes = sum(p.numel() * 4 for p in unit.parameters())
+            got.append(inner.model_run_config.num_microbatch)
+            assert got[-1] == (1 if nbytes < 1000 else 2), (n, nbytes, got[-1])
+        assert set(got) == {1, 2}  # both kinds occur in this model
+    finally:
+        rp.close()
+
+
+def test_skipped_module_stays_on_the_host_and_trains_like_pytorch() -> None:
+    torch.manual_seed(0)
+    model = SkipNet()
+    data = _skipnet_data()
+    rp = _train_compare(
+        model,
+        lambda it: data[it],
+        lambda out: out.pow(2).mean(),
+        dict(split_threshold=1200, devices=2, skip_modules=[model.head]),
+        steps=2,
+    )
+    try:
+        assert "head" not in [n for n, _ in rp.units]
+        assert [n for n, _ in rp.host_parameters] == [
+            "scale",
+            "head.0.weight",
+            "head.0.bias",
+            "head.1.weight",
+            "head.1.bias",
+        ]
+    finally:
+        rp.close()
+
+
+def test_override_config_makes_its_module_one_unit_with_that_config() -> None:
+    torch.manual_seed(0)
+    model = SkipNet()
+    special = RoundPipeRunConfig(num_microbatch=3)
+    data = _skipnet_data()
+    rp = _train_compare(
+        model,
+        lambda it: data[it],
+        lambda out: out.pow(2).mean(),
+        dict(
+            upper_threshold=100,
+            lower_threshold=NO_LOWER,
+            devices=2,
+            override_config={model.blocks[1]: special},
+        ),
+        steps=2,
+    )
+    try:
+        units = dict(rp.units)
+        assert units["blocks.1"].model_run_config.num_microbatch == 3
+        assert not any(n.startswith("blocks.1.") for n in units)  # one unit, not opened
+        assert any(n.startswith("blocks.0.") for n in units)  # its sibling was opened
+    finally:
+        rp.close()
+
+
+def test_split_options_are_checked() -> None:
+    model = SkipNet()
+    with pytest.raises(ValueError, match="not a submodule"):
+        auto_wrap(model, skip_modules=[nn.Linear(2, 2)], devices=1)
+    with pytest.raises(ValueError, match="not a submodule"):
+        auto_wrap(model, override_config={nn.Linear(2, 2): RoundPipeRunConfig()}, devices=1)
+    with pytest.raises(ValueError, match="no forward of its own"):
+        auto_wrap(model, override_config={model.blocks: RoundPipeRunConfig()}, devices=1)
+    with pytest.raises(ValueError, match="not both"):
+        auto_wrap(model, split_threshold=10, upper_threshold=10, devices=1)
+    with pytest.raises(TypeError, match="upper_threshold"):
+        auto_wrap(model, upper_threshold=1.5, devices=1)
+    with pytest.raises(TypeError, match="override_config"):
+        auto_wrap(model, override_config={model.head: "fast"}, devices=1)
