@@ -192,3 +192,25 @@ def test_bad_specs_fail_when_the_config_meets_the_engine() -> None:
         RoundPipe(mlp(3), devices=1, model_run_config=RoundPipeRunConfig(split_input="rows"))
     with pytest.raises(TypeError, match="merge_output"):
         RoundPipe(mlp(3), devices=1, model_run_config=RoundPipeRunConfig(merge_output=3))
+
+
+def test_a_split_function_in_the_published_form_runs_like_pytorch() -> None:
+    # split_input(args, kwargs, n) -> (args_list, kwargs_list), as the published RoundPipe
+    def split_input(args: tuple, kwargs: dict, n: int) -> tuple[list, list]:
+        (x,) = args
+        return [(c,) for c in x.chunk(n)], [{} for _ in range(n)]
+
+    def split_label(label: torch.Tensor, n: int) -> list:
+        return list(label.chunk(n))
+
+    model = mlp(4, seed=6)
+    x, y = torch.randn(10, 8), torch.randn(10, 4)
+    ref_loss, ref_grads = reference_grads(model, x, y)
+    cfg = RoundPipeRunConfig(num_microbatch=3, split_input=split_input, split_label=split_label)
+    rp = RoundPipe(model, devices=2)
+    try:
+        loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq, run_config=cfg)
+        assert_close_rel(loss, ref_loss, what="loss")
+        assert_grads_match(rp, ref_grads)
+    finally:
+        rp.close()
