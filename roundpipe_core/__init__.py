@@ -1,6 +1,8 @@
 """RoundPipe core: train an nn.Sequential whose state lives in host memory on a
 stateless pool of devices (CUDA GPUs, or CPU threads that play devices)."""
 
+from typing import cast
+
 from . import optim
 from .amp import GradScaler
 from .autosplit import AutoRoundPipe
@@ -9,13 +11,15 @@ from .config import RoundPipeRunConfig
 from .context import doing_recompute, get_recompute_data, save_for_recompute
 from .model import OptimizerCtx, RoundPipe
 from .pipelined import PendingResult
-from .plan import ModelExecutePlan
+from .plan import AutoPlanner, ModelExecutePlan
 from .planner import auto as _auto_planner
 from .presets import wrap_model_to_roundpipe
 
 # The planner sits above plan.py (it runs the simulator, which reads plans), so the
 # package, not plan.py, connects the published spelling ModelExecutePlan.auto to it.
-ModelExecutePlan.install_planner(_auto_planner)
+# (cast: the planner's overloads are one callable of the protocol's shape, which mypy
+# does not infer from overloads)
+ModelExecutePlan.install_planner(cast(AutoPlanner, _auto_planner))
 
 
 __version__ = "0.1.0"  # the same as pyproject.toml's [project] version (a test checks)

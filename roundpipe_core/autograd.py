@@ -58,12 +58,12 @@ class AutogradForward:
         ops: PipelineOps,
         cfg: RoundPipeRunConfig,
         plan: ModelExecutePlan,
-        mbs: list,
-        sizes: list[int],
-        bs: int | None,
+        split: batching.SplitInputs,
     ) -> None:
         self.ops, self.cfg, self.plan = ops, cfg, plan
-        self.mbs, self.sizes, self.bs = mbs, sizes, bs
+        self.split = split
+        self.mbs = split.parts
+        self.merged: batching.MergedOutputs | None = None
         self.run_state: PipelineRun | None = None
         self.out_leaves: list[Any] = []
         self.out_rebuild: Any = None
@@ -103,8 +103,8 @@ class AutogradForward:
         ops.execute(run, jobs)
         self.run_state = run
         outputs = [run.outputs[i] for i in range(len(self.mbs))]
-        merged = (self.cfg.merge_output or batching.default_merge_output)(outputs)
-        self.out_leaves, self.out_rebuild = batching.flatten(merged)
+        self.merged = batching.merge_outputs_with_grad(self.cfg.merge_output, outputs)
+        self.out_leaves, self.out_rebuild = batching.flatten(self.merged.merged)
         return tuple(x for x in self.out_leaves if isinstance(x, torch.Tensor))
 
     def backward_phase(
@@ -114,46 +114,29 @@ class AutogradForward:
         if run is None:
             raise RuntimeError("backward through a RoundPipe forward can only run once")
         n = len(self.mbs)
-        # split each output gradient like the output was merged (per leaf, all leaves)
+        assert self.merged is not None  # set by forward_phase
         it = iter(grad_outputs)
-        per_leaf: list[list[torch.Tensor | None]] = []
-        for leaf in self.out_leaves:
-            g = next(it) if isinstance(leaf, torch.Tensor) else None
-            if g is None:
-                per_leaf.append([None] * n)
-            elif leaf.dim() >= 1 and self.sizes and leaf.shape[0] == sum(self.sizes) and n > 1:
-                per_leaf.append(list(torch.split(g, self.sizes, dim=0)))
-            else:
-                per_leaf.append([g] * n)
+        leaf_grads = [next(it) if isinstance(x, torch.Tensor) else None for x in self.out_leaves]
+        per_mb = self.merged.split_output_grads(leaf_grads)
         for m in range(n):
-            run.put_grad(ops.num_layers, m, [pl[m] for pl in per_leaf])
+            run.put_grad(ops.num_layers, m, per_mb[m])
         ops.execute(run, self.bwd_jobs)
         run.drop_activations()
         self.run_state = None
         return self._input_grads(run, n)
 
     def _input_grads(self, run: PipelineRun, n: int) -> list[torch.Tensor | None]:
-        """The gradients of the call's input tensors, merged over microbatches."""
-        grads: list[torch.Tensor | None] = []
-        for i, leaf in enumerate(self.in_leaves):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            parts = [(run.take_grad(0, m) or [None] * len(self.in_leaves))[i] for m in range(n)]
-            if all(p is None for p in parts):
-                grads.append(None)
-                continue
-            split = self.bs is not None and leaf.dim() >= 1 and leaf.shape[0] == self.bs and n > 1
-            parts_t = [
-                p if p is not None else torch.zeros_like(leaf if not split else leaf[:s])
-                for p, s in zip(parts, self.sizes or [0] * n)
-            ]
-            grads.append(torch.cat(parts_t, 0) if split else torch.stack(parts_t).sum(0))
-        return grads
+        """The gradients of the call's input tensors, joined over microbatches as the
+        inputs were split."""
+        if not any(run.input_needs_grad or []):
+            return [None for x in self.in_leaves if isinstance(x, torch.Tensor)]
+        joined = self.split.join_input_grads([run.take_grad(0, m) or [] for m in range(n)])
+        return [g for g, x in zip(joined, self.in_leaves) if isinstance(x, torch.Tensor)]
 
 
 class _PipelineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, call: AutogradForward, dummy: torch.Tensor, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.call = call
@@ -165,6 +148,6 @@ class _PipelineFunction(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         grads = ctx.call.backward_phase(grad_outputs)
         return (None, None, *grads)

@@ -19,6 +19,14 @@
    encoder and decoder ...) runs on the host, as does any parameter owned
    directly by an opened module.
 
+The published RoundPipe's options refine the cut: ``upper_threshold`` measures
+sizes in bytes of parameters and buffers instead of ``split_threshold``'s
+parameter count; ``lower_threshold`` (bytes) keeps a module whose own direct
+parameters and buffers reach it whole, and runs units smaller than it as one
+microbatch; ``skip_modules`` stay plain host modules (trained through the
+master copies like other host parameters); ``override_config`` makes a module
+one unit with its own run config.
+
 What an ``AutoRoundPipe`` offers: ``forward`` (inference, or training through
 autograd: ``loss.backward()``), fp32 master weights (``optim_parameters()``,
 ``OptimizerCtx``), ``step(step_fn, is_async)`` / ``synchronize()`` and the
@@ -35,14 +43,15 @@ preset or a manual conversion):
 * the backward of each unit recomputes its forward from its own inputs, and the
   units run one after another in the order autograd reaches them;
 * glue code and directly-owned parameters run on the host CPU;
-* ``step(is_async=True)`` overlaps the optimizer only with work done before the
-  next training ``forward`` (which waits for the step), not with the forward
-  itself.
+* the optimizer step overlaps with the next ``forward`` (one step stale, as
+  ``RoundPipe``), but that forward's backward waits for the step before its
+  gradients land.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -60,6 +69,18 @@ __all__ = ["AutoRoundPipe", "auto_wrap", "chain_layers", "split_layers"]
 
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _bytes(module: nn.Module, recurse: bool = True) -> int:
+    """Bytes of the parameters and buffers (shared tensors once): the published
+    RoundPipe's measure of a module's size for its thresholds."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters(recurse)) + list(module.buffers(recurse)):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 # --------------------------------------------------------------------------- chain detection
@@ -171,16 +192,19 @@ def chain_layers(module: nn.Module) -> list[nn.Module] | None:
     return None
 
 
-def split_layers(module: nn.Module, split_threshold: int) -> list[nn.Module]:
-    """``module`` as a list of Sequential layers: chains are opened, and steps with more than
-    ``split_threshold`` parameters that are chains are opened recursively."""
+def split_layers(
+    module: nn.Module, split_threshold: int, size: Callable[[nn.Module], int] = _numel
+) -> list[nn.Module]:
+    """``module`` as a list of Sequential layers: chains are opened, and steps larger than
+    ``split_threshold`` (by ``size``: parameter elements unless given) that are chains are
+    opened recursively."""
     steps = chain_layers(module)
     if steps is None:
         return [module]
     out: list[nn.Module] = []
     for step in steps:
-        if _numel(step) > split_threshold and chain_layers(step) is not None:
-            out.extend(split_layers(step, split_threshold))
+        if size(step) > split_threshold and chain_layers(step) is not None:
+            out.extend(split_layers(step, split_threshold, size))
         else:
             out.append(step)
     return out
@@ -207,26 +231,77 @@ def _common_prefix(a: str, b: str) -> str:
     return ".".join(out)
 
 
+def _callable(m: nn.Module) -> bool:
+    """Whether ``m`` has a forward of its own (a ModuleList, ModuleDict has not: its
+    children are called by the parent's code, so it cannot run as one unit)."""
+    return type(m).forward is not nn.Module.forward
+
+
+class _SplitRules:
+    """How the tree is cut into units: the size measure and its thresholds, the modules
+    kept on the host, and the modules that take their own run config."""
+
+    def __init__(
+        self,
+        threshold: int,
+        size: Callable[[nn.Module], int] = _numel,
+        lower_threshold: int | None = None,
+        skip_modules: Collection[nn.Module] = (),
+        override_config: Mapping[nn.Module, RoundPipeRunConfig] | None = None,
+    ) -> None:
+        self.threshold, self.size, self.lower = threshold, size, lower_threshold
+        self.skip = {id(m) for m in skip_modules}
+        self.override = {id(m): c for m, c in (override_config or {}).items()}
+
+    def holds_skipped(self, m: nn.Module) -> bool:
+        return bool(self.skip) and any(id(x) in self.skip for x in m.modules())
+
+    def whole(self, m: nn.Module) -> bool:
+        """``m`` (holding no skipped module) becomes one unit without being opened."""
+        if id(m) in self.override:
+            return True
+        # a module that holds big parameters itself cannot be cut below them
+        own = _bytes(m, recurse=False)
+        return self.lower is not None and own > 0 and own >= self.lower
+
+    def config_of(
+        self, m: nn.Module, default: RoundPipeRunConfig | None
+    ) -> RoundPipeRunConfig | None:
+        """The run config of unit ``m``: its override, else ``default``; a unit smaller than
+        ``lower_threshold`` runs as one microbatch (too small to pipeline)."""
+        if id(m) in self.override:
+            return self.override[id(m)]
+        if self.lower is not None and _bytes(m) < self.lower:
+            base = default if default is not None else RoundPipeRunConfig()
+            return replace(base, num_microbatch=1)
+        return default
+
+
 def _plan_units(
-    model: nn.Module, threshold: int, forced: set[str]
+    model: nn.Module, rules: _SplitRules, forced: set[str]
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
-    """Units (qualified name, module) and host parameters (owned directly by opened modules)."""
+    """Units (qualified name, module) and host parameters (owned directly by opened
+    modules, or by skipped ones)."""
     units: list[tuple[str, nn.Module]] = []
     host: list[tuple[str, nn.Parameter]] = []
 
     def visit(name: str, m: nn.Module) -> None:
-        n = _numel(m)
-        if n == 0:
-            return  # no parameters: it runs on the host as glue
-        has_param_children = any(_numel(c) for c in m.children())
-        if (
-            name in forced
-            or n <= threshold
-            or not has_param_children
-            or chain_layers(m) is not None
-        ):
-            units.append((name, m))
+        if id(m) in rules.skip:
+            host.extend((_join(name, pname), p) for pname, p in m.named_parameters())
             return
+        if _numel(m) == 0:
+            return  # no parameters: it runs on the host as glue
+        if not rules.holds_skipped(m) and _callable(m):
+            has_param_children = any(_numel(c) for c in m.children())
+            if (
+                name in forced
+                or rules.whole(m)
+                or rules.size(m) <= rules.threshold
+                or not has_param_children
+                or chain_layers(m) is not None
+            ):
+                units.append((name, m))
+                return
         for pname, p in m.named_parameters(recurse=False):
             host.append((_join(name, pname), p))
         for cname, child in m.named_children():
@@ -237,13 +312,13 @@ def _plan_units(
 
 
 def _units_without_sharing(
-    model: nn.Module, threshold: int
+    model: nn.Module, rules: _SplitRules
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
     """Plan units; where a parameter is used by two units (or a unit and the host), their
     common ancestor becomes one unit -- RoundPipe instances cannot share parameters."""
     forced: set[str] = set()
     while True:
-        units, host = _plan_units(model, threshold, forced)
+        units, host = _plan_units(model, rules, forced)
         owner: dict[int, str] = {}
         conflict: str | None = None
         places = [(name, list(m.parameters())) for name, m in units]
@@ -314,9 +389,16 @@ class AutoRoundPipe(RoundPipeBase):
         pin_model: PinMode | str = PinMode.ALLOC,
         devices: Any = None,
         original_model: Any = None,
+        upper_threshold: int | None = None,
+        lower_threshold: int | None = None,
+        skip_modules: Collection[nn.Module] = (),
+        override_config: Mapping[nn.Module, RoundPipeRunConfig] | None = None,
     ) -> None:
         if model_run_config is not None:
             check_run_config(model_run_config, "model_run_config")
+        rules = _rules(
+            model, split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
+        )
         super().__init__(
             model,
             optim_dtype=optim_dtype,
@@ -326,18 +408,17 @@ class AutoRoundPipe(RoundPipeBase):
             original_model=original_model,
         )
         self.model_run_config = model_run_config or RoundPipeRunConfig()
-        threshold = split_threshold if split_threshold is not None else _default_threshold(model)
-        unit_modules, host = _units_without_sharing(model, threshold)
+        unit_modules, host = _units_without_sharing(model, rules)
         units: list[tuple[str, RoundPipe]] = []
         for uname, unit in unit_modules:
-            layers = split_layers(unit, threshold)
+            layers = split_layers(unit, rules.threshold, rules.size)
             seq = nn.Sequential(*layers) if len(layers) > 1 else nn.Sequential(_Direct(unit))
             # The outer RoundPipe owns the master copies; the inner one sends its gradients there.
             inner = RoundPipe(
                 seq,
                 optim_dtype=optim_dtype,
                 name=f"{self.name}.{uname or 'root'}",
-                model_run_config=model_run_config,
+                model_run_config=rules.config_of(unit, model_run_config),
                 pin_model="off",
                 devices=self.pool,
                 original_model=unit,
@@ -359,9 +440,9 @@ class AutoRoundPipe(RoundPipeBase):
                 "the model_run_config given at wrapping time)"
             )
         self._check_open()
-        if torch.is_grad_enabled():
-            # Gradients of this forward's backward must not land while a step reads them.
-            self._settle()
+        # no wait for a step in flight: like RoundPipe.forward, this computes with the weights
+        # the model holds (one step stale after step(is_async=True)); gradients of its
+        # backward wait for the step before they land (RoundPipeBase._fold_grads)
         with self._call_lock:
             for (_, inner), unit in zip(self.units, self._unit_modules):
                 object.__setattr__(unit, "forward", _make_redirect(inner))
@@ -408,11 +489,76 @@ class AutoRoundPipe(RoundPipeBase):
         return f"AutoRoundPipe(name={self.name!r}, units=[{names}], devices={self.pool!r})"
 
 
+def _check_bytes(name: str, value: Any, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of bytes or None, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum} bytes, got {value}")
+
+
+def _rules(
+    model: nn.Module,
+    split_threshold: int | None,
+    upper_threshold: int | None,
+    lower_threshold: int | None,
+    skip_modules: Collection[nn.Module],
+    override_config: Mapping[nn.Module, RoundPipeRunConfig] | None,
+) -> _SplitRules:
+    """The split rules from auto_wrap's arguments, each checked."""
+    if split_threshold is not None and (
+        isinstance(split_threshold, bool)
+        or not isinstance(split_threshold, int)
+        or split_threshold < 1
+    ):
+        raise ValueError(
+            f"split_threshold must be a positive int (parameters), got {split_threshold!r}"
+        )
+    _check_bytes("upper_threshold", upper_threshold, 1)
+    _check_bytes("lower_threshold", lower_threshold, 0)
+    if split_threshold is not None and upper_threshold is not None:
+        raise ValueError("give upper_threshold (bytes) or split_threshold (parameters), not both")
+    if isinstance(skip_modules, nn.Module) or not all(
+        isinstance(m, nn.Module) for m in skip_modules
+    ):
+        raise TypeError("skip_modules must be a collection of nn.Module, e.g. [model.head]")
+    for m, cfg in (override_config or {}).items():
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"override_config keys must be submodules of the model, got {type(m).__name__}"
+            )
+        check_run_config(cfg, f"override_config[{type(m).__name__}]")
+        if not _callable(m):
+            raise ValueError(
+                f"override_config names a {type(m).__name__}, which has no forward of its own "
+                "and cannot run as one unit; name its children instead"
+            )
+    inside = {id(x) for x in model.modules()}
+    for what, mods in (
+        ("skip_modules", list(skip_modules)),
+        ("override_config", list(override_config or {})),
+    ):
+        for m in mods:
+            if id(m) not in inside:
+                raise ValueError(
+                    f"{what} holds a {type(m).__name__} that is not a submodule of the model"
+                )
+    if upper_threshold is not None:
+        return _SplitRules(upper_threshold, _bytes, lower_threshold, skip_modules, override_config)
+    threshold = split_threshold if split_threshold is not None else _default_threshold(model)
+    return _SplitRules(threshold, _numel, lower_threshold, skip_modules, override_config)
+
+
 def auto_wrap(
     model: nn.Module,
     split_threshold: int | None = None,
     model_run_config: RoundPipeRunConfig | None = None,
     optim_dtype: torch.dtype | None = None,
+    upper_threshold: int | None = None,
+    lower_threshold: int | None = None,
+    skip_modules: Collection[nn.Module] = (),
+    override_config: Mapping[nn.Module, RoundPipeRunConfig] | None = None,
     **roundpipe_kwargs: Any,
 ) -> RoundPipe | AutoRoundPipe:
     """Automatic split: a RoundPipe over a Sequential when the model is a chain, else an AutoRoundPipe.
@@ -423,28 +569,43 @@ def auto_wrap(
             further; default 1/8 of the model's parameters.
         model_run_config: default run config (of the RoundPipe, or of every unit).
         optim_dtype: dtype of the master weights.
+        upper_threshold: instead of ``split_threshold``, in bytes of parameters and
+            buffers (the published RoundPipe's unit): modules larger than this are split.
+        lower_threshold: bytes: a module whose own (direct) parameters and buffers reach
+            this becomes one unit without being opened, and a unit smaller than this runs
+            as one microbatch. ``None``: no such rule.
+        skip_modules: submodules left as plain modules on the host (their parameters
+            still get master copies and are trained).
+        override_config: ``{submodule: RoundPipeRunConfig}``: that submodule becomes one
+            unit run with that config.
         **roundpipe_kwargs: ``pin_model``, ``devices``, ``name``.
+
+    Raises:
+        TypeError / ValueError: a threshold, skipped module or override is malformed or
+            names a module outside ``model``.
     """
-    if split_threshold is not None and (
-        not isinstance(split_threshold, int) or split_threshold < 1
-    ):
-        raise ValueError(
-            f"split_threshold must be a positive int (parameters), got {split_threshold!r}"
-        )
-    threshold = split_threshold if split_threshold is not None else _default_threshold(model)
-    layers = split_layers(model, threshold)
+    rules = _rules(
+        model, split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
+    )
+    # a skipped or separately configured inner module needs the unit-by-unit form
+    inner_rules = any(id(m) != id(model) for m in list(skip_modules) + list(override_config or {}))
+    layers = [model] if inner_rules else split_layers(model, rules.threshold, rules.size)
     if len(layers) > 1:
         return RoundPipe(
             nn.Sequential(*layers),
             optim_dtype=optim_dtype,
-            model_run_config=model_run_config,
+            model_run_config=rules.override.get(id(model), model_run_config),
             original_model=model,
             **roundpipe_kwargs,
         )
     return AutoRoundPipe(
         model,
-        split_threshold=threshold,
+        split_threshold=split_threshold,
         optim_dtype=optim_dtype,
         model_run_config=model_run_config,
+        upper_threshold=upper_threshold,
+        lower_threshold=lower_threshold,
+        skip_modules=skip_modules,
+        override_config=override_config,
         **roundpipe_kwargs,
     )

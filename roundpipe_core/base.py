@@ -215,7 +215,7 @@ class RoundPipeBase(nn.Module):
 
     @property
     def _masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        # (name, model parameter, master) triples; read by roundpipe_lightning's subclass
+        # (name, model parameter, master) triples; host_memory.py reads them to count masters
         return self.masters.entries
 
     # -- parameters ----------------------------------------------------------------
@@ -246,12 +246,12 @@ class RoundPipeBase(nn.Module):
         """The master copy of one of the model's parameters (None if it is frozen)."""
         return self.masters.master_of.get(id(param))
 
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         if _OPTIM_CTX.depth > 0:
             return iter(self.optim_parameters())
         return super().parameters(recurse)
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         if _OPTIM_CTX.depth > 0:
             return iter(self.optim_named_parameters())
         return super().named_parameters(*args, **kwargs)
@@ -367,10 +367,6 @@ class RoundPipeBase(nn.Module):
     def wait_step(self) -> None:
         """Block until the step queued by ``step()`` (if any) has finished; its error, if
         any, is raised by ``synchronize()``. The masters are then safe to read."""
-        self._stepper.wait_step()
-
-    def _wait_step_done(self) -> None:
-        # the name roundpipe_lightning.distributed calls
         self._stepper.wait_step()
 
     def _drain_runs(self) -> None:

@@ -22,6 +22,11 @@ mutated (``self.calls += 1``, ``self.cache.append(...)``, ``self.cfg.x = ...``),
 a parameter written in place, or a shared buffer written in place or rebound.
 The engine calls it once per layer on the first forward (:class:`ForwardRuleChecker`).
 
+:class:`PlanFitChecker` refuses a manual plan whose stages cannot fit the smallest
+device (parameters, gradients, one microbatch's saved activations, the next stage's
+prefetched parameters) before the call runs, instead of an out-of-memory error
+halfway through it.
+
 Writes to global variables cannot be seen from the module and are not detected.
 """
 
@@ -35,8 +40,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import batch as batching
+from .profile import check_plan_fits, measure_activation_bytes, scale_activation_bytes
+
 __all__ = [
     "ForwardRuleChecker",
+    "PlanFitChecker",
     "check_forward_rules",
     "check_not_compiled_in_place",
     "find_shared_buffers",
@@ -207,3 +216,97 @@ def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
                     "per-device copies cannot keep; compile it as a new module instead "
                     "(layers[i] = torch.compile(layer)) before wrapping"
                 )
+
+
+# -- manual plans against device memory ----------------------------------------------------
+
+
+class PlanFitChecker:
+    """Refuses a manual plan whose stages cannot fit the smallest device, once per plan.
+
+    The check needs the layers' saved-activation bytes per microbatch; they are measured
+    once per model, on the first checked training call's first microbatch (two rows of it
+    when the batch is split by rows, scaled up), and kept in ``activation_bytes`` so the
+    automatic planner (``profile_of``) counts them from then on.
+
+    Args:
+        layers: the model's layers.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.layers = list(layers)
+        self.activation_bytes: list[float] | None = None
+        self._measured = False
+        self._checked: set[tuple] = set()
+
+    def set_activation_bytes(self, value: Sequence[float] | None) -> None:
+        """Give the bytes instead of measuring them (``None``: measure again).
+
+        Raises:
+            ValueError: not one non-negative number per layer.
+        """
+        if value is not None:
+            vals = list(value)
+            if len(vals) != len(self.layers) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in vals
+            ):
+                raise ValueError(
+                    f"layer_activation_bytes must be {len(self.layers)} non-negative numbers "
+                    f"(one per layer) or None, got {value!r}"
+                )
+            value = [float(v) for v in vals]
+        self.activation_bytes = value
+        self._measured = value is not None
+        self._checked.clear()
+
+    def measure(self, args: tuple, kwargs: dict, rows: int) -> None:
+        """Saved-activation bytes of a microbatch of ``rows`` rows, measured on two rows
+        (``rows`` 0: on the whole microbatch as given). Runs once; a layer that cannot run
+        on the host leaves the bytes unknown with a warning."""
+        if self._measured:
+            return
+        self._measured = True
+        # two rows, not one: saved tensors grow with the rows, and a training BatchNorm
+        # refuses a single value per channel
+        sample = min(rows, 2)
+        if rows > sample:
+            (args, kwargs), _ = batching.split_tree((args, kwargs), [sample, rows - sample], rows)
+        # the measuring forward must leave no trace: the caller's random stream and the
+        # layers' buffers (BatchNorm statistics) are as they were
+        saved = [(b, b.detach().clone()) for layer in self.layers for b in layer.buffers()]
+        try:
+            with torch.random.fork_rng(devices=[]):
+                measured = measure_activation_bytes(self.layers, *args, **kwargs)
+            self.activation_bytes = (
+                scale_activation_bytes(measured, sample, rows)
+                if rows > sample
+                else [float(b) for b in measured]
+            )
+        except Exception as exc:  # the measurement is advisory: the call itself may still run
+            warnings.warn(
+                f"could not measure activation memory on the host ({type(exc).__name__}: {exc}); "
+                "plans are checked against parameters and gradients only",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        finally:
+            with torch.no_grad():
+                for b, copy in saved:
+                    b.copy_(copy)
+
+    def check(self, plan: Any, run_type: Any, profile: Any, capacity_bytes: float) -> None:
+        """``check_plan_fits`` for ``plan`` unless it already passed for this run type.
+
+        Raises:
+            ValueError: a stage of ``plan`` needs more memory than ``capacity_bytes``.
+        """
+        key = (
+            str(run_type),
+            tuple((r.start, r.stop) for r in plan.fwd_plan),
+            tuple((r.start, r.stop) for r in plan.bwd_plan),
+            self.activation_bytes is not None,
+        )
+        if key in self._checked:
+            return
+        check_plan_fits(plan, profile, run_type, capacity_bytes)
+        self._checked.add(key)

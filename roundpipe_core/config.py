@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .batch import check_run_specs
 from .kinds import RecomputeGrain, parse_kind
 from .plan import ModelExecutePlan
 
@@ -39,9 +40,15 @@ class RoundPipeRunConfig:
         recompute_grain: "stage" (recompute a whole stage, then backward) or "layer"
             (recompute and backpropagate one layer at a time; less memory). Default "stage".
         num_microbatch: microbatches per call (default: number of devices + 1).
-        split_input: ``f(args, kwargs, num_microbatch) -> [(args, kwargs), ...]``.
-        split_label: ``f(label, num_microbatch) -> [label, ...]``.
-        merge_output: ``f([output, ...]) -> output``.
+        split_input: ``None`` (split batch-leading tensors along dim 0), a pair
+            ``(args_spec, kwargs_spec)`` of ``TensorChunkSpec`` / ``Replicate`` markers,
+            or ``f(args, kwargs, num_microbatch)`` returning ``(args_list, kwargs_list)``
+            or ``[(args, kwargs), ...]`` (see ``roundpipe_core.batch``).
+        split_label: ``None`` (split like the inputs), a spec mirroring the label, or
+            ``f(label, num_microbatch) -> [label, ...]``.
+        merge_output: ``None``/``True`` (concatenate along dim 0, average 0-dim tensors),
+            a spec of ``TensorChunkSpec`` / ``Replicate`` / reducers, ``False`` (one
+            ``RoundPipePackedData`` per leaf) or ``f([output, ...]) -> output``.
         execute_plan: a ``ModelExecutePlan`` (default: planned automatically).
     """
 
@@ -50,9 +57,9 @@ class RoundPipeRunConfig:
     preserve_rng_state: bool | None = None
     recompute_grain: RecomputeGrain | str | None = None
     num_microbatch: int | None = None
-    split_input: Callable[..., Any] | None = None
-    split_label: Callable[..., Any] | None = None
-    merge_output: Callable[..., Any] | None = None
+    split_input: Callable[..., Any] | tuple[Any, Any] | None = None
+    split_label: Any = None
+    merge_output: Any = None
     execute_plan: ModelExecutePlan | None = None
 
     def merged_over(self, base: RoundPipeRunConfig) -> RoundPipeRunConfig:
@@ -85,10 +92,7 @@ def check_run_config(cfg: object, name: str = "run_config") -> RoundPipeRunConfi
         v = getattr(cfg, field_name)
         if v is not None and not isinstance(v, bool):
             raise TypeError(f"{field_name} must be True, False or None, got {v!r}")
-    for field_name in ("split_input", "split_label", "merge_output"):
-        f = getattr(cfg, field_name)
-        if f is not None and not callable(f):
-            raise TypeError(f"{field_name} must be callable, got {type(f).__name__}")
+    check_run_specs(cfg.split_input, cfg.split_label, cfg.merge_output)
     if cfg.output_device is not None:
         output_device(cfg.output_device)
     if cfg.execute_plan is not None and not isinstance(cfg.execute_plan, ModelExecutePlan):

@@ -118,8 +118,10 @@ def save_for_recompute(*data: Any) -> None:
 def get_recompute_data() -> Any:
     """During recompute, what this layer passed to ``save_for_recompute`` in its forward.
 
-    Returns the saved object itself if one was saved, else the tuple. Tensors
-    come back on the device the recompute runs on.
+    Returns:
+        The tuple of what was saved, always a tuple (one saved object comes back as a
+        1-tuple: ``x, = get_recompute_data()``), as the published RoundPipe. Tensors
+        come back on the device the recompute runs on.
     """
     f = _frame()
     if f is None or not f.recompute:
@@ -128,4 +130,4 @@ def get_recompute_data() -> Any:
     data = f.store.get((f.layer, f.microbatch))
     dev = f.device
     data = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, data)
-    return data[0] if len(data) == 1 else data
+    return tuple(data)

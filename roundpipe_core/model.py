@@ -27,7 +27,7 @@ from torch import nn
 from . import batch as batching
 from .autograd import AutogradForward, PipelineOps
 from .base import OptimizerCtx, RoundPipeBase
-from .checks import ForwardRuleChecker, check_not_compiled_in_place
+from .checks import ForwardRuleChecker, PlanFitChecker, check_not_compiled_in_place
 from .config import RoundPipeRunConfig, batch_extent, check_run_config, default_loss_fn
 from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
 from .pipelined import (
@@ -38,6 +38,7 @@ from .pipelined import (
     to_output_device,
 )
 from .plan import ModelExecutePlan
+from .profile import profile_of
 from .runtime import PipelineRun, run_queue
 from .schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .timer import ModelTimer
@@ -110,6 +111,7 @@ class RoundPipe(RoundPipeBase):
         self.model_run_config = model_run_config
         self.model_timer = ModelTimer(self.layers)
         self._rule_checker = ForwardRuleChecker(self.layers)
+        self._plan_fits = PlanFitChecker(self.layers)
         self._timer_lock = threading.Lock()
         self._default_plans: dict[tuple[RunType, int], tuple[ModelExecutePlan, bool]] = {}
         self._run_type_plans: dict[RunType, ModelExecutePlan] = {}
@@ -179,16 +181,37 @@ class RoundPipe(RoundPipeBase):
         run_config: RoundPipeRunConfig | None,
         run_type: RunType,
         cfg: RoundPipeRunConfig,
-        num_microbatch: int,
+        split: batching.SplitInputs,
     ) -> ModelExecutePlan:
         """The call's plan; a default plan is made for the microbatches the batch gives
-        (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them)."""
+        (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them).
+        A plan the user chose is checked against the smallest device's memory."""
+        n = len(split.parts)
         asked = cfg.num_microbatch or self.num_devices + 1
-        plan = self._resolve_plan(
-            run_type, run_config, num_microbatch if num_microbatch < asked else None
-        )
+        plan = self._resolve_plan(run_type, run_config, n if n < asked else None)
         plan.check_valid(self.num_layers, run_type, self.num_devices)
+        manual = (
+            (run_config is not None and run_config.execute_plan is not None)
+            or run_type in self._run_type_plans
+            or self.model_run_config.execute_plan is not None
+        )
+        if manual:
+            if run_type != RunType.INFER:  # only autograd stages hold saved activations
+                args, kwargs = split.parts[0]
+                self._plan_fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
+            self._plan_fits.check(plan, run_type, profile_of(self), self.pool.memory_capacity())
         return plan
+
+    @property
+    def layer_activation_bytes(self) -> list[float] | None:
+        """Saved-activation bytes per layer for one microbatch of the first training call
+        that ran a manual plan (``None`` until measured); the planner counts them. Set it
+        (one number per layer) to give them without that measurement."""
+        return self._plan_fits.activation_bytes
+
+    @layer_activation_bytes.setter
+    def layer_activation_bytes(self, value: list[float] | None) -> None:
+        self._plan_fits.set_activation_bytes(value)
 
     def default_plan(
         self, run_type: RunType | str, num_microbatch: int | None = None
@@ -220,50 +243,16 @@ class RoundPipe(RoundPipeBase):
             return self.model_run_config
         return check_run_config(run_config).merged_over(self.model_run_config)
 
-    def _split(
-        self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict
-    ) -> tuple[list[tuple[tuple, dict]], list[int], int | None]:
-        m = cfg.num_microbatch or self.num_devices + 1
-        if cfg.split_input is not None:
-            parts = cfg.split_input(args, kwargs, m)
-            if not isinstance(parts, (list, tuple)):
-                raise TypeError(
-                    f"split_input must return a list of (args, kwargs) pairs, got "
-                    f"{type(parts).__name__}"
-                )
-            if not parts:
-                raise ValueError("split_input returned no microbatches")
-            out = []
-            for i, part in enumerate(parts):
-                if not (isinstance(part, (list, tuple)) and len(part) == 2):
-                    raise TypeError(
-                        f"split_input must return (args, kwargs) pairs; microbatch {i} is "
-                        f"{type(part).__name__}"
-                    )
-                out.append((tuple(part[0]), dict(part[1])))
-            return out, [], None
-        bs = batching.batch_size_of((args, kwargs))
-        sizes = batching.split_sizes(bs, m)
-        split = batching.split_tree((args, kwargs), sizes, bs)
-        return [(tuple(a), dict(k)) for a, k in split], sizes, bs
+    def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> batching.SplitInputs:
+        return batching.split_call_inputs(
+            cfg.split_input, args, kwargs, cfg.num_microbatch or self.num_devices + 1
+        )
 
-    def _split_label(
-        self, cfg: RoundPipeRunConfig, label: Any, mbs: list, sizes: list[int], bs: int | None
-    ) -> list:
-        if cfg.split_label is not None:
-            labels = cfg.split_label(label, len(mbs))
-            if not isinstance(labels, (list, tuple)):
-                raise TypeError(
-                    f"split_label must return a list of labels, got {type(labels).__name__}"
-                )
-            labels = list(labels)
-        else:
-            labels = batching.split_tree(label, sizes, bs) if sizes else [label] * len(mbs)
-        if len(labels) != len(mbs):
-            raise ValueError(
-                f"split_label gave {len(labels)} label parts for {len(mbs)} microbatches"
-            )
-        return labels
+    @staticmethod
+    def _split_label(cfg: RoundPipeRunConfig, label: Any, split: batching.SplitInputs) -> list:
+        return batching.split_call_labels(
+            cfg.split_label, label, len(split.parts), split.sizes, split.batch_size
+        )
 
     def _rng_base(self) -> int:
         """The base seed of a call's random streams, drawn without touching the global
@@ -318,10 +307,6 @@ class RoundPipe(RoundPipeBase):
         """The loss multiplier of this call, read once in the caller's thread."""
         if self.loss_multiplier is None:
             return 1.0
-        # a subclass that overrides forward_backward and scales the loss itself must not
-        # have the factor applied a second time (roundpipe_lightning's LightningRoundPipe)
-        if type(self).forward_backward is not RoundPipe.forward_backward:
-            return 1.0
         factor = self.loss_multiplier()
         if not isinstance(factor, (int, float, torch.Tensor)) or isinstance(factor, bool):
             raise TypeError(f"loss_multiplier() must return a number, got {type(factor).__name__}")
@@ -345,27 +330,29 @@ class RoundPipe(RoundPipeBase):
             requires_grad = torch.is_grad_enabled() and bool(self._home().masters)
         run_type = RunType.TRAIN if requires_grad else RunType.INFER
         with self._call_lock:
-            mbs, sizes, bs = self._split(cfg, args, kwargs)
-            plan = self._plan(roundpipe_run_config, run_type, cfg, len(mbs))
+            split = self._split(cfg, args, kwargs)
+            mbs = split.parts
+            plan = self._plan(roundpipe_run_config, run_type, cfg, split)
             if run_type == RunType.INFER:
                 run = self._new_run(cfg, plan, run_type, self._no_grads)
                 for i, mb in enumerate(mbs):
                     run.put_act(0, i, mb)
                 jobs = build_schedule(plan, run_type, self.num_devices, len(mbs))
                 self._execute(run, jobs)
-                merged = (cfg.merge_output or batching.default_merge_output)(
-                    [run.outputs[i] for i in range(len(mbs))]
+                merged = batching.merge_outputs(
+                    cfg.merge_output, [run.outputs[i] for i in range(len(mbs))]
                 )
                 self._record_call(t0, args, kwargs)
                 return to_output_device(merged, cfg.output_device)
-        if cfg.merge_output is not None:
+        # a function's or packed merge has no per-microbatch adjoint; specs and the
+        # automatic rule do (batch.MergedOutputs.split_output_grads)
+        if callable(cfg.merge_output) or cfg.merge_output is False:
             raise ValueError(
-                "a custom merge_output cannot be differentiated through; use it for inference "
-                "(torch.no_grad() or requires_grad=False) or with forward_backward()"
+                f"merge_output={cfg.merge_output!r} cannot be differentiated through; use it "
+                "for inference (torch.no_grad() or requires_grad=False) or with "
+                "forward_backward(), or give a merge spec (None, True, TensorChunkSpec, ...)"
             )
-        out = AutogradForward(self._train_ops(cfg, plan), cfg, plan, mbs, sizes, bs).run(
-            args, kwargs
-        )
+        out = AutogradForward(self._train_ops(cfg, plan), cfg, plan, split).run(args, kwargs)
         self._record_call(t0, args, kwargs)
         return out
 
@@ -457,9 +444,10 @@ class RoundPipe(RoundPipeBase):
             )
         self._drain_runs()
         with self._call_lock:
-            mbs, sizes, bs = self._split(cfg, args, input_kwargs)
-            plan = self._plan(run_config, RunType.FUSED, cfg, len(mbs))
-            labels = self._split_label(cfg, label, mbs, sizes, bs)
+            split = self._split(cfg, args, input_kwargs)
+            mbs = split.parts
+            plan = self._plan(run_config, RunType.FUSED, cfg, split)
+            labels = self._split_label(cfg, label, split)
             jobs = build_schedule(plan, RunType.FUSED, self.num_devices, len(mbs))
             # gradients wait in the call's buffer: a call that fails leaves .grad as it was
             buffer = GradBuffer(self._home().masters.master_of)
@@ -510,9 +498,10 @@ class RoundPipe(RoundPipeBase):
         self.masters.take_back_grads()
         t0 = time.perf_counter()
         with self._call_lock:
-            mbs, sizes, bs = self._split(cfg, args, kwargs)
-            plan = self._plan(run_config, RunType.FUSED, cfg, len(mbs))
-            labels = self._split_label(cfg, label, mbs, sizes, bs)
+            split = self._split(cfg, args, kwargs)
+            mbs = split.parts
+            plan = self._plan(run_config, RunType.FUSED, cfg, split)
+            labels = self._split_label(cfg, label, split)
             # a blocking-style step in flight: its error must reach the pipelined failure path
             self._stepper.guard_pending()
             # continue round-robin where the previous call stopped: the device that ran its

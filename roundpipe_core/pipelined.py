@@ -245,9 +245,7 @@ def assemble_result(
     loss = sum_losses([losses[i] for i in range(num_microbatch)])
     if not return_outputs:
         return loss
-    merged = (cfg.merge_output or batching.default_merge_output)(
-        [outputs[i] for i in range(num_microbatch)]
-    )
+    merged = batching.merge_outputs(cfg.merge_output, [outputs[i] for i in range(num_microbatch)])
     return loss, to_output_device(merged, cfg.output_device)
 
 

@@ -198,7 +198,7 @@ def sum_merge_output(outputs: list[Any]) -> Any:
     return flatten(outputs[0])[1](merged)
 
 
-#: What the engine merges with until it calls :func:`merge_outputs` (whose automatic rule
-#: averages 0-dim tensors, as the published RoundPipe); its autograd backward sends the
-#: same gradient to every microbatch, which is the adjoint of this sum.
+#: The summing merge under its former name. The engine merges with :func:`merge_outputs`
+#: (0-dim tensors averaged, as the published RoundPipe) and never reads this; it remains
+#: only while a preset test still patches the name.
 default_merge_output = sum_merge_output

@@ -46,7 +46,7 @@ class RecordingDropout(nn.Module):
             mask = (torch.rand_like(x) >= self.p).to(x.dtype) / (1 - self.p)
             self.log.setdefault("recompute" if doing_recompute() else "forward", {}).setdefault(
                 key, []
-            ).append(mask)
+            ).append(mask.cpu())  # logged on the host: the reference model runs on the CPU
         return x * mask
 
 
@@ -137,13 +137,13 @@ class RandomRouter(nn.Module):
 
     def forward(self, x):
         if doing_recompute():
-            choice = get_recompute_data()
-            self.log.setdefault("recompute", []).append((current_microbatch(), choice.clone()))
+            (choice,) = get_recompute_data()
+            self.log.setdefault("recompute", []).append((current_microbatch(), choice.cpu()))
         else:
             # a generator outside the RNG RoundPipe replays: only save_for_recompute keeps it
             choice = torch.randint(0, 2, (x.shape[0],), generator=self.log["gen"]).to(x.device)
             save_for_recompute(choice)
-            self.log.setdefault("forward", {})[current_microbatch()] = choice.clone()
+            self.log.setdefault("forward", {})[current_microbatch()] = choice.cpu()
         out = torch.stack([self.experts[0](x), self.experts[1](x)], 0)
         return out[choice, torch.arange(x.shape[0])]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from roundpipe_core import OptimizerCtx, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
-from roundpipe_core.autosplit import AutoRoundPipe, FxStep, chain_layers
+from roundpipe_core.autosplit import AutoRoundPipe, FxStep, auto_wrap, chain_layers
 
 RTOL = 1e-5
 
@@ -100,8 +100,13 @@ def test_chain_model_becomes_pipelined_roundpipe() -> None:
 def _train_compare(
     model: nn.Module, make_inputs, loss_fn, rp_kwargs: dict, steps: int = 3
 ) -> AutoRoundPipe:
-    """Train ``model`` through AutoRoundPipe and a deep copy with plain PyTorch; compare."""
+    """Train ``model`` through AutoRoundPipe and a deep copy with plain PyTorch; compare.
+
+    After ``step(is_async=True)`` the next iteration computes with the weights from before
+    that step (published at the next step()), so the reference runs its forward on ``view``:
+    ``ref``'s weights without the asynchronous step just taken."""
     ref = copy.deepcopy(model)
+    view = copy.deepcopy(model)
     # SGD, not Adam: Adam turns the rounding noise of gradients that are analytically zero
     # (the key bias of attention) into full-size steps of random sign.
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -113,8 +118,10 @@ def _train_compare(
     try:
         for it in range(steps):
             inputs = make_inputs(it)
-            ref_loss = loss_fn(ref(*inputs))
+            ref_loss = loss_fn(view(*inputs))
             ref_loss.backward()
+            for q, v in zip(ref.parameters(), view.parameters()):
+                q.grad, v.grad = v.grad, None
             loss = loss_fn(rp(*inputs))
             assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item()) + 1e-6
             loss.backward()
@@ -124,9 +131,14 @@ def _train_compare(
                 g = rp.master_param(p).grad if p.grad is None else p.grad
                 assert g is not None, f"no gradient for {n}"
                 assert rel_err(g, named_ref[n].grad) <= RTOL, f"{n} at step {it}"
+            is_async = it % 2 == 0
+            before = [q.detach().clone() for q in ref.parameters()]
             ref_opt.step()
             ref_opt.zero_grad()
-            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=(it % 2 == 0))
+            with torch.no_grad():
+                for v, q, b in zip(view.parameters(), ref.parameters(), before):
+                    v.copy_(b if is_async else q)
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
         rp.synchronize()
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert rel_err(p.detach(), q.detach()) <= 1e-5, f"{n} after training"
@@ -227,3 +239,133 @@ def test_shared_parameters_between_units_merge_them() -> None:
 def test_bad_threshold() -> None:
     with pytest.raises(ValueError, match="split_threshold"):
         wrap_model_to_roundpipe(SkipNet(), use_sequential_preset=False, split_threshold=0)
+
+
+#: a lower threshold no module reaches: no module is kept whole for its own parameters
+NO_LOWER = 10**9
+
+
+def _skipnet_data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 5, 6, generator=gen), torch.randn(4, 5, 16, generator=gen))] * 2
+
+
+def test_upper_threshold_in_bytes_cuts_like_the_same_threshold_in_parameters() -> None:
+    torch.manual_seed(0)
+    by_bytes = wrap_model_to_roundpipe(
+        SkipNet(),
+        use_sequential_preset=False,
+        upper_threshold=1200 * 4,
+        lower_threshold=NO_LOWER,
+        devices=1,
+    )
+    by_params = wrap_model_to_roundpipe(
+        SkipNet(),
+        use_sequential_preset=False,
+        split_threshold=1200,
+        lower_threshold=NO_LOWER,
+        devices=1,
+    )
+    try:
+        assert [n for n, _ in by_bytes.units] == [n for n, _ in by_params.units]
+        assert [n for n, _ in by_bytes.units] == [
+            "embed",
+            "blocks.0",
+            "blocks.1",
+            "blocks.2",
+            "head",
+        ]
+    finally:
+        by_bytes.close()
+        by_params.close()
+
+
+def test_lower_threshold_keeps_big_owners_whole_and_runs_small_units_unsplit() -> None:
+    torch.manual_seed(0)
+    model = SkipNet()
+    cfg = RoundPipeRunConfig(num_microbatch=2)
+    # the root owns `scale` (16 floats = 64 bytes): at 64 bytes it becomes one unit
+    rp = auto_wrap(model, upper_threshold=1200 * 4, lower_threshold=64, devices=1)
+    try:
+        assert [n for n, _ in rp.units] == [""] and rp.host_parameters == []
+    finally:
+        rp.close()
+    # at 65 bytes the root is opened; units under 65 bytes run as one microbatch
+    rp = auto_wrap(
+        model, upper_threshold=1200 * 4, lower_threshold=1000, model_run_config=cfg, devices=1
+    )
+    try:
+        got = []
+        for (n, inner), unit in zip(rp.units, rp._unit_modules):
+            nbytes = sum(p.numel() * 4 for p in unit.parameters())
+            got.append(inner.model_run_config.num_microbatch)
+            assert got[-1] == (1 if nbytes < 1000 else 2), (n, nbytes, got[-1])
+        assert set(got) == {1, 2}  # both kinds occur in this model
+    finally:
+        rp.close()
+
+
+def test_skipped_module_stays_on_the_host_and_trains_like_pytorch() -> None:
+    torch.manual_seed(0)
+    model = SkipNet()
+    data = _skipnet_data()
+    rp = _train_compare(
+        model,
+        lambda it: data[it],
+        lambda out: out.pow(2).mean(),
+        dict(split_threshold=1200, devices=2, skip_modules=[model.head]),
+        steps=2,
+    )
+    try:
+        assert "head" not in [n for n, _ in rp.units]
+        assert [n for n, _ in rp.host_parameters] == [
+            "scale",
+            "head.0.weight",
+            "head.0.bias",
+            "head.1.weight",
+            "head.1.bias",
+        ]
+    finally:
+        rp.close()
+
+
+def test_override_config_makes_its_module_one_unit_with_that_config() -> None:
+    torch.manual_seed(0)
+    model = SkipNet()
+    special = RoundPipeRunConfig(num_microbatch=3)
+    data = _skipnet_data()
+    rp = _train_compare(
+        model,
+        lambda it: data[it],
+        lambda out: out.pow(2).mean(),
+        dict(
+            upper_threshold=100,
+            lower_threshold=NO_LOWER,
+            devices=2,
+            override_config={model.blocks[1]: special},
+        ),
+        steps=2,
+    )
+    try:
+        units = dict(rp.units)
+        assert units["blocks.1"].model_run_config.num_microbatch == 3
+        assert not any(n.startswith("blocks.1.") for n in units)  # one unit, not opened
+        assert any(n.startswith("blocks.0.") for n in units)  # its sibling was opened
+    finally:
+        rp.close()
+
+
+def test_split_options_are_checked() -> None:
+    model = SkipNet()
+    with pytest.raises(ValueError, match="not a submodule"):
+        auto_wrap(model, skip_modules=[nn.Linear(2, 2)], devices=1)
+    with pytest.raises(ValueError, match="not a submodule"):
+        auto_wrap(model, override_config={nn.Linear(2, 2): RoundPipeRunConfig()}, devices=1)
+    with pytest.raises(ValueError, match="no forward of its own"):
+        auto_wrap(model, override_config={model.blocks: RoundPipeRunConfig()}, devices=1)
+    with pytest.raises(ValueError, match="not both"):
+        auto_wrap(model, split_threshold=10, upper_threshold=10, devices=1)
+    with pytest.raises(TypeError, match="upper_threshold"):
+        auto_wrap(model, upper_threshold=1.5, devices=1)
+    with pytest.raises(TypeError, match="override_config"):
+        auto_wrap(model, override_config={model.head: "fast"}, devices=1)

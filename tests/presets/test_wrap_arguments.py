@@ -100,17 +100,24 @@ def test_argument_errors() -> None:
         wrap_model_to_roundpipe(lambda x: x)  # type: ignore[arg-type]
 
 
-def test_options_the_automatic_split_lacks_are_refused_not_ignored() -> None:
-    """skip_modules / override_config / a non-default lower_threshold are refused until the
-    automatic split takes them; valid empty values and a preset path are accepted."""
+def test_split_options_reach_the_automatic_split() -> None:
+    """skip_modules / override_config / lower_threshold are passed on to the automatic
+    split (and honoured there); valid empty values and a preset path are accepted."""
     m = Chain()
-    for kwargs in (
-        dict(skip_modules=[m.a]),
-        dict(override_config={m.a: RoundPipeRunConfig(num_microbatch=1)}),
-        dict(lower_threshold=1024),
-    ):
-        with pytest.raises(ValueError, match="not supported"):
-            wrap_model_to_roundpipe(m, use_sequential_preset=False, devices=1, **kwargs)
+    rp = wrap_model_to_roundpipe(
+        m,
+        use_sequential_preset=False,
+        devices=1,
+        skip_modules=[m.a],
+        override_config={m.b: RoundPipeRunConfig(num_microbatch=1)},
+        lower_threshold=1024,
+    )
+    try:
+        assert isinstance(rp, AutoRoundPipe)
+        assert [n for n, _ in rp.host_parameters] == ["a.weight", "a.bias"]
+        assert dict(rp.units)["b"].model_run_config.num_microbatch == 1
+    finally:
+        rp.close()
     rp = wrap_model_to_roundpipe(
         m, use_sequential_preset=False, devices=1, skip_modules=(), override_config={}, name="x"
     )

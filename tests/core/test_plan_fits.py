@@ -1,0 +1,139 @@
+"""A plan the user chose is checked against the smallest device's memory before the call
+runs, once per plan; the activation bytes it needs are measured once and reach the planner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _util import sum_sq
+from torch import nn
+
+import roundpipe_core.checks as checks
+from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core.profile import layer_sizes, profile_of
+
+
+def _wide(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
+
+
+def _set_capacity(rp: RoundPipe, nbytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    for w in rp.pool.workers:
+        monkeypatch.setattr(w, "memory_capacity", lambda: nbytes)
+
+
+def _one_stage() -> ModelExecutePlan:
+    plan = ModelExecutePlan()  # fused: the one backward stage runs the forward too
+    plan.fwd_plan = []
+    plan.bwd_plan = [range(0, 5)]
+    return plan
+
+
+def test_a_manual_plan_that_cannot_fit_is_refused_naming_the_stage(monkeypatch) -> None:
+    model = _wide()
+    sizes = layer_sizes(list(model))
+    weights = sum(sizes.upload_bytes) + sum(sizes.grad_bytes)
+    x, y = torch.randn(64, 8), torch.randn(64, 4)
+    rp = RoundPipe(model, devices=2)
+    try:
+        # parameters and gradients fit; with the activations of a 32-row microbatch they do not
+        _set_capacity(rp, weights + 1024, monkeypatch)
+        cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=_one_stage())
+        with pytest.raises(ValueError, match=r"stage 0 \(layers 0\.\.4\).*activations"):
+            rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq, run_config=cfg)
+        assert all(p.grad is None for p in rp.optim_parameters())  # refused before compute
+        act = rp.layer_activation_bytes
+        assert act is not None and len(act) == 5 and sum(act) > 1024
+        # the planner now counts them too
+        assert list(profile_of(rp).act_bytes) == act
+        # with room for them the same plan runs
+        _set_capacity(rp, 10 * (weights + int(sum(act))), monkeypatch)
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq, run_config=cfg)
+    finally:
+        rp.close()
+
+
+def test_set_plan_is_checked_once_per_plan(monkeypatch) -> None:
+    calls: list[object] = []
+    real = checks.check_plan_fits
+
+    def counting(plan, *a, **k):
+        calls.append(plan)
+        return real(plan, *a, **k)
+
+    monkeypatch.setattr(checks, "check_plan_fits", counting)
+    rp = RoundPipe(_wide(), devices=2)
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    try:
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq)
+        assert calls == []  # the automatic plan is planned within the memory limit already
+        rp.set_plan("fused", _one_stage())
+        for _ in range(3):
+            rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq)
+        assert len(calls) == 1
+        two = ModelExecutePlan()
+        two.fwd_plan = [range(0, 2)]
+        two.bwd_plan = [range(2, 5), range(0, 2)]
+        rp.set_plan("fused", two)
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq)
+        assert len(calls) == 2
+    finally:
+        rp.close()
+
+
+def test_the_measuring_forward_leaves_no_trace() -> None:
+    # dropout draws and BatchNorm statistics are those of a run without the measurement
+    def build() -> nn.Sequential:
+        torch.manual_seed(1)
+        return nn.Sequential(
+            nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 4)
+        )
+
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    results = []
+    for manual in (False, True):
+        model = build()
+        rp = RoundPipe(model, devices=2)
+        try:
+            if manual:
+                plan = ModelExecutePlan()
+                plan.fwd_plan = [range(0, 2)]
+                plan.bwd_plan = [range(2, 4), range(0, 2)]
+                rp.set_plan("fused", plan)
+            torch.manual_seed(7)
+            loss = rp.forward_backward(
+                input_args=(x,),
+                label=y,
+                loss_fn=sum_sq,
+                run_config=RoundPipeRunConfig(num_microbatch=3),
+            )
+            after = torch.rand(1)  # the caller's random stream continues where it was
+            rp.synchronize()
+            results.append((loss, after, model[1].running_mean.clone()))
+            assert (rp.layer_activation_bytes is not None) == manual
+        finally:
+            rp.close()
+    (l0, r0, m0), (l1, r1, m1) = results
+    assert torch.equal(l0, l1) and torch.equal(r0, r1) and torch.equal(m0, m1)
+
+
+def test_given_activation_bytes_replace_the_measurement(monkeypatch) -> None:
+    rp = RoundPipe(_wide(), devices=2)
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+    try:
+        with pytest.raises(ValueError, match="one per layer"):
+            rp.layer_activation_bytes = [1.0, 2.0]
+        rp.layer_activation_bytes = [10**15, 0, 0, 0, 0]  # a petabyte: no device holds it
+        with pytest.raises(ValueError, match="activations"):
+            rp.forward_backward(
+                input_args=(x,),
+                label=y,
+                loss_fn=sum_sq,
+                run_config=RoundPipeRunConfig(execute_plan=_one_stage()),
+            )
+        assert rp.layer_activation_bytes == [1e15, 0.0, 0.0, 0.0, 0.0]  # not measured over
+    finally:
+        rp.close()
