@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from _util import assert_close_rel, mlp, sum_sq
 
@@ -99,3 +100,61 @@ def test_merges_behind_the_step_keep_the_blocking_math():
 
     for a, b in zip(train(True), train(False)):
         assert_close_rel(a, b, 1e-6)
+
+
+def test_weights_are_published_layer_by_layer():
+    """A run waiting for layer 0's new weights gets them while a deeper layer's copy is
+    still in progress: publication does not hold every layer back until the last copy."""
+    import time
+
+    from roundpipe_core.devices.pool import PoolError
+    from roundpipe_core.masters import MasterWeights
+    from roundpipe_core.pipelined import WeightVersions
+
+    model = mlp()
+    layers = list(model.children())
+    masters = MasterWeights(model, torch.float32)
+    versions = WeightVersions(layers, masters.entries)
+    release = threading.Event()
+
+    class _SlowCopy:
+        """Stands in for the deepest layer's weight: its copy waits for ``release``."""
+
+        def __init__(self, p):
+            self.p = p
+
+        def copy_(self, src):
+            release.wait(_STEP_WAIT_S)
+            return self.p.copy_(src)
+
+    deepest = masters.entries[-1]
+    key = id(deepest[2])
+    versions._pair[key] = (_SlowCopy(deepest[1]), deepest[2])
+    with torch.no_grad():
+        for _, _, m in masters.entries:
+            m.add_(1.0)  # step 1's weights
+    reader = versions.register(1, [range(0, 1)])
+    errors: list[BaseException] = []
+
+    def publish():
+        try:
+            versions.publish(1, lambda: False)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    t = threading.Thread(target=publish, daemon=True)
+    t.start()
+    deadline = time.monotonic() + _STEP_WAIT_S / 4  # well before the slow copy gives up
+    try:
+        versions.wait_ready(reader, [0], lambda: time.monotonic() > deadline or release.is_set())
+        assert not release.is_set()
+        for p in layers[0].parameters():
+            assert torch.equal(p, masters.master_of[id(p)])  # layer 0 holds step 1 already
+    except PoolError:
+        pytest.fail("layer 0 was not published before the deepest layer's copy ended")
+    finally:
+        release.set()
+        t.join(_STEP_WAIT_S)
+    assert not errors
+    for _, p, m in masters.entries:
+        assert torch.equal(p, m)
