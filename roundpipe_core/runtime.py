@@ -2,7 +2,8 @@
 
 One ``PipelineRun`` holds the state of a pipelined call: the activations at
 layer boundaries (kept on the host, keyed by ``(boundary, microbatch)``), the
-gradients flowing back, the RNG states saved for recompute and the losses.
+gradients flowing back, where its random streams start (``streams.py``: a
+recompute replays the forward's numbers) and the losses.
 Jobs on different workers meet only through it: a job waits for what it needs
 and publishes what it produces, so stages on different devices overlap on
 different microbatches. If any job fails, the run is aborted and every waiting
