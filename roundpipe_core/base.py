@@ -284,8 +284,9 @@ class RoundPipeBase(nn.Module):
         current pipelined call (every backward stage holding them has been accumulated).
 
         It runs on a worker thread while later stages still compute, so a data-parallel
-        reducer can start reducing early layers (deep layers finish first). Returns a
-        function that removes the hook.
+        reducer can start reducing early layers (deep layers finish first); while an
+        asynchronous step is in flight, on the optimizer thread right after that step
+        (the worker does not wait for it). Returns a function that removes the hook.
         """
         self._grad_hooks.append(hook)
         return lambda: self._grad_hooks.remove(hook) if hook in self._grad_hooks else None
