@@ -100,3 +100,24 @@ def test_seeded_calls_repeat_and_consecutive_calls_differ():
     assert len(a) == len(b) and all(torch.equal(p, q) for p, q in zip(a, b))
     # the two calls of one run draw different masks for the same (layer, microbatch)
     assert not torch.equal(a[0], a[1])
+
+
+def test_forward_then_backward_replays_every_mask():
+    """``rp(x)`` then ``loss.backward()``: the backward jobs run in a second phase of the
+    same run and still find the forward stage starts the forward jobs recorded."""
+    log: dict = {}
+    rp = RoundPipe(_model(log), devices="cpu:2")
+    plan = ModelExecutePlan(
+        [range(0, 2), range(2, 4), range(4, 7)], [range(5, 7), range(1, 5), range(0, 1)]
+    )
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(6, 8, generator=g), torch.randn(6, 3, generator=g)
+    try:
+        cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=plan)
+        sum_sq(rp(x, roundpipe_run_config=cfg), y).backward()
+    finally:
+        rp.close()
+    fwd, rec = log["forward"], log["recompute"]
+    assert {k[0] for k in rec} == {1, 2, 3, 4, 5}
+    for key, masks in rec.items():
+        assert all(torch.equal(m, fwd[key][0]) for m in masks), key
