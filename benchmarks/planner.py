@@ -51,8 +51,13 @@ default) and 2 x devices, each row shows:
 * below the notes, for Qwen3-1.7B on 8 devices: the steady state (32
   iterations) and the effect of the host optimizer step's duration
   (``step_ms``, in the profile's units); steps run one after another on one
-  thread and iteration k needs step k-2, so a step longer than an iteration
-  becomes the pace.
+  thread and iteration k needs step k-2 -- per layer: its weights are published
+  layer by layer and a job waits only for its own layers -- so a step longer
+  than an iteration becomes the pace. Two step models: one call after the whole
+  iteration (today's ``step_fn``), and a step taken layer by layer as soon as a
+  layer's last gradient is in (``simulate(step_per_layer=True)``, shares in
+  proportion to parameter bytes); the "Lightning path" line is the strategy's
+  ``async_step=True`` with a host step of half an iteration.
 """
 
 from __future__ import annotations
@@ -382,7 +387,7 @@ def overlap_report(key: str = "qwen3-1.7b", devices: int = 8, mbs: int = 9) -> l
     )
     one = simulate(plan, fwd, bwd, devices, mbs, re_ms=re)
 
-    def per_iteration(iterations: int, step_ms: float = 0.0) -> float:
+    def per_iteration(iterations: int, step_ms: float = 0.0, per_layer: bool = False) -> float:
         return simulate(
             plan,
             fwd,
@@ -393,6 +398,8 @@ def overlap_report(key: str = "qwen3-1.7b", devices: int = 8, mbs: int = 9) -> l
             iterations=iterations,
             overlap_iterations=True,
             step_ms=step_ms,
+            step_per_layer=per_layer,
+            step_share=prof.param_bytes,
         ).iteration_ms
 
     name = SHAPES[key].name
@@ -404,10 +411,24 @@ def overlap_report(key: str = "qwen3-1.7b", devices: int = 8, mbs: int = 9) -> l
         f"  32 iterations: {per_iteration(32):.1f} per iteration, "
         f"{bound.makespan_ms / per_iteration(32):.2f}x",
     ]
-    steps = []
-    for step_ms in (0.5 * one.makespan_ms, one.makespan_ms, 1.5 * one.makespan_ms):
-        steps.append(f"step {step_ms:.0f}: {bound.makespan_ms / per_iteration(32, step_ms):.2f}x")
-    lines.append("  with a host optimizer step (32 iterations): " + ", ".join(steps))
+    for per_layer, what in (
+        (False, "one step call after the iteration"),
+        (True, "stepped layer by layer as gradients complete"),
+    ):
+        steps = []
+        for frac in (0.5, 1.0, 1.5):
+            ms = frac * one.makespan_ms
+            steps.append(
+                f"step {ms:.0f} ({frac:g} it.): "
+                f"{bound.makespan_ms / per_iteration(32, ms, per_layer):.2f}x"
+            )
+        lines.append(f"  with a host optimizer step, {what} (32 iterations): " + ", ".join(steps))
+    lines.append(
+        "  Lightning path (async_step=True runs forward_backward(blocking=False); weights are "
+        "published per layer, a job waits only for its own layers): step of half an iteration "
+        f"{bound.makespan_ms / per_iteration(32, 0.5 * one.makespan_ms):.2f}x as one call, "
+        f"{bound.makespan_ms / per_iteration(32, 0.5 * one.makespan_ms, True):.2f}x stepped per layer"
+    )
     steady = ModelExecutePlan.auto(
         "fused",
         prof,

@@ -83,6 +83,19 @@ def _release(name: str, pool: DevicePool | None, stepper: Stepper, pin_handle: A
         )
 
 
+def _merge_and_report(
+    home: RoundPipeBase,
+    buffer: GradBuffer | None,
+    final: list[nn.Parameter],
+    hooks: list[Callable[[list[nn.Parameter]], None]],
+) -> None:
+    """Move the complete gradients of ``final`` into ``.grad`` and tell the grad hooks."""
+    if buffer is not None:
+        home.masters.add_many(buffer.take(final))
+    for hook in list(hooks):
+        hook(final)
+
+
 class RoundPipeBase(nn.Module):
     """What every RoundPipe wrapper shares: the wrapped module and its layers, the master
     copies and their gradients, the asynchronous step, ``synchronize()``, the device pool
@@ -266,7 +279,9 @@ class RoundPipeBase(nn.Module):
         """Add a finished call's buffered gradients to the masters' ``.grad``."""
         home = self._home()
         # the asynchronous step in flight reads and clears the master grads: wait for it
+        # (and for the merges workers handed to the optimizer thread behind it)
         home.wait_step()
+        home._stepper.wait_after()
         home.masters.add_many(buffer.take())
 
     def register_grad_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> Callable[[], None]:
@@ -274,8 +289,9 @@ class RoundPipeBase(nn.Module):
         current pipelined call (every backward stage holding them has been accumulated).
 
         It runs on a worker thread while later stages still compute, so a data-parallel
-        reducer can start reducing early layers (deep layers finish first). Returns a
-        function that removes the hook.
+        reducer can start reducing early layers (deep layers finish first); while an
+        asynchronous step is in flight, on the optimizer thread right after that step
+        (the worker does not wait for it). Returns a function that removes the hook.
         """
         self._grad_hooks.append(hook)
         return lambda: self._grad_hooks.remove(hook) if hook in self._grad_hooks else None
@@ -307,11 +323,11 @@ class RoundPipeBase(nn.Module):
                     if remaining[id(m)] == 0:
                         final.append(m)
             if final:
-                if buffer is not None:
-                    home.wait_step()
-                    home.masters.add_many(buffer.take(final))
-                for hook in list(hooks):
-                    hook(final)
+                # merge and report once the step in flight has read the previous gradients,
+                # on the optimizer thread if need be: the worker goes on to its next job
+                home._stepper.after_step(
+                    functools.partial(_merge_and_report, home, buffer, final, hooks)
+                )
 
         return done
 

@@ -173,14 +173,17 @@ class WeightVersions:
                 ]
             for fence in fences:  # async (CUDA) uploads must have read the host copy
                 fence()
-            with torch.no_grad():
-                for k in ready:
-                    p, m = self._pair[k]
+            # shallow layers first, each usable as soon as it is copied: the next
+            # iteration's first forward waits for its own layer only, not for the copy
+            # of the whole model
+            ready.sort(key=lambda k: self.holders[k][0])
+            for k in ready:
+                p, m = self._pair[k]
+                with torch.no_grad():
                     p.copy_(m)
-            with self._cond:
-                for k in ready:
+                with self._cond:
                     self.version[k] = version
-                self._cond.notify_all()
+                    self._cond.notify_all()
             done = set(ready)
             todo = [k for k in todo if k not in done]
 

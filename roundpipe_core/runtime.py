@@ -2,7 +2,8 @@
 
 One ``PipelineRun`` holds the state of a pipelined call: the activations at
 layer boundaries (kept on the host, keyed by ``(boundary, microbatch)``), the
-gradients flowing back, the RNG states saved for recompute and the losses.
+gradients flowing back, where its random streams start (``streams.py``: a
+recompute replays the forward's numbers) and the losses.
 Jobs on different workers meet only through it: a job waits for what it needs
 and publishes what it produces, so stages on different devices overlap on
 different microbatches. If any job fails, the run is aborted and every waiting
@@ -14,8 +15,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +28,7 @@ from .devices.base import Worker
 from .devices.pool import PoolError
 from .kinds import JobKind, RecomputeGrain
 from .schedule import Job
+from .streams import own_rng, record_stream_start, replay_seed, seed_layer
 from .transfer import (
     GradSink,
     StageReplica,
@@ -59,6 +61,7 @@ class WeightGate(Protocol):
 
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+_NO_AUTOCAST = nullcontext()  # reusable: it keeps no state between uses
 
 
 class AutocastState:
@@ -88,9 +91,11 @@ class AutocastState:
 
     def enter(self, device: torch.device) -> AbstractContextManager[Any]:
         """A context running ``device``'s compute under the captured autocast (or nothing)."""
+        if not self.states:
+            return _NO_AUTOCAST  # the common case, once per layer: no new object
         dtype = self.states.get(device.type)
         if dtype is None:
-            return nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(device.type, dtype=dtype, cache_enabled=self.cache_enabled)
 
 
@@ -134,6 +139,7 @@ class PipelineRun:
             rule_checker  # checks.ForwardRuleChecker: watches each layer's first forward
         )
         self.store = RecomputeStore()
+        self.rules_checked: set[int] = set()  # layers this run has passed to rule_checker
         # the caller's autocast, re-entered around layer compute on the worker threads
         # (autocast state is thread-local, so it would otherwise be dropped there)
         self.autocast = autocast if autocast is not None else AutocastState.capture()
@@ -144,6 +150,10 @@ class PipelineRun:
         # (rng_base, l, m): independent of which worker runs it and when, so runs are
         # reproducible under a seed and a recompute replays the forward's masks exactly.
         self.rng_base = rng_base
+        # Where a stream is seeded (streams.py): every stage start, forward (recorded by
+        # the forward jobs) and backward (the boundaries); every layer for grain "layer".
+        self.seed_every_layer = recompute_grain == RecomputeGrain.LAYER
+        self.stream_starts: set[int] = set(boundaries)
         self.outputs: dict[int, Any] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.failed: BaseException | None = None
@@ -255,34 +265,6 @@ def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
         torch.autograd.backward(tensors, gs)
 
 
-@contextmanager
-def _own_rng(worker: Worker) -> Iterator[None]:
-    """Give back the worker's generator as it was: per-layer seeding must not disturb
-    the random stream of the code around RoundPipe."""
-    state = worker.get_rng_state()
-    try:
-        yield
-    finally:
-        worker.set_rng_state(state)
-
-
-def _layer_rng_state(worker: Worker, run: PipelineRun, layer: int, mb: int) -> Any:
-    gen = torch.Generator(device=worker.device)
-    gen.manual_seed(hash((run.rng_base, layer, mb)) & (2**63 - 1))
-    return gen.get_state()
-
-
-def _seed_layer(run: PipelineRun, worker: Worker, layer: int, mb: int) -> None:
-    """Before a real forward of ``layer`` on ``mb``: its own deterministic random stream."""
-    worker.set_rng_state(_layer_rng_state(worker, run, layer, mb))
-
-
-def _replay_seed(run: PipelineRun, worker: Worker, layer: int, mb: int) -> None:
-    """Before a recompute: the forward's stream again (``preserve_rng_state``), else fresh numbers."""
-    if run.preserve_rng_state:
-        _seed_layer(run, worker, layer, mb)
-
-
 def _call_layer(layer: nn.Module, index: int, x: Any) -> Any:
     """nn.Sequential semantics: layer 0 gets the call's (*args, **kwargs), others the previous output."""
     if index == 0:
@@ -294,8 +276,10 @@ def _call_layer(layer: nn.Module, index: int, x: Any) -> Any:
 def _forward_layer(run: PipelineRun, stage: StageReplica, index: int, x: Any) -> Any:
     """A real (not recomputed) forward of one layer, watched for forward-rule violations once."""
     module = stage.layer(index)
-    if run.rule_checker is None:
+    if run.rule_checker is None or index in run.rules_checked:
         return _call_layer(module, index, x)
+    # the checker watches a layer's first forward only; later ones skip its lock
+    run.rules_checked.add(index)
     return run.rule_checker.run(index, module, lambda: _call_layer(module, index, x))
 
 
@@ -342,16 +326,17 @@ def _forward_microbatch(
     run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
 ) -> None:
     r = job.layers
+    record_stream_start(run, r.start)
     value = run.get_act(r.start, mb)
     x, held = to_device(worker, value)
     worker.wait_channel("activation")
     layer_idx: int | None = None
     try:
-        with worker.compute(), torch.no_grad(), _own_rng(worker):
+        with worker.compute(), torch.no_grad(), own_rng(worker):
             for layer_idx in r:
                 if layer_idx in run.boundaries and layer_idx != r.start:
                     run.put_act(layer_idx, mb, to_host(worker, x))
-                _seed_layer(run, worker, layer_idx, mb)
+                seed_layer(run, worker, layer_idx, mb, layer_idx == r.start)
                 t0 = worker.time_point()
                 with (
                     running_layer(layer_idx, mb, False, run.store, worker.device),
@@ -398,6 +383,7 @@ def _fused_microbatch(
     run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
 ) -> None:
     r = job.layers
+    record_stream_start(run, r.start)
     value = run.get_act(r.start, mb)
     x, held = to_device(worker, value)
     label, held_label = to_device(worker, run.labels[mb])
@@ -405,9 +391,9 @@ def _fused_microbatch(
     x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
     layer_idx: int | None = None
     try:
-        with worker.compute(), torch.enable_grad(), _own_rng(worker):
+        with worker.compute(), torch.enable_grad(), own_rng(worker):
             for layer_idx in r:
-                _seed_layer(run, worker, layer_idx, mb)
+                seed_layer(run, worker, layer_idx, mb, layer_idx == r.start)
                 t0 = worker.time_point()
                 with (
                     running_layer(layer_idx, mb, False, run.store, worker.device),
@@ -451,7 +437,7 @@ def _backward_microbatch(
     needs = _needs(run, r.start)
     layer_idx: int | None = None
     try:
-        with worker.compute(), _own_rng(worker):
+        with worker.compute(), own_rng(worker):
             if run.recompute_grain == RecomputeGrain.LAYER:
                 tracked = _backward_layerwise(
                     run, job, stage, worker, mb, x_in, g_dev, needs, clock
@@ -460,7 +446,7 @@ def _backward_microbatch(
                 x, tracked = _requires_grad_inputs(x_in, needs)
                 with torch.enable_grad():
                     for layer_idx in r:
-                        _replay_seed(run, worker, layer_idx, mb)
+                        replay_seed(run, worker, layer_idx, mb, layer_idx == r.start)
                         t0 = worker.time_point()
                         with (
                             running_layer(layer_idx, mb, True, run.store, worker.device),
@@ -499,7 +485,7 @@ def _backward_layerwise(
     x = x_in
     with torch.no_grad():
         for layer_idx in r:
-            _replay_seed(run, worker, layer_idx, mb)
+            replay_seed(run, worker, layer_idx, mb)
             inputs.append(x)
             t0 = worker.time_point()
             with (
@@ -513,7 +499,7 @@ def _backward_layerwise(
     for pos in reversed(range(len(r))):
         layer_idx = r[pos]
         xin, tracked = _requires_grad_inputs(inputs[pos], needs if layer_idx == 0 else None)
-        _replay_seed(run, worker, layer_idx, mb)
+        replay_seed(run, worker, layer_idx, mb)
         t0 = worker.time_point()
         with torch.enable_grad():
             with (

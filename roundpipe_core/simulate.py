@@ -70,6 +70,8 @@ def simulate(
     param_bytes: Sequence[float] | None = None,
     grad_bytes: Sequence[float] | None = None,
     act_bytes: Sequence[float] | None = None,
+    step_per_layer: bool = False,
+    step_share: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one iteration (or several) of ``plan``.
 
@@ -99,8 +101,18 @@ def simulate(
             overwritten only then). Uploads follow the engine's prefetch: during the
             previous job of the same iteration on that device if the weights are ready
             then, else when the job itself is due; never across iterations.
-        step_ms: time of one optimizer step on the host. Step k starts when iteration k
-            and step k - 1 are done; an iteration needs the step two before it.
+        step_ms: time of one optimizer step on the host, on one thread. Step k starts
+            when iteration k and step k - 1 are done. Its weights are published layer by
+            layer: a job of iteration k + 2 waits only for the layers it runs (not for
+            the whole step, nor for anything of iteration k + 1).
+        step_per_layer: model a step taken layer by layer (a per-parameter optimizer
+            such as a fused AdamW over each layer's parameters): a layer's share of
+            ``step_ms`` runs as soon as that layer's last gradient of the iteration is
+            in (deep layers first, as the backward finishes them) and the thread is
+            free, and its weights are published right after it. Default: the step is
+            one call that starts once the whole iteration is done.
+        step_share: each layer's share of ``step_ms`` (normalized here; default: in
+            proportion to ``param_bytes`` if given, else equal).
         param_bytes: bytes a stage upload moves per layer; with it the result reports
             each device's peak memory (``SimResult.peak_bytes``, round-robin only).
         grad_bytes: gradient bytes per layer held by backward/fused stages; default
@@ -144,7 +156,11 @@ def simulate(
     jobs = build_schedule(plan, rt, num_devices, num_microbatch)
     events: list[SimEvent] = []
     gate = _WeightGate(num_devices) if overlap_iterations else None
+    share = _step_shares(step_share if step_share is not None else param_bytes, n)
     step_ends: list[float] = []
+    # per step: when each layer's new weights are published
+    published: list[list[float]] = []
+    opt_free = 0.0  # the optimizer thread
     device_free = [0.0] * num_devices
     upload_free = [0.0] * num_devices
     # End times of the last two jobs per device: a prefetch may start once the job
@@ -157,10 +173,12 @@ def simulate(
         sched = build_schedule(plan, rt, num_devices, num_microbatch, start_device=start_device)
         all_jobs += sched
         # One-step-stale update: iteration it uses the weights of step it - 2 (the step
-        # after iteration it - 2), so it may start once that step is done.
-        barrier = step_ends[it - 2] if it >= 2 else 0.0
+        # after iteration it - 2): a job may start once its layers hold them.
+        layer_ready = published[it - 2] if it >= 2 else None
+        barrier = 0.0
         if not overlap_iterations:
-            barrier = max([barrier] + iter_ends[-1:])
+            barrier = max([step_ends[it - 2] if it >= 2 else 0.0] + iter_ends[-1:])
+        grad_done: dict[int, float] = {}
         ends = _run_iteration(
             sched,
             plan,
@@ -177,9 +195,21 @@ def simulate(
             job_ends,
             events,
             gate,
+            layer_ready,
+            grad_done,
         )
         iter_ends.append(max([ends] + iter_ends))
-        step_ends.append(max([iter_ends[-1]] + step_ends[-1:]) + step_ms)
+        ready = [0.0] * n
+        if step_per_layer:
+            # one thread, steps in order: this step's layers as their gradients complete
+            for i in sorted(range(n), key=lambda i: (grad_done.get(i, iter_ends[-1]), -i)):
+                opt_free = max(opt_free, grad_done.get(i, iter_ends[-1])) + step_ms * share[i]
+                ready[i] = opt_free
+        else:
+            opt_free = max(opt_free, iter_ends[-1]) + step_ms
+            ready = [opt_free] * n
+        published.append(ready)
+        step_ends.append(opt_free)
     result = summarize(events, num_devices, all_jobs, iterations)
     if param_bytes is not None:
         result.peak_bytes = device_peak_bytes(
@@ -254,6 +284,17 @@ def makespan_ms(
     )
 
 
+def _step_shares(weights: Sequence[float] | None, n: int) -> list[float]:
+    """Each layer's share of the step time (summing to 1)."""
+    if weights is None:
+        return [1.0 / n] * n
+    w = per_layer(weights, n, "step_share")
+    if any(not x >= 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"step_share must be >= 0 per layer with a positive sum, got {list(w)}")
+    total = sum(w)
+    return [x / total for x in w]
+
+
 def _stage_time(job: Job, fwd: list[float], bwd: list[float], re: list[float]) -> float:
     if job.kind == FORWARD:
         return sum(fwd[i] for i in job.layers)
@@ -310,11 +351,15 @@ def _run_iteration(
     job_ends: list[list[float]],
     events: list[SimEvent] | None,
     gate: _WeightGate | None = None,
+    layer_ready: list[float] | None = None,
+    grad_done: dict[int, float] | None = None,
 ) -> float:
     """Time one iteration's jobs in launch order (every dependency points backwards).
 
     ``events=None`` only computes the end time (the planner's fast path); ``gate``
-    adds the per-layer weight-version rule of overlapped iterations."""
+    adds the per-layer weight-version rule of overlapped iterations; ``layer_ready``:
+    when each layer's weights (of the step this iteration reads) are published;
+    ``grad_done`` receives when each layer's gradients of this iteration are complete."""
     if gate is not None:
         gate.next_iteration()
     fwd_jobs: list[Job] = [j for j in jobs if j.kind == FORWARD]
@@ -323,9 +368,12 @@ def _run_iteration(
     bwd_job_of_stage: dict[int, Job] = {}
     forward_done = barrier
     last = barrier
+    outer = barrier
     for job in jobs:
         d = job.device
         dur = _stage_time(job, fwd, bwd, re)
+        if layer_ready is not None:  # this job's layers hold the weights it reads
+            barrier = max([outer] + [layer_ready[i] for i in job.layers])
         # Parameter upload, prefetched on the device's copy channel.
         params_ready = barrier
         up = sum(upl[i] for i in job.layers)
@@ -384,6 +432,9 @@ def _run_iteration(
             if events is not None:
                 events.append(SimEvent(d, str(job.kind), job.stage, m, ready, t, job.index, it))
         end[job.index] = ends
+        if grad_done is not None and job.kind != FORWARD:
+            for i in job.layers:
+                grad_done[i] = max(grad_done.get(i, 0.0), t)
         device_free[d] = t
         last = max(last, t)
         if job.kind == FORWARD:

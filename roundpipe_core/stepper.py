@@ -120,6 +120,8 @@ class Stepper:
         self._failure: BaseException | None = None  # first failure of guarded work
         self._reported = False  # the failure has been raised to the user
         self._steps = 0  # steps queued so far: step k produces weight version k
+        # work queued by after_step() whose errors the caller still has to see
+        self._after: list[Future] = []
         # aborts the pipelined iterations in flight when guarded work fails
         self.on_failure: Callable[[], None] | None = None
 
@@ -183,6 +185,31 @@ class Stepper:
                 return
             self._pending = self._tail = self._thread.submit(self._run_guarded, fut.result)
             self._pending_guarded = True
+
+    def after_step(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` once the pending step has run: at once when none is in flight, else
+        on the optimizer thread right after it.
+
+        A worker thread that has downloaded gradients hands their merge into the masters'
+        ``.grad`` (which the step in flight reads and clears) here instead of waiting for
+        the step: a device never waits for a step. Errors are raised by ``wait_after()``.
+        """
+        with self._lock:
+            pending = self._pending
+            if pending is not None and not pending.done():
+                fut = self._thread.submit(fn)
+                self._tail = fut
+                self._after.append(fut)
+                return
+        fn()
+
+    def wait_after(self) -> None:
+        """Block until the work ``after_step()`` queued has run; raise its first error."""
+        with self._lock:
+            queued, self._after = self._after, []
+        errors = [e for e in (f.exception() for f in queued) if e is not None]
+        if errors:
+            raise errors[0]
 
     def _run_guarded(self, fn: Callable[..., Any], *args: Any) -> None:
         if self.failure is not None:

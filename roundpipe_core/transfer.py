@@ -104,44 +104,71 @@ def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
     return replica, slots
 
 
-def _signature(layer: nn.Module) -> tuple:
-    """Changes when the layer's module tree or its tensors are replaced (a cached
-    skeleton is then rebuilt)."""
+def _signature(modules: Sequence[nn.Module]) -> tuple:
+    """Changes when the module tree under ``modules`` (a layer's modules, as cached) or
+    its tensors are replaced (the cached skeleton is then rebuilt): a submodule added,
+    removed or replaced shows in its parent's ``_modules``. Read from the modules'
+    dicts, without walking the tree again on every upload."""
     return tuple(
         (
-            id(m),
-            tuple(id(t) for t in m._parameters.values()),
-            tuple(id(t) for t in m._buffers.values()),
+            tuple(map(id, m._modules.values())),
+            tuple(map(id, m._parameters.values())),
+            tuple(map(id, m._buffers.values())),
         )
-        for m in layer.modules()
+        for m in modules
     )
 
 
-def _sync_plain_attributes(layer: nn.Module, replica: nn.Module) -> None:
+def _sync_plain_attributes(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> None:
     """A cached skeleton follows the host module's flags (``training``, dropout ``p``, ...)."""
-    for orig, rep in zip(layer.modules(), replica.modules()):
+    for orig, rep in pairs:
+        rep_dict = rep.__dict__
         for k, v in orig.__dict__.items():
-            if isinstance(v, _SYNCED_TYPES) and rep.__dict__.get(k, _MISSING) is not v:
-                rep.__dict__[k] = v
+            if isinstance(v, _SYNCED_TYPES) and rep_dict.get(k, _MISSING) is not v:
+                rep_dict[k] = v
 
 
 _MISSING = object()
 
 
-def _skeleton_for(worker: Worker, layer: nn.Module, slot: int) -> tuple[nn.Module, list[_Slot]]:
+class _Tree:
+    """What a cached skeleton was built from: the layer's modules (in the replica's
+    order) and their signature, each host module beside its replica, and the upload's
+    layout: the distinct host tensors the slots mirror (tied weights once, keyed by
+    id), whether each is a parameter, and per slot the position of its source."""
+
+    def __init__(self, layer: nn.Module, replica: nn.Module, slots: list[_Slot]) -> None:
+        self.modules = list(layer.modules())
+        self.signature = _signature(self.modules)
+        self.pairs = list(zip(self.modules, replica.modules()))
+        self.slots = slots
+        self.sources: dict[int, torch.Tensor] = {}
+        self.is_param: list[bool] = []
+        self.slot_source: list[int] = []
+        pos: dict[int, int] = {}
+        for s in slots:
+            k = id(s.source)
+            if k not in pos:
+                pos[k] = len(self.sources)
+                self.sources[k] = s.source
+                self.is_param.append(False)
+            self.slot_source.append(pos[k])
+            self.is_param[pos[k]] = self.is_param[pos[k]] or s.is_param
+
+
+def _skeleton_for(worker: Worker, layer: nn.Module, slot: int) -> tuple[nn.Module, _Tree]:
     """The worker's cached skeleton of ``layer``; two per layer (``slot`` 0/1) so the
-    running stage and the prefetched one never share module objects."""
+    running stage and the prefetched one never share module objects. The cache holds
+    ``(layer, tree, replica, slots)``."""
     cache = worker.skeletons
     key = (id(layer), slot)
-    sig = _signature(layer)
     hit = cache.get(key)
-    if hit is None or hit[0] is not layer or hit[1] != sig:
+    if hit is None or hit[0] is not layer or hit[1].signature != _signature(hit[1].modules):
         replica, slots = make_skeleton(layer)
-        hit = (layer, sig, replica, slots)
+        hit = (layer, _Tree(layer, replica, slots), replica, slots)
         cache[key] = hit
-    _, _, replica, slots = hit
-    _sync_plain_attributes(layer, replica)
-    return replica, slots
+    _sync_plain_attributes(hit[1].pairs)
+    return hit[2], hit[1]
 
 
 def upload_stage(
@@ -153,29 +180,20 @@ def upload_stage(
     replicas: list[LayerReplica] = []
     all_dev: list[torch.Tensor] = []
     for idx, layer in zip(indices, layers):
-        module, slots = _skeleton_for(worker, layer, slot)
-        sources: dict[int, torch.Tensor] = {}
-        for s in slots:
-            sources.setdefault(id(s.source), s.source)
-        keys = list(sources)
-        dev = worker.copy_in([sources[k].detach() for k in keys], "param")
-        lr = LayerReplica(idx, module, slots, sources=sources)
-        made_params: dict[int, torch.Tensor] = {}
-        for k, t in zip(keys, dev):
-            lr.device_tensors[k] = t
-        for s in slots:
-            t = lr.device_tensors[id(s.source)]
+        module, tree = _skeleton_for(worker, layer, slot)
+        srcs = tree.sources
+        dev = worker.copy_in([t.detach() for t in srcs.values()], "param")
+        # Parameter wrappers replace the raw device tensors so grads land on them
+        held = [
+            nn.Parameter(t, requires_grad=src.requires_grad) if p else t
+            for t, src, p in zip(dev, srcs.values(), tree.is_param)
+        ]
+        for s, i in zip(tree.slots, tree.slot_source):
             if s.is_param:
-                if id(s.source) not in made_params:
-                    made_params[id(s.source)] = nn.Parameter(
-                        t, requires_grad=s.source.requires_grad
-                    )
-                s.module._parameters[s.name] = made_params[id(s.source)]  # type: ignore[assignment]
+                s.module._parameters[s.name] = held[i]  # type: ignore[assignment]
             else:
-                s.module._buffers[s.name] = t
-        # the Parameter wrappers replace the raw tensors so grads land on them
-        for k, p in made_params.items():
-            lr.device_tensors[k] = p
+                s.module._buffers[s.name] = held[i]
+        lr = LayerReplica(idx, module, tree.slots, dict(zip(srcs, held)), srcs)
         replicas.append(lr)
         all_dev.extend(dev)
     return StageReplica(worker, replicas, all_dev)

@@ -1,0 +1,74 @@
+"""Random streams of a pipelined call: deterministic, and replayed by every recompute.
+
+Random numbers of a layer on a microbatch must not depend on which worker runs it
+or when (seeded runs repeat), and the recompute before a backward must draw the
+numbers the forward drew (dropout masks). Seeding a generator before every layer
+does both but costs a generator per layer and microbatch; here a stream is seeded
+only where a *segment* starts -- at every start of a forward or a backward stage --
+and continues through the segment's layers, O(1) per stage. A segment lies inside
+one forward stage and one backward stage, so the recompute runs it from its start
+in the forward's order and draws the same numbers. The forward stage starts are
+recorded by the forward jobs themselves, which run before any backward job of the
+same microbatch; the backward stage starts are the run's boundaries. Recompute
+grain "layer" re-runs single layers, so there every layer starts a stream.
+
+The functions take a ``PipelineRun`` (``runtime.py``): its ``rng_base``,
+``preserve_rng_state``, ``seed_every_layer`` and ``stream_starts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .devices.base import Worker
+from .devices.cpu import CPUWorker
+
+__all__ = ["own_rng", "record_stream_start", "replay_seed", "seed_layer"]
+
+
+@contextmanager
+def own_rng(worker: Worker) -> Iterator[None]:
+    """Give back the worker's generator as it was: the seeding here must not disturb
+    the random stream of the code around RoundPipe."""
+    state = worker.get_rng_state()
+    try:
+        yield
+    finally:
+        worker.set_rng_state(state)
+
+
+def record_stream_start(run: Any, start: int) -> None:
+    """A forward stage starts a stream at layer ``start`` (set insertion is atomic)."""
+    if start not in run.stream_starts:
+        run.stream_starts.add(start)
+
+
+def _stream_seed(run: Any, layer: int, mb: int) -> int:
+    return hash((run.rng_base, layer, mb)) & (2**63 - 1)
+
+
+def seed_layer(run: Any, worker: Worker, layer: int, mb: int, job_start: bool = False) -> None:
+    """Before a real forward of ``layer`` on ``mb``: a new stream where a segment starts
+    (``job_start``: the first layer of a job, always one), else the current one goes on."""
+    if not (job_start or run.seed_every_layer or layer in run.stream_starts):
+        return
+    seed = _stream_seed(run, layer, mb)
+    if type(worker).set_rng_state is CPUWorker.set_rng_state:
+        # CPU workers draw from the process generator (under the compute lock): seeding
+        # it in place gives the state of a fresh seeded generator without copying one
+        torch.default_generator.manual_seed(seed)
+    else:
+        gen = torch.Generator(device=worker.device)
+        gen.manual_seed(seed)
+        worker.set_rng_state(gen.get_state())
+
+
+def replay_seed(run: Any, worker: Worker, layer: int, mb: int, job_start: bool = False) -> None:
+    """Before a recompute: the forward's stream again (``preserve_rng_state``), else
+    fresh numbers."""
+    if run.preserve_rng_state:
+        seed_layer(run, worker, layer, mb, job_start)
