@@ -179,23 +179,28 @@ def upload_stage(
     picks the skeleton copy: consecutive jobs of a worker alternate."""
     replicas: list[LayerReplica] = []
     all_dev: list[torch.Tensor] = []
-    for idx, layer in zip(indices, layers):
-        module, tree = _skeleton_for(worker, layer, slot)
-        srcs = tree.sources
-        dev = worker.copy_in([t.detach() for t in srcs.values()], "param")
-        # Parameter wrappers replace the raw device tensors so grads land on them
-        held = [
-            nn.Parameter(t, requires_grad=src.requires_grad) if p else t
-            for t, src, p in zip(dev, srcs.values(), tree.is_param)
-        ]
-        for s, i in zip(tree.slots, tree.slot_source):
-            if s.is_param:
-                s.module._parameters[s.name] = held[i]  # type: ignore[assignment]
-            else:
-                s.module._buffers[s.name] = held[i]
-        lr = LayerReplica(idx, module, tree.slots, dict(zip(srcs, held)), srcs)
-        replicas.append(lr)
-        all_dev.extend(dev)
+    try:
+        for idx, layer in zip(indices, layers):
+            module, tree = _skeleton_for(worker, layer, slot)
+            srcs = tree.sources
+            dev = worker.copy_in([t.detach() for t in srcs.values()], "param")
+            all_dev.extend(dev)
+            # Parameter wrappers replace the raw device tensors so grads land on them
+            held = [
+                nn.Parameter(t, requires_grad=src.requires_grad) if p else t
+                for t, src, p in zip(dev, srcs.values(), tree.is_param)
+            ]
+            for s, i in zip(tree.slots, tree.slot_source):
+                if s.is_param:
+                    s.module._parameters[s.name] = held[i]  # type: ignore[assignment]
+                else:
+                    s.module._buffers[s.name] = held[i]
+            replicas.append(LayerReplica(idx, module, tree.slots, dict(zip(srcs, held)), srcs))
+    except BaseException:
+        # Layers uploaded before the failure would otherwise stay in the cached skeletons
+        # and the ledger (device memory on CUDA) until those skeletons are next used.
+        release_stage(StageReplica(worker, replicas, all_dev))
+        raise
     return StageReplica(worker, replicas, all_dev)
 
 

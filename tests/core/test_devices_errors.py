@@ -28,11 +28,6 @@ class _FailsAtCopy(CPUWorker):
         return super().copy_in(tensors, channel)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="transfer.upload_stage does not release the layers it uploaded before a failure "
-    "(fix proposed to the engine's owner; remove this mark with it)",
-)
 def test_failed_upload_of_layer_k_releases_layers_before_it() -> None:
     layers = [nn.Linear(8, 8) for _ in range(4)]
     worker = _FailsAtCopy(0, fail_at=3)
