@@ -226,11 +226,6 @@ class RoundPipeBase(nn.Module):
     def num_devices(self) -> int:
         return len(self.pool)
 
-    @property
-    def _masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        # (name, model parameter, master) triples; host_memory.py reads them to count masters
-        return self.masters.entries
-
     # -- parameters ----------------------------------------------------------------
     def optim_parameters(self) -> list[nn.Parameter]:
         """The master copies the optimizer updates (trainable parameters only)."""

@@ -228,10 +228,11 @@ def _masters_of(
     model: nn.Module,
 ) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]] | None]:
     """(the wrapped module, [(param, master)]) of a RoundPipe; (model, None) for a plain module."""
-    masters = getattr(model, "_masters", None)
+    masters = getattr(model, "masters", None)
     inner = getattr(model, "model", None)
-    if isinstance(masters, list) and isinstance(inner, nn.Module) and hasattr(model, "pool"):
-        return inner, [(p, m) for _, p, m in masters]
+    entries = getattr(masters, "entries", None)
+    if isinstance(entries, list) and isinstance(inner, nn.Module) and hasattr(model, "pool"):
+        return inner, [(p, m) for _, p, m in entries]
     return model, None
 
 

@@ -35,7 +35,6 @@ The pieces: :mod:`.tree` (pytrees, packed data, spec markers), :mod:`.split`
 
 from .merge import (
     MergedOutputs,
-    default_merge_output,
     merge_outputs,
     merge_outputs_with_grad,
     sum_merge_output,
@@ -74,6 +73,5 @@ __all__ = [
     "merge_outputs",
     "merge_outputs_with_grad",
     "default_split_input",
-    "default_merge_output",
     "sum_merge_output",
 ]

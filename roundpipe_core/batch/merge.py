@@ -24,7 +24,6 @@ __all__ = [
     "merge_outputs",
     "merge_outputs_with_grad",
     "sum_merge_output",
-    "default_merge_output",
 ]
 
 
@@ -196,9 +195,3 @@ def sum_merge_output(outputs: list[Any]) -> Any:
         else:
             merged.append(v0)
     return flatten(outputs[0])[1](merged)
-
-
-#: The summing merge under its former name. The engine merges with :func:`merge_outputs`
-#: (0-dim tensors averaged, as the published RoundPipe) and never reads this; it remains
-#: only while a preset test still patches the name.
-default_merge_output = sum_merge_output

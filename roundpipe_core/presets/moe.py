@@ -147,8 +147,6 @@ def run_with_router_replay(
             return run()
         if doing_recompute():
             saved = get_recompute_data()
-            if isinstance(saved, torch.Tensor):  # a single saved tensor may come back bare
-                saved = (saved,)
             if not isinstance(saved, (tuple, list)) or len(saved) != num_routers:
                 raise RuntimeError(
                     f"expected the routing of {num_routers} router(s) saved by the forward pass, got {saved!r}"
