@@ -94,11 +94,7 @@ def _engine_draws_from_the_global_generator() -> bool:
 def test_shuffled_epochs_match_default_strategy() -> None:
     """The engine must not shift the global generator's stream, which the shuffling
     sampler draws each epoch's order from (no dropout: nothing else is random)."""
-    if _engine_draws_from_the_global_generator():
-        pytest.xfail(
-            "roundpipe_core draws each call's seed base from the global generator "
-            "(runtime.PipelineRun.rng_base); the engine change draws it without touching it"
-        )
+    assert not _engine_draws_from_the_global_generator()
     runs = {}
     for name, make in (("plain", plain_trainer), ("roundpipe", rp_trainer)):
         L.seed_everything(3)
