@@ -38,6 +38,7 @@ from .pipelined import (
     to_output_device,
 )
 from .plan import ModelExecutePlan
+from .planner import predicted_speedup
 from .profile import profile_of
 from .runtime import PipelineRun, run_queue
 from .schedule import Job, boundary_layers, build_schedule, jobs_by_device
@@ -83,6 +84,11 @@ class RoundPipe(RoundPipeBase):
         last_call_ms: wall time of the last pipelined call.
         last_call_samples / last_call_tokens: its batch size (see :func:`batch_extent`).
     """
+
+    #: Measured iterations the timer's averages need before the default plan is re-planned.
+    DEFAULT_REPLAN_AFTER = 3
+    #: Predicted speed-up a re-planned default plan needs to replace the first one.
+    DEFAULT_REPLAN_MIN_GAIN = 0.05
 
     def __init__(
         self,
@@ -218,21 +224,25 @@ class RoundPipe(RoundPipeBase):
     ) -> ModelExecutePlan:
         """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
 
-        Planned once from size-proportional estimates, then once more when the timer
-        has its first measurements (after the warm-up iteration); cached otherwise, so
-        calls do not re-plan. ``ModelExecutePlan.auto`` / the ``AutoReplan`` callback
-        re-plan on demand.
+        Planned from size-proportional estimates, then once more when the timer's averages
+        rest on ``DEFAULT_REPLAN_AFTER`` measured iterations (one noisy measurement made
+        identical models pick different plans); the new plan is taken only if predicted
+        ``DEFAULT_REPLAN_MIN_GAIN`` faster. ``AutoReplan`` re-plans on demand.
         """
         rt = parse_kind(RunType, run_type, "run_type")
         m = num_microbatch or self.num_devices + 1
-        measured = self.model_timer.has_measurements()
+        settled = self.model_timer.measured_iterations() >= self.DEFAULT_REPLAN_AFTER
         key = (rt, m)
         cached = self._default_plans.get(key)
-        if cached is not None and (cached[1] or not measured):
+        if cached is not None and (cached[1] or not settled):
             return cached[0]
         plan = ModelExecutePlan.auto(rt, self, num_microbatch=m)
         assert isinstance(plan, ModelExecutePlan)  # one model in, one plan out
-        self._default_plans[key] = (plan, measured)
+        if cached is not None and plan != cached[0]:
+            gain = predicted_speedup(cached[0], plan, self, rt, self.num_devices, m)
+            if gain < 1.0 + self.DEFAULT_REPLAN_MIN_GAIN:
+                plan = cached[0]
+        self._default_plans[key] = (plan, settled)
         return plan
 
     # -- call set-up -------------------------------------------------------------------------

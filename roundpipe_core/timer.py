@@ -168,6 +168,12 @@ class ModelTimer:
         with self._lock:
             return sum(self._estimate(k, i) for k in parts for i in layers)
 
+    def measured_iterations(self) -> int:
+        """How many measured iterations the best-measured layer's average rests on
+        (the dropped warm-up iteration not counted)."""
+        with self._lock:
+            return max((c for k in KINDS for c in self._count[k]), default=0)
+
     def has_measurements(self, kind: str | None = None) -> bool:
         """Whether any estimate (of ``kind``, or of any kind) comes from measurements."""
         kinds = KINDS if kind is None else (kind,)

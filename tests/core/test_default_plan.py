@@ -1,0 +1,55 @@
+"""The default plan is re-planned once, from averages over several measured iterations,
+and switched only for a predicted gain: noise cannot make identical models flip plans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe_core import ModelExecutePlan, RoundPipe
+from roundpipe_core import model as model_mod
+from tests.core._util import sum_sq
+
+A = ModelExecutePlan.uniform(8, 2, "fused")
+B = ModelExecutePlan.uniform(8, 4, "fused")
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, gain: float) -> tuple[list[ModelExecutePlan], int]:
+    """Train 8 steps; the planner answers A from estimates and B once anything is measured.
+    Returns the plan each call ran and how often the planner was asked."""
+    asked = []
+
+    def planner(run_type, rp, **options):
+        asked.append(rp.model_timer.measured_iterations())
+        return B if rp.model_timer.has_measurements() else A
+
+    monkeypatch.setattr(ModelExecutePlan, "_planner", staticmethod(planner))
+    monkeypatch.setattr(model_mod, "predicted_speedup", lambda *a, **k: gain)
+    torch.manual_seed(0)
+    rp = RoundPipe(nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)]), devices="cpu:2")
+    used = []
+    try:
+        x, y = torch.randn(6, 8), torch.randn(6, 8)
+        for _ in range(8):
+            used.append(rp.plan_for("fused"))
+            rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+    finally:
+        rp.close()
+    return used, len(asked)
+
+
+def test_not_replanned_before_enough_measured_iterations(monkeypatch) -> None:
+    used, asked = _run(monkeypatch, gain=2.0)
+    after = RoundPipe.DEFAULT_REPLAN_AFTER
+    # call 0: estimates; the first measured iteration is dropped, so call k's plan rests on
+    # k - 1 measured iterations: A until `after` of them exist, then B for good
+    assert used[: after + 1] == [A] * (after + 1)
+    assert used[after + 1 :] == [B] * (8 - after - 1)
+    assert asked == 2  # planned once from estimates, once from the settled averages
+
+
+def test_a_small_predicted_gain_keeps_the_first_plan(monkeypatch) -> None:
+    used, asked = _run(monkeypatch, gain=1.0 + RoundPipe.DEFAULT_REPLAN_MIN_GAIN / 2)
+    assert used == [A] * 8
+    assert asked == 2  # settled: not asked again on every call
