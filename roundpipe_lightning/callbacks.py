@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan
 from roundpipe_core.planner import predicted_speedup
+from roundpipe_core.simulate import simulate
 from roundpipe_core.trace import (
     side_by_side_trace,
     spans_from_roundpipe,
@@ -377,8 +378,6 @@ class StageTimeLogger(Callback):
         jobs = rp.last_schedule
         if not jobs:
             return None
-        from roundpipe_core.simulate import simulate
-
         kinds = {j.kind for j in jobs}
         run_type = "fused" if "fused" in kinds else ("train" if "backward" in kinds else "infer")
         if run_type == "train":
@@ -387,7 +386,7 @@ class StageTimeLogger(Callback):
         timer = rp.model_timer
         try:
             return simulate(
-                rp.plan_for(run_type),
+                _plan_of(jobs),  # the plan that ran (the default may have been re-planned since)
                 timer.fwd_ms,
                 timer.bwd_ms,
                 rp.num_devices,
@@ -397,6 +396,13 @@ class StageTimeLogger(Callback):
             )
         except ValueError:
             return None
+
+
+def _plan_of(jobs: list[Any]) -> ModelExecutePlan:
+    """The plan a schedule ran, read back from its jobs (stage order within each pass)."""
+    fwd = sorted((j for j in jobs if j.kind == "forward"), key=lambda j: j.stage)
+    bwd = sorted((j for j in jobs if j.kind != "forward"), key=lambda j: j.stage)
+    return ModelExecutePlan([j.layers for j in fwd], [j.layers for j in bwd])
 
 
 def _lightning_log_step(trainer: Trainer) -> int:
