@@ -29,14 +29,22 @@ def _cuda_worker(index: int, device: torch.device) -> Worker:
     return CUDAWorker(index, device)
 
 
+def _positive_count(text: str) -> int | None:
+    """``text`` as a positive count written with the ASCII digits 0-9, else None
+    (``int()`` would also read "٣" or "+3" or " 3_0")."""
+    text = text.strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        return None
+    return int(text)
+
+
 def _cpu_count_from_env() -> int:
     raw = os.environ.get("ROUNDPIPE_CPU_DEVICES", str(DEFAULT_CPU_DEVICES))
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"ROUNDPIPE_CPU_DEVICES must be a positive integer, got {raw!r}") from None
-    if n < 1:
-        raise ValueError(f"ROUNDPIPE_CPU_DEVICES must be a positive integer, got {raw!r}")
+    n = _positive_count(raw)
+    if n is None:
+        raise ValueError(
+            f"ROUNDPIPE_CPU_DEVICES must be a positive integer written with the digits 0-9, got {raw!r}"
+        )
     return n
 
 
@@ -69,12 +77,11 @@ def resolve_devices(devices: Any) -> list[torch.device]:
         if devices == "cpu":
             return [torch.device("cpu")] * _cpu_count_from_env()
         if devices.startswith("cpu:"):
-            try:
-                n = int(devices[4:])
-            except ValueError:
-                n = 0
-            if n < 1:
-                raise ValueError(f"devices={devices!r}: write 'cpu:N' with N a positive integer")
+            n = _positive_count(devices[4:])
+            if n is None:
+                raise ValueError(
+                    f"devices={devices!r}: write 'cpu:N' with N a positive integer in the digits 0-9"
+                )
             return [torch.device("cpu")] * n
         return resolve_devices([devices])
     if isinstance(devices, Sequence):

@@ -33,3 +33,15 @@ def test_the_environment_variable_wins(monkeypatch, setting, expected):
     monkeypatch.setenv("ROUNDPIPE_CPU_DEVICE_MEMORY_GB", setting)
     monkeypatch.setattr(cpu, "available_host_memory", lambda: GiB // 8)
     assert cpu.cpu_device_memory_bytes(share=4) == expected
+
+
+@pytest.mark.parametrize("spec", ["cpu:٣", "cpu:+2", "cpu:2_0", "cpu:0", "cpu:-1", "cpu:"])
+def test_cpu_device_count_is_ascii_digits(spec):
+    with pytest.raises(ValueError, match="digits 0-9"):
+        DevicePool(spec)
+
+
+def test_cpu_device_count_from_the_environment_is_ascii_digits(monkeypatch):
+    monkeypatch.setenv("ROUNDPIPE_CPU_DEVICES", "٢")
+    with pytest.raises(ValueError, match="ROUNDPIPE_CPU_DEVICES"):
+        DevicePool("cpu")
