@@ -54,6 +54,8 @@ PlanSpec = ModelExecutePlan | str | Sequence[Any]
 
 
 @dataclass
+__all__ = ["Diff", "LayerReport", "PlanReport", "VerifyReport", "compare_plans", "example_model", "main"]
+
 class Diff:
     """Largest differences between two sets of tensors.
 

@@ -15,7 +15,7 @@ attention mask with Hugging Face's own mask functions (``create_causal_mask``
 and friends), which keeps the conversion exact for every attention
 implementation (eager, sdpa, flash).
 
-Forward-rule notes (seed 004): none of these modules writes a plain attribute
+Forward rules (what a layer may do when RoundPipe runs it): none of these modules writes a plain attribute
 or a shared buffer during forward, and every temporary is created on the
 device of its input.
 """
