@@ -53,9 +53,18 @@ from .plan import ModelExecutePlan
 PlanSpec = ModelExecutePlan | str | Sequence[Any]
 
 
-@dataclass
-__all__ = ["Diff", "LayerReport", "PlanReport", "VerifyReport", "compare_plans", "example_model", "main"]
+__all__ = [
+    "Diff",
+    "LayerReport",
+    "PlanReport",
+    "VerifyReport",
+    "compare_plans",
+    "example_model",
+    "main",
+]
 
+
+@dataclass
 class Diff:
     """Largest differences between two sets of tensors.
 
