@@ -178,6 +178,8 @@ class ByteLM(L.LightningModule):
         no_decay = [
             p for n, p in self.named_parameters() if not (p.dim() >= 2 and ".pos." not in n)
         ]
+        # left without fused=: RoundPipeStrategy(fuse_optimizer=True), the default, runs
+        # it on torch's fused CPU kernel (the step is host time that each iteration pays)
         opt = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": self.hparams.weight_decay},
