@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.trainer import call as _call
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -337,11 +338,20 @@ class RoundPipePrecision(Precision):
 
     # -- optimizer step ----------------------------------------------------------------------
     def prepare_step(
-        self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any]
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        defer_clipping: bool = False,
     ) -> tuple[Any, bool]:
         """Everything of an optimizer step except ``optimizer.step()`` itself, on the
         calling thread: run the closure (training_step and backward), unscale the
         gradients, call ``on_before_optimizer_step`` and clip, update the loss scale.
+
+        Args:
+            defer_clipping: leave gradient clipping to :meth:`clip_masters`, called where
+                the window's gradients are complete (the optimizer thread, right before
+                the step, when iterations overlap).
 
         Returns:
             ``(closure_result, do_update)``: ``do_update`` is False when the step must be
@@ -353,10 +363,26 @@ class RoundPipePrecision(Precision):
         found_inf = False
         if self.scaler is not None and not skip:
             found_inf = self.scaler.unscale_(p for g in optimizer.param_groups for p in g["params"])
-        self._after_closure(model, optimizer)  # hooks + gradient clipping, as Lightning's plugins
+        if defer_clipping:
+            trainer = model.trainer
+            _call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        else:
+            self._after_closure(
+                model, optimizer
+            )  # hooks + gradient clipping, as Lightning's plugins
         if self.scaler is not None and not skip:
             self.scaler.update(found_inf)
         return closure_result, not (skip or found_inf)
+
+    @staticmethod
+    def clip_masters(optimizer: Optimizer, model: pl.LightningModule) -> None:
+        """Clip the optimizer's (master) gradients as the Trainer's ``gradient_clip_val`` /
+        ``gradient_clip_algorithm`` say -- what ``configure_gradient_clipping`` does
+        when it is not overridden; reads the Trainer, writes only the gradients."""
+        trainer = model.trainer
+        if trainer.gradient_clip_val:
+            model.clip_gradients(optimizer)
 
     @override
     def optimizer_step(  # type: ignore[override]

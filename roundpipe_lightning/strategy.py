@@ -65,7 +65,14 @@ from ._setup import (
     reaches_params,
     sequential_of,
 )
-from ._step import QueuedStep, mark_step_requested, release, uncount_last_step
+from ._step import (
+    OverlappedForwardBackward,
+    QueuedStep,
+    mark_step_requested,
+    overlap_blocker,
+    release,
+    uncount_last_step,
+)
 from .callbacks import FlushWeights
 from .plans import resolve_execute_plan
 from .precision import LossScaler, RoundPipePrecision
@@ -103,6 +110,14 @@ class RoundPipeStrategy(ParallelStrategy):
             CPU kernel (Adam, AdamW, SGD, Adagrad) when they were built without a
             ``fused`` / ``foreach`` choice: switched in place at setup, the same update
             within fp32 rounding, several times faster on the host. ``False``: as built.
+        overlap_iterations: with ``async_step=True``, ``training_step``'s
+            ``self.roundpipe.forward_backward(...)`` runs non-blocking (the next
+            iteration's forward overlaps this one's backward) and returns a lazy loss
+            (:class:`~roundpipe_lightning._step.LazyLoss`); gradient clipping runs on the
+            masters on the optimizer thread, right before the step. Same numbers as
+            without it. Runs that cannot overlap (manual optimization, 16-mixed, several
+            processes, hooks that read gradients on the training thread) say why once and
+            run blocking. ``blocking=True`` passed to ``forward_backward`` is respected.
         recompute_grain: "stage" or "layer" (None: the engine's default).
         preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
         model_run_config: further ``RoundPipeRunConfig`` defaults; the explicit
@@ -132,6 +147,7 @@ class RoundPipeStrategy(ParallelStrategy):
         pin_model: str = "alloc",
         async_step: bool = True,
         fuse_optimizer: bool = True,
+        overlap_iterations: bool = False,
         recompute_grain: str | None = None,
         preserve_rng_state: bool = True,
         model_run_config: RoundPipeRunConfig | None = None,
@@ -170,6 +186,8 @@ class RoundPipeStrategy(ParallelStrategy):
         self.pin_model = pin_model
         self.async_step = check_bool("async_step", async_step)
         self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer)
+        self.overlap_iterations = check_bool("overlap_iterations", overlap_iterations)
+        self._overlap = False  # this fit overlaps its iterations (decided at train start)
         self.recompute_grain = recompute_grain
         self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state)
         self.model_run_config = model_run_config
@@ -348,6 +366,15 @@ class RoundPipeStrategy(ParallelStrategy):
             if plan is not None:
                 rp.set_plan("fused", plan)
             rp.loss_multiplier = self._loss_multiplier
+            if self.overlap_iterations:
+                # an instance attribute shadowing the method, removed again at teardown
+                object.__setattr__(
+                    rp,
+                    "forward_backward",
+                    OverlappedForwardBackward(
+                        rp.forward_backward, lambda: self._in_training_step and self._overlap
+                    ),
+                )
         except BaseException:
             self._close_roundpipe()
             raise
@@ -396,6 +423,24 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # -- training --------------------------------------------------------------------------------------
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._overlap = False
+        lm = self.lightning_module
+        if not self.overlap_iterations or self._rp is None or lm is None:
+            return
+        reason = overlap_blocker(
+            lm.trainer,
+            self.async_step,
+            self.world_size,
+            self._loss_scaler is not None,
+            getattr(self._rp, "_grad_hooks", ()),
+        )
+        if reason is not None:
+            log.info("RoundPipeStrategy(overlap_iterations=True) runs blocking: %s", reason)
+        self._overlap = reason is None
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._in_training_step = True
         try:
@@ -439,17 +484,22 @@ class RoundPipeStrategy(ParallelStrategy):
         opt = _raw(optimizer)
         rp = self.roundpipe
 
+        overlap = self._overlap
+
         def closure_and_reduce() -> Any:
             # (several processes: the closure's backward starts all-reducing finished layers)
             result = self._dp.wrap_closure(opt, closure)()
-            # the previous step finishes (rp.step would wait for it too): from here on the
-            # window's master gradients are complete and nothing else touches them
-            self._sync_weights()
-            self._dp.reduce(opt)
+            if not overlap:
+                # the previous step finishes (rp.step would wait for it too): from here on
+                # the window's master gradients are complete and nothing else touches them
+                self._sync_weights()
+                self._dp.reduce(opt)
+            # overlapped: the window may still run; the engine defers the step until its
+            # gradients are in, and clipping runs there (step_fn)
             return result
 
         closure_result, do_update = self.precision_plugin.prepare_step(
-            opt, model, closure_and_reduce
+            opt, model, closure_and_reduce, defer_clipping=overlap
         )
         zero_grad = self._real_zero_grad.get(id(opt), opt.zero_grad)
         # the hyperparameters of this step, before Lightning steps the LR schedulers
@@ -457,6 +507,8 @@ class RoundPipeStrategy(ParallelStrategy):
 
         def step_fn() -> None:
             try:
+                if overlap and do_update:
+                    RoundPipePrecision.clip_masters(opt, model)
                 if queued is not None:
                     queued.run(**kwargs)
                 elif do_update:
@@ -597,6 +649,8 @@ class RoundPipeStrategy(ParallelStrategy):
             log.debug("RoundPipe.close() after a failure raised: %r", exc)
         finally:
             rp.loss_multiplier = None
+            rp.__dict__.pop("forward_backward", None)
+            self._overlap = False
             lm = self.lightning_module
             if lm is not None and lm.__dict__.get("roundpipe") is rp:
                 object.__delattr__(lm, "roundpipe")
