@@ -157,6 +157,9 @@ class ByteLM(L.LightningModule):
         x, y = batch
         if self._pipelined():
             # forward, loss and backward in one pipelined pass; the loss comes back detached
+            # and, under RoundPipeStrategy(async_step=True), lazily: the next iteration
+            # starts before it is known. prog_bar=True below reads it at the end of each
+            # batch (waiting for that iteration); logger-only values are read when logged.
             loss = self.roundpipe.forward_backward(
                 input_args=(x,), label=y, loss_fn=TokenCrossEntropy(y.numel())
             )

@@ -13,6 +13,7 @@ Entries the step itself writes into its groups are carried back afterwards.
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 from collections.abc import Callable
@@ -309,11 +310,20 @@ class OverlappedForwardBackward:
     (a loss_fn returning several losses keeps every call blocking).
     """
 
-    def __init__(self, original: Callable[..., Any], active: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        original: Callable[..., Any],
+        active: Callable[[], bool],
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> None:
         functools.update_wrapper(self, original)
-        self.original, self.active = original, active
+        self.original, self.active, self.on_failure = original, active, on_failure
         self.meta: tuple[torch.Size, torch.dtype] | None = None
         self.seen = False
+        # calls issued and maybe not finished: the training loop stays at most this
+        # many calls ahead of the devices (enough to overlap, bounded memory)
+        self.inflight: collections.deque[Any] = collections.deque()
+        self.depth = 2
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # positional arguments beyond loss_fn reach return_outputs / blocking: as asked
@@ -332,5 +342,20 @@ class OverlappedForwardBackward:
             return out
         if self.meta is None:
             return self.original(*args, **kwargs)
-        pending = self.original(*args, blocking=False, **kwargs)
-        return LazyLoss(pending.result, *self.meta)
+        while len(self.inflight) >= self.depth:
+            self.inflight.popleft().wait()
+        try:
+            pending = self.original(*args, blocking=False, **kwargs)
+        except BaseException:
+            self.on_failure()  # an earlier iteration (or a step behind it) failed
+            raise
+        self.inflight.append(pending)
+
+        def value() -> torch.Tensor:
+            try:
+                return pending.result()
+            except BaseException:
+                self.on_failure()
+                raise
+
+        return LazyLoss(value, *self.meta)

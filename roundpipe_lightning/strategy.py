@@ -20,6 +20,21 @@ the engine carries to its worker threads.
   was queued, then clears the gradients (Lightning's ``zero_grad`` is a no-op).
 * With ``async_step=True`` the weights are flushed before every hook where users
   read them: epoch and training end, validation / test / predict start, checkpoints.
+* With ``async_step=True`` (and ``overlap_iterations=True``, the default) iterations
+  overlap: ``training_step``'s ``forward_backward`` is issued non-blocking, so the
+  devices start the next iteration while this one's backward and the optimizer step
+  finish. It returns a :class:`~roundpipe_lightning._step.LazyLoss`: returning it,
+  ``self.log`` and Lightning's accumulation only record it; the value is computed
+  where a number is needed -- ``float(loss)`` / ``loss.item()`` in user code (at once,
+  which gives up the overlap of that iteration), a value logged with
+  ``prog_bar=True`` at the end of its batch, logger-only values when the logger
+  writes (every ``log_every_n_steps``), monitored values when a callback compares
+  them. The step waits for the window's gradients on the optimizer thread; gradient
+  clipping runs there, on the masters, right before it. The numbers are those of the
+  blocking ``async_step=True`` run (one step stale). Runs whose hooks read gradients
+  on the training thread (``on_after_backward``, ``on_before_optimizer_step``,
+  ``configure_gradient_clipping`` overridden), manual optimization, ``16-mixed`` and
+  several processes run blocking (logged once, with the reason).
 
 Several processes (one per node) are data parallel over ``torch.distributed``
 (:mod:`roundpipe_core.distributed`); collectives are identities in one process.
@@ -28,6 +43,7 @@ Several processes (one per node) are data parallel over ``torch.distributed``
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -111,13 +127,9 @@ class RoundPipeStrategy(ParallelStrategy):
             ``fused`` / ``foreach`` choice: switched in place at setup, the same update
             within fp32 rounding, several times faster on the host. ``False``: as built.
         overlap_iterations: with ``async_step=True``, ``training_step``'s
-            ``self.roundpipe.forward_backward(...)`` runs non-blocking (the next
-            iteration's forward overlaps this one's backward) and returns a lazy loss
-            (:class:`~roundpipe_lightning._step.LazyLoss`); gradient clipping runs on the
-            masters on the optimizer thread, right before the step. Same numbers as
-            without it. Runs that cannot overlap (manual optimization, 16-mixed, several
-            processes, hooks that read gradients on the training thread) say why once and
-            run blocking. ``blocking=True`` passed to ``forward_backward`` is respected.
+            ``self.roundpipe.forward_backward(...)`` runs non-blocking and returns a lazy
+            loss (see the module docstring for when it is computed). Same numbers as
+            ``False``. ``blocking=True`` passed to ``forward_backward`` is respected.
         recompute_grain: "stage" or "layer" (None: the engine's default).
         preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
         model_run_config: further ``RoundPipeRunConfig`` defaults; the explicit
@@ -147,7 +159,7 @@ class RoundPipeStrategy(ParallelStrategy):
         pin_model: str = "alloc",
         async_step: bool = True,
         fuse_optimizer: bool = True,
-        overlap_iterations: bool = False,
+        overlap_iterations: bool = True,
         recompute_grain: str | None = None,
         preserve_rng_state: bool = True,
         model_run_config: RoundPipeRunConfig | None = None,
@@ -198,6 +210,9 @@ class RoundPipeStrategy(ParallelStrategy):
         self._in_training_step = False
         self._step_failed = False
         self._failed = False
+        # steps Lightning counted when they were queued that have not reached the weights
+        self._unapplied = 0
+        self._unapplied_lock = threading.Lock()
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
         try:
@@ -372,7 +387,9 @@ class RoundPipeStrategy(ParallelStrategy):
                     rp,
                     "forward_backward",
                     OverlappedForwardBackward(
-                        rp.forward_backward, lambda: self._in_training_step and self._overlap
+                        rp.forward_backward,
+                        lambda: self._in_training_step and self._overlap,
+                        self._pipeline_failed,
                     ),
                 )
         except BaseException:
@@ -445,6 +462,10 @@ class RoundPipeStrategy(ParallelStrategy):
         self._in_training_step = True
         try:
             return super().training_step(*args, **kwargs)
+        except BaseException:
+            if self._step_failed:  # a queued step failed while this step ran
+                self._pipeline_failed()
+            raise
         finally:
             self._in_training_step = False
 
@@ -517,9 +538,14 @@ class RoundPipeStrategy(ParallelStrategy):
             except BaseException:
                 self._step_failed = True
                 raise
+            if do_update:
+                with self._unapplied_lock:
+                    self._unapplied -= 1
 
         if do_update:
             mark_step_requested(opt)
+            with self._unapplied_lock:
+                self._unapplied += 1
         rp.step(step_fn, is_async=self.async_step)
         return closure_result
 
@@ -534,12 +560,30 @@ class RoundPipeStrategy(ParallelStrategy):
         try:
             self._rp.synchronize()
         except BaseException:
-            if self._step_failed:
-                self._step_failed = False
-                lm = self.lightning_module
-                if self.async_step and lm is not None and lm._trainer is not None:
-                    uncount_last_step(lm.trainer)
+            self._take_back_lost_steps()  # synchronize() raises once nothing is in flight
             raise
+
+    def _take_back_lost_steps(self) -> None:
+        """After a failure, with nothing in flight: take back the steps Lightning counted
+        when they were queued that never reached the weights."""
+        self._step_failed = False
+        with self._unapplied_lock:
+            lost, self._unapplied = self._unapplied, 0
+        lm = self.lightning_module
+        if self.async_step and lm is not None and lm._trainer is not None:
+            for _ in range(lost):
+                uncount_last_step(lm.trainer)
+
+    def _pipeline_failed(self) -> None:
+        """An overlapped iteration failed (raised by the next call or by its lazy loss):
+        the steps deferred behind it are dropped. Wait until nothing is in flight, then
+        take their counts back, before the error reaches Lightning's exception hooks."""
+        if self._rp is not None and self._rp_open:
+            try:
+                self._rp.synchronize()
+            except BaseException as exc:  # the failure being raised, or its consequence
+                log.debug("synchronize() after a pipelined failure raised: %r", exc)
+        self._take_back_lost_steps()
 
     @override
     def on_validation_start(self) -> None:
@@ -666,6 +710,7 @@ class RoundPipeStrategy(ParallelStrategy):
         finally:
             self._release_optimizers()
             self._failed = self._step_failed = False
+            self._unapplied = 0
             lm = self.lightning_module
             trainer = lm._trainer if lm is not None else None
             callbacks: list[Callback] = getattr(trainer, "callbacks", [])

@@ -6,11 +6,15 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from rpl_helpers import BATCH, SeqModule, build_net, loader, max_rel_err, params_of, rp_trainer
+from torch import nn
 
 from roundpipe_lightning._step import LazyLoss
 
@@ -175,3 +179,84 @@ def test_overlap_iterations_must_be_bool() -> None:
 
     with pytest.raises(TypeError, match="overlap_iterations"):
         RoundPipeStrategy(overlap_iterations=1)  # type: ignore[arg-type]
+
+
+def test_checkpoint_resume_and_validation_match_the_blocking_run(tmp_path: Path) -> None:
+    """Checkpoints taken mid-run (with validation in between) hold the weights the
+    blocking run's hold, resume to the same weights, and save the lazy monitored loss
+    as a plain number."""
+
+    def run(overlap: bool) -> tuple[dict, dict, Scheduled]:
+        def trainer(max_steps: int, callbacks: list) -> L.Trainer:
+            return rp_trainer(
+                max_steps=max_steps,
+                async_step=True,
+                accumulate_grad_batches=ACC,
+                val_check_interval=4,
+                limit_val_batches=1,
+                enable_checkpointing=True,
+                callbacks=callbacks,
+                strategy_kw={"overlap_iterations": overlap},
+            )
+
+        d = tmp_path / str(overlap)
+        a = Scheduled()
+        ck = ModelCheckpoint(dirpath=d, every_n_train_steps=3, monitor="train_loss")
+        trainer(3, [ck]).fit(a, loader(N), loader())
+        (path,) = d.glob("*.ckpt")
+        a2 = Scheduled(seed=7)
+        trainer(STEPS, []).fit(a2, loader(N), loader(), ckpt_path=path)
+        return torch.load(path, weights_only=True), params_of(a2), a2
+
+    saved, resumed, m = run(True)
+    saved_ref, resumed_ref, _ = run(False)
+    assert max_rel_err(saved["state_dict"], saved_ref["state_dict"]) <= 1e-6
+    assert max_rel_err(resumed, resumed_ref) <= 1e-6
+    assert any(isinstance(r, LazyLoss) for r in m.results)
+    score = next(iter(saved["callbacks"].values()))["best_model_score"]
+    assert type(score) is torch.Tensor and torch.isfinite(score)
+
+
+class Tripwire(nn.Module):
+    """Identity that fails on an input marked by a huge value (one batch of the data)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 1e6:
+            raise RuntimeError("tripwire layer failed")
+        return x
+
+
+class Tripped(Scheduled):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.net.insert(0, Tripwire())
+
+
+def test_failed_iteration_is_not_counted_in_the_exception_checkpoint(tmp_path: Path) -> None:
+    """An overlapped iteration fails on a worker: the error reaches the caller and the
+    checkpoint saved on the exception records exactly the steps its weights received."""
+    dl = loader(N)
+    dl.dataset.tensors[0][5 * BATCH] = 1e7  # batch 5 (window 2)
+    m = Tripped()
+    saver = OnExceptionCheckpoint(dirpath=tmp_path, filename="on_exception")
+    with pytest.raises(RuntimeError, match="tripwire layer failed"):
+        rp_trainer(
+            max_steps=STEPS,
+            async_step=True,
+            accumulate_grad_batches=ACC,
+            callbacks=[saver],
+            enable_checkpointing=True,
+        ).fit(m, dl)
+    ckpt = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    steps = ckpt["global_step"]
+    assert steps <= 2
+    ref = Tripped()
+    if steps:
+        rp_trainer(
+            max_steps=steps,
+            async_step=True,
+            accumulate_grad_batches=ACC,
+            strategy_kw={"overlap_iterations": False},
+        ).fit(ref, loader(N))
+    got = {k: v.float() for k, v in ckpt["state_dict"].items()}
+    assert max_rel_err(got, params_of(ref)) <= 1e-6
