@@ -29,7 +29,8 @@ the engine carries to its worker threads.
   which gives up the overlap of that iteration), a value logged with
   ``prog_bar=True`` at the end of its batch, logger-only values when the logger
   writes (every ``log_every_n_steps``), monitored values when a callback compares
-  them. The step waits for the window's gradients on the optimizer thread; gradient
+  them. The loop stays at most two calls ahead of the devices. The step waits for
+  the window's gradients on the optimizer thread; gradient
   clipping runs there, on the masters, right before it. The numbers are those of the
   blocking ``async_step=True`` run (one step stale). Runs whose hooks read gradients
   on the training thread (``on_after_backward``, ``on_before_optimizer_step``,
