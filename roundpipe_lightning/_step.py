@@ -153,12 +153,13 @@ class LazyLoss(torch.Tensor):
 
     _thunk: Callable[[], torch.Tensor] | None
     _value: torch.Tensor | None
+    _lock: threading.Lock
 
     @staticmethod
     def __new__(
         cls, thunk: Callable[[], torch.Tensor], shape: torch.Size, dtype: torch.dtype
     ) -> LazyLoss:
-        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        t = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
         )
         t._thunk, t._value = thunk, None
@@ -201,7 +202,7 @@ class LazyLoss(torch.Tensor):
             return self._value
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}

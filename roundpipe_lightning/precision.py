@@ -170,7 +170,7 @@ class AmpLossScaler:
                 self._checked = False  # nothing to check: the scale stays as it is
                 return False
             # unscale, check for inf/NaN and "step" only if finite: GradScaler's own rule
-            self.grad_scaler.step(window)
+            self.grad_scaler.step(window)  # type: ignore[arg-type]  # duck-typed optimizer
             self._checked = True
             return not window.finite
         finally:
