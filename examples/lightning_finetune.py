@@ -159,6 +159,9 @@ class ByteLM(L.LightningModule):
         x, y = batch
         if self._pipelined():
             # forward, loss and backward in one pipelined pass; the loss comes back detached
+            # and, under RoundPipeStrategy(async_step=True), lazily: the next iteration
+            # starts before it is known. prog_bar=True below reads it at the end of each
+            # batch (waiting for that iteration); logger-only values are read when logged.
             loss = self.roundpipe.forward_backward(
                 input_args=(x,), label=y, loss_fn=TokenCrossEntropy(y.numel())
             )
@@ -180,6 +183,8 @@ class ByteLM(L.LightningModule):
         no_decay = [
             p for n, p in self.named_parameters() if not (p.dim() >= 2 and ".pos." not in n)
         ]
+        # left without fused=: RoundPipeStrategy(fuse_optimizer=True), the default, runs
+        # it on torch's fused CPU kernel (the step is host time that each iteration pays)
         opt = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": self.hparams.weight_decay},

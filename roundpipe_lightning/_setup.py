@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from roundpipe_core import RoundPipe
+from roundpipe_core.optim import fastest_impl, use_fastest_
 
 __all__ = [
     "parse_dtype",
@@ -25,11 +26,15 @@ __all__ = [
     "check_pool_devices",
     "sequential_of",
     "adopt_optimizer",
+    "fuse_optimizer",
     "op_name",
     "reaches_params",
 ]
 
-_log = logging.getLogger("roundpipe_lightning")
+log = logging.getLogger(__name__)
+
+# reasons already logged: one line per optimizer class and reason, not one per run
+_SAID: set[tuple[str, str]] = set()
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -245,7 +250,7 @@ def check_pool_devices(devices: list[torch.device]) -> list[torch.device]:
         )
     if devices[0].type == "cpu" and len(devices) == 1:
         # devices="auto" on CPU is one device: training works but nothing overlaps
-        _log.warning(
+        log.warning(
             "RoundPipeStrategy runs on 1 CPU worker (what Trainer(devices='auto') gives on "
             "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
             "Trainer(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
@@ -253,3 +258,53 @@ def check_pool_devices(devices: list[torch.device]) -> list[torch.device]:
             "ROUNDPIPE_CPU_DEVICES."
         )
     return devices
+
+
+def _not_fused_reason(opt: Optimizer) -> str:
+    """Why :func:`roundpipe_core.optim.use_fastest_` left ``opt`` as it is (for the log)."""
+    torch_cls = next((c for c in type(opt).__mro__ if c.__module__.startswith("torch.optim")), None)
+    if torch_cls is None:
+        return "it is not a torch.optim optimizer"
+    try:
+        impl = fastest_impl(torch_cls.__name__)
+    except ValueError:
+        impl = "default"
+    if impl != "fused":
+        return f"torch has no fused CPU kernel for {torch_cls.__name__}"
+    if type(opt) is not torch_cls and type(opt).__module__ != "roundpipe_core.optim":
+        return f"it is a subclass of {torch_cls.__name__} that may rely on its own step()"
+    groups = opt.param_groups
+    if any(g.get("fused") is False or g.get("foreach") is not None for g in groups):
+        return "the optimizer was built with an explicit fused=/foreach= choice, which is kept"
+    if any(g.get("differentiable") or g.get("capturable") for g in groups):
+        return "it was built with differentiable=True or capturable=True"
+    return (
+        "some of its parameters are not floating-point dense tensors on a device with the "
+        "fused kernel"
+    )
+
+
+def fuse_optimizer(opt: Optimizer) -> bool:
+    """Switch ``opt`` in place to torch's fused CPU kernel when it has one and the user
+    left ``fused`` unset (:func:`roundpipe_core.optim.use_fastest_`); the object stays the
+    same, so LR schedulers built on it keep working.
+
+    The update is the same arithmetic (within fp32 rounding) and, on the host, several
+    times faster than the per-tensor loop torch picks for CPU tensors by default. When it
+    cannot switch, it logs why once per optimizer class and reason.
+
+    Returns:
+        Whether ``opt`` now runs fused.
+    """
+    if any(g.get("fused") for g in opt.param_groups):
+        return True
+    # fused=False is a choice too (use_fastest_ only leaves fused=True / foreach= alone)
+    explicit = any(g.get("fused") is False for g in opt.param_groups)
+    if not explicit and use_fastest_(opt):
+        return True
+    reason = _not_fused_reason(opt)
+    key = (type(opt).__qualname__, reason)
+    if key not in _SAID:
+        _SAID.add(key)
+        log.info("RoundPipeStrategy runs %s unfused: %s", type(opt).__name__, reason)
+    return False

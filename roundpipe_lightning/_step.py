@@ -13,13 +13,24 @@ Entries the step itself writes into its groups are carried back afterwards.
 
 from __future__ import annotations
 
+import collections
+import functools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["QueuedStep", "release", "mark_step_requested", "uncount_last_step"]
+__all__ = [
+    "QueuedStep",
+    "LazyLoss",
+    "OverlappedForwardBackward",
+    "overlap_blocker",
+    "release",
+    "mark_step_requested",
+    "uncount_last_step",
+]
 
 _local = threading.local()
 
@@ -126,3 +137,226 @@ def uncount_last_step(trainer: Any) -> None:
         progress = loop.manual_optimization.optim_step_progress
     for tracker in (progress.total, progress.current):
         tracker.completed = max(0, tracker.completed - 1)
+
+
+class LazyLoss(torch.Tensor):
+    """A loss whose value is computed later: the result of a non-blocking
+    ``forward_backward`` seen as a tensor.
+
+    Pure tensor operations on it (``detach``, ``clone``, arithmetic, dtype casts -- what
+    ``self.log`` and Lightning's loop do with a loss) return further lazy tensors and
+    wait for nothing. Anything that needs the number -- ``float()``, ``.item()``,
+    printing, a comparison, an in-place write into another tensor -- waits for the
+    iteration and computes it once. Shape and dtype are known up front (``shape``,
+    ``dtype``); the value is checked against them when it arrives.
+    """
+
+    _thunk: Callable[[], torch.Tensor] | None
+    _value: torch.Tensor | None
+    _lock: threading.Lock
+
+    @staticmethod
+    def __new__(
+        cls, thunk: Callable[[], torch.Tensor], shape: torch.Size, dtype: torch.dtype
+    ) -> LazyLoss:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
+        )
+        t._thunk, t._value = thunk, None
+        t._lock = threading.Lock()
+        return t
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # saved (a checkpoint's monitored metric) as the plain tensor it stands for
+        return self.resolve().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return self.resolve().clone()
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"LazyLoss({self.resolve()!r})" if self.resolved else "LazyLoss(<pending>)"
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the value has been computed."""
+        return self._value is not None
+
+    def resolve(self) -> torch.Tensor:
+        """The value (waits for the iteration on first use; its error is raised here)."""
+        with self._lock:
+            if self._value is None:
+                assert self._thunk is not None
+                value = self._thunk()
+                if not isinstance(value, torch.Tensor) or value.shape != self.shape:
+                    raise TypeError(
+                        f"a lazily resolved forward_backward result must be a tensor of shape "
+                        f"{tuple(self.shape)}, got {type(value).__name__}"
+                        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}; "
+                        "pass blocking=True to forward_backward for this loss_fn"
+                    )
+                self._value = value.detach().to(self.dtype)
+                self._thunk = None  # frees what the computation held
+            return self._value
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        lazy = [a for a in _flat((args, kwargs)) if isinstance(a, LazyLoss) and not a.resolved]
+        if lazy and not func._schema.is_mutable:
+            meta = _on_meta(func, args, kwargs)
+            if isinstance(meta, torch.Tensor):
+
+                def later() -> torch.Tensor:
+                    return func(*_real(args), **_real(kwargs))
+
+                return LazyLoss(later, meta.shape, meta.dtype)
+        return func(*_real(args), **_real(kwargs))
+
+
+def _flat(tree: Any) -> list[Any]:
+    if isinstance(tree, (list, tuple)):
+        return [x for item in tree for x in _flat(item)]
+    if isinstance(tree, dict):
+        return [x for item in tree.values() for x in _flat(item)]
+    return [tree]
+
+
+def _map(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map(x, fn) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _map(v, fn) for k, v in tree.items()}
+    return fn(tree)
+
+
+def _real(tree: Any) -> Any:
+    return _map(tree, lambda a: a.resolve() if isinstance(a, LazyLoss) else a)
+
+
+def _on_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on shape-only copies of its tensors: the output's shape and dtype, or
+    None when that is not a single tensor computed on CPU (then the value is needed now)."""
+
+    def to_meta(a: Any) -> Any:
+        if isinstance(a, LazyLoss):
+            return torch.empty(a.shape, dtype=a.dtype, device="meta")
+        if isinstance(a, torch.Tensor):
+            if a.device.type != "cpu" or a.requires_grad:
+                raise _NotDeferrable
+            return torch.empty(a.shape, dtype=a.dtype, device="meta")
+        if isinstance(a, torch.device) and a.type != "cpu":
+            raise _NotDeferrable
+        return a
+
+    try:
+        out = func(*_map(args, to_meta), **_map(kwargs, to_meta))
+    except Exception:  # noqa: BLE001 - not deferrable: compute it now
+        return None
+    return out if isinstance(out, torch.Tensor) and out.device.type == "meta" else None
+
+
+class _NotDeferrable(Exception):
+    pass
+
+
+# hooks that read the window's gradients on the training thread: with overlapped
+# iterations those gradients are only complete on the optimizer thread
+_GRAD_HOOKS_MODULE = (
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+)
+_GRAD_HOOKS_CALLBACK = ("on_after_backward", "on_before_optimizer_step")
+
+
+def overlap_blocker(
+    trainer: Any, async_step: bool, world_size: int, has_scaler: bool, grad_hooks: Any
+) -> str | None:
+    """Why this run cannot overlap its iterations (None if it can)."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    lm = trainer.lightning_module
+    if not async_step:
+        return "async_step=False: each iteration computes with the weights of every step before it"
+    if not lm.automatic_optimization:
+        return "manual optimization reads the gradients in training_step"
+    if world_size > 1:
+        return "the gradients are reduced over processes on the training thread"
+    if has_scaler:
+        return "16-mixed checks the window's gradients before the next window's loss scale is known"
+    if grad_hooks:
+        return "gradient hooks are registered on the RoundPipe"
+    for name in _GRAD_HOOKS_MODULE:
+        if is_overridden(name, lm):
+            return f"{type(lm).__name__}.{name} reads the gradients on the training thread"
+    for cb in trainer.callbacks:
+        for name in _GRAD_HOOKS_CALLBACK:
+            if getattr(type(cb), name) is not getattr(Callback, name):
+                return f"callback {type(cb).__name__}.{name} reads the gradients on the training thread"
+    return None
+
+
+class OverlappedForwardBackward:
+    """``RoundPipe.forward_backward`` whose ``blocking`` defaults to False while
+    ``active()`` holds, returning the loss as a :class:`LazyLoss`.
+
+    An explicit ``blocking=...`` and ``return_outputs=True`` (outputs are not lazy) run
+    as asked. The first call runs blocking: its result gives the loss's shape and dtype
+    (a loss_fn returning several losses keeps every call blocking).
+    """
+
+    def __init__(
+        self,
+        original: Callable[..., Any],
+        active: Callable[[], bool],
+        on_failure: Callable[[], None] = lambda: None,
+    ) -> None:
+        functools.update_wrapper(self, original)
+        self.original, self.active, self.on_failure = original, active, on_failure
+        self.meta: tuple[torch.Size, torch.dtype] | None = None
+        self.seen = False
+        # calls issued and maybe not finished: the training loop stays at most this
+        # many calls ahead of the devices (enough to overlap, bounded memory)
+        self.inflight: collections.deque[Any] = collections.deque()
+        self.depth = 2
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # positional arguments beyond loss_fn reach return_outputs / blocking: as asked
+        if (
+            not self.active()
+            or len(args) > 4
+            or "blocking" in kwargs
+            or kwargs.get("return_outputs")
+        ):
+            return self.original(*args, **kwargs)
+        if not self.seen:
+            self.seen = True
+            out = self.original(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                self.meta = (out.shape, out.dtype)
+            return out
+        if self.meta is None:
+            return self.original(*args, **kwargs)
+        while len(self.inflight) >= self.depth:
+            self.inflight.popleft().wait()
+        try:
+            pending = self.original(*args, blocking=False, **kwargs)
+        except BaseException:
+            self.on_failure()  # an earlier iteration (or a step behind it) failed
+            raise
+        self.inflight.append(pending)
+
+        def value() -> torch.Tensor:
+            try:
+                return pending.result()
+            except BaseException:
+                self.on_failure()
+                raise
+
+        return LazyLoss(value, *self.meta)

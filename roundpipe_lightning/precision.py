@@ -21,7 +21,6 @@ is converted by :meth:`RoundPipePrecision.from_plugin` when the strategy receive
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, runtime_checkable
@@ -29,12 +28,15 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.trainer import call as _call
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-__all__ = ["SUPPORTED", "LossScaler", "DynamicLossScaler", "RoundPipePrecision"]
+from roundpipe_core.amp import GradScaler
+
+__all__ = ["SUPPORTED", "LossScaler", "AmpLossScaler", "DynamicLossScaler", "RoundPipePrecision"]
 
 SUPPORTED = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 """Lightning precision strings RoundPipe runs."""
@@ -43,7 +45,7 @@ SUPPORTED = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 @runtime_checkable
 class LossScaler(Protocol):
     """What the plugin needs of a loss scaler (so another implementation -- e.g. one
-    shaped like ``torch.amp.GradScaler`` -- can replace :class:`DynamicLossScaler`)."""
+    of another scaling rule -- can replace :class:`AmpLossScaler`)."""
 
     def get_scale(self) -> float:
         """The factor the losses of the current accumulation window are multiplied by."""
@@ -62,16 +64,40 @@ class LossScaler(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class DynamicLossScaler:
-    """Dynamic loss scaling on the master gradients (the ``16-mixed`` recipe).
+class _WindowGradients:
+    """Stands in for an optimizer in :class:`roundpipe_core.amp.GradScaler`'s bookkeeping:
+    its ``param_groups`` are the window's master parameters and its ``step()`` only notes
+    that the scaler found them finite (the real step is queued on RoundPipe later)."""
 
-    The loss is multiplied by ``scale`` before backward. Before the step the
-    master gradients are divided by it and checked: if any is inf/NaN the step
-    is skipped and the scale shrinks by ``backoff_factor``; after
-    ``growth_interval`` clean steps in a row it grows by ``growth_factor``.
-    Everything happens on the main thread between the accumulation window and
-    the (possibly asynchronous) optimizer step, so the scale a window used is
-    the scale it is unscaled with.
+    def __init__(self) -> None:
+        self.param_groups: list[dict[str, Any]] = [{"params": []}]
+        self.finite = False
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.finite = True
+
+
+class AmpLossScaler:
+    """The ``16-mixed`` loss scaler: :class:`roundpipe_core.amp.GradScaler` (torch's
+    ``GradScaler`` arithmetic, thread-safe) behind the :class:`LossScaler` protocol.
+
+    The loss is multiplied by the scale before backward. Before the step the master
+    gradients are divided by it and checked: if any is inf/NaN the step is skipped and
+    the scale shrinks by ``backoff_factor``; after ``growth_interval`` clean steps in a
+    row it grows by ``growth_factor`` -- the numbers of ``torch.amp.GradScaler``.
+
+    All of it runs on the training thread between the accumulation window and the
+    (possibly asynchronous) optimizer step: the plugin unscales and checks the masters
+    before ``on_before_optimizer_step`` and clipping, and knows whether to queue the
+    step at all. So the scale is final before the next window's losses are scaled and
+    the optimizer thread never has to be waited for. The state dict is
+    ``torch.amp.GradScaler``'s (plus ``skipped_steps``); a state dict with
+    ``growth_tracker`` instead of ``_growth_tracker`` loads too.
+
+    Args:
+        init_scale, growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
+        grad_scaler: use this ``roundpipe_core.amp.GradScaler`` (the four settings above
+            are then ignored).
     """
 
     def __init__(
@@ -80,89 +106,101 @@ class DynamicLossScaler:
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        *,
+        grad_scaler: GradScaler | None = None,
     ) -> None:
-        if (
-            not init_scale > 0
-            or not growth_factor > 1.0
-            or not 0.0 < backoff_factor < 1.0
-            or growth_interval < 1
-        ):
-            raise ValueError(
-                "DynamicLossScaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "
-                f"and growth_interval >= 1; got {init_scale}, {growth_factor}, {backoff_factor}, {growth_interval}"
+        if grad_scaler is None:
+            if (
+                not init_scale > 0
+                or not growth_factor > 1.0
+                or not 0.0 < backoff_factor < 1.0
+                or not isinstance(growth_interval, int)
+                or growth_interval < 1
+            ):
+                raise ValueError(
+                    "loss scaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "
+                    "and an int growth_interval >= 1; got "
+                    f"{init_scale}, {growth_factor}, {backoff_factor}, {growth_interval!r}"
+                )
+            grad_scaler = GradScaler(init_scale, growth_factor, backoff_factor, growth_interval)
+        elif not isinstance(grad_scaler, GradScaler):
+            raise TypeError(
+                f"grad_scaler must be a roundpipe_core.amp.GradScaler, got {type(grad_scaler).__name__}"
             )
-        self.scale = float(init_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.growth_tracker = 0
+        self.grad_scaler = grad_scaler
         self.skipped_steps = 0
+        self._window = _WindowGradients()
+        self._checked = False
 
     @classmethod
-    def from_grad_scaler(cls, scaler: Any | None) -> DynamicLossScaler:
-        """Take the settings of a ``torch.amp.GradScaler`` (defaults for None)."""
+    def from_grad_scaler(cls, scaler: Any | None) -> AmpLossScaler:
+        """Wrap a ``roundpipe_core.amp.GradScaler``, or take the settings (and current
+        scale) of a ``torch.amp.GradScaler`` such as Lightning's plugin holds; defaults for None."""
         if scaler is None:
             return cls()
-        return cls(
-            init_scale=float(getattr(scaler, "_init_scale", 2.0**16)),
-            growth_factor=float(getattr(scaler, "_growth_factor", 2.0)),
-            backoff_factor=float(getattr(scaler, "_backoff_factor", 0.5)),
-            growth_interval=int(getattr(scaler, "_growth_interval", 2000)),
+        if isinstance(scaler, GradScaler):
+            return cls(grad_scaler=scaler)
+        if isinstance(scaler, torch.amp.GradScaler):
+            return cls(
+                init_scale=float(scaler.get_scale()) if scaler.is_enabled() else 2.0**16,
+                growth_factor=float(scaler.get_growth_factor()),
+                backoff_factor=float(scaler.get_backoff_factor()),
+                growth_interval=int(scaler.get_growth_interval()),
+            )
+        raise TypeError(
+            "expected a torch.amp.GradScaler or a roundpipe_core.amp.GradScaler, got "
+            f"{type(scaler).__name__}"
         )
 
+    @property
+    def scale(self) -> float:
+        """The current scale."""
+        return self.get_scale()
+
     def get_scale(self) -> float:
-        return self.scale
+        return float(self.grad_scaler.get_scale())
 
     def unscale_(self, params: Iterable[Tensor]) -> bool:
         """Divide the gradients of ``params`` by the scale; True if any is not finite."""
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return False
-        found = torch.zeros(1, device=grads[0].device)
-        inv = torch.full((1,), 1.0 / self.scale, device=grads[0].device)
-        with torch.no_grad():
-            # one fused pass per device and dtype (the kernel torch's GradScaler uses)
-            by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-            for g in grads:
-                by_key.setdefault((g.device, g.dtype), []).append(g)
-            for (device, _), group in by_key.items():
-                f = found if device == found.device else torch.zeros(1, device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(group, f, inv.to(device))
-                if f is not found:
-                    found += f.to(found.device)
-        return bool(found.item())
+        window = self._window
+        window.param_groups = [{"params": [p for p in params if p.grad is not None]}]
+        window.finite = False
+        try:
+            if not window.param_groups[0]["params"]:
+                self._checked = False  # nothing to check: the scale stays as it is
+                return False
+            # unscale, check for inf/NaN and "step" only if finite: GradScaler's own rule
+            self.grad_scaler.step(window)  # type: ignore[arg-type]  # duck-typed optimizer
+            self._checked = True
+            return not window.finite
+        finally:
+            window.param_groups = [{"params": []}]  # hold no parameters between windows
 
     def update(self, found_inf: bool) -> None:
         """Shrink the scale after an overflow, grow it after enough clean steps."""
-        if found_inf:
-            self.scale = max(self.scale * self.backoff_factor, 1e-30)
-            self.growth_tracker = 0
-            self.skipped_steps += 1
+        if not self._checked:
             return
-        self.growth_tracker += 1
-        if self.growth_tracker >= self.growth_interval:
-            grown = self.scale * self.growth_factor
-            if math.isfinite(grown):
-                self.scale = grown
-            self.growth_tracker = 0
+        self._checked = False
+        self.skipped_steps += bool(found_inf)
+        # the window's check was recorded by unscale_ on this thread: resolves at once
+        self.grad_scaler.update()
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "growth_tracker": self.growth_tracker,
-            "skipped_steps": self.skipped_steps,
-        }
+        return {**self.grad_scaler.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self.growth_factor = float(state.get("growth_factor", self.growth_factor))
-        self.backoff_factor = float(state.get("backoff_factor", self.backoff_factor))
-        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
-        self.growth_tracker = int(state.get("growth_tracker", 0))
+        state = dict(state)
+        if "_growth_tracker" not in state and "growth_tracker" in state:
+            state["_growth_tracker"] = state["growth_tracker"]  # the earlier scaler's key
+        defaults = self.grad_scaler.state_dict()
+        for key in ("growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
+            state.setdefault(key, defaults.get(key, 0))
+        self.grad_scaler.load_state_dict(state)
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+# the name RoundPipePrecision(scaler=DynamicLossScaler(...)) was written with
+DynamicLossScaler = AmpLossScaler
 
 
 def _lightning_plugin(precision: str, device: str) -> Precision:
@@ -181,8 +219,9 @@ class RoundPipePrecision(Precision):
 
     Args:
         precision: one of ``SUPPORTED`` ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true").
-        scaler: the loss scaler of ``16-mixed`` (default: a :class:`DynamicLossScaler`);
-            must be None for the other modes.
+        scaler: the loss scaler of ``16-mixed``: a :class:`LossScaler`, or a
+            ``roundpipe_core.amp.GradScaler`` / ``torch.amp.GradScaler`` (wrapped in an
+            :class:`AmpLossScaler`); default ``AmpLossScaler()``. None for the other modes.
         device: device type autocast is entered for on the main thread ("cpu" or "cuda");
             the engine enters the same dtype on each worker's own device type.
     """
@@ -199,6 +238,8 @@ class RoundPipePrecision(Precision):
             raise ValueError(
                 f"a loss scaler is only used with precision='16-mixed', got precision={precision!r}"
             )
+        if isinstance(scaler, (GradScaler, torch.amp.GradScaler)):
+            scaler = AmpLossScaler.from_grad_scaler(scaler)
         if scaler is not None and not isinstance(scaler, LossScaler):
             raise TypeError(
                 "scaler must provide get_scale(), unscale_(params), update(found_inf), state_dict() "
@@ -208,7 +249,7 @@ class RoundPipePrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
         self.scaler: LossScaler | None = scaler
         if precision == "16-mixed" and scaler is None:
-            self.scaler = DynamicLossScaler()
+            self.scaler = AmpLossScaler()
         self._lightning = _lightning_plugin(precision, device)
 
     @classmethod
@@ -228,7 +269,7 @@ class RoundPipePrecision(Precision):
         if type(plugin) is MixedPrecision:
             scaler = None
             if plugin.precision == "16-mixed":
-                scaler = DynamicLossScaler.from_grad_scaler(plugin.scaler)
+                scaler = AmpLossScaler.from_grad_scaler(plugin.scaler)
             out = cls(plugin.precision, scaler=scaler, device=plugin.device)
             out._lightning = plugin  # the user's own autocast settings (device)
             return out
@@ -297,11 +338,20 @@ class RoundPipePrecision(Precision):
 
     # -- optimizer step ----------------------------------------------------------------------
     def prepare_step(
-        self, optimizer: Optimizer, model: pl.LightningModule, closure: Callable[[], Any]
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        defer_clipping: bool = False,
     ) -> tuple[Any, bool]:
         """Everything of an optimizer step except ``optimizer.step()`` itself, on the
         calling thread: run the closure (training_step and backward), unscale the
         gradients, call ``on_before_optimizer_step`` and clip, update the loss scale.
+
+        Args:
+            defer_clipping: leave gradient clipping to :meth:`clip_masters`, called where
+                the window's gradients are complete (the optimizer thread, right before
+                the step, when iterations overlap).
 
         Returns:
             ``(closure_result, do_update)``: ``do_update`` is False when the step must be
@@ -313,10 +363,26 @@ class RoundPipePrecision(Precision):
         found_inf = False
         if self.scaler is not None and not skip:
             found_inf = self.scaler.unscale_(p for g in optimizer.param_groups for p in g["params"])
-        self._after_closure(model, optimizer)  # hooks + gradient clipping, as Lightning's plugins
+        if defer_clipping:
+            trainer = model.trainer
+            _call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        else:
+            self._after_closure(
+                model, optimizer
+            )  # hooks + gradient clipping, as Lightning's plugins
         if self.scaler is not None and not skip:
             self.scaler.update(found_inf)
         return closure_result, not (skip or found_inf)
+
+    @staticmethod
+    def clip_masters(optimizer: Optimizer, model: pl.LightningModule) -> None:
+        """Clip the optimizer's (master) gradients as the Trainer's ``gradient_clip_val`` /
+        ``gradient_clip_algorithm`` say -- what ``configure_gradient_clipping`` does
+        when it is not overridden; reads the Trainer, writes only the gradients."""
+        trainer = model.trainer
+        if trainer.gradient_clip_val:
+            model.clip_gradients(optimizer)
 
     @override
     def optimizer_step(  # type: ignore[override]

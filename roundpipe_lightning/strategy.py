@@ -20,6 +20,22 @@ the engine carries to its worker threads.
   was queued, then clears the gradients (Lightning's ``zero_grad`` is a no-op).
 * With ``async_step=True`` the weights are flushed before every hook where users
   read them: epoch and training end, validation / test / predict start, checkpoints.
+* With ``async_step=True`` (and ``overlap_iterations=True``, the default) iterations
+  overlap: ``training_step``'s ``forward_backward`` is issued non-blocking, so the
+  devices start the next iteration while this one's backward and the optimizer step
+  finish. It returns a :class:`~roundpipe_lightning._step.LazyLoss`: returning it,
+  ``self.log`` and Lightning's accumulation only record it; the value is computed
+  where a number is needed -- ``float(loss)`` / ``loss.item()`` in user code (at once,
+  which gives up the overlap of that iteration), a value logged with
+  ``prog_bar=True`` at the end of its batch, logger-only values when the logger
+  writes (every ``log_every_n_steps``), monitored values when a callback compares
+  them. The loop stays at most two calls ahead of the devices. The step waits for
+  the window's gradients on the optimizer thread; gradient
+  clipping runs there, on the masters, right before it. The numbers are those of the
+  blocking ``async_step=True`` run (one step stale). Runs whose hooks read gradients
+  on the training thread (``on_after_backward``, ``on_before_optimizer_step``,
+  ``configure_gradient_clipping`` overridden), manual optimization, ``16-mixed`` and
+  several processes run blocking (logged once, with the reason).
 
 Several processes (one per node) are data parallel over ``torch.distributed``
 (:mod:`roundpipe_core.distributed`); collectives are identities in one process.
@@ -28,6 +44,7 @@ Several processes (one per node) are data parallel over ``torch.distributed``
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -61,12 +78,20 @@ from ._setup import (
     check_num_microbatch,
     check_pool_devices,
     check_type,
+    fuse_optimizer,
     op_name,
     parse_dtype,
     reaches_params,
     sequential_of,
 )
-from ._step import QueuedStep, mark_step_requested, release, uncount_last_step
+from ._step import (
+    OverlappedForwardBackward,
+    QueuedStep,
+    mark_step_requested,
+    overlap_blocker,
+    release,
+    uncount_last_step,
+)
 from .callbacks import FlushWeights
 from .checkpoint_io import (
     CHECKPOINT_FORMAT,
@@ -103,6 +128,14 @@ class RoundPipeStrategy(ParallelStrategy):
         pin_model: host memory of the parameters on CUDA ("alloc", "register", "off").
         async_step: overlap the optimizer step with the next iteration (weights one
             step stale, as in RoundPipe). ``False``: the same computation as plain PyTorch.
+        fuse_optimizer: run the optimizers of ``configure_optimizers`` on torch's fused
+            CPU kernel (Adam, AdamW, SGD, Adagrad) when they were built without a
+            ``fused`` / ``foreach`` choice: switched in place at setup, the same update
+            within fp32 rounding, several times faster on the host. ``False``: as built.
+        overlap_iterations: with ``async_step=True``, ``training_step``'s
+            ``self.roundpipe.forward_backward(...)`` runs non-blocking and returns a lazy
+            loss (see the module docstring for when it is computed). Same numbers as
+            ``False``. ``blocking=True`` passed to ``forward_backward`` is respected.
         recompute_grain: "stage" or "layer" (None: the engine's default).
         preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
         model_run_config: further ``RoundPipeRunConfig`` defaults; the explicit
@@ -131,6 +164,8 @@ class RoundPipeStrategy(ParallelStrategy):
         optim_dtype: torch.dtype | str | None = torch.float32,
         pin_model: str = "alloc",
         async_step: bool = True,
+        fuse_optimizer: bool = True,
+        overlap_iterations: bool = True,
         recompute_grain: str | None = None,
         preserve_rng_state: bool = True,
         model_run_config: RoundPipeRunConfig | None = None,
@@ -168,6 +203,9 @@ class RoundPipeStrategy(ParallelStrategy):
         self.optim_dtype = parse_dtype(optim_dtype)
         self.pin_model = pin_model
         self.async_step = check_bool("async_step", async_step)
+        self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer)
+        self.overlap_iterations = check_bool("overlap_iterations", overlap_iterations)
+        self._overlap = False  # this fit overlaps its iterations (decided at train start)
         self.recompute_grain = recompute_grain
         self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state)
         self.model_run_config = model_run_config
@@ -178,6 +216,9 @@ class RoundPipeStrategy(ParallelStrategy):
         self._in_training_step = False
         self._step_failed = False
         self._failed = False
+        # steps Lightning counted when they were queued that have not reached the weights
+        self._unapplied = 0
+        self._unapplied_lock = threading.Lock()
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
         try:
@@ -354,6 +395,17 @@ class RoundPipeStrategy(ParallelStrategy):
             if plan is not None:
                 rp.set_plan("fused", plan)
             rp.loss_multiplier = self._loss_multiplier
+            if self.overlap_iterations:
+                # an instance attribute shadowing the method, removed again at teardown
+                object.__setattr__(
+                    rp,
+                    "forward_backward",
+                    OverlappedForwardBackward(
+                        rp.forward_backward,
+                        lambda: self._in_training_step and self._overlap,
+                        self._pipeline_failed,
+                    ),
+                )
         except BaseException:
             self._close_roundpipe()
             raise
@@ -388,6 +440,9 @@ class RoundPipeStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         for opt in self.optimizers:
             adopt_optimizer(_raw(opt), self.roundpipe, self._real_zero_grad)
+            if self.fuse_optimizer:
+                # on the masters (host, fp32), before anything replaces the optimizer's class
+                fuse_optimizer(_raw(opt))
 
     def _release_optimizers(self) -> None:
         for opt in self.optimizers:
@@ -399,10 +454,32 @@ class RoundPipeStrategy(ParallelStrategy):
 
     # -- training --------------------------------------------------------------------------------------
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._overlap = False
+        lm = self.lightning_module
+        if not self.overlap_iterations or self._rp is None or lm is None:
+            return
+        reason = overlap_blocker(
+            lm.trainer,
+            self.async_step,
+            self.world_size,
+            self._loss_scaler is not None,
+            getattr(self._rp, "_grad_hooks", ()),
+        )
+        if reason is not None:
+            log.info("RoundPipeStrategy(overlap_iterations=True) runs blocking: %s", reason)
+        self._overlap = reason is None
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._in_training_step = True
         try:
             return super().training_step(*args, **kwargs)
+        except BaseException:
+            if self._step_failed:  # a queued step failed while this step ran
+                self._pipeline_failed()
+            raise
         finally:
             self._in_training_step = False
 
@@ -442,17 +519,22 @@ class RoundPipeStrategy(ParallelStrategy):
         opt = _raw(optimizer)
         rp = self.roundpipe
 
+        overlap = self._overlap
+
         def closure_and_reduce() -> Any:
             # (several processes: the closure's backward starts all-reducing finished layers)
             result = self._dp.wrap_closure(opt, closure)()
-            # the previous step finishes (rp.step would wait for it too): from here on the
-            # window's master gradients are complete and nothing else touches them
-            self._sync_weights()
-            self._dp.reduce(opt)
+            if not overlap:
+                # the previous step finishes (rp.step would wait for it too): from here on
+                # the window's master gradients are complete and nothing else touches them
+                self._sync_weights()
+                self._dp.reduce(opt)
+            # overlapped: the window may still run; the engine defers the step until its
+            # gradients are in, and clipping runs there (step_fn)
             return result
 
         closure_result, do_update = self.precision_plugin.prepare_step(
-            opt, model, closure_and_reduce
+            opt, model, closure_and_reduce, defer_clipping=overlap
         )
         zero_grad = self._real_zero_grad.get(id(opt), opt.zero_grad)
         # the hyperparameters of this step, before Lightning steps the LR schedulers
@@ -460,6 +542,8 @@ class RoundPipeStrategy(ParallelStrategy):
 
         def step_fn() -> None:
             try:
+                if overlap and do_update:
+                    RoundPipePrecision.clip_masters(opt, model)
                 if queued is not None:
                     queued.run(**kwargs)
                 elif do_update:
@@ -468,9 +552,14 @@ class RoundPipeStrategy(ParallelStrategy):
             except BaseException:
                 self._step_failed = True
                 raise
+            if do_update:
+                with self._unapplied_lock:
+                    self._unapplied -= 1
 
         if do_update:
             mark_step_requested(opt)
+            with self._unapplied_lock:
+                self._unapplied += 1
         rp.step(step_fn, is_async=self.async_step)
         return closure_result
 
@@ -485,12 +574,30 @@ class RoundPipeStrategy(ParallelStrategy):
         try:
             self._rp.synchronize()
         except BaseException:
-            if self._step_failed:
-                self._step_failed = False
-                lm = self.lightning_module
-                if self.async_step and lm is not None and lm._trainer is not None:
-                    uncount_last_step(lm.trainer)
+            self._take_back_lost_steps()  # synchronize() raises once nothing is in flight
             raise
+
+    def _take_back_lost_steps(self) -> None:
+        """After a failure, with nothing in flight: take back the steps Lightning counted
+        when they were queued that never reached the weights."""
+        self._step_failed = False
+        with self._unapplied_lock:
+            lost, self._unapplied = self._unapplied, 0
+        lm = self.lightning_module
+        if self.async_step and lm is not None and lm._trainer is not None:
+            for _ in range(lost):
+                uncount_last_step(lm.trainer)
+
+    def _pipeline_failed(self) -> None:
+        """An overlapped iteration failed (raised by the next call or by its lazy loss):
+        the steps deferred behind it are dropped. Wait until nothing is in flight, then
+        take their counts back, before the error reaches Lightning's exception hooks."""
+        if self._rp is not None and self._rp_open:
+            try:
+                self._rp.synchronize()
+            except BaseException as exc:  # the failure being raised, or its consequence
+                log.debug("synchronize() after a pipelined failure raised: %r", exc)
+        self._take_back_lost_steps()
 
     @override
     def on_validation_start(self) -> None:
@@ -619,6 +726,8 @@ class RoundPipeStrategy(ParallelStrategy):
             log.debug("RoundPipe.close() after a failure raised: %r", exc)
         finally:
             rp.loss_multiplier = None
+            rp.__dict__.pop("forward_backward", None)
+            self._overlap = False
             lm = self.lightning_module
             if lm is not None and lm.__dict__.get("roundpipe") is rp:
                 object.__delattr__(lm, "roundpipe")
@@ -634,6 +743,7 @@ class RoundPipeStrategy(ParallelStrategy):
         finally:
             self._release_optimizers()
             self._failed = self._step_failed = False
+            self._unapplied = 0
             lm = self.lightning_module
             trainer = lm._trainer if lm is not None else None
             callbacks: list[Callback] = getattr(trainer, "callbacks", [])

@@ -10,8 +10,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from rpl_helpers import SeqModule, loader, max_rel_err, params_of, plain_trainer, rp_trainer
 from torch import nn
 
+from roundpipe_core.amp import GradScaler
 from roundpipe_lightning import RoundPipeStrategy
-from roundpipe_lightning.precision import DynamicLossScaler, RoundPipePrecision
+from roundpipe_lightning.precision import AmpLossScaler, DynamicLossScaler, RoundPipePrecision
 
 
 class Capture(L.Callback):
@@ -115,6 +116,8 @@ def test_16_mixed_scales_losses_and_matches_lightning() -> None:
     # at 2**16 the fp16 activation gradients overflow at first: both runs skip and back off alike
     assert cap.scaler.scale == ref_trainer.precision_plugin.scaler.get_scale() < 2.0**16
     assert cap.scaler.skipped_steps >= 1
+    # the loss scale is roundpipe_core's thread-safe GradScaler, not a second implementation
+    assert isinstance(cap.scaler, AmpLossScaler) and isinstance(cap.scaler.grad_scaler, GradScaler)
     assert max_rel_err(params_of(m), params_of(ref)) < 1e-2
     # the user sees the unscaled loss
     assert m.losses == pytest.approx(ref.losses, rel=1e-2)
@@ -188,3 +191,51 @@ def test_precision_plugin_arguments() -> None:
         RoundPipePrecision("bf16-mixed", scaler=DynamicLossScaler())
     with pytest.raises(TypeError, match="LossScaler"):
         RoundPipePrecision("16-mixed", scaler=object())  # type: ignore[arg-type]
+
+
+def test_a_given_grad_scaler_is_the_one_used() -> None:
+    gs = GradScaler(init_scale=256.0, growth_interval=2)
+    cap = Capture()
+    rp_trainer(
+        max_steps=4,
+        num_microbatch=3,
+        async_step=True,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=gs)],  # type: ignore[arg-type]
+        callbacks=[cap],
+    ).fit(SeqModule(), loader())
+    assert cap.scaler.grad_scaler is gs
+    assert gs.get_scale() == 256.0 * 2**2  # four clean steps, growth every two
+    assert RoundPipePrecision("16-mixed", scaler=gs).scaler.grad_scaler is gs  # type: ignore[union-attr]
+
+
+def test_loss_scaler_state_round_trips_and_reads_the_earlier_format() -> None:
+    a = AmpLossScaler(init_scale=64.0, growth_interval=3)
+    p = nn.Parameter(torch.ones(3))
+    for g in (1.0, float("inf"), 1.0):
+        p.grad = torch.full((3,), g)
+        a.update(a.unscale_([p]))
+    state = a.state_dict()
+    assert state["scale"] == 32.0 and state["_growth_tracker"] == 1 and state["skipped_steps"] == 1
+    b = AmpLossScaler()
+    b.load_state_dict(state)
+    assert b.state_dict() == state
+    # torch's own GradScaler reads it (same keys)
+    t = torch.amp.GradScaler("cpu")
+    t.load_state_dict(state)
+    assert t.get_scale() == 32.0
+    # a checkpoint of the scaler the strategy had before (growth_tracker without underscore)
+    old = {
+        "scale": 128.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 4,
+        "growth_tracker": 3,
+        "skipped_steps": 2,
+    }
+    c = AmpLossScaler()
+    c.load_state_dict(old)
+    assert c.scale == 128.0 and c.skipped_steps == 2
+    assert c.grad_scaler.get_growth_interval() == 4
+    p.grad = torch.ones(3)
+    c.update(c.unscale_([p]))  # the fourth clean step in a row: the scale grows
+    assert c.scale == 256.0

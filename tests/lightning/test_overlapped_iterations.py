@@ -1,0 +1,262 @@
+"""``overlap_iterations=True``: training_step's ``forward_backward`` runs non-blocking
+and returns a lazy loss; the numbers stay those of the documented stale-1 rule."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from rpl_helpers import BATCH, SeqModule, build_net, loader, max_rel_err, params_of, rp_trainer
+from torch import nn
+
+from roundpipe_lightning._step import LazyLoss
+
+ACC = 2
+STEPS = 10
+N = 2 * ACC * STEPS * BATCH // 2  # one epoch of STEPS windows
+LR_FACTORS = [1.0, 0.1, 2.0, 0.5, 3.0, 0.2, 1.5]
+
+
+def lr_lambda(step: int) -> float:
+    return LR_FACTORS[step % len(LR_FACTORS)]
+
+
+def slow_start(optimizer: Any, args: Any, kwargs: Any) -> None:
+    # the queued step starts after Lightning stepped the scheduler on the main thread
+    time.sleep(0.01)
+
+
+class Scheduled(SeqModule):
+    """SGD with momentum (sensitive to the gradient's scale) and a per-step LambdaLR;
+    records the training_step results without reading them."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.results: list[Any] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
+        self.results.append(loss)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        opt.register_step_pre_hook(slow_start)
+        sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+
+def stale_one_reference(clip: float | None = None) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: window k's gradient (the mean over its ACC batches) is taken at
+    the weights before step k-1 (one step stale), clipped, then step k runs with the lr
+    the scheduler gives step k."""
+    net = build_net(0)
+    compute = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    batches = list(loader(N))
+    for k in range(STEPS):
+        compute.zero_grad()
+        for x, y in batches[k * ACC : (k + 1) * ACC]:
+            (((compute(x) - y) ** 2).sum() / BATCH / ACC).backward()
+        for p, q in zip(net.parameters(), compute.parameters()):
+            p.grad = q.grad.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        before = copy.deepcopy(net.state_dict())
+        opt.step()
+        opt.zero_grad()
+        sch.step()
+        compute.load_state_dict(before)
+    return {f"net.{n}": p.detach().clone() for n, p in net.named_parameters()}
+
+
+def fit(overlap: bool, clip: float | None = None, **kw: Any) -> Scheduled:
+    m = Scheduled()
+    rp_trainer(
+        max_steps=STEPS,
+        async_step=True,
+        accumulate_grad_batches=ACC,
+        gradient_clip_val=clip,
+        strategy_kw={"overlap_iterations": overlap},
+        **kw,
+    ).fit(m, loader(N))
+    return m
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_overlapped_training_is_the_stale_one_rule(clip: float | None) -> None:
+    ref = stale_one_reference(clip)
+    over, plain = fit(True, clip), fit(False, clip)
+    assert max_rel_err(params_of(over), ref) <= 1e-6
+    assert max_rel_err(params_of(plain), ref) <= 1e-6
+    # the iterations were issued non-blocking (the first one runs blocking)
+    assert sum(isinstance(r, LazyLoss) for r in over.results) == len(over.results) - 1
+    assert not any(isinstance(r, LazyLoss) for r in plain.results)
+    # the lazy losses are the losses
+    assert [float(r) for r in over.results] == pytest.approx([float(r) for r in plain.results])
+
+
+def test_lazy_loss_is_not_waited_for_by_the_loop() -> None:
+    """Returning and logging the loss does not resolve it: at the next training_step
+    the previous iteration's loss may still be pending."""
+    seen: list[bool] = []
+
+    class Peek(Scheduled):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            if self.results and isinstance(self.results[-1], LazyLoss):
+                seen.append(self.results[-1].resolved)
+            return super().training_step(batch, batch_idx)
+
+    m = Peek()
+    rp_trainer(
+        max_steps=STEPS,
+        async_step=True,
+        accumulate_grad_batches=ACC,
+        strategy_kw={"overlap_iterations": True},
+    ).fit(m, loader(N))
+    assert seen and not all(seen), seen  # at least one was still lazy one iteration later
+
+
+class ReadsGrads(Scheduled):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.norms = [p.grad.norm() for g in optimizer.param_groups for p in g["params"]]
+
+
+def test_hooks_reading_gradients_keep_it_blocking(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="roundpipe_lightning.strategy")
+    m = ReadsGrads()
+    rp_trainer(max_steps=3, async_step=True, strategy_kw={"overlap_iterations": True}).fit(
+        m, loader()
+    )
+    assert not any(isinstance(r, LazyLoss) for r in m.results)
+    assert any("on_before_optimizer_step" in r.getMessage() for r in caplog.records)
+
+
+def test_explicit_blocking_is_respected() -> None:
+    class Blocking(Scheduled):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            loss = self.roundpipe.forward_backward(
+                input_args=(x,), label=y, loss_fn=self.loss_fn, blocking=True
+            )
+            self.results.append(loss)
+            return loss
+
+    m = Blocking()
+    rp_trainer(max_steps=3, async_step=True, strategy_kw={"overlap_iterations": True}).fit(
+        m, loader()
+    )
+    assert m.results and not any(isinstance(r, LazyLoss) for r in m.results)
+
+
+def test_lazy_loss_behaves_like_its_value() -> None:
+    calls = []
+
+    def value() -> torch.Tensor:
+        calls.append(1)
+        return torch.tensor(3.0)
+
+    lazy = LazyLoss(value, torch.Size([]), torch.float32)
+    derived = (lazy.detach().clone() / 2 + torch.zeros(())).to(torch.float64)
+    assert isinstance(derived, LazyLoss) and derived.dtype == torch.float64 and not calls
+    assert float(derived) == 1.5 and calls == [1]
+    assert lazy.item() == 3.0 and calls == [1]  # computed once
+    assert torch.equal(copy.deepcopy(lazy), torch.tensor(3.0))
+
+
+def test_overlap_iterations_must_be_bool() -> None:
+    from roundpipe_lightning import RoundPipeStrategy
+
+    with pytest.raises(TypeError, match="overlap_iterations"):
+        RoundPipeStrategy(overlap_iterations=1)  # type: ignore[arg-type]
+
+
+def test_checkpoint_resume_and_validation_match_the_blocking_run(tmp_path: Path) -> None:
+    """Checkpoints taken mid-run (with validation in between) hold the weights the
+    blocking run's hold, resume to the same weights, and save the lazy monitored loss
+    as a plain number."""
+
+    def run(overlap: bool) -> tuple[dict, dict, Scheduled]:
+        def trainer(max_steps: int, callbacks: list) -> L.Trainer:
+            return rp_trainer(
+                max_steps=max_steps,
+                async_step=True,
+                accumulate_grad_batches=ACC,
+                val_check_interval=4,
+                limit_val_batches=1,
+                enable_checkpointing=True,
+                callbacks=callbacks,
+                strategy_kw={"overlap_iterations": overlap},
+            )
+
+        d = tmp_path / str(overlap)
+        a = Scheduled()
+        ck = ModelCheckpoint(dirpath=d, every_n_train_steps=3, monitor="train_loss")
+        trainer(3, [ck]).fit(a, loader(N), loader())
+        (path,) = d.glob("*.ckpt")
+        a2 = Scheduled(seed=7)
+        trainer(STEPS, []).fit(a2, loader(N), loader(), ckpt_path=path)
+        return torch.load(path, weights_only=True), params_of(a2), a2
+
+    saved, resumed, m = run(True)
+    saved_ref, resumed_ref, _ = run(False)
+    assert max_rel_err(saved["state_dict"], saved_ref["state_dict"]) <= 1e-6
+    assert max_rel_err(resumed, resumed_ref) <= 1e-6
+    assert any(isinstance(r, LazyLoss) for r in m.results)
+    score = next(iter(saved["callbacks"].values()))["best_model_score"]
+    assert type(score) is torch.Tensor and torch.isfinite(score)
+
+
+class Tripwire(nn.Module):
+    """Identity that fails on an input marked by a huge value (one batch of the data)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 1e6:
+            raise RuntimeError("tripwire layer failed")
+        return x
+
+
+class Tripped(Scheduled):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.net.insert(0, Tripwire())
+
+
+def test_failed_iteration_is_not_counted_in_the_exception_checkpoint(tmp_path: Path) -> None:
+    """An overlapped iteration fails on a worker: the error reaches the caller and the
+    checkpoint saved on the exception records exactly the steps its weights received."""
+    dl = loader(N)
+    dl.dataset.tensors[0][5 * BATCH] = 1e7  # batch 5 (window 2)
+    m = Tripped()
+    saver = OnExceptionCheckpoint(dirpath=tmp_path, filename="on_exception")
+    with pytest.raises(RuntimeError, match="tripwire layer failed"):
+        rp_trainer(
+            max_steps=STEPS,
+            async_step=True,
+            accumulate_grad_batches=ACC,
+            callbacks=[saver],
+            enable_checkpointing=True,
+        ).fit(m, dl)
+    ckpt = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
+    steps = ckpt["global_step"]
+    assert steps <= 2
+    ref = Tripped()
+    if steps:
+        rp_trainer(
+            max_steps=steps,
+            async_step=True,
+            accumulate_grad_batches=ACC,
+            strategy_kw={"overlap_iterations": False},
+        ).fit(ref, loader(N))
+    got = {k: v.float() for k, v in ckpt["state_dict"].items()}
+    assert max_rel_err(got, params_of(ref)) <= 1e-6
