@@ -38,8 +38,7 @@ from .pipelined import (
     to_output_device,
 )
 from .plan import ModelExecutePlan
-from .planner import predicted_speedup
-from .profile import profile_of
+from .plan_choice import PlanChoice
 from .runtime import PipelineRun, run_queue
 from .schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .timer import ModelTimer
@@ -54,7 +53,7 @@ __all__ = [
 ]
 
 
-class RoundPipe(RoundPipeBase):
+class RoundPipe(RoundPipeBase, PlanChoice):
     """Train or run an ``nn.Sequential`` whose state lives in host memory on a pool of devices.
 
     Args:
@@ -81,14 +80,13 @@ class RoundPipe(RoundPipeBase):
             caller's thread): each microbatch loss is multiplied by its value before its
             backward; the call still returns the unmultiplied loss (gradient accumulation
             and loss scaling use it).
+        forward_backward_hook: ``None`` or ``hook(call, kwargs)``, run in the caller's thread
+            around each ``forward_backward``; ``call(**kwargs)`` is the engine's own, and
+            ``kwargs["blocking"]`` is ``None`` unless the caller chose (an integration may
+            pick the default and wrap the result, as the Lightning strategy does).
         last_call_ms: wall time of the last pipelined call.
         last_call_samples / last_call_tokens: its batch size (see :func:`batch_extent`).
     """
-
-    #: Measured iterations the timer's averages need before the default plan is re-planned.
-    DEFAULT_REPLAN_AFTER = 3
-    #: Predicted speed-up a re-planned default plan needs to replace the first one.
-    DEFAULT_REPLAN_MIN_GAIN = 0.05
 
     def __init__(
         self,
@@ -126,6 +124,9 @@ class RoundPipe(RoundPipeBase):
         self.last_job_times: list[tuple[Job, int, float]] = []
         self.last_job_spans: list[tuple[Job, int, float, float]] = []
         self.loss_multiplier: Callable[[], float] | None = None
+        self.forward_backward_hook: Callable[[Callable[..., Any], dict[str, Any]], Any] | None = (
+            None
+        )
         self.last_call_ms: float = 0.0
         self.last_call_samples: int = 0
         self.last_call_tokens: int = 0
@@ -133,117 +134,6 @@ class RoundPipe(RoundPipeBase):
 
     def __repr__(self) -> str:
         return f"RoundPipe(name={self.name!r}, layers={self.num_layers}, devices={self.pool!r})"
-
-    # -- plans ------------------------------------------------------------------------------
-    def set_plan(self, run_type: RunType | str, plan: ModelExecutePlan | None) -> None:
-        """Use ``plan`` for the calls of ``run_type`` ("infer", "train", "fused") that do
-        not pass their own ``execute_plan``; ``None`` returns that run type to the model's
-        default plan.
-
-        Raises:
-            TypeError: ``plan`` is not a ``ModelExecutePlan``.
-            ValueError: ``run_type`` is unknown, or ``plan`` is not valid for this model,
-                run type and device pool.
-        """
-        rt = parse_kind(RunType, run_type, "run_type")
-        if plan is None:
-            self._run_type_plans.pop(rt, None)
-            return
-        if not isinstance(plan, ModelExecutePlan):
-            raise TypeError(f"plan must be a ModelExecutePlan or None, got {type(plan).__name__}")
-        plan.check_valid(self.num_layers, rt, self.num_devices)
-        self._run_type_plans[rt] = plan
-
-    def plan_for(
-        self, run_type: RunType | str, run_config: RoundPipeRunConfig | None = None
-    ) -> ModelExecutePlan:
-        """The plan a call of ``run_type`` with ``run_config`` runs.
-
-        Precedence: ``run_config.execute_plan``, then the plan given to ``set_plan``,
-        then ``model_run_config.execute_plan``, then ``default_plan``.
-        """
-        return self._resolve_plan(parse_kind(RunType, run_type, "run_type"), run_config)
-
-    def _resolve_plan(
-        self,
-        run_type: RunType,
-        run_config: RoundPipeRunConfig | None,
-        num_microbatch: int | None = None,
-    ) -> ModelExecutePlan:
-        # the calls resolve plans here, not through plan_for: a subclass overriding
-        # plan_for cannot change which plan a call runs
-        if run_config is not None and run_config.execute_plan is not None:
-            return run_config.execute_plan
-        plan = self._run_type_plans.get(run_type)
-        if plan is not None:
-            return plan
-        if self.model_run_config.execute_plan is not None:
-            return self.model_run_config.execute_plan
-        m = num_microbatch or (run_config.num_microbatch if run_config is not None else None)
-        return self.default_plan(run_type, m or self.model_run_config.num_microbatch)
-
-    def _plan(
-        self,
-        run_config: RoundPipeRunConfig | None,
-        run_type: RunType,
-        cfg: RoundPipeRunConfig,
-        split: batching.SplitInputs,
-    ) -> ModelExecutePlan:
-        """The call's plan; a default plan is made for the microbatches the batch gives
-        (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them).
-        A plan the user chose is checked against the smallest device's memory."""
-        n = len(split.parts)
-        asked = cfg.num_microbatch or self.num_devices + 1
-        plan = self._resolve_plan(run_type, run_config, n if n < asked else None)
-        plan.check_valid(self.num_layers, run_type, self.num_devices)
-        manual = (
-            (run_config is not None and run_config.execute_plan is not None)
-            or run_type in self._run_type_plans
-            or self.model_run_config.execute_plan is not None
-        )
-        if manual:
-            if run_type != RunType.INFER:  # only autograd stages hold saved activations
-                args, kwargs = split.parts[0]
-                self._plan_fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
-            self._plan_fits.check(plan, run_type, profile_of(self), self.pool.memory_capacity())
-        return plan
-
-    @property
-    def layer_activation_bytes(self) -> list[float] | None:
-        """Saved-activation bytes per layer for one microbatch of the first training call
-        that ran a manual plan (``None`` until measured); the planner counts them. Set it
-        (one number per layer) to give them without that measurement."""
-        return self._plan_fits.activation_bytes
-
-    @layer_activation_bytes.setter
-    def layer_activation_bytes(self, value: list[float] | None) -> None:
-        self._plan_fits.set_activation_bytes(value)
-
-    def default_plan(
-        self, run_type: RunType | str, num_microbatch: int | None = None
-    ) -> ModelExecutePlan:
-        """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
-
-        Planned from size-proportional estimates, then once more when the timer's averages
-        rest on ``DEFAULT_REPLAN_AFTER`` measured iterations (one noisy measurement made
-        identical models pick different plans); the new plan is taken only if predicted
-        ``DEFAULT_REPLAN_MIN_GAIN`` faster. ``AutoReplan`` re-plans on demand.
-        """
-        rt = parse_kind(RunType, run_type, "run_type")
-        m = num_microbatch or self.num_devices + 1
-        settled = self.model_timer.measured_iterations() >= self.DEFAULT_REPLAN_AFTER
-        key = (rt, m)
-        cached = self._default_plans.get(key)
-        if cached is not None and (cached[1] or not settled):
-            return cached[0]
-        plan = ModelExecutePlan.auto(rt, self, num_microbatch=m)
-        assert isinstance(plan, ModelExecutePlan)  # one model in, one plan out
-        if cached is not None and plan != cached[0]:
-            gain = predicted_speedup(cached[0], plan, self, rt, self.num_devices, m)
-            if gain < 1.0 + self.DEFAULT_REPLAN_MIN_GAIN:
-                plan = cached[0]
-        self._default_plans[key] = (plan, settled)
-        return plan
 
     # -- call set-up -------------------------------------------------------------------------
     def _config(self, run_config: RoundPipeRunConfig | None) -> RoundPipeRunConfig:
@@ -404,7 +294,7 @@ class RoundPipe(RoundPipeBase):
         loss_fn: Callable[[Any, Any], Any] = default_loss_fn,
         return_outputs: bool = False,
         run_config: RoundPipeRunConfig | None = None,
-        blocking: bool = True,
+        blocking: bool | None = None,
     ) -> Any:
         """Forward, loss and backward in one pipelined pass (the last stage fuses them).
 
@@ -416,7 +306,8 @@ class RoundPipe(RoundPipeBase):
                 the output itself is the loss.
             return_outputs: also return the merged outputs.
             run_config: per-call ``RoundPipeRunConfig``.
-            blocking: ``False`` queues the iteration on the devices and returns a
+            blocking: ``None`` (default): ``True``, or what ``forward_backward_hook`` picks.
+                ``False`` queues the iteration on the devices and returns a
                 ``PendingResult`` at once. Each device starts on it as soon as it is done
                 with the previous iterations, so the next iteration's forward overlaps this
                 one's backward tail. A following ``step()`` is deferred until the
@@ -431,8 +322,35 @@ class RoundPipe(RoundPipeBase):
             succeeds. With ``blocking=False``: a ``PendingResult`` whose ``result()``
             returns that (and has put the gradients into ``.grad``).
         """
+        kwargs = dict(
+            input_args=input_args,
+            input_kwargs=input_kwargs,
+            label=label,
+            loss_fn=loss_fn,
+            return_outputs=return_outputs,
+            run_config=run_config,
+            blocking=blocking,
+        )
+        hook = self.forward_backward_hook
+        return (
+            self._forward_backward(**kwargs)
+            if hook is None
+            else hook(self._forward_backward, kwargs)
+        )
+
+    def _forward_backward(
+        self,
+        input_args: Any,
+        input_kwargs: dict | None,
+        label: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        return_outputs: bool,
+        run_config: RoundPipeRunConfig | None,
+        blocking: bool | None,
+    ) -> Any:
         t0 = time.perf_counter()
         self._check_open()
+        blocking = True if blocking is None else blocking
         if not callable(loss_fn):
             raise TypeError(
                 f"loss_fn must be callable as loss_fn(output, label), got {type(loss_fn).__name__}"

@@ -14,7 +14,6 @@ Entries the step itself writes into its groups are carried back afterwards.
 from __future__ import annotations
 
 import collections
-import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -303,8 +302,8 @@ def overlap_blocker(
 
 
 class OverlappedForwardBackward:
-    """``RoundPipe.forward_backward`` whose ``blocking`` defaults to False while
-    ``active()`` holds, returning the loss as a :class:`LazyLoss`.
+    """A ``RoundPipe.forward_backward_hook``: while ``active()`` holds, a call that did
+    not choose ``blocking`` runs non-blocking and returns the loss as a :class:`LazyLoss`.
 
     An explicit ``blocking=...`` and ``return_outputs=True`` (outputs are not lazy) run
     as asked. The first call runs blocking: its result gives the loss's shape and dtype
@@ -313,12 +312,10 @@ class OverlappedForwardBackward:
 
     def __init__(
         self,
-        original: Callable[..., Any],
         active: Callable[[], bool],
         on_failure: Callable[[], None] = lambda: None,
     ) -> None:
-        functools.update_wrapper(self, original)
-        self.original, self.active, self.on_failure = original, active, on_failure
+        self.active, self.on_failure = active, on_failure
         self.meta: tuple[torch.Size, torch.dtype] | None = None
         self.seen = False
         # calls issued and maybe not finished: the training loop stays at most this
@@ -326,27 +323,21 @@ class OverlappedForwardBackward:
         self.inflight: collections.deque[Any] = collections.deque()
         self.depth = 2
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # positional arguments beyond loss_fn reach return_outputs / blocking: as asked
-        if (
-            not self.active()
-            or len(args) > 4
-            or "blocking" in kwargs
-            or kwargs.get("return_outputs")
-        ):
-            return self.original(*args, **kwargs)
+    def __call__(self, call: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        if not self.active() or kwargs["blocking"] is not None or kwargs["return_outputs"]:
+            return call(**kwargs)  # as asked (outputs are not lazy)
         if not self.seen:
             self.seen = True
-            out = self.original(*args, **kwargs)
+            out = call(**kwargs)
             if isinstance(out, torch.Tensor):
                 self.meta = (out.shape, out.dtype)
             return out
         if self.meta is None:
-            return self.original(*args, **kwargs)
+            return call(**kwargs)
         while len(self.inflight) >= self.depth:
             self.inflight.popleft().wait()
         try:
-            pending = self.original(*args, blocking=False, **kwargs)
+            pending = call(**{**kwargs, "blocking": False})
         except BaseException:
             self.on_failure()  # an earlier iteration (or a step behind it) failed
             raise

@@ -21,21 +21,9 @@ the engine carries to its worker threads.
 * With ``async_step=True`` the weights are flushed before every hook where users
   read them: epoch and training end, validation / test / predict start, checkpoints.
 * With ``async_step=True`` (and ``overlap_iterations=True``, the default) iterations
-  overlap: ``training_step``'s ``forward_backward`` is issued non-blocking, so the
-  devices start the next iteration while this one's backward and the optimizer step
-  finish. It returns a :class:`~roundpipe_lightning._step.LazyLoss`: returning it,
-  ``self.log`` and Lightning's accumulation only record it; the value is computed
-  where a number is needed -- ``float(loss)`` / ``loss.item()`` in user code (at once,
-  which gives up the overlap of that iteration), a value logged with
-  ``prog_bar=True`` at the end of its batch, logger-only values when the logger
-  writes (every ``log_every_n_steps``), monitored values when a callback compares
-  them. The loop stays at most two calls ahead of the devices. The step waits for
-  the window's gradients on the optimizer thread; gradient
-  clipping runs there, on the masters, right before it. The numbers are those of the
-  blocking ``async_step=True`` run (one step stale). Runs whose hooks read gradients
-  on the training thread (``on_after_backward``, ``on_before_optimizer_step``,
-  ``configure_gradient_clipping`` overridden), manual optimization, ``16-mixed`` and
-  several processes run blocking (logged once, with the reason).
+  overlap: ``training_step``'s ``forward_backward`` is issued non-blocking through the
+  engine's ``forward_backward_hook`` and returns a lazily resolved loss
+  (``docs/lightning.md``, "Overlapped iterations", says when its value is read).
 
 Several processes (one per node) are data parallel over ``torch.distributed``
 (:mod:`roundpipe_core.distributed`); collectives are identities in one process.
@@ -54,15 +42,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -71,6 +55,7 @@ from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
 from roundpipe_core.host_memory import check_host_memory, estimate_host_memory
 
+from ._checkpointing import CheckpointingStrategy
 from ._setup import (
     adopt_optimizer,
     check_bool,
@@ -79,7 +64,6 @@ from ._setup import (
     check_pool_devices,
     check_type,
     fuse_optimizer,
-    op_name,
     parse_dtype,
     reaches_params,
     sequential_of,
@@ -96,8 +80,6 @@ from .callbacks import FlushWeights
 from .checkpoint_io import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
-    StreamingCheckpointIO,
-    check_roundpipe_section,
 )
 from .plans import resolve_execute_plan
 from .precision import LossScaler, RoundPipePrecision
@@ -113,7 +95,7 @@ def _raw(opt: Any) -> Optimizer:
     return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
-class RoundPipeStrategy(ParallelStrategy):
+class RoundPipeStrategy(CheckpointingStrategy):
     """Run a LightningModule's ``configure_sequential()`` network with RoundPipe.
 
     Args:
@@ -232,7 +214,7 @@ class RoundPipeStrategy(ParallelStrategy):
             raise type(exc)(f"RoundPipeStrategy: {exc}") from None
 
     # -- precision ---------------------------------------------------------------------------------
-    @property  # type: ignore[override]
+    @property
     @override
     def precision_plugin(self) -> RoundPipePrecision:
         plugin = self._precision_plugin
@@ -253,74 +235,6 @@ class RoundPipeStrategy(ParallelStrategy):
     def _loss_scaler(self) -> LossScaler | None:
         """The loss scaler of ``16-mixed`` (None otherwise)."""
         return self.precision_plugin.scaler
-
-    # -- topology -------------------------------------------------------------------------------
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        # Model state, batches and losses live on the host; the pool's devices are
-        # RoundPipe's business.
-        return torch.device("cpu")
-
-    @property
-    def compute_devices(self) -> list[torch.device]:
-        """The devices of this process's RoundPipe pool (the Trainer's ``devices``)."""
-        return list(self.parallel_devices or [torch.device("cpu")])
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # One process per node: the node's whole pool consumes one shard.
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank)
-            self.cluster_environment.set_world_size(self.num_nodes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @override
-    def model_to_device(self) -> None:
-        # Parameters stay in host memory; RoundPipe uploads stages to its devices.
-        return None
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Master weights exist only once RoundPipe is built in setup().
-        return True
-
-    # -- collectives: roundpipe_core.distributed (identities in one process) ----------------------
-    @override
-    def reduce(
-        self,
-        tensor: Tensor | Any,
-        group: Any | None = None,
-        reduce_op: ReduceOp | str | None = "mean",
-    ) -> Tensor | Any:
-        if not isinstance(tensor, Tensor):
-            return tensor
-        return D.all_reduce(tensor, op_name(reduce_op), group)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        D.barrier(timeout=self._dp.timeout)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return D.broadcast_object(obj, src)
 
     # -- setup ------------------------------------------------------------------------------------
     @override
@@ -396,15 +310,8 @@ class RoundPipeStrategy(ParallelStrategy):
                 rp.set_plan("fused", plan)
             rp.loss_multiplier = self._loss_multiplier
             if self.overlap_iterations:
-                # an instance attribute shadowing the method, removed again at teardown
-                object.__setattr__(
-                    rp,
-                    "forward_backward",
-                    OverlappedForwardBackward(
-                        rp.forward_backward,
-                        lambda: self._in_training_step and self._overlap,
-                        self._pipeline_failed,
-                    ),
+                rp.forward_backward_hook = OverlappedForwardBackward(
+                    lambda: self._in_training_step and self._overlap, self._pipeline_failed
                 )
         except BaseException:
             self._close_roundpipe()
@@ -615,97 +522,6 @@ class RoundPipeStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         self._sync_weights()
 
-    # -- checkpoints ------------------------------------------------------------------------------------
-    @property
-    def checkpoint_io(self) -> CheckpointIO:
-        """Streaming, atomic saves and memory-mapped loads (:class:`StreamingCheckpointIO`)
-        unless a ``checkpoint_io`` was passed to the strategy or the Trainer's plugins."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = StreamingCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
-            # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
-            self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._sync_weights()
-        return super().lightning_module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        self._sync_weights()
-        return super().optimizer_state(optimizer)
-
-    def _named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        """(LightningModule parameter name, model parameter, master) for every trainable parameter."""
-        rp, lm = self._rp, self.lightning_module
-        if rp is None or lm is None:
-            return []
-        out = []
-        for name, p in lm.named_parameters():
-            m = rp.master_param(p)
-            if m is not None:
-                out.append((name, p, m))
-        return out
-
-    def roundpipe_state_dict(self) -> dict[str, Any]:
-        """What the strategy adds to a checkpoint under ``checkpoint["roundpipe"]``:
-        master weights that differ in dtype from the model's (fp32 masters of a
-        half-precision model), the loss scaler and the layer timer.
-
-        The masters are the live tensors, not copies (host memory holds one of each):
-        the step is drained here and nothing updates them until the save returns."""
-        self._sync_weights()
-        masters = {name: m.detach() for name, p, m in self._named_masters() if m.dtype != p.dtype}
-        state: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
-        if self._loss_scaler is not None:
-            state["loss_scaler"] = self._loss_scaler.state_dict()
-        if self._rp is not None:
-            state["timer"] = self._rp.model_timer.state_dict()
-        return state
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
-        if self._rp is not None:
-            checkpoint[CHECKPOINT_KEY] = self.roundpipe_state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._sync_weights()
-        section = checkpoint.get(CHECKPOINT_KEY)
-        # checked before anything is loaded, so a bad file leaves the model as it was
-        params = {name: p for name, p, _ in self._named_masters()}
-        saved = check_roundpipe_section(section, params, strict=strict)
-        state = section or {}
-        super().load_model_state_dict(checkpoint, strict=strict)
-        with torch.no_grad():
-            for name, p, m in self._named_masters():
-                src = saved.get(name)
-                m.copy_(src if src is not None else p)
-                m.grad = None
-        if self._loss_scaler is not None and "loss_scaler" in state:
-            self._loss_scaler.load_state_dict(state["loss_scaler"])
-        if self._rp is not None and "timer" in state:
-            try:
-                self._rp.model_timer.load_state_dict(state["timer"])
-            except ValueError as exc:
-                rank_zero_warn(
-                    f"RoundPipe layer timings in the checkpoint were not restored: {exc}"
-                )
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self._sync_weights()
-        super().load_optimizer_state_dict(checkpoint)
-
     # -- teardown --------------------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -726,7 +542,7 @@ class RoundPipeStrategy(ParallelStrategy):
             log.debug("RoundPipe.close() after a failure raised: %r", exc)
         finally:
             rp.loss_multiplier = None
-            rp.__dict__.pop("forward_backward", None)
+            rp.forward_backward_hook = None
             self._overlap = False
             lm = self.lightning_module
             if lm is not None and lm.__dict__.get("roundpipe") is rp:

@@ -7,8 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe_core import ModelExecutePlan, RoundPipe
-from roundpipe_core import model as model_mod
+from roundpipe_core import ModelExecutePlan, RoundPipe, plan_choice
 from tests.core._util import sum_sq
 
 A = ModelExecutePlan.uniform(8, 2, "fused")
@@ -25,7 +24,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, gain: float) -> tuple[list[ModelExecut
         return B if rp.model_timer.has_measurements() else A
 
     monkeypatch.setattr(ModelExecutePlan, "_planner", staticmethod(planner))
-    monkeypatch.setattr(model_mod, "predicted_speedup", lambda *a, **k: gain)
+    monkeypatch.setattr(plan_choice, "predicted_speedup", lambda *a, **k: gain)
     torch.manual_seed(0)
     rp = RoundPipe(nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)]), devices="cpu:2")
     used = []

@@ -203,3 +203,33 @@ def test_last_call_fields() -> None:
         assert (rp.last_call_samples, rp.last_call_tokens) == (2, 8)
     finally:
         rp.close()
+
+
+def test_forward_backward_hook_picks_the_default_and_wraps_the_result() -> None:
+    """An integration changes a call's defaults through the hook, not by replacing the
+    method: the caller's own choice of ``blocking`` reaches the hook as given."""
+    torch.manual_seed(0)
+    rp = RoundPipe(mlp(4), devices="cpu:2")
+    seen = []
+
+    def hook(call, kwargs):
+        seen.append(kwargs["blocking"])
+        if kwargs["blocking"] is None:
+            return ("pending", call(**{**kwargs, "blocking": False}))
+        return call(**kwargs)
+
+    try:
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        plain = rp.forward_backward((x,), label=y, loss_fn=sum_sq)  # no hook: blocking
+        assert isinstance(plain, torch.Tensor)
+        rp.forward_backward_hook = hook
+        tag, pending = rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+        assert tag == "pending" and torch.equal(pending.result(), plain)
+        assert isinstance(
+            rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=True), torch.Tensor
+        )
+        assert seen == [None, True]
+        rp.forward_backward_hook = None
+        assert isinstance(rp.forward_backward((x,), label=y, loss_fn=sum_sq), torch.Tensor)
+    finally:
+        rp.close()

@@ -1,0 +1,158 @@
+"""Which plan a call of a ``RoundPipe`` runs: the per-run-type plans set with
+``set_plan``, the model's configured plan, or the default plan that the planner
+makes and re-makes once measured timings have settled.
+
+A mixin of :class:`~roundpipe_core.model.RoundPipe` (kept apart so the model module
+stays about running calls); it reads the attributes declared below, which the
+RoundPipe sets up.
+"""
+
+from __future__ import annotations
+
+from . import batch as batching
+from .checks import PlanFitChecker
+from .config import RoundPipeRunConfig
+from .devices.pool import DevicePool
+from .kinds import RunType, parse_kind
+from .plan import ModelExecutePlan
+from .planner import predicted_speedup
+from .profile import profile_of
+from .timer import ModelTimer
+
+__all__ = ["PlanChoice"]
+
+
+class PlanChoice:
+    """Plan selection for a RoundPipe (see the module docstring)."""
+
+    #: Measured iterations the timer's averages need before the default plan is re-planned.
+    DEFAULT_REPLAN_AFTER = 3
+    #: Predicted speed-up a re-planned default plan needs to replace the first one.
+    DEFAULT_REPLAN_MIN_GAIN = 0.05
+
+    # set up by RoundPipe.__init__ / RoundPipeBase
+    model_run_config: RoundPipeRunConfig
+    model_timer: ModelTimer
+    pool: DevicePool
+    _plan_fits: PlanFitChecker
+    _default_plans: dict[tuple[RunType, int], tuple[ModelExecutePlan, bool]]
+    _run_type_plans: dict[RunType, ModelExecutePlan]
+
+    # RoundPipeBase's, which comes first in RoundPipe's bases
+    @property
+    def num_layers(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_devices(self) -> int:
+        raise NotImplementedError
+
+    def set_plan(self, run_type: RunType | str, plan: ModelExecutePlan | None) -> None:
+        """Use ``plan`` for the calls of ``run_type`` ("infer", "train", "fused") that do
+        not pass their own ``execute_plan``; ``None`` returns that run type to the model's
+        default plan.
+
+        Raises:
+            TypeError: ``plan`` is not a ``ModelExecutePlan``.
+            ValueError: ``run_type`` is unknown, or ``plan`` is not valid for this model,
+                run type and device pool.
+        """
+        rt = parse_kind(RunType, run_type, "run_type")
+        if plan is None:
+            self._run_type_plans.pop(rt, None)
+            return
+        if not isinstance(plan, ModelExecutePlan):
+            raise TypeError(f"plan must be a ModelExecutePlan or None, got {type(plan).__name__}")
+        plan.check_valid(self.num_layers, rt, self.num_devices)
+        self._run_type_plans[rt] = plan
+
+    def plan_for(
+        self, run_type: RunType | str, run_config: RoundPipeRunConfig | None = None
+    ) -> ModelExecutePlan:
+        """The plan a call of ``run_type`` with ``run_config`` runs.
+
+        Precedence: ``run_config.execute_plan``, then the plan given to ``set_plan``,
+        then ``model_run_config.execute_plan``, then ``default_plan``.
+        """
+        return self._resolve_plan(parse_kind(RunType, run_type, "run_type"), run_config)
+
+    def _resolve_plan(
+        self,
+        run_type: RunType,
+        run_config: RoundPipeRunConfig | None,
+        num_microbatch: int | None = None,
+    ) -> ModelExecutePlan:
+        # the calls resolve plans here, not through plan_for: a subclass overriding
+        # plan_for cannot change which plan a call runs
+        if run_config is not None and run_config.execute_plan is not None:
+            return run_config.execute_plan
+        plan = self._run_type_plans.get(run_type)
+        if plan is not None:
+            return plan
+        if self.model_run_config.execute_plan is not None:
+            return self.model_run_config.execute_plan
+        m = num_microbatch or (run_config.num_microbatch if run_config is not None else None)
+        return self.default_plan(run_type, m or self.model_run_config.num_microbatch)
+
+    def _plan(
+        self,
+        run_config: RoundPipeRunConfig | None,
+        run_type: RunType,
+        cfg: RoundPipeRunConfig,
+        split: batching.SplitInputs,
+    ) -> ModelExecutePlan:
+        """The call's plan; a default plan is made for the microbatches the batch gives
+        (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them).
+        A plan the user chose is checked against the smallest device's memory."""
+        n = len(split.parts)
+        asked = cfg.num_microbatch or self.num_devices + 1
+        plan = self._resolve_plan(run_type, run_config, n if n < asked else None)
+        plan.check_valid(self.num_layers, run_type, self.num_devices)
+        manual = (
+            (run_config is not None and run_config.execute_plan is not None)
+            or run_type in self._run_type_plans
+            or self.model_run_config.execute_plan is not None
+        )
+        if manual:
+            if run_type != RunType.INFER:  # only autograd stages hold saved activations
+                args, kwargs = split.parts[0]
+                self._plan_fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
+            self._plan_fits.check(plan, run_type, profile_of(self), self.pool.memory_capacity())
+        return plan
+
+    @property
+    def layer_activation_bytes(self) -> list[float] | None:
+        """Saved-activation bytes per layer for one microbatch of the first training call
+        that ran a manual plan (``None`` until measured); the planner counts them. Set it
+        (one number per layer) to give them without that measurement."""
+        return self._plan_fits.activation_bytes
+
+    @layer_activation_bytes.setter
+    def layer_activation_bytes(self, value: list[float] | None) -> None:
+        self._plan_fits.set_activation_bytes(value)
+
+    def default_plan(
+        self, run_type: RunType | str, num_microbatch: int | None = None
+    ) -> ModelExecutePlan:
+        """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
+
+        Planned from size-proportional estimates, then once more when the timer's averages
+        rest on ``DEFAULT_REPLAN_AFTER`` measured iterations (one noisy measurement made
+        identical models pick different plans); the new plan is taken only if predicted
+        ``DEFAULT_REPLAN_MIN_GAIN`` faster. ``AutoReplan`` re-plans on demand.
+        """
+        rt = parse_kind(RunType, run_type, "run_type")
+        m = num_microbatch or self.num_devices + 1
+        settled = self.model_timer.measured_iterations() >= self.DEFAULT_REPLAN_AFTER
+        key = (rt, m)
+        cached = self._default_plans.get(key)
+        if cached is not None and (cached[1] or not settled):
+            return cached[0]
+        plan = ModelExecutePlan.auto(rt, self, num_microbatch=m)
+        assert isinstance(plan, ModelExecutePlan)  # one model in, one plan out
+        if cached is not None and plan != cached[0]:
+            gain = predicted_speedup(cached[0], plan, self, rt, self.num_devices, m)
+            if gain < 1.0 + self.DEFAULT_REPLAN_MIN_GAIN:
+                plan = cached[0]
+        self._default_plans[key] = (plan, settled)
+        return plan

@@ -1,0 +1,140 @@
+"""The checkpoint half of :class:`~roundpipe_lightning.RoundPipeStrategy`: what a
+checkpoint holds beyond Lightning's own (the fp32 master weights of a
+half-precision model, the loss scaler, the layer timer) and how it is written and
+read (:class:`~roundpipe_lightning.checkpoint_io.StreamingCheckpointIO` by default:
+streamed, atomic, memory-mapped on load).
+
+A base class of the strategy, kept apart so each file has one job; the strategy
+provides the RoundPipe, the loss scaler and the weight flush it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from roundpipe_core import RoundPipe
+
+from ._topology import ProcessTopologyStrategy
+from .checkpoint_io import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_KEY,
+    StreamingCheckpointIO,
+    check_roundpipe_section,
+)
+from .precision import LossScaler
+
+__all__ = ["CheckpointingStrategy"]
+
+
+class CheckpointingStrategy(ProcessTopologyStrategy):
+    """Checkpoint save / load of a RoundPipe run (see the module docstring)."""
+
+    _rp: RoundPipe | None
+
+    @property
+    def _loss_scaler(self) -> LossScaler | None:
+        raise NotImplementedError
+
+    def _sync_weights(self) -> None:
+        """Finish the queued step and put the masters into the model (the strategy's)."""
+        raise NotImplementedError
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Streaming, atomic saves and memory-mapped loads (:class:`StreamingCheckpointIO`)
+        unless a ``checkpoint_io`` was passed to the strategy or the Trainer's plugins."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = StreamingCheckpointIO()
+        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+            # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
+            self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._sync_weights()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        self._sync_weights()
+        return super().optimizer_state(optimizer)
+
+    def _named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(LightningModule parameter name, model parameter, master) for every trainable parameter."""
+        rp, lm = self._rp, self.lightning_module
+        if rp is None or lm is None:
+            return []
+        out = []
+        for name, p in lm.named_parameters():
+            m = rp.master_param(p)
+            if m is not None:
+                out.append((name, p, m))
+        return out
+
+    def roundpipe_state_dict(self) -> dict[str, Any]:
+        """What the strategy adds to a checkpoint under ``checkpoint["roundpipe"]``:
+        master weights that differ in dtype from the model's (fp32 masters of a
+        half-precision model), the loss scaler and the layer timer.
+
+        The masters are the live tensors, not copies (host memory holds one of each):
+        the step is drained here and nothing updates them until the save returns."""
+        self._sync_weights()
+        masters = {name: m.detach() for name, p, m in self._named_masters() if m.dtype != p.dtype}
+        state: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
+        if self._loss_scaler is not None:
+            state["loss_scaler"] = self._loss_scaler.state_dict()
+        if self._rp is not None:
+            state["timer"] = self._rp.model_timer.state_dict()
+        return state
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if self._rp is not None:
+            checkpoint[CHECKPOINT_KEY] = self.roundpipe_state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._sync_weights()
+        section = checkpoint.get(CHECKPOINT_KEY)
+        # checked before anything is loaded, so a bad file leaves the model as it was
+        params = {name: p for name, p, _ in self._named_masters()}
+        saved = check_roundpipe_section(section, params, strict=strict)
+        state = section or {}
+        super().load_model_state_dict(checkpoint, strict=strict)
+        with torch.no_grad():
+            for name, p, m in self._named_masters():
+                src = saved.get(name)
+                m.copy_(src if src is not None else p)
+                m.grad = None
+        if self._loss_scaler is not None and "loss_scaler" in state:
+            self._loss_scaler.load_state_dict(state["loss_scaler"])
+        if self._rp is not None and "timer" in state:
+            try:
+                self._rp.model_timer.load_state_dict(state["timer"])
+            except ValueError as exc:
+                rank_zero_warn(
+                    f"RoundPipe layer timings in the checkpoint were not restored: {exc}"
+                )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._sync_weights()
+        super().load_optimizer_state_dict(checkpoint)
