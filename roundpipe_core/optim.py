@@ -211,8 +211,8 @@ def _upgrade(optimizer: torch.optim.Optimizer) -> tuple[str, str] | None:
     if impl == "default":
         return None
     groups = optimizer.param_groups
-    if any(g.get("fused") or g.get("foreach") is not None for g in groups):
-        return None  # already fast, or the user chose an implementation
+    if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
+        return None  # already fast, or the user chose an implementation (fused=False too)
     if any(g.get("differentiable") or g.get("capturable") for g in groups):
         return None
     tensors = [p for g in groups for p in g["params"]]

@@ -351,6 +351,14 @@ class RoundPipeStrategy(CheckpointingStrategy):
                 # on the masters (host, fp32), before anything replaces the optimizer's class
                 fuse_optimizer(_raw(opt))
 
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self.fuse_optimizer:
+            # a checkpoint of an unfused run brings back fused=None with its param groups
+            for opt in self.optimizers:
+                fuse_optimizer(_raw(opt))
+
     def _release_optimizers(self) -> None:
         for opt in self.optimizers:
             raw = _raw(opt)

@@ -137,3 +137,9 @@ def test_no_variant_when_nothing_is_faster_or_the_user_chose():
     ints = [torch.zeros(3, dtype=torch.float64), torch.zeros(2, dtype=torch.float16)]
     assert optim.fused_variant(torch.optim.SGD(ints)) is not None  # any float dtype fuses
     assert optim.use_fastest_(torch.optim.Rprop(ps, foreach=False)) is False
+
+
+def test_an_explicit_fused_false_is_kept() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=False)
+    assert optim.fused_variant(opt) is None
