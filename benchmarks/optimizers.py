@@ -33,20 +33,8 @@ import torch
 
 from roundpipe_core import optim as rp_optim
 
-NAMES = [
-    "Adam",
-    "AdamW",
-    "SGD",
-    "Adagrad",
-    "Adadelta",
-    "Adamax",
-    "ASGD",
-    "NAdam",
-    "RAdam",
-    "RMSprop",
-    "Rprop",
-    "Adafactor",
-]
+# the optimizer classes of roundpipe_core.optim (its helpers start lower-case)
+NAMES = [n for n in rp_optim.__all__ if n[0].isupper()]
 FUSED = {"Adam", "AdamW", "SGD", "Adagrad"}
 
 
