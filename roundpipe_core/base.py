@@ -365,10 +365,10 @@ class RoundPipeBase(nn.Module):
 
     def last_trace(self) -> dict[str, Any]:
         """The last pipelined call's measured timeline (blocking or not) as a Chrome
-        trace-event object: a row per device with its jobs' compute spans and an
-        ``optimizer`` row with the ``step()`` calls that ran during or after the call.
-        Save it with :func:`roundpipe_core.trace.write_trace` and open it in Perfetto.
-        Transfers are not measured, so they have no rows (see :mod:`roundpipe_core.trace`).
+        trace-event object: a row per device with its jobs' compute spans, rows under it
+        for parameter uploads, activation and gradient transfers, and an ``optimizer`` row
+        with the ``step()`` calls that ran during or after the call. Save it with
+        :func:`roundpipe_core.trace.write_trace` and open it in Perfetto.
         """
         return chrome_trace(spans_from_roundpipe(self))
 

@@ -123,6 +123,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         self.last_schedule: list[Job] = []
         self.last_job_times: list[tuple[Job, int, float]] = []
         self.last_job_spans: list[tuple[Job, int, float, float]] = []
+        self.last_transfer_spans: list[tuple[str, int, str, float, float]] = []
         self.loss_multiplier: Callable[[], float] | None = None
         self.forward_backward_hook: Callable[[Callable[..., Any], dict[str, Any]], Any] | None = (
             None
@@ -193,6 +194,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         self.last_schedule = jobs
         self.last_job_times = list(run.job_times)
         self.last_job_spans = list(run.job_spans)
+        self.last_transfer_spans = list(run.transfer_spans)
 
     def _execute_locked(self, run: PipelineRun, jobs: list[Job]) -> None:
         with self._call_lock:
@@ -512,6 +514,7 @@ class _Finisher:
                 rp.last_schedule = self.jobs
                 rp.last_job_times = list(run.job_times)
                 rp.last_job_spans = list(run.job_spans)
+                rp.last_transfer_spans = list(run.transfer_spans)
         p.job_spans = list(run.job_spans)
         run.drop_activations()  # the handle keeps losses and outputs only
         if p.error is not None:

@@ -160,6 +160,10 @@ class PipelineRun:
         self.job_times: list[tuple[Job, int, float]] = []  # (job, device, busy ms)
         # (job, device, start, end): wall clock (perf_counter) from params ready to job done
         self.job_spans: list[tuple[Job, int, float, float]] = []
+        # (lane, device, name, start, end): host wall clock of the transfers a worker waited
+        # on -- "upload" (a stage's parameters), "activation" (a microbatch's stage input
+        # in, its output out), "gradient" (the stage's parameter gradients out)
+        self.transfer_spans: list[tuple[str, int, str, float, float]] = []
         # Pipelined runs only (pipelined.py): the weight-version gate of uploads and this
         # run's registration as a reader of one version.
         self.weights = weights
@@ -328,8 +332,10 @@ def _forward_microbatch(
     r = job.layers
     record_stream_start(run, r.start)
     value = run.get_act(r.start, mb)
+    t_in = time.perf_counter()
     x, held = to_device(worker, value)
     worker.wait_channel("activation")
+    _note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     layer_idx: int | None = None
     try:
         with worker.compute(), torch.no_grad(), own_rng(worker):
@@ -385,9 +391,11 @@ def _fused_microbatch(
     r = job.layers
     record_stream_start(run, r.start)
     value = run.get_act(r.start, mb)
+    t_in = time.perf_counter()
     x, held = to_device(worker, value)
     label, held_label = to_device(worker, run.labels[mb])
     worker.wait_channel("activation")
+    _note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
     layer_idx: int | None = None
     try:
@@ -431,9 +439,11 @@ def _backward_microbatch(
     r = job.layers
     grads_out = run.get_grad(r.stop, mb)
     value = run.get_act(r.start, mb)
+    t_in = time.perf_counter()
     x_in, held = to_device(worker, value)
     g_dev, held_g = grads_to_device(worker, grads_out)
     worker.wait_channel("activation")
+    _note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     needs = _needs(run, r.start)
     layer_idx: int | None = None
     try:
@@ -522,6 +532,13 @@ _RUNNERS: dict[str, Callable[[PipelineRun, Job, StageReplica, Worker, int, _Cloc
 }
 
 
+def _note_transfer(run: PipelineRun, lane: str, worker: Worker, name: str, start: float) -> None:
+    """Record a transfer that started at ``start`` (``time.perf_counter()``) and ended now."""
+    end = time.perf_counter()
+    with run._cond:
+        run.transfer_spans.append((lane, worker.index, name, start, end))
+
+
 def _upload(
     run: PipelineRun, worker: Worker, job: Job, slot: int, wait: bool = True
 ) -> StageReplica | None:
@@ -548,20 +565,29 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
         for i, job in enumerate(jobs):
             if run.failed is not None:
                 raise PoolError("another job of this run failed")
+            t0 = time.perf_counter()
+            uploading = prefetched is None  # a prefetched stage's upload is noted already
             stage = prefetched or _upload(run, worker, job, i % 2)
             assert stage is not None
             prefetched = None
             try:
                 worker.wait_channel("param")
                 start = time.perf_counter()
+                if uploading:
+                    _note_transfer(run, "upload", worker, f"{job} params", t0)
                 if i + 1 < len(jobs):
+                    t0 = time.perf_counter()
                     prefetched = _upload(run, worker, jobs[i + 1], (i + 1) % 2, wait=False)
+                    if prefetched is not None:
+                        _note_transfer(run, "upload", worker, f"{jobs[i + 1]} params", t0)
                 clock = _Clock(worker)
                 runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:
                     runner(run, job, stage, worker, mb, clock)
                 if job.kind in (JobKind.FUSED, JobKind.BACKWARD):
+                    t0 = time.perf_counter()
                     download_grads(stage, run.grad_sink)
+                    _note_transfer(run, "gradient", worker, f"{job} grads", t0)
                     if run.grads_done is not None:
                         run.grads_done(job)
                 if job.kind in (JobKind.FORWARD, JobKind.FUSED):

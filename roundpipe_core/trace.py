@@ -8,15 +8,17 @@ measured and a simulated iteration open side by side with the same rows:
 
 * a real call's job spans (``RoundPipe.last_job_spans`` or a ``PendingResult``'s
   ``job_spans``: ``(job, device, start, end)`` with ``time.perf_counter`` seconds),
-  via :func:`spans_from_job_spans`;
+  via :func:`spans_from_job_spans`, and its transfer spans
+  (``RoundPipe.last_transfer_spans``: the parameter uploads, activation inputs and
+  gradient downloads its workers waited on), via :func:`spans_from_roundpipe`;
 * the simulator's events (:class:`roundpipe_core.simulate.SimResult`), via
   :func:`spans_from_simulation`;
 * anything timed with a :class:`SpanRecorder` (``RoundPipe.step()`` times its
-  ``step_fn`` so; :meth:`RoundPipe.last_trace` returns the last call's compute and
-  optimizer spans as a trace).
+  ``step_fn`` so; :meth:`RoundPipe.last_trace` returns the last call's compute,
+  transfer and optimizer spans as a trace).
 
-The runtime measures compute only: parameter upload and activation / gradient
-transfer rows come from the simulator, not from measured calls.
+Measured transfer spans are host wall clock: on CUDA they cover issuing a copy and
+any wait for it, not the copy engine's own timing.
 
 :func:`chrome_trace` turns spans into the trace-event JSON object: one process per
 timeline, one thread (row) per device lane, named like the simulator's own
@@ -211,15 +213,22 @@ def last_call_spans(
 
 def spans_from_roundpipe(rp: Any) -> list[Span]:
     """The measured timeline of ``rp``'s last pipelined call (blocking or not): one
-    compute span per job (``rp.last_job_spans``) and the optimizer steps queued with
-    ``rp.step()`` that ran during or after that call (see :func:`last_call_spans`).
+    compute span per job (``rp.last_job_spans``), the transfers its workers waited on
+    (``rp.last_transfer_spans``: parameter uploads, activations in, gradients out) and
+    the optimizer steps queued with ``rp.step()`` that ran during or after that call
+    (see :func:`last_call_spans`).
 
-    Parameter upload and activation / gradient transfer spans are not measured by
-    the runtime, so a measured timeline has compute and optimizer rows only.
+    Transfer spans are host wall clock: on CUDA they cover issuing a copy and any wait
+    for it, not the copy engine's own timing.
     """
     recorder = getattr(rp, "_step_recorder", None)
     steps = recorder.spans if isinstance(recorder, SpanRecorder) else []
-    return last_call_spans(getattr(rp, "last_job_spans", None) or [], steps)
+    spans = last_call_spans(getattr(rp, "last_job_spans", None) or [], steps)
+    transfers = [
+        Span(device, lane, name, start, end)
+        for lane, device, name, start, end in getattr(rp, "last_transfer_spans", None) or []
+    ]
+    return spans + transfers
 
 
 def spans_from_simulation(

@@ -66,10 +66,29 @@ def test_last_trace_has_the_last_calls_jobs_and_its_step(blocking, tmp_path):
     path = write_trace(tmp_path / "last.json", trace)
     assert json.loads(path.read_text()) == trace  # plain JSON, loadable by Perfetto
     rows = _rows(trace)
-    assert sorted(rows.values()) == ["device 0", "device 1", "optimizer"]
+    assert sorted(rows.values()) == sorted(
+        [
+            f"device {d}{lane}"
+            for d in range(DEVICES)
+            for lane in ("", " upload", " activation", " gradient")
+        ]
+        + ["optimizer"]
+    )
     events = _x_events(trace)
-    compute = [e for e in events if rows[e["tid"]].startswith("device")]
+    compute = [e for e in events if rows[e["tid"]] in ("device 0", "device 1")]
     steps = [e for e in events if rows[e["tid"]] == "optimizer"]
+    # the transfers each job waited on, on its device's rows: its parameters (once, even
+    # when prefetched), each microbatch's input, and the gradients of fused/backward jobs
+    by_lane: dict[str, list[str]] = {"upload": [], "activation": [], "gradient": []}
+    for e in events:
+        device, _, lane = rows[e["tid"]].partition(" ")[2].partition(" ")
+        if lane:
+            by_lane[lane].append(e["name"])
+            assert e["name"].split(" ")[0][-1] == device  # the job ran on that device
+    jobs = [job_name(j) for j in schedule]
+    assert sorted(by_lane["upload"]) == sorted(f"{j} params" for j in jobs)
+    assert sorted(by_lane["activation"]) == sorted(f"{j} in mb{m}" for j in jobs for m in range(3))
+    assert sorted(by_lane["gradient"]) == sorted(f"{j} grads" for j in jobs if j[-2] != "F")
     # every job of the last call once, on the row of the device that ran it
     assert sorted(e["name"] for e in compute) == sorted(job_name(j) for j in schedule)
     for e in compute:
@@ -95,11 +114,15 @@ def test_last_trace_after_the_autograd_path_and_without_steps():
         rp.close()
     rows = _rows(trace)
     assert "optimizer" not in rows.values()
-    names = [e["name"] for e in _x_events(trace)]
+    compute = [e for e in _x_events(trace) if rows[e["tid"]] in ("device 0", "device 1")]
+    names = [e["name"] for e in compute]
     backward = [n for n in names if "B" in n]
     assert sorted(backward) == sorted(job_name(j) for j in backward_jobs)
     assert any("F" in n for n in names)
-    assert {e["args"]["kind"] for e in _x_events(trace)} == {"forward", "backward"}
+    assert {e["args"]["kind"] for e in compute} == {"forward", "backward"}
+    # both phases' transfers: the backward jobs' gradients among them
+    grads = [e["name"] for e in _x_events(trace) if rows[e["tid"]].endswith(" gradient")]
+    assert sorted(grads) == sorted(f"{job_name(j)} grads" for j in backward_jobs)
 
 
 def _job(stage: int, device: int):
@@ -144,5 +167,6 @@ def test_core_example_writes_the_last_trace(tmp_path, monkeypatch, capsys):
     assert "trace of the last iteration" in capsys.readouterr().out
     trace = json.loads(path.read_text())
     rows = set(_rows(trace).values())
-    assert rows == {"device 0", "device 1", "optimizer"}
+    lanes = ("", " upload", " activation", " gradient")
+    assert rows == {f"device {d}{lane}" for d in range(2) for lane in lanes} | {"optimizer"}
     assert len([e for e in _x_events(trace) if e["cat"] == "optimizer"]) >= 1

@@ -79,11 +79,10 @@ def test_renders_a_real_run_beside_its_simulation(measured_and_simulated, tmp_pa
     assert np.array_equal((png[..., :3] * 255).round().astype(np.uint8), image)
     for kind in ("forward", "fused", "backward", "upload", "optimizer"):
         assert _has_color(image, KIND_COLORS[kind]), f"no {kind} bar drawn"
-    assert not _has_color(image, KIND_COLORS["gradient"], 1)  # no such spans were given
     # measured only: one panel, so a smaller picture
     alone = render_timeline(measured, None, width_px=900)
     assert alone.shape[1] == 900 and alone.shape[0] < image.shape[0]
-    assert not _has_color(alone, KIND_COLORS["upload"], 1)
+    assert _has_color(alone, KIND_COLORS["upload"])  # the measured uploads of the run
 
 
 def test_image_logs_to_tensorboard(measured_and_simulated, tmp_path):
