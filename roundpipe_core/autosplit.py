@@ -27,25 +27,12 @@ microbatch; ``skip_modules`` stay plain host modules (trained through the
 master copies like other host parameters); ``override_config`` makes a module
 one unit with its own run config.
 
-What an ``AutoRoundPipe`` offers: ``forward`` (inference, or training through
-autograd: ``loss.backward()``), fp32 master weights (``optim_parameters()``,
-``OptimizerCtx``), ``step(step_fn, is_async)`` / ``synchronize()`` and the
-attribute fall-through. Its ``forward_backward`` raises ``TypeError``: the
-loss is computed by host code after several separate pipelined calls, so there
-is no last stage to fuse.
+An ``AutoRoundPipe`` offers ``forward`` (inference, or training through
+``loss.backward()``), the master weights, ``step`` / ``synchronize()`` and the
+attribute fall-through. Its ``forward_backward`` raises ``TypeError``: host code
+computes the loss after several pipelined calls, so there is no stage to fuse.
 
-Performance loss against a hand-written Sequential (the reason to prefer a
-preset or a manual conversion):
-
-* every unit call is its own pipelined call: the pipeline fills and drains
-  once per unit instead of once per iteration, so with few microbatches most
-  devices idle;
-* the backward of each unit recomputes its forward from its own inputs, and the
-  units run one after another in the order autograd reaches them;
-* glue code and directly-owned parameters run on the host CPU;
-* the optimizer step overlaps with the next ``forward`` (one step stale, as
-  ``RoundPipe``), but that forward's backward waits for the step before its
-  gradients land.
+It is slower than a hand-written Sequential (docs/presets.md says why).
 """
 
 from __future__ import annotations

@@ -35,10 +35,11 @@ from .transfer import (
     download_grads,
     grads_to_device,
     grads_to_host,
+    note_transfer,
     release_stage,
     to_device,
     to_host,
-    upload_stage,
+    upload_job,
     write_back_buffers,
 )
 
@@ -335,7 +336,7 @@ def _forward_microbatch(
     t_in = time.perf_counter()
     x, held = to_device(worker, value)
     worker.wait_channel("activation")
-    _note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
+    note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     layer_idx: int | None = None
     try:
         with worker.compute(), torch.no_grad(), own_rng(worker):
@@ -395,7 +396,7 @@ def _fused_microbatch(
     x, held = to_device(worker, value)
     label, held_label = to_device(worker, run.labels[mb])
     worker.wait_channel("activation")
-    _note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
+    note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
     layer_idx: int | None = None
     try:
@@ -443,7 +444,7 @@ def _backward_microbatch(
     x_in, held = to_device(worker, value)
     g_dev, held_g = grads_to_device(worker, grads_out)
     worker.wait_channel("activation")
-    _note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
+    note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     needs = _needs(run, r.start)
     layer_idx: int | None = None
     try:
@@ -532,31 +533,6 @@ _RUNNERS: dict[str, Callable[[PipelineRun, Job, StageReplica, Worker, int, _Cloc
 }
 
 
-def _note_transfer(run: PipelineRun, lane: str, worker: Worker, name: str, start: float) -> None:
-    """Record a transfer that started at ``start`` (``time.perf_counter()``) and ended now."""
-    end = time.perf_counter()
-    with run._cond:
-        run.transfer_spans.append((lane, worker.index, name, start, end))
-
-
-def _upload(
-    run: PipelineRun, worker: Worker, job: Job, slot: int, wait: bool = True
-) -> StageReplica | None:
-    """Upload a job's layers. A pipelined run first waits until the host copy holds the
-    weight version it reads; with ``wait=False`` (prefetch) it gives up instead of waiting,
-    so the current job is not held back by the next one's weights."""
-    layers = list(job.layers)
-    if run.weights is not None:
-        if not wait and not run.weights.ready(run.reader, layers):
-            return None
-        run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
-    stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot)
-    if run.weights is not None:
-        # the host copy of these layers may be overwritten once this upload has read it
-        run.weights.uploaded(run.reader, layers, worker.param_fence())
-    return stage
-
-
 def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
     """Run one worker's jobs in launch order, prefetching the next job's parameters
     while the current one computes."""
@@ -567,19 +543,19 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                 raise PoolError("another job of this run failed")
             t0 = time.perf_counter()
             uploading = prefetched is None  # a prefetched stage's upload is noted already
-            stage = prefetched or _upload(run, worker, job, i % 2)
+            stage = prefetched or upload_job(run, worker, job, i % 2)
             assert stage is not None
             prefetched = None
             try:
                 worker.wait_channel("param")
                 start = time.perf_counter()
                 if uploading:
-                    _note_transfer(run, "upload", worker, f"{job} params", t0)
+                    note_transfer(run, "upload", worker, f"{job} params", t0)
                 if i + 1 < len(jobs):
                     t0 = time.perf_counter()
-                    prefetched = _upload(run, worker, jobs[i + 1], (i + 1) % 2, wait=False)
+                    prefetched = upload_job(run, worker, jobs[i + 1], (i + 1) % 2, wait=False)
                     if prefetched is not None:
-                        _note_transfer(run, "upload", worker, f"{jobs[i + 1]} params", t0)
+                        note_transfer(run, "upload", worker, f"{jobs[i + 1]} params", t0)
                 clock = _Clock(worker)
                 runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:
@@ -587,7 +563,7 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                 if job.kind in (JobKind.FUSED, JobKind.BACKWARD):
                     t0 = time.perf_counter()
                     download_grads(stage, run.grad_sink)
-                    _note_transfer(run, "gradient", worker, f"{job} grads", t0)
+                    note_transfer(run, "gradient", worker, f"{job} grads", t0)
                     if run.grads_done is not None:
                         run.grads_done(job)
                 if job.kind in (JobKind.FORWARD, JobKind.FUSED):

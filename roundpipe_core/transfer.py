@@ -13,6 +13,7 @@ are dropped. The same code serves every backend: only ``Worker.copy_in`` /
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from torch import nn
 
 from .batch import flatten
 from .devices.base import Worker
+from .schedule import Job
 
 __all__ = [
     "GradSink",
@@ -31,9 +33,11 @@ __all__ = [
     "grads_to_device",
     "grads_to_host",
     "make_skeleton",
+    "note_transfer",
     "release_stage",
     "to_device",
     "to_host",
+    "upload_job",
     "upload_stage",
     "write_back_buffers",
 ]
@@ -294,3 +298,29 @@ def grads_to_device(
     for i, g in zip(idx, dev):
         out[i] = g
     return out, dev
+
+
+def note_transfer(run: Any, lane: str, worker: Worker, name: str, start: float) -> None:
+    """Record a transfer that started at ``start`` (``time.perf_counter()``) and ended now."""
+    end = time.perf_counter()
+    with run._cond:
+        run.transfer_spans.append((lane, worker.index, name, start, end))
+
+
+def upload_job(
+    run: Any, worker: Worker, job: Job, slot: int, wait: bool = True
+) -> StageReplica | None:
+    """Upload a job's layers (``run``: a ``runtime.PipelineRun``). A pipelined run first
+    waits until the host copy holds the weight version it reads; with ``wait=False``
+    (prefetch) it gives up instead of waiting, so the current job is not held back by
+    the next one's weights."""
+    layers = list(job.layers)
+    if run.weights is not None:
+        if not wait and not run.weights.ready(run.reader, layers):
+            return None
+        run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
+    stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot)
+    if run.weights is not None:
+        # the host copy of these layers may be overwritten once this upload has read it
+        run.weights.uploaded(run.reader, layers, worker.param_fence())
+    return stage
