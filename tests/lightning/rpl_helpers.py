@@ -277,3 +277,21 @@ def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
 
 def roundpipe_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("roundpipe")]
+
+
+class FailsAtThirdStep(SeqModule):
+    """SGD whose third step raises (failure-path tests)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        calls = {"n": 0}
+        real_step = opt.step
+
+        def step(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("optimizer blew up")
+            return real_step(*a, **k)
+
+        opt.step = step
+        return opt

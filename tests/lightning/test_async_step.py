@@ -12,7 +12,16 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
-from rpl_helpers import BATCH, SeqModule, build_net, loader, max_rel_err, params_of, rp_trainer
+from rpl_helpers import (
+    BATCH,
+    FailsAtThirdStep,
+    SeqModule,
+    build_net,
+    loader,
+    max_rel_err,
+    params_of,
+    rp_trainer,
+)
 
 TOL = 1e-5
 STEPS = 5
@@ -114,22 +123,6 @@ def test_hooks_never_see_weights_a_step_behind() -> None:
     )
     t.fit(m, loader(), loader())
     assert reader.stale == []
-
-
-class FailsAtThirdStep(SeqModule):
-    def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.1)
-        calls = {"n": 0}
-        real_step = opt.step
-
-        def step(*a, **k):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("optimizer blew up")
-            return real_step(*a, **k)
-
-        opt.step = step
-        return opt
 
 
 def test_failed_async_step_is_not_counted_in_the_exception_checkpoint(tmp_path: Path) -> None:

@@ -6,7 +6,14 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from rpl_helpers import SeqModule, loader, plain_trainer, roundpipe_threads, rp_trainer
+from rpl_helpers import (
+    FailsAtThirdStep,
+    SeqModule,
+    loader,
+    plain_trainer,
+    roundpipe_threads,
+    rp_trainer,
+)
 from torch import nn
 
 from roundpipe_lightning import AutoReplan, RoundPipeStrategy, StageTimeLogger
@@ -163,26 +170,10 @@ def test_worker_exception_surfaces_and_stops_threads(async_step: bool) -> None:
     assert roundpipe_threads() == []
 
 
-class FailingStep(SeqModule):
-    def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.1)
-        calls = {"n": 0}
-        real_step = opt.step
-
-        def step(*a, **k):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("optimizer blew up")
-            return real_step(*a, **k)
-
-        opt.step = step
-        return opt
-
-
 @pytest.mark.parametrize("async_step", [False, True])
 def test_optimizer_thread_exception_surfaces(async_step: bool) -> None:
     with pytest.raises(RuntimeError, match="optimizer blew up"):
-        rp_trainer(max_steps=6, async_step=async_step).fit(FailingStep(), loader())
+        rp_trainer(max_steps=6, async_step=async_step).fit(FailsAtThirdStep(), loader())
     assert roundpipe_threads() == []
 
 

@@ -149,3 +149,17 @@ def make_batch(batch: int = 5, seq: int = 8, padding: str | None = "right", seed
     ids = ids.masked_fill(mask == 0, 0)
     labels = ids.masked_fill(mask == 0, -100)
     return ids, mask, labels
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest reference value."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def hf_grads(model, **kwargs):
+    """Hugging Face's own forward + backward: (output, {name: grad}), grads cleared after."""
+    out = model(**kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out, grads

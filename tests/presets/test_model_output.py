@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import make_batch, make_model  # noqa: E402
+from hf_tiny import hf_grads, make_batch, make_model, rel_err  # noqa: E402
 
 from roundpipe_core import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
 from roundpipe_core.presets import count_label_tokens, model_output_loss  # noqa: E402
@@ -21,18 +21,6 @@ RTOL = 1e-5
 PLAN = ModelExecutePlan(
     fwd_plan=[range(0, 3), range(3, 5)], bwd_plan=[range(4, 5), range(1, 4), range(0, 1)]
 )
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def hf_grads(model, **kwargs):
-    out = model(**kwargs)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out, grads
 
 
 def assert_grads(rp, model, ref: dict, where: str) -> None:

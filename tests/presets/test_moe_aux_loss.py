@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import make_batch, make_model  # noqa: E402
+from hf_tiny import hf_grads, make_batch, make_model, rel_err  # noqa: E402
 
 from roundpipe_core import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
 from roundpipe_core.presets import model_output_loss  # noqa: E402
@@ -23,18 +23,6 @@ PLAN = ModelExecutePlan(
 FUSED_PLAN = ModelExecutePlan(
     fwd_plan=[range(0, 2), range(2, 4)], bwd_plan=[range(4, 5), range(2, 4), range(0, 2)]
 )
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def hf_run(model, **kwargs):
-    out = model(**kwargs)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out, grads
 
 
 def assert_grads(rp, model, ref: dict, where: str) -> int:
@@ -57,7 +45,7 @@ def test_aux_loss_matches_hf_and_trains_the_router(kind: str, return_logits: boo
     model = make_model(kind)
     ids, mask, labels = make_batch(padding="left", seed=2)
     kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
-    ref, ref_grads = hf_run(model, **kwargs)
+    ref, ref_grads = hf_grads(model, **kwargs)
     # the load-balancing term alone moves the routers: its gradient is part of what we compare
     aux_only = model(**kwargs).aux_loss
     aux_only.backward()
@@ -88,7 +76,7 @@ def test_aux_loss_in_forward_backward_and_config_default(kind: str) -> None:
     config.output_router_logits=True as the default, as HF reads it."""
     model = make_model(kind, output_router_logits=True)
     ids, mask, labels = make_batch(padding="right", seed=4)
-    ref, ref_grads = hf_run(model, input_ids=ids, attention_mask=mask, labels=labels)
+    ref, ref_grads = hf_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
     assert ref.aux_loss is not None
     rp = wrap_model_to_roundpipe(model, devices=3)
     try:
