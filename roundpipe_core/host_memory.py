@@ -38,6 +38,7 @@ __all__ = [
     "OPTIMIZER_STATES",
     "HostMemoryBudget",
     "HostMemoryError",
+    "UnknownOptimizerError",
     "available_host_memory",
     "check_host_memory",
     "estimate_host_memory",
@@ -70,6 +71,10 @@ class HostMemoryError(ValueError, MemoryError):
     """
 
 
+class UnknownOptimizerError(ValueError):
+    """The state table does not know this optimizer (pass ``optimizer_states``)."""
+
+
 def optimizer_states_per_param(optimizer: Any) -> int:
     """Parameter-sized state tensors ``optimizer`` keeps per parameter.
 
@@ -79,19 +84,20 @@ def optimizer_states_per_param(optimizer: Any) -> int:
             optimizer class, or a name such as ``"adamw"`` or ``"sgd"``.
 
     Raises:
-        ValueError: for an optimizer this table does not know (pass
-            ``optimizer_states=N`` to :func:`estimate_host_memory` instead).
+        UnknownOptimizerError: (a ``ValueError``) for an optimizer this table does not
+            know, nor any of its base classes (pass ``optimizer_states=N`` to
+            :func:`estimate_host_memory` instead).
         TypeError: for anything else.
     """
     defaults: dict[str, Any] = {}
     if isinstance(optimizer, torch.optim.Optimizer):
-        name = type(optimizer).__name__
+        name = _known_name(type(optimizer))
         groups = optimizer.param_groups or [optimizer.defaults]
         defaults = {
             k: any(bool(g.get(k)) for g in groups) for k in ("momentum", "amsgrad", "centered")
         }
     elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        name = optimizer.__name__
+        name = _known_name(optimizer)
     elif isinstance(optimizer, str):
         name = optimizer
     else:
@@ -99,9 +105,9 @@ def optimizer_states_per_param(optimizer: Any) -> int:
             f"optimizer must be a torch.optim.Optimizer, its class or a name such as 'adamw', "
             f"got {type(optimizer).__name__}"
         )
-    key = name.lower().replace("_", "").replace("-", "")
+    key = _key(name)
     if key not in OPTIMIZER_STATES:
-        raise ValueError(
+        raise UnknownOptimizerError(
             f"no state count known for optimizer {name!r} (known: {', '.join(sorted(OPTIMIZER_STATES))}); "
             "pass optimizer_states=<parameter-sized tensors it keeps per parameter>"
         )
@@ -113,6 +119,19 @@ def optimizer_states_per_param(optimizer: Any) -> int:
     if key == "rmsprop":
         n += int(bool(defaults.get("momentum"))) + int(bool(defaults.get("centered")))
     return n
+
+
+def _key(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "")
+
+
+def _known_name(cls: type) -> str:
+    """The name of the first class in ``cls``'s MRO this table knows (a subclass of
+    ``torch.optim.SGD`` keeps SGD's state), else ``cls``'s own name."""
+    for base in cls.__mro__:
+        if _key(base.__name__) in OPTIMIZER_STATES:
+            return base.__name__
+    return cls.__name__
 
 
 def _optimizer_name(optimizer: Any) -> str:

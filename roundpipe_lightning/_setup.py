@@ -15,6 +15,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from roundpipe_core import RoundPipe
+from roundpipe_core.host_memory import (
+    HostMemoryBudget,
+    UnknownOptimizerError,
+    estimate_host_memory,
+)
 from roundpipe_core.optim import fastest_impl, use_fastest_
 
 __all__ = [
@@ -27,11 +32,16 @@ __all__ = [
     "sequential_of",
     "adopt_optimizer",
     "fuse_optimizer",
+    "host_memory_budget",
     "op_name",
     "reaches_params",
 ]
 
 log = logging.getLogger(__name__)
+
+#: parameter-sized states per parameter assumed for an optimizer the host-memory table
+#: does not know: Adam's two moments, more than most optimizers keep
+ASSUMED_OPTIMIZER_STATES = 2
 
 # reasons already logged: one line per optimizer class and reason, not one per run
 _SAID: set[tuple[str, str]] = set()
@@ -308,3 +318,24 @@ def fuse_optimizer(opt: Optimizer) -> bool:
         _SAID.add(key)
         log.info("RoundPipeStrategy runs %s unfused: %s", type(opt).__name__, reason)
     return False
+
+
+def host_memory_budget(
+    rp: RoundPipe, optimizers: list[Optimizer], num_microbatch: int | None
+) -> HostMemoryBudget:
+    """The host memory ``rp`` trained by ``optimizers`` needs. An optimizer whose state
+    size is unknown (a third-party class) does not stop training: the budget assumes
+    Adam's two states per parameter and says so once."""
+    try:
+        return estimate_host_memory(rp, optimizer=optimizers, num_microbatch=num_microbatch)
+    except UnknownOptimizerError as exc:
+        names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
+        if ("budget", names) not in _SAID:
+            _SAID.add(("budget", names))
+            rank_zero_warn(
+                f"RoundPipe cannot tell how much state {names} keeps ({exc}); the host-memory "
+                f"budget assumes {ASSUMED_OPTIMIZER_STATES} parameter-sized tensors per parameter"
+            )
+        return estimate_host_memory(
+            rp, optimizer_states=ASSUMED_OPTIMIZER_STATES, num_microbatch=num_microbatch
+        )

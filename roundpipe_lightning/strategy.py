@@ -53,7 +53,7 @@ from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
-from roundpipe_core.host_memory import check_host_memory, estimate_host_memory
+from roundpipe_core.host_memory import check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
 from ._setup import (
@@ -64,6 +64,7 @@ from ._setup import (
     check_pool_devices,
     check_type,
     fuse_optimizer,
+    host_memory_budget,
     parse_dtype,
     reaches_params,
     sequential_of,
@@ -270,10 +271,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             # refuse, with numbers, a run whose state cannot fit in host memory
-            budget = estimate_host_memory(
-                self.roundpipe,
-                optimizer=[_raw(o) for o in self.optimizers],
-                num_microbatch=self.num_microbatch,
+            budget = host_memory_budget(
+                self.roundpipe, [_raw(o) for o in self.optimizers], self.num_microbatch
             )
             log.info("RoundPipe host memory:\n%s", budget)
             check_host_memory(budget)

@@ -13,6 +13,7 @@ from roundpipe_core import ModelExecutePlan, OptimizerCtx, RoundPipe
 from roundpipe_core.host_memory import (
     HostMemoryBudget,
     HostMemoryError,
+    UnknownOptimizerError,
     available_host_memory,
     check_host_memory,
     estimate_host_memory,
@@ -50,12 +51,35 @@ def test_optimizer_states_per_param(opt: object, n: int) -> None:
     assert optimizer_states_per_param(opt) == n
 
 
+class _SleepySGD(torch.optim.SGD):
+    """A user's subclass: it keeps SGD's state."""
+
+
+class _MyAdamW(torch.optim.AdamW):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("opt", "n"),
+    [
+        (_SleepySGD, 0),
+        (lambda ps: _SleepySGD(ps, lr=0.1, momentum=0.9), 1),
+        (lambda ps: _MyAdamW(ps, amsgrad=True), 3),
+    ],
+)
+def test_subclasses_count_their_torch_base_state(opt: object, n: int) -> None:
+    if callable(opt) and not isinstance(opt, type):
+        opt = opt([nn.Parameter(torch.zeros(2))])
+    assert optimizer_states_per_param(opt) == n
+
+
 def test_optimizer_state_errors_name_the_fix() -> None:
     class Mine(torch.optim.Optimizer):
         pass
 
-    with pytest.raises(ValueError, match="'Mine'.*optimizer_states="):
+    with pytest.raises(UnknownOptimizerError, match="'Mine'.*optimizer_states="):
         optimizer_states_per_param(Mine)
+    assert issubclass(UnknownOptimizerError, ValueError)
     with pytest.raises(TypeError, match="got int"):
         optimizer_states_per_param(3)
 

@@ -82,3 +82,42 @@ def test_fuse_optimizer_must_be_bool() -> None:
 
     with pytest.raises(TypeError, match="fuse_optimizer"):
         RoundPipeStrategy(fuse_optimizer="yes")  # type: ignore[arg-type]
+
+
+class _MySGD(torch.optim.SGD):
+    """A user's subclass (e.g. one that logs or sleeps in ``step``)."""
+
+
+class _PlainDescent(torch.optim.Optimizer):
+    """A third-party optimizer the host-memory table cannot know."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+
+def test_optimizer_subclasses_and_unknown_optimizers_train() -> None:
+    """Setup's host-memory budget must not refuse an optimizer it cannot classify: a
+    subclass counts its torch base's state, an unknown class is assumed Adam-sized."""
+    runs = {}
+    for name, make in {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
+        "subclass": lambda ps: _MySGD(ps, lr=0.05),
+        "unknown": lambda ps: _PlainDescent(ps, lr=0.05),
+    }.items():
+        m = Built(make)
+        if name == "unknown":
+            with pytest.warns(UserWarning, match="cannot tell how much state _PlainDescent"):
+                rp_trainer(max_steps=STEPS).fit(m, loader())
+        else:
+            rp_trainer(max_steps=STEPS).fit(m, loader())
+        runs[name] = params_of(m)
+    assert max_rel_err(runs["subclass"], runs["sgd"]) <= TOL
+    assert max_rel_err(runs["unknown"], runs["sgd"]) <= TOL
+    assert max_rel_err(runs["sgd"], params_of(Built(MAKERS["sgd"]))) > 1e-3
