@@ -2,6 +2,7 @@
 
     python benchmarks/async_overlap.py [--rounds 8] [--iters 4] [--step-ms auto]
                                        [--grad-hook] [--lightning-rounds 4] [--no-lightning]
+                                       [--no-core]
 
 With ``--iters`` steps per variant, the last step of the asynchronous variants cannot
 overlap anything (the variant ends with ``synchronize()``): the best sync / async ratio
@@ -306,8 +307,16 @@ def main() -> None:
     )
     ap.add_argument("--lightning-rounds", type=int, default=4)
     ap.add_argument("--no-lightning", action="store_true")
+    ap.add_argument("--no-core", action="store_true", help="the Lightning part only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.no_core:
+        core_bench(args)
+    if not args.no_lightning:
+        lightning_bench(args)
+
+
+def core_bench(args: argparse.Namespace) -> None:
 
     core = Core(args)
     try:
@@ -324,8 +333,6 @@ def main() -> None:
     finally:
         core.close()
     report(timings, args.iters, "sync", ["iteration only", "step only"])
-    if not args.no_lightning:
-        lightning_bench(args)
 
 
 if __name__ == "__main__":
