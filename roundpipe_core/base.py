@@ -363,6 +363,50 @@ class RoundPipeBase(nn.Module):
         if not is_async:
             self._settle()
 
+    def step_layerwise(
+        self,
+        step_params: Callable[[list[nn.Parameter]], Any],
+        finish: Callable[[], Any] | None = None,
+        is_async: bool = True,
+    ) -> None:
+        """``step()``, taken parameter by parameter as their gradients complete.
+
+        ``step_params(masters)`` must update exactly the given masters from their
+        ``.grad`` -- e.g. :func:`roundpipe_core.layerwise.step_subset` of an Adam or SGD
+        (:func:`roundpipe_core.layerwise.steps_elementwise` says which optimizers give
+        the same result stepped in parts) -- and ``finish()`` runs once all are
+        stepped (e.g. ``zero_grad``). After non-blocking calls whose gradients are not
+        complete yet, the optimizer thread steps the deepest layers while the backward
+        still runs on the first ones: the next iterations wait less for the weights
+        they need. Otherwise it is one ``step_params(all masters)`` and ``finish()``.
+        The result is that of ``step()``; an error is raised as ``step()``'s.
+
+        Raises:
+            TypeError: ``step_params`` or ``finish`` is not callable.
+            RuntimeError: this RoundPipe is closed.
+        """
+        if not callable(step_params):
+            raise TypeError(f"step_params must be callable, got {type(step_params).__name__}")
+        if finish is not None and not callable(finish):
+            raise TypeError(f"finish must be callable or None, got {type(finish).__name__}")
+        if not isinstance(is_async, bool):
+            raise TypeError(f"is_async must be True or False, got {is_async!r}")
+        self._check_open()
+        self._pipeline.raise_failure()
+        if not self._pipeline.inflight():
+            masters = self._home().masters.params()
+
+            def whole() -> None:
+                step_params(masters)
+                if finish is not None:
+                    finish()
+
+            self.step(whole, is_async=is_async)
+            return
+        self._pipeline.defer_layerwise_step(step_params, finish, self._step_recorder.wrap)
+        if not is_async:
+            self._settle()
+
     def last_trace(self) -> dict[str, Any]:
         """The last pipelined call's measured timeline (blocking or not) as a Chrome
         trace-event object: a row per device with its jobs' compute spans, rows under it

@@ -30,6 +30,7 @@ from .base import OptimizerCtx, RoundPipeBase
 from .checks import ForwardRuleChecker, PlanFitChecker, check_not_compiled_in_place
 from .config import RoundPipeRunConfig, batch_extent, check_run_config, default_loss_fn
 from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
+from .layerwise import GradCompletion
 from .pipelined import (
     DeferredTimer,
     GradBuffer,
@@ -442,6 +443,12 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             pipeline.next_device = (pipeline.next_device + len(jobs)) % self.num_devices
             buffer = GradBuffer(self.masters.master_of)
             timer = DeferredTimer()
+            # which masters are complete as the backward goes: a layer-wise step uses it
+            completion = GradCompletion(
+                jobs,
+                lambda job: self.masters.of_layers([self.layers[i] for i in job.layers]),
+                pipeline.versions.notify,
+            )
             run = self._new_run(
                 cfg,
                 plan,
@@ -456,6 +463,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
                 reader=pipeline.versions.register(
                     pipeline.target_version, [j.layers for j in jobs]
                 ),
+                grads_done=completion.job_done,
             )
             for i, mb in enumerate(mbs):
                 run.put_act(0, i, mb)
@@ -469,6 +477,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
                 return_outputs,
                 prev_step=self._stepper.tail(),
             )
+            pending.completion = completion
             try:
                 futures = self.pool.submit(
                     jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)

@@ -32,6 +32,7 @@ waiting for an iteration or a queued step.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -43,6 +44,7 @@ from torch import nn
 from . import batch as batching
 from .config import RoundPipeRunConfig
 from .devices.pool import PoolError
+from .layerwise import GradCompletion, run_layerwise
 from .masters import MasterWeights
 from .runtime import PipelineRun
 from .stepper import Stepper
@@ -153,39 +155,65 @@ class WeightVersions:
         Deep layers are released first (their last uploads are early backward stages);
         a pipelined run's forward of a layer starts as soon as that layer is published.
         """
-        todo = [k for k, v in self.version.items() if v < version]
+        todo = self.stale(version)
         while todo:
             with self._cond:
                 while True:
                     if failed():
                         raise PoolError("weight publication stopped: a pipelined iteration failed")
-                    ready = [k for k in todo if not self._blocked(k, version)]
-                    if ready:
+                    if self.any_publishable(version, todo):
                         break
                     self._cond.wait(_WAIT_SLICE_S)
-                fences = [
-                    f
-                    for r in self._readers
-                    if r.version < version
-                    for k in ready
-                    for i in self.holders[k]
-                    for f in r.fences.get(i, [])
-                ]
-            for fence in fences:  # async (CUDA) uploads must have read the host copy
-                fence()
-            # shallow layers first, each usable as soon as it is copied: the next
-            # iteration's first forward waits for its own layer only, not for the copy
-            # of the whole model
-            ready.sort(key=lambda k: self.holders[k][0])
-            for k in ready:
-                p, m = self._pair[k]
-                with torch.no_grad():
-                    p.copy_(m)
-                with self._cond:
-                    self.version[k] = version
-                    self._cond.notify_all()
-            done = set(ready)
-            todo = [k for k in todo if k not in done]
+            todo = self.publish_ready(version, todo)
+
+    @property
+    def cond(self) -> threading.Condition:
+        """Notified on every upload, publication and end of a run."""
+        return self._cond
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def stale(self, version: int) -> list[int]:
+        """The masters (ids) whose host copy holds a version older than ``version``."""
+        with self._cond:
+            return [k for k, v in self.version.items() if v < version]
+
+    def any_publishable(self, version: int, todo: Sequence[int]) -> bool:
+        """Whether one of ``todo`` may be published now (call with ``cond`` held)."""
+        return any(not self._blocked(k, version) for k in todo)
+
+    def publish_ready(self, version: int, todo: Sequence[int]) -> list[int]:
+        """Publish those of ``todo`` that no older-version run still has to upload (does
+        not wait for uploads); return the others."""
+        with self._cond:
+            ready = [k for k in todo if not self._blocked(k, version)]
+            if not ready:
+                return list(todo)
+            fences = [
+                f
+                for r in self._readers
+                if r.version < version
+                for k in ready
+                for i in self.holders[k]
+                for f in r.fences.get(i, [])
+            ]
+        for fence in fences:  # async (CUDA) uploads must have read the host copy
+            fence()
+        # shallow layers first, each usable as soon as it is copied: the next
+        # iteration's first forward waits for its own layer only, not for the copy
+        # of the whole model
+        ready.sort(key=lambda k: self.holders[k][0])
+        for k in ready:
+            p, m = self._pair[k]
+            with torch.no_grad():
+                p.copy_(m)
+            with self._cond:
+                self.version[k] = version
+                self._cond.notify_all()
+        done = set(ready)
+        return [k for k in todo if k not in done]
 
     def set_all(self, version: int) -> None:
         """The host copy was overwritten with the masters (``synchronize()``)."""
@@ -323,6 +351,8 @@ class PendingResult:
         self.error: BaseException | None = None
         self.merged = False
         self.job_spans: list[tuple[Any, int, float, float]] = []  # (job, device, start, end)
+        # which masters' gradients are complete while the run is still going
+        self.completion: GradCompletion | None = None
 
     def start(self, futures: list[Future], finish: Callable[[PendingResult], Any]) -> None:
         """Track the workers' futures; ``finish(self)`` runs once all are done."""
@@ -483,6 +513,23 @@ class PipelinedRuns:
             step_fn()
 
         stepper.queue_guarded_step(deferred_step)
+
+    def defer_layerwise_step(
+        self,
+        step_params: Callable[[list[nn.Parameter]], Any],
+        finish: Callable[[], Any] | None,
+        wrap: Callable[[Callable[[], None]], Callable[[], None]],
+    ) -> None:
+        """As :meth:`defer_step`, stepping each parameter as soon as its gradients are
+        complete (``layerwise.run_layerwise``): one work item publishes the last step's
+        weights and runs the step, interleaved per parameter."""
+        stepper = self.stepper
+        version = stepper.steps
+        runs = [r for r in self.inflight() if not r.merged]
+        with self._lock:
+            self.target_version = version
+        item = functools.partial(run_layerwise, self, runs, version, step_params, finish)
+        stepper.queue_guarded_step(wrap(item), publishes=True)
 
     def record_run_error(self, p: PendingResult) -> None:
         """A run ended with ``p.error``: report the cause if a failure aborted it."""

@@ -161,11 +161,14 @@ class Stepper:
             self._pending_guarded = False
             self._steps += 1
 
-    def queue_guarded_step(self, fn: Callable[[], Any]) -> int:
-        """A step of the pipelined path; returns the weight version it produces."""
+    def queue_guarded_step(self, fn: Callable[[], Any], publishes: bool = False) -> int:
+        """A step of the pipelined path; returns the weight version it produces.
+        ``publishes``: it also publishes the previous step's weights (a layer-wise step)."""
         with self._lock:
             fut = self._thread.submit(self._run_guarded, fn)
             self._pending = self._tail = fut
+            if publishes:
+                self._publish = fut
             self._pending_guarded = True
             self._steps += 1
             return self._steps

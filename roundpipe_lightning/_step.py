@@ -15,17 +15,24 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor
 from torch.optim import Optimizer
+
+from roundpipe_core.layerwise import steps_elementwise
 
 __all__ = [
     "QueuedStep",
     "LazyLoss",
     "OverlappedForwardBackward",
     "overlap_blocker",
+    "in_order",
+    "steps_in_parts",
     "release",
     "mark_step_requested",
     "uncount_last_step",
@@ -101,19 +108,49 @@ class QueuedStep:
         self.groups = [{**h, "params": g["params"]} for h, g in zip(self.hyper, live)]
         self.live = list(live)
 
-    def run(self, **kwargs: Any) -> Any:
+    def run(self, params: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
+        """The step, over ``params`` only if given (a layer-wise step's part)."""
         opt = self.optimizer
-        _local.step = (opt, self.groups)
+        groups = self.groups
+        if params is not None:
+            ids = {id(p) for p in params}
+            groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in groups]
+        _local.step = (opt, groups)
         try:
             out = opt.step(**kwargs)
         finally:
             _local.step = None
+        if groups is not self.groups:
+            for part, g in zip(groups, self.groups):
+                g.update({k: v for k, v in part.items() if k != "params"})
         # entries the step wrote into its groups (step counters of some optimizers)
         for h, g, target in zip(self.hyper, self.groups, self.live):
             for key, value in g.items():
                 if key != "params" and (key not in h or h[key] is not value):
                     target[key] = value
         return out
+
+
+def steps_in_parts(optimizer: Optimizer, module: pl.LightningModule) -> bool:
+    """Whether an overlapped iteration's queued step may run parameter by parameter as
+    the gradients complete (``RoundPipe.step_layerwise``) with the result of one step:
+    an elementwise torch optimizer and no gradient clipping (the global norm needs every
+    gradient before the first parameter is updated)."""
+    if module.trainer.gradient_clip_val or is_overridden(
+        "configure_gradient_clipping", module, pl.LightningModule
+    ):
+        return False
+    return steps_elementwise(optimizer)
+
+
+def in_order(*fns: Callable[[], Any]) -> Callable[[], None]:
+    """One callable running ``fns`` one after the other."""
+
+    def run() -> None:
+        for fn in fns:
+            fn()
+
+    return run
 
 
 def mark_step_requested(optimizer: Optimizer) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -72,9 +72,11 @@ from ._setup import (
 from ._step import (
     OverlappedForwardBackward,
     QueuedStep,
+    in_order,
     mark_step_requested,
     overlap_blocker,
     release,
+    steps_in_parts,
     uncount_last_step,
 )
 from .callbacks import FlushWeights
@@ -454,14 +456,20 @@ class RoundPipeStrategy(CheckpointingStrategy):
         # the hyperparameters of this step, before Lightning steps the LR schedulers
         queued = QueuedStep(opt) if self.async_step and do_update else None
 
-        def step_fn() -> None:
+        def step_params(params: Sequence[Tensor] | None = None) -> None:
             try:
-                if overlap and do_update:
+                if params is None and overlap and do_update:
                     RoundPipePrecision.clip_masters(opt, model)
                 if queued is not None:
-                    queued.run(**kwargs)
+                    queued.run(params, **kwargs)
                 elif do_update:
                     opt.step(**kwargs)
+            except BaseException:
+                self._step_failed = True
+                raise
+
+        def finish() -> None:
+            try:
                 zero_grad(set_to_none=True)
             except BaseException:
                 self._step_failed = True
@@ -474,7 +482,11 @@ class RoundPipeStrategy(CheckpointingStrategy):
             mark_step_requested(opt)
             with self._unapplied_lock:
                 self._unapplied += 1
-        rp.step(step_fn, is_async=self.async_step)
+        if overlap and queued is not None and steps_in_parts(opt, model):
+            # the deepest layers step while the backward still runs on the first ones
+            rp.step_layerwise(step_params, finish)
+        else:
+            rp.step(in_order(step_params, finish), is_async=self.async_step)
         return closure_result
 
     # -- the weights users read are current ---------------------------------------------------------

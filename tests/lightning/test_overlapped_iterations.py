@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from rpl_helpers import BATCH, SeqModule, build_net, loader, max_rel_err, params_of, rp_trainer
 from torch import nn
 
-from roundpipe_lightning._step import LazyLoss
+from roundpipe_lightning._step import LazyLoss, QueuedStep
 
 ACC = 2
 STEPS = 10
@@ -104,6 +104,40 @@ def test_overlapped_training_is_the_stale_one_rule(clip: float | None) -> None:
     assert not any(isinstance(r, LazyLoss) for r in plain.results)
     # the lazy losses are the losses
     assert [float(r) for r in over.results] == pytest.approx([float(r) for r in plain.results])
+
+
+class Unhooked(Scheduled):
+    """Scheduled without the step hook: the queued step may run layer by layer."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+
+def test_layerwise_step_keeps_the_stale_one_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without clipping or step hooks, an overlapped window's step runs parameter by
+    parameter as the gradients complete (step_layerwise); the numbers do not change."""
+    parts: list[int | None] = []
+    run = QueuedStep.run
+
+    def recording(self: QueuedStep, params: Any = None, **kw: Any) -> Any:
+        parts.append(None if params is None else len(params))
+        return run(self, params, **kw)
+
+    monkeypatch.setattr(QueuedStep, "run", recording)
+    m = Unhooked()
+    rp_trainer(
+        max_steps=STEPS,
+        async_step=True,
+        accumulate_grad_batches=ACC,
+        strategy_kw={"overlap_iterations": True},
+    ).fit(m, loader(N))
+    assert max_rel_err(params_of(m), stale_one_reference()) <= 1e-6
+    n_params = len(list(m.parameters()))
+    assert None not in parts[1:], parts  # every overlapped window stepped layer-wise
+    assert sum(p or n_params for p in parts) == STEPS * n_params
+    assert len(parts) > STEPS, parts  # in several parts
 
 
 def test_lazy_loss_is_not_waited_for_by_the_loop() -> None:

@@ -1,0 +1,195 @@
+"""Stepping the optimizer layer by layer, as each layer's gradients complete.
+
+With overlapped iterations (``forward_backward(blocking=False)``) and the
+one-step-stale update, iteration k+2 needs step k's weights. A step taken in
+one call can only start once iteration k's last gradient is in -- that of the
+first layers, at the very end of its backward -- so a host step longer than
+the gap between iterations delays k+2's first forward. The backward completes
+the deepest layers first: stepping each parameter as soon as its gradient is
+complete in every iteration of the window hides most of the step behind the
+rest of the backward (``benchmarks/planner.py`` simulates both).
+
+``RoundPipe.step_layerwise(step_params)`` takes a function that updates *some*
+masters from their ``.grad``. That equals one step only for an optimizer whose
+update of a parameter reads nothing but that parameter's gradient and state
+(Adam, SGD, ...; not LBFGS, not a step that clips by the global norm first):
+:func:`steps_elementwise` tells which torch optimizers qualify.
+
+The optimizer thread runs one work item per step (:func:`run_layerwise`): it
+publishes the previous step's weights for each parameter as soon as no older
+iteration still has to upload it (as ``WeightVersions.publish`` does), and
+steps every published parameter whose gradients are complete, in chunks, in
+the order they complete, each parameter exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import optimizer as torch_optimizer
+
+from .schedule import Job
+
+if TYPE_CHECKING:
+    from .pipelined import PendingResult, PipelinedRuns
+
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "GradCompletion",
+    "run_layerwise",
+    "step_subset",
+    "steps_elementwise",
+]
+
+#: torch optimizers whose step updates each parameter from its own gradient and state
+#: only, so stepping the parameters in several calls equals one call
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adadelta,
+    torch.optim.Adagrad,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.ASGD,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.SGD,
+)
+
+_WAIT_SLICE_S = 0.05
+
+
+def steps_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` over a subset of its parameters at a time equals one
+    ``step()``: one of :data:`ELEMENTWISE_OPTIMIZERS` whose ``step`` is torch's own (a
+    subclass overriding it may couple parameters) and with no step hooks (they would
+    run once per subset)."""
+    cls = type(optimizer)
+    if not any(cls.step is base.step for base in ELEMENTWISE_OPTIMIZERS):
+        return False
+    hooks = (
+        getattr(optimizer, "_optimizer_step_pre_hooks", None),
+        getattr(optimizer, "_optimizer_step_post_hooks", None),
+        getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+        getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
+    )
+    return not any(hooks)
+
+
+def step_subset(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], **kwargs: Any
+) -> Any:
+    """``optimizer.step(**kwargs)`` over those of its parameters that are in ``params``
+    (the others are left alone: their ``.grad`` and state are not read). For an
+    optimizer where :func:`steps_elementwise` holds, stepping disjoint subsets that
+    cover all parameters equals one ``step()``."""
+    ids = {id(p) for p in params}
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    try:
+        for g in groups:
+            g["params"] = [p for p in g["params"] if id(p) in ids]
+        return optimizer.step(**kwargs)
+    finally:
+        for g, ps in zip(groups, saved):
+            g["params"] = ps
+
+
+class GradCompletion:
+    """Which masters a pipelined run's gradients are complete for: a master is complete
+    once every backward job holding one of its layers has downloaded its gradients.
+
+    Args:
+        jobs: the run's schedule.
+        masters_of: the masters of a job's layers.
+        notify: called (from a worker) when masters complete.
+    """
+
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        masters_of: Callable[[Job], list[nn.Parameter]],
+        notify: Callable[[], None],
+    ) -> None:
+        self._lock = threading.Lock()
+        self._owners: dict[int, list[int]] = {}
+        self._remaining: dict[int, int] = {}
+        for job in jobs:
+            if job.kind == "forward":
+                continue
+            ids = [id(m) for m in masters_of(job)]
+            self._owners[job.index] = ids
+            for k in ids:
+                self._remaining[k] = self._remaining.get(k, 0) + 1
+        self._notify = notify
+
+    def job_done(self, job: Job) -> None:
+        """``job``'s gradients are in the run's buffer (a worker's ``grads_done``)."""
+        completed = False
+        with self._lock:
+            for k in self._owners.get(job.index, ()):
+                self._remaining[k] -= 1
+                completed |= self._remaining[k] == 0
+        if completed:
+            self._notify()
+
+    def complete(self, master_id: int) -> bool:
+        with self._lock:
+            return self._remaining.get(master_id, 0) == 0
+
+
+def _complete_in(runs: Sequence[PendingResult], master_id: int) -> bool:
+    for r in runs:
+        if r.done():
+            continue  # a finished run's gradients are all in its buffer
+        if r.completion is None or not r.completion.complete(master_id):
+            return False
+    return True
+
+
+def run_layerwise(
+    pipeline: PipelinedRuns,
+    runs: Sequence[PendingResult],
+    version: int,
+    step_params: Callable[[list[nn.Parameter]], Any],
+    finish: Callable[[], Any] | None,
+) -> None:
+    """One deferred step, on the optimizer thread: publish ``version`` parameter by
+    parameter, step each published parameter once its gradients are complete in every
+    run of ``runs`` (merged into ``.grad`` in issue order, as the one-call step does),
+    then ``finish()``."""
+    versions, masters, stepper = pipeline.versions, pipeline.masters, pipeline.stepper
+    by_id = {id(m): m for m in masters.params()}
+    to_publish = versions.stale(version)
+    to_step = list(by_id)
+    while to_step:
+        to_publish = versions.publish_ready(version, to_publish)
+        for r in runs:
+            if r.error is not None:
+                raise r.error
+        failure = stepper.failure
+        if failure is not None:
+            raise failure
+        with versions.cond:
+            ready = [k for k in to_step if versions.version[k] >= version and _complete_in(runs, k)]
+            if not ready and not versions.any_publishable(version, to_publish):
+                # a worker's upload, completed gradients or a run's end notify this
+                versions.cond.wait(_WAIT_SLICE_S)
+                continue
+        if not ready:
+            continue
+        chunk = [by_id[k] for k in ready]
+        for r in runs:  # issue order: the sums of a blocking loop
+            masters.add_many(r.buffer.take(chunk))
+        step_params(chunk)
+        done = set(ready)
+        to_step = [k for k in to_step if k not in done]
+    for r in runs:
+        pipeline.merge(r)  # nothing left to add: marks them merged
+    if finish is not None:
+        finish()
