@@ -23,6 +23,9 @@ round by round, interleaved:
 - ``blocking=False``: ``forward_backward(blocking=False)`` then ``step(is_async=True)``
   (overlapped iterations), results collected at the end (not with ``--grad-hook``:
   non-blocking calls do not support grad hooks);
+- ``blocking=False, layer-wise``: the same with ``step_layerwise`` (each layer's share
+  of the step, in proportion to its parameters, runs as soon as its gradients are
+  complete);
 - ``iteration only`` / ``step only``: the two halves alone, for the ideal.
 
 Printed: ms per step (median and interquartile spread), the per-round ratios
@@ -50,6 +53,7 @@ from _interleave import Timing, format_table, interleave
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core.layerwise import step_subset
 
 
 def build(width: int, layers: int) -> nn.Sequential:
@@ -80,6 +84,8 @@ class Core:
         self.y = torch.randn(args.batch, args.width)
         self.step_s = 0.0
         self._rps: list[RoundPipe] = []
+        # per RoundPipe: its step in parts (step_layerwise) and the zero_grad after it
+        self.parts: dict[int, tuple[Callable[[list[torch.Tensor]], None], Callable[[], None]]] = {}
 
     def new(self) -> tuple[RoundPipe, Callable[[], None]]:
         a = self.args
@@ -97,11 +103,19 @@ class Core:
             rp.register_grad_hook(lambda masters: None)
         opt = torch.optim.SGD(rp.optim_parameters(), lr=1e-4)
 
+        total = sum(p.numel() for p in rp.optim_parameters())
+
         def step_fn() -> None:
             time.sleep(self.step_s)
             opt.step()
             opt.zero_grad()
 
+        def step_part(params: list[torch.Tensor]) -> None:
+            # a part's share of the step, in proportion to its parameters
+            time.sleep(self.step_s * sum(p.numel() for p in params) / total)
+            step_subset(opt, params)
+
+        self.parts[id(rp)] = (step_part, opt.zero_grad)
         return rp, step_fn
 
     def fb(self, rp: RoundPipe, blocking: bool = True) -> Any:
@@ -112,6 +126,7 @@ class Core:
         rp_sync, step_sync = self.new()
         rp_async, step_async = self.new()
         rp_pipe, step_pipe = self.new()
+        rp_layer, _ = self.new()
         rp_iter, _ = self.new()
         _, step_only = self.new()
 
@@ -135,6 +150,16 @@ class Core:
                 p.result(timeout=600)
             rp_pipe.synchronize()
 
+        def layerwise() -> None:
+            step_part, finish = self.parts[id(rp_layer)]
+            pending = []
+            for _ in range(n):
+                pending.append(self.fb(rp_layer, blocking=False))
+                rp_layer.step_layerwise(step_part, finish)
+            for p in pending:
+                p.result(timeout=600)
+            rp_layer.synchronize()
+
         def iteration() -> None:
             for _ in range(n):
                 self.fb(rp_iter)
@@ -145,9 +170,14 @@ class Core:
             for _ in range(n):
                 step_only()
 
-        out = {"sync": sync, "async": asynchronous, "blocking=False": pipelined}
+        out = {
+            "sync": sync,
+            "async": asynchronous,
+            "blocking=False": pipelined,
+            "blocking=False, layer-wise": layerwise,
+        }
         if self.args.grad_hook:
-            del out["blocking=False"]
+            del out["blocking=False"], out["blocking=False, layer-wise"]
         return {**out, "iteration only": iteration, "step only": step}
 
     def calibrate(self) -> float:

@@ -56,8 +56,9 @@ default) and 2 x devices, each row shows:
   than an iteration becomes the pace. Two step models: one call after the whole
   iteration (today's ``step_fn``), and a step taken layer by layer as soon as a
   layer's last gradient is in (``simulate(step_per_layer=True)``, shares in
-  proportion to parameter bytes); the "Lightning path" line is the strategy's
-  ``async_step=True`` with a host step of half an iteration.
+  proportion to parameter bytes; what ``RoundPipe.step_layerwise`` runs); the
+  "Lightning path" line is the strategy's ``async_step=True`` with a host step of
+  half an iteration.
 """
 
 from __future__ import annotations
@@ -424,10 +425,12 @@ def overlap_report(key: str = "qwen3-1.7b", devices: int = 8, mbs: int = 9) -> l
             )
         lines.append(f"  with a host optimizer step, {what} (32 iterations): " + ", ".join(steps))
     lines.append(
-        "  Lightning path (async_step=True runs forward_backward(blocking=False); weights are "
-        "published per layer, a job waits only for its own layers): step of half an iteration "
-        f"{bound.makespan_ms / per_iteration(32, 0.5 * one.makespan_ms):.2f}x as one call, "
-        f"{bound.makespan_ms / per_iteration(32, 0.5 * one.makespan_ms, True):.2f}x stepped per layer"
+        "  Lightning path (async_step=True runs forward_backward(blocking=False) and, for an "
+        "elementwise optimizer without clipping, step_layerwise; weights are published per "
+        "layer, a job waits only for its own layers): step of half an iteration "
+        f"{bound.makespan_ms / per_iteration(32, 0.5 * one.makespan_ms, True):.2f}x "
+        f"({bound.makespan_ms / per_iteration(32, 0.5 * one.makespan_ms):.2f}x with clipping "
+        "or another optimizer: one step call)"
     )
     steady = ModelExecutePlan.auto(
         "fused",
