@@ -33,9 +33,11 @@ sync / variant (median and spread; the ideal ratio is sync / ideal), and the sha
 of the possible overlap each variant recovers, (sync - variant) / (sync - ideal).
 
 Lightning (unless ``--no-lightning``): the same network trained by
-``Trainer(strategy=RoundPipeStrategy(async_step=...))`` with an optimizer whose
-step sleeps as long as a measured Lightning iteration; ms per step after the
-first, ``async_step=False`` / ``True`` per round.
+``Trainer(strategy=RoundPipeStrategy(async_step=...))`` with an SGD whose step
+sleeps as long as a measured Lightning iteration (in proportion to the parameters
+it steps); ms per step after the first, and ``async_step=False`` / variant per
+round, for ``async_step=True`` with the step in one call and with the same
+optimizer declared elementwise, which the strategy steps layer by layer.
 """
 
 from __future__ import annotations
@@ -241,11 +243,20 @@ def lightning_bench(args: argparse.Namespace) -> None:
     sleep_s = [0.0]
 
     class SleepySGD(torch.optim.SGD):
-        """SGD whose step also sleeps: a host step as long as an iteration."""
+        """SGD whose step also sleeps: a host step as long as an iteration, in proportion
+        to the parameters it steps (all of them, or a layer-wise step's part)."""
+
+        total = 0
 
         def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-            time.sleep(sleep_s[0])
+            n = sum(p.numel() for g in self.param_groups for p in g["params"])
+            time.sleep(sleep_s[0] * n / (self.total or n))
             return super().step(closure)
+
+    class SleepyPartsSGD(SleepySGD):
+        """The same, declared elementwise: the strategy steps it layer by layer."""
+
+        roundpipe_elementwise = True
 
     class Clock(L.Callback):
         def __init__(self) -> None:
@@ -272,9 +283,12 @@ def lightning_bench(args: argparse.Namespace) -> None:
             return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
 
         def configure_optimizers(self) -> Any:
-            return SleepySGD(self.parameters(), lr=1e-4)
+            cls = SleepyPartsSGD if self.layerwise else SleepySGD
+            opt = cls(self.parameters(), lr=1e-4)
+            opt.total = sum(p.numel() for p in self.parameters())
+            return opt
 
-    def fit(async_step: bool) -> float:
+    def fit(async_step: bool, layerwise: bool = False) -> float:
         clock = Clock()
         trainer = L.Trainer(
             strategy=RoundPipeStrategy(async_step=async_step),
@@ -288,30 +302,40 @@ def lightning_bench(args: argparse.Namespace) -> None:
             callbacks=[clock],
         )
         loader = DataLoader(data, batch_size=args.batch)
-        trainer.fit(Lit(), loader)
+        lit = Lit()
+        lit.layerwise = layerwise
+        trainer.fit(lit, loader)
         return (clock.t1 - clock.t0) / (steps - 1)
 
     iteration_s = statistics.median(fit(False) for _ in range(2))
     sleep_s[0] = iteration_s if args.step_ms is None else args.step_ms / 1e3
-    t_sync: list[float] = []
-    t_async: list[float] = []
+    variants = {
+        "async_step=False": lambda: fit(False),
+        "async_step=True, one step call": lambda: fit(True),
+        "async_step=True, layer-wise": lambda: fit(True, layerwise=True),
+    }
+    times: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(args.lightning_rounds):
-        for async_step in (False, True) if r % 2 == 0 else (True, False):
-            (t_async if async_step else t_sync).append(fit(async_step))
-    s, a = statistics.median(t_sync), statistics.median(t_async)
-    ratio = _quartiles([x / y for x, y in zip(t_sync, t_async)])
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for k in order:
+            times[k].append(variants[k]())
     ideal = max(iteration_s, sleep_s[0])
     print(
         f"\nLightning, {steps - 1} timed steps per fit, {args.lightning_rounds} interleaved "
         f"rounds; iteration without step {iteration_s * 1e3:.1f} ms, step sleeps "
-        f"{sleep_s[0] * 1e3:.1f} ms"
+        f"{sleep_s[0] * 1e3:.1f} ms (in proportion to the parameters stepped); ideal "
+        f"max(iteration, step) {ideal * 1e3:.1f} ms/step"
     )
-    print(f"  async_step=False: {s * 1e3:.1f} ms/step   async_step=True: {a * 1e3:.1f} ms/step")
-    line = f"  False / True: {ratio[0]:.2f} [{ratio[1]:.2f}..{ratio[2]:.2f}]   "
-    line += f"ideal max(iteration, step) {ideal * 1e3:.1f} ms/step (False / ideal {s / ideal:.2f})"
-    if s > ideal:
-        line += f"; overlap recovered {(s - a) / (s - ideal):.0%}"
-    print(line)
+    base = times["async_step=False"]
+    s = statistics.median(base)
+    print(f"  async_step=False: {s * 1e3:.1f} ms/step (False / ideal {s / ideal:.2f})")
+    for k in list(variants)[1:]:
+        a = statistics.median(times[k])
+        ratio = _quartiles([x / y for x, y in zip(base, times[k])])
+        line = f"  {k}: {a * 1e3:.1f} ms/step, False / it: {ratio[0]:.2f} [{ratio[1]:.2f}..{ratio[2]:.2f}]"
+        if s > ideal:
+            line += f"; overlap recovered {(s - a) / (s - ideal):.0%}"
+        print(line)
 
 
 def main() -> None:

@@ -67,10 +67,12 @@ _WAIT_SLICE_S = 0.05
 def steps_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` over a subset of its parameters at a time equals one
     ``step()``: one of :data:`ELEMENTWISE_OPTIMIZERS` whose ``step`` is torch's own (a
-    subclass overriding it may couple parameters) and with no step hooks (they would
+    subclass overriding it may couple parameters), or a class that declares it with a
+    class attribute ``roundpipe_elementwise = True``; and no step hooks (they would
     run once per subset)."""
     cls = type(optimizer)
-    if not any(cls.step is base.step for base in ELEMENTWISE_OPTIMIZERS):
+    declared = getattr(cls, "roundpipe_elementwise", None) is True
+    if not declared and not any(cls.step is base.step for base in ELEMENTWISE_OPTIMIZERS):
         return False
     hooks = (
         getattr(optimizer, "_optimizer_step_pre_hooks", None),

@@ -159,6 +159,11 @@ def test_which_optimizers_step_in_parts() -> None:
             return super().step(closure)
 
     assert not steps_elementwise(Coupled(ps, lr=0.1))
+
+    class Declared(Coupled):
+        roundpipe_elementwise = True
+
+    assert steps_elementwise(Declared(ps, lr=0.1))
     hooked = torch.optim.Adam(ps)
     hooked.register_step_pre_hook(lambda *a: None)
     assert not steps_elementwise(hooked)
