@@ -169,7 +169,7 @@ def adopt_optimizer(
         new, seen = [], set()
         for p in group["params"]:
             m = masters.get(id(p), p)
-            adopted += m is not p
+            adopted += id(p) in masters  # a shared master is the parameter itself
             if id(m) not in seen:
                 seen.add(id(m))
                 new.append(m)

@@ -109,7 +109,10 @@ class RoundPipeStrategy(CheckpointingStrategy):
             such as ``"float32"`` works too, for YAML configs). ``None``: the model's dtype.
         pin_model: host memory of the parameters on CUDA ("alloc", "register", "off").
         async_step: overlap the optimizer step with the next iteration (weights one
-            step stale, as in RoundPipe). ``False``: the same computation as plain PyTorch.
+            step stale, as in RoundPipe). ``False``: the same computation as plain PyTorch,
+            and parameters already in ``optim_dtype`` (an fp32 module) are their own
+            masters (``RoundPipe(shared_masters=True)``): one copy of the weights in host
+            memory instead of two, the same numbers.
         fuse_optimizer: run the optimizers of ``configure_optimizers`` on torch's fused
             CPU kernel (Adam, AdamW, SGD, Adagrad) when they were built without a
             ``fused`` / ``foreach`` choice: switched in place at setup, the same update
@@ -302,6 +305,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             pin_model=self.pin_model,
             devices=pool_arg,
             original_model=original,
+            # a synchronous step may update the weights in place: no separate fp32 copy
+            shared_masters=not self.async_step,
         )
         self._rp, self._rp_open = rp, True
         try:
