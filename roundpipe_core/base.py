@@ -241,7 +241,8 @@ class RoundPipeBase(nn.Module):
 
     # -- parameters ----------------------------------------------------------------
     def optim_parameters(self) -> list[nn.Parameter]:
-        """The master copies the optimizer updates (trainable parameters only)."""
+        """The master copies the optimizer updates (trainable parameters only); with
+        ``shared_masters=True``, the module's own parameters where they are their master."""
         return self.masters.params()
 
     def optim_named_parameters(
@@ -436,6 +437,9 @@ class RoundPipeBase(nn.Module):
         changed in place -> that tensor; untouched -> the masters' ``.grad`` stands
         (a ``step()`` on the masters consumed it). The module's ``.grad`` is then
         cleared again: the masters hold the gradients between synchronizations.
+
+        A parameter that is its own master (``shared_masters=True``) holds its gradients
+        in its own ``.grad`` all the time; nothing is handed over or cleared for it.
         """
         self._settle()
         self._home().masters.hand_grads_to_model()
