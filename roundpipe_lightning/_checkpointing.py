@@ -124,7 +124,7 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
                 src = saved.get(name)
                 if src is not None:
                     m.copy_(src)
-                elif m is not p:  # a shared master was loaded with the model's weights
+                elif m is not p:  # (a shared master is the parameter: loaded already)
                     m.copy_(p)
                 m.grad = None
         if self._loss_scaler is not None and "loss_scaler" in state:
