@@ -13,6 +13,11 @@ Two parts:
   engine (2 CPU workers, AdamW) vs ``estimate_host_memory``'s prediction, for
   an fp32 and a bf16 model (fp32 masters), and the bytes per parameter next to
   plain PyTorch training the same model with the same optimizer.
+* ``lightning``: the peak RSS of the *whole process* (interpreter, torch and
+  Lightning included) training the fp32 model through Lightning, in bytes per
+  parameter: ``RoundPipeStrategy(async_step=False)`` (the parameters are their
+  own masters), ``async_step=True`` (separate fp32 masters) and Lightning's
+  default strategy with a plain ``loss.backward()``.
 * ``checkpoint``: through Lightning, the peak while saving a checkpoint and
   while resuming from it, each divided by the training peak of the same
   process, with the strategy's ``StreamingCheckpointIO`` and with Lightning's
@@ -20,7 +25,7 @@ Two parts:
 
 Run (Linux; a ~150M-parameter model needs ~8 GB of free RAM; ~10 minutes on 2 cores):
 
-    python benchmarks/host_memory.py                       # both parts, 3 rounds
+    python benchmarks/host_memory.py                       # all parts, 3 rounds
     python benchmarks/host_memory.py --part budget --rounds 1 --width 512  # quick
 """
 
@@ -152,6 +157,81 @@ def child_plain(width: int, blocks: int, dtype: str, steps: int) -> dict[str, An
     n = sum(p.numel() for p in net.parameters())
     peak = _peak() - base
     return {"params": n, "measured": peak, "bpp": peak / n}
+
+
+def child_lightning_train(width: int, blocks: int, variant: str, steps: int) -> dict[str, Any]:
+    """Peak RSS of this whole process training the fp32 model through Lightning.
+
+    ``variant``: "sync" (``RoundPipeStrategy(async_step=False)``), "async"
+    (``async_step=True``) or "plain" (Lightning's default strategy, ``loss.backward()``).
+    """
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from roundpipe_core.host_memory import estimate_host_memory
+    from roundpipe_lightning import RoundPipeStrategy
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _build(width, blocks, "fp32")
+
+        def configure_sequential(self) -> Any:
+            return self.net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            if variant == "plain":
+                return _loss(self.net(x), y)
+            return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    predicted: dict[str, int] = {}
+
+    class Budget(L.Callback):
+        """What the strategy's setup budgets (a plain run: the module's own state)."""
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            target = pl_module.net if variant == "plain" else pl_module.roundpipe
+            budget = estimate_host_memory(
+                target, optimizer=list(trainer.optimizers), shared_masters=True
+            )
+            predicted["total"] = budget.total
+
+    x, y = _data(width, "fp32")
+    data = DataLoader(TensorDataset(x.repeat(4, 1), y.repeat(4, 1)), batch_size=24)
+    runtime = _rss()  # interpreter + torch + Lightning, before the model exists
+    if variant == "plain":
+        kw: dict[str, Any] = {"devices": 1}
+    else:
+        kw = {
+            "devices": 2,
+            "strategy": RoundPipeStrategy(num_microbatch=3, async_step=variant == "async"),
+        }
+    module = Lit()
+    n = sum(p.numel() for p in module.parameters())
+    L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Budget()],
+        **kw,
+    ).fit(module, data)
+    peak = _peak()
+    return {
+        "params": n,
+        "peak": peak,
+        "bpp": peak / n,
+        "runtime": runtime,
+        "state_bpp": (peak - runtime) / n,
+        "ratio": (peak - runtime) / predicted["total"],
+    }
 
 
 def child_lightning(
@@ -308,12 +388,46 @@ def _precision(rounds: int) -> None:
         )
 
 
+_LIGHTNING_VARIANTS = {
+    "sync": "RoundPipeStrategy(async_step=False)",
+    "async": "RoundPipeStrategy(async_step=True)",
+    "plain": "Lightning default strategy",
+}
+
+
+def _lightning_rows(common: list[str], rounds: int) -> None:
+    """Whole-process peak RSS per parameter through Lightning, the variants interleaved
+    round by round (a fresh process each)."""
+    res: dict[str, list[dict[str, Any]]] = {v: [] for v in _LIGHTNING_VARIANTS}
+    for _ in range(rounds):
+        for variant in _LIGHTNING_VARIANTS:
+            res[variant].append(_run_child([*common, "--child", "lightning_train", variant]))
+    n = res["sync"][0]["params"]
+    print(f"\n== fp32 model through Lightning, AdamW, {n:,} params: whole-process peak RSS ==")
+    print(
+        f"{'strategy':38} {'peak GiB':>9} {'B/param':>20} {'above runtime B/param':>24} "
+        f"{'above runtime / budget':>24}"
+    )
+    for variant, rows in res.items():
+        print(
+            f"{_LIGHTNING_VARIANTS[variant]:38} {statistics.median(r['peak'] for r in rows) / GiB:9.2f} "
+            f"{_summary([r['bpp'] for r in rows], '{:.1f}'):>20} "
+            f"{_summary([r['state_bpp'] for r in rows], '{:.1f}'):>24} "
+            f"{_summary([r['ratio'] for r in rows]):>24}"
+        )
+    sync, plain = res["sync"], res["plain"]
+    ratios = [s["peak"] / p["peak"] for s, p in zip(sync, plain)]
+    print(f"sync RoundPipe peak / plain Lightning peak (per round): {_summary(ratios)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line and run the requested parts (or one child measurement)."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--part", choices=["budget", "checkpoint", "precision", "all"], default="all")
+    p.add_argument(
+        "--part", choices=["budget", "lightning", "checkpoint", "precision", "all"], default="all"
+    )
     p.add_argument(
         "--width", type=int, default=1536, help="block width (1536 x 8 blocks ~ 151M params)"
     )
@@ -330,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
             out = child_core(a.width, a.blocks, dtype, a.steps)
         elif kind == "plain":
             out = child_plain(a.width, a.blocks, dtype, a.steps)
+        elif kind == "lightning_train":
+            out = child_lightning_train(a.width, a.blocks, dtype, a.steps)
         else:
             out = child_lightning(a.width, a.blocks, dtype, a.steps, a.child[2], a.child[3])
         print(json.dumps(out))
@@ -357,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"RoundPipe bytes/param     : {_summary([r['bpp'] for r in core], '{:.1f}')}")
             print(f"plain PyTorch bytes/param : {_summary([r['bpp'] for r in plain], '{:.1f}')}")
+    if a.part in ("lightning", "all"):
+        _lightning_rows(common, a.rounds)
     if a.part in ("checkpoint", "all"):
         ck: dict[tuple[str, str], list[dict[str, Any]]] = {}
         with tempfile.TemporaryDirectory() as d:

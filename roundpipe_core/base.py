@@ -110,6 +110,9 @@ class RoundPipeBase(nn.Module):
         original_model: where attribute reads and writes fall through to (default ``model``).
         master_owner: another RoundPipe whose master copies cover this model's parameters;
             this one then makes no masters and accumulates its gradients into the owner's.
+        shared_masters: a trainable host parameter whose dtype is ``optim_dtype`` is its
+            own master (one tensor instead of two; see ``RoundPipe``). Every ``step()``
+            is then synchronous.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class RoundPipeBase(nn.Module):
         devices: Any = None,
         original_model: Any = None,
         master_owner: RoundPipeBase | None = None,
+        shared_masters: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -135,6 +139,11 @@ class RoundPipeBase(nn.Module):
         ):
             raise TypeError(
                 f"optim_dtype must be a floating torch.dtype such as torch.float32, got {optim_dtype!r}"
+            )
+        if not isinstance(shared_masters, bool):
+            raise TypeError(
+                f"shared_masters must be True or False, got {shared_masters!r} "
+                f"({type(shared_masters).__name__})"
             )
         if master_owner is not None and not isinstance(master_owner, RoundPipeBase):
             raise TypeError(f"master_owner must be a RoundPipe, got {type(master_owner).__name__}")
@@ -158,7 +167,11 @@ class RoundPipeBase(nn.Module):
             # pinned host memory makes uploads asynchronous; "register" must be undone at close
             pin_handle = memory.prepare_host_params(model, pin)
 
-        self.masters = MasterWeights(model, self.optim_dtype, create=master_owner is None)
+        self.masters = MasterWeights(
+            model, self.optim_dtype, create=master_owner is None, share=shared_masters
+        )
+        self.shared_masters = shared_masters
+        self._warned_sync_step = False
         object.__setattr__(self, "_master_owner", master_owner)
         self._stepper = Stepper(self.name)
         self._pipeline = PipelinedRuns(layers, self.masters, self._stepper)
@@ -228,7 +241,8 @@ class RoundPipeBase(nn.Module):
 
     # -- parameters ----------------------------------------------------------------
     def optim_parameters(self) -> list[nn.Parameter]:
-        """The master copies the optimizer updates (trainable parameters only)."""
+        """The master copies the optimizer updates (trainable parameters only); with
+        ``shared_masters=True``, the module's own parameters where they are their master."""
         return self.masters.params()
 
     def optim_named_parameters(
@@ -337,6 +351,11 @@ class RoundPipeBase(nn.Module):
         update; the new weights enter the model at the next ``step()`` / ``synchronize()``,
         so each iteration computes with weights one step stale (as upstream RoundPipe).
 
+        With ``shared_masters=True`` and at least one parameter that is its own master,
+        every step is synchronous: ``is_async=True`` runs as ``is_async=False`` (a
+        warning says so once). The step writes the very weights devices upload, so
+        nothing may read them while it runs; it waits for the calls issued before it.
+
         After a non-blocking ``forward_backward(blocking=False)`` whose gradients are not
         in ``.grad`` yet, the step is deferred (this call does not wait): the optimizer
         thread runs it once those gradients are complete, and the previous step's weights
@@ -352,6 +371,7 @@ class RoundPipeBase(nn.Module):
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be True or False, got {is_async!r}")
         self._check_open()
+        is_async = self._async_allowed(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
         fn = self._step_recorder.wrap(fn)
         self._pipeline.raise_failure()
@@ -362,6 +382,22 @@ class RoundPipeBase(nn.Module):
             self._pipeline.defer_step(fn)  # its error is raised through raise_failure()
         if not is_async:
             self._settle()
+
+    def _async_allowed(self, is_async: bool) -> bool:
+        """``is_async``, unless a master is shared: the step then writes the weights the
+        devices read, so it must be synchronous (said once)."""
+        if is_async and self._home().masters.num_shared:
+            if not self._warned_sync_step:
+                self._warned_sync_step = True
+                warnings.warn(
+                    f"RoundPipe {self.name!r}: step(is_async=True) runs synchronously because "
+                    "shared_masters=True (the optimizer updates the weights devices read, in "
+                    "place); pass shared_masters=False for an asynchronous, one-step-stale step",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return False
+        return is_async
 
     def step_layerwise(
         self,
@@ -403,6 +439,7 @@ class RoundPipeBase(nn.Module):
 
             self.step(whole, is_async=is_async)
             return
+        is_async = self._async_allowed(is_async)
         self._pipeline.defer_layerwise_step(step_params, finish, self._step_recorder.wrap)
         if not is_async:
             self._settle()
@@ -451,6 +488,9 @@ class RoundPipeBase(nn.Module):
         changed in place -> that tensor; untouched -> the masters' ``.grad`` stands
         (a ``step()`` on the masters consumed it). The module's ``.grad`` is then
         cleared again: the masters hold the gradients between synchronizations.
+
+        A parameter that is its own master (``shared_masters=True``) holds its gradients
+        in its own ``.grad`` all the time; nothing is handed over or cleared for it.
         """
         self._settle()
         self._home().masters.hand_grads_to_model()

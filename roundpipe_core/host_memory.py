@@ -7,7 +7,8 @@ run holds at its peak, line by line:
 ========================  ==========================================================
 weights                   the model's parameters and buffers (model dtype)
 masters                   the optimizer's copies of the trainable parameters
-                          (``optim_dtype``); none where they share the weights' storage
+                          (``optim_dtype``); none where a parameter is its own master
+                          (``shared_masters=True``: same dtype, synchronous step)
 gradients                 one gradient per master (``optim_dtype``)
 optimizer state           states per parameter x master size: Adam/AdamW 2, SGD with
                           momentum 1, without 0, ... (see :data:`OPTIMIZER_STATES`)
@@ -295,6 +296,7 @@ def estimate_host_memory(
     num_microbatch: int | None = None,
     activation_bytes_per_microbatch: int = 0,
     plan: Any = None,
+    shared_masters: bool = False,
 ) -> HostMemoryBudget:
     """The host bytes a training run of ``model`` needs at its peak (see the module docstring).
 
@@ -315,6 +317,10 @@ def estimate_host_memory(
             RoundPipe keeps one per forward stage boundary and microbatch for recompute.
         plan: the "fused" ``ModelExecutePlan`` to budget the worker copies for
             (default: the RoundPipe's current plan for ``forward_backward``).
+        shared_masters: for a plain module: a trainable parameter already in
+            ``optim_dtype`` is its own master and costs no master bytes (what
+            ``RoundPipe(shared_masters=True)`` and ``RoundPipeStrategy(async_step=False)``
+            do). A RoundPipe's own masters are measured instead: a shared one counts once.
 
     Raises:
         TypeError / ValueError: for a non-module, a negative byte count or an
@@ -328,6 +334,8 @@ def estimate_host_memory(
         or optimizer_states < 0
     ):
         raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
+    if not isinstance(shared_masters, bool):
+        raise TypeError(f"shared_masters must be True or False, got {shared_masters!r}")
     if not isinstance(activation_bytes_per_microbatch, int) or activation_bytes_per_microbatch < 0:
         raise ValueError(
             f"activation_bytes_per_microbatch must be an int >= 0 (bytes), got {activation_bytes_per_microbatch!r}"
@@ -368,7 +376,12 @@ def estimate_host_memory(
             id(p): torch.empty((), dtype=dtype or p.dtype).element_size() for p in trainable
         }
         master_numel_bytes = sum(p.numel() * itemsize[id(p)] for p in trainable)
-        masters = master_numel_bytes
+        # a parameter that is its own master (same dtype, on the host) adds nothing
+        masters = sum(
+            p.numel() * itemsize[id(p)]
+            for p in trainable
+            if not (shared_masters and (dtype or p.dtype) == p.dtype and p.device.type == "cpu")
+        )
         already = weights
     gradients = master_numel_bytes
     if optimizers is not None and optimizer_states is None:

@@ -4,6 +4,12 @@ The wrapped module keeps its own parameters (what devices upload); the masters
 (``optim_dtype``, usually fp32) are what the optimizer updates. Gradients of
 every pipelined call are accumulated into the masters' ``.grad``; a step's
 result reaches the module through :meth:`MasterWeights.copy_to_model`.
+
+With ``share=True`` a host parameter that already has the masters' dtype is its
+own master (one tensor, not two): the optimizer updates the module's weights in
+place and its ``.grad`` is the master's. Such a *shared* entry has nothing to
+copy and nothing to hand over; the RoundPipe then runs every step synchronously,
+since no second copy exists for devices to read while a step writes.
 """
 
 from __future__ import annotations
@@ -24,24 +30,40 @@ class MasterWeights:
         model: the wrapped module.
         optim_dtype: dtype of the masters.
         create: False for a model whose masters another RoundPipe owns (none are made).
+        share: a trainable host parameter of dtype ``optim_dtype`` is its own master
+            (no copy); other parameters still get copies.
     """
 
-    def __init__(self, model: nn.Module, optim_dtype: torch.dtype, create: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, optim_dtype: torch.dtype, create: bool = True, share: bool = False
+    ) -> None:
         self.entries: list[tuple[str, nn.Parameter, nn.Parameter]] = []
+        # the entries whose master is a separate tensor (what copy_to_model writes)
+        self.copies: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         self.master_of: dict[int, nn.Parameter] = {}
         # guards the masters' .grad: workers add to it while the caller may read it
         self.grad_lock = threading.Lock()
         if create:
             for pname, p in model.named_parameters():
-                if p.requires_grad:
+                if not p.requires_grad:
+                    continue
+                if share and p.dtype == optim_dtype and p.device.type == "cpu":
+                    m = p
+                else:
                     m = nn.Parameter(p.detach().to(dtype=optim_dtype, copy=True))
-                    self.entries.append((pname, p, m))
-                    self.master_of[id(p)] = m
+                    self.copies.append((pname, p, m))
+                self.entries.append((pname, p, m))
+                self.master_of[id(p)] = m
         # model parameter id -> (param, master, the .grad handed to it, its version, shared)
         self._handed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor, int, bool]] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def num_shared(self) -> int:
+        """Entries whose master is the model parameter itself."""
+        return len(self.entries) - len(self.copies)
 
     def params(self) -> list[nn.Parameter]:
         return [m for _, _, m in self.entries]
@@ -72,7 +94,7 @@ class MasterWeights:
     def copy_to_model(self) -> None:
         """Put the masters' values into the model's parameters."""
         with torch.no_grad():
-            for _, p, m in self.entries:
+            for _, p, m in self.copies:  # a shared master already is the parameter
                 p.copy_(m)
 
     def of_layers(self, layers: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -87,9 +109,10 @@ class MasterWeights:
 
     def hand_grads_to_model(self) -> None:
         """Show each master's accumulated gradient as its model parameter's ``.grad``
-        (``synchronize()``; see there for what happens next)."""
+        (``synchronize()``; see there for what happens next). A shared master's
+        ``.grad`` already is its parameter's: it is neither handed over nor taken back."""
         with self.grad_lock:
-            for _, p, m in self.entries:
+            for _, p, m in self.copies:
                 g = m.grad
                 if g is None:
                     continue

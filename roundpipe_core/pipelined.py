@@ -207,8 +207,9 @@ class WeightVersions:
         ready.sort(key=lambda k: self.holders[k][0])
         for k in ready:
             p, m = self._pair[k]
-            with torch.no_grad():
-                p.copy_(m)
+            if p is not m:  # a shared master: the step already wrote the weights
+                with torch.no_grad():
+                    p.copy_(m)
             with self._cond:
                 self.version[k] = version
                 self._cond.notify_all()

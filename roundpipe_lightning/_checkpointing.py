@@ -122,7 +122,10 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
         with torch.no_grad():
             for name, p, m in self._named_masters():
                 src = saved.get(name)
-                m.copy_(src if src is not None else p)
+                if src is not None:
+                    m.copy_(src)
+                elif m is not p:  # (a shared master is the parameter: loaded already)
+                    m.copy_(p)
                 m.grad = None
         if self._loss_scaler is not None and "loss_scaler" in state:
             self._loss_scaler.load_state_dict(state["loss_scaler"])

@@ -35,6 +35,7 @@ __all__ = [
     "host_memory_budget",
     "op_name",
     "reaches_params",
+    "check_loss_went_through",
 ]
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def adopt_optimizer(
         new, seen = [], set()
         for p in group["params"]:
             m = masters.get(id(p), p)
-            adopted += m is not p
+            adopted += id(p) in masters  # a shared master is the parameter itself
             if id(m) not in seen:
                 seen.add(id(m))
                 new.append(m)
@@ -338,4 +339,18 @@ def host_memory_budget(
             )
         return estimate_host_memory(
             rp, optimizer_states=ASSUMED_OPTIMIZER_STATES, num_microbatch=num_microbatch
+        )
+
+
+def check_loss_went_through(loss: Tensor, rp: RoundPipe) -> None:
+    """Refuse a loss whose graph reaches the wrapped network's own parameters: the
+    network ran outside RoundPipe, its gradients would never reach the masters the
+    optimizer steps, and training would silently do nothing."""
+    if loss.requires_grad and reaches_params(loss, {id(p) for p in rp.model.parameters()}):
+        raise RuntimeError(
+            "the loss was computed by calling the network configure_sequential() returned "
+            "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "
+            "call it through self.roundpipe instead: "
+            "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) "
+            "or out = self.roundpipe(x)"
         )

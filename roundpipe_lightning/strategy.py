@@ -60,13 +60,13 @@ from ._setup import (
     adopt_optimizer,
     check_bool,
     check_choice,
+    check_loss_went_through,
     check_num_microbatch,
     check_pool_devices,
     check_type,
     fuse_optimizer,
     host_memory_budget,
     parse_dtype,
-    reaches_params,
     sequential_of,
 )
 from ._step import (
@@ -112,7 +112,10 @@ class RoundPipeStrategy(CheckpointingStrategy):
             such as ``"float32"`` works too, for YAML configs). ``None``: the model's dtype.
         pin_model: host memory of the parameters on CUDA ("alloc", "register", "off").
         async_step: overlap the optimizer step with the next iteration (weights one
-            step stale, as in RoundPipe). ``False``: the same computation as plain PyTorch.
+            step stale, as in RoundPipe). ``False``: the same computation as plain PyTorch,
+            and parameters already in ``optim_dtype`` (an fp32 module) are their own
+            masters (``RoundPipe(shared_masters=True)``): one copy of the weights in host
+            memory instead of two, the same numbers.
         fuse_optimizer: run the optimizers of ``configure_optimizers`` on torch's fused
             CPU kernel (Adam, AdamW, SGD, Adagrad) when they were built without a
             ``fused`` / ``foreach`` choice: switched in place at setup, the same update
@@ -303,6 +306,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             pin_model=self.pin_model,
             devices=pool_arg,
             original_model=original,
+            # a synchronous step may update the weights in place: no separate fp32 copy
+            shared_masters=not self.async_step,
         )
         self._rp, self._rp_open = rp, True
         try:
@@ -405,18 +410,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
     ) -> Tensor:
         """Backward through the precision plugin: a no-op for a ``forward_backward`` loss
         (already backpropagated), a normal backward for one built from ``self.roundpipe(x)``."""
-        if closure_loss.requires_grad and self._rp is not None:
-            own = {id(p) for p in self._rp.model.parameters()}
-            if reaches_params(closure_loss, own):
-                # the network ran outside RoundPipe: its gradients would never reach the
-                # masters the optimizer steps, so training would silently do nothing
-                raise RuntimeError(
-                    "the loss was computed by calling the network configure_sequential() returned "
-                    "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "
-                    "call it through self.roundpipe instead: "
-                    "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) "
-                    "or out = self.roundpipe(x)"
-                )
+        if self._rp is not None:
+            check_loss_went_through(closure_loss, self._rp)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

@@ -227,3 +227,36 @@ def test_bad_arguments_are_type_errors() -> None:
             rp.step_layerwise(lambda ms: None, is_async="yes")  # type: ignore[arg-type]
     finally:
         rp.close()
+
+
+def test_shared_masters_make_the_layerwise_step_synchronous() -> None:
+    """With shared masters a step writes the weights the devices read: step_layerwise
+    then runs synchronously (warned), with plain PyTorch's numbers."""
+
+    def train(mode: str) -> list[torch.Tensor]:
+        model = mlp()
+        rp = RoundPipe(
+            model,
+            devices="cpu:2",
+            model_run_config=RoundPipeRunConfig(num_microbatch=3),
+            shared_masters=mode == "layerwise",
+        )
+        opt = torch.optim.SGD(rp.optim_parameters(), lr=0.05, momentum=0.9)
+        try:
+            for x, y in _batches(STEPS):
+                if mode == "layerwise":
+                    r = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
+                    rp.step_layerwise(lambda ms: step_subset(opt, ms), finish=opt.zero_grad)
+                    assert r.done()  # synchronous: the step waited for the call
+                else:
+                    rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+                    rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+            rp.synchronize()
+            return [p.detach().clone() for p in model.parameters()]
+        finally:
+            rp.close()
+
+    with pytest.warns(UserWarning, match="shared_masters=True"):
+        got = train("layerwise")
+    for a, b in zip(got, train("sync")):
+        assert_close_rel(a, b, 1e-6)

@@ -340,4 +340,6 @@ def test_host_memory_budget_from_a_callback_as_documented() -> None:
     rp_trainer(max_steps=1, callbacks=[Budget()]).fit(m, loader())
     n = sum(p.numel() for p in m.parameters())
     b = seen["budget"]
-    assert b.num_params == n and b.optimizer_state == 8 * n and b.masters == 4 * n
+    assert b.num_params == n and b.optimizer_state == 8 * n
+    # async_step=False: the fp32 parameters are their own masters, counted once (as weights)
+    assert b.masters == 0 and b.weights == 4 * n and b.gradients == 4 * n
