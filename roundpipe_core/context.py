@@ -21,8 +21,10 @@ __all__ = [
     "current_microbatch",
     "doing_recompute",
     "get_recompute_data",
+    "LayerFrame",
     "running_layer",
     "save_for_recompute",
+    "set_frame",
 ]
 
 _local = threading.local()
@@ -49,7 +51,14 @@ class RecomputeStore:
             return self._data[key]
 
 
-class _Frame:
+class LayerFrame:
+    """What the running layer's code may ask about: layer, microbatch, recompute or not.
+
+    The engine keeps one frame per stage and microbatch and moves ``layer`` along
+    as the stage's layers run (see :func:`set_frame`), instead of building a
+    context manager per layer.
+    """
+
     __slots__ = ("layer", "microbatch", "recompute", "store", "device")
 
     def __init__(
@@ -67,8 +76,16 @@ class _Frame:
         self.device = device
 
 
-def _frame() -> _Frame | None:
+def _frame() -> LayerFrame | None:
     return getattr(_local, "frame", None)
+
+
+def set_frame(frame: LayerFrame | None) -> LayerFrame | None:
+    """Make ``frame`` the current thread's frame (engine use); returns the previous one,
+    which the caller puts back (in a ``finally``) when its layers are done."""
+    prev = getattr(_local, "frame", None)
+    _local.frame = frame
+    return prev
 
 
 @contextmanager
@@ -76,8 +93,7 @@ def running_layer(
     layer: int, microbatch: int, recompute: bool, store: RecomputeStore | None, device: torch.device
 ) -> Iterator[None]:
     """Mark the current thread as running ``layer`` for ``microbatch`` (engine use)."""
-    prev = _frame()
-    _local.frame = _Frame(layer, microbatch, recompute, store, device)
+    prev = set_frame(LayerFrame(layer, microbatch, recompute, store, device))
     try:
         yield
     finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
@@ -23,12 +22,13 @@ import torch
 from torch import nn
 
 from .batch import flatten
-from .context import RecomputeStore, running_layer
+from .context import LayerFrame, RecomputeStore, running_layer, set_frame
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .kinds import JobKind, RecomputeGrain
 from .schedule import Job
-from .streams import own_rng, record_stream_start, replay_seed, seed_layer
+from .streams import own_rng, record_stream_start, replay_seed, seed_stream
+from .timer import JobClock
 from .transfer import (
     GradSink,
     StageReplica,
@@ -219,6 +219,13 @@ def _requires_grad_inputs(
     Returns the new value and, per leaf, the tensor whose ``.grad`` is the input
     gradient (None for leaves that take no gradient).
     """
+    if isinstance(value, torch.Tensor):  # the common activation: no tree to walk
+        if (value.is_floating_point() or value.is_complex()) and (
+            needs is None or (len(needs) > 0 and needs[0])
+        ):
+            value = value.detach().requires_grad_(True)
+            return value, [value]
+        return value, [None]
     leaves, rebuild = flatten(value)
     new, tracked = [], []
     for i, x in enumerate(leaves):
@@ -255,7 +262,7 @@ def _publish_input_grad(
 
 
 def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
-    leaves = flatten(out)[0]
+    leaves = [out] if isinstance(out, torch.Tensor) else flatten(out)[0]
     if len(leaves) != len(grads):
         raise RuntimeError(
             f"the stage output has {len(leaves)} leaves but {len(grads)} gradients arrived; "
@@ -278,57 +285,99 @@ def _call_layer(layer: nn.Module, index: int, x: Any) -> Any:
     return layer(x)
 
 
-def _forward_layer(run: PipelineRun, stage: StageReplica, index: int, x: Any) -> Any:
-    """A real (not recomputed) forward of one layer, watched for forward-rule violations once."""
-    module = stage.layer(index)
-    if run.rule_checker is None or index in run.rules_checked:
-        return _call_layer(module, index, x)
-    # the checker watches a layer's first forward only; later ones skip its lock
-    run.rules_checked.add(index)
-    return run.rule_checker.run(index, module, lambda: _call_layer(module, index, x))
+def _run_layers(
+    run: PipelineRun,
+    job: Job,
+    stage: StageReplica,
+    worker: Worker,
+    mb: int,
+    x: Any,
+    clock: JobClock,
+    recompute: bool,
+    layers: range | None = None,
+    inputs: list[Any] | None = None,
+) -> Any:
+    """Run ``layers`` (default: the job's) on ``x`` for microbatch ``mb``; the one loop
+    of every forward and recompute.
+
+    Per layer: a new random stream where a segment starts (``streams.py``), the layer's
+    frame (``context.py``: one frame per call, its ``layer`` moved along), the
+    caller's autocast, and one time mark (each layer's span ends where the next
+    begins). A real forward publishes the activations at interior boundaries and
+    passes each layer's first forward to the rule checker; ``inputs`` collects each
+    layer's input (recompute grain "layer").
+    """
+    r = job.layers if layers is None else layers
+    seeding = not recompute or run.preserve_rng_state
+    every, starts = run.seed_every_layer, run.stream_starts
+    publish = not recompute and bool(run.boundaries)
+    checker = None if recompute else run.rule_checker
+    autocast = run.autocast.enter(worker.device)
+    if autocast is _NO_AUTOCAST:
+        autocast = None
+    kind = "re" if recompute else "fwd"
+    time_point, marks = worker.time_point, clock.marks
+    modules = stage.modules
+    offset = job.layers.start
+    frame = LayerFrame(r.start, mb, recompute, run.store, worker.device)
+    prev = set_frame(frame)
+    i = r.start
+    try:
+        t = time_point()
+        for i in r:
+            if publish and i != r.start and i in run.boundaries:
+                run.put_act(i, mb, to_host(worker, x))
+                t = time_point()  # the copy is not the layer's time
+            if seeding and (i == r.start or every or i in starts):
+                seed_stream(run, worker, i, mb)
+            if inputs is not None:
+                inputs.append(x)
+            frame.layer = i
+            module = modules[i - offset]
+            if checker is not None and i not in run.rules_checked:
+                # the checker watches a layer's first forward only; later ones skip its lock
+                run.rules_checked.add(i)
+                with autocast or _NO_AUTOCAST:
+                    x = checker.run(i, module, lambda m=module, v=x, k=i: _call_layer(m, k, v))
+            elif autocast is None:
+                x = module(*x[0], **x[1]) if i == 0 else module(x)
+            else:
+                with autocast:
+                    x = _call_layer(module, i, x)
+            end = time_point()
+            marks.append((kind, i, i + 1, t, end))
+            t = end
+    except BaseException as exc:
+        _annotate(exc, job, i, mb, worker)
+        raise
+    finally:
+        set_frame(prev)
+    return x
 
 
 def _annotate(exc: BaseException, job: Job, layer: int | None, mb: int, worker: Worker) -> None:
+    notes = getattr(exc, "__notes__", None) or ()
+    if any(n.startswith(_NOTE_PREFIX) for n in notes):
+        return  # the layer loop has said where already
     where = (
         f"layer {layer}"
         if layer is not None
         else f"layers {job.layers.start}..{job.layers.stop - 1}"
     )
     note = (
-        f"RoundPipe: raised in {where}, microbatch {mb}, {job.kind} stage {job.stage} "
+        f"{_NOTE_PREFIX}{where}, microbatch {mb}, {job.kind} stage {job.stage} "
         f"on device {worker.index} ({worker.device})"
     )
-    if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", []):
+    if hasattr(exc, "add_note"):
         exc.add_note(note)
 
 
-class _Clock:
-    """Per-job timing: per-layer and per-stage sums over microbatches."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.marks: list[tuple[str, range, Any, Any]] = []
-
-    def span(self, kind: str, layers: range, start: Any) -> None:
-        self.marks.append((kind, layers, start, self.worker.time_point()))
-
-    def commit(self, timer: Any, microbatches: int) -> float:
-        sums: dict[tuple[str, int, int], float] = defaultdict(float)
-        total = 0.0
-        for kind, layers, a, b in self.marks:
-            ms = self.worker.elapsed_ms(a, b)
-            sums[(kind, layers.start, layers.stop)] += ms
-            total += ms
-        if timer is not None:
-            for (kind, start, stop), ms in sums.items():
-                # per-microbatch estimates: calls with different microbatch counts average consistently
-                timer.record(kind, range(start, stop), ms, microbatches=microbatches)
-        return total
+_NOTE_PREFIX = "RoundPipe: raised in "
 
 
 # -- jobs -------------------------------------------------------------------------
 def _forward_microbatch(
-    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: JobClock
 ) -> None:
     r = job.layers
     record_stream_start(run, r.start)
@@ -337,23 +386,12 @@ def _forward_microbatch(
     x, held = to_device(worker, value)
     worker.wait_channel("activation")
     note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
-    layer_idx: int | None = None
     try:
         with worker.compute(), torch.no_grad(), own_rng(worker):
-            for layer_idx in r:
-                if layer_idx in run.boundaries and layer_idx != r.start:
-                    run.put_act(layer_idx, mb, to_host(worker, x))
-                seed_layer(run, worker, layer_idx, mb, layer_idx == r.start)
-                t0 = worker.time_point()
-                with (
-                    running_layer(layer_idx, mb, False, run.store, worker.device),
-                    run.autocast.enter(worker.device),
-                ):
-                    x = _forward_layer(run, stage, layer_idx, x)
-                clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
+            x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False)
             out = to_host(worker, x)
     except BaseException as exc:
-        _annotate(exc, job, layer_idx, mb, worker)
+        _annotate(exc, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
@@ -387,7 +425,7 @@ def _loss_parts(loss: Any) -> list[torch.Tensor]:
 
 
 def _fused_microbatch(
-    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: JobClock
 ) -> None:
     r = job.layers
     record_stream_start(run, r.start)
@@ -398,19 +436,9 @@ def _fused_microbatch(
     worker.wait_channel("activation")
     note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
-    layer_idx: int | None = None
     try:
         with worker.compute(), torch.enable_grad(), own_rng(worker):
-            for layer_idx in r:
-                seed_layer(run, worker, layer_idx, mb, layer_idx == r.start)
-                t0 = worker.time_point()
-                with (
-                    running_layer(layer_idx, mb, False, run.store, worker.device),
-                    run.autocast.enter(worker.device),
-                ):
-                    x = _forward_layer(run, stage, layer_idx, x)
-                clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
-            layer_idx = None
+            x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False)
             assert run.loss_fn is not None
             with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
                 loss = run.loss_fn(x, label)
@@ -427,7 +455,7 @@ def _fused_microbatch(
                 run.outputs[mb] = to_host(worker, x)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
-        _annotate(exc, job, layer_idx, mb, worker)
+        _annotate(exc, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
@@ -435,7 +463,7 @@ def _fused_microbatch(
 
 
 def _backward_microbatch(
-    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: JobClock
 ) -> None:
     r = job.layers
     grads_out = run.get_grad(r.stop, mb)
@@ -446,7 +474,6 @@ def _backward_microbatch(
     worker.wait_channel("activation")
     note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     needs = _needs(run, r.start)
-    layer_idx: int | None = None
     try:
         with worker.compute(), own_rng(worker):
             if run.recompute_grain == RecomputeGrain.LAYER:
@@ -456,22 +483,13 @@ def _backward_microbatch(
             else:
                 x, tracked = _requires_grad_inputs(x_in, needs)
                 with torch.enable_grad():
-                    for layer_idx in r:
-                        replay_seed(run, worker, layer_idx, mb, layer_idx == r.start)
-                        t0 = worker.time_point()
-                        with (
-                            running_layer(layer_idx, mb, True, run.store, worker.device),
-                            run.autocast.enter(worker.device),
-                        ):
-                            x = _call_layer(stage.layer(layer_idx), layer_idx, x)
-                        clock.span("re", range(layer_idx, layer_idx + 1), t0)
-                    layer_idx = None
+                    x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=True)
                     t0 = worker.time_point()
                     _backward(x, g_dev)
                     clock.span("bwd", r, t0)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
-        _annotate(exc, job, layer_idx, mb, worker)
+        _annotate(exc, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
@@ -487,24 +505,14 @@ def _backward_layerwise(
     x_in: Any,
     g_dev: list[torch.Tensor | None],
     needs: list[bool] | None,
-    clock: _Clock,
+    clock: JobClock,
 ) -> list[torch.Tensor | None]:
     """Recompute grain "layer": re-run the stage without autograd to get each layer's
     input, then recompute and backpropagate one layer at a time (one layer's graph alive)."""
     r = job.layers
-    inputs = []
-    x = x_in
+    inputs: list[Any] = []
     with torch.no_grad():
-        for layer_idx in r:
-            replay_seed(run, worker, layer_idx, mb)
-            inputs.append(x)
-            t0 = worker.time_point()
-            with (
-                running_layer(layer_idx, mb, True, run.store, worker.device),
-                run.autocast.enter(worker.device),
-            ):
-                x = _call_layer(stage.layer(layer_idx), layer_idx, x)
-            clock.span("re", range(layer_idx, layer_idx + 1), t0)
+        _run_layers(run, job, stage, worker, mb, x_in, clock, recompute=True, inputs=inputs)
     grads = g_dev
     tracked: list[torch.Tensor | None] = []
     for pos in reversed(range(len(r))):
@@ -526,7 +534,7 @@ def _backward_layerwise(
 
 
 # keyed by text: a Job's kind is the JobKind's text (members hash and compare like it)
-_RUNNERS: dict[str, Callable[[PipelineRun, Job, StageReplica, Worker, int, _Clock], None]] = {
+_RUNNERS: dict[str, Callable[[PipelineRun, Job, StageReplica, Worker, int, JobClock], None]] = {
     JobKind.FORWARD: _forward_microbatch,
     JobKind.FUSED: _fused_microbatch,
     JobKind.BACKWARD: _backward_microbatch,
@@ -556,7 +564,7 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                     prefetched = upload_job(run, worker, jobs[i + 1], (i + 1) % 2, wait=False)
                     if prefetched is not None:
                         note_transfer(run, "upload", worker, f"{jobs[i + 1]} params", t0)
-                clock = _Clock(worker)
+                clock = JobClock(worker)
                 runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:
                     runner(run, job, stage, worker, mb, clock)

@@ -26,11 +26,14 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
-__all__ = ["ModelTimer"]
+if TYPE_CHECKING:
+    from .devices.base import Worker
+
+__all__ = ["JobClock", "ModelTimer"]
 
 KINDS = ("fwd", "re", "bwd")
 
@@ -191,32 +194,51 @@ class ModelTimer:
         With ``microbatches`` > 1 the time is divided by it, so estimates are per
         microbatch and calls with different microbatch counts average consistently.
         """
-        _check_kind(kind)
-        layers = list(layers)
-        if not layers:
-            return
-        ms = float(ms)
-        if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
-            raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
+        self.record_many([(kind, layers, ms)], microbatches)
+
+    def record_many(
+        self,
+        records: Sequence[tuple[str, range | Sequence[int], float]],
+        microbatches: int = 1,
+    ) -> None:
+        """:meth:`record` for several ``(kind, layers, ms)`` of one job at once: the
+        runtime hands a job's per-layer times over under one lock acquisition.
+
+        Raises:
+            ValueError: naming the bad kind, time, layer or microbatch count; nothing
+                of ``records`` is recorded then.
+        """
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
-        ms /= microbatches
-        for i in layers:
-            if not 0 <= i < self.num_layers:
-                raise ValueError(f"layer {i} is outside the timed layers 0..{self.num_layers - 1}")
+        checked = []
+        for kind, layers, ms in records:
+            _check_kind(kind)
+            if not isinstance(layers, (range, list, tuple)):
+                layers = list(layers)
+            ms = float(ms)
+            if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
+                raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
+            for i in layers:
+                if not 0 <= i < self.num_layers:
+                    raise ValueError(
+                        f"layer {i} is outside the timed layers 0..{self.num_layers - 1}"
+                    )
+            if len(layers):
+                checked.append((kind, layers, ms / microbatches))
         with self._lock:
-            if len(layers) == 1:
-                shares = [1.0]
-            else:
+            for kind, layers, ms in checked:
+                pending = self._pending[kind]
+                if len(layers) == 1:
+                    i = layers[0]
+                    pending[i] = pending.get(i, 0.0) + ms
+                    continue
                 weight_kind = "fwd" if kind == "fwd" else "re"
                 weights = [self._estimate(weight_kind, i) for i in layers]
                 total = sum(weights)
-                shares = (
-                    [w / total for w in weights] if total > 0 else [1.0 / len(layers)] * len(layers)
-                )
-            pending = self._pending[kind]
-            for i, s in zip(layers, shares):
-                pending[i] = pending.get(i, 0.0) + ms * s
+                n = len(layers)
+                for i, w in zip(layers, weights):
+                    share = w / total if total > 0 else 1.0 / n
+                    pending[i] = pending.get(i, 0.0) + ms * share
 
     def end_iteration(self) -> None:
         """Fold this iteration's records into the moving averages."""
@@ -283,6 +305,51 @@ class ModelTimer:
             f"ModelTimer({self.num_layers} layers, {self.iterations} iterations, "
             f"measured={self.has_measurements()})"
         )
+
+
+class JobClock:
+    """One job's timing marks on a worker, handed to a timer when the job is done.
+
+    A mark is ``(kind, start, stop, t0, t1)``: ``kind`` "fwd" / "re" / "bwd" of
+    layers ``start..stop-1`` between two of the worker's time points. The runtime
+    appends to ``marks`` directly in its layer loop (one tuple per layer); ``commit``
+    sums them per layer range over the microbatches.
+
+    Args:
+        worker: the worker whose ``time_point`` / ``elapsed_ms`` made the marks.
+    """
+
+    __slots__ = ("worker", "marks")
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.marks: list[tuple[str, int, int, Any, Any]] = []
+
+    def span(self, kind: str, layers: range, start: Any) -> None:
+        """Mark ``kind`` of ``layers`` from ``start`` (a time point) to now."""
+        self.marks.append((kind, layers.start, layers.stop, start, self.worker.time_point()))
+
+    def commit(self, timer: Any, microbatches: int) -> float:
+        """Hand the summed times to ``timer`` (a :class:`ModelTimer`, or anything with
+        ``record``), divided by ``microbatches``; returns the job's busy ms."""
+        sums: dict[tuple[str, int, int], float] = {}
+        total = 0.0
+        elapsed = self.worker.elapsed_ms
+        for kind, start, stop, a, b in self.marks:
+            ms = elapsed(a, b)
+            key = (kind, start, stop)
+            sums[key] = sums.get(key, 0.0) + ms
+            total += ms
+        if timer is not None and sums:
+            # per-microbatch estimates: calls with different microbatch counts average consistently
+            records = [(kind, range(a, b), ms) for (kind, a, b), ms in sums.items()]
+            many = getattr(timer, "record_many", None)
+            if many is not None:
+                many(records, microbatches)
+            else:
+                for kind, layers, ms in records:
+                    timer.record(kind, layers, ms, microbatches=microbatches)
+        return total
 
 
 def _check_kind(kind: str) -> None:

@@ -68,11 +68,16 @@ class LayerReplica:
 
 @dataclass
 class StageReplica:
-    """The layers of one job, uploaded to one worker."""
+    """The layers of one job, uploaded to one worker; ``modules`` are the layers'
+    replicas in the job's layer order (the runtime indexes them per layer)."""
 
     worker: Worker
     layers: list[LayerReplica]
     param_tensors: list[torch.Tensor]
+    modules: list[nn.Module] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.modules = [lr.module for lr in self.layers]
 
     def layer(self, index: int) -> nn.Module:
         for lr in self.layers:
@@ -259,6 +264,10 @@ def release_stage(stage: StageReplica) -> None:
 
 # -- activations and their gradients: pytrees between host and device ---------------
 def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``value`` (a pytree) with its tensors copied to ``worker``, and the copies (to release)."""
+    if isinstance(value, torch.Tensor):  # the common activation: no tree to walk
+        dev = worker.copy_in([value], "activation")
+        return dev[0], dev
     leaves, rebuild = flatten(value)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
@@ -269,6 +278,9 @@ def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
 
 
 def to_host(worker: Worker, value: Any) -> Any:
+    """``value`` (a pytree) with its tensors copied to the host, detached."""
+    if isinstance(value, torch.Tensor):
+        return worker.copy_out([value.detach()])[0]
     leaves, rebuild = flatten(value)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     host = worker.copy_out([leaves[i].detach() for i in idx]) if idx else []

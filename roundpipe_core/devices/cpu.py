@@ -82,8 +82,7 @@ class CPUWorker(Worker):
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
         out = [t.detach().clone() for t in tensors]
-        for t in out:
-            self.ledger.alloc(_nbytes(t), channel)
+        self.ledger.alloc(sum(map(_nbytes, out)), channel)
         return out
 
     def wait_channel(self, channel: str) -> None:
@@ -96,8 +95,7 @@ class CPUWorker(Worker):
         return [t.detach().clone() for t in tensors]
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
-        for t in tensors:
-            self.ledger.free(_nbytes(t), tag)
+        self.ledger.free(sum(map(_nbytes, tensors)), tag)
 
     def compute(self) -> contextlib.AbstractContextManager:
         return _CPU_COMPUTE_LOCK
