@@ -155,7 +155,15 @@ class ModelTimer:
 
     def _estimates(self, kind: str) -> list[float]:
         with self._lock:
-            return [self._estimate(kind, i) for i in range(self.num_layers)]
+            return self._estimates_locked(kind, range(self.num_layers))
+
+    def _estimates_locked(self, kind: str, layers: Sequence[int]) -> list[float]:
+        """``_estimate`` of many layers; the measured ones without a call each (the
+        planner reads every layer's estimate on every call)."""
+        ema, count, f = self._ema[kind], self._count[kind], self.EMA_FACTOR
+        return [
+            ema[i] / (1.0 - f ** count[i]) if count[i] else self._estimate(kind, i) for i in layers
+        ]
 
     def stage_ms(self, kind: str, layers: range | Sequence[int]) -> float:
         """Estimated time of a stage. ``kind``: "fwd", "re", "bwd", or the job kinds
@@ -210,6 +218,7 @@ class ModelTimer:
         """
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+        n = self.num_layers
         checked = []
         for kind, layers, ms in records:
             _check_kind(kind)
@@ -218,13 +227,14 @@ class ModelTimer:
             ms = float(ms)
             if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
                 raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
-            for i in layers:
-                if not 0 <= i < self.num_layers:
-                    raise ValueError(
-                        f"layer {i} is outside the timed layers 0..{self.num_layers - 1}"
-                    )
-            if len(layers):
-                checked.append((kind, layers, ms / microbatches))
+            if not layers:
+                continue
+            unit_step = isinstance(layers, range) and layers.step == 1
+            if not (unit_step and 0 <= layers.start and layers.stop <= n):
+                for i in layers:
+                    if not 0 <= i < n:
+                        raise ValueError(f"layer {i} is outside the timed layers 0..{n - 1}")
+            checked.append((kind, layers, ms / microbatches))
         with self._lock:
             for kind, layers, ms in checked:
                 pending = self._pending[kind]
@@ -232,12 +242,10 @@ class ModelTimer:
                     i = layers[0]
                     pending[i] = pending.get(i, 0.0) + ms
                     continue
-                weight_kind = "fwd" if kind == "fwd" else "re"
-                weights = [self._estimate(weight_kind, i) for i in layers]
+                weights = self._estimates_locked("fwd" if kind == "fwd" else "re", layers)
                 total = sum(weights)
-                n = len(layers)
                 for i, w in zip(layers, weights):
-                    share = w / total if total > 0 else 1.0 / n
+                    share = w / total if total > 0 else 1.0 / len(layers)
                     pending[i] = pending.get(i, 0.0) + ms * share
 
     def end_iteration(self) -> None:
@@ -246,16 +254,17 @@ class ModelTimer:
         with self._lock:
             self.iterations += 1
             f = self.EMA_FACTOR
+            verbose = self.VERBOSE
             for kind in KINDS:
                 pending, self._pending[kind] = self._pending[kind], {}
-                for i in sorted(pending):
-                    x = pending[i]
-                    self._seen[kind][i] += 1
-                    if self._seen[kind][i] == 1:
+                seen, ema, count = self._seen[kind], self._ema[kind], self._count[kind]
+                for i, x in sorted(pending.items()) if verbose else pending.items():
+                    seen[i] += 1
+                    if seen[i] == 1:
                         continue  # first measured iteration: warm-up, dropped
-                    self._ema[kind][i] = f * self._ema[kind][i] + (1.0 - f) * x
-                    self._count[kind][i] += 1
-                    if self.VERBOSE:
+                    ema[i] = f * ema[i] + (1.0 - f) * x
+                    count[i] += 1
+                    if verbose:
                         est = self._measured(kind, i)
                         lines.append(
                             f"Layer {i} {kind:<5}new record: {x:.3f} ms  new estimate: {est:.3f} ms"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,11 +134,15 @@ def _sync_plain_attributes(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> None
     for orig, rep in pairs:
         rep_dict = rep.__dict__
         for k, v in orig.__dict__.items():
+            if type(v) in _TABLES:
+                continue  # most of a module's __dict__; one set lookup instead of isinstance
             if isinstance(v, _SYNCED_TYPES) and rep_dict.get(k, _MISSING) is not v:
                 rep_dict[k] = v
 
 
 _MISSING = object()
+# the types of nn.Module's own tables (parameters, buffers, submodules, hooks): never synced
+_TABLES = frozenset({dict, OrderedDict, set})
 
 
 class _Tree:
@@ -192,11 +197,11 @@ def upload_stage(
         for idx, layer in zip(indices, layers):
             module, tree = _skeleton_for(worker, layer, slot)
             srcs = tree.sources
-            dev = worker.copy_in([t.detach() for t in srcs.values()], "param")
+            dev = worker.copy_in(list(srcs.values()), "param")  # every backend detaches
             all_dev.extend(dev)
             # Parameter wrappers replace the raw device tensors so grads land on them
             held = [
-                nn.Parameter(t, requires_grad=src.requires_grad) if p else t
+                _parameter(t, src.requires_grad) if p else t
                 for t, src, p in zip(dev, srcs.values(), tree.is_param)
             ]
             for s, i in zip(tree.slots, tree.slot_source):
@@ -211,6 +216,14 @@ def upload_stage(
         release_stage(StageReplica(worker, replicas, all_dev))
         raise
     return StageReplica(worker, replicas, all_dev)
+
+
+def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """``nn.Parameter(t, requires_grad)``; for a plain tensor what its constructor does,
+    without the constructor's checks (one per parameter of every upload)."""
+    if type(t) is torch.Tensor:
+        return torch.Tensor._make_subclass(nn.Parameter, t, requires_grad)  # type: ignore[return-value]
+    return nn.Parameter(t, requires_grad=requires_grad)
 
 
 def download_grads(stage: StageReplica, sink: GradSink) -> None:
