@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any, Protocol
 
 import torch
@@ -568,6 +568,7 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
     """Run one worker's jobs in launch order, prefetching the next job's parameters
     while the current one computes."""
     prefetched: StageReplica | None = None
+    clock = JobClock(worker)
     try:
         for i, job in enumerate(jobs):
             if run.failed is not None:
@@ -587,27 +588,29 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                     prefetched = upload_job(run, worker, jobs[i + 1], (i + 1) % 2, wait=False)
                     if prefetched is not None:
                         note_transfer(run, "upload", worker, f"{jobs[i + 1]} params", t0)
-                clock = JobClock(worker)
                 runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:
                     runner(run, job, stage, worker, mb, clock)
-                if job.kind in (JobKind.FUSED, JobKind.BACKWARD):
+                if job.kind != JobKind.FORWARD:  # fused and backward jobs made gradients
                     t0 = time.perf_counter()
                     download_grads(stage, run.grad_sink)
                     note_transfer(run, "gradient", worker, f"{job} grads", t0)
                     if run.grads_done is not None:
                         run.grads_done(job)
-                if job.kind in (JobKind.FORWARD, JobKind.FUSED):
+                if job.kind != JobKind.BACKWARD:  # a real forward may have written buffers
                     write_back_buffers(stage)
-                busy = clock.commit(run.timer, len(job.microbatches))
+                busy = clock.end_job(len(job.microbatches))
                 end = time.perf_counter()
                 with run._cond:
                     run.job_times.append((job, worker.index, busy))
                     run.job_spans.append((job, worker.index, start, end))
             finally:
                 release_stage(stage)
+        clock.commit(run.timer)
     except BaseException as exc:
         run.fail(exc)
+        with suppress(Exception):  # the finished jobs' times; the failure is what matters
+            clock.commit(run.timer)
         raise
     finally:
         if prefetched is not None:

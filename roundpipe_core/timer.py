@@ -317,30 +317,34 @@ class ModelTimer:
 
 
 class JobClock:
-    """One job's timing marks on a worker, handed to a timer when the job is done.
+    """A worker's timing marks for the jobs of one run, handed to a timer at once.
 
     A mark is ``(kind, start, stop, t0, t1)``: ``kind`` "fwd" / "re" / "bwd" of
     layers ``start..stop-1`` between two of the worker's time points. The runtime
-    appends to ``marks`` directly in its layer loop (one tuple per layer); ``commit``
-    sums them per layer range over the microbatches.
+    appends to ``marks`` directly in its layer loop (one tuple per layer);
+    :meth:`end_job` sums a job's marks per layer range over its microbatches and
+    keeps them as per-microbatch records; :meth:`commit` gives the timer all of
+    them in one call (one lock acquisition per worker and run, not per job).
 
     Args:
         worker: the worker whose ``time_point`` / ``elapsed_ms`` made the marks.
     """
 
-    __slots__ = ("worker", "marks")
+    __slots__ = ("worker", "marks", "records")
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.marks: list[tuple[str, int, int, Any, Any]] = []
+        self.records: list[tuple[str, range, float]] = []
 
     def span(self, kind: str, layers: range, start: Any) -> None:
         """Mark ``kind`` of ``layers`` from ``start`` (a time point) to now."""
         self.marks.append((kind, layers.start, layers.stop, start, self.worker.time_point()))
 
-    def commit(self, timer: Any, microbatches: int) -> float:
-        """Hand the summed times to ``timer`` (a :class:`ModelTimer`, or anything with
-        ``record``), divided by ``microbatches``; returns the job's busy ms."""
+    def end_job(self, microbatches: int) -> float:
+        """Turn the marks of the job just run into records of ms per microbatch (so
+        calls with different microbatch counts average consistently); returns the
+        job's busy ms."""
         sums: dict[tuple[str, int, int], float] = {}
         total = 0.0
         elapsed = self.worker.elapsed_ms
@@ -349,16 +353,22 @@ class JobClock:
             key = (kind, start, stop)
             sums[key] = sums.get(key, 0.0) + ms
             total += ms
-        if timer is not None and sums:
-            # per-microbatch estimates: calls with different microbatch counts average consistently
-            records = [(kind, range(a, b), ms) for (kind, a, b), ms in sums.items()]
-            many = getattr(timer, "record_many", None)
-            if many is not None:
-                many(records, microbatches)
-            else:
-                for kind, layers, ms in records:
-                    timer.record(kind, layers, ms, microbatches=microbatches)
+        self.marks.clear()
+        self.records.extend((k, range(a, b), ms / microbatches) for (k, a, b), ms in sums.items())
         return total
+
+    def commit(self, timer: Any) -> None:
+        """Hand the records of every ended job to ``timer`` (a :class:`ModelTimer`, or
+        anything with ``record``); nothing to a ``None`` timer."""
+        records, self.records = self.records, []
+        if timer is None or not records:
+            return
+        many = getattr(timer, "record_many", None)
+        if many is not None:
+            many(records)
+        else:
+            for kind, layers, ms in records:
+                timer.record(kind, layers, ms)
 
 
 def _check_kind(kind: str) -> None:
