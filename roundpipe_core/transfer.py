@@ -304,6 +304,10 @@ def to_host(worker: Worker, value: Any) -> Any:
 
 
 def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Host copies of the gradients present (``None`` stays ``None``)."""
+    if len(grads) == 1:  # a stage with one tensor input: no index bookkeeping
+        g = grads[0]
+        return [None] if g is None else worker.copy_out([g])
     present = [(i, g) for i, g in enumerate(grads) if g is not None]
     idx = [i for i, _ in present]
     host = worker.copy_out([g for _, g in present]) if present else []
@@ -316,6 +320,13 @@ def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torc
 def grads_to_device(
     worker: Worker, grads: list[torch.Tensor | None]
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    """Device copies of the gradients present, and the copies (to release)."""
+    if len(grads) == 1:
+        g = grads[0]
+        if g is None:
+            return [None], []
+        dev = worker.copy_in([g], "activation")
+        return list(dev), dev
     present = [(i, g) for i, g in enumerate(grads) if g is not None]
     idx = [i for i, _ in present]
     dev = worker.copy_in([g for _, g in present], "activation") if present else []
