@@ -2,20 +2,22 @@
 
 Model code may ask whether it is being recomputed (``doing_recompute``) and
 keep non-deterministic decisions of its forward (MoE routing, say) for the
-recompute pass (``save_for_recompute`` / ``get_recompute_data``).
+recompute pass (``save_for_recompute`` / ``get_recompute_data``). The caller's
+autocast state (``AutocastState``) travels to the worker threads the same way.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 __all__ = [
+    "AutocastState",
     "RecomputeStore",
     "current_layer",
     "current_microbatch",
@@ -147,3 +149,49 @@ def get_recompute_data() -> Any:
     dev = f.device
     data = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, data)
     return tuple(data)
+
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+_NO_AUTOCAST = nullcontext()  # reusable: it keeps no state between uses
+
+
+class AutocastState:
+    """The calling thread's ``torch.autocast`` state, per device type, captured so that
+    worker threads compute under the autocast the caller asked for.
+
+    A worker enters the state recorded for *its own* device type: a CPU worker the
+    caller's CPU autocast, a CUDA worker the caller's CUDA autocast -- what plain
+    PyTorch would do with the model on that device.
+    """
+
+    __slots__ = ("cache_enabled", "states")
+
+    def __init__(self, states: dict[str, torch.dtype], cache_enabled: bool = True) -> None:
+        self.states = states  # device type -> dtype, only for enabled device types
+        self.cache_enabled = cache_enabled
+
+    @classmethod
+    def capture(cls) -> AutocastState:
+        """The current thread's autocast state."""
+        states = {
+            dev: torch.get_autocast_dtype(dev)
+            for dev in _AUTOCAST_DEVICE_TYPES
+            if torch.is_autocast_enabled(dev)
+        }
+        return cls(states, torch.is_autocast_cache_enabled())
+
+    def active(self, device: torch.device) -> AbstractContextManager[Any] | None:
+        """The autocast context for ``device``'s compute, or None when there is none to
+        enter (the runtime then skips the ``with`` per layer)."""
+        if not self.states or device.type not in self.states:
+            return None
+        return self.enter(device)
+
+    def enter(self, device: torch.device) -> AbstractContextManager[Any]:
+        """A context running ``device``'s compute under the captured autocast (or nothing)."""
+        if not self.states:
+            return _NO_AUTOCAST  # the common case, once per layer: no new object
+        dtype = self.states.get(device.type)
+        if dtype is None:
+            return _NO_AUTOCAST
+        return torch.autocast(device.type, dtype=dtype, cache_enabled=self.cache_enabled)

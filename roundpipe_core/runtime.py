@@ -15,14 +15,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext, suppress
+from contextlib import nullcontext, suppress
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from .batch import flatten
-from .context import LayerFrame, RecomputeStore, running_layer, set_frame
+from .context import (
+    AutocastState,
+    LayerFrame,
+    RecomputeStore,
+    running_layer,
+    set_frame,
+)
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .kinds import JobKind, RecomputeGrain
@@ -59,45 +65,6 @@ class WeightGate(Protocol):
     ) -> None: ...
 
     def uploaded(self, reader: Any, layers: Sequence[int], fence: Callable[[], None]) -> None: ...
-
-
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
-_NO_AUTOCAST = nullcontext()  # reusable: it keeps no state between uses
-
-
-class AutocastState:
-    """The calling thread's ``torch.autocast`` state, per device type, captured so that
-    worker threads compute under the autocast the caller asked for.
-
-    A worker enters the state recorded for *its own* device type: a CPU worker the
-    caller's CPU autocast, a CUDA worker the caller's CUDA autocast -- what plain
-    PyTorch would do with the model on that device.
-    """
-
-    __slots__ = ("cache_enabled", "states")
-
-    def __init__(self, states: dict[str, torch.dtype], cache_enabled: bool = True) -> None:
-        self.states = states  # device type -> dtype, only for enabled device types
-        self.cache_enabled = cache_enabled
-
-    @classmethod
-    def capture(cls) -> AutocastState:
-        """The current thread's autocast state."""
-        states = {
-            dev: torch.get_autocast_dtype(dev)
-            for dev in _AUTOCAST_DEVICE_TYPES
-            if torch.is_autocast_enabled(dev)
-        }
-        return cls(states, torch.is_autocast_cache_enabled())
-
-    def enter(self, device: torch.device) -> AbstractContextManager[Any]:
-        """A context running ``device``'s compute under the captured autocast (or nothing)."""
-        if not self.states:
-            return _NO_AUTOCAST  # the common case, once per layer: no new object
-        dtype = self.states.get(device.type)
-        if dtype is None:
-            return _NO_AUTOCAST
-        return torch.autocast(device.type, dtype=dtype, cache_enabled=self.cache_enabled)
 
 
 class PipelineRun:
@@ -317,27 +284,25 @@ def _run_layers(
     x: Any,
     clock: JobClock,
     recompute: bool,
-    layers: range | None = None,
+    publish: bool = False,
     inputs: list[Any] | None = None,
 ) -> Any:
-    """Run ``layers`` (default: the job's) on ``x`` for microbatch ``mb``; the one loop
-    of every forward and recompute.
+    """Run the job's layers on ``x`` for microbatch ``mb``: the one loop of every
+    forward and recompute.
 
-    Per layer: a new random stream where a segment starts (``streams.py``), the layer's
-    frame (``context.py``: one frame per call, its ``layer`` moved along), the
+    Per layer: a new random stream where a segment starts (``streams.py``), the
+    layer's frame (``context.py``: one frame per call, its ``layer`` moved along), the
     caller's autocast, and one time mark (each layer's span ends where the next
-    begins). A real forward publishes the activations at interior boundaries and
-    passes each layer's first forward to the rule checker; ``inputs`` collects each
-    layer's input (recompute grain "layer").
+    begins). A real forward passes each layer's first forward to the rule checker;
+    with ``publish`` (forward jobs) it hands on the activations at interior
+    boundaries; ``inputs`` collects each layer's input (recompute grain "layer").
     """
-    r = job.layers if layers is None else layers
+    r = job.layers
     seeding = not recompute or run.preserve_rng_state
     every, starts = run.seed_every_layer, run.stream_starts
-    publish = not recompute and bool(run.boundaries)
+    publish = publish and bool(run.boundaries)
     checker = None if recompute else run.rule_checker
-    autocast = run.autocast.enter(worker.device)
-    if autocast is _NO_AUTOCAST:
-        autocast = None
+    autocast = run.autocast.active(worker.device)
     kind = "re" if recompute else "fwd"
     time_point, marks = worker.time_point, clock.marks
     modules = stage.modules
@@ -360,7 +325,7 @@ def _run_layers(
             if checker is not None and i not in run.rules_checked:
                 # the checker watches a layer's first forward only; later ones skip its lock
                 run.rules_checked.add(i)
-                with autocast or _NO_AUTOCAST:
+                with autocast or nullcontext():
                     x = checker.run(i, module, lambda m=module, v=x, k=i: _call_layer(m, k, v))
             elif autocast is None:
                 x = module(*x[0], **x[1]) if i == 0 else module(x)
@@ -411,7 +376,7 @@ def _forward_microbatch(
     note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     try:
         with worker.compute(), torch.no_grad(), own_rng(worker):
-            x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False)
+            x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False, publish=True)
             out = to_host(worker, x)
     except BaseException as exc:
         _annotate(exc, job, None, mb, worker)
