@@ -65,6 +65,8 @@ class LayerReplica:
     # host tensor id -> device tensor (one per distinct host tensor: tied weights stay tied)
     device_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     sources: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (the replica's _parameters or _buffers table, name, position in sources) per slot
+    fills: list[tuple[dict[str, Any], str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -168,6 +170,12 @@ class _Tree:
                 self.is_param.append(False)
             self.slot_source.append(pos[k])
             self.is_param[pos[k]] = self.is_param[pos[k]] or s.is_param
+        self.source_list = list(self.sources.values())
+        # where each upload puts its tensors: the replica modules' own tables, found once
+        self.fills: list[tuple[dict[str, Any], str, int]] = [
+            (s.module._parameters if s.is_param else s.module._buffers, s.name, i)
+            for s, i in zip(slots, self.slot_source)
+        ]
 
 
 def _skeleton_for(worker: Worker, layer: nn.Module, slot: int) -> tuple[nn.Module, _Tree]:
@@ -196,20 +204,21 @@ def upload_stage(
     try:
         for idx, layer in zip(indices, layers):
             module, tree = _skeleton_for(worker, layer, slot)
-            srcs = tree.sources
-            dev = worker.copy_in(list(srcs.values()), "param")  # every backend detaches
+            srcs = tree.source_list
+            dev = worker.copy_in(srcs, "param")  # every backend detaches
             all_dev.extend(dev)
             # Parameter wrappers replace the raw device tensors so grads land on them
             held = [
                 _parameter(t, src.requires_grad) if p else t
-                for t, src, p in zip(dev, srcs.values(), tree.is_param)
+                for t, src, p in zip(dev, srcs, tree.is_param)
             ]
-            for s, i in zip(tree.slots, tree.slot_source):
-                if s.is_param:
-                    s.module._parameters[s.name] = held[i]  # type: ignore[assignment]
-                else:
-                    s.module._buffers[s.name] = held[i]
-            replicas.append(LayerReplica(idx, module, tree.slots, dict(zip(srcs, held)), srcs))
+            replicas.append(
+                LayerReplica(
+                    idx, module, tree.slots, dict(zip(tree.sources, held)), tree.sources, tree.fills
+                )
+            )
+            for table, name, i in tree.fills:
+                table[name] = held[i]
     except BaseException:
         # Layers uploaded before the failure would otherwise stay in the cached skeletons
         # and the ledger (device memory on CUDA) until those skeletons are next used.
@@ -231,8 +240,8 @@ def download_grads(stage: StageReplica, sink: GradSink) -> None:
     pending_src: list[torch.Tensor] = []
     pending_dev: list[torch.Tensor] = []
     for lr in stage.layers:
-        for k, src in lr.sources.items():
-            dev = lr.device_tensors[k]
+        # both tables are built from the same sources, in the same order
+        for src, dev in zip(lr.sources.values(), lr.device_tensors.values()):
             if isinstance(src, nn.Parameter) and src.requires_grad and dev.grad is not None:
                 pending_src.append(src)
                 pending_dev.append(dev.grad)
@@ -266,11 +275,8 @@ def release_stage(stage: StageReplica) -> None:
     """Drop the device copies of a stage; the emptied skeletons stay cached."""
     stage.worker.release(stage.param_tensors, "param")
     for lr in stage.layers:
-        for s in lr.slots:
-            if s.is_param:
-                s.module._parameters[s.name] = None
-            else:
-                s.module._buffers[s.name] = None
+        for table, name, _ in lr.fills:
+            table[name] = None
         lr.device_tensors.clear()
     stage.param_tensors = []
 
