@@ -534,13 +534,17 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
     while the current one computes."""
     prefetched: StageReplica | None = None
     clock = JobClock(worker)
+    # The host modules' structure and flags are not meant to change while one call's
+    # queue runs (nothing else runs in a blocking call; a change during an overlapped
+    # call was always a race): each cached skeleton is checked and synced once per queue.
+    epoch = object()
     try:
         for i, job in enumerate(jobs):
             if run.failed is not None:
                 raise PoolError("another job of this run failed")
             t0 = time.perf_counter()
             uploading = prefetched is None  # a prefetched stage's upload is noted already
-            stage = prefetched or upload_job(run, worker, job, i % 2)
+            stage = prefetched or upload_job(run, worker, job, i % 2, epoch=epoch)
             assert stage is not None
             prefetched = None
             try:
@@ -550,7 +554,9 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                     note_transfer(run, "upload", worker, f"{job} params", t0)
                 if i + 1 < len(jobs):
                     t0 = time.perf_counter()
-                    prefetched = upload_job(run, worker, jobs[i + 1], (i + 1) % 2, wait=False)
+                    prefetched = upload_job(
+                        run, worker, jobs[i + 1], (i + 1) % 2, wait=False, epoch=epoch
+                    )
                     if prefetched is not None:
                         note_transfer(run, "upload", worker, f"{jobs[i + 1]} params", t0)
                 runner = _RUNNERS[job.kind]

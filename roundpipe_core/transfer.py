@@ -171,6 +171,7 @@ class _Tree:
             self.slot_source.append(pos[k])
             self.is_param[pos[k]] = self.is_param[pos[k]] or s.is_param
         self.source_list = list(self.sources.values())
+        self.epoch: object = None  # the stretch of uploads that last checked and synced it
         # where each upload puts its tensors: the replica modules' own tables, found once
         self.fills: list[tuple[dict[str, Any], str, int]] = [
             (s.module._parameters if s.is_param else s.module._buffers, s.name, i)
@@ -178,32 +179,50 @@ class _Tree:
         ]
 
 
-def _skeleton_for(worker: Worker, layer: nn.Module, slot: int) -> tuple[nn.Module, _Tree]:
+def _skeleton_for(
+    worker: Worker, layer: nn.Module, slot: int, epoch: object = None
+) -> tuple[nn.Module, _Tree]:
     """The worker's cached skeleton of ``layer``; two per layer (``slot`` 0/1) so the
     running stage and the prefetched one never share module objects. The cache holds
-    ``(layer, tree, replica, slots)``."""
+    ``(layer, tree, replica, slots)``.
+
+    A skeleton is checked against the host module's tree and synced to its flags once
+    per ``epoch`` (see :func:`upload_stage`); ``None`` checks on every upload.
+    """
     cache = worker.skeletons
     key = (id(layer), slot)
     hit = cache.get(key)
+    if hit is not None and epoch is not None and hit[1].epoch is epoch and hit[0] is layer:
+        return hit[2], hit[1]
     if hit is None or hit[0] is not layer or hit[1].signature != _signature(hit[1].modules):
         replica, slots = make_skeleton(layer)
         hit = (layer, _Tree(layer, replica, slots), replica, slots)
         cache[key] = hit
     _sync_plain_attributes(hit[1].pairs)
+    hit[1].epoch = epoch
     return hit[2], hit[1]
 
 
 def upload_stage(
-    worker: Worker, layers: Sequence[nn.Module], indices: Sequence[int], slot: int = 0
+    worker: Worker,
+    layers: Sequence[nn.Module],
+    indices: Sequence[int],
+    slot: int = 0,
+    epoch: object = None,
 ) -> StageReplica:
     """Issue the upload of a stage's layers to ``worker`` (asynchronous on CUDA:
     compute must ``worker.wait_channel("param")`` before using it). ``slot`` (0/1)
-    picks the skeleton copy: consecutive jobs of a worker alternate."""
+    picks the skeleton copy: consecutive jobs of a worker alternate.
+
+    ``epoch`` names a stretch of uploads during which the host modules do not change
+    (the runtime passes one per worker queue of a call: no user code runs on the host
+    modules in between); a skeleton already checked and synced in it is used as is.
+    The parameter and buffer tensors are copied on every upload regardless."""
     replicas: list[LayerReplica] = []
     all_dev: list[torch.Tensor] = []
     try:
         for idx, layer in zip(indices, layers):
-            module, tree = _skeleton_for(worker, layer, slot)
+            module, tree = _skeleton_for(worker, layer, slot, epoch)
             srcs = tree.source_list
             dev = worker.copy_in(srcs, "param")  # every backend detaches
             all_dev.extend(dev)
@@ -350,18 +369,18 @@ def note_transfer(run: Any, lane: str, worker: Worker, name: str, start: float) 
 
 
 def upload_job(
-    run: Any, worker: Worker, job: Job, slot: int, wait: bool = True
+    run: Any, worker: Worker, job: Job, slot: int, wait: bool = True, epoch: object = None
 ) -> StageReplica | None:
-    """Upload a job's layers (``run``: a ``runtime.PipelineRun``). A pipelined run first
-    waits until the host copy holds the weight version it reads; with ``wait=False``
-    (prefetch) it gives up instead of waiting, so the current job is not held back by
-    the next one's weights."""
+    """Upload a job's layers (``run``: a ``runtime.PipelineRun``; ``epoch``: see
+    :func:`upload_stage`). A pipelined run first waits until the host copy holds the
+    weight version it reads; with ``wait=False`` (prefetch) it gives up instead of
+    waiting, so the current job is not held back by the next one's weights."""
     layers = list(job.layers)
     if run.weights is not None:
         if not wait and not run.weights.ready(run.reader, layers):
             return None
         run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
-    stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot)
+    stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot, epoch)
     if run.weights is not None:
         # the host copy of these layers may be overwritten once this upload has read it
         run.weights.uploaded(run.reader, layers, worker.param_fence())
