@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext, suppress
 from typing import Any, Protocol
@@ -107,7 +108,9 @@ class PipelineRun:
             rule_checker  # checks.ForwardRuleChecker: watches each layer's first forward
         )
         self.store = RecomputeStore()
-        self.rules_checked: set[int] = set()  # layers this run has passed to rule_checker
+        # layers passed to rule_checker so far, by any run: it checks each layer on its
+        # first forward only, so later forwards need not go through it (and its lock)
+        self.rules_checked: set[int] = _passed_to(rule_checker)
         # the caller's autocast, re-entered around layer compute on the worker threads
         # (autocast state is thread-local, so it would otherwise be dropped there)
         self.autocast = autocast if autocast is not None else AutocastState.capture()
@@ -176,6 +179,21 @@ class PipelineRun:
         """Free the saved boundary activations once backward no longer needs them."""
         with self._cond:
             self._acts.clear()
+
+
+_PASSED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+_PASSED_LOCK = threading.Lock()
+
+
+def _passed_to(checker: Any) -> set[int]:
+    """The layers already handed to ``checker`` (shared by all runs that use it)."""
+    if checker is None:
+        return set()
+    with _PASSED_LOCK:
+        passed = _PASSED.get(checker)
+        if passed is None:
+            passed = _PASSED[checker] = set()
+        return passed
 
 
 def _requires_grad_inputs(
