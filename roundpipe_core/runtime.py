@@ -263,7 +263,7 @@ def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
             plain = plain and x.shape == g.shape and x.dtype == g.dtype
     if not tensors:
         return
-    if plain:
+    if plain and _run_backward is not None:
         # Gradients of plain tensors of the same shape and dtype, as here by construction:
         # torch.autograd.backward would spend longer checking that (_make_grads) than a
         # small stage's backward takes; the C++ engine still validates the shapes.

@@ -229,8 +229,13 @@ class ModelTimer:
                 raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
             if not layers:
                 continue
-            unit_step = isinstance(layers, range) and layers.step == 1
-            if not (unit_step and 0 <= layers.start and layers.stop <= n):
+            in_range = (
+                isinstance(layers, range)
+                and layers.step == 1
+                and 0 <= layers.start
+                and layers.stop <= n
+            )
+            if not in_range:
                 for i in layers:
                     if not 0 <= i < n:
                         raise ValueError(f"layer {i} is outside the timed layers 0..{n - 1}")

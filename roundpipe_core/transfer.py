@@ -250,7 +250,7 @@ def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     """``nn.Parameter(t, requires_grad)``; for a plain tensor what its constructor does,
     without the constructor's checks (one per parameter of every upload)."""
     if type(t) is torch.Tensor:
-        return torch.Tensor._make_subclass(nn.Parameter, t, requires_grad)  # type: ignore[return-value]
+        return torch.Tensor._make_subclass(nn.Parameter, t, requires_grad)
     return nn.Parameter(t, requires_grad=requires_grad)
 
 
@@ -332,7 +332,7 @@ def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torc
     """Host copies of the gradients present (``None`` stays ``None``)."""
     if len(grads) == 1:  # a stage with one tensor input: no index bookkeeping
         g = grads[0]
-        return [None] if g is None else worker.copy_out([g])
+        return [None] if g is None else list(worker.copy_out([g]))
     present = [(i, g) for i, g in enumerate(grads) if g is not None]
     idx = [i for i, _ in present]
     host = worker.copy_out([g for _, g in present]) if present else []
