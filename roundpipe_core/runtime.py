@@ -23,13 +23,7 @@ import torch
 from torch import nn
 
 from .batch import flatten
-from .context import (
-    AutocastState,
-    LayerFrame,
-    RecomputeStore,
-    running_layer,
-    set_frame,
-)
+from .context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .kinds import JobKind, RecomputeGrain
@@ -190,10 +184,7 @@ def _passed_to(checker: Any) -> set[int]:
     if checker is None:
         return set()
     with _PASSED_LOCK:
-        passed = _PASSED.get(checker)
-        if passed is None:
-            passed = _PASSED[checker] = set()
-        return passed
+        return _PASSED.setdefault(checker, set())
 
 
 def _requires_grad_inputs(
