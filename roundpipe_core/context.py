@@ -2,27 +2,31 @@
 
 Model code may ask whether it is being recomputed (``doing_recompute``) and
 keep non-deterministic decisions of its forward (MoE routing, say) for the
-recompute pass (``save_for_recompute`` / ``get_recompute_data``).
+recompute pass (``save_for_recompute`` / ``get_recompute_data``). The caller's
+autocast state (``AutocastState``) travels to the worker threads the same way.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
 __all__ = [
+    "AutocastState",
     "RecomputeStore",
     "current_layer",
     "current_microbatch",
     "doing_recompute",
     "get_recompute_data",
+    "LayerFrame",
     "running_layer",
     "save_for_recompute",
+    "set_frame",
 ]
 
 _local = threading.local()
@@ -49,7 +53,14 @@ class RecomputeStore:
             return self._data[key]
 
 
-class _Frame:
+class LayerFrame:
+    """What the running layer's code may ask about: layer, microbatch, recompute or not.
+
+    The engine keeps one frame per stage and microbatch and moves ``layer`` along
+    as the stage's layers run (see :func:`set_frame`), instead of building a
+    context manager per layer.
+    """
+
     __slots__ = ("layer", "microbatch", "recompute", "store", "device")
 
     def __init__(
@@ -67,8 +78,16 @@ class _Frame:
         self.device = device
 
 
-def _frame() -> _Frame | None:
+def _frame() -> LayerFrame | None:
     return getattr(_local, "frame", None)
+
+
+def set_frame(frame: LayerFrame | None) -> LayerFrame | None:
+    """Make ``frame`` the current thread's frame (engine use); returns the previous one,
+    which the caller puts back (in a ``finally``) when its layers are done."""
+    prev = getattr(_local, "frame", None)
+    _local.frame = frame
+    return prev
 
 
 @contextmanager
@@ -76,8 +95,7 @@ def running_layer(
     layer: int, microbatch: int, recompute: bool, store: RecomputeStore | None, device: torch.device
 ) -> Iterator[None]:
     """Mark the current thread as running ``layer`` for ``microbatch`` (engine use)."""
-    prev = _frame()
-    _local.frame = _Frame(layer, microbatch, recompute, store, device)
+    prev = set_frame(LayerFrame(layer, microbatch, recompute, store, device))
     try:
         yield
     finally:
@@ -131,3 +149,49 @@ def get_recompute_data() -> Any:
     dev = f.device
     data = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, data)
     return tuple(data)
+
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+_NO_AUTOCAST = nullcontext()  # reusable: it keeps no state between uses
+
+
+class AutocastState:
+    """The calling thread's ``torch.autocast`` state, per device type, captured so that
+    worker threads compute under the autocast the caller asked for.
+
+    A worker enters the state recorded for *its own* device type: a CPU worker the
+    caller's CPU autocast, a CUDA worker the caller's CUDA autocast -- what plain
+    PyTorch would do with the model on that device.
+    """
+
+    __slots__ = ("cache_enabled", "states")
+
+    def __init__(self, states: dict[str, torch.dtype], cache_enabled: bool = True) -> None:
+        self.states = states  # device type -> dtype, only for enabled device types
+        self.cache_enabled = cache_enabled
+
+    @classmethod
+    def capture(cls) -> AutocastState:
+        """The current thread's autocast state."""
+        states = {
+            dev: torch.get_autocast_dtype(dev)
+            for dev in _AUTOCAST_DEVICE_TYPES
+            if torch.is_autocast_enabled(dev)
+        }
+        return cls(states, torch.is_autocast_cache_enabled())
+
+    def active(self, device: torch.device) -> AbstractContextManager[Any] | None:
+        """The autocast context for ``device``'s compute, or None when there is none to
+        enter (the runtime then skips the ``with`` per layer)."""
+        if not self.states or device.type not in self.states:
+            return None
+        return self.enter(device)
+
+    def enter(self, device: torch.device) -> AbstractContextManager[Any]:
+        """A context running ``device``'s compute under the captured autocast (or nothing)."""
+        if not self.states:
+            return _NO_AUTOCAST  # the common case, once per layer: no new object
+        dtype = self.states.get(device.type)
+        if dtype is None:
+            return _NO_AUTOCAST
+        return torch.autocast(device.type, dtype=dtype, cache_enabled=self.cache_enabled)

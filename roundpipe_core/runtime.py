@@ -14,21 +14,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+import weakref
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext, suppress
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from .batch import flatten
-from .context import RecomputeStore, running_layer
+from .context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .kinds import JobKind, RecomputeGrain
 from .schedule import Job
-from .streams import own_rng, record_stream_start, replay_seed, seed_layer
+from .streams import own_rng, record_stream_start, replay_seed, seed_stream
+from .timer import JobClock
 from .transfer import (
     GradSink,
     StageReplica,
@@ -59,45 +60,6 @@ class WeightGate(Protocol):
     ) -> None: ...
 
     def uploaded(self, reader: Any, layers: Sequence[int], fence: Callable[[], None]) -> None: ...
-
-
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
-_NO_AUTOCAST = nullcontext()  # reusable: it keeps no state between uses
-
-
-class AutocastState:
-    """The calling thread's ``torch.autocast`` state, per device type, captured so that
-    worker threads compute under the autocast the caller asked for.
-
-    A worker enters the state recorded for *its own* device type: a CPU worker the
-    caller's CPU autocast, a CUDA worker the caller's CUDA autocast -- what plain
-    PyTorch would do with the model on that device.
-    """
-
-    __slots__ = ("cache_enabled", "states")
-
-    def __init__(self, states: dict[str, torch.dtype], cache_enabled: bool = True) -> None:
-        self.states = states  # device type -> dtype, only for enabled device types
-        self.cache_enabled = cache_enabled
-
-    @classmethod
-    def capture(cls) -> AutocastState:
-        """The current thread's autocast state."""
-        states = {
-            dev: torch.get_autocast_dtype(dev)
-            for dev in _AUTOCAST_DEVICE_TYPES
-            if torch.is_autocast_enabled(dev)
-        }
-        return cls(states, torch.is_autocast_cache_enabled())
-
-    def enter(self, device: torch.device) -> AbstractContextManager[Any]:
-        """A context running ``device``'s compute under the captured autocast (or nothing)."""
-        if not self.states:
-            return _NO_AUTOCAST  # the common case, once per layer: no new object
-        dtype = self.states.get(device.type)
-        if dtype is None:
-            return _NO_AUTOCAST
-        return torch.autocast(device.type, dtype=dtype, cache_enabled=self.cache_enabled)
 
 
 class PipelineRun:
@@ -140,7 +102,9 @@ class PipelineRun:
             rule_checker  # checks.ForwardRuleChecker: watches each layer's first forward
         )
         self.store = RecomputeStore()
-        self.rules_checked: set[int] = set()  # layers this run has passed to rule_checker
+        # layers passed to rule_checker so far, by any run: it checks each layer on its
+        # first forward only, so later forwards need not go through it (and its lock)
+        self.rules_checked: set[int] = _passed_to(rule_checker)
         # the caller's autocast, re-entered around layer compute on the worker threads
         # (autocast state is thread-local, so it would otherwise be dropped there)
         self.autocast = autocast if autocast is not None else AutocastState.capture()
@@ -211,6 +175,18 @@ class PipelineRun:
             self._acts.clear()
 
 
+_PASSED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+_PASSED_LOCK = threading.Lock()
+
+
+def _passed_to(checker: Any) -> set[int]:
+    """The layers already handed to ``checker`` (shared by all runs that use it)."""
+    if checker is None:
+        return set()
+    with _PASSED_LOCK:
+        return _PASSED.setdefault(checker, set())
+
+
 def _requires_grad_inputs(
     value: Any, needs: list[bool] | None
 ) -> tuple[Any, list[torch.Tensor | None]]:
@@ -219,6 +195,13 @@ def _requires_grad_inputs(
     Returns the new value and, per leaf, the tensor whose ``.grad`` is the input
     gradient (None for leaves that take no gradient).
     """
+    if isinstance(value, torch.Tensor):  # the common activation: no tree to walk
+        if (value.is_floating_point() or value.is_complex()) and (
+            needs is None or (len(needs) > 0 and needs[0])
+        ):
+            value = value.detach().requires_grad_(True)
+            return value, [value]
+        return value, [None]
     leaves, rebuild = flatten(value)
     new, tracked = [], []
     for i, x in enumerate(leaves):
@@ -255,19 +238,42 @@ def _publish_input_grad(
 
 
 def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
-    leaves = flatten(out)[0]
+    leaves = [out] if isinstance(out, torch.Tensor) else flatten(out)[0]
     if len(leaves) != len(grads):
         raise RuntimeError(
             f"the stage output has {len(leaves)} leaves but {len(grads)} gradients arrived; "
             "a layer returns differently structured outputs in recompute than in forward"
         )
     tensors, gs = [], []
+    plain = _run_backward is not None
     for x, g in zip(leaves, grads):
         if g is not None and isinstance(x, torch.Tensor) and x.requires_grad:
             tensors.append(x)
             gs.append(g)
-    if tensors:
+            plain = plain and type(x) is type(g) is torch.Tensor
+            plain = plain and x.shape == g.shape and x.dtype == g.dtype
+    if not tensors:
+        return
+    if plain and _run_backward is not None:
+        # Gradients of plain tensors of the same shape and dtype, as here by construction:
+        # torch.autograd.backward would spend longer checking that (_make_grads) than a
+        # small stage's backward takes; the C++ engine still validates the shapes.
+        _run_backward(
+            tuple(tensors),
+            tuple(gs),
+            False,
+            False,
+            (),
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )
+    else:
         torch.autograd.backward(tensors, gs)
+
+
+# the engine entry torch.autograd.backward calls after its checks (private: if a torch
+# release moves it, every backward takes the public path)
+_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
 def _call_layer(layer: nn.Module, index: int, x: Any) -> Any:
@@ -278,57 +284,97 @@ def _call_layer(layer: nn.Module, index: int, x: Any) -> Any:
     return layer(x)
 
 
-def _forward_layer(run: PipelineRun, stage: StageReplica, index: int, x: Any) -> Any:
-    """A real (not recomputed) forward of one layer, watched for forward-rule violations once."""
-    module = stage.layer(index)
-    if run.rule_checker is None or index in run.rules_checked:
-        return _call_layer(module, index, x)
-    # the checker watches a layer's first forward only; later ones skip its lock
-    run.rules_checked.add(index)
-    return run.rule_checker.run(index, module, lambda: _call_layer(module, index, x))
+def _run_layers(
+    run: PipelineRun,
+    job: Job,
+    stage: StageReplica,
+    worker: Worker,
+    mb: int,
+    x: Any,
+    clock: JobClock,
+    recompute: bool,
+    publish: bool = False,
+    inputs: list[Any] | None = None,
+) -> Any:
+    """Run the job's layers on ``x`` for microbatch ``mb``: the one loop of every
+    forward and recompute.
+
+    Per layer: a new random stream where a segment starts (``streams.py``), the
+    layer's frame (``context.py``: one frame per call, its ``layer`` moved along), the
+    caller's autocast, and one time mark (each layer's span ends where the next
+    begins). A real forward passes each layer's first forward to the rule checker;
+    with ``publish`` (forward jobs) it hands on the activations at interior
+    boundaries; ``inputs`` collects each layer's input (recompute grain "layer").
+    """
+    r = job.layers
+    seeding = not recompute or run.preserve_rng_state
+    every, starts = run.seed_every_layer, run.stream_starts
+    publish = publish and bool(run.boundaries)
+    checker = None if recompute else run.rule_checker
+    autocast = run.autocast.active(worker.device)
+    kind = "re" if recompute else "fwd"
+    time_point, marks = worker.time_point, clock.marks
+    modules = stage.modules
+    offset = job.layers.start
+    frame = LayerFrame(r.start, mb, recompute, run.store, worker.device)
+    prev = set_frame(frame)
+    i = r.start
+    try:
+        t = time_point()
+        for i in r:
+            if publish and i != r.start and i in run.boundaries:
+                run.put_act(i, mb, to_host(worker, x))
+                t = time_point()  # the copy is not the layer's time
+            if seeding and (i == r.start or every or i in starts):
+                seed_stream(run, worker, i, mb)
+            if inputs is not None:
+                inputs.append(x)
+            frame.layer = i
+            module = modules[i - offset]
+            if checker is not None and i not in run.rules_checked:
+                # the checker watches a layer's first forward only; later ones skip its lock
+                run.rules_checked.add(i)
+                with autocast or nullcontext():
+                    x = checker.run(i, module, lambda m=module, v=x, k=i: _call_layer(m, k, v))
+            elif autocast is None:
+                x = module(*x[0], **x[1]) if i == 0 else module(x)
+            else:
+                with autocast:
+                    x = _call_layer(module, i, x)
+            end = time_point()
+            marks.append((kind, i, i + 1, t, end))
+            t = end
+    except BaseException as exc:
+        _annotate(exc, job, i, mb, worker)
+        raise
+    finally:
+        set_frame(prev)
+    return x
 
 
 def _annotate(exc: BaseException, job: Job, layer: int | None, mb: int, worker: Worker) -> None:
+    notes = getattr(exc, "__notes__", None) or ()
+    if any(n.startswith(_NOTE_PREFIX) for n in notes):
+        return  # the layer loop has said where already
     where = (
         f"layer {layer}"
         if layer is not None
         else f"layers {job.layers.start}..{job.layers.stop - 1}"
     )
     note = (
-        f"RoundPipe: raised in {where}, microbatch {mb}, {job.kind} stage {job.stage} "
+        f"{_NOTE_PREFIX}{where}, microbatch {mb}, {job.kind} stage {job.stage} "
         f"on device {worker.index} ({worker.device})"
     )
-    if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", []):
+    if hasattr(exc, "add_note"):
         exc.add_note(note)
 
 
-class _Clock:
-    """Per-job timing: per-layer and per-stage sums over microbatches."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.marks: list[tuple[str, range, Any, Any]] = []
-
-    def span(self, kind: str, layers: range, start: Any) -> None:
-        self.marks.append((kind, layers, start, self.worker.time_point()))
-
-    def commit(self, timer: Any, microbatches: int) -> float:
-        sums: dict[tuple[str, int, int], float] = defaultdict(float)
-        total = 0.0
-        for kind, layers, a, b in self.marks:
-            ms = self.worker.elapsed_ms(a, b)
-            sums[(kind, layers.start, layers.stop)] += ms
-            total += ms
-        if timer is not None:
-            for (kind, start, stop), ms in sums.items():
-                # per-microbatch estimates: calls with different microbatch counts average consistently
-                timer.record(kind, range(start, stop), ms, microbatches=microbatches)
-        return total
+_NOTE_PREFIX = "RoundPipe: raised in "
 
 
 # -- jobs -------------------------------------------------------------------------
 def _forward_microbatch(
-    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: JobClock
 ) -> None:
     r = job.layers
     record_stream_start(run, r.start)
@@ -337,23 +383,12 @@ def _forward_microbatch(
     x, held = to_device(worker, value)
     worker.wait_channel("activation")
     note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
-    layer_idx: int | None = None
     try:
         with worker.compute(), torch.no_grad(), own_rng(worker):
-            for layer_idx in r:
-                if layer_idx in run.boundaries and layer_idx != r.start:
-                    run.put_act(layer_idx, mb, to_host(worker, x))
-                seed_layer(run, worker, layer_idx, mb, layer_idx == r.start)
-                t0 = worker.time_point()
-                with (
-                    running_layer(layer_idx, mb, False, run.store, worker.device),
-                    run.autocast.enter(worker.device),
-                ):
-                    x = _forward_layer(run, stage, layer_idx, x)
-                clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
+            x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False, publish=True)
             out = to_host(worker, x)
     except BaseException as exc:
-        _annotate(exc, job, layer_idx, mb, worker)
+        _annotate(exc, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
@@ -387,7 +422,7 @@ def _loss_parts(loss: Any) -> list[torch.Tensor]:
 
 
 def _fused_microbatch(
-    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: JobClock
 ) -> None:
     r = job.layers
     record_stream_start(run, r.start)
@@ -398,19 +433,9 @@ def _fused_microbatch(
     worker.wait_channel("activation")
     note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
-    layer_idx: int | None = None
     try:
         with worker.compute(), torch.enable_grad(), own_rng(worker):
-            for layer_idx in r:
-                seed_layer(run, worker, layer_idx, mb, layer_idx == r.start)
-                t0 = worker.time_point()
-                with (
-                    running_layer(layer_idx, mb, False, run.store, worker.device),
-                    run.autocast.enter(worker.device),
-                ):
-                    x = _forward_layer(run, stage, layer_idx, x)
-                clock.span("fwd", range(layer_idx, layer_idx + 1), t0)
-            layer_idx = None
+            x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False)
             assert run.loss_fn is not None
             with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
                 loss = run.loss_fn(x, label)
@@ -427,7 +452,7 @@ def _fused_microbatch(
                 run.outputs[mb] = to_host(worker, x)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
-        _annotate(exc, job, layer_idx, mb, worker)
+        _annotate(exc, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
@@ -435,7 +460,7 @@ def _fused_microbatch(
 
 
 def _backward_microbatch(
-    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: _Clock
+    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: JobClock
 ) -> None:
     r = job.layers
     grads_out = run.get_grad(r.stop, mb)
@@ -446,7 +471,6 @@ def _backward_microbatch(
     worker.wait_channel("activation")
     note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
     needs = _needs(run, r.start)
-    layer_idx: int | None = None
     try:
         with worker.compute(), own_rng(worker):
             if run.recompute_grain == RecomputeGrain.LAYER:
@@ -456,22 +480,13 @@ def _backward_microbatch(
             else:
                 x, tracked = _requires_grad_inputs(x_in, needs)
                 with torch.enable_grad():
-                    for layer_idx in r:
-                        replay_seed(run, worker, layer_idx, mb, layer_idx == r.start)
-                        t0 = worker.time_point()
-                        with (
-                            running_layer(layer_idx, mb, True, run.store, worker.device),
-                            run.autocast.enter(worker.device),
-                        ):
-                            x = _call_layer(stage.layer(layer_idx), layer_idx, x)
-                        clock.span("re", range(layer_idx, layer_idx + 1), t0)
-                    layer_idx = None
+                    x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=True)
                     t0 = worker.time_point()
                     _backward(x, g_dev)
                     clock.span("bwd", r, t0)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
-        _annotate(exc, job, layer_idx, mb, worker)
+        _annotate(exc, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
@@ -487,24 +502,14 @@ def _backward_layerwise(
     x_in: Any,
     g_dev: list[torch.Tensor | None],
     needs: list[bool] | None,
-    clock: _Clock,
+    clock: JobClock,
 ) -> list[torch.Tensor | None]:
     """Recompute grain "layer": re-run the stage without autograd to get each layer's
     input, then recompute and backpropagate one layer at a time (one layer's graph alive)."""
     r = job.layers
-    inputs = []
-    x = x_in
+    inputs: list[Any] = []
     with torch.no_grad():
-        for layer_idx in r:
-            replay_seed(run, worker, layer_idx, mb)
-            inputs.append(x)
-            t0 = worker.time_point()
-            with (
-                running_layer(layer_idx, mb, True, run.store, worker.device),
-                run.autocast.enter(worker.device),
-            ):
-                x = _call_layer(stage.layer(layer_idx), layer_idx, x)
-            clock.span("re", range(layer_idx, layer_idx + 1), t0)
+        _run_layers(run, job, stage, worker, mb, x_in, clock, recompute=True, inputs=inputs)
     grads = g_dev
     tracked: list[torch.Tensor | None] = []
     for pos in reversed(range(len(r))):
@@ -526,7 +531,7 @@ def _backward_layerwise(
 
 
 # keyed by text: a Job's kind is the JobKind's text (members hash and compare like it)
-_RUNNERS: dict[str, Callable[[PipelineRun, Job, StageReplica, Worker, int, _Clock], None]] = {
+_RUNNERS: dict[str, Callable[[PipelineRun, Job, StageReplica, Worker, int, JobClock], None]] = {
     JobKind.FORWARD: _forward_microbatch,
     JobKind.FUSED: _fused_microbatch,
     JobKind.BACKWARD: _backward_microbatch,
@@ -537,13 +542,18 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
     """Run one worker's jobs in launch order, prefetching the next job's parameters
     while the current one computes."""
     prefetched: StageReplica | None = None
+    clock = JobClock(worker)
+    # The host modules' structure and flags are not meant to change while one call's
+    # queue runs (nothing else runs in a blocking call; a change during an overlapped
+    # call was always a race): each cached skeleton is checked and synced once per queue.
+    epoch = object()
     try:
         for i, job in enumerate(jobs):
             if run.failed is not None:
                 raise PoolError("another job of this run failed")
             t0 = time.perf_counter()
             uploading = prefetched is None  # a prefetched stage's upload is noted already
-            stage = prefetched or upload_job(run, worker, job, i % 2)
+            stage = prefetched or upload_job(run, worker, job, i % 2, epoch=epoch)
             assert stage is not None
             prefetched = None
             try:
@@ -553,30 +563,34 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                     note_transfer(run, "upload", worker, f"{job} params", t0)
                 if i + 1 < len(jobs):
                     t0 = time.perf_counter()
-                    prefetched = upload_job(run, worker, jobs[i + 1], (i + 1) % 2, wait=False)
+                    prefetched = upload_job(
+                        run, worker, jobs[i + 1], (i + 1) % 2, wait=False, epoch=epoch
+                    )
                     if prefetched is not None:
                         note_transfer(run, "upload", worker, f"{jobs[i + 1]} params", t0)
-                clock = _Clock(worker)
                 runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:
                     runner(run, job, stage, worker, mb, clock)
-                if job.kind in (JobKind.FUSED, JobKind.BACKWARD):
+                if job.kind != JobKind.FORWARD:  # fused and backward jobs made gradients
                     t0 = time.perf_counter()
                     download_grads(stage, run.grad_sink)
                     note_transfer(run, "gradient", worker, f"{job} grads", t0)
                     if run.grads_done is not None:
                         run.grads_done(job)
-                if job.kind in (JobKind.FORWARD, JobKind.FUSED):
+                if job.kind != JobKind.BACKWARD:  # a real forward may have written buffers
                     write_back_buffers(stage)
-                busy = clock.commit(run.timer, len(job.microbatches))
+                busy = clock.end_job(len(job.microbatches))
                 end = time.perf_counter()
                 with run._cond:
                     run.job_times.append((job, worker.index, busy))
                     run.job_spans.append((job, worker.index, start, end))
             finally:
                 release_stage(stage)
+        clock.commit(run.timer)
     except BaseException as exc:
         run.fail(exc)
+        with suppress(Exception):  # the finished jobs' times; the failure is what matters
+            clock.commit(run.timer)
         raise
     finally:
         if prefetched is not None:

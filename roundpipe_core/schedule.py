@@ -15,7 +15,7 @@ reads them back against the plan (which knows each stage's layers).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .kinds import JobKind, RunType, parse_kind
 from .plan import ModelExecutePlan
@@ -63,11 +63,16 @@ class Job:
     device: int
     microbatches: range
     stage: int
+    # the text form, made once: the runtime names every transfer it records by it
+    _code: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_code", f"{self.stage}{JobKind(self.kind).code}{self.device}")
 
     @property
     def code(self) -> str:
         """The job's text form, ``"2F0"``: stage, kind code, device."""
-        return f"{self.stage}{JobKind(self.kind).code}{self.device}"
+        return self._code
 
     def __str__(self) -> str:
         return self.code

@@ -18,8 +18,7 @@ The functions take a ``PipelineRun`` (``runtime.py``): its ``rng_base``,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -27,18 +26,31 @@ import torch
 from .devices.base import Worker
 from .devices.cpu import CPUWorker
 
-__all__ = ["own_rng", "record_stream_start", "replay_seed", "seed_layer"]
+__all__ = ["own_rng", "record_stream_start", "replay_seed", "seed_layer", "seed_stream"]
 
 
-@contextmanager
-def own_rng(worker: Worker) -> Iterator[None]:
+class _RngGuard:
+    """Saves the worker's generator state on entry and puts it back on exit; a plain
+    object rather than a generator context manager, since it wraps every microbatch
+    of every job."""
+
+    __slots__ = ("worker", "state")
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.state: Any = None
+
+    def __enter__(self) -> None:
+        self.state = self.worker.get_rng_state()
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.set_rng_state(self.state)
+
+
+def own_rng(worker: Worker) -> AbstractContextManager[None]:
     """Give back the worker's generator as it was: the seeding here must not disturb
     the random stream of the code around RoundPipe."""
-    state = worker.get_rng_state()
-    try:
-        yield
-    finally:
-        worker.set_rng_state(state)
+    return _RngGuard(worker)
 
 
 def record_stream_start(run: Any, start: int) -> None:
@@ -54,8 +66,14 @@ def _stream_seed(run: Any, layer: int, mb: int) -> int:
 def seed_layer(run: Any, worker: Worker, layer: int, mb: int, job_start: bool = False) -> None:
     """Before a real forward of ``layer`` on ``mb``: a new stream where a segment starts
     (``job_start``: the first layer of a job, always one), else the current one goes on."""
-    if not (job_start or run.seed_every_layer or layer in run.stream_starts):
-        return
+    if job_start or run.seed_every_layer or layer in run.stream_starts:
+        seed_stream(run, worker, layer, mb)
+
+
+def seed_stream(run: Any, worker: Worker, layer: int, mb: int) -> None:
+    """Start the stream of ``layer`` on ``mb``: the worker's generator seeded from
+    ``(run.rng_base, layer, mb)``. The runtime's layer loop calls it where
+    :func:`seed_layer` would, deciding inline whether a segment starts."""
     seed = _stream_seed(run, layer, mb)
     if type(worker).set_rng_state is CPUWorker.set_rng_state:
         # CPU workers draw from the process generator (under the compute lock): seeding

@@ -26,11 +26,14 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
-__all__ = ["ModelTimer"]
+if TYPE_CHECKING:
+    from .devices.base import Worker
+
+__all__ = ["JobClock", "ModelTimer"]
 
 KINDS = ("fwd", "re", "bwd")
 
@@ -152,7 +155,15 @@ class ModelTimer:
 
     def _estimates(self, kind: str) -> list[float]:
         with self._lock:
-            return [self._estimate(kind, i) for i in range(self.num_layers)]
+            return self._estimates_locked(kind, range(self.num_layers))
+
+    def _estimates_locked(self, kind: str, layers: Sequence[int]) -> list[float]:
+        """``_estimate`` of many layers; the measured ones without a call each (the
+        planner reads every layer's estimate on every call)."""
+        ema, count, f = self._ema[kind], self._count[kind], self.EMA_FACTOR
+        return [
+            ema[i] / (1.0 - f ** count[i]) if count[i] else self._estimate(kind, i) for i in layers
+        ]
 
     def stage_ms(self, kind: str, layers: range | Sequence[int]) -> float:
         """Estimated time of a stage. ``kind``: "fwd", "re", "bwd", or the job kinds
@@ -191,32 +202,56 @@ class ModelTimer:
         With ``microbatches`` > 1 the time is divided by it, so estimates are per
         microbatch and calls with different microbatch counts average consistently.
         """
-        _check_kind(kind)
-        layers = list(layers)
-        if not layers:
-            return
-        ms = float(ms)
-        if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
-            raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
+        self.record_many([(kind, layers, ms)], microbatches)
+
+    def record_many(
+        self,
+        records: Sequence[tuple[str, range | Sequence[int], float]],
+        microbatches: int = 1,
+    ) -> None:
+        """:meth:`record` for several ``(kind, layers, ms)`` of one job at once: the
+        runtime hands a job's per-layer times over under one lock acquisition.
+
+        Raises:
+            ValueError: naming the bad kind, time, layer or microbatch count; nothing
+                of ``records`` is recorded then.
+        """
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
-        ms /= microbatches
-        for i in layers:
-            if not 0 <= i < self.num_layers:
-                raise ValueError(f"layer {i} is outside the timed layers 0..{self.num_layers - 1}")
+        n = self.num_layers
+        checked = []
+        for kind, layers, ms in records:
+            _check_kind(kind)
+            if not isinstance(layers, (range, list, tuple)):
+                layers = list(layers)
+            ms = float(ms)
+            if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
+                raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
+            if not layers:
+                continue
+            in_range = (
+                isinstance(layers, range)
+                and layers.step == 1
+                and 0 <= layers.start
+                and layers.stop <= n
+            )
+            if not in_range:
+                for i in layers:
+                    if not 0 <= i < n:
+                        raise ValueError(f"layer {i} is outside the timed layers 0..{n - 1}")
+            checked.append((kind, layers, ms / microbatches))
         with self._lock:
-            if len(layers) == 1:
-                shares = [1.0]
-            else:
-                weight_kind = "fwd" if kind == "fwd" else "re"
-                weights = [self._estimate(weight_kind, i) for i in layers]
+            for kind, layers, ms in checked:
+                pending = self._pending[kind]
+                if len(layers) == 1:
+                    i = layers[0]
+                    pending[i] = pending.get(i, 0.0) + ms
+                    continue
+                weights = self._estimates_locked("fwd" if kind == "fwd" else "re", layers)
                 total = sum(weights)
-                shares = (
-                    [w / total for w in weights] if total > 0 else [1.0 / len(layers)] * len(layers)
-                )
-            pending = self._pending[kind]
-            for i, s in zip(layers, shares):
-                pending[i] = pending.get(i, 0.0) + ms * s
+                for i, w in zip(layers, weights):
+                    share = w / total if total > 0 else 1.0 / len(layers)
+                    pending[i] = pending.get(i, 0.0) + ms * share
 
     def end_iteration(self) -> None:
         """Fold this iteration's records into the moving averages."""
@@ -224,16 +259,17 @@ class ModelTimer:
         with self._lock:
             self.iterations += 1
             f = self.EMA_FACTOR
+            verbose = self.VERBOSE
             for kind in KINDS:
                 pending, self._pending[kind] = self._pending[kind], {}
-                for i in sorted(pending):
-                    x = pending[i]
-                    self._seen[kind][i] += 1
-                    if self._seen[kind][i] == 1:
+                seen, ema, count = self._seen[kind], self._ema[kind], self._count[kind]
+                for i, x in sorted(pending.items()) if verbose else pending.items():
+                    seen[i] += 1
+                    if seen[i] == 1:
                         continue  # first measured iteration: warm-up, dropped
-                    self._ema[kind][i] = f * self._ema[kind][i] + (1.0 - f) * x
-                    self._count[kind][i] += 1
-                    if self.VERBOSE:
+                    ema[i] = f * ema[i] + (1.0 - f) * x
+                    count[i] += 1
+                    if verbose:
                         est = self._measured(kind, i)
                         lines.append(
                             f"Layer {i} {kind:<5}new record: {x:.3f} ms  new estimate: {est:.3f} ms"
@@ -283,6 +319,61 @@ class ModelTimer:
             f"ModelTimer({self.num_layers} layers, {self.iterations} iterations, "
             f"measured={self.has_measurements()})"
         )
+
+
+class JobClock:
+    """A worker's timing marks for the jobs of one run, handed to a timer at once.
+
+    A mark is ``(kind, start, stop, t0, t1)``: ``kind`` "fwd" / "re" / "bwd" of
+    layers ``start..stop-1`` between two of the worker's time points. The runtime
+    appends to ``marks`` directly in its layer loop (one tuple per layer);
+    :meth:`end_job` sums a job's marks per layer range over its microbatches and
+    keeps them as per-microbatch records; :meth:`commit` gives the timer all of
+    them in one call (one lock acquisition per worker and run, not per job).
+
+    Args:
+        worker: the worker whose ``time_point`` / ``elapsed_ms`` made the marks.
+    """
+
+    __slots__ = ("worker", "marks", "records")
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.marks: list[tuple[str, int, int, Any, Any]] = []
+        self.records: list[tuple[str, range, float]] = []
+
+    def span(self, kind: str, layers: range, start: Any) -> None:
+        """Mark ``kind`` of ``layers`` from ``start`` (a time point) to now."""
+        self.marks.append((kind, layers.start, layers.stop, start, self.worker.time_point()))
+
+    def end_job(self, microbatches: int) -> float:
+        """Turn the marks of the job just run into records of ms per microbatch (so
+        calls with different microbatch counts average consistently); returns the
+        job's busy ms."""
+        sums: dict[tuple[str, int, int], float] = {}
+        total = 0.0
+        elapsed = self.worker.elapsed_ms
+        for kind, start, stop, a, b in self.marks:
+            ms = elapsed(a, b)
+            key = (kind, start, stop)
+            sums[key] = sums.get(key, 0.0) + ms
+            total += ms
+        self.marks.clear()
+        self.records.extend((k, range(a, b), ms / microbatches) for (k, a, b), ms in sums.items())
+        return total
+
+    def commit(self, timer: Any) -> None:
+        """Hand the records of every ended job to ``timer`` (a :class:`ModelTimer`, or
+        anything with ``record``); nothing to a ``None`` timer."""
+        records, self.records = self.records, []
+        if timer is None or not records:
+            return
+        many = getattr(timer, "record_many", None)
+        if many is not None:
+            many(records)
+        else:
+            for kind, layers, ms in records:
+                timer.record(kind, layers, ms)
 
 
 def _check_kind(kind: str) -> None:

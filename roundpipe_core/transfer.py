@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,15 +65,22 @@ class LayerReplica:
     # host tensor id -> device tensor (one per distinct host tensor: tied weights stay tied)
     device_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     sources: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (the replica's _parameters or _buffers table, name, position in sources) per slot
+    fills: list[tuple[dict[str, Any], str, int]] = field(default_factory=list)
 
 
 @dataclass
 class StageReplica:
-    """The layers of one job, uploaded to one worker."""
+    """The layers of one job, uploaded to one worker; ``modules`` are the layers'
+    replicas in the job's layer order (the runtime indexes them per layer)."""
 
     worker: Worker
     layers: list[LayerReplica]
     param_tensors: list[torch.Tensor]
+    modules: list[nn.Module] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.modules = [lr.module for lr in self.layers]
 
     def layer(self, index: int) -> nn.Module:
         for lr in self.layers:
@@ -128,11 +136,15 @@ def _sync_plain_attributes(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> None
     for orig, rep in pairs:
         rep_dict = rep.__dict__
         for k, v in orig.__dict__.items():
+            if type(v) in _TABLES:
+                continue  # most of a module's __dict__; one set lookup instead of isinstance
             if isinstance(v, _SYNCED_TYPES) and rep_dict.get(k, _MISSING) is not v:
                 rep_dict[k] = v
 
 
 _MISSING = object()
+# the types of nn.Module's own tables (parameters, buffers, submodules, hooks): never synced
+_TABLES = frozenset({dict, OrderedDict, set})
 
 
 class _Tree:
@@ -158,48 +170,74 @@ class _Tree:
                 self.is_param.append(False)
             self.slot_source.append(pos[k])
             self.is_param[pos[k]] = self.is_param[pos[k]] or s.is_param
+        self.source_list = list(self.sources.values())
+        self.epoch: object = None  # the stretch of uploads that last checked and synced it
+        # where each upload puts its tensors: the replica modules' own tables, found once
+        self.fills: list[tuple[dict[str, Any], str, int]] = [
+            (s.module._parameters if s.is_param else s.module._buffers, s.name, i)
+            for s, i in zip(slots, self.slot_source)
+        ]
 
 
-def _skeleton_for(worker: Worker, layer: nn.Module, slot: int) -> tuple[nn.Module, _Tree]:
+def _skeleton_for(
+    worker: Worker, layer: nn.Module, slot: int, epoch: object = None
+) -> tuple[nn.Module, _Tree]:
     """The worker's cached skeleton of ``layer``; two per layer (``slot`` 0/1) so the
     running stage and the prefetched one never share module objects. The cache holds
-    ``(layer, tree, replica, slots)``."""
+    ``(layer, tree, replica, slots)``.
+
+    A skeleton is checked against the host module's tree and synced to its flags once
+    per ``epoch`` (see :func:`upload_stage`); ``None`` checks on every upload.
+    """
     cache = worker.skeletons
     key = (id(layer), slot)
     hit = cache.get(key)
+    if hit is not None and epoch is not None and hit[1].epoch is epoch and hit[0] is layer:
+        return hit[2], hit[1]
     if hit is None or hit[0] is not layer or hit[1].signature != _signature(hit[1].modules):
         replica, slots = make_skeleton(layer)
         hit = (layer, _Tree(layer, replica, slots), replica, slots)
         cache[key] = hit
     _sync_plain_attributes(hit[1].pairs)
+    hit[1].epoch = epoch
     return hit[2], hit[1]
 
 
 def upload_stage(
-    worker: Worker, layers: Sequence[nn.Module], indices: Sequence[int], slot: int = 0
+    worker: Worker,
+    layers: Sequence[nn.Module],
+    indices: Sequence[int],
+    slot: int = 0,
+    epoch: object = None,
 ) -> StageReplica:
     """Issue the upload of a stage's layers to ``worker`` (asynchronous on CUDA:
     compute must ``worker.wait_channel("param")`` before using it). ``slot`` (0/1)
-    picks the skeleton copy: consecutive jobs of a worker alternate."""
+    picks the skeleton copy: consecutive jobs of a worker alternate.
+
+    ``epoch`` names a stretch of uploads during which the host modules do not change
+    (the runtime passes one per worker queue of a call: no user code runs on the host
+    modules in between); a skeleton already checked and synced in it is used as is.
+    The parameter and buffer tensors are copied on every upload regardless."""
     replicas: list[LayerReplica] = []
     all_dev: list[torch.Tensor] = []
     try:
         for idx, layer in zip(indices, layers):
-            module, tree = _skeleton_for(worker, layer, slot)
-            srcs = tree.sources
-            dev = worker.copy_in([t.detach() for t in srcs.values()], "param")
+            module, tree = _skeleton_for(worker, layer, slot, epoch)
+            srcs = tree.source_list
+            dev = worker.copy_in(srcs, "param")  # every backend detaches
             all_dev.extend(dev)
             # Parameter wrappers replace the raw device tensors so grads land on them
             held = [
-                nn.Parameter(t, requires_grad=src.requires_grad) if p else t
-                for t, src, p in zip(dev, srcs.values(), tree.is_param)
+                _parameter(t, src.requires_grad) if p else t
+                for t, src, p in zip(dev, srcs, tree.is_param)
             ]
-            for s, i in zip(tree.slots, tree.slot_source):
-                if s.is_param:
-                    s.module._parameters[s.name] = held[i]  # type: ignore[assignment]
-                else:
-                    s.module._buffers[s.name] = held[i]
-            replicas.append(LayerReplica(idx, module, tree.slots, dict(zip(srcs, held)), srcs))
+            replicas.append(
+                LayerReplica(
+                    idx, module, tree.slots, dict(zip(tree.sources, held)), tree.sources, tree.fills
+                )
+            )
+            for table, name, i in tree.fills:
+                table[name] = held[i]
     except BaseException:
         # Layers uploaded before the failure would otherwise stay in the cached skeletons
         # and the ledger (device memory on CUDA) until those skeletons are next used.
@@ -208,13 +246,21 @@ def upload_stage(
     return StageReplica(worker, replicas, all_dev)
 
 
+def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """``nn.Parameter(t, requires_grad)``; for a plain tensor what its constructor does,
+    without the constructor's checks (one per parameter of every upload)."""
+    if type(t) is torch.Tensor:
+        return torch.Tensor._make_subclass(nn.Parameter, t, requires_grad)
+    return nn.Parameter(t, requires_grad=requires_grad)
+
+
 def download_grads(stage: StageReplica, sink: GradSink) -> None:
     """Download the gradients the stage accumulated and pass them to ``sink``."""
     pending_src: list[torch.Tensor] = []
     pending_dev: list[torch.Tensor] = []
     for lr in stage.layers:
-        for k, src in lr.sources.items():
-            dev = lr.device_tensors[k]
+        # both tables are built from the same sources, in the same order
+        for src, dev in zip(lr.sources.values(), lr.device_tensors.values()):
             if isinstance(src, nn.Parameter) and src.requires_grad and dev.grad is not None:
                 pending_src.append(src)
                 pending_dev.append(dev.grad)
@@ -248,17 +294,18 @@ def release_stage(stage: StageReplica) -> None:
     """Drop the device copies of a stage; the emptied skeletons stay cached."""
     stage.worker.release(stage.param_tensors, "param")
     for lr in stage.layers:
-        for s in lr.slots:
-            if s.is_param:
-                s.module._parameters[s.name] = None
-            else:
-                s.module._buffers[s.name] = None
+        for table, name, _ in lr.fills:
+            table[name] = None
         lr.device_tensors.clear()
     stage.param_tensors = []
 
 
 # -- activations and their gradients: pytrees between host and device ---------------
 def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``value`` (a pytree) with its tensors copied to ``worker``, and the copies (to release)."""
+    if isinstance(value, torch.Tensor):  # the common activation: no tree to walk
+        dev = worker.copy_in([value], "activation")
+        return dev[0], dev
     leaves, rebuild = flatten(value)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
@@ -269,6 +316,9 @@ def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
 
 
 def to_host(worker: Worker, value: Any) -> Any:
+    """``value`` (a pytree) with its tensors copied to the host, detached."""
+    if isinstance(value, torch.Tensor):
+        return worker.copy_out([value.detach()])[0]
     leaves, rebuild = flatten(value)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     host = worker.copy_out([leaves[i].detach() for i in idx]) if idx else []
@@ -279,6 +329,10 @@ def to_host(worker: Worker, value: Any) -> Any:
 
 
 def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Host copies of the gradients present (``None`` stays ``None``)."""
+    if len(grads) == 1:  # a stage with one tensor input: no index bookkeeping
+        g = grads[0]
+        return [None] if g is None else list(worker.copy_out([g]))
     present = [(i, g) for i, g in enumerate(grads) if g is not None]
     idx = [i for i, _ in present]
     host = worker.copy_out([g for _, g in present]) if present else []
@@ -291,6 +345,13 @@ def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torc
 def grads_to_device(
     worker: Worker, grads: list[torch.Tensor | None]
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+    """Device copies of the gradients present, and the copies (to release)."""
+    if len(grads) == 1:
+        g = grads[0]
+        if g is None:
+            return [None], []
+        dev = worker.copy_in([g], "activation")
+        return list(dev), dev
     present = [(i, g) for i, g in enumerate(grads) if g is not None]
     idx = [i for i, _ in present]
     dev = worker.copy_in([g for _, g in present], "activation") if present else []
@@ -308,18 +369,18 @@ def note_transfer(run: Any, lane: str, worker: Worker, name: str, start: float) 
 
 
 def upload_job(
-    run: Any, worker: Worker, job: Job, slot: int, wait: bool = True
+    run: Any, worker: Worker, job: Job, slot: int, wait: bool = True, epoch: object = None
 ) -> StageReplica | None:
-    """Upload a job's layers (``run``: a ``runtime.PipelineRun``). A pipelined run first
-    waits until the host copy holds the weight version it reads; with ``wait=False``
-    (prefetch) it gives up instead of waiting, so the current job is not held back by
-    the next one's weights."""
+    """Upload a job's layers (``run``: a ``runtime.PipelineRun``; ``epoch``: see
+    :func:`upload_stage`). A pipelined run first waits until the host copy holds the
+    weight version it reads; with ``wait=False`` (prefetch) it gives up instead of
+    waiting, so the current job is not held back by the next one's weights."""
     layers = list(job.layers)
     if run.weights is not None:
         if not wait and not run.weights.ready(run.reader, layers):
             return None
         run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
-    stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot)
+    stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot, epoch)
     if run.weights is not None:
         # the host copy of these layers may be overwritten once this upload has read it
         run.weights.uploaded(run.reader, layers, worker.param_fence())

@@ -33,25 +33,33 @@ class MemoryLedger:
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = {}
         self.peak_total = 0
+        self._total = 0  # sum of current, kept up to date instead of summed per call
 
     def alloc(self, nbytes: int, tag: str) -> None:
+        """Count ``nbytes`` more under ``tag`` (a whole batch of copies at once is fine:
+        the peak after a batch of allocations is the peak within it)."""
         with self._lock:
-            self.current[tag] = self.current.get(tag, 0) + nbytes
-            self.peak[tag] = max(self.peak.get(tag, 0), self.current[tag])
-            self.peak_total = max(self.peak_total, sum(self.current.values()))
+            now = self.current.get(tag, 0) + nbytes
+            self.current[tag] = now
+            if now > self.peak.get(tag, 0):
+                self.peak[tag] = now
+            self._total += nbytes
+            if self._total > self.peak_total:
+                self.peak_total = self._total
 
     def free(self, nbytes: int, tag: str) -> None:
         with self._lock:
             self.current[tag] = self.current.get(tag, 0) - nbytes
+            self._total -= nbytes
 
     def total(self) -> int:
         with self._lock:
-            return sum(self.current.values())
+            return self._total
 
     def reset_peak(self) -> None:
         with self._lock:
             self.peak = dict(self.current)
-            self.peak_total = sum(self.current.values())
+            self.peak_total = self._total
 
 
 _STOP = object()
