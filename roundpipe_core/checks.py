@@ -294,11 +294,14 @@ class PlanFitChecker:
                 for b, copy in saved:
                     b.copy_(copy)
 
-    def check(self, plan: Any, run_type: Any, profile: Any, capacity_bytes: float) -> None:
+    def check(
+        self, plan: Any, run_type: Any, profile: Any, capacity_bytes: Callable[[], float]
+    ) -> None:
         """``check_plan_fits`` for ``plan`` unless it already passed for this run type.
+        ``capacity_bytes()`` is asked only then: reading free memory costs a system call.
 
         Raises:
-            ValueError: a stage of ``plan`` needs more memory than ``capacity_bytes``.
+            ValueError: a stage of ``plan`` needs more memory than ``capacity_bytes()``.
         """
         key = (
             str(run_type),
@@ -308,5 +311,5 @@ class PlanFitChecker:
         )
         if key in self._checked:
             return
-        check_plan_fits(plan, profile, run_type, capacity_bytes)
+        check_plan_fits(plan, profile, run_type, capacity_bytes())
         self._checked.add(key)

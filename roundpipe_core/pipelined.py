@@ -242,7 +242,8 @@ class GradBuffer:
         master = self._master_of.get(id(param))
         if master is None:
             return
-        grad = grad.to(master.dtype)
+        if grad.dtype != master.dtype:
+            grad = grad.to(master.dtype)
         with self._lock:
             hit = self._grads.get(id(master))
             if hit is None:
@@ -303,17 +304,25 @@ class DeferredTimer:
 
     def __init__(self) -> None:
         self._records: list[tuple[tuple, dict]] = []
+        self._many: list[tuple[list, int]] = []  # record_many batches, replayed as such
         self._lock = threading.Lock()
 
     def record(self, *args: Any, **kwargs: Any) -> None:
         with self._lock:
             self._records.append((args, kwargs))
 
+    def record_many(self, records: Sequence[tuple[Any, ...]], microbatches: int = 1) -> None:
+        with self._lock:
+            self._many.append((list(records), microbatches))
+
     def replay(self, timer: Any) -> None:
         with self._lock:
             records, self._records = self._records, []
+            many, self._many = self._many, []
         for args, kwargs in records:
             timer.record(*args, **kwargs)
+        for batch, microbatches in many:
+            timer.record_many(batch, microbatches)
 
 
 class PendingResult:

@@ -117,7 +117,7 @@ class PlanChoice:
             if run_type != RunType.INFER:  # only autograd stages hold saved activations
                 args, kwargs = split.parts[0]
                 self._plan_fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
-            self._plan_fits.check(plan, run_type, profile_of(self), self.pool.memory_capacity())
+            self._plan_fits.check(plan, run_type, profile_of(self), self.pool.memory_capacity)
         return plan
 
     @property

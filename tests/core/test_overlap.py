@@ -309,3 +309,26 @@ def test_simulated_optimizer_step_delays_the_iteration_two_later():
         assert min(e.start for e in slow.events if e.iteration == it) >= prev_end + 60.0 - 1e-9
     with pytest.raises(ValueError, match="step_ms"):
         simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5, step_ms=-1.0)
+
+
+def test_pipelined_calls_feed_the_layer_timer_like_blocking_ones():
+    """A pipelined run's per-layer times (kept aside while runs overlap) reach the model
+    timer when it is done: the planner sees every layer measured, as after blocking calls."""
+    measured = {}
+    for blocking in (True, False):
+        rp = RoundPipe(
+            mlp(), devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3)
+        )
+        try:
+            for x, y in _batches(3):
+                r = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=blocking)
+                if not blocking:
+                    r.result()
+            rp.synchronize()
+            t = rp.model_timer
+            assert t.measured_iterations() == 2  # the first call is a dropped warm-up
+            assert t.has_measurements("fwd") and t.has_measurements("bwd")
+            measured[blocking] = (len(t.fwd_ms), all(ms > 0 for ms in t.bwd_ms))
+        finally:
+            rp.close()
+    assert measured[True] == measured[False] == (len(mlp()), True)
