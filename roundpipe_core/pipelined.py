@@ -177,13 +177,24 @@ class WeightVersions:
             # iteration's first forward waits for its own layer only, not for the copy
             # of the whole model
             ready.sort(key=lambda k: self.holders[k][0])
-            for k in ready:
-                p, m = self._pair[k]
+            start = 0
+            while start < len(ready):
+                # a layer's parameters, then one wake-up of the workers waiting for that
+                # layer (a wake-up per tensor costs every waiting worker a lock round each)
+                layer = self.holders[ready[start]][0]
+                end = start
+                while end < len(ready) and self.holders[ready[end]][0] == layer:
+                    end += 1
+                keys = ready[start:end]
                 with torch.no_grad():
-                    p.copy_(m)
+                    for k in keys:
+                        p, m = self._pair[k]
+                        p.copy_(m)
                 with self._cond:
-                    self.version[k] = version
+                    for k in keys:
+                        self.version[k] = version
                     self._cond.notify_all()
+                start = end
             done = set(ready)
             todo = [k for k in todo if k not in done]
 
