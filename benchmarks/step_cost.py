@@ -26,11 +26,18 @@ process times, interleaved round by round (the order rotates each round, as in
   the model; ``async: optimizer thread`` is that step as the optimizer thread runs it
   (overlapped with the next call); ``publish (pipelined)`` is the per-layer copy a
   ``forward_backward(blocking=False)`` run gets instead, on the optimizer thread, each
-  layer released as soon as it is copied.
+  layer released as soon as it is copied;
+- ``prototype: layered step+copy``: not RoundPipe's code -- the same AdamW update
+  stepped one layer at a time (a fused AdamW per layer) with each layer's copy to the
+  model handed to a second thread as soon as that layer is stepped: what overlapping
+  the copy with the step of the next layer would cost on this machine.
 
 Each call is timed on the wall clock and on this process's CPU time (all threads),
 which the load of other processes on a shared machine disturbs far less; the table
-gives the median, the interquartile spread and the ratio of medians to the baseline.
+gives the median, the interquartile spread and the ratio of medians to the baseline,
+and the median count of minor page faults per call (fresh memory the kernel maps in:
+on a virtual machine each costs microseconds, so an allocation pattern that keeps
+returning memory to the system shows up here).
 The ``async: optimizer thread`` row is measured inside the step on that thread (its
 CPU column is that thread's CPU time). The ``async: caller`` CPU column also counts
 the optimizer thread's first moments of the step it has just queued.
@@ -39,8 +46,11 @@ the optimizer thread's first moments of the step it has just queued.
 from __future__ import annotations
 
 import argparse
+import resource
+import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from _interleave import Timing
@@ -62,33 +72,47 @@ def build(params: float, width: int, dtype: torch.dtype) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(dtype)
 
 
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        torch._foreach_copy_(dst, src)
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def run_rounds(
     variants: dict[str, Prepared], rounds: int, warmup: int = 1
-) -> dict[str, tuple[Timing, Timing]]:
-    """Per variant (wall, process CPU) seconds of its timed call, one per round; the
-    untimed ``prepare`` runs right before each call, the order rotates every round."""
+) -> dict[str, tuple[Timing, Timing, list[int]]]:
+    """Per variant (wall, process CPU) seconds of its timed call and the page faults it
+    took, one per round; the untimed ``prepare`` runs right before each call, the order
+    rotates every round."""
     names = list(variants)
     for _ in range(warmup):
         for name in names:
             prepare, call = variants[name]
             prepare()
             call()
-    out = {n: (Timing(n, []), Timing(n, [])) for n in names}
+    out: dict[str, tuple[Timing, Timing, list[int]]] = {
+        n: (Timing(n, []), Timing(n, []), []) for n in names
+    }
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             prepare, call = variants[name]
             prepare()
-            c0, t0 = time.process_time(), time.perf_counter()
+            f0, c0, t0 = _faults(), time.process_time(), time.perf_counter()
             call()
             out[name][0].seconds.append(time.perf_counter() - t0)
             out[name][1].seconds.append(time.process_time() - c0)
+            out[name][2].append(_faults() - f0)
     return out
 
 
-def bench(
-    params: float, width: int, dtype: torch.dtype, rounds: int
-) -> list[tuple[str, Timing, Timing]]:
-    """The rows of one table: (name, wall, CPU) per variant, the baseline first."""
+Row = tuple[str, Timing, Timing, list[int]]  # name, wall, CPU, page faults per call
+
+
+def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Row]:
+    """The rows of one table, the baseline first."""
     model = build(params, width, dtype)
     gen = torch.Generator().manual_seed(1)
     # the same gradients for every contender, in the weight dtype (what a device downloads)
@@ -102,6 +126,27 @@ def bench(
     def set_plain_grads() -> None:
         for p, g in zip(plain, plain_grads):
             p.grad = g
+
+    # a prototype of the copy overlapping the step: the same update stepped one layer at
+    # a time (an optimizer per layer), each layer's copy handed to a second thread
+    proto = [p.detach().clone() for p in plain]
+    proto_model = [p.detach().clone() for p in model.parameters()]
+    per_layer = [len(list(layer.parameters())) for layer in model]
+    bounds = [sum(per_layer[:i]) for i in range(len(per_layer) + 1)]
+    layer_opts = [torch.optim.AdamW(proto[a:b], fused=True) for a, b in zip(bounds, bounds[1:])]
+    copier = ThreadPoolExecutor(1, thread_name_prefix="step-cost-copy")
+
+    def set_proto_grads() -> None:
+        for p, g in zip(proto, plain_grads):
+            p.grad = g
+
+    def layered_step_and_copy() -> None:
+        copies = []
+        for o, a, b in zip(layer_opts, bounds, bounds[1:]):
+            o.step()
+            copies.append(copier.submit(_copy, proto_model[a:b], proto[a:b]))
+        for c in copies:
+            c.result()
 
     # (b), (c) RoundPipe on one CPU worker
     rp = RoundPipe(model, optim_dtype=torch.float32, devices=1)
@@ -150,12 +195,15 @@ def bench(
     # the step of the async variant, timed where it runs (the optimizer thread)
     thread_wall: list[float] = []
     thread_cpu: list[float] = []
+    thread_faults: list[int] = []
 
     def timed_step_fn() -> None:
+        f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         c0, t0 = time.thread_time(), time.perf_counter()
         step_fn()
         thread_wall.append(time.perf_counter() - t0)
         thread_cpu.append(time.thread_time() - c0)
+        thread_faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
 
     def async_prepare() -> None:
         # the steady state of a blocking loop with asynchronous steps: the previous step
@@ -182,37 +230,41 @@ def bench(
         "  copy to model": (rp.synchronize, masters.copy_to_model),
         "rp step(async): caller": (async_prepare, lambda: rp.step(timed_step_fn)),
         "publish (pipelined)": (rp.synchronize, publish),
+        "prototype: layered step+copy": (set_proto_grads, layered_step_and_copy),
     }
     try:
         timings = run_rounds(variants, rounds)
         rp.synchronize()
     finally:
         rp.close()
-    rows = [(name, wall, cpu) for name, (wall, cpu) in timings.items()]
+        copier.shutdown()
+    rows: list[Row] = [(name, *t) for name, t in timings.items()]
     skip = len(thread_wall) - rounds  # the warm-up round's step
     rows.insert(
-        len(rows) - 1,
+        len(rows) - 2,
         (
             "async: optimizer thread",
             Timing("", thread_wall[skip:]),
             Timing("", thread_cpu[skip:]),
+            thread_faults[skip:],
         ),
     )
     return rows
 
 
-def table(rows: list[tuple[str, Timing, Timing]]) -> str:
+def table(rows: list[Row]) -> str:
     width = max(len(r[0]) for r in rows) + 2
     base_wall, base_cpu = rows[0][1].median_ms, rows[0][2].median_ms
     lines = [
         f"{'':<{width}}{'wall ms':>9}{'p25..p75':>15}{'/ fused':>9}"
-        f"{'cpu ms':>9}{'p25..p75':>15}{'/ fused':>9}"
+        f"{'cpu ms':>9}{'p25..p75':>15}{'/ fused':>9}{'faults':>9}"
     ]
-    for name, wall, cpu in rows:
+    for name, wall, cpu, faults in rows:
         row = f"{name:<{width}}"
         for t, base in ((wall, base_wall), (cpu, base_cpu)):
             lo, hi = t.spread_ms
             row += f"{t.median_ms:>9.1f}{f'{lo:.1f}..{hi:.1f}':>15}{t.median_ms / base:>9.2f}"
+        row += f"{statistics.median(faults):>9.0f}"
         lines.append(row)
     return "\n".join(lines)
 
