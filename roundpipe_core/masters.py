@@ -101,9 +101,10 @@ class MasterWeights:
         per tensor on top, which a model of many small tensors (norms, biases) feels.
         """
         with torch.no_grad():
-            dst = [p for _, p, _ in self.entries]
+            dst: list[torch.Tensor] = [p for _, p, _ in self.entries]
+            src: list[torch.Tensor] = [m for _, _, m in self.entries]
             if dst:
-                torch._foreach_copy_(dst, [m for _, _, m in self.entries])
+                torch._foreach_copy_(dst, src)
 
     def of_layers(self, layers: Sequence[nn.Module]) -> list[nn.Parameter]:
         """The masters of the parameters of ``layers`` (each once)."""
