@@ -19,7 +19,10 @@ process times, interleaved round by round (the order rotates each round, as in
   weight dtype -- into the masters' ``.grad``: what ``forward_backward`` does after its
   backward; ``merge, accumulating`` when ``.grad`` already holds a window's earlier
   gradients), ``step + zero_grad`` on the masters, ``copy to model``
-  (``MasterWeights.copy_to_model``);
+  (``MasterWeights.copy_to_model``), and that copy again while another thread runs
+  Python (``copy, Python thread busy``), next to the same copy as a per-tensor loop
+  (``same as a loop, busy``): a loop re-takes the GIL for every tensor and may wait a
+  switch interval each time (the CPU column of these two counts the busy thread);
 - the asynchronous path: ``rp step(async): caller`` is ``rp.step(step_fn)`` right after
   a ``forward_backward`` whose previous step has finished (it overlapped the call):
   what stays on the caller's critical path, the previous step's weights copied into
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +79,43 @@ def build(params: float, width: int, dtype: torch.dtype) -> nn.Sequential:
 def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     with torch.no_grad():
         torch._foreach_copy_(dst, src)
+
+
+class _Spinner:
+    """A thread running pure Python while started -- as a worker's bookkeeping or a data
+    loader would, at worst -- so work that re-takes the GIL often has to queue for it:
+    the spinning thread gives the GIL up only when the interpreter's switch interval
+    makes it."""
+
+    def __init__(self) -> None:
+        self._wake = threading.Event()
+        self._spinning = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="step-cost-spin", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        n = 0
+        while not self._closed:
+            if not self._wake.wait(0.1):
+                continue
+            while self._spinning:
+                n += 1
+
+    def start(self) -> None:
+        self._spinning = True
+        self._wake.set()
+        time.sleep(0.01)  # let it take the GIL
+
+    def stop(self) -> None:
+        self._spinning = False
+        self._wake.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self.stop()
+        self._wake.set()
+        self._thread.join(5.0)
 
 
 def _faults() -> int:
@@ -221,6 +262,24 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
         newer = max(versions.version.values(), default=0) + 1
         versions.publish(newer, lambda: False)
 
+    def loop_copy() -> None:  # copy_to_model as a per-tensor loop, for comparison
+        with torch.no_grad():
+            for _, p, m in masters.entries:
+                p.copy_(m)
+
+    busy = _Spinner()
+
+    def start_spinning() -> None:
+        rp.synchronize()
+        busy.start()
+
+    def while_busy(fn: Callable[[], object]) -> Callable[[], None]:
+        def call() -> None:
+            fn()
+            busy.stop()
+
+        return call
+
     variants: dict[str, Prepared] = {
         BASE: (set_plain_grads, base_opt.step),
         "rp step(sync)": (forward_backward, lambda: rp.step(step_fn, is_async=False)),
@@ -228,6 +287,8 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
         "  merge, accumulating": (fresh_grads(True), merge),
         "  step + zero_grad": (set_master_grads, step_fn),
         "  copy to model": (rp.synchronize, masters.copy_to_model),
+        "  copy, Python thread busy": (start_spinning, while_busy(masters.copy_to_model)),
+        "  same as a loop, busy": (start_spinning, while_busy(loop_copy)),
         "rp step(async): caller": (async_prepare, lambda: rp.step(timed_step_fn)),
         "publish (pipelined)": (rp.synchronize, publish),
         "prototype: layered step+copy": (set_proto_grads, layered_step_and_copy),
@@ -236,6 +297,7 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
         timings = run_rounds(variants, rounds)
         rp.synchronize()
     finally:
+        busy.close()
         rp.close()
         copier.shutdown()
     rows: list[Row] = [(name, *t) for name, t in timings.items()]

@@ -97,14 +97,26 @@ class MasterWeights:
         """Put the masters' values into the model's parameters.
 
         One ``torch._foreach_copy_`` for all of them (a cast where the model's dtype
-        differs): the copy is bandwidth-bound, and a Python loop adds a few microseconds
-        per tensor on top, which a model of many small tensors (norms, biases) feels.
+        differs) instead of a Python loop: a loop re-takes the GIL for every tensor, and
+        while other threads run Python (workers, a data loader) each re-take can wait a
+        whole switch interval. Tensor subclasses, which that kernel may not take, are
+        copied one by one.
         """
+        kinds = (torch.Tensor, nn.Parameter)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        others = []
+        for _, p, m in self.entries:
+            if type(p) in kinds and type(m) in kinds:
+                dst.append(p)
+                src.append(m)
+            else:
+                others.append((p, m))
         with torch.no_grad():
-            dst: list[torch.Tensor] = [p for _, p, _ in self.entries]
-            src: list[torch.Tensor] = [m for _, _, m in self.entries]
             if dst:
                 torch._foreach_copy_(dst, src)
+            for p, m in others:
+                p.copy_(m)
 
     def of_layers(self, layers: Sequence[nn.Module]) -> list[nn.Parameter]:
         """The masters of the parameters of ``layers`` (each once)."""

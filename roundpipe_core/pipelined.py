@@ -186,10 +186,18 @@ class WeightVersions:
                 while end < len(ready) and self.holders[ready[end]][0] == layer:
                     end += 1
                 keys = ready[start:end]
+                pairs = [self._pair[k] for k in keys]
+                kinds = (torch.Tensor, nn.Parameter)  # what torch._foreach_copy_ takes as is
+                plain = [pm for pm in pairs if type(pm[0]) in kinds and type(pm[1]) in kinds]
                 with torch.no_grad():
-                    for k in keys:
-                        p, m = self._pair[k]
-                        p.copy_(m)
+                    if plain:
+                        # one kernel call: a loop re-takes the GIL per tensor, and with
+                        # workers running Python each re-take can wait a switch interval
+                        torch._foreach_copy_([p for p, _ in plain], [m for _, m in plain])
+                    if len(plain) < len(pairs):  # tensor subclasses copy themselves
+                        for p, m in pairs:
+                            if not (type(p) in kinds and type(m) in kinds):
+                                p.copy_(m)
                 with self._cond:
                     for k in keys:
                         self.version[k] = version

@@ -28,6 +28,8 @@ def test_step_cost_benchmark_runs_and_prints_every_row():
         "torch fused AdamW",
         "rp step(sync)",
         "  merge ",
+        "  copy, Python thread busy",
+        "  same as a loop, busy",
         "  copy to model",
         "rp step(async): caller",
         "async: optimizer thread",
