@@ -57,3 +57,21 @@ def test_copy_to_model_writes_every_parameter_and_casts_like_copy_():
         for _, p, m in masters.entries:
             assert p.dtype == dtype
             assert torch.equal(p, m.detach().to(dtype))  # round to nearest, as p.copy_(m)
+
+
+class _TaggedParameter(torch.nn.Parameter):
+    """A parameter subclass (as some libraries use): copied on its own, not batched."""
+
+
+def test_copy_to_model_covers_parameter_subclasses_too():
+    model = mlp()
+    first = model[0]
+    first.weight = _TaggedParameter(first.weight.detach().clone())
+    masters = MasterWeights(model, torch.float32)
+    with torch.no_grad():
+        for m in masters.params():
+            m.add_(1.0)
+    masters.copy_to_model()
+    assert type(first.weight) is _TaggedParameter
+    for _, p, m in masters.entries:
+        assert torch.equal(p, m)
