@@ -83,18 +83,61 @@ class MasterWeights:
                 master.grad.add_(grad)
 
     def add_many(self, items: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """Add ``(master, grad)`` pairs (a pipelined run's buffered gradients)."""
+        """Add ``(master, grad)`` pairs (a pipelined run's buffered gradients).
+
+        A master without ``.grad`` takes ``grad`` itself (no copy, no zero-fill: the
+        buffer's tensor is the caller's to give away); the others are accumulated with
+        one ``torch._foreach_add_`` per dtype and device instead of a Python loop.
+        """
+        acc: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
+        batched: set[int] = set()
+
+        def flush() -> None:
+            for dst, src in acc.values():
+                torch._foreach_add_(dst, src)
+            acc.clear()
+            batched.clear()
+
         with self.grad_lock:
             for master, g in items:
-                if master.grad is None:
+                have = master.grad
+                if have is None:
                     master.grad = g
-                else:
-                    master.grad.add_(g)
+                    continue
+                if id(master) in batched:
+                    flush()  # the same master again: its earlier addition first, as a loop would
+                if g.dtype != have.dtype or g.device != have.device:
+                    have.add_(g)
+                    continue
+                batched.add(id(master))
+                dst, src = acc.setdefault((have.dtype, have.device), ([], []))
+                dst.append(have)
+                src.append(g)
+            flush()
 
     def copy_to_model(self) -> None:
-        """Put the masters' values into the model's parameters."""
+        """Put the masters' values into the model's parameters.
+
+        One ``torch._foreach_copy_`` for all of them (a cast where the model's dtype
+        differs) instead of a Python loop: a loop re-takes the GIL for every tensor, and
+        while other threads run Python (workers, a data loader) each re-take can wait a
+        whole switch interval. Tensor subclasses, which that kernel may not take, are
+        copied one by one.
+        """
+        kinds = (torch.Tensor, nn.Parameter)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        others = []
+        for _, p, m in self.copies:  # a shared master already is the parameter
+            if type(p) in kinds and type(m) in kinds:
+                dst.append(p)
+                src.append(m)
+            else:
+                others.append((p, m))
         with torch.no_grad():
-            for _, p, m in self.copies:  # a shared master already is the parameter
+            if dst:
+                torch._foreach_copy_(dst, src)
+            for p, m in others:
                 p.copy_(m)
 
     def of_layers(self, layers: Sequence[nn.Module]) -> list[nn.Parameter]:

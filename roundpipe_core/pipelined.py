@@ -64,6 +64,21 @@ class _Reader:
         self.fences: dict[int, list[Callable[[], None]]] = {}
 
 
+def _copy_layer(pairs: Sequence[tuple[nn.Parameter, nn.Parameter]]) -> None:
+    """``p.copy_(m)`` for each ``(p, m)``: plain tensors in one kernel call (a loop
+    re-takes the GIL per tensor, and with workers running Python each re-take can
+    wait a switch interval); tensor subclasses copy themselves."""
+    kinds = (torch.Tensor, nn.Parameter)  # what torch._foreach_copy_ takes as is
+    plain = [pm for pm in pairs if type(pm[0]) in kinds and type(pm[1]) in kinds]
+    with torch.no_grad():
+        if plain:
+            torch._foreach_copy_([p for p, _ in plain], [m for _, m in plain])
+        if len(plain) < len(pairs):
+            for p, m in pairs:
+                if not (type(p) in kinds and type(m) in kinds):
+                    p.copy_(m)
+
+
 class WeightVersions:
     """Which step's weights the host copy of each trainable parameter holds, and
     which pipelined runs still have to upload it.
@@ -205,14 +220,22 @@ class WeightVersions:
         # iteration's first forward waits for its own layer only, not for the copy
         # of the whole model
         ready.sort(key=lambda k: self.holders[k][0])
-        for k in ready:
-            p, m = self._pair[k]
-            if p is not m:  # a shared master: the step already wrote the weights
-                with torch.no_grad():
-                    p.copy_(m)
+        start = 0
+        while start < len(ready):
+            # a layer's parameters, then one wake-up of the workers waiting for that
+            # layer (a wake-up per tensor costs every waiting worker a lock round each)
+            layer = self.holders[ready[start]][0]
+            end = start
+            while end < len(ready) and self.holders[ready[end]][0] == layer:
+                end += 1
+            keys = ready[start:end]
+            # a shared master already is the weight: the step wrote it
+            _copy_layer([pm for pm in (self._pair[k] for k in keys) if pm[0] is not pm[1]])
             with self._cond:
-                self.version[k] = version
+                for k in keys:
+                    self.version[k] = version
                 self._cond.notify_all()
+            start = end
         done = set(ready)
         return [k for k in todo if k not in done]
 

@@ -1,0 +1,39 @@
+"""``benchmarks/step_cost.py`` still runs against the engine (it reaches into the masters
+and the weight versions, which may move): a tiny size, one round, no timing asserted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_step_cost_benchmark_runs_and_prints_every_row():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "step_cost.py", "--params", "4e3", "--width", "32", "--rounds", "1"],
+        cwd=ROOT / "benchmarks",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    for dtype in ("fp32", "bf16"):
+        assert f"{dtype} weights, fp32 masters" in out.stdout
+    for row in (
+        "torch fused AdamW",
+        "rp step(sync)",
+        "  merge ",
+        "  copy, Python thread busy",
+        "  same as a loop, busy",
+        "  copy to model",
+        "rp step(async): caller",
+        "async: optimizer thread",
+        "publish (pipelined)",
+        "prototype: layered step+copy",
+    ):
+        assert out.stdout.count(row) == 2, row
