@@ -11,10 +11,16 @@ process times, interleaved round by round (the order rotates each round, as in
 
 - ``torch fused AdamW``: ``torch.optim.AdamW(params, fused=True).step()`` alone on plain
   fp32 tensors of the same shapes -- the baseline;
+- ``torch fused AdamW, in a loop``: the same step in a plain PyTorch training loop (a
+  forward and backward of an identical fp32 model, untimed, before each timed step):
+  the step as a training loop sees it, with fresh gradients;
 - ``rp step(sync)``: after a ``forward_backward`` (one CPU worker, untimed),
   ``rp.step(step_fn, is_async=False)`` with the same fused AdamW over
   ``rp.optim_parameters()`` and ``step_fn = opt.step(); opt.zero_grad()``: the step,
   ``zero_grad``, the hand-off to the optimizer thread and the copy into the model;
+  for fp32 weights also ``rp step(sync), shared masters``: the same with
+  ``RoundPipe(shared_masters=True)`` (``RoundPipeStrategy(async_step=False)``'s
+  choice), where the weights are the masters and nothing is copied;
 - its pieces, each on its own: ``merge`` (a call's downloaded gradients -- in the
   weight dtype -- into the masters' ``.grad``: what ``forward_backward`` does after its
   backward; ``merge, accumulating`` when ``.grad`` already holds a window's earlier
@@ -168,6 +174,18 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
         for p, g in zip(plain, plain_grads):
             p.grad = g
 
+    # the same fused AdamW inside a plain PyTorch training loop: a forward and backward
+    # of an identical fp32 model before each timed step, so its memory is in the state a
+    # training loop leaves it in (fresh gradients, activations come and go)
+    loop_model = build(params, width, torch.float32)
+    loop_opt = torch.optim.AdamW(loop_model.parameters(), fused=True)
+    loop_x = torch.randn(2, width, generator=gen)
+    loop_y = torch.zeros(2, width)
+
+    def plain_forward_backward() -> None:
+        loop_opt.zero_grad()
+        nn.functional.mse_loss(loop_model(loop_x), loop_y).backward()
+
     # a prototype of the copy overlapping the step: the same update stepped one layer at
     # a time (an optimizer per layer), each layer's copy handed to a second thread
     proto = [p.detach().clone() for p in plain]
@@ -212,6 +230,26 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
         rp.synchronize()
         for (_, _, m), g in zip(masters.entries, plain_grads):
             m.grad = g
+
+    # fp32 weights: the same step with shared masters (the weights are the masters,
+    # RoundPipeStrategy(async_step=False)'s choice), so there is nothing to copy
+    shared = None
+    if dtype == torch.float32:
+        shared = RoundPipe(
+            build(params, width, dtype), optim_dtype=torch.float32, devices=1, shared_masters=True
+        )
+        shared_opt = torch.optim.AdamW(shared.optim_parameters(), fused=True)
+
+        def shared_step_fn() -> None:
+            shared_opt.step()
+            shared_opt.zero_grad()
+
+        def shared_forward_backward() -> None:
+            assert shared is not None
+            shared.synchronize()
+            shared.forward_backward(
+                input_args=(x,), label=y, loss_fn=nn.functional.mse_loss, run_config=cfg
+            )
 
     merge_buffer = GradBuffer(masters.master_of)
     acc = [torch.zeros_like(m) for m in rp.optim_parameters()]
@@ -282,7 +320,18 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
 
     variants: dict[str, Prepared] = {
         BASE: (set_plain_grads, base_opt.step),
+        "torch fused AdamW, in a loop": (plain_forward_backward, loop_opt.step),
         "rp step(sync)": (forward_backward, lambda: rp.step(step_fn, is_async=False)),
+        **(
+            {
+                "rp step(sync), shared masters": (
+                    shared_forward_backward,
+                    lambda: shared.step(shared_step_fn, is_async=False),
+                )
+            }
+            if shared is not None
+            else {}
+        ),
         "  merge": (fresh_grads(False), merge),
         "  merge, accumulating": (fresh_grads(True), merge),
         "  step + zero_grad": (set_master_grads, step_fn),
@@ -299,6 +348,8 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
     finally:
         busy.close()
         rp.close()
+        if shared is not None:
+            shared.close()
         copier.shutdown()
     rows: list[Row] = [(name, *t) for name, t in timings.items()]
     skip = len(thread_wall) - rounds  # the warm-up round's step
