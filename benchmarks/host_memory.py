@@ -103,6 +103,42 @@ def _loss(out: Any, y: Any) -> Any:
     return ((out.float() - y.float()) ** 2).mean()
 
 
+#: Trainer options of the Lightning children: nothing but the training and its memory
+_QUIET: dict[str, Any] = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+
+
+def _lit_class(width: int, blocks: int, plain: bool = False) -> Any:
+    """The LightningModule the Lightning children train: the fp32 model, AdamW; its
+    training_step calls ``self.roundpipe`` (``plain``: the network, for Lightning's
+    default strategy)."""
+    import lightning as L
+    import torch
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _build(width, blocks, "fp32")
+
+        def configure_sequential(self) -> Any:
+            return self.net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            if plain:
+                return _loss(self.net(x), y)
+            return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return Lit
+
+
 def child_core(width: int, blocks: int, dtype: str, steps: int) -> dict[str, Any]:
     """Core engine training vs the budget estimated before it starts."""
     import torch
@@ -166,28 +202,12 @@ def child_lightning_train(width: int, blocks: int, variant: str, steps: int) -> 
     (``async_step=True``) or "plain" (Lightning's default strategy, ``loss.backward()``).
     """
     import lightning as L
-    import torch
     from torch.utils.data import DataLoader, TensorDataset
 
     from roundpipe_core.host_memory import estimate_host_memory
     from roundpipe_lightning import RoundPipeStrategy
 
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _build(width, blocks, "fp32")
-
-        def configure_sequential(self) -> Any:
-            return self.net
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            if variant == "plain":
-                return _loss(self.net(x), y)
-            return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+    Lit = _lit_class(width, blocks, plain=variant == "plain")
 
     predicted: dict[str, int] = {}
 
@@ -216,10 +236,7 @@ def child_lightning_train(width: int, blocks: int, variant: str, steps: int) -> 
     L.Trainer(
         accelerator="cpu",
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **_QUIET,
         callbacks=[Budget()],
         **kw,
     ).fit(module, data)
@@ -240,26 +257,12 @@ def child_lightning(
     """Train, save (peak of the save / training peak), then in a fresh Trainer resume
     from the file (peak of setup + restore / training peak)."""
     import lightning as L
-    import torch
     from lightning.pytorch.plugins.io import TorchCheckpointIO
     from torch.utils.data import DataLoader, TensorDataset
 
     from roundpipe_lightning import RoundPipeStrategy
 
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _build(width, blocks, "fp32")
-
-        def configure_sequential(self) -> Any:
-            return self.net
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+    Lit = _lit_class(width, blocks)
 
     peaks: dict[str, int] = {}
 
@@ -290,10 +293,7 @@ def child_lightning(
             devices=2,
             precision="bf16-true" if dtype == "bf16" else "32-true",
             max_steps=max_steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **_QUIET,
             callbacks=[Phases()],
         )
 

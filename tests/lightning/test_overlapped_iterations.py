@@ -80,8 +80,10 @@ def stale_one_reference(clip: float | None = None) -> dict[str, torch.Tensor]:
     return {f"net.{n}": p.detach().clone() for n, p in net.named_parameters()}
 
 
-def fit(overlap: bool, clip: float | None = None, **kw: Any) -> Scheduled:
-    m = Scheduled()
+def fit(
+    overlap: bool, clip: float | None = None, module: Scheduled | None = None, **kw: Any
+) -> Scheduled:
+    m = module if module is not None else Scheduled()
     rp_trainer(
         max_steps=STEPS,
         async_step=True,
@@ -126,13 +128,7 @@ def test_layerwise_step_keeps_the_stale_one_rule(monkeypatch: pytest.MonkeyPatch
         return run(self, params, **kw)
 
     monkeypatch.setattr(QueuedStep, "run", recording)
-    m = Unhooked()
-    rp_trainer(
-        max_steps=STEPS,
-        async_step=True,
-        accumulate_grad_batches=ACC,
-        strategy_kw={"overlap_iterations": True},
-    ).fit(m, loader(N))
+    m = fit(True, module=Unhooked())
     assert max_rel_err(params_of(m), stale_one_reference()) <= 1e-6
     n_params = len(list(m.parameters()))
     assert None not in parts[1:], parts  # every overlapped window stepped layer-wise
@@ -151,13 +147,7 @@ def test_lazy_loss_is_not_waited_for_by_the_loop() -> None:
                 seen.append(self.results[-1].resolved)
             return super().training_step(batch, batch_idx)
 
-    m = Peek()
-    rp_trainer(
-        max_steps=STEPS,
-        async_step=True,
-        accumulate_grad_batches=ACC,
-        strategy_kw={"overlap_iterations": True},
-    ).fit(m, loader(N))
+    fit(True, module=Peek())
     assert seen and not all(seen), seen  # at least one was still lazy one iteration later
 
 
