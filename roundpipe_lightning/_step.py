@@ -76,9 +76,23 @@ def _install(optimizer: Optimizer) -> None:
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
                 "_roundpipe_base": cls,
+                "__reduce_ex__": _reduce_as_base,
             },
         )
     optimizer.__class__ = sub
+
+
+def _rebuild_as(cls: Any, state: Any) -> Any:
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
+
+
+def _reduce_as_base(self: Any, protocol: Any) -> Any:
+    """Pickle (and deep-copy) an installed optimizer as an instance of its own class:
+    pickle finds a class by module and name, which lead to the base, not to the
+    per-thread subclass (which has the same names)."""
+    return _rebuild_as, (type(self).__dict__["_roundpipe_base"], self.__getstate__())
 
 
 def release(optimizer: Optimizer) -> None:

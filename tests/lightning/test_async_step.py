@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -140,3 +141,32 @@ def test_failed_async_step_is_not_counted_in_the_exception_checkpoint(tmp_path: 
     rp_trainer(max_steps=2, async_step=True).fit(ref, loader())
     want = params_of(ref)
     assert max_rel_err({k: v.float() for k, v in ckpt["state_dict"].items()}, want) == 0.0
+
+
+def test_the_optimizer_pickles_as_its_own_class_during_an_async_fit() -> None:
+    """While an async fit runs, the optimizer's param_groups are per-thread (a subclass
+    with the same name): pickling or copying it gives a plain instance of the user's
+    class with the same state."""
+    import pickle
+
+    seen: dict[str, Any] = {}
+
+    class Snapshot(L.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            opt = trainer.optimizers[0]
+            seen["installed"] = type(opt) is not torch.optim.SGD
+            for how, copied in (
+                ("pickle", pickle.loads(pickle.dumps(opt))),
+                ("deepcopy", copy.deepcopy(opt)),
+            ):
+                seen[how] = (type(copied), len(copied.state_dict()["state"]))
+
+    class Momentum(SeqModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    m = Momentum()
+    rp_trainer(max_steps=3, async_step=True, callbacks=[Snapshot()]).fit(m, loader())
+    assert seen["installed"]  # the case this is about: the class was swapped
+    n = len(list(m.parameters()))
+    assert seen["pickle"] == seen["deepcopy"] == (torch.optim.SGD, n)
