@@ -20,7 +20,26 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["MasterWeights"]
+__all__ = ["MasterWeights", "copy_pairs"]
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``p.copy_(m)`` for each ``(p, m)`` (a cast where the dtypes differ).
+
+    One ``torch._foreach_copy_`` for the plain tensors instead of a Python loop: a loop
+    re-takes the GIL for every tensor, and while other threads run Python (workers, a
+    data loader) each re-take can wait a whole switch interval. Tensor subclasses, which
+    that kernel may not take, copy themselves one by one.
+    """
+    kinds = (torch.Tensor, nn.Parameter)
+    plain = [pm for pm in pairs if type(pm[0]) in kinds and type(pm[1]) in kinds]
+    with torch.no_grad():
+        if plain:
+            torch._foreach_copy_([p for p, _ in plain], [m for _, m in plain])
+        if len(plain) < len(pairs):
+            for p, m in pairs:
+                if not (type(p) in kinds and type(m) in kinds):
+                    p.copy_(m)
 
 
 class MasterWeights:
@@ -116,29 +135,8 @@ class MasterWeights:
             flush()
 
     def copy_to_model(self) -> None:
-        """Put the masters' values into the model's parameters.
-
-        One ``torch._foreach_copy_`` for all of them (a cast where the model's dtype
-        differs) instead of a Python loop: a loop re-takes the GIL for every tensor, and
-        while other threads run Python (workers, a data loader) each re-take can wait a
-        whole switch interval. Tensor subclasses, which that kernel may not take, are
-        copied one by one.
-        """
-        kinds = (torch.Tensor, nn.Parameter)
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        others = []
-        for _, p, m in self.copies:  # a shared master already is the parameter
-            if type(p) in kinds and type(m) in kinds:
-                dst.append(p)
-                src.append(m)
-            else:
-                others.append((p, m))
-        with torch.no_grad():
-            if dst:
-                torch._foreach_copy_(dst, src)
-            for p, m in others:
-                p.copy_(m)
+        """Put the masters' values into the model's parameters (see :func:`copy_pairs`)."""
+        copy_pairs([(p, m) for _, p, m in self.copies])  # a shared master is the parameter
 
     def of_layers(self, layers: Sequence[nn.Module]) -> list[nn.Parameter]:
         """The masters of the parameters of ``layers`` (each once)."""

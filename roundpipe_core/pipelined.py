@@ -45,7 +45,7 @@ from . import batch as batching
 from .config import RoundPipeRunConfig
 from .devices.pool import PoolError
 from .layerwise import GradCompletion, run_layerwise
-from .masters import MasterWeights
+from .masters import MasterWeights, copy_pairs
 from .runtime import PipelineRun
 from .stepper import Stepper
 
@@ -62,21 +62,6 @@ class _Reader:
         self.version = version
         self.pending = counts
         self.fences: dict[int, list[Callable[[], None]]] = {}
-
-
-def _copy_layer(pairs: Sequence[tuple[nn.Parameter, nn.Parameter]]) -> None:
-    """``p.copy_(m)`` for each ``(p, m)``: plain tensors in one kernel call (a loop
-    re-takes the GIL per tensor, and with workers running Python each re-take can
-    wait a switch interval); tensor subclasses copy themselves."""
-    kinds = (torch.Tensor, nn.Parameter)  # what torch._foreach_copy_ takes as is
-    plain = [pm for pm in pairs if type(pm[0]) in kinds and type(pm[1]) in kinds]
-    with torch.no_grad():
-        if plain:
-            torch._foreach_copy_([p for p, _ in plain], [m for _, m in plain])
-        if len(plain) < len(pairs):
-            for p, m in pairs:
-                if not (type(p) in kinds and type(m) in kinds):
-                    p.copy_(m)
 
 
 class WeightVersions:
@@ -230,7 +215,7 @@ class WeightVersions:
                 end += 1
             keys = ready[start:end]
             # a shared master already is the weight: the step wrote it
-            _copy_layer([pm for pm in (self._pair[k] for k in keys) if pm[0] is not pm[1]])
+            copy_pairs([pm for pm in (self._pair[k] for k in keys) if pm[0] is not pm[1]])
             with self._cond:
                 for k in keys:
                     self.version[k] = version

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 
-from roundpipe_core.layerwise import steps_elementwise
+from roundpipe_core.layerwise import step_subset, steps_elementwise
 
 __all__ = [
     "QueuedStep",
@@ -125,18 +125,11 @@ class QueuedStep:
     def run(self, params: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
         """The step, over ``params`` only if given (a layer-wise step's part)."""
         opt = self.optimizer
-        groups = self.groups
-        if params is not None:
-            ids = {id(p) for p in params}
-            groups = [{**g, "params": [p for p in g["params"] if id(p) in ids]} for g in groups]
-        _local.step = (opt, groups)
+        _local.step = (opt, self.groups)
         try:
-            out = opt.step(**kwargs)
+            out = opt.step(**kwargs) if params is None else step_subset(opt, params, **kwargs)
         finally:
             _local.step = None
-        if groups is not self.groups:
-            for part, g in zip(groups, self.groups):
-                g.update({k: v for k, v in part.items() if k != "params"})
         # entries the step wrote into its groups (step counters of some optimizers)
         for h, g, target in zip(self.hyper, self.groups, self.live):
             for key, value in g.items():
