@@ -14,6 +14,10 @@ process times, interleaved round by round (the order rotates each round, as in
 - ``torch fused AdamW, in a loop``: the same step in a plain PyTorch training loop (a
   forward and backward of an identical fp32 model, untimed, before each timed step):
   the step as a training loop sees it, with fresh gradients;
+- ``torch fused AdamW + cast copy`` (bf16 weights only): that step followed by one
+  ``torch._foreach_copy_`` of the fp32 results into bf16 weights, what plain PyTorch
+  with fp32 master weights and bf16 model weights does after each step: the
+  like-for-like baseline of a synchronous step on bf16 weights;
 - ``rp step(sync)``: after a ``forward_backward`` (one CPU worker, untimed),
   ``rp.step(step_fn, is_async=False)`` with the same fused AdamW over
   ``rp.optim_parameters()`` and ``step_fn = opt.step(); opt.zero_grad()``: the step,
@@ -31,11 +35,12 @@ process times, interleaved round by round (the order rotates each round, as in
   switch interval each time (the CPU column of these two counts the busy thread);
 - the asynchronous path: ``rp step(async): caller`` is ``rp.step(step_fn)`` right after
   a ``forward_backward`` whose previous step has finished (it overlapped the call):
-  what stays on the caller's critical path, the previous step's weights copied into
-  the model; ``async: optimizer thread`` is that step as the optimizer thread runs it
-  (overlapped with the next call); ``publish (pipelined)`` is the per-layer copy a
-  ``forward_backward(blocking=False)`` run gets instead, on the optimizer thread, each
-  layer released as soon as it is copied;
+  what stays on the caller's critical path (queueing: the copy of the previous step's
+  weights into the model runs on the optimizer thread, ahead of the step, overlapped
+  with the next call, which waits for each layer's copy only); ``async: optimizer
+  thread`` is that step as the optimizer thread runs it; ``publish (pipelined)`` is the
+  per-layer copy the optimizer thread does before it (the same code after blocking and
+  after non-blocking calls), each layer released as soon as it is copied;
 - ``prototype: layered step+copy``: not RoundPipe's code -- the same AdamW update
   stepped one layer at a time (a fused AdamW per layer) with each layer's copy to the
   model handed to a second thread as soon as that layer is stepped: what overlapping
@@ -186,6 +191,14 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
         loop_opt.zero_grad()
         nn.functional.mse_loss(loop_model(loop_x), loop_y).backward()
 
+    # plain PyTorch with low-precision weights and fp32 masters pays the same cast copy
+    # after its step: the like-for-like baseline of a synchronous step on bf16 weights
+    low_weights = [p.detach().clone() for p in model.parameters()]
+
+    def step_and_cast() -> None:
+        base_opt.step()
+        _copy(low_weights, plain)
+
     # a prototype of the copy overlapping the step: the same update stepped one layer at
     # a time (an optimizer per layer), each layer's copy handed to a second thread
     proto = [p.detach().clone() for p in plain]
@@ -321,6 +334,11 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
     variants: dict[str, Prepared] = {
         BASE: (set_plain_grads, base_opt.step),
         "torch fused AdamW, in a loop": (plain_forward_backward, loop_opt.step),
+        **(
+            {"torch fused AdamW + cast copy": (set_plain_grads, step_and_cast)}
+            if dtype != torch.float32
+            else {}
+        ),
         "rp step(sync)": (forward_backward, lambda: rp.step(step_fn, is_async=False)),
         **(
             {

@@ -350,6 +350,9 @@ class RoundPipeBase(nn.Module):
         With ``is_async=True`` it returns at once and the next call overlaps with the
         update; the new weights enter the model at the next ``step()`` / ``synchronize()``,
         so each iteration computes with weights one step stale (as upstream RoundPipe).
+        After blocking calls the next ``step()`` leaves that copy to the optimizer thread,
+        ahead of its own update: the call after it waits for each layer's copy just
+        before uploading the layer, and ``wait_step()`` / ``synchronize()`` for all of it.
 
         With ``shared_masters=True`` and at least one parameter that is its own master,
         every step is synchronous: ``is_async=True`` runs as ``is_async=False`` (a
@@ -375,13 +378,35 @@ class RoundPipeBase(nn.Module):
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
         fn = self._step_recorder.wrap(fn)
         self._pipeline.raise_failure()
-        if not self._pipeline.inflight():
+        if self._pipeline.inflight():
+            self._pipeline.defer_step(fn)  # its error is raised through raise_failure()
+        elif is_async and self._publishes_in_background():
+            # the previous step's weights go into the model on the optimizer thread, ahead
+            # of this step, instead of on the caller; the next call waits for each layer's
+            # copy as it uploads that layer
+            self._home().masters.take_back_grads()
+            self._pipeline.queue_publish_then_step(fn)
+        else:
             self._settle()
             self._stepper.queue_step(fn)  # its error is raised by synchronize()
-        else:
-            self._pipeline.defer_step(fn)  # its error is raised through raise_failure()
         if not is_async:
             self._settle()
+
+    def _publishes_in_background(self) -> bool:
+        """Whether an asynchronous ``step()`` after blocking calls may leave the copy of
+        the previous step's weights to the optimizer thread: only a wrapper whose
+        blocking calls wait for that copy layer by layer (``RoundPipe`` overrides this)."""
+        return False
+
+    def _previous_step_lets_publish_in_background(self) -> bool:
+        """The step before is a plain one that has not failed already (that error is
+        raised by this ``step()``, as always)."""
+        pending = self._stepper.pending()
+        if pending is None:
+            return True
+        if self._stepper.pending_is_guarded():
+            return False
+        return not (pending.done() and pending.exception() is not None)
 
     def _async_allowed(self, is_async: bool) -> bool:
         """``is_async``, unless a master is shared: the step then writes the weights the
@@ -461,11 +486,13 @@ class RoundPipeBase(nn.Module):
         any, is raised by ``synchronize()``. The masters are then safe to read."""
         self._stepper.wait_step()
 
-    def _drain_runs(self) -> None:
-        """Before a blocking call: wait for the pipelined runs and for the weights the
-        model should hold now; their gradients stay buffered until the next step."""
+    def _drain_runs(self, wait_publication: bool = True) -> None:
+        """Before a blocking call: wait for the pipelined runs and (``wait_publication``)
+        for the weights the model should hold now; their gradients stay buffered until
+        the next step."""
         self._pipeline.wait_all()
-        self._stepper.wait_publication()
+        if wait_publication:
+            self._stepper.wait_publication()
         self._pipeline.raise_failure()
         self._home().masters.take_back_grads()
 

@@ -155,6 +155,15 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             return self.model_run_config
         return check_run_config(run_config).merged_over(self.model_run_config)
 
+    def _publishes_in_background(self) -> bool:
+        # the blocking forward_backward gates its uploads per layer (gate_for_blocking_call);
+        # with grad hooks (data parallel) the step waits for the hooks' consumers instead
+        return (
+            self._master_owner is None
+            and not self._grad_hooks
+            and self._previous_step_lets_publish_in_background()
+        )
+
     def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> batching.SplitInputs:
         return batching.split_call_inputs(
             cfg.split_input, args, kwargs, cfg.num_microbatch or self.num_devices + 1
@@ -383,13 +392,16 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             return self._forward_backward_pipelined(
                 cfg, run_config, args, input_kwargs, label, loss_fn, return_outputs, factor
             )
-        self._drain_runs()
+        # the weights the previous asynchronous step() left to copy into the model are
+        # waited for layer by layer below, as each upload needs them, not all at once here
+        self._drain_runs(wait_publication=False)
         with self._call_lock:
             split = self._split(cfg, args, input_kwargs)
             mbs = split.parts
             plan = self._plan(run_config, RunType.FUSED, cfg, split)
             labels = self._split_label(cfg, label, split)
             jobs = build_schedule(plan, RunType.FUSED, self.num_devices, len(mbs))
+            gate = self._pipeline.gate_for_blocking_call([j.layers for j in jobs])
             # gradients wait in the call's buffer: a call that fails leaves .grad as it was
             buffer = GradBuffer(self._home().masters.master_of)
             run = self._new_run(
@@ -402,6 +414,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
                 return_outputs=return_outputs,
                 grads_done=self._grad_tracker(jobs, buffer),
                 loss_scale=factor,
+                weights=gate[0] if gate else None,
+                reader=gate[1] if gate else None,
             )
             for i, mb in enumerate(mbs):
                 run.put_act(0, i, mb)
@@ -409,7 +423,15 @@ class RoundPipe(RoundPipeBase, PlanChoice):
                 self._execute(run, jobs)
             except BaseException:
                 buffer.clear()
+                if gate is not None:
+                    # a failed publication or step stopped the uploads: raise its cause
+                    self._pipeline.versions.finish(gate[1])
+                    gate = None
+                    self._pipeline.raise_failure()
                 raise
+            finally:
+                if gate is not None:
+                    self._pipeline.versions.finish(gate[1])
             self._fold_grads(buffer)
             self._record_call(t0, args, input_kwargs)
             return assemble_result(cfg, run.losses, run.outputs, len(mbs), return_outputs)

@@ -116,13 +116,21 @@ class WeightVersions:
             return self._ready(reader, layers)
 
     def wait_ready(
-        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]
+        self,
+        reader: _Reader,
+        layers: Sequence[int],
+        failed: Callable[[], bool],
+        settled: Callable[[], bool] | None = None,
     ) -> None:
-        """Block until ``layers`` hold ``reader``'s version; PoolError once ``failed()``."""
+        """Block until ``layers`` hold ``reader``'s version; PoolError once ``failed()``.
+        Returns early once ``settled()``: the publication it waits for ended without
+        copying (its step's predecessor failed), so the host copy stays as it is."""
         with self._cond:
             while not self._ready(reader, layers):
                 if failed():
                     raise PoolError("stopped waiting for weights to upload: the run was aborted")
+                if settled is not None and settled():
+                    return
                 self._cond.wait(_WAIT_SLICE_S)
 
     def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
@@ -235,6 +243,37 @@ class WeightVersions:
     def active(self) -> int:
         with self._cond:
             return len(self._readers)
+
+
+class _PublicationGate:
+    """:class:`WeightVersions` as a blocking call reads them while the optimizer thread
+    still copies a step's weights into the model (``publication``, the queued work that
+    does it): an upload waits for its own layers only. A failure of the pipelined path
+    stops the wait (the blocking run is not among the runs a failure aborts); a
+    publication that ended without copying lets the call read the weights the model
+    holds, the last completed step's."""
+
+    def __init__(self, versions: WeightVersions, stepper: Stepper, publication: Future) -> None:
+        self._versions = versions
+        self._stepper = stepper
+        self._publication = publication
+
+    def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
+        return self._versions.ready(reader, layers) or self._publication.done()
+
+    def wait_ready(
+        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]
+    ) -> None:
+        stepper = self._stepper
+        self._versions.wait_ready(
+            reader,
+            layers,
+            lambda: failed() or stepper.failure is not None,
+            settled=self._publication.done,
+        )
+
+    def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
+        self._versions.uploaded(reader, layers, fence)
 
 
 class GradBuffer:
@@ -503,6 +542,20 @@ class PipelinedRuns:
         with self._lock:
             self.target_version = steps
 
+    def gate_for_blocking_call(
+        self, job_layers: Sequence[range]
+    ) -> tuple[_PublicationGate, _Reader] | None:
+        """A blocking call issued while the optimizer thread still copies a step's weights
+        into the model (an asynchronous ``step()`` queued that copy ahead of its update):
+        the gate and reader its uploads wait on, layer by layer, for the version the call
+        reads; ``None`` when the model holds it already. Raises an earlier failure."""
+        publication = self.stepper.last_publication()
+        if publication is None or publication.done():
+            self.raise_failure()  # a failed publication left the model behind: say so
+            return None
+        reader = self.versions.register(self.target_version, job_layers)
+        return _PublicationGate(self.versions, self.stepper, publication), reader
+
     def defer_step(self, step_fn: Callable[[], Any]) -> None:
         """Queue, on the optimizer thread: publish the last step's weights (as the blocking
         ``step()`` copies them at its call), then the step itself once the gradients of
@@ -531,6 +584,33 @@ class PipelinedRuns:
             step_fn()
 
         stepper.queue_guarded_step(deferred_step)
+
+    def queue_publish_then_step(self, step_fn: Callable[[], Any]) -> None:
+        """After blocking calls: queue, as one plain step on the optimizer thread, the copy
+        of the last step's weights into the model (what the blocking ``step()`` used to
+        do on the caller) followed by ``step_fn``. A blocking call issued meanwhile waits
+        for each layer's copy just before uploading it.
+
+        If the step before failed, neither runs: the model keeps the last completed
+        step's weights and the error is raised by the next ``step()`` or
+        ``synchronize()``, as when ``step()`` finds that failure already raised."""
+        stepper = self.stepper
+        version = stepper.steps  # the weights of the step queued before this one
+        previous = stepper.pending()
+        with self._lock:
+            self.target_version = version
+        versions = self.versions
+
+        def publish_then_step() -> None:
+            if previous is not None:
+                previous.result()  # its error skips this step and is raised in its place
+            versions.publish(version, lambda: False)
+            step_fn()
+
+        stepper.queue_step(publish_then_step, publishes=True)
+        publication = stepper.last_publication()
+        if publication is not None:  # a blocking upload waiting for a skipped copy wakes up
+            publication.add_done_callback(lambda _: versions.notify())
 
     def defer_layerwise_step(
         self,

@@ -144,6 +144,11 @@ class Stepper:
         with self._lock:
             return self._pending
 
+    def pending_is_guarded(self) -> bool:
+        """Whether the pending step's error goes to the failure state (see the module)."""
+        with self._lock:
+            return self._pending is not None and self._pending_guarded
+
     def tail(self) -> Future | None:
         with self._lock:
             return self._tail
@@ -153,11 +158,14 @@ class Stepper:
             return self._publish
 
     # -- queueing ----------------------------------------------------------------------
-    def queue_step(self, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """A plain step: its error is raised by the next ``take_pending().result()``."""
+    def queue_step(self, step_fn: Callable[[], Any], publishes: bool = False) -> None:
+        """A plain step: its error is raised by the next ``take_pending().result()``.
+        ``publishes``: it also copies the previous step's weights into the model first."""
         with self._lock:
-            fut = self._thread.submit(step_fn, *args, **kwargs)
+            fut = self._thread.submit(step_fn)
             self._pending = self._tail = fut
+            if publishes:
+                self._publish = fut
             self._pending_guarded = False
             self._steps += 1
 

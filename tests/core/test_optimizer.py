@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -40,40 +42,93 @@ def test_adamw_fused_on_masters_matches_plain_training():
         rp.close()
 
 
-def test_async_step_is_one_step_stale():
-    """fb1 at w0; step1 (async); fb2 still at w0; step2 applies w1 and computes w2 = w1 - lr*g(w0)."""
-    lr = 0.05
-    model = mlp()
-    batches = _batches(3, seed=3)
-    # reference of the documented semantics
-    ref = copy.deepcopy(model)
-    w0 = copy.deepcopy(ref)
+def _stale_reference(model, batches, lr):
+    """The documented one-step-stale rule by hand: fb1 and fb2 at w0, fb3 at w1;
+    w_k = w_(k-1) - lr * g_k. Returns (w0, w1, w2, w3)."""
 
-    def grads_at(m, x, y):
-        m = copy.deepcopy(m)
+    def grads_at(weights, x, y):
+        m = copy.deepcopy(model)
+        with torch.no_grad():
+            for p, w in zip(m.parameters(), weights):
+                p.copy_(w)
         sum_sq(m(x), y).backward()
         return [p.grad for p in m.parameters()]
 
+    w0 = [p.detach().clone() for p in model.parameters()]
     g1 = grads_at(w0, *batches[0])
     g2 = grads_at(w0, *batches[1])  # stale: fb2 ran before step1 reached the model
-    w1 = [p.detach() - lr * g for p, g in zip(w0.parameters(), g1)]
+    w1 = [p - lr * g for p, g in zip(w0, g1)]
     w2 = [p - lr * g for p, g in zip(w1, g2)]
+    g3 = grads_at(w1, *batches[2])  # step2 put w1 into the model ahead of its own update
+    w3 = [p - lr * g for p, g in zip(w2, g3)]
+    return w0, w1, w2, w3
+
+
+@pytest.mark.parametrize("copy_held_back", [False, True])
+def test_async_step_is_one_step_stale(copy_held_back):
+    """fb1 at w0; step1 (async); fb2 still at w0; step2 copies w1 into the model on the
+    optimizer thread, ahead of computing w2 = w1 - lr*g(w0); fb3 computes at w1.
+
+    With the optimizer thread held busy when step2 is queued, step2's copy of w1 has not
+    started when fb3 does: fb3's uploads must wait for it layer by layer (reading w0
+    would give other gradients)."""
+    lr = 0.05
+    model = mlp()
+    batches = _batches(3, seed=3)
+    w0, w1, _, w3 = _stale_reference(model, batches, lr)
 
     rp = RoundPipe(model, devices="cpu:2")
     try:
         opt = torch.optim.SGD(rp.optim_parameters(), lr=lr)
+
         rp.forward_backward((batches[0][0],), label=batches[0][1], loss_fn=sum_sq)
         rp.step(lambda: (opt.step(), opt.zero_grad()))
         rp.forward_backward((batches[1][0],), label=batches[1][1], loss_fn=sum_sq)
         # the model still holds w0 until the next step/synchronize
-        for p, q in zip(model.parameters(), w0.parameters()):
-            assert torch.equal(p.detach(), q.detach())
+        for p, q in zip(model.parameters(), w0):
+            assert torch.equal(p.detach(), q)
+        if copy_held_back:  # the optimizer thread is busy until the timer fires
+            release = threading.Event()
+            rp._stepper._thread.submit(release.wait, 10.0)
+            threading.Timer(0.3, release.set).start()
         rp.step(lambda: (opt.step(), opt.zero_grad()))
+        if copy_held_back:  # w1 cannot be in the model yet
+            assert not rp._stepper.pending().done()
+            assert torch.equal(next(model.parameters()).detach(), w0[0])
+        rp.forward_backward((batches[2][0],), label=batches[2][1], loss_fn=sum_sq)
         for p, w in zip(model.parameters(), w1):
-            assert_close_rel(p.detach(), w, what="after step 2 is launched the model holds w1")
+            assert_close_rel(
+                p.detach(), w, what="after step 2 and the next call the model holds w1"
+            )
+        rp.step(lambda: (opt.step(), opt.zero_grad()))
         rp.synchronize()
-        for p, w in zip(model.parameters(), w2):
-            assert_close_rel(p.detach(), w, what="after synchronize the model holds w2")
+        for p, w in zip(model.parameters(), w3):
+            assert_close_rel(p.detach(), w, what="after synchronize the model holds w3")
+        rp.wait_step()
+        for p, w in zip(rp.optim_parameters(), w3):
+            assert_close_rel(p.detach(), w, what="the masters hold w3")
+    finally:
+        rp.close()
+
+
+def test_async_step_weights_reach_the_model_by_wait_step():
+    """After an asynchronous step() and wait_step(), the model holds the previous step's
+    weights (copied on the optimizer thread, ahead of the step) and the masters the new."""
+    lr = 0.05
+    model = mlp()
+    batches = _batches(3, seed=3)
+    _, w1, w2, _ = _stale_reference(model, batches, lr)
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        opt = torch.optim.SGD(rp.optim_parameters(), lr=lr)
+        for x, y in batches[:2]:
+            rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+            rp.step(lambda: (opt.step(), opt.zero_grad()))
+        rp.wait_step()
+        for p, w in zip(model.parameters(), w1):
+            assert_close_rel(p.detach(), w, what="the model holds w1")
+        for p, w in zip(rp.optim_parameters(), w2):
+            assert_close_rel(p.detach(), w, what="the masters hold w2")
     finally:
         rp.close()
 
@@ -119,6 +174,38 @@ def test_step_errors_reach_the_caller_and_next_step_works():
         rp.step(lambda: opt.step(), is_async=False)
         with pytest.raises(TypeError, match="callable"):
             rp.step(None)  # type: ignore[arg-type]
+    finally:
+        rp.close()
+
+
+def test_a_failed_async_step_still_running_at_the_next_step_is_raised_once():
+    """step2 is queued while step1 still runs, then step1 fails: step2 and its copy of
+    step1's weights are skipped, the next call computes with the last completed weights
+    (w0) without waiting forever, and the error is raised once, by the next step()."""
+    model = mlp()
+    w0 = copy.deepcopy(model)
+    batches = _batches(3, seed=5)
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+
+        def slow_bad():
+            time.sleep(0.5)
+            raise ArithmeticError("optimizer exploded")
+
+        rp.forward_backward((batches[0][0],), label=batches[0][1], loss_fn=sum_sq)
+        rp.step(slow_bad)
+        assert not rp._stepper.pending().done(), "step1 must still run when step2 is queued"
+        rp.step(lambda: (opt.step(), opt.zero_grad()))  # returns at once: step1 still runs
+        x, y = batches[2]
+        loss = rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+        assert_close_rel(loss.detach(), sum_sq(w0(x), y).detach(), what="the next call reads w0")
+        with pytest.raises(ArithmeticError, match="optimizer exploded"):
+            rp.step(lambda: (opt.step(), opt.zero_grad()))
+        for p, q in zip(model.parameters(), w0.parameters()):
+            assert torch.equal(p.detach(), q.detach()), "no step completed: the model holds w0"
+        rp.synchronize()  # raised once: nothing more to report
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)  # and training goes on
     finally:
         rp.close()
 

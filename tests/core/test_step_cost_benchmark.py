@@ -44,3 +44,4 @@ def test_step_cost_benchmark_runs_and_prints_every_row():
     ):
         assert rows(row) == 2, row
     assert rows("rp step(sync), shared masters") == 1  # fp32 weights only
+    assert rows("torch fused AdamW + cast copy") == 1  # bf16 weights only
