@@ -156,13 +156,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         return check_run_config(run_config).merged_over(self.model_run_config)
 
     def _publishes_in_background(self) -> bool:
-        # the blocking forward_backward gates its uploads per layer (gate_for_blocking_call);
-        # with grad hooks (data parallel) the step waits for the hooks' consumers instead
-        return (
-            self._master_owner is None
-            and not self._grad_hooks
-            and self._previous_step_lets_publish_in_background()
-        )
+        # the blocking forward_backward gates its uploads per layer (gate_for_blocking_call)
+        return self._master_owner is None and self._previous_step_lets_publish_in_background()
 
     def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> batching.SplitInputs:
         return batching.split_call_inputs(
