@@ -16,7 +16,7 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +28,6 @@ from .schedule import Job
 
 __all__ = [
     "GradSink",
-    "LayerReplica",
     "StageReplica",
     "download_grads",
     "grads_to_device",
@@ -55,38 +54,31 @@ class _Slot:
     is_param: bool
 
 
-@dataclass
-class LayerReplica:
-    """A device-resident copy of one layer."""
-
-    index: int
-    module: nn.Module
-    slots: list[_Slot]
-    # host tensor id -> device tensor (one per distinct host tensor: tied weights stay tied)
-    device_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
-    sources: dict[int, torch.Tensor] = field(default_factory=dict)
-    # (the replica's _parameters or _buffers table, name, position in sources) per slot
-    fills: list[tuple[dict[str, Any], str, int]] = field(default_factory=list)
-
-
-@dataclass
 class StageReplica:
-    """The layers of one job, uploaded to one worker; ``modules`` are the layers'
-    replicas in the job's layer order (the runtime indexes them per layer)."""
+    """The layers of one job, uploaded to one worker: ``modules`` are the layers'
+    replicas in the job's layer order (the runtime indexes them per layer),
+    ``held`` the device tensors in the replicas' slots (parameters wrapped so that
+    gradients land on them), ``param_tensors`` what the worker's uploads returned
+    (what :func:`release_stage` hands back)."""
 
-    worker: Worker
-    layers: list[LayerReplica]
-    param_tensors: list[torch.Tensor]
-    modules: list[nn.Module] = field(init=False)
+    __slots__ = ("worker", "layout", "held", "param_tensors", "modules")
 
-    def __post_init__(self) -> None:
-        self.modules = [lr.module for lr in self.layers]
+    def __init__(
+        self,
+        worker: Worker,
+        layout: _StageLayout,
+        held: list[torch.Tensor],
+        param_tensors: list[torch.Tensor],
+    ) -> None:
+        self.worker = worker
+        self.layout = layout
+        self.held = held
+        self.param_tensors = param_tensors
+        self.modules: list[nn.Module] = layout.modules
 
     def layer(self, index: int) -> nn.Module:
-        for lr in self.layers:
-            if lr.index == index:
-                return lr.module
-        raise KeyError(index)
+        """The replica of model layer ``index`` (``KeyError`` if not in this stage)."""
+        return self.modules[self.layout.position[index]]
 
 
 _SYNCED_TYPES = (bool, int, float, str, type(None))
@@ -203,6 +195,105 @@ def _skeleton_for(
     return hit[2], hit[1]
 
 
+class _StageLayout:
+    """What every upload of one stage (its layers, in one skeleton slot) does, worked
+    out once: the replica modules, the host tensors to copy (per layer, each distinct
+    tensor of a layer once: tied weights stay tied), which of them become parameters
+    and which take gradients, and where each lands in the replicas' tables.
+
+    Rebuilt when a layer's cached skeleton is rebuilt; its flags are re-read once per
+    upload epoch (a parameter frozen between calls stops taking gradients)."""
+
+    __slots__ = (
+        "layers",
+        "trees",
+        "modules",
+        "position",
+        "chunks",
+        "sources",
+        "wrap",
+        "fills",
+        "grad_pos",
+        "buffer_pos",
+        "epoch",
+        "_is_param",
+    )
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        indices: Sequence[int],
+        skeletons: Sequence[tuple[nn.Module, _Tree]],
+    ) -> None:
+        self.layers = list(layers)
+        self.trees = [tree for _, tree in skeletons]
+        self.modules = [module for module, _ in skeletons]
+        self.position = {idx: k for k, idx in enumerate(indices)}
+        # one copy_in per layer, as a failed upload must release the layers before it
+        self.chunks = [tree.source_list for tree in self.trees]
+        self.sources: list[torch.Tensor] = [t for chunk in self.chunks for t in chunk]
+        self.fills: list[tuple[dict[str, Any], str, int]] = []
+        is_param: list[bool] = []
+        for tree in self.trees:
+            base = len(is_param)
+            is_param.extend(tree.is_param)
+            self.fills.extend((table, name, base + i) for table, name, i in tree.fills)
+        self._is_param = is_param
+        self.buffer_pos = [i for i, p in enumerate(is_param) if not p]
+        self.wrap: list[bool | None] = []
+        self.grad_pos: list[int] = []
+        self.epoch: object = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read which parameters require grad: ``wrap[i]`` is None for a buffer, else
+        the ``requires_grad`` of the parameter wrapping upload ``i``; ``grad_pos`` lists
+        the parameters whose gradients are downloaded."""
+        self.wrap = [
+            src.requires_grad if p else None for src, p in zip(self.sources, self._is_param)
+        ]
+        self.grad_pos = [
+            i
+            for i, (src, w) in enumerate(zip(self.sources, self.wrap))
+            if w and isinstance(src, nn.Parameter)
+        ]
+
+
+# a worker's stage layouts beyond this many are dropped (re-planned stages leave old ones)
+_MAX_LAYOUTS = 4096
+
+
+def _stage_layout(
+    worker: Worker,
+    layers: Sequence[nn.Module],
+    indices: Sequence[int],
+    slot: int,
+    epoch: object,
+) -> _StageLayout:
+    """The worker's cached layout of a stage, checked against the host modules once per
+    ``epoch`` (``None``: on every upload): each layer's skeleton as
+    :func:`_skeleton_for` checks it, rebuilt if one of them was."""
+    cache: dict[tuple, _StageLayout] = worker.stage_layouts
+    key = (slot, *map(id, layers), *indices)
+    layout = cache.get(key)
+    if layout is not None and epoch is not None and layout.epoch is epoch:
+        return layout
+    skeletons = [_skeleton_for(worker, layer, slot, epoch) for layer in layers]
+    if (
+        layout is None
+        or any(a is not b for a, b in zip(layout.layers, layers))
+        or any(a is not b for a, b in zip(layout.trees, (t for _, t in skeletons)))
+    ):
+        if len(cache) >= _MAX_LAYOUTS:
+            cache.clear()
+        layout = _StageLayout(layers, indices, skeletons)
+        cache[key] = layout
+    else:
+        layout.refresh()
+    layout.epoch = epoch
+    return layout
+
+
 def upload_stage(
     worker: Worker,
     layers: Sequence[nn.Module],
@@ -218,32 +309,21 @@ def upload_stage(
     (the runtime passes one per worker queue of a call: no user code runs on the host
     modules in between); a skeleton already checked and synced in it is used as is.
     The parameter and buffer tensors are copied on every upload regardless."""
-    replicas: list[LayerReplica] = []
-    all_dev: list[torch.Tensor] = []
+    layout = _stage_layout(worker, layers, indices, slot, epoch)
+    dev: list[torch.Tensor] = []
     try:
-        for idx, layer in zip(indices, layers):
-            module, tree = _skeleton_for(worker, layer, slot, epoch)
-            srcs = tree.source_list
-            dev = worker.copy_in(srcs, "param")  # every backend detaches
-            all_dev.extend(dev)
-            # Parameter wrappers replace the raw device tensors so grads land on them
-            held = [
-                _parameter(t, src.requires_grad) if p else t
-                for t, src, p in zip(dev, srcs, tree.is_param)
-            ]
-            replicas.append(
-                LayerReplica(
-                    idx, module, tree.slots, dict(zip(tree.sources, held)), tree.sources, tree.fills
-                )
-            )
-            for table, name, i in tree.fills:
-                table[name] = held[i]
+        for chunk in layout.chunks:
+            dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
+        # Parameter wrappers replace the raw device tensors so grads land on them
+        held = [t if w is None else _parameter(t, w) for t, w in zip(dev, layout.wrap)]
+        for table, name, i in layout.fills:
+            table[name] = held[i]
     except BaseException:
         # Layers uploaded before the failure would otherwise stay in the cached skeletons
         # and the ledger (device memory on CUDA) until those skeletons are next used.
-        release_stage(StageReplica(worker, replicas, all_dev))
+        release_stage(StageReplica(worker, layout, [], dev))
         raise
-    return StageReplica(worker, replicas, all_dev)
+    return StageReplica(worker, layout, held, dev)
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
@@ -255,48 +335,43 @@ def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
 
 
 def download_grads(stage: StageReplica, sink: GradSink) -> None:
-    """Download the gradients the stage accumulated and pass them to ``sink``."""
+    """Download the gradients the stage accumulated and pass them to ``sink``.
+
+    The device gradients are left to die with the stage's parameter wrappers at
+    :func:`release_stage` (nothing else holds those wrappers)."""
+    held, sources = stage.held, stage.layout.sources
     pending_src: list[torch.Tensor] = []
     pending_dev: list[torch.Tensor] = []
-    for lr in stage.layers:
-        # both tables are built from the same sources, in the same order
-        for src, dev in zip(lr.sources.values(), lr.device_tensors.values()):
-            if isinstance(src, nn.Parameter) and src.requires_grad and dev.grad is not None:
-                pending_src.append(src)
-                pending_dev.append(dev.grad)
+    for i in stage.layout.grad_pos:
+        g = held[i].grad
+        if g is not None:
+            pending_src.append(sources[i])
+            pending_dev.append(g)
     if not pending_dev:
         return
     host = stage.worker.copy_out(pending_dev, "download")
     for src, g in zip(pending_src, host):
         sink(src, g)
-    for lr in stage.layers:
-        for dev in lr.device_tensors.values():
-            dev.grad = None
 
 
 def write_back_buffers(stage: StageReplica) -> None:
     """Copy buffers a real forward may have written (BatchNorm statistics) back to the host."""
-    pairs = [
-        (src, lr.device_tensors[k])
-        for lr in stage.layers
-        for k, src in lr.sources.items()
-        if not isinstance(src, nn.Parameter)
-    ]
-    if not pairs:
+    pos = stage.layout.buffer_pos
+    if not pos:
         return
-    host = stage.worker.copy_out([d for _, d in pairs], "download")
+    sources, held = stage.layout.sources, stage.held
+    host = stage.worker.copy_out([held[i] for i in pos], "download")
     with torch.no_grad():
-        for (src, _), h in zip(pairs, host):
-            src.copy_(h)
+        for i, h in zip(pos, host):
+            sources[i].copy_(h)
 
 
 def release_stage(stage: StageReplica) -> None:
     """Drop the device copies of a stage; the emptied skeletons stay cached."""
     stage.worker.release(stage.param_tensors, "param")
-    for lr in stage.layers:
-        for table, name, _ in lr.fills:
-            table[name] = None
-        lr.device_tensors.clear()
+    for table, name, _ in stage.layout.fills:
+        table[name] = None
+    stage.held = []
     stage.param_tensors = []
 
 

@@ -84,6 +84,8 @@ class Worker(ABC):
         self.ledger = MemoryLedger()
         # parameter-less copies of layers, reused across uploads (see transfer.py)
         self.skeletons: dict[tuple[int, int], Any] = {}
+        # per stage (layers and skeleton slot): what each of its uploads does (transfer.py)
+        self.stage_layouts: dict[tuple, Any] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-{self.kind}-{index}", daemon=True
