@@ -77,6 +77,9 @@ class Worker(ABC):
     """
 
     kind = "abstract"
+    #: ``time_point()`` returns seconds of one host clock, so ``elapsed_ms(a, b)`` is
+    #: ``(b - a) * 1000`` and the runtime may compute it without a call per mark.
+    time_points_are_seconds = False
 
     def __init__(self, index: int, device: torch.device) -> None:
         self.index = index

@@ -78,6 +78,7 @@ class CPUWorker(Worker):
     """A thread that plays a device: uploads are copies, the ledger counts their bytes."""
 
     kind = "cpu"
+    time_points_are_seconds = True
 
     #: How many CPU workers of one pool split the host's free memory (the pool sets it).
     share: int = 1
