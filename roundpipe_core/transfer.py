@@ -137,6 +137,29 @@ def _sync_plain_attributes(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> None
 _MISSING = object()
 # the types of nn.Module's own tables (parameters, buffers, submodules, hooks): never synced
 _TABLES = frozenset({dict, OrderedDict, set})
+# the attribute names of those tables
+_MODULE_TABLES = frozenset(k for k, v in nn.Module().__dict__.items() if type(v) in _TABLES)
+
+
+def _synced(tree: _Tree) -> bool:
+    """Whether ``tree``'s layer still has the structure its skeleton was built from
+    (no submodule, parameter or buffer replaced, no attribute added or removed); if
+    so, its replica now has the host's flags (``training``, dropout ``p``, ...)."""
+    for m, sig, host, size, rep, keys in tree.checks:
+        if len(host) != size or sig != (
+            tuple(map(id, m._modules.values())),
+            tuple(map(id, m._parameters.values())),
+            tuple(map(id, m._buffers.values())),
+        ):
+            return False
+        for k in keys:
+            v = host.get(k, _MISSING)
+            if rep.get(k, _MISSING) is not v:
+                if v is _MISSING:
+                    return False
+                if isinstance(v, _SYNCED_TYPES):
+                    rep[k] = v
+    return True
 
 
 class _Tree:
@@ -149,6 +172,20 @@ class _Tree:
         self.modules = list(layer.modules())
         self.signature = _signature(self.modules)
         self.pairs = list(zip(self.modules, replica.modules()))
+        # per host module, what one check reads: its tables' contents (by id), its
+        # __dict__ and its size, the replica's __dict__, and the keys of the attributes
+        # that are not tables (the flags to sync)
+        self.checks = [
+            (
+                m,
+                sig,
+                m.__dict__,
+                len(m.__dict__),
+                r.__dict__,
+                tuple(k for k in m.__dict__ if k not in _MODULE_TABLES),
+            )
+            for (m, r), sig in zip(self.pairs, self.signature)
+        ]
         self.slots = slots
         self.sources: dict[int, torch.Tensor] = {}
         self.is_param: list[bool] = []
@@ -186,11 +223,11 @@ def _skeleton_for(
     hit = cache.get(key)
     if hit is not None and epoch is not None and hit[1].epoch is epoch and hit[0] is layer:
         return hit[2], hit[1]
-    if hit is None or hit[0] is not layer or hit[1].signature != _signature(hit[1].modules):
+    if hit is None or hit[0] is not layer or not _synced(hit[1]):
         replica, slots = make_skeleton(layer)
         hit = (layer, _Tree(layer, replica, slots), replica, slots)
         cache[key] = hit
-    _sync_plain_attributes(hit[1].pairs)
+        _sync_plain_attributes(hit[1].pairs)
     hit[1].epoch = epoch
     return hit[2], hit[1]
 
@@ -249,9 +286,10 @@ class _StageLayout:
         """Re-read which parameters require grad: ``wrap[i]`` is None for a buffer, else
         the ``requires_grad`` of the parameter wrapping upload ``i``; ``grad_pos`` lists
         the parameters whose gradients are downloaded."""
-        self.wrap = [
-            src.requires_grad if p else None for src, p in zip(self.sources, self._is_param)
-        ]
+        wrap = [src.requires_grad if p else None for src, p in zip(self.sources, self._is_param)]
+        if wrap == self.wrap:
+            return
+        self.wrap = wrap
         self.grad_pos = [
             i
             for i, (src, w) in enumerate(zip(self.sources, self.wrap))
@@ -279,11 +317,9 @@ def _stage_layout(
     if layout is not None and epoch is not None and layout.epoch is epoch:
         return layout
     skeletons = [_skeleton_for(worker, layer, slot, epoch) for layer in layers]
-    if (
-        layout is None
-        or any(a is not b for a, b in zip(layout.layers, layers))
-        or any(a is not b for a, b in zip(layout.trees, (t for _, t in skeletons)))
-    ):
+    # the key's ids name these very layers: the cached layout keeps them alive; trees
+    # compare by identity (no __eq__)
+    if layout is None or layout.trees != [t for _, t in skeletons]:
         if len(cache) >= _MAX_LAYOUTS:
             cache.clear()
         layout = _StageLayout(layers, indices, skeletons)

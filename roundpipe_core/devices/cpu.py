@@ -65,9 +65,15 @@ def cpu_device_memory_bytes(share: int = 1) -> int:
 
 
 def _copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Detached copies. Activations and gradients arrive detached already, and
-    ``detach()`` costs about half a small clone, so only parameters pay for it."""
-    return [t.detach().clone() if t.requires_grad else t.clone() for t in tensors]
+    """Detached copies: made with autograd off (a clone of a tensor that requires grad
+    then requires none), which is cheaper than ``detach()`` per tensor."""
+    if not torch.is_grad_enabled():
+        return [t.clone() for t in tensors]
+    torch._C._set_grad_enabled(False)
+    try:
+        return [t.clone() for t in tensors]
+    finally:
+        torch._C._set_grad_enabled(True)
 
 
 def _nbytes(t: torch.Tensor) -> int:
