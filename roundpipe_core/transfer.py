@@ -363,10 +363,15 @@ def upload_stage(
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-    """``nn.Parameter(t, requires_grad)``; for a plain tensor what its constructor does,
-    without the constructor's checks (one per parameter of every upload)."""
+    """``t`` as an ``nn.Parameter`` with ``requires_grad``. A plain tensor that the upload
+    just made (no one else holds it) becomes the parameter itself: its class is
+    switched, which is all ``nn.Parameter``'s constructor adds to a plain tensor,
+    without making a second tensor object per parameter of every upload."""
     if type(t) is torch.Tensor:
-        return torch.Tensor._make_subclass(nn.Parameter, t, requires_grad)
+        if requires_grad:
+            t.requires_grad_(True)
+        t.__class__ = nn.Parameter
+        return t  # type: ignore[return-value]
     return nn.Parameter(t, requires_grad=requires_grad)
 
 

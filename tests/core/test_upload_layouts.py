@@ -130,3 +130,25 @@ def test_an_upload_holds_one_device_tensor_per_distinct_host_tensor_of_a_layer()
             stage.layer(1)
     finally:
         worker.close()
+
+
+def test_uploaded_parameters_are_parameters_with_the_hosts_flags() -> None:
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    layer[0].bias.requires_grad_(False)
+    worker = CPUWorker(0)
+    try:
+        for _ in range(2):  # a fresh layout, then the cached one
+            stage = upload_stage(worker, [layer], range(1))
+            replica = stage.layer(0)
+            for name, p in replica.named_parameters():
+                host = layer.get_parameter(name)
+                assert type(p) is nn.Parameter and p.is_leaf, name
+                assert p.requires_grad == host.requires_grad, name
+                assert torch.equal(p, host) and p.data_ptr() != host.data_ptr(), name
+            for name, b in replica.named_buffers():
+                assert type(b) is torch.Tensor, name  # buffers stay plain tensors
+                assert torch.equal(b, layer.get_buffer(name)), name
+            release_stage(stage)
+    finally:
+        worker.close()
