@@ -33,6 +33,7 @@ from .timer import JobClock
 from .transfer import (
     GradSink,
     StageReplica,
+    batched_sink,
     download_grads,
     grads_to_device,
     grads_to_host,
@@ -89,6 +90,7 @@ class PipelineRun:
         self.num_layers = len(layers)
         self.boundaries = boundaries
         self.grad_sink = grad_sink
+        self.grad_sink_many = batched_sink(grad_sink)  # one call per job where it can
         self.timer = timer
         self.preserve_rng_state = preserve_rng_state
         self.recompute_grain = recompute_grain
@@ -573,7 +575,7 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                     runner(run, job, stage, worker, mb, clock)
                 if job.kind != JobKind.FORWARD:  # fused and backward jobs made gradients
                     t0 = time.perf_counter()
-                    download_grads(stage, run.grad_sink)
+                    download_grads(stage, run.grad_sink, run.grad_sink_many)
                     note_transfer(run, "gradient", worker, f"{job} grads", t0)
                     if run.grads_done is not None:
                         run.grads_done(job)

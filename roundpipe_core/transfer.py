@@ -28,6 +28,8 @@ from .schedule import Job
 
 __all__ = [
     "GradSink",
+    "GradSinkMany",
+    "batched_sink",
     "StageReplica",
     "download_grads",
     "grads_to_device",
@@ -44,6 +46,18 @@ __all__ = [
 
 GradSink = Callable[[torch.Tensor, torch.Tensor], None]
 """Called as ``sink(host_param, host_grad)`` for each downloaded gradient."""
+GradSinkMany = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
+"""Called as ``sink_many(host_params, host_grads)`` with a job's gradients at once."""
+
+
+def batched_sink(sink: GradSink) -> GradSinkMany | None:
+    """The one-call-per-job form of ``sink``, if it has one: a sink that is the bound
+    ``add`` of an object with ``add_many(params, grads)`` (``pipelined.GradBuffer``)."""
+    owner = getattr(sink, "__self__", None)
+    if owner is None or getattr(sink, "__name__", None) != "add":
+        return None
+    many = getattr(owner, "add_many", None)
+    return many if callable(many) else None
 
 
 @dataclass
@@ -375,8 +389,11 @@ def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=requires_grad)
 
 
-def download_grads(stage: StageReplica, sink: GradSink) -> None:
-    """Download the gradients the stage accumulated and pass them to ``sink``.
+def download_grads(
+    stage: StageReplica, sink: GradSink, sink_many: GradSinkMany | None = None
+) -> None:
+    """Download the gradients the stage accumulated and pass them to ``sink``, or all at
+    once to ``sink_many`` when given.
 
     The device gradients are left to die with the stage's parameter wrappers at
     :func:`release_stage` (nothing else holds those wrappers)."""
@@ -391,6 +408,9 @@ def download_grads(stage: StageReplica, sink: GradSink) -> None:
     if not pending_dev:
         return
     host = stage.worker.copy_out(pending_dev, "download")
+    if sink_many is not None:
+        sink_many(pending_src, host)
+        return
     for src, g in zip(pending_src, host):
         sink(src, g)
 
