@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -334,19 +335,32 @@ class JobClock:
     job). Summing before the timer splits a stage's time over its layers changes
     nothing: the split is linear and its weights hold still within an iteration.
 
+    The queue's other records wait here too, for the run to take them in one go at
+    the end of the queue: ``transfers`` (``(lane, device, name, start, end)``, host
+    wall clock, see :meth:`transfer`), ``job_times`` (``(job, device, busy ms)``) and
+    ``job_spans`` (``(job, device, start, end)``).
+
     Args:
         worker: the worker whose ``time_point`` / ``elapsed_ms`` made the marks.
     """
 
-    __slots__ = ("worker", "marks", "sums", "_seconds")
+    __slots__ = ("worker", "marks", "sums", "_seconds", "transfers", "job_times", "job_spans")
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self.transfers: list[tuple[str, int, str, float, float]] = []
+        self.job_times: list[tuple[Any, int, float]] = []
+        self.job_spans: list[tuple[Any, int, float, float]] = []
         self.marks: list[tuple[str, int, int, Any, Any]] = []
         # (kind, start, stop) -> ms per microbatch, summed over the ended jobs
         self.sums: dict[tuple[str, int, int], float] = {}
         # time points in seconds of one host clock (the CPU backend): no call per mark
         self._seconds = bool(getattr(worker, "time_points_are_seconds", False))
+
+    def transfer(self, lane: str, name: str, start: float) -> None:
+        """Record a transfer of ``lane`` ("upload", "activation", "gradient") that
+        started at ``start`` (``time.perf_counter()``) and ended now."""
+        self.transfers.append((lane, self.worker.index, name, start, time.perf_counter()))
 
     def span(self, kind: str, layers: range, start: Any) -> None:
         """Mark ``kind`` of ``layers`` from ``start`` (a time point) to now."""

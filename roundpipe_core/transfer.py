@@ -38,6 +38,7 @@ __all__ = [
     "note_transfer",
     "release_stage",
     "to_device",
+    "to_device_pair",
     "to_host",
     "upload_job",
     "upload_stage",
@@ -449,6 +450,23 @@ def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
     for i, t in zip(idx, dev):
         new[i] = t
     return rebuild(new), dev
+
+
+def to_device_pair(worker: Worker, a: Any, b: Any) -> tuple[Any, Any, list[torch.Tensor]]:
+    """:func:`to_device` of two pytrees (a stage input and its label) in one copy: both
+    on the device, and the copies (to release)."""
+    if type(a) is torch.Tensor and type(b) is torch.Tensor:
+        dev = worker.copy_in([a, b], "activation")
+        return dev[0], dev[1], dev
+    leaves_a, rebuild_a = flatten(a)
+    leaves_b, rebuild_b = flatten(b)
+    leaves = leaves_a + leaves_b
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
+    for i, t in zip(idx, dev):
+        leaves[i] = t
+    n = len(leaves_a)
+    return rebuild_a(leaves[:n]), rebuild_b(leaves[n:]), dev
 
 
 def to_host(worker: Worker, value: Any) -> Any:

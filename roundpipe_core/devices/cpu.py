@@ -26,6 +26,7 @@ from .base import Worker
 __all__ = ["CPUWorker", "DEFAULT_CPU_DEVICE_MEMORY_GB", "cpu_device_memory_bytes"]
 
 _CPU_COMPUTE_LOCK = threading.RLock()
+_CPU_GENERATOR = torch.default_generator
 
 #: Memory a CPU worker reports to the planner (the default model_memory_limit
 #: is 60% of it). Override with env ROUNDPIPE_CPU_DEVICE_MEMORY_GB.
@@ -114,10 +115,10 @@ class CPUWorker(Worker):
         return _CPU_COMPUTE_LOCK
 
     def get_rng_state(self) -> Any:
-        return torch.get_rng_state()
+        return _CPU_GENERATOR.get_state()  # torch.get_rng_state(), without its wrapper
 
     def set_rng_state(self, state: Any) -> None:
-        torch.set_rng_state(state)
+        _CPU_GENERATOR.set_state(state)
 
     def time_point(self) -> Any:
         return time.perf_counter()
