@@ -396,8 +396,8 @@ def download_grads(
     """Download the gradients the stage accumulated and pass them to ``sink``, or all at
     once to ``sink_many`` when given.
 
-    The device gradients are left to die with the stage's parameter wrappers at
-    :func:`release_stage` (nothing else holds those wrappers)."""
+    The device gradients are left to the host (``Worker.take_out``): the stage's
+    parameter wrappers that hold them die at :func:`release_stage`."""
     held, sources = stage.held, stage.layout.sources
     pending_src: list[torch.Tensor] = []
     pending_dev: list[torch.Tensor] = []
@@ -408,7 +408,7 @@ def download_grads(
             pending_dev.append(g)
     if not pending_dev:
         return
-    host = stage.worker.copy_out(pending_dev, "download")
+    host = stage.worker.take_out(pending_dev)
     if sink_many is not None:
         sink_many(pending_src, host)
         return

@@ -198,6 +198,12 @@ class Worker(ABC):
     ) -> list[torch.Tensor]:
         """Device -> host copies, complete when this returns (ordered after compute so far)."""
 
+    def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Device -> host for tensors the device drops right after (a stage's parameter
+        gradients): host copies, complete when this returns. A backend whose device
+        memory is host memory hands the tensors themselves over."""
+        return self.copy_out(tensors, "download")
+
     def param_fence(self) -> Callable[[], None]:
         """A function that blocks until every "param" upload issued so far has read its
         host source (the host copy may then be overwritten). Synchronous backends: no-op."""

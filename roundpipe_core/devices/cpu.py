@@ -108,6 +108,10 @@ class CPUWorker(Worker):
     ) -> list[torch.Tensor]:
         return _copies(tensors)
 
+    def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        # host memory already, and the stage drops them: a copy would only be thrown away
+        return [t.detach() if t.requires_grad else t for t in tensors]
+
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         self.ledger.free(sum(map(_nbytes, tensors)), tag)
 

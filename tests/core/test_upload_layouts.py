@@ -152,3 +152,34 @@ def test_uploaded_parameters_are_parameters_with_the_hosts_flags() -> None:
             release_stage(stage)
     finally:
         worker.close()
+
+
+def test_a_stages_gradients_leave_the_device_once_and_exactly() -> None:
+    """The CPU backend hands the accumulated gradients over (host memory already); the
+    generic take_out copies them, as a device download does."""
+    from roundpipe_core.devices.base import Worker
+
+    class Copying(CPUWorker):
+        def take_out(self, tensors):  # the base class's: a download copy
+            return Worker.take_out(self, tensors)
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    expected = torch.autograd.grad(layer(x).sum(), [layer.weight, layer.bias])
+    for cls, same in ((CPUWorker, True), (Copying, False)):
+        worker = cls(0)
+        try:
+            stage = upload_stage(worker, [layer], range(1))
+            replica = stage.layer(0)
+            replica(x).sum().backward()
+            on_device = [replica.weight.grad, replica.bias.grad]
+            got: list[tuple[torch.Tensor, torch.Tensor]] = []
+            download_grads(stage, lambda p, g, out=got: out.append((p, g)))
+            assert [p for p, _ in got] == [layer.weight, layer.bias]
+            for (_, g), d, e in zip(got, on_device, expected):
+                assert (g is d) == same
+                assert torch.equal(g, e)
+            release_stage(stage)
+        finally:
+            worker.close()
