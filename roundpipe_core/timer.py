@@ -255,6 +255,32 @@ class ModelTimer:
                     share = w / total if total > 0 else 1.0 / len(layers)
                     pending[i] = pending.get(i, 0.0) + ms * share
 
+    def record_sums(self, sums: dict[tuple[str, int, int], float]) -> None:
+        """:meth:`record_many` of ``{(kind, start, stop): ms per microbatch}`` (what a
+        :class:`JobClock` sums), without a record object per entry.
+
+        Raises:
+            ValueError: as :meth:`record_many`; nothing of ``sums`` is recorded then.
+        """
+        n = self.num_layers
+        for (kind, a, b), ms in sums.items():
+            if kind not in KINDS or not 0 <= a < b <= n or not 0 <= ms < _INF:
+                # the checks of record_many name what is wrong
+                self.record_many([(k, range(s, e), v) for (k, s, e), v in sums.items()])
+        with self._lock:
+            tables = self._pending
+            for (kind, a, b), ms in sums.items():
+                pending = tables[kind]
+                if b - a == 1:
+                    pending[a] = pending.get(a, 0.0) + ms
+                    continue
+                layers = range(a, b)
+                weights = self._estimates_locked("fwd" if kind == "fwd" else "re", layers)
+                total = sum(weights)
+                for i, w in zip(layers, weights):
+                    share = w / total if total > 0 else 1.0 / len(layers)
+                    pending[i] = pending.get(i, 0.0) + ms * share
+
     def end_iteration(self) -> None:
         """Fold this iteration's records into the moving averages."""
         lines = []
@@ -395,10 +421,14 @@ class JobClock:
     def commit(self, timer: Any) -> None:
         """Hand the records of every ended job to ``timer`` (a :class:`ModelTimer`, or
         anything with ``record``); nothing to a ``None`` timer."""
-        records = self.records
-        self.sums = {}
-        if timer is None or not records:
+        sums, self.sums = self.sums, {}
+        if timer is None or not sums:
             return
+        add_sums = getattr(timer, "record_sums", None)
+        if add_sums is not None:
+            add_sums(sums)
+            return
+        records = [(k, range(a, b), ms) for (k, a, b), ms in sums.items()]
         many = getattr(timer, "record_many", None)
         if many is not None:
             many(records)
