@@ -15,9 +15,9 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext, suppress
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from .timer import JobClock
 from .transfer import (
     GradSink,
     StageReplica,
+    WeightGate,
     batched_sink,
     download_grads,
     grads_to_device,
@@ -48,19 +49,6 @@ from .transfer import (
 __all__ = ["AutocastState", "PipelineRun", "WeightGate", "run_queue"]
 
 _WAIT_SLICE_S = 0.05
-
-
-class WeightGate(Protocol):
-    """Which weight version the host copy holds (``pipelined.WeightVersions``): a
-    pipelined run's upload waits until the layers hold the version it reads."""
-
-    def ready(self, reader: Any, layers: Sequence[int]) -> bool: ...
-
-    def wait_ready(
-        self, reader: Any, layers: Sequence[int], failed: Callable[[], bool]
-    ) -> None: ...
-
-    def uploaded(self, reader: Any, layers: Sequence[int], fence: Callable[[], None]) -> None: ...
 
 
 class PipelineRun:

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from .schedule import Job
 __all__ = [
     "GradSink",
     "GradSinkMany",
+    "WeightGate",
     "batched_sink",
     "StageReplica",
     "download_grads",
@@ -520,6 +521,19 @@ def note_transfer(run: Any, lane: str, worker: Worker, name: str, start: float) 
     end = time.perf_counter()
     with run._cond:
         run.transfer_spans.append((lane, worker.index, name, start, end))
+
+
+class WeightGate(Protocol):
+    """Which weight version the host copy holds (``pipelined.WeightVersions``): a
+    pipelined run's upload waits until the layers hold the version it reads."""
+
+    def ready(self, reader: Any, layers: Sequence[int]) -> bool: ...
+
+    def wait_ready(
+        self, reader: Any, layers: Sequence[int], failed: Callable[[], bool]
+    ) -> None: ...
+
+    def uploaded(self, reader: Any, layers: Sequence[int], fence: Callable[[], None]) -> None: ...
 
 
 def upload_job(
