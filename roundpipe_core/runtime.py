@@ -475,18 +475,19 @@ def _backward_microbatch(
     clock.transfer("activation", f"{job} in mb{mb}", t_in)
     needs = _needs(run, r.start)
     try:
-        with ComputeScope(worker, None):
-            if run.recompute_grain == RecomputeGrain.LAYER:
+        layerwise = run.recompute_grain == RecomputeGrain.LAYER
+        # grain "layer" turns autograd on and off per layer itself
+        with ComputeScope(worker, None if layerwise else True):
+            if layerwise:
                 tracked = _backward_layerwise(
                     run, job, stage, worker, mb, x_in, g_dev, needs, clock
                 )
             else:
                 x, tracked = _requires_grad_inputs(x_in, needs)
-                with torch.enable_grad():
-                    x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=True)
-                    t0 = worker.time_point()
-                    _backward(x, g_dev)
-                    clock.span("bwd", r, t0)
+                x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=True)
+                t0 = worker.time_point()
+                _backward(x, g_dev)
+                clock.span("bwd", r, t0)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
         _annotate(exc, job, None, mb, worker)
