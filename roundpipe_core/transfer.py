@@ -139,17 +139,6 @@ def _signature(modules: Sequence[nn.Module]) -> tuple:
     )
 
 
-def _sync_plain_attributes(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> None:
-    """A cached skeleton follows the host module's flags (``training``, dropout ``p``, ...)."""
-    for orig, rep in pairs:
-        rep_dict = rep.__dict__
-        for k, v in orig.__dict__.items():
-            if type(v) in _TABLES:
-                continue  # most of a module's __dict__; one set lookup instead of isinstance
-            if isinstance(v, _SYNCED_TYPES) and rep_dict.get(k, _MISSING) is not v:
-                rep_dict[k] = v
-
-
 _MISSING = object()
 # the types of nn.Module's own tables (parameters, buffers, submodules, hooks): never synced
 _TABLES = frozenset({dict, OrderedDict, set})
@@ -242,8 +231,7 @@ def _skeleton_for(
     if hit is None or hit[0] is not layer or not _synced(hit[1]):
         replica, slots = make_skeleton(layer)
         hit = (layer, _Tree(layer, replica, slots), replica, slots)
-        cache[key] = hit
-        _sync_plain_attributes(hit[1].pairs)
+        cache[key] = hit  # a fresh deep copy: its flags are the host's already
     hit[1].epoch = epoch
     return hit[2], hit[1]
 
