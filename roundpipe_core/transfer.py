@@ -7,7 +7,12 @@ gradients are downloaded once (summed over microbatches by autograd on the
 device) and handed to the accumulator of the master copies; buffers written
 by a real forward are copied back to the host module; then the device copies
 are dropped. The same code serves every backend: only ``Worker.copy_in`` /
-``copy_out`` / ``release`` differ.
+``copy_out`` / ``take_out`` / ``release`` differ.
+
+What every upload of a stage does -- which host tensors, where each lands in the
+replicas, which take gradients -- is worked out once per worker, stage and
+skeleton slot (a stage layout) and checked against the host modules once per
+call, so that a job costs its copies and little else.
 """
 
 from __future__ import annotations

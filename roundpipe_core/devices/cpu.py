@@ -1,7 +1,9 @@
 """CPU backend: a thread that plays a device.
 
 It copies a stage's weights into buffers of its own ("upload"), runs the stage,
-hands gradients back ("download") and keeps a ledger of the bytes it holds.
+hands the gradients autograd accumulated back (``take_out``: they are host
+memory already, and the stage drops them) and keeps a ledger of the bytes it
+holds.
 All model code of the CPU backend runs under one process-wide lock: the CPU
 random generator is shared by all threads, so only serialised compute gives
 each (layer, microbatch) a well-defined RNG state to save and replay — and
