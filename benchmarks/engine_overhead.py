@@ -17,7 +17,8 @@ Printed per cell, on two clocks measured in the same runs: median ms of each sid
 the engine overhead (RoundPipe - plain, per round, median and interquartile
 spread) divided by the call's jobs and by layers x microbatches; then a
 least-squares split of all cells' overhead into ``a`` ms per job + ``b`` ms per
-layer-microbatch + ``c`` ms per call. The wall clock is what a user waits for;
+layer-microbatch + ``c`` ms per call, fitted to the cells' medians and, for its
+spread, to each round on its own. The wall clock is what a user waits for;
 the process CPU time (all threads of this process) is what the engine costs
 when other processes share the cores, as on a busy CI box.
 """
@@ -77,6 +78,13 @@ def measure(
             out[name]["wall"].append(w1 - w0)
             out[name]["cpu"].append(c1 - c0)
     return out
+
+
+def _split(jobs: list[float], layer_mbs: list[float], over: list[float]) -> list[float]:
+    """Least squares ``over ~ a * jobs + b * layer_mbs + c``: ``[a, b, c]`` in ms."""
+    a_mat = torch.tensor([[j, lm, 1.0] for j, lm in zip(jobs, layer_mbs)], dtype=torch.float64)
+    b_vec = torch.tensor([[o] for o in over], dtype=torch.float64)
+    return torch.linalg.lstsq(a_mat, b_vec).solution.flatten().tolist()
 
 
 class Cell:
@@ -152,6 +160,7 @@ def main() -> None:
             f" {'overhead ms':>22} {'ms / job':>20} {'ms / layer-mb':>22}"
         )
         rows: list[tuple[float, float, float]] = []  # (jobs, layer-mbs, overhead ms)
+        per_round: list[list[float]] = []  # per cell, the overhead ms of every round
         for c in cells:
             rp = timings[f"rp {c.layers}x{c.mbs}"][clock]
             plain = timings[f"plain {c.layers}x{c.mbs}"][clock]
@@ -168,13 +177,23 @@ def main() -> None:
                 f" {f'{per_lm[0]:.4f} [{per_lm[1]:.4f}..{per_lm[2]:.4f}]':>22}"
             )
             rows.append((float(c.jobs), float(lm), o[0]))
+            per_round.append(over)
         if len(rows) >= 3:
-            a_mat = torch.tensor([[j, lm, 1.0] for j, lm, _ in rows], dtype=torch.float64)
-            b_vec = torch.tensor([[o] for _, _, o in rows], dtype=torch.float64)
-            coef = torch.linalg.lstsq(a_mat, b_vec).solution.flatten().tolist()
+            coef = _split([j for j, _, _ in rows], [lm for _, lm, _ in rows], [o for *_, o in rows])
             print(
                 f"least squares over the cells' median overheads: {coef[0]:.3f} ms per job + "
                 f"{coef[1]:.4f} ms per layer-microbatch + {coef[2]:.2f} ms per call"
+            )
+            # the same split of each round on its own: how far one round's load moves it
+            fits = [
+                _split([j for j, _, _ in rows], [lm for _, lm, _ in rows], list(r))
+                for r in zip(*per_round)
+            ]
+            q = [_quartiles([f[k] for f in fits]) for k in range(3)]
+            print(
+                f"  the split of each round, median [p25..p75]: {q[0][0]:.3f} "
+                f"[{q[0][1]:.3f}..{q[0][2]:.3f}] ms per job, {q[1][0]:.4f} "
+                f"[{q[1][1]:.4f}..{q[1][2]:.4f}] ms per layer-microbatch"
             )
 
 

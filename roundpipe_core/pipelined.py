@@ -298,6 +298,34 @@ class GradBuffer:
             else:
                 hit[1].add_(grad)
 
+    def add_many(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """:meth:`add` for the gradients of one job at once (one lock acquisition; the
+        runtime calls it when the run's sink is this buffer's ``add``). Where ``add``
+        was replaced (a subclass, a test's probe), each gradient goes through it."""
+        if type(self).add is not GradBuffer._plain_add:
+            for param, grad in zip(params, grads):
+                self.add(param, grad)
+            return
+        master_of = self._master_of
+        pairs = []
+        for param, grad in zip(params, grads):
+            master = master_of.get(id(param))
+            if master is None:
+                continue
+            if grad.dtype != master.dtype:
+                grad = grad.to(master.dtype)
+            pairs.append((master, grad))
+        with self._lock:
+            table = self._grads
+            for master, grad in pairs:
+                hit = table.get(id(master))
+                if hit is None:
+                    table[id(master)] = (master, grad)
+                else:
+                    hit[1].add_(grad)
+
+    _plain_add = add  # the add that add_many stands for
+
     def take(
         self, masters: Sequence[nn.Parameter] | None = None
     ) -> list[tuple[nn.Parameter, torch.Tensor]]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext, suppress
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,17 +28,19 @@ from .devices.base import Worker
 from .devices.pool import PoolError
 from .kinds import JobKind, RecomputeGrain
 from .schedule import Job
-from .streams import own_rng, record_stream_start, replay_seed, seed_stream
+from .streams import ComputeScope, record_stream_start, replay_seed, seed_stream
 from .timer import JobClock
 from .transfer import (
     GradSink,
     StageReplica,
+    WeightGate,
+    batched_sink,
     download_grads,
     grads_to_device,
     grads_to_host,
-    note_transfer,
     release_stage,
     to_device,
+    to_device_pair,
     to_host,
     upload_job,
     write_back_buffers,
@@ -47,19 +49,6 @@ from .transfer import (
 __all__ = ["AutocastState", "PipelineRun", "WeightGate", "run_queue"]
 
 _WAIT_SLICE_S = 0.05
-
-
-class WeightGate(Protocol):
-    """Which weight version the host copy holds (``pipelined.WeightVersions``): a
-    pipelined run's upload waits until the layers hold the version it reads."""
-
-    def ready(self, reader: Any, layers: Sequence[int]) -> bool: ...
-
-    def wait_ready(
-        self, reader: Any, layers: Sequence[int], failed: Callable[[], bool]
-    ) -> None: ...
-
-    def uploaded(self, reader: Any, layers: Sequence[int], fence: Callable[[], None]) -> None: ...
 
 
 class PipelineRun:
@@ -89,6 +78,7 @@ class PipelineRun:
         self.num_layers = len(layers)
         self.boundaries = boundaries
         self.grad_sink = grad_sink
+        self.grad_sink_many = batched_sink(grad_sink)  # one call per job where it can
         self.timer = timer
         self.preserve_rng_state = preserve_rng_state
         self.recompute_grain = recompute_grain
@@ -162,6 +152,15 @@ class PipelineRun:
     def take_grad(self, boundary: int, mb: int) -> list[torch.Tensor | None] | None:
         with self._cond:
             return self._grads.get((boundary, mb))
+
+    def take_records(self, clock: JobClock) -> None:
+        """Take a worker queue's job times and spans and transfer spans (kept by its
+        clock, so that the queue takes this run's lock once instead of per record)."""
+        with self._cond:
+            self.job_times.extend(clock.job_times)
+            self.job_spans.extend(clock.job_spans)
+            self.transfer_spans.extend(clock.transfers)
+        clock.job_times, clock.job_spans, clock.transfers = [], [], []
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -382,9 +381,9 @@ def _forward_microbatch(
     t_in = time.perf_counter()
     x, held = to_device(worker, value)
     worker.wait_channel("activation")
-    note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
+    clock.transfer("activation", f"{job} in mb{mb}", t_in)
     try:
-        with worker.compute(), torch.no_grad(), own_rng(worker):
+        with ComputeScope(worker, False):
             x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False, publish=True)
             out = to_host(worker, x)
     except BaseException as exc:
@@ -428,13 +427,12 @@ def _fused_microbatch(
     record_stream_start(run, r.start)
     value = run.get_act(r.start, mb)
     t_in = time.perf_counter()
-    x, held = to_device(worker, value)
-    label, held_label = to_device(worker, run.labels[mb])
+    x, label, held = to_device_pair(worker, value, run.labels[mb])
     worker.wait_channel("activation")
-    note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
+    clock.transfer("activation", f"{job} in mb{mb}", t_in)
     x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
     try:
-        with worker.compute(), torch.enable_grad(), own_rng(worker):
+        with ComputeScope(worker, True):
             x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False)
             assert run.loss_fn is not None
             with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
@@ -456,7 +454,6 @@ def _fused_microbatch(
         raise
     finally:
         worker.release(held, "activation")
-        worker.release(held_label, "activation")
 
 
 def _backward_microbatch(
@@ -466,31 +463,37 @@ def _backward_microbatch(
     grads_out = run.get_grad(r.stop, mb)
     value = run.get_act(r.start, mb)
     t_in = time.perf_counter()
-    x_in, held = to_device(worker, value)
-    g_dev, held_g = grads_to_device(worker, grads_out)
+    if type(value) is torch.Tensor and len(grads_out) == 1 and grads_out[0] is not None:
+        # the common stage: one tensor in, its one gradient -- one copy of both
+        held = worker.copy_in([value, grads_out[0]], "activation")
+        x_in, g_dev = held[0], held[1:]
+    else:
+        x_in, held = to_device(worker, value)
+        g_dev, held_g = grads_to_device(worker, grads_out)
+        held = held + held_g
     worker.wait_channel("activation")
-    note_transfer(run, "activation", worker, f"{job} in mb{mb}", t_in)
+    clock.transfer("activation", f"{job} in mb{mb}", t_in)
     needs = _needs(run, r.start)
     try:
-        with worker.compute(), own_rng(worker):
-            if run.recompute_grain == RecomputeGrain.LAYER:
+        layerwise = run.recompute_grain == RecomputeGrain.LAYER
+        # grain "layer" turns autograd on and off per layer itself
+        with ComputeScope(worker, None if layerwise else True):
+            if layerwise:
                 tracked = _backward_layerwise(
                     run, job, stage, worker, mb, x_in, g_dev, needs, clock
                 )
             else:
                 x, tracked = _requires_grad_inputs(x_in, needs)
-                with torch.enable_grad():
-                    x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=True)
-                    t0 = worker.time_point()
-                    _backward(x, g_dev)
-                    clock.span("bwd", r, t0)
+                x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=True)
+                t0 = worker.time_point()
+                _backward(x, g_dev)
+                clock.span("bwd", r, t0)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
         _annotate(exc, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
-        worker.release(held_g, "activation")
 
 
 def _backward_layerwise(
@@ -560,30 +563,29 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                 worker.wait_channel("param")
                 start = time.perf_counter()
                 if uploading:
-                    note_transfer(run, "upload", worker, f"{job} params", t0)
+                    clock.transfer("upload", f"{job} params", t0)
                 if i + 1 < len(jobs):
                     t0 = time.perf_counter()
                     prefetched = upload_job(
                         run, worker, jobs[i + 1], (i + 1) % 2, wait=False, epoch=epoch
                     )
                     if prefetched is not None:
-                        note_transfer(run, "upload", worker, f"{jobs[i + 1]} params", t0)
+                        clock.transfer("upload", f"{jobs[i + 1]} params", t0)
                 runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:
                     runner(run, job, stage, worker, mb, clock)
                 if job.kind != JobKind.FORWARD:  # fused and backward jobs made gradients
                     t0 = time.perf_counter()
-                    download_grads(stage, run.grad_sink)
-                    note_transfer(run, "gradient", worker, f"{job} grads", t0)
+                    download_grads(stage, run.grad_sink, run.grad_sink_many)
+                    clock.transfer("gradient", f"{job} grads", t0)
                     if run.grads_done is not None:
                         run.grads_done(job)
                 if job.kind != JobKind.BACKWARD:  # a real forward may have written buffers
                     write_back_buffers(stage)
                 busy = clock.end_job(len(job.microbatches))
                 end = time.perf_counter()
-                with run._cond:
-                    run.job_times.append((job, worker.index, busy))
-                    run.job_spans.append((job, worker.index, start, end))
+                clock.job_times.append((job, worker.index, busy))
+                clock.job_spans.append((job, worker.index, start, end))
             finally:
                 release_stage(stage)
         clock.commit(run.timer)
@@ -593,5 +595,6 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
             clock.commit(run.timer)
         raise
     finally:
+        run.take_records(clock)
         if prefetched is not None:
             release_stage(prefetched)

@@ -26,7 +26,14 @@ import torch
 from .devices.base import Worker
 from .devices.cpu import CPUWorker
 
-__all__ = ["own_rng", "record_stream_start", "replay_seed", "seed_layer", "seed_stream"]
+__all__ = [
+    "ComputeScope",
+    "own_rng",
+    "record_stream_start",
+    "replay_seed",
+    "seed_layer",
+    "seed_stream",
+]
 
 
 class _RngGuard:
@@ -45,6 +52,42 @@ class _RngGuard:
 
     def __exit__(self, *exc: object) -> None:
         self.worker.set_rng_state(self.state)
+
+
+class ComputeScope:
+    """``worker.compute()``, autograd on or off (``grad``; ``None`` leaves it), and the
+    worker's generator given back on exit (:func:`own_rng`), as one object: the runtime
+    enters it around every microbatch of every job, where three nested context
+    managers cost more than a small stage's own Python work."""
+
+    __slots__ = ("worker", "grad", "compute", "prev", "state")
+
+    def __init__(self, worker: Worker, grad: bool | None) -> None:
+        self.worker = worker
+        self.grad = grad
+        self.compute = worker.compute()
+        self.prev = True
+        self.state: Any = None
+
+    def __enter__(self) -> None:
+        self.compute.__enter__()
+        try:
+            self.prev = torch.is_grad_enabled()
+            if self.grad is not None:
+                torch._C._set_grad_enabled(self.grad)
+            self.state = self.worker.get_rng_state()
+        except BaseException:
+            torch._C._set_grad_enabled(self.prev)
+            self.compute.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.worker.set_rng_state(self.state)
+        finally:
+            torch._C._set_grad_enabled(self.prev)
+            self.state = None
+            self.compute.__exit__(*exc)
 
 
 def own_rng(worker: Worker) -> AbstractContextManager[None]:

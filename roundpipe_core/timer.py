@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["JobClock", "ModelTimer"]
 
 KINDS = ("fwd", "re", "bwd")
+_INF = float("inf")
 
 #: Milliseconds assumed per byte of layer state before anything was measured.
 #: Only ratios matter to the planner; the scale makes the numbers readable
@@ -221,32 +223,58 @@ class ModelTimer:
         n = self.num_layers
         checked = []
         for kind, layers, ms in records:
-            _check_kind(kind)
-            if not isinstance(layers, (range, list, tuple)):
-                layers = list(layers)
-            ms = float(ms)
-            if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
+            if kind not in KINDS:
+                _check_kind(kind)
+            if type(ms) is not float:
+                ms = float(ms)
+            if not 0 <= ms < _INF:  # negative, NaN or Inf: a broken clock, never a timing
                 raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
-            if not layers:
-                continue
-            in_range = (
-                isinstance(layers, range)
-                and layers.step == 1
-                and 0 <= layers.start
-                and layers.stop <= n
-            )
-            if not in_range:
+            # the runtime's records: one unit-step range inside the model, checked at once
+            if not (type(layers) is range and layers.step == 1 and 0 <= layers.start):
+                if not isinstance(layers, (range, list, tuple)):
+                    layers = list(layers)
                 for i in layers:
                     if not 0 <= i < n:
                         raise ValueError(f"layer {i} is outside the timed layers 0..{n - 1}")
+            elif layers.stop > n:
+                raise ValueError(f"layer {layers.stop - 1} is outside the timed layers 0..{n - 1}")
+            if not layers:
+                continue
             checked.append((kind, layers, ms / microbatches))
         with self._lock:
+            tables = self._pending
             for kind, layers, ms in checked:
-                pending = self._pending[kind]
+                pending = tables[kind]
                 if len(layers) == 1:
                     i = layers[0]
                     pending[i] = pending.get(i, 0.0) + ms
                     continue
+                weights = self._estimates_locked("fwd" if kind == "fwd" else "re", layers)
+                total = sum(weights)
+                for i, w in zip(layers, weights):
+                    share = w / total if total > 0 else 1.0 / len(layers)
+                    pending[i] = pending.get(i, 0.0) + ms * share
+
+    def record_sums(self, sums: dict[tuple[str, int, int], float]) -> None:
+        """:meth:`record_many` of ``{(kind, start, stop): ms per microbatch}`` (what a
+        :class:`JobClock` sums), without a record object per entry.
+
+        Raises:
+            ValueError: as :meth:`record_many`; nothing of ``sums`` is recorded then.
+        """
+        n = self.num_layers
+        for (kind, a, b), ms in sums.items():
+            if kind not in KINDS or not 0 <= a < b <= n or not 0 <= ms < _INF:
+                # the checks of record_many name what is wrong
+                self.record_many([(k, range(s, e), v) for (k, s, e), v in sums.items()])
+        with self._lock:
+            tables = self._pending
+            for (kind, a, b), ms in sums.items():
+                pending = tables[kind]
+                if b - a == 1:
+                    pending[a] = pending.get(a, 0.0) + ms
+                    continue
+                layers = range(a, b)
                 weights = self._estimates_locked("fwd" if kind == "fwd" else "re", layers)
                 total = sum(weights)
                 for i, w in zip(layers, weights):
@@ -327,47 +355,80 @@ class JobClock:
     A mark is ``(kind, start, stop, t0, t1)``: ``kind`` "fwd" / "re" / "bwd" of
     layers ``start..stop-1`` between two of the worker's time points. The runtime
     appends to ``marks`` directly in its layer loop (one tuple per layer);
-    :meth:`end_job` sums a job's marks per layer range over its microbatches and
-    keeps them as per-microbatch records; :meth:`commit` gives the timer all of
-    them in one call (one lock acquisition per worker and run, not per job).
+    :meth:`end_job` adds a job's marks, per microbatch, to one sum per
+    ``(kind, start, stop)`` over the worker's whole queue; :meth:`commit` gives the
+    timer those sums in one call (one lock acquisition per worker and run, not per
+    job). Summing before the timer splits a stage's time over its layers changes
+    nothing: the split is linear and its weights hold still within an iteration.
+
+    The queue's other records wait here too, for the run to take them in one go at
+    the end of the queue: ``transfers`` (``(lane, device, name, start, end)``, host
+    wall clock, see :meth:`transfer`), ``job_times`` (``(job, device, busy ms)``) and
+    ``job_spans`` (``(job, device, start, end)``).
 
     Args:
         worker: the worker whose ``time_point`` / ``elapsed_ms`` made the marks.
     """
 
-    __slots__ = ("worker", "marks", "records")
+    __slots__ = ("worker", "marks", "sums", "_seconds", "transfers", "job_times", "job_spans")
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
+        self.transfers: list[tuple[str, int, str, float, float]] = []
+        self.job_times: list[tuple[Any, int, float]] = []
+        self.job_spans: list[tuple[Any, int, float, float]] = []
         self.marks: list[tuple[str, int, int, Any, Any]] = []
-        self.records: list[tuple[str, range, float]] = []
+        # (kind, start, stop) -> ms per microbatch, summed over the ended jobs
+        self.sums: dict[tuple[str, int, int], float] = {}
+        # time points in seconds of one host clock (the CPU backend): no call per mark
+        self._seconds = bool(getattr(worker, "time_points_are_seconds", False))
+
+    def transfer(self, lane: str, name: str, start: float) -> None:
+        """Record a transfer of ``lane`` ("upload", "activation", "gradient") that
+        started at ``start`` (``time.perf_counter()``) and ended now."""
+        self.transfers.append((lane, self.worker.index, name, start, time.perf_counter()))
 
     def span(self, kind: str, layers: range, start: Any) -> None:
         """Mark ``kind`` of ``layers`` from ``start`` (a time point) to now."""
         self.marks.append((kind, layers.start, layers.stop, start, self.worker.time_point()))
 
     def end_job(self, microbatches: int) -> float:
-        """Turn the marks of the job just run into records of ms per microbatch (so
-        calls with different microbatch counts average consistently); returns the
-        job's busy ms."""
-        sums: dict[tuple[str, int, int], float] = {}
+        """Add the marks of the job just run to the sums as ms per microbatch (so calls
+        with different microbatch counts average consistently); returns the job's busy ms."""
+        sums = self.sums
         total = 0.0
-        elapsed = self.worker.elapsed_ms
-        for kind, start, stop, a, b in self.marks:
-            ms = elapsed(a, b)
-            key = (kind, start, stop)
-            sums[key] = sums.get(key, 0.0) + ms
-            total += ms
+        if self._seconds:
+            for kind, start, stop, a, b in self.marks:
+                key = (kind, start, stop)
+                ms = (b - a) * 1000.0
+                sums[key] = sums.get(key, 0.0) + ms / microbatches
+                total += ms
+        else:
+            elapsed = self.worker.elapsed_ms
+            for kind, start, stop, a, b in self.marks:
+                key = (kind, start, stop)
+                ms = elapsed(a, b)
+                sums[key] = sums.get(key, 0.0) + ms / microbatches
+                total += ms
         self.marks.clear()
-        self.records.extend((k, range(a, b), ms / microbatches) for (k, a, b), ms in sums.items())
         return total
+
+    @property
+    def records(self) -> list[tuple[str, range, float]]:
+        """The ``(kind, layers, ms per microbatch)`` records of the ended jobs."""
+        return [(k, range(a, b), ms) for (k, a, b), ms in self.sums.items()]
 
     def commit(self, timer: Any) -> None:
         """Hand the records of every ended job to ``timer`` (a :class:`ModelTimer`, or
         anything with ``record``); nothing to a ``None`` timer."""
-        records, self.records = self.records, []
-        if timer is None or not records:
+        sums, self.sums = self.sums, {}
+        if timer is None or not sums:
             return
+        add_sums = getattr(timer, "record_sums", None)
+        if add_sums is not None:
+            add_sums(sums)
+            return
+        records = [(k, range(a, b), ms) for (k, a, b), ms in sums.items()]
         many = getattr(timer, "record_many", None)
         if many is not None:
             many(records)

@@ -7,7 +7,12 @@ gradients are downloaded once (summed over microbatches by autograd on the
 device) and handed to the accumulator of the master copies; buffers written
 by a real forward are copied back to the host module; then the device copies
 are dropped. The same code serves every backend: only ``Worker.copy_in`` /
-``copy_out`` / ``release`` differ.
+``copy_out`` / ``take_out`` / ``release`` differ.
+
+What every upload of a stage does -- which host tensors, where each lands in the
+replicas, which take gradients -- is worked out once per worker, stage and
+skeleton slot (a stage layout) and checked against the host modules once per
+call, so that a job costs its copies and little else.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -28,7 +33,9 @@ from .schedule import Job
 
 __all__ = [
     "GradSink",
-    "LayerReplica",
+    "GradSinkMany",
+    "WeightGate",
+    "batched_sink",
     "StageReplica",
     "download_grads",
     "grads_to_device",
@@ -37,6 +44,7 @@ __all__ = [
     "note_transfer",
     "release_stage",
     "to_device",
+    "to_device_pair",
     "to_host",
     "upload_job",
     "upload_stage",
@@ -45,6 +53,18 @@ __all__ = [
 
 GradSink = Callable[[torch.Tensor, torch.Tensor], None]
 """Called as ``sink(host_param, host_grad)`` for each downloaded gradient."""
+GradSinkMany = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
+"""Called as ``sink_many(host_params, host_grads)`` with a job's gradients at once."""
+
+
+def batched_sink(sink: GradSink) -> GradSinkMany | None:
+    """The one-call-per-job form of ``sink``, if it has one: a sink that is the bound
+    ``add`` of an object with ``add_many(params, grads)`` (``pipelined.GradBuffer``)."""
+    owner = getattr(sink, "__self__", None)
+    if owner is None or getattr(sink, "__name__", None) != "add":
+        return None
+    many = getattr(owner, "add_many", None)
+    return many if callable(many) else None
 
 
 @dataclass
@@ -55,38 +75,31 @@ class _Slot:
     is_param: bool
 
 
-@dataclass
-class LayerReplica:
-    """A device-resident copy of one layer."""
-
-    index: int
-    module: nn.Module
-    slots: list[_Slot]
-    # host tensor id -> device tensor (one per distinct host tensor: tied weights stay tied)
-    device_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
-    sources: dict[int, torch.Tensor] = field(default_factory=dict)
-    # (the replica's _parameters or _buffers table, name, position in sources) per slot
-    fills: list[tuple[dict[str, Any], str, int]] = field(default_factory=list)
-
-
-@dataclass
 class StageReplica:
-    """The layers of one job, uploaded to one worker; ``modules`` are the layers'
-    replicas in the job's layer order (the runtime indexes them per layer)."""
+    """The layers of one job, uploaded to one worker: ``modules`` are the layers'
+    replicas in the job's layer order (the runtime indexes them per layer),
+    ``held`` the device tensors in the replicas' slots (parameters wrapped so that
+    gradients land on them), ``param_tensors`` what the worker's uploads returned
+    (what :func:`release_stage` hands back)."""
 
-    worker: Worker
-    layers: list[LayerReplica]
-    param_tensors: list[torch.Tensor]
-    modules: list[nn.Module] = field(init=False)
+    __slots__ = ("worker", "layout", "held", "param_tensors", "modules")
 
-    def __post_init__(self) -> None:
-        self.modules = [lr.module for lr in self.layers]
+    def __init__(
+        self,
+        worker: Worker,
+        layout: _StageLayout,
+        held: list[torch.Tensor],
+        param_tensors: list[torch.Tensor],
+    ) -> None:
+        self.worker = worker
+        self.layout = layout
+        self.held = held
+        self.param_tensors = param_tensors
+        self.modules: list[nn.Module] = layout.modules
 
     def layer(self, index: int) -> nn.Module:
-        for lr in self.layers:
-            if lr.index == index:
-                return lr.module
-        raise KeyError(index)
+        """The replica of model layer ``index`` (``KeyError`` if not in this stage)."""
+        return self.modules[self.layout.position[index]]
 
 
 _SYNCED_TYPES = (bool, int, float, str, type(None))
@@ -131,20 +144,32 @@ def _signature(modules: Sequence[nn.Module]) -> tuple:
     )
 
 
-def _sync_plain_attributes(pairs: Sequence[tuple[nn.Module, nn.Module]]) -> None:
-    """A cached skeleton follows the host module's flags (``training``, dropout ``p``, ...)."""
-    for orig, rep in pairs:
-        rep_dict = rep.__dict__
-        for k, v in orig.__dict__.items():
-            if type(v) in _TABLES:
-                continue  # most of a module's __dict__; one set lookup instead of isinstance
-            if isinstance(v, _SYNCED_TYPES) and rep_dict.get(k, _MISSING) is not v:
-                rep_dict[k] = v
-
-
 _MISSING = object()
 # the types of nn.Module's own tables (parameters, buffers, submodules, hooks): never synced
 _TABLES = frozenset({dict, OrderedDict, set})
+# the attribute names of those tables
+_MODULE_TABLES = frozenset(k for k, v in nn.Module().__dict__.items() if type(v) in _TABLES)
+
+
+def _synced(tree: _Tree) -> bool:
+    """Whether ``tree``'s layer still has the structure its skeleton was built from
+    (no submodule, parameter or buffer replaced, no attribute added or removed); if
+    so, its replica now has the host's flags (``training``, dropout ``p``, ...)."""
+    for m, sig, host, size, rep, keys in tree.checks:
+        if len(host) != size or sig != (
+            tuple(map(id, m._modules.values())),
+            tuple(map(id, m._parameters.values())),
+            tuple(map(id, m._buffers.values())),
+        ):
+            return False
+        for k in keys:
+            v = host.get(k, _MISSING)
+            if rep.get(k, _MISSING) is not v:
+                if v is _MISSING:
+                    return False
+                if isinstance(v, _SYNCED_TYPES):
+                    rep[k] = v
+    return True
 
 
 class _Tree:
@@ -157,6 +182,20 @@ class _Tree:
         self.modules = list(layer.modules())
         self.signature = _signature(self.modules)
         self.pairs = list(zip(self.modules, replica.modules()))
+        # per host module, what one check reads: its tables' contents (by id), its
+        # __dict__ and its size, the replica's __dict__, and the keys of the attributes
+        # that are not tables (the flags to sync)
+        self.checks = [
+            (
+                m,
+                sig,
+                m.__dict__,
+                len(m.__dict__),
+                r.__dict__,
+                tuple(k for k in m.__dict__ if k not in _MODULE_TABLES),
+            )
+            for (m, r), sig in zip(self.pairs, self.signature)
+        ]
         self.slots = slots
         self.sources: dict[int, torch.Tensor] = {}
         self.is_param: list[bool] = []
@@ -194,13 +233,110 @@ def _skeleton_for(
     hit = cache.get(key)
     if hit is not None and epoch is not None and hit[1].epoch is epoch and hit[0] is layer:
         return hit[2], hit[1]
-    if hit is None or hit[0] is not layer or hit[1].signature != _signature(hit[1].modules):
+    if hit is None or hit[0] is not layer or not _synced(hit[1]):
         replica, slots = make_skeleton(layer)
         hit = (layer, _Tree(layer, replica, slots), replica, slots)
-        cache[key] = hit
-    _sync_plain_attributes(hit[1].pairs)
+        cache[key] = hit  # a fresh deep copy: its flags are the host's already
     hit[1].epoch = epoch
     return hit[2], hit[1]
+
+
+class _StageLayout:
+    """What every upload of one stage (its layers, in one skeleton slot) does, worked
+    out once: the replica modules, the host tensors to copy (per layer, each distinct
+    tensor of a layer once: tied weights stay tied), which of them become parameters
+    and which take gradients, and where each lands in the replicas' tables.
+
+    Rebuilt when a layer's cached skeleton is rebuilt; its flags are re-read once per
+    upload epoch (a parameter frozen between calls stops taking gradients)."""
+
+    __slots__ = (
+        "layers",
+        "trees",
+        "modules",
+        "position",
+        "chunks",
+        "sources",
+        "wrap",
+        "fills",
+        "grad_pos",
+        "buffer_pos",
+        "epoch",
+        "_is_param",
+    )
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        indices: Sequence[int],
+        skeletons: Sequence[tuple[nn.Module, _Tree]],
+    ) -> None:
+        self.layers = list(layers)
+        self.trees = [tree for _, tree in skeletons]
+        self.modules = [module for module, _ in skeletons]
+        self.position = {idx: k for k, idx in enumerate(indices)}
+        # one copy_in per layer, as a failed upload must release the layers before it
+        self.chunks = [tree.source_list for tree in self.trees]
+        self.sources: list[torch.Tensor] = [t for chunk in self.chunks for t in chunk]
+        self.fills: list[tuple[dict[str, Any], str, int]] = []
+        is_param: list[bool] = []
+        for tree in self.trees:
+            base = len(is_param)
+            is_param.extend(tree.is_param)
+            self.fills.extend((table, name, base + i) for table, name, i in tree.fills)
+        self._is_param = is_param
+        self.buffer_pos = [i for i, p in enumerate(is_param) if not p]
+        self.wrap: list[bool | None] = []
+        self.grad_pos: list[int] = []
+        self.epoch: object = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read which parameters require grad: ``wrap[i]`` is None for a buffer, else
+        the ``requires_grad`` of the parameter wrapping upload ``i``; ``grad_pos`` lists
+        the parameters whose gradients are downloaded."""
+        wrap = [src.requires_grad if p else None for src, p in zip(self.sources, self._is_param)]
+        if wrap == self.wrap:
+            return
+        self.wrap = wrap
+        self.grad_pos = [
+            i
+            for i, (src, w) in enumerate(zip(self.sources, self.wrap))
+            if w and isinstance(src, nn.Parameter)
+        ]
+
+
+# a worker's stage layouts beyond this many are dropped (re-planned stages leave old ones)
+_MAX_LAYOUTS = 4096
+
+
+def _stage_layout(
+    worker: Worker,
+    layers: Sequence[nn.Module],
+    indices: Sequence[int],
+    slot: int,
+    epoch: object,
+) -> _StageLayout:
+    """The worker's cached layout of a stage, checked against the host modules once per
+    ``epoch`` (``None``: on every upload): each layer's skeleton as
+    :func:`_skeleton_for` checks it, rebuilt if one of them was."""
+    cache: dict[tuple, _StageLayout] = worker.stage_layouts
+    key = (slot, *map(id, layers), *indices)
+    layout = cache.get(key)
+    if layout is not None and epoch is not None and layout.epoch is epoch:
+        return layout
+    skeletons = [_skeleton_for(worker, layer, slot, epoch) for layer in layers]
+    # the key's ids name these very layers: the cached layout keeps them alive; trees
+    # compare by identity (no __eq__)
+    if layout is None or layout.trees != [t for _, t in skeletons]:
+        if len(cache) >= _MAX_LAYOUTS:
+            cache.clear()
+        layout = _StageLayout(layers, indices, skeletons)
+        cache[key] = layout
+    else:
+        layout.refresh()
+    layout.epoch = epoch
+    return layout
 
 
 def upload_stage(
@@ -218,85 +354,80 @@ def upload_stage(
     (the runtime passes one per worker queue of a call: no user code runs on the host
     modules in between); a skeleton already checked and synced in it is used as is.
     The parameter and buffer tensors are copied on every upload regardless."""
-    replicas: list[LayerReplica] = []
-    all_dev: list[torch.Tensor] = []
+    layout = _stage_layout(worker, layers, indices, slot, epoch)
+    dev: list[torch.Tensor] = []
     try:
-        for idx, layer in zip(indices, layers):
-            module, tree = _skeleton_for(worker, layer, slot, epoch)
-            srcs = tree.source_list
-            dev = worker.copy_in(srcs, "param")  # every backend detaches
-            all_dev.extend(dev)
-            # Parameter wrappers replace the raw device tensors so grads land on them
-            held = [
-                _parameter(t, src.requires_grad) if p else t
-                for t, src, p in zip(dev, srcs, tree.is_param)
-            ]
-            replicas.append(
-                LayerReplica(
-                    idx, module, tree.slots, dict(zip(tree.sources, held)), tree.sources, tree.fills
-                )
-            )
-            for table, name, i in tree.fills:
-                table[name] = held[i]
+        for chunk in layout.chunks:
+            dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
+        # Parameter wrappers replace the raw device tensors so grads land on them
+        held = [t if w is None else _parameter(t, w) for t, w in zip(dev, layout.wrap)]
+        for table, name, i in layout.fills:
+            table[name] = held[i]
     except BaseException:
         # Layers uploaded before the failure would otherwise stay in the cached skeletons
         # and the ledger (device memory on CUDA) until those skeletons are next used.
-        release_stage(StageReplica(worker, replicas, all_dev))
+        release_stage(StageReplica(worker, layout, [], dev))
         raise
-    return StageReplica(worker, replicas, all_dev)
+    return StageReplica(worker, layout, held, dev)
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-    """``nn.Parameter(t, requires_grad)``; for a plain tensor what its constructor does,
-    without the constructor's checks (one per parameter of every upload)."""
+    """``t`` as an ``nn.Parameter`` with ``requires_grad``. A plain tensor that the upload
+    just made (no one else holds it) becomes the parameter itself: its class is
+    switched, which is all ``nn.Parameter``'s constructor adds to a plain tensor,
+    without making a second tensor object per parameter of every upload."""
     if type(t) is torch.Tensor:
-        return torch.Tensor._make_subclass(nn.Parameter, t, requires_grad)
+        if requires_grad:
+            t.requires_grad_(True)
+        t.__class__ = nn.Parameter
+        return t  # type: ignore[return-value]
     return nn.Parameter(t, requires_grad=requires_grad)
 
 
-def download_grads(stage: StageReplica, sink: GradSink) -> None:
-    """Download the gradients the stage accumulated and pass them to ``sink``."""
+def download_grads(
+    stage: StageReplica, sink: GradSink, sink_many: GradSinkMany | None = None
+) -> None:
+    """Download the gradients the stage accumulated and pass them to ``sink``, or all at
+    once to ``sink_many`` when given.
+
+    The device gradients are left to the host (``Worker.take_out``): the stage's
+    parameter wrappers that hold them die at :func:`release_stage`."""
+    held, sources = stage.held, stage.layout.sources
     pending_src: list[torch.Tensor] = []
     pending_dev: list[torch.Tensor] = []
-    for lr in stage.layers:
-        # both tables are built from the same sources, in the same order
-        for src, dev in zip(lr.sources.values(), lr.device_tensors.values()):
-            if isinstance(src, nn.Parameter) and src.requires_grad and dev.grad is not None:
-                pending_src.append(src)
-                pending_dev.append(dev.grad)
+    for i in stage.layout.grad_pos:
+        g = held[i].grad
+        if g is not None:
+            pending_src.append(sources[i])
+            pending_dev.append(g)
     if not pending_dev:
         return
-    host = stage.worker.copy_out(pending_dev, "download")
+    host = stage.worker.take_out(pending_dev)
+    if sink_many is not None:
+        sink_many(pending_src, host)
+        return
     for src, g in zip(pending_src, host):
         sink(src, g)
-    for lr in stage.layers:
-        for dev in lr.device_tensors.values():
-            dev.grad = None
 
 
 def write_back_buffers(stage: StageReplica) -> None:
     """Copy buffers a real forward may have written (BatchNorm statistics) back to the host."""
-    pairs = [
-        (src, lr.device_tensors[k])
-        for lr in stage.layers
-        for k, src in lr.sources.items()
-        if not isinstance(src, nn.Parameter)
-    ]
-    if not pairs:
+    pos = stage.layout.buffer_pos
+    if not pos:
         return
-    host = stage.worker.copy_out([d for _, d in pairs], "download")
+    sources, held = stage.layout.sources, stage.held
+    host = stage.worker.copy_out([held[i] for i in pos], "download")
     with torch.no_grad():
-        for (src, _), h in zip(pairs, host):
-            src.copy_(h)
+        for i, h in zip(pos, host):
+            sources[i].copy_(h)
 
 
 def release_stage(stage: StageReplica) -> None:
     """Drop the device copies of a stage; the emptied skeletons stay cached."""
     stage.worker.release(stage.param_tensors, "param")
-    for lr in stage.layers:
-        for table, name, _ in lr.fills:
-            table[name] = None
-        lr.device_tensors.clear()
+    for table, name, _ in stage.layout.fills:
+        table[name] = None
+    stage.held = []
     stage.param_tensors = []
 
 
@@ -313,6 +444,23 @@ def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
     for i, t in zip(idx, dev):
         new[i] = t
     return rebuild(new), dev
+
+
+def to_device_pair(worker: Worker, a: Any, b: Any) -> tuple[Any, Any, list[torch.Tensor]]:
+    """:func:`to_device` of two pytrees (a stage input and its label) in one copy: both
+    on the device, and the copies (to release)."""
+    if type(a) is torch.Tensor and type(b) is torch.Tensor:
+        dev = worker.copy_in([a, b], "activation")
+        return dev[0], dev[1], dev
+    leaves_a, rebuild_a = flatten(a)
+    leaves_b, rebuild_b = flatten(b)
+    leaves = leaves_a + leaves_b
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
+    for i, t in zip(idx, dev):
+        leaves[i] = t
+    n = len(leaves_a)
+    return rebuild_a(leaves[:n]), rebuild_b(leaves[n:]), dev
 
 
 def to_host(worker: Worker, value: Any) -> Any:
@@ -366,6 +514,19 @@ def note_transfer(run: Any, lane: str, worker: Worker, name: str, start: float) 
     end = time.perf_counter()
     with run._cond:
         run.transfer_spans.append((lane, worker.index, name, start, end))
+
+
+class WeightGate(Protocol):
+    """Which weight version the host copy holds (``pipelined.WeightVersions``): a
+    pipelined run's upload waits until the layers hold the version it reads."""
+
+    def ready(self, reader: Any, layers: Sequence[int]) -> bool: ...
+
+    def wait_ready(
+        self, reader: Any, layers: Sequence[int], failed: Callable[[], bool]
+    ) -> None: ...
+
+    def uploaded(self, reader: Any, layers: Sequence[int], fence: Callable[[], None]) -> None: ...
 
 
 def upload_job(

@@ -77,6 +77,9 @@ class Worker(ABC):
     """
 
     kind = "abstract"
+    #: ``time_point()`` returns seconds of one host clock, so ``elapsed_ms(a, b)`` is
+    #: ``(b - a) * 1000`` and the runtime may compute it without a call per mark.
+    time_points_are_seconds = False
 
     def __init__(self, index: int, device: torch.device) -> None:
         self.index = index
@@ -84,6 +87,8 @@ class Worker(ABC):
         self.ledger = MemoryLedger()
         # parameter-less copies of layers, reused across uploads (see transfer.py)
         self.skeletons: dict[tuple[int, int], Any] = {}
+        # per stage (layers and skeleton slot): what each of its uploads does (transfer.py)
+        self.stage_layouts: dict[tuple, Any] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._loop, name=f"roundpipe-{self.kind}-{index}", daemon=True
@@ -192,6 +197,12 @@ class Worker(ABC):
         self, tensors: Sequence[torch.Tensor], channel: str = "download"
     ) -> list[torch.Tensor]:
         """Device -> host copies, complete when this returns (ordered after compute so far)."""
+
+    def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Device -> host for tensors the device drops right after (a stage's parameter
+        gradients): host copies, complete when this returns. A backend whose device
+        memory is host memory hands the tensors themselves over."""
+        return self.copy_out(tensors, "download")
 
     def param_fence(self) -> Callable[[], None]:
         """A function that blocks until every "param" upload issued so far has read its

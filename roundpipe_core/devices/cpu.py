@@ -1,7 +1,9 @@
 """CPU backend: a thread that plays a device.
 
 It copies a stage's weights into buffers of its own ("upload"), runs the stage,
-hands gradients back ("download") and keeps a ledger of the bytes it holds.
+hands the gradients autograd accumulated back (``take_out``: they are host
+memory already, and the stage drops them) and keeps a ledger of the bytes it
+holds.
 All model code of the CPU backend runs under one process-wide lock: the CPU
 random generator is shared by all threads, so only serialised compute gives
 each (layer, microbatch) a well-defined RNG state to save and replay — and
@@ -26,6 +28,7 @@ from .base import Worker
 __all__ = ["CPUWorker", "DEFAULT_CPU_DEVICE_MEMORY_GB", "cpu_device_memory_bytes"]
 
 _CPU_COMPUTE_LOCK = threading.RLock()
+_CPU_GENERATOR = torch.default_generator
 
 #: Memory a CPU worker reports to the planner (the default model_memory_limit
 #: is 60% of it). Override with env ROUNDPIPE_CPU_DEVICE_MEMORY_GB.
@@ -66,8 +69,21 @@ def cpu_device_memory_bytes(share: int = 1) -> int:
 
 def _copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Detached copies. Activations and gradients arrive detached already, and
-    ``detach()`` costs about half a small clone, so only parameters pay for it."""
+    ``detach()`` costs about half a small clone, so only tensors that require grad pay
+    for it."""
     return [t.detach().clone() if t.requires_grad else t.clone() for t in tensors]
+
+
+def _param_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies of parameters (which require grad): made with autograd off, where
+    a clone requires no grad, instead of a ``detach()`` per tensor."""
+    if not torch.is_grad_enabled():
+        return [t.clone() for t in tensors]
+    torch._C._set_grad_enabled(False)
+    try:
+        return [t.clone() for t in tensors]
+    finally:
+        torch._C._set_grad_enabled(True)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -78,6 +94,7 @@ class CPUWorker(Worker):
     """A thread that plays a device: uploads are copies, the ledger counts their bytes."""
 
     kind = "cpu"
+    time_points_are_seconds = True
 
     #: How many CPU workers of one pool split the host's free memory (the pool sets it).
     share: int = 1
@@ -87,7 +104,7 @@ class CPUWorker(Worker):
         super().__init__(index, torch.device("cpu"))
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
-        out = _copies(tensors)
+        out = _param_copies(tensors) if channel == "param" else _copies(tensors)
         self.ledger.alloc(sum(map(_nbytes, out)), channel)
         return out
 
@@ -100,6 +117,10 @@ class CPUWorker(Worker):
     ) -> list[torch.Tensor]:
         return _copies(tensors)
 
+    def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        # host memory already, and the stage drops them: a copy would only be thrown away
+        return [t.detach() if t.requires_grad else t for t in tensors]
+
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         self.ledger.free(sum(map(_nbytes, tensors)), tag)
 
@@ -107,10 +128,10 @@ class CPUWorker(Worker):
         return _CPU_COMPUTE_LOCK
 
     def get_rng_state(self) -> Any:
-        return torch.get_rng_state()
+        return _CPU_GENERATOR.get_state()  # torch.get_rng_state(), without its wrapper
 
     def set_rng_state(self, state: Any) -> None:
-        torch.set_rng_state(state)
+        _CPU_GENERATOR.set_state(state)
 
     def time_point(self) -> Any:
         return time.perf_counter()

@@ -229,8 +229,10 @@ class CUDAWorker(Worker):
         """Enqueue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``; nothing waits.
 
         The one place copies are issued, so that the test double can run them late.
+        Autograd is off: a parameter upload's destination may already be the parameter
+        the stage computes with (a leaf that requires grad) when the feeder issues it.
         """
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), torch.no_grad():
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=non_blocking)
 
