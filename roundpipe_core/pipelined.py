@@ -5,14 +5,10 @@ weights of step k-1, so it does not have to wait for iteration k to finish:
 a device that is done with its part of iteration k can start on iteration k+1
 while other devices still run k's backward tail. Three pieces make that exact:
 
-* **Weight versions** (:class:`WeightVersions`). The host copy of the model's
-  parameters is what devices upload. Version v = the weights produced by
-  step v (0 = the initial ones). A pipelined run reads one version. The new
-  version of a parameter may be copied into the host copy (*published*) only
-  after every older-version run holding it has finished uploading it (device
-  copies are private, so the host may change after the upload), and an upload
-  of a layer waits until the version its run reads is published. Tied
-  parameters are handled per parameter: all layers holding one are waited for.
+* **Weight versions** (``versions.py``). A pipelined run reads the weights of
+  one step; a step's weights are copied into the model's host copy (published)
+  parameter by parameter once no run reading older weights still has to upload
+  it, and an upload waits until the version its run reads is published.
 * **Per-run gradient buffers** (:class:`GradBuffer`). Iteration k+1's gradients
   may arrive while step k still reads iteration k's. They collect in the run's
   own buffer and are added to the masters' ``.grad`` on the optimizer thread,
@@ -45,235 +41,12 @@ from . import batch as batching
 from .config import RoundPipeRunConfig
 from .devices.pool import PoolError
 from .layerwise import GradCompletion, run_layerwise
-from .masters import MasterWeights, copy_pairs
+from .masters import MasterWeights
 from .runtime import PipelineRun
 from .stepper import Stepper
+from .versions import PublicationGate, WeightVersions, _Reader
 
 __all__ = ["GradBuffer", "PendingResult", "PipelinedRuns", "WeightVersions", "assemble_result"]
-
-_WAIT_SLICE_S = 0.05
-
-
-class _Reader:
-    """A pipelined run as a reader of weight version ``version``: how many of its
-    jobs still have to upload each layer, and the fences of the uploads issued."""
-
-    def __init__(self, version: int, counts: dict[int, int]) -> None:
-        self.version = version
-        self.pending = counts
-        self.fences: dict[int, list[Callable[[], None]]] = {}
-
-
-class WeightVersions:
-    """Which step's weights the host copy of each trainable parameter holds, and
-    which pipelined runs still have to upload it.
-
-    Args:
-        layers: the model's layers.
-        masters: ``(name, model_param, master_param)`` of the trainable parameters.
-    """
-
-    def __init__(
-        self, layers: Sequence[nn.Module], masters: Sequence[tuple[str, nn.Parameter, nn.Parameter]]
-    ) -> None:
-        master_of = {id(p): (p, m) for _, p, m in masters}
-        self._cond = threading.Condition()
-        # per layer: the (model param, master) pairs it holds; per master: the layers holding it
-        self.layer_pairs: list[list[tuple[nn.Parameter, nn.Parameter]]] = []
-        self.holders: dict[int, list[int]] = {}
-        self._pair: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-        for i, layer in enumerate(layers):
-            pairs = []
-            for p in layer.parameters():  # deduplicated within the layer
-                if id(p) in master_of:
-                    pm = master_of[id(p)]
-                    pairs.append(pm)
-                    self.holders.setdefault(id(pm[1]), []).append(i)
-                    self._pair[id(pm[1])] = pm
-            self.layer_pairs.append(pairs)
-        self.version: dict[int, int] = {k: 0 for k in self._pair}
-        self._readers: list[_Reader] = []
-
-    # -- readers (worker threads) ----------------------------------------------------
-    def register(self, version: int, job_layers: Sequence[range]) -> _Reader:
-        """A run that reads ``version`` and uploads each of ``job_layers`` once."""
-        counts: dict[int, int] = {}
-        for r in job_layers:
-            for i in r:
-                counts[i] = counts.get(i, 0) + 1
-        reader = _Reader(version, counts)
-        with self._cond:
-            self._readers.append(reader)
-        return reader
-
-    def _ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        return all(
-            self.version[id(m)] >= reader.version for i in layers for _, m in self.layer_pairs[i]
-        )
-
-    def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        with self._cond:
-            return self._ready(reader, layers)
-
-    def wait_ready(
-        self,
-        reader: _Reader,
-        layers: Sequence[int],
-        failed: Callable[[], bool],
-        settled: Callable[[], bool] | None = None,
-    ) -> None:
-        """Block until ``layers`` hold ``reader``'s version; PoolError once ``failed()``.
-        Returns early once ``settled()``: the publication it waits for ended without
-        copying (its step's predecessor failed), so the host copy stays as it is."""
-        with self._cond:
-            while not self._ready(reader, layers):
-                if failed():
-                    raise PoolError("stopped waiting for weights to upload: the run was aborted")
-                if settled is not None and settled():
-                    return
-                self._cond.wait(_WAIT_SLICE_S)
-
-    def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
-        """``reader`` issued the upload of ``layers``; ``fence()`` blocks until it has read the host."""
-        with self._cond:
-            for i in layers:
-                reader.pending[i] -= 1
-                reader.fences.setdefault(i, []).append(fence)
-            self._cond.notify_all()
-
-    def finish(self, reader: _Reader) -> None:
-        """The run is over (done, failed or aborted): it uploads nothing more."""
-        with self._cond:
-            if reader in self._readers:
-                self._readers.remove(reader)
-            self._cond.notify_all()
-
-    # -- publication (optimizer thread) ------------------------------------------------
-    def _blocked(self, mid: int, version: int) -> bool:
-        return any(
-            r.version < version and r.pending.get(i, 0) > 0
-            for r in self._readers
-            for i in self.holders[mid]
-        )
-
-    def publish(self, version: int, failed: Callable[[], bool]) -> None:
-        """Copy the masters (holding step ``version``'s weights) into the model, each
-        parameter as soon as no older-version run has still to upload it.
-
-        Deep layers are released first (their last uploads are early backward stages);
-        a pipelined run's forward of a layer starts as soon as that layer is published.
-        """
-        todo = self.stale(version)
-        while todo:
-            with self._cond:
-                while True:
-                    if failed():
-                        raise PoolError("weight publication stopped: a pipelined iteration failed")
-                    if self.any_publishable(version, todo):
-                        break
-                    self._cond.wait(_WAIT_SLICE_S)
-            todo = self.publish_ready(version, todo)
-
-    @property
-    def cond(self) -> threading.Condition:
-        """Notified on every upload, publication and end of a run."""
-        return self._cond
-
-    def notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-    def stale(self, version: int) -> list[int]:
-        """The masters (ids) whose host copy holds a version older than ``version``."""
-        with self._cond:
-            return [k for k, v in self.version.items() if v < version]
-
-    def any_publishable(self, version: int, todo: Sequence[int]) -> bool:
-        """Whether one of ``todo`` may be published now (call with ``cond`` held)."""
-        return any(not self._blocked(k, version) for k in todo)
-
-    def publish_ready(self, version: int, todo: Sequence[int]) -> list[int]:
-        """Publish those of ``todo`` that no older-version run still has to upload (does
-        not wait for uploads); return the others."""
-        with self._cond:
-            ready = [k for k in todo if not self._blocked(k, version)]
-            if not ready:
-                return list(todo)
-            fences = [
-                f
-                for r in self._readers
-                if r.version < version
-                for k in ready
-                for i in self.holders[k]
-                for f in r.fences.get(i, [])
-            ]
-        for fence in fences:  # async (CUDA) uploads must have read the host copy
-            fence()
-        # shallow layers first, each usable as soon as it is copied: the next
-        # iteration's first forward waits for its own layer only, not for the copy
-        # of the whole model
-        ready.sort(key=lambda k: self.holders[k][0])
-        start = 0
-        while start < len(ready):
-            # a layer's parameters, then one wake-up of the workers waiting for that
-            # layer (a wake-up per tensor costs every waiting worker a lock round each)
-            layer = self.holders[ready[start]][0]
-            end = start
-            while end < len(ready) and self.holders[ready[end]][0] == layer:
-                end += 1
-            keys = ready[start:end]
-            # a shared master already is the weight: the step wrote it
-            copy_pairs([pm for pm in (self._pair[k] for k in keys) if pm[0] is not pm[1]])
-            with self._cond:
-                for k in keys:
-                    self.version[k] = version
-                self._cond.notify_all()
-            start = end
-        done = set(ready)
-        return [k for k in todo if k not in done]
-
-    def set_all(self, version: int) -> None:
-        """The host copy was overwritten with the masters (``synchronize()``)."""
-        with self._cond:
-            for k in self.version:
-                self.version[k] = version
-            self._cond.notify_all()
-
-    @property
-    def active(self) -> int:
-        with self._cond:
-            return len(self._readers)
-
-
-class _PublicationGate:
-    """:class:`WeightVersions` as a blocking call reads them while the optimizer thread
-    still copies a step's weights into the model (``publication``, the queued work that
-    does it): an upload waits for its own layers only. A failure of the pipelined path
-    stops the wait (the blocking run is not among the runs a failure aborts); a
-    publication that ended without copying lets the call read the weights the model
-    holds, the last completed step's."""
-
-    def __init__(self, versions: WeightVersions, stepper: Stepper, publication: Future) -> None:
-        self._versions = versions
-        self._stepper = stepper
-        self._publication = publication
-
-    def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        return self._versions.ready(reader, layers) or self._publication.done()
-
-    def wait_ready(
-        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]
-    ) -> None:
-        stepper = self._stepper
-        self._versions.wait_ready(
-            reader,
-            layers,
-            lambda: failed() or stepper.failure is not None,
-            settled=self._publication.done,
-        )
-
-    def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
-        self._versions.uploaded(reader, layers, fence)
 
 
 class GradBuffer:
@@ -572,7 +345,7 @@ class PipelinedRuns:
 
     def gate_for_blocking_call(
         self, job_layers: Sequence[range]
-    ) -> tuple[_PublicationGate, _Reader] | None:
+    ) -> tuple[PublicationGate, _Reader] | None:
         """A blocking call issued while the optimizer thread still copies a step's weights
         into the model (an asynchronous ``step()`` queued that copy ahead of its update):
         the gate and reader its uploads wait on, layer by layer, for the version the call
@@ -582,7 +355,7 @@ class PipelinedRuns:
             self.raise_failure()  # a failed publication left the model behind: say so
             return None
         reader = self.versions.register(self.target_version, job_layers)
-        return _PublicationGate(self.versions, self.stepper, publication), reader
+        return PublicationGate(self.versions, self.stepper, publication), reader
 
     def defer_step(self, step_fn: Callable[[], Any]) -> None:
         """Queue, on the optimizer thread: publish the last step's weights (as the blocking

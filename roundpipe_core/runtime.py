@@ -466,7 +466,7 @@ def _backward_microbatch(
     if type(value) is torch.Tensor and len(grads_out) == 1 and grads_out[0] is not None:
         # the common stage: one tensor in, its one gradient -- one copy of both
         held = worker.copy_in([value, grads_out[0]], "activation")
-        x_in, g_dev = held[0], held[1:]
+        x_in, g_dev = held[0], list[torch.Tensor | None](held[1:])
     else:
         x_in, held = to_device(worker, value)
         g_dev, held_g = grads_to_device(worker, grads_out)
