@@ -153,6 +153,7 @@ class DeferredTimer:
     def __init__(self) -> None:
         self._records: list[tuple[tuple, dict]] = []
         self._many: list[tuple[list, int]] = []  # record_many batches, replayed as such
+        self._sums: list[dict] = []  # a worker clock's per-(kind, layers) sums
         self._lock = threading.Lock()
 
     def record(self, *args: Any, **kwargs: Any) -> None:
@@ -163,14 +164,21 @@ class DeferredTimer:
         with self._lock:
             self._many.append((list(records), microbatches))
 
+    def record_sums(self, sums: dict[tuple[str, int, int], float]) -> None:
+        with self._lock:
+            self._sums.append(dict(sums))
+
     def replay(self, timer: Any) -> None:
         with self._lock:
             records, self._records = self._records, []
             many, self._many = self._many, []
+            sums, self._sums = self._sums, []
         for args, kwargs in records:
             timer.record(*args, **kwargs)
         for batch, microbatches in many:
             timer.record_many(batch, microbatches)
+        for s in sums:
+            timer.record_sums(s)
 
 
 class PendingResult:

@@ -265,8 +265,9 @@ class ModelTimer:
         n = self.num_layers
         for (kind, a, b), ms in sums.items():
             if kind not in KINDS or not 0 <= a < b <= n or not 0 <= ms < _INF:
-                # the checks of record_many name what is wrong
+                # the checks of record_many name what is wrong (and record all if none is)
                 self.record_many([(k, range(s, e), v) for (k, s, e), v in sums.items()])
+                return
         with self._lock:
             tables = self._pending
             for (kind, a, b), ms in sums.items():

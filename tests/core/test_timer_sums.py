@@ -62,3 +62,24 @@ def test_a_clock_sums_its_jobs_per_microbatch_and_commits_once() -> None:
         clock.commit(timer)
         timer.end_iteration()
     assert timer.fwd_ms[0] == pytest.approx(3.0 + 1.0)  # per microbatch, summed over jobs
+
+
+def test_a_pipelined_run_defers_the_sums_and_replays_them_as_given() -> None:
+    """A non-blocking run's worker clocks commit into its DeferredTimer; replayed at the
+    end of the run, the sums land in the model timer as a blocking run's would."""
+    from roundpipe_core.pipelined import DeferredTimer
+
+    sums = {("fwd", 0, 1): 2.0, ("bwd", 0, 3): 9.0, ("re", 1, 3): 4.0}
+    direct, replayed = ModelTimer(_layers()), ModelTimer(_layers())
+    deferred = DeferredTimer()
+    clock = JobClock(None)  # type: ignore[arg-type]  # no marks to convert: no worker needed
+    for _ in range(3):  # the timer counts a layer as measured after its warm-up
+        clock.sums = dict(sums)
+        clock.commit(deferred)
+        assert replayed.state_dict() == direct.state_dict()  # nothing lands before replay
+        deferred.replay(replayed)
+        direct.record_sums(sums)
+        direct.end_iteration()
+        replayed.end_iteration()
+    assert direct.state_dict() == replayed.state_dict()
+    assert replayed.has_measurements("bwd")
