@@ -90,7 +90,7 @@ def test_async_step_is_one_step_stale(copy_held_back):
         if copy_held_back:  # the optimizer thread is busy until the timer fires
             release = threading.Event()
             rp._stepper._thread.submit(release.wait, 10.0)
-            threading.Timer(0.3, release.set).start()
+            threading.Timer(0.5, release.set).start()
         rp.step(lambda: (opt.step(), opt.zero_grad()))
         if copy_held_back:  # w1 cannot be in the model yet
             assert not rp._stepper.pending().done()
