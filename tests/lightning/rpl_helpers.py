@@ -3,7 +3,9 @@ train through RoundPipe or plainly, its data, Trainer factories and comparisons.
 
 from __future__ import annotations
 
+import copy
 import threading
+import time
 from typing import Any
 
 import lightning as L
@@ -295,3 +297,54 @@ class FailsAtThirdStep(SeqModule):
 
         opt.step = step
         return opt
+
+
+# -- the stale-1 rule under a per-step schedule (async step and overlapped iterations) --
+LR_FACTORS = [1.0, 0.1, 2.0, 0.5, 3.0, 0.2, 1.5]
+
+
+def lr_lambda(step: int) -> float:
+    return LR_FACTORS[step % len(LR_FACTORS)]
+
+
+def slow_start(optimizer: Any, args: Any, kwargs: Any) -> None:
+    # the queued step starts only after Lightning has stepped the scheduler on the main
+    # thread: a step that read the live param_groups would get the next step's lr
+    time.sleep(0.02)
+
+
+def scheduled_sgd(params: Any, slow: bool = True) -> dict[str, Any]:
+    """``configure_optimizers``' answer: SGD with momentum (sensitive to the gradient's
+    scale) and a per-step LambdaLR; ``slow``: a step pre-hook that delays the step."""
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if slow:
+        opt.register_step_pre_hook(slow_start)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+
+def stale_one_reference(
+    batches: list[Any], steps: int, acc: int = 1, clip: float | None = None
+) -> dict[str, torch.Tensor]:
+    """Plain PyTorch with RoundPipe's documented async semantics: window k's gradient
+    (the mean over its ``acc`` batches) is taken at the weights before step k-1 (one
+    step stale), clipped to ``clip``, then step k runs with the lr the scheduler gives
+    step k (:func:`scheduled_sgd`)."""
+    net = build_net(0)
+    compute = copy.deepcopy(net)
+    conf = scheduled_sgd(net.parameters(), slow=False)
+    opt, sch = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    for k in range(steps):
+        compute.zero_grad()
+        for x, y in batches[k * acc : (k + 1) * acc]:
+            (((compute(x) - y) ** 2).sum() / BATCH / acc).backward()
+        for p, q in zip(net.parameters(), compute.parameters()):
+            p.grad = q.grad.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        before = copy.deepcopy(net.state_dict())
+        opt.step()
+        opt.zero_grad()
+        sch.step()
+        compute.load_state_dict(before)
+    return {f"net.{n}": p.detach().clone() for n, p in net.named_parameters()}

@@ -5,7 +5,6 @@ step behind, and a failed step is not counted."""
 from __future__ import annotations
 
 import copy
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,60 +13,23 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from rpl_helpers import (
-    BATCH,
     FailsAtThirdStep,
     SeqModule,
-    build_net,
     loader,
     max_rel_err,
     params_of,
     rp_trainer,
+    scheduled_sgd,
+    stale_one_reference,
 )
 
 TOL = 1e-5
 STEPS = 5
-LR_FACTORS = [1.0, 0.1, 2.0, 0.5, 3.0, 0.2, 1.5]
-
-
-def lr_lambda(step: int) -> float:
-    return LR_FACTORS[step % len(LR_FACTORS)]
-
-
-def slow_start(optimizer, args, kwargs) -> None:
-    # the queued step starts only after Lightning has stepped the scheduler on the main
-    # thread: a step that read the live param_groups would get the next step's lr
-    time.sleep(0.02)
 
 
 class PerStepSchedule(SeqModule):
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        opt.register_step_pre_hook(slow_start)
-        sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
-
-
-def stale_one_reference(steps: int) -> dict[str, torch.Tensor]:
-    """Plain PyTorch with RoundPipe's documented async semantics: the gradient of
-    iteration k is taken at the weights after step k-2, and step k uses the learning
-    rate the scheduler gives step k."""
-    net = build_net(0)
-    compute = copy.deepcopy(net)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    for k, (x, y) in enumerate(loader()):
-        if k == steps:
-            break
-        compute.zero_grad()
-        (((compute(x) - y) ** 2).sum() / BATCH).backward()
-        for p, q in zip(net.parameters(), compute.parameters()):
-            p.grad = q.grad.clone()
-        before = copy.deepcopy(net.state_dict())
-        opt.step()
-        opt.zero_grad()
-        sch.step()
-        compute.load_state_dict(before)
-    return {f"net.{n}": p.detach().clone() for n, p in net.named_parameters()}
+        return scheduled_sgd(self.parameters())
 
 
 def test_queued_step_uses_its_own_learning_rate() -> None:
@@ -78,7 +40,7 @@ def test_queued_step_uses_its_own_learning_rate() -> None:
         runs.append(params_of(m))
     for name in runs[0]:
         assert torch.equal(runs[0][name], runs[1][name]), f"{name}: seeded runs differ"
-    assert max_rel_err(runs[0], stale_one_reference(STEPS)) <= TOL
+    assert max_rel_err(runs[0], stale_one_reference(list(loader())[:STEPS], STEPS)) <= TOL
 
 
 class WeightReader(L.Callback):

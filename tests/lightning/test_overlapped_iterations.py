@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,16 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-from rpl_helpers import BATCH, SeqModule, build_net, loader, max_rel_err, params_of, rp_trainer
+from rpl_helpers import (
+    BATCH,
+    SeqModule,
+    loader,
+    max_rel_err,
+    params_of,
+    rp_trainer,
+    scheduled_sgd,
+    stale_one_reference,
+)
 from torch import nn
 
 from roundpipe_lightning._step import LazyLoss, QueuedStep
@@ -21,16 +29,6 @@ from roundpipe_lightning._step import LazyLoss, QueuedStep
 ACC = 2
 STEPS = 10
 N = 2 * ACC * STEPS * BATCH // 2  # one epoch of STEPS windows
-LR_FACTORS = [1.0, 0.1, 2.0, 0.5, 3.0, 0.2, 1.5]
-
-
-def lr_lambda(step: int) -> float:
-    return LR_FACTORS[step % len(LR_FACTORS)]
-
-
-def slow_start(optimizer: Any, args: Any, kwargs: Any) -> None:
-    # the queued step starts after Lightning stepped the scheduler on the main thread
-    time.sleep(0.01)
 
 
 class Scheduled(SeqModule):
@@ -49,35 +47,12 @@ class Scheduled(SeqModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        opt.register_step_pre_hook(slow_start)
-        sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+        return scheduled_sgd(self.parameters())
 
 
-def stale_one_reference(clip: float | None = None) -> dict[str, torch.Tensor]:
-    """Plain PyTorch: window k's gradient (the mean over its ACC batches) is taken at
-    the weights before step k-1 (one step stale), clipped, then step k runs with the lr
-    the scheduler gives step k."""
-    net = build_net(0)
-    compute = copy.deepcopy(net)
-    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    batches = list(loader(N))
-    for k in range(STEPS):
-        compute.zero_grad()
-        for x, y in batches[k * ACC : (k + 1) * ACC]:
-            (((compute(x) - y) ** 2).sum() / BATCH / ACC).backward()
-        for p, q in zip(net.parameters(), compute.parameters()):
-            p.grad = q.grad.clone()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
-        before = copy.deepcopy(net.state_dict())
-        opt.step()
-        opt.zero_grad()
-        sch.step()
-        compute.load_state_dict(before)
-    return {f"net.{n}": p.detach().clone() for n, p in net.named_parameters()}
+def reference(clip: float | None = None) -> dict[str, torch.Tensor]:
+    """The stale-1 rule over this file's windows of ACC batches."""
+    return stale_one_reference(list(loader(N)), STEPS, ACC, clip)
 
 
 def fit(
@@ -97,7 +72,7 @@ def fit(
 
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_overlapped_training_is_the_stale_one_rule(clip: float | None) -> None:
-    ref = stale_one_reference(clip)
+    ref = reference(clip)
     over, plain = fit(True, clip), fit(False, clip)
     assert max_rel_err(params_of(over), ref) <= 1e-6
     assert max_rel_err(params_of(plain), ref) <= 1e-6
@@ -112,9 +87,7 @@ class Unhooked(Scheduled):
     """Scheduled without the step hook: the queued step may run layer by layer."""
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        sch = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+        return scheduled_sgd(self.parameters(), slow=False)
 
 
 def test_layerwise_step_keeps_the_stale_one_rule(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,7 +102,7 @@ def test_layerwise_step_keeps_the_stale_one_rule(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(QueuedStep, "run", recording)
     m = fit(True, module=Unhooked())
-    assert max_rel_err(params_of(m), stale_one_reference()) <= 1e-6
+    assert max_rel_err(params_of(m), reference()) <= 1e-6
     n_params = len(list(m.parameters()))
     assert None not in parts[1:], parts  # every overlapped window stepped layer-wise
     assert sum(p or n_params for p in parts) == STEPS * n_params
