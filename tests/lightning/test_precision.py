@@ -11,7 +11,6 @@ from rpl_helpers import SeqModule, loader, max_rel_err, params_of, plain_trainer
 from torch import nn
 
 from roundpipe_core.amp import GradScaler
-from roundpipe_lightning import RoundPipeStrategy
 from roundpipe_lightning.precision import AmpLossScaler, DynamicLossScaler, RoundPipePrecision
 
 
@@ -88,30 +87,15 @@ def test_16_mixed_scales_losses_and_matches_lightning() -> None:
     SEEN_DTYPES.clear()
     cap = Capture()
     m = ProbedModule()
-    L.Trainer(
-        strategy=RoundPipeStrategy(num_microbatch=3, async_step=False),
-        accelerator="cpu",
-        devices=2,
+    rp_trainer(
+        async_step=False,
         plugins=[_mixed16()],
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[cap],
     ).fit(m, loader())
     assert set(SEEN_DTYPES) == {torch.float16}
     ref = ProbedModule(mode="plain")
-    ref_trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        plugins=[_mixed16()],
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    ref_trainer = plain_trainer(plugins=[_mixed16()], max_steps=4)
     ref_trainer.fit(ref, loader())
     # at 2**16 the fp16 activation gradients overflow at first: both runs skip and back off alike
     assert cap.scaler.scale == ref_trainer.precision_plugin.scaler.get_scale() < 2.0**16
@@ -137,16 +121,10 @@ def test_16_mixed_skips_overflowing_step() -> None:
     dl.dataset.tensors[1][12:18] = 1e30  # batch 2: the loss overflows fp32 -> inf gradients
     rec, cap = StepRecorder(), Capture()
     m = SeqModule()
-    L.Trainer(
-        strategy=RoundPipeStrategy(num_microbatch=3, async_step=True),
-        accelerator="cpu",
-        devices=2,
+    rp_trainer(
+        async_step=True,
         plugins=[_mixed16(init_scale=256.0)],
         max_steps=5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[rec, cap],
     ).fit(m, dl)
     assert cap.scaler.skipped_steps == 1
@@ -168,16 +146,10 @@ def test_strategy_runs_its_own_precision_plugin() -> None:
 def test_a_given_roundpipe_precision_and_scaler_are_used() -> None:
     scaler = DynamicLossScaler(init_scale=256.0, growth_interval=2)
     cap = Capture()
-    L.Trainer(
-        strategy=RoundPipeStrategy(num_microbatch=3, async_step=False),
-        accelerator="cpu",
-        devices=2,
+    rp_trainer(
+        async_step=False,
         plugins=[RoundPipePrecision("16-mixed", scaler=scaler)],
         max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[cap],
     ).fit(SeqModule(), loader())
     assert cap.scaler is scaler
