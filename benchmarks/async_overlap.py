@@ -55,7 +55,7 @@ from _interleave import Timing, format_table, interleave
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.layerwise import step_subset
+from roundpipe_core.stepping.layerwise import step_subset
 
 
 def build(width: int, layers: int) -> nn.Sequential:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.schedule import build_schedule
+from roundpipe_core.planning.schedule import build_schedule
 
 WIDTH = 8
 ROWS_PER_MICROBATCH = 2

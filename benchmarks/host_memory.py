@@ -144,7 +144,7 @@ def child_core(width: int, blocks: int, dtype: str, steps: int) -> dict[str, Any
     import torch
 
     from roundpipe_core import OptimizerCtx, RoundPipe
-    from roundpipe_core.host_memory import estimate_host_memory
+    from roundpipe_core.running.host_memory import estimate_host_memory
 
     base = _rss()
     _reset_peak()
@@ -204,7 +204,7 @@ def child_lightning_train(width: int, blocks: int, variant: str, steps: int) -> 
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    from roundpipe_core.host_memory import estimate_host_memory
+    from roundpipe_core.running.host_memory import estimate_host_memory
     from roundpipe_lightning import RoundPipeStrategy
 
     Lit = _lit_class(width, blocks, plain=variant == "plain")

@@ -68,11 +68,16 @@ import sys
 import time
 from dataclasses import dataclass
 
-from roundpipe_core.partition import min_max_partition
-from roundpipe_core.plan import ModelExecutePlan
-from roundpipe_core.planner import plan_cost, search_plans
-from roundpipe_core.profile import LayerProfile
-from roundpipe_core.simulate import balanced_stages, makespan_ms, simulate, simulate_bound_stages
+from roundpipe_core.planning.partition import min_max_partition
+from roundpipe_core.planning.plan import ModelExecutePlan
+from roundpipe_core.planning.planner import plan_cost, search_plans
+from roundpipe_core.planning.profile import LayerProfile
+from roundpipe_core.planning.simulate import (
+    balanced_stages,
+    makespan_ms,
+    simulate,
+    simulate_bound_stages,
+)
 
 GB = 1024**3
 

@@ -72,7 +72,7 @@ from _interleave import Timing
 from torch import nn
 
 from roundpipe_core import RoundPipe, RoundPipeRunConfig
-from roundpipe_core.pipelined import GradBuffer
+from roundpipe_core.stepping.pipelined import GradBuffer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BASE = "torch fused AdamW"

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from roundpipe_core import OptimizerCtx, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.trace import write_trace
+from roundpipe_core.running.trace import write_trace
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,10 +10,10 @@ from .batch import RoundPipePackedData
 from .config import RoundPipeRunConfig
 from .context import doing_recompute, get_recompute_data, save_for_recompute
 from .model import OptimizerCtx, RoundPipe
-from .pipelined import PendingResult
-from .plan import AutoPlanner, ModelExecutePlan
-from .planner import auto as _auto_planner
+from .planning.plan import AutoPlanner, ModelExecutePlan
+from .planning.planner import auto as _auto_planner
 from .presets import wrap_model_to_roundpipe
+from .stepping.pipelined import PendingResult
 
 # The planner sits above plan.py (it runs the simulator, which reads plans), so the
 # package, not plan.py, connects the published spelling ModelExecutePlan.auto to it.

@@ -20,10 +20,10 @@ import torch
 from . import batch as batching
 from .config import RoundPipeRunConfig
 from .kinds import RunType
-from .pipelined import to_output_device
-from .plan import ModelExecutePlan
-from .runtime import PipelineRun
-from .schedule import Job, build_schedule
+from .planning.plan import ModelExecutePlan
+from .planning.schedule import Job, build_schedule
+from .running.runtime import PipelineRun
+from .stepping.pipelined import to_output_device
 
 __all__ = ["AutogradForward", "PipelineOps"]
 

@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from .checks import check_not_compiled_in_place
-from .devices import memory
-from .devices.pool import DevicePool
 from .kinds import PinMode, parse_kind
-from .masters import MasterWeights
-from .pipelined import GradBuffer, PipelinedRuns
-from .schedule import Job
-from .stepper import ClosedError, Stepper
-from .trace import SpanRecorder, chrome_trace, spans_from_roundpipe
+from .planning.schedule import Job
+from .running.devices import memory
+from .running.devices.pool import DevicePool
+from .running.trace import SpanRecorder, chrome_trace, spans_from_roundpipe
+from .stepping.masters import MasterWeights
+from .stepping.pipelined import GradBuffer, PipelinedRuns
+from .stepping.stepper import ClosedError, Stepper
 
 __all__ = ["OptimizerCtx", "RoundPipeBase"]
 
@@ -433,8 +433,8 @@ class RoundPipeBase(nn.Module):
         """``step()``, taken parameter by parameter as their gradients complete.
 
         ``step_params(masters)`` must update exactly the given masters from their
-        ``.grad`` -- e.g. :func:`roundpipe_core.layerwise.step_subset` of an Adam or SGD
-        (:func:`roundpipe_core.layerwise.steps_elementwise` says which optimizers give
+        ``.grad`` -- e.g. :func:`roundpipe_core.stepping.layerwise.step_subset` of an Adam or SGD
+        (:func:`roundpipe_core.stepping.layerwise.steps_elementwise` says which optimizers give
         the same result stepped in parts) -- and ``finish()`` runs once all are
         stepped (e.g. ``zero_grad``). After non-blocking calls whose gradients are not
         complete yet, the optimizer thread steps the deepest layers while the backward
@@ -474,7 +474,7 @@ class RoundPipeBase(nn.Module):
         trace-event object: a row per device with its jobs' compute spans, rows under it
         for parameter uploads, activation and gradient transfers, and an ``optimizer`` row
         with the ``step()`` calls that ran during or after the call. Save it with
-        :func:`roundpipe_core.trace.write_trace` and open it in Perfetto.
+        :func:`roundpipe_core.running.trace.write_trace` and open it in Perfetto.
         """
         return chrome_trace(spans_from_roundpipe(self))
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import batch as batching
-from .profile import check_plan_fits, measure_activation_bytes, scale_activation_bytes
+from .planning.profile import check_plan_fits, measure_activation_bytes, scale_activation_bytes
 
 __all__ = [
     "ForwardRuleChecker",

@@ -16,7 +16,7 @@ import torch
 
 from .batch import check_run_specs
 from .kinds import RecomputeGrain, parse_kind
-from .plan import ModelExecutePlan
+from .planning.plan import ModelExecutePlan
 
 __all__ = [
     "RoundPipeRunConfig",

@@ -30,19 +30,19 @@ from .base import OptimizerCtx, RoundPipeBase
 from .checks import ForwardRuleChecker, PlanFitChecker, check_not_compiled_in_place
 from .config import RoundPipeRunConfig, batch_extent, check_run_config, default_loss_fn
 from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
-from .layerwise import GradCompletion
-from .pipelined import (
+from .plan_choice import PlanChoice
+from .planning.plan import ModelExecutePlan
+from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
+from .running.runtime import PipelineRun, run_queue
+from .running.timer import ModelTimer
+from .stepping.layerwise import GradCompletion
+from .stepping.pipelined import (
     DeferredTimer,
     GradBuffer,
     PendingResult,
     assemble_result,
     to_output_device,
 )
-from .plan import ModelExecutePlan
-from .plan_choice import PlanChoice
-from .runtime import PipelineRun, run_queue
-from .schedule import Job, boundary_layers, build_schedule, jobs_by_device
-from .timer import ModelTimer
 
 __all__ = [
     "OptimizerCtx",
@@ -161,7 +161,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
 
     def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> batching.SplitInputs:
         return batching.split_call_inputs(
-            cfg.split_input, args, kwargs, cfg.num_microbatch or self.num_devices + 1
+            cfg.split_input, args, kwargs, self.num_microbatch_for(cfg.num_microbatch)
         )
 
     @staticmethod

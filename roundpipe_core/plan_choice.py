@@ -12,12 +12,12 @@ from __future__ import annotations
 from . import batch as batching
 from .checks import PlanFitChecker
 from .config import RoundPipeRunConfig
-from .devices.pool import DevicePool
 from .kinds import RunType, parse_kind
-from .plan import ModelExecutePlan
-from .planner import predicted_speedup
-from .profile import profile_of
-from .timer import ModelTimer
+from .planning.plan import ModelExecutePlan, default_num_microbatch
+from .planning.planner import predicted_speedup
+from .planning.profile import profile_of
+from .running.devices.pool import DevicePool
+from .running.timer import ModelTimer
 
 __all__ = ["PlanChoice"]
 
@@ -105,7 +105,7 @@ class PlanChoice:
         (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them).
         A plan the user chose is checked against the smallest device's memory."""
         n = len(split.parts)
-        asked = cfg.num_microbatch or self.num_devices + 1
+        asked = self.num_microbatch_for(cfg.num_microbatch)
         plan = self._resolve_plan(run_type, run_config, n if n < asked else None)
         plan.check_valid(self.num_layers, run_type, self.num_devices)
         manual = (
@@ -131,6 +131,16 @@ class PlanChoice:
     def layer_activation_bytes(self, value: list[float] | None) -> None:
         self._plan_fits.set_activation_bytes(value)
 
+    def num_microbatch_for(self, num_microbatch: int | None = None) -> int:
+        """Microbatches a call runs: ``num_microbatch`` if given, else the model's
+        ``model_run_config.num_microbatch``, else the default for this pool
+        (:func:`~roundpipe_core.planning.plan.default_num_microbatch`)."""
+        return (
+            num_microbatch
+            or self.model_run_config.num_microbatch
+            or default_num_microbatch(self.num_devices)
+        )
+
     def default_plan(
         self, run_type: RunType | str, num_microbatch: int | None = None
     ) -> ModelExecutePlan:
@@ -142,7 +152,7 @@ class PlanChoice:
         ``DEFAULT_REPLAN_MIN_GAIN`` faster. ``AutoReplan`` re-plans on demand.
         """
         rt = parse_kind(RunType, run_type, "run_type")
-        m = num_microbatch or self.num_devices + 1
+        m = self.num_microbatch_for(num_microbatch)
         settled = self.model_timer.measured_iterations() >= self.DEFAULT_REPLAN_AFTER
         key = (rt, m)
         cached = self._default_plans.get(key)

@@ -45,10 +45,10 @@ from torch import nn
 
 from . import batch as batching
 from .context import current_microbatch, doing_recompute
-from .devices.pool import DevicePool
-from .layout import parse_layout
 from .model import RoundPipe, RoundPipeRunConfig
-from .plan import ModelExecutePlan
+from .planning.layout import parse_layout
+from .planning.plan import ModelExecutePlan, default_num_microbatch
+from .running.devices.pool import DevicePool
 
 PlanSpec = ModelExecutePlan | str | Sequence[Any]
 
@@ -416,7 +416,7 @@ def _compare(
 ) -> VerifyReport:
     num_devices = len(pool)
     # The pipeline's microbatch split, reproduced for the reference loss.
-    m = num_microbatch or num_devices + 1
+    m = num_microbatch or default_num_microbatch(num_devices)
     bs = batching.batch_size_of((inputs, {}))
     sizes = batching.split_sizes(bs, m)
     out = ref_model(*inputs)

@@ -15,12 +15,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from roundpipe_core import RoundPipe
-from roundpipe_core.host_memory import (
+from roundpipe_core.optim import fastest_impl, use_fastest_
+from roundpipe_core.running.host_memory import (
     HostMemoryBudget,
     UnknownOptimizerError,
     estimate_host_memory,
 )
-from roundpipe_core.optim import fastest_impl, use_fastest_
 
 __all__ = [
     "parse_dtype",

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 
-from roundpipe_core.layerwise import step_subset, steps_elementwise
+from roundpipe_core.stepping.layerwise import step_subset, steps_elementwise
 
 __all__ = [
     "QueuedStep",

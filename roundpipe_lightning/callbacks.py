@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan
-from roundpipe_core.planner import predicted_speedup
-from roundpipe_core.simulate import simulate
-from roundpipe_core.trace import (
+from roundpipe_core.planning.planner import predicted_speedup
+from roundpipe_core.planning.simulate import simulate
+from roundpipe_core.running.trace import (
     side_by_side_trace,
     spans_from_roundpipe,
     spans_from_simulation,
@@ -25,13 +24,12 @@ from roundpipe_core.trace import (
 )
 
 from .plans import _one_plan, describe_plan
+from .strategy import RoundPipeStrategy
 
-__all__ = ["AutoReplan", "StageTimeLogger", "FlushWeights"]
+__all__ = ["AutoReplan", "StageTimeLogger"]
 
 
 def _roundpipe_of(trainer: Trainer, who: str) -> Any:
-    from .strategy import RoundPipeStrategy
-
     strategy = trainer.strategy
     if not isinstance(strategy, RoundPipeStrategy):
         raise TypeError(
@@ -42,31 +40,11 @@ def _roundpipe_of(trainer: Trainer, who: str) -> Any:
 
 
 def _check_strategy(trainer: Trainer, who: str) -> None:
-    from .strategy import RoundPipeStrategy
-
     if not isinstance(trainer.strategy, RoundPipeStrategy):
         raise TypeError(
             f"{who} needs Trainer(strategy=RoundPipeStrategy(...)); this Trainer uses "
             f"{type(trainer.strategy).__name__}"
         )
-
-
-def _plan_to_state(plan: ModelExecutePlan) -> dict[str, Any]:
-    return {
-        "fwd": [[r.start, r.stop] for r in plan.fwd_plan],
-        "bwd": [[r.start, r.stop] for r in plan.bwd_plan],
-        "fwd_owners": plan.fwd_owners,
-        "bwd_owners": plan.bwd_owners,
-    }
-
-
-def _plan_from_state(state: dict[str, Any]) -> ModelExecutePlan:
-    return ModelExecutePlan(
-        [range(a, b) for a, b in state["fwd"]],
-        [range(a, b) for a, b in state["bwd"]],
-        state.get("fwd_owners"),
-        state.get("bwd_owners"),
-    )
 
 
 class AutoReplan(Callback):
@@ -165,11 +143,7 @@ class AutoReplan(Callback):
         """Plan from the timer now, install and log the plan; returns it."""
         old = rp.plan_for(self.run_type)
         candidate = _one_plan(ModelExecutePlan.auto(self.run_type, rp, **self.auto_kwargs))
-        m = (
-            self.auto_kwargs.get("num_microbatch")
-            or rp.model_run_config.num_microbatch
-            or rp.num_devices + 1
-        )
+        m = rp.num_microbatch_for(self.auto_kwargs.get("num_microbatch"))
         gain = predicted_speedup(old, candidate, rp, self.run_type, rp.num_devices, m)
         self.last_predicted_gain = gain
         changed = candidate != old and gain >= 1.0 + self.min_gain
@@ -206,7 +180,7 @@ class AutoReplan(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "plan": _plan_to_state(self.plan) if self.plan is not None else None,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
             "last_replan_step": self.last_replan_step,
             "run_type": self.run_type,
         }
@@ -216,7 +190,7 @@ class AutoReplan(Callback):
         if state_dict.get("run_type", self.run_type) != self.run_type:
             return  # a plan for another kind of call
         plan = state_dict.get("plan")
-        self.plan = _plan_from_state(plan) if plan is not None else None
+        self.plan = ModelExecutePlan.from_dict(plan) if plan is not None else None
         self.last_replan_step = state_dict.get("last_replan_step")
 
 
@@ -237,7 +211,7 @@ class StageTimeLogger(Callback):
     * ``call_ms``: the call's wall time (``RoundPipe.last_call_ms``);
     * ``bubble_ratio``: ``1 - sum(busy) / (call_ms x devices)``;
     * ``sim_iteration_ms`` / ``sim_bubble_ratio``: one iteration of the same plan
-      simulated with the timer's per-microbatch estimates (``roundpipe_core.simulate``),
+      simulated with the timer's per-microbatch estimates (``roundpipe_core.planning.simulate``),
       on the scale of ``call_ms``: a simulated time far below the measured one means
       time goes to something the estimates do not hold (transfers, launch overhead,
       a loaded host);
@@ -414,42 +388,3 @@ def _lightning_log_step(trainer: Trainer) -> int:
     if isinstance(step, int) and not isinstance(step, bool):
         return step
     return trainer.global_step - 1  # one optimizer: the same count
-
-
-class FlushWeights(Callback):
-    """Calls ``flush`` (the strategy's: finish the queued optimizer step and copy its
-    weights into the module) before each hook where users read weights.
-
-    RoundPipeStrategy with ``async_step=True`` puts it first in ``trainer.callbacks``:
-    callback hooks run before the LightningModule's and the strategy's own, so every
-    user callback and module hook then sees the weights of every step taken so far.
-    """
-
-    def __init__(self, flush: Callable[[], None]) -> None:
-        self._flush = flush
-
-    @override
-    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush()
-
-    @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush()
-
-    @override
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush()
-
-    @override
-    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush()
-
-    @override
-    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._flush()
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        self._flush()

@@ -53,9 +53,10 @@ from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
-from roundpipe_core.host_memory import check_host_memory
+from roundpipe_core.running.host_memory import check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
+from ._flush import FlushWeights
 from ._setup import (
     adopt_optimizer,
     check_bool,
@@ -79,7 +80,6 @@ from ._step import (
     steps_in_parts,
     uncount_last_step,
 )
-from .callbacks import FlushWeights
 from .checkpoint_io import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,

@@ -1,6 +1,6 @@
 """A picture of one pipelined iteration: measured above simulated, on one time scale.
 
-:func:`render_timeline` draws :class:`roundpipe_core.trace.Span` lists with
+:func:`render_timeline` draws :class:`roundpipe_core.running.trace.Span` lists with
 matplotlib's Agg backend (no display, safe in a training process) and returns the
 picture as an ``H x W x 3`` ``uint8`` array, ready for TensorBoard::
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from roundpipe_core.trace import LANES, Span, row_name, spans_from_simulation
+from roundpipe_core.running.trace import LANES, Span, row_name, spans_from_simulation
 
 __all__ = ["KIND_COLORS", "render_timeline", "spans_from_simulation"]
 
@@ -64,7 +64,7 @@ def _check(spans: Sequence[Span] | None, what: str) -> list[Span]:
     for s in spans:
         if not isinstance(s, Span):
             raise TypeError(
-                f"{what} must be a list of roundpipe_core.trace.Span; got {type(s).__name__} "
+                f"{what} must be a list of roundpipe_core.running.trace.Span; got {type(s).__name__} "
                 "(convert job spans with spans_from_job_spans, a SimResult with "
                 "spans_from_simulation)"
             )
@@ -134,7 +134,7 @@ def render_timeline(
 
     Args:
         measured: spans of the measured iteration (e.g. ``spans_from_roundpipe(rp)``
-            plus a :class:`~roundpipe_core.trace.SpanRecorder`'s optimizer spans).
+            plus a :class:`~roundpipe_core.running.trace.SpanRecorder`'s optimizer spans).
         simulated: spans of the simulated iteration (``spans_from_simulation(sim)``),
             drawn below on the same time scale; ``None`` draws the measured panel only.
         path: where to save the picture as PNG (parent folders are created); ``None``

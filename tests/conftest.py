@@ -137,7 +137,7 @@ def _route_all_to_cuda(request: pytest.FixtureRequest) -> None:
 @pytest.fixture
 def route_cpu_workers_to_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each CPU worker a pool would make becomes a CUDA worker (ROUNDPIPE_TEST_DEVICE=cuda)."""
-    from roundpipe_core.devices import pool
+    from roundpipe_core.running.devices import pool
 
     original = pool.resolve_devices
 
@@ -301,7 +301,7 @@ class _FakeEvent:
 
 
 def _cpu_backed_worker_class() -> type:
-    from roundpipe_core.devices.cuda import CUDAWorker
+    from roundpipe_core.running.devices.cuda import CUDAWorker
 
     class CPUBackedCUDAWorker(CUDAWorker):
         """CUDAWorker whose "device memory" is CPU memory: the CUDA calls are faked,
@@ -352,8 +352,8 @@ CPUBackedCUDAWorker = _cpu_backed_worker_class()
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type:
     """Pretend one GPU exists; CUDA workers become ``CPUBackedCUDAWorker`` (returned)."""
-    from roundpipe_core.devices import cuda as cuda_mod
-    from roundpipe_core.devices import memory
+    from roundpipe_core.running.devices import cuda as cuda_mod
+    from roundpipe_core.running.devices import memory
 
     c = torch.cuda
     monkeypatch.setattr(c, "is_available", lambda: True)

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ..autosplit import auto_wrap
-from ..devices.pool import DevicePool, resolve_devices
 from ..model import RoundPipe, RoundPipeRunConfig
+from ..running.devices.pool import DevicePool, resolve_devices
 from .common import CausalLMInputAdapter, DecoderBlock
 from .gpt2 import convert_gpt2
 from .gpt_oss import convert_gpt_oss

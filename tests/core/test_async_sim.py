@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from roundpipe_core import ModelExecutePlan as P
-from roundpipe_core.simulate import simulate
+from roundpipe_core.planning.simulate import simulate
 
 FWD, BWD = [1.0] * 8, [2.0] * 8
 

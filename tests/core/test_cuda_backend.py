@@ -17,9 +17,14 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe_core.devices import cuda as cuda_mod
-from roundpipe_core.devices import memory
-from roundpipe_core.devices.cuda import ChunkFeeder, CUDAWorker, discover_cuda_devices, plan_chunks
+from roundpipe_core.running.devices import cuda as cuda_mod
+from roundpipe_core.running.devices import memory
+from roundpipe_core.running.devices.cuda import (
+    ChunkFeeder,
+    CUDAWorker,
+    discover_cuda_devices,
+    plan_chunks,
+)
 
 
 @pytest.fixture
@@ -692,7 +697,7 @@ def test_routing_cpu_workers_to_cuda(
     monkeypatch: pytest.MonkeyPatch, route_cpu_workers_to_cuda: None
 ) -> None:
     """ROUNDPIPE_TEST_DEVICE=cuda turns the CPU workers a test asks for into CUDA workers."""
-    from roundpipe_core.devices import pool
+    from roundpipe_core.running.devices import pool
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from roundpipe_core.devices import cpu
-from roundpipe_core.devices.pool import DevicePool
+from roundpipe_core.running.devices import cpu
+from roundpipe_core.running.devices.pool import DevicePool
 
 GiB = 1024**3
 

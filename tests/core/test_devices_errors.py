@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe_core.devices.cpu import CPUWorker
-from roundpipe_core.transfer import upload_stage
+from roundpipe_core.running.devices.cpu import CPUWorker
+from roundpipe_core.running.transfer import upload_stage
 
 
 class _FailsAtCopy(CPUWorker):

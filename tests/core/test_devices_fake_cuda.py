@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from roundpipe_core.devices import cuda as cuda_mod
-from roundpipe_core.devices import memory
-from roundpipe_core.devices.base import WorkerStartError
+from roundpipe_core.running.devices import cuda as cuda_mod
+from roundpipe_core.running.devices import memory
+from roundpipe_core.running.devices.base import WorkerStartError
 
 # Taken at import: the fake_cuda fixture replaces registration with a no-op for engine tests.
 _register = memory._register
@@ -177,7 +177,7 @@ def test_memory_capacity_is_free_plus_reserved_shared_by_workers_of_one_gpu(
 def test_a_cuda_worker_whose_thread_cannot_select_its_gpu_fails_the_pool(
     fake_cuda: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from roundpipe_core.devices.pool import DevicePool
+    from roundpipe_core.running.devices.pool import DevicePool
 
     def refuse(device: Any) -> None:
         raise RuntimeError("CUDA error: invalid device ordinal")

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from roundpipe_core.devices import cpu as cpu_mod
-from roundpipe_core.devices import pool as pool_mod
-from roundpipe_core.devices.base import WorkerStartError
-from roundpipe_core.devices.cpu import CPUWorker
-from roundpipe_core.devices.pool import DevicePool
+from roundpipe_core.running.devices import cpu as cpu_mod
+from roundpipe_core.running.devices import pool as pool_mod
+from roundpipe_core.running.devices.base import WorkerStartError
+from roundpipe_core.running.devices.cpu import CPUWorker
+from roundpipe_core.running.devices.pool import DevicePool
 
 # Taken at import, before any fixture routes CPU workers to (fake) CUDA: these tests
 # are about the CPU worker and the pool themselves.

@@ -9,10 +9,11 @@ import torch
 from _util import assert_close_rel, mlp, reference_grads, sum_sq
 from torch import nn
 
-from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, runtime
+from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core.context import current_layer, current_microbatch, doing_recompute
-from roundpipe_core.devices.base import MemoryLedger
-from roundpipe_core.timer import ModelTimer
+from roundpipe_core.running import runtime
+from roundpipe_core.running.devices.base import MemoryLedger
+from roundpipe_core.running.timer import ModelTimer
 
 _SEEN: list[tuple] = []  # module level: every replica of a layer appends here
 

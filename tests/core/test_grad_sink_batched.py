@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from roundpipe_core.pipelined import GradBuffer
-from roundpipe_core.transfer import batched_sink
+from roundpipe_core.running.transfer import batched_sink
+from roundpipe_core.stepping.pipelined import GradBuffer
 
 
 def _setup() -> tuple[list[nn.Parameter], dict[int, nn.Parameter]]:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, OptimizerCtx, RoundPipe
-from roundpipe_core.host_memory import (
+from roundpipe_core.running.host_memory import (
     HostMemoryBudget,
     HostMemoryError,
     UnknownOptimizerError,

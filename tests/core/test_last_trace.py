@@ -14,7 +14,7 @@ from _util import mlp, sum_sq
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.trace import Span, SpanRecorder, job_name, last_call_spans, write_trace
+from roundpipe_core.running.trace import Span, SpanRecorder, job_name, last_call_spans, write_trace
 
 PLAN = ModelExecutePlan([range(0, 3)], [range(3, 6), range(0, 3)])
 DEVICES = 2
@@ -126,7 +126,7 @@ def test_last_trace_after_the_autograd_path_and_without_steps():
 
 
 def _job(stage: int, device: int):
-    from roundpipe_core.schedule import build_schedule
+    from roundpipe_core.planning.schedule import build_schedule
 
     return next(
         j

@@ -14,7 +14,7 @@ from _util import assert_close_rel, mlp, sum_sq
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.layerwise import step_subset, steps_elementwise
+from roundpipe_core.stepping.layerwise import step_subset, steps_elementwise
 
 STEPS = 5
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from _util import mlp
 
-from roundpipe_core.masters import MasterWeights
+from roundpipe_core.stepping.masters import MasterWeights
 
 
 def _grads(masters: MasterWeights, seed: int, dtype: torch.dtype = torch.float32):

@@ -15,8 +15,8 @@ from _util import assert_close_rel, mlp, sum_sq
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.schedule import BACKWARD, FORWARD, FUSED
-from roundpipe_core.simulate import simulate
+from roundpipe_core.planning.schedule import BACKWARD, FORWARD, FUSED
+from roundpipe_core.planning.simulate import simulate
 
 
 def _batches(n, seed=0, bs=6):

@@ -10,7 +10,7 @@ from torch import nn
 
 import roundpipe_core.checks as checks
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.profile import layer_sizes, profile_of
+from roundpipe_core.planning.profile import layer_sizes, profile_of
 
 
 def _wide(seed: int = 0) -> nn.Sequential:

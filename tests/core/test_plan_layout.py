@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from roundpipe_core.plan import ModelExecutePlan
+from roundpipe_core.planning.plan import ModelExecutePlan
 
 P = ModelExecutePlan
 
@@ -212,7 +212,7 @@ def test_huge_counts_build_nothing_per_layer():
 
 
 def test_parse_layout_is_public_and_round_trips_with_format_layout():
-    from roundpipe_core.layout import format_layout, parse_layout
+    from roundpipe_core.planning.layout import format_layout, parse_layout
 
     owned = parse_layout(" 0:4, 1:3 ", "fwd")
     assert (owned.counts, owned.owners, owned.items) == ([4, 3], [0, 1], ["0:4", "1:3"])

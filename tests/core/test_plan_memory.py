@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan
-from roundpipe_core.planner import auto
-from roundpipe_core.profile import (
+from roundpipe_core.planning.planner import auto
+from roundpipe_core.planning.profile import (
     LayerProfile,
     check_plan_fits,
     layer_sizes,
@@ -18,7 +18,7 @@ from roundpipe_core.profile import (
     scale_activation_bytes,
     stage_memory,
 )
-from roundpipe_core.simulate import simulate
+from roundpipe_core.planning.simulate import simulate
 
 pytest.importorskip("transformers")
 

@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roundpipe_core.plan import ModelExecutePlan
-from roundpipe_core.planner import (
+from roundpipe_core.planning.plan import ModelExecutePlan
+from roundpipe_core.planning.planner import (
     pipeline_estimate,
     plan_cost,
     plan_objective,
     search_plans,
 )
-from roundpipe_core.profile import LayerProfile
+from roundpipe_core.planning.profile import LayerProfile
 
 
 def compositions(n: int):
@@ -202,7 +202,7 @@ def test_exact_strictly_better_than_greedy():
 
 
 def test_pipeline_estimate_is_exact_for_equal_stages():
-    from roundpipe_core.simulate import simulate
+    from roundpipe_core.planning.simulate import simulate
 
     for s, n, m in itertools.product(range(1, 13), range(1, 6), range(1, 9)):
         plan = ModelExecutePlan.uniform(s, s, "infer")
@@ -211,7 +211,7 @@ def test_pipeline_estimate_is_exact_for_equal_stages():
 
 
 def test_refine_never_slower_than_greedy_in_simulation():
-    from roundpipe_core.simulate import simulate
+    from roundpipe_core.planning.simulate import simulate
 
     rng = random.Random(11)
     for _ in range(20):
@@ -251,7 +251,7 @@ def test_search_rejects_bad_arguments():
 def test_walk_never_slower_and_sometimes_faster_in_simulation():
     """The simulator-guided walk starts from the cap search's pick and only moves to
     faster plans; on uneven profiles it finds some."""
-    from roundpipe_core.simulate import makespan_ms
+    from roundpipe_core.planning.simulate import makespan_ms
 
     rnd = random.Random(7)
     improved = 0
@@ -284,8 +284,8 @@ def test_walk_never_slower_and_sometimes_faster_in_simulation():
 def test_overlap_aware_plan_is_faster_in_the_overlapped_steady_state():
     """With overlap_iterations the planner ranks plans by what blocking=False runs: the
     steady state of overlapped iterations, where another plan can win."""
-    from roundpipe_core.planner import auto
-    from roundpipe_core.simulate import simulate
+    from roundpipe_core.planning.planner import auto
+    from roundpipe_core.planning.simulate import simulate
 
     # Qwen-shaped: a cheap embedding, 20 equal layers, an LM head of five layers' cost.
     fwd = [0.02] + [1.0] * 20 + [5.0]
@@ -306,7 +306,7 @@ def test_overlap_aware_plan_is_faster_in_the_overlapped_steady_state():
 
 
 def test_predicted_speedup_ranks_plans_by_simulation():
-    from roundpipe_core.planner import predicted_speedup, simulated_iteration_ms
+    from roundpipe_core.planning.planner import predicted_speedup, simulated_iteration_ms
 
     fwd = [1.0] * 8
     prof = LayerProfile(fwd, [2.0] * 8)

@@ -184,6 +184,19 @@ def test_timer_verbose_flag() -> None:
     assert ModelTimer.VERBOSE is False  # published default: no per-layer printing
 
 
+def test_documented_module_paths_are_the_engines_objects() -> None:
+    """The public spellings ``roundpipe_core.timer`` and ``roundpipe_core.simulate``
+    re-export the objects the engine uses, so ``ModelTimer.VERBOSE = True`` there
+    switches the runtime's timer."""
+    from roundpipe_core.planning import simulate as planning_simulate
+    from roundpipe_core.running import timer as running_timer
+    from roundpipe_core.simulate import simulate
+    from roundpipe_core.timer import ModelTimer
+
+    assert ModelTimer is running_timer.ModelTimer
+    assert simulate is planning_simulate.simulate
+
+
 def test_packed_data_is_a_list_with_synchronize() -> None:
     from roundpipe_core.batch import RoundPipePackedData
 

@@ -7,7 +7,7 @@ import torch
 from _util import mlp, sum_sq
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.schedule import (
+from roundpipe_core.planning.schedule import (
     BACKWARD,
     FORWARD,
     FUSED,

@@ -17,8 +17,8 @@ from _util import assert_close_rel, mlp, sum_sq
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, OptimizerCtx, RoundPipe
-from roundpipe_core import pipelined as pipelined_mod
-from roundpipe_core.host_memory import estimate_host_memory
+from roundpipe_core.running.host_memory import estimate_host_memory
+from roundpipe_core.stepping import pipelined as pipelined_mod
 
 STEPS = 4
 

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from roundpipe_core.plan import ModelExecutePlan
-from roundpipe_core.planner import stage_times
-from roundpipe_core.profile import LayerProfile
-from roundpipe_core.schedule import build_schedule
-from roundpipe_core.simulate import balanced_stages, simulate, simulate_bound_stages
+from roundpipe_core.planning.plan import ModelExecutePlan
+from roundpipe_core.planning.planner import stage_times
+from roundpipe_core.planning.profile import LayerProfile
+from roundpipe_core.planning.schedule import build_schedule
+from roundpipe_core.planning.simulate import balanced_stages, simulate, simulate_bound_stages
 
 P = ModelExecutePlan
 

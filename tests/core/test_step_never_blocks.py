@@ -16,7 +16,7 @@ from _util import assert_close_rel, mlp, sum_sq
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import model as model_module
-from roundpipe_core.pipelined import GradBuffer
+from roundpipe_core.stepping.pipelined import GradBuffer
 
 _STEP_WAIT_S = 20.0
 
@@ -107,9 +107,9 @@ def test_weights_are_published_layer_by_layer():
     still in progress: publication does not hold every layer back until the last copy."""
     import time
 
-    from roundpipe_core.devices.pool import PoolError
-    from roundpipe_core.masters import MasterWeights
-    from roundpipe_core.pipelined import WeightVersions
+    from roundpipe_core.running.devices.pool import PoolError
+    from roundpipe_core.stepping.masters import MasterWeights
+    from roundpipe_core.stepping.pipelined import WeightVersions
 
     model = mlp()
     layers = list(model.children())

@@ -7,7 +7,7 @@ import threading
 import pytest
 from torch import nn
 
-from roundpipe_core.timer import ModelTimer
+from roundpipe_core.running.timer import ModelTimer
 
 
 def make_layers() -> list[nn.Module]:

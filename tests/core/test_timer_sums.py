@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from roundpipe_core.timer import JobClock, ModelTimer
+from roundpipe_core.running.timer import JobClock, ModelTimer
 
 
 def _layers() -> list[nn.Module]:
@@ -67,7 +67,7 @@ def test_a_clock_sums_its_jobs_per_microbatch_and_commits_once() -> None:
 def test_a_pipelined_run_defers_the_sums_and_replays_them_as_given() -> None:
     """A non-blocking run's worker clocks commit into its DeferredTimer; replayed at the
     end of the run, the sums land in the model timer as a blocking run's would."""
-    from roundpipe_core.pipelined import DeferredTimer
+    from roundpipe_core.stepping.pipelined import DeferredTimer
 
     sums = {("fwd", 0, 1): 2.0, ("bwd", 0, 3): 9.0, ("re", 1, 3): 4.0}
     direct, replayed = ModelTimer(_layers()), ModelTimer(_layers())

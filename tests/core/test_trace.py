@@ -17,9 +17,9 @@ from _util import mlp, sum_sq
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.schedule import build_schedule
-from roundpipe_core.simulate import simulate
-from roundpipe_core.trace import (
+from roundpipe_core.planning.schedule import build_schedule
+from roundpipe_core.planning.simulate import simulate
+from roundpipe_core.running.trace import (
     LANES,
     Span,
     SpanRecorder,

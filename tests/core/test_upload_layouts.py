@@ -11,8 +11,8 @@ from _util import assert_close_rel, sum_sq
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.devices.cpu import CPUWorker
-from roundpipe_core.transfer import download_grads, release_stage, upload_stage
+from roundpipe_core.running.devices.cpu import CPUWorker
+from roundpipe_core.running.transfer import download_grads, release_stage, upload_stage
 
 
 class _Scaled(nn.Module):
@@ -157,7 +157,7 @@ def test_uploaded_parameters_are_parameters_with_the_hosts_flags() -> None:
 def test_a_stages_gradients_leave_the_device_once_and_exactly() -> None:
     """The CPU backend hands the accumulated gradients over (host memory already); the
     generic take_out copies them, as a device download does."""
-    from roundpipe_core.devices.base import Worker
+    from roundpipe_core.running.devices.base import Worker
 
     class Copying(CPUWorker):
         def take_out(self, tensors):  # the base class's: a download copy

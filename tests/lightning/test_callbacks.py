@@ -133,7 +133,7 @@ def test_auto_replan_switches_only_past_the_predicted_gain(
     from types import SimpleNamespace
 
     from roundpipe_core import RoundPipe
-    from roundpipe_core.planner import predicted_speedup
+    from roundpipe_core.planning.planner import predicted_speedup
 
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)]

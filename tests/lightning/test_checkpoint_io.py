@@ -326,7 +326,7 @@ def test_legacy_format_file_loads_without_mmap(tmp_path: Path) -> None:
 
 def test_host_memory_budget_from_a_callback_as_documented() -> None:
     """docs/host-memory.md: the budget read at on_fit_start counts the optimizer's masters."""
-    from roundpipe_core.host_memory import check_host_memory, estimate_host_memory
+    from roundpipe_core.running.host_memory import check_host_memory, estimate_host_memory
 
     seen = {}
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core import trace as core_trace
-from roundpipe_core.simulate import simulate
-from roundpipe_core.trace import Span, spans_from_roundpipe
+from roundpipe_core.planning.simulate import simulate
+from roundpipe_core.running import trace as core_trace
+from roundpipe_core.running.trace import Span, spans_from_roundpipe
 from roundpipe_lightning import timeline
 from roundpipe_lightning.timeline import KIND_COLORS, render_timeline, spans_from_simulation
 
@@ -122,7 +122,9 @@ def test_spans_from_simulation_is_the_core_converter():
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="no spans to draw"):
         render_timeline([], None)
-    with pytest.raises(TypeError, match="measured must be a list of roundpipe_core.trace.Span"):
+    with pytest.raises(
+        TypeError, match="measured must be a list of roundpipe_core.running.trace.Span"
+    ):
         render_timeline([("job", 0, 0.0, 1.0)])  # type: ignore[list-item]
     ok = [Span(0, "compute", "0F0", 0.0, 1.0)]
     with pytest.raises(ValueError, match="width_px must be"):

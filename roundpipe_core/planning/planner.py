@@ -1,12 +1,12 @@
 """Automatic planning: partition layers into stages that keep every device busy.
 
 :func:`auto` (also reachable as ``ModelExecutePlan.auto``) reads each model's
-:class:`~roundpipe_core.profile.LayerProfile` — measured per-layer times, or
+:class:`~roundpipe_core.planning.profile.LayerProfile` — measured per-layer times, or
 size-based estimates before anything was measured — and searches the stage
 partition under a per-stage memory cap that counts parameters, gradients and
 one microbatch's saved activations. :func:`search_plans` is the search itself;
-it lives in :mod:`roundpipe_core.search`, which packs stages with
-:mod:`roundpipe_core.partition` and checks its shortlist with the event
+it lives in :mod:`roundpipe_core.planning.search`, which packs stages with
+:mod:`roundpipe_core.planning.partition` and checks its shortlist with the event
 simulator, so the plan chosen is ranked by the schedule the engine runs.
 """
 
@@ -17,8 +17,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, overload
 
-from .kinds import RunType, parse_kind
-from .plan import ModelExecutePlan
+from ..kinds import RunType, parse_kind
+from .plan import ModelExecutePlan, default_num_microbatch
 from .profile import LayerProfile, profile_of
 from .search import (
     OBJECTIVES,
@@ -125,7 +125,7 @@ def auto(
         run_type: "infer", "train" (``forward()`` then backward through autograd)
             or "fused" (``forward_backward()``).
         *models: RoundPipe models (see :func:`profile_of`), or
-            :class:`~roundpipe_core.timer.ModelTimer` / :class:`LayerProfile`
+            :class:`~roundpipe_core.running.timer.ModelTimer` / :class:`LayerProfile`
             objects. Several models are planned jointly with one shared stage cap
             (e.g. an encoder and a decoder run one after another).
         min_stages: stages below which the pipeline starves, for ``objective="stages"``;
@@ -187,7 +187,7 @@ def auto(
     cap = _memory_cap(profiles, rt, limit_bytes / 2)
     num_devices = max(devices) if devices else min_stages
     if num_microbatch is None:
-        num_microbatch = num_devices + 1
+        num_microbatch = default_num_microbatch(num_devices)
     result = search_plans(
         rt,
         profiles,

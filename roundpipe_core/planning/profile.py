@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .kinds import JobKind, RunType, parse_kind
+from ..kinds import JobKind, RunType, parse_kind
 from .plan import ModelExecutePlan
 
 __all__ = [
@@ -99,7 +99,7 @@ class LayerProfile:
 
     @classmethod
     def from_timer(cls, timer: Any, act_bytes: Sequence[float] | None = None) -> LayerProfile:
-        """The current estimates of a :class:`~roundpipe_core.timer.ModelTimer`.
+        """The current estimates of a :class:`~roundpipe_core.running.timer.ModelTimer`.
 
         ``act_bytes`` defaults to the timer's ``layer_activation_bytes`` when it has them.
         """
@@ -397,7 +397,7 @@ def profile_of(model: Any) -> LayerProfile:
     ``ModelTimer``'s estimates, or a RoundPipe model's.
 
     Before anything was measured, a RoundPipe model's profile comes from its
-    layers' sizes (:func:`~roundpipe_core.profile.layer_sizes`): time follows the
+    layers' sizes (:func:`~roundpipe_core.planning.profile.layer_sizes`): time follows the
     dense weights a layer computes with, so an embedding table — even one tied
     to the LM head — does not look as slow as the head. Saved-activation bytes
     per microbatch come from the model's (or its timer's) ``layer_activation_bytes``

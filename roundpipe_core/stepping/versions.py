@@ -23,7 +23,7 @@ from concurrent.futures import Future
 
 from torch import nn
 
-from .devices.pool import PoolError
+from ..running.devices.pool import PoolError
 from .masters import copy_pairs
 from .stepper import Stepper
 

@@ -1,7 +1,7 @@
 """What the simulator returns: timeline events and the iteration's summary.
 
-Shared by the round-robin simulator (:mod:`roundpipe_core.simulate`) and the
-weight-bound baseline (:mod:`roundpipe_core.baseline`).
+Shared by the round-robin simulator (:mod:`roundpipe_core.planning.simulate`) and the
+weight-bound baseline (:mod:`roundpipe_core.planning.baseline`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .kinds import JobKind
+from ..kinds import JobKind
 from .schedule import Job
 
 __all__ = ["SimEvent", "SimResult", "summarize", "per_layer"]

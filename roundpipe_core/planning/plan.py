@@ -6,8 +6,8 @@ ranges). They may differ (asymmetric plans). Optionally a stage may be pinned
 to a device (``fwd_owners`` / ``bwd_owners``) instead of round-robin dispatch.
 
 This module is the plan's data and its validation. Layout strings are parsed
-in :mod:`roundpipe_core.layout` (below this module); automatic planning lives
-in :mod:`roundpipe_core.planner` (above it: it runs the simulator, which runs
+in :mod:`roundpipe_core.planning.layout` (below this module); automatic planning lives
+in :mod:`roundpipe_core.planning.planner` (above it: it runs the simulator, which runs
 the schedule, which reads plans). ``ModelExecutePlan.auto`` therefore calls a
 planner that the package installs with :meth:`ModelExecutePlan.install_planner`
 when ``roundpipe_core`` is imported, so the published spelling keeps working
@@ -20,7 +20,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, overload
 
-from .kinds import RunType, parse_kind
+from ..kinds import RunType, parse_kind
 from .layout import (
     LayoutSpec,
     check_num_devices,
@@ -29,11 +29,19 @@ from .layout import (
     resolve_layout,
 )
 
-__all__ = ["AutoPlanner", "LayoutSpec", "ModelExecutePlan"]
+__all__ = ["AutoPlanner", "LayoutSpec", "ModelExecutePlan", "default_num_microbatch"]
+
+
+def default_num_microbatch(num_devices: int) -> int:
+    """Microbatches per call when none is asked for: one more than the pool has devices,
+    the published RoundPipe's default (every device busy, plus one to fill the bubble
+    of the fused last stage). The one source of that default: the engine, the planner,
+    the host-memory budget and the Lightning adapter all ask here."""
+    return num_devices + 1
 
 
 class AutoPlanner(Protocol):
-    """What :meth:`ModelExecutePlan.auto` delegates to (``roundpipe_core.planner.auto``)."""
+    """What :meth:`ModelExecutePlan.auto` delegates to (``roundpipe_core.planning.planner.auto``)."""
 
     def __call__(
         self, run_type: RunType | str, *models: Any, **options: Any
@@ -118,7 +126,7 @@ class ModelExecutePlan:
     """
 
     #: The automatic planner behind :meth:`auto`; ``roundpipe_core`` installs
-    #: :func:`roundpipe_core.planner.auto` on import.
+    #: :func:`roundpipe_core.planning.planner.auto` on import.
     _planner: ClassVar[AutoPlanner | None] = None
 
     def __init__(
@@ -307,7 +315,7 @@ class ModelExecutePlan:
         """Build a plan from layer counts per stage, optionally with an owner device each.
 
         A spec is a string fit for YAML or a command line, or a Python list (see
-        :mod:`roundpipe_core.layout`): ``"7,5"`` / ``[7, 5]`` (counts, round-robin),
+        :mod:`roundpipe_core.planning.layout`): ``"7,5"`` / ``[7, 5]`` (counts, round-robin),
         ``"0:4,0:3,1:3,1:2"`` / ``[(0, 4), (0, 3), ...]`` (``device:count``),
         ``[range(0, 7), range(7, 12)]``, or ``""`` (no stages: a "fused" plan whose
         fused stage holds every layer).
@@ -388,13 +396,13 @@ class ModelExecutePlan:
     ) -> ModelExecutePlan | list[ModelExecutePlan]:
         """Plan stages from measured layer times: one plan per model (a list for several).
 
-        See :func:`roundpipe_core.planner.auto` for the arguments.
+        See :func:`roundpipe_core.planning.planner.auto` for the arguments.
         """
         planner = ModelExecutePlan._planner
         if planner is None:
             raise RuntimeError(
                 "no automatic planner is installed; import roundpipe_core (which installs "
-                "roundpipe_core.planner.auto) or call roundpipe_core.planner.auto directly"
+                "roundpipe_core.planning.planner.auto) or call roundpipe_core.planning.planner.auto directly"
             )
         return planner(run_type, *models, **options)
 

@@ -12,7 +12,7 @@ runs it, in a form that fits a YAML value or a command-line flag:
 This module is the grammar only: :func:`parse_layout` reads one side,
 :func:`resolve_layout` turns both sides into stage ranges and owners,
 :func:`format_layout` writes one side back. It knows nothing of plans;
-:meth:`roundpipe_core.plan.ModelExecutePlan.from_layout` builds and validates
+:meth:`roundpipe_core.planning.plan.ModelExecutePlan.from_layout` builds and validates
 the plan from what :func:`resolve_layout` returns.
 
 Numbers in text are ASCII decimal digits with an optional leading ``-`` (so a
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from .kinds import RunType, parse_kind
+from ..kinds import RunType, parse_kind
 
 __all__ = [
     "LayoutSpec",
@@ -290,7 +290,7 @@ def resolve_layout(
     bwd_owners: Sequence[int] | None = None,
 ) -> ResolvedLayout:
     """Both sides of a layout as stage ranges and owners (arguments as in
-    :meth:`~roundpipe_core.plan.ModelExecutePlan.from_layout`).
+    :meth:`~roundpipe_core.planning.plan.ModelExecutePlan.from_layout`).
 
     Counts are checked against ``num_layers`` before any range is built, so a
     huge count fails at once. The result is not yet validated as a plan.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .kinds import JobKind
+from ..kinds import JobKind
 from .partition import min_max_partition
 from .simresult import SimEvent, SimResult, per_layer, summarize
 

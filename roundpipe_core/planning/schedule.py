@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .kinds import JobKind, RunType, parse_kind
+from ..kinds import JobKind, RunType, parse_kind
 from .plan import ModelExecutePlan
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The stage-partition search behind :func:`roundpipe_core.planner.auto`.
+"""The stage-partition search behind :func:`roundpipe_core.planning.planner.auto`.
 
 For one stage-time cap, greedy packing from the deepest layer gives the fewest
 stages (optimal for that cap); :func:`search_plans` searches the caps — every
@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from .kinds import RunType, parse_kind
+from ..kinds import RunType, parse_kind
 from .partition import Partitioner, first_true, with_slack
 from .plan import ModelExecutePlan
 from .profile import LayerProfile

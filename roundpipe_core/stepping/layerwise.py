@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
-from .schedule import Job
+from ..planning.schedule import Job
 
 if TYPE_CHECKING:
-    from .pipelined import PendingResult, PipelinedRuns
+    from .masters import MasterWeights
+    from .stepper import Stepper
+    from .versions import WeightVersions
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -145,7 +147,21 @@ class GradCompletion:
             return self._remaining.get(master_id, 0) == 0
 
 
-def _complete_in(runs: Sequence[PendingResult], master_id: int) -> bool:
+class LayerwiseRun(Protocol):
+    """What the layer-wise step reads of an in-flight run (a ``PendingResult``); a
+    protocol, so this module does not import the overlapped-iterations module that
+    calls it."""
+
+    error: BaseException | None
+    completion: GradCompletion | None
+
+    @property
+    def buffer(self) -> Any: ...
+
+    def done(self) -> bool: ...
+
+
+def _complete_in(runs: Sequence[LayerwiseRun], master_id: int) -> bool:
     for r in runs:
         if r.done():
             continue  # a finished run's gradients are all in its buffer
@@ -155,17 +171,19 @@ def _complete_in(runs: Sequence[PendingResult], master_id: int) -> bool:
 
 
 def run_layerwise(
-    pipeline: PipelinedRuns,
-    runs: Sequence[PendingResult],
+    versions: WeightVersions,
+    masters: MasterWeights,
+    stepper: Stepper,
+    runs: Sequence[LayerwiseRun],
     version: int,
     step_params: Callable[[list[nn.Parameter]], Any],
+    merge: Callable[[Any], None],
     finish: Callable[[], Any] | None,
 ) -> None:
     """One deferred step, on the optimizer thread: publish ``version`` parameter by
     parameter, step each published parameter once its gradients are complete in every
     run of ``runs`` (merged into ``.grad`` in issue order, as the one-call step does),
-    then ``finish()``."""
-    versions, masters, stepper = pipeline.versions, pipeline.masters, pipeline.stepper
+    mark each run merged with ``merge(run)``, then ``finish()``."""
     by_id = {id(m): m for m in masters.params()}
     to_publish = versions.stale(version)
     to_step = list(by_id)
@@ -192,6 +210,6 @@ def run_layerwise(
         done = set(ready)
         to_step = [k for k in to_step if k not in done]
     for r in runs:
-        pipeline.merge(r)  # nothing left to add: marks them merged
+        merge(r)  # nothing left to add: marks them merged
     if finish is not None:
         finish()

@@ -259,7 +259,7 @@ def _masters_of(
 def _worker_copies(rp: Any, plan: Any, num_microbatch: int) -> int:
     """Peak bytes the CPU workers hold together: per worker, the largest (stage copy +
     its gradients + the next stage it prefetches) over its jobs in the plan's schedule."""
-    from .schedule import FORWARD, build_schedule, jobs_by_device
+    from ..planning.schedule import FORWARD, build_schedule, jobs_by_device
 
     layer_bytes: list[int] = []
     layer_grads: list[int] = []
@@ -407,7 +407,7 @@ def estimate_host_memory(
                 if callable(plan_for)
                 else rp.default_plan("fused", num_microbatch)
             )
-        m = num_microbatch or rp.num_devices + 1
+        m = rp.num_microbatch_for(num_microbatch)
         if rp.pool.is_cuda:
             pinned = _cuda_pinned(rp, run_plan)
         else:

@@ -11,7 +11,7 @@ measured and a simulated iteration open side by side with the same rows:
   via :func:`spans_from_job_spans`, and its transfer spans
   (``RoundPipe.last_transfer_spans``: the parameter uploads, activation inputs and
   gradient downloads its workers waited on), via :func:`spans_from_roundpipe`;
-* the simulator's events (:class:`roundpipe_core.simulate.SimResult`), via
+* the simulator's events (:class:`roundpipe_core.planning.simulate.SimResult`), via
   :func:`spans_from_simulation`;
 * anything timed with a :class:`SpanRecorder` (``RoundPipe.step()`` times its
   ``step_fn`` so; :meth:`RoundPipe.last_trace` returns the last call's compute,
@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .kinds import JobKind
+from ..kinds import JobKind
 
 if TYPE_CHECKING:  # the simulator is only read here, never needed at import time
-    from .simulate import SimResult
+    from ..planning.simulate import SimResult
 
 __all__ = [
     "LANES",
@@ -139,7 +139,7 @@ def job_name(job: Any) -> str:
     """The text form of a job: stage, kind code, device (``"2F0"``).
 
     Args:
-        job: a :class:`roundpipe_core.schedule.Job` (anything with ``stage``, ``kind``
+        job: a :class:`roundpipe_core.planning.schedule.Job` (anything with ``stage``, ``kind``
             and ``device``).
     """
     return f"{job.stage}{JobKind(str(job.kind)).code}{job.device}"
@@ -237,7 +237,7 @@ def spans_from_simulation(
     """The simulator's timeline as spans (milliseconds become seconds).
 
     Args:
-        sim: a :class:`roundpipe_core.simulate.SimResult`.
+        sim: a :class:`roundpipe_core.planning.simulate.SimResult`.
         iteration: only this iteration (negative counts from the last one, so ``-1``
             is the last); ``None`` keeps all.
         per_job: merge a job's microbatch events into one span from its first start

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batch import flatten
-from .context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
+from ..batch import flatten
+from ..context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
+from ..kinds import JobKind, RecomputeGrain
+from ..planning.schedule import Job
 from .devices.base import Worker
 from .devices.pool import PoolError
-from .kinds import JobKind, RecomputeGrain
-from .schedule import Job
 from .streams import ComputeScope, record_stream_start, replay_seed, seed_stream
 from .timer import JobClock
 from .transfer import (

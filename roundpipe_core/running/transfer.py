@@ -27,9 +27,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .batch import flatten
+from ..batch import flatten
+from ..planning.schedule import Job
 from .devices.base import Worker
-from .schedule import Job
 
 __all__ = [
     "GradSink",

@@ -37,12 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import batch as batching
-from .config import RoundPipeRunConfig
-from .devices.pool import PoolError
+from .. import batch as batching
+from ..config import RoundPipeRunConfig
+from ..running.devices.pool import PoolError
+from ..running.runtime import PipelineRun
 from .layerwise import GradCompletion, run_layerwise
 from .masters import MasterWeights
-from .runtime import PipelineRun
 from .stepper import Stepper
 from .versions import PublicationGate, WeightVersions, _Reader
 
@@ -435,7 +435,17 @@ class PipelinedRuns:
         runs = [r for r in self.inflight() if not r.merged]
         with self._lock:
             self.target_version = version
-        item = functools.partial(run_layerwise, self, runs, version, step_params, finish)
+        item = functools.partial(
+            run_layerwise,
+            self.versions,
+            self.masters,
+            stepper,
+            runs,
+            version,
+            step_params,
+            self.merge,
+            finish,
+        )
         stepper.queue_guarded_step(wrap(item), publishes=True)
 
     def record_run_error(self, p: PendingResult) -> None:

@@ -1,0 +1,476 @@
+"""Event simulator of one iteration of a plan on N devices.
+
+It times the job list that :func:`roundpipe_core.planning.schedule.build_schedule` returns
+— the same list the runtime executes — with the engine's rules:
+
+* each device runs its jobs in launch order, one at a time, and a job runs its
+  microbatches in order;
+* stage k of microbatch m waits for stage k-1 of microbatch m: the forward
+  stages form a chain, then the fused stage, then the backward stages (deep to
+  shallow); a backward stage also needs the saved input of its first layer,
+  produced by the forward stage that ran the layer before it;
+* with ``run_type="train"`` the backward phase starts once the whole forward
+  phase (and the loss outside the pipeline) is done;
+* optionally, a stage's parameter upload (``upload_ms``) runs on a separate
+  channel of its device and may be prefetched while the previous job on that
+  device runs (a device holds at most the running and the prefetched stage),
+  and handing activations to another device costs ``activation_ms``.
+
+``policy="bound"`` simulates the weight-binding baseline the paper compares
+against: the same layers cut into the backward plan's stages (shallow to deep),
+stage i fixed on device i mod N with its weights resident (no uploads),
+scheduled GPipe-style or 1F1B.
+
+Bubble ratio = share of device time without model computation over
+``makespan x devices``; efficiency = 1 - bubble ratio. Given layer sizes, the
+result also reports each device's peak memory (see :class:`SimResult`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+from ..kinds import RunType, parse_kind
+from .baseline import BOUND_SCHEDULES, balanced_stages, simulate_bound_stages
+from .plan import ModelExecutePlan
+from .schedule import BACKWARD, FORWARD, FUSED, Job, build_schedule
+from .simresult import SimEvent, SimResult, per_layer, summarize
+
+__all__ = [
+    "BOUND_SCHEDULES",
+    "POLICIES",
+    "SimEvent",
+    "SimResult",
+    "balanced_stages",
+    "device_peak_bytes",
+    "makespan_ms",
+    "simulate",
+    "simulate_bound_stages",
+]
+
+POLICIES = ("roundrobin", "bound")
+
+
+def simulate(
+    plan: ModelExecutePlan,
+    fwd_ms: Sequence[float],
+    bwd_ms: Sequence[float],
+    num_devices: int,
+    num_microbatch: int,
+    run_type: RunType | str = RunType.FUSED,
+    re_ms: Sequence[float] | None = None,
+    upload_ms: Sequence[float] | float | None = None,
+    activation_ms: float = 0.0,
+    policy: str = "roundrobin",
+    bound_schedule: str = "1f1b",
+    iterations: int = 1,
+    overlap_iterations: bool = False,
+    step_ms: float = 0.0,
+    param_bytes: Sequence[float] | None = None,
+    grad_bytes: Sequence[float] | None = None,
+    act_bytes: Sequence[float] | None = None,
+    step_per_layer: bool = False,
+    step_share: Sequence[float] | None = None,
+) -> SimResult:
+    """Simulate one iteration (or several) of ``plan``.
+
+    Args:
+        plan: the execution plan (validated here for ``run_type``).
+        fwd_ms: forward time per layer and microbatch.
+        bwd_ms: backward time per layer and microbatch (without recompute).
+        num_devices: devices in the pool.
+        num_microbatch: microbatches per iteration.
+        run_type: "infer", "train" or "fused".
+        re_ms: recompute time per layer and microbatch; default the forward time.
+        upload_ms: parameter upload time per layer (a number = the same for every
+            layer); a stage's upload is the sum over its layers. Round-robin only.
+        activation_ms: latency of handing one microbatch's activations or gradients
+            to a stage on another device.
+        policy: "roundrobin" (RoundPipe: the schedule's devices) or "bound"
+            (weight binding: backward-plan stages fixed on devices, see module doc).
+        bound_schedule: "1f1b" (needs at most one stage per device) or "gpipe".
+        iterations: iterations to simulate back to back.
+        overlap_iterations: round-robin only — let the next iteration start on a
+            device as soon as that device is free, as the one-step-stale asynchronous
+            update allows, instead of after the whole previous iteration. This models
+            ``forward_backward(blocking=False)``: round-robin continues from one
+            iteration to the next, iteration ``it`` reads the weights of step ``it - 2``
+            (so it waits for iteration ``it - 2`` and that step), and its upload of a layer
+            waits until iteration ``it - 1`` has uploaded that layer (the host copy is
+            overwritten only then). Uploads follow the engine's prefetch: during the
+            previous job of the same iteration on that device if the weights are ready
+            then, else when the job itself is due; never across iterations.
+        step_ms: time of one optimizer step on the host, on one thread. Step k starts
+            when iteration k and step k - 1 are done. Its weights are published layer by
+            layer: a job of iteration k + 2 waits only for the layers it runs (not for
+            the whole step, nor for anything of iteration k + 1).
+        step_per_layer: model a step taken layer by layer (a per-parameter optimizer
+            such as a fused AdamW over each layer's parameters): a layer's share of
+            ``step_ms`` runs as soon as that layer's last gradient of the iteration is
+            in (deep layers first, as the backward finishes them) and the thread is
+            free, and its weights are published right after it. Default: the step is
+            one call that starts once the whole iteration is done.
+        step_share: each layer's share of ``step_ms`` (normalized here; default: in
+            proportion to ``param_bytes`` if given, else equal).
+        param_bytes: bytes a stage upload moves per layer; with it the result reports
+            each device's peak memory (``SimResult.peak_bytes``, round-robin only).
+        grad_bytes: gradient bytes per layer held by backward/fused stages; default
+            ``param_bytes``.
+        act_bytes: saved-activation bytes per layer for one microbatch, held while a
+            backward or fused stage runs it (see :mod:`roundpipe_core.planning.profile`).
+
+    Returns:
+        A :class:`SimResult`.
+    """
+    n = len(fwd_ms)
+    if len(bwd_ms) != n:
+        raise ValueError(f"bwd_ms has {len(bwd_ms)} entries but fwd_ms has {n}")
+    fwd = per_layer(fwd_ms, n, "fwd_ms")
+    bwd = per_layer(bwd_ms, n, "bwd_ms")
+    re = per_layer(re_ms, n, "re_ms") if re_ms is not None else list(fwd)
+    upl = per_layer(upload_ms, n, "upload_ms")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
+    if not activation_ms >= 0:
+        raise ValueError(f"activation_ms must be >= 0, got {activation_ms!r}")
+    rt = parse_kind(RunType, run_type, "run_type")
+    plan.check_valid(n, rt, num_devices)
+    if policy == "bound":
+        return _simulate_bound(
+            plan,
+            fwd,
+            bwd,
+            re,
+            num_devices,
+            num_microbatch,
+            rt,
+            activation_ms,
+            bound_schedule,
+            iterations,
+        )
+    if not step_ms >= 0:
+        raise ValueError(f"step_ms must be >= 0, got {step_ms!r}")
+    jobs = build_schedule(plan, rt, num_devices, num_microbatch)
+    events: list[SimEvent] = []
+    gate = _WeightGate(num_devices) if overlap_iterations else None
+    share = _step_shares(step_share if step_share is not None else param_bytes, n)
+    step_ends: list[float] = []
+    # per step: when each layer's new weights are published
+    published: list[list[float]] = []
+    opt_free = 0.0  # the optimizer thread
+    device_free = [0.0] * num_devices
+    upload_free = [0.0] * num_devices
+    # End times of the last two jobs per device: a prefetch may start once the job
+    # before the previous one released its parameters.
+    job_ends: list[list[float]] = [[] for _ in range(num_devices)]
+    iter_ends: list[float] = []
+    all_jobs: list[Job] = []
+    for it in range(iterations):
+        start_device = (it * len(jobs)) % num_devices if overlap_iterations else 0
+        sched = build_schedule(plan, rt, num_devices, num_microbatch, start_device=start_device)
+        all_jobs += sched
+        # One-step-stale update: iteration it uses the weights of step it - 2 (the step
+        # after iteration it - 2): a job may start once its layers hold them.
+        layer_ready = published[it - 2] if it >= 2 else None
+        barrier = 0.0
+        if not overlap_iterations:
+            barrier = max([step_ends[it - 2] if it >= 2 else 0.0] + iter_ends[-1:])
+        grad_done: dict[int, float] = {}
+        ends = _run_iteration(
+            sched,
+            plan,
+            rt,
+            fwd,
+            bwd,
+            re,
+            upl,
+            activation_ms,
+            barrier,
+            it,
+            device_free,
+            upload_free,
+            job_ends,
+            events,
+            gate,
+            layer_ready,
+            grad_done,
+        )
+        iter_ends.append(max([ends] + iter_ends))
+        ready = [0.0] * n
+        if step_per_layer:
+            # one thread, steps in order: this step's layers as their gradients complete
+            for i in sorted(range(n), key=lambda i: (grad_done.get(i, iter_ends[-1]), -i)):
+                opt_free = max(opt_free, grad_done.get(i, iter_ends[-1])) + step_ms * share[i]
+                ready[i] = opt_free
+        else:
+            opt_free = max(opt_free, iter_ends[-1]) + step_ms
+            ready = [opt_free] * n
+        published.append(ready)
+        step_ends.append(opt_free)
+    result = summarize(events, num_devices, all_jobs, iterations)
+    if param_bytes is not None:
+        result.peak_bytes = device_peak_bytes(
+            all_jobs, num_devices, param_bytes, grad_bytes, act_bytes
+        )
+    return result
+
+
+def device_peak_bytes(
+    jobs: Sequence[Job],
+    num_devices: int,
+    param_bytes: Sequence[float],
+    grad_bytes: Sequence[float] | None = None,
+    act_bytes: Sequence[float] | None = None,
+) -> list[float]:
+    """Peak memory of each device running ``jobs`` (see ``SimResult.peak_bytes``).
+
+    A device holds the stage it runs and, prefetched, the parameters of its next
+    job; a forward stage runs without autograd and keeps no saved activations.
+    """
+    n = len(param_bytes)
+    params = per_layer(param_bytes, n, "param_bytes")
+    grads = per_layer(grad_bytes, n, "grad_bytes") if grad_bytes is not None else params
+    acts = per_layer(act_bytes, n, "act_bytes")
+    peak = [0.0] * num_devices
+    queues: list[list[Job]] = [[] for _ in range(num_devices)]
+    for job in jobs:
+        queues[job.device].append(job)
+    for d, queue in enumerate(queues):
+        for k, job in enumerate(queue):
+            held = sum(params[i] for i in job.layers)
+            if job.kind != FORWARD:
+                held += sum(grads[i] + acts[i] for i in job.layers)
+            if k + 1 < len(queue):
+                held += sum(params[i] for i in queue[k + 1].layers)
+            peak[d] = max(peak[d], held)
+    return peak
+
+
+def makespan_ms(
+    plan: ModelExecutePlan,
+    fwd_ms: Sequence[float],
+    bwd_ms: Sequence[float],
+    num_devices: int,
+    num_microbatch: int,
+    run_type: RunType | str = RunType.FUSED,
+    re_ms: Sequence[float] | None = None,
+) -> float:
+    """Round-robin iteration time only, as :func:`simulate` computes it but without
+    building the timeline (the planner calls this for its candidates)."""
+    n = len(fwd_ms)
+    fwd = [float(x) for x in fwd_ms]
+    bwd = [float(x) for x in bwd_ms]
+    re = [float(x) for x in re_ms] if re_ms is not None else fwd
+    rt = parse_kind(RunType, run_type, "run_type")
+    jobs = build_schedule(plan, rt, num_devices, num_microbatch)
+    return _run_iteration(
+        jobs,
+        plan,
+        rt,
+        fwd,
+        bwd,
+        re,
+        [0.0] * n,
+        0.0,
+        0.0,
+        0,
+        [0.0] * num_devices,
+        [0.0] * num_devices,
+        [[] for _ in range(num_devices)],
+        None,
+    )
+
+
+def _step_shares(weights: Sequence[float] | None, n: int) -> list[float]:
+    """Each layer's share of the step time (summing to 1)."""
+    if weights is None:
+        return [1.0 / n] * n
+    w = per_layer(weights, n, "step_share")
+    if any(not x >= 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"step_share must be >= 0 per layer with a positive sum, got {list(w)}")
+    total = sum(w)
+    return [x / total for x in w]
+
+
+def _stage_time(job: Job, fwd: list[float], bwd: list[float], re: list[float]) -> float:
+    if job.kind == FORWARD:
+        return sum(fwd[i] for i in job.layers)
+    if job.kind == FUSED:
+        return sum(fwd[i] + bwd[i] for i in job.layers)
+    return sum(re[i] + bwd[i] for i in job.layers)
+
+
+class _WeightGate:
+    """Per-layer weight versions of overlapped iterations (the engine's WeightVersions):
+    when each layer was last uploaded by the previous iteration, and which iteration the
+    last job on each device belonged to (prefetch never crosses iterations)."""
+
+    def __init__(self, num_devices: int) -> None:
+        self.prev: dict[
+            int, float
+        ] = {}  # layer -> end of its last upload in the previous iteration
+        self.cur: dict[int, float] = {}
+        self.last_iter = [-1] * num_devices
+
+    def next_iteration(self) -> None:
+        self.prev, self.cur = self.cur, {}
+
+    def upload_start(self, job: Job, it: int, job_ends: list[float], barrier: float) -> float:
+        d = job.device
+        prev1 = job_ends[-1] if job_ends else 0.0
+        same = self.last_iter[d] == it
+        # prefetched while the previous job of this iteration runs, else due at its own start
+        due = (job_ends[-2] if len(job_ends) >= 2 else 0.0) if same else prev1
+        opens = max([barrier] + [self.prev.get(i, 0.0) for i in job.layers])
+        if opens > due:  # weights not published at prefetch time: uploaded when the job is due
+            due = max(prev1, opens)
+        self.last_iter[d] = it
+        return due
+
+    def uploaded(self, job: Job, end: float) -> None:
+        for i in job.layers:
+            self.cur[i] = max(self.cur.get(i, 0.0), end)
+
+
+def _run_iteration(
+    jobs: list[Job],
+    plan: ModelExecutePlan,
+    run_type: RunType,
+    fwd: list[float],
+    bwd: list[float],
+    re: list[float],
+    upl: list[float],
+    act: float,
+    barrier: float,
+    it: int,
+    device_free: list[float],
+    upload_free: list[float],
+    job_ends: list[list[float]],
+    events: list[SimEvent] | None,
+    gate: _WeightGate | None = None,
+    layer_ready: list[float] | None = None,
+    grad_done: dict[int, float] | None = None,
+) -> float:
+    """Time one iteration's jobs in launch order (every dependency points backwards).
+
+    ``events=None`` only computes the end time (the planner's fast path); ``gate``
+    adds the per-layer weight-version rule of overlapped iterations; ``layer_ready``:
+    when each layer's weights (of the step this iteration reads) are published;
+    ``grad_done`` receives when each layer's gradients of this iteration are complete."""
+    if gate is not None:
+        gate.next_iteration()
+    fwd_jobs: list[Job] = [j for j in jobs if j.kind == FORWARD]
+    fwd_starts = [j.layers.start for j in fwd_jobs]
+    end: dict[int, list[float]] = {}  # job index -> end time of each of its microbatches
+    bwd_job_of_stage: dict[int, Job] = {}
+    forward_done = barrier
+    last = barrier
+    outer = barrier
+    for job in jobs:
+        d = job.device
+        dur = _stage_time(job, fwd, bwd, re)
+        if layer_ready is not None:  # this job's layers hold the weights it reads
+            barrier = max([outer] + [layer_ready[i] for i in job.layers])
+        # Parameter upload, prefetched on the device's copy channel.
+        params_ready = barrier
+        up = sum(upl[i] for i in job.layers)
+        if gate is not None:
+            ustart = max(upload_free[d], gate.upload_start(job, it, job_ends[d], barrier))
+            upload_free[d] = ustart + up
+            params_ready = ustart + up
+            gate.uploaded(job, ustart + up)
+            if up > 0 and events is not None:
+                events.append(
+                    SimEvent(d, "upload", job.stage, -1, ustart, ustart + up, job.index, it)
+                )
+        elif up > 0:
+            prev2 = job_ends[d][-2] if len(job_ends[d]) >= 2 else 0.0
+            ustart = max(upload_free[d], prev2, barrier)
+            upload_free[d] = ustart + up
+            params_ready = ustart + up
+            if events is not None:
+                events.append(
+                    SimEvent(d, "upload", job.stage, -1, ustart, ustart + up, job.index, it)
+                )
+        if job.kind != FORWARD:
+            bwd_job_of_stage[job.stage] = job
+        saved_from: Job | None = None
+        if job.kind == BACKWARD and job.layers.start > 0 and fwd_jobs:
+            # The forward job that ran the layer just below this stage saved its input.
+            k = bisect.bisect_right(fwd_starts, job.layers.start - 1) - 1
+            saved_from = fwd_jobs[k]
+        prev: Job | None = None
+        start = max(device_free[d], params_ready, barrier)
+        if job.kind == FORWARD:
+            if job.stage > 0:
+                prev = fwd_jobs[job.stage - 1]
+        elif job.stage == 0:
+            if run_type == RunType.FUSED and fwd_jobs:
+                prev = fwd_jobs[-1]
+            elif run_type == RunType.TRAIN:
+                start = max(start, forward_done)
+        else:
+            prev = bwd_job_of_stage[job.stage - 1]
+        # Every job of a schedule runs the same microbatches in the same order, so a
+        # dependency's end times line up with this job's by position.
+        prev_ends = end[prev.index] if prev is not None else None
+        delay = act if prev is not None and prev.device != d else 0.0
+        saved_ends = end[saved_from.index] if saved_from is not None else None
+        t = start
+        ends: list[float] = []
+        for pos, m in enumerate(job.microbatches):
+            ready = t
+            if prev_ends is not None and prev_ends[pos] + delay > ready:
+                ready = prev_ends[pos] + delay
+            if saved_ends is not None and saved_ends[pos] > ready:
+                ready = saved_ends[pos]
+            t = ready + dur
+            ends.append(t)
+            if events is not None:
+                events.append(SimEvent(d, str(job.kind), job.stage, m, ready, t, job.index, it))
+        end[job.index] = ends
+        if grad_done is not None and job.kind != FORWARD:
+            for i in job.layers:
+                grad_done[i] = max(grad_done.get(i, 0.0), t)
+        device_free[d] = t
+        last = max(last, t)
+        if job.kind == FORWARD:
+            forward_done = max(forward_done, t)
+        job_ends[d].append(device_free[d])
+    return last
+
+
+# -- weight-bound baseline -------------------------------------------------------------
+
+
+def _simulate_bound(
+    plan: ModelExecutePlan,
+    fwd: list[float],
+    bwd: list[float],
+    re: list[float],
+    num_devices: int,
+    num_microbatch: int,
+    run_type: RunType,
+    act: float,
+    schedule: str,
+    iterations: int,
+) -> SimResult:
+    if schedule not in BOUND_SCHEDULES:
+        raise ValueError(f"bound_schedule must be one of {BOUND_SCHEDULES}, got {schedule!r}")
+    stages = list(reversed(plan.bwd_plan)) if run_type != RunType.INFER else list(plan.fwd_plan)
+    return simulate_bound_stages(
+        stages,
+        fwd,
+        bwd,
+        num_devices,
+        num_microbatch,
+        re_ms=re,
+        backward=run_type != RunType.INFER,
+        fused_last=run_type == RunType.FUSED,
+        activation_ms=act,
+        schedule=schedule,
+        iterations=iterations,
+    )

@@ -1,0 +1,239 @@
+"""The house's floor plan: which part of the packages may import which.
+
+The contract is the table in ``docs/architecture.md`` ("Import direction"); this test
+reads the same table from here, checks the doc spells it the same way, and walks every
+import of both packages -- module level, inside functions and under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: roundpipe_core's parts, lowest first. A module may import modules of its own part
+#: or of a lower one, never of a higher one.
+CORE_LAYERS: list[tuple[str, set[str]]] = [
+    ("foundation", {"kinds", "context", "batch"}),
+    ("planning", {"planning"}),
+    ("config", {"config"}),
+    ("running", {"running"}),
+    ("stepping", {"stepping"}),
+    (
+        "engine",
+        {"checks", "plan_choice", "autograd", "base", "model", "amp", "optim", "timer", "simulate"},
+    ),
+    ("integrations", {"autosplit", "verify", "presets", "distributed"}),
+    ("package", {"__init__"}),
+]
+
+#: Inside the planning wing, which planning modules each may import (lower first).
+PLANNING = {
+    "layout": set(),
+    "plan": {"layout"},
+    "partition": set(),
+    "schedule": {"plan"},
+    "simresult": {"schedule"},
+    "baseline": {"partition", "simresult"},
+    "simulate": {"baseline", "plan", "schedule", "simresult"},
+    "profile": {"plan"},
+    "search": {"partition", "plan", "profile", "simulate"},
+    "planner": {"plan", "profile", "search"},
+}
+
+
+def _modules(package: str) -> dict[str, Path]:
+    base = ROOT / package
+    out = {}
+    for path in sorted(base.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = {**_modules("roundpipe_core"), **_modules("roundpipe_lightning")}
+
+
+def _imports(module: str) -> list[tuple[str, int]]:
+    """Every module of the two packages that ``module`` imports, with the line."""
+    path = MODULES[module]
+    is_pkg = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                here = module.split(".")[: None if is_pkg else -1]
+                here = here[: len(here) - node.level + 1]
+                base = ".".join(here + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            targets = [f"{base}.{a.name}" for a in node.names]
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                found.append((target, node.lineno))
+    return found
+
+
+def _part(module: str) -> str:
+    """The top-level name of a core module: ``roundpipe_core.running.devices.cpu`` ->
+    ``running``; the package itself -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _layer(module: str) -> int:
+    part = _part(module)
+    for index, (_, names) in enumerate(CORE_LAYERS):
+        if part in names:
+            return index
+    raise AssertionError(
+        f"{module} is in no layer: add {part!r} to CORE_LAYERS and docs/architecture.md"
+    )
+
+
+CORE = sorted(m for m in MODULES if m.startswith("roundpipe_core"))
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_imports_point_down(module):
+    mine = _layer(module)
+    up = [
+        f"{target} (line {line}, layer {CORE_LAYERS[_layer(target)][0]})"
+        for target, line in _imports(module)
+        if _layer(target) > mine
+    ]
+    assert not up, f"{module} (layer {CORE_LAYERS[mine][0]}) imports upward: {up}"
+
+
+@pytest.mark.parametrize("module", sorted(PLANNING))
+def test_planning_modules_import_kinds_and_lower_planning_only(module):
+    name = f"roundpipe_core.planning.{module}"
+    allowed = {"roundpipe_core.kinds"} | {f"roundpipe_core.planning.{m}" for m in PLANNING[module]}
+    found = {target for target, _ in _imports(name)}
+    assert found <= allowed, f"{module} imports {sorted(found - allowed)}"
+
+
+@pytest.mark.parametrize("module", sorted(PLANNING))
+def test_planning_imports_stay_at_module_level(module):
+    tree = ast.parse(MODULES[f"roundpipe_core.planning.{module}"].read_text())
+    nested = [
+        n.lineno
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for n in ast.walk(fn)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    ]
+    assert not nested, f"{module} imports inside a function at lines {nested}"
+
+
+def test_every_planning_module_is_listed():
+    on_disk = {m.rpartition(".")[2] for m in MODULES if m.startswith("roundpipe_core.planning.")}
+    assert on_disk == set(PLANNING)
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    graph = {m: {t for t, _ in _imports(m)} for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert _cycles() == []
+
+
+def test_the_cycle_check_can_fail(monkeypatch):
+    real = _imports
+
+    def with_back_edge(module):
+        found = real(module)
+        if module == "roundpipe_core.kinds":
+            found = [*found, ("roundpipe_core.planning.plan", 1)]
+        return found
+
+    monkeypatch.setitem(globals(), "_imports", with_back_edge)
+    assert any("roundpipe_core.kinds" in c for c in _cycles())
+
+
+def test_core_never_imports_lightning():
+    for module in CORE:
+        tree = ast.parse(MODULES[module].read_text())
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            for name in names:
+                assert not name.startswith(("lightning", "pytorch_lightning")), (
+                    f"{module} imports {name}"
+                )
+                assert not name.startswith("roundpipe_lightning"), f"{module} imports {name}"
+
+
+def test_strategy_does_not_import_the_callbacks():
+    """callbacks.py imports the strategy (to check a Trainer uses it), never the reverse."""
+    strategy = {t for t, _ in _imports("roundpipe_lightning.strategy")}
+    assert "roundpipe_lightning.callbacks" not in strategy
+
+
+def test_top_level_stays_small():
+    top = list((ROOT / "roundpipe_core").glob("*.py"))
+    assert len(top) <= 20, sorted(p.name for p in top)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_stay_short(module):
+    lines = MODULES[module].read_text().count("\n")
+    assert lines <= 600, f"{module} has {lines} lines: split it by responsibility"
+
+
+def test_the_documented_table_is_this_one():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    block = re.search(r"<!-- layers -->\n```text\n(.*?)```", doc, re.S)
+    assert block, "docs/architecture.md lost its import-direction table"
+    rows = [line.split(None, 1) for line in block.group(1).strip().splitlines()]
+    documented = [(name, set(rest.replace(",", " ").split())) for name, rest in rows]
+    assert documented == CORE_LAYERS
