@@ -9,12 +9,14 @@ RoundPipe sets up.
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import batch as batching
 from .checks import PlanFitChecker
 from .config import RoundPipeRunConfig
 from .kinds import RunType, parse_kind
 from .planning.plan import ModelExecutePlan, default_num_microbatch
-from .planning.planner import predicted_speedup
+from .planning.planner import ReplanDecision, decide_replan
 from .planning.profile import profile_of
 from .running.devices.pool import DevicePool
 from .running.timer import ModelTimer
@@ -160,9 +162,33 @@ class PlanChoice:
             return cached[0]
         plan = ModelExecutePlan.auto(rt, self, num_microbatch=m)
         assert isinstance(plan, ModelExecutePlan)  # one model in, one plan out
-        if cached is not None and plan != cached[0]:
-            gain = predicted_speedup(cached[0], plan, self, rt, self.num_devices, m)
-            if gain < 1.0 + self.DEFAULT_REPLAN_MIN_GAIN:
-                plan = cached[0]
+        if cached is not None:
+            old = cached[0]
+            plan = decide_replan(
+                old, plan, self, rt, self.num_devices, m, self.DEFAULT_REPLAN_MIN_GAIN
+            ).plan
         self._default_plans[key] = (plan, settled)
         return plan
+
+    def replan(
+        self, run_type: RunType | str, min_gain: float | None = None, **auto_kwargs: Any
+    ) -> ReplanDecision:
+        """Plan ``run_type`` from the timer now and install the result for its calls
+        (``set_plan``): the planner's choice if predicted at least ``min_gain``
+        (default ``DEFAULT_REPLAN_MIN_GAIN``) faster than the plan in use, else the plan
+        in use (:func:`~roundpipe_core.planning.planner.decide_replan`, the policy the
+        default plan's own re-plan follows). ``auto_kwargs`` go to
+        ``ModelExecutePlan.auto``.
+
+        Returns:
+            The decision: old and candidate plan, predicted gain, whether it changed.
+        """
+        rt = parse_kind(RunType, run_type, "run_type")
+        gain = self.DEFAULT_REPLAN_MIN_GAIN if min_gain is None else min_gain
+        m = self.num_microbatch_for(auto_kwargs.get("num_microbatch"))
+        old = self.plan_for(rt)
+        candidate = ModelExecutePlan.auto(rt, self, **{**auto_kwargs, "num_microbatch": m})
+        assert isinstance(candidate, ModelExecutePlan)  # one model in, one plan out
+        decision = decide_replan(old, candidate, self, rt, self.num_devices, m, gain)
+        self.set_plan(rt, decision.plan)
+        return decision

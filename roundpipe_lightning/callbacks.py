@@ -14,7 +14,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan
-from roundpipe_core.planning.planner import predicted_speedup
 from roundpipe_core.planning.simulate import simulate
 from roundpipe_core.running.trace import (
     side_by_side_trace,
@@ -23,7 +22,7 @@ from roundpipe_core.running.trace import (
     write_trace,
 )
 
-from .plans import _one_plan, describe_plan
+from .plans import describe_plan
 from .strategy import RoundPipeStrategy
 
 __all__ = ["AutoReplan", "StageTimeLogger"]
@@ -141,14 +140,15 @@ class AutoReplan(Callback):
 
     def replan(self, trainer: Trainer, rp: Any, step: int) -> ModelExecutePlan:
         """Plan from the timer now, install and log the plan; returns it."""
-        old = rp.plan_for(self.run_type)
-        candidate = _one_plan(ModelExecutePlan.auto(self.run_type, rp, **self.auto_kwargs))
-        m = rp.num_microbatch_for(self.auto_kwargs.get("num_microbatch"))
-        gain = predicted_speedup(old, candidate, rp, self.run_type, rp.num_devices, m)
+        decision = rp.replan(self.run_type, self.min_gain, **self.auto_kwargs)
+        old, candidate, gain, changed = (
+            decision.old,
+            decision.candidate,
+            decision.gain,
+            decision.changed,
+        )
+        plan = decision.plan
         self.last_predicted_gain = gain
-        changed = candidate != old and gain >= 1.0 + self.min_gain
-        plan = candidate if changed else old
-        rp.set_plan(self.run_type, plan)
         self.plan, self.last_replan_step = plan, step
         self.history.append((step, plan))
         text = describe_plan(plan)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, overload
 
 from ..kinds import RunType, parse_kind
@@ -40,6 +41,8 @@ __all__ = [
     "plan_cost",
     "plan_objective",
     "predicted_speedup",
+    "ReplanDecision",
+    "decide_replan",
     "search_plans",
     "simulated_iteration_ms",
     "stage_times",
@@ -253,3 +256,52 @@ def predicted_speedup(
         candidate, prof, rt, num_devices, num_microbatch, overlap_iterations
     )
     return old / new if new > 0 else (1.0 if old == 0 else math.inf)
+
+
+@dataclass(frozen=True)
+class ReplanDecision:
+    """The re-plan policy's verdict on a ``candidate`` plan against the plan in use
+    (``old``): take it only when the simulator, on the model's profile, predicts it at
+    least ``min_gain`` faster. Timings are noisy and near-equal plans trade places
+    from one measurement to the next; the threshold keeps the plan in use then.
+
+    Attributes:
+        old: the plan in use.
+        candidate: the planner's new choice.
+        gain: the predicted speed-up of ``candidate`` over ``old`` (1.0: the same plan).
+        min_gain: the threshold (0.05: 5 %).
+    """
+
+    old: ModelExecutePlan
+    candidate: ModelExecutePlan
+    gain: float
+    min_gain: float
+
+    @property
+    def changed(self) -> bool:
+        """Whether the candidate replaces the plan in use."""
+        return self.candidate != self.old and self.gain >= 1.0 + self.min_gain
+
+    @property
+    def plan(self) -> ModelExecutePlan:
+        """The plan to run from now on."""
+        return self.candidate if self.changed else self.old
+
+
+def decide_replan(
+    old: ModelExecutePlan,
+    candidate: ModelExecutePlan,
+    model: Any,
+    run_type: RunType | str,
+    num_devices: int,
+    num_microbatch: int,
+    min_gain: float,
+) -> ReplanDecision:
+    """The one re-plan policy of the engine (the default plan's re-plan and
+    ``AutoReplan`` both ask here): see :class:`ReplanDecision`."""
+    gain = (
+        1.0
+        if candidate == old
+        else predicted_speedup(old, candidate, model, run_type, num_devices, num_microbatch)
+    )
+    return ReplanDecision(old, candidate, gain, float(min_gain))

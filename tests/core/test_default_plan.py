@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe_core import ModelExecutePlan, RoundPipe, plan_choice
+from roundpipe_core import ModelExecutePlan, RoundPipe
+from roundpipe_core.planning import planner as planner_module
 from tests.core._util import sum_sq
 
 A = ModelExecutePlan.uniform(8, 2, "fused")
@@ -24,7 +25,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, gain: float) -> tuple[list[ModelExecut
         return B if rp.model_timer.has_measurements() else A
 
     monkeypatch.setattr(ModelExecutePlan, "_planner", staticmethod(planner))
-    monkeypatch.setattr(plan_choice, "predicted_speedup", lambda *a, **k: gain)
+    # the re-plan policy (planner.decide_replan) asks the simulator through this name
+    monkeypatch.setattr(planner_module, "predicted_speedup", lambda *a, **k: gain)
     torch.manual_seed(0)
     rp = RoundPipe(nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)]), devices="cpu:2")
     used = []
@@ -52,3 +54,28 @@ def test_a_small_predicted_gain_keeps_the_first_plan(monkeypatch) -> None:
     used, asked = _run(monkeypatch, gain=1.0 + RoundPipe.DEFAULT_REPLAN_MIN_GAIN / 2)
     assert used == [A] * 8
     assert asked == 2  # settled: not asked again on every call
+
+
+@pytest.mark.parametrize(("gain", "changed"), [(1.02, False), (2.0, True)])
+def test_replan_follows_the_same_policy(monkeypatch, gain, changed) -> None:
+    """RoundPipe.replan (what AutoReplan calls) takes the planner's plan only for a
+    predicted gain of at least min_gain, the rule the default plan's re-plan follows."""
+    monkeypatch.setattr(ModelExecutePlan, "_planner", staticmethod(lambda *a, **k: B))
+    monkeypatch.setattr(planner_module, "predicted_speedup", lambda *a, **k: gain)
+    rp = RoundPipe(nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)]), devices="cpu:2")
+    try:
+        rp.set_plan("fused", A)
+        decision = rp.replan("fused", min_gain=0.05)
+        assert (decision.old, decision.candidate, decision.gain) == (A, B, gain)
+        assert decision.changed is changed
+        assert rp.plan_for("fused") == (B if changed else A)
+        if changed:  # the planner now picks the plan in use: no gain, no change
+            again = rp.replan("fused", min_gain=0.0)
+            assert again.gain == 1.0 and not again.changed
+    finally:
+        rp.close()
+
+
+def test_replan_of_the_same_plan_predicts_no_gain() -> None:
+    decision = planner_module.decide_replan(A, A, None, "fused", 2, 3, 0.0)
+    assert decision.gain == 1.0 and not decision.changed and decision.plan == A
