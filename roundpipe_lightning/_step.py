@@ -5,16 +5,30 @@ With ``async_step=True`` the strategy's ``optimizer_step`` returns before
 ``optimizer.step()`` has run, and Lightning then steps the LR schedulers on the
 main thread. Reading ``param_groups`` on the optimizer thread would race with
 that write and pick up the *next* step's learning rate. So the param groups are
-copied when the step is queued, and while the queued step runs, the optimizer's
-``param_groups`` read *on that thread* is the copy; every other thread (the
-schedulers, ``LearningRateMonitor``) keeps seeing and writing the live groups.
-Entries the step itself writes into its groups are carried back afterwards.
+copied when the step is queued, and the queued step runs on a *twin* of the
+optimizer: an instance of the same class that shares everything with the
+user's optimizer (state, hooks, defaults) except ``param_groups``, which is the
+copy. The user's object is not touched: its class and its groups stay its own,
+and the schedulers, ``LearningRateMonitor`` and checkpoints keep seeing the live
+groups. What the step writes into its groups or rebinds on the twin (step
+counters of some optimizers) is carried back afterwards.
+
+A ``step`` set on the instance is honoured: an LR scheduler's wrapper (it only
+marks the step as called, which :func:`mark_step_requested` does when the step is
+queued) gives way to the class's ``step``; a method bound to the optimizer is
+bound to the twin instead. Any other callable (user code wrapping the live
+optimizer's ``step``) cannot be moved to the twin: it runs on the user's
+optimizer with its live groups, with a warning that a scheduler's next value may
+be seen.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import types
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,73 +47,26 @@ __all__ = [
     "overlap_blocker",
     "in_order",
     "steps_in_parts",
-    "release",
-    "mark_step_requested",
-    "uncount_last_step",
 ]
 
-_local = threading.local()
+_MISSING = object()
+
+#: instance attributes a twin does not take over: its own groups, and the LR scheduler's
+#: per-instance ``step`` wrapper (bound to the user's object, it would step that one)
+_NOT_SHARED = ("param_groups", "step")
 
 
-class _ThreadGroups:
-    """``param_groups`` of an optimizer: the queued step's copy on the thread running
-    that step, the instance's own list everywhere else."""
-
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
-        current = getattr(_local, "step", None)
-        if current is not None and current[0] is obj:
-            return current[1]
-        return obj.__dict__["param_groups"]
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__["param_groups"] = value
+#: optimizers already warned about an instance-level step that reads the live groups
+_WARNED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _install(optimizer: Optimizer) -> None:
-    """Give ``optimizer`` a same-named subclass whose ``param_groups`` is per-thread
-    (an instance attribute cannot be; the class is restored by :func:`release`)."""
-    cls = type(optimizer)
-    if isinstance(cls.__dict__.get("param_groups"), _ThreadGroups):
-        return
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        sub = _SUBCLASSES[cls] = type(
-            cls.__name__,
-            (cls,),
-            {
-                "param_groups": _ThreadGroups(),
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-                "_roundpipe_base": cls,
-                "__reduce_ex__": _reduce_as_base,
-            },
-        )
-    optimizer.__class__ = sub
-
-
-def _rebuild_as(cls: Any, state: Any) -> Any:
-    obj = cls.__new__(cls)
-    obj.__setstate__(state)
-    return obj
-
-
-def _reduce_as_base(self: Any, protocol: Any) -> Any:
-    """Pickle (and deep-copy) an installed optimizer as an instance of its own class:
-    pickle finds a class by module and name, which lead to the base, not to the
-    per-thread subclass (which has the same names)."""
-    return _rebuild_as, (type(self).__dict__["_roundpipe_base"], self.__getstate__())
-
-
-def release(optimizer: Optimizer) -> None:
-    """Give ``optimizer`` its own class back (at teardown)."""
-    base = type(optimizer).__dict__.get("_roundpipe_base")
-    if base is not None:
-        optimizer.__class__ = base
+def _own_step(optimizer: Optimizer) -> Any:
+    """``step`` set on the instance, or None (the class's, or an LR scheduler's wrapper
+    that only marks the call)."""
+    own = vars(optimizer).get("step")
+    if own is None or getattr(own, "_wrapped_by_lr_sched", False):
+        return None
+    return own
 
 
 def _frozen(value: Any) -> Any:
@@ -115,27 +82,60 @@ class QueuedStep:
     """
 
     def __init__(self, optimizer: Optimizer) -> None:
-        _install(optimizer)
         self.optimizer = optimizer
         live = optimizer.param_groups
         self.hyper = [{k: _frozen(v) for k, v in g.items() if k != "params"} for g in live]
         self.groups = [{**h, "params": g["params"]} for h, g in zip(self.hyper, live)]
         self.live = list(live)
 
+    def _twin(self) -> tuple[Optimizer, dict[str, Any]]:
+        """A same-class optimizer sharing the user's state and hooks, with this step's
+        groups; and the attributes it started with (to see what the step rebinds)."""
+        opt = self.optimizer
+        shared = {k: v for k, v in vars(opt).items() if k not in _NOT_SHARED}
+        twin = object.__new__(type(opt))
+        vars(twin).update(shared)
+        vars(twin)["param_groups"] = self.groups
+        own = _own_step(opt)
+        if isinstance(own, types.MethodType) and own.__self__ is opt:
+            vars(twin)["step"] = types.MethodType(own.__func__, twin)
+        return twin, shared
+
     def run(self, params: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
         """The step, over ``params`` only if given (a layer-wise step's part)."""
-        opt = self.optimizer
-        _local.step = (opt, self.groups)
-        try:
-            out = opt.step(**kwargs) if params is None else step_subset(opt, params, **kwargs)
-        finally:
-            _local.step = None
+        own = _own_step(self.optimizer)
+        if own is not None and not (
+            isinstance(own, types.MethodType) and own.__self__ is self.optimizer
+        ):
+            return self._run_live(params, **kwargs)
+        twin, before = self._twin()
+        out = twin.step(**kwargs) if params is None else step_subset(twin, params, **kwargs)
+        # attributes the step rebound on the twin (counters kept outside the groups)
+        target = vars(self.optimizer)
+        for key, value in vars(twin).items():
+            if key not in _NOT_SHARED and before.get(key, _MISSING) is not value:
+                target[key] = value
         # entries the step wrote into its groups (step counters of some optimizers)
-        for h, g, target in zip(self.hyper, self.groups, self.live):
+        for h, g, live in zip(self.hyper, self.groups, self.live):
             for key, value in g.items():
                 if key != "params" and (key not in h or h[key] is not value):
-                    target[key] = value
+                    live[key] = value
         return out
+
+    def _run_live(self, params: Sequence[Tensor] | None, **kwargs: Any) -> Any:
+        """A user's ``step`` wrapper on the instance: it reads the live groups."""
+        opt = self.optimizer
+        if opt not in _WARNED:
+            _WARNED.add(opt)
+            warnings.warn(
+                f"{type(opt).__name__}.step was replaced on the instance; with "
+                "RoundPipeStrategy(async_step=True) it runs on the optimizer thread and reads "
+                "the live param_groups, so a hyperparameter an LR scheduler sets for the next "
+                "step may already be seen. Override step in a subclass instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return opt.step(**kwargs) if params is None else step_subset(opt, params, **kwargs)
 
 
 def steps_in_parts(optimizer: Optimizer, module: pl.LightningModule) -> bool:

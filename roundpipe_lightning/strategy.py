@@ -76,7 +76,6 @@ from ._step import (
     in_order,
     mark_step_requested,
     overlap_blocker,
-    release,
     steps_in_parts,
     uncount_last_step,
 )
@@ -354,7 +353,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         for opt in self.optimizers:
             adopt_optimizer(_raw(opt), self.roundpipe, self._real_zero_grad)
             if self.fuse_optimizer:
-                # on the masters (host, fp32), before anything replaces the optimizer's class
+                # on the masters (host, fp32)
                 fuse_optimizer(_raw(opt))
 
     @override
@@ -370,7 +369,6 @@ class RoundPipeStrategy(CheckpointingStrategy):
             raw = _raw(opt)
             if id(raw) in self._real_zero_grad and "zero_grad" in vars(raw):
                 del raw.zero_grad
-            release(raw)
         self._real_zero_grad.clear()
 
     # -- training --------------------------------------------------------------------------------------

@@ -106,9 +106,9 @@ def test_failed_async_step_is_not_counted_in_the_exception_checkpoint(tmp_path: 
 
 
 def test_the_optimizer_pickles_as_its_own_class_during_an_async_fit() -> None:
-    """While an async fit runs, the optimizer's param_groups are per-thread (a subclass
-    with the same name): pickling or copying it gives a plain instance of the user's
-    class with the same state."""
+    """While an async fit runs, the user's optimizer keeps its own class (the queued
+    step runs on a twin with the step's groups): pickling or copying it gives a plain
+    instance of the user's class with the same state."""
     import pickle
 
     seen: dict[str, Any] = {}
@@ -116,7 +116,7 @@ def test_the_optimizer_pickles_as_its_own_class_during_an_async_fit() -> None:
     class Snapshot(L.Callback):
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             opt = trainer.optimizers[0]
-            seen["installed"] = type(opt) is not torch.optim.SGD
+            seen["own_class"] = type(opt) is torch.optim.SGD
             for how, copied in (
                 ("pickle", pickle.loads(pickle.dumps(opt))),
                 ("deepcopy", copy.deepcopy(opt)),
@@ -129,6 +129,73 @@ def test_the_optimizer_pickles_as_its_own_class_during_an_async_fit() -> None:
 
     m = Momentum()
     rp_trainer(max_steps=3, async_step=True, callbacks=[Snapshot()]).fit(m, loader())
-    assert seen["installed"]  # the case this is about: the class was swapped
+    assert seen["own_class"]  # no class of ours in the user's object
     n = len(list(m.parameters()))
     assert seen["pickle"] == seen["deepcopy"] == (torch.optim.SGD, n)
+
+
+def _sgd_with_grad(lr: float = 0.1, **kw: Any) -> tuple[torch.nn.Parameter, torch.optim.SGD]:
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    return p, torch.optim.SGD([p], lr=lr, **kw)
+
+
+def test_queued_step_runs_with_the_queued_hyperparameters_on_a_twin() -> None:
+    from roundpipe_lightning._step import QueuedStep
+
+    p, opt = _sgd_with_grad(momentum=0.9)
+    queued = QueuedStep(opt)
+    opt.param_groups[0]["lr"] = 100.0  # a scheduler sets the next step's value meanwhile
+    queued.run()
+    assert torch.allclose(p.detach(), torch.full((2,), 0.9))  # lr 0.1, not 100
+    assert type(opt) is torch.optim.SGD and opt.param_groups[0]["lr"] == 100.0
+    assert "momentum_buffer" in opt.state[p]  # the twin shares the user's state
+
+
+def test_queued_step_carries_back_what_the_step_rebinds() -> None:
+    from roundpipe_lightning._step import QueuedStep
+
+    class Counting(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure: Any = None) -> Any:
+            self.calls += 1  # rebinds an instance attribute
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    opt = Counting([p], lr=0.1)
+    QueuedStep(opt).run()
+    QueuedStep(opt).run()
+    assert opt.calls == 2 and type(opt) is Counting
+
+
+def test_queued_step_binds_an_instance_method_step_to_the_twin() -> None:
+    import types
+
+    from roundpipe_lightning._step import QueuedStep
+
+    p, opt = _sgd_with_grad()
+    seen_lr = []
+
+    def step(self: Any, closure: Any = None) -> Any:
+        seen_lr.append(self.param_groups[0]["lr"])
+        return torch.optim.SGD.step(self, closure)
+
+    opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+    queued = QueuedStep(opt)
+    opt.param_groups[0]["lr"] = 100.0
+    queued.run()
+    assert seen_lr == [0.1]
+    assert torch.allclose(p.detach(), torch.full((2,), 0.9))
+
+
+def test_queued_step_warns_when_a_wrapper_must_read_the_live_groups() -> None:
+    from roundpipe_lightning._step import QueuedStep
+
+    p, opt = _sgd_with_grad()
+    real = opt.step
+    opt.step = lambda *a, **k: real(*a, **k)  # type: ignore[method-assign]
+    with pytest.warns(RuntimeWarning, match="replaced on the instance"):
+        QueuedStep(opt).run()
+    assert torch.allclose(p.detach(), torch.full((2,), 0.9))
