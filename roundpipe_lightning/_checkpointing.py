@@ -11,12 +11,11 @@ provides the RoundPipe, the loss scaler and the weight flush it uses.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -24,6 +23,8 @@ from typing_extensions import override
 
 from roundpipe_core import RoundPipe
 
+from ._private import WrappingCheckpointIO, uncount_saved_steps
+from ._run_state import RunState
 from ._topology import ProcessTopologyStrategy
 from .checkpoint_io import (
     CHECKPOINT_FORMAT,
@@ -40,6 +41,7 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
     """Checkpoint save / load of a RoundPipe run (see the module docstring)."""
 
     _rp: RoundPipe | None
+    _run: RunState
 
     @property
     def _loss_scaler(self) -> LossScaler | None:
@@ -55,7 +57,7 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
         unless a ``checkpoint_io`` was passed to the strategy or the Trainer's plugins."""
         if self._checkpoint_io is None:
             self._checkpoint_io = StreamingCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+        elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
             # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
             self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
         return self._checkpoint_io
@@ -104,10 +106,15 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         if self._rp is not None:
             checkpoint[CHECKPOINT_KEY] = self.roundpipe_state_dict()
+        lm = self.lightning_module
+        if lm is not None:
+            # steps Lightning counted when queued whose update failed: the weights saved
+            # here never received them (read after the weights were flushed above)
+            uncount_saved_steps(checkpoint, self._run.steps.lost, lm.automatic_optimization)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

@@ -22,6 +22,8 @@ from roundpipe_core.running.host_memory import (
     estimate_host_memory,
 )
 
+from ._private import defer_zero_grad
+
 __all__ = [
     "parse_dtype",
     "check_bool",
@@ -191,12 +193,7 @@ def adopt_optimizer(
             "RoundPipe will not train it. Build it from self.parameters()."
         )
     if id(opt) not in real_zero_grad:
-        real_zero_grad[id(opt)] = opt.zero_grad
-
-        def deferred_zero_grad(set_to_none: bool = True) -> None:
-            """Gradients are cleared by the RoundPipe step right after the update."""
-
-        opt.zero_grad = deferred_zero_grad  # type: ignore[method-assign]
+        real_zero_grad[id(opt)] = defer_zero_grad(opt)
 
 
 def op_name(reduce_op: ReduceOp | str | None) -> str:

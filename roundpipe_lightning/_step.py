@@ -14,7 +14,7 @@ groups. What the step writes into its groups or rebinds on the twin (step
 counters of some optimizers) is carried back afterwards.
 
 A ``step`` set on the instance is honoured: an LR scheduler's wrapper (it only
-marks the step as called, which :func:`mark_step_requested` does when the step is
+marks the step as called, which the strategy does when the step is
 queued) gives way to the class's ``step``; a method bound to the optimizer is
 bound to the twin instead. Any other callable (user code wrapping the live
 optimizer's ``step``) cannot be moved to the twin: it runs on the user's
@@ -40,6 +40,8 @@ from torch.optim import Optimizer
 
 from roundpipe_core.stepping.layerwise import step_subset, steps_elementwise
 
+from ._private import is_lr_scheduler_step_wrapper, make_wrapper_tensor, op_is_mutable
+
 __all__ = [
     "QueuedStep",
     "LazyLoss",
@@ -64,7 +66,7 @@ def _own_step(optimizer: Optimizer) -> Any:
     """``step`` set on the instance, or None (the class's, or an LR scheduler's wrapper
     that only marks the call)."""
     own = vars(optimizer).get("step")
-    if own is None or getattr(own, "_wrapped_by_lr_sched", False):
+    if own is None or is_lr_scheduler_step_wrapper(own):
         return None
     return own
 
@@ -160,28 +162,6 @@ def in_order(*fns: Callable[[], Any]) -> Callable[[], None]:
     return run
 
 
-def mark_step_requested(optimizer: Optimizer) -> None:
-    """Tell an LR scheduler watching ``optimizer`` that a step was requested: it warns
-    about ``scheduler.step()`` before ``optimizer.step()`` otherwise, since the queued
-    step runs later, on another thread."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-
-
-def uncount_last_step(trainer: Any) -> None:
-    """Take back the last optimizer step from ``trainer.global_step``: it was counted when
-    it was queued (Lightning counts a step when ``optimizer_step`` returns) but failed on
-    the optimizer thread, so the weights never received it."""
-    lm = trainer.lightning_module
-    loop = trainer.fit_loop.epoch_loop
-    if lm.automatic_optimization:
-        progress = loop.automatic_optimization.optim_progress.optimizer.step
-    else:
-        progress = loop.manual_optimization.optim_step_progress
-    for tracker in (progress.total, progress.current):
-        tracker.completed = max(0, tracker.completed - 1)
-
-
 class LazyLoss(torch.Tensor):
     """A loss whose value is computed later: the result of a non-blocking
     ``forward_backward`` seen as a tensor.
@@ -202,9 +182,7 @@ class LazyLoss(torch.Tensor):
     def __new__(
         cls, thunk: Callable[[], torch.Tensor], shape: torch.Size, dtype: torch.dtype
     ) -> LazyLoss:
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=torch.device("cpu"), requires_grad=False
-        )
+        t = make_wrapper_tensor(cls, shape, dtype)
         t._thunk, t._value = thunk, None
         t._lock = threading.Lock()
         return t
@@ -250,7 +228,7 @@ class LazyLoss(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         lazy = [a for a in _flat((args, kwargs)) if isinstance(a, LazyLoss) and not a.resolved]
-        if lazy and not func._schema.is_mutable:
+        if lazy and not op_is_mutable(func):
             meta = _on_meta(func, args, kwargs)
             if isinstance(meta, torch.Tensor):
 
@@ -318,7 +296,7 @@ _GRAD_HOOKS_CALLBACK = ("on_after_backward", "on_before_optimizer_step")
 
 
 def overlap_blocker(
-    trainer: Any, async_step: bool, world_size: int, has_scaler: bool, grad_hooks: Any
+    trainer: Any, async_step: bool, world_size: int, has_scaler: bool, grad_hooks: bool
 ) -> str | None:
     """Why this run cannot overlap its iterations (None if it can)."""
     from lightning.pytorch import Callback

@@ -22,6 +22,7 @@ from roundpipe_core.running.trace import (
     write_trace,
 )
 
+from ._private import lightning_log_step
 from .plans import describe_plan
 from .strategy import RoundPipeStrategy
 
@@ -281,7 +282,7 @@ class StageTimeLogger(Callback):
         if trainer.global_step == self._global_step_at_start or not trainer.loggers:
             return
         every = self.every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
-        step = _lightning_log_step(trainer)
+        step = lightning_log_step(trainer)
         # Lightning also logs the batch after which training stops (early stopping)
         due = every >= 1 and ((step + 1) % every == 0 or trainer.should_stop)
         if not due or step == self._last_step:
@@ -377,14 +378,3 @@ def _plan_of(jobs: list[Any]) -> ModelExecutePlan:
     fwd = sorted((j for j in jobs if j.kind == "forward"), key=lambda j: j.stage)
     bwd = sorted((j for j in jobs if j.kind != "forward"), key=lambda j: j.stage)
     return ModelExecutePlan([j.layers for j in fwd], [j.layers for j in bwd])
-
-
-def _lightning_log_step(trainer: Trainer) -> int:
-    """The step Lightning logs the current batch's metrics at: the optimizer steps
-    before this batch (``fit_loop.epoch_loop._batches_that_stepped``, which Lightning
-    increments only after ``on_train_batch_end``)."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    step = getattr(loop, "_batches_that_stepped", None)
-    if isinstance(step, int) and not isinstance(step, bool):
-        return step
-    return trainer.global_step - 1  # one optimizer: the same count

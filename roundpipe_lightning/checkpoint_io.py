@@ -32,11 +32,11 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
@@ -55,7 +55,7 @@ CHECKPOINT_KEY = "roundpipe"
 CHECKPOINT_FORMAT = 1
 
 
-def _is_local(path: _PATH) -> bool:
+def _is_local(path: str | Path) -> bool:
     protocol = get_filesystem(path).protocol
     protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol)
     return "file" in protocols or "local" in protocols
@@ -119,7 +119,7 @@ class StreamingCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None
     ) -> None:
         """Write ``checkpoint`` to ``path`` atomically, streaming each tensor to the file.
 
@@ -172,7 +172,7 @@ class StreamingCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: str | Path,
         map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:

@@ -28,13 +28,14 @@ from typing import Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.trainer import call as _call
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from roundpipe_core.amp import GradScaler
+
+from ._private import call_before_optimizer_step_hooks
 
 __all__ = ["SUPPORTED", "LossScaler", "AmpLossScaler", "DynamicLossScaler", "RoundPipePrecision"]
 
@@ -365,8 +366,7 @@ class RoundPipePrecision(Precision):
             found_inf = self.scaler.unscale_(p for g in optimizer.param_groups for p in g["params"])
         if defer_clipping:
             trainer = model.trainer
-            _call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-            _call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+            call_before_optimizer_step_hooks(trainer, optimizer)
         else:
             self._after_closure(
                 model, optimizer

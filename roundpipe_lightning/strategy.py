@@ -32,7 +32,6 @@ Several processes (one per node) are data parallel over ``torch.distributed``
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -41,7 +40,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -57,6 +55,8 @@ from roundpipe_core.running.host_memory import check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
 from ._flush import FlushWeights
+from ._private import mark_lr_scheduler_step_called, restore_zero_grad
+from ._run_state import RunState
 from ._setup import (
     adopt_optimizer,
     check_bool,
@@ -74,10 +74,8 @@ from ._step import (
     OverlappedForwardBackward,
     QueuedStep,
     in_order,
-    mark_step_requested,
     overlap_blocker,
     steps_in_parts,
-    uncount_last_step,
 )
 from .checkpoint_io import (
     CHECKPOINT_FORMAT,
@@ -93,8 +91,18 @@ log = logging.getLogger(__name__)
 _MISSING = object()
 
 
+def _trainer_of(lm: pl.LightningModule | None) -> pl.Trainer | None:
+    """The Trainer ``lm`` is attached to, or None."""
+    if lm is None:
+        return None
+    try:
+        return lm.trainer
+    except RuntimeError:  # "not attached to a Trainer"
+        return None
+
+
 def _raw(opt: Any) -> Optimizer:
-    return opt._optimizer if isinstance(opt, LightningOptimizer) else opt
+    return opt.optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
 class RoundPipeStrategy(CheckpointingStrategy):
@@ -192,20 +200,14 @@ class RoundPipeStrategy(CheckpointingStrategy):
         self.async_step = check_bool("async_step", async_step)
         self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer)
         self.overlap_iterations = check_bool("overlap_iterations", overlap_iterations)
-        self._overlap = False  # this fit overlaps its iterations (decided at train start)
         self.recompute_grain = recompute_grain
         self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state)
         self.model_run_config = model_run_config
         self._num_nodes = 1
         self._rp: RoundPipe | None = None
-        self._rp_open = False
+        # phase, overlap, and the steps in flight and lost: one object, not six flags
+        self._run = RunState()
         self._real_zero_grad: dict[int, Callable[..., None]] = {}
-        self._in_training_step = False
-        self._step_failed = False
-        self._failed = False
-        # steps Lightning counted when they were queued that have not reached the weights
-        self._unapplied = 0
-        self._unapplied_lock = threading.Lock()
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
         try:
@@ -308,7 +310,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             # a synchronous step may update the weights in place: no separate fp32 copy
             shared_masters=not self.async_step,
         )
-        self._rp, self._rp_open = rp, True
+        self._rp = rp
+        self._run.open()
         try:
             plan = resolve_execute_plan(self.execute_plan, rp, "fused")
             if plan is not None:
@@ -316,7 +319,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             rp.loss_multiplier = self._loss_multiplier
             if self.overlap_iterations:
                 rp.forward_backward_hook = OverlappedForwardBackward(
-                    lambda: self._in_training_step and self._overlap, self._pipeline_failed
+                    lambda: self._run.in_training_step and self._run.overlap,
+                    self._pipeline_failed,
                 )
         except BaseException:
             self._close_roundpipe()
@@ -338,12 +342,13 @@ class RoundPipeStrategy(CheckpointingStrategy):
     def _loss_multiplier(self) -> float:
         """Factor on each microbatch loss inside ``forward_backward``: ``1/k`` for
         ``accumulate_grad_batches=k`` (as Lightning divides the loss) times the loss scale."""
-        if not self._in_training_step:
+        if not self._run.in_training_step:
             return 1.0
         factor = 1.0
         lm = self.lightning_module
-        if lm is not None and lm.automatic_optimization and lm._trainer is not None:
-            factor /= lm.trainer.accumulate_grad_batches
+        trainer = _trainer_of(lm)
+        if lm is not None and lm.automatic_optimization and trainer is not None:
+            factor /= trainer.accumulate_grad_batches
         return factor * self.precision_plugin.loss_scale()
 
     # -- optimizers ---------------------------------------------------------------------------------
@@ -367,15 +372,15 @@ class RoundPipeStrategy(CheckpointingStrategy):
     def _release_optimizers(self) -> None:
         for opt in self.optimizers:
             raw = _raw(opt)
-            if id(raw) in self._real_zero_grad and "zero_grad" in vars(raw):
-                del raw.zero_grad
+            if id(raw) in self._real_zero_grad:
+                restore_zero_grad(raw)
         self._real_zero_grad.clear()
 
     # -- training --------------------------------------------------------------------------------------
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._overlap = False
+        self._run.overlap = False
         lm = self.lightning_module
         if not self.overlap_iterations or self._rp is None or lm is None:
             return
@@ -384,23 +389,21 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self.async_step,
             self.world_size,
             self._loss_scaler is not None,
-            getattr(self._rp, "_grad_hooks", ()),
+            self._rp.has_grad_hooks,
         )
         if reason is not None:
             log.info("RoundPipeStrategy(overlap_iterations=True) runs blocking: %s", reason)
-        self._overlap = reason is None
+        self._run.overlap = reason is None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._in_training_step = True
-        try:
-            return super().training_step(*args, **kwargs)
-        except BaseException:
-            if self._step_failed:  # a queued step failed while this step ran
-                self._pipeline_failed()
-            raise
-        finally:
-            self._in_training_step = False
+        with self._run.training_step():
+            try:
+                return super().training_step(*args, **kwargs)
+            except BaseException:
+                if self._run.steps.step_failed:  # a queued step failed while this step ran
+                    self._pipeline_failed()
+                raise
 
     @override
     def backward(
@@ -428,7 +431,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         opt = _raw(optimizer)
         rp = self.roundpipe
 
-        overlap = self._overlap
+        overlap = self._run.overlap
+        steps = self._run.steps
 
         def closure_and_reduce() -> Any:
             # (several processes: the closure's backward starts all-reducing finished layers)
@@ -458,23 +462,21 @@ class RoundPipeStrategy(CheckpointingStrategy):
                 elif do_update:
                     opt.step(**kwargs)
             except BaseException:
-                self._step_failed = True
+                steps.mark_failed()
                 raise
 
         def finish() -> None:
             try:
                 zero_grad(set_to_none=True)
             except BaseException:
-                self._step_failed = True
+                steps.mark_failed()
                 raise
             if do_update:
-                with self._unapplied_lock:
-                    self._unapplied -= 1
+                steps.applied()
 
         if do_update:
-            mark_step_requested(opt)
-            with self._unapplied_lock:
-                self._unapplied += 1
+            mark_lr_scheduler_step_called(opt)
+            steps.queued()
         if overlap and queued is not None and steps_in_parts(opt, model):
             # the deepest layers step while the backward still runs on the first ones
             rp.step_layerwise(step_params, finish)
@@ -488,7 +490,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         step is raised here; it was already counted by Lightning when it was queued, so
         the count is taken back (a checkpoint saved on the exception then records the
         global step its weights belong to)."""
-        if self._rp is None or not self._rp_open:
+        if self._rp is None or not self._run.is_open:
             return
         try:
             self._rp.synchronize()
@@ -497,21 +499,16 @@ class RoundPipeStrategy(CheckpointingStrategy):
             raise
 
     def _take_back_lost_steps(self) -> None:
-        """After a failure, with nothing in flight: take back the steps Lightning counted
-        when they were queued that never reached the weights."""
-        self._step_failed = False
-        with self._unapplied_lock:
-            lost, self._unapplied = self._unapplied, 0
-        lm = self.lightning_module
-        if self.async_step and lm is not None and lm._trainer is not None:
-            for _ in range(lost):
-                uncount_last_step(lm.trainer)
+        """After a failure, with nothing in flight: the steps Lightning counted when they
+        were queued that never reached the weights are lost; a checkpoint written from
+        now on takes them back from its step count (``save_checkpoint``)."""
+        self._run.steps.take_back()
 
     def _pipeline_failed(self) -> None:
         """An overlapped iteration failed (raised by the next call or by its lazy loss):
         the steps deferred behind it are dropped. Wait until nothing is in flight, then
         take their counts back, before the error reaches Lightning's exception hooks."""
-        if self._rp is not None and self._rp_open:
+        if self._rp is not None and self._run.is_open:
             try:
                 self._rp.synchronize()
             except BaseException as exc:  # the failure being raised, or its consequence
@@ -537,25 +534,24 @@ class RoundPipeStrategy(CheckpointingStrategy):
     # -- teardown --------------------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        self._run.fail()
         self._dp.abort()
 
     def _close_roundpipe(self) -> None:
         """Finish the in-flight step, stop the worker threads, undo what setup installed."""
         rp = self._rp
-        if rp is None or not self._rp_open:
+        if rp is None or not self._run.is_open:
             return
-        self._rp_open = False
+        failed = self._run.close()
         try:
             rp.close()
         except BaseException as exc:
-            if not self._failed:
+            if not failed:
                 raise
             log.debug("RoundPipe.close() after a failure raised: %r", exc)
         finally:
             rp.loss_multiplier = None
             rp.forward_backward_hook = None
-            self._overlap = False
             lm = self.lightning_module
             if lm is not None and lm.__dict__.get("roundpipe") is rp:
                 object.__delattr__(lm, "roundpipe")
@@ -570,10 +566,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self._close_roundpipe()
         finally:
             self._release_optimizers()
-            self._failed = self._step_failed = False
-            self._unapplied = 0
-            lm = self.lightning_module
-            trainer = lm._trainer if lm is not None else None
+            self._run.end()
+            trainer = _trainer_of(self.lightning_module)
             callbacks: list[Callback] = getattr(trainer, "callbacks", [])
             if self._flush_callback in callbacks:
                 callbacks.remove(self._flush_callback)
@@ -583,7 +577,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
     # -- registry -------------------------------------------------------------------------------------
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="RoundPipe pipelined training"
         )
