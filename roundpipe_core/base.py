@@ -27,8 +27,9 @@ from .running.devices import memory
 from .running.devices.pool import DevicePool
 from .running.trace import SpanRecorder, chrome_trace, spans_from_roundpipe
 from .stepping.masters import MasterWeights
-from .stepping.pipelined import GradBuffer, PipelinedRuns
-from .stepping.stepper import ClosedError, Stepper
+from .stepping.owner import StepOwner
+from .stepping.pipelined import GradBuffer
+from .stepping.stepper import ClosedError
 
 __all__ = ["OptimizerCtx", "RoundPipeBase"]
 
@@ -62,14 +63,14 @@ def _default_dtype_of(model: nn.Module) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def _release(name: str, pool: DevicePool | None, stepper: Stepper, pin_handle: Any = None) -> None:
+def _release(name: str, pool: DevicePool | None, steps: StepOwner, pin_handle: Any = None) -> None:
     """Free a RoundPipe's threads and memory (``close()``, garbage collection or exit).
 
     It never waits for a step still running -- a stuck ``step_fn`` must not hang
     interpreter exit -- and warns about a step error nobody has seen.
     """
-    unseen = stepper.unobserved_error()
-    stepper.shutdown()
+    unseen = steps.unobserved_error()
+    steps.shutdown()
     if pool is not None:
         pool.close()
     if pin_handle is not None:
@@ -173,8 +174,8 @@ class RoundPipeBase(nn.Module):
         self.shared_masters = shared_masters
         self._warned_sync_step = False
         object.__setattr__(self, "_master_owner", master_owner)
-        self._stepper = Stepper(self.name)
-        self._pipeline = PipelinedRuns(layers, self.masters, self._stepper)
+        # the optimizer side (thread, weight versions, overlapped iterations): one owner
+        self._steps = StepOwner(self.name, layers, self.masters)
         self._call_lock = threading.RLock()  # issues one call at a time
         self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         # optimizer steps for last_trace(); a few are enough to cover the last call
@@ -184,7 +185,7 @@ class RoundPipeBase(nn.Module):
             _release,
             self.name,
             None if isinstance(devices, DevicePool) else self.pool,
-            self._stepper,
+            self._steps,
             pin_handle,
         )
 
@@ -286,12 +287,9 @@ class RoundPipeBase(nn.Module):
 
     def _fold_grads(self, buffer: GradBuffer) -> None:
         """Add a finished call's buffered gradients to the masters' ``.grad``."""
-        home = self._home()
-        # the asynchronous step in flight reads and clears the master grads: wait for it
-        # (and for the merges workers handed to the optimizer thread behind it)
-        home.wait_step()
-        home._stepper.wait_after()
-        home.masters.add_many(buffer.take())
+        # the asynchronous step in flight reads and clears the master grads: the home's
+        # owner waits for it (and for the merges workers handed to it) before adding
+        self._home()._steps.fold(buffer)
 
     def register_grad_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> Callable[[], None]:
         """Call ``hook(masters)`` as soon as those master gradients are complete for the
@@ -340,7 +338,7 @@ class RoundPipeBase(nn.Module):
             if final:
                 # merge and report once the step in flight has read the previous gradients,
                 # on the optimizer thread if need be: the worker goes on to its next job
-                home._stepper.after_step(
+                home._steps.after_step(
                     functools.partial(_merge_and_report, home, buffer, final, hooks)
                 )
 
@@ -383,36 +381,13 @@ class RoundPipeBase(nn.Module):
         is_async = self._async_allowed(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
         fn = self._step_recorder.wrap(fn)
-        self._pipeline.raise_failure()
-        if self._pipeline.inflight():
-            self._pipeline.defer_step(fn)  # its error is raised through raise_failure()
-        elif is_async and self._publishes_in_background():
-            # the previous step's weights go into the model on the optimizer thread, ahead
-            # of this step, instead of on the caller; the next call waits for each layer's
-            # copy as it uploads that layer
-            self._home().masters.take_back_grads()
-            self._pipeline.queue_publish_then_step(fn)
-        else:
-            self._settle()
-            self._stepper.queue_step(fn)  # its error is raised by synchronize()
-        if not is_async:
-            self._settle()
+        self._steps.step(fn, is_async, self._may_publish_in_background(), settle=self._settle)
 
-    def _publishes_in_background(self) -> bool:
+    def _may_publish_in_background(self) -> bool:
         """Whether an asynchronous ``step()`` after blocking calls may leave the copy of
         the previous step's weights to the optimizer thread: only a wrapper whose
         blocking calls wait for that copy layer by layer (``RoundPipe`` overrides this)."""
         return False
-
-    def _previous_step_lets_publish_in_background(self) -> bool:
-        """The step before is a plain one that has not failed already (that error is
-        raised by this ``step()``, as always)."""
-        pending = self._stepper.pending()
-        if pending is None:
-            return True
-        if self._stepper.pending_is_guarded():
-            return False
-        return not (pending.done() and pending.exception() is not None)
 
     def _async_allowed(self, is_async: bool) -> bool:
         """``is_async``, unless a master is shared: the step then writes the weights the
@@ -459,21 +434,15 @@ class RoundPipeBase(nn.Module):
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be True or False, got {is_async!r}")
         self._check_open()
-        self._pipeline.raise_failure()
-        if not self._pipeline.inflight():
-            masters = self._home().masters.params()
-
-            def whole() -> None:
-                step_params(masters)
-                if finish is not None:
-                    finish()
-
-            self.step(whole, is_async=is_async)
-            return
         is_async = self._async_allowed(is_async)
-        self._pipeline.defer_layerwise_step(step_params, finish, self._step_recorder.wrap)
-        if not is_async:
-            self._settle()
+        self._steps.step_layerwise(
+            step_params,
+            finish,
+            is_async,
+            self._may_publish_in_background(),
+            self._step_recorder.wrap,
+            settle=self._settle,
+        )
 
     def last_trace(self) -> dict[str, Any]:
         """The last pipelined call's measured timeline (blocking or not) as a Chrome
@@ -490,16 +459,13 @@ class RoundPipeBase(nn.Module):
     def wait_step(self) -> None:
         """Block until the step queued by ``step()`` (if any) has finished; its error, if
         any, is raised by ``synchronize()``. The masters are then safe to read."""
-        self._stepper.wait_step()
+        self._steps.wait_step()
 
     def _drain_runs(self, wait_publication: bool = True) -> None:
         """Before a blocking call: wait for the pipelined runs and (``wait_publication``)
         for the weights the model should hold now; their gradients stay buffered until
         the next step."""
-        self._pipeline.wait_all()
-        if wait_publication:
-            self._stepper.wait_publication()
-        self._pipeline.raise_failure()
+        self._steps.drain(wait_publication)
         self._home().masters.take_back_grads()
 
     def synchronize(self) -> None:
@@ -530,23 +496,14 @@ class RoundPipeBase(nn.Module):
 
     def _settle(self) -> None:
         """``synchronize()`` without showing the gradients on the model."""
-        home = self._home()
-        home.masters.take_back_grads()
-        pipeline = self._pipeline
-        pipeline.raise_failure()
-        pipeline.drain()
-        pipeline.raise_failure()
-        pipeline.merge_finished()  # finished runs not followed by a step
-        fut = self._stepper.take_pending()
-        if fut is not None:
-            fut.result()
-            pipeline.publish_all()
+        self._home().masters.take_back_grads()
+        self._steps.settle()
         self._take_model_grads()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _check_open(self) -> None:
         try:
-            self._stepper.check_open()
+            self._steps.check_open()
         except ClosedError:
             raise ClosedError(
                 f"this RoundPipe ({self.name!r}) is closed; create a new one to keep training"
@@ -554,12 +511,12 @@ class RoundPipeBase(nn.Module):
 
     def close(self) -> None:
         """Finish the pending step and stop this RoundPipe's threads. Safe to call twice."""
-        if self._stepper.closed:
+        if self._steps.closed:
             return
         try:
             self.synchronize()
         finally:
             # the queue is empty after synchronize(): the thread ends at once; the bound
             # only matters when synchronize() raised with work still queued
-            self._stepper.shutdown(timeout=_CLOSE_JOIN_S)
+            self._steps.shutdown(timeout=_CLOSE_JOIN_S)
             self._closer()

@@ -35,7 +35,7 @@ from .planning.plan import ModelExecutePlan
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .running.runtime import PipelineRun, run_queue
 from .running.timer import ModelTimer
-from .stepping.layerwise import GradCompletion
+from .stepping.owner import PipelinedCall
 from .stepping.pipelined import (
     DeferredTimer,
     GradBuffer,
@@ -155,9 +155,9 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             return self.model_run_config
         return check_run_config(run_config).merged_over(self.model_run_config)
 
-    def _publishes_in_background(self) -> bool:
-        # the blocking forward_backward gates its uploads per layer (gate_for_blocking_call)
-        return self._master_owner is None and self._previous_step_lets_publish_in_background()
+    def _may_publish_in_background(self) -> bool:
+        # the blocking forward_backward gates its uploads per layer (StepOwner.blocking_call)
+        return self._master_owner is None
 
     def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> batching.SplitInputs:
         return batching.split_call_inputs(
@@ -206,10 +206,32 @@ class RoundPipe(RoundPipeBase, PlanChoice):
     def _execute(self, run: PipelineRun, jobs: list[Job]) -> None:
         self.pool.run(jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q))
         self.model_timer.end_iteration()
+        self._remember_call(jobs, run)
+
+    def _remember_call(self, jobs: list[Job], run: PipelineRun) -> None:
+        """The one writer of the ``last_*`` records: what the last call ran and measured."""
         self.last_schedule = jobs
         self.last_job_times = list(run.job_times)
         self.last_job_spans = list(run.job_spans)
         self.last_transfer_spans = list(run.transfer_spans)
+
+    def _pipelined_call_done(
+        self,
+        p: PendingResult,
+        jobs: list[Job],
+        timer: DeferredTimer,
+        t0: float,
+        extent: tuple[int, int],
+    ) -> None:
+        """A non-blocking call's jobs are all done (on its last worker's thread): its
+        timings enter the layer timer if it succeeded, and the ``last_*`` records."""
+        with self._timer_lock:
+            if p.error is None:
+                timer.replay(self.model_timer)
+                self.model_timer.end_iteration()
+                self.last_call_ms = (time.perf_counter() - t0) * 1000.0
+                self.last_call_samples, self.last_call_tokens = extent
+            self._remember_call(jobs, p.run)
 
     def _execute_locked(self, run: PipelineRun, jobs: list[Job]) -> None:
         with self._call_lock:
@@ -396,37 +418,31 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             plan = self._plan(run_config, RunType.FUSED, cfg, split)
             labels = self._split_label(cfg, label, split)
             jobs = build_schedule(plan, RunType.FUSED, self.num_devices, len(mbs))
-            gate = self._pipeline.gate_for_blocking_call([j.layers for j in jobs])
             # gradients wait in the call's buffer: a call that fails leaves .grad as it was
             buffer = GradBuffer(self._home().masters.master_of)
-            run = self._new_run(
-                cfg,
-                plan,
-                RunType.FUSED,
-                buffer.add,
-                loss_fn=loss_fn,
-                labels=labels,
-                return_outputs=return_outputs,
-                grads_done=self._grad_tracker(jobs, buffer),
-                loss_scale=factor,
-                weights=gate[0] if gate else None,
-                reader=gate[1] if gate else None,
-            )
-            for i, mb in enumerate(mbs):
-                run.put_act(0, i, mb)
-            try:
-                self._execute(run, jobs)
-            except BaseException:
-                buffer.clear()
-                if gate is not None:
-                    # a failed publication or step stopped the uploads: raise its cause
-                    self._pipeline.versions.finish(gate[1])
-                    gate = None
-                    self._pipeline.raise_failure()
-                raise
-            finally:
-                if gate is not None:
-                    self._pipeline.versions.finish(gate[1])
+            # uploads wait per layer for a step's weights still being copied; a failed
+            # copy or step that stopped them is raised as the cause
+            with self._steps.blocking_call([j.layers for j in jobs]) as gate:
+                run = self._new_run(
+                    cfg,
+                    plan,
+                    RunType.FUSED,
+                    buffer.add,
+                    loss_fn=loss_fn,
+                    labels=labels,
+                    return_outputs=return_outputs,
+                    grads_done=self._grad_tracker(jobs, buffer),
+                    loss_scale=factor,
+                    weights=gate[0] if gate else None,
+                    reader=gate[1] if gate else None,
+                )
+                for i, mb in enumerate(mbs):
+                    run.put_act(0, i, mb)
+                try:
+                    self._execute(run, jobs)
+                except BaseException:
+                    buffer.clear()
+                    raise
             self._fold_grads(buffer)
             self._record_call(t0, args, input_kwargs)
             return assemble_result(cfg, run.losses, run.outputs, len(mbs), return_outputs)
@@ -451,8 +467,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
                 "blocking=False does not support gradient hooks (register_grad_hook, e.g. data-parallel "
                 "overlap) yet; use blocking=True"
             )
-        pipeline = self._pipeline
-        pipeline.raise_failure()
+        steps = self._steps
+        steps.check_failure()
         self.masters.take_back_grads()
         t0 = time.perf_counter()
         with self._call_lock:
@@ -460,61 +476,61 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             mbs = split.parts
             plan = self._plan(run_config, RunType.FUSED, cfg, split)
             labels = self._split_label(cfg, label, split)
-            # a blocking-style step in flight: its error must reach the pipelined failure path
-            self._stepper.guard_pending()
-            # continue round-robin where the previous call stopped: the device that ran its
-            # last job is the last to become free, so this call's first job goes elsewhere
-            jobs = build_schedule(
-                plan, RunType.FUSED, self.num_devices, len(mbs), start_device=pipeline.next_device
-            )
-            pipeline.next_device = (pipeline.next_device + len(jobs)) % self.num_devices
-            buffer = GradBuffer(self.masters.master_of)
-            timer = DeferredTimer()
-            # which masters are complete as the backward goes: a layer-wise step uses it
-            completion = GradCompletion(
-                jobs,
-                lambda job: self.masters.of_layers([self.layers[i] for i in job.layers]),
-                pipeline.versions.notify,
-            )
-            run = self._new_run(
-                cfg,
-                plan,
-                RunType.FUSED,
-                buffer.add,
-                timer=timer,
-                loss_fn=loss_fn,
-                labels=labels,
-                return_outputs=return_outputs,
-                loss_scale=factor,
-                weights=pipeline.versions,
-                reader=pipeline.versions.register(
-                    pipeline.target_version, [j.layers for j in jobs]
-                ),
-                grads_done=completion.job_done,
-            )
-            for i, mb in enumerate(mbs):
-                run.put_act(0, i, mb)
-            pending = PendingResult(
-                pipeline,
-                pipeline.calls,
-                run,
-                buffer,
-                cfg,
-                len(mbs),
-                return_outputs,
-                prev_step=self._stepper.tail(),
-            )
-            pending.completion = completion
-            try:
-                futures = self.pool.submit(
-                    jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
+            with steps.pipelined_call() as call:
+                return self._issue_pipelined(
+                    call, cfg, plan, mbs, labels, loss_fn, return_outputs, factor, t0, args, kwargs
                 )
-            except BaseException:
-                pipeline.versions.finish(run.reader)
-                raise
-            pipeline.add(pending)
-            pending.start(futures, _Finisher(self, jobs, timer, t0, args, kwargs))
-            return pending
+
+    def _issue_pipelined(
+        self,
+        call: PipelinedCall,
+        cfg: RoundPipeRunConfig,
+        plan: ModelExecutePlan,
+        mbs: list,
+        labels: list,
+        loss_fn: Callable[[Any, Any], Any],
+        return_outputs: bool,
+        factor: float,
+        t0: float,
+        args: tuple,
+        kwargs: dict,
+    ) -> PendingResult:
+        """Schedule, submit and track one non-blocking call (under the call lock)."""
+        # continue round-robin where the previous call stopped: the device that ran its
+        # last job is the last to become free, so this call's first job goes elsewhere
+        jobs = build_schedule(
+            plan, RunType.FUSED, self.num_devices, len(mbs), start_device=call.start_device
+        )
+        reader = call.reserve([j.layers for j in jobs], self.num_devices)
+        buffer = GradBuffer(self.masters.master_of)
+        timer = DeferredTimer()
+        # which masters are complete as the backward goes: a layer-wise step uses it
+        completion = call.completion(
+            jobs, lambda job: self.masters.of_layers([self.layers[i] for i in job.layers])
+        )
+        run = self._new_run(
+            cfg,
+            plan,
+            RunType.FUSED,
+            buffer.add,
+            timer=timer,
+            loss_fn=loss_fn,
+            labels=labels,
+            return_outputs=return_outputs,
+            loss_scale=factor,
+            weights=call.weights,
+            reader=reader,
+            grads_done=completion.job_done,
+        )
+        for i, mb in enumerate(mbs):
+            run.put_act(0, i, mb)
+        pending = call.pending(run, buffer, cfg, len(mbs), return_outputs, completion)
+        futures = self.pool.submit(
+            jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
+        )
+        call.launch(pending)
+        pending.start(futures, _Finisher(self, jobs, timer, t0, args, kwargs))
+        return pending
 
 
 class _Finisher:
@@ -532,26 +548,15 @@ class _Finisher:
         kwargs: dict,
     ) -> None:
         self._rp = weakref.ref(rp)
-        self._pipeline = rp._pipeline
+        self._steps = rp._steps
         self.jobs, self.timer, self.t0 = jobs, timer, t0
         self.extent = batch_extent(args, kwargs)
 
     def __call__(self, p: PendingResult) -> None:
         run = p.run
-        self._pipeline.versions.finish(run.reader)
         rp = self._rp()
         if rp is not None:
-            with rp._timer_lock:
-                if p.error is None:
-                    self.timer.replay(rp.model_timer)
-                    rp.model_timer.end_iteration()
-                    rp.last_call_ms = (time.perf_counter() - self.t0) * 1000.0
-                    rp.last_call_samples, rp.last_call_tokens = self.extent
-                rp.last_schedule = self.jobs
-                rp.last_job_times = list(run.job_times)
-                rp.last_job_spans = list(run.job_spans)
-                rp.last_transfer_spans = list(run.transfer_spans)
+            rp._pipelined_call_done(p, self.jobs, self.timer, self.t0, self.extent)
         p.job_spans = list(run.job_spans)
         run.drop_activations()  # the handle keeps losses and outputs only
-        if p.error is not None:
-            self._pipeline.record_run_error(p)
+        self._steps.call_ended(p)  # its weight readers released, its error reported

@@ -237,3 +237,53 @@ def test_the_documented_table_is_this_one():
     rows = [line.split(None, 1) for line in block.group(1).strip().splitlines()]
     documented = [(name, set(rest.replace(",", " ").split())) for name, rest in rows]
     assert documented == CORE_LAYERS
+
+
+#: What code outside roundpipe_core/stepping/ may import from it: the step's one owner,
+#: the masters, the handles and buffers of a call, and the user-facing helpers of the
+#: layer-wise step. The optimizer thread, weight versions and the overlapped runs'
+#: bookkeeping are the wing's own.
+STEPPING_FACE = {
+    "roundpipe_core.stepping.owner": {"StepOwner", "PipelinedCall"},
+    "roundpipe_core.stepping.masters": {"MasterWeights"},
+    "roundpipe_core.stepping.pipelined": {
+        "GradBuffer",
+        "PendingResult",
+        "DeferredTimer",
+        "assemble_result",
+        "to_output_device",
+    },
+    "roundpipe_core.stepping.stepper": {"ClosedError"},
+    "roundpipe_core.stepping.layerwise": {"step_subset", "steps_elementwise"},
+}
+
+
+def _imported_names(module: str) -> list[tuple[str, str, int]]:
+    """(target module, name, line) of every ``from ... import name`` in ``module``."""
+    path = MODULES[module]
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            here = module.split(".")[: None if is_pkg else -1]
+            here = here[: len(here) - node.level + 1]
+            base = ".".join(here + ([node.module] if node.module else []))
+        else:
+            base = node.module or ""
+        out += [(base, a.name, node.lineno) for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize(
+    "module", sorted(m for m in MODULES if not m.startswith("roundpipe_core.stepping"))
+)
+def test_only_the_stepping_face_is_used_outside_the_wing(module):
+    bad = [
+        f"{name} from {target} (line {line})"
+        for target, name, line in _imported_names(module)
+        if target.startswith("roundpipe_core.stepping")
+        and name not in STEPPING_FACE.get(target, set())
+    ]
+    assert not bad, f"{module} imports the stepping wing's internals: {bad}"

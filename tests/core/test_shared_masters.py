@@ -163,7 +163,7 @@ def test_async_step_warns_once_and_runs_synchronously() -> None:
             _check_against(rp, ref, _grads_by_name(rp))
             rp.step(lambda: (opt.step(), opt.zero_grad(set_to_none=True)))  # is_async=True
             # the step already ran: nothing pending, the weights are this step's (not stale)
-            assert rp._stepper.pending() is None
+            assert rp._steps._stepper.pending() is None
             _check_weights(rp, ref)
     said = [w for w in caught if "shared_masters" in str(w.message)]
     assert len(said) == 1 and "is_async" in str(said[0].message)
@@ -197,9 +197,9 @@ def test_non_blocking_calls_match_pytorch_and_no_upload_meets_a_step(per_step: i
     readers_during_step: list[int] = []
 
     def step() -> None:
-        readers_during_step.append(rp._pipeline.versions.active)
+        readers_during_step.append(rp._steps._runs.versions.active)
         time.sleep(0.05)  # a later call issued too early would register its run meanwhile
-        readers_during_step.append(rp._pipeline.versions.active)
+        readers_during_step.append(rp._steps._runs.versions.active)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -1,0 +1,292 @@
+"""The one owner of a RoundPipe's optimizer side: :class:`StepOwner`.
+
+Everything a step involves -- the optimizer thread (``stepper``), weight versions and
+their publication (``versions``), the layer-wise step (``layerwise``) and the
+overlapped iterations whose gradients a step waits for (``pipelined``) -- sits behind
+this object. The model and the adapters call its verbs, and nothing else of the wing
+but the gradient buffers, pending results and masters they hand around:
+
+* steps: :meth:`~StepOwner.step`, :meth:`~StepOwner.step_layerwise`;
+* waiting: :meth:`~StepOwner.wait_step` (the step in flight), :meth:`~StepOwner.drain`
+  (the iterations in flight, before a blocking call), :meth:`~StepOwner.settle`
+  (everything: ``synchronize()``);
+* gradients: :meth:`~StepOwner.fold` (a blocking call's gradients into ``.grad``),
+  :meth:`~StepOwner.after_step` (work that must follow the step in flight);
+* calls: :meth:`~StepOwner.blocking_call` and :meth:`~StepOwner.pipelined_call`
+  (the weight versions a call's uploads read), :meth:`~StepOwner.call_ended`,
+  :meth:`~StepOwner.check_failure`;
+* lifecycle: :meth:`~StepOwner.check_open`, :attr:`~StepOwner.closed`,
+  :meth:`~StepOwner.shutdown`, :meth:`~StepOwner.unobserved_error`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+from ..config import RoundPipeRunConfig
+from ..planning.schedule import Job
+from ..running.runtime import PipelineRun
+from .layerwise import GradCompletion
+from .masters import MasterWeights
+from .pipelined import GradBuffer, PendingResult, PipelinedRuns
+from .stepper import Stepper
+
+__all__ = ["PipelinedCall", "StepOwner"]
+
+
+class PipelinedCall:
+    """The optimizer side of one ``forward_backward(blocking=False)`` being issued
+    (:meth:`StepOwner.pipelined_call`): where its schedule starts, the weight version
+    its uploads read, and its :class:`PendingResult`."""
+
+    def __init__(self, runs: PipelinedRuns) -> None:
+        self._runs = runs
+        self.start_device = runs.next_device
+        self.reader: Any = None
+        self.launched = False
+
+    @property
+    def weights(self) -> Any:
+        """What the call's uploads wait on, layer by layer (the weight versions)."""
+        return self._runs.versions
+
+    def completion(
+        self, jobs: Sequence[Job], masters_of: Callable[[Job], list[nn.Parameter]]
+    ) -> GradCompletion:
+        """Which masters' gradients are complete as the call's backward goes (a
+        layer-wise step reads it); completing ones wake the optimizer thread."""
+        return GradCompletion(jobs, masters_of, self._runs.versions.notify)
+
+    def reserve(self, job_layers: Sequence[range], num_devices: int) -> Any:
+        """The call's jobs are known: the next call starts on the device after its last,
+        and its uploads read the version the next step will not overwrite under them.
+        Returns the reader its uploads register with."""
+        runs = self._runs
+        runs.next_device = (runs.next_device + len(job_layers)) % num_devices
+        self.reader = runs.versions.register(runs.target_version, job_layers)
+        return self.reader
+
+    def pending(
+        self,
+        run: PipelineRun,
+        buffer: GradBuffer,
+        cfg: RoundPipeRunConfig,
+        num_microbatch: int,
+        return_outputs: bool,
+        completion: GradCompletion | None = None,
+    ) -> PendingResult:
+        """The handle the caller gets; the step issued before this call consumes the
+        gradients before these."""
+        runs = self._runs
+        pending = PendingResult(
+            runs,
+            runs.calls,
+            run,
+            buffer,
+            cfg,
+            num_microbatch,
+            return_outputs,
+            prev_step=runs.stepper.tail(),
+        )
+        pending.completion = completion
+        return pending
+
+    def launch(self, pending: PendingResult) -> None:
+        """The call's jobs were submitted: it is in flight from now on."""
+        self._runs.add(pending)
+        self.launched = True
+
+
+class StepOwner:
+    """A RoundPipe's optimizer side (see the module docstring).
+
+    Args:
+        name: the RoundPipe's name (thread names, messages).
+        layers: the model's layers.
+        masters: the master copies the optimizer updates.
+    """
+
+    def __init__(self, name: str, layers: list[nn.Module], masters: MasterWeights) -> None:
+        self.masters = masters
+        self._stepper = Stepper(name)
+        self._runs = PipelinedRuns(layers, masters, self._stepper)
+
+    # -- steps --------------------------------------------------------------------------
+    def step(
+        self,
+        fn: Callable[[], Any],
+        is_async: bool,
+        may_publish_in_background: bool,
+        settle: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue ``fn`` (the user's step) on the optimizer thread.
+
+        After overlapped iterations whose gradients are not all in ``.grad``, the step is
+        deferred until they are. After blocking calls, an asynchronous step copies the
+        previous step's weights into the model on the optimizer thread, ahead of its own
+        update, when ``may_publish_in_background`` (the caller's blocking calls wait
+        for that copy layer by layer) and the step before left nothing to report; else
+        that copy is made now. ``is_async=False`` returns once the step is done.
+        ``settle`` is how the caller settles before and after (default :meth:`settle`;
+        a wrapper adds what it keeps outside the masters).
+        """
+        settle = settle or self.settle
+        runs, stepper = self._runs, self._stepper
+        runs.raise_failure()
+        if runs.inflight():
+            runs.defer_step(fn)  # its error is raised through raise_failure()
+        elif is_async and may_publish_in_background and self._previous_step_lets_publish():
+            self.masters.take_back_grads()
+            runs.queue_publish_then_step(fn)
+        else:
+            settle()
+            stepper.queue_step(fn)  # its error is raised by settle()
+        if not is_async:
+            settle()
+
+    def _previous_step_lets_publish(self) -> bool:
+        """The step before is a plain one that has not failed already (that error is
+        raised by this ``step()``, as always)."""
+        pending = self._stepper.pending()
+        if pending is None:
+            return True
+        if self._stepper.pending_is_guarded():
+            return False
+        return not (pending.done() and pending.exception() is not None)
+
+    def step_layerwise(
+        self,
+        step_params: Callable[[list[nn.Parameter]], Any],
+        finish: Callable[[], Any] | None,
+        is_async: bool,
+        may_publish_in_background: bool,
+        wrap: Callable[[Callable[[], None]], Callable[[], None]],
+        settle: Callable[[], None] | None = None,
+    ) -> None:
+        """:meth:`step` taken parameter by parameter as the gradients of the iterations
+        in flight complete; with none in flight, one ``step_params(all masters)`` and
+        ``finish()``. ``wrap`` wraps the work item (the step recorder)."""
+        settle = settle or self.settle
+        runs = self._runs
+        runs.raise_failure()
+        if not runs.inflight():
+            masters = self.masters.params()
+
+            def whole() -> None:
+                step_params(masters)
+                if finish is not None:
+                    finish()
+
+            self.step(wrap(whole), is_async, may_publish_in_background, settle)
+            return
+        runs.defer_layerwise_step(step_params, finish, wrap)
+        if not is_async:
+            settle()
+
+    # -- waiting ------------------------------------------------------------------------
+    def wait_step(self) -> None:
+        """Block until the step in flight (if any) has run; its error is raised later,
+        by :meth:`settle`."""
+        self._stepper.wait_step()
+
+    def drain(self, wait_publication: bool = True) -> None:
+        """Before a blocking call: wait for the iterations in flight and (with
+        ``wait_publication``) for the weights the model should hold now; raise an
+        earlier failure. Their gradients stay buffered until the next step."""
+        self._runs.wait_all()
+        if wait_publication:
+            self._stepper.wait_publication()
+        self._runs.raise_failure()
+
+    def settle(self) -> None:
+        """Wait for everything in flight -- iterations and steps -- raising the first
+        error; merge finished iterations not followed by a step; the masters are then
+        the model's weights."""
+        runs = self._runs
+        runs.raise_failure()
+        runs.drain()
+        runs.raise_failure()
+        runs.merge_finished()
+        fut = self._stepper.take_pending()
+        if fut is not None:
+            fut.result()
+            runs.publish_all()
+
+    # -- gradients ----------------------------------------------------------------------
+    def fold(self, buffer: GradBuffer) -> None:
+        """Add a finished blocking call's gradients to the masters' ``.grad``, once the
+        step in flight (which reads and clears them) and the work queued behind it ran."""
+        self._stepper.wait_step()
+        self._stepper.wait_after()
+        self.masters.add_many(buffer.take())
+
+    def after_step(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` once the step in flight has read the previous gradients: at once
+        when none is in flight, else on the optimizer thread right after it."""
+        self._stepper.after_step(fn)
+
+    # -- calls --------------------------------------------------------------------------
+    @contextmanager
+    def blocking_call(self, job_layers: Sequence[range]) -> Iterator[tuple[Any, Any] | None]:
+        """Around a blocking call's jobs: ``(weights, reader)`` its uploads wait on while
+        the optimizer thread still copies an asynchronous step's weights into the model
+        (``None`` when the model holds them already). If the call fails because that
+        copy (or the step before it) failed, that cause is raised instead."""
+        gate = self._runs.gate_for_blocking_call(job_layers)
+        try:
+            yield gate
+        except BaseException:
+            if gate is not None:
+                self._runs.versions.finish(gate[1])
+                gate = None
+                self._runs.raise_failure()
+            raise
+        finally:
+            if gate is not None:
+                self._runs.versions.finish(gate[1])
+
+    def check_failure(self) -> None:
+        """Raise an earlier failure of a step or an overlapped iteration, once everything
+        in flight has stopped (the model then holds the last good step's weights)."""
+        self._runs.raise_failure()
+
+    @contextmanager
+    def pipelined_call(self) -> Iterator[PipelinedCall]:
+        """Around issuing a ``forward_backward(blocking=False)`` (after
+        :meth:`check_failure`): a call that is not launched releases what it reserved."""
+        # a plain step in flight: its error must reach the pipelined failure path
+        self._stepper.guard_pending()
+        call = PipelinedCall(self._runs)
+        try:
+            yield call
+        finally:
+            if not call.launched and call.reader is not None:
+                self._runs.versions.finish(call.reader)
+
+    def call_ended(self, pending: PendingResult) -> None:
+        """A pipelined call's jobs are all done (its last worker's thread): release what
+        its uploads read, and report its error to the failure path."""
+        self._runs.versions.finish(pending.run.reader)
+        if pending.error is not None:
+            self._runs.record_run_error(pending)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def check_open(self) -> None:
+        """Raises ``ClosedError`` after :meth:`shutdown`."""
+        self._stepper.check_open()
+
+    @property
+    def closed(self) -> bool:
+        return self._stepper.closed
+
+    def shutdown(self, timeout: float | None = 0.0) -> None:
+        """Stop the optimizer thread once its queue is done; wait up to ``timeout`` s."""
+        self._stepper.shutdown(timeout)
+
+    def unobserved_error(self) -> BaseException | None:
+        """An error of queued work that finished and was never raised to the caller."""
+        return self._stepper.unobserved_error()
