@@ -1,8 +1,6 @@
 """RoundPipe core: train an nn.Sequential whose state lives in host memory on a
 stateless pool of devices (CUDA GPUs, or CPU threads that play devices)."""
 
-from typing import cast
-
 from . import optim
 from .amp import GradScaler
 from .autosplit import AutoRoundPipe
@@ -10,17 +8,9 @@ from .batch import RoundPipePackedData
 from .config import RoundPipeRunConfig
 from .context import doing_recompute, get_recompute_data, save_for_recompute
 from .model import OptimizerCtx, RoundPipe
-from .planning.plan import AutoPlanner, ModelExecutePlan
-from .planning.planner import auto as _auto_planner
+from .planning.plan import ModelExecutePlan
 from .presets import wrap_model_to_roundpipe
 from .stepping.pipelined import PendingResult
-
-# The planner sits above plan.py (it runs the simulator, which reads plans), so the
-# package, not plan.py, connects the published spelling ModelExecutePlan.auto to it.
-# (cast: the planner's overloads are one callable of the protocol's shape, which mypy
-# does not infer from overloads)
-ModelExecutePlan.install_planner(cast(AutoPlanner, _auto_planner))
-
 
 __version__ = "0.1.0"  # the same as pyproject.toml's [project] version (a test checks)
 

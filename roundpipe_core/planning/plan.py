@@ -9,8 +9,8 @@ This module is the plan's data and its validation. Layout strings are parsed
 in :mod:`roundpipe_core.planning.layout` (below this module); automatic planning lives
 in :mod:`roundpipe_core.planning.planner` (above it: it runs the simulator, which runs
 the schedule, which reads plans). ``ModelExecutePlan.auto`` therefore calls a
-planner that the package installs with :meth:`ModelExecutePlan.install_planner`
-when ``roundpipe_core`` is imported, so the published spelling keeps working
+planner that the planning wing installs with :meth:`ModelExecutePlan.install_planner`
+as it is imported (``planning/__init__.py``), so the published spelling keeps working
 while imports still point one way: planner -> simulate -> schedule -> plan.
 """
 
