@@ -60,22 +60,24 @@ def _modules(package: str) -> dict[str, Path]:
 MODULES = {**_modules("roundpipe_core"), **_modules("roundpipe_lightning")}
 
 
+def _from_base(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` in ``module`` imports from."""
+    if not node.level:
+        return node.module or ""
+    here = module.split(".")[: None if MODULES[module].name == "__init__.py" else -1]
+    here = here[: len(here) - node.level + 1]
+    return ".".join(here + ([node.module] if node.module else []))
+
+
 def _imports(module: str) -> list[tuple[str, int]]:
     """Every module of the two packages that ``module`` imports, with the line."""
-    path = MODULES[module]
-    is_pkg = path.name == "__init__.py"
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                here = module.split(".")[: None if is_pkg else -1]
-                here = here[: len(here) - node.level + 1]
-                base = ".".join(here + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
+            base = _from_base(module, node)
             targets = [f"{base}.{a.name}" for a in node.names]
         for target in targets:
             while target and target not in MODULES:
@@ -260,20 +262,12 @@ STEPPING_FACE = {
 
 def _imported_names(module: str) -> list[tuple[str, str, int]]:
     """(target module, name, line) of every ``from ... import name`` in ``module``."""
-    path = MODULES[module]
-    is_pkg = path.name == "__init__.py"
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if not isinstance(node, ast.ImportFrom):
-            continue
-        if node.level:
-            here = module.split(".")[: None if is_pkg else -1]
-            here = here[: len(here) - node.level + 1]
-            base = ".".join(here + ([node.module] if node.module else []))
-        else:
-            base = node.module or ""
-        out += [(base, a.name, node.lineno) for a in node.names]
-    return out
+    return [
+        (_from_base(module, node), a.name, node.lineno)
+        for node in ast.walk(ast.parse(MODULES[module].read_text()))
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+    ]
 
 
 @pytest.mark.parametrize(
