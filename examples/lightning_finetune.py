@@ -298,9 +298,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--layout", default=None, help='stage plan, e.g. "fwd=2,2 bwd=1,1,1,1,1,1" or "auto"'
     )
     p.add_argument("--auto-replan", action="store_true", help="re-plan from measured layer times")
-    p.add_argument(
-        "--sync-step", action="store_true", help="synchronous optimizer step (no staleness)"
+    step = p.add_mutually_exclusive_group()
+    step.add_argument(
+        "--sync-step",
+        dest="async_step",
+        action="store_false",
+        help="synchronous optimizer step (no staleness; the default on CPU workers)",
     )
+    step.add_argument(
+        "--async-step",
+        dest="async_step",
+        action="store_true",
+        help="asynchronous, one-step-stale optimizer step (the default on GPUs)",
+    )
+    p.set_defaults(async_step=None)  # None: the strategy follows the hardware
     p.add_argument("--precision", default="32-true")
     p.add_argument("--max-steps", type=int, default=120)
     p.add_argument("--val-every", type=int, default=40, help="validate every N training batches")
@@ -352,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         strategy: Any = RoundPipeStrategy(
             num_microbatch=args.num_microbatch,
             execute_plan=args.layout,
-            async_step=not args.sync_step,
+            async_step=args.async_step,
         )
         # at the Trainer's log_every_n_steps, beside Lightning's own scalars
         callbacks.append(StageTimeLogger(trace_dir=args.trace))

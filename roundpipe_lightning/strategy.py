@@ -45,6 +45,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -122,7 +123,10 @@ class RoundPipeStrategy(CheckpointingStrategy):
             step stale, as in RoundPipe). ``False``: the same computation as plain PyTorch,
             and parameters already in ``optim_dtype`` (an fp32 module) are their own
             masters (``RoundPipe(shared_masters=True)``): one copy of the weights in host
-            memory instead of two, the same numbers.
+            memory instead of two, the same numbers. ``None`` (the default) follows the
+            hardware: ``True`` on GPUs, where the host step runs beside the devices;
+            ``False`` on CPU workers, where the optimizer thread would compete with the
+            workers for the same cores (slower, and one step stale for nothing).
         fuse_optimizer: run the optimizers of ``configure_optimizers`` on torch's fused
             CPU kernel (Adam, AdamW, SGD, Adagrad) when they were built without a
             ``fused`` / ``foreach`` choice: switched in place at setup, the same update
@@ -158,7 +162,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         execute_plan: ModelExecutePlan | str | dict | None = None,
         optim_dtype: torch.dtype | str | None = torch.float32,
         pin_model: str = "alloc",
-        async_step: bool = True,
+        async_step: bool | None = None,
         fuse_optimizer: bool = True,
         overlap_iterations: bool = True,
         recompute_grain: str | None = None,
@@ -197,7 +201,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         self.execute_plan = execute_plan
         self.optim_dtype = parse_dtype(optim_dtype)
         self.pin_model = pin_model
-        self.async_step = check_bool("async_step", async_step)
+        self._async_request = None if async_step is None else check_bool("async_step", async_step)
         self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer)
         self.overlap_iterations = check_bool("overlap_iterations", overlap_iterations)
         self.recompute_grain = recompute_grain
@@ -219,6 +223,14 @@ class RoundPipeStrategy(CheckpointingStrategy):
             )
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"RoundPipeStrategy: {exc}") from None
+
+    @property
+    def async_step(self) -> bool:
+        """Whether the optimizer step overlaps the next iteration: as given, or, for
+        ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
+        if self._async_request is not None:
+            return self._async_request
+        return self.compute_devices[0].type != "cpu"
 
     # -- precision ---------------------------------------------------------------------------------
     @property
@@ -261,6 +273,12 @@ class RoundPipeStrategy(CheckpointingStrategy):
         devices = check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
         self.accelerator.setup_device(devices[0])
+        if self._async_request is None:
+            pool = "GPU" if devices[0].type != "cpu" else "CPU-worker"
+            rank_zero_info(
+                f"RoundPipeStrategy: async_step={self.async_step} on this {pool} pool "
+                "(async_step=None follows the hardware; pass True or False to choose)"
+            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -12,7 +12,15 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from rpl_helpers import SeqModule, loader, max_rel_err, params_of, plain_trainer, rp_trainer
+from rpl_helpers import (
+    SeqModule,
+    loader,
+    max_rel_err,
+    params_of,
+    plain_trainer,
+    rp_trainer,
+    trainer_kwargs,
+)
 
 TOL = 1e-5
 
@@ -113,3 +121,33 @@ def test_checkpoint_stores_each_tensor_once_and_resumes_exactly(tmp_path: Path) 
     pb, ps = params_of(b), params_of(straight)
     for k in pb:
         assert torch.equal(pb[k], ps[k]), k
+
+
+def test_the_default_step_follows_the_hardware() -> None:
+    """async_step=None: synchronous with shared masters on CPU workers (plain Lightning's
+    numbers); a GPU pool would overlap the step; an explicit choice wins."""
+    from roundpipe_lightning import RoundPipeStrategy
+
+    ref = SeqModule(mode="plain")
+    plain_trainer(max_steps=6).fit(ref, loader())
+    m, cb = SeqModule(), _Sharing()
+    trainer = L.Trainer(
+        **trainer_kwargs(
+            strategy=RoundPipeStrategy(num_microbatch=3), devices=2, max_steps=6, callbacks=[cb]
+        )
+    )
+    trainer.fit(m, loader())
+    assert trainer.strategy.async_step is False  # type: ignore[attr-defined]
+    assert cb.seen["shared"] == cb.seen["trainable"] > 0  # one copy of the weights
+    assert max_rel_err(params_of(m), params_of(ref)) <= TOL  # not one step stale
+
+    gpus = RoundPipeStrategy(parallel_devices=[torch.device("cuda", 0)])
+    assert gpus.async_step is True  # the step runs beside the devices there
+    explicit = RoundPipeStrategy(async_step=True)
+    assert explicit.async_step is True
+    assert (
+        RoundPipeStrategy(async_step=False, parallel_devices=gpus.parallel_devices).async_step
+        is False
+    )
+    with pytest.raises(TypeError, match="async_step"):
+        RoundPipeStrategy(async_step="no")  # type: ignore[arg-type]
