@@ -165,7 +165,14 @@ class PlanChoice:
         if cached is not None:
             old = cached[0]
             plan = decide_replan(
-                old, plan, self, rt, self.num_devices, m, self.DEFAULT_REPLAN_MIN_GAIN
+                old,
+                plan,
+                self,
+                rt,
+                self.num_devices,
+                m,
+                self.DEFAULT_REPLAN_MIN_GAIN,
+                concurrent=self.pool.concurrent,
             ).plan
         self._default_plans[key] = (plan, settled)
         return plan
@@ -189,6 +196,8 @@ class PlanChoice:
         old = self.plan_for(rt)
         candidate = ModelExecutePlan.auto(rt, self, **{**auto_kwargs, "num_microbatch": m})
         assert isinstance(candidate, ModelExecutePlan)  # one model in, one plan out
-        decision = decide_replan(old, candidate, self, rt, self.num_devices, m, gain)
+        decision = decide_replan(
+            old, candidate, self, rt, self.num_devices, m, gain, concurrent=self.pool.concurrent
+        )
         self.set_plan(rt, decision.plan)
         return decision

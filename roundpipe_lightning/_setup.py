@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -25,6 +26,8 @@ from roundpipe_core.running.host_memory import (
 from ._private import defer_zero_grad
 
 __all__ = [
+    "trainer_of",
+    "raw_optimizer",
     "parse_dtype",
     "check_bool",
     "check_choice",
@@ -41,6 +44,22 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+def trainer_of(lm: pl.LightningModule | None) -> pl.Trainer | None:
+    """The Trainer ``lm`` is attached to, or None."""
+    if lm is None:
+        return None
+    try:
+        return lm.trainer
+    except RuntimeError:  # "not attached to a Trainer"
+        return None
+
+
+def raw_optimizer(opt: Any) -> Optimizer:
+    """The user's optimizer behind Lightning's ``LightningOptimizer`` wrapper."""
+    return opt.optimizer if isinstance(opt, LightningOptimizer) else opt
+
 
 #: parameter-sized states per parameter assumed for an optimizer the host-memory table
 #: does not know: Adam's two moments, more than most optimizers keep

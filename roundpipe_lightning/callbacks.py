@@ -368,6 +368,8 @@ class StageTimeLogger(Callback):
                 mbs,
                 run_type=run_type,
                 re_ms=timer.re_ms,
+                # CPU workers compute one at a time: simulated as they run
+                concurrent=rp.pool.concurrent,
             )
         except ValueError:
             return None

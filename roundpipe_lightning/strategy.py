@@ -41,7 +41,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import Callback
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -69,7 +68,9 @@ from ._setup import (
     fuse_optimizer,
     host_memory_budget,
     parse_dtype,
+    raw_optimizer,
     sequential_of,
+    trainer_of,
 )
 from ._step import (
     OverlappedForwardBackward,
@@ -90,20 +91,6 @@ __all__ = ["RoundPipeStrategy", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
 log = logging.getLogger(__name__)
 
 _MISSING = object()
-
-
-def _trainer_of(lm: pl.LightningModule | None) -> pl.Trainer | None:
-    """The Trainer ``lm`` is attached to, or None."""
-    if lm is None:
-        return None
-    try:
-        return lm.trainer
-    except RuntimeError:  # "not attached to a Trainer"
-        return None
-
-
-def _raw(opt: Any) -> Optimizer:
-    return opt.optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
 class RoundPipeStrategy(CheckpointingStrategy):
@@ -296,7 +283,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
             # refuse, with numbers, a run whose state cannot fit in host memory
             budget = host_memory_budget(
-                self.roundpipe, [_raw(o) for o in self.optimizers], self.num_microbatch
+                self.roundpipe, [raw_optimizer(o) for o in self.optimizers], self.num_microbatch
             )
             log.info("RoundPipe host memory:\n%s", budget)
             check_host_memory(budget)
@@ -364,7 +351,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
             return 1.0
         factor = 1.0
         lm = self.lightning_module
-        trainer = _trainer_of(lm)
+        trainer = trainer_of(lm)
         if lm is not None and lm.automatic_optimization and trainer is not None:
             factor /= trainer.accumulate_grad_batches
         return factor * self.precision_plugin.loss_scale()
@@ -374,10 +361,10 @@ class RoundPipeStrategy(CheckpointingStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         for opt in self.optimizers:
-            adopt_optimizer(_raw(opt), self.roundpipe, self._real_zero_grad)
+            adopt_optimizer(raw_optimizer(opt), self.roundpipe, self._real_zero_grad)
             if self.fuse_optimizer:
                 # on the masters (host, fp32)
-                fuse_optimizer(_raw(opt))
+                fuse_optimizer(raw_optimizer(opt))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -385,11 +372,11 @@ class RoundPipeStrategy(CheckpointingStrategy):
         if self.fuse_optimizer:
             # a checkpoint of an unfused run brings back fused=None with its param groups
             for opt in self.optimizers:
-                fuse_optimizer(_raw(opt))
+                fuse_optimizer(raw_optimizer(opt))
 
     def _release_optimizers(self) -> None:
         for opt in self.optimizers:
-            raw = _raw(opt)
+            raw = raw_optimizer(opt)
             if id(raw) in self._real_zero_grad:
                 restore_zero_grad(raw)
         self._real_zero_grad.clear()
@@ -446,7 +433,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         to RoundPipe."""
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule)
-        opt = _raw(optimizer)
+        opt = raw_optimizer(optimizer)
         rp = self.roundpipe
 
         overlap = self._run.overlap
@@ -585,7 +572,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         finally:
             self._release_optimizers()
             self._run.end()
-            trainer = _trainer_of(self.lightning_module)
+            trainer = trainer_of(self.lightning_module)
             callbacks: list[Callback] = getattr(trainer, "callbacks", [])
             if self._flush_callback in callbacks:
                 callbacks.remove(self._flush_callback)

@@ -121,6 +121,16 @@ def device_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def concurrent_planning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan CPU workers as if they computed at the same time, as GPUs do: for the tests
+    of the pipelining planner and of multi-stage default plans, which a CPU pool would
+    otherwise plan as one stage (its workers compute one at a time)."""
+    from roundpipe_core.running.devices.pool import DevicePool
+
+    monkeypatch.setattr(DevicePool, "concurrent", property(lambda self: True))
+
+
+@pytest.fixture
 def pool_devices(device_kind: str) -> Callable[[int], Any]:
     """``pool_devices(n)`` -> the ``devices`` argument for ``n`` workers of this test's kind."""
     return lambda n: make_pool_devices(device_kind, n)

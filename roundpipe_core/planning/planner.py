@@ -102,6 +102,7 @@ def auto(
     num_microbatch: int | None = None,
     refine: bool = True,
     overlap_iterations: bool = False,
+    concurrent: bool | None = None,
 ) -> ModelExecutePlan | list[ModelExecutePlan]:
     """Plan stages from measured layer times (``ModelExecutePlan.auto``).
 
@@ -148,6 +149,11 @@ def auto(
         overlap_iterations: rank plans ("fused") by the steady state of overlapped
             ``forward_backward(blocking=False)`` calls instead of one iteration alone;
             pass it when the engine overlaps iterations.
+        concurrent: whether the devices compute at the same time; default: what the
+            models' pools say (GPUs do; CPU workers compute one at a time). Where they
+            do not, every job's time adds up and the fastest plan is the one with the
+            fewest stages memory allows (the least recompute): that plan is returned,
+            the same for any timings that fit the memory.
 
     Returns:
         One plan for one model, a list of plans (in order) for several.
@@ -170,6 +176,8 @@ def auto(
         pool = getattr(m, "pool", None)
         for w in getattr(pool, "workers", ()) or ():
             capacities.append(int(w.memory_capacity()))
+        if concurrent is None and pool is not None and not getattr(pool, "concurrent", True):
+            concurrent = False
     if min_stages is None:
         if not devices:
             raise ValueError(
@@ -191,6 +199,9 @@ def auto(
     num_devices = max(devices) if devices else min_stages
     if num_microbatch is None:
         num_microbatch = default_num_microbatch(num_devices)
+    if concurrent is False:
+        fewest = search_plans(rt, profiles, 1, cap, fewest_stages=True)
+        return fewest.plans[0] if len(models) == 1 else fewest.plans
     result = search_plans(
         rt,
         profiles,
@@ -237,9 +248,11 @@ def predicted_speedup(
     num_devices: int,
     num_microbatch: int,
     overlap_iterations: bool = False,
+    concurrent: bool = True,
 ) -> float:
     """How much faster ``candidate`` would run than ``current``: the ratio of their
-    simulated iteration times on ``model``'s profile (> 1: the candidate is faster).
+    simulated iteration times on ``model``'s profile (> 1: the candidate is faster);
+    ``concurrent=False`` for devices that compute one at a time (CPU workers).
 
     Re-planning from noisy timings can flip between near-equal plans; a caller
     switches only when this exceeds its threshold (e.g. ``> 1.05``), ideally with a
@@ -251,9 +264,11 @@ def predicted_speedup(
         if not isinstance(plan, ModelExecutePlan):
             raise TypeError(f"{name} must be a ModelExecutePlan, got {type(plan).__name__}")
         plan.check_valid(prof.num_layers, rt, num_devices)
-    old = simulated_iteration_ms(current, prof, rt, num_devices, num_microbatch, overlap_iterations)
+    old = simulated_iteration_ms(
+        current, prof, rt, num_devices, num_microbatch, overlap_iterations, concurrent
+    )
     new = simulated_iteration_ms(
-        candidate, prof, rt, num_devices, num_microbatch, overlap_iterations
+        candidate, prof, rt, num_devices, num_microbatch, overlap_iterations, concurrent
     )
     return old / new if new > 0 else (1.0 if old == 0 else math.inf)
 
@@ -296,12 +311,16 @@ def decide_replan(
     num_devices: int,
     num_microbatch: int,
     min_gain: float,
+    concurrent: bool = True,
 ) -> ReplanDecision:
     """The one re-plan policy of the engine (the default plan's re-plan and
-    ``AutoReplan`` both ask here): see :class:`ReplanDecision`."""
+    ``AutoReplan`` both ask here): see :class:`ReplanDecision`. ``concurrent``: as
+    :func:`predicted_speedup`."""
     gain = (
         1.0
         if candidate == old
-        else predicted_speedup(old, candidate, model, run_type, num_devices, num_microbatch)
+        else predicted_speedup(
+            old, candidate, model, run_type, num_devices, num_microbatch, concurrent=concurrent
+        )
     )
     return ReplanDecision(old, candidate, gain, float(min_gain))

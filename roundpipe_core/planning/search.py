@@ -45,7 +45,8 @@ class PlanSearch:
         stage_ms: the stage time cap the plans were packed under (their slowest stage
             is at most this).
         num_stages: stages of all models together.
-        cost: ``max(num_stages, min_stages) * stage_ms``, the planner's objective.
+        cost: the planner's objective (e.g. ``max(num_stages, min_stages) * stage_ms``;
+            with ``fewest_stages``, the summed stage time of one microbatch).
         memory_cap_bytes: per-stage memory bound used.
         evaluated: stage caps the search evaluated.
     """
@@ -265,6 +266,7 @@ def search_plans(
     refine: bool = False,
     walk: bool = True,
     overlap_iterations: bool = False,
+    fewest_stages: bool = False,
 ) -> PlanSearch:
     """Partition one or more models (planned jointly: one shared stage time cap).
 
@@ -299,6 +301,11 @@ def search_plans(
     returns a plan that simulates slower than the one it started from. Plans are
     timed one iteration alone, or with ``overlap_iterations`` ("fused") in the
     steady state of overlapped ``forward_backward(blocking=False)`` calls.
+
+    ``fewest_stages=True`` returns the plan with the fewest stages memory allows (so
+    the largest fused stage: the least recompute) instead: the fastest plan where the
+    devices compute one at a time and every job's time adds up (CPU workers). It does
+    not depend on the timings unless memory forces several stages.
 
     Raises:
         ValueError: unknown method / objective / run type, no profiles, or a layer
@@ -358,6 +365,16 @@ def search_plans(
         count never grows with the cap)."""
         return first_true(0, last_idx, lambda i: s_at(i) <= at_most)
 
+    if fewest_stages:
+        plans = [pr.build(cands[last_idx]) for pr in problems]
+        return PlanSearch(
+            plans=plans,
+            stage_ms=cands[last_idx],
+            num_stages=int(s_at(last_idx)),
+            cost=w_at(last_idx),
+            memory_cap_bytes=memory_cap_bytes,
+            evaluated=len(counts),
+        )
     first = first_true(0, last_idx, lambda i: s_at(i) < math.inf)  # smallest feasible cap
     best_idx = first
 
@@ -485,12 +502,16 @@ def simulated_iteration_ms(
     num_devices: int,
     num_microbatch: int,
     overlap: bool = False,
+    concurrent: bool = True,
 ) -> float:
     """The simulated time of one iteration of ``plan``; with ``overlap`` ("fused" only)
     the steady state of back-to-back ``forward_backward(blocking=False)`` calls: the
     time per iteration over :data:`OVERLAP_ITERATIONS` iterations after as many
-    warm-up ones."""
+    warm-up ones. ``concurrent=False``: devices that compute one at a time (CPU
+    workers; see :func:`~roundpipe_core.planning.simulate.simulate`)."""
     run_type = parse_kind(RunType, run_type, "run_type")
+    if not concurrent:
+        overlap = False  # nothing overlaps where one job computes at a time
     if not overlap or run_type != RunType.FUSED:
         return makespan_ms(
             plan,
@@ -500,6 +521,7 @@ def simulated_iteration_ms(
             num_microbatch,
             run_type=run_type,
             re_ms=profile.re_ms,
+            concurrent=concurrent,
         )
 
     def span(iterations: int) -> float:

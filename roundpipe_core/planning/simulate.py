@@ -72,6 +72,7 @@ def simulate(
     act_bytes: Sequence[float] | None = None,
     step_per_layer: bool = False,
     step_share: Sequence[float] | None = None,
+    concurrent: bool = True,
 ) -> SimResult:
     """Simulate one iteration (or several) of ``plan``.
 
@@ -119,6 +120,9 @@ def simulate(
             ``param_bytes``.
         act_bytes: saved-activation bytes per layer for one microbatch, held while a
             backward or fused stage runs it (see :mod:`roundpipe_core.planning.profile`).
+        concurrent: whether the devices compute at the same time (GPUs). ``False``
+            models CPU workers, which compute one at a time: a job starts only once
+            every device is idle, so the iteration takes the sum of its jobs.
 
     Returns:
         A :class:`SimResult`.
@@ -197,6 +201,7 @@ def simulate(
             gate,
             layer_ready,
             grad_done,
+            serial=not concurrent,
         )
         iter_ends.append(max([ends] + iter_ends))
         ready = [0.0] * n
@@ -257,6 +262,7 @@ def makespan_ms(
     num_microbatch: int,
     run_type: RunType | str = RunType.FUSED,
     re_ms: Sequence[float] | None = None,
+    concurrent: bool = True,
 ) -> float:
     """Round-robin iteration time only, as :func:`simulate` computes it but without
     building the timeline (the planner calls this for its candidates)."""
@@ -281,6 +287,7 @@ def makespan_ms(
         [0.0] * num_devices,
         [[] for _ in range(num_devices)],
         None,
+        serial=not concurrent,
     )
 
 
@@ -353,6 +360,7 @@ def _run_iteration(
     gate: _WeightGate | None = None,
     layer_ready: list[float] | None = None,
     grad_done: dict[int, float] | None = None,
+    serial: bool = False,
 ) -> float:
     """Time one iteration's jobs in launch order (every dependency points backwards).
 
@@ -403,7 +411,8 @@ def _run_iteration(
             k = bisect.bisect_right(fwd_starts, job.layers.start - 1) - 1
             saved_from = fwd_jobs[k]
         prev: Job | None = None
-        start = max(device_free[d], params_ready, barrier)
+        # serial: one compute unit for all devices (CPU workers under one lock)
+        start = max(max(device_free) if serial else device_free[d], params_ready, barrier)
         if job.kind == FORWARD:
             if job.stage > 0:
                 prev = fwd_jobs[job.stage - 1]

@@ -157,6 +157,7 @@ def test_span_recorder_keeps_the_latest_spans_only():
         SpanRecorder(max_spans=0)
 
 
+@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_core_example_writes_the_last_trace(tmp_path, monkeypatch, capsys):
     examples = Path(__file__).parents[2] / "examples"
     monkeypatch.syspath_prepend(str(examples))

@@ -131,6 +131,7 @@ class _Slow(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_next_iteration_starts_before_the_previous_one_ends():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 12), *[_Slow() for _ in range(4)], nn.Linear(12, 4))

@@ -163,6 +163,7 @@ class _Slow(nn.Module):
         return self.inner(x)
 
 
+@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_heavy_layer_isolated_after_warm_up():
     """A real run: layer 3 costs far more than the others; measured timings make auto() give it its own stage."""
     torch.manual_seed(0)

@@ -46,6 +46,7 @@ def _events(log_dir: Path) -> EventAccumulator:
     return acc
 
 
+@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_stage_time_logger_writes_tensorboard_scalars(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path, name="tb")
     stl = StageTimeLogger(every_n_steps=2, log_timeline=False)
@@ -95,6 +96,7 @@ HEAVY = 60  # rounds of the compute-heavy layer 2 (8-layer model)
 WIDE = 512  # width of the parameter-heavy pair at layers 2-3 (9-layer model)
 
 
+@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_auto_replan_changes_plan_and_keeps_the_math(tmp_path: Path) -> None:
     replan = AutoReplan(warmup_steps=3)
     seen_plans = []
@@ -125,6 +127,7 @@ def test_auto_replan_changes_plan_and_keeps_the_math(tmp_path: Path) -> None:
     assert max_rel_err(params_of(m), params_of(ref)) <= 1e-5
 
 
+@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_auto_replan_switches_only_past_the_predicted_gain(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -194,6 +197,7 @@ def test_auto_replan_every_n_steps_and_resume(tmp_path: Path) -> None:
     assert [s for s, _ in restored.history] == [6]
 
 
+@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_execute_plan_auto_at_setup() -> None:
     """execute_plan="auto" plans from the timer's size-proportional estimates at setup."""
     seen = []
@@ -343,6 +347,7 @@ def test_simulated_iteration_is_on_the_measured_scale(tmp_path: Path) -> None:
     assert 0.4 <= statistics.median(ratios) <= 1.5, ratios
 
 
+@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_trace_dir_and_timeline_image(tmp_path: Path) -> None:
     """At each logging step: a Perfetto-loadable JSON of the measured call beside its
     simulation, and the picture of both as the TensorBoard image roundpipe/timeline."""

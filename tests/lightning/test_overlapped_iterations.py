@@ -90,6 +90,7 @@ class Unhooked(Scheduled):
         return scheduled_sgd(self.parameters(), slow=False)
 
 
+@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_layerwise_step_keeps_the_stale_one_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without clipping or step hooks, an overlapped window's step runs parameter by
     parameter as the gradients complete (step_layerwise); the numbers do not change."""

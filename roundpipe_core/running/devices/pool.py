@@ -150,6 +150,13 @@ class DevicePool:
     def is_cuda(self) -> bool:
         return any(w.device.type == "cuda" for w in self.workers)
 
+    @property
+    def concurrent(self) -> bool:
+        """Whether the devices compute at the same time. GPUs do; CPU workers compute
+        one at a time (they share the process's cores under one compute lock), so on
+        them every job's time adds up and the planner plans for that."""
+        return self.is_cuda
+
     def memory_capacity(self) -> int:
         """Bytes of the smallest device (the planner's default limit is 60% of it)."""
         return min(w.memory_capacity() for w in self.workers)
