@@ -161,6 +161,10 @@ def auto(
     rt = parse_kind(RunType, run_type, "run_type")
     if not models:
         raise ValueError("ModelExecutePlan.auto() needs at least one model to plan")
+    if concurrent is not None and not isinstance(concurrent, bool):
+        raise TypeError(
+            f"concurrent must be True, False or None (the models' pools decide), got {concurrent!r}"
+        )
     profiles: list[LayerProfile] = []
     devices: list[int] = []
     capacities: list[int] = []

@@ -140,6 +140,8 @@ def simulate(
         raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
     if not activation_ms >= 0:
         raise ValueError(f"activation_ms must be >= 0, got {activation_ms!r}")
+    if not isinstance(concurrent, bool):
+        raise TypeError(f"concurrent must be True or False, got {concurrent!r}")
     rt = parse_kind(RunType, run_type, "run_type")
     plan.check_valid(n, rt, num_devices)
     if policy == "bound":

@@ -97,3 +97,12 @@ def test_default_plan_on_cpu_workers_is_one_stage_and_stays() -> None:
         assert predicted_speedup(piped, first, rp, "fused", 2, 3, concurrent=False) > 1.0
     finally:
         rp.close()
+
+
+def test_concurrent_must_be_a_bool() -> None:
+    prof = _profile([1.0] * 4)
+    with pytest.raises(TypeError, match="concurrent must be True, False or None"):
+        ModelExecutePlan.auto("fused", prof, min_stages=2, concurrent="no")  # type: ignore[arg-type]
+    plan = ModelExecutePlan.uniform(4, 2, "fused")
+    with pytest.raises(TypeError, match="concurrent must be True or False"):
+        simulate(plan, [1.0] * 4, [1.0] * 4, 2, 2, concurrent=1)  # type: ignore[arg-type]
