@@ -185,7 +185,8 @@ class PlanChoice:
         (default ``DEFAULT_REPLAN_MIN_GAIN``) faster than the plan in use, else the plan
         in use (:func:`~roundpipe_core.planning.planner.decide_replan`, the policy the
         default plan's own re-plan follows). ``auto_kwargs`` go to
-        ``ModelExecutePlan.auto``.
+        ``ModelExecutePlan.auto``; their ``concurrent`` (default: the pool's) also
+        decides how the gain is simulated.
 
         Returns:
             The decision: old and candidate plan, predicted gain, whether it changed.
@@ -193,11 +194,17 @@ class PlanChoice:
         rt = parse_kind(RunType, run_type, "run_type")
         gain = self.DEFAULT_REPLAN_MIN_GAIN if min_gain is None else min_gain
         m = self.num_microbatch_for(auto_kwargs.get("num_microbatch"))
+        concurrent = auto_kwargs.get("concurrent")
+        if concurrent is None:
+            concurrent = self.pool.concurrent
         old = self.plan_for(rt)
-        candidate = ModelExecutePlan.auto(rt, self, **{**auto_kwargs, "num_microbatch": m})
+        candidate = ModelExecutePlan.auto(
+            rt, self, **{**auto_kwargs, "num_microbatch": m, "concurrent": concurrent}
+        )
         assert isinstance(candidate, ModelExecutePlan)  # one model in, one plan out
+        # the gain is simulated on the device model the candidate was planned for
         decision = decide_replan(
-            old, candidate, self, rt, self.num_devices, m, gain, concurrent=self.pool.concurrent
+            old, candidate, self, rt, self.num_devices, m, gain, concurrent=concurrent
         )
         self.set_plan(rt, decision.plan)
         return decision

@@ -90,27 +90,26 @@ class QueuedStep:
         self.groups = [{**h, "params": g["params"]} for h, g in zip(self.hyper, live)]
         self.live = list(live)
 
-    def _twin(self) -> tuple[Optimizer, dict[str, Any]]:
+    def _twin(self, own_step: types.MethodType | None) -> tuple[Optimizer, dict[str, Any]]:
         """A same-class optimizer sharing the user's state and hooks, with this step's
-        groups; and the attributes it started with (to see what the step rebinds)."""
+        groups (and ``own_step``, a method of the user's optimizer, bound to it); and
+        the attributes it started with (to see what the step rebinds)."""
         opt = self.optimizer
         shared = {k: v for k, v in vars(opt).items() if k not in _NOT_SHARED}
         twin = object.__new__(type(opt))
         vars(twin).update(shared)
         vars(twin)["param_groups"] = self.groups
-        own = _own_step(opt)
-        if isinstance(own, types.MethodType) and own.__self__ is opt:
-            vars(twin)["step"] = types.MethodType(own.__func__, twin)
+        if own_step is not None:
+            vars(twin)["step"] = types.MethodType(own_step.__func__, twin)
         return twin, shared
 
     def run(self, params: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
         """The step, over ``params`` only if given (a layer-wise step's part)."""
         own = _own_step(self.optimizer)
-        if own is not None and not (
-            isinstance(own, types.MethodType) and own.__self__ is self.optimizer
-        ):
+        bound = isinstance(own, types.MethodType) and own.__self__ is self.optimizer
+        if own is not None and not bound:
             return self._run_live(params, **kwargs)
-        twin, before = self._twin()
+        twin, before = self._twin(own)
         out = twin.step(**kwargs) if params is None else step_subset(twin, params, **kwargs)
         # attributes the step rebound on the twin (counters kept outside the groups)
         target = vars(self.optimizer)

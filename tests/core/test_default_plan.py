@@ -79,3 +79,31 @@ def test_replan_follows_the_same_policy(monkeypatch, gain, changed) -> None:
 def test_replan_of_the_same_plan_predicts_no_gain() -> None:
     decision = planner_module.decide_replan(A, A, None, "fused", 2, 3, 0.0)
     assert decision.gain == 1.0 and not decision.changed and decision.plan == A
+
+
+@pytest.mark.parametrize(("asked", "simulated"), [(None, False), (True, True)])
+def test_replan_judges_the_gain_on_the_device_model_it_planned_for(
+    monkeypatch, asked, simulated
+) -> None:
+    """CPU workers compute one at a time; replan(concurrent=True) plans and judges as for
+    devices that overlap, the default (the pool's) as for CPU workers."""
+    seen = {}
+
+    def planner(run_type, rp, **options):
+        seen["planned"] = options["concurrent"]
+        return B
+
+    def speedup(*a, concurrent=True, **k):
+        seen["judged"] = concurrent
+        return 2.0
+
+    monkeypatch.setattr(ModelExecutePlan, "_planner", staticmethod(planner))
+    monkeypatch.setattr(planner_module, "predicted_speedup", speedup)
+    rp = RoundPipe(nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)]), devices="cpu:2")
+    try:
+        rp.set_plan("fused", A)
+        kwargs = {} if asked is None else {"concurrent": asked}
+        rp.replan("fused", **kwargs)
+        assert seen == {"planned": simulated, "judged": simulated}
+    finally:
+        rp.close()
