@@ -178,6 +178,8 @@ class _Fragile(nn.Module):
         return self.lin(x)
 
 
+# multi-stage plans: iteration k+1's stages queue behind k's, so k's failure aborts it
+@pytest.mark.usefixtures("concurrent_planning")
 @pytest.mark.parametrize("surface", ["result", "next_call"])
 def test_a_failed_pipelined_iteration_surfaces_and_the_next_call_works(surface):
     model = mlp()
