@@ -119,8 +119,8 @@ class PipelineRun:
         # on -- "upload" (a stage's parameters), "activation" (a microbatch's stage input
         # in, its output out), "gradient" (the stage's parameter gradients out)
         self.transfer_spans: list[tuple[str, int, str, float, float]] = []
-        # Pipelined runs only (pipelined.py): the weight-version gate of uploads and this
-        # run's registration as a reader of one version.
+        # The uploads' weight-version gate and this run's reader (pipelined.py); None: no
+        # one writes the host weights during the run, so uploads may lend them (upload_job)
         self.weights = weights
         self.reader = reader
 

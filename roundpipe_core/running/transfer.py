@@ -256,6 +256,7 @@ class _StageLayout:
         "modules",
         "position",
         "chunks",
+        "read_only",
         "sources",
         "wrap",
         "fills",
@@ -277,6 +278,10 @@ class _StageLayout:
         self.position = {idx: k for k, idx in enumerate(indices)}
         # one copy_in per layer, as a failed upload must release the layers before it
         self.chunks = [tree.source_list for tree in self.trees]
+        # what a stage only reads (its parameters), per chunk: a backend whose memory is
+        # the host's may lend those instead of copying (Worker.lend_in); buffers are
+        # copied, as a forward may write them and its recompute must not write them twice
+        self.read_only = [tree.is_param for tree in self.trees]
         self.sources: list[torch.Tensor] = [t for chunk in self.chunks for t in chunk]
         self.fills: list[tuple[dict[str, Any], str, int]] = []
         is_param: list[bool] = []
@@ -345,6 +350,7 @@ def upload_stage(
     indices: Sequence[int],
     slot: int = 0,
     epoch: object = None,
+    lend: bool = False,
 ) -> StageReplica:
     """Issue the upload of a stage's layers to ``worker`` (asynchronous on CUDA:
     compute must ``worker.wait_channel("param")`` before using it). ``slot`` (0/1)
@@ -353,12 +359,18 @@ def upload_stage(
     ``epoch`` names a stretch of uploads during which the host modules do not change
     (the runtime passes one per worker queue of a call: no user code runs on the host
     modules in between); a skeleton already checked and synced in it is used as is.
-    The parameter and buffer tensors are copied on every upload regardless."""
+    The parameter and buffer tensors are copied on every upload, except that with
+    ``lend`` (nothing writes the host parameters while the stage runs) a backend whose
+    memory is the host's computes on the parameters themselves (``Worker.lend_in``)."""
     layout = _stage_layout(worker, layers, indices, slot, epoch)
     dev: list[torch.Tensor] = []
     try:
-        for chunk in layout.chunks:
-            dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
+        if lend:
+            for chunk, read_only in zip(layout.chunks, layout.read_only):
+                dev.extend(worker.lend_in(chunk, read_only))
+        else:
+            for chunk in layout.chunks:
+                dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
         # Parameter wrappers replace the raw device tensors so grads land on them
         held = [t if w is None else _parameter(t, w) for t, w in zip(dev, layout.wrap)]
         for table, name, i in layout.fills:
@@ -541,7 +553,11 @@ def upload_job(
         if not wait and not run.weights.ready(run.reader, layers):
             return None
         run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
-    stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot, epoch)
+    # without a weight gate nothing writes the host weights while this call runs (see
+    # PipelineRun.weights): a host-memory backend may compute on them
+    stage = upload_stage(
+        worker, [run.layers[i] for i in layers], layers, slot, epoch, lend=run.weights is None
+    )
     if run.weights is not None:
         # the host copy of these layers may be overwritten once this upload has read it
         run.weights.uploaded(run.reader, layers, worker.param_fence())

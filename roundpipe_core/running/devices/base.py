@@ -198,6 +198,16 @@ class Worker(ABC):
     ) -> list[torch.Tensor]:
         """Device -> host copies, complete when this returns (ordered after compute so far)."""
 
+    def lend_in(
+        self, tensors: Sequence[torch.Tensor], read_only: Sequence[bool]
+    ) -> list[torch.Tensor]:
+        """Host -> device for a stage's parameters and buffers when nothing writes the host
+        tensors while the stage runs (``read_only[i]``: the stage only reads tensor ``i``).
+        A backend whose device memory is host memory hands those tensors over as
+        detached aliases (no copy) and copies the rest; the ledger counts every tensor as
+        a copy, so a plan holds the same device bytes on every backend. Others copy all."""
+        return self.copy_in(tensors, "param")
+
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host for tensors the device drops right after (a stage's parameter
         gradients): host copies, complete when this returns. A backend whose device

@@ -1,9 +1,10 @@
 """CPU backend: a thread that plays a device.
 
-It copies a stage's weights into buffers of its own ("upload"), runs the stage,
-hands the gradients autograd accumulated back (``take_out``: they are host
-memory already, and the stage drops them) and keeps a ledger of the bytes it
-holds.
+Its memory is the host's. An upload copies a stage's weights into buffers of its
+own -- or, where nothing writes the host weights during the call, hands the stage
+aliases of the host parameters (``lend_in``; buffers are still copied) -- then it
+runs the stage, hands what the stage produced (outputs, gradients) back without
+copying it, and keeps a ledger of the bytes a device would hold.
 All model code of the CPU backend runs under one process-wide lock: the CPU
 random generator is shared by all threads, so only serialised compute gives
 each (layer, microbatch) a well-defined RNG state to save and replay — and
@@ -86,6 +87,19 @@ def _param_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         torch._C._set_grad_enabled(True)
 
 
+def _aliases_or_copies(
+    tensors: Sequence[torch.Tensor], read_only: Sequence[bool]
+) -> list[torch.Tensor]:
+    """Detached aliases of the read-only tensors (same storage, a tensor object of their
+    own that requires no grad), copies of the rest made with autograd off."""
+    enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return [t.detach() if ro else t.clone() for t, ro in zip(tensors, read_only)]
+    finally:
+        torch._C._set_grad_enabled(enabled)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.nbytes  # numel() * element_size(), in one call
 
@@ -108,6 +122,16 @@ class CPUWorker(Worker):
         self.ledger.alloc(sum(map(_nbytes, out)), channel)
         return out
 
+    def lend_in(
+        self, tensors: Sequence[torch.Tensor], read_only: Sequence[bool]
+    ) -> list[torch.Tensor]:
+        # device memory is host memory: a stage that only reads a host tensor computes on
+        # it (an alias of its own, so the stage's parameter wrapper and .grad are the
+        # stage's); what it may write (buffers) is still copied
+        out = _aliases_or_copies(tensors, read_only)
+        self.ledger.alloc(sum(map(_nbytes, out)), "param")
+        return out
+
     def wait_channel(self, channel: str) -> None:
         # Copies are synchronous on the CPU backend.
         return None
@@ -115,7 +139,11 @@ class CPUWorker(Worker):
     def copy_out(
         self, tensors: Sequence[torch.Tensor], channel: str = "download"
     ) -> list[torch.Tensor]:
-        return _copies(tensors)
+        # host memory already: what a stage hands out (its outputs, input gradients,
+        # losses, buffer copies) is made by this job and not written after it, and every
+        # consumer's copy_in copies again before it may write -- a copy here would only be
+        # thrown away
+        return [t.detach() if t.requires_grad else t for t in tensors]
 
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # host memory already, and the stage drops them: a copy would only be thrown away
