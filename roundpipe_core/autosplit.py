@@ -380,6 +380,7 @@ class AutoRoundPipe(RoundPipeBase):
         lower_threshold: int | None = None,
         skip_modules: Collection[nn.Module] = (),
         override_config: Mapping[nn.Module, RoundPipeRunConfig] | None = None,
+        shared_masters: bool | None = None,
     ) -> None:
         if model_run_config is not None:
             check_run_config(model_run_config, "model_run_config")
@@ -393,6 +394,7 @@ class AutoRoundPipe(RoundPipeBase):
             pin_model=pin_model,
             devices=devices,
             original_model=original_model,
+            shared_masters=shared_masters,  # None: shared on CPU workers, as RoundPipe's
         )
         self.model_run_config = model_run_config or RoundPipeRunConfig()
         unit_modules, host = _units_without_sharing(model, rules)
@@ -453,10 +455,10 @@ class AutoRoundPipe(RoundPipeBase):
         )
 
     def _take_model_grads(self) -> None:
-        """Before a step: gradients of host parameters (used by glue code on the host)
-        collect in the parameters' own ``.grad``; move them to their masters."""
+        """Before a step: host parameters' gradients (of glue code on the host) move from
+        their ``.grad`` to their masters (a shared parameter is its own master)."""
         for _, p in self.host_parameters:
-            if p.grad is not None:
+            if p.grad is not None and self.masters.master_of.get(id(p)) is not p:
                 self.masters.add_grad(p, p.grad)
                 p.grad = None
 

@@ -11,6 +11,7 @@ fall-through to the original model, and ``OptimizerCtx``.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import warnings
 import weakref
@@ -30,6 +31,8 @@ from .stepping.masters import MasterWeights
 from .stepping.owner import StepOwner
 from .stepping.pipelined import GradBuffer
 from .stepping.stepper import ClosedError
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["OptimizerCtx", "RoundPipeBase"]
 
@@ -113,7 +116,8 @@ class RoundPipeBase(nn.Module):
             this one then makes no masters and accumulates its gradients into the owner's.
         shared_masters: a trainable host parameter whose dtype is ``optim_dtype`` is its
             own master (one tensor instead of two; see ``RoundPipe``). Every ``step()``
-            is then synchronous.
+            is then synchronous. ``None``: what the pool does best -- ``True`` on CPU
+            workers, ``False`` on GPUs (:meth:`default_shared_masters`).
     """
 
     def __init__(
@@ -125,7 +129,7 @@ class RoundPipeBase(nn.Module):
         devices: Any = None,
         original_model: Any = None,
         master_owner: RoundPipeBase | None = None,
-        shared_masters: bool = False,
+        shared_masters: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -141,10 +145,10 @@ class RoundPipeBase(nn.Module):
             raise TypeError(
                 f"optim_dtype must be a floating torch.dtype such as torch.float32, got {optim_dtype!r}"
             )
-        if not isinstance(shared_masters, bool):
+        if shared_masters is not None and not isinstance(shared_masters, bool):
             raise TypeError(
-                f"shared_masters must be True or False, got {shared_masters!r} "
-                f"({type(shared_masters).__name__})"
+                f"shared_masters must be True, False or None (the pool's default), got "
+                f"{shared_masters!r} ({type(shared_masters).__name__})"
             )
         if master_owner is not None and not isinstance(master_owner, RoundPipeBase):
             raise TypeError(f"master_owner must be a RoundPipe, got {type(master_owner).__name__}")
@@ -168,6 +172,9 @@ class RoundPipeBase(nn.Module):
             # pinned host memory makes uploads asynchronous; "register" must be undone at close
             pin_handle = memory.prepare_host_params(model, pin)
 
+        self._shared_by_default = shared_masters is None
+        if shared_masters is None:
+            shared_masters = self.default_shared_masters(self.pool)
         self.masters = MasterWeights(
             model, self.optim_dtype, create=master_owner is None, share=shared_masters
         )
@@ -358,9 +365,13 @@ class RoundPipeBase(nn.Module):
         ahead of its own update: the call after it waits for each layer's copy just
         before uploading the layer, and ``wait_step()`` / ``synchronize()`` for all of it.
 
-        With ``shared_masters=True`` and at least one parameter that is its own master,
-        every step is synchronous: ``is_async=True`` runs as ``is_async=False`` (a
-        warning says so once). The step writes the very weights devices upload, so
+        With shared masters (``shared_masters=True``, and the default on CPU workers) and
+        at least one parameter that is its own master, every step is synchronous:
+        ``is_async=True`` runs as ``is_async=False`` -- a warning says so once where
+        ``shared_masters=True`` was passed, an info log where the pool's default chose it.
+        On CPU workers that is the faster step (an overlapped one would compute on the
+        workers' cores) with plain PyTorch's numbers; ``shared_masters=False`` gives the
+        asynchronous one there too. The step writes the very weights devices upload, so
         nothing may read them while it runs; it waits for the calls issued before it.
 
         After a non-blocking ``forward_backward(blocking=False)`` whose gradients are not
@@ -389,19 +400,39 @@ class RoundPipeBase(nn.Module):
         blocking calls wait for that copy layer by layer (``RoundPipe`` overrides this)."""
         return False
 
+    @staticmethod
+    def default_shared_masters(pool: DevicePool) -> bool:
+        """``shared_masters=None``: share on a pool whose devices compute on the host's
+        cores one at a time (CPU workers), where a synchronous step is the faster one and
+        a second weight copy buys nothing; separate masters on GPUs, for the
+        asynchronous step."""
+        return not pool.concurrent
+
     def _async_allowed(self, is_async: bool) -> bool:
         """``is_async``, unless a master is shared: the step then writes the weights the
-        devices read, so it must be synchronous (said once)."""
+        devices read, so it must be synchronous. Said once: a warning where the user
+        chose ``shared_masters=True``, an info line where the pool's default chose it
+        (CPU workers, whose synchronous step is the faster and plain-PyTorch-exact one)."""
         if is_async and self._home().masters.num_shared:
             if not self._warned_sync_step:
                 self._warned_sync_step = True
-                warnings.warn(
-                    f"RoundPipe {self.name!r}: step(is_async=True) runs synchronously because "
-                    "shared_masters=True (the optimizer updates the weights devices read, in "
-                    "place); pass shared_masters=False for an asynchronous, one-step-stale step",
-                    UserWarning,
-                    stacklevel=3,
-                )
+                if self._shared_by_default:
+                    _log.info(
+                        "RoundPipe %r: step() is synchronous on CPU workers (they compute on "
+                        "the cores an overlapped step would take; the masters are the "
+                        "model's own weights, shared_masters=None); pass shared_masters=False "
+                        "for an asynchronous, one-step-stale step",
+                        self.name,
+                    )
+                else:
+                    warnings.warn(
+                        f"RoundPipe {self.name!r}: step(is_async=True) runs synchronously "
+                        "because shared_masters=True (the optimizer updates the weights "
+                        "devices read, in place); pass shared_masters=False for an "
+                        "asynchronous, one-step-stale step",
+                        UserWarning,
+                        stacklevel=3,
+                    )
             return False
         return is_async
 

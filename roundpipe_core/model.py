@@ -82,7 +82,9 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             bf16 ones, still get fp32 copies). With no second copy for devices to
             read while a step writes, every ``step()`` is synchronous
             (``is_async=True`` runs as ``False``, with a warning): the same numbers
-            as plain PyTorch, 4 B/param less host memory for fp32.
+            as plain PyTorch, 4 B/param less host memory for fp32. ``None`` (default):
+            ``True`` on CPU workers, ``False`` on GPUs, where separate masters let
+            ``step()`` overlap the next iteration (``RoundPipeBase.default_shared_masters``).
 
     Attributes:
         loss_multiplier: ``None`` or a callable read once per ``forward_backward`` (in the
@@ -107,7 +109,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         devices: Any = None,
         original_model: Any = None,
         master_owner: RoundPipeBase | None = None,
-        shared_masters: bool = False,
+        shared_masters: bool | None = None,
     ) -> None:
         model_run_config = check_run_config(
             model_run_config if model_run_config is not None else RoundPipeRunConfig(),

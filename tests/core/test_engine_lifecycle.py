@@ -51,7 +51,7 @@ _PRELUDE = """
     import threading, torch
     from torch import nn
     from roundpipe_core import RoundPipe
-    rp = RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), devices="cpu:2")
+    rp = RoundPipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), devices="cpu:2", shared_masters=False)
     rp.forward_backward((torch.randn(3, 4),), label=None, loss_fn=lambda o, _: o.sum())
 """
 
@@ -64,7 +64,7 @@ def test_a_stuck_step_does_not_hang_interpreter_exit() -> None:
     def stuck():
         started.set()
         threading.Event().wait()  # never returns
-    rp.step(stuck)
+    rp.step(stuck, is_async=True)
     started.wait(30)
     print("leaving")
     """
@@ -79,7 +79,7 @@ def test_unobserved_step_error_is_reported_at_exit() -> None:
         + """
     def bad():
         raise ValueError("step went wrong")
-    rp.step(bad)
+    rp.step(bad, is_async=True)
     rp.wait_step()
     """
     )
@@ -93,7 +93,7 @@ def test_observed_step_error_is_not_reported_again() -> None:
         + """
     def bad():
         raise ValueError("step went wrong")
-    rp.step(bad)
+    rp.step(bad, is_async=True)
     try:
         rp.synchronize()
     except ValueError:

@@ -190,7 +190,12 @@ def test_step_subset_leaves_the_others_alone() -> None:
 
 def test_a_failing_part_is_raised_once_and_training_goes_on() -> None:
     model = mlp()
-    rp = RoundPipe(model, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    rp = RoundPipe(
+        model,
+        devices="cpu:2",
+        shared_masters=False,
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+    )
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.01)
     fail = threading.Event()
     fail.set()
@@ -204,12 +209,12 @@ def test_a_failing_part_is_raised_once_and_training_goes_on() -> None:
     try:
         (x, y), (x2, y2) = _batches(2)
         rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
-        rp.step_layerwise(some, finish=opt.zero_grad)
+        rp.step_layerwise(some, finish=opt.zero_grad, is_async=True)
         with pytest.raises(RuntimeError, match="boom in a part"):
             rp.forward_backward((x2,), label=y2, loss_fn=sum_sq, blocking=False).result()
         # the error was raised once; the next calls work
         r = rp.forward_backward((x2,), label=y2, loss_fn=sum_sq, blocking=False)
-        rp.step_layerwise(some, finish=opt.zero_grad)
+        rp.step_layerwise(some, finish=opt.zero_grad, is_async=True)
         assert torch.isfinite(r.result())
         rp.synchronize()
     finally:
@@ -246,7 +251,9 @@ def test_shared_masters_make_the_layerwise_step_synchronous() -> None:
             for x, y in _batches(STEPS):
                 if mode == "layerwise":
                     r = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
-                    rp.step_layerwise(lambda ms: step_subset(opt, ms), finish=opt.zero_grad)
+                    rp.step_layerwise(
+                        lambda ms: step_subset(opt, ms), finish=opt.zero_grad, is_async=True
+                    )
                     assert r.done()  # synchronous: the step waited for the call
                 else:
                     rp.forward_backward((x,), label=y, loss_fn=sum_sq)

@@ -77,12 +77,12 @@ def test_async_step_is_one_step_stale(copy_held_back):
     batches = _batches(3, seed=3)
     w0, w1, w2, w3 = _stale_reference(model, batches, lr)
 
-    rp = RoundPipe(model, devices="cpu:2")
+    rp = RoundPipe(model, devices="cpu:2", shared_masters=False)
     try:
         opt = torch.optim.SGD(rp.optim_parameters(), lr=lr)
 
         rp.forward_backward((batches[0][0],), label=batches[0][1], loss_fn=sum_sq)
-        rp.step(lambda: (opt.step(), opt.zero_grad()))
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
         rp.forward_backward((batches[1][0],), label=batches[1][1], loss_fn=sum_sq)
         # the model still holds w0 until the next step/synchronize
         for p, q in zip(model.parameters(), w0):
@@ -91,7 +91,7 @@ def test_async_step_is_one_step_stale(copy_held_back):
             release = threading.Event()
             rp._steps._stepper._thread.submit(release.wait, 10.0)
             threading.Timer(0.5, release.set).start()
-        rp.step(lambda: (opt.step(), opt.zero_grad()))
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
         if copy_held_back:  # w1 cannot be in the model yet
             assert not rp._steps._stepper.pending().done()
             assert torch.equal(next(model.parameters()).detach(), w0[0])
@@ -106,7 +106,7 @@ def test_async_step_is_one_step_stale(copy_held_back):
             assert_close_rel(
                 p.detach(), w, what="after step 2 and the next call the model holds w1"
             )
-        rp.step(lambda: (opt.step(), opt.zero_grad()))
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
         rp.synchronize()
         for p, w in zip(model.parameters(), w3):
             assert_close_rel(p.detach(), w, what="after synchronize the model holds w3")
@@ -143,7 +143,7 @@ def test_bf16_model_with_fp32_masters():
 
 
 def test_step_errors_reach_the_caller_and_next_step_works():
-    rp = RoundPipe(mlp(), devices="cpu:2")
+    rp = RoundPipe(mlp(), devices="cpu:2", shared_masters=False)
     try:
         x, y = _batches(1)[0]
         rp.forward_backward((x,), label=y, loss_fn=sum_sq)
@@ -151,13 +151,13 @@ def test_step_errors_reach_the_caller_and_next_step_works():
         def bad():
             raise ArithmeticError("optimizer exploded")
 
-        rp.step(bad)  # async: surfaces at the next synchronisation point
+        rp.step(bad, is_async=True)  # async: surfaces at the next synchronisation point
         with pytest.raises(ArithmeticError, match="optimizer exploded"):
             rp.synchronize()
         opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
         rp.step(lambda: opt.step(), is_async=False)
         with pytest.raises(TypeError, match="callable"):
-            rp.step(None)  # type: ignore[arg-type]
+            rp.step(None, is_async=True)  # type: ignore[arg-type]
     finally:
         rp.close()
 
@@ -169,7 +169,7 @@ def test_a_failed_async_step_still_running_at_the_next_step_is_raised_once():
     model = mlp()
     w0 = copy.deepcopy(model)
     batches = _batches(3, seed=5)
-    rp = RoundPipe(model, devices="cpu:2")
+    rp = RoundPipe(model, devices="cpu:2", shared_masters=False)
     try:
         opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
 
@@ -178,14 +178,16 @@ def test_a_failed_async_step_still_running_at_the_next_step_is_raised_once():
             raise ArithmeticError("optimizer exploded")
 
         rp.forward_backward((batches[0][0],), label=batches[0][1], loss_fn=sum_sq)
-        rp.step(slow_bad)
+        rp.step(slow_bad, is_async=True)
         assert not rp._steps._stepper.pending().done(), "step1 must still run when step2 is queued"
-        rp.step(lambda: (opt.step(), opt.zero_grad()))  # returns at once: step1 still runs
+        rp.step(
+            lambda: (opt.step(), opt.zero_grad()), is_async=True
+        )  # returns at once: step1 still runs
         x, y = batches[2]
         loss = rp.forward_backward((x,), label=y, loss_fn=sum_sq)
         assert_close_rel(loss.detach(), sum_sq(w0(x), y).detach(), what="the next call reads w0")
         with pytest.raises(ArithmeticError, match="optimizer exploded"):
-            rp.step(lambda: (opt.step(), opt.zero_grad()))
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
         for p, q in zip(model.parameters(), w0.parameters()):
             assert torch.equal(p.detach(), q.detach()), "no step completed: the model holds w0"
         rp.synchronize()  # raised once: nothing more to report

@@ -45,7 +45,8 @@ def _train(devices, plan, blocking, calls_per_step=1, n=5, is_async=True, slow="
         for i in range(len(model)):
             model[i] = nn.Sequential(model[i], _Sleep())
     cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=plan)
-    rp = RoundPipe(model, devices=f"cpu:{devices}", model_run_config=cfg)
+    # separate masters: the asynchronous, one-step-stale step this file is about
+    rp = RoundPipe(model, devices=f"cpu:{devices}", model_run_config=cfg, shared_masters=False)
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.05)
 
     def slow_step():
@@ -219,7 +220,7 @@ def test_a_failed_pipelined_iteration_surfaces_and_the_next_call_works(surface):
 
 
 def test_an_async_step_error_before_pipelined_calls_is_not_lost():
-    rp = RoundPipe(mlp(), devices="cpu:2")
+    rp = RoundPipe(mlp(), devices="cpu:2", shared_masters=False)
     try:
         x, y = _batches(1)[0]
         rp.forward_backward((x,), label=y, loss_fn=sum_sq)
@@ -227,7 +228,7 @@ def test_an_async_step_error_before_pipelined_calls_is_not_lost():
         def bad():
             raise ArithmeticError("optimizer exploded")
 
-        rp.step(bad)
+        rp.step(bad, is_async=True)
         p = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
         p.wait(timeout=30)
         with pytest.raises(ArithmeticError, match="optimizer exploded"):

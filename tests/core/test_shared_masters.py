@@ -5,6 +5,8 @@ steps are synchronous, and gradients of a call are not kept beyond their merge."
 from __future__ import annotations
 
 import copy
+import logging
+import threading
 import time
 import warnings
 import weakref
@@ -171,9 +173,9 @@ def test_async_step_warns_once_and_runs_synchronously() -> None:
 
 
 def test_without_sharing_async_step_stays_async() -> None:
-    """The option off (default): copies, and no warning from step(is_async=True)."""
+    """The option off: copies, and no warning from step(is_async=True)."""
     net = mlp(4)
-    rp = RoundPipe(net, devices="cpu:2")
+    rp = RoundPipe(net, devices="cpu:2", shared_masters=False)
     assert rp.masters.num_shared == 0
     assert all(m is not p for _, p, m in rp.masters.entries)
     with warnings.catch_warnings():
@@ -295,8 +297,51 @@ def test_synchronize_contract_holds_for_shared_masters() -> None:
 
 
 def test_shared_masters_must_be_a_bool() -> None:
-    with pytest.raises(TypeError, match="shared_masters must be True or False, got 'yes'"):
+    with pytest.raises(TypeError, match="shared_masters must be True, False or None .*got 'yes'"):
         RoundPipe(mlp(3), shared_masters="yes", devices="cpu:2")  # type: ignore[arg-type]
+
+
+def test_the_default_shares_on_cpu_workers_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """shared_masters=None: CPU workers share (one copy of the weights, a synchronous
+    step with plain PyTorch's numbers), said once at INFO, never as a warning."""
+    net = mlp(6)
+    batches = _batches()
+    refs = _train_reference(net, batches)
+    rp = RoundPipe(net, devices="cpu:2")
+    try:
+        assert rp.shared_masters is True and rp.masters.num_shared == len(list(net.parameters()))
+        with OptimizerCtx():
+            opt = _adamw(rp.parameters())
+        with warnings.catch_warnings(), caplog.at_level(logging.INFO, "roundpipe_core"):
+            warnings.simplefilter("error")
+            for (x, y), ref in zip(batches, refs):
+                rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq)
+                rp.step(lambda: (opt.step(), opt.zero_grad(set_to_none=True)))  # is_async=True
+                assert rp._steps._stepper.pending() is None  # it already ran
+                _check_weights(rp, ref)  # not one step stale
+        said = [r for r in caplog.records if "synchronous on CPU workers" in r.getMessage()]
+        assert len(said) == 1 and "shared_masters=False" in said[0].getMessage()
+    finally:
+        rp.close()
+
+
+def test_the_default_keeps_separate_masters_where_devices_overlap(concurrent_planning) -> None:
+    """A pool whose devices compute concurrently (GPUs; here CPU workers declared so)
+    keeps separate masters by default, for the asynchronous step."""
+    rp = RoundPipe(mlp(4), devices="cpu:2")
+    try:
+        assert rp.shared_masters is False and rp.masters.num_shared == 0
+        x, y = _batches(1)[0]
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq)
+        release = threading.Event()
+        rp.step(lambda: release.wait(10.0))  # is_async=True: returns while it runs
+        assert rp._steps._stepper.pending() is not None
+        release.set()
+        rp.synchronize()
+    finally:
+        rp.close()
 
 
 # -- host-memory budget -------------------------------------------------------------------------
@@ -308,7 +353,7 @@ def test_budget_counts_shared_masters_once() -> None:
     assert b.weights == 4 * n and b.masters == 0 and b.gradients == 4 * n
     assert b.optimizer_state == 8 * n and b.already_allocated == 4 * n
     shared.close()
-    copied = RoundPipe(mlp(6, width=32), devices="cpu:2")
+    copied = RoundPipe(mlp(6, width=32), devices="cpu:2", shared_masters=False)
     assert estimate_host_memory(copied, optimizer="adamw", num_microbatch=3).masters == 4 * n
     copied.close()
     # a plain module, before building anything

@@ -46,6 +46,7 @@ def test_gradient_downloads_of_the_next_call_do_not_wait_for_the_step(monkeypatc
     rp = RoundPipe(
         model,
         devices="cpu:2",
+        shared_masters=False,
         model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan),
     )
     reported: list[int] = []

@@ -102,9 +102,10 @@ def _train_compare(
 ) -> AutoRoundPipe:
     """Train ``model`` through AutoRoundPipe and a deep copy with plain PyTorch; compare.
 
-    After ``step(is_async=True)`` the next iteration computes with the weights from before
-    that step (published at the next step()), so the reference runs its forward on ``view``:
-    ``ref``'s weights without the asynchronous step just taken."""
+    After ``step(is_async=True)`` with separate masters the next iteration computes with the
+    weights from before that step (published at the next step()), so the reference runs its
+    forward on ``view``: ``ref``'s weights without the asynchronous step just taken. With
+    shared masters (the default on CPU workers) every step is synchronous."""
     ref = copy.deepcopy(model)
     view = copy.deepcopy(model)
     # SGD, not Adam: Adam turns the rounding noise of gradients that are analytically zero
@@ -132,12 +133,13 @@ def _train_compare(
                 assert g is not None, f"no gradient for {n}"
                 assert rel_err(g, named_ref[n].grad) <= RTOL, f"{n} at step {it}"
             is_async = it % 2 == 0
+            stale = is_async and not rp.shared_masters
             before = [q.detach().clone() for q in ref.parameters()]
             ref_opt.step()
             ref_opt.zero_grad()
             with torch.no_grad():
                 for v, q, b in zip(view.parameters(), ref.parameters(), before):
-                    v.copy_(b if is_async else q)
+                    v.copy_(b if stale else q)
             rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
         rp.synchronize()
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -148,7 +150,8 @@ def _train_compare(
         raise
 
 
-def test_skip_connection_model_trains_like_pytorch() -> None:
+@pytest.mark.parametrize("shared_masters", [None, False])
+def test_skip_connection_model_trains_like_pytorch(shared_masters: bool | None) -> None:
     torch.manual_seed(0)
     model = SkipNet()
     gen = torch.Generator().manual_seed(1)
@@ -161,7 +164,10 @@ def test_skip_connection_model_trains_like_pytorch() -> None:
         lambda it: data[it],
         lambda out: out.pow(2).mean(),
         dict(
-            split_threshold=1200, devices=2, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+            split_threshold=1200,
+            devices=2,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+            shared_masters=shared_masters,
         ),
     )
     try:

@@ -84,6 +84,9 @@ def test_forward_backward_matches_hf(kind: str, padding: str, pool_devices) -> N
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for setup_name, setup in FUSED_SETUPS.items():
         where = f"{kind}/{padding}/{setup_name}"
+        # on CPU workers the masters are the model's own parameters (shared by default):
+        # the last setup's gradients are on them, as after a plain backward
+        model.zero_grad(set_to_none=True)
         rp = wrap_model_to_roundpipe(
             model,
             devices=pool_devices(setup["devices"]),
