@@ -293,7 +293,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", choices=["roundpipe", "plain"], default="roundpipe")
     p.add_argument("--accelerator", default="cpu", help="cpu (CPU workers) or gpu")
     p.add_argument("--devices", type=int, default=2, help="CPU workers or GPUs in this process")
-    p.add_argument("--num-microbatch", type=int, default=4)
+    p.add_argument(
+        "--num-microbatch",
+        type=int,
+        default=None,
+        help="microbatches per call (default: the engine's: 1 on CPU workers, devices + 1 on GPUs)",
+    )
     p.add_argument(
         "--layout", default=None, help='stage plan, e.g. "fwd=2,2 bwd=1,1,1,1,1,1" or "auto"'
     )

@@ -140,7 +140,7 @@ class PlanChoice:
         return (
             num_microbatch
             or self.model_run_config.num_microbatch
-            or default_num_microbatch(self.num_devices)
+            or default_num_microbatch(self.num_devices, self.pool.concurrent)
         )
 
     def default_plan(

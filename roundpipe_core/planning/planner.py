@@ -202,7 +202,7 @@ def auto(
     cap = _memory_cap(profiles, rt, limit_bytes / 2)
     num_devices = max(devices) if devices else min_stages
     if num_microbatch is None:
-        num_microbatch = default_num_microbatch(num_devices)
+        num_microbatch = default_num_microbatch(num_devices, concurrent is not False)
     if concurrent is False:
         fewest = search_plans(rt, profiles, 1, cap, fewest_stages=True)
         return fewest.plans[0] if len(models) == 1 else fewest.plans
