@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import multiprocessing as mp
 import statistics
 import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
@@ -154,7 +155,13 @@ def _peer_rank(rank: int, shape: Shape, store: str, conn: Connection) -> None:
     ``(schedule, steps)`` requests from the parent until it sends ``None``."""
     torch.set_num_threads(1)  # 2 ranks x 1 thread: the same 2-thread budget as the others
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=PEER_REPLY_TIMEOUT_S),
+        )
         cut = shape.blocks // 2
         blocks = list(_model(shape))
         half = nn.Sequential(*(blocks[:cut] if rank == 0 else blocks[cut:]))
@@ -194,13 +201,14 @@ def _peer_rank(rank: int, shape: Shape, store: str, conn: Connection) -> None:
 
 
 class PeerPipeline:
-    """The 2 gloo ranks, spawned once; ``runner(schedule)`` drives one schedule kind."""
+    """The 2 gloo ranks, started once; ``runner(schedule)`` drives one schedule kind."""
 
     def __init__(self, shape: Shape) -> None:
         # Forked where the OS can (as DataLoader workers are), before the parent computes
         # anything or starts threads of its own, so the ranks need not import torch and
         # torch.distributed.pipelining again (seconds each on a busy machine); else spawned.
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        fork = "fork" in mp.get_all_start_methods()
+        ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="peer_pipeline_")
         store = str(Path(self._dir.name) / "store")
         self._conns: list[Connection] = []
@@ -212,27 +220,39 @@ class PeerPipeline:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        self._replies()
+        try:
+            self._replies()
+        except BaseException:
+            self.close()
+            raise
 
     def _replies(self) -> list[object]:
-        """Each rank's answer; a rank's failure (or death) is raised here, never waited out."""
-        out = []
-        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs)):
-            if not conn.poll(PEER_REPLY_TIMEOUT_S):
+        """Each rank's answer, in rank order. The first failure (or death) of either rank
+        is raised at once -- the other rank may be stuck waiting for it -- never waited out."""
+        answers: dict[int, object] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            ready = wait(list(pending.values()), timeout=PEER_REPLY_TIMEOUT_S)
+            if not ready:
                 raise RuntimeError(
-                    f"peer rank {rank} sent nothing in {PEER_REPLY_TIMEOUT_S:.0f} s "
-                    f"(alive: {proc.is_alive()}, exit code {proc.exitcode})"
+                    f"peer ranks {sorted(pending)} sent nothing in {PEER_REPLY_TIMEOUT_S:.0f} s "
+                    f"(exit codes {[self._procs[r].exitcode for r in sorted(pending)]})"
                 )
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                raise RuntimeError(
-                    f"peer rank {rank} exited (code {proc.exitcode}) without answering"
-                ) from None
-            if status == "error":
-                raise RuntimeError(f"peer rank {rank} failed:\n{value}")
-            out.append(value)
-        return out
+            for rank, conn in list(pending.items()):
+                if conn not in ready:
+                    continue
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    code = self._procs[rank].exitcode
+                    raise RuntimeError(
+                        f"peer rank {rank} exited (code {code}) without answering"
+                    ) from None
+                if status == "error":
+                    raise RuntimeError(f"peer rank {rank} failed:\n{value}")
+                answers[rank] = value
+                del pending[rank]
+        return [answers[rank] for rank in range(len(self._conns))]
 
     def runner(self, schedule: str) -> Runner:
         def run(steps: int) -> float:
@@ -251,7 +271,7 @@ class PeerPipeline:
             except (BrokenPipeError, OSError):
                 pass
         for proc in self._procs:
-            proc.join(timeout=30)
+            proc.join(timeout=10)  # a rank stuck on its failed peer does not read None
             if proc.is_alive():
                 proc.terminate()
                 proc.join()
