@@ -16,11 +16,12 @@ Every variant gets 2 CPU threads in total:
 * ``peer GPipe`` / ``peer 1F1B``: ``torch.distributed.pipelining`` with a
   ``PipelineStage`` per rank (the first half of the blocks on rank 0, the second half
   on rank 1) and ``ScheduleGPipe`` / ``Schedule1F1B`` (``scale_grads=False``: the
-  microbatch losses are summed, as above), on 2 gloo ranks on 127.0.0.1. The ranks
-  are 2 CPU processes this benchmark spawns, with **1 intra-op thread each**; they
-  live for the whole run (one process group, one stage, schedule and optimizer per
-  schedule kind) and the parent drives them over a pipe, so their rounds interleave
-  with the others';
+  microbatch losses are summed, as above), on 2 gloo ranks on this host (a file
+  rendezvous in a temporary directory). The ranks are 2 CPU processes this benchmark
+  starts (forked where the OS allows, else spawned), with **1 intra-op thread each**;
+  they live for the whole run (per schedule kind, its own process group, stage, copy
+  of the model and optimizer) and the parent drives them over a pipe, so their rounds
+  interleave with the others';
 * ``rp cpu:1`` / ``rp cpu:2``: ``RoundPipe(model, devices=...)`` with its defaults
   (default plan), ``torch.set_num_threads(2)``, ``forward_backward`` then
   ``step(update, is_async=False)`` over ``optim_parameters()``.
