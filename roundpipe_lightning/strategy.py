@@ -51,6 +51,7 @@ from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
+from roundpipe_core.config import LOSS_REDUCTIONS
 from roundpipe_core.running.host_memory import check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
@@ -97,6 +98,11 @@ class RoundPipeStrategy(CheckpointingStrategy):
     """Run a LightningModule's ``configure_sequential()`` network with RoundPipe.
 
     Args:
+        loss_reduction: how ``self.roundpipe.forward_backward`` combines its microbatch
+            losses (``RoundPipe.loss_reduction``). ``"mean"`` (default): each is weighted by
+            its share of the batch, so a ``loss_fn`` returning a batch mean
+            (``F.cross_entropy``) gives plain Lightning's loss and gradients, whatever the
+            microbatch count. ``"sum"``: RoundPipe's published contract, the losses added up.
         num_microbatch: microbatches per pipelined call (default: devices + 1).
         execute_plan: the stage plan of ``forward_backward``: ``None`` (the engine's
             default), ``"auto"`` (``ModelExecutePlan.auto`` at setup), a
@@ -145,6 +151,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
 
     def __init__(
         self,
+        loss_reduction: str = "mean",
         num_microbatch: int | None = None,
         execute_plan: ModelExecutePlan | str | dict | None = None,
         optim_dtype: torch.dtype | str | None = torch.float32,
@@ -172,6 +179,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self.loss_reduction = check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         check_choice("pin_model", pin_model, ("alloc", "register", "off"))
         check_choice("recompute_grain", recompute_grain, ("stage", "layer", None))
         check_choice("grad_reduce_op", grad_reduce_op, ("mean", "sum"))
@@ -247,15 +255,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
     def setup_environment(self) -> None:
         # Fail on an unsupported configuration before anything starts.
         _ = self.precision_plugin
+        env = self.check_launch()
         if self.world_size > 1:
-            env = self.cluster_environment
-            if env is None or not env.creates_processes_externally:
-                raise ValueError(
-                    f"RoundPipeStrategy with num_nodes={self.num_nodes} runs one process per node, started "
-                    "by a launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
-                    "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 environment. "
-                    "This process was not started that way."
-                )
             self._dp.connect(env, self.world_size)
         devices = check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
@@ -314,6 +315,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
             original_model=original,
             # a synchronous step may update the weights in place: no separate fp32 copy
             shared_masters=not self.async_step,
+            loss_reduction=self.loss_reduction,
         )
         self._rp = rp
         self._run.open()
