@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -333,7 +333,7 @@ def fuse_optimizer(opt: Optimizer) -> bool:
     key = (type(opt).__qualname__, reason)
     if key not in _SAID:
         _SAID.add(key)
-        log.info("RoundPipeStrategy runs %s unfused: %s", type(opt).__name__, reason)
+        rank_zero_info(f"RoundPipeStrategy runs {type(opt).__name__} unfused: {reason}")
     return False
 
 

@@ -286,7 +286,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             budget = host_memory_budget(
                 self.roundpipe, [raw_optimizer(o) for o in self.optimizers], self.num_microbatch
             )
-            log.info("RoundPipe host memory:\n%s", budget)
+            # a setup fact, said as Lightning says its own (visible by default, rank zero)
+            rank_zero_info(f"RoundPipe host memory:\n{budget}")
             check_host_memory(budget)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
             self._dp.attach(self.roundpipe, self.optimizers)
@@ -398,8 +399,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self._loss_scaler is not None,
             self._rp.has_grad_hooks,
         )
-        if reason is not None:
-            log.info("RoundPipeStrategy(overlap_iterations=True) runs blocking: %s", reason)
+        if reason is not None and self.async_step:  # async_step=False: blocking by definition
+            rank_zero_info(f"RoundPipeStrategy(overlap_iterations=True) runs blocking: {reason}")
         self._run.overlap = reason is None
 
     @override
