@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
 from roundpipe_core.config import LOSS_REDUCTIONS
 from roundpipe_core.running.host_memory import check_host_memory
@@ -72,6 +72,7 @@ from ._setup import (
     raw_optimizer,
     sequential_of,
     trainer_of,
+    wrap_network,
 )
 from ._step import (
     OverlappedForwardBackward,
@@ -203,7 +204,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state)
         self.model_run_config = model_run_config
         self._num_nodes = 1
-        self._rp: RoundPipe | None = None
+        self._rp: RoundPipe | AutoRoundPipe | None = None
         # phase, overlap, and the steps in flight and lost: one object, not six flags
         self._run = RunState()
         self._real_zero_grad: dict[int, Callable[..., None]] = {}
@@ -306,30 +307,32 @@ class RoundPipeStrategy(CheckpointingStrategy):
         cfg = replace(cfg, preserve_rng_state=self.preserve_rng_state)
         devices = self.compute_devices
         pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
-        rp = RoundPipe(
+        rp = wrap_network(
             seq,
+            original,
+            self.loss_reduction,
+            # a synchronous step may update the weights in place: no separate fp32 copy
+            shared_masters=not self.async_step,
             optim_dtype=self.optim_dtype,
             name=type(lm).__name__,
             model_run_config=cfg,
             pin_model=self.pin_model,
             devices=pool_arg,
-            original_model=original,
-            # a synchronous step may update the weights in place: no separate fp32 copy
-            shared_masters=not self.async_step,
-            loss_reduction=self.loss_reduction,
+            execute_plan=self.execute_plan,
         )
         self._rp = rp
         self._run.open()
         try:
-            plan = resolve_execute_plan(self.execute_plan, rp, "fused")
-            if plan is not None:
-                rp.set_plan("fused", plan)
-            rp.loss_multiplier = self._loss_multiplier
-            if self.overlap_iterations:
-                rp.forward_backward_hook = OverlappedForwardBackward(
-                    lambda: self._run.in_training_step and self._run.overlap,
-                    self._pipeline_failed,
-                )
+            if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to plan)
+                plan = resolve_execute_plan(self.execute_plan, rp, "fused")
+                if plan is not None:
+                    rp.set_plan("fused", plan)
+                rp.loss_multiplier = self._loss_multiplier
+                if self.overlap_iterations:
+                    rp.forward_backward_hook = OverlappedForwardBackward(
+                        lambda: self._run.in_training_step and self._run.overlap,
+                        self._pipeline_failed,
+                    )
         except BaseException:
             self._close_roundpipe()
             raise
@@ -339,7 +342,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         object.__setattr__(lm, "roundpipe", rp)
 
     @property
-    def roundpipe(self) -> RoundPipe:
+    def roundpipe(self) -> RoundPipe | AutoRoundPipe:
         """The RoundPipe of the current run (after setup)."""
         if self._rp is None:
             raise RuntimeError(
@@ -390,8 +393,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         super().on_train_start()
         self._run.overlap = False
         lm = self.lightning_module
-        if not self.overlap_iterations or self._rp is None or lm is None:
-            return
+        if not self.overlap_iterations or not isinstance(self._rp, RoundPipe) or lm is None:
+            return  # (an AutoRoundPipe has no forward_backward to overlap)
         reason = overlap_blocker(
             lm.trainer,
             self.async_step,
@@ -558,8 +561,9 @@ class RoundPipeStrategy(CheckpointingStrategy):
                 raise
             log.debug("RoundPipe.close() after a failure raised: %r", exc)
         finally:
-            rp.loss_multiplier = None
-            rp.forward_backward_hook = None
+            if isinstance(rp, RoundPipe):
+                rp.loss_multiplier = None
+                rp.forward_backward_hook = None
             lm = self.lightning_module
             if lm is not None and lm.__dict__.get("roundpipe") is rp:
                 object.__delattr__(lm, "roundpipe")
