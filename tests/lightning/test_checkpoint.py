@@ -132,6 +132,7 @@ def test_resume_restores_loss_scaler_and_timer(tmp_path: Path) -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
             callbacks=callbacks,
+            default_root_dir=tmp_path,  # the resumed run's default ModelCheckpoint saves here
         )
 
     seen = {}
