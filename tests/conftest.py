@@ -147,7 +147,15 @@ def _route_all_to_cuda(request: pytest.FixtureRequest) -> None:
 #: the repository this suite belongs to; no test may leave files in it
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what tools write while the suite runs (bytecode, tool caches, the docs build)
-_TOOL_OUTPUT = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".git", "site"}
+_TOOL_OUTPUT = {
+    "__pycache__",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".hypothesis",  # hypothesis's example database
+    ".git",
+    "site",
+}
 
 
 def repository_entries(root: str = REPO_ROOT) -> set[str]:
