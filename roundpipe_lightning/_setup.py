@@ -11,11 +11,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from roundpipe_core import RoundPipe
+from roundpipe_core import AutoRoundPipe, RoundPipe
+from roundpipe_core.autosplit import auto_wrap
 from roundpipe_core.optim import fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
     HostMemoryBudget,
@@ -36,6 +37,7 @@ __all__ = [
     "check_pool_devices",
     "sequential_of",
     "adopt_optimizer",
+    "wrap_network",
     "fuse_optimizer",
     "host_memory_budget",
     "op_name",
@@ -125,8 +127,10 @@ def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
     """Call ``configure_sequential()`` and check what it returned.
 
     Returns:
-        ``(network, original)``: the module RoundPipe wraps and, when a preset converted
-        a Hugging Face model, that model (else None).
+        ``(network, original)``: the module RoundPipe wraps -- an ``nn.Sequential``, a
+        preset's conversion, or any other module, which :func:`wrap_network` splits
+        automatically -- and, when a preset converted a Hugging Face model, that model
+        (else None).
     """
     hook = getattr(lm, "configure_sequential", None)
     if hook is None or not callable(hook):
@@ -168,16 +172,65 @@ def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
 
     if find_preset(unwrap_peft(net)) is not None:
         return convert_to_sequential(net), net
-    rank_zero_warn(
-        f"configure_sequential() returned a {type(net).__name__}, not an nn.Sequential and no preset "
-        "converts it: RoundPipe runs it as a single layer (no pipelining). Return an nn.Sequential of "
-        "layers to pipeline it."
+    return net, None  # any other module: the automatic split (wrap_network)
+
+
+def wrap_network(
+    net: nn.Module,
+    original: Any,
+    loss_reduction: str,
+    shared_masters: bool,
+    execute_plan: Any = None,
+    **common: Any,
+) -> RoundPipe | AutoRoundPipe:
+    """The RoundPipe of ``configure_sequential()``'s network (``common``: ``optim_dtype``,
+    ``name``, ``model_run_config``, ``pin_model``, ``devices``).
+
+    An ``nn.Sequential`` (a preset's conversion included) is wrapped as it is. Any other
+    module gets the automatic split, as ``wrap_model_to_roundpipe(use_sequential_preset=False)``
+    does, and the run says so once: a chain of children becomes a ``RoundPipe`` over them;
+    anything else (skip connections, several inputs) an ``AutoRoundPipe``, whose units run
+    on the pool and whose glue code runs on the host.
+    """
+    if isinstance(net, nn.Sequential):
+        return RoundPipe(
+            net,
+            original_model=original,
+            loss_reduction=loss_reduction,
+            shared_masters=shared_masters,
+            **common,
+        )
+    rp = auto_wrap(net, **common)
+    kind = type(net).__name__
+    said = (
+        f"configure_sequential() returned a {kind}: not an nn.Sequential, and no preset converts "
+        "it, so RoundPipe splits it automatically (as wrap_model_to_roundpipe("
+        "use_sequential_preset=False) does): "
     )
-    return net, None
+    if not isinstance(rp, RoundPipe) and execute_plan is not None:
+        rp.close()
+        raise ValueError(
+            f"RoundPipeStrategy(execute_plan=...) plans an nn.Sequential; the {kind} "
+            "configure_sequential() returned is split automatically into units (AutoRoundPipe), "
+            "which have no such plan. Drop execute_plan, or return an nn.Sequential."
+        )
+    if isinstance(rp, RoundPipe):
+        rp.loss_reduction = loss_reduction
+        rank_zero_info(said + f"a chain of {rp.num_layers} layers, pipelined as a Sequential.")
+        return rp
+    rank_zero_warn(
+        said + f"AutoRoundPipe, {len(rp.units)} units run on the device pool, the code between "
+        "them on the host. It is slower than a Sequential and has no forward_backward: compute "
+        "the loss from self.roundpipe(...) (e.g. self.roundpipe(input_ids=x, labels=x).loss), "
+        "Lightning backpropagates it. For full speed return an nn.Sequential of its layers, or "
+        f"register a preset: roundpipe_core.presets.register_preset({kind!r}, "
+        "lambda model: nn.Sequential(...)) (docs/add-a-preset.md)."
+    )
+    return rp
 
 
 def adopt_optimizer(
-    opt: Optimizer, rp: RoundPipe, real_zero_grad: dict[int, Callable[..., None]]
+    opt: Optimizer, rp: RoundPipe | AutoRoundPipe, real_zero_grad: dict[int, Callable[..., None]]
 ) -> None:
     """Point ``opt`` at ``rp``'s master copies and defer its ``zero_grad`` to the RoundPipe
     step (its own ``zero_grad`` is kept in ``real_zero_grad[id(opt)]``).
@@ -333,12 +386,12 @@ def fuse_optimizer(opt: Optimizer) -> bool:
     key = (type(opt).__qualname__, reason)
     if key not in _SAID:
         _SAID.add(key)
-        log.info("RoundPipeStrategy runs %s unfused: %s", type(opt).__name__, reason)
+        rank_zero_info(f"RoundPipeStrategy runs {type(opt).__name__} unfused: {reason}")
     return False
 
 
 def host_memory_budget(
-    rp: RoundPipe, optimizers: list[Optimizer], num_microbatch: int | None
+    rp: RoundPipe | AutoRoundPipe, optimizers: list[Optimizer], num_microbatch: int | None
 ) -> HostMemoryBudget:
     """The host memory ``rp`` trained by ``optimizers`` needs. An optimizer whose state
     size is unknown (a third-party class) does not stop training: the budget assumes
@@ -358,11 +411,14 @@ def host_memory_budget(
         )
 
 
-def check_loss_went_through(loss: Tensor, rp: RoundPipe) -> None:
+def check_loss_went_through(loss: Tensor, rp: RoundPipe | AutoRoundPipe) -> None:
     """Refuse a loss whose graph reaches the wrapped network's own parameters: the
     network ran outside RoundPipe, its gradients would never reach the masters the
     optimizer steps, and training would silently do nothing."""
-    if loss.requires_grad and reaches_params(loss, {id(p) for p in rp.model.parameters()}):
+    params = {id(p) for p in rp.model.parameters()}
+    if isinstance(rp, AutoRoundPipe):  # its glue code uses these on the host, legitimately
+        params -= {id(p) for _, p in rp.host_parameters}
+    if loss.requires_grad and reaches_params(loss, params):
         raise RuntimeError(
             "the loss was computed by calling the network configure_sequential() returned "
             "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "

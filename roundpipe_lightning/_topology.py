@@ -8,6 +8,7 @@ A base class of the strategy, kept apart so each file has one job.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -60,6 +61,41 @@ class ProcessTopologyStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # One process per node: the node's whole pool consumes one shard.
         return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def check_launch(self) -> Any:
+        """The cluster environment, after checking that this process was started as one
+        process per node (the only layout a RoundPipe run has)."""
+        env = self.cluster_environment
+        crowded = self._processes_sharing_the_node(env)
+        if crowded is not None:
+            raise ValueError(
+                "RoundPipeStrategy runs one process per node, and that process drives all of "
+                f"the node's devices (Trainer(devices={len(self.compute_devices)})); this process "
+                f"is one of several on its node ({crowded}), so each would claim the same "
+                "devices. Launch one process per node: on one machine plain `python train.py` "
+                "(no torchrun); on N machines `torchrun --nnodes N --nproc-per-node 1 train.py` "
+                "with Trainer(num_nodes=N), or `srun --ntasks-per-node=1`."
+            )
+        if self.world_size > 1 and (env is None or not env.creates_processes_externally):
+            raise ValueError(
+                f"RoundPipeStrategy with num_nodes={self.num_nodes} runs one process per node, started "
+                "by a launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
+                "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 environment. "
+                "This process was not started that way."
+            )
+        return env
+
+    def _processes_sharing_the_node(self, env: Any) -> str | None:
+        """What shows that the launcher started more than one process on this node
+        (``torchrun --nproc-per-node 2``, ``srun --ntasks-per-node 2``), or None."""
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        if local_world.isdigit() and int(local_world) > 1:
+            return f"LOCAL_WORLD_SIZE={local_world}"
+        if env is not None and env.local_rank() > 0:
+            return f"LOCAL_RANK={env.local_rank()}"
+        if self.world_size > self.num_nodes:
+            return f"{self.world_size} processes (WORLD_SIZE) for num_nodes={self.num_nodes}"
+        return None
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

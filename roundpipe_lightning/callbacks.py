@@ -29,6 +29,11 @@ from .strategy import RoundPipeStrategy
 __all__ = ["AutoReplan", "StageTimeLogger"]
 
 
+def trace_file_name(step: int) -> str:
+    """The trace file of Lightning's step ``step``: zero-padded, so names sort in step order."""
+    return f"step_{step:08d}.json"
+
+
 def _roundpipe_of(trainer: Trainer, who: str) -> Any:
     strategy = trainer.strategy
     if not isinstance(strategy, RoundPipeStrategy):
@@ -222,7 +227,8 @@ class StageTimeLogger(Callback):
       last call measured above its simulation, same time scale, a lane per device,
       stages coloured by kind (:func:`roundpipe_lightning.timeline.render_timeline`).
 
-    With ``trace_dir`` it also writes ``trace_dir/step_<step>.json`` at each logging
+    With ``trace_dir`` it also writes ``trace_dir/step_<step>.json`` (the step zero-padded
+    to 8 digits, so the files sort in step order: ``step_00000009.json``) at each logging
     step: the measured call (``RoundPipe.last_trace()``'s spans) and its simulation
     side by side as Chrome trace-event JSON (open in https://ui.perfetto.dev).
 
@@ -297,7 +303,7 @@ class StageTimeLogger(Callback):
         measured = spans_from_roundpipe(rp)
         simulated = spans_from_simulation(sim, iteration=-1) if sim is not None else None
         if self.trace_dir is not None and measured:
-            path = self.trace_dir / f"step_{step}.json"
+            path = self.trace_dir / trace_file_name(step)
             self.last_trace_path = write_trace(path, side_by_side_trace(measured, simulated))
         tensorboards = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
         if self.log_timeline and tensorboards and measured:

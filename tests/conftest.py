@@ -144,6 +144,47 @@ def _route_all_to_cuda(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("route_cpu_workers_to_cuda")
 
 
+#: the repository this suite belongs to; no test may leave files in it
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# what tools write while the suite runs (bytecode, tool caches, the docs build)
+_TOOL_OUTPUT = {
+    "__pycache__",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".hypothesis",  # hypothesis's example database
+    ".git",
+    "site",
+}
+
+
+def repository_entries(root: str = REPO_ROOT) -> set[str]:
+    """Every file and folder under ``root`` (relative paths), tool output left out."""
+    entries: set[str] = set()
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [
+            d for d in subfolders if d not in _TOOL_OUTPUT and not d.endswith(".egg-info")
+        ]
+        rel = os.path.relpath(folder, root)
+        entries.update(os.path.normpath(os.path.join(rel, name)) for name in files + subfolders)
+    return entries
+
+
+@pytest.fixture(autouse=True)
+def _writes_nothing_into_the_repository(request: pytest.FixtureRequest) -> Any:
+    """A test writes under ``tmp_path`` (a Trainer: ``default_root_dir=tmp_path`` or
+    ``enable_checkpointing=False``), never into the repository: Lightning's default
+    ``checkpoints/`` folder lands in the working directory."""
+    before = repository_entries()
+    yield
+    new = sorted(repository_entries() - before)
+    if new:
+        pytest.fail(
+            f"{request.node.nodeid} wrote into the repository: {new[:5]}; write under "
+            "tmp_path instead (Trainer(default_root_dir=tmp_path), ModelCheckpoint(dirpath=...))"
+        )
+
+
 @pytest.fixture
 def route_cpu_workers_to_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each CPU worker a pool would make becomes a CUDA worker (ROUNDPIPE_TEST_DEVICE=cuda)."""

@@ -252,6 +252,7 @@ STEPPING_FACE = {
         "GradBuffer",
         "PendingResult",
         "DeferredTimer",
+        "RunFinisher",  # a pipelined call's completion handle (its timings, its end)
         "assemble_result",
         "to_output_device",
     },

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from roundpipe_core import ModelExecutePlan
 from roundpipe_lightning import AutoReplan, StageTimeLogger
+from roundpipe_lightning.callbacks import trace_file_name
 
 
 def _events(log_dir: Path) -> EventAccumulator:
@@ -347,6 +348,12 @@ def test_simulated_iteration_is_on_the_measured_scale(tmp_path: Path) -> None:
     assert 0.4 <= statistics.median(ratios) <= 1.5, ratios
 
 
+def test_trace_files_sort_in_step_order() -> None:
+    steps = [1, 9, 10, 99, 100, 12345678]
+    names = [trace_file_name(s) for s in steps]
+    assert sorted(names) == names and names[1] == "step_00000009.json"
+
+
 @pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
 def test_trace_dir_and_timeline_image(tmp_path: Path) -> None:
     """At each logging step: a Perfetto-loadable JSON of the measured call beside its
@@ -356,8 +363,8 @@ def test_trace_dir_and_timeline_image(tmp_path: Path) -> None:
         SeqModule(), loader()
     )
     files = sorted(p.name for p in (tmp_path / "traces").iterdir())
-    assert files == ["step_1.json", "step_3.json"]
-    trace = json.loads((tmp_path / "traces" / "step_3.json").read_text())
+    assert files == ["step_00000001.json", "step_00000003.json"]
+    trace = json.loads((tmp_path / "traces" / "step_00000003.json").read_text())
     events = trace["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert processes == {0: "RoundPipe (measured)", 1: "RoundPipe (simulated)"}
@@ -440,7 +447,7 @@ def test_finetune_example_writes_traces(tmp_path: Path, monkeypatch: pytest.Monk
         + ["--no-progress-bar", "--batch-size", "4", "--trace", str(tmp_path / "tr"), *small]
     )
     # the example logs every 10 steps: Lightning's step 9
-    assert [p.name for p in (tmp_path / "tr").iterdir()] == ["step_9.json"]
-    trace = json.loads((tmp_path / "tr" / "step_9.json").read_text())
+    assert [p.name for p in (tmp_path / "tr").iterdir()] == ["step_00000009.json"]
+    trace = json.loads((tmp_path / "tr" / "step_00000009.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert [e.step for e in _events(tmp_path).Images("roundpipe/timeline")] == [9]

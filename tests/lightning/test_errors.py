@@ -93,6 +93,9 @@ def test_unsupported_precision() -> None:
 @pytest.mark.parametrize(
     "kwargs, exc, pattern",
     [
+        (dict(loss_reduction="avg"), ValueError, "loss_reduction='avg'"),
+        (dict(loss_reduction=None), ValueError, "loss_reduction=None"),
+        (dict(loss_reduction=1), TypeError, "loss_reduction=1"),
         (dict(num_microbatch=0), ValueError, "num_microbatch=0"),
         (dict(num_microbatch="3"), TypeError, "num_microbatch='3'"),
         (dict(num_microbatch=True), TypeError, "num_microbatch=True"),

@@ -194,6 +194,7 @@ def test_checkpoint_resume_and_validation_match_the_blocking_run(tmp_path: Path)
                 limit_val_batches=1,
                 enable_checkpointing=True,
                 callbacks=callbacks,
+                default_root_dir=tmp_path,  # the resumed run's default ModelCheckpoint
                 strategy_kw={"overlap_iterations": overlap},
             )
 

@@ -211,3 +211,39 @@ def test_loss_scaler_state_round_trips_and_reads_the_earlier_format() -> None:
     p.grad = torch.ones(3)
     c.update(c.unscale_([p]))  # the fourth clean step in a row: the scale grows
     assert c.scale == 256.0
+
+
+class _Scales(L.Callback):
+    """The loss scale each step starts with."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        scaler = getattr(trainer.strategy, "_loss_scaler", None)
+        if scaler is None:  # Lightning's default strategy: its plugin's GradScaler
+            scaler = trainer.precision_plugin.scaler
+        self.scales.append(float(scaler.get_scale()))
+
+
+def _fp16_scales(mode: str, num_microbatch: int = 1) -> list[float]:
+    plugin = MixedPrecision(
+        "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=1)
+    )
+    rec = _Scales()
+    trainer = plain_trainer if mode == "plain" else rp_trainer
+    kw = {} if mode == "plain" else {"num_microbatch": num_microbatch}
+    trainer(max_steps=15, plugins=[plugin], callbacks=[rec], **kw).fit(
+        SeqModule(mode=mode, lr=1e-3), loader(n=90)
+    )
+    return rec.scales
+
+
+def test_one_microbatch_backs_off_at_plain_lightnings_steps() -> None:
+    """With one microbatch the fp16 backward is the whole batch's, as in plain Lightning:
+    the same overflows, so the same scale at every step. (With several microbatches each
+    computes its own fp16 gradients and the back-offs may fall on other steps; the
+    numerical contract page says so.)"""
+    plain = _fp16_scales("plain")
+    assert len(set(plain)) > 3  # it backed off and grew
+    assert _fp16_scales("roundpipe", num_microbatch=1) == plain
