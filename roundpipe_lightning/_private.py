@@ -25,6 +25,7 @@ __all__ = [
     "make_wrapper_tensor",
     "mark_lr_scheduler_step_called",
     "op_is_mutable",
+    "replace_zero_grad",
     "restore_zero_grad",
     "uncount_saved_steps",
 ]
@@ -111,11 +112,19 @@ def defer_zero_grad(optimizer: Optimizer) -> Callable[..., None]:
     manual ``zero_grad()`` would race with a step still running on the optimizer
     thread. The queued RoundPipe step calls the real one right after its update.
     """
-    real = optimizer.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
         """Deferred by RoundPipeStrategy: the RoundPipe step clears the gradients."""
 
+    return replace_zero_grad(optimizer, zero_grad)
+
+
+def replace_zero_grad(optimizer: Optimizer, zero_grad: Callable[..., None]) -> Callable[..., None]:
+    """Make ``optimizer.zero_grad`` (on this instance) ``zero_grad``; returns the one it
+    had. The Fabric strategy's ``zero_grad`` clears the master gradients only when no
+    step queued on the optimizer thread will clear them (and waits for that thread
+    first), for the same reasons as :func:`defer_zero_grad`."""
+    real = optimizer.zero_grad
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
     return real
 

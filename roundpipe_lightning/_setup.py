@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from roundpipe_core import RoundPipe
+from roundpipe_core import RoundPipe, RoundPipeRunConfig
 from roundpipe_core.optim import fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
     HostMemoryBudget,
@@ -24,6 +25,7 @@ from roundpipe_core.running.host_memory import (
 )
 
 from ._private import defer_zero_grad
+from .plans import resolve_execute_plan
 
 __all__ = [
     "trainer_of",
@@ -35,6 +37,8 @@ __all__ = [
     "check_type",
     "check_pool_devices",
     "sequential_of",
+    "network_of",
+    "build_roundpipe",
     "adopt_optimizer",
     "fuse_optimizer",
     "host_memory_budget",
@@ -98,26 +102,29 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     )
 
 
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is a bool. No ``bool()`` coercion: ``"False"`` would become True."""
+def check_bool(name: str, value: Any, owner: str = "RoundPipeStrategy") -> bool:
+    """``value`` if it is a bool. No ``bool()`` coercion: ``"False"`` would become True.
+    ``owner`` names the class whose argument it is, in the message."""
     if not isinstance(value, bool):
         raise TypeError(
-            f"RoundPipeStrategy({name}={value!r}): {name} must be True or False (a bool), got "
+            f"{owner}({name}={value!r}): {name} must be True or False (a bool), got "
             f"{type(value).__name__}; in YAML write true / false without quotes"
         )
     return value
 
 
-def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
+def check_choice(
+    name: str, value: Any, choices: tuple[Any, ...], owner: str = "RoundPipeStrategy"
+) -> Any:
     """``value`` if it is one of ``choices`` (a clear TypeError / ValueError otherwise)."""
     kinds = {type(c) for c in choices if c is not None}
     if value is not None and not isinstance(value, tuple(kinds)):
         raise TypeError(
-            f"RoundPipeStrategy({name}={value!r}): {name} must be one of {choices}, got "
+            f"{owner}({name}={value!r}): {name} must be one of {choices}, got "
             f"{type(value).__name__}"
         )
     if value not in choices:
-        raise ValueError(f"RoundPipeStrategy({name}={value!r}): {name} must be one of {choices}")
+        raise ValueError(f"{owner}({name}={value!r}): {name} must be one of {choices}")
     return value
 
 
@@ -137,11 +144,6 @@ def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
             "        return self.net  # nn.Sequential(embedding, block, ..., head)"
         )
     net = hook()
-    if isinstance(net, RoundPipe):
-        raise TypeError(
-            "configure_sequential() returned a RoundPipe; return the plain nn.Sequential (or "
-            "Hugging Face model) instead -- RoundPipeStrategy wraps it and sets self.roundpipe"
-        )
     if not isinstance(net, nn.Module):
         raise TypeError(
             f"configure_sequential() must return an nn.Module (an nn.Sequential of layers), got "
@@ -152,25 +154,49 @@ def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
             "configure_sequential() returned the LightningModule itself; return the network "
             "submodule (e.g. self.net), an nn.Sequential of layers"
         )
-    if not any(m is net for m in lm.modules()):
+    if not isinstance(net, RoundPipe) and not any(m is net for m in lm.modules()):
         raise ValueError(
             "configure_sequential() must return a submodule of the LightningModule (assign it in "
             "__init__, e.g. self.net = nn.Sequential(...), and return self.net) so that its weights "
             "are part of the module's state_dict and its checkpoints"
         )
+    return network_of(
+        net,
+        "configure_sequential() returned",
+        "RoundPipeStrategy wraps it and sets self.roundpipe",
+    )
+
+
+def network_of(net: nn.Module, source: str, wrapper: str) -> tuple[nn.Module, Any]:
+    """Check the network a strategy wraps and convert a Hugging Face model a preset knows.
+
+    Args:
+        net: the network (an ``nn.Module``).
+        source: where it came from, as the start of a sentence ("configure_sequential()
+            returned", "fabric.setup() got").
+        wrapper: what wraps it and how it is reached, for the message about a RoundPipe
+            given instead of the plain network.
+
+    Returns:
+        ``(network, original)``: the module RoundPipe wraps and, when a preset converted
+        a Hugging Face model, that model (else None).
+    """
+    if isinstance(net, RoundPipe):
+        raise TypeError(
+            f"{source} a RoundPipe; give the plain nn.Sequential (or Hugging Face model) "
+            f"instead -- {wrapper}"
+        )
     if isinstance(net, nn.Sequential):
         if len(net) == 0:
-            raise ValueError(
-                "configure_sequential() returned an empty nn.Sequential; give it layers"
-            )
+            raise ValueError(f"{source} an empty nn.Sequential; give it layers")
         return net, None
     from roundpipe_core.presets import convert_to_sequential, find_preset, unwrap_peft
 
     if find_preset(unwrap_peft(net)) is not None:
         return convert_to_sequential(net), net
     rank_zero_warn(
-        f"configure_sequential() returned a {type(net).__name__}, not an nn.Sequential and no preset "
-        "converts it: RoundPipe runs it as a single layer (no pipelining). Return an nn.Sequential of "
+        f"{source} a {type(net).__name__}, not an nn.Sequential and no preset "
+        "converts it: RoundPipe runs it as a single layer (no pipelining). Give an nn.Sequential of "
         "layers to pipeline it."
     )
     return net, None
@@ -240,51 +266,108 @@ def reaches_params(loss: Tensor, params: set[int]) -> bool:
     return False
 
 
-def check_num_microbatch(value: Any) -> int | None:
+def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | None:
     """``value`` if it is None or an int >= 1."""
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(
-            f"RoundPipeStrategy(num_microbatch={value!r}): num_microbatch must be a positive int "
+            f"{owner}(num_microbatch={value!r}): num_microbatch must be a positive int "
             f"or None, got {type(value).__name__}"
         )
     if value < 1:
         raise ValueError(
-            f"RoundPipeStrategy(num_microbatch={value!r}): num_microbatch must be >= 1 (or None "
+            f"{owner}(num_microbatch={value!r}): num_microbatch must be >= 1 (or None "
             "for devices + 1)"
         )
     return value
 
 
-def check_type(name: str, value: Any, types: tuple[type, ...], accepted: str) -> None:
+def check_type(
+    name: str,
+    value: Any,
+    types: tuple[type, ...],
+    accepted: str,
+    owner: str = "RoundPipeStrategy",
+) -> None:
     """A TypeError naming ``name`` unless ``value`` is None or one of ``types``."""
     if value is not None and not isinstance(value, types):
         raise TypeError(
-            f"RoundPipeStrategy({name}=...): {name} must be None or {accepted}, got "
-            f"{type(value).__name__}"
+            f"{owner}({name}=...): {name} must be None or {accepted}, got {type(value).__name__}"
         )
 
 
-def check_pool_devices(devices: list[torch.device]) -> list[torch.device]:
+def check_pool_devices(
+    devices: list[torch.device], owner: str = "RoundPipeStrategy", entry: str = "Trainer"
+) -> list[torch.device]:
     """``devices`` if they are all CPU workers or all CUDA GPUs; a single CPU worker
-    gets a hint that nothing is pipelined and how to ask for more."""
+    gets a hint that nothing is pipelined and how to ask for more. ``owner`` and
+    ``entry`` name the strategy and what takes ``devices`` (Trainer, Fabric)."""
     kinds = {d.type for d in devices}
     if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
         raise ValueError(
-            f"RoundPipeStrategy runs on CPU workers or CUDA GPUs, got devices {devices}; "
-            "use Trainer(accelerator='cpu' or 'gpu', devices=N)"
+            f"{owner} runs on CPU workers or CUDA GPUs, got devices {devices}; "
+            f"use {entry}(accelerator='cpu' or 'gpu', devices=N)"
         )
     if devices[0].type == "cpu" and len(devices) == 1:
         # devices="auto" on CPU is one device: training works but nothing overlaps
         log.warning(
-            "RoundPipeStrategy runs on 1 CPU worker (what Trainer(devices='auto') gives on "
+            f"{owner} runs on 1 CPU worker (what {entry}(devices='auto') gives on "
             "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
-            "Trainer(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
+            f"{entry}(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
             "machine's cores); RoundPipe used without Lightning takes devices=N or reads "
             "ROUNDPIPE_CPU_DEVICES."
         )
     return devices
+
+
+def build_roundpipe(
+    net: nn.Module,
+    original: Any,
+    *,
+    name: str,
+    devices: list[torch.device],
+    model_run_config: RoundPipeRunConfig | None,
+    num_microbatch: int | None,
+    recompute_grain: str | None,
+    preserve_rng_state: bool,
+    optim_dtype: torch.dtype | None,
+    pin_model: str,
+    async_step: bool,
+    execute_plan: Any,
+) -> RoundPipe:
+    """The RoundPipe both strategies train: ``net`` on a pool of ``devices`` (CPU workers
+    or GPUs), the strategy's run-config defaults, and its ``execute_plan`` (resolved
+    against the built RoundPipe) set for ``forward_backward``.
+
+    A synchronous step updates the weights in place, so with ``async_step=False``
+    parameters already in ``optim_dtype`` are their own masters (no second copy).
+    """
+    cfg = model_run_config or RoundPipeRunConfig()
+    if num_microbatch is not None:
+        cfg = replace(cfg, num_microbatch=num_microbatch)
+    if recompute_grain is not None:
+        cfg = replace(cfg, recompute_grain=recompute_grain)
+    cfg = replace(cfg, preserve_rng_state=preserve_rng_state)
+    pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
+    rp = RoundPipe(
+        net,
+        optim_dtype=optim_dtype,
+        name=name,
+        model_run_config=cfg,
+        pin_model=pin_model,
+        devices=pool_arg,
+        original_model=original,
+        shared_masters=not async_step,
+    )
+    try:
+        plan = resolve_execute_plan(execute_plan, rp, "fused")
+        if plan is not None:
+            rp.set_plan("fused", plan)
+    except BaseException:
+        rp.close()
+        raise
+    return rp
 
 
 def _not_fused_reason(opt: Optimizer) -> str:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -59,6 +58,7 @@ from ._private import mark_lr_scheduler_step_called, restore_zero_grad
 from ._run_state import RunState
 from ._setup import (
     adopt_optimizer,
+    build_roundpipe,
     check_bool,
     check_choice,
     check_loss_went_through,
@@ -83,7 +83,6 @@ from .checkpoint_io import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
 )
-from .plans import resolve_execute_plan
 from .precision import LossScaler, RoundPipePrecision
 
 __all__ = ["RoundPipeStrategy", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
@@ -296,31 +295,23 @@ class RoundPipeStrategy(CheckpointingStrategy):
         assert lm is not None
         self._close_roundpipe()
         seq, original = sequential_of(lm)
-        cfg = self.model_run_config or RoundPipeRunConfig()
-        if self.num_microbatch is not None:
-            cfg = replace(cfg, num_microbatch=self.num_microbatch)
-        if self.recompute_grain is not None:
-            cfg = replace(cfg, recompute_grain=self.recompute_grain)
-        cfg = replace(cfg, preserve_rng_state=self.preserve_rng_state)
-        devices = self.compute_devices
-        pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
-        rp = RoundPipe(
+        rp = build_roundpipe(
             seq,
-            optim_dtype=self.optim_dtype,
+            original,
             name=type(lm).__name__,
-            model_run_config=cfg,
+            devices=self.compute_devices,
+            model_run_config=self.model_run_config,
+            num_microbatch=self.num_microbatch,
+            recompute_grain=self.recompute_grain,
+            preserve_rng_state=self.preserve_rng_state,
+            optim_dtype=self.optim_dtype,
             pin_model=self.pin_model,
-            devices=pool_arg,
-            original_model=original,
-            # a synchronous step may update the weights in place: no separate fp32 copy
-            shared_masters=not self.async_step,
+            async_step=self.async_step,
+            execute_plan=self.execute_plan,
         )
         self._rp = rp
         self._run.open()
         try:
-            plan = resolve_execute_plan(self.execute_plan, rp, "fused")
-            if plan is not None:
-                rp.set_plan("fused", plan)
             rp.loss_multiplier = self._loss_multiplier
             if self.overlap_iterations:
                 rp.forward_backward_hook = OverlappedForwardBackward(
