@@ -102,18 +102,11 @@ class Head(nn.Module):
         return self.out(self.norm(h))
 
 
-class TokenCrossEntropy:
-    """``loss_fn`` for ``forward_backward``: summed token losses of a microbatch over the
-    token count of the whole batch, so the sum over microbatches is the batch mean."""
-
-    def __init__(self, num_tokens: int) -> None:
-        self.num_tokens = num_tokens
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return (
-            F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-            / self.num_tokens
-        )
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the tokens, as in plain Lightning. Under RoundPipeStrategy's
+    ``loss_reduction="mean"`` each microbatch's mean is weighted by its share of the batch
+    rows; every row holds ``seq_len`` tokens, so that is exactly the batch's token mean."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class ByteLM(L.LightningModule):
@@ -163,10 +156,10 @@ class ByteLM(L.LightningModule):
             # starts before it is known. prog_bar=True below reads it at the end of each
             # batch (waiting for that iteration); logger-only values are read when logged.
             loss = self.roundpipe.forward_backward(
-                input_args=(x,), label=y, loss_fn=TokenCrossEntropy(y.numel())
+                input_args=(x,), label=y, loss_fn=token_cross_entropy
             )
         else:
-            loss = TokenCrossEntropy(y.numel())(self.net(x), y)
+            loss = token_cross_entropy(self.net(x), y)
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_bpb", loss / math.log(2))
         return loss
@@ -174,7 +167,7 @@ class ByteLM(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         logits = self.roundpipe(x) if self._pipelined() else self.net(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss = token_cross_entropy(logits, y)
         self.log("val_loss", loss, prog_bar=True)
         self.log("val_bpb", loss / math.log(2))
 
@@ -399,12 +392,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     seconds = time.perf_counter() - t0
-    val_loss = float(trainer.callback_metrics.get("val_loss", float("nan")))
+    val_metric = trainer.callback_metrics.get("val_loss")
+    val_loss = float(val_metric) if val_metric is not None else float("nan")
     head = sum(losses[:10]) / max(1, len(losses[:10]))
     tail = sum(losses[-10:]) / max(1, len(losses[-10:]))
+    val_said = (
+        f"val loss {val_loss:.3f} ({val_loss / math.log(2):.2f} bits/byte)"
+        if val_metric is not None
+        else f"validation did not run (it runs every {args.val_every} training batches)"
+    )
     print(
         f"\ntrained {len(losses)} steps in {seconds:.1f} s: train loss {head:.3f} -> {tail:.3f} "
-        f"(first/last 10 steps), val loss {val_loss:.3f} ({val_loss / math.log(2):.2f} bits/byte)"
+        f"(first/last 10 steps), {val_said}"
     )
     ckpt = trainer.checkpoint_callback
     if ckpt is not None and ckpt.best_model_path:

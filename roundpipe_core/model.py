@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +27,14 @@ from . import batch as batching
 from .autograd import AutogradForward, PipelineOps
 from .base import OptimizerCtx, RoundPipeBase
 from .checks import ForwardRuleChecker, PlanFitChecker, check_not_compiled_in_place
-from .config import RoundPipeRunConfig, batch_extent, check_run_config, default_loss_fn
+from .config import (
+    RoundPipeRunConfig,
+    batch_extent,
+    check_loss_reduction,
+    check_run_config,
+    default_loss_fn,
+    microbatch_loss_weights,
+)
 from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
@@ -40,6 +46,7 @@ from .stepping.pipelined import (
     DeferredTimer,
     GradBuffer,
     PendingResult,
+    RunFinisher,
     assemble_result,
     to_output_device,
 )
@@ -83,6 +90,11 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             read while a step writes, every ``step()`` is synchronous
             (``is_async=True`` runs as ``False``, with a warning): the same numbers
             as plain PyTorch, 4 B/param less host memory for fp32.
+        loss_reduction: how ``forward_backward`` combines its per-microbatch losses:
+            ``"sum"`` (default, the published contract: they are added up) or ``"mean"``
+            (each is weighted by its share of the batch rows, so a ``loss_fn`` returning a
+            batch mean gives the whole batch's mean loss and gradients, also for uneven
+            microbatches). Also a settable attribute; a call's ``loss_reduction=`` wins.
 
     Attributes:
         loss_multiplier: ``None`` or a callable read once per ``forward_backward`` (in the
@@ -108,6 +120,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         original_model: Any = None,
         master_owner: RoundPipeBase | None = None,
         shared_masters: bool = False,
+        loss_reduction: str = "sum",
     ) -> None:
         model_run_config = check_run_config(
             model_run_config if model_run_config is not None else RoundPipeRunConfig(),
@@ -124,6 +137,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             shared_masters=shared_masters,
         )
         self.model_run_config = model_run_config
+        self.loss_reduction = check_loss_reduction(loss_reduction)
         self.model_timer = ModelTimer(self.layers)
         self._rule_checker = ForwardRuleChecker(self.layers)
         self._plan_fits = PlanFitChecker(self.layers)
@@ -242,6 +256,15 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         self.last_call_ms = (time.perf_counter() - t0) * 1000.0
         self.last_call_samples, self.last_call_tokens = batch_extent(args, kwargs)
 
+    @staticmethod
+    def _loss_weights(
+        reduction: str, loss_fn: Any, split: batching.SplitInputs
+    ) -> list[float] | None:
+        """Each microbatch's loss factor under ``reduction`` (``None``: all 1)."""
+        return microbatch_loss_weights(
+            reduction, loss_fn, split.sizes, split.batch_size, len(split.parts)
+        )
+
     def _loss_factor(self) -> float:
         """The loss multiplier of this call, read once in the caller's thread."""
         if self.loss_multiplier is None:
@@ -334,6 +357,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         return_outputs: bool = False,
         run_config: RoundPipeRunConfig | None = None,
         blocking: bool | None = None,
+        loss_reduction: str | None = None,
     ) -> Any:
         """Forward, loss and backward in one pipelined pass (the last stage fuses them).
 
@@ -353,10 +377,17 @@ class RoundPipe(RoundPipeBase, PlanChoice):
                 iteration's gradients are complete. Results, parameters and gradients are
                 those of the same sequence of blocking calls (with ``step(is_async=True)``:
                 one step stale). A failure is raised by ``result()`` or the next call.
+            loss_reduction: ``"sum"``, ``"mean"`` or ``None`` (this RoundPipe's
+                ``loss_reduction``). ``"mean"`` multiplies microbatch ``i``'s loss by
+                ``rows_i / batch_rows`` (equal shares when a custom split reports no rows)
+                before it is returned and backpropagated; a loss_fn marked
+                :func:`~roundpipe_core.config.batch_normalized` (``causal_lm_loss_fn``,
+                ``model_output_loss``) is not reweighted.
 
         Returns:
-            The sum of the per-microbatch losses (a detached CPU tensor; a tuple of sums
-            for a loss_fn returning several), or ``(loss, outputs)``. Gradients of that sum
+            The sum of the (weighted) per-microbatch losses -- under ``"mean"`` the batch
+            mean -- as a detached CPU tensor (a tuple of sums for a loss_fn returning
+            several), or ``(loss, outputs)``. Gradients of that sum
             are accumulated into the master copies' ``.grad`` -- only if the whole call
             succeeds. With ``blocking=False``: a ``PendingResult`` whose ``result()``
             returns that (and has put the gradients into ``.grad``).
@@ -369,6 +400,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             return_outputs=return_outputs,
             run_config=run_config,
             blocking=blocking,
+            loss_reduction=loss_reduction,
         )
         hook = self.forward_backward_hook
         return (
@@ -386,6 +418,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         return_outputs: bool,
         run_config: RoundPipeRunConfig | None,
         blocking: bool | None,
+        loss_reduction: str | None = None,
     ) -> Any:
         t0 = time.perf_counter()
         self._check_open()
@@ -402,12 +435,23 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             input_kwargs = {}
         if not isinstance(input_kwargs, dict):
             raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+        reduction = check_loss_reduction(
+            self.loss_reduction if loss_reduction is None else loss_reduction
+        )
         cfg = self._config(run_config)
         factor = self._loss_factor()
         args = tuple(input_args)
         if not blocking:
             return self._forward_backward_pipelined(
-                cfg, run_config, args, input_kwargs, label, loss_fn, return_outputs, factor
+                cfg,
+                run_config,
+                args,
+                input_kwargs,
+                label,
+                loss_fn,
+                return_outputs,
+                factor,
+                reduction,
             )
         # the weights the previous asynchronous step() left to copy into the model are
         # waited for layer by layer below, as each upload needs them, not all at once here
@@ -433,6 +477,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
                     return_outputs=return_outputs,
                     grads_done=self._grad_tracker(jobs, buffer),
                     loss_scale=factor,
+                    loss_weights=self._loss_weights(reduction, loss_fn, split),
                     weights=gate[0] if gate else None,
                     reader=gate[1] if gate else None,
                 )
@@ -457,6 +502,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         loss_fn: Callable[[Any, Any], Any],
         return_outputs: bool,
         factor: float,
+        reduction: str,
     ) -> PendingResult:
         if self._master_owner is not None:
             raise ValueError(
@@ -476,9 +522,20 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             mbs = split.parts
             plan = self._plan(run_config, RunType.FUSED, cfg, split)
             labels = self._split_label(cfg, label, split)
+            weights = self._loss_weights(reduction, loss_fn, split)
             with steps.pipelined_call() as call:
                 return self._issue_pipelined(
-                    call, cfg, plan, mbs, labels, loss_fn, return_outputs, factor, t0, args, kwargs
+                    call,
+                    cfg,
+                    plan,
+                    mbs,
+                    labels,
+                    loss_fn,
+                    return_outputs,
+                    (factor, weights),
+                    t0,
+                    args,
+                    kwargs,
                 )
 
     def _issue_pipelined(
@@ -490,7 +547,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         labels: list,
         loss_fn: Callable[[Any, Any], Any],
         return_outputs: bool,
-        factor: float,
+        scaling: tuple[float, list[float] | None],
         t0: float,
         args: tuple,
         kwargs: dict,
@@ -517,7 +574,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             loss_fn=loss_fn,
             labels=labels,
             return_outputs=return_outputs,
-            loss_scale=factor,
+            loss_scale=scaling[0],
+            loss_weights=scaling[1],
             weights=call.weights,
             reader=reader,
             grads_done=completion.job_done,
@@ -529,34 +587,5 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
         )
         call.launch(pending)
-        pending.start(futures, _Finisher(self, jobs, timer, t0, args, kwargs))
+        pending.start(futures, RunFinisher(self, jobs, timer, t0, batch_extent(args, kwargs)))
         return pending
-
-
-class _Finisher:
-    """Completion of a pipelined run (on the thread of its last worker): timings,
-    schedule records, failure bookkeeping. Holds its RoundPipe weakly, so a run in
-    flight does not keep a dropped RoundPipe alive."""
-
-    def __init__(
-        self,
-        rp: RoundPipe,
-        jobs: list[Job],
-        timer: DeferredTimer,
-        t0: float,
-        args: tuple,
-        kwargs: dict,
-    ) -> None:
-        self._rp = weakref.ref(rp)
-        self._steps = rp._steps
-        self.jobs, self.timer, self.t0 = jobs, timer, t0
-        self.extent = batch_extent(args, kwargs)
-
-    def __call__(self, p: PendingResult) -> None:
-        run = p.run
-        rp = self._rp()
-        if rp is not None:
-            rp._pipelined_call_done(p, self.jobs, self.timer, self.t0, self.extent)
-        p.job_spans = list(run.job_spans)
-        run.drop_activations()  # the handle keeps losses and outputs only
-        self._steps.call_ended(p)  # its weight readers released, its error reported

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from roundpipe_core import RoundPipe
+from roundpipe_core import AutoRoundPipe, RoundPipe
 
 from ._private import WrappingCheckpointIO, uncount_saved_steps
 from ._run_state import RunState
@@ -40,7 +40,7 @@ __all__ = ["CheckpointingStrategy"]
 class CheckpointingStrategy(ProcessTopologyStrategy):
     """Checkpoint save / load of a RoundPipe run (see the module docstring)."""
 
-    _rp: RoundPipe | None
+    _rp: RoundPipe | AutoRoundPipe | None
     _run: RunState
 
     @property
@@ -100,7 +100,7 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
         state: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
         if self._loss_scaler is not None:
             state["loss_scaler"] = self._loss_scaler.state_dict()
-        if self._rp is not None:
+        if isinstance(self._rp, RoundPipe):  # an AutoRoundPipe's units time themselves
             state["timer"] = self._rp.model_timer.state_dict()
         return state
 
@@ -136,7 +136,7 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
                 m.grad = None
         if self._loss_scaler is not None and "loss_scaler" in state:
             self._loss_scaler.load_state_dict(state["loss_scaler"])
-        if self._rp is not None and "timer" in state:
+        if isinstance(self._rp, RoundPipe) and "timer" in state:
             try:
                 self._rp.model_timer.load_state_dict(state["timer"])
             except ValueError as exc:

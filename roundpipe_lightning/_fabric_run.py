@@ -19,7 +19,10 @@ RoundPipe's optimizer thread, clears their gradients right after the update (a
 ``zero_grad()`` on the main thread would race with a step still running). So
 ``optimizer.zero_grad()`` only clears what no queued step will: gradients produced
 after the last step (``forward_backward`` or ``fabric.backward`` since then), after
-waiting for everything in flight.
+waiting for everything in flight. Fabric's optimizer wrapper finds ``zero_grad`` on
+the class of what it wraps, so it wraps a view of the user's optimizer whose class
+has this ``zero_grad`` (:func:`roundpipe_lightning._private.optimizer_view`); the
+user's own object gets it too, as an instance attribute.
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from roundpipe_core import RoundPipe
+from roundpipe_core import AutoRoundPipe, RoundPipe
 
-from ._private import replace_zero_grad, restore_zero_grad
+from ._private import optimizer_view, replace_zero_grad, restore_zero_grad
 from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section
 
 __all__ = ["FabricRun", "CALLS"]
@@ -55,7 +58,12 @@ class FabricRun:
         precision: the Fabric precision plugin (read at each call).
     """
 
-    def __init__(self, rp: RoundPipe, module: nn.Module, precision: Callable[[], Precision]):
+    def __init__(
+        self,
+        rp: RoundPipe | AutoRoundPipe,
+        module: nn.Module,
+        precision: Callable[[], Precision],
+    ) -> None:
         clash = [name for name in CALLS if hasattr(module, name)]
         if clash:
             raise ValueError(
@@ -77,6 +85,13 @@ class FabricRun:
         def forward_backward(
             input_args: Any = (), input_kwargs: Any = None, *a: Any, **kw: Any
         ) -> Any:
+            if isinstance(rp, AutoRoundPipe):
+                raise TypeError(
+                    f"{type(module).__name__} is not an nn.Sequential and no preset converts "
+                    "it, so it runs split automatically (AutoRoundPipe), which has no "
+                    "forward_backward: compute the loss from out = model(x) and call "
+                    "fabric.backward(loss), or give fabric.setup() an nn.Sequential"
+                )
             plugin = self.precision()
             input_args, input_kwargs = plugin.convert_input((input_args, input_kwargs))
             with plugin.forward_context():
@@ -114,12 +129,24 @@ class FabricRun:
         mine |= {id(m) for m in self.rp.optim_parameters()}
         return bool(ids & mine)
 
-    def adopt(self, optimizer: Optimizer, real_zero_grad: Callable[..., None]) -> None:
+    def adopt(self, optimizer: Optimizer) -> Optimizer:
         """``optimizer`` (already pointed at the masters) steps this module; its
-        ``zero_grad`` becomes :meth:`zero_grad`'s policy."""
+        ``zero_grad`` becomes :meth:`zero_grad`'s policy. Returns the view of it that
+        Fabric wraps (see the module docstring)."""
+        real = type(optimizer).zero_grad.__get__(optimizer)
+        policy = functools.partial(self.zero_grad, real)
+        replace_zero_grad(optimizer, policy)
+        view = optimizer_view(optimizer, policy)
         self.optimizers.append(optimizer)
-        self.real_zero_grad[id(optimizer)] = real_zero_grad
-        replace_zero_grad(optimizer, functools.partial(self.zero_grad, real_zero_grad))
+        self.real_zero_grad[id(optimizer)] = real
+        return view
+
+    def owns(self, optimizer: Any) -> Optimizer | None:
+        """The user's optimizer of which ``optimizer`` is the view (or itself), if adopted."""
+        for opt in self.optimizers:
+            if optimizer is opt or getattr(optimizer, "__dict__", None) is vars(opt):
+                return opt
+        return None
 
     def step_queued(self) -> None:
         """A step was queued: it clears the gradients there are now."""
@@ -148,11 +175,10 @@ class FabricRun:
         differs from their parameter's (fp32 masters of a bf16 module) and the layer
         timer. Call after ``synchronize()``."""
         masters = {n: m.detach() for n, p, m in self._named_masters() if m.dtype != p.dtype}
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "masters": masters,
-            "timer": self.rp.model_timer.state_dict(),
-        }
+        section: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
+        if isinstance(self.rp, RoundPipe):  # (an AutoRoundPipe has no layer timer)
+            section["timer"] = self.rp.model_timer.state_dict()
+        return section
 
     def load_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
         """Load the module's weights and make the masters equal to them."""
@@ -175,7 +201,7 @@ class FabricRun:
                 if name in saved:
                     m.copy_(saved[name])
         timer = (section or {}).get("timer")
-        if timer is not None:
+        if timer is not None and isinstance(self.rp, RoundPipe):
             try:
                 self.rp.model_timer.load_state_dict(timer)
             except ValueError as exc:

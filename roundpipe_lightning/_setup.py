@@ -12,11 +12,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from roundpipe_core import RoundPipe, RoundPipeRunConfig
+from roundpipe_core import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
+from roundpipe_core.autosplit import auto_wrap
 from roundpipe_core.optim import fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
     HostMemoryBudget,
@@ -37,9 +38,11 @@ __all__ = [
     "check_type",
     "check_pool_devices",
     "sequential_of",
-    "network_of",
-    "build_roundpipe",
     "adopt_optimizer",
+    "point_at_masters",
+    "build_roundpipe",
+    "network_of",
+    "wrap_network",
     "fuse_optimizer",
     "host_memory_budget",
     "op_name",
@@ -104,7 +107,7 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
 
 def check_bool(name: str, value: Any, owner: str = "RoundPipeStrategy") -> bool:
     """``value`` if it is a bool. No ``bool()`` coercion: ``"False"`` would become True.
-    ``owner`` names the class whose argument it is, in the message."""
+    ``owner`` (here and below) names the class whose argument it is, in the message."""
     if not isinstance(value, bool):
         raise TypeError(
             f"{owner}({name}={value!r}): {name} must be True or False (a bool), got "
@@ -132,8 +135,10 @@ def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
     """Call ``configure_sequential()`` and check what it returned.
 
     Returns:
-        ``(network, original)``: the module RoundPipe wraps and, when a preset converted
-        a Hugging Face model, that model (else None).
+        ``(network, original)``: the module RoundPipe wraps -- an ``nn.Sequential``, a
+        preset's conversion, or any other module, which :func:`wrap_network` splits
+        automatically -- and, when a preset converted a Hugging Face model, that model
+        (else None).
     """
     hook = getattr(lm, "configure_sequential", None)
     if hook is None or not callable(hook):
@@ -144,6 +149,11 @@ def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
             "        return self.net  # nn.Sequential(embedding, block, ..., head)"
         )
     net = hook()
+    if isinstance(net, RoundPipe):
+        raise TypeError(
+            "configure_sequential() returned a RoundPipe; return the plain nn.Sequential (or "
+            "Hugging Face model) instead -- RoundPipeStrategy wraps it and sets self.roundpipe"
+        )
     if not isinstance(net, nn.Module):
         raise TypeError(
             f"configure_sequential() must return an nn.Module (an nn.Sequential of layers), got "
@@ -154,38 +164,20 @@ def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
             "configure_sequential() returned the LightningModule itself; return the network "
             "submodule (e.g. self.net), an nn.Sequential of layers"
         )
-    if not isinstance(net, RoundPipe) and not any(m is net for m in lm.modules()):
+    if not any(m is net for m in lm.modules()):
         raise ValueError(
             "configure_sequential() must return a submodule of the LightningModule (assign it in "
             "__init__, e.g. self.net = nn.Sequential(...), and return self.net) so that its weights "
             "are part of the module's state_dict and its checkpoints"
         )
-    return network_of(
-        net,
-        "configure_sequential() returned",
-        "RoundPipeStrategy wraps it and sets self.roundpipe",
-    )
+    return network_of(net, "configure_sequential() returned")
 
 
-def network_of(net: nn.Module, source: str, wrapper: str) -> tuple[nn.Module, Any]:
-    """Check the network a strategy wraps and convert a Hugging Face model a preset knows.
-
-    Args:
-        net: the network (an ``nn.Module``).
-        source: where it came from, as the start of a sentence ("configure_sequential()
-            returned", "fabric.setup() got").
-        wrapper: what wraps it and how it is reached, for the message about a RoundPipe
-            given instead of the plain network.
-
-    Returns:
-        ``(network, original)``: the module RoundPipe wraps and, when a preset converted
-        a Hugging Face model, that model (else None).
-    """
-    if isinstance(net, RoundPipe):
-        raise TypeError(
-            f"{source} a RoundPipe; give the plain nn.Sequential (or Hugging Face model) "
-            f"instead -- {wrapper}"
-        )
+def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
+    """``(network, original)`` of a module a strategy wraps: an ``nn.Sequential`` as it
+    is, a Hugging Face model a preset converts with that model as ``original``, any other
+    module as it is (:func:`wrap_network` splits it automatically). ``source`` starts the
+    error message ("configure_sequential() returned", "fabric.setup() got")."""
     if isinstance(net, nn.Sequential):
         if len(net) == 0:
             raise ValueError(f"{source} an empty nn.Sequential; give it layers")
@@ -194,24 +186,145 @@ def network_of(net: nn.Module, source: str, wrapper: str) -> tuple[nn.Module, An
 
     if find_preset(unwrap_peft(net)) is not None:
         return convert_to_sequential(net), net
-    rank_zero_warn(
-        f"{source} a {type(net).__name__}, not an nn.Sequential and no preset "
-        "converts it: RoundPipe runs it as a single layer (no pipelining). Give an nn.Sequential of "
-        "layers to pipeline it."
+    return net, None  # any other module: the automatic split (wrap_network)
+
+
+def wrap_network(
+    net: nn.Module,
+    original: Any,
+    loss_reduction: str,
+    shared_masters: bool,
+    execute_plan: Any = None,
+    source: str = "configure_sequential() returned",
+    owner: str = "RoundPipeStrategy",
+    loss_hint: str = "compute the loss from self.roundpipe(...) (e.g. "
+    "self.roundpipe(input_ids=x, labels=x).loss), Lightning backpropagates it",
+    **common: Any,
+) -> RoundPipe | AutoRoundPipe:
+    """The RoundPipe of ``configure_sequential()``'s network (``common``: ``optim_dtype``,
+    ``name``, ``model_run_config``, ``pin_model``, ``devices``). ``source``, ``owner`` and
+    ``loss_hint`` word the messages for the strategy that asks.
+
+    An ``nn.Sequential`` (a preset's conversion included) is wrapped as it is. Any other
+    module gets the automatic split, as ``wrap_model_to_roundpipe(use_sequential_preset=False)``
+    does, and the run says so once: a chain of children becomes a ``RoundPipe`` over them;
+    anything else (skip connections, several inputs) an ``AutoRoundPipe``, whose units run
+    on the pool and whose glue code runs on the host.
+    """
+    if isinstance(net, nn.Sequential):
+        return RoundPipe(
+            net,
+            original_model=original,
+            loss_reduction=loss_reduction,
+            shared_masters=shared_masters,
+            **common,
+        )
+    rp = auto_wrap(net, **common)
+    kind = type(net).__name__
+    said = (
+        f"{source} a {kind}: not an nn.Sequential, and no preset converts "
+        "it, so RoundPipe splits it automatically (as wrap_model_to_roundpipe("
+        "use_sequential_preset=False) does): "
     )
-    return net, None
+    if not isinstance(rp, RoundPipe) and execute_plan is not None:
+        rp.close()
+        raise ValueError(
+            f"{owner}(execute_plan=...) plans an nn.Sequential; the {kind} ({source} it) "
+            "is split automatically into units (AutoRoundPipe), which have no such plan. Drop "
+            "execute_plan, or give an nn.Sequential."
+        )
+    if isinstance(rp, RoundPipe):
+        rp.loss_reduction = loss_reduction
+        rank_zero_info(said + f"a chain of {rp.num_layers} layers, pipelined as a Sequential.")
+        return rp
+    rank_zero_warn(
+        said + f"AutoRoundPipe, {len(rp.units)} units run on the device pool, the code between "
+        f"them on the host. It is slower than a Sequential and has no forward_backward: {loss_hint}. "
+        "For full speed give an nn.Sequential of its layers, or "
+        f"register a preset: roundpipe_core.presets.register_preset({kind!r}, "
+        "lambda model: nn.Sequential(...)) (docs/add-a-preset.md)."
+    )
+    return rp
+
+
+def build_roundpipe(
+    net: nn.Module,
+    original: Any,
+    *,
+    name: str,
+    devices: list[torch.device],
+    model_run_config: RoundPipeRunConfig | None,
+    num_microbatch: int | None,
+    recompute_grain: str | None,
+    preserve_rng_state: bool,
+    optim_dtype: torch.dtype | None,
+    pin_model: str,
+    async_step: bool,
+    execute_plan: Any,
+    loss_reduction: str,
+    **wording: str,
+) -> RoundPipe | AutoRoundPipe:
+    """The RoundPipe a strategy trains: ``net`` (see :func:`wrap_network`; ``wording``: its
+    ``source`` / ``owner`` / ``loss_hint``) on a pool of ``devices`` (CPU workers or GPUs),
+    with the strategy's run-config defaults and its ``execute_plan`` set for
+    ``forward_backward``.
+
+    A synchronous step may update the weights in place, so with ``async_step=False`` the
+    parameters already in ``optim_dtype`` are their own masters (no separate fp32 copy).
+    """
+    cfg = model_run_config or RoundPipeRunConfig()
+    if num_microbatch is not None:
+        cfg = replace(cfg, num_microbatch=num_microbatch)
+    if recompute_grain is not None:
+        cfg = replace(cfg, recompute_grain=recompute_grain)
+    cfg = replace(cfg, preserve_rng_state=preserve_rng_state)
+    pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
+    rp = wrap_network(
+        net,
+        original,
+        loss_reduction,
+        shared_masters=not async_step,
+        execute_plan=execute_plan,
+        optim_dtype=optim_dtype,
+        name=name,
+        model_run_config=cfg,
+        pin_model=pin_model,
+        devices=pool_arg,
+        **wording,
+    )
+    if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to plan)
+        try:
+            plan = resolve_execute_plan(execute_plan, rp, "fused")
+            if plan is not None:
+                rp.set_plan("fused", plan)
+        except BaseException:
+            rp.close()
+            raise
+    return rp
 
 
 def adopt_optimizer(
-    opt: Optimizer, rp: RoundPipe, real_zero_grad: dict[int, Callable[..., None]]
+    opt: Optimizer, rp: RoundPipe | AutoRoundPipe, real_zero_grad: dict[int, Callable[..., None]]
 ) -> None:
-    """Point ``opt`` at ``rp``'s master copies and defer its ``zero_grad`` to the RoundPipe
-    step (its own ``zero_grad`` is kept in ``real_zero_grad[id(opt)]``).
+    """Point ``opt`` at ``rp``'s master copies (:func:`point_at_masters`) and defer its
+    ``zero_grad`` to the RoundPipe step (its own ``zero_grad`` is kept in
+    ``real_zero_grad[id(opt)]``).
 
     Lightning zeroes the gradients *after* ``training_step`` in automatic optimization,
     which would wipe what ``forward_backward`` just produced; the queued step clears them
     right after the update instead.
     """
+    point_at_masters(opt, rp)
+    if id(opt) not in real_zero_grad:
+        real_zero_grad[id(opt)] = defer_zero_grad(opt)
+
+
+def point_at_masters(
+    opt: Optimizer, rp: RoundPipe | AutoRoundPipe, build_hint: str = "self.parameters()"
+) -> None:
+    """Replace the model parameters in ``opt``'s param groups by their master copies
+    (a frozen parameter stays; a shared master is the parameter itself). LBFGS is
+    refused: its ``step()`` re-evaluates the loss, which a queued step cannot."""
     if isinstance(opt, torch.optim.LBFGS):
         raise TypeError(
             "LBFGS re-evaluates the loss inside optimizer.step(), which RoundPipe's (asynchronous) "
@@ -235,10 +348,8 @@ def adopt_optimizer(
     if adopted == 0 and any(len(g["params"]) for g in opt.param_groups) and masters:
         rank_zero_warn(
             f"{type(opt).__name__} holds none of the parameters of configure_sequential()'s network; "
-            "RoundPipe will not train it. Build it from self.parameters()."
+            f"RoundPipe will not train it. Build it from {build_hint}."
         )
-    if id(opt) not in real_zero_grad:
-        real_zero_grad[id(opt)] = defer_zero_grad(opt)
 
 
 def op_name(reduce_op: ReduceOp | str | None) -> str:
@@ -301,8 +412,8 @@ def check_pool_devices(
     devices: list[torch.device], owner: str = "RoundPipeStrategy", entry: str = "Trainer"
 ) -> list[torch.device]:
     """``devices`` if they are all CPU workers or all CUDA GPUs; a single CPU worker
-    gets a hint that nothing is pipelined and how to ask for more. ``owner`` and
-    ``entry`` name the strategy and what takes ``devices`` (Trainer, Fabric)."""
+    gets a hint that nothing is pipelined and how to ask for more. ``entry`` is what
+    takes ``devices`` (Trainer, Fabric)."""
     kinds = {d.type for d in devices}
     if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
         raise ValueError(
@@ -319,55 +430,6 @@ def check_pool_devices(
             "ROUNDPIPE_CPU_DEVICES."
         )
     return devices
-
-
-def build_roundpipe(
-    net: nn.Module,
-    original: Any,
-    *,
-    name: str,
-    devices: list[torch.device],
-    model_run_config: RoundPipeRunConfig | None,
-    num_microbatch: int | None,
-    recompute_grain: str | None,
-    preserve_rng_state: bool,
-    optim_dtype: torch.dtype | None,
-    pin_model: str,
-    async_step: bool,
-    execute_plan: Any,
-) -> RoundPipe:
-    """The RoundPipe both strategies train: ``net`` on a pool of ``devices`` (CPU workers
-    or GPUs), the strategy's run-config defaults, and its ``execute_plan`` (resolved
-    against the built RoundPipe) set for ``forward_backward``.
-
-    A synchronous step updates the weights in place, so with ``async_step=False``
-    parameters already in ``optim_dtype`` are their own masters (no second copy).
-    """
-    cfg = model_run_config or RoundPipeRunConfig()
-    if num_microbatch is not None:
-        cfg = replace(cfg, num_microbatch=num_microbatch)
-    if recompute_grain is not None:
-        cfg = replace(cfg, recompute_grain=recompute_grain)
-    cfg = replace(cfg, preserve_rng_state=preserve_rng_state)
-    pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
-    rp = RoundPipe(
-        net,
-        optim_dtype=optim_dtype,
-        name=name,
-        model_run_config=cfg,
-        pin_model=pin_model,
-        devices=pool_arg,
-        original_model=original,
-        shared_masters=not async_step,
-    )
-    try:
-        plan = resolve_execute_plan(execute_plan, rp, "fused")
-        if plan is not None:
-            rp.set_plan("fused", plan)
-    except BaseException:
-        rp.close()
-        raise
-    return rp
 
 
 def _not_fused_reason(opt: Optimizer) -> str:
@@ -416,12 +478,12 @@ def fuse_optimizer(opt: Optimizer) -> bool:
     key = (type(opt).__qualname__, reason)
     if key not in _SAID:
         _SAID.add(key)
-        log.info("RoundPipeStrategy runs %s unfused: %s", type(opt).__name__, reason)
+        rank_zero_info(f"RoundPipeStrategy runs {type(opt).__name__} unfused: {reason}")
     return False
 
 
 def host_memory_budget(
-    rp: RoundPipe, optimizers: list[Optimizer], num_microbatch: int | None
+    rp: RoundPipe | AutoRoundPipe, optimizers: list[Optimizer], num_microbatch: int | None
 ) -> HostMemoryBudget:
     """The host memory ``rp`` trained by ``optimizers`` needs. An optimizer whose state
     size is unknown (a third-party class) does not stop training: the budget assumes
@@ -441,15 +503,24 @@ def host_memory_budget(
         )
 
 
-def check_loss_went_through(loss: Tensor, rp: RoundPipe) -> None:
+_DIRECT_CALL = (
+    "the loss was computed by calling the network configure_sequential() returned "
+    "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "
+    "call it through self.roundpipe instead: "
+    "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) "
+    "or out = self.roundpipe(x)"
+)
+
+
+def check_loss_went_through(
+    loss: Tensor, rp: RoundPipe | AutoRoundPipe, message: str = _DIRECT_CALL
+) -> None:
     """Refuse a loss whose graph reaches the wrapped network's own parameters: the
     network ran outside RoundPipe, its gradients would never reach the masters the
-    optimizer steps, and training would silently do nothing."""
-    if loss.requires_grad and reaches_params(loss, {id(p) for p in rp.model.parameters()}):
-        raise RuntimeError(
-            "the loss was computed by calling the network configure_sequential() returned "
-            "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "
-            "call it through self.roundpipe instead: "
-            "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) "
-            "or out = self.roundpipe(x)"
-        )
+    optimizer steps, and training would silently do nothing. ``message`` says what to
+    call instead (the Lightning strategy's by default)."""
+    params = {id(p) for p in rp.model.parameters()}
+    if isinstance(rp, AutoRoundPipe):  # its glue code uses these on the host, legitimately
+        params -= {id(p) for _, p in rp.host_parameters}
+    if loss.requires_grad and reaches_params(loss, params):
+        raise RuntimeError(message)

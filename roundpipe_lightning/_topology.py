@@ -61,6 +61,19 @@ class ProcessTopologyStrategy(ParallelStrategy):
         # One process per node: the node's whole pool consumes one shard.
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    def check_launch(self) -> Any:
+        """The cluster environment, after checking that this process was started as one
+        process per node (the only layout a RoundPipe run has)."""
+        env = self.cluster_environment
+        if self.world_size > 1 and (env is None or not env.creates_processes_externally):
+            raise ValueError(
+                f"RoundPipeStrategy with num_nodes={self.num_nodes} runs one process per node, started "
+                "by a launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
+                "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 environment. "
+                "This process was not started that way."
+            )
+        return env
+
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank)

@@ -31,6 +31,7 @@ and the pool's devices are RoundPipe's business.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,21 +46,22 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from roundpipe_core import ModelExecutePlan, RoundPipeRunConfig
+from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core.config import LOSS_REDUCTIONS
 
 from ._fabric_run import FabricRun
 from ._setup import (
-    adopt_optimizer,
     build_roundpipe,
     check_bool,
     check_choice,
+    check_loss_went_through,
     check_num_microbatch,
     check_pool_devices,
     check_type,
     fuse_optimizer,
     network_of,
     parse_dtype,
-    reaches_params,
+    point_at_masters,
 )
 from ._step import QueuedStep
 from .checkpoint_io import CHECKPOINT_KEY, StreamingCheckpointIO
@@ -71,6 +73,13 @@ log = logging.getLogger(__name__)
 _OWNER = "RoundPipeFabricStrategy"
 
 
+def _env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 class RoundPipeFabricStrategy(SingleDeviceStrategy):
     """Run the modules given to ``fabric.setup()`` with RoundPipe (see the module docstring).
 
@@ -78,10 +87,13 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
     it is a single-device strategy to Fabric: ``fabric.launch()`` is optional.
 
     Args:
-        num_microbatch, execute_plan, optim_dtype, pin_model, async_step, fuse_optimizer,
+        loss_reduction, num_microbatch, execute_plan, optim_dtype, pin_model, async_step, fuse_optimizer,
             recompute_grain, preserve_rng_state, model_run_config: as for
-            :class:`~roundpipe_lightning.RoundPipeStrategy` (the same defaults; ``async_step=None``
-            is synchronous on CPU workers, asynchronous on GPUs).
+            :class:`~roundpipe_lightning.RoundPipeStrategy`, with the same defaults:
+            ``loss_reduction="mean"`` (a ``loss_fn`` returning a batch mean gives plain
+            Fabric's loss and gradients for any microbatch count; ``"sum"``: the published
+            sum of microbatch losses), ``async_step=None`` (synchronous on CPU workers,
+            asynchronous on GPUs).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
@@ -100,6 +112,7 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
 
     def __init__(
         self,
+        loss_reduction: str = "mean",
         num_microbatch: int | None = None,
         execute_plan: ModelExecutePlan | str | dict | None = None,
         optim_dtype: torch.dtype | str | None = torch.float32,
@@ -117,6 +130,9 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
+        )
+        self.loss_reduction = check_choice(
+            "loss_reduction", loss_reduction, LOSS_REDUCTIONS, _OWNER
         )
         check_choice("pin_model", pin_model, ("alloc", "register", "off"), _OWNER)
         check_choice("recompute_grain", recompute_grain, ("stage", "layer", None), _OWNER)
@@ -200,7 +216,9 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
                 "'32-true': the optimizer then updates fp32 master copies (optim_dtype)."
             )
         env = self.cluster_environment
-        processes = env.world_size() if env is not None else 1
+        # torchrun / SLURM environments know the process count; a launch by environment
+        # variables alone (LightningEnvironment) shows it in WORLD_SIZE
+        processes = max(env.world_size() if env is not None else 1, _env_world_size())
         if self._num_nodes > 1 or processes > 1:
             raise ValueError(
                 f"{_OWNER} runs in one process that drives all of this machine's devices "
@@ -236,9 +254,12 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         self._check_run()
         if not isinstance(module, nn.Module):
             raise TypeError(f"fabric.setup() takes an nn.Module, got {type(module).__name__}")
-        net, original = network_of(
-            module, "fabric.setup() got", "fabric.setup() wraps it and returns the pipelined module"
-        )
+        if isinstance(module, RoundPipe):
+            raise TypeError(
+                "fabric.setup() got a RoundPipe; give it the plain nn.Sequential (or Hugging "
+                f"Face model) instead -- {_OWNER} wraps it and returns the pipelined module"
+            )
+        net, original = network_of(module, "fabric.setup() got")
         rp = build_roundpipe(
             net,
             original,
@@ -252,6 +273,10 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
             pin_model=self.pin_model,
             async_step=self.async_step,
             execute_plan=self.execute_plan,
+            loss_reduction=self.loss_reduction,
+            source="fabric.setup() got",
+            owner=_OWNER,
+            loss_hint="compute the loss from out = model(x) and call fabric.backward(loss)",
         )
         try:
             self._runs.append(FabricRun(rp, module, lambda: self.precision))
@@ -272,17 +297,15 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
                 "module: model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=...))"
             )
         run = runs[0]
-        real: dict[int, Callable[..., None]] = {}
-        adopt_optimizer(optimizer, run.rp, real)  # (refuses LBFGS)
-        run.adopt(optimizer, real[id(optimizer)])
+        point_at_masters(optimizer, run.rp, "the module's parameters()")  # (refuses LBFGS)
         if self.fuse_optimizer:
             fuse_optimizer(optimizer)  # on the masters (host, fp32)
-        return optimizer
+        return run.adopt(optimizer)
 
     def _run_of(self, obj: Any) -> FabricRun | None:
         """The run of a set-up module (its RoundPipe or the module itself) or optimizer."""
         for run in self._runs:
-            if obj is run.rp or obj is run.module or any(obj is o for o in run.optimizers):
+            if obj is run.rp or obj is run.module or run.owns(obj) is not None:
                 return run
         return None
 
@@ -301,13 +324,14 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
                 "else to call), or from out = model(x) and then fabric.backward(loss)."
             )
         for run in self._runs:
-            if reaches_params(tensor, {id(p) for p in run.rp.model.parameters()}):
-                raise RuntimeError(
-                    f"the loss was computed by calling {type(run.module).__name__} directly (the "
-                    "module given to fabric.setup(), or model.module): its gradients would not "
-                    "reach the master weights the optimizer steps. Call the module fabric.setup() "
-                    "returned instead: out = model(x), or loss = model.forward_backward(...)"
-                )
+            check_loss_went_through(
+                tensor,
+                run.rp,
+                f"the loss was computed by calling {type(run.module).__name__} directly (the "
+                "module given to fabric.setup(), or model.module): its gradients would not "
+                "reach the master weights the optimizer steps. Call the module fabric.setup() "
+                "returned instead: out = model(x), or loss = model.forward_backward(...)",
+            )
         super().backward(tensor, module, *args, **kwargs)
         for run in self._runs:
             run.grads_fresh = True
@@ -317,7 +341,8 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         """Queue ``optimizer.step()`` on RoundPipe's optimizer thread (its own step clears
         the gradients); with ``async_step=False`` it has run when this returns."""
         run = self._run_of(optimizer)
-        if run is None:
+        raw = run.owns(optimizer) if run is not None else None
+        if run is None or raw is None:
             raise ValueError(
                 f"{type(optimizer).__name__} was not set up with a module of {_OWNER}; pass it "
                 "to fabric.setup(module, optimizer)"
@@ -328,15 +353,15 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
                 "thread), where a closure cannot re-evaluate the loss; call opt.step() without one"
             )
         kwargs.pop("closure", None)
-        real_zero_grad = run.real_zero_grad[id(optimizer)]
+        real_zero_grad = run.real_zero_grad[id(raw)]
         # the hyperparameters of now: a scheduler may change them before the step runs
-        queued = QueuedStep(optimizer) if self.async_step else None
+        queued = QueuedStep(raw) if self.async_step else None
 
         def step_fn() -> None:
             if queued is not None:
                 queued.run(**kwargs)
             else:
-                optimizer.step(**kwargs)
+                raw.step(**kwargs)
             real_zero_grad(set_to_none=True)
 
         run.step_queued()

@@ -48,8 +48,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
+from roundpipe_core.config import LOSS_REDUCTIONS
 from roundpipe_core.running.host_memory import check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
@@ -96,6 +97,11 @@ class RoundPipeStrategy(CheckpointingStrategy):
     """Run a LightningModule's ``configure_sequential()`` network with RoundPipe.
 
     Args:
+        loss_reduction: how ``self.roundpipe.forward_backward`` combines its microbatch
+            losses (``RoundPipe.loss_reduction``). ``"mean"`` (default): each is weighted by
+            its share of the batch, so a ``loss_fn`` returning a batch mean
+            (``F.cross_entropy``) gives plain Lightning's loss and gradients, whatever the
+            microbatch count. ``"sum"``: RoundPipe's published contract, the losses added up.
         num_microbatch: microbatches per pipelined call (default: devices + 1).
         execute_plan: the stage plan of ``forward_backward``: ``None`` (the engine's
             default), ``"auto"`` (``ModelExecutePlan.auto`` at setup), a
@@ -144,6 +150,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
 
     def __init__(
         self,
+        loss_reduction: str = "mean",
         num_microbatch: int | None = None,
         execute_plan: ModelExecutePlan | str | dict | None = None,
         optim_dtype: torch.dtype | str | None = torch.float32,
@@ -171,6 +178,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self.loss_reduction = check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         check_choice("pin_model", pin_model, ("alloc", "register", "off"))
         check_choice("recompute_grain", recompute_grain, ("stage", "layer", None))
         check_choice("grad_reduce_op", grad_reduce_op, ("mean", "sum"))
@@ -194,7 +202,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state)
         self.model_run_config = model_run_config
         self._num_nodes = 1
-        self._rp: RoundPipe | None = None
+        self._rp: RoundPipe | AutoRoundPipe | None = None
         # phase, overlap, and the steps in flight and lost: one object, not six flags
         self._run = RunState()
         self._real_zero_grad: dict[int, Callable[..., None]] = {}
@@ -246,15 +254,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
     def setup_environment(self) -> None:
         # Fail on an unsupported configuration before anything starts.
         _ = self.precision_plugin
+        env = self.check_launch()
         if self.world_size > 1:
-            env = self.cluster_environment
-            if env is None or not env.creates_processes_externally:
-                raise ValueError(
-                    f"RoundPipeStrategy with num_nodes={self.num_nodes} runs one process per node, started "
-                    "by a launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
-                    "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 environment. "
-                    "This process was not started that way."
-                )
             self._dp.connect(env, self.world_size)
         devices = check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
@@ -284,7 +285,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             budget = host_memory_budget(
                 self.roundpipe, [raw_optimizer(o) for o in self.optimizers], self.num_microbatch
             )
-            log.info("RoundPipe host memory:\n%s", budget)
+            # a setup fact, said as Lightning says its own (visible by default, rank zero)
+            rank_zero_info(f"RoundPipe host memory:\n{budget}")
             check_host_memory(budget)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
             self._dp.attach(self.roundpipe, self.optimizers)
@@ -308,16 +310,18 @@ class RoundPipeStrategy(CheckpointingStrategy):
             pin_model=self.pin_model,
             async_step=self.async_step,
             execute_plan=self.execute_plan,
+            loss_reduction=self.loss_reduction,
         )
         self._rp = rp
         self._run.open()
         try:
-            rp.loss_multiplier = self._loss_multiplier
-            if self.overlap_iterations:
-                rp.forward_backward_hook = OverlappedForwardBackward(
-                    lambda: self._run.in_training_step and self._run.overlap,
-                    self._pipeline_failed,
-                )
+            if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to hook)
+                rp.loss_multiplier = self._loss_multiplier
+                if self.overlap_iterations:
+                    rp.forward_backward_hook = OverlappedForwardBackward(
+                        lambda: self._run.in_training_step and self._run.overlap,
+                        self._pipeline_failed,
+                    )
         except BaseException:
             self._close_roundpipe()
             raise
@@ -327,7 +331,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         object.__setattr__(lm, "roundpipe", rp)
 
     @property
-    def roundpipe(self) -> RoundPipe:
+    def roundpipe(self) -> RoundPipe | AutoRoundPipe:
         """The RoundPipe of the current run (after setup)."""
         if self._rp is None:
             raise RuntimeError(
@@ -378,8 +382,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         super().on_train_start()
         self._run.overlap = False
         lm = self.lightning_module
-        if not self.overlap_iterations or self._rp is None or lm is None:
-            return
+        if not self.overlap_iterations or not isinstance(self._rp, RoundPipe) or lm is None:
+            return  # (an AutoRoundPipe has no forward_backward to overlap)
         reason = overlap_blocker(
             lm.trainer,
             self.async_step,
@@ -387,8 +391,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self._loss_scaler is not None,
             self._rp.has_grad_hooks,
         )
-        if reason is not None:
-            log.info("RoundPipeStrategy(overlap_iterations=True) runs blocking: %s", reason)
+        if reason is not None and self.async_step:  # async_step=False: blocking by definition
+            rank_zero_info(f"RoundPipeStrategy(overlap_iterations=True) runs blocking: {reason}")
         self._run.overlap = reason is None
 
     @override
@@ -546,8 +550,9 @@ class RoundPipeStrategy(CheckpointingStrategy):
                 raise
             log.debug("RoundPipe.close() after a failure raised: %r", exc)
         finally:
-            rp.loss_multiplier = None
-            rp.forward_backward_hook = None
+            if isinstance(rp, RoundPipe):
+                rp.loss_multiplier = None
+                rp.forward_backward_hook = None
             lm = self.lightning_module
             if lm is not None and lm.__dict__.get("roundpipe") is rp:
                 object.__delattr__(lm, "roundpipe")

@@ -89,10 +89,10 @@ def causal_lm_loss(
         Scalar loss.
 
     Note:
-        ``forward_backward`` sums the per-microbatch losses. Passing this
-        function directly as ``loss_fn`` therefore gives the *sum of the
-        microbatch means*, which is not HF's loss of the whole batch (the
-        microbatches hold different numbers of counted tokens). Use
+        Passed directly as ``loss_fn``, ``forward_backward`` gives the *sum of the
+        microbatch means* (``loss_reduction="sum"``) or their row-weighted mean
+        (``"mean"``), neither of which is HF's loss of the whole batch when the
+        microbatches hold different numbers of counted tokens. Use
         :func:`causal_lm_loss_fn` to get HF's loss exactly.
     """
     logits = _logits_of(output).float()
@@ -117,6 +117,10 @@ class CausalLMLossFn:
     microbatches is exactly the mean over all counted tokens -- the value
     ``hf_model(..., labels=labels).loss`` returns, and the gradient it gives.
     """
+
+    #: its losses are shares of the whole batch's: ``forward_backward(loss_reduction="mean")``
+    #: adds them up like ``"sum"`` instead of weighting them by microbatch rows again
+    batch_normalized = True
 
     def __init__(self, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> None:
         self.ignore_index = ignore_index

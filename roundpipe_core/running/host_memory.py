@@ -397,7 +397,9 @@ def estimate_host_memory(
         optimizer_state = states * master_numel_bytes
 
     pinned = worker_copies = activations = 0
-    if pairs is not None:
+    # a RoundPipe's pool side; an AutoRoundPipe's units plan their calls each on their own
+    # (no one plan to read): its budget counts weights, masters and optimizer state only
+    if pairs is not None and callable(getattr(type(model), "num_microbatch_for", None)):
         rp: Any = model
         run_plan = plan
         if run_plan is None:

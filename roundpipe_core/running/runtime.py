@@ -70,6 +70,7 @@ class PipelineRun:
         rule_checker: Any = None,
         autocast: AutocastState | None = None,
         loss_scale: float = 1.0,
+        loss_weights: list[float] | None = None,
         rng_base: int = 0,
         weights: WeightGate | None = None,
         reader: Any = None,
@@ -84,13 +85,12 @@ class PipelineRun:
         self.recompute_grain = recompute_grain
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale  # multiplies each loss before its backward only
+        self.loss_weights = loss_weights  # per microbatch: its loss, returned and backpropagated
         self.labels = labels or []
         self.return_outputs = return_outputs
         self.input_needs_grad = input_needs_grad
         self.grads_done = grads_done
-        self.rule_checker = (
-            rule_checker  # checks.ForwardRuleChecker: watches each layer's first forward
-        )
+        self.rule_checker = rule_checker  # checks.ForwardRuleChecker: layers' first forwards
         self.store = RecomputeStore()
         # layers passed to rule_checker so far, by any run: it checks each layer on its
         # first forward only, so later forwards need not go through it (and its lock)
@@ -438,11 +438,11 @@ def _fused_microbatch(
             with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
                 loss = run.loss_fn(x, label)
             parts = _loss_parts(loss)
+            if run.loss_weights is not None:  # loss_reduction="mean": the microbatch's share
+                parts = [p * run.loss_weights[mb] for p in parts]
             t0 = worker.time_point()
             total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-            if run.loss_scale != 1.0:
-                total = total * run.loss_scale
-            total.backward()
+            (total * run.loss_scale if run.loss_scale != 1.0 else total).backward()
             clock.span("bwd", r, t0)
             host = worker.copy_out([p.detach() for p in parts])
             run.losses[mb] = type(loss)(host) if isinstance(loss, (tuple, list)) else host[0]

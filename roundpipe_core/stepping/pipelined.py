@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -46,7 +47,14 @@ from .masters import MasterWeights
 from .stepper import Stepper
 from .versions import PublicationGate, WeightVersions, _Reader
 
-__all__ = ["GradBuffer", "PendingResult", "PipelinedRuns", "WeightVersions", "assemble_result"]
+__all__ = [
+    "GradBuffer",
+    "PendingResult",
+    "PipelinedRuns",
+    "RunFinisher",
+    "WeightVersions",
+    "assemble_result",
+]
 
 
 class GradBuffer:
@@ -476,3 +484,31 @@ class PipelinedRuns:
         return assemble_result(
             r.cfg, r.run.losses, r.run.outputs, r.num_microbatch, r.return_outputs
         )
+
+
+class RunFinisher:
+    """Completion of a pipelined run (on the thread of its last worker): timings and
+    schedule records (``rp._pipelined_call_done``), failure bookkeeping. Holds its
+    RoundPipe weakly, so a run in flight does not keep a dropped RoundPipe alive."""
+
+    def __init__(
+        self,
+        rp: Any,
+        jobs: list[Any],
+        timer: DeferredTimer,
+        t0: float,
+        extent: tuple[int, int],
+    ) -> None:
+        self._rp = weakref.ref(rp)
+        self._steps = rp._steps
+        self.jobs, self.timer, self.t0 = jobs, timer, t0
+        self.extent = extent  # the call's (samples, tokens)
+
+    def __call__(self, p: PendingResult) -> None:
+        run = p.run
+        rp = self._rp()
+        if rp is not None:
+            rp._pipelined_call_done(p, self.jobs, self.timer, self.t0, self.extent)
+        p.job_spans = list(run.job_spans)
+        run.drop_activations()  # the handle keeps losses and outputs only
+        self._steps.call_ended(p)  # its weight readers released, its error reported

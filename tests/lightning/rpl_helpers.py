@@ -105,10 +105,10 @@ class SeqModule(L.LightningModule):
         return self.net
 
     def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        # Sum over the microbatch / full batch size: the per-microbatch losses add up to
-        # the batch mean, the same objective as the plain run.
-        scale = BATCH * (self.hparams.accumulate if not self.automatic_optimization else 1)
-        return ((out.float() - y.float()) ** 2).sum() / scale
+        # A batch mean, as in plain Lightning: RoundPipeStrategy's loss_reduction="mean"
+        # weights each microbatch's mean by its share of the batch.
+        scale = self.hparams.accumulate if not self.automatic_optimization else 1
+        return ((out.float() - y.float()) ** 2).sum(-1).mean() / scale
 
     def _loss_and_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mode = self.hparams.mode
@@ -201,9 +201,7 @@ class TinyLM(L.LightningModule):
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / (
-            BATCH * SEQ
-        )
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -4,6 +4,7 @@ the errors a user can cause."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,13 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from rpl_helpers import IN_DIM, OUT_DIM, build_net
 from torch import nn
 
 from roundpipe_core import RoundPipe
 from roundpipe_lightning import RoundPipeFabricStrategy
 from roundpipe_lightning.checkpoint_io import CHECKPOINT_KEY
-
-from rpl_helpers import IN_DIM, OUT_DIM, build_net
 
 BATCH = 10  # over 3 microbatches: 4, 3, 3 (uneven)
 STEPS = 4
@@ -35,8 +35,8 @@ def _data(steps: int = STEPS, seed: int = 1) -> list[tuple[torch.Tensor, torch.T
 
 
 def sum_normalised_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Each microbatch's squared error over the full batch's element count: the
-    microbatch losses add up to the batch's ``F.mse_loss``."""
+    """Each microbatch's squared error over the full batch's element count: under
+    ``loss_reduction="sum"`` the microbatch losses add up to the batch's ``F.mse_loss``."""
     return ((out - y) ** 2).sum() / (BATCH * OUT_DIM)
 
 
@@ -71,12 +71,16 @@ def _plain_weights(kind: str, data: list, seed: int = 0) -> dict[str, torch.Tens
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
-def _train(model: Any, opt: Any, fabric: Fabric, data: list, mode: str) -> list[float]:
+def _train(
+    model: Any, opt: Any, fabric: Fabric, data: list, mode: str, loss_fn: Any = F.mse_loss
+) -> list[float]:
+    """Plain Fabric's loop; ``forward_backward`` with a batch-mean ``loss_fn`` (the
+    strategy's default ``loss_reduction="mean"``) or ``model(x)`` + ``fabric.backward``."""
     losses = []
     for x, y in data:
         opt.zero_grad()
         if mode == "forward_backward":
-            loss = model.forward_backward(input_args=(x,), label=y, loss_fn=sum_normalised_mse)
+            loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
         else:
             loss = F.mse_loss(model(x), y)
             fabric.backward(loss)
@@ -125,7 +129,7 @@ def test_setup_gives_the_roundpipe_calls_and_points_the_optimizer_at_the_masters
     assert model.state_dict().keys() == build_net().state_dict().keys()
 
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    model.forward_backward(input_args=(x,), label=y, loss_fn=sum_normalised_mse)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
     assert all(m.grad is not None for m in rp.optim_parameters())
     opt.step()
     assert all(m.grad is None for m in rp.optim_parameters())  # the step cleared them
@@ -166,6 +170,18 @@ def test_training_gives_plain_fabrics_weights(kind: str, mode: str, teardown) ->
     _assert_same(net.state_dict(), want, 1e-5)
 
 
+def test_the_published_sum_is_one_argument_away(teardown) -> None:
+    data = _data()
+    want = _plain_weights("sgd", data)
+    fabric = _fabric(loss_reduction="sum")
+    teardown(fabric)
+    net = build_net()
+    model, opt = fabric.setup(net, _optimizer("sgd", net.parameters()))
+    _train(model, opt, fabric, data, "forward_backward", loss_fn=sum_normalised_mse)
+    model.synchronize()
+    _assert_same(net.state_dict(), want, 1e-5)
+
+
 def test_zero_grad_without_a_step_discards_the_gradients(teardown) -> None:
     data = _data(2)
     want = _plain_weights("sgd", data[1:])  # only the second batch's gradients count
@@ -174,10 +190,44 @@ def test_zero_grad_without_a_step_discards_the_gradients(teardown) -> None:
     net = build_net()
     model, opt = fabric.setup(net, _optimizer("sgd", net.parameters()))
     (x0, y0), (x1, y1) = data
-    model.forward_backward(input_args=(x0,), label=y0, loss_fn=sum_normalised_mse)
+    model.forward_backward(input_args=(x0,), label=y0, loss_fn=F.mse_loss)
     opt.zero_grad()  # nothing queued will clear these: cleared now
-    model.forward_backward(input_args=(x1,), label=y1, loss_fn=sum_normalised_mse)
+    model.forward_backward(input_args=(x1,), label=y1, loss_fn=F.mse_loss)
     opt.step()
+    model.synchronize()
+    _assert_same(net.state_dict(), want, 1e-5)
+
+
+class _GatedSGD(torch.optim.SGD):
+    """An SGD whose step waits until the test opens the gate: a queued step still in
+    flight while the training loop goes on."""
+
+    gate = threading.Event()
+
+    def step(self, closure: Any = None) -> Any:
+        assert self.gate.wait(timeout=20), "the test never opened the gate"
+        return super().step(closure)
+
+
+def test_zero_grad_while_a_queued_step_waits_leaves_its_gradients(teardown) -> None:
+    """``opt.zero_grad()`` right after ``opt.step()`` -- through Fabric's optimizer wrapper,
+    which calls the class's ``zero_grad`` -- must not clear the gradients the queued step
+    has not read yet."""
+    data = _data(1)
+    want = _plain_weights("sgd", data)
+    fabric = _fabric(async_step=True)
+    teardown(fabric)
+    net = build_net()
+    model, opt = fabric.setup(net, _GatedSGD(net.parameters(), lr=0.05, momentum=0.9))
+    _GatedSGD.gate.clear()
+    try:
+        ((x, y),) = data
+        model.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        opt.step()  # queued on the optimizer thread, waiting at the gate
+        opt.zero_grad()
+        assert all(m.grad is not None for m in model.roundpipe.optim_parameters())
+    finally:
+        _GatedSGD.gate.set()
     model.synchronize()
     _assert_same(net.state_dict(), want, 1e-5)
 
@@ -191,7 +241,7 @@ def test_backward_of_a_forward_backward_loss_does_nothing(teardown) -> None:
     net = build_net()
     model, _ = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     x, y = _data(1)[0]
-    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=sum_normalised_mse)
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
     grads = [m.grad.clone() for m in model.roundpipe.optim_parameters()]
     fabric.backward(loss)  # already backpropagated: not a second time
     assert all(torch.equal(g, m.grad) for g, m in zip(grads, model.roundpipe.optim_parameters()))
@@ -224,11 +274,15 @@ def test_backward_of_a_loss_from_the_unwrapped_network_is_refused(teardown) -> N
 
 
 def _resume_run(
-    tmp_path: Path, make_net: Callable[[], nn.Module], kind: str, **strategy_kw: Any
+    tmp_path: Path,
+    make_net: Callable[[], nn.Module],
+    kind: str,
+    dtype: torch.dtype = torch.float32,
+    **strategy_kw: Any,
 ) -> None:
     """Train 2 steps, save, train 3 more; a fresh run (another init) that loads the file
     and trains the same 3 steps ends with exactly the same weights and optimizer state."""
-    data = _data(5)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in _data(5)]
     path = tmp_path / "ckpt.pt"
 
     fabric = _fabric(**strategy_kw)
@@ -271,7 +325,7 @@ def test_save_and_load_continue_exactly(tmp_path: Path, async_step: bool) -> Non
 
 
 def test_fp32_masters_of_a_bf16_module_are_saved_and_restored(tmp_path: Path) -> None:
-    _resume_run(tmp_path, lambda: build_net().to(torch.bfloat16), "sgd")
+    _resume_run(tmp_path, lambda: build_net().to(torch.bfloat16), "sgd", torch.bfloat16)
     sections = torch.load(tmp_path / "ckpt.pt", weights_only=True)[CHECKPOINT_KEY]
     masters = sections["model"]["masters"]
     assert masters and all(m.dtype == torch.float32 for m in masters.values())
@@ -315,7 +369,11 @@ def test_a_plain_fabric_checkpoint_loads_into_roundpipe(tmp_path: Path, teardown
         ({"recompute_grain": "block"}, ValueError, "recompute_grain must be one of"),
         ({"optim_dtype": "int8"}, ValueError, "optim_dtype='int8'"),
         ({"execute_plan": 3}, TypeError, "execute_plan must be None or 'auto'"),
-        ({"model_run_config": {}}, TypeError, "model_run_config must be None or a RoundPipeRunConfig"),
+        (
+            {"model_run_config": {}},
+            TypeError,
+            "model_run_config must be None or a RoundPipeRunConfig",
+        ),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict, error: type, match: str) -> None:
@@ -326,7 +384,7 @@ def test_bad_arguments_are_named(kwargs: dict, error: type, match: str) -> None:
 def test_unsupported_precision_is_refused_before_anything_is_built() -> None:
     fabric = Fabric(strategy="roundpipe", accelerator="cpu", devices=2, precision="bf16-true")
     net = build_net()
-    with pytest.raises(ValueError, match="'32-true' or 'bf16-mixed'.*net.to"):
+    with pytest.raises(ValueError, match=r"precision='32-true'\) or 'bf16-mixed'.*net\.to"):
         fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     assert not hasattr(net, "forward_backward")
 
@@ -335,10 +393,12 @@ def test_several_processes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # what torchrun --nproc-per-node 2 sets: Fabric picks its TorchElastic environment
     env = {"RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
     env.update({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"})
+    env["TORCHELASTIC_RUN_ID"] = "test"
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     fabric = Fabric(strategy="roundpipe", accelerator="cpu", devices=2)
     net = build_net()
+    assert type(fabric.strategy.cluster_environment).__name__ == "TorchElasticEnvironment"
     with pytest.raises(ValueError, match="one process.*2 processes.*without torchrun"):
         fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
 
@@ -362,7 +422,7 @@ def test_lbfgs_and_a_step_closure_are_refused(teardown) -> None:
         fabric.setup_optimizers(torch.optim.LBFGS(net.parameters()))
     opt = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=0.1))
     x, y = _data(1)[0]
-    model.forward_backward(input_args=(x,), label=y, loss_fn=sum_normalised_mse)
+    model.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
     with pytest.raises(TypeError, match="closure"):
         opt.step(closure=lambda: 0.0)
 

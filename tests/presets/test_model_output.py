@@ -58,10 +58,12 @@ def test_labels_give_hf_loss_and_grads(kind: str, return_logits: bool) -> None:
         rp.close()
 
 
+@pytest.mark.parametrize("loss_reduction", ["sum", "mean"])
 @pytest.mark.parametrize("return_logits", [True, False])
-def test_num_items_in_batch_with_forward_backward(return_logits: bool) -> None:
+def test_num_items_in_batch_with_forward_backward(return_logits: bool, loss_reduction: str) -> None:
     """Upstream's pattern: labels and num_items_in_batch (the whole batch's tokens) as inputs,
-    loss_fn = the output's loss; the microbatch losses sum to HF's loss of the batch."""
+    loss_fn = the output's loss; the microbatch losses sum to HF's loss of the batch, under
+    either loss_reduction (model_output_loss is batch-normalised: "mean" leaves it alone)."""
     model = make_model("qwen3")
     ids, mask, labels = make_batch(padding="right")
     n = count_label_tokens(labels)
@@ -80,6 +82,7 @@ def test_num_items_in_batch_with_forward_backward(return_logits: bool) -> None:
                 "return_logits": return_logits,
             },
             loss_fn=model_output_loss,
+            loss_reduction=loss_reduction,
         )
         assert abs(loss.item() - ref.loss.item()) <= RTOL * ref.loss.item()
         assert_grads(rp, model, ref_grads, f"forward_backward/return_logits={return_logits}")

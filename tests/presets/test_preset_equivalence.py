@@ -188,3 +188,26 @@ def test_plain_loss_is_mean_per_microbatch() -> None:
         assert abs(loss.item() - expect.item()) <= RTOL * expect.item()
     finally:
         rp.close()
+
+
+@pytest.mark.parametrize("loss_reduction", ["sum", "mean"])
+def test_causal_lm_loss_fn_is_hf_loss_under_both_reductions(loss_reduction: str) -> None:
+    """causal_lm_loss_fn divides by the whole batch's token count (batch-normalised):
+    "mean" must not weight its microbatch losses by rows a second time."""
+    model = make_model("llama")
+    ids, mask, labels = make_batch(padding="right")
+    _, ref_loss, ref_grads = hf_reference(model, ids, mask, labels)
+    rp = wrap_model_to_roundpipe(
+        model, devices=2, model_run_config=RoundPipeRunConfig(num_microbatch=4)
+    )
+    try:
+        rp.loss_reduction = loss_reduction
+        loss = rp.forward_backward(
+            input_kwargs={"input_ids": ids, "attention_mask": mask},
+            label=labels,
+            loss_fn=causal_lm_loss_fn(labels),
+        )
+        assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
+        assert_grads_match(rp, model, ref_grads, f"causal_lm_loss_fn/{loss_reduction}")
+    finally:
+        rp.close()
