@@ -60,8 +60,10 @@ def teardown() -> Any:
         fabric.strategy.teardown()
 
 
-def _plain_weights(kind: str, data: list, seed: int = 0) -> dict[str, torch.Tensor]:
-    fabric = Fabric(accelerator="cpu", devices=1)
+def _plain_weights(
+    kind: str, data: list, seed: int = 0, precision: Any = "32-true"
+) -> dict[str, torch.Tensor]:
+    fabric = Fabric(accelerator="cpu", devices=1, precision=precision)
     net = build_net(seed)
     model, opt = fabric.setup(net, _optimizer(kind, net.parameters()))
     for x, y in data:
@@ -168,6 +170,73 @@ def test_training_gives_plain_fabrics_weights(kind: str, mode: str, teardown) ->
     _train(model, opt, fabric, data, mode)
     model.synchronize()
     _assert_same(net.state_dict(), want, 1e-5)
+
+
+def _plain_output(precision: str, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any]:
+    fabric = Fabric(accelerator="cpu", devices=1, precision=precision)
+    model = fabric.setup(build_net())
+    with torch.no_grad():
+        out = model(x)
+    return out, F.mse_loss(out, y)
+
+
+def test_bf16_mixed_runs_the_layers_under_autocast(teardown) -> None:
+    ((x, y),) = _data(1)
+    want_out, want_loss = _plain_output("bf16-mixed", x, y)
+    fp32_out, fp32_loss = _plain_output("32-true", x, y)
+    assert (want_out - fp32_out).abs().max() > 5e-4  # bf16 rounding shows at this size
+    fabric = Fabric(
+        strategy=RoundPipeFabricStrategy(num_microbatch=3),
+        accelerator="cpu",
+        devices=2,
+        precision="bf16-mixed",
+    )
+    teardown(fabric)
+    net = build_net()
+    model, opt = fabric.setup(net, _optimizer("sgd", net.parameters()))
+    with torch.no_grad():
+        out = model(x)
+    assert out.dtype == torch.float32  # Fabric's output conversion
+    assert (out - want_out).abs().max() < 1e-4  # plain bf16-mixed's numbers, not fp32's
+    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    assert abs(float(loss) - float(want_loss)) < abs(float(want_loss) - float(fp32_loss)) / 4
+    opt.step()
+
+
+def test_a_module_that_is_not_a_sequential_runs_split_automatically(teardown) -> None:
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp, self.mid, self.out = (
+                nn.Linear(IN_DIM, 16),
+                nn.Linear(16, 16),
+                nn.Linear(16, OUT_DIM),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.inp(x))
+            return self.out(h + torch.tanh(self.mid(h)))
+
+    data = _data(2)
+    plain = Fabric(accelerator="cpu", devices=1)
+    ref_net = Residual()
+    ref, ref_opt = plain.setup(ref_net, torch.optim.SGD(ref_net.parameters(), lr=0.1))
+    for x, y in data:
+        ref_opt.zero_grad()
+        plain.backward(F.mse_loss(ref(x), y))
+        ref_opt.step()
+
+    fabric = _fabric()
+    teardown(fabric)
+    net = Residual()
+    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x, y = data[0]
+    with pytest.raises(TypeError, match=r"no forward_backward.*fabric\.backward\(loss\)"):
+        model.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+    _train(model, opt, fabric, data, "forward")
+    model.synchronize()
+    _assert_same(net.state_dict(), ref_net.state_dict(), 1e-5)
 
 
 def test_the_published_sum_is_one_argument_away(teardown) -> None:
