@@ -86,14 +86,24 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
     One process drives the whole pool (Fabric's ``devices``: N CPU workers or N GPUs), so
     it is a single-device strategy to Fabric: ``fabric.launch()`` is optional.
 
+    The RoundPipe arguments are :class:`~roundpipe_lightning.RoundPipeStrategy`'s, with
+    the same meanings and defaults.
+
     Args:
-        loss_reduction, num_microbatch, execute_plan, optim_dtype, pin_model, async_step, fuse_optimizer,
-            recompute_grain, preserve_rng_state, model_run_config: as for
-            :class:`~roundpipe_lightning.RoundPipeStrategy`, with the same defaults:
-            ``loss_reduction="mean"`` (a ``loss_fn`` returning a batch mean gives plain
-            Fabric's loss and gradients for any microbatch count; ``"sum"``: the published
-            sum of microbatch losses), ``async_step=None`` (synchronous on CPU workers,
-            asynchronous on GPUs).
+        loss_reduction: ``"mean"`` (default): a ``loss_fn`` returning a batch mean gives
+            plain Fabric's loss and gradients for any microbatch count; ``"sum"``: the
+            published sum of the microbatch losses.
+        num_microbatch: microbatches per pipelined call (default: devices + 1).
+        execute_plan: the plan of ``forward_backward`` (``None``, ``"auto"``, a layout
+            string, a dict of ``from_layout`` arguments or a ``ModelExecutePlan``).
+        optim_dtype: dtype of the master weights (default fp32; a name works too).
+        pin_model: host memory of the parameters on CUDA ("alloc", "register", "off").
+        async_step: overlap the step with the next iteration (one step stale); ``None``
+            (default): ``True`` on GPUs, ``False`` on CPU workers.
+        fuse_optimizer: switch Adam, AdamW, SGD, Adagrad to torch's fused CPU kernel.
+        recompute_grain: "stage" or "layer" (None: the engine's default).
+        preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
+        model_run_config: further ``RoundPipeRunConfig`` defaults.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.

@@ -426,6 +426,48 @@ def test_a_plain_fabric_checkpoint_loads_into_roundpipe(tmp_path: Path, teardown
     _assert_same(net.state_dict(), want, 1e-5)
 
 
+def test_a_roundpipe_checkpoint_loads_into_plain_fabric(tmp_path: Path, teardown) -> None:
+    fabric = _fabric()
+    teardown(fabric)
+    net = build_net()
+    model, opt = fabric.setup(net, _optimizer("adamw", net.parameters()))
+    _train(model, opt, fabric, _data(2), "forward_backward")
+    fabric.save(tmp_path / "rp.pt", {"model": model, "optimizer": opt})
+    model.synchronize()
+
+    plain = Fabric(accelerator="cpu", devices=1)
+    other = build_net(seed=3)
+    pmodel, popt = plain.setup(other, _optimizer("adamw", other.parameters()))
+    remainder = plain.load(tmp_path / "rp.pt", {"model": pmodel, "optimizer": popt})
+    assert set(remainder) == {CHECKPOINT_KEY}
+    for k, v in net.state_dict().items():
+        assert torch.equal(other.state_dict()[k], v), k
+    assert popt.state_dict()["state"][0]["exp_avg"].shape == net[0].weight.shape
+
+
+def test_clip_gradients_clips_the_masters_as_plain_fabric(teardown) -> None:
+    data = _data(3)
+    plain = Fabric(accelerator="cpu", devices=1)
+    ref_net = build_net()
+    ref, ref_opt = plain.setup(ref_net, _optimizer("sgd", ref_net.parameters()))
+    fabric = _fabric()
+    teardown(fabric)
+    net = build_net()
+    model, opt = fabric.setup(net, _optimizer("sgd", net.parameters()))
+    for x, y in data:
+        plain.backward(F.mse_loss(ref(x), y))
+        want = plain.clip_gradients(ref, ref_opt, max_norm=0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model.forward_backward(input_args=(x,), label=y, loss_fn=F.mse_loss)
+        norm = fabric.clip_gradients(model, opt, max_norm=0.05)
+        assert torch.allclose(norm, want, rtol=1e-5)
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    _assert_same(net.state_dict(), ref_net.state_dict(), 1e-5)
+
+
 # -- errors a user can cause -------------------------------------------------------------
 
 
