@@ -73,6 +73,18 @@ log = logging.getLogger(__name__)
 _OWNER = "RoundPipeFabricStrategy"
 
 
+def _check_precision(plugin: Precision) -> None:
+    """Refuse a Fabric precision plugin the strategy does not run."""
+    mixed_bf16 = isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
+    if type(plugin) is not Precision and not mixed_bf16:
+        name = getattr(plugin, "precision", type(plugin).__name__)
+        raise ValueError(
+            f"{_OWNER} runs Fabric(precision='32-true') or 'bf16-mixed', got {name!r}. For "
+            "half-precision weights, cast the module yourself (net.to(torch.bfloat16)) and keep "
+            "'32-true': the optimizer then updates fp32 master copies (optim_dtype)."
+        )
+
+
 def _env_world_size() -> int:
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
@@ -212,19 +224,22 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         self._checkpoint_io = io
 
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, plugin: Precision | None) -> None:
+        # checked when Fabric(...) hands it over, before anything (the module) is converted
+        if plugin is not None:
+            _check_precision(plugin)
+        self._precision = plugin
+
     def _check_run(self) -> None:
         """Refuse what this strategy cannot run, once, before the first module is built."""
         if self._checked:
             return
-        plugin = self.precision
-        mixed_bf16 = isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
-        if type(plugin) is not Precision and not mixed_bf16:
-            name = getattr(plugin, "precision", type(plugin).__name__)
-            raise ValueError(
-                f"{_OWNER} runs Fabric(precision='32-true') or 'bf16-mixed', got {name!r}. For "
-                "half-precision weights, cast the module yourself (net.to(torch.bfloat16)) and keep "
-                "'32-true': the optimizer then updates fp32 master copies (optim_dtype)."
-            )
         env = self.cluster_environment
         # torchrun / SLURM environments know the process count; a launch by environment
         # variables alone (LightningEnvironment) shows it in WORLD_SIZE

@@ -492,12 +492,10 @@ def test_bad_arguments_are_named(kwargs: dict, error: type, match: str) -> None:
         RoundPipeFabricStrategy(**kwargs)
 
 
-def test_unsupported_precision_is_refused_before_anything_is_built() -> None:
-    fabric = Fabric(strategy="roundpipe", accelerator="cpu", devices=2, precision="bf16-true")
-    net = build_net()
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_unsupported_precision_is_refused_when_fabric_is_made(precision: str) -> None:
     with pytest.raises(ValueError, match=r"precision='32-true'\) or 'bf16-mixed'.*net\.to"):
-        fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    assert not hasattr(net, "forward_backward")
+        Fabric(strategy="roundpipe", accelerator="cpu", devices=2, precision=precision)
 
 
 def test_several_processes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
