@@ -12,6 +12,9 @@ as bypassing the strategy -- these calls *are* the strategy's path):
 * ``synchronize()``: ``RoundPipe.synchronize`` (the module's weights are then current);
 * ``roundpipe``: the RoundPipe itself (plans, timer, ``last_trace()``).
 
+and its ``state_dict()`` synchronizes first (a state-dict pre-hook), so it holds the
+weights of every step queued so far.
+
 They are removed again at the strategy's ``teardown()``.
 
 Gradients: the optimizer steps the fp32 master copies, and its step, queued on
@@ -103,6 +106,12 @@ class FabricRun:
         @functools.wraps(rp.synchronize)
         def synchronize() -> None:
             rp.synchronize()
+
+        # ``model.state_dict()`` / ``net.state_dict()`` hold the weights of every step queued
+        # so far (with async_step=True the module's own tensors lag one step behind)
+        self._state_dict_hook = module.register_state_dict_pre_hook(
+            lambda *_args, **_kwargs: rp.synchronize()
+        )
 
         for name, value in zip(CALLS, (forward_backward, synchronize, rp)):
             # not nn.Module.__setattr__: the RoundPipe must not become a submodule (its
@@ -213,6 +222,7 @@ class FabricRun:
     def close(self) -> None:
         """Finish what is in flight, stop the RoundPipe's threads, take the installed
         calls off the module and give the optimizers their own ``zero_grad`` back."""
+        self._state_dict_hook.remove()
         try:
             self.rp.close()
         finally:

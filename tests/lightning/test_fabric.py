@@ -251,6 +251,34 @@ def test_the_published_sum_is_one_argument_away(teardown) -> None:
     _assert_same(net.state_dict(), want, 1e-5)
 
 
+def test_default_arguments_and_the_name_give_plain_fabrics_weights(teardown) -> None:
+    """Fabric(strategy="roundpipe") as a user writes it: default arguments (3 devices: 4
+    microbatches, 3, 3, 2, 2 rows of a batch of 10), launch(), a batch-mean loss."""
+    data = _data()
+    want = _plain_weights("adamw", data)
+    fabric = Fabric(strategy="roundpipe", accelerator="cpu", devices=3)
+    teardown(fabric)
+    fabric.launch()
+    net = build_net()
+    model, opt = fabric.setup(net, _optimizer("adamw", net.parameters()))
+    losses = _train(model, opt, fabric, data, "forward_backward")
+    assert all(isinstance(v, float) for v in losses)
+    _assert_same(model.state_dict(), want, 1e-5)  # state_dict() synchronizes
+
+
+def test_state_dict_holds_the_last_queued_step(teardown) -> None:
+    fabric = _fabric(async_step=True)
+    teardown(fabric)
+    net = build_net()
+    model, opt = fabric.setup(net, _optimizer("sgd", net.parameters()))
+    _train(model, opt, fabric, _data(2), "forward_backward")
+    state = net.state_dict()  # no synchronize() first: the pre-hook does it
+    masters = dict(model.roundpipe.optim_named_parameters())
+    assert masters["0.weight"] is not net[0].weight
+    for name, m in masters.items():
+        assert torch.equal(state[name], m), name
+
+
 def test_zero_grad_without_a_step_discards_the_gradients(teardown) -> None:
     data = _data(2)
     want = _plain_weights("sgd", data[1:])  # only the second batch's gradients count
