@@ -1,11 +1,19 @@
-"""RoundPipe for PyTorch Lightning: ``Trainer(strategy=RoundPipeStrategy())``.
+"""RoundPipe for PyTorch Lightning: ``Trainer(strategy=RoundPipeStrategy())`` and
+``Fabric(strategy=RoundPipeFabricStrategy())``.
 
-Importing this package also registers the strategy name ``"roundpipe"``
-(``Trainer(strategy="roundpipe")``).
+Importing this package also registers the strategy name ``"roundpipe"`` with both
+(``Trainer(strategy="roundpipe")``, ``Fabric(strategy="roundpipe")``).
 """
 
 from .callbacks import AutoReplan, StageTimeLogger
+from .fabric import RoundPipeFabricStrategy
 from .precision import RoundPipePrecision
 from .strategy import RoundPipeStrategy
 
-__all__ = ["RoundPipeStrategy", "RoundPipePrecision", "AutoReplan", "StageTimeLogger"]
+__all__ = [
+    "RoundPipeStrategy",
+    "RoundPipeFabricStrategy",
+    "RoundPipePrecision",
+    "AutoReplan",
+    "StageTimeLogger",
+]

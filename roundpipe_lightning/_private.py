@@ -25,6 +25,8 @@ __all__ = [
     "make_wrapper_tensor",
     "mark_lr_scheduler_step_called",
     "op_is_mutable",
+    "optimizer_view",
+    "replace_zero_grad",
     "restore_zero_grad",
     "uncount_saved_steps",
 ]
@@ -111,16 +113,53 @@ def defer_zero_grad(optimizer: Optimizer) -> Callable[..., None]:
     manual ``zero_grad()`` would race with a step still running on the optimizer
     thread. The queued RoundPipe step calls the real one right after its update.
     """
-    real = optimizer.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
         """Deferred by RoundPipeStrategy: the RoundPipe step clears the gradients."""
 
+    return replace_zero_grad(optimizer, zero_grad)
+
+
+def replace_zero_grad(optimizer: Optimizer, zero_grad: Callable[..., None]) -> Callable[..., None]:
+    """Make ``optimizer.zero_grad`` (on this instance) ``zero_grad``; returns the one it
+    had. The Fabric strategy's ``zero_grad`` clears the master gradients only when no
+    step queued on the optimizer thread will clear them (and waits for that thread
+    first), for the same reasons as :func:`defer_zero_grad`."""
+    real = optimizer.zero_grad
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
     return real
 
 
+def optimizer_view(optimizer: Optimizer, zero_grad: Callable[..., None]) -> Optimizer:
+    """The optimizer as Fabric's wrapper should see it: an object of a subclass of its
+    class that shares its ``__dict__`` (param groups, state, hooks: one optimizer) and
+    whose ``zero_grad`` is ``zero_grad``.
+
+    Fabric's ``_FabricOptimizer`` takes the class of the optimizer it wraps as a base
+    and finds ``zero_grad`` on that class, so an instance-level ``zero_grad`` (as
+    :func:`replace_zero_grad` sets) is never reached through it, and the real one would
+    clear the master gradients while a queued step reads them. The user's object keeps
+    its class; the view is what ``fabric.setup()`` returns wrapped.
+    """
+    cls = type(optimizer)
+
+    def view_zero_grad(self: Any, set_to_none: bool = True) -> None:
+        # through Fabric's wrapper ``self`` is the wrapper, whose attribute lookups fall
+        # through to the view: the shared __dict__'s policy is found either way
+        return self.roundpipe_zero_grad(set_to_none=set_to_none)
+
+    view_cls = type(cls.__name__, (cls,), {"zero_grad": view_zero_grad})
+    view_cls.__qualname__ = cls.__qualname__
+    view_cls.__module__ = cls.__module__
+    view: Optimizer = object.__new__(view_cls)
+    view.__dict__ = optimizer.__dict__  # the same dict object, not a copy
+    optimizer.roundpipe_zero_grad = zero_grad  # type: ignore[attr-defined]
+    return view
+
+
 def restore_zero_grad(optimizer: Optimizer) -> None:
-    """Undo :func:`defer_zero_grad` (at teardown)."""
+    """Undo :func:`defer_zero_grad`, :func:`replace_zero_grad` and the policy of
+    :func:`optimizer_view` (at teardown)."""
     if "zero_grad" in vars(optimizer):
         del optimizer.zero_grad
+    vars(optimizer).pop("roundpipe_zero_grad", None)

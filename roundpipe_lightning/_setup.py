@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from roundpipe_core import AutoRoundPipe, RoundPipe
+from roundpipe_core import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
 from roundpipe_core.autosplit import auto_wrap
 from roundpipe_core.optim import fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
@@ -25,6 +26,7 @@ from roundpipe_core.running.host_memory import (
 )
 
 from ._private import defer_zero_grad
+from .plans import resolve_execute_plan
 
 __all__ = [
     "trainer_of",
@@ -37,6 +39,9 @@ __all__ = [
     "check_pool_devices",
     "sequential_of",
     "adopt_optimizer",
+    "point_at_masters",
+    "build_roundpipe",
+    "network_of",
     "wrap_network",
     "fuse_optimizer",
     "host_memory_budget",
@@ -100,26 +105,29 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     )
 
 
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is a bool. No ``bool()`` coercion: ``"False"`` would become True."""
+def check_bool(name: str, value: Any, owner: str = "RoundPipeStrategy") -> bool:
+    """``value`` if it is a bool. No ``bool()`` coercion: ``"False"`` would become True.
+    ``owner`` (here and below) names the class whose argument it is, in the message."""
     if not isinstance(value, bool):
         raise TypeError(
-            f"RoundPipeStrategy({name}={value!r}): {name} must be True or False (a bool), got "
+            f"{owner}({name}={value!r}): {name} must be True or False (a bool), got "
             f"{type(value).__name__}; in YAML write true / false without quotes"
         )
     return value
 
 
-def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> Any:
+def check_choice(
+    name: str, value: Any, choices: tuple[Any, ...], owner: str = "RoundPipeStrategy"
+) -> Any:
     """``value`` if it is one of ``choices`` (a clear TypeError / ValueError otherwise)."""
     kinds = {type(c) for c in choices if c is not None}
     if value is not None and not isinstance(value, tuple(kinds)):
         raise TypeError(
-            f"RoundPipeStrategy({name}={value!r}): {name} must be one of {choices}, got "
+            f"{owner}({name}={value!r}): {name} must be one of {choices}, got "
             f"{type(value).__name__}"
         )
     if value not in choices:
-        raise ValueError(f"RoundPipeStrategy({name}={value!r}): {name} must be one of {choices}")
+        raise ValueError(f"{owner}({name}={value!r}): {name} must be one of {choices}")
     return value
 
 
@@ -162,11 +170,17 @@ def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
             "__init__, e.g. self.net = nn.Sequential(...), and return self.net) so that its weights "
             "are part of the module's state_dict and its checkpoints"
         )
+    return network_of(net, "configure_sequential() returned")
+
+
+def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
+    """``(network, original)`` of a module a strategy wraps: an ``nn.Sequential`` as it
+    is, a Hugging Face model a preset converts with that model as ``original``, any other
+    module as it is (:func:`wrap_network` splits it automatically). ``source`` starts the
+    error message ("configure_sequential() returned", "fabric.setup() got")."""
     if isinstance(net, nn.Sequential):
         if len(net) == 0:
-            raise ValueError(
-                "configure_sequential() returned an empty nn.Sequential; give it layers"
-            )
+            raise ValueError(f"{source} an empty nn.Sequential; give it layers")
         return net, None
     from roundpipe_core.presets import convert_to_sequential, find_preset, unwrap_peft
 
@@ -181,10 +195,15 @@ def wrap_network(
     loss_reduction: str,
     shared_masters: bool,
     execute_plan: Any = None,
+    source: str = "configure_sequential() returned",
+    owner: str = "RoundPipeStrategy",
+    loss_hint: str = "compute the loss from self.roundpipe(...) (e.g. "
+    "self.roundpipe(input_ids=x, labels=x).loss), Lightning backpropagates it",
     **common: Any,
 ) -> RoundPipe | AutoRoundPipe:
     """The RoundPipe of ``configure_sequential()``'s network (``common``: ``optim_dtype``,
-    ``name``, ``model_run_config``, ``pin_model``, ``devices``).
+    ``name``, ``model_run_config``, ``pin_model``, ``devices``). ``source``, ``owner`` and
+    ``loss_hint`` word the messages for the strategy that asks.
 
     An ``nn.Sequential`` (a preset's conversion included) is wrapped as it is. Any other
     module gets the automatic split, as ``wrap_model_to_roundpipe(use_sequential_preset=False)``
@@ -203,16 +222,16 @@ def wrap_network(
     rp = auto_wrap(net, **common)
     kind = type(net).__name__
     said = (
-        f"configure_sequential() returned a {kind}: not an nn.Sequential, and no preset converts "
+        f"{source} a {kind}: not an nn.Sequential, and no preset converts "
         "it, so RoundPipe splits it automatically (as wrap_model_to_roundpipe("
         "use_sequential_preset=False) does): "
     )
     if not isinstance(rp, RoundPipe) and execute_plan is not None:
         rp.close()
         raise ValueError(
-            f"RoundPipeStrategy(execute_plan=...) plans an nn.Sequential; the {kind} "
-            "configure_sequential() returned is split automatically into units (AutoRoundPipe), "
-            "which have no such plan. Drop execute_plan, or return an nn.Sequential."
+            f"{owner}(execute_plan=...) plans an nn.Sequential; the {kind} ({source} it) "
+            "is split automatically into units (AutoRoundPipe), which have no such plan. Drop "
+            "execute_plan, or give an nn.Sequential."
         )
     if isinstance(rp, RoundPipe):
         rp.loss_reduction = loss_reduction
@@ -220,25 +239,92 @@ def wrap_network(
         return rp
     rank_zero_warn(
         said + f"AutoRoundPipe, {len(rp.units)} units run on the device pool, the code between "
-        "them on the host. It is slower than a Sequential and has no forward_backward: compute "
-        "the loss from self.roundpipe(...) (e.g. self.roundpipe(input_ids=x, labels=x).loss), "
-        "Lightning backpropagates it. For full speed return an nn.Sequential of its layers, or "
+        f"them on the host. It is slower than a Sequential and has no forward_backward: {loss_hint}. "
+        "For full speed give an nn.Sequential of its layers, or "
         f"register a preset: roundpipe_core.presets.register_preset({kind!r}, "
         "lambda model: nn.Sequential(...)) (docs/add-a-preset.md)."
     )
     return rp
 
 
+def build_roundpipe(
+    net: nn.Module,
+    original: Any,
+    *,
+    name: str,
+    devices: list[torch.device],
+    model_run_config: RoundPipeRunConfig | None,
+    num_microbatch: int | None,
+    recompute_grain: str | None,
+    preserve_rng_state: bool,
+    optim_dtype: torch.dtype | None,
+    pin_model: str,
+    async_step: bool,
+    execute_plan: Any,
+    loss_reduction: str,
+    **wording: str,
+) -> RoundPipe | AutoRoundPipe:
+    """The RoundPipe a strategy trains: ``net`` (see :func:`wrap_network`; ``wording``: its
+    ``source`` / ``owner`` / ``loss_hint``) on a pool of ``devices`` (CPU workers or GPUs),
+    with the strategy's run-config defaults and its ``execute_plan`` set for
+    ``forward_backward``.
+
+    A synchronous step may update the weights in place, so with ``async_step=False`` the
+    parameters already in ``optim_dtype`` are their own masters (no separate fp32 copy).
+    """
+    cfg = model_run_config or RoundPipeRunConfig()
+    if num_microbatch is not None:
+        cfg = replace(cfg, num_microbatch=num_microbatch)
+    if recompute_grain is not None:
+        cfg = replace(cfg, recompute_grain=recompute_grain)
+    cfg = replace(cfg, preserve_rng_state=preserve_rng_state)
+    pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
+    rp = wrap_network(
+        net,
+        original,
+        loss_reduction,
+        shared_masters=not async_step,
+        execute_plan=execute_plan,
+        optim_dtype=optim_dtype,
+        name=name,
+        model_run_config=cfg,
+        pin_model=pin_model,
+        devices=pool_arg,
+        **wording,
+    )
+    if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to plan)
+        try:
+            plan = resolve_execute_plan(execute_plan, rp, "fused")
+            if plan is not None:
+                rp.set_plan("fused", plan)
+        except BaseException:
+            rp.close()
+            raise
+    return rp
+
+
 def adopt_optimizer(
     opt: Optimizer, rp: RoundPipe | AutoRoundPipe, real_zero_grad: dict[int, Callable[..., None]]
 ) -> None:
-    """Point ``opt`` at ``rp``'s master copies and defer its ``zero_grad`` to the RoundPipe
-    step (its own ``zero_grad`` is kept in ``real_zero_grad[id(opt)]``).
+    """Point ``opt`` at ``rp``'s master copies (:func:`point_at_masters`) and defer its
+    ``zero_grad`` to the RoundPipe step (its own ``zero_grad`` is kept in
+    ``real_zero_grad[id(opt)]``).
 
     Lightning zeroes the gradients *after* ``training_step`` in automatic optimization,
     which would wipe what ``forward_backward`` just produced; the queued step clears them
     right after the update instead.
     """
+    point_at_masters(opt, rp)
+    if id(opt) not in real_zero_grad:
+        real_zero_grad[id(opt)] = defer_zero_grad(opt)
+
+
+def point_at_masters(
+    opt: Optimizer, rp: RoundPipe | AutoRoundPipe, build_hint: str = "self.parameters()"
+) -> None:
+    """Replace the model parameters in ``opt``'s param groups by their master copies
+    (a frozen parameter stays; a shared master is the parameter itself). LBFGS is
+    refused: its ``step()`` re-evaluates the loss, which a queued step cannot."""
     if isinstance(opt, torch.optim.LBFGS):
         raise TypeError(
             "LBFGS re-evaluates the loss inside optimizer.step(), which RoundPipe's (asynchronous) "
@@ -262,10 +348,8 @@ def adopt_optimizer(
     if adopted == 0 and any(len(g["params"]) for g in opt.param_groups) and masters:
         rank_zero_warn(
             f"{type(opt).__name__} holds none of the parameters of configure_sequential()'s network; "
-            "RoundPipe will not train it. Build it from self.parameters()."
+            f"RoundPipe will not train it. Build it from {build_hint}."
         )
-    if id(opt) not in real_zero_grad:
-        real_zero_grad[id(opt)] = defer_zero_grad(opt)
 
 
 def op_name(reduce_op: ReduceOp | str | None) -> str:
@@ -293,47 +377,55 @@ def reaches_params(loss: Tensor, params: set[int]) -> bool:
     return False
 
 
-def check_num_microbatch(value: Any) -> int | None:
+def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | None:
     """``value`` if it is None or an int >= 1."""
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(
-            f"RoundPipeStrategy(num_microbatch={value!r}): num_microbatch must be a positive int "
+            f"{owner}(num_microbatch={value!r}): num_microbatch must be a positive int "
             f"or None, got {type(value).__name__}"
         )
     if value < 1:
         raise ValueError(
-            f"RoundPipeStrategy(num_microbatch={value!r}): num_microbatch must be >= 1 (or None "
+            f"{owner}(num_microbatch={value!r}): num_microbatch must be >= 1 (or None "
             "for devices + 1)"
         )
     return value
 
 
-def check_type(name: str, value: Any, types: tuple[type, ...], accepted: str) -> None:
+def check_type(
+    name: str,
+    value: Any,
+    types: tuple[type, ...],
+    accepted: str,
+    owner: str = "RoundPipeStrategy",
+) -> None:
     """A TypeError naming ``name`` unless ``value`` is None or one of ``types``."""
     if value is not None and not isinstance(value, types):
         raise TypeError(
-            f"RoundPipeStrategy({name}=...): {name} must be None or {accepted}, got "
-            f"{type(value).__name__}"
+            f"{owner}({name}=...): {name} must be None or {accepted}, got {type(value).__name__}"
         )
 
 
-def check_pool_devices(devices: list[torch.device]) -> list[torch.device]:
+def check_pool_devices(
+    devices: list[torch.device], owner: str = "RoundPipeStrategy", entry: str = "Trainer"
+) -> list[torch.device]:
     """``devices`` if they are all CPU workers or all CUDA GPUs; a single CPU worker
-    gets a hint that nothing is pipelined and how to ask for more."""
+    gets a hint that nothing is pipelined and how to ask for more. ``entry`` is what
+    takes ``devices`` (Trainer, Fabric)."""
     kinds = {d.type for d in devices}
     if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
         raise ValueError(
-            f"RoundPipeStrategy runs on CPU workers or CUDA GPUs, got devices {devices}; "
-            "use Trainer(accelerator='cpu' or 'gpu', devices=N)"
+            f"{owner} runs on CPU workers or CUDA GPUs, got devices {devices}; "
+            f"use {entry}(accelerator='cpu' or 'gpu', devices=N)"
         )
     if devices[0].type == "cpu" and len(devices) == 1:
         # devices="auto" on CPU is one device: training works but nothing overlaps
         log.warning(
-            "RoundPipeStrategy runs on 1 CPU worker (what Trainer(devices='auto') gives on "
+            f"{owner} runs on 1 CPU worker (what {entry}(devices='auto') gives on "
             "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
-            "Trainer(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
+            f"{entry}(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
             "machine's cores); RoundPipe used without Lightning takes devices=N or reads "
             "ROUNDPIPE_CPU_DEVICES."
         )
@@ -411,18 +503,24 @@ def host_memory_budget(
         )
 
 
-def check_loss_went_through(loss: Tensor, rp: RoundPipe | AutoRoundPipe) -> None:
+_DIRECT_CALL = (
+    "the loss was computed by calling the network configure_sequential() returned "
+    "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "
+    "call it through self.roundpipe instead: "
+    "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) "
+    "or out = self.roundpipe(x)"
+)
+
+
+def check_loss_went_through(
+    loss: Tensor, rp: RoundPipe | AutoRoundPipe, message: str = _DIRECT_CALL
+) -> None:
     """Refuse a loss whose graph reaches the wrapped network's own parameters: the
     network ran outside RoundPipe, its gradients would never reach the masters the
-    optimizer steps, and training would silently do nothing."""
+    optimizer steps, and training would silently do nothing. ``message`` says what to
+    call instead (the Lightning strategy's by default)."""
     params = {id(p) for p in rp.model.parameters()}
     if isinstance(rp, AutoRoundPipe):  # its glue code uses these on the host, legitimately
         params -= {id(p) for _, p in rp.host_parameters}
     if loss.requires_grad and reaches_params(loss, params):
-        raise RuntimeError(
-            "the loss was computed by calling the network configure_sequential() returned "
-            "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "
-            "call it through self.roundpipe instead: "
-            "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) "
-            "or out = self.roundpipe(x)"
-        )
+        raise RuntimeError(message)

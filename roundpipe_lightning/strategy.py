@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +59,7 @@ from ._private import mark_lr_scheduler_step_called, restore_zero_grad
 from ._run_state import RunState
 from ._setup import (
     adopt_optimizer,
+    build_roundpipe,
     check_bool,
     check_choice,
     check_loss_went_through,
@@ -72,7 +72,6 @@ from ._setup import (
     raw_optimizer,
     sequential_of,
     trainer_of,
-    wrap_network,
 )
 from ._step import (
     OverlappedForwardBackward,
@@ -85,7 +84,6 @@ from .checkpoint_io import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
 )
-from .plans import resolve_execute_plan
 from .precision import LossScaler, RoundPipePrecision
 
 __all__ = ["RoundPipeStrategy", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
@@ -299,34 +297,25 @@ class RoundPipeStrategy(CheckpointingStrategy):
         assert lm is not None
         self._close_roundpipe()
         seq, original = sequential_of(lm)
-        cfg = self.model_run_config or RoundPipeRunConfig()
-        if self.num_microbatch is not None:
-            cfg = replace(cfg, num_microbatch=self.num_microbatch)
-        if self.recompute_grain is not None:
-            cfg = replace(cfg, recompute_grain=self.recompute_grain)
-        cfg = replace(cfg, preserve_rng_state=self.preserve_rng_state)
-        devices = self.compute_devices
-        pool_arg: Any = f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices
-        rp = wrap_network(
+        rp = build_roundpipe(
             seq,
             original,
-            self.loss_reduction,
-            # a synchronous step may update the weights in place: no separate fp32 copy
-            shared_masters=not self.async_step,
-            optim_dtype=self.optim_dtype,
             name=type(lm).__name__,
-            model_run_config=cfg,
+            devices=self.compute_devices,
+            model_run_config=self.model_run_config,
+            num_microbatch=self.num_microbatch,
+            recompute_grain=self.recompute_grain,
+            preserve_rng_state=self.preserve_rng_state,
+            optim_dtype=self.optim_dtype,
             pin_model=self.pin_model,
-            devices=pool_arg,
+            async_step=self.async_step,
             execute_plan=self.execute_plan,
+            loss_reduction=self.loss_reduction,
         )
         self._rp = rp
         self._run.open()
         try:
-            if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to plan)
-                plan = resolve_execute_plan(self.execute_plan, rp, "fused")
-                if plan is not None:
-                    rp.set_plan("fused", plan)
+            if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to hook)
                 rp.loss_multiplier = self._loss_multiplier
                 if self.overlap_iterations:
                     rp.forward_backward_hook = OverlappedForwardBackward(

@@ -257,3 +257,35 @@ def test_deferred_zero_grad_keeps_gradients_until_restored() -> None:
     assert param.grad is None
     _private.restore_zero_grad(opt)
     assert "zero_grad" not in vars(opt) and type(opt).zero_grad is torch.optim.SGD.zero_grad
+
+
+def test_replaced_zero_grad_runs_instead_and_is_restored() -> None:
+    opt = _sgd()
+    calls: list[bool] = []
+    real = _private.replace_zero_grad(opt, lambda set_to_none=True: calls.append(set_to_none))
+    opt.zero_grad(set_to_none=False)
+    assert calls == [False] and opt.param_groups[0]["params"][0].grad is not None
+    real()
+    assert opt.param_groups[0]["params"][0].grad is None
+    _private.restore_zero_grad(opt)
+    assert "zero_grad" not in vars(opt)
+
+
+def test_fabrics_optimizer_wrapper_reaches_the_views_zero_grad() -> None:
+    """Fabric's wrapper takes the wrapped optimizer's class as a base and finds zero_grad
+    there: around the view, it must call the policy, never the class's zero_grad."""
+    from lightning.fabric import Fabric
+
+    opt = _sgd()
+    param = opt.param_groups[0]["params"][0]
+    calls: list[bool] = []
+    view = _private.optimizer_view(opt, lambda set_to_none=True: calls.append(set_to_none))
+    assert isinstance(view, torch.optim.SGD) and vars(view) is vars(opt)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    _, wrapped = fabric.setup(nn.Linear(1, 1), view)
+    wrapped.zero_grad()
+    view.zero_grad(set_to_none=False)
+    assert calls == [True, False] and param.grad is not None
+    assert wrapped.param_groups is opt.param_groups  # one optimizer: groups, state, hooks
+    _private.restore_zero_grad(opt)
+    assert "roundpipe_zero_grad" not in vars(opt)
