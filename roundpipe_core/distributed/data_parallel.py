@@ -7,8 +7,11 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from .group import group_size, init_process_group, resolve_timeout
 from .reducer import DEFAULT_BUCKET_BYTES, REDUCE_OPS, GradientAllReducer, broadcast_masters
+from .sharded import HostShard, ShardedGradientReducer
 
 __all__ = ["DataParallel"]
 
@@ -28,6 +31,8 @@ class DataParallel:
     ``wrap_closure(opt, c)``  arm that optimizer's reducer, then run ``c`` (the
                               window's last training step): overlap its backward
     ``reduce(opt)``           finish: that optimizer's gradients are reduced
+    ``after_step(opt)``       in the step function, after ``opt.step()``: with
+                              ``shard_host_state``, all-gather the updated weights
     ``abort()`` / ``detach()``  after an exception / at teardown
     ========================  ====================================================
 
@@ -42,6 +47,10 @@ class DataParallel:
         bucket_bytes: gradient bytes per all-reduce.
         timeout: process-group timeout (seconds / ``timedelta``; default
             ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
+        shard_host_state: each rank keeps gradients and optimizer state only for its
+            1/N of each optimizer's parameters (see :mod:`.sharded`): gradients are
+            reduced to their owner, each rank steps its share, ``after_step`` all-gathers
+            the weights. Clip with :meth:`clip_grad_norm_` (the norm over all shards).
 
     The default group is gloo: everything the strategy communicates -- master
     gradients, logged metrics (its root device is the CPU), broadcast objects --
@@ -54,7 +63,10 @@ class DataParallel:
         overlap: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float | int | timedelta | None = None,
+        shard_host_state: bool = False,
     ) -> None:
+        if not isinstance(shard_host_state, bool):
+            raise TypeError(f"shard_host_state must be True or False, got {shard_host_state!r}")
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -63,7 +75,9 @@ class DataParallel:
         self.overlap = bool(overlap)
         self.bucket_bytes = bucket_bytes
         self.timeout = resolve_timeout(timeout)
+        self.shard_host_state = shard_host_state
         self._reducers: dict[int, GradientAllReducer] = {}
+        self._shards: dict[int, HostShard] = {}
 
     @property
     def world_size(self) -> int:
@@ -97,6 +111,18 @@ class DataParallel:
         raws = [_raw_optimizer(o) for o in optimizers]
         for raw in raws:
             params = [p for g in raw.param_groups for p in g["params"]]
+            if self.shard_host_state:
+                shard = self._shards[id(raw)] = HostShard(params, self.bucket_bytes, self.timeout)
+                shard.drop_foreign_state(raw)  # a state loaded whole keeps this rank's share
+                self._reducers[id(raw)] = ShardedGradientReducer(
+                    rp,
+                    shard,
+                    op=self.op,
+                    bucket_bytes=self.bucket_bytes,
+                    overlap=self.overlap and len(raws) == 1,
+                    timeout=self.timeout,
+                )
+                continue
             self._reducers[id(raw)] = GradientAllReducer(
                 rp,
                 op=self.op,
@@ -126,6 +152,31 @@ class DataParallel:
         if reducer is not None:
             reducer.finish()
 
+    def shard(self, optimizer: Any) -> HostShard | None:
+        """``optimizer``'s :class:`HostShard` (None unless sharded over several ranks)."""
+        return self._shards.get(id(_raw_optimizer(optimizer)))
+
+    def after_step(self, optimizer: Any) -> None:
+        """With ``shard_host_state``: all-gather the weights each rank stepped into every
+        rank's masters. Call it inside the step function given to ``rp.step`` (the
+        optimizer thread), right after ``optimizer.step()``, on every rank for every step
+        (skipped ones included). A no-op unsharded."""
+        shard = self.shard(optimizer)
+        if shard is not None:
+            shard.gather()
+
+    def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Clip ``optimizer``'s (reduced) gradients by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_`` over all its parameters; returns the norm.
+        Sharded, each rank holds only its share of the gradients and the norm is
+        combined over the ranks (collective: every rank calls it)."""
+        shard = self.shard(optimizer)
+        if shard is not None:
+            return shard.clip_grad_norm_(max_norm, norm_type)
+        raw = _raw_optimizer(optimizer)
+        params = [p for g in raw.param_groups for p in g["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
     def abort(self) -> None:
         """Drop armed rounds without further collectives (after an exception)."""
         for r in self._reducers.values():
@@ -134,5 +185,8 @@ class DataParallel:
     def detach(self) -> None:
         """Close the reducers (their groups and grad hooks). The default group stays."""
         reducers, self._reducers = list(self._reducers.values()), {}
+        shards, self._shards = list(self._shards.values()), {}
         for r in reducers:
             r.close()
+        for s in shards:
+            s.close()

@@ -288,7 +288,9 @@ class GradientAllReducer:
         self._world_size = group_size(process_group)
         chosen = _unique_params(rp.optim_parameters() if params is None else params)
         params = list(reversed(chosen))
-        self.buckets = [_Bucket(i, b) for i, b in enumerate(_bucketize(params, bucket_bytes))]
+        self.buckets = [
+            _Bucket(i, b) for i, b in enumerate(self._group_params(params, bucket_bytes))
+        ]
         self._slot = {id(p): b.index for b in self.buckets for p in b.params}
         self._lock = threading.Lock()
         self._round: _Round | None = None
@@ -377,19 +379,31 @@ class GradientAllReducer:
                     buf = buf.to(comm_device(self.group), non_blocking=True)
                 if not rnd.issue_times:
                     rnd.issue_times.append(time.perf_counter())
-                work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                pending.append((b, buf, work))
+                pending.append((b, buf, self._issue(b, buf)))
             divisor = self.world_size if self.op == "mean" else 1
             for b, buf, work in pending:
                 if self.timeout is None:
                     work.wait()
                 else:
                     work.wait(self.timeout)
-                b.unflatten(buf.cpu() if buf.device.type != "cpu" else buf, divisor)
+                self._land(b, buf.cpu() if buf.device.type != "cpu" else buf, divisor)
             if rnd.issue_times:
                 rnd.issue_times.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - handed to finish() on the caller's thread
             rnd.error = rnd.error or exc
+
+    # what a sharded reducer (``sharded.py``) does differently: the buckets, the collective
+    # that reduces one, and what becomes of its result on this rank
+    def _group_params(
+        self, params: list[torch.Tensor], bucket_bytes: int
+    ) -> list[list[torch.Tensor]]:
+        return _bucketize(params, bucket_bytes)
+
+    def _issue(self, bucket: _Bucket, buf: torch.Tensor) -> Any:
+        return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _land(self, bucket: _Bucket, buf: torch.Tensor, divisor: int) -> None:
+        bucket.unflatten(buf, divisor)
 
     def finish(self) -> None:
         """Complete the reduction; on return every master's ``.grad`` is the sum (or
