@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .group import group_size, init_process_group, resolve_timeout
 from .reducer import DEFAULT_BUCKET_BYTES, REDUCE_OPS, GradientAllReducer, broadcast_masters
+from .shard_io import load_shards, save_shard
 from .sharded import HostShard, ShardedGradientReducer
 
 __all__ = ["DataParallel"]
@@ -176,6 +178,41 @@ class DataParallel:
         raw = _raw_optimizer(optimizer)
         params = [p for g in raw.param_groups for p in g["params"] if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def save_state(self, directory: str | Path, rp: Any, optimizer: Any) -> Path | None:
+        """Write this rank's share of the host state (masters and ``optimizer``'s state)
+        into ``directory`` as ``shard-RANK-of-N.pt`` (see :mod:`.shard_io`): sharded, every
+        rank writes its own; unsharded, rank 0 writes the whole as one shard. No rank
+        gathers another's state. Call it on every rank with nothing in flight
+        (``rp.synchronize()``); returns the file written (None on a rank that writes none)."""
+        rp.synchronize()
+        raw = _raw_optimizer(optimizer)
+        shard = self.shard(raw)
+        named = dict(rp.optim_named_parameters())
+        if shard is not None:
+            return save_shard(directory, named, raw, shard.owns, shard.rank, shard.world_size)
+        if group_size(None) > 1 and torch.distributed.get_rank() != 0:
+            return None
+        return save_shard(directory, named, raw, lambda p: True, 0, 1)
+
+    def load_state(self, directory: str | Path, rp: Any, optimizer: Any) -> None:
+        """Load host-state shards written by :meth:`save_state` on any rank count:
+        this rank keeps the optimizer state it owns, every rank ends with all the
+        weights (owners broadcast theirs) in its masters and its model. Collective when
+        sharded; call it after :meth:`attach`."""
+        rp.synchronize()
+        raw = _raw_optimizer(optimizer)
+        shard = self.shard(raw)
+        named = dict(rp.optim_named_parameters())
+        load_shards(directory, named, raw, shard.owns if shard is not None else (lambda p: True))
+        if shard is not None:
+            shard.drop_foreign_state(raw)
+            shard.gather()
+        with torch.no_grad():
+            for p in rp.model.parameters():
+                m = rp.master_param(p)
+                if m is not None and m is not p:
+                    p.copy_(m)
 
     def abort(self) -> None:
         """Drop armed rounds without further collectives (after an exception)."""

@@ -152,6 +152,42 @@ def run_equiv(rank: int, world: int, out: Path) -> None:
     (out / f"info_rank{rank}.json").write_text(json.dumps(info))
 
 
+def run_ckpt(rank: int, world: int, out: Path) -> None:
+    """Train 2 steps sharded and save each rank's shard, then 2 more (the reference); or,
+    with ``$RESUME=1``, load the shards (any rank count wrote them) and train the 2 more."""
+    ckpt = Path(os.environ["CKPT_DIR"])
+    data = make_data(4)
+    run = Run(rank, world, sharded=True, is_async=False)
+    try:
+        if os.environ.get("RESUME") == "1":
+            run.dp.load_state(ckpt, run.rp, run.opt)
+            merged = D.merge_shards(ckpt)  # (the test's check; a real resume never merges)
+            names = dict(run.rp.optim_named_parameters())
+            exact = all(torch.equal(names[n], t) for n, t in merged["masters"].items())
+            index = {
+                n: i
+                for g in merged["optimizer"]["param_groups"]
+                for i, n in zip(g["params"], g["param_names"])
+            }
+            for n, p in names.items():
+                if p in run.opt.state:
+                    saved = merged["optimizer"]["state"][index[n]]
+                    exact &= all(torch.equal(v, saved[k]) for k, v in run.opt.state[p].items())
+            info = {"restored_exactly": exact, "state_entries": len(run.opt.state)}
+            run.train(data[2:])
+            torch.save(run.params(), out / f"resumed_rank{rank}.pt")
+        else:
+            run.train(data[:2])
+            run.dp.save_state(ckpt, run.rp, run.opt)
+            D.barrier()
+            run.train(data[2:])
+            torch.save(run.params(), out / f"continued_rank{rank}.pt")
+            info = {"state_entries": len(run.opt.state)}
+        (out / f"ckpt_info_rank{rank}.json").write_text(json.dumps(info))
+    finally:
+        run.close()
+
+
 def run_kill(rank: int, world: int, out: Path) -> None:
     fail_rank = int(os.environ.get("FAIL_RANK", "1"))
     run = Run(rank, world, sharded=True, is_async=False)
@@ -175,6 +211,8 @@ def main() -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if scenario == "equiv":
         run_equiv(rank, world, out)
+    elif scenario == "ckpt":
+        run_ckpt(rank, world, out)
     elif scenario == "kill":
         run_kill(rank, world, out)
     else:

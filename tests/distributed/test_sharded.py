@@ -140,3 +140,61 @@ def test_dead_rank_ends_the_sharded_job_naming_the_survivor(tmp_path: Path) -> N
     assert codes[0] != 0
     assert "failed on rank 0 of 2: a peer process may have died" in log, log[-3000:]
     assert not (tmp_path / "rank0_finished").exists()
+
+
+@pytest.mark.timeout(300)
+def test_sharded_checkpoint_resumes_on_any_rank_count(tmp_path: Path) -> None:
+    """2 ranks save one shard each; the 2-rank resume is bit-exact, 1 and 4 ranks restore
+    the state exactly and continue within 1e-6; a corrupted shard is named by its rank."""
+    ckpt = tmp_path / "shards"
+    (tmp_path / "save").mkdir()
+    procs = launch(
+        "ckpt",
+        tmp_path / "save",
+        world=2,
+        timeout_s=PG_TIMEOUT_S,
+        worker=WORKER,
+        extra_env={"CKPT_DIR": str(ckpt)},
+    )
+    if wait_all(procs, STARTUP_ALLOWANCE_S + 60) != [0, 0]:
+        _fail_with_logs(procs, "saving run failed")
+    assert sorted(f.name for f in ckpt.iterdir()) == [
+        "shard-00000-of-00002.pt",
+        "shard-00001-of-00002.pt",
+    ]
+    continued = _load(tmp_path / "save", "continued", 0)
+    for world in (2, 1, 4):
+        out = tmp_path / f"resume{world}"
+        out.mkdir()
+        procs = launch(
+            "ckpt",
+            out,
+            world=world,
+            timeout_s=PG_TIMEOUT_S,
+            worker=WORKER,
+            extra_env={"CKPT_DIR": str(ckpt), "RESUME": "1"},
+        )
+        if wait_all(procs, STARTUP_ALLOWANCE_S + 60) != [0] * world:
+            _fail_with_logs(procs, f"resume on {world} ranks failed")
+        entries = 0
+        for rank in range(world):
+            info = json.loads((out / f"ckpt_info_rank{rank}.json").read_text())
+            assert info["restored_exactly"], (world, rank)
+            entries += info["state_entries"]
+            resumed = _load(out, "resumed", rank)
+            for k, v in continued.items():
+                if world == 2:
+                    assert torch.equal(resumed[k], v), f"{k}: 2-rank resume is not bit-exact"
+                else:
+                    assert rel_err(resumed[k], v) <= 1e-6, (world, k)
+        assert entries == 16  # every parameter's state, each on one rank only
+
+    # a damaged shard: the error names the rank that wrote it
+    bad = ckpt / "shard-00001-of-00002.pt"
+    bad.write_bytes(bad.read_bytes()[:100])
+    rp_params: dict[str, torch.Tensor] = {}
+    with pytest.raises(ValueError, match="shard of rank 1"):
+        D.merge_shards(ckpt)
+    bad.unlink()
+    with pytest.raises(ValueError, match="rank 1 of 2 is missing"):
+        D.load_shards(ckpt, rp_params, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))
