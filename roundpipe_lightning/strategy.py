@@ -132,6 +132,12 @@ class RoundPipeStrategy(CheckpointingStrategy):
             layers' backward is done, while earlier layers still compute.
         process_group_timeout: seconds (or a ``timedelta``) after which a collective
             whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
+        shard_host_state: with several processes, each keeps gradients and optimizer
+            state only for its 1/N of the parameters: gradients are reduced to their
+            owner, each process steps its share and the updated weights are all-gathered
+            (``docs/multi-node.md``). Same numbers; clipping uses the norm over all
+            shards; checkpoints are written one shard per process
+            (:mod:`roundpipe_lightning.sharded_checkpoint`). Not with ``16-mixed``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
@@ -158,6 +164,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         grad_reduce_op: str = "mean",
         overlap_grad_reduce: bool = True,
         process_group_timeout: float | timedelta | None = None,
+        shard_host_state: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -207,6 +214,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
                 op=grad_reduce_op,
                 overlap=check_bool("overlap_grad_reduce", overlap_grad_reduce),
                 timeout=process_group_timeout,
+                shard_host_state=check_bool("shard_host_state", shard_host_state),
             )
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"RoundPipeStrategy: {exc}") from None
@@ -256,6 +264,13 @@ class RoundPipeStrategy(CheckpointingStrategy):
                     "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 environment. "
                     "This process was not started that way."
                 )
+            if self._dp.shard_host_state and self._loss_scaler is not None:
+                raise ValueError(
+                    "RoundPipeStrategy(shard_host_state=True) does not support precision='16-mixed': "
+                    "each process sees only its share of the gradients, so the loss scaler's overflow "
+                    "check would differ between processes. Use precision='bf16-mixed' or "
+                    "'bf16-true' (no loss scaling), or shard_host_state=False."
+                )
             self._dp.connect(env, self.world_size)
         devices = check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
@@ -289,6 +304,12 @@ class RoundPipeStrategy(CheckpointingStrategy):
             check_host_memory(budget)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
             self._dp.attach(self.roundpipe, self.optimizers)
+            # sharded: clipping by norm needs the norm over every process's share
+            self.precision_plugin.clip_norm_fn = (
+                self._dp.clip_grad_norm_
+                if self._dp.shard_host_state and self.world_size > 1
+                else None
+            )
         self.setup_precision_plugin()
 
     def _build_roundpipe(self) -> None:
@@ -473,6 +494,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         def finish() -> None:
             try:
                 zero_grad(set_to_none=True)
+                # shard_host_state: every process all-gathers the weights each stepped
+                self._dp.after_step(opt)
             except BaseException:
                 steps.mark_failed()
                 raise

@@ -107,6 +107,7 @@ class DataParallel:
         after re-building either (the old reducers are closed first).
         """
         self.detach()
+        self._shards = {}
         if self.world_size == 1:
             return
         broadcast_masters(rp)
@@ -220,10 +221,13 @@ class DataParallel:
             r.abort()
 
     def detach(self) -> None:
-        """Close the reducers (their groups and grad hooks). The default group stays."""
+        """Close the reducers (their groups and grad hooks) and the shards' groups. The
+        default group stays, and so does which rank owns what (until :meth:`attach`)."""
         reducers, self._reducers = list(self._reducers.values()), {}
-        shards, self._shards = list(self._shards.values()), {}
         for r in reducers:
             r.close()
-        for s in shards:
+        # the shards' groups go, their ownership stays until the next attach(): the
+        # optimizers still hold only this rank's share, and a checkpoint saved after
+        # training (save_state, the strategy's) must still be written shard by shard
+        for s in self._shards.values():
             s.close()

@@ -142,6 +142,8 @@ class HostShard:
         if self.world_size == 1:
             return
         group = self._gather_group
+        if group is None:
+            raise RuntimeError("this HostShard is closed (DataParallel.detach()); attach again")
         for src, bucket in self._gather_buckets:
             if src == self.rank:
                 flat = torch.cat([t.detach().reshape(-1) for t in bucket])
@@ -179,6 +181,8 @@ class HostShard:
             op = dist.ReduceOp.SUM
         total = local.double().reshape(1)
         if self.world_size > 1:
+            if self._norm_group is None:
+                raise RuntimeError("this HostShard is closed (DataParallel.detach()); attach again")
             try:
                 dist.all_reduce(total, op=op, group=self._norm_group)
             except RuntimeError as exc:
