@@ -64,6 +64,7 @@ from ._setup import (
     check_loss_went_through,
     check_num_microbatch,
     check_pool_devices,
+    check_shardable,
     check_type,
     fuse_optimizer,
     host_memory_budget,
@@ -132,12 +133,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             layers' backward is done, while earlier layers still compute.
         process_group_timeout: seconds (or a ``timedelta``) after which a collective
             whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        shard_host_state: with several processes, each keeps gradients and optimizer
-            state only for its 1/N of the parameters: gradients are reduced to their
-            owner, each process steps its share and the updated weights are all-gathered
-            (``docs/multi-node.md``). Same numbers; clipping uses the norm over all
-            shards; checkpoints are written one shard per process
-            (:mod:`roundpipe_lightning.sharded_checkpoint`). Not with ``16-mixed``.
+        shard_host_state: with several processes, each keeps gradients and optimizer state
+            for its 1/N of the parameters only (``docs/multi-node.md``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
@@ -264,13 +261,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
                     "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 environment. "
                     "This process was not started that way."
                 )
-            if self._dp.shard_host_state and self._loss_scaler is not None:
-                raise ValueError(
-                    "RoundPipeStrategy(shard_host_state=True) does not support precision='16-mixed': "
-                    "each process sees only its share of the gradients, so the loss scaler's overflow "
-                    "check would differ between processes. Use precision='bf16-mixed' or "
-                    "'bf16-true' (no loss scaling), or shard_host_state=False."
-                )
+            check_shardable(self._dp.shard_host_state, self._loss_scaler)
             self._dp.connect(env, self.world_size)
         devices = check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
@@ -297,19 +288,14 @@ class RoundPipeStrategy(CheckpointingStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             # refuse, with numbers, a run whose state cannot fit in host memory
-            budget = host_memory_budget(
-                self.roundpipe, [raw_optimizer(o) for o in self.optimizers], self.num_microbatch
-            )
+            opts, shards = [raw_optimizer(o) for o in self.optimizers], self._dp.state_shards
+            budget = host_memory_budget(self.roundpipe, opts, self.num_microbatch, shards)
             log.info("RoundPipe host memory:\n%s", budget)
             check_host_memory(budget)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
             self._dp.attach(self.roundpipe, self.optimizers)
-            # sharded: clipping by norm needs the norm over every process's share
-            self.precision_plugin.clip_norm_fn = (
-                self._dp.clip_grad_norm_
-                if self._dp.shard_host_state and self.world_size > 1
-                else None
-            )
+            sharded = self._dp.state_shards > 1  # clipping: the norm over every process's share
+            self.precision_plugin.clip_norm_fn = self._dp.clip_grad_norm_ if sharded else None
         self.setup_precision_plugin()
 
     def _build_roundpipe(self) -> None:
@@ -494,8 +480,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         def finish() -> None:
             try:
                 zero_grad(set_to_none=True)
-                # shard_host_state: every process all-gathers the weights each stepped
-                self._dp.after_step(opt)
+                self._dp.after_step(opt)  # sharded: all-gather the weights each process stepped
             except BaseException:
                 steps.mark_failed()
                 raise

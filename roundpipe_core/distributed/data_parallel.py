@@ -85,6 +85,11 @@ class DataParallel:
     def world_size(self) -> int:
         return group_size(None)
 
+    @property
+    def state_shards(self) -> int:
+        """Processes the host state is sharded over (1 unsharded or in one process)."""
+        return self.world_size if self.shard_host_state else 1
+
     def connect(
         self, cluster_environment: Any | None = None, world_size: int | None = None
     ) -> None:

@@ -28,6 +28,7 @@ from _common import load_distributed, shard  # noqa: E402
 from torch import nn  # noqa: E402
 
 from roundpipe_core import RoundPipe, RoundPipeRunConfig  # noqa: E402
+from roundpipe_core.running.host_memory import estimate_host_memory  # noqa: E402
 
 D = load_distributed()
 
@@ -119,7 +120,10 @@ class Run:
 
     def bytes_held(self) -> dict[str, int]:
         masters = self.rp.masters  # the separate fp32 copies (none where shared)
+        shards = self.world if self.dp.shard_host_state else 1
+        budget = estimate_host_memory(self.rp, optimizer=[self.opt], state_shards=shards)
         return {
+            "budget_optimizer_state": budget.optimizer_state,
             "optimizer_state": D.state_bytes(self.opt),
             "separate_masters": sum(m.numel() * m.element_size() for _, _, m in masters.copies),
             "grads_after_reduce": self.grad_bytes_after_reduce,

@@ -89,3 +89,12 @@ def test_sharded_checkpoint_files_convert_and_resume_on_one_process(
     two_nodes = torch.load(nodes / "sync_sharded_rank0.pt")["resumed"]
     for k, v in model.net.state_dict().items():
         assert rel_err(v, two_nodes[k]) <= 1e-5, k
+
+
+def test_sixteen_mixed_is_refused_with_sharding() -> None:
+    from roundpipe_lightning._setup import check_shardable
+
+    with pytest.raises(ValueError, match="shard_host_state=True.*16-mixed.*bf16-mixed"):
+        check_shardable(True, object())
+    check_shardable(False, object())  # unsharded: the scaler is fine
+    check_shardable(True, None)  # sharded without a scaler: fine

@@ -98,6 +98,8 @@ def test_each_rank_holds_its_share_of_the_state(trained, mode: str) -> None:
         # the masters: none of their own with shared masters; the all-gather's
         # destination (the whole model) with separate ones (async)
         assert b["separate_masters"] == whole["separate_masters"]
+        # the host-memory budget's line for this rank (state_shards=N) predicts it
+        assert abs(b["optimizer_state"] / b["budget_optimizer_state"] - 1) <= 0.05, b
     assert sum(b["optimizer_state"] for b in shares) == whole["optimizer_state"]
     assert sum(infos[r][f"{mode}_sharded"]["owned"] for r in range(world)) == 16
     assert (whole["separate_masters"] == 0) == (mode == "sync")
