@@ -153,7 +153,7 @@ class HostShard:
                 dist.broadcast(flat, src=src, group=group)
             except RuntimeError as exc:
                 raise collective_error(
-                    f"all-gather of the weights rank {src} stepped", exc, group
+                    f"all-gather of the updated weights (rank {src}'s share)", exc, group
                 ) from exc
             if src == self.rank:
                 continue

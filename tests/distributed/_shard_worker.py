@@ -10,7 +10,9 @@ Scenarios:
     ckpt  -- trains 2 steps sharded, saves each rank's shard (``$CKPT_DIR``), trains 2 more
              (the reference); with ``$RESUME=1`` instead loads the shards written by any
              rank count and trains the 2 more steps.
-    kill  -- rank ``$FAIL_RANK`` dies inside its backward at step 3 (sharded).
+    kill  -- rank ``$FAIL_RANK`` dies inside its backward at step 3 (sharded); with
+             ``$FAIL_MODE=stall_in_step`` it stalls inside its optimizer step instead,
+             so the others wait in the all-gather (its own group's timeout).
 """
 
 from __future__ import annotations
@@ -200,10 +202,17 @@ def run_kill(rank: int, world: int, out: Path) -> None:
         (out / "peer_died").write_text(str(time.time()))
         os._exit(17)  # a crash in the middle of the backward pass
 
+    def stall(*_args: object, **_kwargs: object) -> None:
+        (out / "peer_stalled").write_text(str(time.time()))
+        time.sleep(600)  # alive, inside its step: never reaches the all-gather
+
     window = make_data(1)[0]
     for step in range(10_000):
         if rank == fail_rank and step == 3:
-            run.rp.register_grad_hook(die)
+            if os.environ.get("FAIL_MODE") == "stall_in_step":
+                run.opt.step = stall  # type: ignore[method-assign]
+            else:
+                run.rp.register_grad_hook(die)
         run.train([window])
     (out / f"rank{rank}_finished").write_text("training ended without noticing the failed peer")
 

@@ -200,3 +200,29 @@ def test_sharded_checkpoint_resumes_on_any_rank_count(tmp_path: Path) -> None:
     bad.unlink()
     with pytest.raises(ValueError, match="rank 1 of 2 is missing"):
         D.load_shards(ckpt, rp_params, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))
+
+
+@pytest.mark.timeout(240)
+def test_rank_stalled_in_its_step_ends_the_all_gather_at_the_timeout(tmp_path: Path) -> None:
+    """The all-gather runs on a group of its own, on the optimizer thread: a peer that
+    stalls inside its step must still end the others at the process-group timeout."""
+    procs = launch(
+        "kill",
+        tmp_path,
+        world=2,
+        timeout_s=PG_TIMEOUT_S,
+        worker=WORKER,
+        extra_env={"FAIL_RANK": "1", "FAIL_MODE": "stall_in_step"},
+    )
+    try:
+        codes = wait_all(procs[:1], STARTUP_ALLOWANCE_S + PG_TIMEOUT_S + 30)
+    finally:
+        wait_all(procs, 0.1)  # kills the stalled rank
+    if codes[0] is None:
+        _fail_with_logs(procs, "rank 0 still running after its peer stalled: it hangs")
+    assert (tmp_path / "peer_stalled").exists()
+    log = procs[0].output()
+    assert codes[0] != 0
+    assert "all-gather of the updated weights (rank " in log, log[-3000:]
+    assert "share) failed on rank 0 of 2: a peer process may have died or stalled" in log
+    assert not (tmp_path / "rank0_finished").exists()
