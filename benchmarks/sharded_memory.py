@@ -7,12 +7,17 @@ Each rank is a fresh process (``--child``) that trains the same model (fp32, Ada
 
 * ``peak``: the whole process's peak RSS (``VmHWM``: interpreter and torch included);
 * ``run``: the peak minus the RSS before the model was built (the run's own state);
-* ``predicted``: ``estimate_host_memory(rp, optimizer=[opt], state_shards=N).total``
-  plus, for N > 1, the reducer's flat bucket buffers (one gradient-sized buffer,
-  :func:`reduce_buffer_bytes`), which data parallel holds sharded or not;
+* ``predicted``: ``estimate_host_memory(rp, optimizer=[opt], state_shards=N).total``;
 * ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``).
 
-Run once (Linux; ~2 GB of RAM for N = 4; a minute or two on 2 cores):
+Each N runs with glibc's default ``malloc`` and with ``MALLOC_MMAP_THRESHOLD_=65536``.
+By default glibc raises its mmap threshold after the first large ``free`` and from
+then on keeps freed tensors in its heaps: the gradients a sharded rank drops every
+step (and the reduction's buffers) stay resident, and the peak RSS creeps up step by
+step. With a fixed threshold every large tensor is its own mapping, returned to the
+system when freed.
+
+Run once (Linux; ~2 GB of RAM for N = 4; about four minutes on 2 cores):
 
     python benchmarks/sharded_memory.py                 # width 512, 8 blocks (~17M params)
     python benchmarks/sharded_memory.py --width 256     # quicker
@@ -53,11 +58,6 @@ def _build(width: int, blocks: int) -> Any:
     )
 
 
-def reduce_buffer_bytes(params: Any) -> int:
-    """The reducer's flat buffers: every gradient plus one flag per master (fp32)."""
-    return sum(p.numel() * p.element_size() + 4 for p in params)
-
-
 def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
     import torch
 
@@ -80,7 +80,7 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
     dp = D.DataParallel(shard_host_state=True)
     dp.attach(rp, [opt])
     budget = estimate_host_memory(rp, optimizer=[opt], num_microbatch=3, state_shards=world)
-    predicted = budget.total + (reduce_buffer_bytes(rp.optim_parameters()) if world > 1 else 0)
+    predicted = budget.total
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(12, width, generator=g), torch.randn(12, width, generator=g)
     for _ in range(steps):
@@ -123,11 +123,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+#: glibc malloc settings the ranks run with (see the module docstring)
+MALLOC_VARIANTS: dict[str, dict[str, str]] = {
+    "default": {},
+    "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+}
+
+
+def run_world(world: int, args: argparse.Namespace, malloc: dict[str, str]) -> list[dict[str, Any]]:
     port = _free_port()
     procs = []
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        env.update(malloc)
         env.update(
             NODE_RANK=str(rank),
             WORLD_SIZE=str(world),
@@ -160,18 +169,20 @@ def main() -> None:
         return
     mib = 2**20
     print(
-        f"{'N':>2} {'rank':>4} {'peak RSS':>10} {'run':>9} {'predicted':>10} {'meas/pred':>9} "
-        f"{'opt state':>10} {'state/N=1':>9}"
+        f"{'malloc':>8} {'N':>2} {'rank':>4} {'peak RSS':>10} {'run':>9} {'predicted':>10} "
+        f"{'meas/pred':>9} {'opt state':>10} {'state/N=1':>9}"
     )
     whole_state = None
     for world in (1, 2, 4):
-        for r in run_world(world, args):
-            whole_state = whole_state or r["state"]
-            print(
-                f"{world:>2} {r['rank']:>4} {r['peak'] / mib:8.1f}Mi {r['run'] / mib:7.1f}Mi "
-                f"{r['predicted'] / mib:8.1f}Mi {r['run'] / r['predicted']:9.3f} "
-                f"{r['state'] / mib:8.1f}Mi {r['state'] / whole_state:9.3f}"
-            )
+        for label, malloc in MALLOC_VARIANTS.items():  # interleaved: N, then each malloc
+            for r in run_world(world, args, malloc):
+                whole_state = whole_state or r["state"]
+                print(
+                    f"{label:>8} {world:>2} {r['rank']:>4} {r['peak'] / mib:8.1f}Mi "
+                    f"{r['run'] / mib:7.1f}Mi {r['predicted'] / mib:8.1f}Mi "
+                    f"{r['run'] / r['predicted']:9.3f} {r['state'] / mib:8.1f}Mi "
+                    f"{r['state'] / whole_state:9.3f}"
+                )
     print(
         f"({r['params']:,} parameters; 'run' = peak RSS minus the RSS before the model was built)"
     )

@@ -296,6 +296,8 @@ class GradientAllReducer:
         self._round: _Round | None = None
         self._remove_hook = rp.register_grad_hook(self._on_grads_ready) if self.overlap else None
         self._closed = False
+        self.max_in_flight: int | None = None
+        """Buckets reduced at once (None: all); landing the oldest first frees its buffer."""
         self.last_finish_wait_s = 0.0
         """Seconds the last ``finish()`` blocked the caller (the exposed communication)."""
         self.last_reduce_s = 0.0
@@ -367,7 +369,17 @@ class GradientAllReducer:
             # Accumulating a gradient waits for it, but a master of a stage that produced
             # no gradient at all is reported without that wait: wait here too.
             self.rp.wait_step()
-            pending = []
+            pending: list[tuple[_Bucket, torch.Tensor, Any]] = []
+            divisor = self.world_size if self.op == "mean" else 1
+
+            def land_oldest() -> None:
+                b, buf, work = pending.pop(0)
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
+                self._land(b, buf.cpu() if buf.device.type != "cpu" else buf, divisor)
+
             for b in self.buckets:
                 while not rnd.ready[b.index].wait(_POLL_S):
                     if rnd.aborted.is_set():
@@ -380,13 +392,10 @@ class GradientAllReducer:
                 if not rnd.issue_times:
                     rnd.issue_times.append(time.perf_counter())
                 pending.append((b, buf, self._issue(b, buf)))
-            divisor = self.world_size if self.op == "mean" else 1
-            for b, buf, work in pending:
-                if self.timeout is None:
-                    work.wait()
-                else:
-                    work.wait(self.timeout)
-                self._land(b, buf.cpu() if buf.device.type != "cpu" else buf, divisor)
+                while self.max_in_flight is not None and len(pending) > self.max_in_flight:
+                    land_oldest()  # bounds the flat buffers alive at once
+            while pending:
+                land_oldest()
             if rnd.issue_times:
                 rnd.issue_times.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - handed to finish() on the caller's thread

@@ -251,6 +251,9 @@ class ShardedGradientReducer(GradientAllReducer):
             timeout=timeout,
             params=shard.params,
         )
+        # a rank keeps only its share of the gradients: two buckets in flight, each
+        # buffer freed once landed, so the reduction adds two buckets, not a gradient copy
+        self.max_in_flight = 2
 
     def _group_params(
         self, params: list[torch.Tensor], bucket_bytes: int
@@ -270,6 +273,7 @@ class ShardedGradientReducer(GradientAllReducer):
     def _land(self, bucket: _Bucket, buf: torch.Tensor, divisor: int) -> None:
         if self.shard.owns(bucket.params[0]):
             bucket.unflatten(buf, divisor)
-            return
-        for p in bucket.params:
-            p.grad = None  # sent to its owner: this rank keeps no gradient for it
+        else:
+            for p in bucket.params:
+                p.grad = None  # sent to its owner: this rank keeps no gradient for it
+        bucket.buffer = None  # made again next round: no gradient-sized buffer between rounds
