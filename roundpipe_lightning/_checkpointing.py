@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor, nn
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -33,6 +33,7 @@ from .checkpoint_io import (
     check_roundpipe_section,
 )
 from .precision import LossScaler
+from .sharded_checkpoint import load_optimizer_states, marker, save_host_shards
 
 __all__ = ["CheckpointingStrategy"]
 
@@ -72,8 +73,11 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
         return super().lightning_module_state_dict()
 
     @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         self._sync_weights()
+        shard = self._dp.shard(optimizer)
+        if shard is not None:  # each rank writes its own share (save_checkpoint)
+            return marker(shard.world_size)
         return super().optimizer_state(optimizer)
 
     def _named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
@@ -110,6 +114,9 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
     ) -> None:
         if self._rp is not None:
             checkpoint[CHECKPOINT_KEY] = self.roundpipe_state_dict()
+            # shard_host_state: every rank writes its share of the optimizer state
+            named = {name: m for name, _, m in self._named_masters()}
+            save_host_shards(filepath, self.optimizers, self._dp, named)
         lm = self.lightning_module
         if lm is not None:
             # steps Lightning counted when queued whose update failed: the weights saved
@@ -145,6 +152,21 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
                 )
 
     @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        # a sharded optimizer state lives beside the file: remember where that is
+        self._loaded_checkpoint_path = checkpoint_path
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         self._sync_weights()
-        super().load_optimizer_state_dict(checkpoint)
+        named = {name: m for name, _, m in self._named_masters()}
+        load_optimizer_states(
+            getattr(self, "_loaded_checkpoint_path", None),
+            self.optimizers,
+            checkpoint["optimizer_states"],
+            self._dp,
+            named,
+        )

@@ -483,13 +483,19 @@ def fuse_optimizer(opt: Optimizer) -> bool:
 
 
 def host_memory_budget(
-    rp: RoundPipe | AutoRoundPipe, optimizers: list[Optimizer], num_microbatch: int | None
+    rp: RoundPipe | AutoRoundPipe,
+    optimizers: list[Optimizer],
+    num_microbatch: int | None,
+    state_shards: int = 1,
 ) -> HostMemoryBudget:
-    """The host memory ``rp`` trained by ``optimizers`` needs. An optimizer whose state
-    size is unknown (a third-party class) does not stop training: the budget assumes
-    Adam's two states per parameter and says so once."""
+    """The host memory ``rp`` trained by ``optimizers`` needs (``state_shards``: the
+    processes the optimizer state is sharded over). An optimizer whose state size is
+    unknown (a third-party class) does not stop training: the budget assumes Adam's two
+    states per parameter and says so once."""
     try:
-        return estimate_host_memory(rp, optimizer=optimizers, num_microbatch=num_microbatch)
+        return estimate_host_memory(
+            rp, optimizer=optimizers, num_microbatch=num_microbatch, state_shards=state_shards
+        )
     except UnknownOptimizerError as exc:
         names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
         if ("budget", names) not in _SAID:
@@ -499,7 +505,22 @@ def host_memory_budget(
                 f"budget assumes {ASSUMED_OPTIMIZER_STATES} parameter-sized tensors per parameter"
             )
         return estimate_host_memory(
-            rp, optimizer_states=ASSUMED_OPTIMIZER_STATES, num_microbatch=num_microbatch
+            rp,
+            optimizer_states=ASSUMED_OPTIMIZER_STATES,
+            num_microbatch=num_microbatch,
+            state_shards=state_shards,
+        )
+
+
+def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
+    """Refuse ``shard_host_state=True`` with a loss scaler (``16-mixed``): each process
+    sees only its share of the gradients, so their overflow checks would disagree."""
+    if shard_host_state and loss_scaler is not None:
+        raise ValueError(
+            "RoundPipeStrategy(shard_host_state=True) does not support precision='16-mixed': each "
+            "process sees only its share of the gradients, so the loss scaler's overflow check "
+            "would differ between processes. Use precision='bf16-mixed' or 'bf16-true' (no loss "
+            "scaling), or shard_host_state=False."
         )
 
 

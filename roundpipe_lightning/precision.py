@@ -375,6 +375,17 @@ class RoundPipePrecision(Precision):
             self.scaler.update(found_inf)
         return closure_result, not (skip or found_inf)
 
+    clip_norm_fn: Callable[[Optimizer, float], Any] | None = None
+    """Set by ``RoundPipeStrategy(shard_host_state=True)``: clips by the norm over every
+    process's share of the gradients (each holds only its own)."""
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self.clip_norm_fn is not None:
+            self.clip_norm_fn(optimizer, float(clip_val))
+            return
+        super().clip_grad_by_norm(optimizer, clip_val)
+
     @staticmethod
     def clip_masters(optimizer: Optimizer, model: pl.LightningModule) -> None:
         """Clip the optimizer's (master) gradients as the Trainer's ``gradient_clip_val`` /

@@ -65,6 +65,7 @@ from ._setup import (
     check_loss_went_through,
     check_num_microbatch,
     check_pool_devices,
+    check_shardable,
     check_type,
     fuse_optimizer,
     host_memory_budget,
@@ -137,6 +138,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             layers' backward is done, while earlier layers still compute.
         process_group_timeout: seconds (or a ``timedelta``) after which a collective
             whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
+        shard_host_state: with several processes, each keeps gradients and optimizer state
+            for its 1/N of the parameters only (``docs/multi-node.md``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
@@ -164,6 +167,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         grad_reduce_op: str = "mean",
         overlap_grad_reduce: bool = True,
         process_group_timeout: float | timedelta | None = None,
+        shard_host_state: bool = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -214,6 +218,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
                 op=grad_reduce_op,
                 overlap=check_bool("overlap_grad_reduce", overlap_grad_reduce),
                 timeout=process_group_timeout,
+                shard_host_state=check_bool("shard_host_state", shard_host_state),
             )
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"RoundPipeStrategy: {exc}") from None
@@ -256,6 +261,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         _ = self.precision_plugin
         env = self.check_launch()
         if self.world_size > 1:
+            check_shardable(self._dp.shard_host_state, self._loss_scaler)
             self._dp.connect(env, self.world_size)
         devices = check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
@@ -282,14 +288,14 @@ class RoundPipeStrategy(CheckpointingStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             # refuse, with numbers, a run whose state cannot fit in host memory
-            budget = host_memory_budget(
-                self.roundpipe, [raw_optimizer(o) for o in self.optimizers], self.num_microbatch
-            )
-            # a setup fact, said as Lightning says its own (visible by default, rank zero)
-            rank_zero_info(f"RoundPipe host memory:\n{budget}")
+            opts, shards = [raw_optimizer(o) for o in self.optimizers], self._dp.state_shards
+            budget = host_memory_budget(self.roundpipe, opts, self.num_microbatch, shards)
+            rank_zero_info(f"RoundPipe host memory:\n{budget}")  # as Lightning says setup facts
             check_host_memory(budget)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
             self._dp.attach(self.roundpipe, self.optimizers)
+            sharded = self._dp.state_shards > 1  # clipping: the norm over every process's share
+            self.precision_plugin.clip_norm_fn = self._dp.clip_grad_norm_ if sharded else None
         self.setup_precision_plugin()
 
     def _build_roundpipe(self) -> None:
@@ -468,6 +474,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         def finish() -> None:
             try:
                 zero_grad(set_to_none=True)
+                self._dp.after_step(opt)  # sharded: all-gather the weights each process stepped
             except BaseException:
                 steps.mark_failed()
                 raise

@@ -18,6 +18,11 @@ Nothing here imports Lightning (the Lightning strategy wires it in):
   :func:`sync_gradients` -- the one-shot, non-overlapped form.
 * :class:`DataParallel` -- what a training loop needs: ``connect``, ``attach``,
   ``wrap_closure``, ``reduce``, ``abort``, ``detach``.
+* :class:`HostShard`, :class:`ShardedGradientReducer` -- ``DataParallel(shard_host_state=True)``:
+  each rank keeps gradients and optimizer state for its 1/N of the parameters only
+  (reduce to the owner, step the share, all-gather the weights; see ``sharded.py``).
+* :func:`save_shard` / :func:`load_shards` / :func:`merge_shards` -- checkpoints of a
+  sharded state: one file per rank, loadable on any rank count, mergeable offline.
 * :func:`broadcast_masters` -- make every rank start from rank ``src``'s weights;
   :func:`params_in_sync` -- check that they still agree.
 * :func:`init_process_group` / :func:`dist_env_from_environ` -- process-group
@@ -62,6 +67,8 @@ from .reducer import (
     params_in_sync,
     sync_gradients,
 )
+from .shard_io import load_shards, merge_shards, save_shard, shard_files
+from .sharded import HostShard, ShardedGradientReducer, partition_by_bytes, state_bytes
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -71,6 +78,8 @@ __all__ = [
     "DataParallel",
     "DistEnv",
     "GradientAllReducer",
+    "HostShard",
+    "ShardedGradientReducer",
     "all_gather",
     "all_reduce",
     "barrier",
@@ -79,7 +88,13 @@ __all__ = [
     "destroy_process_group",
     "dist_env_from_environ",
     "init_process_group",
+    "load_shards",
+    "merge_shards",
     "params_in_sync",
+    "partition_by_bytes",
     "resolve_timeout",
+    "save_shard",
+    "shard_files",
+    "state_bytes",
     "sync_gradients",
 ]

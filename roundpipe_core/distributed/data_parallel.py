@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from .group import group_size, init_process_group, resolve_timeout
 from .reducer import DEFAULT_BUCKET_BYTES, REDUCE_OPS, GradientAllReducer, broadcast_masters
+from .shard_io import load_shards, save_shard
+from .sharded import HostShard, ShardedGradientReducer
 
 __all__ = ["DataParallel"]
 
@@ -28,6 +33,8 @@ class DataParallel:
     ``wrap_closure(opt, c)``  arm that optimizer's reducer, then run ``c`` (the
                               window's last training step): overlap its backward
     ``reduce(opt)``           finish: that optimizer's gradients are reduced
+    ``after_step(opt)``       in the step function, after ``opt.step()``: with
+                              ``shard_host_state``, all-gather the updated weights
     ``abort()`` / ``detach()``  after an exception / at teardown
     ========================  ====================================================
 
@@ -42,6 +49,10 @@ class DataParallel:
         bucket_bytes: gradient bytes per all-reduce.
         timeout: process-group timeout (seconds / ``timedelta``; default
             ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
+        shard_host_state: each rank keeps gradients and optimizer state only for its
+            1/N of each optimizer's parameters (see :mod:`.sharded`): gradients are
+            reduced to their owner, each rank steps its share, ``after_step`` all-gathers
+            the weights. Clip with :meth:`clip_grad_norm_` (the norm over all shards).
 
     The default group is gloo: everything the strategy communicates -- master
     gradients, logged metrics (its root device is the CPU), broadcast objects --
@@ -54,7 +65,10 @@ class DataParallel:
         overlap: bool = True,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float | int | timedelta | None = None,
+        shard_host_state: bool = False,
     ) -> None:
+        if not isinstance(shard_host_state, bool):
+            raise TypeError(f"shard_host_state must be True or False, got {shard_host_state!r}")
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -63,11 +77,18 @@ class DataParallel:
         self.overlap = bool(overlap)
         self.bucket_bytes = bucket_bytes
         self.timeout = resolve_timeout(timeout)
+        self.shard_host_state = shard_host_state
         self._reducers: dict[int, GradientAllReducer] = {}
+        self._shards: dict[int, HostShard] = {}
 
     @property
     def world_size(self) -> int:
         return group_size(None)
+
+    @property
+    def state_shards(self) -> int:
+        """Processes the host state is sharded over (1 unsharded or in one process)."""
+        return self.world_size if self.shard_host_state else 1
 
     def connect(
         self, cluster_environment: Any | None = None, world_size: int | None = None
@@ -91,12 +112,25 @@ class DataParallel:
         after re-building either (the old reducers are closed first).
         """
         self.detach()
+        self._shards = {}
         if self.world_size == 1:
             return
         broadcast_masters(rp)
         raws = [_raw_optimizer(o) for o in optimizers]
         for raw in raws:
             params = [p for g in raw.param_groups for p in g["params"]]
+            if self.shard_host_state:
+                shard = self._shards[id(raw)] = HostShard(params, self.bucket_bytes, self.timeout)
+                shard.drop_foreign_state(raw)  # a state loaded whole keeps this rank's share
+                self._reducers[id(raw)] = ShardedGradientReducer(
+                    rp,
+                    shard,
+                    op=self.op,
+                    bucket_bytes=self.bucket_bytes,
+                    overlap=self.overlap and len(raws) == 1,
+                    timeout=self.timeout,
+                )
+                continue
             self._reducers[id(raw)] = GradientAllReducer(
                 rp,
                 op=self.op,
@@ -126,13 +160,79 @@ class DataParallel:
         if reducer is not None:
             reducer.finish()
 
+    def shard(self, optimizer: Any) -> HostShard | None:
+        """``optimizer``'s :class:`HostShard` (None unless sharded over several ranks)."""
+        return self._shards.get(id(_raw_optimizer(optimizer)))
+
+    def after_step(self, optimizer: Any) -> None:
+        """With ``shard_host_state``: all-gather the weights each rank stepped into every
+        rank's masters. Call it inside the step function given to ``rp.step`` (the
+        optimizer thread), right after ``optimizer.step()``, on every rank for every step
+        (skipped ones included). A no-op unsharded."""
+        shard = self.shard(optimizer)
+        if shard is not None:
+            shard.gather()
+
+    def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Clip ``optimizer``'s (reduced) gradients by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_`` over all its parameters; returns the norm.
+        Sharded, each rank holds only its share of the gradients and the norm is
+        combined over the ranks (collective: every rank calls it)."""
+        shard = self.shard(optimizer)
+        if shard is not None:
+            return shard.clip_grad_norm_(max_norm, norm_type)
+        raw = _raw_optimizer(optimizer)
+        params = [p for g in raw.param_groups for p in g["params"] if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def save_state(self, directory: str | Path, rp: Any, optimizer: Any) -> Path | None:
+        """Write this rank's share of the host state (masters and ``optimizer``'s state)
+        into ``directory`` as ``shard-RANK-of-N.pt`` (see :mod:`.shard_io`): sharded, every
+        rank writes its own; unsharded, rank 0 writes the whole as one shard. No rank
+        gathers another's state. Call it on every rank with nothing in flight
+        (``rp.synchronize()``); returns the file written (None on a rank that writes none)."""
+        rp.synchronize()
+        raw = _raw_optimizer(optimizer)
+        shard = self.shard(raw)
+        named = dict(rp.optim_named_parameters())
+        if shard is not None:
+            return save_shard(directory, named, raw, shard.owns, shard.rank, shard.world_size)
+        if group_size(None) > 1 and torch.distributed.get_rank() != 0:
+            return None
+        return save_shard(directory, named, raw, lambda p: True, 0, 1)
+
+    def load_state(self, directory: str | Path, rp: Any, optimizer: Any) -> None:
+        """Load host-state shards written by :meth:`save_state` on any rank count:
+        this rank keeps the optimizer state it owns, every rank ends with all the
+        weights (owners broadcast theirs) in its masters and its model. Collective when
+        sharded; call it after :meth:`attach`."""
+        rp.synchronize()
+        raw = _raw_optimizer(optimizer)
+        shard = self.shard(raw)
+        named = dict(rp.optim_named_parameters())
+        load_shards(directory, named, raw, shard.owns if shard is not None else (lambda p: True))
+        if shard is not None:
+            shard.drop_foreign_state(raw)
+            shard.gather()
+        with torch.no_grad():
+            for p in rp.model.parameters():
+                m = rp.master_param(p)
+                if m is not None and m is not p:
+                    p.copy_(m)
+
     def abort(self) -> None:
         """Drop armed rounds without further collectives (after an exception)."""
         for r in self._reducers.values():
             r.abort()
 
     def detach(self) -> None:
-        """Close the reducers (their groups and grad hooks). The default group stays."""
+        """Close the reducers (their groups and grad hooks) and the shards' groups. The
+        default group stays, and so does which rank owns what (until :meth:`attach`)."""
         reducers, self._reducers = list(self._reducers.values()), {}
         for r in reducers:
             r.close()
+        # the shards' groups go, their ownership stays until the next attach(): the
+        # optimizers still hold only this rank's share, and a checkpoint saved after
+        # training (save_state, the strategy's) must still be written shard by shard
+        for s in self._shards.values():
+            s.close()

@@ -288,12 +288,16 @@ class GradientAllReducer:
         self._world_size = group_size(process_group)
         chosen = _unique_params(rp.optim_parameters() if params is None else params)
         params = list(reversed(chosen))
-        self.buckets = [_Bucket(i, b) for i, b in enumerate(_bucketize(params, bucket_bytes))]
+        self.buckets = [
+            _Bucket(i, b) for i, b in enumerate(self._group_params(params, bucket_bytes))
+        ]
         self._slot = {id(p): b.index for b in self.buckets for p in b.params}
         self._lock = threading.Lock()
         self._round: _Round | None = None
         self._remove_hook = rp.register_grad_hook(self._on_grads_ready) if self.overlap else None
         self._closed = False
+        self.max_in_flight: int | None = None
+        """Buckets reduced at once (None: all); landing the oldest first frees its buffer."""
         self.last_finish_wait_s = 0.0
         """Seconds the last ``finish()`` blocked the caller (the exposed communication)."""
         self.last_reduce_s = 0.0
@@ -365,7 +369,17 @@ class GradientAllReducer:
             # Accumulating a gradient waits for it, but a master of a stage that produced
             # no gradient at all is reported without that wait: wait here too.
             self.rp.wait_step()
-            pending = []
+            pending: list[tuple[_Bucket, torch.Tensor, Any]] = []
+            divisor = self.world_size if self.op == "mean" else 1
+
+            def land_oldest() -> None:
+                b, buf, work = pending.pop(0)
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
+                self._land(b, buf.cpu() if buf.device.type != "cpu" else buf, divisor)
+
             for b in self.buckets:
                 while not rnd.ready[b.index].wait(_POLL_S):
                     if rnd.aborted.is_set():
@@ -377,19 +391,28 @@ class GradientAllReducer:
                     buf = buf.to(comm_device(self.group), non_blocking=True)
                 if not rnd.issue_times:
                     rnd.issue_times.append(time.perf_counter())
-                work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                pending.append((b, buf, work))
-            divisor = self.world_size if self.op == "mean" else 1
-            for b, buf, work in pending:
-                if self.timeout is None:
-                    work.wait()
-                else:
-                    work.wait(self.timeout)
-                b.unflatten(buf.cpu() if buf.device.type != "cpu" else buf, divisor)
+                pending.append((b, buf, self._issue(b, buf)))
+                while self.max_in_flight is not None and len(pending) > self.max_in_flight:
+                    land_oldest()  # bounds the flat buffers alive at once
+            while pending:
+                land_oldest()
             if rnd.issue_times:
                 rnd.issue_times.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - handed to finish() on the caller's thread
             rnd.error = rnd.error or exc
+
+    # what a sharded reducer (``sharded.py``) does differently: the buckets, the collective
+    # that reduces one, and what becomes of its result on this rank
+    def _group_params(
+        self, params: list[torch.Tensor], bucket_bytes: int
+    ) -> list[list[torch.Tensor]]:
+        return _bucketize(params, bucket_bytes)
+
+    def _issue(self, bucket: _Bucket, buf: torch.Tensor) -> Any:
+        return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _land(self, bucket: _Bucket, buf: torch.Tensor, divisor: int) -> None:
+        bucket.unflatten(buf, divisor)
 
     def finish(self) -> None:
         """Complete the reduction; on return every master's ``.grad`` is the sum (or

@@ -11,7 +11,9 @@ masters                   the optimizer's copies of the trainable parameters
                           (``shared_masters=True``: same dtype, synchronous step)
 gradients                 one gradient per master (``optim_dtype``)
 optimizer state           states per parameter x master size: Adam/AdamW 2, SGD with
-                          momentum 1, without 0, ... (see :data:`OPTIMIZER_STATES`)
+                          momentum 1, without 0, ... (see :data:`OPTIMIZER_STATES`);
+                          1/N of it with the host state sharded over N data-parallel
+                          ranks (``state_shards=N``)
 pinned buffers            CUDA only: slab rounding of ``pin_model="alloc"`` and the
                           pinned gradient-download buffers
 worker stage copies       CPU workers only: each worker's copy of the stage it runs,
@@ -297,6 +299,7 @@ def estimate_host_memory(
     activation_bytes_per_microbatch: int = 0,
     plan: Any = None,
     shared_masters: bool = False,
+    state_shards: int = 1,
 ) -> HostMemoryBudget:
     """The host bytes a training run of ``model`` needs at its peak (see the module docstring).
 
@@ -321,6 +324,10 @@ def estimate_host_memory(
             ``optim_dtype`` is its own master and costs no master bytes (what
             ``RoundPipe(shared_masters=True)`` and ``RoundPipeStrategy(async_step=False)``
             do). A RoundPipe's own masters are measured instead: a shared one counts once.
+        state_shards: the data-parallel ranks the optimizer state is sharded over
+            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it. The
+            gradients stay whole (a backward produces all of them before they are
+            reduced to their owners), and so do the masters.
 
     Raises:
         TypeError / ValueError: for a non-module, a negative byte count or an
@@ -334,6 +341,8 @@ def estimate_host_memory(
         or optimizer_states < 0
     ):
         raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
+    if isinstance(state_shards, bool) or not isinstance(state_shards, int) or state_shards < 1:
+        raise ValueError(f"state_shards must be an int >= 1 (ranks), got {state_shards!r}")
     if not isinstance(shared_masters, bool):
         raise TypeError(f"shared_masters must be True or False, got {shared_masters!r}")
     if not isinstance(activation_bytes_per_microbatch, int) or activation_bytes_per_microbatch < 0:
@@ -395,6 +404,7 @@ def estimate_host_memory(
         )
     else:
         optimizer_state = states * master_numel_bytes
+    optimizer_state = -(-optimizer_state // state_shards)  # this rank's share (rounded up)
 
     pinned = worker_copies = activations = 0
     # a RoundPipe's pool side; an AutoRoundPipe's units plan their calls each on their own

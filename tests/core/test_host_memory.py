@@ -219,3 +219,18 @@ def test_available_host_memory_without_psutil(monkeypatch: pytest.MonkeyPatch) -
     fallback = available_host_memory()
     assert fallback is not None and fallback > 0
     assert abs(fallback - avail) < max(avail, fallback) * 0.5
+
+
+def test_state_shards_divide_the_optimizer_state_only() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 3))
+    whole = estimate_host_memory(model, optimizer="adamw")
+    quarter = estimate_host_memory(model, optimizer="adamw", state_shards=4)
+    assert quarter.optimizer_state == -(-whole.optimizer_state // 4)
+    assert (quarter.weights, quarter.masters, quarter.gradients) == (
+        whole.weights,
+        whole.masters,
+        whole.gradients,
+    )
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="state_shards"):
+            estimate_host_memory(model, state_shards=bad)  # type: ignore[arg-type]

@@ -119,9 +119,11 @@ def launch(
     world: int = 2,
     timeout_s: float = 10.0,
     extra_env: dict[str, str] | None = None,
+    worker: Path = WORKER,
 ) -> list[Proc]:
-    """Start ``world`` worker processes on 127.0.0.1, one per "node", with the
-    hand-written launch environment (``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_*``)."""
+    """Start ``world`` worker processes (``worker SCENARIO OUT``) on 127.0.0.1, one per
+    "node", with the hand-written launch environment (``NODE_RANK``, ``WORLD_SIZE``,
+    ``MASTER_*``)."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -143,7 +145,7 @@ def launch(
         log = out / f"rank{rank}.log"
         with open(log, "w") as fh:
             popen = subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(out)],
+                [sys.executable, str(worker), scenario, str(out)],
                 env=env,
                 stdout=fh,
                 stderr=subprocess.STDOUT,

@@ -31,7 +31,7 @@ LIT_WORKER = Path(__file__).with_name("_lit_worker.py")
 DEADLINE_S = 150.0  # start-up (torch + Lightning imports on a loaded 2-core box) + the run
 
 
-def _launch(out: Path) -> list[subprocess.Popen]:
+def _launch(out: Path, worker: Path = LIT_WORKER) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(2):
@@ -54,7 +54,7 @@ def _launch(out: Path) -> list[subprocess.Popen]:
         with open(out / f"rank{rank}.log", "w") as log:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(LIT_WORKER), str(out)],
+                    [sys.executable, str(worker), str(out)],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,

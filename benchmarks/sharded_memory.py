@@ -1,0 +1,192 @@
+"""Per-rank host memory of data-parallel RoundPipe with ``shard_host_state=True``, for
+N = 1, 2, 4 ranks on this machine (gloo over 127.0.0.1), against the host-memory budget.
+
+Each rank is a fresh process (``--child``) that trains the same model (fp32, AdamW,
+2 CPU workers, shared masters: the synchronous CPU default) for a few steps through
+``DataParallel(shard_host_state=True)`` and reports:
+
+* ``peak``: the whole process's peak RSS (``VmHWM``: interpreter and torch included);
+* ``run``: the peak minus the RSS before the model was built (the run's own state);
+* ``predicted``: ``estimate_host_memory(rp, optimizer=[opt], state_shards=N).total``;
+* ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``).
+
+Each N runs with glibc's default ``malloc`` and with ``MALLOC_MMAP_THRESHOLD_=65536``.
+By default glibc raises its mmap threshold after the first large ``free`` and from
+then on keeps freed tensors in its heaps: the gradients a sharded rank drops every
+step (and the reduction's buffers) stay resident, and the peak RSS creeps up step by
+step. With a fixed threshold every large tensor is its own mapping, returned to the
+system when freed.
+
+Run once (Linux; ~2 GB of RAM for N = 4; about four minutes on 2 cores):
+
+    python benchmarks/sharded_memory.py                 # width 512, 8 blocks (~17M params)
+    python benchmarks/sharded_memory.py --width 256     # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _build(width: int, blocks: int) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(blocks)
+        ]
+    )
+
+
+def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
+    import torch
+
+    import roundpipe_core.distributed as D
+    from roundpipe_core import RoundPipe, RoundPipeRunConfig
+    from roundpipe_core.running.host_memory import estimate_host_memory
+
+    torch.set_num_threads(1)
+    D.init_process_group() if int(os.environ["WORLD_SIZE"]) > 1 else None
+    world = D.DataParallel().world_size
+    rank = torch.distributed.get_rank() if world > 1 else 0
+    base = _status("VmRSS")
+    rp = RoundPipe(
+        _build(width, blocks),
+        devices="cpu:2",
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
+        shared_masters=True,
+    )
+    opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-4)
+    dp = D.DataParallel(shard_host_state=True)
+    dp.attach(rp, [opt])
+    budget = estimate_host_memory(rp, optimizer=[opt], num_microbatch=3, state_shards=world)
+    predicted = budget.total
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(12, width, generator=g), torch.randn(12, width, generator=g)
+    for _ in range(steps):
+        dp.wrap_closure(
+            opt,
+            lambda: rp.forward_backward(
+                input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).mean()
+            ),
+        )()
+        dp.reduce(opt)
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dp.after_step(opt)
+
+        rp.step(step, is_async=False)
+    rp.synchronize()
+    peak = _status("VmHWM")
+    out = {
+        "rank": rank,
+        "world": world,
+        "params": budget.num_params,
+        "peak": peak,
+        "run": peak - base,
+        "predicted": predicted,
+        "state": D.state_bytes(opt),
+    }
+    dp.detach()
+    rp.close()
+    if world > 1:
+        D.barrier()
+        D.destroy_process_group()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: glibc malloc settings the ranks run with (see the module docstring)
+MALLOC_VARIANTS: dict[str, dict[str, str]] = {
+    "default": {},
+    "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+}
+
+
+def run_world(world: int, args: argparse.Namespace, malloc: dict[str, str]) -> list[dict[str, Any]]:
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
+        env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        env.update(malloc)
+        env.update(
+            NODE_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        )
+        cmd = [sys.executable, __file__, "--child", "--width", str(args.width)]
+        cmd += ["--blocks", str(args.blocks), "--steps", str(args.steps)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=900)
+        if p.returncode != 0:
+            raise SystemExit(f"rank failed with {p.returncode}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.width, args.blocks, args.steps)))
+        return
+    mib = 2**20
+    print(
+        f"{'malloc':>8} {'N':>2} {'rank':>4} {'peak RSS':>10} {'run':>9} {'predicted':>10} "
+        f"{'meas/pred':>9} {'opt state':>10} {'state/N=1':>9}"
+    )
+    whole_state = None
+    for world in (1, 2, 4):
+        for label, malloc in MALLOC_VARIANTS.items():  # interleaved: N, then each malloc
+            for r in run_world(world, args, malloc):
+                whole_state = whole_state or r["state"]
+                print(
+                    f"{label:>8} {world:>2} {r['rank']:>4} {r['peak'] / mib:8.1f}Mi "
+                    f"{r['run'] / mib:7.1f}Mi {r['predicted'] / mib:8.1f}Mi "
+                    f"{r['run'] / r['predicted']:9.3f} {r['state'] / mib:8.1f}Mi "
+                    f"{r['state'] / whole_state:9.3f}"
+                )
+    print(
+        f"({r['params']:,} parameters; 'run' = peak RSS minus the RSS before the model was built)"
+    )
+
+
+if __name__ == "__main__":
+    main()

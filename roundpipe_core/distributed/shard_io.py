@@ -1,0 +1,217 @@
+"""Checkpoints of a sharded host state: each rank writes its own shard, no process
+ever gathers the whole state, and the shards load back on any rank count.
+
+A shard file (``shard-RRRRR-of-NNNNN.pt`` in a directory) holds, for the parameters
+its rank owned, by name: the master values and the optimizer state, plus the
+optimizer's hyperparameters (the same on every rank). Names, not positions, tie the
+state to parameters, so loading on another rank count (or unsharded) only changes
+which entries each rank keeps: every rank reads the files one at a time (memory-mapped)
+and copies the entries it owns -- its peak is its own share plus one mapped file.
+
+:func:`merge_shards` is the one place the whole state is put together: converting to
+an ordinary ``optimizer.state_dict()`` (what a plain, unsharded run loads) on a
+machine that can hold it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["SHARD_FORMAT", "load_shards", "merge_shards", "save_shard", "shard_files"]
+
+#: Version of the shard layout; another version is refused, not guessed at.
+SHARD_FORMAT = 1
+_NAME = re.compile(r"shard-(\d{5})-of-(\d{5})\.pt$")
+
+
+def _shard_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def save_shard(
+    directory: str | Path,
+    named_params: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    owns: Callable[[torch.Tensor], bool],
+    rank: int,
+    world_size: int,
+) -> Path:
+    """Write this rank's shard into ``directory`` (created if missing) and return its path.
+
+    Args:
+        named_params: name -> master parameter (the optimizer's parameters).
+        owns: whether this rank owns a parameter (its state and value are written).
+        rank / world_size: this rank and the rank count (the file's name).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    name_of = {id(p): n for n, p in named_params.items()}
+    groups = []
+    for g in optimizer.param_groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        hyper["param_names"] = [name_of[id(p)] for p in g["params"] if id(p) in name_of]
+        groups.append(hyper)
+    masters: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for n, p in named_params.items():
+        if not owns(p):
+            continue
+        masters[n] = p.detach()  # the live tensors: torch.save streams them, no copy
+        if p in optimizer.state:
+            state[n] = dict(optimizer.state[p])
+    shard = {
+        "format": SHARD_FORMAT,
+        "rank": rank,
+        "world_size": world_size,
+        "param_groups": groups,
+        "masters": masters,
+        "state": state,
+    }
+    path = directory / _shard_name(rank, world_size)
+    tmp = path.with_suffix(".tmp")
+    torch.save(shard, tmp)
+    tmp.replace(path)  # a reader sees the old complete file or the new one
+    return path
+
+
+def shard_files(directory: str | Path) -> list[Path]:
+    """The shard files of ``directory`` in rank order, checked to be one complete set.
+
+    Raises:
+        FileNotFoundError: no shards there.
+        ValueError: files of different rank counts, or a rank's file missing.
+    """
+    directory = Path(directory)
+    found: dict[int, tuple[int, Path]] = {}
+    for f in sorted(directory.glob("shard-*-of-*.pt")):
+        m = _NAME.search(f.name)
+        if m:
+            found[int(m.group(1))] = (int(m.group(2)), f)
+    if not found:
+        raise FileNotFoundError(f"no host-state shards (shard-*-of-*.pt) in {directory}")
+    worlds = {w for w, _ in found.values()}
+    if len(worlds) != 1:
+        raise ValueError(f"{directory} mixes shards of rank counts {sorted(worlds)}; keep one set")
+    world = worlds.pop()
+    missing = sorted(set(range(world)) - set(found))
+    if missing:
+        raise ValueError(
+            f"{directory}: the shard of rank {missing[0]} of {world} is missing "
+            f"(expected {_shard_name(missing[0], world)})"
+        )
+    return [found[r][1] for r in range(world)]
+
+
+def _read(path: Path, rank: int, world: int) -> dict[str, Any]:
+    def bad(why: str) -> ValueError:
+        return ValueError(f"host-state shard of rank {rank} ({path}) is unusable: {why}")
+
+    try:
+        shard = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # a truncated or foreign file: name the rank that wrote it
+        raise bad(f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT:
+        raise bad(f"not a shard of format {SHARD_FORMAT}")
+    if shard.get("rank") != rank or shard.get("world_size") != world:
+        raise bad(f"it says rank {shard.get('rank')} of {shard.get('world_size')}")
+    for key in ("param_groups", "masters", "state"):
+        if key not in shard:
+            raise bad(f"no {key!r}")
+    return shard
+
+
+def load_shards(
+    directory: str | Path,
+    named_params: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    owns: Callable[[torch.Tensor], bool] = lambda p: True,
+    load_masters: bool = True,
+) -> None:
+    """Load the shards of ``directory`` (written by any rank count) into this rank:
+    the masters (unless ``load_masters=False``: the caller restores the weights) and
+    optimizer state of the parameters it ``owns`` (all by default: an unsharded run),
+    and the optimizer's hyperparameters. Files are read one at a time.
+
+    Raises:
+        ValueError: a shard is unreadable or inconsistent (naming the rank that wrote
+            it), or names do not match the optimizer's parameters.
+    """
+    files = shard_files(directory)
+    world = len(files)
+    seen: set[str] = set()
+    groups_loaded = False
+    for rank, path in enumerate(files):
+        shard = _read(path, rank, world)
+        unknown = sorted(set(shard["masters"]) - set(named_params))
+        if unknown:
+            raise ValueError(
+                f"host-state shard of rank {rank} ({path}) holds parameters this model does not "
+                f"have: {unknown[:3]}"
+            )
+        if not groups_loaded:
+            saved_groups = shard["param_groups"]
+            if len(saved_groups) != len(optimizer.param_groups):
+                raise ValueError(
+                    f"host-state shard of rank {rank}: {len(saved_groups)} param groups saved, "
+                    f"the optimizer has {len(optimizer.param_groups)}"
+                )
+            for g, saved in zip(optimizer.param_groups, saved_groups):
+                g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+            groups_loaded = True
+        with torch.no_grad():
+            for n, value in shard["masters"].items():
+                seen.add(n)
+                p = named_params[n]
+                if not owns(p):
+                    continue
+                if value.shape != p.shape:
+                    raise ValueError(
+                        f"host-state shard of rank {rank}: {n} has shape {tuple(value.shape)}, "
+                        f"the model {tuple(p.shape)}"
+                    )
+                if load_masters:
+                    p.copy_(value)
+                st = shard["state"].get(n)
+                if st is None:
+                    optimizer.state.pop(p, None)
+                else:  # copies: the mapped file is released when this loop moves on
+                    optimizer.state[p] = {
+                        k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()
+                    }
+    missing = sorted(set(named_params) - seen)
+    if missing:
+        raise ValueError(f"no host-state shard in {directory} holds {missing[:3]}")
+
+
+def merge_shards(directory: str | Path) -> dict[str, Any]:
+    """The whole state of a sharded checkpoint, in one process: ``{"masters": {name:
+    tensor}, "optimizer": an ordinary optimizer state_dict}`` (state indexed by the
+    parameters' positions in the param groups, as ``optimizer.load_state_dict`` takes
+    it; the groups' ``param_names`` say which is which)."""
+    files = shard_files(directory)
+    masters: dict[str, torch.Tensor] = {}
+    state_by_name: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for rank, path in enumerate(files):
+        shard = _read(path, rank, len(files))
+        masters.update({n: t.clone() for n, t in shard["masters"].items()})
+        for n, st in shard["state"].items():
+            state_by_name[n] = {
+                k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()
+            }
+        if not groups:
+            groups = [dict(g) for g in shard["param_groups"]]
+    state: dict[int, Any] = {}
+    index = 0
+    for g in groups:
+        g["params"] = list(range(index, index + len(g["param_names"])))
+        for i, n in zip(g["params"], g["param_names"]):
+            if n in state_by_name:
+                state[i] = state_by_name[n]
+        index += len(g["param_names"])
+    return {"masters": masters, "optimizer": {"state": state, "param_groups": groups}}

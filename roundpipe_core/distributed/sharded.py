@@ -1,0 +1,279 @@
+"""Sharding the host state across data-parallel ranks (``shard_host_state=True``).
+
+Unsharded, every rank holds the whole host state: masters, their gradients and the
+optimizer state. Sharded, each rank *owns* about 1/N of one optimizer's trainable
+parameters and keeps gradients and optimizer state only for those:
+
+1. **Ownership** (:func:`partition_by_bytes`): whole tensors, cut into N contiguous
+   runs of the optimizer's parameter order balanced by bytes -- a parameter belongs to
+   the rank whose 1/N of the total bytes holds its midpoint. A rank's share is off the
+   ideal by at most half of the largest tensor at each cut (a transformer's blocks are
+   many equal tensors; only an embedding much larger than total/N would unbalance it).
+   Contiguous runs keep each bucket on one owner and in layer order, so the reduction
+   still overlaps the backward layer by layer.
+2. **Reduce-scatter** (:class:`ShardedGradientReducer`): the all-reducer's buckets,
+   each within one owner's run, reduced with ``dist.reduce`` to that owner (the
+   reduce-scatter of the flat gradient, bucket by bucket). Every other rank drops the
+   bucket's ``.grad`` (``None``) once it is sent, so the optimizer never creates state
+   for a parameter this rank does not own (torch optimizers skip ``grad=None``).
+3. **Step**: each rank's ``optimizer.step()`` updates its share only.
+4. **All-gather** (:meth:`HostShard.gather`): after the step, on the optimizer thread,
+   each owner broadcasts its updated masters bucket by bucket into every rank's masters;
+   the RoundPipe then publishes them into the model as after any step, so an
+   asynchronous step keeps the one-step-stale rule.
+
+Clipping by the global norm needs every shard: :meth:`HostShard.clip_grad_norm_`
+all-reduces the owned part of the norm. The collectives of each purpose run on a group
+of their own (reduction: the reducer thread; all-gather: the optimizer thread; norm:
+whoever clips), so threads never interleave collectives on one group.
+
+What is not sharded: the model's own weights (every rank's devices upload them), and,
+with *separate* masters (an asynchronous step, or a model not in ``optim_dtype``), the
+masters themselves, which are the all-gather's destination and what the next step's
+publication copies from; with shared masters (``RoundPipe(shared_masters=True)``, the
+synchronous CPU default) the master *is* the weight and nothing extra is held.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .group import collective_error, group_size, group_timeout, resolve_timeout
+from .reducer import GradientAllReducer, _Bucket, _bucketize, _unique_params
+
+__all__ = ["HostShard", "ShardedGradientReducer", "partition_by_bytes", "state_bytes"]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def partition_by_bytes(params: Sequence[torch.Tensor], world_size: int) -> list[int]:
+    """The owner rank of each of ``params``: ``world_size`` contiguous runs balanced by
+    bytes (whole tensors; a parameter goes to the rank whose share of the total bytes
+    holds its midpoint). Deterministic, so every rank computes the same partition.
+
+    Raises:
+        ValueError: ``world_size`` is not a positive int.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    total = sum(_nbytes(p) for p in params)
+    owners: list[int] = []
+    start = 0
+    for p in params:
+        n = _nbytes(p)
+        mid = start + n / 2
+        owners.append(min(world_size - 1, int(mid * world_size // total)) if total else 0)
+        start += n
+    return owners
+
+
+def _new_group(timeout: timedelta | None) -> Any:
+    inherited = group_timeout()
+    td = resolve_timeout(timeout) if timeout is not None or inherited is None else inherited
+    return dist.new_group(backend="gloo", timeout=td)
+
+
+class HostShard:
+    """One optimizer's parameters split across the ranks: which this rank owns, the
+    all-gather of the updated masters after a step, the global gradient norm, and the
+    optimizer-state bookkeeping of a shard.
+
+    Args:
+        params: the optimizer's parameters (RoundPipe masters, in its param-group order).
+        bucket_bytes: bytes per broadcast of the all-gather.
+        timeout: bound on each collective of its groups (default: the process group's).
+
+    Creating it is collective (two groups of all ranks): every rank builds its shards
+    in the same order.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        bucket_bytes: int,
+        timeout: float | int | timedelta | None = None,
+    ) -> None:
+        self.params = _unique_params(params)
+        self.world_size = group_size(None)
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        owners = partition_by_bytes(self.params, self.world_size)
+        self._owner = {id(p): o for p, o in zip(self.params, owners)}
+        self.owned = [p for p, o in zip(self.params, owners) if o == self.rank]
+        self._owned_ids = {id(p) for p in self.owned}
+        td = None if timeout is None else resolve_timeout(timeout)
+        self._gather_group = _new_group(td) if self.world_size > 1 else None
+        self._norm_group = _new_group(td) if self.world_size > 1 else None
+        # per owner, forward order: consecutive one-dtype runs up to bucket_bytes
+        self._gather_buckets: list[tuple[int, list[torch.Tensor]]] = []
+        for rank in range(self.world_size):
+            mine = [p for p, o in zip(self.params, owners) if o == rank]
+            self._gather_buckets.extend((rank, b) for b in _bucketize(mine, bucket_bytes))
+        self.last_gather_s = 0.0
+
+    def owner(self, param: torch.Tensor) -> int:
+        """The rank that owns ``param`` (KeyError for a tensor not in the shard)."""
+        return self._owner[id(param)]
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return id(param) in self._owned_ids
+
+    @property
+    def owners(self) -> dict[int, int]:
+        """``id(param) -> owner rank`` for every parameter."""
+        return dict(self._owner)
+
+    # -- after the step ---------------------------------------------------------------------------
+    def gather(self) -> None:
+        """Broadcast each owner's updated masters into every rank's masters. Collective:
+        every rank calls it after every optimizer step (on the optimizer thread, inside
+        the step function, so the RoundPipe publishes the result like any step's).
+
+        Raises:
+            CollectiveError: a peer died or stalled (the group's timeout), naming this rank.
+        """
+        if self.world_size == 1:
+            return
+        group = self._gather_group
+        if group is None:
+            raise RuntimeError("this HostShard is closed (DataParallel.detach()); attach again")
+        for src, bucket in self._gather_buckets:
+            if src == self.rank:
+                flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+            else:
+                flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype)
+            try:
+                dist.broadcast(flat, src=src, group=group)
+            except RuntimeError as exc:
+                raise collective_error(
+                    f"all-gather of the updated weights (rank {src}'s share)", exc, group
+                ) from exc
+            if src == self.rank:
+                continue
+            off = 0
+            with torch.no_grad():
+                for t in bucket:
+                    n = t.numel()
+                    t.copy_(flat[off : off + n].view_as(t))
+                    off += n
+
+    # -- the global gradient norm ------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole optimizer's gradients, each
+        rank holding its own share of them: the norm is combined over the ranks (one
+        all-reduce), every rank scales its own gradients by the same factor.
+        Collective. Returns the total norm (the same on every rank)."""
+        norm_type = float(norm_type)
+        grads = [p.grad for p in self.owned if p.grad is not None]
+        norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
+        if math.isinf(norm_type):
+            local = torch.stack(norms).max() if norms else torch.zeros(())
+            op = dist.ReduceOp.MAX
+        else:
+            local = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros(())
+            op = dist.ReduceOp.SUM
+        total = local.double().reshape(1)
+        if self.world_size > 1:
+            if self._norm_group is None:
+                raise RuntimeError("this HostShard is closed (DataParallel.detach()); attach again")
+            try:
+                dist.all_reduce(total, op=op, group=self._norm_group)
+            except RuntimeError as exc:
+                raise collective_error("gradient-norm all-reduce", exc, self._norm_group) from exc
+        total_norm = total[0] if math.isinf(norm_type) else total[0] ** (1.0 / norm_type)
+        total_norm = total_norm.float()
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total_norm
+
+    # -- optimizer state --------------------------------------------------------------------------
+    def drop_foreign_state(self, optimizer: torch.optim.Optimizer) -> int:
+        """Delete ``optimizer``'s state of the parameters this rank does not own (after
+        loading a full or another rank count's state). Returns the entries dropped."""
+        dropped = [p for p in list(optimizer.state) if id(p) in self._owner and not self.owns(p)]
+        for p in dropped:
+            del optimizer.state[p]
+        return len(dropped)
+
+    def close(self) -> None:
+        for group in (self._gather_group, self._norm_group):
+            if group is not None:
+                try:
+                    dist.destroy_process_group(group)
+                except (RuntimeError, ValueError, AssertionError):
+                    pass  # the default group is already gone (teardown order)
+        self._gather_group = self._norm_group = None
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in ``optimizer.state`` (what sharding divides by N)."""
+    return sum(
+        _nbytes(v)
+        for st in optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+class ShardedGradientReducer(GradientAllReducer):
+    """:class:`GradientAllReducer` that reduces each bucket to its owner only: buckets
+    never mix owners, the collective is ``dist.reduce(dst=owner)``, and a rank that does
+    not own a bucket drops those gradients (``.grad = None``) once they are sent.
+
+    Args:
+        rp / op / bucket_bytes / overlap / timeout: as for :class:`GradientAllReducer`.
+        shard: the :class:`HostShard` of the optimizer whose parameters are reduced.
+    """
+
+    def __init__(
+        self,
+        rp: Any,
+        shard: HostShard,
+        op: str = "mean",
+        bucket_bytes: int = 25 * 2**20,
+        overlap: bool = True,
+        timeout: float | int | timedelta | None = None,
+    ) -> None:
+        self.shard = shard
+        super().__init__(
+            rp,
+            op=op,
+            bucket_bytes=bucket_bytes,
+            overlap=overlap,
+            timeout=timeout,
+            params=shard.params,
+        )
+        # a rank keeps only its share of the gradients: two buckets in flight, each
+        # buffer freed once landed, so the reduction adds two buckets, not a gradient copy
+        self.max_in_flight = 2
+
+    def _group_params(
+        self, params: list[torch.Tensor], bucket_bytes: int
+    ) -> list[list[torch.Tensor]]:
+        runs: list[list[torch.Tensor]] = []
+        for p in params:  # (reverse order) consecutive parameters of one owner
+            if runs and self.shard.owner(runs[-1][0]) == self.shard.owner(p):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return [b for run in runs for b in _bucketize(run, bucket_bytes)]
+
+    def _issue(self, bucket: _Bucket, buf: torch.Tensor) -> Any:
+        owner = self.shard.owner(bucket.params[0])
+        return dist.reduce(buf, dst=owner, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _land(self, bucket: _Bucket, buf: torch.Tensor, divisor: int) -> None:
+        if self.shard.owns(bucket.params[0]):
+            bucket.unflatten(buf, divisor)
+        else:
+            for p in bucket.params:
+                p.grad = None  # sent to its owner: this rank keeps no gradient for it
+        bucket.buffer = None  # made again next round: no gradient-sized buffer between rounds

@@ -1,0 +1,118 @@
+"""Lightning checkpoints of ``RoundPipeStrategy(shard_host_state=True)``.
+
+Each rank owns the optimizer state of its share of the parameters, so no rank can
+write the whole checkpoint without gathering the others' state. Instead:
+
+* rank 0 writes the Lightning checkpoint file as always (the weights -- every rank
+  holds them all --, loops, callbacks, the RoundPipe section), with a small marker in
+  place of each sharded optimizer's state;
+* every rank writes its share of that optimizer's state next to it, into
+  ``<checkpoint>.shards/optimizer<i>/shard-RRRRR-of-NNNNN.pt``
+  (:func:`roundpipe_core.distributed.save_shard`). Several nodes need a file system
+  they all see, as for any multi-node resume.
+
+Resuming (``Trainer.fit(ckpt_path=...)``) reads the shards of any rank count, each rank
+keeping the entries it owns now -- sharded or not, on 1, 2, 4 ... ranks.
+:func:`convert_sharded_checkpoint` turns such a checkpoint into an ordinary one (the
+optimizer states merged, in one process) that plain Lightning loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roundpipe_core import distributed as D
+from roundpipe_core.distributed.shard_io import SHARD_FORMAT
+
+__all__ = ["SHARDS_KEY", "convert_sharded_checkpoint", "shards_dir"]
+
+#: Key of the marker that stands for a sharded optimizer state in ``optimizer_states``.
+SHARDS_KEY = "roundpipe_host_shards"
+
+
+def shards_dir(checkpoint_path: str | Path, index: int) -> Path:
+    """Where the shards of optimizer ``index`` of the checkpoint ``checkpoint_path`` live."""
+    return Path(f"{checkpoint_path}.shards") / f"optimizer{index}"
+
+
+def marker(world_size: int) -> dict[str, Any]:
+    """What a checkpoint's ``optimizer_states`` holds for a sharded optimizer."""
+    return {SHARDS_KEY: {"format": SHARD_FORMAT, "world_size": world_size}}
+
+
+def is_marker(state: Any) -> bool:
+    return isinstance(state, Mapping) and SHARDS_KEY in state
+
+
+def save_host_shards(
+    filepath: str | Path,
+    optimizers: Sequence[Any],
+    dp: D.DataParallel,
+    named_masters: Mapping[str, torch.Tensor],
+) -> None:
+    """Every rank: write its share of each sharded optimizer's state beside ``filepath``."""
+    for i, opt in enumerate(optimizers):
+        shard = dp.shard(opt)
+        if shard is None:
+            continue
+        raw = getattr(opt, "_optimizer", opt)
+        D.save_shard(
+            shards_dir(filepath, i), named_masters, raw, shard.owns, shard.rank, shard.world_size
+        )
+
+
+def load_optimizer_states(
+    checkpoint_path: str | Path | None,
+    optimizers: Sequence[Any],
+    states: Sequence[Any],
+    dp: D.DataParallel,
+    named_masters: Mapping[str, torch.Tensor],
+) -> None:
+    """Restore each optimizer from its saved state: an ordinary state dict, or the
+    shards its marker points to (any rank count); sharded, this rank keeps only the
+    state of the parameters it owns."""
+    for i, (opt, state) in enumerate(zip(optimizers, states)):
+        raw = getattr(opt, "_optimizer", opt)
+        shard = dp.shard(opt)
+        if is_marker(state):
+            if checkpoint_path is None:
+                raise ValueError(
+                    "this checkpoint's optimizer state is sharded across ranks "
+                    "(<checkpoint>.shards/); load it through Trainer(ckpt_path=...), or "
+                    "merge it first with roundpipe_lightning.convert_sharded_checkpoint(path, out)"
+                )
+            owns = shard.owns if shard is not None else (lambda p: True)
+            D.load_shards(
+                shards_dir(checkpoint_path, i), named_masters, raw, owns, load_masters=False
+            )
+        else:
+            raw.load_state_dict(state)
+        if shard is not None:
+            shard.drop_foreign_state(raw)
+
+
+def convert_sharded_checkpoint(checkpoint_path: str | Path, out_path: str | Path) -> Path:
+    """Write an ordinary Lightning checkpoint from a sharded one: the optimizer states
+    merged from ``<checkpoint_path>.shards/``, everything else as saved. The result
+    loads with any strategy (``Trainer(ckpt_path=out_path)``) and
+    ``LightningModule.load_from_checkpoint``. Needs the memory of the whole state, in
+    this one process. Returns ``out_path``.
+
+    Raises:
+        ValueError: a shard is missing or unreadable (naming the rank that wrote it).
+    """
+    ckpt = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)
+    states = ckpt.get("optimizer_states", [])
+    for i, state in enumerate(states):
+        if is_marker(state):
+            merged = D.merge_shards(shards_dir(checkpoint_path, i))["optimizer"]
+            for g in merged["param_groups"]:
+                g.pop("param_names", None)  # as an unsharded run's state_dict() has them
+            states[i] = merged
+    out = Path(out_path)
+    torch.save(ckpt, out)
+    return out

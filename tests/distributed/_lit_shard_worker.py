@@ -1,0 +1,108 @@
+"""One node of the Lightning sharded-host-state test: ``python _lit_shard_worker.py OUT_DIR``.
+
+``Trainer(strategy=RoundPipeStrategy(shard_host_state=...), num_nodes=2,
+accumulate_grad_batches=2, gradient_clip_val=...)`` with AdamW, this process being one
+node: for ``async_step`` False and True, and unsharded then sharded, fit 2 steps, save a
+checkpoint (sharded: one shard per node), resume from it to 4 steps. Writes the weights
+after each fit to OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from roundpipe_lightning import RoundPipeStrategy
+
+WIDTH, BLOCKS, N = 8, 4, 24
+GLOBAL_BATCH, ACCUM, STEPS, RESUMED_STEPS = 6, 2, 2, 4
+CLIP = 0.05  # small enough that every step clips
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(N, WIDTH, generator=g), torch.randn(N, WIDTH, generator=g))
+
+
+class Lit(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)]
+        )
+        self._batch = 1
+
+    def configure_sequential(self) -> nn.Module:
+        return self.net
+
+    def loss_fn(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).sum() / self._batch
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self._batch = x.shape[0]
+        return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.1)
+
+
+def trainer(max_steps: int, num_nodes: int, shard: bool, is_async: bool) -> L.Trainer:
+    return L.Trainer(
+        strategy=RoundPipeStrategy(
+            async_step=is_async, num_microbatch=3, process_group_timeout=20, shard_host_state=shard
+        ),
+        accelerator="cpu",
+        devices=2,
+        num_nodes=num_nodes,
+        max_steps=max_steps,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def params(model: Lit) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+
+
+def run(loader: DataLoader, num_nodes: int, ckpt: Path, shard: bool, is_async: bool) -> dict:
+    model = Lit()
+    tr = trainer(STEPS, num_nodes, shard, is_async)
+    tr.fit(model, loader)
+    first = params(model)
+    tr.save_checkpoint(ckpt)
+    resumed = Lit()
+    trainer(RESUMED_STEPS, num_nodes, shard, is_async).fit(resumed, loader, ckpt_path=ckpt)
+    return {"first": first, "resumed": params(resumed)}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    rank = int(os.environ["NODE_RANK"])
+    ds = dataset()
+    loader = DataLoader(
+        ds,
+        batch_size=GLOBAL_BATCH // 2,
+        sampler=DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=False),
+    )
+    for is_async in (False, True):
+        for shard in (False, True):
+            name = f"{'async' if is_async else 'sync'}_{'sharded' if shard else 'plain'}"
+            res = run(loader, 2, out / f"{name}.ckpt", shard, is_async)
+            torch.save(res, out / f"{name}_rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

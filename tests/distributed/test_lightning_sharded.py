@@ -1,0 +1,100 @@
+"""``Trainer(strategy=RoundPipeStrategy(shard_host_state=True), num_nodes=2)`` as two
+processes on 127.0.0.1 (gloo, 2 CPU workers each), against the same run unsharded.
+
+* Same numbers: AdamW, accumulation 2, ``gradient_clip_val`` (the norm over both
+  shards), synchronous and asynchronous steps: sharded == unsharded within 1e-6,
+  after the first fit and after resuming from the checkpoint each wrote.
+* The sharded checkpoint is one file plus one shard per node; it resumes in one
+  process (another rank count), and ``convert_sharded_checkpoint`` makes an ordinary
+  checkpoint whose optimizer state is the unsharded run's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import rel_err  # noqa: E402
+from test_lightning_ddp import DEADLINE_S, _launch, _logs, _wait  # noqa: E402
+
+LIT_SHARD_WORKER = Path(__file__).with_name("_lit_shard_worker.py")
+MODES = ("sync", "async")
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lit_sharded")
+    procs = _launch(out, LIT_SHARD_WORKER)
+    try:
+        codes = _wait(procs, DEADLINE_S + 60)
+    finally:
+        _wait(procs, 0.1)
+    assert codes == [0, 0], f"nodes exited with {codes} (None = hung and killed)\n{_logs(out)}"
+    return out
+
+
+@pytest.mark.timeout(DEADLINE_S + 120)
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_strategy_equals_unsharded(nodes: Path, mode: str) -> None:
+    plain = torch.load(nodes / f"{mode}_plain_rank0.pt")
+    for rank in range(2):
+        sharded = torch.load(nodes / f"{mode}_sharded_rank{rank}.pt")
+        for phase in ("first", "resumed"):
+            for k, want in plain[phase].items():
+                err = rel_err(sharded[phase][k], want)
+                assert err <= 1e-6, f"{mode} {phase} rank {rank}: {k} rel err {err:.2e}"
+    # not vacuous: the resumed run trained further
+    assert any(not torch.equal(plain["first"][k], plain["resumed"][k]) for k in plain["first"])
+
+
+@pytest.mark.timeout(DEADLINE_S + 120)
+def test_sharded_checkpoint_files_convert_and_resume_on_one_process(
+    nodes: Path, tmp_path: Path
+) -> None:
+    import lightning as L  # noqa: F401  (imported here: the module's other tests need no Lightning)
+    from _lit_shard_worker import GLOBAL_BATCH, RESUMED_STEPS, Lit, dataset, trainer
+    from torch.utils.data import DataLoader
+
+    from roundpipe_lightning.sharded_checkpoint import convert_sharded_checkpoint, shards_dir
+
+    ckpt = nodes / "sync_sharded.ckpt"
+    assert sorted(f.name for f in shards_dir(ckpt, 0).iterdir()) == [
+        "shard-00000-of-00002.pt",
+        "shard-00001-of-00002.pt",
+    ]
+    # the main file holds no optimizer state, only the marker
+    main = torch.load(ckpt, weights_only=False)
+    assert "state" not in main["optimizer_states"][0]
+
+    converted = torch.load(
+        convert_sharded_checkpoint(ckpt, tmp_path / "plain.ckpt"), weights_only=False
+    )
+    want = torch.load(nodes / "sync_plain.ckpt", weights_only=False)["optimizer_states"][0]
+    got = converted["optimizer_states"][0]
+    assert [{k: v for k, v in g.items()} for g in got["param_groups"]] == want["param_groups"]
+    assert set(got["state"]) == set(want["state"]) and len(want["state"]) == 2 * 4
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            assert rel_err(got["state"][i][k], v) <= 1e-6, (i, k)
+
+    # resumed by one process (another rank count) on the whole batches: as the 2 nodes
+    model = Lit()
+    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False)
+    trainer(RESUMED_STEPS, 1, shard=True, is_async=False).fit(model, loader, ckpt_path=ckpt)
+    two_nodes = torch.load(nodes / "sync_sharded_rank0.pt")["resumed"]
+    for k, v in model.net.state_dict().items():
+        assert rel_err(v, two_nodes[k]) <= 1e-5, k
+
+
+def test_sixteen_mixed_is_refused_with_sharding() -> None:
+    from roundpipe_lightning._setup import check_shardable
+
+    with pytest.raises(ValueError, match="shard_host_state=True.*16-mixed.*bf16-mixed"):
+        check_shardable(True, object())
+    check_shardable(False, object())  # unsharded: the scaler is fine
+    check_shardable(True, None)  # sharded without a scaler: fine

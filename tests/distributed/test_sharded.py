@@ -1,0 +1,228 @@
+"""``DataParallel(shard_host_state=True)``: 2 and 4 processes on 127.0.0.1 (gloo).
+
+* Same numbers: after several AdamW steps with gradient accumulation and clipping by
+  the global norm, the sharded weights equal the unsharded data-parallel ones within
+  1e-6 (relative), synchronous and asynchronous (one step stale, as unsharded).
+* Memory: each rank's optimizer state (counted in bytes) is 1/N of the unsharded one
+  (+5 %), the shards add up to the whole, and the gradients a rank keeps after the
+  reduction are its share only.
+* Faults: a rank that dies mid-backward ends the others with an error naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import launch, rel_err, wait_all  # noqa: E402
+
+import roundpipe_core.distributed as D  # noqa: E402
+
+WORKER = Path(__file__).with_name("_shard_worker.py")
+PG_TIMEOUT_S = 10.0
+STARTUP_ALLOWANCE_S = 60.0  # four processes importing torch on a loaded 2-core box
+MAX_NORM = 0.05  # as _shard_worker.MAX_NORM
+MODES = ("sync", "async")
+
+
+def _fail_with_logs(procs, why: str) -> None:
+    logs = "\n".join(f"--- rank {p.rank} ---\n{p.output()[-4000:]}" for p in procs)
+    pytest.fail(f"{why}\n{logs}")
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"sharded{world}")
+    procs = launch("equiv", out, world=world, timeout_s=PG_TIMEOUT_S, worker=WORKER)
+    codes = wait_all(procs, STARTUP_ALLOWANCE_S + 60)
+    if codes != [0] * world:
+        _fail_with_logs(procs, f"exit codes {codes} (None = killed after the deadline)")
+    infos = [json.loads((out / f"info_rank{r}.json").read_text()) for r in range(world)]
+    return world, out, infos
+
+
+def _load(out: Path, name: str, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"{name}_rank{rank}.pt")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_weights_equal_unsharded(trained, mode: str) -> None:
+    world, out, infos = trained
+    plain = _load(out, f"{mode}_plain", 0)
+    for rank in range(world):
+        sharded = _load(out, f"{mode}_sharded", rank)
+        assert set(sharded) == set(plain)
+        for k in plain:
+            assert torch.equal(sharded[k], _load(out, f"{mode}_sharded", 0)[k]), (
+                f"{mode}: {k} differs between rank 0 and rank {rank}"
+            )
+            err = rel_err(sharded[k], plain[k])
+            assert err <= 1e-6, f"{mode}, rank {rank}: {k} rel err {err:.2e} vs unsharded"
+        assert infos[rank][f"{mode}_sharded"]["in_sync"]
+    # not vacuous: every step clipped, by the same global norm as unsharded
+    for rank in range(world):
+        norms = infos[rank][f"{mode}_sharded"]["norms"]
+        ref = infos[rank][f"{mode}_plain"]["norms"]
+        assert min(norms) > 10 * MAX_NORM
+        assert norms == pytest.approx(ref, rel=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_async_sharded_is_one_step_stale(trained) -> None:
+    """The asynchronous run computes with weights one step stale: its norms from the
+    second step on differ from the synchronous run's, the first step's do not."""
+    _, _, infos = trained
+    sync, stale = infos[0]["sync_sharded"]["norms"], infos[0]["async_sharded"]["norms"]
+    assert sync[0] == pytest.approx(stale[0], rel=1e-6)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(sync[1:], stale[1:]))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", MODES)
+def test_each_rank_holds_its_share_of_the_state(trained, mode: str) -> None:
+    world, _, infos = trained
+    whole = infos[0][f"{mode}_plain"]["bytes"]
+    shares = [infos[r][f"{mode}_sharded"]["bytes"] for r in range(world)]
+    bound = 1 / world + 0.05
+    for rank, b in enumerate(shares):
+        assert b["optimizer_state"] <= bound * whole["optimizer_state"], (rank, b, whole)
+        assert b["grads_after_reduce"] <= bound * whole["grads_after_reduce"], (rank, b, whole)
+        # the masters: none of their own with shared masters; the all-gather's
+        # destination (the whole model) with separate ones (async)
+        assert b["separate_masters"] == whole["separate_masters"]
+        # the host-memory budget's line for this rank (state_shards=N) predicts it
+        assert abs(b["optimizer_state"] / b["budget_optimizer_state"] - 1) <= 0.05, b
+    assert sum(b["optimizer_state"] for b in shares) == whole["optimizer_state"]
+    assert sum(infos[r][f"{mode}_sharded"]["owned"] for r in range(world)) == 16
+    assert (whole["separate_masters"] == 0) == (mode == "sync")
+
+
+def test_partition_is_contiguous_and_balanced_by_bytes() -> None:
+    sizes = [70, 20, 110, 110, 110, 110, 33, 5, 300, 7]
+    params = [torch.zeros(n) for n in sizes]
+    for world in (1, 2, 3, 4):
+        owners = D.partition_by_bytes(params, world)
+        assert owners == sorted(owners) and set(owners) <= set(range(world))
+        total = sum(sizes) * 4
+        for rank in range(world):
+            share = sum(n * 4 for n, o in zip(sizes, owners) if o == rank)
+            # whole tensors: off the ideal by at most half the largest tensor at each cut
+            assert abs(share - total / world) <= max(sizes) * 4, (world, owners)
+    assert D.partition_by_bytes([torch.zeros(10)] * 8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="world_size"):
+        D.partition_by_bytes(params, 0)
+    with pytest.raises(TypeError, match="shard_host_state"):
+        D.DataParallel(shard_host_state="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(240)
+def test_dead_rank_ends_the_sharded_job_naming_the_survivor(tmp_path: Path) -> None:
+    procs = launch(
+        "kill",
+        tmp_path,
+        world=2,
+        timeout_s=PG_TIMEOUT_S,
+        worker=WORKER,
+        extra_env={"FAIL_RANK": "1"},
+    )
+    codes = wait_all(procs, STARTUP_ALLOWANCE_S + PG_TIMEOUT_S + 30)
+    if codes[0] is None:
+        _fail_with_logs(procs, "rank 0 still running after its peer died: it hangs")
+    assert codes[1] == 17, codes
+    assert (tmp_path / "peer_died").exists()
+    log = procs[0].output()
+    assert codes[0] != 0
+    assert "failed on rank 0 of 2: a peer process may have died" in log, log[-3000:]
+    assert not (tmp_path / "rank0_finished").exists()
+
+
+@pytest.mark.timeout(300)
+def test_sharded_checkpoint_resumes_on_any_rank_count(tmp_path: Path) -> None:
+    """2 ranks save one shard each; the 2-rank resume is bit-exact, 1 and 4 ranks restore
+    the state exactly and continue within 1e-6; a corrupted shard is named by its rank."""
+    ckpt = tmp_path / "shards"
+    (tmp_path / "save").mkdir()
+    procs = launch(
+        "ckpt",
+        tmp_path / "save",
+        world=2,
+        timeout_s=PG_TIMEOUT_S,
+        worker=WORKER,
+        extra_env={"CKPT_DIR": str(ckpt)},
+    )
+    if wait_all(procs, STARTUP_ALLOWANCE_S + 60) != [0, 0]:
+        _fail_with_logs(procs, "saving run failed")
+    assert sorted(f.name for f in ckpt.iterdir()) == [
+        "shard-00000-of-00002.pt",
+        "shard-00001-of-00002.pt",
+    ]
+    continued = _load(tmp_path / "save", "continued", 0)
+    for world in (2, 1, 4):
+        out = tmp_path / f"resume{world}"
+        out.mkdir()
+        procs = launch(
+            "ckpt",
+            out,
+            world=world,
+            timeout_s=PG_TIMEOUT_S,
+            worker=WORKER,
+            extra_env={"CKPT_DIR": str(ckpt), "RESUME": "1"},
+        )
+        if wait_all(procs, STARTUP_ALLOWANCE_S + 60) != [0] * world:
+            _fail_with_logs(procs, f"resume on {world} ranks failed")
+        entries = 0
+        for rank in range(world):
+            info = json.loads((out / f"ckpt_info_rank{rank}.json").read_text())
+            assert info["restored_exactly"], (world, rank)
+            entries += info["state_entries"]
+            resumed = _load(out, "resumed", rank)
+            for k, v in continued.items():
+                if world == 2:
+                    assert torch.equal(resumed[k], v), f"{k}: 2-rank resume is not bit-exact"
+                else:
+                    assert rel_err(resumed[k], v) <= 1e-6, (world, k)
+        assert entries == 16  # every parameter's state, each on one rank only
+
+    # a damaged shard: the error names the rank that wrote it
+    bad = ckpt / "shard-00001-of-00002.pt"
+    bad.write_bytes(bad.read_bytes()[:100])
+    rp_params: dict[str, torch.Tensor] = {}
+    with pytest.raises(ValueError, match="shard of rank 1"):
+        D.merge_shards(ckpt)
+    bad.unlink()
+    with pytest.raises(ValueError, match="rank 1 of 2 is missing"):
+        D.load_shards(ckpt, rp_params, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1))
+
+
+@pytest.mark.timeout(240)
+def test_rank_stalled_in_its_step_ends_the_all_gather_at_the_timeout(tmp_path: Path) -> None:
+    """The all-gather runs on a group of its own, on the optimizer thread: a peer that
+    stalls inside its step must still end the others at the process-group timeout."""
+    procs = launch(
+        "kill",
+        tmp_path,
+        world=2,
+        timeout_s=PG_TIMEOUT_S,
+        worker=WORKER,
+        extra_env={"FAIL_RANK": "1", "FAIL_MODE": "stall_in_step"},
+    )
+    try:
+        codes = wait_all(procs[:1], STARTUP_ALLOWANCE_S + PG_TIMEOUT_S + 30)
+    finally:
+        wait_all(procs, 0.1)  # kills the stalled rank
+    if codes[0] is None:
+        _fail_with_logs(procs, "rank 0 still running after its peer stalled: it hangs")
+    assert (tmp_path / "peer_stalled").exists()
+    log = procs[0].output()
+    assert codes[0] != 0
+    assert "all-gather of the updated weights (rank " in log, log[-3000:]
+    assert "share) failed on rank 0 of 2: a peer process may have died or stalled" in log
+    assert not (tmp_path / "rank0_finished").exists()
