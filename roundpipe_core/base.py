@@ -444,6 +444,24 @@ class RoundPipeBase(nn.Module):
             settle=self._settle,
         )
 
+    def after_step(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` -- typically an optimizer's ``zero_grad`` called outside
+        ``step_fn`` -- in program order with the asynchronous step: after the step queued
+        by ``step()`` has run (on the optimizer thread, so this call does not wait), at
+        once when none is in flight. Clearing the masters' ``.grad`` directly while a
+        step still runs would race with it and lose its update.
+
+        Its error is raised by the next ``synchronize()`` or blocking ``forward_backward``.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+            RuntimeError: this RoundPipe is closed.
+        """
+        if not callable(fn):
+            raise TypeError(f"after_step needs a callable, got {type(fn).__name__}")
+        self._check_open()
+        self._home()._steps.in_step_order(fn, self._settle)
+
     def last_trace(self) -> dict[str, Any]:
         """The last pipelined call's measured timeline (blocking or not) as a Chrome
         trace-event object: a row per device with its jobs' compute spans, rows under it

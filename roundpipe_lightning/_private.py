@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer import call as _call
 from torch.optim import Optimizer
@@ -103,24 +104,30 @@ def op_is_mutable(func: Any) -> bool:
     return bool(func._schema.is_mutable)
 
 
-def defer_zero_grad(optimizer: Optimizer) -> Callable[..., None]:
-    """Make ``optimizer.zero_grad`` a no-op on this instance; returns the real one.
+def defer_zero_grad(
+    optimizer: Optimizer | LightningOptimizer, replacement: Callable[..., None] | None = None
+) -> Callable[..., None]:
+    """Make ``optimizer.zero_grad`` a no-op on this instance (or ``replacement``);
+    returns the real one.
 
     Lightning calls ``optimizer.zero_grad()`` after ``training_step`` in automatic
     optimization, which would wipe what ``forward_backward`` just accumulated, and a
     manual ``zero_grad()`` would race with a step still running on the optimizer
-    thread. The queued RoundPipe step calls the real one right after its update.
+    thread. The queued RoundPipe step calls the real one right after its update; in
+    manual optimization ``replacement`` runs it in order with that step. A
+    ``LightningOptimizer`` takes ``zero_grad`` from its class (the optimizer's), not
+    from the wrapped instance, so it gets the replacement on itself too.
     """
     real = optimizer.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
         """Deferred by RoundPipeStrategy: the RoundPipe step clears the gradients."""
 
-    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    optimizer.zero_grad = replacement or zero_grad  # type: ignore[method-assign,union-attr]
     return real
 
 
-def restore_zero_grad(optimizer: Optimizer) -> None:
+def restore_zero_grad(optimizer: Optimizer | LightningOptimizer) -> None:
     """Undo :func:`defer_zero_grad` (at teardown)."""
     if "zero_grad" in vars(optimizer):
         del optimizer.zero_grad

@@ -3,6 +3,7 @@ what ``configure_sequential()`` returns, and the optimizers it points at the mas
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
     "check_pool_devices",
     "sequential_of",
     "adopt_optimizer",
+    "zero_grad_after_step",
     "fuse_optimizer",
     "host_memory_budget",
     "op_name",
@@ -213,6 +215,16 @@ def adopt_optimizer(
         )
     if id(opt) not in real_zero_grad:
         real_zero_grad[id(opt)] = defer_zero_grad(opt)
+
+
+def zero_grad_after_step(rp: RoundPipe, real: Callable[..., None]) -> Callable[..., None]:
+    """An optimizer's ``zero_grad`` that clears the gradients in order with ``rp``'s
+    queued step (``RoundPipe.after_step``): after it has read them, never under it."""
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        rp.after_step(functools.partial(real, set_to_none=set_to_none))
+
+    return zero_grad
 
 
 def op_name(reduce_op: ReduceOp | str | None) -> str:

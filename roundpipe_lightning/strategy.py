@@ -55,7 +55,7 @@ from roundpipe_core.running.host_memory import check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
 from ._flush import FlushWeights
-from ._private import mark_lr_scheduler_step_called, restore_zero_grad
+from ._private import defer_zero_grad, mark_lr_scheduler_step_called, restore_zero_grad
 from ._run_state import RunState
 from ._setup import (
     adopt_optimizer,
@@ -71,6 +71,7 @@ from ._setup import (
     raw_optimizer,
     sequential_of,
     trainer_of,
+    zero_grad_after_step,
 )
 from ._step import (
     OverlappedForwardBackward,
@@ -199,6 +200,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         # phase, overlap, and the steps in flight and lost: one object, not six flags
         self._run = RunState()
         self._real_zero_grad: dict[int, Callable[..., None]] = {}
+        self._zero_grad_wrappers: list[Any] = []  # LightningOptimizers (manual optimization)
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
         try:
@@ -366,6 +368,24 @@ class RoundPipeStrategy(CheckpointingStrategy):
                 # on the masters (host, fp32)
                 fuse_optimizer(raw_optimizer(opt))
 
+    def _order_manual_zero_grad(self, lm: pl.LightningModule) -> None:
+        """Manual optimization: the user's ``opt.zero_grad()`` (on the LightningOptimizer
+        or the optimizer itself) runs in order with the queued step, on the optimizer
+        thread right after it -- clearing the masters' gradients while that step still
+        reads them would lose its update. (At train start: Lightning re-creates its
+        LightningOptimizers when it connects the precision plugin, after the optimizers.)"""
+        wrappers = lm.optimizers(use_pl_optimizer=True)
+        for wrapper in wrappers if isinstance(wrappers, list) else [wrappers]:
+            raw = raw_optimizer(wrapper)
+            real = self._real_zero_grad.get(id(raw))
+            if real is None:
+                continue
+            in_order = zero_grad_after_step(self.roundpipe, real)
+            defer_zero_grad(raw, in_order)
+            if wrapper is not raw:
+                defer_zero_grad(wrapper, in_order)
+                self._zero_grad_wrappers.append(wrapper)
+
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
@@ -380,6 +400,9 @@ class RoundPipeStrategy(CheckpointingStrategy):
             if id(raw) in self._real_zero_grad:
                 restore_zero_grad(raw)
         self._real_zero_grad.clear()
+        for wrapper in self._zero_grad_wrappers:
+            restore_zero_grad(wrapper)
+        self._zero_grad_wrappers.clear()
 
     # -- training --------------------------------------------------------------------------------------
     @override
@@ -387,6 +410,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         super().on_train_start()
         self._run.overlap = False
         lm = self.lightning_module
+        if lm is not None and self._rp is not None and not lm.automatic_optimization:
+            self._order_manual_zero_grad(lm)
         if not self.overlap_iterations or self._rp is None or lm is None:
             return
         reason = overlap_blocker(
