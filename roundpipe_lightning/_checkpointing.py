@@ -25,6 +25,7 @@ from roundpipe_core import RoundPipe
 
 from ._private import WrappingCheckpointIO, uncount_saved_steps
 from ._run_state import RunState
+from ._setup import raw_optimizer, restore_impl_choice
 from ._topology import ProcessTopologyStrategy
 from .checkpoint_io import (
     CHECKPOINT_FORMAT,
@@ -42,6 +43,7 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
 
     _rp: RoundPipe | None
     _run: RunState
+    _user_impl: dict[int, list[dict[str, Any]]]  # per optimizer: fused / foreach as built
 
     @property
     def _loss_scaler(self) -> LossScaler | None:
@@ -74,7 +76,10 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         self._sync_weights()
-        return super().optimizer_state(optimizer)
+        state = super().optimizer_state(optimizer)
+        # the user's fused / foreach, not the fused switch (state_dict() copies the groups)
+        restore_impl_choice(state, self._user_impl.get(id(raw_optimizer(optimizer))))
+        return state
 
     def _named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
         """(LightningModule parameter name, model parameter, master) for every trainable parameter."""

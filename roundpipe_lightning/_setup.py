@@ -39,6 +39,8 @@ __all__ = [
     "adopt_optimizer",
     "zero_grad_after_step",
     "fuse_optimizer",
+    "user_impl_choice",
+    "restore_impl_choice",
     "host_memory_budget",
     "op_name",
     "reaches_params",
@@ -321,6 +323,30 @@ def _not_fused_reason(opt: Optimizer) -> str:
         "some of its parameters are not floating-point dense tensors on a device with the "
         "fused kernel"
     )
+
+
+#: the param-group keys that choose torch's implementation (fuse_optimizer may set them)
+IMPL_KEYS = ("fused", "foreach")
+
+
+def user_impl_choice(opt: Optimizer) -> list[dict[str, Any]]:
+    """Per param group, the ``fused`` / ``foreach`` values as the user built ``opt``."""
+    return [{k: g[k] for k in IMPL_KEYS if k in g} for g in opt.param_groups]
+
+
+def restore_impl_choice(state: dict[str, Any], choice: list[dict[str, Any]] | None) -> None:
+    """Put the user's ``fused`` / ``foreach`` back into an optimizer ``state_dict()``:
+    a checkpoint must not say ``fused=True`` because RoundPipe switched it on (plain
+    Lightning would then resume it fused)."""
+    groups = state.get("param_groups")
+    if choice is None or not isinstance(groups, list) or len(groups) != len(choice):
+        return
+    for group, own in zip(groups, choice):
+        for key in IMPL_KEYS:
+            if key in own:
+                group[key] = own[key]
+            else:
+                group.pop(key, None)
 
 
 def fuse_optimizer(opt: Optimizer) -> bool:

@@ -51,6 +51,7 @@ from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
+from roundpipe_core.optim import check_state_matches
 from roundpipe_core.running.host_memory import check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
@@ -71,6 +72,7 @@ from ._setup import (
     raw_optimizer,
     sequential_of,
     trainer_of,
+    user_impl_choice,
     zero_grad_after_step,
 )
 from ._step import (
@@ -201,6 +203,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         self._run = RunState()
         self._real_zero_grad: dict[int, Callable[..., None]] = {}
         self._zero_grad_wrappers: list[Any] = []  # LightningOptimizers (manual optimization)
+        self._user_impl: dict[int, list[dict[str, Any]]] = {}  # fused / foreach as built
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
         try:
@@ -362,8 +365,11 @@ class RoundPipeStrategy(CheckpointingStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
+        self._user_impl.clear()
         for opt in self.optimizers:
             adopt_optimizer(raw_optimizer(opt), self.roundpipe, self._real_zero_grad)
+            # the user's own choice, which checkpoints keep (not the fused switch below)
+            self._user_impl[id(raw_optimizer(opt))] = user_impl_choice(raw_optimizer(opt))
             if self.fuse_optimizer:
                 # on the masters (host, fp32)
                 fuse_optimizer(raw_optimizer(opt))
@@ -389,10 +395,20 @@ class RoundPipeStrategy(CheckpointingStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
+        self._check_optimizer_states()
         if self.fuse_optimizer:
             # a checkpoint of an unfused run brings back fused=None with its param groups
             for opt in self.optimizers:
                 fuse_optimizer(raw_optimizer(opt))
+
+    def _check_optimizer_states(self) -> None:
+        """Every per-parameter state tensor has its parameter's shape (torch's fused
+        kernels do not check, and train to NaN or corrupt memory instead)."""
+        if self._rp is None:
+            return
+        names = {id(m): name for name, _, m in self._named_masters()}
+        for opt in self.optimizers:
+            check_state_matches(raw_optimizer(opt), names)
 
     def _release_optimizers(self) -> None:
         for opt in self.optimizers:
@@ -412,6 +428,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         lm = self.lightning_module
         if lm is not None and self._rp is not None and not lm.automatic_optimization:
             self._order_manual_zero_grad(lm)
+        # state a hook loaded after the checkpoint (or instead of it), before the first step
+        self._check_optimizer_states()
         if not self.overlap_iterations or self._rp is None or lm is None:
             return
         reason = overlap_blocker(

@@ -60,3 +60,20 @@ def test_after_step_refuses_a_non_callable_and_raises_its_error() -> None:
         rp.synchronize()
     rp.synchronize()  # raised once; the next call works
     rp.close()
+
+
+def test_fused_optimizer_refuses_state_of_other_shapes() -> None:
+    """torch's fused kernels read a momentum buffer of the wrong size out of bounds (heap
+    corruption) and train on a reordered state to NaN; the state is checked at load."""
+    from roundpipe_core import optim
+
+    a, b = torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(5))
+    src = torch.optim.AdamW([a, b], lr=0.1)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    src.step()
+    fused = optim.AdamW([b, a], lr=0.1)  # the same parameters, listed in the other order
+    assert fused.param_groups[0]["fused"]
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter .*\(4, 3\).*\(5,\)"):
+        fused.load_state_dict(src.state_dict())
+    ok = optim.AdamW([a, b], lr=0.1)
+    ok.load_state_dict(src.state_dict())  # same order: accepted

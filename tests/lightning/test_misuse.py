@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from rpl_helpers import SeqModule, loader, max_rel_err, params_of, rp_trainer
 
 TOL = 1e-6
@@ -62,3 +64,52 @@ def test_manual_zero_grad_still_clears_unstepped_gradients() -> None:
     manual = DiscardOdd(manual=True, optimizer="sgd")
     rp_trainer(max_steps=4, async_step=True).fit(manual, loader())
     assert max_rel_err(params_of(manual), params_of(auto)) <= TOL
+
+
+class Reordered(SeqModule):
+    """``configure_optimizers`` lists the parameters in reverse order (when ``reverse``)."""
+
+    reverse = False
+
+    def configure_optimizers(self) -> Any:
+        params = list(self.parameters())
+        return torch.optim.AdamW(params[::-1] if self.reverse else params, lr=1e-2)
+
+
+def _fit_and_checkpoint(module: SeqModule, tmp_path: Any, steps: int = 2) -> Any:
+    """Fit ``steps`` steps, saving a checkpoint after the last (during fit: the strategy
+    holds the optimizer fused then)."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=steps, save_top_k=-1)
+    trainer = rp_trainer(
+        max_steps=steps, enable_checkpointing=True, callbacks=[ckpt], default_root_dir=tmp_path
+    )
+    trainer.fit(module, loader())
+    return ckpt.best_model_path or ckpt.last_model_path or next(tmp_path.glob("*.ckpt"))
+
+
+def test_resume_with_reordered_parameters_raises_naming_the_parameter(tmp_path: Any) -> None:
+    """Fused kernels do not check state shapes: a checkpoint resumed while
+    configure_optimizers lists the parameters in another order would train to NaN.
+    The strategy refuses it at load, naming the parameter and the state entry."""
+    path = _fit_and_checkpoint(Reordered(), tmp_path)
+    second = Reordered()
+    second.reverse = True
+    trainer = rp_trainer(max_steps=4, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 'net\.\d+\.\w+' has shape"):
+        trainer.fit(second, loader(), ckpt_path=path)
+    assert all(torch.isfinite(p).all() for p in second.parameters())
+
+
+class SeesFused(SeqModule):
+    def on_train_end(self) -> None:
+        self.fused_in_fit = [g.get("fused") for g in self.optimizers().optimizer.param_groups]
+
+
+def test_checkpoint_keeps_the_users_fused_setting(tmp_path: Any) -> None:
+    """The strategy runs the optimizer fused, but the checkpoint stores what the user
+    built (fused unset), so plain Lightning resumes it with its own choice."""
+    m = SeesFused()
+    path = _fit_and_checkpoint(m, tmp_path)
+    assert m.fused_in_fit == [True]  # what ran
+    saved = torch.load(path, weights_only=False)
+    assert [g.get("fused") for g in saved["optimizer_states"][0]["param_groups"]] == [None]
