@@ -20,7 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import check_not_compiled_in_place
+from .checks import (
+    IdleSteps,
+    check_no_parameter_hooks,
+    check_not_compiled_in_place,
+    claim_parameters,
+    watch_updates,
+)
 from .kinds import PinMode, parse_kind
 from .planning.schedule import Job
 from .running.devices import memory
@@ -153,6 +159,9 @@ class RoundPipeBase(nn.Module):
         if not layers:
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
         check_not_compiled_in_place(layers)
+        check_no_parameter_hooks(model)
+        if master_owner is None:
+            claim_parameters(model, None)  # before any thread or memory is taken
         object.__setattr__(self, "layers", layers)
         object.__setattr__(
             self, "_original_model", original_model if original_model is not None else model
@@ -173,6 +182,7 @@ class RoundPipeBase(nn.Module):
         )
         self.shared_masters = shared_masters
         self._warned_sync_step = False
+        self._idle = IdleSteps(self.name)
         object.__setattr__(self, "_master_owner", master_owner)
         # the optimizer side (thread, weight versions, overlapped iterations): one owner
         self._steps = StepOwner(self.name, layers, self.masters)
@@ -188,6 +198,8 @@ class RoundPipeBase(nn.Module):
             self._steps,
             pin_handle,
         )
+        if master_owner is None:
+            claim_parameters(model, self)
 
     # -- attribute fall-through --------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -377,10 +389,10 @@ class RoundPipeBase(nn.Module):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be True or False, got {is_async!r}")
-        self._check_open()
+        self._check_open("step()")
         is_async = self._async_allowed(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
-        fn = self._step_recorder.wrap(fn)
+        fn = self._step_recorder.wrap(watch_updates(fn, self._home().masters, self._idle))
         self._steps.step(fn, is_async, self._may_publish_in_background(), settle=self._settle)
 
     def _may_publish_in_background(self) -> bool:
@@ -433,7 +445,7 @@ class RoundPipeBase(nn.Module):
             raise TypeError(f"finish must be callable or None, got {type(finish).__name__}")
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be True or False, got {is_async!r}")
-        self._check_open()
+        self._check_open("step_layerwise()")
         is_async = self._async_allowed(is_async)
         self._steps.step_layerwise(
             step_params,
@@ -459,7 +471,7 @@ class RoundPipeBase(nn.Module):
         """
         if not callable(fn):
             raise TypeError(f"after_step needs a callable, got {type(fn).__name__}")
-        self._check_open()
+        self._check_open("after_step()")
         self._home()._steps.in_step_order(fn, self._settle)
 
     def last_trace(self) -> dict[str, Any]:
@@ -477,6 +489,7 @@ class RoundPipeBase(nn.Module):
     def wait_step(self) -> None:
         """Block until the step queued by ``step()`` (if any) has finished; its error, if
         any, is raised by ``synchronize()``. The masters are then safe to read."""
+        self._check_not_reentrant("wait_step()")
         self._steps.wait_step()
 
     def _drain_runs(self, wait_publication: bool = True) -> None:
@@ -509,6 +522,7 @@ class RoundPipeBase(nn.Module):
         A parameter that is its own master (``shared_masters=True``) holds its gradients
         in its own ``.grad`` all the time; nothing is handed over or cleared for it.
         """
+        self._check_not_reentrant("synchronize()")
         self._settle()
         self._home().masters.hand_grads_to_model()
 
@@ -519,7 +533,24 @@ class RoundPipeBase(nn.Module):
         self._take_model_grads()
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def _check_not_reentrant(self, what: str) -> None:
+        """Refuse a call that would wait for the thread it runs on (a deadlock)."""
+        if self._home()._steps.on_optimizer_thread():
+            raise RuntimeError(
+                f"RoundPipe {self.name!r}: {what} was called inside step_fn, on the optimizer "
+                "thread, and would wait for that thread itself (a deadlock). Call it after "
+                "step() returns; work that must follow the step can use after_step(fn)"
+            )
+        if self.pool.on_worker_thread():
+            raise RuntimeError(
+                f"RoundPipe {self.name!r}: {what} was called on one of its own worker threads "
+                "(inside loss_fn, a layer's forward or a hook), and would wait for the workers "
+                "that run it (a deadlock). Compute it outside the call, e.g. after "
+                "forward_backward returns"
+            )
+
+    def _check_open(self, what: str = "this call") -> None:
+        self._check_not_reentrant(what)
         try:
             self._steps.check_open()
         except ClosedError:

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from roundpipe_core import RoundPipe
+from roundpipe_core.optim import check_state_matches
 
 from ._private import WrappingCheckpointIO, uncount_saved_steps
 from ._run_state import RunState
@@ -153,3 +154,13 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         self._sync_weights()
         super().load_optimizer_state_dict(checkpoint)
+        self._check_optimizer_states()
+
+    def _check_optimizer_states(self) -> None:
+        """Every per-parameter state tensor has its parameter's shape (torch's fused
+        kernels do not check, and train to NaN or corrupt memory instead)."""
+        if self._rp is None:
+            return
+        names = {id(m): name for name, _, m in self._named_masters()}
+        for opt in self.optimizers:
+            check_state_matches(raw_optimizer(opt), names)

@@ -24,7 +24,7 @@ from roundpipe_core.running.host_memory import (
     estimate_host_memory,
 )
 
-from ._private import defer_zero_grad
+from ._private import defer_zero_grad, restore_zero_grad
 
 __all__ = [
     "trainer_of",
@@ -38,6 +38,8 @@ __all__ = [
     "sequential_of",
     "adopt_optimizer",
     "zero_grad_after_step",
+    "order_manual_zero_grad",
+    "release_optimizers",
     "fuse_optimizer",
     "user_impl_choice",
     "restore_impl_choice",
@@ -229,6 +231,45 @@ def zero_grad_after_step(rp: RoundPipe, real: Callable[..., None]) -> Callable[.
     return zero_grad
 
 
+def order_manual_zero_grad(
+    lm: pl.LightningModule, rp: RoundPipe, real_zero_grad: dict[int, Callable[..., None]]
+) -> list[LightningOptimizer]:
+    """Manual optimization: the user's ``opt.zero_grad()`` (on the LightningOptimizer or
+    the optimizer itself) runs in order with the queued step, on the optimizer thread
+    right after it -- clearing the masters' gradients while that step still reads them
+    would lose its update. Returns the wrappers given the ordered ``zero_grad``."""
+    wrappers = lm.optimizers(use_pl_optimizer=True)
+    changed = []
+    for wrapper in wrappers if isinstance(wrappers, list) else [wrappers]:
+        raw = raw_optimizer(wrapper)
+        real = real_zero_grad.get(id(raw))
+        if real is None:
+            continue
+        in_order = zero_grad_after_step(rp, real)
+        defer_zero_grad(raw, in_order)
+        if wrapper is not raw:
+            defer_zero_grad(wrapper, in_order)
+            changed.append(wrapper)
+    return changed
+
+
+def release_optimizers(
+    optimizers: list[Optimizer],
+    real_zero_grad: dict[int, Callable[..., None]],
+    wrappers: list[LightningOptimizer],
+) -> None:
+    """Give the optimizers (and LightningOptimizer wrappers) their own ``zero_grad``
+    back (teardown); empties ``real_zero_grad`` and ``wrappers``."""
+    for opt in optimizers:
+        raw = raw_optimizer(opt)
+        if id(raw) in real_zero_grad:
+            restore_zero_grad(raw)
+    real_zero_grad.clear()
+    for wrapper in wrappers:
+        restore_zero_grad(wrapper)
+    wrappers.clear()
+
+
 def op_name(reduce_op: ReduceOp | str | None) -> str:
     """Lightning's ``reduce_op`` ("mean", "avg", "sum", ``ReduceOp.SUM``, None) as the
     op name of :func:`roundpipe_core.distributed.all_reduce`."""
@@ -331,7 +372,7 @@ IMPL_KEYS = ("fused", "foreach")
 
 def user_impl_choice(opt: Optimizer) -> list[dict[str, Any]]:
     """Per param group, the ``fused`` / ``foreach`` values as the user built ``opt``."""
-    return [{k: g[k] for k in IMPL_KEYS if k in g} for g in opt.param_groups]
+    return [{k: g[k] for k in IMPL_KEYS if k in g} for g in raw_optimizer(opt).param_groups]
 
 
 def restore_impl_choice(state: dict[str, Any], choice: list[dict[str, Any]] | None) -> None:

@@ -51,12 +51,11 @@ from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
-from roundpipe_core.optim import check_state_matches
 from roundpipe_core.running.host_memory import check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
 from ._flush import FlushWeights
-from ._private import defer_zero_grad, mark_lr_scheduler_step_called, restore_zero_grad
+from ._private import mark_lr_scheduler_step_called
 from ._run_state import RunState
 from ._setup import (
     adopt_optimizer,
@@ -68,12 +67,13 @@ from ._setup import (
     check_type,
     fuse_optimizer,
     host_memory_budget,
+    order_manual_zero_grad,
     parse_dtype,
     raw_optimizer,
+    release_optimizers,
     sequential_of,
     trainer_of,
     user_impl_choice,
-    zero_grad_after_step,
 )
 from ._step import (
     OverlappedForwardBackward,
@@ -365,60 +365,24 @@ class RoundPipeStrategy(CheckpointingStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        self._user_impl.clear()
+        # the user's own fused / foreach, which checkpoints keep (not the switch below)
+        self._user_impl = {id(raw_optimizer(o)): user_impl_choice(o) for o in self.optimizers}
         for opt in self.optimizers:
             adopt_optimizer(raw_optimizer(opt), self.roundpipe, self._real_zero_grad)
-            # the user's own choice, which checkpoints keep (not the fused switch below)
-            self._user_impl[id(raw_optimizer(opt))] = user_impl_choice(raw_optimizer(opt))
             if self.fuse_optimizer:
                 # on the masters (host, fp32)
                 fuse_optimizer(raw_optimizer(opt))
 
-    def _order_manual_zero_grad(self, lm: pl.LightningModule) -> None:
-        """Manual optimization: the user's ``opt.zero_grad()`` (on the LightningOptimizer
-        or the optimizer itself) runs in order with the queued step, on the optimizer
-        thread right after it -- clearing the masters' gradients while that step still
-        reads them would lose its update. (At train start: Lightning re-creates its
-        LightningOptimizers when it connects the precision plugin, after the optimizers.)"""
-        wrappers = lm.optimizers(use_pl_optimizer=True)
-        for wrapper in wrappers if isinstance(wrappers, list) else [wrappers]:
-            raw = raw_optimizer(wrapper)
-            real = self._real_zero_grad.get(id(raw))
-            if real is None:
-                continue
-            in_order = zero_grad_after_step(self.roundpipe, real)
-            defer_zero_grad(raw, in_order)
-            if wrapper is not raw:
-                defer_zero_grad(wrapper, in_order)
-                self._zero_grad_wrappers.append(wrapper)
-
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        self._check_optimizer_states()
+        super().load_optimizer_state_dict(checkpoint)  # (checks the state's shapes)
         if self.fuse_optimizer:
             # a checkpoint of an unfused run brings back fused=None with its param groups
             for opt in self.optimizers:
                 fuse_optimizer(raw_optimizer(opt))
 
-    def _check_optimizer_states(self) -> None:
-        """Every per-parameter state tensor has its parameter's shape (torch's fused
-        kernels do not check, and train to NaN or corrupt memory instead)."""
-        if self._rp is None:
-            return
-        names = {id(m): name for name, _, m in self._named_masters()}
-        for opt in self.optimizers:
-            check_state_matches(raw_optimizer(opt), names)
-
     def _release_optimizers(self) -> None:
-        for opt in self.optimizers:
-            raw = raw_optimizer(opt)
-            if id(raw) in self._real_zero_grad:
-                restore_zero_grad(raw)
-        self._real_zero_grad.clear()
-        for wrapper in self._zero_grad_wrappers:
-            restore_zero_grad(wrapper)
-        self._zero_grad_wrappers.clear()
+        release_optimizers(self.optimizers, self._real_zero_grad, self._zero_grad_wrappers)
 
     # -- training --------------------------------------------------------------------------------------
     @override
@@ -427,7 +391,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         self._run.overlap = False
         lm = self.lightning_module
         if lm is not None and self._rp is not None and not lm.automatic_optimization:
-            self._order_manual_zero_grad(lm)
+            # at train start: Lightning re-creates its LightningOptimizers after setup
+            self._zero_grad_wrappers += order_manual_zero_grad(lm, self._rp, self._real_zero_grad)
         # state a hook loaded after the checkpoint (or instead of it), before the first step
         self._check_optimizer_states()
         if not self.overlap_iterations or self._rp is None or lm is None:

@@ -299,6 +299,10 @@ class StepOwner:
     def closed(self) -> bool:
         return self._stepper.closed
 
+    def on_optimizer_thread(self) -> bool:
+        """Whether the caller is the optimizer thread (a ``step_fn`` running)."""
+        return self._stepper.on_thread()
+
     def shutdown(self, timeout: float | None = 0.0) -> None:
         """Stop the optimizer thread once its queue is done; wait up to ``timeout`` s."""
         self._stepper.shutdown(timeout)

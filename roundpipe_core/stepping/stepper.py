@@ -167,6 +167,10 @@ class OptimizerThread:
     def closed(self) -> bool:
         return self._closed
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on this thread (inside a queued callable)."""
+        return threading.current_thread() is self._thread
+
 
 class Stepper:
     """The optimizer thread of one RoundPipe with its pending step and failure state.
@@ -356,6 +360,10 @@ class Stepper:
         if fut is not None and fut.done() and not fut.cancelled():
             return fut.exception()
         return None
+
+    def on_thread(self) -> bool:
+        """Whether the caller runs on the optimizer thread (inside a step)."""
+        return self._thread.is_current()
 
     def check_open(self) -> None:
         """Raises ClosedError after ``shutdown()``."""
