@@ -24,6 +24,7 @@ from .checks import (
     IdleSteps,
     check_no_parameter_hooks,
     check_not_compiled_in_place,
+    check_not_on_meta,
     claim_parameters,
     watch_updates,
 )
@@ -160,6 +161,7 @@ class RoundPipeBase(nn.Module):
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
         check_not_compiled_in_place(layers)
         check_no_parameter_hooks(model)
+        check_not_on_meta(model)
         if master_owner is None:
             claim_parameters(model, None)  # before any thread or memory is taken
         object.__setattr__(self, "layers", layers)

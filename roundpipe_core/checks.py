@@ -227,6 +227,23 @@ def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
                 )
 
 
+def check_not_on_meta(model: nn.Module) -> None:
+    """Refuse a model whose parameters or buffers are on the meta device (no data): it
+    would fail only at the first call, on a worker thread.
+
+    Raises:
+        ValueError: naming the first such tensor and how to materialize it.
+    """
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.device.type == "meta":
+                raise ValueError(
+                    f"{kind} {name!r} is on the meta device (it has no data): materialize the "
+                    "model before wrapping it, e.g. model.to_empty(device='cpu') and then load "
+                    "its weights (load_state_dict), or build it outside torch.device('meta')"
+                )
+
+
 def check_no_parameter_hooks(model: nn.Module) -> None:
     """Refuse parameters that carry gradient hooks (``Tensor.register_hook``,
     ``register_post_accumulate_grad_hook``).

@@ -10,8 +10,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -34,6 +36,7 @@ __all__ = [
     "check_choice",
     "check_num_microbatch",
     "check_type",
+    "check_plugins",
     "check_pool_devices",
     "sequential_of",
     "adopt_optimizer",
@@ -319,6 +322,18 @@ def check_type(name: str, value: Any, types: tuple[type, ...], accepted: str) ->
             f"RoundPipeStrategy({name}=...): {name} must be None or {accepted}, got "
             f"{type(value).__name__}"
         )
+
+
+def check_plugins(checkpoint_io: Any, precision_plugin: Any) -> None:
+    """TypeErrors for a ``checkpoint_io`` / ``precision_plugin`` of the wrong kind (they
+    would fail only at the first save or at teardown, or be silently ignored)."""
+    check_type("checkpoint_io", checkpoint_io, (CheckpointIO,), "a lightning CheckpointIO")
+    if isinstance(precision_plugin, (str, int)):
+        raise TypeError(
+            f"RoundPipeStrategy(precision_plugin={precision_plugin!r}): pass the precision to "
+            f"the Trainer instead: Trainer(precision={precision_plugin!r}, strategy=...)"
+        )
+    check_type("precision_plugin", precision_plugin, (Precision,), "a lightning Precision plugin")
 
 
 def check_pool_devices(devices: list[torch.device]) -> list[torch.device]:

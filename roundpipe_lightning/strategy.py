@@ -63,6 +63,7 @@ from ._setup import (
     check_choice,
     check_loss_went_through,
     check_num_microbatch,
+    check_plugins,
     check_pool_devices,
     check_type,
     fuse_optimizer,
@@ -168,6 +169,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self._default_precision = RoundPipePrecision()
+        check_plugins(checkpoint_io, precision_plugin)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -203,7 +205,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         self._run = RunState()
         self._real_zero_grad: dict[int, Callable[..., None]] = {}
         self._zero_grad_wrappers: list[Any] = []  # LightningOptimizers (manual optimization)
-        self._user_impl: dict[int, list[dict[str, Any]]] = {}  # fused / foreach as built
+        self._user_impl: dict[int, list[dict[str, Any]]] = {}  # fused / foreach as built: saved
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
         try:
@@ -365,7 +367,6 @@ class RoundPipeStrategy(CheckpointingStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        # the user's own fused / foreach, which checkpoints keep (not the switch below)
         self._user_impl = {id(raw_optimizer(o)): user_impl_choice(o) for o in self.optimizers}
         for opt in self.optimizers:
             adopt_optimizer(raw_optimizer(opt), self.roundpipe, self._real_zero_grad)
@@ -393,8 +394,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         if lm is not None and self._rp is not None and not lm.automatic_optimization:
             # at train start: Lightning re-creates its LightningOptimizers after setup
             self._zero_grad_wrappers += order_manual_zero_grad(lm, self._rp, self._real_zero_grad)
-        # state a hook loaded after the checkpoint (or instead of it), before the first step
-        self._check_optimizer_states()
+        self._check_optimizer_states()  # also state a hook loaded, before the first step
         if not self.overlap_iterations or self._rp is None or lm is None:
             return
         reason = overlap_blocker(

@@ -230,3 +230,19 @@ def test_grad_scaler_accepts_torchs_signature() -> None:
         GradScaler(scale=4.0)
     with pytest.raises(TypeError, match="device twice"):
         GradScaler("cpu", device="cpu")
+
+
+def test_a_model_on_the_meta_device_is_refused_at_construction() -> None:
+    with torch.device("meta"):
+        net = mlp()
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' is on the meta device"):
+        RoundPipe(net, devices="cpu:1")
+
+
+@pytest.mark.parametrize("args", [(0, 2), (4, 0), (-1, 2), (2.5, 2)])
+def test_uniform_plan_refuses_non_positive_sizes(args: tuple) -> None:
+    from roundpipe_core import ModelExecutePlan
+
+    with pytest.raises(ValueError, match="ModelExecutePlan.uniform: num_"):
+        ModelExecutePlan.uniform(*args)
+    assert len(ModelExecutePlan.uniform(3, 5).bwd_plan) == 3  # more stages than layers: clamped

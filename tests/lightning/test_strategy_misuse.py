@@ -113,3 +113,21 @@ def test_checkpoint_keeps_the_users_fused_setting(tmp_path: Any) -> None:
     assert m.fused_in_fit == [True]  # what ran
     saved = torch.load(path, weights_only=False)
     assert [g.get("fused") for g in saved["optimizer_states"][0]["param_groups"]] == [None]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(checkpoint_io=object()), r"checkpoint_io must be None or a lightning CheckpointIO"),
+        (dict(precision_plugin="16"), r"Trainer\(precision='16'"),
+        (
+            dict(precision_plugin=object()),
+            r"precision_plugin must be None or a lightning Precision",
+        ),
+    ],
+)
+def test_plugins_of_the_wrong_kind_are_refused_at_construction(kwargs: dict, match: str) -> None:
+    from roundpipe_lightning import RoundPipeStrategy
+
+    with pytest.raises(TypeError, match=match):
+        RoundPipeStrategy(**kwargs)
