@@ -131,3 +131,37 @@ def test_plugins_of_the_wrong_kind_are_refused_at_construction(kwargs: dict, mat
 
     with pytest.raises(TypeError, match=match):
         RoundPipeStrategy(**kwargs)
+
+
+def test_checkpoint_files_get_the_umask_mode_and_write_through_symlinks(tmp_path: Any) -> None:
+    import os
+
+    from roundpipe_lightning.checkpoint_io import StreamingCheckpointIO
+
+    io = StreamingCheckpointIO()
+    old = os.umask(0o022)
+    try:
+        io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.ckpt").stat().st_mode & 0o777 == 0o644  # as a plain save, not 0600
+    os.chmod(tmp_path / "a.ckpt", 0o640)
+    io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "a.ckpt")
+    assert (tmp_path / "a.ckpt").stat().st_mode & 0o777 == 0o640  # an existing file's mode
+    # saving through a symlink writes the file it points to and keeps the link
+    (tmp_path / "link.ckpt").symlink_to(tmp_path / "a.ckpt")
+    io.save_checkpoint({"w": torch.full((2,), 7.0)}, tmp_path / "link.ckpt")
+    assert (tmp_path / "link.ckpt").is_symlink()
+    assert torch.load(tmp_path / "a.ckpt", weights_only=True)["w"].tolist() == [7.0, 7.0]
+
+
+def test_a_killed_saves_temporary_file_is_removed_by_the_next_save(tmp_path: Any) -> None:
+    from roundpipe_lightning.checkpoint_io import StreamingCheckpointIO
+
+    stale = tmp_path / ".last.ckpt.k1ll3d_x.tmp"  # what SIGKILL mid-save leaves
+    stale.write_bytes(b"x" * 1000)
+    other = tmp_path / ".other.ckpt.k1ll3d_x.tmp"  # another target's: not ours to remove
+    other.write_bytes(b"x")
+    StreamingCheckpointIO().save_checkpoint({"w": torch.ones(2)}, tmp_path / "last.ckpt")
+    assert not stale.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.ckpt.k1ll3d_x.tmp", "last.ckpt"]
