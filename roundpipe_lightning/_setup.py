@@ -283,8 +283,9 @@ def op_name(reduce_op: ReduceOp | str | None) -> str:
     return {"avg": "mean", "prod": "product"}.get(name, name)
 
 
-def reaches_params(loss: Tensor, params: set[int]) -> bool:
-    """Whether ``loss``'s autograd graph accumulates into one of ``params`` (by id)."""
+def reaches_params(loss: Tensor, params: set[int]) -> int | None:
+    """The id of one of ``params`` (by id) that ``loss``'s autograd graph accumulates
+    into, or None."""
     stack, seen = [loss.grad_fn], set()
     while stack:
         fn = stack.pop()
@@ -293,9 +294,9 @@ def reaches_params(loss: Tensor, params: set[int]) -> bool:
         seen.add(id(fn))
         var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
         if var is not None and id(var) in params:
-            return True
+            return id(var)
         stack.extend(f for f, _ in fn.next_functions)
-    return False
+    return None
 
 
 def check_num_microbatch(value: Any) -> int | None:
@@ -456,11 +457,16 @@ def check_loss_went_through(loss: Tensor, rp: RoundPipe) -> None:
     """Refuse a loss whose graph reaches the wrapped network's own parameters: the
     network ran outside RoundPipe, its gradients would never reach the masters the
     optimizer steps, and training would silently do nothing."""
-    if loss.requires_grad and reaches_params(loss, {id(p) for p in rp.model.parameters()}):
+    names = {id(p): name for name, p in rp.model.named_parameters()}
+    reached = reaches_params(loss, set(names)) if loss.requires_grad else None
+    if reached is not None:
         raise RuntimeError(
-            "the loss was computed by calling the network configure_sequential() returned "
-            "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "
-            "call it through self.roundpipe instead: "
-            "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) "
-            "or out = self.roundpipe(x)"
+            f"the loss's autograd graph reaches the parameter {names[reached]!r} of the network "
+            "configure_sequential() returned, whose gradients never reach the master copies "
+            "the optimizer steps. Either the network was called directly (e.g. self.net(x) or "
+            "self.model(**batch).loss): call it through self.roundpipe instead -- "
+            "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) or "
+            "out = self.roundpipe(x) -- or a term of the loss uses its weights (an L2 penalty "
+            "over self.parameters()): use the optimizer's weight_decay, or add the penalty's "
+            "gradient to the optimizer's parameters (the masters) in on_before_optimizer_step"
         )

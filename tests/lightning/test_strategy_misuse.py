@@ -3,6 +3,7 @@ strategy (issue 23): each case either gives the right numbers or a clear error."
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -165,3 +166,22 @@ def test_a_killed_saves_temporary_file_is_removed_by_the_next_save(tmp_path: Any
     StreamingCheckpointIO().save_checkpoint({"w": torch.ones(2)}, tmp_path / "last.ckpt")
     assert not stale.exists() and other.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.ckpt.k1ll3d_x.tmp", "last.ckpt"]
+
+
+class L2Penalty(SeqModule):
+    """A loss through self.roundpipe plus an L2 term over self.parameters()."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = self.roundpipe(x)
+        penalty = sum((p**2).sum() for p in self.parameters())
+        return self.loss_fn(loss, y) + 1e-3 * penalty
+
+
+def test_an_l2_term_over_the_network_weights_is_named() -> None:
+    m = L2Penalty()
+    with pytest.raises(RuntimeError) as info:
+        rp_trainer(max_steps=1).fit(m, loader())
+    msg = str(info.value)
+    assert re.search(r"reaches the parameter '\d+\.(weight|bias)'", msg), msg
+    assert "L2 penalty" in msg and "weight_decay" in msg, msg
