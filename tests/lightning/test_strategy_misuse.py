@@ -185,3 +185,27 @@ def test_an_l2_term_over_the_network_weights_is_named() -> None:
     msg = str(info.value)
     assert re.search(r"reaches the parameter '\d+\.(weight|bias)'", msg), msg
     assert "L2 penalty" in msg and "weight_decay" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "state", ["garbage", {"plan": "garbage"}, {"plan": {"fwd": [[0]]}}, {"last_replan_step": "3"}]
+)
+def test_autoreplan_refuses_garbage_state(state: Any) -> None:
+    from roundpipe_lightning import AutoReplan
+
+    with pytest.raises(
+        ValueError, match="AutoReplan: the checkpoint's AutoReplan state is not valid"
+    ):
+        AutoReplan().load_state_dict(state)
+
+
+def test_autoreplan_plan_for_other_devices_names_the_checkpoint() -> None:
+    from roundpipe_core import ModelExecutePlan
+    from roundpipe_lightning import AutoReplan
+
+    plan = ModelExecutePlan.uniform(7, 2).to_dict()
+    plan["bwd_owners"] = [2, 3]  # devices of a 4-device run; this pool has 2
+    replan = AutoReplan()
+    replan.load_state_dict({"plan": plan, "last_replan_step": 3, "run_type": replan.run_type})
+    with pytest.raises(ValueError, match="the plan restored from the checkpoint .* does not fit"):
+        rp_trainer(max_steps=1, callbacks=[replan]).fit(SeqModule(), loader())
