@@ -37,6 +37,7 @@ next iteration's losses may be scaled before that ``update()`` runs, so keep
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from collections import abc
@@ -301,3 +302,18 @@ def _apply_scale(outputs: Any, scale: torch.Tensor) -> Any:
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
     return apply(outputs)
+
+
+# The published signature (positional order init_scale, growth_factor, ...) for
+# inspect.signature and help(); __init__ takes *args so that torch's order -- a device
+# first -- works as well (see the class docstring).
+GradScaler.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in _SCALER_DEFAULTS.items()
+    ]
+    + [
+        inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, default=None),
+        inspect.Parameter("wait_timeout", inspect.Parameter.KEYWORD_ONLY, default=300.0),
+    ]
+)
