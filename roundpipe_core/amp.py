@@ -37,6 +37,7 @@ next iteration's losses may be scaled before that ``update()`` runs, so keep
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from collections import abc
@@ -45,6 +46,37 @@ from typing import Any, overload
 import torch
 
 __all__ = ["GradScaler"]
+
+
+_SCALER_DEFAULTS: dict[str, Any] = {
+    "init_scale": 2.0**16,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "enabled": True,
+}
+
+
+def _scaler_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """GradScaler's arguments in this class's order or in torch's (device first)."""
+    device = kwargs.pop("device", None)
+    if args and isinstance(args[0], (str, torch.device)):
+        if device is not None:
+            raise TypeError("GradScaler got the device twice (first argument and device=)")
+        device, args = args[0], args[1:]
+    if device is not None:
+        torch.device(device)  # a device torch can name (RuntimeError otherwise)
+    names = list(_SCALER_DEFAULTS)
+    if len(args) > len(names):
+        raise TypeError(f"GradScaler takes at most {len(names)} arguments after the device")
+    values = dict(_SCALER_DEFAULTS, **dict(zip(names, args)))
+    for name, value in kwargs.items():
+        if name not in values:
+            raise TypeError(f"GradScaler got an unexpected keyword argument {name!r}")
+        if name in names[: len(args)]:
+            raise TypeError(f"GradScaler got multiple values for {name!r}")
+        values[name] = value
+    return values
 
 
 class GradScaler:
@@ -61,18 +93,21 @@ class GradScaler:
             other method a no-op.
         wait_timeout: seconds ``scale()`` / ``get_scale()`` / ``state_dict()`` wait for a
             deferred ``update()`` to find its ``step()`` before raising ``RuntimeError``.
+
+    ``torch.amp.GradScaler``'s signature is accepted too: ``GradScaler("cpu")``,
+    ``GradScaler("cuda", 1024.0)``, ``GradScaler(device="cpu", init_scale=8.0)`` -- a
+    device (string or ``torch.device``) as the first argument comes before the others,
+    as in torch. The scale lives with the masters on the CPU whatever it names.
     """
 
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-        *,
-        wait_timeout: float = 300.0,
-    ) -> None:
+    def __init__(self, *args: Any, wait_timeout: float = 300.0, **kwargs: Any) -> None:
+        values = _scaler_arguments(args, kwargs)
+        init_scale, growth_factor, backoff_factor = (
+            values["init_scale"],
+            values["growth_factor"],
+            values["backoff_factor"],
+        )
+        growth_interval, enabled = values["growth_interval"], values["enabled"]
         if not isinstance(growth_interval, int) or isinstance(growth_interval, bool):
             raise TypeError(f"growth_interval must be an int, got {growth_interval!r}")
         if wait_timeout <= 0:
@@ -267,3 +302,18 @@ def _apply_scale(outputs: Any, scale: torch.Tensor) -> Any:
         raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
     return apply(outputs)
+
+
+# The published signature (positional order init_scale, growth_factor, ...) for
+# inspect.signature and help(); __init__ takes *args so that torch's order -- a device
+# first -- works as well (see the class docstring).
+GradScaler.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in _SCALER_DEFAULTS.items()
+    ]
+    + [
+        inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, default=None),
+        inspect.Parameter("wait_timeout", inspect.Parameter.KEYWORD_ONLY, default=300.0),
+    ]
+)

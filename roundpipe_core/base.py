@@ -21,7 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import check_not_compiled_in_place
+from .checks import (
+    IdleSteps,
+    check_no_parameter_hooks,
+    check_not_compiled_in_place,
+    check_not_on_meta,
+    claim_parameters,
+    watch_updates,
+)
 from .kinds import PinMode, parse_kind
 from .planning.schedule import Job
 from .running.devices import memory
@@ -157,6 +164,10 @@ class RoundPipeBase(nn.Module):
         if not layers:
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
         check_not_compiled_in_place(layers)
+        check_no_parameter_hooks(model)
+        check_not_on_meta(model)
+        if master_owner is None:
+            claim_parameters(model, None)  # before any thread or memory is taken
         object.__setattr__(self, "layers", layers)
         object.__setattr__(
             self, "_original_model", original_model if original_model is not None else model
@@ -180,6 +191,7 @@ class RoundPipeBase(nn.Module):
         )
         self.shared_masters = shared_masters
         self._warned_sync_step = False
+        self._idle = IdleSteps(self.name)
         object.__setattr__(self, "_master_owner", master_owner)
         # the optimizer side (thread, weight versions, overlapped iterations): one owner
         self._steps = StepOwner(self.name, layers, self.masters)
@@ -195,6 +207,8 @@ class RoundPipeBase(nn.Module):
             self._steps,
             pin_handle,
         )
+        if master_owner is None:
+            claim_parameters(model, self)
 
     # -- attribute fall-through --------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -388,10 +402,10 @@ class RoundPipeBase(nn.Module):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be True or False, got {is_async!r}")
-        self._check_open()
+        self._check_open("step()")
         is_async = self._async_allowed(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
-        fn = self._step_recorder.wrap(fn)
+        fn = self._step_recorder.wrap(watch_updates(fn, self._home().masters, self._idle))
         self._steps.step(fn, is_async, self._may_publish_in_background(), settle=self._settle)
 
     def _may_publish_in_background(self) -> bool:
@@ -402,17 +416,13 @@ class RoundPipeBase(nn.Module):
 
     @staticmethod
     def default_shared_masters(pool: DevicePool) -> bool:
-        """``shared_masters=None``: share on a pool whose devices compute on the host's
-        cores one at a time (CPU workers), where a synchronous step is the faster one and
-        a second weight copy buys nothing; separate masters on GPUs, for the
-        asynchronous step."""
+        """``shared_masters=None``: share on CPU workers (one at a time on the host's cores:
+        the synchronous step is faster there); separate on GPUs, for the async step."""
         return not pool.concurrent
 
     def _async_allowed(self, is_async: bool) -> bool:
-        """``is_async``, unless a master is shared: the step then writes the weights the
-        devices read, so it must be synchronous. Said once: a warning where the user
-        chose ``shared_masters=True``, an info line where the pool's default chose it
-        (CPU workers, whose synchronous step is the faster and plain-PyTorch-exact one)."""
+        """``is_async``, unless a master is shared (the step then writes the weights devices
+        read): said once, as a warning for ``shared_masters=True``, else at INFO."""
         if is_async and self._home().masters.num_shared:
             if not self._warned_sync_step:
                 self._warned_sync_step = True
@@ -464,7 +474,7 @@ class RoundPipeBase(nn.Module):
             raise TypeError(f"finish must be callable or None, got {type(finish).__name__}")
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be True or False, got {is_async!r}")
-        self._check_open()
+        self._check_open("step_layerwise()")
         is_async = self._async_allowed(is_async)
         self._steps.step_layerwise(
             step_params,
@@ -474,6 +484,24 @@ class RoundPipeBase(nn.Module):
             self._step_recorder.wrap,
             settle=self._settle,
         )
+
+    def after_step(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` -- typically an optimizer's ``zero_grad`` called outside
+        ``step_fn`` -- in program order with the asynchronous step: after the step queued
+        by ``step()`` has run (on the optimizer thread, so this call does not wait), at
+        once when none is in flight. Clearing the masters' ``.grad`` directly while a
+        step still runs would race with it and lose its update.
+
+        Its error is raised by the next ``synchronize()`` or blocking ``forward_backward``.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+            RuntimeError: this RoundPipe is closed.
+        """
+        if not callable(fn):
+            raise TypeError(f"after_step needs a callable, got {type(fn).__name__}")
+        self._check_open("after_step()")
+        self._home()._steps.in_step_order(fn, self._settle)
 
     def last_trace(self) -> dict[str, Any]:
         """The last pipelined call's measured timeline (blocking or not) as a Chrome
@@ -490,6 +518,7 @@ class RoundPipeBase(nn.Module):
     def wait_step(self) -> None:
         """Block until the step queued by ``step()`` (if any) has finished; its error, if
         any, is raised by ``synchronize()``. The masters are then safe to read."""
+        self._check_not_reentrant("wait_step()")
         self._steps.wait_step()
 
     def _drain_runs(self, wait_publication: bool = True) -> None:
@@ -522,6 +551,7 @@ class RoundPipeBase(nn.Module):
         A parameter that is its own master (``shared_masters=True``) holds its gradients
         in its own ``.grad`` all the time; nothing is handed over or cleared for it.
         """
+        self._check_not_reentrant("synchronize()")
         self._settle()
         self._home().masters.hand_grads_to_model()
 
@@ -532,7 +562,24 @@ class RoundPipeBase(nn.Module):
         self._take_model_grads()
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def _check_not_reentrant(self, what: str) -> None:
+        """Refuse a call that would wait for the thread it runs on (a deadlock)."""
+        if self._home()._steps.on_optimizer_thread():
+            raise RuntimeError(
+                f"RoundPipe {self.name!r}: {what} was called inside step_fn, on the optimizer "
+                "thread, and would wait for that thread itself (a deadlock). Call it after "
+                "step() returns; work that must follow the step can use after_step(fn)"
+            )
+        if self.pool.on_worker_thread():
+            raise RuntimeError(
+                f"RoundPipe {self.name!r}: {what} was called on one of its own worker threads "
+                "(inside loss_fn, a layer's forward or a hook), and would wait for the workers "
+                "that run it (a deadlock). Compute it outside the call, e.g. after "
+                "forward_backward returns"
+            )
+
+    def _check_open(self, what: str = "this call") -> None:
+        self._check_not_reentrant(what)
         try:
             self._steps.check_open()
         except ClosedError:

@@ -28,12 +28,20 @@ prefetched parameters) before the call runs, instead of an out-of-memory error
 halfway through it.
 
 Writes to global variables cannot be seen from the module and are not detected.
+
+At construction a RoundPipe also refuses what it could not honour: parameters with
+gradient hooks (:func:`check_no_parameter_hooks`) and parameters another open
+RoundPipe already keeps masters of (:func:`claim_parameters`); ``forward_backward``
+refuses inputs that require grad (:func:`check_inputs_need_no_grad`), and
+:func:`watch_updates` warns when steps keep updating no master (an optimizer built
+over ``rp.parameters()``).
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -42,6 +50,7 @@ from torch import nn
 
 from . import batch as batching
 from .planning.profile import check_plan_fits, measure_activation_bytes, scale_activation_bytes
+from .stepping.masters import MasterWeights
 
 __all__ = [
     "ForwardRuleChecker",
@@ -216,6 +225,152 @@ def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
                     "per-device copies cannot keep; compile it as a new module instead "
                     "(layers[i] = torch.compile(layer)) before wrapping"
                 )
+
+
+def check_not_on_meta(model: nn.Module) -> None:
+    """Refuse a model whose parameters or buffers are on the meta device (no data): it
+    would fail only at the first call, on a worker thread.
+
+    Raises:
+        ValueError: naming the first such tensor and how to materialize it.
+    """
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.device.type == "meta":
+                raise ValueError(
+                    f"{kind} {name!r} is on the meta device (it has no data): materialize the "
+                    "model before wrapping it, e.g. model.to_empty(device='cpu') and then load "
+                    "its weights (load_state_dict), or build it outside torch.device('meta')"
+                )
+
+
+def check_no_parameter_hooks(model: nn.Module) -> None:
+    """Refuse parameters that carry gradient hooks (``Tensor.register_hook``,
+    ``register_post_accumulate_grad_hook``).
+
+    Devices backpropagate into their own copies of a stage's parameters and the
+    gradients are added to the master copies on the host, so a hook on the module's
+    parameter would never run -- a ``g * 0`` hook would silently not zero anything.
+
+    Raises:
+        ValueError: naming the first such parameter and what to do instead.
+    """
+    for name, p in model.named_parameters():
+        kinds = [
+            label
+            for attr, label in (
+                ("_backward_hooks", "register_hook"),
+                ("_post_accumulate_grad_hooks", "register_post_accumulate_grad_hook"),
+            )
+            if getattr(p, attr, None)
+        ]
+        if kinds:
+            raise ValueError(
+                f"parameter {name!r} has a gradient hook ({', '.join(kinds)}), which RoundPipe "
+                "would never call: devices backpropagate into copies of the parameters and "
+                "the gradients are added to master copies on the host. Remove the hook "
+                "(handle.remove()) and change the gradients where they are complete instead: "
+                "in step_fn before optimizer.step(), or with RoundPipe.register_grad_hook(fn), "
+                "which gets the masters once their gradients are in"
+            )
+
+
+def check_inputs_need_no_grad(args: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse ``forward_backward`` inputs that require grad: it backpropagates into the
+    RoundPipe's parameters only, so such an input would silently get no ``.grad`` (and
+    the graph that produced it no gradient).
+
+    Raises:
+        ValueError: naming the input and the two ways out.
+    """
+    for where, value in [("input_args", args), ("input_kwargs", kwargs)]:
+        leaves, _ = batching.tree.flatten(value)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                raise ValueError(
+                    f"forward_backward: tensor {i} of {where} (shape {tuple(leaf.shape)}) "
+                    "requires grad, but forward_backward computes the gradients of the "
+                    "RoundPipe's parameters only: it would get no .grad. Pass it detached "
+                    "(x.detach()) if it needs none, or compute loss = loss_fn(rp(x), y) and "
+                    "call loss.backward(), which backpropagates into the inputs too"
+                )
+
+
+# -- who trains a parameter, and whether a step trains anything ---------------------------
+
+# model parameter id -> (the parameter, the RoundPipe making its master), both weak: a
+# parameter may have masters in one open RoundPipe only (two would step two copies and
+# one update would be lost)
+_PARAM_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_PARAM_OWNERS_LOCK = threading.Lock()
+
+
+def claim_parameters(model: nn.Module, owner: Any) -> None:
+    """Record ``owner`` (a RoundPipe) as the one keeping masters of ``model``'s trainable
+    parameters (``None``: only check); raise if another open RoundPipe already does."""
+    mine = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    with _PARAM_OWNERS_LOCK:
+        for name, p in mine:
+            entry = _PARAM_OWNERS.get(id(p))
+            if entry is None:
+                continue
+            param, other = entry[0](), entry[1]()
+            if param is not p or other is None or other._steps.closed:
+                del _PARAM_OWNERS[id(p)]  # a dead or closed owner (or a reused id)
+                continue
+            raise ValueError(
+                f"parameter {name!r} is already trained by RoundPipe {other.name!r}, which "
+                "keeps its own master copy of it: two RoundPipes would each step their copy "
+                "and one update would be lost. close() the other RoundPipe first, wrap a "
+                "copy of the model (copy.deepcopy), or give the second one "
+                "master_owner=<the first> to accumulate into the first one's masters"
+            )
+        if owner is None:
+            return
+        ref = weakref.ref(owner)
+        for _, p in mine:
+            _PARAM_OWNERS[id(p)] = (weakref.ref(p), ref)
+
+
+class IdleSteps:
+    """Counts consecutive steps that updated no master although gradients were there."""
+
+    #: so many in a row before the warning: a loss scaler may skip a few steps on purpose
+    LIMIT = 3
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.count = 0
+        self.warned = False
+
+    def observe(self, updated: bool) -> None:
+        self.count = 0 if updated else self.count + 1
+        if self.count >= self.LIMIT and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"RoundPipe {self.name!r}: {self.count} steps in a row updated none of the "
+                "master copies although they had gradients -- is the optimizer built over "
+                "rp.parameters() (the model's weights, which get no gradients)? Build it over "
+                "rp.optim_parameters(), or inside `with OptimizerCtx():`",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+
+def watch_updates(
+    fn: Callable[[], Any], masters: MasterWeights, idle: IdleSteps
+) -> Callable[[], Any]:
+    """``fn`` that also tells ``idle`` whether it changed a master that had a gradient
+    (an in-place optimizer update bumps the tensor's version counter)."""
+
+    def watched() -> Any:
+        before = [(m, m._version) for m in masters.params() if m.grad is not None]
+        result = fn()
+        if before:
+            idle.observe(any(m._version != v for m, v in before))
+        return result
+
+    return watched
 
 
 # -- manual plans against device memory ----------------------------------------------------

@@ -110,19 +110,61 @@ def output_device(value: object) -> torch.device:
     """``value`` as a ``torch.device``.
 
     Raises:
-        ValueError: it names no device (``"nonsense"``), so the call fails before compute.
+        ValueError: it names no device (``"nonsense"``) or none this machine has
+            (``"cuda:0"`` without CUDA), so the call fails before compute.
     """
     if isinstance(value, torch.device):
-        return value
+        return _usable(value)
     if isinstance(value, str):
         try:
-            return torch.device(value)
+            device = torch.device(value)
         except RuntimeError:
             pass
+        else:
+            return _usable(device)
     raise ValueError(
         f"output_device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
         f"got {value!r}"
     )
+
+
+def _usable(device: torch.device) -> torch.device:
+    """``device``, if this machine has it (``cuda:0`` without CUDA would fail only after
+    the call computed)."""
+    if device.type in ("cpu", "meta"):
+        return device
+    backend = getattr(torch, device.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and not is_available():
+        raise ValueError(
+            f"output_device={str(device)!r}: this machine has no {device.type} device; pass "
+            "'cpu' (the default) or a device it has"
+        )
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and callable(count) and device.index >= count():
+        raise ValueError(
+            f"output_device={str(device)!r}: this machine has {count()} {device.type} "
+            f"device(s) (indices 0..{count() - 1}); pass one of them or 'cpu'"
+        )
+    return device
+
+
+def call_loss_fn(
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None, out: Any, label: Any, mb: int, device: Any
+) -> torch.Tensor:
+    """``loss_fn(out, label)``; an error it raises says it came from the loss function
+    (not from the layers of the fused stage), with the microbatch."""
+    assert loss_fn is not None
+    try:
+        return loss_fn(out, label)
+    except BaseException as exc:
+        if hasattr(exc, "add_note"):
+            name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
+            exc.add_note(
+                f"RoundPipe: raised in the loss function ({name}), microbatch {mb}, "
+                f"on device {device.index} ({device.device})"
+            )
+        raise
 
 
 def default_loss_fn(outputs: Any, labels: Any) -> Any:

@@ -26,7 +26,12 @@ from torch import nn
 from . import batch as batching
 from .autograd import AutogradForward, PipelineOps
 from .base import OptimizerCtx, RoundPipeBase
-from .checks import ForwardRuleChecker, PlanFitChecker, check_not_compiled_in_place
+from .checks import (
+    ForwardRuleChecker,
+    PlanFitChecker,
+    check_inputs_need_no_grad,
+    check_not_compiled_in_place,
+)
 from .config import (
     RoundPipeRunConfig,
     batch_extent,
@@ -286,7 +291,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         autograd graph: ``loss.backward()`` runs the backward plan on the pool.
         """
         t0 = time.perf_counter()
-        self._check_open()
+        self._check_open("forward (rp(x))")
         cfg = self._config(roundpipe_run_config)
         self._drain_runs()
         requires_grad = cfg.requires_grad
@@ -423,7 +428,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         loss_reduction: str | None = None,
     ) -> Any:
         t0 = time.perf_counter()
-        self._check_open()
+        self._check_open("forward_backward()")
         blocking = True if blocking is None else blocking
         if not callable(loss_fn):
             raise TypeError(
@@ -437,6 +442,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             input_kwargs = {}
         if not isinstance(input_kwargs, dict):
             raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+        check_inputs_need_no_grad(input_args, input_kwargs)
         reduction = check_loss_reduction(
             self.loss_reduction if loss_reduction is None else loss_reduction
         )

@@ -38,6 +38,7 @@ __all__ = [
     "Rprop",
     "Adafactor",
     "fastest_impl",
+    "check_state_matches",
     "fused_variant",
     "use_fastest_",
 ]
@@ -130,6 +131,12 @@ class _FastestByDefault:
         bound.arguments["params"] = params
         _choose_impl(self._torch_cls.__name__, bound.arguments, _param_tensors(params))
         super().__init__(*bound.args, **bound.kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, then :func:`check_state_matches`: the fused
+        kernel this class runs by default would not notice a state of other shapes."""
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        check_state_matches(self)  # type: ignore[arg-type]
 
 
 def _choose_impl(name: str, arguments: dict[str, Any], tensors: list[torch.Tensor]) -> None:
@@ -293,3 +300,38 @@ def use_fastest_(optimizer: torch.optim.Optimizer) -> bool:
     for g in optimizer.param_groups:
         g[key] = True
     return True
+
+
+def check_state_matches(
+    optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None
+) -> None:
+    """Raise if a per-parameter state tensor (``exp_avg``, ``momentum_buffer``...) does
+    not have its parameter's shape.
+
+    torch's fused kernels do not check: a state loaded for other parameters -- a
+    checkpoint saved while the optimizer listed them in another order -- trains to NaN
+    or corrupts memory instead of raising. Scalar entries (``step``) are not compared.
+
+    Args:
+        optimizer: the optimizer whose ``state`` to check.
+        names: parameter id -> name, for the message (else its group and position).
+
+    Raises:
+        ValueError: naming the parameter, the state entry and both shapes.
+    """
+    names = names or {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            for key, value in optimizer.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue
+                if value.shape != p.shape:
+                    where = names.get(id(p), f"param_groups[{gi}]['params'][{pi}]")
+                    raise ValueError(
+                        f"{type(optimizer).__name__} state {key!r} of parameter {where!r} has "
+                        f"shape {tuple(value.shape)} but the parameter has {tuple(p.shape)}: "
+                        "the optimizer state was made for other parameters (a checkpoint "
+                        "saved while the optimizer listed its parameters in another order, "
+                        "or with other shapes). Build the optimizer over the same parameters, "
+                        "in the same order, as the run that saved the state."
+                    )

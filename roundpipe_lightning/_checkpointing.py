@@ -22,9 +22,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from roundpipe_core import AutoRoundPipe, RoundPipe
+from roundpipe_core.optim import check_state_matches
 
 from ._private import WrappingCheckpointIO, uncount_saved_steps
 from ._run_state import RunState
+from ._setup import raw_optimizer, restore_impl_choice
 from ._topology import ProcessTopologyStrategy
 from .checkpoint_io import (
     CHECKPOINT_FORMAT,
@@ -43,6 +45,7 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
 
     _rp: RoundPipe | AutoRoundPipe | None
     _run: RunState
+    _user_impl: dict[int, list[dict[str, Any]]]  # per optimizer: fused / foreach as built
 
     @property
     def _loss_scaler(self) -> LossScaler | None:
@@ -78,7 +81,10 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
         shard = self._dp.shard(optimizer)
         if shard is not None:  # each rank writes its own share (save_checkpoint)
             return marker(shard.world_size)
-        return super().optimizer_state(optimizer)
+        state = super().optimizer_state(optimizer)
+        # the user's fused / foreach, not the fused switch (state_dict() copies the groups)
+        restore_impl_choice(state, self._user_impl.get(id(raw_optimizer(optimizer))))
+        return state
 
     def _named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
         """(LightningModule parameter name, model parameter, master) for every trainable parameter."""
@@ -170,3 +176,13 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
             self._dp,
             named,
         )
+        self._check_optimizer_states()
+
+    def _check_optimizer_states(self) -> None:
+        """Every per-parameter state tensor has its parameter's shape (torch's fused
+        kernels do not check, and train to NaN or corrupt memory instead)."""
+        if self._rp is None:
+            return
+        names = {id(m): name for name, _, m in self._named_masters()}
+        for opt in self.optimizers:
+            check_state_matches(raw_optimizer(opt), names)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer import call as _call
 from torch.optim import Optimizer
@@ -105,28 +106,36 @@ def op_is_mutable(func: Any) -> bool:
     return bool(func._schema.is_mutable)
 
 
-def defer_zero_grad(optimizer: Optimizer) -> Callable[..., None]:
-    """Make ``optimizer.zero_grad`` a no-op on this instance; returns the real one.
+def defer_zero_grad(
+    optimizer: Optimizer | LightningOptimizer, replacement: Callable[..., None] | None = None
+) -> Callable[..., None]:
+    """Make ``optimizer.zero_grad`` a no-op on this instance (or ``replacement``);
+    returns the real one.
 
     Lightning calls ``optimizer.zero_grad()`` after ``training_step`` in automatic
     optimization, which would wipe what ``forward_backward`` just accumulated, and a
     manual ``zero_grad()`` would race with a step still running on the optimizer
-    thread. The queued RoundPipe step calls the real one right after its update.
+    thread. The queued RoundPipe step calls the real one right after its update; in
+    manual optimization ``replacement`` runs it in order with that step. A
+    ``LightningOptimizer`` takes ``zero_grad`` from its class (the optimizer's), not
+    from the wrapped instance, so it gets the replacement on itself too.
     """
 
     def zero_grad(set_to_none: bool = True) -> None:
         """Deferred by RoundPipeStrategy: the RoundPipe step clears the gradients."""
 
-    return replace_zero_grad(optimizer, zero_grad)
+    return replace_zero_grad(optimizer, replacement or zero_grad)
 
 
-def replace_zero_grad(optimizer: Optimizer, zero_grad: Callable[..., None]) -> Callable[..., None]:
+def replace_zero_grad(
+    optimizer: Optimizer | LightningOptimizer, zero_grad: Callable[..., None]
+) -> Callable[..., None]:
     """Make ``optimizer.zero_grad`` (on this instance) ``zero_grad``; returns the one it
     had. The Fabric strategy's ``zero_grad`` clears the master gradients only when no
     step queued on the optimizer thread will clear them (and waits for that thread
     first), for the same reasons as :func:`defer_zero_grad`."""
     real = optimizer.zero_grad
-    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign,union-attr]
     return real
 
 
@@ -157,7 +166,7 @@ def optimizer_view(optimizer: Optimizer, zero_grad: Callable[..., None]) -> Opti
     return view
 
 
-def restore_zero_grad(optimizer: Optimizer) -> None:
+def restore_zero_grad(optimizer: Optimizer | LightningOptimizer) -> None:
     """Undo :func:`defer_zero_grad`, :func:`replace_zero_grad` and the policy of
     :func:`optimizer_view` (at teardown)."""
     if "zero_grad" in vars(optimizer):

@@ -1,8 +1,10 @@
-"""Checks and conversions of RoundPipeStrategy's set-up: its constructor arguments,
-what ``configure_sequential()`` returns, and the optimizers it points at the masters."""
+"""Conversions of RoundPipeStrategy's set-up: what ``configure_sequential()`` returns, and
+the optimizers it points at the masters. The argument checks live in ``_arguments`` (and
+are re-exported here)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -25,7 +27,16 @@ from roundpipe_core.running.host_memory import (
     estimate_host_memory,
 )
 
-from ._private import defer_zero_grad
+from ._arguments import (
+    check_bool,
+    check_choice,
+    check_num_microbatch,
+    check_plugins,
+    check_pool_devices,
+    check_type,
+    parse_dtype,
+)
+from ._private import defer_zero_grad, restore_zero_grad
 from .plans import resolve_execute_plan
 
 __all__ = [
@@ -36,6 +47,7 @@ __all__ = [
     "check_choice",
     "check_num_microbatch",
     "check_type",
+    "check_plugins",
     "check_pool_devices",
     "sequential_of",
     "adopt_optimizer",
@@ -43,7 +55,12 @@ __all__ = [
     "build_roundpipe",
     "network_of",
     "wrap_network",
+    "zero_grad_after_step",
+    "order_manual_zero_grad",
+    "release_optimizers",
     "fuse_optimizer",
+    "user_impl_choice",
+    "restore_impl_choice",
     "host_memory_budget",
     "op_name",
     "reaches_params",
@@ -74,61 +91,6 @@ ASSUMED_OPTIMIZER_STATES = 2
 
 # reasons already logged: one line per optimizer class and reason, not one per run
 _SAID: set[tuple[str, str]] = set()
-
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float64": torch.float64,
-    "double": torch.float64,
-}
-
-
-def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    """``torch.float32`` or a name ("float32", "torch.bfloat16", "bf16") -> dtype (YAML/CLI friendly)."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
-        raise ValueError(
-            f"optim_dtype={value!r} is not a floating dtype name; use e.g. 'float32', 'bfloat16' or 'float16'"
-        )
-    raise TypeError(
-        f"optim_dtype must be a torch.dtype, a dtype name or None, got {type(value).__name__}"
-    )
-
-
-def check_bool(name: str, value: Any, owner: str = "RoundPipeStrategy") -> bool:
-    """``value`` if it is a bool. No ``bool()`` coercion: ``"False"`` would become True.
-    ``owner`` (here and below) names the class whose argument it is, in the message."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{owner}({name}={value!r}): {name} must be True or False (a bool), got "
-            f"{type(value).__name__}; in YAML write true / false without quotes"
-        )
-    return value
-
-
-def check_choice(
-    name: str, value: Any, choices: tuple[Any, ...], owner: str = "RoundPipeStrategy"
-) -> Any:
-    """``value`` if it is one of ``choices`` (a clear TypeError / ValueError otherwise)."""
-    kinds = {type(c) for c in choices if c is not None}
-    if value is not None and not isinstance(value, tuple(kinds)):
-        raise TypeError(
-            f"{owner}({name}={value!r}): {name} must be one of {choices}, got "
-            f"{type(value).__name__}"
-        )
-    if value not in choices:
-        raise ValueError(f"{owner}({name}={value!r}): {name} must be one of {choices}")
-    return value
 
 
 def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
@@ -352,6 +314,59 @@ def point_at_masters(
         )
 
 
+def zero_grad_after_step(
+    rp: RoundPipe | AutoRoundPipe, real: Callable[..., None]
+) -> Callable[..., None]:
+    """An optimizer's ``zero_grad`` that clears the gradients in order with ``rp``'s
+    queued step (``RoundPipe.after_step``): after it has read them, never under it."""
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        rp.after_step(functools.partial(real, set_to_none=set_to_none))
+
+    return zero_grad
+
+
+def order_manual_zero_grad(
+    lm: pl.LightningModule,
+    rp: RoundPipe | AutoRoundPipe,
+    real_zero_grad: dict[int, Callable[..., None]],
+) -> list[LightningOptimizer]:
+    """Manual optimization: the user's ``opt.zero_grad()`` (on the LightningOptimizer or
+    the optimizer itself) runs in order with the queued step, on the optimizer thread
+    right after it -- clearing the masters' gradients while that step still reads them
+    would lose its update. Returns the wrappers given the ordered ``zero_grad``."""
+    wrappers = lm.optimizers(use_pl_optimizer=True)
+    changed = []
+    for wrapper in wrappers if isinstance(wrappers, list) else [wrappers]:
+        raw = raw_optimizer(wrapper)
+        real = real_zero_grad.get(id(raw))
+        if real is None:
+            continue
+        in_order = zero_grad_after_step(rp, real)
+        defer_zero_grad(raw, in_order)
+        if wrapper is not raw:
+            defer_zero_grad(wrapper, in_order)
+            changed.append(wrapper)
+    return changed
+
+
+def release_optimizers(
+    optimizers: list[Optimizer],
+    real_zero_grad: dict[int, Callable[..., None]],
+    wrappers: list[LightningOptimizer],
+) -> None:
+    """Give the optimizers (and LightningOptimizer wrappers) their own ``zero_grad``
+    back (teardown); empties ``real_zero_grad`` and ``wrappers``."""
+    for opt in optimizers:
+        raw = raw_optimizer(opt)
+        if id(raw) in real_zero_grad:
+            restore_zero_grad(raw)
+    real_zero_grad.clear()
+    for wrapper in wrappers:
+        restore_zero_grad(wrapper)
+    wrappers.clear()
+
+
 def op_name(reduce_op: ReduceOp | str | None) -> str:
     """Lightning's ``reduce_op`` ("mean", "avg", "sum", ``ReduceOp.SUM``, None) as the
     op name of :func:`roundpipe_core.distributed.all_reduce`."""
@@ -362,8 +377,9 @@ def op_name(reduce_op: ReduceOp | str | None) -> str:
     return {"avg": "mean", "prod": "product"}.get(name, name)
 
 
-def reaches_params(loss: Tensor, params: set[int]) -> bool:
-    """Whether ``loss``'s autograd graph accumulates into one of ``params`` (by id)."""
+def reaches_params(loss: Tensor, params: set[int]) -> int | None:
+    """The id of one of ``params`` (by id) that ``loss``'s autograd graph accumulates
+    into, or None."""
     stack, seen = [loss.grad_fn], set()
     while stack:
         fn = stack.pop()
@@ -372,64 +388,9 @@ def reaches_params(loss: Tensor, params: set[int]) -> bool:
         seen.add(id(fn))
         var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
         if var is not None and id(var) in params:
-            return True
+            return id(var)
         stack.extend(f for f, _ in fn.next_functions)
-    return False
-
-
-def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | None:
-    """``value`` if it is None or an int >= 1."""
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(
-            f"{owner}(num_microbatch={value!r}): num_microbatch must be a positive int "
-            f"or None, got {type(value).__name__}"
-        )
-    if value < 1:
-        raise ValueError(
-            f"{owner}(num_microbatch={value!r}): num_microbatch must be >= 1 (or None "
-            "for devices + 1)"
-        )
-    return value
-
-
-def check_type(
-    name: str,
-    value: Any,
-    types: tuple[type, ...],
-    accepted: str,
-    owner: str = "RoundPipeStrategy",
-) -> None:
-    """A TypeError naming ``name`` unless ``value`` is None or one of ``types``."""
-    if value is not None and not isinstance(value, types):
-        raise TypeError(
-            f"{owner}({name}=...): {name} must be None or {accepted}, got {type(value).__name__}"
-        )
-
-
-def check_pool_devices(
-    devices: list[torch.device], owner: str = "RoundPipeStrategy", entry: str = "Trainer"
-) -> list[torch.device]:
-    """``devices`` if they are all CPU workers or all CUDA GPUs; a single CPU worker
-    gets a hint that nothing is pipelined and how to ask for more. ``entry`` is what
-    takes ``devices`` (Trainer, Fabric)."""
-    kinds = {d.type for d in devices}
-    if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
-        raise ValueError(
-            f"{owner} runs on CPU workers or CUDA GPUs, got devices {devices}; "
-            f"use {entry}(accelerator='cpu' or 'gpu', devices=N)"
-        )
-    if devices[0].type == "cpu" and len(devices) == 1:
-        # devices="auto" on CPU is one device: training works but nothing overlaps
-        log.warning(
-            f"{owner} runs on 1 CPU worker (what {entry}(devices='auto') gives on "
-            "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
-            f"{entry}(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
-            "machine's cores); RoundPipe used without Lightning takes devices=N or reads "
-            "ROUNDPIPE_CPU_DEVICES."
-        )
-    return devices
+    return None
 
 
 def _not_fused_reason(opt: Optimizer) -> str:
@@ -454,6 +415,30 @@ def _not_fused_reason(opt: Optimizer) -> str:
         "some of its parameters are not floating-point dense tensors on a device with the "
         "fused kernel"
     )
+
+
+#: the param-group keys that choose torch's implementation (fuse_optimizer may set them)
+IMPL_KEYS = ("fused", "foreach")
+
+
+def user_impl_choice(opt: Optimizer) -> list[dict[str, Any]]:
+    """Per param group, the ``fused`` / ``foreach`` values as the user built ``opt``."""
+    return [{k: g[k] for k in IMPL_KEYS if k in g} for g in raw_optimizer(opt).param_groups]
+
+
+def restore_impl_choice(state: dict[str, Any], choice: list[dict[str, Any]] | None) -> None:
+    """Put the user's ``fused`` / ``foreach`` back into an optimizer ``state_dict()``:
+    a checkpoint must not say ``fused=True`` because RoundPipe switched it on (plain
+    Lightning would then resume it fused)."""
+    groups = state.get("param_groups")
+    if choice is None or not isinstance(groups, list) or len(groups) != len(choice):
+        return
+    for group, own in zip(groups, choice):
+        for key in IMPL_KEYS:
+            if key in own:
+                group[key] = own[key]
+            else:
+                group.pop(key, None)
 
 
 def fuse_optimizer(opt: Optimizer) -> bool:
@@ -525,11 +510,14 @@ def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
 
 
 _DIRECT_CALL = (
-    "the loss was computed by calling the network configure_sequential() returned "
-    "directly (e.g. self.net(x) or self.model(**batch).loss); under RoundPipeStrategy "
-    "call it through self.roundpipe instead: "
-    "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) "
-    "or out = self.roundpipe(x)"
+    "the loss's autograd graph reaches the parameter {param!r} of the network "
+    "configure_sequential() returned, whose gradients never reach the master copies "
+    "the optimizer steps. Either the network was called directly (e.g. self.net(x) or "
+    "self.model(**batch).loss): call it through self.roundpipe instead -- "
+    "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) or "
+    "out = self.roundpipe(x) -- or a term of the loss uses its weights (an L2 penalty "
+    "over self.parameters()): use the optimizer's weight_decay, or add the penalty's "
+    "gradient to the optimizer's parameters (the masters) in on_before_optimizer_step"
 )
 
 
@@ -539,9 +527,12 @@ def check_loss_went_through(
     """Refuse a loss whose graph reaches the wrapped network's own parameters: the
     network ran outside RoundPipe, its gradients would never reach the masters the
     optimizer steps, and training would silently do nothing. ``message`` says what to
-    call instead (the Lightning strategy's by default)."""
-    params = {id(p) for p in rp.model.parameters()}
+    call instead (the Lightning strategy's by default; ``{param}`` is the parameter the
+    loss reaches)."""
+    names = {id(p): name for name, p in rp.model.named_parameters()}
     if isinstance(rp, AutoRoundPipe):  # its glue code uses these on the host, legitimately
-        params -= {id(p) for _, p in rp.host_parameters}
-    if loss.requires_grad and reaches_params(loss, params):
-        raise RuntimeError(message)
+        for _, p in rp.host_parameters:
+            names.pop(id(p), None)
+    reached = reaches_params(loss, set(names)) if loss.requires_grad else None
+    if reached is not None:
+        raise RuntimeError(message.replace("{param!r}", repr(names[reached])))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,15 @@ class AutoReplan(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A plan restored from a checkpoint goes back into the new RoundPipe.
         if self.plan is not None:
-            _roundpipe_of(trainer, "AutoReplan").set_plan(self.run_type, self.plan)
+            try:
+                _roundpipe_of(trainer, "AutoReplan").set_plan(self.run_type, self.plan)
+            except ValueError as exc:
+                raise ValueError(
+                    f"AutoReplan: the plan restored from the checkpoint ({self.plan}) does not "
+                    f"fit this run: {exc}. Resume on the devices and with the model the "
+                    "checkpoint was saved with, or drop the restored plan (delete AutoReplan's "
+                    "entry under checkpoint['callbacks']) to plan afresh"
+                ) from exc
 
     def _due(self, step: int) -> bool:
         if self.last_replan_step is None:
@@ -193,11 +202,25 @@ class AutoReplan(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        def invalid(what: str) -> ValueError:
+            return ValueError(
+                f"AutoReplan: the checkpoint's AutoReplan state is not valid ({what}); it was "
+                "not written by AutoReplan.state_dict(). Delete AutoReplan's entry under "
+                "checkpoint['callbacks'] to resume and plan afresh"
+            )
+
+        if not isinstance(state_dict, Mapping):
+            raise invalid(f"a {type(state_dict).__name__}, not a dict")
         if state_dict.get("run_type", self.run_type) != self.run_type:
             return  # a plan for another kind of call
-        plan = state_dict.get("plan")
-        self.plan = ModelExecutePlan.from_dict(plan) if plan is not None else None
-        self.last_replan_step = state_dict.get("last_replan_step")
+        plan, step = state_dict.get("plan"), state_dict.get("last_replan_step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise invalid(f"last_replan_step={step!r}")
+        try:
+            self.plan = ModelExecutePlan.from_dict(plan) if plan is not None else None
+        except (TypeError, ValueError) as exc:
+            raise invalid(f"plan={plan!r}: {exc}") from exc
+        self.last_replan_step = step
 
 
 class StageTimeLogger(Callback):

@@ -27,6 +27,7 @@ the local filesystem (``s3://...``) fall back to Lightning's ``TorchCheckpointIO
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import tempfile
@@ -98,6 +99,26 @@ class _WriteSink:
         return self._f.fileno()
 
 
+def _file_mode(target: str) -> int:
+    """The mode a checkpoint file gets: the replaced file's, else ``0666 & ~umask``."""
+    try:
+        return os.stat(target).st_mode & 0o777
+    except OSError:
+        mask = os.umask(0)  # the only way to read the umask; set back at once
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
+def _remove_stale_temporaries(directory: str, prefix: str) -> None:
+    """Temporary files of saves of the same target that were killed (SIGKILL) before
+    they could clean up; they can be as large as the checkpoint."""
+    pattern = os.path.join(glob.escape(directory), glob.escape(prefix) + "?" * 8 + ".tmp")
+    for stale in glob.glob(pattern):
+        with contextlib.suppress(OSError):
+            os.unlink(stale)
+            log.info("Removed the temporary file of an interrupted save: %s", stale)
+
+
 class StreamingCheckpointIO(TorchCheckpointIO):
     """Atomic, unbuffered checkpoint writes and memory-mapped reads (see the module docstring).
 
@@ -139,14 +160,16 @@ class StreamingCheckpointIO(TorchCheckpointIO):
         if not _is_local(path):
             super().save_checkpoint(checkpoint, path)
             return
-        target = os.path.abspath(os.fspath(path))
+        # through a symlink: write (and atomically replace) the file it points to
+        target = os.path.realpath(os.path.abspath(os.fspath(path)))
         directory = os.path.dirname(target)
         os.makedirs(directory, exist_ok=True)
         # Same directory as the target: os.replace is then a rename within one filesystem.
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory
-        )
+        prefix = f".{os.path.basename(target)}."
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
         try:
+            # mkstemp's 0600 would hide the file from the group: the mode a plain save gives
+            os.fchmod(fd, _file_mode(target))
             with os.fdopen(fd, "wb") as f:
                 sink = _WriteSink(f)
                 try:
@@ -165,6 +188,7 @@ class StreamingCheckpointIO(TorchCheckpointIO):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        _remove_stale_temporaries(directory, prefix)
         if self.fsync:
             _fsync_dir(directory)
         log.debug("Saved checkpoint %s", target)

@@ -55,7 +55,7 @@ from roundpipe_core.running.host_memory import check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
 from ._flush import FlushWeights
-from ._private import mark_lr_scheduler_step_called, restore_zero_grad
+from ._private import mark_lr_scheduler_step_called
 from ._run_state import RunState
 from ._setup import (
     adopt_optimizer,
@@ -64,15 +64,19 @@ from ._setup import (
     check_choice,
     check_loss_went_through,
     check_num_microbatch,
+    check_plugins,
     check_pool_devices,
     check_shardable,
     check_type,
     fuse_optimizer,
     host_memory_budget,
+    order_manual_zero_grad,
     parse_dtype,
     raw_optimizer,
+    release_optimizers,
     sequential_of,
     trainer_of,
+    user_impl_choice,
 )
 from ._step import (
     OverlappedForwardBackward,
@@ -175,6 +179,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self._default_precision = RoundPipePrecision()
+        check_plugins(checkpoint_io, precision_plugin)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -210,6 +215,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         # phase, overlap, and the steps in flight and lost: one object, not six flags
         self._run = RunState()
         self._real_zero_grad: dict[int, Callable[..., None]] = {}
+        self._zero_grad_wrappers: list[Any] = []  # LightningOptimizers (manual optimization)
+        self._user_impl: dict[int, list[dict[str, Any]]] = {}  # fused / foreach as built: saved
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
         try:
@@ -331,8 +338,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
         except BaseException:
             self._close_roundpipe()
             raise
-        # Not a registered submodule: the LightningModule's state_dict keeps its own names only.
-        # A value the module had under that name (e.g. ``self.roundpipe = None``) comes back at teardown.
+        # Not a registered submodule (the module's state_dict keeps its own names); a value it
+        # had under that name (``self.roundpipe = None``) comes back at teardown.
         self._previous_attr = lm.__dict__.get("roundpipe", _MISSING)
         object.__setattr__(lm, "roundpipe", rp)
 
@@ -361,6 +368,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
+        self._user_impl = {id(raw_optimizer(o)): user_impl_choice(o) for o in self.optimizers}
         for opt in self.optimizers:
             adopt_optimizer(raw_optimizer(opt), self.roundpipe, self._real_zero_grad)
             if self.fuse_optimizer:
@@ -369,18 +377,11 @@ class RoundPipeStrategy(CheckpointingStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
+        super().load_optimizer_state_dict(checkpoint)  # (checks the state's shapes)
         if self.fuse_optimizer:
             # a checkpoint of an unfused run brings back fused=None with its param groups
             for opt in self.optimizers:
                 fuse_optimizer(raw_optimizer(opt))
-
-    def _release_optimizers(self) -> None:
-        for opt in self.optimizers:
-            raw = raw_optimizer(opt)
-            if id(raw) in self._real_zero_grad:
-                restore_zero_grad(raw)
-        self._real_zero_grad.clear()
 
     # -- training --------------------------------------------------------------------------------------
     @override
@@ -388,6 +389,10 @@ class RoundPipeStrategy(CheckpointingStrategy):
         super().on_train_start()
         self._run.overlap = False
         lm = self.lightning_module
+        if lm is not None and self._rp is not None and not lm.automatic_optimization:
+            # at train start: Lightning re-creates its LightningOptimizers after setup
+            self._zero_grad_wrappers += order_manual_zero_grad(lm, self._rp, self._real_zero_grad)
+        self._check_optimizer_states()  # also state a hook loaded, before the first step
         if not self.overlap_iterations or not isinstance(self._rp, RoundPipe) or lm is None:
             return  # (an AutoRoundPipe has no forward_backward to overlap)
         reason = overlap_blocker(
@@ -573,7 +578,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self._dp.detach()
             self._close_roundpipe()
         finally:
-            self._release_optimizers()
+            release_optimizers(self.optimizers, self._real_zero_grad, self._zero_grad_wrappers)
             self._run.end()
             trainer = trainer_of(self.lightning_module)
             callbacks: list[Callback] = getattr(trainer, "callbacks", [])

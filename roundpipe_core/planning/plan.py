@@ -247,7 +247,12 @@ class ModelExecutePlan:
         the forward plan covers the layers before it.
         """
         rt = parse_kind(RunType, run_type, "run_type")
-        num_stages = max(1, min(num_stages, num_layers))
+        for name, value in (("num_layers", num_layers), ("num_stages", num_stages)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"ModelExecutePlan.uniform: {name} must be a positive int, got {value!r}"
+                )
+        num_stages = min(num_stages, num_layers)
         base, extra = divmod(num_layers, num_stages)
         stages, start = [], 0
         for i in range(num_stages):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..batch import flatten
+from ..config import call_loss_fn
 from ..context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
 from ..kinds import JobKind, RecomputeGrain
 from ..planning.schedule import Job
@@ -434,9 +435,8 @@ def _fused_microbatch(
     try:
         with ComputeScope(worker, True):
             x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False)
-            assert run.loss_fn is not None
             with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
-                loss = run.loss_fn(x, label)
+                loss = call_loss_fn(run.loss_fn, x, label, mb, worker)
             parts = _loss_parts(loss)
             if run.loss_weights is not None:  # loss_reduction="mean": the microbatch's share
                 parts = [p * run.loss_weights[mb] for p in parts]

@@ -11,7 +11,8 @@ but the gradient buffers, pending results and masters they hand around:
   (the iterations in flight, before a blocking call), :meth:`~StepOwner.settle`
   (everything: ``synchronize()``);
 * gradients: :meth:`~StepOwner.fold` (a blocking call's gradients into ``.grad``),
-  :meth:`~StepOwner.after_step` (work that must follow the step in flight);
+  :meth:`~StepOwner.after_step` (work that must follow the step in flight),
+  :meth:`~StepOwner.in_step_order` (the caller's work, e.g. ``zero_grad``, in program order);
 * calls: :meth:`~StepOwner.blocking_call` and :meth:`~StepOwner.pipelined_call`
   (the weight versions a call's uploads read), :meth:`~StepOwner.call_ended`,
   :meth:`~StepOwner.check_failure`;
@@ -215,6 +216,8 @@ class StepOwner:
         if fut is not None:
             fut.result()
             runs.publish_all()
+        # work queued behind the step (in_step_order, gradient merges) ran in drain()
+        self._stepper.wait_after()
 
     # -- gradients ----------------------------------------------------------------------
     def fold(self, buffer: GradBuffer) -> None:
@@ -227,6 +230,19 @@ class StepOwner:
     def after_step(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` once the step in flight has read the previous gradients: at once
         when none is in flight, else on the optimizer thread right after it."""
+        self._stepper.after_step(fn)
+
+    def in_step_order(self, fn: Callable[[], Any], settle: Callable[[], None]) -> None:
+        """Run ``fn`` (e.g. an optimizer's ``zero_grad``) where the caller issued it
+        relative to the steps: once the step in flight has run (on the optimizer thread
+        right after it, or at once when none is in flight). With overlapped iterations
+        in flight, whose gradients enter ``.grad`` only before the next step, ``settle()``
+        first (they are merged) and ``fn`` runs at once. Its error is raised by the next
+        call, ``step()`` or ``synchronize()``."""
+        if self._runs.inflight():
+            settle()
+            fn()
+            return
         self._stepper.after_step(fn)
 
     # -- calls --------------------------------------------------------------------------
@@ -282,6 +298,10 @@ class StepOwner:
     @property
     def closed(self) -> bool:
         return self._stepper.closed
+
+    def on_optimizer_thread(self) -> bool:
+        """Whether the caller is the optimizer thread (a ``step_fn`` running)."""
+        return self._stepper.on_thread()
 
     def shutdown(self, timeout: float | None = 0.0) -> None:
         """Stop the optimizer thread once its queue is done; wait up to ``timeout`` s."""

@@ -23,14 +23,20 @@ calling ``on_failure`` -- so it cannot take part in a lock-order cycle.
 Several fields that change together change in one method here.
 
 The thread is a daemon and the stepper holds no reference to its RoundPipe:
-a step that never returns cannot keep the interpreter from exiting, and a
-RoundPipe dropped without ``close()`` can be garbage-collected.
+a RoundPipe dropped without ``close()`` can be garbage-collected. At
+interpreter exit the queued work is finished, for at most
+``$ROUNDPIPE_EXIT_WAIT_S`` seconds per thread (:func:`exit_wait_s`), so a step
+that never returns cannot keep the interpreter from exiting.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import queue
 import threading
+import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -64,6 +70,64 @@ def _serve(work: queue.SimpleQueue[_Item | None]) -> None:
         del fut, fn, args, kwargs
 
 
+#: seconds interpreter exit waits for an optimizer thread's queued work (env override)
+EXIT_WAIT_ENV = "ROUNDPIPE_EXIT_WAIT_S"
+_DEFAULT_EXIT_WAIT_S = 60.0
+
+# the exit hook's view (weak): the optimizer threads to stop, and the threads to wait
+# for -- a running thread stays in the second even after its RoundPipe was dropped
+_LIVE_OPTIMIZERS: weakref.WeakSet[OptimizerThread] = weakref.WeakSet()
+_RUNNING_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def exit_wait_s() -> float:
+    """How long interpreter exit waits for each optimizer thread (``$ROUNDPIPE_EXIT_WAIT_S``)."""
+    raw = os.environ.get(EXIT_WAIT_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_EXIT_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        warnings.warn(
+            f"${EXIT_WAIT_ENV}={raw!r} is not a number of seconds >= 0; using "
+            f"{_DEFAULT_EXIT_WAIT_S:g}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return _DEFAULT_EXIT_WAIT_S
+    return value
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit, let each optimizer thread finish what is queued.
+
+    A daemon thread still inside a torch kernel when the interpreter finalizes is
+    killed as it re-takes the GIL, and the C++ unwinding aborts the process (SIGABRT,
+    "terminate called without an active exception"). So exit waits -- up to
+    ``exit_wait_s()`` per thread, since a ``step_fn`` that never returns must not keep
+    the process alive -- and warns about work it drops.
+    """
+    bound = exit_wait_s()
+    for worker in list(_LIVE_OPTIMIZERS):
+        worker.shutdown(timeout=0.0)  # the thread ends after what is queued
+    for thread in list(_RUNNING_THREADS):
+        if thread is not threading.current_thread():
+            thread.join(bound)
+        if thread.is_alive():
+            warnings.warn(
+                f"{thread.name}: an optimizer step was still running {bound:g} s after the "
+                f"interpreter began to exit; it is dropped (${EXIT_WAIT_ENV} sets the wait; "
+                "call synchronize() or close() before exiting to finish it)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+
+atexit.register(_finish_at_exit)
+
+
 class OptimizerThread:
     """One daemon thread running submitted callables in order, each into a ``Future``."""
 
@@ -73,6 +137,8 @@ class OptimizerThread:
         self._closed = False
         self._thread = threading.Thread(target=_serve, args=(self._queue,), name=name, daemon=True)
         self._thread.start()
+        _LIVE_OPTIMIZERS.add(self)
+        _RUNNING_THREADS.add(self._thread)
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """Queue ``fn(*args, **kwargs)``.
@@ -100,6 +166,10 @@ class OptimizerThread:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on this thread (inside a queued callable)."""
+        return threading.current_thread() is self._thread
 
 
 class Stepper:
@@ -290,6 +360,10 @@ class Stepper:
         if fut is not None and fut.done() and not fut.cancelled():
             return fut.exception()
         return None
+
+    def on_thread(self) -> bool:
+        """Whether the caller runs on the optimizer thread (inside a step)."""
+        return self._thread.is_current()
 
     def check_open(self) -> None:
         """Raises ClosedError after ``shutdown()``."""

@@ -11,6 +11,7 @@ import textwrap
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 from _util import mlp, sum_sq
 
@@ -36,8 +37,11 @@ def test_dropped_roundpipe_is_garbage_collected() -> None:
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
 
 
-def _run(script: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
+def _run(
+    script: str, timeout: float = 90.0, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
@@ -67,10 +71,34 @@ def test_a_stuck_step_does_not_hang_interpreter_exit() -> None:
     rp.step(stuck, is_async=True)
     started.wait(30)
     print("leaving")
-    """
+    """,
+        env_extra={"ROUNDPIPE_EXIT_WAIT_S": "0.5"},
     )
     assert proc.returncode == 0, proc.stderr
     assert "leaving" in proc.stdout
+    assert "RuntimeWarning" in proc.stderr and "it is dropped" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("raise_at_end", [False, True])
+def test_exit_with_a_step_in_flight_finishes_it(raise_at_end: bool) -> None:
+    """A script that ends (or raises) while the optimizer thread is inside torch kernels:
+    exit waits for the step instead of aborting the process (SIGABRT, exit 134)."""
+    proc = _run(
+        _PRELUDE
+        + f"""
+    big = torch.randn(600, 600)
+    def slow():
+        for _ in range(40):
+            big @ big
+        print("step finished", flush=True)
+    rp.step(slow, is_async=True)
+    print("leaving", flush=True)
+    if {raise_at_end}:
+        raise SystemExit("user error")
+    """
+    )
+    assert proc.returncode == (1 if raise_at_end else 0), proc.stderr
+    assert proc.stdout.split() == ["leaving", "step", "finished"], proc.stdout
 
 
 def test_unobserved_step_error_is_reported_at_exit() -> None:

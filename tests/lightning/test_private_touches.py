@@ -289,3 +289,18 @@ def test_fabrics_optimizer_wrapper_reaches_the_views_zero_grad() -> None:
     assert wrapped.param_groups is opt.param_groups  # one optimizer: groups, state, hooks
     _private.restore_zero_grad(opt)
     assert "roundpipe_zero_grad" not in vars(opt)
+
+
+def test_replaced_zero_grad_shadows_the_lightning_optimizers_class_method() -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    opt = _sgd()
+    wrapper = LightningOptimizer(opt)
+    calls = []
+    _private.defer_zero_grad(wrapper, lambda set_to_none=True: calls.append(set_to_none))
+    param = opt.param_groups[0]["params"][0]
+    wrapper.zero_grad()
+    assert calls == [True] and param.grad is not None  # the replacement ran, not the class's
+    _private.restore_zero_grad(wrapper)
+    wrapper.zero_grad()
+    assert param.grad is None and calls == [True]

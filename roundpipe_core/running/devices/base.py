@@ -101,6 +101,10 @@ class Worker(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.index}, {self.device})"
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on this worker's thread (inside one of its jobs)."""
+        return threading.current_thread() is self._thread
+
     # -- thread -------------------------------------------------------------
     def _loop(self) -> None:
         try:

@@ -118,6 +118,11 @@ class PoolError(RuntimeError):
 class DevicePool:
     """The workers of this process, one thread each."""
 
+    def on_worker_thread(self) -> bool:
+        """Whether the caller runs on one of this pool's worker threads (inside a job:
+        a layer's forward, a ``loss_fn``, a hook)."""
+        return any(w.is_current() for w in self.workers)
+
     def __init__(self, devices: Any = None) -> None:
         devs = resolve_devices(devices)
         self.workers: list[Worker] = []
