@@ -208,15 +208,26 @@ class _FakeStream:
         self.priority = priority
         self.waited: list[_FakeEvent] = []
         self._lock = threading.RLock()
-        self._ops: collections.deque[tuple[int, float, Callable[[], None]]] = collections.deque()
+        self._ops: collections.deque[tuple[int, float, Callable[[], None], list[Span]]] = (
+            collections.deque()
+        )
         self._issued = 0
         self._done = 0
         _DRAINER.watch(self)
 
-    def enqueue(self, op: Callable[[], None]) -> None:
+    def enqueue(self, op: Callable[[], None], touches: Sequence[Span] = ()) -> None:
+        """Queue ``op``; ``touches`` are the ``(address, nbytes)`` host ranges it reads or
+        writes (what a real DMA would), for the checks of host-memory lifetime."""
         with self._lock:
             self._issued += 1
-            self._ops.append((self._issued, time.monotonic(), op))
+            self._ops.append((self._issued, time.monotonic(), op, list(touches)))
+
+    def pending_touch(self, start: int, nbytes: int) -> bool:
+        """Whether a copy not run yet touches host memory in ``[start, start + nbytes)``."""
+        with self._lock:
+            return any(
+                a < start + nbytes and start < a + n for *_, spans in self._ops for a, n in spans
+            )
 
     def mark(self) -> int:
         """Position of the last operation issued so far (what an event recorded now waits for)."""
@@ -230,7 +241,7 @@ class _FakeStream:
     def run_until(self, seq: int) -> None:
         with self._lock:
             while self._ops and self._ops[0][0] <= seq:
-                n, _, op = self._ops.popleft()
+                n, _, op, _ = self._ops.popleft()
                 op()
                 self._done = n
 
@@ -247,6 +258,40 @@ class _FakeStream:
                 self.enqueue(event.synchronize)
                 return
         event.synchronize()  # an idle stream (compute: the worker thread) waits now
+
+
+Span = tuple[int, int]  # (address, nbytes) of host memory
+
+
+def _storage_span(t: torch.Tensor) -> Span:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+class _FakeCudart:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` that check what a GPU cannot: host
+    memory is unregistered only after every copy reading or writing it has run (on a
+    GPU, unregistering under an in-flight DMA is undefined behaviour, not an error)."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.ranges[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        size = self.ranges.pop(ptr, 0)
+        for stream in _DRAINER.streams():
+            if stream.pending_touch(ptr, size):
+                raise AssertionError(
+                    f"cudaHostUnregister({ptr:#x}, {size} bytes) while a copy touching that "
+                    "memory is still queued on a stream: synchronize the device first"
+                )
+        return 0
+
+    def cudaGetLastError(self) -> int:
+        return 0
 
 
 class _Drainer:
@@ -351,7 +396,8 @@ def _cpu_backed_worker_class() -> type:
                     for dst, src in pairs:
                         dst.copy_(src)
 
-            stream.enqueue(copy)
+            touches = [_storage_span(t) for pair in pairs for t in pair]
+            stream.enqueue(copy, touches)
 
     return CPUBackedCUDAWorker
 
@@ -381,12 +427,16 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type:
     monkeypatch.setattr(c, "memory_reserved", lambda d=None: 0)
     monkeypatch.setattr(cuda_mod, "CUDAWorker", CPUBackedCUDAWorker)
     # pin_model: "alloc" still packs the weights into slabs (of ordinary memory);
-    # "register" has no host registry to call.
+    # "register" registers with a fake runtime that refuses to unregister memory a
+    # queued copy still touches.
     pack = memory.pack_module_tensors
     monkeypatch.setattr(
         memory,
         "pack_module_tensors",
         lambda tensors, pin, slab_bytes=memory.DEFAULT_SLAB_BYTES: pack(tensors, False, slab_bytes),
     )
-    monkeypatch.setattr(memory, "_register", lambda groups: memory.PinHandle(mode="register"))
+    monkeypatch.setattr(c, "cudart", lambda: _FAKE_CUDART)
     return CPUBackedCUDAWorker
+
+
+_FAKE_CUDART = _FakeCudart()

@@ -344,3 +344,40 @@ def test_uncovered_parts_of_a_range() -> None:
     assert memory._uncovered(320, 50, taken) == []
     assert memory._uncovered(0, 500, []) == [(0, 500)]
     assert memory._uncovered(390, 20, taken) == [(400, 10)]
+
+
+# ---------------------------------------------------------------------------
+# shutdown order: drain the queue, issue the feeder's units, finish the copies
+# ---------------------------------------------------------------------------
+def test_an_upload_queued_before_close_still_runs(make_worker) -> None:
+    worker = make_worker()
+    host = torch.arange(64, dtype=torch.float32)
+    started = threading.Event()
+
+    def job() -> torch.Tensor:
+        started.wait(5)
+        dev = worker.copy_in([host], "param")
+        worker.wait_channel("param")
+        return dev[0].clone()
+
+    fut = worker.submit(job)
+    started.set()
+    worker.close()  # the job is still queued or running: its feeder must outlive it
+    assert torch.equal(fut.result(timeout=30), host)
+    assert worker.drained
+
+
+def test_close_unregisters_host_memory_only_after_its_copies_ran(fake_cuda: type) -> None:
+    from torch import nn
+
+    from roundpipe_core import RoundPipe
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    rp = RoundPipe(model, devices=["cuda:0"], pin_model="register")
+    assert memory.registered_ranges(), "the weights were registered"
+    worker = rp.pool.workers[0]
+    weights = [p.detach() for p in model.parameters()]
+    # a prefetch nobody waited for: its copies still read the registered weights
+    _on(worker, lambda: worker.copy_in(weights, "param"))
+    rp.close()  # the fake runtime refuses an unregister under a queued copy
+    assert memory.registered_ranges() == []

@@ -94,6 +94,10 @@ class Worker(ABC):
             target=self._loop, name=f"roundpipe-{self.kind}-{index}", daemon=True
         )
         self._closed = False
+        #: After ``close()``: whether the thread ended (every queued job ran) and, for an
+        #: asynchronous backend, the device finished every copy it was given. Host
+        #: memory those copies read (registered weights) may be unregistered only then.
+        self.drained = False
         self._start_error: BaseException | None = None
         self._started = threading.Event()
         self._thread.start()
@@ -173,13 +177,15 @@ class Worker(ABC):
         return fut
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread after the jobs already queued (waits up to ``timeout`` s)."""
+        """Stop the thread after the jobs already queued (waits up to ``timeout`` s);
+        ``drained`` then says whether it ended within that time."""
         if self._closed:
             return
         self._closed = True
         self._queue.put(_STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            self.drained = not self._thread.is_alive()
 
     # -- transfers ----------------------------------------------------------
     @abstractmethod

@@ -204,13 +204,23 @@ class CUDAWorker(Worker):
         torch.cuda.set_stream(self.compute_stream)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Drain, issue, finish, in that order: the jobs already queued run (an upload
+        among them still needs the feeder), the feeder issues what it was given, then
+        the GPU finishes every copy. ``drained`` is True only when all three happened,
+        so that the caller unregisters or frees host memory under no DMA."""
         if self._closed:
             return
-        if self._feeder is not None:
-            self._feeder.close(timeout)
+        super().close(timeout)
+        feeder_done = self._feeder.close(timeout) if self._feeder is not None else True
+        if self.drained and feeder_done:
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001 - a failed device: its copies' state is unknown
+                self.drained = False
+        else:
+            self.drained = False
         with _REGISTRY_LOCK:
             _DEVICE_USERS[self.gpu_index] -= 1
-        super().close(timeout)
 
     # -- transfers ----------------------------------------------------------
     def _new_device_tensor(self, like: torch.Tensor) -> torch.Tensor:

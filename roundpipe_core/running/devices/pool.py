@@ -148,7 +148,9 @@ class DevicePool:
 
     @property
     def is_cuda(self) -> bool:
-        return any(w.device.type == "cuda" for w in self.workers)
+        # by the worker's kind, not its device: the fake-CUDA test worker computes on
+        # CPU memory but pins, registers and pipelines as a CUDA worker does
+        return any(w.kind == "cuda" for w in self.workers)
 
     @property
     def concurrent(self) -> bool:
@@ -187,13 +189,29 @@ class DevicePool:
             primary = [e for e in errors if not isinstance(e, PoolError)]
             raise (primary or errors)[0]
 
-    def close(self) -> None:
-        """Stop every worker thread (after the jobs already queued). Idempotent."""
+    def close(self) -> bool:
+        """Stop every worker thread (after the jobs already queued) and let each device
+        finish its copies. Idempotent. Returns whether every worker drained (see
+        ``Worker.drained``): only then may host memory the copies read be unregistered."""
+        if not self._closed:
+            self._closed = True
+            for w in self.workers:
+                w.close()
+        return all(w.drained for w in self.workers)
+
+    def synchronize(self) -> bool:
+        """Wait until every device of an open pool has finished the work issued on it
+        (a pool shared by several RoundPipes stays open when one of them closes).
+        Returns False when a device could not be synchronised."""
         if self._closed:
-            return
-        self._closed = True
+            return self.close()
+        ok = True
         for w in self.workers:
-            w.close()
+            try:
+                w.synchronize()
+            except Exception:  # noqa: BLE001 - reported as "not drained"
+                ok = False
+        return ok
 
 
 @atexit.register
