@@ -138,6 +138,8 @@ def pool_devices(device_kind: str) -> Callable[[int], Any]:
 
 @pytest.fixture(autouse=True)
 def _route_all_to_cuda(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("cpu_backend") is not None:
+        return  # a test of the CPU backend itself keeps its CPU workers
     if FAKE_CUDA:
         request.getfixturevalue("fake_cuda")
     if ROUTE_TO_CUDA or FAKE_CUDA:
@@ -174,7 +176,14 @@ def route_cpu_workers_to_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
             out.append(d)
         return out
 
-    monkeypatch.setattr(pool, "resolve_devices", routed)
+    # every module that imported the function by name (the presets count devices with it)
+    import sys
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("roundpipe") and (
+            getattr(module, "resolve_devices", None) is original
+        ):
+            monkeypatch.setattr(module, "resolve_devices", routed)
 
 
 # -- fake CUDA: CUDAWorker's logic on CPU memory ----------------------------------
