@@ -303,6 +303,44 @@ class _FakeCudart:
         return 0
 
 
+class _FakePinnedAllocator:
+    """PyTorch's pinned host allocator as far as memory growth goes: every block is
+    rounded up to a power of two, a freed block is kept for a later request of the
+    same size and never given back. ``reserved`` is what stays page-locked; past
+    ``cap`` an allocation fails, as the host's locked-memory limit would."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.reserved = 0
+        self._lock = threading.Lock()
+        self._free: collections.Counter[int] = collections.Counter()
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        size = 1 << max(nbytes - 1, 0).bit_length()
+        with self._lock:
+            if self._free[size]:
+                self._free[size] -= 1
+            else:
+                if self.reserved + size > self.cap:
+                    raise RuntimeError(
+                        f"fake pinned allocator: {size} more bytes would page-lock "
+                        f"{self.reserved + size} bytes, over its cap of {self.cap}"
+                    )
+                self.reserved += size
+        block = torch.full((nbytes,), 0xFF, dtype=torch.uint8)  # NaN / -1 until written
+        weakref.finalize(block, self._give_back, size)
+        return block
+
+    def _give_back(self, size: int) -> None:
+        with self._lock:
+            self._free[size] += 1
+
+
+#: Page-locked bytes the whole fake-CUDA run may hold (CUDA's allocator is per process).
+FAKE_PINNED_CAP_BYTES = 64 * 1024**2
+FAKE_PINNED = _FakePinnedAllocator(FAKE_PINNED_CAP_BYTES)
+
+
 class _Drainer:
     """Runs the copies nobody waited for once they are ``FAKE_COPY_DELAY_S`` old."""
 
@@ -371,14 +409,16 @@ def _cpu_backed_worker_class() -> type:
         """CUDAWorker whose "device memory" is CPU memory: the CUDA calls are faked,
         the worker's own logic (feeder, chunking, tickets, events, ledger, RNG, locks)
         is real. Copies land late (see ``_FakeStream``) into buffers filled with NaN,
-        so compute or a caller that skips a wait reads NaN. Tiny parameter chunks, so
-        that every upload goes through several feeder units."""
+        so compute or a caller that skips a wait reads NaN. Tiny parameter chunks and a
+        tiny download staging buffer, so that every upload goes through several feeder
+        units and most downloads through several staged pieces; the staging buffer
+        comes from ``FAKE_PINNED`` (power-of-two blocks, a cap)."""
 
         def __init__(self, index: int, device: torch.device, **kwargs: Any) -> None:
             kwargs = {
                 "param_chunk_bytes": 96,
                 "param_inflight_chunks": 2,
-                "pin_downloads": False,
+                "download_staging_bytes": 512,
                 **kwargs,
             }
             super().__init__(index, device, **kwargs)
@@ -391,6 +431,9 @@ def _cpu_backed_worker_class() -> type:
 
         def _new_host_tensor(self, like: torch.Tensor) -> torch.Tensor:
             return _poisoned(like)
+
+        def _new_pinned_buffer(self, nbytes: int) -> torch.Tensor:
+            return FAKE_PINNED.alloc(nbytes)
 
         def _copy_on(
             self,

@@ -381,3 +381,55 @@ def test_close_unregisters_host_memory_only_after_its_copies_ran(fake_cuda: type
     _on(worker, lambda: worker.copy_in(weights, "param"))
     rp.close()  # the fake runtime refuses an unregister under a queued copy
     assert memory.registered_ranges() == []
+
+
+# ---------------------------------------------------------------------------
+# downloads: one bounded pinned staging buffer per worker, pageable results
+# ---------------------------------------------------------------------------
+def test_a_download_larger_than_the_staging_buffer_arrives_whole(make_worker) -> None:
+    worker = make_worker(download_staging_bytes=128)
+    srcs = [torch.arange(100, dtype=torch.float32), torch.arange(3), torch.ones(2, 0)]
+    outs = _on(worker, lambda: worker.copy_out(srcs))
+    for o, s in zip(outs, srcs):
+        assert torch.equal(o, s)
+    # the staging buffer holds one piece (plus alignment), not the whole download
+    assert worker._staging is not None and worker._staging.numel() <= 128 + 2 * 64
+
+
+def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(fake_cuda: type) -> None:
+    from conftest import FAKE_PINNED
+    from torch import nn
+
+    from roundpipe_core import RoundPipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    ref = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(6, 32), torch.randn(6, 32)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    reserved_before = FAKE_PINNED.reserved
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:0"], pin_model="off")
+    try:
+
+        def loss_fn(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+            return ((out - label) ** 2).sum()  # a sum: the microbatches add up to the batch
+
+        for _ in range(2):
+            rp.forward_backward((x,), label=y, loss_fn=loss_fn)
+        rp.synchronize()
+        growth = FAKE_PINNED.reserved - reserved_before
+        # one power-of-two block per worker at most (512 bytes + alignment -> 1 KiB or 2 KiB)
+        assert growth <= 2 * 2048 < grad_bytes, (growth, grad_bytes)
+        staging = [w._staging for w in rp.pool.workers if w._staging is not None]
+        assert staging, "downloads went through the staging buffer"
+        staging_ptrs = {s.untyped_storage().data_ptr() for s in staging}
+        loss = loss_fn(ref(x), y) * 2
+        loss.backward()
+        got = dict(rp.optim_named_parameters())
+        for n, p in ref.named_parameters():
+            g = got[n].grad
+            assert g.untyped_storage().data_ptr() not in staging_ptrs
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    finally:
+        rp.close()

@@ -12,13 +12,19 @@ Streams of one worker (all on its GPU):
   (``torch.cuda.Stream(priority=-1)``, the higher priority), issued at once.
 - ``compute``: model code (the current stream inside ``compute()`` and the
   worker thread's default).
-- ``download``: device -> host copies into pinned buffers.
+- ``download``: device -> host copies through one pinned staging buffer per
+  worker (``download_staging_bytes``): each piece lands there by DMA and is then
+  copied into ordinary (pageable) host tensors. Fresh pinned tensors per download
+  would not do: PyTorch's pinned allocator rounds every block up to a power of two
+  and never returns it, and downloaded gradients live on as the masters' ``.grad``,
+  so up to twice the gradient bytes would stay page-locked, outside the host budget.
 
 Ordering uses CUDA events, not host synchronisation: ``copy_in`` records an
 event after its copies, ``wait_channel`` makes the compute stream wait on it,
 ``copy_out`` makes the download stream wait on an event recorded on compute.
-The only host waits are ``copy_out`` (it returns completed host tensors),
-``elapsed_ms`` and ``synchronize``.
+The only host waits are ``copy_out`` (it returns completed host tensors; a
+download larger than the staging buffer waits once per piece), ``elapsed_ms``
+and ``synchronize``.
 
 Lifetime across streams: a device tensor made by ``copy_in`` is allocated on
 its channel's stream and marked with ``record_stream(compute)``, so the caching
@@ -66,6 +72,10 @@ CHANNELS = (PARAM, ACTIVATION)
 
 #: Size of one parameter-upload piece; env ROUNDPIPE_PARAM_CHUNK_MB overrides.
 DEFAULT_PARAM_CHUNK_BYTES = 32 * 1024**2
+#: Size of each worker's pinned download staging buffer; env ROUNDPIPE_DOWNLOAD_STAGING_MB.
+DEFAULT_DOWNLOAD_STAGING_BYTES = 64 * 1024**2
+# staging offsets are aligned so that every dtype can view its piece
+_STAGING_ALIGN = 64
 #: Parameter pieces queued on the GPU at once; 0 issues every piece at once
 #: (no feeder thread). Env ROUNDPIPE_PARAM_INFLIGHT overrides.
 DEFAULT_PARAM_INFLIGHT_CHUNKS = 2
@@ -142,7 +152,10 @@ class CUDAWorker(Worker):
         param_chunk_bytes: piece size of parameter uploads.
         param_inflight_chunks: pieces queued at once on the parameter stream
             (0 = no feeder: issue a whole upload at once).
-        pin_downloads: download into pinned host buffers (async DMA); False = pageable.
+        pin_downloads: download through a pinned staging buffer (DMA); False = straight
+            into pageable memory (the driver stages it).
+        download_staging_bytes: size of that staging buffer; larger downloads go
+            through it in pieces.
     """
 
     kind = "cuda"
@@ -154,8 +167,25 @@ class CUDAWorker(Worker):
         param_chunk_bytes: int | None = None,
         param_inflight_chunks: int | None = None,
         pin_downloads: bool = True,
+        download_staging_bytes: int | None = None,
     ) -> None:
         device = _check_cuda_device(device)
+        self.download_staging_bytes = (
+            download_staging_bytes
+            if download_staging_bytes is not None
+            else _env_int(
+                "ROUNDPIPE_DOWNLOAD_STAGING_MB", DEFAULT_DOWNLOAD_STAGING_BYTES // 1024**2
+            )
+            * 1024**2
+        )
+        if self.download_staging_bytes <= 0:
+            raise ValueError(
+                f"download_staging_bytes must be positive, got {self.download_staging_bytes}"
+            )
+        # the staging buffer, and the download whose last piece it still holds
+        self._staging: torch.Tensor | None = None
+        self._staging_lock = threading.Lock()
+        self._staged: _StagedDownload | None = None
         self.param_chunk_bytes = (
             param_chunk_bytes
             if param_chunk_bytes is not None
@@ -228,10 +258,19 @@ class CUDAWorker(Worker):
         return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
     def _new_host_tensor(self, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised host buffer for a download (a seam for test doubles)."""
-        return torch.empty(
-            like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_downloads
-        )
+        """An uninitialised pageable host tensor a download ends in (a seam for test doubles)."""
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu")
+
+    def _new_pinned_buffer(self, nbytes: int) -> torch.Tensor:
+        """Uninitialised page-locked bytes: the staging buffer (a seam for test doubles)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """The staging buffer, at least ``nbytes`` long (grown, never shrunk; the lock is held)."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None  # let the old block go back to the allocator first
+            self._staging = self._new_pinned_buffer(nbytes)
+        return self._staging
 
     def _copy_on(
         self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool
@@ -381,14 +420,18 @@ class CUDAWorker(Worker):
 
     def copy_out_async(
         self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
-    ) -> tuple[list[torch.Tensor], torch.cuda.Event]:
-        """Start device -> host copies after the compute issued so far; return (host tensors, event).
+    ) -> tuple[list[torch.Tensor], Any]:
+        """Start device -> host copies after the compute issued so far; return (host tensors,
+        completion).
 
-        The host tensors are valid once ``event.synchronize()`` (or ``query()``)
-        says so. The device sources are kept from reuse until the download
-        stream is done with them.
+        The host tensors are pageable and valid once ``completion.synchronize()`` (or a
+        true ``query()``) says so. The pieces go through the staging buffer: all but the
+        last are waited for here; the last is copied out when the completion is waited
+        on, or before the next download reuses the buffer. The device sources are kept
+        from reuse until the download stream is done with them.
         """
-        srcs = [t.detach() for t in tensors]
+        # contiguous on the compute stream, before the download is ordered after it
+        srcs = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
         stream = self.download_stream
         with torch.cuda.device(self.device):
             ready = torch.cuda.Event()
@@ -397,12 +440,56 @@ class CUDAWorker(Worker):
             outs = [self._new_host_tensor(src) for src in srcs]
             for src in srcs:
                 _mark_used_by(src, stream)
-            self._copy_on(
-                stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], self.pin_downloads
+            if not self.pin_downloads:
+                self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
+                done = torch.cuda.Event()
+                done.record(stream)
+                return outs, done
+            units = plan_chunks(
+                [s.numel() for s in srcs],
+                [s.element_size() for s in srcs],
+                self.download_staging_bytes,
             )
-            done = torch.cuda.Event()
-            done.record(stream)
+            flat_src = [s.reshape(-1) for s in srcs]
+            flat_out = [o.view(-1) for o in outs]
+            with self._staging_lock:
+                staged = _StagedDownload(self, None, [])
+                for unit in units:
+                    if self._staged is not None:  # the buffer still holds a piece
+                        self._staged.finish()
+                    staged = self._stage_unit(stream, unit, flat_src, flat_out)
+                    self._staged = staged
+                if units:
+                    # everything but the last piece is in the results already
+                    return outs, staged
+        done = torch.cuda.Event()
+        done.record(stream)
         return outs, done
+
+    def _stage_unit(
+        self,
+        stream: Any,
+        unit: list[Piece],
+        flat_src: list[torch.Tensor],
+        flat_out: list[torch.Tensor],
+    ) -> _StagedDownload:
+        """Download one unit of pieces into the staging buffer (the lock is held)."""
+        offsets, end = [], 0
+        for i, a, b in unit:
+            offsets.append(end)
+            nbytes = (b - a) * flat_src[i].element_size()
+            end += -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
+        staging = self._staging_buffer(end)
+        into, out_of = [], []
+        for (i, a, b), off in zip(unit, offsets):
+            src = flat_src[i][a:b]
+            view = staging[off : off + (b - a) * src.element_size()].view(src.dtype)
+            into.append((view, src))
+            out_of.append((flat_out[i][a:b], view))
+        self._copy_on(stream, into, True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return _StagedDownload(self, event, out_of)
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         for t in tensors:
@@ -459,3 +546,41 @@ class CUDAWorker(Worker):
         if self._feeder is not None:
             self._feeder.wait_issued(self._feeder.last_ticket)
         torch.cuda.synchronize(self.device)
+
+
+class _StagedDownload:
+    """A download's last piece, in the staging buffer: ``synchronize()`` waits for its DMA
+    and copies it into the pageable results (once); ``query()`` does so if it is done."""
+
+    def __init__(
+        self,
+        worker: CUDAWorker,
+        event: Any,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        self._worker = worker
+        self._event = event
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] | None = copies
+
+    def finish(self) -> None:
+        """Complete the copy-out; the caller holds the worker's staging lock."""
+        if self._copies is None:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+        with torch.no_grad():
+            for dst, staged in self._copies:
+                dst.copy_(staged)
+        self._copies = None
+        if self._worker._staged is self:
+            self._worker._staged = None
+
+    def synchronize(self) -> None:
+        with self._worker._staging_lock:
+            self.finish()
+
+    def query(self) -> bool:
+        if self._copies is not None and self._event is not None and not self._event.query():
+            return False
+        self.synchronize()
+        return True
