@@ -464,6 +464,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type:
     from roundpipe_core.running.devices import memory
 
     c = torch.cuda
+    # the pool sets the allocator's defaults before CUDA starts: undone after the test
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setattr(c, "is_available", lambda: True)
     monkeypatch.setattr(c, "device_count", lambda: 1)
     monkeypatch.setattr(c, "Stream", _FakeStream)

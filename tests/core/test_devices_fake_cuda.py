@@ -433,3 +433,23 @@ def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(fake_cuda:
             torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6, msg=n)
     finally:
         rp.close()
+
+
+def test_a_cuda_pool_asks_for_expandable_segments_unless_configured(
+    fake_cuda: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from roundpipe_core.running.devices.pool import DevicePool
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    DevicePool(["cuda:0"]).close()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # the user's
+    assert not memory.default_allocator_settings()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late to set
+    assert not memory.default_allocator_settings()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

@@ -25,7 +25,9 @@ _live_pools: weakref.WeakSet = weakref.WeakSet()
 
 def _cuda_worker(index: int, device: torch.device) -> Worker:
     from .cuda import CUDAWorker  # imported lazily: CUDA pieces stay optional
+    from .memory import default_allocator_settings
 
+    default_allocator_settings()  # before the worker starts CUDA
     return CUDAWorker(index, device)
 
 
