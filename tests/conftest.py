@@ -264,9 +264,9 @@ class _FakeStream:
         self.waited.append(event)
         with self._lock:
             if self._ops:  # later work on this stream runs after the event
-                self.enqueue(event.synchronize)
+                self.enqueue(event.run_copies)
                 return
-        event.synchronize()  # an idle stream (compute: the worker thread) waits now
+        event.run_copies()  # an idle stream (compute: the worker thread) waits now
 
 
 Span = tuple[int, int]  # (address, nbytes) of host memory
@@ -373,7 +373,23 @@ class _Drainer:
 _DRAINER = _Drainer()
 
 
+#: Host waits on the GPU (``Event.synchronize``, ``torch.cuda.synchronize``) by thread
+#: name: a worker thread that waits inside every microbatch leaves the GPU without
+#: queued work; the tests bound these per microbatch.
+FAKE_HOST_SYNCS: collections.Counter[str] = collections.Counter()
+
+
+def worker_host_syncs() -> int:
+    """Host waits made so far on CUDA worker threads (not their parameter feeders)."""
+    return sum(
+        n
+        for name, n in FAKE_HOST_SYNCS.items()
+        if name.startswith("roundpipe-cuda-") and name.split("-")[-1].isdigit()
+    )
+
+
 def _fake_synchronize(device: Any = None) -> None:
+    FAKE_HOST_SYNCS[threading.current_thread().name] += 1
     for stream in _DRAINER.streams():
         stream.run_until(stream.mark())
 
@@ -392,6 +408,11 @@ class _FakeEvent:
 
     def synchronize(self) -> None:
         assert self.recorded, "synchronize() on an event that was never recorded"
+        FAKE_HOST_SYNCS[threading.current_thread().name] += 1
+        self.run_copies()
+
+    def run_copies(self) -> None:
+        """Run the copies this event waits for (a stream's wait: not a host sync)."""
         if self._stream is not None:
             self._stream.run_until(self._seq)
 
@@ -422,6 +443,7 @@ def _cpu_backed_worker_class() -> type:
                 **kwargs,
             }
             super().__init__(index, device, **kwargs)
+            self._downloads.lazy_bytes = 1024  # a tiny lazy ring: it fills and drains
             # Model code sees where its tensors really are (layers that move
             # temporaries to ``device`` must find CPU memory there).
             self.device = torch.device("cpu")

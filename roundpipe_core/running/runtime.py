@@ -444,7 +444,7 @@ def _fused_microbatch(
                 total = total * run.loss_scale
             total.backward()
             clock.span("bwd", r, t0)
-            host = worker.copy_out([p.detach() for p in parts])
+            host = worker.copy_out_lazy([p.detach() for p in parts])  # read after the queue
             run.losses[mb] = type(loss)(host) if isinstance(loss, (tuple, list)) else host[0]
             if run.return_outputs:
                 run.outputs[mb] = to_host(worker, x)

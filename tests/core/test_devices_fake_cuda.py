@@ -393,7 +393,8 @@ def test_a_download_larger_than_the_staging_buffer_arrives_whole(make_worker) ->
     for o, s in zip(outs, srcs):
         assert torch.equal(o, s)
     # the staging buffer holds one piece (plus alignment), not the whole download
-    assert worker._staging is not None and worker._staging.numel() <= 128 + 2 * 64
+    staging = worker._downloads.staging
+    assert staging is not None and staging.numel() <= 128 + 2 * 64
 
 
 def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(fake_cuda: type) -> None:
@@ -403,10 +404,10 @@ def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(fake_cuda:
     from roundpipe_core import RoundPipe
 
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
-    ref = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    ref = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
     ref.load_state_dict(model.state_dict())
-    x, y = torch.randn(6, 32), torch.randn(6, 32)
+    x, y = torch.randn(6, 64), torch.randn(6, 64)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     reserved_before = FAKE_PINNED.reserved
     rp = RoundPipe(model, devices=["cuda:0", "cuda:0"], pin_model="off")
@@ -419,9 +420,10 @@ def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(fake_cuda:
             rp.forward_backward((x,), label=y, loss_fn=loss_fn)
         rp.synchronize()
         growth = FAKE_PINNED.reserved - reserved_before
-        # one power-of-two block per worker at most (512 bytes + alignment -> 1 KiB or 2 KiB)
-        assert growth <= 2 * 2048 < grad_bytes, (growth, grad_bytes)
-        staging = [w._staging for w in rp.pool.workers if w._staging is not None]
+        # per worker one staging block (512 bytes + alignment: 1 or 2 KiB) and the lazy ring
+        assert growth <= 2 * (2048 + 1024) < grad_bytes / 4, (growth, grad_bytes)
+        staging = [w._downloads.staging for w in rp.pool.workers]
+        staging = [s for s in staging if s is not None]
         assert staging, "downloads went through the staging buffer"
         staging_ptrs = {s.untyped_storage().data_ptr() for s in staging}
         loss = loss_fn(ref(x), y) * 2
@@ -430,7 +432,8 @@ def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(fake_cuda:
         for n, p in ref.named_parameters():
             g = got[n].grad
             assert g.untyped_storage().data_ptr() not in staging_ptrs
-            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6, msg=n)
+            # fp32 rounding of gradients of size ~10, summed in another order
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5, msg=n)
     finally:
         rp.close()
 
@@ -453,3 +456,42 @@ def test_a_cuda_pool_asks_for_expandable_segments_unless_configured(
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late to set
     assert not memory.default_allocator_settings()
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+# ---------------------------------------------------------------------------
+# host syncs: none per microbatch where nothing needs the result at once
+# ---------------------------------------------------------------------------
+def test_a_one_stage_call_waits_on_the_gpu_a_fixed_number_of_times(fake_cuda: type) -> None:
+    """A microbatch's loss is not waited for inside the microbatch (the worker's queue
+    completes the deferred downloads at its end), so the host syncs of a one-stage
+    call do not grow with the microbatches."""
+    from conftest import worker_host_syncs
+    from torch import nn
+
+    from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(12, 8), torch.randn(12, 2)
+    rp = RoundPipe(model, devices=["cuda:0"], pin_model="off")
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [], [range(0, 3)]
+    syncs, losses = {}, {}
+    try:
+        rp.layer_activation_bytes = [0.0] * 3  # no measuring forward in the count
+        for m in (2, 6, 2):
+            cfg = RoundPipeRunConfig(num_microbatch=m, execute_plan=plan)
+            before = worker_host_syncs()
+            losses[m] = rp.forward_backward((x,), label=y, loss_fn=_sum_sq, run_config=cfg)
+            syncs[m] = worker_host_syncs() - before
+    finally:
+        rp.close()
+    assert syncs[6] == syncs[2] <= 2, syncs  # the deferred losses and the gradients: once each
+    with torch.no_grad():
+        ref = _sum_sq(model(x), y)  # the host model holds the weights the calls used
+    torch.testing.assert_close(losses[6], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[2], ref, rtol=1e-5, atol=1e-5)
+
+
+def _sum_sq(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((out - label) ** 2).sum()

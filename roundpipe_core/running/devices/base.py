@@ -204,6 +204,15 @@ class Worker(ABC):
     ) -> list[torch.Tensor]:
         """Device -> host copies, complete when this returns (ordered after compute so far)."""
 
+    def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Device -> host for small tensors the caller reads only after this worker's queue
+        ends (a microbatch's loss): complete after ``finish_lazy_downloads``, so an
+        asynchronous backend need not wait for each. Synchronous backends: ``copy_out``."""
+        return self.copy_out(tensors, "download")
+
+    def finish_lazy_downloads(self) -> None:  # noqa: B027 - optional hook
+        """Complete every ``copy_out_lazy`` so far (the pool calls it when a queue ends)."""
+
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host for tensors the device drops right after (a stage's parameter
         gradients): host copies, complete when this returns. A backend whose device

@@ -12,19 +12,17 @@ Streams of one worker (all on its GPU):
   (``torch.cuda.Stream(priority=-1)``, the higher priority), issued at once.
 - ``compute``: model code (the current stream inside ``compute()`` and the
   worker thread's default).
-- ``download``: device -> host copies through one pinned staging buffer per
-  worker (``download_staging_bytes``): each piece lands there by DMA and is then
-  copied into ordinary (pageable) host tensors. Fresh pinned tensors per download
-  would not do: PyTorch's pinned allocator rounds every block up to a power of two
-  and never returns it, and downloaded gradients live on as the masters' ``.grad``,
-  so up to twice the gradient bytes would stay page-locked, outside the host budget.
+- ``download``: device -> host copies through page-locked memory each worker
+  allocates once and reuses (a staging buffer and a lazy ring, ``downloads.py``),
+  into ordinary pageable host tensors.
 
 Ordering uses CUDA events, not host synchronisation: ``copy_in`` records an
 event after its copies, ``wait_channel`` makes the compute stream wait on it,
 ``copy_out`` makes the download stream wait on an event recorded on compute.
 The only host waits are ``copy_out`` (it returns completed host tensors; a
-download larger than the staging buffer waits once per piece), ``elapsed_ms``
-and ``synchronize``.
+download larger than the staging buffer waits once per piece), the end of a
+queue (``finish_lazy_downloads``: the losses ``copy_out_lazy`` deferred),
+``elapsed_ms`` and ``synchronize``.
 
 Lifetime across streams: a device tensor made by ``copy_in`` is allocated on
 its channel's stream and marked with ``record_stream(compute)``, so the caching
@@ -53,6 +51,7 @@ from typing import Any
 import torch
 
 from .base import Worker
+from .downloads import DownloadStager
 from .feeder import ChunkFeeder, Piece, plan_chunks
 from .memory import cuda_available
 
@@ -74,8 +73,6 @@ CHANNELS = (PARAM, ACTIVATION)
 DEFAULT_PARAM_CHUNK_BYTES = 32 * 1024**2
 #: Size of each worker's pinned download staging buffer; env ROUNDPIPE_DOWNLOAD_STAGING_MB.
 DEFAULT_DOWNLOAD_STAGING_BYTES = 64 * 1024**2
-# staging offsets are aligned so that every dtype can view its piece
-_STAGING_ALIGN = 64
 #: Parameter pieces queued on the GPU at once; 0 issues every piece at once
 #: (no feeder thread). Env ROUNDPIPE_PARAM_INFLIGHT overrides.
 DEFAULT_PARAM_INFLIGHT_CHUNKS = 2
@@ -182,10 +179,7 @@ class CUDAWorker(Worker):
             raise ValueError(
                 f"download_staging_bytes must be positive, got {self.download_staging_bytes}"
             )
-        # the staging buffer, and the download whose last piece it still holds
-        self._staging: torch.Tensor | None = None
-        self._staging_lock = threading.Lock()
-        self._staged: _StagedDownload | None = None
+        self._downloads = DownloadStager(self, self.download_staging_bytes)
         self.param_chunk_bytes = (
             param_chunk_bytes
             if param_chunk_bytes is not None
@@ -262,15 +256,9 @@ class CUDAWorker(Worker):
         return torch.empty(like.shape, dtype=like.dtype, device="cpu")
 
     def _new_pinned_buffer(self, nbytes: int) -> torch.Tensor:
-        """Uninitialised page-locked bytes: the staging buffer (a seam for test doubles)."""
+        """Uninitialised page-locked bytes: the staging buffer or lazy ring (a seam for
+        test doubles)."""
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
-
-    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """The staging buffer, at least ``nbytes`` long (grown, never shrunk; the lock is held)."""
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = None  # let the old block go back to the allocator first
-            self._staging = self._new_pinned_buffer(nbytes)
-        return self._staging
 
     def _copy_on(
         self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool
@@ -412,11 +400,20 @@ class CUDAWorker(Worker):
         self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
     ) -> list[torch.Tensor]:
         outs, done = self.copy_out_async(tensors, channel)
-        # Correctness first: the caller gets finished host tensors. The per-layer
-        # async path (gradients of layer i handed to the optimizer thread while
-        # layer i-1 still computes) is copy_out_async + done.synchronize() there.
         done.synchronize()
         return outs
+
+    def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``copy_out`` of small tensors through the lazy ring: the host does not wait here;
+        the results are complete after ``finish_lazy_downloads`` (the end of the queue)."""
+        srcs, outs = self._begin_download(tensors)
+        if self.pin_downloads and self._downloads.download_lazy(self.download_stream, srcs, outs):
+            return outs
+        self._finish_download(srcs, outs).synchronize()
+        return outs
+
+    def finish_lazy_downloads(self) -> None:
+        self._downloads.finish_lazy()
 
     def copy_out_async(
         self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
@@ -425,71 +422,36 @@ class CUDAWorker(Worker):
         completion).
 
         The host tensors are pageable and valid once ``completion.synchronize()`` (or a
-        true ``query()``) says so. The pieces go through the staging buffer: all but the
-        last are waited for here; the last is copied out when the completion is waited
-        on, or before the next download reuses the buffer. The device sources are kept
-        from reuse until the download stream is done with them.
+        true ``query()``) says so. The pieces go through the staging buffer
+        (``downloads.DownloadStager``); the device sources are kept from reuse until the
+        download stream is done with them.
         """
-        # contiguous on the compute stream, before the download is ordered after it
+        srcs, outs = self._begin_download(tensors)
+        return outs, self._finish_download(srcs, outs)
+
+    def _begin_download(
+        self, tensors: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Contiguous sources (made on compute), the download stream ordered after the
+        compute issued so far, and uninitialised pageable results."""
         srcs = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
-        stream = self.download_stream
         with torch.cuda.device(self.device):
             ready = torch.cuda.Event()
             ready.record(self.compute_stream)
-            stream.wait_event(ready)
-            outs = [self._new_host_tensor(src) for src in srcs]
-            for src in srcs:
-                _mark_used_by(src, stream)
-            if not self.pin_downloads:
-                self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
-                done = torch.cuda.Event()
-                done.record(stream)
-                return outs, done
-            units = plan_chunks(
-                [s.numel() for s in srcs],
-                [s.element_size() for s in srcs],
-                self.download_staging_bytes,
-            )
-            flat_src = [s.reshape(-1) for s in srcs]
-            flat_out = [o.view(-1) for o in outs]
-            with self._staging_lock:
-                staged = _StagedDownload(self, None, [])
-                for unit in units:
-                    if self._staged is not None:  # the buffer still holds a piece
-                        self._staged.finish()
-                    staged = self._stage_unit(stream, unit, flat_src, flat_out)
-                    self._staged = staged
-                if units:
-                    # everything but the last piece is in the results already
-                    return outs, staged
-        done = torch.cuda.Event()
-        done.record(stream)
-        return outs, done
+            self.download_stream.wait_event(ready)
+        for src in srcs:
+            _mark_used_by(src, self.download_stream)
+        return srcs, [self._new_host_tensor(src) for src in srcs]
 
-    def _stage_unit(
-        self,
-        stream: Any,
-        unit: list[Piece],
-        flat_src: list[torch.Tensor],
-        flat_out: list[torch.Tensor],
-    ) -> _StagedDownload:
-        """Download one unit of pieces into the staging buffer (the lock is held)."""
-        offsets, end = [], 0
-        for i, a, b in unit:
-            offsets.append(end)
-            nbytes = (b - a) * flat_src[i].element_size()
-            end += -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
-        staging = self._staging_buffer(end)
-        into, out_of = [], []
-        for (i, a, b), off in zip(unit, offsets):
-            src = flat_src[i][a:b]
-            view = staging[off : off + (b - a) * src.element_size()].view(src.dtype)
-            into.append((view, src))
-            out_of.append((flat_out[i][a:b], view))
-        self._copy_on(stream, into, True)
-        event = torch.cuda.Event()
-        event.record(stream)
-        return _StagedDownload(self, event, out_of)
+    def _finish_download(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        stream = self.download_stream
+        with torch.cuda.device(self.device):
+            if self.pin_downloads:
+                return self._downloads.download(stream, srcs, outs)
+            self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
+            done = torch.cuda.Event()
+            done.record(stream)
+            return done
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         for t in tensors:
@@ -526,7 +488,8 @@ class CUDAWorker(Worker):
         return event
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
-        end.synchronize()
+        if not end.query():  # a host wait only while the marker is still ahead of the host
+            end.synchronize()
         return float(start.elapsed_time(end))
 
     def memory_capacity(self) -> int:
@@ -546,41 +509,3 @@ class CUDAWorker(Worker):
         if self._feeder is not None:
             self._feeder.wait_issued(self._feeder.last_ticket)
         torch.cuda.synchronize(self.device)
-
-
-class _StagedDownload:
-    """A download's last piece, in the staging buffer: ``synchronize()`` waits for its DMA
-    and copies it into the pageable results (once); ``query()`` does so if it is done."""
-
-    def __init__(
-        self,
-        worker: CUDAWorker,
-        event: Any,
-        copies: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
-        self._worker = worker
-        self._event = event
-        self._copies: list[tuple[torch.Tensor, torch.Tensor]] | None = copies
-
-    def finish(self) -> None:
-        """Complete the copy-out; the caller holds the worker's staging lock."""
-        if self._copies is None:
-            return
-        if self._event is not None:
-            self._event.synchronize()
-        with torch.no_grad():
-            for dst, staged in self._copies:
-                dst.copy_(staged)
-        self._copies = None
-        if self._worker._staged is self:
-            self._worker._staged = None
-
-    def synchronize(self) -> None:
-        with self._worker._staging_lock:
-            self.finish()
-
-    def query(self) -> bool:
-        if self._copies is not None and self._event is not None and not self._event.query():
-            return False
-        self.synchronize()
-        return True

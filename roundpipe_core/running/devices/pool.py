@@ -176,7 +176,11 @@ class DevicePool:
         """
         if self._closed:
             raise RuntimeError("this RoundPipe's device pool is closed; create a new RoundPipe")
-        return [worker.submit(run_queue, worker, q) for worker, q in zip(self.workers, queues) if q]
+        return [
+            worker.submit(_run_then_finish, run_queue, worker, q)
+            for worker, q in zip(self.workers, queues)
+            if q
+        ]
 
     def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
         """Run ``run_queue(worker, queue)`` on every worker that has jobs; wait for all.
@@ -214,6 +218,17 @@ class DevicePool:
             except Exception:  # noqa: BLE001 - reported as "not drained"
                 ok = False
         return ok
+
+
+def _run_then_finish(
+    run_queue: Callable[[Worker, list[Any]], None], worker: Worker, queue: list[Any]
+) -> None:
+    """A worker's queue, then the downloads it deferred: whoever waits on the queue's
+    future reads complete losses."""
+    try:
+        run_queue(worker, queue)
+    finally:
+        worker.finish_lazy_downloads()
 
 
 @atexit.register
