@@ -137,6 +137,15 @@ def pool_devices(device_kind: str) -> Callable[[int], Any]:
 
 
 @pytest.fixture(autouse=True)
+def _no_source_races() -> Any:
+    """Fail a test during which a fake-CUDA copy's host source changed before it ran."""
+    FAKE_SOURCE_RACES.clear()
+    yield
+    races, FAKE_SOURCE_RACES[:] = list(FAKE_SOURCE_RACES), []
+    assert not races, f"host sources changed under pending copies: {races[:3]}"
+
+
+@pytest.fixture(autouse=True)
 def _route_all_to_cuda(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("cpu_backend") is not None:
         return  # a test of the CPU backend itself keeps its CPU workers
@@ -275,6 +284,18 @@ Span = tuple[int, int]  # (address, nbytes) of host memory
 def _storage_span(t: torch.Tensor) -> Span:
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
+
+
+#: Copies whose host source changed while they were queued (see ``_copy_on``); any
+#: entry fails the test that made it (``_no_source_races``).
+FAKE_SOURCE_RACES: list[str] = []
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN equals NaN): ``a`` unchanged since ``b`` was cloned from it."""
+    return torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
 
 
 class _FakeCudart:
@@ -464,10 +485,18 @@ def _cpu_backed_worker_class() -> type:
             non_blocking: bool,
         ) -> None:
             pairs = list(pairs)
+            # A GPU reads the host source when the DMA runs, not at issue: a source that
+            # changes in between (a buffer written back, weights published) is a race.
+            snapshots = [src.clone() for _, src in pairs]
 
             def copy() -> None:
                 with torch.no_grad():
-                    for dst, src in pairs:
+                    for (dst, src), snap in zip(pairs, snapshots):
+                        if not _same_bits(src, snap):
+                            FAKE_SOURCE_RACES.append(
+                                f"a {tuple(src.shape)} {src.dtype} copy source changed "
+                                "between the copy's issue and its run"
+                            )
                         dst.copy_(src)
 
             touches = [_storage_span(t) for pair in pairs for t in pair]

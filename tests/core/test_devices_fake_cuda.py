@@ -495,3 +495,39 @@ def test_a_one_stage_call_waits_on_the_gpu_a_fixed_number_of_times(fake_cuda: ty
 
 def _sum_sq(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return ((out - label) ** 2).sum()
+
+
+# ---------------------------------------------------------------------------
+# buffer write-back is fenced like weights: no upload still reading them
+# ---------------------------------------------------------------------------
+def test_batchnorm_write_back_waits_for_uploads_reading_the_buffers(fake_cuda: type) -> None:
+    """The forward stage of layers 0-1 writes BatchNorm statistics back while its worker
+    has prefetched the same layers' backward stage; the fake fails the test if the
+    prefetch's copies were still queued when the statistics changed (a torn read on a
+    GPU), and the statistics must equal plain PyTorch's."""
+    import copy
+
+    from torch import nn
+
+    from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 16), nn.BatchNorm1d(16)
+    )
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 16)
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:0"], pin_model="off")
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [range(0, 2)], [range(2, 4), range(0, 2)]
+    try:
+        rp.layer_activation_bytes = [0.0] * 4
+        cfg = RoundPipeRunConfig(num_microbatch=1, execute_plan=plan)
+        rp.forward_backward((x,), label=y, loss_fn=_sum_sq, run_config=cfg)
+        rp.synchronize()
+    finally:
+        rp.close()
+    _sum_sq(ref(x), y).backward()
+    for i in (1, 3):
+        torch.testing.assert_close(model[i].running_mean, ref[i].running_mean)
+        torch.testing.assert_close(model[i].running_var, ref[i].running_var)
