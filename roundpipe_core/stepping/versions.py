@@ -18,7 +18,6 @@ the state; it is never held while copying.
 from __future__ import annotations
 
 import contextlib
-
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
