@@ -531,3 +531,38 @@ def test_batchnorm_write_back_waits_for_uploads_reading_the_buffers(fake_cuda: t
     for i in (1, 3):
         torch.testing.assert_close(model[i].running_mean, ref[i].running_mean)
         torch.testing.assert_close(model[i].running_var, ref[i].running_var)
+
+
+# ---------------------------------------------------------------------------
+# dropout replay across GPU models
+# ---------------------------------------------------------------------------
+class _Props:
+    def __init__(self, name: str, sms: int) -> None:
+        self.name, self.multi_processor_count, self.total_memory = name, sms, 24 << 30
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["3090+4090", "two-4090"])
+def test_unequal_sm_counts_warn_once_when_recompute_replays_randomness(
+    fake_cuda: type, monkeypatch: pytest.MonkeyPatch, mixed: bool
+) -> None:
+    import warnings
+
+    from torch import nn
+
+    from roundpipe_core import RoundPipe
+
+    gpus = [_Props("RTX 3090", 82), _Props("RTX 4090", 128 if mixed else 82)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpus[int(i)])
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Linear(4, 1))
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:1"], pin_model="off")
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                rp.forward_backward((x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+        replay = [w for w in seen if "different SM counts" in str(w.message)]
+        assert len(replay) == (1 if mixed else 0), [str(w.message) for w in seen]
+    finally:
+        rp.close()

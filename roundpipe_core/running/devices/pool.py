@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
@@ -124,6 +125,7 @@ class DevicePool:
         devs = resolve_devices(devices)
         self.workers: list[Worker] = []
         self._closed = False
+        self._replay_checked = False  # warn_if_replay_differs said its piece
         try:
             num_cpu = sum(d.type == "cpu" for d in devs)
             for i, d in enumerate(devs):
@@ -160,6 +162,35 @@ class DevicePool:
         one at a time (they share the process's cores under one compute lock), so on
         them every job's time adds up and the planner plans for that."""
         return self.is_cuda
+
+    def gpu_models(self) -> list[tuple[str, int]]:
+        """``(name, SM count)`` of each distinct GPU the workers use (``[]`` on CPU)."""
+        seen: dict[int, tuple[str, int]] = {}
+        for w in self.workers:
+            index = getattr(w, "gpu_index", None)
+            if w.kind == "cuda" and index is not None and index not in seen:
+                props = torch.cuda.get_device_properties(index)
+                seen[index] = (str(props.name), int(props.multi_processor_count))
+        return sorted(set(seen.values()))
+
+    def warn_if_replay_differs(self) -> None:
+        """Warn once when a recompute may run on a GPU with another SM count than its
+        forward: a CUDA kernel's random draws follow its launch grid, which follows the
+        SM count, so the same seed and offset give other dropout masks there."""
+        if self._replay_checked:
+            return
+        self._replay_checked = True
+        models = self.gpu_models()
+        if len({sm for _, sm in models}) > 1:
+            warnings.warn(
+                f"the device pool mixes GPUs with different SM counts ({models}): a "
+                "recompute on another GPU than its forward draws different random numbers "
+                "(dropout masks), so gradients of random layers are not those of the "
+                "forward. Use GPUs of one model, or models without dropout in training, "
+                "or pass devices= with one GPU model only",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def memory_capacity(self) -> int:
         """Bytes of the smallest device (the planner's default limit is 60% of it)."""
