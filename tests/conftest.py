@@ -293,9 +293,12 @@ FAKE_SOURCE_RACES: list[str] = []
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN equals NaN): ``a`` unchanged since ``b`` was cloned from it."""
-    return torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
-    )
+
+    def raw(t: torch.Tensor) -> torch.Tensor:  # a dense copy: views and expands have odd strides
+        dense = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+        return dense.reshape(-1).view(torch.uint8)
+
+    return torch.equal(raw(a), raw(b))
 
 
 class _FakeCudart:
@@ -546,3 +549,16 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type:
 
 
 _FAKE_CUDART = _FakeCudart()
+
+
+@pytest.fixture
+def fake_pinned() -> _FakePinnedAllocator:
+    """The fake pinned allocator the fake-CUDA workers stage their downloads through
+    (a fixture: ``from conftest import`` would find another directory's conftest)."""
+    return FAKE_PINNED
+
+
+@pytest.fixture
+def host_syncs() -> Callable[[], int]:
+    """``host_syncs()`` -> host waits made so far on fake-CUDA worker threads."""
+    return worker_host_syncs

@@ -367,10 +367,16 @@ def test_an_upload_queued_before_close_still_runs(make_worker) -> None:
     assert worker.drained
 
 
-def test_close_unregisters_host_memory_only_after_its_copies_ran(fake_cuda: type) -> None:
+def test_close_unregisters_host_memory_only_after_its_copies_ran(
+    fake_cuda: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from torch import nn
 
     from roundpipe_core import RoundPipe
+    from roundpipe_core.running.devices.pool import DevicePool
+
+    # the fake worker computes on CPU memory, so its pool does not pin by itself
+    monkeypatch.setattr(DevicePool, "is_cuda", property(lambda self: True))
 
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
     rp = RoundPipe(model, devices=["cuda:0"], pin_model="register")
@@ -397,8 +403,9 @@ def test_a_download_larger_than_the_staging_buffer_arrives_whole(make_worker) ->
     assert staging is not None and staging.numel() <= 128 + 2 * 64
 
 
-def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(fake_cuda: type) -> None:
-    from conftest import FAKE_PINNED
+def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(
+    fake_cuda: type, fake_pinned: Any
+) -> None:
     from torch import nn
 
     from roundpipe_core import RoundPipe
@@ -409,7 +416,7 @@ def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(fake_cuda:
     ref.load_state_dict(model.state_dict())
     x, y = torch.randn(6, 64), torch.randn(6, 64)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    reserved_before = FAKE_PINNED.reserved
+    reserved_before = fake_pinned.reserved
     rp = RoundPipe(model, devices=["cuda:0", "cuda:0"], pin_model="off")
     try:
 
@@ -419,7 +426,7 @@ def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(fake_cuda:
         for _ in range(2):
             rp.forward_backward((x,), label=y, loss_fn=loss_fn)
         rp.synchronize()
-        growth = FAKE_PINNED.reserved - reserved_before
+        growth = fake_pinned.reserved - reserved_before
         # per worker one staging block (512 bytes + alignment: 1 or 2 KiB) and the lazy ring
         assert growth <= 2 * (2048 + 1024) < grad_bytes / 4, (growth, grad_bytes)
         staging = [w._downloads.staging for w in rp.pool.workers]
@@ -461,11 +468,12 @@ def test_a_cuda_pool_asks_for_expandable_segments_unless_configured(
 # ---------------------------------------------------------------------------
 # host syncs: none per microbatch where nothing needs the result at once
 # ---------------------------------------------------------------------------
-def test_a_one_stage_call_waits_on_the_gpu_a_fixed_number_of_times(fake_cuda: type) -> None:
+def test_a_one_stage_call_waits_on_the_gpu_a_fixed_number_of_times(
+    fake_cuda: type, host_syncs: Any
+) -> None:
     """A microbatch's loss is not waited for inside the microbatch (the worker's queue
     completes the deferred downloads at its end), so the host syncs of a one-stage
     call do not grow with the microbatches."""
-    from conftest import worker_host_syncs
     from torch import nn
 
     from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
@@ -481,9 +489,9 @@ def test_a_one_stage_call_waits_on_the_gpu_a_fixed_number_of_times(fake_cuda: ty
         rp.layer_activation_bytes = [0.0] * 3  # no measuring forward in the count
         for m in (2, 6, 2):
             cfg = RoundPipeRunConfig(num_microbatch=m, execute_plan=plan)
-            before = worker_host_syncs()
+            before = host_syncs()
             losses[m] = rp.forward_backward((x,), label=y, loss_fn=_sum_sq, run_config=cfg)
-            syncs[m] = worker_host_syncs() - before
+            syncs[m] = host_syncs() - before
     finally:
         rp.close()
     assert syncs[6] == syncs[2] <= 2, syncs  # the deferred losses and the gradients: once each

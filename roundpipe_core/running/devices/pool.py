@@ -152,9 +152,7 @@ class DevicePool:
 
     @property
     def is_cuda(self) -> bool:
-        # by the worker's kind, not its device: the fake-CUDA test worker computes on
-        # CPU memory but pins, registers and pipelines as a CUDA worker does
-        return any(w.kind == "cuda" for w in self.workers)
+        return any(w.device.type == "cuda" for w in self.workers)
 
     @property
     def concurrent(self) -> bool:
@@ -165,13 +163,12 @@ class DevicePool:
 
     def gpu_models(self) -> list[tuple[str, int]]:
         """``(name, SM count)`` of each distinct GPU the workers use (``[]`` on CPU)."""
-        seen: dict[int, tuple[str, int]] = {}
-        for w in self.workers:
-            index = getattr(w, "gpu_index", None)
-            if w.kind == "cuda" and index is not None and index not in seen:
-                props = torch.cuda.get_device_properties(index)
-                seen[index] = (str(props.name), int(props.multi_processor_count))
-        return sorted(set(seen.values()))
+        indices = {getattr(w, "gpu_index", None) for w in self.workers if w.kind == "cuda"}
+        models = set()
+        for index in sorted(i for i in indices if i is not None):
+            props = torch.cuda.get_device_properties(index)
+            models.add((str(props.name), int(props.multi_processor_count)))
+        return sorted(models)
 
     def warn_if_replay_differs(self) -> None:
         """Warn once when a recompute may run on a GPU with another SM count than its
@@ -180,6 +177,8 @@ class DevicePool:
         if self._replay_checked:
             return
         self._replay_checked = True
+        if len({getattr(w, "gpu_index", None) for w in self.workers}) < 2:
+            return  # one GPU or CPU workers: every recompute runs on the same GPU model
         models = self.gpu_models()
         if len({sm for _, sm in models}) > 1:
             warnings.warn(
