@@ -222,6 +222,9 @@ def _gpu_stats(result: dict[str, Any]) -> None:
             max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / GIB,
             2,
         )
+        result["peak_reserved_bytes"] = max(
+            torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count())
+        )
         result["peak_reserved_gib"] = round(
             max(torch.cuda.max_memory_reserved(i) for i in range(torch.cuda.device_count())) / GIB,
             2,
@@ -466,18 +469,53 @@ def _check_memory(
     mb = mb or max(len(j.microbatches) for j in jobs)
     heaviest = {j.layers for j in jobs if j.kind != "forward"}
     act = max(_microbatch_peak(rp, r, ids, labels, loss_fn, mb) for r in heaviest)
+    # From the second microbatch on, autograd accumulates a parameter's gradient by
+    # allocating the new one before adding it: one more gradient of the largest
+    # parameter per worker at once (the tied embedding / LM head of the 1.7B shape)
+    accum = 0
+    if mb > 1:
+        for queue in per_worker.values():
+            accum += max(
+                (_largest_grad_bytes(rp, j.layers) for j in queue if j.kind != "forward"),
+                default=0,
+            )
     resident = int(result.get("resident_between_steps_bytes", 0))
-    bound = held + act + resident
+    bound = held + act + accum + resident
+    # reserved memory may exceed allocated by the caching allocator's rounding on each
+    # of a worker's four streams (assumed, by construction: not measured on a GPU yet)
+    reserved_bound = bound + RESERVED_SLACK_PER_WORKER * len(per_worker)
+    reserved = int(result.get("peak_reserved_bytes", 0))
+    ok = peak <= bound and reserved <= reserved_bound
     result.update(
         mem_bound_gib=round(bound / GIB, 3),
+        mem_reserved_bound_gib=round(reserved_bound / GIB, 3),
         mem_stages_gib=round(held / GIB, 3),
         mem_microbatch_gib=round(act / GIB, 3),
-        mem_check="pass" if peak <= bound else "FAIL",
+        mem_accumulation_gib=round(accum / GIB, 3),
+        mem_check="pass" if ok else "FAIL",
     )
     progress(
-        f"memory check: peak {peak / GIB:.3f} GiB vs bound {bound / GIB:.3f} GiB = stages held "
-        f"{held / GIB:.3f} (running + prefetched, {len(per_worker)} worker(s)) + one microbatch "
-        f"{act / GIB:.3f} + resident {resident / GIB:.3f}: {result['mem_check']}"
+        f"memory check: peak allocated {peak / GIB:.3f} GiB vs bound {bound / GIB:.3f} GiB = "
+        f"stages held {held / GIB:.3f} (running + prefetched, {len(per_worker)} worker(s)) + one "
+        f"microbatch {act / GIB:.3f} + accumulated gradient {accum / GIB:.3f} + resident "
+        f"{resident / GIB:.3f}; peak reserved {reserved / GIB:.3f} GiB vs "
+        f"{reserved_bound / GIB:.3f}: {result['mem_check']}"
+    )
+
+
+#: Reserved-over-allocated memory allowed per worker in the memory check (4 streams).
+RESERVED_SLACK_PER_WORKER = 4 * 64 * 1024**2
+
+
+def _largest_grad_bytes(rp: Any, layers: range) -> int:
+    return max(
+        (
+            p.numel() * p.element_size()
+            for i in layers
+            for p in rp.layers[i].parameters()
+            if p.requires_grad
+        ),
+        default=0,
     )
 
 
@@ -603,9 +641,12 @@ def print_table(path: str) -> None:
             note += f"; memory check {r['mem_check']}"
             if r.get("mem_bound_gib") is not None:
                 note += (
-                    f" (peak {r.get('peak_alloc_gib')} <= bound {r['mem_bound_gib']} GiB: stages "
-                    f"{r.get('mem_stages_gib')} + one microbatch {r.get('mem_microbatch_gib')} "
-                    f"+ resident {round(r.get('resident_between_steps_bytes', 0) / GIB, 3)})"
+                    f" (peak alloc {r.get('peak_alloc_gib')} <= bound {r['mem_bound_gib']} GiB: "
+                    f"stages {r.get('mem_stages_gib')} + one microbatch "
+                    f"{r.get('mem_microbatch_gib')} + accumulated grad "
+                    f"{r.get('mem_accumulation_gib')} + resident "
+                    f"{round(r.get('resident_between_steps_bytes', 0) / GIB, 3)}; peak reserved "
+                    f"{r.get('peak_reserved_gib')} <= {r.get('mem_reserved_bound_gib')})"
                 )
         if r.get("params") and ref and r.get("params") != ref.get("params"):
             note += f"; {r['params']} params"

@@ -380,7 +380,7 @@ class PlanFitChecker:
     """Refuses a manual plan whose stages cannot fit the smallest device, once per plan.
 
     The check needs the layers' saved-activation bytes per microbatch; they are measured
-    once per model, on the first checked training call's first microbatch (two rows of it
+    once per model, on the first training call's first microbatch (two rows of it
     when the batch is split by rows, scaled up), and kept in ``activation_bytes`` so the
     automatic planner (``profile_of``) counts them from then on.
 
@@ -431,7 +431,9 @@ class PlanFitChecker:
         saved = [(b, b.detach().clone()) for layer in self.layers for b in layer.buffers()]
         try:
             with torch.random.fork_rng(devices=[]):
-                measured = measure_activation_bytes(self.layers, *args, **kwargs)
+                measured = measure_activation_bytes(
+                    self.layers, *args, with_loss_transient=True, **kwargs
+                )
             self.activation_bytes = (
                 scale_activation_bytes(measured, sample, rows)
                 if rows > sample

@@ -208,6 +208,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         **kw: Any,
     ) -> PipelineRun:
         """A run's state; times go to the model timer unless a pipelined call gives its own."""
+        if run_type != RunType.INFER and cfg.preserve_rng_state is not False:
+            self.pool.warn_if_replay_differs()  # recompute replays the forward's draws
         return PipelineRun(
             self.layers,
             boundary_layers(plan, run_type),

@@ -107,6 +107,15 @@ class PlanChoice:
         (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them).
         A plan the user chose is checked against the smallest device's memory."""
         n = len(split.parts)
+        if run_type != RunType.INFER:
+            # Before any plan is made: the automatic planner caps each stage for its
+            # parameters, gradients and saved activations, so it needs the activations of
+            # the first training call (measured once; only autograd stages save them).
+            args, kwargs = split.parts[0]
+            known = self._plan_fits.activation_bytes is not None
+            self._plan_fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
+            if not known and self._plan_fits.activation_bytes is not None:
+                self._forget_training_plans()
         asked = self.num_microbatch_for(cfg.num_microbatch)
         plan = self._resolve_plan(run_type, run_config, n if n < asked else None)
         plan.check_valid(self.num_layers, run_type, self.num_devices)
@@ -116,22 +125,26 @@ class PlanChoice:
             or self.model_run_config.execute_plan is not None
         )
         if manual:
-            if run_type != RunType.INFER:  # only autograd stages hold saved activations
-                args, kwargs = split.parts[0]
-                self._plan_fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
             self._plan_fits.check(plan, run_type, profile_of(self), self.pool.memory_capacity)
         return plan
 
     @property
     def layer_activation_bytes(self) -> list[float] | None:
         """Saved-activation bytes per layer for one microbatch of the first training call
-        that ran a manual plan (``None`` until measured); the planner counts them. Set it
+        (``None`` until measured), the last layer's with the loss's transient (see
+        ``measure_activation_bytes``); the planner counts them. Set it
         (one number per layer) to give them without that measurement."""
         return self._plan_fits.activation_bytes
 
     @layer_activation_bytes.setter
     def layer_activation_bytes(self, value: list[float] | None) -> None:
         self._plan_fits.set_activation_bytes(value)
+        self._forget_training_plans()
+
+    def _forget_training_plans(self) -> None:
+        """Drop the default training plans made without the activations known now."""
+        for key in [k for k in self._default_plans if k[0] != RunType.INFER]:
+            del self._default_plans[key]
 
     def num_microbatch_for(self, num_microbatch: int | None = None) -> int:
         """Microbatches a call runs: ``num_microbatch`` if given, else the model's

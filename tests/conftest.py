@@ -137,7 +137,18 @@ def pool_devices(device_kind: str) -> Callable[[int], Any]:
 
 
 @pytest.fixture(autouse=True)
+def _no_source_races() -> Any:
+    """Fail a test during which a fake-CUDA copy's host source changed before it ran."""
+    FAKE_SOURCE_RACES.clear()
+    yield
+    races, FAKE_SOURCE_RACES[:] = list(FAKE_SOURCE_RACES), []
+    assert not races, f"host sources changed under pending copies: {races[:3]}"
+
+
+@pytest.fixture(autouse=True)
 def _route_all_to_cuda(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("cpu_backend") is not None:
+        return  # a test of the CPU backend itself keeps its CPU workers
     if FAKE_CUDA:
         request.getfixturevalue("fake_cuda")
     if ROUTE_TO_CUDA or FAKE_CUDA:
@@ -215,7 +226,14 @@ def route_cpu_workers_to_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
             out.append(d)
         return out
 
-    monkeypatch.setattr(pool, "resolve_devices", routed)
+    # every module that imported the function by name (the presets count devices with it)
+    import sys
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("roundpipe") and (
+            getattr(module, "resolve_devices", None) is original
+        ):
+            monkeypatch.setattr(module, "resolve_devices", routed)
 
 
 # -- fake CUDA: CUDAWorker's logic on CPU memory ----------------------------------
@@ -249,15 +267,26 @@ class _FakeStream:
         self.priority = priority
         self.waited: list[_FakeEvent] = []
         self._lock = threading.RLock()
-        self._ops: collections.deque[tuple[int, float, Callable[[], None]]] = collections.deque()
+        self._ops: collections.deque[tuple[int, float, Callable[[], None], list[Span]]] = (
+            collections.deque()
+        )
         self._issued = 0
         self._done = 0
         _DRAINER.watch(self)
 
-    def enqueue(self, op: Callable[[], None]) -> None:
+    def enqueue(self, op: Callable[[], None], touches: Sequence[Span] = ()) -> None:
+        """Queue ``op``; ``touches`` are the ``(address, nbytes)`` host ranges it reads or
+        writes (what a real DMA would), for the checks of host-memory lifetime."""
         with self._lock:
             self._issued += 1
-            self._ops.append((self._issued, time.monotonic(), op))
+            self._ops.append((self._issued, time.monotonic(), op, list(touches)))
+
+    def pending_touch(self, start: int, nbytes: int) -> bool:
+        """Whether a copy not run yet touches host memory in ``[start, start + nbytes)``."""
+        with self._lock:
+            return any(
+                a < start + nbytes and start < a + n for *_, spans in self._ops for a, n in spans
+            )
 
     def mark(self) -> int:
         """Position of the last operation issued so far (what an event recorded now waits for)."""
@@ -271,7 +300,7 @@ class _FakeStream:
     def run_until(self, seq: int) -> None:
         with self._lock:
             while self._ops and self._ops[0][0] <= seq:
-                n, _, op = self._ops.popleft()
+                n, _, op, _ = self._ops.popleft()
                 op()
                 self._done = n
 
@@ -285,9 +314,96 @@ class _FakeStream:
         self.waited.append(event)
         with self._lock:
             if self._ops:  # later work on this stream runs after the event
-                self.enqueue(event.synchronize)
+                self.enqueue(event.run_copies)
                 return
-        event.synchronize()  # an idle stream (compute: the worker thread) waits now
+        event.run_copies()  # an idle stream (compute: the worker thread) waits now
+
+
+Span = tuple[int, int]  # (address, nbytes) of host memory
+
+
+def _storage_span(t: torch.Tensor) -> Span:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+#: Copies whose host source changed while they were queued (see ``_copy_on``); any
+#: entry fails the test that made it (``_no_source_races``).
+FAKE_SOURCE_RACES: list[str] = []
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN equals NaN): ``a`` unchanged since ``b`` was cloned from it."""
+
+    def raw(t: torch.Tensor) -> torch.Tensor:  # a dense copy: views and expands have odd strides
+        dense = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+        return dense.reshape(-1).view(torch.uint8)
+
+    return torch.equal(raw(a), raw(b))
+
+
+class _FakeCudart:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` that check what a GPU cannot: host
+    memory is unregistered only after every copy reading or writing it has run (on a
+    GPU, unregistering under an in-flight DMA is undefined behaviour, not an error)."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.ranges[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        size = self.ranges.pop(ptr, 0)
+        for stream in _DRAINER.streams():
+            if stream.pending_touch(ptr, size):
+                raise AssertionError(
+                    f"cudaHostUnregister({ptr:#x}, {size} bytes) while a copy touching that "
+                    "memory is still queued on a stream: synchronize the device first"
+                )
+        return 0
+
+    def cudaGetLastError(self) -> int:
+        return 0
+
+
+class _FakePinnedAllocator:
+    """PyTorch's pinned host allocator as far as memory growth goes: every block is
+    rounded up to a power of two, a freed block is kept for a later request of the
+    same size and never given back. ``reserved`` is what stays page-locked; past
+    ``cap`` an allocation fails, as the host's locked-memory limit would."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.reserved = 0
+        self._lock = threading.Lock()
+        self._free: collections.Counter[int] = collections.Counter()
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        size = 1 << max(nbytes - 1, 0).bit_length()
+        with self._lock:
+            if self._free[size]:
+                self._free[size] -= 1
+            else:
+                if self.reserved + size > self.cap:
+                    raise RuntimeError(
+                        f"fake pinned allocator: {size} more bytes would page-lock "
+                        f"{self.reserved + size} bytes, over its cap of {self.cap}"
+                    )
+                self.reserved += size
+        block = torch.full((nbytes,), 0xFF, dtype=torch.uint8)  # NaN / -1 until written
+        weakref.finalize(block, self._give_back, size)
+        return block
+
+    def _give_back(self, size: int) -> None:
+        with self._lock:
+            self._free[size] += 1
+
+
+#: Page-locked bytes the whole fake-CUDA run may hold (CUDA's allocator is per process).
+FAKE_PINNED_CAP_BYTES = 64 * 1024**2
+FAKE_PINNED = _FakePinnedAllocator(FAKE_PINNED_CAP_BYTES)
 
 
 class _Drainer:
@@ -322,7 +438,23 @@ class _Drainer:
 _DRAINER = _Drainer()
 
 
+#: Host waits on the GPU (``Event.synchronize``, ``torch.cuda.synchronize``) by thread
+#: name: a worker thread that waits inside every microbatch leaves the GPU without
+#: queued work; the tests bound these per microbatch.
+FAKE_HOST_SYNCS: collections.Counter[str] = collections.Counter()
+
+
+def worker_host_syncs() -> int:
+    """Host waits made so far on CUDA worker threads (not their parameter feeders)."""
+    return sum(
+        n
+        for name, n in FAKE_HOST_SYNCS.items()
+        if name.startswith("roundpipe-cuda-") and name.split("-")[-1].isdigit()
+    )
+
+
 def _fake_synchronize(device: Any = None) -> None:
+    FAKE_HOST_SYNCS[threading.current_thread().name] += 1
     for stream in _DRAINER.streams():
         stream.run_until(stream.mark())
 
@@ -341,6 +473,11 @@ class _FakeEvent:
 
     def synchronize(self) -> None:
         assert self.recorded, "synchronize() on an event that was never recorded"
+        FAKE_HOST_SYNCS[threading.current_thread().name] += 1
+        self.run_copies()
+
+    def run_copies(self) -> None:
+        """Run the copies this event waits for (a stream's wait: not a host sync)."""
         if self._stream is not None:
             self._stream.run_until(self._seq)
 
@@ -358,17 +495,20 @@ def _cpu_backed_worker_class() -> type:
         """CUDAWorker whose "device memory" is CPU memory: the CUDA calls are faked,
         the worker's own logic (feeder, chunking, tickets, events, ledger, RNG, locks)
         is real. Copies land late (see ``_FakeStream``) into buffers filled with NaN,
-        so compute or a caller that skips a wait reads NaN. Tiny parameter chunks, so
-        that every upload goes through several feeder units."""
+        so compute or a caller that skips a wait reads NaN. Tiny parameter chunks and a
+        tiny download staging buffer, so that every upload goes through several feeder
+        units and most downloads through several staged pieces; the staging buffer
+        comes from ``FAKE_PINNED`` (power-of-two blocks, a cap)."""
 
         def __init__(self, index: int, device: torch.device, **kwargs: Any) -> None:
             kwargs = {
                 "param_chunk_bytes": 96,
                 "param_inflight_chunks": 2,
-                "pin_downloads": False,
+                "download_staging_bytes": 512,
                 **kwargs,
             }
             super().__init__(index, device, **kwargs)
+            self._downloads.lazy_bytes = 1024  # a tiny lazy ring: it fills and drains
             # Model code sees where its tensors really are (layers that move
             # temporaries to ``device`` must find CPU memory there).
             self.device = torch.device("cpu")
@@ -379,6 +519,9 @@ def _cpu_backed_worker_class() -> type:
         def _new_host_tensor(self, like: torch.Tensor) -> torch.Tensor:
             return _poisoned(like)
 
+        def _new_pinned_buffer(self, nbytes: int) -> torch.Tensor:
+            return FAKE_PINNED.alloc(nbytes)
+
         def _copy_on(
             self,
             stream: _FakeStream,
@@ -386,13 +529,22 @@ def _cpu_backed_worker_class() -> type:
             non_blocking: bool,
         ) -> None:
             pairs = list(pairs)
+            # A GPU reads the host source when the DMA runs, not at issue: a source that
+            # changes in between (a buffer written back, weights published) is a race.
+            snapshots = [src.clone() for _, src in pairs]
 
             def copy() -> None:
                 with torch.no_grad():
-                    for dst, src in pairs:
+                    for (dst, src), snap in zip(pairs, snapshots):
+                        if not _same_bits(src, snap):
+                            FAKE_SOURCE_RACES.append(
+                                f"a {tuple(src.shape)} {src.dtype} copy source changed "
+                                "between the copy's issue and its run"
+                            )
                         dst.copy_(src)
 
-            stream.enqueue(copy)
+            touches = [_storage_span(t) for pair in pairs for t in pair]
+            stream.enqueue(copy, touches)
 
     return CPUBackedCUDAWorker
 
@@ -407,6 +559,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type:
     from roundpipe_core.running.devices import memory
 
     c = torch.cuda
+    # the pool sets the allocator's defaults before CUDA starts: undone after the test
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setattr(c, "is_available", lambda: True)
     monkeypatch.setattr(c, "device_count", lambda: 1)
     monkeypatch.setattr(c, "Stream", _FakeStream)
@@ -422,12 +577,29 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type:
     monkeypatch.setattr(c, "memory_reserved", lambda d=None: 0)
     monkeypatch.setattr(cuda_mod, "CUDAWorker", CPUBackedCUDAWorker)
     # pin_model: "alloc" still packs the weights into slabs (of ordinary memory);
-    # "register" has no host registry to call.
+    # "register" registers with a fake runtime that refuses to unregister memory a
+    # queued copy still touches.
     pack = memory.pack_module_tensors
     monkeypatch.setattr(
         memory,
         "pack_module_tensors",
         lambda tensors, pin, slab_bytes=memory.DEFAULT_SLAB_BYTES: pack(tensors, False, slab_bytes),
     )
-    monkeypatch.setattr(memory, "_register", lambda groups: memory.PinHandle(mode="register"))
+    monkeypatch.setattr(c, "cudart", lambda: _FAKE_CUDART)
     return CPUBackedCUDAWorker
+
+
+_FAKE_CUDART = _FakeCudart()
+
+
+@pytest.fixture
+def fake_pinned() -> _FakePinnedAllocator:
+    """The fake pinned allocator the fake-CUDA workers stage their downloads through
+    (a fixture: ``from conftest import`` would find another directory's conftest)."""
+    return FAKE_PINNED
+
+
+@pytest.fixture
+def host_syncs() -> Callable[[], int]:
+    """``host_syncs()`` -> host waits made so far on fake-CUDA worker threads."""
+    return worker_host_syncs

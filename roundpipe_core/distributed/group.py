@@ -41,6 +41,11 @@ TIMEOUT_ENV = "ROUNDPIPE_DIST_TIMEOUT"
 """Environment variable: the process-group timeout in seconds."""
 
 _pg_timeout: timedelta | None = None  # what init_process_group() used; reducers' groups inherit it
+# NCCL: this rank's GPU, named once at init_process_group. Every thread that calls a
+# collective (the reducer thread's current device is cuda:0) must use the one GPU the
+# communicator was made for: another device makes NCCL build a second communicator,
+# which can hang a multi-node job.
+_nccl_device: torch.device | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,16 +253,36 @@ def init_process_group(
             )
         return _world_group()
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-    global _pg_timeout
+    global _pg_timeout, _nccl_device
     _pg_timeout = td
+    extra: dict[str, Any] = {}
+    if backend == "nccl":
+        _nccl_device = _local_gpu(cluster_environment, env.rank)
+        torch.cuda.set_device(_nccl_device)
+        extra["device_id"] = _nccl_device  # bind the communicator to this rank's GPU
     dist.init_process_group(
         backend,
         init_method=f"tcp://{host}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
         timeout=td,
+        **extra,
     )
     return _world_group()
+
+
+def _local_gpu(cluster_environment: Any | None, rank: int) -> torch.device:
+    """This rank's GPU for NCCL: its local rank (the cluster environment's, else
+    ``$LOCAL_RANK``, else the global rank) modulo the visible GPUs."""
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise ValueError("backend='nccl' needs a CUDA GPU on every rank; use backend='gloo'")
+    local = None
+    if cluster_environment is not None and hasattr(cluster_environment, "local_rank"):
+        local = int(cluster_environment.local_rank())
+    elif os.environ.get("LOCAL_RANK", "").strip().isdigit():
+        local = int(os.environ["LOCAL_RANK"])
+    return torch.device("cuda", (rank if local is None else local) % count)
 
 
 def _world_group() -> dist.ProcessGroup:
@@ -268,6 +293,8 @@ def _world_group() -> dist.ProcessGroup:
 
 def destroy_process_group() -> None:
     """Tear down the default group if there is one (safe to call twice)."""
+    global _nccl_device
+    _nccl_device = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -292,8 +319,12 @@ def group_timeout() -> timedelta | None:
 
 
 def comm_device(group: Any | None = None) -> torch.device:
-    """Where ``group`` reduces tensors: the current GPU for NCCL, the host for gloo."""
+    """Where ``group`` reduces tensors: for NCCL this rank's GPU (the one
+    :func:`init_process_group` bound, whatever the calling thread's current device;
+    the current device for a group made elsewhere), the host for gloo."""
     if is_nccl(group):
+        if _nccl_device is not None:
+            return _nccl_device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -373,7 +404,8 @@ def barrier(group: Any | None = None, timeout: float | int | timedelta | None = 
         return
     try:
         if is_nccl(group):
-            dist.barrier(group=group)
+            # on the communicator's GPU: without device_ids NCCL guesses cuda:(rank % n)
+            dist.barrier(group=group, device_ids=[comm_device(group).index])
         else:
             dist.monitored_barrier(
                 group=group, timeout=resolve_timeout(timeout), wait_all_ranks=True

@@ -39,6 +39,7 @@ __all__ = [
     "check_plan_fits",
     "format_bytes",
     "layer_sizes",
+    "loss_transient_bytes",
     "measure_activation_bytes",
     "profile_of",
     "scale_activation_bytes",
@@ -206,15 +207,38 @@ def _leaves(x: Any) -> list[torch.Tensor]:
     return []
 
 
+#: fp32 copies of the last layer's output a loss holds at its peak: cross-entropy on
+#: logits upcasts them and keeps the log-softmax, and its backward makes a gradient
+#: of the same size, while the output itself is alive (an estimate, by construction).
+LOSS_TRANSIENT_FP32_COPIES = 2
+
+
+def loss_transient_bytes(output: Any) -> int:
+    """Bytes the loss adds on top of the last layer's saved tensors: its output (the
+    logits) and ``LOSS_TRANSIENT_FP32_COPIES`` fp32 copies of its floating-point tensors.
+    For a language model this is the largest transient of a step (tokens x vocabulary)."""
+    total = 0
+    for t in _leaves(output):
+        total += _nbytes(t)
+        if t.is_floating_point():
+            total += LOSS_TRANSIENT_FP32_COPIES * t.numel() * 4
+    return total
+
+
 def measure_activation_bytes(
-    layers: Sequence[nn.Module] | nn.Module, *args: Any, **kwargs: Any
+    layers: Sequence[nn.Module] | nn.Module,
+    *args: Any,
+    with_loss_transient: bool = False,
+    **kwargs: Any,
 ) -> list[int]:
     """Saved-tensor bytes per layer of one forward with autograd, on ``args``/``kwargs``.
 
     Layer 0 gets ``(*args, **kwargs)``, every later layer the previous output
     (``nn.Sequential`` semantics). Every tensor autograd saves for the backward is
     counted once per layer by its storage; the model's own parameters and buffers
-    are not activations and are left out. Run it on a small batch on the CPU and
+    are not activations and are left out. With ``with_loss_transient`` the last
+    layer also counts :func:`loss_transient_bytes` of its output (the stage that
+    computes the loss holds it). Run it on a small batch on the CPU and
     :func:`scale_activation_bytes` to the real one.
     """
     if isinstance(layers, nn.Module):
@@ -234,6 +258,8 @@ def measure_activation_bytes(
             out.append(counter.total)
             # Detach between layers: each layer's graph is measured on its own.
             x = _detach_tree(x)
+    if with_loss_transient and out:
+        out[-1] += loss_transient_bytes(x)
     return out
 
 

@@ -444,7 +444,7 @@ def _fused_microbatch(
             total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
             (total * run.loss_scale if run.loss_scale != 1.0 else total).backward()
             clock.span("bwd", r, t0)
-            host = worker.copy_out([p.detach() for p in parts])
+            host = worker.copy_out_lazy([p.detach() for p in parts])  # read after the queue
             run.losses[mb] = type(loss)(host) if isinstance(loss, (tuple, list)) else host[0]
             if run.return_outputs:
                 run.outputs[mb] = to_host(worker, x)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..batch import flatten
 from ..planning.schedule import Job
+from .buffer_fences import reading_buffers, write_back
 from .devices.base import Worker
 
 __all__ = [
@@ -364,13 +365,15 @@ def upload_stage(
     memory is the host's computes on the parameters themselves (``Worker.lend_in``)."""
     layout = _stage_layout(worker, layers, indices, slot, epoch)
     dev: list[torch.Tensor] = []
+    buffers = [layout.sources[i] for i in layout.buffer_pos]
     try:
-        if lend:
-            for chunk, read_only in zip(layout.chunks, layout.read_only):
-                dev.extend(worker.lend_in(chunk, read_only))
-        else:
-            for chunk in layout.chunks:
-                dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
+        with reading_buffers(worker, buffers):  # a write-back waits for these reads
+            if lend:
+                for chunk, read_only in zip(layout.chunks, layout.read_only):
+                    dev.extend(worker.lend_in(chunk, read_only))
+            else:
+                for chunk in layout.chunks:
+                    dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
         # Parameter wrappers replace the raw device tensors so grads land on them
         held = [t if w is None else _parameter(t, w) for t, w in zip(dev, layout.wrap)]
         for table, name, i in layout.fills:
@@ -429,9 +432,8 @@ def write_back_buffers(stage: StageReplica) -> None:
         return
     sources, held = stage.layout.sources, stage.held
     host = stage.worker.copy_out([held[i] for i in pos], "download")
-    with torch.no_grad():
-        for i, h in zip(pos, host):
-            sources[i].copy_(h)
+    # not under another worker's upload of these buffers that has not read them yet
+    write_back([sources[i] for i in pos], host)
 
 
 def release_stage(stage: StageReplica) -> None:

@@ -354,6 +354,7 @@ class PipelinedRuns:
     def publish_all(self) -> None:
         """The masters are the model's weights now (``synchronize()``)."""
         steps = self.stepper.steps
+        self.versions.wait_ended_uploads()  # no DMA of a drained run still reads the copy
         self.masters.copy_to_model()
         self.versions.set_all(steps)
         with self._lock:

@@ -17,6 +17,7 @@ the state; it is never held while copying.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -71,6 +72,9 @@ class WeightVersions:
             self.layer_pairs.append(pairs)
         self.version: dict[int, int] = {k: 0 for k in self._pair}
         self._readers: list[_Reader] = []
+        # fences of uploads that runs which ended (an aborted one too) had issued: the
+        # next publication waits for them, so it never rewrites a host copy under a DMA
+        self._ended_fences: list[Callable[[], None]] = []
 
     # -- readers (worker threads) ----------------------------------------------------
     def register(self, version: int, job_layers: Sequence[range]) -> _Reader:
@@ -124,6 +128,7 @@ class WeightVersions:
         with self._cond:
             if reader in self._readers:
                 self._readers.remove(reader)
+                self._ended_fences.extend(f for fs in reader.fences.values() for f in fs)
             self._cond.notify_all()
 
     # -- publication (optimizer thread) ------------------------------------------------
@@ -185,8 +190,13 @@ class WeightVersions:
                 for i in self.holders[k]
                 for f in r.fences.get(i, [])
             ]
+            ended, self._ended_fences = self._ended_fences, []
         for fence in fences:  # async (CUDA) uploads must have read the host copy
             fence()
+        for fence in ended:
+            # an aborted run's failed upload raises its error here; that run reports it
+            with contextlib.suppress(Exception):
+                fence()
         # shallow layers first, each usable as soon as it is copied: the next
         # iteration's first forward waits for its own layer only, not for the copy
         # of the whole model
@@ -209,6 +219,15 @@ class WeightVersions:
             start = end
         done = set(ready)
         return [k for k in todo if k not in done]
+
+    def wait_ended_uploads(self) -> None:
+        """Block until the uploads of runs that ended have read the host copy (before the
+        whole copy is overwritten, ``set_all``)."""
+        with self._cond:
+            ended, self._ended_fences = self._ended_fences, []
+        for fence in ended:
+            with contextlib.suppress(Exception):  # a failed upload: its run reports it
+                fence()
 
     def set_all(self, version: int) -> None:
         """The host copy was overwritten with the masters (``synchronize()``)."""

@@ -28,6 +28,8 @@ class _MaskLog(nn.Module):
 
     def forward(self, x):
         mask = (torch.rand_like(x) >= self.p).to(x.dtype)
+        if current_layer() is None:  # the first training call's activation measurement
+            return x * mask
         kind = "recompute" if doing_recompute() else "forward"
         self.log.setdefault(kind, {}).setdefault(
             (current_layer(), current_microbatch()), []

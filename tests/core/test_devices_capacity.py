@@ -9,6 +9,9 @@ from roundpipe_core.running.devices.pool import DevicePool
 
 GiB = 1024**3
 
+# the CPU worker's own budget: not routed to (fake) CUDA workers
+pytestmark = pytest.mark.cpu_backend
+
 
 def test_default_capacity_is_a_share_of_available_memory(monkeypatch):
     monkeypatch.delenv("ROUNDPIPE_CPU_DEVICE_MEMORY_GB", raising=False)

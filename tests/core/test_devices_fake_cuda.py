@@ -344,3 +344,233 @@ def test_uncovered_parts_of_a_range() -> None:
     assert memory._uncovered(320, 50, taken) == []
     assert memory._uncovered(0, 500, []) == [(0, 500)]
     assert memory._uncovered(390, 20, taken) == [(400, 10)]
+
+
+# ---------------------------------------------------------------------------
+# shutdown order: drain the queue, issue the feeder's units, finish the copies
+# ---------------------------------------------------------------------------
+def test_an_upload_queued_before_close_still_runs(make_worker) -> None:
+    worker = make_worker()
+    host = torch.arange(64, dtype=torch.float32)
+    started = threading.Event()
+
+    def job() -> torch.Tensor:
+        started.wait(5)
+        dev = worker.copy_in([host], "param")
+        worker.wait_channel("param")
+        return dev[0].clone()
+
+    fut = worker.submit(job)
+    started.set()
+    worker.close()  # the job is still queued or running: its feeder must outlive it
+    assert torch.equal(fut.result(timeout=30), host)
+    assert worker.drained
+
+
+def test_close_unregisters_host_memory_only_after_its_copies_ran(
+    fake_cuda: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch import nn
+
+    from roundpipe_core import RoundPipe
+    from roundpipe_core.running.devices.pool import DevicePool
+
+    # the fake worker computes on CPU memory, so its pool does not pin by itself
+    monkeypatch.setattr(DevicePool, "is_cuda", property(lambda self: True))
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    rp = RoundPipe(model, devices=["cuda:0"], pin_model="register")
+    assert memory.registered_ranges(), "the weights were registered"
+    worker = rp.pool.workers[0]
+    weights = [p.detach() for p in model.parameters()]
+    # a prefetch nobody waited for: its copies still read the registered weights
+    _on(worker, lambda: worker.copy_in(weights, "param"))
+    rp.close()  # the fake runtime refuses an unregister under a queued copy
+    assert memory.registered_ranges() == []
+
+
+# ---------------------------------------------------------------------------
+# downloads: one bounded pinned staging buffer per worker, pageable results
+# ---------------------------------------------------------------------------
+def test_a_download_larger_than_the_staging_buffer_arrives_whole(make_worker) -> None:
+    worker = make_worker(download_staging_bytes=128)
+    srcs = [torch.arange(100, dtype=torch.float32), torch.arange(3), torch.ones(2, 0)]
+    outs = _on(worker, lambda: worker.copy_out(srcs))
+    for o, s in zip(outs, srcs):
+        assert torch.equal(o, s)
+    # the staging buffer holds one piece (plus alignment), not the whole download
+    staging = worker._downloads.staging
+    assert staging is not None and staging.numel() <= 128 + 2 * 64
+
+
+def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(
+    fake_cuda: type, fake_pinned: Any
+) -> None:
+    from torch import nn
+
+    from roundpipe_core import RoundPipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    ref = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(6, 64), torch.randn(6, 64)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    reserved_before = fake_pinned.reserved
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:0"], pin_model="off")
+    try:
+
+        def loss_fn(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+            return ((out - label) ** 2).sum()  # a sum: the microbatches add up to the batch
+
+        for _ in range(2):
+            rp.forward_backward((x,), label=y, loss_fn=loss_fn)
+        rp.synchronize()
+        growth = fake_pinned.reserved - reserved_before
+        # per worker one staging block (512 bytes + alignment: 1 or 2 KiB) and the lazy ring
+        assert growth <= 2 * (2048 + 1024) < grad_bytes / 4, (growth, grad_bytes)
+        staging = [w._downloads.staging for w in rp.pool.workers]
+        staging = [s for s in staging if s is not None]
+        assert staging, "downloads went through the staging buffer"
+        staging_ptrs = {s.untyped_storage().data_ptr() for s in staging}
+        loss = loss_fn(ref(x), y) * 2
+        loss.backward()
+        got = dict(rp.optim_named_parameters())
+        for n, p in ref.named_parameters():
+            g = got[n].grad
+            assert g.untyped_storage().data_ptr() not in staging_ptrs
+            # fp32 rounding of gradients of size ~10, summed in another order
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5, msg=n)
+    finally:
+        rp.close()
+
+
+def test_a_cuda_pool_asks_for_expandable_segments_unless_configured(
+    fake_cuda: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from roundpipe_core.running.devices.pool import DevicePool
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    DevicePool(["cuda:0"]).close()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # the user's
+    assert not memory.default_allocator_settings()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late to set
+    assert not memory.default_allocator_settings()
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+# ---------------------------------------------------------------------------
+# host syncs: none per microbatch where nothing needs the result at once
+# ---------------------------------------------------------------------------
+def test_a_one_stage_call_waits_on_the_gpu_a_fixed_number_of_times(
+    fake_cuda: type, host_syncs: Any
+) -> None:
+    """A microbatch's loss is not waited for inside the microbatch (the worker's queue
+    completes the deferred downloads at its end), so the host syncs of a one-stage
+    call do not grow with the microbatches."""
+    from torch import nn
+
+    from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(12, 8), torch.randn(12, 2)
+    rp = RoundPipe(model, devices=["cuda:0"], pin_model="off")
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [], [range(0, 3)]
+    syncs, losses = {}, {}
+    try:
+        rp.layer_activation_bytes = [0.0] * 3  # no measuring forward in the count
+        for m in (2, 6, 2):
+            cfg = RoundPipeRunConfig(num_microbatch=m, execute_plan=plan)
+            before = host_syncs()
+            losses[m] = rp.forward_backward((x,), label=y, loss_fn=_sum_sq, run_config=cfg)
+            syncs[m] = host_syncs() - before
+    finally:
+        rp.close()
+    assert syncs[6] == syncs[2] <= 2, syncs  # the deferred losses and the gradients: once each
+    with torch.no_grad():
+        ref = _sum_sq(model(x), y)  # the host model holds the weights the calls used
+    torch.testing.assert_close(losses[6], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[2], ref, rtol=1e-5, atol=1e-5)
+
+
+def _sum_sq(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((out - label) ** 2).sum()
+
+
+# ---------------------------------------------------------------------------
+# buffer write-back is fenced like weights: no upload still reading them
+# ---------------------------------------------------------------------------
+def test_batchnorm_write_back_waits_for_uploads_reading_the_buffers(fake_cuda: type) -> None:
+    """The forward stage of layers 0-1 writes BatchNorm statistics back while its worker
+    has prefetched the same layers' backward stage; the fake fails the test if the
+    prefetch's copies were still queued when the statistics changed (a torn read on a
+    GPU), and the statistics must equal plain PyTorch's."""
+    import copy
+
+    from torch import nn
+
+    from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 16), nn.BatchNorm1d(16)
+    )
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 16)
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:0"], pin_model="off")
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [range(0, 2)], [range(2, 4), range(0, 2)]
+    try:
+        rp.layer_activation_bytes = [0.0] * 4
+        cfg = RoundPipeRunConfig(num_microbatch=1, execute_plan=plan)
+        rp.forward_backward((x,), label=y, loss_fn=_sum_sq, run_config=cfg)
+        rp.synchronize()
+    finally:
+        rp.close()
+    _sum_sq(ref(x), y).backward()
+    for i in (1, 3):
+        torch.testing.assert_close(model[i].running_mean, ref[i].running_mean)
+        torch.testing.assert_close(model[i].running_var, ref[i].running_var)
+
+
+# ---------------------------------------------------------------------------
+# dropout replay across GPU models
+# ---------------------------------------------------------------------------
+class _Props:
+    def __init__(self, name: str, sms: int) -> None:
+        self.name, self.multi_processor_count, self.total_memory = name, sms, 24 << 30
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["3090+4090", "two-4090"])
+def test_unequal_sm_counts_warn_once_when_recompute_replays_randomness(
+    fake_cuda: type, monkeypatch: pytest.MonkeyPatch, mixed: bool
+) -> None:
+    import warnings
+
+    from torch import nn
+
+    from roundpipe_core import RoundPipe
+
+    gpus = [_Props("RTX 3090", 82), _Props("RTX 4090", 128 if mixed else 82)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpus[int(i)])
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Linear(4, 1))
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:1"], pin_model="off")
+    x, y = torch.randn(4, 4), torch.randn(4, 1)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                rp.forward_backward((x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+        replay = [w for w in seen if "different SM counts" in str(w.message)]
+        assert len(replay) == (1 if mixed else 0), [str(w.message) for w in seen]
+    finally:
+        rp.close()

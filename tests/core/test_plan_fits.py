@@ -141,3 +141,48 @@ def test_given_activation_bytes_replace_the_measurement(monkeypatch) -> None:
         assert rp.layer_activation_bytes == [1e15, 0.0, 0.0, 0.0, 0.0]  # not measured over
     finally:
         rp.close()
+
+
+class _Expand(nn.Module):
+    """Few weights, many saved activations: a 64-wide layer that works 32x wider inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.tanh(self.lin(x).repeat(1, 32))  # saved for the backward of tanh
+        return wide.view(x.shape[0], 32, 64).mean(1)
+
+
+def test_the_default_plan_counts_the_first_training_calls_activations(monkeypatch) -> None:
+    from roundpipe_core.planning.planner import DEFAULT_MEMORY_SHARE
+    from roundpipe_core.planning.profile import loss_transient_bytes, stage_memory
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Expand() for _ in range(4)])
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    sizes = layer_sizes(list(model))
+    weights = sum(sizes.upload_bytes) + sum(sizes.grad_bytes)
+    rp = RoundPipe(model, devices=2)
+    try:
+        # parameters and gradients of all four layers fit one stage many times over;
+        # one microbatch's activations (about 1.3 MiB: 32 rows x 8 KiB per layer, and
+        # layer 0 keeps its input batch) do not
+        capacity = int(2 * max(5 * weights, 700_000) / DEFAULT_MEMORY_SHARE)
+        _set_capacity(rp, capacity, monkeypatch)
+        cfg = RoundPipeRunConfig(num_microbatch=2)
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq, run_config=cfg)
+        act = rp.layer_activation_bytes
+        assert act is not None, "a default plan's first training call measures activations"
+        # the loss's transient is on the last layer: its output and two fp32 copies
+        out_bytes = 32 * 64 * 4
+        assert act[-1] - act[1] == pytest.approx(loss_transient_bytes(torch.ones(32, 64)))
+        assert loss_transient_bytes(torch.ones(32, 64)) == 3 * out_bytes
+        plan = rp.plan_for("fused")
+        cap = DEFAULT_MEMORY_SHARE * capacity / 2
+        stages = stage_memory(plan, profile_of(rp), "fused")
+        assert len(plan.bwd_plan) > 1, plan  # split for the activations
+        assert all(s.total_bytes <= cap for s in stages), (stages, cap)
+    finally:
+        rp.close()

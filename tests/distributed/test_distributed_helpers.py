@@ -209,3 +209,52 @@ def test_core_module_needs_no_lightning_and_the_old_path_still_works() -> None:
         "assert old.DataParallel is D.DataParallel and old.__all__ == D.__all__"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_nccl_binds_one_gpu_for_every_thread_and_the_barrier(monkeypatch) -> None:
+    """NCCL: the group is bound to cuda:LOCAL_RANK (device_id), collectives from any
+    thread use that GPU (the reducer thread's current device is cuda:0), and the
+    barrier names it (device_ids) instead of NCCL's guess cuda:(rank % n)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from roundpipe_core.distributed import group as G
+
+    calls: dict = {}
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: calls.get("init") is not None)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.update(init=(a, k)))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "barrier", lambda **k: calls.update(barrier=k))
+    monkeypatch.setattr(G, "_world_group", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.update(set_device=d))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # any other thread's
+    try:
+        G.init_process_group(backend="nccl")
+        args, kwargs = calls["init"]
+        assert kwargs["device_id"] == torch.device("cuda", 1)
+        assert calls["set_device"] == torch.device("cuda", 1)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(G.comm_device()))
+        t.start()
+        t.join()
+        assert seen == [torch.device("cuda", 1)]
+        G.barrier()
+        assert calls["barrier"]["device_ids"] == [1]
+    finally:
+        G._nccl_device = None
+
+
+def test_nccl_without_a_gpu_is_a_clear_error(monkeypatch) -> None:
+    from roundpipe_core.distributed import group as G
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="backend='nccl' needs a CUDA GPU"):
+        G._local_gpu(None, 0)

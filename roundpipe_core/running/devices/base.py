@@ -94,6 +94,10 @@ class Worker(ABC):
             target=self._loop, name=f"roundpipe-{self.kind}-{index}", daemon=True
         )
         self._closed = False
+        #: After ``close()``: whether the thread ended (every queued job ran) and, for an
+        #: asynchronous backend, the device finished every copy it was given. Host
+        #: memory those copies read (registered weights) may be unregistered only then.
+        self.drained = False
         self._start_error: BaseException | None = None
         self._started = threading.Event()
         self._thread.start()
@@ -177,13 +181,15 @@ class Worker(ABC):
         return fut
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread after the jobs already queued (waits up to ``timeout`` s)."""
+        """Stop the thread after the jobs already queued (waits up to ``timeout`` s);
+        ``drained`` then says whether it ended within that time."""
         if self._closed:
             return
         self._closed = True
         self._queue.put(_STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            self.drained = not self._thread.is_alive()
 
     # -- transfers ----------------------------------------------------------
     @abstractmethod
@@ -211,6 +217,15 @@ class Worker(ABC):
         detached aliases (no copy) and copies the rest; the ledger counts every tensor as
         a copy, so a plan holds the same device bytes on every backend. Others copy all."""
         return self.copy_in(tensors, "param")
+
+    def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Device -> host for small tensors the caller reads only after this worker's queue
+        ends (a microbatch's loss): complete after ``finish_lazy_downloads``, so an
+        asynchronous backend need not wait for each. Synchronous backends: ``copy_out``."""
+        return self.copy_out(tensors, "download")
+
+    def finish_lazy_downloads(self) -> None:  # noqa: B027 - optional hook
+        """Complete every ``copy_out_lazy`` so far (the pool calls it when a queue ends)."""
 
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host for tensors the device drops right after (a stage's parameter

@@ -12,12 +12,16 @@ Streams of one worker (all on its GPU):
   (``torch.cuda.Stream(priority=-1)``, the higher priority), issued at once.
 - ``compute``: model code (the current stream inside ``compute()`` and the
   worker thread's default).
-- ``download``: device -> host copies into pinned buffers.
+- ``download``: device -> host copies through page-locked memory each worker
+  allocates once and reuses (a staging buffer and a lazy ring, ``downloads.py``),
+  into ordinary pageable host tensors.
 
 Ordering uses CUDA events, not host synchronisation: ``copy_in`` records an
 event after its copies, ``wait_channel`` makes the compute stream wait on it,
 ``copy_out`` makes the download stream wait on an event recorded on compute.
-The only host waits are ``copy_out`` (it returns completed host tensors),
+The only host waits are ``copy_out`` (it returns completed host tensors; a
+download larger than the staging buffer waits once per piece), the end of a
+queue (``finish_lazy_downloads``: the losses ``copy_out_lazy`` deferred),
 ``elapsed_ms`` and ``synchronize``.
 
 Lifetime across streams: a device tensor made by ``copy_in`` is allocated on
@@ -47,6 +51,7 @@ from typing import Any
 import torch
 
 from .base import Worker
+from .downloads import DownloadStager
 from .feeder import ChunkFeeder, Piece, plan_chunks
 from .memory import cuda_available
 
@@ -66,6 +71,8 @@ CHANNELS = (PARAM, ACTIVATION)
 
 #: Size of one parameter-upload piece; env ROUNDPIPE_PARAM_CHUNK_MB overrides.
 DEFAULT_PARAM_CHUNK_BYTES = 32 * 1024**2
+#: Size of each worker's pinned download staging buffer; env ROUNDPIPE_DOWNLOAD_STAGING_MB.
+DEFAULT_DOWNLOAD_STAGING_BYTES = 64 * 1024**2
 #: Parameter pieces queued on the GPU at once; 0 issues every piece at once
 #: (no feeder thread). Env ROUNDPIPE_PARAM_INFLIGHT overrides.
 DEFAULT_PARAM_INFLIGHT_CHUNKS = 2
@@ -142,7 +149,10 @@ class CUDAWorker(Worker):
         param_chunk_bytes: piece size of parameter uploads.
         param_inflight_chunks: pieces queued at once on the parameter stream
             (0 = no feeder: issue a whole upload at once).
-        pin_downloads: download into pinned host buffers (async DMA); False = pageable.
+        pin_downloads: download through a pinned staging buffer (DMA); False = straight
+            into pageable memory (the driver stages it).
+        download_staging_bytes: size of that staging buffer; larger downloads go
+            through it in pieces.
     """
 
     kind = "cuda"
@@ -154,8 +164,22 @@ class CUDAWorker(Worker):
         param_chunk_bytes: int | None = None,
         param_inflight_chunks: int | None = None,
         pin_downloads: bool = True,
+        download_staging_bytes: int | None = None,
     ) -> None:
         device = _check_cuda_device(device)
+        self.download_staging_bytes = (
+            download_staging_bytes
+            if download_staging_bytes is not None
+            else _env_int(
+                "ROUNDPIPE_DOWNLOAD_STAGING_MB", DEFAULT_DOWNLOAD_STAGING_BYTES // 1024**2
+            )
+            * 1024**2
+        )
+        if self.download_staging_bytes <= 0:
+            raise ValueError(
+                f"download_staging_bytes must be positive, got {self.download_staging_bytes}"
+            )
+        self._downloads = DownloadStager(self, self.download_staging_bytes)
         self.param_chunk_bytes = (
             param_chunk_bytes
             if param_chunk_bytes is not None
@@ -204,13 +228,23 @@ class CUDAWorker(Worker):
         torch.cuda.set_stream(self.compute_stream)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Drain, issue, finish, in that order: the jobs already queued run (an upload
+        among them still needs the feeder), the feeder issues what it was given, then
+        the GPU finishes every copy. ``drained`` is True only when all three happened,
+        so that the caller unregisters or frees host memory under no DMA."""
         if self._closed:
             return
-        if self._feeder is not None:
-            self._feeder.close(timeout)
+        super().close(timeout)
+        feeder_done = self._feeder.close(timeout) if self._feeder is not None else True
+        if self.drained and feeder_done:
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001 - a failed device: its copies' state is unknown
+                self.drained = False
+        else:
+            self.drained = False
         with _REGISTRY_LOCK:
             _DEVICE_USERS[self.gpu_index] -= 1
-        super().close(timeout)
 
     # -- transfers ----------------------------------------------------------
     def _new_device_tensor(self, like: torch.Tensor) -> torch.Tensor:
@@ -218,10 +252,13 @@ class CUDAWorker(Worker):
         return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
     def _new_host_tensor(self, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised host buffer for a download (a seam for test doubles)."""
-        return torch.empty(
-            like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_downloads
-        )
+        """An uninitialised pageable host tensor a download ends in (a seam for test doubles)."""
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu")
+
+    def _new_pinned_buffer(self, nbytes: int) -> torch.Tensor:
+        """Uninitialised page-locked bytes: the staging buffer or lazy ring (a seam for
+        test doubles)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
     def _copy_on(
         self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool
@@ -363,36 +400,58 @@ class CUDAWorker(Worker):
         self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
     ) -> list[torch.Tensor]:
         outs, done = self.copy_out_async(tensors, channel)
-        # Correctness first: the caller gets finished host tensors. The per-layer
-        # async path (gradients of layer i handed to the optimizer thread while
-        # layer i-1 still computes) is copy_out_async + done.synchronize() there.
         done.synchronize()
         return outs
 
+    def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``copy_out`` of small tensors through the lazy ring: the host does not wait here;
+        the results are complete after ``finish_lazy_downloads`` (the end of the queue)."""
+        srcs, outs = self._begin_download(tensors)
+        if self.pin_downloads and self._downloads.download_lazy(self.download_stream, srcs, outs):
+            return outs
+        self._finish_download(srcs, outs).synchronize()
+        return outs
+
+    def finish_lazy_downloads(self) -> None:
+        self._downloads.finish_lazy()
+
     def copy_out_async(
         self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
-    ) -> tuple[list[torch.Tensor], torch.cuda.Event]:
-        """Start device -> host copies after the compute issued so far; return (host tensors, event).
+    ) -> tuple[list[torch.Tensor], Any]:
+        """Start device -> host copies after the compute issued so far; return (host tensors,
+        completion).
 
-        The host tensors are valid once ``event.synchronize()`` (or ``query()``)
-        says so. The device sources are kept from reuse until the download
-        stream is done with them.
+        The host tensors are pageable and valid once ``completion.synchronize()`` (or a
+        true ``query()``) says so. The pieces go through the staging buffer
+        (``downloads.DownloadStager``); the device sources are kept from reuse until the
+        download stream is done with them.
         """
-        srcs = [t.detach() for t in tensors]
-        stream = self.download_stream
+        srcs, outs = self._begin_download(tensors)
+        return outs, self._finish_download(srcs, outs)
+
+    def _begin_download(
+        self, tensors: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Contiguous sources (made on compute), the download stream ordered after the
+        compute issued so far, and uninitialised pageable results."""
+        srcs = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
         with torch.cuda.device(self.device):
             ready = torch.cuda.Event()
             ready.record(self.compute_stream)
-            stream.wait_event(ready)
-            outs = [self._new_host_tensor(src) for src in srcs]
-            for src in srcs:
-                _mark_used_by(src, stream)
-            self._copy_on(
-                stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], self.pin_downloads
-            )
+            self.download_stream.wait_event(ready)
+        for src in srcs:
+            _mark_used_by(src, self.download_stream)
+        return srcs, [self._new_host_tensor(src) for src in srcs]
+
+    def _finish_download(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
+        stream = self.download_stream
+        with torch.cuda.device(self.device):
+            if self.pin_downloads:
+                return self._downloads.download(stream, srcs, outs)
+            self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
             done = torch.cuda.Event()
             done.record(stream)
-        return outs, done
+            return done
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         for t in tensors:
@@ -429,7 +488,8 @@ class CUDAWorker(Worker):
         return event
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
-        end.synchronize()
+        if not end.query():  # a host wait only while the marker is still ahead of the host
+            end.synchronize()
         return float(start.elapsed_time(end))
 
     def memory_capacity(self) -> int:

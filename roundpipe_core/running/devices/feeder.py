@@ -151,12 +151,15 @@ class ChunkFeeder:
                     del self._tokens[t]
             return token
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0) -> bool:
+        """Issue the batches already submitted, then stop (waits up to ``timeout`` s).
+        Returns whether the thread ended: every submitted unit was issued."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -41,6 +41,7 @@ __all__ = [
     "PinHandle",
     "check_pin_mode",
     "cuda_available",
+    "default_allocator_settings",
     "default_model_memory_limit",
     "get_min_gpu_memory",
     "gpu_memory_info",
@@ -75,6 +76,32 @@ def cuda_available() -> bool:
         return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
     except Exception:  # noqa: BLE001 - a broken driver means "no GPU" here
         return False
+
+
+#: What RoundPipe asks of PyTorch's CUDA caching allocator unless the user set it.
+DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def default_allocator_settings() -> bool:
+    """Ask for expandable segments before CUDA starts in this process, unless the user
+    configured the allocator (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``).
+
+    Why: a worker allocates on four streams and the caching allocator reuses a block
+    only on the stream that freed it; stages of different sizes then leave reserved
+    memory well above allocated (fragmentation). Expandable segments let a segment
+    grow and shrink in place instead of caching many fixed-size ones. The setting is
+    read when CUDA initialises, so it is left alone once CUDA runs. Returns whether it
+    was set now.
+    """
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return False
+    try:
+        if torch.cuda.is_initialized():
+            return False
+    except Exception:  # noqa: BLE001 - a broken driver: CUDA will not start either
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_CUDA_ALLOC_CONF
+    return True
 
 
 def check_pin_mode(mode: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
@@ -25,7 +26,9 @@ _live_pools: weakref.WeakSet = weakref.WeakSet()
 
 def _cuda_worker(index: int, device: torch.device) -> Worker:
     from .cuda import CUDAWorker  # imported lazily: CUDA pieces stay optional
+    from .memory import default_allocator_settings
 
+    default_allocator_settings()  # before the worker starts CUDA
     return CUDAWorker(index, device)
 
 
@@ -127,6 +130,7 @@ class DevicePool:
         devs = resolve_devices(devices)
         self.workers: list[Worker] = []
         self._closed = False
+        self._replay_checked = False  # warn_if_replay_differs said its piece
         try:
             num_cpu = sum(d.type == "cpu" for d in devs)
             for i, d in enumerate(devs):
@@ -162,6 +166,36 @@ class DevicePool:
         them every job's time adds up and the planner plans for that."""
         return self.is_cuda
 
+    def gpu_models(self) -> list[tuple[str, int]]:
+        """``(name, SM count)`` of each distinct GPU the workers use (``[]`` on CPU)."""
+        indices = {getattr(w, "gpu_index", None) for w in self.workers if w.kind == "cuda"}
+        models = set()
+        for index in sorted(i for i in indices if i is not None):
+            props = torch.cuda.get_device_properties(index)
+            models.add((str(props.name), int(props.multi_processor_count)))
+        return sorted(models)
+
+    def warn_if_replay_differs(self) -> None:
+        """Warn once when a recompute may run on a GPU with another SM count than its
+        forward: a CUDA kernel's random draws follow its launch grid, which follows the
+        SM count, so the same seed and offset give other dropout masks there."""
+        if self._replay_checked:
+            return
+        self._replay_checked = True
+        if len({getattr(w, "gpu_index", None) for w in self.workers}) < 2:
+            return  # one GPU or CPU workers: every recompute runs on the same GPU model
+        models = self.gpu_models()
+        if len({sm for _, sm in models}) > 1:
+            warnings.warn(
+                f"the device pool mixes GPUs with different SM counts ({models}): a "
+                "recompute on another GPU than its forward draws different random numbers "
+                "(dropout masks), so gradients of random layers are not those of the "
+                "forward. Use GPUs of one model, or models without dropout in training, "
+                "or pass devices= with one GPU model only",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
     def memory_capacity(self) -> int:
         """Bytes of the smallest device (the planner's default limit is 60% of it)."""
         return min(w.memory_capacity() for w in self.workers)
@@ -177,7 +211,11 @@ class DevicePool:
         """
         if self._closed:
             raise RuntimeError("this RoundPipe's device pool is closed; create a new RoundPipe")
-        return [worker.submit(run_queue, worker, q) for worker, q in zip(self.workers, queues) if q]
+        return [
+            worker.submit(_run_then_finish, run_queue, worker, q)
+            for worker, q in zip(self.workers, queues)
+            if q
+        ]
 
     def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
         """Run ``run_queue(worker, queue)`` on every worker that has jobs; wait for all.
@@ -192,13 +230,40 @@ class DevicePool:
             primary = [e for e in errors if not isinstance(e, PoolError)]
             raise (primary or errors)[0]
 
-    def close(self) -> None:
-        """Stop every worker thread (after the jobs already queued). Idempotent."""
+    def close(self) -> bool:
+        """Stop every worker thread (after the jobs already queued) and let each device
+        finish its copies. Idempotent. Returns whether every worker drained (see
+        ``Worker.drained``): only then may host memory the copies read be unregistered."""
+        if not self._closed:
+            self._closed = True
+            for w in self.workers:
+                w.close()
+        return all(w.drained for w in self.workers)
+
+    def synchronize(self) -> bool:
+        """Wait until every device of an open pool has finished the work issued on it
+        (a pool shared by several RoundPipes stays open when one of them closes).
+        Returns False when a device could not be synchronised."""
         if self._closed:
-            return
-        self._closed = True
+            return self.close()
+        ok = True
         for w in self.workers:
-            w.close()
+            try:
+                w.synchronize()
+            except Exception:  # noqa: BLE001 - reported as "not drained"
+                ok = False
+        return ok
+
+
+def _run_then_finish(
+    run_queue: Callable[[Worker, list[Any]], None], worker: Worker, queue: list[Any]
+) -> None:
+    """A worker's queue, then the downloads it deferred: whoever waits on the queue's
+    future reads complete losses."""
+    try:
+        run_queue(worker, queue)
+    finally:
+        worker.finish_lazy_downloads()
 
 
 @atexit.register
