@@ -94,9 +94,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             bf16 ones, still get fp32 copies). With no second copy for devices to
             read while a step writes, every ``step()`` is synchronous
             (``is_async=True`` runs as ``False``, with a warning): the same numbers
-            as plain PyTorch, 4 B/param less host memory for fp32. ``None`` (default):
-            ``True`` on CPU workers, ``False`` on GPUs, where separate masters let
-            ``step()`` overlap the next iteration (``RoundPipeBase.default_shared_masters``).
+            as plain PyTorch, 4 B/param less host memory for fp32. ``None`` (default): ``True``
+            on CPU workers, ``False`` on GPUs (``RoundPipeBase.default_shared_masters``).
         loss_reduction: how ``forward_backward`` combines its per-microbatch losses:
             ``"sum"`` (default, the published contract: they are added up) or ``"mean"``
             (each is weighted by its share of the batch rows, so a ``loss_fn`` returning a

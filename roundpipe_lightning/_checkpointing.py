@@ -114,6 +114,11 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
             state["timer"] = self._rp.model_timer.state_dict()
         return state
 
+    def _user_groups(self, i: int, groups: list[dict[str, Any]]) -> None:
+        """Optimizer ``i``'s saved groups get the user's fused / foreach back."""
+        choice = self._user_impl.get(id(raw_optimizer(self.optimizers[i])))
+        restore_impl_choice({"param_groups": groups}, choice)
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
@@ -122,7 +127,7 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
             checkpoint[CHECKPOINT_KEY] = self.roundpipe_state_dict()
             # shard_host_state: every rank writes its share of the optimizer state
             named = {name: m for name, _, m in self._named_masters()}
-            save_host_shards(filepath, self.optimizers, self._dp, named)
+            save_host_shards(filepath, self.optimizers, self._dp, named, self._user_groups)
         lm = self.lightning_module
         if lm is not None:
             # steps Lightning counted when queued whose update failed: the weights saved

@@ -61,12 +61,9 @@ class FabricRun:
         precision: the Fabric precision plugin (read at each call).
     """
 
-    def __init__(
-        self,
-        rp: RoundPipe | AutoRoundPipe,
-        module: nn.Module,
-        precision: Callable[[], Precision],
-    ) -> None:
+    @staticmethod
+    def check_free(module: nn.Module) -> None:
+        """Refuse a module that has one of the RoundPipe calls already (set up before)."""
         clash = [name for name in CALLS if hasattr(module, name)]
         if clash:
             raise ValueError(
@@ -74,6 +71,14 @@ class FabricRun:
                 "RoundPipeFabricStrategy gives the module passed to fabric.setup() the attributes "
                 f"{', '.join(CALLS)}. Rename yours, and set each module up once."
             )
+
+    def __init__(
+        self,
+        rp: RoundPipe | AutoRoundPipe,
+        module: nn.Module,
+        precision: Callable[[], Precision],
+    ) -> None:
+        self.check_free(module)
         self.rp = rp
         self.module = module
         self.precision = precision

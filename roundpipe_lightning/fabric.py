@@ -284,6 +284,7 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
                 "fabric.setup() got a RoundPipe; give it the plain nn.Sequential (or Hugging "
                 f"Face model) instead -- {_OWNER} wraps it and returns the pipelined module"
             )
+        FabricRun.check_free(module)  # before a RoundPipe claims its parameters
         net, original = network_of(module, "fabric.setup() got")
         rp = build_roundpipe(
             net,

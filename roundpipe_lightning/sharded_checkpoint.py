@@ -19,7 +19,8 @@ optimizer states merged, in one process) that plain Lightning loads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +54,24 @@ def save_host_shards(
     optimizers: Sequence[Any],
     dp: D.DataParallel,
     named_masters: Mapping[str, torch.Tensor],
+    edit_groups: Callable[[int, list[dict[str, Any]]], None] | None = None,
 ) -> None:
-    """Every rank: write its share of each sharded optimizer's state beside ``filepath``."""
+    """Every rank: write its share of each sharded optimizer's state beside ``filepath``
+    (``edit_groups(i, groups)``: what to put back into optimizer ``i``'s groups)."""
     for i, opt in enumerate(optimizers):
         shard = dp.shard(opt)
         if shard is None:
             continue
         raw = getattr(opt, "_optimizer", opt)
+        edit = None if edit_groups is None else functools.partial(edit_groups, i)
         D.save_shard(
-            shards_dir(filepath, i), named_masters, raw, shard.owns, shard.rank, shard.world_size
+            shards_dir(filepath, i),
+            named_masters,
+            raw,
+            shard.owns,
+            shard.rank,
+            shard.world_size,
+            edit_groups=edit,
         )
 
 

@@ -40,6 +40,7 @@ def save_shard(
     owns: Callable[[torch.Tensor], bool],
     rank: int,
     world_size: int,
+    edit_groups: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> Path:
     """Write this rank's shard into ``directory`` (created if missing) and return its path.
 
@@ -47,6 +48,8 @@ def save_shard(
         named_params: name -> master parameter (the optimizer's parameters).
         owns: whether this rank owns a parameter (its state and value are written).
         rank / world_size: this rank and the rank count (the file's name).
+        edit_groups: called on the param groups' hyperparameters before they are written
+            (an integration puts back what it changed, e.g. the user's ``fused``).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -56,6 +59,8 @@ def save_shard(
         hyper = {k: v for k, v in g.items() if k != "params"}
         hyper["param_names"] = [name_of[id(p)] for p in g["params"] if id(p) in name_of]
         groups.append(hyper)
+    if edit_groups is not None:
+        edit_groups(groups)
     masters: dict[str, torch.Tensor] = {}
     state: dict[str, dict[str, Any]] = {}
     for n, p in named_params.items():

@@ -110,6 +110,10 @@ def test_pipelined_calls_and_a_pending_publication_copy() -> None:
     )
     try:
         opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+        # the first training call measures activations with a host forward: not an upload
+        rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+        rp.synchronize()
+        SEEN.clear()
         rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False).result()
         assert SEEN and host_ptr not in SEEN, "a pipelined call computed on the host weights"
         rp.synchronize()

@@ -48,7 +48,7 @@ def test_zero_grad_after_step_runs_in_order_with_the_async_step() -> None:
 
 
 def test_after_step_refuses_a_non_callable_and_raises_its_error() -> None:
-    rp = RoundPipe(mlp(), devices="cpu:1")
+    rp = RoundPipe(mlp(), devices="cpu:1", shared_masters=False)  # an asynchronous step
     with pytest.raises(TypeError, match="after_step needs a callable"):
         rp.after_step(None)  # type: ignore[arg-type]
 
