@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checks import check_not_compiled_in_place
+from .checks import check_carried_state, check_not_compiled_in_place
 from .kinds import PinMode, parse_kind
 from .planning.schedule import Job
 from .running.devices import memory
@@ -153,6 +153,7 @@ class RoundPipeBase(nn.Module):
         if not layers:
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
         check_not_compiled_in_place(layers)
+        check_carried_state(layers)
         object.__setattr__(self, "layers", layers)
         object.__setattr__(
             self, "_original_model", original_model if original_model is not None else model

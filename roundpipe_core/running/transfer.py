@@ -29,6 +29,7 @@ from torch import nn
 
 from ..batch import flatten
 from ..planning.schedule import Job
+from .carried import CarriedState, attribute_tensors
 from .devices.base import Worker
 
 __all__ = [
@@ -107,7 +108,13 @@ _SYNCED_TYPES = (bool, int, float, str, type(None))
 
 def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
     """Deep-copy ``layer`` without copying its tensors: parameters and buffers become
-    meta-device placeholders to be filled by an upload. Shared tensors stay shared."""
+    meta-device placeholders to be filled by an upload, and so do the tensors its
+    modules keep outside them (a quantized layer's quant state: see ``carried.py``,
+    rebuilt on every upload). Shared tensors stay shared.
+
+    Raises:
+        ValueError: a module keeps a tensor that requires grad as a plain attribute.
+    """
     memo: dict[int, object] = {}
     for p in layer.parameters(recurse=True):
         memo[id(p)] = nn.Parameter(
@@ -115,6 +122,8 @@ def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
         )
     for b in layer.buffers(recurse=True):
         memo[id(b)] = torch.empty_like(b, device="meta")
+    for t in attribute_tensors(layer):
+        memo.setdefault(id(t), torch.empty_like(t, device="meta"))
     replica = copy.deepcopy(layer, memo)
     slots: list[_Slot] = []
     for (_, orig), (_, rep) in zip(
@@ -155,6 +164,8 @@ def _synced(tree: _Tree) -> bool:
     """Whether ``tree``'s layer still has the structure its skeleton was built from
     (no submodule, parameter or buffer replaced, no attribute added or removed); if
     so, its replica now has the host's flags (``training``, dropout ``p``, ...)."""
+    if tree.carried is not None and not tree.carried.current():
+        return False
     for m, sig, host, size, rep, keys in tree.checks:
         if len(host) != size or sig != (
             tuple(map(id, m._modules.values())),
@@ -210,6 +221,15 @@ class _Tree:
             self.slot_source.append(pos[k])
             self.is_param[pos[k]] = self.is_param[pos[k]] or s.is_param
         self.source_list = list(self.sources.values())
+        # what the layer keeps outside its parameters and buffers (quant states): uploaded
+        # after them, rebuilt into the replica on every upload
+        carried = CarriedState(layer, replica, self.source_list)
+        self.carried: CarriedState | None = None if carried.empty else carried
+        self.num_sources = len(self.source_list)
+        if self.carried is not None:
+            self.carried.mark_replica()
+            self.source_list.extend(self.carried.tensors)
+            self.is_param.extend(False for _ in self.carried.tensors)
         self.epoch: object = None  # the stretch of uploads that last checked and synced it
         # where each upload puts its tensors: the replica modules' own tables, found once
         self.fills: list[tuple[dict[str, Any], str, int]] = [
@@ -262,6 +282,7 @@ class _StageLayout:
         "grad_pos",
         "buffer_pos",
         "epoch",
+        "carried",
         "_is_param",
     )
 
@@ -280,12 +301,20 @@ class _StageLayout:
         self.sources: list[torch.Tensor] = [t for chunk in self.chunks for t in chunk]
         self.fills: list[tuple[dict[str, Any], str, int]] = []
         is_param: list[bool] = []
+        carried_pos: set[int] = set()
+        # per layer with carried state: it, and where its sources and its extras start
+        self.carried: list[tuple[CarriedState, int, int, int]] = []
         for tree in self.trees:
             base = len(is_param)
             is_param.extend(tree.is_param)
             self.fills.extend((table, name, base + i) for table, name, i in tree.fills)
+            if tree.carried is not None:
+                end = base + len(tree.source_list)
+                self.carried.append((tree.carried, base, base + tree.num_sources, end))
+                carried_pos.update(range(base + tree.num_sources, end))
         self._is_param = is_param
-        self.buffer_pos = [i for i, p in enumerate(is_param) if not p]
+        # carried tensors are the layer's own constants, never written back
+        self.buffer_pos = [i for i, p in enumerate(is_param) if not p and i not in carried_pos]
         self.wrap: list[bool | None] = []
         self.grad_pos: list[int] = []
         self.epoch: object = None
@@ -359,8 +388,11 @@ def upload_stage(
     try:
         for chunk in layout.chunks:
             dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
-        # Parameter wrappers replace the raw device tensors so grads land on them
-        held = [t if w is None else _parameter(t, w) for t, w in zip(dev, layout.wrap)]
+        if layout.carried:
+            held = _carry(layout, dev)
+        else:
+            # Parameter wrappers replace the raw device tensors so grads land on them
+            held = [t if w is None else _parameter(t, w) for t, w in zip(dev, layout.wrap)]
         for table, name, i in layout.fills:
             table[name] = held[i]
     except BaseException:
@@ -369,6 +401,23 @@ def upload_stage(
         release_stage(StageReplica(worker, layout, [], dev))
         raise
     return StageReplica(worker, layout, held, dev)
+
+
+def _carry(layout: _StageLayout, dev: list[torch.Tensor]) -> list[Any]:
+    """The held tensors of an upload whose layers carry state: subclass parameters
+    (``Params4bit``) rebuilt around their device copies, the replica modules' carried
+    attributes (quant states) set from the uploaded tensors."""
+    subclass = {base + i for c, base, _, _ in layout.carried for i in c.param_pos}
+    held: list[Any] = [
+        t if w is None or i in subclass else _parameter(t, w)
+        for i, (t, w) in enumerate(zip(dev, layout.wrap))
+    ]
+    for carried, base, extra, end in layout.carried:
+        local = held[base:extra]
+        build = carried.wrap_params(dev[base:extra], dev[extra:end], local, layout.wrap[base:extra])
+        held[base:extra] = local
+        carried.attach(build)
+    return held
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
@@ -427,6 +476,8 @@ def release_stage(stage: StageReplica) -> None:
     stage.worker.release(stage.param_tensors, "param")
     for table, name, _ in stage.layout.fills:
         table[name] = None
+    for carried, *_ in stage.layout.carried:
+        carried.detach()
     stage.held = []
     stage.param_tensors = []
 
