@@ -33,7 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["REPLICA_OWNED", "CarriedState", "attribute_tensors", "carried_tensors"]
+__all__ = [
+    "REPLICA_OWNED",
+    "CarriedState",
+    "attribute_tensors",
+    "carried_bytes",
+    "carried_tensors",
+    "logical_numel",
+]
 
 #: Name of the replica-module attribute listing its attributes rebuilt on each upload.
 REPLICA_OWNED = "_roundpipe_replica_owned"
@@ -350,3 +357,24 @@ def carried_tensors(layer: nn.Module, name: str = "layer") -> list[torch.Tensor]
         ValueError: as :class:`CarriedState` (``name`` starts the message).
     """
     return _walk(layer, name).extras
+
+
+def carried_bytes(layer: nn.Module) -> int:
+    """Bytes of :func:`carried_tensors` (distinct storages): what an upload of ``layer``
+    moves besides its parameters and buffers."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in carried_tensors(layer)
+    }
+    return sum(storages.values())
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """The number of weights ``p`` stands for: a packed 4-bit parameter holds two per byte
+    (its quant state knows the unpacked shape); any other tensor its ``numel()``."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    if isinstance(shape, (tuple, list)) and all(isinstance(n, int) for n in shape):
+        total = 1
+        for n in shape:
+            total *= n
+        return total
+    return p.numel()

@@ -228,3 +228,45 @@ def test_a_trainable_plain_attribute_is_refused_naming_it() -> None:
         assert torch.isfinite(loss)
     finally:
         rp.close()
+
+
+# -- the host-memory budget and the planner count packed bytes -----------------------------
+def _quant_state_tensors(model) -> list[torch.Tensor]:
+    import bitsandbytes as bnb
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            qs = m.weight.quant_state
+            out += [qs.absmax, qs.code]
+            if qs.state2 is not None:
+                out += [qs.offset, qs.state2.absmax, qs.state2.code]
+    return out
+
+
+@pytest.mark.parametrize("quant", ["nf4", "nf4-dq"])
+def test_host_memory_budget_counts_packed_weights_and_quant_state(saved, quant: str) -> None:
+    from roundpipe_core.running.host_memory import estimate_host_memory
+
+    pm = load_qlora(saved, quant)
+    import transformers as tf
+
+    full = sum(p.numel() for p in tf.LlamaForCausalLM.from_pretrained(saved).parameters())
+    tensors = list(pm.parameters()) + list(pm.buffers()) + _quant_state_tensors(pm)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    expected_weights = sum(storages.values())
+    rp = wrap_model_to_roundpipe(pm, devices=2)
+    try:
+        budget = estimate_host_memory(rp, optimizer="adamw")
+        assert budget.weights == expected_weights
+        # counted in weights, as unpacked: 2 per byte of a packed 4-bit parameter
+        assert budget.num_params == full + sum(
+            p.numel() for n, p in pm.named_parameters() if "lora_" in n
+        )
+        # the planner's sizes: what an upload of each layer moves, quant state included
+        for layer, nbytes in zip(rp.layers, rp.model_timer.layer_param_bytes):
+            own = list(layer.parameters()) + list(layer.buffers()) + _quant_state_tensors(layer)
+            want = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in own}
+            assert nbytes == sum(want.values())
+    finally:
+        rp.close()
