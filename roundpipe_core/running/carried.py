@@ -14,9 +14,11 @@ repacks the weight and marks the quant state as repacked), so a state kept acros
 uploads would describe the previous upload's tensors, not this one's. So the state
 is described once per skeleton (a :class:`CarriedState`) and rebuilt on every upload
 from device copies: each tensor-subclass parameter becomes the same subclass around
-its device copy, and each plain object that holds tensors becomes a copy of itself
-(class and flags kept) whose tensors are device copies -- each host object once, so
-what the host shares stays shared. Tensors that alias a parameter or buffer (an
+its device copy, a tensor attribute (or a tuple of them) becomes a device copy, and
+each bitsandbytes state object becomes a copy of itself (class and flags kept) whose
+tensors are device copies -- each host object once, so what the host shares stays
+shared. Mutable containers and other objects a layer holds are the user's and stay
+shared with the host, as the forward rules describe. Tensors that alias a parameter or buffer (an
 ``Int8Params``' ``CB`` is its own data) become views of that tensor's device copy
 instead of a second upload. The host objects are never written.
 
@@ -135,29 +137,28 @@ class _Describer:
             return _STATIC if rep is None else ("module", rep)
         if depth >= _MAX_DEPTH or isinstance(v, (type, str, bytes, int, float, bool)):
             return _STATIC
-        if isinstance(v, (list, tuple)):
+        if type(v) is tuple:  # immutable: a copy with device tensors means the same
             items = [self.value(x, f"{where}[{k}]", depth + 1) for k, x in enumerate(v)]
             if all(r is _STATIC for r in items):
                 return _STATIC
             return ("seq", type(v), tuple(v), tuple(items))
-        if isinstance(v, dict):
-            keyed = [(k, self.value(x, f"{where}[{k!r}]", depth + 1)) for k, x in v.items()]
-            if all(r is _STATIC for _, r in keyed):
-                return _STATIC
-            return ("dict", type(v), dict(v), tuple(keyed))
+        # Mutable containers and other objects are the user's: a layer may share them on
+        # purpose (a log, a cache), so replicas keep reading and writing the host's, as
+        # before (the forward rules warn about writes). Only the state objects of the
+        # per-replica packages (bitsandbytes' QuantState, MatmulLtState) are copied.
         attrs = getattr(v, "__dict__", None)
-        if not isinstance(attrs, dict) or callable(v):
+        if (
+            not isinstance(attrs, dict)
+            or callable(v)
+            or not type(v).__module__.startswith(_PER_REPLICA_PACKAGES)
+        ):
             return _STATIC
         key = id(v)
         if key in self.nodes:
             return self.nodes[key]
         node: list[Any] = ["object", v, ()]
         self.nodes[key] = node  # before the walk: a cycle back to ``v`` finds it
-        dynamic = self.attributes(attrs, where, depth + 1)
-        if not dynamic and not type(v).__module__.startswith(_PER_REPLICA_PACKAGES):
-            self.nodes[key] = _STATIC
-            return _STATIC
-        node[2] = dynamic
+        node[2] = self.attributes(attrs, where, depth + 1)
         return node
 
     def attributes(self, attrs: dict[str, Any], where: str, depth: int) -> tuple:
@@ -200,13 +201,7 @@ class _Build:
         if kind == "seq":
             _, cls, host, items = r
             out = [h if i is _STATIC else self.value(i) for h, i in zip(host, items)]
-            return out if cls is list else (tuple(out) if cls is tuple else cls(out))
-        if kind == "dict":
-            _, cls, host, keyed = r
-            d = cls(host)
-            for k, i in keyed:
-                d[k] = self.value(i)
-            return d
+            return tuple(out)
         # a plain object holding tensors: a copy of it per upload
         key = id(r)
         made = self.made.get(key)

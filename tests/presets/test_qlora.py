@@ -165,16 +165,16 @@ def test_qlora_trains_several_steps_and_only_adapters_change(saved) -> None:
 
 # -- layers that keep tensors as plain attributes --------------------------------------
 class ScaledByAttribute(nn.Module):
-    """Keeps a constant tensor as a plain attribute (not a buffer) inside a plain object."""
+    """Keeps constant tensors as plain attributes (not buffers): one, and a tuple."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.lin = nn.Linear(dim, dim)
         self.scale = torch.linspace(0.5, 1.5, dim)
-        self.extra = {"shift": torch.full((dim,), 0.1)}
+        self.extra = (torch.full((dim,), 0.1), "shift")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * self.scale + self.extra["shift"]
+        return self.lin(x) * self.scale + self.extra[0]
 
 
 def test_plain_tensor_attributes_travel_with_the_layer() -> None:
