@@ -23,6 +23,7 @@ from torch import nn
 
 from .checks import (
     IdleSteps,
+    check_carried_state,
     check_no_parameter_hooks,
     check_not_compiled_in_place,
     check_not_on_meta,
@@ -144,6 +145,7 @@ class RoundPipeBase(nn.Module):
         if not layers:
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
         check_not_compiled_in_place(layers)
+        check_carried_state(layers)
         check_no_parameter_hooks(model)
         check_not_on_meta(model)
         if master_owner is None:

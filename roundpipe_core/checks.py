@@ -50,11 +50,13 @@ from torch import nn
 
 from . import batch as batching
 from .planning.profile import check_plan_fits, measure_activation_bytes, scale_activation_bytes
+from .running.carried import REPLICA_OWNED, carried_tensors
 from .stepping.masters import MasterWeights
 
 __all__ = [
     "ForwardRuleChecker",
     "PlanFitChecker",
+    "check_carried_state",
     "check_forward_rules",
     "check_not_compiled_in_place",
     "find_shared_buffers",
@@ -93,8 +95,11 @@ def _fingerprint(value: Any, depth: int = 0) -> Any:
 def _plain_attributes(module: nn.Module) -> dict[tuple[str, str], Any]:
     snap: dict[tuple[str, str], Any] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=True):
+        # attributes an upload rebuilds for this replica alone (a quantized layer's quant
+        # state): its forward may write them, no other layer or device sees them
+        owned = vars(mod).get(REPLICA_OWNED, ())
         for key, value in vars(mod).items():
-            if key in _MODULE_INTERNALS:
+            if key in _MODULE_INTERNALS or key in owned or key == REPLICA_OWNED:
                 continue
             snap[(mod_name, key)] = _fingerprint(value)
     return snap
@@ -225,6 +230,19 @@ def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
                     "per-device copies cannot keep; compile it as a new module instead "
                     "(layers[i] = torch.compile(layer)) before wrapping"
                 )
+
+
+def check_carried_state(layers: Sequence[nn.Module]) -> None:
+    """Refuse a layer that keeps a tensor requiring grad as a plain attribute (not a
+    parameter): the replicas get a device copy of it, whose gradient no one downloads.
+    Other tensors kept outside parameters and buffers (a quantized layer's quant state,
+    a constant attribute) travel with every upload (``running/carried.py``).
+
+    Raises:
+        ValueError: naming the layer, module and attribute, and the fix.
+    """
+    for i, layer in enumerate(layers):
+        carried_tensors(layer, f"layer {i}")
 
 
 def check_not_on_meta(model: nn.Module) -> None:

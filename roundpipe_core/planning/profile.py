@@ -448,7 +448,9 @@ def profile_of(model: Any) -> LayerProfile:
         fwd_ms=fwd,
         bwd_ms=[2.0 * f for f in fwd],
         re_ms=fwd,
-        param_bytes=sizes.upload_bytes,
+        # the timer's sizes also count what an upload carries besides parameters and
+        # buffers (a quantized layer's quant state), which planning cannot see
+        param_bytes=list(getattr(timer, "layer_param_bytes", sizes.upload_bytes)),
         grad_bytes=sizes.grad_bytes,
         act_bytes=act if act is not None else getattr(timer, "layer_activation_bytes", None),
     )

@@ -5,7 +5,8 @@ large a model a machine can train. :func:`estimate_host_memory` adds up what a
 run holds at its peak, line by line:
 
 ========================  ==========================================================
-weights                   the model's parameters and buffers (model dtype)
+weights                   the model's parameters and buffers (model dtype; a quantized
+                          layer's packed bytes and its quant state)
 masters                   the optimizer's copies of the trainable parameters
                           (``optim_dtype``); none where a parameter is its own master
                           (``shared_masters=True``: same dtype, synchronous step)
@@ -36,6 +37,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .carried import carried_tensors, logical_numel
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -266,7 +269,7 @@ def _worker_copies(rp: Any, plan: Any, num_microbatch: int) -> int:
     layer_bytes: list[int] = []
     layer_grads: list[int] = []
     for layer in rp.layers:
-        tensors = list(layer.parameters()) + list(layer.buffers())
+        tensors = list(layer.parameters()) + list(layer.buffers()) + carried_tensors(layer)
         layer_bytes.append(_unique_storage_bytes(tensors))
         layer_grads.append(
             sum(
@@ -368,8 +371,11 @@ def estimate_host_memory(
 
     inner, pairs = _masters_of(model)
     params = {id(p): p for p in inner.parameters()}
-    weights = _unique_storage_bytes(list(inner.parameters()) + list(inner.buffers()))
-    num_params = sum(p.numel() for p in params.values())
+    # a quantized model's weights: packed parameters, and the quant state beside them
+    weights = _unique_storage_bytes(
+        list(inner.parameters()) + list(inner.buffers()) + carried_tensors(inner)
+    )
+    num_params = sum(logical_numel(p) for p in params.values())
     weight_ptrs = {
         t.untyped_storage().data_ptr() for t in list(inner.parameters()) + list(inner.buffers())
     }

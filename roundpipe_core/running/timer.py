@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
+from .carried import carried_bytes
+
 if TYPE_CHECKING:
     from .devices.base import Worker
 
@@ -49,9 +51,10 @@ PRIOR_FLOOR_SHARE = 0.01
 
 
 def _module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (shared tensors counted once)."""
+    """Bytes of a module's parameters and buffers (shared tensors counted once), and of
+    the tensors an upload carries besides them (a quantized layer's quant state)."""
     seen: set[int] = set()
-    total = 0
+    total = carried_bytes(module)
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) in seen:
             continue

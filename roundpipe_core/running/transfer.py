@@ -27,9 +27,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..batch import flatten
 from ..planning.schedule import Job
+from .activations import grads_to_device, grads_to_host, to_device, to_device_pair, to_host
 from .buffer_fences import reading_buffers, write_back
+from .carried import CarriedState, attribute_tensors
 from .devices.base import Worker
 
 __all__ = [
@@ -108,7 +109,13 @@ _SYNCED_TYPES = (bool, int, float, str, type(None))
 
 def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
     """Deep-copy ``layer`` without copying its tensors: parameters and buffers become
-    meta-device placeholders to be filled by an upload. Shared tensors stay shared."""
+    meta-device placeholders to be filled by an upload, and so do the tensors its
+    modules keep outside them (a quantized layer's quant state: see ``carried.py``,
+    rebuilt on every upload). Shared tensors stay shared.
+
+    Raises:
+        ValueError: a module keeps a tensor that requires grad as a plain attribute.
+    """
     memo: dict[int, object] = {}
     for p in layer.parameters(recurse=True):
         memo[id(p)] = nn.Parameter(
@@ -116,6 +123,8 @@ def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
         )
     for b in layer.buffers(recurse=True):
         memo[id(b)] = torch.empty_like(b, device="meta")
+    for t in attribute_tensors(layer):
+        memo.setdefault(id(t), torch.empty_like(t, device="meta"))
     replica = copy.deepcopy(layer, memo)
     slots: list[_Slot] = []
     for (_, orig), (_, rep) in zip(
@@ -156,6 +165,8 @@ def _synced(tree: _Tree) -> bool:
     """Whether ``tree``'s layer still has the structure its skeleton was built from
     (no submodule, parameter or buffer replaced, no attribute added or removed); if
     so, its replica now has the host's flags (``training``, dropout ``p``, ...)."""
+    if tree.carried is not None and not tree.carried.current():
+        return False
     for m, sig, host, size, rep, keys in tree.checks:
         if len(host) != size or sig != (
             tuple(map(id, m._modules.values())),
@@ -211,6 +222,15 @@ class _Tree:
             self.slot_source.append(pos[k])
             self.is_param[pos[k]] = self.is_param[pos[k]] or s.is_param
         self.source_list = list(self.sources.values())
+        # what the layer keeps outside its parameters and buffers (quant states): uploaded
+        # after them, rebuilt into the replica on every upload
+        carried = CarriedState(layer, replica, self.source_list)
+        self.carried: CarriedState | None = None if carried.empty else carried
+        self.num_sources = len(self.source_list)
+        if self.carried is not None:
+            self.carried.mark_replica()
+            self.source_list.extend(self.carried.tensors)
+            self.is_param.extend(False for _ in self.carried.tensors)
         self.epoch: object = None  # the stretch of uploads that last checked and synced it
         # where each upload puts its tensors: the replica modules' own tables, found once
         self.fills: list[tuple[dict[str, Any], str, int]] = [
@@ -264,6 +284,7 @@ class _StageLayout:
         "grad_pos",
         "buffer_pos",
         "epoch",
+        "carried",
         "_is_param",
     )
 
@@ -286,12 +307,20 @@ class _StageLayout:
         self.sources: list[torch.Tensor] = [t for chunk in self.chunks for t in chunk]
         self.fills: list[tuple[dict[str, Any], str, int]] = []
         is_param: list[bool] = []
+        carried_pos: set[int] = set()
+        # per layer with carried state: it, and where its sources and its extras start
+        self.carried: list[tuple[CarriedState, int, int, int]] = []
         for tree in self.trees:
             base = len(is_param)
             is_param.extend(tree.is_param)
             self.fills.extend((table, name, base + i) for table, name, i in tree.fills)
+            if tree.carried is not None:
+                end = base + len(tree.source_list)
+                self.carried.append((tree.carried, base, base + tree.num_sources, end))
+                carried_pos.update(range(base + tree.num_sources, end))
         self._is_param = is_param
-        self.buffer_pos = [i for i, p in enumerate(is_param) if not p]
+        # carried tensors are the layer's own constants, never written back
+        self.buffer_pos = [i for i, p in enumerate(is_param) if not p and i not in carried_pos]
         self.wrap: list[bool | None] = []
         self.grad_pos: list[int] = []
         self.epoch: object = None
@@ -374,8 +403,11 @@ def upload_stage(
             else:
                 for chunk in layout.chunks:
                     dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
-        # Parameter wrappers replace the raw device tensors so grads land on them
-        held = [t if w is None else _parameter(t, w) for t, w in zip(dev, layout.wrap)]
+        if layout.carried:
+            held = _carry(layout, dev)
+        else:
+            # Parameter wrappers replace the raw device tensors so grads land on them
+            held = [t if w is None else _parameter(t, w) for t, w in zip(dev, layout.wrap)]
         for table, name, i in layout.fills:
             table[name] = held[i]
     except BaseException:
@@ -384,6 +416,23 @@ def upload_stage(
         release_stage(StageReplica(worker, layout, [], dev))
         raise
     return StageReplica(worker, layout, held, dev)
+
+
+def _carry(layout: _StageLayout, dev: list[torch.Tensor]) -> list[Any]:
+    """The held tensors of an upload whose layers carry state: subclass parameters
+    (``Params4bit``) rebuilt around their device copies, the replica modules' carried
+    attributes (quant states) set from the uploaded tensors."""
+    subclass = {base + i for c, base, _, _ in layout.carried for i in c.param_pos}
+    held: list[Any] = [
+        t if w is None or i in subclass else _parameter(t, w)
+        for i, (t, w) in enumerate(zip(dev, layout.wrap))
+    ]
+    for carried, base, extra, end in layout.carried:
+        local = held[base:extra]
+        build = carried.wrap_params(dev[base:extra], dev[extra:end], local, layout.wrap[base:extra])
+        held[base:extra] = local
+        carried.attach(build)
+    return held
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
@@ -441,86 +490,10 @@ def release_stage(stage: StageReplica) -> None:
     stage.worker.release(stage.param_tensors, "param")
     for table, name, _ in stage.layout.fills:
         table[name] = None
+    for carried, *_ in stage.layout.carried:
+        carried.detach()
     stage.held = []
     stage.param_tensors = []
-
-
-# -- activations and their gradients: pytrees between host and device ---------------
-def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
-    """``value`` (a pytree) with its tensors copied to ``worker``, and the copies (to release)."""
-    if isinstance(value, torch.Tensor):  # the common activation: no tree to walk
-        dev = worker.copy_in([value], "activation")
-        return dev[0], dev
-    leaves, rebuild = flatten(value)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
-    new = list(leaves)
-    for i, t in zip(idx, dev):
-        new[i] = t
-    return rebuild(new), dev
-
-
-def to_device_pair(worker: Worker, a: Any, b: Any) -> tuple[Any, Any, list[torch.Tensor]]:
-    """:func:`to_device` of two pytrees (a stage input and its label) in one copy: both
-    on the device, and the copies (to release)."""
-    if type(a) is torch.Tensor and type(b) is torch.Tensor:
-        dev = worker.copy_in([a, b], "activation")
-        return dev[0], dev[1], dev
-    leaves_a, rebuild_a = flatten(a)
-    leaves_b, rebuild_b = flatten(b)
-    leaves = leaves_a + leaves_b
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
-    for i, t in zip(idx, dev):
-        leaves[i] = t
-    n = len(leaves_a)
-    return rebuild_a(leaves[:n]), rebuild_b(leaves[n:]), dev
-
-
-def to_host(worker: Worker, value: Any) -> Any:
-    """``value`` (a pytree) with its tensors copied to the host, detached."""
-    if isinstance(value, torch.Tensor):
-        return worker.copy_out([value.detach()])[0]
-    leaves, rebuild = flatten(value)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    host = worker.copy_out([leaves[i].detach() for i in idx]) if idx else []
-    new = list(leaves)
-    for i, t in zip(idx, host):
-        new[i] = t
-    return rebuild(new)
-
-
-def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """Host copies of the gradients present (``None`` stays ``None``)."""
-    if len(grads) == 1:  # a stage with one tensor input: no index bookkeeping
-        g = grads[0]
-        return [None] if g is None else list(worker.copy_out([g]))
-    present = [(i, g) for i, g in enumerate(grads) if g is not None]
-    idx = [i for i, _ in present]
-    host = worker.copy_out([g for _, g in present]) if present else []
-    out: list[torch.Tensor | None] = [None] * len(grads)
-    for i, g in zip(idx, host):
-        out[i] = g
-    return out
-
-
-def grads_to_device(
-    worker: Worker, grads: list[torch.Tensor | None]
-) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-    """Device copies of the gradients present, and the copies (to release)."""
-    if len(grads) == 1:
-        g = grads[0]
-        if g is None:
-            return [None], []
-        dev = worker.copy_in([g], "activation")
-        return list(dev), dev
-    present = [(i, g) for i, g in enumerate(grads) if g is not None]
-    idx = [i for i, _ in present]
-    dev = worker.copy_in([g for _, g in present], "activation") if present else []
-    out: list[torch.Tensor | None] = [None] * len(grads)
-    for i, g in zip(idx, dev):
-        out[i] = g
-    return out, dev
 
 
 def note_transfer(run: Any, lane: str, worker: Worker, name: str, start: float) -> None:

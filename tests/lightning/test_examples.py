@@ -181,3 +181,34 @@ def test_finetune_example_init_from_runs_no_code(tmp_path: Path) -> None:
     with pytest.raises(pickle.UnpicklingError):
         lightning_finetune.main(["--out-dir", str(tmp_path), "--init-from", str(crafted)])
     assert not marker.exists()
+
+
+def test_qlora_example_trains_adapters_over_an_unchanged_4bit_base(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    import qlora_finetune
+
+    res = qlora_finetune.main(
+        [
+            "--steps",
+            "8",
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--seq",
+            "32",
+            "--batch",
+            "4",
+            "--lr",
+            "2e-2",
+        ]
+    )
+    losses = res["losses"]
+    assert len(losses) == 8
+    assert sum(losses[-3:]) / 3 < losses[0]
+    assert res["base_unchanged"]
+    assert "4-bit base unchanged: True" in capsys.readouterr().out
+    assert roundpipe_threads() == []

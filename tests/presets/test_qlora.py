@@ -1,0 +1,272 @@
+"""QLoRA: a bitsandbytes 4-bit / 8-bit base with peft LoRA trains through RoundPipe as
+plain peft + bitsandbytes does (every adapter gets its gradient, within fp32 rounding),
+the packed base stays bit-identical on the host, and bitsandbytes' own per-layer state
+trips no forward rule. The replicas carry the packed weight and its quant state
+(``running/carried.py``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+from qlora_tiny import (  # noqa: E402
+    QUANTS,
+    base_state,
+    load_qlora,
+    make_batch,
+    reference_grads,
+    save_tiny_llama,
+)
+
+from roundpipe_core import (  # noqa: E402
+    ModelExecutePlan,
+    RoundPipe,
+    RoundPipeRunConfig,
+    wrap_model_to_roundpipe,
+)
+from roundpipe_core.presets import causal_lm_loss_fn  # noqa: E402
+
+# embed | decoder 0 | decoder 1 | head: every decoder layer in its own backward stage
+PLAN = ModelExecutePlan(
+    fwd_plan=[range(0, 2), range(2, 3)],
+    bwd_plan=[range(3, 4), range(2, 3), range(1, 2), range(0, 1)],
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _rule_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "forward rule" in str(w.message)]
+
+
+def _train_once(pm, ids, mask, labels, **kwargs):
+    """One forward_backward of ``pm`` through RoundPipe on 2 CPU workers, 2 microbatches:
+    (loss, master grads by name, forward-rule warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rp = wrap_model_to_roundpipe(
+            pm,
+            devices=2,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=PLAN),
+            **kwargs,
+        )
+        try:
+            loss = rp.forward_backward(
+                input_kwargs={"input_ids": ids, "attention_mask": mask},
+                label=labels,
+                loss_fn=causal_lm_loss_fn(labels),
+            )
+            rp.synchronize()
+            grads = {}
+            for n, p in pm.named_parameters():
+                if p.requires_grad:
+                    master = rp.master_param(p)
+                    grads[n] = None if master is None or master.grad is None else master.grad
+        finally:
+            rp.close()
+    return loss, grads, _rule_warnings(caught)
+
+
+def _check_grads(grads: dict, ref: dict) -> None:
+    assert set(grads) == set(ref) and ref
+    missing = [n for n, g in grads.items() if g is None]
+    assert not missing, f"adapters without a gradient: {missing}"
+    for n, g in grads.items():
+        err = ((g - ref[n]).norm() / ref[n].norm()).item()
+        assert err <= 1e-5, f"{n}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_qlora_gradients_match_plain_peft(saved, quant: str) -> None:
+    ids, mask, labels = make_batch()
+    ref_loss, ref = reference_grads(saved, quant, ids, mask, labels)
+    pm = load_qlora(saved, quant)
+    before = base_state(pm)
+    loss, grads, rules = _train_once(pm, ids, mask, labels)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    _check_grads(grads, ref)
+    assert not rules, rules
+    after = base_state(pm)
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert after[k].dtype == v.dtype and torch.equal(after[k], v), f"host {k} changed"
+
+
+@pytest.mark.parametrize("quant", ["nf4", "fp4-dq"])
+def test_qlora_model_left_in_eval_mode_trains_every_adapter(saved, quant: str) -> None:
+    """``from_pretrained`` returns an eval-mode model. On CPU, bitsandbytes then runs a
+    forward whose input needs no grad (a training call's forward stages) with a repacked
+    weight and a bf16 kernel, and rewrites the layer's quant state to say so: a replica
+    that kept that state across uploads computed garbage from the next upload's weight
+    (the first layer's attention adapters got no gradient) and a recompute that did not
+    compute what the forward did (0.5 % off). Replicas take the exact path, so the eval-
+    mode model trains as the train-mode one does (no dropout here)."""
+    ids, mask, labels = make_batch()
+    ref_loss, ref = reference_grads(saved, quant, ids, mask, labels)
+    pm = load_qlora(saved, quant, train=False)
+    before = base_state(pm)
+    loss, grads, rules = _train_once(pm, ids, mask, labels)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    _check_grads(grads, ref)
+    assert not rules, rules
+    for k, v in base_state(pm).items():
+        assert torch.equal(v, before[k]), f"host {k} changed"
+
+
+def test_prepare_model_for_kbit_training_style_model(saved) -> None:
+    """peft's recipe: layer norms and the head in fp32, an input-grad hook on the
+    embeddings; trains as plain peft does."""
+    ids, mask, labels = make_batch()
+    ref_loss, ref = reference_grads(saved, "nf4", ids, mask, labels, kbit_prep=True)
+    pm = load_qlora(saved, "nf4", kbit_prep=True)
+    loss, grads, rules = _train_once(pm, ids, mask, labels)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    _check_grads(grads, ref)
+    assert not rules, rules
+
+
+def test_qlora_trains_several_steps_and_only_adapters_change(saved) -> None:
+    pm = load_qlora(saved, "nf4")
+    before = base_state(pm)
+    adapters = {n: p.detach().clone() for n, p in pm.named_parameters() if p.requires_grad}
+    rp = wrap_model_to_roundpipe(pm, devices=2, optim_dtype=torch.float32)
+    try:
+        opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-2)
+        ids, mask, labels = make_batch()
+        losses = []
+        for _ in range(4):
+            losses.append(
+                rp.forward_backward(
+                    input_kwargs={"input_ids": ids, "attention_mask": mask},
+                    label=labels,
+                    loss_fn=causal_lm_loss_fn(labels),
+                ).item()
+            )
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+        rp.synchronize()
+    finally:
+        rp.close()
+    assert losses[-1] < losses[0]
+    for k, v in base_state(pm).items():
+        assert torch.equal(v, before[k]), f"host {k} changed"
+    named = dict(pm.named_parameters())
+    assert all(not torch.equal(named[n].detach(), a) for n, a in adapters.items())
+
+
+# -- layers that keep tensors as plain attributes --------------------------------------
+class ScaledByAttribute(nn.Module):
+    """Keeps constant tensors as plain attributes (not buffers): one, and a tuple."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.scale = torch.linspace(0.5, 1.5, dim)
+        self.extra = (torch.full((dim,), 0.1), "shift")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale + self.extra[0]
+
+
+def test_plain_tensor_attributes_travel_with_the_layer() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledByAttribute(6), nn.Tanh(), ScaledByAttribute(6))
+    ref = nn.Sequential(*[m for m in model])  # same modules: reference first
+    x = torch.randn(4, 6)
+    ref_loss = ref(x).pow(2).sum()
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        loss = rp.forward_backward((x,), loss_fn=lambda o, _: o.pow(2).sum())
+        rp.synchronize()
+        torch.testing.assert_close(loss, ref_loss.detach())
+        for n, p in rp.optim_named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[n], msg=n)
+    finally:
+        rp.close()
+
+
+class TrainsAPlainAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gain = torch.ones(3)  # a trainable one should have been an nn.Parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.gain
+
+
+def test_a_trainable_plain_attribute_is_refused_naming_it() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), TrainsAPlainAttribute())
+    model[1].gain.requires_grad_(True)
+    with pytest.raises(
+        ValueError,
+        match=r"layer 1: module '\(root\)' \(TrainsAPlainAttribute\) attribute 'gain'.*nn\.Parameter",
+    ):
+        RoundPipe(model, devices="cpu:1")
+    # added after wrapping: refused at the upload, and the next call still works
+    layer = TrainsAPlainAttribute()
+    rp = RoundPipe(nn.Sequential(nn.Linear(3, 3), layer), devices="cpu:1")
+    try:
+        rp(torch.randn(2, 3))
+        layer.gain = torch.ones(3, requires_grad=True)
+        with pytest.raises(ValueError, match=r"attribute 'gain'"):
+            rp.forward_backward((torch.randn(2, 3),), loss_fn=lambda o, _: o.sum())
+        layer.gain = torch.ones(3)
+        loss = rp.forward_backward((torch.randn(2, 3),), loss_fn=lambda o, _: o.sum())
+        assert torch.isfinite(loss)
+    finally:
+        rp.close()
+
+
+# -- the host-memory budget and the planner count packed bytes -----------------------------
+def _quant_state_tensors(model) -> list[torch.Tensor]:
+    import bitsandbytes as bnb
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            qs = m.weight.quant_state
+            out += [qs.absmax, qs.code]
+            if qs.state2 is not None:
+                out += [qs.offset, qs.state2.absmax, qs.state2.code]
+    return out
+
+
+@pytest.mark.parametrize("quant", ["nf4", "nf4-dq"])
+def test_host_memory_budget_counts_packed_weights_and_quant_state(saved, quant: str) -> None:
+    from roundpipe_core.running.host_memory import estimate_host_memory
+
+    pm = load_qlora(saved, quant)
+    import transformers as tf
+
+    full = sum(p.numel() for p in tf.LlamaForCausalLM.from_pretrained(saved).parameters())
+    tensors = list(pm.parameters()) + list(pm.buffers()) + _quant_state_tensors(pm)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    expected_weights = sum(storages.values())
+    rp = wrap_model_to_roundpipe(pm, devices=2)
+    try:
+        budget = estimate_host_memory(rp, optimizer="adamw")
+        assert budget.weights == expected_weights
+        # counted in weights, as unpacked: 2 per byte of a packed 4-bit parameter
+        assert budget.num_params == full + sum(
+            p.numel() for n, p in pm.named_parameters() if "lora_" in n
+        )
+        # the planner's sizes: what an upload of each layer moves, quant state included
+        for layer, nbytes in zip(rp.layers, rp.model_timer.layer_param_bytes):
+            own = list(layer.parameters()) + list(layer.buffers()) + _quant_state_tensors(layer)
+            want = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in own}
+            assert nbytes == sum(want.values())
+    finally:
+        rp.close()
