@@ -470,10 +470,15 @@ class PlanFitChecker:
                     b.copy_(copy)
 
     def check(
-        self, plan: Any, run_type: Any, profile: Any, capacity_bytes: Callable[[], float]
+        self,
+        plan: Any,
+        run_type: Any,
+        profile: Callable[[], Any],
+        capacity_bytes: Callable[[], float],
     ) -> None:
         """``check_plan_fits`` for ``plan`` unless it already passed for this run type.
-        ``capacity_bytes()`` is asked only then: reading free memory costs a system call.
+        ``profile()`` and ``capacity_bytes()`` are asked only then: building a profile and
+        reading free memory cost more than the rest of a small call's set-up.
 
         Raises:
             ValueError: a stage of ``plan`` needs more memory than ``capacity_bytes()``.
@@ -486,5 +491,5 @@ class PlanFitChecker:
         )
         if key in self._checked:
             return
-        check_plan_fits(plan, profile, run_type, capacity_bytes())
+        check_plan_fits(plan, profile(), run_type, capacity_bytes())
         self._checked.add(key)

@@ -191,9 +191,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         )
 
     def _rng_base(self) -> int:
-        """The base seed of a call's random streams, drawn without touching the global
-        generator (whose stream the caller's own code -- a shuffling sampler -- owns):
-        the process's seed and this RoundPipe's call count, so seeded runs repeat."""
+        """The base seed of a call's random streams: the process's seed and the call count
+        (seeded runs repeat; the global generator, the caller's sampler's, is not drawn)."""
         self._seed_calls += 1
         return hash((torch.initial_seed(), self._seed_calls)) & (2**62 - 1)
 
@@ -231,11 +230,11 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         self._remember_call(jobs, run)
 
     def _remember_call(self, jobs: list[Job], run: PipelineRun) -> None:
-        """The one writer of the ``last_*`` records: what the last call ran and measured."""
-        self.last_schedule = jobs
-        self.last_job_times = list(run.job_times)
-        self.last_job_spans = list(run.job_spans)
-        self.last_transfer_spans = list(run.transfer_spans)
+        """The one writer of the ``last_*`` records (into ``__dict__``: see _record_call)."""
+        d = self.__dict__
+        d["last_schedule"] = jobs
+        d["last_job_times"], d["last_job_spans"] = list(run.job_times), list(run.job_spans)
+        d["last_transfer_spans"] = list(run.transfer_spans)
 
     def _pipelined_call_done(
         self,
@@ -260,9 +259,10 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             self._execute(run, jobs)
 
     def _record_call(self, t0: float, args: Any, kwargs: Any) -> None:
-        """Wall time and batch size of the call that started at ``t0``."""
-        self.last_call_ms = (time.perf_counter() - t0) * 1000.0
-        self.last_call_samples, self.last_call_tokens = batch_extent(args, kwargs)
+        """Wall time and batch size of the call (into ``__dict__``: nn.Module's setattr is slow)."""
+        d = self.__dict__
+        d["last_call_ms"] = (time.perf_counter() - t0) * 1000.0
+        d["last_call_samples"], d["last_call_tokens"] = batch_extent(args, kwargs)
 
     @staticmethod
     def _loss_weights(

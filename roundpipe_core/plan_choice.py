@@ -125,7 +125,9 @@ class PlanChoice:
             or self.model_run_config.execute_plan is not None
         )
         if manual:
-            self._plan_fits.check(plan, run_type, profile_of(self), self.pool.memory_capacity)
+            self._plan_fits.check(
+                plan, run_type, lambda: profile_of(self), self.pool.memory_capacity
+            )
         return plan
 
     @property

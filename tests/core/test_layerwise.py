@@ -42,6 +42,7 @@ def _train(
         model,
         devices=f"cpu:{devices}",
         model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan),
+        shared_masters=False,  # the asynchronous step this file is about
     )
     opt = make(rp.optim_parameters())
     parts: list[int] = []
