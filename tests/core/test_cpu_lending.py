@@ -21,6 +21,10 @@ from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 
+# what is tested is the CPU backend's own lending: under ROUNDPIPE_TEST_DEVICE the
+# workers stay CPU workers (CUDA workers always copy)
+pytestmark = pytest.mark.cpu_backend
+
 #: the weight storage each forward of a _Recorder computed with (a module global, not
 #: layer state: the forward rules allow a layer to write only its own buffers)
 SEEN: list[int] = []
