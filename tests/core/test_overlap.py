@@ -136,7 +136,13 @@ class _Slow(nn.Module):
 def test_next_iteration_starts_before_the_previous_one_ends():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 12), *[_Slow() for _ in range(4)], nn.Linear(12, 4))
-    rp = RoundPipe(model, devices="cpu:3", model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    # separate masters: the asynchronous step lets iteration k+1 start under k's backward
+    rp = RoundPipe(
+        model,
+        devices="cpu:3",
+        model_run_config=RoundPipeRunConfig(num_microbatch=4),
+        shared_masters=False,
+    )
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.01)
     try:
         pending = []
