@@ -271,14 +271,18 @@ class _SavedBytes:
         self.seen: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        # What is saved is a detached alias: a node that saves its own output (sigmoid,
+        # exp, attention) would otherwise hold that output, grad_fn and all, from C++ --
+        # a cycle Python's collector cannot see, which kept the whole measured graph
+        # (a forward's activations) alive for the life of the process.
         if t.device.type == "meta":  # no storage to share: count the tensor
             self.seen[id(t)] = _nbytes(t)
-            return t
+            return t.detach()
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self.state:  # a view keeps its whole storage alive
             self.seen[ptr] = max(self.seen.get(ptr, 0), storage.nbytes())
-        return t
+        return t.detach()
 
     @property
     def total(self) -> int:

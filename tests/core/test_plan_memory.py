@@ -3,6 +3,9 @@ cannot fit, and the simulator's per-device memory report."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -87,6 +90,32 @@ def test_activation_bytes_match_a_hand_count():
     x = torch.randn(5, 8)
     got = measure_activation_bytes(seq, x)
     assert got == [5 * 8 * 4, 5 * 32 * 4, 5 * 32 * 4]
+
+
+class _KeepOutput(nn.Module):
+    """A layer whose autograd saves its own output (sigmoid does), and that lets a test
+    see whether that output outlives the measurement."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[weakref.ref] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sigmoid(x)
+        self.outputs.append(weakref.ref(y))
+        return y
+
+
+def test_activation_measurement_leaves_no_graph_alive():
+    """A pack hook that saves the tensor itself makes a node that saves its output hold
+    that output (and with it the whole measured graph) from C++: a cycle the collector
+    cannot free, which kept a forward's activations for the life of the process."""
+    keep = _KeepOutput()
+    seq = nn.Sequential(nn.Linear(8, 16), keep, nn.Linear(16, 4))
+    x = torch.randn(5, 8, requires_grad=True)
+    assert measure_activation_bytes(seq, x)[1] == 5 * 16 * 4
+    gc.collect()
+    assert [ref() is None for ref in keep.outputs] == [True]
 
 
 def _profile(act: float) -> LayerProfile:
