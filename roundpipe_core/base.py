@@ -397,6 +397,19 @@ class RoundPipeBase(nn.Module):
         blocking calls wait for that copy layer by layer (``RoundPipe`` overrides this)."""
         return False
 
+    @property
+    def uploads_lend_parameters(self) -> bool:
+        """Whether every upload computes on the host's parameters instead of copying them:
+        the devices' memory is the host's and every master is the model's own weight (no
+        step writes the weights while a call runs). The planner counts such parameters
+        as free on the device."""
+        workers = self.pool.workers
+        return (
+            bool(workers)
+            and all(w.memory_is_host for w in workers)
+            and not self._home().masters.copies
+        )
+
     @staticmethod
     def default_shared_masters(pool: DevicePool) -> bool:
         """``shared_masters=None``: share on CPU workers (one at a time on the host's cores:

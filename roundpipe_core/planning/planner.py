@@ -112,7 +112,9 @@ def auto(
     forward + backward. Each stage's memory — parameters, plus for backward and
     fused stages their gradients and one microbatch's saved activations — stays
     under ``model_memory_limit / 2``: one stage runs while the next one's
-    parameters are prefetched.
+    parameters are prefetched. On CPU workers that compute on the host's parameters
+    (``uploads_lend_parameters``) the parameters cost nothing and nothing is
+    prefetched: a stage's gradients and activations stay under the whole limit.
 
     The published planner minimises ``max(total stages, min_stages) x slowest
     stage`` (``objective="stages"``) greedily, trying only stage caps between the
@@ -199,7 +201,11 @@ def auto(
                 f"model_memory_limit must be a positive number of GB, got {model_memory_limit!r}"
             )
         limit_bytes = float(model_memory_limit) * _GB
-    cap = _memory_cap(profiles, rt, limit_bytes / 2)
+    # Half the limit per stage: one stage runs while the next one's parameters are
+    # prefetched. Where every upload lends the host's parameters there is nothing to
+    # prefetch (the profiles count the lent parameters as free), so a stage may use it all.
+    lending = all(bool(getattr(m, "uploads_lend_parameters", False)) for m in models)
+    cap = _memory_cap(profiles, rt, limit_bytes, 1 if lending else 2)
     num_devices = max(devices) if devices else min_stages
     if num_microbatch is None:
         num_microbatch = default_num_microbatch(num_devices, concurrent is not False)
@@ -222,8 +228,13 @@ def auto(
     return result.plans[0] if len(models) == 1 else result.plans
 
 
-def _memory_cap(profiles: Sequence[LayerProfile], run_type: RunType, cap: float) -> float:
-    """``cap``, raised (with a warning) to the largest single layer when one exceeds it."""
+def _memory_cap(
+    profiles: Sequence[LayerProfile], run_type: RunType, limit: float, parts: int
+) -> float:
+    """A stage's cap, ``limit / parts``, raised (with a warning) to the largest single
+    layer when one exceeds it."""
+    cap = limit / parts
+    share = "model_memory_limit" if parts == 1 else f"model_memory_limit / {parts}"
     need, which = 0.0, (0, 0)
     for k, prof in enumerate(profiles):
         fmem, bmem = prof.stage_mem()
@@ -235,8 +246,8 @@ def _memory_cap(profiles: Sequence[LayerProfile], run_type: RunType, cap: float)
         warnings.warn(
             f"layer {which[1]} of model {which[0]} needs {need / _GB:.3f} GB in one stage "
             "(parameters, gradients and one microbatch's saved activations), more than "
-            f"model_memory_limit / 2 = {cap / _GB:.3f} GB; planning with a limit of "
-            f"{2 * need / _GB:.3f} GB instead (raise model_memory_limit to silence this)",
+            f"{share} = {cap / _GB:.3f} GB; planning with a limit of "
+            f"{parts * need / _GB:.3f} GB instead (raise model_memory_limit to silence this)",
             RuntimeWarning,
             stacklevel=4,  # the caller of ModelExecutePlan.auto
         )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -140,12 +140,15 @@ class LayerSizes:
             modules (``nn.Embedding``, ``nn.EmbeddingBag``) are left out unless the
             layer also uses the same tensor in a dense op.
         host_bytes: the model's parameters and buffers with every tensor counted once.
+        parameter_bytes: the parameters among ``upload_bytes`` (what an upload to a device
+            whose memory is the host's lends instead of copying, ``Worker.lend_in``).
     """
 
     upload_bytes: list[int]
     grad_bytes: list[int]
     compute_bytes: list[int]
     host_bytes: int
+    parameter_bytes: list[int] = field(default_factory=list)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -156,19 +159,21 @@ def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
     """Measure :class:`LayerSizes` of an ``nn.Sequential`` (or a list of layers)."""
     if isinstance(layers, nn.Module):
         layers = list(layers.children()) if isinstance(layers, nn.Sequential) else [layers]
-    upload, grads, compute = [], [], []
+    upload, grads, compute, params = [], [], [], []
     everywhere: set[int] = set()
     host = 0
     for layer in layers:
         seen: set[int] = set()
-        up = gr = 0
+        up = gr = pa = 0
         for t in list(layer.parameters()) + list(layer.buffers()):
             if id(t) in seen:
                 continue
             seen.add(id(t))
             up += _nbytes(t)
-            if isinstance(t, nn.Parameter) and t.requires_grad:
-                gr += _nbytes(t)
+            if isinstance(t, nn.Parameter):
+                pa += _nbytes(t)
+                if t.requires_grad:
+                    gr += _nbytes(t)
             if id(t) not in everywhere:
                 everywhere.add(id(t))
                 host += _nbytes(t)
@@ -182,7 +187,8 @@ def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
         upload.append(up)
         grads.append(gr)
         compute.append(comp)
-    return LayerSizes(upload, grads, compute, host)
+        params.append(pa)
+    return LayerSizes(upload, grads, compute, host, params)
 
 
 def size_prior_ms(compute_bytes: Sequence[int]) -> list[float]:
@@ -444,11 +450,15 @@ def profile_of(model: Any) -> LayerProfile:
     act = getattr(model, "layer_activation_bytes", None)
     layers = getattr(model, "layers", None)
     measured = timer.has_measurements() if hasattr(timer, "has_measurements") else True
+    lends = layers is not None and bool(getattr(model, "uploads_lend_parameters", False))
     if measured or layers is None:
-        return LayerProfile.from_timer(timer, act_bytes=act)
+        prof = LayerProfile.from_timer(timer, act_bytes=act)
+        if lends and layers is not None:
+            return _with_lent_parameters(prof, layer_sizes(list(layers)))
+        return prof
     sizes = layer_sizes(list(layers))
     fwd = size_prior_ms(sizes.compute_bytes)
-    return LayerProfile(
+    prof = LayerProfile(
         fwd_ms=fwd,
         bwd_ms=[2.0 * f for f in fwd],
         re_ms=fwd,
@@ -457,4 +467,21 @@ def profile_of(model: Any) -> LayerProfile:
         param_bytes=list(getattr(timer, "layer_param_bytes", sizes.upload_bytes)),
         grad_bytes=sizes.grad_bytes,
         act_bytes=act if act is not None else getattr(timer, "layer_activation_bytes", None),
+    )
+    return _with_lent_parameters(prof, sizes) if lends else prof
+
+
+def _with_lent_parameters(profile: LayerProfile, sizes: LayerSizes) -> LayerProfile:
+    """``profile`` for a pool whose uploads lend the host's parameters (CPU workers with
+    nothing writing the weights during a call): a stage's parameters cost its device
+    nothing -- it computes on the host's -- so only what is still copied (buffers, a
+    quantized layer's state) counts; gradients and activations are real memory."""
+    n = profile.num_layers
+    uploads = list(profile.param_bytes) if profile.param_bytes is not None else [0] * n
+    grads = list(profile.grad_bytes) if profile.grad_bytes is not None else uploads
+    lent = sizes.parameter_bytes
+    return replace(
+        profile,
+        param_bytes=[max(0, int(u) - int(p)) for u, p in zip(uploads, lent)],
+        grad_bytes=grads,
     )

@@ -181,8 +181,11 @@ def test_auto_reads_activation_bytes_a_model_records():
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
-    rp = RoundPipe(model, devices="cpu:2")
+    # separate masters: uploads copy the parameters (a CPU pool with shared masters lends
+    # them, and the cap differs: see test_lent_parameters_cost_a_cpu_stage_nothing)
+    rp = RoundPipe(model, devices="cpu:2", shared_masters=False)
     try:
+        assert not rp.uploads_lend_parameters
         layer = (64 * 64 + 64) * 4
         limit_gb = 2 * 6 * 2 * layer / 1024**3  # every layer's params + grads fit one stage
         assert profile_of(rp).act_bytes is None
@@ -196,3 +199,35 @@ def test_auto_reads_activation_bytes_a_model_records():
             assert s.total_bytes <= half, (s, heavy)
     finally:
         rp.close()
+
+
+def test_lent_parameters_cost_a_cpu_stage_nothing():
+    """CPU workers with shared masters compute on the host's parameters (no copy, nothing
+    to prefetch): the planner counts only gradients and activations per stage, under the
+    whole limit. With separate masters (an asynchronous step writes the weights while
+    calls run) uploads copy, and parameters count as on a GPU."""
+    from roundpipe_core import RoundPipe
+
+    torch.manual_seed(0)
+    layer = (64 * 64 + 64) * 4
+    # gradients + activations of all six layers: 6 x (1 + 1) layers' worth; with the
+    # parameters and the prefetch half it would take 4x that
+    limit_gb = 6 * 2 * layer * 1.01 / 1024**3
+    plans = {}
+    for shared in (True, False):
+        rp = RoundPipe(
+            nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]),
+            devices="cpu:2",
+            shared_masters=shared,
+        )
+        try:
+            assert rp.uploads_lend_parameters is shared
+            rp.layer_activation_bytes = [layer] * 6
+            prof = profile_of(rp)
+            assert list(prof.param_bytes) == ([0] * 6 if shared else [layer] * 6)
+            assert list(prof.grad_bytes) == [layer] * 6  # gradients are real memory
+            plans[shared] = ModelExecutePlan.auto("fused", rp, model_memory_limit=limit_gb)
+        finally:
+            rp.close()
+    assert plans[True].bwd_plan == [range(0, 6)], plans[True]  # one fused stage
+    assert len(plans[False].bwd_plan) > 2, plans[False]

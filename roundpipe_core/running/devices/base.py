@@ -77,6 +77,9 @@ class Worker(ABC):
     """
 
     kind = "abstract"
+    #: The device's memory is the host's: ``lend_in`` hands a stage the host tensors
+    #: it only reads, without a copy.
+    memory_is_host = False
     #: ``time_point()`` returns seconds of one host clock, so ``elapsed_ms(a, b)`` is
     #: ``(b - a) * 1000`` and the runtime may compute it without a call per mark.
     time_points_are_seconds = False

@@ -109,6 +109,7 @@ class CPUWorker(Worker):
 
     kind = "cpu"
     time_points_are_seconds = True
+    memory_is_host = True
 
     #: How many CPU workers of one pool split the host's free memory (the pool sets it).
     share: int = 1
