@@ -32,6 +32,7 @@ from .checkpoint_io import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
     StreamingCheckpointIO,
+    check_lightning_checkpoint,
     check_roundpipe_section,
 )
 from .precision import LossScaler
@@ -190,7 +191,9 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
     ) -> dict[str, Any]:
         # a sharded optimizer state lives beside the file: remember where that is
         self._loaded_checkpoint_path = checkpoint_path
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        check_lightning_checkpoint(checkpoint, checkpoint_path)
+        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
