@@ -17,7 +17,10 @@ one go) -- a whole checkpoint's worth of RAM on top of training. This
   file, read page by page as they are copied into the model, so restoring does
   not hold a second copy of the state in anonymous memory. Because every save
   writes a *new* file and renames it, a mapped checkpoint is never modified in
-  place while a run still reads from it.
+  place while a run still reads from it. Before loading, every tensor storage is
+  checked against the CRC-32 ``torch.save`` wrote for it, and a truncated,
+  damaged or foreign file is refused with ``CorruptCheckpointError``
+  (:mod:`roundpipe_core.checkpoint_file`).
 
 Files are ordinary ``torch.save`` archives: ``torch.load(path, weights_only=True)``
 and ``LightningModule.load_from_checkpoint`` read them. Paths that are not on
