@@ -98,6 +98,7 @@ class AutogradForward:
             start_device=len(jobs) % ops.num_devices,
         )
         run = ops.new_run(needs, ops.grad_tracker(self.bwd_jobs))
+        run.auto_cut = self.split.auto_cut  # a layer's error lists what the automatic split cut
         for i, mb in enumerate(self.mbs):
             run.put_act(0, i, mb)
         ops.execute(run, jobs)

@@ -1,11 +1,10 @@
 """RoundPipe: wraps an ``nn.Sequential``, owns its layers, the optimizer's master
 copies and the asynchronous step.
 
-The wrapped module stays on the host. Each pipelined call splits the batch
-into microbatches, builds the iteration's schedule (``schedule.py``) and runs
-it on the device pool (``runtime.py``). Gradients land in the master copies
-(``optim_parameters()``); ``step()`` runs the user's optimizer on them on a
-dedicated thread (``stepper.py``) and copies the result back into the
+The wrapped module stays on the host. Each pipelined call splits the batch into microbatches,
+builds the iteration's schedule (``schedule.py``) and runs it on the device pool (``runtime.py``).
+Gradients land in the master copies (``optim_parameters()``); ``step()`` runs the user's
+optimizer on them on a dedicated thread (``stepper.py``) and copies the result back into the
 module's own parameters.
 
 :class:`RoundPipe` adds the pipelined calls to :class:`~roundpipe_core.base.RoundPipeBase`
@@ -304,7 +303,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             mbs = split.parts
             plan = self._plan(roundpipe_run_config, run_type, cfg, split)
             if run_type == RunType.INFER:
-                run = self._new_run(cfg, plan, run_type, self._no_grads)
+                run = self._new_run(cfg, plan, run_type, self._no_grads, auto_cut=split.auto_cut)
                 for i, mb in enumerate(mbs):
                     run.put_act(0, i, mb)
                 jobs = build_schedule(plan, run_type, self.num_devices, len(mbs))
@@ -489,6 +488,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
                     loss_weights=self._loss_weights(reduction, loss_fn, split),
                     weights=gate[0] if gate else None,
                     reader=gate[1] if gate else None,
+                    auto_cut=split.auto_cut,
                 )
                 for i, mb in enumerate(mbs):
                     run.put_act(0, i, mb)
@@ -528,7 +528,6 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         t0 = time.perf_counter()
         with self._call_lock:
             split = self._split(cfg, args, kwargs)
-            mbs = split.parts
             plan = self._plan(run_config, RunType.FUSED, cfg, split)
             labels = self._split_label(cfg, label, split)
             weights = self._loss_weights(reduction, loss_fn, split)
@@ -537,7 +536,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
                     call,
                     cfg,
                     plan,
-                    mbs,
+                    split,
                     labels,
                     loss_fn,
                     return_outputs,
@@ -552,7 +551,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         call: PipelinedCall,
         cfg: RoundPipeRunConfig,
         plan: ModelExecutePlan,
-        mbs: list,
+        split: batching.SplitInputs,
         labels: list,
         loss_fn: Callable[[Any, Any], Any],
         return_outputs: bool,
@@ -565,7 +564,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         # continue round-robin where the previous call stopped: the device that ran its
         # last job is the last to become free, so this call's first job goes elsewhere
         jobs = build_schedule(
-            plan, RunType.FUSED, self.num_devices, len(mbs), start_device=call.start_device
+            plan, RunType.FUSED, self.num_devices, len(split.parts), start_device=call.start_device
         )
         reader = call.reserve([j.layers for j in jobs], self.num_devices)
         buffer = GradBuffer(self.masters.master_of)
@@ -587,11 +586,12 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             loss_weights=scaling[1],
             weights=call.weights,
             reader=reader,
+            auto_cut=split.auto_cut,
             grads_done=completion.job_done,
         )
-        for i, mb in enumerate(mbs):
+        for i, mb in enumerate(split.parts):
             run.put_act(0, i, mb)
-        pending = call.pending(run, buffer, cfg, len(mbs), return_outputs, completion)
+        pending = call.pending(run, buffer, cfg, len(split.parts), return_outputs, completion)
         futures = self.pool.submit(
             jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
         )

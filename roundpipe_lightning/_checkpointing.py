@@ -32,6 +32,7 @@ from .checkpoint_io import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
     StreamingCheckpointIO,
+    check_lightning_checkpoint,
     check_roundpipe_section,
 )
 from .precision import LossScaler
@@ -46,6 +47,8 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
     _rp: RoundPipe | AutoRoundPipe | None
     _run: RunState
     _user_impl: dict[int, list[dict[str, Any]]]  # per optimizer: fused / foreach as built
+    #: a checkpoint's model state read before setup, applied once setup built the masters
+    _deferred_model_state: tuple[Mapping[str, Any], bool] | None = None
 
     @property
     def _loss_scaler(self) -> LossScaler | None:
@@ -135,8 +138,28 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
             uncount_saved_steps(checkpoint, self._run.steps.lost, lm.automatic_optimization)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """``False``: Lightning reads ``fit(ckpt_path=...)``'s file before setup, with the
+        ``weights_only`` the user passed (its after-setup path drops it: ``Trainer._run``
+        calls ``_restore_modules_and_callbacks(ckpt_path)`` without it, so a trusted
+        checkpoint holding, say, a ``pathlib.Path`` could not be resumed). The model state
+        itself waits in :meth:`load_model_state_dict` until setup has built the RoundPipe
+        and its masters; optimizer and loop state are restored after setup as always."""
+        return False
+
+    def _load_deferred_model_state(self) -> None:
+        """End of setup: load the model state of a checkpoint read before it."""
+        deferred, self._deferred_model_state = self._deferred_model_state, None
+        if deferred is not None:
+            self.load_model_state_dict(*deferred)
+
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._rp is None:  # read before setup: the masters do not exist yet
+            self._deferred_model_state = (checkpoint, strict)
+            return
         self._sync_weights()
         section = checkpoint.get(CHECKPOINT_KEY)
         # checked before anything is loaded, so a bad file leaves the model as it was
@@ -168,7 +191,9 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
     ) -> dict[str, Any]:
         # a sharded optimizer state lives beside the file: remember where that is
         self._loaded_checkpoint_path = checkpoint_path
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        check_lightning_checkpoint(checkpoint, checkpoint_path)
+        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

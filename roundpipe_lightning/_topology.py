@@ -108,12 +108,6 @@ class ProcessTopologyStrategy(ParallelStrategy):
         # Parameters stay in host memory; RoundPipe uploads stages to its devices.
         return None
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Master weights exist only once RoundPipe is built in setup().
-        return True
-
     # -- collectives: roundpipe_core.distributed (identities in one process) ----------------------
     @override
     def reduce(

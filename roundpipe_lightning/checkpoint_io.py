@@ -17,7 +17,10 @@ one go) -- a whole checkpoint's worth of RAM on top of training. This
   file, read page by page as they are copied into the model, so restoring does
   not hold a second copy of the state in anonymous memory. Because every save
   writes a *new* file and renames it, a mapped checkpoint is never modified in
-  place while a run still reads from it.
+  place while a run still reads from it. Before loading, every tensor storage is
+  checked against the CRC-32 ``torch.save`` wrote for it, and a truncated,
+  damaged or foreign file is refused with ``CorruptCheckpointError``
+  (:mod:`roundpipe_core.checkpoint_file`).
 
 Files are ordinary ``torch.save`` archives: ``torch.load(path, weights_only=True)``
 and ``LightningModule.load_from_checkpoint`` read them. Paths that are not on
@@ -31,7 +34,6 @@ import glob
 import logging
 import os
 import tempfile
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, cast
@@ -41,10 +43,14 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from roundpipe_core.checkpoint_file import CorruptCheckpointError, read_checkpoint
+
 __all__ = [
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_KEY",
+    "CorruptCheckpointError",
     "StreamingCheckpointIO",
+    "check_lightning_checkpoint",
     "check_roundpipe_section",
 ]
 
@@ -127,16 +133,21 @@ class StreamingCheckpointIO(TorchCheckpointIO):
             torch's legacy (non-zip) format are read normally.
         fsync: flush the file and its directory to disk before the save returns
             (a crash right after the save then still finds the checkpoint).
+        verify: before loading, check every tensor storage against the CRC-32 that
+            ``torch.save`` wrote for it (:func:`roundpipe_core.checkpoint_file.verify_archive`):
+            a damaged file is refused instead of trained on. One read of the file.
     """
 
-    def __init__(self, mmap: bool = True, fsync: bool = True) -> None:
+    def __init__(self, mmap: bool = True, fsync: bool = True, verify: bool = True) -> None:
         super().__init__()
-        if not isinstance(mmap, bool) or not isinstance(fsync, bool):
-            raise TypeError(
-                f"StreamingCheckpointIO(mmap=..., fsync=...) takes bools, got mmap={mmap!r}, fsync={fsync!r}"
-            )
+        for name, value in (("mmap", mmap), ("fsync", fsync), ("verify", verify)):
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"StreamingCheckpointIO({name}=...) takes a bool, got {name}={value!r}"
+                )
         self.mmap = mmap
         self.fsync = fsync
+        self.verify = verify
 
     @override
     def save_checkpoint(
@@ -211,6 +222,9 @@ class StreamingCheckpointIO(TorchCheckpointIO):
 
         Raises:
             FileNotFoundError: if ``path`` does not exist.
+            CorruptCheckpointError: (a ``ValueError``) the file is empty, truncated,
+                damaged (a storage fails its checksum) or not a torch file: "not a
+                (complete) checkpoint: <path>: <what is wrong>".
         """
         if weights_only is None:
             weights_only = True
@@ -218,11 +232,33 @@ class StreamingCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(
                 path, map_location=map_location, weights_only=weights_only
             )
-        target = os.fspath(path)
-        if not os.path.exists(target):
-            raise FileNotFoundError(f"Checkpoint file not found: {target}")
-        mmap = self.mmap and zipfile.is_zipfile(target)
-        return torch.load(target, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        return read_checkpoint(
+            path,
+            map_location=map_location,
+            weights_only=weights_only,
+            mmap=self.mmap,
+            verify=self.verify,
+        )
+
+
+def check_lightning_checkpoint(checkpoint: Any, path: str | Path) -> None:
+    """What ``Trainer.fit(ckpt_path=...)`` read from ``path`` is a Lightning checkpoint:
+    a dict with the model's ``state_dict`` (else Lightning fails with a bare ``KeyError``).
+
+    Raises:
+        CorruptCheckpointError: it is not a dict, or has no ``state_dict``.
+    """
+    if not isinstance(checkpoint, Mapping):
+        raise CorruptCheckpointError(
+            path, f"it holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict"
+        )
+    if not isinstance(checkpoint.get("state_dict"), Mapping):
+        keys = sorted(map(str, checkpoint))[:8]
+        raise CorruptCheckpointError(
+            path,
+            f"it has no 'state_dict' (the model's weights; its keys: {keys}); a file "
+            "Trainer.save_checkpoint or ModelCheckpoint wrote has one",
+        )
 
 
 def check_roundpipe_section(

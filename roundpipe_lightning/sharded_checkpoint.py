@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from roundpipe_core import distributed as D
+from roundpipe_core.checkpoint_file import read_checkpoint
 from roundpipe_core.distributed.shard_io import SHARD_FORMAT
 
 __all__ = ["SHARDS_KEY", "convert_sharded_checkpoint", "shards_dir"]
@@ -113,9 +114,11 @@ def convert_sharded_checkpoint(checkpoint_path: str | Path, out_path: str | Path
     this one process. Returns ``out_path``.
 
     Raises:
-        ValueError: a shard is missing or unreadable (naming the rank that wrote it).
+        ValueError: a shard is missing or unreadable (naming the rank that wrote it);
+            :class:`~roundpipe_core.checkpoint_file.CorruptCheckpointError` for a damaged
+            checkpoint file or shard.
     """
-    ckpt = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)
+    ckpt = read_checkpoint(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)
     states = ckpt.get("optimizer_states", [])
     for i, state in enumerate(states):
         if is_marker(state):

@@ -85,10 +85,7 @@ from ._step import (
     overlap_blocker,
     steps_in_parts,
 )
-from .checkpoint_io import (
-    CHECKPOINT_FORMAT,
-    CHECKPOINT_KEY,
-)
+from .checkpoint_io import CHECKPOINT_FORMAT, CHECKPOINT_KEY
 from .precision import LossScaler, RoundPipePrecision
 
 __all__ = ["RoundPipeStrategy", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
@@ -304,6 +301,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
             sharded = self._dp.state_shards > 1  # clipping: the norm over every process's share
             self.precision_plugin.clip_norm_fn = self._dp.clip_grad_norm_ if sharded else None
         self.setup_precision_plugin()
+        self._load_deferred_model_state()  # a checkpoint read before setup (fit(ckpt_path=...))
 
     def _build_roundpipe(self) -> None:
         lm = self.lightning_module
@@ -574,6 +572,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
 
     @override
     def teardown(self) -> None:
+        self._deferred_model_state = None  # a failed setup never applied it: not the next fit's
         try:
             self._dp.detach()
             self._close_roundpipe()

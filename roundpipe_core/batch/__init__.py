@@ -33,6 +33,7 @@ The pieces: :mod:`.tree` (pytrees, packed data, spec markers), :mod:`.split`
 (``split_call_inputs`` / ``split_call_labels``) and :mod:`.merge` (``merge_outputs``).
 """
 
+from .explain import AutoSplitLeaf, auto_split_note
 from .merge import (
     MergedOutputs,
     merge_outputs,
@@ -62,6 +63,8 @@ __all__ = [
     "avg_reducer",
     "sum_reducer",
     "SplitInputs",
+    "AutoSplitLeaf",
+    "auto_split_note",
     "MergedOutputs",
     "flatten",
     "batch_size_of",

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .explain import AutoSplitLeaf, leaf_paths
 from .tree import (
     RoundPipePackedData,
     _chunk_dim,
@@ -41,12 +42,16 @@ class SplitInputs(NamedTuple):
         batch_size: the batch size those sizes add up to, or ``None``.
         leaf_rules: per leaf of ``flatten((args, kwargs))``, how it was cut; ``None``
             when a custom function split the inputs.
+        auto_cut: the leaves the automatic rule (no spec) cut along dim 0, in order
+            (the first gave the batch size); what a layer's error reports
+            (:func:`~roundpipe_core.batch.explain.auto_split_note`).
     """
 
     parts: list[tuple[tuple, dict]]
     sizes: list[int]
     batch_size: int | None
     leaf_rules: list[_LeafRule] | None
+    auto_cut: tuple[AutoSplitLeaf, ...] = ()
 
     def join_input_grads(self, per_microbatch: list[list[torch.Tensor | None]]) -> list[Any]:
         """Gradients w.r.t. the original input leaves from per-microbatch leaf gradients.
@@ -206,7 +211,13 @@ def split_call_inputs(
     leaves, rebuild = flatten((args, kwargs))
     per_mb, rules, sizes, bs = _split_leaves(leaves, markers, num_microbatch, "split_input")
     parts = [rebuild(mb) for mb in per_mb]
-    return SplitInputs([(tuple(a), dict(k)) for a, k in parts], sizes, bs, rules)
+    paths = leaf_paths(args, "args") + leaf_paths(kwargs, "kwargs")
+    auto_cut = tuple(
+        AutoSplitLeaf(path, tuple(x.shape), rule.sizes)
+        for x, (m, _), rule, path in zip(leaves, markers, rules, paths)
+        if m is None and rule.kind == "chunk"
+    )
+    return SplitInputs([(tuple(a), dict(k)) for a, k in parts], sizes, bs, rules, auto_cut)
 
 
 def _normalise_split_result(result: Any) -> list[tuple[tuple, dict]]:

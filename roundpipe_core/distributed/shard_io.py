@@ -15,12 +15,15 @@ machine that can hold it.
 
 from __future__ import annotations
 
+import pickle
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..checkpoint_file import CorruptCheckpointError, read_checkpoint
 
 __all__ = ["SHARD_FORMAT", "load_shards", "merge_shards", "save_shard", "shard_files"]
 
@@ -113,13 +116,17 @@ def shard_files(directory: str | Path) -> list[Path]:
 
 
 def _read(path: Path, rank: int, world: int) -> dict[str, Any]:
-    def bad(why: str) -> ValueError:
-        return ValueError(f"host-state shard of rank {rank} ({path}) is unusable: {why}")
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(path, why, rank=rank)
 
-    try:
-        shard = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # a truncated or foreign file: name the rank that wrote it
-        raise bad(f"{type(exc).__name__}: {exc}") from exc
+    try:  # (each storage checked against its CRC-32 first)
+        shard = read_checkpoint(path, map_location="cpu", mmap=True, weights_only=True)
+    except CorruptCheckpointError as exc:  # a truncated or damaged file: name the rank
+        raise bad(exc.reason) from None
+    except pickle.UnpicklingError as exc:  # a complete file, but not one save_shard wrote
+        raise bad(
+            f"it holds objects a shard never has ({type(exc).__name__} under weights_only)"
+        ) from None
     if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT:
         raise bad(f"not a shard of format {SHARD_FORMAT}")
     if shard.get("rank") != rank or shard.get("world_size") != world:

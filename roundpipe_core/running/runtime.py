@@ -1,13 +1,11 @@
 """Running jobs on a worker: forward, fused forward+loss+backward, recompute+backward.
 
-One ``PipelineRun`` holds the state of a pipelined call: the activations at
-layer boundaries (kept on the host, keyed by ``(boundary, microbatch)``), the
-gradients flowing back, where its random streams start (``streams.py``: a
-recompute replays the forward's numbers) and the losses.
-Jobs on different workers meet only through it: a job waits for what it needs
-and publishes what it produces, so stages on different devices overlap on
-different microbatches. If any job fails, the run is aborted and every waiting
-job stops (``PoolError``) instead of hanging.
+One ``PipelineRun`` holds the state of a pipelined call: the activations at layer boundaries
+(kept on the host, keyed by ``(boundary, microbatch)``), the gradients flowing back, where its
+random streams start (``streams.py``: a recompute replays the forward's numbers) and the losses.
+Jobs on different workers meet only through it: a job waits for what it needs and publishes
+what it produces, so stages on different devices overlap on different microbatches. If any
+job fails, the run is aborted and every waiting job stops (``PoolError``) instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import flatten
+from ..batch import AutoSplitLeaf, auto_split_note, flatten
 from ..config import call_loss_fn
 from ..context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
 from ..kinds import JobKind, RecomputeGrain
@@ -75,6 +73,7 @@ class PipelineRun:
         rng_base: int = 0,
         weights: WeightGate | None = None,
         reader: Any = None,
+        auto_cut: tuple[AutoSplitLeaf, ...] = (),
     ) -> None:
         self.layers = layers
         self.num_layers = len(layers)
@@ -102,9 +101,8 @@ class PipelineRun:
         self._cond = threading.Condition()
         self._acts: dict[tuple[int, int], Any] = {}
         self._grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        # Random numbers of layer l on microbatch m come from a generator seeded with
-        # (rng_base, l, m): independent of which worker runs it and when, so runs are
-        # reproducible under a seed and a recompute replays the forward's masks exactly.
+        # Random numbers of layer l on microbatch m come from a generator seeded with (rng_base,
+        # l, m): whichever worker runs it, whenever, so a recompute replays the forward's masks.
         self.rng_base = rng_base
         # Where a stream is seeded (streams.py): every stage start, forward (recorded by
         # the forward jobs) and backward (the boundaries); every layer for grain "layer".
@@ -124,6 +122,7 @@ class PipelineRun:
         # one writes the host weights during the run, so uploads may lend them (upload_job)
         self.weights = weights
         self.reader = reader
+        self.auto_cut = auto_cut  # inputs the automatic split cut: a layer's error lists them
 
     # -- rendezvous -----------------------------------------------------------
     def put_act(self, boundary: int, mb: int, value: Any) -> None:
@@ -345,28 +344,29 @@ def _run_layers(
             marks.append((kind, i, i + 1, t, end))
             t = end
     except BaseException as exc:
-        _annotate(exc, job, i, mb, worker)
+        _annotate(exc, run, job, i, mb, worker)
         raise
     finally:
         set_frame(prev)
     return x
 
 
-def _annotate(exc: BaseException, job: Job, layer: int | None, mb: int, worker: Worker) -> None:
+def _annotate(
+    exc: BaseException, run: PipelineRun, job: Job, layer: int | None, mb: int, worker: Worker
+) -> None:
     notes = getattr(exc, "__notes__", None) or ()
     if any(n.startswith(_NOTE_PREFIX) for n in notes):
         return  # the layer loop has said where already
-    where = (
-        f"layer {layer}"
-        if layer is not None
-        else f"layers {job.layers.start}..{job.layers.stop - 1}"
-    )
+    span = f"layers {job.layers.start}..{job.layers.stop - 1}"
+    where = f"layer {layer}" if layer is not None else span
     note = (
         f"{_NOTE_PREFIX}{where}, microbatch {mb}, {job.kind} stage {job.stage} "
         f"on device {worker.index} ({worker.device})"
     )
     if hasattr(exc, "add_note"):
         exc.add_note(note)
+        if (cut := auto_split_note(run.auto_cut)) is not None:  # a tensor not per-sample?
+            exc.add_note(cut)
 
 
 _NOTE_PREFIX = "RoundPipe: raised in "
@@ -388,7 +388,7 @@ def _forward_microbatch(
             x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False, publish=True)
             out = to_host(worker, x)
     except BaseException as exc:
-        _annotate(exc, job, None, mb, worker)
+        _annotate(exc, run, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
@@ -450,7 +450,7 @@ def _fused_microbatch(
                 run.outputs[mb] = to_host(worker, x)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
-        _annotate(exc, job, None, mb, worker)
+        _annotate(exc, run, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
@@ -490,7 +490,7 @@ def _backward_microbatch(
                 clock.span("bwd", r, t0)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
-        _annotate(exc, job, None, mb, worker)
+        _annotate(exc, run, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")

@@ -38,7 +38,7 @@ CORE_LAYERS: list[tuple[str, set[str]]] = [
             "simulate",
         },
     ),
-    ("integrations", {"autosplit", "verify", "presets", "distributed"}),
+    ("integrations", {"autosplit", "verify", "presets", "distributed", "checkpoint_file"}),
     ("package", {"__init__"}),
 ]
 

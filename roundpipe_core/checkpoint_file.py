@@ -1,0 +1,230 @@
+"""Reading a checkpoint file so that a damaged one is refused with one clear error.
+
+``torch.load`` on a truncated, garbled or foreign file fails with whatever its reader
+trips over first -- ``OSError: [Errno 22]`` from the memory map, an ``EOFError`` with no
+message, ``IndexError: pop from empty list`` from the unpickler, or the advice to retry
+with ``weights_only=False`` (unsafe, and no help for a broken file) -- and a bit flipped
+inside a tensor's storage loads without complaint and is trained on.
+:func:`read_checkpoint` checks the file first and turns every such failure into a
+:class:`CorruptCheckpointError`: "not a (complete) checkpoint: <path>: <what is wrong>".
+
+**Checksums, one per tensor storage.** A ``torch.save`` archive is a zip file with one
+record per tensor storage (plus the pickled object structure), and the zip format keeps a
+CRC-32 of every record; torch writes them by default
+(``torch.utils.serialization.config.save.compute_crc32``) but never checks them when
+loading, and cannot while memory-mapping. :func:`verify_archive` checks each record's
+CRC-32 against its bytes before the file is loaded (``zlib.crc32`` over the mapped file,
+no copy), so a flipped bit names the damaged record. Per record rather than one hash of
+the whole file: the check needs no extra data written, reads each storage where it lies
+(the same pages the memory-mapped load then reads from the page cache), names what is
+damaged, and works for any ``torch.save`` archive, old files included -- RoundPipe's own,
+plain Lightning's and the host-state shards of a sharded checkpoint. Files without
+checksums still load, unchecked: records written with ``compute_crc32=False`` (their
+CRC-32 field is 0) and files in torch's legacy, non-zip format.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+__all__ = ["CorruptCheckpointError", "read_checkpoint", "verify_archive"]
+
+#: How a file in torch's legacy (pre-1.6, non-zip) format begins: the pickled magic number.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+_ZIP_MAGIC = b"PK\x03\x04"  # also the signature of every record's local header
+_LOCAL_HEADER_SIZE = 30
+#: Bytes mapped and checksummed at once: large enough to run at memory speed, small
+#: enough that checking a checkpoint of any size keeps little of it resident.
+_CHUNK = 64 << 20
+
+
+class CorruptCheckpointError(ValueError):
+    """A file that is not a complete checkpoint: truncated, damaged, empty or foreign.
+
+    The message is "not a (complete) checkpoint: <path>: <what is wrong>"; ``path`` and
+    ``reason`` hold the two parts (``rank``: the rank that wrote a host-state shard).
+    """
+
+    def __init__(self, path: str | Path, reason: str, rank: int | None = None) -> None:
+        self.path = os.fspath(path)
+        self.reason = reason
+        self.rank = rank
+        where = self.path if rank is None else f"{self.path} (the host-state shard of rank {rank})"
+        super().__init__(f"not a (complete) checkpoint: {where}: {reason}")
+
+
+def _local_data_offset(f: BinaryIO, info: zipfile.ZipInfo) -> int:
+    """Where record ``info``'s bytes begin: after its local header (30 bytes, then the
+    name and an extra field -- torch pads the latter to align storages -- whose lengths
+    sit at bytes 26 and 28 of the header, per the zip specification)."""
+    start = info.header_offset
+    f.seek(start)
+    header = f.read(_LOCAL_HEADER_SIZE)
+    if len(header) != _LOCAL_HEADER_SIZE or header[:4] != _ZIP_MAGIC:
+        raise ValueError(f"record {info.filename!r} has no local header at byte {start}")
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    return start + _LOCAL_HEADER_SIZE + name_len + extra_len
+
+
+def _crc32(f: BinaryIO, begin: int, end: int) -> int:
+    """CRC-32 of bytes ``[begin, end)`` of ``f``, mapped one window at a time: no copy,
+    and at most one window of the file resident in this process at once."""
+    crc = 0
+    for window_start in range(begin, end, _CHUNK):
+        window_end = min(end, window_start + _CHUNK)
+        offset = window_start - window_start % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(
+            f.fileno(), window_end - offset, access=mmap.ACCESS_READ, offset=offset
+        ) as mm:
+            with memoryview(mm) as view:
+                crc = zlib.crc32(view[window_start - offset :], crc)
+    return crc
+
+
+def verify_archive(path: str | Path) -> int:
+    """Check every record of the ``torch.save`` zip archive at ``path`` against its
+    CRC-32 (records without one -- CRC field 0 -- are skipped). Returns the number of
+    records checked.
+
+    Raises:
+        CorruptCheckpointError: a record's bytes do not match its checksum, lie past the
+            end of the file, or the archive's directory is unreadable.
+    """
+    target = os.fspath(path)
+    try:
+        with zipfile.ZipFile(target) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CorruptCheckpointError(target, f"its zip directory is unreadable ({exc})") from None
+    size = os.path.getsize(target)
+    checked = 0
+    with open(target, "rb") as f:
+        for info in infos:
+            if info.CRC == 0 or info.file_size == 0:
+                continue  # written without checksums (compute_crc32=False), or empty
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CorruptCheckpointError(
+                    target,
+                    f"record {info.filename!r} is compressed; torch.save writes uncompressed "
+                    "records (was the archive re-zipped?)",
+                )
+            try:
+                begin = _local_data_offset(f, info)
+            except ValueError as exc:
+                raise CorruptCheckpointError(target, str(exc)) from None
+            end = begin + info.file_size
+            if end > size:
+                raise CorruptCheckpointError(
+                    target,
+                    f"record {info.filename!r} ends at byte {end}, past the end of the "
+                    f"{size}-byte file (truncated)",
+                )
+            crc = _crc32(f, begin, end)
+            if crc != info.CRC:
+                raise CorruptCheckpointError(
+                    target,
+                    f"record {info.filename!r} ({info.file_size} bytes) fails its CRC-32 check "
+                    f"(stored {info.CRC:08x}, computed {crc:08x}): the file was damaged after it "
+                    "was written; restore it from a copy or resume from another checkpoint",
+                )
+            checked += 1
+    return checked
+
+
+def _is_unsupported_global(exc: BaseException) -> bool:
+    """torch's ``weights_only`` unpickler refusing a type in a *complete* file: a question of
+    trust, not damage (its own message says what to do, as under plain Lightning)."""
+    return isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The exception in one line, without torch's advice to retry with
+    ``weights_only=False`` (unsafe, and no help for a damaged file)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    unpickler = [ln for ln in lines if ln.startswith("WeightsUnpickler error:")]
+    safe = unpickler or [ln for ln in lines if "weights_only" not in ln]
+    return f"{type(exc).__name__}: {safe[0]}" if safe else type(exc).__name__
+
+
+def read_checkpoint(
+    path: str | Path,
+    map_location: Any = None,
+    weights_only: bool = True,
+    mmap: bool = True,
+    verify: bool = True,
+) -> Any:
+    """``torch.load`` a checkpoint file, refusing a damaged one with a clear error.
+
+    Args:
+        path: a local file.
+        map_location / weights_only: as for ``torch.load``.
+        mmap: memory-map a zip-format file (legacy-format files are read normally).
+        verify: check every tensor storage's CRC-32 first (:func:`verify_archive`).
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        CorruptCheckpointError: an empty, truncated, damaged or foreign file.
+        pickle.UnpicklingError: a complete file holding objects ``weights_only`` loading
+            refuses (torch's own error: pass ``weights_only=False`` for a trusted file).
+    """
+    target = os.fspath(path)
+    if not os.path.exists(target):
+        raise FileNotFoundError(f"Checkpoint file not found: {target}")
+    size = os.path.getsize(target)
+    if size == 0:
+        raise CorruptCheckpointError(target, "the file is empty (0 bytes)")
+    with open(target, "rb") as f:
+        head = f.read(len(_LEGACY_MAGIC))
+    is_zip = zipfile.is_zipfile(target)
+    if is_zip and verify:
+        verify_archive(target)
+    if not is_zip:
+        if head.startswith(_ZIP_MAGIC):
+            raise CorruptCheckpointError(
+                target,
+                f"a zip archive without its directory (which ends a complete file): "
+                f"truncated at {size} bytes",
+            )
+        if not head.startswith(_LEGACY_MAGIC):
+            raise CorruptCheckpointError(
+                target,
+                f"neither a torch.save zip archive nor a legacy torch file (it begins with {head[:8]!r})",
+            )
+    try:
+        return torch.load(
+            target, map_location=map_location, weights_only=weights_only, mmap=mmap and is_zip
+        )
+    except (
+        EOFError,
+        IndexError,
+        KeyError,
+        OSError,
+        struct.error,
+        UnicodeDecodeError,
+        zipfile.BadZipFile,
+        pickle.UnpicklingError,
+        RuntimeError,
+    ) as exc:
+        if _is_unsupported_global(exc):
+            raise
+        if isinstance(exc, RuntimeError) and not _is_reader_error(exc):
+            raise  # not the file's fault (map_location names a missing device, ...)
+        raise CorruptCheckpointError(
+            target, f"torch.load could not read it ({_first_line(exc)})"
+        ) from None
+
+
+def _is_reader_error(exc: RuntimeError) -> bool:
+    """Whether a ``RuntimeError`` from ``torch.load`` comes from reading the archive."""
+    text = str(exc)
+    markers = ("PytorchStreamReader", "zip archive", "miniz", "corrupt", "unexpected EOF")
+    return any(k in text for k in markers)
