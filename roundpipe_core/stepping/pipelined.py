@@ -65,10 +65,12 @@ class GradBuffer:
     ``.grad`` (:meth:`MasterWeights.add_many`: the optimizer thread, or the caller
     after a blocking call), not on the worker thread that downloaded it, which
     should go on feeding its GPU. Until the merge the host holds half the bytes.
+    ``convert_on_add=True`` converts on arrival instead (CPU workers, as before).
     """
 
-    def __init__(self, master_of: dict[int, nn.Parameter]) -> None:
+    def __init__(self, master_of: dict[int, nn.Parameter], convert_on_add: bool = False) -> None:
         self._master_of = master_of
+        self._convert_on_add = convert_on_add
         self._lock = threading.Lock()
         self._grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
 
@@ -77,6 +79,8 @@ class GradBuffer:
         master = self._master_of.get(id(param))
         if master is None:
             return
+        if self._convert_on_add and grad.dtype != master.dtype:
+            grad = grad.to(master.dtype)
         with self._lock:
             self._put(master, grad)
 
@@ -105,6 +109,8 @@ class GradBuffer:
             master = master_of.get(id(param))
             if master is None:
                 continue
+            if self._convert_on_add and grad.dtype != master.dtype:
+                grad = grad.to(master.dtype)
             pairs.append((master, grad))
         with self._lock:
             for master, grad in pairs:

@@ -180,6 +180,11 @@ class DevicePool:
         them every job's time adds up and the planner plans for that."""
         return self.is_cuda
 
+    @property
+    def cuda_workers(self) -> int:
+        """Workers that drive a GPU (CUDA workers, also the fake-CUDA test double's)."""
+        return sum(w.kind == "cuda" for w in self.workers)
+
     def optimizer_threads(self) -> int | None:
         """Intra-op threads the optimizer thread should use, or None to leave the default.
 
@@ -189,8 +194,7 @@ class DevicePool:
         worker when the host has more than four cores per worker
         (:func:`optimizer_thread_cap`). CPU pools keep the default: there the step is
         synchronous and the workers wait for it anyway."""
-        gpu_workers = sum(w.kind == "cuda" for w in self.workers)
-        return optimizer_thread_cap(torch.get_num_threads(), gpu_workers)
+        return optimizer_thread_cap(torch.get_num_threads(), self.cuda_workers)
 
     def gpu_models(self) -> list[tuple[str, int]]:
         """``(name, SM count)`` of each distinct GPU the workers use (``[]`` on CPU)."""
