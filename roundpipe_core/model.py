@@ -145,7 +145,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         self.model_run_config = model_run_config
         self.loss_reduction = check_loss_reduction(loss_reduction)
         self.model_timer = ModelTimer(self.layers)
-        self._rule_checker = ForwardRuleChecker(self.layers)
+        self._rule_checker = ForwardRuleChecker(self.layers, self.pool.unreplayed_host_draws)
         self._plan_fits = PlanFitChecker(self.layers)
         self._timer_lock = threading.Lock()
         self._default_plans: dict[tuple[RunType, int], tuple[ModelExecutePlan, bool]] = {}

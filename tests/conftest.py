@@ -44,6 +44,7 @@ from typing import Any
 import pytest
 import torch
 from fake_device_memory import CURRENT, DeviceAllocations, FakeCachingAllocator, host_side
+from fake_gpu_rng import FakeGpuRng
 
 
 def cuda_device_count() -> int:
@@ -519,10 +520,23 @@ def _current_stream(stream: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _counting(compute: Any, allocator: FakeCachingAllocator) -> Any:
-    """A worker's ``compute()`` whose new storages are device allocations."""
-    with compute, DeviceAllocations(allocator):
+def _with_modes(compute: Any, modes: list[Any]) -> Any:
+    """A worker's ``compute()`` under the fake GPU's dispatch modes (its generator, its
+    memory)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(compute)
+        for mode in modes:
+            stack.enter_context(mode)
         yield
+
+
+class _FakeGpuRngSwitch:
+    """Per-fake-GPU generators (``fake_gpu_rng`` fixture), off unless a test turns them on."""
+
+    rng: FakeGpuRng | None = None
+
+
+FAKE_GPU_RNG = _FakeGpuRngSwitch()
 
 
 def _cpu_backed_worker_class() -> type:
@@ -571,10 +585,29 @@ def _cpu_backed_worker_class() -> type:
                 return FAKE_PINNED.alloc(nbytes)
 
         def compute(self) -> Any:
-            allocator = FAKE_DEVICE_MEMORY.allocator
-            if allocator is None:
+            allocator, rng = FAKE_DEVICE_MEMORY.allocator, FAKE_GPU_RNG.rng
+            if allocator is None and rng is None:
                 return super().compute()
-            return _counting(super().compute(), allocator)
+            modes = [] if rng is None else [rng.mode(self.gpu_index)]
+            if allocator is not None:
+                modes.append(DeviceAllocations(allocator))
+            return _with_modes(super().compute(), modes)
+
+        @property
+        def draws_from_host_generator(self) -> bool:  # type: ignore[override]
+            # model code draws from the CPU generator unless per-GPU generators are on
+            return FAKE_GPU_RNG.rng is None
+
+        def get_rng_state(self) -> Any:
+            rng = FAKE_GPU_RNG.rng
+            return super().get_rng_state() if rng is None else rng.get_state(self.gpu_index)
+
+        def set_rng_state(self, state: Any) -> None:
+            rng = FAKE_GPU_RNG.rng
+            if rng is None:
+                super().set_rng_state(state)
+            else:
+                rng.set_state(self.gpu_index, state)
 
         def _copy_on(
             self,
@@ -664,6 +697,23 @@ def fake_device_memory(fake_cuda: type) -> Any:
 
     yield start
     FAKE_DEVICE_MEMORY.allocator = None
+
+
+@pytest.fixture
+def fake_gpu_rng(fake_cuda: type, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``fake_gpu_rng(sm_counts)`` -> a ``FakeGpuRng``: ``len(sm_counts)`` fake GPUs, each
+    with its own generator (seeded from its index) whose draws depend on its SM count;
+    ``torch.cuda.get_device_properties(i)`` reports ``sm_counts[i]``."""
+
+    def start(sm_counts: list[int]) -> FakeGpuRng:
+        rng = FakeGpuRng(sm_counts)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(sm_counts))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", rng.props)
+        FAKE_GPU_RNG.rng = rng
+        return rng
+
+    yield start
+    FAKE_GPU_RNG.rng = None
 
 
 @pytest.fixture

@@ -77,6 +77,9 @@ class Worker(ABC):
     """
 
     kind = "abstract"
+    #: Whether model code on this worker draws from the host's (CPU) generator, so that
+    #: replaying the worker's generator state replays a layer's CPU draws too.
+    draws_from_host_generator = True
     #: ``time_point()`` returns seconds of one host clock, so ``elapsed_ms(a, b)`` is
     #: ``(b - a) * 1000`` and the runtime may compute it without a call per mark.
     time_points_are_seconds = False

@@ -156,6 +156,7 @@ class CUDAWorker(Worker):
     """
 
     kind = "cuda"
+    draws_from_host_generator = False  # the GPU's generator; CPU draws are not replayed
 
     def __init__(
         self,

@@ -185,6 +185,12 @@ class DevicePool:
         """Workers that drive a GPU (CUDA workers, also the fake-CUDA test double's)."""
         return sum(w.kind == "cuda" for w in self.workers)
 
+    @property
+    def unreplayed_host_draws(self) -> bool:
+        """Whether a worker's recompute would not replay CPU random draws of a layer: a
+        CUDA worker's replayed state is its GPU's generator, not the host's."""
+        return any(not w.draws_from_host_generator for w in self.workers)
+
     def optimizer_threads(self) -> int | None:
         """Intra-op threads the optimizer thread should use, or None to leave the default.
 
