@@ -176,7 +176,9 @@ class RoundPipeBase(nn.Module):
         self._idle = IdleSteps(self.name)
         object.__setattr__(self, "_master_owner", master_owner)
         # the optimizer side (thread, weight versions, overlapped iterations): one owner
-        self._steps = StepOwner(self.name, layers, self.masters)
+        self._steps = StepOwner(
+            self.name, layers, self.masters, intra_op_threads=self.pool.optimizer_threads()
+        )
         self._call_lock = threading.RLock()  # issues one call at a time
         self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         # optimizer steps for last_trace(); a few are enough to cover the last call

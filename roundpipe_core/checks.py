@@ -194,21 +194,48 @@ class ForwardRuleChecker:
         out = checker.run(i, replica_module, lambda: replica_module(x))
     """
 
-    def __init__(self, layers: Sequence[nn.Module], error: bool = False) -> None:
+    def __init__(
+        self, layers: Sequence[nn.Module], watch_host_rng: bool = False, error: bool = False
+    ) -> None:
         self.shared = find_shared_buffers(layers)
+        self.watch_host_rng = watch_host_rng
         self.error = error
         self._done: set[int] = set()
         self._lock = threading.Lock()
 
     def run(self, layer_index: int, module: nn.Module, run: Callable[[], Any]) -> Any:
-        """``run()``, watched for violations the first time ``layer_index`` runs."""
+        """``run()``, watched for violations the first time ``layer_index`` runs; with
+        ``watch_host_rng`` (a pool whose recompute does not replay CPU draws: GPUs) also
+        for draws from the host's random generator (:func:`warn_host_random_draws`)."""
         with self._lock:
             first = layer_index not in self._done
             self._done.add(layer_index)
         if not first:
             return run()
         shared = self.shared[layer_index] if layer_index < len(self.shared) else set()
-        return check_forward_rules(layer_index, module, run, shared, self.error)
+        if not self.watch_host_rng:
+            return check_forward_rules(layer_index, module, run, shared, self.error)
+        before = torch.default_generator.get_state()
+        out = check_forward_rules(layer_index, module, run, shared, self.error)
+        if not torch.equal(before, torch.default_generator.get_state()):
+            warn_host_random_draws(layer_index, module)
+        return out
+
+
+def warn_host_random_draws(layer_index: int, module: nn.Module) -> None:
+    """Say that a layer drew from the CPU generator in its forward on a GPU worker: the
+    recompute before its backward replays the GPU's generator only, so a mask or noise
+    drawn on the CPU differs between the forward and the gradients' computation.
+    (Another thread drawing CPU numbers at the same moment is reported the same way.)"""
+    warnings.warn(
+        f"layer {layer_index} ({type(module).__name__}) drew from the CPU random generator "
+        "in its forward on a GPU worker; RoundPipe's recompute replays only the GPU's "
+        "generator, so its backward sees other random numbers than its forward. Draw on "
+        "the layer's device (torch.rand(..., device=x.device)), or use "
+        "save_for_recompute() to keep what the forward drew",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:

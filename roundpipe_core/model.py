@@ -144,7 +144,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         self.model_run_config = model_run_config
         self.loss_reduction = check_loss_reduction(loss_reduction)
         self.model_timer = ModelTimer(self.layers)
-        self._rule_checker = ForwardRuleChecker(self.layers)
+        self._rule_checker = ForwardRuleChecker(self.layers, self.pool.unreplayed_host_draws)
         self._plan_fits = PlanFitChecker(self.layers)
         self._timer_lock = threading.Lock()
         self._default_plans: dict[tuple[RunType, int], tuple[ModelExecutePlan, bool]] = {}
@@ -330,7 +330,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         raise RuntimeError("an inference run produced a parameter gradient")
 
     def _train_ops(self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan) -> PipelineOps:
-        buffer = GradBuffer(self._home().masters.master_of)
+        buffer = GradBuffer(self._home().masters.master_of, self.pool.cuda_workers == 0)
 
         def new_run(needs: list[bool], grads_done: Callable[[Job], None] | None) -> PipelineRun:
             return self._new_run(
@@ -471,7 +471,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             labels = self._split_label(cfg, label, split)
             jobs = build_schedule(plan, RunType.FUSED, self.num_devices, len(mbs))
             # gradients wait in the call's buffer: a call that fails leaves .grad as it was
-            buffer = GradBuffer(self._home().masters.master_of)
+            buffer = GradBuffer(self._home().masters.master_of, self.pool.cuda_workers == 0)
             # uploads wait per layer for a step's weights still being copied; a failed
             # copy or step that stopped them is raised as the cause
             with self._steps.blocking_call([j.layers for j in jobs]) as gate:
@@ -567,7 +567,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             plan, RunType.FUSED, self.num_devices, len(split.parts), start_device=call.start_device
         )
         reader = call.reserve([j.layers for j in jobs], self.num_devices)
-        buffer = GradBuffer(self.masters.master_of)
+        buffer = GradBuffer(self.masters.master_of, self.pool.cuda_workers == 0)
         timer = DeferredTimer()
         # which masters are complete as the backward goes: a layer-wise step uses it
         completion = call.completion(

@@ -32,6 +32,7 @@ channel (parameter upload, activation upload, download) gives wrong numbers.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ from typing import Any
 
 import pytest
 import torch
+from fake_device_memory import CURRENT, DeviceAllocations, FakeCachingAllocator, host_side
+from fake_gpu_rng import FakeGpuRng
 
 
 def cuda_device_count() -> int:
@@ -488,6 +491,54 @@ class _FakeEvent:
         return (end.t - self.t) * 1000.0
 
 
+class _FakeDeviceMemory:
+    """The fake GPU's memory: 16 GiB with 8 free and nothing counted, unless a test turns
+    on a ``FakeCachingAllocator`` (the ``fake_device_memory`` fixture)."""
+
+    allocator: FakeCachingAllocator | None = None
+
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]:
+        if self.allocator is None:
+            return 8 << 30, 16 << 30
+        return self.allocator.capacity - self.allocator.reserved, self.allocator.capacity
+
+    def memory_reserved(self, device: Any = None) -> int:
+        return 0 if self.allocator is None else self.allocator.reserved
+
+
+FAKE_DEVICE_MEMORY = _FakeDeviceMemory()
+
+
+@contextlib.contextmanager
+def _current_stream(stream: Any) -> Any:
+    """``torch.cuda.stream(s)``: allocations inside are made on ``s``."""
+    before, CURRENT.stream = CURRENT.stream, stream
+    try:
+        yield
+    finally:
+        CURRENT.stream = before
+
+
+@contextlib.contextmanager
+def _with_modes(compute: Any, modes: list[Any]) -> Any:
+    """A worker's ``compute()`` under the fake GPU's dispatch modes (its generator, its
+    memory)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(compute)
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
+
+
+class _FakeGpuRngSwitch:
+    """Per-fake-GPU generators (``fake_gpu_rng`` fixture), off unless a test turns them on."""
+
+    rng: FakeGpuRng | None = None
+
+
+FAKE_GPU_RNG = _FakeGpuRngSwitch()
+
+
 def _cpu_backed_worker_class() -> type:
     from roundpipe_core.running.devices.cuda import CUDAWorker
 
@@ -500,11 +551,15 @@ def _cpu_backed_worker_class() -> type:
         units and most downloads through several staged pieces; the staging buffer
         comes from ``FAKE_PINNED`` (power-of-two blocks, a cap)."""
 
+        #: the tiny sizes below; a test of large tensors raises them (class attributes)
+        fake_param_chunk_bytes = 96
+        fake_download_staging_bytes = 512
+
         def __init__(self, index: int, device: torch.device, **kwargs: Any) -> None:
             kwargs = {
-                "param_chunk_bytes": 96,
+                "param_chunk_bytes": self.fake_param_chunk_bytes,
                 "param_inflight_chunks": 2,
-                "download_staging_bytes": 512,
+                "download_staging_bytes": self.fake_download_staging_bytes,
                 **kwargs,
             }
             super().__init__(index, device, **kwargs)
@@ -514,13 +569,45 @@ def _cpu_backed_worker_class() -> type:
             self.device = torch.device("cpu")
 
         def _new_device_tensor(self, like: torch.Tensor) -> torch.Tensor:
-            return _poisoned(like)
+            with host_side():  # counted below, on the stream current here
+                out = _poisoned(like)
+            allocator = FAKE_DEVICE_MEMORY.allocator
+            if allocator is not None:
+                allocator.track(out.untyped_storage(), CURRENT.stream)
+            return out
 
         def _new_host_tensor(self, like: torch.Tensor) -> torch.Tensor:
-            return _poisoned(like)
+            with host_side():
+                return _poisoned(like)
 
         def _new_pinned_buffer(self, nbytes: int) -> torch.Tensor:
-            return FAKE_PINNED.alloc(nbytes)
+            with host_side():
+                return FAKE_PINNED.alloc(nbytes)
+
+        def compute(self) -> Any:
+            allocator, rng = FAKE_DEVICE_MEMORY.allocator, FAKE_GPU_RNG.rng
+            if allocator is None and rng is None:
+                return super().compute()
+            modes = [] if rng is None else [rng.mode(self.gpu_index)]
+            if allocator is not None:
+                modes.append(DeviceAllocations(allocator))
+            return _with_modes(super().compute(), modes)
+
+        @property
+        def draws_from_host_generator(self) -> bool:  # type: ignore[override]
+            # model code draws from the CPU generator unless per-GPU generators are on
+            return FAKE_GPU_RNG.rng is None
+
+        def get_rng_state(self) -> Any:
+            rng = FAKE_GPU_RNG.rng
+            return super().get_rng_state() if rng is None else rng.get_state(self.gpu_index)
+
+        def set_rng_state(self, state: Any) -> None:
+            rng = FAKE_GPU_RNG.rng
+            if rng is None:
+                super().set_rng_state(state)
+            else:
+                rng.set_state(self.gpu_index, state)
 
         def _copy_on(
             self,
@@ -528,13 +615,18 @@ def _cpu_backed_worker_class() -> type:
             pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
             non_blocking: bool,
         ) -> None:
-            pairs = list(pairs)
+            with host_side():  # the snapshots are the fake's, not device memory
+                self._enqueue_copies(stream, list(pairs))
+
+        def _enqueue_copies(
+            self, stream: _FakeStream, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+        ) -> None:
             # A GPU reads the host source when the DMA runs, not at issue: a source that
             # changes in between (a buffer written back, weights published) is a race.
             snapshots = [src.clone() for _, src in pairs]
 
             def copy() -> None:
-                with torch.no_grad():
+                with torch.no_grad(), host_side():  # the fake's checks allocate, not the GPU
                     for (dst, src), snap in zip(pairs, snapshots):
                         if not _same_bits(src, snap):
                             FAKE_SOURCE_RACES.append(
@@ -566,15 +658,15 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type:
     monkeypatch.setattr(c, "device_count", lambda: 1)
     monkeypatch.setattr(c, "Stream", _FakeStream)
     monkeypatch.setattr(c, "Event", _FakeEvent)
-    monkeypatch.setattr(c, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(c, "stream", _current_stream)
     monkeypatch.setattr(c, "device", lambda d: nullcontext())
     monkeypatch.setattr(c, "set_device", lambda d: None)
-    monkeypatch.setattr(c, "set_stream", lambda s: None)
+    monkeypatch.setattr(c, "set_stream", lambda s: setattr(CURRENT, "stream", s))
     monkeypatch.setattr(c, "synchronize", _fake_synchronize)
     monkeypatch.setattr(c, "get_rng_state", lambda d=None: torch.get_rng_state())
     monkeypatch.setattr(c, "set_rng_state", lambda s, d=None: torch.set_rng_state(s))
-    monkeypatch.setattr(c, "mem_get_info", lambda d=None: (8 << 30, 16 << 30))
-    monkeypatch.setattr(c, "memory_reserved", lambda d=None: 0)
+    monkeypatch.setattr(c, "mem_get_info", FAKE_DEVICE_MEMORY.mem_get_info)
+    monkeypatch.setattr(c, "memory_reserved", FAKE_DEVICE_MEMORY.memory_reserved)
     monkeypatch.setattr(cuda_mod, "CUDAWorker", CPUBackedCUDAWorker)
     # pin_model: "alloc" still packs the weights into slabs (of ordinary memory);
     # "register" registers with a fake runtime that refuses to unregister memory a
@@ -590,6 +682,38 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type:
 
 
 _FAKE_CUDART = _FakeCudart()
+
+
+@pytest.fixture
+def fake_device_memory(fake_cuda: type) -> Any:
+    """``fake_device_memory(capacity_bytes)`` -> a ``FakeCachingAllocator`` that the fake GPU
+    allocates from until the test ends: uploads and every new storage inside a worker's
+    ``compute()``, per stream, ``torch.OutOfMemoryError`` past the capacity, which
+    ``torch.cuda.mem_get_info`` then reports as the device's total memory."""
+
+    def start(capacity: int, expandable: bool | None = None) -> FakeCachingAllocator:
+        FAKE_DEVICE_MEMORY.allocator = FakeCachingAllocator(capacity, expandable)
+        return FAKE_DEVICE_MEMORY.allocator
+
+    yield start
+    FAKE_DEVICE_MEMORY.allocator = None
+
+
+@pytest.fixture
+def fake_gpu_rng(fake_cuda: type, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``fake_gpu_rng(sm_counts)`` -> a ``FakeGpuRng``: ``len(sm_counts)`` fake GPUs, each
+    with its own generator (seeded from its index) whose draws depend on its SM count;
+    ``torch.cuda.get_device_properties(i)`` reports ``sm_counts[i]``."""
+
+    def start(sm_counts: list[int]) -> FakeGpuRng:
+        rng = FakeGpuRng(sm_counts)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(sm_counts))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", rng.props)
+        FAKE_GPU_RNG.rng = rng
+        return rng
+
+    yield start
+    FAKE_GPU_RNG.rng = None
 
 
 @pytest.fixture

@@ -401,7 +401,10 @@ def check_plan_fits(
 
     A device holds the running stage and the next stage's prefetched parameters;
     the check asks that the running stage plus the largest other stage's
-    parameters fit (round-robin may put any stage next).
+    parameters fit (round-robin may put any stage next). A backward or fused
+    stage also holds, from its second microbatch on, a fresh gradient while it is
+    added to the accumulated one: the largest layer's gradient bytes are counted
+    once more (the fake-CUDA caching allocator measured that transient).
 
     Raises:
         ValueError: naming the stage, its layers and the bytes it needs.
@@ -409,15 +412,22 @@ def check_plan_fits(
     if not capacity_bytes > 0:
         raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
     stages = stage_memory(plan, profile, run_type)
+    grads = profile.grad_bytes if profile.grad_bytes is not None else profile.param_bytes
     for s in stages:
         others = [o.param_bytes for o in stages if o is not s]
         prefetch = max(others, default=0.0)
-        need = s.total_bytes + prefetch
+        accumulating = (
+            max((float(grads[j]) for j in s.layers), default=0.0)
+            if grads is not None and s.kind != JobKind.FORWARD
+            else 0.0
+        )
+        need = s.total_bytes + accumulating + prefetch
         if need > capacity_bytes:
             raise ValueError(
                 f"{s.kind} stage {s.stage} (layers {s.layers.start}..{s.layers.stop - 1}) needs "
                 f"{format_bytes(need)} on its device (parameters {format_bytes(s.param_bytes)}, "
-                f"gradients {format_bytes(s.grad_bytes)}, activations of one microbatch "
+                f"gradients {format_bytes(s.grad_bytes)} and one being accumulated "
+                f"{format_bytes(accumulating)}, activations of one microbatch "
                 f"{format_bytes(s.act_bytes)}, next stage's prefetched parameters "
                 f"{format_bytes(prefetch)}) but the device has {format_bytes(capacity_bytes)}; "
                 "split the stage, use fewer tokens per microbatch (more microbatches), or "

@@ -105,8 +105,11 @@ class MasterWeights:
         """Add ``(master, grad)`` pairs (a pipelined run's buffered gradients).
 
         A master without ``.grad`` takes ``grad`` itself (no copy, no zero-fill: the
-        buffer's tensor is the caller's to give away); the others are accumulated with
-        one ``torch._foreach_add_`` per dtype and device instead of a Python loop.
+        buffer's tensor is the caller's to give away), converted to the master's dtype
+        if it is another (a bf16 gradient of fp32 masters: converted here, on the thread
+        that merges, not on the worker that downloaded it); the others are accumulated
+        with one ``torch._foreach_add_`` per dtype and device instead of a Python loop
+        (a gradient of another dtype is added in one mixed-dtype ``add_``, no copy).
         """
         acc: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
         batched: set[int] = set()
@@ -121,7 +124,7 @@ class MasterWeights:
             for master, g in items:
                 have = master.grad
                 if have is None:
-                    master.grad = g
+                    master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
                     continue
                 if id(master) in batched:
                     flush()  # the same master again: its earlier addition first, as a loop would

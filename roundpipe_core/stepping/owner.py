@@ -109,11 +109,18 @@ class StepOwner:
         name: the RoundPipe's name (thread names, messages).
         layers: the model's layers.
         masters: the master copies the optimizer updates.
+        intra_op_threads: the optimizer thread's intra-op threads (None: the default).
     """
 
-    def __init__(self, name: str, layers: list[nn.Module], masters: MasterWeights) -> None:
+    def __init__(
+        self,
+        name: str,
+        layers: list[nn.Module],
+        masters: MasterWeights,
+        intra_op_threads: int | None = None,
+    ) -> None:
         self.masters = masters
-        self._stepper = Stepper(name)
+        self._stepper = Stepper(name, intra_op_threads)
         self._runs = PipelinedRuns(layers, masters, self._stepper)
 
     # -- steps --------------------------------------------------------------------------

@@ -58,10 +58,19 @@ __all__ = [
 
 
 class GradBuffer:
-    """One pipelined run's gradients, summed per master until they may enter ``.grad``."""
+    """One pipelined run's gradients, summed per master until they may enter ``.grad``.
 
-    def __init__(self, master_of: dict[int, nn.Parameter]) -> None:
+    A gradient is kept in the dtype it was downloaded in (bf16 from a bf16 model):
+    the conversion to the master's dtype happens where the buffer is merged into
+    ``.grad`` (:meth:`MasterWeights.add_many`: the optimizer thread, or the caller
+    after a blocking call), not on the worker thread that downloaded it, which
+    should go on feeding its GPU. Until the merge the host holds half the bytes.
+    ``convert_on_add=True`` converts on arrival instead (CPU workers, as before).
+    """
+
+    def __init__(self, master_of: dict[int, nn.Parameter], convert_on_add: bool = False) -> None:
         self._master_of = master_of
+        self._convert_on_add = convert_on_add
         self._lock = threading.Lock()
         self._grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
 
@@ -70,14 +79,21 @@ class GradBuffer:
         master = self._master_of.get(id(param))
         if master is None:
             return
-        if grad.dtype != master.dtype:
+        if self._convert_on_add and grad.dtype != master.dtype:
             grad = grad.to(master.dtype)
         with self._lock:
-            hit = self._grads.get(id(master))
-            if hit is None:
-                self._grads[id(master)] = (master, grad)
-            else:
-                hit[1].add_(grad)
+            self._put(master, grad)
+
+    def _put(self, master: nn.Parameter, grad: torch.Tensor) -> None:
+        """Keep ``grad`` for ``master``; the lock is held. A second gradient of the same
+        master (a parameter shared by two stages) is summed in the master's dtype."""
+        hit = self._grads.get(id(master))
+        if hit is None:
+            self._grads[id(master)] = (master, grad)
+        elif hit[1].dtype == master.dtype:
+            hit[1].add_(grad)
+        else:
+            self._grads[id(master)] = (master, hit[1].to(master.dtype).add_(grad))
 
     def add_many(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
         """:meth:`add` for the gradients of one job at once (one lock acquisition; the
@@ -93,17 +109,12 @@ class GradBuffer:
             master = master_of.get(id(param))
             if master is None:
                 continue
-            if grad.dtype != master.dtype:
+            if self._convert_on_add and grad.dtype != master.dtype:
                 grad = grad.to(master.dtype)
             pairs.append((master, grad))
         with self._lock:
-            table = self._grads
             for master, grad in pairs:
-                hit = table.get(id(master))
-                if hit is None:
-                    table[id(master)] = (master, grad)
-                else:
-                    hit[1].add_(grad)
+                self._put(master, grad)
 
     _plain_add = add  # the add that add_many stands for
 

@@ -41,6 +41,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 __all__ = ["ClosedError", "OptimizerThread", "Stepper"]
 
 _Item = tuple[Future, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -50,9 +52,12 @@ class ClosedError(RuntimeError):
     """Work was given to a RoundPipe after ``close()``."""
 
 
-def _serve(work: queue.SimpleQueue[_Item | None]) -> None:
+def _serve(work: queue.SimpleQueue[_Item | None], intra_op_threads: int | None = None) -> None:
     # A plain function over the queue only: the thread references nothing else, so
     # it keeps no RoundPipe alive between items.
+    if intra_op_threads is not None:
+        # before the first step: the steps' CPU kernels leave cores to the GPU workers
+        torch.set_num_threads(intra_op_threads)
     while True:
         item = work.get()
         if item is None:
@@ -129,13 +134,18 @@ atexit.register(_finish_at_exit)
 
 
 class OptimizerThread:
-    """One daemon thread running submitted callables in order, each into a ``Future``."""
+    """One daemon thread running submitted callables in order, each into a ``Future``.
 
-    def __init__(self, name: str) -> None:
+    ``intra_op_threads``: ``torch.set_num_threads`` for the thread's work (None: the
+    default); the pool decides (``DevicePool.optimizer_threads``)."""
+
+    def __init__(self, name: str, intra_op_threads: int | None = None) -> None:
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=_serve, args=(self._queue,), name=name, daemon=True)
+        self._thread = threading.Thread(
+            target=_serve, args=(self._queue, intra_op_threads), name=name, daemon=True
+        )
         self._thread.start()
         _LIVE_OPTIMIZERS.add(self)
         _RUNNING_THREADS.add(self._thread)
@@ -177,11 +187,12 @@ class Stepper:
 
     Args:
         name: the RoundPipe's name (names the thread).
+        intra_op_threads: intra-op threads of the optimizer thread (None: the default).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, intra_op_threads: int | None = None) -> None:
         self.name = name
-        self._thread = OptimizerThread(f"roundpipe-optim-{name}")
+        self._thread = OptimizerThread(f"roundpipe-optim-{name}", intra_op_threads)
         self._lock = threading.Lock()
         self._pending: Future | None = None  # the last step queued
         self._pending_guarded = False  # whether its error goes to the failure state

@@ -156,12 +156,19 @@ def test_memory_capacity_is_free_plus_reserved_shared_by_workers_of_one_gpu(
     gib = 1024**3
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (10 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 6 * gib)
+    # less what the caching allocator may reserve above allocations on the worker's streams
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    reserve = memory.allocator_reserve_bytes()
+    assert reserve == 4 * 4 * 1024**2  # 4 streams x (a small-pool segment + a page)
     first = make_worker()
-    assert first.memory_capacity() == 16 * gib
+    assert first.memory_capacity() == 16 * gib - reserve
     second = make_worker()  # a second worker on the same GPU
-    assert first.memory_capacity() == second.memory_capacity() == 8 * gib
+    assert first.memory_capacity() == second.memory_capacity() == 8 * gib - reserve
     second.close()
-    assert first.memory_capacity() == 16 * gib
+    assert first.memory_capacity() == 16 * gib - reserve
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # no expandable
+    assert memory.allocator_reserve_bytes() == 4 * 22 * 1024**2
+    assert first.memory_capacity() == 16 * gib - 4 * 22 * 1024**2
 
     class Props:
         total_memory = 24 * gib
@@ -171,7 +178,7 @@ def test_memory_capacity_is_free_plus_reserved_shared_by_workers_of_one_gpu(
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", refuse)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: Props())
-    assert first.memory_capacity() == 24 * gib
+    assert first.memory_capacity() == 24 * gib - memory.allocator_reserve_bytes()
 
 
 def test_a_cuda_worker_whose_thread_cannot_select_its_gpu_fails_the_pool(

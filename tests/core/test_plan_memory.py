@@ -144,10 +144,12 @@ def test_check_plan_fits_names_the_stage_and_the_bytes():
     prof = _profile(3 * (1 << 20))
     plan = ModelExecutePlan.from_layout(fwd="2", bwd="2,2", run_type="fused")
     check_plan_fits(plan, prof, "fused", capacity_bytes=64 * (1 << 20))
-    with pytest.raises(ValueError, match=r"fused stage 0 \(layers 2\.\.3\) needs 12 MiB") as err:
-        check_plan_fits(plan, prof, "fused", capacity_bytes=11 * (1 << 20))
+    # 2 x (1 + 1 + 3) MiB, a layer's gradient being accumulated, the prefetch of 2 layers
+    with pytest.raises(ValueError, match=r"fused stage 0 \(layers 2\.\.3\) needs 13 MiB") as err:
+        check_plan_fits(plan, prof, "fused", capacity_bytes=12 * (1 << 20))
     assert "activations of one microbatch 6 MiB" in str(err.value)
-    assert "the device has 11 MiB" in str(err.value)
+    assert "one being accumulated 1 MiB" in str(err.value)
+    assert "the device has 12 MiB" in str(err.value)
     with pytest.raises(ValueError, match="capacity_bytes must be > 0"):
         check_plan_fits(plan, prof, "fused", capacity_bytes=0)
 

@@ -80,6 +80,9 @@ class Worker(ABC):
     #: The device's memory is the host's: ``lend_in`` hands a stage the host tensors
     #: it only reads, without a copy.
     memory_is_host = False
+    #: Whether model code on this worker draws from the host's (CPU) generator, so that
+    #: replaying the worker's generator state replays a layer's CPU draws too.
+    draws_from_host_generator = True
     #: ``time_point()`` returns seconds of one host clock, so ``elapsed_ms(a, b)`` is
     #: ``(b - a) * 1000`` and the runtime may compute it without a call per mark.
     time_points_are_seconds = False

@@ -53,7 +53,7 @@ import torch
 from .base import Worker
 from .downloads import DownloadStager
 from .feeder import ChunkFeeder, Piece, plan_chunks
-from .memory import cuda_available
+from .memory import allocator_reserve_bytes, cuda_available
 
 __all__ = [
     "ChunkFeeder",
@@ -156,6 +156,7 @@ class CUDAWorker(Worker):
     """
 
     kind = "cuda"
+    draws_from_host_generator = False  # the GPU's generator; CPU draws are not replayed
 
     def __init__(
         self,
@@ -495,7 +496,9 @@ class CUDAWorker(Worker):
     def memory_capacity(self) -> int:
         """Bytes this worker may plan for: what its GPU has free plus what this process
         already reserved there (PyTorch's cache counts as ours), shared evenly by the
-        workers of this process on that GPU, so that each does not plan for the whole card."""
+        workers of this process on that GPU, so that each does not plan for the whole card,
+        less what the caching allocator reserves above the bytes a plan allocates on this
+        worker's streams (``memory.allocator_reserve_bytes``)."""
         try:
             free, _ = torch.cuda.mem_get_info(self.device)
             available = int(free) + int(torch.cuda.memory_reserved(self.device))
@@ -503,7 +506,7 @@ class CUDAWorker(Worker):
             available = int(torch.cuda.get_device_properties(self.device).total_memory)
         with _REGISTRY_LOCK:
             sharing = max(_DEVICE_USERS[self.gpu_index], 1)
-        return available // sharing
+        return max(available // sharing - allocator_reserve_bytes(), 1)
 
     def synchronize(self) -> None:
         if self._feeder is not None:

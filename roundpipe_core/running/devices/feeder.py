@@ -185,6 +185,10 @@ class ChunkFeeder:
                     token = unit()
                     inflight.append(token)
                     self.max_inflight_seen = max(self.max_inflight_seen, len(inflight))
+                # The units hold views of the stage's device tensors: let them go now, not
+                # when the next batch arrives, or the last stage uploaded stays allocated
+                # on the GPU after the runtime released it.
+                units = unit = None  # type: ignore[assignment]
                 with self._cv:
                     self._tokens[ticket] = token
                     self._issued = ticket

@@ -104,6 +104,28 @@ def default_allocator_settings() -> bool:
     return True
 
 
+#: Streams a CUDA worker allocates on (parameter and activation uploads, compute, downloads).
+WORKER_STREAMS = 4
+_MiB = 1024**2
+
+
+def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
+    """Bytes one worker's caching allocator may reserve on top of what it allocates.
+
+    The allocator keeps a pool per stream: each stream that allocates tensors of at
+    most 1 MiB holds a 2 MiB small-pool segment of its own, and a large request is
+    served from a segment of that stream only -- with expandable segments a stream's
+    segment maps 2 MiB pages (at most one page beyond its live bytes), without them a
+    request under 10 MiB takes a 20 MiB segment. Planning counts allocated bytes, so a
+    worker plans for its memory less this, per stream: 4 MiB with expandable segments
+    (the pool's default), 22 MiB without.
+    """
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
+    per_stream = (2 + 2) * _MiB if expandable else (2 + 20) * _MiB
+    return streams * per_stream
+
+
 def check_pin_mode(mode: str) -> str:
     """Validate a ``pin_model`` value and return it.
 

@@ -16,7 +16,13 @@ import torch
 from .base import Worker
 from .cpu import CPUWorker
 
-__all__ = ["DEFAULT_CPU_DEVICES", "DevicePool", "PoolError", "resolve_devices"]
+__all__ = [
+    "DEFAULT_CPU_DEVICES",
+    "DevicePool",
+    "PoolError",
+    "optimizer_thread_cap",
+    "resolve_devices",
+]
 
 DEFAULT_CPU_DEVICES = 2
 #: Seconds a new pool waits for each worker thread to set itself up (CUDA context creation).
@@ -118,6 +124,14 @@ class PoolError(RuntimeError):
     """Raised in a job that stopped because another job of the same run failed."""
 
 
+def optimizer_thread_cap(cores: int, gpu_workers: int) -> int | None:
+    """``cores - gpu_workers`` when ``cores > 4 * gpu_workers``, else None (too few cores
+    to give any away: the step keeps them all)."""
+    if gpu_workers < 1 or cores <= 4 * gpu_workers:
+        return None
+    return cores - gpu_workers
+
+
 class DevicePool:
     """The workers of this process, one thread each."""
 
@@ -165,6 +179,28 @@ class DevicePool:
         one at a time (they share the process's cores under one compute lock), so on
         them every job's time adds up and the planner plans for that."""
         return self.is_cuda
+
+    @property
+    def cuda_workers(self) -> int:
+        """Workers that drive a GPU (CUDA workers, also the fake-CUDA test double's)."""
+        return sum(w.kind == "cuda" for w in self.workers)
+
+    @property
+    def unreplayed_host_draws(self) -> bool:
+        """Whether a worker's recompute would not replay CPU random draws of a layer: a
+        CUDA worker's replayed state is its GPU's generator, not the host's."""
+        return any(not w.draws_from_host_generator for w in self.workers)
+
+    def optimizer_threads(self) -> int | None:
+        """Intra-op threads the optimizer thread should use, or None to leave the default.
+
+        On a CUDA pool every worker is a controller thread with a parameter feeder that
+        needs a core to keep its GPU fed; an optimizer step using every core starves
+        them. As the published package does, the step keeps one core free per CUDA
+        worker when the host has more than four cores per worker
+        (:func:`optimizer_thread_cap`). CPU pools keep the default: there the step is
+        synchronous and the workers wait for it anyway."""
+        return optimizer_thread_cap(torch.get_num_threads(), self.cuda_workers)
 
     def gpu_models(self) -> list[tuple[str, int]]:
         """``(name, SM count)`` of each distinct GPU the workers use (``[]`` on CPU)."""
