@@ -203,6 +203,7 @@ def test_auto_reads_activation_bytes_a_model_records():
         rp.close()
 
 
+@pytest.mark.cpu_backend  # about CPU workers themselves: under fake CUDA they stay CPU workers
 def test_lent_parameters_cost_a_cpu_stage_nothing():
     """CPU workers with shared masters compute on the host's parameters (no copy, nothing
     to prefetch): the planner counts only gradients and activations per stage, under the
