@@ -46,6 +46,7 @@ from roundpipe_core import distributed as D
 
 from ._private import optimizer_view, replace_zero_grad, restore_zero_grad
 from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section
+from .sharded_checkpoint import load_optimizer_state
 
 __all__ = ["FabricRun", "CALLS"]
 
@@ -201,6 +202,38 @@ class FabricRun:
         is sharded over several nodes, else None."""
         raw = self.owns(optimizer)
         return self.dp.shard(raw) if raw is not None else None
+
+    def clip_sharded(
+        self, optimizer: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> Tensor:
+        """Clip a sharded ``optimizer``'s (reduced) gradients by the norm over every
+        node's share (collective). Returns the total norm."""
+        shard = self.sharding(optimizer)
+        assert shard is not None
+        norm = shard.clip_grad_norm_(float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients is non-finite, so "
+                "it cannot be clipped (the gradients were scaled by it on every node)"
+            )
+        return norm
+
+    def save_shard(self, directory: Any, optimizer: Any) -> None:
+        """Sharded: write this node's share of ``optimizer``'s state (and its masters)
+        into ``directory``. Unsharded: nothing (the state is in the checkpoint file)."""
+        raw, shard = self.owns(optimizer), self.sharding(optimizer)
+        if raw is not None and shard is not None:
+            D.save_shard(
+                directory, self.named_masters(), raw, shard.owns, shard.rank, shard.world_size
+            )
+
+    def load_optimizer(self, directory: Any, optimizer: Any, state: Any) -> None:
+        """Restore ``optimizer`` from the checkpoint's ``state``: a state dict, or the
+        marker of shards in ``directory`` (any node count); sharded, this node keeps
+        what it owns now."""
+        load_optimizer_state(
+            directory, self.owns(optimizer), state, self.sharding(optimizer), self.named_masters()
+        )
 
     def zero_grad(self, real: Callable[..., None], set_to_none: bool = True) -> None:
         """Clear the master gradients no queued step will clear (see the module docstring)."""

@@ -67,7 +67,7 @@ from ._setup import (
 )
 from ._step import QueuedStep
 from .checkpoint_io import CHECKPOINT_KEY, StreamingCheckpointIO
-from .sharded_checkpoint import fabric_shards_dir, load_optimizer_state, marker
+from .sharded_checkpoint import fabric_shards_dir, marker
 
 __all__ = ["RoundPipeFabricStrategy"]
 
@@ -258,8 +258,7 @@ class RoundPipeFabricStrategy(FabricProcesses):
             return
         self._check_processes()
         check_pool_devices(self.compute_devices, _OWNER, "Fabric")
-        # here, not only in setup_environment: Fabric calls that only from fabric.launch()
-        self._connect()
+        self._connect()  # here: Fabric calls setup_environment only from fabric.launch()
         self._checked = True
         if self._async_request is None:
             pool = "GPU" if self.compute_devices[0].type != "cpu" else "CPU-worker"
@@ -435,23 +434,12 @@ class RoundPipeFabricStrategy(FabricProcesses):
     ) -> Tensor:
         # the master gradients of pending iterations enter .grad first
         self._synchronize()
-        shard = self._reduce_for_clipping(optimizer)
-        if shard is None:
-            return super().clip_gradients_norm(
-                module,
-                optimizer,
-                max_norm,
-                norm_type=norm_type,
-                error_if_nonfinite=error_if_nonfinite,
-            )
-        # sharded: each node holds its share of the gradients; the norm is over all shares
-        norm = shard.clip_grad_norm_(float(max_norm), float(norm_type))
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} for gradients is non-finite, so "
-                "it cannot be clipped (the gradients were scaled by it on every node)"
-            )
-        return norm
+        run = self._reduce_for_clipping(optimizer)
+        if run is not None and run.sharding(optimizer) is not None:
+            return run.clip_sharded(optimizer, max_norm, norm_type, error_if_nonfinite)
+        return super().clip_gradients_norm(
+            module, optimizer, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
 
     @override
     def clip_gradients_value(
@@ -461,16 +449,15 @@ class RoundPipeFabricStrategy(FabricProcesses):
         self._reduce_for_clipping(optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
 
-    def _reduce_for_clipping(self, optimizer: Any) -> Any:
+    def _reduce_for_clipping(self, optimizer: Any) -> FabricRun | None:
         """Several nodes: reduce ``optimizer``'s gradients now (clipping reads reduced
-        gradients, as under DDP; ``opt.step()`` then does not reduce again). Returns its
-        :class:`~roundpipe_core.distributed.HostShard` when sharded, else None."""
+        gradients, as under DDP); returns its run (None: not set up here)."""
         run = self._run_of(optimizer)
         raw = run.owns(optimizer) if run is not None else None
         if run is None or raw is None:
             return None
         run.reduce(raw)
-        return run.dp.shard(raw)
+        return run
 
     # -- checkpoints -------------------------------------------------------------------------
     @override
@@ -517,17 +504,8 @@ class RoundPipeFabricStrategy(FabricProcesses):
         checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
         for key, obj in state.items():
             run = self._run_of(obj) if isinstance(obj, Optimizer) else None
-            raw = run.owns(obj) if run is not None else None
-            shard = run.sharding(obj) if run is not None else None
-            if run is not None and raw is not None and shard is not None:
-                D.save_shard(
-                    fabric_shards_dir(path, key),
-                    run.named_masters(),
-                    raw,
-                    shard.owns,
-                    shard.rank,
-                    shard.world_size,
-                )
+            if run is not None:
+                run.save_shard(fabric_shards_dir(path, key), obj)  # (a no-op unsharded)
         sections = {}
         for key, obj in state.items():
             run = self._run_of(obj) if isinstance(obj, nn.Module) else None
@@ -583,13 +561,7 @@ class RoundPipeFabricStrategy(FabricProcesses):
                 if strict:
                     raise KeyError(f"fabric.load(): the checkpoint {path} has no {key!r}")
                 continue
-            load_optimizer_state(
-                fabric_shards_dir(path, key),
-                run.owns(obj),
-                remainder.pop(key),
-                run.sharding(obj),
-                run.named_masters(),
-            )
+            run.load_optimizer(fabric_shards_dir(path, key), obj, remainder.pop(key))
         if isinstance(state, Mapping) and state and CHECKPOINT_KEY not in state:
             sections = remainder.pop(CHECKPOINT_KEY, None) or {}
             for key, obj in state.items():
