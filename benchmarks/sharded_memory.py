@@ -6,18 +6,21 @@ Each rank is a fresh process (``--child``) that trains the same model (fp32, Ada
 ``DataParallel(shard_host_state=True)`` and reports:
 
 * ``peak``: the whole process's peak RSS (``VmHWM``: interpreter and torch included);
-* ``run``: the peak minus the RSS before the model was built (the run's own state);
-* ``predicted``: ``estimate_host_memory(rp, optimizer=[opt], state_shards=N).total``;
+* ``predicted``: the budget's whole-process prediction,
+  ``estimate_host_memory(rp, optimizer=[opt], state_shards=N).process_peak`` (the state
+  lines plus the process's resident set beyond its state at the estimate);
 * ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``).
 
-Each N runs with glibc's default ``malloc`` and with ``MALLOC_MMAP_THRESHOLD_=65536``.
-By default glibc raises its mmap threshold after the first large ``free`` and from
-then on keeps freed tensors in its heaps: the gradients a sharded rank drops every
-step (and the reduction's buffers) stay resident, and the peak RSS creeps up step by
-step. With a fixed threshold every large tensor is its own mapping, returned to the
-system when freed.
+Each N runs with three ``malloc`` settings: ``glibc`` (glibc's default, kept with
+``ROUNDPIPE_KEEP_MALLOC=1``), ``roundpipe`` (nothing set: ``DataParallel(shard_host_state=True)``
+fixes the mmap threshold itself, :mod:`roundpipe_core.running.heap`) and ``env``
+(``MALLOC_MMAP_THRESHOLD_=65536`` at launch). By default glibc raises its mmap
+threshold after the first large ``free`` and from then on keeps freed tensors in its
+heaps: the gradients a sharded rank drops every step (and the reduction's buffers)
+stay resident, and the peak RSS creeps up step by step. With a fixed threshold every
+large tensor is its own mapping, returned to the system when freed.
 
-Run once (Linux; ~2 GB of RAM for N = 4; about four minutes on 2 cores):
+Run once (Linux; ~2.5 GB of RAM for N = 4; about a minute on 2 cores):
 
     python benchmarks/sharded_memory.py                 # width 512, 8 blocks (~17M params)
     python benchmarks/sharded_memory.py --width 256     # quicker
@@ -80,7 +83,7 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
     dp = D.DataParallel(shard_host_state=True)
     dp.attach(rp, [opt])
     budget = estimate_host_memory(rp, optimizer=[opt], num_microbatch=3, state_shards=world)
-    predicted = budget.total
+    predicted = budget.process_peak
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(12, width, generator=g), torch.randn(12, width, generator=g)
     for _ in range(steps):
@@ -107,6 +110,7 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
         "peak": peak,
         "run": peak - base,
         "predicted": predicted,
+        "state_lines": budget.total,
         "state": D.state_bytes(opt),
     }
     dp.detach()
@@ -125,8 +129,9 @@ def _free_port() -> int:
 
 #: glibc malloc settings the ranks run with (see the module docstring)
 MALLOC_VARIANTS: dict[str, dict[str, str]] = {
-    "default": {},
-    "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    "glibc": {"ROUNDPIPE_KEEP_MALLOC": "1"},
+    "roundpipe": {},
+    "env": {"MALLOC_MMAP_THRESHOLD_": "65536"},
 }
 
 
@@ -136,6 +141,7 @@ def run_world(world: int, args: argparse.Namespace, malloc: dict[str, str]) -> l
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        env.pop("ROUNDPIPE_KEEP_MALLOC", None)
         env.update(malloc)
         env.update(
             NODE_RANK=str(rank),
@@ -169,8 +175,8 @@ def main() -> None:
         return
     mib = 2**20
     print(
-        f"{'malloc':>8} {'N':>2} {'rank':>4} {'peak RSS':>10} {'run':>9} {'predicted':>10} "
-        f"{'meas/pred':>9} {'opt state':>10} {'state/N=1':>9}"
+        f"{'malloc':>9} {'N':>2} {'rank':>4} {'peak RSS':>10} {'predicted':>10} "
+        f"{'meas/pred':>9} {'run':>9} {'state lines':>11} {'opt state':>10} {'state/N=1':>9}"
     )
     whole_state = None
     for world in (1, 2, 4):
@@ -178,13 +184,14 @@ def main() -> None:
             for r in run_world(world, args, malloc):
                 whole_state = whole_state or r["state"]
                 print(
-                    f"{label:>8} {world:>2} {r['rank']:>4} {r['peak'] / mib:8.1f}Mi "
-                    f"{r['run'] / mib:7.1f}Mi {r['predicted'] / mib:8.1f}Mi "
-                    f"{r['run'] / r['predicted']:9.3f} {r['state'] / mib:8.1f}Mi "
-                    f"{r['state'] / whole_state:9.3f}"
+                    f"{label:>9} {world:>2} {r['rank']:>4} {r['peak'] / mib:8.1f}Mi "
+                    f"{r['predicted'] / mib:8.1f}Mi {r['peak'] / r['predicted']:9.3f} "
+                    f"{r['run'] / mib:7.1f}Mi {r['state_lines'] / mib:9.1f}Mi "
+                    f"{r['state'] / mib:8.1f}Mi {r['state'] / whole_state:9.3f}"
                 )
     print(
-        f"({r['params']:,} parameters; 'run' = peak RSS minus the RSS before the model was built)"
+        f"({r['params']:,} parameters; 'run' = peak RSS minus the RSS before the model was "
+        "built; 'state lines' = the budget's total without the process line)"
     )
 
 

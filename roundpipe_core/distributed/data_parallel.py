@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..running.heap import limit_heap_retention
 from .group import group_size, init_process_group, resolve_timeout
 from .reducer import DEFAULT_BUCKET_BYTES, REDUCE_OPS, GradientAllReducer, broadcast_masters
 from .shard_io import load_shards, save_shard
@@ -53,6 +54,10 @@ class DataParallel:
             1/N of each optimizer's parameters (see :mod:`.sharded`): gradients are
             reduced to their owner, each rank steps its share, ``after_step`` all-gathers
             the weights. Clip with :meth:`clip_grad_norm_` (the norm over all shards).
+            It also fixes glibc's mmap threshold at 64 KiB (:mod:`roundpipe_core.running.heap`;
+            not where ``MALLOC_MMAP_THRESHOLD_`` is set or ``ROUNDPIPE_KEEP_MALLOC=1``): the
+            gradients a rank drops every step then leave its resident set instead of
+            staying in malloc's heaps.
 
     The default group is gloo: everything the strategy communicates -- master
     gradients, logged metrics (its root device is the CPU), broadcast objects --
@@ -78,6 +83,8 @@ class DataParallel:
         self.bucket_bytes = bucket_bytes
         self.timeout = resolve_timeout(timeout)
         self.shard_host_state = shard_host_state
+        if shard_host_state:
+            limit_heap_retention()
         self._reducers: dict[int, GradientAllReducer] = {}
         self._shards: dict[int, HostShard] = {}
 
