@@ -25,6 +25,7 @@ optimizer states merged, in one process) that plain Lightning loads.
 from __future__ import annotations
 
 import functools
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,13 @@ import torch
 from roundpipe_core import distributed as D
 from roundpipe_core.distributed.shard_io import SHARD_FORMAT
 
-__all__ = ["SHARDS_KEY", "convert_sharded_checkpoint", "fabric_shards_dir", "shards_dir"]
+__all__ = [
+    "SHARDS_KEY",
+    "convert_sharded_checkpoint",
+    "fabric_shards_dir",
+    "remove_shards",
+    "shards_dir",
+]
 
 #: Key of the marker that stands for a sharded optimizer state in ``optimizer_states``.
 SHARDS_KEY = "roundpipe_host_shards"
@@ -57,6 +64,13 @@ def fabric_shards_dir(checkpoint_path: str | Path, key: str) -> Path:
             f"(<checkpoint>.shards/KEY/); {key!r} cannot, use a plain name such as 'optimizer'"
         )
     return Path(f"{checkpoint_path}.shards") / key
+
+
+def remove_shards(checkpoint_path: str | Path) -> None:
+    """Delete ``<checkpoint_path>.shards/`` (all optimizers' shards), if there is one."""
+    directory = Path(f"{checkpoint_path}.shards")
+    if directory.is_dir():
+        shutil.rmtree(directory)
 
 
 def marker(world_size: int) -> dict[str, Any]:
