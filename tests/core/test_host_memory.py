@@ -216,11 +216,7 @@ def test_limit_heap_retention_returns_freed_tensors_to_the_system() -> None:
     import os
     import subprocess
 
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("MALLOC_MMAP_THRESHOLD_", "ROUNDPIPE_KEEP_MALLOC")
-    }
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     out = subprocess.run(
         [sys.executable, "-c", _HEAP_PROBE], env=env, capture_output=True, text=True, timeout=120
@@ -312,3 +308,28 @@ def test_state_shards_divide_the_optimizer_state_only() -> None:
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="state_shards"):
             estimate_host_memory(model, state_shards=bad)  # type: ignore[arg-type]
+
+
+def test_sharding_says_once_how_to_get_the_budgets_peak(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import roundpipe_core.distributed.data_parallel as dp_module
+    import roundpipe_core.running.heap as heap
+    from roundpipe_core.distributed import DataParallel
+
+    monkeypatch.delenv(heap.HEAP_THRESHOLD_ENV, raising=False)
+    monkeypatch.setattr(heap, "_applied", None)
+    monkeypatch.setattr(dp_module, "_said_heap", False)
+    with caplog.at_level(logging.INFO, logger=dp_module.__name__):
+        DataParallel(shard_host_state=True)
+        DataParallel(shard_host_state=True)
+    said = [r for r in caplog.records if "MALLOC_MMAP_THRESHOLD_=65536" in r.getMessage()]
+    assert len(said) == 1
+    caplog.clear()
+    monkeypatch.setattr(dp_module, "_said_heap", False)
+    monkeypatch.setenv(heap.HEAP_THRESHOLD_ENV, "65536")  # the launch chose: nothing to say
+    with caplog.at_level(logging.INFO, logger=dp_module.__name__):
+        DataParallel(shard_host_state=True)
+    assert heap.heap_retention_limited() and not caplog.records
