@@ -6,18 +6,25 @@ Each rank is a fresh process (``--child``) that trains the same model (fp32, Ada
 ``DataParallel(shard_host_state=True)`` and reports:
 
 * ``peak``: the whole process's peak RSS (``VmHWM``: interpreter and torch included);
-* ``run``: the peak minus the RSS before the model was built (the run's own state);
-* ``predicted``: ``estimate_host_memory(rp, optimizer=[opt], state_shards=N).total``;
-* ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``).
+* ``predicted``: the budget's whole-process prediction,
+  ``estimate_host_memory(rp, optimizer=[opt], state_shards=N).process_peak`` (the state
+  lines plus the process's resident set beyond its state at the estimate);
+* ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``);
+* ``step ms``: the median wall time of a training step after the first (backward,
+  reduction, step, all-gather), and its ratio to the glibc-default run of the same N
+  -- what the fixed mmap threshold costs (one process per variant, the variants run
+  one after the other for each N: a rough ratio on a shared machine).
 
-Each N runs with glibc's default ``malloc`` and with ``MALLOC_MMAP_THRESHOLD_=65536``.
-By default glibc raises its mmap threshold after the first large ``free`` and from
-then on keeps freed tensors in its heaps: the gradients a sharded rank drops every
-step (and the reduction's buffers) stay resident, and the peak RSS creeps up step by
-step. With a fixed threshold every large tensor is its own mapping, returned to the
-system when freed.
+Each N runs with three ``malloc`` settings: ``glibc`` (glibc's default, kept with
+nothing set), ``roundpipe`` (the child calls
+:func:`roundpipe_core.running.heap.limit_heap_retention` first) and ``env``
+(``MALLOC_MMAP_THRESHOLD_=65536`` at launch). By default glibc raises its mmap
+threshold after the first large ``free`` and from then on keeps freed tensors in its
+heaps: the gradients a sharded rank drops every step (and the reduction's buffers)
+stay resident, and the peak RSS creeps up step by step. With a fixed threshold every
+large tensor is its own mapping, returned to the system when freed.
 
-Run once (Linux; ~2 GB of RAM for N = 4; about four minutes on 2 cores):
+Run once (Linux; ~2.5 GB of RAM for N = 4; about a minute on 2 cores):
 
     python benchmarks/sharded_memory.py                 # width 512, 8 blocks (~17M params)
     python benchmarks/sharded_memory.py --width 256     # quicker
@@ -29,12 +36,15 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+_LIMIT_HEAP = "SHARDED_MEMORY_LIMIT_HEAP"  # this benchmark's switch for its child processes
 
 
 def _status(key: str) -> int:
@@ -66,6 +76,10 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
     from roundpipe_core.running.host_memory import estimate_host_memory
 
     torch.set_num_threads(1)
+    if os.environ.get(_LIMIT_HEAP):
+        from roundpipe_core.running.heap import limit_heap_retention
+
+        limit_heap_retention()
     D.init_process_group() if int(os.environ["WORLD_SIZE"]) > 1 else None
     world = D.DataParallel().world_size
     rank = torch.distributed.get_rank() if world > 1 else 0
@@ -80,10 +94,12 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
     dp = D.DataParallel(shard_host_state=True)
     dp.attach(rp, [opt])
     budget = estimate_host_memory(rp, optimizer=[opt], num_microbatch=3, state_shards=world)
-    predicted = budget.total
+    predicted = budget.process_peak
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(12, width, generator=g), torch.randn(12, width, generator=g)
+    step_s: list[float] = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         dp.wrap_closure(
             opt,
             lambda: rp.forward_backward(
@@ -98,6 +114,7 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
             dp.after_step(opt)
 
         rp.step(step, is_async=False)
+        step_s.append(time.perf_counter() - t0)
     rp.synchronize()
     peak = _status("VmHWM")
     out = {
@@ -107,7 +124,9 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
         "peak": peak,
         "run": peak - base,
         "predicted": predicted,
+        "state_lines": budget.total,
         "state": D.state_bytes(opt),
+        "step_s": statistics.median(step_s[1:] or step_s),
     }
     dp.detach()
     rp.close()
@@ -125,8 +144,9 @@ def _free_port() -> int:
 
 #: glibc malloc settings the ranks run with (see the module docstring)
 MALLOC_VARIANTS: dict[str, dict[str, str]] = {
-    "default": {},
-    "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    "glibc": {},
+    "roundpipe": {_LIMIT_HEAP: "1"},
+    "env": {"MALLOC_MMAP_THRESHOLD_": "65536"},
 }
 
 
@@ -136,6 +156,7 @@ def run_world(world: int, args: argparse.Namespace, malloc: dict[str, str]) -> l
     for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
+        env.pop(_LIMIT_HEAP, None)
         env.update(malloc)
         env.update(
             NODE_RANK=str(rank),
@@ -169,22 +190,29 @@ def main() -> None:
         return
     mib = 2**20
     print(
-        f"{'malloc':>8} {'N':>2} {'rank':>4} {'peak RSS':>10} {'run':>9} {'predicted':>10} "
-        f"{'meas/pred':>9} {'opt state':>10} {'state/N=1':>9}"
+        f"{'malloc':>9} {'N':>2} {'rank':>4} {'peak RSS':>10} {'predicted':>10} "
+        f"{'meas/pred':>9} {'run':>9} {'state lines':>11} {'opt state':>10} {'state/N=1':>9} "
+        f"{'step ms':>8} {'vs glibc':>8}"
     )
     whole_state = None
     for world in (1, 2, 4):
+        glibc_step = None
         for label, malloc in MALLOC_VARIANTS.items():  # interleaved: N, then each malloc
-            for r in run_world(world, args, malloc):
+            ranks = run_world(world, args, malloc)
+            step = max(r["step_s"] for r in ranks)  # the job is as slow as its slowest rank
+            glibc_step = glibc_step or step
+            for r in ranks:
                 whole_state = whole_state or r["state"]
                 print(
-                    f"{label:>8} {world:>2} {r['rank']:>4} {r['peak'] / mib:8.1f}Mi "
-                    f"{r['run'] / mib:7.1f}Mi {r['predicted'] / mib:8.1f}Mi "
-                    f"{r['run'] / r['predicted']:9.3f} {r['state'] / mib:8.1f}Mi "
-                    f"{r['state'] / whole_state:9.3f}"
+                    f"{label:>9} {world:>2} {r['rank']:>4} {r['peak'] / mib:8.1f}Mi "
+                    f"{r['predicted'] / mib:8.1f}Mi {r['peak'] / r['predicted']:9.3f} "
+                    f"{r['run'] / mib:7.1f}Mi {r['state_lines'] / mib:9.1f}Mi "
+                    f"{r['state'] / mib:8.1f}Mi {r['state'] / whole_state:9.3f} "
+                    f"{step * 1e3:8.1f} {step / glibc_step:8.3f}"
                 )
     print(
-        f"({r['params']:,} parameters; 'run' = peak RSS minus the RSS before the model was built)"
+        f"({r['params']:,} parameters; 'run' = peak RSS minus the RSS before the model was "
+        "built; 'state lines' = the budget's total without the process line)"
     )
 
 

@@ -36,7 +36,7 @@ from .checkpoint_io import (
     check_roundpipe_section,
 )
 from .precision import LossScaler
-from .sharded_checkpoint import load_optimizer_states, marker, save_host_shards
+from .sharded_checkpoint import load_optimizer_states, marker, remove_shards, save_host_shards
 
 __all__ = ["CheckpointingStrategy"]
 
@@ -154,6 +154,16 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
         deferred, self._deferred_model_state = self._deferred_model_state, None
         if deferred is not None:
             self.load_model_state_dict(*deferred)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """Remove the checkpoint file and, for a sharded one, its ``.shards/`` directory
+        (``ModelCheckpoint(save_top_k=...)`` calls this for the checkpoints it drops).
+        Rank 0 removes both, as it wrote the file: the shards live on a file system
+        every node sees."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_shards(filepath)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -42,9 +42,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from roundpipe_core import AutoRoundPipe, RoundPipe
+from roundpipe_core import distributed as D
 
 from ._private import optimizer_view, replace_zero_grad, restore_zero_grad
 from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section
+from .sharded_checkpoint import load_optimizer_state
 
 __all__ = ["FabricRun", "CALLS"]
 
@@ -59,6 +61,8 @@ class FabricRun:
         rp: the RoundPipe wrapping ``module`` (or its preset conversion).
         module: what was passed to ``fabric.setup()``; its state dict is the checkpoint's.
         precision: the Fabric precision plugin (read at each call).
+        dp: its data parallel over the nodes (no-ops in one process): the gradient
+            reducers of its optimizers and, with ``shard_host_state``, their shards.
     """
 
     @staticmethod
@@ -77,11 +81,15 @@ class FabricRun:
         rp: RoundPipe | AutoRoundPipe,
         module: nn.Module,
         precision: Callable[[], Precision],
+        dp: D.DataParallel,
     ) -> None:
         self.check_free(module)
         self.rp = rp
         self.module = module
         self.precision = precision
+        self.dp = dp
+        #: optimizers (by id) whose gradients were reduced over the nodes since their step
+        self.reduced: set[int] = set()
         #: gradients were produced after the last queued step (which clears its own)
         self.grads_fresh = False
         self.optimizers: list[Optimizer] = []
@@ -100,6 +108,7 @@ class FabricRun:
                     "forward_backward: compute the loss from out = model(x) and call "
                     "fabric.backward(loss), or give fabric.setup() an nn.Sequential"
                 )
+            self.check_not_reduced()
             plugin = self.precision()
             input_args, input_kwargs = plugin.convert_input((input_args, input_kwargs))
             with plugin.forward_context():
@@ -165,6 +174,66 @@ class FabricRun:
     def step_queued(self) -> None:
         """A step was queued: it clears the gradients there are now."""
         self.grads_fresh = False
+        self.reduced.clear()
+
+    # -- several nodes ----------------------------------------------------------------------
+    def reduce(self, optimizer: Optimizer) -> None:
+        """Reduce ``optimizer``'s master gradients over the nodes, once per step (at
+        ``opt.step()``, or at ``fabric.clip_gradients`` before it). Collective; a no-op in
+        one process."""
+        if self.dp.world_size == 1 or id(optimizer) in self.reduced:
+            return
+        self.rp.synchronize()  # pending iterations' gradients are in; the last step is done
+        self.dp.reduce(optimizer)
+        self.reduced.add(id(optimizer))
+
+    def check_not_reduced(self) -> None:
+        """Refuse new gradients once this step's were reduced over the nodes (they would
+        miss the reduction)."""
+        if self.reduced:
+            raise RuntimeError(
+                "RoundPipeFabricStrategy: this step's gradients were already reduced over the "
+                "nodes (by fabric.clip_gradients); run every backward of the step first, then "
+                "clip, then opt.step()"
+            )
+
+    def sharding(self, optimizer: Any) -> D.HostShard | None:
+        """The shard of ``optimizer`` (the user's, or the view Fabric wraps) when its state
+        is sharded over several nodes, else None."""
+        raw = self.owns(optimizer)
+        return self.dp.shard(raw) if raw is not None else None
+
+    def clip_sharded(
+        self, optimizer: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> Tensor:
+        """Clip a sharded ``optimizer``'s (reduced) gradients by the norm over every
+        node's share (collective). Returns the total norm."""
+        shard = self.sharding(optimizer)
+        assert shard is not None
+        norm = shard.clip_grad_norm_(float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients is non-finite, so "
+                "it cannot be clipped (the gradients were scaled by it on every node)"
+            )
+        return norm
+
+    def save_shard(self, directory: Any, optimizer: Any) -> None:
+        """Sharded: write this node's share of ``optimizer``'s state (and its masters)
+        into ``directory``. Unsharded: nothing (the state is in the checkpoint file)."""
+        raw, shard = self.owns(optimizer), self.sharding(optimizer)
+        if raw is not None and shard is not None:
+            D.save_shard(
+                directory, self.named_masters(), raw, shard.owns, shard.rank, shard.world_size
+            )
+
+    def load_optimizer(self, directory: Any, optimizer: Any, state: Any) -> None:
+        """Restore ``optimizer`` from the checkpoint's ``state``: a state dict, or the
+        marker of shards in ``directory`` (any node count); sharded, this node keeps
+        what it owns now."""
+        load_optimizer_state(
+            directory, self.owns(optimizer), state, self.sharding(optimizer), self.named_masters()
+        )
 
     def zero_grad(self, real: Callable[..., None], set_to_none: bool = True) -> None:
         """Clear the master gradients no queued step will clear (see the module docstring)."""
@@ -173,8 +242,13 @@ class FabricRun:
         self.rp.synchronize()  # nothing in flight: a pending iteration's gradients are in
         real(set_to_none=set_to_none)
         self.grads_fresh = False
+        self.reduced.clear()
 
     # -- checkpoints ------------------------------------------------------------------------
+    def named_masters(self) -> dict[str, nn.Parameter]:
+        """The module's parameter name -> its master (what the optimizers step)."""
+        return {name: m for name, _, m in self._named_masters()}
+
     def _named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
         out = []
         for name, p in self.module.named_parameters():

@@ -31,8 +31,8 @@ and the pool's devices are RoundPipe's business.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +40,17 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision import MixedPrecision
-from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core import distributed as D
 from roundpipe_core.config import LOSS_REDUCTIONS
 
+from ._fabric_processes import FabricProcesses
 from ._fabric_run import FabricRun
 from ._setup import (
     build_roundpipe,
@@ -65,6 +67,7 @@ from ._setup import (
 )
 from ._step import QueuedStep
 from .checkpoint_io import CHECKPOINT_KEY, StreamingCheckpointIO
+from .sharded_checkpoint import fabric_shards_dir, marker
 
 __all__ = ["RoundPipeFabricStrategy"]
 
@@ -85,18 +88,16 @@ def _check_precision(plugin: Precision) -> None:
         )
 
 
-def _env_world_size() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
-class RoundPipeFabricStrategy(SingleDeviceStrategy):
+class RoundPipeFabricStrategy(FabricProcesses):
     """Run the modules given to ``fabric.setup()`` with RoundPipe (see the module docstring).
 
     One process drives the whole pool (Fabric's ``devices``: N CPU workers or N GPUs), so
-    it is a single-device strategy to Fabric: ``fabric.launch()`` is optional.
+    it is a single-device strategy to Fabric: ``fabric.launch()`` is optional. Several
+    nodes (``Fabric(num_nodes=N)``, one process per node started by torchrun, SLURM or
+    the environment) are data parallel as under ``RoundPipeStrategy``: rank 0's weights
+    are broadcast at ``fabric.setup()``, the master gradients are reduced over the nodes
+    when ``opt.step()`` (or ``fabric.clip_gradients``) is called, and
+    ``fabric.setup_dataloaders`` gives each node its ``DistributedSampler`` shard.
 
     The RoundPipe arguments are :class:`~roundpipe_lightning.RoundPipeStrategy`'s, with
     the same meanings and defaults.
@@ -116,14 +117,22 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         recompute_grain: "stage" or "layer" (None: the engine's default).
         preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
         model_run_config: further ``RoundPipeRunConfig`` defaults.
+        grad_reduce_op: with several nodes, "mean" (as DDP) or "sum" of the master
+            gradients over the nodes.
+        process_group_timeout: seconds (or a ``timedelta``) after which a collective whose
+            peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
+        shard_host_state: with several nodes, each keeps master gradients and optimizer
+            state for its 1/N of each optimizer's parameters only (``docs/multi-node.md``);
+            ``fabric.save`` then writes one shard of the optimizer state per node.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
 
     ``overlap_iterations`` has no Fabric counterpart: the loop is the user's, so pass
-    ``blocking=False`` to ``forward_backward`` to overlap iterations. Several processes
-    (``num_nodes``, ``torchrun``) are refused: use ``Trainer(strategy=RoundPipeStrategy())``
-    for data parallel over nodes.
+    ``blocking=False`` to ``forward_backward`` to overlap iterations. Several processes on
+    one node (``torchrun --nproc-per-node 2``) are refused. The gradient reduction runs
+    after the backward, not overlapped with it (the loop is the user's: which backward is
+    the last of an accumulation window is not known).
 
     Raises:
         TypeError / ValueError: an argument of the wrong type or value (the message
@@ -144,6 +153,9 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         recompute_grain: str | None = None,
         preserve_rng_state: bool = True,
         model_run_config: RoundPipeRunConfig | None = None,
+        grad_reduce_op: str = "mean",
+        process_group_timeout: float | timedelta | None = None,
+        shard_host_state: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -186,6 +198,14 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         self.recompute_grain = recompute_grain
         self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state, _OWNER)
         self.model_run_config = model_run_config
+        self.grad_reduce_op = check_choice(
+            "grad_reduce_op", grad_reduce_op, ("mean", "sum"), _OWNER
+        )
+        self.shard_host_state = check_bool("shard_host_state", shard_host_state, _OWNER)
+        try:
+            self._process_group_timeout = D.resolve_timeout(process_group_timeout)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{_OWNER}: {exc}") from None
         # Fabric's connector fills these in (it looks for the attributes)
         self.parallel_devices = parallel_devices
         self.cluster_environment = cluster_environment
@@ -194,10 +214,6 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         self._runs: list[FabricRun] = []
 
     # -- where it runs -----------------------------------------------------------------------
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
     @property
     def compute_devices(self) -> list[torch.device]:
         """The devices of the RoundPipe pool (Fabric's ``devices``)."""
@@ -240,18 +256,9 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         """Refuse what this strategy cannot run, once, before the first module is built."""
         if self._checked:
             return
-        env = self.cluster_environment
-        # torchrun / SLURM environments know the process count; a launch by environment
-        # variables alone (LightningEnvironment) shows it in WORLD_SIZE
-        processes = max(env.world_size() if env is not None else 1, _env_world_size())
-        if self._num_nodes > 1 or processes > 1:
-            raise ValueError(
-                f"{_OWNER} runs in one process that drives all of this machine's devices "
-                f"(Fabric(devices=N)); this run has num_nodes={self._num_nodes} and {processes} "
-                "processes. Start one process without torchrun, or use "
-                "Trainer(strategy=RoundPipeStrategy(), num_nodes=N) for data parallel over nodes."
-            )
+        self._check_processes()
         check_pool_devices(self.compute_devices, _OWNER, "Fabric")
+        self._connect()  # here: Fabric calls setup_environment only from fabric.launch()
         self._checked = True
         if self._async_request is None:
             pool = "GPU" if self.compute_devices[0].type != "cpu" else "CPU-worker"
@@ -304,11 +311,23 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
             owner=_OWNER,
             loss_hint="compute the loss from out = model(x) and call fabric.backward(loss)",
         )
+        dp = D.DataParallel(
+            op=self.grad_reduce_op,
+            overlap=False,  # the user's loop: the window's last backward is not known
+            timeout=self._process_group_timeout,
+            shard_host_state=self.shard_host_state,
+        )
         try:
-            self._runs.append(FabricRun(rp, module, lambda: self.precision))
+            run = FabricRun(rp, module, lambda: self.precision, dp)
         except BaseException:
             rp.close()
             raise
+        try:
+            dp.attach(rp)  # several nodes: every node starts from rank 0's weights
+        except BaseException:
+            run.close()
+            raise
+        self._runs.append(run)
         return rp
 
     @override
@@ -326,7 +345,10 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         point_at_masters(optimizer, run.rp, "the module's parameters()")  # (refuses LBFGS)
         if self.fuse_optimizer:
             fuse_optimizer(optimizer)  # on the masters (host, fp32)
-        return run.adopt(optimizer)
+        view = run.adopt(optimizer)
+        # several nodes: one gradient reducer per optimizer (and, sharded, its ownership)
+        run.dp.attach(run.rp, run.optimizers)
+        return view
 
     def _run_of(self, obj: Any) -> FabricRun | None:
         """The run of a set-up module (its RoundPipe or the module itself) or optimizer."""
@@ -358,6 +380,8 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
                 "reach the master weights the optimizer steps. Call the module fabric.setup() "
                 "returned instead: out = model(x), or loss = model.forward_backward(...)",
             )
+        for run in self._runs:
+            run.check_not_reduced()
         super().backward(tensor, module, *args, **kwargs)
         for run in self._runs:
             run.grads_fresh = True
@@ -380,6 +404,7 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
             )
         kwargs.pop("closure", None)
         real_zero_grad = run.real_zero_grad[id(raw)]
+        run.reduce(raw)  # several nodes: the master gradients, reduced over the nodes
         # the hyperparameters of now: a scheduler may change them before the step runs
         queued = QueuedStep(raw) if self.async_step else None
 
@@ -389,6 +414,7 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
             else:
                 raw.step(**kwargs)
             real_zero_grad(set_to_none=True)
+            run.dp.after_step(raw)  # sharded: all-gather the weights each node stepped
 
         run.step_queued()
         run.rp.step(step_fn, is_async=self.async_step)
@@ -408,6 +434,9 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
     ) -> Tensor:
         # the master gradients of pending iterations enter .grad first
         self._synchronize()
+        run = self._reduce_for_clipping(optimizer)
+        if run is not None and run.sharding(optimizer) is not None:
+            return run.clip_sharded(optimizer, max_norm, norm_type, error_if_nonfinite)
         return super().clip_gradients_norm(
             module, optimizer, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
@@ -417,7 +446,18 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         self, module: nn.Module, optimizer: Optimizer, clip_val: float | int
     ) -> None:
         self._synchronize()
+        self._reduce_for_clipping(optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
+
+    def _reduce_for_clipping(self, optimizer: Any) -> FabricRun | None:
+        """Several nodes: reduce ``optimizer``'s gradients now (clipping reads reduced
+        gradients, as under DDP); returns its run (None: not set up here)."""
+        run = self._run_of(optimizer)
+        raw = run.owns(optimizer) if run is not None else None
+        if run is None or raw is None:
+            return None
+        run.reduce(raw)
+        return run
 
     # -- checkpoints -------------------------------------------------------------------------
     @override
@@ -443,6 +483,9 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         run = self._run_of(optimizer)
         if run is not None:
             run.rp.synchronize()  # the step in flight writes the state
+            shard = run.sharding(optimizer)
+            if shard is not None:  # each node writes its own share (save_checkpoint)
+                return marker(shard.world_size)
         return super().get_optimizer_state(optimizer)
 
     @override
@@ -454,9 +497,15 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Fabric's save, plus ``checkpoint["roundpipe"][key]`` for each set-up module
-        under ``key``: its higher-precision masters and layer timings."""
+        under ``key``: its higher-precision masters and layer timings. Sharded
+        (``shard_host_state=True`` on several nodes), every node writes its share of the
+        optimizer under ``key`` into ``<path>.shards/key/``; the file holds a marker."""
         self._synchronize()
         checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        for key, obj in state.items():
+            run = self._run_of(obj) if isinstance(obj, Optimizer) else None
+            if run is not None:
+                run.save_shard(fabric_shards_dir(path, key), obj)  # (a no-op unsharded)
         sections = {}
         for key, obj in state.items():
             run = self._run_of(obj) if isinstance(obj, nn.Module) else None
@@ -484,11 +533,35 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
     ) -> dict[str, Any]:
         """Fabric's load; a set-up module's masters follow its weights (or come from
         ``checkpoint["roundpipe"]`` where they were saved in a higher precision), and the
-        optimizers run fused again."""
+        optimizers run fused again. An optimizer state saved sharded is read from its
+        shards on any node count (sharded, each node keeps what it owns now)."""
         self._synchronize()
-        remainder = super().load_checkpoint(
-            path, state=state, strict=strict, weights_only=weights_only
-        )
+        # the set-up optimizers are restored here, after the modules: their state may be
+        # a marker whose shards lie beside the file
+        ours = {}
+        if isinstance(state, Mapping):
+            for key, obj in state.items():
+                run = self._run_of(obj) if isinstance(obj, Optimizer) else None
+                if run is not None:
+                    ours[key] = (run, obj)
+        if ours:
+            assert isinstance(state, Mapping)
+            rest = {k: v for k, v in state.items() if k not in ours}
+            remainder = super().load_checkpoint(
+                path, state=rest or None, strict=strict, weights_only=weights_only
+            )
+            if isinstance(state, dict):
+                state.update(rest)  # plain entries were restored into the copy
+        else:
+            remainder = super().load_checkpoint(
+                path, state=state, strict=strict, weights_only=weights_only
+            )
+        for key, (run, obj) in ours.items():
+            if key not in remainder:
+                if strict:
+                    raise KeyError(f"fabric.load(): the checkpoint {path} has no {key!r}")
+                continue
+            run.load_optimizer(fabric_shards_dir(path, key), obj, remainder.pop(key))
         if isinstance(state, Mapping) and state and CHECKPOINT_KEY not in state:
             sections = remainder.pop(CHECKPOINT_KEY, None) or {}
             for key, obj in state.items():
@@ -509,7 +582,9 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         (the modules then hold the trained weights)."""
         try:
             while self._runs:
-                self._runs.pop().close()
+                run = self._runs.pop()
+                run.dp.detach()  # its groups; the default process group stays
+                run.close()
         finally:
             super().teardown()
 

@@ -11,6 +11,11 @@ write the whole checkpoint without gathering the others' state. Instead:
   (:func:`roundpipe_core.distributed.save_shard`). Several nodes need a file system
   they all see, as for any multi-node resume.
 
+``RoundPipeFabricStrategy(shard_host_state=True)`` does the same for ``fabric.save``:
+the optimizer saved under the state key ``KEY`` leaves a marker in the file and its
+shards in ``<checkpoint>.shards/KEY/`` (:func:`fabric_shards_dir`); ``fabric.load``
+reads them back on any node count.
+
 Resuming (``Trainer.fit(ckpt_path=...)``) reads the shards of any rank count, each rank
 keeping the entries it owns now -- sharded or not, on 1, 2, 4 ... ranks.
 :func:`convert_sharded_checkpoint` turns such a checkpoint into an ordinary one (the
@@ -20,6 +25,7 @@ optimizer states merged, in one process) that plain Lightning loads.
 from __future__ import annotations
 
 import functools
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +36,13 @@ from roundpipe_core import distributed as D
 from roundpipe_core.checkpoint_file import read_checkpoint
 from roundpipe_core.distributed.shard_io import SHARD_FORMAT
 
-__all__ = ["SHARDS_KEY", "convert_sharded_checkpoint", "shards_dir"]
+__all__ = [
+    "SHARDS_KEY",
+    "convert_sharded_checkpoint",
+    "fabric_shards_dir",
+    "remove_shards",
+    "shards_dir",
+]
 
 #: Key of the marker that stands for a sharded optimizer state in ``optimizer_states``.
 SHARDS_KEY = "roundpipe_host_shards"
@@ -39,6 +51,27 @@ SHARDS_KEY = "roundpipe_host_shards"
 def shards_dir(checkpoint_path: str | Path, index: int) -> Path:
     """Where the shards of optimizer ``index`` of the checkpoint ``checkpoint_path`` live."""
     return Path(f"{checkpoint_path}.shards") / f"optimizer{index}"
+
+
+def fabric_shards_dir(checkpoint_path: str | Path, key: str) -> Path:
+    """Where the shards of the optimizer a ``fabric.save`` state holds under ``key`` live.
+
+    Raises:
+        ValueError: ``key`` cannot name a directory (empty, ``.``/``..`` or a path separator).
+    """
+    if not isinstance(key, str) or key in ("", ".", "..") or "/" in key or "\\" in key:
+        raise ValueError(
+            f"fabric.save(): a sharded optimizer's state key names the directory of its shards "
+            f"(<checkpoint>.shards/KEY/); {key!r} cannot, use a plain name such as 'optimizer'"
+        )
+    return Path(f"{checkpoint_path}.shards") / key
+
+
+def remove_shards(checkpoint_path: str | Path) -> None:
+    """Delete ``<checkpoint_path>.shards/`` (all optimizers' shards), if there is one."""
+    directory = Path(f"{checkpoint_path}.shards")
+    if directory.is_dir():
+        shutil.rmtree(directory)
 
 
 def marker(world_size: int) -> dict[str, Any]:
@@ -76,6 +109,32 @@ def save_host_shards(
         )
 
 
+def load_optimizer_state(
+    directory: Path | None,
+    optimizer: Any,
+    state: Any,
+    shard: D.HostShard | None,
+    named_masters: Mapping[str, torch.Tensor],
+) -> None:
+    """Restore one optimizer from ``state``: an ordinary state dict, or a marker whose
+    shards are in ``directory`` (written on any rank count). Sharded (``shard``), this
+    rank keeps only the state of the parameters it owns."""
+    raw = getattr(optimizer, "_optimizer", optimizer)
+    if is_marker(state):
+        if directory is None:
+            raise ValueError(
+                "this checkpoint's optimizer state is sharded across ranks "
+                "(<checkpoint>.shards/); load it through Trainer(ckpt_path=...), or "
+                "merge it first with roundpipe_lightning.convert_sharded_checkpoint(path, out)"
+            )
+        owns = shard.owns if shard is not None else (lambda p: True)
+        D.load_shards(directory, named_masters, raw, owns, load_masters=False)
+    else:
+        raw.load_state_dict(state)
+    if shard is not None:
+        shard.drop_foreign_state(raw)
+
+
 def load_optimizer_states(
     checkpoint_path: str | Path | None,
     optimizers: Sequence[Any],
@@ -87,23 +146,8 @@ def load_optimizer_states(
     shards its marker points to (any rank count); sharded, this rank keeps only the
     state of the parameters it owns."""
     for i, (opt, state) in enumerate(zip(optimizers, states)):
-        raw = getattr(opt, "_optimizer", opt)
-        shard = dp.shard(opt)
-        if is_marker(state):
-            if checkpoint_path is None:
-                raise ValueError(
-                    "this checkpoint's optimizer state is sharded across ranks "
-                    "(<checkpoint>.shards/); load it through Trainer(ckpt_path=...), or "
-                    "merge it first with roundpipe_lightning.convert_sharded_checkpoint(path, out)"
-                )
-            owns = shard.owns if shard is not None else (lambda p: True)
-            D.load_shards(
-                shards_dir(checkpoint_path, i), named_masters, raw, owns, load_masters=False
-            )
-        else:
-            raw.load_state_dict(state)
-        if shard is not None:
-            shard.drop_foreign_state(raw)
+        directory = None if checkpoint_path is None else shards_dir(checkpoint_path, i)
+        load_optimizer_state(directory, opt, state, dp.shard(opt), named_masters)
 
 
 def convert_sharded_checkpoint(checkpoint_path: str | Path, out_path: str | Path) -> Path:

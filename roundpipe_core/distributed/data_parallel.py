@@ -3,6 +3,7 @@ Lightning strategy) needs, behind five calls that are cheap no-ops in one proces
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -10,12 +11,29 @@ from typing import Any
 
 import torch
 
+from ..running.heap import heap_retention_limited
 from .group import group_size, init_process_group, resolve_timeout
 from .reducer import DEFAULT_BUCKET_BYTES, REDUCE_OPS, GradientAllReducer, broadcast_masters
 from .shard_io import load_shards, save_shard
 from .sharded import HostShard, ShardedGradientReducer
 
 __all__ = ["DataParallel"]
+
+log = logging.getLogger(__name__)
+_said_heap = False
+
+
+def _say_heap_once() -> None:
+    global _said_heap
+    if not _said_heap:
+        _said_heap = True
+        log.info(
+            "shard_host_state=True: with glibc's default malloc a sharded rank keeps the "
+            "gradients it drops every step in malloc's heaps (peak ~1.3x the host-memory "
+            "budget); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
+            "roundpipe_core.running.heap.limit_heap_retention(), for the budget's peak "
+            "(slower steps on CPU workers: docs/multi-node.md)"
+        )
 
 
 def _raw_optimizer(opt: Any) -> Any:
@@ -53,6 +71,10 @@ class DataParallel:
             1/N of each optimizer's parameters (see :mod:`.sharded`): gradients are
             reduced to their owner, each rank steps its share, ``after_step`` all-gathers
             the weights. Clip with :meth:`clip_grad_norm_` (the norm over all shards).
+            Its peak memory is the budget's with glibc's mmap threshold fixed
+            (``MALLOC_MMAP_THRESHOLD_=65536`` or :func:`~roundpipe_core.running.heap.limit_heap_retention`;
+            said once at INFO when it is not): otherwise the gradients a rank drops every
+            step stay in malloc's heaps.
 
     The default group is gloo: everything the strategy communicates -- master
     gradients, logged metrics (its root device is the CPU), broadcast objects --
@@ -78,6 +100,8 @@ class DataParallel:
         self.bucket_bytes = bucket_bytes
         self.timeout = resolve_timeout(timeout)
         self.shard_host_state = shard_host_state
+        if shard_host_state and not heap_retention_limited():
+            _say_heap_once()
         self._reducers: dict[int, GradientAllReducer] = {}
         self._shards: dict[int, HostShard] = {}
 

@@ -18,9 +18,23 @@ optimizer state           states per parameter x master size: Adam/AdamW 2, SGD 
 pinned buffers            CUDA only: slab rounding of ``pin_model="alloc"`` and the
                           pinned gradient-download buffers
 worker stage copies       CPU workers only: each worker's copy of the stage it runs,
-                          its gradients and the prefetched next stage (from the plan)
+                          its gradients and the prefetched next stage (from the plan);
+                          with shared masters (steps synchronous, so a blocking call
+                          computes on the host's weights: ``Worker.lend_in``) only the
+                          stage's buffers are copies; its gradients are still counted
+                          (with accumulation a call's gradients exist beside the
+                          masters' until they are added). Other RoundPipes are budgeted
+                          with copies, what pipelined calls and calls racing an
+                          asynchronous step's copy make
 activations               stage-boundary activations kept for recompute (if given)
 ========================  ==========================================================
+
+Beside the table, ``process`` is what the process held when the estimate was made
+beyond the lines above (the interpreter, torch and the libraries it loaded -- the
+first optimizer alone loads ~70 MiB of code --, the data loader): its resident set
+then, minus the weights, masters, gradients and optimizer state already allocated.
+``process_peak`` = ``total + process`` predicts the whole process's peak RSS
+(``benchmarks/sharded_memory.py`` measures both).
 
 :func:`check_host_memory` compares what is still to be allocated with what the
 machine has available (``psutil``, else ``/proc/meminfo`` ``MemAvailable``, and a
@@ -186,6 +200,8 @@ class HostMemoryBudget:
             made (the weights, and the masters of a built RoundPipe); only the rest
             still has to fit into available memory.
         optimizer: the optimizer the state line assumes, with its states per parameter.
+        process: resident bytes of the process at the estimate beyond its state (see
+            the module docstring; 0 where the resident set cannot be read).
     """
 
     num_params: int
@@ -198,6 +214,7 @@ class HostMemoryBudget:
     activations: int
     already_allocated: int = 0
     optimizer: str = ""
+    process: int = 0
 
     @property
     def total(self) -> int:
@@ -211,6 +228,11 @@ class HostMemoryBudget:
             + self.worker_copies
             + self.activations
         )
+
+    @property
+    def process_peak(self) -> int:
+        """The whole process's predicted peak resident set: ``total + process``."""
+        return self.total + self.process
 
     @property
     def to_allocate(self) -> int:
@@ -246,6 +268,9 @@ class HostMemoryBudget:
             f"  {'total':<{width}}  {_fmt(self.total):>11}  {self.bytes_per_param:6.2f} B/param"
         )
         lines.append(f"  {'still to allocate':<{width}}  {_fmt(self.to_allocate):>11}")
+        if self.process:
+            lines.append(f"  {'+ process (libraries)':<{width}}  {_fmt(self.process):>11}")
+            lines.append(f"  {'= whole process':<{width}}  {_fmt(self.process_peak):>11}")
         return "\n".join(lines)
 
 
@@ -261,15 +286,42 @@ def _masters_of(
     return model, None
 
 
+def _resident_bytes() -> int:
+    """This process's resident set (``/proc/self/statm``; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0
+
+
+def _existing_state_bytes(masters: Iterable[torch.Tensor], optimizers: list | None) -> int:
+    """Bytes of the gradients and optimizer state that exist already (a resumed run)."""
+    grads = _unique_storage_bytes(m.grad for m in masters if m.grad is not None)
+    states = [
+        v
+        for o in optimizers or []
+        for st in o.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    ]
+    return grads + _unique_storage_bytes(states)
+
+
 def _worker_copies(rp: Any, plan: Any, num_microbatch: int) -> int:
     """Peak bytes the CPU workers hold together: per worker, the largest (stage copy +
-    its gradients + the next stage it prefetches) over its jobs in the plan's schedule."""
+    its gradients + the next stage it prefetches) over its jobs in the plan's schedule.
+    With shared masters the workers compute on the host's parameters (``lend_in``):
+    only buffers and carried tensors are copies."""
     from ..planning.schedule import FORWARD, build_schedule, jobs_by_device
 
+    lent = bool(getattr(rp, "shared_masters", False))
     layer_bytes: list[int] = []
     layer_grads: list[int] = []
     for layer in rp.layers:
-        tensors = list(layer.parameters()) + list(layer.buffers()) + carried_tensors(layer)
+        tensors = list(layer.buffers()) + carried_tensors(layer)
+        if not lent:
+            tensors += list(layer.parameters())
         layer_bytes.append(_unique_storage_bytes(tensors))
         layer_grads.append(
             sum(
@@ -433,6 +485,8 @@ def estimate_host_memory(
         activations = activation_bytes_per_microbatch * m * max(len(run_plan.fwd_plan), 1)
     elif activation_bytes_per_microbatch:
         activations = activation_bytes_per_microbatch * (num_microbatch or 1)
+    resident = _resident_bytes()
+    existing = _existing_state_bytes([m for _, m in pairs or []], optimizers)
     return HostMemoryBudget(
         num_params=num_params,
         weights=weights,
@@ -444,6 +498,7 @@ def estimate_host_memory(
         activations=activations,
         already_allocated=already,
         optimizer=opt_label,
+        process=max(resident - already - existing, 0) if resident else 0,
     )
 
 

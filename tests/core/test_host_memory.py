@@ -135,22 +135,96 @@ def test_roundpipe_lines_match_what_a_step_allocates(dtype: torch.dtype, make_op
         rp.close()
 
 
-def test_worker_copies_follow_the_plan() -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_worker_copies_follow_the_plan(shared: bool) -> None:
     """Per worker: the largest (stage + its gradients on backward + the prefetched next
-    stage) over its jobs; summed over workers."""
-    rp = RoundPipe(_net(), devices="cpu:2")
+    stage) over its jobs; summed over workers. With shared masters the workers compute
+    on the host's parameters: only the gradients remain (this model has no buffers)."""
+    rp = RoundPipe(_net(), devices="cpu:2", shared_masters=shared)
     try:
         layer = [_bytes(list(m.parameters())) for m in rp.layers]
         one_stage = ModelExecutePlan()
         one_stage.fwd_plan, one_stage.bwd_plan = [], [range(0, 5)]
         b = estimate_host_memory(rp, plan=one_stage, num_microbatch=2)
-        # a single fused job on worker 0: weights + their gradients; worker 1 idle
-        assert b.worker_copies == 2 * sum(layer)
+        # a single fused job on worker 0: weights (unless lent) + their gradients
+        assert b.worker_copies == (1 if shared else 2) * sum(layer)
         per_layer = ModelExecutePlan.uniform(5, 5, "fused")
         b2 = estimate_host_memory(rp, plan=per_layer, num_microbatch=2)
         assert 0 < b2.worker_copies < b.worker_copies
     finally:
         rp.close()
+
+
+def test_shared_masters_workers_copy_only_buffers() -> None:
+    """What a blocking call's workers copy with shared masters: the ledger's "param"
+    channel (lend_in records the aliases there) is not host memory; the budget counts
+    the gradients, which are new tensors."""
+    rp = RoundPipe(_net(), devices="cpu:2", shared_masters=True)
+    try:
+        b = estimate_host_memory(rp, num_microbatch=3)
+        grads = _bytes([p for p in rp.model.parameters()])
+        x = torch.randn(6, W)
+        rp.forward_backward(input_args=(x,), label=x, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        rp.synchronize()
+        # every parameter is its own master: what the call allocated for it is its .grad
+        assert all(
+            p.grad is not None and p.grad.data_ptr() != p.data_ptr() for p in rp.model.parameters()
+        )
+        assert 0 < b.worker_copies <= grads
+    finally:
+        rp.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_process_line_is_the_resident_set_beyond_the_state() -> None:
+    """``process`` = the resident set at the estimate minus the state already allocated;
+    ``process_peak`` adds it to the state lines (the whole process's peak)."""
+    from roundpipe_core.running.host_memory import _resident_bytes
+
+    rp = RoundPipe(_net(), devices="cpu:2", shared_masters=False)
+    try:
+        before = _resident_bytes()
+        b = estimate_host_memory(rp, num_microbatch=3)
+        after = _resident_bytes()
+        assert before - b.already_allocated - 2**20 <= b.process
+        assert b.process <= after - b.already_allocated + 2**20
+        assert b.process > 50 * 2**20  # an interpreter with torch loaded
+        assert b.process_peak == b.total + b.process
+        assert "= whole process" in str(b)
+    finally:
+        rp.close()
+
+
+_HEAP_PROBE = """
+import torch
+from roundpipe_core.running.heap import limit_heap_retention
+from roundpipe_core.running.host_memory import _resident_bytes
+print(limit_heap_retention())
+big = torch.ones(5 * 2**20)  # 20 MiB: freeing it raises glibc's dynamic mmap threshold
+del big
+t = torch.ones(4 * 2**20)  # 16 MiB, touched
+held = _resident_bytes()
+del t
+print((held - _resident_bytes()) // 2**20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+def test_limit_heap_retention_returns_freed_tensors_to_the_system() -> None:
+    """With the threshold fixed, a freed 16 MiB tensor leaves the resident set even after
+    a larger one was freed (which, by default, makes glibc keep such tensors)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run(
+        [sys.executable, "-c", _HEAP_PROBE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    applied, released = out.stdout.split()
+    assert applied == "True"
+    assert int(released) >= 15, f"only {released} MiB of a freed 16 MiB tensor left the process"
 
 
 def test_activation_line() -> None:
@@ -234,3 +308,28 @@ def test_state_shards_divide_the_optimizer_state_only() -> None:
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="state_shards"):
             estimate_host_memory(model, state_shards=bad)  # type: ignore[arg-type]
+
+
+def test_sharding_says_once_how_to_get_the_budgets_peak(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import roundpipe_core.distributed.data_parallel as dp_module
+    import roundpipe_core.running.heap as heap
+    from roundpipe_core.distributed import DataParallel
+
+    monkeypatch.delenv(heap.HEAP_THRESHOLD_ENV, raising=False)
+    monkeypatch.setattr(heap, "_applied", None)
+    monkeypatch.setattr(dp_module, "_said_heap", False)
+    with caplog.at_level(logging.INFO, logger=dp_module.__name__):
+        DataParallel(shard_host_state=True)
+        DataParallel(shard_host_state=True)
+    said = [r for r in caplog.records if "MALLOC_MMAP_THRESHOLD_=65536" in r.getMessage()]
+    assert len(said) == 1
+    caplog.clear()
+    monkeypatch.setattr(dp_module, "_said_heap", False)
+    monkeypatch.setenv(heap.HEAP_THRESHOLD_ENV, "65536")  # the launch chose: nothing to say
+    with caplog.at_level(logging.INFO, logger=dp_module.__name__):
+        DataParallel(shard_host_state=True)
+    assert heap.heap_retention_limited() and not caplog.records

@@ -98,3 +98,24 @@ def test_sixteen_mixed_is_refused_with_sharding() -> None:
         check_shardable(True, object())
     check_shardable(False, object())  # unsharded: the scaler is fine
     check_shardable(True, None)  # sharded without a scaler: fine
+
+
+def test_removing_a_checkpoint_removes_its_shards(tmp_path: Path) -> None:
+    """``ModelCheckpoint(save_top_k=...)`` drops old checkpoints through
+    ``strategy.remove_checkpoint``: a sharded one's ``.shards/`` goes with the file."""
+    from roundpipe_lightning import RoundPipeStrategy
+    from roundpipe_lightning.sharded_checkpoint import shards_dir
+
+    ckpt = tmp_path / "epoch=0.ckpt"
+    torch.save({"x": 1}, ckpt)
+    shard = shards_dir(ckpt, 0) / "shard-00000-of-00002.pt"
+    shard.parent.mkdir(parents=True)
+    torch.save({}, shard)
+    keep = tmp_path / "epoch=1.ckpt.shards"  # another checkpoint's shards stay
+    keep.mkdir()
+    strategy = RoundPipeStrategy()
+    strategy.remove_checkpoint(ckpt)
+    assert not ckpt.exists() and not Path(f"{ckpt}.shards").exists()
+    assert keep.is_dir()
+    strategy.remove_checkpoint(tmp_path / "epoch=1.ckpt")  # no file, no error
+    assert not keep.exists()
