@@ -387,8 +387,11 @@ class IdleSteps:
         self.name = name
         self.count = 0
         self.warned = False
+        #: a step updated a master: the optimizer holds them, nothing left to watch
+        self.settled = False
 
     def observe(self, updated: bool) -> None:
+        self.settled |= updated
         self.count = 0 if updated else self.count + 1
         if self.count >= self.LIMIT and not self.warned:
             self.warned = True
@@ -405,14 +408,29 @@ class IdleSteps:
 def watch_updates(
     fn: Callable[[], Any], masters: MasterWeights, idle: IdleSteps
 ) -> Callable[[], Any]:
-    """``fn`` that also tells ``idle`` whether it changed a master that had a gradient
-    (an in-place optimizer update bumps the tensor's version counter)."""
+    """``fn`` that also tells ``idle`` whether it changed a master that had a gradient,
+    until one step did (or the warning was given): an in-place update bumps the tensor's
+    version counter -- except torch's fused kernels, which write without bumping it, so
+    where no counter moved the first element of each master is compared too."""
 
     def watched() -> Any:
-        before = [(m, m._version) for m in masters.params() if m.grad is not None]
+        if idle.settled or idle.warned:
+            return fn()
+        with torch.no_grad():
+            before = [
+                (m, m._version, m.detach().reshape(-1)[:1].clone())
+                for m in masters.params()
+                if m.grad is not None and m.numel()
+            ]
         result = fn()
         if before:
-            idle.observe(any(m._version != v for m, v in before))
+            updated = any(m._version != v for m, v, _ in before)
+            if not updated:
+                with torch.no_grad():
+                    updated = any(
+                        not torch.equal(m.detach().reshape(-1)[:1], first) for m, _, first in before
+                    )
+            idle.observe(updated)
         return result
 
     return watched

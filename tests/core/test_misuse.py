@@ -148,6 +148,27 @@ def test_an_optimizer_over_the_model_weights_is_warned_about() -> None:
         fresh.close()
 
 
+@pytest.mark.parametrize("right", [True, False])
+def test_a_fused_optimizer_is_seen_to_train(right: bool) -> None:
+    """torch's fused kernels (AdamW(fused=True), what fuse_optimizer=True runs) update the
+    masters without bumping their version counters: the right optimizer must not be
+    warned about, the wrong one still is."""
+    rp = RoundPipe(mlp(), devices="cpu:1", shared_masters=False)
+    params = rp.optim_parameters() if right else rp.parameters()
+    opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+                rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    finally:
+        rp.close()
+    idle = [w for w in seen if "updated none of the master copies" in str(w.message)]
+    assert len(idle) == (0 if right else 1), [str(w.message) for w in idle]
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("inner", ["synchronize", "wait_step", "step", "forward_backward"])
 def test_a_call_inside_step_fn_raises_instead_of_deadlocking(inner: str) -> None:
