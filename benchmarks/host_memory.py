@@ -217,7 +217,10 @@ def child_lightning_train(width: int, blocks: int, variant: str, steps: int) -> 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             target = pl_module.net if variant == "plain" else pl_module.roundpipe
             budget = estimate_host_memory(
-                target, optimizer=list(trainer.optimizers), shared_masters=True
+                target,
+                optimizer=list(trainer.optimizers),
+                shared_masters=True,
+                async_step=variant == "async",
             )
             predicted["total"] = budget.total
 

@@ -296,7 +296,9 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
             # refuse, with numbers, a run whose state cannot fit in host memory
             opts, shards = [raw_optimizer(o) for o in self.optimizers], self._dp.state_shards
-            budget = host_memory_budget(self.roundpipe, opts, self.num_microbatch, shards)
+            budget = host_memory_budget(
+                self.roundpipe, opts, self.num_microbatch, shards, async_step=self.async_step
+            )
             rank_zero_info(f"RoundPipe host memory:\n{budget}")  # as Lightning says setup facts
             check_host_memory(budget)
             # every process starts from rank 0's weights; one gradient reducer per optimizer

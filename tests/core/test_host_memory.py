@@ -103,8 +103,10 @@ def test_plain_module_lines_are_exact_and_tied_weights_count_once() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("make_opt", ["adamw", "sgd_momentum"])
 def test_roundpipe_lines_match_what_a_step_allocates(dtype: torch.dtype, make_opt: str) -> None:
-    """Masters, gradients and optimizer state are predicted to the byte; the workers'
-    stage copies cover what their ledgers recorded."""
+    """Masters, gradients and optimizer state are predicted to the byte; the next
+    iteration's gradients of an asynchronous step are one more gradient per separate
+    master; CPU workers compute on the host parameters, so their stage copies are only
+    the gradients converted to the masters' dtype (none for fp32: they become ``.grad``)."""
     rp = RoundPipe(_net(dtype), optim_dtype=torch.float32, devices="cpu:2", shared_masters=False)
     try:
         with OptimizerCtx():
@@ -129,16 +131,24 @@ def test_roundpipe_lines_match_what_a_step_allocates(dtype: torch.dtype, make_op
             t for s in opt.state.values() for k, t in s.items() if k != "step" and t.numel() > 1
         ]
         assert b.optimizer_state == _bytes(state)
-        ledger = sum(w.ledger.peak_total for w in rp.pool.workers)
-        assert ledger > 0 and b.worker_copies >= ledger
+        assert b.next_gradients == _bytes(masters)  # separate masters: the step may overlap
+        assert estimate_host_memory(rp, optimizer=opt, async_step=False).next_gradients == 0
+        params = list(net.parameters())
+        if dtype == torch.float32:
+            assert b.worker_copies == 0  # no buffers; the stage's gradients are the masters'
+        else:  # bf16 gradients held until the stage ends, beside their fp32 conversion
+            assert 0 < b.worker_copies <= _bytes(params)
     finally:
         rp.close()
 
 
 def test_worker_copies_follow_the_plan() -> None:
     """Per worker: the largest (stage + its gradients on backward + the prefetched next
-    stage) over its jobs; summed over workers."""
+    stage) over its jobs; summed over workers (workers that copy every tensor, as a
+    device with its own memory does)."""
     rp = RoundPipe(_net(), devices="cpu:2")
+    for w in rp.pool.workers:
+        w.lends_host_tensors = False
     try:
         layer = [_bytes(list(m.parameters())) for m in rp.layers]
         one_stage = ModelExecutePlan()
@@ -151,6 +161,49 @@ def test_worker_copies_follow_the_plan() -> None:
         assert 0 < b2.worker_copies < b.worker_copies
     finally:
         rp.close()
+
+
+def test_lending_workers_hold_buffers_only() -> None:
+    """CPU workers lend the host's parameters: a stage's copies are its buffers (BatchNorm
+    statistics), per worker the largest stage's plus the prefetched next one's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(W, W), nn.BatchNorm1d(W), nn.Linear(W, W), nn.BatchNorm1d(W))
+    rp = RoundPipe(net, devices="cpu:2")
+    try:
+        one_stage = ModelExecutePlan()
+        one_stage.fwd_plan, one_stage.bwd_plan = [], [range(0, 4)]
+        b = estimate_host_memory(rp, plan=one_stage, num_microbatch=2)
+        assert b.worker_copies == _bytes(list(net.buffers()))
+        assert b.next_gradients == 0  # fp32 on CPU workers: shared masters, a synchronous step
+    finally:
+        rp.close()
+
+
+def test_next_gradients_line_only_for_separate_masters() -> None:
+    shared = RoundPipe(_net(), devices="cpu:2", shared_masters=True)
+    separate = RoundPipe(_net(), devices="cpu:2", shared_masters=False)
+    try:
+        assert estimate_host_memory(shared).next_gradients == 0
+        assert estimate_host_memory(shared, async_step=True).next_gradients == 0
+        n = _bytes(separate.optim_parameters())
+        b = estimate_host_memory(separate)
+        assert (
+            b.next_gradients == n
+            and b.total == estimate_host_memory(separate, async_step=False).total + n
+        )
+        assert "next gradients (async step)" in str(b)
+        # a plain module: only when asked
+        plain = estimate_host_memory(_net(), async_step=True)
+        assert plain.next_gradients == plain.masters > 0
+        assert (
+            estimate_host_memory(_net(), async_step=True, shared_masters=True).next_gradients == 0
+        )
+        assert estimate_host_memory(_net()).next_gradients == 0
+        with pytest.raises(TypeError, match="async_step"):
+            estimate_host_memory(separate, async_step=1)  # type: ignore[arg-type]
+    finally:
+        shared.close()
+        separate.close()
 
 
 def test_activation_line() -> None:

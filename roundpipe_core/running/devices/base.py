@@ -80,6 +80,10 @@ class Worker(ABC):
     #: ``time_point()`` returns seconds of one host clock, so ``elapsed_ms(a, b)`` is
     #: ``(b - a) * 1000`` and the runtime may compute it without a call per mark.
     time_points_are_seconds = False
+    #: ``lend_in`` hands the host's parameters over as they are (device memory is host
+    #: memory): a stage holds only its buffers and carried state as copies (the host-memory
+    #: budget reads it).
+    lends_host_tensors = False
 
     def __init__(self, index: int, device: torch.device) -> None:
         self.index = index

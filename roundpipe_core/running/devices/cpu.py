@@ -109,6 +109,7 @@ class CPUWorker(Worker):
 
     kind = "cpu"
     time_points_are_seconds = True
+    lends_host_tensors = True
 
     #: How many CPU workers of one pool split the host's free memory (the pool sets it).
     share: int = 1
