@@ -100,6 +100,9 @@ def test_plain_module_lines_are_exact_and_tied_weights_count_once() -> None:
     assert bf.optimizer_state == 0
 
 
+# the worker line of CPU workers, which lend the host's parameters (under
+# ROUNDPIPE_TEST_DEVICE the workers stay CPU workers)
+@pytest.mark.cpu_backend
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("make_opt", ["adamw", "sgd_momentum"])
 def test_roundpipe_lines_match_what_a_step_allocates(dtype: torch.dtype, make_opt: str) -> None:
@@ -163,6 +166,7 @@ def test_worker_copies_follow_the_plan() -> None:
         rp.close()
 
 
+@pytest.mark.cpu_backend
 def test_lending_workers_hold_buffers_only() -> None:
     """CPU workers lend the host's parameters: a stage's copies are its buffers (BatchNorm
     statistics), per worker the largest stage's plus the prefetched next one's."""
