@@ -395,8 +395,9 @@ def upload_stage(
     (the runtime passes one per worker queue of a call: no user code runs on the host
     modules in between); a skeleton already checked and synced in it is used as is.
     The parameter and buffer tensors are copied on every upload, except that with
-    ``lend`` (nothing writes the host parameters while the stage runs) a backend whose
-    memory is the host's computes on the parameters themselves (``Worker.lend_in``)."""
+    ``lend`` a backend whose memory is the host's computes on the parameters themselves
+    (``Worker.lend_in``; ``aliases_host`` of the result says so): the caller keeps the
+    host parameters unchanged until the stage is released (:func:`upload_job`'s fence)."""
     layout = _stage_layout(worker, layers, indices, slot, epoch)
     dev: list[torch.Tensor] = []
     buffers = [layout.sources[i] for i in layout.buffer_pos]
@@ -407,7 +408,7 @@ def upload_stage(
                 for chunk, read_only in zip(layout.chunks, layout.read_only):
                     lent = worker.lend_in(chunk, read_only)
                     aliases = aliases or any(
-                        d.data_ptr() == h.data_ptr() for d, h in zip(lent, chunk)
+                        d.data_ptr() == h.data_ptr() != 0 for d, h in zip(lent, chunk)
                     )
                     dev.extend(lent)
             else:
