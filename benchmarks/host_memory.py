@@ -152,7 +152,7 @@ def child_core(width: int, blocks: int, dtype: str, steps: int) -> dict[str, Any
     rp = RoundPipe(net, optim_dtype=torch.float32, devices="cpu:2")
     with OptimizerCtx():
         opt = torch.optim.AdamW(rp.parameters(), lr=1e-4)
-    budget = estimate_host_memory(rp, optimizer=opt, num_microbatch=3)
+    budget = estimate_host_memory(rp, optimizer=opt, num_microbatch=3, async_step=False)
     x, y = _data(width, dtype)
     for _ in range(steps):
         rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
@@ -217,7 +217,10 @@ def child_lightning_train(width: int, blocks: int, variant: str, steps: int) -> 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             target = pl_module.net if variant == "plain" else pl_module.roundpipe
             budget = estimate_host_memory(
-                target, optimizer=list(trainer.optimizers), shared_masters=True
+                target,
+                optimizer=list(trainer.optimizers),
+                shared_masters=True,
+                async_step=variant == "async",
             )
             predicted["total"] = budget.total
 
@@ -262,6 +265,9 @@ def child_lightning(
 
     from roundpipe_lightning import RoundPipeStrategy
 
+    # "fp32-async": the fp32 model with RoundPipeStrategy(async_step=True)
+    is_async = dtype.endswith("-async")
+    dtype = dtype.removesuffix("-async")
     Lit = _lit_class(width, blocks)
 
     peaks: dict[str, int] = {}
@@ -275,8 +281,11 @@ def child_lightning(
             peaks.setdefault("restore", _peak() - base)
             _reset_peak()
 
-        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             if trainer.global_step == steps and "train" not in peaks:
+                # an overlapped (async_step=True) iteration may still be running: its
+                # peak is training's, not the save's
+                pl_module.roundpipe.synchronize()
                 peaks["train"] = _peak() - base
                 _reset_peak()
                 trainer.save_checkpoint(ckpt)
@@ -288,7 +297,7 @@ def child_lightning(
     def trainer(max_steps: int) -> L.Trainer:
         kw: dict[str, Any] = {} if io == "streaming" else {"checkpoint_io": TorchCheckpointIO()}
         return L.Trainer(
-            strategy=RoundPipeStrategy(num_microbatch=3, async_step=False, **kw),
+            strategy=RoundPipeStrategy(num_microbatch=3, async_step=is_async, **kw),
             accelerator="cpu",
             devices=2,
             precision="bf16-true" if dtype == "bf16" else "32-true",
@@ -479,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         ck: dict[tuple[str, str], list[dict[str, Any]]] = {}
         with tempfile.TemporaryDirectory() as d:
             for r in range(a.rounds):
-                for dtype in ("fp32", "bf16"):
+                for dtype in ("fp32", "fp32-async", "bf16"):
                     for io in ("streaming", "torch"):
                         path = os.path.join(d, f"{dtype}-{io}-{r}.ckpt")
                         ck.setdefault((dtype, io), []).append(

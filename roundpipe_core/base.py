@@ -401,16 +401,12 @@ class RoundPipeBase(nn.Module):
 
     @property
     def uploads_lend_parameters(self) -> bool:
-        """Whether every upload computes on the host's parameters instead of copying them:
-        the devices' memory is the host's and every master is the model's own weight (no
-        step writes the weights while a call runs). The planner counts such parameters
-        as free on the device."""
+        """Whether every upload computes on the host's parameters instead of copying them
+        (the devices' memory is the host's: ``Worker.lends_host_tensors``; a newer step's
+        weights wait until the stage using them is released). The planner counts such
+        parameters as free on the device."""
         workers = self.pool.workers
-        return (
-            bool(workers)
-            and all(w.memory_is_host for w in workers)
-            and not self._home().masters.copies
-        )
+        return bool(workers) and all(w.lends_host_tensors for w in workers)
 
     @staticmethod
     def default_shared_masters(pool: DevicePool) -> bool:

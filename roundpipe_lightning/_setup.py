@@ -472,14 +472,20 @@ def host_memory_budget(
     optimizers: list[Optimizer],
     num_microbatch: int | None,
     state_shards: int = 1,
+    async_step: bool | None = None,
 ) -> HostMemoryBudget:
     """The host memory ``rp`` trained by ``optimizers`` needs (``state_shards``: the
-    processes the optimizer state is sharded over). An optimizer whose state size is
+    processes the optimizer state is sharded over; ``async_step``: whether the step
+    overlaps the next iteration, whose gradients then arrive beside the step's). An optimizer whose state size is
     unknown (a third-party class) does not stop training: the budget assumes Adam's two
     states per parameter and says so once."""
     try:
         return estimate_host_memory(
-            rp, optimizer=optimizers, num_microbatch=num_microbatch, state_shards=state_shards
+            rp,
+            optimizer=optimizers,
+            num_microbatch=num_microbatch,
+            state_shards=state_shards,
+            async_step=async_step,
         )
     except UnknownOptimizerError as exc:
         names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
@@ -494,6 +500,7 @@ def host_memory_budget(
             optimizer_states=ASSUMED_OPTIMIZER_STATES,
             num_microbatch=num_microbatch,
             state_shards=state_shards,
+            async_step=async_step,
         )
 
 

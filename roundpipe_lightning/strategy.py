@@ -1,23 +1,21 @@
 """``RoundPipeStrategy``: train a LightningModule's ``nn.Sequential`` with RoundPipe.
 
-At setup the strategy wraps what ``configure_sequential()`` returns in a plain
-``RoundPipe`` whose pool is the Trainer's devices (``accelerator="cpu",
-devices=N``: N CPU workers; ``"gpu"``: N GPUs), in this one process, and sets
-``lightning_module.roundpipe``. It composes the engine through its hooks:
-``loss_multiplier`` (``1/accumulate_grad_batches`` times the loss scale),
-``set_plan`` (layouts, ``AutoReplan``) and the caller's autocast state, which
-the engine carries to its worker threads.
+At setup the strategy wraps what ``configure_sequential()`` returns in a plain ``RoundPipe``
+whose pool is the Trainer's devices (``accelerator="cpu", devices=N``: N CPU workers; ``"gpu"``:
+N GPUs), in this one process, and sets ``lightning_module.roundpipe``. It composes the engine
+through its hooks: ``loss_multiplier`` (``1/accumulate_grad_batches`` times the loss scale),
+``set_plan`` (layouts, ``AutoReplan``) and the caller's autocast state, which the engine carries
+to its worker threads.
 
 * ``training_step`` calls ``self.roundpipe.forward_backward(...)`` (any of the
   engine's arguments, ``blocking=False`` included): it already backpropagated
   into the fp32 master gradients, so its backward is a no-op; a loss built from
   ``self.roundpipe(x)`` is backpropagated through the pipeline as usual.
-* The optimizer built in ``configure_optimizers`` is pointed at the masters; its
-  step is ``roundpipe.step(step_fn, is_async=async_step)``. Everything that looks
-  at gradients (reduction over processes, unscaling, ``on_before_optimizer_step``,
-  clipping) runs on the main thread first (:class:`RoundPipePrecision`);
-  ``step_fn`` runs ``optimizer.step()`` with the hyperparameters of the moment it
-  was queued, then clears the gradients (Lightning's ``zero_grad`` is a no-op).
+* The optimizer built in ``configure_optimizers`` is pointed at the masters; its step is
+  ``roundpipe.step(step_fn, is_async=async_step)``. Everything that looks at gradients (reduction
+  over processes, unscaling, ``on_before_optimizer_step``, clipping) runs on the main thread first
+  (:class:`RoundPipePrecision`); ``step_fn`` runs ``optimizer.step()`` with the hyperparameters of
+  the moment it was queued, then clears the gradients (Lightning's ``zero_grad`` is a no-op).
 * With ``async_step=True`` the weights are flushed before every hook where users
   read them: epoch and training end, validation / test / predict start, checkpoints.
 * With ``async_step=True`` (and ``overlap_iterations=True``, the default) iterations
@@ -293,7 +291,9 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
             # refuse, with numbers, a run whose state cannot fit in host memory
             opts, shards = [raw_optimizer(o) for o in self.optimizers], self._dp.state_shards
-            budget = host_memory_budget(self.roundpipe, opts, self.num_microbatch, shards)
+            budget = host_memory_budget(
+                self.roundpipe, opts, self.num_microbatch, shards, self.async_step
+            )
             rank_zero_info(f"RoundPipe host memory:\n{budget}")  # as Lightning says setup facts
             check_host_memory(budget)
             # every process starts from rank 0's weights; one gradient reducer per optimizer

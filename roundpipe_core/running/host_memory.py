@@ -11,21 +11,20 @@ masters                   the optimizer's copies of the trainable parameters
                           (``optim_dtype``); none where a parameter is its own master
                           (``shared_masters=True``: same dtype, synchronous step)
 gradients                 one gradient per master (``optim_dtype``)
+next gradients            with an asynchronous step (separate masters): the next
+                          iteration's gradients, which arrive while the step still
+                          reads this iteration's (``async_step``)
 optimizer state           states per parameter x master size: Adam/AdamW 2, SGD with
                           momentum 1, without 0, ... (see :data:`OPTIMIZER_STATES`);
                           1/N of it with the host state sharded over N data-parallel
                           ranks (``state_shards=N``)
 pinned buffers            CUDA only: slab rounding of ``pin_model="alloc"`` and the
                           pinned gradient-download buffers
-worker stage copies       CPU workers only: each worker's copy of the stage it runs,
-                          its gradients and the prefetched next stage (from the plan);
-                          with shared masters (steps synchronous, so a blocking call
-                          computes on the host's weights: ``Worker.lend_in``) only the
-                          stage's buffers are copies; its gradients are still counted
-                          (with accumulation a call's gradients exist beside the
-                          masters' until they are added). Other RoundPipes are budgeted
-                          with copies, what pipelined calls and calls racing an
-                          asynchronous step's copy make
+worker stage copies       CPU workers only: what each worker holds beside the host
+                          state for the stage it runs and the prefetched next one (from
+                          the plan): the stage computes on the host's parameters, so its
+                          buffers and carried quant state (copied), and its gradients
+                          where they are converted to the masters' dtype
 activations               stage-boundary activations kept for recompute (if given)
 ========================  ==========================================================
 
@@ -194,8 +193,8 @@ class HostMemoryBudget:
 
     Attributes:
         num_params: parameters of the model (tied ones once).
-        weights, masters, gradients, optimizer_state, pinned, worker_copies, activations:
-            bytes of each line.
+        weights, masters, gradients, optimizer_state, pinned, worker_copies, activations,
+        next_gradients: bytes of each line.
         already_allocated: bytes of the lines above that existed when the estimate was
             made (the weights, and the masters of a built RoundPipe); only the rest
             still has to fit into available memory.
@@ -215,6 +214,7 @@ class HostMemoryBudget:
     already_allocated: int = 0
     optimizer: str = ""
     process: int = 0
+    next_gradients: int = 0
 
     @property
     def total(self) -> int:
@@ -223,6 +223,7 @@ class HostMemoryBudget:
             self.weights
             + self.masters
             + self.gradients
+            + self.next_gradients
             + self.optimizer_state
             + self.pinned
             + self.worker_copies
@@ -249,6 +250,7 @@ class HostMemoryBudget:
             ("weights", self.weights),
             ("masters", self.masters),
             ("gradients", self.gradients),
+            ("next gradients (async step)", self.next_gradients),
             (
                 f"optimizer state ({self.optimizer})" if self.optimizer else "optimizer state",
                 self.optimizer_state,
@@ -308,25 +310,28 @@ def _existing_state_bytes(masters: Iterable[torch.Tensor], optimizers: list | No
     return grads + _unique_storage_bytes(states)
 
 
-def _worker_copies(rp: Any, plan: Any, num_microbatch: int) -> int:
+def _worker_copies(rp: Any, plan: Any, num_microbatch: int, master_dtype: dict[int, Any]) -> int:
     """Peak bytes the CPU workers hold together: per worker, the largest (stage copy +
     its gradients + the next stage it prefetches) over its jobs in the plan's schedule.
-    With shared masters the workers compute on the host's parameters (``lend_in``):
-    only buffers and carried tensors are copies."""
+
+    Workers that lend the host's parameters (``Worker.lends_host_tensors``, the CPU
+    backend) copy only a stage's buffers and carried state, and their gradients become
+    the masters' ``.grad`` (the gradients line) unless converted to another dtype
+    (``master_dtype``: master dtype per model parameter id), which holds both for a while."""
     from ..planning.schedule import FORWARD, build_schedule, jobs_by_device
 
-    lent = bool(getattr(rp, "shared_masters", False))
+    lends = all(getattr(w, "lends_host_tensors", False) for w in rp.pool.workers)
     layer_bytes: list[int] = []
     layer_grads: list[int] = []
     for layer in rp.layers:
-        tensors = list(layer.buffers()) + carried_tensors(layer)
-        if not lent:
-            tensors += list(layer.parameters())
-        layer_bytes.append(_unique_storage_bytes(tensors))
+        params = list({id(p): p for p in layer.parameters()}.values())
+        copied = list(layer.buffers()) + carried_tensors(layer)
+        layer_bytes.append(_unique_storage_bytes(copied if lends else params + copied))
         layer_grads.append(
             sum(
                 _nbytes(p)
-                for p in {id(p): p for p in layer.parameters() if p.requires_grad}.values()
+                for p in params
+                if p.requires_grad and (not lends or master_dtype.get(id(p), p.dtype) != p.dtype)
             )
         )
     jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch)
@@ -355,6 +360,7 @@ def estimate_host_memory(
     plan: Any = None,
     shared_masters: bool = False,
     state_shards: int = 1,
+    async_step: bool | None = None,
 ) -> HostMemoryBudget:
     """The host bytes a training run of ``model`` needs at its peak (see the module docstring).
 
@@ -383,6 +389,12 @@ def estimate_host_memory(
             (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it. The
             gradients stay whole (a backward produces all of them before they are
             reduced to their owners), and so do the masters.
+        async_step: whether the step overlaps the next iteration (``step(is_async=True)``,
+            ``RoundPipeStrategy(async_step=True)``): the next iteration's gradients of the
+            separate masters then arrive while the step reads this iteration's (the "next
+            gradients" line). Default: a RoundPipe with separate masters for some trainable
+            parameter (what an asynchronous step needs; a shared master makes every step
+            synchronous); False for a plain module.
 
     Raises:
         TypeError / ValueError: for a non-module, a negative byte count or an
@@ -400,6 +412,8 @@ def estimate_host_memory(
         raise ValueError(f"state_shards must be an int >= 1 (ranks), got {state_shards!r}")
     if not isinstance(shared_masters, bool):
         raise TypeError(f"shared_masters must be True or False, got {shared_masters!r}")
+    if async_step is not None and not isinstance(async_step, bool):
+        raise TypeError(f"async_step must be True, False or None, got {async_step!r}")
     if not isinstance(activation_bytes_per_microbatch, int) or activation_bytes_per_microbatch < 0:
         raise ValueError(
             f"activation_bytes_per_microbatch must be an int >= 0 (bytes), got {activation_bytes_per_microbatch!r}"
@@ -431,11 +445,16 @@ def estimate_host_memory(
     weight_ptrs = {
         t.untyped_storage().data_ptr() for t in list(inner.parameters()) + list(inner.buffers())
     }
+    next_gradients = 0
     if pairs is not None:
         mlist = list({id(m): m for _, m in pairs}.values())
         masters = _unique_storage_bytes(mlist, skip=weight_ptrs)
         master_numel_bytes = sum(_nbytes(m) for m in mlist)
         already = weights + masters
+        separate = {id(m): m for p, m in pairs if m is not p}
+        if async_step if async_step is not None else bool(separate):
+            # a shared master's step is always synchronous: only separate ones overlap
+            next_gradients = sum(_nbytes(m) for m in separate.values())
     else:
         dtype = optim_dtype
         trainable = [p for p in params.values() if p.requires_grad]
@@ -450,6 +469,8 @@ def estimate_host_memory(
             if not (shared_masters and (dtype or p.dtype) == p.dtype and p.device.type == "cpu")
         )
         already = weights
+        if async_step:
+            next_gradients = masters  # a gradient per separate master, in its dtype
     gradients = master_numel_bytes
     if optimizers is not None and optimizer_states is None:
         # each optimizer keeps state for the parameters it holds (the strategy's masters)
@@ -481,7 +502,8 @@ def estimate_host_memory(
         if rp.pool.is_cuda:
             pinned = _cuda_pinned(rp, run_plan)
         else:
-            worker_copies = _worker_copies(rp, run_plan, m)
+            master_dtype = {id(p): mm.dtype for p, mm in pairs}
+            worker_copies = _worker_copies(rp, run_plan, m, master_dtype)
         activations = activation_bytes_per_microbatch * m * max(len(run_plan.fwd_plan), 1)
     elif activation_bytes_per_microbatch:
         activations = activation_bytes_per_microbatch * (num_microbatch or 1)
@@ -492,6 +514,7 @@ def estimate_host_memory(
         weights=weights,
         masters=masters,
         gradients=gradients,
+        next_gradients=next_gradients,
         optimizer_state=optimizer_state,
         pinned=pinned,
         worker_copies=worker_copies,

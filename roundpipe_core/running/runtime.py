@@ -119,7 +119,7 @@ class PipelineRun:
         # in, its output out), "gradient" (the stage's parameter gradients out)
         self.transfer_spans: list[tuple[str, int, str, float, float]] = []
         # The uploads' weight-version gate and this run's reader (pipelined.py); None: no
-        # one writes the host weights during the run, so uploads may lend them (upload_job)
+        # one writes the host weights during the run (upload_job: how uploads lend them)
         self.weights = weights
         self.reader = reader
         self.auto_cut = auto_cut  # inputs the automatic split cut: a layer's error lists them

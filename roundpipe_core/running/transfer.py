@@ -18,6 +18,7 @@ call, so that a job costs its copies and little else.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -82,9 +83,11 @@ class StageReplica:
     replicas in the job's layer order (the runtime indexes them per layer),
     ``held`` the device tensors in the replicas' slots (parameters wrapped so that
     gradients land on them), ``param_tensors`` what the worker's uploads returned
-    (what :func:`release_stage` hands back)."""
+    (what :func:`release_stage` hands back). ``released`` (set by :func:`upload_job` for
+    a stage computing on host tensors while a newer weight version may be published) is
+    set when the stage is released: until then the host weights must not change."""
 
-    __slots__ = ("worker", "layout", "held", "param_tensors", "modules")
+    __slots__ = ("worker", "layout", "held", "param_tensors", "modules", "aliases_host", "released")
 
     def __init__(
         self,
@@ -98,6 +101,8 @@ class StageReplica:
         self.held = held
         self.param_tensors = param_tensors
         self.modules: list[nn.Module] = layout.modules
+        self.aliases_host = False  # some device tensor is a host tensor itself (lent)
+        self.released: threading.Event | None = None
 
     def layer(self, index: int) -> nn.Module:
         """The replica of model layer ``index`` (``KeyError`` if not in this stage)."""
@@ -390,16 +395,22 @@ def upload_stage(
     (the runtime passes one per worker queue of a call: no user code runs on the host
     modules in between); a skeleton already checked and synced in it is used as is.
     The parameter and buffer tensors are copied on every upload, except that with
-    ``lend`` (nothing writes the host parameters while the stage runs) a backend whose
-    memory is the host's computes on the parameters themselves (``Worker.lend_in``)."""
+    ``lend`` a backend whose memory is the host's computes on the parameters themselves
+    (``Worker.lend_in``; ``aliases_host`` of the result says so): the caller keeps the
+    host parameters unchanged until the stage is released (:func:`upload_job`'s fence)."""
     layout = _stage_layout(worker, layers, indices, slot, epoch)
     dev: list[torch.Tensor] = []
     buffers = [layout.sources[i] for i in layout.buffer_pos]
     try:
         with reading_buffers(worker, buffers):  # a write-back waits for these reads
+            aliases = False
             if lend:
                 for chunk, read_only in zip(layout.chunks, layout.read_only):
-                    dev.extend(worker.lend_in(chunk, read_only))
+                    lent = worker.lend_in(chunk, read_only)
+                    aliases = aliases or any(
+                        d.data_ptr() == h.data_ptr() != 0 for d, h in zip(lent, chunk)
+                    )
+                    dev.extend(lent)
             else:
                 for chunk in layout.chunks:
                     dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
@@ -415,7 +426,9 @@ def upload_stage(
         # and the ledger (device memory on CUDA) until those skeletons are next used.
         release_stage(StageReplica(worker, layout, [], dev))
         raise
-    return StageReplica(worker, layout, held, dev)
+    stage = StageReplica(worker, layout, held, dev)
+    stage.aliases_host = aliases
+    return stage
 
 
 def _carry(layout: _StageLayout, dev: list[torch.Tensor]) -> list[Any]:
@@ -494,6 +507,8 @@ def release_stage(stage: StageReplica) -> None:
         carried.detach()
     stage.held = []
     stage.param_tensors = []
+    if stage.released is not None:
+        stage.released.set()
 
 
 def note_transfer(run: Any, lane: str, worker: Worker, name: str, start: float) -> None:
@@ -505,7 +520,9 @@ def note_transfer(run: Any, lane: str, worker: Worker, name: str, start: float) 
 
 class WeightGate(Protocol):
     """Which weight version the host copy holds (``pipelined.WeightVersions``): a
-    pipelined run's upload waits until the layers hold the version it reads."""
+    pipelined run's upload waits until the layers hold the version it reads, and a
+    newer version is copied into the host only after the fences of the older runs'
+    uploads of those layers returned."""
 
     def ready(self, reader: Any, layers: Sequence[int]) -> bool: ...
 
@@ -528,12 +545,35 @@ def upload_job(
         if not wait and not run.weights.ready(run.reader, layers):
             return None
         run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
-    # without a weight gate nothing writes the host weights while this call runs (see
-    # PipelineRun.weights): a host-memory backend may compute on them
-    stage = upload_stage(
-        worker, [run.layers[i] for i in layers], layers, slot, epoch, lend=run.weights is None
-    )
+    # A host-memory backend computes on the host weights (a copy would hold the stage
+    # twice in host memory, next to the weights it copied); a backend with its own memory
+    # (CUDA) copies in lend_in. Without a weight gate nothing writes the host weights while
+    # this call runs (PipelineRun.weights). With one, the publication of a newer version
+    # waits for the fence given below: for lent tensors, until the stage computing on
+    # them is released (not only until they are read).
+    stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot, epoch, lend=True)
     if run.weights is not None:
-        # the host copy of these layers may be overwritten once this upload has read it
-        run.weights.uploaded(run.reader, layers, worker.param_fence())
+        if stage.aliases_host:
+            stage.released = threading.Event()
+            fence = _release_fence(run, stage.released)
+        else:
+            # the host copy of these layers may be overwritten once this upload has read it
+            fence = worker.param_fence()
+        run.weights.uploaded(run.reader, layers, fence)
     return stage
+
+
+#: how often a publication waiting for a lent stage's release checks the run's failure
+_RELEASE_WAIT_S = 0.05
+
+
+def _release_fence(run: Any, released: threading.Event) -> Callable[[], None]:
+    """A fence that blocks until a stage computing on host weights is released, or its run
+    failed (its results are dropped then; the worker releases the stage as it unwinds)."""
+
+    def fence() -> None:
+        while not released.wait(_RELEASE_WAIT_S):
+            if run.failed is not None:
+                return
+
+    return fence

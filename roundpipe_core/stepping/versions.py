@@ -5,9 +5,11 @@ weights produced by step v (0 = the initial ones). A run that overlaps others
 (``forward_backward(blocking=False)``), or a blocking call issued while the optimizer
 thread still copies an asynchronous step's weights into the model, reads one version.
 The new version of a parameter may be copied into the host copy (*published*) only
-after every older-version run holding it has finished uploading it (device copies
-are private, so the host may change after the upload), and an upload of a layer
-waits until the version its run reads is published. Tied parameters are handled per
+after every older-version run holding it has finished uploading it and the fences of
+those uploads returned (a device copy is private, so the host may change once it was
+read; a CPU worker computes on the host tensors themselves, so its fence waits until the
+stage is released), and an upload of a layer waits until the version its run reads is
+published. Tied parameters are handled per
 parameter: all layers holding one are waited for.
 
 The publication runs on the optimizer thread (``stepper.py``); the readers are the
@@ -116,7 +118,8 @@ class WeightVersions:
                 self._cond.wait(_WAIT_SLICE_S)
 
     def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
-        """``reader`` issued the upload of ``layers``; ``fence()`` blocks until it has read the host."""
+        """``reader`` issued the upload of ``layers``; ``fence()`` blocks until the host copy
+        may change under it (read by a device; released, where it computes on the host's)."""
         with self._cond:
             for i in layers:
                 reader.pending[i] -= 1

@@ -100,11 +100,16 @@ def test_plain_module_lines_are_exact_and_tied_weights_count_once() -> None:
     assert bf.optimizer_state == 0
 
 
+# the worker line of CPU workers, which lend the host's parameters (under
+# ROUNDPIPE_TEST_DEVICE the workers stay CPU workers)
+@pytest.mark.cpu_backend
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("make_opt", ["adamw", "sgd_momentum"])
 def test_roundpipe_lines_match_what_a_step_allocates(dtype: torch.dtype, make_opt: str) -> None:
-    """Masters, gradients and optimizer state are predicted to the byte; the workers'
-    stage copies cover what their ledgers recorded."""
+    """Masters, gradients and optimizer state are predicted to the byte; the next
+    iteration's gradients of an asynchronous step are one more gradient per separate
+    master; CPU workers compute on the host parameters, so their stage copies are only
+    the gradients converted to the masters' dtype (none for fp32: they become ``.grad``)."""
     rp = RoundPipe(_net(dtype), optim_dtype=torch.float32, devices="cpu:2", shared_masters=False)
     try:
         with OptimizerCtx():
@@ -129,48 +134,34 @@ def test_roundpipe_lines_match_what_a_step_allocates(dtype: torch.dtype, make_op
             t for s in opt.state.values() for k, t in s.items() if k != "step" and t.numel() > 1
         ]
         assert b.optimizer_state == _bytes(state)
-        ledger = sum(w.ledger.peak_total for w in rp.pool.workers)
-        assert ledger > 0 and b.worker_copies >= ledger
+        assert b.next_gradients == _bytes(masters)  # separate masters: the step may overlap
+        assert estimate_host_memory(rp, optimizer=opt, async_step=False).next_gradients == 0
+        params = list(net.parameters())
+        if dtype == torch.float32:
+            assert b.worker_copies == 0  # no buffers; the stage's gradients are the masters'
+        else:  # bf16 gradients held until the stage ends, beside their fp32 conversion
+            assert 0 < b.worker_copies <= _bytes(params)
     finally:
         rp.close()
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_worker_copies_follow_the_plan(shared: bool) -> None:
+def test_worker_copies_follow_the_plan() -> None:
     """Per worker: the largest (stage + its gradients on backward + the prefetched next
-    stage) over its jobs; summed over workers. With shared masters the workers compute
-    on the host's parameters: only the gradients remain (this model has no buffers)."""
-    rp = RoundPipe(_net(), devices="cpu:2", shared_masters=shared)
+    stage) over its jobs; summed over workers (workers that copy every tensor, as a
+    device with its own memory does)."""
+    rp = RoundPipe(_net(), devices="cpu:2")
+    for w in rp.pool.workers:
+        w.lends_host_tensors = False
     try:
         layer = [_bytes(list(m.parameters())) for m in rp.layers]
         one_stage = ModelExecutePlan()
         one_stage.fwd_plan, one_stage.bwd_plan = [], [range(0, 5)]
         b = estimate_host_memory(rp, plan=one_stage, num_microbatch=2)
-        # a single fused job on worker 0: weights (unless lent) + their gradients
-        assert b.worker_copies == (1 if shared else 2) * sum(layer)
+        # a single fused job on worker 0: weights + their gradients; worker 1 idle
+        assert b.worker_copies == 2 * sum(layer)
         per_layer = ModelExecutePlan.uniform(5, 5, "fused")
         b2 = estimate_host_memory(rp, plan=per_layer, num_microbatch=2)
         assert 0 < b2.worker_copies < b.worker_copies
-    finally:
-        rp.close()
-
-
-def test_shared_masters_workers_copy_only_buffers() -> None:
-    """What a blocking call's workers copy with shared masters: the ledger's "param"
-    channel (lend_in records the aliases there) is not host memory; the budget counts
-    the gradients, which are new tensors."""
-    rp = RoundPipe(_net(), devices="cpu:2", shared_masters=True)
-    try:
-        b = estimate_host_memory(rp, num_microbatch=3)
-        grads = _bytes([p for p in rp.model.parameters()])
-        x = torch.randn(6, W)
-        rp.forward_backward(input_args=(x,), label=x, loss_fn=lambda o, t: ((o - t) ** 2).mean())
-        rp.synchronize()
-        # every parameter is its own master: what the call allocated for it is its .grad
-        assert all(
-            p.grad is not None and p.grad.data_ptr() != p.data_ptr() for p in rp.model.parameters()
-        )
-        assert 0 < b.worker_copies <= grads
     finally:
         rp.close()
 
@@ -225,6 +216,50 @@ def test_limit_heap_retention_returns_freed_tensors_to_the_system() -> None:
     applied, released = out.stdout.split()
     assert applied == "True"
     assert int(released) >= 15, f"only {released} MiB of a freed 16 MiB tensor left the process"
+
+
+@pytest.mark.cpu_backend
+def test_lending_workers_hold_buffers_only() -> None:
+    """CPU workers lend the host's parameters: a stage's copies are its buffers (BatchNorm
+    statistics), per worker the largest stage's plus the prefetched next one's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(W, W), nn.BatchNorm1d(W), nn.Linear(W, W), nn.BatchNorm1d(W))
+    rp = RoundPipe(net, devices="cpu:2")
+    try:
+        one_stage = ModelExecutePlan()
+        one_stage.fwd_plan, one_stage.bwd_plan = [], [range(0, 4)]
+        b = estimate_host_memory(rp, plan=one_stage, num_microbatch=2)
+        assert b.worker_copies == _bytes(list(net.buffers()))
+        assert b.next_gradients == 0  # fp32 on CPU workers: shared masters, a synchronous step
+    finally:
+        rp.close()
+
+
+def test_next_gradients_line_only_for_separate_masters() -> None:
+    shared = RoundPipe(_net(), devices="cpu:2", shared_masters=True)
+    separate = RoundPipe(_net(), devices="cpu:2", shared_masters=False)
+    try:
+        assert estimate_host_memory(shared).next_gradients == 0
+        assert estimate_host_memory(shared, async_step=True).next_gradients == 0
+        n = _bytes(separate.optim_parameters())
+        b = estimate_host_memory(separate)
+        assert (
+            b.next_gradients == n
+            and b.total == estimate_host_memory(separate, async_step=False).total + n
+        )
+        assert "next gradients (async step)" in str(b)
+        # a plain module: only when asked
+        plain = estimate_host_memory(_net(), async_step=True)
+        assert plain.next_gradients == plain.masters > 0
+        assert (
+            estimate_host_memory(_net(), async_step=True, shared_masters=True).next_gradients == 0
+        )
+        assert estimate_host_memory(_net()).next_gradients == 0
+        with pytest.raises(TypeError, match="async_step"):
+            estimate_host_memory(separate, async_step=1)  # type: ignore[arg-type]
+    finally:
+        shared.close()
+        separate.close()
 
 
 def test_activation_line() -> None:

@@ -133,7 +133,14 @@ class _Slow(nn.Module):
 
 
 @pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
-def test_next_iteration_starts_before_the_previous_one_ends():
+def test_next_iteration_starts_before_the_previous_one_ends(monkeypatch):
+    # the overlap of a backend whose uploads copy (CUDA): a CPU worker computes on the
+    # host weights instead, so a newer version waits until its stage is released
+    # (tests/core/test_cpu_lending.py), which is what lets iteration k+1 start early
+    from roundpipe_core.running.devices.base import Worker
+    from roundpipe_core.running.devices.cpu import CPUWorker
+
+    monkeypatch.setattr(CPUWorker, "lend_in", Worker.lend_in)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 12), *[_Slow() for _ in range(4)], nn.Linear(12, 4))
     # separate masters: the asynchronous step lets iteration k+1 start under k's backward

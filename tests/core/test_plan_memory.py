@@ -183,9 +183,11 @@ def test_auto_reads_activation_bytes_a_model_records():
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
-    # separate masters: uploads copy the parameters (a CPU pool with shared masters lends
-    # them, and the cap differs: see test_lent_parameters_cost_a_cpu_stage_nothing)
-    rp = RoundPipe(model, devices="cpu:2", shared_masters=False)
+    rp = RoundPipe(model, devices="cpu:2")
+    # workers that copy, as a device with its own memory does (CPU workers lend the host's
+    # parameters, and the cap differs: see test_lent_parameters_cost_a_cpu_stage_nothing)
+    for w in rp.pool.workers:
+        w.lends_host_tensors = False
     try:
         assert not rp.uploads_lend_parameters
         layer = (64 * 64 + 64) * 4
@@ -205,10 +207,10 @@ def test_auto_reads_activation_bytes_a_model_records():
 
 @pytest.mark.cpu_backend  # about CPU workers themselves: under fake CUDA they stay CPU workers
 def test_lent_parameters_cost_a_cpu_stage_nothing():
-    """CPU workers with shared masters compute on the host's parameters (no copy, nothing
-    to prefetch): the planner counts only gradients and activations per stage, under the
-    whole limit. With separate masters (an asynchronous step writes the weights while
-    calls run) uploads copy, and parameters count as on a GPU."""
+    """CPU workers compute on the host's parameters (no copy, nothing to prefetch): the
+    planner counts only gradients and activations per stage, under the whole limit.
+    Workers that copy (a device with memory of its own) count parameters too, and the
+    prefetched next stage's."""
     from roundpipe_core import RoundPipe
 
     torch.manual_seed(0)
@@ -217,19 +219,17 @@ def test_lent_parameters_cost_a_cpu_stage_nothing():
     # parameters and the prefetch half it would take 4x that
     limit_gb = 6 * 2 * layer * 1.01 / 1024**3
     plans = {}
-    for shared in (True, False):
-        rp = RoundPipe(
-            nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]),
-            devices="cpu:2",
-            shared_masters=shared,
-        )
+    for lends in (True, False):
+        rp = RoundPipe(nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]), devices="cpu:2")
+        for w in rp.pool.workers:
+            w.lends_host_tensors = lends
         try:
-            assert rp.uploads_lend_parameters is shared
+            assert rp.uploads_lend_parameters is lends
             rp.layer_activation_bytes = [layer] * 6
             prof = profile_of(rp)
-            assert list(prof.param_bytes) == ([0] * 6 if shared else [layer] * 6)
+            assert list(prof.param_bytes) == ([0] * 6 if lends else [layer] * 6)
             assert list(prof.grad_bytes) == [layer] * 6  # gradients are real memory
-            plans[shared] = ModelExecutePlan.auto("fused", rp, model_memory_limit=limit_gb)
+            plans[lends] = ModelExecutePlan.auto("fused", rp, model_memory_limit=limit_gb)
         finally:
             rp.close()
     assert plans[True].bwd_plan == [range(0, 6)], plans[True]  # one fused stage

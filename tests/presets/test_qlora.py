@@ -244,6 +244,27 @@ def _quant_state_tensors(model) -> list[torch.Tensor]:
     return out
 
 
+def test_cpu_workers_budget_only_the_quant_state_they_copy(saved) -> None:
+    """CPU workers compute on the host's packed weights (lent) and copy only the quant
+    state and buffers: the budget's worker line is those bytes, not the packed (nor the
+    dequantized) weights; the LoRA gradients are the masters' (fp32 both)."""
+    from roundpipe_core import ModelExecutePlan
+    from roundpipe_core.running.host_memory import estimate_host_memory
+
+    pm = load_qlora(saved, "nf4-dq")
+    rp = wrap_model_to_roundpipe(pm, devices=2)
+    try:
+        one_stage = ModelExecutePlan()
+        one_stage.fwd_plan, one_stage.bwd_plan = [], [range(0, rp.num_layers)]
+        budget = estimate_host_memory(rp, optimizer="adamw", plan=one_stage, num_microbatch=2)
+        copied = list(pm.buffers()) + _quant_state_tensors(pm)
+        want = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in copied}
+        assert budget.worker_copies == sum(want.values())
+        assert 0 < budget.worker_copies < budget.weights / 4
+    finally:
+        rp.close()
+
+
 @pytest.mark.parametrize("quant", ["nf4", "nf4-dq"])
 def test_host_memory_budget_counts_packed_weights_and_quant_state(saved, quant: str) -> None:
     from roundpipe_core.running.host_memory import estimate_host_memory

@@ -77,15 +77,16 @@ class Worker(ABC):
     """
 
     kind = "abstract"
-    #: The device's memory is the host's: ``lend_in`` hands a stage the host tensors
-    #: it only reads, without a copy.
-    memory_is_host = False
     #: Whether model code on this worker draws from the host's (CPU) generator, so that
     #: replaying the worker's generator state replays a layer's CPU draws too.
     draws_from_host_generator = True
     #: ``time_point()`` returns seconds of one host clock, so ``elapsed_ms(a, b)`` is
     #: ``(b - a) * 1000`` and the runtime may compute it without a call per mark.
     time_points_are_seconds = False
+    #: ``lend_in`` hands the host's parameters over as they are (device memory is host
+    #: memory): a stage holds only its buffers and carried state as copies (the host-memory
+    #: budget reads it).
+    lends_host_tensors = False
 
     def __init__(self, index: int, device: torch.device) -> None:
         self.index = index

@@ -1,8 +1,8 @@
 """CPU backend: a thread that plays a device.
 
-Its memory is the host's. An upload copies a stage's weights into buffers of its
-own -- or, where nothing writes the host weights during the call, hands the stage
-aliases of the host parameters (``lend_in``; buffers are still copied) -- then it
+Its memory is the host's. An upload hands the stage aliases of the host parameters
+(``lend_in``; buffers are still copied; a newer weight version is copied into the host
+only after the stage is released, ``transfer.upload_job``) -- then it
 runs the stage, hands what the stage produced (outputs, gradients) back without
 copying it, and keeps a ledger of the bytes a device would hold.
 All model code of the CPU backend runs under one process-wide lock: the CPU
@@ -109,7 +109,7 @@ class CPUWorker(Worker):
 
     kind = "cpu"
     time_points_are_seconds = True
-    memory_is_host = True
+    lends_host_tensors = True
 
     #: How many CPU workers of one pool split the host's free memory (the pool sets it).
     share: int = 1
