@@ -3,6 +3,7 @@ state table, the readable table and the refusal of a run that cannot fit."""
 
 from __future__ import annotations
 
+import platform
 import sys
 
 import pytest
@@ -200,7 +201,9 @@ print((held - _resident_bytes()) // 2**20)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="tunes glibc malloc (limit_heap_retention)"
+)
 def test_limit_heap_retention_returns_freed_tensors_to_the_system() -> None:
     """With the threshold fixed, a freed 16 MiB tensor leaves the resident set even after
     a larger one was freed (which, by default, makes glibc keep such tensors)."""
