@@ -1,26 +1,33 @@
-"""Host memory of a QLoRA run: the budget's prediction, for Llama-3.1 shapes and
-measured on a 4-bit model that fits this machine.
+"""Host memory of a QLoRA run: the budget's prediction for Llama-3.1-8B / 70B, and the
+budget against the measured whole-process peak on a 4-bit model that fits this machine.
 
 Two parts:
 
-* ``table`` (no model is built): what ``estimate_host_memory`` predicts for
-  Llama-3.1-8B and -70B with an NF4 base (double quantization) under LoRA r=16 on
-  every linear of the decoder layers, AdamW on fp32 masters, on a GPU pool. The
-  lines are computed from bitsandbytes' storage layout (0.5 B per packed weight, a
-  uint8 absmax per block of 64 with an fp32 absmax per 256 blocks, code books),
-  bf16 embeddings / head / norms, and the budget's rules for masters, gradients and
-  optimizer state -- the same rules ``--part measure`` checks against
-  ``estimate_host_memory`` on a real model (``lines match the budget``).
-* ``measure``: a Llama-3-shaped model of about 0.55 B parameters is built from a
-  config and saved (one subprocess), then reloaded in NF4 by bitsandbytes and
-  trained for a few steps with LoRA on 2 CPU workers (another subprocess). Reports
-  the budget's total, the whole process's peak RSS (``VmHWM``) minus its RSS before
-  the model was loaded, and their ratio.
+* ``table``: Llama-3.1-8B and -70B built on the meta device from their config numbers
+  (no weights), their linears laid out as bitsandbytes' NF4 with double quantization
+  (``roundpipe_core.running.meta_quant.quantize_on_meta``: the packed bytes and quant
+  state real quantization gives, without quantizing), LoRA r=16 on every projection,
+  and ``estimate_host_memory`` on it: AdamW on fp32 masters with the asynchronous step
+  (a GPU pool's default), ``--table-microbatches`` microbatches of one row of
+  ``--table-seq`` tokens with a bf16 hidden state kept per decoder layer and microbatch.
+  ``tests/presets/test_qlora_meta.py`` checks that the budget of a meta model equals the
+  budget of the same model loaded quantized, and ``measure`` checks it again at 0.5 / 1.2 B.
+* ``measure``: a Llama-3-shaped model (``--shape 0.5b``: 0.51 B parameters; ``1b``:
+  Llama-3.2-1B's shape, 1.25 B) is built from a config and saved in bf16 (one
+  subprocess; ``--model-dir`` keeps it for the next run), then reloaded in NF4 by
+  bitsandbytes, given LoRA r=16 on every projection, wrapped with
+  ``wrap_model_to_roundpipe`` on 2 CPU workers, budgeted (``estimate_host_memory`` before
+  the first step, with the activations measured on one microbatch) and trained for
+  ``--steps`` steps (another subprocess, ``--heap``: glibc's default ``malloc``,
+  ``MALLOC_MMAP_THRESHOLD_=65536``, or ``limit_heap_retention()``). Reports the budget
+  line by line, the whole process's RSS by phase and its training peak (``VmHWM``)
+  against the budget's ``process_peak``.
 
-Run once (needs ~4 GB free RAM and ~3 GB of /tmp; a few minutes on 2 cores):
+Run (needs ~5 GB free RAM for ``1b`` and ~3 GB of disk; 1-2 minutes per run on 2 cores):
 
-    python benchmarks/qlora_host_memory.py              # both parts
     python benchmarks/qlora_host_memory.py --part table
+    python benchmarks/qlora_host_memory.py --part measure --shape 1b --heap mmap65536 \\
+        --model-dir /tmp/llama1b
 """
 
 from __future__ import annotations
@@ -58,67 +65,77 @@ LLAMA_1B = Shape("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 128256, tied=True)
 SHAPES = {"0.5b": SMALL, "1b": LLAMA_1B}
 
 
-def _linears(s: Shape) -> list[tuple[int, int]]:
-    """(in, out) of every linear of one decoder layer."""
-    head_dim = s.hidden // s.heads
-    kv = s.kv_heads * head_dim
-    return [
-        (s.hidden, s.hidden),  # q
-        (s.hidden, kv),  # k
-        (s.hidden, kv),  # v
-        (s.hidden, s.hidden),  # o
-        (s.hidden, s.intermediate),  # gate
-        (s.hidden, s.intermediate),  # up
-        (s.intermediate, s.hidden),  # down
-    ]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def nf4_bytes(n: int, double_quant: bool = True, block: int = 64) -> int:
-    """Host bytes of one NF4 weight of ``n`` elements with its quant state."""
-    blocks = -(-n // block)
-    packed = -(-n // 2)
-    if not double_quant:
-        return packed + 4 * blocks + 16 * 4  # fp32 absmax, 16-entry code book
-    # uint8 absmax, fp32 absmax per 256 of them, the 256-entry nested code, offset
-    return packed + blocks + 4 * -(-blocks // 256) + 256 * 4 + 16 * 4 + 4
+def meta_qlora(s: Shape, lora_r: int = 16, double_quant: bool = True) -> tuple[Any, int]:
+    """``s`` built on the meta device in bf16, its linears laid out as bitsandbytes' NF4
+    (``quantize_on_meta``: the head stays bf16), LoRA r=``lora_r`` on every projection:
+    (the peft model, the bytes of its bf16 checkpoint)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from roundpipe_core.running.meta_quant import quantize_on_meta
+
+    # built in bf16 as from_pretrained(dtype=torch.bfloat16) builds it: buffers made in
+    # fp32 on purpose (the rotary inv_freq) stay fp32, where .to(bfloat16) would cast them
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(_config(s))
+    finally:
+        torch.set_default_dtype(default)
+    checkpoint = sum(p.numel() * p.element_size() for p in model.parameters())
+    quantize_on_meta(model, quant_type="nf4", double_quant=double_quant)
+    cfg = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules=TARGETS, lora_dropout=0.0)
+    return get_peft_model(model, cfg), checkpoint
 
 
-def predict(s: Shape, lora_r: int = 16, weight_bytes: int = 2, double_quant: bool = True) -> dict:
-    """The budget's lines for an NF4 QLoRA run of ``s`` with AdamW (2 states) on fp32
-    masters, GPU pool (no CPU worker copies; pinned slab rounding and activations not
-    counted)."""
-    lin = _linears(s)
-    packed = s.layers * sum(nf4_bytes(i * o, double_quant) for i, o in lin)
-    embed = s.vocab * s.hidden * weight_bytes * (1 if s.tied else 2)
-    norms = (2 * s.layers + 1) * s.hidden * weight_bytes
-    lora = s.layers * sum(lora_r * (i + o) for i, o in lin)
-    lora_model = lora * 4  # peft keeps the adapters in fp32 over a quantized base
-    masters = 4 * lora  # fp32 masters of the adapters
-    weights = packed + embed + norms + lora_model
-    params = (
-        s.layers * sum(i * o for i, o in lin) + embed // weight_bytes + norms // weight_bytes + lora
+def meta_budget(s: Shape, seq: int, microbatches: int) -> dict:
+    """``estimate_host_memory`` of :func:`meta_qlora` for a GPU pool: AdamW on fp32 masters
+    with the asynchronous step (the GPU default), ``microbatches`` of one row of ``seq``
+    tokens, a bf16 hidden state kept per decoder layer boundary and microbatch (a stage
+    per decoder layer: the most a plan keeps)."""
+    import torch
+
+    from roundpipe_core.running.host_memory import estimate_host_memory
+
+    pm, checkpoint = meta_qlora(s)
+    boundary = seq * s.hidden * 2 * s.layers
+    budget = estimate_host_memory(
+        pm,
+        optimizer="adamw",
+        optim_dtype=torch.float32,
+        async_step=True,
+        num_microbatch=microbatches,
+        activation_bytes_per_microbatch=boundary,
     )
-    return {
-        "params": params,
-        "weights": weights,
-        "masters": masters,
-        "gradients": masters,
-        "optimizer_state": 2 * masters,
-        "total": weights + 4 * masters,
-    }
+    kept = sum(
+        p.numel() * p.element_size()
+        for n, p in pm.named_parameters()
+        if p.dtype == torch.bfloat16  # embeddings, head, norms: views of a mapped file
+    )
+    return {"budget": budget, "mapped_checkpoint": checkpoint - kept}
 
 
-def table() -> None:
+def table(seq: int, microbatches: int) -> None:
     print(
-        "| model | parameters | weights: NF4 base, bf16 embeddings + head, fp32 adapters | adapter masters + gradients + AdamW | total host RAM |"
+        f"| model | parameters | weights: NF4 base + quant state, bf16 embeddings/head/norms, "
+        f"fp32 adapters | adapters: masters + gradients + next gradients + AdamW | "
+        f"activations ({microbatches} x {seq} tokens) | **total host RAM** | "
+        "+ mapped bf16 checkpoint (page cache, in RSS) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for s in (LLAMA_8B, LLAMA_70B):
-        p = predict(s)
-        rest = p["masters"] + p["gradients"] + p["optimizer_state"]
+        r = meta_budget(s, seq, microbatches)
+        b = r["budget"]
+        adapters = b.masters + b.gradients + b.next_gradients + b.optimizer_state
         print(
-            f"| {s.name} | {p['params'] / 1e9:.1f} B | {p['weights'] / GiB:.1f} GiB | "
-            f"{rest / GiB:.2f} GiB | {p['total'] / GiB:.1f} GiB |"
+            f"| {s.name} | {b.num_params / 1e9:.2f} B | {b.weights / GiB:.2f} GiB | "
+            f"{adapters / GiB:.2f} GiB | {b.activations / GiB:.2f} GiB | "
+            f"**{b.total / GiB:.2f} GiB** | {r['mapped_checkpoint'] / GiB:.1f} GiB |"
         )
 
 
@@ -326,14 +343,19 @@ def measure(steps: int, shape: str, heap: str, seq: int, model_dir: str | None) 
             _child("save", path, shape)
         res = _child("measure", path, str(steps), shape, heap, str(seq), env=HEAPS[heap])
     b = res["budget"]
-    p = predict(s)
+    meta = meta_budget(s, seq, 2)["budget"]
     mib = 2**20
     print(
         f"{s.name}: {res['num_params'] / 1e9:.3f} B parameters, NF4 + LoRA r=16, AdamW, "
         f"2 CPU workers, batch 2 x {seq} tokens, 2 microbatches, heap {heap}, plan {res['plan']}"
     )
-    for key in ("weights", "masters", "gradients", "optimizer_state"):
-        print(f"  {key:28s} budget {b[key] / mib:9.1f} MiB   table formula {p[key] / mib:9.1f} MiB")
+    print("  the loaded model's budget against the same shape built on the meta device:")
+    for key in ("weights", "gradients", "optimizer_state"):
+        print(
+            f"    {key:28s} loaded {b[key] / mib:9.1f} MiB   meta {getattr(meta, key) / mib:9.1f} MiB"
+            f"   {'equal' if b[key] == getattr(meta, key) else 'DIFFERENT'}"
+            f" ({b[key] - getattr(meta, key):+d} B)"
+        )
     print("  the budget, before training, line by line (MiB):")
     for name, value in res["lines"].items():
         print(f"    {name:40s} {value / mib:9.1f}")
@@ -369,10 +391,12 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.5b")
     ap.add_argument("--heap", choices=sorted(HEAPS), default="default")
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--table-seq", type=int, default=4096)
+    ap.add_argument("--table-microbatches", type=int, default=4)
     ap.add_argument("--model-dir", help="keep the saved bf16 model here (reused if present)")
     args = ap.parse_args()
     if args.part in ("table", "all"):
-        table()
+        table(args.table_seq, args.table_microbatches)
     if args.part in ("measure", "all"):
         measure(args.steps, args.shape, args.heap, args.seq, args.model_dir)
 

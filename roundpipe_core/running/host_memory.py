@@ -58,7 +58,12 @@ import torch
 from torch import nn
 
 from .carried import carried_tensors, logical_numel
-from .host_transients import dequantized_bytes, mapped_file_bytes, worker_activations
+from .host_transients import (
+    check_layer_bytes,
+    dequantized_bytes,
+    mapped_file_bytes,
+    worker_activations,
+)
 from .optimizer_states import (
     OPTIMIZER_STATES,
     UnknownOptimizerError,
@@ -90,11 +95,18 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (tied weights count once)."""
-    seen = set(skip or ())
+    """Bytes of the distinct storages behind ``tensors`` (tied weights count once). A meta
+    tensor counts as the host tensor it stands for (a model built on the meta device to
+    be budgeted), each tensor object once: meta storages have no address to share."""
+    seen: set[Any] = set(skip or ())
     total = 0
     for t in tensors:
-        if t.device.type != "cpu" or t.is_meta:
+        if t.is_meta:
+            if ("meta", id(t)) not in seen:
+                seen.add(("meta", id(t)))
+                total += t.untyped_storage().nbytes()
+            continue
+        if t.device.type != "cpu":
             continue
         key = t.untyped_storage().data_ptr()
         if key in seen or key == 0:
@@ -356,7 +368,7 @@ def estimate_host_memory(
         raise ValueError(
             f"activation_bytes_per_microbatch must be an int >= 0 (bytes), got {activation_bytes_per_microbatch!r}"
         )
-    layer_acts = _check_layer_bytes(layer_activation_bytes)
+    layer_acts = check_layer_bytes(layer_activation_bytes)
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
     if optimizer_states is not None:
         states, opt_label = optimizer_states, f"{optimizer_states}/param"
@@ -405,7 +417,11 @@ def estimate_host_memory(
         masters = sum(
             p.numel() * itemsize[id(p)]
             for p in trainable
-            if not (shared_masters and (dtype or p.dtype) == p.dtype and p.device.type == "cpu")
+            if not (
+                shared_masters
+                and (dtype or p.dtype) == p.dtype
+                and p.device.type in ("cpu", "meta")  # a meta model stands for a host one
+            )
         )
         already = weights
         if async_step:
@@ -476,20 +492,6 @@ def estimate_host_memory(
         worker_activations=worker_acts,
         dequantized=dequantized,
     )
-
-
-def _check_layer_bytes(value: Sequence[float] | None) -> list[float] | None:
-    if value is None:
-        return None
-    items = list(value) if isinstance(value, (list, tuple)) else None
-    if items is None or not all(
-        isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0 for b in items
-    ):
-        raise ValueError(
-            "layer_activation_bytes must be a list of byte counts >= 0, one per layer, "
-            f"got {value!r}"
-        )
-    return [float(b) for b in items]
 
 
 def _cuda_pinned(rp: Any, plan: Any) -> int:

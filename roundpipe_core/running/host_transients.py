@@ -34,6 +34,7 @@ from torch import nn
 
 __all__ = [
     "MappedFiles",
+    "check_layer_bytes",
     "dequantized_bytes",
     "layer_dequantized_bytes",
     "mapped_file_bytes",
@@ -131,6 +132,21 @@ def _autograd_jobs(rp: Any, plan: Any, num_microbatch: int) -> list[list[Any]]:
 
     jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch)
     return [[j for j in q if j.kind != FORWARD] for q in jobs_by_device(jobs, rp.num_devices)]
+
+
+def check_layer_bytes(value: Sequence[float] | None) -> list[float] | None:
+    """``value`` as a list of floats, or ``None``; ValueError unless byte counts >= 0."""
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (list, tuple)) else None
+    if items is None or not all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0 for b in items
+    ):
+        raise ValueError(
+            "layer_activation_bytes must be a list of byte counts >= 0, one per layer, "
+            f"got {value!r}"
+        )
+    return [float(b) for b in items]
 
 
 def worker_activations(
