@@ -37,7 +37,8 @@ dequantized weights       CPU workers only: per worker, the largest 4-bit weight
 Beside the table, ``process`` is what the process held when the estimate was made
 beyond the lines above (the interpreter, torch and the libraries it loaded -- the
 first optimizer alone loads ~70 MiB of code --, the data loader): its resident set
-then, minus the weights, masters, gradients and optimizer state already allocated.
+then, minus the weights, masters, gradients and optimizer state already allocated (and
+the pages of mapped files already resident).
 ``process_peak`` = ``total + process`` predicts the whole process's peak RSS
 (``benchmarks/sharded_memory.py`` measures both).
 
