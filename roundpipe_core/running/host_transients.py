@@ -58,9 +58,9 @@ class MappedFiles:
     inside: int = 0
 
 
-def _file_mappings() -> list[tuple[int, int, str]]:
-    """``(start, end, "start-end")`` of this process's file-backed mappings, by start;
-    empty where ``/proc/self/maps`` cannot be read."""
+def _file_mappings() -> list[tuple[int, int, str, str]]:
+    """``(start, end, "start-end", file)`` of this process's file-backed mappings, by
+    start (``file``: device and inode); empty where ``/proc/self/maps`` cannot be read."""
     out = []
     try:
         with open("/proc/self/maps") as f:
@@ -70,7 +70,7 @@ def _file_mappings() -> list[tuple[int, int, str]]:
                 if len(fields) < 6 or fields[4] == "0" or fields[5].startswith("["):
                     continue
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                out.append((lo, hi, fields[0]))
+                out.append((lo, hi, fields[0], f"{fields[3]}:{fields[4]}"))
     except (OSError, ValueError):
         return []
     out.sort()
@@ -96,8 +96,9 @@ def _resident_of(ranges: set[str]) -> int:
 
 
 def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
-    """The file mappings the storages of ``tensors`` lie in (see the module docstring),
-    each mapping and each storage once. All zeros off Linux or without mapped tensors."""
+    """The files the storages of ``tensors`` are mapped from (see the module docstring):
+    all of each such file's mappings (the kernel may split one ``mmap`` into several),
+    each storage once. All zeros off Linux or without mapped tensors."""
     storages: dict[int, int] = {}
     for t in tensors:
         if t.device.type != "cpu" or t.is_meta:
@@ -108,21 +109,22 @@ def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
     if not storages:
         return MappedFiles()
     maps = _file_mappings()
-    starts = [lo for lo, _, _ in maps]
+    starts = [m[0] for m in maps]
     inside: dict[str, int] = {}
-    size: dict[str, int] = {}
     for ptr, nbytes in storages.items():
         i = bisect.bisect_right(starts, ptr) - 1
         if i < 0 or ptr >= maps[i][1]:
             continue  # anonymous memory: the usual case
-        lo, hi, key = maps[i]
-        inside[key] = inside.get(key, 0) + nbytes
-        size[key] = hi - lo
+        inside[maps[i][3]] = inside.get(maps[i][3], 0) + nbytes
     if not inside:
         return MappedFiles()
-    held = sum(inside.values())
-    extra = sum(max(size[k] - inside[k], 0) for k in inside)
-    return MappedFiles(extra=extra, resident=_resident_of(set(inside)), inside=held)
+    ranges = {key for _, _, key, file in maps if file in inside}
+    size: dict[str, int] = {}
+    for lo, hi, _, file in maps:
+        if file in inside:
+            size[file] = size.get(file, 0) + hi - lo
+    extra = sum(max(size[f] - inside[f], 0) for f in inside)
+    return MappedFiles(extra=extra, resident=_resident_of(ranges), inside=sum(inside.values()))
 
 
 def _autograd_jobs(rp: Any, plan: Any, num_microbatch: int) -> list[list[Any]]:

@@ -117,3 +117,15 @@ def test_worker_activations_default_to_what_the_first_training_call_measured() -
         assert budget.worker_activations == int(sum(measured))
     finally:
         rp.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_every_mapping_of_the_file_counts(tmp_path) -> None:
+    """A file mapped twice (or one mapping the kernel split) holds pages in each part:
+    all mappings of a file that holds a weight count, not only the one the weight is in."""
+    net, size, filler = _mapped_net(tmp_path)
+    again = torch.load(tmp_path / "ckpt.pt", mmap=True, weights_only=True)  # a second mapping
+    mapping = -(-size // PAGE) * PAGE
+    inside = net[0].weight.numel() * 4
+    assert mapped_file_bytes(list(net.parameters())).extra == 2 * mapping - inside
+    del again, filler
