@@ -95,6 +95,8 @@ class _Describer:
 
     def _alias(self, t: torch.Tensor) -> Any:
         """A recipe for ``t`` as a view of a source's device copy, if it is one."""
+        if t.is_meta:  # no address: a meta tensor (a model being budgeted) aliases nothing
+            return None
         ptr = t.untyped_storage().data_ptr()
         for i, src in enumerate(self.sources):
             if (

@@ -26,12 +26,19 @@ worker stage copies       CPU workers only: what each worker holds beside the ho
                           buffers and carried quant state (copied), and its gradients
                           where they are converted to the masters' dtype
 activations               stage-boundary activations kept for recompute (if given)
+mapped file pages         the file the weights are mapped from (a checkpoint read with
+                          ``mmap``), beyond the weights in it (see :mod:`.host_transients`)
+worker activations        CPU workers only: per worker, one microbatch's saved tensors of
+                          the largest stage it runs with autograd (``layer_activation_bytes``)
+dequantized weights       CPU workers only: per worker, the largest 4-bit weight
+                          dequantized for its matmul (bitsandbytes frees it after)
 ========================  ==========================================================
 
 Beside the table, ``process`` is what the process held when the estimate was made
 beyond the lines above (the interpreter, torch and the libraries it loaded -- the
 first optimizer alone loads ~70 MiB of code --, the data loader): its resident set
-then, minus the weights, masters, gradients and optimizer state already allocated.
+then, minus the weights, masters, gradients and optimizer state already allocated (and
+the pages of mapped files already resident).
 ``process_peak`` = ``total + process`` predicts the whole process's peak RSS
 (``benchmarks/sharded_memory.py`` measures both).
 
@@ -44,7 +51,7 @@ table when it does not fit.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +59,12 @@ import torch
 from torch import nn
 
 from .carried import carried_tensors, logical_numel
+from .host_transients import (
+    check_layer_bytes,
+    dequantized_bytes,
+    mapped_file_bytes,
+    worker_activations,
+)
 from .optimizer_states import (
     OPTIMIZER_STATES,
     UnknownOptimizerError,
@@ -83,11 +96,18 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (tied weights count once)."""
-    seen = set(skip or ())
+    """Bytes of the distinct storages behind ``tensors`` (tied weights count once). A meta
+    tensor counts as the host tensor it stands for (a model built on the meta device to
+    be budgeted), each tensor object once: meta storages have no address to share."""
+    seen: set[Any] = set(skip or ())
     total = 0
     for t in tensors:
-        if t.device.type != "cpu" or t.is_meta:
+        if t.is_meta:
+            if ("meta", id(t)) not in seen:
+                seen.add(("meta", id(t)))
+                total += t.untyped_storage().nbytes()
+            continue
+        if t.device.type != "cpu":
             continue
         key = t.untyped_storage().data_ptr()
         if key in seen or key == 0:
@@ -111,7 +131,7 @@ class HostMemoryBudget:
     Attributes:
         num_params: parameters of the model (tied ones once).
         weights, masters, gradients, optimizer_state, pinned, worker_copies, activations,
-        next_gradients: bytes of each line.
+        next_gradients, mapped_files, worker_activations, dequantized: bytes of each line.
         already_allocated: bytes of the lines above that existed when the estimate was
             made (the weights, and the masters of a built RoundPipe); only the rest
             still has to fit into available memory.
@@ -132,6 +152,9 @@ class HostMemoryBudget:
     optimizer: str = ""
     process: int = 0
     next_gradients: int = 0
+    mapped_files: int = 0
+    worker_activations: int = 0
+    dequantized: int = 0
 
     @property
     def total(self) -> int:
@@ -145,6 +168,9 @@ class HostMemoryBudget:
             + self.pinned
             + self.worker_copies
             + self.activations
+            + self.mapped_files
+            + self.worker_activations
+            + self.dequantized
         )
 
     @property
@@ -175,6 +201,9 @@ class HostMemoryBudget:
             ("pinned buffers", self.pinned),
             ("worker stage copies", self.worker_copies),
             ("activations", self.activations),
+            ("mapped file pages", self.mapped_files),
+            ("worker activations", self.worker_activations),
+            ("dequantized weights", self.dequantized),
         ]
 
     def __str__(self) -> str:
@@ -278,6 +307,7 @@ def estimate_host_memory(
     shared_masters: bool = False,
     state_shards: int = 1,
     async_step: bool | None = None,
+    layer_activation_bytes: Sequence[float] | None = None,
 ) -> HostMemoryBudget:
     """The host bytes a training run of ``model`` needs at its peak (see the module docstring).
 
@@ -312,6 +342,10 @@ def estimate_host_memory(
             gradients" line). Default: a RoundPipe with separate masters for some trainable
             parameter (what an asynchronous step needs; a shared master makes every step
             synchronous); False for a plain module.
+        layer_activation_bytes: for a RoundPipe on CPU workers, one microbatch's saved
+            activation bytes per layer, the last layer's with the loss's transient (the
+            "worker activations" line). Default: the RoundPipe's own
+            ``layer_activation_bytes`` (measured by its first training call; none before).
 
     Raises:
         TypeError / ValueError: for a non-module, a negative byte count or an
@@ -335,6 +369,7 @@ def estimate_host_memory(
         raise ValueError(
             f"activation_bytes_per_microbatch must be an int >= 0 (bytes), got {activation_bytes_per_microbatch!r}"
         )
+    layer_acts = check_layer_bytes(layer_activation_bytes)
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
     if optimizer_states is not None:
         states, opt_label = optimizer_states, f"{optimizer_states}/param"
@@ -355,9 +390,9 @@ def estimate_host_memory(
     inner, pairs = _masters_of(model)
     params = {id(p): p for p in inner.parameters()}
     # a quantized model's weights: packed parameters, and the quant state beside them
-    weights = _unique_storage_bytes(
-        list(inner.parameters()) + list(inner.buffers()) + carried_tensors(inner)
-    )
+    state_tensors = list(inner.parameters()) + list(inner.buffers()) + carried_tensors(inner)
+    weights = _unique_storage_bytes(state_tensors)
+    mapped = mapped_file_bytes(state_tensors)
     num_params = sum(logical_numel(p) for p in params.values())
     weight_ptrs = {
         t.untyped_storage().data_ptr() for t in list(inner.parameters()) + list(inner.buffers())
@@ -383,7 +418,11 @@ def estimate_host_memory(
         masters = sum(
             p.numel() * itemsize[id(p)]
             for p in trainable
-            if not (shared_masters and (dtype or p.dtype) == p.dtype and p.device.type == "cpu")
+            if not (
+                shared_masters
+                and (dtype or p.dtype) == p.dtype
+                and p.device.type in ("cpu", "meta")  # a meta model stands for a host one
+            )
         )
         already = weights
         if async_step:
@@ -402,7 +441,7 @@ def estimate_host_memory(
         optimizer_state = states * master_numel_bytes
     optimizer_state = -(-optimizer_state // state_shards)  # this rank's share (rounded up)
 
-    pinned = worker_copies = activations = 0
+    pinned = worker_copies = activations = worker_acts = dequantized = 0
     # a RoundPipe's pool side; an AutoRoundPipe's units plan their calls each on their own
     # (no one plan to read): its budget counts weights, masters and optimizer state only
     if pairs is not None and callable(getattr(type(model), "num_microbatch_for", None)):
@@ -421,9 +460,20 @@ def estimate_host_memory(
         else:
             master_dtype = {id(p): mm.dtype for p, mm in pairs}
             worker_copies = _worker_copies(rp, run_plan, m, master_dtype)
+            if layer_acts is None:
+                layer_acts = getattr(rp, "layer_activation_bytes", None)
+            if layer_acts is not None and len(layer_acts) != rp.num_layers:
+                raise ValueError(
+                    f"layer_activation_bytes must hold one number per layer ({rp.num_layers}), "
+                    f"got {len(layer_acts)}"
+                )
+            worker_acts = worker_activations(rp, run_plan, m, layer_acts)
+            dequantized = dequantized_bytes(rp, run_plan, m)
         activations = activation_bytes_per_microbatch * m * max(len(run_plan.fwd_plan), 1)
     elif activation_bytes_per_microbatch:
         activations = activation_bytes_per_microbatch * (num_microbatch or 1)
+    # the mapped pages resident now exist already; mapped weights not read yet do not
+    already += mapped.resident - mapped.inside
     resident = _resident_bytes()
     existing = _existing_state_bytes([m for _, m in pairs or []], optimizers)
     return HostMemoryBudget(
@@ -439,6 +489,9 @@ def estimate_host_memory(
         already_allocated=already,
         optimizer=opt_label,
         process=max(resident - already - existing, 0) if resident else 0,
+        mapped_files=mapped.extra,
+        worker_activations=worker_acts,
+        dequantized=dequantized,
     )
 
 

@@ -291,3 +291,46 @@ def test_host_memory_budget_counts_packed_weights_and_quant_state(saved, quant: 
             assert nbytes == sum(want.values())
     finally:
         rp.close()
+
+
+def test_budget_counts_one_dequantized_weight_per_cpu_worker(saved) -> None:
+    """bitsandbytes dequantizes a 4-bit weight for each matmul on a CPU worker and frees
+    it after: per worker, the largest one among the stages it runs (the tiny model's
+    MLP weights, 64 x 128, in the quant state's dtype fp32 = the compute dtype)."""
+    from roundpipe_core.running.host_memory import estimate_host_memory
+
+    pm = load_qlora(saved, "nf4-dq")
+    largest = 64 * 128 * 4
+    rp = wrap_model_to_roundpipe(pm, devices=2)
+    try:
+        one_stage = ModelExecutePlan()
+        one_stage.fwd_plan, one_stage.bwd_plan = [], [range(0, rp.num_layers)]
+        budget = estimate_host_memory(rp, optimizer="adamw", plan=one_stage, num_microbatch=2)
+        assert budget.dequantized == largest  # one worker runs the one stage
+        # PLAN: worker 0 runs decoder 0 (forward stage 0), worker 1 decoder 1
+        budget = estimate_host_memory(rp, optimizer="adamw", plan=PLAN, num_microbatch=2)
+        assert budget.dequantized == 2 * largest
+        assert ("dequantized weights", 2 * largest) in budget.rows()
+        assert budget.total == sum(b for _, b in budget.rows())
+    finally:
+        rp.close()
+
+
+def test_dequantized_weight_with_another_compute_dtype_holds_both() -> None:
+    """``dequantize_4bit(...).to(compute dtype)``: a bf16 weight computed in fp32 holds
+    its bf16 dequantization and the fp32 copy (2 + 4 bytes per weight)."""
+    import bitsandbytes as bnb
+
+    from roundpipe_core.running.host_transients import layer_dequantized_bytes
+
+    lin = bnb.nn.Linear4bit(64, 128, compute_dtype=torch.float32, quant_type="nf4")
+    lin.weight = bnb.nn.Params4bit(
+        torch.randn(128, 64, dtype=torch.bfloat16), requires_grad=False, quant_type="nf4"
+    )
+    lin = lin.to("cpu")  # bitsandbytes quantizes on the move to a device
+    layer = nn.Sequential(lin)
+    assert lin.weight.quant_state.dtype == torch.bfloat16
+    assert layer_dequantized_bytes(layer) == 64 * 128 * (2 + 4)
+    lin.compute_dtype = torch.bfloat16
+    assert layer_dequantized_bytes(layer) == 64 * 128 * 2
+    assert layer_dequantized_bytes(nn.Linear(4, 4)) == 0
