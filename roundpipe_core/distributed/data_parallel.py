@@ -36,6 +36,15 @@ def _say_heap_once() -> None:
         )
 
 
+SYNC_ONLY = (
+    "step(is_async=True) with DataParallel(shard_host_state=True) and separate masters: "
+    "each rank keeps only its share of the masters and writes the others' updated weights "
+    "into its model inside the step, which must not overlap the next call; pass "
+    "is_async=False (RoundPipeStrategy / RoundPipeFabricStrategy: async_step=False)"
+)
+"""Why a RoundPipe whose masters a shard released refuses an asynchronous step."""
+
+
 def _raw_optimizer(opt: Any) -> Any:
     """The torch optimizer behind a Lightning ``LightningOptimizer`` (or ``opt`` itself)."""
     return getattr(opt, "_optimizer", opt)
@@ -139,13 +148,24 @@ class DataParallel:
         self._shards = {}
         if self.world_size == 1:
             return
+        masters = getattr(rp, "masters", None)
+        if masters is not None and masters.released:
+            # attached before: the masters another rank owned restart from the model's
+            # weights (exact in optim_dtype; save_state / load_state keep them exactly)
+            masters.restore_released()
         broadcast_masters(rp)
         raws = [_raw_optimizer(o) for o in optimizers]
+        # a separate master's values reach the other ranks' model weights directly
+        weight_of = {id(m): p for _, p, m in masters.copies} if masters is not None else {}
         for raw in raws:
             params = [p for g in raw.param_groups for p in g["params"]]
             if self.shard_host_state:
-                shard = self._shards[id(raw)] = HostShard(params, self.bucket_bytes, self.timeout)
+                shard = self._shards[id(raw)] = HostShard(
+                    params, self.bucket_bytes, self.timeout, targets=weight_of
+                )
                 shard.drop_foreign_state(raw)  # a state loaded whole keeps this rank's share
+                if masters is not None:  # keep the fp32 masters of this rank's share only
+                    masters.release([p for p in params if not shard.owns(p)], SYNC_ONLY)
                 self._reducers[id(raw)] = ShardedGradientReducer(
                     rp,
                     shard,
@@ -237,12 +257,8 @@ class DataParallel:
         load_shards(directory, named, raw, shard.owns if shard is not None else (lambda p: True))
         if shard is not None:
             shard.drop_foreign_state(raw)
-            shard.gather()
-        with torch.no_grad():
-            for p in rp.model.parameters():
-                m = rp.master_param(p)
-                if m is not None and m is not p:
-                    p.copy_(m)
+            shard.gather()  # the shares of the others (into the masters or the weights)
+        rp.masters.copy_to_model()  # this rank's masters (a released one has no values)
 
     def abort(self) -> None:
         """Drop armed rounds without further collectives (after an exception)."""

@@ -98,10 +98,17 @@ def broadcast_masters(
 
 
 def params_in_sync(rp: Any, group: Any | None = None) -> bool:
-    """True when every rank holds bit-identical master parameters (a debugging aid:
-    one all-gather of a checksum per parameter). Collective."""
+    """True when every rank holds bit-identical master parameters -- the model's
+    trainable weights where a sharded host state released the masters other ranks own
+    (a debugging aid: one all-gather of a checksum per parameter). Collective."""
     if group_size(group) == 1:
         return True
+    masters = getattr(rp, "masters", None)
+    held = (
+        [p for p in rp.model.parameters() if p.requires_grad]
+        if masters is not None and masters.released
+        else rp.optim_parameters()
+    )
     sums = (
         torch.stack(
             [
@@ -115,10 +122,10 @@ def params_in_sync(rp: Any, group: Any | None = None) -> bool:
                         ).sum(),
                     ]
                 )
-                for m in rp.optim_parameters()
+                for m in held
             ]
         )
-        if rp.optim_parameters()
+        if held
         else torch.zeros(1, 3, dtype=torch.float64)
     )
     everyone = all_gather(sums, group)

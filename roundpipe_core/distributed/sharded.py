@@ -27,11 +27,21 @@ all-reduces the owned part of the norm. The collectives of each purpose run on a
 of their own (reduction: the reducer thread; all-gather: the optimizer thread; norm:
 whoever clips), so threads never interleave collectives on one group.
 
-What is not sharded: the model's own weights (every rank's devices upload them), and,
-with *separate* masters (an asynchronous step, or a model not in ``optim_dtype``), the
-masters themselves, which are the all-gather's destination and what the next step's
-publication copies from; with shared masters (``RoundPipe(shared_masters=True)``, the
-synchronous CPU default) the master *is* the weight and nothing extra is held.
+Separate masters (a model not in ``optim_dtype``, e.g. bf16 weights with fp32 masters,
+or ``shared_masters=False``) are sharded too: a rank keeps the fp32 masters of its share
+only and releases the others' (``MasterWeights.release``: a placeholder of a few bytes);
+after the step each owner casts its updated share to the weights' dtype and the
+all-gather writes it straight into every other rank's model weights (``targets``), the
+same rounding as the owner's own copy into its model. That write happens inside the
+step, so the step must be synchronous: a RoundPipe with released masters refuses
+``step(is_async=True)`` (an asynchronous step's publication and the next call's uploads
+run on each rank's own clock, and the weights the next call reads would change under it).
+With shared masters (``RoundPipe(shared_masters=True)``, the synchronous CPU default)
+the master *is* the weight and nothing is released.
+
+What is not sharded: the model's own weights (every rank's devices upload them), and the
+master gradients while the backward produces them (each rank keeps its share once they
+are reduced).
 """
 
 from __future__ import annotations
@@ -90,6 +100,10 @@ class HostShard:
         params: the optimizer's parameters (RoundPipe masters, in its param-group order).
         bucket_bytes: bytes per broadcast of the all-gather.
         timeout: bound on each collective of its groups (default: the process group's).
+        targets: ``id(param) -> tensor`` the all-gather writes a parameter's updated
+            values into on the ranks that do not own it (cast to that tensor's dtype):
+            the model weight of a separate master, whose own values those ranks released
+            (``MasterWeights.release``). Default, and for the others: the parameter itself.
 
     Creating it is collective (two groups of all ranks): every rank builds its shards
     in the same order.
@@ -100,6 +114,7 @@ class HostShard:
         params: Iterable[torch.Tensor],
         bucket_bytes: int,
         timeout: float | int | timedelta | None = None,
+        targets: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.params = _unique_params(params)
         self.world_size = group_size(None)
@@ -111,11 +126,18 @@ class HostShard:
         td = None if timeout is None else resolve_timeout(timeout)
         self._gather_group = _new_group(td) if self.world_size > 1 else None
         self._norm_group = _new_group(td) if self.world_size > 1 else None
-        # per owner, forward order: consecutive one-dtype runs up to bucket_bytes
-        self._gather_buckets: list[tuple[int, list[torch.Tensor]]] = []
+        where = targets or {}
+        # per owner, forward order: consecutive runs of one destination dtype up to
+        # bucket_bytes, each as (owner, its parameters, where the others write them)
+        self._gather_buckets: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = []
         for rank in range(self.world_size):
             mine = [p for p, o in zip(self.params, owners) if o == rank]
-            self._gather_buckets.extend((rank, b) for b in _bucketize(mine, bucket_bytes))
+            dests = [where.get(id(p), p) for p in mine]
+            taken = 0
+            for bucket in _bucketize(dests, bucket_bytes):
+                sources = mine[taken : taken + len(bucket)]
+                taken += len(bucket)
+                self._gather_buckets.append((rank, sources, bucket))
         self.last_gather_s = 0.0
 
     def owner(self, param: torch.Tensor) -> int:
@@ -132,9 +154,13 @@ class HostShard:
 
     # -- after the step ---------------------------------------------------------------------------
     def gather(self) -> None:
-        """Broadcast each owner's updated masters into every rank's masters. Collective:
-        every rank calls it after every optimizer step (on the optimizer thread, inside
-        the step function, so the RoundPipe publishes the result like any step's).
+        """Broadcast each owner's updated parameters into every other rank's copy of
+        them: its masters, or (``targets``) the model weights of the masters it released,
+        in the weights' dtype. Collective: every rank calls it after every optimizer step
+        (on the optimizer thread, inside the step function: the RoundPipe then copies the
+        masters it holds into the model like any step's). Writing the model weights, it
+        needs a synchronous step (``MasterWeights.release`` makes the RoundPipe refuse an
+        asynchronous one).
 
         Raises:
             CollectiveError: a peer died or stalled (the group's timeout), naming this rank.
@@ -144,9 +170,9 @@ class HostShard:
         group = self._gather_group
         if group is None:
             raise RuntimeError("this HostShard is closed (DataParallel.detach()); attach again")
-        for src, bucket in self._gather_buckets:
-            if src == self.rank:
-                flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+        for src, sources, bucket in self._gather_buckets:
+            if src == self.rank:  # (cast where the destination is a weight of another dtype)
+                flat = torch.cat([t.detach().reshape(-1).to(bucket[0].dtype) for t in sources])
             else:
                 flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype)
             try:

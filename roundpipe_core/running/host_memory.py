@@ -9,7 +9,8 @@ weights                   the model's parameters and buffers (model dtype; a qua
                           layer's packed bytes and its quant state)
 masters                   the optimizer's copies of the trainable parameters
                           (``optim_dtype``); none where a parameter is its own master
-                          (``shared_masters=True``: same dtype, synchronous step)
+                          (``shared_masters=True``: same dtype, synchronous step);
+                          1/N of the separate ones with the host state sharded
 gradients                 one gradient per master (``optim_dtype``)
 next gradients            with an asynchronous step (separate masters): the next
                           iteration's gradients, which arrive while the step still
@@ -303,9 +304,9 @@ def estimate_host_memory(
             ``RoundPipe(shared_masters=True)`` and ``RoundPipeStrategy(async_step=False)``
             do). A RoundPipe's own masters are measured instead: a shared one counts once.
         state_shards: the data-parallel ranks the optimizer state is sharded over
-            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it. The
-            gradients stay whole (a backward produces all of them before they are
-            reduced to their owners), and so do the masters.
+            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it and of
+            the separate masters (those of its share). The gradients stay whole (a
+            backward produces all of them before they are reduced to their owners).
         async_step: whether the step overlaps the next iteration (``step(is_async=True)``,
             ``RoundPipeStrategy(async_step=True)``): the next iteration's gradients of the
             separate masters then arrive while the step reads this iteration's (the "next
@@ -367,8 +368,10 @@ def estimate_host_memory(
         mlist = list({id(m): m for _, m in pairs}.values())
         masters = _unique_storage_bytes(mlist, skip=weight_ptrs)
         master_numel_bytes = sum(_nbytes(m) for m in mlist)
-        already = weights + masters
+        already = weights + masters  # (a master a shard released: a few bytes)
         separate = {id(m): m for p, m in pairs if m is not p}
+        if state_shards > 1:  # a sharded rank keeps the separate masters of its share
+            masters = -(-sum(_nbytes(m) for m in separate.values()) // state_shards)
         if async_step if async_step is not None else bool(separate):
             # a shared master's step is always synchronous: only separate ones overlap
             next_gradients = sum(_nbytes(m) for m in separate.values())
@@ -386,6 +389,7 @@ def estimate_host_memory(
             if not (shared_masters and (dtype or p.dtype) == p.dtype and p.device.type == "cpu")
         )
         already = weights
+        masters = -(-masters // state_shards)  # a sharded rank's share of them
         if async_step:
             next_gradients = masters  # a gradient per separate master, in its dtype
     gradients = master_numel_bytes
