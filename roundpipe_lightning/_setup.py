@@ -65,6 +65,8 @@ __all__ = [
     "op_name",
     "reaches_params",
     "check_loss_went_through",
+    "check_shardable",
+    "check_step_request",
 ]
 
 log = logging.getLogger(__name__)
@@ -514,6 +516,26 @@ def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
             "would differ between processes. Use precision='bf16-mixed' or 'bf16-true' (no loss "
             "scaling), or shard_host_state=False."
         )
+
+
+def check_step_request(async_step: Any, shard_host_state: Any, owner: str) -> bool | None:
+    """A strategy's ``async_step`` as requested (``None``: follow the hardware). With
+    ``shard_host_state=True`` the step is synchronous: ``None`` means ``False`` and
+    ``True`` is refused -- each process keeps only its share of the masters, and the
+    others' updated weights reach its model inside the step (the all-gather), which must
+    not overlap the next iteration reading them."""
+    if async_step is None:
+        return False if shard_host_state is True else None
+    async_step = check_bool("async_step", async_step, owner)
+    if async_step and shard_host_state is True:
+        raise ValueError(
+            f"{owner}(shard_host_state=True, async_step=True): a sharded host state steps "
+            "synchronously -- each process keeps only its share of the masters and writes "
+            "the others' updated weights into its model inside the step, which an "
+            "overlapped (one-step-stale) step would change under the next iteration. Pass "
+            "async_step=False (or leave it None), or shard_host_state=False."
+        )
+    return async_step
 
 
 _DIRECT_CALL = (
