@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from roundpipe_core import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
+from roundpipe_core import distributed as D
 from roundpipe_core.autosplit import auto_wrap
 from roundpipe_core.optim import fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
@@ -473,14 +474,17 @@ def host_memory_budget(
     rp: RoundPipe | AutoRoundPipe,
     optimizers: list[Optimizer],
     num_microbatch: int | None,
-    state_shards: int = 1,
+    dp: D.DataParallel | None = None,
     async_step: bool | None = None,
 ) -> HostMemoryBudget:
-    """The host memory ``rp`` trained by ``optimizers`` needs (``state_shards``: the
-    processes the optimizer state is sharded over; ``async_step``: whether the step
-    overlaps the next iteration, whose gradients then arrive beside the step's). An optimizer whose state size is
-    unknown (a third-party class) does not stop training: the budget assumes Adam's two
-    states per parameter and says so once."""
+    """The host memory ``rp`` trained by ``optimizers`` needs (``dp``: the data-parallel
+    wrapper, whose sharding divides the state and adds its collectives' buffers;
+    ``async_step``: whether the step overlaps the next iteration, whose gradients then
+    arrive beside the step's). An optimizer whose state size is unknown (a third-party
+    class) does not stop training: the budget assumes Adam's two states per parameter
+    and says so once."""
+    state_shards = 1 if dp is None else dp.state_shards
+    buffers = 0 if dp is None else dp.kept_buffer_bytes(rp, optimizers)
     try:
         return estimate_host_memory(
             rp,
@@ -488,6 +492,7 @@ def host_memory_budget(
             num_microbatch=num_microbatch,
             state_shards=state_shards,
             async_step=async_step,
+            collective_buffers=buffers,
         )
     except UnknownOptimizerError as exc:
         names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
@@ -503,6 +508,7 @@ def host_memory_budget(
             num_microbatch=num_microbatch,
             state_shards=state_shards,
             async_step=async_step,
+            collective_buffers=buffers,
         )
 
 

@@ -291,9 +291,9 @@ class RoundPipeStrategy(CheckpointingStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             # refuse, with numbers, a run whose state cannot fit in host memory
-            opts, shards = [raw_optimizer(o) for o in self.optimizers], self._dp.state_shards
+            opts = [raw_optimizer(o) for o in self.optimizers]
             budget = host_memory_budget(
-                self.roundpipe, opts, self.num_microbatch, shards, self.async_step
+                self.roundpipe, opts, self.num_microbatch, self._dp, self.async_step
             )
             rank_zero_info(f"RoundPipe host memory:\n{budget}")  # as Lightning says setup facts
             check_host_memory(budget)

@@ -15,7 +15,7 @@ from ..running.heap import heap_retention_limited
 from .group import group_size, init_process_group, resolve_timeout
 from .reducer import DEFAULT_BUCKET_BYTES, REDUCE_OPS, GradientAllReducer, broadcast_masters
 from .shard_io import load_shards, save_shard
-from .sharded import HostShard, ShardedGradientReducer
+from .sharded import HostShard, ShardedGradientReducer, kept_buffer_bytes
 
 __all__ = ["DataParallel"]
 
@@ -183,6 +183,25 @@ class DataParallel:
                 timeout=self.timeout,
                 params=params,
             )
+
+    def kept_buffer_bytes(self, rp: Any, optimizers: Sequence[Any] = ()) -> int:
+        """Host bytes of the flat buffers this rank's collectives will keep once it trains
+        ``rp`` with ``optimizers`` sharded (the host-memory budget's "collective buffers",
+        ``estimate_host_memory(..., collective_buffers=...)``); 0 unsharded or in one
+        process. Computed without a collective, before or after :meth:`attach`."""
+        if self.state_shards == 1:
+            return 0
+        masters = getattr(rp, "masters", None)
+        weight_of = {id(m): p for _, p, m in masters.copies} if masters is not None else {}
+        return sum(
+            kept_buffer_bytes(
+                [p for g in _raw_optimizer(o).param_groups for p in g["params"]],
+                self.world_size,
+                self.bucket_bytes,
+                weight_of,
+            )
+            for o in optimizers
+        )
 
     def wrap_closure(self, optimizer: Any, closure: Any) -> Any:
         """``closure`` preceded by arming ``optimizer``'s reducer (``closure`` itself when

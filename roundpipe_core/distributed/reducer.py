@@ -393,6 +393,8 @@ class GradientAllReducer:
                         return
                 if rnd.aborted.is_set():
                     return  # do not issue a collective our peers may never match
+                if b.buffer is None:
+                    b.buffer = self._buffer_for(b)
                 buf = b.flatten()
                 if is_nccl(self.group):
                     buf = buf.to(comm_device(self.group), non_blocking=True)
@@ -414,6 +416,11 @@ class GradientAllReducer:
         self, params: list[torch.Tensor], bucket_bytes: int
     ) -> list[list[torch.Tensor]]:
         return _bucketize(params, bucket_bytes)
+
+    def _buffer_for(self, bucket: _Bucket) -> torch.Tensor | None:
+        """The flat buffer ``bucket`` travels in this round (None: its own, made once and
+        kept, ``_Bucket.flatten``)."""
+        return None
 
     def _issue(self, bucket: _Bucket, buf: torch.Tensor) -> Any:
         return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

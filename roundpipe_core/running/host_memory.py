@@ -27,6 +27,8 @@ worker stage copies       CPU workers only: what each worker holds beside the ho
                           buffers and carried quant state (copied), and its gradients
                           where they are converted to the masters' dtype
 activations               stage-boundary activations kept for recompute (if given)
+collective buffers        with the host state sharded: the flat buffers the reduction
+                          and the all-gather keep (``DataParallel.kept_buffer_bytes``)
 ========================  ==========================================================
 
 Beside the table, ``process`` is what the process held when the estimate was made
@@ -133,6 +135,7 @@ class HostMemoryBudget:
     optimizer: str = ""
     process: int = 0
     next_gradients: int = 0
+    collective_buffers: int = 0
 
     @property
     def total(self) -> int:
@@ -146,6 +149,7 @@ class HostMemoryBudget:
             + self.pinned
             + self.worker_copies
             + self.activations
+            + self.collective_buffers
         )
 
     @property
@@ -176,6 +180,7 @@ class HostMemoryBudget:
             ("pinned buffers", self.pinned),
             ("worker stage copies", self.worker_copies),
             ("activations", self.activations),
+            ("collective buffers (sharded)", self.collective_buffers),
         ]
 
     def __str__(self) -> str:
@@ -279,6 +284,7 @@ def estimate_host_memory(
     shared_masters: bool = False,
     state_shards: int = 1,
     async_step: bool | None = None,
+    collective_buffers: int = 0,
 ) -> HostMemoryBudget:
     """The host bytes a training run of ``model`` needs at its peak (see the module docstring).
 
@@ -313,6 +319,8 @@ def estimate_host_memory(
             gradients" line). Default: a RoundPipe with separate masters for some trainable
             parameter (what an asynchronous step needs; a shared master makes every step
             synchronous); False for a plain module.
+        collective_buffers: bytes of the flat buffers a sharded rank keeps for its
+            collectives (``DataParallel.kept_buffer_bytes(rp, optimizers)``).
 
     Raises:
         TypeError / ValueError: for a non-module, a negative byte count or an
@@ -440,6 +448,7 @@ def estimate_host_memory(
         pinned=pinned,
         worker_copies=worker_copies,
         activations=activations,
+        collective_buffers=collective_buffers,
         already_allocated=already,
         optimizer=opt_label,
         process=max(resident - already - existing, 0) if resident else 0,

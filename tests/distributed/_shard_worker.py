@@ -96,6 +96,7 @@ class Run:
         self.dp.attach(self.rp, [self.opt])
         self.norms: list[float] = []
         self.grad_bytes_after_reduce = 0
+        self.buffer_ptrs: list[list[int]] = []  # the collectives' kept buffers, per step
 
     def micro(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         denom = (GLOBAL_BATCH // self.world) * ACCUM
@@ -125,7 +126,17 @@ class Run:
                 dp.after_step(opt)
 
             self.rp.step(step, is_async=False)
+            self.buffer_ptrs.append([t.data_ptr() for t in self.kept_buffers()])
         self.rp.synchronize()
+
+    def kept_buffers(self) -> list[torch.Tensor]:
+        """The flat buffers the sharded reduction and all-gather keep between steps."""
+        shard = self.dp.shard(self.opt)
+        if shard is None:
+            return []
+        reducer = self.dp._reducers[id(self.opt)]
+        slots = [t for ts in reducer._slots.values() for t in ts]
+        return slots + list(shard._gather_flat.values())
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.rp.model.named_parameters()}
@@ -150,6 +161,9 @@ class Run:
             "separate_masters": sum(m.untyped_storage().nbytes() for _, _, m in masters.copies),
             "budget_masters": budget.masters,
             "grads_after_reduce": self.grad_bytes_after_reduce,
+            "kept_buffers": sum(t.untyped_storage().nbytes() for t in self.kept_buffers()),
+            "budget_kept_buffers": self.dp.kept_buffer_bytes(self.rp, [self.opt]),
+            "buffers_reused": all(p == self.buffer_ptrs[0] for p in self.buffer_ptrs),
         }
 
     def close(self) -> None:
