@@ -2,7 +2,8 @@
 N = 1, 2, 4 ranks on this machine (gloo over 127.0.0.1), against the host-memory budget.
 
 Each rank is a fresh process (``--child``) that trains the same model (fp32, AdamW,
-2 CPU workers, shared masters: the synchronous CPU default) for a few steps through
+2 CPU workers, shared masters: the synchronous CPU default; with ``--bf16`` a bf16
+model with separate fp32 masters, sharded too) for a few steps through
 ``DataParallel(shard_host_state=True)`` and reports:
 
 * ``peak``: the whole process's peak RSS (``VmHWM``: interpreter and torch included);
@@ -10,7 +11,8 @@ Each rank is a fresh process (``--child``) that trains the same model (fp32, Ada
   ``estimate_host_memory(rp, optimizer=[opt], state_shards=N, collective_buffers=
   dp.kept_buffer_bytes(rp, [opt])).process_peak`` (the state lines, the collectives'
   kept buffers, plus the process's resident set beyond its state at the estimate);
-* ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``);
+* ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``), and
+  ``masters``: the bytes of the separate masters it holds values for (0 when shared);
 * ``step ms``: the median wall time of a training step after the first (backward,
   reduction, step, all-gather), and its ratio to the glibc-default run of the same N
   -- what the fixed mmap threshold costs (one process per variant, the variants run
@@ -89,7 +91,7 @@ def _build(width: int, blocks: int) -> Any:
     )
 
 
-def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
+def child(width: int, blocks: int, steps: int, bf16: bool = False) -> dict[str, Any]:
     import torch
 
     import roundpipe_core.distributed as D
@@ -107,11 +109,13 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
     world = D.DataParallel().world_size
     rank = torch.distributed.get_rank() if world > 1 else 0
     base = _status("VmRSS")
+    dtype = torch.bfloat16 if bf16 else torch.float32
     rp = RoundPipe(
-        _build(width, blocks),
+        _build(width, blocks).to(dtype),
+        optim_dtype=torch.float32,
         devices="cpu:2",
         model_run_config=RoundPipeRunConfig(num_microbatch=3),
-        shared_masters=True,
+        shared_masters=not bf16,
     )
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-4)
     dp = D.DataParallel(shard_host_state=True)
@@ -125,7 +129,7 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
     )
     predicted = budget.process_peak
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(12, width, generator=g), torch.randn(12, width, generator=g)
+    x, y = torch.randn(12, width, generator=g).to(dtype), torch.randn(12, width, generator=g)
     step_s: list[float] = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -156,6 +160,7 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
         "state_lines": budget.total,
         "buffers": budget.collective_buffers,
         "state": D.state_bytes(opt),
+        "masters": sum(m.untyped_storage().nbytes() for _, _, m in rp.masters.copies),
         "step_s": statistics.median(step_s[1:] or step_s),
     }
     dp.detach()
@@ -200,6 +205,7 @@ def run_world(world: int, args: argparse.Namespace, malloc: dict[str, str]) -> l
         )
         cmd = [sys.executable, __file__, "--child", "--width", str(args.width)]
         cmd += ["--blocks", str(args.blocks), "--steps", str(args.steps)]
+        cmd += ["--bf16"] if args.bf16 else []
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -215,18 +221,19 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--bf16", action="store_true", help="a bf16 model, fp32 masters (sharded)")
     ap.add_argument("--worlds", default="1,2,4", help="rank counts, comma-separated")
     ap.add_argument("--variants", default=",".join(MALLOC_VARIANTS), help="comma-separated")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.width, args.blocks, args.steps)))
+        print(json.dumps(child(args.width, args.blocks, args.steps, args.bf16)))
         return
     mib = 2**20
     print(
         f"{'malloc':>9} {'N':>2} {'rank':>4} {'peak RSS':>10} {'predicted':>10} "
         f"{'meas/pred':>9} {'run':>9} {'state lines':>11} {'opt state':>10} {'state/N=1':>9} "
-        f"{'step ms':>8} {'vs glibc':>8}"
+        f"{'masters':>9} {'step ms':>8} {'vs glibc':>8}"
     )
     whole_state = None
     variants = {k: MALLOC_VARIANTS[k] for k in args.variants.split(",")}
@@ -243,7 +250,7 @@ def main() -> None:
                     f"{r['predicted'] / mib:8.1f}Mi {r['peak'] / r['predicted']:9.3f} "
                     f"{r['run'] / mib:7.1f}Mi {r['state_lines'] / mib:9.1f}Mi "
                     f"{r['state'] / mib:8.1f}Mi {r['state'] / whole_state:9.3f} "
-                    f"{step * 1e3:8.1f} {step / glibc_step:8.3f}"
+                    f"{r['masters'] / mib:7.1f}Mi {step * 1e3:8.1f} {step / glibc_step:8.3f}"
                 )
     print(
         f"({r['params']:,} parameters; 'run' = peak RSS minus the RSS before the model was "

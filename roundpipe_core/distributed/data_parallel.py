@@ -28,11 +28,11 @@ def _say_heap_once() -> None:
     if not _said_heap:
         _said_heap = True
         log.info(
-            "shard_host_state=True: with glibc's default malloc a sharded rank keeps the "
-            "gradients it drops every step in malloc's heaps (peak ~1.3x the host-memory "
-            "budget); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
-            "roundpipe_core.running.heap.limit_heap_retention(), for the budget's peak "
-            "(slower steps on CPU workers: docs/multi-node.md)"
+            "shard_host_state=True: with glibc's default malloc a sharded rank keeps some of "
+            "the gradients it drops every step in malloc's heaps (peak up to ~1.1x the "
+            "host-memory budget); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
+            "roundpipe_core.running.heap.limit_heap_retention(), for ~1.04x (slower steps "
+            "on CPU workers: docs/multi-node.md)"
         )
 
 
@@ -76,14 +76,17 @@ class DataParallel:
         bucket_bytes: gradient bytes per all-reduce.
         timeout: process-group timeout (seconds / ``timedelta``; default
             ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        shard_host_state: each rank keeps gradients and optimizer state only for its
-            1/N of each optimizer's parameters (see :mod:`.sharded`): gradients are
-            reduced to their owner, each rank steps its share, ``after_step`` all-gathers
-            the weights. Clip with :meth:`clip_grad_norm_` (the norm over all shards).
-            Its peak memory is the budget's with glibc's mmap threshold fixed
-            (``MALLOC_MMAP_THRESHOLD_=65536`` or :func:`~roundpipe_core.running.heap.limit_heap_retention`;
-            said once at INFO when it is not): otherwise the gradients a rank drops every
-            step stay in malloc's heaps.
+        shard_host_state: each rank keeps gradients, optimizer state and separate masters
+            only for its 1/N of each optimizer's parameters (see :mod:`.sharded`):
+            gradients are reduced to their owner, each rank steps its share, ``after_step``
+            all-gathers the weights (into the model's weights where the masters are
+            separate; the step must then be synchronous, ``rp.step(..., is_async=False)``:
+            an asynchronous one is refused). Clip with :meth:`clip_grad_norm_` (the norm
+            over all shards). The budget counts the collectives' kept buffers
+            (:meth:`kept_buffer_bytes`); with glibc's default ``malloc`` the peak is up to
+            ~1.1x it, ~1.04x with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``
+            or :func:`~roundpipe_core.running.heap.limit_heap_retention`; said once at INFO
+            when it is not), which slows CPU workers' steps.
 
     The default group is gloo: everything the strategy communicates -- master
     gradients, logged metrics (its root device is the CPU), broadcast objects --
