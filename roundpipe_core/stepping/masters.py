@@ -172,7 +172,7 @@ class MasterWeights:
             freed += m.untyped_storage().nbytes()
             m.data = torch.zeros((), dtype=m.dtype).expand(m.shape)
             self.released.add(id(m))
-        if self.released:
+        if self.copies:  # (also where this rank owns them all: its peers' steps are synchronous)
             self.sync_only = sync_only
         return freed
 

@@ -84,3 +84,14 @@ def test_a_roundpipe_with_released_masters_refuses_an_async_step():
         rp.step(lambda: None, is_async=False)  # synchronous: fine
     finally:
         rp.close()
+
+
+def test_owning_every_master_still_makes_the_steps_synchronous():
+    """A rank that owns all the separate masters releases none, but its peers' steps are
+    synchronous: its own must be too (the collectives would not match otherwise)."""
+    _, masters = _bf16_masters()
+    assert masters.release([], WHY) == 0
+    assert masters.sync_only == WHY and not masters.released
+    shared = MasterWeights(mlp(), torch.float32, share=True)  # fp32: every master shared
+    shared.release(shared.params(), WHY)
+    assert shared.sync_only is None and not shared.released  # nothing separate to shard
