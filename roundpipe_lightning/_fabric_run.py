@@ -46,7 +46,7 @@ from roundpipe_core import distributed as D
 
 from ._private import optimizer_view, replace_zero_grad, restore_zero_grad
 from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section
-from .sharded_checkpoint import load_optimizer_state, sharded_masters
+from .sharded_checkpoint import load_optimizer_state, of_optimizer, sharded_masters
 
 __all__ = ["FabricRun", "CALLS"]
 
@@ -223,9 +223,8 @@ class FabricRun:
         into ``directory``. Unsharded: nothing (the state is in the checkpoint file)."""
         raw, shard = self.owns(optimizer), self.sharding(optimizer)
         if raw is not None and shard is not None:
-            D.save_shard(
-                directory, self.named_masters(), raw, shard.owns, shard.rank, shard.world_size
-            )
+            named = of_optimizer(self.named_masters(), raw)
+            D.save_shard(directory, named, raw, shard.owns, shard.rank, shard.world_size)
 
     def load_optimizer(self, directory: Any, optimizer: Any, state: Any) -> None:
         """Restore ``optimizer`` from the checkpoint's ``state``: a state dict, or the

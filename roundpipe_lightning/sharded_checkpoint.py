@@ -85,6 +85,16 @@ def is_marker(state: Any) -> bool:
     return isinstance(state, Mapping) and SHARDS_KEY in state
 
 
+def of_optimizer(
+    named_masters: Mapping[str, torch.Tensor], optimizer: Any
+) -> dict[str, torch.Tensor]:
+    """The entries of ``named_masters`` that ``optimizer`` steps: its shards hold those
+    only (with several optimizers, the others' are in their own shards)."""
+    raw = getattr(optimizer, "_optimizer", optimizer)
+    ids = {id(p) for g in raw.param_groups for p in g["params"]}
+    return {n: p for n, p in named_masters.items() if id(p) in ids}
+
+
 def sharded_masters(dp: D.DataParallel, optimizers: Sequence[Any]) -> set[int]:
     """Ids of the masters a sharded checkpoint keeps in its shards, each in its owner's
     (not in the checkpoint file: rank 0 holds the values of its own share only)."""
@@ -108,7 +118,7 @@ def save_host_shards(
         edit = None if edit_groups is None else functools.partial(edit_groups, i)
         D.save_shard(
             shards_dir(filepath, i),
-            named_masters,
+            of_optimizer(named_masters, raw),
             raw,
             shard.owns,
             shard.rank,
@@ -138,7 +148,7 @@ def load_optimizer_state(
                 "merge it first with roundpipe_lightning.convert_sharded_checkpoint(path, out)"
             )
         owns = shard.owns if shard is not None else (lambda p: True)
-        D.load_shards(directory, named_masters, raw, owns)
+        D.load_shards(directory, of_optimizer(named_masters, raw), raw, owns)
     else:
         raw.load_state_dict(state)
     if shard is not None:
