@@ -2,32 +2,39 @@
 N = 1, 2, 4 ranks on this machine (gloo over 127.0.0.1), against the host-memory budget.
 
 Each rank is a fresh process (``--child``) that trains the same model (fp32, AdamW,
-2 CPU workers, shared masters: the synchronous CPU default) for a few steps through
+2 CPU workers, shared masters: the synchronous CPU default; with ``--bf16`` a bf16
+model with separate fp32 masters, sharded too) for a few steps through
 ``DataParallel(shard_host_state=True)`` and reports:
 
 * ``peak``: the whole process's peak RSS (``VmHWM``: interpreter and torch included);
 * ``predicted``: the budget's whole-process prediction,
-  ``estimate_host_memory(rp, optimizer=[opt], state_shards=N).process_peak`` (the state
-  lines plus the process's resident set beyond its state at the estimate);
-* ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``);
+  ``estimate_host_memory(rp, optimizer=[opt], state_shards=N, collective_buffers=
+  dp.kept_buffer_bytes(rp, [opt])).process_peak`` (the state lines, the collectives'
+  kept buffers, plus the process's resident set beyond its state at the estimate);
+* ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``), and
+  ``masters``: the bytes of the separate masters it holds values for (0 when shared);
 * ``step ms``: the median wall time of a training step after the first (backward,
   reduction, step, all-gather), and its ratio to the glibc-default run of the same N
   -- what the fixed mmap threshold costs (one process per variant, the variants run
   one after the other for each N: a rough ratio on a shared machine).
 
-Each N runs with three ``malloc`` settings: ``glibc`` (glibc's default, kept with
-nothing set), ``roundpipe`` (the child calls
-:func:`roundpipe_core.running.heap.limit_heap_retention` first) and ``env``
-(``MALLOC_MMAP_THRESHOLD_=65536`` at launch). By default glibc raises its mmap
-threshold after the first large ``free`` and from then on keeps freed tensors in its
-heaps: the gradients a sharded rank drops every step (and the reduction's buffers)
-stay resident, and the peak RSS creeps up step by step. With a fixed threshold every
-large tensor is its own mapping, returned to the system when freed.
+Each N runs with four variants, one after the other: ``glibc`` (glibc's default
+``malloc``, nothing set: what a user gets), ``per-step`` (glibc's default, but the
+reduction's and the all-gather's flat buffers made and freed at every bucket of every
+step, as before they were kept: the child swaps them back in), ``roundpipe`` (the child
+calls :func:`roundpipe_core.running.heap.limit_heap_retention` first) and ``env``
+(``MALLOC_MMAP_THRESHOLD_=65536`` at launch). With glibc's default threshold, the first
+``free`` of a large block raises the threshold to that block's size (up to 32 MiB): a
+25 MiB bucket made and freed every step lifts it above every gradient, whose freed
+blocks then stay in the heaps, and the peak RSS crept up to 1.3-1.4x the prediction.
+With a fixed threshold every large tensor is its own mapping, returned to the system
+when freed -- at the price of page faults on every one.
 
-Run once (Linux; ~2.5 GB of RAM for N = 4; about a minute on 2 cores):
+Run once (Linux; ~2.5 GB of RAM for N = 4; about two minutes on 2 cores):
 
-    python benchmarks/sharded_memory.py                 # width 512, 8 blocks (~17M params)
+    python benchmarks/sharded_memory.py --steps 6       # width 512, 8 blocks (~17M params)
     python benchmarks/sharded_memory.py --width 256     # quicker
+    python benchmarks/sharded_memory.py --worlds 2,4 --variants glibc,per-step
 """
 
 from __future__ import annotations
@@ -44,7 +51,23 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-_LIMIT_HEAP = "SHARDED_MEMORY_LIMIT_HEAP"  # this benchmark's switch for its child processes
+_LIMIT_HEAP = "SHARDED_MEMORY_LIMIT_HEAP"  # this benchmark's switches for its child processes
+_PER_STEP = "SHARDED_MEMORY_PER_STEP_BUFFERS"
+
+
+def _per_step_buffers() -> None:
+    """The collectives' flat buffers as they were before they were kept: made for every
+    bucket of every step and freed once it has landed (the comparison's "before")."""
+    import torch
+
+    from roundpipe_core.distributed import sharded
+
+    def fresh(self: Any, bucket: list) -> Any:
+        return torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype)
+
+    # None: the bucket makes its own buffer, and _land drops it again
+    sharded.ShardedGradientReducer._buffer_for = lambda self, bucket: None  # type: ignore[method-assign,assignment,return-value]
+    sharded.HostShard._flat_for = fresh  # type: ignore[method-assign]
 
 
 def _status(key: str) -> int:
@@ -68,7 +91,7 @@ def _build(width: int, blocks: int) -> Any:
     )
 
 
-def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
+def child(width: int, blocks: int, steps: int, bf16: bool = False) -> dict[str, Any]:
     import torch
 
     import roundpipe_core.distributed as D
@@ -80,23 +103,33 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
         from roundpipe_core.running.heap import limit_heap_retention
 
         limit_heap_retention()
+    if os.environ.get(_PER_STEP):
+        _per_step_buffers()
     D.init_process_group() if int(os.environ["WORLD_SIZE"]) > 1 else None
     world = D.DataParallel().world_size
     rank = torch.distributed.get_rank() if world > 1 else 0
     base = _status("VmRSS")
+    dtype = torch.bfloat16 if bf16 else torch.float32
     rp = RoundPipe(
-        _build(width, blocks),
+        _build(width, blocks).to(dtype),
+        optim_dtype=torch.float32,
         devices="cpu:2",
         model_run_config=RoundPipeRunConfig(num_microbatch=3),
-        shared_masters=True,
+        shared_masters=not bf16,
     )
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-4)
     dp = D.DataParallel(shard_host_state=True)
     dp.attach(rp, [opt])
-    budget = estimate_host_memory(rp, optimizer=[opt], num_microbatch=3, state_shards=world)
+    budget = estimate_host_memory(
+        rp,
+        optimizer=[opt],
+        num_microbatch=3,
+        state_shards=world,
+        collective_buffers=dp.kept_buffer_bytes(rp, [opt]),
+    )
     predicted = budget.process_peak
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(12, width, generator=g), torch.randn(12, width, generator=g)
+    x, y = torch.randn(12, width, generator=g).to(dtype), torch.randn(12, width, generator=g)
     step_s: list[float] = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -125,7 +158,9 @@ def child(width: int, blocks: int, steps: int) -> dict[str, Any]:
         "run": peak - base,
         "predicted": predicted,
         "state_lines": budget.total,
+        "buffers": budget.collective_buffers,
         "state": D.state_bytes(opt),
+        "masters": sum(m.untyped_storage().nbytes() for _, _, m in rp.masters.copies),
         "step_s": statistics.median(step_s[1:] or step_s),
     }
     dp.detach()
@@ -142,9 +177,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-#: glibc malloc settings the ranks run with (see the module docstring)
+#: what the ranks run with (see the module docstring)
 MALLOC_VARIANTS: dict[str, dict[str, str]] = {
     "glibc": {},
+    "per-step": {_PER_STEP: "1"},
     "roundpipe": {_LIMIT_HEAP: "1"},
     "env": {"MALLOC_MMAP_THRESHOLD_": "65536"},
 }
@@ -157,6 +193,7 @@ def run_world(world: int, args: argparse.Namespace, malloc: dict[str, str]) -> l
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
         env.pop("MALLOC_MMAP_THRESHOLD_", None)
         env.pop(_LIMIT_HEAP, None)
+        env.pop(_PER_STEP, None)
         env.update(malloc)
         env.update(
             NODE_RANK=str(rank),
@@ -168,6 +205,7 @@ def run_world(world: int, args: argparse.Namespace, malloc: dict[str, str]) -> l
         )
         cmd = [sys.executable, __file__, "--child", "--width", str(args.width)]
         cmd += ["--blocks", str(args.blocks), "--steps", str(args.steps)]
+        cmd += ["--bf16"] if args.bf16 else []
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -183,21 +221,25 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--bf16", action="store_true", help="a bf16 model, fp32 masters (sharded)")
+    ap.add_argument("--worlds", default="1,2,4", help="rank counts, comma-separated")
+    ap.add_argument("--variants", default=",".join(MALLOC_VARIANTS), help="comma-separated")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.width, args.blocks, args.steps)))
+        print(json.dumps(child(args.width, args.blocks, args.steps, args.bf16)))
         return
     mib = 2**20
     print(
         f"{'malloc':>9} {'N':>2} {'rank':>4} {'peak RSS':>10} {'predicted':>10} "
         f"{'meas/pred':>9} {'run':>9} {'state lines':>11} {'opt state':>10} {'state/N=1':>9} "
-        f"{'step ms':>8} {'vs glibc':>8}"
+        f"{'masters':>9} {'step ms':>8} {'vs glibc':>8}"
     )
     whole_state = None
-    for world in (1, 2, 4):
+    variants = {k: MALLOC_VARIANTS[k] for k in args.variants.split(",")}
+    for world in (int(w) for w in args.worlds.split(",")):
         glibc_step = None
-        for label, malloc in MALLOC_VARIANTS.items():  # interleaved: N, then each malloc
+        for label, malloc in variants.items():  # interleaved: N, then each variant
             ranks = run_world(world, args, malloc)
             step = max(r["step_s"] for r in ranks)  # the job is as slow as its slowest rank
             glibc_step = glibc_step or step
@@ -208,11 +250,12 @@ def main() -> None:
                     f"{r['predicted'] / mib:8.1f}Mi {r['peak'] / r['predicted']:9.3f} "
                     f"{r['run'] / mib:7.1f}Mi {r['state_lines'] / mib:9.1f}Mi "
                     f"{r['state'] / mib:8.1f}Mi {r['state'] / whole_state:9.3f} "
-                    f"{step * 1e3:8.1f} {step / glibc_step:8.3f}"
+                    f"{r['masters'] / mib:7.1f}Mi {step * 1e3:8.1f} {step / glibc_step:8.3f}"
                 )
     print(
         f"({r['params']:,} parameters; 'run' = peak RSS minus the RSS before the model was "
-        "built; 'state lines' = the budget's total without the process line)"
+        "built; 'state lines' = the budget's total without the process line, of which "
+        f"{r['buffers'] / mib:.1f} MiB collective buffers at N={r['world']})"
     )
 
 

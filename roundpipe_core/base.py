@@ -381,6 +381,7 @@ class RoundPipeBase(nn.Module):
 
         Raises:
             TypeError: ``step_fn`` is not callable.
+            ValueError: ``is_async=True`` while masters are released (a sharded host state).
             RuntimeError: this RoundPipe is closed.
         """
         if not callable(step_fn):
@@ -416,7 +417,10 @@ class RoundPipeBase(nn.Module):
 
     def _async_allowed(self, is_async: bool) -> bool:
         """``is_async``, unless a master is shared (the step then writes the weights devices
-        read): said once, as a warning for ``shared_masters=True``, else at INFO."""
+        read): said once, as a warning for ``shared_masters=True``, else at INFO; refused
+        while masters are released (``MasterWeights.sync_only``: a sharded host state)."""
+        if is_async and self._home().masters.sync_only:
+            raise ValueError(self._home().masters.sync_only)
         if is_async and self._home().masters.num_shared:
             if not self._warned_sync_step:
                 self._warned_sync_step = True

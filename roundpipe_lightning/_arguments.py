@@ -4,6 +4,7 @@ wrong value is a ``TypeError`` / ``ValueError`` that names the argument and the 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -18,6 +19,9 @@ __all__ = [
     "check_type",
     "check_plugins",
     "check_pool_devices",
+    "crowded_node",
+    "crowded_node_error",
+    "not_launched_error",
 ]
 
 # the Lightning strategy's logger: what the single-worker hint always went to
@@ -145,3 +149,42 @@ def check_pool_devices(
             "ROUNDPIPE_CPU_DEVICES."
         )
     return devices
+
+
+# -- one process per node: the launch checks both strategies make ----------------------------
+def crowded_node(local_rank: int, processes: int, num_nodes: int) -> str | None:
+    """What shows that the launcher started more than one process on this node
+    (``torchrun --nproc-per-node 2``, ``srun --ntasks-per-node 2``, ``LOCAL_RANK=1``, more
+    processes than nodes), or None."""
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if local_world.isdigit() and int(local_world) > 1:
+        return f"LOCAL_WORLD_SIZE={local_world}"
+    if local_rank > 0:
+        return f"LOCAL_RANK={local_rank}"
+    if processes > num_nodes:
+        return f"{processes} processes (WORLD_SIZE) for num_nodes={num_nodes}"
+    return None
+
+
+def crowded_node_error(owner: str, entry: str, devices: str, crowded: str) -> ValueError:
+    """The refusal of several processes on one node (``crowded``, from :func:`crowded_node`):
+    each would claim all the node's devices. ``entry`` is what the user builds (``Trainer``
+    / ``Fabric``), ``devices`` the devices argument as the user wrote it."""
+    return ValueError(
+        f"{owner} runs one process per node, and that process drives all of the node's "
+        f"devices ({entry}(devices={devices})); this process is one of several on its node "
+        f"({crowded}), so each would claim the same devices. Launch one process per node: "
+        "on one machine plain `python train.py` (no torchrun); on N machines `torchrun "
+        f"--nnodes N --nproc-per-node 1 train.py` with {entry}(num_nodes=N), or `srun "
+        "--ntasks-per-node=1`."
+    )
+
+
+def not_launched_error(owner: str, num_nodes: int) -> ValueError:
+    """The refusal of ``num_nodes > 1`` in a process no launcher started."""
+    return ValueError(
+        f"{owner} with num_nodes={num_nodes} runs one process per node, started by a "
+        "launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
+        "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 "
+        "environment. This process was not started that way."
+    )

@@ -36,7 +36,13 @@ from .checkpoint_io import (
     check_roundpipe_section,
 )
 from .precision import LossScaler
-from .sharded_checkpoint import load_optimizer_states, marker, remove_shards, save_host_shards
+from .sharded_checkpoint import (
+    load_optimizer_states,
+    marker,
+    remove_shards,
+    save_host_shards,
+    sharded_masters,
+)
 
 __all__ = ["CheckpointingStrategy"]
 
@@ -107,9 +113,15 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
         half-precision model), the loss scaler and the layer timer.
 
         The masters are the live tensors, not copies (host memory holds one of each):
-        the step is drained here and nothing updates them until the save returns."""
+        the step is drained here and nothing updates them until the save returns. Those
+        of a sharded optimizer are in its shards instead, each in its owner's."""
         self._sync_weights()
-        masters = {name: m.detach() for name, p, m in self._named_masters() if m.dtype != p.dtype}
+        in_shards = sharded_masters(self._dp, self.optimizers)
+        masters = {
+            name: m.detach()
+            for name, p, m in self._named_masters()
+            if m.dtype != p.dtype and id(m) not in in_shards
+        }
         state: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
         if self._loss_scaler is not None:
             state["loss_scaler"] = self._loss_scaler.state_dict()
@@ -177,10 +189,13 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
         saved = check_roundpipe_section(section, params, strict=strict)
         state = section or {}
         super().load_model_state_dict(checkpoint, strict=strict)
+        released = self._rp.masters.released  # another rank's share: its shard restores it
         with torch.no_grad():
             for name, p, m in self._named_masters():
                 src = saved.get(name)
-                if src is not None:
+                if id(m) in released:
+                    pass
+                elif src is not None:
                     m.copy_(src)
                 elif m is not p:  # (a shared master is the parameter: loaded already)
                     m.copy_(p)

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from roundpipe_core import distributed as D
 
+from ._arguments import crowded_node, crowded_node_error, not_launched_error
 from ._setup import op_name
 
 __all__ = ["FabricProcesses"]
@@ -44,6 +45,7 @@ class FabricProcesses(SingleDeviceStrategy):
     node's pool, so there is nothing for ``fabric.launch()`` to start."""
 
     cluster_environment: ClusterEnvironment | None
+    parallel_devices: list[Any] | None
     _num_nodes: int
     _process_group_timeout: timedelta
 
@@ -111,30 +113,14 @@ class FabricProcesses(SingleDeviceStrategy):
         """Refuse a launch that puts several processes on one node (each would claim all
         of the node's devices) or several processes not started by a launcher."""
         env = self.cluster_environment
-        crowded = None
-        local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
         processes = max(env.world_size() if env is not None else 1, _env_world_size())
-        if local_world.isdigit() and int(local_world) > 1:
-            crowded = f"LOCAL_WORLD_SIZE={local_world}"
-        elif env is not None and env.local_rank() > 0:
-            crowded = f"LOCAL_RANK={env.local_rank()}"
-        elif processes > self._num_nodes:
-            crowded = f"{processes} processes (WORLD_SIZE) for num_nodes={self._num_nodes}"
+        local_rank = env.local_rank() if env is not None else 0
+        crowded = crowded_node(local_rank, processes, self._num_nodes)
         if crowded is not None:
-            raise ValueError(
-                f"{_OWNER} runs one process per node, and that process drives all of the "
-                f"node's devices (Fabric(devices=N)); this process is one of several on its "
-                f"node ({crowded}). On one machine start one process without torchrun; on N "
-                "machines use `torchrun --nnodes N --nproc-per-node 1` (or srun "
-                "--ntasks-per-node=1) with Fabric(num_nodes=N)."
-            )
+            devices = str(len(self.parallel_devices or [None]))
+            raise crowded_node_error(_OWNER, "Fabric", devices, crowded)
         if self._num_nodes > 1 and (env is None or not env.creates_processes_externally):
-            raise ValueError(
-                f"{_OWNER} with num_nodes={self._num_nodes} runs one process per node, started "
-                "by a launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task "
-                "per node) or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / "
-                "LOCAL_RANK=0 environment. This process was not started that way."
-            )
+            raise not_launched_error(_OWNER, self._num_nodes)
 
     def _connect(self) -> None:
         """Create the default (gloo) process group when there are several nodes."""

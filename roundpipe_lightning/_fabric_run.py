@@ -46,7 +46,7 @@ from roundpipe_core import distributed as D
 
 from ._private import optimizer_view, replace_zero_grad, restore_zero_grad
 from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section
-from .sharded_checkpoint import load_optimizer_state
+from .sharded_checkpoint import load_optimizer_state, of_optimizer, sharded_masters
 
 __all__ = ["FabricRun", "CALLS"]
 
@@ -223,9 +223,8 @@ class FabricRun:
         into ``directory``. Unsharded: nothing (the state is in the checkpoint file)."""
         raw, shard = self.owns(optimizer), self.sharding(optimizer)
         if raw is not None and shard is not None:
-            D.save_shard(
-                directory, self.named_masters(), raw, shard.owns, shard.rank, shard.world_size
-            )
+            named = of_optimizer(self.named_masters(), raw)
+            D.save_shard(directory, named, raw, shard.owns, shard.rank, shard.world_size)
 
     def load_optimizer(self, directory: Any, optimizer: Any, state: Any) -> None:
         """Restore ``optimizer`` from the checkpoint's ``state``: a state dict, or the
@@ -261,8 +260,14 @@ class FabricRun:
         """What a checkpoint holds beyond the module's state dict, in the layout of
         ``RoundPipeStrategy``'s ``checkpoint["roundpipe"]``: the masters whose dtype
         differs from their parameter's (fp32 masters of a bf16 module) and the layer
-        timer. Call after ``synchronize()``."""
-        masters = {n: m.detach() for n, p, m in self._named_masters() if m.dtype != p.dtype}
+        timer; those of a sharded optimizer are in its shards instead (each in its owner's).
+        Call after ``synchronize()``."""
+        in_shards = sharded_masters(self.dp, self.optimizers)
+        masters = {
+            n: m.detach()
+            for n, p, m in self._named_masters()
+            if m.dtype != p.dtype and id(m) not in in_shards
+        }
         section: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
         if isinstance(self.rp, RoundPipe):  # (an AutoRoundPipe has no layer timer)
             section["timer"] = self.rp.model_timer.state_dict()
@@ -272,9 +277,10 @@ class FabricRun:
         """Load the module's weights and make the masters equal to them."""
         self.rp.synchronize()
         self.module.load_state_dict(state_dict, strict=strict)
+        released = self.rp.masters.released  # another node's share: its shard restores it
         with torch.no_grad():
             for _, p, m in self._named_masters():
-                if m is not p:  # (a shared master is the parameter: loaded already)
+                if m is not p and id(m) not in released:  # (a shared one: loaded already)
                     m.copy_(p)
                 m.grad = None
         self.grads_fresh = False

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from roundpipe_core import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
+from roundpipe_core import distributed as D
 from roundpipe_core.autosplit import auto_wrap
 from roundpipe_core.optim import fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
@@ -65,6 +66,8 @@ __all__ = [
     "op_name",
     "reaches_params",
     "check_loss_went_through",
+    "check_shardable",
+    "check_step_request",
 ]
 
 log = logging.getLogger(__name__)
@@ -471,14 +474,17 @@ def host_memory_budget(
     rp: RoundPipe | AutoRoundPipe,
     optimizers: list[Optimizer],
     num_microbatch: int | None,
-    state_shards: int = 1,
+    dp: D.DataParallel | None = None,
     async_step: bool | None = None,
 ) -> HostMemoryBudget:
-    """The host memory ``rp`` trained by ``optimizers`` needs (``state_shards``: the
-    processes the optimizer state is sharded over; ``async_step``: whether the step
-    overlaps the next iteration, whose gradients then arrive beside the step's). An optimizer whose state size is
-    unknown (a third-party class) does not stop training: the budget assumes Adam's two
-    states per parameter and says so once."""
+    """The host memory ``rp`` trained by ``optimizers`` needs (``dp``: the data-parallel
+    wrapper, whose sharding divides the state and adds its collectives' buffers;
+    ``async_step``: whether the step overlaps the next iteration, whose gradients then
+    arrive beside the step's). An optimizer whose state size is unknown (a third-party
+    class) does not stop training: the budget assumes Adam's two states per parameter
+    and says so once."""
+    state_shards = 1 if dp is None else dp.state_shards
+    buffers = 0 if dp is None else dp.kept_buffer_bytes(rp, optimizers)
     try:
         return estimate_host_memory(
             rp,
@@ -486,6 +492,7 @@ def host_memory_budget(
             num_microbatch=num_microbatch,
             state_shards=state_shards,
             async_step=async_step,
+            collective_buffers=buffers,
         )
     except UnknownOptimizerError as exc:
         names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
@@ -501,6 +508,7 @@ def host_memory_budget(
             num_microbatch=num_microbatch,
             state_shards=state_shards,
             async_step=async_step,
+            collective_buffers=buffers,
         )
 
 
@@ -514,6 +522,26 @@ def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
             "would differ between processes. Use precision='bf16-mixed' or 'bf16-true' (no loss "
             "scaling), or shard_host_state=False."
         )
+
+
+def check_step_request(async_step: Any, shard_host_state: Any, owner: str) -> bool | None:
+    """A strategy's ``async_step`` as requested (``None``: follow the hardware). With
+    ``shard_host_state=True`` the step is synchronous: ``None`` means ``False`` and
+    ``True`` is refused -- each process keeps only its share of the masters, and the
+    others' updated weights reach its model inside the step (the all-gather), which must
+    not overlap the next iteration reading them."""
+    if async_step is None:
+        return False if shard_host_state is True else None
+    async_step = check_bool("async_step", async_step, owner)
+    if async_step and shard_host_state is True:
+        raise ValueError(
+            f"{owner}(shard_host_state=True, async_step=True): a sharded host state steps "
+            "synchronously -- each process keeps only its share of the masters and writes "
+            "the others' updated weights into its model inside the step, which an "
+            "overlapped (one-step-stale) step would change under the next iteration. Pass "
+            "async_step=False (or leave it None), or shard_host_state=False."
+        )
+    return async_step
 
 
 _DIRECT_CALL = (

@@ -8,7 +8,6 @@ A base class of the strategy, kept apart so each file has one job.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from typing_extensions import override
 
 from roundpipe_core import distributed as D
 
+from ._arguments import crowded_node, crowded_node_error, not_launched_error
 from ._setup import op_name
 
 __all__ = ["ProcessTopologyStrategy"]
@@ -66,36 +66,14 @@ class ProcessTopologyStrategy(ParallelStrategy):
         """The cluster environment, after checking that this process was started as one
         process per node (the only layout a RoundPipe run has)."""
         env = self.cluster_environment
-        crowded = self._processes_sharing_the_node(env)
+        local_rank = env.local_rank() if env is not None else 0
+        crowded = crowded_node(local_rank, self.world_size, self.num_nodes)
         if crowded is not None:
-            raise ValueError(
-                "RoundPipeStrategy runs one process per node, and that process drives all of "
-                f"the node's devices (Trainer(devices={len(self.compute_devices)})); this process "
-                f"is one of several on its node ({crowded}), so each would claim the same "
-                "devices. Launch one process per node: on one machine plain `python train.py` "
-                "(no torchrun); on N machines `torchrun --nnodes N --nproc-per-node 1 train.py` "
-                "with Trainer(num_nodes=N), or `srun --ntasks-per-node=1`."
-            )
+            devices = str(len(self.compute_devices))
+            raise crowded_node_error("RoundPipeStrategy", "Trainer", devices, crowded)
         if self.world_size > 1 and (env is None or not env.creates_processes_externally):
-            raise ValueError(
-                f"RoundPipeStrategy with num_nodes={self.num_nodes} runs one process per node, started "
-                "by a launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
-                "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 environment. "
-                "This process was not started that way."
-            )
+            raise not_launched_error("RoundPipeStrategy", self.num_nodes)
         return env
-
-    def _processes_sharing_the_node(self, env: Any) -> str | None:
-        """What shows that the launcher started more than one process on this node
-        (``torchrun --nproc-per-node 2``, ``srun --ntasks-per-node 2``), or None."""
-        local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        if local_world.isdigit() and int(local_world) > 1:
-            return f"LOCAL_WORLD_SIZE={local_world}"
-        if env is not None and env.local_rank() > 0:
-            return f"LOCAL_RANK={env.local_rank()}"
-        if self.world_size > self.num_nodes:
-            return f"{self.world_size} processes (WORLD_SIZE) for num_nodes={self.num_nodes}"
-        return None
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -59,6 +59,7 @@ from ._setup import (
     check_loss_went_through,
     check_num_microbatch,
     check_pool_devices,
+    check_step_request,
     check_type,
     fuse_optimizer,
     network_of,
@@ -121,9 +122,9 @@ class RoundPipeFabricStrategy(FabricProcesses):
             gradients over the nodes.
         process_group_timeout: seconds (or a ``timedelta``) after which a collective whose
             peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        shard_host_state: with several nodes, each keeps master gradients and optimizer
-            state for its 1/N of each optimizer's parameters only (``docs/multi-node.md``);
-            ``fabric.save`` then writes one shard of the optimizer state per node.
+        shard_host_state: with several nodes, each keeps masters, master gradients and
+            optimizer state for its 1/N of each optimizer's parameters only, stepping
+            synchronously (``docs/multi-node.md``); ``fabric.save`` writes a shard per node.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
@@ -191,9 +192,7 @@ class RoundPipeFabricStrategy(FabricProcesses):
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{_OWNER}: {exc}") from None
         self.pin_model = pin_model
-        self._async_request = (
-            None if async_step is None else check_bool("async_step", async_step, _OWNER)
-        )
+        self._async_request = check_step_request(async_step, shard_host_state, _OWNER)
         self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer, _OWNER)
         self.recompute_grain = recompute_grain
         self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state, _OWNER)

@@ -36,6 +36,8 @@ from roundpipe_core import distributed as D
 from roundpipe_core.checkpoint_file import read_checkpoint
 from roundpipe_core.distributed.shard_io import SHARD_FORMAT
 
+from .checkpoint_io import CHECKPOINT_KEY
+
 __all__ = [
     "SHARDS_KEY",
     "convert_sharded_checkpoint",
@@ -83,6 +85,22 @@ def is_marker(state: Any) -> bool:
     return isinstance(state, Mapping) and SHARDS_KEY in state
 
 
+def of_optimizer(
+    named_masters: Mapping[str, torch.Tensor], optimizer: Any
+) -> dict[str, torch.Tensor]:
+    """The entries of ``named_masters`` that ``optimizer`` steps: its shards hold those
+    only (with several optimizers, the others' are in their own shards)."""
+    raw = getattr(optimizer, "_optimizer", optimizer)
+    ids = {id(p) for g in raw.param_groups for p in g["params"]}
+    return {n: p for n, p in named_masters.items() if id(p) in ids}
+
+
+def sharded_masters(dp: D.DataParallel, optimizers: Sequence[Any]) -> set[int]:
+    """Ids of the masters a sharded checkpoint keeps in its shards, each in its owner's
+    (not in the checkpoint file: rank 0 holds the values of its own share only)."""
+    return {id(p) for opt in optimizers if (s := dp.shard(opt)) is not None for p in s.params}
+
+
 def save_host_shards(
     filepath: str | Path,
     optimizers: Sequence[Any],
@@ -100,7 +118,7 @@ def save_host_shards(
         edit = None if edit_groups is None else functools.partial(edit_groups, i)
         D.save_shard(
             shards_dir(filepath, i),
-            named_masters,
+            of_optimizer(named_masters, raw),
             raw,
             shard.owns,
             shard.rank,
@@ -118,7 +136,9 @@ def load_optimizer_state(
 ) -> None:
     """Restore one optimizer from ``state``: an ordinary state dict, or a marker whose
     shards are in ``directory`` (written on any rank count). Sharded (``shard``), this
-    rank keeps only the state of the parameters it owns."""
+    rank keeps only the state of the parameters it owns. From shards the masters of
+    those parameters are restored too (a separate fp32 master exactly, which the file's
+    half-precision weights cannot give; a shared one is its weight: the same value)."""
     raw = getattr(optimizer, "_optimizer", optimizer)
     if is_marker(state):
         if directory is None:
@@ -128,7 +148,7 @@ def load_optimizer_state(
                 "merge it first with roundpipe_lightning.convert_sharded_checkpoint(path, out)"
             )
         owns = shard.owns if shard is not None else (lambda p: True)
-        D.load_shards(directory, named_masters, raw, owns, load_masters=False)
+        D.load_shards(directory, of_optimizer(named_masters, raw), raw, owns)
     else:
         raw.load_state_dict(state)
     if shard is not None:
@@ -150,10 +170,26 @@ def load_optimizer_states(
         load_optimizer_state(directory, opt, state, dp.shard(opt), named_masters)
 
 
+def _put_back_masters(ckpt: dict[str, Any], masters: Mapping[str, torch.Tensor]) -> None:
+    """The shards' masters whose dtype differs from the saved weight's, into the
+    checkpoint's RoundPipe section (where an unsharded run keeps them)."""
+    section = ckpt.get(CHECKPOINT_KEY)
+    weights = ckpt.get("state_dict", {})
+    if not isinstance(section, dict):
+        return
+    held = section.setdefault("masters", {})
+    for name, master in masters.items():
+        weight = weights.get(name)
+        if isinstance(weight, torch.Tensor) and weight.dtype != master.dtype:
+            held.setdefault(name, master)
+
+
 def convert_sharded_checkpoint(checkpoint_path: str | Path, out_path: str | Path) -> Path:
     """Write an ordinary Lightning checkpoint from a sharded one: the optimizer states
-    merged from ``<checkpoint_path>.shards/``, everything else as saved. The result
-    loads with any strategy (``Trainer(ckpt_path=out_path)``) and
+    merged from ``<checkpoint_path>.shards/``, and the masters the shards hold that are
+    of another dtype than their weights (the fp32 masters of a bf16 module) put back
+    into the RoundPipe section, as an unsharded run writes them; everything else as
+    saved. The result loads with any strategy (``Trainer(ckpt_path=out_path)``) and
     ``LightningModule.load_from_checkpoint``. Needs the memory of the whole state, in
     this one process. Returns ``out_path``.
 
@@ -166,10 +202,11 @@ def convert_sharded_checkpoint(checkpoint_path: str | Path, out_path: str | Path
     states = ckpt.get("optimizer_states", [])
     for i, state in enumerate(states):
         if is_marker(state):
-            merged = D.merge_shards(shards_dir(checkpoint_path, i))["optimizer"]
-            for g in merged["param_groups"]:
+            merged = D.merge_shards(shards_dir(checkpoint_path, i))
+            for g in merged["optimizer"]["param_groups"]:
                 g.pop("param_names", None)  # as an unsharded run's state_dict() has them
-            states[i] = merged
+            states[i] = merged["optimizer"]
+            _put_back_masters(ckpt, merged["masters"])
     out = Path(out_path)
     torch.save(ckpt, out)
     return out

@@ -65,6 +65,7 @@ from ._setup import (
     check_plugins,
     check_pool_devices,
     check_shardable,
+    check_step_request,
     check_type,
     fuse_optimizer,
     host_memory_budget,
@@ -137,8 +138,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             layers' backward is done, while earlier layers still compute.
         process_group_timeout: seconds (or a ``timedelta``) after which a collective
             whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        shard_host_state: with several processes, each keeps gradients and optimizer state
-            for its 1/N of the parameters only (``docs/multi-node.md``).
+        shard_host_state: with several processes, each keeps masters, gradients and optimizer
+            state for its 1/N of the parameters only; synchronous steps (``docs/multi-node.md``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
@@ -199,7 +200,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         self.execute_plan = execute_plan
         self.optim_dtype = parse_dtype(optim_dtype)
         self.pin_model = pin_model
-        self._async_request = None if async_step is None else check_bool("async_step", async_step)
+        self._async_request = check_step_request(async_step, shard_host_state, "RoundPipeStrategy")
         self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer)
         self.overlap_iterations = check_bool("overlap_iterations", overlap_iterations)
         self.recompute_grain = recompute_grain
@@ -290,9 +291,9 @@ class RoundPipeStrategy(CheckpointingStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             # refuse, with numbers, a run whose state cannot fit in host memory
-            opts, shards = [raw_optimizer(o) for o in self.optimizers], self._dp.state_shards
+            opts = [raw_optimizer(o) for o in self.optimizers]
             budget = host_memory_budget(
-                self.roundpipe, opts, self.num_microbatch, shards, self.async_step
+                self.roundpipe, opts, self.num_microbatch, self._dp, self.async_step
             )
             rank_zero_info(f"RoundPipe host memory:\n{budget}")  # as Lightning says setup facts
             check_host_memory(budget)

@@ -68,7 +68,13 @@ from .reducer import (
     sync_gradients,
 )
 from .shard_io import load_shards, merge_shards, save_shard, shard_files
-from .sharded import HostShard, ShardedGradientReducer, partition_by_bytes, state_bytes
+from .sharded import (
+    HostShard,
+    ShardedGradientReducer,
+    kept_buffer_bytes,
+    partition_by_bytes,
+    state_bytes,
+)
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -88,6 +94,7 @@ __all__ = [
     "destroy_process_group",
     "dist_env_from_environ",
     "init_process_group",
+    "kept_buffer_bytes",
     "load_shards",
     "merge_shards",
     "params_in_sync",

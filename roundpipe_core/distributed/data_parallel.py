@@ -15,7 +15,7 @@ from ..running.heap import heap_retention_limited
 from .group import group_size, init_process_group, resolve_timeout
 from .reducer import DEFAULT_BUCKET_BYTES, REDUCE_OPS, GradientAllReducer, broadcast_masters
 from .shard_io import load_shards, save_shard
-from .sharded import HostShard, ShardedGradientReducer
+from .sharded import HostShard, ShardedGradientReducer, kept_buffer_bytes
 
 __all__ = ["DataParallel"]
 
@@ -28,12 +28,21 @@ def _say_heap_once() -> None:
     if not _said_heap:
         _said_heap = True
         log.info(
-            "shard_host_state=True: with glibc's default malloc a sharded rank keeps the "
-            "gradients it drops every step in malloc's heaps (peak ~1.3x the host-memory "
-            "budget); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
-            "roundpipe_core.running.heap.limit_heap_retention(), for the budget's peak "
-            "(slower steps on CPU workers: docs/multi-node.md)"
+            "shard_host_state=True: with glibc's default malloc a sharded rank keeps some of "
+            "the gradients it drops every step in malloc's heaps (peak up to ~1.1x the "
+            "host-memory budget); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
+            "roundpipe_core.running.heap.limit_heap_retention(), for ~1.04x (slower steps "
+            "on CPU workers: docs/multi-node.md)"
         )
+
+
+SYNC_ONLY = (
+    "step(is_async=True) with DataParallel(shard_host_state=True) and separate masters: "
+    "each rank keeps only its share of the masters and writes the others' updated weights "
+    "into its model inside the step, which must not overlap the next call; pass "
+    "is_async=False (RoundPipeStrategy / RoundPipeFabricStrategy: async_step=False)"
+)
+"""Why a RoundPipe whose masters a shard released refuses an asynchronous step."""
 
 
 def _raw_optimizer(opt: Any) -> Any:
@@ -67,14 +76,17 @@ class DataParallel:
         bucket_bytes: gradient bytes per all-reduce.
         timeout: process-group timeout (seconds / ``timedelta``; default
             ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        shard_host_state: each rank keeps gradients and optimizer state only for its
-            1/N of each optimizer's parameters (see :mod:`.sharded`): gradients are
-            reduced to their owner, each rank steps its share, ``after_step`` all-gathers
-            the weights. Clip with :meth:`clip_grad_norm_` (the norm over all shards).
-            Its peak memory is the budget's with glibc's mmap threshold fixed
-            (``MALLOC_MMAP_THRESHOLD_=65536`` or :func:`~roundpipe_core.running.heap.limit_heap_retention`;
-            said once at INFO when it is not): otherwise the gradients a rank drops every
-            step stay in malloc's heaps.
+        shard_host_state: each rank keeps gradients, optimizer state and separate masters
+            only for its 1/N of each optimizer's parameters (see :mod:`.sharded`):
+            gradients are reduced to their owner, each rank steps its share, ``after_step``
+            all-gathers the weights (into the model's weights where the masters are
+            separate; the step must then be synchronous, ``rp.step(..., is_async=False)``:
+            an asynchronous one is refused). Clip with :meth:`clip_grad_norm_` (the norm
+            over all shards). The budget counts the collectives' kept buffers
+            (:meth:`kept_buffer_bytes`); with glibc's default ``malloc`` the peak is up to
+            ~1.1x it, ~1.04x with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``
+            or :func:`~roundpipe_core.running.heap.limit_heap_retention`; said once at INFO
+            when it is not), which slows CPU workers' steps.
 
     The default group is gloo: everything the strategy communicates -- master
     gradients, logged metrics (its root device is the CPU), broadcast objects --
@@ -139,13 +151,24 @@ class DataParallel:
         self._shards = {}
         if self.world_size == 1:
             return
+        masters = getattr(rp, "masters", None)
+        if masters is not None and masters.released:
+            # attached before: the masters another rank owned restart from the model's
+            # weights (exact in optim_dtype; save_state / load_state keep them exactly)
+            masters.restore_released()
         broadcast_masters(rp)
         raws = [_raw_optimizer(o) for o in optimizers]
+        # a separate master's values reach the other ranks' model weights directly
+        weight_of = {id(m): p for _, p, m in masters.copies} if masters is not None else {}
         for raw in raws:
             params = [p for g in raw.param_groups for p in g["params"]]
             if self.shard_host_state:
-                shard = self._shards[id(raw)] = HostShard(params, self.bucket_bytes, self.timeout)
+                shard = self._shards[id(raw)] = HostShard(
+                    params, self.bucket_bytes, self.timeout, targets=weight_of
+                )
                 shard.drop_foreign_state(raw)  # a state loaded whole keeps this rank's share
+                if masters is not None:  # keep the fp32 masters of this rank's share only
+                    masters.release([p for p in params if not shard.owns(p)], SYNC_ONLY)
                 self._reducers[id(raw)] = ShardedGradientReducer(
                     rp,
                     shard,
@@ -163,6 +186,25 @@ class DataParallel:
                 timeout=self.timeout,
                 params=params,
             )
+
+    def kept_buffer_bytes(self, rp: Any, optimizers: Sequence[Any] = ()) -> int:
+        """Host bytes of the flat buffers this rank's collectives will keep once it trains
+        ``rp`` with ``optimizers`` sharded (the host-memory budget's "collective buffers",
+        ``estimate_host_memory(..., collective_buffers=...)``); 0 unsharded or in one
+        process. Computed without a collective, before or after :meth:`attach`."""
+        if self.state_shards == 1:
+            return 0
+        masters = getattr(rp, "masters", None)
+        weight_of = {id(m): p for _, p, m in masters.copies} if masters is not None else {}
+        return sum(
+            kept_buffer_bytes(
+                [p for g in _raw_optimizer(o).param_groups for p in g["params"]],
+                self.world_size,
+                self.bucket_bytes,
+                weight_of,
+            )
+            for o in optimizers
+        )
 
     def wrap_closure(self, optimizer: Any, closure: Any) -> Any:
         """``closure`` preceded by arming ``optimizer``'s reducer (``closure`` itself when
@@ -237,12 +279,8 @@ class DataParallel:
         load_shards(directory, named, raw, shard.owns if shard is not None else (lambda p: True))
         if shard is not None:
             shard.drop_foreign_state(raw)
-            shard.gather()
-        with torch.no_grad():
-            for p in rp.model.parameters():
-                m = rp.master_param(p)
-                if m is not None and m is not p:
-                    p.copy_(m)
+            shard.gather()  # the shares of the others (into the masters or the weights)
+        rp.masters.copy_to_model()  # this rank's masters (a released one has no values)
 
     def abort(self) -> None:
         """Drop armed rounds without further collectives (after an exception)."""

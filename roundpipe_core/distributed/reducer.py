@@ -98,10 +98,17 @@ def broadcast_masters(
 
 
 def params_in_sync(rp: Any, group: Any | None = None) -> bool:
-    """True when every rank holds bit-identical master parameters (a debugging aid:
-    one all-gather of a checksum per parameter). Collective."""
+    """True when every rank holds bit-identical master parameters -- the model's
+    trainable weights where a sharded host state released the masters other ranks own
+    (a debugging aid: one all-gather of a checksum per parameter). Collective."""
     if group_size(group) == 1:
         return True
+    masters = getattr(rp, "masters", None)
+    held = (
+        [p for p in rp.model.parameters() if p.requires_grad]
+        if masters is not None and masters.released
+        else rp.optim_parameters()
+    )
     sums = (
         torch.stack(
             [
@@ -115,10 +122,10 @@ def params_in_sync(rp: Any, group: Any | None = None) -> bool:
                         ).sum(),
                     ]
                 )
-                for m in rp.optim_parameters()
+                for m in held
             ]
         )
-        if rp.optim_parameters()
+        if held
         else torch.zeros(1, 3, dtype=torch.float64)
     )
     everyone = all_gather(sums, group)
@@ -386,6 +393,8 @@ class GradientAllReducer:
                         return
                 if rnd.aborted.is_set():
                     return  # do not issue a collective our peers may never match
+                if b.buffer is None:
+                    b.buffer = self._buffer_for(b)
                 buf = b.flatten()
                 if is_nccl(self.group):
                     buf = buf.to(comm_device(self.group), non_blocking=True)
@@ -407,6 +416,11 @@ class GradientAllReducer:
         self, params: list[torch.Tensor], bucket_bytes: int
     ) -> list[list[torch.Tensor]]:
         return _bucketize(params, bucket_bytes)
+
+    def _buffer_for(self, bucket: _Bucket) -> torch.Tensor | None:
+        """The flat buffer ``bucket`` travels in this round (None: its own, made once and
+        kept, ``_Bucket.flatten``)."""
+        return None
 
     def _issue(self, bucket: _Bucket, buf: torch.Tensor) -> Any:
         return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)

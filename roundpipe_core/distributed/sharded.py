@@ -27,17 +27,27 @@ all-reduces the owned part of the norm. The collectives of each purpose run on a
 of their own (reduction: the reducer thread; all-gather: the optimizer thread; norm:
 whoever clips), so threads never interleave collectives on one group.
 
-What is not sharded: the model's own weights (every rank's devices upload them), and,
-with *separate* masters (an asynchronous step, or a model not in ``optim_dtype``), the
-masters themselves, which are the all-gather's destination and what the next step's
-publication copies from; with shared masters (``RoundPipe(shared_masters=True)``, the
-synchronous CPU default) the master *is* the weight and nothing extra is held.
+Separate masters (a model not in ``optim_dtype``, e.g. bf16 weights with fp32 masters,
+or ``shared_masters=False``) are sharded too: a rank keeps the fp32 masters of its share
+only and releases the others' (``MasterWeights.release``: a placeholder of a few bytes);
+after the step each owner casts its updated share to the weights' dtype and the
+all-gather writes it straight into every other rank's model weights (``targets``), the
+same rounding as the owner's own copy into its model. That write happens inside the
+step, so the step must be synchronous: a RoundPipe with released masters refuses
+``step(is_async=True)`` (an asynchronous step's publication and the next call's uploads
+run on each rank's own clock, and the weights the next call reads would change under it).
+With shared masters (``RoundPipe(shared_masters=True)``, the synchronous CPU default)
+the master *is* the weight and nothing is released.
+
+What is not sharded: the model's own weights (every rank's devices upload them), and the
+master gradients while the backward produces them (each rank keeps its share once they
+are reduced).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -47,7 +57,16 @@ import torch.distributed as dist
 from .group import collective_error, group_size, group_timeout, resolve_timeout
 from .reducer import GradientAllReducer, _Bucket, _bucketize, _unique_params
 
-__all__ = ["HostShard", "ShardedGradientReducer", "partition_by_bytes", "state_bytes"]
+__all__ = [
+    "HostShard",
+    "ShardedGradientReducer",
+    "kept_buffer_bytes",
+    "partition_by_bytes",
+    "state_bytes",
+]
+
+REDUCE_IN_FLIGHT = 2
+"""Buckets a sharded reduction has in flight (each landed bucket's buffer is reused)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -75,6 +94,72 @@ def partition_by_bytes(params: Sequence[torch.Tensor], world_size: int) -> list[
     return owners
 
 
+def _gather_plan(
+    params: list[torch.Tensor],
+    owners: list[int],
+    world_size: int,
+    bucket_bytes: int,
+    where: dict[int, torch.Tensor],
+) -> list[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:
+    """The all-gather's buckets: per owner, in forward order, consecutive runs of one
+    destination dtype up to ``bucket_bytes``, each as (owner, its parameters, where the
+    other ranks write them: ``where``, else the parameter itself)."""
+    plan = []
+    for rank in range(world_size):
+        mine = [p for p, o in zip(params, owners) if o == rank]
+        taken = 0
+        for bucket in _bucketize([where.get(id(p), p) for p in mine], bucket_bytes):
+            plan.append((rank, mine[taken : taken + len(bucket)], bucket))
+            taken += len(bucket)
+    return plan
+
+
+def _reduce_plan(
+    params: list[torch.Tensor], owner: Callable[[torch.Tensor], int], bucket_bytes: int
+) -> list[list[torch.Tensor]]:
+    """The reduction's buckets over ``params`` (in reverse order): consecutive runs of
+    one owner, each cut into one-dtype buckets up to ``bucket_bytes``."""
+    runs: list[list[torch.Tensor]] = []
+    for p in params:
+        if runs and owner(runs[-1][0]) == owner(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [b for run in runs for b in _bucketize(run, bucket_bytes)]
+
+
+def _largest(buckets: Iterable[list[torch.Tensor]], extra: int = 0) -> dict[torch.dtype, int]:
+    """Per dtype, the bytes of the largest bucket (``extra`` elements more per tensor)."""
+    out: dict[torch.dtype, int] = {}
+    for b in buckets:
+        size = (sum(t.numel() for t in b) + extra * len(b)) * b[0].element_size()
+        out[b[0].dtype] = max(out.get(b[0].dtype, 0), size)
+    return out
+
+
+def kept_buffer_bytes(
+    params: Iterable[torch.Tensor],
+    world_size: int,
+    bucket_bytes: int,
+    targets: dict[int, torch.Tensor] | None = None,
+) -> int:
+    """Host bytes a sharded rank keeps for one optimizer's collectives, from the first
+    step on (what the host-memory budget counts for them): ``REDUCE_IN_FLIGHT + 1`` flat
+    buffers per gradient dtype as large as the largest reduction bucket (its gradients
+    and a count per tensor), and one per destination dtype as large as the largest
+    all-gather bucket. The same buckets :class:`ShardedGradientReducer` and
+    :class:`HostShard` make (``targets`` as for the latter); 0 for one rank."""
+    params = _unique_params(params)
+    if world_size == 1 or not params:
+        return 0
+    owners = partition_by_bytes(params, world_size)
+    owner = dict(zip((id(p) for p in params), owners))
+    reduce = _reduce_plan(list(reversed(params)), lambda p: owner[id(p)], bucket_bytes)
+    gather = _gather_plan(params, owners, world_size, bucket_bytes, targets or {})
+    slots = sum(_largest(reduce, extra=1).values()) * (REDUCE_IN_FLIGHT + 1)
+    return slots + sum(_largest(b for _, _, b in gather).values())
+
+
 def _new_group(timeout: timedelta | None) -> Any:
     inherited = group_timeout()
     td = resolve_timeout(timeout) if timeout is not None or inherited is None else inherited
@@ -90,6 +175,10 @@ class HostShard:
         params: the optimizer's parameters (RoundPipe masters, in its param-group order).
         bucket_bytes: bytes per broadcast of the all-gather.
         timeout: bound on each collective of its groups (default: the process group's).
+        targets: ``id(param) -> tensor`` the all-gather writes a parameter's updated
+            values into on the ranks that do not own it (cast to that tensor's dtype):
+            the model weight of a separate master, whose own values those ranks released
+            (``MasterWeights.release``). Default, and for the others: the parameter itself.
 
     Creating it is collective (two groups of all ranks): every rank builds its shards
     in the same order.
@@ -100,6 +189,7 @@ class HostShard:
         params: Iterable[torch.Tensor],
         bucket_bytes: int,
         timeout: float | int | timedelta | None = None,
+        targets: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.params = _unique_params(params)
         self.world_size = group_size(None)
@@ -111,12 +201,11 @@ class HostShard:
         td = None if timeout is None else resolve_timeout(timeout)
         self._gather_group = _new_group(td) if self.world_size > 1 else None
         self._norm_group = _new_group(td) if self.world_size > 1 else None
-        # per owner, forward order: consecutive one-dtype runs up to bucket_bytes
-        self._gather_buckets: list[tuple[int, list[torch.Tensor]]] = []
-        for rank in range(self.world_size):
-            mine = [p for p, o in zip(self.params, owners) if o == rank]
-            self._gather_buckets.extend((rank, b) for b in _bucketize(mine, bucket_bytes))
+        self._gather_buckets = _gather_plan(
+            self.params, owners, self.world_size, bucket_bytes, targets or {}
+        )
         self.last_gather_s = 0.0
+        self._gather_flat: dict[torch.dtype, torch.Tensor] = {}  # made once, reused
 
     def owner(self, param: torch.Tensor) -> int:
         """The rank that owns ``param`` (KeyError for a tensor not in the shard)."""
@@ -132,9 +221,13 @@ class HostShard:
 
     # -- after the step ---------------------------------------------------------------------------
     def gather(self) -> None:
-        """Broadcast each owner's updated masters into every rank's masters. Collective:
-        every rank calls it after every optimizer step (on the optimizer thread, inside
-        the step function, so the RoundPipe publishes the result like any step's).
+        """Broadcast each owner's updated parameters into every other rank's copy of
+        them: its masters, or (``targets``) the model weights of the masters it released,
+        in the weights' dtype. Collective: every rank calls it after every optimizer step
+        (on the optimizer thread, inside the step function: the RoundPipe then copies the
+        masters it holds into the model like any step's). Writing the model weights, it
+        needs a synchronous step (``MasterWeights.release`` makes the RoundPipe refuse an
+        asynchronous one).
 
         Raises:
             CollectiveError: a peer died or stalled (the group's timeout), naming this rank.
@@ -144,11 +237,14 @@ class HostShard:
         group = self._gather_group
         if group is None:
             raise RuntimeError("this HostShard is closed (DataParallel.detach()); attach again")
-        for src, bucket in self._gather_buckets:
-            if src == self.rank:
-                flat = torch.cat([t.detach().reshape(-1) for t in bucket])
-            else:
-                flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype)
+        for src, sources, bucket in self._gather_buckets:
+            flat = self._flat_for(bucket)
+            if src == self.rank:  # (cast where the destination is a weight of another dtype)
+                off = 0
+                with torch.no_grad():
+                    for t in sources:
+                        flat[off : off + t.numel()].copy_(t.detach().reshape(-1))
+                        off += t.numel()
             try:
                 dist.broadcast(flat, src=src, group=group)
             except RuntimeError as exc:
@@ -163,6 +259,19 @@ class HostShard:
                     n = t.numel()
                     t.copy_(flat[off : off + n].view_as(t))
                     off += n
+
+    def _flat_for(self, bucket: list[torch.Tensor]) -> torch.Tensor:
+        """A view of the kept flat buffer of the bucket's dtype (the largest gather bucket
+        of that dtype, made at the first step): one bucket is broadcast at a time, and a
+        buffer made and freed every step would stay in glibc's heaps (``_buffer_for``)."""
+        dtype = bucket[0].dtype
+        flat = self._gather_flat.get(dtype)
+        if flat is None:
+            size = max(
+                sum(t.numel() for t in b) for _, _, b in self._gather_buckets if b[0].dtype == dtype
+            )
+            flat = self._gather_flat[dtype] = torch.empty(size, dtype=dtype)
+        return flat[: sum(t.numel() for t in bucket)]
 
     # -- the global gradient norm ------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -211,6 +320,7 @@ class HostShard:
                 except (RuntimeError, ValueError, AssertionError):
                     pass  # the default group is already gone (teardown order)
         self._gather_group = self._norm_group = None
+        self._gather_flat.clear()
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -251,20 +361,37 @@ class ShardedGradientReducer(GradientAllReducer):
             timeout=timeout,
             params=shard.params,
         )
-        # a rank keeps only its share of the gradients: two buckets in flight, each
-        # buffer freed once landed, so the reduction adds two buckets, not a gradient copy
-        self.max_in_flight = 2
+        # a rank keeps only its share of the gradients: two buckets in flight, in a few
+        # flat buffers reused by every bucket and round -- the reduction adds those, not a
+        # gradient copy, and frees nothing each step (see ``_buffer_for``)
+        self.max_in_flight = REDUCE_IN_FLIGHT
+        self._slots: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._slot_of = {id(b): i % (REDUCE_IN_FLIGHT + 1) for i, b in enumerate(self.buckets)}
 
     def _group_params(
         self, params: list[torch.Tensor], bucket_bytes: int
     ) -> list[list[torch.Tensor]]:
-        runs: list[list[torch.Tensor]] = []
-        for p in params:  # (reverse order) consecutive parameters of one owner
-            if runs and self.shard.owner(runs[-1][0]) == self.shard.owner(p):
-                runs[-1].append(p)
-            else:
-                runs.append([p])
-        return [b for run in runs for b in _bucketize(run, bucket_bytes)]
+        return _reduce_plan(params, self.shard.owner, bucket_bytes)
+
+    def _buffer_for(self, bucket: _Bucket) -> torch.Tensor:
+        """A view of one of ``REDUCE_IN_FLIGHT + 1`` flat buffers of the bucket's dtype, each
+        as large as its largest bucket, made at the first round and kept: bucket ``k``
+        takes slot ``k mod (REDUCE_IN_FLIGHT + 1)``, whose previous bucket (``k - 3`` or
+        earlier) has landed before ``k`` is issued. Buffers made and freed every step
+        would have glibc's ``malloc`` raise its mmap threshold to their size and keep the
+        freed blocks -- theirs and every smaller tensor's -- in its heaps (the peak RSS
+        then creeps up well past the host-memory budget)."""
+        slots = self._slots.get(bucket.dtype)
+        if slots is None:
+            size = max(b.numel + len(b.params) for b in self.buckets if b.dtype == bucket.dtype)
+            slots = self._slots[bucket.dtype] = [
+                torch.empty(size, dtype=bucket.dtype) for _ in range(REDUCE_IN_FLIGHT + 1)
+            ]
+        return slots[self._slot_of[id(bucket)]][: bucket.numel + len(bucket.params)]
+
+    def close(self) -> None:
+        super().close()
+        self._slots.clear()
 
     def _issue(self, bucket: _Bucket, buf: torch.Tensor) -> Any:
         owner = self.shard.owner(bucket.params[0])
@@ -276,4 +403,4 @@ class ShardedGradientReducer(GradientAllReducer):
         else:
             for p in bucket.params:
                 p.grad = None  # sent to its owner: this rank keeps no gradient for it
-        bucket.buffer = None  # made again next round: no gradient-sized buffer between rounds
+        bucket.buffer = None  # (a view of a kept slot: the next round takes it again)

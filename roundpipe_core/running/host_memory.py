@@ -9,7 +9,8 @@ weights                   the model's parameters and buffers (model dtype; a qua
                           layer's packed bytes and its quant state)
 masters                   the optimizer's copies of the trainable parameters
                           (``optim_dtype``); none where a parameter is its own master
-                          (``shared_masters=True``: same dtype, synchronous step)
+                          (``shared_masters=True``: same dtype, synchronous step);
+                          1/N of the separate ones with the host state sharded
 gradients                 one gradient per master (``optim_dtype``)
 next gradients            with an asynchronous step (separate masters): the next
                           iteration's gradients, which arrive while the step still
@@ -32,6 +33,8 @@ worker activations        CPU workers only: per worker, one microbatch's saved t
                           the largest stage it runs with autograd (``layer_activation_bytes``)
 dequantized weights       CPU workers only: per worker, the largest 4-bit weight
                           dequantized for its matmul (bitsandbytes frees it after)
+collective buffers        with the host state sharded: the flat buffers the reduction
+                          and the all-gather keep (``DataParallel.kept_buffer_bytes``)
 ========================  ==========================================================
 
 Beside the table, ``process`` is what the process held when the estimate was made
@@ -155,6 +158,7 @@ class HostMemoryBudget:
     mapped_files: int = 0
     worker_activations: int = 0
     dequantized: int = 0
+    collective_buffers: int = 0
 
     @property
     def total(self) -> int:
@@ -171,6 +175,7 @@ class HostMemoryBudget:
             + self.mapped_files
             + self.worker_activations
             + self.dequantized
+            + self.collective_buffers
         )
 
     @property
@@ -204,6 +209,7 @@ class HostMemoryBudget:
             ("mapped file pages", self.mapped_files),
             ("worker activations", self.worker_activations),
             ("dequantized weights", self.dequantized),
+            ("collective buffers (sharded)", self.collective_buffers),
         ]
 
     def __str__(self) -> str:
@@ -308,6 +314,7 @@ def estimate_host_memory(
     state_shards: int = 1,
     async_step: bool | None = None,
     layer_activation_bytes: Sequence[float] | None = None,
+    collective_buffers: int = 0,
 ) -> HostMemoryBudget:
     """The host bytes a training run of ``model`` needs at its peak (see the module docstring).
 
@@ -333,9 +340,9 @@ def estimate_host_memory(
             ``RoundPipe(shared_masters=True)`` and ``RoundPipeStrategy(async_step=False)``
             do). A RoundPipe's own masters are measured instead: a shared one counts once.
         state_shards: the data-parallel ranks the optimizer state is sharded over
-            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it. The
-            gradients stay whole (a backward produces all of them before they are
-            reduced to their owners), and so do the masters.
+            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it and of
+            the separate masters (those of its share). The gradients stay whole (a
+            backward produces all of them before they are reduced to their owners).
         async_step: whether the step overlaps the next iteration (``step(is_async=True)``,
             ``RoundPipeStrategy(async_step=True)``): the next iteration's gradients of the
             separate masters then arrive while the step reads this iteration's (the "next
@@ -346,6 +353,8 @@ def estimate_host_memory(
             activation bytes per layer, the last layer's with the loss's transient (the
             "worker activations" line). Default: the RoundPipe's own
             ``layer_activation_bytes`` (measured by its first training call; none before).
+        collective_buffers: bytes of the flat buffers a sharded rank keeps for its
+            collectives (``DataParallel.kept_buffer_bytes(rp, optimizers)``).
 
     Raises:
         TypeError / ValueError: for a non-module, a negative byte count or an
@@ -402,8 +411,10 @@ def estimate_host_memory(
         mlist = list({id(m): m for _, m in pairs}.values())
         masters = _unique_storage_bytes(mlist, skip=weight_ptrs)
         master_numel_bytes = sum(_nbytes(m) for m in mlist)
-        already = weights + masters
+        already = weights + masters  # (a master a shard released: a few bytes)
         separate = {id(m): m for p, m in pairs if m is not p}
+        if state_shards > 1:  # a sharded rank keeps the separate masters of its share
+            masters = -(-sum(_nbytes(m) for m in separate.values()) // state_shards)
         if async_step if async_step is not None else bool(separate):
             # a shared master's step is always synchronous: only separate ones overlap
             next_gradients = sum(_nbytes(m) for m in separate.values())
@@ -425,6 +436,7 @@ def estimate_host_memory(
             )
         )
         already = weights
+        masters = -(-masters // state_shards)  # a sharded rank's share of them
         if async_step:
             next_gradients = masters  # a gradient per separate master, in its dtype
     gradients = master_numel_bytes
@@ -486,6 +498,7 @@ def estimate_host_memory(
         pinned=pinned,
         worker_copies=worker_copies,
         activations=activations,
+        collective_buffers=collective_buffers,
         already_allocated=already,
         optimizer=opt_label,
         process=max(resident - already - existing, 0) if resident else 0,

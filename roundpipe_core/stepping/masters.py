@@ -10,6 +10,13 @@ own master (one tensor, not two): the optimizer updates the module's weights in
 place and its ``.grad`` is the master's. Such a *shared* entry has nothing to
 copy and nothing to hand over; the RoundPipe then runs every step synchronously,
 since no second copy exists for devices to read while a step writes.
+
+A separate master can be *released* (:meth:`MasterWeights.release`): its values dropped
+(a zero-stride placeholder of its shape, a few bytes), its gradient still accumulated. A
+data-parallel rank that shards the host state releases the masters another rank owns:
+it never steps them, and their new values reach its model weights from their owner
+(``roundpipe_core.distributed.sharded``), so nothing copies a released master into the
+model. Writing one in place fails loudly (a zero-stride tensor refuses it).
 """
 
 from __future__ import annotations
@@ -73,6 +80,11 @@ class MasterWeights:
                     self.copies.append((pname, p, m))
                 self.entries.append((pname, p, m))
                 self.master_of[id(p)] = m
+        # ids of the released masters (see release()); shared with the weight versions,
+        # whose publication skips them too
+        self.released: set[int] = set()
+        # why a step may not be asynchronous while masters are released (None: it may)
+        self.sync_only: str | None = None
         # model parameter id -> (param, master, the .grad handed to it, its version, shared)
         self._handed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor, int, bool]] = {}
 
@@ -138,8 +150,44 @@ class MasterWeights:
             flush()
 
     def copy_to_model(self) -> None:
-        """Put the masters' values into the model's parameters (see :func:`copy_pairs`)."""
-        copy_pairs([(p, m) for _, p, m in self.copies])  # a shared master is the parameter
+        """Put the masters' values into the model's parameters (see :func:`copy_pairs`);
+        a released master has none (its owner's values reach the model instead)."""
+        released = self.released
+        # a shared master is the parameter: nothing to copy
+        copy_pairs([(p, m) for _, p, m in self.copies if id(m) not in released])
+
+    def release(self, masters: Iterable[nn.Parameter], sync_only: str) -> int:
+        """Drop the values of these separate masters (see the module docstring): each
+        becomes a zero-stride placeholder of its shape and dtype, so the optimizer, the
+        gradient reduction and the names still see the same parameter. Shared masters
+        (the model's own weights) and tensors that are not masters are left alone.
+        From now on ``step(is_async=True)`` raises ``ValueError(sync_only)``: whoever
+        writes the released masters' values into the model does so inside the step, which
+        must not overlap a call reading the weights. Returns the bytes freed."""
+        separate = {id(m) for _, _, m in self.copies}
+        freed = 0
+        for m in masters:
+            if id(m) not in separate or id(m) in self.released:
+                continue
+            freed += m.untyped_storage().nbytes()
+            m.data = torch.zeros((), dtype=m.dtype).expand(m.shape)
+            self.released.add(id(m))
+        if self.copies:  # (also where this rank owns them all: its peers' steps are synchronous)
+            self.sync_only = sync_only
+        return freed
+
+    def restore_released(self) -> int:
+        """Give the released masters values again, from their model parameters (cast to
+        the masters' dtype: exact for a model in ``optim_dtype``, the model dtype's
+        rounding otherwise). Returns how many were restored."""
+        restored = 0
+        for _, p, m in self.copies:
+            if id(m) in self.released:
+                m.data = p.detach().to(dtype=m.dtype, copy=True)
+                restored += 1
+        self.released.clear()
+        self.sync_only = None
+        return restored
 
     def of_layers(self, layers: Sequence[nn.Module]) -> list[nn.Parameter]:
         """The masters of the parameters of ``layers`` (each once)."""

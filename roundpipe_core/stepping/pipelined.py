@@ -295,7 +295,7 @@ class PipelinedRuns:
     def __init__(self, layers: list[nn.Module], masters: MasterWeights, stepper: Stepper) -> None:
         self.masters = masters
         self.stepper = stepper
-        self.versions = WeightVersions(layers, masters.entries)
+        self.versions = WeightVersions(layers, masters.entries, masters.released)
         self._lock = threading.Lock()  # guards the fields below
         self._merge_lock = threading.Lock()  # one merge at a time; taken before _lock
         self._inflight: list[PendingResult] = []  # runs whose grads are not in .grad yet

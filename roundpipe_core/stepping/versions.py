@@ -52,11 +52,17 @@ class WeightVersions:
     Args:
         layers: the model's layers.
         masters: ``(name, model_param, master_param)`` of the trainable parameters.
+        released: ids of released masters (``MasterWeights.released``, the live set):
+            never copied into the model, their owner rank's values reach it instead.
     """
 
     def __init__(
-        self, layers: Sequence[nn.Module], masters: Sequence[tuple[str, nn.Parameter, nn.Parameter]]
+        self,
+        layers: Sequence[nn.Module],
+        masters: Sequence[tuple[str, nn.Parameter, nn.Parameter]],
+        released: set[int] | None = None,
     ) -> None:
+        self._released = released if released is not None else set()
         master_of = {id(p): (p, m) for _, p, m in masters}
         self._cond = threading.Condition()
         # per layer: the (model param, master) pairs it holds; per master: the layers holding it
@@ -213,8 +219,10 @@ class WeightVersions:
             while end < len(ready) and self.holders[ready[end]][0] == layer:
                 end += 1
             keys = ready[start:end]
-            # a shared master already is the weight: the step wrote it
-            copy_pairs([pm for pm in (self._pair[k] for k in keys) if pm[0] is not pm[1]])
+            # a shared master already is the weight: the step wrote it; a released one
+            # has no values (its owner's reached the model)
+            pairs = [self._pair[k] for k in keys if k not in self._released]
+            copy_pairs([pm for pm in pairs if pm[0] is not pm[1]])
             with self._cond:
                 for k in keys:
                     self.version[k] = version

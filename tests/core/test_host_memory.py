@@ -3,6 +3,7 @@ state table, the readable table and the refusal of a run that cannot fit."""
 
 from __future__ import annotations
 
+import copy
 import platform
 import sys
 
@@ -333,16 +334,27 @@ def test_available_host_memory_without_psutil(monkeypatch: pytest.MonkeyPatch) -
     assert abs(fallback - avail) < max(avail, fallback) * 0.5
 
 
-def test_state_shards_divide_the_optimizer_state_only() -> None:
+def test_state_shards_divide_the_optimizer_state_and_the_separate_masters() -> None:
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 3))
     whole = estimate_host_memory(model, optimizer="adamw")
     quarter = estimate_host_memory(model, optimizer="adamw", state_shards=4)
     assert quarter.optimizer_state == -(-whole.optimizer_state // 4)
-    assert (quarter.weights, quarter.masters, quarter.gradients) == (
-        whole.weights,
-        whole.masters,
-        whole.gradients,
+    assert whole.masters > 0 and quarter.masters == -(-whole.masters // 4)
+    assert (quarter.weights, quarter.gradients) == (whole.weights, whole.gradients)
+    # a parameter that is its own master has no master bytes to shard
+    shared = estimate_host_memory(model, optimizer="adamw", shared_masters=True, state_shards=4)
+    assert shared.masters == 0
+    # a built RoundPipe's separate masters (a bf16 model, fp32 masters): 1/N of them
+    rp = RoundPipe(
+        copy.deepcopy(model).to(torch.bfloat16), optim_dtype=torch.float32, devices="cpu:1"
     )
+    try:
+        full = estimate_host_memory(rp, optimizer="adamw")
+        half = estimate_host_memory(rp, optimizer="adamw", state_shards=2)
+        assert full.masters == sum(m.numel() * 4 for m in rp.optim_parameters())
+        assert half.masters == -(-full.masters // 2)
+    finally:
+        rp.close()
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="state_shards"):
             estimate_host_memory(model, state_shards=bad)  # type: ignore[arg-type]

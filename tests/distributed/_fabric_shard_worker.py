@@ -6,7 +6,9 @@ AdamW, ``async_step=False``, two backward calls per step and ``fabric.clip_gradi
 sharded: train ``STEPS`` steps, ``fabric.save``, train ``MORE`` steps (the run that
 was never interrupted); then a fresh run from another starting point ``fabric.load``s
 the file and trains the same ``MORE`` steps. Writes the weights of each phase and the
-optimizer-state bytes to ``OUT_DIR/{plain,sharded}_rank{R}.pt``.
+optimizer-state bytes to ``OUT_DIR/{plain,sharded}_rank{R}.pt``; the same with a
+bf16 module (cast by hand, as the strategy asks; fp32 masters, sharded too) to ``{plain,sharded}_bf16_rank{R}.pt``,
+with the bytes of the masters each node holds values for.
 """
 
 from __future__ import annotations
@@ -52,10 +54,16 @@ def fabric_of(num_nodes: int, shard: bool) -> Fabric:
     return Fabric(strategy=strategy, accelerator="cpu", devices=2, num_nodes=num_nodes)
 
 
+def master_bytes(model: Any) -> int:
+    """Bytes the separate masters' storage holds (a released one: a few bytes)."""
+    return sum(m.untyped_storage().nbytes() for _, _, m in model.roundpipe.masters.copies)
+
+
 def train(fabric: Fabric, model: Any, opt: Any, batches: list, steps: int) -> None:
     """``steps`` optimizer steps of ``ACCUM`` batches each, clipped by the global norm."""
     for s in range(steps):
         for x, y in batches[s * ACCUM : (s + 1) * ACCUM]:
+            x = x.to(next(model.parameters()).dtype)  # (a bf16 module: its dtype)
             model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
         fabric.clip_gradients(model, opt, max_norm=CLIP)
         opt.step()
@@ -66,9 +74,11 @@ def weights(net: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-def run(num_nodes: int, shard: bool, ckpt: Path, batch_size: int) -> dict[str, Any]:
+def run(
+    num_nodes: int, shard: bool, ckpt: Path, batch_size: int, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     fabric = fabric_of(num_nodes, shard)
-    net = build_net()
+    net = build_net().to(dtype)
     model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.1))
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=batch_size, shuffle=False))
     batches = list(loader)
@@ -77,19 +87,28 @@ def run(num_nodes: int, shard: bool, ckpt: Path, batch_size: int) -> dict[str, A
     model.synchronize()
     first = weights(net)
     opt_bytes = state_bytes(opt.optimizer)
+    masters = master_bytes(model)
     train(fabric, model, opt, batches[STEPS * ACCUM :], MORE)
     model.synchronize()
     continued = weights(net)
     fabric.strategy.teardown()
 
-    resumed = resume(num_nodes, shard, ckpt, batch_size)
-    return {"first": first, "continued": continued, "resumed": resumed, "opt_bytes": opt_bytes}
+    resumed = resume(num_nodes, shard, ckpt, batch_size, dtype)
+    return {
+        "first": first,
+        "continued": continued,
+        "resumed": resumed,
+        "opt_bytes": opt_bytes,
+        "master_bytes": masters,
+    }
 
 
-def resume(num_nodes: int, shard: bool, ckpt: Path, batch_size: int) -> dict[str, torch.Tensor]:
+def resume(
+    num_nodes: int, shard: bool, ckpt: Path, batch_size: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """A fresh run from another starting point: everything must come from ``ckpt``."""
     fabric = fabric_of(num_nodes, shard)
-    net = build_net()
+    net = build_net().to(dtype)
     with torch.no_grad():
         for p in net.parameters():
             p.add_(1.0)
@@ -109,10 +128,11 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     rank = int(os.environ["NODE_RANK"])
-    for shard in (False, True):
-        name = "sharded" if shard else "plain"
-        res = run(2, shard, out / f"{name}.ckpt", NODE_BATCH)
-        torch.save(res, out / f"{name}_rank{rank}.pt")
+    for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+        for shard in (False, True):
+            name = ("sharded" if shard else "plain") + suffix
+            res = run(2, shard, out / f"{name}.ckpt", NODE_BATCH, dtype)
+            torch.save(res, out / f"{name}_rank{rank}.pt")
 
 
 if __name__ == "__main__":

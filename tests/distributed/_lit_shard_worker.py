@@ -2,9 +2,10 @@
 
 ``Trainer(strategy=RoundPipeStrategy(shard_host_state=...), num_nodes=2,
 accumulate_grad_batches=2, gradient_clip_val=...)`` with AdamW, this process being one
-node: for ``async_step`` False and True, and unsharded then sharded, fit 2 steps, save a
-checkpoint (sharded: one shard per node), resume from it to 4 steps. Writes the weights
-after each fit to OUT_DIR.
+node: for an fp32 module (``sync``: its parameters are their own masters) and a bf16 one
+with fp32 masters (``separate``: ``precision="bf16-true"``, the masters sharded too), both
+``async_step=False``, unsharded then sharded, fit 2 steps, save a checkpoint (sharded: one
+shard per node), resume from it to 4 steps. Writes the weights after each fit to OUT_DIR.
 """
 
 from __future__ import annotations
@@ -48,17 +49,22 @@ class Lit(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         self._batch = x.shape[0]
+        x = x.to(self.net[0][0].weight.dtype)  # (bf16-true: the module's dtype)
         return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.1)
 
 
-def trainer(max_steps: int, num_nodes: int, shard: bool, is_async: bool) -> L.Trainer:
+MODES = ("sync", "separate")
+
+
+def trainer(max_steps: int, num_nodes: int, shard: bool, mode: str) -> L.Trainer:
     return L.Trainer(
         strategy=RoundPipeStrategy(
-            async_step=is_async, num_microbatch=3, process_group_timeout=20, shard_host_state=shard
+            async_step=False, num_microbatch=3, process_group_timeout=20, shard_host_state=shard
         ),
+        precision="32-true" if mode == "sync" else "bf16-true",
         accelerator="cpu",
         devices=2,
         num_nodes=num_nodes,
@@ -76,15 +82,31 @@ def params(model: Lit) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.net.state_dict().items()}
 
 
-def run(loader: DataLoader, num_nodes: int, ckpt: Path, shard: bool, is_async: bool) -> dict:
+def masters(tr: L.Trainer) -> dict[str, torch.Tensor]:
+    """The fp32 masters this process holds values for (its share, sharded), by name."""
+    rp = tr.strategy.roundpipe
+    return {
+        n: m.detach().clone()
+        for n, m in rp.optim_named_parameters()
+        if id(m) not in rp.masters.released
+    }
+
+
+def run(loader: DataLoader, num_nodes: int, ckpt: Path, shard: bool, mode: str) -> dict:
     model = Lit()
-    tr = trainer(STEPS, num_nodes, shard, is_async)
+    tr = trainer(STEPS, num_nodes, shard, mode)
     tr.fit(model, loader)
-    first = params(model)
+    first, first_masters = params(model), masters(tr)
     tr.save_checkpoint(ckpt)
     resumed = Lit()
-    trainer(RESUMED_STEPS, num_nodes, shard, is_async).fit(resumed, loader, ckpt_path=ckpt)
-    return {"first": first, "resumed": params(resumed)}
+    tr = trainer(RESUMED_STEPS, num_nodes, shard, mode)
+    tr.fit(resumed, loader, ckpt_path=ckpt)
+    return {
+        "first": first,
+        "resumed": params(resumed),
+        "first_masters": first_masters,
+        "resumed_masters": masters(tr),
+    }
 
 
 def main() -> None:
@@ -97,10 +119,10 @@ def main() -> None:
         batch_size=GLOBAL_BATCH // 2,
         sampler=DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=False),
     )
-    for is_async in (False, True):
+    for mode in MODES:
         for shard in (False, True):
-            name = f"{'async' if is_async else 'sync'}_{'sharded' if shard else 'plain'}"
-            res = run(loader, 2, out / f"{name}.ckpt", shard, is_async)
+            name = f"{mode}_{'sharded' if shard else 'plain'}"
+            res = run(loader, 2, out / f"{name}.ckpt", shard, mode)
             torch.save(res, out / f"{name}_rank{rank}.pt")
 
 

@@ -4,12 +4,14 @@ Same launch as ``_worker.py`` (``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_*``), 2 C
 
 Scenarios:
     equiv -- the same AdamW training (accumulation 2, clipping by the global norm) with
-             ``DataParallel(shard_host_state=False)`` and ``True``, synchronous (shared
-             masters) and asynchronous (separate masters, one step stale); saves the
-             weights, the clipping norms and the bytes each rank holds.
-    ckpt  -- trains 2 steps sharded, saves each rank's shard (``$CKPT_DIR``), trains 2 more
-             (the reference); with ``$RESUME=1`` instead loads the shards written by any
-             rank count and trains the 2 more steps.
+             ``DataParallel(shard_host_state=False)`` and ``True``, synchronous, in two
+             modes: ``sync`` (an fp32 model, shared masters) and ``separate`` (a bf16
+             model with fp32 masters); saves the weights, the masters this rank holds,
+             the clipping norms and the bytes each rank holds, and whether a sharded
+             ``separate`` run refuses ``step(is_async=True)``.
+    ckpt  -- trains 2 steps sharded (``$MODE``: sync or separate), saves each rank's shard
+             (``$CKPT_DIR``), trains 2 more (the reference); with ``$RESUME=1`` instead
+             loads the shards written by any rank count and trains the 2 more steps.
     kill  -- rank ``$FAIL_RANK`` dies inside its backward at step 3 (sharded); with
              ``$FAIL_MODE=stall_in_step`` it stalls inside its optimizer step instead,
              so the others wait in the all-gather (its own group's timeout).
@@ -66,31 +68,40 @@ def make_data(steps: int, seed: int = 7) -> list[list[tuple[torch.Tensor, torch.
     ]
 
 
-def make_rp(rank: int, shared_masters: bool) -> RoundPipe:
+MODES = ("sync", "separate")
+
+
+def make_rp(rank: int, mode: str) -> RoundPipe:
+    """``sync``: an fp32 model whose parameters are their own masters; ``separate``: a
+    bf16 model with fp32 masters (two copies, the all-gather writes the bf16 weights)."""
+    net = build_blocks(seed=rank)  # rank-specific: attach() broadcasts rank 0's
     return RoundPipe(
-        build_blocks(seed=rank),  # rank-specific: attach() broadcasts rank 0's
+        net if mode == "sync" else net.to(torch.bfloat16),
+        optim_dtype=torch.float32,
         devices="cpu:2",
         model_run_config=RoundPipeRunConfig(num_microbatch=3),
-        shared_masters=shared_masters,
+        shared_masters=mode == "sync",
     )
 
 
 class Run:
     """A RoundPipe, its AdamW and the DataParallel wrapper, trained as the strategy does."""
 
-    def __init__(self, rank: int, world: int, sharded: bool, is_async: bool) -> None:
-        self.rank, self.world, self.is_async = rank, world, is_async
-        self.rp = make_rp(rank, shared_masters=not is_async)
+    def __init__(self, rank: int, world: int, sharded: bool, mode: str) -> None:
+        self.rank, self.world, self.mode = rank, world, mode
+        self.rp = make_rp(rank, mode)
+        self.dtype = next(self.rp.model.parameters()).dtype
         self.opt = torch.optim.AdamW(self.rp.optim_parameters(), lr=0.02, weight_decay=0.1)
         self.dp = D.DataParallel(bucket_bytes=BUCKET_BYTES, shard_host_state=sharded)
         self.dp.attach(self.rp, [self.opt])
         self.norms: list[float] = []
         self.grad_bytes_after_reduce = 0
+        self.buffer_ptrs: list[list[int]] = []  # the collectives' kept buffers, per step
 
     def micro(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         denom = (GLOBAL_BATCH // self.world) * ACCUM
         return self.rp.forward_backward(
-            input_args=(shard(x, self.rank, self.world),),
+            input_args=(shard(x, self.rank, self.world).to(self.dtype),),
             label=shard(y, self.rank, self.world),
             loss_fn=lambda o, t: ((o - t) ** 2).sum() / denom,
         )
@@ -114,11 +125,30 @@ class Run:
                 opt.zero_grad(set_to_none=True)
                 dp.after_step(opt)
 
-            self.rp.step(step, is_async=self.is_async)
+            self.rp.step(step, is_async=False)
+            self.buffer_ptrs.append([t.data_ptr() for t in self.kept_buffers()])
         self.rp.synchronize()
+
+    def kept_buffers(self) -> list[torch.Tensor]:
+        """The flat buffers the sharded reduction and all-gather keep between steps."""
+        shard = self.dp.shard(self.opt)
+        if shard is None:
+            return []
+        reducer = self.dp._reducers[id(self.opt)]
+        slots = [t for ts in reducer._slots.values() for t in ts]
+        return slots + list(shard._gather_flat.values())
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.rp.model.named_parameters()}
+
+    def held_masters(self) -> dict[str, torch.Tensor]:
+        """The masters this rank holds values for (its share, sharded), by name."""
+        released = self.rp.masters.released
+        return {
+            n: m.detach().clone()
+            for n, m in self.rp.optim_named_parameters()
+            if id(m) not in released
+        }
 
     def bytes_held(self) -> dict[str, int]:
         masters = self.rp.masters  # the separate fp32 copies (none where shared)
@@ -127,8 +157,13 @@ class Run:
         return {
             "budget_optimizer_state": budget.optimizer_state,
             "optimizer_state": D.state_bytes(self.opt),
-            "separate_masters": sum(m.numel() * m.element_size() for _, _, m in masters.copies),
+            # what the masters' storage holds (a released one: a few bytes)
+            "separate_masters": sum(m.untyped_storage().nbytes() for _, _, m in masters.copies),
+            "budget_masters": budget.masters,
             "grads_after_reduce": self.grad_bytes_after_reduce,
+            "kept_buffers": sum(t.untyped_storage().nbytes() for t in self.kept_buffers()),
+            "budget_kept_buffers": self.dp.kept_buffer_bytes(self.rp, [self.opt]),
+            "buffers_reused": all(p == self.buffer_ptrs[0] for p in self.buffer_ptrs),
         }
 
     def close(self) -> None:
@@ -139,13 +174,14 @@ class Run:
 def run_equiv(rank: int, world: int, out: Path) -> None:
     info: dict = {}
     data = make_data(STEPS)
-    for is_async in (False, True):
+    for mode in MODES:
         for sharded in (False, True):
-            name = f"{'async' if is_async else 'sync'}_{'sharded' if sharded else 'plain'}"
-            run = Run(rank, world, sharded, is_async)
+            name = f"{mode}_{'sharded' if sharded else 'plain'}"
+            run = Run(rank, world, sharded, mode)
             try:
                 run.train(data)
                 torch.save(run.params(), out / f"{name}_rank{rank}.pt")
+                torch.save(run.held_masters(), out / f"{name}_masters_rank{rank}.pt")
                 info[name] = {
                     "norms": run.norms,
                     "bytes": run.bytes_held(),
@@ -153,6 +189,12 @@ def run_equiv(rank: int, world: int, out: Path) -> None:
                 }
                 if sharded:
                     info[name]["owned"] = len(run.dp.shard(run.opt).owned)
+                if sharded and mode == "separate":
+                    try:  # the released masters' values come inside the step: never async
+                        run.rp.step(lambda: None, is_async=True)
+                        info[name]["async_refused"] = ""
+                    except ValueError as exc:
+                        info[name]["async_refused"] = str(exc)
             finally:
                 run.close()
     (out / f"info_rank{rank}.json").write_text(json.dumps(info))
@@ -163,13 +205,20 @@ def run_ckpt(rank: int, world: int, out: Path) -> None:
     with ``$RESUME=1``, load the shards (any rank count wrote them) and train the 2 more."""
     ckpt = Path(os.environ["CKPT_DIR"])
     data = make_data(4)
-    run = Run(rank, world, sharded=True, is_async=False)
+    run = Run(rank, world, sharded=True, mode=os.environ.get("MODE", "sync"))
     try:
         if os.environ.get("RESUME") == "1":
             run.dp.load_state(ckpt, run.rp, run.opt)
             merged = D.merge_shards(ckpt)  # (the test's check; a real resume never merges)
             names = dict(run.rp.optim_named_parameters())
-            exact = all(torch.equal(names[n], t) for n, t in merged["masters"].items())
+            held = run.held_masters()  # this rank's share (all of them unsharded)
+            exact = all(torch.equal(held[n], merged["masters"][n]) for n in held)
+            # every rank's model weights: the saved masters, in the weights' dtype
+            weights = dict(run.rp.model.named_parameters())
+            exact &= all(
+                torch.equal(weights[n], t.to(weights[n].dtype))
+                for n, t in merged["masters"].items()
+            )
             index = {
                 n: i
                 for g in merged["optimizer"]["param_groups"]
@@ -182,12 +231,14 @@ def run_ckpt(rank: int, world: int, out: Path) -> None:
             info = {"restored_exactly": exact, "state_entries": len(run.opt.state)}
             run.train(data[2:])
             torch.save(run.params(), out / f"resumed_rank{rank}.pt")
+            torch.save(run.held_masters(), out / f"resumed_masters_rank{rank}.pt")
         else:
             run.train(data[:2])
             run.dp.save_state(ckpt, run.rp, run.opt)
             D.barrier()
             run.train(data[2:])
             torch.save(run.params(), out / f"continued_rank{rank}.pt")
+            torch.save(run.held_masters(), out / f"continued_masters_rank{rank}.pt")
             info = {"state_entries": len(run.opt.state)}
         (out / f"ckpt_info_rank{rank}.json").write_text(json.dumps(info))
     finally:
@@ -196,7 +247,7 @@ def run_ckpt(rank: int, world: int, out: Path) -> None:
 
 def run_kill(rank: int, world: int, out: Path) -> None:
     fail_rank = int(os.environ.get("FAIL_RANK", "1"))
-    run = Run(rank, world, sharded=True, is_async=False)
+    run = Run(rank, world, sharded=True, mode="sync")
 
     def die(_masters: list) -> None:
         (out / "peer_died").write_text(str(time.time()))

@@ -44,8 +44,10 @@ def _results(nodes: Path, name: str) -> list[dict]:
 
 
 @pytest.mark.timeout(DEADLINE_S + 60)
-def test_sharded_fabric_equals_unsharded_fabric(nodes: Path) -> None:
-    plain, sharded = _results(nodes, "plain"), _results(nodes, "sharded")
+@pytest.mark.parametrize("suffix", ["", "_bf16"], ids=["fp32", "bf16"])
+def test_sharded_fabric_equals_unsharded_fabric(nodes: Path, suffix: str) -> None:
+    """bf16: a bf16-true module whose fp32 masters are sharded too (each node keeps half)."""
+    plain, sharded = _results(nodes, "plain" + suffix), _results(nodes, "sharded" + suffix)
     for phase in ("first", "continued"):
         for k, want in plain[0][phase].items():
             assert torch.equal(plain[1][phase][k], want), f"unsharded nodes differ: {phase} {k}"
@@ -61,10 +63,15 @@ def test_sharded_fabric_equals_unsharded_fabric(nodes: Path) -> None:
     shares = [sharded[r]["opt_bytes"] for r in range(2)]
     assert all(0 < s <= whole * (1 / 2 + 0.05) for s in shares), (shares, whole)
     assert sum(shares) == whole, (shares, whole)
+    masters = [sharded[r]["master_bytes"] for r in range(2)]
+    if suffix:  # the fp32 masters: half each (an fp32 module's are its weights: none)
+        assert all(0 < m <= plain[0]["master_bytes"] * (1 / 2 + 0.05) for m in masters)
+    else:
+        assert masters == [0, 0] and plain[0]["master_bytes"] == 0
 
 
 @pytest.mark.timeout(DEADLINE_S + 60)
-@pytest.mark.parametrize("name", ["plain", "sharded"])
+@pytest.mark.parametrize("name", ["plain", "sharded", "plain_bf16", "sharded_bf16"])
 def test_fabric_checkpoint_resumes_exactly_on_two_nodes(nodes: Path, name: str) -> None:
     for rank, res in enumerate(_results(nodes, name)):
         for k, want in res["continued"].items():

@@ -2,8 +2,10 @@
 processes on 127.0.0.1 (gloo, 2 CPU workers each), against the same run unsharded.
 
 * Same numbers: AdamW, accumulation 2, ``gradient_clip_val`` (the norm over both
-  shards), synchronous and asynchronous steps: sharded == unsharded within 1e-6,
+  shards), an fp32 module and a bf16 one whose fp32 masters are sharded too:
+  sharded == unsharded within 1e-6 (weights, and the masters the nodes hold together),
   after the first fit and after resuming from the checkpoint each wrote.
+* ``async_step=True`` with sharding is refused, naming the fix; ``None`` means ``False``.
 * The sharded checkpoint is one file plus one shard per node; it resumes in one
   process (another rank count), and ``convert_sharded_checkpoint`` makes an ordinary
   checkpoint whose optimizer state is the unsharded run's.
@@ -23,7 +25,7 @@ from _common import rel_err  # noqa: E402
 from test_lightning_ddp import DEADLINE_S, _launch, _logs, _wait  # noqa: E402
 
 LIT_SHARD_WORKER = Path(__file__).with_name("_lit_shard_worker.py")
-MODES = ("sync", "async")
+MODES = ("sync", "separate")
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,16 @@ def test_sharded_strategy_equals_unsharded(nodes: Path, mode: str) -> None:
             for k, want in plain[phase].items():
                 err = rel_err(sharded[phase][k], want)
                 assert err <= 1e-6, f"{mode} {phase} rank {rank}: {k} rel err {err:.2e}"
+        # the masters (fp32; bf16-true: separate, each on one node when sharded)
+        for phase in ("first_masters", "resumed_masters"):
+            shares = [torch.load(nodes / f"{mode}_sharded_rank{r}.pt")[phase] for r in (0, 1)]
+            if mode == "separate":  # each master on one node only
+                assert not set(shares[0]) & set(shares[1]), phase
+            held = {**shares[0], **shares[1]}
+            assert set(held) == set(plain[phase])
+            for k, want in plain[phase].items():
+                err = rel_err(held[k], want)
+                assert err <= 1e-6, f"{mode} {phase}: {k} rel err {err:.2e}"
     # not vacuous: the resumed run trained further
     assert any(not torch.equal(plain["first"][k], plain["resumed"][k]) for k in plain["first"])
 
@@ -82,13 +94,41 @@ def test_sharded_checkpoint_files_convert_and_resume_on_one_process(
         for k, v in st.items():
             assert rel_err(got["state"][i][k], v) <= 1e-6, (i, k)
 
+    # bf16 module: the fp32 masters, in the nodes' shards, come back into the section
+    separate = convert_sharded_checkpoint(
+        nodes / "separate_sharded.ckpt", tmp_path / "separate.ckpt"
+    )
+    got_masters = torch.load(separate, weights_only=False)["roundpipe"]["masters"]
+    assert (
+        torch.load(nodes / "separate_sharded.ckpt", weights_only=False)["roundpipe"]["masters"]
+        == {}
+    )  # (the file holds none: each is in its owner's shard)
+    plain_ckpt = torch.load(nodes / "separate_plain.ckpt", weights_only=False)
+    want_masters = plain_ckpt["roundpipe"]["masters"]
+    assert set(got_masters) == set(want_masters) and len(want_masters) == 2 * 4
+    for k, v in want_masters.items():
+        assert v.dtype == torch.float32 and rel_err(got_masters[k], v) <= 1e-6, k
+
     # resumed by one process (another rank count) on the whole batches: as the 2 nodes
     model = Lit()
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False)
-    trainer(RESUMED_STEPS, 1, shard=True, is_async=False).fit(model, loader, ckpt_path=ckpt)
+    trainer(RESUMED_STEPS, 1, shard=True, mode="sync").fit(model, loader, ckpt_path=ckpt)
     two_nodes = torch.load(nodes / "sync_sharded_rank0.pt")["resumed"]
     for k, v in model.net.state_dict().items():
         assert rel_err(v, two_nodes[k]) <= 1e-5, k
+
+
+def test_an_async_step_is_refused_with_sharding() -> None:
+    from roundpipe_lightning import RoundPipeFabricStrategy, RoundPipeStrategy
+
+    for cls in (RoundPipeStrategy, RoundPipeFabricStrategy):
+        with pytest.raises(
+            ValueError, match="shard_host_state=True, async_step=True.*async_step=False"
+        ):
+            cls(shard_host_state=True, async_step=True)
+        assert cls(shard_host_state=True).async_step is False  # None: synchronous
+        assert cls(shard_host_state=True, async_step=False).async_step is False
+        assert cls(async_step=True).async_step is True  # unsharded: as asked
 
 
 def test_sixteen_mixed_is_refused_with_sharding() -> None:

@@ -72,3 +72,22 @@ def test_one_process_per_node_passes_the_check(launched) -> None:
     strategy = _trainer(num_nodes=2).strategy
     assert isinstance(strategy, RoundPipeStrategy)
     assert strategy.check_launch() is strategy.cluster_environment  # no error: a valid layout
+
+
+def test_trainer_and_fabric_word_the_refusal_the_same(launched) -> None:
+    """One message builder for both strategies: the same launch gets the same words,
+    only the strategy and what the user builds (Trainer / Fabric) differ."""
+    import torch
+    from lightning.fabric import Fabric
+    from torch import nn
+
+    launched(_torchrun(0, nproc=2))
+    with pytest.raises(ValueError) as trainer_info:
+        _trainer().fit(SeqModule(), loader())
+    fabric = Fabric(strategy="roundpipe", accelerator="cpu", devices=2)
+    net = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError) as fabric_info:
+        fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    as_trainer = str(fabric_info.value).replace("RoundPipeFabricStrategy", "RoundPipeStrategy")
+    assert as_trainer.replace("Fabric(", "Trainer(") == str(trainer_info.value)
+    assert "LOCAL_WORLD_SIZE=2" in str(fabric_info.value)
