@@ -25,6 +25,7 @@ from ..config import call_loss_fn
 from ..context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
 from ..kinds import JobKind, RecomputeGrain
 from ..planning.schedule import Job
+from .activations import input_and_grad_to_device
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .streams import ComputeScope, record_stream_start, replay_seed, seed_stream
@@ -35,7 +36,6 @@ from .transfer import (
     WeightGate,
     batched_sink,
     download_grads,
-    grads_to_device,
     grads_to_host,
     release_stage,
     to_device,
@@ -463,14 +463,7 @@ def _backward_microbatch(
     grads_out = run.get_grad(r.stop, mb)
     value = run.get_act(r.start, mb)
     t_in = time.perf_counter()
-    if type(value) is torch.Tensor and len(grads_out) == 1 and grads_out[0] is not None:
-        # the common stage: one tensor in, its one gradient -- one copy of both
-        held = worker.copy_in([value, grads_out[0]], "activation")
-        x_in, g_dev = held[0], list[torch.Tensor | None](held[1:])
-    else:
-        x_in, held = to_device(worker, value)
-        g_dev, held_g = grads_to_device(worker, grads_out)
-        held = held + held_g
+    x_in, g_dev, held = input_and_grad_to_device(worker, value, grads_out)
     worker.wait_channel("activation")
     clock.transfer("activation", f"{job} in mb{mb}", t_in)
     needs = _needs(run, r.start)

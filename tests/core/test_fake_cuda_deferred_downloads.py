@@ -1,0 +1,268 @@
+"""Deferred downloads on fake CUDA: a stage's outputs and input gradients are not waited
+for inside every microbatch; whoever reads them orders its read after the download
+(another worker's upload waits on the download's event, the host completes them), the
+device sources stay alive until the download ran, and the results are plain PyTorch's.
+
+These run on a machine without a GPU (the fake is refused where one is visible).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core.running.devices import downloads, memory
+
+pytestmark = pytest.mark.skipif(
+    memory.cuda_available(), reason="fake CUDA is for machines without a GPU"
+)
+
+
+def _sum_sq(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return ((out - label) ** 2).sum()
+
+
+def _three_stage_plan() -> ModelExecutePlan:
+    plan = ModelExecutePlan()
+    plan.fwd_plan = [range(0, 2), range(2, 4)]
+    plan.bwd_plan = [range(4, 6), range(2, 4), range(0, 2)]
+    return plan
+
+
+class _TwoOfAKind:
+    """What ``get_device_properties`` reports for each of the two fake GPUs (one model)."""
+
+    name, multi_processor_count, total_memory = "fake GPU", 108, 16 << 30
+
+
+@pytest.fixture
+def two_fake_gpus(fake_cuda: type, monkeypatch: pytest.MonkeyPatch) -> type:
+    """Two fake GPUs, and a staging ring that holds a call's activations (the fake's
+    default of 512 bytes would make every few downloads wait for ring memory)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: _TwoOfAKind())
+    monkeypatch.setattr(fake_cuda, "fake_download_staging_bytes", 64 * 1024)
+    return fake_cuda
+
+
+def test_a_three_stage_call_waits_a_fixed_number_of_times_per_stage(
+    two_fake_gpus: type, host_syncs: Any
+) -> None:
+    """Five jobs (two forward stages, the fused stage, two backward stages) on two GPUs:
+    the host waits per job (its gradients, its time) and per queue, never per
+    microbatch: eight microbatches wait no more than two do. With ``copy_out`` waiting
+    for every activation and input gradient (the old code) the count grows by about
+    four per microbatch. Losses and gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:1"], pin_model="off")
+    syncs, losses, grads = {}, {}, {}
+    try:
+        rp.layer_activation_bytes = [0.0] * 6  # no measuring forward in the count
+        for m in (2, 8, 2, 8):
+            cfg = RoundPipeRunConfig(num_microbatch=m, execute_plan=_three_stage_plan())
+            before = host_syncs()
+            losses[m] = rp.forward_backward((x,), label=y, loss_fn=_sum_sq, run_config=cfg)
+            syncs[m] = host_syncs() - before
+            grads[m] = [p.grad.clone() for p in rp.optim_parameters()]
+            for p in rp.optim_parameters():
+                p.grad = None
+    finally:
+        rp.close()
+    jobs = 5
+
+    assert syncs[8] <= syncs[2] + 1 and syncs[8] <= 3 * jobs, syncs
+    loss = _sum_sq(ref(x), y)
+    loss.backward()
+    for m in (2, 8):
+        torch.testing.assert_close(losses[m], loss.detach(), rtol=1e-5, atol=1e-5)
+        for g, p in zip(grads[m], ref.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
+    assert not downloads.has_pending(), "a call left downloads unfinished"
+
+
+def test_forward_outputs_are_complete_when_the_call_returns(two_fake_gpus: type) -> None:
+    """Three forward stages on two GPUs: the last stage's outputs are deferred downloads,
+    finished before ``forward()`` returns (a missing wait would return NaN)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    x = torch.randn(12, 8)
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:1"], pin_model="off")
+    plan = ModelExecutePlan()
+    plan.fwd_plan = [range(0, 2), range(2, 4), range(4, 6)]
+    try:
+        rp.layer_activation_bytes = [0.0] * 6
+        cfg = RoundPipeRunConfig(num_microbatch=4, execute_plan=plan, requires_grad=False)
+        with torch.no_grad():
+            out = rp(x, roundpipe_run_config=cfg)
+            ref = model(x)
+    finally:
+        rp.close()
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture
+def make_worker(two_fake_gpus: type):
+    made: list[Any] = []
+
+    def make(gpu: int = 0, **kwargs: Any) -> Any:
+        w = two_fake_gpus(len(made), torch.device("cuda", gpu), **kwargs)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def _on(worker: Any, fn: Any) -> Any:
+    return worker.submit(fn).result(timeout=30)
+
+
+def test_an_upload_on_another_gpu_reads_a_pending_download_in_stream_order(
+    make_worker: Any, host_syncs: Any
+) -> None:
+    """Worker 1 uploads what worker 0 downloaded, before anyone finished the download:
+    its stream waits on the download's event and copies from the pinned piece; no host
+    wait on either worker, and the data is right."""
+    producer, consumer = make_worker(0), make_worker(1)
+    src = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+
+    def produce() -> torch.Tensor:
+        dev = producer.copy_in([src], "activation")
+        producer.wait_channel("activation")
+        return producer.copy_out_deferred([dev[0] * 2])[0]
+
+    before = host_syncs()
+    host = _on(producer, produce)
+    assert downloads.has_pending()
+
+    def consume() -> torch.Tensor:
+        dev = consumer.copy_in([host], "activation")
+        consumer.wait_channel("activation")
+        return dev[0].clone()
+
+    got = _on(consumer, consume)
+    assert host_syncs() == before, "a worker waited on the host"
+    torch.testing.assert_close(got, src * 2)
+    _on(producer, producer.finish_lazy_downloads)
+    assert not downloads.has_pending()
+    torch.testing.assert_close(host, src * 2)  # and the host copy is filled too
+
+
+def test_the_staging_ring_is_not_reused_under_an_upload_still_reading_it(
+    make_worker: Any,
+) -> None:
+    """Worker 1's upload copies from worker 0's pinned piece and has not run yet when
+    worker 0's next download needs that ring memory: the download waits for the upload
+    first (else the upload would read the next download's bytes)."""
+    producer = make_worker(0, download_staging_bytes=256)  # one 64-float piece fills it
+    consumer = make_worker(1)
+    first, second = torch.arange(64, dtype=torch.float32), -torch.arange(64.0)
+
+    def produce() -> torch.Tensor:
+        dev = producer.copy_in([first], "activation")
+        producer.wait_channel("activation")
+        return producer.copy_out_deferred([dev[0] + 0])[0]
+
+    host = _on(producer, produce)
+    dev = _on(consumer, lambda: consumer.copy_in([host], "activation"))  # not waited for
+    again = _on(producer, lambda: producer.copy_out([second]))  # reuses the whole ring
+    _on(consumer, lambda: consumer.wait_channel("activation"))
+    torch.testing.assert_close(dev[0], first)
+    torch.testing.assert_close(again[0], second)
+    torch.testing.assert_close(host, first)
+
+
+def test_the_host_completes_a_pending_download_before_reading_it(make_worker: Any) -> None:
+    """``complete_pending`` (what a worker that reads host memory directly gets) fills
+    the host tensor; before it, the tensor holds the fake's fill pattern (NaN)."""
+    producer = make_worker(0)
+    src = torch.arange(10, dtype=torch.float32)
+
+    def produce() -> torch.Tensor:
+        dev = producer.copy_in([src], "activation")
+        producer.wait_channel("activation")
+        return producer.copy_out_deferred([dev[0] + 1])[0]
+
+    host = _on(producer, produce)
+    assert torch.isnan(host).all()
+    downloads.complete_pending([host])
+    torch.testing.assert_close(host, src + 1)
+    assert not downloads.has_pending()
+
+
+def test_a_download_whose_device_source_is_freed_before_it_ran_is_caught(
+    make_worker: Any,
+) -> None:
+    """The fake holds a download's device source only weakly: one dropped before the
+    download ran is a race (on a GPU the memory could be handed out again)."""
+    from conftest import FAKE_SOURCE_RACES
+
+    worker = make_worker(0)
+
+    def job() -> None:
+        src = torch.ones(8)
+        dst = torch.empty(8)
+        worker._copy_on(worker.download_stream, [(dst, src)], True)
+        del src
+        event = torch.cuda.Event()
+        event.record(worker.download_stream)
+        event.synchronize()
+
+    _on(worker, job)
+    races, FAKE_SOURCE_RACES[:] = list(FAKE_SOURCE_RACES), []
+    assert races and "freed" in races[0], races
+
+
+def test_a_deferred_download_keeps_its_device_source(make_worker: Any) -> None:
+    """The worker keeps what it downloads referenced until the download is finished: the
+    caller may drop its device tensor right after ``copy_out_deferred`` (the fake's
+    race check above stays quiet, and the data arrives)."""
+    worker = make_worker(0)
+
+    def job() -> torch.Tensor:
+        dev = worker.copy_in([torch.arange(16, dtype=torch.float32)], "activation")
+        worker.wait_channel("activation")
+        out = worker.copy_out_deferred([dev[0] * 3])[0]  # the product: held by no one else
+        del dev
+        worker.finish_lazy_downloads()
+        return out
+
+    torch.testing.assert_close(_on(worker, job), torch.arange(16, dtype=torch.float32) * 3)
+
+
+def test_a_failed_deferred_download_reaches_the_caller_and_the_ring_goes_on(
+    make_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wait on a deferred download that raises (a failed copy) is raised where the
+    download is finished (here the end of the queue); the piece is retired anyway, and
+    the next download through the same ring arrives."""
+    worker = make_worker(0)
+    src = torch.arange(6, dtype=torch.float32)
+
+    def produce() -> torch.Tensor:
+        dev = worker.copy_in([src], "activation")
+        worker.wait_channel("activation")
+        return worker.copy_out_deferred([dev[0]])[0]
+
+    _on(worker, produce)
+    piece = worker._downloads._slots[-1]
+
+    def failing_wait() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(piece.event, "query", lambda: False)
+    monkeypatch.setattr(piece.event, "synchronize", failing_wait)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _on(worker, worker.finish_lazy_downloads)
+    assert piece.finished and not downloads.has_pending()
+    again = _on(worker, lambda: worker.copy_out([src + 1]))
+    torch.testing.assert_close(again[0], src + 1)
