@@ -216,6 +216,7 @@ class DownloadStager:
         with self.lock:
             if self.staging is None:
                 self.staging = self._worker._new_pinned_buffer(cap)
+            self._prune()
             for unit in units:
                 size = self._unit_bytes(unit, srcs)
                 start = self._place(size)
@@ -257,6 +258,25 @@ class DownloadStager:
                     event.synchronize()
             slot.sources = ()
             self._slots.remove(slot)
+
+    def _prune(self) -> None:
+        """Finish the pieces whose DMA is done already (no host wait: their host tensors
+        are filled and their device sources let go early) and forget those no upload
+        reads any more, so that the pieces kept are only the ones still in use. Lock
+        held."""
+        landed = True
+        keep: list[StagedDownload] = []
+        for slot in self._slots:
+            if not slot.finished and landed and slot.dma_done():
+                slot.finish(wait=False)
+            landed = landed and slot.finished  # one stream: later pieces land later
+            if slot.finished:
+                with _PENDING_LOCK:
+                    slot.readers = [r for r in slot.readers if not r.query()]
+                    if not slot.readers:
+                        continue
+            keep.append(slot)
+        self._slots = keep
 
     def finish_parts(self, parts: list[StagedDownload]) -> None:
         """Finish ``parts`` (pieces of this ring, in issue order): one host wait, on the
