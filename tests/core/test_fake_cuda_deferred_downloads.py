@@ -266,3 +266,34 @@ def test_a_failed_deferred_download_reaches_the_caller_and_the_ring_goes_on(
     assert piece.finished and not downloads.has_pending()
     again = _on(worker, lambda: worker.copy_out([src + 1]))
     torch.testing.assert_close(again[0], src + 1)
+
+
+def test_the_host_memory_budget_counts_each_workers_download_rings(
+    two_fake_gpus: type, fake_pinned: Any
+) -> None:
+    """The pinned line of the budget is what the workers' rings page-lock after a call
+    (the staging ring is allocated whole at the first download), whatever the model.
+    (The budget's own test for a CUDA pool reads ``pool.is_cuda``, which the fake's
+    workers, whose device is the CPU, do not set: its CUDA line is called directly.)"""
+    from roundpipe_core.running.host_memory import _cuda_pinned
+
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:1"], pin_model="off")
+    try:
+        rp.layer_activation_bytes = [0.0] * 4
+        pinned = _cuda_pinned(rp)
+        assert pinned == 2 * (64 * 1024 + 1024)  # two workers: staging ring + loss ring
+        before = fake_pinned.reserved
+        cfg = RoundPipeRunConfig(num_microbatch=2, execute_plan=_two_stage_plan())
+        rp.forward_backward(
+            (torch.randn(4, 8),), label=torch.randn(4, 8), loss_fn=_sum_sq, run_config=cfg
+        )
+        assert fake_pinned.reserved - before <= pinned
+    finally:
+        rp.close()
+
+
+def _two_stage_plan() -> ModelExecutePlan:
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [range(0, 2)], [range(2, 4), range(0, 2)]
+    return plan

@@ -253,6 +253,11 @@ class Worker(ABC):
         memory is host memory hands the tensors themselves over."""
         return self.copy_out(tensors, "download")
 
+    def pinned_download_bytes(self) -> int:
+        """Page-locked host bytes this worker's downloads hold once they started (the
+        host-memory budget's line); 0 where downloads need none."""
+        return 0
+
     def param_fence(self) -> Callable[[], None]:
         """A function that blocks until every "param" upload issued so far has read its
         host source (the host copy may then be overwritten). Synchronous backends: no-op."""

@@ -76,7 +76,7 @@ CHANNELS = (PARAM, ACTIVATION)
 
 #: Size of one parameter-upload piece; env ROUNDPIPE_PARAM_CHUNK_MB overrides.
 DEFAULT_PARAM_CHUNK_BYTES = 32 * 1024**2
-#: Size of each worker's pinned download staging buffer; env ROUNDPIPE_DOWNLOAD_STAGING_MB.
+#: Size of each worker's pinned download staging ring; env ROUNDPIPE_DOWNLOAD_STAGING_MB.
 DEFAULT_DOWNLOAD_STAGING_BYTES = 64 * 1024**2
 #: Parameter pieces queued on the GPU at once; 0 issues every piece at once
 #: (no feeder thread). Env ROUNDPIPE_PARAM_INFLIGHT overrides.
@@ -175,8 +175,8 @@ class CUDAWorker(Worker):
             (0 = no feeder: issue a whole upload at once).
         pin_downloads: download through a pinned staging buffer (DMA); False = straight
             into pageable memory (the driver stages it).
-        download_staging_bytes: size of that staging buffer; larger downloads go
-            through it in pieces.
+        download_staging_bytes: size of that staging ring (``downloads.py``); larger
+            downloads go through it in pieces.
     """
 
     kind = "cuda"
@@ -460,6 +460,9 @@ class CUDAWorker(Worker):
 
     def finish_lazy_downloads(self) -> None:
         self._downloads.finish_all()
+
+    def pinned_download_bytes(self) -> int:
+        return self._downloads.pinned_bytes() if self.pin_downloads else 0
 
     def copy_out_async(
         self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD

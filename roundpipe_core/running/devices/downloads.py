@@ -190,6 +190,13 @@ class DownloadStager:
         self._ring_used = 0
         self._lazy: list[StagedDownload] = []
 
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes of both rings once allocated (each block rounded up to a power
+        of two, as PyTorch's pinned allocator does)."""
+        return sum(
+            1 << max(n - 1, 0).bit_length() for n in (_aligned(self.staging_bytes), self.lazy_bytes)
+        )
+
     # -- the staging ring ------------------------------------------------------------
     def download(
         self,
