@@ -297,3 +297,25 @@ def _two_stage_plan() -> ModelExecutePlan:
     plan = ModelExecutePlan()
     plan.fwd_plan, plan.bwd_plan = [range(0, 2)], [range(2, 4), range(0, 2)]
     return plan
+
+
+def test_a_failed_queue_raises_its_own_error_not_the_downloads() -> None:
+    """A queue that failed still finishes its deferred downloads; if that fails as well
+    (a broken device fails every wait), the caller sees the queue's error."""
+    from roundpipe_core.running.devices.pool import _run_then_finish
+
+    finished: list[bool] = []
+
+    class Worker:
+        def finish_lazy_downloads(self) -> None:
+            finished.append(True)
+            raise RuntimeError("CUDA error: the download failed too")
+
+    def failing_queue(worker: Any, queue: list[Any]) -> None:
+        raise ValueError("the layer failed")
+
+    with pytest.raises(ValueError, match="the layer failed"):
+        _run_then_finish(failing_queue, Worker(), [])  # type: ignore[arg-type]
+    assert finished == [True]
+    with pytest.raises(RuntimeError, match="download failed"):  # a queue that went well
+        _run_then_finish(lambda w, q: None, Worker(), [])  # type: ignore[arg-type]
