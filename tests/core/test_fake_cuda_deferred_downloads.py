@@ -54,10 +54,9 @@ def test_a_three_stage_call_waits_a_fixed_number_of_times_per_stage(
     two_fake_gpus: type, host_syncs: Any
 ) -> None:
     """Five jobs (two forward stages, the fused stage, two backward stages) on two GPUs:
-    the host waits per job (its gradients, its time) and per queue, never per
-    microbatch: eight microbatches wait no more than two do. With ``copy_out`` waiting
-    for every activation and input gradient (the old code) the count grows by about
-    four per microbatch. Losses and gradients are plain PyTorch's."""
+    the host waits per job (its gradients) and per queue, never per microbatch. With
+    ``copy_out`` waiting for every activation and input gradient (the old code) the
+    count grows by four per microbatch. Losses and gradients are plain PyTorch's."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
     ref = copy.deepcopy(model)
@@ -77,8 +76,9 @@ def test_a_three_stage_call_waits_a_fixed_number_of_times_per_stage(
     finally:
         rp.close()
     jobs = 5
-
-    assert syncs[8] <= syncs[2] + 1 and syncs[8] <= 3 * jobs, syncs
+    # two per job at most, whatever the microbatches (3 in all here, at 2 and at 8;
+    # waiting per download, 11 and 35); fewer where the fake's copies ran by themselves
+    assert max(syncs.values()) <= 2 * jobs, syncs
     loss = _sum_sq(ref(x), y)
     loss.backward()
     for m in (2, 8):
@@ -319,3 +319,56 @@ def test_a_failed_queue_raises_its_own_error_not_the_downloads() -> None:
     assert finished == [True]
     with pytest.raises(RuntimeError, match="download failed"):  # a queue that went well
         _run_then_finish(lambda w, q: None, Worker(), [])  # type: ignore[arg-type]
+
+
+def test_a_failed_deferred_download_reaches_the_caller_and_the_next_call_works(
+    two_fake_gpus: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first wait on a deferred download fails (as a failed copy's would): the call
+    raises that error; the next call's losses and gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)])
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    original = downloads.DownloadStager._register
+    failures = [RuntimeError("CUDA error: unspecified launch failure")]
+    wrapped: list[bool] = []
+
+    def register_failing_once(self: Any, parts: list[Any], outs: list[Any]) -> None:
+        """The first deferred download's event fails the first query or wait on it."""
+        if not wrapped:
+            wrapped.append(True)
+            event = parts[-1].event
+            query, synchronize = event.query, event.synchronize
+
+            def fail_once(then: Any) -> Any:
+                def check() -> Any:
+                    if failures:
+                        raise failures.pop()
+                    return then()
+
+                return check
+
+            event.query, event.synchronize = fail_once(query), fail_once(synchronize)
+        original(self, parts, outs)
+
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:1"], pin_model="off")
+    try:
+        rp.layer_activation_bytes = [0.0] * 6
+        cfg = RoundPipeRunConfig(num_microbatch=4, execute_plan=_three_stage_plan())
+        monkeypatch.setattr(downloads.DownloadStager, "_register", register_failing_once)
+        with pytest.raises(RuntimeError, match="unspecified launch failure"):
+            rp.forward_backward((x,), label=y, loss_fn=_sum_sq, run_config=cfg)
+        assert not failures, "no deferred download was waited for"
+        monkeypatch.setattr(downloads.DownloadStager, "_register", original)
+        for p in rp.optim_parameters():
+            assert p.grad is None  # a failed call leaves .grad as it was
+        loss = rp.forward_backward((x,), label=y, loss_fn=_sum_sq, run_config=cfg)
+        grads = [p.grad for p in rp.optim_parameters()]
+    finally:
+        rp.close()
+    expected = _sum_sq(ref(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-5)
+    for g, p in zip(grads, ref.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
