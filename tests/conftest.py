@@ -562,9 +562,10 @@ def _cpu_backed_worker_class() -> type:
         the worker's own logic (feeder, chunking, tickets, events, ledger, RNG, locks)
         is real. Copies land late (see ``_FakeStream``) into buffers filled with NaN,
         so compute or a caller that skips a wait reads NaN. Tiny parameter chunks and a
-        tiny download staging buffer, so that every upload goes through several feeder
-        units and most downloads through several staged pieces; the staging buffer
-        comes from ``FAKE_PINNED`` (power-of-two blocks, a cap)."""
+        tiny download staging ring, so that every upload goes through several feeder
+        units, most downloads through several staged pieces, and the ring comes round
+        to pieces still in use within a call; the rings come from ``FAKE_PINNED``
+        (power-of-two blocks, a cap)."""
 
         #: the tiny sizes below; a test of large tensors raises them (class attributes)
         fake_param_chunk_bytes = 96

@@ -199,6 +199,21 @@ def test_the_host_completes_a_pending_download_before_reading_it(make_worker: An
     assert not downloads.has_pending()
 
 
+def test_closing_a_worker_finishes_the_downloads_nobody_read(make_worker: Any) -> None:
+    worker = make_worker(0)
+
+    def produce() -> torch.Tensor:
+        dev = worker.copy_in([torch.ones(5)], "activation")
+        worker.wait_channel("activation")
+        return worker.copy_out_deferred([dev[0] * 4])[0]
+
+    host = _on(worker, produce)
+    assert downloads.has_pending()
+    worker.close()
+    assert not downloads.has_pending() and worker.drained
+    torch.testing.assert_close(host, torch.full((5,), 4.0))
+
+
 def test_a_download_whose_device_source_is_freed_before_it_ran_is_caught(
     make_worker: Any,
 ) -> None:

@@ -265,6 +265,9 @@ class CUDAWorker(Worker):
         if self.drained and feeder_done:
             try:
                 torch.cuda.synchronize(self.device)
+                # downloads nobody read (a queue always finishes its own): their host
+                # tensors filled, the pending entries and the device sources let go
+                self._downloads.finish_all()
             except Exception:  # noqa: BLE001 - a failed device: its copies' state is unknown
                 self.drained = False
         else:
