@@ -11,10 +11,13 @@ just before its copy.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..batch import flatten
 from .devices.base import Worker
@@ -71,16 +74,37 @@ def to_device_pair(worker: Worker, a: Any, b: Any) -> tuple[Any, Any, list[torch
 
 def to_host(worker: Worker, value: Any) -> Any:
     """``value`` (a pytree) with its tensors copied to the host, detached (a deferred
-    download: see the module docstring)."""
+    download: see the module docstring). A tree whose rebuilding may run code that reads
+    its tensors (a dataclass's or a Hugging Face ``ModelOutput``'s ``__post_init__``:
+    anything but plain tuples, lists and dicts) gets them completed first."""
     if isinstance(value, torch.Tensor):
         return worker.copy_out_deferred([value.detach()])[0]
     leaves, rebuild = flatten(value)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     host = worker.copy_out_deferred([leaves[i].detach() for i in idx]) if idx else []
+    if host and has_pending() and not _plain_containers(value):
+        complete_pending(host)
     new = list(leaves)
     for i, t in zip(idx, host):
         new[i] = t
     return rebuild(new)
+
+
+_PLAIN_SEQUENCES = (tuple, list)
+_PLAIN_MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _plain_containers(value: Any) -> bool:
+    """Whether every container in ``value`` is a plain tuple, list or dict (or a named
+    tuple): rebuilding those runs no code of the value's own."""
+    kind = type(value)
+    if kind in _PLAIN_SEQUENCES or (kind.__base__ is tuple and hasattr(kind, "_fields")):
+        return all(_plain_containers(v) for v in value)
+    if kind in _PLAIN_MAPPINGS:
+        return all(_plain_containers(v) for v in value.values())
+    if isinstance(value, (tuple, list, dict)) or dataclasses.is_dataclass(value):
+        return False  # a subclass (ModelOutput is an OrderedDict) or a dataclass
+    return kind not in pytree.SUPPORTED_NODES  # a leaf, or a node type registered by someone
 
 
 def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

@@ -9,6 +9,7 @@ These run on a machine without a GPU (the fake is refused where one is visible).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -199,6 +200,27 @@ def test_the_host_completes_a_pending_download_before_reading_it(make_worker: An
     assert not downloads.has_pending()
 
 
+def test_a_deferred_download_larger_than_the_ring_leaves_nothing_pending(
+    make_worker: Any,
+) -> None:
+    """Pieces of one download retire each other in a small ring; every piece is finished
+    by the end of the queue and nothing stays registered as pending."""
+    worker = make_worker(0, download_staging_bytes=128)
+    srcs = [torch.arange(100, dtype=torch.float32), torch.tensor(7.0), torch.arange(40)]
+
+    def job() -> list[torch.Tensor]:
+        dev = worker.copy_in(srcs, "activation")
+        worker.wait_channel("activation")
+        outs = worker.copy_out_deferred(dev)
+        worker.finish_lazy_downloads()
+        return outs
+
+    outs = _on(worker, job)
+    assert not downloads.has_pending()
+    for o, s in zip(outs, srcs):
+        assert torch.equal(o, s)
+
+
 def test_closing_a_worker_finishes_the_downloads_nobody_read(make_worker: Any) -> None:
     worker = make_worker(0)
 
@@ -387,3 +409,54 @@ def test_a_failed_deferred_download_reaches_the_caller_and_the_next_call_works(
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-5)
     for g, p in zip(grads, ref.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
+
+
+@dataclasses.dataclass
+class _Output:
+    """A last-stage output whose construction reads its tensors (as a Hugging Face
+    ``ModelOutput``'s ``__post_init__`` computes the loss from per-sample sums)."""
+
+    values: torch.Tensor
+    total: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.values, torch.Tensor):  # not when packed per microbatch
+            self.total = self.values.sum()
+
+
+class _ToOutput(nn.Module):
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(x)
+
+
+def test_an_output_whose_rebuild_reads_its_tensors_sees_them_downloaded(
+    two_fake_gpus: type,
+) -> None:
+    """Rebuilding the fused stage's dataclass output on the host runs its
+    ``__post_init__``: the download is completed before that (else ``total`` is the
+    fake's NaN), and the returned outputs are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), _ToOutput())
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    rp = RoundPipe(model, devices=["cuda:0", "cuda:1"], pin_model="off")
+    plan = ModelExecutePlan()
+    plan.fwd_plan, plan.bwd_plan = [range(0, 2)], [range(2, 4), range(0, 2)]
+    try:
+        rp.layer_activation_bytes = [0.0] * 4
+        cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=plan, merge_output=False)
+        _, out = rp.forward_backward(
+            (x,),
+            label=y,
+            loss_fn=lambda o, t: _sum_sq(o.values, t),
+            return_outputs=True,
+            run_config=cfg,
+        )
+    finally:
+        rp.close()
+    with torch.no_grad():
+        ref = model(x).values
+    # merge_output=False: each field packs the microbatches' values as they were built
+    assert len(out.values) == len(out.total) == 3
+    for values, total, rows in zip(out.values, out.total, ref.split(2)):
+        torch.testing.assert_close(values, rows, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(total, rows.sum(), rtol=1e-5, atol=1e-5)

@@ -314,6 +314,8 @@ class DownloadStager:
                 pieces.setdefault(i, []).append((a, b, view, part))
         with _PENDING_LOCK:
             for i, entries in pieces.items():
+                if all(part.finished for *_, part in entries):
+                    continue  # its pieces were retired while the later ones were placed
                 key = outs[i].data_ptr()
                 _PENDING[key] = (outs[i], entries)
                 for *_, part in entries:
