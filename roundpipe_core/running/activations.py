@@ -24,6 +24,7 @@ from .devices.base import Worker
 from .devices.downloads import complete_pending, has_pending
 
 __all__ = [
+    "HostOutputs",
     "grads_to_device",
     "grads_to_host",
     "input_and_grad_to_device",
@@ -72,22 +73,50 @@ def to_device_pair(worker: Worker, a: Any, b: Any) -> tuple[Any, Any, list[torch
     return rebuild_a(leaves[:n]), rebuild_b(leaves[n:]), dev
 
 
-def to_host(worker: Worker, value: Any) -> Any:
+def to_host(worker: Worker, value: Any, build_later: bool = False) -> Any:
     """``value`` (a pytree) with its tensors copied to the host, detached (a deferred
     download: see the module docstring). A tree whose rebuilding may run code that reads
     its tensors (a dataclass's or a Hugging Face ``ModelOutput``'s ``__post_init__``:
-    anything but plain tuples, lists and dicts) gets them completed first."""
+    anything but plain tuples, lists and dicts) gets them completed first -- or, with
+    ``build_later`` (a run's outputs, read only after the run), is built when read from
+    :class:`HostOutputs`."""
     if isinstance(value, torch.Tensor):
         return worker.copy_out_deferred([value.detach()])[0]
     leaves, rebuild = flatten(value)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     host = worker.copy_out_deferred([leaves[i].detach() for i in idx]) if idx else []
-    if host and has_pending() and not _plain_containers(value):
-        complete_pending(host)
     new = list(leaves)
     for i, t in zip(idx, host):
         new[i] = t
+    if host and has_pending() and not _plain_containers(value):
+        if build_later:
+            return _Unbuilt(new, rebuild)
+        complete_pending(host)
     return rebuild(new)
+
+
+class _Unbuilt:
+    """A host tree whose rebuilding reads its tensors: built once they are downloaded."""
+
+    def __init__(self, leaves: list[Any], rebuild: Any) -> None:
+        self._leaves = leaves
+        self._rebuild = rebuild
+
+    def build(self) -> Any:
+        complete_pending(self._leaves)  # no wait after the run: its queues finished them
+        return self._rebuild(self._leaves)
+
+
+class HostOutputs(dict):
+    """A run's outputs by microbatch: a value ``to_host(..., build_later=True)`` left
+    unbuilt is built when first read (``outputs[mb]``)."""
+
+    def __getitem__(self, key: Any) -> Any:
+        value = super().__getitem__(key)
+        if isinstance(value, _Unbuilt):
+            value = value.build()
+            super().__setitem__(key, value)
+        return value
 
 
 _PLAIN_SEQUENCES = (tuple, list)

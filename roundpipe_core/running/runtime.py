@@ -25,7 +25,7 @@ from ..config import call_loss_fn
 from ..context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
 from ..kinds import JobKind, RecomputeGrain
 from ..planning.schedule import Job
-from .activations import input_and_grad_to_device
+from .activations import HostOutputs, input_and_grad_to_device
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .streams import ComputeScope, record_stream_start, replay_seed, seed_stream
@@ -108,7 +108,7 @@ class PipelineRun:
         # the forward jobs) and backward (the boundaries); every layer for grain "layer".
         self.seed_every_layer = recompute_grain == RecomputeGrain.LAYER
         self.stream_starts: set[int] = set(boundaries)
-        self.outputs: dict[int, Any] = {}
+        self.outputs: dict[int, Any] = HostOutputs()  # built when read, after the run
         self.losses: dict[int, torch.Tensor] = {}
         self.failed: BaseException | None = None
         self.job_times: list[tuple[Job, int, float]] = []  # (job, device, busy ms)
@@ -386,7 +386,7 @@ def _forward_microbatch(
     try:
         with ComputeScope(worker, False):
             x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False, publish=True)
-            out = to_host(worker, x)
+            out = to_host(worker, x, build_later=r.stop == run.num_layers)  # the call's output
     except BaseException as exc:
         _annotate(exc, run, job, None, mb, worker)
         raise
@@ -447,7 +447,7 @@ def _fused_microbatch(
             host = worker.copy_out_lazy([p.detach() for p in parts])  # read after the queue
             run.losses[mb] = type(loss)(host) if isinstance(loss, (tuple, list)) else host[0]
             if run.return_outputs:
-                run.outputs[mb] = to_host(worker, x)
+                run.outputs[mb] = to_host(worker, x, build_later=True)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
         _annotate(exc, run, job, None, mb, worker)

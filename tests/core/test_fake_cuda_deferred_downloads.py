@@ -430,33 +430,39 @@ class _ToOutput(nn.Module):
 
 
 def test_an_output_whose_rebuild_reads_its_tensors_sees_them_downloaded(
-    two_fake_gpus: type,
+    two_fake_gpus: type, host_syncs: Any
 ) -> None:
     """Rebuilding the fused stage's dataclass output on the host runs its
-    ``__post_init__``: the download is completed before that (else ``total`` is the
-    fake's NaN), and the returned outputs are plain PyTorch's."""
+    ``__post_init__``: it is built after the run, when its downloads are complete (else
+    ``total`` is the fake's NaN), so the stage still waits no more with six microbatches
+    than with three; the returned outputs are plain PyTorch's."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), _ToOutput())
     x, y = torch.randn(6, 8), torch.randn(6, 8)
+    with torch.no_grad():
+        ref = model(x).values
     rp = RoundPipe(model, devices=["cuda:0", "cuda:1"], pin_model="off")
     plan = ModelExecutePlan()
     plan.fwd_plan, plan.bwd_plan = [range(0, 2)], [range(2, 4), range(0, 2)]
+    syncs = {}
     try:
         rp.layer_activation_bytes = [0.0] * 4
-        cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=plan, merge_output=False)
-        _, out = rp.forward_backward(
-            (x,),
-            label=y,
-            loss_fn=lambda o, t: _sum_sq(o.values, t),
-            return_outputs=True,
-            run_config=cfg,
-        )
+        for m in (3, 6):
+            cfg = RoundPipeRunConfig(num_microbatch=m, execute_plan=plan, merge_output=False)
+            before = host_syncs()
+            _, out = rp.forward_backward(
+                (x,),
+                label=y,
+                loss_fn=lambda o, t: _sum_sq(o.values, t),
+                return_outputs=True,
+                run_config=cfg,
+            )
+            syncs[m] = host_syncs() - before
+            # merge_output=False: each field packs the microbatches' values as built
+            assert len(out.values) == len(out.total) == m
+            for values, total, rows in zip(out.values, out.total, ref.split(6 // m)):
+                torch.testing.assert_close(values, rows, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(total, rows.sum(), rtol=1e-5, atol=1e-5)
     finally:
         rp.close()
-    with torch.no_grad():
-        ref = model(x).values
-    # merge_output=False: each field packs the microbatches' values as they were built
-    assert len(out.values) == len(out.total) == 3
-    for values, total, rows in zip(out.values, out.total, ref.split(2)):
-        torch.testing.assert_close(values, rows, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(total, rows.sum(), rtol=1e-5, atol=1e-5)
+    assert max(syncs.values()) <= 2 * 3, syncs  # three jobs
