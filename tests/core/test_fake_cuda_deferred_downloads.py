@@ -158,6 +158,30 @@ def test_an_upload_on_another_gpu_reads_a_pending_download_in_stream_order(
     torch.testing.assert_close(host, src * 2)  # and the host copy is filled too
 
 
+def test_an_upload_of_another_view_of_a_pending_download_gets_it_completed(
+    make_worker: Any,
+) -> None:
+    """A slice of a pending host tensor is not the tensor the download registered: the
+    upload completes the download on the host before copying (else: the fake's NaN)."""
+    producer, consumer = make_worker(0), make_worker(1)
+    src = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+
+    def produce() -> torch.Tensor:
+        dev = producer.copy_in([src], "activation")
+        producer.wait_channel("activation")
+        return producer.copy_out_deferred([dev[0] - 1])[0]
+
+    host = _on(producer, produce)
+
+    def consume() -> torch.Tensor:
+        dev = consumer.copy_in([host[1:]], "activation")
+        consumer.wait_channel("activation")
+        return dev[0].clone()
+
+    torch.testing.assert_close(_on(consumer, consume), src[1:] - 1)
+    assert not downloads.has_pending()
+
+
 def test_the_staging_ring_is_not_reused_under_an_upload_still_reading_it(
     make_worker: Any,
 ) -> None:

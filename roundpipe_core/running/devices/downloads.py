@@ -18,7 +18,8 @@ Two buffers per worker, both allocated once:
   - another worker's upload (``read_pending``): its stream waits on the download's
     event and copies from the pinned piece itself, so neither worker's host waits;
     the piece is not reused until that upload's event has completed;
-  - the host (``complete_pending``, for a worker that reads host memory directly);
+  - the host (``complete_pending``: for a worker that reads host memory directly, for
+    a tree whose rebuilding reads its tensors, for another view of the memory);
   - the end of the producing worker's queue (``finish_all``, one host wait), so that
     everything a call returns to its caller (outputs, losses, input gradients) is
     complete when the call returns.
@@ -409,7 +410,10 @@ def read_pending(
     with each pending host source replaced by the pinned pieces a download left it in,
     and those pieces (the upload's stream must wait on their events, and their
     ``readers`` get the upload's event). Pieces are not finished or reused while the
-    context is open: issue the copies and register the event inside it."""
+    context is open: issue the copies and register the event inside it. A source that
+    is another view of a pending tensor's memory is completed on the host first."""
+    if _PENDING:
+        complete_pending([src for _, src in pairs], views_only=True)
     with _PENDING_LOCK:
         if not _PENDING:
             yield list(pairs), []
@@ -433,9 +437,11 @@ def read_pending(
         yield out, parts
 
 
-def complete_pending(tensors: Sequence[Any]) -> None:
+def complete_pending(tensors: Sequence[Any], views_only: bool = False) -> None:
     """Fill the host tensors among ``tensors`` that a deferred download still owes (a
-    host wait each, at most): before the host itself reads them."""
+    host wait each, at most): before the host itself reads them. ``views_only``: only
+    those that are other views of a pending tensor's memory (``read_pending`` copies
+    from the pinned pieces of the pending tensors themselves)."""
     if not _PENDING:
         return
     todo: list[StagedDownload] = []
@@ -443,20 +449,12 @@ def complete_pending(tensors: Sequence[Any]) -> None:
         for t in tensors:
             if not isinstance(t, torch.Tensor) or not t.numel() or t.is_cuda:
                 continue
-            got = _PENDING.get(t.data_ptr())
-            for *_, part in got[1] if got is not None else _overlapping(t):
+            # a pending host tensor is a storage of its own: its views share the address
+            got = _PENDING.get(t.untyped_storage().data_ptr())
+            if got is None or (views_only and _entry(t) is not None):
+                continue
+            for *_, part in got[1]:
                 if not part.finished and not any(p is part for p in todo):
                     todo.append(part)
     for part in todo:
         part.synchronize()
-
-
-def _overlapping(t: torch.Tensor) -> list[tuple[int, int, torch.Tensor, StagedDownload]]:
-    """Pending pieces of any host tensor whose memory ``t`` (a view) overlaps."""
-    lo = t.untyped_storage().data_ptr()
-    hi = lo + t.untyped_storage().nbytes()
-    found = []
-    for key, (host, entries) in _PENDING.items():
-        if key < hi and lo < key + host.numel() * host.element_size():
-            found.extend(entries)
-    return found
