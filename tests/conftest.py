@@ -45,6 +45,7 @@ import pytest
 import torch
 from fake_device_memory import CURRENT, DeviceAllocations, FakeCachingAllocator, host_side
 from fake_gpu_rng import FakeGpuRng
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def cuda_device_count() -> int:
@@ -317,7 +318,21 @@ class _FakeStream:
         self.waited.append(event)
         with self._lock:
             if self._ops:  # later work on this stream runs after the event
-                self.enqueue(event.run_copies)
+
+                def waited() -> None:
+                    event.run_copies()
+                    # copies queued behind this wait may read what the event's copies
+                    # wrote (an upload from a download's pinned piece): their sources
+                    # are theirs to keep unchanged from here on, not from their issue
+                    for *_, op, _ in self._ops:
+                        if getattr(op, "is_wait", False):
+                            break
+                        resnap = getattr(op, "resnap", None)
+                        if resnap is not None:
+                            resnap()
+
+                waited.is_wait = True  # type: ignore[attr-defined]
+                self.enqueue(waited)
                 return
         event.run_copies()  # an idle stream (compute: the worker thread) waits now
 
@@ -547,9 +562,10 @@ def _cpu_backed_worker_class() -> type:
         the worker's own logic (feeder, chunking, tickets, events, ledger, RNG, locks)
         is real. Copies land late (see ``_FakeStream``) into buffers filled with NaN,
         so compute or a caller that skips a wait reads NaN. Tiny parameter chunks and a
-        tiny download staging buffer, so that every upload goes through several feeder
-        units and most downloads through several staged pieces; the staging buffer
-        comes from ``FAKE_PINNED`` (power-of-two blocks, a cap)."""
+        tiny download staging ring, so that every upload goes through several feeder
+        units, most downloads through several staged pieces, and the ring comes round
+        to pieces still in use within a call; the rings come from ``FAKE_PINNED``
+        (power-of-two blocks, a cap)."""
 
         #: the tiny sizes below; a test of large tensors raises them (class attributes)
         fake_param_chunk_bytes = 96
@@ -624,6 +640,10 @@ def _cpu_backed_worker_class() -> type:
             # A GPU reads the host source when the DMA runs, not at issue: a source that
             # changes in between (a buffer written back, weights published) is a race.
             snapshots = [src.clone() for _, src in pairs]
+            touches = [_storage_span(t) for pair in pairs for t in pair]
+            if stream is self.download_stream:
+                stream.enqueue(self._download_op(pairs, snapshots), touches)
+                return
 
             def copy() -> None:
                 with torch.no_grad(), host_side():  # the fake's checks allocate, not the GPU
@@ -635,8 +655,57 @@ def _cpu_backed_worker_class() -> type:
                             )
                         dst.copy_(src)
 
-            touches = [_storage_span(t) for pair in pairs for t in pair]
+            def resnap() -> None:
+                with torch.no_grad(), host_side():
+                    snapshots[:] = [src.clone() for _, src in pairs]
+
+            copy.resnap = resnap  # type: ignore[attr-defined]
             stream.enqueue(copy, touches)
+
+        @staticmethod
+        def _download_op(
+            pairs: list[tuple[torch.Tensor, torch.Tensor]], snapshots: list[torch.Tensor]
+        ) -> Callable[[], None]:
+            """A download, holding its device sources only weakly: on a GPU the caching
+            allocator hands memory out again once nothing holds it, so a source freed
+            before its DMA ran is a race too (stricter than CUDA, where
+            ``record_stream`` on the download stream would also hold it: the worker
+            keeps its sources referenced until the download is finished)."""
+            sources = [
+                (
+                    StorageWeakRef(src.untyped_storage()),
+                    src.storage_offset(),
+                    src.shape,
+                    src.stride(),
+                    src.dtype,
+                )
+                for _, src in pairs
+            ]
+            dsts = [dst for dst, _ in pairs]
+            del pairs
+
+            def copy() -> None:
+                with torch.no_grad(), host_side():
+                    for dst, (ref, offset, shape, stride, dtype), snap in zip(
+                        dsts, sources, snapshots
+                    ):
+                        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+                        if storage is None:
+                            FAKE_SOURCE_RACES.append(
+                                f"a {tuple(shape)} {dtype} download's device source was "
+                                "freed before the download ran"
+                            )
+                            dst.copy_(snap)  # what it held: the test reports the race
+                            continue
+                        src = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+                        if not _same_bits(src, snap):
+                            FAKE_SOURCE_RACES.append(
+                                f"a {tuple(shape)} {dtype} download's device source changed "
+                                "between the download's issue and its run"
+                            )
+                        dst.copy_(src)
+
+            return copy
 
     return CPUBackedCUDAWorker
 

@@ -1,26 +1,55 @@
 """Activations and their gradients between host and device: pytrees whose tensors are
-copied through a worker's transfer primitives (``copy_in`` / ``copy_out``)."""
+copied through a worker's transfer primitives (``copy_in`` / ``copy_out_deferred``).
+
+What a stage hands on (its output, its input gradient) is downloaded *deferred*: on
+a CUDA worker the host tensors are filled only when read, so the worker does not wait
+for each microbatch's download (``devices/downloads.py``). The next stage's upload
+reads them through ``copy_in`` of a worker that orders its copy after the download
+(``Worker.reads_pending_downloads``); for any other worker they are completed here,
+just before its copy.
+"""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..batch import flatten
 from .devices.base import Worker
+from .devices.downloads import complete_pending, has_pending
 
-__all__ = ["grads_to_device", "grads_to_host", "to_device", "to_device_pair", "to_host"]
+__all__ = [
+    "HostOutputs",
+    "grads_to_device",
+    "grads_to_host",
+    "input_and_grad_to_device",
+    "to_device",
+    "to_device_pair",
+    "to_host",
+]
+
+
+def _upload(worker: Worker, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``copy_in`` on the activation channel, deferred downloads completed first where
+    the worker would read the host memory directly."""
+    if not worker.reads_pending_downloads and has_pending():
+        complete_pending(tensors)
+    return worker.copy_in(tensors, "activation")
 
 
 def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
     """``value`` (a pytree) with its tensors copied to ``worker``, and the copies (to release)."""
     if isinstance(value, torch.Tensor):  # the common activation: no tree to walk
-        dev = worker.copy_in([value], "activation")
+        dev = _upload(worker, [value])
         return dev[0], dev
     leaves, rebuild = flatten(value)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
+    dev = _upload(worker, [leaves[i] for i in idx]) if idx else []
     new = list(leaves)
     for i, t in zip(idx, dev):
         new[i] = t
@@ -31,40 +60,90 @@ def to_device_pair(worker: Worker, a: Any, b: Any) -> tuple[Any, Any, list[torch
     """:func:`to_device` of two pytrees (a stage input and its label) in one copy: both
     on the device, and the copies (to release)."""
     if type(a) is torch.Tensor and type(b) is torch.Tensor:
-        dev = worker.copy_in([a, b], "activation")
+        dev = _upload(worker, [a, b])
         return dev[0], dev[1], dev
     leaves_a, rebuild_a = flatten(a)
     leaves_b, rebuild_b = flatten(b)
     leaves = leaves_a + leaves_b
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    dev = worker.copy_in([leaves[i] for i in idx], "activation") if idx else []
+    dev = _upload(worker, [leaves[i] for i in idx]) if idx else []
     for i, t in zip(idx, dev):
         leaves[i] = t
     n = len(leaves_a)
     return rebuild_a(leaves[:n]), rebuild_b(leaves[n:]), dev
 
 
-def to_host(worker: Worker, value: Any) -> Any:
-    """``value`` (a pytree) with its tensors copied to the host, detached."""
+def to_host(worker: Worker, value: Any, build_later: bool = False) -> Any:
+    """``value`` (a pytree) with its tensors copied to the host, detached (a deferred
+    download: see the module docstring). A tree whose rebuilding may run code that reads
+    its tensors (a dataclass's or a Hugging Face ``ModelOutput``'s ``__post_init__``:
+    anything but plain tuples, lists and dicts) gets them completed first -- or, with
+    ``build_later`` (a run's outputs, read only after the run), is built when read from
+    :class:`HostOutputs`."""
     if isinstance(value, torch.Tensor):
-        return worker.copy_out([value.detach()])[0]
+        return worker.copy_out_deferred([value.detach()])[0]
     leaves, rebuild = flatten(value)
     idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    host = worker.copy_out([leaves[i].detach() for i in idx]) if idx else []
+    host = worker.copy_out_deferred([leaves[i].detach() for i in idx]) if idx else []
     new = list(leaves)
     for i, t in zip(idx, host):
         new[i] = t
+    if host and has_pending() and not _plain_containers(value):
+        if build_later:
+            return _Unbuilt(new, rebuild)
+        complete_pending(host)
     return rebuild(new)
 
 
+class _Unbuilt:
+    """A host tree whose rebuilding reads its tensors: built once they are downloaded."""
+
+    def __init__(self, leaves: list[Any], rebuild: Any) -> None:
+        self._leaves = leaves
+        self._rebuild = rebuild
+
+    def build(self) -> Any:
+        complete_pending(self._leaves)  # no wait after the run: its queues finished them
+        return self._rebuild(self._leaves)
+
+
+class HostOutputs(dict):
+    """A run's outputs by microbatch: a value ``to_host(..., build_later=True)`` left
+    unbuilt is built when first read (``outputs[mb]``)."""
+
+    def __getitem__(self, key: Any) -> Any:
+        value = super().__getitem__(key)
+        if isinstance(value, _Unbuilt):
+            value = value.build()
+            super().__setitem__(key, value)
+        return value
+
+
+_PLAIN_SEQUENCES = (tuple, list)
+_PLAIN_MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
+
+
+def _plain_containers(value: Any) -> bool:
+    """Whether every container in ``value`` is a plain tuple, list or dict (or a named
+    tuple): rebuilding those runs no code of the value's own."""
+    kind = type(value)
+    if kind in _PLAIN_SEQUENCES or (kind.__base__ is tuple and hasattr(kind, "_fields")):
+        return all(_plain_containers(v) for v in value)
+    if kind in _PLAIN_MAPPINGS:
+        return all(_plain_containers(v) for v in value.values())
+    if isinstance(value, (tuple, list, dict)) or dataclasses.is_dataclass(value):
+        return False  # a subclass (ModelOutput is an OrderedDict) or a dataclass
+    return kind not in pytree.SUPPORTED_NODES  # a leaf, or a node type registered by someone
+
+
 def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """Host copies of the gradients present (``None`` stays ``None``)."""
+    """Host copies of the gradients present (``None`` stays ``None``; deferred downloads)."""
     if len(grads) == 1:  # a stage with one tensor input: no index bookkeeping
         g = grads[0]
-        return [None] if g is None else list(worker.copy_out([g]))
+        return [None] if g is None else list(worker.copy_out_deferred([g]))
     present = [(i, g) for i, g in enumerate(grads) if g is not None]
     idx = [i for i, _ in present]
-    host = worker.copy_out([g for _, g in present]) if present else []
+    host = worker.copy_out_deferred([g for _, g in present]) if present else []
     out: list[torch.Tensor | None] = [None] * len(grads)
     for i, g in zip(idx, host):
         out[i] = g
@@ -79,12 +158,26 @@ def grads_to_device(
         g = grads[0]
         if g is None:
             return [None], []
-        dev = worker.copy_in([g], "activation")
+        dev = _upload(worker, [g])
         return list(dev), dev
     present = [(i, g) for i, g in enumerate(grads) if g is not None]
     idx = [i for i, _ in present]
-    dev = worker.copy_in([g for _, g in present], "activation") if present else []
+    dev = _upload(worker, [g for _, g in present]) if present else []
     out: list[torch.Tensor | None] = [None] * len(grads)
     for i, g in zip(idx, dev):
         out[i] = g
     return out, dev
+
+
+def input_and_grad_to_device(
+    worker: Worker, value: Any, grads: list[torch.Tensor | None]
+) -> tuple[Any, list[torch.Tensor | None], list[torch.Tensor]]:
+    """A backward stage's input (a pytree) and the gradients of its output on ``worker``:
+    both, and the copies (to release)."""
+    if type(value) is torch.Tensor and len(grads) == 1 and grads[0] is not None:
+        # the common stage: one tensor in, its one gradient -- one copy of both
+        held = _upload(worker, [value, grads[0]])
+        return held[0], list[torch.Tensor | None](held[1:]), held
+    x_in, held = to_device(worker, value)
+    g_dev, held_g = grads_to_device(worker, grads)
+    return x_in, g_dev, held + held_g

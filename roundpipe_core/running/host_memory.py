@@ -19,8 +19,8 @@ optimizer state           states per parameter x master size: Adam/AdamW 2, SGD 
                           momentum 1, without 0, ... (see :data:`OPTIMIZER_STATES`);
                           1/N of it with the host state sharded over N data-parallel
                           ranks (``state_shards=N``)
-pinned buffers            CUDA only: slab rounding of ``pin_model="alloc"`` and the
-                          pinned gradient-download buffers
+pinned buffers            CUDA only: slab rounding of ``pin_model="alloc"`` and each
+                          worker's pinned download rings (staging ring and loss ring)
 worker stage copies       CPU workers only: what each worker holds beside the host
                           state for the stage it runs and the prefetched next one (from
                           the plan): the stage computes on the host's parameters, so its
@@ -468,7 +468,7 @@ def estimate_host_memory(
             )
         m = rp.num_microbatch_for(num_microbatch)
         if rp.pool.is_cuda:
-            pinned = _cuda_pinned(rp, run_plan)
+            pinned = _cuda_pinned(rp)
         else:
             master_dtype = {id(p): mm.dtype for p, mm in pairs}
             worker_copies = _worker_copies(rp, run_plan, m, master_dtype)
@@ -508,10 +508,11 @@ def estimate_host_memory(
     )
 
 
-def _cuda_pinned(rp: Any, plan: Any) -> int:
+def _cuda_pinned(rp: Any) -> int:
     """Pinned host bytes beyond the weights: the slabs' rounding (``pin_model="alloc"``)
-    and, per GPU, a pinned download buffer for the largest backward stage's gradients
-    (the pinned allocator rounds each to a power of two and keeps it cached)."""
+    and, per CUDA worker, its download rings (``devices/downloads.py``: the staging ring
+    is allocated whole; the pinned allocator rounds each block to a power of two and
+    keeps it cached)."""
     from .devices.memory import pack_slabs, slab_sizes
 
     extra = 0
@@ -521,12 +522,7 @@ def _cuda_pinned(rp: Any, plan: Any) -> int:
         }
         sizes = [s.nbytes() for s in storages.values()]
         extra += max(sum(slab_sizes(sizes, pack_slabs(sizes))) - sum(sizes), 0)
-    largest = 0
-    for stage in plan.bwd_plan:
-        grads = sum(_nbytes(p) for i in stage for p in rp.layers[i].parameters() if p.requires_grad)
-        largest = max(largest, grads)
-    extra += rp.num_devices * (1 << max(largest - 1, 0).bit_length() if largest else 0)
-    return extra
+    return extra + sum(worker.pinned_download_bytes() for worker in rp.pool.workers)
 
 
 def available_host_memory() -> int | None:

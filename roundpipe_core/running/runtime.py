@@ -25,6 +25,7 @@ from ..config import call_loss_fn
 from ..context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
 from ..kinds import JobKind, RecomputeGrain
 from ..planning.schedule import Job
+from .activations import HostOutputs, input_and_grad_to_device
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .streams import ComputeScope, record_stream_start, replay_seed, seed_stream
@@ -35,7 +36,6 @@ from .transfer import (
     WeightGate,
     batched_sink,
     download_grads,
-    grads_to_device,
     grads_to_host,
     release_stage,
     to_device,
@@ -108,7 +108,7 @@ class PipelineRun:
         # the forward jobs) and backward (the boundaries); every layer for grain "layer".
         self.seed_every_layer = recompute_grain == RecomputeGrain.LAYER
         self.stream_starts: set[int] = set(boundaries)
-        self.outputs: dict[int, Any] = {}
+        self.outputs: dict[int, Any] = HostOutputs()  # built when read, after the run
         self.losses: dict[int, torch.Tensor] = {}
         self.failed: BaseException | None = None
         self.job_times: list[tuple[Job, int, float]] = []  # (job, device, busy ms)
@@ -386,7 +386,7 @@ def _forward_microbatch(
     try:
         with ComputeScope(worker, False):
             x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False, publish=True)
-            out = to_host(worker, x)
+            out = to_host(worker, x, build_later=r.stop == run.num_layers)  # the call's output
     except BaseException as exc:
         _annotate(exc, run, job, None, mb, worker)
         raise
@@ -447,7 +447,7 @@ def _fused_microbatch(
             host = worker.copy_out_lazy([p.detach() for p in parts])  # read after the queue
             run.losses[mb] = type(loss)(host) if isinstance(loss, (tuple, list)) else host[0]
             if run.return_outputs:
-                run.outputs[mb] = to_host(worker, x)
+                run.outputs[mb] = to_host(worker, x, build_later=True)
             _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
         _annotate(exc, run, job, None, mb, worker)
@@ -463,14 +463,7 @@ def _backward_microbatch(
     grads_out = run.get_grad(r.stop, mb)
     value = run.get_act(r.start, mb)
     t_in = time.perf_counter()
-    if type(value) is torch.Tensor and len(grads_out) == 1 and grads_out[0] is not None:
-        # the common stage: one tensor in, its one gradient -- one copy of both
-        held = worker.copy_in([value, grads_out[0]], "activation")
-        x_in, g_dev = held[0], list[torch.Tensor | None](held[1:])
-    else:
-        x_in, held = to_device(worker, value)
-        g_dev, held_g = grads_to_device(worker, grads_out)
-        held = held + held_g
+    x_in, g_dev, held = input_and_grad_to_device(worker, value, grads_out)
     worker.wait_channel("activation")
     clock.transfer("activation", f"{job} in mb{mb}", t_in)
     needs = _needs(run, r.start)

@@ -87,6 +87,10 @@ class Worker(ABC):
     #: memory): a stage holds only its buffers and carried state as copies (the host-memory
     #: budget reads it).
     lends_host_tensors = False
+    #: ``copy_in`` accepts host tensors a ``copy_out_deferred`` of a CUDA worker has not
+    #: filled yet (it orders its copy after that download); a worker without it gets
+    #: them completed first (``activations.py``).
+    reads_pending_downloads = False
 
     def __init__(self, index: int, device: torch.device) -> None:
         self.index = index
@@ -225,6 +229,14 @@ class Worker(ABC):
         a copy, so a plan holds the same device bytes on every backend. Others copy all."""
         return self.copy_in(tensors, "param")
 
+    def copy_out_deferred(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Device -> host for tensors handed to another stage (an activation, an input
+        gradient): an asynchronous backend returns host tensors that are filled when
+        read -- by an upload (``copy_in`` of a worker with ``reads_pending_downloads``),
+        by ``downloads.complete_pending``, at the latest by ``finish_lazy_downloads``
+        -- so that it need not wait for each. Synchronous backends: ``copy_out``."""
+        return self.copy_out(tensors, "download")
+
     def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host for small tensors the caller reads only after this worker's queue
         ends (a microbatch's loss): complete after ``finish_lazy_downloads``, so an
@@ -232,13 +244,19 @@ class Worker(ABC):
         return self.copy_out(tensors, "download")
 
     def finish_lazy_downloads(self) -> None:  # noqa: B027 - optional hook
-        """Complete every ``copy_out_lazy`` so far (the pool calls it when a queue ends)."""
+        """Complete every ``copy_out_lazy`` and ``copy_out_deferred`` so far (the pool
+        calls it when a queue ends, so a call's results are complete when it returns)."""
 
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host for tensors the device drops right after (a stage's parameter
         gradients): host copies, complete when this returns. A backend whose device
         memory is host memory hands the tensors themselves over."""
         return self.copy_out(tensors, "download")
+
+    def pinned_download_bytes(self) -> int:
+        """Page-locked host bytes this worker's downloads hold once they started (the
+        host-memory budget's line); 0 where downloads need none."""
+        return 0
 
     def param_fence(self) -> Callable[[], None]:
         """A function that blocks until every "param" upload issued so far has read its

@@ -13,16 +13,21 @@ Streams of one worker (all on its GPU):
 - ``compute``: model code (the current stream inside ``compute()`` and the
   worker thread's default).
 - ``download``: device -> host copies through page-locked memory each worker
-  allocates once and reuses (a staging buffer and a lazy ring, ``downloads.py``),
+  allocates once and reuses (a staging ring and a lazy ring, ``downloads.py``),
   into ordinary pageable host tensors.
 
 Ordering uses CUDA events, not host synchronisation: ``copy_in`` records an
 event after its copies, ``wait_channel`` makes the compute stream wait on it,
-``copy_out`` makes the download stream wait on an event recorded on compute.
-The only host waits are ``copy_out`` (it returns completed host tensors; a
-download larger than the staging buffer waits once per piece), the end of a
-queue (``finish_lazy_downloads``: the losses ``copy_out_lazy`` deferred),
-``elapsed_ms`` and ``synchronize``.
+a download makes the download stream wait on an event recorded on compute.
+An upload of an activation whose (deferred) download has not been finished
+makes its stream wait on that download's event, on whichever worker it was
+issued, and copies from the pinned staging ring itself. The host waits only in
+``copy_out`` (it returns completed host tensors: a stage's parameter gradients,
+buffers written back; a download larger than the staging ring waits once per
+piece), when the staging ring comes round to a piece still in use, at the end
+of a queue (``finish_lazy_downloads``: the losses ``copy_out_lazy`` and the
+activations ``copy_out_deferred`` left unfinished), in ``elapsed_ms`` and
+``synchronize`` -- not once per microbatch.
 
 Lifetime across streams: a device tensor made by ``copy_in`` is allocated on
 its channel's stream and marked with ``record_stream(compute)``, so the caching
@@ -51,7 +56,7 @@ from typing import Any
 import torch
 
 from .base import Worker
-from .downloads import DownloadStager
+from .downloads import DownloadStager, read_pending
 from .feeder import ChunkFeeder, Piece, plan_chunks
 from .memory import allocator_reserve_bytes, cuda_available
 
@@ -71,7 +76,7 @@ CHANNELS = (PARAM, ACTIVATION)
 
 #: Size of one parameter-upload piece; env ROUNDPIPE_PARAM_CHUNK_MB overrides.
 DEFAULT_PARAM_CHUNK_BYTES = 32 * 1024**2
-#: Size of each worker's pinned download staging buffer; env ROUNDPIPE_DOWNLOAD_STAGING_MB.
+#: Size of each worker's pinned download staging ring; env ROUNDPIPE_DOWNLOAD_STAGING_MB.
 DEFAULT_DOWNLOAD_STAGING_BYTES = 64 * 1024**2
 #: Parameter pieces queued on the GPU at once; 0 issues every piece at once
 #: (no feeder thread). Env ROUNDPIPE_PARAM_INFLIGHT overrides.
@@ -116,6 +121,25 @@ def _mark_used_by(t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
 
+class _HeldUntilDone:
+    """A download's completion event that keeps its device sources referenced until it
+    has been waited for (or found done)."""
+
+    def __init__(self, event: Any, sources: list[torch.Tensor]) -> None:
+        self._event = event
+        self._sources: list[torch.Tensor] | None = sources
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+        self._sources = None
+
+    def query(self) -> bool:
+        done = bool(self._event.query())
+        if done:
+            self._sources = None
+        return done
+
+
 # ---------------------------------------------------------------------------
 # the worker
 # ---------------------------------------------------------------------------
@@ -151,12 +175,13 @@ class CUDAWorker(Worker):
             (0 = no feeder: issue a whole upload at once).
         pin_downloads: download through a pinned staging buffer (DMA); False = straight
             into pageable memory (the driver stages it).
-        download_staging_bytes: size of that staging buffer; larger downloads go
-            through it in pieces.
+        download_staging_bytes: size of that staging ring (``downloads.py``); larger
+            downloads go through it in pieces.
     """
 
     kind = "cuda"
     draws_from_host_generator = False  # the GPU's generator; CPU draws are not replayed
+    reads_pending_downloads = True  # copy_in waits on a deferred download's event
 
     def __init__(
         self,
@@ -240,6 +265,9 @@ class CUDAWorker(Worker):
         if self.drained and feeder_done:
             try:
                 torch.cuda.synchronize(self.device)
+                # downloads nobody read (a queue always finishes its own): their host
+                # tensors filled, the pending entries and the device sources let go
+                self._downloads.finish_all()
             except Exception:  # noqa: BLE001 - a failed device: its copies' state is unknown
                 self.drained = False
         else:
@@ -298,10 +326,17 @@ class CUDAWorker(Worker):
                 if out.numel():
                     self._tickets[out.data_ptr()] = ticket
             return outs
-        with torch.cuda.device(self.device):
-            self._copy_on(stream, [(o, s) for s, o in zip(srcs, outs) if o.numel()], True)
+        pairs = [(o, s) for s, o in zip(srcs, outs) if o.numel()]
+        with torch.cuda.device(self.device), read_pending(pairs) as (pairs, pending):
+            # a source still owed by a deferred download comes from its pinned piece,
+            # after that download's event (on whichever worker it was issued)
+            for piece in pending:
+                stream.wait_event(piece.event)
+            self._copy_on(stream, pairs, True)
             event = torch.cuda.Event()
             event.record(stream)
+            for piece in pending:  # not reused before this upload has read it
+                piece.readers.append(event)
         with self._event_lock:
             self._events[channel] = event
         for out in outs:
@@ -407,14 +442,30 @@ class CUDAWorker(Worker):
     def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """``copy_out`` of small tensors through the lazy ring: the host does not wait here;
         the results are complete after ``finish_lazy_downloads`` (the end of the queue)."""
+        if not self.pin_downloads:
+            return self.copy_out(tensors)
         srcs, outs = self._begin_download(tensors)
-        if self.pin_downloads and self._downloads.download_lazy(self.download_stream, srcs, outs):
-            return outs
-        self._finish_download(srcs, outs).synchronize()
+        if not self._downloads.download_lazy(self.download_stream, srcs, outs):
+            self._downloads.download(self.download_stream, srcs, outs, deferred=True)
+        return outs
+
+    def copy_out_deferred(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Device -> host through the staging ring without a host wait: the results are
+        filled when read -- by an upload on any CUDA worker (its stream waits on this
+        download's event), by ``downloads.complete_pending``, or at the latest by
+        ``finish_lazy_downloads`` (the end of this worker's queue)."""
+        if not self.pin_downloads:  # a pageable download makes the host wait anyway
+            return self.copy_out(tensors)
+        srcs, outs = self._begin_download(tensors)
+        with torch.cuda.device(self.device):
+            self._downloads.download(self.download_stream, srcs, outs, deferred=True)
         return outs
 
     def finish_lazy_downloads(self) -> None:
-        self._downloads.finish_lazy()
+        self._downloads.finish_all()
+
+    def pinned_download_bytes(self) -> int:
+        return self._downloads.pinned_bytes() if self.pin_downloads else 0
 
     def copy_out_async(
         self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
@@ -423,7 +474,7 @@ class CUDAWorker(Worker):
         completion).
 
         The host tensors are pageable and valid once ``completion.synchronize()`` (or a
-        true ``query()``) says so. The pieces go through the staging buffer
+        true ``query()``) says so. The pieces go through the staging ring
         (``downloads.DownloadStager``); the device sources are kept from reuse until the
         download stream is done with them.
         """
@@ -452,7 +503,7 @@ class CUDAWorker(Worker):
             self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
             done = torch.cuda.Event()
             done.record(stream)
-            return done
+            return _HeldUntilDone(done, srcs)
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         for t in tensors:

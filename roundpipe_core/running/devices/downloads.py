@@ -1,18 +1,35 @@
 """Device -> host downloads of a CUDA worker through page-locked memory it reuses.
 
-Two buffers per worker, both allocated once (the staging buffer grows to the
-largest piece, never beyond ``staging_bytes`` plus alignment):
+Two buffers per worker, both allocated once:
 
-- the *staging buffer*: each download is cut into pieces of at most
-  ``staging_bytes`` (:func:`~roundpipe_core.running.devices.feeder.plan_chunks`);
-  a piece lands there by DMA and is then copied into ordinary (pageable) host
-  tensors. All but the last piece are waited for while the download is issued;
-  the last one when its completion is waited on, or before the next download
-  reuses the buffer.
-- the *lazy ring*: small downloads the caller needs only later (a microbatch's
-  loss) are placed one after another and completed together, when the ring is
-  full or the worker's queue ends (``finish_lazy``): the host does not wait for
-  them inside every microbatch, so the GPU keeps its next kernels queued.
+- the *staging ring* (``staging_bytes``, allocated whole at the first download): every
+  download that is not a loss is cut into pieces of at most ``staging_bytes``
+  (:func:`~roundpipe_core.running.devices.feeder.plan_chunks`); the pieces land in the
+  ring one after another by DMA and are copied from there into ordinary (pageable)
+  host tensors when the download is *finished*. A piece waits on the host only when
+  the ring comes round to memory an unfinished piece (or an upload reading one)
+  still holds: then the newest such piece's event is waited for, once.
+
+  A download is either *eager* (``copy_out``: the caller waits for it before it
+  returns: a stage's parameter gradients, buffers written back) or *deferred*
+  (``copy_out_deferred``: a stage's output activation, an input gradient). A deferred
+  download's host tensors are filled only when something reads them:
+
+  - another worker's upload (``read_pending``): its stream waits on the download's
+    event and copies from the pinned piece itself, so neither worker's host waits;
+    the piece is not reused until that upload's event has completed;
+  - the host (``complete_pending``: for a worker that reads host memory directly, for
+    a tree whose rebuilding reads its tensors, for another view of the memory);
+  - the end of the producing worker's queue (``finish_all``, one host wait), so that
+    everything a call returns to its caller (outputs, losses, input gradients) is
+    complete when the call returns.
+
+  Until a piece is finished it keeps its device source referenced (besides the
+  source's ``record_stream`` on the download stream), so that memory is not handed
+  out again while the DMA may still read it.
+- the *lazy ring*: small downloads the caller needs only after the queue (a
+  microbatch's loss) are placed one after another and completed together, when the
+  ring is full or the worker's queue ends (``finish_lazy``).
 
 Fresh pinned tensors per download would not do: PyTorch's pinned allocator rounds
 each block up to a power of two and keeps it for the process, and downloaded
@@ -25,19 +42,37 @@ Free of CUDA calls of its own: the worker passes the stream and its seams
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from .feeder import Piece, plan_chunks
 
-__all__ = ["ALIGN", "DEFAULT_LAZY_BYTES", "DownloadStager", "StagedDownload"]
+__all__ = [
+    "ALIGN",
+    "DEFAULT_LAZY_BYTES",
+    "Download",
+    "DownloadStager",
+    "StagedDownload",
+    "complete_pending",
+    "has_pending",
+    "read_pending",
+]
 
 #: Offsets in the buffers are aligned so that every dtype can view its piece.
 ALIGN = 64
 #: Size of the lazy ring; downloads larger than a quarter of it are not deferred.
 DEFAULT_LAZY_BYTES = 64 * 1024
+
+# Host tensors a deferred download has not filled yet, by the address of their data:
+# address -> (the host tensor, [(first element, end element, pinned view, piece)]).
+# One lock for every worker's entries: an upload on one worker reads what another
+# worker's download left in its ring.
+_PENDING: dict[int, tuple[torch.Tensor, list[tuple[int, int, torch.Tensor, StagedDownload]]]] = {}
+_PENDING_LOCK = threading.Lock()
 
 
 def _aligned(nbytes: int) -> int:
@@ -45,49 +80,102 @@ def _aligned(nbytes: int) -> int:
 
 
 class StagedDownload:
-    """Pieces of a download still in page-locked memory: ``synchronize()`` waits for
-    their DMA and copies them into the pageable results (once); ``query()`` does so if
-    the DMA is done."""
+    """One piece of a download in page-locked memory: ``finish()`` waits for its DMA and
+    copies it into the pageable results (once); until then it holds the device
+    ``sources``. ``readers``: events of uploads that copy straight from the piece."""
 
     def __init__(
-        self, stager: DownloadStager, event: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        stager: DownloadStager,
+        event: Any,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        sources: Sequence[torch.Tensor] = (),
+        span: tuple[int, int] = (0, 0),
     ) -> None:
         self._stager = stager
         self._event = event
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] | None = copies
+        self.sources: Sequence[torch.Tensor] = sources
+        self.span = span
+        self.readers: list[Any] = []
+        # (tensor index, first element, end element, pinned view) of each piece
+        self.pieces: list[tuple[int, int, int, torch.Tensor]] = []
+        self.registered: list[int] = []  # _PENDING keys that point at this piece
+
+    @property
+    def event(self) -> Any:
+        return self._event
+
+    @property
+    def finished(self) -> bool:
+        return self._copies is None
+
+    def dma_done(self) -> bool:
+        return self._event is None or self._event.query()
 
     def finish(self, wait: bool = True) -> None:
         """Complete the copy-out; the caller holds the stager's lock. ``wait=False``: the
-        caller already waited for a later event on the same stream (stream order)."""
-        if self._copies is None:
+        caller already waited for a later event on the same stream (stream order).
+        A wait that raises (a failed copy) still marks the piece finished: the error goes
+        to whoever finished it, and the ring stays usable (the piece keeps its device
+        sources until its ring memory is reused, as the DMA's state is unknown)."""
+        copies = self._copies
+        if copies is None:
             return
-        if wait and self._event is not None:
-            self._event.synchronize()
-        with torch.no_grad():
-            for dst, staged in self._copies:
-                dst.copy_(staged)
-        self._copies = None
-        if self._stager.staged is self:
-            self._stager.staged = None
+        try:
+            if wait and self._event is not None and not self._event.query():
+                self._event.synchronize()
+            with torch.no_grad():
+                for dst, staged in copies:
+                    dst.copy_(staged)
+            self.sources = ()  # the DMA is done: the device memory may be reused
+        finally:
+            self._copies = None
+            with _PENDING_LOCK:  # readers now find these host elements filled
+                for key in self.registered:
+                    got = _PENDING.get(key)
+                    if got is not None and all(p.finished for *_, p in got[1]):
+                        del _PENDING[key]
+                self.registered = []
 
     def synchronize(self) -> None:
         with self._stager.lock:
             self.finish()
 
     def query(self) -> bool:
-        if self._copies is not None and self._event is not None and not self._event.query():
+        if self._copies is not None and not self.dma_done():
+            return False
+        self.synchronize()
+        return True
+
+
+class Download:
+    """The pieces of one download: ``synchronize()`` completes the host tensors (one host
+    wait at most: the last piece's event implies the earlier ones'); ``query()`` does so
+    if the DMA is done."""
+
+    def __init__(self, stager: DownloadStager, parts: list[StagedDownload]) -> None:
+        self._stager = stager
+        self._parts = parts
+
+    def synchronize(self) -> None:
+        with self._stager.lock:
+            self._stager.finish_parts(self._parts)
+
+    def query(self) -> bool:
+        if not all(p.finished or p.dma_done() for p in self._parts):
             return False
         self.synchronize()
         return True
 
 
 class DownloadStager:
-    """The staging buffer and lazy ring of one worker (see the module docstring).
+    """The staging ring and lazy ring of one worker (see the module docstring).
 
     Args:
         worker: the CUDA worker; its ``_new_pinned_buffer(nbytes)`` and
             ``_copy_on(stream, pairs, non_blocking)`` are used.
-        staging_bytes: piece size of a download.
+        staging_bytes: size of the staging ring (and the largest piece of a download).
         lazy_bytes: size of the lazy ring.
     """
 
@@ -96,34 +184,145 @@ class DownloadStager:
         self.staging_bytes = staging_bytes
         self.lazy_bytes = lazy_bytes
         self.lock = threading.Lock()
-        self.staging: torch.Tensor | None = None
-        self.staged: StagedDownload | None = None  # whose last piece the staging buffer holds
-        self.ring: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None  # the staging ring
+        self._head = 0  # where the next piece goes
+        self._slots: list[StagedDownload] = []  # pieces holding ring memory, oldest first
+        self.ring: torch.Tensor | None = None  # the lazy ring
         self._ring_used = 0
         self._lazy: list[StagedDownload] = []
 
-    def download(
-        self, stream: Any, srcs: list[torch.Tensor], outs: list[torch.Tensor]
-    ) -> StagedDownload:
-        """Issue ``outs[i] <- srcs[i]`` (contiguous tensors) through the staging buffer."""
-        units = plan_chunks(
-            [s.numel() for s in srcs], [s.element_size() for s in srcs], self.staging_bytes
+    def pinned_bytes(self) -> int:
+        """Page-locked bytes of both rings once allocated (each block rounded up to a power
+        of two, as PyTorch's pinned allocator does)."""
+        return sum(
+            1 << max(n - 1, 0).bit_length() for n in (_aligned(self.staging_bytes), self.lazy_bytes)
         )
+
+    # -- the staging ring ------------------------------------------------------------
+    def download(
+        self,
+        stream: Any,
+        srcs: list[torch.Tensor],
+        outs: list[torch.Tensor],
+        deferred: bool = False,
+    ) -> Download:
+        """Issue ``outs[i] <- srcs[i]`` (contiguous tensors) through the staging ring.
+        ``deferred``: the host tensors are registered as pending (``read_pending``,
+        ``complete_pending``) until a reader or ``finish_all`` finishes them."""
+        cap = _aligned(self.staging_bytes)
+        units = []
+        for unit in plan_chunks(
+            [s.numel() for s in srcs], [s.element_size() for s in srcs], self.staging_bytes
+        ):
+            if self._unit_bytes(unit, srcs) <= cap:
+                units.append(unit)
+            else:  # alignment pushed a unit of several pieces past the ring: one each
+                units.extend([piece] for piece in unit)
         flat_src = [s.reshape(-1) for s in srcs]
         flat_out = [o.view(-1) for o in outs]
+        parts: list[StagedDownload] = []
         with self.lock:
-            staged = StagedDownload(self, None, [])
+            if self.staging is None:
+                self.staging = self._worker._new_pinned_buffer(cap)
+            self._prune()
             for unit in units:
-                if self.staged is not None:  # the buffer still holds a piece
-                    self.staged.finish()
-                size = sum(_aligned((b - a) * flat_src[i].element_size()) for i, a, b in unit)
-                if self.staging is None or self.staging.numel() < size:
-                    self.staging = None  # let the old block go back to the allocator first
-                    self.staging = self._worker._new_pinned_buffer(size)
-                staged = self._issue(self.staging, 0, stream, unit, flat_src, flat_out)
-                self.staged = staged
-            return staged
+                size = self._unit_bytes(unit, srcs)
+                start = self._place(size)
+                part = self._issue(self.staging, start, stream, unit, flat_src, flat_out)
+                part.sources, part.span = srcs, (start, start + size)
+                self._slots.append(part)
+                parts.append(part)
+            if deferred and not parts[-1].finished:
+                self._register(parts, outs)
+        return Download(self, parts)
 
+    @staticmethod
+    def _unit_bytes(unit: list[Piece], srcs: list[torch.Tensor]) -> int:
+        return sum(_aligned((b - a) * srcs[i].element_size()) for i, a, b in unit)
+
+    def _place(self, size: int) -> int:
+        """Where the next ``size`` bytes go: after the last piece, or from the start of the
+        ring when they do not fit before its end; pieces still there are retired first.
+        The lock is held."""
+        assert self.staging is not None
+        if self._head + size > self.staging.numel():
+            self._head = 0
+        start, end = self._head, self._head + size
+        overlapping = [s for s in self._slots if s.span[0] < end and start < s.span[1]]
+        if overlapping:
+            self._retire(overlapping)
+        self._head = end
+        return start
+
+    def _retire(self, slots: list[StagedDownload]) -> None:
+        """Free the ring memory of ``slots`` (in issue order): finish them (one host wait,
+        for the newest unfinished one) and wait for the uploads that read them."""
+        self.finish_parts(slots)
+        for slot in slots:
+            with _PENDING_LOCK:
+                readers, slot.readers = slot.readers, []
+            for event in readers:
+                if not event.query():
+                    event.synchronize()
+            slot.sources = ()
+            self._slots.remove(slot)
+
+    def _prune(self) -> None:
+        """Finish the pieces whose DMA is done already (no host wait: their host tensors
+        are filled and their device sources let go early) and forget those no upload
+        reads any more, so that the pieces kept are only the ones still in use. Lock
+        held."""
+        landed = True
+        keep: list[StagedDownload] = []
+        for slot in self._slots:
+            if not slot.finished and landed and slot.dma_done():
+                slot.finish(wait=False)
+            landed = landed and slot.finished  # one stream: later pieces land later
+            if slot.finished:
+                with _PENDING_LOCK:
+                    slot.readers = [r for r in slot.readers if not r.query()]
+                    if not slot.readers:
+                        continue
+            keep.append(slot)
+        self._slots = keep
+
+    def finish_parts(self, parts: list[StagedDownload]) -> None:
+        """Finish ``parts`` (pieces of this ring, in issue order): one host wait, on the
+        newest unfinished one, covers the others (one download stream). Lock held."""
+        unfinished = [p for p in parts if not p.finished]
+        if not unfinished:
+            return
+        try:
+            unfinished[-1].finish()
+        finally:
+            for part in unfinished[:-1]:
+                part.finish(wait=False)
+
+    def finish_all(self) -> None:
+        """Complete every download in the staging ring and every lazy one (the worker's
+        queue ended: the host waits here, once per ring at most)."""
+        with self.lock:
+            try:
+                self.finish_parts(self._slots)
+            finally:
+                self._finish_lazy()
+
+    def _register(self, parts: list[StagedDownload], outs: list[torch.Tensor]) -> None:
+        """Enter the pending host tensors of a deferred download (stager lock held)."""
+        pieces: dict[int, list[tuple[int, int, torch.Tensor, StagedDownload]]] = {}
+        for part in parts:  # finished ones too: their elements are read from the host
+            for i, a, b, view in part.pieces:
+                pieces.setdefault(i, []).append((a, b, view, part))
+        with _PENDING_LOCK:
+            for i, entries in pieces.items():
+                if all(part.finished for *_, part in entries):
+                    continue  # its pieces were retired while the later ones were placed
+                key = outs[i].data_ptr()
+                _PENDING[key] = (outs[i], entries)
+                for *_, part in entries:
+                    part.registered.append(key)
+
+    # -- the lazy ring -----------------------------------------------------------
     def download_lazy(
         self, stream: Any, srcs: list[torch.Tensor], outs: list[torch.Tensor]
     ) -> bool:
@@ -140,25 +339,20 @@ class DownloadStager:
                 self._finish_lazy()
             if self.ring is None:
                 self.ring = self._worker._new_pinned_buffer(self.lazy_bytes)
-            self._lazy.append(
-                self._issue(self.ring, self._ring_used, stream, unit, flat_src, flat_out)
-            )
+            part = self._issue(self.ring, self._ring_used, stream, unit, flat_src, flat_out)
+            part.sources = srcs
+            self._lazy.append(part)
             self._ring_used += need
         return True
 
     def finish_lazy(self) -> None:
-        """Complete every deferred download (the host waits here, once)."""
+        """Complete every deferred loss download (the host waits here, once)."""
         with self.lock:
             self._finish_lazy()
 
     def _finish_lazy(self) -> None:
-        # one host wait: the last deferred download's event implies the earlier ones
-        if self._lazy:
-            self._lazy[-1].finish()
-        for staged in self._lazy[:-1]:
-            staged.finish(wait=False)
-        self._lazy = []
-        self._ring_used = 0
+        lazy, self._lazy, self._ring_used = self._lazy, [], 0
+        self.finish_parts(lazy)
 
     def _issue(
         self,
@@ -170,15 +364,97 @@ class DownloadStager:
         flat_out: list[torch.Tensor],
     ) -> StagedDownload:
         """Enqueue one unit of pieces into ``buffer`` from byte ``base``; the lock is held."""
-        into, out_of, off = [], [], base
+        into, out_of, off, pieces = [], [], base, []
         for i, a, b in unit:
             src = flat_src[i][a:b]
             nbytes = (b - a) * src.element_size()
             view = buffer[off : off + nbytes].view(src.dtype)
             into.append((view, src))
             out_of.append((flat_out[i][a:b], view))
+            pieces.append((i, a, b, view))
             off += _aligned(nbytes)
         self._worker._copy_on(stream, into, True)
         event = torch.cuda.Event()
         event.record(stream)
-        return StagedDownload(self, event, out_of)
+        part = StagedDownload(self, event, out_of)
+        part.pieces = pieces
+        return part
+
+
+# ---------------------------------------------------------------------------
+# readers of pending host tensors
+# ---------------------------------------------------------------------------
+def has_pending() -> bool:
+    """Whether any deferred download is unfinished (cheap: checked before lookups)."""
+    return bool(_PENDING)
+
+
+def _entry(t: torch.Tensor) -> list[tuple[int, int, torch.Tensor, StagedDownload]] | None:
+    """The pending pieces of host tensor ``t`` (``_PENDING_LOCK`` held), or None."""
+    if not t.numel() or t.is_cuda:
+        return None
+    got = _PENDING.get(t.data_ptr())
+    if got is None:
+        return None
+    host, entries = got
+    if t.shape != host.shape or t.stride() != host.stride() or t.dtype != host.dtype:
+        return None  # another view of that memory: complete_pending handles it
+    return entries
+
+
+@contextlib.contextmanager
+def read_pending(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> Iterator[tuple[list[tuple[torch.Tensor, torch.Tensor]], list[StagedDownload]]]:
+    """For an upload's ``(device destination, host source)`` pairs: the pairs to copy,
+    with each pending host source replaced by the pinned pieces a download left it in,
+    and those pieces (the upload's stream must wait on their events, and their
+    ``readers`` get the upload's event). Pieces are not finished or reused while the
+    context is open: issue the copies and register the event inside it. A source that
+    is another view of a pending tensor's memory is completed on the host first."""
+    if _PENDING:
+        complete_pending([src for _, src in pairs], views_only=True)
+    with _PENDING_LOCK:
+        if not _PENDING:
+            yield list(pairs), []
+            return
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        parts: list[StagedDownload] = []
+        for dst, src in pairs:
+            entries = _entry(src)
+            if entries is None:
+                out.append((dst, src))
+                continue
+            flat = dst.view(-1)
+            host = src.reshape(-1)
+            for a, b, view, part in entries:
+                if part.finished:  # an earlier piece, retired already: on the host
+                    out.append((flat[a:b], host[a:b]))
+                    continue
+                out.append((flat[a:b], view))
+                if not any(p is part for p in parts):
+                    parts.append(part)
+        yield out, parts
+
+
+def complete_pending(tensors: Sequence[Any], views_only: bool = False) -> None:
+    """Fill the host tensors among ``tensors`` that a deferred download still owes (a
+    host wait each, at most): before the host itself reads them. ``views_only``: only
+    those that are other views of a pending tensor's memory (``read_pending`` copies
+    from the pinned pieces of the pending tensors themselves)."""
+    if not _PENDING:
+        return
+    todo: list[StagedDownload] = []
+    with _PENDING_LOCK:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or not t.numel() or t.is_cuda:
+                continue
+            # a pending host tensor is a storage of its own: its views share the address
+            got = _PENDING.get(t.untyped_storage().data_ptr())
+            if got is None or (views_only and _entry(t) is not None):
+                continue
+            for *_, part in got[1]:
+                if not part.finished and not any(p is part for p in todo):
+                    todo.append(part)
+    for part in todo:
+        part.synchronize()

@@ -4,6 +4,7 @@ workers, and run a schedule (one queue of jobs per worker) on them."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import warnings
 import weakref
@@ -295,11 +296,16 @@ def _run_then_finish(
     run_queue: Callable[[Worker, list[Any]], None], worker: Worker, queue: list[Any]
 ) -> None:
     """A worker's queue, then the downloads it deferred: whoever waits on the queue's
-    future reads complete losses."""
+    future reads complete losses, outputs and input gradients. After a failed queue the
+    downloads are finished too (nothing is left in flight), but the queue's own error is
+    the one raised."""
     try:
         run_queue(worker, queue)
-    finally:
-        worker.finish_lazy_downloads()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            worker.finish_lazy_downloads()
+        raise
+    worker.finish_lazy_downloads()
 
 
 @atexit.register
