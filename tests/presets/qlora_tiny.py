@@ -4,10 +4,31 @@ peft LoRA adapters. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+# Taken at import, before any test's fake-CUDA fixture replaces it.
+_REAL_CUDA_IS_AVAILABLE = torch.cuda.is_available
+
+
+@contextlib.contextmanager
+def host_loading() -> Iterator[None]:
+    """Load (and quantize) on the host whatever the test device: under
+    ROUNDPIPE_TEST_DEVICE=fake-cuda ``torch.cuda.is_available()`` says True, and
+    transformers' bitsandbytes quantizer would then place the model on
+    ``torch.cuda.current_device()`` of a torch built without CUDA. What the fake GPU
+    should see is the engine's upload of the host model, which is what the tests check."""
+    saved = torch.cuda.is_available
+    torch.cuda.is_available = _REAL_CUDA_IS_AVAILABLE
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = saved
+
 
 VOCAB = 97
 # bitsandbytes quantizes in blocks of 64 and its CPU kernels want rows in multiples of
@@ -57,7 +78,7 @@ def load_qlora(path: Path, quant: str, train: bool = True, kbit_prep: bool = Fal
     import peft
     import transformers as tf
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), host_loading():
         warnings.simplefilter("ignore")
         model = tf.LlamaForCausalLM.from_pretrained(path, quantization_config=quant_config(quant))
         if kbit_prep:

@@ -244,6 +244,7 @@ def _quant_state_tensors(model) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.cpu_backend  # about what CPU workers copy: they stay CPU workers under fake CUDA
 def test_cpu_workers_budget_only_the_quant_state_they_copy(saved) -> None:
     """CPU workers compute on the host's packed weights (lent) and copy only the quant
     state and buffers: the budget's worker line is those bytes, not the packed (nor the
