@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .base import Worker
-from .cpu import CPUWorker
+from .cpu import CPUWorker, concurrent_cpu_from_env
 
 __all__ = [
     "DEFAULT_CPU_DEVICES",
@@ -147,9 +147,15 @@ class DevicePool:
         self._replay_checked = False  # warn_if_replay_differs said its piece
         try:
             num_cpu = sum(d.type == "cpu" for d in devs)
+            #: ``ROUNDPIPE_CPU_CONCURRENT=1`` read when the pool was built: CPU workers
+            #: compute stages that draw no random numbers at the same time.
+            self.cpu_concurrent = concurrent_cpu_from_env()
+            # ATen's intra-op count for new threads is the last one any thread set: read
+            # the caller's now, before a worker sets its own (see _use_threads)
+            torch.get_num_threads()
             for i, d in enumerate(devs):
                 if d.type == "cpu":
-                    cpu_worker = CPUWorker(i)
+                    cpu_worker = CPUWorker(i, concurrent=self.cpu_concurrent)
                     cpu_worker.share = num_cpu
                     self.workers.append(cpu_worker)
                 else:
@@ -179,6 +185,15 @@ class DevicePool:
         one at a time (they share the process's cores under one compute lock), so on
         them every job's time adds up and the planner plans for that."""
         return self.is_cuda
+
+    @property
+    def cpu_overlap(self) -> bool:
+        """Whether CPU workers of this pool compute at the same time, each on its share
+        of the cores (``ROUNDPIPE_CPU_CONCURRENT=1`` and at least two CPU workers; stages
+        that draw random numbers still run alone). ``concurrent`` stays False for them:
+        the step and the masters are those of a pool whose devices share the host's
+        cores; the planner reads this to weigh a plan whose stages overlap."""
+        return self.cpu_concurrent and sum(w.kind == "cpu" for w in self.workers) >= 2
 
     @property
     def cuda_workers(self) -> int:
@@ -247,11 +262,22 @@ class DevicePool:
         """
         if self._closed:
             raise RuntimeError("this RoundPipe's device pool is closed; create a new RoundPipe")
+        if self.cpu_concurrent:
+            self._share_threads(queues)
         return [
             worker.submit(_run_then_finish, run_queue, worker, q)
             for worker, q in zip(self.workers, queues)
             if q
         ]
+
+    def _share_threads(self, queues: list[list[Any]]) -> None:
+        """The caller's intra-op threads for a stage alone, and an equal share of them for
+        each CPU worker with jobs here when stages compute side by side."""
+        full = torch.get_num_threads()
+        busy = [w for w, q in zip(self.workers, queues) if q and isinstance(w, CPUWorker)]
+        for w in busy:
+            w.full_threads = full
+            w.shared_threads = max(1, full // len(busy))
 
     def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
         """Run ``run_queue(worker, queue)`` on every worker that has jobs; wait for all.
