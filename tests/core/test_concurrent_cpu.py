@@ -16,6 +16,8 @@ from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, context
 from roundpipe_core.context import current_layer, current_microbatch, doing_recompute
+from roundpipe_core.planning.planner import _split_or_fewest, cpu_iteration_ms, split_plan
+from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.running.devices.cpu import ComputeGate, UnexpectedDrawError
 from roundpipe_core.running.devices.pool import DevicePool
 
@@ -239,3 +241,52 @@ def test_the_gate_lets_shared_holders_overlap_and_an_exclusive_one_run_alone() -
     waiter.join(5)
     late.join(5)
     assert events == ["s", "x", "late"]
+
+
+# -- the planner's device model for such a pool -------------------------------------------
+def _uniform(n: int = 16) -> LayerProfile:
+    return LayerProfile(fwd_ms=[1.0] * n, bwd_ms=[2.0] * n)
+
+
+ONE_STAGE = ModelExecutePlan([], [range(0, 16)])
+
+
+def test_overlapping_workers_split_the_model_only_where_it_pays() -> None:
+    prof = _uniform()
+    # 4 microbatches: the fill, the drain and the recompute cost more than the overlap gives
+    assert _split_or_fewest(ONE_STAGE, prof, 4) == ONE_STAGE
+    # 16: the overlap wins; the same plan for the same timings, every time
+    split = _split_or_fewest(ONE_STAGE, prof, 16)
+    assert split.fwd_plan and split == _split_or_fewest(ONE_STAGE, prof, 16)
+    assert cpu_iteration_ms(split, prof, 2, 16) < cpu_iteration_ms(ONE_STAGE, prof, 2, 16)
+    # a stage alone is charged its own time, stages side by side SHARED_CORES_SLOWDOWN more
+    assert cpu_iteration_ms(ONE_STAGE, prof, 2, 16) == pytest.approx(16 * 48.0)
+    # memory forced several stages: they stay as memory allows
+    forced = ModelExecutePlan([], [range(8, 16), range(0, 8)])
+    assert _split_or_fewest(forced, prof, 16) == forced
+
+
+def _uniform_rp() -> RoundPipe:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(16)])
+    return RoundPipe(model, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=16))
+
+
+def test_the_default_plan_overlaps_only_on_a_concurrent_pool_of_stages_that_do_not_draw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    serial = _uniform_rp()
+    try:
+        assert serial.plan_for("fused") == ONE_STAGE
+    finally:
+        serial.close()
+    monkeypatch.setenv("ROUNDPIPE_CPU_CONCURRENT", "1")
+    rp = _uniform_rp()
+    try:
+        plan = rp.plan_for("fused")
+        assert plan.fwd_plan and plan == split_plan(16, plan.fwd_plan[0].stop)
+        # once a stage was seen to draw, overlap would only add recompute: one stage again
+        rp.pool.stages_draw = lambda layers: True  # type: ignore[method-assign]
+        assert ModelExecutePlan.auto("fused", rp, num_microbatch=16) == ONE_STAGE
+    finally:
+        rp.close()

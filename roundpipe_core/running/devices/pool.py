@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .base import Worker
-from .cpu import CPUWorker, concurrent_cpu_from_env
+from .cpu import _GATE, CPUWorker, concurrent_cpu_from_env
 
 __all__ = [
     "DEFAULT_CPU_DEVICES",
@@ -194,6 +194,11 @@ class DevicePool:
         the step and the masters are those of a pool whose devices share the host's
         cores; the planner reads this to weigh a plan whose stages overlap."""
         return self.cpu_concurrent and sum(w.kind == "cpu" for w in self.workers) >= 2
+
+    def stages_draw(self, layers: Sequence[Any]) -> bool:
+        """Whether a stage starting at one of these host layers was seen to draw from the
+        CPU generator (it then runs alone, whatever ``cpu_overlap`` says)."""
+        return _GATE.draws_seen(layers)
 
     @property
     def cuda_workers(self) -> int:
