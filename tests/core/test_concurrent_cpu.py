@@ -173,7 +173,10 @@ def test_stages_that_draw_nothing_compute_side_by_side_and_exactly() -> None:
     assert seen == [2], "a thread started after the call inherits a worker's share"
 
 
-def test_without_the_switch_stages_compute_one_at_a_time() -> None:
+def test_without_the_switch_stages_compute_one_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ROUNDPIPE_CPU_CONCURRENT", raising=False)
     probe, _ = _overlap_run((False,) * 4)
     assert probe["peak"] == 1
 
@@ -275,6 +278,7 @@ def _uniform_rp() -> RoundPipe:
 def test_the_default_plan_overlaps_only_on_a_concurrent_pool_of_stages_that_do_not_draw(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.delenv("ROUNDPIPE_CPU_CONCURRENT", raising=False)
     serial = _uniform_rp()
     try:
         assert serial.plan_for("fused") == ONE_STAGE

@@ -255,6 +255,10 @@ def _use_threads(worker: CPUWorker, n: int) -> None:
     thread's OpenMP and MKL counts; new threads start from its last value, so a worker
     that shares the cores sets the caller's count back when its shared scope ends)."""
     if n > 0 and worker.threads_now != n:
+        if not worker.threads_now:
+            # ATen gives a thread its count at its first parallel call, from the last count
+            # any thread set, over what was set on it before: take that first
+            torch.get_num_threads()
         torch.set_num_threads(n)
         worker.threads_now = n
 
@@ -338,11 +342,11 @@ class CPUWorker(Worker):
     #: How many CPU workers of one pool split the host's free memory (the pool sets it).
     share: int = 1
 
-    def __init__(self, index: int, concurrent: bool = False) -> None:
+    def __init__(self, index: int) -> None:
         cpu_device_memory_bytes()  # a bad setting fails when the pool is built, not mid-plan
         #: Whether stages seen not to draw random numbers compute beside other stages
-        #: (``ROUNDPIPE_CPU_CONCURRENT=1``, the pool sets it).
-        self.concurrent = concurrent
+        #: (``ROUNDPIPE_CPU_CONCURRENT=1``; the pool sets it before any job).
+        self.concurrent = False
         #: Intra-op threads of a stage alone / beside others (the pool sets them per
         #: submission from the caller's ``torch.get_num_threads()``); ``threads_now``:
         #: what this thread was last set to (0: never).
@@ -353,12 +357,6 @@ class CPUWorker(Worker):
         self.rng_drew = False
         self.rng_probe: Any = None
         super().__init__(index, torch.device("cpu"))
-
-    def _thread_init(self) -> None:
-        if self.concurrent:
-            # ATen gives a thread its intra-op count at its first parallel call, from the
-            # last count any thread set: take it now, before another worker sets its share
-            torch.get_num_threads()
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
         out = _param_copies(tensors) if channel == "param" else _copies(tensors)

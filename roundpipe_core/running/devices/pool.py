@@ -150,13 +150,15 @@ class DevicePool:
             #: ``ROUNDPIPE_CPU_CONCURRENT=1`` read when the pool was built: CPU workers
             #: compute stages that draw no random numbers at the same time.
             self.cpu_concurrent = concurrent_cpu_from_env()
-            # ATen's intra-op count for new threads is the last one any thread set: read
-            # the caller's now, before a worker sets its own (see _use_threads)
+            # ATen gives a thread its intra-op count at its first parallel call from the
+            # last count any thread set: the caller's is fixed now, before a worker sets
+            # its share (devices/cpu.py, _use_threads)
             torch.get_num_threads()
             for i, d in enumerate(devs):
                 if d.type == "cpu":
-                    cpu_worker = CPUWorker(i, concurrent=self.cpu_concurrent)
+                    cpu_worker = CPUWorker(i)
                     cpu_worker.share = num_cpu
+                    cpu_worker.concurrent = self.cpu_concurrent
                     self.workers.append(cpu_worker)
                 else:
                     self.workers.append(_cuda_worker(i, d))
@@ -181,9 +183,11 @@ class DevicePool:
 
     @property
     def concurrent(self) -> bool:
-        """Whether the devices compute at the same time. GPUs do; CPU workers compute
-        one at a time (they share the process's cores under one compute lock), so on
-        them every job's time adds up and the planner plans for that."""
+        """Whether the devices compute at the same time on hardware of their own. GPUs
+        do; CPU workers share the process's cores (and, by default, compute one at a
+        time under one gate), so on them every job's time adds up, the step is
+        synchronous and the masters are shared. ``cpu_overlap`` says whether CPU
+        workers may compute side by side all the same (``ROUNDPIPE_CPU_CONCURRENT=1``)."""
         return self.is_cuda
 
     @property
@@ -279,10 +283,10 @@ class DevicePool:
         """The caller's intra-op threads for a stage alone, and an equal share of them for
         each CPU worker with jobs here when stages compute side by side."""
         full = torch.get_num_threads()
-        busy = [w for w, q in zip(self.workers, queues) if q and isinstance(w, CPUWorker)]
+        busy = [w for w, q in zip(self.workers, queues) if q and w.kind == "cpu"]
         for w in busy:
-            w.full_threads = full
-            w.shared_threads = max(1, full // len(busy))
+            w.full_threads = full  # type: ignore[attr-defined]
+            w.shared_threads = max(1, full // len(busy))  # type: ignore[attr-defined]
 
     def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
         """Run ``run_queue(worker, queue)`` on every worker that has jobs; wait for all.
