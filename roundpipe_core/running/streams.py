@@ -71,7 +71,7 @@ class ComputeScope:
         self.worker = worker
         self.grad = grad
         stage_compute = getattr(worker, "stage_compute", None)
-        if stage_compute is not None and job is not None:
+        if stage_compute is not None and job is not None and worker.concurrent:  # type: ignore[attr-defined]
             r = job.layers
             owner = run.layers[r.start]
             self.compute = stage_compute(owner, (str(job.kind), r.start, r.stop, owner.training))

@@ -278,7 +278,7 @@ class StageCompute:
 
     def __enter__(self) -> None:
         w = self.worker
-        runs = _GATE.runs_without_draw(self.owner, self.key) if w.concurrent else _DRAWS
+        runs = _GATE.runs_without_draw(self.owner, self.key)
         exclusive, self.nested = _GATE.enter(runs < CLEAN_RUNS_BEFORE_SHARING)
         if self.nested:
             return  # the outer scope's mode, threads and checks hold
@@ -394,11 +394,12 @@ class CPUWorker(Worker):
         self.ledger.free(sum(map(_nbytes, tensors)), tag)
 
     def compute(self) -> contextlib.AbstractContextManager:
-        return _GATE  # alone, as a stage whose draws are not known
+        return _GATE  # alone (the scope of every stage where workers do not overlap)
 
     def stage_compute(self, owner: Any, key: tuple) -> StageCompute:
-        """The scope of one microbatch of a stage: ``owner`` is its first host layer, ``key``
-        ``(job kind, first layer, end, train mode)`` (see :class:`ComputeGate`)."""
+        """The scope of one microbatch of a stage on a worker that may overlap others
+        (``concurrent``): ``owner`` is its first host layer, ``key`` ``(job kind, first
+        layer, end, train mode)`` (see :class:`ComputeGate`)."""
         return StageCompute(self, owner, key)
 
     def watch_seed(self, seed: int) -> None:
