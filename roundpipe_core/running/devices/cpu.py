@@ -9,11 +9,12 @@ Model code of the CPU backend runs under one process-wide gate (:class:`ComputeG
 The CPU random generator is shared by all threads, so a stage that draws from it
 runs alone: only then does each (layer, microbatch) get a well-defined RNG state
 to seed and replay. By default every stage runs alone, with all of the caller's
-intra-op threads. With ``ROUNDPIPE_CPU_CONCURRENT=1`` a stage that was seen not to
-draw (twice, running alone, per stage, kind and train/eval mode) runs beside
-other such stages, each with its share of the intra-op threads; if one draws after
-all, the call fails (:class:`UnexpectedDrawError`) and that stage runs alone from
-then on.
+intra-op threads. With ``ROUNDPIPE_CPU_CONCURRENT=1`` a stage seen not to draw
+(in :data:`CLEAN_RUNS_BEFORE_SHARING` microbatches run alone; per first host layer,
+job kind, layers and train/eval mode) runs beside other such stages, each with its
+share of the intra-op threads; if the generator moves there after all, the call
+fails (:class:`UnexpectedDrawError`) and the stages that saw it run alone from then
+on.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class UnexpectedDrawError(RuntimeError):
     would be wrong. The stage runs alone from then on; the next call is exact."""
 
 
-#: Runs of a stage alone without a draw before it may compute beside other stages.
+#: Microbatches of a stage run alone without a draw before it may compute beside others.
 CLEAN_RUNS_BEFORE_SHARING = 2
 _DRAWS = -1  # the table's mark for a stage that draws
 
