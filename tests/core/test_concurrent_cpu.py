@@ -26,6 +26,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:RoundPipe forward rule violated"
 
 # fwd [0, 2) on worker 0, fused [2, 4) on worker 1, backward [0, 2) (recomputed) on worker 0
 SPLIT = ModelExecutePlan([range(0, 2)], [range(2, 4), range(0, 2)])
+# fwd [0, 1) on worker 0, fwd [1, 2) on worker 1, fused [2, 4) on worker 0, backward [0, 2)
+# on worker 1: layer 0 is recomputed on another worker than its forward's
+CROSS = ModelExecutePlan([range(0, 1), range(1, 2)], [range(2, 4), range(0, 2)])
 
 
 @pytest.fixture
@@ -90,10 +93,12 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
 
 
-def _call(rp: RoundPipe, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _call(
+    rp: RoundPipe, x: torch.Tensor, y: torch.Tensor, plan: ModelExecutePlan = SPLIT
+) -> torch.Tensor:
     for p in rp.optim_parameters():
         p.grad = None
-    cfg = RoundPipeRunConfig(num_microbatch=4, execute_plan=SPLIT)
+    cfg = RoundPipeRunConfig(num_microbatch=4, execute_plan=plan)
     return rp.forward_backward((x,), label=y, loss_fn=sum_sq, run_config=cfg)
 
 
@@ -137,7 +142,9 @@ def test_the_switch_is_read_when_the_pool_is_built(monkeypatch: pytest.MonkeyPat
         DevicePool("cpu:2")
 
 
-def _overlap_run(draws: tuple[bool, ...]) -> tuple[dict, list[torch.Tensor]]:
+def _overlap_run(
+    draws: tuple[bool, ...], plan: ModelExecutePlan = SPLIT
+) -> tuple[dict, list[torch.Tensor]]:
     probe = _new_probe()
     model = _model(probe, draws)
     x, y = _data()
@@ -148,7 +155,7 @@ def _overlap_run(draws: tuple[bool, ...]) -> tuple[dict, list[torch.Tensor]]:
             probe.pop("forward", None)
             probe.pop("recompute", None)
             probe["peak"] = 0
-            loss = _call(rp, x, y)
+            loss = _call(rp, x, y, plan)
             losses.append(loss)
             ref_loss, ref_grads = _reference(model, probe, x, y)
             assert_close_rel(loss, ref_loss, what="loss")
@@ -182,14 +189,27 @@ def test_without_the_switch_stages_compute_one_at_a_time(
 
 
 @pytest.mark.usefixtures("concurrent_env")
-def test_stages_that_draw_run_alone_and_their_recompute_replays_every_mask() -> None:
-    # layer 1 (forward stage, recomputed on the same worker) and layer 2 (fused stage) draw
-    probe, _ = _overlap_run((False, True, True, False))
+@pytest.mark.parametrize(
+    ("plan", "draws", "recomputed", "peak"),
+    [
+        # layer 1 (recomputed on its forward's worker) and layer 2 (fused stage) draw:
+        # every stage holds a drawing layer, so none overlapped
+        (SPLIT, (False, True, True, False), 1, 1),
+        # layer 0 draws and is recomputed on the other worker; the stages of layers 1
+        # and 2..3 draw nothing and overlap each other
+        (CROSS, (True, False, False, False), 0, 2),
+    ],
+    ids=["same-worker", "other-worker"],
+)
+def test_stages_that_draw_run_alone_and_their_recompute_replays_every_mask(
+    plan: ModelExecutePlan, draws: tuple[bool, ...], recomputed: int, peak: int
+) -> None:
+    probe, _ = _overlap_run(draws, plan)
     rec, fwd = probe["recompute"], probe["forward"]
-    assert set(rec) == {(1, mb) for mb in range(4)}
+    assert set(rec) == {(recomputed, mb) for mb in range(4)}
     for key, masks in rec.items():
         assert all(torch.equal(m, fwd[key][0]) for m in masks), f"{key} drew a new mask"
-    assert probe["peak"] == 1  # every stage holds a drawing layer: none overlapped
+    assert probe["peak"] == peak
 
 
 @pytest.mark.usefixtures("concurrent_env")
