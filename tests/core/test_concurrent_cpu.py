@@ -22,7 +22,11 @@ from roundpipe_core.running.devices.cpu import ComputeGate, UnexpectedDrawError
 from roundpipe_core.running.devices.pool import DevicePool
 
 # The probing layers write shared dicts on purpose; the forward-rule checker rightly warns.
-pytestmark = pytest.mark.filterwarnings("ignore:RoundPipe forward rule violated")
+# About CPU workers themselves: under ROUNDPIPE_TEST_DEVICE=fake-cuda they stay CPU workers.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:RoundPipe forward rule violated"),
+    pytest.mark.cpu_backend,
+]
 
 # fwd [0, 2) on worker 0, fused [2, 4) on worker 1, backward [0, 2) (recomputed) on worker 0
 SPLIT = ModelExecutePlan([range(0, 2)], [range(2, 4), range(0, 2)])
