@@ -318,3 +318,56 @@ def test_the_default_plan_overlaps_only_on_a_concurrent_pool_of_stages_that_do_n
         assert ModelExecutePlan.auto("fused", rp, num_microbatch=16) == ONE_STAGE
     finally:
         rp.close()
+
+
+class _OtherThreadDraws(nn.Module):
+    """A linear layer whose forward, once ``armed``, has another thread (not the pool's)
+    draw from torch's CPU generator, and waits until it did: what a shuffling sampler on
+    the main thread does during an overlapped call."""
+
+    def __init__(self, width: int, armed: dict) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.armed = armed
+
+    def __deepcopy__(self, memo):
+        new = _OtherThreadDraws.__new__(_OtherThreadDraws)
+        nn.Module.__init__(new)
+        new.lin = copy.deepcopy(self.lin, memo)
+        new.armed, new.training = self.armed, self.training
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed["on"] and current_layer() is not None:
+            drawer = threading.Thread(target=torch.rand, args=(3,))
+            drawer.start()
+            drawer.join()
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.usefixtures("concurrent_env")
+@pytest.mark.parametrize("plan", [ModelExecutePlan([], [range(0, 4)]), SPLIT], ids=["one", "split"])
+def test_another_thread_drawing_stops_only_a_call_whose_stages_overlap(
+    plan: ModelExecutePlan,
+) -> None:
+    armed = {"on": False}
+    torch.manual_seed(3)
+    model = nn.Sequential(*[_OtherThreadDraws(6, armed) for _ in range(4)])
+    x, y = _data()
+    rp = RoundPipe(copy.deepcopy(model), devices="cpu:2")
+    try:
+        _call(rp, x, y, plan)
+        _call(rp, x, y, plan)  # every stage seen not to draw
+        armed["on"] = True
+        if plan.fwd_plan:  # stages side by side: the draw is seen and stops the call
+            with pytest.raises(UnexpectedDrawError):
+                _call(rp, x, y, plan)
+            return
+        # one job: it computes alone, seeded, and gives the generator back as always
+        loss = _call(rp, x, y, plan)
+        armed["on"] = False
+        ref_loss, ref_grads = _reference(model, {}, x, y)
+        assert_close_rel(loss, ref_loss, what="loss")
+        assert_grads_match(rp, ref_grads)
+    finally:
+        rp.close()

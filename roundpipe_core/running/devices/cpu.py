@@ -12,9 +12,9 @@ to seed and replay. By default every stage runs alone, with all of the caller's
 intra-op threads. With ``ROUNDPIPE_CPU_CONCURRENT=1`` a stage seen not to draw
 (in :data:`CLEAN_RUNS_BEFORE_SHARING` microbatches run alone; per first host layer,
 job kind, layers and train/eval mode) runs beside other such stages, each with its
-share of the intra-op threads; if the generator moves there after all, the call
-fails (:class:`UnexpectedDrawError`) and the stages that saw it run alone from then
-on.
+share of the intra-op threads, when another CPU worker has jobs in the same
+submission; if the generator moves there after all, the call fails
+(:class:`UnexpectedDrawError`) and the stages that saw it run alone from then on.
 """
 
 from __future__ import annotations
@@ -280,7 +280,8 @@ class StageCompute:
     def __enter__(self) -> None:
         w = self.worker
         runs = _GATE.runs_without_draw(self.owner, self.key)
-        exclusive, self.nested = _GATE.enter(runs < CLEAN_RUNS_BEFORE_SHARING)
+        alone = runs < CLEAN_RUNS_BEFORE_SHARING or not w.has_siblings
+        exclusive, self.nested = _GATE.enter(alone)
         if self.nested:
             return  # the outer scope's mode, threads and checks hold
         if not exclusive:
@@ -288,7 +289,7 @@ class StageCompute:
             _use_threads(w, w.shared_threads)
             self.entry = _CPU_GENERATOR.get_state()
         else:
-            self.mode = RNG_WATCH if runs >= 0 else RNG_ALONE
+            self.mode = RNG_WATCH if 0 <= runs < CLEAN_RUNS_BEFORE_SHARING else RNG_ALONE
             if w.concurrent:
                 _use_threads(w, w.full_threads)
             if self.mode == RNG_WATCH:
@@ -352,6 +353,9 @@ class CPUWorker(Worker):
         #: submission from the caller's ``torch.get_num_threads()``); ``threads_now``:
         #: what this thread was last set to (0: never).
         self.full_threads = self.shared_threads = self.threads_now = 0
+        #: Whether another CPU worker had jobs in the latest submission (the pool sets it):
+        #: only then may a stage compute beside others; alone it is seeded as always.
+        self.has_siblings = False
         #: The generator's use in the scope computing now (``RNG_ALONE`` outside one),
         #: and, while a stage's draws are watched, whether it drew and the state to compare.
         self.rng_mode = RNG_ALONE

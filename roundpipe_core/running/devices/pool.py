@@ -281,12 +281,16 @@ class DevicePool:
 
     def _share_threads(self, queues: list[list[Any]]) -> None:
         """The caller's intra-op threads for a stage alone, and an equal share of them for
-        each CPU worker with jobs here when stages compute side by side."""
+        each CPU worker with jobs here when stages compute side by side. A worker with no
+        other CPU worker busy in this submission (a one-job plan) computes alone: there is
+        nothing to overlap, and alone its stages are seeded and give the generator back
+        as on a pool without the switch (another thread drawing then stops nothing)."""
         full = torch.get_num_threads()
         busy = [w for w, q in zip(self.workers, queues) if q and w.kind == "cpu"]
         for w in busy:
             w.full_threads = full  # type: ignore[attr-defined]
             w.shared_threads = max(1, full // len(busy))  # type: ignore[attr-defined]
+            w.has_siblings = len(busy) > 1  # type: ignore[attr-defined]
 
     def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
         """Run ``run_queue(worker, queue)`` on every worker that has jobs; wait for all.
