@@ -171,17 +171,21 @@ def _overlap_run(
 
 @pytest.mark.usefixtures("concurrent_env")
 def test_stages_that_draw_nothing_compute_side_by_side_and_exactly() -> None:
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
-    probe, _ = _overlap_run((False,) * 4)
-    assert probe["peak"] == 2, "the forward and the fused stage never computed at once"
-    # beside another stage each worker had half of the caller's 2 threads
-    assert 1 in probe["threads"]
-    assert torch.get_num_threads() == 2  # the caller's own count is what it set
-    seen: list[int] = []
-    fresh = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-    fresh.start()
-    fresh.join()
-    assert seen == [2], "a thread started after the call inherits a worker's share"
+    try:
+        probe, _ = _overlap_run((False,) * 4)
+        assert probe["peak"] == 2, "the forward and the fused stage never computed at once"
+        # beside another stage each worker had half of the caller's 2 threads
+        assert 1 in probe["threads"]
+        assert torch.get_num_threads() == 2  # the caller's own count is what it set
+        seen: list[int] = []
+        fresh = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        fresh.start()
+        fresh.join()
+        assert seen == [2], "a thread started after the call inherits a worker's share"
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_without_the_switch_stages_compute_one_at_a_time(
