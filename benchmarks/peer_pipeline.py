@@ -24,7 +24,10 @@ Every variant gets 2 CPU threads in total:
   interleave with the others';
 * ``rp cpu:1`` / ``rp cpu:2``: ``RoundPipe(model, devices=...)`` with its defaults
   (default plan), ``torch.set_num_threads(2)``, ``forward_backward`` then
-  ``step(update, is_async=False)`` over ``optim_parameters()``.
+  ``step(update, is_async=False)`` over ``optim_parameters()``;
+* ``rp cpu:2 overlap``: the same with ``ROUNDPIPE_CPU_CONCURRENT=1`` for its pool (CPU
+  workers compute stages that draw no random numbers side by side; the default plan
+  then weighs the split plans against the one-stage plan).
 
 Before timing, every variant runs one step and prints its step-0 loss; they must
 agree (relative 1e-5), else the benchmark stops: the variants do the same
@@ -43,6 +46,7 @@ import argparse
 import copy
 import datetime
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import traceback
@@ -62,6 +66,7 @@ LR = 1e-4
 LOSS_RTOL = 1e-5
 PEER_REPLY_TIMEOUT_S = 600.0
 PEER_SCHEDULES = ("GPipe", "1F1B")
+CONCURRENT_ENV = "ROUNDPIPE_CPU_CONCURRENT"
 
 
 @dataclass(frozen=True)
@@ -124,14 +129,24 @@ def _plain(shape: Shape, checkpointed: bool) -> Runner:
     return run
 
 
-def _roundpipe(shape: Shape, devices: str) -> tuple[Runner, Callable[[], None]]:
+def _roundpipe(
+    shape: Shape, devices: str, overlap: bool = False
+) -> tuple[Runner, Callable[[], None]]:
     from roundpipe_core import RoundPipe, RoundPipeRunConfig
 
-    rp = RoundPipe(
-        _model(shape),
-        devices=devices,
-        model_run_config=RoundPipeRunConfig(num_microbatch=shape.microbatches),
-    )
+    before = os.environ.get(CONCURRENT_ENV)
+    os.environ[CONCURRENT_ENV] = "1" if overlap else "0"  # read when the pool is built
+    try:
+        rp = RoundPipe(
+            _model(shape),
+            devices=devices,
+            model_run_config=RoundPipeRunConfig(num_microbatch=shape.microbatches),
+        )
+    finally:
+        if before is None:
+            del os.environ[CONCURRENT_ENV]
+        else:
+            os.environ[CONCURRENT_ENV] = before
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=LR, fused=True)
     x, y = _data(shape)
 
@@ -342,6 +357,8 @@ def main() -> None:
         closers.append(close1)
         rp2, close2 = _roundpipe(shape, "cpu:2")
         closers.append(close2)
+        rp2o, close2o = _roundpipe(shape, "cpu:2", overlap=True)
+        closers.append(close2o)
         runners: dict[str, Runner] = {
             "plain": _plain(shape, checkpointed=False),
             "plain + checkpoint": _plain(shape, checkpointed=True),
@@ -349,6 +366,7 @@ def main() -> None:
             "peer 1F1B": peer.runner("1F1B"),
             "rp cpu:1": rp1,
             "rp cpu:2": rp2,
+            "rp cpu:2 overlap": rp2o,
         }
         # Step 0 doubles as the warm-up (allocations, the pipeline's shape exchange,
         # RoundPipe's first, dropped, timer measurement).
@@ -389,6 +407,12 @@ def main() -> None:
         )
     print(_ratio_line("rp cpu:2 / peer 1F1B", per_round("rp cpu:2", "peer 1F1B"), 1.0))
     print(_ratio_line("rp cpu:2 / rp cpu:1", per_round("rp cpu:2", "rp cpu:1"), 1.05))
+    overlap = per_round("rp cpu:2 overlap", "peer 1F1B")
+    lo, hi = _quartiles(overlap)
+    print(
+        f"rp cpu:2 overlap / peer 1F1B: {statistics.median(overlap):.2f} [{lo:.2f}..{hi:.2f}] "
+        f"per round (ROUNDPIPE_CPU_CONCURRENT=1; not a target)"
+    )
 
 
 if __name__ == "__main__":

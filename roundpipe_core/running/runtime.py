@@ -384,7 +384,7 @@ def _forward_microbatch(
     worker.wait_channel("activation")
     clock.transfer("activation", f"{job} in mb{mb}", t_in)
     try:
-        with ComputeScope(worker, False):
+        with ComputeScope(worker, False, run, job):
             x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False, publish=True)
             out = to_host(worker, x, build_later=r.stop == run.num_layers)  # the call's output
     except BaseException as exc:
@@ -433,7 +433,7 @@ def _fused_microbatch(
     clock.transfer("activation", f"{job} in mb{mb}", t_in)
     x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
     try:
-        with ComputeScope(worker, True):
+        with ComputeScope(worker, True, run, job):
             x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False)
             with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
                 loss = call_loss_fn(run.loss_fn, x, label, mb, worker)
@@ -470,7 +470,7 @@ def _backward_microbatch(
     try:
         layerwise = run.recompute_grain == RecomputeGrain.LAYER
         # grain "layer" turns autograd on and off per layer itself
-        with ComputeScope(worker, None if layerwise else True):
+        with ComputeScope(worker, None if layerwise else True, run, job):
             if layerwise:
                 tracked = _backward_layerwise(
                     run, job, stage, worker, mb, x_in, g_dev, needs, clock

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .devices.base import Worker
-from .devices.cpu import CPUWorker
+from .devices.cpu import RNG_SHARED, RNG_WATCH, CPUWorker, StageCompute
 
 __all__ = [
     "ComputeScope",
@@ -58,14 +58,25 @@ class ComputeScope:
     """``worker.compute()``, autograd on or off (``grad``; ``None`` leaves it), and the
     worker's generator given back on exit (:func:`own_rng`), as one object: the runtime
     enters it around every microbatch of every job, where three nested context
-    managers cost more than a small stage's own Python work."""
+    managers cost more than a small stage's own Python work.
+
+    Given the call's ``run`` and the ``job``, a CPU worker computes in the scope its
+    stage's draws allow (``CPUWorker.stage_compute``): beside other stages when the
+    stage was seen not to draw (nothing is then seeded, saved or given back, and a
+    draw fails the call), else alone."""
 
     __slots__ = ("worker", "grad", "compute", "prev", "state")
 
-    def __init__(self, worker: Worker, grad: bool | None) -> None:
+    def __init__(self, worker: Worker, grad: bool | None, run: Any = None, job: Any = None) -> None:
         self.worker = worker
         self.grad = grad
-        self.compute = worker.compute()
+        stage_compute = getattr(worker, "stage_compute", None)
+        if stage_compute is not None and job is not None and worker.concurrent:  # type: ignore[attr-defined]
+            r = job.layers
+            owner = run.layers[r.start]
+            self.compute = stage_compute(owner, (str(job.kind), r.start, r.stop, owner.training))
+        else:
+            self.compute = worker.compute()
         self.prev = True
         self.state: Any = None
 
@@ -75,7 +86,8 @@ class ComputeScope:
             self.prev = torch.is_grad_enabled()
             if self.grad is not None:
                 torch._C._set_grad_enabled(self.grad)
-            self.state = self.worker.get_rng_state()
+            if getattr(self.worker, "rng_mode", None) != RNG_SHARED:
+                self.state = self.worker.get_rng_state()
         except BaseException:
             torch._C._set_grad_enabled(self.prev)
             self.compute.__exit__(None, None, None)
@@ -83,11 +95,16 @@ class ComputeScope:
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self.worker.set_rng_state(self.state)
+            if exc[0] is None and type(self.compute) is StageCompute:
+                self.compute.check_draws()  # before the generator is given back
         finally:
-            torch._C._set_grad_enabled(self.prev)
-            self.state = None
-            self.compute.__exit__(*exc)
+            try:
+                if self.state is not None:
+                    self.worker.set_rng_state(self.state)
+            finally:
+                torch._C._set_grad_enabled(self.prev)
+                self.state = None
+                self.compute.__exit__(*exc)
 
 
 def own_rng(worker: Worker) -> AbstractContextManager[None]:
@@ -119,9 +136,16 @@ def seed_stream(run: Any, worker: Worker, layer: int, mb: int) -> None:
     :func:`seed_layer` would, deciding inline whether a segment starts."""
     seed = _stream_seed(run, layer, mb)
     if type(worker).set_rng_state is CPUWorker.set_rng_state:
-        # CPU workers draw from the process generator (under the compute lock): seeding
-        # it in place gives the state of a fresh seeded generator without copying one
-        torch.default_generator.manual_seed(seed)
+        # CPU workers draw from the process generator (alone, under the compute gate):
+        # seeding it in place gives the state of a fresh seeded generator without
+        # copying one. Beside other stages nothing draws and nothing is seeded.
+        mode = worker.rng_mode  # type: ignore[attr-defined]
+        if mode == RNG_SHARED:
+            return
+        if mode == RNG_WATCH:
+            worker.watch_seed(seed)  # type: ignore[attr-defined]
+        else:
+            torch.default_generator.manual_seed(seed)
     else:
         gen = torch.Generator(device=worker.device)
         gen.manual_seed(seed)

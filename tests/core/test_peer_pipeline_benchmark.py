@@ -13,7 +13,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("plain", "plain + checkpoint", "peer GPipe", "peer 1F1B", "rp cpu:1", "rp cpu:2")
+VARIANTS = (
+    "plain",
+    "plain + checkpoint",
+    "peer GPipe",
+    "peer 1F1B",
+    "rp cpu:1",
+    "rp cpu:2",
+    "rp cpu:2 overlap",
+)
 
 
 def _losses(stdout: str, step: int) -> dict[str, float]:

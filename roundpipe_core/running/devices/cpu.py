@@ -5,10 +5,16 @@ Its memory is the host's. An upload hands the stage aliases of the host paramete
 only after the stage is released, ``transfer.upload_job``) -- then it
 runs the stage, hands what the stage produced (outputs, gradients) back without
 copying it, and keeps a ledger of the bytes a device would hold.
-All model code of the CPU backend runs under one process-wide lock: the CPU
-random generator is shared by all threads, so only serialised compute gives
-each (layer, microbatch) a well-defined RNG state to save and replay — and
-intra-op threads already use every core.
+Model code of the CPU backend runs under one process-wide gate (:class:`ComputeGate`).
+The CPU random generator is shared by all threads, so a stage that draws from it
+runs alone: only then does each (layer, microbatch) get a well-defined RNG state
+to seed and replay. By default every stage runs alone, with all of the caller's
+intra-op threads. With ``ROUNDPIPE_CPU_CONCURRENT=1`` a stage seen not to draw
+(in :data:`CLEAN_RUNS_BEFORE_SHARING` microbatches run alone; per first host layer,
+job kind, layers and train/eval mode) runs beside other such stages, each with its
+share of the intra-op threads, when another CPU worker has jobs in the same
+submission; if the generator moves there after all, the call fails
+(:class:`UnexpectedDrawError`) and the stages that saw it run alone from then on.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,10 +33,40 @@ import torch
 from ..host_memory import available_host_memory
 from .base import Worker
 
-__all__ = ["CPUWorker", "DEFAULT_CPU_DEVICE_MEMORY_GB", "cpu_device_memory_bytes"]
+__all__ = [
+    "CONCURRENT_ENV",
+    "CPUWorker",
+    "ComputeGate",
+    "DEFAULT_CPU_DEVICE_MEMORY_GB",
+    "UnexpectedDrawError",
+    "concurrent_cpu_from_env",
+    "cpu_device_memory_bytes",
+]
 
-_CPU_COMPUTE_LOCK = threading.RLock()
 _CPU_GENERATOR = torch.default_generator
+
+#: ``1``: CPU workers compute stages that draw no random numbers at the same time, each
+#: with its share of the intra-op threads; ``0`` (default): one stage at a time.
+CONCURRENT_ENV = "ROUNDPIPE_CPU_CONCURRENT"
+
+
+def concurrent_cpu_from_env() -> bool:
+    """``ROUNDPIPE_CPU_CONCURRENT``: ``1`` on, ``0`` or unset off.
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(CONCURRENT_ENV, "").strip()
+    if raw in ("", "0"):
+        return False
+    if raw == "1":
+        return True
+    raise ValueError(
+        f"environment variable {CONCURRENT_ENV}={raw!r} must be 1 (CPU workers compute "
+        "stages that draw no random numbers at the same time) or 0 (one at a time, the "
+        "default)"
+    )
+
 
 #: Memory a CPU worker reports to the planner (the default model_memory_limit
 #: is 60% of it). Override with env ROUNDPIPE_CPU_DEVICE_MEMORY_GB.
@@ -104,6 +141,199 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.nbytes  # numel() * element_size(), in one call
 
 
+class UnexpectedDrawError(RuntimeError):
+    """A stage seen not to draw random numbers drew from the CPU generator while it
+    computed beside other stages (``ROUNDPIPE_CPU_CONCURRENT=1``): its numbers came from
+    no seeded stream, so its recompute could not replay them, and the call's gradients
+    would be wrong. The stage runs alone from then on; the next call is exact."""
+
+
+#: Microbatches of a stage run alone without a draw before it may compute beside others.
+CLEAN_RUNS_BEFORE_SHARING = 2
+_DRAWS = -1  # the table's mark for a stage that draws
+
+# What a CPU worker's generator does in the scope it computes in (``CPUWorker.rng_mode``).
+RNG_ALONE = 0  # alone: streams are seeded and replayed as always
+RNG_WATCH = 1  # alone, and every draw is noted (the stage's draws are not known yet)
+RNG_SHARED = 2  # beside other stages: nothing may draw, nothing is seeded
+
+
+class ComputeGate:
+    """Who computes on the CPU backend now, process-wide (every CPU worker of every pool
+    shares the one CPU generator).
+
+    An exclusive holder computes alone: a stage that draws from the CPU generator, or one
+    whose draws are not known yet. Shared holders (stages seen not to draw) compute beside
+    each other. Re-entrant per thread: a nested entry keeps the outer one's mode. A waiting
+    exclusive request goes first, so a stream of shared ones does not starve it.
+
+    It also keeps what was learned per stage: keyed by the stage's first host layer (weakly:
+    a model that is gone takes its entries with it), then by (job kind, first layer, end,
+    train mode), the number of runs alone without a draw, or that the stage draws.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+        self._local = threading.local()
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._seen_lock = threading.Lock()
+
+    def enter(self, exclusive: bool) -> tuple[bool, bool]:
+        """Wait for a turn; ``(exclusive, nested)``: the mode held (a nested entry keeps
+        the outer one's) and whether this thread held the gate already."""
+        loc = self._local
+        depth = getattr(loc, "depth", 0)
+        if depth:
+            loc.depth = depth + 1
+            return loc.exclusive, True
+        with self._cond:
+            if exclusive:
+                self._waiting += 1
+                try:
+                    while self._exclusive or self._shared:
+                        self._cond.wait()
+                finally:
+                    self._waiting -= 1
+                self._exclusive = True
+            else:
+                while self._exclusive or self._waiting:
+                    self._cond.wait()
+                self._shared += 1
+        loc.depth, loc.exclusive = 1, exclusive
+        return exclusive, False
+
+    def exit(self) -> None:
+        loc = self._local
+        loc.depth -= 1
+        if loc.depth:
+            return
+        with self._cond:
+            if loc.exclusive:
+                self._exclusive = False
+            else:
+                self._shared -= 1
+            self._cond.notify_all()
+
+    def __enter__(self) -> None:  # the plain lock of ``CPUWorker.compute()``
+        self.enter(True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.exit()
+
+    def runs_without_draw(self, owner: Any, key: tuple) -> int:
+        """Runs alone without a draw so far (``-1``: the stage draws)."""
+        entry = self._seen.get(owner)
+        return 0 if entry is None else entry.get(key, 0)
+
+    def record(self, owner: Any, key: tuple, drew: bool) -> None:
+        with self._seen_lock:
+            entry = self._seen.get(owner)
+            if entry is None:
+                entry = self._seen[owner] = {}
+            if drew:
+                entry[key] = _DRAWS
+            elif entry.get(key, 0) != _DRAWS:
+                entry[key] = entry.get(key, 0) + 1
+
+    def draws_seen(self, layers: Sequence[Any]) -> bool:
+        """Whether a stage starting at one of these host layers was seen to draw."""
+        with self._seen_lock:
+            return any(
+                _DRAWS in entry.values()
+                for layer in layers
+                if (entry := self._seen.get(layer)) is not None
+            )
+
+
+_GATE = ComputeGate()
+
+
+def _use_threads(worker: CPUWorker, n: int) -> None:
+    """This worker thread's intra-op threads (``torch.set_num_threads`` sets the calling
+    thread's OpenMP and MKL counts; new threads start from its last value, so a worker
+    that shares the cores sets the caller's count back when its shared scope ends)."""
+    if n > 0 and worker.threads_now != n:
+        if not worker.threads_now:
+            # ATen gives a thread its count at its first parallel call, from the last count
+            # any thread set, over what was set on it before: take that first
+            torch.get_num_threads()
+        torch.set_num_threads(n)
+        worker.threads_now = n
+
+
+class StageCompute:
+    """The scope one microbatch of one job computes in on a CPU worker: the gate in the
+    mode the stage's draws allow, the worker's intra-op threads, and the check that the
+    stage drew what it was believed to (``check_draws``, before the generator is given
+    back)."""
+
+    __slots__ = ("worker", "owner", "key", "mode", "nested", "entry")
+
+    def __init__(self, worker: CPUWorker, owner: Any, key: tuple) -> None:
+        self.worker, self.owner, self.key = worker, owner, key
+        self.mode, self.nested = RNG_ALONE, False
+        self.entry: Any = None  # the generator's state where a shared scope began
+
+    def __enter__(self) -> None:
+        w = self.worker
+        runs = _GATE.runs_without_draw(self.owner, self.key)
+        alone = runs < CLEAN_RUNS_BEFORE_SHARING or not w.has_siblings
+        exclusive, self.nested = _GATE.enter(alone)
+        if self.nested:
+            return  # the outer scope's mode, threads and checks hold
+        if not exclusive:
+            self.mode = RNG_SHARED
+            _use_threads(w, w.shared_threads)
+            self.entry = _CPU_GENERATOR.get_state()
+        else:
+            self.mode = RNG_WATCH if 0 <= runs < CLEAN_RUNS_BEFORE_SHARING else RNG_ALONE
+            if w.concurrent:
+                _use_threads(w, w.full_threads)
+            if self.mode == RNG_WATCH:
+                w.rng_drew, w.rng_probe = False, _CPU_GENERATOR.get_state()
+        w.rng_mode = self.mode
+
+    def check_draws(self) -> None:
+        """After the stage ran (no error): learn whether it drew (running alone), or fail
+        if it drew beside other stages."""
+        if self.nested:
+            return
+        w = self.worker
+        if self.mode == RNG_WATCH:
+            drew = w.rng_drew or not torch.equal(_CPU_GENERATOR.get_state(), w.rng_probe)
+            _GATE.record(self.owner, self.key, drew)
+        elif self.mode == RNG_SHARED and not torch.equal(_CPU_GENERATOR.get_state(), self.entry):
+            _GATE.record(self.owner, self.key, True)
+            kind, start, stop, training = self.key
+            raise UnexpectedDrawError(
+                f"the CPU random generator moved while the {kind} stage of layers "
+                f"{start}..{stop - 1} ({'train' if training else 'eval'} mode) computed "
+                "beside other stages (ROUNDPIPE_CPU_CONCURRENT=1): it, or a stage beside "
+                "it, drew random numbers although none did in their earlier runs. Such "
+                "numbers come from no seeded stream and a recompute cannot replay them, "
+                "so this call's gradients would be wrong: it is stopped. The stages that "
+                "saw it run alone from now on, so calling again is exact. Causes: a layer "
+                "whose randomness depends on its input or on state the engine does not "
+                "see (a submodule switched to train mode alone), or another thread drawing "
+                "from torch's CPU generator during the call; unset ROUNDPIPE_CPU_CONCURRENT "
+                "to compute one stage at a time"
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        w = self.worker
+        try:
+            if not self.nested:
+                w.rng_mode = RNG_ALONE
+                w.rng_probe = self.entry = None
+                if self.mode == RNG_SHARED:
+                    _use_threads(w, w.full_threads)
+        finally:
+            _GATE.exit()
+
+
 class CPUWorker(Worker):
     """A thread that plays a device: uploads are copies, the ledger counts their bytes."""
 
@@ -116,6 +346,21 @@ class CPUWorker(Worker):
 
     def __init__(self, index: int) -> None:
         cpu_device_memory_bytes()  # a bad setting fails when the pool is built, not mid-plan
+        #: Whether stages seen not to draw random numbers compute beside other stages
+        #: (``ROUNDPIPE_CPU_CONCURRENT=1``; the pool sets it before any job).
+        self.concurrent = False
+        #: Intra-op threads of a stage alone / beside others (the pool sets them per
+        #: submission from the caller's ``torch.get_num_threads()``); ``threads_now``:
+        #: what this thread was last set to (0: never).
+        self.full_threads = self.shared_threads = self.threads_now = 0
+        #: Whether another CPU worker had jobs in the latest submission (the pool sets it):
+        #: only then may a stage compute beside others; alone it is seeded as always.
+        self.has_siblings = False
+        #: The generator's use in the scope computing now (``RNG_ALONE`` outside one),
+        #: and, while a stage's draws are watched, whether it drew and the state to compare.
+        self.rng_mode = RNG_ALONE
+        self.rng_drew = False
+        self.rng_probe: Any = None
         super().__init__(index, torch.device("cpu"))
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
@@ -154,7 +399,21 @@ class CPUWorker(Worker):
         self.ledger.free(sum(map(_nbytes, tensors)), tag)
 
     def compute(self) -> contextlib.AbstractContextManager:
-        return _CPU_COMPUTE_LOCK
+        return _GATE  # alone (the scope of every stage where workers do not overlap)
+
+    def stage_compute(self, owner: Any, key: tuple) -> StageCompute:
+        """The scope of one microbatch of a stage on a worker that may overlap others
+        (``concurrent``): ``owner`` is its first host layer, ``key`` ``(job kind, first
+        layer, end, train mode)`` (see :class:`ComputeGate`)."""
+        return StageCompute(self, owner, key)
+
+    def watch_seed(self, seed: int) -> None:
+        """Seed the generator for a stream while the stage's draws are watched: a draw
+        since the last seed (or the scope's start) is noted first."""
+        if not self.rng_drew and not torch.equal(_CPU_GENERATOR.get_state(), self.rng_probe):
+            self.rng_drew = True
+        _CPU_GENERATOR.manual_seed(seed)
+        self.rng_probe = _CPU_GENERATOR.get_state()
 
     def get_rng_state(self) -> Any:
         return _CPU_GENERATOR.get_state()  # torch.get_rng_state(), without its wrapper

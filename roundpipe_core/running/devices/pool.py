@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .base import Worker
-from .cpu import CPUWorker
+from .cpu import _GATE, CPUWorker, concurrent_cpu_from_env
 
 __all__ = [
     "DEFAULT_CPU_DEVICES",
@@ -148,10 +148,18 @@ class DevicePool:
         self._replay_checked = False  # warn_if_replay_differs said its piece
         try:
             num_cpu = sum(d.type == "cpu" for d in devs)
+            #: ``ROUNDPIPE_CPU_CONCURRENT=1`` read when the pool was built: CPU workers
+            #: compute stages that draw no random numbers at the same time.
+            self.cpu_concurrent = concurrent_cpu_from_env()
+            # ATen gives a thread its intra-op count at its first parallel call from the
+            # last count any thread set: the caller's is fixed now, before a worker sets
+            # its share (devices/cpu.py, _use_threads)
+            torch.get_num_threads()
             for i, d in enumerate(devs):
                 if d.type == "cpu":
                     cpu_worker = CPUWorker(i)
                     cpu_worker.share = num_cpu
+                    cpu_worker.concurrent = self.cpu_concurrent
                     self.workers.append(cpu_worker)
                 else:
                     self.workers.append(_cuda_worker(i, d))
@@ -176,10 +184,26 @@ class DevicePool:
 
     @property
     def concurrent(self) -> bool:
-        """Whether the devices compute at the same time. GPUs do; CPU workers compute
-        one at a time (they share the process's cores under one compute lock), so on
-        them every job's time adds up and the planner plans for that."""
+        """Whether the devices compute at the same time on hardware of their own. GPUs
+        do; CPU workers share the process's cores (and, by default, compute one at a
+        time under one gate), so on them every job's time adds up, the step is
+        synchronous and the masters are shared. ``cpu_overlap`` says whether CPU
+        workers may compute side by side all the same (``ROUNDPIPE_CPU_CONCURRENT=1``)."""
         return self.is_cuda
+
+    @property
+    def cpu_overlap(self) -> bool:
+        """Whether CPU workers of this pool compute at the same time, each on its share
+        of the cores (``ROUNDPIPE_CPU_CONCURRENT=1`` and at least two CPU workers; stages
+        that draw random numbers still run alone). ``concurrent`` stays False for them:
+        the step and the masters are those of a pool whose devices share the host's
+        cores; the planner reads this to weigh a plan whose stages overlap."""
+        return self.cpu_concurrent and sum(w.kind == "cpu" for w in self.workers) >= 2
+
+    def stages_draw(self, layers: Sequence[Any]) -> bool:
+        """Whether a stage starting at one of these host layers was seen to draw from the
+        CPU generator (it then runs alone, whatever ``cpu_overlap`` says)."""
+        return _GATE.draws_seen(layers)
 
     @property
     def cuda_workers(self) -> int:
@@ -248,11 +272,26 @@ class DevicePool:
         """
         if self._closed:
             raise RuntimeError("this RoundPipe's device pool is closed; create a new RoundPipe")
+        if self.cpu_concurrent:
+            self._share_threads(queues)
         return [
             worker.submit(_run_then_finish, run_queue, worker, q)
             for worker, q in zip(self.workers, queues)
             if q
         ]
+
+    def _share_threads(self, queues: list[list[Any]]) -> None:
+        """The caller's intra-op threads for a stage alone, and an equal share of them for
+        each CPU worker with jobs here when stages compute side by side. A worker with no
+        other CPU worker busy in this submission (a one-job plan) computes alone: there is
+        nothing to overlap, and alone its stages are seeded and give the generator back
+        as on a pool without the switch (another thread drawing then stops nothing)."""
+        full = torch.get_num_threads()
+        busy = [w for w, q in zip(self.workers, queues) if q and w.kind == "cpu"]
+        for w in busy:
+            w.full_threads = full  # type: ignore[attr-defined]
+            w.shared_threads = max(1, full // len(busy))  # type: ignore[attr-defined]
+            w.has_siblings = len(busy) > 1  # type: ignore[attr-defined]
 
     def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
         """Run ``run_queue(worker, queue)`` on every worker that has jobs; wait for all.
