@@ -796,3 +796,17 @@ def fake_pinned() -> _FakePinnedAllocator:
 def host_syncs() -> Callable[[], int]:
     """``host_syncs()`` -> host waits made so far on fake-CUDA worker threads."""
     return worker_host_syncs
+
+
+@pytest.fixture
+def take_source_races() -> Callable[[], list[str]]:
+    """``take_source_races()`` -> the fake-CUDA copy races reported so far, cleared (a
+    test that provokes one on purpose takes it, so the autouse check stays quiet).
+    A fixture, not ``from conftest import``: under the whole suite that name is
+    another directory's conftest."""
+
+    def take() -> list[str]:
+        races, FAKE_SOURCE_RACES[:] = list(FAKE_SOURCE_RACES), []
+        return races
+
+    return take

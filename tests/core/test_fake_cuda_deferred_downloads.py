@@ -261,12 +261,10 @@ def test_closing_a_worker_finishes_the_downloads_nobody_read(make_worker: Any) -
 
 
 def test_a_download_whose_device_source_is_freed_before_it_ran_is_caught(
-    make_worker: Any,
+    make_worker: Any, take_source_races: Any
 ) -> None:
     """The fake holds a download's device source only weakly: one dropped before the
     download ran is a race (on a GPU the memory could be handed out again)."""
-    from conftest import FAKE_SOURCE_RACES
-
     worker = make_worker(0)
 
     def job() -> None:
@@ -279,7 +277,7 @@ def test_a_download_whose_device_source_is_freed_before_it_ran_is_caught(
         event.synchronize()
 
     _on(worker, job)
-    races, FAKE_SOURCE_RACES[:] = list(FAKE_SOURCE_RACES), []
+    races = take_source_races()
     assert races and "freed" in races[0], races
 
 
