@@ -2,10 +2,11 @@
 processes on 127.0.0.1 (gloo, 2 CPU workers each), against the same run unsharded.
 
 * Same numbers: AdamW, accumulation 2, ``gradient_clip_val`` (the norm over both
-  shards), an fp32 module and a bf16 one whose fp32 masters are sharded too:
+  shards), an fp32 module and a bf16 one whose fp32 masters are sharded too, and the
+  bf16 one with ``async_step=True`` (every node keeps all masters, one step stale):
   sharded == unsharded within 1e-6 (weights, and the masters the nodes hold together),
   after the first fit and after resuming from the checkpoint each wrote.
-* ``async_step=True`` with sharding is refused, naming the fix; ``None`` means ``False``.
+* ``async_step=True`` with sharding is accepted; ``None`` means ``False``.
 * The sharded checkpoint is one file plus one shard per node; it resumes in one
   process (another rank count), and ``convert_sharded_checkpoint`` makes an ordinary
   checkpoint whose optimizer state is the unsharded run's.
@@ -25,7 +26,7 @@ from _common import rel_err  # noqa: E402
 from test_lightning_ddp import DEADLINE_S, _launch, _logs, _wait  # noqa: E402
 
 LIT_SHARD_WORKER = Path(__file__).with_name("_lit_shard_worker.py")
-MODES = ("sync", "separate")
+MODES = ("sync", "separate", "async")
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +119,11 @@ def test_sharded_checkpoint_files_convert_and_resume_on_one_process(
         assert rel_err(v, two_nodes[k]) <= 1e-5, k
 
 
-def test_an_async_step_is_refused_with_sharding() -> None:
+def test_an_async_step_is_accepted_with_sharding() -> None:
     from roundpipe_lightning import RoundPipeFabricStrategy, RoundPipeStrategy
 
     for cls in (RoundPipeStrategy, RoundPipeFabricStrategy):
-        with pytest.raises(
-            ValueError, match="shard_host_state=True, async_step=True.*async_step=False"
-        ):
-            cls(shard_host_state=True, async_step=True)
+        assert cls(shard_host_state=True, async_step=True).async_step is True
         assert cls(shard_host_state=True).async_step is False  # None: synchronous
         assert cls(shard_host_state=True, async_step=False).async_step is False
         assert cls(async_step=True).async_step is True  # unsharded: as asked
