@@ -105,12 +105,17 @@ def run(loader: DataLoader, num_nodes: int, ckpt: Path, shard: bool, mode: str) 
     resumed = Lit()
     tr = trainer(RESUMED_STEPS, num_nodes, shard, mode)
     tr.fit(resumed, loader, ckpt_path=ckpt)
-    return {
+    out = {
         "first": first,
         "resumed": params(resumed),
         "first_masters": first_masters,
         "resumed_masters": masters(tr),
     }
+    # loaded and not trained further (max_steps reached): the masters as loaded
+    tr = trainer(STEPS, num_nodes, shard, mode)
+    tr.fit(Lit(), loader, ckpt_path=ckpt)
+    out["loaded_masters"] = masters(tr)
+    return out
 
 
 def main() -> None:

@@ -51,11 +51,17 @@ def test_sharded_strategy_equals_unsharded(nodes: Path, mode: str) -> None:
             for k, want in plain[phase].items():
                 err = rel_err(sharded[phase][k], want)
                 assert err <= 1e-6, f"{mode} {phase} rank {rank}: {k} rel err {err:.2e}"
+        # as loaded, before a step: every node's masters the saved ones, exactly (the
+        # owners' shards broadcast into the others' masters where they keep them all)
+        for k, saved in sharded["first_masters"].items():
+            assert torch.equal(sharded["loaded_masters"][k], saved), (mode, rank, k)
         # the masters (fp32; bf16-true: separate, each on one node when sharded)
         for phase in ("first_masters", "resumed_masters"):
             shares = [torch.load(nodes / f"{mode}_sharded_rank{r}.pt")[phase] for r in (0, 1)]
             if mode == "separate":  # each master on one node only
                 assert not set(shares[0]) & set(shares[1]), phase
+            if mode == "async":  # every node keeps all of them (the all-gather's target)
+                assert set(shares[0]) == set(shares[1]) == set(plain[phase]), phase
             held = {**shares[0], **shares[1]}
             assert set(held) == set(plain[phase])
             for k, want in plain[phase].items():
