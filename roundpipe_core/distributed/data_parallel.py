@@ -60,6 +60,7 @@ class DataParallel:
     ========================  ====================================================
     ``connect(env, world)``   create the process group (``world_size > 1`` only)
     ``attach(rp, opts)``      broadcast rank 0's weights; one reducer per optimizer
+                              (``async_step=True``: keep every separate master)
     ``wrap_closure(opt, c)``  arm that optimizer's reducer, then run ``c`` (the
                               window's last training step): overlap its backward
     ``reduce(opt)``           finish: that optimizer's gradients are reduced
