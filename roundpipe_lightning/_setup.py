@@ -484,7 +484,7 @@ def host_memory_budget(
     class) does not stop training: the budget assumes Adam's two states per parameter
     and says so once."""
     state_shards = 1 if dp is None else dp.state_shards
-    buffers = 0 if dp is None else dp.kept_buffer_bytes(rp, optimizers)
+    buffers = 0 if dp is None else dp.kept_buffer_bytes(rp, optimizers, bool(async_step))
     try:
         return estimate_host_memory(
             rp,
@@ -526,22 +526,13 @@ def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
 
 def check_step_request(async_step: Any, shard_host_state: Any, owner: str) -> bool | None:
     """A strategy's ``async_step`` as requested (``None``: follow the hardware). With
-    ``shard_host_state=True`` the step is synchronous: ``None`` means ``False`` and
-    ``True`` is refused -- each process keeps only its share of the masters, and the
-    others' updated weights reach its model inside the step (the all-gather), which must
-    not overlap the next iteration reading them."""
+    ``shard_host_state=True``, ``None`` means ``False``: a synchronous step lets each
+    process keep only its share of the separate masters; ``True`` keeps every master
+    on every process (``DataParallel.attach(..., async_step=True)``), the optimizer state
+    and master gradients still sharded."""
     if async_step is None:
         return False if shard_host_state is True else None
-    async_step = check_bool("async_step", async_step, owner)
-    if async_step and shard_host_state is True:
-        raise ValueError(
-            f"{owner}(shard_host_state=True, async_step=True): a sharded host state steps "
-            "synchronously -- each process keeps only its share of the masters and writes "
-            "the others' updated weights into its model inside the step, which an "
-            "overlapped (one-step-stale) step would change under the next iteration. Pass "
-            "async_step=False (or leave it None), or shard_host_state=False."
-        )
-    return async_step
+    return check_bool("async_step", async_step, owner)
 
 
 _DIRECT_CALL = (

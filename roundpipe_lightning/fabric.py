@@ -122,9 +122,9 @@ class RoundPipeFabricStrategy(FabricProcesses):
             gradients over the nodes.
         process_group_timeout: seconds (or a ``timedelta``) after which a collective whose
             peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        shard_host_state: with several nodes, each keeps masters, master gradients and
-            optimizer state for its 1/N of each optimizer's parameters only, stepping
-            synchronously (``docs/multi-node.md``); ``fabric.save`` writes a shard per node.
+        shard_host_state: with several nodes, each keeps master gradients, optimizer state
+            and (``async_step=False``; ``True`` keeps all) masters for its 1/N of the
+            parameters only (``docs/multi-node.md``); ``fabric.save`` writes a shard per node.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
@@ -346,7 +346,7 @@ class RoundPipeFabricStrategy(FabricProcesses):
             fuse_optimizer(optimizer)  # on the masters (host, fp32)
         view = run.adopt(optimizer)
         # several nodes: one gradient reducer per optimizer (and, sharded, its ownership)
-        run.dp.attach(run.rp, run.optimizers)
+        run.dp.attach(run.rp, run.optimizers, async_step=self.async_step)
         return view
 
     def _run_of(self, obj: Any) -> FabricRun | None:

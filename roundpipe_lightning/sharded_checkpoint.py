@@ -97,7 +97,8 @@ def of_optimizer(
 
 def sharded_masters(dp: D.DataParallel, optimizers: Sequence[Any]) -> set[int]:
     """Ids of the masters a sharded checkpoint keeps in its shards, each in its owner's
-    (not in the checkpoint file: rank 0 holds the values of its own share only)."""
+    (not in the checkpoint file: stepping synchronously, rank 0 holds the values of its
+    own share only; asynchronously, loading broadcasts each owner's into every rank's)."""
     return {id(p) for opt in optimizers if (s := dp.shard(opt)) is not None for p in s.params}
 
 
@@ -138,7 +139,9 @@ def load_optimizer_state(
     shards are in ``directory`` (written on any rank count). Sharded (``shard``), this
     rank keeps only the state of the parameters it owns. From shards the masters of
     those parameters are restored too (a separate fp32 master exactly, which the file's
-    half-precision weights cannot give; a shared one is its weight: the same value)."""
+    half-precision weights cannot give; a shared one is its weight: the same value), and
+    broadcast to the other ranks (collective: every rank loads the same optimizers) --
+    into their masters where they keep all of them (``async_step=True``)."""
     raw = getattr(optimizer, "_optimizer", optimizer)
     if is_marker(state):
         if directory is None:
@@ -149,6 +152,10 @@ def load_optimizer_state(
             )
         owns = shard.owns if shard is not None else (lambda p: True)
         D.load_shards(directory, of_optimizer(named_masters, raw), raw, owns)
+        if shard is not None:
+            # (collective) each owner's exact masters into the others' copies: the masters,
+            # where every process keeps them all (an asynchronous step), else the weights
+            shard.gather()
     else:
         raw.load_state_dict(state)
     if shard is not None:

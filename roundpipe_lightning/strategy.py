@@ -138,8 +138,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             layers' backward is done, while earlier layers still compute.
         process_group_timeout: seconds (or a ``timedelta``) after which a collective
             whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        shard_host_state: with several processes, each keeps masters, gradients and optimizer
-            state for its 1/N of the parameters only; synchronous steps (``docs/multi-node.md``).
+        shard_host_state: with several processes, each keeps gradients, optimizer state and
+            (``async_step=False``) masters for its 1/N of the parameters (``docs/multi-node.md``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
@@ -298,7 +298,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
             rank_zero_info(f"RoundPipe host memory:\n{budget}")  # as Lightning says setup facts
             check_host_memory(budget)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
-            self._dp.attach(self.roundpipe, self.optimizers)
+            self._dp.attach(self.roundpipe, self.optimizers, async_step=self.async_step)
             sharded = self._dp.state_shards > 1  # clipping: the norm over every process's share
             self.precision_plugin.clip_norm_fn = self._dp.clip_grad_norm_ if sharded else None
         self.setup_precision_plugin()

@@ -37,10 +37,13 @@ def _say_heap_once() -> None:
 
 
 SYNC_ONLY = (
-    "step(is_async=True) with DataParallel(shard_host_state=True) and separate masters: "
-    "each rank keeps only its share of the masters and writes the others' updated weights "
-    "into its model inside the step, which must not overlap the next call; pass "
-    "is_async=False (RoundPipeStrategy / RoundPipeFabricStrategy: async_step=False)"
+    "step(is_async=True) with DataParallel(shard_host_state=True) and separate masters "
+    "attached for synchronous steps: each rank keeps only its share of the masters and "
+    "writes the others' updated weights into its model inside the step, which must not "
+    "overlap the next call; pass is_async=False (RoundPipeStrategy / "
+    "RoundPipeFabricStrategy: async_step=False), or attach with "
+    "DataParallel.attach(rp, optimizers, async_step=True) to keep every master on every "
+    "rank (RoundPipeStrategy / RoundPipeFabricStrategy: async_step=True)"
 )
 """Why a RoundPipe whose masters a shard released refuses an asynchronous step."""
 
@@ -57,6 +60,7 @@ class DataParallel:
     ========================  ====================================================
     ``connect(env, world)``   create the process group (``world_size > 1`` only)
     ``attach(rp, opts)``      broadcast rank 0's weights; one reducer per optimizer
+                              (``async_step=True``: keep every separate master)
     ``wrap_closure(opt, c)``  arm that optimizer's reducer, then run ``c`` (the
                               window's last training step): overlap its backward
     ``reduce(opt)``           finish: that optimizer's gradients are reduced
@@ -79,10 +83,11 @@ class DataParallel:
         shard_host_state: each rank keeps gradients, optimizer state and separate masters
             only for its 1/N of each optimizer's parameters (see :mod:`.sharded`):
             gradients are reduced to their owner, each rank steps its share, ``after_step``
-            all-gathers the weights (into the model's weights where the masters are
-            separate; the step must then be synchronous, ``rp.step(..., is_async=False)``:
-            an asynchronous one is refused). Clip with :meth:`clip_grad_norm_` (the norm
-            over all shards). The budget counts the collectives' kept buffers
+            all-gathers the weights. Separate masters are sharded only for synchronous
+            steps (``attach(..., async_step=False)``, the default: the all-gather writes
+            the model's weights); attached with ``async_step=True`` every rank keeps all
+            of them (the all-gather's destination) and the step may overlap the next call
+            as unsharded. Clip with :meth:`clip_grad_norm_` (the norm over all shards). The budget counts the collectives' kept buffers
             (:meth:`kept_buffer_bytes`); with glibc's default ``malloc`` the peak is up to
             ~1.1x it, ~1.04x with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``
             or :func:`~roundpipe_core.running.heap.limit_heap_retention`; said once at INFO
@@ -116,6 +121,7 @@ class DataParallel:
             _say_heap_once()
         self._reducers: dict[int, GradientAllReducer] = {}
         self._shards: dict[int, HostShard] = {}
+        self.keeps_masters = False  # set by attach(async_step=...)
 
     @property
     def world_size(self) -> int:
@@ -141,14 +147,33 @@ class DataParallel:
         if world_size > 1:
             init_process_group(cluster_environment, backend="gloo", timeout=self.timeout)
 
-    def attach(self, rp: Any, optimizers: Sequence[Any] = ()) -> None:
+    def attach(self, rp: Any, optimizers: Sequence[Any] = (), *, async_step: bool = False) -> None:
         """Make every rank hold rank 0's weights and build the reducers (collective).
 
         Call after the RoundPipe is built and the optimizers point at its masters; again
         after re-building either (the old reducers are closed first).
+
+        Args:
+            rp: the RoundPipe.
+            optimizers: the optimizers stepping its masters (one reducer each).
+            async_step: whether ``rp``'s steps will be asynchronous
+                (``rp.step(..., is_async=True)``). Only matters with
+                ``shard_host_state=True`` and separate masters (a model not in
+                ``optim_dtype``, or ``shared_masters=False``): ``False`` releases the
+                masters other ranks own (this rank keeps its share's: 1/N of them) and the
+                all-gather writes their updates straight into the model's weights, inside
+                the step -- so ``rp`` then refuses ``step(is_async=True)`` with a
+                ValueError naming this argument. ``True`` keeps every master on every
+                rank: the all-gather writes the masters and each rank's own publication
+                copies them into its weights, so the step may overlap the next call (one
+                step stale, as unsharded); a synchronous step works too. The optimizer
+                state and the master gradients are sharded either way.
         """
+        if not isinstance(async_step, bool):
+            raise TypeError(f"async_step must be True or False, got {async_step!r}")
         self.detach()
         self._shards = {}
+        self.keeps_masters = async_step
         if self.world_size == 1:
             return
         masters = getattr(rp, "masters", None)
@@ -158,8 +183,7 @@ class DataParallel:
             masters.restore_released()
         broadcast_masters(rp)
         raws = [_raw_optimizer(o) for o in optimizers]
-        # a separate master's values reach the other ranks' model weights directly
-        weight_of = {id(m): p for _, p, m in masters.copies} if masters is not None else {}
+        weight_of = self._gather_targets(rp)
         for raw in raws:
             params = [p for g in raw.param_groups for p in g["params"]]
             if self.shard_host_state:
@@ -167,7 +191,7 @@ class DataParallel:
                     params, self.bucket_bytes, self.timeout, targets=weight_of
                 )
                 shard.drop_foreign_state(raw)  # a state loaded whole keeps this rank's share
-                if masters is not None:  # keep the fp32 masters of this rank's share only
+                if masters is not None and not async_step:  # the masters of its share only
                     masters.release([p for p in params if not shard.owns(p)], SYNC_ONLY)
                 self._reducers[id(raw)] = ShardedGradientReducer(
                     rp,
@@ -187,15 +211,27 @@ class DataParallel:
                 params=params,
             )
 
-    def kept_buffer_bytes(self, rp: Any, optimizers: Sequence[Any] = ()) -> int:
+    def _gather_targets(self, rp: Any, async_step: bool | None = None) -> dict[int, Any]:
+        """Where the all-gather writes a separate master's update on the ranks that do not
+        own it: the model weight, where those ranks released it (synchronous steps);
+        nowhere else, i.e. the master itself, where every rank keeps all masters."""
+        keeps = self.keeps_masters if async_step is None else async_step
+        masters = getattr(rp, "masters", None)
+        if masters is None or keeps:
+            return {}
+        return {id(m): p for _, p, m in masters.copies}
+
+    def kept_buffer_bytes(
+        self, rp: Any, optimizers: Sequence[Any] = (), async_step: bool | None = None
+    ) -> int:
         """Host bytes of the flat buffers this rank's collectives will keep once it trains
         ``rp`` with ``optimizers`` sharded (the host-memory budget's "collective buffers",
         ``estimate_host_memory(..., collective_buffers=...)``); 0 unsharded or in one
-        process. Computed without a collective, before or after :meth:`attach`."""
+        process. ``async_step``: as for :meth:`attach` (default: as attached). Computed
+        without a collective, before or after :meth:`attach`."""
         if self.state_shards == 1:
             return 0
-        masters = getattr(rp, "masters", None)
-        weight_of = {id(m): p for _, p, m in masters.copies} if masters is not None else {}
+        weight_of = self._gather_targets(rp, async_step)
         return sum(
             kept_buffer_bytes(
                 [p for g in _raw_optimizer(o).param_groups for p in g["params"]],

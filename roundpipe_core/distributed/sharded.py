@@ -28,16 +28,20 @@ of their own (reduction: the reducer thread; all-gather: the optimizer thread; n
 whoever clips), so threads never interleave collectives on one group.
 
 Separate masters (a model not in ``optim_dtype``, e.g. bf16 weights with fp32 masters,
-or ``shared_masters=False``) are sharded too: a rank keeps the fp32 masters of its share
-only and releases the others' (``MasterWeights.release``: a placeholder of a few bytes);
-after the step each owner casts its updated share to the weights' dtype and the
+or ``shared_masters=False``) are sharded too when the step is synchronous
+(``DataParallel.attach(..., async_step=False)``): a rank keeps the fp32 masters of its
+share only and releases the others' (``MasterWeights.release``: a placeholder of a few
+bytes); after the step each owner casts its updated share to the weights' dtype and the
 all-gather writes it straight into every other rank's model weights (``targets``), the
 same rounding as the owner's own copy into its model. That write happens inside the
-step, so the step must be synchronous: a RoundPipe with released masters refuses
-``step(is_async=True)`` (an asynchronous step's publication and the next call's uploads
-run on each rank's own clock, and the weights the next call reads would change under it).
-With shared masters (``RoundPipe(shared_masters=True)``, the synchronous CPU default)
-the master *is* the weight and nothing is released.
+step, so the RoundPipe then refuses ``step(is_async=True)`` (an asynchronous step's
+publication and the next call's uploads run on each rank's own clock, and the weights
+the next call reads would change under it). For an asynchronous step
+(``attach(..., async_step=True)``) every rank keeps all the masters: the all-gather
+writes them, and each rank's own publication copies them into its weights layer by
+layer as unsharded (one step stale); the optimizer state and master gradients are still
+1/N. With shared masters (``RoundPipe(shared_masters=True)``, the synchronous CPU
+default) the master *is* the weight and nothing is released.
 
 What is not sharded: the model's own weights (every rank's devices upload them), and the
 master gradients while the backward produces them (each rank keeps its share once they
@@ -225,9 +229,9 @@ class HostShard:
         them: its masters, or (``targets``) the model weights of the masters it released,
         in the weights' dtype. Collective: every rank calls it after every optimizer step
         (on the optimizer thread, inside the step function: the RoundPipe then copies the
-        masters it holds into the model like any step's). Writing the model weights, it
-        needs a synchronous step (``MasterWeights.release`` makes the RoundPipe refuse an
-        asynchronous one).
+        masters it holds into the model like any step's). Writing the model weights (the
+        masters released), it needs a synchronous step (``MasterWeights.release`` makes the
+        RoundPipe refuse an asynchronous one).
 
         Raises:
             CollectiveError: a peer died or stalled (the group's timeout), naming this rank.

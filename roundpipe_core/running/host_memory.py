@@ -10,7 +10,8 @@ weights                   the model's parameters and buffers (model dtype; a qua
 masters                   the optimizer's copies of the trainable parameters
                           (``optim_dtype``); none where a parameter is its own master
                           (``shared_masters=True``: same dtype, synchronous step);
-                          1/N of the separate ones with the host state sharded
+                          1/N of the separate ones with the host state sharded and
+                          a synchronous step (all of them with an asynchronous one)
 gradients                 one gradient per master (``optim_dtype``)
 next gradients            with an asynchronous step (separate masters): the next
                           iteration's gradients, which arrive while the step still
@@ -340,15 +341,16 @@ def estimate_host_memory(
             ``RoundPipe(shared_masters=True)`` and ``RoundPipeStrategy(async_step=False)``
             do). A RoundPipe's own masters are measured instead: a shared one counts once.
         state_shards: the data-parallel ranks the optimizer state is sharded over
-            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it and of
-            the separate masters (those of its share). The gradients stay whole (a
+            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it and,
+            stepping synchronously, of the separate masters (asynchronously, all of them:
+            ``DataParallel.attach(..., async_step=True)``). The gradients stay whole (a
             backward produces all of them before they are reduced to their owners).
         async_step: whether the step overlaps the next iteration (``step(is_async=True)``,
             ``RoundPipeStrategy(async_step=True)``): the next iteration's gradients of the
             separate masters then arrive while the step reads this iteration's (the "next
             gradients" line). Default: a RoundPipe with separate masters for some trainable
             parameter (what an asynchronous step needs; a shared master makes every step
-            synchronous); False for a plain module.
+            synchronous) unless ``state_shards > 1``; False for a plain module.
         layer_activation_bytes: for a RoundPipe on CPU workers, one microbatch's saved
             activation bytes per layer, the last layer's with the loss's transient (the
             "worker activations" line). Default: the RoundPipe's own
@@ -413,9 +415,11 @@ def estimate_host_memory(
         master_numel_bytes = sum(_nbytes(m) for m in mlist)
         already = weights + masters  # (a master a shard released: a few bytes)
         separate = {id(m): m for p, m in pairs if m is not p}
-        if state_shards > 1:  # a sharded rank keeps the separate masters of its share
+        # (sharded, the default step is synchronous: DataParallel.attach's and the strategies')
+        is_async = async_step if async_step is not None else bool(separate) and state_shards == 1
+        if state_shards > 1 and not is_async:  # its share's (async: all, the gather's target)
             masters = -(-sum(_nbytes(m) for m in separate.values()) // state_shards)
-        if async_step if async_step is not None else bool(separate):
+        if is_async:
             # a shared master's step is always synchronous: only separate ones overlap
             next_gradients = sum(_nbytes(m) for m in separate.values())
     else:
@@ -436,7 +440,7 @@ def estimate_host_memory(
             )
         )
         already = weights
-        masters = -(-masters // state_shards)  # a sharded rank's share of them
+        masters = masters if async_step else -(-masters // state_shards)  # its share (async: all)
         if async_step:
             next_gradients = masters  # a gradient per separate master, in its dtype
     gradients = master_numel_bytes

@@ -13,7 +13,8 @@ since no second copy exists for devices to read while a step writes.
 
 A separate master can be *released* (:meth:`MasterWeights.release`): its values dropped
 (a zero-stride placeholder of its shape, a few bytes), its gradient still accumulated. A
-data-parallel rank that shards the host state releases the masters another rank owns:
+data-parallel rank that shards the host state for synchronous steps releases the
+masters another rank owns:
 it never steps them, and their new values reach its model weights from their owner
 (``roundpipe_core.distributed.sharded``), so nothing copies a released master into the
 model. Writing one in place fails loudly (a zero-stride tensor refuses it).

@@ -95,3 +95,22 @@ def test_owning_every_master_still_makes_the_steps_synchronous():
     shared = MasterWeights(mlp(), torch.float32, share=True)  # fp32: every master shared
     shared.release(shared.params(), WHY)
     assert shared.sync_only is None and not shared.released  # nothing separate to shard
+
+
+def test_attach_takes_the_step_kind_as_a_bool():
+    """``DataParallel.attach(..., async_step=...)`` decides whether a sharded rank keeps
+    every master (asynchronous) or its share only: anything but a bool is refused; in one
+    process nothing is released either way."""
+    from roundpipe_core.distributed import DataParallel
+
+    rp = RoundPipe(mlp().to(torch.bfloat16), optim_dtype=torch.float32, devices="cpu:1")
+    try:
+        dp = DataParallel(shard_host_state=True)
+        with pytest.raises(TypeError, match="async_step must be True or False"):
+            dp.attach(rp, [], async_step="yes")  # type: ignore[arg-type]
+        for is_async in (True, False):
+            dp.attach(rp, [], async_step=is_async)
+            assert dp.keeps_masters is is_async and not rp.masters.released
+        dp.detach()
+    finally:
+        rp.close()

@@ -29,6 +29,13 @@ from roundpipe_lightning import RoundPipeFabricStrategy
 WIDTH, BLOCKS, N = 8, 4, 60
 NODE_BATCH, ACCUM, STEPS, MORE = 3, 2, 3, 2
 CLIP = 0.05
+# (module dtype, file suffix, async_step): fp32, bf16 with fp32 masters (sharded too),
+# and bf16 stepping asynchronously (every node keeps all masters, one step stale)
+VARIANTS = (
+    (torch.float32, "", False),
+    (torch.bfloat16, "_bf16", False),
+    (torch.bfloat16, "_bf16_async", True),
+)
 
 
 def dataset() -> TensorDataset:
@@ -47,9 +54,9 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, y)
 
 
-def fabric_of(num_nodes: int, shard: bool) -> Fabric:
+def fabric_of(num_nodes: int, shard: bool, is_async: bool = False) -> Fabric:
     strategy = RoundPipeFabricStrategy(
-        async_step=False, num_microbatch=3, process_group_timeout=20, shard_host_state=shard
+        async_step=is_async, num_microbatch=3, process_group_timeout=20, shard_host_state=shard
     )
     return Fabric(strategy=strategy, accelerator="cpu", devices=2, num_nodes=num_nodes)
 
@@ -75,9 +82,14 @@ def weights(net: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run(
-    num_nodes: int, shard: bool, ckpt: Path, batch_size: int, dtype: torch.dtype = torch.float32
+    num_nodes: int,
+    shard: bool,
+    ckpt: Path,
+    batch_size: int,
+    dtype: torch.dtype = torch.float32,
+    is_async: bool = False,
 ) -> dict[str, Any]:
-    fabric = fabric_of(num_nodes, shard)
+    fabric = fabric_of(num_nodes, shard, is_async)
     net = build_net().to(dtype)
     model, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=0.02, weight_decay=0.1))
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=batch_size, shuffle=False))
@@ -93,7 +105,7 @@ def run(
     continued = weights(net)
     fabric.strategy.teardown()
 
-    resumed = resume(num_nodes, shard, ckpt, batch_size, dtype)
+    resumed = resume(num_nodes, shard, ckpt, batch_size, dtype, is_async)
     return {
         "first": first,
         "continued": continued,
@@ -104,10 +116,15 @@ def run(
 
 
 def resume(
-    num_nodes: int, shard: bool, ckpt: Path, batch_size: int, dtype: torch.dtype = torch.float32
+    num_nodes: int,
+    shard: bool,
+    ckpt: Path,
+    batch_size: int,
+    dtype: torch.dtype = torch.float32,
+    is_async: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A fresh run from another starting point: everything must come from ``ckpt``."""
-    fabric = fabric_of(num_nodes, shard)
+    fabric = fabric_of(num_nodes, shard, is_async)
     net = build_net().to(dtype)
     with torch.no_grad():
         for p in net.parameters():
@@ -128,10 +145,10 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     rank = int(os.environ["NODE_RANK"])
-    for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+    for dtype, suffix, is_async in VARIANTS:
         for shard in (False, True):
             name = ("sharded" if shard else "plain") + suffix
-            res = run(2, shard, out / f"{name}.ckpt", NODE_BATCH, dtype)
+            res = run(2, shard, out / f"{name}.ckpt", NODE_BATCH, dtype, is_async)
             torch.save(res, out / f"{name}_rank{rank}.pt")
 
 

@@ -4,7 +4,8 @@
 accumulate_grad_batches=2, gradient_clip_val=...)`` with AdamW, this process being one
 node: for an fp32 module (``sync``: its parameters are their own masters) and a bf16 one
 with fp32 masters (``separate``: ``precision="bf16-true"``, the masters sharded too), both
-``async_step=False``, unsharded then sharded, fit 2 steps, save a checkpoint (sharded: one
+``async_step=False``, and the bf16 one with ``async_step=True`` (``async``: one step
+stale, every node keeping all the masters), unsharded then sharded, fit 2 steps, save a checkpoint (sharded: one
 shard per node), resume from it to 4 steps. Writes the weights after each fit to OUT_DIR.
 """
 
@@ -56,13 +57,16 @@ class Lit(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.1)
 
 
-MODES = ("sync", "separate")
+MODES = ("sync", "separate", "async")
 
 
 def trainer(max_steps: int, num_nodes: int, shard: bool, mode: str) -> L.Trainer:
     return L.Trainer(
         strategy=RoundPipeStrategy(
-            async_step=False, num_microbatch=3, process_group_timeout=20, shard_host_state=shard
+            async_step=mode == "async",
+            num_microbatch=3,
+            process_group_timeout=20,
+            shard_host_state=shard,
         ),
         precision="32-true" if mode == "sync" else "bf16-true",
         accelerator="cpu",
@@ -101,12 +105,17 @@ def run(loader: DataLoader, num_nodes: int, ckpt: Path, shard: bool, mode: str) 
     resumed = Lit()
     tr = trainer(RESUMED_STEPS, num_nodes, shard, mode)
     tr.fit(resumed, loader, ckpt_path=ckpt)
-    return {
+    out = {
         "first": first,
         "resumed": params(resumed),
         "first_masters": first_masters,
         "resumed_masters": masters(tr),
     }
+    # loaded and not trained further (max_steps reached): the masters as loaded
+    tr = trainer(STEPS, num_nodes, shard, mode)
+    tr.fit(Lit(), loader, ckpt_path=ckpt)
+    out["loaded_masters"] = masters(tr)
+    return out
 
 
 def main() -> None:

@@ -4,12 +4,15 @@ Same launch as ``_worker.py`` (``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_*``), 2 C
 
 Scenarios:
     equiv -- the same AdamW training (accumulation 2, clipping by the global norm) with
-             ``DataParallel(shard_host_state=False)`` and ``True``, synchronous, in two
-             modes: ``sync`` (an fp32 model, shared masters) and ``separate`` (a bf16
-             model with fp32 masters); saves the weights, the masters this rank holds,
-             the clipping norms and the bytes each rank holds, and whether a sharded
-             ``separate`` run refuses ``step(is_async=True)``.
-    ckpt  -- trains 2 steps sharded (``$MODE``: sync or separate), saves each rank's shard
+             ``DataParallel(shard_host_state=False)`` and ``True``, in three modes:
+             ``sync`` (an fp32 model, shared masters), ``separate`` (a bf16 model with
+             fp32 masters, synchronous: the masters sharded too) and ``async`` (an fp32
+             model with separate masters, ``attach(async_step=True)`` and
+             ``step(is_async=True)``: one step stale, every rank keeps all masters);
+             saves the weights, the masters this rank holds, the clipping norms and the
+             bytes each rank holds, and whether a sharded ``separate`` run refuses
+             ``step(is_async=True)``.
+    ckpt  -- trains 2 steps sharded (``$MODE``: sync, separate or async), saves each rank's shard
              (``$CKPT_DIR``), trains 2 more (the reference); with ``$RESUME=1`` instead
              loads the shards written by any rank count and trains the 2 more steps.
     kill  -- rank ``$FAIL_RANK`` dies inside its backward at step 3 (sharded); with
@@ -68,15 +71,16 @@ def make_data(steps: int, seed: int = 7) -> list[list[tuple[torch.Tensor, torch.
     ]
 
 
-MODES = ("sync", "separate")
+MODES = ("sync", "separate", "async")
 
 
 def make_rp(rank: int, mode: str) -> RoundPipe:
     """``sync``: an fp32 model whose parameters are their own masters; ``separate``: a
-    bf16 model with fp32 masters (two copies, the all-gather writes the bf16 weights)."""
+    bf16 model with fp32 masters (two copies, the all-gather writes the bf16 weights);
+    ``async``: an fp32 model with separate fp32 masters (what an asynchronous step needs)."""
     net = build_blocks(seed=rank)  # rank-specific: attach() broadcasts rank 0's
     return RoundPipe(
-        net if mode == "sync" else net.to(torch.bfloat16),
+        net.to(torch.bfloat16) if mode == "separate" else net,
         optim_dtype=torch.float32,
         devices="cpu:2",
         model_run_config=RoundPipeRunConfig(num_microbatch=3),
@@ -89,11 +93,12 @@ class Run:
 
     def __init__(self, rank: int, world: int, sharded: bool, mode: str) -> None:
         self.rank, self.world, self.mode = rank, world, mode
+        self.is_async = mode == "async"
         self.rp = make_rp(rank, mode)
         self.dtype = next(self.rp.model.parameters()).dtype
         self.opt = torch.optim.AdamW(self.rp.optim_parameters(), lr=0.02, weight_decay=0.1)
         self.dp = D.DataParallel(bucket_bytes=BUCKET_BYTES, shard_host_state=sharded)
-        self.dp.attach(self.rp, [self.opt])
+        self.dp.attach(self.rp, [self.opt], async_step=self.is_async)
         self.norms: list[float] = []
         self.grad_bytes_after_reduce = 0
         self.buffer_ptrs: list[list[int]] = []  # the collectives' kept buffers, per step
@@ -124,9 +129,10 @@ class Run:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 dp.after_step(opt)
+                # (here: an asynchronous step runs after rp.step returns)
+                self.buffer_ptrs.append([t.data_ptr() for t in self.kept_buffers()])
 
-            self.rp.step(step, is_async=False)
-            self.buffer_ptrs.append([t.data_ptr() for t in self.kept_buffers()])
+            self.rp.step(step, is_async=self.is_async)
         self.rp.synchronize()
 
     def kept_buffers(self) -> list[torch.Tensor]:
@@ -153,7 +159,9 @@ class Run:
     def bytes_held(self) -> dict[str, int]:
         masters = self.rp.masters  # the separate fp32 copies (none where shared)
         shards = self.world if self.dp.shard_host_state else 1
-        budget = estimate_host_memory(self.rp, optimizer=[self.opt], state_shards=shards)
+        budget = estimate_host_memory(
+            self.rp, optimizer=[self.opt], state_shards=shards, async_step=self.is_async
+        )
         return {
             "budget_optimizer_state": budget.optimizer_state,
             "optimizer_state": D.state_bytes(self.opt),
@@ -186,6 +194,7 @@ def run_equiv(rank: int, world: int, out: Path) -> None:
                     "norms": run.norms,
                     "bytes": run.bytes_held(),
                     "in_sync": D.params_in_sync(run.rp),
+                    "released": len(run.rp.masters.released),
                 }
                 if sharded:
                     info[name]["owned"] = len(run.dp.shard(run.opt).owned)

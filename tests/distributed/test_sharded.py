@@ -3,10 +3,11 @@
 * Same numbers: after several AdamW steps with gradient accumulation and clipping by
   the global norm, the sharded weights equal the unsharded data-parallel ones within
   1e-6 (relative), with shared masters (fp32) and with separate ones (a bf16 model, fp32
-  masters: the masters within 1e-6, every rank's weights its owner's master rounded).
-  An asynchronous step with sharded masters is refused.
+  masters: the masters within 1e-6, every rank's weights its owner's master rounded),
+  and asynchronously (separate fp32 masters, every rank keeping all of them: one step
+  stale, as unsharded). A synchronous attach refuses an asynchronous step, naming the fix.
 * Memory: each rank's masters + optimizer state (counted in bytes) are 1/N of the
-  unsharded ones (+5 %), the shards add up to the whole, and the gradients a rank keeps
+  unsharded ones (+5 %) -- asynchronous: the optimizer state 1/N, the masters whole --, the shards add up to the whole, and the gradients a rank keeps
   after the reduction are its share only.
 * Faults: a rank that dies mid-backward ends the others with an error naming them.
 """
@@ -30,7 +31,7 @@ WORKER = Path(__file__).with_name("_shard_worker.py")
 PG_TIMEOUT_S = 10.0
 STARTUP_ALLOWANCE_S = 60.0  # four processes importing torch on a loaded 2-core box
 MAX_NORM = 0.05  # as _shard_worker.MAX_NORM
-MODES = ("sync", "separate")
+MODES = ("sync", "separate", "async")
 
 
 def _fail_with_logs(procs, why: str) -> None:
@@ -94,13 +95,28 @@ def test_sharded_weights_equal_unsharded(trained, mode: str) -> None:
 
 
 @pytest.mark.timeout(240)
+def test_async_sharded_is_one_step_stale(trained) -> None:
+    """The asynchronous run computes with weights one step stale: its norms from the
+    second step on differ from the synchronous run's, the first step's do not; sharded
+    as unsharded (the equality above), with no master released."""
+    world, _, infos = trained
+    sync, stale = infos[0]["sync_sharded"]["norms"], infos[0]["async_sharded"]["norms"]
+    assert sync[0] == pytest.approx(stale[0], rel=1e-6)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(sync[1:], stale[1:]))
+    for rank in range(world):
+        assert infos[rank]["async_sharded"]["released"] == 0
+        assert infos[rank]["separate_sharded"]["released"] > 0
+
+
+@pytest.mark.timeout(240)
 def test_async_step_is_refused_where_masters_are_sharded(trained) -> None:
     """The released masters' values reach the model inside the step: an asynchronous
-    step would write them under the next call, so it is refused, naming the fix."""
+    step would write them under the next call, so it is refused, naming the fixes."""
     world, _, infos = trained
     for rank in range(world):
         why = infos[rank]["separate_sharded"]["async_refused"]
         assert "pass is_async=False" in why and "async_step=False" in why, why
+        assert "attach(rp, optimizers, async_step=True)" in why, why
 
 
 @pytest.mark.timeout(240)
@@ -114,8 +130,10 @@ def test_each_rank_holds_its_share_of_the_state(trained, mode: str) -> None:
     for rank, b in enumerate(shares):
         assert b["optimizer_state"] <= bound * whole["optimizer_state"], (rank, b, whole)
         assert b["grads_after_reduce"] <= bound * whole["grads_after_reduce"], (rank, b, whole)
-        # masters + optimizer state: this rank's share (none of their own where shared)
-        assert b["optimizer_state"] + b["separate_masters"] <= bound * whole_state, (b, whole)
+        if mode == "async":  # every rank keeps all masters: the all-gather writes them
+            assert b["separate_masters"] == whole["separate_masters"] > 0, (b, whole)
+        else:  # masters + optimizer state: this rank's share (none of their own if shared)
+            assert b["optimizer_state"] + b["separate_masters"] <= bound * whole_state, b
         # the host-memory budget's lines for this rank (state_shards=N) predict them
         assert abs(b["optimizer_state"] / b["budget_optimizer_state"] - 1) <= 0.05, b
         assert abs(b["separate_masters"] - b["budget_masters"]) <= 0.05 * whole_state, b
@@ -178,7 +196,9 @@ def _union(out: Path, name: str, world: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "mode, worlds", [("sync", (2, 1, 4)), ("separate", (2, 1))], ids=["sync", "separate"]
+    "mode, worlds",
+    [("sync", (2, 1, 4)), ("separate", (2, 1)), ("async", (2, 1))],
+    ids=["sync", "separate", "async"],
 )
 def test_sharded_checkpoint_resumes_on_any_rank_count(
     tmp_path: Path, mode: str, worlds: tuple[int, ...]
@@ -186,7 +206,9 @@ def test_sharded_checkpoint_resumes_on_any_rank_count(
     """2 ranks save one shard each; the 2-rank resume is bit-exact, 1 and 4 ranks restore
     the state exactly and continue within 1e-6; a corrupted shard is named by its rank.
     ``separate``: a bf16 model whose fp32 masters are sharded too (each shard holds its
-    rank's masters, restored exactly wherever they are owned now)."""
+    rank's masters, restored exactly wherever they are owned now); ``async``: separate
+    fp32 masters, every rank keeping all of them and stepping asynchronously (the shards
+    hold each owner's; loading broadcasts them into every rank's masters)."""
     ckpt = tmp_path / "shards"
     (tmp_path / "save").mkdir()
     procs = launch(
@@ -227,7 +249,7 @@ def test_sharded_checkpoint_resumes_on_any_rank_count(
             for k, v in continued.items():
                 if world == 2:
                     assert torch.equal(resumed[k], v), f"{k}: 2-rank resume is not bit-exact"
-                elif mode == "sync":
+                elif mode != "separate":
                     assert rel_err(resumed[k], v) <= 1e-6, (world, k)
                 # (separate, another rank count: a bf16 model's gradients of another
                 # batch split differ by bf16 rounding, ~1e-3; the restored state is
@@ -237,7 +259,7 @@ def test_sharded_checkpoint_resumes_on_any_rank_count(
         for k, v in continued_masters.items():
             if world == 2:
                 assert torch.equal(resumed_masters[k], v), f"{k}: master not bit-exact"
-            elif mode == "sync":
+            elif mode != "separate":
                 assert rel_err(resumed_masters[k], v) <= 1e-6, (world, k)
         assert entries == 16  # every parameter's state, each on one rank only
 
