@@ -183,6 +183,11 @@ def test_finetune_example_init_from_runs_no_code(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+# The example loads its model quantized through transformers, which asks CUDA for a
+# device whenever it reports one; under fake CUDA (a torch without CUDA) that fails
+# before RoundPipe runs. What the fake GPU sees of a 4-bit model is tested in
+# tests/presets/test_qlora_on_the_wire.py; this test is about the example training.
+@pytest.mark.cpu_backend
 def test_qlora_example_trains_adapters_over_an_unchanged_4bit_base(
     capsys: pytest.CaptureFixture,
 ) -> None:
