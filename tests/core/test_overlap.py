@@ -123,16 +123,24 @@ class _Slow(nn.Module):
     """A layer with a fixed floor of compute time, so stages are long enough to
     see the ordering of jobs from different iterations."""
 
-    def __init__(self, width=12):
+    def __init__(self, width=12, in_width=None, delay=0.002):
         super().__init__()
-        self.lin = nn.Linear(width, width)
+        self.lin = nn.Linear(in_width or width, width)
+        self.delay = delay
 
     def forward(self, x):
-        time.sleep(0.002)
+        time.sleep(self.delay)
         return torch.tanh(self.lin(x))
 
 
-@pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers
+# fused stage 4-5 (job 1), then backward stages of one layer each; on three workers,
+# round-robin puts iteration k+1's forward (job 0) on worker 0, free once k's job 3 is
+# done, while k's last two backward stages (layers 1 and 0) still run on workers 1 and 2
+OVERLAP_PLAN = ModelExecutePlan(
+    [range(0, 4)], [range(4, 6), range(3, 4), range(2, 3), range(1, 2), range(0, 1)]
+)
+
+
 def test_next_iteration_starts_before_the_previous_one_ends(monkeypatch):
     # the overlap of a backend whose uploads copy (CUDA): a CPU worker computes on the
     # host weights instead, so a newer version waits until its stage is released
@@ -142,12 +150,16 @@ def test_next_iteration_starts_before_the_previous_one_ends(monkeypatch):
 
     monkeypatch.setattr(CPUWorker, "lend_in", Worker.lend_in)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 12), *[_Slow() for _ in range(4)], nn.Linear(12, 4))
+    # layers 0 and 1 are the slow ones: k's backward still has tens of milliseconds to
+    # run after worker 0 is free, a margin that scheduling noise on a loaded host does
+    # not close (with equal layers it was a few milliseconds, and CI once lost it)
+    slow_tail = [_Slow(in_width=8, delay=0.01), _Slow(delay=0.01)]
+    model = nn.Sequential(*slow_tail, *[_Slow() for _ in range(3)], nn.Linear(12, 4))
     # separate masters: the asynchronous step lets iteration k+1 start under k's backward
     rp = RoundPipe(
         model,
         devices="cpu:3",
-        model_run_config=RoundPipeRunConfig(num_microbatch=4),
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=OVERLAP_PLAN),
         shared_masters=False,
     )
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.01)
@@ -164,6 +176,9 @@ def test_next_iteration_starts_before_the_previous_one_ends(monkeypatch):
         def spans(p, kinds):
             return [(s, e) for job, _, s, e in p.job_spans if job.kind in kinds]
 
+        for p in pending:  # the premise: the round-robin placement described at the plan
+            worker = {job.index: w for job, w, _, _ in p.job_spans}
+            assert worker[0] == worker[3] and len({worker[0], worker[4], worker[5]}) == 3
         for a, b in zip(pending, pending[1:]):
             last = max(job.index for job, *_ in a.job_spans)
             last_end = next(e for job, _, _, e in a.job_spans if job.index == last)
