@@ -469,7 +469,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             mbs = split.parts
             plan = self._plan(run_config, RunType.FUSED, cfg, split)
             labels = self._split_label(cfg, label, split)
-            jobs = build_schedule(plan, RunType.FUSED, self.num_devices, len(mbs))
+            jobs = self._fused_schedule(plan, len(mbs))
             # gradients wait in the call's buffer: a call that fails leaves .grad as it was
             buffer = GradBuffer(self._home().masters.master_of, self.pool.cuda_workers == 0)
             # uploads wait per layer for a step's weights still being copied; a failed
@@ -563,9 +563,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         """Schedule, submit and track one non-blocking call (under the call lock)."""
         # continue round-robin where the previous call stopped: the device that ran its
         # last job is the last to become free, so this call's first job goes elsewhere
-        jobs = build_schedule(
-            plan, RunType.FUSED, self.num_devices, len(split.parts), start_device=call.start_device
-        )
+        jobs = self._fused_schedule(plan, len(split.parts), call.start_device)
         reader = call.reserve([j.layers for j in jobs], self.num_devices)
         buffer = GradBuffer(self.masters.master_of, self.pool.cuda_workers == 0)
         timer = DeferredTimer()

@@ -16,8 +16,9 @@ from .checks import PlanFitChecker
 from .config import RoundPipeRunConfig
 from .kinds import RunType, parse_kind
 from .planning.plan import ModelExecutePlan, default_num_microbatch
-from .planning.planner import ReplanDecision, decide_replan
+from .planning.planner import ReplanDecision, decide_replan, fused_replicas
 from .planning.profile import profile_of
+from .planning.schedule import Job, build_schedule
 from .running.devices.pool import DevicePool
 from .running.timer import ModelTimer
 
@@ -77,6 +78,22 @@ class PlanChoice:
         then ``model_run_config.execute_plan``, then ``default_plan``.
         """
         return self._resolve_plan(parse_kind(RunType, run_type, "run_type"), run_config)
+
+    def _fused_schedule(
+        self, plan: ModelExecutePlan, num_microbatch: int, start_device: int = 0
+    ) -> list[Job]:
+        """The job list of a ``forward_backward`` call of ``plan``: its one stage as one
+        job per CPU worker at once where the pool's workers compute side by side and the
+        stage may be replicated (:func:`~roundpipe_core.planning.planner.fused_replicas`)."""
+        replicas = fused_replicas(self, plan, num_microbatch)
+        return build_schedule(
+            plan,
+            RunType.FUSED,
+            self.num_devices,
+            num_microbatch,
+            start_device=start_device,
+            replicas=replicas,
+        )
 
     def _resolve_plan(
         self,

@@ -46,6 +46,7 @@ __all__ = [
     "predicted_speedup",
     "ReplanDecision",
     "decide_replan",
+    "fused_replicas",
     "search_plans",
     "simulated_iteration_ms",
     "stage_times",
@@ -221,7 +222,9 @@ def auto(
     if concurrent is False:
         fewest = search_plans(rt, profiles, 1, cap, fewest_stages=True)
         if overlap and rt == RunType.FUSED and num_devices == 2:
-            return _split_or_fewest(fewest.plans[0], profiles[0], num_microbatch)
+            return _split_or_fewest(
+                fewest.plans[0], profiles[0], num_microbatch, _replicable(models[0])
+            )
         return fewest.plans[0] if len(models) == 1 else fewest.plans
     result = search_plans(
         rt,
@@ -250,6 +253,33 @@ def _cpu_overlap(model: Any) -> bool:
     return not pool.stages_draw(layers)
 
 
+def _replicable(model: Any) -> bool:
+    """Whether ``model``'s one-stage fused plan may run as one job per CPU worker at once
+    (:func:`fused_replicas`), before its draws are known: :func:`_cpu_overlap`, and no
+    layer has buffers (a forward may write them, BatchNorm's running statistics: two
+    replicas would update them in another order than one stage does)."""
+    if not _cpu_overlap(model):
+        return False
+    return not any(True for layer in model.layers for _ in layer.buffers())
+
+
+def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:
+    """How many jobs at once a "fused" call of ``plan`` runs its stage as
+    (``build_schedule(replicas=...)``): one per CPU worker where the plan is one stage,
+    the call has at least two microbatches, :func:`_replicable` holds and the stage was
+    seen to compute without drawing random numbers (``pool.stage_shares_cores``: a stage
+    that draws, or whose draws are not known yet, runs as one job); else 1."""
+    if plan.fwd_plan or len(plan.bwd_plan) != 1 or num_microbatch < 2:
+        return 1
+    workers = int(getattr(model, "num_devices", 1) or 1)
+    if workers < 2 or not _replicable(model):
+        return 1
+    r = plan.bwd_plan[0]
+    if not model.pool.stage_shares_cores(model.layers, "fused", r.start, r.stop):
+        return 1
+    return workers
+
+
 def split_plan(num_layers: int, split: int) -> ModelExecutePlan:
     """The two-worker plan of a CPU pool whose workers overlap: forward ``[0, split)``,
     the fused stage ``[split, L)`` beside it on the other worker, then the backward of
@@ -258,18 +288,28 @@ def split_plan(num_layers: int, split: int) -> ModelExecutePlan:
 
 
 def cpu_iteration_ms(
-    plan: ModelExecutePlan, profile: LayerProfile, num_devices: int, num_microbatch: int
+    plan: ModelExecutePlan,
+    profile: LayerProfile,
+    num_devices: int,
+    num_microbatch: int,
+    replicated: bool = False,
 ) -> float:
     """A "fused" iteration on CPU workers that overlap: a plan with one job computes alone
     (all cores, the profile's times); a plan whose jobs run on several workers is
     simulated with them computing at once, each stage :data:`SHARED_CORES_SLOWDOWN` times
-    slower on its share of the cores."""
+    slower on its share of the cores. ``replicated``: the one-stage plan runs as one job
+    per worker at once (:func:`fused_replicas`), each on its slice of the microbatches
+    :data:`SHARED_CORES_SLOWDOWN` times slower: the longest slice's time."""
     jobs = len(plan.fwd_plan) + len(plan.bwd_plan)
+    f = SHARED_CORES_SLOWDOWN
+    if jobs == 1 and replicated and num_devices > 1 and num_microbatch > 1:
+        alone = simulated_iteration_ms(plan, profile, RunType.FUSED, 1, 1, concurrent=False)
+        longest = -(-num_microbatch // min(num_devices, num_microbatch))
+        return alone * f * longest
     if jobs == 1 or num_devices == 1:
         return simulated_iteration_ms(
             plan, profile, RunType.FUSED, num_devices, num_microbatch, concurrent=False
         )
-    f = SHARED_CORES_SLOWDOWN
     slowed = LayerProfile(
         fwd_ms=[t * f for t in profile.fwd_ms],
         bwd_ms=[t * f for t in profile.bwd_ms],
@@ -281,15 +321,20 @@ def cpu_iteration_ms(
 
 
 def _split_or_fewest(
-    fewest: ModelExecutePlan, profile: LayerProfile, num_microbatch: int
+    fewest: ModelExecutePlan,
+    profile: LayerProfile,
+    num_microbatch: int,
+    replicated: bool = False,
 ) -> ModelExecutePlan:
     """On two overlapping CPU workers: the fastest of the one-stage plan (when memory
-    allows one stage) and every :func:`split_plan`, by :func:`cpu_iteration_ms`; the
-    one-stage plan on ties and whenever memory forces several stages."""
+    allows one stage; ``replicated``: run as one job per worker, see
+    :func:`cpu_iteration_ms`) and every :func:`split_plan`, by :func:`cpu_iteration_ms`;
+    the one-stage plan on ties and whenever memory forces several stages."""
     n = profile.num_layers
     if fewest.fwd_plan or len(fewest.bwd_plan) != 1 or n < 2:
         return fewest
-    best, best_ms = fewest, cpu_iteration_ms(fewest, profile, 2, num_microbatch)
+    best_ms = cpu_iteration_ms(fewest, profile, 2, num_microbatch, replicated)
+    best = fewest
     for split in range(1, n):
         cand = split_plan(n, split)
         ms = cpu_iteration_ms(cand, profile, 2, num_microbatch)
@@ -351,8 +396,9 @@ def predicted_speedup(
         plan.check_valid(prof.num_layers, rt, num_devices)
     if not concurrent and rt == RunType.FUSED and _cpu_overlap(model):
         # the device model the CPU pool's plans were chosen by (see auto)
-        old = cpu_iteration_ms(current, prof, num_devices, num_microbatch)
-        new = cpu_iteration_ms(candidate, prof, num_devices, num_microbatch)
+        rep = _replicable(model)
+        old = cpu_iteration_ms(current, prof, num_devices, num_microbatch, rep)
+        new = cpu_iteration_ms(candidate, prof, num_devices, num_microbatch, rep)
         return old / new if new > 0 else (1.0 if old == 0 else math.inf)
     old = simulated_iteration_ms(
         current, prof, rt, num_devices, num_microbatch, overlap_iterations, concurrent

@@ -55,6 +55,10 @@ class Job:
         microbatches: the microbatch indices, run in this order.
         stage: index of the stage in its plan (``fwd_plan`` for forward jobs,
             ``bwd_plan`` for fused/backward jobs).
+        replica / replicas: a stage run as ``replicas`` jobs at once, each on its own
+            contiguous slice of the microbatches on its own device (the one-stage fused
+            plan on overlapping CPU workers, :func:`build_schedule`), and which of them
+            this is (its slice's order; 0 of 1 for every other job).
     """
 
     index: int
@@ -63,6 +67,8 @@ class Job:
     device: int
     microbatches: range
     stage: int
+    replica: int = 0
+    replicas: int = 1
     # the text form, made once: the runtime names every transfer it records by it
     _code: str = field(init=False, repr=False, compare=False)
 
@@ -125,6 +131,7 @@ def build_schedule(
     num_microbatch: int,
     phase: str = "all",
     start_device: int = 0,
+    replicas: int = 1,
 ) -> list[Job]:
     """Build the launch-ordered job list of one iteration.
 
@@ -138,6 +145,11 @@ def build_schedule(
             and backward phases as two separate schedules.
         start_device: round-robin offset of the first job (the backward phase of
             "train" continues where its forward phase stopped).
+        replicas: where the schedule is one fused job (a one-stage "fused" plan with no
+            owner), run it as this many jobs at once instead (at most one per device and
+            per microbatch), each on the next contiguous slice of the microbatches (the
+            first ones one longer when they do not divide evenly), on devices
+            ``start_device``, ``start_device + 1``, ... Every other schedule ignores it.
     """
     rt = parse_kind(RunType, run_type, "run_type")
     if num_devices < 1:
@@ -162,11 +174,32 @@ def build_schedule(
         owners = plan.bwd_owners
         for i, r in enumerate(plan.bwd_plan):
             entries.append((BACKWARD, r, i, owners[i] if owners else None))
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+    count = min(replicas, num_devices, num_microbatch)
+    if count > 1 and len(entries) == 1 and entries[0][0] == FUSED and entries[0][3] is None:
+        _, r, stage, _ = entries[0]
+        return [
+            Job(k, FUSED, r, (start_device + k) % num_devices, part, stage, k, count)
+            for k, part in enumerate(_slices(num_microbatch, count))
+        ]
     jobs = []
     for k, (kind, r, stage, owner) in enumerate(entries):
         device = owner if owner is not None else (start_device + k) % num_devices
         jobs.append(Job(k, kind, r, device, mbs, stage))
     return jobs
+
+
+def _slices(num_microbatch: int, count: int) -> list[range]:
+    """``range(num_microbatch)`` cut into ``count`` contiguous slices, the first ones one
+    longer where it does not divide evenly: 3 on 2 -> ``[0, 1], [2]``."""
+    base, extra = divmod(num_microbatch, count)
+    out, start = [], 0
+    for k in range(count):
+        stop = start + base + (1 if k < extra else 0)
+        out.append(range(start, stop))
+        start = stop
+    return out
 
 
 def boundary_layers(plan: ModelExecutePlan, run_type: RunType | str) -> set[int]:

@@ -28,6 +28,7 @@ from ..planning.schedule import Job
 from .activations import HostOutputs, input_and_grad_to_device
 from .devices.base import Worker
 from .devices.pool import PoolError
+from .replicas import JobGrads, replica_microbatches
 from .streams import ComputeScope, record_stream_start, replay_seed, seed_stream
 from .timer import JobClock
 from .transfer import (
@@ -35,7 +36,6 @@ from .transfer import (
     StageReplica,
     WeightGate,
     batched_sink,
-    download_grads,
     grads_to_host,
     release_stage,
     to_device,
@@ -80,6 +80,7 @@ class PipelineRun:
         self.boundaries = boundaries
         self.grad_sink = grad_sink
         self.grad_sink_many = batched_sink(grad_sink)  # one call per job where it can
+        self.job_grads = JobGrads(grad_sink, self.grad_sink_many)  # replicas: in slice order
         self.timer = timer
         self.preserve_rng_state = preserve_rng_state
         self.recompute_grain = recompute_grain
@@ -569,13 +570,13 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                     runner(run, job, stage, worker, mb, clock)
                 if job.kind != JobKind.FORWARD:  # fused and backward jobs made gradients
                     t0 = time.perf_counter()
-                    download_grads(stage, run.grad_sink, run.grad_sink_many)
+                    run.job_grads.download(job, stage)
                     clock.transfer("gradient", f"{job} grads", t0)
                     if run.grads_done is not None:
                         run.grads_done(job)
                 if job.kind != JobKind.BACKWARD:  # a real forward may have written buffers
                     write_back_buffers(stage)
-                busy = clock.end_job(len(job.microbatches))
+                busy = clock.end_job(replica_microbatches(job))
                 end = time.perf_counter()
                 clock.job_times.append((job, worker.index, busy))
                 clock.job_spans.append((job, worker.index, start, end))

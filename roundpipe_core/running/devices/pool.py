@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .base import Worker
-from .cpu import _GATE, CPUWorker, concurrent_cpu_from_env
+from .cpu import _GATE, CLEAN_RUNS_BEFORE_SHARING, CPUWorker, concurrent_cpu_from_env
 
 __all__ = [
     "DEFAULT_CPU_DEVICES",
@@ -204,6 +204,17 @@ class DevicePool:
         """Whether a stage starting at one of these host layers was seen to draw from the
         CPU generator (it then runs alone, whatever ``cpu_overlap`` says)."""
         return _GATE.draws_seen(layers)
+
+    def stage_shares_cores(self, layers: Sequence[Any], kind: str, start: int, stop: int) -> bool:
+        """Whether the ``kind`` stage of ``layers[start:stop]`` (host layers, in their
+        current train/eval mode) computes beside other stages: ``cpu_overlap``, and the
+        stage ran alone without drawing random numbers in enough microbatches
+        (``cpu.CLEAN_RUNS_BEFORE_SHARING``). Until then, or once it drew, it runs alone."""
+        if not self.cpu_overlap:
+            return False
+        owner = layers[start]
+        runs = _GATE.runs_without_draw(owner, (kind, start, stop, owner.training))
+        return runs >= CLEAN_RUNS_BEFORE_SHARING
 
     @property
     def cuda_workers(self) -> int:
