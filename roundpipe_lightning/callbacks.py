@@ -235,7 +235,8 @@ class StageTimeLogger(Callback):
     * ``layer_XX/fwd_ms``, ``layer_XX/re_ms``, ``layer_XX/bwd_ms``: the layer timer's
       moving averages for one microbatch (``log_layers=False`` turns them off);
     * ``stage/<kind><stage>_ms``: busy time of each job of the last pipelined call,
-      all its microbatches (``fused0``, ``forward0``, ``backward2``, ...);
+      all its microbatches (``fused0``, ``forward0``, ``backward2``, ...; a stage run
+      as one job per CPU worker at once, ``Job.replicas``, adds up its jobs' times);
     * ``device_D/busy_ms``: busy time of device ``D`` in that call;
     * ``call_ms``: the call's wall time (``RoundPipe.last_call_ms``);
     * ``bubble_ratio``: ``1 - sum(busy) / (call_ms x devices)``;
@@ -386,7 +387,8 @@ class StageTimeLogger(Callback):
         run_type = "fused" if "fused" in kinds else ("train" if "backward" in kinds else "infer")
         if run_type == "train":
             return None  # forward and backward phases ran as separate calls
-        mbs = len(jobs[0].microbatches)
+        # the call's microbatches (a stage run as several jobs at once splits them)
+        mbs = max(j.microbatches.stop for j in jobs)
         timer = rp.model_timer
         try:
             return simulate(
@@ -405,7 +407,9 @@ class StageTimeLogger(Callback):
 
 
 def _plan_of(jobs: list[Any]) -> ModelExecutePlan:
-    """The plan a schedule ran, read back from its jobs (stage order within each pass)."""
-    fwd = sorted((j for j in jobs if j.kind == "forward"), key=lambda j: j.stage)
-    bwd = sorted((j for j in jobs if j.kind != "forward"), key=lambda j: j.stage)
+    """The plan a schedule ran, read back from its jobs (stage order within each pass;
+    a stage run as several jobs at once, ``Job.replicas``, is one stage of the plan)."""
+    first = [j for j in jobs if j.replica == 0]
+    fwd = sorted((j for j in first if j.kind == "forward"), key=lambda j: j.stage)
+    bwd = sorted((j for j in first if j.kind != "forward"), key=lambda j: j.stage)
     return ModelExecutePlan([j.layers for j in fwd], [j.layers for j in bwd])
