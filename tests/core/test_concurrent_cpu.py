@@ -297,9 +297,11 @@ def test_overlapping_workers_split_the_model_only_where_it_pays() -> None:
     assert _split_or_fewest(forced, prof, 16) == forced
 
 
-def _uniform_rp() -> RoundPipe:
+def _uniform_rp(buffer: bool = False) -> RoundPipe:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(16)])
+    if buffer:  # a layer with a buffer: its one stage cannot be replicated
+        model[3].register_buffer("unused", torch.zeros(1), persistent=False)
     return RoundPipe(model, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=16))
 
 
@@ -313,7 +315,13 @@ def test_the_default_plan_overlaps_only_on_a_concurrent_pool_of_stages_that_do_n
     finally:
         serial.close()
     monkeypatch.setenv("ROUNDPIPE_CPU_CONCURRENT", "1")
-    rp = _uniform_rp()
+    # the one stage as one job per worker at once beats every split plan
+    replicable = _uniform_rp()
+    try:
+        assert replicable.plan_for("fused") == ONE_STAGE
+    finally:
+        replicable.close()
+    rp = _uniform_rp(buffer=True)
     try:
         plan = rp.plan_for("fused")
         assert plan.fwd_plan and plan == split_plan(16, plan.fwd_plan[0].stop)
@@ -350,20 +358,29 @@ class _OtherThreadDraws(nn.Module):
 
 
 @pytest.mark.usefixtures("concurrent_env")
-@pytest.mark.parametrize("plan", [ModelExecutePlan([], [range(0, 4)]), SPLIT], ids=["one", "split"])
+@pytest.mark.parametrize(
+    ("plan", "overlap"),
+    [(ModelExecutePlan([], [range(0, 4)]), False), (ModelExecutePlan([], [range(0, 4)]), True)]
+    + [(SPLIT, True)],
+    ids=["one-alone", "one-replicated", "split"],
+)
 def test_another_thread_drawing_stops_only_a_call_whose_stages_overlap(
-    plan: ModelExecutePlan,
+    plan: ModelExecutePlan, overlap: bool
 ) -> None:
     armed = {"on": False}
     torch.manual_seed(3)
     model = nn.Sequential(*[_OtherThreadDraws(6, armed) for _ in range(4)])
+    if not overlap:
+        # a buffer (unused) keeps the one stage one job (test_replicated_stage.py): alone
+        model[1].lin.register_buffer("unused", torch.zeros(1), persistent=False)
     x, y = _data()
     rp = RoundPipe(copy.deepcopy(model), devices="cpu:2")
     try:
         _call(rp, x, y, plan)
         _call(rp, x, y, plan)  # every stage seen not to draw
+        assert (len(rp.last_schedule) > 1) is overlap
         armed["on"] = True
-        if plan.fwd_plan:  # stages side by side: the draw is seen and stops the call
+        if overlap:  # stages side by side: the draw is seen and stops the call
             with pytest.raises(UnexpectedDrawError):
                 _call(rp, x, y, plan)
             return
