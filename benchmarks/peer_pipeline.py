@@ -27,7 +27,8 @@ Every variant gets 2 CPU threads in total:
   ``step(update, is_async=False)`` over ``optim_parameters()``;
 * ``rp cpu:2 overlap``: the same with ``ROUNDPIPE_CPU_CONCURRENT=1`` for its pool (CPU
   workers compute stages that draw no random numbers side by side; the default plan
-  then weighs the split plans against the one-stage plan).
+  then weighs the split plans against the one-stage plan, which runs as one job per
+  worker at once, half the microbatches each, once its stage was seen not to draw).
 
 Before timing, every variant runs one step and prints its step-0 loss; they must
 agree (relative 1e-5), else the benchmark stops: the variants do the same
@@ -37,7 +38,8 @@ every variant in turn (the order rotates per round, ``benchmarks/_interleave.py`
 
 Printed: median ms per step and [p25..p75] over rounds, each variant's ratio to
 ``plain`` per round (median and spread), and the targets of issue 22: RoundPipe on
-``cpu:2`` at most 1.0x the 1F1B peer and at most 1.05x RoundPipe on ``cpu:1``.
+``cpu:2`` at most 1.0x the 1F1B peer and at most 1.05x RoundPipe on ``cpu:1``; then
+the jobs each RoundPipe variant's last call ran.
 """
 
 from __future__ import annotations
@@ -131,7 +133,9 @@ def _plain(shape: Shape, checkpointed: bool) -> Runner:
 
 def _roundpipe(
     shape: Shape, devices: str, overlap: bool = False
-) -> tuple[Runner, Callable[[], None]]:
+) -> tuple[Runner, Callable[[], None], Callable[[], str]]:
+    """The variant's runner, its ``close`` and what its last call ran (its jobs: stage
+    kind device, layers, microbatches)."""
     from roundpipe_core import RoundPipe, RoundPipeRunConfig
 
     before = os.environ.get(CONCURRENT_ENV)
@@ -163,7 +167,14 @@ def _roundpipe(
                 first = float(loss)
         return first
 
-    return run, rp.close
+    def ran() -> str:
+        return " ".join(
+            f"{j.code}[layers {j.layers.start}-{j.layers.stop - 1}, "
+            f"mb {j.microbatches.start}-{j.microbatches.stop - 1}]"
+            for j in rp.last_schedule
+        )
+
+    return run, rp.close, ran
 
 
 def _peer_rank(rank: int, shape: Shape, store: str, conn: Connection) -> None:
@@ -353,11 +364,11 @@ def main() -> None:
     torch.set_num_threads(2)
     closers: list[Callable[[], None]] = [peer.close]
     try:
-        rp1, close1 = _roundpipe(shape, "cpu:1")
+        rp1, close1, ran1 = _roundpipe(shape, "cpu:1")
         closers.append(close1)
-        rp2, close2 = _roundpipe(shape, "cpu:2")
+        rp2, close2, ran2 = _roundpipe(shape, "cpu:2")
         closers.append(close2)
-        rp2o, close2o = _roundpipe(shape, "cpu:2", overlap=True)
+        rp2o, close2o, ran2o = _roundpipe(shape, "cpu:2", overlap=True)
         closers.append(close2o)
         runners: dict[str, Runner] = {
             "plain": _plain(shape, checkpointed=False),
@@ -381,6 +392,7 @@ def main() -> None:
             return call
 
         timings = interleave({name: timed(name) for name in runners}, rounds=args.rounds, warmup=0)
+        ran = {"rp cpu:1": ran1(), "rp cpu:2": ran2(), "rp cpu:2 overlap": ran2o()}
     finally:
         for close in reversed(closers):
             close()
@@ -413,6 +425,8 @@ def main() -> None:
         f"rp cpu:2 overlap / peer 1F1B: {statistics.median(overlap):.2f} [{lo:.2f}..{hi:.2f}] "
         f"per round (ROUNDPIPE_CPU_CONCURRENT=1; not a target)"
     )
+    for name, jobs in ran.items():
+        print(f"{name} ran: {jobs}")
 
 
 if __name__ == "__main__":
