@@ -451,3 +451,26 @@ def test_finetune_example_writes_traces(tmp_path: Path, monkeypatch: pytest.Monk
     trace = json.loads((tmp_path / "tr" / "step_00000009.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert [e.step for e in _events(tmp_path).Images("roundpipe/timeline")] == [9]
+
+
+def test_a_stage_run_as_one_job_per_worker_is_simulated_as_its_plan() -> None:
+    """``ROUNDPIPE_CPU_CONCURRENT=1`` runs a one-stage plan as one fused job per worker,
+    each on its slice of the microbatches (``Job.replicas``): the simulated iteration is
+    that of the plan over all the call's microbatches, as for the stage run as one job."""
+    from types import SimpleNamespace
+
+    from roundpipe_core.planning.schedule import build_schedule
+    from roundpipe_core.running.timer import ModelTimer
+
+    plan = ModelExecutePlan([], [range(0, 3)])
+    timer = ModelTimer([nn.Linear(2, 2) for _ in range(3)])
+
+    def fake_rp(replicas: int) -> Any:
+        jobs = build_schedule(plan, "fused", 2, 4, replicas=replicas)
+        pool = SimpleNamespace(concurrent=False)
+        return SimpleNamespace(last_schedule=jobs, model_timer=timer, num_devices=2, pool=pool)
+
+    one = StageTimeLogger._simulate(fake_rp(1))
+    replicated = StageTimeLogger._simulate(fake_rp(2))
+    assert one is not None and replicated is not None
+    assert replicated.makespan_ms == pytest.approx(one.makespan_ms)
