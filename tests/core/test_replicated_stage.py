@@ -85,6 +85,31 @@ def test_the_stage_runs_on_both_workers_at_once_with_plain_pytorch_gradients() -
 
 
 @pytest.mark.usefixtures("concurrent_env")
+def test_outputs_and_mean_losses_come_back_per_microbatch_from_both_replicas() -> None:
+    model = mlp()
+    x, y = _data()
+    ref = copy.deepcopy(model)
+    ref_out = ref(x)
+    ref_loss = sum(sum_sq(o, t) / len(o) for o, t in zip(ref_out.chunk(4), y.chunk(4))) / 4
+    ref_loss.backward()
+    rp = _rp(copy.deepcopy(model))
+    try:
+        _warm(rp, x, y)
+        for p in rp.optim_parameters():
+            p.grad = None
+        mean_sq = lambda o, t: sum_sq(o, t) / len(o)  # noqa: E731
+        loss, out = rp.forward_backward(
+            (x,), label=y, loss_fn=mean_sq, return_outputs=True, loss_reduction="mean"
+        )
+        assert len(_fused_jobs(rp)) == 2
+        assert_close_rel(out, ref_out.detach(), what="outputs")
+        assert_close_rel(loss, ref_loss.detach(), what="loss")
+        assert_grads_match(rp, {n: p.grad for n, p in ref.named_parameters()})
+    finally:
+        rp.close()
+
+
+@pytest.mark.usefixtures("concurrent_env")
 def test_an_odd_microbatch_count_splits_unevenly_and_stays_exact() -> None:
     model = mlp()
     x, y = _data(rows=6)
