@@ -139,7 +139,8 @@ class Run:
         """The flat buffers the reduction (sharded or not) and the all-gather keep between
         steps."""
         shard = self.dp.shard(self.opt)
-        ring = self.dp._reducers[id(self.opt)].kept_buffers()
+        reducer = self.dp._reducers.get(id(self.opt))  # (none in one process)
+        ring = [] if reducer is None else reducer.kept_buffers()
         return ring + ([] if shard is None else list(shard._gather_flat.values()))
 
     def params(self) -> dict[str, torch.Tensor]:
