@@ -83,8 +83,9 @@ class DataParallel:
         overlap: start reducing buckets from the grad hook during the last backward.
             Used when there is a single optimizer (with several, the steps of manual
             optimization each reduce their own parameters at ``reduce()``).
-        bucket_bytes: gradient bytes per all-reduce (a rank keeps up to
-            ``REDUCE_IN_FLIGHT + 1`` = 3 buffers of the largest bucket per optimizer).
+        bucket_bytes: gradient bytes per all-reduce (each optimizer's reducer keeps up
+            to ``REDUCE_IN_FLIGHT + 1`` = 3 flat buffers per gradient dtype, none larger
+            than its largest bucket).
         timeout: process-group timeout (seconds / ``timedelta``; default
             ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         shard_host_state: each rank keeps gradients, optimizer state and separate masters

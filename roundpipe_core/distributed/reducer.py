@@ -52,7 +52,6 @@ __all__ = [
 REDUCE_OPS = ("mean", "sum")
 """How gradients combine over ranks."""
 
-
 _POLL_S = 0.05  # how often waiting threads look for an abort
 
 
