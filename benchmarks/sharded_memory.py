@@ -1,16 +1,20 @@
-"""Per-rank host memory of data-parallel RoundPipe with ``shard_host_state=True``, for
-N = 1, 2, 4 ranks on this machine (gloo over 127.0.0.1), against the host-memory budget.
+"""Per-rank host memory of data-parallel RoundPipe with ``shard_host_state=True`` (or,
+``--unsharded``, plain ``DataParallel()``), for N = 1, 2, 4 ranks on this machine (gloo
+over 127.0.0.1), against the host-memory budget.
 
 Each rank is a fresh process (``--child``) that trains the same model (fp32, AdamW,
 2 CPU workers, shared masters: the synchronous CPU default; with ``--bf16`` a bf16
 model with separate fp32 masters, sharded too) for a few steps through
-``DataParallel(shard_host_state=True)`` and reports:
+``DataParallel(shard_host_state=True, bucket_bytes=--bucket-mb)`` and reports:
 
 * ``peak``: the whole process's peak RSS (``VmHWM``: interpreter and torch included);
 * ``predicted``: the budget's whole-process prediction,
   ``estimate_host_memory(rp, optimizer=[opt], state_shards=N, collective_buffers=
   dp.kept_buffer_bytes(rp, [opt])).process_peak`` (the state lines, the collectives'
   kept buffers, plus the process's resident set beyond its state at the estimate);
+* ``kept``: the bytes of the flat buffers the collectives hold after the last step
+  (the reducers' rings and, sharded, the all-gather's), against ``buffers``, the
+  budget's "collective buffers" line;
 * ``state``: the optimizer-state bytes the rank holds (``D.state_bytes``), and
   ``masters``: the bytes of the separate masters it holds values for (0 when shared);
 * ``step ms``: the median wall time of a training step after the first (backward,
@@ -35,6 +39,7 @@ Run once (Linux; ~2.5 GB of RAM for N = 4; about two minutes on 2 cores):
     python benchmarks/sharded_memory.py --steps 6       # width 512, 8 blocks (~17M params)
     python benchmarks/sharded_memory.py --width 256     # quicker
     python benchmarks/sharded_memory.py --worlds 2,4 --variants glibc,per-step
+    python benchmarks/sharded_memory.py --unsharded --variants glibc,env --bucket-mb 4
 """
 
 from __future__ import annotations
@@ -60,14 +65,32 @@ def _per_step_buffers() -> None:
     bucket of every step and freed once it has landed (the comparison's "before")."""
     import torch
 
-    from roundpipe_core.distributed import sharded
+    from roundpipe_core.distributed import buckets, sharded
 
     def fresh(self: Any, bucket: list) -> Any:
         return torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype)
 
-    # None: the bucket makes its own buffer, and _land drops it again
-    sharded.ShardedGradientReducer._buffer_for = lambda self, bucket: None  # type: ignore[method-assign,assignment,return-value]
+    def fresh_slot(self: Any, bucket: Any) -> Any:
+        return torch.empty(bucket.flat_numel, dtype=bucket.dtype)  # dropped once it landed
+
+    buckets.BufferRing.slot = fresh_slot  # type: ignore[method-assign]
     sharded.HostShard._flat_for = fresh  # type: ignore[method-assign]
+
+
+def _kept_bytes(dp: Any) -> int:
+    """Bytes of the flat buffers ``dp``'s collectives hold now (a reducer from before the
+    ring kept one per bucket, ``_Bucket.buffer``: counted too, for a "before" run)."""
+    total = 0
+    for reducer in dp._reducers.values():
+        if hasattr(reducer, "kept_buffers"):
+            total += sum(t.untyped_storage().nbytes() for t in reducer.kept_buffers())
+        else:
+            held = [getattr(b, "buffer", None) for b in reducer.buckets]
+            held += [t for ts in getattr(reducer, "_slots", {}).values() for t in ts]
+            total += sum(t.untyped_storage().nbytes() for t in held if t is not None)
+    for shard in dp._shards.values():
+        total += sum(t.untyped_storage().nbytes() for t in shard._gather_flat.values())
+    return total
 
 
 def _status(key: str) -> int:
@@ -91,7 +114,9 @@ def _build(width: int, blocks: int) -> Any:
     )
 
 
-def child(width: int, blocks: int, steps: int, bf16: bool = False) -> dict[str, Any]:
+def child(
+    width: int, blocks: int, steps: int, bf16: bool, sharded: bool, bucket_bytes: int
+) -> dict[str, Any]:
     import torch
 
     import roundpipe_core.distributed as D
@@ -118,13 +143,13 @@ def child(width: int, blocks: int, steps: int, bf16: bool = False) -> dict[str, 
         shared_masters=not bf16,
     )
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-4)
-    dp = D.DataParallel(shard_host_state=True)
+    dp = D.DataParallel(shard_host_state=sharded, bucket_bytes=bucket_bytes)
     dp.attach(rp, [opt])
     budget = estimate_host_memory(
         rp,
         optimizer=[opt],
         num_microbatch=3,
-        state_shards=world,
+        state_shards=dp.state_shards,
         collective_buffers=dp.kept_buffer_bytes(rp, [opt]),
     )
     predicted = budget.process_peak
@@ -159,6 +184,7 @@ def child(width: int, blocks: int, steps: int, bf16: bool = False) -> dict[str, 
         "predicted": predicted,
         "state_lines": budget.total,
         "buffers": budget.collective_buffers,
+        "kept": _kept_bytes(dp),
         "state": D.state_bytes(opt),
         "masters": sum(m.untyped_storage().nbytes() for _, _, m in rp.masters.copies),
         "step_s": statistics.median(step_s[1:] or step_s),
@@ -206,6 +232,8 @@ def run_world(world: int, args: argparse.Namespace, malloc: dict[str, str]) -> l
         cmd = [sys.executable, __file__, "--child", "--width", str(args.width)]
         cmd += ["--blocks", str(args.blocks), "--steps", str(args.steps)]
         cmd += ["--bf16"] if args.bf16 else []
+        cmd += ["--unsharded"] if args.unsharded else []
+        cmd += ["--bucket-mb", str(args.bucket_mb)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -222,17 +250,24 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bf16", action="store_true", help="a bf16 model, fp32 masters (sharded)")
+    ap.add_argument("--unsharded", action="store_true", help="DataParallel() instead")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="DataParallel(bucket_bytes)")
     ap.add_argument("--worlds", default="1,2,4", help="rank counts, comma-separated")
     ap.add_argument("--variants", default=",".join(MALLOC_VARIANTS), help="comma-separated")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.width, args.blocks, args.steps, args.bf16)))
+        bucket_bytes = int(args.bucket_mb * 2**20)
+        sharded = not args.unsharded
+        print(
+            json.dumps(child(args.width, args.blocks, args.steps, args.bf16, sharded, bucket_bytes))
+        )
         return
     mib = 2**20
     print(
         f"{'malloc':>9} {'N':>2} {'rank':>4} {'peak RSS':>10} {'predicted':>10} "
-        f"{'meas/pred':>9} {'run':>9} {'state lines':>11} {'opt state':>10} {'state/N=1':>9} "
+        f"{'meas/pred':>9} {'run':>9} {'state lines':>11} {'buffers':>9} {'kept':>9} "
+        f"{'opt state':>10} {'state/N=1':>9} "
         f"{'masters':>9} {'step ms':>8} {'vs glibc':>8}"
     )
     whole_state = None
@@ -249,6 +284,7 @@ def main() -> None:
                     f"{label:>9} {world:>2} {r['rank']:>4} {r['peak'] / mib:8.1f}Mi "
                     f"{r['predicted'] / mib:8.1f}Mi {r['peak'] / r['predicted']:9.3f} "
                     f"{r['run'] / mib:7.1f}Mi {r['state_lines'] / mib:9.1f}Mi "
+                    f"{r['buffers'] / mib:7.1f}Mi {r['kept'] / mib:7.1f}Mi "
                     f"{r['state'] / mib:8.1f}Mi {r['state'] / whole_state:9.3f} "
                     f"{r['masters'] / mib:7.1f}Mi {step * 1e3:8.1f} {step / glibc_step:8.3f}"
                 )

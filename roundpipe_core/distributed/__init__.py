@@ -14,7 +14,8 @@ only wins on fast inter-node fabrics; gloo is the default.
 Nothing here imports Lightning (the Lightning strategy wires it in):
 
 * :class:`GradientAllReducer` -- bucketed all-reduce of the master gradients,
-  optionally overlapped with the backward pass through RoundPipe's grad hook;
+  optionally overlapped with the backward pass through RoundPipe's grad hook, in a
+  ring of a few kept flat buffers (:func:`reduce_buffer_bytes`: their bytes);
   :func:`sync_gradients` -- the one-shot, non-overlapped form.
 * :class:`DataParallel` -- what a training loop needs: ``connect``, ``attach``,
   ``wrap_closure``, ``reduce``, ``abort``, ``detach``.
@@ -65,6 +66,7 @@ from .reducer import (
     GradientAllReducer,
     broadcast_masters,
     params_in_sync,
+    reduce_buffer_bytes,
     sync_gradients,
 )
 from .shard_io import load_shards, merge_shards, save_shard, shard_files
@@ -99,6 +101,7 @@ __all__ = [
     "merge_shards",
     "params_in_sync",
     "partition_by_bytes",
+    "reduce_buffer_bytes",
     "resolve_timeout",
     "save_shard",
     "shard_files",

@@ -13,7 +13,13 @@ import torch
 
 from ..running.heap import heap_retention_limited
 from .group import group_size, init_process_group, resolve_timeout
-from .reducer import DEFAULT_BUCKET_BYTES, REDUCE_OPS, GradientAllReducer, broadcast_masters
+from .reducer import (
+    DEFAULT_BUCKET_BYTES,
+    REDUCE_OPS,
+    GradientAllReducer,
+    broadcast_masters,
+    reduce_buffer_bytes,
+)
 from .shard_io import load_shards, save_shard
 from .sharded import HostShard, ShardedGradientReducer, kept_buffer_bytes
 
@@ -77,7 +83,9 @@ class DataParallel:
         overlap: start reducing buckets from the grad hook during the last backward.
             Used when there is a single optimizer (with several, the steps of manual
             optimization each reduce their own parameters at ``reduce()``).
-        bucket_bytes: gradient bytes per all-reduce.
+        bucket_bytes: gradient bytes per all-reduce (each optimizer's reducer keeps up
+            to ``REDUCE_IN_FLIGHT + 1`` = 3 flat buffers per gradient dtype, none larger
+            than its largest bucket).
         timeout: process-group timeout (seconds / ``timedelta``; default
             ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         shard_host_state: each rank keeps gradients, optimizer state and separate masters
@@ -87,8 +95,9 @@ class DataParallel:
             steps (``attach(..., async_step=False)``, the default: the all-gather writes
             the model's weights); attached with ``async_step=True`` every rank keeps all
             of them (the all-gather's destination) and the step may overlap the next call
-            as unsharded. Clip with :meth:`clip_grad_norm_` (the norm over all shards). The budget counts the collectives' kept buffers
-            (:meth:`kept_buffer_bytes`); with glibc's default ``malloc`` the peak is up to
+            as unsharded. Clip with :meth:`clip_grad_norm_` (the norm over all shards). The
+            budget counts the collectives' kept buffers (:meth:`kept_buffer_bytes`, sharded
+            or not); with glibc's default ``malloc`` the peak is up to
             ~1.1x it, ~1.04x with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``
             or :func:`~roundpipe_core.running.heap.limit_heap_retention`; said once at INFO
             when it is not), which slows CPU workers' steps.
@@ -225,21 +234,23 @@ class DataParallel:
         self, rp: Any, optimizers: Sequence[Any] = (), async_step: bool | None = None
     ) -> int:
         """Host bytes of the flat buffers this rank's collectives will keep once it trains
-        ``rp`` with ``optimizers`` sharded (the host-memory budget's "collective buffers",
-        ``estimate_host_memory(..., collective_buffers=...)``); 0 unsharded or in one
-        process. ``async_step``: as for :meth:`attach` (default: as attached). Computed
-        without a collective, before or after :meth:`attach`."""
-        if self.state_shards == 1:
+        ``rp`` with ``optimizers`` (the host-memory budget's "collective buffers",
+        ``estimate_host_memory(..., collective_buffers=...)``): each optimizer's gradient
+        reduction keeps a ring of a few buckets' worth
+        (:func:`~.reducer.reduce_buffer_bytes`), sharded also the all-gather's buffer
+        (:func:`~.sharded.kept_buffer_bytes`); 0 in one process. ``async_step``: as for
+        :meth:`attach` (default: as attached). Computed without a collective, before or
+        after :meth:`attach`."""
+        if self.world_size == 1:
             return 0
+        params = [
+            [p for g in _raw_optimizer(o).param_groups for p in g["params"]] for o in optimizers
+        ]
+        if self.state_shards == 1:
+            return sum(reduce_buffer_bytes(ps, self.world_size, self.bucket_bytes) for ps in params)
         weight_of = self._gather_targets(rp, async_step)
         return sum(
-            kept_buffer_bytes(
-                [p for g in _raw_optimizer(o).param_groups for p in g["params"]],
-                self.world_size,
-                self.bucket_bytes,
-                weight_of,
-            )
-            for o in optimizers
+            kept_buffer_bytes(ps, self.world_size, self.bucket_bytes, weight_of) for ps in params
         )
 
     def wrap_closure(self, optimizer: Any, closure: Any) -> Any:

@@ -2,8 +2,10 @@
 (optionally overlapped with the backward pass through RoundPipe's grad hook),
 and broadcasting / checking the master weights.
 
-The buckets are flat host buffers: the master gradients live on the host, so
-gloo reduces them in place; an NCCL group stages each bucket through its GPU.
+The buckets travel in flat host buffers: the master gradients live on the host, so
+gloo reduces them in place; an NCCL group stages each bucket through its GPU. A reducer
+keeps a small ring of them (:data:`REDUCE_IN_FLIGHT` ``+ 1`` per dtype, each at most
+as large as the largest bucket), not a flat copy of every gradient (``buckets.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .buckets import (
+    DEFAULT_BUCKET_BYTES,
+    REDUCE_IN_FLIGHT,
+    BufferRing,
+    _Bucket,
+    _bucketize,
+    _unique_params,
+    reduce_buffer_bytes,
+)
 from .group import (
     all_gather,
     collective_error,
@@ -30,14 +41,13 @@ from .group import (
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "REDUCE_IN_FLIGHT",
     "GradientAllReducer",
+    "reduce_buffer_bytes",
     "sync_gradients",
     "broadcast_masters",
     "params_in_sync",
 ]
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-"""Gradient bytes per all-reduce (as DDP's ``bucket_cap_mb=25``)."""
 
 REDUCE_OPS = ("mean", "sum")
 """How gradients combine over ranks."""
@@ -135,74 +145,11 @@ def params_in_sync(rp: Any, group: Any | None = None) -> bool:
 # ---------------------------------------------------------------------------------------------
 # gradient all-reduce
 # ---------------------------------------------------------------------------------------------
-def _bucketize(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of ``params`` of one dtype, each up to ``bucket_bytes``
-    (a single larger tensor gets a bucket of its own)."""
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
-        if buckets and buckets[-1][0].dtype == p.dtype and size + nbytes <= bucket_bytes:
-            buckets[-1].append(p)
-            size += nbytes
-        else:
-            buckets.append([p])
-            size = nbytes
-    return buckets
-
-
-class _Bucket:
-    """Masters reduced together, and the flat host buffer they travel in: every
-    gradient, then one "has a gradient" count per master (so a master without a
-    gradient on every rank keeps ``grad=None``, as it would in one process)."""
-
-    def __init__(self, index: int, params: list[torch.Tensor]) -> None:
-        self.index = index
-        self.params = params
-        self.dtype = params[0].dtype
-        self.numel = sum(p.numel() for p in params)
-        self.buffer: torch.Tensor | None = None
-
-    def flatten(self) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = torch.empty(self.numel + len(self.params), dtype=self.dtype)
-        buf, off = self.buffer, 0
-        for p in self.params:
-            n = p.numel()
-            g = p.grad
-            if g is None:
-                buf[off : off + n].zero_()
-            else:
-                if g.is_sparse:
-                    raise TypeError("sparse gradients cannot be all-reduced by GradientAllReducer")
-                buf[off : off + n].copy_(g.reshape(-1))
-            off += n
-        buf[self.numel :] = torch.tensor(
-            [p.grad is not None for p in self.params], dtype=self.dtype
-        )
-        return buf
-
-    def unflatten(self, buf: torch.Tensor, divisor: int) -> None:
-        if divisor != 1:
-            buf[: self.numel].div_(divisor)
-        off = 0
-        had_grad = (buf[self.numel :] > 0).tolist()  # per param: some rank had a gradient
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                n = p.numel()
-                if had_grad[i]:
-                    part = buf[off : off + n].view_as(p)
-                    if p.grad is None:
-                        p.grad = part.clone()
-                    else:
-                        p.grad.copy_(part)
-                off += n
-
-
 class _Round:
     """One reduction: readiness of each bucket, the worker thread, the first error."""
 
-    def __init__(self, buckets: list[_Bucket]) -> None:
+    def __init__(self, buckets: list[_Bucket], ring: BufferRing) -> None:
+        self.ring = ring  # the reducer's flat buffers this round fills
         self.remaining = [len(b.params) for b in buckets]
         self.ready = [threading.Event() for _ in buckets]
         self.fired: set[int] = set()
@@ -223,7 +170,10 @@ class GradientAllReducer:
     Buckets hold the masters in *reverse* parameter order (the deepest layers'
     gradients are complete first) and are always all-reduced in that fixed order,
     from one thread per round, so every rank issues the same collectives in the same
-    order whatever order the grad hooks fire in on each rank.
+    order whatever order the grad hooks fire in on each rank. At most
+    :data:`REDUCE_IN_FLIGHT` buckets are in flight; they travel in a ring of flat host
+    buffers kept from the first round on (``buckets.BufferRing``, :attr:`kept_bytes`), so a
+    rank holds a few buckets' worth of buffers beside its gradients, not a copy of them.
 
     Usage (one optimizer step, ``k`` accumulation micro-steps)::
 
@@ -299,12 +249,11 @@ class GradientAllReducer:
             _Bucket(i, b) for i, b in enumerate(self._group_params(params, bucket_bytes))
         ]
         self._slot = {id(p): b.index for b in self.buckets for p in b.params}
+        self._ring = BufferRing(self.buckets)  # the flat buffers, kept across rounds
         self._lock = threading.Lock()
         self._round: _Round | None = None
         self._remove_hook = rp.register_grad_hook(self._on_grads_ready) if self.overlap else None
         self._closed = False
-        self.max_in_flight: int | None = None
-        """Buckets reduced at once (None: all); landing the oldest first frees its buffer."""
         self.last_finish_wait_s = 0.0
         """Seconds the last ``finish()`` blocked the caller (the exposed communication)."""
         self.last_reduce_s = 0.0
@@ -317,6 +266,18 @@ class GradientAllReducer:
     @property
     def armed(self) -> bool:
         return self._round is not None
+
+    def kept_buffers(self) -> list[torch.Tensor]:
+        """The flat host buffers the reducer keeps between rounds (its ring; none before
+        the first round, after :meth:`close` and in one process)."""
+        return self._ring.buffers()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes of :meth:`kept_buffers`: from the first round on what
+        :func:`~.buckets.reduce_buffer_bytes` says for its parameters (sharded:
+        ``sharded.kept_buffer_bytes`` counts them beside the all-gather's buffer)."""
+        return sum(t.untyped_storage().nbytes() for t in self.kept_buffers())
 
     # -- overlap ------------------------------------------------------------------------------
     def arm(self) -> None:
@@ -336,7 +297,7 @@ class GradientAllReducer:
             )
         if not self.overlap or self.world_size == 1:
             return
-        rnd = _Round(self.buckets)
+        rnd = _Round(self.buckets, self._ring)
         rnd.thread = threading.Thread(
             target=self._reduce, args=(rnd,), daemon=True, name="roundpipe-allreduce"
         )
@@ -371,21 +332,28 @@ class GradientAllReducer:
     def _reduce(self, rnd: _Round) -> None:
         """Issue one async all-reduce per bucket in the fixed order, then wait for each
         and write the result back into ``.grad``. Errors are kept for ``finish()``."""
+        # (host slot, what the collective reduces: the slot, or its copy on an NCCL GPU)
+        pending: list[tuple[_Bucket, torch.Tensor, torch.Tensor, Any]] = []
         try:
             # An asynchronous optimizer step still in flight reads and clears the grads.
             # Accumulating a gradient waits for it, but a master of a stage that produced
             # no gradient at all is reported without that wait: wait here too.
             self.rp.wait_step()
-            pending: list[tuple[_Bucket, torch.Tensor, Any]] = []
             divisor = self.world_size if self.op == "mean" else 1
 
             def land_oldest() -> None:
-                b, buf, work = pending.pop(0)
+                b, host, sent, work = pending.pop(0)
                 if self.timeout is None:
                     work.wait()
                 else:
                     work.wait(self.timeout)
-                self._land(b, buf.cpu() if buf.device.type != "cpu" else buf, divisor)
+                if sent is not host:
+                    # NCCL: back into the slot, blocking, on the stream that uploaded it
+                    # and waits for the collective -- once this returns the upload has
+                    # read the slot too (stream order), so a later bucket may refill it
+                    # (the pageable upload itself copies to staging before returning)
+                    host.copy_(sent)
+                self._land(b, host, divisor)
 
             for b in self.buckets:
                 while not rnd.ready[b.index].wait(_POLL_S):
@@ -393,34 +361,39 @@ class GradientAllReducer:
                         return
                 if rnd.aborted.is_set():
                     return  # do not issue a collective our peers may never match
-                if b.buffer is None:
-                    b.buffer = self._buffer_for(b)
-                buf = b.flatten()
+                # this slot's previous bucket landed (REDUCE_IN_FLIGHT + 1 places back)
+                host = b.flatten(rnd.ring.slot(b))
+                sent = host
                 if is_nccl(self.group):
-                    buf = buf.to(comm_device(self.group), non_blocking=True)
+                    sent = host.to(comm_device(self.group), non_blocking=True)
                 if not rnd.issue_times:
                     rnd.issue_times.append(time.perf_counter())
-                pending.append((b, buf, self._issue(b, buf)))
-                while self.max_in_flight is not None and len(pending) > self.max_in_flight:
-                    land_oldest()  # bounds the flat buffers alive at once
+                pending.append((b, host, sent, self._issue(b, sent)))
+                while len(pending) > REDUCE_IN_FLIGHT:
+                    land_oldest()  # the ring has one slot more than buckets in flight
             while pending:
                 land_oldest()
             if rnd.issue_times:
                 rnd.issue_times.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - handed to finish() on the caller's thread
             rnd.error = rnd.error or exc
+        finally:
+            if pending:  # aborted or failed with collectives in flight on its slots
+                self._retire_ring(rnd)
+
+    def _retire_ring(self, rnd: _Round) -> None:
+        """Give later rounds a ring of their own: ``rnd``'s collectives may still be
+        writing into its slots (a round aborted or failed with buckets in flight). The
+        old buffers go once those collectives let go of them."""
+        if self._ring is rnd.ring:
+            self._ring = BufferRing(self.buckets)
 
     # what a sharded reducer (``sharded.py``) does differently: the buckets, the collective
-    # that reduces one, and what becomes of its result on this rank
+    # that reduces one, and what becomes of its result on this rank (the ring is shared)
     def _group_params(
         self, params: list[torch.Tensor], bucket_bytes: int
     ) -> list[list[torch.Tensor]]:
         return _bucketize(params, bucket_bytes)
-
-    def _buffer_for(self, bucket: _Bucket) -> torch.Tensor | None:
-        """The flat buffer ``bucket`` travels in this round (None: its own, made once and
-        kept, ``_Bucket.flatten``)."""
-        return None
 
     def _issue(self, bucket: _Bucket, buf: torch.Tensor) -> Any:
         return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -444,7 +417,7 @@ class GradientAllReducer:
         if self.world_size == 1:
             return
         if rnd is None:
-            rnd = _Round(self.buckets)
+            rnd = _Round(self.buckets, self._ring)
             rnd.set_all_ready()
             self._reduce(rnd)
         else:
@@ -473,11 +446,15 @@ class GradientAllReducer:
         if rnd is not None:
             rnd.aborted.set()
             rnd.set_all_ready()
+            # its thread may still have buckets in flight, and the next round may start
+            # before it notices the abort: that round must not reuse these slots
+            self._retire_ring(rnd)
 
     def close(self) -> None:
         """Abort any armed round, remove the grad hook and free the reducer's own group."""
         self._closed = True
         self.abort()
+        self._ring = BufferRing(self.buckets)
         if self._remove_hook is not None:
             self._remove_hook()
             self._remove_hook = None
@@ -493,18 +470,6 @@ class GradientAllReducer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for p in params:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"params must be tensors (parameters), got {type(p).__name__}")
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 def sync_gradients(

@@ -58,8 +58,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .buckets import BufferRing, _Bucket, _bucketize, _unique_params
 from .group import collective_error, group_size, group_timeout, resolve_timeout
-from .reducer import GradientAllReducer, _Bucket, _bucketize, _unique_params
+from .reducer import GradientAllReducer
 
 __all__ = [
     "HostShard",
@@ -68,9 +69,6 @@ __all__ = [
     "partition_by_bytes",
     "state_bytes",
 ]
-
-REDUCE_IN_FLIGHT = 2
-"""Buckets a sharded reduction has in flight (each landed bucket's buffer is reused)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -132,11 +130,11 @@ def _reduce_plan(
     return [b for run in runs for b in _bucketize(run, bucket_bytes)]
 
 
-def _largest(buckets: Iterable[list[torch.Tensor]], extra: int = 0) -> dict[torch.dtype, int]:
-    """Per dtype, the bytes of the largest bucket (``extra`` elements more per tensor)."""
+def _largest(buckets: Iterable[list[torch.Tensor]]) -> dict[torch.dtype, int]:
+    """Per dtype, the bytes of the largest bucket."""
     out: dict[torch.dtype, int] = {}
     for b in buckets:
-        size = (sum(t.numel() for t in b) + extra * len(b)) * b[0].element_size()
+        size = sum(t.numel() for t in b) * b[0].element_size()
         out[b[0].dtype] = max(out.get(b[0].dtype, 0), size)
     return out
 
@@ -148,11 +146,13 @@ def kept_buffer_bytes(
     targets: dict[int, torch.Tensor] | None = None,
 ) -> int:
     """Host bytes a sharded rank keeps for one optimizer's collectives, from the first
-    step on (what the host-memory budget counts for them): ``REDUCE_IN_FLIGHT + 1`` flat
-    buffers per gradient dtype as large as the largest reduction bucket (its gradients
-    and a count per tensor), and one per destination dtype as large as the largest
+    step on (what the host-memory budget counts for them): the reduction's ring
+    (``buckets.BufferRing``: ``REDUCE_IN_FLIGHT + 1`` flat buffers per gradient dtype,
+    fewer where it has fewer buckets, each at most as large as its largest reduction
+    bucket with a count per tensor), and one buffer per destination dtype as large as the largest
     all-gather bucket. The same buckets :class:`ShardedGradientReducer` and
-    :class:`HostShard` make (``targets`` as for the latter); 0 for one rank."""
+    :class:`HostShard` make (``targets`` as for the latter); 0 for one rank. Unsharded:
+    ``reduce_buffer_bytes``."""
     params = _unique_params(params)
     if world_size == 1 or not params:
         return 0
@@ -160,8 +160,7 @@ def kept_buffer_bytes(
     owner = dict(zip((id(p) for p in params), owners))
     reduce = _reduce_plan(list(reversed(params)), lambda p: owner[id(p)], bucket_bytes)
     gather = _gather_plan(params, owners, world_size, bucket_bytes, targets or {})
-    slots = sum(_largest(reduce, extra=1).values()) * (REDUCE_IN_FLIGHT + 1)
-    return slots + sum(_largest(b for _, _, b in gather).values())
+    return BufferRing.nbytes(reduce) + sum(_largest(b for _, _, b in gather).values())
 
 
 def _new_group(timeout: timedelta | None) -> Any:
@@ -267,7 +266,7 @@ class HostShard:
     def _flat_for(self, bucket: list[torch.Tensor]) -> torch.Tensor:
         """A view of the kept flat buffer of the bucket's dtype (the largest gather bucket
         of that dtype, made at the first step): one bucket is broadcast at a time, and a
-        buffer made and freed every step would stay in glibc's heaps (``_buffer_for``)."""
+        buffer made and freed every step would stay in glibc's heaps (``buckets.BufferRing``)."""
         dtype = bucket[0].dtype
         flat = self._gather_flat.get(dtype)
         if flat is None:
@@ -340,7 +339,9 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 class ShardedGradientReducer(GradientAllReducer):
     """:class:`GradientAllReducer` that reduces each bucket to its owner only: buckets
     never mix owners, the collective is ``dist.reduce(dst=owner)``, and a rank that does
-    not own a bucket drops those gradients (``.grad = None``) once they are sent.
+    not own a bucket drops those gradients (``.grad = None``) once they are sent. The
+    buckets travel in the base class's ring of kept flat buffers, so a rank keeps its
+    share of the gradients plus a few buckets' worth of buffers.
 
     Args:
         rp / op / bucket_bytes / overlap / timeout: as for :class:`GradientAllReducer`.
@@ -365,37 +366,11 @@ class ShardedGradientReducer(GradientAllReducer):
             timeout=timeout,
             params=shard.params,
         )
-        # a rank keeps only its share of the gradients: two buckets in flight, in a few
-        # flat buffers reused by every bucket and round -- the reduction adds those, not a
-        # gradient copy, and frees nothing each step (see ``_buffer_for``)
-        self.max_in_flight = REDUCE_IN_FLIGHT
-        self._slots: dict[torch.dtype, list[torch.Tensor]] = {}
-        self._slot_of = {id(b): i % (REDUCE_IN_FLIGHT + 1) for i, b in enumerate(self.buckets)}
 
     def _group_params(
         self, params: list[torch.Tensor], bucket_bytes: int
     ) -> list[list[torch.Tensor]]:
         return _reduce_plan(params, self.shard.owner, bucket_bytes)
-
-    def _buffer_for(self, bucket: _Bucket) -> torch.Tensor:
-        """A view of one of ``REDUCE_IN_FLIGHT + 1`` flat buffers of the bucket's dtype, each
-        as large as its largest bucket, made at the first round and kept: bucket ``k``
-        takes slot ``k mod (REDUCE_IN_FLIGHT + 1)``, whose previous bucket (``k - 3`` or
-        earlier) has landed before ``k`` is issued. Buffers made and freed every step
-        would have glibc's ``malloc`` raise its mmap threshold to their size and keep the
-        freed blocks -- theirs and every smaller tensor's -- in its heaps (the peak RSS
-        then creeps up well past the host-memory budget)."""
-        slots = self._slots.get(bucket.dtype)
-        if slots is None:
-            size = max(b.numel + len(b.params) for b in self.buckets if b.dtype == bucket.dtype)
-            slots = self._slots[bucket.dtype] = [
-                torch.empty(size, dtype=bucket.dtype) for _ in range(REDUCE_IN_FLIGHT + 1)
-            ]
-        return slots[self._slot_of[id(bucket)]][: bucket.numel + len(bucket.params)]
-
-    def close(self) -> None:
-        super().close()
-        self._slots.clear()
 
     def _issue(self, bucket: _Bucket, buf: torch.Tensor) -> Any:
         owner = self.shard.owner(bucket.params[0])
@@ -407,4 +382,3 @@ class ShardedGradientReducer(GradientAllReducer):
         else:
             for p in bucket.params:
                 p.grad = None  # sent to its owner: this rank keeps no gradient for it
-        bucket.buffer = None  # (a view of a kept slot: the next round takes it again)

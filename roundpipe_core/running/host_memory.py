@@ -34,8 +34,10 @@ worker activations        CPU workers only: per worker, one microbatch's saved t
                           the largest stage it runs with autograd (``layer_activation_bytes``)
 dequantized weights       CPU workers only: per worker, the largest 4-bit weight
                           dequantized for its matmul (bitsandbytes frees it after)
-collective buffers        with the host state sharded: the flat buffers the reduction
-                          and the all-gather keep (``DataParallel.kept_buffer_bytes``)
+collective buffers        data parallel over several processes: the flat buffers the
+                          gradient reduction keeps (a ring of a few buckets) and, with
+                          the host state sharded, the all-gather's
+                          (``DataParallel.kept_buffer_bytes``)
 ========================  ==========================================================
 
 Beside the table, ``process`` is what the process held when the estimate was made
@@ -210,7 +212,7 @@ class HostMemoryBudget:
             ("mapped file pages", self.mapped_files),
             ("worker activations", self.worker_activations),
             ("dequantized weights", self.dequantized),
-            ("collective buffers (sharded)", self.collective_buffers),
+            ("collective buffers", self.collective_buffers),
         ]
 
     def __str__(self) -> str:
@@ -355,8 +357,9 @@ def estimate_host_memory(
             activation bytes per layer, the last layer's with the loss's transient (the
             "worker activations" line). Default: the RoundPipe's own
             ``layer_activation_bytes`` (measured by its first training call; none before).
-        collective_buffers: bytes of the flat buffers a sharded rank keeps for its
-            collectives (``DataParallel.kept_buffer_bytes(rp, optimizers)``).
+        collective_buffers: bytes of the flat buffers a data-parallel rank keeps for its
+            collectives, sharded or not (``DataParallel.kept_buffer_bytes(rp, optimizers)``;
+            0 in one process).
 
     Raises:
         TypeError / ValueError: for a non-module, a negative byte count or an

@@ -136,13 +136,12 @@ class Run:
         self.rp.synchronize()
 
     def kept_buffers(self) -> list[torch.Tensor]:
-        """The flat buffers the sharded reduction and all-gather keep between steps."""
+        """The flat buffers the reduction (sharded or not) and the all-gather keep between
+        steps."""
         shard = self.dp.shard(self.opt)
-        if shard is None:
-            return []
-        reducer = self.dp._reducers[id(self.opt)]
-        slots = [t for ts in reducer._slots.values() for t in ts]
-        return slots + list(shard._gather_flat.values())
+        reducer = self.dp._reducers.get(id(self.opt))  # (none in one process)
+        ring = [] if reducer is None else reducer.kept_buffers()
+        return ring + ([] if shard is None else list(shard._gather_flat.values()))
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.rp.model.named_parameters()}

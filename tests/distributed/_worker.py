@@ -35,6 +35,8 @@ D = load_distributed()
 TRAIN_CONFIGS = {
     # name: (op, overlap, accum, bucket_bytes, use_autograd_backward)
     "mean_overlap_small_buckets": ("mean", True, 1, 200, False),
+    # about one bucket per tensor: each of the reducer's three flat buffers takes several
+    "mean_overlap_tiny_buckets_accum2": ("mean", True, 2, 40, False),
     "sum_no_overlap_accum2": ("sum", False, 2, D.DEFAULT_BUCKET_BYTES, False),
     "mean_overlap_accum2_autograd": ("mean", True, 2, 600, True),
     "sum_overlap_one_bucket": ("sum", True, 1, D.DEFAULT_BUCKET_BYTES, False),
@@ -42,6 +44,34 @@ TRAIN_CONFIGS = {
     "dataparallel_mean_overlap_accum2": ("mean", True, 2, 400, "dataparallel"),
 }
 STEPS = 3
+
+
+def spy_on_buffers(reducer) -> dict[int, torch.UntypedStorage]:
+    """Every storage a reducer's collectives reduce, over all its rounds, by address
+    (held here, so a freed one cannot come back at the same address and count once)."""
+    seen: dict[int, torch.UntypedStorage] = {}
+    issue = reducer._issue
+
+    def spying(bucket, buf):
+        seen[buf.untyped_storage().data_ptr()] = buf.untyped_storage()
+        return issue(bucket, buf)
+
+    reducer._issue = spying
+    return seen
+
+
+def buffer_report(reducer, seen: dict[int, torch.UntypedStorage], predicted: int) -> dict:
+    """What a reducer's flat buffers took over several steps, against its buckets."""
+    flat = [(b.numel + len(b.params)) * b.params[0].element_size() for b in reducer.buckets]
+    return {
+        "storages_used": len(seen),  # distinct flat buffers the collectives ever reduced
+        "storage_bytes_used": sum(st.nbytes() for st in seen.values()),
+        "kept_bytes": reducer.kept_bytes,  # what it holds now, after the last step
+        "predicted_bytes": predicted,
+        "largest_bucket_bytes": max(flat),
+        "all_buckets_bytes": sum(flat),  # a flat copy of every gradient (and the counts)
+        "dtypes": len({b.dtype for b in reducer.buckets}),
+    }
 
 
 def make_rp(rank: int) -> RoundPipe:
@@ -69,6 +99,7 @@ def train(
         D.broadcast_masters(rp)
         opt = make_optimizer(rp.optim_parameters())
         reducer = D.GradientAllReducer(rp, op=op, bucket_bytes=bucket_bytes, overlap=overlap)
+        seen = spy_on_buffers(reducer)
         # sum over ranks of (sum_local / B_global) == mean over ranks of (sum_local / B_local)
         denom = (GLOBAL_BATCH if op == "sum" else GLOBAL_BATCH // world) * accum
 
@@ -95,12 +126,15 @@ def train(
             reducer.finish()
             rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
         rp.synchronize()
+        predicted = D.reduce_buffer_bytes(rp.optim_parameters(), world, bucket_bytes)
+        buffers = buffer_report(reducer, seen, predicted)
         reducer.close()
         return {
             "params": {n: p.detach().clone() for n, p in rp.model.named_parameters()},
             "in_sync": D.params_in_sync(rp),
             "buckets": len(reducer.buckets),
             "hook_ready": hook_ready,
+            "buffers": buffers,
         }
     finally:
         rp.close()
@@ -117,6 +151,7 @@ def train_dataparallel(
     try:
         opt = make_optimizer(rp.optim_parameters())
         dp.attach(rp, [opt])  # broadcasts rank 0's weights
+        seen = spy_on_buffers(dp._reducers[id(opt)])
         denom = (GLOBAL_BATCH if op == "sum" else GLOBAL_BATCH // world) * accum
 
         def micro_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -143,6 +178,8 @@ def train_dataparallel(
             "in_sync": D.params_in_sync(rp),
             "buckets": len(dp._reducers[id(opt)].buckets),
             "hook_ready": hook_ready,
+            # what the host-memory budget's "collective buffers" line is given
+            "buffers": buffer_report(dp._reducers[id(opt)], seen, dp.kept_buffer_bytes(rp, [opt])),
         }
     finally:
         dp.detach()
@@ -214,7 +251,7 @@ def run_train(rank: int, world: int, out: Path) -> None:
     for name, cfg in TRAIN_CONFIGS.items():
         res = train(rank, world, *cfg)
         torch.save(res["params"], out / f"{name}_rank{rank}.pt")
-        info[name] = {k: res[k] for k in ("in_sync", "buckets", "hook_ready")}
+        info[name] = {k: res[k] for k in ("in_sync", "buckets", "hook_ready", "buffers")}
     torch.save(none_grads(rank), out / f"none_grads_rank{rank}.pt")
     info["misuse_error"] = misuse(rank, world)
     (out / f"info_rank{rank}.json").write_text(json.dumps(info))

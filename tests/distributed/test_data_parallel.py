@@ -5,6 +5,9 @@
   for mean and sum reduction, with and without overlap, with gradient accumulation
   and with an autograd ``loss.backward()`` through the pipeline; ranks start from
   different weights that ``broadcast_masters`` makes equal.
+* The reducer's flat buffers: a ring of ``REDUCE_IN_FLIGHT + 1`` per dtype kept across
+  steps (not a copy of every gradient), whatever the number of buckets, and exactly the
+  bytes ``DataParallel.kept_buffer_bytes`` gives the host-memory budget.
 * A rank that dies mid-backward makes the other fail with an error; a rank that
   stalls makes the other fail at the process-group timeout. Nothing hangs: every
   process is waited on with a hard deadline and killed past it.
@@ -24,12 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import build_model, launch, reference_run, rel_err, wait_all  # noqa: E402
 
+from roundpipe_core.distributed.buckets import REDUCE_IN_FLIGHT  # noqa: E402
+
 PG_TIMEOUT_S = 10.0
 # Process start-up (importing torch on a loaded 2-core box) plus the run itself.
 STARTUP_ALLOWANCE_S = 45.0
 
 TRAIN_CONFIGS = {  # must match _worker.TRAIN_CONFIGS: name -> accumulation steps
     "mean_overlap_small_buckets": 1,
+    "mean_overlap_tiny_buckets_accum2": 2,
     "sum_no_overlap_accum2": 2,
     "mean_overlap_accum2_autograd": 2,
     "sum_overlap_one_bucket": 1,
@@ -79,6 +85,7 @@ def test_overlap_is_driven_by_the_grad_hook(trained: Path) -> None:
     info = json.loads((trained / "info_rank0.json").read_text())
     for name in (
         "mean_overlap_small_buckets",
+        "mean_overlap_tiny_buckets_accum2",
         "mean_overlap_accum2_autograd",
         "sum_overlap_one_bucket",
         "dataparallel_mean_overlap_accum2",
@@ -120,6 +127,30 @@ def test_collectives_and_misuse(trained: Path) -> None:
         assert c["gather"] == [[0.0, 1.0, 0.0], [0.0, 1.0, 2.0]]  # unequal sizes, zero-padded
         assert c["obj"] == {"from": 0, "list": [0]}
         assert "arm() must come right before the LAST backward" in info["misuse_error"]
+
+
+@pytest.mark.timeout(150)
+def test_reducer_keeps_a_ring_of_flat_buffers_not_a_gradient_copy(trained: Path) -> None:
+    """Over every step, the collectives reduce at most ``REDUCE_IN_FLIGHT + 1`` distinct
+    flat buffers per dtype, kept (the same ones every step, still held after the last),
+    each no larger than the largest bucket, far less than one buffer per bucket -- and
+    the configurations above, many buckets included, still equal one process."""
+    slots = REDUCE_IN_FLIGHT + 1
+    for rank in (0, 1):
+        info = json.loads((trained / f"info_rank{rank}.json").read_text())
+        for name in TRAIN_CONFIGS:
+            b = info[name]["buffers"]
+            assert 0 < b["storages_used"] <= slots * b["dtypes"], (name, b)
+            assert b["storage_bytes_used"] <= slots * b["dtypes"] * b["largest_bucket_bytes"]
+            # what the collectives used is what the reducer still holds, and what it is
+            # predicted to hold (DataParallel.kept_buffer_bytes: the budget's line)
+            assert b["kept_bytes"] == b["storage_bytes_used"] == b["predicted_bytes"], (name, b)
+        for name in ("mean_overlap_tiny_buckets_accum2", "dataparallel_mean_overlap_accum2"):
+            many = info[name]
+            assert many["buckets"] > slots, many  # every slot reused within a step
+            assert many["buffers"]["storages_used"] == slots, many
+            assert many["buffers"]["kept_bytes"] < many["buffers"]["all_buckets_bytes"], many
+        assert info["mean_overlap_tiny_buckets_accum2"]["buckets"] >= 3 * slots
 
 
 def _wait_for_marker(procs, survivor, path: Path, deadline_s: float) -> float:

@@ -12,6 +12,7 @@ from torch import nn
 
 from roundpipe_core import RoundPipe
 from roundpipe_core import distributed as D
+from roundpipe_core.distributed.buckets import REDUCE_IN_FLIGHT, BufferRing, _Bucket
 from roundpipe_core.distributed.reducer import _bucketize
 
 
@@ -133,6 +134,39 @@ def test_mixed_dtypes_get_separate_buckets() -> None:
     assert [len(b) for b in _bucketize(ts, 1 << 20)] == [1, 2]
 
 
+def test_ring_never_refills_a_slot_still_in_flight() -> None:
+    """Buckets of mixed dtypes and sizes, in reduction order: a bucket's slot is never the
+    buffer of one of the ``REDUCE_IN_FLIGHT`` buckets before it (those may still be in
+    flight when it is flattened), it fits its slot, each dtype has at most
+    ``REDUCE_IN_FLIGHT + 1`` buffers, never more bytes than a buffer per bucket, and
+    ``BufferRing.nbytes`` / ``reduce_buffer_bytes`` say what the ring makes."""
+    g = torch.Generator().manual_seed(3)
+    # a run of fp32 tensors, then fp32 and bf16 pairs alternating, then one fp64
+    dtypes = [torch.float32 if i < 16 or i % 4 < 2 else torch.bfloat16 for i in range(40)]
+    params = [torch.zeros(int(torch.randint(1, 40, (1,), generator=g)), dtype=d) for d in dtypes]
+    params.append(torch.zeros(5, dtype=torch.float64))
+    groups = _bucketize(list(reversed(params)), 64)
+    buckets = [_Bucket(i, b) for i, b in enumerate(groups)]
+    ring = BufferRing(buckets)
+    views = [ring.slot(b) for b in buckets]
+    owner = [v.untyped_storage().data_ptr() for v in views]
+    for k, b in enumerate(buckets):
+        assert views[k].numel() == b.flat_numel and views[k].dtype == b.dtype
+        assert owner[k] not in owner[max(0, k - REDUCE_IN_FLIGHT) : k], k
+    per_dtype: dict[torch.dtype, set[int]] = {}
+    for b, ptr in zip(buckets, owner):
+        per_dtype.setdefault(b.dtype, set()).add(ptr)
+    counts = {d: sum(b.dtype == d for b in buckets) for d in per_dtype}
+    assert {d: len(p) for d, p in per_dtype.items()} == {
+        d: min(n, REDUCE_IN_FLIGHT + 1) for d, n in counts.items()
+    }
+    assert counts[torch.float32] > 3 * (REDUCE_IN_FLIGHT + 1) and counts[torch.float64] == 1
+    kept = sum(t.untyped_storage().nbytes() for t in ring.buffers())
+    assert kept == BufferRing.nbytes(groups) == D.reduce_buffer_bytes(params, 2, 64)
+    assert kept < sum(b.flat_numel * b.params[0].element_size() for b in buckets)
+    assert D.reduce_buffer_bytes(params, 1, 64) == 0  # one process reduces nothing
+
+
 def test_single_process_is_an_identity(rp: RoundPipe) -> None:
     """Without a process group (or with world size 1) everything is a cheap no-op."""
     x, y = torch.randn(6, 4), torch.randn(6, 2)
@@ -186,6 +220,7 @@ def test_dataparallel_in_one_process_is_a_no_op(rp: RoundPipe) -> None:
     closure = dp.wrap_closure(opt, lambda: calls.append(1) or "loss")
     assert closure() == "loss" and calls == [1]
     dp.reduce(opt)
+    assert dp.kept_buffer_bytes(rp, [opt]) == 0  # no collectives, no buffers
     dp.abort()
     dp.detach()
     assert rp._grad_hooks == []

@@ -6,6 +6,7 @@ LightningModule with ``RoundPipeStrategy`` in one process on the whole batch.
 * Both nodes end identical, and equal (1e-5 relative) to the one-process run -- with
   the asynchronous (one step stale) optimizer step and gradient accumulation.
 * ``self.log(..., sync_dist=True)`` gives the global mean loss on every node.
+* The host-memory budget the strategy prints counts the reduction's kept flat buffers.
 * Rank 0 writes the checkpoint; every node resumes from it in a second
   ``Trainer.fit`` of the same process (process group reused) and matches the
   one-process resume.
@@ -121,3 +122,15 @@ def test_two_nodes_async_accumulate_log_and_resume_like_one_process(tmp_path: Pa
             )
     # not vacuous: the resumed run trained further
     assert any(not torch.equal(ref["first"][k], ref["resumed"][k]) for k in ref["first"])
+    # the host-memory budget the strategy checks (and prints) counts what the unsharded
+    # reduction keeps on each node: its ring of flat buffers
+    from _lit_worker import Lit
+
+    from roundpipe_core.distributed import reduce_buffer_bytes
+    from roundpipe_core.running.host_memory import _fmt
+
+    ring = reduce_buffer_bytes(Lit().parameters(), world_size=2)
+    lines = (out / "rank0.log").read_text(errors="replace").splitlines()
+    budget = [line for line in lines if line.strip().startswith("collective buffers")]
+    assert ring > 0 and budget, _logs(out)
+    assert all(line.split()[2:4] == _fmt(ring).split() for line in budget), (budget, ring)

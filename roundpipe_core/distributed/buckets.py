@@ -1,0 +1,176 @@
+"""The buckets a gradient reduction sends and the ring of flat host buffers they
+travel in (:class:`~.reducer.GradientAllReducer` and its sharded subclass).
+
+A bucket is a run of masters of one dtype, laid out flat: every gradient, then one
+"has a gradient" count per master. A reducer does not keep a flat copy of every
+gradient: at most :data:`REDUCE_IN_FLIGHT` buckets are in flight, and they take turns
+in :data:`REDUCE_IN_FLIGHT` ``+ 1`` buffers per dtype (:class:`BufferRing`), each about
+as large as that dtype's largest bucket, made at the first round and kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "REDUCE_IN_FLIGHT", "BufferRing", "reduce_buffer_bytes"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""Gradient bytes per all-reduce (as DDP's ``bucket_cap_mb=25``)."""
+
+REDUCE_IN_FLIGHT = 2
+"""Buckets a reduction has in flight at once; landing the oldest frees its ring slot
+for the bucket ``REDUCE_IN_FLIGHT + 1`` places later."""
+
+
+def _unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params must be tensors (parameters), got {type(p).__name__}")
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _bucketize(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``params`` of one dtype, each up to ``bucket_bytes``
+    (a single larger tensor gets a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets and buckets[-1][0].dtype == p.dtype and size + nbytes <= bucket_bytes:
+            buckets[-1].append(p)
+            size += nbytes
+        else:
+            buckets.append([p])
+            size = nbytes
+    return buckets
+
+
+class _Bucket:
+    """Masters reduced together, laid out in a flat buffer as every gradient, then one
+    "has a gradient" count per master (so a master without a gradient on every rank
+    keeps ``grad=None``, as it would in one process)."""
+
+    def __init__(self, index: int, params: list[torch.Tensor]) -> None:
+        self.index = index
+        self.params = params
+        self.dtype = params[0].dtype
+        self.numel = sum(p.numel() for p in params)
+        self.flat_numel = self.numel + len(params)
+        """Elements of its flat buffer: the gradients and one count per master."""
+
+    def flatten(self, buf: torch.Tensor) -> torch.Tensor:
+        """Copy the gradients and the counts into ``buf`` (``flat_numel`` elements)."""
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            g = p.grad
+            if g is None:
+                buf[off : off + n].zero_()
+            else:
+                if g.is_sparse:
+                    raise TypeError("sparse gradients cannot be all-reduced by GradientAllReducer")
+                buf[off : off + n].copy_(g.reshape(-1))
+            off += n
+        buf[self.numel :] = torch.tensor(
+            [p.grad is not None for p in self.params], dtype=self.dtype
+        )
+        return buf
+
+    def unflatten(self, buf: torch.Tensor, divisor: int) -> None:
+        """Write the reduced ``buf`` into the masters' ``.grad`` by copy (a new gradient
+        is a clone), never as a view: ``buf`` is a ring slot later buckets reuse."""
+        if divisor != 1:
+            buf[: self.numel].div_(divisor)
+        off = 0
+        had_grad = (buf[self.numel :] > 0).tolist()  # per param: some rank had a gradient
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                n = p.numel()
+                if had_grad[i]:
+                    part = buf[off : off + n].view_as(p)
+                    if p.grad is None:
+                        p.grad = part.clone()
+                    else:
+                        p.grad.copy_(part)
+                off += n
+
+
+class BufferRing:
+    """The flat host buffers ``buckets`` travel in, taken in turn: per dtype, one per
+    bucket in flight and one being filled (``REDUCE_IN_FLIGHT + 1`` slots; fewer where
+    the dtype has fewer buckets). The j-th bucket of a dtype takes slot
+    ``j mod (REDUCE_IN_FLIGHT + 1)``, whose previous bucket came ``REDUCE_IN_FLIGHT + 1``
+    or more places earlier in the reduction's fixed order -- landed (and copied out,
+    :meth:`_Bucket.unflatten`) before this one is flattened, as a reduction keeps at most
+    ``REDUCE_IN_FLIGHT`` in flight. A slot is as large as the largest bucket it takes
+    (about the largest bucket each with many buckets; with three or fewer, exactly the
+    buckets: never more than a buffer per bucket would be).
+
+    The buffers are made at the first use of a dtype and kept: made and freed every step
+    they would have glibc's ``malloc`` raise its mmap threshold to their size and keep
+    the freed blocks -- theirs and every smaller tensor's -- in its heaps (the peak RSS
+    then creeps up well past the host-memory budget; see ``running/heap.py``)."""
+
+    def __init__(self, buckets: Sequence[_Bucket]) -> None:
+        self._slot: dict[int, int] = {}  # bucket index -> slot
+        self._sizes = _slot_sizes((b.dtype, b.flat_numel) for b in buckets)
+        seen: dict[torch.dtype, int] = {}
+        for b in buckets:  # (the same order as _slot_sizes)
+            j = seen[b.dtype] = seen.get(b.dtype, -1) + 1
+            self._slot[b.index] = j % (REDUCE_IN_FLIGHT + 1)
+        self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def slot(self, bucket: _Bucket) -> torch.Tensor:
+        """A view of ``bucket``'s slot, ``flat_numel`` elements (its dtype's buffers are
+        made at the first call)."""
+        slots = self._buffers.get(bucket.dtype)
+        if slots is None:
+            slots = self._buffers[bucket.dtype] = [
+                torch.empty(n, dtype=bucket.dtype) for n in self._sizes[bucket.dtype]
+            ]
+        return slots[self._slot[bucket.index]][: bucket.flat_numel]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers made so far."""
+        return [t for slots in self._buffers.values() for t in slots]
+
+    @staticmethod
+    def nbytes(buckets: Iterable[list[torch.Tensor]]) -> int:
+        """The bytes a ring of ``buckets`` (each a list of tensors, in reduction order)
+        holds once every dtype has been used: what :meth:`slot` makes."""
+        sizes = _slot_sizes((b[0].dtype, sum(t.numel() for t in b) + len(b)) for b in buckets)
+        return sum(sum(ns) * torch.empty((), dtype=d).element_size() for d, ns in sizes.items())
+
+
+def _slot_sizes(buckets: Iterable[tuple[torch.dtype, int]]) -> dict[torch.dtype, list[int]]:
+    """Per dtype, the elements of each ring slot: the largest of the buckets (given as
+    dtype and flat elements, in reduction order) that take it."""
+    sizes: dict[torch.dtype, list[int]] = {}
+    seen: dict[torch.dtype, int] = {}
+    for dtype, numel in buckets:
+        j = seen[dtype] = seen.get(dtype, -1) + 1
+        slots = sizes.setdefault(dtype, [])
+        if j <= REDUCE_IN_FLIGHT:
+            slots.append(numel)
+        else:
+            k = j % (REDUCE_IN_FLIGHT + 1)
+            slots[k] = max(slots[k], numel)
+    return sizes
+
+
+def reduce_buffer_bytes(
+    params: Iterable[torch.Tensor], world_size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> int:
+    """Host bytes an (unsharded) :class:`~.reducer.GradientAllReducer` of ``params``
+    keeps over ``world_size`` ranks from its first round on: its :class:`BufferRing`
+    (0 for one rank: it reduces nothing). The same buckets the reducer makes."""
+    if world_size == 1:
+        return 0
+    return BufferRing.nbytes(_bucketize(list(reversed(_unique_params(params))), bucket_bytes))
