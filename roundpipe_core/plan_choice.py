@@ -16,7 +16,7 @@ from .checks import PlanFitChecker
 from .config import RoundPipeRunConfig
 from .kinds import RunType, parse_kind
 from .planning.plan import ModelExecutePlan, default_num_microbatch
-from .planning.planner import ReplanDecision, decide_replan, fused_replicas
+from .planning.planner import ReplanDecision, decide_replan, fused_replicas, replicable
 from .planning.profile import profile_of
 from .planning.schedule import Job, build_schedule
 from .running.devices.pool import DevicePool
@@ -168,12 +168,13 @@ class PlanChoice:
     def num_microbatch_for(self, num_microbatch: int | None = None) -> int:
         """Microbatches a call runs: ``num_microbatch`` if given, else the model's
         ``model_run_config.num_microbatch``, else the default for this pool
-        (:func:`~roundpipe_core.planning.plan.default_num_microbatch`)."""
-        return (
-            num_microbatch
-            or self.model_run_config.num_microbatch
-            or default_num_microbatch(self.num_devices, self.pool.concurrent)
-        )
+        (:func:`~roundpipe_core.planning.plan.default_num_microbatch`: one per CPU worker
+        where their one-stage plan may run as one job per worker at once)."""
+        given = num_microbatch or self.model_run_config.num_microbatch
+        if given:
+            return given
+        replicas = self.num_devices if replicable(self) else 1
+        return default_num_microbatch(self.num_devices, self.pool.concurrent, replicas)
 
     def default_plan(
         self, run_type: RunType | str, num_microbatch: int | None = None

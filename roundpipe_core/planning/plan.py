@@ -32,16 +32,18 @@ from .layout import (
 __all__ = ["AutoPlanner", "LayoutSpec", "ModelExecutePlan", "default_num_microbatch"]
 
 
-def default_num_microbatch(num_devices: int, concurrent: bool = True) -> int:
+def default_num_microbatch(num_devices: int, concurrent: bool = True, replicas: int = 1) -> int:
     """Microbatches per call when none is asked for: on devices that compute at the same
     time, one more than the pool has devices, the published RoundPipe's default (every
     device busy, plus one to fill the bubble of the fused last stage); on devices that
     compute one at a time (CPU workers) one -- they have no bubble to fill, and each
     microbatch more only adds per-microbatch work and smaller matrix products
-    (measured: the README's main job 1.2-1.3x faster with 1 than with 4). The one
-    source of that default: the engine, the planner, the host-memory budget and the
-    Lightning adapter all ask here."""
-    return num_devices + 1 if concurrent else 1
+    (measured: the README's main job 1.2-1.3x faster with 1 than with 4) -- or, where
+    the one-stage plan may run as one job per overlapping CPU worker
+    (``ROUNDPIPE_CPU_CONCURRENT=1``, ``planner.fused_replicas``), ``replicas``: one
+    microbatch per worker. The one source of that default: the engine, the planner, the
+    host-memory budget and the Lightning adapter all ask here."""
+    return num_devices + 1 if concurrent else max(1, replicas)
 
 
 class AutoPlanner(Protocol):

@@ -47,6 +47,7 @@ __all__ = [
     "ReplanDecision",
     "decide_replan",
     "fused_replicas",
+    "replicable",
     "search_plans",
     "simulated_iteration_ms",
     "stage_times",
@@ -218,12 +219,13 @@ def auto(
     cap = _memory_cap(profiles, rt, limit_bytes, 1 if lending else 2)
     num_devices = max(devices) if devices else min_stages
     if num_microbatch is None:
-        num_microbatch = default_num_microbatch(num_devices, concurrent is not False)
+        replicas = num_devices if len(models) == 1 and replicable(models[0]) else 1
+        num_microbatch = default_num_microbatch(num_devices, concurrent is not False, replicas)
     if concurrent is False:
         fewest = search_plans(rt, profiles, 1, cap, fewest_stages=True)
         if overlap and rt == RunType.FUSED and num_devices == 2:
             return _split_or_fewest(
-                fewest.plans[0], profiles[0], num_microbatch, _replicable(models[0])
+                fewest.plans[0], profiles[0], num_microbatch, replicable(models[0])
             )
         return fewest.plans[0] if len(models) == 1 else fewest.plans
     result = search_plans(
@@ -253,7 +255,7 @@ def _cpu_overlap(model: Any) -> bool:
     return not pool.stages_draw(layers)
 
 
-def _replicable(model: Any) -> bool:
+def replicable(model: Any) -> bool:
     """Whether ``model``'s one-stage fused plan may run as one job per CPU worker at once
     (:func:`fused_replicas`), before its draws are known: :func:`_cpu_overlap`, and no
     layer has buffers (a forward may write them, BatchNorm's running statistics: two
@@ -266,13 +268,13 @@ def _replicable(model: Any) -> bool:
 def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:
     """How many jobs at once a "fused" call of ``plan`` runs its stage as
     (``build_schedule(replicas=...)``): one per CPU worker where the plan is one stage,
-    the call has at least two microbatches, :func:`_replicable` holds and the stage was
+    the call has at least two microbatches, :func:`replicable` holds and the stage was
     seen to compute without drawing random numbers (``pool.stage_shares_cores``: a stage
     that draws, or whose draws are not known yet, runs as one job); else 1."""
     if plan.fwd_plan or len(plan.bwd_plan) != 1 or num_microbatch < 2:
         return 1
     workers = int(getattr(model, "num_devices", 1) or 1)
-    if workers < 2 or not _replicable(model):
+    if workers < 2 or not replicable(model):
         return 1
     r = plan.bwd_plan[0]
     if not model.pool.stage_shares_cores(model.layers, "fused", r.start, r.stop):
@@ -396,7 +398,7 @@ def predicted_speedup(
         plan.check_valid(prof.num_layers, rt, num_devices)
     if not concurrent and rt == RunType.FUSED and _cpu_overlap(model):
         # the device model the CPU pool's plans were chosen by (see auto)
-        rep = _replicable(model)
+        rep = replicable(model)
         old = cpu_iteration_ms(current, prof, num_devices, num_microbatch, rep)
         new = cpu_iteration_ms(candidate, prof, num_devices, num_microbatch, rep)
         return old / new if new > 0 else (1.0 if old == 0 else math.inf)

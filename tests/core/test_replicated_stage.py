@@ -297,6 +297,39 @@ def test_without_the_switch_the_stage_runs_as_one_job(monkeypatch: pytest.Monkey
         rp.close()
 
 
+@pytest.mark.parametrize("switch", ["1", None], ids=["switch-on", "switch-off"])
+@pytest.mark.parametrize("buffers", [False, True], ids=["no-buffers", "batchnorm"])
+def test_the_default_microbatch_count_gives_each_worker_one(
+    monkeypatch: pytest.MonkeyPatch, switch: str | None, buffers: bool
+) -> None:
+    # no num_microbatch anywhere: one per worker where the stage may be replicated (a
+    # replica needs a microbatch of its own), else the CPU default, one
+    if switch is None:
+        monkeypatch.delenv("ROUNDPIPE_CPU_CONCURRENT", raising=False)
+    else:
+        monkeypatch.setenv("ROUNDPIPE_CPU_CONCURRENT", switch)
+    model = mlp()
+    if buffers:
+        model[2] = nn.Sequential(model[2], nn.BatchNorm1d(12))
+    x, y = _data(rows=9)
+    ref_loss, ref_grads = reference_grads(model, x, y)
+    rp = RoundPipe(copy.deepcopy(model), devices="cpu:3")
+    want = 3 if switch and not buffers else 1
+    try:
+        assert rp.num_microbatch_for() == want
+        for _ in range(2):  # the first call runs alone while the gate learns the stage
+            loss = _call(rp, x, y)
+        ran = [job for job, *_ in rp.last_job_spans]
+        assert max(job.microbatches.stop for job in ran) == want
+        assert _fused_jobs(rp) == (
+            [(d, range(d, d + 1)) for d in range(3)] if want == 3 else [(0, range(0, 1))]
+        )
+        assert_close_rel(loss, ref_loss, what="loss")
+        assert_grads_match(rp, ref_grads)
+    finally:
+        rp.close()
+
+
 def test_the_schedule_replicates_only_a_lone_fused_stage() -> None:
     jobs = build_schedule(ONE_STAGE, "fused", 2, 5, start_device=1, replicas=2)
     assert [(j.device, j.microbatches, j.replica, j.code) for j in jobs] == [
