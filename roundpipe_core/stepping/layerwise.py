@@ -177,13 +177,13 @@ def run_layerwise(
     runs: Sequence[LayerwiseRun],
     version: int,
     step_params: Callable[[list[nn.Parameter]], Any],
-    merge: Callable[[Any], None],
+    merge: Callable[..., None],
     finish: Callable[[], Any] | None,
 ) -> None:
     """One deferred step, on the optimizer thread: publish ``version`` parameter by
     parameter, step each published parameter once its gradients are complete in every
-    run of ``runs`` (merged into ``.grad`` in issue order, as the one-call step does),
-    mark each run merged with ``merge(run)``, then ``finish()``."""
+    run of ``runs`` (``merge(run, chunk)`` adds them to ``.grad``, in issue order as the
+    one-call step does), mark each run merged with ``merge(run)``, then ``finish()``."""
     by_id = {id(m): m for m in masters.params()}
     to_publish = versions.stale(version)
     to_step = list(by_id)
@@ -205,7 +205,7 @@ def run_layerwise(
             continue
         chunk = [by_id[k] for k in ready]
         for r in runs:  # issue order: the sums of a blocking loop
-            masters.add_many(r.buffer.take(chunk))
+            merge(r, chunk)  # (a result() on another thread may merge r meanwhile)
         step_params(chunk)
         done = set(ready)
         to_step = [k for k in to_step if k not in done]

@@ -318,15 +318,20 @@ class PipelinedRuns:
         for r in self.inflight():
             r.run.fail(PoolError("an earlier pipelined iteration or step failed"))
 
-    def merge(self, r: PendingResult) -> None:
-        """Add a finished run's gradients to the masters' ``.grad`` (once).
+    def merge(self, r: PendingResult, only: Sequence[nn.Parameter] | None = None) -> None:
+        """Add a finished run's gradients to the masters' ``.grad`` (once); with ``only``,
+        those masters' gradients only (complete: a layer-wise step), the run staying
+        unmerged.
 
-        ``merged`` turns True only after the addition, under one lock: a step that finds
-        the run merged (by ``result()`` on another thread) sees its gradients."""
+        Taking from the buffer and adding happen under one lock, and ``merged`` turns True
+        only after the addition: a step that finds the run merged by ``result()`` on
+        another thread, or a gradient gone from the buffer, finds it in ``.grad``."""
         with self._merge_lock:
             if r.merged:
                 return
-            self.masters.add_many(r.buffer.take())
+            self.masters.add_many(r.buffer.take(only))
+            if only is not None:
+                return
             r.merged = True
             with self._lock:
                 if r in self._inflight:

@@ -149,6 +149,56 @@ def test_deep_layers_step_while_the_backward_still_runs() -> None:
     assert [done for _, done in seen].count(False) >= 3, seen
 
 
+def test_a_result_merging_meanwhile_is_not_stepped_around() -> None:
+    """``result()`` on the caller merges the run while the layer-wise step of its window
+    runs on the optimizer thread. A merge takes the gradients out of the run's buffer and
+    then adds them to ``.grad``: the step must not take that moment for "nothing left to
+    add" and step without them. Here the caller's merge always takes first and adds
+    0.3 s later (the step's own take waits for it); unguarded, the step missed the
+    gradients every time."""
+
+    def train(layerwise: bool) -> list[torch.Tensor]:
+        model = mlp()
+        plan = ModelExecutePlan.uniform(len(model), 3, "fused")
+        rp = RoundPipe(
+            model,
+            devices="cpu:2",
+            model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+            shared_masters=False,
+        )
+        opt = torch.optim.SGD(rp.optim_parameters(), lr=0.05)
+        try:
+            for x, y in _batches(2):
+                if not layerwise:
+                    rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+                    rp.step(lambda: (opt.step(), opt.zero_grad()))
+                    continue
+                r = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
+                r.wait()  # done, not merged: the step finds every gradient complete
+                took = threading.Event()
+                take = r.buffer.take
+
+                def slow_take(masters: Any = None, take: Any = take, took: Any = took) -> Any:
+                    if masters is None:  # the caller's merge: takes, adds 0.3 s later
+                        items = take()
+                        took.set()
+                        time.sleep(0.3)
+                        return items
+                    took.wait(1.0)  # the step's part comes after the caller's take
+                    return take(masters)
+
+                r.buffer.take = slow_take
+                rp.step_layerwise(lambda ms: step_subset(opt, ms), finish=opt.zero_grad)
+                r.result()
+            rp.synchronize()
+            return [p.detach().clone() for p in model.parameters()]
+        finally:
+            rp.close()
+
+    for got, want in zip(train(layerwise=True), train(layerwise=False)):
+        assert_close_rel(got, want, 1e-6, "layer-wise step vs the blocking loop")
+
+
 def test_which_optimizers_step_in_parts() -> None:
     ps = [nn.Parameter(torch.zeros(2))]
     assert steps_elementwise(torch.optim.AdamW(ps, fused=True))
