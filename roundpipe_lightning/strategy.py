@@ -448,10 +448,10 @@ class RoundPipeStrategy(CheckpointingStrategy):
             # (several processes: the closure's backward starts all-reducing finished layers)
             result = self._dp.wrap_closure(opt, closure)()
             if not overlap:
-                # the previous step finishes (rp.step would wait for it too): from here on
-                # the window's master gradients are complete and nothing else touches them
-                self._sync_weights()
+                # blocking calls: the gradients are complete (a step in flight: the reducer
+                # waits); reduced, then shown on the module: later hooks see them reduced (DDP)
                 self._dp.reduce(opt)
+                self._sync_weights()
             # overlapped: the window may still run; the engine defers the step until its
             # gradients are in, and clipping runs there (step_fn)
             return result

@@ -251,6 +251,12 @@ class GradientAllReducer:
         self._slot = {id(p): b.index for b in self.buckets for p in b.params}
         self._ring = BufferRing(self.buckets)  # the flat buffers, kept across rounds
         self._lock = threading.Lock()
+        # The masters' own lock on their .grad, held while a bucket is read or written back:
+        # the caller's synchronize() hands those gradients to the model meanwhile, and two
+        # threads, one reading a tensor's .grad while the other replaces it, can crash the
+        # process (a segfault in the Lightning sharded test, before the lock).
+        masters = getattr(rp, "masters", None)
+        self._grad_lock = getattr(masters, "grad_lock", None) or threading.Lock()
         self._round: _Round | None = None
         self._remove_hook = rp.register_grad_hook(self._on_grads_ready) if self.overlap else None
         self._closed = False
@@ -353,7 +359,8 @@ class GradientAllReducer:
                     # read the slot too (stream order), so a later bucket may refill it
                     # (the pageable upload itself copies to staging before returning)
                     host.copy_(sent)
-                self._land(b, host, divisor)
+                with self._grad_lock:
+                    self._land(b, host, divisor)
 
             for b in self.buckets:
                 while not rnd.ready[b.index].wait(_POLL_S):
@@ -362,7 +369,8 @@ class GradientAllReducer:
                 if rnd.aborted.is_set():
                     return  # do not issue a collective our peers may never match
                 # this slot's previous bucket landed (REDUCE_IN_FLIGHT + 1 places back)
-                host = b.flatten(rnd.ring.slot(b))
+                with self._grad_lock:
+                    host = b.flatten(rnd.ring.slot(b))
                 sent = host
                 if is_nccl(self.group):
                     sent = host.to(comm_device(self.group), non_blocking=True)

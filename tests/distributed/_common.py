@@ -138,6 +138,7 @@ def launch(
                 "MASTER_PORT": str(port),
                 "ROUNDPIPE_DIST_TIMEOUT": str(timeout_s),
                 "OMP_NUM_THREADS": "1",
+                "PYTHONFAULTHANDLER": "1",  # a crash prints every thread's stack
                 "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
             }
         )

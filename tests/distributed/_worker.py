@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -211,6 +212,41 @@ def none_grads(rank: int) -> dict:
         rp.close()
 
 
+def waits_for_grad_lock(rank: int) -> dict:
+    """The reducer reads and writes the masters' ``.grad`` only under their lock (the
+    caller's ``synchronize()`` hands those gradients to the model meanwhile; unguarded,
+    the two threads crashed the process). Held here for a while, the reduction waits."""
+    rp = RoundPipe(build_model(0), devices="cpu:2")
+    try:
+        m = rp.optim_parameters()
+        for p in m:
+            p.grad = torch.full_like(p, float(rank + 1))
+        reducer = D.GradientAllReducer(rp, op="sum", overlap=False)
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def reduce() -> None:
+            try:
+                reducer.finish()
+            except BaseException as exc:  # noqa: BLE001 - reported in the result
+                errors.append(exc)
+            done.set()
+
+        with rp.masters.grad_lock:
+            t = threading.Thread(target=reduce)
+            t.start()
+            waited = not done.wait(0.5)  # still blocked on the lock after half a second
+        t.join(30)
+        reducer.close()
+        return {
+            "waited": waited,
+            "finished": done.is_set() and not errors,
+            "reduced": all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in m),
+        }
+    finally:
+        rp.close()
+
+
 def misuse(rank: int, world: int) -> str:
     """arm() before the first of two backward calls: finish() must refuse."""
     rp = make_rp(rank)
@@ -254,6 +290,7 @@ def run_train(rank: int, world: int, out: Path) -> None:
         info[name] = {k: res[k] for k in ("in_sync", "buckets", "hook_ready", "buffers")}
     torch.save(none_grads(rank), out / f"none_grads_rank{rank}.pt")
     info["misuse_error"] = misuse(rank, world)
+    info["grad_lock"] = waits_for_grad_lock(rank)
     (out / f"info_rank{rank}.json").write_text(json.dumps(info))
 
 

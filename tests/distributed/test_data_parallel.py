@@ -130,6 +130,15 @@ def test_collectives_and_misuse(trained: Path) -> None:
 
 
 @pytest.mark.timeout(150)
+def test_the_reducer_touches_gradients_under_the_masters_lock(trained: Path) -> None:
+    """While the masters' grad lock is held (as ``synchronize()`` holds it handing the
+    gradients to the model) the reduction waits, then completes (1 + 2 on every rank)."""
+    for rank in (0, 1):
+        got = json.loads((trained / f"info_rank{rank}.json").read_text())["grad_lock"]
+        assert got == {"waited": True, "finished": True, "reduced": True}, (rank, got)
+
+
+@pytest.mark.timeout(150)
 def test_reducer_keeps_a_ring_of_flat_buffers_not_a_gradient_copy(trained: Path) -> None:
     """Over every step, the collectives reduce at most ``REDUCE_IN_FLIGHT + 1`` distinct
     flat buffers per dtype, kept (the same ones every step, still held after the last),

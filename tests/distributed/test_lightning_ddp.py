@@ -49,6 +49,7 @@ def _launch(out: Path, worker: Path = LIT_WORKER) -> list[subprocess.Popen]:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1",
+                "PYTHONFAULTHANDLER": "1",  # a crash prints every thread's stack
                 "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
             }
         )

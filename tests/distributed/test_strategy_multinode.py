@@ -34,6 +34,7 @@ def _launch(out: Path, *args: str) -> list[tuple[subprocess.Popen, Path]]:
                 "NODE_RANK": str(rank),
                 "LOCAL_RANK": "0",
                 "OMP_NUM_THREADS": "1",
+                "PYTHONFAULTHANDLER": "1",  # a crash prints every thread's stack
                 "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
             }
         )
