@@ -53,6 +53,13 @@ class Lit(L.LightningModule):
         x = x.to(self.net[0][0].weight.dtype)  # (bf16-true: the module's dtype)
         return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # what a user's hook reads on the module (grad-norm logging): reduced over the nodes
+        if not hasattr(self, "first_grads"):
+            self.first_grads = {
+                n: p.grad.clone() for n, p in self.net.named_parameters() if p.grad is not None
+            }
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.1)
 
@@ -100,13 +107,14 @@ def run(loader: DataLoader, num_nodes: int, ckpt: Path, shard: bool, mode: str) 
     model = Lit()
     tr = trainer(STEPS, num_nodes, shard, mode)
     tr.fit(model, loader)
-    first, first_masters = params(model), masters(tr)
+    first, first_masters, first_grads = params(model), masters(tr), model.first_grads
     tr.save_checkpoint(ckpt)
     resumed = Lit()
     tr = trainer(RESUMED_STEPS, num_nodes, shard, mode)
     tr.fit(resumed, loader, ckpt_path=ckpt)
     out = {
         "first": first,
+        "first_grads": first_grads,
         "resumed": params(resumed),
         "first_masters": first_masters,
         "resumed_masters": masters(tr),

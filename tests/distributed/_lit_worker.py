@@ -54,6 +54,11 @@ class Lit(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # what a user's hook reads on the module (grad-norm logging): the reduced gradients
+        if not hasattr(self, "first_grads"):
+            self.first_grads = {n: p.grad.clone() for n, p in self.net.named_parameters()}
+
     def configure_optimizers(self):
         # SGD: Adam would hide a wrong gradient scale (a missing division by the world size)
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -80,6 +85,7 @@ def run(loader: DataLoader, num_nodes: int, ckpt: Path) -> dict:
     tr = trainer(STEPS, num_nodes)
     tr.fit(model, loader)
     first = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+    first_grads = model.first_grads
     tr.save_checkpoint(ckpt)  # rank 0 writes
     loss = float(tr.callback_metrics["train_loss"])
     resumed = Lit()
@@ -87,6 +93,7 @@ def run(loader: DataLoader, num_nodes: int, ckpt: Path) -> dict:
     tr2.fit(resumed, loader, ckpt_path=ckpt)
     return {
         "first": first,
+        "first_grads": first_grads,
         "resumed": {k: v.detach().clone() for k, v in resumed.net.state_dict().items()},
         "loss": loss,
         "step": tr2.global_step,
@@ -107,7 +114,9 @@ def main() -> None:
         sampler=DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=False),
     )
     res = run(loader, 2, out / "model.ckpt")
-    torch.save({"first": res["first"], "resumed": res["resumed"]}, out / f"params_rank{rank}.pt")
+    torch.save(
+        {k: res[k] for k in ("first", "first_grads", "resumed")}, out / f"params_rank{rank}.pt"
+    )
     (out / f"info_rank{rank}.json").write_text(
         json.dumps({k: res[k] for k in ("loss", "step", "world", "rank")})
     )

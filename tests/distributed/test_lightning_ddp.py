@@ -123,6 +123,11 @@ def test_two_nodes_async_accumulate_log_and_resume_like_one_process(tmp_path: Pa
             )
     # not vacuous: the resumed run trained further
     assert any(not torch.equal(ref["first"][k], ref["resumed"][k]) for k in ref["first"])
+    # on_before_optimizer_step reads the module's gradients reduced over the nodes (DDP's)
+    for r in range(2):
+        for k, want in ref["first_grads"].items():
+            err = rel_err(params[r]["first_grads"][k], want)
+            assert err <= 1e-5, f"rank {r}: the hook saw {k}'s gradient at rel err {err:.2e}"
     # the host-memory budget the strategy checks (and prints) counts what the unsharded
     # reduction keeps on each node: its ring of flat buffers
     from _lit_worker import Lit

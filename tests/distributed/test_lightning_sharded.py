@@ -45,6 +45,12 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("mode", MODES)
 def test_sharded_strategy_equals_unsharded(nodes: Path, mode: str) -> None:
     plain = torch.load(nodes / f"{mode}_plain_rank0.pt")
+    # unsharded, on_before_optimizer_step reads the module's gradients reduced over the
+    # nodes (as DDP's): the same on both (bf16 modules once saw each node's own copy)
+    grads = [torch.load(nodes / f"{mode}_plain_rank{r}.pt")["first_grads"] for r in (0, 1)]
+    assert grads[0] and set(grads[0]) == set(grads[1]) == set(plain["first"])
+    for k, g in grads[0].items():
+        assert torch.equal(g, grads[1][k]) and g.abs().max() > 0, (mode, k)
     for rank in range(2):
         sharded = torch.load(nodes / f"{mode}_sharded_rank{rank}.pt")
         for phase in ("first", "resumed"):
