@@ -16,7 +16,7 @@ from .checks import PlanFitChecker
 from .config import RoundPipeRunConfig
 from .kinds import RunType, parse_kind
 from .planning.plan import ModelExecutePlan, default_num_microbatch
-from .planning.planner import ReplanDecision, decide_replan, fused_replicas, replicable
+from .planning.planner import ReplanDecision, decide_replan, fused_replicas, may_replicate
 from .planning.profile import profile_of
 from .planning.schedule import Job, build_schedule
 from .running.devices.pool import DevicePool
@@ -173,7 +173,7 @@ class PlanChoice:
         given = num_microbatch or self.model_run_config.num_microbatch
         if given:
             return given
-        replicas = self.num_devices if replicable(self) else 1
+        replicas = self.num_devices if may_replicate(self) else 1
         return default_num_microbatch(self.num_devices, self.pool.concurrent, replicas)
 
     def default_plan(

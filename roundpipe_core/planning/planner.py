@@ -219,7 +219,7 @@ def auto(
     cap = _memory_cap(profiles, rt, limit_bytes, 1 if lending else 2)
     num_devices = max(devices) if devices else min_stages
     if num_microbatch is None:
-        replicas = num_devices if len(models) == 1 and replicable(models[0]) else 1
+        replicas = num_devices if len(models) == 1 and may_replicate(models[0]) else 1
         num_microbatch = default_num_microbatch(num_devices, concurrent is not False, replicas)
     if concurrent is False:
         fewest = search_plans(rt, profiles, 1, cap, fewest_stages=True)
@@ -255,14 +255,24 @@ def _cpu_overlap(model: Any) -> bool:
     return not pool.stages_draw(layers)
 
 
-def replicable(model: Any) -> bool:
-    """Whether ``model``'s one-stage fused plan may run as one job per CPU worker at once
-    (:func:`fused_replicas`), before its draws are known: :func:`_cpu_overlap`, and no
+def may_replicate(model: Any) -> bool:
+    """Whether ``model``'s one-stage fused plan may ever run as one job per CPU worker at
+    once, from its structure alone: its CPU workers overlap (``pool.cpu_overlap``) and no
     layer has buffers (a forward may write them, BatchNorm's running statistics: two
-    replicas would update them in another order than one stage does)."""
-    if not _cpu_overlap(model):
+    replicas would update them in another order than one stage does). Fixed for the
+    model's life, so the default microbatch count that rests on it never changes after
+    a call has learned which stages draw random numbers."""
+    pool = getattr(model, "pool", None)
+    layers = getattr(model, "layers", None)
+    if pool is None or layers is None or not getattr(pool, "cpu_overlap", False):
         return False
-    return not any(True for layer in model.layers for _ in layer.buffers())
+    return not any(True for layer in layers for _ in layer.buffers())
+
+
+def replicable(model: Any) -> bool:
+    """:func:`may_replicate`, and no stage was seen to draw random numbers (those run
+    alone): what :func:`fused_replicas` and the planner's cost model rest on."""
+    return may_replicate(model) and _cpu_overlap(model)
 
 
 def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:

@@ -330,6 +330,28 @@ def test_the_default_microbatch_count_gives_each_worker_one(
         rp.close()
 
 
+def test_the_default_count_stays_once_draws_are_learned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a model with Dropout: its stage draws random numbers, so it runs as one job once a
+    # call has shown that -- but the default microbatch count rests on the structure only
+    # and stays one per worker (a count that changed after the first call would change
+    # the cut of every batch, and the plan cached for it)
+    monkeypatch.setenv("ROUNDPIPE_CPU_CONCURRENT", "1")
+    model = mlp()
+    model[1] = nn.Sequential(model[1], nn.Dropout(0.1))
+    x, y = _data(rows=9)
+    rp = RoundPipe(model, devices="cpu:3")
+    try:
+        counts = [rp.num_microbatch_for()]
+        for _ in range(2):
+            _call(rp, x, y)
+            counts.append(rp.num_microbatch_for())
+        assert counts == [3, 3, 3]
+        assert max(job.microbatches.stop for job, *_ in rp.last_job_spans) == 3
+        assert _fused_jobs(rp) == [(0, range(0, 3))]  # it draws: one job, not replicated
+    finally:
+        rp.close()
+
+
 def test_the_schedule_replicates_only_a_lone_fused_stage() -> None:
     jobs = build_schedule(ONE_STAGE, "fused", 2, 5, start_device=1, replicas=2)
     assert [(j.device, j.microbatches, j.replica, j.code) for j in jobs] == [
