@@ -248,11 +248,18 @@ def _cpu_overlap(model: Any) -> bool:
     """Whether ``model`` runs on CPU workers that compute stages side by side
     (``pool.cpu_overlap``) and none of its stages was seen to draw random numbers (those
     run alone, so a plan that counts on overlap would only add recompute)."""
+    layers = _overlapping_workers(model)
+    return layers is not None and not model.pool.stages_draw(layers)
+
+
+def _overlapping_workers(model: Any) -> Any:
+    """``model``'s host layers where it runs on CPU workers that compute side by side
+    (``pool.cpu_overlap``), else ``None``."""
     pool = getattr(model, "pool", None)
     layers = getattr(model, "layers", None)
     if pool is None or layers is None or not getattr(pool, "cpu_overlap", False):
-        return False
-    return not pool.stages_draw(layers)
+        return None
+    return layers
 
 
 def may_replicate(model: Any) -> bool:
@@ -262,17 +269,14 @@ def may_replicate(model: Any) -> bool:
     replicas would update them in another order than one stage does). Fixed for the
     model's life, so the default microbatch count that rests on it never changes after
     a call has learned which stages draw random numbers."""
-    pool = getattr(model, "pool", None)
-    layers = getattr(model, "layers", None)
-    if pool is None or layers is None or not getattr(pool, "cpu_overlap", False):
-        return False
-    return not any(True for layer in layers for _ in layer.buffers())
+    layers = _overlapping_workers(model)
+    return layers is not None and not any(True for layer in layers for _ in layer.buffers())
 
 
 def replicable(model: Any) -> bool:
     """:func:`may_replicate`, and no stage was seen to draw random numbers (those run
     alone): what :func:`fused_replicas` and the planner's cost model rest on."""
-    return may_replicate(model) and _cpu_overlap(model)
+    return may_replicate(model) and not model.pool.stages_draw(model.layers)
 
 
 def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:
