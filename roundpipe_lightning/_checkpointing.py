@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -34,6 +33,7 @@ from .checkpoint_io import (
     StreamingCheckpointIO,
     check_lightning_checkpoint,
     check_roundpipe_section,
+    restore_learned,
 )
 from .precision import LossScaler
 from .sharded_checkpoint import (
@@ -110,7 +110,8 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
     def roundpipe_state_dict(self) -> dict[str, Any]:
         """What the strategy adds to a checkpoint under ``checkpoint["roundpipe"]``:
         master weights that differ in dtype from the model's (fp32 masters of a
-        half-precision model), the loss scaler and the layer timer.
+        half-precision model), the loss scaler, the layer timer and which stages draw
+        random numbers (``restore_learned``).
 
         The masters are the live tensors, not copies (host memory holds one of each):
         the step is drained here and nothing updates them until the save returns. Those
@@ -127,6 +128,7 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
             state["loss_scaler"] = self._loss_scaler.state_dict()
         if isinstance(self._rp, RoundPipe):  # an AutoRoundPipe's units time themselves
             state["timer"] = self._rp.model_timer.state_dict()
+            state["draws"] = self._rp.pool.learned_draws(self._rp.layers)
         return state
 
     def _user_groups(self, i: int, groups: list[dict[str, Any]]) -> None:
@@ -202,13 +204,8 @@ class CheckpointingStrategy(ProcessTopologyStrategy):
                 m.grad = None
         if self._loss_scaler is not None and "loss_scaler" in state:
             self._loss_scaler.load_state_dict(state["loss_scaler"])
-        if isinstance(self._rp, RoundPipe) and "timer" in state:
-            try:
-                self._rp.model_timer.load_state_dict(state["timer"])
-            except ValueError as exc:
-                rank_zero_warn(
-                    f"RoundPipe layer timings in the checkpoint were not restored: {exc}"
-                )
+        if isinstance(self._rp, RoundPipe):
+            restore_learned(self._rp, state)
 
     @override
     def load_checkpoint(

@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import Precision
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -45,7 +44,7 @@ from roundpipe_core import AutoRoundPipe, RoundPipe
 from roundpipe_core import distributed as D
 
 from ._private import optimizer_view, replace_zero_grad, restore_zero_grad
-from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section
+from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section, restore_learned
 from .sharded_checkpoint import load_optimizer_state, of_optimizer, sharded_masters
 
 __all__ = ["FabricRun", "CALLS"]
@@ -259,8 +258,8 @@ class FabricRun:
     def section(self) -> dict[str, Any]:
         """What a checkpoint holds beyond the module's state dict, in the layout of
         ``RoundPipeStrategy``'s ``checkpoint["roundpipe"]``: the masters whose dtype
-        differs from their parameter's (fp32 masters of a bf16 module) and the layer
-        timer; those of a sharded optimizer are in its shards instead (each in its owner's).
+        differs from their parameter's (fp32 masters of a bf16 module), the layer
+        timer and which stages draw random numbers; those of a sharded optimizer are in its shards instead (each in its owner's).
         Call after ``synchronize()``."""
         in_shards = sharded_masters(self.dp, self.optimizers)
         masters = {
@@ -271,6 +270,7 @@ class FabricRun:
         section: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
         if isinstance(self.rp, RoundPipe):  # (an AutoRoundPipe has no layer timer)
             section["timer"] = self.rp.model_timer.state_dict()
+            section["draws"] = self.rp.pool.learned_draws(self.rp.layers)
         return section
 
     def load_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
@@ -287,21 +287,16 @@ class FabricRun:
 
     def load_section(self, section: Any, strict: bool) -> None:
         """Restore the masters saved with a higher precision than the module's weights,
-        and the layer timer (after :meth:`load_state`)."""
+        and what the RoundPipe learned: the layer timer and the stages' draws (after
+        :meth:`load_state`)."""
         params = {name: p for name, p, _ in self._named_masters()}
         saved = check_roundpipe_section(section, params, strict=strict)
         with torch.no_grad():
             for name, _, m in self._named_masters():
                 if name in saved:
                     m.copy_(saved[name])
-        timer = (section or {}).get("timer")
-        if timer is not None and isinstance(self.rp, RoundPipe):
-            try:
-                self.rp.model_timer.load_state_dict(timer)
-            except ValueError as exc:
-                rank_zero_warn(
-                    f"RoundPipe layer timings in the checkpoint were not restored: {exc}"
-                )
+        if isinstance(self.rp, RoundPipe):
+            restore_learned(self.rp, section or {})
 
     # -- end --------------------------------------------------------------------------------
     def close(self) -> None:

@@ -40,6 +40,7 @@ from typing import IO, Any, cast
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
@@ -52,6 +53,7 @@ __all__ = [
     "StreamingCheckpointIO",
     "check_lightning_checkpoint",
     "check_roundpipe_section",
+    "restore_learned",
 ]
 
 log = logging.getLogger(__name__)
@@ -322,3 +324,22 @@ def check_roundpipe_section(
             )
         out[name] = saved
     return out
+
+
+def restore_learned(rp: Any, section: Mapping[str, Any]) -> None:
+    """What a RoundPipe learned while it ran, from a checkpoint's ``"roundpipe"`` section:
+    the layer timer (the plans ``auto()`` makes from it) and which stages draw random
+    numbers (where CPU workers compute side by side, ``ROUNDPIPE_CPU_CONCURRENT=1``, the
+    stages that share the cores: a resumed run then computes each on the thread count
+    the run it continues did, so it continues bit-exactly). A part saved for another
+    model is skipped with a warning: the run goes on, re-learning it."""
+    for key, what, load in (
+        ("timer", "layer timings", rp.model_timer.load_state_dict),
+        ("draws", "learned stage draws", lambda rows: rp.pool.restore_draws(rp.layers, rows)),
+    ):
+        if key not in section:
+            continue
+        try:
+            load(section[key])
+        except ValueError as exc:
+            rank_zero_warn(f"RoundPipe {what} in the checkpoint were not restored: {exc}")

@@ -308,11 +308,15 @@ class DataParallel:
         raw = _raw_optimizer(optimizer)
         shard = self.shard(raw)
         named = dict(rp.optim_named_parameters())
+        layers = getattr(rp, "layers", None)  # (an AutoRoundPipe's units learn their own)
+        learned = None if layers is None else rp.pool.learned_draws(layers)
         if shard is not None:
-            return save_shard(directory, named, raw, shard.owns, shard.rank, shard.world_size)
+            return save_shard(
+                directory, named, raw, shard.owns, shard.rank, shard.world_size, learned=learned
+            )
         if group_size(None) > 1 and torch.distributed.get_rank() != 0:
             return None
-        return save_shard(directory, named, raw, lambda p: True, 0, 1)
+        return save_shard(directory, named, raw, lambda p: True, 0, 1, learned=learned)
 
     def load_state(self, directory: str | Path, rp: Any, optimizer: Any) -> None:
         """Load host-state shards written by :meth:`save_state` on any rank count:
@@ -323,7 +327,11 @@ class DataParallel:
         raw = _raw_optimizer(optimizer)
         shard = self.shard(raw)
         named = dict(rp.optim_named_parameters())
-        load_shards(directory, named, raw, shard.owns if shard is not None else (lambda p: True))
+        learned = load_shards(
+            directory, named, raw, shard.owns if shard is not None else (lambda p: True)
+        )
+        if learned is not None and hasattr(rp, "layers"):
+            rp.pool.restore_draws(rp.layers, learned)  # the resumed run computes as before
         if shard is not None:
             shard.drop_foreign_state(raw)
             shard.gather()  # the shares of the others (into the masters or the weights)

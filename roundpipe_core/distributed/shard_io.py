@@ -44,6 +44,7 @@ def save_shard(
     rank: int,
     world_size: int,
     edit_groups: Callable[[list[dict[str, Any]]], None] | None = None,
+    learned: Any = None,
 ) -> Path:
     """Write this rank's shard into ``directory`` (created if missing) and return its path.
 
@@ -53,6 +54,8 @@ def save_shard(
         rank / world_size: this rank and the rank count (the file's name).
         edit_groups: called on the param groups' hyperparameters before they are written
             (an integration puts back what it changed, e.g. the user's ``fused``).
+        learned: what the engine learned that a bit-exact resume needs (which stages
+            draw random numbers, ``pool.learned_draws``), returned by :func:`load_shards`.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -79,6 +82,7 @@ def save_shard(
         "param_groups": groups,
         "masters": masters,
         "state": state,
+        "learned": learned,
     }
     path = directory / _shard_name(rank, world_size)
     tmp = path.with_suffix(".tmp")
@@ -143,11 +147,12 @@ def load_shards(
     optimizer: torch.optim.Optimizer,
     owns: Callable[[torch.Tensor], bool] = lambda p: True,
     load_masters: bool = True,
-) -> None:
+) -> Any:
     """Load the shards of ``directory`` (written by any rank count) into this rank:
     the masters (unless ``load_masters=False``: the caller restores the weights) and
     optimizer state of the parameters it ``owns`` (all by default: an unsharded run),
-    and the optimizer's hyperparameters. Files are read one at a time.
+    and the optimizer's hyperparameters. Files are read one at a time. Returns the first
+    shard's ``learned`` (see :func:`save_shard`; ``None`` if it has none).
 
     Raises:
         ValueError: a shard is unreadable or inconsistent (naming the rank that wrote
@@ -157,6 +162,7 @@ def load_shards(
     world = len(files)
     seen: set[str] = set()
     groups_loaded = False
+    learned = None
     for rank, path in enumerate(files):
         shard = _read(path, rank, world)
         unknown = sorted(set(shard["masters"]) - set(named_params))
@@ -175,6 +181,7 @@ def load_shards(
             for g, saved in zip(optimizer.param_groups, saved_groups):
                 g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
             groups_loaded = True
+            learned = shard.get("learned")
         with torch.no_grad():
             for n, value in shard["masters"].items():
                 seen.add(n)
@@ -198,6 +205,7 @@ def load_shards(
     missing = sorted(set(named_params) - seen)
     if missing:
         raise ValueError(f"no host-state shard in {directory} holds {missing[:3]}")
+    return learned
 
 
 def merge_shards(directory: str | Path) -> dict[str, Any]:

@@ -63,7 +63,8 @@ class _Probe(nn.Module):
         with p["lock"]:
             p["now"] += 1
             p["peak"] = max(p["peak"], p["now"])
-        p["threads"].append(torch.get_num_threads())
+        if current_layer() is not None:  # (a stage; not the first call's measurement)
+            p["threads"].append(torch.get_num_threads())
         time.sleep(0.004)
         with p["lock"]:
             p["now"] -= 1
@@ -392,3 +393,76 @@ def test_another_thread_drawing_stops_only_a_call_whose_stages_overlap(
         assert_grads_match(rp, ref_grads)
     finally:
         rp.close()
+
+
+def test_what_the_gate_learned_travels_to_a_fresh_one_and_bad_rows_change_nothing() -> None:
+    """``learned`` / ``relearn``: a checkpoint's rows make a fresh gate (a resumed process)
+    share or isolate exactly the stages the saving one did; rows of another model fail
+    before anything changes."""
+    layers = [nn.Linear(2, 2) for _ in range(4)]
+    gate = ComputeGate()
+    gate.record(layers[0], ("forward", 0, 2, True), False)
+    gate.record(layers[0], ("forward", 0, 2, True), False)
+    gate.record(layers[2], ("fused", 2, 4, True), True)
+    gate.record(layers[2], ("fused", 2, 4, False), False)
+    rows = gate.learned(layers)
+    assert rows == [
+        ["forward", 0, 2, True, 2],
+        ["fused", 2, 4, False, 1],
+        ["fused", 2, 4, True, -1],
+    ]
+    fresh = ComputeGate()
+    fresh.record(layers[1], ("backward", 1, 2, True), True)  # learned since: replaced
+    fresh.relearn(layers, rows)
+    assert fresh.learned(layers) == rows
+    assert fresh.runs_without_draw(layers[0], ("forward", 0, 2, True)) == 2
+    assert fresh.draws_seen(layers[2:3]) and not fresh.draws_seen(layers[:2])
+    for bad in (
+        [["forward", 0, 5, True, 2]],  # past the model's 4 layers
+        [["forward", 0, 2, 1, 2]],  # train mode not a bool
+        [["forward", 0, 2, True, -2]],
+        [["forward", 0, 2, True]],
+        "rows",
+    ):
+        with pytest.raises(ValueError, match="learned stage draws: row"):
+            fresh.relearn(layers, bad)
+        assert fresh.learned(layers) == rows
+
+
+def test_the_pool_hands_a_models_learned_draws_to_a_new_model_of_the_same_layers(
+    concurrent_env: None,
+) -> None:
+    """``pool.learned_draws`` / ``restore_draws``: a model that learned its stages' draws
+    (two calls), and a fresh copy of it given those rows, compute alike: the copy shares
+    the cores, on half of the caller's threads, from its first microbatch on (re-learning,
+    its first microbatches of each stage would run alone on both threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _learned_draws_restored()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _learned_draws_restored() -> None:
+    probe = _new_probe()
+    model = _model(probe)
+    x, y = _data()
+    rp = RoundPipe(model, devices="cpu:2")
+    try:
+        _call(rp, x, y)
+        _call(rp, x, y)
+        rows = rp.pool.learned_draws(rp.layers)
+        assert rows and all(runs >= 2 for *_, runs in rows)
+        assert 2 in probe["threads"]  # (its first microbatches ran alone)
+    finally:
+        rp.close()
+    probe2 = _new_probe()
+    twin = RoundPipe(_model(probe2), devices="cpu:2")
+    try:
+        assert twin.pool.learned_draws(twin.layers) == []
+        twin.pool.restore_draws(twin.layers, rows)
+        _call(twin, x, y)
+        assert probe2["peak"] == 2 and set(probe2["threads"]) == {1}, probe2["threads"]
+    finally:
+        twin.close()

@@ -18,7 +18,27 @@ from rpl_helpers import SeqModule, loader, max_rel_err, params_of, plain_trainer
 def test_resume_is_identical_to_straight_run(
     tmp_path: Path, async_step: bool, precision: str
 ) -> None:
-    kw = dict(async_step=async_step, precision=precision)
+    _assert_resume_matches_straight_run(tmp_path, async_step=async_step, precision=precision)
+
+
+def test_resume_with_cpu_workers_side_by_side_is_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``ROUNDPIPE_CPU_CONCURRENT=1`` the checkpoint keeps which stages draw random
+    numbers (``checkpoint["roundpipe"]["draws"]``): a resumed run that re-learned them
+    would compute its first microbatches alone, on the whole thread budget, where the
+    straight run shared the cores (bf16 sums then differ in their last bits)."""
+    monkeypatch.setenv("ROUNDPIPE_CPU_CONCURRENT", "1")
+    ckpt = _assert_resume_matches_straight_run(
+        tmp_path, async_step=False, precision="bf16-true"
+    )
+    rows = torch.load(ckpt, weights_only=True)["roundpipe"]["draws"]
+    assert rows and all(runs >= 2 for *_, runs in rows), rows  # learned: no stage draws
+
+
+def _assert_resume_matches_straight_run(tmp_path: Path, **kw: object) -> Path:
+    """10 steps, a checkpoint, 10 resumed steps: the losses, weights and the checkpoint
+    equal those of 20 straight steps; returns the checkpoint resumed from."""
     # run A: 10 steps (ModelCheckpoint saves at step 10), then resume to 20
     a = SeqModule()
     ca = ModelCheckpoint(dirpath=tmp_path / "a", every_n_train_steps=10, save_top_k=-1)
@@ -42,6 +62,7 @@ def test_resume_is_identical_to_straight_run(
     sb = torch.load(tmp_path / "b" / "epoch=1-step=10.ckpt", weights_only=True)
     for k, v in sa["state_dict"].items():
         assert torch.equal(v, sb["state_dict"][k]), k
+    return ckpt
 
 
 def test_checkpoint_contents(tmp_path: Path) -> None:

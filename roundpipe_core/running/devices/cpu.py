@@ -238,6 +238,54 @@ class ComputeGate:
             elif entry.get(key, 0) != _DRAWS:
                 entry[key] = entry.get(key, 0) + 1
 
+    def learned(self, layers: Sequence[Any]) -> list[list[Any]]:
+        """What was learned of the stages of a model with these host layers, as rows
+        ``[job kind, first layer, end, train mode, runs]`` (``runs``: alone without a
+        draw so far, ``-1``: the stage draws), for a checkpoint: a resumed run that
+        re-learned them would run its first microbatches alone, on other thread counts,
+        where the run it continues computed side by side."""
+        with self._seen_lock:
+            return [
+                [kind, start, stop, training, runs]
+                for layer in layers
+                if (entry := self._seen.get(layer))
+                for (kind, start, stop, training), runs in sorted(entry.items())
+            ]
+
+    def relearn(self, layers: Sequence[Any], rows: Any) -> None:
+        """Make what is known of these layers' stages what :meth:`learned` returned.
+
+        Raises:
+            ValueError: a row that is not ``[kind, first, end, train, runs]`` for a stage
+                of these layers (nothing is changed then).
+        """
+        n = len(layers)
+        table: dict[int, dict[tuple, int]] = {}
+        for row in rows if isinstance(rows, (list, tuple)) else [rows]:
+            ok = isinstance(row, (list, tuple)) and len(row) == 5
+            if ok:
+                kind, start, stop, training, runs = row
+                ok = (
+                    isinstance(kind, str)
+                    and all(type(v) is int for v in (start, stop, runs))
+                    and 0 <= start < stop <= n
+                    and isinstance(training, bool)
+                    and runs >= _DRAWS
+                )
+            if not ok:
+                raise ValueError(
+                    f"learned stage draws: row {row!r} is not [job kind, first layer, end, "
+                    f"train mode, runs >= -1] for a model of {n} layers; it was saved for "
+                    "another model"
+                )
+            table.setdefault(start, {})[(kind, start, stop, training)] = runs
+        with self._seen_lock:
+            for i, layer in enumerate(layers):
+                if i in table:
+                    self._seen[layer] = table[i]
+                else:
+                    self._seen.pop(layer, None)
+
     def draws_seen(self, layers: Sequence[Any]) -> bool:
         """Whether a stage starting at one of these host layers was seen to draw."""
         with self._seen_lock:

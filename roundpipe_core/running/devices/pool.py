@@ -205,6 +205,16 @@ class DevicePool:
         CPU generator (it then runs alone, whatever ``cpu_overlap`` says)."""
         return _GATE.draws_seen(layers)
 
+    def learned_draws(self, layers: Sequence[Any]) -> list[list[Any]]:
+        """Which stages of these host layers were seen to draw random numbers, and how
+        often the others ran without (``ComputeGate.learned``): what a checkpoint keeps
+        so that a resumed run shares the cores exactly where the run it continues did."""
+        return _GATE.learned(layers)
+
+    def restore_draws(self, layers: Sequence[Any], rows: Any) -> None:
+        """Restore :meth:`learned_draws`'s rows (``ValueError`` for rows of another model)."""
+        _GATE.relearn(layers, rows)
+
     def stage_shares_cores(self, layers: Sequence[Any], kind: str, start: int, stop: int) -> bool:
         """Whether the ``kind`` stage of ``layers[start:stop]`` (host layers, in their
         current train/eval mode) computes beside other stages: ``cpu_overlap``, and the
