@@ -23,12 +23,13 @@ Every variant gets 2 CPU threads in total:
   of the model and optimizer) and the parent drives them over a pipe, so their rounds
   interleave with the others';
 * ``rp cpu:1`` / ``rp cpu:2``: ``RoundPipe(model, devices=...)`` with its defaults
-  (default plan), ``torch.set_num_threads(2)``, ``forward_backward`` then
+  (default plan; ``ROUNDPIPE_CPU_CONCURRENT`` unset: in these blocking calls CPU
+  workers compute stages that draw no random numbers side by side, and the one-stage
+  plan runs as one job per worker at once, half the microbatches each, once its stage
+  was seen not to draw), ``torch.set_num_threads(2)``, ``forward_backward`` then
   ``step(update, is_async=False)`` over ``optim_parameters()``;
-* ``rp cpu:2 overlap``: the same with ``ROUNDPIPE_CPU_CONCURRENT=1`` for its pool (CPU
-  workers compute stages that draw no random numbers side by side; the default plan
-  then weighs the split plans against the one-stage plan, which runs as one job per
-  worker at once, half the microbatches each, once its stage was seen not to draw).
+* ``rp cpu:2 one at a time``: the same with ``ROUNDPIPE_CPU_CONCURRENT=0`` for its pool
+  (every stage alone, on both threads: the default before it shared the cores).
 
 Before timing, every variant runs one step and prints its step-0 loss; they must
 agree (relative 1e-5), else the benchmark stops: the variants do the same
@@ -132,14 +133,16 @@ def _plain(shape: Shape, checkpointed: bool) -> Runner:
 
 
 def _roundpipe(
-    shape: Shape, devices: str, overlap: bool = False
+    shape: Shape, devices: str, switch: str | None = None
 ) -> tuple[Runner, Callable[[], None], Callable[[], str]]:
     """The variant's runner, its ``close`` and what its last call ran (its jobs: stage
     kind device, layers, microbatches)."""
     from roundpipe_core import RoundPipe, RoundPipeRunConfig
 
     before = os.environ.get(CONCURRENT_ENV)
-    os.environ[CONCURRENT_ENV] = "1" if overlap else "0"  # read when the pool is built
+    os.environ.pop(CONCURRENT_ENV, None)  # read when the pool is built
+    if switch is not None:
+        os.environ[CONCURRENT_ENV] = switch
     try:
         rp = RoundPipe(
             _model(shape),
@@ -148,7 +151,7 @@ def _roundpipe(
         )
     finally:
         if before is None:
-            del os.environ[CONCURRENT_ENV]
+            os.environ.pop(CONCURRENT_ENV, None)
         else:
             os.environ[CONCURRENT_ENV] = before
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=LR, fused=True)
@@ -317,7 +320,7 @@ def _check_losses(label: str, losses: dict[str, float]) -> None:
     print(f"{label} loss per variant (the sum of its per-microbatch mean losses):")
     ref = losses["plain"]
     for name, value in losses.items():
-        print(f"  {name:<22}{value:.9f}")
+        print(f"  {name:<24}{value:.9f}")
     off = {n: v for n, v in losses.items() if not abs(v - ref) <= LOSS_RTOL * abs(ref)}
     if off:
         raise SystemExit(
@@ -368,8 +371,8 @@ def main() -> None:
         closers.append(close1)
         rp2, close2, ran2 = _roundpipe(shape, "cpu:2")
         closers.append(close2)
-        rp2o, close2o, ran2o = _roundpipe(shape, "cpu:2", overlap=True)
-        closers.append(close2o)
+        rp2_alone, close2_alone, ran2_alone = _roundpipe(shape, "cpu:2", switch="0")
+        closers.append(close2_alone)
         runners: dict[str, Runner] = {
             "plain": _plain(shape, checkpointed=False),
             "plain + checkpoint": _plain(shape, checkpointed=True),
@@ -377,7 +380,7 @@ def main() -> None:
             "peer 1F1B": peer.runner("1F1B"),
             "rp cpu:1": rp1,
             "rp cpu:2": rp2,
-            "rp cpu:2 overlap": rp2o,
+            "rp cpu:2 one at a time": rp2_alone,
         }
         # Step 0 doubles as the warm-up (allocations, the pipeline's shape exchange,
         # RoundPipe's first, dropped, timer measurement).
@@ -392,7 +395,7 @@ def main() -> None:
             return call
 
         timings = interleave({name: timed(name) for name in runners}, rounds=args.rounds, warmup=0)
-        ran = {"rp cpu:1": ran1(), "rp cpu:2": ran2(), "rp cpu:2 overlap": ran2o()}
+        ran = {"rp cpu:1": ran1(), "rp cpu:2": ran2(), "rp cpu:2 one at a time": ran2_alone()}
     finally:
         for close in reversed(closers):
             close()
@@ -419,11 +422,11 @@ def main() -> None:
         )
     print(_ratio_line("rp cpu:2 / peer 1F1B", per_round("rp cpu:2", "peer 1F1B"), 1.0))
     print(_ratio_line("rp cpu:2 / rp cpu:1", per_round("rp cpu:2", "rp cpu:1"), 1.05))
-    overlap = per_round("rp cpu:2 overlap", "peer 1F1B")
-    lo, hi = _quartiles(overlap)
+    alone = per_round("rp cpu:2 one at a time", "peer 1F1B")
+    lo, hi = _quartiles(alone)
     print(
-        f"rp cpu:2 overlap / peer 1F1B: {statistics.median(overlap):.2f} [{lo:.2f}..{hi:.2f}] "
-        f"per round (ROUNDPIPE_CPU_CONCURRENT=1; not a target)"
+        f"rp cpu:2 one at a time / peer 1F1B: {statistics.median(alone):.2f} "
+        f"[{lo:.2f}..{hi:.2f}] per round (ROUNDPIPE_CPU_CONCURRENT=0; not a target)"
     )
     for name, jobs in ran.items():
         print(f"{name} ran: {jobs}")

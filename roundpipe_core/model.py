@@ -224,6 +224,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         )
 
     def _execute(self, run: PipelineRun, jobs: list[Job]) -> None:
+        run.caller_waits = True  # (pool.run waits for the jobs)
         self.pool.run(jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q))
         self.model_timer.end_iteration()
         self._remember_call(jobs, run)

@@ -329,8 +329,7 @@ def check_roundpipe_section(
 def restore_learned(rp: Any, section: Mapping[str, Any]) -> None:
     """What a RoundPipe learned while it ran, from a checkpoint's ``"roundpipe"`` section:
     the layer timer (the plans ``auto()`` makes from it) and which stages draw random
-    numbers (where CPU workers compute side by side, ``ROUNDPIPE_CPU_CONCURRENT=1``, the
-    stages that share the cores: a resumed run then computes each on the thread count
+    numbers (where CPU workers compute side by side, the stages that share the cores: a resumed run then computes each on the thread count
     the run it continues did, so it continues bit-exactly). A part saved for another
     model is skipped with a warning: the run goes on, re-learning it."""
     for key, what, load in (

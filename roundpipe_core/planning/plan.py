@@ -40,7 +40,7 @@ def default_num_microbatch(num_devices: int, concurrent: bool = True, replicas: 
     microbatch more only adds per-microbatch work and smaller matrix products
     (measured: the README's main job 1.2-1.3x faster with 1 than with 4) -- or, where
     the one-stage plan may run as one job per overlapping CPU worker
-    (``ROUNDPIPE_CPU_CONCURRENT=1``, ``planner.fused_replicas``), ``replicas``: one
+    (``DevicePool.cpu_overlap``, ``planner.fused_replicas``), ``replicas``: one
     microbatch per worker. The one source of that default: the engine, the planner, the
     host-memory budget and the Lightning adapter all ask here."""
     return num_devices + 1 if concurrent else max(1, replicas)

@@ -245,19 +245,21 @@ def auto(
 
 
 def _cpu_overlap(model: Any) -> bool:
-    """Whether ``model`` runs on CPU workers that compute stages side by side
-    (``pool.cpu_overlap``) and none of its stages was seen to draw random numbers (those
+    """Whether ``model`` runs on CPU workers that compute any stages side by side
+    (``pool.cpu_stages_overlap``, ``ROUNDPIPE_CPU_CONCURRENT=1``; by default only a
+    stage's replicas do) and none of its stages was seen to draw random numbers (those
     run alone, so a plan that counts on overlap would only add recompute)."""
-    layers = _overlapping_workers(model)
+    layers = _overlapping_workers(model, "cpu_stages_overlap")
     return layers is not None and not model.pool.stages_draw(layers)
 
 
-def _overlapping_workers(model: Any) -> Any:
+def _overlapping_workers(model: Any, overlap: str = "cpu_overlap") -> Any:
     """``model``'s host layers where it runs on CPU workers that compute side by side
-    (``pool.cpu_overlap``), else ``None``."""
+    (the pool's ``overlap``: ``cpu_overlap``, a stage's replicas at least, or
+    ``cpu_stages_overlap``, any stages), else ``None``."""
     pool = getattr(model, "pool", None)
     layers = getattr(model, "layers", None)
-    if pool is None or layers is None or not getattr(pool, "cpu_overlap", False):
+    if pool is None or layers is None or not getattr(pool, overlap, False):
         return None
     return layers
 

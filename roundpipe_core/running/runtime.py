@@ -105,6 +105,9 @@ class PipelineRun:
         # Random numbers of layer l on microbatch m come from a generator seeded with (rng_base,
         # l, m): whichever worker runs it, whenever, so a recompute replays the forward's masks.
         self.rng_base = rng_base
+        # the caller waits for this run (a blocking call): only then may CPU workers
+        # compute its stages side by side by default (devices/cpu.py)
+        self.caller_waits = False
         # Where a stream is seeded (streams.py): every stage start, forward (recorded by
         # the forward jobs) and backward (the boundaries); every layer for grain "layer".
         self.seed_every_layer = recompute_grain == RecomputeGrain.LAYER

@@ -74,7 +74,9 @@ class ComputeScope:
         if stage_compute is not None and job is not None and worker.concurrent:  # type: ignore[attr-defined]
             r = job.layers
             owner = run.layers[r.start]
-            self.compute = stage_compute(owner, (str(job.kind), r.start, r.stop, owner.training))
+            key = (str(job.kind), r.start, r.stop, owner.training)
+            # by default only the replicas of one stage in a blocking call share the cores
+            self.compute = stage_compute(owner, key, run.caller_waits and job.replicas > 1)
         else:
             self.compute = worker.compute()
         self.prev = True

@@ -128,11 +128,11 @@ def _reference(model: nn.Module, probe: dict, x, y) -> tuple[torch.Tensor, dict]
 
 
 def test_the_switch_is_read_when_the_pool_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    for value, overlap in (("", False), ("0", False), ("1", True)):
+    for value, sharing in (("", "waited"), ("0", "never"), ("1", "always")):
         monkeypatch.setenv("ROUNDPIPE_CPU_CONCURRENT", value)
         pool = DevicePool("cpu:2")
         try:
-            assert pool.cpu_overlap is overlap
+            assert pool.cpu_sharing == sharing and pool.cpu_overlap is (sharing != "never")
             assert pool.concurrent is False  # the step and masters stay those of a CPU pool
         finally:
             pool.close()
@@ -189,10 +189,10 @@ def test_stages_that_draw_nothing_compute_side_by_side_and_exactly() -> None:
         torch.set_num_threads(before)
 
 
-def test_without_the_switch_stages_compute_one_at_a_time(
+def test_with_the_switch_off_stages_compute_one_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("ROUNDPIPE_CPU_CONCURRENT", raising=False)
+    monkeypatch.setenv("ROUNDPIPE_CPU_CONCURRENT", "0")
     probe, _ = _overlap_run((False,) * 4)
     assert probe["peak"] == 1
 
@@ -309,7 +309,7 @@ def _uniform_rp(buffer: bool = False) -> RoundPipe:
 def test_the_default_plan_overlaps_only_on_a_concurrent_pool_of_stages_that_do_not_draw(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("ROUNDPIPE_CPU_CONCURRENT", raising=False)
+    monkeypatch.setenv("ROUNDPIPE_CPU_CONCURRENT", "0")
     serial = _uniform_rp()
     try:
         assert serial.plan_for("fused") == ONE_STAGE
@@ -466,3 +466,39 @@ def _learned_draws_restored() -> None:
         assert probe2["peak"] == 2 and set(probe2["threads"]) == {1}, probe2["threads"]
     finally:
         twin.close()
+
+
+def test_by_default_only_a_stages_replicas_in_a_blocking_call_share_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ROUNDPIPE_CPU_CONCURRENT`` unset: the one-stage plan's replicas (one job per
+    worker) compute side by side in a blocking call once seen not to draw; the stages of
+    a split plan compute one at a time (each waits for the other's activations: on half
+    of the threads each would leave half idle); a non-blocking call's replicas compute
+    one at a time, so the caller's own draws meanwhile (every ``DataLoader`` iterator
+    draws its base seed) stop nothing and take nothing from the stages' streams."""
+    monkeypatch.delenv("ROUNDPIPE_CPU_CONCURRENT", raising=False)
+    probe, _ = _overlap_run((False,) * 4)  # three blocking calls of the split plan
+    assert probe["peak"] == 1
+    probe = _new_probe()
+    model = _model(probe)
+    x, y = _data()
+    one = ModelExecutePlan([], [range(0, 4)])
+    rp = RoundPipe(copy.deepcopy(model), devices="cpu:2")
+    try:
+        for _ in range(3):
+            _call(rp, x, y, one)  # learned: the stage draws nothing
+        assert len(rp.last_schedule) == 2 and probe["peak"] == 2  # its replicas at once
+        probe["peak"] = 0
+        for p in rp.optim_parameters():
+            p.grad = None
+        cfg = RoundPipeRunConfig(num_microbatch=4, execute_plan=one)
+        pending = rp.forward_backward((x,), label=y, loss_fn=sum_sq, run_config=cfg, blocking=False)
+        drawn = [torch.rand(3) for _ in range(20)]  # the caller goes on, and draws
+        loss = pending.result()
+        assert drawn and len(rp.last_schedule) == 2 and probe["peak"] == 1
+        ref_loss, ref_grads = _reference(model, probe, x, y)
+        assert_close_rel(loss, ref_loss, what="loss")
+        assert_grads_match(rp, ref_grads)
+    finally:
+        rp.close()

@@ -20,7 +20,7 @@ VARIANTS = (
     "peer 1F1B",
     "rp cpu:1",
     "rp cpu:2",
-    "rp cpu:2 overlap",
+    "rp cpu:2 one at a time",
 )
 
 

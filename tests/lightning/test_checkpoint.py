@@ -29,9 +29,7 @@ def test_resume_with_cpu_workers_side_by_side_is_identical(
     would compute its first microbatches alone, on the whole thread budget, where the
     straight run shared the cores (bf16 sums then differ in their last bits)."""
     monkeypatch.setenv("ROUNDPIPE_CPU_CONCURRENT", "1")
-    ckpt = _assert_resume_matches_straight_run(
-        tmp_path, async_step=False, precision="bf16-true"
-    )
+    ckpt = _assert_resume_matches_straight_run(tmp_path, async_step=False, precision="bf16-true")
     rows = torch.load(ckpt, weights_only=True)["roundpipe"]["draws"]
     assert rows and all(runs >= 2 for *_, runs in rows), rows  # learned: no stage draws
 

@@ -8,13 +8,20 @@ copying it, and keeps a ledger of the bytes a device would hold.
 Model code of the CPU backend runs under one process-wide gate (:class:`ComputeGate`).
 The CPU random generator is shared by all threads, so a stage that draws from it
 runs alone: only then does each (layer, microbatch) get a well-defined RNG state
-to seed and replay. By default every stage runs alone, with all of the caller's
-intra-op threads. With ``ROUNDPIPE_CPU_CONCURRENT=1`` a stage seen not to draw
-(in :data:`CLEAN_RUNS_BEFORE_SHARING` microbatches run alone; per first host layer,
-job kind, layers and train/eval mode) runs beside other such stages, each with its
-share of the intra-op threads, when another CPU worker has jobs in the same
-submission; if the generator moves there after all, the call fails
-(:class:`UnexpectedDrawError`) and the stages that saw it run alone from then on.
+to seed and replay. A stage seen not to draw (in :data:`CLEAN_RUNS_BEFORE_SHARING`
+microbatches run alone; per first host layer, job kind, layers and train/eval mode)
+runs beside other such stages, each with its share of the intra-op threads, when
+another CPU worker has jobs in the same submission; if the generator moves there
+after all, the call fails (:class:`UnexpectedDrawError`) and the stages that saw it
+run alone from then on. When they may (``ROUNDPIPE_CPU_CONCURRENT``, read by
+:func:`cpu_sharing_from_env`): by default only the replicas of one stage
+(``Job.replicas``: independent halves of the work, which keep both shares busy; two
+stages of a split plan wait for each other's activations, and each on half of the
+threads would idle the other half), and only in a call whose caller waits for it (a
+blocking call: the caller's thread draws nothing meanwhile, while a caller that goes
+on, an overlapped iteration, draws for its next ``DataLoader`` iterator and such --
+a draw the check cannot tell from the stage's own); ``1``: any stages, in every
+call; ``0``: never, every stage alone with all of the caller's intra-op threads.
 """
 
 from __future__ import annotations
@@ -39,33 +46,38 @@ __all__ = [
     "ComputeGate",
     "DEFAULT_CPU_DEVICE_MEMORY_GB",
     "UnexpectedDrawError",
-    "concurrent_cpu_from_env",
+    "cpu_sharing_from_env",
     "cpu_device_memory_bytes",
 ]
 
 _CPU_GENERATOR = torch.default_generator
 
-#: ``1``: CPU workers compute stages that draw no random numbers at the same time, each
-#: with its share of the intra-op threads; ``0`` (default): one stage at a time.
+#: When CPU workers compute stages that draw no random numbers at the same time, each
+#: with its share of the intra-op threads: unset, a stage's replicas in the calls the
+#: caller waits for; ``1``: any stages, in every call; ``0``: never (one at a time).
 CONCURRENT_ENV = "ROUNDPIPE_CPU_CONCURRENT"
 
+#: :func:`cpu_sharing_from_env`'s answers.
+SHARE_WAITED, SHARE_ALWAYS, SHARE_NEVER = "waited", "always", "never"
 
-def concurrent_cpu_from_env() -> bool:
-    """``ROUNDPIPE_CPU_CONCURRENT``: ``1`` on, ``0`` or unset off.
+
+def cpu_sharing_from_env() -> str:
+    """``ROUNDPIPE_CPU_CONCURRENT``: unset (or empty) :data:`SHARE_WAITED`, ``1``
+    :data:`SHARE_ALWAYS`, ``0`` :data:`SHARE_NEVER`.
 
     Raises:
         ValueError: any other value.
     """
     raw = os.environ.get(CONCURRENT_ENV, "").strip()
-    if raw in ("", "0"):
-        return False
-    if raw == "1":
-        return True
-    raise ValueError(
-        f"environment variable {CONCURRENT_ENV}={raw!r} must be 1 (CPU workers compute "
-        "stages that draw no random numbers at the same time) or 0 (one at a time, the "
-        "default)"
-    )
+    mode = {"": SHARE_WAITED, "1": SHARE_ALWAYS, "0": SHARE_NEVER}.get(raw)
+    if mode is None:
+        raise ValueError(
+            f"environment variable {CONCURRENT_ENV}={raw!r} must be 1 (CPU workers compute "
+            "stages that draw no random numbers at the same time, in every call), 0 (one "
+            "stage at a time) or unset (the replicas of a one-stage plan side by side in "
+            "the calls the caller waits for, the default)"
+        )
+    return mode
 
 
 #: Memory a CPU worker reports to the planner (the default model_memory_limit
@@ -143,7 +155,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class UnexpectedDrawError(RuntimeError):
     """A stage seen not to draw random numbers drew from the CPU generator while it
-    computed beside other stages (``ROUNDPIPE_CPU_CONCURRENT=1``): its numbers came from
+    computed beside other stages (``ROUNDPIPE_CPU_CONCURRENT``): its numbers came from
     no seeded stream, so its recompute could not replay them, and the call's gradients
     would be wrong. The stage runs alone from then on; the next call is exact."""
 
@@ -314,21 +326,22 @@ def _use_threads(worker: CPUWorker, n: int) -> None:
 
 class StageCompute:
     """The scope one microbatch of one job computes in on a CPU worker: the gate in the
-    mode the stage's draws allow, the worker's intra-op threads, and the check that the
-    stage drew what it was believed to (``check_draws``, before the generator is given
-    back)."""
+    mode the stage's draws (and ``may_share``, see the module docstring) allow, the
+    worker's intra-op threads, and the check that the stage drew what it was believed
+    to (``check_draws``, before the generator is given back)."""
 
-    __slots__ = ("worker", "owner", "key", "mode", "nested", "entry")
+    __slots__ = ("worker", "owner", "key", "may_share", "mode", "nested", "entry")
 
-    def __init__(self, worker: CPUWorker, owner: Any, key: tuple) -> None:
+    def __init__(self, worker: CPUWorker, owner: Any, key: tuple, may_share: bool) -> None:
         self.worker, self.owner, self.key = worker, owner, key
+        self.may_share = may_share or worker.share_always
         self.mode, self.nested = RNG_ALONE, False
         self.entry: Any = None  # the generator's state where a shared scope began
 
     def __enter__(self) -> None:
         w = self.worker
         runs = _GATE.runs_without_draw(self.owner, self.key)
-        alone = runs < CLEAN_RUNS_BEFORE_SHARING or not w.has_siblings
+        alone = runs < CLEAN_RUNS_BEFORE_SHARING or not (w.has_siblings and self.may_share)
         exclusive, self.nested = _GATE.enter(alone)
         if self.nested:
             return  # the outer scope's mode, threads and checks hold
@@ -359,14 +372,14 @@ class StageCompute:
             raise UnexpectedDrawError(
                 f"the CPU random generator moved while the {kind} stage of layers "
                 f"{start}..{stop - 1} ({'train' if training else 'eval'} mode) computed "
-                "beside other stages (ROUNDPIPE_CPU_CONCURRENT=1): it, or a stage beside "
+                "beside other stages: it, or a stage beside "
                 "it, drew random numbers although none did in their earlier runs. Such "
                 "numbers come from no seeded stream and a recompute cannot replay them, "
                 "so this call's gradients would be wrong: it is stopped. The stages that "
                 "saw it run alone from now on, so calling again is exact. Causes: a layer "
                 "whose randomness depends on its input or on state the engine does not "
                 "see (a submodule switched to train mode alone), or another thread drawing "
-                "from torch's CPU generator during the call; unset ROUNDPIPE_CPU_CONCURRENT "
+                "from torch's CPU generator during the call; set ROUNDPIPE_CPU_CONCURRENT=0 "
                 "to compute one stage at a time"
             )
 
@@ -394,9 +407,10 @@ class CPUWorker(Worker):
 
     def __init__(self, index: int) -> None:
         cpu_device_memory_bytes()  # a bad setting fails when the pool is built, not mid-plan
-        #: Whether stages seen not to draw random numbers compute beside other stages
-        #: (``ROUNDPIPE_CPU_CONCURRENT=1``; the pool sets it before any job).
-        self.concurrent = False
+        #: Whether stages seen not to draw random numbers may compute beside other
+        #: stages, and whether in every call or only in those the caller waits for
+        #: (``ROUNDPIPE_CPU_CONCURRENT``; the pool sets both before any job).
+        self.concurrent = self.share_always = False
         #: Intra-op threads of a stage alone / beside others (the pool sets them per
         #: submission from the caller's ``torch.get_num_threads()``); ``threads_now``:
         #: what this thread was last set to (0: never).
@@ -449,11 +463,13 @@ class CPUWorker(Worker):
     def compute(self) -> contextlib.AbstractContextManager:
         return _GATE  # alone (the scope of every stage where workers do not overlap)
 
-    def stage_compute(self, owner: Any, key: tuple) -> StageCompute:
+    def stage_compute(self, owner: Any, key: tuple, may_share: bool) -> StageCompute:
         """The scope of one microbatch of a stage on a worker that may overlap others
         (``concurrent``): ``owner`` is its first host layer, ``key`` ``(job kind, first
-        layer, end, train mode)`` (see :class:`ComputeGate`)."""
-        return StageCompute(self, owner, key)
+        layer, end, train mode)`` (see :class:`ComputeGate`); ``may_share``: by default
+        it may compute beside others (a replica, in a blocking call; ``share_always``:
+        any stage)."""
+        return StageCompute(self, owner, key, may_share)
 
     def watch_seed(self, seed: int) -> None:
         """Seed the generator for a stream while the stage's draws are watched: a draw

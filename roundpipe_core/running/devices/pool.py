@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 from .base import Worker
-from .cpu import _GATE, CLEAN_RUNS_BEFORE_SHARING, CPUWorker, concurrent_cpu_from_env
+from .cpu import (
+    _GATE,
+    CLEAN_RUNS_BEFORE_SHARING,
+    SHARE_ALWAYS,
+    SHARE_NEVER,
+    CPUWorker,
+    cpu_sharing_from_env,
+)
 
 __all__ = [
     "DEFAULT_CPU_DEVICES",
@@ -148,9 +155,11 @@ class DevicePool:
         self._replay_checked = False  # warn_if_replay_differs said its piece
         try:
             num_cpu = sum(d.type == "cpu" for d in devs)
-            #: ``ROUNDPIPE_CPU_CONCURRENT=1`` read when the pool was built: CPU workers
-            #: compute stages that draw no random numbers at the same time.
-            self.cpu_concurrent = concurrent_cpu_from_env()
+            #: ``ROUNDPIPE_CPU_CONCURRENT`` read when the pool was built: whether CPU
+            #: workers compute stages that draw no random numbers at the same time (in
+            #: the calls the caller waits for, by default; in every call with ``1``).
+            self.cpu_sharing = cpu_sharing_from_env()
+            self.cpu_concurrent = self.cpu_sharing != SHARE_NEVER
             # ATen gives a thread its intra-op count at its first parallel call from the
             # last count any thread set: the caller's is fixed now, before a worker sets
             # its share (devices/cpu.py, _use_threads)
@@ -160,6 +169,7 @@ class DevicePool:
                     cpu_worker = CPUWorker(i)
                     cpu_worker.share = num_cpu
                     cpu_worker.concurrent = self.cpu_concurrent
+                    cpu_worker.share_always = self.cpu_sharing == SHARE_ALWAYS
                     self.workers.append(cpu_worker)
                 else:
                     self.workers.append(_cuda_worker(i, d))
@@ -185,20 +195,28 @@ class DevicePool:
     @property
     def concurrent(self) -> bool:
         """Whether the devices compute at the same time on hardware of their own. GPUs
-        do; CPU workers share the process's cores (and, by default, compute one at a
-        time under one gate), so on them every job's time adds up, the step is
-        synchronous and the masters are shared. ``cpu_overlap`` says whether CPU
-        workers may compute side by side all the same (``ROUNDPIPE_CPU_CONCURRENT=1``)."""
+        do; CPU workers share the process's cores (they compute under one gate, side by
+        side only on shares of the cores), so on them the step is synchronous and the
+        masters are shared. ``cpu_overlap`` says whether CPU workers may compute side by
+        side (``ROUNDPIPE_CPU_CONCURRENT`` unset or ``1``)."""
         return self.is_cuda
 
     @property
     def cpu_overlap(self) -> bool:
         """Whether CPU workers of this pool compute at the same time, each on its share
-        of the cores (``ROUNDPIPE_CPU_CONCURRENT=1`` and at least two CPU workers; stages
-        that draw random numbers still run alone). ``concurrent`` stays False for them:
+        of the cores (at least two CPU workers, and ``ROUNDPIPE_CPU_CONCURRENT`` is not
+        ``0``; stages that draw random numbers still run alone, and by default so do the
+        stages of a call the caller does not wait for). ``concurrent`` stays False for them:
         the step and the masters are those of a pool whose devices share the host's
         cores; the planner reads this to weigh a plan whose stages overlap."""
         return self.cpu_concurrent and sum(w.kind == "cpu" for w in self.workers) >= 2
+
+    @property
+    def cpu_stages_overlap(self) -> bool:
+        """Whether any two stages (not only a stage's replicas) of a call compute side by
+        side on these CPU workers (``ROUNDPIPE_CPU_CONCURRENT=1``): what the planner's
+        model of split plans on overlapping CPU workers rests on."""
+        return self.cpu_overlap and self.cpu_sharing == SHARE_ALWAYS
 
     def stages_draw(self, layers: Sequence[Any]) -> bool:
         """Whether a stage starting at one of these host layers was seen to draw from the
