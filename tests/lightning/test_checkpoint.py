@@ -21,6 +21,7 @@ def test_resume_is_identical_to_straight_run(
     _assert_resume_matches_straight_run(tmp_path, async_step=async_step, precision=precision)
 
 
+@pytest.mark.cpu_backend  # (CPU workers even under ROUNDPIPE_TEST_DEVICE=fake-cuda)
 def test_resume_with_cpu_workers_side_by_side_is_identical(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
