@@ -47,6 +47,7 @@ __all__ = [
     "ReplanDecision",
     "decide_replan",
     "fused_replicas",
+    "most_fused_replicas",
     "replicable",
     "search_plans",
     "simulated_iteration_ms",
@@ -283,19 +284,26 @@ def replicable(model: Any) -> bool:
 
 def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:
     """How many jobs at once a "fused" call of ``plan`` runs its stage as
-    (``build_schedule(replicas=...)``): one per CPU worker where the plan is one stage,
-    the call has at least two microbatches, :func:`replicable` holds and the stage was
+    (``build_schedule(replicas=...)``): :func:`most_fused_replicas`, where the stage was
     seen to compute without drawing random numbers (``pool.stage_shares_cores``: a stage
     that draws, or whose draws are not known yet, runs as one job); else 1."""
+    workers = most_fused_replicas(model, plan, num_microbatch)
+    r = plan.bwd_plan[0] if workers > 1 else None
+    if r is None or not model.pool.stage_shares_cores(model.layers, "fused", r.start, r.stop):
+        return 1
+    return workers
+
+
+def most_fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:
+    """The jobs at once a "fused" call of ``plan`` may run its stage as once the run has
+    learned which stages draw random numbers (what the host-memory budget counts: each
+    replica holds its own gradients and activations): one per CPU worker where the plan
+    is one stage, the call has at least two microbatches and :func:`replicable` holds
+    (no stage seen to draw so far); else 1."""
     if plan.fwd_plan or len(plan.bwd_plan) != 1 or num_microbatch < 2:
         return 1
     workers = int(getattr(model, "num_devices", 1) or 1)
-    if workers < 2 or not replicable(model):
-        return 1
-    r = plan.bwd_plan[0]
-    if not model.pool.stage_shares_cores(model.layers, "fused", r.start, r.stop):
-        return 1
-    return workers
+    return workers if workers > 1 and replicable(model) else 1
 
 
 def split_plan(num_layers: int, split: int) -> ModelExecutePlan:

@@ -44,14 +44,13 @@ Beside the table, ``process`` is what the process held when the estimate was mad
 beyond the lines above (the interpreter, torch and the libraries it loaded -- the
 first optimizer alone loads ~70 MiB of code --, the data loader): its resident set
 then, minus the weights, masters, gradients and optimizer state already allocated (and
-the pages of mapped files already resident).
-``process_peak`` = ``total + process`` predicts the whole process's peak RSS
-(``benchmarks/sharded_memory.py`` measures both).
-
-:func:`check_host_memory` compares what is still to be allocated with what the
-machine has available (``psutil``, else ``/proc/meminfo`` ``MemAvailable``, and a
-cgroup v2 limit when one is set) and raises :class:`HostMemoryError` with the
-table when it does not fit.
+the pages of mapped files already resident); ``training_code``, what of torch's code the
+first training step pages in (:mod:`.process_memory`). ``process_peak`` = ``total +
+process + training_code`` predicts the whole process's peak RSS (``benchmarks/``
+``sharded_memory.py`` measures both). :func:`check_host_memory` compares what is still
+to be allocated with what the machine has available (``psutil``, else
+``/proc/meminfo`` ``MemAvailable``, and a cgroup v2 limit when one is set) and raises
+:class:`HostMemoryError` with the table when it does not fit.
 """
 
 from __future__ import annotations
@@ -68,6 +67,7 @@ from .carried import carried_tensors, logical_numel
 from .host_transients import (
     check_layer_bytes,
     dequantized_bytes,
+    fused_jobs_by_device,
     mapped_file_bytes,
     worker_activations,
 )
@@ -77,6 +77,8 @@ from .optimizer_states import (
     optimizer_name,
     optimizer_states_per_param,
 )
+from .process_memory import resident_bytes as _resident_bytes
+from .process_memory import training_code_bytes
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -142,8 +144,9 @@ class HostMemoryBudget:
             made (the weights, and the masters of a built RoundPipe); only the rest
             still has to fit into available memory.
         optimizer: the optimizer the state line assumes, with its states per parameter.
-        process: resident bytes of the process at the estimate beyond its state (see
-            the module docstring; 0 where the resident set cannot be read).
+        process / training_code: resident bytes of the process at the estimate beyond
+            its state, and the code its first training step pages in (made before it; see
+            the module docstring and :mod:`.process_memory`; 0 where RSS cannot be read).
     """
 
     num_params: int
@@ -162,6 +165,7 @@ class HostMemoryBudget:
     worker_activations: int = 0
     dequantized: int = 0
     collective_buffers: int = 0
+    training_code: int = 0
 
     @property
     def total(self) -> int:
@@ -183,8 +187,9 @@ class HostMemoryBudget:
 
     @property
     def process_peak(self) -> int:
-        """The whole process's predicted peak resident set: ``total + process``."""
-        return self.total + self.process
+        """The whole process's predicted peak resident set:
+        ``total + process + training_code``."""
+        return self.total + self.process + self.training_code
 
     @property
     def to_allocate(self) -> int:
@@ -227,6 +232,9 @@ class HostMemoryBudget:
         lines.append(f"  {'still to allocate':<{width}}  {_fmt(self.to_allocate):>11}")
         if self.process:
             lines.append(f"  {'+ process (libraries)':<{width}}  {_fmt(self.process):>11}")
+            if self.training_code:
+                code = _fmt(self.training_code)
+                lines.append(f"  {'+ training code (first step)':<{width}}  {code:>11}")
             lines.append(f"  {'= whole process':<{width}}  {_fmt(self.process_peak):>11}")
         return "\n".join(lines)
 
@@ -241,15 +249,6 @@ def _masters_of(
     if isinstance(entries, list) and isinstance(inner, nn.Module) and hasattr(model, "pool"):
         return inner, [(p, m) for _, p, m in entries]
     return model, None
-
-
-def _resident_bytes() -> int:
-    """This process's resident set (``/proc/self/statm``; 0 where it cannot be read)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return 0
 
 
 def _existing_state_bytes(masters: Iterable[torch.Tensor], optimizers: list | None) -> int:
@@ -272,31 +271,31 @@ def _worker_copies(rp: Any, plan: Any, num_microbatch: int, master_dtype: dict[i
     Workers that lend the host's parameters (``Worker.lends_host_tensors``, the CPU
     backend) copy only a stage's buffers and carried state, and their gradients become
     the masters' ``.grad`` (the gradients line) unless converted to another dtype
-    (``master_dtype``: master dtype per model parameter id), which holds both for a while."""
-    from ..planning.schedule import FORWARD, build_schedule, jobs_by_device
+    (``master_dtype``: master dtype per model parameter id), which holds both for a while.
+    A replicated stage's replicas after the first hold gradients of their own until the
+    last is in (``replicas.JobGrads``): all of them beside the gradients line."""
+    from ..planning.schedule import FORWARD
 
     lends = all(getattr(w, "lends_host_tensors", False) for w in rp.pool.workers)
     layer_bytes: list[int] = []
     layer_grads: list[int] = []
+    replica_grads: list[int] = []
     for layer in rp.layers:
         params = list({id(p): p for p in layer.parameters()}.values())
         copied = list(layer.buffers()) + carried_tensors(layer)
         layer_bytes.append(_unique_storage_bytes(copied if lends else params + copied))
-        layer_grads.append(
-            sum(
-                _nbytes(p)
-                for p in params
-                if p.requires_grad and (not lends or master_dtype.get(id(p), p.dtype) != p.dtype)
-            )
-        )
-    jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch)
+        converted = [not lends or master_dtype.get(id(p), p.dtype) != p.dtype for p in params]
+        trained = [(p, c) for p, c in zip(params, converted) if p.requires_grad]
+        layer_grads.append(sum(_nbytes(p) for p, c in trained if c))
+        replica_grads.append(sum(_nbytes(p) for p, _ in trained))
     total = 0
-    for queue in jobs_by_device(jobs, rp.num_devices):
+    for queue in fused_jobs_by_device(rp, plan, num_microbatch):
         peak = 0
         for i, job in enumerate(queue):
             held = sum(layer_bytes[k] for k in job.layers)
             if job.kind != FORWARD:
-                held += sum(layer_grads[k] for k in job.layers)
+                grads = replica_grads if job.replica > 0 else layer_grads
+                held += sum(grads[k] for k in job.layers)
             if i + 1 < len(queue):
                 held += sum(layer_bytes[k] for k in queue[i + 1].layers)
             peak = max(peak, held)
@@ -509,6 +508,7 @@ def estimate_host_memory(
         already_allocated=already,
         optimizer=opt_label,
         process=max(resident - already - existing, 0) if resident else 0,
+        training_code=training_code_bytes() if resident else 0,
         mapped_files=mapped.extra,
         worker_activations=worker_acts,
         dequantized=dequantized,

@@ -127,13 +127,27 @@ def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
     return MappedFiles(extra=extra, resident=_resident_of(ranges), inside=sum(inside.values()))
 
 
+def fused_jobs_by_device(rp: Any, plan: Any, num_microbatch: int) -> list[list[Any]]:
+    """Each device's jobs of one "fused" call under ``plan``, as the run schedules them
+    once it has learned which stages draw random numbers: a one-stage plan's replicas
+    (``planner.most_fused_replicas``) each on its own worker, each holding its own
+    gradients and activations -- the peak a budget must count."""
+    from ..planning.planner import most_fused_replicas
+    from ..planning.schedule import build_schedule, jobs_by_device
+
+    replicas = most_fused_replicas(rp, plan, num_microbatch)
+    jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch, replicas=replicas)
+    return jobs_by_device(jobs, rp.num_devices)
+
+
 def _autograd_jobs(rp: Any, plan: Any, num_microbatch: int) -> list[list[Any]]:
     """Each device's fused and backward jobs of one "fused" call under ``plan`` (the
     jobs that run with autograd; forward jobs of a training call save only their input)."""
-    from ..planning.schedule import FORWARD, build_schedule, jobs_by_device
+    from ..planning.schedule import FORWARD
 
-    jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch)
-    return [[j for j in q if j.kind != FORWARD] for q in jobs_by_device(jobs, rp.num_devices)]
+    return [
+        [j for j in q if j.kind != FORWARD] for q in fused_jobs_by_device(rp, plan, num_microbatch)
+    ]
 
 
 def check_layer_bytes(value: Sequence[float] | None) -> list[float] | None:
@@ -197,13 +211,10 @@ def dequantized_bytes(rp: Any, plan: Any, num_microbatch: int) -> int:
     """Bytes of dequantized 4-bit weights the CPU workers hold together: per worker, the
     largest :func:`layer_dequantized_bytes` over the layers of the stages it runs (one
     weight at a time: each is freed after its matmul)."""
-    from ..planning.schedule import build_schedule, jobs_by_device
-
     per_layer = [layer_dequantized_bytes(layer) for layer in rp.layers]
     if not any(per_layer):
         return 0
-    jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch)
     return sum(
         max((per_layer[k] for job in queue for k in job.layers), default=0)
-        for queue in jobs_by_device(jobs, rp.num_devices)
+        for queue in fused_jobs_by_device(rp, plan, num_microbatch)
     )

@@ -65,7 +65,10 @@ class GradBuffer:
     ``.grad`` (:meth:`MasterWeights.add_many`: the optimizer thread, or the caller
     after a blocking call), not on the worker thread that downloaded it, which
     should go on feeding its GPU. Until the merge the host holds half the bytes.
-    ``convert_on_add=True`` converts on arrival instead (CPU workers, as before).
+    ``convert_on_add=True`` converts on arrival instead (CPU workers, as before): the
+    first gradient of a master, that is; a later one (the next replica's, a shared
+    parameter's) is added to it in one mixed-dtype ``add_``, so no converted copy of a
+    whole job's gradients exists beside the bf16 ones (the host-memory budget's lines).
     """
 
     def __init__(self, master_of: dict[int, nn.Parameter], convert_on_add: bool = False) -> None:
@@ -79,16 +82,17 @@ class GradBuffer:
         master = self._master_of.get(id(param))
         if master is None:
             return
-        if self._convert_on_add and grad.dtype != master.dtype:
-            grad = grad.to(master.dtype)
         with self._lock:
             self._put(master, grad)
 
     def _put(self, master: nn.Parameter, grad: torch.Tensor) -> None:
         """Keep ``grad`` for ``master``; the lock is held. A second gradient of the same
-        master (a parameter shared by two stages) is summed in the master's dtype."""
+        master (a parameter shared by two stages, a stage's next replica) is summed in
+        the master's dtype."""
         hit = self._grads.get(id(master))
         if hit is None:
+            if self._convert_on_add and grad.dtype != master.dtype:
+                grad = grad.to(master.dtype)
             self._grads[id(master)] = (master, grad)
         elif hit[1].dtype == master.dtype:
             hit[1].add_(grad)
@@ -107,11 +111,8 @@ class GradBuffer:
         pairs = []
         for param, grad in zip(params, grads):
             master = master_of.get(id(param))
-            if master is None:
-                continue
-            if self._convert_on_add and grad.dtype != master.dtype:
-                grad = grad.to(master.dtype)
-            pairs.append((master, grad))
+            if master is not None:
+                pairs.append((master, grad))
         with self._lock:
             for master, grad in pairs:
                 self._put(master, grad)

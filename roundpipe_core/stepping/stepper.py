@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from ..running.process_memory import note_training_step
+
 __all__ = ["ClosedError", "OptimizerThread", "Stepper"]
 
 _Item = tuple[Future, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -249,6 +251,7 @@ class Stepper:
                 self._publish = fut
             self._pending_guarded = False
             self._steps += 1
+        note_training_step()  # the host-memory budget's training-code line
 
     def queue_guarded_step(self, fn: Callable[[], Any], publishes: bool = False) -> int:
         """A step of the pipelined path; returns the weight version it produces.
@@ -260,7 +263,9 @@ class Stepper:
                 self._publish = fut
             self._pending_guarded = True
             self._steps += 1
-            return self._steps
+            version = self._steps
+        note_training_step()
+        return version
 
     def queue_publication(self, fn: Callable[[], Any]) -> None:
         """Guarded work that writes a step's weights into the model."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe_core import ModelExecutePlan, OptimizerCtx, RoundPipe
+from roundpipe_core import ModelExecutePlan, OptimizerCtx, RoundPipe, RoundPipeRunConfig
 from roundpipe_core.running.host_memory import (
     HostMemoryBudget,
     HostMemoryError,
@@ -139,10 +139,70 @@ def test_roundpipe_lines_match_what_a_step_allocates(dtype: torch.dtype, make_op
         assert b.next_gradients == _bytes(masters)  # separate masters: the step may overlap
         assert estimate_host_memory(rp, optimizer=opt, async_step=False).next_gradients == 0
         params = list(net.parameters())
+        # the one stage runs as one job per worker once seen not to draw (the default
+        # ROUNDPIPE_CPU_CONCURRENT): the second replica holds gradients of its own
+        replicas = 2 if rp.pool.cpu_overlap else 1
+        extra = (replicas - 1) * _bytes(params)
         if dtype == torch.float32:
-            assert b.worker_copies == 0  # no buffers; the stage's gradients are the masters'
+            # no buffers; the first replica's gradients are the masters'
+            assert b.worker_copies == extra
         else:  # bf16 gradients held until the stage ends, beside their fp32 conversion
-            assert 0 < b.worker_copies <= _bytes(params)
+            assert extra < b.worker_copies <= _bytes(params) + extra
+    finally:
+        rp.close()
+
+
+@pytest.mark.cpu_backend
+def test_replicas_hold_the_gradients_the_budget_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-stage plan run as one job per CPU worker keeps each replica's gradients
+    until the last is in (``replicas.JobGrads``): the budget's worker line counts the
+    replicas after the first -- measured: the gradient bytes each replica job hands in."""
+    from roundpipe_core.running import replicas as replicas_mod
+
+    handed: list[tuple[int, int]] = []  # (replica, gradient bytes) per replicated job
+    real = replicas_mod.download_grads
+
+    def counting(stage, sink, sink_many):  # type: ignore[no-untyped-def]
+        got: list[torch.Tensor] = []
+
+        def keep(ps: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
+            got.extend(gs)
+            sink_many(ps, gs)
+
+        real(stage, lambda p, g: keep([p], [g]), keep)
+        handed.append((current[0], _bytes(got)))
+
+    current = [0]
+    download = replicas_mod.JobGrads.download
+
+    def tracking(self, job, stage):  # type: ignore[no-untyped-def]
+        current[0] = job.replica
+        return download(self, job, stage)
+
+    rp = RoundPipe(_net(), devices="cpu:2")
+    try:
+        if not rp.pool.cpu_overlap:
+            pytest.skip("ROUNDPIPE_CPU_CONCURRENT=0: CPU workers never compute side by side")
+        with OptimizerCtx():
+            opt = torch.optim.SGD(rp.optim_parameters(), lr=1e-3)
+        b = estimate_host_memory(rp, optimizer=opt, num_microbatch=4)
+        monkeypatch.setattr(replicas_mod, "download_grads", counting)
+        monkeypatch.setattr(replicas_mod.JobGrads, "download", tracking)
+        x, y = torch.randn(8, W), torch.randn(8, W)
+        for _ in range(4):  # the stage shares the cores once seen not to draw
+            handed.clear()
+            rp.forward_backward(
+                input_args=(x,),
+                label=y,
+                loss_fn=lambda o, t: ((o - t) ** 2).mean(),
+                run_config=RoundPipeRunConfig(num_microbatch=4),
+            )
+            rp.synchronize()
+            rp.step(lambda: (opt.step(), opt.zero_grad(set_to_none=True)), is_async=False)
+        assert sorted(r for r, _ in handed) == [0, 1]  # the last call ran two replicas
+        later = sum(n for r, n in handed if r > 0)
+        assert later == _bytes(list(rp.model.parameters()))
+        assert b.worker_copies == later
     finally:
         rp.close()
 
@@ -159,8 +219,9 @@ def test_worker_copies_follow_the_plan() -> None:
         one_stage = ModelExecutePlan()
         one_stage.fwd_plan, one_stage.bwd_plan = [], [range(0, 5)]
         b = estimate_host_memory(rp, plan=one_stage, num_microbatch=2)
-        # a single fused job on worker 0: weights + their gradients; worker 1 idle
-        assert b.worker_copies == 2 * sum(layer)
+        # a fused job on each worker (the stage's replicas, where the CPU workers compute
+        # side by side), else on worker 0 alone: weights + their gradients
+        assert b.worker_copies == (2 if rp.pool.cpu_overlap else 1) * 2 * sum(layer)
         per_layer = ModelExecutePlan.uniform(5, 5, "fused")
         b2 = estimate_host_memory(rp, plan=per_layer, num_microbatch=2)
         assert 0 < b2.worker_copies < b.worker_copies
@@ -182,10 +243,61 @@ def test_process_line_is_the_resident_set_beyond_the_state() -> None:
         assert before - b.already_allocated - 2**20 <= b.process
         assert b.process <= after - b.already_allocated + 2**20
         assert b.process > 50 * 2**20  # an interpreter with torch loaded
-        assert b.process_peak == b.total + b.process
+        assert b.process_peak == b.total + b.process + b.training_code
         assert "= whole process" in str(b)
     finally:
         rp.close()
+
+
+_CODE_PROBE = """
+import torch
+from torch import nn
+from roundpipe_core import RoundPipe
+from roundpipe_core.running.host_memory import estimate_host_memory
+from roundpipe_core.running.process_memory import TRAINING_CODE_BYTES
+
+def file_pages():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssFile:"))
+
+net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))] * 2)
+rp = RoundPipe(net, devices="cpu:2")
+opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-3)
+first = estimate_host_memory(rp, optimizer=opt)
+before = file_pages()
+for _ in range(2):
+    rp.forward_backward(input_args=(torch.randn(6, 64),), label=torch.randn(6, 64),
+                        loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+rp.synchronize()
+later = estimate_host_memory(rp, optimizer=opt)
+print(first.training_code == TRAINING_CODE_BYTES, later.training_code,
+      "+ training code (first step)" in str(first), file_pages() - before, TRAINING_CODE_BYTES)
+rp.close()
+"""
+
+
+@pytest.mark.cpu_backend
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_training_code_line_is_what_the_first_step_pages_in() -> None:
+    """A budget made before the process's first step adds the torch code that step pages
+    in (file-backed pages of libtorch: measured here, in a fresh process, as the growth
+    of ``RssFile`` over two steps -- at most the allowance and not far below it); one
+    made after a step has it in its ``process`` line already."""
+    import os
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _CODE_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    first_ok, later, printed, grew, allowance = out.stdout.split()
+    assert (first_ok, later, printed) == ("True", "0", "True")
+    assert int(allowance) // 4 < int(grew) <= int(allowance)
 
 
 _HEAP_PROBE = """
