@@ -149,6 +149,7 @@ def child(
         rp,
         optimizer=[opt],
         num_microbatch=3,
+        async_step=False,  # the loop below steps synchronously
         state_shards=dp.state_shards,
         collective_buffers=dp.kept_buffer_bytes(rp, [opt]),
     )

@@ -35,9 +35,9 @@ def _say_heap_once() -> None:
         _said_heap = True
         log.info(
             "shard_host_state=True: with glibc's default malloc a sharded rank keeps some of "
-            "the gradients it drops every step in malloc's heaps (peak up to ~1.1x the "
-            "host-memory budget); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
-            "roundpipe_core.running.heap.limit_heap_retention(), for ~1.04x (slower steps "
+            "the gradients it drops every step in malloc's heaps (peak ~1.03x the host-memory "
+            "budget, up to ~1.1x with bf16); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
+            "roundpipe_core.running.heap.limit_heap_retention(), for ~1.01x (slower steps "
             "on CPU workers: docs/multi-node.md)"
         )
 
@@ -97,8 +97,8 @@ class DataParallel:
             of them (the all-gather's destination) and the step may overlap the next call
             as unsharded. Clip with :meth:`clip_grad_norm_` (the norm over all shards). The
             budget counts the collectives' kept buffers (:meth:`kept_buffer_bytes`, sharded
-            or not); with glibc's default ``malloc`` the peak is up to
-            ~1.1x it, ~1.04x with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``
+            or not); with glibc's default ``malloc`` the peak is ~1.03x it (up to
+            ~1.1x bf16), ~1.01x with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``
             or :func:`~roundpipe_core.running.heap.limit_heap_retention`; said once at INFO
             when it is not), which slows CPU workers' steps.
 
@@ -330,8 +330,9 @@ class DataParallel:
         learned = load_shards(
             directory, named, raw, shard.owns if shard is not None else (lambda p: True)
         )
-        if learned is not None and hasattr(rp, "layers"):
-            rp.pool.restore_draws(rp.layers, learned)  # the resumed run computes as before
+        layers = getattr(rp, "layers", None)  # (as save_state: an AutoRoundPipe has none)
+        if learned is not None and layers is not None:
+            rp.pool.restore_draws(layers, learned)  # the resumed run computes as before
         if shard is not None:
             shard.drop_foreign_state(raw)
             shard.gather()  # the shares of the others (into the masters or the weights)

@@ -8,17 +8,17 @@ on tensors that size come from its heaps and stay resident after ``free``, to be
 reused only by allocations that fit the holes. A run that frees and re-makes large
 tensors every step -- a sharded rank drops the gradients it sent -- keeps some of them:
 the sharded collectives keep their flat buffers for that reason (a 25 MiB bucket made
-and freed every step lifted the threshold above every gradient: 1.2-1.33x the
+and freed every step lifted the threshold above every gradient: 1.14-1.25x the
 whole-process prediction with 2 and 4 ranks); with them kept, a sharded rank peaks at
-1.05-1.11x the prediction (``benchmarks/sharded_memory.py``).
+1.02-1.03x the prediction (fp32; a bf16 model up to 1.10x; ``benchmarks/sharded_memory.py``).
 
 :func:`limit_heap_retention` fixes the threshold (``mallopt(M_MMAP_THRESHOLD, ...)``,
 what the ``MALLOC_MMAP_THRESHOLD_`` environment variable does at start-up): every
 tensor of 64 KiB or more is its own mapping again, and a freed one leaves the
-resident set (measured: 1.01-1.05x the prediction). The price is a page fault per
+resident set (measured: 0.98-1.01x the prediction). The price is a page fault per
 4 KiB whenever such a tensor is made (the kernel hands out zeroed pages, and freeing
 unmaps them): on CPU workers, whose every gradient and temporary is host memory, the
-same benchmark's steps took 1.5-2x as long (also with a 1 or 4 MiB threshold). So
+same benchmark's steps took 1.1-3x as long (1.5-2x also with a 1 or 4 MiB threshold). So
 RoundPipe does not set it on its own: a memory-bound sharded run opts in, at launch
 (``MALLOC_MMAP_THRESHOLD_=65536``) or with :func:`limit_heap_retention`, and
 ``DataParallel(shard_host_state=True)`` says so once (INFO) when neither was done.
