@@ -288,10 +288,10 @@ def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> i
     seen to compute without drawing random numbers (``pool.stage_shares_cores``: a stage
     that draws, or whose draws are not known yet, runs as one job); else 1."""
     workers = most_fused_replicas(model, plan, num_microbatch)
-    r = plan.bwd_plan[0] if workers > 1 else None
-    if r is None or not model.pool.stage_shares_cores(model.layers, "fused", r.start, r.stop):
+    if workers == 1:
         return 1
-    return workers
+    r = plan.bwd_plan[0]
+    return workers if model.pool.stage_shares_cores(model.layers, "fused", r.start, r.stop) else 1
 
 
 def most_fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:

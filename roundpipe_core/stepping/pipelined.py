@@ -82,8 +82,18 @@ class GradBuffer:
         master = self._master_of.get(id(param))
         if master is None:
             return
+        grad = self._arriving(master, grad)
         with self._lock:
             self._put(master, grad)
+
+    def _arriving(self, master: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        """``convert_on_add``: a master's first gradient is converted here, off the lock
+        (other workers' gradients go on arriving meanwhile); a later one stays as it is
+        and is added in a mixed-dtype ``add_``. The peek without the lock only decides
+        where a conversion happens: :meth:`_put` sums either form in the master's dtype."""
+        if self._convert_on_add and grad.dtype != master.dtype and id(master) not in self._grads:
+            return grad.to(master.dtype)
+        return grad
 
     def _put(self, master: nn.Parameter, grad: torch.Tensor) -> None:
         """Keep ``grad`` for ``master``; the lock is held. A second gradient of the same
@@ -92,7 +102,7 @@ class GradBuffer:
         hit = self._grads.get(id(master))
         if hit is None:
             if self._convert_on_add and grad.dtype != master.dtype:
-                grad = grad.to(master.dtype)
+                grad = grad.to(master.dtype)  # (taken since :meth:`_arriving` peeked)
             self._grads[id(master)] = (master, grad)
         elif hit[1].dtype == master.dtype:
             hit[1].add_(grad)
@@ -112,7 +122,7 @@ class GradBuffer:
         for param, grad in zip(params, grads):
             master = master_of.get(id(param))
             if master is not None:
-                pairs.append((master, grad))
+                pairs.append((master, self._arriving(master, grad)))
         with self._lock:
             for master, grad in pairs:
                 self._put(master, grad)
