@@ -4,7 +4,9 @@ over 127.0.0.1), against the host-memory budget.
 
 Each rank is a fresh process (``--child``) that trains the same model (fp32, AdamW,
 2 CPU workers, shared masters: the synchronous CPU default; with ``--bf16`` a bf16
-model with separate fp32 masters, sharded too) for a few steps through
+model with separate fp32 masters, sharded too; with ``--async-step`` separate fp32
+masters -- bf16 weights too with ``--bf16`` -- sharded, stepping asynchronously:
+``attach(..., async_step=True)``, ``step(is_async=True)``) for a few steps through
 ``DataParallel(shard_host_state=True, bucket_bytes=--bucket-mb)`` and reports:
 
 * ``peak``: the whole process's peak RSS (``VmHWM``: interpreter and torch included);
@@ -40,6 +42,7 @@ Run once (Linux; ~2.5 GB of RAM for N = 4; about two minutes on 2 cores):
     python benchmarks/sharded_memory.py --width 256     # quicker
     python benchmarks/sharded_memory.py --worlds 2,4 --variants glibc,per-step
     python benchmarks/sharded_memory.py --unsharded --variants glibc,env --bucket-mb 4
+    python benchmarks/sharded_memory.py --async-step --variants glibc,env
 """
 
 from __future__ import annotations
@@ -115,7 +118,13 @@ def _build(width: int, blocks: int) -> Any:
 
 
 def child(
-    width: int, blocks: int, steps: int, bf16: bool, sharded: bool, bucket_bytes: int
+    width: int,
+    blocks: int,
+    steps: int,
+    bf16: bool,
+    sharded: bool,
+    bucket_bytes: int,
+    is_async: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -140,16 +149,16 @@ def child(
         optim_dtype=torch.float32,
         devices="cpu:2",
         model_run_config=RoundPipeRunConfig(num_microbatch=3),
-        shared_masters=not bf16,
+        shared_masters=not (bf16 or is_async),
     )
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-4)
     dp = D.DataParallel(shard_host_state=sharded, bucket_bytes=bucket_bytes)
-    dp.attach(rp, [opt])
+    dp.attach(rp, [opt], async_step=is_async)
     budget = estimate_host_memory(
         rp,
         optimizer=[opt],
         num_microbatch=3,
-        async_step=False,  # the loop below steps synchronously
+        async_step=is_async,  # as the loop below steps
         state_shards=dp.state_shards,
         collective_buffers=dp.kept_buffer_bytes(rp, [opt]),
     )
@@ -172,7 +181,7 @@ def child(
             opt.zero_grad(set_to_none=True)
             dp.after_step(opt)
 
-        rp.step(step, is_async=False)
+        rp.step(step, is_async=is_async)
         step_s.append(time.perf_counter() - t0)
     rp.synchronize()
     peak = _status("VmHWM")
@@ -233,6 +242,7 @@ def run_world(world: int, args: argparse.Namespace, malloc: dict[str, str]) -> l
         cmd = [sys.executable, __file__, "--child", "--width", str(args.width)]
         cmd += ["--blocks", str(args.blocks), "--steps", str(args.steps)]
         cmd += ["--bf16"] if args.bf16 else []
+        cmd += ["--async-step"] if args.async_step else []
         cmd += ["--unsharded"] if args.unsharded else []
         cmd += ["--bucket-mb", str(args.bucket_mb)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
@@ -252,6 +262,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bf16", action="store_true", help="a bf16 model, fp32 masters (sharded)")
     ap.add_argument("--unsharded", action="store_true", help="DataParallel() instead")
+    ap.add_argument(
+        "--async-step", action="store_true", help="separate masters, asynchronous steps"
+    )
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DataParallel(bucket_bytes)")
     ap.add_argument("--worlds", default="1,2,4", help="rank counts, comma-separated")
     ap.add_argument("--variants", default=",".join(MALLOC_VARIANTS), help="comma-separated")
@@ -260,9 +273,16 @@ def main() -> None:
     if args.child:
         bucket_bytes = int(args.bucket_mb * 2**20)
         sharded = not args.unsharded
-        print(
-            json.dumps(child(args.width, args.blocks, args.steps, args.bf16, sharded, bucket_bytes))
+        result = child(
+            args.width,
+            args.blocks,
+            args.steps,
+            args.bf16,
+            sharded,
+            bucket_bytes,
+            is_async=args.async_step,
         )
+        print(json.dumps(result))
         return
     mib = 2**20
     print(

@@ -484,7 +484,7 @@ def host_memory_budget(
     class) does not stop training: the budget assumes Adam's two states per parameter
     and says so once."""
     state_shards = 1 if dp is None else dp.state_shards
-    buffers = 0 if dp is None else dp.kept_buffer_bytes(rp, optimizers, bool(async_step))
+    buffers = 0 if dp is None else dp.kept_buffer_bytes(rp, optimizers)
     try:
         return estimate_host_memory(
             rp,
@@ -524,14 +524,13 @@ def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
         )
 
 
-def check_step_request(async_step: Any, shard_host_state: Any, owner: str) -> bool | None:
-    """A strategy's ``async_step`` as requested (``None``: follow the hardware). With
-    ``shard_host_state=True``, ``None`` means ``False``: a synchronous step lets each
-    process keep only its share of the separate masters; ``True`` keeps every master
-    on every process (``DataParallel.attach(..., async_step=True)``), the optimizer state
-    and master gradients still sharded."""
+def check_step_request(async_step: Any, owner: str) -> bool | None:
+    """A strategy's ``async_step`` as requested (``None``: follow the hardware), sharded
+    host state or not: an asynchronous step shards the masters too (each process's
+    share's updates reach the others' models when the step's weights are published,
+    ``DataParallel.attach(..., async_step=True)``)."""
     if async_step is None:
-        return False if shard_host_state is True else None
+        return None
     return check_bool("async_step", async_step, owner)
 
 

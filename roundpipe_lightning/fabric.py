@@ -123,8 +123,8 @@ class RoundPipeFabricStrategy(FabricProcesses):
         process_group_timeout: seconds (or a ``timedelta``) after which a collective whose
             peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         shard_host_state: with several nodes, each keeps master gradients, optimizer state
-            and (``async_step=False``; ``True`` keeps all) masters for its 1/N of the
-            parameters only (``docs/multi-node.md``); ``fabric.save`` writes a shard per node.
+            and masters for its 1/N of the parameters only (``docs/multi-node.md``);
+            ``fabric.save`` writes a shard per node.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
@@ -192,7 +192,7 @@ class RoundPipeFabricStrategy(FabricProcesses):
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{_OWNER}: {exc}") from None
         self.pin_model = pin_model
-        self._async_request = check_step_request(async_step, shard_host_state, _OWNER)
+        self._async_request = check_step_request(async_step, _OWNER)
         self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer, _OWNER)
         self.recompute_grain = recompute_grain
         self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state, _OWNER)

@@ -140,8 +140,8 @@ def load_optimizer_state(
     rank keeps only the state of the parameters it owns. From shards the masters of
     those parameters are restored too (a separate fp32 master exactly, which the file's
     half-precision weights cannot give; a shared one is its weight: the same value), and
-    broadcast to the other ranks (collective: every rank loads the same optimizers) --
-    into their masters where they keep all of them (``async_step=True``)."""
+    broadcast into the other ranks' model weights (collective: every rank loads the same
+    optimizers)."""
     raw = getattr(optimizer, "_optimizer", optimizer)
     if is_marker(state):
         if directory is None:
@@ -153,8 +153,8 @@ def load_optimizer_state(
         owns = shard.owns if shard is not None else (lambda p: True)
         D.load_shards(directory, of_optimizer(named_masters, raw), raw, owns)
         if shard is not None:
-            # (collective) each owner's exact masters into the others' copies: the masters,
-            # where every process keeps them all (an asynchronous step), else the weights
+            # (collective) each owner's exact masters into the others' copies: their
+            # model weights (a separate master) or the master itself (a shared one)
             shard.gather()
     else:
         raw.load_state_dict(state)

@@ -139,7 +139,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         process_group_timeout: seconds (or a ``timedelta``) after which a collective
             whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         shard_host_state: with several processes, each keeps gradients, optimizer state and
-            (``async_step=False``) masters for its 1/N of the parameters (``docs/multi-node.md``).
+            masters for its 1/N of the parameters (``docs/multi-node.md``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
@@ -200,7 +200,7 @@ class RoundPipeStrategy(CheckpointingStrategy):
         self.execute_plan = execute_plan
         self.optim_dtype = parse_dtype(optim_dtype)
         self.pin_model = pin_model
-        self._async_request = check_step_request(async_step, shard_host_state, "RoundPipeStrategy")
+        self._async_request = check_step_request(async_step, "RoundPipeStrategy")
         self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer)
         self.overlap_iterations = check_bool("overlap_iterations", overlap_iterations)
         self.recompute_grain = recompute_grain

@@ -44,12 +44,12 @@ def _say_heap_once() -> None:
 
 SYNC_ONLY = (
     "step(is_async=True) with DataParallel(shard_host_state=True) and separate masters "
-    "attached for synchronous steps: each rank keeps only its share of the masters and "
-    "writes the others' updated weights into its model inside the step, which must not "
-    "overlap the next call; pass is_async=False (RoundPipeStrategy / "
-    "RoundPipeFabricStrategy: async_step=False), or attach with "
-    "DataParallel.attach(rp, optimizers, async_step=True) to keep every master on every "
-    "rank (RoundPipeStrategy / RoundPipeFabricStrategy: async_step=True)"
+    "attached for synchronous steps: each rank writes the others' updated weights into its "
+    "model inside the step, which must not overlap the next call; pass is_async=False "
+    "(RoundPipeStrategy / RoundPipeFabricStrategy: async_step=False), or attach with "
+    "DataParallel.attach(rp, optimizers, async_step=True), which publishes them when the "
+    "step's weights are published (RoundPipeStrategy / RoundPipeFabricStrategy: "
+    "async_step=True)"
 )
 """Why a RoundPipe whose masters a shard released refuses an asynchronous step."""
 
@@ -66,12 +66,11 @@ class DataParallel:
     ========================  ====================================================
     ``connect(env, world)``   create the process group (``world_size > 1`` only)
     ``attach(rp, opts)``      broadcast rank 0's weights; one reducer per optimizer
-                              (``async_step=True``: keep every separate master)
     ``wrap_closure(opt, c)``  arm that optimizer's reducer, then run ``c`` (the
                               window's last training step): overlap its backward
     ``reduce(opt)``           finish: that optimizer's gradients are reduced
     ``after_step(opt)``       in the step function, after ``opt.step()``: with
-                              ``shard_host_state``, all-gather the updated weights
+                              ``shard_host_state`` (synchronous), all-gather the weights
     ``abort()`` / ``detach()``  after an exception / at teardown
     ========================  ====================================================
 
@@ -91,11 +90,10 @@ class DataParallel:
         shard_host_state: each rank keeps gradients, optimizer state and separate masters
             only for its 1/N of each optimizer's parameters (see :mod:`.sharded`):
             gradients are reduced to their owner, each rank steps its share, ``after_step``
-            all-gathers the weights. Separate masters are sharded only for synchronous
-            steps (``attach(..., async_step=False)``, the default: the all-gather writes
-            the model's weights); attached with ``async_step=True`` every rank keeps all
-            of them (the all-gather's destination) and the step may overlap the next call
-            as unsharded. Clip with :meth:`clip_grad_norm_` (the norm over all shards). The
+            all-gathers the weights (separate masters too: a rank keeps those of its share
+            only, the all-gather writes the others' into its model weights -- inside the
+            step, or, attached with ``async_step=True``, when the step's weights are
+            published, so the step may overlap the next call as unsharded). Clip with :meth:`clip_grad_norm_` (the norm over all shards). The
             budget counts the collectives' kept buffers (:meth:`kept_buffer_bytes`, sharded
             or not); with glibc's default ``malloc`` the peak is ~1.03x it (up to
             ~1.1x bf16), ~1.01x with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``
@@ -130,7 +128,10 @@ class DataParallel:
             _say_heap_once()
         self._reducers: dict[int, GradientAllReducer] = {}
         self._shards: dict[int, HostShard] = {}
-        self.keeps_masters = False  # set by attach(async_step=...)
+        # attach(async_step=True) with separate masters: the shards publish each version
+        # into the model (MasterWeights.publishers) instead of gathering in after_step
+        self.publishes_versions = False
+        self._rp: Any = None
 
     @property
     def world_size(self) -> int:
@@ -172,17 +173,20 @@ class DataParallel:
                 masters other ranks own (this rank keeps its share's: 1/N of them) and the
                 all-gather writes their updates straight into the model's weights, inside
                 the step -- so ``rp`` then refuses ``step(is_async=True)`` with a
-                ValueError naming this argument. ``True`` keeps every master on every
-                rank: the all-gather writes the masters and each rank's own publication
-                copies them into its weights, so the step may overlap the next call (one
-                step stale, as unsharded); a synchronous step works too. The optimizer
-                state and the master gradients are sharded either way.
+                ValueError naming this argument. ``True`` releases them too, and the
+                owners broadcast each step's weights into every rank's model when that
+                version is *published* (the next step's publication, one step stale as
+                unsharded, or ``synchronize()``): the step may overlap the next call, and a
+                synchronous step works too. Then ``rp.synchronize()`` is collective while
+                a step's weights are unpublished (every rank calls it at the same points,
+                as Lightning's loop does). The optimizer state and the master gradients
+                are sharded either way.
         """
         if not isinstance(async_step, bool):
             raise TypeError(f"async_step must be True or False, got {async_step!r}")
         self.detach()
         self._shards = {}
-        self.keeps_masters = async_step
+        self.publishes_versions = False
         if self.world_size == 1:
             return
         masters = getattr(rp, "masters", None)
@@ -193,6 +197,16 @@ class DataParallel:
         broadcast_masters(rp)
         raws = [_raw_optimizer(o) for o in optimizers]
         weight_of = self._gather_targets(rp)
+        # a shared master makes every step synchronous: its shard gathers inside the step
+        publishes = (
+            self.shard_host_state
+            and async_step
+            and masters is not None
+            and bool(masters.copies)
+            and not masters.num_shared
+        )
+        self.publishes_versions = publishes
+        self._rp = rp
         for raw in raws:
             params = [p for g in raw.param_groups for p in g["params"]]
             if self.shard_host_state:
@@ -200,8 +214,11 @@ class DataParallel:
                     params, self.bucket_bytes, self.timeout, targets=weight_of
                 )
                 shard.drop_foreign_state(raw)  # a state loaded whole keeps this rank's share
-                if masters is not None and not async_step:  # the masters of its share only
-                    masters.release([p for p in params if not shard.owns(p)], SYNC_ONLY)
+                if masters is not None:  # the masters of its share only
+                    foreign = [p for p in params if not shard.owns(p)]
+                    masters.release(foreign, None if async_step else SYNC_ONLY)
+                    if publishes:
+                        masters.publishers.append(shard)
                 self._reducers[id(raw)] = ShardedGradientReducer(
                     rp,
                     shard,
@@ -220,27 +237,24 @@ class DataParallel:
                 params=params,
             )
 
-    def _gather_targets(self, rp: Any, async_step: bool | None = None) -> dict[int, Any]:
+    @staticmethod
+    def _gather_targets(rp: Any) -> dict[int, Any]:
         """Where the all-gather writes a separate master's update on the ranks that do not
-        own it: the model weight, where those ranks released it (synchronous steps);
-        nowhere else, i.e. the master itself, where every rank keeps all masters."""
-        keeps = self.keeps_masters if async_step is None else async_step
+        own it: the model weight (those ranks released the master); a shared master is
+        the weight itself."""
         masters = getattr(rp, "masters", None)
-        if masters is None or keeps:
+        if masters is None:
             return {}
         return {id(m): p for _, p, m in masters.copies}
 
-    def kept_buffer_bytes(
-        self, rp: Any, optimizers: Sequence[Any] = (), async_step: bool | None = None
-    ) -> int:
+    def kept_buffer_bytes(self, rp: Any, optimizers: Sequence[Any] = ()) -> int:
         """Host bytes of the flat buffers this rank's collectives will keep once it trains
         ``rp`` with ``optimizers`` (the host-memory budget's "collective buffers",
         ``estimate_host_memory(..., collective_buffers=...)``): each optimizer's gradient
         reduction keeps a ring of a few buckets' worth
         (:func:`~.reducer.reduce_buffer_bytes`), sharded also the all-gather's buffer
-        (:func:`~.sharded.kept_buffer_bytes`); 0 in one process. ``async_step``: as for
-        :meth:`attach` (default: as attached). Computed without a collective, before or
-        after :meth:`attach`."""
+        (:func:`~.sharded.kept_buffer_bytes`); 0 in one process. Computed without a
+        collective, before or after :meth:`attach`."""
         if self.world_size == 1:
             return 0
         params = [
@@ -248,7 +262,7 @@ class DataParallel:
         ]
         if self.state_shards == 1:
             return sum(reduce_buffer_bytes(ps, self.world_size, self.bucket_bytes) for ps in params)
-        weight_of = self._gather_targets(rp, async_step)
+        weight_of = self._gather_targets(rp)
         return sum(
             kept_buffer_bytes(ps, self.world_size, self.bucket_bytes, weight_of) for ps in params
         )
@@ -279,11 +293,13 @@ class DataParallel:
 
     def after_step(self, optimizer: Any) -> None:
         """With ``shard_host_state``: all-gather the weights each rank stepped into every
-        rank's masters. Call it inside the step function given to ``rp.step`` (the
-        optimizer thread), right after ``optimizer.step()``, on every rank for every step
-        (skipped ones included). A no-op unsharded."""
+        rank's masters (or model weights, where it released the masters). Call it inside
+        the step function given to ``rp.step`` (the optimizer thread), right after
+        ``optimizer.step()``, on every rank for every step (skipped ones included). A
+        no-op unsharded, and attached with ``async_step=True`` and separate masters,
+        where the shards publish each step's weights when its version is published."""
         shard = self.shard(optimizer)
-        if shard is not None:
+        if shard is not None and not self.publishes_versions:
             shard.gather()
 
     def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:
@@ -345,7 +361,10 @@ class DataParallel:
 
     def detach(self) -> None:
         """Close the reducers (their groups and grad hooks) and the shards' groups. The
-        default group stays, and so does which rank owns what (until :meth:`attach`)."""
+        default group stays, and so does which rank owns what (until :meth:`attach`).
+        Shards that publish versions (``attach(..., async_step=True)``) first publish the
+        last step's weights (``rp.synchronize()``: collective, like every call here)."""
+        self._stop_publishing()
         reducers, self._reducers = list(self._reducers.values()), {}
         for r in reducers:
             r.close()
@@ -354,3 +373,23 @@ class DataParallel:
         # training (save_state, the strategy's) must still be written shard by shard
         for s in self._shards.values():
             s.close()
+
+    def _stop_publishing(self) -> None:
+        """Publish what is pending while the shards' groups are open, then unregister them
+        from the RoundPipe (a later publication has nobody to receive from)."""
+        rp, self._rp = self._rp, None
+        masters = getattr(rp, "masters", None)
+        if masters is None or not masters.publishers:
+            return
+        try:
+            if not rp._steps.closed:  # (a closed RoundPipe published everything at close())
+                rp.synchronize()
+        except Exception as exc:  # noqa: BLE001 - teardown after a failure goes on
+            log.warning(
+                "DataParallel.detach(): publishing the last step's weights failed (%r); the "
+                "weights other ranks own may be one step old on this rank",
+                exc,
+            )
+        finally:
+            shards = {id(s) for s in self._shards.values()}
+            masters.publishers[:] = [p for p in masters.publishers if id(p) not in shards]

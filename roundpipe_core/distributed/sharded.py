@@ -28,20 +28,28 @@ of their own (reduction: the reducer thread; all-gather: the optimizer thread; n
 whoever clips), so threads never interleave collectives on one group.
 
 Separate masters (a model not in ``optim_dtype``, e.g. bf16 weights with fp32 masters,
-or ``shared_masters=False``) are sharded too when the step is synchronous
-(``DataParallel.attach(..., async_step=False)``): a rank keeps the fp32 masters of its
-share only and releases the others' (``MasterWeights.release``: a placeholder of a few
-bytes); after the step each owner casts its updated share to the weights' dtype and the
-all-gather writes it straight into every other rank's model weights (``targets``), the
-same rounding as the owner's own copy into its model. That write happens inside the
-step, so the RoundPipe then refuses ``step(is_async=True)`` (an asynchronous step's
-publication and the next call's uploads run on each rank's own clock, and the weights
-the next call reads would change under it). For an asynchronous step
-(``attach(..., async_step=True)``) every rank keeps all the masters: the all-gather
-writes them, and each rank's own publication copies them into its weights layer by
-layer as unsharded (one step stale); the optimizer state and master gradients are still
-1/N. With shared masters (``RoundPipe(shared_masters=True)``, the synchronous CPU
-default) the master *is* the weight and nothing is released.
+or ``shared_masters=False``) are sharded too: a rank keeps the fp32 masters of its share
+only and releases the others' (``MasterWeights.release``: a placeholder of a few bytes);
+each owner casts its updated share to the weights' dtype and the all-gather writes it
+straight into every rank's model weights (``targets``), the same rounding as the owner's
+own copy into its model. *When* depends on the step:
+
+* synchronous (``DataParallel.attach(..., async_step=False)``): inside the step
+  (:meth:`HostShard.gather` in ``after_step``). The RoundPipe then refuses
+  ``step(is_async=True)``: an asynchronous step's write would land under the next call.
+* asynchronous (``attach(..., async_step=True)``): when the step's weight version is
+  *published* (:meth:`HostShard.publish`, a remote publisher of ``stepping.versions``):
+  ahead of the next step on the optimizer thread, or in ``synchronize()``. An
+  asynchronous step's weights reach the model one step late anyway (the next call reads
+  the previous version), so the owner still holds that version in its masters then, and
+  each bucket waits, as a local copy does, until no older call still has to upload
+  those layers (deepest first, the order a backward lets go of them). Every rank
+  publishes each version once, in version order, so the broadcasts match; a
+  ``synchronize()`` with a step's weights unpublished is then collective.
+
+With shared masters (``RoundPipe(shared_masters=True)``, the synchronous CPU default) the
+master *is* the weight: nothing is released and the all-gather writes the weights inside
+the step.
 
 What is not sharded: the model's own weights (every rank's devices upload them), and the
 master gradients while the backward produces them (each rank keeps its share once they
@@ -226,42 +234,86 @@ class HostShard:
     def gather(self) -> None:
         """Broadcast each owner's updated parameters into every other rank's copy of
         them: its masters, or (``targets``) the model weights of the masters it released,
-        in the weights' dtype. Collective: every rank calls it after every optimizer step
-        (on the optimizer thread, inside the step function: the RoundPipe then copies the
-        masters it holds into the model like any step's). Writing the model weights (the
-        masters released), it needs a synchronous step (``MasterWeights.release`` makes the
-        RoundPipe refuse an asynchronous one).
+        in the weights' dtype. Collective: every rank calls it after every synchronous
+        optimizer step (on the optimizer thread, inside the step function: the RoundPipe
+        then copies the masters it holds into the model like any step's), and after
+        loading a checkpoint. An asynchronous step publishes instead (:meth:`publish`).
 
         Raises:
             CollectiveError: a peer died or stalled (the group's timeout), naming this rank.
         """
         if self.world_size == 1:
             return
+        for src, sources, bucket in self._gather_buckets:
+            self._broadcast_bucket(src, sources, bucket, write_own=False)
+
+    @property
+    def keys(self) -> list[int]:
+        """Ids of every parameter of the shard (the masters :meth:`publish` publishes)."""
+        return [id(p) for p in self.params]
+
+    def publish(
+        self,
+        version: int,
+        claim: Callable[[Sequence[int]], None],
+        mark: Callable[[Sequence[int]], None],
+    ) -> None:
+        """Publish weight version ``version`` of every parameter into every rank's model
+        (a remote publisher of ``stepping.versions``, for asynchronous steps: registered
+        in ``MasterWeights.publishers`` by ``DataParallel.attach(..., async_step=True)``):
+        bucket by bucket, deepest first (the order in which older runs let go of the
+        layers), ``claim`` the bucket's parameters, the owner casts its masters (which
+        hold ``version``: a publication runs before the next step) into the kept flat
+        buffer, broadcast, every rank -- the owner too -- writes the bucket into its
+        model weights (``targets``), and ``mark`` them. Collective: every rank publishes
+        every version once, in version order (``WeightVersions.publish_remote``).
+
+        Raises:
+            CollectiveError: a peer died or stalled (the group's timeout), naming this rank.
+            PoolError: a pipelined iteration failed while this rank waited to write.
+        """
+        if self.world_size == 1:
+            return
+        for src, sources, bucket in reversed(self._gather_buckets):
+            keys = [id(t) for t in sources]
+            claim(keys)
+            self._broadcast_bucket(src, sources, bucket, write_own=True)
+            mark(keys)
+
+    def _broadcast_bucket(
+        self,
+        src: int,
+        sources: list[torch.Tensor],
+        bucket: list[torch.Tensor],
+        write_own: bool,
+    ) -> None:
+        """One all-gather bucket: rank ``src`` puts ``sources`` into the flat buffer (cast
+        to the destinations' dtype), broadcasts it, and the other ranks -- ``src`` too
+        with ``write_own`` -- copy it into ``bucket``."""
         group = self._gather_group
         if group is None:
             raise RuntimeError("this HostShard is closed (DataParallel.detach()); attach again")
-        for src, sources, bucket in self._gather_buckets:
-            flat = self._flat_for(bucket)
-            if src == self.rank:  # (cast where the destination is a weight of another dtype)
-                off = 0
-                with torch.no_grad():
-                    for t in sources:
-                        flat[off : off + t.numel()].copy_(t.detach().reshape(-1))
-                        off += t.numel()
-            try:
-                dist.broadcast(flat, src=src, group=group)
-            except RuntimeError as exc:
-                raise collective_error(
-                    f"all-gather of the updated weights (rank {src}'s share)", exc, group
-                ) from exc
-            if src == self.rank:
-                continue
+        flat = self._flat_for(bucket)
+        if src == self.rank:  # (cast where the destination is a weight of another dtype)
             off = 0
             with torch.no_grad():
-                for t in bucket:
-                    n = t.numel()
-                    t.copy_(flat[off : off + n].view_as(t))
-                    off += n
+                for t in sources:
+                    flat[off : off + t.numel()].copy_(t.detach().reshape(-1))
+                    off += t.numel()
+        try:
+            dist.broadcast(flat, src=src, group=group)
+        except RuntimeError as exc:
+            raise collective_error(
+                f"all-gather of the updated weights (rank {src}'s share)", exc, group
+            ) from exc
+        if src == self.rank and not write_own:
+            return
+        off = 0
+        with torch.no_grad():
+            for t in bucket:
+                n = t.numel()
+                t.copy_(flat[off : off + n].view_as(t))
+                off += n
 
     def _flat_for(self, bucket: list[torch.Tensor]) -> torch.Tensor:
         """A view of the kept flat buffer of the bucket's dtype (the largest gather bucket

@@ -10,8 +10,7 @@ weights                   the model's parameters and buffers (model dtype; a qua
 masters                   the optimizer's copies of the trainable parameters
                           (``optim_dtype``); none where a parameter is its own master
                           (``shared_masters=True``: same dtype, synchronous step);
-                          1/N of the separate ones with the host state sharded and
-                          a synchronous step (all of them with an asynchronous one)
+                          1/N of the separate ones with the host state sharded
 gradients                 one gradient per master (``optim_dtype``)
 next gradients            with an asynchronous step (separate masters): the next
                           iteration's gradients, which arrive while the step still
@@ -342,10 +341,9 @@ def estimate_host_memory(
             ``RoundPipe(shared_masters=True)`` and ``RoundPipeStrategy(async_step=False)``
             do). A RoundPipe's own masters are measured instead: a shared one counts once.
         state_shards: the data-parallel ranks the optimizer state is sharded over
-            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it and,
-            stepping synchronously, of the separate masters (asynchronously, all of them:
-            ``DataParallel.attach(..., async_step=True)``). The gradients stay whole (a
-            backward produces all of them before they are reduced to their owners).
+            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it and of the
+            separate masters, stepping synchronously or asynchronously. The gradients stay
+            whole (a backward produces all of them before they are reduced to their owners).
         async_step: whether the step overlaps the next iteration (``step(is_async=True)``,
             ``RoundPipeStrategy(async_step=True)``): the next iteration's gradients of the
             separate masters then arrive while the step reads this iteration's (the "next
@@ -419,7 +417,7 @@ def estimate_host_memory(
         separate = {id(m): m for p, m in pairs if m is not p}
         # (sharded, the default step is synchronous: DataParallel.attach's and the strategies')
         is_async = async_step if async_step is not None else bool(separate) and state_shards == 1
-        if state_shards > 1 and not is_async:  # its share's (async: all, the gather's target)
+        if state_shards > 1:  # its share's (the others' are released)
             masters = -(-sum(_nbytes(m) for m in separate.values()) // state_shards)
         if is_async:
             # a shared master's step is always synchronous: only separate ones overlap
@@ -442,7 +440,7 @@ def estimate_host_memory(
             )
         )
         already = weights
-        masters = masters if async_step else -(-masters // state_shards)  # its share (async: all)
+        masters = -(-masters // state_shards)  # its share
         if async_step:
             next_gradients = masters  # a gradient per separate master, in its dtype
     gradients = master_numel_bytes

@@ -185,6 +185,9 @@ def run_layerwise(
     run of ``runs`` (``merge(run, chunk)`` adds them to ``.grad``, in issue order as the
     one-call step does), mark each run merged with ``merge(run)``, then ``finish()``."""
     by_id = {id(m): m for m in masters.params()}
+    # masters published from other ranks (a sharded host state): all of them first, in
+    # one collective sequence; the parameters then step as their gradients complete
+    versions.publish_remote(version, lambda: stepper.failure is not None)
     to_publish = versions.stale(version)
     to_step = list(by_id)
     while to_step:

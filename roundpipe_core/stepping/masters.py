@@ -13,17 +13,19 @@ since no second copy exists for devices to read while a step writes.
 
 A separate master can be *released* (:meth:`MasterWeights.release`): its values dropped
 (a zero-stride placeholder of its shape, a few bytes), its gradient still accumulated. A
-data-parallel rank that shards the host state for synchronous steps releases the
-masters another rank owns:
+data-parallel rank that shards the host state releases the masters another rank owns:
 it never steps them, and their new values reach its model weights from their owner
-(``roundpipe_core.distributed.sharded``), so nothing copies a released master into the
-model. Writing one in place fails loudly (a zero-stride tensor refuses it).
+(``roundpipe_core.distributed.sharded``: inside a synchronous step, or when an
+asynchronous step's version is published, through :attr:`MasterWeights.publishers`), so
+nothing copies a released master into the model. Writing one in place fails loudly (a
+zero-stride tensor refuses it).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,6 +88,9 @@ class MasterWeights:
         self.released: set[int] = set()
         # why a step may not be asynchronous while masters are released (None: it may)
         self.sync_only: str | None = None
+        # who publishes the released masters' versions into the model (the weight
+        # versions' remote publishers: a data-parallel rank's shards, asynchronous steps)
+        self.publishers: list[Any] = []
         # model parameter id -> (param, master, the .grad handed to it, its version, shared)
         self._handed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor, int, bool]] = {}
 
@@ -157,14 +162,16 @@ class MasterWeights:
         # a shared master is the parameter: nothing to copy
         copy_pairs([(p, m) for _, p, m in self.copies if id(m) not in released])
 
-    def release(self, masters: Iterable[nn.Parameter], sync_only: str) -> int:
+    def release(self, masters: Iterable[nn.Parameter], sync_only: str | None) -> int:
         """Drop the values of these separate masters (see the module docstring): each
         becomes a zero-stride placeholder of its shape and dtype, so the optimizer, the
         gradient reduction and the names still see the same parameter. Shared masters
         (the model's own weights) and tensors that are not masters are left alone.
-        From now on ``step(is_async=True)`` raises ``ValueError(sync_only)``: whoever
-        writes the released masters' values into the model does so inside the step, which
-        must not overlap a call reading the weights. Returns the bytes freed."""
+        With ``sync_only``, from now on ``step(is_async=True)`` raises
+        ``ValueError(sync_only)``: whoever writes the released masters' values into the
+        model does so inside the step, which must not overlap a call reading the weights.
+        ``None``: a remote publisher (:attr:`publishers`) writes them when their version
+        is published, and a step may be asynchronous. Returns the bytes freed."""
         separate = {id(m) for _, _, m in self.copies}
         freed = 0
         for m in masters:
@@ -173,7 +180,8 @@ class MasterWeights:
             freed += m.untyped_storage().nbytes()
             m.data = torch.zeros((), dtype=m.dtype).expand(m.shape)
             self.released.add(id(m))
-        if self.copies:  # (also where this rank owns them all: its peers' steps are synchronous)
+        if self.copies and sync_only is not None:
+            # (also where this rank owns them all: its peers' steps are synchronous)
             self.sync_only = sync_only
         return freed
 

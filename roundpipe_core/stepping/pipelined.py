@@ -306,7 +306,9 @@ class PipelinedRuns:
     def __init__(self, layers: list[nn.Module], masters: MasterWeights, stepper: Stepper) -> None:
         self.masters = masters
         self.stepper = stepper
-        self.versions = WeightVersions(layers, masters.entries, masters.released)
+        self.versions = WeightVersions(
+            layers, masters.entries, masters.released, masters.publishers
+        )
         self._lock = threading.Lock()  # guards the fields below
         self._merge_lock = threading.Lock()  # one merge at a time; taken before _lock
         self._inflight: list[PendingResult] = []  # runs whose grads are not in .grad yet
@@ -382,6 +384,9 @@ class PipelinedRuns:
         """The masters are the model's weights now (``synchronize()``)."""
         steps = self.stepper.steps
         self.versions.wait_ended_uploads()  # no DMA of a drained run still reads the copy
+        # the released masters' values, from their owners (collective: a sharded rank's
+        # first publication of this version, the same on every rank)
+        self.versions.publish_remote(steps, lambda: False)
         self.masters.copy_to_model()
         self.versions.set_all(steps)
         with self._lock:

@@ -15,6 +15,14 @@ parameter: all layers holding one are waited for.
 The publication runs on the optimizer thread (``stepper.py``); the readers are the
 worker threads' uploads (``transfer.upload_job``). One condition variable guards
 the state; it is never held while copying.
+
+A *remote publisher* (:class:`RemotePublisher`) publishes masters whose values this
+process does not hold: a data-parallel rank that shards the host state for asynchronous
+steps releases the masters other ranks own, and their owners broadcast each version
+straight into the model when it is published (``distributed/sharded.py``). It publishes
+all its masters of a version in one collective sequence, exactly once per version on
+every rank (the first publication of that version: a step's, or ``synchronize()``'s),
+and claims each part from here -- the same wait for older readers as a local copy.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Protocol
 
 from torch import nn
 
@@ -30,9 +39,30 @@ from ..running.devices.pool import PoolError
 from .masters import copy_pairs
 from .stepper import Stepper
 
-__all__ = ["PublicationGate", "WeightVersions"]
+__all__ = ["PublicationGate", "RemotePublisher", "WeightVersions"]
 
 _WAIT_SLICE_S = 0.05
+
+
+class RemotePublisher(Protocol):
+    """Publishes some masters' versions into the model from elsewhere (another rank's
+    masters): see the module docstring."""
+
+    @property
+    def keys(self) -> Sequence[int]:
+        """Ids of the masters it publishes."""
+        ...
+
+    def publish(
+        self,
+        version: int,
+        claim: Callable[[Sequence[int]], None],
+        mark: Callable[[Sequence[int]], None],
+    ) -> None:
+        """Write version ``version`` of all its masters into the model: ``claim(keys)``
+        before writing those masters' weights (it blocks until no older reader needs
+        them), ``mark(keys)`` once they are written."""
+        ...
 
 
 class _Reader:
@@ -54,6 +84,8 @@ class WeightVersions:
         masters: ``(name, model_param, master_param)`` of the trainable parameters.
         released: ids of released masters (``MasterWeights.released``, the live set):
             never copied into the model, their owner rank's values reach it instead.
+        publishers: the remote publishers (``MasterWeights.publishers``, the live list):
+            every publication of a version runs theirs first.
     """
 
     def __init__(
@@ -61,8 +93,10 @@ class WeightVersions:
         layers: Sequence[nn.Module],
         masters: Sequence[tuple[str, nn.Parameter, nn.Parameter]],
         released: set[int] | None = None,
+        publishers: list[RemotePublisher] | None = None,
     ) -> None:
         self._released = released if released is not None else set()
+        self._publishers = publishers if publishers is not None else []
         master_of = {id(p): (p, m) for _, p, m in masters}
         self._cond = threading.Condition()
         # per layer: the (model param, master) pairs it holds; per master: the layers holding it
@@ -154,7 +188,9 @@ class WeightVersions:
 
         Deep layers are released first (their last uploads are early backward stages);
         a pipelined run's forward of a layer starts as soon as that layer is published.
+        The remote publishers' masters come first (:meth:`publish_remote`).
         """
+        self.publish_remote(version, failed)
         todo = self.stale(version)
         while todo:
             with self._cond:
@@ -191,21 +227,7 @@ class WeightVersions:
             ready = [k for k in todo if not self._blocked(k, version)]
             if not ready:
                 return list(todo)
-            fences = [
-                f
-                for r in self._readers
-                if r.version < version
-                for k in ready
-                for i in self.holders[k]
-                for f in r.fences.get(i, [])
-            ]
-            ended, self._ended_fences = self._ended_fences, []
-        for fence in fences:  # async (CUDA) uploads must have read the host copy
-            fence()
-        for fence in ended:
-            # an aborted run's failed upload raises its error here; that run reports it
-            with contextlib.suppress(Exception):
-                fence()
+        self._wait_old_uploads(version, ready)
         # shallow layers first, each usable as soon as it is copied: the next
         # iteration's first forward waits for its own layer only, not for the copy
         # of the whole model
@@ -223,13 +245,64 @@ class WeightVersions:
             # has no values (its owner's reached the model)
             pairs = [self._pair[k] for k in keys if k not in self._released]
             copy_pairs([pm for pm in pairs if pm[0] is not pm[1]])
-            with self._cond:
-                for k in keys:
-                    self.version[k] = version
-                self._cond.notify_all()
+            self._mark(keys, version)
             start = end
         done = set(ready)
         return [k for k in todo if k not in done]
+
+    def _wait_old_uploads(self, version: int, keys: Sequence[int]) -> None:
+        """Run the fences of the uploads older-version runs issued of ``keys`` (none of
+        which they still have to upload) and of the runs that ended: after it the host
+        copy of ``keys`` may change."""
+        with self._cond:
+            fences = [
+                f
+                for r in self._readers
+                if r.version < version
+                for k in keys
+                for i in self.holders[k]
+                for f in r.fences.get(i, [])
+            ]
+            ended, self._ended_fences = self._ended_fences, []
+        for fence in fences:  # async (CUDA) uploads must have read the host copy
+            fence()
+        for fence in ended:
+            # an aborted run's failed upload raises its error here; that run reports it
+            with contextlib.suppress(Exception):
+                fence()
+
+    def _mark(self, keys: Sequence[int], version: int) -> None:
+        with self._cond:
+            for k in keys:
+                self.version[k] = version
+            self._cond.notify_all()
+
+    # -- remote publication (the optimizer thread, or synchronize()) --------------------------
+    def publish_remote(self, version: int, failed: Callable[[], bool]) -> None:
+        """Run each remote publisher (see the module docstring) whose masters do not
+        hold ``version`` yet; it waits, part by part, until no older-version run still
+        has to upload them (PoolError once ``failed()``)."""
+        for pub in list(self._publishers):
+            keys = [k for k in pub.keys if k in self.version]
+            with self._cond:
+                if all(self.version[k] >= version for k in keys):
+                    continue  # published already (a synchronize() before this step's)
+
+            def claim(part: Sequence[int]) -> None:
+                part = [k for k in part if k in self.version]
+                with self._cond:
+                    while any(self._blocked(k, version) for k in part):
+                        if failed():
+                            raise PoolError(
+                                "weight publication stopped: a pipelined iteration failed"
+                            )
+                        self._cond.wait(_WAIT_SLICE_S)
+                self._wait_old_uploads(version, part)
+
+            def mark(part: Sequence[int]) -> None:
+                self._mark([k for k in part if k in self.version], version)
+
+            pub.publish(version, claim, mark)
 
     def wait_ended_uploads(self) -> None:
         """Block until the uploads of runs that ended have read the host copy (before the

@@ -1,15 +1,21 @@
 """Released masters (``MasterWeights.release``, what a sharded host state does with the
 masters another rank owns): a few bytes each, never copied into the model -- by the copy
 after a step nor by the layer-by-layer publication --, still collecting gradients, and
-a RoundPipe holding them refuses an asynchronous step."""
+a RoundPipe holding them refuses an asynchronous step -- unless their versions are
+published by a remote publisher (a rank sharding for asynchronous steps), which each
+publication of a version runs once, part by part, as older readers let go."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 from _util import mlp
 
 from roundpipe_core import RoundPipe
+from roundpipe_core.running.devices.pool import PoolError
 from roundpipe_core.stepping.masters import MasterWeights
 from roundpipe_core.stepping.versions import WeightVersions
 
@@ -98,9 +104,9 @@ def test_owning_every_master_still_makes_the_steps_synchronous():
 
 
 def test_attach_takes_the_step_kind_as_a_bool():
-    """``DataParallel.attach(..., async_step=...)`` decides whether a sharded rank keeps
-    every master (asynchronous) or its share only: anything but a bool is refused; in one
-    process nothing is released either way."""
+    """``DataParallel.attach(..., async_step=...)`` decides when a sharded rank's released
+    masters reach its model (inside the step, or when the step's weights are published):
+    anything but a bool is refused; in one process nothing is released either way."""
     from roundpipe_core.distributed import DataParallel
 
     rp = RoundPipe(mlp().to(torch.bfloat16), optim_dtype=torch.float32, devices="cpu:1")
@@ -110,7 +116,115 @@ def test_attach_takes_the_step_kind_as_a_bool():
             dp.attach(rp, [], async_step="yes")  # type: ignore[arg-type]
         for is_async in (True, False):
             dp.attach(rp, [], async_step=is_async)
-            assert dp.keeps_masters is is_async and not rp.masters.released
+            assert not dp.publishes_versions and not rp.masters.released
+            assert not rp.masters.publishers
         dp.detach()
     finally:
         rp.close()
+
+
+class _Recorder:
+    """A remote publisher as a sharded rank's is (``HostShard.publish``): all its masters
+    in parts, deepest first, each claimed before its weights are written and marked after;
+    what it writes is ``version`` itself, so a test sees which version reached the model."""
+
+    def __init__(self, model: torch.nn.Sequential, masters: MasterWeights) -> None:
+        self.pairs = [(p, m) for _, p, m in masters.copies]
+        self.calls: list[int] = []
+        self.events: list[tuple[str, int]] = []
+
+    @property
+    def keys(self) -> list[int]:
+        return [id(m) for _, m in self.pairs]
+
+    def publish(self, version, claim, mark) -> None:
+        self.calls.append(version)
+        for i, (p, m) in reversed(list(enumerate(self.pairs))):
+            claim([id(m)])
+            self.events.append(("write", i))
+            with torch.no_grad():
+                p.fill_(float(version))
+            mark([id(m)])
+
+
+def _published_model(num_layers: int = 3):
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(num_layers)])
+    model.to(torch.bfloat16)
+    masters = MasterWeights(model, torch.float32)
+    masters.release(masters.params(), None)  # every master another rank's
+    rec = _Recorder(model, masters)
+    masters.publishers.append(rec)
+    versions = WeightVersions(list(model), masters.entries, masters.released, masters.publishers)
+    return model, masters, versions, rec
+
+
+def test_released_masters_for_async_steps_leave_the_step_asynchronous():
+    _, masters = _bf16_masters()
+    masters.release(masters.params()[:2], None)
+    assert masters.sync_only is None and len(masters.released) == 2
+
+
+def test_a_remote_publisher_publishes_each_version_once():
+    """Every publication of a version runs the remote publisher first, once per version
+    (its broadcasts must match the other ranks'): a later publication of the same version
+    -- the next step's after a synchronize() -- finds its masters published."""
+    model, _, versions, rec = _published_model()
+    versions.publish(1, lambda: False)
+    assert rec.calls == [1]
+    assert all(torch.all(p == 1.0) for p in model.parameters())
+    versions.publish(1, lambda: False)
+    versions.publish_remote(1, lambda: False)
+    assert rec.calls == [1]
+    versions.publish_remote(2, lambda: False)  # synchronize()'s path
+    versions.publish(2, lambda: False)
+    assert rec.calls == [1, 2]
+    assert all(v == 2 for v in versions.version.values())
+    # deepest first, the order in which a backward lets go of the layers
+    assert [i for _, i in rec.events[:6]] == [5, 4, 3, 2, 1, 0]
+
+
+def test_a_remote_publication_waits_for_older_readers_of_each_part():
+    """A part is written only once no call reading an older version still has to upload
+    its layer, and after that call's upload fence: the deep layers while the old call
+    still needs the first one, the first one once it uploaded it."""
+    model, _, versions, rec = _published_model()
+    old = versions.register(0, [range(0, 1), range(0, 3)])  # uploads layer 0 twice
+    fenced: list[int] = []
+    versions.uploaded(old, [1, 2], lambda: fenced.append(1))
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            versions.publish(1, lambda: False)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=publish)
+    t.start()
+    deadline = time.monotonic() + 10
+    while len(rec.events) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # would it go on to layer 0? it must not
+    assert [i for _, i in rec.events] == [5, 4, 3, 2], rec.events  # layers 2 and 1
+    assert fenced == [1, 1, 1, 1]  # each written part waited for the old upload's fence
+    assert not done.is_set()
+    layer0 = list(model[0].parameters())
+    assert all(torch.all(p != 1.0) for p in layer0)  # the old call still reads them
+    versions.uploaded(old, [0], lambda: None)
+    time.sleep(0.1)
+    assert not done.is_set()  # uploads layer 0 once more
+    versions.uploaded(old, [0], lambda: None)
+    assert done.wait(10) and not errors, errors
+    t.join()
+    assert all(torch.all(p == 1.0) for p in model.parameters())
+
+
+def test_a_failure_stops_a_remote_publication_that_waits():
+    _, _, versions, rec = _published_model()
+    versions.register(0, [range(0, 3)])  # never uploads
+    with pytest.raises(PoolError, match="a pipelined iteration failed"):
+        versions.publish(1, lambda: True)
+    assert rec.events == []

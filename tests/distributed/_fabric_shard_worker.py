@@ -30,7 +30,7 @@ WIDTH, BLOCKS, N = 8, 4, 60
 NODE_BATCH, ACCUM, STEPS, MORE = 3, 2, 3, 2
 CLIP = 0.05
 # (module dtype, file suffix, async_step): fp32, bf16 with fp32 masters (sharded too),
-# and bf16 stepping asynchronously (every node keeps all masters, one step stale)
+# and bf16 stepping asynchronously (the masters sharded too, one step stale)
 VARIANTS = (
     (torch.float32, "", False),
     (torch.bfloat16, "_bf16", False),

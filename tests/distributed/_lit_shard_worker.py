@@ -5,8 +5,8 @@ accumulate_grad_batches=2, gradient_clip_val=...)`` with AdamW, this process bei
 node: for an fp32 module (``sync``: its parameters are their own masters) and a bf16 one
 with fp32 masters (``separate``: ``precision="bf16-true"``, the masters sharded too), both
 ``async_step=False``, and the bf16 one with ``async_step=True`` (``async``: one step
-stale, every node keeping all the masters), unsharded then sharded, fit 2 steps, save a checkpoint (sharded: one
-shard per node), resume from it to 4 steps. Writes the weights after each fit to OUT_DIR.
+stale, the masters sharded too), unsharded then sharded, fit 2 steps, save a checkpoint
+(sharded: one shard per node), resume from it to 4 steps. Writes the weights after each fit to OUT_DIR.
 """
 
 from __future__ import annotations

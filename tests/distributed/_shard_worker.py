@@ -8,7 +8,8 @@ Scenarios:
              ``sync`` (an fp32 model, shared masters), ``separate`` (a bf16 model with
              fp32 masters, synchronous: the masters sharded too) and ``async`` (an fp32
              model with separate masters, ``attach(async_step=True)`` and
-             ``step(is_async=True)``: one step stale, every rank keeps all masters);
+             ``step(is_async=True)``: one step stale, the masters sharded too, their
+             updates published into the model ahead of the next step);
              saves the weights, the masters this rank holds, the clipping norms and the
              bytes each rank holds, and whether a sharded ``separate`` run refuses
              ``step(is_async=True)``.
@@ -143,6 +144,13 @@ class Run:
         ring = [] if reducer is None else reducer.kept_buffers()
         return ring + ([] if shard is None else list(shard._gather_flat.values()))
 
+    def _buffers_reused(self) -> bool:
+        """The same buffers at every step: an asynchronous step's all-gather buffer comes
+        with the first publication (the second step's, which runs ahead of it), the others
+        with the first reduction; none is made again."""
+        first, later = self.buffer_ptrs[0], self.buffer_ptrs[1:]
+        return all(p == later[0] for p in later) and later[0][: len(first)] == first
+
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.rp.model.named_parameters()}
 
@@ -170,7 +178,7 @@ class Run:
             "grads_after_reduce": self.grad_bytes_after_reduce,
             "kept_buffers": sum(t.untyped_storage().nbytes() for t in self.kept_buffers()),
             "budget_kept_buffers": self.dp.kept_buffer_bytes(self.rp, [self.opt]),
-            "buffers_reused": all(p == self.buffer_ptrs[0] for p in self.buffer_ptrs),
+            "buffers_reused": self._buffers_reused(),
         }
 
     def close(self) -> None:
