@@ -18,7 +18,8 @@ Scenarios:
              loads the shards written by any rank count and trains the 2 more steps.
     kill  -- rank ``$FAIL_RANK`` dies inside its backward at step 3 (sharded); with
              ``$FAIL_MODE=stall_in_step`` it stalls inside its optimizer step instead,
-             so the others wait in the all-gather (its own group's timeout).
+             so the others wait in the all-gather (its own group's timeout); ``$MODE``
+             as for ``ckpt`` (default sync).
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def run_ckpt(rank: int, world: int, out: Path) -> None:
 
 def run_kill(rank: int, world: int, out: Path) -> None:
     fail_rank = int(os.environ.get("FAIL_RANK", "1"))
-    run = Run(rank, world, sharded=True, mode="sync")
+    run = Run(rank, world, sharded=True, mode=os.environ.get("MODE", "sync"))
 
     def die(_masters: list) -> None:
         (out / "peer_died").write_text(str(time.time()))
