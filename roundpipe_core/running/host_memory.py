@@ -14,7 +14,8 @@ masters                   the optimizer's copies of the trainable parameters
 gradients                 one gradient per master (``optim_dtype``)
 next gradients            with an asynchronous step (separate masters): the next
                           iteration's gradients, which arrive while the step still
-                          reads this iteration's (``async_step``)
+                          reads this iteration's (``async_step``; sharded, the step
+                          reads this rank's 1/N of them: the line is 1/N too)
 optimizer state           states per parameter x master size: Adam/AdamW 2, SGD with
                           momentum 1, without 0, ... (see :data:`OPTIMIZER_STATES`);
                           1/N of it with the host state sharded over N data-parallel
@@ -420,8 +421,9 @@ def estimate_host_memory(
         if state_shards > 1:  # its share's (the others' are released)
             masters = -(-sum(_nbytes(m) for m in separate.values()) // state_shards)
         if is_async:
-            # a shared master's step is always synchronous: only separate ones overlap
-            next_gradients = sum(_nbytes(m) for m in separate.values())
+            # a shared master's step is always synchronous: only separate ones overlap;
+            # sharded, the step in flight reads this rank's share of them only
+            next_gradients = -(-sum(_nbytes(m) for m in separate.values()) // state_shards)
     else:
         dtype = optim_dtype
         trainable = [p for p in params.values() if p.requires_grad]
@@ -442,7 +444,7 @@ def estimate_host_memory(
         already = weights
         masters = -(-masters // state_shards)  # its share
         if async_step:
-            next_gradients = masters  # a gradient per separate master, in its dtype
+            next_gradients = masters  # a gradient per separate master of its share
     gradients = master_numel_bytes
     if optimizers is not None and optimizer_states is None:
         # each optimizer keeps state for the parameters it holds (the strategy's masters)
