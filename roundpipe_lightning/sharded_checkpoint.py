@@ -97,8 +97,8 @@ def of_optimizer(
 
 def sharded_masters(dp: D.DataParallel, optimizers: Sequence[Any]) -> set[int]:
     """Ids of the masters a sharded checkpoint keeps in its shards, each in its owner's
-    (not in the checkpoint file: stepping synchronously, rank 0 holds the values of its
-    own share only; asynchronously, loading broadcasts each owner's into every rank's)."""
+    (not in the checkpoint file: rank 0 may hold the values of its own share only; loading
+    broadcasts each owner's into every rank's model)."""
     return {id(p) for opt in optimizers if (s := dp.shard(opt)) is not None for p in s.params}
 
 

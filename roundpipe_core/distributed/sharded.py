@@ -17,9 +17,10 @@ parameters and keeps gradients and optimizer state only for those:
    bucket's ``.grad`` (``None``) once it is sent, so the optimizer never creates state
    for a parameter this rank does not own (torch optimizers skip ``grad=None``).
 3. **Step**: each rank's ``optimizer.step()`` updates its share only.
-4. **All-gather** (:meth:`HostShard.gather`): after the step, on the optimizer thread,
-   each owner broadcasts its updated masters bucket by bucket into every rank's masters;
-   the RoundPipe then publishes them into the model as after any step, so an
+4. **All-gather** (:meth:`HostShard.gather`, :meth:`HostShard.publish`): each owner
+   broadcasts its updated parameters bucket by bucket into every rank's copy -- the
+   masters where they are the weights, else the model weights (below) --, after a
+   synchronous step or when an asynchronous step's weights are published, so an
    asynchronous step keeps the one-step-stale rule.
 
 Clipping by the global norm needs every shard: :meth:`HostShard.clip_grad_norm_`
