@@ -52,6 +52,17 @@ def _bucketize(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch
     return buckets
 
 
+def copy_from_flat(flat: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``tensors`` (what a broadcast bucket holds,
+    back into its tensors; a cast where their dtype differs)."""
+    off = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[off : off + n].view_as(t))
+            off += n
+
+
 class _Bucket:
     """Masters reduced together, laid out in a flat buffer as every gradient, then one
     "has a gradient" count per master (so a master without a gradient on every rank

@@ -27,6 +27,7 @@ from .buckets import (
     _Bucket,
     _bucketize,
     _unique_params,
+    copy_from_flat,
     reduce_buffer_bytes,
 )
 from .group import (
@@ -69,12 +70,7 @@ def _broadcast_tensors(
             dist.broadcast(flat, src=src, group=group)
         except RuntimeError as exc:
             raise collective_error(f"broadcast of rank {src}'s weights", exc, group) from exc
-        off = 0
-        with torch.no_grad():
-            for t in bucket:
-                n = t.numel()
-                t.copy_(flat[off : off + n].view_as(t))
-                off += n
+        copy_from_flat(flat, bucket)
 
 
 def broadcast_masters(

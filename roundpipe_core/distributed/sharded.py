@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .buckets import BufferRing, _Bucket, _bucketize, _unique_params
+from .buckets import BufferRing, _Bucket, _bucketize, _unique_params, copy_from_flat
 from .group import collective_error, group_size, group_timeout, resolve_timeout
 from .reducer import GradientAllReducer
 
@@ -307,14 +307,8 @@ class HostShard:
             raise collective_error(
                 f"all-gather of the updated weights (rank {src}'s share)", exc, group
             ) from exc
-        if src == self.rank and not write_own:
-            return
-        off = 0
-        with torch.no_grad():
-            for t in bucket:
-                n = t.numel()
-                t.copy_(flat[off : off + n].view_as(t))
-                off += n
+        if src != self.rank or write_own:
+            copy_from_flat(flat, bucket)
 
     def _flat_for(self, bucket: list[torch.Tensor]) -> torch.Tensor:
         """A view of the kept flat buffer of the bucket's dtype (the largest gather bucket
