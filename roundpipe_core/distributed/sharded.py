@@ -44,7 +44,8 @@ own copy into its model. *When* depends on the step:
   asynchronous step's weights reach the model one step late anyway (the next call reads
   the previous version), so the owner still holds that version in its masters then, and
   each bucket waits, as a local copy does, until no older call still has to upload
-  those layers (deepest first, the order a backward lets go of them). Every rank
+  those layers (in forward order: a blocking call issued meanwhile waits for each
+  layer's bucket only, and its first layers come first). Every rank
   publishes each version once, in version order, so the broadcasts match; a
   ``synchronize()`` with a step's weights unpublished is then collective.
 
@@ -262,8 +263,10 @@ class HostShard:
         """Publish weight version ``version`` of every parameter into every rank's model
         (a remote publisher of ``stepping.versions``, for asynchronous steps: registered
         in ``MasterWeights.publishers`` by ``DataParallel.attach(..., async_step=True)``):
-        bucket by bucket, deepest first (the order in which older runs let go of the
-        layers), ``claim`` the bucket's parameters, the owner casts its masters (which
+        bucket by bucket in forward order (the next call's first layers first: it
+        waits for each layer's own bucket; an older run lets go of the first layers
+        last, but the next call needs them before any other), ``claim`` the bucket's
+        parameters, the owner casts its masters (which
         hold ``version``: a publication runs before the next step) into the kept flat
         buffer, broadcast, every rank -- the owner too -- writes the bucket into its
         model weights (``targets``), and ``mark`` them. Collective: every rank publishes
@@ -275,7 +278,7 @@ class HostShard:
         """
         if self.world_size == 1:
             return
-        for src, sources, bucket in reversed(self._gather_buckets):
+        for src, sources, bucket in self._gather_buckets:
             keys = [id(t) for t in sources]
             claim(keys)
             self._broadcast_bucket(src, sources, bucket, write_own=True)

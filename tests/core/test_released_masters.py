@@ -125,7 +125,7 @@ def test_attach_takes_the_step_kind_as_a_bool():
 
 class _Recorder:
     """A remote publisher as a sharded rank's is (``HostShard.publish``): all its masters
-    in parts, deepest first, each claimed before its weights are written and marked after;
+    in parts, in forward order, each claimed before its weights are written and marked after;
     what it writes is ``version`` itself, so a test sees which version reached the model."""
 
     def __init__(self, model: torch.nn.Sequential, masters: MasterWeights) -> None:
@@ -139,7 +139,7 @@ class _Recorder:
 
     def publish(self, version, claim, mark) -> None:
         self.calls.append(version)
-        for i, (p, m) in reversed(list(enumerate(self.pairs))):
+        for i, (p, m) in enumerate(self.pairs):
             claim([id(m)])
             self.events.append(("write", i))
             with torch.no_grad():
@@ -179,18 +179,17 @@ def test_a_remote_publisher_publishes_each_version_once():
     versions.publish(2, lambda: False)
     assert rec.calls == [1, 2]
     assert all(v == 2 for v in versions.version.values())
-    # deepest first, the order in which a backward lets go of the layers
-    assert [i for _, i in rec.events[:6]] == [5, 4, 3, 2, 1, 0]
+    assert [i for _, i in rec.events[:6]] == [0, 1, 2, 3, 4, 5]
 
 
 def test_a_remote_publication_waits_for_older_readers_of_each_part():
     """A part is written only once no call reading an older version still has to upload
-    its layer, and after that call's upload fence: the deep layers while the old call
-    still needs the first one, the first one once it uploaded it."""
+    its layer, and after that call's upload fence: the first layers while the old call
+    still needs the last one, the last one once it uploaded it."""
     model, _, versions, rec = _published_model()
-    old = versions.register(0, [range(0, 1), range(0, 3)])  # uploads layer 0 twice
+    old = versions.register(0, [range(0, 3), range(2, 3)])  # uploads layer 2 twice
     fenced: list[int] = []
-    versions.uploaded(old, [1, 2], lambda: fenced.append(1))
+    versions.uploaded(old, [0, 1], lambda: fenced.append(1))
     done = threading.Event()
     errors: list[BaseException] = []
 
@@ -207,16 +206,16 @@ def test_a_remote_publication_waits_for_older_readers_of_each_part():
     deadline = time.monotonic() + 10
     while len(rec.events) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.1)  # would it go on to layer 0? it must not
-    assert [i for _, i in rec.events] == [5, 4, 3, 2], rec.events  # layers 2 and 1
+    time.sleep(0.1)  # would it go on to layer 2? it must not
+    assert [i for _, i in rec.events] == [0, 1, 2, 3], rec.events  # layers 0 and 1
     assert fenced == [1, 1, 1, 1]  # each written part waited for the old upload's fence
     assert not done.is_set()
-    layer0 = list(model[0].parameters())
-    assert all(torch.all(p != 1.0) for p in layer0)  # the old call still reads them
-    versions.uploaded(old, [0], lambda: None)
+    last = list(model[2].parameters())
+    assert all(torch.all(p != 1.0) for p in last)  # the old call still reads them
+    versions.uploaded(old, [2], lambda: None)
     time.sleep(0.1)
-    assert not done.is_set()  # uploads layer 0 once more
-    versions.uploaded(old, [0], lambda: None)
+    assert not done.is_set()  # uploads layer 2 once more
+    versions.uploaded(old, [2], lambda: None)
     assert done.wait(10) and not errors, errors
     t.join()
     assert all(torch.all(p == 1.0) for p in model.parameters())
