@@ -93,11 +93,12 @@ class DataParallel:
             all-gathers the weights (separate masters too: a rank keeps those of its share
             only, the all-gather writes the others' into its model weights -- inside the
             step, or, attached with ``async_step=True``, when the step's weights are
-            published, so the step may overlap the next call as unsharded). Clip with :meth:`clip_grad_norm_` (the norm over all shards). The
-            budget counts the collectives' kept buffers (:meth:`kept_buffer_bytes`, sharded
-            or not); with glibc's default ``malloc`` the peak is ~1.03x it (up to
-            ~1.1x bf16), ~1.01x with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536``
-            or :func:`~roundpipe_core.running.heap.limit_heap_retention`; said once at INFO
+            published, so the step may overlap the next call as unsharded). Clip with
+            :meth:`clip_grad_norm_` (the norm over all shards). The budget counts the
+            collectives' kept buffers (:meth:`kept_buffer_bytes`, sharded or not); with
+            glibc's default ``malloc`` the peak is ~1.03x it (up to ~1.1x bf16), ~1.01x
+            with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536`` or
+            :func:`~roundpipe_core.running.heap.limit_heap_retention`; said once at INFO
             when it is not), which slows CPU workers' steps.
 
     The default group is gloo: everything the strategy communicates -- master

@@ -416,7 +416,8 @@ def estimate_host_memory(
         master_numel_bytes = sum(_nbytes(m) for m in mlist)
         already = weights + masters  # (a master a shard released: a few bytes)
         separate = {id(m): m for p, m in pairs if m is not p}
-        # (sharded, the default step is synchronous: DataParallel.attach's and the strategies')
+        # (sharded, the default step is synchronous: DataParallel.attach's default; the
+        # strategies pass their own)
         is_async = async_step if async_step is not None else bool(separate) and state_shards == 1
         if state_shards > 1:  # its share's (the others' are released)
             masters = -(-sum(_nbytes(m) for m in separate.values()) // state_shards)

@@ -155,12 +155,13 @@ class MasterWeights:
                 src.append(g)
             flush()
 
-    def copy_to_model(self) -> None:
+    def copy_to_model(self, skip: set[int] | None = None) -> None:
         """Put the masters' values into the model's parameters (see :func:`copy_pairs`);
-        a released master has none (its owner's values reach the model instead)."""
-        released = self.released
+        a released master has none (its owner's values reach the model instead), nor is
+        one in ``skip`` (ids of masters already in the model) copied."""
+        left_out = self.released if not skip else self.released | skip
         # a shared master is the parameter: nothing to copy
-        copy_pairs([(p, m) for _, p, m in self.copies if id(m) not in released])
+        copy_pairs([(p, m) for _, p, m in self.copies if id(m) not in left_out])
 
     def release(self, masters: Iterable[nn.Parameter], sync_only: str | None) -> int:
         """Drop the values of these separate masters (see the module docstring): each

@@ -387,7 +387,7 @@ class PipelinedRuns:
         # the released masters' values, from their owners (collective: a sharded rank's
         # first publication of this version, the same on every rank)
         self.versions.publish_remote(steps, lambda: False)
-        self.masters.copy_to_model()
+        self.masters.copy_to_model(skip=self.versions.remote_keys())  # (those: just written)
         self.versions.set_all(steps)
         with self._lock:
             self.target_version = steps

@@ -282,27 +282,29 @@ class WeightVersions:
         """Run each remote publisher (see the module docstring) whose masters do not
         hold ``version`` yet; it waits, part by part, until no older-version run still
         has to upload them (PoolError once ``failed()``)."""
+
+        def claim(part: Sequence[int]) -> None:
+            part = [k for k in part if k in self.version]
+            with self._cond:
+                while any(self._blocked(k, version) for k in part):
+                    if failed():
+                        raise PoolError("weight publication stopped: a pipelined iteration failed")
+                    self._cond.wait(_WAIT_SLICE_S)
+            self._wait_old_uploads(version, part)
+
+        def mark(part: Sequence[int]) -> None:
+            self._mark([k for k in part if k in self.version], version)
+
         for pub in list(self._publishers):
             keys = [k for k in pub.keys if k in self.version]
             with self._cond:
                 if all(self.version[k] >= version for k in keys):
                     continue  # published already (a synchronize() before this step's)
-
-            def claim(part: Sequence[int]) -> None:
-                part = [k for k in part if k in self.version]
-                with self._cond:
-                    while any(self._blocked(k, version) for k in part):
-                        if failed():
-                            raise PoolError(
-                                "weight publication stopped: a pipelined iteration failed"
-                            )
-                        self._cond.wait(_WAIT_SLICE_S)
-                self._wait_old_uploads(version, part)
-
-            def mark(part: Sequence[int]) -> None:
-                self._mark([k for k in part if k in self.version], version)
-
             pub.publish(version, claim, mark)
+
+    def remote_keys(self) -> set[int]:
+        """Ids of the masters the remote publishers publish (nobody else copies them)."""
+        return {k for pub in self._publishers for k in pub.keys}
 
     def wait_ended_uploads(self) -> None:
         """Block until the uploads of runs that ended have read the host copy (before the
