@@ -177,8 +177,14 @@ def repository_entries(root: str = REPO_ROOT) -> set[str]:
     """Every file and folder under ``root`` (relative paths), tool output left out."""
     entries: set[str] = set()
     for folder, subfolders, files in os.walk(root):
+        # A virtual environment (.venv, CI's .ci-venv) holds tens of thousands of files:
+        # walking it twice per test cost about 0.3 s a test, a third of the suite's time.
         subfolders[:] = [
-            d for d in subfolders if d not in _TOOL_OUTPUT and not d.endswith(".egg-info")
+            d
+            for d in subfolders
+            if d not in _TOOL_OUTPUT
+            and not d.endswith(".egg-info")
+            and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg"))
         ]
         rel = os.path.relpath(folder, root)
         entries.update(os.path.normpath(os.path.join(rel, name)) for name in files + subfolders)
