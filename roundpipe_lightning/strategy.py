@@ -103,7 +103,10 @@ class RoundPipeStrategy(CheckpointingStrategy):
             its share of the batch, so a ``loss_fn`` returning a batch mean
             (``F.cross_entropy``) gives plain Lightning's loss and gradients, whatever the
             microbatch count. ``"sum"``: RoundPipe's published contract, the losses added up.
-        num_microbatch: microbatches per pipelined call (default: devices + 1).
+        num_microbatch: microbatches per pipelined call (default: the engine's,
+            :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
+            GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
+            every worker at once -- the default for a model without buffers).
         execute_plan: the stage plan of ``forward_backward``: ``None`` (the engine's
             default), ``"auto"`` (``ModelExecutePlan.auto`` at setup), a
             ``ModelExecutePlan``, a layout string such as ``"fwd=3,2 bwd=1,2,2,1"``
