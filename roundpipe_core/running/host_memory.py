@@ -220,6 +220,18 @@ class HostMemoryBudget:
             ("collective buffers", self.collective_buffers),
         ]
 
+    def summary(self, available: int | None = None) -> str:
+        """One line for a run's set-up output: what the run needs against what is
+        available (``available``: bytes, from :func:`available_host_memory`; ``None``:
+        not known). ``str(budget)`` is the whole table."""
+        need = (
+            f"{_fmt(self.process_peak)} for the whole process"
+            if self.process
+            else f"{_fmt(self.total)} for its state"
+        )
+        have = f"{_fmt(available)} available" if available is not None else "available unknown"
+        return f"host memory: needs {need} ({_fmt(self.to_allocate)} still to allocate), {have}"
+
     def __str__(self) -> str:
         n = max(self.num_params, 1)
         lines = [f"host memory budget for {self.num_params:,} parameters"]
