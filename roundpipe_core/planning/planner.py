@@ -157,9 +157,9 @@ def auto(
         objective: "pipeline" (default) or "stages" (the published cost).
         num_microbatch: microbatches per iteration, for the "pipeline" objective;
             default RoundPipe's (:func:`~roundpipe_core.planning.plan.default_num_microbatch`):
-            devices + 1 where the devices compute at once (GPUs); on CPU workers
-            (``concurrent=False``) 1, or one per worker for one model that may run
-            its one-stage plan on every worker at once.
+            devices + 1 where the devices compute at once (GPUs); where they do not
+            (CPU workers, or ``concurrent=False``) 1, or one per worker for one model
+            that may run its one-stage plan on every worker at once.
         refine: simulate near-optimal candidates and walk to faster neighbours
             ("pipeline" objective only).
         overlap_iterations: rank plans ("fused") by the steady state of overlapped

@@ -7,7 +7,14 @@ import copy
 
 import pytest
 import torch
-from _util import assert_close_rel, assert_grads_match, master_grads, mlp, sum_sq
+from _util import (
+    assert_close_rel,
+    assert_grads_match,
+    master_grads,
+    mlp,
+    reference_grads,
+    sum_sq,
+)
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
@@ -253,19 +260,24 @@ def _hooked_reference(model: nn.Module, batches, names: tuple[str, ...]):
     return seen, {n: p.grad.clone() for n, p in ref.named_parameters()}
 
 
-@pytest.mark.parametrize("where", ["model", "master"])
+@pytest.mark.parametrize("where", ["model", "master", "shared"])
 @pytest.mark.parametrize("mode", ["blocking", "non-blocking", "autograd"])
 def test_tensor_hooks_registered_after_wrapping_are_honoured(mode: str, where: str) -> None:
     model = mlp(4)
     batches = [_data(seed=1), _data(seed=2)]
     names = ("0.weight", "3.bias")
     want_seen, want = _hooked_reference(model, batches, names)
-    # shared_masters=False: a master is a separate tensor, so "model" and "master" differ
-    rp = RoundPipe(copy.deepcopy(model), devices="cpu:2", shared_masters=False)
+    # "model" / "master": separate masters (shared_masters=False), a hook on the module's
+    # parameter or on rp.optim_parameters(); "shared": the CPU default, where they are one
+    shared = None if where == "shared" else False
+    rp = RoundPipe(copy.deepcopy(model), devices="cpu:2", shared_masters=shared)
     cfg = RoundPipeRunConfig(num_microbatch=2)
     targets = (
-        dict(rp.model.named_parameters()) if where == "model" else dict(rp.optim_named_parameters())
+        dict(rp.optim_named_parameters())
+        if where == "master"
+        else dict(rp.model.named_parameters())
     )
+    assert (targets["0.weight"] is rp.master_param(rp.model[0].weight)) == (where != "model")
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     for n in names:
         targets[n].register_hook(lambda g, n=n: seen[n].append(g.clone()))
@@ -306,6 +318,28 @@ def test_tensor_hooks_registered_before_wrapping_are_honoured_on_shared_masters(
         assert len(seen) == 1
         assert_close_rel(seen[0], want_seen["1.0.weight"][0], what="hook's gradient")
         assert_grads_match(rp, want)
+    finally:
+        rp.close()
+
+
+def test_tensor_hooks_run_before_register_grad_hook_sees_the_gradients() -> None:
+    """The data-parallel reducer's path (a grad hook per completed master): it gets the
+    gradients the tensor hooks returned, as DDP reduces what a parameter's hooks left."""
+    model = mlp(4)
+    x, y = _data()
+    _, want = reference_grads(model, x, y)
+    rp = RoundPipe(copy.deepcopy(model), devices="cpu:2", shared_masters=False)
+    rp.model[0].weight.register_hook(lambda g: g * 2)
+    reported: dict[str, torch.Tensor] = {}
+    names = {id(m): n for n, m in rp.optim_named_parameters()}
+    rp.register_grad_hook(lambda ms: reported.update((names[id(m)], m.grad.clone()) for m in ms))
+    try:
+        rp.forward_backward(
+            (x,), label=y, loss_fn=sum_sq, run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
+        assert set(reported) == set(want)
+        assert_close_rel(reported["0.weight"], want["0.weight"] * 2, what="hooked")
+        assert_close_rel(reported["0.bias"], want["0.bias"], what="not hooked")
     finally:
         rp.close()
 
