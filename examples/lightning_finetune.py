@@ -290,7 +290,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-microbatch",
         type=int,
         default=None,
-        help="microbatches per call (default: the engine's: 1 on CPU workers, devices + 1 on GPUs)",
+        help=(
+            "microbatches per call (default: the engine's: devices + 1 on GPUs; on CPU "
+            "workers one per worker, 1 for a model with buffers)"
+        ),
     )
     p.add_argument(
         "--layout", default=None, help='stage plan, e.g. "fwd=2,2 bwd=1,1,1,1,1,1" or "auto"'

@@ -29,6 +29,10 @@ the scaler has stepped before; in the very first iteration it knows only those s
 so far, so there call ``rp.synchronize()`` before ``update()`` (or step them all before
 the first ``update()``).
 
+``scaler.update(is_async=False)`` (the published package's 0.1.2 argument) waits, with
+the same timeout, until that deferred update is done: the scale of this iteration's
+outcome is then readable at once.
+
 Calling ``update()`` inside ``step_fn`` (after ``scaler.step``) is exact too when the
 step is synchronous (``rp.step(fn, is_async=False)``); with an asynchronous step the
 next iteration's losses may be scaled before that ``update()`` runs, so keep
@@ -185,16 +189,28 @@ class GradScaler:
             return retval
 
     # -- the training-thread side -------------------------------------------------------
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+    def update(self, new_scale: float | torch.Tensor | None = None, is_async: bool = True) -> None:
         """Update the scale for the next iteration (torch's rule: back off after an
         iteration with inf/NaN, grow after ``growth_interval`` clean ones).
 
         Called before the optimizer thread has run ``step()`` for this iteration, the
-        update is deferred until it has (see the module docs); it never blocks.
+        update is deferred until it has (see the module docs).
 
         Args:
             new_scale: set this scale instead of the automatic rule.
+            is_async: ``True`` (default): return at once, a deferred update completing
+                on the optimizer thread. ``False``: return only once the update is done,
+                waiting for this iteration's ``step()`` if need be (as the published
+                RoundPipe's ``update(is_async=False)``), e.g. to read the scale of this
+                iteration's outcome or to checkpoint right after.
+
+        Raises:
+            TypeError: ``is_async`` is not a bool.
+            RuntimeError: ``is_async=False`` waited ``wait_timeout`` seconds and no
+                ``scaler.step(optimizer)`` came (a forgotten step; never a hang).
         """
+        if not isinstance(is_async, bool):
+            raise TypeError(f"is_async must be True or False, got {is_async!r}")
         if not self.is_enabled():
             return
         with self._cond:
@@ -203,6 +219,8 @@ class GradScaler:
             if not done and not (new_scale is not None and not self._known):
                 # this iteration's step() has not run yet: it completes the update
                 self._pending, self._pending_scale = True, new_scale
+                if not is_async:
+                    self._wait_resolved("update(is_async=False)")
                 return
         with self._step_lock, self._cond:
             self._resolve(new_scale)

@@ -24,7 +24,7 @@ from torch import nn
 from .checks import (
     IdleSteps,
     check_carried_state,
-    check_no_parameter_hooks,
+    check_no_post_accumulate_hooks,
     check_not_compiled_in_place,
     check_not_on_meta,
     claim_parameters,
@@ -146,7 +146,7 @@ class RoundPipeBase(nn.Module):
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
         check_not_compiled_in_place(layers)
         check_carried_state(layers)
-        check_no_parameter_hooks(model)
+        check_no_post_accumulate_hooks(model.named_parameters())
         check_not_on_meta(model)
         if master_owner is None:
             claim_parameters(model, None)  # before any thread or memory is taken
@@ -314,6 +314,16 @@ class RoundPipeBase(nn.Module):
         """Whether a hook registered with :meth:`register_grad_hook` is in place (the
         gradients are then read on another thread as they complete)."""
         return bool(self._grad_hooks)
+
+    def _check_param_hooks(self) -> None:
+        """At each training call: refuse a post-accumulate gradient hook registered on a
+        model parameter or a master since wrapping (see
+        :func:`~roundpipe_core.checks.check_no_post_accumulate_hooks`); tensor hooks
+        (``register_hook``) registered at any time are run on each call's gradient."""
+        masters = self._home().masters
+        check_no_post_accumulate_hooks(
+            (name, t) for name, p, m in masters.entries for t in ((p, m) if p is not m else (p,))
+        )
 
     def _grad_tracker(
         self, jobs: list[Job], buffer: GradBuffer | None = None

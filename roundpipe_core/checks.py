@@ -29,8 +29,9 @@ halfway through it.
 
 Writes to global variables cannot be seen from the module and are not detected.
 
-At construction a RoundPipe also refuses what it could not honour: parameters with
-gradient hooks (:func:`check_no_parameter_hooks`) and parameters another open
+At construction (and at each training call) a RoundPipe also refuses what it could not
+honour: parameters with post-accumulate gradient hooks
+(:func:`check_no_post_accumulate_hooks`) and, at construction, parameters another open
 RoundPipe already keeps masters of (:func:`claim_parameters`); ``forward_backward``
 refuses inputs that require grad (:func:`check_inputs_need_no_grad`), and
 :func:`watch_updates` warns when steps keep updating no master (an optimizer built
@@ -42,7 +43,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -289,34 +290,28 @@ def check_not_on_meta(model: nn.Module) -> None:
                 )
 
 
-def check_no_parameter_hooks(model: nn.Module) -> None:
-    """Refuse parameters that carry gradient hooks (``Tensor.register_hook``,
-    ``register_post_accumulate_grad_hook``).
+def check_no_post_accumulate_hooks(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse parameters that carry a ``register_post_accumulate_grad_hook`` hook.
 
-    Devices backpropagate into their own copies of a stage's parameters and the
-    gradients are added to the master copies on the host, so a hook on the module's
-    parameter would never run -- a ``g * 0`` hook would silently not zero anything.
+    Such a hook would be handed the parameter once its ``.grad`` is complete, typically
+    to step it inside the backward; devices backpropagate into copies of the weights,
+    so autograd never calls it, and stepping weights that later microbatches or the next
+    overlapped call still read would be wrong. (``Tensor.register_hook`` hooks are
+    honoured: ``MasterWeights.add_many`` runs them on each call's whole gradient.)
 
     Raises:
         ValueError: naming the first such parameter and what to do instead.
     """
-    for name, p in model.named_parameters():
-        kinds = [
-            label
-            for attr, label in (
-                ("_backward_hooks", "register_hook"),
-                ("_post_accumulate_grad_hooks", "register_post_accumulate_grad_hook"),
-            )
-            if getattr(p, attr, None)
-        ]
-        if kinds:
+    for name, p in named:
+        if getattr(p, "_post_accumulate_grad_hooks", None):
             raise ValueError(
-                f"parameter {name!r} has a gradient hook ({', '.join(kinds)}), which RoundPipe "
-                "would never call: devices backpropagate into copies of the parameters and "
-                "the gradients are added to master copies on the host. Remove the hook "
-                "(handle.remove()) and change the gradients where they are complete instead: "
-                "in step_fn before optimizer.step(), or with RoundPipe.register_grad_hook(fn), "
-                "which gets the masters once their gradients are in"
+                f"parameter {name!r} has a gradient hook (register_post_accumulate_grad_hook), "
+                "which RoundPipe cannot honour: devices backpropagate into copies of the "
+                "parameters and the gradients are added to master copies on the host. Remove "
+                "the hook (handle.remove()); to act on a complete gradient use "
+                "p.register_hook(fn) (run on each call's whole gradient), "
+                "RoundPipe.register_grad_hook(fn) (gets the masters once their gradients are "
+                "in) or RoundPipe.step_layerwise() to step parameters as they complete"
             )
 
 

@@ -43,7 +43,10 @@ class RoundPipeRunConfig:
         preserve_rng_state: replay the forward's RNG in recompute (default True).
         recompute_grain: "stage" (recompute a whole stage, then backward) or "layer"
             (recompute and backpropagate one layer at a time; less memory). Default "stage".
-        num_microbatch: microbatches per call (default: number of devices + 1).
+        num_microbatch: microbatches per call (default: the pool's, from
+            :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
+            GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
+            every worker at once -- the default for a model without buffers).
         split_input: ``None`` (split batch-leading tensors along dim 0), a pair
             ``(args_spec, kwargs_spec)`` of ``TensorChunkSpec`` / ``Replicate`` markers,
             or ``f(args, kwargs, num_microbatch)`` returning ``(args_list, kwargs_list)``

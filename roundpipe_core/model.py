@@ -299,6 +299,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         if requires_grad is None:
             requires_grad = torch.is_grad_enabled() and bool(self._home().masters)
         run_type = RunType.TRAIN if requires_grad else RunType.INFER
+        if requires_grad:
+            self._check_param_hooks()
         with self._call_lock:
             split = self._split(cfg, args, kwargs)
             mbs = split.parts
@@ -430,6 +432,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
     ) -> Any:
         t0 = time.perf_counter()
         self._check_open("forward_backward()")
+        self._check_param_hooks()
         blocking = True if blocking is None else blocking
         if not callable(loss_fn):
             raise TypeError(

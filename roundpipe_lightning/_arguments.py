@@ -96,7 +96,8 @@ def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | 
     if value < 1:
         raise ValueError(
             f"{owner}(num_microbatch={value!r}): num_microbatch must be >= 1 (or None "
-            "for devices + 1)"
+            "for the engine's default: devices + 1 on GPUs, 1 or one per worker on CPU "
+            "workers)"
         )
     return value
 

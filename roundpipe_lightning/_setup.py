@@ -63,6 +63,7 @@ __all__ = [
     "user_impl_choice",
     "restore_impl_choice",
     "host_memory_budget",
+    "setup_summary",
     "op_name",
     "reaches_params",
     "check_loss_went_through",
@@ -468,6 +469,34 @@ def fuse_optimizer(opt: Optimizer) -> bool:
         _SAID.add(key)
         rank_zero_info(f"RoundPipeStrategy runs {type(opt).__name__} unfused: {reason}")
     return False
+
+
+def setup_summary(
+    owner: str,
+    rp: RoundPipe | AutoRoundPipe,
+    num_microbatch: int | None,
+    async_step: bool,
+    step_chosen: bool,
+) -> str:
+    """The one line a run's set-up says beside Lightning's own: the device pool, the plan
+    of ``forward_backward`` and its microbatches, and the step mode (``step_chosen``:
+    ``async_step`` was passed, else the hardware chose it)."""
+    workers = rp.pool.workers
+    n = len(workers)
+    if rp.pool.is_cuda:
+        pool = f"{n} GPU{'s' if n != 1 else ''} ({', '.join(str(w.device) for w in workers)})"
+    else:
+        pool = f"{n} CPU worker{'s' if n != 1 else ''}"
+    if isinstance(rp, RoundPipe):
+        m = rp.num_microbatch_for(num_microbatch)
+        layout = rp.plan_for("fused").to_layout_string()
+        plan = f'plan "{layout}", {m} microbatch{"es" if m != 1 else ""}'
+    else:
+        plan = f"{len(rp.units)} units split automatically"
+    step = "asynchronous (one step stale)" if async_step else "synchronous"
+    if not step_chosen:
+        step += " (async_step=None follows the hardware; pass True or False to choose)"
+    return f"{owner}: {pool}, {rp.num_layers} layers, {plan}; step {step}"
 
 
 def host_memory_budget(

@@ -107,7 +107,10 @@ class RoundPipeFabricStrategy(FabricProcesses):
         loss_reduction: ``"mean"`` (default): a ``loss_fn`` returning a batch mean gives
             plain Fabric's loss and gradients for any microbatch count; ``"sum"``: the
             published sum of the microbatch losses.
-        num_microbatch: microbatches per pipelined call (default: devices + 1).
+        num_microbatch: microbatches per pipelined call (default: the engine's,
+            :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
+            GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
+            every worker at once -- the default for a model without buffers).
         execute_plan: the plan of ``forward_backward`` (``None``, ``"auto"``, a layout
             string, a dict of ``from_layout`` arguments or a ``ModelExecutePlan``).
         optim_dtype: dtype of the master weights (default fp32; a name works too).

@@ -41,7 +41,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -49,7 +49,7 @@ from typing_extensions import override
 from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
 from roundpipe_core.config import LOSS_REDUCTIONS
-from roundpipe_core.running.host_memory import check_host_memory
+from roundpipe_core.running.host_memory import available_host_memory, check_host_memory
 
 from ._checkpointing import CheckpointingStrategy
 from ._flush import FlushWeights
@@ -74,6 +74,7 @@ from ._setup import (
     raw_optimizer,
     release_optimizers,
     sequential_of,
+    setup_summary,
     trainer_of,
     user_impl_choice,
 )
@@ -103,7 +104,10 @@ class RoundPipeStrategy(CheckpointingStrategy):
             its share of the batch, so a ``loss_fn`` returning a batch mean
             (``F.cross_entropy``) gives plain Lightning's loss and gradients, whatever the
             microbatch count. ``"sum"``: RoundPipe's published contract, the losses added up.
-        num_microbatch: microbatches per pipelined call (default: devices + 1).
+        num_microbatch: microbatches per pipelined call (default: the engine's,
+            :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
+            GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
+            every worker at once -- the default for a model without buffers).
         execute_plan: the stage plan of ``forward_backward``: ``None`` (the engine's
             default), ``"auto"`` (``ModelExecutePlan.auto`` at setup), a
             ``ModelExecutePlan``, a layout string such as ``"fwd=3,2 bwd=1,2,2,1"``
@@ -269,12 +273,6 @@ class RoundPipeStrategy(CheckpointingStrategy):
         devices = check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
         self.accelerator.setup_device(devices[0])
-        if self._async_request is None:
-            pool = "GPU" if devices[0].type != "cpu" else "CPU-worker"
-            rank_zero_info(
-                f"RoundPipeStrategy: async_step={self.async_step} on this {pool} pool "
-                "(async_step=None follows the hardware; pass True or False to choose)"
-            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -295,8 +293,21 @@ class RoundPipeStrategy(CheckpointingStrategy):
             budget = host_memory_budget(
                 self.roundpipe, opts, self.num_microbatch, self._dp, self.async_step
             )
-            rank_zero_info(f"RoundPipe host memory:\n{budget}")  # as Lightning says setup facts
-            check_host_memory(budget)
+            available = available_host_memory()
+            # as Lightning says its set-up facts ("GPU available: ..."): a few lines, the
+            # whole budget table only at DEBUG (or from estimate_host_memory())
+            rank_zero_info(
+                setup_summary(
+                    "RoundPipeStrategy",
+                    self.roundpipe,
+                    self.num_microbatch,
+                    self.async_step,
+                    self._async_request is not None,
+                )
+            )
+            rank_zero_info(f"RoundPipeStrategy: {budget.summary(available)}")
+            rank_zero_debug(f"RoundPipe host memory:\n{budget}")
+            check_host_memory(budget, available)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
             self._dp.attach(self.roundpipe, self.optimizers, async_step=self.async_step)
             sharded = self._dp.state_shards > 1  # clipping: the norm over every process's share

@@ -156,7 +156,10 @@ def auto(
         method: "exact" (default) or "greedy".
         objective: "pipeline" (default) or "stages" (the published cost).
         num_microbatch: microbatches per iteration, for the "pipeline" objective;
-            default number of devices + 1 (RoundPipe's default).
+            default RoundPipe's (:func:`~roundpipe_core.planning.plan.default_num_microbatch`):
+            devices + 1 where the devices compute at once (GPUs); where they do not
+            (CPU workers, or ``concurrent=False``) 1, or one per worker for one model
+            that may run its one-stage plan on every worker at once.
         refine: simulate near-optimal candidates and walk to faster neighbours
             ("pipeline" objective only).
         overlap_iterations: rank plans ("fused") by the steady state of overlapped

@@ -220,6 +220,18 @@ class HostMemoryBudget:
             ("collective buffers", self.collective_buffers),
         ]
 
+    def summary(self, available: int | None = None) -> str:
+        """One line for a run's set-up output: what the run needs against what is
+        available (``available``: bytes, from :func:`available_host_memory`; ``None``:
+        not known). ``str(budget)`` is the whole table."""
+        need = (
+            f"{_fmt(self.process_peak)} for the whole process"
+            if self.process
+            else f"{_fmt(self.total)} for its state"
+        )
+        have = f"{_fmt(available)} available" if available is not None else "available unknown"
+        return f"host memory: needs {need} ({_fmt(self.to_allocate)} still to allocate), {have}"
+
     def __str__(self) -> str:
         n = max(self.num_params, 1)
         lines = [f"host memory budget for {self.num_params:,} parameters"]
@@ -331,7 +343,11 @@ def estimate_host_memory(
         optimizer_states: parameter-sized states per parameter; overrides ``optimizer``.
         optim_dtype: master dtype for a plain module (default: the model's dtype; a
             RoundPipe's own masters are measured).
-        num_microbatch: microbatches per call (default: devices + 1).
+        num_microbatch: microbatches per call (default: what the RoundPipe's calls run,
+            ``num_microbatch_for()``, from
+            :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
+            GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
+            every worker at once; 1 for a plain module).
         activation_bytes_per_microbatch: bytes of one stage-boundary activation of one
             microbatch (e.g. ``mb_size * seq * hidden * 2`` for bf16 hidden states).
             RoundPipe keeps one per forward stage boundary and microbatch for recompute.

@@ -30,7 +30,48 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MasterWeights", "copy_pairs"]
+__all__ = ["MasterWeights", "copy_pairs", "run_tensor_hooks"]
+
+
+def run_tensor_hooks(
+    master: nn.Parameter,
+    grad: torch.Tensor,
+    params: Sequence[nn.Parameter] = (),
+    name: str = "",
+) -> torch.Tensor:
+    """``grad`` after the tensor hooks (``Tensor.register_hook``) of ``params`` (the model
+    parameters ``master`` is a separate copy of) and then of ``master``, each tensor's in
+    registration order, each hook getting what the previous one returned (``None``:
+    unchanged), as autograd runs a leaf's hooks before accumulating its gradient.
+
+    Devices backpropagate into their own copies of the weights, so autograd never calls
+    these hooks itself; they run here on the call's complete gradient. The master's own
+    hooks get it in the master's dtype. This may run on a worker or the optimizer thread
+    (wherever the gradient completes), so a hook must be thread-safe.
+
+    Raises:
+        RuntimeError: a hook returned something other than None or a tensor of the
+            gradient's shape (naming the parameter ``name``).
+    """
+    for t in (*params, master):
+        hooks = t._backward_hooks
+        if not hooks:
+            continue
+        if t is master and grad.dtype != master.dtype:
+            grad = grad.to(master.dtype)
+        for hook in list(hooks.values()):
+            out = hook(grad)
+            if out is None:
+                continue
+            if not isinstance(out, torch.Tensor) or out.shape != grad.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise RuntimeError(
+                    f"a gradient hook (register_hook) of parameter {name!r} returned {got} "
+                    f"for a gradient of shape {tuple(grad.shape)}: a hook must return None "
+                    "or a tensor of the gradient's shape"
+                )
+            grad = out
+    return grad
 
 
 def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -70,6 +111,10 @@ class MasterWeights:
         # the entries whose master is a separate tensor (what copy_to_model writes)
         self.copies: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         self.master_of: dict[int, nn.Parameter] = {}
+        # master id -> the model parameters it is a separate copy of: their tensor hooks
+        # (Tensor.register_hook) are run on the call's gradient in add_many
+        self.params_of: dict[int, list[nn.Parameter]] = {}
+        self.name_of: dict[int, str] = {}  # master id -> its parameter's name
         # guards the masters' .grad: workers add to it while the caller may read it
         self.grad_lock = threading.Lock()
         if create:
@@ -83,6 +128,9 @@ class MasterWeights:
                     self.copies.append((pname, p, m))
                 self.entries.append((pname, p, m))
                 self.master_of[id(p)] = m
+                self.name_of.setdefault(id(m), pname)
+                if m is not p:
+                    self.params_of.setdefault(id(m), []).append(p)
         # ids of the released masters (see release()); shared with the weight versions,
         # whose publication skips them too
         self.released: set[int] = set()
@@ -128,7 +176,17 @@ class MasterWeights:
         that merges, not on the worker that downloaded it); the others are accumulated
         with one ``torch._foreach_add_`` per dtype and device instead of a Python loop
         (a gradient of another dtype is added in one mixed-dtype ``add_``, no copy).
+
+        Each pair is one call's whole gradient of that master (every microbatch summed),
+        added once per call: the tensor hooks of the master and of its model parameters
+        (``Tensor.register_hook``, e.g. ``wandb.watch``) run on it first, as plain
+        PyTorch runs a leaf's hooks on its gradient once per backward before
+        accumulating it (:func:`run_tensor_hooks`).
         """
+        items = [
+            (m, run_tensor_hooks(m, g, self.params_of.get(id(m), ()), self.name_of.get(id(m), "")))
+            for m, g in items
+        ]
         acc: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
         batched: set[int] = set()
 

@@ -214,3 +214,43 @@ def test_roundpipe_async_step_gives_torch_scale_sequence():
         rp.close()
     assert scales == ref_scales and skipped == ref_skipped
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters()))
+
+
+def test_update_is_async_false_waits_for_the_optimizer_threads_update():
+    """``update(is_async=False)`` (the published package's 0.1.2 argument) returns only
+    once the update deferred to the optimizer thread's step is done; the default returns
+    at once. A step that never comes is an error after ``wait_timeout``, not a hang."""
+    rp = RoundPipe(mlp(4), devices="cpu:2", shared_masters=False)  # an asynchronous step
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.01)
+    scaler = GradScaler(init_scale=8.0, growth_interval=1, wait_timeout=30)
+    x = torch.randn(6, 8)
+    stepped: list[bool] = []
+
+    def step_fn() -> None:
+        time.sleep(0.3)  # the optimizer thread is busy: update() finds no step yet
+        stepped.append(True)  # (before scaler.step, whose update wakes the waiting caller)
+        scaler.step(opt)
+        opt.zero_grad()
+
+    try:
+        for is_async in (True, False):
+            stepped.clear()
+            rp.forward_backward((x,), loss_fn=lambda out, _y: scaler.scale((out**2).mean()))
+            rp.step(step_fn, is_async=True)
+            scaler.update(is_async=is_async)
+            assert stepped == ([] if is_async else [True])  # waited for step and update
+            assert scaler._pending is is_async
+            rp.wait_step()
+        assert scaler.get_scale() == 32.0  # two clean iterations grew it twice
+        with pytest.raises(TypeError, match="is_async"):
+            scaler.update(is_async="no")  # type: ignore[arg-type]
+    finally:
+        rp.close()
+    lone = GradScaler(init_scale=4.0, wait_timeout=0.2)
+    p = torch.nn.Parameter(torch.ones(2))
+    lone.scale(p.sum()).backward()
+    lone.step(torch.optim.SGD([p], lr=0.1))
+    lone.update()
+    lone.scale(p.sum()).backward()
+    with pytest.raises(RuntimeError, match=r"update\(is_async=False\) waited 0.2s"):
+        lone.update(is_async=False)  # this iteration's scaler.step() never comes

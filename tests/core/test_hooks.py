@@ -7,7 +7,14 @@ import copy
 
 import pytest
 import torch
-from _util import assert_close_rel, assert_grads_match, master_grads, mlp, sum_sq
+from _util import (
+    assert_close_rel,
+    assert_grads_match,
+    master_grads,
+    mlp,
+    reference_grads,
+    sum_sq,
+)
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
@@ -231,5 +238,138 @@ def test_forward_backward_hook_picks_the_default_and_wraps_the_result() -> None:
         assert seen == [None, True]
         rp.forward_backward_hook = None
         assert isinstance(rp.forward_backward((x,), label=y, loss_fn=sum_sq), torch.Tensor)
+    finally:
+        rp.close()
+
+
+# -- parameter tensor hooks (Tensor.register_hook) ------------------------------------------
+# What wandb.watch and gradient-logging callbacks do: a hook on a parameter of the wrapped
+# model, or on a master (rp.optim_parameters()), registered after wrapping. Devices
+# backpropagate into copies of the weights, so the engine runs the hooks itself on each
+# call's whole gradient (every microbatch summed), once per backward, as plain PyTorch.
+def _hooked_reference(model: nn.Module, batches, names: tuple[str, ...]):
+    """Plain PyTorch: a logging hook and a doubling hook on ``names``, two backwards."""
+    ref = copy.deepcopy(model)
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    params = dict(ref.named_parameters())
+    for n in names:
+        params[n].register_hook(lambda g, n=n: seen[n].append(g.clone()))
+        params[n].register_hook(lambda g: g * 2)
+    for x, y in batches:
+        sum_sq(ref(x), y).backward()
+    return seen, {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("where", ["model", "master", "shared"])
+@pytest.mark.parametrize("mode", ["blocking", "non-blocking", "autograd"])
+def test_tensor_hooks_registered_after_wrapping_are_honoured(mode: str, where: str) -> None:
+    model = mlp(4)
+    batches = [_data(seed=1), _data(seed=2)]
+    names = ("0.weight", "3.bias")
+    want_seen, want = _hooked_reference(model, batches, names)
+    # "model" / "master": separate masters (shared_masters=False), a hook on the module's
+    # parameter or on rp.optim_parameters(); "shared": the CPU default, where they are one
+    shared = None if where == "shared" else False
+    rp = RoundPipe(copy.deepcopy(model), devices="cpu:2", shared_masters=shared)
+    cfg = RoundPipeRunConfig(num_microbatch=2)
+    targets = (
+        dict(rp.optim_named_parameters())
+        if where == "master"
+        else dict(rp.model.named_parameters())
+    )
+    assert (targets["0.weight"] is rp.master_param(rp.model[0].weight)) == (where != "model")
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    for n in names:
+        targets[n].register_hook(lambda g, n=n: seen[n].append(g.clone()))
+        targets[n].register_hook(lambda g: g * 2)
+    try:
+        for x, y in batches:
+            if mode == "autograd":
+                sum_sq(rp(x, roundpipe_run_config=cfg), y).backward()
+            else:
+                r = rp.forward_backward(
+                    (x,), label=y, loss_fn=sum_sq, run_config=cfg, blocking=mode == "blocking"
+                )
+                if mode == "non-blocking":
+                    r.result(timeout=60)
+        assert {n: len(v) for n, v in seen.items()} == {n: 2 for n in names}  # once per backward
+        for n in names:
+            for got, ref in zip(seen[n], want_seen[n]):
+                assert_close_rel(got, ref, what=f"{n}: the gradient the hook saw")
+        assert_grads_match(rp, want)  # doubled where the hook doubles, as in PyTorch
+    finally:
+        rp.close()
+
+
+def test_tensor_hooks_registered_before_wrapping_are_honoured_on_shared_masters() -> None:
+    model = mlp(4)
+    batches = [_data(seed=1)]
+    want_seen, want = _hooked_reference(model, batches, ("1.0.weight",))
+    net = copy.deepcopy(model)
+    seen: list[torch.Tensor] = []
+    net[1][0].weight.register_hook(lambda g: seen.append(g.clone()))
+    net[1][0].weight.register_hook(lambda g: g * 2)
+    rp = RoundPipe(net, devices="cpu:2")  # the CPU default: the parameter is its own master
+    try:
+        x, y = batches[0]
+        rp.forward_backward(
+            (x,), label=y, loss_fn=sum_sq, run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
+        assert len(seen) == 1
+        assert_close_rel(seen[0], want_seen["1.0.weight"][0], what="hook's gradient")
+        assert_grads_match(rp, want)
+    finally:
+        rp.close()
+
+
+def test_tensor_hooks_run_before_register_grad_hook_sees_the_gradients() -> None:
+    """The data-parallel reducer's path (a grad hook per completed master): it gets the
+    gradients the tensor hooks returned, as DDP reduces what a parameter's hooks left."""
+    model = mlp(4)
+    x, y = _data()
+    _, want = reference_grads(model, x, y)
+    rp = RoundPipe(copy.deepcopy(model), devices="cpu:2", shared_masters=False)
+    rp.model[0].weight.register_hook(lambda g: g * 2)
+    reported: dict[str, torch.Tensor] = {}
+    names = {id(m): n for n, m in rp.optim_named_parameters()}
+    rp.register_grad_hook(lambda ms: reported.update((names[id(m)], m.grad.clone()) for m in ms))
+    try:
+        rp.forward_backward(
+            (x,), label=y, loss_fn=sum_sq, run_config=RoundPipeRunConfig(num_microbatch=2)
+        )
+        assert set(reported) == set(want)
+        assert_close_rel(reported["0.weight"], want["0.weight"] * 2, what="hooked")
+        assert_close_rel(reported["0.bias"], want["0.bias"], what="not hooked")
+    finally:
+        rp.close()
+
+
+def test_a_hook_returning_a_wrong_shape_is_an_error_naming_the_parameter() -> None:
+    rp = RoundPipe(mlp(4), devices="cpu:2")
+    rp.model[0].bias.register_hook(lambda g: g[:1])
+    x, y = _data()
+    try:
+        with pytest.raises(RuntimeError, match=r"parameter '0\.bias' returned \(1,\)"):
+            rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+    finally:
+        rp.close()
+
+
+@pytest.mark.parametrize("where", ["model", "master"])
+def test_post_accumulate_hooks_after_wrapping_are_refused_at_the_next_call(where: str) -> None:
+    """Such a hook gets the parameter to step it inside the backward: not honoured, so
+    refused by name instead of silently never called."""
+    rp = RoundPipe(mlp(4), devices="cpu:2", shared_masters=False)
+    p = rp.model[3].weight if where == "model" else rp.master_param(rp.model[3].weight)
+    assert p is not None
+    handle = p.register_post_accumulate_grad_hook(lambda t: None)
+    x, y = _data()
+    try:
+        with pytest.raises(ValueError, match=r"parameter '3\.weight' .*post_accumulate"):
+            rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
+        with pytest.raises(ValueError, match=r"'3\.weight'"):
+            sum_sq(rp(x), y).backward()
+        handle.remove()
+        rp.forward_backward((x,), label=y, loss_fn=sum_sq)  # accepted once removed
     finally:
         rp.close()

@@ -523,3 +523,27 @@ def test_sharding_says_once_how_to_get_the_budgets_peak(
     with caplog.at_level(logging.INFO, logger=dp_module.__name__):
         DataParallel(shard_host_state=True)
     assert heap.heap_retention_limited() and not caplog.records
+
+
+def test_summary_is_one_line_of_need_against_available() -> None:
+    """The line a set-up says (the whole table is ``str(budget)``)."""
+    budget = HostMemoryBudget(
+        num_params=10,
+        weights=40,
+        masters=0,
+        gradients=40,
+        optimizer_state=80,
+        pinned=0,
+        worker_copies=0,
+        activations=0,
+        already_allocated=40,
+        process=2**20,
+    )
+    line = budget.summary(2**30)
+    assert "\n" not in line
+    assert line == (
+        "host memory: needs 1.00 MiB for the whole process (120 B still to allocate), "
+        "1.00 GiB available"
+    )
+    assert budget.summary(None).endswith("available unknown")
+    assert len(str(budget).splitlines()) > 10  # the table, on request

@@ -235,8 +235,9 @@ def test_grad_scaler_constructor_and_methods() -> None:
     assert _has_var(GradScaler.step, inspect.Parameter.VAR_KEYWORD)
     for getter in ("get_growth_factor", "get_backoff_factor", "get_growth_interval"):
         _assert_prefix(getattr(GradScaler, getter), ["up_to_date"])
-    # 0.1.1: update(new_scale=None) (the repository added is_async= after that release)
-    _assert_prefix(GradScaler.update, ["new_scale"])
+    # 0.1.1: update(new_scale=None); 0.1.2 added is_async=True (False: wait for the update)
+    _assert_prefix(GradScaler.update, ["new_scale", "is_async"])
+    assert inspect.signature(GradScaler.update).parameters["is_async"].default is True
 
 
 # --------------------------------------------------------------------------- signatures

@@ -1,5 +1,6 @@
 """The README's ``RoundPipeStrategy`` argument table lists every constructor argument, with
-the default the signature has."""
+the default the signature has; every docstring of ``num_microbatch`` says the default the
+code has."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import ast
 import inspect
 import re
 from pathlib import Path
+
+import pytest
+from torch import nn
 
 from roundpipe_lightning import RoundPipeStrategy
 
@@ -51,3 +55,51 @@ def test_documented_literal_defaults_match_the_signature() -> None:
         assert signature.parameters[name].default == value, name
         checked += 1
     assert checked >= 8
+
+
+def _argument_doc(obj: object, name: str) -> str:
+    """The Google-style ``Args:`` entry of ``name`` in ``obj``'s docstring, on one line."""
+    lines = (inspect.getdoc(obj) or "").splitlines()
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith(f"{name}:"):
+            indent = len(line) - len(line.lstrip())
+            entry = [line.strip()]
+            for more in lines[i + 1 :]:
+                if more.strip() and len(more) - len(more.lstrip()) <= indent:
+                    break
+                entry.append(more.strip())
+            return " ".join(entry)
+    raise AssertionError(f"{obj!r} documents no {name!r}")
+
+
+def test_every_num_microbatch_default_says_what_the_code_does() -> None:
+    """The default has one source (``default_num_microbatch``): devices + 1 on GPUs, but 1
+    or one per worker on CPU workers. Each docstring documenting the argument names that
+    source and the CPU rule instead of a bare "devices + 1"."""
+    from roundpipe_core import RoundPipe, RoundPipeRunConfig
+    from roundpipe_core.planning import planner
+    from roundpipe_core.running.host_memory import estimate_host_memory
+    from roundpipe_core.verify import compare_plans
+    from roundpipe_lightning._arguments import check_num_microbatch
+    from roundpipe_lightning.fabric import RoundPipeFabricStrategy
+
+    for obj in (
+        RoundPipeRunConfig,
+        estimate_host_memory,
+        planner.auto,
+        compare_plans,
+        RoundPipeStrategy,
+        RoundPipeFabricStrategy,
+    ):
+        doc = _argument_doc(obj, "num_microbatch")
+        assert "default_num_microbatch" in doc and "CPU workers" in doc, (obj, doc)
+    with pytest.raises(ValueError, match="1 or one per worker on CPU workers"):
+        check_num_microbatch(0)
+    # what the code does on CPU workers: one per worker, 1 for a model with buffers
+    with_buffers = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    for model, want in ((nn.Sequential(nn.Linear(4, 4)), 2), (with_buffers, 1)):
+        rp = RoundPipe(model, devices="cpu:2")
+        try:
+            assert rp.num_microbatch_for() == want
+        finally:
+            rp.close()
