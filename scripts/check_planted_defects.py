@@ -145,6 +145,18 @@ PLANTS: tuple[Plant, ...] = (
         ),
     ),
     Plant(
+        name="download-not-after-compute",
+        defect="a download is not ordered after the compute that made its source (its "
+        "stream does not wait for an event recorded on the compute stream)",
+        file="roundpipe_core/running/devices/cuda.py",
+        old="            self.download_stream.wait_event(ready)\n",
+        new="",
+        tests=(
+            "tests/core/test_devices_fake_cuda.py"
+            "::test_a_download_is_ordered_after_the_compute_issued_before_it",
+        ),
+    ),
+    Plant(
         name="scaler-scale-skips-deferred-update",
         defect="GradScaler.scale() does not wait for an update() deferred until the "
         "optimizer thread's step(): the next iteration scales with the old scale",
