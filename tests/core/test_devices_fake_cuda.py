@@ -100,6 +100,28 @@ def test_a_download_is_complete_only_after_its_event(make_worker) -> None:
     assert torch.equal(late, src) and torch.equal(blocking[0], src)
 
 
+def test_a_download_is_ordered_after_the_compute_issued_before_it(make_worker) -> None:
+    """A download reads what the compute stream made: its stream waits for an event
+    recorded on the compute stream before it copies (on a GPU the copy could otherwise
+    run before the kernels writing its source). The fake computes on the worker thread
+    at once, so a download cannot read a half-made tensor here: the wait itself is
+    what can be checked."""
+    worker = make_worker()
+    src = torch.arange(12, dtype=torch.float32)
+
+    def job() -> list[Any]:
+        before = len(worker.download_stream.waited)
+        outs, done = worker.copy_out_async([src])
+        done.synchronize()
+        assert torch.equal(outs[0], src)
+        return worker.download_stream.waited[before:]
+
+    waits = _on(worker, job)
+    assert any(ev._stream is worker.compute_stream for ev in waits), (
+        "the download stream never waited for the compute stream"
+    )
+
+
 def test_copies_nobody_waits_for_still_land(make_worker) -> None:
     """As on a GPU, a copy completes by itself eventually (the drainer), and an
     event's query() turns true then."""

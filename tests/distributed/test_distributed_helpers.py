@@ -4,6 +4,7 @@ world-size-1 identities."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
@@ -194,6 +195,48 @@ def test_close_removes_the_grad_hook(rp: RoundPipe) -> None:
     assert len(rp._grad_hooks) == 1
     r.close()
     assert rp._grad_hooks == []
+
+
+def test_the_reducer_waits_for_the_masters_grad_lock(rp: RoundPipe) -> None:
+    """The reducer reads and writes the masters' ``.grad`` only under their grad lock
+    (``synchronize()`` hands those gradients to the model under it; unguarded, the two
+    threads crashed a process: b2ca0f9). In one process, the collective faked as a peer
+    holding the same gradients: while the lock is held the reduction waits, then sums.
+    (tests/distributed/test_data_parallel.py checks the same with two real ranks.)"""
+    masters = rp.optim_parameters()
+    for p in masters:
+        p.grad = torch.ones_like(p)
+    r = D.GradientAllReducer(rp, op="sum", overlap=False)
+
+    class Done:
+        def wait(self, *timeout: object) -> bool:
+            return True
+
+    def issue(bucket: object, buf: torch.Tensor) -> Done:
+        buf.mul_(2)  # this rank's gradients plus an equal peer's
+        return Done()
+
+    r._world_size, r._issue = 2, issue  # what a two-rank group would give
+    finished = threading.Event()
+    errors: list[BaseException] = []
+
+    def reduce() -> None:
+        try:
+            r.finish()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+        finished.set()
+
+    try:
+        with rp.masters.grad_lock:
+            t = threading.Thread(target=reduce)
+            t.start()
+            assert not finished.wait(0.3), "the reduction did not wait for the grad lock"
+        t.join(10)
+        assert finished.is_set() and not errors, errors
+        assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in masters)
+    finally:
+        r.close()
 
 
 def test_params_select_what_is_reduced(rp: RoundPipe) -> None:
