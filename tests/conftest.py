@@ -149,6 +149,43 @@ def _no_source_races() -> Any:
     assert not races, f"host sources changed under pending copies: {races[:3]}"
 
 
+#: Device workers started in this process so far (``Worker.__init__`` calls), for the
+#: ``host_only`` check below.
+_WORKERS_STARTED = [0]
+
+
+def _count_worker_starts() -> None:
+    from roundpipe_core.running.devices.base import Worker
+
+    if getattr(Worker.__init__, "_counted", False):
+        return
+    original = Worker.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        _WORKERS_STARTED[0] += 1
+        original(self, *args, **kwargs)
+
+    counted._counted = True  # type: ignore[attr-defined]
+    Worker.__init__ = counted  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _host_only_starts_no_worker(request: pytest.FixtureRequest) -> Any:
+    """A test marked ``host_only`` is left out of the fake-CUDA stage of ``.ci/run``
+    (``-m "not host_only"``), so it must not reach device code: it fails here if it
+    started a device worker in this process (its own child processes may)."""
+    _count_worker_starts()
+    before = _WORKERS_STARTED[0]
+    yield
+    started = _WORKERS_STARTED[0] - before
+    if started and request.node.get_closest_marker("host_only") is not None:
+        pytest.fail(
+            f"{request.node.nodeid} is marked host_only but started {started} device "
+            "worker(s) in the test process: remove the marker, so that the fake-CUDA "
+            "stage runs it through the CUDA worker's code"
+        )
+
+
 @pytest.fixture(autouse=True)
 def _route_all_to_cuda(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("cpu_backend") is not None:

@@ -11,6 +11,7 @@ that file on every rank. Writes the parameters after each fit and the logged
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,10 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from roundpipe_lightning import RoundPipeStrategy
+
+# The strategy's full host-memory table is a DEBUG record (its INFO line is a summary):
+# the test reads the table's collective-buffers row from this log.
+logging.getLogger("lightning.pytorch").setLevel(logging.DEBUG)
 
 IN_DIM, OUT_DIM, N = 5, 3, 24
 GLOBAL_BATCH, ACCUM, STEPS, RESUMED_STEPS = 6, 2, 2, 4
