@@ -8,6 +8,8 @@ import pytest
 from roundpipe_core import ModelExecutePlan as P
 from roundpipe_core.planning.simulate import simulate
 
+pytestmark = pytest.mark.host_only
+
 FWD, BWD = [1.0] * 8, [2.0] * 8
 
 

@@ -22,6 +22,8 @@ from roundpipe_core.batch import (
 )
 from roundpipe_core.batch import TensorChunkSpec as OurChunk
 
+pytestmark = pytest.mark.host_only
+
 
 # --------------------------------------------------------------------------- merge rule
 @pytest.mark.parametrize("n", [2, 3, 4])

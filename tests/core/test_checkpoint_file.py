@@ -14,6 +14,8 @@ import torch.utils.serialization as torch_serialization
 from roundpipe_core import distributed as D
 from roundpipe_core.checkpoint_file import CorruptCheckpointError, read_checkpoint, verify_archive
 
+pytestmark = pytest.mark.host_only
+
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(0)

@@ -60,6 +60,7 @@ _PRELUDE = """
 """
 
 
+@pytest.mark.host_only  # all in child processes
 def test_a_stuck_step_does_not_hang_interpreter_exit() -> None:
     proc = _run(
         _PRELUDE
@@ -79,6 +80,7 @@ def test_a_stuck_step_does_not_hang_interpreter_exit() -> None:
     assert "RuntimeWarning" in proc.stderr and "it is dropped" in proc.stderr, proc.stderr
 
 
+@pytest.mark.host_only  # all in child processes
 @pytest.mark.parametrize("raise_at_end", [False, True])
 def test_exit_with_a_step_in_flight_finishes_it(raise_at_end: bool) -> None:
     """A script that ends (or raises) while the optimizer thread is inside torch kernels:
@@ -101,6 +103,7 @@ def test_exit_with_a_step_in_flight_finishes_it(raise_at_end: bool) -> None:
     assert proc.stdout.split() == ["leaving", "step", "finished"], proc.stdout
 
 
+@pytest.mark.host_only  # all in child processes
 def test_unobserved_step_error_is_reported_at_exit() -> None:
     proc = _run(
         _PRELUDE
@@ -115,6 +118,7 @@ def test_unobserved_step_error_is_reported_at_exit() -> None:
     assert "RuntimeWarning" in proc.stderr and "step went wrong" in proc.stderr, proc.stderr
 
 
+@pytest.mark.host_only  # all in child processes
 def test_observed_step_error_is_not_reported_again() -> None:
     proc = _run(
         _PRELUDE

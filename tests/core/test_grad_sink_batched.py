@@ -3,11 +3,14 @@ same result as one add per gradient."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from roundpipe_core.running.transfer import batched_sink
 from roundpipe_core.stepping.pipelined import GradBuffer
+
+pytestmark = pytest.mark.host_only
 
 
 def _setup() -> tuple[list[nn.Parameter], dict[int, nn.Parameter]]:

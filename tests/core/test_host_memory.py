@@ -277,6 +277,7 @@ rp.close()
 """
 
 
+@pytest.mark.host_only  # all in child processes
 @pytest.mark.cpu_backend
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_training_code_line_is_what_the_first_step_pages_in() -> None:
@@ -314,6 +315,7 @@ print((held - _resident_bytes()) // 2**20)
 """
 
 
+@pytest.mark.host_only  # all in child processes
 @pytest.mark.skipif(
     platform.libc_ver()[0] != "glibc", reason="tunes glibc malloc (limit_heap_retention)"
 )

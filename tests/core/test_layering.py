@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.host_only
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: roundpipe_core's parts, lowest first. A module may import modules of its own part
@@ -235,7 +237,6 @@ def test_strategy_does_not_import_the_callbacks():
 def test_top_level_stays_small():
     top = list((ROOT / "roundpipe_core").glob("*.py"))
     assert len(top) <= 20, sorted(p.name for p in top)
-
 
 
 def test_the_documented_table_is_this_one():

@@ -3,10 +3,13 @@ same order of additions, as a per-tensor loop -- without copies a loop would not
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _util import mlp
 
 from roundpipe_core.stepping.masters import MasterWeights
+
+pytestmark = pytest.mark.host_only
 
 
 def _grads(masters: MasterWeights, seed: int, dtype: torch.dtype = torch.float32):

@@ -15,6 +15,8 @@ import torch
 
 from roundpipe_core import optim
 
+pytestmark = pytest.mark.host_only
+
 NAMES = list(optim._IMPL)
 EXTRA = {  # non-default options that take other code paths in the kernels
     "Adam": {"weight_decay": 0.1, "amsgrad": True},

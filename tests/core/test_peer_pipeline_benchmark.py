@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.host_only
+
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = (
     "plain",

@@ -6,6 +6,8 @@ import pytest
 
 from roundpipe_core.planning.plan import ModelExecutePlan
 
+pytestmark = pytest.mark.host_only
+
 P = ModelExecutePlan
 
 

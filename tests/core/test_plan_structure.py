@@ -20,6 +20,8 @@ from roundpipe_core.planning.schedule import (
     parse_schedule,
 )
 
+pytestmark = pytest.mark.host_only
+
 CORE = Path(roundpipe_core.__file__).parent
 
 

@@ -22,6 +22,8 @@ from roundpipe_core.planning.planner import (
 )
 from roundpipe_core.planning.profile import LayerProfile
 
+pytestmark = pytest.mark.host_only
+
 
 def compositions(n: int):
     """Every way to cut layers 0..n-1 into contiguous stages, as lists of ranges."""

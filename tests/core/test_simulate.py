@@ -12,6 +12,8 @@ from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.planning.schedule import build_schedule
 from roundpipe_core.planning.simulate import balanced_stages, simulate, simulate_bound_stages
 
+pytestmark = pytest.mark.host_only
+
 P = ModelExecutePlan
 
 

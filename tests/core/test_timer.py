@@ -9,6 +9,8 @@ from torch import nn
 
 from roundpipe_core.running.timer import ModelTimer
 
+pytestmark = pytest.mark.host_only
+
 
 def make_layers() -> list[nn.Module]:
     # Sizes 1 : 4 : 0 (ReLU has no parameters).

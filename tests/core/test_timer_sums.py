@@ -7,6 +7,8 @@ from torch import nn
 
 from roundpipe_core.running.timer import JobClock, ModelTimer
 
+pytestmark = pytest.mark.host_only
+
 
 def _layers() -> list[nn.Module]:
     return [nn.Linear(4, 4), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)]

@@ -6,6 +6,8 @@ import pytest
 
 from roundpipe_core import ModelExecutePlan
 
+pytestmark = pytest.mark.host_only
+
 P = ModelExecutePlan
 
 

@@ -13,9 +13,11 @@ Scenarios:
              saves the weights, the masters this rank holds, the clipping norms and the
              bytes each rank holds, and whether a sharded ``separate`` run refuses
              ``step(is_async=True)``.
-    ckpt  -- trains 2 steps sharded (``$MODE``: sync, separate or async), saves each rank's shard
-             (``$CKPT_DIR``), trains 2 more (the reference); with ``$RESUME=1`` instead
-             loads the shards written by any rank count and trains the 2 more steps.
+    ckpt  -- for each mode of ``$MODE`` (comma-separated: sync, separate, async), one
+             after the other in the same processes: trains 2 steps sharded, saves each
+             rank's shard (``$CKPT_DIR/MODE``), trains 2 more (the reference); with
+             ``$RESUME=1`` instead loads the shards written by any rank count and trains
+             the 2 more steps. Its files go to ``OUT_DIR/MODE``.
     kill  -- rank ``$FAIL_RANK`` dies inside its backward at step 3 (sharded); with
              ``$FAIL_MODE=stall_in_step`` it stalls inside its optimizer step instead,
              so the others wait in the all-gather (its own group's timeout); ``$MODE``
@@ -218,11 +220,21 @@ def run_equiv(rank: int, world: int, out: Path) -> None:
 
 
 def run_ckpt(rank: int, world: int, out: Path) -> None:
+    """``run_ckpt_mode`` for each mode of ``$MODE``: one launch serves them all (starting
+    processes is most of such a scenario's time on a 2-core machine)."""
+    for mode in os.environ.get("MODE", "sync").split(","):
+        run_ckpt_mode(rank, world, out, mode)
+        D.barrier()
+
+
+def run_ckpt_mode(rank: int, world: int, out: Path, mode: str) -> None:
     """Train 2 steps sharded and save each rank's shard, then 2 more (the reference); or,
     with ``$RESUME=1``, load the shards (any rank count wrote them) and train the 2 more."""
-    ckpt = Path(os.environ["CKPT_DIR"])
+    ckpt = Path(os.environ["CKPT_DIR"]) / mode
+    out = out / mode
+    out.mkdir(parents=True, exist_ok=True)
     data = make_data(4)
-    run = Run(rank, world, sharded=True, mode=os.environ.get("MODE", "sync"))
+    run = Run(rank, world, sharded=True, mode=mode)
     try:
         if os.environ.get("RESUME") == "1":
             run.dp.load_state(ckpt, run.rp, run.opt)

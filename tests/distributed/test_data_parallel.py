@@ -29,6 +29,8 @@ from _common import build_model, launch, reference_run, rel_err, wait_all  # noq
 
 from roundpipe_core.distributed.buckets import REDUCE_IN_FLIGHT  # noqa: E402
 
+pytestmark = [pytest.mark.host_only, pytest.mark.xdist_group("test_data_parallel")]
+
 PG_TIMEOUT_S = 10.0
 # Process start-up (importing torch on a loaded 2-core box) plus the run itself.
 STARTUP_ALLOWANCE_S = 45.0

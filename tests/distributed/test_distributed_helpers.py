@@ -276,6 +276,7 @@ def test_dataparallel_in_one_process_is_a_no_op(rp: RoundPipe) -> None:
             D.DataParallel(**bad)
 
 
+@pytest.mark.host_only  # all in child processes
 def test_core_module_needs_no_lightning_and_the_old_path_still_works() -> None:
     import subprocess
     import sys

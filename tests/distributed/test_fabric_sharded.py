@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import rel_err  # noqa: E402
 from test_lightning_ddp import DEADLINE_S, _launch, _logs, _wait  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("test_fabric_sharded")
+
 FABRIC_WORKER = Path(__file__).with_name("_fabric_shard_worker.py")
 
 
@@ -45,6 +47,7 @@ def _results(nodes: Path, name: str) -> list[dict]:
     return [torch.load(nodes / f"{name}_rank{r}.pt") for r in range(2)]
 
 
+@pytest.mark.host_only  # all in child processes
 @pytest.mark.timeout(DEADLINE_S + 150)
 @pytest.mark.parametrize("suffix", ["", "_bf16", "_bf16_async"], ids=["fp32", "bf16", "async"])
 def test_sharded_fabric_equals_unsharded_fabric(nodes: Path, suffix: str) -> None:
@@ -72,6 +75,7 @@ def test_sharded_fabric_equals_unsharded_fabric(nodes: Path, suffix: str) -> Non
         assert masters == [0, 0] and plain[0]["master_bytes"] == 0
 
 
+@pytest.mark.host_only  # all in child processes
 @pytest.mark.timeout(DEADLINE_S + 150)
 @pytest.mark.parametrize(
     "name",

@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import rel_err  # noqa: E402
 from test_lightning_ddp import DEADLINE_S, _launch, _logs, _wait  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("test_lightning_sharded")
+
 LIT_SHARD_WORKER = Path(__file__).with_name("_lit_shard_worker.py")
 MODES = ("sync", "separate", "async")
 
@@ -41,6 +43,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.host_only  # all in child processes
 @pytest.mark.timeout(DEADLINE_S + 120)
 @pytest.mark.parametrize("mode", MODES)
 def test_sharded_strategy_equals_unsharded(nodes: Path, mode: str) -> None:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,6 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import launch, rel_err, wait_all  # noqa: E402
 
 import roundpipe_core.distributed as D  # noqa: E402
+
+pytestmark = [
+    pytest.mark.host_only,
+    pytest.mark.xdist_group("test_sharded"),
+    pytest.mark.host_only,
+    pytest.mark.xdist_group("test_sharded"),
+]
 
 WORKER = Path(__file__).with_name("_shard_worker.py")
 PG_TIMEOUT_S = 10.0
@@ -168,25 +176,47 @@ def test_partition_is_contiguous_and_balanced_by_bytes() -> None:
         D.DataParallel(shard_host_state="yes")  # type: ignore[arg-type]
 
 
+#: the failure scenarios, all launched at once (each waits for the process-group timeout)
+FAILURES = {
+    "dead": {"FAIL_RANK": "1"},
+    "stall-sync": {"FAIL_RANK": "1", "FAIL_MODE": "stall_in_step", "MODE": "sync"},
+    "stall-async": {"FAIL_RANK": "1", "FAIL_MODE": "stall_in_step", "MODE": "async"},
+}
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list, list]]:
+    """Each failure scenario's folder, processes and rank 0's exit code (``None``: still
+    running at the deadline, killed). They run side by side: each spends most of its time
+    waiting for the timeout, not computing."""
+    launched = {}
+    for name, env in FAILURES.items():
+        out = tmp_path_factory.mktemp(name)
+        launched[name] = (
+            out,
+            launch("kill", out, world=2, timeout_s=PG_TIMEOUT_S, worker=WORKER, extra_env=env),
+        )
+    results = {}
+    for name, (out, procs) in launched.items():
+        try:
+            codes = wait_all(procs[:1], STARTUP_ALLOWANCE_S + PG_TIMEOUT_S + 30)
+        finally:
+            wait_all(procs, 0.1)  # kills a stalled rank
+        results[name] = (out, procs, codes + [procs[1].popen.returncode])
+    return results
+
+
 @pytest.mark.timeout(240)
-def test_dead_rank_ends_the_sharded_job_naming_the_survivor(tmp_path: Path) -> None:
-    procs = launch(
-        "kill",
-        tmp_path,
-        world=2,
-        timeout_s=PG_TIMEOUT_S,
-        worker=WORKER,
-        extra_env={"FAIL_RANK": "1"},
-    )
-    codes = wait_all(procs, STARTUP_ALLOWANCE_S + PG_TIMEOUT_S + 30)
+def test_dead_rank_ends_the_sharded_job_naming_the_survivor(failures) -> None:
+    out, procs, codes = failures["dead"]
     if codes[0] is None:
         _fail_with_logs(procs, "rank 0 still running after its peer died: it hangs")
     assert codes[1] == 17, codes
-    assert (tmp_path / "peer_died").exists()
+    assert (out / "peer_died").exists()
     log = procs[0].output()
     assert codes[0] != 0
     assert "failed on rank 0 of 2: a peer process may have died" in log, log[-3000:]
-    assert not (tmp_path / "rank0_finished").exists()
+    assert not (out / "rank0_finished").exists()
 
 
 def _union(out: Path, name: str, world: int) -> dict[str, torch.Tensor]:
@@ -196,41 +226,29 @@ def _union(out: Path, name: str, world: int) -> dict[str, torch.Tensor]:
     return held
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "mode, worlds",
-    [("sync", (2, 1, 4)), ("separate", (2, 1)), ("async", (2, 1, 4))],
-    ids=["sync", "separate", "async"],
-)
-def test_sharded_checkpoint_resumes_on_any_rank_count(
-    tmp_path: Path, mode: str, worlds: tuple[int, ...]
-) -> None:
-    """2 ranks save one shard each; the 2-rank resume is bit-exact, 1 and 4 ranks restore
-    the state exactly and continue within 1e-6; a corrupted shard is named by its rank.
-    ``separate``: a bf16 model whose fp32 masters are sharded too (each shard holds its
-    rank's masters, restored exactly wherever they are owned now); ``async``: separate
-    fp32 masters stepping asynchronously, sharded as ``separate`` (loading broadcasts
-    each owner's into every rank's model weights)."""
-    ckpt = tmp_path / "shards"
-    (tmp_path / "save").mkdir()
+#: the rank counts each mode's 2-rank checkpoint is resumed on
+RESUME_WORLDS = {"sync": (2, 1, 4), "separate": (2, 1), "async": (2, 1, 4)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 ranks save one shard each in every mode, then every mode resumes on each of its
+    rank counts: one launch per rank count serves all the modes."""
+    root = tmp_path_factory.mktemp("sharded_ckpt")
+    (root / "save").mkdir()
     procs = launch(
         "ckpt",
-        tmp_path / "save",
+        root / "save",
         world=2,
         timeout_s=PG_TIMEOUT_S,
         worker=WORKER,
-        extra_env={"CKPT_DIR": str(ckpt), "MODE": mode},
+        extra_env={"CKPT_DIR": str(root / "shards"), "MODE": ",".join(MODES)},
     )
-    if wait_all(procs, STARTUP_ALLOWANCE_S + 60) != [0, 0]:
+    if wait_all(procs, STARTUP_ALLOWANCE_S + 90) != [0, 0]:
         _fail_with_logs(procs, "saving run failed")
-    assert sorted(f.name for f in ckpt.iterdir()) == [
-        "shard-00000-of-00002.pt",
-        "shard-00001-of-00002.pt",
-    ]
-    continued = _load(tmp_path / "save", "continued", 0)
-    continued_masters = _union(tmp_path / "save", "continued_masters", 2)
-    for world in worlds:
-        out = tmp_path / f"resume{world}"
+    for world in (2, 1, 4):
+        modes = [m for m in MODES if world in RESUME_WORLDS[m]]
+        out = root / f"resume{world}"
         out.mkdir()
         procs = launch(
             "ckpt",
@@ -238,10 +256,32 @@ def test_sharded_checkpoint_resumes_on_any_rank_count(
             world=world,
             timeout_s=PG_TIMEOUT_S,
             worker=WORKER,
-            extra_env={"CKPT_DIR": str(ckpt), "RESUME": "1", "MODE": mode},
+            extra_env={"CKPT_DIR": str(root / "shards"), "RESUME": "1", "MODE": ",".join(modes)},
         )
-        if wait_all(procs, STARTUP_ALLOWANCE_S + 60) != [0] * world:
+        if wait_all(procs, STARTUP_ALLOWANCE_S + 90) != [0] * world:
             _fail_with_logs(procs, f"resume on {world} ranks failed")
+    return root
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_checkpoint_resumes_on_any_rank_count(checkpoints: Path, mode: str) -> None:
+    """2 ranks save one shard each; the 2-rank resume is bit-exact, 1 and 4 ranks restore
+    the state exactly and continue within 1e-6; a corrupted shard is named by its rank.
+    ``separate``: a bf16 model whose fp32 masters are sharded too (each shard holds its
+    rank's masters, restored exactly wherever they are owned now); ``async``: separate
+    fp32 masters stepping asynchronously, sharded as ``separate`` (loading broadcasts
+    each owner's into every rank's model weights)."""
+    ckpt = checkpoints / "shards" / mode
+    saved = checkpoints / "save" / mode
+    assert sorted(f.name for f in ckpt.iterdir()) == [
+        "shard-00000-of-00002.pt",
+        "shard-00001-of-00002.pt",
+    ]
+    continued = _load(saved, "continued", 0)
+    continued_masters = _union(saved, "continued_masters", 2)
+    for world in RESUME_WORLDS[mode]:
+        out = checkpoints / f"resume{world}" / mode
         entries = 0
         for rank in range(world):
             info = json.loads((out / f"ckpt_info_rank{rank}.json").read_text())
@@ -265,7 +305,9 @@ def test_sharded_checkpoint_resumes_on_any_rank_count(
                 assert rel_err(resumed_masters[k], v) <= 1e-6, (world, k)
         assert entries == 16  # every parameter's state, each on one rank only
 
-    # a damaged shard: the error names the rank that wrote it
+    # a damaged shard (in a copy: the other modes' checks read these): the error names
+    # the rank that wrote it
+    ckpt = Path(shutil.copytree(ckpt, checkpoints / f"damaged_{mode}"))
     bad = ckpt / "shard-00001-of-00002.pt"
     bad.write_bytes(bad.read_bytes()[:100])
     rp_params: dict[str, torch.Tensor] = {}
@@ -278,31 +320,18 @@ def test_sharded_checkpoint_resumes_on_any_rank_count(
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_rank_stalled_in_its_step_ends_the_all_gather_at_the_timeout(
-    tmp_path: Path, mode: str
-) -> None:
+def test_rank_stalled_in_its_step_ends_the_all_gather_at_the_timeout(failures, mode: str) -> None:
     """The all-gather runs on a group of its own, on the optimizer thread: a peer that
     stalls inside its step must still end the others at the process-group timeout.
     Asynchronous, the survivor goes on to the next iteration: whichever collective waits
     for the stalled rank first (the next reduction, or the publication) ends it."""
-    procs = launch(
-        "kill",
-        tmp_path,
-        world=2,
-        timeout_s=PG_TIMEOUT_S,
-        worker=WORKER,
-        extra_env={"FAIL_RANK": "1", "FAIL_MODE": "stall_in_step", "MODE": mode},
-    )
-    try:
-        codes = wait_all(procs[:1], STARTUP_ALLOWANCE_S + PG_TIMEOUT_S + 30)
-    finally:
-        wait_all(procs, 0.1)  # kills the stalled rank
+    out, procs, codes = failures[f"stall-{mode}"]
     if codes[0] is None:
         _fail_with_logs(procs, "rank 0 still running after its peer stalled: it hangs")
-    assert (tmp_path / "peer_stalled").exists()
+    assert (out / "peer_stalled").exists()
     log = procs[0].output()
     assert codes[0] != 0
     assert "failed on rank 0 of 2: a peer process may have died or stalled" in log, log[-3000:]
     if mode == "sync":
         assert "all-gather of the updated weights (rank " in log, log[-3000:]
-    assert not (tmp_path / "rank0_finished").exists()
+    assert not (out / "rank0_finished").exists()

@@ -16,7 +16,7 @@ from _common import ROOT, free_port, reference_run, rel_err
 WORKER = Path(__file__).with_name("_strategy_worker.py")
 STEPS = 4
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.host_only, pytest.mark.timeout(240)]
 
 
 def _launch(out: Path, *args: str) -> list[tuple[subprocess.Popen, Path]]:

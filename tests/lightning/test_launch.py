@@ -12,6 +12,8 @@ from rpl_helpers import SeqModule, loader, trainer_kwargs
 
 from roundpipe_lightning import RoundPipeStrategy
 
+pytestmark = pytest.mark.host_only
+
 
 def _torchrun(rank: int, nproc: int, nnodes: int = 1) -> dict[str, str]:
     """What ``torchrun --nnodes nnodes --nproc-per-node nproc`` puts in process ``rank``'s env."""

@@ -18,6 +18,8 @@ from torch import nn
 
 from roundpipe_lightning import _private
 
+pytestmark = pytest.mark.host_only
+
 PACKAGE = Path(_private.__file__).parent
 
 

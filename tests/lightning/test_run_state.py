@@ -8,6 +8,8 @@ import pytest
 
 from roundpipe_lightning._run_state import Phase, RunState, StepLedger
 
+pytestmark = pytest.mark.host_only
+
 
 def test_a_run_goes_through_its_phases() -> None:
     run = RunState()

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from roundpipe_core import distributed as D
 from roundpipe_lightning.sharded_checkpoint import load_optimizer_state, marker, of_optimizer
+
+pytestmark = pytest.mark.host_only
 
 
 def test_each_optimizer_loads_from_its_own_shards(tmp_path: Path) -> None:

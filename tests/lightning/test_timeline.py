@@ -17,6 +17,8 @@ from roundpipe_core.running.trace import Span, spans_from_roundpipe
 from roundpipe_lightning import timeline
 from roundpipe_lightning.timeline import KIND_COLORS, render_timeline, spans_from_simulation
 
+pytestmark = [pytest.mark.host_only, pytest.mark.xdist_group("test_timeline")]
+
 matplotlib_image = pytest.importorskip("matplotlib.image")
 
 PLAN = ModelExecutePlan([range(0, 4)], [range(4, 6), range(2, 4), range(0, 2)])

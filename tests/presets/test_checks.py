@@ -11,6 +11,8 @@ from torch import nn
 
 from roundpipe_core.checks import ForwardRuleChecker, check_forward_rules, find_shared_buffers
 
+pytestmark = pytest.mark.host_only
+
 
 class Counter(nn.Module):
     def __init__(self) -> None:

@@ -10,6 +10,8 @@ from torch import nn
 
 from roundpipe_core.presets import IGNORE_INDEX, chunked_linear_cross_entropy
 
+pytestmark = pytest.mark.host_only
+
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
