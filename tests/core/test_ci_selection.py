@@ -86,3 +86,23 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme_args = commands[0].split(" -m pytest ", 1)[1].strip()
     ci = (TESTS.parent / ".ci" / "run").read_text().splitlines()
     assert f"python -m pytest {readme_args}" in ci, (readme_args, ci)
+
+
+def test_every_test_module_belongs_to_a_wing_of_the_fast_loop() -> None:
+    """``scripts/test_wing.py`` runs one wing's tests; a new module must join a wing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "test_wing", TESTS.parent / "scripts" / "test_wing.py"
+    )
+    assert spec is not None and spec.loader is not None
+    wing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wing)
+    covered = {p for name in wing.WINGS for p in wing.wing_paths(name)}
+    modules = {str(p.relative_to(TESTS.parent)) for p in TESTS.rglob("test_*.py")}
+    missing = sorted(
+        m for m in modules if m not in covered and not any(m.startswith(c + "/") for c in covered)
+    )
+    assert not missing, f"test modules in no wing of scripts/test_wing.py: {missing}"
+    with pytest.raises(ValueError, match="unknown wing"):
+        wing.wing_paths("nowhere")
