@@ -72,6 +72,7 @@ def _argument_doc(obj: object, name: str) -> str:
     raise AssertionError(f"{obj!r} documents no {name!r}")
 
 
+@pytest.mark.cpu_backend  # checks the CPU workers' default against the docstrings
 def test_every_num_microbatch_default_says_what_the_code_does() -> None:
     """The default has one source (``default_num_microbatch``): devices + 1 on GPUs, but 1
     or one per worker on CPU workers. Each docstring documenting the argument names that
