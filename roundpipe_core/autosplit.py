@@ -208,16 +208,6 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _common_prefix(a: str, b: str) -> str:
-    pa, pb = a.split(".") if a else [], b.split(".") if b else []
-    out = []
-    for x, y in zip(pa, pb):
-        if x != y:
-            break
-        out.append(x)
-    return ".".join(out)
-
-
 def _callable(m: nn.Module) -> bool:
     """Whether ``m`` has a forward of its own (a ModuleList, ModuleDict has not: its
     children are called by the parent's code, so it cannot run as one unit)."""
@@ -265,24 +255,41 @@ class _SplitRules:
 
 
 def _plan_units(
-    model: nn.Module, rules: _SplitRules, forced: set[str]
+    model: nn.Module, rules: _SplitRules
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
     """Units (qualified name, module) and host parameters (owned directly by opened
-    modules, or by skipped ones)."""
+    modules, or by skipped ones).
+
+    A parameter may sit in several units (tied embeddings: the input embedding and the
+    LM head), or in a unit and on the host: every inner RoundPipe adds its gradients
+    into the one master the outer RoundPipe keeps, so they sum as for a parameter shared
+    by two layers of one RoundPipe. A module reached twice (one block called from
+    several places) is one unit, listed once, and called from each place.
+    """
     units: list[tuple[str, nn.Module]] = []
     host: list[tuple[str, nn.Parameter]] = []
+    seen_modules: set[int] = set()
+    seen_host: set[int] = set()
+
+    def keep_on_host(qualname: str, p: nn.Parameter) -> None:
+        if id(p) not in seen_host:
+            seen_host.add(id(p))
+            host.append((qualname, p))
 
     def visit(name: str, m: nn.Module) -> None:
+        if id(m) in seen_modules:
+            return
+        seen_modules.add(id(m))
         if id(m) in rules.skip:
-            host.extend((_join(name, pname), p) for pname, p in m.named_parameters())
+            for pname, p in m.named_parameters():
+                keep_on_host(_join(name, pname), p)
             return
         if _numel(m) == 0:
             return  # no parameters: it runs on the host as glue
         if not rules.holds_skipped(m) and _callable(m):
             has_param_children = any(_numel(c) for c in m.children())
             if (
-                name in forced
-                or rules.whole(m)
+                rules.whole(m)
                 or rules.size(m) <= rules.threshold
                 or not has_param_children
                 or chain_layers(m) is not None
@@ -290,41 +297,12 @@ def _plan_units(
                 units.append((name, m))
                 return
         for pname, p in m.named_parameters(recurse=False):
-            host.append((_join(name, pname), p))
+            keep_on_host(_join(name, pname), p)
         for cname, child in m.named_children():
             visit(_join(name, cname), child)
 
     visit("", model)
     return units, host
-
-
-def _units_without_sharing(
-    model: nn.Module, rules: _SplitRules
-) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
-    """Plan units; where a parameter is used by two units (or a unit and the host), their
-    common ancestor becomes one unit -- RoundPipe instances cannot share parameters."""
-    forced: set[str] = set()
-    while True:
-        units, host = _plan_units(model, rules, forced)
-        owner: dict[int, str] = {}
-        conflict: str | None = None
-        places = [(name, list(m.parameters())) for name, m in units]
-        places += [(name.rsplit(".", 1)[0] if "." in name else "", [p]) for name, p in host]
-        for place, params in places:
-            for p in params:
-                prev = owner.setdefault(id(p), place)
-                if prev != place:
-                    conflict = _common_prefix(prev, place)
-                    break
-            if conflict is not None:
-                break
-        if conflict is None:
-            return units, host
-        if conflict in forced:  # cannot happen, but never loop forever
-            raise RuntimeError(
-                f"automatic split could not separate shared parameters under {conflict!r}"
-            )
-        forced.add(conflict)
 
 
 class _Direct(nn.Module):
@@ -397,7 +375,7 @@ class AutoRoundPipe(RoundPipeBase):
             shared_masters=shared_masters,  # None: shared on CPU workers, as RoundPipe's
         )
         self.model_run_config = model_run_config or RoundPipeRunConfig()
-        unit_modules, host = _units_without_sharing(model, rules)
+        unit_modules, host = _plan_units(model, rules)
         units: list[tuple[str, RoundPipe]] = []
         for uname, unit in unit_modules:
             layers = split_layers(unit, rules.threshold, rules.size)

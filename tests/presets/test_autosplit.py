@@ -217,7 +217,7 @@ def test_encoder_decoder_trains_like_pytorch() -> None:
         rp.close()
 
 
-def test_shared_parameters_between_units_merge_them() -> None:
+def test_a_parameter_shared_between_units_keeps_them_apart() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -232,12 +232,57 @@ def test_shared_parameters_between_units_merge_them() -> None:
     model = Tied()
     rp = wrap_model_to_roundpipe(model, use_sequential_preset=False, split_threshold=5, devices=1)
     try:
-        assert [n for n, _ in rp.units] == [""]  # merged up to the root
+        # each unit adds its gradient into the one master: no merge up to the root
+        assert [n for n, _ in rp.units] == ["a", "b"]
         ref = copy.deepcopy(model)
         x = torch.randn(3, 4)
         ref(x).sum().backward()
         rp(x).sum().backward()
         assert rel_err(rp.master_param(model.b.weight).grad, ref.b.weight.grad) <= RTOL
+    finally:
+        rp.close()
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, shared: nn.Module, d: int) -> None:
+        super().__init__()
+        self.shared = shared
+        self.own = Block(d)
+
+    def forward(self, x):
+        return self.own(self.shared(x)) + x  # not a chain: opened into its blocks
+
+
+class ReusedBlockNet(nn.Module):
+    """One block held by two layers (as Zamba2's shared transformer block)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        shared = Block(d)
+        self.layers = nn.ModuleList([HybridLayer(shared, d), HybridLayer(shared, d)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_module_reached_twice_is_one_unit_called_twice() -> None:
+    torch.manual_seed(0)
+    model = ReusedBlockNet()
+    gen = torch.Generator().manual_seed(4)
+    data = [(torch.randn(5, 3, 8, generator=gen),) for _ in range(2)]
+    rp = _train_compare(
+        model,
+        lambda it: data[it],
+        lambda out: out.pow(2).mean(),
+        dict(split_threshold=300, devices=2, model_run_config=RoundPipeRunConfig(num_microbatch=2)),
+        steps=2,
+    )
+    try:
+        names = [n for n, _ in rp.units]
+        assert names == ["layers.0.shared", "layers.0.own", "layers.1.own", "head"], names
     finally:
         rp.close()
 
