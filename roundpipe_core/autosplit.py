@@ -37,6 +37,8 @@ It is slower than a hand-written Sequential (docs/presets.md says why).
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
@@ -47,9 +49,12 @@ from torch import nn
 from torch.fx.node import map_aggregate, map_arg
 
 from .base import RoundPipeBase
+from .batch.tree import Replicate, batch_size_of, flatten, split_sizes
 from .config import RoundPipeRunConfig, check_run_config
 from .kinds import PinMode
 from .model import RoundPipe
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["AutoRoundPipe", "auto_wrap", "chain_layers", "split_layers"]
 
@@ -317,12 +322,103 @@ class _Direct(nn.Module):
         return type(self.unit).forward(self.unit, *args, **kwargs)
 
 
-def _make_redirect(inner: RoundPipe) -> Callable[..., Any]:
+# --------------------------------------------------------------------------- unit calls
+#
+# A unit's call is cut into microbatches along dim 0 of its inputs, and its outputs are
+# merged back (concatenated; 0-dim tensors averaged). Both are only right when dim 0 is
+# the batch and when no output is a reduction over the whole call: the checks below make
+# the call run as one microbatch, or give Hugging Face's loss the whole batch's token
+# count, or refuse -- never a silently different number.
+
+#: Hugging Face loss types whose loss is a mean over label tokens != -100, and whether the
+#: labels are shifted by one first (transformers.loss.loss_utils.LOSS_MAPPING)
+_TOKEN_MEAN_LOSSES = {"ForCausalLM": True, "ForConditionalGeneration": True, "ForMaskedLM": False}
+_IGNORE_INDEX = -100
+
+
+def _not_batch_leading(args: tuple, kwargs: dict, batch: int | None) -> str | None:
+    """The first input tensor whose dim 0 is neither the call's batch nor 1 (a broadcast
+    dim), described; ``None`` if every tensor is batch-leading."""
+    for where, value in (("args", args), ("kwargs", kwargs)):
+        for i, leaf in enumerate(flatten(value)[0]):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+                if leaf.shape[0] not in (batch, 1):
+                    return f"input {where} leaf {i} of shape {tuple(leaf.shape)}"
+    return None
+
+
+#: ``split_input`` of a call that must not be cut: every input whole, in one microbatch
+#: (also where the engine would otherwise sample two rows to measure activations)
+_WHOLE_CALL = (Replicate, Replicate)
+
+
+def _takes_loss_kwargs(unit: nn.Module) -> bool:
+    params = inspect.signature(type(unit).forward).parameters.values()
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params
+    )
+
+
+def _token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> dict | None:
+    """``kwargs`` with ``num_items_in_batch`` set so that the microbatches' Hugging Face
+    losses average to the whole batch's loss, or ``None`` if ``unit`` computes no such loss.
+
+    A token-mean loss (Hugging Face's causal / masked LM loss) with ``num_items_in_batch=N``
+    is the microbatch's sum over tokens divided by ``N``. ``N`` is the whole call's count of
+    label tokens != -100 (after the shift, for a causal LM), or the caller's own
+    ``num_items_in_batch``; each microbatch gets ``N / num_microbatch``, because the merge
+    averages the microbatches' 0-dim outputs: the average is then (sum of all tokens' losses)
+    / ``N``, Hugging Face's loss, and so are its gradients.
+    """
+    labels = kwargs.get("labels")
+    shifted = _TOKEN_MEAN_LOSSES.get(getattr(unit, "loss_type", None) or "")
+    if not isinstance(labels, torch.Tensor) or shifted is None or not _takes_loss_kwargs(unit):
+        return None
+    count = kwargs.get("num_items_in_batch")
+    if count is None:
+        counted = kwargs.get("shift_labels")
+        if not isinstance(counted, torch.Tensor):
+            counted = labels[..., 1:] if shifted else labels
+        count = (counted != _IGNORE_INDEX).sum()
+    return {**kwargs, "num_items_in_batch": count / num_microbatch}
+
+
+def _spelled(name: str) -> str:
+    """How a user names the submodule ``name`` of ``model`` in Python."""
+    if not name:
+        return "model"
+    if all(part.isidentifier() for part in name.split(".")):
+        return f"model.{name}"
+    return f"model.get_submodule({name!r})"
+
+
+def _check_no_batch_reduction(
+    out: Any, loss_normalised: bool, unit_name: str, unit: nn.Module, num_microbatch: int
+) -> None:
+    """Refuse a 0-dim floating output of a call cut into microbatches (other than the loss
+    :func:`_token_count_kwargs` normalised, the first output leaf): the merge averages the
+    microbatches' values, which is not the whole batch's value for a mean over tokens, a
+    sum, a load-balancing loss ..."""
+    for i, leaf in enumerate(flatten(out)[0]):
+        if not (isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and leaf.is_floating_point()):
+            continue
+        if loss_normalised and i == 0:
+            continue
+        raise ValueError(
+            f"automatic split: unit {unit_name or '<root>'!r} ({type(unit).__name__}) returned "
+            f"a 0-dim tensor (output leaf {i}) computed on each of its {num_microbatch} "
+            "microbatches; their average is not the whole batch's value (a mean over tokens, a "
+            "sum, an auxiliary loss differ). Run that module as one microbatch: "
+            f"override_config={{{_spelled(unit_name)}: RoundPipeRunConfig(num_microbatch=1)}} "
+            "in wrap_model_to_roundpipe / auto_wrap"
+        )
+
+
+def _make_redirect(auto: AutoRoundPipe, index: int, batch: int | None) -> Callable[..., Any]:
     # A plain function (not functools.partial): the engine deep-copies layers into device
-    # replicas, and deepcopy keeps functions as they are instead of copying ``inner``.
+    # replicas, and deepcopy keeps functions as they are instead of copying ``auto``.
     def forward(*args: Any, **kwargs: Any) -> Any:
-        cfg = RoundPipeRunConfig(requires_grad=torch.is_grad_enabled())
-        return inner(*args, roundpipe_run_config=cfg, **kwargs)
+        return auto._call_unit(index, batch, args, kwargs)
 
     return forward
 
@@ -395,6 +491,7 @@ class AutoRoundPipe(RoundPipeBase):
         object.__setattr__(self, "units", units)
         object.__setattr__(self, "host_parameters", host)
         object.__setattr__(self, "_unit_modules", [m for _, m in unit_modules])
+        object.__setattr__(self, "_unsplit_units", set())  # units told to run unsplit
         self._seal()
 
     def forward(
@@ -411,13 +508,47 @@ class AutoRoundPipe(RoundPipeBase):
         # the model holds (one step stale after step(is_async=True)); gradients of its
         # backward wait for the step before they land (RoundPipeBase._fold_grads)
         with self._call_lock:
-            for (_, inner), unit in zip(self.units, self._unit_modules):
-                object.__setattr__(unit, "forward", _make_redirect(inner))
+            # the batch every unit's microbatches are cut from (None: no batch to cut)
+            batch = batch_size_of((args, kwargs))
+            for i, unit in enumerate(self._unit_modules):
+                object.__setattr__(unit, "forward", _make_redirect(self, i, batch))
             try:
                 return self.model(*args, **kwargs)
             finally:
                 for unit in self._unit_modules:
                     object.__delattr__(unit, "forward")
+
+    def _call_unit(self, index: int, batch: int | None, args: tuple, kwargs: dict) -> Any:
+        """One call of unit ``index`` from the host code, on its inner RoundPipe: cut into
+        microbatches only where that gives the numbers of one whole call (see "unit calls")."""
+        name, inner = self.units[index]
+        unit = self._unit_modules[index]
+        cfg = RoundPipeRunConfig(requires_grad=torch.is_grad_enabled())
+        n = len(split_sizes(batch_size_of((args, kwargs)), inner.num_microbatch_for()))
+        if n > 1:
+            odd = "no input of the call has a batch dim" if batch is None else None
+            odd = odd or _not_batch_leading(args, kwargs, batch)
+            if odd is not None:
+                # cutting along a dim 0 that is not the batch would misalign the pieces
+                # (Bloom's ALiBi: batch x heads; MoE experts: experts x tokens)
+                if name not in self._unsplit_units:
+                    self._unsplit_units.add(name)
+                    _log.info(
+                        "AutoRoundPipe %r: unit %r (%s) runs as one microbatch: its %s has a "
+                        "dim 0 that is not the batch (%s)",
+                        self.name,
+                        name or "<root>",
+                        type(unit).__name__,
+                        odd,
+                        batch,
+                    )
+                cfg = replace(cfg, num_microbatch=1, split_input=_WHOLE_CALL)
+                n = 1
+        normalised = _token_count_kwargs(unit, kwargs, n) if n > 1 else None
+        out = inner(*args, roundpipe_run_config=cfg, **(normalised or kwargs))
+        if n > 1:
+            _check_no_batch_reduction(out, normalised is not None, name, unit, n)
+        return out
 
     def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
         """Not available: the model is not one Sequential, so there is no last stage to fuse.

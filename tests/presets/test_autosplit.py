@@ -272,7 +272,7 @@ def test_a_module_reached_twice_is_one_unit_called_twice() -> None:
     torch.manual_seed(0)
     model = ReusedBlockNet()
     gen = torch.Generator().manual_seed(4)
-    data = [(torch.randn(5, 3, 8, generator=gen),) for _ in range(2)]
+    data = [(torch.randn(5, 4, 8, generator=gen),) for _ in range(2)]
     rp = _train_compare(
         model,
         lambda it: data[it],
@@ -283,6 +283,56 @@ def test_a_module_reached_twice_is_one_unit_called_twice() -> None:
     try:
         names = [n for n, _ in rp.units]
         assert names == ["layers.0.shared", "layers.0.own", "layers.1.own", "head"], names
+    finally:
+        rp.close()
+
+
+class StackedExperts(nn.Module):
+    """Llama4's experts: rows come as (experts x tokens, d), viewed per expert."""
+
+    def __init__(self, experts: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, d, d) / d**0.5)
+
+    def forward(self, x):
+        e, d = self.weight.shape[0], self.weight.shape[1]
+        return torch.bmm(x.view(e, -1, d), self.weight).view(-1, d)
+
+
+class ExpertsNet(nn.Module):
+    def __init__(self, experts: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.experts = StackedExperts(experts, d)
+
+    def forward(self, x):
+        e = self.experts.weight.shape[0]
+        tokens = self.proj(x).reshape(-1, x.shape[-1])
+        routed = torch.cat([tokens * (i + 1) for i in range(e)])  # a copy per expert
+        out = self.experts(routed).view(e, -1, x.shape[-1]).sum(0)
+        return out.view_as(x) + x
+
+
+def test_a_unit_whose_input_dim0_is_not_the_batch_is_not_cut_as_batch() -> None:
+    torch.manual_seed(0)
+    model = ExpertsNet()
+    gen = torch.Generator().manual_seed(5)
+    data = [(torch.randn(5, 4, 8, generator=gen),) for _ in range(2)]
+    rp = _train_compare(
+        model,
+        lambda it: data[it],
+        lambda out: out.pow(2).mean(),
+        dict(
+            split_threshold=100,
+            lower_threshold=0,
+            devices=2,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        ),
+        steps=2,
+    )
+    try:
+        assert [n for n, _ in rp.units] == ["proj", "experts"]
+        assert rp._unsplit_units == {"experts"}  # (3 x 20 tokens, 8): whole, not cut in two
     finally:
         rp.close()
 

@@ -8,6 +8,7 @@ labels -100 there, fp32, compared with ``model(input_ids=, attention_mask=, labe
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -85,5 +86,81 @@ def test_tied_embeddings_are_shared_between_units_not_merged(shared_masters: boo
         # the tied matrix sits in two units; the model is pipelined, not one unit
         assert "model.embed_tokens" in names and "lm_head" in names, names
         assert model.lm_head.weight is model.model.embed_tokens.weight
+    finally:
+        rp.close()
+
+
+def test_a_unit_computing_hf_loss_per_microbatch_is_combined_by_token_count() -> None:
+    # a threshold the whole model is under: the root is one unit, its call cut in two, and
+    # each microbatch computes Hugging Face's token-mean loss itself
+    model = _gemma()
+    rp = _compare_with_hf(model, {"split_threshold": 10**9}, **_batch())
+    try:
+        assert isinstance(rp, AutoRoundPipe) and [n for n, _ in rp.units] == [""]
+        # the caller's own count (e.g. over several accumulated batches) is kept
+        with torch.no_grad():
+            got = rp(**_batch(), num_items_in_batch=7).loss
+            want = model(**_batch(), num_items_in_batch=7).loss
+        assert rel_err(got, want) <= RTOL
+    finally:
+        rp.close()
+
+
+def test_a_scalar_a_unit_reduces_over_its_microbatches_is_refused() -> None:
+    class MeanOut(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.aux = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.proj(x) + x, self.aux(x).mean()  # a mean over the whole call
+
+    model = MeanOut()
+    rp = wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=False,
+        split_threshold=10**9,
+        lower_threshold=0,  # a unit this small would run as one microbatch otherwise
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        devices="cpu:2",
+    )
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"unit '<root>' \(MeanOut\).*\{model: RoundPipeRunConfig\(num_microbatch=1",
+        ):
+            rp(torch.randn(5, 4))
+    finally:
+        rp.close()
+    # the fix the message names: that module as one microbatch gives plain PyTorch's value
+    rp = wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=False,
+        split_threshold=10**9,
+        override_config={model: RoundPipeRunConfig(num_microbatch=1)},
+        devices="cpu:2",
+    )
+    try:
+        x = torch.randn(5, 4)
+        assert rel_err(rp(x)[1].detach(), model(x)[1].detach()) <= RTOL
+    finally:
+        rp.close()
+
+
+def test_a_unit_input_whose_dim0_is_not_the_batch_runs_unsplit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Bloom's blocks get ALiBi as (batch x heads, 1, seq): cutting it along dim 0 as if it
+    # were the batch would hand each microbatch the wrong heads' rows
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, use_cache=False
+    )
+    with caplog.at_level(logging.INFO, logger="roundpipe_core.autosplit"):
+        rp = _compare_with_hf(transformers.BloomForCausalLM(cfg).train(), {}, **_batch())
+    try:
+        assert any(n.startswith("transformer.h.0") for n, _ in rp.units)
+        assert "runs as one microbatch" in caplog.text and "(20, 1, 12)" in caplog.text
     finally:
         rp.close()
