@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate, map_arg
+from torch.overrides import TorchFunctionMode
 
 from .base import RoundPipeBase
 from .batch.tree import Replicate, batch_size_of, flatten, split_sizes
@@ -414,6 +415,40 @@ def _check_no_batch_reduction(
         )
 
 
+class _HostReads(TorchFunctionMode):
+    """Watches the host code of one ``AutoRoundPipe.forward`` (this thread only: torch
+    function modes are thread-local, the units run on worker threads) for parameters of a
+    unit used outside that unit's call -- ``F.conv1d(x, self.conv1d.weight)`` in a parent's
+    forward. Such a use computes with the model's own tensor, so its gradient lands in that
+    tensor's ``.grad``, not in the master the unit's gradients go to: the parameters found
+    are then collected from the host too (``AutoRoundPipe.host_parameters``)."""
+
+    def __init__(self, unit_params: Mapping[int, nn.Parameter]) -> None:
+        super().__init__()
+        self.unit_params = unit_params
+        self.found: dict[int, nn.Parameter] = {}
+        self.paused = 0  # > 0 inside a unit's own call
+
+    def _note(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if id(value) in self.unit_params:
+                self.found[id(value)] = self.unit_params[id(value)]
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                self._note(v)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # only a use a gradient flows back through (not .dtype, .shape, .detach() ...)
+        if not self.paused and isinstance(out, torch.Tensor) and out.requires_grad:
+            self._note(args)
+            self._note(tuple(kwargs.values()))
+        return out
+
+
 def _make_redirect(auto: AutoRoundPipe, index: int, batch: int | None) -> Callable[..., Any]:
     # A plain function (not functools.partial): the engine deep-copies layers into device
     # replicas, and deepcopy keeps functions as they are instead of copying ``auto``.
@@ -437,7 +472,8 @@ class AutoRoundPipe(RoundPipeBase):
     Attributes:
         units: ``(qualified name, inner RoundPipe)`` per unit.
         host_parameters: ``(qualified name, parameter)`` of parameters used by
-            host glue code.
+            host glue code: those opened modules own, and (added as ``forward`` finds
+            them) unit parameters the host code uses outside their unit.
     """
 
     def __init__(
@@ -492,6 +528,15 @@ class AutoRoundPipe(RoundPipeBase):
         object.__setattr__(self, "host_parameters", host)
         object.__setattr__(self, "_unit_modules", [m for _, m in unit_modules])
         object.__setattr__(self, "_unsplit_units", set())  # units told to run unsplit
+        # every parameter of a unit that is not a host parameter: (name, unit name) by id
+        on_host = {id(p) for _, p in host}
+        unit_params: dict[int, tuple[str, str, nn.Parameter]] = {}
+        for uname, unit in unit_modules:
+            for pname, p in unit.named_parameters(prefix=uname):
+                if id(p) not in on_host and p.requires_grad:
+                    unit_params.setdefault(id(p), (pname, uname, p))
+        object.__setattr__(self, "_unit_params", unit_params)
+        object.__setattr__(self, "_host_reads", None)  # the watch of the forward running
         self._seal()
 
     def forward(
@@ -512,11 +557,36 @@ class AutoRoundPipe(RoundPipeBase):
             batch = batch_size_of((args, kwargs))
             for i, unit in enumerate(self._unit_modules):
                 object.__setattr__(unit, "forward", _make_redirect(self, i, batch))
+            watch = _HostReads({i: p for i, (_, _, p) in self._unit_params.items()})
+            object.__setattr__(self, "_host_reads", watch)
             try:
-                return self.model(*args, **kwargs)
+                with watch:
+                    return self.model(*args, **kwargs)
             finally:
+                object.__setattr__(self, "_host_reads", None)
                 for unit in self._unit_modules:
                     object.__delattr__(unit, "forward")
+                self._collect_host_reads(watch.found)
+
+    def _collect_host_reads(self, found: Mapping[int, nn.Parameter]) -> None:
+        """Unit parameters the host code used: their gradients are taken from the host too
+        (``_take_model_grads``), and they are said once, with what would keep them in one unit."""
+        for key in found:
+            pname, uname, p = self._unit_params.pop(key)
+            self.host_parameters.append((pname, p))
+            parent = uname.rsplit(".", 1)[0] if "." in uname else ""
+            _log.warning(
+                "AutoRoundPipe %r: the host code (the forward of %s, or a module around it) "
+                "uses %r, a parameter of unit %r, outside that unit's forward (e.g. "
+                "F.conv1d(x, self.conv1d.weight)); its gradient is taken from the host too. "
+                "The module reading it runs its own code on the host; to run it on the "
+                "devices as one unit pass override_config={%s: RoundPipeRunConfig()}",
+                self.name,
+                type(self.model.get_submodule(parent)).__name__,
+                pname,
+                uname,
+                _spelled(parent),
+            )
 
     def _call_unit(self, index: int, batch: int | None, args: tuple, kwargs: dict) -> Any:
         """One call of unit ``index`` from the host code, on its inner RoundPipe: cut into
@@ -545,7 +615,14 @@ class AutoRoundPipe(RoundPipeBase):
                 cfg = replace(cfg, num_microbatch=1, split_input=_WHOLE_CALL)
                 n = 1
         normalised = _token_count_kwargs(unit, kwargs, n) if n > 1 else None
-        out = inner(*args, roundpipe_run_config=cfg, **(normalised or kwargs))
+        watch = self._host_reads
+        if watch is not None:
+            watch.paused += 1  # the unit's own call reads its parameters legitimately
+        try:
+            out = inner(*args, roundpipe_run_config=cfg, **(normalised or kwargs))
+        finally:
+            if watch is not None:
+                watch.paused -= 1
         if n > 1:
             _check_no_batch_reduction(out, normalised is not None, name, unit, n)
         return out

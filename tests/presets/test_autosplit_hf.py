@@ -164,3 +164,36 @@ def test_a_unit_input_whose_dim0_is_not_the_batch_runs_unsplit(
         assert "runs as one microbatch" in caplog.text and "(20, 1, 12)" in caplog.text
     finally:
         rp.close()
+
+
+def test_a_weight_the_host_reads_outside_its_unit_is_trained(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Mamba-2's mixer passes self.conv1d.weight (and in_proj's, out_proj's) to a fused
+    # function in its own forward, outside the units conv1d / in_proj / out_proj
+    torch.manual_seed(0)
+    cfg = transformers.Mamba2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_heads=4,
+        head_dim=16,
+        state_size=8,
+        n_groups=1,
+        chunk_size=4,
+        use_cache=False,
+    )
+    with caplog.at_level(logging.WARNING, logger="roundpipe_core.autosplit"):
+        rp = _compare_with_hf(
+            transformers.Mamba2ForCausalLM(cfg).train(),
+            # a threshold under the mixer's size: it is opened, its children are units
+            {"shared_masters": False, "split_threshold": 3000},
+            **_batch(),
+        )
+    try:
+        host = [n for n, _ in rp.host_parameters]
+        assert "backbone.layers.0.mixer.conv1d.weight" in host, host
+        assert "'backbone.layers.0.mixer.conv1d.weight', a parameter of unit" in caplog.text
+        assert "override_config={model.backbone.layers.get_submodule" not in caplog.text
+    finally:
+        rp.close()
