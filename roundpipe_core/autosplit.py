@@ -538,6 +538,7 @@ class AutoRoundPipe(RoundPipeBase):
         object.__setattr__(self, "_unit_params", unit_params)
         object.__setattr__(self, "_host_reads", None)  # the watch of the forward running
         self._seal()
+        _log.info("AutoRoundPipe %r: %s", self.name, self.summary())
 
     def forward(
         self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any
@@ -658,6 +659,31 @@ class AutoRoundPipe(RoundPipeBase):
                 inner.close()
         finally:
             super().close()
+
+    def summary(self) -> str:
+        """What the split made, in one line: how many units run on the device pool, how
+        many of them are pipelined over several layers, and what stays on the host."""
+        pipelined = sum(1 for _, inner in self.units if inner.num_layers > 1)
+        shared = sum(1 for c in self._unit_param_counts().values() if c > 1)
+        return (
+            f"{len(self.units)} units run on the device pool ({pipelined} of them pipelined "
+            f"over several layers), {len(self.host_parameters)} parameters on the host"
+            + (f", {shared} of its parameters in several units (tied)" if shared else "")
+        )
+
+    def unit_of(self, param: torch.Tensor) -> str | None:
+        """The name of the (first) unit holding ``param`` (``""``: the root), else ``None``."""
+        for (uname, _), unit in zip(self.units, self._unit_modules):
+            if any(p is param for p in unit.parameters()):
+                return uname
+        return None
+
+    def _unit_param_counts(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for unit in self._unit_modules:
+            for p in unit.parameters():
+                counts[id(p)] = counts.get(id(p), 0) + 1
+        return counts
 
     def __repr__(self) -> str:
         names = ", ".join(n or "<root>" for n, _ in self.units)

@@ -86,6 +86,10 @@ def test_tied_embeddings_are_shared_between_units_not_merged(shared_masters: boo
         # the tied matrix sits in two units; the model is pipelined, not one unit
         assert "model.embed_tokens" in names and "lm_head" in names, names
         assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert rp.summary() == (
+            f"{len(names)} units run on the device pool (0 of them pipelined over several "
+            "layers), 0 parameters on the host, 1 of its parameters in several units (tied)"
+        )
     finally:
         rp.close()
 
