@@ -39,7 +39,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import (
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+)
 from dataclasses import replace
 from typing import Any
 
@@ -50,6 +57,7 @@ from torch.fx.node import map_aggregate, map_arg
 from torch.overrides import TorchFunctionMode
 
 from .base import RoundPipeBase
+from .batch.explain import leaf_paths
 from .batch.tree import Replicate, batch_size_of, flatten, split_sizes
 from .config import RoundPipeRunConfig, check_run_config
 from .kinds import PinMode
@@ -384,6 +392,56 @@ def _token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> d
     return {**kwargs, "num_items_in_batch": count / num_microbatch}
 
 
+def _mutable_state(args: tuple, kwargs: dict) -> list[tuple[str, Any, tuple]]:
+    """``(where, object, contents)`` of the input leaves a unit could write state into for
+    later units: mutable containers the batch split does not open (a ``UserDict`` such as
+    transformers' ``KVSharingDict``, any ``MutableMapping`` or ``MutableSequence``); contents
+    by identity, so that a write during the call shows."""
+    out = []
+    for where, value in (("args", args), ("kwargs", kwargs)):
+        for path, leaf in zip(leaf_paths(value, where), flatten(value)[0]):
+            if isinstance(leaf, (MutableMapping, MutableSequence)):
+                out.append((path, leaf, _contents(leaf)))
+    return out
+
+
+def _contents(obj: Any) -> tuple:
+    if isinstance(obj, MutableMapping):
+        return tuple((k, id(v)) for k, v in obj.items())
+    return tuple(id(v) for v in obj)
+
+
+def _check_no_state_written(
+    state: list[tuple[str, Any, tuple]], unit_name: str, unit: nn.Module, model: nn.Module
+) -> None:
+    """Refuse a unit call that wrote into a mutable input (state handed to later units beside
+    the call's outputs): the unit ran on a device replica, once per microbatch, so what it
+    stored is the last microbatch's, on the device, and outside the autograd graph of the
+    call -- a later unit reading it would get other rows and send no gradient back."""
+    for where, obj, before in state:
+        if _contents(obj) != before:
+            parent = _caller_of(model, unit_name)
+            raise ValueError(
+                f"automatic split: unit {unit_name or '<root>'!r} ({type(unit).__name__}) wrote "
+                f"into its input {where}, a {type(obj).__name__}: state passed on to later units "
+                "outside the call's inputs and outputs (as Gemma 3n's shared key/value states). "
+                "Across separate units it would hold one microbatch's values and lose its "
+                "gradient. Make the module that passes it on one unit: "
+                f"override_config={{{_spelled(parent)}: RoundPipeRunConfig()}} (or a module above "
+                "it) in wrap_model_to_roundpipe / auto_wrap"
+            )
+
+
+def _caller_of(model: nn.Module, name: str) -> str:
+    """The nearest module above ``name`` with a forward of its own (a ModuleList's parent):
+    the one whose code calls it, which ``override_config`` can make one unit."""
+    while name:
+        name = name.rsplit(".", 1)[0] if "." in name else ""
+        if _callable(model.get_submodule(name)):
+            return name
+    return name
+
+
 def _spelled(name: str) -> str:
     """How a user names the submodule ``name`` of ``model`` in Python."""
     if not name:
@@ -575,7 +633,7 @@ class AutoRoundPipe(RoundPipeBase):
         for key in found:
             pname, uname, p = self._unit_params.pop(key)
             self.host_parameters.append((pname, p))
-            parent = uname.rsplit(".", 1)[0] if "." in uname else ""
+            parent = _caller_of(self.model, uname)
             _log.warning(
                 "AutoRoundPipe %r: the host code (the forward of %s, or a module around it) "
                 "uses %r, a parameter of unit %r, outside that unit's forward (e.g. "
@@ -616,6 +674,7 @@ class AutoRoundPipe(RoundPipeBase):
                 cfg = replace(cfg, num_microbatch=1, split_input=_WHOLE_CALL)
                 n = 1
         normalised = _token_count_kwargs(unit, kwargs, n) if n > 1 else None
+        state = _mutable_state(args, kwargs)
         watch = self._host_reads
         if watch is not None:
             watch.paused += 1  # the unit's own call reads its parameters legitimately
@@ -624,6 +683,7 @@ class AutoRoundPipe(RoundPipeBase):
         finally:
             if watch is not None:
                 watch.paused -= 1
+        _check_no_state_written(state, name, unit, self.model)
         if n > 1:
             _check_no_batch_reduction(out, normalised is not None, name, unit, n)
         return out

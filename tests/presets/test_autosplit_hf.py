@@ -201,3 +201,50 @@ def test_a_weight_the_host_reads_outside_its_unit_is_trained(
         assert "override_config={model.backbone.layers.get_submodule" not in caplog.text
     finally:
         rp.close()
+
+
+def _gemma3n() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3nTextConfig(
+        vocab_size=VOCAB,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size=32,
+        hidden_size_per_layer_input=8,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_kv_shared_layers=2,  # layers 2, 3 reuse the keys/values layers 0, 1 store
+        laurel_rank=4,
+        altup_num_inputs=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.0] * 4,
+        use_cache=False,
+    )
+    return transformers.Gemma3nForCausalLM(cfg).train()
+
+
+def test_state_a_unit_writes_for_later_units_is_refused_and_the_named_fix_is_exact() -> None:
+    model = _gemma3n()
+    rp = wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=False,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        devices="cpu:2",
+    )
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"unit 'model.layers.0' \(Gemma3nTextDecoderLayer\) wrote into its input "
+            r"kwargs\['shared_kv_states'\].*override_config=\{model.model: ",
+        ):
+            rp(**_batch())
+    finally:
+        rp.close()
+    model = _gemma3n()
+    rp = _compare_with_hf(
+        model, {"override_config": {model.model: RoundPipeRunConfig()}}, **_batch()
+    )
+    rp.close()
