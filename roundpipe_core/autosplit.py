@@ -62,6 +62,7 @@ from .batch.tree import Replicate, batch_size_of, flatten, split_sizes
 from .config import RoundPipeRunConfig, check_run_config
 from .kinds import PinMode
 from .model import RoundPipe
+from .running.carried import UntrainableStateError
 
 _log = logging.getLogger(__name__)
 
@@ -680,6 +681,18 @@ class AutoRoundPipe(RoundPipeBase):
             watch.paused += 1  # the unit's own call reads its parameters legitimately
         try:
             out = inner(*args, roundpipe_run_config=cfg, **(normalised or kwargs))
+        except UntrainableStateError as exc:
+            # the model's own code, not the caller's: say which unit and what keeps it working
+            where = exc.where.replace("layer: module 'unit.", f"module '{name}.")
+            raise ValueError(
+                f"automatic split: unit {name or '<root>'!r} ({type(unit).__name__}) stores "
+                f"state on its own modules that the device pool cannot carry ({where} "
+                "requires grad but is not a parameter or buffer: its forward keeps a result "
+                "on the module, such as a recurrent or decoding state). Keep that module on "
+                f"the host, where it runs as plain PyTorch and its parameters are still "
+                f"trained: skip_modules=[{_spelled(name)}] (and each such module) in "
+                "wrap_model_to_roundpipe / auto_wrap"
+            ) from exc
         finally:
             if watch is not None:
                 watch.paused -= 1

@@ -248,3 +248,77 @@ def test_state_a_unit_writes_for_later_units_is_refused_and_the_named_fix_is_exa
         model, {"override_config": {model.model: RoundPipeRunConfig()}}, **_batch()
     )
     rp.close()
+
+
+def test_one_block_shared_by_several_layers_is_exact() -> None:
+    # Zamba2's hybrid layers share one attention block's parameters ("could not separate
+    # shared parameters" before): they stay in each unit holding them
+    torch.manual_seed(0)
+    cfg = transformers.Zamba2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attention_head_dim=8,
+        mamba_d_state=8,
+        mamba_headdim=8,
+        n_mamba_heads=8,
+        mamba_ngroups=1,
+        chunk_size=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        hybrid_layer_ids=[1, 3],
+        num_mem_blocks=1,
+        use_mem_rope=False,
+        intermediate_size=64,
+        adapter_rank=4,
+        use_shared_attention_adapter=False,
+        use_cache=False,
+    )
+    rp = _compare_with_hf(
+        transformers.Zamba2ForCausalLM(cfg).train(), {"shared_masters": False}, **_batch()
+    )
+    try:
+        assert "model.layers.1.shared_transformer" in [n for n, _ in rp.units]
+        assert "parameters in several units" in rp.summary()
+    finally:
+        rp.close()
+
+
+def test_state_a_units_forward_keeps_on_its_module_is_refused_naming_it() -> None:
+    torch.manual_seed(0)
+    cfg = transformers.RecurrentGemmaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        lru_width=32,
+        attention_window_size=8,
+        conv1d_width=4,
+        block_types=["recurrent", "recurrent", "attention"],
+        head_dim=8,
+        use_cache=False,
+    )
+    model = transformers.RecurrentGemmaForCausalLM(cfg).train()
+    rp = wrap_model_to_roundpipe(
+        copy.deepcopy(model),
+        use_sequential_preset=False,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        devices="cpu:2",
+    )
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"unit 'model.layers.0' \(RecurrentGemmaDecoderLayer\) stores state.*"
+            r"module 'model.layers.0.temporal_block.rg_lru' \(RecurrentGemmaRglru\) attribute "
+            r"'recurrent_states'.*skip_modules=\[model.get_submodule\('model.layers.0'\)\]",
+        ):
+            rp(**_batch())
+    finally:
+        rp.close()
+    # the fix it names, for each recurrent layer: those run on the host, exactly
+    skip = [layer for layer in model.model.layers if hasattr(layer.temporal_block, "rg_lru")]
+    assert len(skip) == 2
+    _compare_with_hf(model, {"skip_modules": skip}, **_batch()).close()
