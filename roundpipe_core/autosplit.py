@@ -17,7 +17,17 @@
    opened and their children visited. The glue code between units (the
    original ``forward`` of the opened modules: residual adds, routing between
    encoder and decoder ...) runs on the host, as does any parameter owned
-   directly by an opened module.
+   directly by an opened module. A parameter may sit in several units (tied
+   embeddings) and a module reached from several parents is one unit: every
+   inner RoundPipe adds its gradients into the outer one's master, so they sum.
+
+An AutoRoundPipe is never silently wrong where the split cannot see the model's
+code (section "unit calls"): a unit parameter the host code uses itself is found
+while ``forward`` runs and trained from the host too; a unit call whose inputs
+are not batch-leading runs whole; a unit computing Hugging Face's token-mean
+loss gets the whole call's token count; other reductions over a call cut into
+microbatches, state a unit writes into its inputs for later units, and state a
+unit keeps on its modules are refused, naming the unit and the option that fixes it.
 
 The published RoundPipe's options refine the cut: ``upper_threshold`` measures
 sizes in bytes of parameters and buffers instead of ``split_threshold``'s
