@@ -22,14 +22,14 @@
    inner RoundPipe adds its gradients into the outer one's master, so they sum.
 
 An AutoRoundPipe is never silently wrong where the split cannot see the model's
-code (section "unit calls"): a unit parameter the host code uses itself is found
+code (:mod:`roundpipe_core.autosplit_calls`): a unit parameter the host code uses itself is found
 while ``forward`` runs and trained from the host too; a unit call whose inputs
 are not batch-leading runs whole; a unit computing Hugging Face's token-mean
 loss gets the whole call's token count; other reductions over a call cut into
 microbatches, state a unit writes into its inputs for later units, and state a
 unit keeps on its modules are refused, naming the unit and the option that fixes it.
 
-The published RoundPipe's options refine the cut: ``upper_threshold`` measures
+The published RoundPipe's options refine the cut (:mod:`roundpipe_core.autosplit_rules`): ``upper_threshold`` measures
 sizes in bytes of parameters and buffers instead of ``split_threshold``'s
 parameter count; ``lower_threshold`` (bytes) keeps a module whose own direct
 parameters and buffers reach it whole, and runs units smaller than it as one
@@ -47,16 +47,8 @@ It is slower than a hand-written Sequential (docs/presets.md says why).
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import (
-    Callable,
-    Collection,
-    Iterator,
-    Mapping,
-    MutableMapping,
-    MutableSequence,
-)
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -64,11 +56,21 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate, map_arg
-from torch.overrides import TorchFunctionMode
 
+from .autosplit_calls import (
+    WHOLE_CALL,
+    HostReads,
+    caller_of,
+    check_no_batch_reduction,
+    check_no_state_written,
+    mutable_state,
+    not_batch_leading,
+    spelled,
+    token_count_kwargs,
+)
+from .autosplit_rules import SplitRules, has_own_forward, numel, split_rules
 from .base import RoundPipeBase
-from .batch.explain import leaf_paths
-from .batch.tree import Replicate, batch_size_of, flatten, split_sizes
+from .batch.tree import batch_size_of, split_sizes
 from .config import RoundPipeRunConfig, check_run_config
 from .kinds import PinMode
 from .model import RoundPipe
@@ -77,22 +79,6 @@ from .running.carried import UntrainableStateError
 _log = logging.getLogger(__name__)
 
 __all__ = ["AutoRoundPipe", "auto_wrap", "chain_layers", "split_layers"]
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _bytes(module: nn.Module, recurse: bool = True) -> int:
-    """Bytes of the parameters and buffers (shared tensors once): the published
-    RoundPipe's measure of a module's size for its thresholds."""
-    seen: set[int] = set()
-    total = 0
-    for t in list(module.parameters(recurse)) + list(module.buffers(recurse)):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
 
 
 # --------------------------------------------------------------------------- chain detection
@@ -205,7 +191,7 @@ def chain_layers(module: nn.Module) -> list[nn.Module] | None:
 
 
 def split_layers(
-    module: nn.Module, split_threshold: int, size: Callable[[nn.Module], int] = _numel
+    module: nn.Module, split_threshold: int, size: Callable[[nn.Module], int] = numel
 ) -> list[nn.Module]:
     """``module`` as a list of Sequential layers: chains are opened, and steps larger than
     ``split_threshold`` (by ``size``: parameter elements unless given) that are chains are
@@ -222,10 +208,6 @@ def split_layers(
     return out
 
 
-def _default_threshold(model: nn.Module) -> int:
-    return max(1, _numel(model) // 8)
-
-
 # --------------------------------------------------------------------------- AutoRoundPipe
 
 
@@ -233,54 +215,8 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _callable(m: nn.Module) -> bool:
-    """Whether ``m`` has a forward of its own (a ModuleList, ModuleDict has not: its
-    children are called by the parent's code, so it cannot run as one unit)."""
-    return type(m).forward is not nn.Module.forward
-
-
-class _SplitRules:
-    """How the tree is cut into units: the size measure and its thresholds, the modules
-    kept on the host, and the modules that take their own run config."""
-
-    def __init__(
-        self,
-        threshold: int,
-        size: Callable[[nn.Module], int] = _numel,
-        lower_threshold: int | None = None,
-        skip_modules: Collection[nn.Module] = (),
-        override_config: Mapping[nn.Module, RoundPipeRunConfig] | None = None,
-    ) -> None:
-        self.threshold, self.size, self.lower = threshold, size, lower_threshold
-        self.skip = {id(m) for m in skip_modules}
-        self.override = {id(m): c for m, c in (override_config or {}).items()}
-
-    def holds_skipped(self, m: nn.Module) -> bool:
-        return bool(self.skip) and any(id(x) in self.skip for x in m.modules())
-
-    def whole(self, m: nn.Module) -> bool:
-        """``m`` (holding no skipped module) becomes one unit without being opened."""
-        if id(m) in self.override:
-            return True
-        # a module that holds big parameters itself cannot be cut below them
-        own = _bytes(m, recurse=False)
-        return self.lower is not None and own > 0 and own >= self.lower
-
-    def config_of(
-        self, m: nn.Module, default: RoundPipeRunConfig | None
-    ) -> RoundPipeRunConfig | None:
-        """The run config of unit ``m``: its override, else ``default``; a unit smaller than
-        ``lower_threshold`` runs as one microbatch (too small to pipeline)."""
-        if id(m) in self.override:
-            return self.override[id(m)]
-        if self.lower is not None and _bytes(m) < self.lower:
-            base = default if default is not None else RoundPipeRunConfig()
-            return replace(base, num_microbatch=1)
-        return default
-
-
 def _plan_units(
-    model: nn.Module, rules: _SplitRules
+    model: nn.Module, rules: SplitRules
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
     """Units (qualified name, module) and host parameters (owned directly by opened
     modules, or by skipped ones).
@@ -309,10 +245,10 @@ def _plan_units(
             for pname, p in m.named_parameters():
                 keep_on_host(_join(name, pname), p)
             return
-        if _numel(m) == 0:
+        if numel(m) == 0:
             return  # no parameters: it runs on the host as glue
-        if not rules.holds_skipped(m) and _callable(m):
-            has_param_children = any(_numel(c) for c in m.children())
+        if not rules.holds_skipped(m) and has_own_forward(m):
+            has_param_children = any(numel(c) for c in m.children())
             if (
                 rules.whole(m)
                 or rules.size(m) <= rules.threshold
@@ -340,182 +276,6 @@ class _Direct(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return type(self.unit).forward(self.unit, *args, **kwargs)
-
-
-# --------------------------------------------------------------------------- unit calls
-#
-# A unit's call is cut into microbatches along dim 0 of its inputs, and its outputs are
-# merged back (concatenated; 0-dim tensors averaged). Both are only right when dim 0 is
-# the batch and when no output is a reduction over the whole call: the checks below make
-# the call run as one microbatch, or give Hugging Face's loss the whole batch's token
-# count, or refuse -- never a silently different number.
-
-#: Hugging Face loss types whose loss is a mean over label tokens != -100, and whether the
-#: labels are shifted by one first (transformers.loss.loss_utils.LOSS_MAPPING)
-_TOKEN_MEAN_LOSSES = {"ForCausalLM": True, "ForConditionalGeneration": True, "ForMaskedLM": False}
-_IGNORE_INDEX = -100
-
-
-def _not_batch_leading(args: tuple, kwargs: dict, batch: int | None) -> str | None:
-    """The first input tensor whose dim 0 is neither the call's batch nor 1 (a broadcast
-    dim), described; ``None`` if every tensor is batch-leading."""
-    for where, value in (("args", args), ("kwargs", kwargs)):
-        for i, leaf in enumerate(flatten(value)[0]):
-            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
-                if leaf.shape[0] not in (batch, 1):
-                    return f"input {where} leaf {i} of shape {tuple(leaf.shape)}"
-    return None
-
-
-#: ``split_input`` of a call that must not be cut: every input whole, in one microbatch
-#: (also where the engine would otherwise sample two rows to measure activations)
-_WHOLE_CALL = (Replicate, Replicate)
-
-
-def _takes_loss_kwargs(unit: nn.Module) -> bool:
-    params = inspect.signature(type(unit).forward).parameters.values()
-    return any(
-        p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params
-    )
-
-
-def _token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> dict | None:
-    """``kwargs`` with ``num_items_in_batch`` set so that the microbatches' Hugging Face
-    losses average to the whole batch's loss, or ``None`` if ``unit`` computes no such loss.
-
-    A token-mean loss (Hugging Face's causal / masked LM loss) with ``num_items_in_batch=N``
-    is the microbatch's sum over tokens divided by ``N``. ``N`` is the whole call's count of
-    label tokens != -100 (after the shift, for a causal LM), or the caller's own
-    ``num_items_in_batch``; each microbatch gets ``N / num_microbatch``, because the merge
-    averages the microbatches' 0-dim outputs: the average is then (sum of all tokens' losses)
-    / ``N``, Hugging Face's loss, and so are its gradients.
-    """
-    labels = kwargs.get("labels")
-    shifted = _TOKEN_MEAN_LOSSES.get(getattr(unit, "loss_type", None) or "")
-    if not isinstance(labels, torch.Tensor) or shifted is None or not _takes_loss_kwargs(unit):
-        return None
-    count = kwargs.get("num_items_in_batch")
-    if count is None:
-        counted = kwargs.get("shift_labels")
-        if not isinstance(counted, torch.Tensor):
-            counted = labels[..., 1:] if shifted else labels
-        count = (counted != _IGNORE_INDEX).sum()
-    return {**kwargs, "num_items_in_batch": count / num_microbatch}
-
-
-def _mutable_state(args: tuple, kwargs: dict) -> list[tuple[str, Any, tuple]]:
-    """``(where, object, contents)`` of the input leaves a unit could write state into for
-    later units: mutable containers the batch split does not open (a ``UserDict`` such as
-    transformers' ``KVSharingDict``, any ``MutableMapping`` or ``MutableSequence``); contents
-    by identity, so that a write during the call shows."""
-    out = []
-    for where, value in (("args", args), ("kwargs", kwargs)):
-        for path, leaf in zip(leaf_paths(value, where), flatten(value)[0]):
-            if isinstance(leaf, (MutableMapping, MutableSequence)):
-                out.append((path, leaf, _contents(leaf)))
-    return out
-
-
-def _contents(obj: Any) -> tuple:
-    if isinstance(obj, MutableMapping):
-        return tuple((k, id(v)) for k, v in obj.items())
-    return tuple(id(v) for v in obj)
-
-
-def _check_no_state_written(
-    state: list[tuple[str, Any, tuple]], unit_name: str, unit: nn.Module, model: nn.Module
-) -> None:
-    """Refuse a unit call that wrote into a mutable input (state handed to later units beside
-    the call's outputs): the unit ran on a device replica, once per microbatch, so what it
-    stored is the last microbatch's, on the device, and outside the autograd graph of the
-    call -- a later unit reading it would get other rows and send no gradient back."""
-    for where, obj, before in state:
-        if _contents(obj) != before:
-            parent = _caller_of(model, unit_name)
-            raise ValueError(
-                f"automatic split: unit {unit_name or '<root>'!r} ({type(unit).__name__}) wrote "
-                f"into its input {where}, a {type(obj).__name__}: state passed on to later units "
-                "outside the call's inputs and outputs (as Gemma 3n's shared key/value states). "
-                "Across separate units it would hold one microbatch's values and lose its "
-                "gradient. Make the module that passes it on one unit: "
-                f"override_config={{{_spelled(parent)}: RoundPipeRunConfig()}} (or a module above "
-                "it) in wrap_model_to_roundpipe / auto_wrap"
-            )
-
-
-def _caller_of(model: nn.Module, name: str) -> str:
-    """The nearest module above ``name`` with a forward of its own (a ModuleList's parent):
-    the one whose code calls it, which ``override_config`` can make one unit."""
-    while name:
-        name = name.rsplit(".", 1)[0] if "." in name else ""
-        if _callable(model.get_submodule(name)):
-            return name
-    return name
-
-
-def _spelled(name: str) -> str:
-    """How a user names the submodule ``name`` of ``model`` in Python."""
-    if not name:
-        return "model"
-    if all(part.isidentifier() for part in name.split(".")):
-        return f"model.{name}"
-    return f"model.get_submodule({name!r})"
-
-
-def _check_no_batch_reduction(
-    out: Any, loss_normalised: bool, unit_name: str, unit: nn.Module, num_microbatch: int
-) -> None:
-    """Refuse a 0-dim floating output of a call cut into microbatches (other than the loss
-    :func:`_token_count_kwargs` normalised, the first output leaf): the merge averages the
-    microbatches' values, which is not the whole batch's value for a mean over tokens, a
-    sum, a load-balancing loss ..."""
-    for i, leaf in enumerate(flatten(out)[0]):
-        if not (isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and leaf.is_floating_point()):
-            continue
-        if loss_normalised and i == 0:
-            continue
-        raise ValueError(
-            f"automatic split: unit {unit_name or '<root>'!r} ({type(unit).__name__}) returned "
-            f"a 0-dim tensor (output leaf {i}) computed on each of its {num_microbatch} "
-            "microbatches; their average is not the whole batch's value (a mean over tokens, a "
-            "sum, an auxiliary loss differ). Run that module as one microbatch: "
-            f"override_config={{{_spelled(unit_name)}: RoundPipeRunConfig(num_microbatch=1)}} "
-            "in wrap_model_to_roundpipe / auto_wrap"
-        )
-
-
-class _HostReads(TorchFunctionMode):
-    """Watches the host code of one ``AutoRoundPipe.forward`` (this thread only: torch
-    function modes are thread-local, the units run on worker threads) for parameters of a
-    unit used outside that unit's call -- ``F.conv1d(x, self.conv1d.weight)`` in a parent's
-    forward. Such a use computes with the model's own tensor, so its gradient lands in that
-    tensor's ``.grad``, not in the master the unit's gradients go to: the parameters found
-    are then collected from the host too (``AutoRoundPipe.host_parameters``)."""
-
-    def __init__(self, unit_params: Mapping[int, nn.Parameter]) -> None:
-        super().__init__()
-        self.unit_params = unit_params
-        self.found: dict[int, nn.Parameter] = {}
-        self.paused = 0  # > 0 inside a unit's own call
-
-    def _note(self, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if id(value) in self.unit_params:
-                self.found[id(value)] = self.unit_params[id(value)]
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                self._note(v)
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        # only a use a gradient flows back through (not .dtype, .shape, .detach() ...)
-        if not self.paused and isinstance(out, torch.Tensor) and out.requires_grad:
-            self._note(args)
-            self._note(tuple(kwargs.values()))
-        return out
 
 
 def _make_redirect(auto: AutoRoundPipe, index: int, batch: int | None) -> Callable[..., Any]:
@@ -563,7 +323,7 @@ class AutoRoundPipe(RoundPipeBase):
     ) -> None:
         if model_run_config is not None:
             check_run_config(model_run_config, "model_run_config")
-        rules = _rules(
+        rules = split_rules(
             model, split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
         )
         super().__init__(
@@ -627,7 +387,7 @@ class AutoRoundPipe(RoundPipeBase):
             batch = batch_size_of((args, kwargs))
             for i, unit in enumerate(self._unit_modules):
                 object.__setattr__(unit, "forward", _make_redirect(self, i, batch))
-            watch = _HostReads({i: p for i, (_, _, p) in self._unit_params.items()})
+            watch = HostReads({i: p for i, (_, _, p) in self._unit_params.items()})
             object.__setattr__(self, "_host_reads", watch)
             try:
                 with watch:
@@ -644,7 +404,7 @@ class AutoRoundPipe(RoundPipeBase):
         for key in found:
             pname, uname, p = self._unit_params.pop(key)
             self.host_parameters.append((pname, p))
-            parent = _caller_of(self.model, uname)
+            parent = caller_of(self.model, uname)
             _log.warning(
                 "AutoRoundPipe %r: the host code (the forward of %s, or a module around it) "
                 "uses %r, a parameter of unit %r, outside that unit's forward (e.g. "
@@ -655,19 +415,19 @@ class AutoRoundPipe(RoundPipeBase):
                 type(self.model.get_submodule(parent)).__name__,
                 pname,
                 uname,
-                _spelled(parent),
+                spelled(parent),
             )
 
     def _call_unit(self, index: int, batch: int | None, args: tuple, kwargs: dict) -> Any:
         """One call of unit ``index`` from the host code, on its inner RoundPipe: cut into
-        microbatches only where that gives the numbers of one whole call (see "unit calls")."""
+        microbatches only where that gives the numbers of one whole call (see :mod:`roundpipe_core.autosplit_calls`)."""
         name, inner = self.units[index]
         unit = self._unit_modules[index]
         cfg = RoundPipeRunConfig(requires_grad=torch.is_grad_enabled())
         n = len(split_sizes(batch_size_of((args, kwargs)), inner.num_microbatch_for()))
         if n > 1:
             odd = "no input of the call has a batch dim" if batch is None else None
-            odd = odd or _not_batch_leading(args, kwargs, batch)
+            odd = odd or not_batch_leading(args, kwargs, batch)
             if odd is not None:
                 # cutting along a dim 0 that is not the batch would misalign the pieces
                 # (Bloom's ALiBi: batch x heads; MoE experts: experts x tokens)
@@ -682,10 +442,10 @@ class AutoRoundPipe(RoundPipeBase):
                         odd,
                         batch,
                     )
-                cfg = replace(cfg, num_microbatch=1, split_input=_WHOLE_CALL)
+                cfg = replace(cfg, num_microbatch=1, split_input=WHOLE_CALL)
                 n = 1
-        normalised = _token_count_kwargs(unit, kwargs, n) if n > 1 else None
-        state = _mutable_state(args, kwargs)
+        normalised = token_count_kwargs(unit, kwargs, n) if n > 1 else None
+        state = mutable_state(args, kwargs)
         watch = self._host_reads
         if watch is not None:
             watch.paused += 1  # the unit's own call reads its parameters legitimately
@@ -700,15 +460,15 @@ class AutoRoundPipe(RoundPipeBase):
                 "requires grad but is not a parameter or buffer: its forward keeps a result "
                 "on the module, such as a recurrent or decoding state). Keep that module on "
                 f"the host, where it runs as plain PyTorch and its parameters are still "
-                f"trained: skip_modules=[{_spelled(name)}] (and each such module) in "
+                f"trained: skip_modules=[{spelled(name)}] (and each such module) in "
                 "wrap_model_to_roundpipe / auto_wrap"
             ) from exc
         finally:
             if watch is not None:
                 watch.paused -= 1
-        _check_no_state_written(state, name, unit, self.model)
+        check_no_state_written(state, name, unit, self.model)
         if n > 1:
-            _check_no_batch_reduction(out, normalised is not None, name, unit, n)
+            check_no_batch_reduction(out, normalised is not None, name, unit, n)
         return out
 
     def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
@@ -773,67 +533,6 @@ class AutoRoundPipe(RoundPipeBase):
         return f"AutoRoundPipe(name={self.name!r}, units=[{names}], devices={self.pool!r})"
 
 
-def _check_bytes(name: str, value: Any, minimum: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of bytes or None, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum} bytes, got {value}")
-
-
-def _rules(
-    model: nn.Module,
-    split_threshold: int | None,
-    upper_threshold: int | None,
-    lower_threshold: int | None,
-    skip_modules: Collection[nn.Module],
-    override_config: Mapping[nn.Module, RoundPipeRunConfig] | None,
-) -> _SplitRules:
-    """The split rules from auto_wrap's arguments, each checked."""
-    if split_threshold is not None and (
-        isinstance(split_threshold, bool)
-        or not isinstance(split_threshold, int)
-        or split_threshold < 1
-    ):
-        raise ValueError(
-            f"split_threshold must be a positive int (parameters), got {split_threshold!r}"
-        )
-    _check_bytes("upper_threshold", upper_threshold, 1)
-    _check_bytes("lower_threshold", lower_threshold, 0)
-    if split_threshold is not None and upper_threshold is not None:
-        raise ValueError("give upper_threshold (bytes) or split_threshold (parameters), not both")
-    if isinstance(skip_modules, nn.Module) or not all(
-        isinstance(m, nn.Module) for m in skip_modules
-    ):
-        raise TypeError("skip_modules must be a collection of nn.Module, e.g. [model.head]")
-    for m, cfg in (override_config or {}).items():
-        if not isinstance(m, nn.Module):
-            raise TypeError(
-                f"override_config keys must be submodules of the model, got {type(m).__name__}"
-            )
-        check_run_config(cfg, f"override_config[{type(m).__name__}]")
-        if not _callable(m):
-            raise ValueError(
-                f"override_config names a {type(m).__name__}, which has no forward of its own "
-                "and cannot run as one unit; name its children instead"
-            )
-    inside = {id(x) for x in model.modules()}
-    for what, mods in (
-        ("skip_modules", list(skip_modules)),
-        ("override_config", list(override_config or {})),
-    ):
-        for m in mods:
-            if id(m) not in inside:
-                raise ValueError(
-                    f"{what} holds a {type(m).__name__} that is not a submodule of the model"
-                )
-    if upper_threshold is not None:
-        return _SplitRules(upper_threshold, _bytes, lower_threshold, skip_modules, override_config)
-    threshold = split_threshold if split_threshold is not None else _default_threshold(model)
-    return _SplitRules(threshold, _numel, lower_threshold, skip_modules, override_config)
-
-
 def auto_wrap(
     model: nn.Module,
     split_threshold: int | None = None,
@@ -868,7 +567,7 @@ def auto_wrap(
         TypeError / ValueError: a threshold, skipped module or override is malformed or
             names a module outside ``model``.
     """
-    rules = _rules(
+    rules = split_rules(
         model, split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
     )
     # a skipped or separately configured inner module needs the unit-by-unit form
