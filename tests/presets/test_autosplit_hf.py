@@ -211,16 +211,16 @@ def _gemma3n() -> torch.nn.Module:
         hidden_size=32,
         hidden_size_per_layer_input=8,
         intermediate_size=64,
-        num_hidden_layers=4,
+        num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        num_kv_shared_layers=2,  # layers 2, 3 reuse the keys/values layers 0, 1 store
+        num_kv_shared_layers=1,  # layer 2 reuses the keys/values layer 0 stores
         laurel_rank=4,
         altup_num_inputs=2,
         sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        activation_sparsity_pattern=[0.0] * 4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        activation_sparsity_pattern=[0.0] * 3,
         use_cache=False,
     )
     return transformers.Gemma3nForCausalLM(cfg).train()
