@@ -65,6 +65,17 @@ def _takes_loss_kwargs(unit: nn.Module) -> bool:
     )
 
 
+def _token_mean_loss(unit: nn.Module) -> bool | None:
+    """Whether ``unit``'s Hugging Face loss shifts its labels (a causal LM), ``False`` for a
+    masked LM, ``None`` for anything else (not a Hugging Face model, another loss, a
+    ``loss_function`` of the user's). As ``PreTrainedModel.loss_function``: a model without
+    a ``loss_type`` (GPT-2's class name names none) computes the causal LM loss."""
+    if not hasattr(type(unit), "loss_function") or "_loss_function" in vars(unit):
+        return None
+    loss_type = getattr(unit, "loss_type", None) or "ForCausalLM"
+    return _TOKEN_MEAN_LOSSES.get(loss_type)
+
+
 def token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> dict | None:
     """``kwargs`` with ``num_items_in_batch`` set so that the microbatches' Hugging Face
     losses average to the whole batch's loss, or ``None`` if ``unit`` computes no such loss.
@@ -77,7 +88,7 @@ def token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> di
     / ``N``, Hugging Face's loss, and so are its gradients.
     """
     labels = kwargs.get("labels")
-    shifted = _TOKEN_MEAN_LOSSES.get(getattr(unit, "loss_type", None) or "")
+    shifted = _token_mean_loss(unit)
     if not isinstance(labels, torch.Tensor) or shifted is None or not _takes_loss_kwargs(unit):
         return None
     count = kwargs.get("num_items_in_batch")

@@ -94,10 +94,27 @@ def test_tied_embeddings_are_shared_between_units_not_merged(shared_masters: boo
         rp.close()
 
 
-def test_a_unit_computing_hf_loss_per_microbatch_is_combined_by_token_count() -> None:
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        vocab_size=VOCAB,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+@pytest.mark.parametrize("make", [_gemma, _gpt2], ids=["gemma", "gpt2_no_loss_type"])
+def test_a_unit_computing_hf_loss_per_microbatch_is_combined_by_token_count(make) -> None:
     # a threshold the whole model is under: the root is one unit, its call cut in two, and
-    # each microbatch computes Hugging Face's token-mean loss itself
-    model = _gemma()
+    # each microbatch computes Hugging Face's token-mean loss itself (GPT-2 has no
+    # loss_type: Hugging Face falls back to the causal LM loss, and so does the split)
+    model = make()
     rp = _compare_with_hf(model, {"split_threshold": 10**9}, **_batch())
     try:
         assert isinstance(rp, AutoRoundPipe) and [n for n, _ in rp.units] == [""]
