@@ -21,13 +21,13 @@
    embeddings) and a module reached from several parents is one unit: every
    inner RoundPipe adds its gradients into the outer one's master, so they sum.
 
-An AutoRoundPipe is never silently wrong where the split cannot see the model's
-code (:mod:`roundpipe_core.autosplit_calls`): a unit parameter the host code uses itself is found
-while ``forward`` runs and trained from the host too; a unit call whose inputs
-are not batch-leading runs whole; a unit computing Hugging Face's token-mean
-loss gets the whole call's token count; other reductions over a call cut into
-microbatches, state a unit writes into its inputs for later units, and state a
-unit keeps on its modules are refused, naming the unit and the option that fixes it.
+A module whose forward uses a child's parameter itself (``self.conv1d.weight``)
+is one unit. Where the split cannot see the model's code it is never silently
+wrong (:mod:`roundpipe_core.autosplit_calls`): a unit parameter the host code uses
+is found while ``forward`` runs and trained from the host too; a unit call whose
+inputs are not batch-leading runs whole; a unit computing Hugging Face's loss gets
+the whole call's token count; other reductions over a call cut into microbatches
+and state a unit leaves for later are refused, naming the unit and the fix.
 
 The published RoundPipe's options refine the cut (:mod:`roundpipe_core.autosplit_rules`): ``upper_threshold`` measures
 sizes in bytes of parameters and buffers instead of ``split_threshold``'s
@@ -68,7 +68,7 @@ from .autosplit_calls import (
     spelled,
     token_count_kwargs,
 )
-from .autosplit_rules import SplitRules, has_own_forward, numel, split_rules
+from .autosplit_rules import SplitRules, has_own_forward, numel, reads_child_weights, split_rules
 from .base import RoundPipeBase
 from .batch.tree import batch_size_of, split_sizes
 from .config import RoundPipeRunConfig, check_run_config
@@ -254,6 +254,8 @@ def _plan_units(
                 or rules.size(m) <= rules.threshold
                 or not has_param_children
                 or chain_layers(m) is not None
+                # not the root: one unit for the whole model would pipeline nothing
+                or (name and reads_child_weights(m))
             ):
                 units.append((name, m))
                 return

@@ -7,6 +7,8 @@ option of :func:`roundpipe_core.autosplit.auto_wrap` checked once.
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from typing import Any
@@ -15,7 +17,15 @@ from torch import nn
 
 from .config import RoundPipeRunConfig, check_run_config
 
-__all__ = ["SplitRules", "default_threshold", "has_own_forward", "nbytes", "numel", "split_rules"]
+__all__ = [
+    "SplitRules",
+    "default_threshold",
+    "has_own_forward",
+    "nbytes",
+    "numel",
+    "reads_child_weights",
+    "split_rules",
+]
 
 
 def numel(module: nn.Module) -> int:
@@ -42,6 +52,29 @@ def has_own_forward(m: nn.Module) -> bool:
     """Whether ``m`` has a forward of its own (a ModuleList, ModuleDict has not: its
     children are called by the parent's code, so it cannot run as one unit)."""
     return type(m).forward is not nn.Module.forward
+
+
+# ``self.<child>.<attribute>`` in a forward's source, unless only its metadata is read
+_CHILD_ATTRIBUTE = re.compile(
+    r"self\.(\w+)\.(\w+)\b(?!\s*\.\s*(?:dtype|device|shape|ndim|requires_grad)\b)(?!\s+is\b)"
+)
+
+
+def reads_child_weights(m: nn.Module) -> bool:
+    """Whether ``m``'s own ``forward`` (its source, as written) uses a parameter of a child
+    directly -- ``F.conv1d(x, self.conv1d.weight)`` in Mamba's mixers -- instead of calling
+    the child. Such a module is one unit, not opened: the child's weight would be used on
+    the host outside the child's unit. Uses the scan cannot see (a helper method, a deeper
+    path) are found while the model runs (``autosplit_calls.HostReads``)."""
+    try:
+        source = inspect.getsource(type(m).forward)
+    except (OSError, TypeError):  # no source (built in, generated): nothing to read
+        return False
+    for child_name, attr in _CHILD_ATTRIBUTE.findall(source):
+        child = m._modules.get(child_name)
+        if child is not None and attr in child._parameters:
+            return True
+    return False
 
 
 class SplitRules:

@@ -67,8 +67,8 @@ def tiny_phi3() -> nn.Module:
 
 
 def tiny_mamba2() -> nn.Module:
-    """Its mixer's forward passes self.conv1d.weight to a fused function itself: a unit's
-    parameter used by host code (found and trained, not refused as a direct call)."""
+    """Its mixer's forward passes self.conv1d.weight to a fused function itself: the split
+    keeps the mixer one unit (once refused as a direct call of the network)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Mamba2Config(
         vocab_size=64,

@@ -4,6 +4,7 @@ RoundPipe; non-sequential models an AutoRoundPipe that trains like plain PyTorch
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -333,6 +334,65 @@ def test_a_unit_whose_input_dim0_is_not_the_batch_is_not_cut_as_batch() -> None:
     try:
         assert [n for n, _ in rp.units] == ["proj", "experts"]
         assert rp._unsplit_units == {"experts"}  # (3 x 20 tokens, 8): whole, not cut in two
+    finally:
+        rp.close()
+
+
+class HelperReader(nn.Module):
+    """Uses its child's weight in a helper method, not in forward itself: the source scan
+    cannot see it, the watch over the host code finds it."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d, bias=False)
+        self.other = nn.Linear(d, d)
+
+    def _mix(self, h):
+        return nn.functional.linear(h, self.lin.weight) * 2
+
+    def forward(self, h):
+        return self.other(self._mix(h)) + h
+
+
+class HelperReaderNet(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, d)
+        self.reader = HelperReader(d)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(self.reader(h) + h)
+
+
+@pytest.mark.parametrize("shared_masters", [None, False])
+def test_a_units_weight_the_host_code_uses_is_trained(
+    shared_masters: bool | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    model = HelperReaderNet()
+    gen = torch.Generator().manual_seed(6)
+    data = [(torch.randn(5, 4, 6, generator=gen),) for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="roundpipe_core.autosplit"):
+        rp = _train_compare(
+            model,
+            lambda it: data[it],
+            lambda out: out.pow(2).mean(),
+            dict(
+                split_threshold=100,
+                lower_threshold=0,
+                devices=2,
+                model_run_config=RoundPipeRunConfig(num_microbatch=2),
+                shared_masters=shared_masters,
+            ),
+            steps=2,
+        )
+    try:
+        assert "reader.lin" in [n for n, _ in rp.units]
+        assert [n for n, _ in rp.host_parameters] == ["reader.lin.weight"]
+        assert "'reader.lin.weight', a parameter of unit 'reader.lin'" in caplog.text
+        assert "override_config={model.reader: RoundPipeRunConfig()}" in caplog.text
     finally:
         rp.close()
 
