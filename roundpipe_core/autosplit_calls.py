@@ -46,10 +46,10 @@ def not_batch_leading(args: tuple, kwargs: dict, batch: int | None) -> str | Non
     """The first input tensor whose dim 0 is neither the call's batch nor 1 (a broadcast
     dim), described; ``None`` if every tensor is batch-leading."""
     for where, value in (("args", args), ("kwargs", kwargs)):
-        for i, leaf in enumerate(flatten(value)[0]):
+        for path, leaf in zip(leaf_paths(value, where), flatten(value)[0]):
             if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
                 if leaf.shape[0] not in (batch, 1):
-                    return f"input {where} leaf {i} of shape {tuple(leaf.shape)}"
+                    return f"input {path} of shape {tuple(leaf.shape)}"
     return None
 
 
