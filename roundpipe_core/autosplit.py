@@ -422,27 +422,29 @@ class AutoRoundPipe(RoundPipeBase):
 
     def _call_unit(self, index: int, batch: int | None, args: tuple, kwargs: dict) -> Any:
         """One call of unit ``index`` from the host code, on its inner RoundPipe: cut into
-        microbatches only where that gives the numbers of one whole call (see :mod:`roundpipe_core.autosplit_calls`)."""
+        microbatches only where that gives the numbers of one whole call (the checks are
+        :mod:`roundpipe_core.autosplit_calls`)."""
         name, inner = self.units[index]
         unit = self._unit_modules[index]
         cfg = RoundPipeRunConfig(requires_grad=torch.is_grad_enabled())
         n = len(split_sizes(batch_size_of((args, kwargs)), inner.num_microbatch_for()))
         if n > 1:
-            odd = "no input of the call has a batch dim" if batch is None else None
-            odd = odd or not_batch_leading(args, kwargs, batch)
+            odd = not_batch_leading(args, kwargs, batch)
+            if batch is None:
+                odd = "the AutoRoundPipe call has no batch dim to cut along"
+            elif odd is not None:
+                odd = f"its {odd} has a dim 0 that is not the batch ({batch})"
             if odd is not None:
                 # cutting along a dim 0 that is not the batch would misalign the pieces
                 # (Bloom's ALiBi: batch x heads; MoE experts: experts x tokens)
                 if name not in self._unsplit_units:
                     self._unsplit_units.add(name)
                     _log.info(
-                        "AutoRoundPipe %r: unit %r (%s) runs as one microbatch: its %s has a "
-                        "dim 0 that is not the batch (%s)",
+                        "AutoRoundPipe %r: unit %r (%s) runs as one microbatch: %s",
                         self.name,
                         name or "<root>",
                         type(unit).__name__,
                         odd,
-                        batch,
                     )
                 cfg = replace(cfg, num_microbatch=1, split_input=WHOLE_CALL)
                 n = 1
