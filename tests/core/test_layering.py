@@ -38,7 +38,18 @@ CORE_LAYERS: list[tuple[str, set[str]]] = [
             "simulate",
         },
     ),
-    ("integrations", {"autosplit", "verify", "presets", "distributed", "checkpoint_file"}),
+    (
+        "integrations",
+        {
+            "autosplit",
+            "autosplit_rules",
+            "autosplit_calls",
+            "verify",
+            "presets",
+            "distributed",
+            "checkpoint_file",
+        },
+    ),
     ("package", {"__init__"}),
 ]
 
