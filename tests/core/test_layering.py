@@ -42,8 +42,6 @@ CORE_LAYERS: list[tuple[str, set[str]]] = [
         "integrations",
         {
             "autosplit",
-            "autosplit_rules",
-            "autosplit_calls",
             "verify",
             "presets",
             "distributed",
