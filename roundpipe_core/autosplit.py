@@ -17,9 +17,19 @@
    opened and their children visited. The glue code between units (the
    original ``forward`` of the opened modules: residual adds, routing between
    encoder and decoder ...) runs on the host, as does any parameter owned
-   directly by an opened module.
+   directly by an opened module. A parameter may sit in several units (tied
+   embeddings) and a module reached from several parents is one unit: every
+   inner RoundPipe adds its gradients into the outer one's master, so they sum.
 
-The published RoundPipe's options refine the cut: ``upper_threshold`` measures
+A module whose forward uses a child's parameter itself (``self.conv1d.weight``)
+is one unit. Where the split cannot see the model's code it is never silently
+wrong (:mod:`roundpipe_core.autosplit_calls`): a unit parameter the host code uses
+is found while ``forward`` runs and trained from the host too; a unit call whose
+inputs are not batch-leading runs whole; a unit computing Hugging Face's loss gets
+the whole call's token count; other reductions over a call cut into microbatches
+and state a unit leaves for later are refused, naming the unit and the fix.
+
+The published RoundPipe's options refine the cut (:mod:`roundpipe_core.autosplit_rules`): ``upper_threshold`` measures
 sizes in bytes of parameters and buffers instead of ``split_threshold``'s
 parameter count; ``lower_threshold`` (bytes) keeps a module whose own direct
 parameters and buffers reach it whole, and runs units smaller than it as one
@@ -37,7 +47,10 @@ It is slower than a hand-written Sequential (docs/presets.md says why).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Mapping
+import inspect
+import logging
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping, MutableSequence
 from dataclasses import replace
 from typing import Any
 
@@ -45,20 +58,27 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate, map_arg
+from torch.overrides import TorchFunctionMode
 
 from .base import RoundPipeBase
+from .batch.explain import leaf_paths
+from .batch.tree import Replicate, batch_size_of, flatten, split_sizes
 from .config import RoundPipeRunConfig, check_run_config
 from .kinds import PinMode
 from .model import RoundPipe
+from .running.carried import UntrainableStateError
 
 __all__ = ["AutoRoundPipe", "auto_wrap", "chain_layers", "split_layers"]
 
 
-def _numel(module: nn.Module) -> int:
+# ---------------------------------------------------------------- split rules
+
+
+def numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _bytes(module: nn.Module, recurse: bool = True) -> int:
+def nbytes(module: nn.Module, recurse: bool = True) -> int:
     """Bytes of the parameters and buffers (shared tensors once): the published
     RoundPipe's measure of a module's size for its thresholds."""
     seen: set[int] = set()
@@ -68,6 +88,326 @@ def _bytes(module: nn.Module, recurse: bool = True) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
+
+
+def default_threshold(model: nn.Module) -> int:
+    return max(1, numel(model) // 8)
+
+
+def has_own_forward(m: nn.Module) -> bool:
+    """Whether ``m`` has a forward of its own (a ModuleList, ModuleDict has not: its
+    children are called by the parent's code, so it cannot run as one unit)."""
+    return type(m).forward is not nn.Module.forward
+
+
+# ``self.<child>.<attribute>`` in a forward's source, unless only its metadata is read
+_CHILD_ATTRIBUTE = re.compile(
+    r"self\.(\w+)\.(\w+)\b(?!\s*\.\s*(?:dtype|device|shape|ndim|requires_grad)\b)(?!\s+is\b)"
+)
+
+
+def reads_child_weights(m: nn.Module) -> bool:
+    """Whether ``m``'s own ``forward`` (its source, as written) uses a parameter of a child
+    directly -- ``F.conv1d(x, self.conv1d.weight)`` in Mamba's mixers -- instead of calling
+    the child. Such a module is one unit, not opened: the child's weight would be used on
+    the host outside the child's unit. Uses the scan cannot see (a helper method, a deeper
+    path) are found while the model runs (``autosplit_calls.HostReads``)."""
+    try:
+        source = inspect.getsource(type(m).forward)
+    except (OSError, TypeError):  # no source (built in, generated): nothing to read
+        return False
+    for child_name, attr in _CHILD_ATTRIBUTE.findall(source):
+        child = m._modules.get(child_name)
+        if child is not None and attr in child._parameters:
+            return True
+    return False
+
+
+class SplitRules:
+    """How the tree is cut into units: the size measure and its thresholds, the modules
+    kept on the host, and the modules that take their own run config."""
+
+    def __init__(
+        self,
+        threshold: int,
+        size: Callable[[nn.Module], int] = numel,
+        lower_threshold: int | None = None,
+        skip_modules: Collection[nn.Module] = (),
+        override_config: Mapping[nn.Module, RoundPipeRunConfig] | None = None,
+    ) -> None:
+        self.threshold, self.size, self.lower = threshold, size, lower_threshold
+        self.skip = {id(m) for m in skip_modules}
+        self.override = {id(m): c for m, c in (override_config or {}).items()}
+
+    def holds_skipped(self, m: nn.Module) -> bool:
+        return bool(self.skip) and any(id(x) in self.skip for x in m.modules())
+
+    def whole(self, m: nn.Module) -> bool:
+        """``m`` (holding no skipped module) becomes one unit without being opened."""
+        if id(m) in self.override:
+            return True
+        # a module that holds big parameters itself cannot be cut below them
+        own = nbytes(m, recurse=False)
+        return self.lower is not None and own > 0 and own >= self.lower
+
+    def config_of(
+        self, m: nn.Module, default: RoundPipeRunConfig | None
+    ) -> RoundPipeRunConfig | None:
+        """The run config of unit ``m``: its override, else ``default``; a unit smaller than
+        ``lower_threshold`` runs as one microbatch (too small to pipeline)."""
+        if id(m) in self.override:
+            return self.override[id(m)]
+        if self.lower is not None and nbytes(m) < self.lower:
+            base = default if default is not None else RoundPipeRunConfig()
+            return replace(base, num_microbatch=1)
+        return default
+
+
+def _check_bytes(name: str, value: Any, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of bytes or None, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum} bytes, got {value}")
+
+
+def split_rules(
+    model: nn.Module,
+    split_threshold: int | None,
+    upper_threshold: int | None,
+    lower_threshold: int | None,
+    skip_modules: Collection[nn.Module],
+    override_config: Mapping[nn.Module, RoundPipeRunConfig] | None,
+) -> SplitRules:
+    """The split rules from auto_wrap's arguments, each checked."""
+    if split_threshold is not None and (
+        isinstance(split_threshold, bool)
+        or not isinstance(split_threshold, int)
+        or split_threshold < 1
+    ):
+        raise ValueError(
+            f"split_threshold must be a positive int (parameters), got {split_threshold!r}"
+        )
+    _check_bytes("upper_threshold", upper_threshold, 1)
+    _check_bytes("lower_threshold", lower_threshold, 0)
+    if split_threshold is not None and upper_threshold is not None:
+        raise ValueError("give upper_threshold (bytes) or split_threshold (parameters), not both")
+    if isinstance(skip_modules, nn.Module) or not all(
+        isinstance(m, nn.Module) for m in skip_modules
+    ):
+        raise TypeError("skip_modules must be a collection of nn.Module, e.g. [model.head]")
+    for m, cfg in (override_config or {}).items():
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"override_config keys must be submodules of the model, got {type(m).__name__}"
+            )
+        check_run_config(cfg, f"override_config[{type(m).__name__}]")
+        if not has_own_forward(m):
+            raise ValueError(
+                f"override_config names a {type(m).__name__}, which has no forward of its own "
+                "and cannot run as one unit; name its children instead"
+            )
+    inside = {id(x) for x in model.modules()}
+    for what, mods in (
+        ("skip_modules", list(skip_modules)),
+        ("override_config", list(override_config or {})),
+    ):
+        for m in mods:
+            if id(m) not in inside:
+                raise ValueError(
+                    f"{what} holds a {type(m).__name__} that is not a submodule of the model"
+                )
+    if upper_threshold is not None:
+        return SplitRules(upper_threshold, nbytes, lower_threshold, skip_modules, override_config)
+    threshold = split_threshold if split_threshold is not None else default_threshold(model)
+    return SplitRules(threshold, numel, lower_threshold, skip_modules, override_config)
+
+
+# ---------------------------------------------------------------- unit calls
+
+#: Hugging Face loss types whose loss is a mean over label tokens != -100, and whether the
+#: labels are shifted by one first (transformers.loss.loss_utils.LOSS_MAPPING)
+_TOKEN_MEAN_LOSSES = {"ForCausalLM": True, "ForConditionalGeneration": True, "ForMaskedLM": False}
+_IGNORE_INDEX = -100
+
+
+def not_batch_leading(args: tuple, kwargs: dict, batch: int | None) -> str | None:
+    """The first input tensor whose dim 0 is neither the call's batch nor 1 (a broadcast
+    dim), described; ``None`` if every tensor is batch-leading."""
+    for where, value in (("args", args), ("kwargs", kwargs)):
+        for path, leaf in zip(leaf_paths(value, where), flatten(value)[0]):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+                if leaf.shape[0] not in (batch, 1):
+                    return f"input {path} of shape {tuple(leaf.shape)}"
+    return None
+
+
+#: ``split_input`` of a call that must not be cut: every input whole, in one microbatch
+#: (also where the engine would otherwise sample two rows to measure activations)
+WHOLE_CALL = (Replicate, Replicate)
+
+
+def _takes_loss_kwargs(unit: nn.Module) -> bool:
+    params = inspect.signature(type(unit).forward).parameters.values()
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params
+    )
+
+
+def _token_mean_loss(unit: nn.Module) -> bool | None:
+    """Whether ``unit``'s Hugging Face loss shifts its labels (a causal LM), ``False`` for a
+    masked LM, ``None`` for anything else (not a Hugging Face model, another loss, a
+    ``loss_function`` of the user's). As ``PreTrainedModel.loss_function``: a model without
+    a ``loss_type`` (GPT-2's class name names none) computes the causal LM loss."""
+    if not hasattr(type(unit), "loss_function") or "_loss_function" in vars(unit):
+        return None
+    loss_type = getattr(unit, "loss_type", None) or "ForCausalLM"
+    return _TOKEN_MEAN_LOSSES.get(loss_type)
+
+
+def token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> dict | None:
+    """``kwargs`` with ``num_items_in_batch`` set so that the microbatches' Hugging Face
+    losses average to the whole batch's loss, or ``None`` if ``unit`` computes no such loss.
+
+    A token-mean loss (Hugging Face's causal / masked LM loss) with ``num_items_in_batch=N``
+    is the microbatch's sum over tokens divided by ``N``. ``N`` is the whole call's count of
+    label tokens != -100 (after the shift, for a causal LM), or the caller's own
+    ``num_items_in_batch``; each microbatch gets ``N / num_microbatch``, because the merge
+    averages the microbatches' 0-dim outputs: the average is then (sum of all tokens' losses)
+    / ``N``, Hugging Face's loss, and so are its gradients.
+    """
+    labels = kwargs.get("labels")
+    shifted = _token_mean_loss(unit)
+    if not isinstance(labels, torch.Tensor) or shifted is None or not _takes_loss_kwargs(unit):
+        return None
+    count = kwargs.get("num_items_in_batch")
+    if count is None:
+        counted = kwargs.get("shift_labels")
+        if not isinstance(counted, torch.Tensor):
+            counted = labels[..., 1:] if shifted else labels
+        count = (counted != _IGNORE_INDEX).sum()
+    return {**kwargs, "num_items_in_batch": count / num_microbatch}
+
+
+def mutable_state(args: tuple, kwargs: dict) -> list[tuple[str, Any, tuple]]:
+    """``(where, object, contents)`` of the input leaves a unit could write state into for
+    later units: mutable containers the batch split does not open (a ``UserDict`` such as
+    transformers' ``KVSharingDict``, any ``MutableMapping`` or ``MutableSequence``); contents
+    by identity, so that a write during the call shows."""
+    out = []
+    for where, value in (("args", args), ("kwargs", kwargs)):
+        for path, leaf in zip(leaf_paths(value, where), flatten(value)[0]):
+            if isinstance(leaf, (MutableMapping, MutableSequence)):
+                out.append((path, leaf, _contents(leaf)))
+    return out
+
+
+def _contents(obj: Any) -> tuple:
+    if isinstance(obj, MutableMapping):
+        return tuple((k, id(v)) for k, v in obj.items())
+    return tuple(id(v) for v in obj)
+
+
+def check_no_state_written(
+    state: list[tuple[str, Any, tuple]], unit_name: str, unit: nn.Module, model: nn.Module
+) -> None:
+    """Refuse a unit call that wrote into a mutable input (state handed to later units beside
+    the call's outputs): the unit ran on a device replica, once per microbatch, so what it
+    stored is the last microbatch's, on the device, and outside the autograd graph of the
+    call -- a later unit reading it would get other rows and send no gradient back."""
+    for where, obj, before in state:
+        if _contents(obj) != before:
+            parent = caller_of(model, unit_name)
+            raise ValueError(
+                f"automatic split: unit {unit_name or '<root>'!r} ({type(unit).__name__}) wrote "
+                f"into its input {where}, a {type(obj).__name__}: state passed on to later units "
+                "outside the call's inputs and outputs (as Gemma 3n's shared key/value states). "
+                "Across separate units it would hold one microbatch's values and lose its "
+                "gradient. Make the module that passes it on one unit: "
+                f"override_config={{{spelled(parent)}: RoundPipeRunConfig()}} (or a module above "
+                "it) in wrap_model_to_roundpipe / auto_wrap"
+            )
+
+
+def caller_of(model: nn.Module, name: str) -> str:
+    """The nearest module above ``name`` with a forward of its own (a ModuleList's parent):
+    the one whose code calls it, which ``override_config`` can make one unit."""
+    while name:
+        name = name.rsplit(".", 1)[0] if "." in name else ""
+        if has_own_forward(model.get_submodule(name)):
+            return name
+    return name
+
+
+def spelled(name: str) -> str:
+    """How a user names the submodule ``name`` of ``model`` in Python."""
+    if not name:
+        return "model"
+    if all(part.isidentifier() for part in name.split(".")):
+        return f"model.{name}"
+    return f"model.get_submodule({name!r})"
+
+
+def check_no_batch_reduction(
+    out: Any, loss_normalised: bool, unit_name: str, unit: nn.Module, num_microbatch: int
+) -> None:
+    """Refuse a 0-dim floating output of a call cut into microbatches (other than the loss
+    :func:`token_count_kwargs` normalised, the first output leaf): the merge averages the
+    microbatches' values, which is not the whole batch's value for a mean over tokens, a
+    sum, a load-balancing loss ..."""
+    for i, leaf in enumerate(flatten(out)[0]):
+        if not (isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and leaf.is_floating_point()):
+            continue
+        if loss_normalised and i == 0:
+            continue
+        raise ValueError(
+            f"automatic split: unit {unit_name or '<root>'!r} ({type(unit).__name__}) returned "
+            f"a 0-dim tensor (output leaf {i}) computed on each of its {num_microbatch} "
+            "microbatches; their average is not the whole batch's value (a mean over tokens, a "
+            "sum, an auxiliary loss differ). Run that module as one microbatch: "
+            f"override_config={{{spelled(unit_name)}: RoundPipeRunConfig(num_microbatch=1)}} "
+            "in wrap_model_to_roundpipe / auto_wrap"
+        )
+
+
+class HostReads(TorchFunctionMode):
+    """Watches the host code of one ``AutoRoundPipe.forward`` (this thread only: torch
+    function modes are thread-local, the units run on worker threads) for parameters of a
+    unit used outside that unit's call -- ``F.conv1d(x, self.conv1d.weight)`` in a parent's
+    forward. Such a use computes with the model's own tensor, so its gradient lands in that
+    tensor's ``.grad``, not in the master the unit's gradients go to: the parameters found
+    are then collected from the host too (``AutoRoundPipe.host_parameters``)."""
+
+    def __init__(self, unit_params: Mapping[int, nn.Parameter]) -> None:
+        super().__init__()
+        self.unit_params = unit_params
+        self.found: dict[int, nn.Parameter] = {}
+        self.paused = 0  # > 0 inside a unit's own call
+
+    def _note(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if id(value) in self.unit_params:
+                self.found[id(value)] = self.unit_params[id(value)]
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                self._note(v)
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # only a use a gradient flows back through (not .dtype, .shape, .detach() ...)
+        if not self.paused and isinstance(out, torch.Tensor) and out.requires_grad:
+            self._note(args)
+            self._note(tuple(kwargs.values()))
+        return out
+
+
+# ---------------------------------------------------------------- the split
+
+_log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- chain detection
@@ -180,7 +520,7 @@ def chain_layers(module: nn.Module) -> list[nn.Module] | None:
 
 
 def split_layers(
-    module: nn.Module, split_threshold: int, size: Callable[[nn.Module], int] = _numel
+    module: nn.Module, split_threshold: int, size: Callable[[nn.Module], int] = numel
 ) -> list[nn.Module]:
     """``module`` as a list of Sequential layers: chains are opened, and steps larger than
     ``split_threshold`` (by ``size``: parameter elements unless given) that are chains are
@@ -197,10 +537,6 @@ def split_layers(
     return out
 
 
-def _default_threshold(model: nn.Module) -> int:
-    return max(1, _numel(model) // 8)
-
-
 # --------------------------------------------------------------------------- AutoRoundPipe
 
 
@@ -208,123 +544,57 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _common_prefix(a: str, b: str) -> str:
-    pa, pb = a.split(".") if a else [], b.split(".") if b else []
-    out = []
-    for x, y in zip(pa, pb):
-        if x != y:
-            break
-        out.append(x)
-    return ".".join(out)
-
-
-def _callable(m: nn.Module) -> bool:
-    """Whether ``m`` has a forward of its own (a ModuleList, ModuleDict has not: its
-    children are called by the parent's code, so it cannot run as one unit)."""
-    return type(m).forward is not nn.Module.forward
-
-
-class _SplitRules:
-    """How the tree is cut into units: the size measure and its thresholds, the modules
-    kept on the host, and the modules that take their own run config."""
-
-    def __init__(
-        self,
-        threshold: int,
-        size: Callable[[nn.Module], int] = _numel,
-        lower_threshold: int | None = None,
-        skip_modules: Collection[nn.Module] = (),
-        override_config: Mapping[nn.Module, RoundPipeRunConfig] | None = None,
-    ) -> None:
-        self.threshold, self.size, self.lower = threshold, size, lower_threshold
-        self.skip = {id(m) for m in skip_modules}
-        self.override = {id(m): c for m, c in (override_config or {}).items()}
-
-    def holds_skipped(self, m: nn.Module) -> bool:
-        return bool(self.skip) and any(id(x) in self.skip for x in m.modules())
-
-    def whole(self, m: nn.Module) -> bool:
-        """``m`` (holding no skipped module) becomes one unit without being opened."""
-        if id(m) in self.override:
-            return True
-        # a module that holds big parameters itself cannot be cut below them
-        own = _bytes(m, recurse=False)
-        return self.lower is not None and own > 0 and own >= self.lower
-
-    def config_of(
-        self, m: nn.Module, default: RoundPipeRunConfig | None
-    ) -> RoundPipeRunConfig | None:
-        """The run config of unit ``m``: its override, else ``default``; a unit smaller than
-        ``lower_threshold`` runs as one microbatch (too small to pipeline)."""
-        if id(m) in self.override:
-            return self.override[id(m)]
-        if self.lower is not None and _bytes(m) < self.lower:
-            base = default if default is not None else RoundPipeRunConfig()
-            return replace(base, num_microbatch=1)
-        return default
-
-
 def _plan_units(
-    model: nn.Module, rules: _SplitRules, forced: set[str]
+    model: nn.Module, rules: SplitRules
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
     """Units (qualified name, module) and host parameters (owned directly by opened
-    modules, or by skipped ones)."""
+    modules, or by skipped ones).
+
+    A parameter may sit in several units (tied embeddings: the input embedding and the
+    LM head), or in a unit and on the host: every inner RoundPipe adds its gradients
+    into the one master the outer RoundPipe keeps, so they sum as for a parameter shared
+    by two layers of one RoundPipe. A module reached twice (one block called from
+    several places) is one unit, listed once, and called from each place.
+    """
     units: list[tuple[str, nn.Module]] = []
     host: list[tuple[str, nn.Parameter]] = []
+    seen_modules: set[int] = set()
+    seen_host: set[int] = set()
+
+    def keep_on_host(qualname: str, p: nn.Parameter) -> None:
+        if id(p) not in seen_host:
+            seen_host.add(id(p))
+            host.append((qualname, p))
 
     def visit(name: str, m: nn.Module) -> None:
-        if id(m) in rules.skip:
-            host.extend((_join(name, pname), p) for pname, p in m.named_parameters())
+        if id(m) in seen_modules:
             return
-        if _numel(m) == 0:
+        seen_modules.add(id(m))
+        if id(m) in rules.skip:
+            for pname, p in m.named_parameters():
+                keep_on_host(_join(name, pname), p)
+            return
+        if numel(m) == 0:
             return  # no parameters: it runs on the host as glue
-        if not rules.holds_skipped(m) and _callable(m):
-            has_param_children = any(_numel(c) for c in m.children())
+        if not rules.holds_skipped(m) and has_own_forward(m):
+            has_param_children = any(numel(c) for c in m.children())
             if (
-                name in forced
-                or rules.whole(m)
+                rules.whole(m)
                 or rules.size(m) <= rules.threshold
                 or not has_param_children
                 or chain_layers(m) is not None
+                # not the root: one unit for the whole model would pipeline nothing
+                or (name and reads_child_weights(m))
             ):
                 units.append((name, m))
                 return
         for pname, p in m.named_parameters(recurse=False):
-            host.append((_join(name, pname), p))
+            keep_on_host(_join(name, pname), p)
         for cname, child in m.named_children():
             visit(_join(name, cname), child)
 
     visit("", model)
     return units, host
-
-
-def _units_without_sharing(
-    model: nn.Module, rules: _SplitRules
-) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
-    """Plan units; where a parameter is used by two units (or a unit and the host), their
-    common ancestor becomes one unit -- RoundPipe instances cannot share parameters."""
-    forced: set[str] = set()
-    while True:
-        units, host = _plan_units(model, rules, forced)
-        owner: dict[int, str] = {}
-        conflict: str | None = None
-        places = [(name, list(m.parameters())) for name, m in units]
-        places += [(name.rsplit(".", 1)[0] if "." in name else "", [p]) for name, p in host]
-        for place, params in places:
-            for p in params:
-                prev = owner.setdefault(id(p), place)
-                if prev != place:
-                    conflict = _common_prefix(prev, place)
-                    break
-            if conflict is not None:
-                break
-        if conflict is None:
-            return units, host
-        if conflict in forced:  # cannot happen, but never loop forever
-            raise RuntimeError(
-                f"automatic split could not separate shared parameters under {conflict!r}"
-            )
-        forced.add(conflict)
 
 
 class _Direct(nn.Module):
@@ -339,12 +609,11 @@ class _Direct(nn.Module):
         return type(self.unit).forward(self.unit, *args, **kwargs)
 
 
-def _make_redirect(inner: RoundPipe) -> Callable[..., Any]:
+def _make_redirect(auto: AutoRoundPipe, index: int, batch: int | None) -> Callable[..., Any]:
     # A plain function (not functools.partial): the engine deep-copies layers into device
-    # replicas, and deepcopy keeps functions as they are instead of copying ``inner``.
+    # replicas, and deepcopy keeps functions as they are instead of copying ``auto``.
     def forward(*args: Any, **kwargs: Any) -> Any:
-        cfg = RoundPipeRunConfig(requires_grad=torch.is_grad_enabled())
-        return inner(*args, roundpipe_run_config=cfg, **kwargs)
+        return auto._call_unit(index, batch, args, kwargs)
 
     return forward
 
@@ -363,7 +632,8 @@ class AutoRoundPipe(RoundPipeBase):
     Attributes:
         units: ``(qualified name, inner RoundPipe)`` per unit.
         host_parameters: ``(qualified name, parameter)`` of parameters used by
-            host glue code.
+            host glue code: those opened modules own, and (added as ``forward`` finds
+            them) unit parameters the host code uses outside their unit.
     """
 
     def __init__(
@@ -384,7 +654,7 @@ class AutoRoundPipe(RoundPipeBase):
     ) -> None:
         if model_run_config is not None:
             check_run_config(model_run_config, "model_run_config")
-        rules = _rules(
+        rules = split_rules(
             model, split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
         )
         super().__init__(
@@ -397,7 +667,7 @@ class AutoRoundPipe(RoundPipeBase):
             shared_masters=shared_masters,  # None: shared on CPU workers, as RoundPipe's
         )
         self.model_run_config = model_run_config or RoundPipeRunConfig()
-        unit_modules, host = _units_without_sharing(model, rules)
+        unit_modules, host = _plan_units(model, rules)
         units: list[tuple[str, RoundPipe]] = []
         for uname, unit in unit_modules:
             layers = split_layers(unit, rules.threshold, rules.size)
@@ -417,7 +687,18 @@ class AutoRoundPipe(RoundPipeBase):
         object.__setattr__(self, "units", units)
         object.__setattr__(self, "host_parameters", host)
         object.__setattr__(self, "_unit_modules", [m for _, m in unit_modules])
+        object.__setattr__(self, "_unsplit_units", set())  # units told to run unsplit
+        # every parameter of a unit that is not a host parameter: (name, unit name) by id
+        on_host = {id(p) for _, p in host}
+        unit_params: dict[int, tuple[str, str, nn.Parameter]] = {}
+        for uname, unit in unit_modules:
+            for pname, p in unit.named_parameters(prefix=uname):
+                if id(p) not in on_host and p.requires_grad:
+                    unit_params.setdefault(id(p), (pname, uname, p))
+        object.__setattr__(self, "_unit_params", unit_params)
+        object.__setattr__(self, "_host_reads", None)  # the watch of the forward running
         self._seal()
+        _log.info("AutoRoundPipe %r: %s", self.name, self.summary())
 
     def forward(
         self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any
@@ -433,13 +714,95 @@ class AutoRoundPipe(RoundPipeBase):
         # the model holds (one step stale after step(is_async=True)); gradients of its
         # backward wait for the step before they land (RoundPipeBase._fold_grads)
         with self._call_lock:
-            for (_, inner), unit in zip(self.units, self._unit_modules):
-                object.__setattr__(unit, "forward", _make_redirect(inner))
+            # the batch every unit's microbatches are cut from (None: no batch to cut)
+            batch = batch_size_of((args, kwargs))
+            for i, unit in enumerate(self._unit_modules):
+                object.__setattr__(unit, "forward", _make_redirect(self, i, batch))
+            watch = HostReads({i: p for i, (_, _, p) in self._unit_params.items()})
+            object.__setattr__(self, "_host_reads", watch)
             try:
-                return self.model(*args, **kwargs)
+                with watch:
+                    return self.model(*args, **kwargs)
             finally:
+                object.__setattr__(self, "_host_reads", None)
                 for unit in self._unit_modules:
                     object.__delattr__(unit, "forward")
+                self._collect_host_reads(watch.found)
+
+    def _collect_host_reads(self, found: Mapping[int, nn.Parameter]) -> None:
+        """Unit parameters the host code used: their gradients are taken from the host too
+        (``_take_model_grads``), and they are said once, with what would keep them in one unit."""
+        for key in found:
+            pname, uname, p = self._unit_params.pop(key)
+            self.host_parameters.append((pname, p))
+            parent = caller_of(self.model, uname)
+            _log.warning(
+                "AutoRoundPipe %r: the host code (the forward of %s, or a module around it) "
+                "uses %r, a parameter of unit %r, outside that unit's forward (e.g. "
+                "F.conv1d(x, self.conv1d.weight)); its gradient is taken from the host too. "
+                "The module reading it runs its own code on the host; to run it on the "
+                "devices as one unit pass override_config={%s: RoundPipeRunConfig()}",
+                self.name,
+                type(self.model.get_submodule(parent)).__name__,
+                pname,
+                uname,
+                spelled(parent),
+            )
+
+    def _call_unit(self, index: int, batch: int | None, args: tuple, kwargs: dict) -> Any:
+        """One call of unit ``index`` from the host code, on its inner RoundPipe: cut into
+        microbatches only where that gives the numbers of one whole call (the checks are
+        :mod:`roundpipe_core.autosplit_calls`)."""
+        name, inner = self.units[index]
+        unit = self._unit_modules[index]
+        cfg = RoundPipeRunConfig(requires_grad=torch.is_grad_enabled())
+        n = len(split_sizes(batch_size_of((args, kwargs)), inner.num_microbatch_for()))
+        if n > 1:
+            odd = not_batch_leading(args, kwargs, batch)
+            if batch is None:
+                odd = "the AutoRoundPipe call has no batch dim to cut along"
+            elif odd is not None:
+                odd = f"its {odd} has a dim 0 that is not the batch ({batch})"
+            if odd is not None:
+                # cutting along a dim 0 that is not the batch would misalign the pieces
+                # (Bloom's ALiBi: batch x heads; MoE experts: experts x tokens)
+                if name not in self._unsplit_units:
+                    self._unsplit_units.add(name)
+                    _log.info(
+                        "AutoRoundPipe %r: unit %r (%s) runs as one microbatch: %s",
+                        self.name,
+                        name or "<root>",
+                        type(unit).__name__,
+                        odd,
+                    )
+                cfg = replace(cfg, num_microbatch=1, split_input=WHOLE_CALL)
+                n = 1
+        normalised = token_count_kwargs(unit, kwargs, n) if n > 1 else None
+        state = mutable_state(args, kwargs)
+        watch = self._host_reads
+        if watch is not None:
+            watch.paused += 1  # the unit's own call reads its parameters legitimately
+        try:
+            out = inner(*args, roundpipe_run_config=cfg, **(normalised or kwargs))
+        except UntrainableStateError as exc:
+            # the model's own code, not the caller's: say which unit and what keeps it working
+            where = exc.where.replace("layer: module 'unit.", f"module '{name}.")
+            raise ValueError(
+                f"automatic split: unit {name or '<root>'!r} ({type(unit).__name__}) stores "
+                f"state on its own modules that the device pool cannot carry ({where} "
+                "requires grad but is not a parameter or buffer: its forward keeps a result "
+                "on the module, such as a recurrent or decoding state). Keep that module on "
+                f"the host, where it runs as plain PyTorch and its parameters are still "
+                f"trained: skip_modules=[{spelled(name)}] (and each such module) in "
+                "wrap_model_to_roundpipe / auto_wrap"
+            ) from exc
+        finally:
+            if watch is not None:
+                watch.paused -= 1
+        check_no_state_written(state, name, unit, self.model)
+        if n > 1:
+            check_no_batch_reduction(out, normalised is not None, name, unit, n)
+        return out
 
     def forward_backward(self, *args: Any, **kwargs: Any) -> Any:
         """Not available: the model is not one Sequential, so there is no last stage to fuse.
@@ -473,70 +836,34 @@ class AutoRoundPipe(RoundPipeBase):
         finally:
             super().close()
 
+    def summary(self) -> str:
+        """What the split made, in one line: how many units run on the device pool, how
+        many of them are pipelined over several layers, and what stays on the host."""
+        pipelined = sum(1 for _, inner in self.units if inner.num_layers > 1)
+        shared = sum(1 for c in self._unit_param_counts().values() if c > 1)
+        return (
+            f"{len(self.units)} units run on the device pool ({pipelined} of them pipelined "
+            f"over several layers), {len(self.host_parameters)} parameters on the host"
+            + (f", {shared} of its parameters in several units (tied)" if shared else "")
+        )
+
+    def unit_of(self, param: torch.Tensor) -> str | None:
+        """The name of the (first) unit holding ``param`` (``""``: the root), else ``None``."""
+        for (uname, _), unit in zip(self.units, self._unit_modules):
+            if any(p is param for p in unit.parameters()):
+                return uname
+        return None
+
+    def _unit_param_counts(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for unit in self._unit_modules:
+            for p in unit.parameters():
+                counts[id(p)] = counts.get(id(p), 0) + 1
+        return counts
+
     def __repr__(self) -> str:
         names = ", ".join(n or "<root>" for n, _ in self.units)
         return f"AutoRoundPipe(name={self.name!r}, units=[{names}], devices={self.pool!r})"
-
-
-def _check_bytes(name: str, value: Any, minimum: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of bytes or None, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum} bytes, got {value}")
-
-
-def _rules(
-    model: nn.Module,
-    split_threshold: int | None,
-    upper_threshold: int | None,
-    lower_threshold: int | None,
-    skip_modules: Collection[nn.Module],
-    override_config: Mapping[nn.Module, RoundPipeRunConfig] | None,
-) -> _SplitRules:
-    """The split rules from auto_wrap's arguments, each checked."""
-    if split_threshold is not None and (
-        isinstance(split_threshold, bool)
-        or not isinstance(split_threshold, int)
-        or split_threshold < 1
-    ):
-        raise ValueError(
-            f"split_threshold must be a positive int (parameters), got {split_threshold!r}"
-        )
-    _check_bytes("upper_threshold", upper_threshold, 1)
-    _check_bytes("lower_threshold", lower_threshold, 0)
-    if split_threshold is not None and upper_threshold is not None:
-        raise ValueError("give upper_threshold (bytes) or split_threshold (parameters), not both")
-    if isinstance(skip_modules, nn.Module) or not all(
-        isinstance(m, nn.Module) for m in skip_modules
-    ):
-        raise TypeError("skip_modules must be a collection of nn.Module, e.g. [model.head]")
-    for m, cfg in (override_config or {}).items():
-        if not isinstance(m, nn.Module):
-            raise TypeError(
-                f"override_config keys must be submodules of the model, got {type(m).__name__}"
-            )
-        check_run_config(cfg, f"override_config[{type(m).__name__}]")
-        if not _callable(m):
-            raise ValueError(
-                f"override_config names a {type(m).__name__}, which has no forward of its own "
-                "and cannot run as one unit; name its children instead"
-            )
-    inside = {id(x) for x in model.modules()}
-    for what, mods in (
-        ("skip_modules", list(skip_modules)),
-        ("override_config", list(override_config or {})),
-    ):
-        for m in mods:
-            if id(m) not in inside:
-                raise ValueError(
-                    f"{what} holds a {type(m).__name__} that is not a submodule of the model"
-                )
-    if upper_threshold is not None:
-        return _SplitRules(upper_threshold, _bytes, lower_threshold, skip_modules, override_config)
-    threshold = split_threshold if split_threshold is not None else _default_threshold(model)
-    return _SplitRules(threshold, _numel, lower_threshold, skip_modules, override_config)
 
 
 def auto_wrap(
@@ -573,7 +900,7 @@ def auto_wrap(
         TypeError / ValueError: a threshold, skipped module or override is malformed or
             names a module outside ``model``.
     """
-    rules = _rules(
+    rules = split_rules(
         model, split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
     )
     # a skipped or separately configured inner module needs the unit-by-unit form

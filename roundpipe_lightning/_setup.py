@@ -204,8 +204,8 @@ def wrap_network(
         rank_zero_info(said + f"a chain of {rp.num_layers} layers, pipelined as a Sequential.")
         return rp
     rank_zero_warn(
-        said + f"AutoRoundPipe, {len(rp.units)} units run on the device pool, the code between "
-        f"them on the host. It is slower than a Sequential and has no forward_backward: {loss_hint}. "
+        said
+        + f"AutoRoundPipe: {rp.summary()}; the code between the units runs on the host. It is slower than a Sequential and has no forward_backward: {loss_hint}. "
         "For full speed give an nn.Sequential of its layers, or "
         f"register a preset: roundpipe_core.presets.register_preset({kind!r}, "
         "lambda model: nn.Sequential(...)) (docs/add-a-preset.md)."
@@ -589,4 +589,20 @@ def check_loss_went_through(
             names.pop(id(p), None)
     reached = reaches_params(loss, set(names)) if loss.requires_grad else None
     if reached is not None:
-        raise RuntimeError(message.replace("{param!r}", repr(names[reached])))
+        text = message.replace("{param!r}", repr(names[reached]))
+        unit = (
+            rp.unit_of(_param_by_id(rp.model, reached)) if isinstance(rp, AutoRoundPipe) else None
+        )
+        if unit is not None:
+            # the model's own code cannot be the cause: AutoRoundPipe.forward finds the host
+            # code's uses of a unit's parameter and trains them (autosplit._HostReads)
+            text += (
+                f". (It is a parameter of the automatic split's unit {unit or '<root>'!r}; uses of "
+                "it by the model's own code inside self.roundpipe(...) are found and trained, so "
+                "this graph was built outside that call.)"
+            )
+        raise RuntimeError(text)
+
+
+def _param_by_id(model: nn.Module, key: int) -> torch.Tensor:
+    return next(p for p in model.parameters() if id(p) == key)

@@ -38,6 +38,7 @@ from torch import nn
 __all__ = [
     "REPLICA_OWNED",
     "CarriedState",
+    "UntrainableStateError",
     "attribute_tensors",
     "carried_bytes",
     "carried_tensors",
@@ -64,6 +65,16 @@ _REPLICA_FLAGS = {"support_avx512bf16_for_cpu": False}
 # when no tensor is in them yet (Linear8bitLt's MatmulLtState takes the weight's CB and
 # SCB on every forward): each replica gets its own copy, made on every upload.
 _PER_REPLICA_PACKAGES = ("bitsandbytes.",)
+
+
+class UntrainableStateError(ValueError):
+    """A layer holds, outside its parameters and buffers, a tensor that requires grad (a
+    forward that stores its own results on its module, e.g. a recurrent state): its
+    device copy could not be trained. ``where`` names the attribute."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
 
 
 def _is_subclass_param(t: torch.Tensor) -> bool:
@@ -120,10 +131,11 @@ class _Describer:
         if alias is not None:
             return alias
         if t.requires_grad:
-            raise ValueError(
+            raise UntrainableStateError(
                 f"{where} is a tensor that requires grad but is neither a parameter nor a "
                 "buffer: RoundPipe uploads it with the layer but cannot train it. Register it "
-                "with nn.Parameter (to train it) or register_buffer / .detach() (to keep it fixed)"
+                "with nn.Parameter (to train it) or register_buffer / .detach() (to keep it fixed)",
+                where,
             )
         if id(t) not in self.extra_pos:
             self.extra_pos[id(t)] = len(self.extras)

@@ -40,7 +40,16 @@ CORE_LAYERS: list[tuple[str, set[str]]] = [
             "simulate",
         },
     ),
-    ("integrations", {"autosplit", "verify", "presets", "distributed", "checkpoint_file"}),
+    (
+        "integrations",
+        {
+            "autosplit",
+            "verify",
+            "presets",
+            "distributed",
+            "checkpoint_file",
+        },
+    ),
     ("package", {"__init__"}),
 ]
 

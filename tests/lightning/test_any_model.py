@@ -66,6 +66,27 @@ def tiny_phi3() -> nn.Module:
     return transformers.Phi3ForCausalLM(cfg)
 
 
+def tiny_mamba2() -> nn.Module:
+    """Its mixer's forward passes self.conv1d.weight to a fused function itself: the split
+    keeps the mixer one unit (once refused as a direct call of the network)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Mamba2Config(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_heads=2,
+        head_dim=16,
+        state_size=4,
+        n_groups=1,
+        chunk_size=5,
+        use_cache=False,
+    )
+    return transformers.Mamba2ForCausalLM(cfg)
+
+
+MAKERS = {"resmlp": (ResMLP, False), "phi3": (tiny_phi3, True), "mamba2": (tiny_mamba2, True)}
+
+
 class AnyModel(L.LightningModule):
     """A Lightning module over ``make()``'s network: through ``self.roundpipe`` under the
     strategy, the network itself under the default strategy."""
@@ -108,9 +129,9 @@ def _said(records: list[logging.LogRecord], caught: list[Any]) -> list[str]:
     return [t for t in texts if "splits it automatically" in t]
 
 
-@pytest.mark.parametrize("name", ["resmlp", "phi3"])
+@pytest.mark.parametrize("name", sorted(MAKERS))
 def test_any_module_gets_the_automatic_split(name: str, caplog: pytest.LogCaptureFixture) -> None:
-    make, lm = (ResMLP, False) if name == "resmlp" else (tiny_phi3, True)
+    make, lm = MAKERS[name]
     ref = AnyModel(make, lm)
     L.Trainer(**trainer_kwargs(max_steps=3, devices=1)).fit(ref, _data(lm))
     got = AnyModel(make, lm)
@@ -122,6 +143,7 @@ def test_any_module_gets_the_automatic_split(name: str, caplog: pytest.LogCaptur
     said = _said(caplog.records, caught)
     assert len(said) == 1, said
     assert "AutoRoundPipe" in said[0] and "register_preset" in said[0]
+    assert "units run on the device pool (" in said[0]  # how many, how many pipelined
     assert max_rel_err(params_of(got), params_of(ref)) <= TOL
     assert max_rel_err(params_of(got), params_of(AnyModel(make, lm))) > 1e-3  # it trained
 
@@ -132,3 +154,19 @@ def test_an_execute_plan_for_an_automatic_split_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="execute_plan.*AutoRoundPipe"):
         trainer.fit(AnyModel(ResMLP, False), _data(False))
+
+
+def test_a_loss_reaching_a_units_parameter_outside_the_split_names_the_unit() -> None:
+    from roundpipe_core.autosplit import auto_wrap
+    from roundpipe_lightning._setup import check_loss_went_through
+
+    torch.manual_seed(0)
+    net = ResMLP()
+    rp = auto_wrap(net, split_threshold=300, devices=1)
+    try:
+        assert isinstance(rp, AutoRoundPipe)
+        check_loss_went_through(rp(torch.randn(3, 8)).sum(), rp)  # through the split: fine
+        with pytest.raises(RuntimeError, match=r"unit 'blocks.0.fc'.*built outside that call"):
+            check_loss_went_through(net.blocks[0](torch.randn(3, 16)).sum(), rp)
+    finally:
+        rp.close()

@@ -4,6 +4,7 @@ RoundPipe; non-sequential models an AutoRoundPipe that trains like plain PyTorch
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -217,7 +218,7 @@ def test_encoder_decoder_trains_like_pytorch() -> None:
         rp.close()
 
 
-def test_shared_parameters_between_units_merge_them() -> None:
+def test_a_parameter_shared_between_units_keeps_them_apart() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -232,12 +233,166 @@ def test_shared_parameters_between_units_merge_them() -> None:
     model = Tied()
     rp = wrap_model_to_roundpipe(model, use_sequential_preset=False, split_threshold=5, devices=1)
     try:
-        assert [n for n, _ in rp.units] == [""]  # merged up to the root
+        # each unit adds its gradient into the one master: no merge up to the root
+        assert [n for n, _ in rp.units] == ["a", "b"]
         ref = copy.deepcopy(model)
         x = torch.randn(3, 4)
         ref(x).sum().backward()
         rp(x).sum().backward()
         assert rel_err(rp.master_param(model.b.weight).grad, ref.b.weight.grad) <= RTOL
+    finally:
+        rp.close()
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, shared: nn.Module, d: int) -> None:
+        super().__init__()
+        self.shared = shared
+        self.own = Block(d)
+
+    def forward(self, x):
+        return self.own(self.shared(x)) + x  # not a chain: opened into its blocks
+
+
+class ReusedBlockNet(nn.Module):
+    """One block held by two layers (as Zamba2's shared transformer block)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        shared = Block(d)
+        self.layers = nn.ModuleList([HybridLayer(shared, d), HybridLayer(shared, d)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_module_reached_twice_is_one_unit_called_twice() -> None:
+    torch.manual_seed(0)
+    model = ReusedBlockNet()
+    gen = torch.Generator().manual_seed(4)
+    data = [(torch.randn(5, 4, 8, generator=gen),) for _ in range(2)]
+    rp = _train_compare(
+        model,
+        lambda it: data[it],
+        lambda out: out.pow(2).mean(),
+        dict(split_threshold=300, devices=2, model_run_config=RoundPipeRunConfig(num_microbatch=2)),
+        steps=2,
+    )
+    try:
+        names = [n for n, _ in rp.units]
+        assert names == ["layers.0.shared", "layers.0.own", "layers.1.own", "head"], names
+    finally:
+        rp.close()
+
+
+class StackedExperts(nn.Module):
+    """Llama4's experts: rows come as (experts x tokens, d), viewed per expert."""
+
+    def __init__(self, experts: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, d, d) / d**0.5)
+
+    def forward(self, x):
+        e, d = self.weight.shape[0], self.weight.shape[1]
+        return torch.bmm(x.view(e, -1, d), self.weight).view(-1, d)
+
+
+class ExpertsNet(nn.Module):
+    def __init__(self, experts: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.experts = StackedExperts(experts, d)
+
+    def forward(self, x):
+        e = self.experts.weight.shape[0]
+        tokens = self.proj(x).reshape(-1, x.shape[-1])
+        routed = torch.cat([tokens * (i + 1) for i in range(e)])  # a copy per expert
+        out = self.experts(routed).view(e, -1, x.shape[-1]).sum(0)
+        return out.view_as(x) + x
+
+
+def test_a_unit_whose_input_dim0_is_not_the_batch_is_not_cut_as_batch() -> None:
+    torch.manual_seed(0)
+    model = ExpertsNet()
+    gen = torch.Generator().manual_seed(5)
+    data = [(torch.randn(5, 4, 8, generator=gen),) for _ in range(2)]
+    rp = _train_compare(
+        model,
+        lambda it: data[it],
+        lambda out: out.pow(2).mean(),
+        dict(
+            split_threshold=100,
+            lower_threshold=0,
+            devices=2,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        ),
+        steps=2,
+    )
+    try:
+        assert [n for n, _ in rp.units] == ["proj", "experts"]
+        assert rp._unsplit_units == {"experts"}  # (3 x 20 tokens, 8): whole, not cut in two
+    finally:
+        rp.close()
+
+
+class HelperReader(nn.Module):
+    """Uses its child's weight in a helper method, not in forward itself: the source scan
+    cannot see it, the watch over the host code finds it."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d, bias=False)
+        self.other = nn.Linear(d, d)
+
+    def _mix(self, h):
+        return nn.functional.linear(h, self.lin.weight) * 2
+
+    def forward(self, h):
+        return self.other(self._mix(h)) + h
+
+
+class HelperReaderNet(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, d)
+        self.reader = HelperReader(d)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(self.reader(h) + h)
+
+
+@pytest.mark.parametrize("shared_masters", [None, False])
+def test_a_units_weight_the_host_code_uses_is_trained(
+    shared_masters: bool | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    model = HelperReaderNet()
+    gen = torch.Generator().manual_seed(6)
+    data = [(torch.randn(5, 4, 6, generator=gen),) for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="roundpipe_core.autosplit"):
+        rp = _train_compare(
+            model,
+            lambda it: data[it],
+            lambda out: out.pow(2).mean(),
+            dict(
+                split_threshold=100,
+                lower_threshold=0,
+                devices=2,
+                model_run_config=RoundPipeRunConfig(num_microbatch=2),
+                shared_masters=shared_masters,
+            ),
+            steps=2,
+        )
+    try:
+        assert "reader.lin" in [n for n, _ in rp.units]
+        assert [n for n, _ in rp.host_parameters] == ["reader.lin.weight"]
+        assert "'reader.lin.weight', a parameter of unit 'reader.lin'" in caplog.text
+        assert "override_config={model.reader: RoundPipeRunConfig()}" in caplog.text
     finally:
         rp.close()
 
