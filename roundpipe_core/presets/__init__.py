@@ -164,6 +164,37 @@ def convert_to_sequential(model: nn.Module) -> nn.Sequential:
     return seq
 
 
+def convert_if_possible(model: nn.Module) -> nn.Sequential | None:
+    """``model`` (possibly peft-wrapped) converted by its preset or by its structure, or ``None``.
+
+    ``None`` when no preset matches and the converter by structure refuses the
+    model; the reason is logged (INFO, logger ``roundpipe_core.presets``) and the
+    caller uses the automatic split. A preset's own errors propagate.
+    """
+    base = unwrap_peft(model)
+    if find_preset(base) is not None:
+        seq = convert_to_sequential(model)
+        how = "its sequential preset"
+    else:
+        try:
+            seq = convert_decoder_lm(base)
+        except ValueError as exc:
+            _log.info(
+                "%s gets the automatic split (no fused forward_backward, not pipelined layer by "
+                "layer): %s",
+                type(base).__name__,
+                exc,
+            )
+            return None
+        how = "its structure (the generic decoder converter)"
+    _log.info(
+        "%s converted by %s; pass use_sequential_preset=False for the automatic split instead",
+        type(base).__name__,
+        how,
+    )
+    return seq
+
+
 @batch_normalized
 def model_output_loss(outputs: Any, labels: Any = None) -> torch.Tensor:
     """``loss_fn`` for ``forward_backward`` when the model computes its own loss (``labels=`` input).
@@ -364,7 +395,8 @@ def wrap_model_to_roundpipe(
             of ``upper_threshold`` bytes.
         **roundpipe_kwargs: more ``RoundPipe(...)`` arguments (``pin_model``, ``devices``).
 
-    The automatic-split options are ignored when a preset converts the model.
+    The automatic-split options are ignored when a preset or the converter by structure
+    converts the model.
 
     Returns:
         A ``RoundPipe`` (attribute access falls through to ``model``), or an
@@ -372,7 +404,8 @@ def wrap_model_to_roundpipe(
 
     Raises:
         TypeError / ValueError: for arguments of the wrong type or value.
-        NoPresetError: ``use_sequential_preset=True`` and no preset matches.
+        NoPresetError: ``use_sequential_preset=True``, no preset matches and the converter
+            by structure refuses the model (the message says why).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap_model_to_roundpipe needs an nn.Module, got {type(model).__name__}")
@@ -394,33 +427,11 @@ def wrap_model_to_roundpipe(
         )
     if use_sequential_preset is not False:
         base = unwrap_peft(model)
-        seq = None
-        if use_sequential_preset or find_preset(base) is not None:
-            seq = convert_to_sequential(model)
-            how = (
-                "its sequential preset"
-                if find_preset(base) is not None
-                else "its structure (the generic decoder converter)"
-            )
+        if use_sequential_preset:
+            seq: nn.Sequential | None = convert_to_sequential(model)
         else:
-            try:
-                seq = convert_decoder_lm(base)
-                how = "its structure (the generic decoder converter)"
-            except ValueError as exc:
-                _log.info(
-                    "wrap_model_to_roundpipe: %s gets the automatic split (not pipelined by "
-                    "layer, no fused forward_backward): %s",
-                    type(base).__name__,
-                    exc,
-                )
+            seq = convert_if_possible(model)
         if seq is not None:
-            if use_sequential_preset is None:
-                _log.info(
-                    "wrap_model_to_roundpipe: %s converted by %s; pass "
-                    "use_sequential_preset=False for the automatic split instead",
-                    type(base).__name__,
-                    how,
-                )
             roundpipe_kwargs.setdefault("name", type(base).__name__)
             return RoundPipe(
                 seq,
@@ -479,6 +490,7 @@ __all__ = [
     "causal_lm_loss_fn",
     "chunked_linear_cross_entropy",
     "convert_decoder_lm",
+    "convert_if_possible",
     "convert_to_sequential",
     "count_label_tokens",
     "find_preset",

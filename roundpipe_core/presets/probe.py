@@ -182,7 +182,14 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
         handles.append(parts.lm_head.register_forward_hook(head_hook))
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(PROBE_SEED)
-            out = parts.model(use_cache=False, **call)
+            try:
+                out = parts.model(use_cache=False, **call)
+            except Exception as exc:
+                raise _refuse(
+                    parts,
+                    f"its own forward fails on the probe batch ({sorted(call)}): "
+                    f"{type(exc).__name__}: {exc}",
+                ) from exc
         rec.logits = getattr(out, "logits", None)
     finally:
         for h in handles:
@@ -386,10 +393,10 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
         packed = packed.unsqueeze(0).expand(PROBE_BATCH, -1)
         try:
             rec_packed: _Recording | None = _record(parts, input_ids=ids, position_ids=packed)
-        except ValueError:
-            raise
-        except Exception:  # a model that needs a padding mask: masks are built with position ids
-            rec_packed = None
+        except ValueError as exc:
+            if exc.__cause__ is None:
+                raise
+            rec_packed = None  # a model that needs a padding mask: masks take the position ids
         masks_packed = _masks(parts, first, None, packed)
     norm_name = _find_norm(parts, rec, _first(rec.layer_outputs[-1]))
     with torch.no_grad():
@@ -509,9 +516,15 @@ def check_conversion(parts: DecoderParts, seq: nn.Sequential) -> None:
         torch.manual_seed(PROBE_SEED)
         ref = parts.model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         torch.manual_seed(PROBE_SEED)
-        state = seq[0](input_ids=ids, attention_mask=mask, labels=labels)
-        for layer in list(seq)[1:]:
-            state = layer(*state)
+        try:
+            state = seq[0](input_ids=ids, attention_mask=mask, labels=labels)
+            for layer in list(seq)[1:]:
+                state = layer(*state)
+        except Exception as exc:
+            raise _refuse(
+                parts,
+                f"the converted layers fail on the probe batch: {type(exc).__name__}: {exc}",
+            ) from exc
     dtype = ref.logits.dtype
     tol = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
     errors = {

@@ -7,7 +7,9 @@ modules (rotary tables without parameters), and an LM head on the causal LM
 itself. :func:`find_decoder_parts` finds those parts from the module tree and
 refuses, with a ``ValueError`` naming the part, what it cannot place: a model
 that is not a causal LM, an encoder-decoder, a backbone module with weights
-that is none of the above, an embedding dropout.
+that is none of the above, an embedding dropout, and features known not to
+survive the cut into pipeline layers (KV sharing between layers, per-layer
+input embeddings, ALiBi biases of batch x heads, a decoding cache in training).
 
 Which call each part gets (which mask, which position table, which scaling)
 is read from one recorded forward of the model itself (:mod:`.probe`); the
@@ -79,6 +81,30 @@ def _is_position_module(name: str, module: nn.Module) -> bool:
     return not any(True for _ in module.parameters())
 
 
+def _unsupported_feature(config: Any, backbone: nn.Module) -> str | None:
+    """A known feature that cannot be cut into pipeline layers, named, or ``None``."""
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if isinstance(shared, int) and shared > 0:
+        return (
+            f"its last {shared} layers reuse earlier layers' keys and values (KV sharing, "
+            "config.num_kv_shared_layers); that state would not carry gradients between "
+            "pipeline layers"
+        )
+    if getattr(config, "hidden_size_per_layer_input", None):
+        return (
+            "its layers take per-layer input embeddings (config.hidden_size_per_layer_input), "
+            "computed next to the token embedding"
+        )
+    if getattr(config, "alibi", False) or callable(getattr(backbone, "build_alibi_tensor", None)):
+        return (
+            "it adds an ALiBi bias whose first dim is batch x heads, not batch, so it cannot be "
+            "split into microbatches between pipeline layers"
+        )
+    if callable(getattr(backbone, "_setup_cache", None)):
+        return "its layers need a decoding cache in training (recurrent state set up by the model)"
+    return None
+
+
 def find_decoder_parts(model: nn.Module) -> DecoderParts:
     """Find embedding, decoder layers, head and the backbone's other parts of ``model``.
 
@@ -105,6 +131,9 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
             f"{name} has no backbone module (base_model_prefix "
             f"{getattr(model, 'base_model_prefix', None)!r}) holding embedding and layers"
         )
+    feature = _unsupported_feature(config, backbone)
+    if feature is not None:
+        raise ValueError(f"{name} cannot be converted by structure: {feature}")
     for child_name, child in model.named_children():
         if child is backbone or child is lm_head or not _has_weights(child):
             continue
