@@ -81,6 +81,18 @@ def _is_position_module(name: str, module: nn.Module) -> bool:
     return not any(True for _ in module.parameters())
 
 
+def _call_getter(module: nn.Module, getter: str) -> Any:
+    """``module.getter()``, or ``None`` where it is missing or fails (as for models whose
+    embeddings transformers cannot find by itself)."""
+    fn = getattr(module, getter, None)
+    if not callable(fn):
+        return None
+    try:
+        return fn()
+    except (NotImplementedError, AttributeError, TypeError):
+        return None
+
+
 def _unsupported_feature(config: Any, backbone: nn.Module) -> str | None:
     """A known feature that cannot be cut into pipeline layers, named, or ``None``."""
     shared = getattr(config, "num_kv_shared_layers", 0)
@@ -121,8 +133,7 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
         model.config, "is_encoder_decoder", False
     ):
         raise ValueError(f"{name} is an encoder-decoder model, not a decoder-only causal LM")
-    get_head = getattr(model, "get_output_embeddings", None)
-    lm_head = get_head() if callable(get_head) else None
+    lm_head = _call_getter(model, "get_output_embeddings")
     if not isinstance(lm_head, nn.Module):
         raise ValueError(f"{name} has no LM head (get_output_embeddings() returned {lm_head!r})")
     backbone = getattr(model, "base_model", None)
@@ -141,8 +152,7 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
             f"{name} has a part besides its backbone and LM head: {child_name} "
             f"({type(child).__name__}), which the generic converter does not place"
         )
-    get_embed = getattr(backbone, "get_input_embeddings", None)
-    embed = get_embed() if callable(get_embed) else None
+    embed = _call_getter(backbone, "get_input_embeddings")
     children = dict(backbone.named_children())
     if embed is None or not any(embed is c for c in children.values()):
         raise ValueError(

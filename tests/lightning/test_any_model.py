@@ -1,5 +1,6 @@
 """configure_sequential() may return any module: one that is neither an nn.Sequential nor
-a preset's model (a ResMLP with its residual loop, a Hugging Face Phi3ForCausalLM) gets
+a model that a preset or the converter by structure converts (a ResMLP with its residual
+loop, a Hugging Face BloomForCausalLM, whose ALiBi bias the converter refuses) gets
 the automatic split (AutoRoundPipe, as wrap_model_to_roundpipe(use_sequential_preset=False)
 does), the run says so once, and it trains to plain Lightning's weights."""
 
@@ -49,21 +50,19 @@ class ResMLP(nn.Module):
         return self.out(h)
 
 
-def tiny_phi3() -> nn.Module:
+def tiny_bloom() -> nn.Module:
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Phi3Config(
+    cfg = transformers.BloomConfig(
         vocab_size=64,
         hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
+        n_layer=2,
+        n_head=2,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=1,
+        use_cache=False,
     )
-    return transformers.Phi3ForCausalLM(cfg)
+    return transformers.BloomForCausalLM(cfg)
 
 
 class AnyModel(L.LightningModule):
@@ -108,9 +107,9 @@ def _said(records: list[logging.LogRecord], caught: list[Any]) -> list[str]:
     return [t for t in texts if "splits it automatically" in t]
 
 
-@pytest.mark.parametrize("name", ["resmlp", "phi3"])
+@pytest.mark.parametrize("name", ["resmlp", "bloom"])
 def test_any_module_gets_the_automatic_split(name: str, caplog: pytest.LogCaptureFixture) -> None:
-    make, lm = (ResMLP, False) if name == "resmlp" else (tiny_phi3, True)
+    make, lm = (ResMLP, False) if name == "resmlp" else (tiny_bloom, True)
     ref = AnyModel(make, lm)
     L.Trainer(**trainer_kwargs(max_steps=3, devices=1)).fit(ref, _data(lm))
     got = AnyModel(make, lm)
