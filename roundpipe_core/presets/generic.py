@@ -7,7 +7,8 @@ the backbone calls them from one recorded forward (:mod:`.probe`), builds::
 
 from the model's own modules (parameters shared, tied embeddings stay one
 ``Parameter``), and checks the result against the model on the probe batch
-(logits and loss). Whatever it cannot rebuild exactly raises ``ValueError``
+(logits and loss, the whole batch and each row alone), with the model in eval
+mode (dropout off) and its training flags restored afterwards. Whatever it cannot rebuild exactly raises ``ValueError``
 naming the part; :func:`~roundpipe_core.presets.wrap_model_to_roundpipe` then
 logs the reason and uses the automatic split.
 
@@ -23,9 +24,16 @@ import torch
 from torch import nn
 
 from .common import CausalLMInputAdapter, build_sequential, output_adapter, prepare_hf_model
-from .probe import MASK_BUILDERS, LayerRecipe, check_conversion, probe_decoder
+from .probe import (
+    MASK_BUILDERS,
+    LayerRecipe,
+    ModelRecipe,
+    check_conversion,
+    eval_mode,
+    probe_decoder,
+)
 from .state import DecoderState, unpack_state
-from .structure import find_decoder_parts
+from .structure import DecoderParts, find_decoder_parts
 
 __all__ = ["GenericDecoderBlock", "convert_decoder_lm"]
 
@@ -109,14 +117,22 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
     parts = find_decoder_parts(model)
     _refuse_router_loss(model, parts.config)
     prepare_hf_model(model)
-    recipe = probe_decoder(parts)
+    with eval_mode(model):
+        recipe = probe_decoder(parts)
+        seq = _build(parts, recipe)
+        check_conversion(parts, seq)
+    return seq
+
+
+def _build(parts: DecoderParts, recipe: ModelRecipe) -> nn.Sequential:
+    """``Sequential(input adapter, GenericDecoderBlock..., output adapter)`` of the model's modules."""
     tables = [
         (parts.position_modules[name], layer_type) for name, layer_type in recipe.position_tables
     ]
     blocks = [
         GenericDecoderBlock(layer, parts.config, r) for layer, r in zip(parts.layers, recipe.layers)
     ]
-    seq = build_sequential(
+    return build_sequential(
         CausalLMInputAdapter(
             parts.embed_tokens,
             embed_scale=recipe.embed_scale,
@@ -128,5 +144,3 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
             parts.other_modules[recipe.norm_name], parts.lm_head, logit_ops=recipe.logit_ops
         ),
     )
-    check_conversion(parts, seq)
-    return seq

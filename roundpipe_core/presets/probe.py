@@ -27,7 +27,9 @@ and with packed position ids tells whether the model builds its masks with
 ``position_ids`` (packed-sequence detection) or without.
 
 :func:`check_conversion` then runs the converted ``nn.Sequential`` layer by
-layer on the probe batch and compares logits and loss with the model's own.
+layer on the probe batch and compares logits and loss with the model's own,
+and runs it on each row alone (as a microbatch does): a model whose rows
+depend on each other (Doge's padding-dependent attention path) is refused.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from torch import nn
 
 from .structure import DecoderParts
 
-__all__ = ["LayerRecipe", "ModelRecipe", "check_conversion", "probe_decoder"]
+__all__ = ["LayerRecipe", "ModelRecipe", "check_conversion", "eval_mode", "probe_decoder"]
 
 PROBE_BATCH = 2
 PROBE_SEQ = 8
@@ -114,6 +116,19 @@ def _same(a: Any, b: Any) -> bool:
 
 def _first(out: Any) -> Any:
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model.eval()`` for the probe (dropout off, so rows can be compared alone and in a
+    batch), every module's training flag restored afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
 
 
 @contextlib.contextmanager
@@ -525,16 +540,31 @@ def check_conversion(parts: DecoderParts, seq: nn.Sequential) -> None:
                 parts,
                 f"the converted layers fail on the probe batch: {type(exc).__name__}: {exc}",
             ) from exc
+        # each row alone, as a microbatch runs it: the unpadded row takes the no-mask path
+        rows = []
+        for row in range(PROBE_BATCH):
+            torch.manual_seed(PROBE_SEED)
+            part = seq[0](input_ids=ids[row : row + 1], attention_mask=mask[row : row + 1])
+            for layer in list(seq)[1:]:
+                part = layer(*part)
+            rows.append(part.logits)
     dtype = ref.logits.dtype
     tol = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
     errors = {
         "logits": _rel_err(state.logits, ref.logits),
         "loss": abs(state.loss.item() - ref.loss.item()) / max(abs(ref.loss.item()), 1e-30),
+        "logits of one row alone (a microbatch)": _rel_err(torch.cat(rows), ref.logits),
     }
     for what, err in errors.items():
         if not math.isfinite(err) or err > tol:
             raise _refuse(
                 parts,
-                f"the converted layers' {what} differ from the model's own (relative error "
-                f"{err:.2e} > {tol:.0e}) on a probe batch",
+                f"the converted layers' {what} differ from the model's own on the whole probe "
+                f"batch (relative error {err:.2e} > {tol:.0e})"
+                + (
+                    ": a row's output depends on the other rows of the batch (e.g. through "
+                    "its padding), which microbatches cannot reproduce"
+                    if "alone" in what
+                    else ""
+                ),
             )
