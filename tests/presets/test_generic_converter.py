@@ -159,7 +159,7 @@ def test_check_conversion_catches_a_wrong_layer() -> None:
         check_conversion(parts, seq)
 
 
-def _gemma3n():
+def _gemma3n(shared: int = 1):
     import transformers as tf
 
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ def _gemma3n():
         vocab_size_per_layer_input=97,
         hidden_size_per_layer_input=8,
         sliding_window=4,
-        num_kv_shared_layers=1,
+        num_kv_shared_layers=shared,
         laurel_rank=4,
         altup_num_inputs=2,
         layer_types=["sliding_attention", "full_attention"] * 2,
@@ -195,11 +195,11 @@ def _mixtral_with_router_loss():
         (_gemma3n, "KV sharing"),
         (lambda: build_tiny("bloom"), "ALiBi"),
         (lambda: build_tiny("recurrent_gemma"), "decoding cache"),
-        (lambda: build_tiny("gemma4_text"), "per-layer input"),
+        (lambda: _gemma3n(shared=0), "per-layer input"),
         (_mixtral_with_router_loss, "output_router_logits"),
         (lambda: build_tiny("mpt"), "decoder layer 0 gets attention_mask="),
     ],
-    ids=["gemma3n", "bloom", "recurrent_gemma", "gemma4", "mixtral-aux", "mpt"],
+    ids=["gemma3n", "bloom", "recurrent_gemma", "gemma3n-unshared", "mixtral-aux", "mpt"],
 )
 def test_refused_with_the_reason(make, words: str) -> None:
     with pytest.raises(ValueError, match=words):
