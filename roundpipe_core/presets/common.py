@@ -67,8 +67,9 @@ class CausalLMInputAdapter(nn.Module):
             which do not take the argument.
         embed_scale: multiply the embeddings (also given ``inputs_embeds``) by this
             (Granite's ``embedding_multiplier``, AFMoE's ``hidden_size ** 0.5``), or ``None``.
-        embed_scale_as_tensor: multiply by a tensor of the embeddings' dtype (as Gemma 1/2
-            wrote it) instead of a Python float.
+        embed_scale_as_tensor: multiply by a tensor of the embeddings' dtype
+            (``torch.tensor(scale, dtype=hidden.dtype)``, as Gemma-style code writes it)
+            instead of a Python float; the two round differently in half precision.
         position_tables: instead of ``rotary_emb``: the position-embedding calls of a
             model whose layers take different tables (Gemma 3's local and global
             rotary embeddings), as ``(module, layer_type or None)`` pairs. Each is
