@@ -212,8 +212,8 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
     if len(rec.layer_calls) != len(parts.layers):
         raise _refuse(
             parts,
-            f"its forward called {len(rec.layer_calls)} of its {len(parts.layers)} decoder layers "
-            "once each is expected",
+            f"its forward made {len(rec.layer_calls)} calls to its {len(parts.layers)} decoder "
+            "layers; one call each is expected",
         )
     return rec
 

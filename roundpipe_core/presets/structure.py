@@ -9,7 +9,8 @@ refuses, with a ``ValueError`` naming the part, what it cannot place: a model
 that is not a causal LM, an encoder-decoder, a backbone module with weights
 that is none of the above, an embedding dropout, and features known not to
 survive the cut into pipeline layers (KV sharing between layers, per-layer
-input embeddings, ALiBi biases of batch x heads, a decoding cache in training).
+input embeddings, ALiBi biases of batch x heads, a decoding cache in training,
+weights rescaled in place between training and inference).
 
 Which call each part gets (which mask, which position table, which scaling)
 is read from one recorded forward of the model itself (:mod:`.probe`); the
@@ -42,8 +43,8 @@ class DecoderParts:
         lm_head: the LM head (``model.get_output_embeddings()``).
         position_modules: backbone children that compute position tables (rotary
             embeddings: no parameters), by attribute name.
-        other_modules: the remaining backbone children with weights, by attribute
-            name; the final norm is one of them (which one, the probe finds).
+        other_modules: the remaining backbone children with weights or a norm class,
+            by attribute name; the final norm is one of them (which one, the probe finds).
     """
 
     model: nn.Module
@@ -112,6 +113,13 @@ def _unsupported_feature(config: Any, backbone: nn.Module) -> str | None:
             "it adds an ALiBi bias whose first dim is batch x heads, not batch, so it cannot be "
             "split into microbatches between pipeline layers"
         )
+    rescale = getattr(config, "rescale_every", 0)
+    if isinstance(rescale, int) and rescale > 0:
+        return (
+            "it rescales its layers' weights in place when it switches between training and "
+            f"inference (config.rescale_every={rescale}), a write to parameters in forward; set "
+            "config.rescale_every = 0 to convert"
+        )
     if callable(getattr(backbone, "_setup_cache", None)):
         return "its layers need a decoding cache in training (recurrent state set up by the model)"
     return None
@@ -137,6 +145,8 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
     if not isinstance(lm_head, nn.Module):
         raise ValueError(f"{name} has no LM head (get_output_embeddings() returned {lm_head!r})")
     backbone = getattr(model, "base_model", None)
+    if backbone is model:  # a base_model_prefix that names no child (Llama 4's text model)
+        backbone = getattr(model, "model", None)
     if not isinstance(backbone, nn.Module) or backbone is model:
         raise ValueError(
             f"{name} has no backbone module (base_model_prefix "
@@ -191,7 +201,8 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
                     "decoder layers, which the generic converter does not place; set its p to 0 "
                     "(e.g. config.embd_pdrop=0.0) to convert"
                 )
-        elif _has_weights(child):
+        elif _has_weights(child) or "norm" in type(child).__name__.lower():
+            # a final norm may have no weights (OLMo's non-parametric LayerNorm)
             other_modules[child_name] = child
     return DecoderParts(
         model=model,
