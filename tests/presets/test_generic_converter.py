@@ -254,3 +254,32 @@ def test_generic_family_with_lora_matches_peft() -> None:
             assert rel_err(master.grad, ref[n]) <= RTOL, n
     finally:
         rp.close()
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_next", "jamba"])
+def test_generic_blocks_follow_the_forward_rules(model_type: str) -> None:
+    """Every layer of a converted model runs under check_forward_rules without a warning
+    (no writes to plain attributes, parameters or shared buffers in forward)."""
+    import warnings
+
+    from roundpipe_core.checks import check_forward_rules, find_shared_buffers
+    from roundpipe_core.context import RecomputeStore, running_layer
+
+    seq = convert_decoder_lm(build_tiny(model_type))
+    layers = list(seq)
+    shared = find_shared_buffers(layers)
+    ids, mask, labels = make_batch()
+    store = RecomputeStore()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with running_layer(0, 0, False, store, torch.device("cpu")):
+            x = check_forward_rules(
+                0,
+                layers[0],
+                lambda: layers[0](input_ids=ids, attention_mask=mask, labels=labels),
+                shared[0],
+            )
+        for i in range(1, len(layers)):
+            with running_layer(i, 0, False, store, torch.device("cpu")):
+                x = check_forward_rules(i, layers[i], lambda: layers[i](x), shared[i])  # noqa: B023
+    assert [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)] == []
