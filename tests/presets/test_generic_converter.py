@@ -7,7 +7,7 @@ embedding scale, sliding + full layers, tied embeddings), Gemma 3 (two rotary ta
 per layer type), Cohere (logit_scale, tied), Granite (embedding multiplier, logits
 divided), Falcon (``transformer.h`` / ``ln_f`` layout, fused QKV), Qwen3-Next (linear
 attention layers with a 2D mask, MoE), Jamba (Mamba mixers reading their conv weight
-directly). Tiny models come from ``scripts/sweep_hf_families.py`` (nothing downloaded).
+directly); Mixtral and Qwen2-MoE for the routers (replay, load-balancing loss). Tiny models come from ``scripts/sweep_hf_families.py`` (nothing downloaded).
 """
 
 from __future__ import annotations
@@ -128,6 +128,34 @@ def test_autograd_forward_with_labels_matches_hf() -> None:
         rp.close()
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_moe_router_loss_and_replay_match_hf(model_type: str) -> None:
+    """MoE families without a preset: the routers HF records router_logits from are found,
+    their top-k choice is replayed in the recompute, and with output_router_logits the
+    load-balancing loss (and its gradient into the routers) is HF's over 2 microbatches."""
+    model = build_tiny(model_type)
+    model.config.output_router_logits = True
+    ids, mask, labels = make_batch()
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.aux_loss is not None
+    out.loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    rp = wrap_model_to_roundpipe(
+        model, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
+    try:
+        assert all(rp.layers[i].num_routers == 1 for i in range(1, rp.num_layers - 1))
+        got = rp(input_ids=ids, attention_mask=mask, labels=labels)
+        assert abs(got.aux_loss.item() - out.aux_loss.item()) <= RTOL * out.aux_loss.item()
+        assert abs(got.loss.item() - out.loss.item()) <= RTOL * out.loss.item()
+        got.loss.backward()
+        assert_grads_match(rp, model, ref, f"{model_type}/aux")
+        assert any(".gate." in n or n.endswith("gate.weight") for n in ref)  # routers trained
+    finally:
+        rp.close()
+
+
 def test_soft_capped_logits_refuse_the_chunked_loss() -> None:
     model = build_tiny("gemma2")
     seq = convert_decoder_lm(model)
@@ -183,12 +211,6 @@ def _gemma3n(shared: int = 1):
     return tf.Gemma3nForCausalLM(cfg)
 
 
-def _mixtral_with_router_loss():
-    model = build_tiny("mixtral")
-    model.config.output_router_logits = True
-    return model
-
-
 @pytest.mark.parametrize(
     ("make", "words"),
     [
@@ -196,10 +218,9 @@ def _mixtral_with_router_loss():
         (lambda: build_tiny("bloom"), "ALiBi"),
         (lambda: build_tiny("recurrent_gemma"), "decoding cache"),
         (lambda: _gemma3n(shared=0), "per-layer input"),
-        (_mixtral_with_router_loss, "output_router_logits"),
         (lambda: build_tiny("mpt"), "decoder layer 0 gets attention_mask="),
     ],
-    ids=["gemma3n", "bloom", "recurrent_gemma", "gemma3n-unshared", "mixtral-aux", "mpt"],
+    ids=["gemma3n", "bloom", "recurrent_gemma", "gemma3n-unshared", "mpt"],
 )
 def test_refused_with_the_reason(make, words: str) -> None:
     with pytest.raises(ValueError, match=words):
