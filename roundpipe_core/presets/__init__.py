@@ -168,8 +168,9 @@ def convert_if_possible(model: nn.Module) -> nn.Sequential | None:
     """``model`` (possibly peft-wrapped) converted by its preset or by its structure, or ``None``.
 
     ``None`` when no preset matches and the converter by structure refuses the
-    model; the reason is logged (INFO, logger ``roundpipe_core.presets``) and the
-    caller uses the automatic split. A preset's own errors propagate.
+    model; the reason is logged (INFO, logger ``roundpipe_core.presets``; WARNING
+    if the converter failed with anything but its ``ValueError``) and the caller
+    uses the automatic split. A preset's own errors propagate.
     """
     base = unwrap_peft(model)
     if find_preset(base) is not None:
@@ -183,6 +184,15 @@ def convert_if_possible(model: nn.Module) -> nn.Sequential | None:
                 "%s gets the automatic split (no fused forward_backward, not pipelined layer by "
                 "layer): %s",
                 type(base).__name__,
+                exc,
+            )
+            return None
+        except Exception as exc:  # a converter bug must not stop a model the split can run
+            _log.warning(
+                "%s gets the automatic split: the converter by structure failed with %s: %s "
+                "(please report it)",
+                type(base).__name__,
+                type(exc).__name__,
                 exc,
             )
             return None

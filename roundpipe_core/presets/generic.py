@@ -82,16 +82,22 @@ def _find_routers(parts: DecoderParts) -> tuple[list[list[nn.Module]], Rescore |
         return [[] for _ in parts.layers], None, None
     g = torch.Generator().manual_seed(PROBE_SEED)
     x = torch.randn(1, 6, hidden, generator=g).to(device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        out = first(x)
+    try:
+        with torch.no_grad():
+            out = first(x)
+    except Exception:  # a router that takes more than the hidden states (a bias, a mask)
+        return [[] for _ in parts.layers], None, None
     if not (
         isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)
     ):
         return [[] for _ in parts.layers], None, None
     logits, scores, indices = out
     for rescore in _RESCORES:
-        with torch.no_grad():
-            got = rescore(first, logits, indices)
+        try:
+            with torch.no_grad():
+                got = rescore(first, logits, indices)
+        except Exception:  # indices of another layout than (tokens, k)
+            continue
         if got.shape == scores.shape and torch.allclose(
             got.float(), scores.float(), rtol=1e-5, atol=1e-6
         ):
