@@ -211,6 +211,12 @@ def _gemma3n(shared: int = 1):
     return tf.Gemma3nForCausalLM(cfg)
 
 
+def _minimax_m2_with_router_loss():
+    model = build_tiny("minimax_m2")  # its router also takes a score-correction bias
+    model.config.output_router_logits = True
+    return model
+
+
 @pytest.mark.parametrize(
     ("make", "words"),
     [
@@ -219,8 +225,9 @@ def _gemma3n(shared: int = 1):
         (lambda: build_tiny("recurrent_gemma"), "decoding cache"),
         (lambda: _gemma3n(shared=0), "per-layer input"),
         (lambda: build_tiny("mpt"), "decoder layer 0 gets attention_mask="),
+        (_minimax_m2_with_router_loss, "output_router_logits=True"),
     ],
-    ids=["gemma3n", "bloom", "recurrent_gemma", "gemma3n-unshared", "mpt"],
+    ids=["gemma3n", "bloom", "recurrent_gemma", "gemma3n-unshared", "mpt", "minimax-m2-aux"],
 )
 def test_refused_with_the_reason(make, words: str) -> None:
     with pytest.raises(ValueError, match=words):
