@@ -148,10 +148,12 @@ def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
         if len(net) == 0:
             raise ValueError(f"{source} an empty nn.Sequential; give it layers")
         return net, None
-    from roundpipe_core.presets import convert_to_sequential, find_preset, unwrap_peft
+    from roundpipe_core.presets import convert_if_possible
 
-    if find_preset(unwrap_peft(net)) is not None:
-        return convert_to_sequential(net), net
+    # a preset, else the converter by structure (it logs why it refuses a model)
+    seq = convert_if_possible(net)
+    if seq is not None:
+        return seq, net
     return net, None  # any other module: the automatic split (wrap_network)
 
 
@@ -188,8 +190,8 @@ def wrap_network(
     rp = auto_wrap(net, **common)
     kind = type(net).__name__
     said = (
-        f"{source} a {kind}: not an nn.Sequential, and no preset converts "
-        "it, so RoundPipe splits it automatically (as wrap_model_to_roundpipe("
+        f"{source} a {kind}: not an nn.Sequential, and neither a preset nor the converter "
+        "by structure converts it (the log of roundpipe_core.presets says why), so RoundPipe splits it automatically (as wrap_model_to_roundpipe("
         "use_sequential_preset=False) does): "
     )
     if not isinstance(rp, RoundPipe) and execute_plan is not None:

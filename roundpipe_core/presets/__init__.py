@@ -11,6 +11,9 @@ Built-in presets: ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
 ``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``GPT2LMHeadModel``,
 ``Qwen3MoeForCausalLM``, ``GptOssForCausalLM``. Classes are matched by name
 along the MRO, so ``transformers`` is imported only when a model is converted.
+Any other decoder-only causal LM is converted by its structure
+(:func:`.generic.convert_decoder_lm`); what that converter refuses gets the
+automatic split, with a log line saying why.
 
 A converted model is called like the original (``input_ids``,
 ``attention_mask``, ``position_ids``, ``labels``, ``num_items_in_batch``, and
@@ -36,6 +39,7 @@ from ..config import batch_normalized
 from ..model import RoundPipe, RoundPipeRunConfig
 from ..running.devices.pool import DevicePool, resolve_devices
 from .common import CausalLMInputAdapter, DecoderBlock
+from .generic import GenericDecoderBlock, convert_decoder_lm
 from .gpt2 import convert_gpt2
 from .gpt_oss import convert_gpt_oss
 from .llama import convert_llama
@@ -132,26 +136,72 @@ class NoPresetError(ValueError, NotImplementedError):
 
 
 def convert_to_sequential(model: nn.Module) -> nn.Sequential:
-    """Convert ``model`` (possibly peft-wrapped) with its preset.
+    """Convert ``model`` (possibly peft-wrapped) with its preset, else by its structure.
 
     Raises:
-        NoPresetError: if no preset matches; the message lists the known ones.
+        NoPresetError: if no preset matches and the converter by structure
+            (:func:`.generic.convert_decoder_lm`) refuses the model; the message
+            says why and lists the known presets.
     """
     base = unwrap_peft(model)
     converter = find_preset(base)
     if converter is None:
-        raise NoPresetError(
-            f"no RoundPipe preset for {type(base).__name__}; known presets: "
-            f"{', '.join(known_presets())}. Register one with "
-            "roundpipe_core.presets.register_preset(cls, converter), convert the model to an "
-            "nn.Sequential yourself, or pass use_sequential_preset=None/False for the "
-            "experimental automatic split"
-        )
+        try:
+            return convert_decoder_lm(base)
+        except ValueError as exc:
+            raise NoPresetError(
+                f"no RoundPipe preset for {type(base).__name__}, and it cannot be converted by "
+                f"structure: {exc}. Known presets: {', '.join(known_presets())}. Register one "
+                "with roundpipe_core.presets.register_preset(cls, converter), convert the model "
+                "to an nn.Sequential yourself, or pass use_sequential_preset=None/False for the "
+                "experimental automatic split"
+            ) from exc
     seq = converter(base)
     if not isinstance(seq, nn.Sequential):
         raise TypeError(
             f"the preset for {type(base).__name__} returned {type(seq).__name__}, not nn.Sequential"
         )
+    return seq
+
+
+def convert_if_possible(model: nn.Module) -> nn.Sequential | None:
+    """``model`` (possibly peft-wrapped) converted by its preset or by its structure, or ``None``.
+
+    ``None`` when no preset matches and the converter by structure refuses the
+    model; the reason is logged (INFO, logger ``roundpipe_core.presets``; WARNING
+    if the converter failed with anything but its ``ValueError``) and the caller
+    uses the automatic split. A preset's own errors propagate.
+    """
+    base = unwrap_peft(model)
+    if find_preset(base) is not None:
+        seq = convert_to_sequential(model)
+        how = "its sequential preset"
+    else:
+        try:
+            seq = convert_decoder_lm(base)
+        except ValueError as exc:
+            _log.info(
+                "%s gets the automatic split (no fused forward_backward, not pipelined layer by "
+                "layer): %s",
+                type(base).__name__,
+                exc,
+            )
+            return None
+        except Exception as exc:  # a converter bug must not stop a model the split can run
+            _log.warning(
+                "%s gets the automatic split: the converter by structure failed with %s: %s "
+                "(please report it)",
+                type(base).__name__,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        how = "its structure (the generic decoder converter)"
+    _log.info(
+        "%s converted by %s; pass use_sequential_preset=False for the automatic split instead",
+        type(base).__name__,
+        how,
+    )
     return seq
 
 
@@ -336,9 +386,11 @@ def wrap_model_to_roundpipe(
         model: a Hugging Face causal LM (possibly wrapped by ``peft``), an
             ``nn.Sequential``, or any module.
         use_sequential_preset: ``None`` (default): convert with the preset of
-            the model's class if there is one, else use the automatic split.
-            ``True``: a preset or :class:`NoPresetError` (listing the known
-            presets). ``False``: the automatic split
+            the model's class if there is one, else by its structure
+            (:func:`.generic.convert_decoder_lm`), else (logging why) use the
+            automatic split. ``True``: a preset or the structure, else
+            :class:`NoPresetError` (saying why, listing the known presets).
+            ``False``: the automatic split
             (:mod:`roundpipe_core.autosplit`), even if a preset exists.
         lower_threshold: automatic split: modules holding at least this many
             bytes of their own parameters/buffers are wrapped whole (default 16 KiB).
@@ -353,7 +405,8 @@ def wrap_model_to_roundpipe(
             of ``upper_threshold`` bytes.
         **roundpipe_kwargs: more ``RoundPipe(...)`` arguments (``pin_model``, ``devices``).
 
-    The automatic-split options are ignored when a preset converts the model.
+    The automatic-split options are ignored when a preset or the converter by structure
+    converts the model.
 
     Returns:
         A ``RoundPipe`` (attribute access falls through to ``model``), or an
@@ -361,7 +414,8 @@ def wrap_model_to_roundpipe(
 
     Raises:
         TypeError / ValueError: for arguments of the wrong type or value.
-        NoPresetError: ``use_sequential_preset=True`` and no preset matches.
+        NoPresetError: ``use_sequential_preset=True``, no preset matches and the converter
+            by structure refuses the model (the message says why).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap_model_to_roundpipe needs an nn.Module, got {type(model).__name__}")
@@ -383,14 +437,11 @@ def wrap_model_to_roundpipe(
         )
     if use_sequential_preset is not False:
         base = unwrap_peft(model)
-        if use_sequential_preset or find_preset(base) is not None:
-            seq = convert_to_sequential(model)
-            if use_sequential_preset is None:
-                _log.info(
-                    "wrap_model_to_roundpipe: %s converted by its sequential preset; pass "
-                    "use_sequential_preset=False for the automatic split instead",
-                    type(base).__name__,
-                )
+        if use_sequential_preset:
+            seq: nn.Sequential | None = convert_to_sequential(model)
+        else:
+            seq = convert_if_possible(model)
+        if seq is not None:
             roundpipe_kwargs.setdefault("name", type(base).__name__)
             return RoundPipe(
                 seq,
@@ -441,12 +492,15 @@ __all__ = [
     "CausalLMLossFn",
     "CausalLMOutputAdapter",
     "DecoderBlock",
+    "GenericDecoderBlock",
     "NoPresetError",
     "RoundPipeCausalLMOutput",
     "RoundPipeMoeCausalLMOutput",
     "causal_lm_loss",
     "causal_lm_loss_fn",
     "chunked_linear_cross_entropy",
+    "convert_decoder_lm",
+    "convert_if_possible",
     "convert_to_sequential",
     "count_label_tokens",
     "find_preset",

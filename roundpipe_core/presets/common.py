@@ -65,6 +65,17 @@ class CausalLMInputAdapter(nn.Module):
         router_logits_default: MoE models: ``config.output_router_logits`` (the
             default of ``output_router_logits``); ``None`` for dense models,
             which do not take the argument.
+        embed_scale: multiply the embeddings (also given ``inputs_embeds``) by this
+            (Granite's ``embedding_multiplier``, AFMoE's ``hidden_size ** 0.5``), or ``None``.
+        embed_scale_as_tensor: multiply by a tensor of the embeddings' dtype
+            (``torch.tensor(scale, dtype=hidden.dtype)``, as Gemma-style code writes it)
+            instead of a Python float; the two round differently in half precision.
+        position_tables: instead of ``rotary_emb``: the position-embedding calls of a
+            model whose layers take different tables (Gemma 3's local and global
+            rotary embeddings), as ``(module, layer_type or None)`` pairs. Each is
+            computed once, ``module(hidden, position_ids[, layer_type])``, and the
+            state's ``cos`` field holds their outputs as a tuple in this order
+            (``sin`` is ``None``); a block picks its table by index.
     """
 
     def __init__(
@@ -74,6 +85,9 @@ class CausalLMInputAdapter(nn.Module):
         position_embedding: nn.Module | None = None,
         dropout: nn.Module | None = None,
         router_logits_default: bool | None = None,
+        embed_scale: float | None = None,
+        embed_scale_as_tensor: bool = False,
+        position_tables: Sequence[tuple[nn.Module, str | None]] | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
@@ -81,6 +95,22 @@ class CausalLMInputAdapter(nn.Module):
         self.position_embedding = position_embedding
         self.dropout = dropout
         self.router_logits_default = router_logits_default
+        self.embed_scale = embed_scale
+        self.embed_scale_as_tensor = embed_scale_as_tensor
+        self.position_modules: nn.ModuleList | None = None
+        self.position_calls: tuple[tuple[int, str | None], ...] = ()
+        if position_tables is not None:
+            if rotary_emb is not None:
+                raise ValueError("give rotary_emb or position_tables, not both")
+            modules: list[nn.Module] = []
+            calls = []
+            for module, layer_type in position_tables:
+                index = next((i for i, m in enumerate(modules) if m is module), len(modules))
+                if index == len(modules):
+                    modules.append(module)
+                calls.append((index, layer_type))
+            self.position_modules = nn.ModuleList(modules)
+            self.position_calls = tuple(calls)
 
     def forward(
         self,
@@ -139,6 +169,13 @@ class CausalLMInputAdapter(nn.Module):
                 "are given: the loss needs the logits of every position"
             )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.embed_scale is not None:
+            if self.embed_scale_as_tensor:
+                hidden = hidden * torch.tensor(
+                    self.embed_scale, dtype=hidden.dtype, device=hidden.device
+                )
+            else:
+                hidden = hidden * self.embed_scale
         batch, seq = hidden.shape[:2]
         if position_ids is None:
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
@@ -159,6 +196,13 @@ class CausalLMInputAdapter(nn.Module):
         cos = sin = None
         if self.rotary_emb is not None:
             cos, sin = self.rotary_emb(hidden, position_ids)
+        elif self.position_modules is not None:
+            cos = tuple(
+                self.position_modules[i](hidden, position_ids)
+                if layer_type is None
+                else self.position_modules[i](hidden, position_ids, layer_type)
+                for i, layer_type in self.position_calls
+            )
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(
@@ -315,8 +359,10 @@ def output_adapter(
     lm_head: nn.Module,
     num_experts: int | None = None,
     router_aux_loss_coef: float = 0.0,
+    logit_ops: tuple[tuple[str, float], ...] = (),
 ) -> nn.Module:
-    """The last layer (:class:`.head.CausalLMOutputAdapter`); ``num_experts`` only for MoE models."""
+    """The last layer (:class:`.head.CausalLMOutputAdapter`); ``num_experts`` only for MoE models,
+    ``logit_ops`` for models that scale or soft-cap their logits."""
     # imported here: .head needs transformers, an optional dependency of roundpipe_core
     from .head import CausalLMOutputAdapter
 
@@ -326,6 +372,7 @@ def output_adapter(
         ignore_index=IGNORE_INDEX,
         num_experts=num_experts,
         router_aux_loss_coef=router_aux_loss_coef,
+        logit_ops=logit_ops,
     )
 
 

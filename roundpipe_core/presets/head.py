@@ -46,7 +46,15 @@ from .loss import (
 from .moe import aux_loss_from_stats
 from .state import unpack_state
 
-__all__ = ["CausalLMOutputAdapter", "RoundPipeCausalLMOutput", "RoundPipeMoeCausalLMOutput"]
+__all__ = [
+    "LOGIT_OPS",
+    "CausalLMOutputAdapter",
+    "RoundPipeCausalLMOutput",
+    "RoundPipeMoeCausalLMOutput",
+]
+
+# What a model's forward may do to its LM head's output (see CausalLMOutputAdapter).
+LOGIT_OPS = ("mul", "div", "softcap")
 
 
 def _canonical_order(out: Any) -> None:
@@ -147,6 +155,10 @@ class CausalLMOutputAdapter(nn.Module):
         num_experts: MoE models: experts per layer (``None`` for dense models).
         router_aux_loss_coef: MoE models: weight of the aux loss in ``.loss``.
         loss_chunk_tokens: tokens per chunk of the ``return_logits=False`` loss.
+        logit_ops: what the model's ``forward`` does to the LM head's output, in order:
+            ``("mul", s)`` (Cohere's ``logit_scale``), ``("div", d)`` (Granite's
+            ``logits_scaling``), ``("softcap", c)`` = ``c * tanh(logits / c)`` (Gemma 2/3's
+            ``final_logit_softcapping``). Empty for most models.
     """
 
     def __init__(
@@ -157,6 +169,7 @@ class CausalLMOutputAdapter(nn.Module):
         num_experts: int | None = None,
         router_aux_loss_coef: float = 0.0,
         loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+        logit_ops: tuple[tuple[str, float], ...] = (),
     ) -> None:
         super().__init__()
         self.norm = norm
@@ -166,6 +179,30 @@ class CausalLMOutputAdapter(nn.Module):
         self.num_experts = num_experts
         self.router_aux_loss_coef = float(router_aux_loss_coef)
         self.loss_chunk_tokens = loss_chunk_tokens
+        for op, value in logit_ops:
+            if (
+                op not in LOGIT_OPS
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+            ):
+                raise ValueError(
+                    f"logit_ops takes (op, number) pairs with op in {LOGIT_OPS}, got {(op, value)!r}"
+                )
+        self.logit_ops = tuple((op, float(value)) for op, value in logit_ops)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head, then the model's logit scaling / soft-capping (as its ``forward`` does)."""
+        logits = self.lm_head(hidden)
+        for op, value in self.logit_ops:
+            if op == "mul":
+                logits = logits * value
+            elif op == "div":
+                logits = logits / value
+            else:  # "softcap", written as Hugging Face writes it
+                logits = logits / value
+                logits = torch.tanh(logits)
+                logits = logits * value
+        return logits
 
     def _token_losses(
         self, hidden: torch.Tensor, logits: torch.Tensor | None, target: torch.Tensor
@@ -174,6 +211,11 @@ class CausalLMOutputAdapter(nn.Module):
         if logits is not None:
             return token_cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), flat_target, self.ignore_index
+            )
+        if self.logit_ops:
+            raise ValueError(
+                "return_logits=False computes the loss from the LM head's weight alone; this model "
+                "scales or soft-caps its logits after the head. Call it with return_logits=True"
             )
         head = self.lm_head
         if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
@@ -197,7 +239,7 @@ class CausalLMOutputAdapter(nn.Module):
         keep = extras.get("logits_to_keep", 0)
         logits = None
         if extras.get("return_logits", True):
-            logits = self.lm_head(hidden[:, -keep:] if keep else hidden)
+            logits = self._logits(hidden[:, -keep:] if keep else hidden)
         fields: dict[str, Any] = {"logits": logits}
         batch = hidden.shape[0]
         if labels is not None:

@@ -42,6 +42,7 @@ __all__ = [
     "aux_loss_from_stats",
     "install_router_replay",
     "rescore_softmax_then_topk",
+    "rescore_softmax_topk_renormalised",
     "rescore_topk_then_softmax",
     "run_with_router_replay",
 ]
@@ -75,6 +76,15 @@ def rescore_softmax_then_topk(
     if getattr(router, "norm_topk_prob", False):
         scores = scores / scores.sum(dim=-1, keepdim=True)
     return scores.to(router_logits.dtype)
+
+
+def rescore_softmax_topk_renormalised(
+    router: nn.Module, router_logits: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """Mixtral style weights: fp32 softmax over all experts, gathered, always renormalised."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    scores = probs.gather(-1, indices)
+    return scores / scores.sum(dim=-1, keepdim=True)
 
 
 def rescore_topk_then_softmax(

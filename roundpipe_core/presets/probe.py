@@ -1,0 +1,570 @@
+"""Read how a causal LM calls its parts from one recorded forward of the model itself.
+
+:mod:`.structure` finds *which* modules a model has; this module finds *how*
+its backbone calls them, by running the Hugging Face model once on a tiny
+probe batch (two rows, one left-padded) with hooks on its parts, and matching
+each recorded value against what the converter knows how to rebuild:
+
+* the first layer's input: the token embedding, or the embedding times a
+  scale from the config (Gemma's ``hidden_size ** 0.5``, Granite's
+  ``embedding_multiplier``), as a tensor of the embedding's dtype or a float;
+* every keyword of every decoder-layer call: a constant (``None``, a flag), the
+  2D padding mask, the position ids, ``cache_position``, a 4D mask from one of
+  Hugging Face's mask functions (full causal, sliding window, chunked), or the
+  output of one of the backbone's position modules (optionally per layer type,
+  as Gemma 3's local and global rotary tables);
+* the layers are chained: each layer's input is the previous one's output;
+* the final norm takes the last layer's output and feeds the LM head, and
+  the logits are the head's output, optionally scaled / soft-capped as the
+  config says (``logit_scale``, ``logits_scaling``, ``final_logit_softcapping``).
+
+Anything else — a value the layers share through a dict (Gemma 3n's KV
+sharing), an ALiBi bias, per-layer inputs, code between layers — raises a
+``ValueError`` naming it. Sliding windows and chunk sizes are shrunk below the
+probe's length for the recording, so that full and windowed masks differ;
+the config is restored afterwards. A second recording without a padding mask
+and with packed position ids tells whether the model builds its masks with
+``position_ids`` (packed-sequence detection) or without.
+
+:func:`check_conversion` then runs the converted ``nn.Sequential`` layer by
+layer on the probe batch and compares logits and loss with the model's own,
+and runs it on each row alone (as a microbatch does): a model whose rows
+depend on each other (Doge's padding-dependent attention path) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .structure import DecoderParts
+
+__all__ = ["LayerRecipe", "ModelRecipe", "check_conversion", "eval_mode", "probe_decoder"]
+
+PROBE_BATCH = 2
+PROBE_SEQ = 8
+PROBE_PAD = 2  # left padding of the second row
+PROBE_WINDOW = 3  # sliding windows / attention chunks during the recording
+PROBE_SEED = 1234
+
+# mask kinds -> the name of Hugging Face's builder in transformers.masking_utils
+MASK_BUILDERS = {
+    "full": "create_causal_mask",
+    "sliding": "create_sliding_window_causal_mask",
+    "chunked": "create_chunked_causal_mask",
+}
+# what well-known refused keywords are, for the error message
+_KNOWN_FEATURES = {
+    "shared_kv_states": "KV sharing between layers (Gemma 3n/4)",
+    "alibi": "an ALiBi bias (its first dim is batch x heads, not batch)",
+    "per_layer_input": "per-layer inputs (Gemma 3n/4)",
+    "per_layer_inputs": "per-layer inputs (Gemma 3n/4)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRecipe:
+    """How one decoder layer is called: ``layer(hidden, **kwargs)``.
+
+    ``inputs`` holds ``(keyword, source, detail)`` triples; sources:
+    ``"const"`` (detail: the value), ``"padding_mask"`` (the 2D mask),
+    ``"position_ids"``, ``"cache_position"`` (``arange(seq)``), ``"mask"``
+    (detail: ``(kind, with_position_ids)``, kind a key of ``MASK_BUILDERS``) and
+    ``"table"`` (detail: index into :attr:`ModelRecipe.position_tables`).
+    """
+
+    inputs: tuple[tuple[str, str, Any], ...]
+    tuple_output: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRecipe:
+    """What the probe found: everything the converter needs besides the parts."""
+
+    layers: tuple[LayerRecipe, ...]
+    embed_scale: float | None
+    embed_scale_as_tensor: bool
+    position_tables: tuple[tuple[str, str | None], ...]  # (backbone attribute, layer_type)
+    norm_name: str
+    logit_ops: tuple[tuple[str, float], ...]
+
+
+def _refuse(parts: DecoderParts, what: str) -> ValueError:
+    return ValueError(f"{type(parts.model).__name__} cannot be converted by structure: {what}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal pytrees of tensors; a recorded ``(1, ...)`` tensor matches a ``(B, ...)`` candidate."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape:
+            if a.dim() != b.dim() or b.shape[0] != 1 or a.shape[1:] != b.shape[1:]:
+                return False
+            b = b.expand_as(a)
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is None and b is None
+    return False
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model.eval()`` for the probe (dropout off, so rows can be compared alone and in a
+    batch), every module's training flag restored afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+@contextlib.contextmanager
+def _small_windows(config: Any) -> Iterator[None]:
+    """Shrink sliding windows / attention chunks below the probe length (restored after)."""
+    saved = {}
+    for attr in ("sliding_window", "attention_chunk_size"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > PROBE_WINDOW:
+            saved[attr] = value
+            setattr(config, attr, PROBE_WINDOW)
+    try:
+        yield
+    finally:
+        for attr, value in saved.items():
+            setattr(config, attr, value)
+
+
+@dataclasses.dataclass
+class _Recording:
+    layer_calls: list[tuple[tuple, dict]]
+    layer_outputs: list[Any]
+    module_calls: dict[str, tuple[Any, Any]]
+    head_call: tuple[Any, Any] | None
+    logits: torch.Tensor | None
+
+
+def _probe_batch(parts: DecoderParts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = getattr(parts.config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        weight = getattr(parts.lm_head, "weight", None)
+        vocab = int(weight.shape[0]) if isinstance(weight, torch.Tensor) else 2
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    ids = torch.randint(1, max(2, vocab), (PROBE_BATCH, PROBE_SEQ), generator=g)
+    mask = torch.ones(PROBE_BATCH, PROBE_SEQ, dtype=torch.long)
+    mask[1, :PROBE_PAD] = 0
+    return ids.to(device), mask.to(device)
+
+
+def _record(parts: DecoderParts, **call: Any) -> _Recording:
+    """One forward of the model with hooks on layers, backbone parts and head."""
+    rec = _Recording([], [], {}, None, None)
+    handles = []
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        rec.layer_calls.append((args, dict(kwargs)))
+
+    def post(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        rec.layer_outputs.append(out)
+
+    def part_hook(name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            rec.module_calls.setdefault(name, (args, out))
+
+        return hook
+
+    def head_hook(module: nn.Module, args: tuple, out: Any) -> None:
+        rec.head_call = (args, out)
+
+    try:
+        for layer in parts.layers:
+            handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(layer.register_forward_hook(post, with_kwargs=True))
+        for name, module in parts.other_modules.items():
+            handles.append(module.register_forward_hook(part_hook(name)))
+        handles.append(parts.lm_head.register_forward_hook(head_hook))
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(PROBE_SEED)
+            try:
+                out = parts.model(use_cache=False, **call)
+            except Exception as exc:
+                raise _refuse(
+                    parts,
+                    f"its own forward fails on the probe batch ({sorted(call)}): "
+                    f"{type(exc).__name__}: {exc}",
+                ) from exc
+        rec.logits = getattr(out, "logits", None)
+    finally:
+        for h in handles:
+            h.remove()
+    if len(rec.layer_calls) != len(parts.layers):
+        raise _refuse(
+            parts,
+            f"its forward made {len(rec.layer_calls)} calls to its {len(parts.layers)} decoder "
+            "layers; one call each is expected",
+        )
+    return rec
+
+
+def _masks(parts: DecoderParts, hidden: torch.Tensor, mask: Any, pos: torch.Tensor) -> dict:
+    """Candidate masks: ``{(kind, with_position_ids): mask}`` from Hugging Face's builders."""
+    from transformers import masking_utils
+
+    out = {}
+    for kind, builder in MASK_BUILDERS.items():
+        fn = getattr(masking_utils, builder, None)
+        if fn is None:
+            continue
+        for with_pos in (True, False):
+            kwargs: dict[str, Any] = {
+                "config": parts.config,
+                "inputs_embeds": hidden,
+                "attention_mask": mask,
+                "cache": None,
+            }
+            if with_pos:
+                kwargs["position_ids"] = pos
+            try:
+                out[(kind, with_pos)] = fn(**kwargs)
+            except Exception:  # a builder this config cannot use (e.g. no chunk size)
+                continue
+    return out
+
+
+def _tables(parts: DecoderParts, hidden: torch.Tensor, pos: torch.Tensor) -> dict:
+    """Candidate position tables ``{(module name, layer_type): output}`` for batch-wide ids."""
+    out: dict[tuple[str, str | None], Any] = {}
+    layer_types = sorted(set(getattr(parts.config, "layer_types", None) or ()))
+    for name, module in parts.position_modules.items():
+        for layer_type in [None, *layer_types]:
+            try:
+                with torch.no_grad():
+                    value = (
+                        module(hidden, pos)
+                        if layer_type is None
+                        else module(hidden, pos, layer_type)
+                    )
+            except Exception:  # a module that does not take this call
+                continue
+            out[(name, layer_type)] = value
+    return out
+
+
+def _embed_scale(parts: DecoderParts, embedded: torch.Tensor, first: torch.Tensor) -> tuple:
+    """``(scale, as_tensor)`` with ``embedded * scale == first``, or ``(None, False)``."""
+    if _same(first, embedded):
+        return None, False
+    config = parts.config
+    candidates = []
+    hidden_size = getattr(config, "hidden_size", None)
+    if isinstance(hidden_size, int):
+        candidates.append(hidden_size**0.5)
+    for attr in ("embedding_multiplier", "scale_emb", "embedding_scale", "embed_scale"):
+        value = getattr(config, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            candidates.append(float(value))
+    for scale in candidates:
+        for as_tensor in (True, False):
+            factor: Any = torch.tensor(scale, dtype=embedded.dtype) if as_tensor else scale
+            if _same(first, embedded * factor):
+                return scale, as_tensor
+    raise _refuse(
+        parts,
+        "the first decoder layer's input is not the token embedding (nor the embedding times "
+        "hidden_size ** 0.5 or a multiplier from the config): the backbone does something to "
+        "the embeddings the converter does not know",
+    )
+
+
+def _logit_ops(parts: DecoderParts, head_out: torch.Tensor, logits: torch.Tensor) -> tuple:
+    if _same(logits, head_out):
+        return ()
+    config = parts.config
+    scales: list[tuple[str, float]] = []
+    mul = getattr(parts.model, "logit_scale", None)
+    if mul is None:
+        mul = getattr(config, "logit_scale", None)
+    if isinstance(mul, (int, float)) and not isinstance(mul, bool):
+        scales.append(("mul", float(mul)))
+    div = getattr(config, "logits_scaling", None)
+    if isinstance(div, (int, float)) and not isinstance(div, bool):
+        scales.append(("div", float(div)))
+    cap = getattr(config, "final_logit_softcapping", None)
+    caps = [("softcap", float(cap))] if isinstance(cap, (int, float)) and cap else []
+    options: list[tuple[tuple[str, float], ...]] = [(s,) for s in scales]
+    options += [(c,) for c in caps]
+    options += [(s, c) for s in scales for c in caps]
+    for ops in options:
+        got = head_out
+        for op, value in ops:
+            if op == "mul":
+                got = got * value
+            elif op == "div":
+                got = got / value
+            else:
+                got = torch.tanh(got / value) * value
+        if _same(logits, got):
+            return ops
+    raise _refuse(
+        parts,
+        "its logits are not the LM head's output (nor scaled by config.logit_scale / "
+        "logits_scaling or soft-capped by config.final_logit_softcapping)",
+    )
+
+
+def _classify(
+    parts: DecoderParts,
+    index: int,
+    key: str,
+    value: Any,
+    known: dict[str, Any],
+    masks: dict,
+    tables: dict,
+    table_order: list[tuple[str, str | None]],
+) -> tuple[str, str, Any]:
+    where = f"decoder layer {index} gets {key}="
+    if key in _KNOWN_FEATURES:
+        if value is None:
+            return (key, "const", None)
+        raise _refuse(
+            parts,
+            f"{where}...: {_KNOWN_FEATURES[key]}, which would not travel between "
+            "pipeline layers; use the automatic split",
+        )
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (key, "const", value)
+    if isinstance(value, torch.Tensor):
+        if _same(known["padding_mask"], value):
+            return (key, "padding_mask", None)
+        if value.dim() == 2 and _same(known["position_ids"], value):
+            return (key, "position_ids", None)
+        if value.dim() == 1 and torch.equal(value, known["cache_position"]):
+            return (key, "cache_position", None)
+        matches = [k for k, m in masks.items() if m is not None and _same(m, value)]
+        if matches:
+            layer_types = getattr(parts.config, "layer_types", None)
+            layer_type = str(layer_types[index]) if layer_types else ""
+            preferred = [k for k in matches if k[0] in layer_type] or matches
+            preferred.sort(key=lambda k: not k[1])  # with position ids first
+            return (key, "mask", preferred[0])
+    if isinstance(value, (torch.Tensor, tuple, list)):
+        for candidate, table in tables.items():
+            if _same(table, value):
+                if candidate not in table_order:
+                    table_order.append(candidate)
+                return (key, "table", table_order.index(candidate))
+    kind = type(value).__name__
+    if isinstance(value, torch.Tensor):
+        kind = f"a tensor of shape {tuple(value.shape)}"
+    raise _refuse(
+        parts,
+        f"{where}{kind}, which is none of what the converter rebuilds per layer (padding mask, "
+        "position ids, a causal / sliding / chunked mask, a position table of the backbone's, a "
+        "constant)",
+    )
+
+
+def probe_decoder(parts: DecoderParts) -> ModelRecipe:
+    """Record one forward of ``parts.model`` and read how it calls its parts.
+
+    Raises:
+        ValueError: naming the first thing the converter cannot rebuild.
+    """
+    params = list(parts.model.parameters())
+    if not params:
+        raise _refuse(parts, "it has no parameters")
+    device = params[0].device
+    if device.type == "meta":
+        raise _refuse(
+            parts,
+            "its parameters are on the meta device; the converter runs the model once on a "
+            "probe batch to read how it calls its layers",
+        )
+    ids, mask = _probe_batch(parts, device)
+    with _small_windows(parts.config):
+        rec = _record(parts, input_ids=ids, attention_mask=mask)
+        first_args, first_kwargs = rec.layer_calls[0]
+        first = first_args[0] if first_args else first_kwargs.get("hidden_states")
+        if not isinstance(first, torch.Tensor):
+            raise _refuse(parts, "its decoder layers do not take the hidden states first")
+        pos_hf = torch.arange(PROBE_SEQ, device=device).unsqueeze(0)
+        pos = pos_hf.expand(PROBE_BATCH, -1)
+        masks = _masks(parts, first, mask, pos_hf)
+        tables = _tables(parts, first, pos)
+        # packed position ids without a padding mask: does the model build masks with them?
+        packed = torch.arange(PROBE_SEQ, device=device) % (PROBE_SEQ // 2)
+        packed = packed.unsqueeze(0).expand(PROBE_BATCH, -1)
+        try:
+            rec_packed: _Recording | None = _record(parts, input_ids=ids, position_ids=packed)
+        except ValueError as exc:
+            if exc.__cause__ is None:
+                raise
+            rec_packed = None  # a model that needs a padding mask: masks take the position ids
+        masks_packed = _masks(parts, first, None, packed)
+    norm_name = _find_norm(parts, rec, _first(rec.layer_outputs[-1]))
+    with torch.no_grad():
+        embedded = parts.embed_tokens(ids)
+    embed_scale, as_tensor = _embed_scale(parts, embedded, first)
+    known = {
+        "padding_mask": mask,
+        "position_ids": pos,
+        "cache_position": torch.arange(PROBE_SEQ, device=device),
+    }
+    table_order: list[tuple[str, str | None]] = []
+    recipes = []
+    previous = None
+    for i, ((args, kwargs), out) in enumerate(zip(rec.layer_calls, rec.layer_outputs)):
+        if "hidden_states" in kwargs:
+            hidden, kwargs = (
+                kwargs["hidden_states"],
+                {k: v for k, v in kwargs.items() if k != "hidden_states"},
+            )
+            extra = args
+        else:
+            hidden, extra = (args[0], args[1:]) if args else (None, ())
+        if extra:
+            raise _refuse(
+                parts,
+                f"decoder layer {i} gets {len(extra)} positional arguments after the hidden states",
+            )
+        if previous is not None and not _same(hidden, previous):
+            raise _refuse(
+                parts,
+                f"decoder layer {i}'s input is not layer {i - 1}'s output: the backbone runs code "
+                "between its layers",
+            )
+        previous = _first(out)
+        inputs = []
+        for key, value in kwargs.items():
+            entry = _classify(parts, i, key, value, known, masks, tables, table_order)
+            if entry[1] == "mask":
+                entry = _with_or_without_positions(parts, i, key, entry, rec_packed, masks_packed)
+            inputs.append(entry)
+        recipes.append(LayerRecipe(tuple(inputs), isinstance(out, (tuple, list))))
+    head_in, head_out = rec.head_call if rec.head_call is not None else (None, None)
+    norm_out = rec.module_calls[norm_name][1]
+    if head_in is None or not _same(_first(head_in), _first(norm_out)):
+        raise _refuse(parts, "its LM head does not take the final norm's output")
+    if rec.logits is None or not isinstance(head_out, torch.Tensor):
+        raise _refuse(parts, "its forward returns no .logits, or its LM head no tensor")
+    ops = _logit_ops(parts, head_out, rec.logits)
+    return ModelRecipe(
+        layers=tuple(recipes),
+        embed_scale=embed_scale,
+        embed_scale_as_tensor=as_tensor,
+        position_tables=tuple(table_order),
+        norm_name=norm_name,
+        logit_ops=ops,
+    )
+
+
+def _with_or_without_positions(
+    parts: DecoderParts,
+    index: int,
+    key: str,
+    entry: tuple[str, str, Any],
+    rec_packed: _Recording | None,
+    masks_packed: dict,
+) -> tuple[str, str, Any]:
+    kind, _ = entry[2]
+    if rec_packed is None:
+        return (key, "mask", (kind, True))
+    recorded = rec_packed.layer_calls[index][1].get(key)
+    for with_pos in (True, False):
+        candidate = masks_packed.get((kind, with_pos))
+        if (candidate is None and recorded is None) or (
+            isinstance(recorded, torch.Tensor)
+            and candidate is not None
+            and _same(candidate, recorded)
+        ):
+            return (key, "mask", (kind, with_pos))
+    raise _refuse(
+        parts,
+        f"decoder layer {index}'s {key} for packed position ids matches no {kind} mask "
+        f"({MASK_BUILDERS[kind]}) built with or without position_ids",
+    )
+
+
+def _find_norm(parts: DecoderParts, rec: _Recording, last: Any) -> str:
+    names = [n for n, (args, _) in rec.module_calls.items() if args and _same(args[0], last)]
+    called_others = [n for n in rec.module_calls if n not in names]
+    if len(names) != 1:
+        raise _refuse(
+            parts,
+            "found no final norm taking the last decoder layer's output among "
+            f"{sorted(parts.other_modules) or 'the backbone parts'}",
+        )
+    if called_others:
+        raise _refuse(
+            parts,
+            f"its backbone also runs {', '.join(called_others)}, which the converter does not place",
+        )
+    return names[0]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def check_conversion(parts: DecoderParts, seq: nn.Sequential) -> None:
+    """Run ``seq`` layer by layer on the probe batch; logits and loss must be the model's own.
+
+    Raises:
+        ValueError: if they differ (the message gives the relative error).
+    """
+    device = next(parts.model.parameters()).device
+    ids, mask = _probe_batch(parts, device)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(PROBE_SEED)
+        ref = parts.model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        torch.manual_seed(PROBE_SEED)
+        try:
+            state = seq[0](input_ids=ids, attention_mask=mask, labels=labels)
+            for layer in list(seq)[1:]:
+                state = layer(*state)
+        except Exception as exc:
+            raise _refuse(
+                parts,
+                f"the converted layers fail on the probe batch: {type(exc).__name__}: {exc}",
+            ) from exc
+        # each row alone, as a microbatch runs it: the unpadded row takes the no-mask path
+        rows = []
+        for row in range(PROBE_BATCH):
+            torch.manual_seed(PROBE_SEED)
+            part = seq[0](input_ids=ids[row : row + 1], attention_mask=mask[row : row + 1])
+            for layer in list(seq)[1:]:
+                part = layer(*part)
+            rows.append(part.logits)
+    dtype = ref.logits.dtype
+    tol = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+    errors = {
+        "logits": _rel_err(state.logits, ref.logits),
+        "loss": abs(state.loss.item() - ref.loss.item()) / max(abs(ref.loss.item()), 1e-30),
+        "logits of one row alone (a microbatch)": _rel_err(torch.cat(rows), ref.logits),
+    }
+    for what, err in errors.items():
+        if not math.isfinite(err) or err > tol:
+            raise _refuse(
+                parts,
+                f"the converted layers' {what} differ from the model's own on the whole probe "
+                f"batch (relative error {err:.2e} > {tol:.0e})"
+                + (
+                    ": a row's output depends on the other rows of the batch (e.g. through "
+                    "its padding), which microbatches cannot reproduce"
+                    if "alone" in what
+                    else ""
+                ),
+            )

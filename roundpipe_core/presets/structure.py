@@ -1,0 +1,217 @@
+"""Find the parts of a decoder-only causal LM by its structure, not by its class name.
+
+Hugging Face builds its decoder-only ``*ForCausalLM`` models one way: a
+*backbone* (``model.base_model``) holding a token embedding, one
+``nn.ModuleList`` of decoder layers, a final norm and position-embedding
+modules (rotary tables without parameters), and an LM head on the causal LM
+itself. :func:`find_decoder_parts` finds those parts from the module tree and
+refuses, with a ``ValueError`` naming the part, what it cannot place: a model
+that is not a causal LM, an encoder-decoder, a backbone module with weights
+that is none of the above, an embedding dropout, and features known not to
+survive the cut into pipeline layers (KV sharing between layers, per-layer
+input embeddings, ALiBi biases of batch x heads, a decoding cache in training,
+weights rescaled in place between training and inference).
+
+Which call each part gets (which mask, which position table, which scaling)
+is read from one recorded forward of the model itself (:mod:`.probe`); the
+converter (:mod:`.generic`) builds the pipeline layers from both.
+
+Nothing here imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+__all__ = ["DecoderParts", "find_decoder_parts", "text_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderParts:
+    """The parts of a decoder-only causal LM, all the model's own modules (shared, not copied).
+
+    Attributes:
+        model: the ``*ForCausalLM`` module.
+        config: its (text) config.
+        backbone: ``model.base_model``, whose forward runs embedding, layers and norm.
+        embed_tokens: the token embedding (``backbone.get_input_embeddings()``).
+        layers_name: the backbone attribute holding the decoder layers.
+        layers: the decoder layers, in order.
+        lm_head: the LM head (``model.get_output_embeddings()``).
+        position_modules: backbone children that compute position tables (rotary
+            embeddings: no parameters), by attribute name.
+        other_modules: the remaining backbone children with weights or a norm class,
+            by attribute name; the final norm is one of them (which one, the probe finds).
+    """
+
+    model: nn.Module
+    config: Any
+    backbone: nn.Module
+    embed_tokens: nn.Module
+    layers_name: str
+    layers: tuple[nn.Module, ...]
+    lm_head: nn.Module
+    position_modules: dict[str, nn.Module]
+    other_modules: dict[str, nn.Module]
+
+
+def text_config(model: nn.Module) -> Any:
+    """The model's text config (``config.get_text_config()`` where it has one)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(
+            f"{type(model).__name__} has no .config: not a Hugging Face model; convert it to an "
+            "nn.Sequential yourself or use the automatic split"
+        )
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
+
+
+def _has_weights(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _is_position_module(name: str, module: nn.Module) -> bool:
+    """A rotary-style table: named so, and no parameters (its buffers are recomputed tables)."""
+    label = f"{name} {type(module).__name__}".lower()
+    if not any(word in label for word in ("rotary", "rope")):
+        return False
+    return not any(True for _ in module.parameters())
+
+
+def _call_getter(module: nn.Module, getter: str) -> Any:
+    """``module.getter()``, or ``None`` where it is missing or fails (as for models whose
+    embeddings transformers cannot find by itself)."""
+    fn = getattr(module, getter, None)
+    if not callable(fn):
+        return None
+    try:
+        return fn()
+    except (NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def _unsupported_feature(config: Any, backbone: nn.Module) -> str | None:
+    """A known feature that cannot be cut into pipeline layers, named, or ``None``."""
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    if isinstance(shared, int) and shared > 0:
+        return (
+            f"its last {shared} layers reuse earlier layers' keys and values (KV sharing, "
+            "config.num_kv_shared_layers); that state would not carry gradients between "
+            "pipeline layers"
+        )
+    if getattr(config, "hidden_size_per_layer_input", None):
+        return (
+            "its layers take per-layer input embeddings (config.hidden_size_per_layer_input), "
+            "computed next to the token embedding"
+        )
+    if getattr(config, "alibi", False) or callable(getattr(backbone, "build_alibi_tensor", None)):
+        return (
+            "it adds an ALiBi bias whose first dim is batch x heads, not batch, so it cannot be "
+            "split into microbatches between pipeline layers"
+        )
+    rescale = getattr(config, "rescale_every", 0)
+    if isinstance(rescale, int) and rescale > 0:
+        return (
+            "it rescales its layers' weights in place when it switches between training and "
+            f"inference (config.rescale_every={rescale}), a write to parameters in forward; set "
+            "config.rescale_every = 0 to convert"
+        )
+    if callable(getattr(backbone, "_setup_cache", None)):
+        return "its layers need a decoding cache in training (recurrent state set up by the model)"
+    return None
+
+
+def find_decoder_parts(model: nn.Module) -> DecoderParts:
+    """Find embedding, decoder layers, head and the backbone's other parts of ``model``.
+
+    Args:
+        model: a Hugging Face decoder-only causal LM (``*ForCausalLM``).
+
+    Raises:
+        ValueError: naming what is missing or cannot be placed (then the
+            automatic split is the way to run the model).
+    """
+    name = type(model).__name__
+    config = text_config(model)
+    if getattr(config, "is_encoder_decoder", False) or getattr(
+        model.config, "is_encoder_decoder", False
+    ):
+        raise ValueError(f"{name} is an encoder-decoder model, not a decoder-only causal LM")
+    lm_head = _call_getter(model, "get_output_embeddings")
+    if not isinstance(lm_head, nn.Module):
+        raise ValueError(f"{name} has no LM head (get_output_embeddings() returned {lm_head!r})")
+    backbone = getattr(model, "base_model", None)
+    if backbone is model:  # a base_model_prefix that names no child (Llama 4's text model)
+        backbone = getattr(model, "model", None)
+    if not isinstance(backbone, nn.Module) or backbone is model:
+        raise ValueError(
+            f"{name} has no backbone module (base_model_prefix "
+            f"{getattr(model, 'base_model_prefix', None)!r}) holding embedding and layers"
+        )
+    feature = _unsupported_feature(config, backbone)
+    if feature is not None:
+        raise ValueError(f"{name} cannot be converted by structure: {feature}")
+    for child_name, child in model.named_children():
+        if child is backbone or child is lm_head or not _has_weights(child):
+            continue
+        raise ValueError(
+            f"{name} has a part besides its backbone and LM head: {child_name} "
+            f"({type(child).__name__}), which the generic converter does not place"
+        )
+    embed = _call_getter(backbone, "get_input_embeddings")
+    children = dict(backbone.named_children())
+    if embed is None or not any(embed is c for c in children.values()):
+        raise ValueError(
+            f"{name}: the token embedding is not a direct part of the backbone "
+            f"{type(backbone).__name__}"
+        )
+    num_layers = getattr(config, "num_hidden_layers", None)
+    lists = [
+        (n, c)
+        for n, c in children.items()
+        if isinstance(c, nn.ModuleList)
+        and len(c) > 0
+        and (num_layers is None or len(c) >= num_layers)
+    ]
+    if len(lists) != 1:
+        found = ", ".join(
+            f"{n} ({len(c)})" for n, c in children.items() if isinstance(c, nn.ModuleList)
+        )
+        raise ValueError(
+            f"{name}: expected one list of {num_layers} decoder layers in "
+            f"{type(backbone).__name__}, found {found or 'none'}"
+        )
+    layers_name, layer_list = lists[0]
+    layers = tuple(layer_list[:num_layers] if num_layers is not None else layer_list)
+    position_modules: dict[str, nn.Module] = {}
+    other_modules: dict[str, nn.Module] = {}
+    for child_name, child in children.items():
+        if child is embed or child is layer_list:
+            continue
+        if _is_position_module(child_name, child):
+            position_modules[child_name] = child
+        elif isinstance(child, nn.Dropout):
+            if child.p > 0:
+                raise ValueError(
+                    f"{name}: the backbone applies dropout {child_name} (p={child.p}) outside its "
+                    "decoder layers, which the generic converter does not place; set its p to 0 "
+                    "(e.g. config.embd_pdrop=0.0) to convert"
+                )
+        elif _has_weights(child) or "norm" in type(child).__name__.lower():
+            # a final norm may have no weights (OLMo's non-parametric LayerNorm)
+            other_modules[child_name] = child
+    return DecoderParts(
+        model=model,
+        config=config,
+        backbone=backbone,
+        embed_tokens=embed,
+        layers_name=layers_name,
+        layers=layers,
+        lm_head=lm_head,
+        position_modules=position_modules,
+        other_modules=other_modules,
+    )

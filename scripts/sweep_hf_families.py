@@ -1,0 +1,394 @@
+"""Sweep every causal LM family of the installed transformers through ``wrap_model_to_roundpipe``.
+
+For each entry of transformers' causal-LM auto mapping (``model_type`` ->
+``*ForCausalLM`` class), build a tiny fp32 model from its config class (2
+layers, hidden size 32, vocabulary 97, dropout 0; nothing is downloaded),
+wrap it with the default ``wrap_model_to_roundpipe`` on ``devices="cpu:2"``
+and record what happened:
+
+* **converted** (by its preset or by its structure): a ``RoundPipe`` on the
+  fused path. The fused ``forward_backward`` (5 rows, the second left-padded
+  with labels -100 there, 2 microbatches of 3 and 2 rows) is compared with
+  Hugging Face's own ``loss.backward()``: loss and every gradient within
+  ``1e-5`` relative is *exact*.
+* **automatic split**: the converter refused; the reason is its ``ValueError``.
+* **skipped**: no tiny model could be built from the config (encoder-decoder
+  and composite vision configs, configs needing values the sweep does not
+  guess); the reason is the error.
+
+Usage::
+
+    python scripts/sweep_hf_families.py             # print the table
+    python scripts/sweep_hf_families.py --write     # also write it into docs/presets.md
+    python scripts/sweep_hf_families.py llama gemma3  # only these model types
+
+The test suite runs :func:`check_family` on a selection of families
+(``tests/presets/test_family_sweep.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import logging
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 97
+RTOL = 1e-5
+MAX_PARAMS = 2_000_000
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "presets.md"
+BEGIN = "<!-- family-sweep: python scripts/sweep_hf_families.py --write -->"
+END = "<!-- /family-sweep -->"
+
+# config attribute -> tiny value (only attributes the default config has are set)
+_SIZES: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+    "n_positions": 64,
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_inner": 64,
+    "d_model": 32,
+    "ffn_dim": 64,
+    "num_layers": 2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "sliding_window": 4,
+    "attention_chunk_size": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "use_cache": False,
+}
+
+
+def _tiny_value(name: str, default: Any) -> Any:
+    """The tiny value of one config attribute, or ``default`` to keep it."""
+    if name in _SIZES:
+        return _SIZES[name] if default is not None or name == "pad_token_id" else default
+    if isinstance(default, bool) or default is None:
+        return default
+    if isinstance(default, float) and any(w in name for w in ("dropout", "pdrop", "jitter")):
+        return 0.0
+    if not isinstance(default, int):
+        return default
+    if name.endswith("intermediate_size") or name.endswith("_ffn_dim"):
+        return 32
+    if name == "qk_head_dim":  # derived: qk_nope_head_dim + qk_rope_head_dim
+        return 16
+    if name.endswith("head_dim") or "rank" in name:
+        return 8
+    if "experts_per_tok" in name or name in ("moe_topk", "top_k", "num_selected_experts"):
+        return 2
+    if name in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        return 4
+    if name in ("n_shared_experts", "num_shared_experts"):
+        return 1
+    return default
+
+
+def _two_layer_types(types: Any) -> list[str] | None:
+    """Two layer types with both kinds of a mixed model (``[linear, full]`` for Qwen3-Next)."""
+    if not isinstance(types, (list, tuple)) or not types:
+        return None
+    unique = list(dict.fromkeys(str(t) for t in types))
+    return (unique + unique)[:2]
+
+
+def tiny_config(config_cls: type) -> Any:
+    """A tiny config of ``config_cls``: its defaults with small sizes."""
+    default = config_cls()
+    kwargs = {}
+    for name, value in vars(default).items():
+        if name.startswith("_") or isinstance(getattr(config_cls, name, None), property):
+            continue
+        tiny = _tiny_value(name, value)
+        if tiny is not value:
+            kwargs[name] = tiny
+    layer_types = _two_layer_types(getattr(default, "layer_types", None))
+    if layer_types is not None and not isinstance(
+        getattr(config_cls, "layer_types", None), property
+    ):
+        try:
+            return config_cls(**kwargs, layer_types=layer_types)
+        except Exception:  # a config with rules on its layer types: let it derive them
+            pass
+    return config_cls(**kwargs)
+
+
+def causal_lm_entries() -> list[tuple[str, str, str]]:
+    """``(model_type, config class name, model class name)`` of every causal-LM auto mapping entry."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        config_name = CONFIG_MAPPING_NAMES.get(model_type)
+        if isinstance(class_name, (list, tuple)):
+            class_name = class_name[0]
+        if config_name:
+            out.append((model_type, config_name, class_name))
+    return out
+
+
+@dataclasses.dataclass
+class FamilyResult:
+    model_type: str
+    class_name: str
+    outcome: str  # "preset", "structure", "automatic split", "skipped"
+    reason: str = ""
+    exact: bool | None = None
+    worst_grad_err: float | None = None
+    loss_err: float | None = None
+    worst_vs_microbatched: float | None = None  # against HF run over the same microbatches
+    seconds: float = 0.0
+
+
+def make_batch(batch: int = 5, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask (row 1 left-padded by 3) and labels (-100 on padding)."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def build_tiny(model_type: str, seed: int = 0) -> Any:
+    """The tiny fp32 model of ``model_type`` in train mode."""
+    import transformers as tf
+
+    entry = {m: (c, k) for m, c, k in causal_lm_entries()}[model_type]
+    config_cls, model_cls = getattr(tf, entry[0]), getattr(tf, entry[1])
+    config = tiny_config(config_cls)
+    with torch.device("meta"):  # count first: a config the sweep cannot shrink stays large
+        numel = sum(p.numel() for p in model_cls(config).parameters())
+    if numel > MAX_PARAMS:
+        raise ValueError(
+            f"the tiny config still has {numel / 1e6:.1f} M parameters (sizes the sweep does "
+            "not know how to shrink)"
+        )
+    torch.manual_seed(seed)
+    model = model_cls(config).float()
+    with torch.no_grad():  # some inits leave routers at zero: every expert would tie
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")) and p.abs().max() == 0:
+                p.normal_(0, 0.5)
+    model.train()
+    return model
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def check_family(model_type: str, num_microbatch: int = 2) -> FamilyResult:
+    """Build, wrap and compare one family (see the module docstring)."""
+    from roundpipe_core import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+    from roundpipe_core.presets import causal_lm_loss_fn, convert_decoder_lm, find_preset
+
+    start = time.perf_counter()
+    entry = {m: k for m, _, k in causal_lm_entries()}
+    result = FamilyResult(model_type, entry[model_type], "skipped")
+    try:
+        model = build_tiny(model_type)
+    except Exception as exc:  # the sweep reports it
+        result.reason = f"no tiny model: {type(exc).__name__}: {_short(exc)}"
+        result.seconds = time.perf_counter() - start
+        return result
+    ids, mask, labels = make_batch()
+    try:
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    except Exception as exc:
+        result.reason = f"the tiny model's own forward fails: {type(exc).__name__}: {_short(exc)}"
+        result.seconds = time.perf_counter() - start
+        return result
+    if find_preset(model) is not None:
+        result.outcome = "preset"
+    else:
+        try:
+            convert_decoder_lm(model)
+            result.outcome = "structure"
+        except Exception as exc:  # ValueError: refused; anything else is reported as a failure
+            result.outcome = "automatic split"
+            result.reason = _short(exc)
+            if not isinstance(exc, ValueError):
+                result.reason = f"converter failed: {type(exc).__name__}: {result.reason}"
+            result.seconds = time.perf_counter() - start
+            return result
+    try:
+        out.loss.backward()
+        ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        rp = wrap_model_to_roundpipe(
+            model,
+            devices="cpu:2",
+            model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
+        )
+        try:
+            assert isinstance(rp, RoundPipe)
+            loss = rp.forward_backward(
+                input_kwargs={"input_ids": ids, "attention_mask": mask},
+                label=labels,
+                loss_fn=causal_lm_loss_fn(labels),
+            )
+            result.loss_err = abs(loss.item() - out.loss.item()) / abs(out.loss.item())
+            worst = 0.0
+            for n, p in model.named_parameters():
+                master = rp.master_param(p)
+                got = None if master is None else master.grad
+                want = ref.get(n)
+                if want is None or want.abs().max() == 0:
+                    if got is not None and got.abs().max() > 0:
+                        worst = float("inf")
+                    continue
+                worst = max(worst, float("inf") if got is None else _rel(got, want))
+            result.worst_grad_err = worst
+            result.exact = worst <= RTOL and result.loss_err <= RTOL
+            if not result.exact and result.loss_err <= RTOL:
+                # is it summation order? compare with HF's own run over the same microbatches
+                rp.synchronize()
+                got = {
+                    n: rp.master_param(p).grad.clone()
+                    for n, p in model.named_parameters()
+                    if rp.master_param(p) is not None and rp.master_param(p).grad is not None
+                }
+                micro = _hf_microbatched_grads(model, ids, mask, labels, num_microbatch)
+                result.worst_vs_microbatched = max(
+                    (
+                        _rel(got[n], micro[n])
+                        for n in got
+                        if n in micro and micro[n].abs().max() > 0
+                    ),
+                    default=0.0,
+                )
+        finally:
+            rp.close()
+    except Exception as exc:
+        result.exact = False
+        result.reason = f"{type(exc).__name__}: {_short(exc)}"
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _hf_microbatched_grads(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, num_microbatch: int
+) -> dict[str, torch.Tensor]:
+    """Hugging Face's gradients summed over the microbatches RoundPipe runs (same losses)."""
+    from roundpipe_core.presets import causal_lm_loss_fn
+
+    saved = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fn = causal_lm_loss_fn(labels)
+    for rows in torch.arange(ids.shape[0]).chunk(num_microbatch):
+        out = model(input_ids=ids[rows], attention_mask=mask[rows])
+        fn(out.logits, labels[rows]).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for n, p in model.named_parameters():
+        p.grad = saved[n]
+    return grads
+
+
+def _short(exc: BaseException, limit: int = 220) -> str:
+    text = " ".join(str(exc).split())
+    text = re.sub(r"^\w+ cannot be converted by structure: ", "", text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def table(results: list[FamilyResult]) -> str:
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.outcome] = counts.get(r.outcome, 0) + 1
+    exact = sum(1 for r in results if r.exact)
+    order = sum(
+        1
+        for r in results
+        if r.exact is False
+        and r.worst_vs_microbatched is not None
+        and r.worst_vs_microbatched <= RTOL
+    )
+    converted = counts.get("preset", 0) + counts.get("structure", 0)
+    import transformers
+
+    lines = [
+        f"transformers {transformers.__version__}: {len(results)} causal-LM classes; "
+        f"**{converted} converted** ({counts.get('preset', 0)} by a preset, "
+        f"{counts.get('structure', 0)} by structure), {exact} of them exact against Hugging "
+        f"Face's whole-batch gradients and {order} more against its run over the same "
+        "microbatches (fp32 summation order); "
+        f"{counts.get('automatic split', 0)} automatic split; {counts.get('skipped', 0)} skipped "
+        "(no tiny model built from the config).",
+        "",
+        "| model type | class | outcome | exact | worst gradient rel. error | why |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results, key=lambda r: r.model_type):
+        exact_s = "" if r.exact is None else ("yes" if r.exact else "**no**")
+        if r.exact is False and r.worst_vs_microbatched is not None:
+            exact_s = (
+                f"summation order: {r.worst_vs_microbatched:.0e} against HF over the same "
+                "microbatches"
+            )
+        err = "" if r.worst_grad_err is None else f"{r.worst_grad_err:.1e}"
+        why = r.reason.replace("|", "\\|")
+        lines.append(
+            f"| {r.model_type} | {r.class_name} | {r.outcome} | {exact_s} | {err} | {why} |"
+        )
+    return "\n".join(lines)
+
+
+def write_docs(text: str) -> None:
+    doc = DOCS.read_text()
+    if BEGIN not in doc or END not in doc:
+        raise ValueError(f"{DOCS} lacks the markers {BEGIN!r} ... {END!r}")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    DOCS.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_types", nargs="*", help="only these model types")
+    parser.add_argument("--write", action="store_true", help="write the table into docs/presets.md")
+    args = parser.parse_args(argv)
+    logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")
+    types = args.model_types or [m for m, _, _ in causal_lm_entries()]
+    results = []
+    for model_type in types:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            r = check_family(model_type)
+        results.append(r)
+        print(
+            f"{r.model_type:28s} {r.outcome:16s} exact={r.exact} err={r.worst_grad_err} "
+            f"{r.seconds:.1f}s {r.reason[:100]}",
+            file=sys.stderr,
+            flush=True,
+        )
+    text = table(results)
+    print(text)
+    if args.write:
+        write_docs(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
