@@ -228,6 +228,8 @@ def repository_entries(root: str = REPO_ROOT) -> set[str]:
             and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg"))
         ]
         rel = os.path.relpath(folder, root)
+        # coverage's data files (pytest --cov with -n: a worker that is done writes its own)
+        files = [f for f in files if not f.startswith(".coverage")]
         entries.update(os.path.normpath(os.path.join(rel, name)) for name in files + subfolders)
     return entries
 
