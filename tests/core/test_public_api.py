@@ -26,8 +26,6 @@ from torch import nn
 
 import roundpipe_core
 
-pytestmark = pytest.mark.xdist_group("test_public_api")
-
 # The published package's ``roundpipe.__all__`` at release 0.1.1 (roundpipe/__init__.py).
 PUBLISHED_ALL = [
     "doing_recompute",

@@ -29,7 +29,7 @@ from _common import build_model, launch, reference_run, rel_err, wait_all  # noq
 
 from roundpipe_core.distributed.buckets import REDUCE_IN_FLIGHT  # noqa: E402
 
-pytestmark = [pytest.mark.host_only, pytest.mark.xdist_group("test_data_parallel")]
+pytestmark = pytest.mark.host_only
 
 PG_TIMEOUT_S = 10.0
 # Process start-up (importing torch on a loaded 2-core box) plus the run itself.
@@ -51,7 +51,7 @@ def _fail_with_logs(procs, why: str) -> None:
     pytest.fail(f"{why}\n{logs}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: set up once per xdist worker
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_train")
     procs = launch("train", out, timeout_s=PG_TIMEOUT_S)

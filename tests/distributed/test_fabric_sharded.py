@@ -26,8 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import rel_err  # noqa: E402
 from test_lightning_ddp import DEADLINE_S, _launch, _logs, _wait  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("test_fabric_sharded")
-
 FABRIC_WORKER = Path(__file__).with_name("_fabric_shard_worker.py")
 
 

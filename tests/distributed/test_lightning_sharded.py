@@ -25,8 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import rel_err  # noqa: E402
 from test_lightning_ddp import DEADLINE_S, _launch, _logs, _wait  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("test_lightning_sharded")
-
 LIT_SHARD_WORKER = Path(__file__).with_name("_lit_shard_worker.py")
 MODES = ("sync", "separate", "async")
 

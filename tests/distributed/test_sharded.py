@@ -28,12 +28,7 @@ from _common import launch, rel_err, wait_all  # noqa: E402
 
 import roundpipe_core.distributed as D  # noqa: E402
 
-pytestmark = [
-    pytest.mark.host_only,
-    pytest.mark.xdist_group("test_sharded"),
-    pytest.mark.host_only,
-    pytest.mark.xdist_group("test_sharded"),
-]
+pytestmark = pytest.mark.host_only
 
 WORKER = Path(__file__).with_name("_shard_worker.py")
 PG_TIMEOUT_S = 10.0
@@ -48,7 +43,7 @@ def _fail_with_logs(procs, why: str) -> None:
     pytest.fail(f"{why}\n{logs}")
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="session", params=[2, 4], ids=["2ranks", "4ranks"])
 def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     world = request.param
     out = tmp_path_factory.mktemp(f"sharded{world}")
@@ -184,7 +179,7 @@ FAILURES = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: set up once per xdist worker
 def failures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list, list]]:
     """Each failure scenario's folder, processes and rank 0's exit code (``None``: still
     running at the deadline, killed). They run side by side: each spends most of its time
@@ -230,7 +225,7 @@ def _union(out: Path, name: str, world: int) -> dict[str, torch.Tensor]:
 RESUME_WORLDS = {"sync": (2, 1, 4), "separate": (2, 1), "async": (2, 1, 4)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: set up once per xdist worker
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 ranks save one shard each in every mode, then every mode resumes on each of its
     rank counts: one launch per rank count serves all the modes."""

@@ -17,7 +17,7 @@ from roundpipe_core.running.trace import Span, spans_from_roundpipe
 from roundpipe_lightning import timeline
 from roundpipe_lightning.timeline import KIND_COLORS, render_timeline, spans_from_simulation
 
-pytestmark = [pytest.mark.host_only, pytest.mark.xdist_group("test_timeline")]
+pytestmark = [pytest.mark.host_only]
 
 matplotlib_image = pytest.importorskip("matplotlib.image")
 

@@ -33,8 +33,6 @@ from roundpipe_core import (  # noqa: E402
 )
 from roundpipe_core.presets import causal_lm_loss_fn  # noqa: E402
 
-pytestmark = pytest.mark.xdist_group("test_qlora")
-
 # embed | decoder 0 | decoder 1 | head: every decoder layer in its own backward stage
 PLAN = ModelExecutePlan(
     fwd_plan=[range(0, 2), range(2, 3)],

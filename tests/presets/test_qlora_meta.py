@@ -19,7 +19,7 @@ from roundpipe_core.running.carried import carried_tensors  # noqa: E402
 from roundpipe_core.running.host_memory import estimate_host_memory  # noqa: E402
 from roundpipe_core.running.meta_quant import quantize_on_meta  # noqa: E402
 
-pytestmark = [pytest.mark.host_only, pytest.mark.xdist_group("test_qlora_meta")]
+pytestmark = [pytest.mark.host_only]
 
 LINES = ("num_params", "weights", "masters", "gradients", "next_gradients", "optimizer_state")
 
