@@ -72,7 +72,17 @@ WINGS: dict[str, list[str]] = {
         "tests/core/test_ci_selection.py",
     ],
     "presets": ["tests/presets"],
-    "distributed": ["tests/distributed"],
+    "distributed": [
+        "tests/distributed/test_data_parallel.py",
+        "tests/distributed/test_sharded.py",
+        "tests/distributed/test_distributed_helpers.py",
+    ],
+    "multinode": [  # the strategies over several processes (Lightning, Fabric)
+        "tests/distributed/test_lightning_ddp.py",
+        "tests/distributed/test_lightning_sharded.py",
+        "tests/distributed/test_fabric_sharded.py",
+        "tests/distributed/test_strategy_multinode.py",
+    ],
     "lightning": ["tests/lightning"],
 }
 
