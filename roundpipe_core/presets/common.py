@@ -297,27 +297,39 @@ class DecoderBlock(nn.Module):
         }
         if self.rotary:
             kwargs["position_embeddings"] = (cos, sin)
-        if not self.num_routers:
-            out = self.layer(hidden, **kwargs)
-            return (out, cos, sin, position_ids, attention_mask, labels, extras)
-        captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        if extras["output_router_logits"]:
-            captured = []
-        out = run_with_router_replay(
-            lambda: self.layer(hidden, **kwargs), self.num_routers, capture=captured
+        out, extras = call_layer(
+            lambda: self.layer(hidden, **kwargs), self.num_routers, extras, attention_mask, hidden
         )
-        if captured is not None:
-            previous = extras["router_stats"]
-            stats = add_router_stats(
-                None if previous is None else RouterStats(*previous),
-                captured,
-                attention_mask,
-                hidden.shape[0],
-                hidden.shape[1],
-            )
-            # a new dict: the input state may be kept by the engine for the recompute
-            extras = {**extras, "router_stats": None if stats is None else tuple(stats)}
         return (out, cos, sin, position_ids, attention_mask, labels, extras)
+
+
+def call_layer(
+    run: Callable[[], Any],
+    num_routers: int,
+    extras: dict[str, Any],
+    attention_mask: torch.Tensor | None,
+    hidden: torch.Tensor,
+) -> tuple[Any, dict[str, Any]]:
+    """Run a decoder layer (``run()``); with MoE routers, replay their choices in recompute
+    and, when the call asks for ``output_router_logits``, add their statistics to
+    ``extras`` (a new dict: the input state may be kept by the engine for the recompute)."""
+    if not num_routers:
+        return run(), extras
+    captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    if extras["output_router_logits"]:
+        captured = []
+    out = run_with_router_replay(run, num_routers, capture=captured)
+    if captured is not None:
+        previous = extras["router_stats"]
+        stats = add_router_stats(
+            None if previous is None else RouterStats(*previous),
+            captured,
+            attention_mask,
+            hidden.shape[0],
+            hidden.shape[1],
+        )
+        extras = {**extras, "router_stats": None if stats is None else tuple(stats)}
+    return out, extras
 
 
 # --------------------------------------------------------------------------- helpers

@@ -24,16 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .common import CausalLMInputAdapter, build_sequential, output_adapter, prepare_hf_model
+from .common import (
+    CausalLMInputAdapter,
+    build_sequential,
+    call_layer,
+    output_adapter,
+    prepare_hf_model,
+)
 from .moe import (
     Rescore,
-    RouterStats,
-    add_router_stats,
     install_router_replay,
     rescore_softmax_then_topk,
     rescore_softmax_topk_renormalised,
     rescore_topk_then_softmax,
-    run_with_router_replay,
 )
 from .probe import (
     MASK_BUILDERS,
@@ -163,26 +166,9 @@ class GenericDecoderBlock(nn.Module):
                 if with_pos:
                     mask_kwargs["position_ids"] = position_ids
                 kwargs[key] = self.mask_fns[kind](**mask_kwargs)
-        if not self.num_routers:
-            out = self.layer(hidden, **kwargs)
-        else:
-            captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-            if extras["output_router_logits"]:
-                captured = []
-            out = run_with_router_replay(
-                lambda: self.layer(hidden, **kwargs), self.num_routers, capture=captured
-            )
-            if captured is not None:
-                previous = extras["router_stats"]
-                stats = add_router_stats(
-                    None if previous is None else RouterStats(*previous),
-                    captured,
-                    attention_mask,
-                    hidden.shape[0],
-                    hidden.shape[1],
-                )
-                # a new dict: the input state may be kept by the engine for the recompute
-                extras = {**extras, "router_stats": None if stats is None else tuple(stats)}
+        out, extras = call_layer(
+            lambda: self.layer(hidden, **kwargs), self.num_routers, extras, attention_mask, hidden
+        )
         if self.recipe.tuple_output:
             out = out[0]
         return (out, tables, sin, position_ids, attention_mask, labels, extras)
