@@ -25,6 +25,7 @@ from .simulate import makespan_ms, simulate
 __all__ = [
     "OBJECTIVES",
     "PlanSearch",
+    "SHARED_CORES_SLOWDOWN",
     "pipeline_estimate",
     "plan_cost",
     "plan_objective",
@@ -495,6 +496,13 @@ def _refine(
 OVERLAP_ITERATIONS = 4
 
 
+#: What a stage costs on a CPU worker computing beside another (``pool.cpu_overlap``),
+#: with half of the cores as intra-op threads, relative to the same stage alone on all
+#: of them: measured on a 2-core host, forward + backward of 16 x Linear(1024) on 64
+#: rows (0.105 s a pass on 1 thread beside another, 0.070 s alone on 2).
+SHARED_CORES_SLOWDOWN = 1.5
+
+
 def simulated_iteration_ms(
     plan: ModelExecutePlan,
     profile: LayerProfile,
@@ -503,13 +511,40 @@ def simulated_iteration_ms(
     num_microbatch: int,
     overlap: bool = False,
     concurrent: bool = True,
+    shared_cores: bool = False,
+    replicated: bool = False,
 ) -> float:
-    """The simulated time of one iteration of ``plan``; with ``overlap`` ("fused" only)
-    the steady state of back-to-back ``forward_backward(blocking=False)`` calls: the
-    time per iteration over :data:`OVERLAP_ITERATIONS` iterations after as many
-    warm-up ones. ``concurrent=False``: devices that compute one at a time (CPU
-    workers; see :func:`~roundpipe_core.planning.simulate.simulate`)."""
+    """The planner's one iteration-time estimate: the simulated time of one iteration of
+    ``plan``, on one of three device models.
+
+    * ``concurrent=True`` (GPUs): the devices compute side by side at full speed; with
+      ``overlap`` ("fused" only) the steady state of back-to-back
+      ``forward_backward(blocking=False)`` calls: the time per iteration over
+      :data:`OVERLAP_ITERATIONS` iterations after as many warm-up ones.
+    * ``concurrent=False`` (CPU workers under one lock): one job computes at a time, so
+      every job's time adds up (see :func:`~roundpipe_core.planning.simulate.simulate`).
+    * ``shared_cores=True`` (CPU workers that compute side by side, ``pool.cpu_overlap``;
+      ``concurrent`` is then not read): a plan of one job computes alone on all cores
+      (the profile's times); jobs on several workers compute at once, each stage
+      :data:`SHARED_CORES_SLOWDOWN` times slower on its share of the cores.
+      ``replicated``: the one-stage plan runs as one job per worker at once
+      (``planner.fused_replicas``), each on its slice of the microbatches
+      :data:`SHARED_CORES_SLOWDOWN` times slower: the longest slice's time.
+    """
     run_type = parse_kind(RunType, run_type, "run_type")
+    if shared_cores:
+        jobs = len(plan.fwd_plan) + len(plan.bwd_plan)
+        f, overlap = SHARED_CORES_SLOWDOWN, False
+        if jobs == 1 and replicated and num_devices > 1 and num_microbatch > 1:
+            alone = simulated_iteration_ms(plan, profile, run_type, 1, 1, concurrent=False)
+            return alone * f * -(-num_microbatch // min(num_devices, num_microbatch))
+        concurrent = jobs > 1 and num_devices > 1
+        if concurrent:
+            profile = LayerProfile(
+                fwd_ms=[t * f for t in profile.fwd_ms],
+                bwd_ms=[t * f for t in profile.bwd_ms],
+                re_ms=[t * f for t in profile.re_ms] if profile.re_ms is not None else None,
+            )
     if not concurrent:
         overlap = False  # nothing overlaps where one job computes at a time
     if not overlap or run_type != RunType.FUSED:

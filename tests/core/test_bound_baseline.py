@@ -19,7 +19,9 @@ pytestmark = pytest.mark.host_only
 
 ROOT = Path(__file__).resolve().parents[2]
 # benchmarks/ is no package: load the module from its file
-_spec = importlib.util.spec_from_file_location("bound_baseline", ROOT / "benchmarks" / "bound_baseline.py")
+_spec = importlib.util.spec_from_file_location(
+    "bound_baseline", ROOT / "benchmarks" / "bound_baseline.py"
+)
 assert _spec is not None and _spec.loader is not None
 bb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bb)
