@@ -151,10 +151,6 @@ class LayerSizes:
     parameter_bytes: list[int] = field(default_factory=list)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
     """Measure :class:`LayerSizes` of an ``nn.Sequential`` (or a list of layers)."""
     if isinstance(layers, nn.Module):
@@ -169,21 +165,21 @@ def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            up += _nbytes(t)
+            up += t.nbytes
             if isinstance(t, nn.Parameter):
-                pa += _nbytes(t)
+                pa += t.nbytes
                 if t.requires_grad:
-                    gr += _nbytes(t)
+                    gr += t.nbytes
             if id(t) not in everywhere:
                 everywhere.add(id(t))
-                host += _nbytes(t)
+                host += t.nbytes
         lookup: set[int] = set()
         dense: set[int] = set()
         for mod in layer.modules():
             direct = list(mod.parameters(recurse=False))
             target = lookup if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) else dense
             target.update(id(p) for p in direct)
-        comp = sum(_nbytes(p) for p in layer.parameters() if id(p) not in lookup or id(p) in dense)
+        comp = sum(p.nbytes for p in layer.parameters() if id(p) not in lookup or id(p) in dense)
         upload.append(up)
         grads.append(gr)
         compute.append(comp)
@@ -225,7 +221,7 @@ def loss_transient_bytes(output: Any) -> int:
     For a language model this is the largest transient of a step (tokens x vocabulary)."""
     total = 0
     for t in _leaves(output):
-        total += _nbytes(t)
+        total += t.nbytes
         if t.is_floating_point():
             total += LOSS_TRANSIENT_FP32_COPIES * t.numel() * 4
     return total
@@ -282,7 +278,7 @@ class _SavedBytes:
         # a cycle Python's collector cannot see, which kept the whole measured graph
         # (a forward's activations) alive for the life of the process.
         if t.device.type == "meta":  # no storage to share: count the tensor
-            self.seen[id(t)] = _nbytes(t)
+            self.seen[id(t)] = t.nbytes
             return t.detach()
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
