@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe
+from roundpipe_core.plan_choice import PlanChoice
 from roundpipe_core.planning.planner import predicted_speedup
 from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.planning.schedule import build_schedule
@@ -89,7 +90,7 @@ def test_default_plan_on_cpu_workers_is_one_stage_and_stays() -> None:
         first = rp.plan_for("fused")
         assert first == ModelExecutePlan([], [range(0, 6)])
         x, y = torch.randn(6, 16), torch.randn(6, 16)
-        for _ in range(RoundPipe.DEFAULT_REPLAN_AFTER + 2):  # past the settled re-plan
+        for _ in range(PlanChoice.DEFAULT_REPLAN_AFTER + 2):  # past the settled re-plan
             rp.forward_backward((x,), label=y, loss_fn=sum_sq)
             assert rp.plan_for("fused") == first
         # a multi-stage plan on CPU workers is predicted slower (more recompute, no overlap)
