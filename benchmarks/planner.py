@@ -71,9 +71,9 @@ from dataclasses import dataclass
 from bound_baseline import balanced_stages, simulate_bound, simulate_bound_stages
 
 from roundpipe_core.planning.plan import ModelExecutePlan
-from roundpipe_core.planning.planner import plan_cost, search_plans
 from roundpipe_core.planning.profile import LayerProfile
-from roundpipe_core.planning.simulate import makespan_ms, simulate
+from roundpipe_core.planning.search import plan_cost, search_plans
+from roundpipe_core.planning.simulate import simulate, simulated_iteration_ms
 
 GB = 1024**3
 
@@ -211,7 +211,7 @@ def broad_search(
             sides = [(a, b[::-1]) for a in fws for b in bws]
         for fw, bw in sides:
             plan = ModelExecutePlan(fw, [range(f, n)] + bw)
-            ms = makespan_ms(plan, f_ms, b_ms, devices, mbs, re_ms=r_ms)
+            ms = simulated_iteration_ms(plan, prof, "fused", devices, mbs)
             tried += 1
             if ms < best:
                 best, best_plan = ms, plan

@@ -21,35 +21,20 @@ from typing import Any, overload
 from ..kinds import RunType, parse_kind
 from .plan import ModelExecutePlan, default_num_microbatch
 from .profile import LayerProfile, profile_of
-from .search import (
-    OBJECTIVES,
-    PlanSearch,
-    pipeline_estimate,
-    plan_cost,
-    plan_objective,
-    search_plans,
-    simulated_iteration_ms,
-    stage_times,
-)
+from .search import search_plans
+from .simulate import simulated_iteration_ms
 
 __all__ = [
     "DEFAULT_MEMORY_SHARE",
-    "OBJECTIVES",
-    "split_plan",
-    "PlanSearch",
-    "auto",
-    "pipeline_estimate",
-    "plan_cost",
-    "plan_objective",
-    "predicted_speedup",
     "ReplanDecision",
+    "auto",
     "decide_replan",
     "fused_replicas",
+    "may_replicate",
     "most_fused_replicas",
+    "predicted_speedup",
     "replicable",
-    "search_plans",
-    "simulated_iteration_ms",
-    "stage_times",
+    "split_plan",
 ]
 
 #: Share of the smallest device's memory that ``auto()`` plans with by default.

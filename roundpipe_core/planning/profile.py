@@ -115,13 +115,18 @@ class LayerProfile:
             act_bytes=act_bytes,
         )
 
-    def stage_mem(self) -> tuple[list[float], list[float]]:
-        """Bytes per layer held by a forward stage (parameters) and by a backward or
-        fused stage (parameters + gradients + one microbatch's saved activations)."""
+    def layer_bytes(self) -> tuple[list[float], list[float], list[float]]:
+        """Parameter, gradient and activation bytes per layer, the defaults filled in."""
         n = self.num_layers
         params = [float(x) for x in self.param_bytes] if self.param_bytes is not None else [0.0] * n
         grads = [float(x) for x in self.grad_bytes] if self.grad_bytes is not None else params
         acts = [float(x) for x in self.act_bytes] if self.act_bytes is not None else [0.0] * n
+        return params, grads, acts
+
+    def stage_mem(self) -> tuple[list[float], list[float]]:
+        """Bytes per layer held by a forward stage (parameters) and by a backward or
+        fused stage (parameters + gradients + one microbatch's saved activations)."""
+        params, grads, acts = self.layer_bytes()
         return params, [p + g + a for p, g, a in zip(params, grads, acts)]
 
 
@@ -353,12 +358,7 @@ def stage_memory(
 ) -> list[StageMemory]:
     """What each stage of ``plan`` holds while it runs, in launch order."""
     rt = parse_kind(RunType, run_type, "run_type")
-    n = profile.num_layers
-    params = (
-        [float(x) for x in profile.param_bytes] if profile.param_bytes is not None else [0.0] * n
-    )
-    grads = [float(x) for x in profile.grad_bytes] if profile.grad_bytes is not None else params
-    acts = [float(x) for x in profile.act_bytes] if profile.act_bytes is not None else [0.0] * n
+    params, grads, acts = profile.layer_bytes()
     out = [
         StageMemory(JobKind.FORWARD, i, r, sum(params[j] for j in r), 0.0, 0.0)
         for i, r in enumerate(plan.fwd_plan)

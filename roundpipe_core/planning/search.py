@@ -20,17 +20,15 @@ from ..kinds import RunType, parse_kind
 from .partition import Partitioner, first_true, with_slack
 from .plan import ModelExecutePlan
 from .profile import LayerProfile
-from .simulate import makespan_ms, simulate
+from .simulate import simulated_iteration_ms
 
 __all__ = [
     "OBJECTIVES",
     "PlanSearch",
-    "SHARED_CORES_SLOWDOWN",
     "pipeline_estimate",
     "plan_cost",
     "plan_objective",
     "search_plans",
-    "simulated_iteration_ms",
     "stage_times",
 ]
 
@@ -490,93 +488,6 @@ def _refine(
         if total < best_time * (1 - 1e-9):
             best, best_time = idx, total
     return best
-
-
-#: Iterations per window when measuring the steady state of overlapped iterations.
-OVERLAP_ITERATIONS = 4
-
-
-#: What a stage costs on a CPU worker computing beside another (``pool.cpu_overlap``),
-#: with half of the cores as intra-op threads, relative to the same stage alone on all
-#: of them: measured on a 2-core host, forward + backward of 16 x Linear(1024) on 64
-#: rows (0.105 s a pass on 1 thread beside another, 0.070 s alone on 2).
-SHARED_CORES_SLOWDOWN = 1.5
-
-
-def simulated_iteration_ms(
-    plan: ModelExecutePlan,
-    profile: LayerProfile,
-    run_type: RunType | str,
-    num_devices: int,
-    num_microbatch: int,
-    overlap: bool = False,
-    concurrent: bool = True,
-    shared_cores: bool = False,
-    replicated: bool = False,
-) -> float:
-    """The planner's one iteration-time estimate: the simulated time of one iteration of
-    ``plan``, on one of three device models.
-
-    * ``concurrent=True`` (GPUs): the devices compute side by side at full speed; with
-      ``overlap`` ("fused" only) the steady state of back-to-back
-      ``forward_backward(blocking=False)`` calls: the time per iteration over
-      :data:`OVERLAP_ITERATIONS` iterations after as many warm-up ones.
-    * ``concurrent=False`` (CPU workers under one lock): one job computes at a time, so
-      every job's time adds up (see :func:`~roundpipe_core.planning.simulate.simulate`).
-    * ``shared_cores=True`` (CPU workers that compute side by side, ``pool.cpu_overlap``;
-      ``concurrent`` is then not read): a plan of one job computes alone on all cores
-      (the profile's times); jobs on several workers compute at once, each stage
-      :data:`SHARED_CORES_SLOWDOWN` times slower on its share of the cores.
-      ``replicated``: the one-stage plan runs as one job per worker at once
-      (``planner.fused_replicas``), each on its slice of the microbatches
-      :data:`SHARED_CORES_SLOWDOWN` times slower: the longest slice's time.
-    """
-    run_type = parse_kind(RunType, run_type, "run_type")
-    if shared_cores:
-        jobs = len(plan.fwd_plan) + len(plan.bwd_plan)
-        f, overlap = SHARED_CORES_SLOWDOWN, False
-        if jobs == 1 and replicated and num_devices > 1 and num_microbatch > 1:
-            alone = simulated_iteration_ms(plan, profile, run_type, 1, 1, concurrent=False)
-            return alone * f * -(-num_microbatch // min(num_devices, num_microbatch))
-        concurrent = jobs > 1 and num_devices > 1
-        if concurrent:
-            profile = LayerProfile(
-                fwd_ms=[t * f for t in profile.fwd_ms],
-                bwd_ms=[t * f for t in profile.bwd_ms],
-                re_ms=[t * f for t in profile.re_ms] if profile.re_ms is not None else None,
-            )
-    if not concurrent:
-        overlap = False  # nothing overlaps where one job computes at a time
-    if not overlap or run_type != RunType.FUSED:
-        return makespan_ms(
-            plan,
-            profile.fwd_ms,
-            profile.bwd_ms,
-            num_devices,
-            num_microbatch,
-            run_type=run_type,
-            re_ms=profile.re_ms,
-            concurrent=concurrent,
-        )
-
-    def span(iterations: int) -> float:
-        return simulate(
-            plan,
-            profile.fwd_ms,
-            profile.bwd_ms,
-            num_devices,
-            num_microbatch,
-            run_type=run_type,
-            re_ms=profile.re_ms,
-            iterations=iterations,
-            overlap_iterations=True,
-        ).makespan_ms
-
-    # Overlapped iterations can settle into a period of more than one iteration (two
-    # calls sharing one fill, then a wait for the step two back), so the steady state
-    # is measured over a whole window after a warm-up window of the same length.
-    k = OVERLAP_ITERATIONS
-    return (span(2 * k) - span(k)) / k
 
 
 #: Stages more or fewer per side, or layers the fused split moves, in one walk step.

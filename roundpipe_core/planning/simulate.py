@@ -34,15 +34,18 @@ from typing import Any
 
 from ..kinds import JobKind, RunType, parse_kind
 from .plan import ModelExecutePlan
+from .profile import LayerProfile
 from .schedule import BACKWARD, FORWARD, FUSED, Job, build_schedule
 
 __all__ = [
     "SimEvent",
     "SimResult",
+    "OVERLAP_ITERATIONS",
+    "SHARED_CORES_SLOWDOWN",
     "device_peak_bytes",
-    "makespan_ms",
     "per_layer",
     "simulate",
+    "simulated_iteration_ms",
     "summarize",
 ]
 
@@ -361,41 +364,101 @@ def device_peak_bytes(
     return peak
 
 
-def makespan_ms(
+#: Iterations per window when measuring the steady state of overlapped iterations.
+OVERLAP_ITERATIONS = 4
+
+
+#: What a stage costs on a CPU worker computing beside another (``pool.cpu_overlap``),
+#: with half of the cores as intra-op threads, relative to the same stage alone on all
+#: of them: measured on a 2-core host, forward + backward of 16 x Linear(1024) on 64
+#: rows (0.105 s a pass on 1 thread beside another, 0.070 s alone on 2).
+SHARED_CORES_SLOWDOWN = 1.5
+
+
+def simulated_iteration_ms(
     plan: ModelExecutePlan,
-    fwd_ms: Sequence[float],
-    bwd_ms: Sequence[float],
+    profile: LayerProfile,
+    run_type: RunType | str,
     num_devices: int,
     num_microbatch: int,
-    run_type: RunType | str = RunType.FUSED,
-    re_ms: Sequence[float] | None = None,
+    overlap: bool = False,
     concurrent: bool = True,
+    shared_cores: bool = False,
+    replicated: bool = False,
 ) -> float:
-    """Round-robin iteration time only, as :func:`simulate` computes it but without
-    building the timeline (the planner calls this for its candidates)."""
-    n = len(fwd_ms)
-    fwd = [float(x) for x in fwd_ms]
-    bwd = [float(x) for x in bwd_ms]
-    re = [float(x) for x in re_ms] if re_ms is not None else fwd
-    rt = parse_kind(RunType, run_type, "run_type")
-    jobs = build_schedule(plan, rt, num_devices, num_microbatch)
-    return _run_iteration(
-        jobs,
-        plan,
-        rt,
-        fwd,
-        bwd,
-        re,
-        [0.0] * n,
-        0.0,
-        0.0,
-        0,
-        [0.0] * num_devices,
-        [0.0] * num_devices,
-        [[] for _ in range(num_devices)],
-        None,
-        serial=not concurrent,
-    )
+    """The planner's one iteration-time estimate: the simulated time of one iteration of
+    ``plan``, on one of three device models.
+
+    * ``concurrent=True`` (GPUs): the devices compute side by side at full speed; with
+      ``overlap`` ("fused" only) the steady state of back-to-back
+      ``forward_backward(blocking=False)`` calls: the time per iteration over
+      :data:`OVERLAP_ITERATIONS` iterations after as many warm-up ones.
+    * ``concurrent=False`` (CPU workers under one lock): one job computes at a time, so
+      every job's time adds up (see :func:`simulate`).
+    * ``shared_cores=True`` (CPU workers that compute side by side, ``pool.cpu_overlap``;
+      ``concurrent`` is then not read): a plan of one job computes alone on all cores
+      (the profile's times); jobs on several workers compute at once, each stage
+      :data:`SHARED_CORES_SLOWDOWN` times slower on its share of the cores.
+      ``replicated``: the one-stage plan runs as one job per worker at once
+      (``planner.fused_replicas``), each on its slice of the microbatches
+      :data:`SHARED_CORES_SLOWDOWN` times slower: the longest slice's time.
+    """
+    run_type = parse_kind(RunType, run_type, "run_type")
+    if shared_cores:
+        jobs = len(plan.fwd_plan) + len(plan.bwd_plan)
+        f, overlap = SHARED_CORES_SLOWDOWN, False
+        if jobs == 1 and replicated and num_devices > 1 and num_microbatch > 1:
+            alone = simulated_iteration_ms(plan, profile, run_type, 1, 1, concurrent=False)
+            return alone * f * -(-num_microbatch // min(num_devices, num_microbatch))
+        concurrent = jobs > 1 and num_devices > 1
+        if concurrent:
+            profile = LayerProfile(
+                fwd_ms=[t * f for t in profile.fwd_ms],
+                bwd_ms=[t * f for t in profile.bwd_ms],
+                re_ms=[t * f for t in profile.re_ms] if profile.re_ms is not None else None,
+            )
+    if not concurrent:
+        overlap = False  # nothing overlaps where one job computes at a time
+    if not overlap or run_type != RunType.FUSED:
+        fwd = [float(x) for x in profile.fwd_ms]
+        re = [float(x) for x in profile.re_ms] if profile.re_ms is not None else fwd
+        n = len(fwd)
+        return _run_iteration(
+            build_schedule(plan, run_type, num_devices, num_microbatch),
+            plan,
+            run_type,
+            fwd,
+            [float(x) for x in profile.bwd_ms],
+            re,
+            [0.0] * n,
+            0.0,
+            0.0,
+            0,
+            [0.0] * num_devices,
+            [0.0] * num_devices,
+            [[] for _ in range(num_devices)],
+            None,
+            serial=not concurrent,
+        )
+
+    def span(iterations: int) -> float:
+        return simulate(
+            plan,
+            profile.fwd_ms,
+            profile.bwd_ms,
+            num_devices,
+            num_microbatch,
+            run_type=run_type,
+            re_ms=profile.re_ms,
+            iterations=iterations,
+            overlap_iterations=True,
+        ).makespan_ms
+
+    # Overlapped iterations can settle into a period of more than one iteration (two
+    # calls sharing one fill, then a wait for the step two back), so the steady state
+    # is measured over a whole window after a warm-up window of the same length.
+    k = OVERLAP_ITERATIONS
+    return (span(2 * k) - span(k)) / k
 
 
 def _step_shares(weights: Sequence[float] | None, n: int) -> list[float]:

@@ -18,7 +18,7 @@ from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, cont
 from roundpipe_core.context import current_layer, current_microbatch, doing_recompute
 from roundpipe_core.planning.planner import _split_or_fewest, split_plan
 from roundpipe_core.planning.profile import LayerProfile
-from roundpipe_core.planning.search import simulated_iteration_ms
+from roundpipe_core.planning.simulate import simulated_iteration_ms
 from roundpipe_core.running.devices.cpu import ComputeGate, UnexpectedDrawError
 from roundpipe_core.running.devices.pool import DevicePool
 

@@ -59,10 +59,10 @@ PLANNING = {
     "plan": {"layout"},
     "partition": set(),
     "schedule": {"plan"},
-    "simulate": {"plan", "schedule"},
     "profile": {"plan"},
+    "simulate": {"plan", "profile", "schedule"},
     "search": {"partition", "plan", "profile", "simulate"},
-    "planner": {"plan", "profile", "search"},
+    "planner": {"plan", "profile", "search", "simulate"},
 }
 
 

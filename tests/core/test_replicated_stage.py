@@ -23,7 +23,7 @@ from roundpipe_core.context import current_microbatch
 from roundpipe_core.planning.planner import _split_or_fewest
 from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.planning.schedule import FUSED, build_schedule
-from roundpipe_core.planning.search import simulated_iteration_ms
+from roundpipe_core.planning.simulate import simulated_iteration_ms
 
 # CPU workers computing side by side is what this file is about (under fake CUDA too)
 pytestmark = pytest.mark.cpu_backend
