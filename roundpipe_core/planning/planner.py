@@ -16,7 +16,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 from ..kinds import RunType, parse_kind
 from .plan import ModelExecutePlan, default_num_microbatch
@@ -45,41 +45,6 @@ _GB = 1024**3
 # -- auto() -----------------------------------------------------------------------------
 
 
-@overload
-def auto(
-    run_type: RunType | str,
-    model: Any,
-    /,
-    *,
-    min_stages: int | None = ...,
-    upper_threshold: float = ...,
-    model_memory_limit: float | None = ...,
-    method: str = ...,
-    objective: str = ...,
-    num_microbatch: int | None = ...,
-    refine: bool = ...,
-    overlap_iterations: bool = ...,
-) -> ModelExecutePlan: ...
-
-
-@overload
-def auto(
-    run_type: RunType | str,
-    model: Any,
-    other: Any,
-    /,
-    *models: Any,
-    min_stages: int | None = ...,
-    upper_threshold: float = ...,
-    model_memory_limit: float | None = ...,
-    method: str = ...,
-    objective: str = ...,
-    num_microbatch: int | None = ...,
-    refine: bool = ...,
-    overlap_iterations: bool = ...,
-) -> list[ModelExecutePlan]: ...
-
-
 def auto(
     run_type: RunType | str,
     *models: Any,
@@ -93,7 +58,8 @@ def auto(
     overlap_iterations: bool = False,
     concurrent: bool | None = None,
 ) -> ModelExecutePlan | list[ModelExecutePlan]:
-    """Plan stages from measured layer times (``ModelExecutePlan.auto``).
+    """Plan stages from measured layer times (``ModelExecutePlan.auto``, whose overloads
+    type the one-model and several-model forms).
 
     Stages should be even (the slowest sets the pace) and there should be enough
     of them to keep every device busy. Forward stages cost the layers' forward
