@@ -74,11 +74,13 @@ def auto(
     The published planner minimises ``max(total stages, min_stages) x slowest
     stage`` (``objective="stages"``) greedily, trying only stage caps between the
     slowest layer and ``upper_threshold`` times that. Here ``method="exact"``
-    returns the minimum over all caps (see :func:`search_plans`). Minimised
-    exactly, that cost favours a few huge stages, whose pipeline fill and drain it
-    does not charge; so the default ``objective="pipeline"`` minimises the
-    round-robin iteration time of the stages instead (:func:`pipeline_estimate`,
-    exact for equal stages), and ``refine=True`` simulates the near-optimal
+    returns the minimum over all caps (see
+    :func:`~roundpipe_core.planning.search.search_plans`). Minimised exactly, that
+    cost favours a few huge stages, whose pipeline fill and drain it does not
+    charge; so the default ``objective="pipeline"`` minimises the round-robin
+    iteration time of the stages instead
+    (:func:`~roundpipe_core.planning.search.pipeline_estimate`, exact for equal
+    stages), and ``refine=True`` simulates the near-optimal
     candidates and keeps the fastest. ``upper_threshold`` only steers
     ``method="greedy"`` (the published planner's window of caps).
 
