@@ -343,9 +343,7 @@ class RoundPipeBase(nn.Module):
         home, hooks = self._home(), self._grad_hooks
 
         def complete(final: list[nn.Parameter]) -> None:
-            home._steps.after_step(
-                functools.partial(_merge_and_report, home, buffer, final, hooks)
-            )
+            home._steps.after_step(functools.partial(_merge_and_report, home, buffer, final, hooks))
 
         masters_of = lambda job: home.masters.of_layers([self.layers[i] for i in job.layers])  # noqa: E731
         return GradCompletion(jobs, masters_of, on_complete=complete).job_done

@@ -50,7 +50,6 @@ from .stepping.pipelined import (
     GradBuffer,
     PendingResult,
     RunFinisher,
-    assemble_result,
     to_output_device,
 )
 
@@ -430,7 +429,6 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         blocking: bool | None,
         loss_reduction: str | None = None,
     ) -> Any:
-        t0 = time.perf_counter()
         self._check_open("forward_backward()")
         self._check_param_hooks()
         blocking = True if blocking is None else blocking
