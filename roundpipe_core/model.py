@@ -45,13 +45,11 @@ from .planning.planner import ReplanDecision
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .running.runtime import PipelineRun, run_queue
 from .running.timer import ModelTimer
-from .stepping.owner import PipelinedCall
 from .stepping.pipelined import (
     DeferredTimer,
     GradBuffer,
     PendingResult,
     RunFinisher,
-    assemble_result,
     to_output_device,
 )
 
@@ -245,7 +243,8 @@ class RoundPipe(RoundPipeBase):
         return check_run_config(run_config).merged_over(self.model_run_config)
 
     def _may_publish_in_background(self) -> bool:
-        # the blocking forward_backward gates its uploads per layer (StepOwner.blocking_call)
+        # every forward_backward waits per layer for the weights it reads (weight versions);
+        # forward() waits for the whole copy; a unit of an automatic split does not wait
         return self._master_owner is None
 
     def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> batching.SplitInputs:
@@ -450,8 +449,8 @@ class RoundPipe(RoundPipeBase):
             return_outputs: also return the merged outputs.
             run_config: per-call ``RoundPipeRunConfig``.
             blocking: ``None`` (default): ``True``, or what ``forward_backward_hook`` picks.
-                ``False`` queues the iteration on the devices and returns a
-                ``PendingResult`` at once. Each device starts on it as soon as it is done
+                Every call is issued the same way; ``True`` returns its
+                ``PendingResult``'s ``result()``, ``False`` the ``PendingResult`` at once. Each device starts on it as soon as it is done
                 with the previous iterations, so the next iteration's forward overlaps this
                 one's backward tail. A following ``step()`` is deferred until the
                 iteration's gradients are complete. Results, parameters and gradients are
@@ -500,7 +499,6 @@ class RoundPipe(RoundPipeBase):
         blocking: bool | None,
         loss_reduction: str | None = None,
     ) -> Any:
-        t0 = time.perf_counter()
         self._check_open("forward_backward()")
         self._check_param_hooks()
         blocking = True if blocking is None else blocking
@@ -522,60 +520,21 @@ class RoundPipe(RoundPipeBase):
         )
         cfg = self._config(run_config)
         factor = self._loss_factor()
-        args = tuple(input_args)
-        if not blocking:
-            return self._forward_backward_pipelined(
-                cfg,
-                run_config,
-                args,
-                input_kwargs,
-                label,
-                loss_fn,
-                return_outputs,
-                factor,
-                reduction,
-            )
-        # the weights the previous asynchronous step() left to copy into the model are
-        # waited for layer by layer below, as each upload needs them, not all at once here
-        self._drain_runs(wait_publication=False)
-        with self._call_lock:
-            split = self._split(cfg, args, input_kwargs)
-            mbs = split.parts
-            plan = self.plans.choose(run_config, RunType.FUSED, cfg, split)
-            labels = self._split_label(cfg, label, split)
-            jobs = self.plans.fused_schedule(plan, len(mbs))
-            # gradients wait in the call's buffer: a call that fails leaves .grad as it was
-            buffer = GradBuffer(self._home().masters.master_of, self.pool.cuda_workers == 0)
-            # uploads wait per layer for a step's weights still being copied; a failed
-            # copy or step that stopped them is raised as the cause
-            with self._steps.blocking_call([j.layers for j in jobs]) as gate:
-                run = self._new_run(
-                    cfg,
-                    plan,
-                    RunType.FUSED,
-                    buffer.add,
-                    loss_fn=loss_fn,
-                    labels=labels,
-                    return_outputs=return_outputs,
-                    grads_done=self._grad_tracker(jobs, buffer),
-                    loss_scale=factor,
-                    loss_weights=self._loss_weights(reduction, loss_fn, split),
-                    weights=gate[0] if gate else None,
-                    reader=gate[1] if gate else None,
-                    auto_cut=split.auto_cut,
-                )
-                for i, mb in enumerate(mbs):
-                    run.put_act(0, i, mb)
-                try:
-                    self._execute(run, jobs)
-                except BaseException:
-                    buffer.clear()
-                    raise
-            self._fold_grads(buffer)
-            self._record_call(t0, args, input_kwargs)
-            return assemble_result(cfg, run.losses, run.outputs, len(mbs), return_outputs)
+        pending = self._issue(
+            cfg,
+            run_config,
+            tuple(input_args),
+            input_kwargs,
+            label,
+            loss_fn,
+            return_outputs,
+            (factor, reduction),
+            blocking,
+        )
+        # a blocking call is the issued call's result: one body, one gate, one finisher
+        return pending.result() if blocking else pending
 
-    def _forward_backward_pipelined(
+    def _issue(
         self,
         cfg: RoundPipeRunConfig,
         run_config: RoundPipeRunConfig | None,
@@ -584,17 +543,21 @@ class RoundPipe(RoundPipeBase):
         label: Any,
         loss_fn: Callable[[Any, Any], Any],
         return_outputs: bool,
-        factor: float,
-        reduction: str,
+        scaling: tuple[float, str],
+        blocking: bool,
     ) -> PendingResult:
+        """Schedule and submit one ``forward_backward``; returns its handle at once.
+
+        Its uploads read the weight version the steps issued before it produce (waiting,
+        layer by layer, for the optimizer thread's copy of a step still being
+        published); its gradients wait in the call's own buffer until ``result()`` -- or
+        the step issued after it -- adds them to ``.grad``, so a call that fails leaves
+        ``.grad`` as it was. ``blocking``: the caller waits for this call alone, so the
+        replicas of one stage may share the cores (``StageScope``)."""
         if self._master_owner is not None:
             raise ValueError(
-                "blocking=False is not supported on a RoundPipe whose masters another one owns"
-            )
-        if self._grad_hooks:
-            raise ValueError(
-                "blocking=False does not support gradient hooks (register_grad_hook, e.g. data-parallel "
-                "overlap) yet; use blocking=True"
+                "forward_backward is not supported on a RoundPipe whose masters another one "
+                "owns (a unit of an automatic split): call the owner's forward"
             )
         steps = self._steps
         steps.check_failure()
@@ -604,69 +567,47 @@ class RoundPipe(RoundPipeBase):
             split = self._split(cfg, args, kwargs)
             plan = self.plans.choose(run_config, RunType.FUSED, cfg, split)
             labels = self._split_label(cfg, label, split)
+            factor, reduction = scaling
             weights = self._loss_weights(reduction, loss_fn, split)
-            with steps.pipelined_call() as call:
-                return self._issue_pipelined(
-                    call,
+            with steps.pipelined_call(blocking) as call:
+                # continue round-robin where the previous call stopped: the device that
+                # ran its last job is the last to become free, so this call starts elsewhere
+                jobs = self.plans.fused_schedule(plan, len(split.parts), call.start_device)
+                reader = call.reserve([j.layers for j in jobs], self.num_devices)
+                buffer = GradBuffer(self.masters.master_of, self.pool.cuda_workers == 0)
+                timer = DeferredTimer()
+                # which masters are complete as the backward goes: the layer-wise step
+                # and the gradient hooks read it
+                completion = call.completion(
+                    jobs, lambda job: self.masters.of_layers([self.layers[i] for i in job.layers])
+                )
+                run = self._new_run(
                     cfg,
                     plan,
-                    split,
-                    labels,
-                    loss_fn,
-                    return_outputs,
-                    (factor, weights),
-                    t0,
-                    args,
-                    kwargs,
+                    RunType.FUSED,
+                    buffer.add,
+                    timer=timer,
+                    loss_fn=loss_fn,
+                    labels=labels,
+                    return_outputs=return_outputs,
+                    loss_scale=factor,
+                    loss_weights=weights,
+                    weights=call.weights,
+                    reader=reader,
+                    auto_cut=split.auto_cut,
+                    grads_done=completion.job_done,
                 )
-
-    def _issue_pipelined(
-        self,
-        call: PipelinedCall,
-        cfg: RoundPipeRunConfig,
-        plan: ModelExecutePlan,
-        split: batching.SplitInputs,
-        labels: list,
-        loss_fn: Callable[[Any, Any], Any],
-        return_outputs: bool,
-        scaling: tuple[float, list[float] | None],
-        t0: float,
-        args: tuple,
-        kwargs: dict,
-    ) -> PendingResult:
-        """Schedule, submit and track one non-blocking call (under the call lock)."""
-        # continue round-robin where the previous call stopped: the device that ran its
-        # last job is the last to become free, so this call's first job goes elsewhere
-        jobs = self.plans.fused_schedule(plan, len(split.parts), call.start_device)
-        reader = call.reserve([j.layers for j in jobs], self.num_devices)
-        buffer = GradBuffer(self.masters.master_of, self.pool.cuda_workers == 0)
-        timer = DeferredTimer()
-        # which masters are complete as the backward goes: a layer-wise step uses it
-        completion = call.completion(
-            jobs, lambda job: self.masters.of_layers([self.layers[i] for i in job.layers])
-        )
-        run = self._new_run(
-            cfg,
-            plan,
-            RunType.FUSED,
-            buffer.add,
-            timer=timer,
-            loss_fn=loss_fn,
-            labels=labels,
-            return_outputs=return_outputs,
-            loss_scale=scaling[0],
-            loss_weights=scaling[1],
-            weights=call.weights,
-            reader=reader,
-            auto_cut=split.auto_cut,
-            grads_done=completion.job_done,
-        )
-        for i, mb in enumerate(split.parts):
-            run.put_act(0, i, mb)
-        pending = call.pending(run, buffer, cfg, len(split.parts), return_outputs, completion)
-        futures = self.pool.submit(
-            jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
-        )
-        call.launch(pending)
-        pending.start(futures, RunFinisher(self, jobs, timer, t0, batch_extent(args, kwargs)))
-        return pending
+                run.caller_waits = blocking
+                for i, mb in enumerate(split.parts):
+                    run.put_act(0, i, mb)
+                pending = call.pending(
+                    run, buffer, cfg, len(split.parts), return_outputs, completion
+                )
+                futures = self.pool.submit(
+                    jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
+                )
+                call.launch(pending)
+                pending.start(
+                    futures, RunFinisher(self, jobs, timer, t0, batch_extent(args, kwargs))
+                )
+                return pending
