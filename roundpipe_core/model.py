@@ -14,6 +14,7 @@ module's own parameters.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -100,6 +101,11 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             (each is weighted by its share of the batch rows, so a ``loss_fn`` returning a
             batch mean gives the whole batch's mean loss and gradients, also for uneven
             microbatches). Also a settable attribute; a call's ``loss_reduction=`` wins.
+        offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
+            state live in files there and the layer-wise step streams them
+            (``step_layerwise(functools.partial(step_subset, opt), finish=opt.zero_grad)``;
+            ``step()`` raises ValueError). Needs ``shared_masters`` False or None. See
+            ``docs/host-memory.md``.
 
     Attributes:
         loss_multiplier: ``None`` or a callable read once per ``forward_backward`` (in the
@@ -126,6 +132,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         master_owner: RoundPipeBase | None = None,
         shared_masters: bool | None = None,
         loss_reduction: str = "sum",
+        offload_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         model_run_config = check_run_config(
             model_run_config if model_run_config is not None else RoundPipeRunConfig(),
@@ -140,6 +147,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             original_model=original_model,
             master_owner=master_owner,
             shared_masters=shared_masters,
+            offload_dir=offload_dir,
         )
         self.model_run_config = model_run_config
         self.loss_reduction = check_loss_reduction(loss_reduction)

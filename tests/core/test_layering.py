@@ -274,6 +274,8 @@ STEPPING_FACE = {
     },
     "roundpipe_core.stepping.stepper": {"ClosedError"},
     "roundpipe_core.stepping.layerwise": {"step_subset", "steps_elementwise"},
+    # the disk tier: made by the RoundPipe, its checkpoint verbs are the user's
+    "roundpipe_core.stepping.disk_tier": {"DiskTier", "STEP_UNSUPPORTED", "check_offload_args"},
 }
 
 
