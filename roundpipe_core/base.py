@@ -176,7 +176,11 @@ class RoundPipeBase(nn.Module):
         if shared_masters is None:
             shared_masters = self.default_shared_masters(self.pool)
         self.masters = MasterWeights(
-            model, self.optim_dtype, create=master_owner is None, share=shared_masters
+            model,
+            self.optim_dtype,
+            create=master_owner is None,
+            share=shared_masters,
+            values=offload_dir is None,
         )
         self.shared_masters = shared_masters
         self.disk_tier = (

@@ -295,9 +295,12 @@ class DiskTier:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-tier-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-tier-write")
         self._optimizer: torch.optim.Optimizer | None = None
-        # gen 0: the masters as they are, then released
+        # gen 0: the masters, made from the model's parameters one at a time (a master
+        # made without values, MasterWeights(values=False), never holds all of them)
         for i, m in enumerate(self._params):
-            rec = self._record_of(self._layouts[0][i], {_MASTER: m.detach()}, {})
+            placeholder = m.untyped_storage().nbytes() < m.numel() * m.element_size()
+            src = self._model_param[i] if placeholder else m
+            rec = self._record_of(self._layouts[0][i], {_MASTER: src.detach().to(m.dtype)}, {})
             _pwrite(self._fds[0], rec.buf, rec.layout.offset)
         self._sync_slot(0)
         self._write_index()
