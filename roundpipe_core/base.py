@@ -420,6 +420,13 @@ class RoundPipeBase(nn.Module):
         fn = self._step_recorder.wrap(watch_updates(fn, self._home().masters, self._idle))
         self._steps.step(fn, is_async, self._may_publish_in_background(), settle=self._settle)
 
+    def _convert_grads_on_add(self) -> bool:
+        """Whether a call's gradient buffer converts gradients to the masters' dtype as
+        they arrive (``GradBuffer(convert_on_add)``): on CPU workers, unless the masters
+        are on disk (the disk tier keeps the model-dtype gradients, half the bytes, until
+        a part is stepped)."""
+        return self.pool.cuda_workers == 0 and self._home().disk_tier is None
+
     def _may_publish_in_background(self) -> bool:
         """Whether an asynchronous ``step()`` after blocking calls may leave the copy of
         the previous step's weights to the optimizer thread: only a wrapper whose

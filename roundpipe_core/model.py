@@ -341,7 +341,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         raise RuntimeError("an inference run produced a parameter gradient")
 
     def _train_ops(self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan) -> PipelineOps:
-        buffer = GradBuffer(self._home().masters.master_of, self.pool.cuda_workers == 0)
+        buffer = GradBuffer(self._home().masters.master_of, self._convert_grads_on_add())
 
         def new_run(needs: list[bool], grads_done: Callable[[Job], None] | None) -> PipelineRun:
             return self._new_run(
@@ -483,7 +483,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             labels = self._split_label(cfg, label, split)
             jobs = self._fused_schedule(plan, len(mbs))
             # gradients wait in the call's buffer: a call that fails leaves .grad as it was
-            buffer = GradBuffer(self._home().masters.master_of, self.pool.cuda_workers == 0)
+            buffer = GradBuffer(self._home().masters.master_of, self._convert_grads_on_add())
             # uploads wait per layer for a step's weights still being copied; a failed
             # copy or step that stopped them is raised as the cause
             with self._steps.blocking_call([j.layers for j in jobs]) as gate:
@@ -577,7 +577,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         # last job is the last to become free, so this call's first job goes elsewhere
         jobs = self._fused_schedule(plan, len(split.parts), call.start_device)
         reader = call.reserve([j.layers for j in jobs], self.num_devices)
-        buffer = GradBuffer(self.masters.master_of, self.pool.cuda_workers == 0)
+        buffer = GradBuffer(self.masters.master_of, self._convert_grads_on_add())
         timer = DeferredTimer()
         # which masters are complete as the backward goes: a layer-wise step uses it
         completion = call.completion(

@@ -779,7 +779,7 @@ class DiskTier:
         optimizer_state: dict[str, Any] | None = None,
     ) -> None:
         """Put a checkpoint's masters (``{name: tensor}``; a name missing: its model
-        parameter's values) and ``optimizer_state`` (an ordinary ``opt.state_dict()``,
+        parameter's values; ``None``: keep the current ones) and ``optimizer_state`` (an ordinary ``opt.state_dict()``,
         from RAM or :meth:`optimizer_state_dict`) into the store as a new generation, and
         the masters into the model's parameters; ``opt`` gets the param groups (lr, ...)."""
         self._check_idle()
@@ -802,9 +802,10 @@ class DiskTier:
         self._pending = list(self._layouts[nxt])
         try:
             for i, m in enumerate(self._params):
-                src = (masters or {}).get(self._names[i])
-                if src is None:
-                    src = self._model_param[i].detach()
+                if masters is None:  # keep the current masters
+                    src = self.master_values(i)
+                else:  # (one the checkpoint lacks: its model parameter's values, as in RAM)
+                    src = masters.get(self._names[i], self._model_param[i].detach())
                 if tuple(src.shape) != tuple(m.shape):
                     raise ValueError(
                         f"checkpoint master {self._names[i]!r} has shape {tuple(src.shape)}, "

@@ -337,3 +337,26 @@ def test_the_budget_counts_the_tier(tmp_path: Path) -> None:
         assert on_disk <= built.disk  # what the files take (preallocated) is what was told
     finally:
         rp.close()
+
+
+def test_loading_an_optimizer_state_alone_keeps_the_masters(tmp_path: Path) -> None:
+    _, rp, opt = _run(tmp_path, "adamw", torch.bfloat16, steps=2, blocking=True, is_async=True)
+    try:
+        tier = rp.disk_tier
+        assert tier is not None
+        before = {k: v.clone() for k, v in tier.masters_state().items()}
+        sd = tier.optimizer_state_dict(opt)
+        sd = {
+            "state": {k: {n: t.clone() for n, t in v.items()} for k, v in sd["state"].items()},
+            "param_groups": sd["param_groups"],
+        }
+        tier.load_state(None, opt, sd)
+        assert tier.gen == 3
+        for k, v in tier.masters_state().items():
+            assert torch.equal(v, before[k])
+        again = tier.optimizer_state_dict(opt)["state"]
+        for k, v in sd["state"].items():
+            for n, t in v.items():
+                assert torch.equal(again[k][n], t)
+    finally:
+        rp.close()
