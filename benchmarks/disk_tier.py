@@ -46,11 +46,18 @@ def _model(layers: int, width: int) -> Any:
 
 
 def _rp(
-    layers: int, width: int, offload: str | None, devices: str, microbatches: int | None = None
+    layers: int,
+    width: int,
+    offload: str | None,
+    devices: str,
+    microbatches: int | None = None,
+    stages: int = 0,
 ) -> Any:
     import torch
 
-    from roundpipe_core import RoundPipe, RoundPipeRunConfig
+    from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+
+    plan = ModelExecutePlan.uniform(layers, stages, "fused") if stages else None
 
     return RoundPipe(
         _model(layers, width),
@@ -59,7 +66,7 @@ def _rp(
         shared_masters=False,
         offload_dir=offload,
         pin_model="off",
-        model_run_config=RoundPipeRunConfig(num_microbatch=microbatches),
+        model_run_config=RoundPipeRunConfig(num_microbatch=microbatches, execute_plan=plan),
     )
 
 
@@ -90,7 +97,8 @@ def _iterate(rp: Any, opt: Any, batches: list, steps: int) -> float:
 def speed(args: argparse.Namespace) -> None:
     import torch
 
-    store = tempfile.mkdtemp(prefix="rp-tier-bench-", dir=args.dir)
+    holder = tempfile.TemporaryDirectory(prefix="rp-tier-bench-", dir=args.dir)
+    store = holder.name
     rps = {"ram": _rp(args.layers, args.width, None, args.devices)}
     rps["disk"] = _rp(args.layers, args.width, store, args.devices)
     opts = {k: torch.optim.AdamW(rp.optim_parameters(), lr=1e-4) for k, rp in rps.items()}
@@ -116,8 +124,12 @@ def speed(args: argparse.Namespace) -> None:
             if k == "disk":
                 moved.append((tier.bytes_read + tier.bytes_written - b0) / args.steps)
                 io.append((tier.io_seconds - s0) / args.steps)
+        print(
+            f"round {r}: ram {times['ram'][-1]:.3f} s, disk {times['disk'][-1]:.3f} s", flush=True
+        )
     for rp in rps.values():
         rp.close()
+    holder.cleanup()
     params = sum(p.numel() for p in rps["ram"].model.parameters())
     med = {k: statistics.median(v) for k, v in times.items()}
     io_med = statistics.median(io)
@@ -197,10 +209,12 @@ def cap_child(args: argparse.Namespace) -> None:
         f.write(str(os.getpid()))
     import torch
 
-    store = tempfile.mkdtemp(prefix="rp-tier-cap-", dir=args.dir)
+    holder = tempfile.TemporaryDirectory(prefix="rp-tier-cap-", dir=args.dir)
+    store = holder.name
     # one microbatch: a stage's gradients arrive once and stay bf16 until stepped (a
     # second microbatch's are summed in the masters' fp32)
-    rp = _rp(args.layers, args.width, store, args.devices, microbatches=1)
+    # many stages: a worker holds one small stage's gradients and recompute at a time
+    rp = _rp(args.layers, args.width, store, args.devices, microbatches=1, stages=args.stages)
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.tokens, args.width, generator=g).bfloat16()
@@ -217,6 +231,7 @@ def cap_child(args: argparse.Namespace) -> None:
         # synchronous: no second iteration's gradients beside this step's (the least memory)
         rp.step_layerwise(step, finish=opt.zero_grad, is_async=False)
         losses.append(float(out.result()))
+        print(f"step {len(losses)}: loss {losses[-1]:.6f}", file=sys.stderr, flush=True)
     rp.synchronize()
     tier = rp.disk_tier
     print(
@@ -231,6 +246,7 @@ def cap_child(args: argparse.Namespace) -> None:
         )
     )
     rp.close()
+    holder.cleanup()
 
 
 def main() -> None:
@@ -244,6 +260,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where the store goes (default: the temp dir)")
     ap.add_argument("--cap", action="store_true", help="the memory-cap demonstration")
     ap.add_argument("--cap-gib", type=float, default=1.5)
+    ap.add_argument("--stages", type=int, default=0, help="uniform stages (0: the default plan)")
     ap.add_argument("--cap-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.cap_child:
