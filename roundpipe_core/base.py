@@ -184,7 +184,9 @@ class RoundPipeBase(nn.Module):
         )
         self.shared_masters = shared_masters
         self.disk_tier = (
-            DiskTier(offload_dir, self.masters, layers, self.name) if offload_dir else None
+            DiskTier(offload_dir, self.masters, layers, self.name)
+            if offload_dir is not None
+            else None
         )
         self._warned_sync_step = False
         self._idle = IdleSteps(self.name)
