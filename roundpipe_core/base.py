@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -36,6 +37,7 @@ from .planning.schedule import Job
 from .running.devices import memory
 from .running.devices.pool import DevicePool
 from .running.trace import SpanRecorder, chrome_trace, spans_from_roundpipe
+from .stepping.disk_tier import STEP_UNSUPPORTED, DiskTier, check_offload_args
 from .stepping.layerwise import GradCompletion
 from .stepping.masters import MasterWeights
 from .stepping.owner import StepOwner
@@ -107,6 +109,8 @@ class RoundPipeBase(nn.Module):
             own master (one tensor instead of two; see ``RoundPipe``). Every ``step()``
             is then synchronous. ``None``: what the pool does best -- ``True`` on CPU
             workers, ``False`` on GPUs (:meth:`default_shared_masters`).
+        offload_dir: a directory: the masters and the optimizer state live in files
+            there, streamed by ``step_layerwise`` (the disk tier, ``stepping.disk_tier``).
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class RoundPipeBase(nn.Module):
         original_model: Any = None,
         master_owner: RoundPipeBase | None = None,
         shared_masters: bool | None = None,
+        offload_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -166,13 +171,24 @@ class RoundPipeBase(nn.Module):
             # pinned host memory makes uploads asynchronous; "register" must be undone at close
             pin_handle = memory.prepare_host_params(model, pin)
 
+        if offload_dir is not None:
+            shared_masters = check_offload_args(offload_dir, shared_masters, master_owner is None)
         self._shared_by_default = shared_masters is None
         if shared_masters is None:
             shared_masters = self.default_shared_masters(self.pool)
         self.masters = MasterWeights(
-            model, self.optim_dtype, create=master_owner is None, share=shared_masters
+            model,
+            self.optim_dtype,
+            create=master_owner is None,
+            share=shared_masters,
+            values=offload_dir is None,
         )
         self.shared_masters = shared_masters
+        self.disk_tier = (
+            DiskTier(offload_dir, self.masters, layers, self.name)
+            if offload_dir is not None
+            else None
+        )
         self._warned_sync_step = False
         self._idle = IdleSteps(self.name)
         object.__setattr__(self, "_master_owner", master_owner)
@@ -387,10 +403,19 @@ class RoundPipeBase(nn.Module):
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be True or False, got {is_async!r}")
         self._check_open("step()")
+        if self._home().disk_tier is not None:
+            raise ValueError(STEP_UNSUPPORTED)
         is_async = self._async_allowed(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
         fn = self._step_recorder.wrap(watch_updates(fn, self._home().masters, self._idle))
         self._steps.step(fn, is_async, self._may_publish_in_background(), settle=self._settle)
+
+    def _convert_grads_on_add(self) -> bool:
+        """Whether a call's gradient buffer converts gradients to the masters' dtype as
+        they arrive (``GradBuffer(convert_on_add)``): on CPU workers, unless the masters
+        are on disk (the disk tier keeps the model-dtype gradients, half the bytes, until
+        a part is stepped)."""
+        return self.pool.cuda_workers == 0 and self._home().disk_tier is None
 
     def _may_publish_in_background(self) -> bool:
         """Whether an asynchronous ``step()`` after blocking calls may leave the copy of
@@ -471,6 +496,9 @@ class RoundPipeBase(nn.Module):
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be True or False, got {is_async!r}")
         self._check_open("step_layerwise()")
+        tier = self._home().disk_tier
+        if tier is not None:
+            step_params = tier.streamed(step_params)
         is_async = self._async_allowed(is_async)
         self._steps.step_layerwise(
             step_params,
@@ -593,3 +621,5 @@ class RoundPipeBase(nn.Module):
             # only matters when synchronize() raised with work still queued
             self._steps.shutdown(timeout=_CLOSE_JOIN_S)
             self._closer()
+            if self.disk_tier is not None:
+                self.disk_tier.close()

@@ -14,6 +14,7 @@ module's own parameters.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -98,6 +99,11 @@ class RoundPipe(RoundPipeBase):
             (each is weighted by its share of the batch rows, so a ``loss_fn`` returning a
             batch mean gives the whole batch's mean loss and gradients, also for uneven
             microbatches). Also a settable attribute; a call's ``loss_reduction=`` wins.
+        offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
+            state live in files there and the layer-wise step streams them
+            (``step_layerwise(functools.partial(step_subset, opt), finish=opt.zero_grad)``;
+            ``step()`` raises ValueError). Needs ``shared_masters`` False or None. See
+            ``docs/host-memory.md``.
 
     Attributes:
         loss_multiplier: ``None`` or a callable read once per ``forward_backward`` (in the
@@ -124,6 +130,7 @@ class RoundPipe(RoundPipeBase):
         master_owner: RoundPipeBase | None = None,
         shared_masters: bool | None = None,
         loss_reduction: str = "sum",
+        offload_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         model_run_config = check_run_config(
             model_run_config if model_run_config is not None else RoundPipeRunConfig(),
@@ -138,6 +145,7 @@ class RoundPipe(RoundPipeBase):
             original_model=original_model,
             master_owner=master_owner,
             shared_masters=shared_masters,
+            offload_dir=offload_dir,
         )
         self.model_run_config = model_run_config
         self.loss_reduction = check_loss_reduction(loss_reduction)
@@ -402,7 +410,7 @@ class RoundPipe(RoundPipeBase):
         raise RuntimeError("an inference run produced a parameter gradient")
 
     def _train_ops(self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan) -> PipelineOps:
-        buffer = GradBuffer(self._home().masters.master_of, self.pool.cuda_workers == 0)
+        buffer = GradBuffer(self._home().masters.master_of, self._convert_grads_on_add())
 
         def new_run(needs: list[bool], grads_done: Callable[[Job], None] | None) -> PipelineRun:
             return self._new_run(
@@ -574,7 +582,7 @@ class RoundPipe(RoundPipeBase):
                 # ran its last job is the last to become free, so this call starts elsewhere
                 jobs = self.plans.fused_schedule(plan, len(split.parts), call.start_device)
                 reader = call.reserve([j.layers for j in jobs], self.num_devices)
-                buffer = GradBuffer(self.masters.master_of, self.pool.cuda_workers == 0)
+                buffer = GradBuffer(self.masters.master_of, self._convert_grads_on_add())
                 timer = DeferredTimer()
                 # which masters are complete as the backward goes: the layer-wise step
                 # and the gradient hooks read it

@@ -56,6 +56,7 @@ WINGS: dict[str, list[str]] = {
         "tests/core/test_optimizer.py",
         "tests/core/test_optim.py",
         "tests/core/test_layerwise.py",
+        "tests/core/test_disk_tier.py",
         "tests/core/test_master_copies.py",
         "tests/core/test_released_masters.py",
         "tests/core/test_shared_masters.py",

@@ -38,6 +38,12 @@ collective buffers        data parallel over several processes: the flat buffers
                           gradient reduction keeps (a ring of a few buckets) and, with
                           the host state sharded, the all-gather's
                           (``DataParallel.kept_buffer_bytes``)
+disk tier buffer          with ``offload_dir`` (the disk tier): the records (master +
+                          optimizer state) of ``buffer_layers`` of the largest layer
+                          resident while the step streams them, and one master read to
+                          publish it into the model; the masters and optimizer state
+                          lines are then 0 and ``disk`` (not in the total) is what the
+                          tier's two slots take under ``offload_dir``
 ========================  ==========================================================
 
 Beside the table, ``process`` is what the process held when the estimate was made
@@ -162,6 +168,8 @@ class HostMemoryBudget:
     dequantized: int = 0
     collective_buffers: int = 0
     training_code: int = 0
+    tier_buffer: int = 0
+    disk: int = 0
 
     @property
     def total(self) -> int:
@@ -179,6 +187,7 @@ class HostMemoryBudget:
             + self.worker_activations
             + self.dequantized
             + self.collective_buffers
+            + self.tier_buffer
         )
 
     @property
@@ -214,6 +223,7 @@ class HostMemoryBudget:
             ("worker activations", self.worker_activations),
             ("dequantized weights", self.dequantized),
             ("collective buffers", self.collective_buffers),
+            ("disk tier buffer", self.tier_buffer),
         ]
 
     def summary(self, available: int | None = None) -> str:
@@ -238,6 +248,8 @@ class HostMemoryBudget:
             f"  {'total':<{width}}  {_fmt(self.total):>11}  {self.bytes_per_param:6.2f} B/param"
         )
         lines.append(f"  {'still to allocate':<{width}}  {_fmt(self.to_allocate):>11}")
+        if self.disk:
+            lines.append(f"  {'on disk (offload_dir)':<{width}}  {_fmt(self.disk):>11}")
         if self.process:
             lines.append(f"  {'+ process (libraries)':<{width}}  {_fmt(self.process):>11}")
             if self.training_code:
@@ -325,6 +337,8 @@ def estimate_host_memory(
     async_step: bool | None = None,
     layer_activation_bytes: Sequence[float] | None = None,
     collective_buffers: int = 0,
+    offload_dir: bool = False,
+    buffer_layers: int = 3,
 ) -> HostMemoryBudget:
     """The host bytes a training run of ``model`` needs at its peak (see the module docstring).
 
@@ -370,6 +384,10 @@ def estimate_host_memory(
         collective_buffers: bytes of the flat buffers a data-parallel rank keeps for its
             collectives, sharded or not (``DataParallel.kept_buffer_bytes(rp, optimizers)``;
             0 in one process).
+        offload_dir: for a plain module: the masters and optimizer state on disk (the
+            disk tier, ``RoundPipe(offload_dir=...)``; a RoundPipe's own tier is read):
+            the "disk tier buffer" line instead of the masters and optimizer state
+            lines, and ``disk``. ``buffer_layers``: the tier's resident layers (its default 3).
 
     Raises:
         TypeError / ValueError: for a non-module, a negative byte count or an
@@ -507,6 +525,12 @@ def estimate_host_memory(
     already += mapped.resident - mapped.inside
     resident = _resident_bytes()
     existing = _existing_state_bytes([m for _, m in pairs or []], optimizers)
+    tier_buffer = disk = 0
+    tier = getattr(model, "disk_tier", None) if pairs is not None else None
+    if tier is not None or (offload_dir and pairs is None):
+        tier_buffer, disk = _tier_bytes(inner, tier, states, master_numel_bytes, buffer_layers)
+        masters = optimizer_state = 0  # (the gradients stay resident, the next ones too)
+        already = weights
     return HostMemoryBudget(
         num_params=num_params,
         weights=weights,
@@ -525,7 +549,29 @@ def estimate_host_memory(
         mapped_files=mapped.extra,
         worker_activations=worker_acts,
         dequantized=dequantized,
+        tier_buffer=tier_buffer,
+        disk=disk,
     )
+
+
+def _tier_bytes(
+    inner: nn.Module, tier: Any, states: int, master_bytes: int, buffer_layers: int
+) -> tuple[int, int]:
+    """(resident, on disk) of the disk tier: a built one's own bound and files; for a
+    plain module, ``buffer_layers`` of its largest layer's records (fp32 master + states,
+    each tensor page-padded) and two slots of every record."""
+    trainable = [p for p in inner.parameters() if p.requires_grad]
+    largest_master = max((p.numel() * 4 for p in trainable), default=0)
+    if tier is not None:
+        return tier.limit + largest_master, tier.disk_bytes
+    page = 4096
+    layers = list(inner.children()) if isinstance(inner, nn.Sequential) else [inner]
+    layer_records = [
+        sum((p.numel() * 4 + page) * (1 + states) for p in layer.parameters() if p.requires_grad)
+        for layer in layers
+    ]
+    per_slot = master_bytes * (1 + states) + len(trainable) * (1 + states) * page
+    return buffer_layers * max(layer_records, default=0) + largest_master, 2 * per_slot
 
 
 def _cuda_pinned(rp: Any) -> int:

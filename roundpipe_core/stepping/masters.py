@@ -102,10 +102,18 @@ class MasterWeights:
         create: False for a model whose masters another RoundPipe owns (none are made).
         share: a trainable host parameter of dtype ``optim_dtype`` is its own master
             (no copy); other parameters still get copies.
+        values: False: the separate masters are made without values (zero-stride
+            placeholders, as :meth:`release` leaves them): the disk tier writes them
+            to its files from the model's parameters, one at a time, and releases them.
     """
 
     def __init__(
-        self, model: nn.Module, optim_dtype: torch.dtype, create: bool = True, share: bool = False
+        self,
+        model: nn.Module,
+        optim_dtype: torch.dtype,
+        create: bool = True,
+        share: bool = False,
+        values: bool = True,
     ) -> None:
         self.entries: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         # the entries whose master is a separate tensor (what copy_to_model writes)
@@ -124,7 +132,11 @@ class MasterWeights:
                 if share and p.dtype == optim_dtype and p.device.type == "cpu":
                     m = p
                 else:
-                    m = nn.Parameter(p.detach().to(dtype=optim_dtype, copy=True))
+                    m = nn.Parameter(
+                        p.detach().to(dtype=optim_dtype, copy=True)
+                        if values
+                        else torch.zeros((), dtype=optim_dtype).expand(p.shape)
+                    )
                     self.copies.append((pname, p, m))
                 self.entries.append((pname, p, m))
                 self.master_of[id(p)] = m

@@ -274,6 +274,8 @@ STEPPING_FACE = {
     # the user-facing helpers of the layer-wise step, and the one gradient countdown of a
     # call (a forward()'s backward counts with it too)
     "roundpipe_core.stepping.layerwise": {"step_subset", "steps_elementwise", "GradCompletion"},
+    # the disk tier: made by the RoundPipe, its checkpoint verbs are the user's
+    "roundpipe_core.stepping.disk_tier": {"DiskTier", "STEP_UNSUPPORTED", "check_offload_args"},
 }
 
 
