@@ -141,7 +141,7 @@ def test_an_async_step_is_accepted_with_sharding() -> None:
 
 
 def test_sixteen_mixed_is_refused_with_sharding() -> None:
-    from roundpipe_lightning._setup import check_shardable
+    from roundpipe_lightning.strategy import check_shardable
 
     with pytest.raises(ValueError, match="shard_host_state=True.*16-mixed.*bf16-mixed"):
         check_shardable(True, object())
