@@ -72,7 +72,6 @@ from .session import (
     check_one_process_per_node,
     check_pool_devices,
     expose_settings,
-    network_of,
 )
 from .sharded_checkpoint import fabric_shards_dir, load_optimizer_state, of_optimizer
 
@@ -301,9 +300,11 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
     after the backward, not overlapped with it (the loop is the user's: which backward is
     the last of an accumulation window is not known).
 
+    The RoundPipe arguments are keywords only.
+
     Raises:
-        TypeError / ValueError: an argument of the wrong type or value (the message
-            names the argument and what it accepts).
+        TypeError / ValueError: an unknown keyword, or an argument of the wrong type or
+            value (the message names the argument and what it accepts).
     """
 
     strategy_name = "roundpipe"
@@ -500,15 +501,9 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
                 f"Face model) instead -- {_OWNER} wraps it and returns the pipelined module"
             )
         _check_free(module)  # before a RoundPipe claims its parameters
-        net, original = network_of(module, "fabric.setup() got")
-        rp = self.settings.build_roundpipe(
-            net,
-            original,
-            name=type(module).__name__,
-            devices=self.compute_devices,
-            source="fabric.setup() got",
-            loss_hint="compute the loss from out = model(x) and call fabric.backward(loss)",
-        )
+        hint = "compute the loss from out = model(x) and call fabric.backward(loss)"
+        name, devices = type(module).__name__, self.compute_devices
+        rp = self.settings.build_roundpipe(module, name, devices, "fabric.setup() got", hint)
         try:
             dp = self.settings.data_parallel(overlap=False)
             run = _SetUpModule(self.settings, rp, module, dp, self.async_step)
@@ -794,13 +789,10 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         finally:
             super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="RoundPipe pipelined training (Fabric)"
-        )
-
 
 if RoundPipeFabricStrategy.strategy_name not in STRATEGY_REGISTRY:
-    RoundPipeFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    STRATEGY_REGISTRY.register(
+        RoundPipeFabricStrategy.strategy_name,
+        RoundPipeFabricStrategy,
+        "RoundPipe pipelined training (Fabric)",
+    )

@@ -167,7 +167,7 @@ def _prefixed(owner: str, fn: Callable[[], Any]) -> Any:
 
 class SettingsArguments(TypedDict, total=False):
     """The RoundPipe keyword arguments of both strategies (documented on
-    :class:`~roundpipe_lightning.RoundPipeStrategy`; defaults in :data:`DEFAULTS`)."""
+    :class:`~roundpipe_lightning.RoundPipeStrategy`; defaults: :class:`SessionSettings`)."""
 
     loss_reduction: str
     num_microbatch: int | None
@@ -186,32 +186,9 @@ class SettingsArguments(TypedDict, total=False):
     shard_host_state: bool
 
 
-#: the default of each argument (RoundPipeStrategy's signature spells the same ones)
-DEFAULTS: dict[str, Any] = dict(
-    loss_reduction="mean",
-    num_microbatch=None,
-    execute_plan=None,
-    optim_dtype=torch.float32,
-    pin_model="alloc",
-    async_step=None,
-    fuse_optimizer=True,
-    overlap_iterations=True,
-    recompute_grain=None,
-    preserve_rng_state=True,
-    model_run_config=None,
-    grad_reduce_op="mean",
-    overlap_grad_reduce=True,
-    process_group_timeout=None,
-    shard_host_state=False,
-)
-_BOOLS = (
-    "async_step",
-    "fuse_optimizer",
-    "overlap_iterations",
-    "preserve_rng_state",
-    "overlap_grad_reduce",
-    "shard_host_state",
-)
+#: the names of the arguments
+SETTINGS = frozenset(SettingsArguments.__annotations__)
+_BOOLS = "fuse_optimizer overlap_iterations preserve_rng_state overlap_grad_reduce shard_host_state"
 
 
 @dataclass(frozen=True)
@@ -222,21 +199,21 @@ class SessionSettings:
     hardware, :meth:`resolve_async_step`); ``process_group_timeout`` is resolved."""
 
     owner: str
-    loss_reduction: str
-    num_microbatch: int | None
-    execute_plan: ModelExecutePlan | str | Mapping[str, Any] | None
-    optim_dtype: torch.dtype | None
-    pin_model: str
-    async_step: bool | None
-    fuse_optimizer: bool
-    overlap_iterations: bool
-    recompute_grain: str | None
-    preserve_rng_state: bool
-    model_run_config: RoundPipeRunConfig | None
-    grad_reduce_op: str
-    overlap_grad_reduce: bool
-    process_group_timeout: timedelta
-    shard_host_state: bool
+    loss_reduction: str = "mean"
+    num_microbatch: int | None = None
+    execute_plan: ModelExecutePlan | str | Mapping[str, Any] | None = None
+    optim_dtype: torch.dtype | None = torch.float32
+    pin_model: str = "alloc"
+    async_step: bool | None = None
+    fuse_optimizer: bool = True
+    overlap_iterations: bool = True
+    recompute_grain: str | None = None
+    preserve_rng_state: bool = True
+    model_run_config: RoundPipeRunConfig | None = None
+    grad_reduce_op: str = "mean"
+    overlap_grad_reduce: bool = True
+    process_group_timeout: float | timedelta | None = None  # resolved by of(): a timedelta
+    shard_host_state: bool = False
 
     @classmethod
     def of(
@@ -245,10 +222,11 @@ class SessionSettings:
         """The settings of a strategy's keyword ``arguments`` (those of
         :class:`SettingsArguments` but the ``fixed`` ones; a missing one takes its
         default), each checked."""
-        unknown = sorted(set(arguments) - set(DEFAULTS).difference(fixed))
+        unknown = sorted(set(arguments) - SETTINGS.difference(fixed))
         if unknown:
             raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
-        a = {**DEFAULTS, **arguments, **fixed}
+        defaults = {f.name: f.default for f in fields(cls) if f.name in SETTINGS}
+        a = {**defaults, **arguments, **fixed}
         check_choice("loss_reduction", a["loss_reduction"], LOSS_REDUCTIONS, owner)
         check_choice("pin_model", a["pin_model"], ("alloc", "register", "off"), owner)
         check_choice("recompute_grain", a["recompute_grain"], ("stage", "layer", None), owner)
@@ -263,10 +241,10 @@ class SessionSettings:
         )
         check_num_microbatch(a["num_microbatch"], owner)
         a["optim_dtype"] = _prefixed(owner, lambda: parse_dtype(a["optim_dtype"]))
-        for name in _BOOLS:
-            # (async_step: None follows the hardware)
-            if a[name] is not None or name != "async_step":
-                check_bool(name, a[name], owner)
+        if a["async_step"] is not None:  # (None follows the hardware)
+            check_bool("async_step", a["async_step"], owner)
+        for name in _BOOLS.split():
+            check_bool(name, a[name], owner)
         timeout = a["process_group_timeout"]
         a["process_group_timeout"] = _prefixed(owner, lambda: D.resolve_timeout(timeout))
         return cls(owner=owner, **a)
@@ -289,26 +267,21 @@ class SessionSettings:
         )
 
     def build_roundpipe(
-        self,
-        net: nn.Module,
-        original: Any,
-        *,
-        name: str,
-        devices: list[torch.device],
-        source: str,
-        loss_hint: str,
+        self, module: nn.Module, name: str, devices: list[torch.device], source: str, hint: str
     ) -> RoundPipe | AutoRoundPipe:
-        """The RoundPipe a strategy trains: ``net`` (from :func:`network_of`) on a pool of
-        ``devices`` (CPU workers or GPUs), with these settings' run-config defaults and
-        ``execute_plan`` set for ``forward_backward``. ``source`` and ``loss_hint`` word
-        the messages ("configure_sequential() returned", what to call for a loss).
+        """The RoundPipe a strategy trains: ``module`` (:func:`network_of`: as it is, or a
+        preset's conversion) on a pool of ``devices`` (CPU workers or GPUs), with these
+        settings' run-config defaults and ``execute_plan`` set for ``forward_backward``.
+        ``source`` and ``hint`` word the messages ("configure_sequential() returned";
+        how to compute a loss without ``forward_backward``).
 
-        An ``nn.Sequential`` (a preset's conversion included) is wrapped as it is; any
-        other module gets the automatic split, as ``wrap_model_to_roundpipe(
-        use_sequential_preset=False)`` does, and the run says so once. A synchronous step
-        may update the weights in place, so with ``async_step=False`` the parameters
-        already in ``optim_dtype`` are their own masters (no separate fp32 copy).
+        An ``nn.Sequential`` is wrapped as it is; any other module gets the automatic
+        split, as ``wrap_model_to_roundpipe(use_sequential_preset=False)`` does. A
+        synchronous step may update the weights in place, so with
+        ``async_step=False`` the parameters already in ``optim_dtype`` are their own
+        masters (no separate fp32 copy).
         """
+        net, original = network_of(module, source)
         cfg = self.model_run_config or RoundPipeRunConfig()
         if self.num_microbatch is not None:
             cfg = replace(cfg, num_microbatch=self.num_microbatch)
@@ -330,6 +303,9 @@ class SessionSettings:
                 shared_masters=not self.resolve_async_step(devices),
                 **common,
             )
+        else:
+            rp = self._split(net, common, source, hint)
+        if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to plan)
             try:
                 plan = resolve_execute_plan(self.execute_plan, rp, "fused")
                 if plan is not None:
@@ -337,7 +313,14 @@ class SessionSettings:
             except BaseException:
                 rp.close()
                 raise
-            return rp
+        return rp
+
+    def _split(
+        self, net: nn.Module, common: dict[str, Any], source: str, hint: str
+    ) -> RoundPipe | AutoRoundPipe:
+        """The automatic split of a module that is no ``nn.Sequential``, said once: a chain
+        of children becomes a ``RoundPipe`` over them; anything else (skip connections,
+        several inputs) an ``AutoRoundPipe``, whose glue code runs on the host."""
         rp = auto_wrap(net, **common)
         kind = type(net).__name__
         said = (
@@ -358,7 +341,7 @@ class SessionSettings:
             return rp
         rank_zero_warn(
             said
-            + f"AutoRoundPipe: {rp.summary()}; the code between the units runs on the host. It is slower than a Sequential and has no forward_backward: {loss_hint}. "
+            + f"AutoRoundPipe: {rp.summary()}; the code between the units runs on the host. It is slower than a Sequential and has no forward_backward: {hint}. "
             "For full speed give an nn.Sequential of its layers, or "
             f"register a preset: roundpipe_core.presets.register_preset({kind!r}, "
             "lambda model: nn.Sequential(...)) (docs/add-a-preset.md)."
@@ -373,7 +356,7 @@ def expose_settings(cls: _S) -> _S:
     """Class decorator: each :class:`SessionSettings` field the strategy does not define
     itself is a read-only attribute of it (``strategy.num_microbatch``)."""
     for f in fields(SessionSettings):
-        if not hasattr(cls, f.name):
+        if f.name in SETTINGS and not hasattr(cls, f.name):
             getter = functools.partial(lambda name, self: getattr(self.settings, name), f.name)
             setattr(cls, f.name, property(getter, doc=f"The ``{f.name}`` setting."))
     return cls
@@ -851,57 +834,6 @@ class QueuedStep:
         return opt.step(**kwargs) if params is None else step_subset(opt, params, **kwargs)
 
 
-class _Step:
-    """One optimizer step handed to a session's RoundPipe: the update (whole, or a
-    layer-wise step's parts), then the real ``zero_grad`` and the data-parallel
-    after-step; a failure on the optimizer thread is marked in the ledger."""
-
-    def __init__(
-        self,
-        session: Session,
-        opt: Optimizer,
-        kwargs: dict[str, Any],
-        update: bool,
-        clip: Callable[[], None] | None,
-    ) -> None:
-        self.session, self.opt, self.kwargs, self.update, self.clip = (
-            session,
-            opt,
-            kwargs,
-            update,
-            clip,
-        )
-        # the hyperparameters of now, before an LR scheduler writes the next step's
-        self.queued = QueuedStep(opt) if session.async_step and update else None
-        self.zero_grad = session.real_zero_grad.get(id(opt), opt.zero_grad)
-
-    def params(self, params: Sequence[Tensor] | None = None) -> None:
-        try:
-            if params is None and self.clip is not None:
-                self.clip()
-            if self.queued is not None:
-                self.queued.run(params, **self.kwargs)
-            elif self.update:
-                self.opt.step(**self.kwargs)
-        except BaseException:
-            self.session.steps.mark_failed()
-            raise
-
-    def finish(self) -> None:
-        try:
-            self.zero_grad(set_to_none=True)
-            self.session.dp.after_step(self.opt)  # sharded: all-gather what each process stepped
-        except BaseException:
-            self.session.steps.mark_failed()
-            raise
-        if self.update:
-            self.session.steps.applied()
-
-    def __call__(self) -> None:
-        self.params()
-        self.finish()
-
-
 # -- one RoundPipe being trained -----------------------------------------------------------------
 class Session:
     """One RoundPipe being trained (see the module docstring).
@@ -970,14 +902,44 @@ class Session:
         step) to the RoundPipe: asynchronous with ``async_step``, with the
         hyperparameters of now; ``clip`` runs first on the optimizer thread;
         ``layerwise``: the deepest layers step while the backward still runs."""
-        step = _Step(self, opt, kwargs, update, clip)
+        steps, dp = self.steps, self.dp
+        # the hyperparameters of now, before an LR scheduler writes the next step's
+        queued = QueuedStep(opt) if self.async_step and update else None
+        zero_grad = self.real_zero_grad.get(id(opt), opt.zero_grad)
+
+        def update_params(params: Sequence[Tensor] | None = None) -> None:
+            try:
+                if params is None and clip is not None:
+                    clip()
+                if queued is not None:
+                    queued.run(params, **kwargs)
+                elif update:
+                    opt.step(**kwargs)
+            except BaseException:
+                steps.mark_failed()
+                raise
+
+        def finish() -> None:
+            try:
+                zero_grad(set_to_none=True)
+                dp.after_step(opt)  # sharded: all-gather the weights each process stepped
+            except BaseException:
+                steps.mark_failed()
+                raise
+            if update:
+                steps.applied()
+
+        def whole() -> None:
+            update_params()
+            finish()
+
         if update:
             mark_lr_scheduler_step_called(opt)
-            self.steps.queued()
-        if layerwise and step.queued is not None:
-            self.rp.step_layerwise(step.params, step.finish)
+            steps.queued()
+        if layerwise and queued is not None:
+            self.rp.step_layerwise(update_params, finish)
         else:
-            self.rp.step(step, is_async=self.async_step)
+            self.rp.step(whole, is_async=self.async_step)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:

@@ -74,7 +74,7 @@ from .checkpoint_io import (
 )
 from .precision import LossScaler, RoundPipePrecision
 from .session import (
-    DEFAULTS,
+    SETTINGS,
     Session,
     SessionSettings,
     all_reduce,
@@ -84,7 +84,6 @@ from .session import (
     check_type,
     expose_settings,
     host_memory_budget,
-    network_of,
     restore_impl_choice,
     setup_summary,
 )
@@ -96,6 +95,10 @@ log = logging.getLogger(__name__)
 
 _OWNER = "RoundPipeStrategy"
 _MISSING = object()
+_LOSS_HINT = (
+    "compute the loss from self.roundpipe(...) (e.g. self.roundpipe(input_ids=x, labels=x)"
+    ".loss), Lightning backpropagates it"
+)
 
 
 # -- the run's phases ----------------------------------------------------------------------------
@@ -233,9 +236,8 @@ def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
         )
 
 
-def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
-    """Call ``configure_sequential()`` and check what it returned: ``(network, original)``
-    as :func:`~roundpipe_lightning.session.network_of` gives them."""
+def sequential_of(lm: pl.LightningModule) -> nn.Module:
+    """Call ``configure_sequential()`` and check what it returned (a submodule)."""
     hook = getattr(lm, "configure_sequential", None)
     if hook is None or not callable(hook):
         raise TypeError(
@@ -266,7 +268,7 @@ def sequential_of(lm: pl.LightningModule) -> tuple[nn.Module, Any]:
             "__init__, e.g. self.net = nn.Sequential(...), and return self.net) so that its weights "
             "are part of the module's state_dict and its checkpoints"
         )
-    return network_of(net, "configure_sequential() returned")
+    return net
 
 
 def trainer_of(lm: pl.LightningModule | None) -> pl.Trainer | None:
@@ -379,7 +381,7 @@ class RoundPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        arguments = {k: v for k, v in locals().items() if k in DEFAULTS}
+        arguments = {k: v for k, v in locals().items() if k in SETTINGS}
         self.settings = SessionSettings.of(_OWNER, arguments)
         self._num_nodes = 1
         self._session: Session | None = None
@@ -551,15 +553,9 @@ class RoundPipeStrategy(ParallelStrategy):
         lm = self.lightning_module
         assert lm is not None
         self._close_roundpipe()
-        seq, original = sequential_of(lm)
+        source = "configure_sequential() returned"
         rp = self.settings.build_roundpipe(
-            seq,
-            original,
-            name=type(lm).__name__,
-            devices=self.compute_devices,
-            source="configure_sequential() returned",
-            loss_hint="compute the loss from self.roundpipe(...) (e.g. "
-            "self.roundpipe(input_ids=x, labels=x).loss), Lightning backpropagates it",
+            sequential_of(lm), type(lm).__name__, self.compute_devices, source, _LOSS_HINT
         )
         self._session = Session(self.settings, rp, lm, self._dp, self.async_step)
         self._run.open()
@@ -914,13 +910,8 @@ class RoundPipeStrategy(ParallelStrategy):
             # ParallelStrategy.teardown: cluster environment, optimizers/model to CPU, plugins
             super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="RoundPipe pipelined training"
-        )
-
 
 if RoundPipeStrategy.strategy_name not in StrategyRegistry:
-    RoundPipeStrategy.register_strategies(StrategyRegistry)
+    StrategyRegistry.register(
+        RoundPipeStrategy.strategy_name, RoundPipeStrategy, "RoundPipe pipelined training"
+    )
