@@ -770,7 +770,8 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
                 if of_module is not None:
                     # the masters saved with a higher precision than the module's weights,
                     # and what the RoundPipe learned (after load_state)
-                    of_module.load_masters(of_module.read_section(sections.get(key), strict))
+                    saved = of_module.read_section(sections.get(key), strict)
+                    of_module.load_masters(saved, from_weights=False)
                     of_module.restore(sections.get(key))
         for run in self._runs:
             run.fuse_again()

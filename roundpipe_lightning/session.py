@@ -990,10 +990,11 @@ class Session:
         params = {name: p for name, p, _ in self.named_masters()}
         return check_roundpipe_section(section, params, strict=strict)
 
-    def load_masters(self, saved: Mapping[str, Tensor]) -> None:
-        """After the module's weights were loaded: each master becomes its saved value,
-        else its weight; its gradient is dropped. Another process's share is left to its
-        shard (a shared master is the weight: loaded already)."""
+    def load_masters(self, saved: Mapping[str, Tensor], from_weights: bool = True) -> None:
+        """Each master becomes its saved value, else (``from_weights``, after the module's
+        weights were loaded) its weight, its gradient dropped; ``from_weights=False``
+        leaves the others as they are (restored from an optimizer's shards). Another
+        process's share is left to its shard (a shared master is the weight: loaded)."""
         released = self.rp.masters.released
         with torch.no_grad():
             for name, p, m in self.named_masters():
@@ -1001,9 +1002,10 @@ class Session:
                     pass
                 elif name in saved:
                     m.copy_(saved[name])
-                elif m is not p:
+                elif from_weights and m is not p:
                     m.copy_(p)
-                m.grad = None
+                if from_weights:
+                    m.grad = None
 
     def restore(self, section: Any, loss_scaler: Any = None) -> None:
         """What the RoundPipe learned (layer timer, stages' draws) and the loss scaler."""

@@ -135,7 +135,7 @@ def test_an_async_step_is_accepted_with_sharding() -> None:
 
     for cls in (RoundPipeStrategy, RoundPipeFabricStrategy):
         assert cls(shard_host_state=True, async_step=True).async_step is True
-        assert cls(shard_host_state=True)._async_request is None  # None: the hardware's
+        assert cls(shard_host_state=True).settings.async_step is None  # None: the hardware's
         assert cls(shard_host_state=True, async_step=False).async_step is False
         assert cls(async_step=True).async_step is True  # unsharded: as asked
 
