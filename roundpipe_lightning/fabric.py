@@ -1,7 +1,8 @@
 """``RoundPipeFabricStrategy``: ``Fabric(strategy="roundpipe")``.
 
-A Lightning Fabric strategy over the same engine as :class:`RoundPipeStrategy`, with
-the same argument names and defaults::
+A thin adapter of Lightning Fabric's strategy hooks over the training session
+(:mod:`roundpipe_lightning.session`) that :class:`RoundPipeStrategy` shares, with the same
+argument names and defaults::
 
     fabric = Fabric(strategy="roundpipe", accelerator="cpu", devices=2)
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -11,12 +12,21 @@ the same argument names and defaults::
 
 * ``fabric.setup(net, opt)`` wraps ``net`` (an ``nn.Sequential``, or a Hugging Face
   model a preset converts) in a ``RoundPipe`` whose pool is Fabric's ``devices``, in
-  this one process, and points ``opt`` at the fp32 master copies. The returned
-  module pipelines ``model(x)`` and has ``forward_backward``, ``synchronize`` and
-  ``roundpipe`` (see :mod:`roundpipe_lightning._fabric_run`).
+  this one process, and points ``opt`` at the fp32 master copies. Fabric returns a
+  ``_FabricModule`` whose ``forward`` runs the RoundPipe and whose other attributes are
+  looked up on the module the user passed; so that module gains, as plain functions
+  (Fabric would report bound methods found there as bypassing the strategy):
+  ``forward_backward(...)`` (``RoundPipe.forward_backward`` under the precision plugin's
+  input conversion and forward context), ``synchronize()`` and ``roundpipe``; and its
+  ``state_dict()`` synchronizes first. They are removed at ``teardown()``.
 * ``opt.step()`` is ``roundpipe.step(...)``: the update runs on the masters
   (asynchronously with ``async_step=True``, one step stale) and clears their
-  gradients; ``opt.zero_grad()`` after it costs nothing.
+  gradients, right after the update (a ``zero_grad()`` on the main thread would race
+  with a step still running). So ``opt.zero_grad()`` only clears what no queued step
+  will: gradients produced after the last step, after waiting for everything in flight.
+  Fabric's optimizer wrapper finds ``zero_grad`` on the class of what it wraps, so it
+  wraps a view of the user's optimizer whose class has this ``zero_grad``
+  (:func:`roundpipe_lightning._private.optimizer_view`).
 * ``fabric.backward(loss)`` backpropagates a loss computed from ``model(x)`` through
   the pipeline; for a loss ``forward_backward`` returned it does nothing (the call
   already backpropagated it).
@@ -30,9 +40,10 @@ and the pool's devices are RoundPipe's business.
 
 from __future__ import annotations
 
-import logging
+import functools
+import os
+import weakref
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,41 +51,36 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision import MixedPrecision
-from lightning.fabric.strategies import STRATEGY_REGISTRY
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
+from lightning.fabric.strategies.strategy import TBroadcast
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core import AutoRoundPipe, RoundPipe
 from roundpipe_core import distributed as D
-from roundpipe_core.config import LOSS_REDUCTIONS
 
-from ._fabric_processes import FabricProcesses
-from ._fabric_run import FabricRun
-from ._setup import (
-    build_roundpipe,
-    check_bool,
-    check_choice,
-    check_loss_went_through,
-    check_num_microbatch,
-    check_pool_devices,
-    check_step_request,
-    check_type,
-    fuse_optimizer,
-    network_of,
-    parse_dtype,
-    point_at_masters,
-)
-from ._step import QueuedStep
+from ._private import optimizer_view
 from .checkpoint_io import CHECKPOINT_KEY, StreamingCheckpointIO
-from .sharded_checkpoint import fabric_shards_dir, marker
+from .session import (
+    Session,
+    SessionSettings,
+    SettingsArguments,
+    all_reduce,
+    check_loss_went_through,
+    check_one_process_per_node,
+    check_pool_devices,
+    expose_settings,
+)
+from .sharded_checkpoint import fabric_shards_dir, load_optimizer_state, of_optimizer
 
 __all__ = ["RoundPipeFabricStrategy"]
 
-log = logging.getLogger(__name__)
-
 _OWNER = "RoundPipeFabricStrategy"
+
+#: the attributes ``fabric.setup()``'s module gains
+CALLS = ("forward_backward", "synchronize", "roundpipe")
 
 
 def _check_precision(plugin: Precision) -> None:
@@ -89,7 +95,162 @@ def _check_precision(plugin: Precision) -> None:
         )
 
 
-class RoundPipeFabricStrategy(FabricProcesses):
+def _check_free(module: nn.Module) -> None:
+    """Refuse a module that has one of the RoundPipe calls already (set up before)."""
+    clash = [name for name in CALLS if hasattr(module, name)]
+    if clash:
+        raise ValueError(
+            f"{type(module).__name__} already has {', '.join(map(repr, clash))}: "
+            "RoundPipeFabricStrategy gives the module passed to fabric.setup() the attributes "
+            f"{', '.join(CALLS)}. Rename yours, and set each module up once."
+        )
+
+
+class _SetUpModule(Session):
+    """The session of one module given to ``fabric.setup()``: the calls it gains, the
+    losses ``forward_backward`` returned, and the user's loop around its gradients
+    (reduced over the nodes once per step; cleared by ``zero_grad`` only when no queued
+    step will clear them)."""
+
+    def install(self, precision: Callable[[], Precision]) -> None:
+        """Give the module its calls (``precision``: Fabric's plugin, read at each call)."""
+        rp, module = self.rp, self.module
+        #: optimizers (by id) whose gradients were reduced over the nodes since their step
+        self.reduced: set[int] = set()
+        #: gradients were produced after the last queued step (which clears its own)
+        self.grads_fresh = False
+        # the losses forward_backward returned: already backpropagated
+        self._losses: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+        @functools.wraps(rp.forward_backward)
+        def forward_backward(
+            input_args: Any = (), input_kwargs: Any = None, *a: Any, **kw: Any
+        ) -> Any:
+            if isinstance(rp, AutoRoundPipe):
+                raise TypeError(
+                    f"{type(module).__name__} is not an nn.Sequential and no preset converts "
+                    "it, so it runs split automatically (AutoRoundPipe), which has no "
+                    "forward_backward: compute the loss from out = model(x) and call "
+                    "fabric.backward(loss), or give fabric.setup() an nn.Sequential"
+                )
+            self.check_not_reduced()
+            plugin = precision()
+            input_args, input_kwargs = plugin.convert_input((input_args, input_kwargs))
+            with plugin.forward_context():
+                out = rp.forward_backward(input_args, input_kwargs, *a, **kw)
+            self.grads_fresh = True
+            self._remember(out[0] if kw.get("return_outputs") else out)
+            return out
+
+        @functools.wraps(rp.synchronize)
+        def synchronize() -> None:
+            rp.synchronize()
+
+        # ``model.state_dict()`` holds the weights of every step queued so far (with
+        # async_step=True the module's own tensors lag one step behind)
+        self._state_dict_hook = module.register_state_dict_pre_hook(
+            lambda *_args, **_kwargs: rp.synchronize()
+        )
+        for name, value in zip(CALLS, (forward_backward, synchronize, rp)):
+            # not nn.Module.__setattr__: the RoundPipe must not become a submodule (its
+            # parameters would enter the module's state dict a second time)
+            object.__setattr__(module, name, value)
+
+    def _remember(self, loss: Any) -> None:
+        if isinstance(loss, Tensor):
+            self._losses[id(loss)] = loss
+        elif isinstance(loss, (tuple, list)):
+            for item in loss:
+                self._remember(item)
+
+    def returned(self, tensor: Tensor) -> bool:
+        """Whether ``forward_backward`` returned ``tensor`` (its backward already ran)."""
+        return self._losses.get(id(tensor)) is tensor
+
+    def holds(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` has parameters of this module (or their masters)."""
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        mine = {id(p) for p in self.rp.model.parameters()}
+        mine |= {id(m) for m in self.rp.optim_parameters()}
+        return bool(ids & mine)
+
+    def adopt_view(self, optimizer: Optimizer) -> Optimizer:
+        """Adopt ``optimizer`` (:meth:`Session.adopt`) with :meth:`zero_grad` as its
+        ``zero_grad``; returns the view of it that Fabric wraps."""
+        policy = functools.partial(self.zero_grad, optimizer)
+        self.adopt(optimizer, policy, "the module's parameters()")
+        return optimizer_view(optimizer, policy)
+
+    def owns(self, optimizer: Any) -> Optimizer | None:
+        """The user's optimizer of which ``optimizer`` is the view (or itself), if adopted."""
+        for opt in self.optimizers:
+            if optimizer is opt or getattr(optimizer, "__dict__", None) is vars(opt):
+                return opt
+        return None
+
+    def zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
+        """Clear the master gradients no queued step will clear (see the module docstring)."""
+        if not self.grads_fresh:
+            return
+        self.rp.synchronize()  # nothing in flight: a pending iteration's gradients are in
+        self.real_zero_grad[id(optimizer)](set_to_none=set_to_none)
+        self.grads_fresh = False
+        self.reduced.clear()
+
+    def reduce(self, optimizer: Optimizer) -> None:
+        """Reduce ``optimizer``'s master gradients over the nodes, once per step (at
+        ``opt.step()``, or at ``fabric.clip_gradients`` before it). Collective; a no-op in
+        one process."""
+        if self.dp.world_size == 1 or id(optimizer) in self.reduced:
+            return
+        self.rp.synchronize()  # pending iterations' gradients are in; the last step is done
+        self.dp.reduce(optimizer)
+        self.reduced.add(id(optimizer))
+
+    def check_not_reduced(self) -> None:
+        """Refuse new gradients once this step's were reduced over the nodes (they would
+        miss the reduction)."""
+        if self.reduced:
+            raise RuntimeError(
+                "RoundPipeFabricStrategy: this step's gradients were already reduced over the "
+                "nodes (by fabric.clip_gradients); run every backward of the step first, then "
+                "clip, then opt.step()"
+            )
+
+    def sharding(self, optimizer: Any) -> D.HostShard | None:
+        """The shard of ``optimizer`` (the user's, or the view Fabric wraps) when its state
+        is sharded over several nodes, else None."""
+        raw = self.owns(optimizer)
+        return self.dp.shard(raw) if raw is not None else None
+
+    def load_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
+        """Load the module's weights and make the masters equal to them."""
+        self.rp.synchronize()
+        self.module.load_state_dict(state_dict, strict=strict)
+        self.load_masters({})
+        self.grads_fresh = False
+
+    def close(self, failed: bool = False) -> None:
+        """Finish what is in flight, stop the RoundPipe's threads, take the installed
+        calls off the module and give the optimizers their own ``zero_grad`` back."""
+        self._state_dict_hook.remove()
+        try:
+            super().close(failed)
+        finally:
+            for name in CALLS:
+                if name in vars(self.module):
+                    object.__delattr__(self.module, name)
+
+
+def _env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+@expose_settings
+class RoundPipeFabricStrategy(SingleDeviceStrategy):
     """Run the modules given to ``fabric.setup()`` with RoundPipe (see the module docstring).
 
     One process drives the whole pool (Fabric's ``devices``: N CPU workers or N GPUs), so
@@ -101,7 +262,8 @@ class RoundPipeFabricStrategy(FabricProcesses):
     ``fabric.setup_dataloaders`` gives each node its ``DistributedSampler`` shard.
 
     The RoundPipe arguments are :class:`~roundpipe_lightning.RoundPipeStrategy`'s, with
-    the same meanings and defaults.
+    the same meanings and defaults, validated into the same ``settings``
+    (:class:`~roundpipe_lightning.session.SessionSettings`).
 
     Args:
         loss_reduction: ``"mean"`` (default): a ``loss_fn`` returning a batch mean gives
@@ -138,84 +300,40 @@ class RoundPipeFabricStrategy(FabricProcesses):
     after the backward, not overlapped with it (the loop is the user's: which backward is
     the last of an accumulation window is not known).
 
+    The RoundPipe arguments are keywords only.
+
     Raises:
-        TypeError / ValueError: an argument of the wrong type or value (the message
-            names the argument and what it accepts).
+        TypeError / ValueError: an unknown keyword, or an argument of the wrong type or
+            value (the message names the argument and what it accepts).
     """
 
     strategy_name = "roundpipe"
 
     def __init__(
         self,
-        loss_reduction: str = "mean",
-        num_microbatch: int | None = None,
-        execute_plan: ModelExecutePlan | str | dict | None = None,
-        optim_dtype: torch.dtype | str | None = torch.float32,
-        pin_model: str = "alloc",
-        async_step: bool | None = None,
-        fuse_optimizer: bool = True,
-        recompute_grain: str | None = None,
-        preserve_rng_state: bool = True,
-        model_run_config: RoundPipeRunConfig | None = None,
-        grad_reduce_op: str = "mean",
-        process_group_timeout: float | timedelta | None = None,
-        shard_host_state: bool = False,
+        *,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
+        **settings: Unpack[SettingsArguments],
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
         )
-        self.loss_reduction = check_choice(
-            "loss_reduction", loss_reduction, LOSS_REDUCTIONS, _OWNER
-        )
-        check_choice("pin_model", pin_model, ("alloc", "register", "off"), _OWNER)
-        check_choice("recompute_grain", recompute_grain, ("stage", "layer", None), _OWNER)
-        check_type(
-            "model_run_config",
-            model_run_config,
-            (RoundPipeRunConfig,),
-            "a RoundPipeRunConfig",
-            _OWNER,
-        )
-        check_type(
-            "execute_plan",
-            execute_plan,
-            (ModelExecutePlan, str, Mapping),
-            "'auto', a ModelExecutePlan, a layout string or a dict of from_layout arguments",
-            _OWNER,
-        )
-        self.num_microbatch = check_num_microbatch(num_microbatch, _OWNER)
-        self.execute_plan = execute_plan
-        try:
-            self.optim_dtype = parse_dtype(optim_dtype)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{_OWNER}: {exc}") from None
-        self.pin_model = pin_model
-        self._async_request = check_step_request(async_step, _OWNER)
-        self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer, _OWNER)
-        self.recompute_grain = recompute_grain
-        self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state, _OWNER)
-        self.model_run_config = model_run_config
-        self.grad_reduce_op = check_choice(
-            "grad_reduce_op", grad_reduce_op, ("mean", "sum"), _OWNER
-        )
-        self.shard_host_state = check_bool("shard_host_state", shard_host_state, _OWNER)
-        try:
-            self._process_group_timeout = D.resolve_timeout(process_group_timeout)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{_OWNER}: {exc}") from None
+        # the loop is the user's: it overlaps iterations (blocking=False), and which backward
+        # is the last of an accumulation window (to overlap the reduction with) is not known
+        fixed = {"overlap_iterations": False, "overlap_grad_reduce": False}
+        self.settings = SessionSettings.of(_OWNER, settings, fixed)
         # Fabric's connector fills these in (it looks for the attributes)
         self.parallel_devices = parallel_devices
         self.cluster_environment = cluster_environment
         self._num_nodes = 1
         self._checked = False
-        self._runs: list[FabricRun] = []
+        self._runs: list[_SetUpModule] = []
 
-    # -- where it runs -----------------------------------------------------------------------
+    # -- where it runs: one process per node drives the node's pool ----------------------------
     @property
     def compute_devices(self) -> list[torch.device]:
         """The devices of the RoundPipe pool (Fabric's ``devices``)."""
@@ -225,10 +343,125 @@ class RoundPipeFabricStrategy(FabricProcesses):
     def async_step(self) -> bool:
         """Whether the optimizer step overlaps the next iteration: as given, or, for
         ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
-        if self._async_request is not None:
-            return self._async_request
-        return self.compute_devices[0].type != "cpu"
+        return self.settings.resolve_async_step(self.compute_devices)
 
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    # SingleDeviceStrategy.__init__ assigns the one-process values (0, 0, 1); the cluster
+    # environment decides, so the setters ignore them (Fabric reads them with getattr)
+    @property
+    def world_size(self) -> int:
+        env = self.cluster_environment
+        return env.world_size() if env is not None else 1
+
+    @world_size.setter
+    def world_size(self, _ignored: int) -> None:
+        pass
+
+    @property
+    def global_rank(self) -> int:
+        env = self.cluster_environment
+        return env.global_rank() if env is not None else 0
+
+    @global_rank.setter
+    def global_rank(self, _ignored: int) -> None:
+        pass
+
+    @property
+    def node_rank(self) -> int:
+        env = self.cluster_environment
+        return env.node_rank() if env is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0  # one process per node
+
+    @local_rank.setter
+    def local_rank(self, _ignored: int) -> None:
+        pass
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """``fabric.setup_dataloaders`` gives each node a ``DistributedSampler`` shard
+        (None in one process: the loader stays as it is)."""
+        if self.world_size == 1:
+            return None
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _set_world_ranks(self) -> None:
+        """Called by Fabric's connector once ``num_nodes`` is known: one rank per node."""
+        env = self.cluster_environment
+        if env is not None and self._num_nodes > 1:
+            env.set_global_rank(env.node_rank())
+            env.set_world_size(self._num_nodes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def _check_run(self) -> None:
+        """Refuse what this strategy cannot run, once, before the first module is built."""
+        if self._checked:
+            return
+        env = self.cluster_environment
+        processes = max(env.world_size() if env is not None else 1, _env_world_size())
+        devices = len(self.compute_devices)
+        check_one_process_per_node(_OWNER, "Fabric", env, processes, self._num_nodes, devices)
+        check_pool_devices(self.compute_devices, _OWNER, "Fabric")
+        if self.world_size > 1:  # here: Fabric calls setup_environment only from fabric.launch()
+            timeout = self.settings.process_group_timeout
+            D.init_process_group(env, backend="gloo", timeout=timeout)
+        self._checked = True
+        if self.settings.async_step is None:
+            pool = "GPU" if self.compute_devices[0].type != "cpu" else "CPU-worker"
+            rank_zero_info(
+                f"{_OWNER}: async_step={self.async_step} on this {pool} pool "
+                "(async_step=None follows the hardware; pass True or False to choose)"
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        self._check_run()
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.compute_devices[0])
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        return None  # parameters stay in host memory; RoundPipe uploads stages
+
+    @override
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
+    ) -> Tensor | Any:
+        return tensor if self.world_size == 1 else all_reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(
+        self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> Tensor:
+        if self.world_size == 1:
+            return tensor
+        if sync_grads:
+            raise NotImplementedError(
+                f"{_OWNER}: all_gather(sync_grads=True) is not supported (the model state is "
+                "on the host, outside autograd across processes)"
+            )
+        return D.all_gather(tensor, group)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self.world_size > 1:
+            D.barrier(timeout=self.settings.process_group_timeout)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return obj if self.world_size == 1 else D.broadcast_object(obj, src)
+
+    # -- plugins -------------------------------------------------------------------------------
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
@@ -254,33 +487,7 @@ class RoundPipeFabricStrategy(FabricProcesses):
             _check_precision(plugin)
         self._precision = plugin
 
-    def _check_run(self) -> None:
-        """Refuse what this strategy cannot run, once, before the first module is built."""
-        if self._checked:
-            return
-        self._check_processes()
-        check_pool_devices(self.compute_devices, _OWNER, "Fabric")
-        self._connect()  # here: Fabric calls setup_environment only from fabric.launch()
-        self._checked = True
-        if self._async_request is None:
-            pool = "GPU" if self.compute_devices[0].type != "cpu" else "CPU-worker"
-            rank_zero_info(
-                f"{_OWNER}: async_step={self.async_step} on this {pool} pool "
-                "(async_step=None follows the hardware; pass True or False to choose)"
-            )
-
-    @override
-    def setup_environment(self) -> None:
-        self._check_run()
-        assert self.accelerator is not None
-        self.accelerator.setup_device(self.compute_devices[0])
-
-    @override
-    def module_to_device(self, module: nn.Module) -> None:
-        # Parameters stay in host memory; RoundPipe uploads stages to its devices.
-        return None
-
-    # -- set-up ------------------------------------------------------------------------------
+    # -- set-up ----------------------------------------------------------------------------------
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Wrap ``module`` in a RoundPipe (what ``model(x)`` runs) and give ``module`` the
@@ -293,34 +500,14 @@ class RoundPipeFabricStrategy(FabricProcesses):
                 "fabric.setup() got a RoundPipe; give it the plain nn.Sequential (or Hugging "
                 f"Face model) instead -- {_OWNER} wraps it and returns the pipelined module"
             )
-        FabricRun.check_free(module)  # before a RoundPipe claims its parameters
-        net, original = network_of(module, "fabric.setup() got")
-        rp = build_roundpipe(
-            net,
-            original,
-            name=type(module).__name__,
-            devices=self.compute_devices,
-            model_run_config=self.model_run_config,
-            num_microbatch=self.num_microbatch,
-            recompute_grain=self.recompute_grain,
-            preserve_rng_state=self.preserve_rng_state,
-            optim_dtype=self.optim_dtype,
-            pin_model=self.pin_model,
-            async_step=self.async_step,
-            execute_plan=self.execute_plan,
-            loss_reduction=self.loss_reduction,
-            source="fabric.setup() got",
-            owner=_OWNER,
-            loss_hint="compute the loss from out = model(x) and call fabric.backward(loss)",
-        )
-        dp = D.DataParallel(
-            op=self.grad_reduce_op,
-            overlap=False,  # the user's loop: the window's last backward is not known
-            timeout=self._process_group_timeout,
-            shard_host_state=self.shard_host_state,
-        )
+        _check_free(module)  # before a RoundPipe claims its parameters
+        hint = "compute the loss from out = model(x) and call fabric.backward(loss)"
+        name, devices = type(module).__name__, self.compute_devices
+        rp = self.settings.build_roundpipe(module, name, devices, "fabric.setup() got", hint)
         try:
-            run = FabricRun(rp, module, lambda: self.precision, dp)
+            dp = self.settings.data_parallel(overlap=False)
+            run = _SetUpModule(self.settings, rp, module, dp, self.async_step)
+            run.install(lambda: self.precision)
         except BaseException:
             rp.close()
             raise
@@ -344,22 +531,25 @@ class RoundPipeFabricStrategy(FabricProcesses):
                 "module: model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=...))"
             )
         run = runs[0]
-        point_at_masters(optimizer, run.rp, "the module's parameters()")  # (refuses LBFGS)
-        if self.fuse_optimizer:
-            fuse_optimizer(optimizer)  # on the masters (host, fp32)
-        view = run.adopt(optimizer)
+        view = run.adopt_view(optimizer)
         # several nodes: one gradient reducer per optimizer (and, sharded, its ownership)
         run.dp.attach(run.rp, run.optimizers, async_step=self.async_step)
         return view
 
-    def _run_of(self, obj: Any) -> FabricRun | None:
+    def _run_of(self, obj: Any) -> _SetUpModule | None:
         """The run of a set-up module (its RoundPipe or the module itself) or optimizer."""
         for run in self._runs:
             if obj is run.rp or obj is run.module or run.owns(obj) is not None:
                 return run
         return None
 
-    # -- training ----------------------------------------------------------------------------
+    def _adopted(self, optimizer: Any) -> tuple[_SetUpModule, Optimizer] | None:
+        """The run of ``optimizer`` and the user's optimizer behind it, if set up here."""
+        run = self._run_of(optimizer)
+        raw = run.owns(optimizer) if run is not None else None
+        return None if run is None or raw is None else (run, raw)
+
+    # -- training --------------------------------------------------------------------------------
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Backpropagate a loss computed from ``model(x)`` through the pipeline; nothing
@@ -392,9 +582,8 @@ class RoundPipeFabricStrategy(FabricProcesses):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Queue ``optimizer.step()`` on RoundPipe's optimizer thread (its own step clears
         the gradients); with ``async_step=False`` it has run when this returns."""
-        run = self._run_of(optimizer)
-        raw = run.owns(optimizer) if run is not None else None
-        if run is None or raw is None:
+        adopted = self._adopted(optimizer)
+        if adopted is None:
             raise ValueError(
                 f"{type(optimizer).__name__} was not set up with a module of {_OWNER}; pass it "
                 "to fabric.setup(module, optimizer)"
@@ -405,21 +594,12 @@ class RoundPipeFabricStrategy(FabricProcesses):
                 "thread), where a closure cannot re-evaluate the loss; call opt.step() without one"
             )
         kwargs.pop("closure", None)
-        real_zero_grad = run.real_zero_grad[id(raw)]
+        run, raw = adopted
         run.reduce(raw)  # several nodes: the master gradients, reduced over the nodes
-        # the hyperparameters of now: a scheduler may change them before the step runs
-        queued = QueuedStep(raw) if self.async_step else None
-
-        def step_fn() -> None:
-            if queued is not None:
-                queued.run(**kwargs)
-            else:
-                raw.step(**kwargs)
-            real_zero_grad(set_to_none=True)
-            run.dp.after_step(raw)  # sharded: all-gather the weights each node stepped
-
-        run.step_queued()
-        run.rp.step(step_fn, is_async=self.async_step)
+        # the step clears the gradients there are now
+        run.grads_fresh = False
+        run.reduced.clear()
+        run.queue_step(raw, kwargs)
 
     def _synchronize(self) -> None:
         for run in self._runs:
@@ -437,11 +617,23 @@ class RoundPipeFabricStrategy(FabricProcesses):
         # the master gradients of pending iterations enter .grad first
         self._synchronize()
         run = self._reduce_for_clipping(optimizer)
-        if run is not None and run.sharding(optimizer) is not None:
-            return run.clip_sharded(optimizer, max_norm, norm_type, error_if_nonfinite)
-        return super().clip_gradients_norm(
-            module, optimizer, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
-        )
+        shard = run.sharding(optimizer) if run is not None else None
+        if shard is None:
+            return super().clip_gradients_norm(
+                module,
+                optimizer,
+                max_norm,
+                norm_type=norm_type,
+                error_if_nonfinite=error_if_nonfinite,
+            )
+        # the norm over every node's share (collective)
+        norm = shard.clip_grad_norm_(float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients is non-finite, so "
+                "it cannot be clipped (the gradients were scaled by it on every node)"
+            )
+        return norm
 
     @override
     def clip_gradients_value(
@@ -451,17 +643,16 @@ class RoundPipeFabricStrategy(FabricProcesses):
         self._reduce_for_clipping(optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
 
-    def _reduce_for_clipping(self, optimizer: Any) -> FabricRun | None:
+    def _reduce_for_clipping(self, optimizer: Any) -> _SetUpModule | None:
         """Several nodes: reduce ``optimizer``'s gradients now (clipping reads reduced
         gradients, as under DDP); returns its run (None: not set up here)."""
-        run = self._run_of(optimizer)
-        raw = run.owns(optimizer) if run is not None else None
-        if run is None or raw is None:
+        adopted = self._adopted(optimizer)
+        if adopted is None:
             return None
-        run.reduce(raw)
-        return run
+        adopted[0].reduce(adopted[1])
+        return adopted[0]
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------------
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         run = self._run_of(module)
@@ -482,13 +673,13 @@ class RoundPipeFabricStrategy(FabricProcesses):
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        run = self._run_of(optimizer)
-        if run is not None:
-            run.rp.synchronize()  # the step in flight writes the state
-            shard = run.sharding(optimizer)
-            if shard is not None:  # each node writes its own share (save_checkpoint)
-                return marker(shard.world_size)
-        return super().get_optimizer_state(optimizer)
+        full = functools.partial(super().get_optimizer_state, optimizer)
+        adopted = self._adopted(optimizer)
+        if adopted is None:
+            return full()
+        adopted[0].rp.synchronize()  # the step in flight writes the state
+        # the user's fused / foreach; sharded, each node writes its share (save_checkpoint)
+        return adopted[0].optimizer_state(adopted[1], full)
 
     @override
     def save_checkpoint(
@@ -504,15 +695,19 @@ class RoundPipeFabricStrategy(FabricProcesses):
         optimizer under ``key`` into ``<path>.shards/key/``; the file holds a marker."""
         self._synchronize()
         checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        for key, obj in state.items():
-            run = self._run_of(obj) if isinstance(obj, Optimizer) else None
-            if run is not None:
-                run.save_shard(fabric_shards_dir(path, key), obj)  # (a no-op unsharded)
         sections = {}
         for key, obj in state.items():
-            run = self._run_of(obj) if isinstance(obj, nn.Module) else None
-            if run is not None:
-                sections[key] = run.section()
+            adopted = self._adopted(obj) if isinstance(obj, Optimizer) else None
+            if adopted is not None:
+                directory = fabric_shards_dir(path, key)  # (checks the key, sharded or not)
+                run, raw = adopted
+                shard = run.sharding(raw)
+                if shard is not None:
+                    named = of_optimizer(run.masters_by_name(), raw)
+                    D.save_shard(directory, named, raw, shard.owns, shard.rank, shard.world_size)
+            run_of_module = self._run_of(obj) if isinstance(obj, nn.Module) else None
+            if run_of_module is not None:
+                sections[key] = run_of_module.section(run_of_module.optimizers)
         if sections:
             if CHECKPOINT_KEY in checkpoint:
                 raise ValueError(
@@ -543,9 +738,9 @@ class RoundPipeFabricStrategy(FabricProcesses):
         ours = {}
         if isinstance(state, Mapping):
             for key, obj in state.items():
-                run = self._run_of(obj) if isinstance(obj, Optimizer) else None
-                if run is not None:
-                    ours[key] = (run, obj)
+                adopted = self._adopted(obj) if isinstance(obj, Optimizer) else None
+                if adopted is not None:
+                    ours[key] = adopted
         if ours:
             assert isinstance(state, Mapping)
             rest = {k: v for k, v in state.items() if k not in ours}
@@ -558,26 +753,31 @@ class RoundPipeFabricStrategy(FabricProcesses):
             remainder = super().load_checkpoint(
                 path, state=state, strict=strict, weights_only=weights_only
             )
-        for key, (run, obj) in ours.items():
+        for key, (run, raw) in ours.items():
             if key not in remainder:
                 if strict:
                     raise KeyError(f"fabric.load(): the checkpoint {path} has no {key!r}")
                 continue
-            run.load_optimizer(fabric_shards_dir(path, key), obj, remainder.pop(key))
+            # a state dict, or the marker of shards (any node count); sharded, this node
+            # keeps what it owns now
+            directory = fabric_shards_dir(path, key)
+            shard = run.sharding(raw)
+            load_optimizer_state(directory, raw, remainder.pop(key), shard, run.masters_by_name())
         if isinstance(state, Mapping) and state and CHECKPOINT_KEY not in state:
             sections = remainder.pop(CHECKPOINT_KEY, None) or {}
             for key, obj in state.items():
-                run = self._run_of(obj) if isinstance(obj, nn.Module) else None
-                if run is not None:
-                    run.load_section(sections.get(key), strict)
-        if self.fuse_optimizer:
-            # a checkpoint of an unfused run brings back fused=None with its param groups
-            for run in self._runs:
-                for opt in run.optimizers:
-                    fuse_optimizer(opt)
+                of_module = self._run_of(obj) if isinstance(obj, nn.Module) else None
+                if of_module is not None:
+                    # the masters saved with a higher precision than the module's weights,
+                    # and what the RoundPipe learned (after load_state)
+                    saved = of_module.read_section(sections.get(key), strict)
+                    of_module.load_masters(saved, from_weights=False)
+                    of_module.restore(sections.get(key))
+        for run in self._runs:
+            run.fuse_again()
         return remainder
 
-    # -- end ---------------------------------------------------------------------------------
+    # -- end -------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
         """Finish every step, stop the RoundPipes' threads and undo what setup installed
@@ -590,13 +790,10 @@ class RoundPipeFabricStrategy(FabricProcesses):
         finally:
             super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="RoundPipe pipelined training (Fabric)"
-        )
-
 
 if RoundPipeFabricStrategy.strategy_name not in STRATEGY_REGISTRY:
-    RoundPipeFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    STRATEGY_REGISTRY.register(
+        RoundPipeFabricStrategy.strategy_name,
+        RoundPipeFabricStrategy,
+        "RoundPipe pipelined training (Fabric)",
+    )

@@ -1,5 +1,8 @@
 """``RoundPipeStrategy``: train a LightningModule's ``nn.Sequential`` with RoundPipe.
 
+A thin adapter of Lightning's ``ParallelStrategy`` hooks over the training session
+(:mod:`roundpipe_lightning.session`), which the Fabric strategy shares.
+
 At setup the strategy wraps what ``configure_sequential()`` returns in a plain ``RoundPipe``
 whose pool is the Trainer's devices (``accelerator="cpu", devices=N``: N CPU workers; ``"gpu"``:
 N GPUs), in this one process, and sets ``lightning_module.roundpipe``. It composes the engine
@@ -22,6 +25,10 @@ to its worker threads.
   overlap: ``training_step``'s ``forward_backward`` is issued non-blocking through the
   engine's ``forward_backward_hook`` and returns a lazily resolved loss
   (``docs/lightning.md``, "Overlapped iterations", says when its value is read).
+* A checkpoint holds, beyond Lightning's own, ``checkpoint["roundpipe"]``: the fp32 masters
+  of a half-precision model, the loss scaler and the layer timer; it is written and read by
+  :class:`~roundpipe_lightning.checkpoint_io.StreamingCheckpointIO` by default (streamed,
+  atomic, memory-mapped on load).
 
 Several processes (one per node) are data parallel over ``torch.distributed``
 (:mod:`roundpipe_core.distributed`); collectives are identities in one process.
@@ -29,73 +36,256 @@ Several processes (one per node) are data parallel over ``torch.distributed``
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
+from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
-from roundpipe_core.config import LOSS_REDUCTIONS
 from roundpipe_core.running.host_memory import available_host_memory, check_host_memory
 
-from ._checkpointing import CheckpointingStrategy
-from ._flush import FlushWeights
-from ._private import mark_lr_scheduler_step_called
-from ._run_state import RunState
-from ._setup import (
-    adopt_optimizer,
-    build_roundpipe,
-    check_bool,
-    check_choice,
-    check_loss_went_through,
-    check_num_microbatch,
-    check_plugins,
-    check_pool_devices,
-    check_shardable,
-    check_step_request,
-    check_type,
-    fuse_optimizer,
-    host_memory_budget,
-    order_manual_zero_grad,
-    parse_dtype,
-    raw_optimizer,
-    release_optimizers,
-    sequential_of,
-    setup_summary,
-    trainer_of,
-    user_impl_choice,
+from ._overlap import OverlappedForwardBackward, overlap_blocker, steps_in_parts
+from ._private import WrappingCheckpointIO, defer_zero_grad, restore_zero_grad, uncount_saved_steps
+from .checkpoint_io import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_KEY,
+    StreamingCheckpointIO,
+    check_lightning_checkpoint,
 )
-from ._step import (
-    OverlappedForwardBackward,
-    QueuedStep,
-    in_order,
-    overlap_blocker,
-    steps_in_parts,
-)
-from .checkpoint_io import CHECKPOINT_FORMAT, CHECKPOINT_KEY
 from .precision import LossScaler, RoundPipePrecision
+from .session import (
+    SETTINGS,
+    Session,
+    SessionSettings,
+    all_reduce,
+    check_loss_went_through,
+    check_one_process_per_node,
+    check_pool_devices,
+    check_type,
+    expose_settings,
+    host_memory_budget,
+    restore_impl_choice,
+    setup_summary,
+)
+from .sharded_checkpoint import load_optimizer_states, remove_shards, save_host_shards
 
 __all__ = ["RoundPipeStrategy", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
 
 log = logging.getLogger(__name__)
 
+_OWNER = "RoundPipeStrategy"
 _MISSING = object()
+_LOSS_HINT = (
+    "compute the loss from self.roundpipe(...) (e.g. self.roundpipe(input_ids=x, labels=x)"
+    ".loss), Lightning backpropagates it"
+)
 
 
-class RoundPipeStrategy(CheckpointingStrategy):
+# -- the run's phases ----------------------------------------------------------------------------
+class Phase(str, Enum):
+    """Where a run stands::
+
+    NO_RUN --setup--> OPEN <--training_step--> IN_TRAINING_STEP
+                        |  \\--on_exception--> FAILED
+                        v                        |
+                      CLOSED <-----close---------/
+    (teardown: back to NO_RUN)
+    """
+
+    NO_RUN = "no_run"  # no RoundPipe: before setup, after teardown
+    OPEN = "open"  # the RoundPipe runs calls, outside training_step
+    IN_TRAINING_STEP = "in_training_step"  # inside the LightningModule's training_step
+    FAILED = "failed"  # Lightning reported an exception: closing tolerates errors
+    CLOSED = "closed"  # the RoundPipe was closed (its worker threads stopped)
+
+
+class RunState:
+    """The strategy's run state: a :class:`Phase`, and ``overlap`` (whether this fit
+    overlaps its iterations, decided once at train start)."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.NO_RUN
+        self.overlap = False
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the RoundPipe exists and was not closed."""
+        return self.phase in (Phase.OPEN, Phase.IN_TRAINING_STEP, Phase.FAILED)
+
+    @property
+    def in_training_step(self) -> bool:
+        return self.phase is Phase.IN_TRAINING_STEP
+
+    @property
+    def failed(self) -> bool:
+        return self.phase is Phase.FAILED
+
+    def open(self) -> None:
+        """A RoundPipe was built (setup)."""
+        self.phase = Phase.OPEN
+
+    @contextmanager
+    def training_step(self) -> Iterator[None]:
+        """Inside the LightningModule's ``training_step``."""
+        before = self.phase
+        if before is Phase.OPEN:
+            self.phase = Phase.IN_TRAINING_STEP
+        try:
+            yield
+        finally:
+            if self.phase is Phase.IN_TRAINING_STEP:
+                self.phase = before
+
+    def fail(self) -> None:
+        """Lightning reported an exception (``on_exception``)."""
+        if self.is_open:
+            self.phase = Phase.FAILED
+
+    def close(self) -> bool:
+        """The RoundPipe is being closed. Returns whether the run had failed."""
+        failed = self.phase is Phase.FAILED
+        self.phase = Phase.CLOSED
+        self.overlap = False
+        return failed
+
+    def end(self) -> None:
+        """Teardown: nothing of this run remains."""
+        self.phase = Phase.NO_RUN
+        self.overlap = False
+
+
+class FlushWeights(Callback):
+    """Calls ``flush`` (the strategy's: finish the queued optimizer step and copy its
+    weights into the module) before each hook where users read weights. The strategy
+    with ``async_step=True`` puts it first in ``trainer.callbacks``: callback hooks run
+    before the LightningModule's and the strategy's own, so every user callback and
+    module hook then sees the weights of every step taken so far."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._flush()
+
+
+# -- Trainer-only checks ---------------------------------------------------------------------------
+def check_plugins(checkpoint_io: Any, precision_plugin: Any) -> None:
+    """TypeErrors for a ``checkpoint_io`` / ``precision_plugin`` of the wrong kind (they
+    would fail only at the first save or at teardown, or be silently ignored)."""
+    check_type("checkpoint_io", checkpoint_io, (CheckpointIO,), "a lightning CheckpointIO")
+    if isinstance(precision_plugin, (str, int)):
+        raise TypeError(
+            f"RoundPipeStrategy(precision_plugin={precision_plugin!r}): pass the precision to "
+            f"the Trainer instead: Trainer(precision={precision_plugin!r}, strategy=...)"
+        )
+    check_type("precision_plugin", precision_plugin, (Precision,), "a lightning Precision plugin")
+
+
+def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
+    """Refuse ``shard_host_state=True`` with a loss scaler (``16-mixed``): each process
+    sees only its share of the gradients, so their overflow checks would disagree."""
+    if shard_host_state and loss_scaler is not None:
+        raise ValueError(
+            "RoundPipeStrategy(shard_host_state=True) does not support precision='16-mixed': each "
+            "process sees only its share of the gradients, so the loss scaler's overflow check "
+            "would differ between processes. Use precision='bf16-mixed' or 'bf16-true' (no loss "
+            "scaling), or shard_host_state=False."
+        )
+
+
+def sequential_of(lm: pl.LightningModule) -> nn.Module:
+    """Call ``configure_sequential()`` and check what it returned (a submodule)."""
+    hook = getattr(lm, "configure_sequential", None)
+    if hook is None or not callable(hook):
+        raise TypeError(
+            f"{type(lm).__name__} has no configure_sequential() method, which RoundPipeStrategy needs. "
+            "Add one that returns the network as an nn.Sequential of layers, e.g.\n"
+            "    def configure_sequential(self):\n"
+            "        return self.net  # nn.Sequential(embedding, block, ..., head)"
+        )
+    net = hook()
+    if isinstance(net, RoundPipe):
+        raise TypeError(
+            "configure_sequential() returned a RoundPipe; return the plain nn.Sequential (or "
+            "Hugging Face model) instead -- RoundPipeStrategy wraps it and sets self.roundpipe"
+        )
+    if not isinstance(net, nn.Module):
+        raise TypeError(
+            f"configure_sequential() must return an nn.Module (an nn.Sequential of layers), got "
+            f"{type(net).__name__}"
+        )
+    if net is lm:
+        raise ValueError(
+            "configure_sequential() returned the LightningModule itself; return the network "
+            "submodule (e.g. self.net), an nn.Sequential of layers"
+        )
+    if not any(m is net for m in lm.modules()):
+        raise ValueError(
+            "configure_sequential() must return a submodule of the LightningModule (assign it in "
+            "__init__, e.g. self.net = nn.Sequential(...), and return self.net) so that its weights "
+            "are part of the module's state_dict and its checkpoints"
+        )
+    return net
+
+
+def trainer_of(lm: pl.LightningModule | None) -> pl.Trainer | None:
+    """The Trainer ``lm`` is attached to, or None."""
+    try:
+        return None if lm is None else lm.trainer
+    except RuntimeError:  # "not attached to a Trainer"
+        return None
+
+
+def raw_optimizer(opt: Any) -> Optimizer:
+    """The user's optimizer behind Lightning's ``LightningOptimizer`` wrapper."""
+    return opt.optimizer if isinstance(opt, LightningOptimizer) else opt
+
+
+@expose_settings
+class RoundPipeStrategy(ParallelStrategy):
     """Run a LightningModule's ``configure_sequential()`` network with RoundPipe.
 
     Args:
@@ -148,6 +338,10 @@ class RoundPipeStrategy(CheckpointingStrategy):
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
 
+    The arguments are kept, validated, in ``settings``
+    (:class:`~roundpipe_lightning.session.SessionSettings`) and read as attributes
+    (``strategy.num_microbatch``).
+
     Raises:
         TypeError / ValueError: an argument of the wrong type or value (the message
             names the argument and what it accepts).
@@ -187,58 +381,99 @@ class RoundPipeStrategy(CheckpointingStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.loss_reduction = check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
-        check_choice("pin_model", pin_model, ("alloc", "register", "off"))
-        check_choice("recompute_grain", recompute_grain, ("stage", "layer", None))
-        check_choice("grad_reduce_op", grad_reduce_op, ("mean", "sum"))
-        check_type(
-            "model_run_config", model_run_config, (RoundPipeRunConfig,), "a RoundPipeRunConfig"
-        )
-        check_type(
-            "execute_plan",
-            execute_plan,
-            (ModelExecutePlan, str, Mapping),
-            "'auto', a ModelExecutePlan, a layout string or a dict of from_layout arguments",
-        )
-        self.num_microbatch = check_num_microbatch(num_microbatch)
-        self.execute_plan = execute_plan
-        self.optim_dtype = parse_dtype(optim_dtype)
-        self.pin_model = pin_model
-        self._async_request = check_step_request(async_step, "RoundPipeStrategy")
-        self.fuse_optimizer = check_bool("fuse_optimizer", fuse_optimizer)
-        self.overlap_iterations = check_bool("overlap_iterations", overlap_iterations)
-        self.recompute_grain = recompute_grain
-        self.preserve_rng_state = check_bool("preserve_rng_state", preserve_rng_state)
-        self.model_run_config = model_run_config
+        arguments = {k: v for k, v in locals().items() if k in SETTINGS}
+        self.settings = SessionSettings.of(_OWNER, arguments)
         self._num_nodes = 1
-        self._rp: RoundPipe | AutoRoundPipe | None = None
-        # phase, overlap, and the steps in flight and lost: one object, not six flags
-        self._run = RunState()
-        self._real_zero_grad: dict[int, Callable[..., None]] = {}
+        self._session: Session | None = None
+        self._run = RunState()  # phase and overlap: one object, not flags
         self._zero_grad_wrappers: list[Any] = []  # LightningOptimizers (manual optimization)
-        self._user_impl: dict[int, list[dict[str, Any]]] = {}  # fused / foreach as built: saved
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
-        try:
-            # one process per node, data parallel over torch.distributed (no-ops in one process)
-            self._dp = D.DataParallel(
-                op=grad_reduce_op,
-                overlap=check_bool("overlap_grad_reduce", overlap_grad_reduce),
-                timeout=process_group_timeout,
-                shard_host_state=check_bool("shard_host_state", shard_host_state),
-            )
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"RoundPipeStrategy: {exc}") from None
+        #: a checkpoint's model state read before setup, applied once setup built the masters
+        self._deferred_model_state: tuple[Mapping[str, Any], bool] | None = None
+        # one process per node, data parallel over torch.distributed (no-ops in one process)
+        self._dp = self.settings.data_parallel(overlap=self.settings.overlap_grad_reduce)
 
     @property
     def async_step(self) -> bool:
         """Whether the optimizer step overlaps the next iteration: as given, or, for
         ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
-        if self._async_request is not None:
-            return self._async_request
-        return self.compute_devices[0].type != "cpu"
+        return self.settings.resolve_async_step(self.compute_devices)
 
-    # -- precision ---------------------------------------------------------------------------------
+    @property
+    def roundpipe(self) -> RoundPipe | AutoRoundPipe:
+        """The RoundPipe of the current run (after setup)."""
+        if self._session is None:
+            raise RuntimeError(
+                "RoundPipeStrategy has no RoundPipe yet; it is built when the Trainer runs"
+            )
+        return self._session.rp
+
+    # -- where it runs: one process per node drives the node's pool --------------------------
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        # model state, batches and losses live on the host; the pool is RoundPipe's business
+        return torch.device("cpu")
+
+    @property
+    def compute_devices(self) -> list[torch.device]:
+        """The devices of this process's RoundPipe pool (the Trainer's ``devices``)."""
+        return list(self.parallel_devices or [torch.device("cpu")])
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # one process per node: the node's whole pool consumes one shard
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank)
+            self.cluster_environment.set_world_size(self.num_nodes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def check_launch(self) -> ClusterEnvironment | None:
+        """The cluster environment, after checking that this process was started as one
+        process per node (the only layout a RoundPipe run has)."""
+        env, devices = self.cluster_environment, len(self.compute_devices)
+        check_one_process_per_node(_OWNER, "Trainer", env, self.world_size, self.num_nodes, devices)
+        return env
+
+    @override
+    def model_to_device(self) -> None:
+        return None  # parameters stay in host memory; RoundPipe uploads stages
+
+    @override
+    def reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        return all_reduce(tensor, group, reduce_op)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        D.barrier(timeout=self._dp.timeout)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return D.broadcast_object(obj, src)
+
+    # -- precision ---------------------------------------------------------------------------
     @property
     @override
     def precision_plugin(self) -> RoundPipePrecision:
@@ -261,25 +496,25 @@ class RoundPipeStrategy(CheckpointingStrategy):
         """The loss scaler of ``16-mixed`` (None otherwise)."""
         return self.precision_plugin.scaler
 
-    # -- setup ------------------------------------------------------------------------------------
+    # -- setup ---------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
-        # Fail on an unsupported configuration before anything starts.
+        # fail on an unsupported configuration before anything starts
         _ = self.precision_plugin
         env = self.check_launch()
         if self.world_size > 1:
             check_shardable(self._dp.shard_host_state, self._loss_scaler)
             self._dp.connect(env, self.world_size)
-        devices = check_pool_devices(self.compute_devices)
+        check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
-        self.accelerator.setup_device(devices[0])
+        self.accelerator.setup_device(self.compute_devices[0])
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        # Half-precision plugins cast the module here, before RoundPipe copies fp32 masters.
+        # half-precision plugins cast the module here, before RoundPipe copies fp32 masters
         self.model = self.precision_plugin.convert_module(self.model)
         self._build_roundpipe()
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -290,77 +525,51 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
             # refuse, with numbers, a run whose state cannot fit in host memory
             opts = [raw_optimizer(o) for o in self.optimizers]
+            rp, settings = self.roundpipe, self.settings
             budget = host_memory_budget(
-                self.roundpipe, opts, self.num_microbatch, self._dp, self.async_step
+                rp, opts, settings.num_microbatch, self._dp, self.async_step
             )
             available = available_host_memory()
             # as Lightning says its set-up facts ("GPU available: ..."): a few lines, the
             # whole budget table only at DEBUG (or from estimate_host_memory())
+            chosen = settings.async_step is not None
             rank_zero_info(
-                setup_summary(
-                    "RoundPipeStrategy",
-                    self.roundpipe,
-                    self.num_microbatch,
-                    self.async_step,
-                    self._async_request is not None,
-                )
+                setup_summary(_OWNER, rp, settings.num_microbatch, self.async_step, chosen)
             )
-            rank_zero_info(f"RoundPipeStrategy: {budget.summary(available)}")
+            rank_zero_info(f"{_OWNER}: {budget.summary(available)}")
             rank_zero_debug(f"RoundPipe host memory:\n{budget}")
             check_host_memory(budget, available)
             # every process starts from rank 0's weights; one gradient reducer per optimizer
-            self._dp.attach(self.roundpipe, self.optimizers, async_step=self.async_step)
+            self._dp.attach(rp, self.optimizers, async_step=self.async_step)
             sharded = self._dp.state_shards > 1  # clipping: the norm over every process's share
             self.precision_plugin.clip_norm_fn = self._dp.clip_grad_norm_ if sharded else None
         self.setup_precision_plugin()
-        self._load_deferred_model_state()  # a checkpoint read before setup (fit(ckpt_path=...))
+        # a checkpoint read before setup (fit(ckpt_path=...)): its model state, now
+        deferred, self._deferred_model_state = self._deferred_model_state, None
+        if deferred is not None:
+            self.load_model_state_dict(*deferred)
 
     def _build_roundpipe(self) -> None:
         lm = self.lightning_module
         assert lm is not None
         self._close_roundpipe()
-        seq, original = sequential_of(lm)
-        rp = build_roundpipe(
-            seq,
-            original,
-            name=type(lm).__name__,
-            devices=self.compute_devices,
-            model_run_config=self.model_run_config,
-            num_microbatch=self.num_microbatch,
-            recompute_grain=self.recompute_grain,
-            preserve_rng_state=self.preserve_rng_state,
-            optim_dtype=self.optim_dtype,
-            pin_model=self.pin_model,
-            async_step=self.async_step,
-            execute_plan=self.execute_plan,
-            loss_reduction=self.loss_reduction,
+        source = "configure_sequential() returned"
+        rp = self.settings.build_roundpipe(
+            sequential_of(lm), type(lm).__name__, self.compute_devices, source, _LOSS_HINT
         )
-        self._rp = rp
+        self._session = Session(self.settings, rp, lm, self._dp, self.async_step)
         self._run.open()
-        try:
-            if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to hook)
-                rp.loss_multiplier = self._loss_multiplier
-                if self.overlap_iterations:
-                    rp.forward_backward_hook = OverlappedForwardBackward(
-                        lambda: self._run.in_training_step and self._run.overlap,
-                        self._pipeline_failed,
-                    )
-        except BaseException:
-            self._close_roundpipe()
-            raise
+        if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to hook)
+            rp.loss_multiplier = self._loss_multiplier
+            if self.settings.overlap_iterations:
+                rp.forward_backward_hook = OverlappedForwardBackward(
+                    lambda: self._run.in_training_step and self._run.overlap,
+                    self._pipeline_failed,
+                )
         # Not a registered submodule (the module's state_dict keeps its own names); a value it
         # had under that name (``self.roundpipe = None``) comes back at teardown.
         self._previous_attr = lm.__dict__.get("roundpipe", _MISSING)
         object.__setattr__(lm, "roundpipe", rp)
-
-    @property
-    def roundpipe(self) -> RoundPipe | AutoRoundPipe:
-        """The RoundPipe of the current run (after setup)."""
-        if self._rp is None:
-            raise RuntimeError(
-                "RoundPipeStrategy has no RoundPipe yet; it is built when the Trainer runs"
-            )
-        return self._rp
 
     def _loss_multiplier(self) -> float:
         """Factor on each microbatch loss inside ``forward_backward``: ``1/k`` for
@@ -374,47 +583,55 @@ class RoundPipeStrategy(CheckpointingStrategy):
             factor /= trainer.accumulate_grad_batches
         return factor * self.precision_plugin.loss_scale()
 
-    # -- optimizers ---------------------------------------------------------------------------------
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        self._user_impl = {id(raw_optimizer(o)): user_impl_choice(o) for o in self.optimizers}
+        assert self._session is not None
         for opt in self.optimizers:
-            adopt_optimizer(raw_optimizer(opt), self.roundpipe, self._real_zero_grad)
-            if self.fuse_optimizer:
-                # on the masters (host, fp32)
-                fuse_optimizer(raw_optimizer(opt))
+            # Lightning zeroes the gradients *after* training_step in automatic optimization,
+            # which would wipe what forward_backward produced: the queued step clears them
+            self._session.adopt(raw_optimizer(opt))
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)  # (checks the state's shapes)
-        if self.fuse_optimizer:
-            # a checkpoint of an unfused run brings back fused=None with its param groups
-            for opt in self.optimizers:
-                fuse_optimizer(raw_optimizer(opt))
-
-    # -- training --------------------------------------------------------------------------------------
+    # -- training ------------------------------------------------------------------------------
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
         self._run.overlap = False
-        lm = self.lightning_module
-        if lm is not None and self._rp is not None and not lm.automatic_optimization:
-            # at train start: Lightning re-creates its LightningOptimizers after setup
-            self._zero_grad_wrappers += order_manual_zero_grad(lm, self._rp, self._real_zero_grad)
+        lm, session = self.lightning_module, self._session
+        if lm is None or session is None:
+            return
+        if not lm.automatic_optimization:
+            # at train start: Lightning re-creates its LightningOptimizers after setup. The
+            # user's opt.zero_grad() runs in order with the queued step, right after it
+            wrappers = lm.optimizers(use_pl_optimizer=True)
+            for wrapper in wrappers if isinstance(wrappers, list) else [wrappers]:
+                raw = raw_optimizer(wrapper)
+                real = session.real_zero_grad.get(id(raw))
+                if real is None:
+                    continue
+                ordered = functools.partial(self._zero_grad_in_order, real)
+                defer_zero_grad(raw, ordered)
+                if wrapper is not raw:
+                    defer_zero_grad(wrapper, ordered)
+                    self._zero_grad_wrappers.append(wrapper)
         self._check_optimizer_states()  # also state a hook loaded, before the first step
-        if not self.overlap_iterations or not isinstance(self._rp, RoundPipe) or lm is None:
+        rp = session.rp
+        if not self.settings.overlap_iterations or not isinstance(rp, RoundPipe):
             return  # (an AutoRoundPipe has no forward_backward to overlap)
         reason = overlap_blocker(
             lm.trainer,
             self.async_step,
             self.world_size,
             self._loss_scaler is not None,
-            self._rp.has_grad_hooks,
+            rp.has_grad_hooks,
         )
         if reason is not None and self.async_step:  # async_step=False: blocking by definition
-            rank_zero_info(f"RoundPipeStrategy(overlap_iterations=True) runs blocking: {reason}")
+            rank_zero_info(f"{_OWNER}(overlap_iterations=True) runs blocking: {reason}")
         self._run.overlap = reason is None
+
+    def _zero_grad_in_order(self, real: Callable[..., None], set_to_none: bool = True) -> None:
+        """A manual ``zero_grad``: after the queued step has read the gradients, never under it."""
+        self.roundpipe.after_step(functools.partial(real, set_to_none=set_to_none))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -422,8 +639,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
             try:
                 return super().training_step(*args, **kwargs)
             except BaseException:
-                if self._run.steps.step_failed:  # a queued step failed while this step ran
-                    self._pipeline_failed()
+                if self._session is not None and self._session.steps.step_failed:
+                    self._pipeline_failed()  # a queued step failed while this step ran
                 raise
 
     @override
@@ -432,8 +649,8 @@ class RoundPipeStrategy(CheckpointingStrategy):
     ) -> Tensor:
         """Backward through the precision plugin: a no-op for a ``forward_backward`` loss
         (already backpropagated), a normal backward for one built from ``self.roundpipe(x)``."""
-        if self._rp is not None:
-            check_loss_went_through(closure_loss, self._rp)
+        if self._session is not None:
+            check_loss_went_through(closure_loss, self._session.rp)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -448,12 +665,9 @@ class RoundPipeStrategy(CheckpointingStrategy):
         (reduce over processes, unscale, hooks, clipping), then hand ``optimizer.step()``
         to RoundPipe."""
         model = model or self.lightning_module
-        assert isinstance(model, pl.LightningModule)
+        assert isinstance(model, pl.LightningModule) and self._session is not None
         opt = raw_optimizer(optimizer)
-        rp = self.roundpipe
-
         overlap = self._run.overlap
-        steps = self._run.steps
 
         def closure_and_reduce() -> Any:
             # (several processes: the closure's backward starts all-reducing finished layers)
@@ -464,78 +678,49 @@ class RoundPipeStrategy(CheckpointingStrategy):
                 self._dp.reduce(opt)
                 self._sync_weights()
             # overlapped: the window may still run; the engine defers the step until its
-            # gradients are in, and clipping runs there (step_fn)
+            # gradients are in, and clipping runs there
             return result
 
         closure_result, do_update = self.precision_plugin.prepare_step(
             opt, model, closure_and_reduce, defer_clipping=overlap
         )
-        zero_grad = self._real_zero_grad.get(id(opt), opt.zero_grad)
-        # the hyperparameters of this step, before Lightning steps the LR schedulers
-        queued = QueuedStep(opt) if self.async_step and do_update else None
-
-        def step_params(params: Sequence[Tensor] | None = None) -> None:
-            try:
-                if params is None and overlap and do_update:
-                    RoundPipePrecision.clip_masters(opt, model)
-                if queued is not None:
-                    queued.run(params, **kwargs)
-                elif do_update:
-                    opt.step(**kwargs)
-            except BaseException:
-                steps.mark_failed()
-                raise
-
-        def finish() -> None:
-            try:
-                zero_grad(set_to_none=True)
-                self._dp.after_step(opt)  # sharded: all-gather the weights each process stepped
-            except BaseException:
-                steps.mark_failed()
-                raise
-            if do_update:
-                steps.applied()
-
-        if do_update:
-            mark_lr_scheduler_step_called(opt)
-            steps.queued()
-        if overlap and queued is not None and steps_in_parts(opt, model):
+        clip = functools.partial(RoundPipePrecision.clip_masters, opt, model)
+        self._session.queue_step(
+            opt,
+            kwargs,
+            update=do_update,
+            clip=clip if overlap and do_update else None,
             # the deepest layers step while the backward still runs on the first ones
-            rp.step_layerwise(step_params, finish)
-        else:
-            rp.step(in_order(step_params, finish), is_async=self.async_step)
+            layerwise=overlap and steps_in_parts(opt, model),
+        )
         return closure_result
 
-    # -- the weights users read are current ---------------------------------------------------------
+    # -- the weights users read are current ------------------------------------------------------
     def _sync_weights(self) -> None:
         """Finish the queued step and copy the masters into the module. A failed queued
         step is raised here; it was already counted by Lightning when it was queued, so
         the count is taken back (a checkpoint saved on the exception then records the
         global step its weights belong to)."""
-        if self._rp is None or not self._run.is_open:
+        if self._session is None or not self._run.is_open:
             return
         try:
-            self._rp.synchronize()
+            self._session.rp.synchronize()
         except BaseException:
-            self._take_back_lost_steps()  # synchronize() raises once nothing is in flight
+            self._session.steps.take_back()  # synchronize() raises once nothing is in flight
             raise
-
-    def _take_back_lost_steps(self) -> None:
-        """After a failure, with nothing in flight: the steps Lightning counted when they
-        were queued that never reached the weights are lost; a checkpoint written from
-        now on takes them back from its step count (``save_checkpoint``)."""
-        self._run.steps.take_back()
 
     def _pipeline_failed(self) -> None:
         """An overlapped iteration failed (raised by the next call or by its lazy loss):
         the steps deferred behind it are dropped. Wait until nothing is in flight, then
         take their counts back, before the error reaches Lightning's exception hooks."""
-        if self._rp is not None and self._run.is_open:
+        if self._session is None:
+            return
+        if self._run.is_open:
             try:
-                self._rp.synchronize()
+                self._session.rp.synchronize()
             except BaseException as exc:  # the failure being raised, or its consequence
                 log.debug("synchronize() after a pipelined failure raised: %r", exc)
-        self._take_back_lost_steps()
+        self._session.steps.take_back()
 
     @override
     def on_validation_start(self) -> None:
@@ -553,7 +738,133 @@ class RoundPipeStrategy(CheckpointingStrategy):
     def on_train_end(self) -> None:
         self._sync_weights()
 
-    # -- teardown --------------------------------------------------------------------------------------
+    # -- checkpoints -----------------------------------------------------------------------------
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Streaming, atomic saves and memory-mapped loads (:class:`StreamingCheckpointIO`)
+        unless a ``checkpoint_io`` was passed to the strategy or the Trainer's plugins."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = StreamingCheckpointIO()
+        elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
+            # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
+            self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    def _named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(LightningModule parameter name, model parameter, master) for every trainable parameter."""
+        return [] if self._session is None else self._session.named_masters()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._sync_weights()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        self._sync_weights()
+        full = functools.partial(super().optimizer_state, optimizer)
+        if self._session is None:
+            return full()
+        # the user's fused / foreach; sharded, each rank writes its own share (save_checkpoint)
+        return self._session.optimizer_state(raw_optimizer(optimizer), full)
+
+    def roundpipe_state_dict(self) -> dict[str, Any]:
+        """What the strategy adds to a checkpoint under ``checkpoint["roundpipe"]``
+        (:meth:`~roundpipe_lightning.session.Session.section`): master weights that
+        differ in dtype from the model's, the loss scaler, the layer timer and which
+        stages draw random numbers. The step is drained here and nothing updates the
+        (live) masters until the save returns."""
+        self._sync_weights()
+        assert self._session is not None
+        return self._session.section(self.optimizers, self._loss_scaler)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        session = self._session
+        if session is not None:
+            checkpoint[CHECKPOINT_KEY] = self.roundpipe_state_dict()
+
+            def user_groups(i: int, groups: list[dict[str, Any]]) -> None:
+                choice = session.user_impl.get(id(raw_optimizer(self.optimizers[i])))
+                restore_impl_choice({"param_groups": groups}, choice)
+
+            # shard_host_state: every rank writes its share of the optimizer state
+            named = session.masters_by_name()
+            save_host_shards(filepath, self.optimizers, self._dp, named, user_groups)
+        lm = self.lightning_module
+        if lm is not None and session is not None:
+            # steps Lightning counted when queued whose update failed: the weights saved
+            # here never received them (read after the weights were flushed above)
+            uncount_saved_steps(checkpoint, session.steps.lost, lm.automatic_optimization)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """``False``: Lightning reads ``fit(ckpt_path=...)``'s file before setup, with the
+        ``weights_only`` the user passed (its after-setup path drops it: ``Trainer._run``
+        calls ``_restore_modules_and_callbacks(ckpt_path)`` without it, so a trusted
+        checkpoint holding, say, a ``pathlib.Path`` could not be resumed). The model state
+        itself waits in :meth:`load_model_state_dict` until setup has built the RoundPipe
+        and its masters; optimizer and loop state are restored after setup as always."""
+        return False
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """Remove the checkpoint file and, for a sharded one, its ``.shards/`` directory
+        (``ModelCheckpoint(save_top_k=...)`` calls this for the checkpoints it drops).
+        Rank 0 removes both, as it wrote the file: the shards live on a file system
+        every node sees."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_shards(filepath)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._session is None:  # read before setup: the masters do not exist yet
+            self._deferred_model_state = (checkpoint, strict)
+            return
+        self._sync_weights()
+        section = checkpoint.get(CHECKPOINT_KEY)
+        # checked before anything is loaded, so a bad file leaves the model as it was
+        saved = self._session.read_section(section, strict)
+        super().load_model_state_dict(checkpoint, strict=strict)
+        self._session.load_masters(saved)
+        self._session.restore(section, self._loss_scaler)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        # a sharded optimizer state lives beside the file: remember where that is
+        self._loaded_checkpoint_path = checkpoint_path
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        check_lightning_checkpoint(checkpoint, checkpoint_path)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._sync_weights()
+        assert self._session is not None
+        path = getattr(self, "_loaded_checkpoint_path", None)
+        states = checkpoint["optimizer_states"]
+        named = self._session.masters_by_name()
+        load_optimizer_states(path, self.optimizers, states, self._dp, named)
+        self._check_optimizer_states()
+        self._session.fuse_again()
+
+    def _check_optimizer_states(self) -> None:
+        if self._session is not None:
+            self._session.check_optimizer_states([raw_optimizer(o) for o in self.optimizers])
+
+    # -- teardown --------------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._run.fail()
@@ -561,16 +872,12 @@ class RoundPipeStrategy(CheckpointingStrategy):
 
     def _close_roundpipe(self) -> None:
         """Finish the in-flight step, stop the worker threads, undo what setup installed."""
-        rp = self._rp
-        if rp is None or not self._run.is_open:
+        session = self._session
+        if session is None or not self._run.is_open:
             return
-        failed = self._run.close()
+        rp = session.rp
         try:
-            rp.close()
-        except BaseException as exc:
-            if not failed:
-                raise
-            log.debug("RoundPipe.close() after a failure raised: %r", exc)
+            session.close(failed=self._run.close())
         finally:
             if isinstance(rp, RoundPipe):
                 rp.loss_multiplier = None
@@ -589,23 +896,22 @@ class RoundPipeStrategy(CheckpointingStrategy):
             self._dp.detach()
             self._close_roundpipe()
         finally:
-            release_optimizers(self.optimizers, self._real_zero_grad, self._zero_grad_wrappers)
+            if self._session is not None:
+                self._session.release()
+                self._session.steps.reset()
+            for wrapper in self._zero_grad_wrappers:
+                restore_zero_grad(wrapper)
+            self._zero_grad_wrappers.clear()
             self._run.end()
             trainer = trainer_of(self.lightning_module)
             callbacks: list[Callback] = getattr(trainer, "callbacks", [])
             if self._flush_callback in callbacks:
                 callbacks.remove(self._flush_callback)
-            # ParallelStrategy.teardown: cluster environment, optimizers/model to CPU, plugins.
+            # ParallelStrategy.teardown: cluster environment, optimizers/model to CPU, plugins
             super().teardown()
-
-    # -- registry -------------------------------------------------------------------------------------
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="RoundPipe pipelined training"
-        )
 
 
 if RoundPipeStrategy.strategy_name not in StrategyRegistry:
-    RoundPipeStrategy.register_strategies(StrategyRegistry)
+    StrategyRegistry.register(
+        RoundPipeStrategy.strategy_name, RoundPipeStrategy, "RoundPipe pipelined training"
+    )

@@ -184,9 +184,10 @@ PLANTS: tuple[Plant, ...] = (
         name="strategy-drops-loss-reduction",
         defect="the Lightning strategy builds its RoundPipe without its loss_reduction "
         '(the engine\'s "sum": a batch-mean loss_fn is num_microbatch times too large)',
-        file="roundpipe_lightning/_setup.py",
-        old="            loss_reduction=loss_reduction,\n            shared_masters=shared_masters,\n",
-        new="            shared_masters=shared_masters,\n",
+        file="roundpipe_lightning/session.py",
+        old="                loss_reduction=self.loss_reduction,\n"
+        "                shared_masters=not self.resolve_async_step(devices),\n",
+        new="                shared_masters=not self.resolve_async_step(devices),\n",
         tests=(
             "tests/lightning/test_strategy_loss_reduction.py"
             "::test_mean_loss_matches_plain_lightning[3]",
@@ -196,9 +197,9 @@ PLANTS: tuple[Plant, ...] = (
         name="resume-masters-from-module",
         defect="loading a checkpoint restores the fp32 masters from the bf16 module "
         "instead of the saved masters: the resumed run is not the straight run",
-        file="roundpipe_lightning/_checkpointing.py",
-        old="                elif src is not None:\n                    m.copy_(src)\n",
-        new="                elif src is not None:\n                    m.copy_(p)\n",
+        file="roundpipe_lightning/session.py",
+        old="                elif name in saved:\n                    m.copy_(saved[name])\n",
+        new="                elif name in saved:\n                    m.copy_(p)\n",
         tests=(
             "tests/lightning/test_checkpoint.py"
             "::test_resume_is_identical_to_straight_run[bf16-true-sync]",

@@ -135,13 +135,13 @@ def test_an_async_step_is_accepted_with_sharding() -> None:
 
     for cls in (RoundPipeStrategy, RoundPipeFabricStrategy):
         assert cls(shard_host_state=True, async_step=True).async_step is True
-        assert cls(shard_host_state=True)._async_request is None  # None: the hardware's
+        assert cls(shard_host_state=True).settings.async_step is None  # None: the hardware's
         assert cls(shard_host_state=True, async_step=False).async_step is False
         assert cls(async_step=True).async_step is True  # unsharded: as asked
 
 
 def test_sixteen_mixed_is_refused_with_sharding() -> None:
-    from roundpipe_lightning._setup import check_shardable
+    from roundpipe_lightning.strategy import check_shardable
 
     with pytest.raises(ValueError, match="shard_host_state=True.*16-mixed.*bf16-mixed"):
         check_shardable(True, object())

@@ -141,7 +141,7 @@ def test_an_execute_plan_for_an_automatic_split_is_refused() -> None:
 
 def test_a_loss_reaching_a_units_parameter_outside_the_split_names_the_unit() -> None:
     from roundpipe_core.autosplit import auto_wrap
-    from roundpipe_lightning._setup import check_loss_went_through
+    from roundpipe_lightning.session import check_loss_went_through
 
     torch.manual_seed(0)
     net = ResMLP()

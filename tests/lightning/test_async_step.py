@@ -141,7 +141,7 @@ def _sgd_with_grad(lr: float = 0.1, **kw: Any) -> tuple[torch.nn.Parameter, torc
 
 
 def test_queued_step_runs_with_the_queued_hyperparameters_on_a_twin() -> None:
-    from roundpipe_lightning._step import QueuedStep
+    from roundpipe_lightning.session import QueuedStep
 
     p, opt = _sgd_with_grad(momentum=0.9)
     queued = QueuedStep(opt)
@@ -153,7 +153,7 @@ def test_queued_step_runs_with_the_queued_hyperparameters_on_a_twin() -> None:
 
 
 def test_queued_step_carries_back_what_the_step_rebinds() -> None:
-    from roundpipe_lightning._step import QueuedStep
+    from roundpipe_lightning.session import QueuedStep
 
     class Counting(torch.optim.SGD):
         calls = 0
@@ -173,7 +173,7 @@ def test_queued_step_carries_back_what_the_step_rebinds() -> None:
 def test_queued_step_binds_an_instance_method_step_to_the_twin() -> None:
     import types
 
-    from roundpipe_lightning._step import QueuedStep
+    from roundpipe_lightning.session import QueuedStep
 
     p, opt = _sgd_with_grad()
     seen_lr = []
@@ -191,7 +191,7 @@ def test_queued_step_binds_an_instance_method_step_to_the_twin() -> None:
 
 
 def test_queued_step_warns_when_a_wrapper_must_read_the_live_groups() -> None:
-    from roundpipe_lightning._step import QueuedStep
+    from roundpipe_lightning.session import QueuedStep
 
     p, opt = _sgd_with_grad()
     real = opt.step

@@ -58,7 +58,7 @@ def test_fused_trajectory_equals_unfused(name: str, async_step: bool) -> None:
 
 
 def test_no_fused_kernel_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="roundpipe_lightning._setup")
+    caplog.set_level(logging.INFO, logger="roundpipe_lightning.session")
     for _ in range(2):
         m = Built(lambda ps: torch.optim.RMSprop(ps, lr=1e-3))
         rp_trainer(max_steps=1).fit(m, loader())
@@ -68,7 +68,7 @@ def test_no_fused_kernel_is_logged_once(caplog: pytest.LogCaptureFixture) -> Non
 
 
 def test_explicit_choice_is_kept(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="roundpipe_lightning._setup")
+    caplog.set_level(logging.INFO, logger="roundpipe_lightning.session")
     m = Built(lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=False))
     rp_trainer(max_steps=1).fit(m, loader())
     assert all(g["fused"] is False for g in m.seen_groups)

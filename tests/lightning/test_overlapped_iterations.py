@@ -24,7 +24,8 @@ from rpl_helpers import (
 )
 from torch import nn
 
-from roundpipe_lightning._step import LazyLoss, QueuedStep
+from roundpipe_lightning._overlap import LazyLoss
+from roundpipe_lightning.session import QueuedStep
 
 ACC = 2
 STEPS = 10

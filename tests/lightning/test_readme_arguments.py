@@ -81,8 +81,8 @@ def test_every_num_microbatch_default_says_what_the_code_does() -> None:
     from roundpipe_core.planning import planner
     from roundpipe_core.running.host_memory import estimate_host_memory
     from roundpipe_core.verify import compare_plans
-    from roundpipe_lightning._arguments import check_num_microbatch
     from roundpipe_lightning.fabric import RoundPipeFabricStrategy
+    from roundpipe_lightning.session import check_num_microbatch
 
     for obj in (
         RoundPipeRunConfig,

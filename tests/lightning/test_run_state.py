@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from roundpipe_lightning._run_state import Phase, RunState, StepLedger
+from roundpipe_lightning.session import StepLedger
+from roundpipe_lightning.strategy import Phase, RunState
 
 pytestmark = pytest.mark.host_only
 

@@ -1,142 +1,26 @@
-"""An optimizer step queued on RoundPipe's optimizer thread, with the hyperparameters
-it was queued with.
-
-With ``async_step=True`` the strategy's ``optimizer_step`` returns before
-``optimizer.step()`` has run, and Lightning then steps the LR schedulers on the
-main thread. Reading ``param_groups`` on the optimizer thread would race with
-that write and pick up the *next* step's learning rate. So the param groups are
-copied when the step is queued, and the queued step runs on a *twin* of the
-optimizer: an instance of the same class that shares everything with the
-user's optimizer (state, hooks, defaults) except ``param_groups``, which is the
-copy. The user's object is not touched: its class and its groups stay its own,
-and the schedulers, ``LearningRateMonitor`` and checkpoints keep seeing the live
-groups. What the step writes into its groups or rebinds on the twin (step
-counters of some optimizers) is carried back afterwards.
-
-A ``step`` set on the instance is honoured: an LR scheduler's wrapper (it only
-marks the step as called, which the strategy does when the step is
-queued) gives way to the class's ``step``; a method bound to the optimizer is
-bound to the twin instead. Any other callable (user code wrapping the live
-optimizer's ``step``) cannot be moved to the twin: it runs on the user's
-optimizer with its live groups, with a warning that a scheduler's next value may
-be seen.
-"""
+"""Overlapped iterations of :class:`~roundpipe_lightning.RoundPipeStrategy`
+(``async_step=True, overlap_iterations=True``): ``training_step``'s ``forward_backward``
+is issued non-blocking through the engine's ``forward_backward_hook`` and returns a
+:class:`LazyLoss`; :func:`overlap_blocker` says why a run cannot overlap, and
+:func:`steps_in_parts` whether its queued step may run layer by layer."""
 
 from __future__ import annotations
 
 import collections
 import threading
-import types
-import warnings
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import Tensor
 from torch.optim import Optimizer
 
-from roundpipe_core.stepping.layerwise import step_subset, steps_elementwise
+from roundpipe_core.stepping.layerwise import steps_elementwise
 
-from ._private import is_lr_scheduler_step_wrapper, make_wrapper_tensor, op_is_mutable
+from ._private import make_wrapper_tensor, op_is_mutable
 
-__all__ = [
-    "QueuedStep",
-    "LazyLoss",
-    "OverlappedForwardBackward",
-    "overlap_blocker",
-    "in_order",
-    "steps_in_parts",
-]
-
-_MISSING = object()
-
-#: instance attributes a twin does not take over: its own groups, and the LR scheduler's
-#: per-instance ``step`` wrapper (bound to the user's object, it would step that one)
-_NOT_SHARED = ("param_groups", "step")
-
-
-#: optimizers already warned about an instance-level step that reads the live groups
-_WARNED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
-
-
-def _own_step(optimizer: Optimizer) -> Any:
-    """``step`` set on the instance, or None (the class's, or an LR scheduler's wrapper
-    that only marks the call)."""
-    own = vars(optimizer).get("step")
-    if own is None or is_lr_scheduler_step_wrapper(own):
-        return None
-    return own
-
-
-def _frozen(value: Any) -> Any:
-    # schedulers update tensor learning rates in place (``lr.fill_``)
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-class QueuedStep:
-    """``optimizer.step(**kwargs)`` with the hyperparameters the param groups hold now.
-
-    Create it on the main thread when the step is queued; call :meth:`run` on the
-    optimizer thread.
-    """
-
-    def __init__(self, optimizer: Optimizer) -> None:
-        self.optimizer = optimizer
-        live = optimizer.param_groups
-        self.hyper = [{k: _frozen(v) for k, v in g.items() if k != "params"} for g in live]
-        self.groups = [{**h, "params": g["params"]} for h, g in zip(self.hyper, live)]
-        self.live = list(live)
-
-    def _twin(self, own_step: types.MethodType | None) -> tuple[Optimizer, dict[str, Any]]:
-        """A same-class optimizer sharing the user's state and hooks, with this step's
-        groups (and ``own_step``, a method of the user's optimizer, bound to it); and
-        the attributes it started with (to see what the step rebinds)."""
-        opt = self.optimizer
-        shared = {k: v for k, v in vars(opt).items() if k not in _NOT_SHARED}
-        twin = object.__new__(type(opt))
-        vars(twin).update(shared)
-        vars(twin)["param_groups"] = self.groups
-        if own_step is not None:
-            vars(twin)["step"] = types.MethodType(own_step.__func__, twin)
-        return twin, shared
-
-    def run(self, params: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
-        """The step, over ``params`` only if given (a layer-wise step's part)."""
-        own = _own_step(self.optimizer)
-        bound = isinstance(own, types.MethodType) and own.__self__ is self.optimizer
-        if own is not None and not bound:
-            return self._run_live(params, **kwargs)
-        twin, before = self._twin(own)
-        out = twin.step(**kwargs) if params is None else step_subset(twin, params, **kwargs)
-        # attributes the step rebound on the twin (counters kept outside the groups)
-        target = vars(self.optimizer)
-        for key, value in vars(twin).items():
-            if key not in _NOT_SHARED and before.get(key, _MISSING) is not value:
-                target[key] = value
-        # entries the step wrote into its groups (step counters of some optimizers)
-        for h, g, live in zip(self.hyper, self.groups, self.live):
-            for key, value in g.items():
-                if key != "params" and (key not in h or h[key] is not value):
-                    live[key] = value
-        return out
-
-    def _run_live(self, params: Sequence[Tensor] | None, **kwargs: Any) -> Any:
-        """A user's ``step`` wrapper on the instance: it reads the live groups."""
-        opt = self.optimizer
-        if opt not in _WARNED:
-            _WARNED.add(opt)
-            warnings.warn(
-                f"{type(opt).__name__}.step was replaced on the instance; with "
-                "RoundPipeStrategy(async_step=True) it runs on the optimizer thread and reads "
-                "the live param_groups, so a hyperparameter an LR scheduler sets for the next "
-                "step may already be seen. Override step in a subclass instead.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return opt.step(**kwargs) if params is None else step_subset(opt, params, **kwargs)
+__all__ = ["LazyLoss", "OverlappedForwardBackward", "overlap_blocker", "steps_in_parts"]
 
 
 def steps_in_parts(optimizer: Optimizer, module: pl.LightningModule) -> bool:
@@ -149,16 +33,6 @@ def steps_in_parts(optimizer: Optimizer, module: pl.LightningModule) -> bool:
     ):
         return False
     return steps_elementwise(optimizer)
-
-
-def in_order(*fns: Callable[[], Any]) -> Callable[[], None]:
-    """One callable running ``fns`` one after the other."""
-
-    def run() -> None:
-        for fn in fns:
-            fn()
-
-    return run
 
 
 class LazyLoss(torch.Tensor):

@@ -1,0 +1,1044 @@
+"""A RoundPipe training session: what the Trainer strategy (:mod:`.strategy`) and the
+Fabric strategy (:mod:`.fabric`) both do, as Lightning's ``pytorch/strategies/fsdp.py``
+builds on ``fabric/strategies/fsdp.py``. The two strategies are thin adapters over it.
+
+* :class:`SessionSettings`: a strategy's RoundPipe arguments, validated once (a wrong
+  value is a ``TypeError`` / ``ValueError`` naming the argument and the fix).
+* The process topology: one process per node drives the node's whole device pool
+  (:func:`check_one_process_per_node`, :func:`check_pool_devices`); collectives go through
+  :mod:`roundpipe_core.distributed` (identities in one process).
+* :class:`Session`: one RoundPipe being trained -- its optimizers (pointed at the
+  masters, fused, their ``zero_grad`` handed to the step), the step queued on the
+  RoundPipe (:class:`QueuedStep`: with the hyperparameters of the moment it was queued;
+  :class:`StepLedger`: the steps counted and lost), and its checkpoint section (the
+  masters that differ in dtype from the weights, the loss scaler, the layer timer).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from typing import Any, TypedDict, TypeVar
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe_core import distributed as D
+from roundpipe_core.autosplit import auto_wrap
+from roundpipe_core.config import LOSS_REDUCTIONS
+from roundpipe_core.optim import check_state_matches, fastest_impl, use_fastest_
+from roundpipe_core.running.host_memory import (
+    HostMemoryBudget,
+    UnknownOptimizerError,
+    estimate_host_memory,
+)
+from roundpipe_core.stepping.layerwise import step_subset
+
+from ._private import (
+    defer_zero_grad,
+    is_lr_scheduler_step_wrapper,
+    mark_lr_scheduler_step_called,
+    restore_zero_grad,
+)
+from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section, restore_learned
+from .plans import resolve_execute_plan
+from .sharded_checkpoint import marker, sharded_masters
+
+__all__ = [
+    "SessionSettings",
+    "Session",
+    "QueuedStep",
+    "StepLedger",
+    "check_one_process_per_node",
+    "check_pool_devices",
+    "check_loss_went_through",
+    "network_of",
+    "op_name",
+    "setup_summary",
+]
+
+log = logging.getLogger(__name__)
+
+RP = RoundPipe | AutoRoundPipe
+
+# -- arguments ---------------------------------------------------------------------------------
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``torch.float32`` or a name ("float32", "torch.bfloat16", "bf16") -> dtype (YAML/CLI friendly)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+        raise ValueError(
+            f"optim_dtype={value!r} is not a floating dtype name; use e.g. 'float32', 'bfloat16' or 'float16'"
+        )
+    raise TypeError(
+        f"optim_dtype must be a torch.dtype, a dtype name or None, got {type(value).__name__}"
+    )
+
+
+def check_bool(name: str, value: Any, owner: str = "RoundPipeStrategy") -> bool:
+    """``value`` if it is a bool. No ``bool()`` coercion: ``"False"`` would become True.
+    ``owner`` (here and below) names the class whose argument it is, in the message."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{owner}({name}={value!r}): {name} must be True or False (a bool), got "
+            f"{type(value).__name__}; in YAML write true / false without quotes"
+        )
+    return value
+
+
+def check_choice(
+    name: str, value: Any, choices: tuple[Any, ...], owner: str = "RoundPipeStrategy"
+) -> Any:
+    """``value`` if it is one of ``choices`` (a clear TypeError / ValueError otherwise)."""
+    kinds = {type(c) for c in choices if c is not None}
+    if value is not None and not isinstance(value, tuple(kinds)):
+        raise TypeError(
+            f"{owner}({name}={value!r}): {name} must be one of {choices}, got "
+            f"{type(value).__name__}"
+        )
+    if value not in choices:
+        raise ValueError(f"{owner}({name}={value!r}): {name} must be one of {choices}")
+    return value
+
+
+def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | None:
+    """``value`` if it is None or an int >= 1."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(
+            f"{owner}(num_microbatch={value!r}): num_microbatch must be a positive int "
+            f"or None, got {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(
+            f"{owner}(num_microbatch={value!r}): num_microbatch must be >= 1 (or None "
+            "for the engine's default: devices + 1 on GPUs, 1 or one per worker on CPU "
+            "workers)"
+        )
+    return value
+
+
+def check_type(
+    name: str, value: Any, types: tuple[type, ...], accepted: str, owner: str = "RoundPipeStrategy"
+) -> None:
+    """A TypeError naming ``name`` unless ``value`` is None or one of ``types``."""
+    if value is not None and not isinstance(value, types):
+        raise TypeError(
+            f"{owner}({name}=...): {name} must be None or {accepted}, got {type(value).__name__}"
+        )
+
+
+def _prefixed(owner: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, its TypeError / ValueError prefixed with ``owner``."""
+    try:
+        return fn()
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{owner}: {exc}") from None
+
+
+class SettingsArguments(TypedDict, total=False):
+    """The RoundPipe keyword arguments of both strategies (documented on
+    :class:`~roundpipe_lightning.RoundPipeStrategy`; defaults: :class:`SessionSettings`)."""
+
+    loss_reduction: str
+    num_microbatch: int | None
+    execute_plan: ModelExecutePlan | str | dict | None
+    optim_dtype: torch.dtype | str | None
+    pin_model: str
+    async_step: bool | None
+    fuse_optimizer: bool
+    overlap_iterations: bool
+    recompute_grain: str | None
+    preserve_rng_state: bool
+    model_run_config: RoundPipeRunConfig | None
+    grad_reduce_op: str
+    overlap_grad_reduce: bool
+    process_group_timeout: float | timedelta | None
+    shard_host_state: bool
+
+
+#: the names of the arguments
+SETTINGS = frozenset(SettingsArguments.__annotations__)
+_BOOLS = "fuse_optimizer overlap_iterations preserve_rng_state overlap_grad_reduce shard_host_state"
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """The RoundPipe arguments of a strategy, validated once (:meth:`of`); the meanings
+    are documented on :class:`~roundpipe_lightning.RoundPipeStrategy`. ``owner`` names
+    the strategy in messages; ``async_step`` is as requested (``None``: follow the
+    hardware, :meth:`resolve_async_step`); ``process_group_timeout`` is resolved."""
+
+    owner: str
+    loss_reduction: str = "mean"
+    num_microbatch: int | None = None
+    execute_plan: ModelExecutePlan | str | Mapping[str, Any] | None = None
+    optim_dtype: torch.dtype | None = torch.float32
+    pin_model: str = "alloc"
+    async_step: bool | None = None
+    fuse_optimizer: bool = True
+    overlap_iterations: bool = True
+    recompute_grain: str | None = None
+    preserve_rng_state: bool = True
+    model_run_config: RoundPipeRunConfig | None = None
+    grad_reduce_op: str = "mean"
+    overlap_grad_reduce: bool = True
+    process_group_timeout: float | timedelta | None = None  # resolved by of(): a timedelta
+    shard_host_state: bool = False
+
+    @classmethod
+    def of(
+        cls, owner: str, arguments: Mapping[str, Any], fixed: Mapping[str, Any] = {}
+    ) -> SessionSettings:
+        """The settings of a strategy's keyword ``arguments`` (those of
+        :class:`SettingsArguments` but the ``fixed`` ones; a missing one takes its
+        default), each checked."""
+        unknown = sorted(set(arguments) - SETTINGS.difference(fixed))
+        if unknown:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+        defaults = {f.name: f.default for f in fields(cls) if f.name in SETTINGS}
+        a = {**defaults, **arguments, **fixed}
+        check_choice("loss_reduction", a["loss_reduction"], LOSS_REDUCTIONS, owner)
+        check_choice("pin_model", a["pin_model"], ("alloc", "register", "off"), owner)
+        check_choice("recompute_grain", a["recompute_grain"], ("stage", "layer", None), owner)
+        check_choice("grad_reduce_op", a["grad_reduce_op"], ("mean", "sum"), owner)
+        accepted = "a RoundPipeRunConfig"
+        check_type(
+            "model_run_config", a["model_run_config"], (RoundPipeRunConfig,), accepted, owner
+        )
+        accepted = "'auto', a ModelExecutePlan, a layout string or a dict of from_layout arguments"
+        check_type(
+            "execute_plan", a["execute_plan"], (ModelExecutePlan, str, Mapping), accepted, owner
+        )
+        check_num_microbatch(a["num_microbatch"], owner)
+        a["optim_dtype"] = _prefixed(owner, lambda: parse_dtype(a["optim_dtype"]))
+        if a["async_step"] is not None:  # (None follows the hardware)
+            check_bool("async_step", a["async_step"], owner)
+        for name in _BOOLS.split():
+            check_bool(name, a[name], owner)
+        timeout = a["process_group_timeout"]
+        a["process_group_timeout"] = _prefixed(owner, lambda: D.resolve_timeout(timeout))
+        return cls(owner=owner, **a)
+
+    def resolve_async_step(self, devices: Sequence[torch.device]) -> bool:
+        """Whether the optimizer step overlaps the next iteration: as given, or, for
+        ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
+        return self.async_step if self.async_step is not None else devices[0].type != "cpu"
+
+    def data_parallel(self, overlap: bool) -> D.DataParallel:
+        """The data parallel over processes of a session (no-ops in one process)."""
+        return _prefixed(
+            self.owner,
+            lambda: D.DataParallel(
+                op=self.grad_reduce_op,
+                overlap=overlap,
+                timeout=self.process_group_timeout,
+                shard_host_state=self.shard_host_state,
+            ),
+        )
+
+    def build_roundpipe(
+        self, module: nn.Module, name: str, devices: list[torch.device], source: str, hint: str
+    ) -> RoundPipe | AutoRoundPipe:
+        """The RoundPipe a strategy trains: ``module`` (:func:`network_of`: as it is, or a
+        preset's conversion) on a pool of ``devices`` (CPU workers or GPUs), with these
+        settings' run-config defaults and ``execute_plan`` set for ``forward_backward``.
+        ``source`` and ``hint`` word the messages ("configure_sequential() returned";
+        how to compute a loss without ``forward_backward``).
+
+        An ``nn.Sequential`` is wrapped as it is; any other module gets the automatic
+        split, as ``wrap_model_to_roundpipe(use_sequential_preset=False)`` does. A
+        synchronous step may update the weights in place, so with
+        ``async_step=False`` the parameters already in ``optim_dtype`` are their own
+        masters (no separate fp32 copy).
+        """
+        net, original = network_of(module, source)
+        cfg = self.model_run_config or RoundPipeRunConfig()
+        if self.num_microbatch is not None:
+            cfg = replace(cfg, num_microbatch=self.num_microbatch)
+        if self.recompute_grain is not None:
+            cfg = replace(cfg, recompute_grain=self.recompute_grain)
+        cfg = replace(cfg, preserve_rng_state=self.preserve_rng_state)
+        common: dict[str, Any] = dict(
+            optim_dtype=self.optim_dtype,
+            name=name,
+            model_run_config=cfg,
+            pin_model=self.pin_model,
+            devices=f"cpu:{len(devices)}" if devices[0].type == "cpu" else devices,
+        )
+        if isinstance(net, nn.Sequential):
+            rp: RoundPipe | AutoRoundPipe = RoundPipe(
+                net,
+                original_model=original,
+                loss_reduction=self.loss_reduction,
+                shared_masters=not self.resolve_async_step(devices),
+                **common,
+            )
+        else:
+            rp = self._split(net, common, source, hint)
+        if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to plan)
+            try:
+                plan = resolve_execute_plan(self.execute_plan, rp, "fused")
+                if plan is not None:
+                    rp.set_plan("fused", plan)
+            except BaseException:
+                rp.close()
+                raise
+        return rp
+
+    def _split(
+        self, net: nn.Module, common: dict[str, Any], source: str, hint: str
+    ) -> RoundPipe | AutoRoundPipe:
+        """The automatic split of a module that is no ``nn.Sequential``, said once: a chain
+        of children becomes a ``RoundPipe`` over them; anything else (skip connections,
+        several inputs) an ``AutoRoundPipe``, whose glue code runs on the host."""
+        rp = auto_wrap(net, **common)
+        kind = type(net).__name__
+        said = (
+            f"{source} a {kind}: not an nn.Sequential, and neither a preset nor the converter "
+            "by structure converts it (the log of roundpipe_core.presets says why), so RoundPipe splits it automatically (as wrap_model_to_roundpipe("
+            "use_sequential_preset=False) does): "
+        )
+        if not isinstance(rp, RoundPipe) and self.execute_plan is not None:
+            rp.close()
+            raise ValueError(
+                f"{self.owner}(execute_plan=...) plans an nn.Sequential; the {kind} ({source} it) "
+                "is split automatically into units (AutoRoundPipe), which have no such plan. Drop "
+                "execute_plan, or give an nn.Sequential."
+            )
+        if isinstance(rp, RoundPipe):
+            rp.loss_reduction = self.loss_reduction
+            rank_zero_info(said + f"a chain of {rp.num_layers} layers, pipelined as a Sequential.")
+            return rp
+        rank_zero_warn(
+            said
+            + f"AutoRoundPipe: {rp.summary()}; the code between the units runs on the host. It is slower than a Sequential and has no forward_backward: {hint}. "
+            "For full speed give an nn.Sequential of its layers, or "
+            f"register a preset: roundpipe_core.presets.register_preset({kind!r}, "
+            "lambda model: nn.Sequential(...)) (docs/add-a-preset.md)."
+        )
+        return rp
+
+
+_S = TypeVar("_S", bound=type)
+
+
+def expose_settings(cls: _S) -> _S:
+    """Class decorator: each :class:`SessionSettings` field the strategy does not define
+    itself is a read-only attribute of it (``strategy.num_microbatch``)."""
+    for f in fields(SessionSettings):
+        if f.name in SETTINGS and not hasattr(cls, f.name):
+            getter = functools.partial(lambda name, self: getattr(self.settings, name), f.name)
+            setattr(cls, f.name, property(getter, doc=f"The ``{f.name}`` setting."))
+    return cls
+
+
+def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
+    """``(network, original)`` of a module a strategy wraps: an ``nn.Sequential`` as it
+    is, a Hugging Face model a preset converts with that model as ``original``, any other
+    module as it is (split automatically). ``source`` starts the error message
+    ("configure_sequential() returned", "fabric.setup() got")."""
+    if isinstance(net, nn.Sequential):
+        if len(net) == 0:
+            raise ValueError(f"{source} an empty nn.Sequential; give it layers")
+        return net, None
+    from roundpipe_core.presets import convert_if_possible
+
+    # a preset, else the converter by structure (it logs why it refuses a model)
+    seq = convert_if_possible(net)
+    if seq is not None:
+        return seq, net
+    return net, None
+
+
+# -- the process topology: one process per node ------------------------------------------------
+def check_pool_devices(
+    devices: list[torch.device], owner: str = "RoundPipeStrategy", entry: str = "Trainer"
+) -> list[torch.device]:
+    """``devices`` if they are all CPU workers or all CUDA GPUs; a single CPU worker
+    gets a hint that nothing is pipelined and how to ask for more. ``entry`` is what
+    takes ``devices`` (Trainer, Fabric)."""
+    kinds = {d.type for d in devices}
+    if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
+        raise ValueError(
+            f"{owner} runs on CPU workers or CUDA GPUs, got devices {devices}; "
+            f"use {entry}(accelerator='cpu' or 'gpu', devices=N)"
+        )
+    if devices[0].type == "cpu" and len(devices) == 1:
+        # devices="auto" on CPU is one device: training works but nothing overlaps
+        log.warning(
+            f"{owner} runs on 1 CPU worker (what {entry}(devices='auto') gives on "
+            "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
+            f"{entry}(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
+            "machine's cores); RoundPipe used without Lightning takes devices=N or reads "
+            "ROUNDPIPE_CPU_DEVICES."
+        )
+    return devices
+
+
+def crowded_node(local_rank: int, processes: int, num_nodes: int) -> str | None:
+    """What shows that the launcher started more than one process on this node
+    (``torchrun --nproc-per-node 2``, ``srun --ntasks-per-node 2``, ``LOCAL_RANK=1``, more
+    processes than nodes), or None."""
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if local_world.isdigit() and int(local_world) > 1:
+        return f"LOCAL_WORLD_SIZE={local_world}"
+    if local_rank > 0:
+        return f"LOCAL_RANK={local_rank}"
+    if processes > num_nodes:
+        return f"{processes} processes (WORLD_SIZE) for num_nodes={num_nodes}"
+    return None
+
+
+def check_one_process_per_node(
+    owner: str, entry: str, env: Any, processes: int, num_nodes: int, devices: int
+) -> None:
+    """Refuse several processes on one node (each would claim all of the node's
+    ``devices``) and several nodes in a process no launcher started. ``entry`` is what
+    the user builds (``Trainer`` / ``Fabric``), ``env`` its cluster environment."""
+    crowded = crowded_node(env.local_rank() if env is not None else 0, processes, num_nodes)
+    if crowded is not None:
+        raise ValueError(
+            f"{owner} runs one process per node, and that process drives all of the node's "
+            f"devices ({entry}(devices={devices})); this process is one of several on its node "
+            f"({crowded}), so each would claim the same devices. Launch one process per node: "
+            "on one machine plain `python train.py` (no torchrun); on N machines `torchrun "
+            f"--nnodes N --nproc-per-node 1 train.py` with {entry}(num_nodes=N), or `srun "
+            "--ntasks-per-node=1`."
+        )
+    if num_nodes > 1 and (env is None or not env.creates_processes_externally):
+        raise ValueError(
+            f"{owner} with num_nodes={num_nodes} runs one process per node, started by a "
+            "launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
+            "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 "
+            "environment. This process was not started that way."
+        )
+
+
+def op_name(reduce_op: Any) -> str:
+    """Lightning's ``reduce_op`` ("mean", "avg", "sum", ``ReduceOp.SUM``, None) as the
+    op name of :func:`roundpipe_core.distributed.all_reduce`."""
+    if reduce_op is None:
+        return "sum"
+    name = reduce_op if isinstance(reduce_op, str) else str(getattr(reduce_op, "name", reduce_op))
+    name = name.lower().rsplit(".", 1)[-1]
+    return {"avg": "mean", "prod": "product"}.get(name, name)
+
+
+def all_reduce(tensor: Any, group: Any, reduce_op: Any) -> Any:
+    """A strategy's ``reduce`` / ``all_reduce``: tensors over the processes, anything else as it is."""
+    if not isinstance(tensor, Tensor):
+        return tensor
+    return D.all_reduce(tensor, op_name(reduce_op), group)
+
+
+# -- set-up --------------------------------------------------------------------------------------
+def setup_summary(
+    owner: str, rp: RP, num_microbatch: int | None, async_step: bool, chosen: bool
+) -> str:
+    """The one line a run's set-up says beside Lightning's own: the device pool, the plan
+    of ``forward_backward`` and its microbatches, and the step mode (``chosen``:
+    ``async_step`` was passed, else the hardware chose it)."""
+    workers = rp.pool.workers
+    n = len(workers)
+    if rp.pool.is_cuda:
+        pool = f"{n} GPU{'s' if n != 1 else ''} ({', '.join(str(w.device) for w in workers)})"
+    else:
+        pool = f"{n} CPU worker{'s' if n != 1 else ''}"
+    if isinstance(rp, RoundPipe):
+        m = rp.num_microbatch_for(num_microbatch)
+        layout = rp.plan_for("fused").to_layout_string()
+        plan = f'plan "{layout}", {m} microbatch{"es" if m != 1 else ""}'
+    else:
+        plan = f"{len(rp.units)} units split automatically"
+    step = "asynchronous (one step stale)" if async_step else "synchronous"
+    if not chosen:
+        step += " (async_step=None follows the hardware; pass True or False to choose)"
+    return f"{owner}: {pool}, {rp.num_layers} layers, {plan}; step {step}"
+
+
+#: parameter-sized states per parameter assumed for an optimizer the host-memory table
+#: does not know: Adam's two moments, more than most optimizers keep
+ASSUMED_OPTIMIZER_STATES = 2
+
+# reasons already logged: one line per optimizer class and reason, not one per run
+_SAID: set[tuple[str, str]] = set()
+
+
+def host_memory_budget(
+    rp: RP,
+    optimizers: list[Optimizer],
+    num_microbatch: int | None,
+    dp: D.DataParallel | None = None,
+    async_step: bool | None = None,
+) -> HostMemoryBudget:
+    """The host memory ``rp`` trained by ``optimizers`` needs (``dp``: the data-parallel
+    wrapper, whose sharding divides the state and adds its collectives' buffers;
+    ``async_step``: whether the step overlaps the next iteration, whose gradients then
+    arrive beside the step's). An optimizer whose state size is unknown (a third-party
+    class) does not stop training: the budget assumes Adam's two states per parameter
+    and says so once."""
+    shards = 1 if dp is None else dp.state_shards
+    buffers = 0 if dp is None else dp.kept_buffer_bytes(rp, optimizers)
+    common: dict[str, Any] = dict(
+        num_microbatch=num_microbatch, state_shards=shards, async_step=async_step
+    )
+    try:
+        return estimate_host_memory(rp, optimizer=optimizers, collective_buffers=buffers, **common)
+    except UnknownOptimizerError as exc:
+        names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
+        if ("budget", names) not in _SAID:
+            _SAID.add(("budget", names))
+            rank_zero_warn(
+                f"RoundPipe cannot tell how much state {names} keeps ({exc}); the host-memory "
+                f"budget assumes {ASSUMED_OPTIMIZER_STATES} parameter-sized tensors per parameter"
+            )
+        return estimate_host_memory(
+            rp,
+            optimizer_states=ASSUMED_OPTIMIZER_STATES,
+            collective_buffers=buffers,
+            **common,
+        )
+
+
+# -- optimizers ----------------------------------------------------------------------------------
+def point_at_masters(opt: Optimizer, rp: RP, build_hint: str = "self.parameters()") -> None:
+    """Replace the model parameters in ``opt``'s param groups by their master copies
+    (a frozen parameter stays; a shared master is the parameter itself). LBFGS is
+    refused: its ``step()`` re-evaluates the loss, which a queued step cannot."""
+    if isinstance(opt, torch.optim.LBFGS):
+        raise TypeError(
+            "LBFGS re-evaluates the loss inside optimizer.step(), which RoundPipe's (asynchronous) "
+            "step cannot do; choose another optimizer"
+        )
+    masters = {}
+    for p in rp.model.parameters():
+        m = rp.master_param(p)
+        if m is not None:
+            masters[id(p)] = m
+    adopted = 0
+    for group in opt.param_groups:
+        new, seen = [], set()
+        for p in group["params"]:
+            m = masters.get(id(p), p)
+            adopted += id(p) in masters  # a shared master is the parameter itself
+            if id(m) not in seen:
+                seen.add(id(m))
+                new.append(m)
+        group["params"] = new
+    if adopted == 0 and any(len(g["params"]) for g in opt.param_groups) and masters:
+        rank_zero_warn(
+            f"{type(opt).__name__} holds none of the parameters of configure_sequential()'s network; "
+            f"RoundPipe will not train it. Build it from {build_hint}."
+        )
+
+
+def _not_fused_reason(opt: Optimizer) -> str:
+    """Why :func:`roundpipe_core.optim.use_fastest_` left ``opt`` as it is (for the log)."""
+    torch_cls = next((c for c in type(opt).__mro__ if c.__module__.startswith("torch.optim")), None)
+    if torch_cls is None:
+        return "it is not a torch.optim optimizer"
+    try:
+        impl = fastest_impl(torch_cls.__name__)
+    except ValueError:
+        impl = "default"
+    if impl != "fused":
+        return f"torch has no fused CPU kernel for {torch_cls.__name__}"
+    if type(opt) is not torch_cls and type(opt).__module__ != "roundpipe_core.optim":
+        return f"it is a subclass of {torch_cls.__name__} that may rely on its own step()"
+    groups = opt.param_groups
+    if any(g.get("fused") is False or g.get("foreach") is not None for g in groups):
+        return "the optimizer was built with an explicit fused=/foreach= choice, which is kept"
+    if any(g.get("differentiable") or g.get("capturable") for g in groups):
+        return "it was built with differentiable=True or capturable=True"
+    return (
+        "some of its parameters are not floating-point dense tensors on a device with the "
+        "fused kernel"
+    )
+
+
+def fuse_optimizer(opt: Optimizer) -> bool:
+    """Switch ``opt`` in place to torch's fused CPU kernel when it has one and the user
+    left ``fused`` unset (:func:`roundpipe_core.optim.use_fastest_`); the object stays the
+    same, so LR schedulers built on it keep working. The update is the same arithmetic
+    (within fp32 rounding) and, on the host, several times faster than the per-tensor
+    loop torch picks for CPU tensors by default. When it cannot switch, it logs why once
+    per optimizer class and reason. Returns whether ``opt`` now runs fused."""
+    if any(g.get("fused") for g in opt.param_groups):
+        return True
+    # fused=False is a choice too (use_fastest_ only leaves fused=True / foreach= alone)
+    explicit = any(g.get("fused") is False for g in opt.param_groups)
+    if not explicit and use_fastest_(opt):
+        return True
+    reason = _not_fused_reason(opt)
+    key = (type(opt).__qualname__, reason)
+    if key not in _SAID:
+        _SAID.add(key)
+        rank_zero_info(f"RoundPipeStrategy runs {type(opt).__name__} unfused: {reason}")
+    return False
+
+
+#: the param-group keys that choose torch's implementation (fuse_optimizer may set them)
+IMPL_KEYS = ("fused", "foreach")
+
+
+def restore_impl_choice(state: dict[str, Any], choice: list[dict[str, Any]] | None) -> None:
+    """Put the user's ``fused`` / ``foreach`` back into an optimizer ``state_dict()``:
+    a checkpoint must not say ``fused=True`` because RoundPipe switched it on (plain
+    Lightning would then resume it fused)."""
+    groups = state.get("param_groups")
+    if choice is None or not isinstance(groups, list) or len(groups) != len(choice):
+        return
+    for group, own in zip(groups, choice):
+        for key in IMPL_KEYS:
+            if key in own:
+                group[key] = own[key]
+            else:
+                group.pop(key, None)
+
+
+# -- the loss --------------------------------------------------------------------------------------
+def reaches_params(loss: Tensor, params: set[int]) -> int | None:
+    """The id of one of ``params`` (by id) that ``loss``'s autograd graph accumulates
+    into, or None."""
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf tensor
+        if var is not None and id(var) in params:
+            return id(var)
+        stack.extend(f for f, _ in fn.next_functions)
+    return None
+
+
+_DIRECT_CALL = (
+    "the loss's autograd graph reaches the parameter {param!r} of the network "
+    "configure_sequential() returned, whose gradients never reach the master copies "
+    "the optimizer steps. Either the network was called directly (e.g. self.net(x) or "
+    "self.model(**batch).loss): call it through self.roundpipe instead -- "
+    "loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=...) or "
+    "out = self.roundpipe(x) -- or a term of the loss uses its weights (an L2 penalty "
+    "over self.parameters()): use the optimizer's weight_decay, or add the penalty's "
+    "gradient to the optimizer's parameters (the masters) in on_before_optimizer_step"
+)
+
+
+def check_loss_went_through(loss: Tensor, rp: RP, message: str = _DIRECT_CALL) -> None:
+    """Refuse a loss whose graph reaches the wrapped network's own parameters: the
+    network ran outside RoundPipe, its gradients would never reach the masters the
+    optimizer steps, and training would silently do nothing. ``message`` says what to
+    call instead (the Lightning strategy's by default; ``{param}`` is the parameter the
+    loss reaches)."""
+    names = {id(p): name for name, p in rp.model.named_parameters()}
+    if isinstance(rp, AutoRoundPipe):  # its glue code uses these on the host, legitimately
+        for _, p in rp.host_parameters:
+            names.pop(id(p), None)
+    reached = reaches_params(loss, set(names)) if loss.requires_grad else None
+    if reached is None:
+        return
+    text = message.replace("{param!r}", repr(names[reached]))
+    if isinstance(rp, AutoRoundPipe):
+        param = next(p for p in rp.model.parameters() if id(p) == reached)
+        unit = rp.unit_of(param)
+        if unit is not None:
+            # the model's own code cannot be the cause: AutoRoundPipe.forward finds the host
+            # code's uses of a unit's parameter and trains them (autosplit._HostReads)
+            text += (
+                f". (It is a parameter of the automatic split's unit {unit or '<root>'!r}; uses of "
+                "it by the model's own code inside self.roundpipe(...) are found and trained, so "
+                "this graph was built outside that call.)"
+            )
+    raise RuntimeError(text)
+
+
+# -- the step --------------------------------------------------------------------------------------
+class StepLedger:
+    """Optimizer steps in flight and lost, shared by the training and optimizer threads.
+
+    Lightning counts a step when ``optimizer_step`` returns; an asynchronous step reaches
+    the weights later, on the optimizer thread, or fails there. ``lost`` is what a
+    checkpoint written now must take back from Lightning's count.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._unapplied = 0
+        self._lost = 0
+        self._failed = False
+
+    def queued(self) -> None:
+        """A step was handed to the optimizer thread (training thread)."""
+        with self._lock:
+            self._unapplied += 1
+
+    def applied(self) -> None:
+        """A queued step reached the weights (optimizer thread)."""
+        with self._lock:
+            self._unapplied -= 1
+
+    def mark_failed(self) -> None:
+        """A queued step raised on the optimizer thread."""
+        with self._lock:
+            self._failed = True
+
+    @property
+    def step_failed(self) -> bool:
+        """Whether a queued step failed and was not yet taken back."""
+        with self._lock:
+            return self._failed
+
+    def take_back(self) -> int:
+        """After a failure, with nothing in flight: the steps still unapplied are lost.
+        Returns how many were lost now."""
+        with self._lock:
+            lost, self._unapplied, self._failed = self._unapplied, 0, False
+            self._lost += lost
+            return lost
+
+    @property
+    def lost(self) -> int:
+        """Steps Lightning counted that never reached the weights."""
+        with self._lock:
+            return self._lost
+
+    def reset(self) -> None:
+        with self._lock:
+            self._unapplied = self._lost = 0
+            self._failed = False
+
+
+_MISSING = object()
+
+#: instance attributes a twin does not take over: its own groups, and the LR scheduler's
+#: per-instance ``step`` wrapper (bound to the user's object, it would step that one)
+_NOT_SHARED = ("param_groups", "step")
+
+#: optimizers already warned about an instance-level step that reads the live groups
+_WARNED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+
+
+def _own_step(optimizer: Optimizer) -> Any:
+    """``step`` set on the instance, or None (the class's, or an LR scheduler's wrapper
+    that only marks the call)."""
+    own = vars(optimizer).get("step")
+    if own is None or is_lr_scheduler_step_wrapper(own):
+        return None
+    return own
+
+
+def _frozen(value: Any) -> Any:
+    # schedulers update tensor learning rates in place (``lr.fill_``)
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+class QueuedStep:
+    """``optimizer.step(**kwargs)`` with the hyperparameters the param groups hold now.
+
+    With ``async_step=True`` a strategy's step returns before ``optimizer.step()`` has
+    run, and an LR scheduler may then write the *next* step's values into the live param
+    groups. So the groups are copied when the step is queued (create this on the main
+    thread; call :meth:`run` on the optimizer thread), and the step runs on a *twin*: an
+    instance of the same class sharing everything with the user's optimizer (state,
+    hooks, defaults) except ``param_groups``. The user's object keeps its class and its
+    groups; what the step writes into its groups or rebinds on the twin (step counters)
+    is carried back. A ``step`` set on the instance is honoured: an LR scheduler's
+    wrapper gives way to the class's ``step``; a method bound to the optimizer is bound
+    to the twin; any other callable runs on the live optimizer, with a warning.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        live = optimizer.param_groups
+        self.hyper = [{k: _frozen(v) for k, v in g.items() if k != "params"} for g in live]
+        self.groups = [{**h, "params": g["params"]} for h, g in zip(self.hyper, live)]
+        self.live = list(live)
+
+    def _twin(self, own_step: types.MethodType | None) -> tuple[Optimizer, dict[str, Any]]:
+        """A same-class optimizer sharing the user's state and hooks, with this step's
+        groups (and ``own_step``, a method of the user's optimizer, bound to it); and
+        the attributes it started with (to see what the step rebinds)."""
+        opt = self.optimizer
+        shared = {k: v for k, v in vars(opt).items() if k not in _NOT_SHARED}
+        twin = object.__new__(type(opt))
+        vars(twin).update(shared)
+        vars(twin)["param_groups"] = self.groups
+        if own_step is not None:
+            vars(twin)["step"] = types.MethodType(own_step.__func__, twin)
+        return twin, shared
+
+    def run(self, params: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
+        """The step, over ``params`` only if given (a layer-wise step's part)."""
+        own = _own_step(self.optimizer)
+        bound = isinstance(own, types.MethodType) and own.__self__ is self.optimizer
+        if own is not None and not bound:
+            return self._run_live(params, **kwargs)
+        twin, before = self._twin(own)
+        out = twin.step(**kwargs) if params is None else step_subset(twin, params, **kwargs)
+        # attributes the step rebound on the twin (counters kept outside the groups)
+        target = vars(self.optimizer)
+        for key, value in vars(twin).items():
+            if key not in _NOT_SHARED and before.get(key, _MISSING) is not value:
+                target[key] = value
+        # entries the step wrote into its groups (step counters of some optimizers)
+        for h, g, live in zip(self.hyper, self.groups, self.live):
+            for key, value in g.items():
+                if key != "params" and (key not in h or h[key] is not value):
+                    live[key] = value
+        return out
+
+    def _run_live(self, params: Sequence[Tensor] | None, **kwargs: Any) -> Any:
+        """A user's ``step`` wrapper on the instance: it reads the live groups."""
+        opt = self.optimizer
+        if opt not in _WARNED:
+            _WARNED.add(opt)
+            warnings.warn(
+                f"{type(opt).__name__}.step was replaced on the instance; with "
+                "RoundPipeStrategy(async_step=True) it runs on the optimizer thread and reads "
+                "the live param_groups, so a hyperparameter an LR scheduler sets for the next "
+                "step may already be seen. Override step in a subclass instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return opt.step(**kwargs) if params is None else step_subset(opt, params, **kwargs)
+
+
+# -- one RoundPipe being trained -----------------------------------------------------------------
+class Session:
+    """One RoundPipe being trained (see the module docstring).
+
+    Args:
+        settings: the strategy's settings.
+        rp: the RoundPipe (from :meth:`SessionSettings.build_roundpipe`).
+        module: the module whose parameter names a checkpoint uses (the LightningModule,
+            or what was given to ``fabric.setup()``).
+        dp: its data parallel over processes (no-ops in one process).
+        async_step: whether its steps overlap the next iteration.
+    """
+
+    def __init__(
+        self,
+        settings: SessionSettings,
+        rp: RP,
+        module: nn.Module,
+        dp: D.DataParallel,
+        async_step: bool,
+    ) -> None:
+        self.settings, self.rp, self.module, self.dp = settings, rp, module, dp
+        self.async_step = async_step
+        self.optimizers: list[Optimizer] = []
+        #: per optimizer (by id): its own ``zero_grad``, which the queued step calls
+        self.real_zero_grad: dict[int, Callable[..., None]] = {}
+        #: per optimizer (by id): the ``fused`` / ``foreach`` the user built it with
+        self.user_impl: dict[int, list[dict[str, Any]]] = {}
+        self.steps = StepLedger()
+
+    # -- optimizers ----------------------------------------------------------------------------
+    def adopt(
+        self,
+        opt: Optimizer,
+        zero_grad: Callable[..., None] | None = None,
+        build_hint: str = "self.parameters()",
+    ) -> None:
+        """Point ``opt`` at the masters (refusing LBFGS), switch it to the fused kernel
+        (``fuse_optimizer``) and make ``zero_grad`` (default: a no-op) its ``zero_grad``:
+        clearing the masters' gradients while a queued step reads them would lose its
+        update, so the step calls the real one right after it (``real_zero_grad``)."""
+        self.user_impl[id(opt)] = [{k: g[k] for k in IMPL_KEYS if k in g} for g in opt.param_groups]
+        point_at_masters(opt, self.rp, build_hint)
+        if self.settings.fuse_optimizer:
+            fuse_optimizer(opt)  # on the masters (host, fp32)
+        if id(opt) not in self.real_zero_grad:
+            self.real_zero_grad[id(opt)] = defer_zero_grad(opt, zero_grad)
+        if all(o is not opt for o in self.optimizers):
+            self.optimizers.append(opt)
+
+    def fuse_again(self) -> None:
+        """After a load: a checkpoint of an unfused run brings back ``fused=None``."""
+        if self.settings.fuse_optimizer:
+            for opt in self.optimizers:
+                fuse_optimizer(opt)
+
+    def queue_step(
+        self,
+        opt: Optimizer,
+        kwargs: dict[str, Any],
+        update: bool = True,
+        clip: Callable[[], None] | None = None,
+        layerwise: bool = False,
+    ) -> None:
+        """Hand ``opt.step(**kwargs)`` (``update=False``: only the clearing, a skipped
+        step) to the RoundPipe: asynchronous with ``async_step``, with the
+        hyperparameters of now; ``clip`` runs first on the optimizer thread;
+        ``layerwise``: the deepest layers step while the backward still runs."""
+        steps, dp = self.steps, self.dp
+        # the hyperparameters of now, before an LR scheduler writes the next step's
+        queued = QueuedStep(opt) if self.async_step and update else None
+        zero_grad = self.real_zero_grad.get(id(opt), opt.zero_grad)
+
+        def update_params(params: Sequence[Tensor] | None = None) -> None:
+            try:
+                if params is None and clip is not None:
+                    clip()
+                if queued is not None:
+                    queued.run(params, **kwargs)
+                elif update:
+                    opt.step(**kwargs)
+            except BaseException:
+                steps.mark_failed()
+                raise
+
+        def finish() -> None:
+            try:
+                zero_grad(set_to_none=True)
+                dp.after_step(opt)  # sharded: all-gather the weights each process stepped
+            except BaseException:
+                steps.mark_failed()
+                raise
+            if update:
+                steps.applied()
+
+        def whole() -> None:
+            update_params()
+            finish()
+
+        if update:
+            mark_lr_scheduler_step_called(opt)
+            steps.queued()
+        if layerwise and queued is not None:
+            self.rp.step_layerwise(update_params, finish)
+        else:
+            self.rp.step(whole, is_async=self.async_step)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """(module parameter name, model parameter, master) of every trainable parameter."""
+        out = []
+        for name, p in self.module.named_parameters():
+            m = self.rp.master_param(p)
+            if m is not None:
+                out.append((name, p, m))
+        return out
+
+    def masters_by_name(self) -> dict[str, nn.Parameter]:
+        return {name: m for name, _, m in self.named_masters()}
+
+    def optimizer_state(self, opt: Optimizer, full: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """What a checkpoint holds of ``opt`` (call after the step in flight finished):
+        ``full()`` with the user's fused / foreach, or, sharded, the marker of the
+        shards each process writes."""
+        shard = self.dp.shard(opt)
+        if shard is not None:
+            return marker(shard.world_size)
+        state = full()
+        restore_impl_choice(state, self.user_impl.get(id(opt)))
+        return state
+
+    def section(self, optimizers: Sequence[Any], loss_scaler: Any = None) -> dict[str, Any]:
+        """What a checkpoint holds beyond the module's state dict (``checkpoint["roundpipe"]``;
+        call after the step in flight finished): the masters whose dtype differs from
+        their parameter's (fp32 masters of a half-precision model) -- the live tensors,
+        not copies; those of a sharded optimizer are in its shards instead --, the loss
+        scaler, the layer timer and which stages draw random numbers."""
+        in_shards = sharded_masters(self.dp, optimizers)
+        masters = {
+            name: m.detach()
+            for name, p, m in self.named_masters()
+            if m.dtype != p.dtype and id(m) not in in_shards
+        }
+        state: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "masters": masters}
+        if loss_scaler is not None:
+            state["loss_scaler"] = loss_scaler.state_dict()
+        if isinstance(self.rp, RoundPipe):  # an AutoRoundPipe's units time themselves
+            state["timer"] = self.rp.model_timer.state_dict()
+            state["draws"] = self.rp.pool.learned_draws(self.rp.layers)
+        return state
+
+    def read_section(self, section: Any, strict: bool) -> Mapping[str, Tensor]:
+        """The saved masters of a checkpoint's section, checked before anything is loaded."""
+        params = {name: p for name, p, _ in self.named_masters()}
+        return check_roundpipe_section(section, params, strict=strict)
+
+    def load_masters(self, saved: Mapping[str, Tensor], from_weights: bool = True) -> None:
+        """Each master becomes its saved value, else (``from_weights``, after the module's
+        weights were loaded) its weight, its gradient dropped; ``from_weights=False``
+        leaves the others as they are (restored from an optimizer's shards). Another
+        process's share is left to its shard (a shared master is the weight: loaded)."""
+        released = self.rp.masters.released
+        with torch.no_grad():
+            for name, p, m in self.named_masters():
+                if id(m) in released:
+                    pass
+                elif name in saved:
+                    m.copy_(saved[name])
+                elif from_weights and m is not p:
+                    m.copy_(p)
+                if from_weights:
+                    m.grad = None
+
+    def restore(self, section: Any, loss_scaler: Any = None) -> None:
+        """What the RoundPipe learned (layer timer, stages' draws) and the loss scaler."""
+        state = section or {}
+        if loss_scaler is not None and "loss_scaler" in state:
+            loss_scaler.load_state_dict(state["loss_scaler"])
+        if isinstance(self.rp, RoundPipe):
+            restore_learned(self.rp, state)
+
+    def check_optimizer_states(self, optimizers: Sequence[Optimizer]) -> None:
+        """Every per-parameter state tensor of ``optimizers`` has its parameter's shape
+        (torch's fused kernels do not check, and train to NaN or corrupt memory instead)."""
+        names = {id(m): name for name, _, m in self.named_masters()}
+        for opt in optimizers:
+            check_state_matches(opt, names)
+
+    # -- end -------------------------------------------------------------------------------------
+    def close(self, failed: bool = False) -> None:
+        """Finish what is in flight, stop the RoundPipe's threads (an error of a run that
+        had ``failed`` already is only logged) and give the optimizers their own
+        ``zero_grad`` back."""
+        try:
+            self.rp.close()
+        except BaseException as exc:
+            if not failed:
+                raise
+            log.debug("RoundPipe.close() after a failure raised: %r", exc)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give the optimizers their own ``zero_grad`` back."""
+        for opt in self.optimizers:
+            restore_zero_grad(opt)
+        self.real_zero_grad.clear()
+        self.optimizers.clear()
