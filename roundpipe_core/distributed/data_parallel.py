@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..running.heap import heap_retention_limited
+from ..running.host_memory import heap_retention_limited
 from .group import group_size, init_process_group, resolve_timeout
 from .reducer import (
     DEFAULT_BUCKET_BYTES,
@@ -37,7 +37,7 @@ def _say_heap_once() -> None:
             "shard_host_state=True: with glibc's default malloc a sharded rank keeps some of "
             "the gradients it drops every step in malloc's heaps (peak ~1.03x the host-memory "
             "budget, up to ~1.1x with bf16); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
-            "roundpipe_core.running.heap.limit_heap_retention(), for ~1.01x (slower steps "
+            "roundpipe_core.running.host_memory.limit_heap_retention(), for ~1.01x (slower steps "
             "on CPU workers: docs/multi-node.md)"
         )
 
@@ -98,7 +98,7 @@ class DataParallel:
             collectives' kept buffers (:meth:`kept_buffer_bytes`, sharded or not); with
             glibc's default ``malloc`` the peak is ~1.03x it (up to ~1.1x bf16), ~1.01x
             with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536`` or
-            :func:`~roundpipe_core.running.heap.limit_heap_retention`; said once at INFO
+            :func:`~roundpipe_core.running.host_memory.limit_heap_retention`; said once at INFO
             when it is not), which slows CPU workers' steps.
 
     The default group is gloo: everything the strategy communicates -- master
