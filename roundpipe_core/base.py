@@ -163,7 +163,7 @@ class RoundPipeBase(nn.Module):
         pin_handle = None
         if self.pool.is_cuda:
             # pinned host memory makes uploads asynchronous; "register" must be undone at close
-            pin_handle = memory.prepare_host_params(model, pin)
+            pin_handle = memory.pin_model(model, pin)
 
         self._shared_by_default = shared_masters is None
         if shared_masters is None:

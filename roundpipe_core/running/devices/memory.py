@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...kinds import PinMode, parse_kind
+
 __all__ = [
     "DEFAULT_SLAB_BYTES",
-    "PIN_MODES",
     "PinHandle",
-    "check_pin_mode",
     "cuda_available",
     "default_allocator_settings",
     "default_model_memory_limit",
@@ -50,12 +50,9 @@ __all__ = [
     "page_ranges",
     "page_size",
     "pin_model",
-    "prepare_host_params",
     "registered_ranges",
     "slab_sizes",
 ]
-
-PIN_MODES = ("alloc", "register", "off")
 
 #: Size of one pinned slab for ``pin_model="alloc"``: a power of two, so the
 #: pinned allocator does not round it up. Storages larger than a slab get a
@@ -124,21 +121,6 @@ def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
     expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
     per_stream = (2 + 2) * _MiB if expandable else (2 + 20) * _MiB
     return streams * per_stream
-
-
-def check_pin_mode(mode: str) -> str:
-    """Validate a ``pin_model`` value and return it.
-
-    Raises:
-        ValueError: if ``mode`` is not one of ``"alloc"``, ``"register"``, ``"off"``.
-    """
-    if not isinstance(mode, str) or mode not in PIN_MODES:
-        raise ValueError(
-            f"pin_model must be one of {PIN_MODES}, got {mode!r}: use 'alloc' (pinned copies, "
-            "fastest), 'register' (cudaHostRegister in place, less host memory) or 'off' "
-            "(pageable, e.g. for mmap-loaded weights)"
-        )
-    return mode
 
 
 # ---------------------------------------------------------------------------
@@ -469,7 +451,7 @@ def pin_model(
         ValueError: for an unknown mode.
         RuntimeError: if ``cudaHostRegister`` refuses the memory.
     """
-    check_pin_mode(mode)
+    mode = parse_kind(PinMode, mode, "pin_model")
     if enabled is None:
         enabled = cuda_available()
     if not enabled or mode == "off":
@@ -540,14 +522,3 @@ def default_model_memory_limit(
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     smallest = get_min_gpu_memory(devices)
     return None if smallest is None else int(smallest * fraction)
-
-
-def prepare_host_params(
-    module: nn.Module, mode: str = "alloc", enabled: bool | None = None
-) -> PinHandle:
-    """What ``RoundPipe.__init__`` calls on a CUDA pool: ``pin_model(module, mode)``.
-
-    Keep the returned handle and call ``release()`` on it when the RoundPipe is
-    closed (it unregisters "register"-ed memory; a no-op otherwise).
-    """
-    return pin_model(module, mode, enabled=enabled)
