@@ -32,7 +32,6 @@ CORE_LAYERS: list[tuple[str, set[str]]] = [
             "plan_choice",
             "autograd",
             "base",
-            "lifecycle",
             "model",
             "amp",
             "optim",
