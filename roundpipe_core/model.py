@@ -25,21 +25,16 @@ from torch import nn
 from . import batch as batching
 from .autograd import AutogradForward, PipelineOps
 from .base import OptimizerCtx, RoundPipeBase
+from .batch.tree import batch_extent
 from .checks import (
     ForwardRuleChecker,
     PlanFitChecker,
     check_inputs_need_no_grad,
     check_not_compiled_in_place,
 )
-from .config import (
-    RoundPipeRunConfig,
-    batch_extent,
-    check_loss_reduction,
-    check_run_config,
-    default_loss_fn,
-    microbatch_loss_weights,
-)
+from .config import RoundPipeRunConfig, check_run_config
 from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
+from .loss import check_loss_reduction, default_loss_fn, microbatch_loss_weights
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device

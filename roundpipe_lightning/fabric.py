@@ -48,7 +48,7 @@ from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
-from roundpipe_core.config import LOSS_REDUCTIONS
+from roundpipe_core.loss import LOSS_REDUCTIONS
 
 from ._fabric_processes import FabricProcesses
 from ._fabric_run import FabricRun

@@ -48,7 +48,7 @@ from typing_extensions import override
 
 from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
-from roundpipe_core.config import LOSS_REDUCTIONS
+from roundpipe_core.loss import LOSS_REDUCTIONS
 from roundpipe_core.running.host_memory import available_host_memory, check_host_memory
 
 from ._checkpointing import CheckpointingStrategy

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..autosplit import auto_wrap
-from ..config import batch_normalized
+from ..loss import batch_normalized
 from ..model import RoundPipe, RoundPipeRunConfig
 from ..running.devices.pool import DevicePool, resolve_devices
 from .common import CausalLMInputAdapter, DecoderBlock
@@ -209,7 +209,7 @@ def convert_if_possible(model: nn.Module) -> nn.Sequential | None:
 def model_output_loss(outputs: Any, labels: Any = None) -> torch.Tensor:
     """``loss_fn`` for ``forward_backward`` when the model computes its own loss (``labels=`` input).
 
-    Marked :func:`~roundpipe_core.config.batch_normalized`: with ``num_items_in_batch``
+    Marked :func:`~roundpipe_core.loss.batch_normalized`: with ``num_items_in_batch``
     counting the whole batch's tokens, each microbatch's ``.loss`` is already its share of
     Hugging Face's loss, so ``loss_reduction="sum"`` and ``"mean"`` both add them up to it.
 

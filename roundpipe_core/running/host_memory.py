@@ -29,7 +29,7 @@ worker stage copies       CPU workers only: what each worker holds beside the ho
                           where they are converted to the masters' dtype
 activations               stage-boundary activations kept for recompute (if given)
 mapped file pages         the file the weights are mapped from (a checkpoint read with
-                          ``mmap``), beyond the weights in it (:func:`mapped_file_bytes`)  
+                          ``mmap``), beyond the weights in it (:func:`mapped_file_bytes`)
 worker activations        CPU workers only: per worker, one microbatch's saved tensors of
                           the largest stage it runs with autograd (``layer_activation_bytes``)
 dequantized weights       CPU workers only: per worker, the largest 4-bit weight

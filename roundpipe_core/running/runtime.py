@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from ..batch import AutoSplitLeaf, auto_split_note, flatten
-from ..config import call_loss_fn
 from ..context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
 from ..kinds import JobKind, RecomputeGrain
+from ..loss import call_loss_fn
 from ..planning.schedule import Job
 from .activations import HostOutputs, input_and_grad_to_device
 from .devices.base import Worker

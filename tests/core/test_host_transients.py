@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe
-from roundpipe_core.running.host_memory import estimate_host_memory
-from roundpipe_core.running.host_memory import mapped_file_bytes
+from roundpipe_core.running.host_memory import estimate_host_memory, mapped_file_bytes
 
 W = 64
 PAGE = 4096
