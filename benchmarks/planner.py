@@ -70,8 +70,8 @@ from dataclasses import dataclass
 
 from roundpipe_core.planning.partition import min_max_partition
 from roundpipe_core.planning.plan import ModelExecutePlan
-from roundpipe_core.planning.planner import plan_cost, search_plans
 from roundpipe_core.planning.profile import LayerProfile
+from roundpipe_core.planning.search import plan_cost, search_plans
 from roundpipe_core.planning.simulate import (
     balanced_stages,
     makespan_ms,

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import batch as batching
 from .autograd import AutogradForward, PipelineOps
-from .base import OptimizerCtx, RoundPipeBase
+from .base import RoundPipeBase
 from .batch.tree import batch_extent
 from .checks import (
     ForwardRuleChecker,
@@ -50,14 +50,7 @@ from .stepping.pipelined import (
     to_output_device,
 )
 
-__all__ = [
-    "OptimizerCtx",
-    "RoundPipe",
-    "RoundPipeBase",
-    "RoundPipeRunConfig",
-    "batch_extent",
-    "default_loss_fn",
-]
+__all__ = ["RoundPipe"]
 
 
 class RoundPipe(RoundPipeBase, PlanChoice):

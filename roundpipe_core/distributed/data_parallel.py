@@ -12,14 +12,9 @@ from typing import Any
 import torch
 
 from ..running.host_memory import heap_retention_limited
+from .buckets import DEFAULT_BUCKET_BYTES, reduce_buffer_bytes
 from .group import group_size, init_process_group, resolve_timeout
-from .reducer import (
-    DEFAULT_BUCKET_BYTES,
-    REDUCE_OPS,
-    GradientAllReducer,
-    broadcast_masters,
-    reduce_buffer_bytes,
-)
+from .reducer import REDUCE_OPS, GradientAllReducer, broadcast_masters
 from .shard_io import load_shards, save_shard
 from .sharded import HostShard, ShardedGradientReducer, kept_buffer_bytes
 
@@ -253,7 +248,7 @@ class DataParallel:
         ``rp`` with ``optimizers`` (the host-memory budget's "collective buffers",
         ``estimate_host_memory(..., collective_buffers=...)``): each optimizer's gradient
         reduction keeps a ring of a few buckets' worth
-        (:func:`~.reducer.reduce_buffer_bytes`), sharded also the all-gather's buffer
+        (:func:`~.buckets.reduce_buffer_bytes`), sharded also the all-gather's buffer
         (:func:`~.sharded.kept_buffer_bytes`); 0 in one process. Computed without a
         collective, before or after :meth:`attach`."""
         if self.world_size == 1:

@@ -28,7 +28,6 @@ from .buckets import (
     _bucketize,
     _unique_params,
     copy_from_flat,
-    reduce_buffer_bytes,
 )
 from .group import (
     all_gather,
@@ -41,10 +40,7 @@ from .group import (
 )
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES",
-    "REDUCE_IN_FLIGHT",
     "GradientAllReducer",
-    "reduce_buffer_bytes",
     "sync_gradients",
     "broadcast_masters",
     "params_in_sync",

@@ -29,7 +29,7 @@ from .layout import (
     resolve_layout,
 )
 
-__all__ = ["AutoPlanner", "LayoutSpec", "ModelExecutePlan", "default_num_microbatch"]
+__all__ = ["AutoPlanner", "ModelExecutePlan", "default_num_microbatch"]
 
 
 def default_num_microbatch(num_devices: int, concurrent: bool = True, replicas: int = 1) -> int:

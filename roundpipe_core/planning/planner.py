@@ -21,37 +21,20 @@ from typing import Any, overload
 from ..kinds import RunType, parse_kind
 from .plan import ModelExecutePlan, default_num_microbatch
 from .profile import LayerProfile, profile_of
-from .search import (
-    OBJECTIVES,
-    PlanSearch,
-    pipeline_estimate,
-    plan_cost,
-    plan_objective,
-    search_plans,
-    simulated_iteration_ms,
-    stage_times,
-)
+from .search import search_plans, simulated_iteration_ms
 
 __all__ = [
     "DEFAULT_MEMORY_SHARE",
-    "OBJECTIVES",
     "SHARED_CORES_SLOWDOWN",
     "cpu_iteration_ms",
     "split_plan",
-    "PlanSearch",
     "auto",
-    "pipeline_estimate",
-    "plan_cost",
-    "plan_objective",
     "predicted_speedup",
     "ReplanDecision",
     "decide_replan",
     "fused_replicas",
     "most_fused_replicas",
     "replicable",
-    "search_plans",
-    "simulated_iteration_ms",
-    "stage_times",
 ]
 
 #: Share of the smallest device's memory that ``auto()`` plans with by default.
@@ -133,7 +116,7 @@ def auto(
     returns the minimum over all caps (see :func:`search_plans`). Minimised
     exactly, that cost favours a few huge stages, whose pipeline fill and drain it
     does not charge; so the default ``objective="pipeline"`` minimises the
-    round-robin iteration time of the stages instead (:func:`pipeline_estimate`,
+    round-robin iteration time of the stages instead (:func:`.search.pipeline_estimate`,
     exact for equal stages), and ``refine=True`` simulates the near-optimal
     candidates and keeps the fastest. ``upper_threshold`` only steers
     ``method="greedy"`` (the published planner's window of caps).

@@ -19,12 +19,8 @@ from torch import nn
 
 from roundpipe_core.running.devices import cuda as cuda_mod
 from roundpipe_core.running.devices import memory
-from roundpipe_core.running.devices.cuda import (
-    ChunkFeeder,
-    CUDAWorker,
-    discover_cuda_devices,
-    plan_chunks,
-)
+from roundpipe_core.running.devices.cuda import CUDAWorker, discover_cuda_devices
+from roundpipe_core.running.devices.feeder import ChunkFeeder, plan_chunks
 
 
 @pytest.fixture

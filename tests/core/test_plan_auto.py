@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.planning.planner import plan_cost
 from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.planning.schedule import build_schedule
+from roundpipe_core.planning.search import plan_cost
 from roundpipe_core.running.timer import ModelTimer
 from tests.core._util import assert_grads_match, reference_grads, sum_sq
 

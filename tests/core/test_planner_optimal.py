@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from roundpipe_core.planning.plan import ModelExecutePlan
-from roundpipe_core.planning.planner import (
+from roundpipe_core.planning.profile import LayerProfile
+from roundpipe_core.planning.search import (
     pipeline_estimate,
     plan_cost,
     plan_objective,
     search_plans,
 )
-from roundpipe_core.planning.profile import LayerProfile
 
 pytestmark = pytest.mark.host_only
 
@@ -308,7 +308,8 @@ def test_overlap_aware_plan_is_faster_in_the_overlapped_steady_state():
 
 
 def test_predicted_speedup_ranks_plans_by_simulation():
-    from roundpipe_core.planning.planner import predicted_speedup, simulated_iteration_ms
+    from roundpipe_core.planning.planner import predicted_speedup
+    from roundpipe_core.planning.search import simulated_iteration_ms
 
     fwd = [1.0] * 8
     prof = LayerProfile(fwd, [2.0] * 8)

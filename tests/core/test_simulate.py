@@ -7,9 +7,9 @@ import random
 import pytest
 
 from roundpipe_core.planning.plan import ModelExecutePlan
-from roundpipe_core.planning.planner import stage_times
 from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.planning.schedule import build_schedule
+from roundpipe_core.planning.search import stage_times
 from roundpipe_core.planning.simulate import balanced_stages, simulate, simulate_bound_stages
 
 pytestmark = pytest.mark.host_only
