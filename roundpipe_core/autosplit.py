@@ -64,7 +64,7 @@ from .base import RoundPipeBase
 from .batch.explain import leaf_paths
 from .batch.tree import Replicate, batch_size_of, flatten, split_sizes
 from .config import RoundPipeRunConfig, check_run_config
-from .kinds import PinMode
+from .kinds import PinMode, check_int
 from .model import RoundPipe
 from .running.carried import UntrainableStateError
 
@@ -182,14 +182,8 @@ def check_split_arguments(
     """The automatic split's arguments, each checked on its own (``auto_wrap``,
     ``AutoRoundPipe`` and ``wrap_model_to_roundpipe`` take the same ones); what needs
     the model (submodules, forwards of their own) :func:`split_rules` checks."""
-    if split_threshold is not None and (
-        isinstance(split_threshold, bool)
-        or not isinstance(split_threshold, int)
-        or split_threshold < 1
-    ):
-        raise ValueError(
-            f"split_threshold must be a positive int (parameters), got {split_threshold!r}"
-        )
+    if split_threshold is not None:
+        check_int(split_threshold, "split_threshold", why="parameters")
     _check_bytes("upper_threshold", upper_threshold, 1)
     _check_bytes("lower_threshold", lower_threshold, 0)
     if split_threshold is not None and upper_threshold is not None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .batch import check_run_specs
-from .kinds import RecomputeGrain, parse_kind
+from .kinds import RecomputeGrain, check_flag, check_int, parse_kind
 from .planning.plan import ModelExecutePlan
 
 __all__ = ["RoundPipeRunConfig", "check_run_config", "output_device"]
@@ -82,13 +82,10 @@ def check_run_config(cfg: object, name: str = "run_config") -> RoundPipeRunConfi
         raise TypeError(f"{name} must be a RoundPipeRunConfig, got {type(cfg).__name__}")
     if cfg.recompute_grain is not None:
         parse_kind(RecomputeGrain, cfg.recompute_grain, "recompute_grain")
-    n = cfg.num_microbatch
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise ValueError(f"num_microbatch must be a positive int, got {n!r}")
-    for field_name in ("requires_grad", "preserve_rng_state"):
-        v = getattr(cfg, field_name)
-        if v is not None and not isinstance(v, bool):
-            raise TypeError(f"{field_name} must be True, False or None, got {v!r}")
+    if cfg.num_microbatch is not None:
+        check_int(cfg.num_microbatch, "num_microbatch")
+    check_flag(cfg.requires_grad, "requires_grad", none="grad mode decides")
+    check_flag(cfg.preserve_rng_state, "preserve_rng_state", none="the model's, else True")
     check_run_specs(cfg.split_input, cfg.split_label, cfg.merge_output)
     if cfg.output_device is not None:
         output_device(cfg.output_device)

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
+from ..kinds import check_flag
 from ..running.host_memory import heap_retention_limited
 from .buckets import DEFAULT_BUCKET_BYTES, reduce_buffer_bytes
 from .group import group_size, init_process_group, resolve_timeout
-from .reducer import REDUCE_OPS, GradientAllReducer, broadcast_masters
+from .reducer import GradientAllReducer, broadcast_masters, check_reduce_arguments
 from .shard_io import load_shards, save_shard
 from .sharded import HostShard, ShardedGradientReducer, kept_buffer_bytes
 
@@ -109,12 +110,8 @@ class DataParallel:
         timeout: float | int | timedelta | None = None,
         shard_host_state: bool = False,
     ) -> None:
-        if not isinstance(shard_host_state, bool):
-            raise TypeError(f"shard_host_state must be True or False, got {shard_host_state!r}")
-        if op not in REDUCE_OPS:
-            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        check_flag(shard_host_state, "shard_host_state")
+        check_reduce_arguments(op, bucket_bytes)
         self.op = op
         self.overlap = bool(overlap)
         self.bucket_bytes = bucket_bytes
@@ -178,8 +175,7 @@ class DataParallel:
                 as Lightning's loop does). The optimizer state and the master gradients
                 are sharded either way.
         """
-        if not isinstance(async_step, bool):
-            raise TypeError(f"async_step must be True or False, got {async_step!r}")
+        check_flag(async_step, "async_step")
         self.detach()
         self._shards = {}
         self.publishes_versions = False

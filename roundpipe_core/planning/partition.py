@@ -13,6 +13,8 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 
+from ..kinds import check_int
+
 __all__ = ["Partitioner", "first_true", "min_max_partition", "prefix_sums", "with_slack"]
 
 
@@ -136,8 +138,7 @@ class Partitioner:
 def min_max_partition(costs: Sequence[float], num_stages: int) -> list[range]:
     """Contiguous partition of layers into at most ``num_stages`` stages minimising the
     largest stage cost, shallow to deep."""
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    check_int(num_stages, "num_stages")
     n = len(costs)
     if n == 0:
         return []

@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from ..kinds import RunType, parse_kind
+from ..kinds import RunType, check_flag, parse_kind
 from .baseline import BOUND_SCHEDULES, balanced_stages, simulate_bound_stages
 from .plan import ModelExecutePlan
 from .schedule import BACKWARD, FORWARD, FUSED, Job, build_schedule
@@ -140,8 +140,7 @@ def simulate(
         raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
     if not activation_ms >= 0:
         raise ValueError(f"activation_ms must be >= 0, got {activation_ms!r}")
-    if not isinstance(concurrent, bool):
-        raise TypeError(f"concurrent must be True or False, got {concurrent!r}")
+    check_flag(concurrent, "concurrent")
     rt = parse_kind(RunType, run_type, "run_type")
     plan.check_valid(n, rt, num_devices)
     if policy == "bound":

@@ -71,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kinds import check_flag, check_int
 from .carried import carried_tensors, logical_numel
 
 __all__ = [
@@ -790,22 +791,12 @@ def estimate_host_memory(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module or a RoundPipe, got {type(model).__name__}")
-    if optimizer_states is not None and (
-        not isinstance(optimizer_states, int)
-        or isinstance(optimizer_states, bool)
-        or optimizer_states < 0
-    ):
-        raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
-    if isinstance(state_shards, bool) or not isinstance(state_shards, int) or state_shards < 1:
-        raise ValueError(f"state_shards must be an int >= 1 (ranks), got {state_shards!r}")
-    if not isinstance(shared_masters, bool):
-        raise TypeError(f"shared_masters must be True or False, got {shared_masters!r}")
-    if async_step is not None and not isinstance(async_step, bool):
-        raise TypeError(f"async_step must be True, False or None, got {async_step!r}")
-    if not isinstance(activation_bytes_per_microbatch, int) or activation_bytes_per_microbatch < 0:
-        raise ValueError(
-            f"activation_bytes_per_microbatch must be an int >= 0 (bytes), got {activation_bytes_per_microbatch!r}"
-        )
+    if optimizer_states is not None:
+        check_int(optimizer_states, "optimizer_states", minimum=0)
+    check_int(state_shards, "state_shards", why="ranks")
+    check_flag(shared_masters, "shared_masters")
+    check_flag(async_step, "async_step", none="the masters decide")
+    check_int(activation_bytes_per_microbatch, "activation_bytes_per_microbatch", 0, "bytes")
     layer_acts = check_layer_bytes(layer_activation_bytes)
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
     if optimizer_states is not None:
