@@ -199,23 +199,13 @@ def optimizer_name(optimizer: Any) -> str:
 # the process beside the state (the process and training-code lines)
 # --------------------------------------------------------------------------------------
 # Its resident set now (the ``process`` line) and the code its first training step
-# will page in (the ``training code`` line).
-#
-# The kernels a training step runs -- autograd's backward functions, the optimizer's
-# element-wise updates, the collectives -- are file-backed pages of torch's libraries
-# (``libtorch_cpu.so``) that enter the resident set the first time they run. Measured
-# with CPU workers on torch 2.13 (``RssFile`` before the first step and after three):
-# 28.4 MiB for an fp32 MLP with shared masters, 31.9 MiB for a bf16 one with fp32
-# masters, 18.2 MiB for a tiny Llama (its preset's trace had run part of it already).
-# How much of the library a fault maps depends on the page cache: the kernel maps the
-# cached pages around a faulting one too, so the same two steps of an fp32 MLP grew
-# ``RssFile`` by 11.6 MiB where ``libtorch_cpu.so`` had partly left the cache and by
-# 35.4 MiB right after ``pip install`` wrote the whole file (a fresh environment, as CI's).
-# A budget made before the process's first step adds :data:`TRAINING_CODE_BYTES` for
-# them; once a step was queued they are in the resident set, so in ``process``. Clean
-# file pages the kernel may drop under pressure: they count in the peak RSS, not in
-# what :func:`check_host_memory` asks to allocate.
-#: what a process's first training step pages in of torch's code (see the module docstring)
+# will page in (the ``training code`` line): the kernels a step runs (autograd's backward,
+# the optimizer's updates, the collectives) are file-backed pages of ``libtorch_cpu.so``
+# that enter the resident set the first time they run -- 12-35 MiB on torch 2.13,
+# depending on the page cache (measured in docs/host-memory.md, "The whole process").
+# Clean file pages the kernel may drop: they count in the peak RSS, not in what
+# :func:`check_host_memory` asks to allocate.
+#: what a process's first training step pages in of torch's code (the allowance covers 35 MiB)
 TRAINING_CODE_BYTES = 40 * 2**20
 _stepped = False
 
@@ -244,26 +234,16 @@ def resident_bytes() -> int:
 # glibc's heap retention: what makes a sharded run's peak the predicted one
 # --------------------------------------------------------------------------------------
 # glibc serves allocations of at least its *mmap threshold* (128 KiB at first) with a
-# mapping of their own, returned to the system when freed. But after the first such
-# block is freed it raises the threshold to that block's size (up to 32 MiB): from then
-# on tensors that size come from its heaps and stay resident after ``free``, to be
-# reused only by allocations that fit the holes. A run that frees and re-makes large
-# tensors every step -- a sharded rank drops the gradients it sent -- keeps some of them:
-# the sharded collectives keep their flat buffers for that reason (a 25 MiB bucket made
-# and freed every step lifted the threshold above every gradient: 1.14-1.25x the
-# whole-process prediction with 2 and 4 ranks); with them kept, a sharded rank peaks at
-# 1.02-1.03x the prediction (fp32; a bf16 model up to 1.10x; ``benchmarks/sharded_memory.py``).
-#
-# :func:`limit_heap_retention` fixes the threshold (``mallopt(M_MMAP_THRESHOLD, ...)``,
-# what the ``MALLOC_MMAP_THRESHOLD_`` environment variable does at start-up): every
-# tensor of 64 KiB or more is its own mapping again, and a freed one leaves the
-# resident set (measured: 0.98-1.01x the prediction). The price is a page fault per
-# 4 KiB whenever such a tensor is made (the kernel hands out zeroed pages, and freeing
-# unmaps them): on CPU workers, whose every gradient and temporary is host memory, the
-# same benchmark's steps took 1.1-3x as long (1.5-2x also with a 1 or 4 MiB threshold). So
-# RoundPipe does not set it on its own: a memory-bound sharded run opts in, at launch
-# (``MALLOC_MMAP_THRESHOLD_=65536``) or with :func:`limit_heap_retention`, and
-# ``DataParallel(shard_host_state=True)`` says so once (INFO) when neither was done.
+# mapping of their own, returned when freed; but after the first such block is freed it
+# raises the threshold to that block's size (up to 32 MiB), and tensors that size then
+# come from heaps that stay resident after ``free``. A run that frees and re-makes large
+# tensors every step (a sharded rank drops the gradients it sent) so peaks above the
+# budget: the collectives keep their flat buffers for that reason, and
+# :func:`limit_heap_retention` fixes the threshold (what ``MALLOC_MMAP_THRESHOLD_`` does
+# at start-up) at the price of a page fault per 4 KiB of every large tensor made -- on
+# CPU workers 1.1-3x slower steps. So RoundPipe does not set it on its own: a
+# memory-bound sharded run opts in, and ``DataParallel(shard_host_state=True)`` says so
+# once (INFO). Measured: docs/multi-node.md (sharded host state, peak RSS).
 #: glibc's own variable: a run launched with it keeps its value
 HEAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 _M_MMAP_THRESHOLD = -3  # <malloc.h>
@@ -426,16 +406,6 @@ def fused_jobs_by_device(rp: Any, plan: Any, num_microbatch: int) -> list[list[A
     return jobs_by_device(jobs, rp.num_devices)
 
 
-def _autograd_jobs(rp: Any, plan: Any, num_microbatch: int) -> list[list[Any]]:
-    """Each device's fused and backward jobs of one "fused" call under ``plan`` (the
-    jobs that run with autograd; forward jobs of a training call save only their input)."""
-    from ..planning.schedule import FORWARD
-
-    return [
-        [j for j in q if j.kind != FORWARD] for q in fused_jobs_by_device(rp, plan, num_microbatch)
-    ]
-
-
 def check_layer_bytes(value: Sequence[float] | None) -> list[float] | None:
     """``value`` as a list of floats, or ``None``; ValueError unless byte counts >= 0."""
     if value is None:
@@ -459,14 +429,15 @@ def worker_activations(
     layer, the last layer's with the loss's transient: ``RoundPipe.layer_activation_bytes``)
     over the stages it runs with autograd. A stage runs its microbatches one after the
     other, so one microbatch's graph is alive at a time. 0 without ``layer_bytes``."""
+    from ..planning.schedule import FORWARD
+
     if not layer_bytes:
         return 0
     total = 0
-    for queue in _autograd_jobs(rp, plan, num_microbatch):
-        peak = 0.0
-        for job in queue:
-            peak = max(peak, sum(float(layer_bytes[k]) for k in job.layers))
-        total += int(peak)
+    for queue in fused_jobs_by_device(rp, plan, num_microbatch):
+        # forward jobs of a training call save only their input: autograd's are the others
+        sizes = [sum(float(layer_bytes[k]) for k in j.layers) for j in queue if j.kind != FORWARD]
+        total += int(max(sizes, default=0.0))
     return total
 
 
@@ -844,9 +815,7 @@ def estimate_host_memory(
     else:
         dtype = optim_dtype
         trainable = [p for p in params.values() if p.requires_grad]
-        itemsize = {
-            id(p): torch.empty((), dtype=dtype or p.dtype).element_size() for p in trainable
-        }
+        itemsize = {id(p): _dtype_size(dtype or p.dtype) for p in trainable}
         master_numel_bytes = sum(p.numel() * itemsize[id(p)] for p in trainable)
         # a parameter that is its own master (same dtype, on the host) adds nothing
         masters = sum(
