@@ -68,16 +68,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-from roundpipe_core.planning.partition import min_max_partition
+from bound_baseline import balanced_stages, simulate_bound, simulate_bound_stages
+
 from roundpipe_core.planning.plan import ModelExecutePlan
 from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.planning.search import plan_cost, search_plans
-from roundpipe_core.planning.simulate import (
-    balanced_stages,
-    makespan_ms,
-    simulate,
-    simulate_bound_stages,
-)
+from roundpipe_core.planning.simulate import simulate, simulated_iteration_ms
 
 GB = 1024**3
 
@@ -210,12 +206,12 @@ def broad_search(
             sides = [([], [])]
         else:
             ks = range(1, min(f, most) + 1)
-            fws = [p for p in (min_max_partition(f_ms[:f], k) for k in ks) if fits(p, fmem)]
-            bws = [p for p in (min_max_partition(back[:f], k) for k in ks) if fits(p, bmem)]
+            fws = [p for p in (balanced_stages(f_ms[:f], k) for k in ks) if fits(p, fmem)]
+            bws = [p for p in (balanced_stages(back[:f], k) for k in ks) if fits(p, bmem)]
             sides = [(a, b[::-1]) for a in fws for b in bws]
         for fw, bw in sides:
             plan = ModelExecutePlan(fw, [range(f, n)] + bw)
-            ms = makespan_ms(plan, f_ms, b_ms, devices, mbs, re_ms=r_ms)
+            ms = simulated_iteration_ms(plan, prof, "fused", devices, mbs)
             tried += 1
             if ms < best:
                 best, best_plan = ms, plan
@@ -247,9 +243,7 @@ def row(key: str, devices: int, mbs: int) -> dict:
     bound_gb = max(sum(with_grads[i] for i in r) for r in bound_stages) / GB
     bound_fits = bound_gb <= DEVICE_MEMORY_GB
     same_sched = "1f1b" if len(plan.bwd_plan) <= devices else "gpipe"
-    same = simulate(
-        plan, fwd, bwd, devices, mbs, re_ms=re, policy="bound", bound_schedule=same_sched
-    )
+    same = simulate_bound(plan, fwd, bwd, devices, mbs, re_ms=re, schedule=same_sched)
     # Critical path: microbatches pass the slowest stage one after another.
     times = stage_times(plan, prof)
     work = sum(times) * mbs

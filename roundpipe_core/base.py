@@ -35,6 +35,7 @@ from .planning.schedule import Job
 from .running.devices import memory
 from .running.devices.pool import DevicePool
 from .running.trace import SpanRecorder, chrome_trace, spans_from_roundpipe
+from .stepping.layerwise import GradCompletion
 from .stepping.masters import MasterWeights
 from .stepping.owner import StepOwner
 from .stepping.pipelined import GradBuffer
@@ -211,11 +212,15 @@ class RoundPipeBase(nn.Module):
         self._idle = IdleSteps(self.name)
         object.__setattr__(self, "_master_owner", master_owner)
         # the optimizer side (thread, weight versions, overlapped iterations): one owner
+        self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         self._steps = StepOwner(
-            self.name, layers, self.masters, intra_op_threads=self.pool.optimizer_threads()
+            self.name,
+            layers,
+            self.masters,
+            intra_op_threads=self.pool.optimizer_threads(),
+            grad_hooks=self._grad_hooks,
         )
         self._call_lock = threading.RLock()  # issues one call at a time
-        self._grad_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         # optimizer steps for last_trace(); a few are enough to cover the last call
         self._step_recorder = SpanRecorder(max_spans=8)
         self._closer = weakref.finalize(
@@ -363,37 +368,20 @@ class RoundPipeBase(nn.Module):
     def _grad_tracker(
         self, jobs: list[Job], buffer: GradBuffer | None = None
     ) -> Callable[[Job], None] | None:
-        """Count, per master, the gradient-producing jobs of a call; when a master's last
-        job is done, move its buffered gradient into ``.grad`` and report it to the hooks."""
+        """The gradient countdown of a ``forward()``'s backward (the one of the pipelined
+        calls, :class:`~roundpipe_core.stepping.layerwise.GradCompletion`): when a master's
+        last job is done, move its buffered gradient into ``.grad`` and report it to the
+        hooks, once the step in flight has read the previous gradients (on the optimizer
+        thread if need be: the worker goes on to its next job)."""
         if not self._grad_hooks:
             return None
-        owners: dict[int, list[nn.Parameter]] = {}
-        remaining: dict[int, int] = {}
-        for job in jobs:
-            if job.kind == "forward":
-                continue
-            seen = self._home().masters.of_layers([self.layers[i] for i in job.layers])
-            owners[job.index] = seen
-            for m in seen:
-                remaining[id(m)] = remaining.get(id(m), 0) + 1
-        lock = threading.Lock()
-        hooks, home = self._grad_hooks, self._home()
+        home, hooks = self._home(), self._grad_hooks
 
-        def done(job: Job) -> None:
-            final = []
-            with lock:
-                for m in owners.get(job.index, []):
-                    remaining[id(m)] -= 1
-                    if remaining[id(m)] == 0:
-                        final.append(m)
-            if final:
-                # merge and report once the step in flight has read the previous gradients,
-                # on the optimizer thread if need be: the worker goes on to its next job
-                home._steps.after_step(
-                    functools.partial(_merge_and_report, home, buffer, final, hooks)
-                )
+        def complete(final: list[nn.Parameter]) -> None:
+            home._steps.after_step(functools.partial(_merge_and_report, home, buffer, final, hooks))
 
-        return done
+        masters_of = lambda job: home.masters.of_layers([self.layers[i] for i in job.layers])  # noqa: E731
+        return GradCompletion(jobs, masters_of, on_complete=complete).job_done
 
     # -- optimizer step ---------------------------------------------------------------
     def step(
@@ -564,11 +552,10 @@ class RoundPipeBase(nn.Module):
         self._check_not_reentrant("wait_step()")
         self._steps.wait_step()
 
-    def _drain_runs(self, wait_publication: bool = True) -> None:
-        """Before a blocking call: wait for the pipelined runs and (``wait_publication``)
-        for the weights the model should hold now; their gradients stay buffered until
-        the next step."""
-        self._steps.drain(wait_publication)
+    def _drain_runs(self) -> None:
+        """Before a ``forward()``: wait for the pipelined runs and for the weights the
+        model should hold now; their gradients stay buffered until the next step."""
+        self._steps.drain()
         self._home().masters.take_back_grads()
 
     def synchronize(self) -> None:

@@ -28,7 +28,6 @@ from .base import RoundPipeBase
 from .batch.tree import batch_extent
 from .checks import (
     ForwardRuleChecker,
-    PlanFitChecker,
     check_inputs_need_no_grad,
     check_not_compiled_in_place,
 )
@@ -37,23 +36,22 @@ from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
 from .loss import check_loss_reduction, default_loss_fn, microbatch_loss_weights
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
+from .planning.planner import ReplanDecision
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .running.runtime import PipelineRun, run_queue
 from .running.timer import ModelTimer
-from .stepping.owner import PipelinedCall
 from .stepping.pipelined import (
     DeferredTimer,
     GradBuffer,
     PendingResult,
     RunFinisher,
-    assemble_result,
     to_output_device,
 )
 
 __all__ = ["RoundPipe"]
 
 
-class RoundPipe(RoundPipeBase, PlanChoice):
+class RoundPipe(RoundPipeBase):
     """Train or run an ``nn.Sequential`` whose state lives in host memory on a pool of devices.
 
     Args:
@@ -133,10 +131,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         self.loss_reduction = check_loss_reduction(loss_reduction)
         self.model_timer = ModelTimer(self.layers)
         self._rule_checker = ForwardRuleChecker(self.layers, self.pool.unreplayed_host_draws)
-        self._plan_fits = PlanFitChecker(self.layers)
         self._timer_lock = threading.Lock()
-        self._default_plans: dict[tuple[RunType, int], tuple[ModelExecutePlan, bool]] = {}
-        self._run_type_plans: dict[RunType, ModelExecutePlan] = {}
+        self.plans = PlanChoice(self)  # which plan each call runs
         self._seed_calls = 0  # pipelined calls so far: each gets its own random streams
         self.last_schedule: list[Job] = []
         self.last_job_times: list[tuple[Job, int, float]] = []
@@ -154,6 +150,78 @@ class RoundPipe(RoundPipeBase, PlanChoice):
     def __repr__(self) -> str:
         return f"RoundPipe(name={self.name!r}, layers={self.num_layers}, devices={self.pool!r})"
 
+    # -- plans (held by self.plans) ----------------------------------------------------------
+    def set_plan(self, run_type: RunType | str, plan: ModelExecutePlan | None) -> None:
+        """Use ``plan`` for the calls of ``run_type`` ("infer", "train", "fused") that do
+        not pass their own ``execute_plan``; ``None`` returns that run type to the model's
+        default plan.
+
+        Raises:
+            TypeError: ``plan`` is not a ``ModelExecutePlan``.
+            ValueError: ``run_type`` is unknown, or ``plan`` is not valid for this model,
+                run type and device pool.
+        """
+        self.plans.set_plan(run_type, plan)
+
+    def plan_for(
+        self, run_type: RunType | str, run_config: RoundPipeRunConfig | None = None
+    ) -> ModelExecutePlan:
+        """The plan a call of ``run_type`` with ``run_config`` runs.
+
+        Precedence: ``run_config.execute_plan``, then the plan given to ``set_plan``,
+        then ``model_run_config.execute_plan``, then ``default_plan``.
+        """
+        return self.plans.plan_for(run_type, run_config)
+
+    def num_microbatch_for(self, num_microbatch: int | None = None) -> int:
+        """Microbatches a call runs: ``num_microbatch`` if given, else the model's
+        ``model_run_config.num_microbatch``, else the default for this pool
+        (:func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
+        devices that compute at once; on CPU workers 1, or one per worker where their
+        one-stage plan may run as one job per worker at once)."""
+        return self.plans.num_microbatch_for(num_microbatch)
+
+    def default_plan(
+        self, run_type: RunType | str, num_microbatch: int | None = None
+    ) -> ModelExecutePlan:
+        """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
+
+        Planned from size-proportional estimates, then once more when the timer's averages
+        rest on ``PlanChoice.DEFAULT_REPLAN_AFTER`` (3) measured iterations (one noisy
+        measurement made identical models pick different plans); the new plan is taken
+        only if predicted ``PlanChoice.DEFAULT_REPLAN_MIN_GAIN`` (5 %) faster.
+        ``AutoReplan`` re-plans on demand.
+        """
+        return self.plans.default_plan(run_type, num_microbatch)
+
+    def replan(
+        self, run_type: RunType | str, min_gain: float | None = None, **auto_kwargs: Any
+    ) -> ReplanDecision:
+        """Plan ``run_type`` from the timer now and install the result for its calls
+        (``set_plan``): the planner's choice if predicted at least ``min_gain``
+        (default ``PlanChoice.DEFAULT_REPLAN_MIN_GAIN``, 5 %) faster than the plan in use,
+        else the plan in use (:func:`~roundpipe_core.planning.planner.decide_replan`, the
+        policy the default plan's own re-plan follows). ``auto_kwargs`` go to
+        ``ModelExecutePlan.auto``; their ``concurrent`` (default: the pool's) also
+        decides how the gain is simulated.
+
+        Returns:
+            The decision: old and candidate plan, predicted gain, whether it changed.
+        """
+        return self.plans.replan(run_type, min_gain, **auto_kwargs)
+
+    @property
+    def layer_activation_bytes(self) -> list[float] | None:
+        """Saved-activation bytes per layer for one microbatch of the first training call
+        (``None`` until measured), the last layer's with the loss's transient (see
+        ``measure_activation_bytes``); the planner counts them. Set it
+        (one number per layer) to give them without that measurement."""
+        return self.plans.fits.activation_bytes
+
+    @layer_activation_bytes.setter
+    def layer_activation_bytes(self, value: list[float] | None) -> None:
+        self.plans.set_activation_bytes(value)
+
     # -- call set-up -------------------------------------------------------------------------
     def _config(self, run_config: RoundPipeRunConfig | None) -> RoundPipeRunConfig:
         # every call, before compute: .compile() may be called on a layer after wrapping
@@ -163,7 +231,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         return check_run_config(run_config).merged_over(self.model_run_config)
 
     def _may_publish_in_background(self) -> bool:
-        # the blocking forward_backward gates its uploads per layer (StepOwner.blocking_call)
+        # every forward_backward waits per layer for the weights it reads (weight versions);
+        # forward() waits for the whole copy; a unit of an automatic split does not wait
         return self._master_owner is None
 
     def _split(self, cfg: RoundPipeRunConfig, args: tuple, kwargs: dict) -> batching.SplitInputs:
@@ -292,7 +361,7 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         with self._call_lock:
             split = self._split(cfg, args, kwargs)
             mbs = split.parts
-            plan = self._plan(roundpipe_run_config, run_type, cfg, split)
+            plan = self.plans.choose(roundpipe_run_config, run_type, cfg, split)
             if run_type == RunType.INFER:
                 run = self._new_run(cfg, plan, run_type, self._no_grads, auto_cut=split.auto_cut)
                 for i, mb in enumerate(mbs):
@@ -368,8 +437,8 @@ class RoundPipe(RoundPipeBase, PlanChoice):
             return_outputs: also return the merged outputs.
             run_config: per-call ``RoundPipeRunConfig``.
             blocking: ``None`` (default): ``True``, or what ``forward_backward_hook`` picks.
-                ``False`` queues the iteration on the devices and returns a
-                ``PendingResult`` at once. Each device starts on it as soon as it is done
+                Every call is issued the same way; ``True`` returns its
+                ``PendingResult``'s ``result()``, ``False`` the ``PendingResult`` at once. Each device starts on it as soon as it is done
                 with the previous iterations, so the next iteration's forward overlaps this
                 one's backward tail. A following ``step()`` is deferred until the
                 iteration's gradients are complete. Results, parameters and gradients are
@@ -418,7 +487,6 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         blocking: bool | None,
         loss_reduction: str | None = None,
     ) -> Any:
-        t0 = time.perf_counter()
         self._check_open("forward_backward()")
         self._check_param_hooks()
         blocking = True if blocking is None else blocking
@@ -440,60 +508,21 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         )
         cfg = self._config(run_config)
         factor = self._loss_factor()
-        args = tuple(input_args)
-        if not blocking:
-            return self._forward_backward_pipelined(
-                cfg,
-                run_config,
-                args,
-                input_kwargs,
-                label,
-                loss_fn,
-                return_outputs,
-                factor,
-                reduction,
-            )
-        # the weights the previous asynchronous step() left to copy into the model are
-        # waited for layer by layer below, as each upload needs them, not all at once here
-        self._drain_runs(wait_publication=False)
-        with self._call_lock:
-            split = self._split(cfg, args, input_kwargs)
-            mbs = split.parts
-            plan = self._plan(run_config, RunType.FUSED, cfg, split)
-            labels = self._split_label(cfg, label, split)
-            jobs = self._fused_schedule(plan, len(mbs))
-            # gradients wait in the call's buffer: a call that fails leaves .grad as it was
-            buffer = GradBuffer(self._home().masters.master_of, self.pool.cuda_workers == 0)
-            # uploads wait per layer for a step's weights still being copied; a failed
-            # copy or step that stopped them is raised as the cause
-            with self._steps.blocking_call([j.layers for j in jobs]) as gate:
-                run = self._new_run(
-                    cfg,
-                    plan,
-                    RunType.FUSED,
-                    buffer.add,
-                    loss_fn=loss_fn,
-                    labels=labels,
-                    return_outputs=return_outputs,
-                    grads_done=self._grad_tracker(jobs, buffer),
-                    loss_scale=factor,
-                    loss_weights=self._loss_weights(reduction, loss_fn, split),
-                    weights=gate[0] if gate else None,
-                    reader=gate[1] if gate else None,
-                    auto_cut=split.auto_cut,
-                )
-                for i, mb in enumerate(mbs):
-                    run.put_act(0, i, mb)
-                try:
-                    self._execute(run, jobs)
-                except BaseException:
-                    buffer.clear()
-                    raise
-            self._fold_grads(buffer)
-            self._record_call(t0, args, input_kwargs)
-            return assemble_result(cfg, run.losses, run.outputs, len(mbs), return_outputs)
+        pending = self._issue(
+            cfg,
+            run_config,
+            tuple(input_args),
+            input_kwargs,
+            label,
+            loss_fn,
+            return_outputs,
+            (factor, reduction),
+            blocking,
+        )
+        # a blocking call is the issued call's result: one body, one gate, one finisher
+        return pending.result() if blocking else pending
 
-    def _forward_backward_pipelined(
+    def _issue(
         self,
         cfg: RoundPipeRunConfig,
         run_config: RoundPipeRunConfig | None,
@@ -502,17 +531,21 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         label: Any,
         loss_fn: Callable[[Any, Any], Any],
         return_outputs: bool,
-        factor: float,
-        reduction: str,
+        scaling: tuple[float, str],
+        blocking: bool,
     ) -> PendingResult:
+        """Schedule and submit one ``forward_backward``; returns its handle at once.
+
+        Its uploads read the weight version the steps issued before it produce (waiting,
+        layer by layer, for the optimizer thread's copy of a step still being
+        published); its gradients wait in the call's own buffer until ``result()`` -- or
+        the step issued after it -- adds them to ``.grad``, so a call that fails leaves
+        ``.grad`` as it was. ``blocking``: the caller waits for this call alone, so the
+        replicas of one stage may share the cores (``StageScope``)."""
         if self._master_owner is not None:
             raise ValueError(
-                "blocking=False is not supported on a RoundPipe whose masters another one owns"
-            )
-        if self._grad_hooks:
-            raise ValueError(
-                "blocking=False does not support gradient hooks (register_grad_hook, e.g. data-parallel "
-                "overlap) yet; use blocking=True"
+                "forward_backward is not supported on a RoundPipe whose masters another one "
+                "owns (a unit of an automatic split): call the owner's forward"
             )
         steps = self._steps
         steps.check_failure()
@@ -520,71 +553,49 @@ class RoundPipe(RoundPipeBase, PlanChoice):
         t0 = time.perf_counter()
         with self._call_lock:
             split = self._split(cfg, args, kwargs)
-            plan = self._plan(run_config, RunType.FUSED, cfg, split)
+            plan = self.plans.choose(run_config, RunType.FUSED, cfg, split)
             labels = self._split_label(cfg, label, split)
+            factor, reduction = scaling
             weights = self._loss_weights(reduction, loss_fn, split)
-            with steps.pipelined_call() as call:
-                return self._issue_pipelined(
-                    call,
+            with steps.pipelined_call(blocking) as call:
+                # continue round-robin where the previous call stopped: the device that
+                # ran its last job is the last to become free, so this call starts elsewhere
+                jobs = self.plans.fused_schedule(plan, len(split.parts), call.start_device)
+                reader = call.reserve([j.layers for j in jobs], self.num_devices)
+                buffer = GradBuffer(self.masters.master_of, self.pool.cuda_workers == 0)
+                timer = DeferredTimer()
+                # which masters are complete as the backward goes: the layer-wise step
+                # and the gradient hooks read it
+                completion = call.completion(
+                    jobs, lambda job: self.masters.of_layers([self.layers[i] for i in job.layers])
+                )
+                run = self._new_run(
                     cfg,
                     plan,
-                    split,
-                    labels,
-                    loss_fn,
-                    return_outputs,
-                    (factor, weights),
-                    t0,
-                    args,
-                    kwargs,
+                    RunType.FUSED,
+                    buffer.add,
+                    timer=timer,
+                    loss_fn=loss_fn,
+                    labels=labels,
+                    return_outputs=return_outputs,
+                    loss_scale=factor,
+                    loss_weights=weights,
+                    weights=call.weights,
+                    reader=reader,
+                    auto_cut=split.auto_cut,
+                    grads_done=completion.job_done,
                 )
-
-    def _issue_pipelined(
-        self,
-        call: PipelinedCall,
-        cfg: RoundPipeRunConfig,
-        plan: ModelExecutePlan,
-        split: batching.SplitInputs,
-        labels: list,
-        loss_fn: Callable[[Any, Any], Any],
-        return_outputs: bool,
-        scaling: tuple[float, list[float] | None],
-        t0: float,
-        args: tuple,
-        kwargs: dict,
-    ) -> PendingResult:
-        """Schedule, submit and track one non-blocking call (under the call lock)."""
-        # continue round-robin where the previous call stopped: the device that ran its
-        # last job is the last to become free, so this call's first job goes elsewhere
-        jobs = self._fused_schedule(plan, len(split.parts), call.start_device)
-        reader = call.reserve([j.layers for j in jobs], self.num_devices)
-        buffer = GradBuffer(self.masters.master_of, self.pool.cuda_workers == 0)
-        timer = DeferredTimer()
-        # which masters are complete as the backward goes: a layer-wise step uses it
-        completion = call.completion(
-            jobs, lambda job: self.masters.of_layers([self.layers[i] for i in job.layers])
-        )
-        run = self._new_run(
-            cfg,
-            plan,
-            RunType.FUSED,
-            buffer.add,
-            timer=timer,
-            loss_fn=loss_fn,
-            labels=labels,
-            return_outputs=return_outputs,
-            loss_scale=scaling[0],
-            loss_weights=scaling[1],
-            weights=call.weights,
-            reader=reader,
-            auto_cut=split.auto_cut,
-            grads_done=completion.job_done,
-        )
-        for i, mb in enumerate(split.parts):
-            run.put_act(0, i, mb)
-        pending = call.pending(run, buffer, cfg, len(split.parts), return_outputs, completion)
-        futures = self.pool.submit(
-            jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
-        )
-        call.launch(pending)
-        pending.start(futures, RunFinisher(self, jobs, timer, t0, batch_extent(args, kwargs)))
-        return pending
+                run.caller_waits = blocking
+                for i, mb in enumerate(split.parts):
+                    run.put_act(0, i, mb)
+                pending = call.pending(
+                    run, buffer, cfg, len(split.parts), return_outputs, completion
+                )
+                futures = self.pool.submit(
+                    jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
+                )
+                call.launch(pending)
+                pending.start(
+                    futures, RunFinisher(self, jobs, timer, t0, batch_extent(args, kwargs))
+                )
+                return pending

@@ -1,10 +1,15 @@
-"""Which plan a call of a ``RoundPipe`` runs: the per-run-type plans set with
-``set_plan``, the model's configured plan, or the default plan that the planner
-makes and re-makes once measured timings have settled.
+"""Which plan a call of a ``RoundPipe`` runs: the planner's state for one model.
 
-A mixin of :class:`~roundpipe_core.model.RoundPipe` (kept apart so the model module
-stays about running calls); it reads the attributes declared below, which the
-RoundPipe sets up.
+The per-run-type plans set with ``set_plan``, the model's configured plan, or the
+default plan that the planner makes and re-makes once measured timings have settled;
+and the activation bytes the planner's memory cap counts. A ``RoundPipe`` holds one
+:class:`PlanChoice` (``rp.plans``) and its public plan methods (``set_plan``,
+``plan_for``, ``default_plan``, ``replan``, ``num_microbatch_for``,
+``layer_activation_bytes``) delegate here.
+
+It sits in the engine layer, not in ``planning/``: it reads the model's run
+configuration, device pool and timer, and the plan-fit checker, which the pure
+planning wing may not import.
 """
 
 from __future__ import annotations
@@ -19,225 +24,175 @@ from .planning.plan import ModelExecutePlan, default_num_microbatch
 from .planning.planner import ReplanDecision, decide_replan, fused_replicas, may_replicate
 from .planning.profile import profile_of
 from .planning.schedule import Job, build_schedule
-from .running.devices.pool import DevicePool
-from .running.timer import ModelTimer
 
 __all__ = ["PlanChoice"]
 
 
 class PlanChoice:
-    """Plan selection for a RoundPipe (see the module docstring)."""
+    """The plans of one RoundPipe ``model`` (see the module docstring).
+
+    It plans for ``model`` itself (``ModelExecutePlan.auto(run_type, model)`` reads its
+    layers, pool, timer and activation bytes) and reads ``model.model_run_config`` at
+    every call, so a run configuration assigned later counts.
+    """
 
     #: Measured iterations the timer's averages need before the default plan is re-planned.
     DEFAULT_REPLAN_AFTER = 3
     #: Predicted speed-up a re-planned default plan needs to replace the first one.
     DEFAULT_REPLAN_MIN_GAIN = 0.05
 
-    # set up by RoundPipe.__init__ / RoundPipeBase
-    model_run_config: RoundPipeRunConfig
-    model_timer: ModelTimer
-    pool: DevicePool
-    _plan_fits: PlanFitChecker
-    _default_plans: dict[tuple[RunType, int], tuple[ModelExecutePlan, bool]]
-    _run_type_plans: dict[RunType, ModelExecutePlan]
-
-    # RoundPipeBase's, which comes first in RoundPipe's bases
-    @property
-    def num_layers(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def num_devices(self) -> int:
-        raise NotImplementedError
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.fits = PlanFitChecker(model.layers)
+        # (run type, microbatches) -> (plan, made from settled timings)
+        self._defaults: dict[tuple[RunType, int], tuple[ModelExecutePlan, bool]] = {}
+        self._chosen: dict[RunType, ModelExecutePlan] = {}  # set_plan's
 
     def set_plan(self, run_type: RunType | str, plan: ModelExecutePlan | None) -> None:
-        """Use ``plan`` for the calls of ``run_type`` ("infer", "train", "fused") that do
-        not pass their own ``execute_plan``; ``None`` returns that run type to the model's
-        default plan.
-
-        Raises:
-            TypeError: ``plan`` is not a ``ModelExecutePlan``.
-            ValueError: ``run_type`` is unknown, or ``plan`` is not valid for this model,
-                run type and device pool.
-        """
+        """``RoundPipe.set_plan``."""
         rt = parse_kind(RunType, run_type, "run_type")
         if plan is None:
-            self._run_type_plans.pop(rt, None)
+            self._chosen.pop(rt, None)
             return
         if not isinstance(plan, ModelExecutePlan):
             raise TypeError(f"plan must be a ModelExecutePlan or None, got {type(plan).__name__}")
-        plan.check_valid(self.num_layers, rt, self.num_devices)
-        self._run_type_plans[rt] = plan
+        plan.check_valid(self.model.num_layers, rt, self.model.num_devices)
+        self._chosen[rt] = plan
 
     def plan_for(
-        self, run_type: RunType | str, run_config: RoundPipeRunConfig | None = None
+        self,
+        run_type: RunType | str,
+        run_config: RoundPipeRunConfig | None = None,
+        num_microbatch: int | None = None,
     ) -> ModelExecutePlan:
-        """The plan a call of ``run_type`` with ``run_config`` runs.
+        """``RoundPipe.plan_for``; ``num_microbatch``: the microbatches a default plan is
+        made for (default: the call's, else the model's)."""
+        rt = parse_kind(RunType, run_type, "run_type")
+        if run_config is not None and run_config.execute_plan is not None:
+            return run_config.execute_plan
+        plan = self._chosen.get(rt)
+        if plan is not None:
+            return plan
+        config = self.model.model_run_config
+        if config.execute_plan is not None:
+            return config.execute_plan
+        m = num_microbatch or (run_config.num_microbatch if run_config is not None else None)
+        return self.default_plan(rt, m or config.num_microbatch)
 
-        Precedence: ``run_config.execute_plan``, then the plan given to ``set_plan``,
-        then ``model_run_config.execute_plan``, then ``default_plan``.
-        """
-        return self._resolve_plan(parse_kind(RunType, run_type, "run_type"), run_config)
-
-    def _fused_schedule(
+    def fused_schedule(
         self, plan: ModelExecutePlan, num_microbatch: int, start_device: int = 0
     ) -> list[Job]:
         """The job list of a ``forward_backward`` call of ``plan``: its one stage as one
         job per CPU worker at once where the pool's workers compute side by side and the
         stage may be replicated (:func:`~roundpipe_core.planning.planner.fused_replicas`)."""
-        replicas = fused_replicas(self, plan, num_microbatch)
         return build_schedule(
             plan,
             RunType.FUSED,
-            self.num_devices,
+            self.model.num_devices,
             num_microbatch,
             start_device=start_device,
-            replicas=replicas,
+            replicas=fused_replicas(self.model, plan, num_microbatch),
         )
 
-    def _resolve_plan(
-        self,
-        run_type: RunType,
-        run_config: RoundPipeRunConfig | None,
-        num_microbatch: int | None = None,
-    ) -> ModelExecutePlan:
-        # the calls resolve plans here, not through plan_for: a subclass overriding
-        # plan_for cannot change which plan a call runs
-        if run_config is not None and run_config.execute_plan is not None:
-            return run_config.execute_plan
-        plan = self._run_type_plans.get(run_type)
-        if plan is not None:
-            return plan
-        if self.model_run_config.execute_plan is not None:
-            return self.model_run_config.execute_plan
-        m = num_microbatch or (run_config.num_microbatch if run_config is not None else None)
-        return self.default_plan(run_type, m or self.model_run_config.num_microbatch)
-
-    def _plan(
+    def choose(
         self,
         run_config: RoundPipeRunConfig | None,
         run_type: RunType,
         cfg: RoundPipeRunConfig,
         split: batching.SplitInputs,
     ) -> ModelExecutePlan:
-        """The call's plan; a default plan is made for the microbatches the batch gives
-        (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them).
+        """The plan a call runs; a default plan is made for the microbatches the batch
+        gives (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them).
         A plan the user chose is checked against the smallest device's memory."""
+        model = self.model
         n = len(split.parts)
         if run_type != RunType.INFER:
             # Before any plan is made: the automatic planner caps each stage for its
             # parameters, gradients and saved activations, so it needs the activations of
             # the first training call (measured once; only autograd stages save them).
             args, kwargs = split.parts[0]
-            known = self._plan_fits.activation_bytes is not None
-            self._plan_fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
-            if not known and self._plan_fits.activation_bytes is not None:
+            known = self.fits.activation_bytes is not None
+            self.fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
+            if not known and self.fits.activation_bytes is not None:
                 self._forget_training_plans()
         asked = self.num_microbatch_for(cfg.num_microbatch)
-        plan = self._resolve_plan(run_type, run_config, n if n < asked else None)
-        plan.check_valid(self.num_layers, run_type, self.num_devices)
+        plan = self.plan_for(run_type, run_config, n if n < asked else None)
+        plan.check_valid(model.num_layers, run_type, model.num_devices)
         manual = (
             (run_config is not None and run_config.execute_plan is not None)
-            or run_type in self._run_type_plans
-            or self.model_run_config.execute_plan is not None
+            or run_type in self._chosen
+            or model.model_run_config.execute_plan is not None
         )
         if manual:
-            self._plan_fits.check(
-                plan, run_type, lambda: profile_of(self), self.pool.memory_capacity
-            )
+            self.fits.check(plan, run_type, lambda: profile_of(model), model.pool.memory_capacity)
         return plan
 
-    @property
-    def layer_activation_bytes(self) -> list[float] | None:
-        """Saved-activation bytes per layer for one microbatch of the first training call
-        (``None`` until measured), the last layer's with the loss's transient (see
-        ``measure_activation_bytes``); the planner counts them. Set it
-        (one number per layer) to give them without that measurement."""
-        return self._plan_fits.activation_bytes
-
-    @layer_activation_bytes.setter
-    def layer_activation_bytes(self, value: list[float] | None) -> None:
-        self._plan_fits.set_activation_bytes(value)
+    def set_activation_bytes(self, value: list[float] | None) -> None:
+        """``RoundPipe.layer_activation_bytes = value``."""
+        self.fits.set_activation_bytes(value)
         self._forget_training_plans()
 
     def _forget_training_plans(self) -> None:
         """Drop the default training plans made without the activations known now."""
-        for key in [k for k in self._default_plans if k[0] != RunType.INFER]:
-            del self._default_plans[key]
+        for key in [k for k in self._defaults if k[0] != RunType.INFER]:
+            del self._defaults[key]
 
     def num_microbatch_for(self, num_microbatch: int | None = None) -> int:
-        """Microbatches a call runs: ``num_microbatch`` if given, else the model's
-        ``model_run_config.num_microbatch``, else the default for this pool
-        (:func:`~roundpipe_core.planning.plan.default_num_microbatch`: one per CPU worker
-        where their one-stage plan may run as one job per worker at once)."""
-        given = num_microbatch or self.model_run_config.num_microbatch
+        """``RoundPipe.num_microbatch_for``."""
+        given = num_microbatch or self.model.model_run_config.num_microbatch
         if given:
             return given
-        replicas = self.num_devices if may_replicate(self) else 1
-        return default_num_microbatch(self.num_devices, self.pool.concurrent, replicas)
+        n = self.model.num_devices
+        replicas = n if may_replicate(self.model) else 1
+        return default_num_microbatch(n, self.model.pool.concurrent, replicas)
 
     def default_plan(
         self, run_type: RunType | str, num_microbatch: int | None = None
     ) -> ModelExecutePlan:
-        """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
-
-        Planned from size-proportional estimates, then once more when the timer's averages
-        rest on ``DEFAULT_REPLAN_AFTER`` measured iterations (one noisy measurement made
-        identical models pick different plans); the new plan is taken only if predicted
-        ``DEFAULT_REPLAN_MIN_GAIN`` faster. ``AutoReplan`` re-plans on demand.
-        """
+        """``RoundPipe.default_plan``."""
+        model = self.model
         rt = parse_kind(RunType, run_type, "run_type")
         m = self.num_microbatch_for(num_microbatch)
-        settled = self.model_timer.measured_iterations() >= self.DEFAULT_REPLAN_AFTER
+        settled = model.model_timer.measured_iterations() >= self.DEFAULT_REPLAN_AFTER
         key = (rt, m)
-        cached = self._default_plans.get(key)
+        cached = self._defaults.get(key)
         if cached is not None and (cached[1] or not settled):
             return cached[0]
-        plan = ModelExecutePlan.auto(rt, self, num_microbatch=m)
+        plan = ModelExecutePlan.auto(rt, model, num_microbatch=m)
         assert isinstance(plan, ModelExecutePlan)  # one model in, one plan out
         if cached is not None:
-            old = cached[0]
             plan = decide_replan(
-                old,
+                cached[0],
                 plan,
-                self,
+                model,
                 rt,
-                self.num_devices,
+                model.num_devices,
                 m,
                 self.DEFAULT_REPLAN_MIN_GAIN,
-                concurrent=self.pool.concurrent,
+                concurrent=model.pool.concurrent,
             ).plan
-        self._default_plans[key] = (plan, settled)
+        self._defaults[key] = (plan, settled)
         return plan
 
     def replan(
         self, run_type: RunType | str, min_gain: float | None = None, **auto_kwargs: Any
     ) -> ReplanDecision:
-        """Plan ``run_type`` from the timer now and install the result for its calls
-        (``set_plan``): the planner's choice if predicted at least ``min_gain``
-        (default ``DEFAULT_REPLAN_MIN_GAIN``) faster than the plan in use, else the plan
-        in use (:func:`~roundpipe_core.planning.planner.decide_replan`, the policy the
-        default plan's own re-plan follows). ``auto_kwargs`` go to
-        ``ModelExecutePlan.auto``; their ``concurrent`` (default: the pool's) also
-        decides how the gain is simulated.
-
-        Returns:
-            The decision: old and candidate plan, predicted gain, whether it changed.
-        """
+        """``RoundPipe.replan``."""
+        model = self.model
         rt = parse_kind(RunType, run_type, "run_type")
         gain = self.DEFAULT_REPLAN_MIN_GAIN if min_gain is None else min_gain
         m = self.num_microbatch_for(auto_kwargs.get("num_microbatch"))
         concurrent = auto_kwargs.get("concurrent")
         if concurrent is None:
-            concurrent = self.pool.concurrent
+            concurrent = model.pool.concurrent
         old = self.plan_for(rt)
         candidate = ModelExecutePlan.auto(
-            rt, self, **{**auto_kwargs, "num_microbatch": m, "concurrent": concurrent}
+            rt, model, **{**auto_kwargs, "num_microbatch": m, "concurrent": concurrent}
         )
         assert isinstance(candidate, ModelExecutePlan)  # one model in, one plan out
         # the gain is simulated on the device model the candidate was planned for
         decision = decide_replan(
-            old, candidate, self, rt, self.num_devices, m, gain, concurrent=concurrent
+            old, candidate, model, rt, model.num_devices, m, gain, concurrent=concurrent
         )
         self.set_plan(rt, decision.plan)
         return decision

@@ -24,6 +24,7 @@ WINGS: dict[str, list[str]] = {
         "tests/core/test_serial_pool.py",
         "tests/core/test_schedule.py",
         "tests/core/test_simulate.py",
+        "tests/core/test_bound_baseline.py",
         "tests/core/test_async_sim.py",
         "tests/core/test_validation.py",
         "tests/core/test_timer*.py",

@@ -82,10 +82,6 @@ __all__ = [
 ]
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def partition_by_bytes(params: Sequence[torch.Tensor], world_size: int) -> list[int]:
     """The owner rank of each of ``params``: ``world_size`` contiguous runs balanced by
     bytes (whole tensors; a parameter goes to the rank whose share of the total bytes
@@ -95,11 +91,11 @@ def partition_by_bytes(params: Sequence[torch.Tensor], world_size: int) -> list[
         ValueError: ``world_size`` is not a positive int.
     """
     check_int(world_size, "world_size")
-    total = sum(_nbytes(p) for p in params)
+    total = sum(p.nbytes for p in params)
     owners: list[int] = []
     start = 0
     for p in params:
-        n = _nbytes(p)
+        n = p.nbytes
         mid = start + n / 2
         owners.append(min(world_size - 1, int(mid * world_size // total)) if total else 0)
         start += n
@@ -379,7 +375,7 @@ class HostShard:
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in ``optimizer.state`` (what sharding divides by N)."""
     return sum(
-        _nbytes(v)
+        v.nbytes
         for st in optimizer.state.values()
         for v in st.values()
         if isinstance(v, torch.Tensor)

@@ -5,9 +5,10 @@
 * ``schedule``: the job list of one iteration (the data the runtime executes and the
   simulator times);
 * ``profile``: per-layer costs and memory read from a timer;
-* ``partition`` / ``search`` / ``baseline``: stage partitions and the search over them;
-* ``simulate`` / ``simresult``: the event simulator of a job list;
-* ``planner``: :meth:`ModelExecutePlan.auto`.
+* ``partition`` / ``search``: stage partitions and the search over them;
+* ``simulate``: the event simulator of a job list, and the planner's one iteration-time
+  estimate (``simulated_iteration_ms``);
+* ``planner``: :meth:`ModelExecutePlan.auto` and the re-plan policy.
 
 Imports point down to :mod:`roundpipe_core.kinds` only (``tests/core/test_layering.py``).
 """

@@ -1,7 +1,7 @@
 """Contiguous partitions of layers under a stage-time cap and a stage-memory cap.
 
-The planner and the simulator's weight-bound baseline both cut a row of layers
-into contiguous stages; the helpers here are the one implementation they share.
+The planner's search cuts a row of layers into contiguous stages (so does the
+weight-bound baseline of ``benchmarks/bound_baseline.py``, with the same packer).
 Packing greedily from the deepest layer is optimal for a fixed cap (a stage
 that takes as many layers as fit never forces an extra stage later), so the
 fewest stages under a cap is one pass of binary searches over prefix sums.
@@ -13,9 +13,7 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 
-from ..kinds import check_int
-
-__all__ = ["Partitioner", "first_true", "min_max_partition", "prefix_sums", "with_slack"]
+__all__ = ["Partitioner", "first_true", "prefix_sums", "with_slack"]
 
 
 def prefix_sums(xs: Sequence[float]) -> list[float]:
@@ -133,15 +131,3 @@ class Partitioner:
             return []
         best = self.smallest_cap(n, self.count(n, cap, mem_cap), cap, mem_cap)
         return self.pack(n, min(best, cap), mem_cap)
-
-
-def min_max_partition(costs: Sequence[float], num_stages: int) -> list[range]:
-    """Contiguous partition of layers into at most ``num_stages`` stages minimising the
-    largest stage cost, shallow to deep."""
-    check_int(num_stages, "num_stages")
-    n = len(costs)
-    if n == 0:
-        return []
-    part = Partitioner(costs)
-    everything = part.cost_prefix[n]  # one stage of every layer always fits
-    return list(reversed(part.pack(n, part.smallest_cap(n, num_stages, everything))))

@@ -16,73 +16,33 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 from ..kinds import RunType, check_flag, check_int, parse_kind
 from .plan import ModelExecutePlan, default_num_microbatch
 from .profile import LayerProfile, profile_of
-from .search import search_plans, simulated_iteration_ms
+from .search import search_plans
+from .simulate import simulated_iteration_ms
 
 __all__ = [
     "DEFAULT_MEMORY_SHARE",
-    "SHARED_CORES_SLOWDOWN",
-    "cpu_iteration_ms",
-    "split_plan",
-    "auto",
-    "predicted_speedup",
     "ReplanDecision",
+    "auto",
     "decide_replan",
     "fused_replicas",
+    "may_replicate",
     "most_fused_replicas",
+    "predicted_speedup",
     "replicable",
+    "split_plan",
 ]
 
 #: Share of the smallest device's memory that ``auto()`` plans with by default.
 DEFAULT_MEMORY_SHARE = 0.6
-#: What a stage costs on a CPU worker computing beside another (``pool.cpu_overlap``),
-#: with half of the cores as intra-op threads, relative to the same stage alone on all
-#: of them: measured on a 2-core host, forward + backward of 16 x Linear(1024) on 64
-#: rows (0.105 s a pass on 1 thread beside another, 0.070 s alone on 2).
-SHARED_CORES_SLOWDOWN = 1.5
 _GB = 1024**3
 
 
 # -- auto() -----------------------------------------------------------------------------
-
-
-@overload
-def auto(
-    run_type: RunType | str,
-    model: Any,
-    /,
-    *,
-    min_stages: int | None = ...,
-    upper_threshold: float = ...,
-    model_memory_limit: float | None = ...,
-    method: str = ...,
-    objective: str = ...,
-    num_microbatch: int | None = ...,
-    refine: bool = ...,
-    overlap_iterations: bool = ...,
-) -> ModelExecutePlan: ...
-
-
-@overload
-def auto(
-    run_type: RunType | str,
-    model: Any,
-    other: Any,
-    /,
-    *models: Any,
-    min_stages: int | None = ...,
-    upper_threshold: float = ...,
-    model_memory_limit: float | None = ...,
-    method: str = ...,
-    objective: str = ...,
-    num_microbatch: int | None = ...,
-    refine: bool = ...,
-    overlap_iterations: bool = ...,
-) -> list[ModelExecutePlan]: ...
 
 
 def auto(
@@ -98,7 +58,8 @@ def auto(
     overlap_iterations: bool = False,
     concurrent: bool | None = None,
 ) -> ModelExecutePlan | list[ModelExecutePlan]:
-    """Plan stages from measured layer times (``ModelExecutePlan.auto``).
+    """Plan stages from measured layer times (``ModelExecutePlan.auto``, whose overloads
+    type the one-model and several-model forms).
 
     Stages should be even (the slowest sets the pace) and there should be enough
     of them to keep every device busy. Forward stages cost the layers' forward
@@ -113,11 +74,13 @@ def auto(
     The published planner minimises ``max(total stages, min_stages) x slowest
     stage`` (``objective="stages"``) greedily, trying only stage caps between the
     slowest layer and ``upper_threshold`` times that. Here ``method="exact"``
-    returns the minimum over all caps (see :func:`search_plans`). Minimised
-    exactly, that cost favours a few huge stages, whose pipeline fill and drain it
-    does not charge; so the default ``objective="pipeline"`` minimises the
-    round-robin iteration time of the stages instead (:func:`.search.pipeline_estimate`,
-    exact for equal stages), and ``refine=True`` simulates the near-optimal
+    returns the minimum over all caps (see
+    :func:`~roundpipe_core.planning.search.search_plans`). Minimised exactly, that
+    cost favours a few huge stages, whose pipeline fill and drain it does not
+    charge; so the default ``objective="pipeline"`` minimises the round-robin
+    iteration time of the stages instead
+    (:func:`~roundpipe_core.planning.search.pipeline_estimate`, exact for equal
+    stages), and ``refine=True`` simulates the near-optimal
     candidates and keeps the fastest. ``upper_threshold`` only steers
     ``method="greedy"`` (the published planner's window of caps).
 
@@ -295,39 +258,6 @@ def split_plan(num_layers: int, split: int) -> ModelExecutePlan:
     return ModelExecutePlan([range(0, split)], [range(split, num_layers), range(0, split)])
 
 
-def cpu_iteration_ms(
-    plan: ModelExecutePlan,
-    profile: LayerProfile,
-    num_devices: int,
-    num_microbatch: int,
-    replicated: bool = False,
-) -> float:
-    """A "fused" iteration on CPU workers that overlap: a plan with one job computes alone
-    (all cores, the profile's times); a plan whose jobs run on several workers is
-    simulated with them computing at once, each stage :data:`SHARED_CORES_SLOWDOWN` times
-    slower on its share of the cores. ``replicated``: the one-stage plan runs as one job
-    per worker at once (:func:`fused_replicas`), each on its slice of the microbatches
-    :data:`SHARED_CORES_SLOWDOWN` times slower: the longest slice's time."""
-    jobs = len(plan.fwd_plan) + len(plan.bwd_plan)
-    f = SHARED_CORES_SLOWDOWN
-    if jobs == 1 and replicated and num_devices > 1 and num_microbatch > 1:
-        alone = simulated_iteration_ms(plan, profile, RunType.FUSED, 1, 1, concurrent=False)
-        longest = -(-num_microbatch // min(num_devices, num_microbatch))
-        return alone * f * longest
-    if jobs == 1 or num_devices == 1:
-        return simulated_iteration_ms(
-            plan, profile, RunType.FUSED, num_devices, num_microbatch, concurrent=False
-        )
-    slowed = LayerProfile(
-        fwd_ms=[t * f for t in profile.fwd_ms],
-        bwd_ms=[t * f for t in profile.bwd_ms],
-        re_ms=[t * f for t in profile.re_ms] if profile.re_ms is not None else None,
-    )
-    return simulated_iteration_ms(
-        plan, slowed, RunType.FUSED, num_devices, num_microbatch, concurrent=True
-    )
-
-
 def _split_or_fewest(
     fewest: ModelExecutePlan,
     profile: LayerProfile,
@@ -335,17 +265,29 @@ def _split_or_fewest(
     replicated: bool = False,
 ) -> ModelExecutePlan:
     """On two overlapping CPU workers: the fastest of the one-stage plan (when memory
-    allows one stage; ``replicated``: run as one job per worker, see
-    :func:`cpu_iteration_ms`) and every :func:`split_plan`, by :func:`cpu_iteration_ms`;
-    the one-stage plan on ties and whenever memory forces several stages."""
+    allows one stage; ``replicated``: run as one job per worker) and every
+    :func:`split_plan`, by :func:`simulated_iteration_ms` on shared cores; the one-stage
+    plan on ties and whenever memory forces several stages."""
     n = profile.num_layers
     if fewest.fwd_plan or len(fewest.bwd_plan) != 1 or n < 2:
         return fewest
-    best_ms = cpu_iteration_ms(fewest, profile, 2, num_microbatch, replicated)
+
+    def ms_of(plan: ModelExecutePlan, replicated: bool = False) -> float:
+        return simulated_iteration_ms(
+            plan,
+            profile,
+            RunType.FUSED,
+            2,
+            num_microbatch,
+            shared_cores=True,
+            replicated=replicated,
+        )
+
+    best_ms = ms_of(fewest, replicated)
     best = fewest
     for split in range(1, n):
         cand = split_plan(n, split)
-        ms = cpu_iteration_ms(cand, profile, 2, num_microbatch)
+        ms = ms_of(cand)
         if ms < best_ms * (1 - 1e-9):
             best, best_ms = cand, ms
     return best
@@ -402,17 +344,14 @@ def predicted_speedup(
         if not isinstance(plan, ModelExecutePlan):
             raise TypeError(f"{name} must be a ModelExecutePlan, got {type(plan).__name__}")
         plan.check_valid(prof.num_layers, rt, num_devices)
-    if not concurrent and rt == RunType.FUSED and _cpu_overlap(model):
-        # the device model the CPU pool's plans were chosen by (see auto)
-        rep = replicable(model)
-        old = cpu_iteration_ms(current, prof, num_devices, num_microbatch, rep)
-        new = cpu_iteration_ms(candidate, prof, num_devices, num_microbatch, rep)
-        return old / new if new > 0 else (1.0 if old == 0 else math.inf)
-    old = simulated_iteration_ms(
-        current, prof, rt, num_devices, num_microbatch, overlap_iterations, concurrent
-    )
-    new = simulated_iteration_ms(
-        candidate, prof, rt, num_devices, num_microbatch, overlap_iterations, concurrent
+    # CPU workers that overlap: the device model their plans were chosen by (see auto)
+    shared = not concurrent and rt == RunType.FUSED and _cpu_overlap(model)
+    rep = shared and replicable(model)
+    old, new = (
+        simulated_iteration_ms(
+            p, prof, rt, num_devices, num_microbatch, overlap_iterations, concurrent, shared, rep
+        )
+        for p in (current, candidate)
     )
     return old / new if new > 0 else (1.0 if old == 0 else math.inf)
 

@@ -115,13 +115,18 @@ class LayerProfile:
             act_bytes=act_bytes,
         )
 
-    def stage_mem(self) -> tuple[list[float], list[float]]:
-        """Bytes per layer held by a forward stage (parameters) and by a backward or
-        fused stage (parameters + gradients + one microbatch's saved activations)."""
+    def layer_bytes(self) -> tuple[list[float], list[float], list[float]]:
+        """Parameter, gradient and activation bytes per layer, the defaults filled in."""
         n = self.num_layers
         params = [float(x) for x in self.param_bytes] if self.param_bytes is not None else [0.0] * n
         grads = [float(x) for x in self.grad_bytes] if self.grad_bytes is not None else params
         acts = [float(x) for x in self.act_bytes] if self.act_bytes is not None else [0.0] * n
+        return params, grads, acts
+
+    def stage_mem(self) -> tuple[list[float], list[float]]:
+        """Bytes per layer held by a forward stage (parameters) and by a backward or
+        fused stage (parameters + gradients + one microbatch's saved activations)."""
+        params, grads, acts = self.layer_bytes()
         return params, [p + g + a for p, g, a in zip(params, grads, acts)]
 
 
@@ -151,10 +156,6 @@ class LayerSizes:
     parameter_bytes: list[int] = field(default_factory=list)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
     """Measure :class:`LayerSizes` of an ``nn.Sequential`` (or a list of layers)."""
     if isinstance(layers, nn.Module):
@@ -169,21 +170,21 @@ def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            up += _nbytes(t)
+            up += t.nbytes
             if isinstance(t, nn.Parameter):
-                pa += _nbytes(t)
+                pa += t.nbytes
                 if t.requires_grad:
-                    gr += _nbytes(t)
+                    gr += t.nbytes
             if id(t) not in everywhere:
                 everywhere.add(id(t))
-                host += _nbytes(t)
+                host += t.nbytes
         lookup: set[int] = set()
         dense: set[int] = set()
         for mod in layer.modules():
             direct = list(mod.parameters(recurse=False))
             target = lookup if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) else dense
             target.update(id(p) for p in direct)
-        comp = sum(_nbytes(p) for p in layer.parameters() if id(p) not in lookup or id(p) in dense)
+        comp = sum(p.nbytes for p in layer.parameters() if id(p) not in lookup or id(p) in dense)
         upload.append(up)
         grads.append(gr)
         compute.append(comp)
@@ -225,7 +226,7 @@ def loss_transient_bytes(output: Any) -> int:
     For a language model this is the largest transient of a step (tokens x vocabulary)."""
     total = 0
     for t in _leaves(output):
-        total += _nbytes(t)
+        total += t.nbytes
         if t.is_floating_point():
             total += LOSS_TRANSIENT_FP32_COPIES * t.numel() * 4
     return total
@@ -282,7 +283,7 @@ class _SavedBytes:
         # a cycle Python's collector cannot see, which kept the whole measured graph
         # (a forward's activations) alive for the life of the process.
         if t.device.type == "meta":  # no storage to share: count the tensor
-            self.seen[id(t)] = _nbytes(t)
+            self.seen[id(t)] = t.nbytes
             return t.detach()
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
@@ -357,12 +358,7 @@ def stage_memory(
 ) -> list[StageMemory]:
     """What each stage of ``plan`` holds while it runs, in launch order."""
     rt = parse_kind(RunType, run_type, "run_type")
-    n = profile.num_layers
-    params = (
-        [float(x) for x in profile.param_bytes] if profile.param_bytes is not None else [0.0] * n
-    )
-    grads = [float(x) for x in profile.grad_bytes] if profile.grad_bytes is not None else params
-    acts = [float(x) for x in profile.act_bytes] if profile.act_bytes is not None else [0.0] * n
+    params, grads, acts = profile.layer_bytes()
     out = [
         StageMemory(JobKind.FORWARD, i, r, sum(params[j] for j in r), 0.0, 0.0)
         for i, r in enumerate(plan.fwd_plan)

@@ -20,7 +20,7 @@ from ..kinds import RunType, parse_kind
 from .partition import Partitioner, first_true, with_slack
 from .plan import ModelExecutePlan
 from .profile import LayerProfile
-from .simulate import makespan_ms, simulate
+from .simulate import simulated_iteration_ms
 
 __all__ = [
     "OBJECTIVES",
@@ -29,7 +29,6 @@ __all__ = [
     "plan_cost",
     "plan_objective",
     "search_plans",
-    "simulated_iteration_ms",
     "stage_times",
 ]
 
@@ -489,59 +488,6 @@ def _refine(
         if total < best_time * (1 - 1e-9):
             best, best_time = idx, total
     return best
-
-
-#: Iterations per window when measuring the steady state of overlapped iterations.
-OVERLAP_ITERATIONS = 4
-
-
-def simulated_iteration_ms(
-    plan: ModelExecutePlan,
-    profile: LayerProfile,
-    run_type: RunType | str,
-    num_devices: int,
-    num_microbatch: int,
-    overlap: bool = False,
-    concurrent: bool = True,
-) -> float:
-    """The simulated time of one iteration of ``plan``; with ``overlap`` ("fused" only)
-    the steady state of back-to-back ``forward_backward(blocking=False)`` calls: the
-    time per iteration over :data:`OVERLAP_ITERATIONS` iterations after as many
-    warm-up ones. ``concurrent=False``: devices that compute one at a time (CPU
-    workers; see :func:`~roundpipe_core.planning.simulate.simulate`)."""
-    run_type = parse_kind(RunType, run_type, "run_type")
-    if not concurrent:
-        overlap = False  # nothing overlaps where one job computes at a time
-    if not overlap or run_type != RunType.FUSED:
-        return makespan_ms(
-            plan,
-            profile.fwd_ms,
-            profile.bwd_ms,
-            num_devices,
-            num_microbatch,
-            run_type=run_type,
-            re_ms=profile.re_ms,
-            concurrent=concurrent,
-        )
-
-    def span(iterations: int) -> float:
-        return simulate(
-            plan,
-            profile.fwd_ms,
-            profile.bwd_ms,
-            num_devices,
-            num_microbatch,
-            run_type=run_type,
-            re_ms=profile.re_ms,
-            iterations=iterations,
-            overlap_iterations=True,
-        ).makespan_ms
-
-    # Overlapped iterations can settle into a period of more than one iteration (two
-    # calls sharing one fill, then a wait for the step two back), so the steady state
-    # is measured over a whole window after a warm-up window of the same length.
-    k = OVERLAP_ITERATIONS
-    return (span(2 * k) - span(k)) / k
 
 
 #: Stages more or fewer per side, or layers the fused split moves, in one walk step.

@@ -16,10 +16,9 @@ It times the job list that :func:`roundpipe_core.planning.schedule.build_schedul
   device runs (a device holds at most the running and the prefetched stage),
   and handing activations to another device costs ``activation_ms``.
 
-``policy="bound"`` simulates the weight-binding baseline the paper compares
-against: the same layers cut into the backward plan's stages (shallow to deep),
-stage i fixed on device i mod N with its weights resident (no uploads),
-scheduled GPipe-style or 1F1B.
+The weight-binding baseline the paper compares against (stages bound to devices)
+is no schedule the engine runs; it lives beside its benchmark,
+``benchmarks/bound_baseline.py``, and reuses :class:`SimEvent` / :class:`SimResult`.
 
 Bubble ratio = share of device time without model computation over
 ``makespan x devices``; efficiency = 1 - bubble ratio. Given layer sizes, the
@@ -30,26 +29,155 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from ..kinds import RunType, check_flag, parse_kind
-from .baseline import BOUND_SCHEDULES, balanced_stages, simulate_bound_stages
+from ..kinds import JobKind, RunType, check_flag, parse_kind
 from .plan import ModelExecutePlan
+from .profile import LayerProfile
 from .schedule import BACKWARD, FORWARD, FUSED, Job, build_schedule
-from .simresult import SimEvent, SimResult, per_layer, summarize
 
 __all__ = [
-    "BOUND_SCHEDULES",
-    "POLICIES",
     "SimEvent",
     "SimResult",
-    "balanced_stages",
+    "OVERLAP_ITERATIONS",
+    "SHARED_CORES_SLOWDOWN",
     "device_peak_bytes",
-    "makespan_ms",
+    "per_layer",
     "simulate",
-    "simulate_bound_stages",
+    "simulated_iteration_ms",
+    "summarize",
 ]
 
-POLICIES = ("roundrobin", "bound")
+
+@dataclass(frozen=True)
+class SimEvent:
+    """One interval on a device's timeline.
+
+    Attributes:
+        device: device index.
+        kind: "forward", "fused", "backward" (compute) or "upload" (parameter copy).
+        stage: stage index in its plan (bound policy: the bound stage).
+        microbatch: microbatch index (-1 for uploads).
+        start: start time (ms).
+        end: end time (ms).
+        job: index of the job in the schedule (-1 for the bound policy).
+        iteration: iteration index (0 unless several are simulated).
+    """
+
+    device: int
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    job: int = -1
+    iteration: int = 0
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` measured.
+
+    Attributes:
+        makespan_ms: time from the first job's start to the last computation's end.
+        busy_ms: model-computation time per device.
+        bubble_ratio: ``1 - sum(busy_ms) / (makespan_ms * num_devices)``.
+        efficiency: ``sum(busy_ms) / (makespan_ms * num_devices)``.
+        events: the timeline, compute and upload intervals.
+        jobs: the schedule that was timed (round-robin policy).
+        iteration_ms: makespan divided by the number of iterations simulated.
+        peak_bytes: per device, the most memory it holds at once: the running stage
+            (parameters; backward and fused stages also their gradients and one
+            microbatch's saved activations) plus the next stage's prefetched
+            parameters. Empty unless the simulation was given layer sizes.
+    """
+
+    makespan_ms: float
+    busy_ms: list[float]
+    bubble_ratio: float
+    efficiency: float
+    events: list[SimEvent] = field(repr=False)
+    jobs: list[Job] = field(default_factory=list, repr=False)
+    iteration_ms: float = 0.0
+    peak_bytes: list[float] = field(default_factory=list)
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The timeline in Chrome's trace-event format (open in ``chrome://tracing``
+        or Perfetto): one row per device, uploads on a row of their own."""
+        events = []
+        for e in self.events:
+            events.append(
+                {
+                    "name": f"{e.kind} s{e.stage}"
+                    + (f" mb{e.microbatch}" if e.microbatch >= 0 else ""),
+                    "cat": e.kind,
+                    "ph": "X",
+                    "ts": e.start * 1000.0,  # microseconds
+                    "dur": (e.end - e.start) * 1000.0,
+                    "pid": 0,
+                    "tid": f"device {e.device}" + (" upload" if e.kind == "upload" else ""),
+                    "args": {"job": e.job, "iteration": e.iteration},
+                }
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def timeline(self, width: int = 80) -> str:
+        """ASCII rendering of the compute intervals, one row per device."""
+        if self.makespan_ms <= 0:
+            return ""
+        rows = []
+        scale = width / self.makespan_ms
+        ndev = len(self.busy_ms)
+        for d in range(ndev):
+            row = [" "] * width
+            for e in self.events:
+                if e.device != d or e.kind == "upload":
+                    continue
+                ch = JobKind(e.kind).code
+                a = min(width - 1, int(e.start * scale))
+                b = max(a + 1, min(width, int(round(e.end * scale))))
+                for x in range(a, b):
+                    row[x] = ch
+            rows.append(f"dev{d} |" + "".join(row) + "|")
+        return "\n".join(rows)
+
+
+def per_layer(values: Sequence[float] | float | None, n: int, name: str) -> list[float]:
+    """One float >= 0 per layer from a sequence, one number for all, or ``None`` (zeros)."""
+    if values is None:
+        return [0.0] * n
+    if isinstance(values, (int, float)):
+        return [float(values)] * n
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} entries but the model has {n} layers")
+    for i, v in enumerate(values):
+        if not v >= 0:
+            raise ValueError(f"{name}[{i}] = {v!r} must be >= 0")
+    return [float(v) for v in values]
+
+
+def summarize(
+    events: list[SimEvent], num_devices: int, jobs: list[Job], iterations: int
+) -> SimResult:
+    """Summarise a timeline: makespan, busy time and bubbles per device."""
+    compute = [e for e in events if e.kind != "upload"]
+    t0 = min(e.start for e in events) if events else 0.0
+    makespan = max(e.end for e in compute) - t0 if compute else 0.0
+    busy = [0.0] * num_devices
+    for e in compute:
+        busy[e.device] += e.end - e.start
+    eff = sum(busy) / (makespan * num_devices) if makespan > 0 else 1.0
+    return SimResult(
+        makespan_ms=makespan,
+        busy_ms=busy,
+        bubble_ratio=1.0 - eff,
+        efficiency=eff,
+        events=events,
+        jobs=jobs,
+        iteration_ms=makespan / iterations,
+    )
 
 
 def simulate(
@@ -62,8 +190,6 @@ def simulate(
     re_ms: Sequence[float] | None = None,
     upload_ms: Sequence[float] | float | None = None,
     activation_ms: float = 0.0,
-    policy: str = "roundrobin",
-    bound_schedule: str = "1f1b",
     iterations: int = 1,
     overlap_iterations: bool = False,
     step_ms: float = 0.0,
@@ -85,14 +211,11 @@ def simulate(
         run_type: "infer", "train" or "fused".
         re_ms: recompute time per layer and microbatch; default the forward time.
         upload_ms: parameter upload time per layer (a number = the same for every
-            layer); a stage's upload is the sum over its layers. Round-robin only.
+            layer); a stage's upload is the sum over its layers.
         activation_ms: latency of handing one microbatch's activations or gradients
             to a stage on another device.
-        policy: "roundrobin" (RoundPipe: the schedule's devices) or "bound"
-            (weight binding: backward-plan stages fixed on devices, see module doc).
-        bound_schedule: "1f1b" (needs at most one stage per device) or "gpipe".
         iterations: iterations to simulate back to back.
-        overlap_iterations: round-robin only — let the next iteration start on a
+        overlap_iterations: let the next iteration start on a
             device as soon as that device is free, as the one-step-stale asynchronous
             update allows, instead of after the whole previous iteration. This models
             ``forward_backward(blocking=False)``: round-robin continues from one
@@ -115,7 +238,7 @@ def simulate(
         step_share: each layer's share of ``step_ms`` (normalized here; default: in
             proportion to ``param_bytes`` if given, else equal).
         param_bytes: bytes a stage upload moves per layer; with it the result reports
-            each device's peak memory (``SimResult.peak_bytes``, round-robin only).
+            each device's peak memory (``SimResult.peak_bytes``).
         grad_bytes: gradient bytes per layer held by backward/fused stages; default
             ``param_bytes``.
         act_bytes: saved-activation bytes per layer for one microbatch, held while a
@@ -134,8 +257,6 @@ def simulate(
     bwd = per_layer(bwd_ms, n, "bwd_ms")
     re = per_layer(re_ms, n, "re_ms") if re_ms is not None else list(fwd)
     upl = per_layer(upload_ms, n, "upload_ms")
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
     if not activation_ms >= 0:
@@ -143,19 +264,6 @@ def simulate(
     check_flag(concurrent, "concurrent")
     rt = parse_kind(RunType, run_type, "run_type")
     plan.check_valid(n, rt, num_devices)
-    if policy == "bound":
-        return _simulate_bound(
-            plan,
-            fwd,
-            bwd,
-            re,
-            num_devices,
-            num_microbatch,
-            rt,
-            activation_ms,
-            bound_schedule,
-            iterations,
-        )
     if not step_ms >= 0:
         raise ValueError(f"step_ms must be >= 0, got {step_ms!r}")
     jobs = build_schedule(plan, rt, num_devices, num_microbatch)
@@ -255,41 +363,101 @@ def device_peak_bytes(
     return peak
 
 
-def makespan_ms(
+#: Iterations per window when measuring the steady state of overlapped iterations.
+OVERLAP_ITERATIONS = 4
+
+
+#: What a stage costs on a CPU worker computing beside another (``pool.cpu_overlap``),
+#: with half of the cores as intra-op threads, relative to the same stage alone on all
+#: of them: measured on a 2-core host, forward + backward of 16 x Linear(1024) on 64
+#: rows (0.105 s a pass on 1 thread beside another, 0.070 s alone on 2).
+SHARED_CORES_SLOWDOWN = 1.5
+
+
+def simulated_iteration_ms(
     plan: ModelExecutePlan,
-    fwd_ms: Sequence[float],
-    bwd_ms: Sequence[float],
+    profile: LayerProfile,
+    run_type: RunType | str,
     num_devices: int,
     num_microbatch: int,
-    run_type: RunType | str = RunType.FUSED,
-    re_ms: Sequence[float] | None = None,
+    overlap: bool = False,
     concurrent: bool = True,
+    shared_cores: bool = False,
+    replicated: bool = False,
 ) -> float:
-    """Round-robin iteration time only, as :func:`simulate` computes it but without
-    building the timeline (the planner calls this for its candidates)."""
-    n = len(fwd_ms)
-    fwd = [float(x) for x in fwd_ms]
-    bwd = [float(x) for x in bwd_ms]
-    re = [float(x) for x in re_ms] if re_ms is not None else fwd
-    rt = parse_kind(RunType, run_type, "run_type")
-    jobs = build_schedule(plan, rt, num_devices, num_microbatch)
-    return _run_iteration(
-        jobs,
-        plan,
-        rt,
-        fwd,
-        bwd,
-        re,
-        [0.0] * n,
-        0.0,
-        0.0,
-        0,
-        [0.0] * num_devices,
-        [0.0] * num_devices,
-        [[] for _ in range(num_devices)],
-        None,
-        serial=not concurrent,
-    )
+    """The planner's one iteration-time estimate: the simulated time of one iteration of
+    ``plan``, on one of three device models.
+
+    * ``concurrent=True`` (GPUs): the devices compute side by side at full speed; with
+      ``overlap`` ("fused" only) the steady state of back-to-back
+      ``forward_backward(blocking=False)`` calls: the time per iteration over
+      :data:`OVERLAP_ITERATIONS` iterations after as many warm-up ones.
+    * ``concurrent=False`` (CPU workers under one lock): one job computes at a time, so
+      every job's time adds up (see :func:`simulate`).
+    * ``shared_cores=True`` (CPU workers that compute side by side, ``pool.cpu_overlap``;
+      ``concurrent`` is then not read): a plan of one job computes alone on all cores
+      (the profile's times); jobs on several workers compute at once, each stage
+      :data:`SHARED_CORES_SLOWDOWN` times slower on its share of the cores.
+      ``replicated``: the one-stage plan runs as one job per worker at once
+      (``planner.fused_replicas``), each on its slice of the microbatches
+      :data:`SHARED_CORES_SLOWDOWN` times slower: the longest slice's time.
+    """
+    run_type = parse_kind(RunType, run_type, "run_type")
+    if shared_cores:
+        jobs = len(plan.fwd_plan) + len(plan.bwd_plan)
+        f, overlap = SHARED_CORES_SLOWDOWN, False
+        if jobs == 1 and replicated and num_devices > 1 and num_microbatch > 1:
+            alone = simulated_iteration_ms(plan, profile, run_type, 1, 1, concurrent=False)
+            return alone * f * -(-num_microbatch // min(num_devices, num_microbatch))
+        concurrent = jobs > 1 and num_devices > 1
+        if concurrent:
+            profile = LayerProfile(
+                fwd_ms=[t * f for t in profile.fwd_ms],
+                bwd_ms=[t * f for t in profile.bwd_ms],
+                re_ms=[t * f for t in profile.re_ms] if profile.re_ms is not None else None,
+            )
+    if not concurrent:
+        overlap = False  # nothing overlaps where one job computes at a time
+    if not overlap or run_type != RunType.FUSED:
+        fwd = [float(x) for x in profile.fwd_ms]
+        re = [float(x) for x in profile.re_ms] if profile.re_ms is not None else fwd
+        n = len(fwd)
+        return _run_iteration(
+            build_schedule(plan, run_type, num_devices, num_microbatch),
+            plan,
+            run_type,
+            fwd,
+            [float(x) for x in profile.bwd_ms],
+            re,
+            [0.0] * n,
+            0.0,
+            0.0,
+            0,
+            [0.0] * num_devices,
+            [0.0] * num_devices,
+            [[] for _ in range(num_devices)],
+            None,
+            serial=not concurrent,
+        )
+
+    def span(iterations: int) -> float:
+        return simulate(
+            plan,
+            profile.fwd_ms,
+            profile.bwd_ms,
+            num_devices,
+            num_microbatch,
+            run_type=run_type,
+            re_ms=profile.re_ms,
+            iterations=iterations,
+            overlap_iterations=True,
+        ).makespan_ms
+
+    # Overlapped iterations can settle into a period of more than one iteration (two
+    # calls sharing one fill, then a wait for the step two back), so the steady state
+    # is measured over a whole window after a warm-up window of the same length.
+    k = OVERLAP_ITERATIONS
+    return (span(2 * k) - span(k)) / k
 
 
 def _step_shares(weights: Sequence[float] | None, n: int) -> list[float]:
@@ -451,36 +619,3 @@ def _run_iteration(
             forward_done = max(forward_done, t)
         job_ends[d].append(device_free[d])
     return last
-
-
-# -- weight-bound baseline -------------------------------------------------------------
-
-
-def _simulate_bound(
-    plan: ModelExecutePlan,
-    fwd: list[float],
-    bwd: list[float],
-    re: list[float],
-    num_devices: int,
-    num_microbatch: int,
-    run_type: RunType,
-    act: float,
-    schedule: str,
-    iterations: int,
-) -> SimResult:
-    if schedule not in BOUND_SCHEDULES:
-        raise ValueError(f"bound_schedule must be one of {BOUND_SCHEDULES}, got {schedule!r}")
-    stages = list(reversed(plan.bwd_plan)) if run_type != RunType.INFER else list(plan.fwd_plan)
-    return simulate_bound_stages(
-        stages,
-        fwd,
-        bwd,
-        num_devices,
-        num_microbatch,
-        re_ms=re,
-        backward=run_type != RunType.INFER,
-        fused_last=run_type == RunType.FUSED,
-        activation_ms=act,
-        schedule=schedule,
-        iterations=iterations,
-    )

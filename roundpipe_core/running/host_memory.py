@@ -480,10 +480,6 @@ def dequantized_bytes(rp: Any, plan: Any, num_microbatch: int) -> int:
 # --------------------------------------------------------------------------------------
 # the budget
 # --------------------------------------------------------------------------------------
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights count once). A meta
     tensor counts as the host tensor it stands for (a model built on the meta device to
@@ -679,8 +675,8 @@ def _worker_copies(rp: Any, plan: Any, num_microbatch: int, master_dtype: dict[i
         layer_bytes.append(_unique_storage_bytes(copied if lends else params + copied))
         converted = [not lends or master_dtype.get(id(p), p.dtype) != p.dtype for p in params]
         trained = [(p, c) for p, c in zip(params, converted) if p.requires_grad]
-        layer_grads.append(sum(_nbytes(p) for p, c in trained if c))
-        replica_grads.append(sum(_nbytes(p) for p, _ in trained))
+        layer_grads.append(sum(p.nbytes for p, c in trained if c))
+        replica_grads.append(sum(p.nbytes for p, _ in trained))
     total = 0
     for queue in fused_jobs_by_device(rp, plan, num_microbatch):
         peak = 0
@@ -800,18 +796,18 @@ def estimate_host_memory(
     if pairs is not None:
         mlist = list({id(m): m for _, m in pairs}.values())
         masters = _unique_storage_bytes(mlist, skip=weight_ptrs)
-        master_numel_bytes = sum(_nbytes(m) for m in mlist)
+        master_numel_bytes = sum(m.nbytes for m in mlist)
         already = weights + masters  # (a master a shard released: a few bytes)
         separate = {id(m): m for p, m in pairs if m is not p}
         # (sharded, the default step is synchronous: DataParallel.attach's default; the
         # strategies pass their own)
         is_async = async_step if async_step is not None else bool(separate) and state_shards == 1
         if state_shards > 1:  # its share's (the others' are released)
-            masters = -(-sum(_nbytes(m) for m in separate.values()) // state_shards)
+            masters = -(-sum(m.nbytes for m in separate.values()) // state_shards)
         if is_async:
             # a shared master's step is always synchronous: only separate ones overlap;
             # sharded, the step in flight reads this rank's share of them only
-            next_gradients = -(-sum(_nbytes(m) for m in separate.values()) // state_shards)
+            next_gradients = -(-sum(m.nbytes for m in separate.values()) // state_shards)
     else:
         dtype = optim_dtype
         trainable = [p for p in params.values() if p.requires_grad]
@@ -837,7 +833,7 @@ def estimate_host_memory(
         optimizer_state = sum(
             optimizer_states_per_param(o)
             * sum(
-                _nbytes(p) for p in {id(p): p for g in o.param_groups for p in g["params"]}.values()
+                p.nbytes for p in {id(p): p for g in o.param_groups for p in g["params"]}.values()
             )
             for o in optimizers
         )

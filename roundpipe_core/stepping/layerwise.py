@@ -105,42 +105,52 @@ def step_subset(
 
 
 class GradCompletion:
-    """Which masters a pipelined run's gradients are complete for: a master is complete
-    once every backward job holding one of its layers has downloaded its gradients.
+    """The one gradient countdown of a call: a master's gradient is complete once every
+    backward job holding one of its layers has downloaded its gradients. The layer-wise
+    step reads it (:meth:`complete`), the gradient hooks and the data-parallel reducer
+    hear of each master as it completes (``on_complete``).
 
     Args:
-        jobs: the run's schedule.
+        jobs: the call's schedule.
         masters_of: the masters of a job's layers.
         notify: called (from a worker) when masters complete.
+        on_complete: called (from a worker) with the masters a job completed.
     """
 
     def __init__(
         self,
         jobs: Sequence[Job],
         masters_of: Callable[[Job], list[nn.Parameter]],
-        notify: Callable[[], None],
+        notify: Callable[[], None] | None = None,
+        on_complete: Callable[[list[nn.Parameter]], None] | None = None,
     ) -> None:
         self._lock = threading.Lock()
-        self._owners: dict[int, list[int]] = {}
+        self._owners: dict[int, list[nn.Parameter]] = {}
         self._remaining: dict[int, int] = {}
         for job in jobs:
             if job.kind == "forward":
                 continue
-            ids = [id(m) for m in masters_of(job)]
-            self._owners[job.index] = ids
-            for k in ids:
-                self._remaining[k] = self._remaining.get(k, 0) + 1
+            seen = masters_of(job)
+            self._owners[job.index] = seen
+            for m in seen:
+                self._remaining[id(m)] = self._remaining.get(id(m), 0) + 1
+        self.masters = {id(m): m for ms in self._owners.values() for m in ms}
         self._notify = notify
+        self._on_complete = on_complete
 
     def job_done(self, job: Job) -> None:
         """``job``'s gradients are in the run's buffer (a worker's ``grads_done``)."""
-        completed = False
+        final = []
         with self._lock:
-            for k in self._owners.get(job.index, ()):
-                self._remaining[k] -= 1
-                completed |= self._remaining[k] == 0
-        if completed:
-            self._notify()
+            for m in self._owners.get(job.index, ()):
+                self._remaining[id(m)] -= 1
+                if self._remaining[id(m)] == 0:
+                    final.append(m)
+        if final:
+            if self._notify is not None:
+                self._notify()
+            if self._on_complete is not None:
+                self._on_complete(final)
 
     def complete(self, master_id: int) -> bool:
         with self._lock:

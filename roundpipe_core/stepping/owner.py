@@ -13,8 +13,8 @@ but the gradient buffers, pending results and masters they hand around:
 * gradients: :meth:`~StepOwner.fold` (a blocking call's gradients into ``.grad``),
   :meth:`~StepOwner.after_step` (work that must follow the step in flight),
   :meth:`~StepOwner.in_step_order` (the caller's work, e.g. ``zero_grad``, in program order);
-* calls: :meth:`~StepOwner.blocking_call` and :meth:`~StepOwner.pipelined_call`
-  (the weight versions a call's uploads read), :meth:`~StepOwner.call_ended`,
+* calls: :meth:`~StepOwner.pipelined_call` (every ``forward_backward``: the weight
+  versions its uploads read), :meth:`~StepOwner.call_ended`,
   :meth:`~StepOwner.check_failure`;
 * lifecycle: :meth:`~StepOwner.check_open`, :attr:`~StepOwner.closed`,
   :meth:`~StepOwner.shutdown`, :meth:`~StepOwner.unobserved_error`.
@@ -35,6 +35,7 @@ from .layerwise import GradCompletion
 from .masters import MasterWeights
 from .pipelined import GradBuffer, PendingResult, PipelinedRuns
 from .stepper import Stepper
+from .versions import PublicationGate
 
 __all__ = ["PipelinedCall", "StepOwner"]
 
@@ -44,23 +45,43 @@ class PipelinedCall:
     (:meth:`StepOwner.pipelined_call`): where its schedule starts, the weight version
     its uploads read, and its :class:`PendingResult`."""
 
-    def __init__(self, runs: PipelinedRuns) -> None:
+    def __init__(self, runs: PipelinedRuns, blocking: bool) -> None:
         self._runs = runs
-        self.start_device = runs.next_device
+        self._blocking = blocking
+        # round-robin continues from a call still running (its last device is the last to
+        # become free); with every device idle a call starts on the first, as a lone one
+        running = any(not r.done() for r in runs.inflight())
+        self.start_device = runs.next_device if running else 0
         self.reader: Any = None
         self.launched = False
+        self.pending_result: Any = None  # the call's PendingResult, once made
 
     @property
     def weights(self) -> Any:
-        """What the call's uploads wait on, layer by layer (the weight versions)."""
-        return self._runs.versions
+        """What the call's uploads wait on, layer by layer: the weight versions; for a
+        blocking call while the optimizer thread still copies a plain step's weights into
+        the model, through a :class:`PublicationGate` -- a copy that ended without
+        copying (its step failed; the next ``step()`` raises that) lets the call read
+        the weights the model holds, the last completed step's."""
+        runs = self._runs
+        publication = runs.stepper.last_publication()
+        if self._blocking and publication is not None and not publication.done():
+            return PublicationGate(runs.versions, runs.stepper, publication)
+        return runs.versions
 
     def completion(
         self, jobs: Sequence[Job], masters_of: Callable[[Job], list[nn.Parameter]]
     ) -> GradCompletion:
-        """Which masters' gradients are complete as the call's backward goes (a
-        layer-wise step reads it); completing ones wake the optimizer thread."""
-        return GradCompletion(jobs, masters_of, self._runs.versions.notify)
+        """Which masters' gradients are complete as the call's backward goes: completing
+        ones wake the optimizer thread (a layer-wise step reads them) and, with gradient
+        hooks, are merged and reported at once (:meth:`PipelinedRuns.merge_completed`)."""
+        runs = self._runs
+        return GradCompletion(
+            jobs,
+            masters_of,
+            runs.versions.notify,
+            lambda masters: runs.merge_completed(self.pending_result, masters),
+        )
 
     def reserve(self, job_layers: Sequence[range], num_devices: int) -> Any:
         """The call's jobs are known: the next call starts on the device after its last,
@@ -94,6 +115,7 @@ class PipelinedCall:
             prev_step=runs.stepper.tail(),
         )
         pending.completion = completion
+        self.pending_result = pending
         return pending
 
     def launch(self, pending: PendingResult) -> None:
@@ -118,10 +140,11 @@ class StepOwner:
         layers: list[nn.Module],
         masters: MasterWeights,
         intra_op_threads: int | None = None,
+        grad_hooks: list[Callable[[list[nn.Parameter]], None]] | None = None,
     ) -> None:
         self.masters = masters
         self._stepper = Stepper(name, intra_op_threads)
-        self._runs = PipelinedRuns(layers, masters, self._stepper)
+        self._runs = PipelinedRuns(layers, masters, self._stepper, grad_hooks)
 
     # -- steps --------------------------------------------------------------------------
     def step(
@@ -143,16 +166,16 @@ class StepOwner:
         a wrapper adds what it keeps outside the masters).
         """
         settle = settle or self.settle
-        runs, stepper = self._runs, self._stepper
+        runs = self._runs
         runs.raise_failure()
         if runs.inflight():
             runs.defer_step(fn)  # its error is raised through raise_failure()
-        elif is_async and may_publish_in_background and self._previous_step_lets_publish():
-            self.masters.take_back_grads()
-            runs.queue_publish_then_step(fn)
         else:
-            settle()
-            stepper.queue_step(fn)  # its error is raised by settle()
+            if is_async and may_publish_in_background and self._previous_step_lets_publish():
+                self.masters.take_back_grads()  # the copy into the model: on the thread
+            else:
+                settle()  # the copy now (and the previous step's error raised)
+            runs.queue_publish_then_step(fn)  # its error is raised by settle()
         if not is_async:
             settle()
 
@@ -201,13 +224,12 @@ class StepOwner:
         by :meth:`settle`."""
         self._stepper.wait_step()
 
-    def drain(self, wait_publication: bool = True) -> None:
-        """Before a blocking call: wait for the iterations in flight and (with
-        ``wait_publication``) for the weights the model should hold now; raise an
-        earlier failure. Their gradients stay buffered until the next step."""
+    def drain(self) -> None:
+        """Before a ``forward()``: wait for the iterations in flight and for the weights
+        the model should hold now; raise an earlier failure. Their gradients stay
+        buffered until the next step."""
         self._runs.wait_all()
-        if wait_publication:
-            self._stepper.wait_publication()
+        self._stepper.wait_publication()
         self._runs.raise_failure()
 
     def settle(self) -> None:
@@ -253,37 +275,21 @@ class StepOwner:
         self._stepper.after_step(fn)
 
     # -- calls --------------------------------------------------------------------------
-    @contextmanager
-    def blocking_call(self, job_layers: Sequence[range]) -> Iterator[tuple[Any, Any] | None]:
-        """Around a blocking call's jobs: ``(weights, reader)`` its uploads wait on while
-        the optimizer thread still copies an asynchronous step's weights into the model
-        (``None`` when the model holds them already). If the call fails because that
-        copy (or the step before it) failed, that cause is raised instead."""
-        gate = self._runs.gate_for_blocking_call(job_layers)
-        try:
-            yield gate
-        except BaseException:
-            if gate is not None:
-                self._runs.versions.finish(gate[1])
-                gate = None
-                self._runs.raise_failure()
-            raise
-        finally:
-            if gate is not None:
-                self._runs.versions.finish(gate[1])
-
     def check_failure(self) -> None:
         """Raise an earlier failure of a step or an overlapped iteration, once everything
         in flight has stopped (the model then holds the last good step's weights)."""
         self._runs.raise_failure()
 
     @contextmanager
-    def pipelined_call(self) -> Iterator[PipelinedCall]:
-        """Around issuing a ``forward_backward(blocking=False)`` (after
-        :meth:`check_failure`): a call that is not launched releases what it reserved."""
-        # a plain step in flight: its error must reach the pipelined failure path
-        self._stepper.guard_pending()
-        call = PipelinedCall(self._runs)
+    def pipelined_call(self, blocking: bool) -> Iterator[PipelinedCall]:
+        """Around issuing a ``forward_backward`` (after :meth:`check_failure`): a call
+        that is not launched releases what it reserved."""
+        if not blocking:
+            # a plain step in flight: its error must stop this call and the next ones
+            # (the failure path); a blocking call reads the last good weights instead,
+            # and the next step() raises it
+            self._stepper.guard_pending()
+        call = PipelinedCall(self._runs, blocking)
         try:
             yield call
         finally:

@@ -45,7 +45,7 @@ from ..running.runtime import PipelineRun
 from .layerwise import GradCompletion, run_layerwise
 from .masters import MasterWeights
 from .stepper import Stepper
-from .versions import PublicationGate, WeightVersions, _Reader
+from .versions import WeightVersions
 
 __all__ = [
     "GradBuffer",
@@ -245,6 +245,7 @@ class PendingResult:
         self._left = 0
         self.error: BaseException | None = None
         self.merged = False
+        self.reported: set[int] = set()  # masters the gradient hooks heard of (by id)
         self.job_spans: list[tuple[Any, int, float, float]] = []  # (job, device, start, end)
         # which masters' gradients are complete while the run is still going
         self.completion: GradCompletion | None = None
@@ -302,9 +303,17 @@ class PipelinedRuns:
         stepper: the optimizer thread steps and publications are queued on.
     """
 
-    def __init__(self, layers: list[nn.Module], masters: MasterWeights, stepper: Stepper) -> None:
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        masters: MasterWeights,
+        stepper: Stepper,
+        grad_hooks: list[Callable[[list[nn.Parameter]], None]] | None = None,
+    ) -> None:
         self.masters = masters
         self.stepper = stepper
+        # told of each master whose gradient of a call entered .grad (register_grad_hook)
+        self.grad_hooks = grad_hooks if grad_hooks is not None else []
         self.versions = WeightVersions(
             layers, masters.entries, masters.released, masters.publishers
         )
@@ -342,12 +351,44 @@ class PipelinedRuns:
             if r.merged:
                 return
             self.masters.add_many(r.buffer.take(only))
+            self._report(r, only)
             if only is not None:
                 return
             r.merged = True
             with self._lock:
                 if r in self._inflight:
                     self._inflight.remove(r)
+
+    def _report(self, r: PendingResult, only: Sequence[nn.Parameter] | None) -> None:
+        """Tell the gradient hooks of the masters of ``r`` just merged into ``.grad``
+        (each once per call; the merge lock is held, so in merge order)."""
+        if not self.grad_hooks or r.completion is None:
+            return
+        candidates = r.completion.masters.values() if only is None else only
+        fresh = [m for m in candidates if id(m) not in r.reported]
+        if not fresh:
+            return
+        r.reported.update(id(m) for m in fresh)
+        for hook in list(self.grad_hooks):
+            hook(fresh)
+
+    def merge_completed(self, r: PendingResult, masters: list[nn.Parameter]) -> None:
+        """Masters of ``r`` whose gradients are complete while it still runs: with gradient
+        hooks, merge and report them now -- once the step in flight has read the previous
+        gradients (on the optimizer thread right after it) -- so a data-parallel reducer
+        starts on the deep layers while the backward goes on. Only the oldest call not yet
+        merged does so (the masters' sums keep the issue order of a blocking loop); a
+        later one's masters are reported when it is merged."""
+        if not self.grad_hooks:
+            return
+
+        def merge_if_oldest() -> None:
+            with self._lock:
+                oldest = bool(self._inflight) and self._inflight[0] is r
+            if oldest:
+                self.merge(r, masters)
+
+        self.stepper.after_step(merge_if_oldest)
 
     def merge_finished(self) -> None:
         """Merge every run in flight (all finished: the caller waited for them)."""
@@ -390,20 +431,6 @@ class PipelinedRuns:
         self.versions.set_all(steps)
         with self._lock:
             self.target_version = steps
-
-    def gate_for_blocking_call(
-        self, job_layers: Sequence[range]
-    ) -> tuple[PublicationGate, _Reader] | None:
-        """A blocking call issued while the optimizer thread still copies a step's weights
-        into the model (an asynchronous ``step()`` queued that copy ahead of its update):
-        the gate and reader its uploads wait on, layer by layer, for the version the call
-        reads; ``None`` when the model holds it already. Raises an earlier failure."""
-        publication = self.stepper.last_publication()
-        if publication is None or publication.done():
-            self.raise_failure()  # a failed publication left the model behind: say so
-            return None
-        reader = self.versions.register(self.target_version, job_layers)
-        return PublicationGate(self.versions, self.stepper, publication), reader
 
     def defer_step(self, step_fn: Callable[[], Any]) -> None:
         """Queue, on the optimizer thread: publish the last step's weights (as the blocking

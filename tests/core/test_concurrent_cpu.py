@@ -16,8 +16,9 @@ from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, context
 from roundpipe_core.context import current_layer, current_microbatch, doing_recompute
-from roundpipe_core.planning.planner import _split_or_fewest, cpu_iteration_ms, split_plan
+from roundpipe_core.planning.planner import _split_or_fewest, split_plan
 from roundpipe_core.planning.profile import LayerProfile
+from roundpipe_core.planning.simulate import simulated_iteration_ms
 from roundpipe_core.running.devices.cpu import ComputeGate, UnexpectedDrawError
 from roundpipe_core.running.devices.pool import DevicePool
 
@@ -27,6 +28,14 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:RoundPipe forward rule violated"),
     pytest.mark.cpu_backend,
 ]
+
+
+def cpu_ms(plan, prof, n, m, replicated=False):
+    """The planner's estimate of a "fused" call on CPU workers that share the cores."""
+    return simulated_iteration_ms(
+        plan, prof, "fused", n, m, shared_cores=True, replicated=replicated
+    )
+
 
 # fwd [0, 2) on worker 0, fused [2, 4) on worker 1, backward [0, 2) (recomputed) on worker 0
 SPLIT = ModelExecutePlan([range(0, 2)], [range(2, 4), range(0, 2)])
@@ -290,9 +299,9 @@ def test_overlapping_workers_split_the_model_only_where_it_pays() -> None:
     # 16: the overlap wins; the same plan for the same timings, every time
     split = _split_or_fewest(ONE_STAGE, prof, 16)
     assert split.fwd_plan and split == _split_or_fewest(ONE_STAGE, prof, 16)
-    assert cpu_iteration_ms(split, prof, 2, 16) < cpu_iteration_ms(ONE_STAGE, prof, 2, 16)
+    assert cpu_ms(split, prof, 2, 16) < cpu_ms(ONE_STAGE, prof, 2, 16)
     # a stage alone is charged its own time, stages side by side SHARED_CORES_SLOWDOWN more
-    assert cpu_iteration_ms(ONE_STAGE, prof, 2, 16) == pytest.approx(16 * 48.0)
+    assert cpu_ms(ONE_STAGE, prof, 2, 16) == pytest.approx(16 * 48.0)
     # memory forced several stages: they stay as memory allows
     forced = ModelExecutePlan([], [range(8, 16), range(0, 8)])
     assert _split_or_fewest(forced, prof, 16) == forced

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe
+from roundpipe_core.plan_choice import PlanChoice
 from roundpipe_core.planning import planner as planner_module
 from tests.core._util import sum_sq
 
@@ -42,7 +43,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, gain: float) -> tuple[list[ModelExecut
 
 def test_not_replanned_before_enough_measured_iterations(monkeypatch) -> None:
     used, asked = _run(monkeypatch, gain=2.0)
-    after = RoundPipe.DEFAULT_REPLAN_AFTER
+    after = PlanChoice.DEFAULT_REPLAN_AFTER
     # call 0: estimates; the first measured iteration is dropped, so call k's plan rests on
     # k - 1 measured iterations: A until `after` of them exist, then B for good
     assert used[: after + 1] == [A] * (after + 1)
@@ -53,7 +54,7 @@ def test_not_replanned_before_enough_measured_iterations(monkeypatch) -> None:
 
 
 def test_a_small_predicted_gain_keeps_the_first_plan(monkeypatch) -> None:
-    used, asked = _run(monkeypatch, gain=1.0 + RoundPipe.DEFAULT_REPLAN_MIN_GAIN / 2)
+    used, asked = _run(monkeypatch, gain=1.0 + PlanChoice.DEFAULT_REPLAN_MIN_GAIN / 2)
     assert used == [A] * 8
     assert asked == 3  # as above; settled: not asked again on every call
 

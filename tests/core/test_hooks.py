@@ -373,3 +373,56 @@ def test_post_accumulate_hooks_after_wrapping_are_refused_at_the_next_call(where
         rp.forward_backward((x,), label=y, loss_fn=sum_sq)  # accepted once removed
     finally:
         rp.close()
+
+
+@pytest.mark.parametrize("overlap", ["two calls in flight", "step between"])
+def test_grad_hooks_in_non_blocking_calls_see_each_master_once_per_call(overlap: str) -> None:
+    """register_grad_hook in non-blocking calls (one gradient countdown for every call
+    mode): the hook hears of each master once per call, and when it does, that call's
+    gradient is in .grad -- summed in issue order, so the gradients a blocking loop
+    leaves. With a step between the calls, the second call's gradients reach .grad (and
+    the hook) only after that step read the first call's."""
+    model = mlp(4)
+    (x1, y1), (x2, y2) = _data(seed=1), _data(seed=2)
+    rp = RoundPipe(copy.deepcopy(model), devices="cpu:2", shared_masters=False)
+    names = {id(m): n for n, m in rp.optim_named_parameters()}
+    heard: list[tuple[int, str, torch.Tensor]] = []
+    calls = {"n": 0}
+    rp.register_grad_hook(
+        lambda ms: heard.extend((calls["n"], names[id(m)], m.grad.clone()) for m in ms)
+    )
+    cfg = RoundPipeRunConfig(num_microbatch=2)
+    lr = 0.1
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=lr)
+    try:
+        calls["n"] = 1
+        p1 = rp.forward_backward((x1,), label=y1, loss_fn=sum_sq, run_config=cfg, blocking=False)
+        if overlap == "step between":
+            p1.result(timeout=60)
+            first = {n: g for c, n, g in heard if c == 1}
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+        calls["n"] = 2
+        p2 = rp.forward_backward((x2,), label=y2, loss_fn=sum_sq, run_config=cfg, blocking=False)
+        p1.result(timeout=60)
+        p2.result(timeout=60)
+        rp.synchronize()
+    finally:
+        rp.close()
+    if overlap == "two calls in flight":
+        # hooks of call 2 are heard in merge order; .grad then holds g1 + g2
+        _, g1 = reference_grads(model, x1, y1)
+        _, g2 = reference_grads(model, x2, y2)
+        for n in g1:
+            reports = [g for _, name, g in heard if name == n]
+            assert len(reports) == 2, f"{n}: heard {len(reports)} times for two calls"
+            assert_close_rel(reports[-1], g1[n] + g2[n], what=f"{n} after both calls")
+    else:
+        _, g1 = reference_grads(model, x1, y1)
+        # the second call computes with the weights before the step (one step stale)
+        _, g2 = reference_grads(model, x2, y2)
+        assert set(first) == set(g1)
+        for n in g1:
+            assert_close_rel(first[n], g1[n], what=f"{n} of call 1")
+            second = [g for c, name, g in heard if c == 2 and name == n]
+            assert len(second) == 1, f"{n}: heard {len(second)} times for call 2"
+            assert_close_rel(second[0], g2[n], what=f"{n} of call 2 (after the step)")

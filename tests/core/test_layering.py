@@ -58,12 +58,10 @@ PLANNING = {
     "plan": {"layout"},
     "partition": set(),
     "schedule": {"plan"},
-    "simresult": {"schedule"},
-    "baseline": {"partition", "simresult"},
-    "simulate": {"baseline", "plan", "schedule", "simresult"},
     "profile": {"plan"},
+    "simulate": {"plan", "profile", "schedule"},
     "search": {"partition", "plan", "profile", "simulate"},
-    "planner": {"plan", "profile", "search"},
+    "planner": {"plan", "profile", "search", "simulate"},
 }
 
 
@@ -261,7 +259,7 @@ def test_the_documented_table_is_this_one():
 #: layer-wise step. The optimizer thread, weight versions and the overlapped runs'
 #: bookkeeping are the wing's own.
 STEPPING_FACE = {
-    "roundpipe_core.stepping.owner": {"StepOwner", "PipelinedCall"},
+    "roundpipe_core.stepping.owner": {"StepOwner"},
     "roundpipe_core.stepping.masters": {"MasterWeights"},
     "roundpipe_core.stepping.pipelined": {
         "GradBuffer",
@@ -272,7 +270,9 @@ STEPPING_FACE = {
         "to_output_device",
     },
     "roundpipe_core.stepping.stepper": {"ClosedError"},
-    "roundpipe_core.stepping.layerwise": {"step_subset", "steps_elementwise"},
+    # the user-facing helpers of the layer-wise step, and the one gradient countdown of a
+    # call (a forward()'s backward counts with it too)
+    "roundpipe_core.stepping.layerwise": {"step_subset", "steps_elementwise", "GradCompletion"},
 }
 
 

@@ -253,7 +253,7 @@ def test_search_rejects_bad_arguments():
 def test_walk_never_slower_and_sometimes_faster_in_simulation():
     """The simulator-guided walk starts from the cap search's pick and only moves to
     faster plans; on uneven profiles it finds some."""
-    from roundpipe_core.planning.simulate import makespan_ms
+    from roundpipe_core.planning.simulate import simulated_iteration_ms
 
     rnd = random.Random(7)
     improved = 0
@@ -277,7 +277,7 @@ def test_walk_never_slower_and_sometimes_faster_in_simulation():
                 walk=walk,
             )
             found.plans[0].check_valid(n, "fused")
-            times.append(makespan_ms(found.plans[0], fwd, bwd, devices, mbs))
+            times.append(simulated_iteration_ms(found.plans[0], prof, "fused", devices, mbs))
         assert times[1] <= times[0] * (1 + 1e-9)
         improved += times[1] < times[0] * (1 - 1e-6)
     assert improved >= 3
@@ -309,7 +309,7 @@ def test_overlap_aware_plan_is_faster_in_the_overlapped_steady_state():
 
 def test_predicted_speedup_ranks_plans_by_simulation():
     from roundpipe_core.planning.planner import predicted_speedup
-    from roundpipe_core.planning.search import simulated_iteration_ms
+    from roundpipe_core.planning.simulate import simulated_iteration_ms
 
     fwd = [1.0] * 8
     prof = LayerProfile(fwd, [2.0] * 8)

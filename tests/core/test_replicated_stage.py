@@ -20,12 +20,21 @@ from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core.context import current_microbatch
-from roundpipe_core.planning.planner import _split_or_fewest, cpu_iteration_ms
+from roundpipe_core.planning.planner import _split_or_fewest
 from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.planning.schedule import FUSED, build_schedule
+from roundpipe_core.planning.simulate import simulated_iteration_ms
 
 # CPU workers computing side by side is what this file is about (under fake CUDA too)
 pytestmark = pytest.mark.cpu_backend
+
+
+def cpu_ms(plan, prof, n, m, replicated=False):
+    """The planner's estimate of a "fused" call on CPU workers that share the cores."""
+    return simulated_iteration_ms(
+        plan, prof, "fused", n, m, shared_cores=True, replicated=replicated
+    )
+
 
 ONE_STAGE = ModelExecutePlan([], [range(0, 6)])
 
@@ -367,11 +376,11 @@ def test_the_schedule_replicates_only_a_lone_fused_stage() -> None:
 def test_the_planner_charges_the_replicated_stage_its_longest_slice() -> None:
     prof = LayerProfile(fwd_ms=[1.0] * 16, bwd_ms=[2.0] * 16)
     one = ModelExecutePlan([], [range(0, 16)])
-    alone = cpu_iteration_ms(one, prof, 2, 16)  # one job, alone: 16 x 48 ms
+    alone = cpu_ms(one, prof, 2, 16)  # one job, alone: 16 x 48 ms
     assert alone == pytest.approx(16 * 48.0)
     # each worker runs 8 of the 16 microbatches, SHARED_CORES_SLOWDOWN slower
-    assert cpu_iteration_ms(one, prof, 2, 16, replicated=True) == pytest.approx(8 * 48.0 * 1.5)
-    assert cpu_iteration_ms(one, prof, 2, 3, replicated=True) == pytest.approx(2 * 48.0 * 1.5)
+    assert cpu_ms(one, prof, 2, 16, replicated=True) == pytest.approx(8 * 48.0 * 1.5)
+    assert cpu_ms(one, prof, 2, 3, replicated=True) == pytest.approx(2 * 48.0 * 1.5)
     # a split plan wins over the stage run as one job, not over the replicated stage
     assert _split_or_fewest(one, prof, 16).fwd_plan
     assert _split_or_fewest(one, prof, 16, replicated=True) == one

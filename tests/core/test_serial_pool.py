@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe
+from roundpipe_core.plan_choice import PlanChoice
 from roundpipe_core.planning.planner import predicted_speedup
 from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.planning.schedule import build_schedule
 from roundpipe_core.running.devices.pool import DevicePool
-from roundpipe_core.simulate import makespan_ms, simulate
+from roundpipe_core.simulate import simulate, simulated_iteration_ms
 from tests.core._util import sum_sq
 
 MB = 1 << 20
@@ -50,7 +51,9 @@ def test_serial_simulation_adds_up_every_job() -> None:
             work += sum(fwd[i] + bwd[i] for i in layers) * m
     serial = simulate(plan, fwd, bwd, 2, m, concurrent=False).makespan_ms
     assert serial == pytest.approx(work)
-    assert makespan_ms(plan, fwd, bwd, 2, m, concurrent=False) == pytest.approx(work)
+    # the planner's estimate (no timeline) agrees
+    estimate = simulated_iteration_ms(plan, LayerProfile(fwd, bwd), "fused", 2, m, concurrent=False)
+    assert estimate == pytest.approx(work)
     # two concurrent devices overlap: strictly faster than the sum
     assert simulate(plan, fwd, bwd, 2, m).makespan_ms < work
 
@@ -89,7 +92,7 @@ def test_default_plan_on_cpu_workers_is_one_stage_and_stays() -> None:
         first = rp.plan_for("fused")
         assert first == ModelExecutePlan([], [range(0, 6)])
         x, y = torch.randn(6, 16), torch.randn(6, 16)
-        for _ in range(RoundPipe.DEFAULT_REPLAN_AFTER + 2):  # past the settled re-plan
+        for _ in range(PlanChoice.DEFAULT_REPLAN_AFTER + 2):  # past the settled re-plan
             rp.forward_backward((x,), label=y, loss_fn=sum_sq)
             assert rp.plan_for("fused") == first
         # a multi-stage plan on CPU workers is predicted slower (more recompute, no overlap)

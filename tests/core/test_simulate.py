@@ -10,7 +10,7 @@ from roundpipe_core.planning.plan import ModelExecutePlan
 from roundpipe_core.planning.profile import LayerProfile
 from roundpipe_core.planning.schedule import build_schedule
 from roundpipe_core.planning.search import stage_times
-from roundpipe_core.planning.simulate import balanced_stages, simulate, simulate_bound_stages
+from roundpipe_core.planning.simulate import simulate
 
 pytestmark = pytest.mark.host_only
 
@@ -135,39 +135,6 @@ def test_activation_handoff_latency():
     assert same.makespan_ms == 2.0  # same device: nothing to hand over
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_bound_baseline_closed_form(schedule):
-    # N equal stages bound to N devices: (M + N - 1) x (F + B) for GPipe and 1F1B alike.
-    n, m = 4, 6
-    stages = [range(i, i + 1) for i in range(n)]
-    res = simulate_bound_stages(
-        stages, [1.0] * n, [2.0] * n, n, m, re_ms=[0.0] * n, fused_last=False, schedule=schedule
-    )
-    assert res.makespan_ms == pytest.approx((m + n - 1) * 3.0)
-    assert res.busy_ms == pytest.approx([m * 3.0] * n)
-
-
-def test_bound_1f1b_order_and_recompute():
-    stages = [range(0, 1), range(1, 2)]
-    res = simulate_bound_stages(stages, [1.0, 1.0], [2.0, 2.0], 2, 2)
-    order = [(e.device, e.kind[0], e.microbatch) for e in res.events if e.device == 1]
-    assert order == [(1, "f", 0), (1, "b", 0), (1, "f", 1), (1, "b", 1)]
-    # Stage 0 recomputes (1 + 2), the last stage does not (2).
-    assert res.busy_ms == [2 * (1 + 3), 2 * (1 + 2)]
-
-
-def test_bound_policy_uses_backward_stages():
-    plan = P.uniform(6, 3, "fused")
-    rr = simulate(plan, [1.0] * 6, [2.0] * 6, 3, 4)
-    bound = simulate(plan, [1.0] * 6, [2.0] * 6, 3, 4, policy="bound")
-    assert rr.makespan_ms < bound.makespan_ms
-    many = P.uniform(6, 6, "fused")
-    with pytest.raises(ValueError, match="1F1B binds one stage per device"):
-        simulate(many, [1.0] * 6, [2.0] * 6, 3, 4, policy="bound")
-    g = simulate(many, [1.0] * 6, [2.0] * 6, 3, 4, policy="bound", bound_schedule="gpipe")
-    assert {e.device for e in g.events} == {0, 1, 2}
-
-
 def test_overlapping_iterations_removes_the_ramp():
     plan = P.uniform(8, 8, "fused")
     one = simulate(plan, [1.0] * 8, [2.0] * 8, 4, 5)
@@ -181,16 +148,8 @@ def test_overlapping_iterations_removes_the_ramp():
     assert min(e.start for e in ov.events if e.iteration == 2) >= end0 - 1e-9
 
 
-def test_balanced_stages():
-    assert balanced_stages([1, 1, 1, 1, 4], 2) == [range(0, 4), range(4, 5)]
-    assert balanced_stages([5, 1, 1, 1], 3) == [range(0, 1), range(1, 4)]  # 5 is the floor
-    assert len(balanced_stages([1.0] * 10, 4)) == 4
-
-
 def test_bad_arguments():
     plan = P.uniform(2, 2, "fused")
-    with pytest.raises(ValueError, match="policy"):
-        simulate(plan, [1.0, 1.0], [1.0, 1.0], 2, 2, policy="fifo")
     with pytest.raises(ValueError, match="bwd_ms has 1"):
         simulate(plan, [1.0, 1.0], [1.0], 2, 2)
     with pytest.raises(ValueError, match=r"upload_ms\[1\]"):

@@ -149,10 +149,6 @@ def _aliases_or_copies(
         torch._C._set_grad_enabled(enabled)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.nbytes  # numel() * element_size(), in one call
-
-
 class UnexpectedDrawError(RuntimeError):
     """A stage seen not to draw random numbers drew from the CPU generator while it
     computed beside other stages (``ROUNDPIPE_CPU_CONCURRENT``): its numbers came from
@@ -427,7 +423,7 @@ class CPUWorker(Worker):
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
         out = _param_copies(tensors) if channel == "param" else _copies(tensors)
-        self.ledger.alloc(sum(map(_nbytes, out)), channel)
+        self.ledger.alloc(sum(t.nbytes for t in out), channel)
         return out
 
     def lend_in(
@@ -437,7 +433,7 @@ class CPUWorker(Worker):
         # it (an alias of its own, so the stage's parameter wrapper and .grad are the
         # stage's); what it may write (buffers) is still copied
         out = _aliases_or_copies(tensors, read_only)
-        self.ledger.alloc(sum(map(_nbytes, out)), "param")
+        self.ledger.alloc(sum(t.nbytes for t in out), "param")
         return out
 
     def wait_channel(self, channel: str) -> None:
@@ -458,7 +454,7 @@ class CPUWorker(Worker):
         return [t.detach() if t.requires_grad else t for t in tensors]
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
-        self.ledger.free(sum(map(_nbytes, tensors)), tag)
+        self.ledger.free(sum(t.nbytes for t in tensors), tag)
 
     def compute(self) -> contextlib.AbstractContextManager:
         return _GATE  # alone (the scope of every stage where workers do not overlap)

@@ -98,10 +98,6 @@ def discover_cuda_devices() -> list[torch.device]:
         return []
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -311,14 +307,14 @@ class CUDAWorker(Worker):
             outs = [self._new_device_tensor(t) for t in srcs]
         for out in outs:
             _mark_used_by(out, self.compute_stream)
-            self.ledger.alloc(_nbytes(out), channel)
+            self.ledger.alloc(out.nbytes, channel)
         if channel == PARAM and self._feeder is not None:
             try:
                 ticket = self._submit_param(srcs, outs)
             except BaseException:
                 # the caller never gets these tensors, so it cannot release them
                 for out in outs:
-                    self.ledger.free(_nbytes(out), channel)
+                    self.ledger.free(out.nbytes, channel)
                 raise
             for out in outs:
                 if out.numel():
@@ -505,7 +501,7 @@ class CUDAWorker(Worker):
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         for t in tensors:
-            self.ledger.free(_nbytes(t), tag)
+            self.ledger.free(t.nbytes, tag)
             if t.numel():
                 self._tickets.pop(t.data_ptr(), None)
             # Uploads already carry record_stream(compute); this covers device

@@ -1,21 +1,56 @@
-"""The weight-binding baseline that RoundPipe is measured against.
+"""The weight-binding baseline that ``benchmarks/planner.py`` measures RoundPipe against.
 
 The same layers cut into stages (shallow to deep), stage i fixed on device
 i mod N with its weights resident (no uploads), scheduled GPipe-style or 1F1B.
-Its events and summary are the simulator's, so the two compare directly.
+Its events and summary are the engine simulator's
+(:mod:`roundpipe_core.planning.simulate`), so the two compare directly. The engine never
+runs this schedule, so it lives beside the benchmark, not in the planning wing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..kinds import JobKind
-from .partition import min_max_partition
-from .simresult import SimEvent, SimResult, per_layer, summarize
+from roundpipe_core.kinds import JobKind, RunType, parse_kind
+from roundpipe_core.planning.partition import Partitioner
+from roundpipe_core.planning.plan import ModelExecutePlan
+from roundpipe_core.planning.simulate import SimEvent, SimResult, per_layer, summarize
 
-__all__ = ["BOUND_SCHEDULES", "balanced_stages", "simulate_bound_stages"]
+__all__ = ["BOUND_SCHEDULES", "balanced_stages", "simulate_bound", "simulate_bound_stages"]
 
 BOUND_SCHEDULES = ("1f1b", "gpipe")
+
+
+def simulate_bound(
+    plan: ModelExecutePlan,
+    fwd_ms: Sequence[float],
+    bwd_ms: Sequence[float],
+    num_devices: int,
+    num_microbatch: int,
+    run_type: RunType | str = RunType.FUSED,
+    re_ms: Sequence[float] | None = None,
+    activation_ms: float = 0.0,
+    schedule: str = "1f1b",
+    iterations: int = 1,
+) -> SimResult:
+    """``plan``'s backward stages (its forward stages for "infer"), shallow to deep,
+    bound to devices: :func:`simulate_bound_stages` (the last stage fused for "fused")."""
+    rt = parse_kind(RunType, run_type, "run_type")
+    plan.check_valid(len(fwd_ms), rt, num_devices)
+    stages = list(reversed(plan.bwd_plan)) if rt != RunType.INFER else list(plan.fwd_plan)
+    return simulate_bound_stages(
+        stages,
+        fwd_ms,
+        bwd_ms,
+        num_devices,
+        num_microbatch,
+        re_ms=re_ms,
+        backward=rt != RunType.INFER,
+        fused_last=rt == RunType.FUSED,
+        activation_ms=activation_ms,
+        schedule=schedule,
+        iterations=iterations,
+    )
 
 
 def simulate_bound_stages(
@@ -121,16 +156,7 @@ def _run_bound(
                 end[kind, s, m] = ready + dur
                 free[d] = ready + dur
                 events.append(
-                    SimEvent(
-                        d,
-                        JobKind.from_code(kind).value,
-                        s,
-                        m,
-                        ready,
-                        ready + dur,
-                        -1,
-                        it,
-                    )
+                    SimEvent(d, JobKind.from_code(kind).value, s, m, ready, ready + dur, -1, it)
                 )
                 pos[d] += 1
                 remaining -= 1
@@ -143,4 +169,11 @@ def _run_bound(
 def balanced_stages(costs: Sequence[float], num_stages: int) -> list[range]:
     """Contiguous partition of layers into at most ``num_stages`` stages minimising the
     largest stage cost (shallow to deep) — the best a weight-bound pipeline can do."""
-    return min_max_partition(costs, num_stages)
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    n = len(costs)
+    if n == 0:
+        return []
+    part = Partitioner(costs)
+    everything = part.cost_prefix[n]  # one stage of every layer always fits
+    return list(reversed(part.pack(n, part.smallest_cap(n, num_stages, everything))))
