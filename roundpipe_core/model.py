@@ -448,7 +448,7 @@ class RoundPipe(RoundPipeBase):
                 ``loss_reduction``). ``"mean"`` multiplies microbatch ``i``'s loss by
                 ``rows_i / batch_rows`` (equal shares when a custom split reports no rows)
                 before it is returned and backpropagated; a loss_fn marked
-                :func:`~roundpipe_core.config.batch_normalized` (``causal_lm_loss_fn``,
+                :func:`~roundpipe_core.loss.batch_normalized` (``causal_lm_loss_fn``,
                 ``model_output_loss``) is not reweighted.
 
         Returns:
