@@ -222,7 +222,7 @@ class _Phases:
 
 def child_measure(path: str, steps: int, shape: str, heap: str, seq: int) -> dict:
     if heap == "limit":
-        from roundpipe_core.running.heap import limit_heap_retention
+        from roundpipe_core.running.host_memory import limit_heap_retention
 
         limit_heap_retention()
     phases = _Phases()
@@ -331,7 +331,7 @@ def _child(*args: str, env: dict[str, str] | None = None) -> dict:
 HEAPS = {
     "default": {},
     "mmap65536": {"MALLOC_MMAP_THRESHOLD_": "65536"},
-    "limit": {},  # roundpipe_core.running.heap.limit_heap_retention() at start
+    "limit": {},  # roundpipe_core.running.host_memory.limit_heap_retention() at start
 }
 
 

@@ -28,7 +28,7 @@ Each N runs with four variants, one after the other: ``glibc`` (glibc's default
 ``malloc``, nothing set: what a user gets), ``per-step`` (glibc's default, but the
 reduction's and the all-gather's flat buffers made and freed at every bucket of every
 step, as before they were kept: the child swaps them back in), ``roundpipe`` (the child
-calls :func:`roundpipe_core.running.heap.limit_heap_retention` first) and ``env``
+calls :func:`roundpipe_core.running.host_memory.limit_heap_retention` first) and ``env``
 (``MALLOC_MMAP_THRESHOLD_=65536`` at launch). With glibc's default threshold, the first
 ``free`` of a large block raises the threshold to that block's size (up to 32 MiB): a
 25 MiB bucket made and freed every step lifts it above every gradient, whose freed
@@ -134,7 +134,7 @@ def child(
 
     torch.set_num_threads(1)
     if os.environ.get(_LIMIT_HEAP):
-        from roundpipe_core.running.heap import limit_heap_retention
+        from roundpipe_core.running.host_memory import limit_heap_retention
 
         limit_heap_retention()
     if os.environ.get(_PER_STEP):

@@ -4,10 +4,11 @@ stateless pool of devices (CUDA GPUs, or CPU threads that play devices)."""
 from . import optim
 from .amp import GradScaler
 from .autosplit import AutoRoundPipe
+from .base import OptimizerCtx
 from .batch import RoundPipePackedData
 from .config import RoundPipeRunConfig
 from .context import doing_recompute, get_recompute_data, save_for_recompute
-from .model import OptimizerCtx, RoundPipe
+from .model import RoundPipe
 from .planning.plan import ModelExecutePlan
 from .presets import wrap_model_to_roundpipe
 from .stepping.pipelined import PendingResult

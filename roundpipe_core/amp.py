@@ -49,6 +49,8 @@ from typing import Any, overload
 
 import torch
 
+from .kinds import check_flag
+
 __all__ = ["GradScaler"]
 
 
@@ -209,8 +211,7 @@ class GradScaler:
             RuntimeError: ``is_async=False`` waited ``wait_timeout`` seconds and no
                 ``scaler.step(optimizer)`` came (a forgotten step; never a hang).
         """
-        if not isinstance(is_async, bool):
-            raise TypeError(f"is_async must be True or False, got {is_async!r}")
+        check_flag(is_async, "is_async")
         if not self.is_enabled():
             return
         with self._cond:

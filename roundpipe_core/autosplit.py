@@ -64,7 +64,7 @@ from .base import RoundPipeBase
 from .batch.explain import leaf_paths
 from .batch.tree import Replicate, batch_size_of, flatten, split_sizes
 from .config import RoundPipeRunConfig, check_run_config
-from .kinds import PinMode
+from .kinds import PinMode, check_int
 from .model import RoundPipe
 from .running.carried import UntrainableStateError
 
@@ -172,6 +172,47 @@ def _check_bytes(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum} bytes, got {value}")
 
 
+def check_split_arguments(
+    split_threshold: Any,
+    upper_threshold: Any,
+    lower_threshold: Any,
+    skip_modules: Any,
+    override_config: Any,
+) -> None:
+    """The automatic split's arguments, each checked on its own (``auto_wrap``,
+    ``AutoRoundPipe`` and ``wrap_model_to_roundpipe`` take the same ones); what needs
+    the model (submodules, forwards of their own) :func:`split_rules` checks."""
+    if split_threshold is not None:
+        check_int(split_threshold, "split_threshold", why="parameters")
+    _check_bytes("upper_threshold", upper_threshold, 1)
+    _check_bytes("lower_threshold", lower_threshold, 0)
+    if split_threshold is not None and upper_threshold is not None:
+        raise ValueError(
+            "give upper_threshold (bytes, as the published RoundPipe) or split_threshold "
+            "(parameters), not both"
+        )
+    if (
+        isinstance(skip_modules, (nn.Module, str, bytes))
+        or not isinstance(skip_modules, Collection)
+        or not all(isinstance(m, nn.Module) for m in skip_modules)
+    ):
+        raise TypeError(
+            f"skip_modules must be a collection of nn.Module (e.g. [model.lm_head]), got "
+            f"{skip_modules!r}"
+        )
+    if override_config is not None and not isinstance(override_config, Mapping):
+        raise TypeError(
+            "override_config must be a dict {submodule: RoundPipeRunConfig}, got "
+            f"{type(override_config).__name__}"
+        )
+    for m, cfg in (override_config or {}).items():
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"override_config keys must be submodules of the model, got {type(m).__name__}"
+            )
+        check_run_config(cfg, f"override_config[{type(m).__name__}]")
+
+
 def split_rules(
     model: nn.Module,
     split_threshold: int | None,
@@ -181,28 +222,10 @@ def split_rules(
     override_config: Mapping[nn.Module, RoundPipeRunConfig] | None,
 ) -> SplitRules:
     """The split rules from auto_wrap's arguments, each checked."""
-    if split_threshold is not None and (
-        isinstance(split_threshold, bool)
-        or not isinstance(split_threshold, int)
-        or split_threshold < 1
-    ):
-        raise ValueError(
-            f"split_threshold must be a positive int (parameters), got {split_threshold!r}"
-        )
-    _check_bytes("upper_threshold", upper_threshold, 1)
-    _check_bytes("lower_threshold", lower_threshold, 0)
-    if split_threshold is not None and upper_threshold is not None:
-        raise ValueError("give upper_threshold (bytes) or split_threshold (parameters), not both")
-    if isinstance(skip_modules, nn.Module) or not all(
-        isinstance(m, nn.Module) for m in skip_modules
-    ):
-        raise TypeError("skip_modules must be a collection of nn.Module, e.g. [model.head]")
-    for m, cfg in (override_config or {}).items():
-        if not isinstance(m, nn.Module):
-            raise TypeError(
-                f"override_config keys must be submodules of the model, got {type(m).__name__}"
-            )
-        check_run_config(cfg, f"override_config[{type(m).__name__}]")
+    check_split_arguments(
+        split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
+    )
+    for m in override_config or {}:
         if not has_own_forward(m):
             raise ValueError(
                 f"override_config names a {type(m).__name__}, which has no forward of its own "

@@ -15,20 +15,10 @@ from typing import Any
 import torch
 
 from .batch import check_run_specs
-from .kinds import RecomputeGrain, parse_kind
+from .kinds import RecomputeGrain, check_flag, check_int, parse_kind
 from .planning.plan import ModelExecutePlan
 
-__all__ = [
-    "LOSS_REDUCTIONS",
-    "RoundPipeRunConfig",
-    "batch_extent",
-    "batch_normalized",
-    "check_loss_reduction",
-    "check_run_config",
-    "default_loss_fn",
-    "microbatch_loss_weights",
-    "output_device",
-]
+__all__ = ["RoundPipeRunConfig", "check_run_config", "output_device"]
 
 
 @dataclass
@@ -92,13 +82,10 @@ def check_run_config(cfg: object, name: str = "run_config") -> RoundPipeRunConfi
         raise TypeError(f"{name} must be a RoundPipeRunConfig, got {type(cfg).__name__}")
     if cfg.recompute_grain is not None:
         parse_kind(RecomputeGrain, cfg.recompute_grain, "recompute_grain")
-    n = cfg.num_microbatch
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise ValueError(f"num_microbatch must be a positive int, got {n!r}")
-    for field_name in ("requires_grad", "preserve_rng_state"):
-        v = getattr(cfg, field_name)
-        if v is not None and not isinstance(v, bool):
-            raise TypeError(f"{field_name} must be True, False or None, got {v!r}")
+    if cfg.num_microbatch is not None:
+        check_int(cfg.num_microbatch, "num_microbatch")
+    check_flag(cfg.requires_grad, "requires_grad", none="grad mode decides")
+    check_flag(cfg.preserve_rng_state, "preserve_rng_state", none="the model's, else True")
     check_run_specs(cfg.split_input, cfg.split_label, cfg.merge_output)
     if cfg.output_device is not None:
         output_device(cfg.output_device)
@@ -150,87 +137,3 @@ def _usable(device: torch.device) -> torch.device:
             f"device(s) (indices 0..{count() - 1}); pass one of them or 'cpu'"
         )
     return device
-
-
-def call_loss_fn(
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None, out: Any, label: Any, mb: int, device: Any
-) -> torch.Tensor:
-    """``loss_fn(out, label)``; an error it raises says it came from the loss function
-    (not from the layers of the fused stage), with the microbatch."""
-    assert loss_fn is not None
-    try:
-        return loss_fn(out, label)
-    except BaseException as exc:
-        if hasattr(exc, "add_note"):
-            name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
-            exc.add_note(
-                f"RoundPipe: raised in the loss function ({name}), microbatch {mb}, "
-                f"on device {device.index} ({device.device})"
-            )
-        raise
-
-
-def default_loss_fn(outputs: Any, labels: Any) -> Any:
-    """``forward_backward``'s default loss: the model's output is the loss."""
-    return outputs
-
-
-#: how ``forward_backward`` combines its per-microbatch losses: "sum" (the published
-#: contract) or "mean" (each weighted by its share of the batch rows)
-LOSS_REDUCTIONS = ("sum", "mean")
-
-
-def check_loss_reduction(value: Any, name: str = "loss_reduction") -> str:
-    """``value`` if it is one of :data:`LOSS_REDUCTIONS` (a clear error otherwise)."""
-    if not isinstance(value, str) or value not in LOSS_REDUCTIONS:
-        raise ValueError(
-            f"{name} must be 'sum' (the per-microbatch losses are added up) or 'mean' (each "
-            f"microbatch loss is weighted by its share of the batch, so a loss_fn returning a "
-            f"batch mean gives the whole batch's mean), got {value!r}"
-        )
-    return value
-
-
-_LossFn = Callable[[Any, Any], Any]
-
-
-def batch_normalized(loss_fn: _LossFn) -> _LossFn:
-    """Mark ``loss_fn`` as already returning its microbatch's share of the whole batch's loss
-    (it divides by a count over the whole batch, as ``causal_lm_loss_fn`` does): under
-    ``loss_reduction="mean"`` its losses are then added up, not weighted a second time."""
-    setattr(loss_fn, "batch_normalized", True)  # noqa: B010 -- a function takes no annotation
-    return loss_fn
-
-
-def microbatch_loss_weights(
-    reduction: str, loss_fn: Any, sizes: list[int], batch_size: int | None, num_microbatch: int
-) -> list[float] | None:
-    """The factor on each microbatch's loss (returned and backpropagated), or ``None``.
-
-    ``None`` under ``"sum"`` or for a :func:`batch_normalized` loss_fn. Under ``"mean"``:
-    microbatch rows / batch rows, as the batch was split; a split that does not report rows
-    (a custom ``split_input`` function, a split along another dim) weights them equally.
-    """
-    if reduction == "sum" or getattr(loss_fn, "batch_normalized", False) is True:
-        return None
-    if batch_size and len(sizes) == num_microbatch:
-        return [n / batch_size for n in sizes]
-    return [1.0 / num_microbatch] * num_microbatch
-
-
-def batch_extent(args: Any, kwargs: Any) -> tuple[int, int]:
-    """(samples, tokens) of a call: the leading dimension of the first input tensor and,
-    if that tensor holds integer token ids (two or more dimensions), its number of
-    elements (else 0)."""
-    stack: list[Any] = [args, kwargs]
-    while stack:
-        x = stack.pop(0)
-        if isinstance(x, torch.Tensor):
-            samples = int(x.shape[0]) if x.dim() > 0 else 1
-            integral = not (x.is_floating_point() or x.is_complex())
-            return samples, (x.numel() if integral and x.dim() >= 2 else 0)
-        if isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return 0, 0

@@ -1,4 +1,5 @@
-"""The engine's small vocabularies as ``str`` Enums, validated in one place.
+"""The engine's small vocabularies as ``str`` Enums, validated in one place, and the one
+checker of its plain arguments (counts, flags).
 
 Each member *is* its text (``RunType.FUSED == "fused"``), so a user may pass the
 plain string and logs, layouts and traces print it unchanged. Code inside the
@@ -10,7 +11,15 @@ from __future__ import annotations
 from enum import Enum
 from typing import TypeVar
 
-__all__ = ["JobKind", "PinMode", "RecomputeGrain", "RunType", "parse_kind"]
+__all__ = [
+    "JobKind",
+    "PinMode",
+    "RecomputeGrain",
+    "RunType",
+    "check_flag",
+    "check_int",
+    "parse_kind",
+]
 
 
 class RunType(str, Enum):
@@ -92,3 +101,28 @@ def parse_kind(enum: type[_E], value: object, name: str) -> _E:
                 return member
     choices = ", ".join(repr(m.value) for m in enum)
     raise ValueError(f"{name} must be one of {choices}; got {value!r}")
+
+
+def check_int(value: object, name: str, minimum: int = 1, why: str = "") -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``.
+
+    Raises:
+        ValueError: naming the argument ``name``, the bound, what the number counts
+            (``why``) and the bad value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        counts = f" ({why})" if why else ""
+        raise ValueError(f"{name} must be an int >= {minimum}{counts}, got {value!r}")
+    return value
+
+
+def check_flag(value: object, name: str, none: str = "") -> bool | None:
+    """``value`` if it is True or False, or None where ``none`` says what None means.
+
+    Raises:
+        TypeError: naming the argument ``name``, the choices and the bad value.
+    """
+    if isinstance(value, bool) or (none and value is None):
+        return value
+    choices = f"True, False or None ({none})" if none else "True or False"
+    raise TypeError(f"{name} must be {choices}, got {value!r}")

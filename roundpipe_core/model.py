@@ -25,21 +25,16 @@ from torch import nn
 
 from . import batch as batching
 from .autograd import AutogradForward, PipelineOps
-from .base import OptimizerCtx, RoundPipeBase
+from .base import RoundPipeBase
+from .batch.tree import batch_extent
 from .checks import (
     ForwardRuleChecker,
     check_inputs_need_no_grad,
     check_not_compiled_in_place,
 )
-from .config import (
-    RoundPipeRunConfig,
-    batch_extent,
-    check_loss_reduction,
-    check_run_config,
-    default_loss_fn,
-    microbatch_loss_weights,
-)
+from .config import RoundPipeRunConfig, check_run_config
 from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
+from .loss import check_loss_reduction, default_loss_fn, microbatch_loss_weights
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
 from .planning.planner import ReplanDecision
@@ -54,14 +49,7 @@ from .stepping.pipelined import (
     to_output_device,
 )
 
-__all__ = [
-    "OptimizerCtx",
-    "RoundPipe",
-    "RoundPipeBase",
-    "RoundPipeRunConfig",
-    "batch_extent",
-    "default_loss_fn",
-]
+__all__ = ["RoundPipe"]
 
 
 class RoundPipe(RoundPipeBase):
@@ -468,7 +456,7 @@ class RoundPipe(RoundPipeBase):
                 ``loss_reduction``). ``"mean"`` multiplies microbatch ``i``'s loss by
                 ``rows_i / batch_rows`` (equal shares when a custom split reports no rows)
                 before it is returned and backpropagated; a loss_fn marked
-                :func:`~roundpipe_core.config.batch_normalized` (``causal_lm_loss_fn``,
+                :func:`~roundpipe_core.loss.batch_normalized` (``causal_lm_loss_fn``,
                 ``model_output_loss``) is not reweighted.
 
         Returns:

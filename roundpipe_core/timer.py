@@ -3,6 +3,6 @@ the published package's spelling. The timer lives with the code that feeds it, i
 :mod:`roundpipe_core.running.timer`; this module re-exports the same objects, so
 ``ModelTimer.VERBOSE = True`` here is the engine's switch."""
 
-from .running.timer import JobClock, ModelTimer
+from .running.timer import ModelTimer
 
-__all__ = ["JobClock", "ModelTimer"]
+__all__ = ["ModelTimer"]

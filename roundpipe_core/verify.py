@@ -44,8 +44,9 @@ import torch
 from torch import nn
 
 from . import batch as batching
+from .config import RoundPipeRunConfig
 from .context import current_microbatch, doing_recompute
-from .model import RoundPipe, RoundPipeRunConfig
+from .model import RoundPipe
 from .planning.layout import parse_layout
 from .planning.plan import ModelExecutePlan, default_num_microbatch
 from .running.devices.pool import DevicePool

@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
 from roundpipe_core.autosplit import auto_wrap
-from roundpipe_core.config import LOSS_REDUCTIONS
+from roundpipe_core.loss import LOSS_REDUCTIONS
 from roundpipe_core.optim import check_state_matches, fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
     HostMemoryBudget,

@@ -172,7 +172,7 @@ PLANTS: tuple[Plant, ...] = (
         name="mean-weights-ignore-rows",
         defect='loss_reduction="mean" weights uneven microbatches equally instead of by '
         "their share of the batch rows (e79918f)",
-        file="roundpipe_core/config.py",
+        file="roundpipe_core/loss.py",
         old="        return [n / batch_size for n in sizes]\n",
         new="        return [1.0 / num_microbatch] * num_microbatch\n",
         tests=(

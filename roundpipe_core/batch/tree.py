@@ -18,6 +18,7 @@ __all__ = [
     "avg_reducer",
     "sum_reducer",
     "flatten",
+    "batch_extent",
     "batch_size_of",
     "split_sizes",
     "split_tree",
@@ -182,6 +183,24 @@ def batch_size_of(obj: Any) -> int | None:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
             return int(leaf.shape[0])
     return None
+
+
+def batch_extent(args: Any, kwargs: Any) -> tuple[int, int]:
+    """(samples, tokens) of a call: the leading dimension of the first input tensor and,
+    if that tensor holds integer token ids (two or more dimensions), its number of
+    elements (else 0)."""
+    stack: list[Any] = [args, kwargs]
+    while stack:
+        x = stack.pop(0)
+        if isinstance(x, torch.Tensor):
+            samples = int(x.shape[0]) if x.dim() > 0 else 1
+            integral = not (x.is_floating_point() or x.is_complex())
+            return samples, (x.numel() if integral and x.dim() >= 2 else 0)
+        if isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return 0, 0
 
 
 def split_sizes(batch_size: int | None, num_microbatch: int) -> list[int]:

@@ -46,6 +46,7 @@ the timeout expires. Either way a :class:`CollectiveError` naming the rank is
 raised on the calling thread, never a silent hang.
 """
 
+from .buckets import DEFAULT_BUCKET_BYTES, reduce_buffer_bytes
 from .data_parallel import DataParallel
 from .group import (
     DEFAULT_TIMEOUT,
@@ -61,14 +62,7 @@ from .group import (
     init_process_group,
     resolve_timeout,
 )
-from .reducer import (
-    DEFAULT_BUCKET_BYTES,
-    GradientAllReducer,
-    broadcast_masters,
-    params_in_sync,
-    reduce_buffer_bytes,
-    sync_gradients,
-)
+from .reducer import GradientAllReducer, broadcast_masters, params_in_sync, sync_gradients
 from .shard_io import load_shards, merge_shards, save_shard, shard_files
 from .sharded import (
     HostShard,

@@ -127,7 +127,8 @@ class BufferRing:
     The buffers are made at the first use of a dtype and kept: made and freed every step
     they would have glibc's ``malloc`` raise its mmap threshold to their size and keep
     the freed blocks -- theirs and every smaller tensor's -- in its heaps (the peak RSS
-    then creeps up well past the host-memory budget; see ``running/heap.py``)."""
+    then creeps up well past the host-memory budget; see
+    :func:`~roundpipe_core.running.host_memory.limit_heap_retention`)."""
 
     def __init__(self, buckets: Sequence[_Bucket]) -> None:
         self._slot: dict[int, int] = {}  # bucket index -> slot

@@ -11,15 +11,11 @@ from typing import Any
 
 import torch
 
-from ..running.heap import heap_retention_limited
+from ..kinds import check_flag
+from ..running.host_memory import heap_retention_limited
+from .buckets import DEFAULT_BUCKET_BYTES, reduce_buffer_bytes
 from .group import group_size, init_process_group, resolve_timeout
-from .reducer import (
-    DEFAULT_BUCKET_BYTES,
-    REDUCE_OPS,
-    GradientAllReducer,
-    broadcast_masters,
-    reduce_buffer_bytes,
-)
+from .reducer import GradientAllReducer, broadcast_masters, check_reduce_arguments
 from .shard_io import load_shards, save_shard
 from .sharded import HostShard, ShardedGradientReducer, kept_buffer_bytes
 
@@ -37,7 +33,7 @@ def _say_heap_once() -> None:
             "shard_host_state=True: with glibc's default malloc a sharded rank keeps some of "
             "the gradients it drops every step in malloc's heaps (peak ~1.03x the host-memory "
             "budget, up to ~1.1x with bf16); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
-            "roundpipe_core.running.heap.limit_heap_retention(), for ~1.01x (slower steps "
+            "roundpipe_core.running.host_memory.limit_heap_retention(), for ~1.01x (slower steps "
             "on CPU workers: docs/multi-node.md)"
         )
 
@@ -98,7 +94,7 @@ class DataParallel:
             collectives' kept buffers (:meth:`kept_buffer_bytes`, sharded or not); with
             glibc's default ``malloc`` the peak is ~1.03x it (up to ~1.1x bf16), ~1.01x
             with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536`` or
-            :func:`~roundpipe_core.running.heap.limit_heap_retention`; said once at INFO
+            :func:`~roundpipe_core.running.host_memory.limit_heap_retention`; said once at INFO
             when it is not), which slows CPU workers' steps.
 
     The default group is gloo: everything the strategy communicates -- master
@@ -114,12 +110,8 @@ class DataParallel:
         timeout: float | int | timedelta | None = None,
         shard_host_state: bool = False,
     ) -> None:
-        if not isinstance(shard_host_state, bool):
-            raise TypeError(f"shard_host_state must be True or False, got {shard_host_state!r}")
-        if op not in REDUCE_OPS:
-            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        check_flag(shard_host_state, "shard_host_state")
+        check_reduce_arguments(op, bucket_bytes)
         self.op = op
         self.overlap = bool(overlap)
         self.bucket_bytes = bucket_bytes
@@ -183,8 +175,7 @@ class DataParallel:
                 as Lightning's loop does). The optimizer state and the master gradients
                 are sharded either way.
         """
-        if not isinstance(async_step, bool):
-            raise TypeError(f"async_step must be True or False, got {async_step!r}")
+        check_flag(async_step, "async_step")
         self.detach()
         self._shards = {}
         self.publishes_versions = False
@@ -253,7 +244,7 @@ class DataParallel:
         ``rp`` with ``optimizers`` (the host-memory budget's "collective buffers",
         ``estimate_host_memory(..., collective_buffers=...)``): each optimizer's gradient
         reduction keeps a ring of a few buckets' worth
-        (:func:`~.reducer.reduce_buffer_bytes`), sharded also the all-gather's buffer
+        (:func:`~.buckets.reduce_buffer_bytes`), sharded also the all-gather's buffer
         (:func:`~.sharded.kept_buffer_bytes`); 0 in one process. Computed without a
         collective, before or after :meth:`attach`."""
         if self.world_size == 1:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kinds import check_int
 from .buckets import (
     DEFAULT_BUCKET_BYTES,
     REDUCE_IN_FLIGHT,
@@ -28,7 +29,6 @@ from .buckets import (
     _bucketize,
     _unique_params,
     copy_from_flat,
-    reduce_buffer_bytes,
 )
 from .group import (
     all_gather,
@@ -41,10 +41,7 @@ from .group import (
 )
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES",
-    "REDUCE_IN_FLIGHT",
     "GradientAllReducer",
-    "reduce_buffer_bytes",
     "sync_gradients",
     "broadcast_masters",
     "params_in_sync",
@@ -52,6 +49,15 @@ __all__ = [
 
 REDUCE_OPS = ("mean", "sum")
 """How gradients combine over ranks."""
+
+
+def check_reduce_arguments(op: object, bucket_bytes: object) -> None:
+    """ValueError unless ``op`` is one of :data:`REDUCE_OPS` and ``bucket_bytes`` an int >= 1
+    (``DataParallel`` and the reducers it makes take the same two)."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
+    check_int(bucket_bytes, "bucket_bytes")
+
 
 _POLL_S = 0.05  # how often waiting threads look for an abort
 
@@ -219,10 +225,7 @@ class GradientAllReducer:
         timeout: float | int | timedelta | None = None,
         params: Iterable[torch.Tensor] | None = None,
     ) -> None:
-        if op not in REDUCE_OPS:
-            raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        check_reduce_arguments(op, bucket_bytes)
         if not hasattr(rp, "optim_parameters") or not hasattr(rp, "register_grad_hook"):
             raise TypeError(f"GradientAllReducer needs a RoundPipe, got {type(rp).__name__}")
         self.rp = rp

@@ -68,6 +68,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..kinds import check_int
 from .buckets import BufferRing, _Bucket, _bucketize, _unique_params, copy_from_flat
 from .group import collective_error, group_size, group_timeout, resolve_timeout
 from .reducer import GradientAllReducer
@@ -89,8 +90,7 @@ def partition_by_bytes(params: Sequence[torch.Tensor], world_size: int) -> list[
     Raises:
         ValueError: ``world_size`` is not a positive int.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_int(world_size, "world_size")
     total = sum(p.nbytes for p in params)
     owners: list[int] = []
     start = 0

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ..kinds import RunType, parse_kind
+from ..kinds import RunType, check_int, parse_kind
 
 __all__ = [
     "LayoutSpec",
@@ -274,10 +274,8 @@ def _counts_to_ranges(counts: Sequence[int], end: int, descending: bool) -> list
 
 def check_num_devices(num_devices: Any) -> None:
     """``ValueError`` unless ``num_devices`` is ``None`` or an int >= 1."""
-    if num_devices is None:
-        return
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"num_devices must be an int >= 1 (the pool's size), got {num_devices!r}")
+    if num_devices is not None:
+        check_int(num_devices, "num_devices", why="the pool's size")
 
 
 def resolve_layout(
@@ -296,10 +294,8 @@ def resolve_layout(
     huge count fails at once. The result is not yet validated as a plan.
     """
     rt = parse_kind(RunType, run_type, "run_type")
-    if num_layers is not None and (
-        not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1
-    ):
-        raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+    if num_layers is not None:
+        check_int(num_layers, "num_layers")
     check_num_devices(num_devices)
     f = parse_layout(fwd, "fwd") if fwd is not None else None
     b = parse_layout(bwd, "bwd") if bwd is not None else None

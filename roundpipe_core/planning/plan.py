@@ -20,7 +20,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, overload
 
-from ..kinds import RunType, parse_kind
+from ..kinds import RunType, check_int, parse_kind
 from .layout import (
     LayoutSpec,
     check_num_devices,
@@ -29,7 +29,7 @@ from .layout import (
     resolve_layout,
 )
 
-__all__ = ["AutoPlanner", "LayoutSpec", "ModelExecutePlan", "default_num_microbatch"]
+__all__ = ["AutoPlanner", "ModelExecutePlan", "default_num_microbatch"]
 
 
 def default_num_microbatch(num_devices: int, concurrent: bool = True, replicas: int = 1) -> int:
@@ -181,8 +181,7 @@ class ModelExecutePlan:
         one device of the pool per stage.
         """
         rt = parse_kind(RunType, run_type, "run_type")
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        check_int(num_layers, "num_layers")
         check_num_devices(num_devices)
         if rt in (RunType.INFER, RunType.TRAIN):
             if not self.fwd_plan:
@@ -249,11 +248,8 @@ class ModelExecutePlan:
         the forward plan covers the layers before it.
         """
         rt = parse_kind(RunType, run_type, "run_type")
-        for name, value in (("num_layers", num_layers), ("num_stages", num_stages)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(
-                    f"ModelExecutePlan.uniform: {name} must be a positive int, got {value!r}"
-                )
+        check_int(num_layers, "ModelExecutePlan.uniform: num_layers")
+        check_int(num_stages, "ModelExecutePlan.uniform: num_stages")
         num_stages = min(num_stages, num_layers)
         base, extra = divmod(num_layers, num_stages)
         stages, start = [], 0

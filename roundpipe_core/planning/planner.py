@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..kinds import RunType, parse_kind
+from ..kinds import RunType, check_flag, check_int, parse_kind
 from .plan import ModelExecutePlan, default_num_microbatch
 from .profile import LayerProfile, profile_of
 from .search import search_plans
@@ -123,10 +123,7 @@ def auto(
     rt = parse_kind(RunType, run_type, "run_type")
     if not models:
         raise ValueError("ModelExecutePlan.auto() needs at least one model to plan")
-    if concurrent is not None and not isinstance(concurrent, bool):
-        raise TypeError(
-            f"concurrent must be True, False or None (the models' pools decide), got {concurrent!r}"
-        )
+    check_flag(concurrent, "concurrent", none="the models' pools decide")
     profiles: list[LayerProfile] = []
     devices: list[int] = []
     capacities: list[int] = []
@@ -152,8 +149,7 @@ def auto(
                 "the number of devices)"
             )
         min_stages = max(devices)
-    if not isinstance(min_stages, int) or isinstance(min_stages, bool) or min_stages < 1:
-        raise ValueError(f"min_stages must be an int >= 1, got {min_stages!r}")
+    check_int(min_stages, "min_stages")
     if model_memory_limit is None:
         limit_bytes = DEFAULT_MEMORY_SHARE * min(capacities) if capacities else math.inf
     else:

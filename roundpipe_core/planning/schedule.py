@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..kinds import JobKind, RunType, parse_kind
+from ..kinds import JobKind, RunType, check_int, parse_kind
 from .plan import ModelExecutePlan
 
 __all__ = [
@@ -174,8 +174,7 @@ def build_schedule(
         owners = plan.bwd_owners
         for i, r in enumerate(plan.bwd_plan):
             entries.append((BACKWARD, r, i, owners[i] if owners else None))
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-        raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+    check_int(replicas, "replicas")
     count = min(replicas, num_devices, num_microbatch)
     if count > 1 and len(entries) == 1 and entries[0][0] == FUSED and entries[0][3] is None:
         _, r, stage, _ = entries[0]

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kinds import JobKind, RunType, parse_kind
+from ..kinds import JobKind, RunType, check_flag, parse_kind
 from .plan import ModelExecutePlan
 from .profile import LayerProfile
 from .schedule import BACKWARD, FORWARD, FUSED, Job, build_schedule
@@ -261,8 +261,7 @@ def simulate(
         raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
     if not activation_ms >= 0:
         raise ValueError(f"activation_ms must be >= 0, got {activation_ms!r}")
-    if not isinstance(concurrent, bool):
-        raise TypeError(f"concurrent must be True or False, got {concurrent!r}")
+    check_flag(concurrent, "concurrent")
     rt = parse_kind(RunType, run_type, "run_type")
     plan.check_valid(n, rt, num_devices)
     if not step_ms >= 0:

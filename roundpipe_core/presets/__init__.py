@@ -26,7 +26,6 @@ Nothing here imports Lightning.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -34,9 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..autosplit import auto_wrap
-from ..config import batch_normalized
-from ..model import RoundPipe, RoundPipeRunConfig
+from ..autosplit import auto_wrap, check_split_arguments, nbytes
+from ..config import check_run_config
+from ..loss import batch_normalized
+from ..model import RoundPipe
 from ..running.devices.pool import DevicePool, resolve_devices
 from .common import CausalLMInputAdapter, DecoderBlock
 from .generic import GenericDecoderBlock, convert_decoder_lm
@@ -209,7 +209,7 @@ def convert_if_possible(model: nn.Module) -> nn.Sequential | None:
 def model_output_loss(outputs: Any, labels: Any = None) -> torch.Tensor:
     """``loss_fn`` for ``forward_backward`` when the model computes its own loss (``labels=`` input).
 
-    Marked :func:`~roundpipe_core.config.batch_normalized`: with ``num_items_in_batch``
+    Marked :func:`~roundpipe_core.loss.batch_normalized`: with ``num_items_in_batch``
     counting the whole batch's tokens, each microbatch's ``.loss`` is already its share of
     Hugging Face's loss, so ``loss_reduction="sum"`` and ``"mean"`` both add them up to it.
 
@@ -230,16 +230,6 @@ def model_output_loss(outputs: Any, labels: Any = None) -> torch.Tensor:
     return loss
 
 
-def _check_int(name: str, value: Any, minimum: int, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        kind = "an int or None" if allow_none else "an int"
-        raise TypeError(f"{name} must be {kind} (bytes), got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum} (bytes), got {value}")
-
-
 def _check_wrap_arguments(
     use_sequential_preset: Any,
     lower_threshold: Any,
@@ -255,58 +245,14 @@ def _check_wrap_arguments(
             "use_sequential_preset must be None (try a preset, else split automatically), True "
             f"(a preset or an error) or False (automatic split), got {use_sequential_preset!r}"
         )
-    _check_int("lower_threshold", lower_threshold, 0, allow_none=False)
-    _check_int("upper_threshold", upper_threshold, 1, allow_none=True)
-    if split_threshold is not None:
-        if isinstance(split_threshold, bool) or not isinstance(split_threshold, int):
-            raise TypeError(f"split_threshold must be an int (parameters), got {split_threshold!r}")
-        if upper_threshold is not None:
-            raise ValueError(
-                "give upper_threshold (bytes, as the published RoundPipe) or split_threshold "
-                "(parameters), not both"
-            )
-    if isinstance(skip_modules, (nn.Module, str, bytes)) or not isinstance(
-        skip_modules, Collection
-    ):
-        raise TypeError(
-            f"skip_modules must be a collection of nn.Module (e.g. [model.lm_head]), got "
-            f"{type(skip_modules).__name__}"
-        )
-    for m in skip_modules:
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"skip_modules may hold only nn.Module objects, got {type(m).__name__}")
-    if override_config is not None:
-        if not isinstance(override_config, Mapping):
-            raise TypeError(
-                "override_config must be a dict {submodule: RoundPipeRunConfig}, got "
-                f"{type(override_config).__name__}"
-            )
-        for k, v in override_config.items():
-            if not isinstance(k, nn.Module) or not isinstance(v, RoundPipeRunConfig):
-                raise TypeError(
-                    "override_config must map nn.Module objects to RoundPipeRunConfig, got "
-                    f"{type(k).__name__} -> {type(v).__name__}"
-                )
-    if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
-        raise TypeError(
-            f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}"
-        )
+    # checked here too where a preset converts the model (the split's options unused)
+    check_split_arguments(
+        split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
+    )
+    if model_run_config is not None:
+        check_run_config(model_run_config, "model_run_config")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None, got {type(name).__name__}")
-
-
-def _model_bytes(model: nn.Module) -> tuple[int, int]:
-    """(parameter + buffer bytes, parameter elements) of ``model``, shared tensors once."""
-    seen: set[int] = set()
-    nbytes = numel = 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        nbytes += t.numel() * t.element_size()
-        if isinstance(t, nn.Parameter):
-            numel += t.numel()
-    return nbytes, numel
 
 
 def _num_devices(devices: Any) -> int:
@@ -326,43 +272,22 @@ def _auto_split(
     split_threshold: int | None,
     roundpipe_kwargs: dict[str, Any],
 ) -> Any:
-    """The automatic split, called with what :func:`roundpipe_core.autosplit.auto_wrap` takes.
-
-    The thresholds are bytes (as the published RoundPipe's); the automatic
-    split measures parameters, so a byte threshold becomes elements at the
-    model's average bytes per parameter. Options it does not take yet are
-    passed on once it does, and refused (not silently ignored) until then.
-    """
-    accepted = inspect.signature(auto_wrap).parameters
-    extra: dict[str, Any] = {}
-    for arg, value, default in (
-        ("lower_threshold", lower_threshold, DEFAULT_LOWER_THRESHOLD),
-        ("skip_modules", skip_modules, None),
-        ("override_config", override_config, None),
-    ):
-        if arg in accepted:
-            extra[arg] = value
-        elif value != default and not (default is None and not value):
-            raise ValueError(
-                f"{arg}= is not supported by this version's automatic split "
-                "(use_sequential_preset=False); leave it at its default"
-            )
-    if split_threshold is None:
-        nbytes, numel = _model_bytes(model)
-        if upper_threshold is None:
-            # as the published RoundPipe: the model spread over one unit more than devices
-            upper_threshold = max(1, nbytes // (_num_devices(roundpipe_kwargs.get("devices")) + 1))
-        if "upper_threshold" in accepted:
-            extra["upper_threshold"] = upper_threshold
-        else:
-            bytes_per_param = nbytes / numel if numel else 4.0
-            split_threshold = max(1, int(upper_threshold / bytes_per_param))
+    """The automatic split (:func:`roundpipe_core.autosplit.auto_wrap`). Without a
+    threshold, as the published RoundPipe: the model's bytes spread over one unit more
+    than there are devices."""
+    if split_threshold is None and upper_threshold is None:
+        upper_threshold = max(
+            1, nbytes(model) // (_num_devices(roundpipe_kwargs.get("devices")) + 1)
+        )
     return auto_wrap(
         model,
         split_threshold=split_threshold,
         model_run_config=model_run_config,
         optim_dtype=optim_dtype,
-        **extra,
+        upper_threshold=upper_threshold,
+        lower_threshold=lower_threshold,
+        skip_modules=skip_modules,
+        override_config=override_config,
         **roundpipe_kwargs,
     )
 

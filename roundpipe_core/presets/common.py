@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kinds import check_flag
 from .loss import IGNORE_INDEX
 from .moe import (
     Rescore,
@@ -152,8 +153,7 @@ class CausalLMInputAdapter(nn.Module):
             )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids or inputs_embeds")
-        if not isinstance(return_logits, bool):
-            raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
+        check_flag(return_logits, "return_logits")
         if not return_logits and labels is None:
             raise ValueError(
                 "return_logits=False returns only the loss, so it needs labels=; without labels "

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kinds import check_int
+
 __all__ = [
     "DEFAULT_LOSS_CHUNK_TOKENS",
     "IGNORE_INDEX",
@@ -269,8 +271,7 @@ def chunked_linear_cross_entropy(
     Raises:
         ValueError: on mismatched shapes, a bad ``chunk_tokens`` or targets outside the vocabulary.
     """
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    check_int(chunk_tokens, "chunk_tokens")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"chunked_linear_cross_entropy needs hidden (N, H) and weight (V, H), got "

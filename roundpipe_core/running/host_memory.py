@@ -29,7 +29,7 @@ worker stage copies       CPU workers only: what each worker holds beside the ho
                           where they are converted to the masters' dtype
 activations               stage-boundary activations kept for recompute (if given)
 mapped file pages         the file the weights are mapped from (a checkpoint read with
-                          ``mmap``), beyond the weights in it (see :mod:`.host_transients`)
+                          ``mmap``), beyond the weights in it (:func:`mapped_file_bytes`)
 worker activations        CPU workers only: per worker, one microbatch's saved tensors of
                           the largest stage it runs with autograd (``layer_activation_bytes``)
 dequantized weights       CPU workers only: per worker, the largest 4-bit weight
@@ -51,17 +51,25 @@ beyond the lines above (the interpreter, torch and the libraries it loaded -- th
 first optimizer alone loads ~70 MiB of code --, the data loader): its resident set
 then, minus the weights, masters, gradients and optimizer state already allocated (and
 the pages of mapped files already resident); ``training_code``, what of torch's code the
-first training step pages in (:mod:`.process_memory`). ``process_peak`` = ``total +
+first training step pages in (:data:`TRAINING_CODE_BYTES`). ``process_peak`` = ``total +
 process + training_code`` predicts the whole process's peak RSS (``benchmarks/``
 ``sharded_memory.py`` measures both). :func:`check_host_memory` compares what is still
 to be allocated with what the machine has available (``psutil``, else
 ``/proc/meminfo`` ``MemAvailable``, and a cgroup v2 limit when one is set) and raises
 :class:`HostMemoryError` with the table when it does not fit.
+
+Sections below: the optimizer-state table; the process beside the state; glibc's heap
+retention (:func:`limit_heap_retention`: what makes a sharded run's measured peak the
+predicted one); the lines beside the state; the budget itself.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
+import ctypes.util
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,32 +77,27 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kinds import check_flag, check_int
 from .carried import carried_tensors, logical_numel
-from .host_transients import (
-    check_layer_bytes,
-    dequantized_bytes,
-    fused_jobs_by_device,
-    mapped_file_bytes,
-    worker_activations,
-)
-from .optimizer_states import (
-    OPTIMIZER_STATES,
-    UnknownOptimizerError,
-    optimizer_name,
-    optimizer_states_per_param,
-)
-from .process_memory import resident_bytes as _resident_bytes
-from .process_memory import training_code_bytes
 
 __all__ = [
+    "HEAP_THRESHOLD_ENV",
     "OPTIMIZER_STATES",
+    "TRAINING_CODE_BYTES",
     "HostMemoryBudget",
     "HostMemoryError",
+    "MappedFiles",
     "UnknownOptimizerError",
     "available_host_memory",
     "check_host_memory",
     "estimate_host_memory",
+    "heap_retention_limited",
+    "layer_dequantized_bytes",
+    "limit_heap_retention",
+    "mapped_file_bytes",
+    "note_training_step",
     "optimizer_states_per_param",
+    "resident_bytes",
 ]
 
 
@@ -105,6 +108,384 @@ class HostMemoryError(ValueError, MemoryError):
     """
 
 
+# --------------------------------------------------------------------------------------
+# the optimizer-state line: parameter-sized states per parameter of each optimizer
+# --------------------------------------------------------------------------------------
+#: Parameter-sized state tensors each optimizer keeps (torch.optim defaults; the scalar
+#: ``step`` counters are negligible). Options that add states are handled by
+#: :func:`optimizer_states_per_param`.
+OPTIMIZER_STATES: dict[str, int] = {
+    "adam": 2,
+    "adamw": 2,
+    "adamax": 2,
+    "nadam": 2,
+    "radam": 2,
+    "sparseadam": 2,
+    "adadelta": 2,
+    "rprop": 2,
+    "adagrad": 1,
+    "asgd": 1,
+    "rmsprop": 1,
+    "sgd": 0,
+}
+
+
+class UnknownOptimizerError(ValueError):
+    """The state table does not know this optimizer (pass ``optimizer_states``)."""
+
+
+def optimizer_states_per_param(optimizer: Any) -> int:
+    """Parameter-sized state tensors ``optimizer`` keeps per parameter.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` instance (its options are read: SGD
+            ``momentum``, Adam ``amsgrad``, RMSprop ``momentum``/``centered``), an
+            optimizer class, or a name such as ``"adamw"`` or ``"sgd"``.
+
+    Raises:
+        UnknownOptimizerError: (a ``ValueError``) for an optimizer this table does not
+            know, nor any of its base classes (pass ``optimizer_states=N`` to
+            :func:`estimate_host_memory` instead).
+        TypeError: for anything else.
+    """
+    defaults: dict[str, Any] = {}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        name = _known_name(type(optimizer))
+        groups = optimizer.param_groups or [optimizer.defaults]
+        defaults = {
+            k: any(bool(g.get(k)) for g in groups) for k in ("momentum", "amsgrad", "centered")
+        }
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        name = _known_name(optimizer)
+    elif isinstance(optimizer, str):
+        name = optimizer
+    else:
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, its class or a name such as 'adamw', "
+            f"got {type(optimizer).__name__}"
+        )
+    key = _key(name)
+    if key not in OPTIMIZER_STATES:
+        raise UnknownOptimizerError(
+            f"no state count known for optimizer {name!r} (known: {', '.join(sorted(OPTIMIZER_STATES))}); "
+            "pass optimizer_states=<parameter-sized tensors it keeps per parameter>"
+        )
+    n = OPTIMIZER_STATES[key]
+    if key == "sgd" and defaults.get("momentum"):
+        n += 1
+    if key in ("adam", "adamw") and defaults.get("amsgrad"):
+        n += 1
+    if key == "rmsprop":
+        n += int(bool(defaults.get("momentum"))) + int(bool(defaults.get("centered")))
+    return n
+
+
+def _key(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "")
+
+
+def _known_name(cls: type) -> str:
+    """The name of the first class in ``cls``'s MRO this table knows (a subclass of
+    ``torch.optim.SGD`` keeps SGD's state), else ``cls``'s own name."""
+    for base in cls.__mro__:
+        if _key(base.__name__) in OPTIMIZER_STATES:
+            return base.__name__
+    return cls.__name__
+
+
+def optimizer_name(optimizer: Any) -> str:
+    if isinstance(optimizer, str):
+        return optimizer
+    if isinstance(optimizer, type):
+        return optimizer.__name__
+    return type(optimizer).__name__
+
+
+# --------------------------------------------------------------------------------------
+# the process beside the state (the process and training-code lines)
+# --------------------------------------------------------------------------------------
+# Its resident set now (the ``process`` line) and the code its first training step
+# will page in (the ``training code`` line): the kernels a step runs (autograd's backward,
+# the optimizer's updates, the collectives) are file-backed pages of ``libtorch_cpu.so``
+# that enter the resident set the first time they run -- 12-35 MiB on torch 2.13,
+# depending on the page cache (measured in docs/host-memory.md, "The whole process").
+# Clean file pages the kernel may drop: they count in the peak RSS, not in what
+# :func:`check_host_memory` asks to allocate.
+#: what a process's first training step pages in of torch's code (the allowance covers 35 MiB)
+TRAINING_CODE_BYTES = 40 * 2**20
+_stepped = False
+
+
+def note_training_step() -> None:
+    """Record that this process queued an optimizer step (its training code is resident)."""
+    global _stepped
+    _stepped = True
+
+
+def training_code_bytes() -> int:
+    """:data:`TRAINING_CODE_BYTES` until this process's first step, then 0."""
+    return 0 if _stepped else TRAINING_CODE_BYTES
+
+
+def resident_bytes() -> int:
+    """This process's resident set (``/proc/self/statm``; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0
+
+
+# --------------------------------------------------------------------------------------
+# glibc's heap retention: what makes a sharded run's peak the predicted one
+# --------------------------------------------------------------------------------------
+# glibc serves allocations of at least its *mmap threshold* (128 KiB at first) with a
+# mapping of their own, returned when freed; but after the first such block is freed it
+# raises the threshold to that block's size (up to 32 MiB), and tensors that size then
+# come from heaps that stay resident after ``free``. A run that frees and re-makes large
+# tensors every step (a sharded rank drops the gradients it sent) so peaks above the
+# budget: the collectives keep their flat buffers for that reason, and
+# :func:`limit_heap_retention` fixes the threshold (what ``MALLOC_MMAP_THRESHOLD_`` does
+# at start-up) at the price of a page fault per 4 KiB of every large tensor made -- on
+# CPU workers 1.1-3x slower steps. So RoundPipe does not set it on its own: a
+# memory-bound sharded run opts in, and ``DataParallel(shard_host_state=True)`` says so
+# once (INFO). Measured: docs/multi-node.md (sharded host state, peak RSS).
+#: glibc's own variable: a run launched with it keeps its value
+HEAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+_M_MMAP_THRESHOLD = -3  # <malloc.h>
+_lock = threading.Lock()
+_applied: int | None = None
+
+
+def limit_heap_retention(threshold: int = 64 * 1024) -> bool:
+    """Serve allocations of ``threshold`` bytes or more with their own mappings, so
+    freeing a tensor returns its memory to the system (see the module docstring).
+
+    Process-wide and for the rest of the process. Does nothing where
+    ``MALLOC_MMAP_THRESHOLD_`` is set (the launch chose) or off glibc. Returns whether
+    the setting is in effect after the call. Idempotent.
+    """
+    global _applied
+    if os.environ.get(HEAP_THRESHOLD_ENV):
+        return True
+    with _lock:
+        if _applied == threshold:
+            return True
+        name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(name)
+            mallopt = libc.mallopt
+        except (OSError, AttributeError, TypeError):
+            return False  # not glibc (musl, macOS): nothing to tune
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt.restype = ctypes.c_int
+        if mallopt(_M_MMAP_THRESHOLD, int(threshold)) != 1:
+            return False
+        _applied = threshold
+        return True
+
+
+def heap_retention_limited() -> bool:
+    """Whether the mmap threshold is fixed (at launch, or by :func:`limit_heap_retention`)."""
+    return bool(os.environ.get(HEAP_THRESHOLD_ENV)) or _applied is not None
+
+
+# --------------------------------------------------------------------------------------
+# the lines beside the state: mapped file pages, CPU workers' transients
+# --------------------------------------------------------------------------------------
+# The lines that are neither weights nor optimizer state:
+#
+# * :func:`mapped_file_bytes` -- the pages of a file the weights are mapped from. A
+#   Hugging Face checkpoint is read through ``mmap`` (safetensors, ``torch.load(mmap=True)``)
+#   and the parameters that are not converted on loading (a quantized model's embeddings,
+#   LM head and norms) stay views of that mapping; so the mapping stays open for the
+#   whole run, and every page of the file that was read -- loading a 4-bit model reads
+#   the whole bf16 checkpoint to quantize it -- stays in the process's resident set.
+#   Those pages are clean file cache (``MemAvailable`` counts them, the kernel drops them
+#   under pressure), but ``ps``, ``VmRSS`` and a cgroup's ``memory.current`` show them.
+# * :func:`worker_activations` -- what autograd saves inside a stage while a CPU worker
+#   runs it (on a CPU worker the "device" is host memory): per worker, one microbatch's
+#   saved tensors of the largest stage it runs with autograd (a fused or backward job),
+#   with the loss's transient where the stage computes the loss.
+# * :func:`dequantized_bytes` -- a bitsandbytes 4-bit layer on a CPU worker dequantizes
+#   its weight in every forward and backward (``MatMul4Bit``) and frees it right after:
+#   per worker, the largest such weight, in its quant state's dtype plus a copy in the
+#   layer's compute dtype where the two differ.
+#
+# All three are 0 where they do not apply (no mapped file; a CUDA pool, whose
+# activations and dequantized weights are in GPU memory).
+@dataclass(frozen=True)
+class MappedFiles:
+    """The file mappings that tensors live in.
+
+    Attributes:
+        extra: bytes of those mappings beyond the tensors inside them (what the
+            resident set reaches once every page has been read).
+        resident: bytes of those mappings resident now.
+        inside: bytes of the tensors inside them (counted by the weights line).
+    """
+
+    extra: int = 0
+    resident: int = 0
+    inside: int = 0
+
+
+def _file_mappings() -> list[tuple[int, int, str, str]]:
+    """``(start, end, "start-end", file)`` of this process's file-backed mappings, by
+    start (``file``: device and inode); empty where ``/proc/self/maps`` cannot be read."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                # address perms offset dev inode [path]: inode 0 is anonymous memory
+                if len(fields) < 6 or fields[4] == "0" or fields[5].startswith("["):
+                    continue
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi, fields[0], f"{fields[3]}:{fields[4]}"))
+    except (OSError, ValueError):
+        return []
+    out.sort()
+    return out
+
+
+def _resident_of(ranges: set[str]) -> int:
+    """Resident bytes (``Rss``) of the mappings ``ranges`` (their ``/proc/self/maps``
+    address fields), from ``/proc/self/smaps``."""
+    total = 0
+    current = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    current = head in ranges
+                elif current and head == "Rss:":
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
+def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
+    """The files the storages of ``tensors`` are mapped from (see the module docstring):
+    all of each such file's mappings (the kernel may split one ``mmap`` into several),
+    each storage once. All zeros off Linux or without mapped tensors."""
+    storages: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type != "cpu" or t.is_meta:
+            continue
+        s = t.untyped_storage()
+        if s.data_ptr():
+            storages[s.data_ptr()] = s.nbytes()
+    if not storages:
+        return MappedFiles()
+    maps = _file_mappings()
+    starts = [m[0] for m in maps]
+    inside: dict[str, int] = {}
+    for ptr, nbytes in storages.items():
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i < 0 or ptr >= maps[i][1]:
+            continue  # anonymous memory: the usual case
+        inside[maps[i][3]] = inside.get(maps[i][3], 0) + nbytes
+    if not inside:
+        return MappedFiles()
+    ranges = {key for _, _, key, file in maps if file in inside}
+    size: dict[str, int] = {}
+    for lo, hi, _, file in maps:
+        if file in inside:
+            size[file] = size.get(file, 0) + hi - lo
+    extra = sum(max(size[f] - inside[f], 0) for f in inside)
+    return MappedFiles(extra=extra, resident=_resident_of(ranges), inside=sum(inside.values()))
+
+
+def fused_jobs_by_device(rp: Any, plan: Any, num_microbatch: int) -> list[list[Any]]:
+    """Each device's jobs of one "fused" call under ``plan``, as the run schedules them
+    once it has learned which stages draw random numbers: a one-stage plan's replicas
+    (``planner.most_fused_replicas``) each on its own worker, each holding its own
+    gradients and activations -- the peak a budget must count."""
+    from ..planning.planner import most_fused_replicas
+    from ..planning.schedule import build_schedule, jobs_by_device
+
+    replicas = most_fused_replicas(rp, plan, num_microbatch)
+    jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch, replicas=replicas)
+    return jobs_by_device(jobs, rp.num_devices)
+
+
+def check_layer_bytes(value: Sequence[float] | None) -> list[float] | None:
+    """``value`` as a list of floats, or ``None``; ValueError unless byte counts >= 0."""
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (list, tuple)) else None
+    if items is None or not all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0 for b in items
+    ):
+        raise ValueError(
+            "layer_activation_bytes must be a list of byte counts >= 0, one per layer, "
+            f"got {value!r}"
+        )
+    return [float(b) for b in items]
+
+
+def worker_activations(
+    rp: Any, plan: Any, num_microbatch: int, layer_bytes: Sequence[float] | None
+) -> int:
+    """Bytes of saved activations the CPU workers hold together while they run stages:
+    per worker, the largest sum of ``layer_bytes`` (one microbatch's saved tensors per
+    layer, the last layer's with the loss's transient: ``RoundPipe.layer_activation_bytes``)
+    over the stages it runs with autograd. A stage runs its microbatches one after the
+    other, so one microbatch's graph is alive at a time. 0 without ``layer_bytes``."""
+    from ..planning.schedule import FORWARD
+
+    if not layer_bytes:
+        return 0
+    total = 0
+    for queue in fused_jobs_by_device(rp, plan, num_microbatch):
+        # forward jobs of a training call save only their input: autograd's are the others
+        sizes = [sum(float(layer_bytes[k]) for k in j.layers) for j in queue if j.kind != FORWARD]
+        total += int(max(sizes, default=0.0))
+    return total
+
+
+def _dtype_size(dtype: Any) -> int:
+    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 0
+
+
+def layer_dequantized_bytes(layer: nn.Module) -> int:
+    """The largest dequantized weight of ``layer``'s bitsandbytes 4-bit modules: the
+    weight's count x its quant state's dtype size, plus x the module's compute dtype
+    size where it differs (``dequantize_4bit(...).to(compute dtype)`` holds both)."""
+    largest = 0
+    for m in layer.modules():
+        state = getattr(getattr(m, "weight", None), "quant_state", None)
+        shape = getattr(state, "shape", None)
+        if state is None or not isinstance(shape, (tuple, list, torch.Size)):
+            continue
+        n = 1
+        for d in shape:
+            n *= int(d)
+        dq = _dtype_size(getattr(state, "dtype", None))
+        compute = _dtype_size(getattr(m, "compute_dtype", None))
+        largest = max(largest, n * (dq + (compute if compute and compute != dq else 0)))
+    return largest
+
+
+def dequantized_bytes(rp: Any, plan: Any, num_microbatch: int) -> int:
+    """Bytes of dequantized 4-bit weights the CPU workers hold together: per worker, the
+    largest :func:`layer_dequantized_bytes` over the layers of the stages it runs (one
+    weight at a time: each is freed after its matmul)."""
+    per_layer = [layer_dequantized_bytes(layer) for layer in rp.layers]
+    if not any(per_layer):
+        return 0
+    return sum(
+        max((per_layer[k] for job in queue for k in job.layers), default=0)
+        for queue in fused_jobs_by_device(rp, plan, num_microbatch)
+    )
+
+
+# --------------------------------------------------------------------------------------
+# the budget
+# --------------------------------------------------------------------------------------
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights count once). A meta
     tensor counts as the host tensor it stands for (a model built on the meta device to
@@ -148,7 +529,7 @@ class HostMemoryBudget:
         optimizer: the optimizer the state line assumes, with its states per parameter.
         process / training_code: resident bytes of the process at the estimate beyond
             its state, and the code its first training step pages in (made before it; see
-            the module docstring and :mod:`.process_memory`; 0 where RSS cannot be read).
+            the module docstring and :data:`TRAINING_CODE_BYTES`; 0 where RSS cannot be read).
     """
 
     num_params: int
@@ -395,22 +776,12 @@ def estimate_host_memory(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module or a RoundPipe, got {type(model).__name__}")
-    if optimizer_states is not None and (
-        not isinstance(optimizer_states, int)
-        or isinstance(optimizer_states, bool)
-        or optimizer_states < 0
-    ):
-        raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
-    if isinstance(state_shards, bool) or not isinstance(state_shards, int) or state_shards < 1:
-        raise ValueError(f"state_shards must be an int >= 1 (ranks), got {state_shards!r}")
-    if not isinstance(shared_masters, bool):
-        raise TypeError(f"shared_masters must be True or False, got {shared_masters!r}")
-    if async_step is not None and not isinstance(async_step, bool):
-        raise TypeError(f"async_step must be True, False or None, got {async_step!r}")
-    if not isinstance(activation_bytes_per_microbatch, int) or activation_bytes_per_microbatch < 0:
-        raise ValueError(
-            f"activation_bytes_per_microbatch must be an int >= 0 (bytes), got {activation_bytes_per_microbatch!r}"
-        )
+    if optimizer_states is not None:
+        check_int(optimizer_states, "optimizer_states", minimum=0)
+    check_int(state_shards, "state_shards", why="ranks")
+    check_flag(shared_masters, "shared_masters")
+    check_flag(async_step, "async_step", none="the masters decide")
+    check_int(activation_bytes_per_microbatch, "activation_bytes_per_microbatch", 0, "bytes")
     layer_acts = check_layer_bytes(layer_activation_bytes)
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
     if optimizer_states is not None:
@@ -458,9 +829,7 @@ def estimate_host_memory(
     else:
         dtype = optim_dtype
         trainable = [p for p in params.values() if p.requires_grad]
-        itemsize = {
-            id(p): torch.empty((), dtype=dtype or p.dtype).element_size() for p in trainable
-        }
+        itemsize = {id(p): _dtype_size(dtype or p.dtype) for p in trainable}
         master_numel_bytes = sum(p.numel() * itemsize[id(p)] for p in trainable)
         # a parameter that is its own master (same dtype, on the host) adds nothing
         masters = sum(
@@ -523,7 +892,7 @@ def estimate_host_memory(
         activations = activation_bytes_per_microbatch * (num_microbatch or 1)
     # the mapped pages resident now exist already; mapped weights not read yet do not
     already += mapped.resident - mapped.inside
-    resident = _resident_bytes()
+    resident = resident_bytes()
     existing = _existing_state_bytes([m for _, m in pairs or []], optimizers)
     tier_buffer = disk = 0
     tier = getattr(model, "disk_tier", None) if pairs is not None else None

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kinds import check_int
+
 __all__ = ["quantize_on_meta"]
 
 _NESTED_BLOCK = 256  # bitsandbytes' block size for the absmax of the absmax
@@ -107,8 +109,7 @@ def quantize_on_meta(
     """
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
-    if isinstance(blocksize, bool) or not isinstance(blocksize, int) or blocksize < 1:
-        raise ValueError(f"blocksize must be an int >= 1, got {blocksize!r}")
+    check_int(blocksize, "blocksize")
     import bitsandbytes as bnb
 
     targets = [

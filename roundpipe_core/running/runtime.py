@@ -21,11 +21,18 @@ import torch
 from torch import nn
 
 from ..batch import AutoSplitLeaf, auto_split_note, flatten
-from ..config import call_loss_fn
 from ..context import AutocastState, LayerFrame, RecomputeStore, running_layer, set_frame
 from ..kinds import JobKind, RecomputeGrain
+from ..loss import call_loss_fn
 from ..planning.schedule import Job
-from .activations import HostOutputs, input_and_grad_to_device
+from .activations import (
+    HostOutputs,
+    grads_to_host,
+    input_and_grad_to_device,
+    to_device,
+    to_device_pair,
+    to_host,
+)
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .replicas import JobGrads, replica_microbatches
@@ -36,16 +43,12 @@ from .transfer import (
     StageReplica,
     WeightGate,
     batched_sink,
-    grads_to_host,
     release_stage,
-    to_device,
-    to_device_pair,
-    to_host,
     upload_job,
     write_back_buffers,
 )
 
-__all__ = ["AutocastState", "PipelineRun", "WeightGate", "run_queue"]
+__all__ = ["PipelineRun", "run_queue"]
 
 _WAIT_SLICE_S = 0.05
 

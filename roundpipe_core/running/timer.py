@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
+from ..kinds import check_int
 from .carried import carried_bytes
 
 if TYPE_CHECKING:
@@ -221,8 +222,7 @@ class ModelTimer:
             ValueError: naming the bad kind, time, layer or microbatch count; nothing
                 of ``records`` is recorded then.
         """
-        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-            raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
+        check_int(microbatches, "microbatches")
         n = self.num_layers
         checked = []
         for kind, layers, ms in records:

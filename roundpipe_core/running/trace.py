@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..kinds import JobKind
+from ..kinds import JobKind, check_int
 
 if TYPE_CHECKING:  # the simulator is only read here, never needed at import time
     from ..planning.simulate import SimResult
@@ -325,10 +325,8 @@ class SpanRecorder:
         max_spans: keep only the latest this many spans (a recorder that lives as
             long as a training run must not grow without bound); ``None``: keep all.
         """
-        if max_spans is not None and (
-            not isinstance(max_spans, int) or isinstance(max_spans, bool) or max_spans < 1
-        ):
-            raise ValueError(f"max_spans must be an int >= 1 or None; got {max_spans!r}")
+        if max_spans is not None:
+            check_int(max_spans, "max_spans", why="or None: keep all")
         self._clock = clock
         self._lock = threading.Lock()
         self._spans: deque[Span] = deque(maxlen=max_spans)
@@ -427,8 +425,7 @@ def chrome_trace(
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms"}``.
     """
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0:
-        raise ValueError(f"pid must be an int >= 0; got {pid!r}")
+    check_int(pid, "pid", minimum=0)
     bad = [s for s in spans if not isinstance(s, Span)]
     if bad:
         raise TypeError(

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from ..planning.schedule import Job
-from .activations import grads_to_device, grads_to_host, to_device, to_device_pair, to_host
 from .buffer_fences import reading_buffers, write_back
 from .carried import CarriedState, attribute_tensors
 from .devices.base import Worker
@@ -41,14 +40,9 @@ __all__ = [
     "batched_sink",
     "StageReplica",
     "download_grads",
-    "grads_to_device",
-    "grads_to_host",
     "make_skeleton",
     "note_transfer",
     "release_stage",
-    "to_device",
-    "to_device_pair",
-    "to_host",
     "upload_job",
     "upload_stage",
     "write_back_buffers",

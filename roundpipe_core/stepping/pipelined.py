@@ -52,7 +52,6 @@ __all__ = [
     "PendingResult",
     "PipelinedRuns",
     "RunFinisher",
-    "WeightVersions",
     "assemble_result",
 ]
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..running.process_memory import note_training_step
+from ..running.host_memory import note_training_step
 
 __all__ = ["ClosedError", "OptimizerThread", "Stepper"]
 

@@ -233,13 +233,13 @@ def test_worker_copies_follow_the_plan() -> None:
 def test_process_line_is_the_resident_set_beyond_the_state() -> None:
     """``process`` = the resident set at the estimate minus the state already allocated;
     ``process_peak`` adds it to the state lines (the whole process's peak)."""
-    from roundpipe_core.running.host_memory import _resident_bytes
+    from roundpipe_core.running.host_memory import resident_bytes
 
     rp = RoundPipe(_net(), devices="cpu:2", shared_masters=False)
     try:
-        before = _resident_bytes()
+        before = resident_bytes()
         b = estimate_host_memory(rp, num_microbatch=3)
-        after = _resident_bytes()
+        after = resident_bytes()
         assert before - b.already_allocated - 2**20 <= b.process
         assert b.process <= after - b.already_allocated + 2**20
         assert b.process > 50 * 2**20  # an interpreter with torch loaded
@@ -254,7 +254,7 @@ import torch
 from torch import nn
 from roundpipe_core import RoundPipe
 from roundpipe_core.running.host_memory import estimate_host_memory
-from roundpipe_core.running.process_memory import TRAINING_CODE_BYTES
+from roundpipe_core.running.host_memory import TRAINING_CODE_BYTES
 
 def file_pages():
     with open("/proc/self/status") as f:
@@ -303,15 +303,14 @@ def test_training_code_line_is_what_the_first_step_pages_in() -> None:
 
 _HEAP_PROBE = """
 import torch
-from roundpipe_core.running.heap import limit_heap_retention
-from roundpipe_core.running.host_memory import _resident_bytes
+from roundpipe_core.running.host_memory import limit_heap_retention, resident_bytes
 print(limit_heap_retention())
 big = torch.ones(5 * 2**20)  # 20 MiB: freeing it raises glibc's dynamic mmap threshold
 del big
 t = torch.ones(4 * 2**20)  # 16 MiB, touched
-held = _resident_bytes()
+held = resident_bytes()
 del t
-print((held - _resident_bytes()) // 2**20)
+print((held - resident_bytes()) // 2**20)
 """
 
 
@@ -508,11 +507,11 @@ def test_sharding_says_once_how_to_get_the_budgets_peak(
     import logging
 
     import roundpipe_core.distributed.data_parallel as dp_module
-    import roundpipe_core.running.heap as heap
+    import roundpipe_core.running.host_memory as host_memory
     from roundpipe_core.distributed import DataParallel
 
-    monkeypatch.delenv(heap.HEAP_THRESHOLD_ENV, raising=False)
-    monkeypatch.setattr(heap, "_applied", None)
+    monkeypatch.delenv(host_memory.HEAP_THRESHOLD_ENV, raising=False)
+    monkeypatch.setattr(host_memory, "_applied", None)
     monkeypatch.setattr(dp_module, "_said_heap", False)
     with caplog.at_level(logging.INFO, logger=dp_module.__name__):
         DataParallel(shard_host_state=True)
@@ -521,10 +520,10 @@ def test_sharding_says_once_how_to_get_the_budgets_peak(
     assert len(said) == 1
     caplog.clear()
     monkeypatch.setattr(dp_module, "_said_heap", False)
-    monkeypatch.setenv(heap.HEAP_THRESHOLD_ENV, "65536")  # the launch chose: nothing to say
+    monkeypatch.setenv(host_memory.HEAP_THRESHOLD_ENV, "65536")  # the launch chose: nothing to say
     with caplog.at_level(logging.INFO, logger=dp_module.__name__):
         DataParallel(shard_host_state=True)
-    assert heap.heap_retention_limited() and not caplog.records
+    assert host_memory.heap_retention_limited() and not caplog.records
 
 
 def test_summary_is_one_line_of_need_against_available() -> None:

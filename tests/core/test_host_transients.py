@@ -1,4 +1,4 @@
-"""The host-memory budget's lines beside the state (``running/host_transients.py``): the
+"""The host-memory budget's lines beside the state (``running/host_memory.py``): the
 pages of a file the weights are mapped from, and the CPU workers' saved activations.
 Each is checked against the bytes it stands for, and against the budget's total."""
 
@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe
-from roundpipe_core.running.host_memory import estimate_host_memory
-from roundpipe_core.running.host_transients import mapped_file_bytes
+from roundpipe_core.running.host_memory import estimate_host_memory, mapped_file_bytes
 
 W = 64
 PAGE = 4096

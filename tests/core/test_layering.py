@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: roundpipe_core's parts, lowest first. A module may import modules of its own part
 #: or of a lower one, never of a higher one.
 CORE_LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"kinds", "context", "batch"}),
+    ("foundation", {"kinds", "context", "batch", "loss"}),
     ("planning", {"planning"}),
     ("config", {"config"}),
     ("running", {"running"}),
@@ -32,7 +32,6 @@ CORE_LAYERS: list[tuple[str, set[str]]] = [
             "plan_choice",
             "autograd",
             "base",
-            "lifecycle",
             "model",
             "amp",
             "optim",

@@ -11,7 +11,7 @@ from torch import nn
 
 from roundpipe_core import RoundPipe, RoundPipeRunConfig
 from roundpipe_core.amp import GradScaler
-from roundpipe_core.config import batch_normalized
+from roundpipe_core.loss import batch_normalized
 
 
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,7 @@ def test_weights_are_published_layer_by_layer():
 
     from roundpipe_core.running.devices.pool import PoolError
     from roundpipe_core.stepping.masters import MasterWeights
-    from roundpipe_core.stepping.pipelined import WeightVersions
+    from roundpipe_core.stepping.versions import WeightVersions
 
     model = mlp()
     layers = list(model.children())

@@ -322,7 +322,7 @@ def test_dequantized_weight_with_another_compute_dtype_holds_both() -> None:
     its bf16 dequantization and the fp32 copy (2 + 4 bytes per weight)."""
     import bitsandbytes as bnb
 
-    from roundpipe_core.running.host_transients import layer_dequantized_bytes
+    from roundpipe_core.running.host_memory import layer_dequantized_bytes
 
     lin = bnb.nn.Linear4bit(64, 128, compute_dtype=torch.float32, quant_type="nf4")
     lin.weight = bnb.nn.Params4bit(

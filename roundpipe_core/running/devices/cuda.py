@@ -61,12 +61,10 @@ from .feeder import ChunkFeeder, Piece, plan_chunks
 from .memory import allocator_reserve_bytes, cuda_available
 
 __all__ = [
-    "ChunkFeeder",
     "CUDAWorker",
     "DEFAULT_PARAM_CHUNK_BYTES",
     "DEFAULT_PARAM_INFLIGHT_CHUNKS",
     "discover_cuda_devices",
-    "plan_chunks",
 ]
 
 PARAM = "param"

@@ -1,4 +1,5 @@
-"""Host-memory residency of the model and GPU memory queries.
+"""Host memory the devices read (the model's pinned weights) and the CUDA allocator's
+settings.
 
 ``pin_model`` decides how the CPU copy of the model's weights is made
 page-locked, which is what lets parameter uploads run asynchronously at full
@@ -15,11 +16,6 @@ PCIe bandwidth:
 
 On the CPU backend (or any machine without CUDA) every mode is accepted and
 does nothing: there is no device to transfer to.
-
-The memory queries (``gpu_memory_info``, ``get_min_gpu_memory``,
-``default_model_memory_limit``) never raise on a machine without GPUs; they
-return ``[]`` / ``None`` instead, so planning code can fall back to its CPU
-defaults.
 """
 
 from __future__ import annotations
@@ -35,27 +31,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...kinds import PinMode, parse_kind
+
 __all__ = [
     "DEFAULT_SLAB_BYTES",
-    "PIN_MODES",
     "PinHandle",
-    "check_pin_mode",
     "cuda_available",
     "default_allocator_settings",
-    "default_model_memory_limit",
-    "get_min_gpu_memory",
-    "gpu_memory_info",
     "pack_module_tensors",
     "pack_slabs",
     "page_ranges",
     "page_size",
     "pin_model",
-    "prepare_host_params",
     "registered_ranges",
     "slab_sizes",
 ]
-
-PIN_MODES = ("alloc", "register", "off")
 
 #: Size of one pinned slab for ``pin_model="alloc"``: a power of two, so the
 #: pinned allocator does not round it up. Storages larger than a slab get a
@@ -124,21 +114,6 @@ def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
     expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
     per_stream = (2 + 2) * _MiB if expandable else (2 + 20) * _MiB
     return streams * per_stream
-
-
-def check_pin_mode(mode: str) -> str:
-    """Validate a ``pin_model`` value and return it.
-
-    Raises:
-        ValueError: if ``mode`` is not one of ``"alloc"``, ``"register"``, ``"off"``.
-    """
-    if not isinstance(mode, str) or mode not in PIN_MODES:
-        raise ValueError(
-            f"pin_model must be one of {PIN_MODES}, got {mode!r}: use 'alloc' (pinned copies, "
-            "fastest), 'register' (cudaHostRegister in place, less host memory) or 'off' "
-            "(pageable, e.g. for mmap-loaded weights)"
-        )
-    return mode
 
 
 # ---------------------------------------------------------------------------
@@ -469,7 +444,7 @@ def pin_model(
         ValueError: for an unknown mode.
         RuntimeError: if ``cudaHostRegister`` refuses the memory.
     """
-    check_pin_mode(mode)
+    mode = parse_kind(PinMode, mode, "pin_model")
     if enabled is None:
         enabled = cuda_available()
     if not enabled or mode == "off":
@@ -484,70 +459,3 @@ def pin_model(
     tensors = [t for _, ts in groups for t in ts]
     nbytes, slabs = pack_module_tensors(tensors, pin=True, slab_bytes=slab_bytes)
     return PinHandle(mode=mode, active=True, nbytes=nbytes, slabs=slabs)
-
-
-# ---------------------------------------------------------------------------
-# GPU memory queries
-# ---------------------------------------------------------------------------
-def _device_index(device: torch.device | int) -> int:
-    if isinstance(device, int):
-        return device
-    return device.index if device.index is not None else 0
-
-
-def gpu_memory_info(devices: Sequence[torch.device | int] | None = None) -> list[tuple[int, int]]:
-    """``(free bytes, total bytes)`` per GPU; ``[]`` without CUDA. Never raises.
-
-    Args:
-        devices: GPUs to query (``torch.device`` or index); ``None`` = all visible GPUs.
-    """
-    if not cuda_available():
-        return []
-    try:
-        indices = (
-            list(range(torch.cuda.device_count()))
-            if devices is None
-            else [
-                _device_index(d)
-                for d in devices
-                if not isinstance(d, torch.device) or d.type == "cuda"
-            ]
-        )
-        out = []
-        for i in sorted(set(indices)):
-            try:
-                free, total = torch.cuda.mem_get_info(i)
-            except Exception:  # noqa: BLE001 - context creation can fail; fall back to properties
-                total = int(torch.cuda.get_device_properties(i).total_memory)
-                free = total
-            out.append((int(free), int(total)))
-        return out
-    except Exception:  # noqa: BLE001 - queries must never crash planning
-        return []
-
-
-def get_min_gpu_memory(devices: Sequence[torch.device | int] | None = None) -> int | None:
-    """Total memory of the smallest GPU in bytes, or ``None`` when there is no GPU."""
-    info = gpu_memory_info(devices)
-    return min(total for _, total in info) if info else None
-
-
-def default_model_memory_limit(
-    devices: Sequence[torch.device | int] | None = None, fraction: float = 0.6
-) -> int | None:
-    """``fraction`` (default 60%) of the smallest GPU's memory; ``None`` without GPUs."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    smallest = get_min_gpu_memory(devices)
-    return None if smallest is None else int(smallest * fraction)
-
-
-def prepare_host_params(
-    module: nn.Module, mode: str = "alloc", enabled: bool | None = None
-) -> PinHandle:
-    """What ``RoundPipe.__init__`` calls on a CUDA pool: ``pin_model(module, mode)``.
-
-    Keep the returned handle and call ``release()`` on it when the RoundPipe is
-    closed (it unregisters "register"-ed memory; a no-op otherwise).
-    """
-    return pin_model(module, mode, enabled=enabled)
