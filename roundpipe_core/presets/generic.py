@@ -208,8 +208,9 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
         recipe = probe_decoder(parts)
         seq = _build(parts, recipe, routers, rescore, num_experts)
         check_conversion(parts, seq)
-    if recipe.embed_dropout is not None:  # a module of its own: train as the backbone does
-        seq[0].dropout.train(parts.backbone.training)
+    dropout = seq[0].dropout
+    if recipe.embed_dropout is not None and isinstance(dropout, nn.Module):
+        dropout.train(parts.backbone.training)  # a module of its own: trains as the backbone
     return seq
 
 

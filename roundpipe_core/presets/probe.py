@@ -360,7 +360,7 @@ def _classify(
     masks: dict,
     tables: dict,
     table_order: list[tuple[str, str | None]],
-) -> tuple[str, str, Any]:
+) -> tuple[str | int, str, Any]:
     where = (
         f"decoder layer {index} gets {key}="
         if isinstance(key, str)
@@ -459,8 +459,11 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
     pos_inputs: list[tuple[str | int, str, Any]] = []
     if pos_name is not None:
         pos_args, _ = rec.module_calls[pos_name]
-        calls = [*enumerate(pos_args), *rec.module_kwargs[pos_name].items()]
-        for key, value in calls:
+        pos_calls: list[tuple[str | int, Any]] = [
+            *enumerate(pos_args),
+            *rec.module_kwargs[pos_name].items(),
+        ]
+        for key, value in pos_calls:
             entry = _classify(parts, 0, key, value, known, {}, {}, [])
             if entry[1] not in ("const", "padding_mask", "position_ids", "mask_positions"):
                 raise _refuse(
@@ -635,7 +638,7 @@ def _with_or_without_positions(
     entry: tuple[str | int, str, Any],
     rec_packed: _Recording | None,
     masks_packed: dict,
-) -> tuple[str, str, Any]:
+) -> tuple[str | int, str, Any]:
     kind, _ = entry[2]
     if rec_packed is None:
         return (key, "mask", (kind, True))
