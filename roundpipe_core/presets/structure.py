@@ -115,6 +115,12 @@ def _unsupported_feature(config: Any, backbone: nn.Module) -> str | None:
             "it adds an ALiBi bias whose first dim is batch x heads, not batch, so it cannot be "
             "split into microbatches between pipeline layers"
         )
+    if callable(getattr(backbone, "build_mpt_alibi_tensor", None)):
+        return (
+            "it adds an ALiBi bias of (heads, 1, max_seq_len) with no batch dim, which cannot "
+            "travel in the decoder state split into microbatches, and its layers take a "
+            "boolean 4D mask the converter does not rebuild"
+        )
     layerdrop = getattr(config, "layerdrop", 0.0)
     if isinstance(layerdrop, float) and layerdrop > 0:
         return (

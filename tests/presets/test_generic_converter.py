@@ -25,7 +25,9 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
-from sweep_hf_families import build_tiny, make_batch, rel_err, zero_floor  # noqa: E402
+from hf_tiny import RTOL, hf_reference, rel_err  # noqa: E402
+from hf_tiny import assert_grads_match as _assert_grads_match  # noqa: E402
+from sweep_hf_families import build_tiny, make_batch  # noqa: E402
 
 from roundpipe_core import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
 from roundpipe_core.presets import (  # noqa: E402
@@ -36,8 +38,6 @@ from roundpipe_core.presets import (  # noqa: E402
 )
 from roundpipe_core.presets.probe import check_conversion  # noqa: E402
 from roundpipe_core.presets.structure import find_decoder_parts  # noqa: E402
-
-RTOL = 1e-5
 
 # (model type, microbatches): 5 rows split 3+2, 2+2+1 or 1 each
 FAMILIES = [
@@ -52,29 +52,9 @@ FAMILIES = [
 ]
 
 
-def hf_reference(model, ids, mask, labels):
-    out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out.logits.detach(), out.loss.detach(), grads
-
-
 def assert_grads_match(rp, model, ref, where: str) -> None:
-    checked = 0
-    floor = zero_floor(ref)  # OPT's key biases: zero gradient up to rounding
-    for name, p in model.named_parameters():
-        master = rp.master_param(p)
-        got = None if master is None else master.grad
-        want = ref.get(name)
-        if want is None or want.abs().max() == 0:
-            assert got is None or got.abs().max() == 0, f"{where}: {name} got a gradient, HF none"
-            continue
-        assert got is not None, f"{where}: no gradient for {name}"
-        err = rel_err(got, want, floor)
-        assert err <= RTOL, f"{where}: gradient of {name} differs, rel err {err:.3e}"
-        checked += 1
-    assert checked > 0
+    # OPT's attention key biases: a gradient that is zero up to rounding
+    _assert_grads_match(rp, model, ref, where, floor=True)
 
 
 @pytest.mark.parametrize(("model_type", "num_microbatch"), FAMILIES)
@@ -230,7 +210,7 @@ def _minimax_m2_with_router_loss():
         (lambda: build_tiny("bloom"), "ALiBi"),
         (lambda: build_tiny("recurrent_gemma"), "decoding cache"),
         (lambda: _gemma3n(shared=0), "per-layer input"),
-        (lambda: build_tiny("mpt"), "decoder layer 0 gets attention_mask="),
+        (lambda: build_tiny("mpt"), "ALiBi bias of \\(heads, 1, max_seq_len\\)"),
         (_opt_with_layerdrop, "config.layerdrop=0.1"),
         (_minimax_m2_with_router_loss, "output_router_logits=True"),
     ],
