@@ -209,7 +209,12 @@ def not_decoder_only(model_type: str) -> str | None:
             f"decoder {class_name} is judged as {', '.join(twin)}"
         )
     if subs:
-        return f"its config has {', '.join(subs)}: a multimodal model (image or audio inputs)"
+        what = (
+            "a model with a separate encoder"
+            if subs == ["encoder_config"]
+            else ("a multimodal model (image or audio inputs)")
+        )
+        return f"its config has {', '.join(subs)}: {what}"
     return None
 
 
