@@ -1,7 +1,9 @@
 """A real-size Hugging Face model on CPU workers: RoundPipe's defaults against plain HF.
 
     python benchmarks/hf_real_size.py [--rounds 3] [--steps 2] [--layers 28] [--seq 256]
-                                      [--batch 2] [--threads 2]
+                                      [--batch 2] [--threads 2] [--variants hf,rp,...]
+    python benchmarks/hf_real_size.py --variants "rp,rp structure" --rounds 5
+        # a family converted by structure against its preset (issue 36, item 5)
 
 A Qwen3-0.6B-shaped ``Qwen3ForCausalLM`` built from a config (hidden 1024, 28 decoder
 layers, MLP 3072, 16 heads / 8 KV heads of 128, vocabulary 151936, tied embeddings;
@@ -13,11 +15,17 @@ own), one process per variant and round, the variants alternating round by round
 * ``hf ckpt``: the same with ``model.gradient_checkpointing_enable()``;
 * ``rp``: ``wrap_model_to_roundpipe(model, devices="cpu:2")`` with every default
   (its plan, its microbatches, its masters and step), ``forward_backward`` with
-  ``causal_lm_loss_fn``, AdamW over ``optim_parameters()``, ``rp.step(...)``.
+  ``causal_lm_loss_fn``, AdamW over ``optim_parameters()``, ``rp.step(...)``;
+* ``rp structure``: the same, but the model converted by the converter by structure
+  (``convert_decoder_lm``, as for a family without a preset) instead of the Qwen3
+  preset, then ``RoundPipe(seq, original_model=model, devices="cpu:2")`` as
+  ``wrap_model_to_roundpipe`` builds it.
+
+``--variants`` picks which run (in that order each round); ratios are to the first.
 
 Printed per variant: the median time of a training step after the first (warm-up)
 one, the whole process's wall time, the process's peak RSS, each with [min..max]
-over rounds, and their ratios to ``hf`` per round (median and range); then the step-0
+over rounds, and their ratios to the first variant per round (median and range); then the step-0
 losses of every run, which must agree (the same arithmetic on the same weights).
 """
 
@@ -31,7 +39,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("hf", "hf ckpt", "rp")
+VARIANTS = ("hf", "hf ckpt", "rp", "rp structure")
 
 
 def _config(args: argparse.Namespace):  # noqa: ANN202 - transformers is optional
@@ -82,7 +90,18 @@ def child(args: argparse.Namespace) -> None:
         from roundpipe_core.presets import causal_lm_loss_fn
 
         model.config.use_cache = False
-        rp = wrap_model_to_roundpipe(model, devices="cpu:2")
+        if args.child == "rp":
+            rp = wrap_model_to_roundpipe(model, devices="cpu:2")
+        else:  # what wrap_model_to_roundpipe builds for a family without a preset
+            from roundpipe_core import RoundPipe
+            from roundpipe_core.presets import convert_decoder_lm
+
+            rp = RoundPipe(
+                convert_decoder_lm(model),
+                original_model=model,
+                devices="cpu:2",
+                name=type(model).__name__,
+            )
         opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-5)
         try:
             for _ in range(args.steps + 1):
@@ -103,7 +122,7 @@ def child(args: argparse.Namespace) -> None:
         "process_s": time.perf_counter() - t_start,
         "peak_rss_gib": peak_kib / 1024**2,
         "loss0": losses[0],
-        "plan": plan if args.child == "rp" else "",
+        "plan": plan if args.child.startswith("rp") else "",
     }
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -139,18 +158,26 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every variant")
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS}"
+    )
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
         return
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    base = variants[0]
     argv = [
         f"--{k}={getattr(args, k)}"
         for k in ("steps", "layers", "hidden", "intermediate", "vocab", "seq", "batch", "threads")
     ]
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        for v in VARIANTS:
+        for v in variants:
             runs[v].append(_run_child(v, argv))
             print(f"round {r + 1}/{args.rounds} {v}: {runs[v][-1]}", file=sys.stderr, flush=True)
     print(
@@ -158,20 +185,22 @@ def main() -> None:
         f"batch {args.batch} x seq {args.seq}, AdamW, torch threads {args.threads}; "
         f"{args.rounds} rounds, one process per variant and round, medians [min..max]"
     )
-    print(f"rp plan: {runs['rp'][0]['plan']}")
+    for v in variants:
+        if runs[v][0]["plan"]:
+            print(f"{v} plan: {runs[v][0]['plan']}")
     header = (
-        f"{'variant':8} {'step s':>22} {'process s':>22} {'peak RSS GiB':>22} "
-        f"{'step / hf':>22} {'process / hf':>22} {'RSS / hf':>22}"
+        f"{'variant':12} {'step s':>22} {'process s':>22} {'peak RSS GiB':>22} "
+        f"{'step / ' + base:>22} {'process / ' + base:>22} {'RSS / ' + base:>22}"
     )
     print(header)
-    for v in VARIANTS:
+    for v in variants:
         cols = [_range([x[k] for x in runs[v]]) for k in ("step_s", "process_s", "peak_rss_gib")]
         ratios = [
-            _range([x[k] / h[k] for x, h in zip(runs[v], runs["hf"])])
+            _range([x[k] / h[k] for x, h in zip(runs[v], runs[base])])
             for k in ("step_s", "process_s", "peak_rss_gib")
         ]
-        print(f"{v:8} " + " ".join(f"{c:>22}" for c in cols + ratios))
-    losses = {v: [x["loss0"] for x in runs[v]] for v in VARIANTS}
+        print(f"{v:12} " + " ".join(f"{c:>22}" for c in cols + ratios))
+    losses = {v: [x["loss0"] for x in runs[v]] for v in variants}
     print("step-0 losses: " + ", ".join(f"{v} {sorted(set(ls))}" for v, ls in losses.items()))
 
 

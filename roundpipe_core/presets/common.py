@@ -49,6 +49,7 @@ __all__ = [
     "mask_functions",
     "output_adapter",
     "prepare_hf_model",
+    "split_call",
 ]
 
 
@@ -77,6 +78,13 @@ class CausalLMInputAdapter(nn.Module):
             computed once, ``module(hidden, position_ids[, layer_type])``, and the
             state's ``cos`` field holds their outputs as a tuple in this order
             (``sin`` is ``None``); a block picks its table by index.
+        position_embedding_inputs: how ``position_embedding`` is called, as
+            ``(keyword or position, source, detail)`` triples with sources ``"const"``
+            (detail: the value), ``"padding_mask"`` and ``"position_ids"`` (OPT's
+            ``embed_positions(attention_mask, 0, position_ids=...)``); ``None``:
+            ``position_embedding(position_ids)``.
+        positions_from_mask: default position ids counted over the padding mask,
+            ``cumsum(mask) * mask - 1`` (OPT), instead of ``0..S-1``.
     """
 
     def __init__(
@@ -89,11 +97,17 @@ class CausalLMInputAdapter(nn.Module):
         embed_scale: float | None = None,
         embed_scale_as_tensor: bool = False,
         position_tables: Sequence[tuple[nn.Module, str | None]] | None = None,
+        position_embedding_inputs: Sequence[tuple[str | int, str, Any]] | None = None,
+        positions_from_mask: bool = False,
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.rotary_emb = rotary_emb
         self.position_embedding = position_embedding
+        self.position_embedding_inputs = (
+            None if position_embedding_inputs is None else tuple(position_embedding_inputs)
+        )
+        self.positions_from_mask = positions_from_mask
         self.dropout = dropout
         self.router_logits_default = router_logits_default
         self.embed_scale = embed_scale
@@ -177,6 +191,9 @@ class CausalLMInputAdapter(nn.Module):
             else:
                 hidden = hidden * self.embed_scale
         batch, seq = hidden.shape[:2]
+        if position_ids is None and self.positions_from_mask and attention_mask is not None:
+            counted = attention_mask.to(hidden.device)
+            position_ids = (torch.cumsum(counted, dim=1) * counted - 1).long()
         if position_ids is None:
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
         position_ids = position_ids.to(hidden.device)
@@ -190,7 +207,18 @@ class CausalLMInputAdapter(nn.Module):
         # Expanded so that it can be split into microbatches along dim 0 like the rest.
         position_ids = position_ids.expand(batch, -1).contiguous()
         if self.position_embedding is not None:
-            hidden = hidden + self.position_embedding(position_ids).to(hidden.device)
+            if self.position_embedding_inputs is None:
+                positions = self.position_embedding(position_ids)
+            else:
+                given = {"padding_mask": attention_mask, "position_ids": position_ids}
+                args, kwargs = split_call(
+                    {
+                        key: detail if source == "const" else given[source]
+                        for key, source, detail in self.position_embedding_inputs
+                    }
+                )
+                positions = self.position_embedding(*args, **kwargs)
+            hidden = hidden + positions.to(hidden.device)
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         cos = sin = None
@@ -222,6 +250,12 @@ class CausalLMInputAdapter(nn.Module):
             "router_stats": None,
         }
         return (hidden, cos, sin, position_ids, attention_mask, labels, extras)
+
+
+def split_call(inputs: dict[str | int, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Positional arguments (int keys, in order) and keyword arguments of a recorded call."""
+    positions = sorted(k for k in inputs if isinstance(k, int))
+    return [inputs[k] for k in positions], {k: v for k, v in inputs.items() if isinstance(k, str)}
 
 
 def _check_num_items(value: Any, device: torch.device) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from .common import (
     call_layer,
     output_adapter,
     prepare_hf_model,
+    split_call,
 )
 from .moe import (
     Rescore,
@@ -143,7 +144,7 @@ class GenericDecoderBlock(nn.Module):
 
     def forward(self, *state: Any) -> DecoderState:
         hidden, tables, sin, position_ids, attention_mask, labels, extras = unpack_state(state)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str | int, Any] = {}
         for key, source, detail in self.recipe.inputs:
             if source == "const":
                 kwargs[key] = detail
@@ -166,8 +167,13 @@ class GenericDecoderBlock(nn.Module):
                 if with_pos:
                     mask_kwargs["position_ids"] = position_ids
                 kwargs[key] = self.mask_fns[kind](**mask_kwargs)
+        args, named = split_call(kwargs)
         out, extras = call_layer(
-            lambda: self.layer(hidden, **kwargs), self.num_routers, extras, attention_mask, hidden
+            lambda: self.layer(hidden, *args, **named),
+            self.num_routers,
+            extras,
+            attention_mask,
+            hidden,
         )
         if self.recipe.tuple_output:
             out = out[0]
@@ -202,6 +208,9 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
         recipe = probe_decoder(parts)
         seq = _build(parts, recipe, routers, rescore, num_experts)
         check_conversion(parts, seq)
+    dropout = seq[0].dropout
+    if recipe.embed_dropout is not None and isinstance(dropout, nn.Module):
+        dropout.train(parts.backbone.training)  # a module of its own: trains as the backbone
     return seq
 
 
@@ -221,6 +230,11 @@ def _build(
     tables = [
         (parts.position_modules[name], layer_type) for name, layer_type in recipe.position_tables
     ]
+    position_embedding = (
+        None
+        if recipe.position_embedding is None
+        else parts.other_modules[recipe.position_embedding]
+    )
     blocks = [
         GenericDecoderBlock(layer, parts.config, r, rs if moe else ())
         for layer, r, rs in zip(parts.layers, recipe.layers, routers)
@@ -232,6 +246,10 @@ def _build(
             embed_scale=recipe.embed_scale,
             embed_scale_as_tensor=recipe.embed_scale_as_tensor,
             position_tables=tables,
+            position_embedding=position_embedding,
+            position_embedding_inputs=recipe.position_embedding_inputs,
+            positions_from_mask=recipe.positions_from_mask,
+            dropout=None if recipe.embed_dropout is None else nn.Dropout(recipe.embed_dropout),
             router_logits_default=bool(getattr(config, "output_router_logits", False))
             if moe
             else None,

@@ -72,20 +72,31 @@ _KNOWN_FEATURES = {
 class LayerRecipe:
     """How one decoder layer is called: ``layer(hidden, **kwargs)``.
 
-    ``inputs`` holds ``(keyword, source, detail)`` triples; sources:
+    ``inputs`` holds ``(keyword, source, detail)`` triples (an int keyword is the
+    positional argument at that place after the hidden states); sources:
     ``"const"`` (detail: the value), ``"padding_mask"`` (the 2D mask),
     ``"position_ids"``, ``"cache_position"`` (``arange(seq)``), ``"mask"``
     (detail: ``(kind, with_position_ids)``, kind a key of ``MASK_BUILDERS``) and
     ``"table"`` (detail: index into :attr:`ModelRecipe.position_tables`).
     """
 
-    inputs: tuple[tuple[str, str, Any], ...]
+    inputs: tuple[tuple[str | int, str, Any], ...]
     tuple_output: bool
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelRecipe:
-    """What the probe found: everything the converter needs besides the parts."""
+    """What the probe found: everything the converter needs besides the parts.
+
+    ``position_embedding`` names a backbone part whose output is added to the
+    embeddings (a learned or sinusoidal table: GPT-BigCode's ``wpe``, OPT's
+    ``embed_positions``), called with ``position_embedding_inputs`` (as
+    :class:`LayerRecipe` inputs; an int key is a positional argument).
+    ``positions_from_mask``: the default position ids count only the unpadded
+    tokens (``cumsum(mask) * mask - 1``, OPT) instead of ``0..S-1``.
+    ``embed_dropout``: the dropout the backbone applies to the embeddings in
+    training (read from a training-mode forward), or ``None``.
+    """
 
     layers: tuple[LayerRecipe, ...]
     embed_scale: float | None
@@ -93,6 +104,10 @@ class ModelRecipe:
     position_tables: tuple[tuple[str, str | None], ...]  # (backbone attribute, layer_type)
     norm_name: str
     logit_ops: tuple[tuple[str, float], ...]
+    position_embedding: str | None = None
+    position_embedding_inputs: tuple[tuple[str | int, str, Any], ...] = ()
+    positions_from_mask: bool = False
+    embed_dropout: float | None = None
 
 
 def _refuse(parts: DecoderParts, what: str) -> ValueError:
@@ -152,6 +167,7 @@ class _Recording:
     layer_calls: list[tuple[tuple, dict]]
     layer_outputs: list[Any]
     module_calls: dict[str, tuple[Any, Any]]
+    module_kwargs: dict[str, dict]
     head_call: tuple[Any, Any] | None
     logits: torch.Tensor | None
 
@@ -170,7 +186,7 @@ def _probe_batch(parts: DecoderParts, device: torch.device) -> tuple[torch.Tenso
 
 def _record(parts: DecoderParts, **call: Any) -> _Recording:
     """One forward of the model with hooks on layers, backbone parts and head."""
-    rec = _Recording([], [], {}, None, None)
+    rec = _Recording([], [], {}, {}, None, None)
     handles = []
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -180,8 +196,9 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
         rec.layer_outputs.append(out)
 
     def part_hook(name: str) -> Any:
-        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
             rec.module_calls.setdefault(name, (args, out))
+            rec.module_kwargs.setdefault(name, dict(kwargs))
 
         return hook
 
@@ -193,7 +210,7 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
             handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(layer.register_forward_hook(post, with_kwargs=True))
         for name, module in parts.other_modules.items():
-            handles.append(module.register_forward_hook(part_hook(name)))
+            handles.append(module.register_forward_hook(part_hook(name), with_kwargs=True))
         handles.append(parts.lm_head.register_forward_hook(head_hook))
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(PROBE_SEED)
@@ -262,9 +279,18 @@ def _tables(parts: DecoderParts, hidden: torch.Tensor, pos: torch.Tensor) -> dic
     return out
 
 
-def _embed_scale(parts: DecoderParts, embedded: torch.Tensor, first: torch.Tensor) -> tuple:
-    """``(scale, as_tensor)`` with ``embedded * scale == first``, or ``(None, False)``."""
-    if _same(first, embedded):
+def _embed_scale(
+    parts: DecoderParts,
+    embedded: torch.Tensor,
+    first: torch.Tensor,
+    added: torch.Tensor | None = None,
+) -> tuple:
+    """``(scale, as_tensor)`` with ``embedded * scale (+ added) == first``, or ``(None, False)``."""
+
+    def plus(x: torch.Tensor) -> torch.Tensor:
+        return x if added is None else x + added
+
+    if _same(first, plus(embedded)):
         return None, False
     config = parts.config
     candidates = []
@@ -278,13 +304,14 @@ def _embed_scale(parts: DecoderParts, embedded: torch.Tensor, first: torch.Tenso
     for scale in candidates:
         for as_tensor in (True, False):
             factor: Any = torch.tensor(scale, dtype=embedded.dtype) if as_tensor else scale
-            if _same(first, embedded * factor):
+            if _same(first, plus(embedded * factor)):
                 return scale, as_tensor
     raise _refuse(
         parts,
         "the first decoder layer's input is not the token embedding (nor the embedding times "
-        "hidden_size ** 0.5 or a multiplier from the config): the backbone does something to "
-        "the embeddings the converter does not know",
+        "hidden_size ** 0.5 or a multiplier from the config"
+        + (", plus a position embedding" if added is not None else "")
+        + "): the backbone does something to the embeddings the converter does not know",
     )
 
 
@@ -327,14 +354,18 @@ def _logit_ops(parts: DecoderParts, head_out: torch.Tensor, logits: torch.Tensor
 def _classify(
     parts: DecoderParts,
     index: int,
-    key: str,
+    key: str | int,
     value: Any,
     known: dict[str, Any],
     masks: dict,
     tables: dict,
     table_order: list[tuple[str, str | None]],
-) -> tuple[str, str, Any]:
-    where = f"decoder layer {index} gets {key}="
+) -> tuple[str | int, str, Any]:
+    where = (
+        f"decoder layer {index} gets {key}="
+        if isinstance(key, str)
+        else f"decoder layer {index} gets as positional argument {key} "
+    )
     if key in _KNOWN_FEATURES:
         if value is None:
             return (key, "const", None)
@@ -350,6 +381,8 @@ def _classify(
             return (key, "padding_mask", None)
         if value.dim() == 2 and _same(known["position_ids"], value):
             return (key, "position_ids", None)
+        if value.dim() == 2 and _same(known["mask_positions"], value):
+            return (key, "mask_positions", None)
         if value.dim() == 1 and torch.equal(value, known["cache_position"]):
             return (key, "cache_position", None)
         matches = [k for k, m in masks.items() if m is not None and _same(m, value)]
@@ -413,15 +446,32 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
                 raise
             rec_packed = None  # a model that needs a padding mask: masks take the position ids
         masks_packed = _masks(parts, first, None, packed)
-    norm_name = _find_norm(parts, rec, _first(rec.layer_outputs[-1]))
+    norm_name, called = _find_norm(parts, rec, _first(rec.layer_outputs[-1]))
     with torch.no_grad():
         embedded = parts.embed_tokens(ids)
-    embed_scale, as_tensor = _embed_scale(parts, embedded, first)
+    pos_name, embed_scale, as_tensor = _position_embedding(parts, rec, called, embedded, first)
     known = {
         "padding_mask": mask,
         "position_ids": pos,
+        "mask_positions": (torch.cumsum(mask, dim=1) * mask - 1).long(),
         "cache_position": torch.arange(PROBE_SEQ, device=device),
     }
+    pos_inputs: list[tuple[str | int, str, Any]] = []
+    if pos_name is not None:
+        pos_args, _ = rec.module_calls[pos_name]
+        pos_calls: list[tuple[str | int, Any]] = [
+            *enumerate(pos_args),
+            *rec.module_kwargs[pos_name].items(),
+        ]
+        for key, value in pos_calls:
+            entry = _classify(parts, 0, key, value, known, {}, {}, [])
+            if entry[1] not in ("const", "padding_mask", "position_ids", "mask_positions"):
+                raise _refuse(
+                    parts,
+                    f"its position embedding {pos_name} gets {key}= a value the converter does "
+                    "not rebuild (a padding mask, position ids or a constant)",
+                )
+            pos_inputs.append(entry)
     table_order: list[tuple[str, str | None]] = []
     recipes = []
     previous = None
@@ -434,11 +484,6 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
             extra = args
         else:
             hidden, extra = (args[0], args[1:]) if args else (None, ())
-        if extra:
-            raise _refuse(
-                parts,
-                f"decoder layer {i} gets {len(extra)} positional arguments after the hidden states",
-            )
         if previous is not None and not _same(hidden, previous):
             raise _refuse(
                 parts,
@@ -447,7 +492,8 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
             )
         previous = _first(out)
         inputs = []
-        for key, value in kwargs.items():
+        calls: list[tuple[str | int, Any]] = [*enumerate(extra, 1), *kwargs.items()]
+        for key, value in calls:
             entry = _classify(parts, i, key, value, known, masks, tables, table_order)
             if entry[1] == "mask":
                 entry = _with_or_without_positions(parts, i, key, entry, rec_packed, masks_packed)
@@ -460,6 +506,21 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
     if rec.logits is None or not isinstance(head_out, torch.Tensor):
         raise _refuse(parts, "its forward returns no .logits, or its LM head no tensor")
     ops = _logit_ops(parts, head_out, rec.logits)
+    sources = {e[1] for r in recipes for e in r.inputs} | {e[1] for e in pos_inputs}
+    from_mask = "mask_positions" in sources
+    if from_mask and "position_ids" in sources:
+        raise _refuse(
+            parts,
+            "it uses two kinds of default position ids (0..S-1 and counted over the padding "
+            "mask) in one forward",
+        )
+    if from_mask:  # they are the position ids of the state, counted by the input adapter
+        recipes = [
+            dataclasses.replace(r, inputs=tuple(_from_mask(e) for e in r.inputs)) for r in recipes
+        ]
+        pos_inputs = [_from_mask(e) for e in pos_inputs]
+    with _small_windows(parts.config):
+        dropout = _embedding_dropout(parts, ids, mask, first)
     return ModelRecipe(
         layers=tuple(recipes),
         embed_scale=embed_scale,
@@ -467,21 +528,126 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
         position_tables=tuple(table_order),
         norm_name=norm_name,
         logit_ops=ops,
+        position_embedding=pos_name,
+        position_embedding_inputs=tuple(pos_inputs),
+        positions_from_mask=from_mask,
+        embed_dropout=dropout,
+    )
+
+
+def _from_mask(entry: tuple[str | int, str, Any]) -> tuple[str | int, str, Any]:
+    return (entry[0], "position_ids", None) if entry[1] == "mask_positions" else entry
+
+
+def _position_embedding(
+    parts: DecoderParts,
+    rec: _Recording,
+    called: list[str],
+    embedded: torch.Tensor,
+    first: torch.Tensor,
+) -> tuple[str | None, float | None, bool]:
+    """``(name, scale, as_tensor)``: which backbone part (if any) adds a position embedding to
+    the (scaled) token embedding to give the first layer's input; any other part the backbone
+    runs is refused, named."""
+    for name in called:
+        out = rec.module_calls[name][1]
+        if not isinstance(out, torch.Tensor) or out.shape[-1:] != first.shape[-1:]:
+            continue
+        try:
+            scale, as_tensor = _embed_scale(parts, embedded, first, out)
+        except ValueError:
+            continue
+        others = [n for n in called if n != name]
+        if others:
+            break
+        return name, scale, as_tensor
+    if called:
+        raise _refuse(
+            parts,
+            f"its backbone also runs {', '.join(called)}, which the converter does not place",
+        )
+    scale, as_tensor = _embed_scale(parts, embedded, first)
+    return None, scale, as_tensor
+
+
+class _FirstLayerReached(Exception):
+    pass
+
+
+def _embedding_dropout(
+    parts: DecoderParts, ids: torch.Tensor, mask: torch.Tensor, first: torch.Tensor
+) -> float | None:
+    """The dropout the backbone applies to the embeddings in training, or ``None``.
+
+    The model runs in training mode up to its first decoder layer with the probe's seed;
+    its input there must be the eval-mode one, or a dropout of it with a probability the
+    backbone or its config names (an ``nn.Dropout`` child, a ``*drop*`` attribute)."""
+    got: list[torch.Tensor] = []
+
+    def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        got.append(args[0] if args else kwargs["hidden_states"])
+        raise _FirstLayerReached
+
+    flags = [(m, m.training) for m in parts.model.modules()]
+    handle = parts.layers[0].register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        parts.model.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(PROBE_SEED)
+            try:
+                parts.model(input_ids=ids, attention_mask=mask, use_cache=False)
+            except _FirstLayerReached:
+                pass
+            except Exception as exc:
+                raise _refuse(
+                    parts,
+                    f"its own forward in training mode fails on the probe batch: "
+                    f"{type(exc).__name__}: {exc}",
+                ) from exc
+    finally:
+        handle.remove()
+        for module, training in flags:
+            module.training = training
+    if not got:
+        raise _refuse(parts, "its first decoder layer is not called in training mode")
+    if _same(first, got[0]):
+        return None
+    candidates = {m.p for m in parts.backbone.children() if isinstance(m, nn.Dropout)}
+    for owner in (parts.backbone, parts.config):
+        for attr, value in vars(owner).items():
+            if "drop" in attr and isinstance(value, float):
+                candidates.add(value)
+    for p in sorted(c for c in candidates if 0 < c < 1):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(PROBE_SEED)
+            dropped = nn.functional.dropout(first, p, training=True)
+        if _same(dropped, got[0]):
+            return p
+    raise _refuse(
+        parts,
+        "in training mode its first decoder layer's input is neither the embeddings nor a "
+        "dropout of them with a probability its backbone or config names: the backbone does "
+        "something in training the converter does not know",
     )
 
 
 def _with_or_without_positions(
     parts: DecoderParts,
     index: int,
-    key: str,
-    entry: tuple[str, str, Any],
+    key: str | int,
+    entry: tuple[str | int, str, Any],
     rec_packed: _Recording | None,
     masks_packed: dict,
-) -> tuple[str, str, Any]:
+) -> tuple[str | int, str, Any]:
     kind, _ = entry[2]
     if rec_packed is None:
         return (key, "mask", (kind, True))
-    recorded = rec_packed.layer_calls[index][1].get(key)
+    args, kwargs = rec_packed.layer_calls[index]
+    if isinstance(key, str):
+        recorded = kwargs.get(key)
+    else:  # positional: after the hidden states, unless those came as a keyword
+        at = key - 1 if "hidden_states" in kwargs else key
+        recorded = args[at] if at < len(args) else None
     for with_pos in (True, False):
         candidate = masks_packed.get((kind, with_pos))
         if (candidate is None and recorded is None) or (
@@ -492,12 +658,14 @@ def _with_or_without_positions(
             return (key, "mask", (kind, with_pos))
     raise _refuse(
         parts,
-        f"decoder layer {index}'s {key} for packed position ids matches no {kind} mask "
+        f"decoder layer {index}'s {key if isinstance(key, str) else f'argument {key}'} for "
+        "packed position ids matches no {kind} mask "
         f"({MASK_BUILDERS[kind]}) built with or without position_ids",
     )
 
 
-def _find_norm(parts: DecoderParts, rec: _Recording, last: Any) -> str:
+def _find_norm(parts: DecoderParts, rec: _Recording, last: Any) -> tuple[str, list[str]]:
+    """The final norm's name, and the other backbone parts the forward ran."""
     names = [n for n, (args, _) in rec.module_calls.items() if args and _same(args[0], last)]
     called_others = [n for n in rec.module_calls if n not in names]
     if len(names) != 1:
@@ -506,12 +674,7 @@ def _find_norm(parts: DecoderParts, rec: _Recording, last: Any) -> str:
             "found no final norm taking the last decoder layer's output among "
             f"{sorted(parts.other_modules) or 'the backbone parts'}",
         )
-    if called_others:
-        raise _refuse(
-            parts,
-            f"its backbone also runs {', '.join(called_others)}, which the converter does not place",
-        )
-    return names[0]
+    return names[0], called_others
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -527,7 +690,7 @@ def check_conversion(parts: DecoderParts, seq: nn.Sequential) -> None:
     device = next(parts.model.parameters()).device
     ids, mask = _probe_batch(parts, device)
     labels = ids.masked_fill(mask == 0, -100)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with torch.no_grad(), torch.random.fork_rng(devices=[]), eval_mode(seq):
         torch.manual_seed(PROBE_SEED)
         ref = parts.model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         torch.manual_seed(PROBE_SEED)

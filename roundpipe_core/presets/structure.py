@@ -7,10 +7,11 @@ modules (rotary tables without parameters), and an LM head on the causal LM
 itself. :func:`find_decoder_parts` finds those parts from the module tree and
 refuses, with a ``ValueError`` naming the part, what it cannot place: a model
 that is not a causal LM, an encoder-decoder, a backbone module with weights
-that is none of the above, an embedding dropout, and features known not to
-survive the cut into pipeline layers (KV sharing between layers, per-layer
-input embeddings, ALiBi biases of batch x heads, a decoding cache in training,
-weights rescaled in place between training and inference).
+that is none of the above, and features known not to survive the cut into
+pipeline layers (KV sharing between layers, per-layer input embeddings, ALiBi
+biases of batch x heads, a decoding cache in training, weights rescaled in
+place between training and inference, layers skipped at random in training).
+A backbone that only wraps a decoder (OPT's ``model.decoder``) is looked into.
 
 Which call each part gets (which mask, which position table, which scaling)
 is read from one recorded forward of the model itself (:mod:`.probe`); the
@@ -44,7 +45,8 @@ class DecoderParts:
         position_modules: backbone children that compute position tables (rotary
             embeddings: no parameters), by attribute name.
         other_modules: the remaining backbone children with weights or a norm class,
-            by attribute name; the final norm is one of them (which one, the probe finds).
+            by attribute name; the final norm is one of them, a learned or sinusoidal
+            position embedding may be another (which, the probe finds).
     """
 
     model: nn.Module
@@ -113,6 +115,18 @@ def _unsupported_feature(config: Any, backbone: nn.Module) -> str | None:
             "it adds an ALiBi bias whose first dim is batch x heads, not batch, so it cannot be "
             "split into microbatches between pipeline layers"
         )
+    if callable(getattr(backbone, "build_mpt_alibi_tensor", None)):
+        return (
+            "it adds an ALiBi bias of (heads, 1, max_seq_len) with no batch dim, which cannot "
+            "travel in the decoder state split into microbatches, and its layers take a "
+            "boolean 4D mask the converter does not rebuild"
+        )
+    layerdrop = getattr(config, "layerdrop", 0.0)
+    if isinstance(layerdrop, float) and layerdrop > 0:
+        return (
+            f"it skips whole layers at random in training (config.layerdrop={layerdrop}), which "
+            "a pipeline of fixed layers does not; set config.layerdrop = 0.0 to convert"
+        )
     rescale = getattr(config, "rescale_every", 0)
     if isinstance(rescale, int) and rescale > 0:
         return (
@@ -123,6 +137,19 @@ def _unsupported_feature(config: Any, backbone: nn.Module) -> str | None:
     if callable(getattr(backbone, "_setup_cache", None)):
         return "its layers need a decoding cache in training (recurrent state set up by the model)"
     return None
+
+
+def _inner_decoder(backbone: nn.Module) -> nn.Module:
+    """The module that holds the embedding and layers: ``backbone`` itself, or its only child
+    with weights when the backbone just wraps a decoder (OPT's ``model.decoder``)."""
+    if _call_getter(backbone, "get_input_embeddings") is not None and any(
+        _call_getter(backbone, "get_input_embeddings") is c for c in backbone.children()
+    ):
+        return backbone
+    weighted = [c for c in backbone.children() if _has_weights(c)]
+    if len(weighted) == 1 and _call_getter(weighted[0], "get_input_embeddings") is not None:
+        return weighted[0]
+    return backbone
 
 
 def find_decoder_parts(model: nn.Module) -> DecoderParts:
@@ -162,6 +189,7 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
             f"{name} has a part besides its backbone and LM head: {child_name} "
             f"({type(child).__name__}), which the generic converter does not place"
         )
+    backbone = _inner_decoder(backbone)
     embed = _call_getter(backbone, "get_input_embeddings")
     children = dict(backbone.named_children())
     if embed is None or not any(embed is c for c in children.values()):
@@ -195,12 +223,7 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
         if _is_position_module(child_name, child):
             position_modules[child_name] = child
         elif isinstance(child, nn.Dropout):
-            if child.p > 0:
-                raise ValueError(
-                    f"{name}: the backbone applies dropout {child_name} (p={child.p}) outside its "
-                    "decoder layers, which the generic converter does not place; set its p to 0 "
-                    "(e.g. config.embd_pdrop=0.0) to convert"
-                )
+            continue  # an embedding dropout: the probe finds it in a training-mode forward
         elif _has_weights(child) or "norm" in type(child).__name__.lower():
             # a final norm may have no weights (OLMo's non-parametric LayerNorm)
             other_modules[child_name] = child

@@ -1,4 +1,6 @@
-"""Tiny random Hugging Face causal LMs built from configs (nothing is downloaded)."""
+"""Tiny random Hugging Face causal LMs built from configs (nothing is downloaded), and the
+comparison of a RoundPipe run with Hugging Face's own forward and backward that the preset,
+converter and automatic-split tests share."""
 
 from __future__ import annotations
 
@@ -151,9 +153,53 @@ def make_batch(batch: int = 5, seq: int = 8, padding: str | None = "right", seed
     return ids, mask, labels
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest absolute difference relative to the largest reference value."""
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+RTOL = 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
+    """Largest absolute difference relative to the largest reference value (or ``floor``)."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(floor)).item()
+
+
+def zero_floor(grads: dict) -> float:
+    """1e-4 of the largest gradient entry: a gradient below it is zero up to rounding (an
+    attention key bias), judged against this floor instead of its own rounding noise."""
+    return 1e-4 * max((g.abs().max().item() for g in grads.values() if g is not None), default=0)
+
+
+def hf_reference(model, ids, mask, labels):
+    """HF's own forward + backward on the whole batch: (logits, loss, {name: grad or None}),
+    the model's gradients cleared after."""
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def assert_grads_match(
+    rp, model, ref_grads: dict, where: str, every_master: bool = False, floor: bool = False
+) -> None:
+    """Every master gradient of ``rp`` equals ``ref_grads`` (by the model's parameter names)
+    within :data:`RTOL`; a parameter HF gives no (or a zero) gradient gets none from RoundPipe
+    either (an expert no token was routed to). ``every_master``: every parameter must have a
+    master copy; ``floor``: gradients zero up to rounding are judged by :func:`zero_floor`."""
+    checked = 0
+    low = zero_floor(ref_grads) if floor else 1e-30
+    for name, p in model.named_parameters():
+        master = rp.master_param(p)
+        if every_master:
+            assert master is not None, f"{where}: no master copy for trainable {name}"
+        got = None if master is None else master.grad
+        want = ref_grads.get(name)
+        if want is None or want.abs().max() == 0:
+            assert got is None or got.abs().max() == 0, f"{where}: {name} got a gradient, HF none"
+            continue
+        assert got is not None, f"{where}: no gradient for {name}"
+        err = rel_err(got, want, low)
+        assert err <= RTOL, f"{where}: gradient of {name} differs, rel err {err:.3e}"
+        checked += 1
+    assert checked > 0
 
 
 def hf_grads(model, **kwargs):

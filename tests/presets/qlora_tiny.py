@@ -1,4 +1,5 @@
-"""Tiny QLoRA models: a Llama built from a config, saved, reloaded quantized by
+"""Tiny QLoRA models: a Llama (or a Llama-like family without a preset, OLMo 2) built
+from a config, saved, reloaded quantized by
 bitsandbytes (4-bit NF4/FP4 with or without double quantization, or 8-bit), with
 peft LoRA adapters. Nothing is downloaded."""
 
@@ -38,11 +39,13 @@ QUANTS = ["nf4", "fp4", "nf4-dq", "fp4-dq", "int8"]
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
-def save_tiny_llama(path: Path, layers: int = 2) -> Path:
+def save_tiny_llama(path: Path, layers: int = 2, family: str = "Llama") -> Path:
+    """Save a tiny ``{family}ForCausalLM`` (``"Llama"``: a preset; ``"Olmo2"``: converted by
+    its structure) at ``path``."""
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
+    cfg = getattr(tf, f"{family}Config")(
         hidden_size=HIDDEN,
         intermediate_size=2 * HIDDEN,
         num_hidden_layers=layers,
@@ -53,7 +56,7 @@ def save_tiny_llama(path: Path, layers: int = 2) -> Path:
         pad_token_id=0,
         use_cache=False,
     )
-    tf.LlamaForCausalLM(cfg).save_pretrained(path)
+    getattr(tf, f"{family}ForCausalLM")(cfg).save_pretrained(path)
     return path
 
 
@@ -80,7 +83,9 @@ def load_qlora(path: Path, quant: str, train: bool = True, kbit_prep: bool = Fal
 
     with warnings.catch_warnings(), host_loading():
         warnings.simplefilter("ignore")
-        model = tf.LlamaForCausalLM.from_pretrained(path, quantization_config=quant_config(quant))
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            path, quantization_config=quant_config(quant)
+        )
         if kbit_prep:
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(1)

@@ -8,16 +8,13 @@ import logging
 
 import pytest
 import torch
+from hf_tiny import rel_err
 from torch import nn
 
 from roundpipe_core import OptimizerCtx, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
 from roundpipe_core.autosplit import AutoRoundPipe, FxStep, auto_wrap, chain_layers
 
 RTOL = 1e-5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 class ChainNet(nn.Module):

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_tiny import rel_err
 from torch import nn
 
 from roundpipe_core.presets import IGNORE_INDEX, chunked_linear_cross_entropy
 
 pytestmark = pytest.mark.host_only
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _data(n: int = 23, h: int = 12, v: int = 31, bias: bool = True, seed: int = 0):

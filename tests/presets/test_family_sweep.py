@@ -11,8 +11,9 @@ selection covers what test_generic_converter.py does not: fused QKV (Phi-3), par
 rotary with LayerNorm and a ``final_layernorm`` (Phi), GPT-NeoX's layout, LayerNorm with
 biases and a sliding window (Starcoder2), layers without rotary (SmolLM3), pure Mamba
 mixers, short convolutions beside attention (LFM2), sliding + full attention with a
-logit scale (Cohere 2), a MoE without router loss (Mixtral), a preset family (Llama), and
-a refusal (Bloom: ALiBi).
+logit scale (Cohere 2), a MoE without router loss (Mixtral), a learned position
+embedding with layers taking positional arguments (GPT-BigCode), a preset family (Llama),
+and a refusal (Bloom: ALiBi).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ SELECTION = {
     "lfm2": "structure",
     "cohere2": "structure",
     "mixtral": "structure",
+    "gpt_bigcode": "structure",
     "bloom": "automatic split",
 }
 

@@ -7,7 +7,9 @@ embedding scale, sliding + full layers, tied embeddings), Gemma 3 (two rotary ta
 per layer type), Cohere (logit_scale, tied), Granite (embedding multiplier, logits
 divided), Falcon (``transformer.h`` / ``ln_f`` layout, fused QKV), Qwen3-Next (linear
 attention layers with a 2D mask, MoE), Jamba (Mamba mixers reading their conv weight
-directly); Mixtral and Qwen2-MoE for the routers (replay, load-balancing loss). Tiny models come from ``scripts/sweep_hf_families.py`` (nothing downloaded).
+directly), OPT (a learned position embedding called with the padding mask, default
+position ids counted over the padding mask, a backbone wrapping its decoder); Mixtral and
+Qwen2-MoE for the routers (replay, load-balancing loss). Tiny models come from ``scripts/sweep_hf_families.py`` (nothing downloaded).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
+from hf_tiny import RTOL, hf_reference, rel_err  # noqa: E402
+from hf_tiny import assert_grads_match as _assert_grads_match  # noqa: E402
 from sweep_hf_families import build_tiny, make_batch  # noqa: E402
 
 from roundpipe_core import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
@@ -35,8 +39,6 @@ from roundpipe_core.presets import (  # noqa: E402
 from roundpipe_core.presets.probe import check_conversion  # noqa: E402
 from roundpipe_core.presets.structure import find_decoder_parts  # noqa: E402
 
-RTOL = 1e-5
-
 # (model type, microbatches): 5 rows split 3+2, 2+2+1 or 1 each
 FAMILIES = [
     ("gemma2", 2),
@@ -46,35 +48,13 @@ FAMILIES = [
     ("falcon", 3),
     ("qwen3_next", 2),
     ("jamba", 2),
+    ("opt", 3),
 ]
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def hf_reference(model, ids, mask, labels):
-    out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out.logits.detach(), out.loss.detach(), grads
-
-
 def assert_grads_match(rp, model, ref, where: str) -> None:
-    checked = 0
-    for name, p in model.named_parameters():
-        master = rp.master_param(p)
-        got = None if master is None else master.grad
-        want = ref.get(name)
-        if want is None or want.abs().max() == 0:
-            assert got is None or got.abs().max() == 0, f"{where}: {name} got a gradient, HF none"
-            continue
-        assert got is not None, f"{where}: no gradient for {name}"
-        err = rel_err(got, want)
-        assert err <= RTOL, f"{where}: gradient of {name} differs, rel err {err:.3e}"
-        checked += 1
-    assert checked > 0
+    # OPT's attention key biases: a gradient that is zero up to rounding
+    _assert_grads_match(rp, model, ref, where, floor=True)
 
 
 @pytest.mark.parametrize(("model_type", "num_microbatch"), FAMILIES)
@@ -211,6 +191,12 @@ def _gemma3n(shared: int = 1):
     return tf.Gemma3nForCausalLM(cfg)
 
 
+def _opt_with_layerdrop():
+    model = build_tiny("opt")
+    model.config.layerdrop = 0.1
+    return model
+
+
 def _minimax_m2_with_router_loss():
     model = build_tiny("minimax_m2")  # its router also takes a score-correction bias
     model.config.output_router_logits = True
@@ -224,10 +210,19 @@ def _minimax_m2_with_router_loss():
         (lambda: build_tiny("bloom"), "ALiBi"),
         (lambda: build_tiny("recurrent_gemma"), "decoding cache"),
         (lambda: _gemma3n(shared=0), "per-layer input"),
-        (lambda: build_tiny("mpt"), "decoder layer 0 gets attention_mask="),
+        (lambda: build_tiny("mpt"), "ALiBi bias of \\(heads, 1, max_seq_len\\)"),
+        (_opt_with_layerdrop, "config.layerdrop=0.1"),
         (_minimax_m2_with_router_loss, "output_router_logits=True"),
     ],
-    ids=["gemma3n", "bloom", "recurrent_gemma", "gemma3n-unshared", "mpt", "minimax-m2-aux"],
+    ids=[
+        "gemma3n",
+        "bloom",
+        "recurrent_gemma",
+        "gemma3n-unshared",
+        "mpt",
+        "opt-layerdrop",
+        "minimax-m2-aux",
+    ],
 )
 def test_refused_with_the_reason(make, words: str) -> None:
     with pytest.raises(ValueError, match=words):
@@ -311,3 +306,26 @@ def test_generic_blocks_follow_the_forward_rules(model_type: str) -> None:
             with running_layer(i, 0, False, store, torch.device("cpu")):
                 x = check_forward_rules(i, layers[i], lambda: layers[i](x), shared[i])  # noqa: B023
     assert [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)] == []
+
+
+@pytest.mark.parametrize(
+    ("model_type", "attr", "dropout"),
+    [("gpt_bigcode", "drop", 0.1), ("biogpt", "dropout", 0.2), ("opt", None, None)],
+)
+def test_embedding_dropout_is_read_from_a_training_forward(model_type, attr, dropout) -> None:
+    """The probe runs in eval mode, so a dropout on the embeddings (an ``nn.Dropout`` child:
+    GPT-BigCode; a functional one with the backbone's rate: BioGPT) is read from a
+    training-mode forward up to the first layer, and the input adapter applies it; OPT's
+    ``config.dropout`` acts inside its layers only, so it gets none."""
+    model = build_tiny(model_type)
+    model.config.dropout = 0.3  # OPT: inside the layers (the converter must not add it)
+    backbone = find_decoder_parts(model).backbone
+    if attr == "drop":
+        backbone.drop.p = dropout
+    elif attr is not None:
+        setattr(backbone, attr, dropout)
+    seq = convert_decoder_lm(model)
+    got = seq[0].dropout
+    assert (got.p if got is not None else None) == dropout
+    if got is not None:
+        assert got.training == backbone.training

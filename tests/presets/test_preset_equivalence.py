@@ -14,12 +14,18 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_tiny import KINDS, make_batch, make_model  # noqa: E402
+from hf_tiny import (  # noqa: E402
+    KINDS,
+    RTOL,
+    hf_reference,
+    make_batch,
+    make_model,
+    rel_err,
+)
+from hf_tiny import assert_grads_match as _assert_grads_match  # noqa: E402
 
 from roundpipe_core import ModelExecutePlan, RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
 from roundpipe_core.presets import causal_lm_loss, causal_lm_loss_fn  # noqa: E402
-
-RTOL = 1e-5
 
 # 5 pipeline layers: input adapter, 3 decoder blocks, output adapter.
 FUSED_SETUPS = {
@@ -45,34 +51,8 @@ FUSED_SETUPS = {
 }
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def hf_reference(model, ids, mask, labels):
-    out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return out.logits.detach(), out.loss.detach(), grads
-
-
 def assert_grads_match(rp, model, ref_grads, where: str) -> None:
-    checked = 0
-    for name, p in model.named_parameters():
-        master = rp.master_param(p)
-        assert master is not None, f"{where}: no master copy for trainable {name}"
-        ref = ref_grads[name]
-        got = master.grad
-        if ref is None or ref.abs().max() == 0:
-            # e.g. an expert no token was routed to: RoundPipe must agree
-            assert got is None or got.abs().max() == 0, f"{where}: {name} got a gradient, HF none"
-            continue
-        assert got is not None, f"{where}: no gradient for {name}"
-        err = rel_err(got, ref)
-        assert err <= RTOL, f"{where}: gradient of {name} differs, rel err {err:.3e}"
-        checked += 1
-    assert checked > 0
+    _assert_grads_match(rp, model, ref_grads, where, every_master=True)
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])

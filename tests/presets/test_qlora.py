@@ -49,9 +49,9 @@ def _rule_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if "forward rule" in str(w.message)]
 
 
-def _train_once(pm, ids, mask, labels, **kwargs):
+def _train_once(pm, ids, mask, labels, inspect=None, **kwargs):
     """One forward_backward of ``pm`` through RoundPipe on 2 CPU workers, 2 microbatches:
-    (loss, master grads by name, forward-rule warnings)."""
+    (loss, master grads by name, forward-rule warnings); ``inspect(rp)`` is called first."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rp = wrap_model_to_roundpipe(
@@ -61,6 +61,8 @@ def _train_once(pm, ids, mask, labels, **kwargs):
             **kwargs,
         )
         try:
+            if inspect is not None:
+                inspect(rp)
             loss = rp.forward_backward(
                 input_kwargs={"input_ids": ids, "attention_mask": mask},
                 label=labels,
@@ -100,6 +102,30 @@ def test_qlora_gradients_match_plain_peft(saved, quant: str) -> None:
     assert before.keys() == after.keys()
     for k, v in before.items():
         assert after[k].dtype == v.dtype and torch.equal(after[k], v), f"host {k} changed"
+
+
+def test_qlora_on_a_family_converted_by_its_structure(tmp_path) -> None:
+    """A 4-bit base with LoRA on a Llama-like family that has no preset (OLMo 2: the
+    converter by structure probes the quantized model and builds GenericDecoderBlocks):
+    loss and every adapter gradient are plain peft + bitsandbytes' on the same model."""
+    from roundpipe_core.presets import GenericDecoderBlock
+
+    path = save_tiny_llama(tmp_path, family="Olmo2")
+    ids, mask, labels = make_batch()
+    ref_loss, ref = reference_grads(path, "nf4", ids, mask, labels)
+    pm = load_qlora(path, "nf4")
+    before = base_state(pm)
+
+    def converted_by_structure(rp) -> None:
+        assert isinstance(rp, RoundPipe)
+        assert all(isinstance(rp.layers[i], GenericDecoderBlock) for i in (1, 2))
+
+    loss, grads, rules = _train_once(pm, ids, mask, labels, inspect=converted_by_structure)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    _check_grads(grads, ref)
+    assert not rules, rules
+    for k, v in base_state(pm).items():
+        assert torch.equal(v, before[k]), f"host {k} changed"
 
 
 @pytest.mark.parametrize("quant", ["nf4", "fp4-dq"])
