@@ -30,6 +30,7 @@ from torch import nn
 
 from ..config import RoundPipeRunConfig
 from ..planning.schedule import Job
+from ..running.devices.pool import PoolError
 from ..running.runtime import PipelineRun
 from .layerwise import GradCompletion
 from .masters import MasterWeights
@@ -120,8 +121,15 @@ class PipelinedCall:
 
     def launch(self, pending: PendingResult) -> None:
         """The call's jobs were submitted: it is in flight from now on."""
-        self._runs.add(pending)
+        runs = self._runs
+        runs.add(pending)
         self.launched = True
+        # A failure recorded after this call's check_failure() aborted the calls in flight
+        # before this one was among them: abort it too, or its uploads would wait for a
+        # weight version the failed step never publishes (the failure is recorded before
+        # the calls in flight are read, and this call is added before the failure is)
+        if runs.stepper.failure is not None:
+            pending.run.fail(PoolError("an earlier pipelined iteration or step failed"))
 
 
 class StepOwner:

@@ -364,3 +364,42 @@ def test_pipelined_calls_feed_the_layer_timer_like_blocking_ones():
         finally:
             rp.close()
     assert measured[True] == measured[False] == (len(mlp()), True)
+
+
+def test_a_call_issued_as_a_failure_is_recorded_is_aborted_not_left_waiting(monkeypatch):
+    """A step fails between a non-blocking call's check for earlier failures and its
+    launch: the failure aborted the calls in flight then, and this one was not among
+    them yet. It must stop too -- its uploads wait for the weights of a step that is
+    never published -- and raise, not hang (the race is forced here: the check is
+    skipped and the failure recorded while a deferred step's publication waits)."""
+    import threading
+
+    model = mlp(4)
+    (x, y) = (torch.randn(6, 8), torch.randn(6, 4))
+    rp = RoundPipe(model, devices="cpu:2", shared_masters=False)
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+    release = threading.Event()
+    try:
+        # the optimizer thread is busy: the deferred steps (and the publication of the
+        # first step's weights, which a call issued after the second step reads) wait
+        rp._steps._stepper._thread.submit(release.wait, 30.0)
+        issued = []
+        for _ in range(2):
+            issued.append(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False))
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+        for p in issued:
+            p.wait(timeout=60)  # done: the failure below finds no call running
+        stepper = rp._steps._stepper
+        stepper.record_failure(ArithmeticError("step failed meanwhile"))
+        monkeypatch.setattr(rp._steps, "check_failure", lambda: None)
+        late = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
+        release.set()
+        with pytest.raises(ArithmeticError, match="step failed meanwhile"):
+            late.result(timeout=30)
+    finally:
+        release.set()
+        monkeypatch.undo()
+        try:
+            rp.close()
+        except ArithmeticError:
+            pass
