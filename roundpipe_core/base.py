@@ -198,6 +198,8 @@ class RoundPipeBase(nn.Module):
         self.name = name or type(model).__name__
         self.pin_model = pin
         self.optim_dtype = optim_dtype or _default_dtype_of(model)
+        if offload_dir is not None:  # (before any thread is started)
+            shared_masters = check_offload_args(offload_dir, shared_masters, master_owner is None)
         object.__setattr__(
             self, "pool", devices if isinstance(devices, DevicePool) else DevicePool(devices)
         )
@@ -206,8 +208,6 @@ class RoundPipeBase(nn.Module):
             # pinned host memory makes uploads asynchronous; "register" must be undone at close
             pin_handle = memory.pin_model(model, pin)
 
-        if offload_dir is not None:
-            shared_masters = check_offload_args(offload_dir, shared_masters, master_owner is None)
         self._shared_by_default = shared_masters is None
         if shared_masters is None:
             shared_masters = self.default_shared_masters(self.pool)
@@ -219,11 +219,17 @@ class RoundPipeBase(nn.Module):
             values=offload_dir is None,
         )
         self.shared_masters = shared_masters
-        self.disk_tier = (
-            DiskTier(offload_dir, self.masters, layers, self.name)
-            if offload_dir is not None
-            else None
-        )
+        self.disk_tier = None
+        if offload_dir is not None:
+            try:
+                self.disk_tier = DiskTier(offload_dir, self.masters, layers, self.name)
+            except BaseException:
+                # (no space, an IO error): the pool's threads started above end here
+                if not isinstance(devices, DevicePool):
+                    self.pool.close()
+                if pin_handle is not None:
+                    pin_handle.release()
+                raise
         self._warned_sync_step = False
         self._idle = IdleSteps(self.name)
         object.__setattr__(self, "_master_owner", master_owner)

@@ -8,6 +8,7 @@ import errno
 import functools
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,7 @@ def test_a_full_disk_mid_step_keeps_the_last_good_state(
 def test_refuses_an_unwritable_or_too_small_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    threads_before = _roundpipe_threads()
     with pytest.raises(ValueError, match="not a directory"):
         _rp(torch.float32, tmp_path / "missing")
     if os.geteuid() != 0:  # root writes anywhere
@@ -239,6 +241,12 @@ def test_refuses_an_unwritable_or_too_small_directory(
         _rp(torch.float32, tmp_path)
     assert "GiB free" in str(e.value)
     assert not any(p.name.startswith("roundpipe-tier") for p in tmp_path.iterdir())
+    # a refused RoundPipe leaves no worker thread behind (its pool was closed)
+    assert _roundpipe_threads() == threads_before
+
+
+def _roundpipe_threads() -> int:
+    return sum(t.name.startswith("roundpipe") for t in threading.enumerate())
 
 
 def test_unsupported_steps_say_what_to_do(tmp_path: Path) -> None:
