@@ -35,5 +35,6 @@ else
 fi
 
 echo "[bootstrap] installing roundpipe-lightning with all extras"
-python -m pip install -q -e ".[all]"
+# scripts/constraints.txt: the versions the tests were written against (see there)
+python -m pip install -q -e ".[all]" -c scripts/constraints.txt
 python -c "import torch, roundpipe_core, roundpipe_lightning; print('[bootstrap] ok: torch', torch.__version__)"

@@ -60,7 +60,8 @@ def test_family_converts_exactly_or_is_refused(model_type: str) -> None:
 
 
 def test_the_docs_table_lists_every_causal_lm_of_the_installed_transformers() -> None:
-    """Regenerate with ``python scripts/sweep_hf_families.py --write`` when this fails."""
+    """Regenerate with ``python scripts/sweep_hf_families.py --write`` when this fails
+    (after a deliberate bump of transformers in ``scripts/constraints.txt``)."""
     doc = DOCS.read_text()
     table = doc.split(BEGIN, 1)[1].split(END, 1)[0]
     listed = set(re.findall(r"^\| ([\w.-]+) \| ", table, flags=re.MULTILINE))
