@@ -10,7 +10,7 @@ but the gradient buffers, pending results and masters they hand around:
 * waiting: :meth:`~StepOwner.wait_step` (the step in flight), :meth:`~StepOwner.drain`
   (the iterations in flight, before a blocking call), :meth:`~StepOwner.settle`
   (everything: ``synchronize()``);
-* gradients: :meth:`~StepOwner.fold` (a blocking call's gradients into ``.grad``),
+* gradients: :meth:`~StepOwner.fold` (a ``forward()``'s backward's gradients into ``.grad``),
   :meth:`~StepOwner.after_step` (work that must follow the step in flight),
   :meth:`~StepOwner.in_step_order` (the caller's work, e.g. ``zero_grad``, in program order);
 * calls: :meth:`~StepOwner.pipelined_call` (every ``forward_backward``: the weight
@@ -258,7 +258,8 @@ class StepOwner:
 
     # -- gradients ----------------------------------------------------------------------
     def fold(self, buffer: GradBuffer) -> None:
-        """Add a finished blocking call's gradients to the masters' ``.grad``, once the
+        """Add the gradients of a ``forward()``'s finished backward to the masters'
+        ``.grad`` (a ``forward_backward``'s go through its ``PendingResult``), once the
         step in flight (which reads and clears them) and the work queued behind it ran."""
         self._stepper.wait_step()
         self._stepper.wait_after()
