@@ -290,6 +290,11 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         shard_host_state: with several nodes, each keeps master gradients, optimizer state
             and masters for its 1/N of the parameters only (``docs/multi-node.md``);
             ``fabric.save`` writes a shard per node.
+        offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
+            state live in files there, streamed layer by layer by each ``opt.step()`` --
+            the same weights as in RAM. An nn.Sequential, one elementwise optimizer
+            (Adam, AdamW, SGD, ...) and one process; checkpoints as without it
+            (``docs/fabric.md``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
@@ -412,6 +417,7 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         devices = len(self.compute_devices)
         check_one_process_per_node(_OWNER, "Fabric", env, processes, self._num_nodes, devices)
         check_pool_devices(self.compute_devices, _OWNER, "Fabric")
+        self.settings.check_processes(processes)
         if self.world_size > 1:  # here: Fabric calls setup_environment only from fabric.launch()
             timeout = self.settings.process_group_timeout
             D.init_process_group(env, backend="gloo", timeout=timeout)
@@ -753,16 +759,8 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
             remainder = super().load_checkpoint(
                 path, state=state, strict=strict, weights_only=weights_only
             )
-        for key, (run, raw) in ours.items():
-            if key not in remainder:
-                if strict:
-                    raise KeyError(f"fabric.load(): the checkpoint {path} has no {key!r}")
-                continue
-            # a state dict, or the marker of shards (any node count); sharded, this node
-            # keeps what it owns now
-            directory = fabric_shards_dir(path, key)
-            shard = run.sharding(raw)
-            load_optimizer_state(directory, raw, remainder.pop(key), shard, run.masters_by_name())
+        # the masters first: with offload_dir a generation of masters holds the optimizer
+        # state too, which the optimizers' own load replaces next
         if isinstance(state, Mapping) and state and CHECKPOINT_KEY not in state:
             sections = remainder.pop(CHECKPOINT_KEY, None) or {}
             for key, obj in state.items():
@@ -773,6 +771,19 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
                     saved = of_module.read_section(sections.get(key), strict)
                     of_module.load_masters(saved, from_weights=False)
                     of_module.restore(sections.get(key))
+        for key, (run, raw) in ours.items():
+            if key not in remainder:
+                if strict:
+                    raise KeyError(f"fabric.load(): the checkpoint {path} has no {key!r}")
+                continue
+            if run.load_optimizer_state(raw, remainder[key]):
+                del remainder[key]
+                continue
+            # a state dict, or the marker of shards (any node count); sharded, this node
+            # keeps what it owns now
+            directory = fabric_shards_dir(path, key)
+            shard = run.sharding(raw)
+            load_optimizer_state(directory, raw, remainder.pop(key), shard, run.masters_by_name())
         for run in self._runs:
             run.fuse_again()
         return remainder

@@ -43,6 +43,7 @@ from roundpipe_core.running.host_memory import (
     UnknownOptimizerError,
     estimate_host_memory,
 )
+from roundpipe_core.stepping.disk_tier import DiskTier, check_offload_args
 from roundpipe_core.stepping.layerwise import step_subset
 
 from ._private import (
@@ -53,7 +54,7 @@ from ._private import (
 )
 from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section, restore_learned
 from .plans import resolve_execute_plan
-from .sharded_checkpoint import marker, sharded_masters
+from .sharded_checkpoint import is_marker, marker, sharded_masters
 
 __all__ = [
     "SessionSettings",
@@ -184,6 +185,7 @@ class SettingsArguments(TypedDict, total=False):
     overlap_grad_reduce: bool
     process_group_timeout: float | timedelta | None
     shard_host_state: bool
+    offload_dir: str | os.PathLike[str] | None
 
 
 #: the names of the arguments
@@ -214,6 +216,7 @@ class SessionSettings:
     overlap_grad_reduce: bool = True
     process_group_timeout: float | timedelta | None = None  # resolved by of(): a timedelta
     shard_host_state: bool = False
+    offload_dir: str | os.PathLike[str] | None = None
 
     @classmethod
     def of(
@@ -247,12 +250,30 @@ class SessionSettings:
             check_bool(name, a[name], owner)
         timeout = a["process_group_timeout"]
         a["process_group_timeout"] = _prefixed(owner, lambda: D.resolve_timeout(timeout))
+        if a["offload_dir"] is not None:
+            _prefixed(owner, lambda: check_offload_args(a["offload_dir"], None, True))
+            if a["shard_host_state"]:
+                raise ValueError(
+                    f"{owner}(offload_dir=..., shard_host_state=True): the disk tier keeps "
+                    "every master and its optimizer state in files of one process; sharding "
+                    "them over processes is not supported. Pass one of the two."
+                )
         return cls(owner=owner, **a)
 
     def resolve_async_step(self, devices: Sequence[torch.device]) -> bool:
         """Whether the optimizer step overlaps the next iteration: as given, or, for
         ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
         return self.async_step if self.async_step is not None else devices[0].type != "cpu"
+
+    def check_processes(self, world_size: int) -> None:
+        """Refuse ``offload_dir`` with several processes: the data parallel's weight
+        broadcast and reducers work on resident masters, which the disk tier's are not."""
+        if self.offload_dir is not None and world_size > 1:
+            raise ValueError(
+                f"{self.owner}(offload_dir=...) runs in one process: the disk tier's masters "
+                f"are not resident, and {world_size} processes (num_nodes) would broadcast "
+                "and reduce them. Train on one node, or drop offload_dir."
+            )
 
     def data_parallel(self, overlap: bool) -> D.DataParallel:
         """The data parallel over processes of a session (no-ops in one process)."""
@@ -279,7 +300,8 @@ class SessionSettings:
         split, as ``wrap_model_to_roundpipe(use_sequential_preset=False)`` does. A
         synchronous step may update the weights in place, so with
         ``async_step=False`` the parameters already in ``optim_dtype`` are their own
-        masters (no separate fp32 copy).
+        masters (no separate fp32 copy) -- except with ``offload_dir``, whose masters
+        are separate and live in the disk tier's files (an nn.Sequential only).
         """
         net, original = network_of(module, source)
         cfg = self.model_run_config or RoundPipeRunConfig()
@@ -300,8 +322,17 @@ class SessionSettings:
                 net,
                 original_model=original,
                 loss_reduction=self.loss_reduction,
-                shared_masters=not self.resolve_async_step(devices),
+                # the disk tier keeps every master in its files: never the weight itself
+                shared_masters=self.offload_dir is None and not self.resolve_async_step(devices),
+                offload_dir=self.offload_dir,
                 **common,
+            )
+        elif self.offload_dir is not None:
+            raise ValueError(
+                f"{self.owner}(offload_dir=...) needs an nn.Sequential (or a model a preset "
+                f"converts to one); {source} a {type(net).__name__}, which would be split "
+                "automatically (AutoRoundPipe), whose units have no disk tier. Give an "
+                "nn.Sequential of its layers, or drop offload_dir."
             )
         else:
             rp = self._split(net, common, source, hint)
@@ -798,14 +829,28 @@ class QueuedStep:
             vars(twin)["step"] = types.MethodType(own_step.__func__, twin)
         return twin, shared
 
-    def run(self, params: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
-        """The step, over ``params`` only if given (a layer-wise step's part)."""
-        own = _own_step(self.optimizer)
-        bound = isinstance(own, types.MethodType) and own.__self__ is self.optimizer
-        if own is not None and not bound:
-            return self._run_live(params, **kwargs)
+    def optimizer_for_step(self) -> tuple[Optimizer, Callable[[], None]]:
+        """The optimizer the step runs on -- the twin, or the live optimizer where a
+        ``step`` set on the instance reads the live groups (with a warning) -- and what
+        to call once the whole step ran (carries back what it wrote)."""
+        opt = self.optimizer
+        own = _own_step(opt)
+        if own is not None and not (isinstance(own, types.MethodType) and own.__self__ is opt):
+            if opt not in _WARNED:
+                _WARNED.add(opt)
+                warnings.warn(
+                    f"{type(opt).__name__}.step was replaced on the instance; with "
+                    "RoundPipeStrategy(async_step=True) it runs on the optimizer thread and "
+                    "reads the live param_groups, so a hyperparameter an LR scheduler sets for "
+                    "the next step may already be seen. Override step in a subclass instead.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return opt, lambda: None
         twin, before = self._twin(own)
-        out = twin.step(**kwargs) if params is None else step_subset(twin, params, **kwargs)
+        return twin, functools.partial(self._carry_back, twin, before)
+
+    def _carry_back(self, twin: Optimizer, before: dict[str, Any]) -> None:
         # attributes the step rebound on the twin (counters kept outside the groups)
         target = vars(self.optimizer)
         for key, value in vars(twin).items():
@@ -816,22 +861,13 @@ class QueuedStep:
             for key, value in g.items():
                 if key != "params" and (key not in h or h[key] is not value):
                     live[key] = value
-        return out
 
-    def _run_live(self, params: Sequence[Tensor] | None, **kwargs: Any) -> Any:
-        """A user's ``step`` wrapper on the instance: it reads the live groups."""
-        opt = self.optimizer
-        if opt not in _WARNED:
-            _WARNED.add(opt)
-            warnings.warn(
-                f"{type(opt).__name__}.step was replaced on the instance; with "
-                "RoundPipeStrategy(async_step=True) it runs on the optimizer thread and reads "
-                "the live param_groups, so a hyperparameter an LR scheduler sets for the next "
-                "step may already be seen. Override step in a subclass instead.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return opt.step(**kwargs) if params is None else step_subset(opt, params, **kwargs)
+    def run(self, params: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
+        """The step, over ``params`` only if given (a layer-wise step's part)."""
+        opt, done = self.optimizer_for_step()
+        out = opt.step(**kwargs) if params is None else step_subset(opt, params, **kwargs)
+        done()
+        return out
 
 
 # -- one RoundPipe being trained -----------------------------------------------------------------
@@ -863,6 +899,8 @@ class Session:
         #: per optimizer (by id): the ``fused`` / ``foreach`` the user built it with
         self.user_impl: dict[int, list[dict[str, Any]]] = {}
         self.steps = StepLedger()
+        #: the disk tier (``offload_dir``): the masters and the optimizer state in files
+        self.tier: DiskTier | None = getattr(rp, "disk_tier", None)
 
     # -- optimizers ----------------------------------------------------------------------------
     def adopt(
@@ -879,6 +917,16 @@ class Session:
         point_at_masters(opt, self.rp, build_hint)
         if self.settings.fuse_optimizer:
             fuse_optimizer(opt)  # on the masters (host, fp32)
+        tier = self.tier
+        if tier is not None and all(o is not opt for o in self.optimizers):
+            if self.optimizers:
+                raise ValueError(
+                    f"{self.settings.owner}(offload_dir=...) keeps one optimizer's state in "
+                    "its files; configure one optimizer over all the parameters"
+                )
+            # the tier's optimizer from now on; refused here, at setup, if it cannot stream
+            # it (not elementwise, or over tensors that are not the masters)
+            _prefixed(self.settings.owner, lambda: tier.streamed(self._tier_step(opt)))
         if id(opt) not in self.real_zero_grad:
             self.real_zero_grad[id(opt)] = defer_zero_grad(opt, zero_grad)
         if all(o is not opt for o in self.optimizers):
@@ -936,10 +984,42 @@ class Session:
         if update:
             mark_lr_scheduler_step_called(opt)
             steps.queued()
-        if layerwise and queued is not None:
+        if self.tier is not None:
+            self._queue_tier_step(opt, queued, finish if update else None, finish)
+        elif layerwise and queued is not None:
             self.rp.step_layerwise(update_params, finish)
         else:
             self.rp.step(whole, is_async=self.async_step)
+
+    @staticmethod
+    def _tier_step(opt: Optimizer) -> functools.partial:
+        # the one form of step the disk tier streams (it reads the optimizer out of it)
+        return functools.partial(step_subset, opt)
+
+    def _queue_tier_step(
+        self,
+        opt: Optimizer,
+        queued: QueuedStep | None,
+        finish: Callable[[], None] | None,
+        skipped: Callable[[], None],
+    ) -> None:
+        """The step with ``offload_dir``: layer-wise, the masters and the optimizer state
+        paged in from the files (``finish`` None: a skipped step, ``skipped`` only clears
+        the gradients in step order). The optimizer is the twin of ``queued`` (the
+        hyperparameters of now), or ``opt`` itself for a synchronous step. Gradients are
+        clipped before it is queued: the strategy does not overlap iterations that clip
+        with a tier (the layer-wise step cannot wait for the global norm)."""
+        if finish is None:
+            self.rp.after_step(skipped)
+            return
+        target, done = queued.optimizer_for_step() if queued is not None else (opt, None)
+
+        def finished() -> None:
+            if done is not None:
+                done()
+            finish()
+
+        self.rp.step_layerwise(self._tier_step(target), finished, is_async=self.async_step)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
@@ -961,7 +1041,8 @@ class Session:
         shard = self.dp.shard(opt)
         if shard is not None:
             return marker(shard.world_size)
-        state = full()
+        # the disk tier's: the same state dict, its tensors mapping the tier's files
+        state = self.tier.optimizer_state_dict(opt) if self.tier is not None else full()
         restore_impl_choice(state, self.user_impl.get(id(opt)))
         return state
 
@@ -972,8 +1053,9 @@ class Session:
         not copies; those of a sharded optimizer are in its shards instead --, the loss
         scaler, the layer timer and which stages draw random numbers."""
         in_shards = sharded_masters(self.dp, optimizers)
+        values = self._master_values()
         masters = {
-            name: m.detach()
+            name: values.get(name, m).detach()
             for name, p, m in self.named_masters()
             if m.dtype != p.dtype and id(m) not in in_shards
         }
@@ -985,6 +1067,35 @@ class Session:
             state["draws"] = self.rp.pool.learned_draws(self.rp.layers)
         return state
 
+    def _tier_names(self) -> dict[str, str]:
+        """{module parameter name: the disk tier's name of its master}."""
+        of_master = {id(m): name for name, _, m in self.rp.masters.copies}
+        return {name: of_master[id(m)] for name, _, m in self.named_masters() if id(m) in of_master}
+
+    def _master_values(self) -> Mapping[str, Tensor]:
+        """The masters' values by module parameter name where they are not the master
+        tensors themselves: the disk tier's (mapping its files, valid until the second
+        step from now); empty without a tier."""
+        if self.tier is None:
+            return {}
+        state = self.tier.masters_state()
+        return {name: state[key] for name, key in self._tier_names().items()}
+
+    def load_optimizer_state(self, opt: Optimizer, state: dict[str, Any]) -> bool:
+        """With a disk tier: ``state`` (an ordinary state dict, saved in RAM or from a
+        tier) into the tier's files and ``opt``'s param groups; returns False (nothing
+        done) without one."""
+        if self.tier is None:
+            return False
+        if is_marker(state):
+            raise ValueError(
+                f"{self.settings.owner}(offload_dir=...): this checkpoint's optimizer state is "
+                "sharded across processes; merge it first with "
+                "roundpipe_lightning.convert_sharded_checkpoint(path, out)"
+            )
+        self.tier.load_state(None, opt, state)
+        return True
+
     def read_section(self, section: Any, strict: bool) -> Mapping[str, Tensor]:
         """The saved masters of a checkpoint's section, checked before anything is loaded."""
         params = {name: p for name, p, _ in self.named_masters()}
@@ -995,6 +1106,19 @@ class Session:
         weights were loaded) its weight, its gradient dropped; ``from_weights=False``
         leaves the others as they are (restored from an optimizer's shards). Another
         process's share is left to its shard (a shared master is the weight: loaded)."""
+        if self.tier is not None:
+            # the saved ones, else (from_weights) each from its weight: a new generation
+            if saved or from_weights:
+                names = self._tier_names()
+                # a generation holds masters and state: the optimizer's is kept as it is
+                opt = self.optimizers[0] if self.optimizers else None
+                kept = self.tier.optimizer_state_dict(opt) if opt is not None else None
+                masters = {names[n]: t for n, t in saved.items() if n in names}
+                self.tier.load_state(masters, opt, kept)
+            if from_weights:
+                for _, _, m in self.named_masters():
+                    m.grad = None
+            return
         released = self.rp.masters.released
         with torch.no_grad():
             for name, p, m in self.named_masters():

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -334,6 +335,14 @@ class RoundPipeStrategy(ParallelStrategy):
             whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         shard_host_state: with several processes, each keeps gradients, optimizer state and
             masters for its 1/N of the parameters (``docs/multi-node.md``).
+        offload_dir: a directory for the disk tier (``RoundPipe(offload_dir=...)``): the
+            fp32 masters and the optimizer state live in files there, streamed layer by
+            layer through a bounded host buffer by each step -- the same weights, bit for
+            bit, as in RAM. Needs an nn.Sequential, one optimizer for which
+            ``steps_elementwise`` holds (Adam, AdamW, SGD, ...) and one process; the
+            masters are separate (``shared_masters=False``) whatever ``async_step``.
+            Checkpoints have the same format as without it, and resume either way
+            (``docs/lightning.md``, "Masters and optimizer state on disk").
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
@@ -366,6 +375,7 @@ class RoundPipeStrategy(ParallelStrategy):
         overlap_grad_reduce: bool = True,
         process_group_timeout: float | timedelta | None = None,
         shard_host_state: bool = False,
+        offload_dir: str | os.PathLike[str] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -502,6 +512,7 @@ class RoundPipeStrategy(ParallelStrategy):
         # fail on an unsupported configuration before anything starts
         _ = self.precision_plugin
         env = self.check_launch()
+        self.settings.check_processes(self.world_size)
         if self.world_size > 1:
             check_shardable(self._dp.shard_host_state, self._loss_scaler)
             self._dp.connect(env, self.world_size)
@@ -625,6 +636,13 @@ class RoundPipeStrategy(ParallelStrategy):
             self._loss_scaler is not None,
             rp.has_grad_hooks,
         )
+        if reason is None and session.tier is not None:
+            opts = [raw_optimizer(o) for o in self.optimizers]
+            if not all(steps_in_parts(o, lm) for o in opts):
+                reason = (
+                    "offload_dir steps layer by layer as the gradients complete, and gradient "
+                    "clipping needs every gradient first"
+                )
         if reason is not None and self.async_step:  # async_step=False: blocking by definition
             rank_zero_info(f"{_OWNER}(overlap_iterations=True) runs blocking: {reason}")
         self._run.overlap = reason is None
@@ -856,7 +874,11 @@ class RoundPipeStrategy(ParallelStrategy):
         path = getattr(self, "_loaded_checkpoint_path", None)
         states = checkpoint["optimizer_states"]
         named = self._session.masters_by_name()
-        load_optimizer_states(path, self.optimizers, states, self._dp, named)
+        opts = [raw_optimizer(o) for o in self.optimizers]
+        if not (
+            len(opts) == len(states) == 1 and self._session.load_optimizer_state(opts[0], states[0])
+        ):
+            load_optimizer_states(path, self.optimizers, states, self._dp, named)
         self._check_optimizer_states()
         self._session.fuse_again()
 

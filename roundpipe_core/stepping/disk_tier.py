@@ -524,12 +524,15 @@ class DiskTier:
                         "the optimizer holds a tensor that is not one of this RoundPipe's "
                         f"masters (shape {tuple(p.shape)}). {STEP_UNSUPPORTED}"
                     )
-        if self._optimizer is not None and self._optimizer is not opt:
+        # the same optimizer, or a copy of it sharing its state (Lightning's queued step
+        # runs on such a twin, with the hyperparameters of the moment it was queued)
+        if self._optimizer is not None and self._optimizer.state is not opt.state:
             raise ValueError(
                 "offload_dir stores one optimizer's state: step with the same optimizer "
                 "every time (its state for these masters is on disk)"
             )
-        self._optimizer = opt
+        if self._optimizer is None:
+            self._optimizer = opt
         return opt
 
     def step(self, opt: torch.optim.Optimizer, part: Sequence[nn.Parameter], kwargs: dict) -> None:
