@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
+from enum import Enum
 from typing import Any, TypedDict, TypeVar
 
 import torch
@@ -36,6 +37,8 @@ from torch.optim import Optimizer
 from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
 from roundpipe_core.autosplit import auto_wrap
+from roundpipe_core.distributed.reducer import REDUCE_OPS
+from roundpipe_core.kinds import PinMode, RecomputeGrain, check_flag
 from roundpipe_core.loss import LOSS_REDUCTIONS
 from roundpipe_core.optim import check_state_matches, fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
@@ -105,14 +108,19 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def check_bool(name: str, value: Any, owner: str = "RoundPipeStrategy") -> bool:
-    """``value`` if it is a bool. No ``bool()`` coercion: ``"False"`` would become True.
-    ``owner`` (here and below) names the class whose argument it is, in the message."""
-    if not isinstance(value, bool):
+    """``value`` if it is a bool (the core's :func:`~roundpipe_core.kinds.check_flag`: no
+    ``bool()`` coercion, ``"False"`` would become True), the message naming ``owner``
+    (here and below: the class whose argument it is)."""
+    try:
+        return bool(check_flag(value, name))
+    except TypeError as exc:
         raise TypeError(
-            f"{owner}({name}={value!r}): {name} must be True or False (a bool), got "
-            f"{type(value).__name__}; in YAML write true / false without quotes"
-        )
-    return value
+            f"{owner}({name}={value!r}): {exc}; in YAML write true / false without quotes"
+        ) from None
+
+
+def _values(kind: type[Enum]) -> tuple[str, ...]:
+    return tuple(member.value for member in kind)
 
 
 def check_choice(
@@ -231,9 +239,12 @@ class SessionSettings:
         defaults = {f.name: f.default for f in fields(cls) if f.name in SETTINGS}
         a = {**defaults, **arguments, **fixed}
         check_choice("loss_reduction", a["loss_reduction"], LOSS_REDUCTIONS, owner)
-        check_choice("pin_model", a["pin_model"], ("alloc", "register", "off"), owner)
-        check_choice("recompute_grain", a["recompute_grain"], ("stage", "layer", None), owner)
-        check_choice("grad_reduce_op", a["grad_reduce_op"], ("mean", "sum"), owner)
+        # the core's vocabularies, not copies of them
+        check_choice("pin_model", a["pin_model"], _values(PinMode), owner)
+        check_choice(
+            "recompute_grain", a["recompute_grain"], (*_values(RecomputeGrain), None), owner
+        )
+        check_choice("grad_reduce_op", a["grad_reduce_op"], REDUCE_OPS, owner)
         accepted = "a RoundPipeRunConfig"
         check_type(
             "model_run_config", a["model_run_config"], (RoundPipeRunConfig,), accepted, owner
