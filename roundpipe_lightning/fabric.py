@@ -65,6 +65,7 @@ from ._private import optimizer_view
 from .checkpoint_io import CHECKPOINT_KEY, StreamingCheckpointIO
 from .session import (
     Session,
+    SessionHost,
     SessionSettings,
     SettingsArguments,
     all_reduce,
@@ -250,7 +251,7 @@ def _env_world_size() -> int:
 
 
 @expose_settings
-class RoundPipeFabricStrategy(SingleDeviceStrategy):
+class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     """Run the modules given to ``fabric.setup()`` with RoundPipe (see the module docstring).
 
     One process drives the whole pool (Fabric's ``devices``: N CPU workers or N GPUs), so
@@ -339,16 +340,6 @@ class RoundPipeFabricStrategy(SingleDeviceStrategy):
         self._runs: list[_SetUpModule] = []
 
     # -- where it runs: one process per node drives the node's pool ----------------------------
-    @property
-    def compute_devices(self) -> list[torch.device]:
-        """The devices of the RoundPipe pool (Fabric's ``devices``)."""
-        return list(self.parallel_devices or [torch.device("cpu")])
-
-    @property
-    def async_step(self) -> bool:
-        """Whether the optimizer step overlaps the next iteration: as given, or, for
-        ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
-        return self.settings.resolve_async_step(self.compute_devices)
 
     @property
     def num_nodes(self) -> int:

@@ -61,6 +61,7 @@ from .sharded_checkpoint import is_marker, marker, sharded_masters
 
 __all__ = [
     "SessionSettings",
+    "SessionHost",
     "Session",
     "QueuedStep",
     "StepLedger",
@@ -77,18 +78,8 @@ log = logging.getLogger(__name__)
 RP = RoundPipe | AutoRoundPipe
 
 # -- arguments ---------------------------------------------------------------------------------
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float64": torch.float64,
-    "double": torch.float64,
-}
+#: short names torch has no attribute for (the others: ``getattr(torch, name)``)
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
@@ -97,8 +88,9 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
         return value
     if isinstance(value, str):
         key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPE_NAMES:
-            return _DTYPE_NAMES[key]
+        dtype = getattr(torch, _DTYPE_ALIASES.get(key, key), None)
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2:
+            return dtype
         raise ValueError(
             f"optim_dtype={value!r} is not a floating dtype name; use e.g. 'float32', 'bfloat16' or 'float16'"
         )
@@ -389,6 +381,24 @@ class SessionSettings:
             "lambda model: nn.Sequential(...)) (docs/add-a-preset.md)."
         )
         return rp
+
+
+class SessionHost:
+    """What both strategies read of their settings and devices (a mixin)."""
+
+    settings: SessionSettings
+    parallel_devices: list[torch.device] | None
+
+    @property
+    def compute_devices(self) -> list[torch.device]:
+        """The devices of this process's RoundPipe pool (the Trainer's / Fabric's ``devices``)."""
+        return list(self.parallel_devices or [torch.device("cpu")])
+
+    @property
+    def async_step(self) -> bool:
+        """Whether the optimizer step overlaps the next iteration: as given, or, for
+        ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
+        return self.settings.resolve_async_step(self.compute_devices)
 
 
 _S = TypeVar("_S", bound=type)

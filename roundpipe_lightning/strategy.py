@@ -77,6 +77,7 @@ from .precision import LossScaler, RoundPipePrecision
 from .session import (
     SETTINGS,
     Session,
+    SessionHost,
     SessionSettings,
     all_reduce,
     check_loss_went_through,
@@ -177,39 +178,27 @@ class RunState:
 
 class FlushWeights(Callback):
     """Calls ``flush`` (the strategy's: finish the queued optimizer step and copy its
-    weights into the module) before each hook where users read weights. The strategy
-    with ``async_step=True`` puts it first in ``trainer.callbacks``: callback hooks run
-    before the LightningModule's and the strategy's own, so every user callback and
-    module hook then sees the weights of every step taken so far."""
+    weights into the module) before each hook where users read weights
+    (:data:`FLUSH_HOOKS`). The strategy with ``async_step=True`` puts it first in
+    ``trainer.callbacks``: callback hooks run before the LightningModule's and the
+    strategy's own, so every user callback and module hook then sees the weights of
+    every step taken so far."""
 
     def __init__(self, flush: Callable[[], None]) -> None:
         self._flush = flush
 
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flush()
 
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flush()
-
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flush()
-
-    @override
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flush()
-
-    @override
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._flush()
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        self._flush()
+#: the callback hooks before which :class:`FlushWeights` flushes
+FLUSH_HOOKS = (
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_validation_start",
+    "on_test_start",
+    "on_predict_start",
+    "on_save_checkpoint",
+)
+for _hook in FLUSH_HOOKS:
+    setattr(FlushWeights, _hook, lambda self, *args, **kwargs: self._flush())
 
 
 # -- Trainer-only checks ---------------------------------------------------------------------------
@@ -286,7 +275,7 @@ def raw_optimizer(opt: Any) -> Optimizer:
 
 
 @expose_settings
-class RoundPipeStrategy(ParallelStrategy):
+class RoundPipeStrategy(SessionHost, ParallelStrategy):
     """Run a LightningModule's ``configure_sequential()`` network with RoundPipe.
 
     Args:
@@ -405,12 +394,6 @@ class RoundPipeStrategy(ParallelStrategy):
         self._dp = self.settings.data_parallel(overlap=self.settings.overlap_grad_reduce)
 
     @property
-    def async_step(self) -> bool:
-        """Whether the optimizer step overlaps the next iteration: as given, or, for
-        ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
-        return self.settings.resolve_async_step(self.compute_devices)
-
-    @property
     def roundpipe(self) -> RoundPipe | AutoRoundPipe:
         """The RoundPipe of the current run (after setup)."""
         if self._session is None:
@@ -433,11 +416,6 @@ class RoundPipeStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         # model state, batches and losses live on the host; the pool is RoundPipe's business
         return torch.device("cpu")
-
-    @property
-    def compute_devices(self) -> list[torch.device]:
-        """The devices of this process's RoundPipe pool (the Trainer's ``devices``)."""
-        return list(self.parallel_devices or [torch.device("cpu")])
 
     @property
     def is_distributed(self) -> bool:
