@@ -243,6 +243,18 @@ class _SetUpModule(Session):
                     object.__delattr__(self.module, name)
 
 
+def _from_environment(name: str | None, alone: int) -> Any:
+    """A property read from the cluster environment's method ``name`` (``alone``
+    without an environment, or always for ``name=None``), whose setter ignores what
+    it is given."""
+
+    def read(self: Any) -> int:
+        env = self.cluster_environment
+        return getattr(env, name)() if env is not None and name is not None else alone
+
+    return property(read, lambda self, _ignored: None)
+
+
 def _env_world_size() -> int:
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
@@ -347,36 +359,10 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
 
     # SingleDeviceStrategy.__init__ assigns the one-process values (0, 0, 1); the cluster
     # environment decides, so the setters ignore them (Fabric reads them with getattr)
-    @property
-    def world_size(self) -> int:
-        env = self.cluster_environment
-        return env.world_size() if env is not None else 1
-
-    @world_size.setter
-    def world_size(self, _ignored: int) -> None:
-        pass
-
-    @property
-    def global_rank(self) -> int:
-        env = self.cluster_environment
-        return env.global_rank() if env is not None else 0
-
-    @global_rank.setter
-    def global_rank(self, _ignored: int) -> None:
-        pass
-
-    @property
-    def node_rank(self) -> int:
-        env = self.cluster_environment
-        return env.node_rank() if env is not None else 0
-
-    @property
-    def local_rank(self) -> int:
-        return 0  # one process per node
-
-    @local_rank.setter
-    def local_rank(self, _ignored: int) -> None:
-        pass
+    world_size = _from_environment("world_size", 1)
+    global_rank = _from_environment("global_rank", 0)
+    node_rank = _from_environment("node_rank", 0)
+    local_rank = _from_environment(None, 0)  # one process per node
 
     @property
     @override
