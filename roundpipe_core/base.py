@@ -371,12 +371,6 @@ class RoundPipeBase(nn.Module):
         self._grad_hooks.append(hook)
         return lambda: self._grad_hooks.remove(hook) if hook in self._grad_hooks else None
 
-    @property
-    def has_grad_hooks(self) -> bool:
-        """Whether a hook registered with :meth:`register_grad_hook` is in place (the
-        gradients are then read on another thread as they complete)."""
-        return bool(self._grad_hooks)
-
     def _check_param_hooks(self) -> None:
         """At each training call: refuse a post-accumulate gradient hook registered on a
         model parameter or a master since wrapping (see
