@@ -10,9 +10,9 @@ LightningModule with ``RoundPipeStrategy`` in one process on the whole batch.
 * Rank 0 writes the checkpoint; every node resumes from it in a second
   ``Trainer.fit`` of the same process (process group reused) and matches the
   one-process resume.
-* Overlapped iterations (no hook reads the gradients): the calls are issued non-blocking
-  on every node too, the reduction runs in front of each queued step, and the weights
-  match the one-process run.
+* Then overlapped iterations (no hook reads the gradients): the calls are issued
+  non-blocking on every node too, the reduction runs in front of each queued step, and
+  the weights match the one-process run.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LIT_WORKER = Path(__file__).with_name("_lit_worker.py")
 DEADLINE_S = 150.0  # start-up (torch + Lightning imports on a loaded 2-core box) + the run
 
 
-def _launch(out: Path, worker: Path = LIT_WORKER, *args: str) -> list[subprocess.Popen]:
+def _launch(out: Path, worker: Path = LIT_WORKER) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(2):
@@ -59,7 +59,7 @@ def _launch(out: Path, worker: Path = LIT_WORKER, *args: str) -> list[subprocess
         with open(out / f"rank{rank}.log", "w") as log:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(worker), str(out), *args],
+                    [sys.executable, str(worker), str(out)],
                     env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -93,17 +93,19 @@ def _logs(out: Path) -> str:
 
 
 @pytest.mark.timeout(DEADLINE_S + 90)
-def test_two_nodes_async_accumulate_log_and_resume_like_one_process(tmp_path: Path) -> None:
-    from _lit_worker import GLOBAL_BATCH, RESUMED_STEPS, dataset, run
+def test_two_nodes_async_accumulate_log_resume_and_overlap_like_one_process(
+    tmp_path: Path,
+) -> None:
+    from _lit_worker import GLOBAL_BATCH, RESUMED_STEPS, dataset, run, run_overlapped
     from torch.utils.data import DataLoader
 
     out = tmp_path / "nodes"
     out.mkdir()
     procs = _launch(out)
     try:
-        ref = run(
-            DataLoader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False), 1, tmp_path / "ref.ckpt"
-        )
+        whole_batch = DataLoader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False)
+        ref = run(whole_batch, 1, tmp_path / "ref.ckpt")
+        ref_overlapped = run_overlapped(whole_batch, 1)
         codes = _wait(procs, DEADLINE_S)
     finally:
         _wait(procs, 0.1)
@@ -143,32 +145,23 @@ def test_two_nodes_async_accumulate_log_and_resume_like_one_process(tmp_path: Pa
     budget = [line for line in lines if line.strip().startswith("collective buffers")]
     assert ring > 0 and budget, _logs(out)
     assert all(line.split()[2:4] == _fmt(ring).split() for line in budget), (budget, ring)
+    _check_overlapped(out, ref_overlapped)
 
 
-@pytest.mark.timeout(DEADLINE_S + 90)
-def test_two_nodes_overlap_their_iterations_like_one_process(tmp_path: Path) -> None:
-    from _lit_worker import GLOBAL_BATCH, RESUMED_STEPS, dataset, run_overlapped
-    from torch.utils.data import DataLoader
+def _check_overlapped(out: Path, ref: dict) -> None:
+    """The fit no hook of which reads the gradients: its iterations overlapped on every
+    node as in one process (the reduction in front of each queued step), same weights."""
+    from _lit_worker import ACCUM, RESUMED_STEPS, Lit
 
-    out = tmp_path / "nodes"
-    out.mkdir()
-    procs = _launch(out, LIT_WORKER, "overlapped")
-    try:
-        ref = run_overlapped(DataLoader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False), 1)
-        codes = _wait(procs, DEADLINE_S)
-    finally:
-        _wait(procs, 0.1)
-    assert codes == [0, 0], f"nodes exited with {codes} (None = hung and killed)\n{_logs(out)}"
     nodes = [torch.load(out / f"overlapped_rank{r}.pt") for r in range(2)]
     # every call after the first (which learns the loss's shape) was issued non-blocking
-    calls = RESUMED_STEPS * 2  # accumulate_grad_batches=2
+    calls = RESUMED_STEPS * ACCUM
     assert ref["lazy_losses"] == calls - 1
     assert [n["lazy_losses"] for n in nodes] == [calls - 1] * 2, _logs(out)
     for k, want in ref["params"].items():
         got0, got1 = nodes[0]["params"][k], nodes[1]["params"][k]
-        assert torch.equal(got0, got1), f"{k} differs between the nodes"
-        assert rel_err(got0, want) <= 1e-5, f"{k} rel err {rel_err(got0, want):.2e} vs one process"
+        assert torch.equal(got0, got1), f"overlapped: {k} differs between the nodes"
+        err = rel_err(got0, want)
+        assert err <= 1e-5, f"overlapped: {k} rel err {err:.2e} vs one process"
     # not vacuous: the run trained
-    from _lit_worker import Lit
-
     assert any(not torch.equal(v, ref["params"][k]) for k, v in Lit().net.state_dict().items())
