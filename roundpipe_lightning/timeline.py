@@ -65,7 +65,7 @@ def _check(spans: Sequence[Span] | None, what: str) -> list[Span]:
         if not isinstance(s, Span):
             raise TypeError(
                 f"{what} must be a list of roundpipe_core.running.trace.Span; got {type(s).__name__} "
-                "(convert job spans with spans_from_job_spans, a SimResult with "
+                "(convert a call's timing with spans_from_call, a SimResult with "
                 "spans_from_simulation)"
             )
     return spans
@@ -133,8 +133,8 @@ def render_timeline(
     """Draw the measured iteration (and the simulated one below it) as a picture.
 
     Args:
-        measured: spans of the measured iteration (e.g. ``spans_from_roundpipe(rp)``
-            plus a :class:`~roundpipe_core.running.trace.SpanRecorder`'s optimizer spans).
+        measured: spans of the measured iteration (e.g. ``spans_from_roundpipe(rp)``:
+            its jobs, transfers and optimizer steps).
         simulated: spans of the simulated iteration (``spans_from_simulation(sim)``),
             drawn below on the same time scale; ``None`` draws the measured panel only.
         path: where to save the picture as PNG (parent folders are created); ``None``

@@ -175,7 +175,7 @@ def test_plan_precedence() -> None:
         assert rp.plan_for("fused") is fused_b  # set_plan's beats model_run_config's
         assert rp.plan_for("fused", RoundPipeRunConfig(execute_plan=fused_c)) is fused_c
         rp.forward_backward((x,), label=y, loss_fn=sum_sq)
-        assert {j.layers for j in rp.last_schedule} == set(fused_b.fwd_plan + fused_b.bwd_plan)
+        assert {j.layers for j in rp.last_call.schedule} == set(fused_b.fwd_plan + fused_b.bwd_plan)
         rp.set_plan("fused", None)
         assert rp.plan_for("fused") is fused_a
         with pytest.raises(ValueError, match="run_type"):
