@@ -7,8 +7,9 @@ read the per-layer estimates.
 
 Statistics, per layer and kind ("fwd", "re", "bwd"):
 
-* before any measurement, estimates are proportional to the layer's size
-  (parameter + buffer bytes); backward = 2 x forward, recompute = forward;
+* before any measurement, forward estimates follow the dense weights a layer
+  computes with (:func:`~roundpipe_core.planning.profile.size_prior_ms`, the
+  planner's prior); backward = 2 x forward, recompute = forward;
 * the first iteration in which a (layer, kind) is measured is dropped
   (allocator warm-up, kernel autotuning, lazy initialisation);
 * later iterations feed an exponential moving average with factor 0.9 and
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 from torch import nn
 
 from ..kinds import check_int
+from ..planning.profile import layer_sizes, size_prior_ms
 from ..planning.schedule import Job
 from .carried import carried_bytes
 
@@ -42,40 +44,6 @@ __all__ = ["CallTiming", "JobClock", "JobTiming", "ModelTimer", "TransferTiming"
 
 KINDS = ("fwd", "re", "bwd")
 _INF = float("inf")
-
-#: Milliseconds assumed per byte of layer state before anything was measured.
-#: Only ratios matter to the planner; the scale makes the numbers readable
-#: (a 100 MB fp32 layer starts at 1 ms forward).
-PRIOR_MS_PER_BYTE = 1.0 / 100e6
-#: A layer without parameters (activation, reshape) is not free: before
-#: measurements it costs this share of the largest layer's estimate.
-PRIOR_FLOOR_SHARE = 0.01
-
-
-def _module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (shared tensors counted once), and of
-    the tensors an upload carries besides them (a quantized layer's quant state)."""
-    seen: set[int] = set()
-    total = carried_bytes(module)
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _module_param_bytes(module: nn.Module) -> int:
-    """Bytes of a module's trainable parameters (shared tensors counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    return total
-
 
 class ModelTimer:
     """Moving-average per-layer times of one model.
@@ -102,10 +70,15 @@ class ModelTimer:
         if not layers:
             raise ValueError("ModelTimer needs at least one layer")
         self.num_layers = len(layers)
-        self.layer_param_bytes: list[int] = [_module_bytes(m) for m in layers]
-        self.layer_grad_bytes: list[int] = [_module_param_bytes(m) for m in layers]
+        sizes = layer_sizes(layers)
+        # an upload also carries what is not a parameter or buffer (a quantized layer's
+        # quant state), which planning cannot see from the modules
+        self.layer_param_bytes: list[int] = [
+            b + carried_bytes(m) for b, m in zip(sizes.upload_bytes, layers)
+        ]
+        self.layer_grad_bytes: list[int] = sizes.grad_bytes
         self._lock = threading.RLock()
-        self._prior = self._size_prior(self.layer_param_bytes)
+        self._prior = size_prior_ms(sizes.compute_bytes)  # the planner's, before measurements
         # EMA state per kind and layer: biased average and number of kept samples.
         self._ema: dict[str, list[float]] = {k: [0.0] * self.num_layers for k in KINDS}
         self._count: dict[str, list[int]] = {k: [0] * self.num_layers for k in KINDS}
@@ -116,13 +89,6 @@ class ModelTimer:
         self.iterations = 0
 
     # -- estimates ------------------------------------------------------------
-    @staticmethod
-    def _size_prior(nbytes: Sequence[int]) -> list[float]:
-        raw = [b * PRIOR_MS_PER_BYTE for b in nbytes]
-        top = max(raw)
-        floor = top * PRIOR_FLOOR_SHARE if top > 0 else 1.0
-        return [max(r, floor) for r in raw]
-
     def _measured(self, kind: str, layer: int) -> float | None:
         n = self._count[kind][layer]
         if n == 0:
@@ -138,12 +104,6 @@ class ModelTimer:
         if kind == "re":
             return self._estimate("fwd", layer)
         return 2.0 * self._estimate("fwd", layer)
-
-    def estimate(self, kind: str, layer: int) -> float:
-        """Current estimate (ms) of ``kind`` for one layer."""
-        _check_kind(kind)
-        with self._lock:
-            return self._estimate(kind, layer)
 
     @property
     def fwd_ms(self) -> list[float]:
