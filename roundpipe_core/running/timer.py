@@ -45,6 +45,7 @@ __all__ = ["CallTiming", "JobClock", "JobTiming", "ModelTimer", "TransferTiming"
 KINDS = ("fwd", "re", "bwd")
 _INF = float("inf")
 
+
 class ModelTimer:
     """Moving-average per-layer times of one model.
 
