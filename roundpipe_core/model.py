@@ -149,21 +149,6 @@ class RoundPipe(RoundPipeBase):
         )
         self._seal()
 
-    @property
-    def last_call_ms(self) -> float:
-        """Wall time of the last pipelined call (``last_call.wall_ms``)."""
-        return self.last_call.wall_ms
-
-    @property
-    def last_call_samples(self) -> int:
-        """Batch size of the last pipelined call (``last_call.samples``)."""
-        return self.last_call.samples
-
-    @property
-    def last_call_tokens(self) -> int:
-        """Tokens of the last pipelined call, for token-id inputs (``last_call.tokens``)."""
-        return self.last_call.tokens
-
     def __repr__(self) -> str:
         return f"RoundPipe(name={self.name!r}, layers={self.num_layers}, devices={self.pool!r})"
 

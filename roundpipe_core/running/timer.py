@@ -1,9 +1,12 @@
-"""Per-layer timing: forward, recompute and backward estimates from measured runs.
+"""What a pipelined call measured, and the per-layer estimates made from it.
 
-The runtime records how long each job took (CUDA events on a GPU, a monotonic
-clock on the CPU backend) and calls :meth:`ModelTimer.end_iteration` after every
-pipelined call. The planner (:meth:`ModelExecutePlan.auto`) and the simulator
-read the per-layer estimates.
+Each worker times its jobs (CUDA events on a GPU, a monotonic clock on the CPU
+backend) with a :class:`JobClock` and hands them, at the end of its queue, to the
+call's one :class:`CallTiming` record (``RoundPipe.last_call``), which the trace,
+the stage-time logger and the benchmarks read. Once the call is done and
+succeeded, the record gives its layer times to the :class:`ModelTimer` as one
+iteration; the planner (:meth:`ModelExecutePlan.auto`) and the simulator read
+the timer's per-layer estimates.
 
 Statistics, per layer and kind ("fwd", "re", "bwd"):
 
@@ -49,7 +52,7 @@ _INF = float("inf")
 class ModelTimer:
     """Moving-average per-layer times of one model.
 
-    Thread-safe: device worker threads call :meth:`record` concurrently.
+    Thread-safe: calls commit their timings on worker threads while the planner reads.
 
     Attributes:
         num_layers: number of layers timed.
