@@ -50,6 +50,7 @@ __all__ = [
     "job_name",
     "merge_traces",
     "row_name",
+    "rows_of",
     "side_by_side_trace",
     "spans_from_call",
     "spans_from_roundpipe",
@@ -266,6 +267,12 @@ def row_name(device: int | None, lane: str) -> str:
     return f"device {device}" if lane == "compute" else f"device {device} {lane}"
 
 
+def rows_of(spans: Iterable[Span]) -> list[tuple[int | None, str]]:
+    """The ``(device, lane)`` rows of ``spans`` in display order: device by device, a
+    device's lanes in :data:`LANES` order, host rows (the optimizer) last."""
+    return sorted({(s.device, s.lane) for s in spans}, key=lambda r: _tid(*r))
+
+
 def _tid(device: int | None, lane: str) -> int:
     lane_index = LANES.index(lane)
     if device is None:
@@ -322,11 +329,7 @@ def chrome_trace(
     meta: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process_name}}
     ]
-    rows = sorted(
-        {(s.device, s.lane) for s in spans},
-        key=lambda r: _tid(*r),
-    )
-    for order, (device, lane) in enumerate(rows):
+    for order, (device, lane) in enumerate(rows_of(spans)):
         tid = _tid(device, lane)
         meta.append(
             {
