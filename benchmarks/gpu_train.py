@@ -449,7 +449,7 @@ def _check_memory(
         result["mem_check"] = "skipped (no GPU)"
         progress("memory check: skipped, no GPU here")
         return
-    jobs = list(getattr(rp, "last_schedule", None) or [])
+    jobs = list(getattr(getattr(rp, "last_call", None), "schedule", None) or [])
     if not jobs or torch.cuda.device_count() != 1:
         result["mem_check"] = "skipped (needs the schedule and exactly one GPU)"
         return
@@ -521,7 +521,7 @@ def _largest_grad_bytes(rp: Any, layers: range) -> int:
 
 def _describe_plan(rp: Any, result: dict[str, Any]) -> None:
     """Stage sizes of the plan last run, and the memory bound they imply."""
-    jobs = getattr(rp, "last_schedule", None) or []
+    jobs = getattr(getattr(rp, "last_call", None), "schedule", None) or []
     layer_bytes = [
         sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in rp.layers
     ]

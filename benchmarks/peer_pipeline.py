@@ -174,7 +174,7 @@ def _roundpipe(
         return " ".join(
             f"{j.code}[layers {j.layers.start}-{j.layers.stop - 1}, "
             f"mb {j.microbatches.start}-{j.microbatches.stop - 1}]"
-            for j in rp.last_schedule
+            for j in rp.last_call.schedule
         )
 
     return run, rp.close, ran

@@ -14,8 +14,10 @@ import functools
 import logging
 import os
 import threading
+import time
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,7 +37,7 @@ from .kinds import PinMode, parse_kind
 from .planning.schedule import Job
 from .running.devices import memory
 from .running.devices.pool import DevicePool
-from .running.trace import SpanRecorder, chrome_trace, spans_from_roundpipe
+from .running.trace import chrome_trace, spans_from_roundpipe
 from .stepping.disk_tier import STEP_UNSUPPORTED, DiskTier, check_offload_args
 from .stepping.layerwise import GradCompletion
 from .stepping.masters import MasterWeights
@@ -243,8 +245,8 @@ class RoundPipeBase(nn.Module):
             grad_hooks=self._grad_hooks,
         )
         self._call_lock = threading.RLock()  # issues one call at a time
-        # optimizer steps for last_trace(); a few are enough to cover the last call
-        self._step_recorder = SpanRecorder(max_spans=8)
+        # (start, end) of the latest optimizer steps for last_trace(): a few cover the last call
+        self._step_spans: deque[tuple[float, float]] = deque(maxlen=8)
         self._closer = weakref.finalize(
             self,
             release_roundpipe,
@@ -371,12 +373,6 @@ class RoundPipeBase(nn.Module):
         self._grad_hooks.append(hook)
         return lambda: self._grad_hooks.remove(hook) if hook in self._grad_hooks else None
 
-    @property
-    def has_grad_hooks(self) -> bool:
-        """Whether a hook registered with :meth:`register_grad_hook` is in place (the
-        gradients are then read on another thread as they complete)."""
-        return bool(self._grad_hooks)
-
     def _check_param_hooks(self) -> None:
         """At each training call: refuse a post-accumulate gradient hook registered on a
         model parameter or a master since wrapping (see
@@ -448,8 +444,21 @@ class RoundPipeBase(nn.Module):
             raise ValueError(STEP_UNSUPPORTED)
         is_async = self._async_allowed(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
-        fn = self._step_recorder.wrap(watch_updates(fn, self._home().masters, self._idle))
+        fn = self._timed_step(watch_updates(fn, self._home().masters, self._idle))
         self._steps.step(fn, is_async, self._may_publish_in_background(), settle=self._settle)
+
+    def _timed_step(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """``fn`` noting the (start, end) of each of its runs for ``last_trace()``."""
+        spans = self._step_spans
+
+        def timed() -> Any:
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                spans.append((start, time.perf_counter()))
+
+        return timed
 
     def _convert_grads_on_add(self) -> bool:
         """Whether a call's gradient buffer converts gradients to the masters' dtype as
@@ -546,7 +555,7 @@ class RoundPipeBase(nn.Module):
             finish,
             is_async,
             self._may_publish_in_background(),
-            self._step_recorder.wrap,
+            self._timed_step,
             settle=self._settle,
         )
 

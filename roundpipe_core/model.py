@@ -40,9 +40,8 @@ from .planning.plan import ModelExecutePlan
 from .planning.planner import ReplanDecision
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .running.runtime import PipelineRun, run_queue
-from .running.timer import ModelTimer
+from .running.timer import CallTiming, ModelTimer
 from .stepping.pipelined import (
-    DeferredTimer,
     GradBuffer,
     PendingResult,
     RunFinisher,
@@ -102,8 +101,9 @@ class RoundPipe(RoundPipeBase):
             around each ``forward_backward``; ``call(**kwargs)`` is the engine's own, and
             ``kwargs["blocking"]`` is ``None`` unless the caller chose (an integration may
             pick the default and wrap the result, as the Lightning strategy does).
-        last_call_ms: wall time of the last pipelined call.
-        last_call_samples / last_call_tokens: its batch size (see :func:`batch_extent`).
+        last_call: the :class:`~roundpipe_core.running.timer.CallTiming` of the last
+            pipelined call (blocking or not): its schedule, each job's device, span and
+            busy time, the transfers its workers waited on, its wall time and batch size.
     """
 
     def __init__(
@@ -142,17 +142,11 @@ class RoundPipe(RoundPipeBase):
         self._timer_lock = threading.Lock()
         self.plans = PlanChoice(self)  # which plan each call runs
         self._seed_calls = 0  # pipelined calls so far: each gets its own random streams
-        self.last_schedule: list[Job] = []
-        self.last_job_times: list[tuple[Job, int, float]] = []
-        self.last_job_spans: list[tuple[Job, int, float, float]] = []
-        self.last_transfer_spans: list[tuple[str, int, str, float, float]] = []
+        self.last_call = CallTiming()
         self.loss_multiplier: Callable[[], float] | None = None
         self.forward_backward_hook: Callable[[Callable[..., Any], dict[str, Any]], Any] | None = (
             None
         )
-        self.last_call_ms: float = 0.0
-        self.last_call_samples: int = 0
-        self.last_call_tokens: int = 0
         self._seal()
 
     def __repr__(self) -> str:
@@ -266,17 +260,15 @@ class RoundPipe(RoundPipeBase):
         plan: ModelExecutePlan,
         run_type: RunType,
         grad_sink: Callable[[torch.Tensor, torch.Tensor], None],
-        timer: Any = None,
         **kw: Any,
     ) -> PipelineRun:
-        """A run's state; times go to the model timer unless a pipelined call gives its own."""
+        """A run's state."""
         if run_type != RunType.INFER and cfg.preserve_rng_state is not False:
             self.pool.warn_if_replay_differs()  # recompute replays the forward's draws
         return PipelineRun(
             self.layers,
             boundary_layers(plan, run_type),
             grad_sink,
-            timer if timer is not None else self.model_timer,
             preserve_rng_state=bool(
                 cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True
             ),
@@ -291,43 +283,38 @@ class RoundPipe(RoundPipeBase):
     def _execute(self, run: PipelineRun, jobs: list[Job]) -> None:
         run.caller_waits = True  # (pool.run waits for the jobs)
         self.pool.run(jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q))
-        self.model_timer.end_iteration()
-        self._remember_call(jobs, run)
+        self._call_done(run, jobs)
 
-    def _remember_call(self, jobs: list[Job], run: PipelineRun) -> None:
-        """The one writer of the ``last_*`` records (into ``__dict__``: see _record_call)."""
-        d = self.__dict__
-        d["last_schedule"] = jobs
-        d["last_job_times"], d["last_job_spans"] = list(run.job_times), list(run.job_spans)
-        d["last_transfer_spans"] = list(run.transfer_spans)
-
-    def _pipelined_call_done(
+    def _call_done(
         self,
-        p: PendingResult,
+        run: PipelineRun,
         jobs: list[Job],
-        timer: DeferredTimer,
-        t0: float,
-        extent: tuple[int, int],
+        t0: float | None = None,
+        extent: Any = None,
+        ok: bool = True,
     ) -> None:
-        """A non-blocking call's jobs are all done (on its last worker's thread): its
-        timings enter the layer timer if it succeeded, and the ``last_*`` records."""
+        """The one writer of ``last_call``: a pipelined run is done (a non-blocking call's
+        on its last worker's thread, after its timing's last ``add``). A run that
+        succeeded (``ok``) gives its layer times to the timer, as one iteration."""
+        timing = run.timing
+        timing.schedule += jobs
         with self._timer_lock:
-            if p.error is None:
-                timer.replay(self.model_timer)
-                self.model_timer.end_iteration()
-                self.last_call_ms = (time.perf_counter() - t0) * 1000.0
-                self.last_call_samples, self.last_call_tokens = extent
-            self._remember_call(jobs, p.run)
+            if ok:
+                timing.commit(self.model_timer)
+                if t0 is not None:
+                    timing.wall_ms = (time.perf_counter() - t0) * 1000.0
+                    timing.samples, timing.tokens = extent
+            self.__dict__["last_call"] = timing  # (nn.Module's setattr is slow)
 
     def _execute_locked(self, run: PipelineRun, jobs: list[Job]) -> None:
         with self._call_lock:
             self._execute(run, jobs)
 
     def _record_call(self, t0: float, args: Any, kwargs: Any) -> None:
-        """Wall time and batch size of the call (into ``__dict__``: nn.Module's setattr is slow)."""
-        d = self.__dict__
-        d["last_call_ms"] = (time.perf_counter() - t0) * 1000.0
-        d["last_call_samples"], d["last_call_tokens"] = batch_extent(args, kwargs)
+        """Wall time and batch size of the call, on its last run's timing."""
+        timing = self.last_call
+        timing.wall_ms = (time.perf_counter() - t0) * 1000.0
+        timing.samples, timing.tokens = batch_extent(args, kwargs)
 
     @staticmethod
     def _loss_weights(
@@ -571,7 +558,6 @@ class RoundPipe(RoundPipeBase):
                 jobs = self.plans.fused_schedule(plan, len(split.parts), call.start_device)
                 reader = call.reserve([j.layers for j in jobs], self.num_devices)
                 buffer = GradBuffer(self.masters.master_of, self._convert_grads_on_add())
-                timer = DeferredTimer()
                 # which masters are complete as the backward goes: the layer-wise step
                 # and the gradient hooks read it
                 completion = call.completion(
@@ -582,7 +568,6 @@ class RoundPipe(RoundPipeBase):
                     plan,
                     RunType.FUSED,
                     buffer.add,
-                    timer=timer,
                     loss_fn=loss_fn,
                     labels=labels,
                     return_outputs=return_outputs,
@@ -603,7 +588,5 @@ class RoundPipe(RoundPipeBase):
                     jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
                 )
                 call.launch(pending)
-                pending.start(
-                    futures, RunFinisher(self, jobs, timer, t0, batch_extent(args, kwargs))
-                )
+                pending.start(futures, RunFinisher(self, jobs, t0, batch_extent(args, kwargs)))
                 return pending

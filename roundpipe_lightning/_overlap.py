@@ -168,9 +168,7 @@ _GRAD_HOOKS_MODULE = (
 _GRAD_HOOKS_CALLBACK = ("on_after_backward", "on_before_optimizer_step")
 
 
-def overlap_blocker(
-    trainer: Any, async_step: bool, world_size: int, has_scaler: bool, grad_hooks: bool
-) -> str | None:
+def overlap_blocker(trainer: Any, async_step: bool, has_scaler: bool) -> str | None:
     """Why this run cannot overlap its iterations (None if it can)."""
     from lightning.pytorch import Callback
     from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -180,12 +178,8 @@ def overlap_blocker(
         return "async_step=False: each iteration computes with the weights of every step before it"
     if not lm.automatic_optimization:
         return "manual optimization reads the gradients in training_step"
-    if world_size > 1:
-        return "the gradients are reduced over processes on the training thread"
     if has_scaler:
         return "16-mixed checks the window's gradients before the next window's loss scale is known"
-    if grad_hooks:
-        return "gradient hooks are registered on the RoundPipe"
     for name in _GRAD_HOOKS_MODULE:
         if is_overridden(name, lm):
             return f"{type(lm).__name__}.{name} reads the gradients on the training thread"

@@ -238,7 +238,7 @@ class StageTimeLogger(Callback):
       all its microbatches (``fused0``, ``forward0``, ``backward2``, ...; a stage run
       as one job per CPU worker at once, ``Job.replicas``, adds up its jobs' times);
     * ``device_D/busy_ms``: busy time of device ``D`` in that call;
-    * ``call_ms``: the call's wall time (``RoundPipe.last_call_ms``);
+    * ``call_ms``: the call's wall time (``RoundPipe.last_call.wall_ms``);
     * ``bubble_ratio``: ``1 - sum(busy) / (call_ms x devices)``;
     * ``sim_iteration_ms`` / ``sim_bubble_ratio``: one iteration of the same plan
       simulated with the timer's per-microbatch estimates (``roundpipe_core.planning.simulate``),
@@ -352,35 +352,33 @@ class StageTimeLogger(Callback):
             for kind, values in (("fwd", timer.fwd_ms), ("re", timer.re_ms), ("bwd", timer.bwd_ms)):
                 for i, v in enumerate(values):
                     m[f"roundpipe/layer_{i:02d}/{kind}_ms"] = float(v)
-        busy = [0.0] * rp.num_devices
+        call = rp.last_call
         stage_ms: dict[str, float] = defaultdict(float)
-        for job, device, ms in rp.last_job_times:
-            stage_ms[f"roundpipe/stage/{job.kind}{job.stage}_ms"] += float(ms)
-            busy[device] += float(ms)
+        for t in call.jobs:
+            stage_ms[f"roundpipe/stage/{t.job.kind}{t.job.stage}_ms"] += t.busy_ms
         m.update(stage_ms)
-        for d, b in enumerate(busy):
+        for d, b in enumerate(call.device_busy_ms(rp.num_devices)):
             m[f"roundpipe/device_{d}/busy_ms"] = b
-        wall = float(rp.last_call_ms)
-        if wall > 0 and rp.last_job_times:
-            m["roundpipe/call_ms"] = wall
-            m["roundpipe/bubble_ratio"] = max(0.0, 1.0 - sum(busy) / (wall * rp.num_devices))
+        bubble = call.bubble_ratio(rp.num_devices)
+        if bubble is not None:
+            m["roundpipe/call_ms"] = call.wall_ms
+            m["roundpipe/bubble_ratio"] = bubble
         if sim is not None:
             m["roundpipe/sim_iteration_ms"] = float(sim.makespan_ms)
             m["roundpipe/sim_bubble_ratio"] = float(sim.bubble_ratio)
         if step_ms > 0:
             m["roundpipe/step_ms"] = step_ms
-            samples, tokens = rp.last_call_samples, rp.last_call_tokens
-            if samples:
-                m["roundpipe/samples_per_s"] = samples / (step_ms / 1000.0)
-            if tokens:
-                m["roundpipe/tokens_per_s"] = tokens / (step_ms / 1000.0)
+            if call.samples:
+                m["roundpipe/samples_per_s"] = call.samples / (step_ms / 1000.0)
+            if call.tokens:
+                m["roundpipe/tokens_per_s"] = call.tokens / (step_ms / 1000.0)
         return m
 
     @staticmethod
     def _simulate(rp: Any) -> Any:
         """One iteration of the last call's plan, simulated with the timer's estimates
         (already per microbatch: the timer divides each job's time by its microbatches)."""
-        jobs = rp.last_schedule
+        jobs = rp.last_call.schedule
         if not jobs:
             return None
         kinds = {j.kind for j in jobs}

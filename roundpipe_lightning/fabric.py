@@ -315,8 +315,9 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     ``overlap_iterations`` has no Fabric counterpart: the loop is the user's, so pass
     ``blocking=False`` to ``forward_backward`` to overlap iterations. Several processes on
     one node (``torchrun --nproc-per-node 2``) are refused. The gradient reduction runs
-    after the backward, not overlapped with it (the loop is the user's: which backward is
-    the last of an accumulation window is not known).
+    on the optimizer thread right before the step, after the backward, not overlapped
+    with it (the loop is the user's: which backward is the last of an accumulation window
+    is not known); with ``blocking=False`` calls it overlaps the next iteration.
 
     The RoundPipe arguments are keywords only.
 
@@ -578,11 +579,14 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             )
         kwargs.pop("closure", None)
         run, raw = adopted
-        run.reduce(raw)  # several nodes: the master gradients, reduced over the nodes
+        # several nodes: the master gradients are reduced over the nodes on the optimizer
+        # thread, in front of the step, once the calls in flight are in (so calls issued
+        # with blocking=False still overlap) -- unless fabric.clip_gradients reduced them
+        reduce_first = id(raw) not in run.reduced
         # the step clears the gradients there are now
         run.grads_fresh = False
         run.reduced.clear()
-        run.queue_step(raw, kwargs)
+        run.queue_step(raw, kwargs, reduce_first=reduce_first)
 
     def _synchronize(self) -> None:
         for run in self._runs:

@@ -965,13 +965,19 @@ class Session:
         kwargs: dict[str, Any],
         update: bool = True,
         clip: Callable[[], None] | None = None,
+        reduce_first: bool = False,
         layerwise: bool = False,
     ) -> None:
         """Hand ``opt.step(**kwargs)`` (``update=False``: only the clearing, a skipped
         step) to the RoundPipe: asynchronous with ``async_step``, with the
-        hyperparameters of now; ``clip`` runs first on the optimizer thread;
-        ``layerwise``: the deepest layers step while the backward still runs."""
+        hyperparameters of now. On the optimizer thread, once the gradients of the calls
+        before it are in: ``reduce_first`` reduces them over the processes (collective:
+        every process queues every step, skipped ones too; the calls may still run when it
+        is queued), then ``clip`` runs, then the step. ``layerwise``: the deepest layers
+        step while the backward still runs (in one process: a reduction needs them all)."""
         steps, dp = self.steps, self.dp
+        reduce_first = reduce_first and dp.world_size > 1
+        layerwise = layerwise and not reduce_first
         # the hyperparameters of now, before an LR scheduler writes the next step's
         queued = QueuedStep(opt) if self.async_step and update else None
         zero_grad = self.real_zero_grad.get(id(opt), opt.zero_grad)
@@ -999,6 +1005,12 @@ class Session:
                 steps.applied()
 
         def whole() -> None:
+            if reduce_first:
+                try:
+                    dp.reduce(opt)
+                except BaseException:
+                    steps.mark_failed()
+                    raise
             update_params()
             finish()
 

@@ -607,13 +607,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         rp = session.rp
         if not self.settings.overlap_iterations or not isinstance(rp, RoundPipe):
             return  # (an AutoRoundPipe has no forward_backward to overlap)
-        reason = overlap_blocker(
-            lm.trainer,
-            self.async_step,
-            self.world_size,
-            self._loss_scaler is not None,
-            rp.has_grad_hooks,
-        )
+        reason = overlap_blocker(lm.trainer, self.async_step, self._loss_scaler is not None)
         if reason is None and session.tier is not None:
             opts = [raw_optimizer(o) for o in self.optimizers]
             if not all(steps_in_parts(o, lm) for o in opts):
@@ -666,15 +660,17 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         overlap = self._run.overlap
 
         def closure_and_reduce() -> Any:
-            # (several processes: the closure's backward starts all-reducing finished layers)
+            if overlap:
+                # the window may still run: its gradients are reduced over the processes
+                # on the optimizer thread, when they are in, right before the step (and
+                # the clipping) -- while the next iteration computes
+                return closure()
+            # blocking calls: the closure's backward starts all-reducing finished layers
+            # (several processes); the gradients are then complete (a step in flight: the
+            # reducer waits); reduced, then shown on the module: later hooks see them reduced (DDP)
             result = self._dp.wrap_closure(opt, closure)()
-            if not overlap:
-                # blocking calls: the gradients are complete (a step in flight: the reducer
-                # waits); reduced, then shown on the module: later hooks see them reduced (DDP)
-                self._dp.reduce(opt)
-                self._sync_weights()
-            # overlapped: the window may still run; the engine defers the step until its
-            # gradients are in, and clipping runs there
+            self._dp.reduce(opt)
+            self._sync_weights()
             return result
 
         closure_result, do_update = self.precision_plugin.prepare_step(
@@ -686,6 +682,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             kwargs,
             update=do_update,
             clip=clip if overlap and do_update else None,
+            reduce_first=overlap,
             # the deepest layers step while the backward still runs on the first ones
             layerwise=overlap and steps_in_parts(opt, model),
         )

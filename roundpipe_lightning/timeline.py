@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from roundpipe_core.running.trace import LANES, Span, row_name, spans_from_simulation
+from roundpipe_core.running.trace import Span, row_name, rows_of, spans_from_simulation
 
 __all__ = ["KIND_COLORS", "render_timeline", "spans_from_simulation"]
 
@@ -48,15 +48,6 @@ _LANE_HEIGHT = {"compute": 0.8}  # other lanes are thin rows under their device
 _THIN = 0.35
 
 
-def _rows(spans: Sequence[Span]) -> list[tuple[int | None, str]]:
-    """(device, lane) rows present, devices in order, lanes in LANES order, host last."""
-    keys = {(s.device, s.lane) for s in spans}
-    return sorted(
-        keys,
-        key=lambda r: (r[0] is None, r[0] if r[0] is not None else 0, LANES.index(r[1])),
-    )
-
-
 def _check(spans: Sequence[Span] | None, what: str) -> list[Span]:
     if spans is None:
         return []
@@ -65,7 +56,7 @@ def _check(spans: Sequence[Span] | None, what: str) -> list[Span]:
         if not isinstance(s, Span):
             raise TypeError(
                 f"{what} must be a list of roundpipe_core.running.trace.Span; got {type(s).__name__} "
-                "(convert job spans with spans_from_job_spans, a SimResult with "
+                "(convert a call's timing with spans_from_call, a SimResult with "
                 "spans_from_simulation)"
             )
     return spans
@@ -75,7 +66,7 @@ def _draw_panel(
     ax: Any, spans: list[Span], title: str, x_max_ms: float, width_px: float
 ) -> set[str]:
     """Draw one timeline into ``ax``; return the kinds it used (for the legend)."""
-    rows = _rows(spans)
+    rows = rows_of(spans)
     t0 = min((s.start_s for s in spans), default=0.0)
     # y position of each row, top to bottom; thin rows take less room
     ypos: dict[tuple[int | None, str], float] = {}
@@ -133,8 +124,8 @@ def render_timeline(
     """Draw the measured iteration (and the simulated one below it) as a picture.
 
     Args:
-        measured: spans of the measured iteration (e.g. ``spans_from_roundpipe(rp)``
-            plus a :class:`~roundpipe_core.running.trace.SpanRecorder`'s optimizer spans).
+        measured: spans of the measured iteration (e.g. ``spans_from_roundpipe(rp)``:
+            its jobs, transfers and optimizer steps).
         simulated: spans of the simulated iteration (``spans_from_simulation(sim)``),
             drawn below on the same time scale; ``None`` draws the measured panel only.
         path: where to save the picture as PNG (parent folders are created); ``None``
@@ -178,7 +169,8 @@ def render_timeline(
     x_max = max(_extent_ms(p) for p, _ in panels) * 1.02 or 1.0
     # panel heights follow their row counts so a lane has the same height in both
     heights = [
-        sum(_LANE_HEIGHT.get(lane, _THIN) + 0.15 for _, lane in _rows(p)) or 1.0 for p, _ in panels
+        sum(_LANE_HEIGHT.get(lane, _THIN) + 0.15 for _, lane in rows_of(p)) or 1.0
+        for p, _ in panels
     ]
     inch_per_row = 0.42
     fig_h = sum(heights) * inch_per_row + 0.55 * len(panels) + 1.3 + (0.3 if title else 0.0)

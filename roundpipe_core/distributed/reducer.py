@@ -342,8 +342,11 @@ class GradientAllReducer:
         try:
             # An asynchronous optimizer step still in flight reads and clears the grads.
             # Accumulating a gradient waits for it, but a master of a stage that produced
-            # no gradient at all is reported without that wait: wait here too.
-            self.rp.wait_step()
+            # no gradient at all is reported without that wait: wait here too -- unless
+            # this is the optimizer thread itself (a reduction queued in front of a step),
+            # where every earlier step has run.
+            if not self.rp._home()._steps.on_optimizer_thread():
+                self.rp.wait_step()
             divisor = self.world_size if self.op == "mean" else 1
 
             def land_oldest() -> None:

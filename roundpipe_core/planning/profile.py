@@ -438,10 +438,10 @@ def profile_of(model: Any) -> LayerProfile:
     """The planner's view of one model: a :class:`LayerProfile` as given, a
     ``ModelTimer``'s estimates, or a RoundPipe model's.
 
-    Before anything was measured, a RoundPipe model's profile comes from its
-    layers' sizes (:func:`~roundpipe_core.planning.profile.layer_sizes`): time follows the
-    dense weights a layer computes with, so an embedding table — even one tied
-    to the LM head — does not look as slow as the head. Saved-activation bytes
+    Before anything was measured, the timer's estimates come from its layers' sizes
+    (:func:`size_prior_ms`): time follows the dense weights a layer computes with, so
+    an embedding table — even one tied to the LM head — does not look as slow as
+    the head. Saved-activation bytes
     per microbatch come from the model's (or its timer's) ``layer_activation_bytes``
     when it records them.
     """
@@ -453,28 +453,11 @@ def profile_of(model: Any) -> LayerProfile:
             f"{type(model).__name__} is not a RoundPipe model, ModelTimer or LayerProfile; "
             "pass the RoundPipe objects to plan"
         )
-    act = getattr(model, "layer_activation_bytes", None)
+    prof = LayerProfile.from_timer(timer, act_bytes=getattr(model, "layer_activation_bytes", None))
     layers = getattr(model, "layers", None)
-    measured = timer.has_measurements() if hasattr(timer, "has_measurements") else True
-    lends = layers is not None and bool(getattr(model, "uploads_lend_parameters", False))
-    if measured or layers is None:
-        prof = LayerProfile.from_timer(timer, act_bytes=act)
-        if lends and layers is not None:
-            return _with_lent_parameters(prof, layer_sizes(list(layers)))
-        return prof
-    sizes = layer_sizes(list(layers))
-    fwd = size_prior_ms(sizes.compute_bytes)
-    prof = LayerProfile(
-        fwd_ms=fwd,
-        bwd_ms=[2.0 * f for f in fwd],
-        re_ms=fwd,
-        # the timer's sizes also count what an upload carries besides parameters and
-        # buffers (a quantized layer's quant state), which planning cannot see
-        param_bytes=list(getattr(timer, "layer_param_bytes", sizes.upload_bytes)),
-        grad_bytes=sizes.grad_bytes,
-        act_bytes=act if act is not None else getattr(timer, "layer_activation_bytes", None),
-    )
-    return _with_lent_parameters(prof, sizes) if lends else prof
+    if layers is not None and getattr(model, "uploads_lend_parameters", False):
+        return _with_lent_parameters(prof, layer_sizes(list(layers)))
+    return prof
 
 
 def _with_lent_parameters(profile: LayerProfile, sizes: LayerSizes) -> LayerProfile:

@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from .devices.base import Worker
 from .devices.pool import PoolError
 from .replicas import JobGrads, replica_microbatches
 from .streams import ComputeScope, record_stream_start, replay_seed, seed_stream
-from .timer import JobClock
+from .timer import CallTiming, JobClock
 from .transfer import (
     GradSink,
     StageReplica,
@@ -61,7 +61,6 @@ class PipelineRun:
         layers: list[nn.Module],
         boundaries: set[int],
         grad_sink: GradSink,
-        timer: Any,
         preserve_rng_state: bool = True,
         recompute_grain: RecomputeGrain = RecomputeGrain.STAGE,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -84,7 +83,6 @@ class PipelineRun:
         self.grad_sink = grad_sink
         self.grad_sink_many = batched_sink(grad_sink)  # one call per job where it can
         self.job_grads = JobGrads(grad_sink, self.grad_sink_many)  # replicas: in slice order
-        self.timer = timer
         self.preserve_rng_state = preserve_rng_state
         self.recompute_grain = recompute_grain
         self.loss_fn = loss_fn
@@ -118,13 +116,9 @@ class PipelineRun:
         self.outputs: dict[int, Any] = HostOutputs()  # built when read, after the run
         self.losses: dict[int, torch.Tensor] = {}
         self.failed: BaseException | None = None
-        self.job_times: list[tuple[Job, int, float]] = []  # (job, device, busy ms)
-        # (job, device, start, end): wall clock (perf_counter) from params ready to job done
-        self.job_spans: list[tuple[Job, int, float, float]] = []
-        # (lane, device, name, start, end): host wall clock of the transfers a worker waited
-        # on -- "upload" (a stage's parameters), "activation" (a microbatch's stage input
-        # in, its output out), "gradient" (the stage's parameter gradients out)
-        self.transfer_spans: list[tuple[str, int, str, float, float]] = []
+        # what the call measured (its workers' clocks hand their records over at the end of
+        # their queues); the RoundPipe gives its layer times to the timer once it is done
+        self.timing = CallTiming()
         # The uploads' weight-version gate and this run's reader (pipelined.py); None: no
         # one writes the host weights during the run (upload_job: how uploads lend them)
         self.weights = weights
@@ -159,15 +153,6 @@ class PipelineRun:
     def take_grad(self, boundary: int, mb: int) -> list[torch.Tensor | None] | None:
         with self._cond:
             return self._grads.get((boundary, mb))
-
-    def take_records(self, clock: JobClock) -> None:
-        """Take a worker queue's job times and spans and transfer spans (kept by its
-        clock, so that the queue takes this run's lock once instead of per record)."""
-        with self._cond:
-            self.job_times.extend(clock.job_times)
-            self.job_spans.extend(clock.job_spans)
-            self.transfer_spans.extend(clock.transfers)
-        clock.job_times, clock.job_spans, clock.transfers = [], [], []
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -582,19 +567,13 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                         run.grads_done(job)
                 if job.kind != JobKind.BACKWARD:  # a real forward may have written buffers
                     write_back_buffers(stage)
-                busy = clock.end_job(replica_microbatches(job))
-                end = time.perf_counter()
-                clock.job_times.append((job, worker.index, busy))
-                clock.job_spans.append((job, worker.index, start, end))
+                clock.end_job(job, replica_microbatches(job), start)
             finally:
                 release_stage(stage)
-        clock.commit(run.timer)
     except BaseException as exc:
         run.fail(exc)
-        with suppress(Exception):  # the finished jobs' times; the failure is what matters
-            clock.commit(run.timer)
         raise
     finally:
-        run.take_records(clock)
+        run.timing.add(clock)
         if prefetched is not None:
             release_stage(prefetched)

@@ -1,14 +1,18 @@
-"""Per-layer timing: forward, recompute and backward estimates from measured runs.
+"""What a pipelined call measured, and the per-layer estimates made from it.
 
-The runtime records how long each job took (CUDA events on a GPU, a monotonic
-clock on the CPU backend) and calls :meth:`ModelTimer.end_iteration` after every
-pipelined call. The planner (:meth:`ModelExecutePlan.auto`) and the simulator
-read the per-layer estimates.
+Each worker times its jobs (CUDA events on a GPU, a monotonic clock on the CPU
+backend) with a :class:`JobClock` and hands them, at the end of its queue, to the
+call's one :class:`CallTiming` record (``RoundPipe.last_call``), which the trace,
+the stage-time logger and the benchmarks read. Once the call is done and
+succeeded, the record gives its layer times to the :class:`ModelTimer` as one
+iteration; the planner (:meth:`ModelExecutePlan.auto`) and the simulator read
+the timer's per-layer estimates.
 
 Statistics, per layer and kind ("fwd", "re", "bwd"):
 
-* before any measurement, estimates are proportional to the layer's size
-  (parameter + buffer bytes); backward = 2 x forward, recompute = forward;
+* before any measurement, forward estimates follow the dense weights a layer
+  computes with (:func:`~roundpipe_core.planning.profile.size_prior_ms`, the
+  planner's prior); backward = 2 x forward, recompute = forward;
 * the first iteration in which a (layer, kind) is measured is dropped
   (allocator warm-up, kernel autotuning, lazy initialisation);
 * later iterations feed an exponential moving average with factor 0.9 and
@@ -27,59 +31,28 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from torch import nn
 
 from ..kinds import check_int
+from ..planning.profile import layer_sizes, size_prior_ms
+from ..planning.schedule import Job
 from .carried import carried_bytes
 
 if TYPE_CHECKING:
     from .devices.base import Worker
 
-__all__ = ["JobClock", "ModelTimer"]
+__all__ = ["CallTiming", "JobClock", "JobTiming", "ModelTimer", "TransferTiming"]
 
 KINDS = ("fwd", "re", "bwd")
 _INF = float("inf")
-
-#: Milliseconds assumed per byte of layer state before anything was measured.
-#: Only ratios matter to the planner; the scale makes the numbers readable
-#: (a 100 MB fp32 layer starts at 1 ms forward).
-PRIOR_MS_PER_BYTE = 1.0 / 100e6
-#: A layer without parameters (activation, reshape) is not free: before
-#: measurements it costs this share of the largest layer's estimate.
-PRIOR_FLOOR_SHARE = 0.01
-
-
-def _module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (shared tensors counted once), and of
-    the tensors an upload carries besides them (a quantized layer's quant state)."""
-    seen: set[int] = set()
-    total = carried_bytes(module)
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _module_param_bytes(module: nn.Module) -> int:
-    """Bytes of a module's trainable parameters (shared tensors counted once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in module.parameters():
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        total += p.numel() * p.element_size()
-    return total
 
 
 class ModelTimer:
     """Moving-average per-layer times of one model.
 
-    Thread-safe: device worker threads call :meth:`record` concurrently.
+    Thread-safe: calls commit their timings on worker threads while the planner reads.
 
     Attributes:
         num_layers: number of layers timed.
@@ -101,10 +74,15 @@ class ModelTimer:
         if not layers:
             raise ValueError("ModelTimer needs at least one layer")
         self.num_layers = len(layers)
-        self.layer_param_bytes: list[int] = [_module_bytes(m) for m in layers]
-        self.layer_grad_bytes: list[int] = [_module_param_bytes(m) for m in layers]
+        sizes = layer_sizes(layers)
+        # an upload also carries what is not a parameter or buffer (a quantized layer's
+        # quant state), which planning cannot see from the modules
+        self.layer_param_bytes: list[int] = [
+            b + carried_bytes(m) for b, m in zip(sizes.upload_bytes, layers)
+        ]
+        self.layer_grad_bytes: list[int] = sizes.grad_bytes
         self._lock = threading.RLock()
-        self._prior = self._size_prior(self.layer_param_bytes)
+        self._prior = size_prior_ms(sizes.compute_bytes)  # the planner's, before measurements
         # EMA state per kind and layer: biased average and number of kept samples.
         self._ema: dict[str, list[float]] = {k: [0.0] * self.num_layers for k in KINDS}
         self._count: dict[str, list[int]] = {k: [0] * self.num_layers for k in KINDS}
@@ -115,13 +93,6 @@ class ModelTimer:
         self.iterations = 0
 
     # -- estimates ------------------------------------------------------------
-    @staticmethod
-    def _size_prior(nbytes: Sequence[int]) -> list[float]:
-        raw = [b * PRIOR_MS_PER_BYTE for b in nbytes]
-        top = max(raw)
-        floor = top * PRIOR_FLOOR_SHARE if top > 0 else 1.0
-        return [max(r, floor) for r in raw]
-
     def _measured(self, kind: str, layer: int) -> float | None:
         n = self._count[kind][layer]
         if n == 0:
@@ -137,12 +108,6 @@ class ModelTimer:
         if kind == "re":
             return self._estimate("fwd", layer)
         return 2.0 * self._estimate("fwd", layer)
-
-    def estimate(self, kind: str, layer: int) -> float:
-        """Current estimate (ms) of ``kind`` for one layer."""
-        _check_kind(kind)
-        with self._lock:
-            return self._estimate(kind, layer)
 
     @property
     def fwd_ms(self) -> list[float]:
@@ -207,83 +172,50 @@ class ModelTimer:
         this iteration's records; :meth:`end_iteration` folds them into the averages.
         With ``microbatches`` > 1 the time is divided by it, so estimates are per
         microbatch and calls with different microbatch counts average consistently.
-        """
-        self.record_many([(kind, layers, ms)], microbatches)
-
-    def record_many(
-        self,
-        records: Sequence[tuple[str, range | Sequence[int], float]],
-        microbatches: int = 1,
-    ) -> None:
-        """:meth:`record` for several ``(kind, layers, ms)`` of one job at once: the
-        runtime hands a job's per-layer times over under one lock acquisition.
 
         Raises:
-            ValueError: naming the bad kind, time, layer or microbatch count; nothing
-                of ``records`` is recorded then.
+            ValueError: naming the bad kind, time, layer or microbatch count.
         """
         check_int(microbatches, "microbatches")
-        n = self.num_layers
-        checked = []
-        for kind, layers, ms in records:
-            if kind not in KINDS:
-                _check_kind(kind)
-            if type(ms) is not float:
-                ms = float(ms)
-            if not 0 <= ms < _INF:  # negative, NaN or Inf: a broken clock, never a timing
-                raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
-            # the runtime's records: one unit-step range inside the model, checked at once
-            if not (type(layers) is range and layers.step == 1 and 0 <= layers.start):
-                if not isinstance(layers, (range, list, tuple)):
-                    layers = list(layers)
-                for i in layers:
-                    if not 0 <= i < n:
-                        raise ValueError(f"layer {i} is outside the timed layers 0..{n - 1}")
-            elif layers.stop > n:
-                raise ValueError(f"layer {layers.stop - 1} is outside the timed layers 0..{n - 1}")
-            if not layers:
-                continue
-            checked.append((kind, layers, ms / microbatches))
+        _check_kind(kind)
+        ms = _check_ms(ms)
+        layers = list(layers)
+        for i in layers:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"layer {i} is outside the timed layers 0..{self.num_layers - 1}")
         with self._lock:
-            tables = self._pending
-            for kind, layers, ms in checked:
-                pending = tables[kind]
-                if len(layers) == 1:
-                    i = layers[0]
-                    pending[i] = pending.get(i, 0.0) + ms
-                    continue
-                weights = self._estimates_locked("fwd" if kind == "fwd" else "re", layers)
-                total = sum(weights)
-                for i, w in zip(layers, weights):
-                    share = w / total if total > 0 else 1.0 / len(layers)
-                    pending[i] = pending.get(i, 0.0) + ms * share
+            self._add_locked(kind, layers, ms / microbatches)
 
     def record_sums(self, sums: dict[tuple[str, int, int], float]) -> None:
-        """:meth:`record_many` of ``{(kind, start, stop): ms per microbatch}`` (what a
-        :class:`JobClock` sums), without a record object per entry.
+        """:meth:`record` of ``{(kind, start, stop): ms per microbatch}`` at once: the
+        layer times a :class:`CallTiming` summed over a call, under one lock acquisition.
 
         Raises:
-            ValueError: as :meth:`record_many`; nothing of ``sums`` is recorded then.
+            ValueError: as :meth:`record`; nothing of ``sums`` is recorded then.
         """
         n = self.num_layers
         for (kind, a, b), ms in sums.items():
-            if kind not in KINDS or not 0 <= a < b <= n or not 0 <= ms < _INF:
-                # the checks of record_many name what is wrong (and record all if none is)
-                self.record_many([(k, range(s, e), v) for (k, s, e), v in sums.items()])
-                return
+            _check_kind(kind)
+            _check_ms(ms)
+            if not 0 <= a < b <= n:
+                bad = a if not 0 <= a < n else b - 1
+                raise ValueError(f"layer {bad} is outside the timed layers 0..{n - 1}")
         with self._lock:
-            tables = self._pending
             for (kind, a, b), ms in sums.items():
-                pending = tables[kind]
-                if b - a == 1:
-                    pending[a] = pending.get(a, 0.0) + ms
-                    continue
-                layers = range(a, b)
-                weights = self._estimates_locked("fwd" if kind == "fwd" else "re", layers)
-                total = sum(weights)
-                for i, w in zip(layers, weights):
-                    share = w / total if total > 0 else 1.0 / len(layers)
-                    pending[i] = pending.get(i, 0.0) + ms * share
+                self._add_locked(kind, range(a, b), ms)
+
+    def _add_locked(self, kind: str, layers: Sequence[int], ms: float) -> None:
+        """Add ``ms`` of ``kind`` over ``layers`` to this iteration's records."""
+        pending = self._pending[kind]
+        if len(layers) == 1:
+            i = layers[0]
+            pending[i] = pending.get(i, 0.0) + ms
+            return
+        weights = self._estimates_locked("fwd" if kind == "fwd" else "re", layers)
+        total = sum(weights)
+        for i, w in zip(layers, weights):
+            share = w / total if total > 0 else 1.0 / len(layers)
+            pending[i] = pending.get(i, 0.0) + ms * share
 
     def end_iteration(self) -> None:
         """Fold this iteration's records into the moving averages."""
@@ -353,34 +285,145 @@ class ModelTimer:
         )
 
 
+class JobTiming(NamedTuple):
+    """One job of a call as it ran.
+
+    Attributes:
+        job: the job of the schedule.
+        device: the index of the device that ran it.
+        start_s: ``time.perf_counter()`` when its parameters were on the device.
+        end_s: ``time.perf_counter()`` when its last microbatch (and, for a fused or
+            backward job, its gradient download) was done.
+        busy_ms: its compute time by the device's own clock (CUDA events on a GPU),
+            all microbatches.
+    """
+
+    job: Job
+    device: int
+    start_s: float
+    end_s: float
+    busy_ms: float
+
+
+class TransferTiming(NamedTuple):
+    """A transfer a worker waited on, host wall clock (``time.perf_counter()``): on
+    CUDA the issue of the copy and any wait for it, not the copy engine's own timing.
+
+    Attributes:
+        lane: "upload" (a stage's parameters), "activation" (a microbatch's stage
+            input) or "gradient" (the stage's parameter gradients out).
+        device: the index of the worker's device.
+        name: what moved, e.g. ``"2F0 params"``.
+    """
+
+    lane: str
+    device: int
+    name: str
+    start_s: float
+    end_s: float
+
+
+class CallTiming:
+    """Everything one pipelined call measured -- the one record the layer timer, the
+    trace (:mod:`roundpipe_core.running.trace`), the stage-time logger and the
+    benchmarks read (``RoundPipe.last_call``, ``PendingResult.timing``).
+
+    Each worker queue of the call hands its :class:`JobClock` over once, at its end
+    (:meth:`add`); the layer times reach a :class:`ModelTimer` only through
+    :meth:`commit`, which the RoundPipe calls once the call's jobs are all done and
+    succeeded -- so calls that overlap never mix their records within one timer
+    iteration, and on CUDA every time was read from events the job had passed.
+
+    ``forward()`` with autograd runs its forward jobs and, at ``backward()``, the
+    backward jobs as one run: one record holding both.
+
+    Attributes:
+        schedule: the jobs the call launched, in launch order (what completed is in
+            ``jobs``).
+        jobs: one :class:`JobTiming` per job that completed, in the order the queues
+            ended.
+        transfers: the :class:`TransferTiming` of the transfers the workers waited on.
+        wall_ms: the call's wall time as the caller saw it (for ``forward()``, the
+            forward's); ``samples`` / ``tokens``: its batch size
+            (:func:`~roundpipe_core.batch.tree.batch_extent`). Zero until the call
+            returned, and for a call that failed.
+    """
+
+    def __init__(self) -> None:
+        self.schedule: list[Job] = []
+        self.jobs: list[JobTiming] = []
+        self.transfers: list[TransferTiming] = []
+        self.wall_ms = 0.0
+        self.samples = self.tokens = 0
+        # {(kind, start, stop): ms per microbatch} not yet given to the timer
+        self._layer_ms: dict[tuple[str, int, int], float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, clock: JobClock) -> None:
+        """Take a worker queue's records (once per queue: its jobs never take this
+        record's lock)."""
+        with self._lock:
+            self.jobs += clock.jobs
+            self.transfers += clock.transfers
+            ms = self._layer_ms
+            for key, value in clock.sums.items():
+                ms[key] = ms.get(key, 0.0) + value
+        clock.jobs, clock.transfers, clock.sums = [], [], {}
+
+    def commit(self, timer: ModelTimer) -> None:
+        """Fold the layer times added since the last commit into ``timer`` as one
+        iteration (summing before the timer splits a stage's time over its layers
+        changes nothing: the split is linear and its weights hold still within an
+        iteration)."""
+        with self._lock:
+            sums, self._layer_ms = self._layer_ms, {}
+        if sums:
+            timer.record_sums(sums)
+        timer.end_iteration()
+
+    def device_busy_ms(self, num_devices: int) -> list[float]:
+        """Compute time per device over the call's jobs."""
+        busy = [0.0] * num_devices
+        for t in self.jobs:
+            busy[t.device] += t.busy_ms
+        return busy
+
+    def bubble_ratio(self, num_devices: int) -> float | None:
+        """``1 - sum(busy) / (wall_ms x num_devices)``: the share of the devices' time
+        in the call spent not computing; ``None`` without a wall time or jobs."""
+        if self.wall_ms <= 0 or not self.jobs:
+            return None
+        busy = sum(self.device_busy_ms(num_devices))
+        return max(0.0, 1.0 - busy / (self.wall_ms * num_devices))
+
+    def __repr__(self) -> str:
+        return (
+            f"CallTiming({len(self.jobs)}/{len(self.schedule)} jobs, "
+            f"{len(self.transfers)} transfers, wall_ms={self.wall_ms:.3f})"
+        )
+
+
 class JobClock:
-    """A worker's timing marks for the jobs of one run, handed to a timer at once.
+    """A worker's timing marks for the jobs of one call's queue, handed to the call's
+    :class:`CallTiming` at once, at the end of the queue.
 
     A mark is ``(kind, start, stop, t0, t1)``: ``kind`` "fwd" / "re" / "bwd" of
     layers ``start..stop-1`` between two of the worker's time points. The runtime
     appends to ``marks`` directly in its layer loop (one tuple per layer);
     :meth:`end_job` adds a job's marks, per microbatch, to one sum per
-    ``(kind, start, stop)`` over the worker's whole queue; :meth:`commit` gives the
-    timer those sums in one call (one lock acquisition per worker and run, not per
-    job). Summing before the timer splits a stage's time over its layers changes
-    nothing: the split is linear and its weights hold still within an iteration.
-
-    The queue's other records wait here too, for the run to take them in one go at
-    the end of the queue: ``transfers`` (``(lane, device, name, start, end)``, host
-    wall clock, see :meth:`transfer`), ``job_times`` (``(job, device, busy ms)``) and
-    ``job_spans`` (``(job, device, start, end)``).
+    ``(kind, start, stop)`` over the worker's whole queue and notes the job's
+    :class:`JobTiming`; :meth:`transfer` notes a :class:`TransferTiming`.
 
     Args:
         worker: the worker whose ``time_point`` / ``elapsed_ms`` made the marks.
     """
 
-    __slots__ = ("worker", "marks", "sums", "_seconds", "transfers", "job_times", "job_spans")
+    __slots__ = ("worker", "marks", "sums", "_seconds", "transfers", "jobs")
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.transfers: list[tuple[str, int, str, float, float]] = []
-        self.job_times: list[tuple[Any, int, float]] = []
-        self.job_spans: list[tuple[Any, int, float, float]] = []
+        self.transfers: list[TransferTiming] = []
+        self.jobs: list[JobTiming] = []
         self.marks: list[tuple[str, int, int, Any, Any]] = []
         # (kind, start, stop) -> ms per microbatch, summed over the ended jobs
         self.sums: dict[tuple[str, int, int], float] = {}
@@ -390,57 +433,45 @@ class JobClock:
     def transfer(self, lane: str, name: str, start: float) -> None:
         """Record a transfer of ``lane`` ("upload", "activation", "gradient") that
         started at ``start`` (``time.perf_counter()``) and ended now."""
-        self.transfers.append((lane, self.worker.index, name, start, time.perf_counter()))
+        self.transfers.append(
+            TransferTiming(lane, self.worker.index, name, start, time.perf_counter())
+        )
 
     def span(self, kind: str, layers: range, start: Any) -> None:
         """Mark ``kind`` of ``layers`` from ``start`` (a time point) to now."""
         self.marks.append((kind, layers.start, layers.stop, start, self.worker.time_point()))
 
-    def end_job(self, microbatches: int) -> float:
-        """Add the marks of the job just run to the sums as ms per microbatch (so calls
-        with different microbatch counts average consistently); returns the job's busy ms."""
+    def end_job(self, job: Job, microbatches: int, start: float) -> JobTiming:
+        """Add the marks of ``job``, just run, to the sums as ms per microbatch (so calls
+        with different microbatch counts average consistently) and note its timing
+        from ``start`` (``time.perf_counter()``, its parameters ready) to now. On CUDA
+        this reads the job's events, which its last microbatch has passed."""
         sums = self.sums
         total = 0.0
         if self._seconds:
-            for kind, start, stop, a, b in self.marks:
-                key = (kind, start, stop)
-                ms = (b - a) * 1000.0
-                sums[key] = sums.get(key, 0.0) + ms / microbatches
+            for kind, a, b, t0, t1 in self.marks:
+                ms = (t1 - t0) * 1000.0
+                sums[kind, a, b] = sums.get((kind, a, b), 0.0) + ms / microbatches
                 total += ms
         else:
             elapsed = self.worker.elapsed_ms
-            for kind, start, stop, a, b in self.marks:
-                key = (kind, start, stop)
-                ms = elapsed(a, b)
-                sums[key] = sums.get(key, 0.0) + ms / microbatches
+            for kind, a, b, t0, t1 in self.marks:
+                ms = elapsed(t0, t1)
+                sums[kind, a, b] = sums.get((kind, a, b), 0.0) + ms / microbatches
                 total += ms
         self.marks.clear()
-        return total
-
-    @property
-    def records(self) -> list[tuple[str, range, float]]:
-        """The ``(kind, layers, ms per microbatch)`` records of the ended jobs."""
-        return [(k, range(a, b), ms) for (k, a, b), ms in self.sums.items()]
-
-    def commit(self, timer: Any) -> None:
-        """Hand the records of every ended job to ``timer`` (a :class:`ModelTimer`, or
-        anything with ``record``); nothing to a ``None`` timer."""
-        sums, self.sums = self.sums, {}
-        if timer is None or not sums:
-            return
-        add_sums = getattr(timer, "record_sums", None)
-        if add_sums is not None:
-            add_sums(sums)
-            return
-        records = [(k, range(a, b), ms) for (k, a, b), ms in sums.items()]
-        many = getattr(timer, "record_many", None)
-        if many is not None:
-            many(records)
-        else:
-            for kind, layers, ms in records:
-                timer.record(kind, layers, ms)
+        timing = JobTiming(job, self.worker.index, start, time.perf_counter(), total)
+        self.jobs.append(timing)
+        return timing
 
 
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"timing kind must be one of {KINDS}, got {kind!r}")
+
+
+def _check_ms(ms: float) -> float:
+    ms = float(ms)
+    if not 0 <= ms < _INF:  # negative, NaN or Inf: a broken clock, never a timing
+        raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
+    return ms

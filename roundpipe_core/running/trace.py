@@ -3,19 +3,16 @@
 A timeline is a flat list of :class:`Span` records: what ran (``name``), on which
 device (``None``: on the host), on which lane of that device (compute, parameter
 upload, activation transfer, gradient transfer, or the optimizer step), and when.
-The records come from three places that this module converts the same way, so a
+The records come from two places that this module converts the same way, so a
 measured and a simulated iteration open side by side with the same rows:
 
-* a real call's job spans (``RoundPipe.last_job_spans`` or a ``PendingResult``'s
-  ``job_spans``: ``(job, device, start, end)`` with ``time.perf_counter`` seconds),
-  via :func:`spans_from_job_spans`, and its transfer spans
-  (``RoundPipe.last_transfer_spans``: the parameter uploads, activation inputs and
-  gradient downloads its workers waited on), via :func:`spans_from_roundpipe`;
+* a real call's :class:`~roundpipe_core.running.timer.CallTiming` (``RoundPipe.last_call``
+  or a ``PendingResult``'s ``timing``: its jobs and the parameter uploads, activation
+  inputs and gradient downloads its workers waited on, ``time.perf_counter`` seconds)
+  and the optimizer steps ``RoundPipe.step()`` timed, via :func:`spans_from_call` /
+  :func:`spans_from_roundpipe` (:meth:`RoundPipe.last_trace` returns them as a trace);
 * the simulator's events (:class:`roundpipe_core.planning.simulate.SimResult`), via
-  :func:`spans_from_simulation`;
-* anything timed with a :class:`SpanRecorder` (``RoundPipe.step()`` times its
-  ``step_fn`` so; :meth:`RoundPipe.last_trace` returns the last call's compute,
-  transfer and optimizer spans as a trace).
+  :func:`spans_from_simulation`.
 
 Measured transfer spans are host wall clock: on CUDA they cover issuing a copy and
 any wait for it, not the copy engine's own timing.
@@ -35,31 +32,27 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ..kinds import JobKind, check_int
 
 if TYPE_CHECKING:  # the simulator is only read here, never needed at import time
     from ..planning.simulate import SimResult
+    from .timer import CallTiming
 
 __all__ = [
     "LANES",
     "Span",
-    "SpanRecorder",
     "chrome_trace",
     "job_name",
-    "last_call_spans",
     "merge_traces",
     "row_name",
+    "rows_of",
     "side_by_side_trace",
-    "spans_from_job_spans",
+    "spans_from_call",
     "spans_from_roundpipe",
     "spans_from_simulation",
     "write_trace",
@@ -72,8 +65,6 @@ LANES: tuple[str, ...] = ("compute", "upload", "activation", "gradient", "optimi
 # start at _HOST_TID so they sort after every device.
 _TID_STRIDE = len(LANES)
 _HOST_TID = 1_000_000
-
-_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -161,74 +152,37 @@ def _job_args(job: Any) -> dict[str, Any]:
     }
 
 
-def spans_from_job_spans(job_spans: Iterable[tuple[Any, int, float, float]]) -> list[Span]:
-    """Compute spans of a measured call, in the order given.
+def spans_from_call(timing: CallTiming, steps: Iterable[tuple[float, float]] = ()) -> list[Span]:
+    """The measured timeline of one pipelined call.
 
     Args:
-        job_spans: ``(job, device, start, end)`` tuples as the runtime records them
-            (``RoundPipe.last_job_spans``, ``PendingResult.job_spans``): the job of the
-            schedule, the index of the device that ran it, and ``time.perf_counter()``
-            seconds from its parameters being ready to its last microbatch being done.
+        timing: the call's :class:`~roundpipe_core.running.timer.CallTiming`.
+        steps: ``(start, end)`` seconds of optimizer steps; those that ended before the
+            call's first job started belong to earlier calls and are left out, so an
+            asynchronous step that overlaps the call shows beside it.
 
     Returns:
-        One ``"compute"`` :class:`Span` per job, named by :func:`job_name`.
+        One ``"compute"`` :class:`Span` per job that ran, named by :func:`job_name`,
+        on the device that ran it; then the steps (``"optimizer"`` lane, host); then
+        a span per transfer the workers waited on (host wall clock: on CUDA the issue
+        of a copy and any wait for it, not the copy engine's own timing).
     """
     out = []
-    for entry in job_spans:
-        try:
-            job, device, start, end = entry
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"job_spans entries must be (job, device, start, end) tuples; got {entry!r}"
-            ) from None
-        args = _job_args(job)
-        if int(device) != int(job.device):
+    for t in timing.jobs:
+        args = _job_args(t.job)
+        if t.device != t.job.device:
             # a job that ran elsewhere than its schedule says must stand out in the viewer
-            args["scheduled_device"] = int(job.device)
-        out.append(Span(int(device), "compute", job_name(job), float(start), float(end), args))
-    return out
-
-
-def last_call_spans(
-    job_spans: Iterable[tuple[Any, int, float, float]], step_spans: Iterable[Span] = ()
-) -> list[Span]:
-    """The spans of one measured call: its compute spans and the optimizer steps that
-    ran while or after it ran.
-
-    Args:
-        job_spans: the call's ``(job, device, start, end)`` tuples (see
-            :func:`spans_from_job_spans`).
-        step_spans: recorded optimizer spans (a :class:`SpanRecorder`'s ``spans``);
-            those that ended before the call's first job started belong to earlier
-            calls and are left out, so an asynchronous step that overlaps the call
-            shows beside it.
-
-    Returns:
-        Compute spans then optimizer spans, each in the order given.
-    """
-    compute = spans_from_job_spans(job_spans)
-    start = min((s.start_s for s in compute), default=-math.inf)
-    return compute + [s for s in step_spans if s.end_s >= start]
+            args["scheduled_device"] = int(t.job.device)
+        out.append(Span(t.device, "compute", job_name(t.job), t.start_s, t.end_s, args))
+    first = min((s.start_s for s in out), default=-math.inf)
+    out += [Span(None, "optimizer", "step", a, b) for a, b in steps if b >= first]
+    return out + [Span(t.device, t.lane, t.name, t.start_s, t.end_s) for t in timing.transfers]
 
 
 def spans_from_roundpipe(rp: Any) -> list[Span]:
-    """The measured timeline of ``rp``'s last pipelined call (blocking or not): one
-    compute span per job (``rp.last_job_spans``), the transfers its workers waited on
-    (``rp.last_transfer_spans``: parameter uploads, activations in, gradients out) and
-    the optimizer steps queued with ``rp.step()`` that ran during or after that call
-    (see :func:`last_call_spans`).
-
-    Transfer spans are host wall clock: on CUDA they cover issuing a copy and any wait
-    for it, not the copy engine's own timing.
-    """
-    recorder = getattr(rp, "_step_recorder", None)
-    steps = recorder.spans if isinstance(recorder, SpanRecorder) else []
-    spans = last_call_spans(getattr(rp, "last_job_spans", None) or [], steps)
-    transfers = [
-        Span(device, lane, name, start, end)
-        for lane, device, name, start, end in getattr(rp, "last_transfer_spans", None) or []
-    ]
-    return spans + transfers
+    """:func:`spans_from_call` of ``rp``'s last pipelined call (blocking or not) and the
+    steps queued with ``rp.step()`` that ran during or after it."""
+    return spans_from_call(rp.last_call, list(getattr(rp, "_step_spans", ())))
 
 
 def spans_from_simulation(
@@ -305,80 +259,18 @@ def spans_from_simulation(
     return out
 
 
-class SpanRecorder:
-    """Times host work into spans, from any thread (e.g. the optimizer thread).
-
-    ``RoundPipe.step()`` already times its ``step_fn`` this way (its spans are in
-    ``rp.last_trace()``); a recorder adds other host work to a timeline::
-
-        recorder = SpanRecorder()
-        with recorder.span("optimizer", "clip"):
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-        spans = spans_from_roundpipe(rp) + recorder.spans
-    """
-
-    def __init__(
-        self, clock: Callable[[], float] = time.perf_counter, max_spans: int | None = None
-    ) -> None:
-        """Args:
-        clock: seconds; the default matches the runtime's job spans.
-        max_spans: keep only the latest this many spans (a recorder that lives as
-            long as a training run must not grow without bound); ``None``: keep all.
-        """
-        if max_spans is not None:
-            check_int(max_spans, "max_spans", why="or None: keep all")
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._spans: deque[Span] = deque(maxlen=max_spans)
-
-    @contextmanager
-    def span(self, lane: str, name: str, device: int | None = None, **args: Any) -> Iterator[None]:
-        """Record the body of the ``with`` block as one span (also if it raises)."""
-        if lane not in LANES:  # fail at entry, not after the timed work
-            raise ValueError(f"lane must be one of {LANES}; got {lane!r}")
-        start = self._clock()
-        try:
-            yield
-        finally:
-            end = self._clock()
-            with self._lock:
-                self._spans.append(Span(device, lane, name, start, end, dict(args)))
-
-    def wrap(
-        self,
-        fn: Callable[[], _R],
-        lane: str = "optimizer",
-        name: str = "step",
-        device: int | None = None,
-    ) -> Callable[[], _R]:
-        """``fn`` timed as a span each time it is called (default: an optimizer step)."""
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-
-        def timed() -> _R:
-            with self.span(lane, name, device):
-                return fn()
-
-        return timed
-
-    @property
-    def spans(self) -> list[Span]:
-        """The spans recorded so far, in the order they ended."""
-        with self._lock:
-            return list(self._spans)
-
-    def clear(self) -> None:
-        """Forget the recorded spans."""
-        with self._lock:
-            self._spans.clear()
-
-
 def row_name(device: int | None, lane: str) -> str:
     """The row (thread) name of a device lane: ``"device 0"`` for compute,
     ``"device 0 upload"`` for another lane, ``"optimizer"`` / ``"host <lane>"`` on the host."""
     if device is None:
         return "optimizer" if lane == "optimizer" else f"host {lane}"
     return f"device {device}" if lane == "compute" else f"device {device} {lane}"
+
+
+def rows_of(spans: Iterable[Span]) -> list[tuple[int | None, str]]:
+    """The ``(device, lane)`` rows of ``spans`` in display order: device by device, a
+    device's lanes in :data:`LANES` order, host rows (the optimizer) last."""
+    return sorted({(s.device, s.lane) for s in spans}, key=lambda r: _tid(*r))
 
 
 def _tid(device: int | None, lane: str) -> int:
@@ -429,19 +321,15 @@ def chrome_trace(
     bad = [s for s in spans if not isinstance(s, Span)]
     if bad:
         raise TypeError(
-            f"chrome_trace takes Span records; got {type(bad[0]).__name__}. Convert job spans "
-            "with spans_from_job_spans() and simulations with spans_from_simulation()"
+            f"chrome_trace takes Span records; got {type(bad[0]).__name__}. Convert a call's "
+            "timing with spans_from_call() and simulations with spans_from_simulation()"
         )
     if origin_s is None:
         origin_s = min((s.start_s for s in spans), default=0.0)
     meta: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process_name}}
     ]
-    rows = sorted(
-        {(s.device, s.lane) for s in spans},
-        key=lambda r: _tid(*r),
-    )
-    for order, (device, lane) in enumerate(rows):
+    for order, (device, lane) in enumerate(rows_of(spans)):
         tid = _tid(device, lane)
         meta.append(
             {

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +40,6 @@ __all__ = [
     "StageReplica",
     "download_grads",
     "make_skeleton",
-    "note_transfer",
     "release_stage",
     "upload_job",
     "upload_stage",
@@ -503,13 +501,6 @@ def release_stage(stage: StageReplica) -> None:
     stage.param_tensors = []
     if stage.released is not None:
         stage.released.set()
-
-
-def note_transfer(run: Any, lane: str, worker: Worker, name: str, start: float) -> None:
-    """Record a transfer that started at ``start`` (``time.perf_counter()``) and ended now."""
-    end = time.perf_counter()
-    with run._cond:
-        run.transfer_spans.append((lane, worker.index, name, start, end))
 
 
 class WeightGate(Protocol):

@@ -42,6 +42,7 @@ from .. import batch as batching
 from ..config import RoundPipeRunConfig
 from ..running.devices.pool import PoolError
 from ..running.runtime import PipelineRun
+from ..running.timer import CallTiming
 from .layerwise import GradCompletion, run_layerwise
 from .masters import MasterWeights
 from .stepper import Stepper
@@ -175,41 +176,6 @@ def to_output_device(value: Any, device: Any) -> Any:
     return rebuild([x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves])
 
 
-class DeferredTimer:
-    """Collects a pipelined run's timings; they enter the ModelTimer when the run is done,
-    so overlapping runs do not mix their records within one timer iteration."""
-
-    def __init__(self) -> None:
-        self._records: list[tuple[tuple, dict]] = []
-        self._many: list[tuple[list, int]] = []  # record_many batches, replayed as such
-        self._sums: list[dict] = []  # a worker clock's per-(kind, layers) sums
-        self._lock = threading.Lock()
-
-    def record(self, *args: Any, **kwargs: Any) -> None:
-        with self._lock:
-            self._records.append((args, kwargs))
-
-    def record_many(self, records: Sequence[tuple[Any, ...]], microbatches: int = 1) -> None:
-        with self._lock:
-            self._many.append((list(records), microbatches))
-
-    def record_sums(self, sums: dict[tuple[str, int, int], float]) -> None:
-        with self._lock:
-            self._sums.append(dict(sums))
-
-    def replay(self, timer: Any) -> None:
-        with self._lock:
-            records, self._records = self._records, []
-            many, self._many = self._many, []
-            sums, self._sums = self._sums, []
-        for args, kwargs in records:
-            timer.record(*args, **kwargs)
-        for batch, microbatches in many:
-            timer.record_many(batch, microbatches)
-        for s in sums:
-            timer.record_sums(s)
-
-
 class PendingResult:
     """The handle of a ``forward_backward(..., blocking=False)`` call.
 
@@ -246,9 +212,14 @@ class PendingResult:
         self.error: BaseException | None = None
         self.merged = False
         self.reported: set[int] = set()  # masters the gradient hooks heard of (by id)
-        self.job_spans: list[tuple[Any, int, float, float]] = []  # (job, device, start, end)
         # which masters' gradients are complete while the run is still going
         self.completion: GradCompletion | None = None
+
+    @property
+    def timing(self) -> CallTiming:
+        """What the call measured (its jobs' spans and times, its transfers): complete
+        once the call is done."""
+        return self.run.timing
 
     def start(self, futures: list[Future], finish: Callable[[PendingResult], Any]) -> None:
         """Track the workers' futures; ``finish(self)`` runs once all are done."""
@@ -546,28 +517,20 @@ class PipelinedRuns:
 
 
 class RunFinisher:
-    """Completion of a pipelined run (on the thread of its last worker): timings and
-    schedule records (``rp._pipelined_call_done``), failure bookkeeping. Holds its
-    RoundPipe weakly, so a run in flight does not keep a dropped RoundPipe alive."""
+    """Completion of a pipelined run (on the thread of its last worker): its timing
+    (``rp._call_done``), failure bookkeeping. Holds its RoundPipe weakly, so a run in
+    flight does not keep a dropped RoundPipe alive."""
 
-    def __init__(
-        self,
-        rp: Any,
-        jobs: list[Any],
-        timer: DeferredTimer,
-        t0: float,
-        extent: tuple[int, int],
-    ) -> None:
+    def __init__(self, rp: Any, jobs: list[Any], t0: float, extent: tuple[int, int]) -> None:
         self._rp = weakref.ref(rp)
         self._steps = rp._steps
-        self.jobs, self.timer, self.t0 = jobs, timer, t0
+        self.jobs, self.t0 = jobs, t0
         self.extent = extent  # the call's (samples, tokens)
 
     def __call__(self, p: PendingResult) -> None:
         run = p.run
         rp = self._rp()
         if rp is not None:
-            rp._pipelined_call_done(p, self.jobs, self.timer, self.t0, self.extent)
-        p.job_spans = list(run.job_spans)
+            rp._call_done(run, self.jobs, self.t0, self.extent, ok=p.error is None)
         run.drop_activations()  # the handle keeps losses and outputs only
         self._steps.call_ended(p)  # its weight readers released, its error reported

@@ -388,7 +388,7 @@ def test_another_thread_drawing_stops_only_a_call_whose_stages_overlap(
     try:
         _call(rp, x, y, plan)
         _call(rp, x, y, plan)  # every stage seen not to draw
-        assert (len(rp.last_schedule) > 1) is overlap
+        assert (len(rp.last_call.schedule) > 1) is overlap
         armed["on"] = True
         if overlap:  # stages side by side: the draw is seen and stops the call
             with pytest.raises(UnexpectedDrawError):
@@ -497,7 +497,7 @@ def test_by_default_only_a_stages_replicas_in_a_blocking_call_share_the_cores(
     try:
         for _ in range(3):
             _call(rp, x, y, one)  # learned: the stage draws nothing
-        assert len(rp.last_schedule) == 2 and probe["peak"] == 2  # its replicas at once
+        assert len(rp.last_call.schedule) == 2 and probe["peak"] == 2  # its replicas at once
         probe["peak"] = 0
         for p in rp.optim_parameters():
             p.grad = None
@@ -505,7 +505,7 @@ def test_by_default_only_a_stages_replicas_in_a_blocking_call_share_the_cores(
         pending = rp.forward_backward((x,), label=y, loss_fn=sum_sq, run_config=cfg, blocking=False)
         drawn = [torch.rand(3) for _ in range(20)]  # the caller goes on, and draws
         loss = pending.result()
-        assert drawn and len(rp.last_schedule) == 2 and probe["peak"] == 1
+        assert drawn and len(rp.last_call.schedule) == 2 and probe["peak"] == 1
         ref_loss, ref_grads = _reference(model, probe, x, y)
         assert_close_rel(loss, ref_loss, what="loss")
         assert_grads_match(rp, ref_grads)

@@ -195,7 +195,7 @@ def test_bad_output_device_fails_before_compute() -> None:
                 loss_fn=sum_sq,
                 run_config=RoundPipeRunConfig(output_device="nonsense"),
             )
-        assert rp.last_schedule == []  # nothing ran
+        assert rp.last_call.schedule == []  # nothing ran
         with pytest.raises(ValueError, match="output_device"):
             RoundPipe(
                 mlp(), devices=rp.pool, model_run_config=RoundPipeRunConfig(output_device="gpu0")
@@ -381,7 +381,7 @@ def test_default_plan_is_made_for_the_microbatches_the_batch_gives(monkeypatch) 
             (x,), label=y, loss_fn=sum_sq, run_config=RoundPipeRunConfig(num_microbatch=10**6)
         )
         assert planned and max(p for p in planned if p is not None) == 6
-        assert len({j.microbatches for j in rp.last_schedule if len(j.microbatches) == 6}) >= 1
+        assert len({j.microbatches for j in rp.last_call.schedule if len(j.microbatches) == 6}) >= 1
         assert_grads_match(rp, ref)
     finally:
         rp.close()

@@ -89,21 +89,18 @@ def test_direct_engine_backward_equals_the_public_path(monkeypatch: pytest.Monke
         assert_close_rel(grads["direct"][n], g, what=n)
 
 
-def test_record_many_equals_one_record_each() -> None:
+def test_records_are_per_microbatch_and_split_without_loss() -> None:
     layers = [nn.Linear(4, 4), nn.Linear(4, 8), nn.ReLU()]
     records = [("fwd", range(0, 1), 2.0), ("bwd", range(0, 3), 9.0), ("re", [1, 2], 4.0)]
-    one, many = ModelTimer(layers), ModelTimer(layers)
+    timer = ModelTimer(layers)
     for _ in range(3):
         for kind, layer_range, ms in records:
-            one.record(kind, layer_range, ms, microbatches=2)
-        many.record_many(records, microbatches=2)
-        one.end_iteration()
-        many.end_iteration()
-    assert one.state_dict() == many.state_dict()
+            timer.record(kind, layer_range, ms, microbatches=2)
+        timer.end_iteration()
     # per microbatch, and a stage's time split over its layers without loss
-    assert many.fwd_ms[0] == pytest.approx(1.0)
-    assert sum(many.bwd_ms) == pytest.approx(4.5)
-    assert many.re_ms[1] + many.re_ms[2] == pytest.approx(2.0)
+    assert timer.fwd_ms[0] == pytest.approx(1.0)
+    assert sum(timer.bwd_ms) == pytest.approx(4.5)
+    assert timer.re_ms[1] + timer.re_ms[2] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize(
@@ -115,16 +112,12 @@ def test_record_many_equals_one_record_each() -> None:
         (("forward", range(0, 1), 1.0), "timing kind"),
     ],
 )
-def test_record_many_refuses_bad_records_and_keeps_none(bad: tuple, match: str) -> None:
+def test_record_refuses_bad_records_and_keeps_none(bad: tuple, match: str) -> None:
     timer = ModelTimer([nn.Linear(2, 2) for _ in range(3)])
     with pytest.raises(ValueError, match=match):
-        timer.record_many([("fwd", range(0, 1), 1.0), bad])
-    timer.end_iteration()  # the good record must not have slipped in before the bad one
-    timer.record_many([("fwd", range(0, 1), 5.0)])
+        timer.record(*bad)
     timer.end_iteration()
-    # one measured iteration, the dropped warm-up: had the good record of the refused
-    # call slipped in, this would be the second and an estimate would rest on it
-    assert not timer.has_measurements("fwd")
+    assert not timer.has_measurements()  # nothing of the refused record landed
 
 
 def test_ledger_counts_batches_with_the_same_peaks() -> None:

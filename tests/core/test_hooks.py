@@ -175,7 +175,7 @@ def test_plan_precedence() -> None:
         assert rp.plan_for("fused") is fused_b  # set_plan's beats model_run_config's
         assert rp.plan_for("fused", RoundPipeRunConfig(execute_plan=fused_c)) is fused_c
         rp.forward_backward((x,), label=y, loss_fn=sum_sq)
-        assert {j.layers for j in rp.last_schedule} == set(fused_b.fwd_plan + fused_b.bwd_plan)
+        assert {j.layers for j in rp.last_call.schedule} == set(fused_b.fwd_plan + fused_b.bwd_plan)
         rp.set_plan("fused", None)
         assert rp.plan_for("fused") is fused_a
         with pytest.raises(ValueError, match="run_type"):
@@ -201,13 +201,16 @@ def test_last_call_fields() -> None:
     rp = RoundPipe(nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4)), devices="cpu:2")
     ids = torch.randint(0, 10, (3, 5))
     try:
-        assert (rp.last_call_ms, rp.last_call_samples, rp.last_call_tokens) == (0.0, 0, 0)
+        call = rp.last_call
+        assert (call.wall_ms, call.samples, call.tokens) == (0.0, 0, 0)
         rp.forward_backward((ids,), label=None, loss_fn=lambda out, _: out.sum())
-        assert rp.last_call_ms > 0.0
-        assert (rp.last_call_samples, rp.last_call_tokens) == (3, 15)
+        call = rp.last_call
+        assert call.wall_ms > 0.0
+        assert (call.samples, call.tokens) == (3, 15)
         with torch.no_grad():
             rp(torch.randint(0, 10, (2, 4)))
-        assert (rp.last_call_samples, rp.last_call_tokens) == (2, 8)
+        assert rp.last_call is not call  # one record per call
+        assert (rp.last_call.samples, rp.last_call.tokens) == (2, 8)
     finally:
         rp.close()
 

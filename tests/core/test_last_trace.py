@@ -1,6 +1,6 @@
 """``RoundPipe.last_trace()``: the last call's measured timeline, blocking or not, as a
 Chrome trace -- one row per device with the call's jobs, the optimizer steps on their
-own row -- and ``last_call_spans``'s rule for which steps belong to a call."""
+own row -- and ``spans_from_call``'s rule for which steps belong to a call."""
 
 from __future__ import annotations
 
@@ -14,7 +14,13 @@ from _util import mlp, sum_sq
 from torch import nn
 
 from roundpipe_core import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe_core.running.trace import Span, SpanRecorder, job_name, last_call_spans, write_trace
+from roundpipe_core.running.timer import CallTiming, JobTiming
+from roundpipe_core.running.trace import (
+    job_name,
+    spans_from_call,
+    spans_from_roundpipe,
+    write_trace,
+)
 
 PLAN = ModelExecutePlan([range(0, 3)], [range(3, 6), range(0, 3)])
 DEVICES = 2
@@ -60,7 +66,7 @@ def test_last_trace_has_the_last_calls_jobs_and_its_step(blocking, tmp_path):
                 out.result(timeout=60)
             rp.step(lambda: (time.sleep(0.002), opt.step(), opt.zero_grad()), is_async=False)
         trace = rp.last_trace()
-        schedule = list(rp.last_schedule)
+        schedule = list(rp.last_call.schedule)
     finally:
         rp.close()
     path = write_trace(tmp_path / "last.json", trace)
@@ -109,13 +115,16 @@ def test_last_trace_after_the_autograd_path_and_without_steps():
         x = torch.randn(6, 8, requires_grad=True)
         rp(x).pow(2).sum().backward()
         trace = rp.last_trace()
-        backward_jobs = list(rp.last_schedule)
+        schedule = list(rp.last_call.schedule)  # one record: the forward's and the backward's
     finally:
         rp.close()
+    backward_jobs = [j for j in schedule if j.kind == "backward"]
+    assert backward_jobs and len(backward_jobs) < len(schedule)
     rows = _rows(trace)
     assert "optimizer" not in rows.values()
     compute = [e for e in _x_events(trace) if rows[e["tid"]] in ("device 0", "device 1")]
     names = [e["name"] for e in compute]
+    assert sorted(names) == sorted(job_name(j) for j in schedule)
     backward = [n for n in names if "B" in n]
     assert sorted(backward) == sorted(job_name(j) for j in backward_jobs)
     assert any("F" in n for n in names)
@@ -135,26 +144,42 @@ def _job(stage: int, device: int):
     )
 
 
-def test_last_call_spans_keeps_steps_that_end_after_the_call_starts():
-    jobs = [(_job(0, 0), 0, 10.0, 11.0)]
-    old = Span(None, "optimizer", "step", 8.0, 9.5)  # the step before the call
-    overlapping = Span(None, "optimizer", "step", 9.5, 10.5)  # an asynchronous one
-    after = Span(None, "optimizer", "step", 11.0, 11.2)
-    spans = last_call_spans(jobs, [old, overlapping, after])
+def test_a_calls_spans_keep_the_steps_that_end_after_it_starts():
+    timing = CallTiming()
+    timing.jobs.append(JobTiming(_job(0, 0), 0, 10.0, 11.0, 0.9))
+    old = (8.0, 9.5)  # the step before the call
+    overlapping = (9.5, 10.5)  # an asynchronous one
+    after = (11.0, 11.2)
+    spans = spans_from_call(timing, [old, overlapping, after])
     assert [s.lane for s in spans] == ["compute", "optimizer", "optimizer"]
-    assert spans[1:] == [overlapping, after]
+    assert [(s.start_s, s.end_s) for s in spans] == [(10.0, 11.0), overlapping, after]
+    assert spans[0].name == job_name(_job(0, 0)) and spans[0].device == 0
     # no call yet: every recorded step is shown
-    assert last_call_spans([], [old]) == [old]
+    assert [(s.start_s, s.end_s) for s in spans_from_call(CallTiming(), [old])] == [old]
 
 
-def test_span_recorder_keeps_the_latest_spans_only():
-    recorder = SpanRecorder(max_spans=2)
-    for name in ("a", "b", "c"):
-        with recorder.span("optimizer", name):
-            pass
-    assert [s.name for s in recorder.spans] == ["b", "c"]
-    with pytest.raises(ValueError, match="max_spans must be an int >= 1"):
-        SpanRecorder(max_spans=0)
+def test_the_engine_times_every_step_even_a_failing_one_and_keeps_the_latest():
+    rp = _rp()
+    try:
+        x, y = torch.randn(6, 8), torch.randn(6, 4)
+        rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+        opt = torch.optim.SGD(rp.optim_parameters(), lr=0.01)
+        for _ in range(10):
+            rp.step(lambda: (opt.step(), time.sleep(0.001)), is_async=False)
+        steps = [s for s in spans_from_roundpipe(rp) if s.lane == "optimizer"]
+        assert len(steps) == 8  # a long run keeps a few, enough to cover the last call
+        assert all(s.duration_s >= 0.001 for s in steps)
+
+        def boom() -> None:
+            time.sleep(0.001)
+            raise RuntimeError("step failed")
+
+        with pytest.raises(RuntimeError, match="step failed"):
+            rp.step(boom, is_async=False)
+        last = [s for s in spans_from_roundpipe(rp) if s.lane == "optimizer"][-1]
+        assert last.end_s > steps[-1].end_s and last.duration_s >= 0.001
+    finally:
+        rp.close()
 
 
 @pytest.mark.usefixtures("concurrent_planning")  # multi-stage plans on CPU workers

@@ -264,7 +264,6 @@ STEPPING_FACE = {
     "roundpipe_core.stepping.pipelined": {
         "GradBuffer",
         "PendingResult",
-        "DeferredTimer",
         "RunFinisher",  # a pipelined call's completion handle (its timings, its end)
         "assemble_result",
         "to_output_device",

@@ -174,15 +174,15 @@ def test_next_iteration_starts_before_the_previous_one_ends(monkeypatch):
         assert all(p.done() for p in pending)
 
         def spans(p, kinds):
-            return [(s, e) for job, _, s, e in p.job_spans if job.kind in kinds]
+            return [(t.start_s, t.end_s) for t in p.timing.jobs if t.job.kind in kinds]
 
         for p in pending:  # the premise: the round-robin placement described at the plan
-            worker = {job.index: w for job, w, _, _ in p.job_spans}
+            worker = {t.job.index: t.device for t in p.timing.jobs}
             assert worker[0] == worker[3] and len({worker[0], worker[4], worker[5]}) == 3
         for a, b in zip(pending, pending[1:]):
-            last = max(job.index for job, *_ in a.job_spans)
-            last_end = next(e for job, _, _, e in a.job_spans if job.index == last)
-            assert next(job for job, *_ in a.job_spans if job.index == last).kind == BACKWARD
+            last = max(t.job.index for t in a.timing.jobs)
+            last_end = next(t.end_s for t in a.timing.jobs if t.job.index == last)
+            assert next(t.job for t in a.timing.jobs if t.job.index == last).kind == BACKWARD
             first_fwd_start = min(s for s, _ in spans(b, (FORWARD,)))
             assert first_fwd_start < last_end, "iteration k+1 waited for the end of iteration k"
         for a, c in zip(pending, pending[2:]):
@@ -287,7 +287,7 @@ def test_engine_dispatch_is_the_simulated_overlap_schedule():
             rp.step(lambda: opt.step())
         rp.synchronize()
         ran = [
-            sorted((job.index, job.kind, job.layers, dev) for job, dev, *_ in p.job_spans)
+            sorted((t.job.index, t.job.kind, t.job.layers, t.device) for t in p.timing.jobs)
             for p in pending
         ]
     finally:

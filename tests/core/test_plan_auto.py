@@ -237,7 +237,7 @@ def test_explicit_owner_plan_matches_pytorch(layout):
         assert torch.allclose(loss, loss_ref, rtol=1e-5, atol=0)
         assert_grads_match(rp, grads_ref)
         # The pool ran each stage on its owner.
-        jobs = rp.last_schedule
+        jobs = rp.last_call.schedule
         owners = (plan.fwd_owners or [None] * len(plan.fwd_plan)) + (
             plan.bwd_owners or [None] * len(plan.bwd_plan)
         )

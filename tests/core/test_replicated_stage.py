@@ -63,9 +63,9 @@ def _call(rp: RoundPipe, x: torch.Tensor, y: torch.Tensor, zero: bool = True) ->
 
 def _fused_jobs(rp: RoundPipe) -> list[tuple[int, range]]:
     """(device, microbatches) of each fused job of the last call, by what ran."""
-    ran = sorted(rp.last_job_spans, key=lambda s: s[0].index)
-    assert all(job.kind == FUSED for job, *_ in ran)
-    return [(device, job.microbatches) for job, device, _, _ in ran]
+    ran = sorted(rp.last_call.jobs, key=lambda t: t.job.index)
+    assert all(t.job.kind == FUSED for t in ran)
+    return [(t.device, t.job.microbatches) for t in ran]
 
 
 def _warm(rp: RoundPipe, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -86,7 +86,7 @@ def test_the_stage_runs_on_both_workers_at_once_with_plain_pytorch_gradients() -
         for _ in range(2):
             loss = _call(rp, x, y)
             assert _fused_jobs(rp) == [(0, range(0, 2)), (1, range(2, 4))]
-            assert [j.replicas for j in rp.last_schedule] == [2, 2]
+            assert [j.replicas for j in rp.last_call.schedule] == [2, 2]
             assert_close_rel(loss, ref_loss, what="loss")
             assert_grads_match(rp, ref_grads)
     finally:
@@ -161,7 +161,7 @@ def _sgd_steps(model: nn.Module, batches: list, **rp_kw) -> tuple[list, list, li
     try:
         for x, y in batches:
             losses.append(rp.forward_backward((x,), label=y, loss_fn=sum_sq))
-            replicated.append(len(rp.last_schedule))
+            replicated.append(len(rp.last_call.schedule))
             rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
         rp.synchronize()
         return losses, [p.detach().clone() for p in model.parameters()], replicated
@@ -227,7 +227,7 @@ def test_pipelined_calls_with_the_asynchronous_step_match_the_blocking_sequence(
             out.append(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False))
             rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
             out[-1].result()
-            jobs.append(len(rp.last_schedule))
+            jobs.append(len(rp.last_call.schedule))
         rp.synchronize()
         assert jobs[1:] == [2, 2, 2]
         for a, b in zip([r.result() for r in out], ref_losses):
@@ -325,7 +325,7 @@ def test_the_default_microbatch_count_gives_each_worker_one(
         assert rp.num_microbatch_for() == want
         for _ in range(2):  # the first call runs alone while the gate learns the stage
             loss = _call(rp, x, y)
-        ran = [job for job, *_ in rp.last_job_spans]
+        ran = [t.job for t in rp.last_call.jobs]
         assert max(job.microbatches.stop for job in ran) == want
         assert _fused_jobs(rp) == (
             [(d, range(d, d + 1)) for d in range(3)] if want == 3 else [(0, range(0, 1))]
@@ -352,7 +352,7 @@ def test_the_default_count_stays_once_draws_are_learned(monkeypatch: pytest.Monk
             _call(rp, x, y)
             counts.append(rp.num_microbatch_for())
         assert counts == [3, 3, 3]
-        assert max(job.microbatches.stop for job, *_ in rp.last_job_spans) == 3
+        assert max(t.job.microbatches.stop for t in rp.last_call.jobs) == 3
         assert _fused_jobs(rp) == [(0, range(0, 3))]  # it draws: one job, not replicated
     finally:
         rp.close()
@@ -420,17 +420,18 @@ def test_the_layer_timer_stays_per_microbatch_with_replicas() -> None:
     adds a layer's records of one iteration, reads 10 ms per microbatch, as for the stage
     run as one job over four."""
     from roundpipe_core.running.replicas import replica_microbatches
-    from roundpipe_core.running.timer import JobClock, ModelTimer
+    from roundpipe_core.running.timer import CallTiming, JobClock, ModelTimer
 
     jobs = build_schedule(ModelExecutePlan([], [range(0, 2)]), "fused", 2, 4, replicas=2)
     timer = ModelTimer([nn.Linear(2, 2), nn.Linear(2, 2)])
     for _ in range(2):  # the timer drops its first iteration (warm-up)
+        timing = CallTiming()
         for job in jobs:
             clock = JobClock(_Ticks())  # type: ignore[arg-type]
             for mb in job.microbatches:
                 t = mb * 0.1
                 clock.marks += [("fwd", 0, 1, t, t + 0.01), ("fwd", 1, 2, t + 0.01, t + 0.02)]
-            clock.end_job(replica_microbatches(job))
-            clock.commit(timer)
-        timer.end_iteration()
+            clock.end_job(job, replica_microbatches(job), 0.0)
+            timing.add(clock)
+        timing.commit(timer)
     assert timer.fwd_ms == pytest.approx([10.0, 10.0])

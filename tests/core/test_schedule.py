@@ -73,8 +73,8 @@ def test_engine_runs_the_schedule_it_built_on_the_owner_devices():
             loss_fn=sum_sq,
             run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
         )
-        assert [j.device for j in rp.last_schedule] == [1, 1, 0]
-        ran = sorted((job.index, dev) for job, dev, _ in rp.last_job_times)
+        assert [j.device for j in rp.last_call.schedule] == [1, 1, 0]
+        ran = sorted((t.job.index, t.device) for t in rp.last_call.jobs)
         assert ran == [(0, 1), (1, 1), (2, 0)]
     finally:
         rp.close()

@@ -1,7 +1,7 @@
 """Chrome trace-event export of measured and simulated pipelined calls.
 
-A measured call's spans (``RoundPipe.last_job_spans``), the simulator's events and
-hand-timed optimizer steps become one kind of record (``Span``) and one trace
+A measured call's record (``RoundPipe.last_call``), the simulator's events and
+the timed optimizer steps become one kind of record (``Span``) and one trace
 format: complete events with microsecond times, one named row per device lane,
 rows named like the simulator's own trace so both open side by side.
 """
@@ -22,13 +22,12 @@ from roundpipe_core.planning.simulate import simulate
 from roundpipe_core.running.trace import (
     LANES,
     Span,
-    SpanRecorder,
     chrome_trace,
     job_name,
     merge_traces,
     row_name,
     side_by_side_trace,
-    spans_from_job_spans,
+    spans_from_call,
     spans_from_roundpipe,
     spans_from_simulation,
     write_trace,
@@ -49,30 +48,39 @@ class _Sleep(nn.Module):
 
 
 def _measured_run(devices: int = 3, calls: int = 2):
-    """``calls`` non-blocking iterations with a timed optimizer step after each; returns
-    the RoundPipe's last schedule, its compute spans, and the recorder."""
+    """``calls`` non-blocking iterations with an optimizer step after each that times
+    itself; returns the RoundPipe's last schedule, its compute spans, and the steps'
+    own spans."""
     model = mlp()
     for i in range(len(model)):
         model[i] = nn.Sequential(model[i], _Sleep())
     cfg = RoundPipeRunConfig(num_microbatch=3, execute_plan=PLAN)
     rp = RoundPipe(model, devices=f"cpu:{devices}", model_run_config=cfg)
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.01)
-    recorder = SpanRecorder()
+    inner: list[Span] = []
+
+    def step() -> None:
+        start = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        inner.append(Span(None, "optimizer", "step", start, time.perf_counter()))
+
     g = torch.Generator().manual_seed(0)
     try:
         for _ in range(calls):
             x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
             pending = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
             pending.result(timeout=60)
-            rp.step(recorder.wrap(lambda: (opt.step(), opt.zero_grad())))
+            rp.step(step)
         rp.synchronize()
         # the engine times step() itself: its record of the last step encloses the
-        # recorder's; the step before may show too where it overlapped the last call
+        # step's own; the step before may show too where it overlapped the last call
         own_steps = [s for s in spans_from_roundpipe(rp) if s.lane == "optimizer"]
         assert 1 <= len(own_steps) <= 2
-        last, inner = own_steps[-1], recorder.spans[-1]
-        assert last.start_s <= inner.start_s and last.end_s >= inner.end_s
-        return list(rp.last_schedule), spans_from_job_spans(rp.last_job_spans), recorder
+        last = own_steps[-1]
+        assert last.start_s <= inner[-1].start_s and last.end_s >= inner[-1].end_s
+        compute = [s for s in spans_from_call(rp.last_call) if s.lane == "compute"]
+        return list(rp.last_call.schedule), compute, inner
     finally:
         rp.close()
 
@@ -97,9 +105,8 @@ def _check_trace_format(trace: dict) -> None:
 
 
 def test_real_run_trace_is_valid_and_orders_jobs(tmp_path):
-    schedule, spans, recorder = _measured_run()
+    schedule, spans, steps = _measured_run()
     assert len(spans) == len(schedule) == 2 + 4
-    steps = recorder.spans
     assert len(steps) == 2 and all(s.lane == "optimizer" and s.device is None for s in steps)
     trace = chrome_trace(spans + steps[-1:])
     path = write_trace(tmp_path / "sub" / "measured.json", trace)
@@ -254,27 +261,6 @@ def test_side_by_side_trace_of_a_real_run_and_its_simulation(tmp_path):
     assert side_by_side_trace(spans)["traceEvents"][0]["args"]["name"] == "RoundPipe (measured)"
 
 
-def test_span_recorder_records_failed_work_and_wraps():
-    recorder = SpanRecorder()
-
-    def boom() -> None:
-        raise RuntimeError("step failed")
-
-    with pytest.raises(RuntimeError, match="step failed"):
-        recorder.wrap(boom)()
-    assert recorder.wrap(lambda: 7, lane="upload", name="copy", device=2)() == 7
-    first, second = recorder.spans
-    assert (first.lane, first.name, first.device) == ("optimizer", "step", None)
-    assert (second.lane, second.name, second.device) == ("upload", "copy", 2)
-    recorder.clear()
-    assert recorder.spans == []
-    with pytest.raises(ValueError, match="lane must be one of"):
-        with recorder.span("bogus", "x"):
-            pass
-    with pytest.raises(TypeError, match="fn must be callable"):
-        recorder.wrap(3)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [
@@ -293,10 +279,8 @@ def test_bad_spans_are_rejected(kwargs, exc, match):
 
 
 def test_bad_inputs_name_the_fix(tmp_path):
-    with pytest.raises(TypeError, match="spans_from_job_spans"):
+    with pytest.raises(TypeError, match="spans_from_call"):
         chrome_trace([("job", 0, 0.0, 1.0)])  # type: ignore[list-item]
-    with pytest.raises(TypeError, match=r"\(job, device, start, end\)"):
-        spans_from_job_spans([(1, 2)])
     with pytest.raises(TypeError, match="chrome_trace"):
         write_trace(tmp_path / "x.json", {"events": []})
     with pytest.raises(ValueError, match="pid must be"):

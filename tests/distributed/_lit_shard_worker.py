@@ -5,7 +5,8 @@ accumulate_grad_batches=2, gradient_clip_val=...)`` with AdamW, this process bei
 node: for an fp32 module (``sync``: its parameters are their own masters) and a bf16 one
 with fp32 masters (``separate``: ``precision="bf16-true"``, the masters sharded too), both
 ``async_step=False``, and the bf16 one with ``async_step=True`` (``async``: one step
-stale, the masters sharded too), unsharded then sharded, fit 2 steps, save a checkpoint
+stale, the masters sharded too; ``overlapped``: the same with no hook reading the
+gradients, so its iterations overlap), unsharded then sharded, fit 2 steps, save a checkpoint
 (sharded: one shard per node), resume from it to 4 steps. Writes the weights after each fit to OUT_DIR.
 """
 
@@ -51,7 +52,18 @@ class Lit(L.LightningModule):
         x, y = batch
         self._batch = x.shape[0]
         x = x.to(self.net[0][0].weight.dtype)  # (bf16-true: the module's dtype)
-        return self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
+        loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
+        # issued non-blocking (overlapped iterations): the loss is a LazyLoss
+        self.__dict__.setdefault("loss_kinds", []).append(type(loss).__name__)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.1)
+
+
+class LitReadingGrads(Lit):
+    """:class:`Lit` with a hook reading the gradients on the training thread (its
+    iterations run blocking)."""
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # what a user's hook reads on the module (grad-norm logging): reduced over the nodes
@@ -60,17 +72,16 @@ class Lit(L.LightningModule):
                 n: p.grad.clone() for n, p in self.net.named_parameters() if p.grad is not None
             }
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.1)
 
-
-MODES = ("sync", "separate", "async")
+# overlapped: async, and no hook reads the gradients -- the iterations overlap, the
+# reduction and the clipping run on the optimizer thread in front of each step
+MODES = ("sync", "separate", "async", "overlapped")
 
 
 def trainer(max_steps: int, num_nodes: int, shard: bool, mode: str) -> L.Trainer:
     return L.Trainer(
         strategy=RoundPipeStrategy(
-            async_step=mode == "async",
+            async_step=mode in ("async", "overlapped"),
             num_microbatch=3,
             process_group_timeout=20,
             shard_host_state=shard,
@@ -104,15 +115,18 @@ def masters(tr: L.Trainer) -> dict[str, torch.Tensor]:
 
 
 def run(loader: DataLoader, num_nodes: int, ckpt: Path, shard: bool, mode: str) -> dict:
-    model = Lit()
+    module = Lit if mode == "overlapped" else LitReadingGrads
+    model = module()
     tr = trainer(STEPS, num_nodes, shard, mode)
     tr.fit(model, loader)
-    first, first_masters, first_grads = params(model), masters(tr), model.first_grads
+    first, first_masters = params(model), masters(tr)
+    first_grads = getattr(model, "first_grads", None)
     tr.save_checkpoint(ckpt)
-    resumed = Lit()
+    resumed = module()
     tr = trainer(RESUMED_STEPS, num_nodes, shard, mode)
     tr.fit(resumed, loader, ckpt_path=ckpt)
     out = {
+        "loss_kinds": [model.loss_kinds, resumed.loss_kinds],
         "first": first,
         "first_grads": first_grads,
         "resumed": params(resumed),
@@ -121,7 +135,7 @@ def run(loader: DataLoader, num_nodes: int, ckpt: Path, shard: bool, mode: str) 
     }
     # loaded and not trained further (max_steps reached): the masters as loaded
     tr = trainer(STEPS, num_nodes, shard, mode)
-    tr.fit(Lit(), loader, ckpt_path=ckpt)
+    tr.fit(module(), loader, ckpt_path=ckpt)
     out["loaded_masters"] = masters(tr)
     return out
 

@@ -5,7 +5,8 @@ num_nodes=2, accumulate_grad_batches=2)``, this process being one node (``NODE_R
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK=0``): fit, save a checkpoint
 (rank 0 writes it), then -- in the same process, a second ``Trainer.fit`` -- resume from
 that file on every rank. Writes the parameters after each fit and the logged
-(``sync_dist=True``) loss to OUT_DIR.
+(``sync_dist=True``) loss to OUT_DIR. Then one more fit, of a module no hook of which
+reads the gradients (its iterations overlap); writes its parameters too.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def dataset() -> TensorDataset:
 
 
 class Lit(L.LightningModule):
-    """Mean squared error over this process's batch, as a DDP user writes it."""
+    """Mean squared error over this process's batch, as a DDP user writes it. No hook
+    reads the gradients, so with ``async_step=True`` its iterations overlap."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,17 +58,24 @@ class Lit(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = self.roundpipe.forward_backward(input_args=(x,), label=y, loss_fn=self.loss_fn)
+        # issued non-blocking (overlapped iterations): the loss is a LazyLoss
+        self.lazy_losses = getattr(self, "lazy_losses", 0) + (type(loss).__name__ == "LazyLoss")
         self.log("train_loss", loss, sync_dist=True)
         return loss
+
+    def configure_optimizers(self):
+        # SGD: Adam would hide a wrong gradient scale (a missing division by the world size)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class LitReadingGrads(Lit):
+    """:class:`Lit` with a hook that reads the gradients on the training thread (so its
+    iterations run blocking and the reduction overlaps the backward)."""
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # what a user's hook reads on the module (grad-norm logging): the reduced gradients
         if not hasattr(self, "first_grads"):
             self.first_grads = {n: p.grad.clone() for n, p in self.net.named_parameters()}
-
-    def configure_optimizers(self):
-        # SGD: Adam would hide a wrong gradient scale (a missing division by the world size)
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
 def trainer(max_steps: int, num_nodes: int) -> L.Trainer:
@@ -84,16 +93,24 @@ def trainer(max_steps: int, num_nodes: int) -> L.Trainer:
     )
 
 
+def run_overlapped(loader: DataLoader, num_nodes: int) -> dict:
+    """Fit :class:`Lit` (overlapped iterations): the parameters, how many losses were lazy."""
+    model = Lit()
+    trainer(RESUMED_STEPS, num_nodes).fit(model, loader)
+    params = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+    return {"params": params, "lazy_losses": model.lazy_losses}
+
+
 def run(loader: DataLoader, num_nodes: int, ckpt: Path) -> dict:
     """Fit, save ``ckpt``, resume from it: parameters after each fit, the logged loss."""
-    model = Lit()
+    model = LitReadingGrads()
     tr = trainer(STEPS, num_nodes)
     tr.fit(model, loader)
     first = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
     first_grads = model.first_grads
     tr.save_checkpoint(ckpt)  # rank 0 writes
     loss = float(tr.callback_metrics["train_loss"])
-    resumed = Lit()
+    resumed = LitReadingGrads()
     tr2 = trainer(RESUMED_STEPS, num_nodes)
     tr2.fit(resumed, loader, ckpt_path=ckpt)
     return {
@@ -119,6 +136,7 @@ def main() -> None:
         sampler=DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=False),
     )
     res = run(loader, 2, out / "model.ckpt")
+    torch.save(run_overlapped(loader, 2), out / f"overlapped_rank{rank}.pt")
     torch.save(
         {k: res[k] for k in ("first", "first_grads", "resumed")}, out / f"params_rank{rank}.pt"
     )

@@ -472,7 +472,9 @@ def test_a_stage_run_as_one_job_per_worker_is_simulated_as_its_plan() -> None:
     def fake_rp(replicas: int) -> Any:
         jobs = build_schedule(plan, "fused", 2, 4, replicas=replicas)
         pool = SimpleNamespace(concurrent=False)
-        return SimpleNamespace(last_schedule=jobs, model_timer=timer, num_devices=2, pool=pool)
+        return SimpleNamespace(
+            last_call=SimpleNamespace(schedule=jobs), model_timer=timer, num_devices=2, pool=pool
+        )
 
     one = StageTimeLogger._simulate(fake_rp(1))
     replicated = StageTimeLogger._simulate(fake_rp(2))

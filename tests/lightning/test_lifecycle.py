@@ -67,7 +67,7 @@ def test_layout_plans_train_identically(layout) -> None:
         m, loader()
     )
     plan = probe.rp.plan_for("fused")
-    jobs = probe.rp.last_schedule
+    jobs = probe.rp.last_call.schedule
     assert [j.layers for j in jobs if j.kind != "forward"] == plan.bwd_plan
     assert [j.layers for j in jobs if j.kind == "forward"] == plan.fwd_plan
     if layout == "fwd=0:3,0:2 bwd=1:2,0:2,1:2,0:1":
