@@ -277,6 +277,19 @@ def _cat(parts: dict[int, list[torch.Tensor]], k: int) -> torch.Tensor | None:
     return torch.cat(pieces, dim=0)
 
 
+def _diff(
+    pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor, str]], atol: float, rtol: float
+) -> Diff:
+    """The :class:`Diff` of ``(got, reference, what is missing if got is None)`` pairs."""
+    d = Diff()
+    for got, ref, note in pairs:
+        if got is None:
+            d.missing(note)
+        else:
+            d.add(got, ref, atol, rtol)
+    return d
+
+
 def _layers_of(model: nn.Module) -> list[nn.Module]:
     return list(model.children()) if isinstance(model, nn.Sequential) else [model]
 
@@ -382,142 +395,106 @@ def compare_plans(
     # One device pool for every plan's RoundPipe.
     pool = devices if isinstance(devices, DevicePool) else DevicePool(devices)
     try:
-        return _compare(
-            make_model,
-            inputs,
-            labels,
-            loss_fn,
-            plans,
-            pool,
-            num_microbatch,
-            atol,
-            rtol,
-            recompute_grain,
-            strict,
-            ref_model,
-            ref_rec,
-            n,
-        )
+        num_devices = len(pool)
+        # The pipeline's microbatch split, reproduced for the reference loss.
+        m = num_microbatch or default_num_microbatch(num_devices)
+        bs = batching.batch_size_of((inputs, {}))
+        sizes = batching.split_sizes(bs, m)
+        out = ref_model(*inputs)
+        outs = batching.split_tree(out, sizes, bs)
+        labs = batching.split_tree(labels, sizes, bs)
+        ref_loss = torch.stack([loss_fn(o, y) for o, y in zip(outs, labs)]).sum()
+        ref_loss.backward()
+        ref_loss = ref_loss.detach()
+        ref_outputs = [ref_rec.outputs[i][0] for i in range(n)]
+        ref_grads = [ref_rec.grads[i].get(0, {}) for i in range(n)]
+        ref_param_grads = {
+            name: p.grad for name, p in ref_model.named_parameters() if p.grad is not None
+        }
+        notes: list[str] = []
+        if any(
+            isinstance(mod, nn.Dropout) and mod.p > 0 and mod.training
+            for mod in ref_model.modules()
+        ):
+            notes.append(
+                "dropout is on: random masks differ between plain PyTorch and the pipeline"
+            )
+
+        # -- each plan ----------------------------------------------------------------------
+        reports = []
+        for spec in plans:
+            label, plan = _as_plan(spec, n, num_devices)
+            model = make_model()
+            rec = _Recorder(n)
+            for i, layer in enumerate(_layers_of(model)):
+                layer.register_forward_hook(rec.hook_for(i))
+            rp = RoundPipe(model, devices=pool)
+            try:
+                cfg = RoundPipeRunConfig(
+                    execute_plan=plan, num_microbatch=m, recompute_grain=recompute_grain
+                )
+                try:
+                    loss = rp.forward_backward(
+                        input_args=inputs, label=labels, loss_fn=loss_fn, run_config=cfg
+                    )
+                except Exception as exc:  # noqa: BLE001 - reported as this plan's failure
+                    reports.append(
+                        PlanReport(
+                            label, plan, Diff(ok=False), [], error=f"{type(exc).__name__}: {exc}"
+                        )
+                    )
+                    continue
+                got_params = {name: p.grad for name, p in rp.optim_named_parameters()}
+            finally:
+                rp.close()
+            loss_diff = Diff()
+            loss_diff.add(loss.reshape(()), ref_loss.reshape(()), atol, rtol)
+            layer_reports = []
+            for i in range(n):
+                grads = [
+                    (k, ref_g, {mb: [g[k]] for mb, g in rec.grads[i].items() if k in g})
+                    for k, ref_g in ref_grads[i].items()
+                ]
+                prefix = f"{i}." if isinstance(model, nn.Sequential) else ""
+                names = [k for k in ref_param_grads if k.startswith(prefix)]
+                pairs = [
+                    [
+                        (_cat(rec.outputs[i], k), ref, f"output {k} never recorded")
+                        for k, ref in enumerate(ref_outputs[i])
+                    ],
+                    [
+                        (
+                            _cat(parts, 0) if len(parts) == len(sizes) else None,
+                            ref_g,
+                            f"output grad {k} seen for {len(parts)} of {len(sizes)} microbatches",
+                        )
+                        for k, ref_g, parts in grads
+                    ],
+                    [
+                        (got, ref_param_grads[name], f"no gradient for {name}")
+                        for name in names
+                        for got in [got_params.get(name)]
+                    ],
+                    [
+                        (a, b, "")
+                        for mb, tensors in rec.recomputed[i].items()
+                        for a, b in zip(tensors, rec.outputs[i].get(mb, []))
+                    ],
+                ]
+                wanted = (True, bool(grads), bool(names), bool(rec.recomputed[i]))
+                out_d, grad_d, par_d, rec_d = (
+                    _diff(p, atol, rtol) if w else None for p, w in zip(pairs, wanted)
+                )
+                assert out_d is not None
+                layer_reports.append(LayerReport(i, out_d, grad_d, par_d, rec_d))
+            reports.append(PlanReport(label, plan, loss_diff, layer_reports))
+        report = VerifyReport(reports, atol, rtol, ref_loss.item(), notes)
+        if strict:
+            report.raise_for_failure()
+        return report
     finally:
         if pool is not devices:
             pool.close()
-
-
-def _compare(
-    make_model: Callable[[], nn.Module],
-    inputs: tuple,
-    labels: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    plans: Sequence[PlanSpec],
-    pool: Any,
-    num_microbatch: int | None,
-    atol: float,
-    rtol: float,
-    recompute_grain: str,
-    strict: bool,
-    ref_model: nn.Module,
-    ref_rec: _Recorder,
-    n: int,
-) -> VerifyReport:
-    num_devices = len(pool)
-    # The pipeline's microbatch split, reproduced for the reference loss.
-    m = num_microbatch or default_num_microbatch(num_devices)
-    bs = batching.batch_size_of((inputs, {}))
-    sizes = batching.split_sizes(bs, m)
-    out = ref_model(*inputs)
-    outs = batching.split_tree(out, sizes, bs)
-    labs = batching.split_tree(labels, sizes, bs)
-    ref_loss = torch.stack([loss_fn(o, y) for o, y in zip(outs, labs)]).sum()
-    ref_loss.backward()
-    ref_loss = ref_loss.detach()
-    ref_outputs = [{0: ref_rec.outputs[i][0]} for i in range(n)]
-    ref_grads = [ref_rec.grads[i].get(0, {}) for i in range(n)]
-    ref_param_grads = {
-        name: p.grad for name, p in ref_model.named_parameters() if p.grad is not None
-    }
-    notes: list[str] = []
-    if any(
-        isinstance(mod, nn.Dropout) and mod.p > 0 and mod.training for mod in ref_model.modules()
-    ):
-        notes.append("dropout is on: random masks differ between plain PyTorch and the pipeline")
-
-    # -- each plan ----------------------------------------------------------------------
-    reports = []
-    for spec in plans:
-        label, plan = _as_plan(spec, n, num_devices)
-        model = make_model()
-        rec = _Recorder(n)
-        for i, layer in enumerate(_layers_of(model)):
-            layer.register_forward_hook(rec.hook_for(i))
-        rp = RoundPipe(model, devices=pool)
-        try:
-            cfg = RoundPipeRunConfig(
-                execute_plan=plan, num_microbatch=m, recompute_grain=recompute_grain
-            )
-            try:
-                loss = rp.forward_backward(
-                    input_args=inputs, label=labels, loss_fn=loss_fn, run_config=cfg
-                )
-            except Exception as exc:  # noqa: BLE001 - reported as this plan's failure
-                reports.append(
-                    PlanReport(
-                        label, plan, Diff(ok=False), [], error=f"{type(exc).__name__}: {exc}"
-                    )
-                )
-                continue
-            got_params = {name: p.grad for name, p in rp.optim_named_parameters()}
-        finally:
-            rp.close()
-        loss_diff = Diff()
-        loss_diff.add(loss.reshape(()), ref_loss.reshape(()), atol, rtol)
-        layer_reports = []
-        for i in range(n):
-            out_d = Diff()
-            for k in range(len(ref_outputs[i][0])):
-                got = _cat(rec.outputs[i], k)
-                if got is None:
-                    out_d.missing(f"output {k} never recorded")
-                    continue
-                out_d.add(got, ref_outputs[i][0][k], atol, rtol)
-            grad_d: Diff | None = None
-            if ref_grads[i]:
-                grad_d = Diff()
-                for k, ref_g in ref_grads[i].items():
-                    parts = {mb: [g[k]] for mb, g in rec.grads[i].items() if k in g}
-                    if len(parts) != len(sizes):
-                        grad_d.missing(
-                            f"output grad {k} seen for {len(parts)} of {len(sizes)} microbatches"
-                        )
-                        continue
-                    got = _cat(parts, 0)
-                    assert got is not None
-                    grad_d.add(got, ref_g, atol, rtol)
-            rec_d: Diff | None = None
-            if rec.recomputed[i]:
-                rec_d = Diff()
-                for mb, tensors in rec.recomputed[i].items():
-                    fwd = rec.outputs[i].get(mb)
-                    if fwd is None:
-                        continue
-                    for a, b in zip(tensors, fwd):
-                        rec_d.add(a, b, atol, rtol)
-            prefix = f"{i}." if isinstance(model, nn.Sequential) else ""
-            names = [k for k in ref_param_grads if k.startswith(prefix)]
-            par_d: Diff | None = None
-            if names:
-                par_d = Diff()
-                for name in names:
-                    got = got_params.get(name)
-                    if got is None:
-                        par_d.missing(f"no gradient for {name}")
-                        continue
-                    par_d.add(got, ref_param_grads[name], atol, rtol)
-            layer_reports.append(LayerReport(i, out_d, grad_d, par_d, rec_d))
-        reports.append(PlanReport(label, plan, loss_diff, layer_reports))
-    report = VerifyReport(reports, atol, rtol, ref_loss.item(), notes)
-    if strict:
-        report.raise_for_failure()
-    return report
 
 
 # -- CLI --------------------------------------------------------------------------------
