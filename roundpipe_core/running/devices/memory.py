@@ -1,21 +1,18 @@
 """Host memory the devices read (the model's pinned weights) and the CUDA allocator's
 settings.
 
-``pin_model`` decides how the CPU copy of the model's weights is made
-page-locked, which is what lets parameter uploads run asynchronously at full
-PCIe bandwidth:
+``pin_model`` decides how the CPU copy of the weights is made page-locked, which lets
+uploads run asynchronously at full PCIe bandwidth:
 
-- ``"alloc"``: the weights are copied into pinned memory. The copies are packed
-  into a few large slabs, so PyTorch's pinned allocator (which rounds every
-  request up to a power of two) wastes at most the tail of each slab instead
-  of up to half of every tensor.
-- ``"register"``: the existing storages are page-locked in place with
-  ``cudaHostRegister`` (no second copy; uploads are a little slower).
-- ``"off"``: nothing is pinned (e.g. weights ``mmap``-ed from disk that must not
-  be copied); uploads go through the driver's staging buffers.
+- ``"alloc"``: the weights are copied into pinned memory, packed into a few large slabs,
+  so PyTorch's pinned allocator (which rounds every request up to a power of two)
+  wastes at most the tail of each slab instead of up to half of every tensor.
+- ``"register"``: the storages are page-locked in place (``cudaHostRegister``; no second
+  copy, uploads a little slower).
+- ``"off"``: nothing is pinned (e.g. weights ``mmap``-ed from disk); uploads go through
+  the driver's staging buffers.
 
-On the CPU backend (or any machine without CUDA) every mode is accepted and
-does nothing: there is no device to transfer to.
+Without CUDA every mode is accepted and does nothing.
 """
 
 from __future__ import annotations
@@ -100,16 +97,10 @@ _MiB = 1024**2
 
 
 def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
-    """Bytes one worker's caching allocator may reserve on top of what it allocates.
-
-    The allocator keeps a pool per stream: each stream that allocates tensors of at
-    most 1 MiB holds a 2 MiB small-pool segment of its own, and a large request is
-    served from a segment of that stream only -- with expandable segments a stream's
-    segment maps 2 MiB pages (at most one page beyond its live bytes), without them a
-    request under 10 MiB takes a 20 MiB segment. Planning counts allocated bytes, so a
-    worker plans for its memory less this, per stream: 4 MiB with expandable segments
-    (the pool's default), 22 MiB without.
-    """
+    """Bytes one worker's caching allocator may reserve on top of what it allocates: per
+    stream a 2 MiB small-pool segment, plus with expandable segments (the default) at
+    most one 2 MiB page beyond the live bytes, without them a 20 MiB segment for a
+    request under 10 MiB. A worker plans for its memory less this."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
     expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
     per_stream = (2 + 2) * _MiB if expandable else (2 + 20) * _MiB
@@ -167,17 +158,6 @@ class PinHandle:
                 f"bytes at {ptr:#x} with CUDA error {code}; that host memory stays page-locked "
                 "until the process exits (pin_model='alloc' avoids registering)"
             )
-
-
-def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers of ``module``, each object once (tied weights appear once)."""
-    seen: set[int] = set()
-    out: list[torch.Tensor] = []
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
 
 
 def _storage_groups(
@@ -373,7 +353,9 @@ def _clear_last_cuda_error(cudart: Any) -> bool:
     if fn is not None:
         fn()
         return True
-    for lib in _loaded_cudart_candidates():
+    # the process's global symbols, then this build's sonames (dlopen returns the loaded copy)
+    major = (torch.version.cuda or "").split(".")[0]
+    for lib in [None, *([f"libcudart.so.{major}"] if major else []), "libcudart.so"]:
         try:
             get_last = ctypes.CDLL(lib).cudaGetLastError
         except (OSError, AttributeError):
@@ -382,17 +364,6 @@ def _clear_last_cuda_error(cudart: Any) -> bool:
         get_last()
         return True
     return False
-
-
-def _loaded_cudart_candidates() -> list[str | None]:
-    """Where the CUDA runtime PyTorch uses can be found: the process's global symbols,
-    then the sonames of this build's CUDA major version (dlopen returns the loaded copy)."""
-    names: list[str | None] = [None]
-    major = (torch.version.cuda or "").split(".")[0]
-    if major:
-        names.append(f"libcudart.so.{major}")
-    names.append("libcudart.so")
-    return names
 
 
 def _register(groups: list[tuple[torch.UntypedStorage, list[torch.Tensor]]]) -> PinHandle:
@@ -449,7 +420,8 @@ def pin_model(
         enabled = cuda_available()
     if not enabled or mode == "off":
         return PinHandle(mode=mode)
-    groups = _storage_groups(_module_tensors(module))
+    tensors = [*module.parameters(), *module.buffers()]  # (each storage handled once)
+    groups = _storage_groups(list({id(t): t for t in tensors}.values()))
     # Storages already pinned (a second RoundPipe on the same model, user-pinned) stay as they are.
     groups = [(s, ts) for s, ts in groups if not ts[0].is_pinned()]
     if not groups:
