@@ -16,6 +16,7 @@ __all__ = [
     "PinMode",
     "RecomputeGrain",
     "RunType",
+    "check_byte_counts",
     "check_flag",
     "check_int",
     "parse_kind",
@@ -114,6 +115,25 @@ def check_int(value: object, name: str, minimum: int = 1, why: str = "") -> int:
         counts = f" ({why})" if why else ""
         raise ValueError(f"{name} must be an int >= {minimum}{counts}, got {value!r}")
     return value
+
+
+def check_byte_counts(value: object, name: str, count: int | None = None) -> list[float]:
+    """``value`` as floats: a list or tuple of numbers >= 0, ``count`` of them where given.
+
+    Raises:
+        ValueError: naming the argument ``name``, what it must hold and the bad value.
+    """
+    items = list(value) if isinstance(value, (list, tuple)) else None
+    if (
+        items is None
+        or (count is not None and len(items) != count)
+        or not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0 for b in items
+        )
+    ):
+        per = "one per layer" if count is None else f"one per layer ({count})"
+        raise ValueError(f"{name} must be a list of byte counts >= 0, {per}, got {value!r}")
+    return [float(b) for b in items]
 
 
 def check_flag(value: object, name: str, none: str = "") -> bool | None:

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kinds import check_flag, check_int
+from ..kinds import check_byte_counts, check_flag, check_int
 from .carried import carried_tensors, logical_numel
 
 __all__ = [
@@ -332,21 +332,6 @@ def fused_jobs_by_device(rp: Any, plan: Any, num_microbatch: int) -> list[list[A
     replicas = most_fused_replicas(rp, plan, num_microbatch)
     jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch, replicas=replicas)
     return jobs_by_device(jobs, rp.num_devices)
-
-
-def check_layer_bytes(value: Sequence[float] | None) -> list[float] | None:
-    """``value`` as a list of floats, or ``None``; ValueError unless byte counts >= 0."""
-    if value is None:
-        return None
-    items = list(value) if isinstance(value, (list, tuple)) else None
-    if items is None or not all(
-        isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0 for b in items
-    ):
-        raise ValueError(
-            "layer_activation_bytes must be a list of byte counts >= 0, one per layer, "
-            f"got {value!r}"
-        )
-    return [float(b) for b in items]
 
 
 def worker_activations(
@@ -659,7 +644,11 @@ def estimate_host_memory(
     check_flag(shared_masters, "shared_masters")
     check_flag(async_step, "async_step", none="the masters decide")
     check_int(activation_bytes_per_microbatch, "activation_bytes_per_microbatch", 0, "bytes")
-    layer_acts = check_layer_bytes(layer_activation_bytes)
+    layer_acts = (
+        None
+        if layer_activation_bytes is None
+        else check_byte_counts(layer_activation_bytes, "layer_activation_bytes")
+    )
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
     if optimizer_states is not None:
         states, opt_label = optimizer_states, f"{optimizer_states}/param"
