@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -48,9 +48,6 @@ _pg_timeout: timedelta | None = None  # what init_process_group() used; reducers
 _nccl_device: torch.device | None = None
 
 
-# ---------------------------------------------------------------------------------------------
-# process-group set-up
-# ---------------------------------------------------------------------------------------------
 def resolve_timeout(timeout: float | int | timedelta | None = None) -> timedelta:
     """The process-group timeout: ``timeout`` (seconds or ``timedelta``), else
     ``$ROUNDPIPE_DIST_TIMEOUT`` seconds, else 30 minutes.
@@ -230,21 +227,23 @@ def init_process_group(
         raise RuntimeError("torch.distributed is not available in this PyTorch build")
     td = resolve_timeout(timeout)
     if cluster_environment is not None:
-        addr, port = cluster_environment.main_address, int(cluster_environment.main_port)
-        r = cluster_environment.global_rank() if rank is None else rank
-        w = cluster_environment.world_size() if world_size is None else world_size
-        env = _checked(DistEnv(int(r), int(w), str(addr), port, type(cluster_environment).__name__))
+        ce = cluster_environment
+        env = DistEnv(
+            int(ce.global_rank()),
+            int(ce.world_size()),
+            str(ce.main_address),
+            int(ce.main_port),
+            type(ce).__name__,
+        )
     else:
         env = dist_env_from_environ()
-        env = _checked(
-            DistEnv(
-                env.rank if rank is None else rank,
-                env.world_size if world_size is None else world_size,
-                env.master_addr,
-                env.master_port,
-                env.source,
-            )
+    env = _checked(
+        replace(
+            env,
+            rank=env.rank if rank is None else rank,
+            world_size=env.world_size if world_size is None else world_size,
         )
+    )
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(
@@ -286,9 +285,8 @@ def _local_gpu(cluster_environment: Any | None, rank: int) -> torch.device:
 
 
 def _world_group() -> dist.ProcessGroup:
-    group = dist.group.WORLD
-    assert group is not None  # initialised just before
-    return group
+    assert dist.group.WORLD is not None  # initialised just before
+    return dist.group.WORLD
 
 
 def destroy_process_group() -> None:
