@@ -121,23 +121,13 @@ def check_forward_rules(
     shared_buffers: Collection[str] = (),
     error: bool = False,
 ) -> Any:
-    """Run ``run()`` (the forward of ``module``) and report forward-rule violations.
-
-    Args:
-        layer_index: index of the layer in the model (named in the message).
-        module: the module whose forward ``run`` executes (the engine's copy of
-            the layer on its device, or the layer itself).
-        run: executes the forward and returns its result.
-        shared_buffers: names (as in ``module.named_buffers()``) of buffers that
-            other layers share; writing them is a violation (see
-            :func:`find_shared_buffers`).
-        error: raise ``ValueError`` instead of warning.
-
-    Returns:
-        What ``run()`` returned.
+    """Run ``run()`` (the forward of ``module``: the layer or its device copy) and report
+    forward-rule violations, naming layer ``layer_index``; returns what ``run()`` returned.
+    ``shared_buffers``: names of buffers other layers share (:func:`find_shared_buffers`),
+    which the forward must not write.
 
     Raises:
-        ValueError: with ``error=True``, on the first forward that breaks a rule.
+        ValueError: with ``error=True`` (instead of a warning), on the first violation.
     """
     attrs_before = _plain_attributes(module)
     params = [(n, p, p._version) for n, p in module.named_parameters(remove_duplicate=True)]

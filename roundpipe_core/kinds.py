@@ -23,7 +23,14 @@ __all__ = [
 ]
 
 
-class RunType(str, Enum):
+class _Text(str, Enum):
+    """A str Enum that prints as its text."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RunType(_Text):
     """What a pipelined call computes.
 
     ``INFER``: forward only. ``TRAIN``: forward now, backward later through
@@ -35,11 +42,8 @@ class RunType(str, Enum):
     TRAIN = "train"
     FUSED = "fused"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class JobKind(str, Enum):
+class JobKind(_Text):
     """What one job of a schedule does with its stage. The one-letter ``code`` is
     the text form of a job (``"2F0"``: stage 2, forward, device 0)."""
 
@@ -58,31 +62,22 @@ class JobKind(str, Enum):
                 return kind
         raise ValueError(f"unknown job kind code {code!r}; expected one of F, X, B")
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class RecomputeGrain(str, Enum):
+class RecomputeGrain(_Text):
     """How a backward stage recomputes: the whole stage then its backward
     (``STAGE``), or one layer at a time (``LAYER``: less activation memory)."""
 
     STAGE = "stage"
     LAYER = "layer"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class PinMode(str, Enum):
+class PinMode(_Text):
     """Host memory of the model's parameters on CUDA: pinned copies (``ALLOC``),
     the existing storage pinned in place (``REGISTER``), or pageable (``OFF``)."""
 
     ALLOC = "alloc"
     REGISTER = "register"
     OFF = "off"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _E = TypeVar("_E", bound=Enum)

@@ -1,28 +1,16 @@
-"""Equivalence checker: a model under execution plans vs plain PyTorch.
+"""Equivalence checker: a model under execution plans vs plain PyTorch (seed 003).
 
-Seed 003 checked every new pipeline layout by running the same batch with the
-old and the new layout and comparing, tensor by tensor, module outputs, output
-gradients and parameter gradients in strict fp32. :func:`compare_plans` does
-that for RoundPipe plans: it builds the model with ``make_model()`` once for a
-plain PyTorch reference and once per plan, runs one ``forward_backward`` (no
-optimizer step) and reports, for every layer (its index in the Sequential):
+:func:`compare_plans` builds the model with ``make_model()`` once for a plain PyTorch
+reference and once per plan, runs one ``forward_backward`` (no step) and reports per
+layer the largest absolute / relative difference of its outputs, of their gradients, of
+its parameter gradients and of its recomputed outputs against the forward's own (a
+recompute that differs breaks gradients silently), plus the loss; any NaN/Inf fails.
+Default tolerances: the seed's strict fp32 ``atol=1e-5, rtol=0``.
 
-* the largest absolute / relative difference of the layer's outputs,
-* of the gradients flowing into those outputs,
-* of the layer's parameter gradients,
-* of the recomputed outputs against the forward's own (a layer whose recompute
-  differs from its forward breaks gradients silently),
-
-plus the loss, and fails on any NaN/Inf. The default tolerances are the seed's
-strict fp32 ones: ``atol=1e-5, rtol=0``.
-
-How outputs are captured: forward hooks are registered on the layers *before*
-the model is wrapped. RoundPipe runs per-worker replicas made with
-``copy.deepcopy`` of the layers, which carries the hooks along; inside a hook,
-:func:`~roundpipe_core.context.doing_recompute` tells the real forward from the
-recompute and :func:`~roundpipe_core.context.current_microbatch` places the
-microbatch. The reference loss is the sum of the per-microbatch losses over the
-same microbatch split, which is exactly what ``forward_backward`` computes.
+Forward hooks registered before wrapping travel into the device replicas (deepcopy);
+:func:`~roundpipe_core.context.doing_recompute` and
+:func:`~roundpipe_core.context.current_microbatch` place each call. The reference loss
+is the sum of per-microbatch losses over the same split, as ``forward_backward``'s.
 
 CLI (on a small residual MLP)::
 
@@ -351,11 +339,9 @@ def compare_plans(
         plans: ``ModelExecutePlan`` objects, ``"fwd=... bwd=..."`` strings, or symmetric
             layouts (``"1,2,3"``, ``"0:2,1:4"``; see :func:`_as_plan`).
         devices: the RoundPipe device pool (``2``, ``"cpu:3"``, a list of devices).
-        num_microbatch: microbatches per call (default: devices + 1 on every pool,
-            :func:`~roundpipe_core.planning.plan.default_num_microbatch` of concurrent
-            devices, also on CPU workers -- whose own calls default to 1 or one per
-            worker -- so that every plan compared runs several microbatches through
-            its pipeline).
+        num_microbatch: microbatches per call (default: devices + 1, also on CPU
+            workers, so every plan compared runs several microbatches through its
+            pipeline).
         atol / rtol: per-element tolerance ``|a - b| <= atol + rtol * |b|``.
         recompute_grain: "stage" or "layer".
         strict: raise ``AssertionError`` on any mismatch instead of only reporting it.

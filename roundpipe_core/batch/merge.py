@@ -14,7 +14,6 @@ from .tree import (
     _is_reducer,
     _is_replicate,
     _leaf_specs,
-    _MeanReducer,
     _SumReducer,
     flatten,
 )
@@ -134,7 +133,7 @@ def _merge_leaf(vals: list[Any], marker: Any, where: str) -> tuple[Any, tuple]:
     if _is_replicate(marker):
         value = _replicated(vals, where)
         return value, (("first",) if isinstance(v0, torch.Tensor) else ("none",))
-    if isinstance(marker, _MeanReducer):
+    if isinstance(marker, _SumReducer) and marker.mean:
         return _mean(vals), ("mean", n)
     if isinstance(marker, _SumReducer):
         return torch.stack(vals).sum(0) if isinstance(v0, torch.Tensor) else sum(vals), ("sum",)

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..kinds import check_int
 from .explain import AutoSplitLeaf, leaf_paths
 from .tree import (
     RoundPipePackedData,
@@ -172,29 +173,14 @@ def _check_spec_pair(split_input: Any) -> tuple[Any, Any]:
 def split_call_inputs(
     split_input: Any, args: tuple, kwargs: dict, num_microbatch: int
 ) -> SplitInputs:
-    """Cut a call's ``(args, kwargs)`` into microbatches as ``split_input`` says.
-
-    Args:
-        split_input: ``None`` (automatic), ``(args_spec, kwargs_spec)``, or a function
-            ``f(args, kwargs, n)`` returning ``(args_list, kwargs_list)`` or
-            ``[(args, kwargs), ...]``.
-        args: positional inputs.
-        kwargs: keyword inputs.
-        num_microbatch: the number of microbatches wanted (fewer when the batch is
-            smaller; packed inputs decide it themselves).
-
-    Returns:
-        A :class:`SplitInputs`.
+    """Cut a call's ``(args, kwargs)`` into ``num_microbatch`` microbatches (fewer when the
+    batch is smaller; packed inputs decide themselves) as ``split_input`` says: ``None``
+    (automatic), ``(args_spec, kwargs_spec)``, or a function ``f(args, kwargs, n)``.
 
     Raises:
         TypeError / ValueError: on a malformed spec or function result, naming it.
     """
-    if (
-        not isinstance(num_microbatch, int)
-        or isinstance(num_microbatch, bool)
-        or num_microbatch < 1
-    ):
-        raise ValueError(f"num_microbatch must be a positive int, got {num_microbatch!r}")
+    check_int(num_microbatch, "num_microbatch")
     args, kwargs = tuple(args), dict(kwargs)
     if callable(split_input):
         parts = _normalise_split_result(split_input(args, kwargs, num_microbatch))
@@ -293,15 +279,9 @@ def split_call_labels(
     sizes: list[int] | None = None,
     batch_size: int | None = None,
 ) -> list[Any]:
-    """Cut ``label`` into exactly ``num_parts`` microbatches (those of the inputs).
-
-    Args:
-        split_label: ``None`` (automatic), a spec mirroring the label, or a function
-            ``f(label, n) -> [label, ...]``.
-        label: the labels.
-        num_parts: the number of input microbatches.
-        sizes / batch_size: the inputs' row split (from :class:`SplitInputs`); automatic
-            splitting uses it so label rows match input rows.
+    """Cut ``label`` into exactly ``num_parts`` microbatches (those of the inputs) as
+    ``split_label`` says (``None``, a spec, or ``f(label, n)``); ``sizes`` / ``batch_size``:
+    the inputs' row split, so automatic label rows match input rows.
 
     Raises:
         ValueError: when the labels cannot be cut into ``num_parts`` parts.

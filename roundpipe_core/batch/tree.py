@@ -113,29 +113,20 @@ class RoundPipePackedData(list):
 
 
 # --------------------------------------------------------------------------- reducers
-class _MeanReducer(Reducer):
-    """Average over microbatches (a fold cannot express a mean, so merging treats it
-    as sum then divide; its gradient is ``g / n`` per microbatch)."""
-
-    def __init__(self) -> None:
-        super().__init__(None, lambda acc, v: v if acc is None else acc + v)
-
-    def __repr__(self) -> str:
-        return "avg_reducer"
-
-
 class _SumReducer(Reducer):
-    """Sum over microbatches (gradient ``g`` to every microbatch)."""
+    """Sum over microbatches (gradient ``g`` to every microbatch), or with ``mean`` their
+    average (a fold cannot express a mean: merged as sum then divide, gradient ``g / n``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mean: bool) -> None:
         super().__init__(None, lambda acc, v: v if acc is None else acc + v)
+        self.mean = mean
 
     def __repr__(self) -> str:
-        return "sum_reducer"
+        return "avg_reducer" if self.mean else "sum_reducer"
 
 
-avg_reducer = _MeanReducer()
-sum_reducer = _SumReducer()
+avg_reducer = _SumReducer(mean=True)
+sum_reducer = _SumReducer(mean=False)
 
 
 # --------------------------------------------------------------------------- pytrees

@@ -147,10 +147,8 @@ class DataParallel:
             init_process_group(cluster_environment, backend="gloo", timeout=self.timeout)
 
     def attach(self, rp: Any, optimizers: Sequence[Any] = (), *, async_step: bool = False) -> None:
-        """Make every rank hold rank 0's weights and build the reducers (collective).
-
-        Call after the RoundPipe is built and the optimizers point at its masters; again
-        after re-building either (the old reducers are closed first).
+        """Make every rank hold rank 0's weights and build the reducers (collective), after
+        the optimizers point at ``rp``'s masters; again after re-building either.
 
         Args:
             rp: the RoundPipe.
@@ -259,21 +257,17 @@ class DataParallel:
         return self._shards.get(id(_raw_optimizer(optimizer)))
 
     def after_step(self, optimizer: Any) -> None:
-        """With ``shard_host_state``: all-gather the weights each rank stepped into every
-        rank's masters (or model weights, where it released the masters). Call it inside
-        the step function given to ``rp.step`` (the optimizer thread), right after
-        ``optimizer.step()``, on every rank for every step (skipped ones included). A
-        no-op unsharded, and attached with ``async_step=True`` and separate masters,
-        where the shards publish each step's weights when its version is published."""
+        """Sharded: all-gather the weights each rank stepped into every rank's masters (or
+        model weights, where it released them). Call it in the step function right after
+        ``optimizer.step()``, on every rank for every step. A no-op unsharded, and where
+        the shards publish versions (``attach(..., async_step=True)``)."""
         shard = self.shard(optimizer)
         if shard is not None and not self.publishes_versions:
             shard.gather()
 
     def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:
-        """Clip ``optimizer``'s (reduced) gradients by their global norm, as
-        ``torch.nn.utils.clip_grad_norm_`` over all its parameters; returns the norm.
-        Sharded, each rank holds only its share of the gradients and the norm is
-        combined over the ranks (collective: every rank calls it)."""
+        """Clip ``optimizer``'s reduced gradients by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_``; returns the norm (sharded: collective)."""
         shard = self.shard(optimizer)
         if shard is not None:
             return shard.clip_grad_norm_(max_norm, norm_type)
@@ -282,10 +276,8 @@ class DataParallel:
 
     def save_state(self, directory: str | Path, rp: Any, optimizer: Any) -> Path | None:
         """Write this rank's share of the host state (masters and ``optimizer``'s state)
-        into ``directory`` as ``shard-RANK-of-N.pt`` (see :mod:`.shard_io`): sharded, every
-        rank writes its own; unsharded, rank 0 writes the whole as one shard. No rank
-        gathers another's state. Call it on every rank with nothing in flight
-        (``rp.synchronize()``); returns the file written (None on a rank that writes none)."""
+        into ``directory`` (:mod:`.shard_io`; unsharded, rank 0 writes the whole as one
+        shard). Call it on every rank; returns the file written (None where none is)."""
         rp.synchronize()
         raw = _raw_optimizer(optimizer)
         shard = self.shard(raw)
@@ -301,10 +293,9 @@ class DataParallel:
         return save_shard(directory, named, raw, lambda p: True, 0, 1, learned=learned)
 
     def load_state(self, directory: str | Path, rp: Any, optimizer: Any) -> None:
-        """Load host-state shards written by :meth:`save_state` on any rank count:
-        this rank keeps the optimizer state it owns, every rank ends with all the
-        weights (owners broadcast theirs) in its masters and its model. Collective when
-        sharded; call it after :meth:`attach`."""
+        """Load shards :meth:`save_state` wrote on any rank count: this rank keeps the
+        optimizer state it owns and every rank all the weights. Collective when sharded;
+        call it after :meth:`attach`."""
         rp.synchronize()
         raw = _raw_optimizer(optimizer)
         shard = self.shard(raw)
@@ -326,10 +317,9 @@ class DataParallel:
             r.abort()
 
     def detach(self) -> None:
-        """Close the reducers (their groups and grad hooks) and the shards' groups. The
-        default group stays, and so does which rank owns what (until :meth:`attach`).
-        Shards that publish versions (``attach(..., async_step=True)``) first publish the
-        last step's weights (``rp.synchronize()``: collective, like every call here)."""
+        """Close the reducers and the shards' groups (the default group and which rank owns
+        what stay until :meth:`attach`); shards that publish versions first publish the
+        last step's weights (``rp.synchronize()``: collective)."""
         self._stop_publishing()
         reducers, self._reducers = list(self._reducers.values()), {}
         for r in reducers:

@@ -127,16 +127,11 @@ def _slurm_root_address(nodelist: str) -> str:
 
 
 def dist_env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
-    """Read rank, world size and rendezvous from the environment a launcher sets.
-
-    Recognised, in this order:
-
-    * torchrun / torchelastic: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
-    * SLURM (``srun``, one task per node): ``SLURM_PROCID``, ``SLURM_NTASKS``,
-      ``SLURM_NODELIST`` (rank 0's host); port from ``MASTER_PORT`` or derived from
-      ``SLURM_JOB_ID`` (as Lightning does).
-    * a hand-written launch, one process per node: ``NODE_RANK``, ``WORLD_SIZE`` (number
-      of nodes), ``MASTER_ADDR``, ``MASTER_PORT``.
+    """Read rank, world size and rendezvous from the environment a launcher sets, in this
+    order: torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); SLURM
+    (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_NODELIST``; port from ``MASTER_PORT`` or
+    ``SLURM_JOB_ID``, as Lightning); a hand-written launch, one process per node
+    (``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 
     Raises:
         ValueError: naming the variables that are missing or malformed.
@@ -206,18 +201,10 @@ def init_process_group(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> dist.ProcessGroup:
-    """Create (or reuse) the default process group for data-parallel RoundPipe.
-
-    Args:
-        cluster_environment: a Lightning ``ClusterEnvironment`` (the strategy's; its
-            ``main_address``, ``main_port``, ``global_rank()``, ``world_size()`` are used).
-            ``None``: read the environment (:func:`dist_env_from_environ`).
-        backend: "gloo" (host gradients; the default) or "nccl".
-        timeout: bound on every collective (seconds or ``timedelta``; see :func:`resolve_timeout`).
-        rank / world_size: override the environment's values.
-
-    Returns:
-        The default process group (``torch.distributed.group.WORLD``).
+    """Create (or reuse) the default process group for data-parallel RoundPipe, from a
+    Lightning ``ClusterEnvironment`` or, without one, the environment
+    (:func:`dist_env_from_environ`); ``rank`` / ``world_size`` override them. ``backend``:
+    "gloo" (host gradients; the default) or "nccl"; ``timeout``: see :func:`resolve_timeout`.
 
     Raises:
         ValueError: a missing or inconsistent environment, or a group that already

@@ -147,11 +147,9 @@ def load_shards(
     owns: Callable[[torch.Tensor], bool] = lambda p: True,
     load_masters: bool = True,
 ) -> Any:
-    """Load the shards of ``directory`` (written by any rank count) into this rank:
-    the masters (unless ``load_masters=False``: the caller restores the weights) and
-    optimizer state of the parameters it ``owns`` (all by default: an unsharded run),
-    and the optimizer's hyperparameters. Files are read one at a time. Returns the first
-    shard's ``learned`` (see :func:`save_shard`; ``None`` if it has none).
+    """Load the shards of ``directory`` (any rank count) into this rank: masters (unless
+    ``load_masters=False``) and optimizer state of the parameters it ``owns`` (default
+    all), and the hyperparameters. Returns the first shard's ``learned`` (or ``None``).
 
     Raises:
         ValueError: a shard is unreadable or inconsistent (naming the rank that wrote

@@ -189,8 +189,7 @@ class ModelExecutePlan:
                     "give one owner device per stage"
                 )
             for i, d in enumerate(owners):
-                if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-                    raise ValueError(f"{name}[{i}] = {d!r} is not a device index (int >= 0)")
+                check_int(d, f"{name}[{i}]", 0, "a device index")
                 if num_devices is not None and d >= num_devices:
                     raise ValueError(
                         f"{name}[{i}] = {d} names device {d}, but the pool has only "

@@ -278,8 +278,8 @@ def search_plans(
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if objective == "pipeline":
-        check_int(num_devices, "num_devices", why="objective='pipeline' needs it")
-        check_int(num_microbatch, "num_microbatch", why="objective='pipeline' needs it")
+        check_int(num_devices, "num_devices", why="objective='pipeline' needs num_devices")
+        check_int(num_microbatch, "num_microbatch", why="objective='pipeline' needs num_microbatch")
     elif refine:
         raise ValueError("refine=True needs objective='pipeline'")
     if not profiles:

@@ -23,7 +23,7 @@ from typing import Any
 from ..kinds import JobKind, RunType, check_flag, check_int, parse_kind
 from .plan import ModelExecutePlan
 from .profile import LayerProfile
-from .schedule import BACKWARD, FORWARD, FUSED, Job, build_schedule
+from .schedule import BACKWARD, FORWARD, FUSED, Job, build_schedule, jobs_by_device
 
 __all__ = [
     "SimEvent",
@@ -61,15 +61,12 @@ class SimResult:
     Attributes:
         makespan_ms: time from the first job's start to the last computation's end.
         busy_ms: model-computation time per device.
-        bubble_ratio: ``1 - sum(busy_ms) / (makespan_ms * num_devices)``.
-        efficiency: ``sum(busy_ms) / (makespan_ms * num_devices)``.
-        events: the timeline, compute and upload intervals.
-        jobs: the schedule that was timed (round-robin policy).
+        bubble_ratio / efficiency: ``1 -`` / ``sum(busy_ms) / (makespan_ms * devices)``.
+        events: the timeline, compute and upload intervals; ``jobs``: the schedule timed.
         iteration_ms: makespan divided by the number of iterations simulated.
-        peak_bytes: per device, the most memory it holds at once: the running stage
-            (parameters; backward and fused stages also their gradients and one
-            microbatch's saved activations) plus the next stage's prefetched
-            parameters. Empty unless the simulation was given layer sizes.
+        peak_bytes: per device, the most memory it holds at once (running stage with its
+            gradients and one microbatch's activations, plus the next stage's prefetched
+            parameters); empty unless the simulation was given layer sizes.
     """
 
     makespan_ms: float
@@ -319,10 +316,7 @@ def device_peak_bytes(
     grads = per_layer(grad_bytes, n, "grad_bytes") if grad_bytes is not None else params
     acts = per_layer(act_bytes, n, "act_bytes")
     peak = [0.0] * num_devices
-    queues: list[list[Job]] = [[] for _ in range(num_devices)]
-    for job in jobs:
-        queues[job.device].append(job)
-    for d, queue in enumerate(queues):
+    for d, queue in enumerate(jobs_by_device(list(jobs), num_devices)):
         for k, job in enumerate(queue):
             held = sum(params[i] for i in job.layers)
             if job.kind != FORWARD:
@@ -443,9 +437,8 @@ class _WeightGate:
     last job on each device belonged to (prefetch never crosses iterations)."""
 
     def __init__(self, num_devices: int) -> None:
-        self.prev: dict[
-            int, float
-        ] = {}  # layer -> end of its last upload in the previous iteration
+        # layer -> end of its last upload in the previous iteration
+        self.prev: dict[int, float] = {}
         self.cur: dict[int, float] = {}
         self.last_iter = [-1] * num_devices
 

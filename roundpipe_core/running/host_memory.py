@@ -857,14 +857,9 @@ def available_host_memory() -> int | None:
 def check_host_memory(
     budget: HostMemoryBudget, available: int | None = None, headroom: float = 0.05
 ) -> None:
-    """Raise if what the run still has to allocate does not fit into available memory.
-
-    Args:
-        budget: from :func:`estimate_host_memory`.
-        available: bytes available (default: :func:`available_host_memory`; nothing is
-            checked where that is unknown).
-        headroom: fraction of ``available`` left for everything else (the Python
-            process, data loading, the page cache).
+    """Raise if what the run still has to allocate does not fit into ``available`` bytes
+    (default :func:`available_host_memory`; unknown: nothing checked) less ``headroom``,
+    the fraction left for everything else (data loading, the page cache).
 
     Raises:
         HostMemoryError: with the budget table and the numbers, when it does not fit.

@@ -70,16 +70,10 @@ DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
 
 
 def default_allocator_settings() -> bool:
-    """Ask for expandable segments before CUDA starts in this process, unless the user
-    configured the allocator (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``).
-
-    Why: a worker allocates on four streams and the caching allocator reuses a block
-    only on the stream that freed it; stages of different sizes then leave reserved
-    memory well above allocated (fragmentation). Expandable segments let a segment
-    grow and shrink in place instead of caching many fixed-size ones. The setting is
-    read when CUDA initialises, so it is left alone once CUDA runs. Returns whether it
-    was set now.
-    """
+    """Ask for expandable segments before CUDA starts, unless the user configured the
+    allocator; returns whether it was set now. A worker allocates on four streams and
+    the caching allocator reuses a block only on the stream that freed it, so stages of
+    different sizes fragment; expandable segments grow and shrink in place instead."""
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return False
     try:
@@ -129,10 +123,8 @@ class PinHandle:
     registered: list[tuple[int, int]] = field(default_factory=list)
 
     def release(self) -> None:
-        """Unregister what "register" pinned (call before the storages are freed).
-
-        "alloc" needs no release: the pinned slabs are freed with the tensors.
-        Idempotent.
+        """Unregister what "register" pinned (call before the storages are freed; "alloc"
+        needs none). Idempotent.
 
         Raises:
             RuntimeError: if ``cudaHostUnregister`` refused a range (after trying them all);
@@ -187,16 +179,9 @@ def _next_pow2(n: int) -> int:
 
 
 def pack_slabs(sizes: Sequence[int], slab_bytes: int = DEFAULT_SLAB_BYTES) -> list[tuple[int, int]]:
-    """Assign each storage (by byte size) a ``(slab index, byte offset)``, first-fit in order.
-
-    A slab holds ``slab_bytes`` (a power of two, so the pinned allocator does
-    not round it up). A storage larger than that opens a slab of the next power
-    of two, whose leftover room later small storages fill. Offsets are aligned
-    to 512 bytes.
-
-    Returns:
-        One ``(slab, offset)`` per entry of ``sizes``.
-    """
+    """Assign each storage (by byte size) a ``(slab index, byte offset)``, first-fit in
+    order, offsets aligned to 512 bytes. A slab holds ``slab_bytes``; a larger storage
+    opens a slab of the next power of two, whose leftover room later ones fill."""
     if slab_bytes <= 0:
         raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
     placement: list[tuple[int, int]] = []
@@ -241,15 +226,8 @@ def _rebind(t: torch.Tensor, storage: torch.UntypedStorage, byte_offset: int) ->
 def pack_module_tensors(
     tensors: Sequence[torch.Tensor], pin: bool, slab_bytes: int = DEFAULT_SLAB_BYTES
 ) -> tuple[int, int]:
-    """Copy the storages of ``tensors`` into packed slabs and rebind the tensors to them.
-
-    Tensors sharing a storage (tied weights, views) keep sharing it. With
-    ``pin=False`` the slabs are ordinary CPU memory, which is how the packing is
-    tested on machines without CUDA.
-
-    Returns:
-        ``(bytes packed, number of slabs)``.
-    """
+    """Copy the storages of ``tensors`` into packed slabs (pinned with ``pin``) and rebind
+    the tensors to them, shared storages staying shared; returns ``(bytes, slabs)``."""
     groups = _storage_groups(tensors)
     sizes = [storage.nbytes() for storage, _ in groups]
     placement = pack_slabs(sizes, slab_bytes)
@@ -277,15 +255,9 @@ def page_size() -> int:
 
 
 def page_ranges(spans: Iterable[tuple[int, int]], page: int | None = None) -> list[tuple[int, int]]:
-    """Merge ``(pointer, nbytes)`` spans into disjoint page-aligned ``(pointer, nbytes)`` ranges.
-
-    Small CPU tensors share pages; ``cudaHostRegister`` refuses a range that
-    overlaps one already registered, so each page is registered exactly once.
-
-    Args:
-        spans: ``(pointer, nbytes)`` of each storage; empty spans are ignored.
-        page: page size in bytes; ``None`` = this host's (``page_size()``).
-    """
+    """Merge ``(pointer, nbytes)`` spans (empty ones ignored) into disjoint ranges aligned
+    to ``page`` (default this host's): ``cudaHostRegister`` refuses a range that overlaps
+    one already registered, and small tensors share pages."""
     page = page_size() if page is None else page
     if page <= 0:
         raise ValueError(f"page must be a positive number of bytes, got {page}")
@@ -399,17 +371,10 @@ def pin_model(
     enabled: bool | None = None,
     slab_bytes: int = DEFAULT_SLAB_BYTES,
 ) -> PinHandle:
-    """Make the CPU copy of ``module``'s parameters and buffers page-locked.
-
-    Args:
-        module: the model whose tensors live in CPU memory.
-        mode: ``"alloc"``, ``"register"`` or ``"off"`` (see the module docstring).
-        enabled: whether the device pool uploads to CUDA. ``None`` = whether CUDA is
-            available. With False (the CPU backend) every mode is a no-op.
-        slab_bytes: slab size for ``"alloc"``.
-
-    Returns:
-        A ``PinHandle``; call ``release()`` on it before dropping a "register"-ed model.
+    """Make the CPU copy of ``module``'s parameters and buffers page-locked (``mode``: see
+    the module docstring). ``enabled``: whether the pool uploads to CUDA (``None``: whether
+    CUDA is available; False: a no-op). Returns a :class:`PinHandle`; ``release()`` it
+    before dropping a "register"-ed model.
 
     Raises:
         ValueError: for an unknown mode.
