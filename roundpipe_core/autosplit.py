@@ -85,11 +85,9 @@ _CHILD_ATTRIBUTE = re.compile(
 
 
 def reads_child_weights(m: nn.Module) -> bool:
-    """Whether ``m``'s own ``forward`` (its source, as written) uses a parameter of a child
-    directly -- ``F.conv1d(x, self.conv1d.weight)`` in Mamba's mixers -- instead of calling
-    the child. Such a module is one unit, not opened: the child's weight would be used on
-    the host outside the child's unit. Uses the scan cannot see (a helper method, a deeper
-    path) are found while the model runs (``autosplit_calls.HostReads``)."""
+    """Whether ``m``'s own ``forward`` source uses a child's parameter directly
+    (``F.conv1d(x, self.conv1d.weight)`` in Mamba's mixers): such a module is one unit, not
+    opened. Uses the scan cannot see are found while the model runs (:class:`HostReads`)."""
     try:
         source = inspect.getsource(type(m).forward)
     except (OSError, TypeError):  # no source (built in, generated): nothing to read
@@ -290,10 +288,9 @@ def token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> di
 
 
 def mutable_state(args: tuple, kwargs: dict) -> list[tuple[str, Any, tuple]]:
-    """``(where, object, contents)`` of the input leaves a unit could write state into for
-    later units: mutable containers the batch split does not open (a ``UserDict`` such as
-    transformers' ``KVSharingDict``, any ``MutableMapping`` or ``MutableSequence``); contents
-    by identity, so that a write during the call shows."""
+    """``(where, object, contents by identity)`` of the mutable input containers the batch
+    split does not open (transformers' ``KVSharingDict``, any ``MutableMapping`` or
+    ``MutableSequence``): where a unit could leave state for later units."""
     out = []
     for where, value in (("args", args), ("kwargs", kwargs)):
         for path, leaf in zip(leaf_paths(value, where), flatten(value)[0]):
@@ -311,10 +308,9 @@ def _contents(obj: Any) -> tuple:
 def check_no_state_written(
     state: list[tuple[str, Any, tuple]], unit_name: str, unit: nn.Module, model: nn.Module
 ) -> None:
-    """Refuse a unit call that wrote into a mutable input (state handed to later units beside
-    the call's outputs): the unit ran on a device replica, once per microbatch, so what it
-    stored is the last microbatch's, on the device, and outside the autograd graph of the
-    call -- a later unit reading it would get other rows and send no gradient back."""
+    """Refuse a unit call that wrote into a mutable input (state for later units): the unit
+    ran on a device replica once per microbatch, so what it stored is the last
+    microbatch's, outside the call's autograd graph."""
     for where, obj, before in state:
         if _contents(obj) != before:
             parent = caller_of(model, unit_name)
@@ -351,10 +347,9 @@ def spelled(name: str) -> str:
 def check_no_batch_reduction(
     out: Any, loss_normalised: bool, unit_name: str, unit: nn.Module, num_microbatch: int
 ) -> None:
-    """Refuse a 0-dim floating output of a call cut into microbatches (other than the loss
-    :func:`token_count_kwargs` normalised, the first output leaf): the merge averages the
-    microbatches' values, which is not the whole batch's value for a mean over tokens, a
-    sum, a load-balancing loss ..."""
+    """Refuse a 0-dim floating output of a call cut into microbatches (but the first leaf
+    where :func:`token_count_kwargs` normalised the loss): the merge's average is not the
+    whole batch's value for a sum, a mean over tokens, a load-balancing loss ..."""
     for i, leaf in enumerate(flatten(out)[0]):
         if not (isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and leaf.is_floating_point()):
             continue
@@ -371,12 +366,10 @@ def check_no_batch_reduction(
 
 
 class HostReads(TorchFunctionMode):
-    """Watches the host code of one ``AutoRoundPipe.forward`` (this thread only: torch
-    function modes are thread-local, the units run on worker threads) for parameters of a
-    unit used outside that unit's call -- ``F.conv1d(x, self.conv1d.weight)`` in a parent's
-    forward. Such a use computes with the model's own tensor, so its gradient lands in that
-    tensor's ``.grad``, not in the master the unit's gradients go to: the parameters found
-    are then collected from the host too (``AutoRoundPipe.host_parameters``)."""
+    """Watches the host code of one ``AutoRoundPipe.forward`` (this thread only; units run
+    on worker threads) for unit parameters used outside their unit's call
+    (``F.conv1d(x, self.conv1d.weight)`` in a parent's forward): their gradient lands in
+    the model tensor's ``.grad``, so they are collected from the host too."""
 
     def __init__(self, unit_params: Mapping[int, nn.Parameter]) -> None:
         super().__init__()
@@ -424,12 +417,9 @@ def _templates(node: Any) -> tuple[tuple, dict]:
 
 
 class FxStep(nn.Module):
-    """One step of a traced chain that is not a plain ``child(x)`` call.
-
-    It calls ``target`` (a function, a method name on the input, or a child
-    module) with the traced arguments, the previous step's output put where
-    the trace had it.
-    """
+    """One step of a traced chain that is not a plain ``child(x)`` call: ``target`` (a
+    function, a method of the input, a child) with the traced arguments, the previous
+    step's output where the trace had it."""
 
     def __init__(
         self, kind: str, target: Any, args: tuple, kwargs: dict, module: nn.Module | None = None
@@ -461,12 +451,9 @@ class FxStep(nn.Module):
 
 
 def chain_layers(module: nn.Module) -> list[nn.Module] | None:
-    """The steps of ``module`` if its forward is a chain, else ``None``.
-
-    A chain takes one input and passes each step's output, and nothing else,
-    to the next step; the last step's output is returned. Steps are direct
-    children (called once each) or functions/methods of the running value.
-    """
+    """The steps of ``module`` if its forward is a chain (one input; each step's output,
+    and nothing else, goes to the next; steps are children called once each or
+    functions/methods of the running value), else ``None``."""
     if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
         layers = list(module.children())
         return layers if layers and len({id(m) for m in layers}) == len(module) else None
@@ -715,8 +702,8 @@ class AutoRoundPipe(RoundPipeBase):
                 self._collect_host_reads(watch.found)
 
     def _collect_host_reads(self, found: Mapping[int, nn.Parameter]) -> None:
-        """Unit parameters the host code used: their gradients are taken from the host too
-        (``_take_model_grads``), and they are said once, with what would keep them in one unit."""
+        """Take the unit parameters the host code used as host parameters too, and say
+        so once, with what would keep them in one unit."""
         for key in found:
             pname, uname, p = self._unit_params.pop(key)
             self.host_parameters.append((pname, p))
@@ -802,8 +789,7 @@ class AutoRoundPipe(RoundPipeBase):
         )
 
     def _take_model_grads(self) -> None:
-        """Before a step: host parameters' gradients (of glue code on the host) move from
-        their ``.grad`` to their masters (a shared parameter is its own master)."""
+        """Before a step: host parameters' ``.grad`` moves to their masters."""
         for _, p in self.host_parameters:
             if p.grad is not None and self.masters.master_of.get(id(p)) is not p:
                 self.masters.add_grad(p, p.grad)
@@ -818,8 +804,7 @@ class AutoRoundPipe(RoundPipeBase):
             super().close()
 
     def summary(self) -> str:
-        """What the split made, in one line: how many units run on the device pool, how
-        many of them are pipelined over several layers, and what stays on the host."""
+        """What the split made, in one line (units, pipelined ones, host parameters)."""
         pipelined = sum(1 for _, inner in self.units if inner.num_layers > 1)
         counts: dict[int, int] = {}
         for unit in self._unit_modules:

@@ -380,9 +380,8 @@ def watch_updates(
     fn: Callable[[], Any], masters: MasterWeights, idle: IdleSteps
 ) -> Callable[[], Any]:
     """``fn`` that also tells ``idle`` whether it changed a master that had a gradient,
-    until one step did (or the warning was given): an in-place update bumps the tensor's
-    version counter -- except torch's fused kernels, which write without bumping it, so
-    where no counter moved the first element of each master is compared too."""
+    until one step did: by version counters, and by each master's first element where no
+    counter moved (torch's fused kernels write without bumping it)."""
 
     def watched() -> Any:
         if idle.settled or idle.warned:

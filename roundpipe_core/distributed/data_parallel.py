@@ -3,6 +3,7 @@ Lightning strategy) needs, behind five calls that are cheap no-ops in one proces
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -22,20 +23,17 @@ from .sharded import HostShard, ShardedGradientReducer, kept_buffer_bytes
 __all__ = ["DataParallel"]
 
 log = logging.getLogger(__name__)
-_said_heap = False
 
 
+@functools.cache
 def _say_heap_once() -> None:
-    global _said_heap
-    if not _said_heap:
-        _said_heap = True
-        log.info(
-            "shard_host_state=True: with glibc's default malloc a sharded rank keeps some of "
-            "the gradients it drops every step in malloc's heaps (peak ~1.03x the host-memory "
-            "budget, up to ~1.1x with bf16); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
-            "roundpipe_core.running.host_memory.limit_heap_retention(), for ~1.01x (slower steps "
-            "on CPU workers: docs/multi-node.md)"
-        )
+    log.info(
+        "shard_host_state=True: with glibc's default malloc a sharded rank keeps some of "
+        "the gradients it drops every step in malloc's heaps (peak ~1.03x the host-memory "
+        "budget, up to ~1.1x with bf16); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
+        "roundpipe_core.running.host_memory.limit_heap_retention(), for ~1.01x (slower steps "
+        "on CPU workers: docs/multi-node.md)"
+    )
 
 
 SYNC_ONLY = (

@@ -1,17 +1,12 @@
 """Execution plans: how the layers of a model are grouped into pipeline stages.
 
-A plan has a forward partition (``fwd_plan``, stages of increasing layer
-ranges) and a backward partition (``bwd_plan``, stages of decreasing layer
-ranges). They may differ (asymmetric plans). Optionally a stage may be pinned
-to a device (``fwd_owners`` / ``bwd_owners``) instead of round-robin dispatch.
+A plan has a forward partition (``fwd_plan``, increasing layer ranges) and a backward
+partition (``bwd_plan``, decreasing), which may differ (asymmetric plans); a stage may be
+pinned to a device (``fwd_owners`` / ``bwd_owners``) instead of round-robin dispatch.
 
-This module is the plan's data and its validation. Layout strings are parsed
-in :mod:`roundpipe_core.planning.layout` (below this module); automatic planning lives
-in :mod:`roundpipe_core.planning.planner` (above it: it runs the simulator, which runs
-the schedule, which reads plans). ``ModelExecutePlan.auto`` therefore calls a
-planner that the planning wing installs with :meth:`ModelExecutePlan.install_planner`
-as it is imported (``planning/__init__.py``), so the published spelling keeps working
-while imports still point one way: planner -> simulate -> schedule -> plan.
+This module is the plan's data and validation. The planner sits above it (planner ->
+simulate -> schedule -> plan), so ``ModelExecutePlan.auto`` calls the planner the
+planning wing installs on import (:meth:`ModelExecutePlan.install_planner`).
 """
 
 from __future__ import annotations
@@ -225,11 +220,8 @@ class ModelExecutePlan:
     def uniform(
         num_layers: int, num_stages: int, run_type: RunType | str = RunType.FUSED
     ) -> ModelExecutePlan:
-        """A plain plan: ``num_stages`` forward and backward stages of near-equal layer counts.
-
-        For "fused" the last backward stage (which is launched first) is fused, and
-        the forward plan covers the layers before it.
-        """
+        """A plain plan: ``num_stages`` forward and backward stages of near-equal layer
+        counts; for "fused" the deepest stage is the fused one."""
         rt = parse_kind(RunType, run_type, "run_type")
         check_int(num_layers, "ModelExecutePlan.uniform: num_layers")
         check_int(num_stages, "ModelExecutePlan.uniform: num_stages")

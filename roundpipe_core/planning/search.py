@@ -373,16 +373,21 @@ def search_plans(
             if target >= 1 and s_at(last_idx) <= target:
                 shortlist.append(fewest(target))
         shortlist = sorted(set(shortlist), key=lambda i: (cost(i), i))
-        chosen = _refine(
-            rt,
-            profiles,
-            problems,
-            cands,
-            shortlist,
-            num_devices,
-            num_microbatch,
-            overlap_iterations,
-        )
+        # the shortlisted cap whose plans simulate fastest (jointly planned models run one
+        # after another), the best estimate on ties
+        simulated = {
+            i: sum(
+                simulated_iteration_ms(
+                    pr.build(cands[i]), prof, rt, num_devices, num_microbatch, overlap_iterations
+                )
+                for prof, pr in zip(profiles, problems)
+            )
+            for i in shortlist
+        }
+        chosen = shortlist[0]
+        for idx in shortlist:
+            if simulated[idx] < simulated[chosen] * (1 - 1e-9):
+                chosen = idx
     cap = cands[chosen]
     plans = [pr.build(cap) for pr in problems]
     if refine and walk and num_devices is not None and num_microbatch is not None:
@@ -406,30 +411,6 @@ def search_plans(
         )
         return PlanSearch(plans, max(times), len(times), value_now, memory_cap_bytes, len(counts))
     return PlanSearch(plans, cap, int(s_at(chosen)), cost(chosen), memory_cap_bytes, len(counts))
-
-
-def _refine(
-    run_type: RunType,
-    profiles: Sequence[LayerProfile],
-    problems: Sequence[_Problem],
-    cands: list[float],
-    shortlist: list[int],
-    num_devices: int,
-    num_microbatch: int,
-    overlap: bool = False,
-) -> int:
-    """Of the shortlisted caps (best estimate first), the one whose plans simulate fastest."""
-    best, best_time = shortlist[0], math.inf
-    for idx in shortlist:
-        total = 0.0
-        for prof, pr in zip(profiles, problems):
-            # Jointly planned models run one after another.
-            total += simulated_iteration_ms(
-                pr.build(cands[idx]), prof, run_type, num_devices, num_microbatch, overlap
-            )
-        if total < best_time * (1 - 1e-9):
-            best, best_time = idx, total
-    return best
 
 
 #: Stages more or fewer per side, or layers the fused split moves, in one walk step.
