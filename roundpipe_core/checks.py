@@ -169,13 +169,8 @@ def check_forward_rules(
 
 
 class ForwardRuleChecker:
-    """Check each layer of a model once, on its first forward (thread-safe).
-
-    Example (engine side)::
-
-        checker = ForwardRuleChecker(layers)
-        out = checker.run(i, replica_module, lambda: replica_module(x))
-    """
+    """Check each layer of a model once, on its first forward (thread-safe):
+    ``checker.run(i, replica, lambda: replica(x))``."""
 
     def __init__(
         self, layers: Sequence[nn.Module], watch_host_rng: bool = False, error: bool = False

@@ -84,11 +84,8 @@ _E = TypeVar("_E", bound=Enum)
 
 
 def parse_kind(enum: type[_E], value: object, name: str) -> _E:
-    """``value`` (a member or its text) as a member of ``enum``.
-
-    Raises:
-        ValueError: naming the argument ``name``, the bad value and the choices.
-    """
+    """``value`` (a member or its text) as a member of ``enum``; ValueError naming the
+    argument ``name``, the bad value and the choices."""
     if isinstance(value, enum):
         return value
     if isinstance(value, str):
@@ -100,12 +97,8 @@ def parse_kind(enum: type[_E], value: object, name: str) -> _E:
 
 
 def check_int(value: object, name: str, minimum: int = 1, why: str = "") -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``.
-
-    Raises:
-        ValueError: naming the argument ``name``, the bound, what the number counts
-            (``why``) and the bad value.
-    """
+    """``value`` if it is an int (not a bool) of at least ``minimum``; ValueError naming
+    the argument ``name``, the bound, what the number counts (``why``) and the bad value."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         counts = f" ({why})" if why else ""
         raise ValueError(f"{name} must be an int >= {minimum}{counts}, got {value!r}")
@@ -113,11 +106,8 @@ def check_int(value: object, name: str, minimum: int = 1, why: str = "") -> int:
 
 
 def check_byte_counts(value: object, name: str, count: int | None = None) -> list[float]:
-    """``value`` as floats: a list or tuple of numbers >= 0, ``count`` of them where given.
-
-    Raises:
-        ValueError: naming the argument ``name``, what it must hold and the bad value.
-    """
+    """``value`` as floats if it is a list or tuple of numbers >= 0 (``count`` of them
+    where given); ValueError naming the argument ``name`` and the bad value."""
     items = list(value) if isinstance(value, (list, tuple)) else None
     if (
         items is None
@@ -132,11 +122,8 @@ def check_byte_counts(value: object, name: str, count: int | None = None) -> lis
 
 
 def check_flag(value: object, name: str, none: str = "") -> bool | None:
-    """``value`` if it is True or False, or None where ``none`` says what None means.
-
-    Raises:
-        TypeError: naming the argument ``name``, the choices and the bad value.
-    """
+    """``value`` if it is True or False, or None where ``none`` says what None means;
+    TypeError naming the argument ``name``, the choices and the bad value."""
     if isinstance(value, bool) or (none and value is None):
         return value
     choices = f"True, False or None ({none})" if none else "True or False"

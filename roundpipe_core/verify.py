@@ -113,10 +113,15 @@ class LayerReport:
     param_grad: Diff | None
     recompute: Diff | None
 
+    def diffs(self) -> list[tuple[str, Diff]]:
+        """``(what, Diff)`` of each comparison this layer has."""
+        named = [("output", self.output), ("output grad", self.output_grad)]
+        named += [("param grad", self.param_grad), ("recompute", self.recompute)]
+        return [(what, d) for what, d in named if d is not None]
+
     @property
     def ok(self) -> bool:
-        parts = [self.output, self.output_grad, self.param_grad, self.recompute]
-        return all(p.ok for p in parts if p is not None)
+        return all(d.ok for _, d in self.diffs())
 
 
 @dataclass
@@ -136,27 +141,16 @@ class PlanReport:
     @property
     def tensors_compared(self) -> tuple[int, int]:
         """(outputs + output gradients + recomputed outputs, parameter gradients) compared."""
-        acts = sum(
-            d.count
-            for r in self.layers
-            for d in (r.output, r.output_grad, r.recompute)
-            if d is not None
-        )
-        params = sum(r.param_grad.count for r in self.layers if r.param_grad is not None)
-        return acts, params
+        counts = [(what == "param grad", d.count) for r in self.layers for what, d in r.diffs()]
+        return sum(c for p, c in counts if not p), sum(c for p, c in counts if p)
 
     def failures(self) -> list[str]:
         out = [self.error] if self.error else []
         if not self.loss.ok:
             out.append(f"loss differs by {self.loss.max_abs:.3e} {self.loss.note}".strip())
         for r in self.layers:
-            for name, d in (
-                ("output", r.output),
-                ("output grad", r.output_grad),
-                ("param grad", r.param_grad),
-                ("recompute", r.recompute),
-            ):
-                if d is not None and not d.ok:
+            for name, d in r.diffs():
+                if not d.ok:
                     out.append(
                         f"layer {r.layer} {name}: max abs {d.max_abs:.3e}, max rel {d.max_rel:.3e}"
                         + (f" ({d.note})" if d.note else "")

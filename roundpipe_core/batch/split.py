@@ -18,6 +18,7 @@ from .tree import (
     _with_dim,
     batch_size_of,
     flatten,
+    spec_pair,
     split_sizes,
     split_tree,
 )
@@ -161,15 +162,6 @@ def _split_leaves(
     return per_mb, rules, row_sizes, (bs if sizes is not None else None)
 
 
-def _check_spec_pair(split_input: Any) -> tuple[Any, Any]:
-    if not (isinstance(split_input, (tuple, list)) and len(split_input) == 2):
-        raise TypeError(
-            "split_input must be None, a function f(args, kwargs, n) or a pair "
-            f"(args_spec, kwargs_spec); got {split_input!r}"
-        )
-    return split_input[0], split_input[1]
-
-
 def split_call_inputs(
     split_input: Any, args: tuple, kwargs: dict, num_microbatch: int
 ) -> SplitInputs:
@@ -185,10 +177,7 @@ def split_call_inputs(
     if callable(split_input):
         parts = _normalise_split_result(split_input(args, kwargs, num_microbatch))
         return SplitInputs(_unpack_packed(parts), [], None, None)
-    if split_input is None:
-        args_spec, kwargs_spec = None, None
-    else:
-        args_spec, kwargs_spec = _check_spec_pair(split_input)
+    args_spec, kwargs_spec = (None, None) if split_input is None else spec_pair(split_input)
     markers = _leaf_specs(args_spec, args, "args") + _leaf_specs(kwargs_spec, kwargs, "kwargs")
     if any((_is_reducer(m) or isinstance(m, bool)) for m, _ in markers):
         raise TypeError(
