@@ -437,7 +437,7 @@ def compare_plans(
                 ]
                 prefix = f"{i}." if isinstance(model, nn.Sequential) else ""
                 names = [k for k in ref_param_grads if k.startswith(prefix)]
-                pairs = [
+                pairs: list[list[tuple[torch.Tensor | None, torch.Tensor, str]]] = [
                     [
                         (_cat(rec.outputs[i], k), ref, f"output {k} never recorded")
                         for k, ref in enumerate(ref_outputs[i])

@@ -1,11 +1,9 @@
 """Saying how the automatic split cut a call's inputs, for the error of a layer.
 
-The automatic split (``split_input=None``) takes the batch size from the first tensor
-and cuts *every* tensor whose first dimension has that length. A tensor that only
-happens to be as long as the batch -- a per-feature vector of 8 values with batch 8 --
-is cut too, and the layer that receives a slice of it fails with a shape error that
-never mentions the split. :func:`auto_split_note` describes what was cut, so the
-runtime can add it to such an error.
+The automatic split cuts *every* tensor whose first dimension is the batch size, also
+one only as long by chance (a per-feature vector of 8 values with batch 8), and the
+layer that receives a slice fails with a shape error that never mentions the split:
+:func:`auto_split_note` says what was cut, for the runtime to add to such an error.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 travel in (:class:`~.reducer.GradientAllReducer` and its sharded subclass).
 
 A bucket is a run of masters of one dtype, laid out flat: every gradient, then one
-"has a gradient" count per master. A reducer does not keep a flat copy of every
-gradient: at most :data:`REDUCE_IN_FLIGHT` buckets are in flight, and they take turns
-in :data:`REDUCE_IN_FLIGHT` ``+ 1`` buffers per dtype (:class:`BufferRing`), each about
-as large as that dtype's largest bucket, made at the first round and kept.
+"has a gradient" count per master. At most :data:`REDUCE_IN_FLIGHT` buckets are in
+flight, taking turns in a few kept buffers per dtype (:class:`BufferRing`).
 """
 
 from __future__ import annotations

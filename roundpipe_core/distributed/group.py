@@ -346,13 +346,9 @@ _REDUCE_OPS = {
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any | None = None) -> torch.Tensor:
-    """The reduction of ``tensor`` over the group, as a new tensor on ``tensor``'s device.
-
-    Args:
-        tensor: the local value.
-        op: "mean", "sum", "max", "min" or "product". "mean" of an integer tensor
-            gives a float tensor.
-        group: the process group (default: the default group).
+    """The reduction of ``tensor`` over ``group`` (default: the default group) by ``op``
+    ("mean", "sum", "max", "min" or "product"; "mean" of integers is a float tensor), as
+    a new tensor on ``tensor``'s device.
 
     Raises:
         CollectiveError: the collective failed (a peer died or stalled).

@@ -41,17 +41,10 @@ def save_shard(
     edit_groups: Callable[[list[dict[str, Any]]], None] | None = None,
     learned: Any = None,
 ) -> Path:
-    """Write this rank's shard into ``directory`` (created if missing) and return its path.
-
-    Args:
-        named_params: name -> master parameter (the optimizer's parameters).
-        owns: whether this rank owns a parameter (its state and value are written).
-        rank / world_size: this rank and the rank count (the file's name).
-        edit_groups: called on the param groups' hyperparameters before they are written
-            (an integration puts back what it changed, e.g. the user's ``fused``).
-        learned: what the engine learned that a bit-exact resume needs (which stages
-            draw random numbers, ``pool.learned_draws``), returned by :func:`load_shards`.
-    """
+    """Write this rank's shard into ``directory`` (created if missing) and return its path:
+    the values and optimizer state of the ``named_params`` it ``owns``, the param groups'
+    hyperparameters (after ``edit_groups``, where an integration puts back what it
+    changed), and ``learned`` (what a bit-exact resume needs, ``pool.learned_draws``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     name_of = {id(p): n for n, p in named_params.items()}

@@ -121,15 +121,11 @@ def build_schedule(
     start_device: int = 0,
     replicas: int = 1,
 ) -> list[Job]:
-    """Build the launch-ordered job list of one iteration.
+    """Build the launch-ordered job list of one iteration of ``plan`` (validated for
+    ``run_type``) on ``num_devices`` devices, ``num_microbatch`` microbatches per stage.
 
     Args:
-        plan: a plan already validated for ``run_type``.
-        run_type: ``"infer"``, ``"train"`` (forward now, backward through autograd
-            later) or ``"fused"`` (``forward_backward``).
-        num_devices: size of the device pool.
-        num_microbatch: microbatches per stage.
-        phase: ``"all"``, ``"forward"`` or ``"backward"`` — "train" runs its forward
+        phase: ``"all"``, ``"forward"`` or ``"backward"`` -- "train" runs its forward
             and backward phases as two separate schedules.
         start_device: round-robin offset of the first job (the backward phase of
             "train" continues where its forward phase stopped).

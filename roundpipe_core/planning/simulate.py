@@ -380,9 +380,9 @@ def simulated_iteration_ms(
     if not overlap or run_type != RunType.FUSED:
         fwd = [float(x) for x in profile.fwd_ms]
         re = [float(x) for x in profile.re_ms] if profile.re_ms is not None else fwd
-        jobs = build_schedule(plan, run_type, num_devices, num_microbatch)
+        sched = build_schedule(plan, run_type, num_devices, num_microbatch)
         return _run_iteration(
-            jobs,
+            sched,
             plan,
             run_type,
             fwd,
