@@ -325,17 +325,13 @@ def compare_plans(
 
     Args:
         make_model: builds the model (an ``nn.Sequential``) with the same weights at
-            every call (seed inside it); dropout must be off (p=0 or eval-mode modules):
-            plain PyTorch and the pipeline draw random numbers in different orders.
-        inputs: the model's positional inputs (a tensor or a tuple).
-        labels: labels, split into microbatches like the inputs.
+            every call (seed inside it), dropout off (the pipeline draws in another order).
+        inputs / labels: positional inputs (a tensor or a tuple) and labels.
         loss_fn: ``loss_fn(output, label) -> scalar`` per microbatch.
         plans: ``ModelExecutePlan`` objects, ``"fwd=... bwd=..."`` strings, or symmetric
             layouts (``"1,2,3"``, ``"0:2,1:4"``; see :func:`_as_plan`).
         devices: the RoundPipe device pool (``2``, ``"cpu:3"``, a list of devices).
-        num_microbatch: microbatches per call (default: devices + 1, also on CPU
-            workers, so every plan compared runs several microbatches through its
-            pipeline).
+        num_microbatch: microbatches per call (default: devices + 1, also on CPU workers).
         atol / rtol: per-element tolerance ``|a - b| <= atol + rtol * |b|``.
         recompute_grain: "stage" or "layer".
         strict: raise ``AssertionError`` on any mismatch instead of only reporting it.

@@ -56,16 +56,9 @@ class SplitInputs(NamedTuple):
     auto_cut: tuple[AutoSplitLeaf, ...] = ()
 
     def join_input_grads(self, per_microbatch: list[list[torch.Tensor | None]]) -> list[Any]:
-        """Gradients w.r.t. the original input leaves from per-microbatch leaf gradients.
-
-        Args:
-            per_microbatch: for each microbatch, the gradients of its input leaves
-                (``flatten`` order of that microbatch's ``(args, kwargs)``).
-
-        Returns:
-            One gradient (or ``None``) per leaf of the original ``(args, kwargs)``:
-            chunks are concatenated back, replicated leaves get the sum.
-        """
+        """One gradient (or ``None``) per leaf of the original ``(args, kwargs)`` from each
+        microbatch's input-leaf gradients (``flatten`` order): chunks concatenated back,
+        replicated leaves summed."""
         if self.leaf_rules is None:
             raise ValueError(
                 "inputs split by a custom split_input function cannot take a gradient: their "
