@@ -92,7 +92,8 @@ def auto(
         method: "exact" (default) or "greedy".
         objective: "pipeline" (default) or "stages" (the published cost).
         num_microbatch: for "pipeline"; default RoundPipe's
-            (:func:`~roundpipe_core.planning.plan.default_num_microbatch`).
+            (:func:`~roundpipe_core.planning.plan.default_num_microbatch`): devices + 1
+            where the devices compute at once, 1 or one per worker on CPU workers.
         refine: simulate near-optimal candidates and walk to faster neighbours
             ("pipeline" only).
         overlap_iterations: rank "fused" plans by the steady state of overlapped
