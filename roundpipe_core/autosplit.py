@@ -2,47 +2,34 @@
 
 :func:`auto_wrap` walks the module tree:
 
-1. If the model is a *chain* -- an ``nn.Sequential``, or a module whose
-   ``forward`` (traced with ``torch.fx``, its direct children as leaves) feeds
-   one input through its children and simple single-input functions one after
-   the other -- it becomes an ``nn.Sequential`` of those steps. Steps with more
-   than ``split_threshold`` parameters that are chains themselves are split
-   further, recursively. The result is a plain :class:`RoundPipe` with every
-   feature (pipelining, ``forward_backward``).
-2. Otherwise (skip connections, several inputs, an encoder-decoder, control
-   flow) it returns an :class:`AutoRoundPipe`. That one walks the tree by
-   parameter size: a submodule with at most ``split_threshold`` parameters, or
-   a chain, becomes a *unit* run by an inner RoundPipe on the shared device
-   pool (a chain unit pipelined over its layers); bigger non-chain modules are
-   opened and their children visited. The glue code between units (the
-   original ``forward`` of the opened modules: residual adds, routing between
-   encoder and decoder ...) runs on the host, as does any parameter owned
-   directly by an opened module. A parameter may sit in several units (tied
-   embeddings) and a module reached from several parents is one unit: every
-   inner RoundPipe adds its gradients into the outer one's master, so they sum.
+1. A *chain* -- an ``nn.Sequential``, or a module whose ``forward`` (traced with
+   ``torch.fx``, its children as leaves) feeds one input through its children and
+   single-input functions in turn -- becomes an ``nn.Sequential`` of those steps, steps
+   above ``split_threshold`` parameters that are chains split further: a plain
+   :class:`RoundPipe` with every feature.
+2. Otherwise (skip connections, several inputs, control flow) an :class:`AutoRoundPipe`:
+   a submodule within ``split_threshold``, or a chain, becomes a *unit* run by an inner
+   RoundPipe on the shared pool; bigger modules are opened. The glue code between units
+   (the opened modules' ``forward``) and the parameters opened modules own run on the
+   host. A parameter in several units (tied embeddings) or a module reached twice sums
+   its gradients into the outer RoundPipe's one master.
 
-A module whose forward uses a child's parameter itself (``self.conv1d.weight``)
-is one unit. Where the split cannot see the model's code it is never silently
-wrong (:mod:`roundpipe_core.autosplit_calls`): a unit parameter the host code uses
-is found while ``forward`` runs and trained from the host too; a unit call whose
-inputs are not batch-leading runs whole; a unit computing Hugging Face's loss gets
-the whole call's token count; other reductions over a call cut into microbatches
+A module whose forward uses a child's parameter itself (``self.conv1d.weight``) is one
+unit. Where the split cannot see the code it is never silently wrong: a unit parameter
+the host code uses is found while ``forward`` runs (:class:`HostReads`) and trained from
+the host too; a unit call whose inputs are not batch-leading runs whole; a unit computing
+Hugging Face's loss gets the whole call's token count; other reductions over microbatches
 and state a unit leaves for later are refused, naming the unit and the fix.
 
-The published RoundPipe's options refine the cut (:mod:`roundpipe_core.autosplit_rules`): ``upper_threshold`` measures
-sizes in bytes of parameters and buffers instead of ``split_threshold``'s
-parameter count; ``lower_threshold`` (bytes) keeps a module whose own direct
-parameters and buffers reach it whole, and runs units smaller than it as one
-microbatch; ``skip_modules`` stay plain host modules (trained through the
-master copies like other host parameters); ``override_config`` makes a module
-one unit with its own run config.
+The published options refine the cut (:class:`SplitRules`): ``upper_threshold`` measures
+bytes of parameters and buffers instead of parameters; ``lower_threshold`` (bytes) keeps a
+module whose own tensors reach it whole and runs smaller units as one microbatch;
+``skip_modules`` stay plain host modules (still trained); ``override_config`` makes a
+module one unit with its own run config.
 
-An ``AutoRoundPipe`` offers ``forward`` (inference, or training through
-``loss.backward()``), the master weights, ``step`` / ``synchronize()`` and the
-attribute fall-through. Its ``forward_backward`` raises ``TypeError``: host code
-computes the loss after several pipelined calls, so there is no stage to fuse.
-
-It is slower than a hand-written Sequential (docs/presets.md says why).
+``AutoRoundPipe.forward_backward`` raises ``TypeError``: the host code computes the loss
+after several pipelined calls, so there is no stage to fuse. It is slower than a
+hand-written Sequential (docs/presets.md says why).
 """
 
 from __future__ import annotations
@@ -50,7 +37,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from collections.abc import Callable, Collection, Iterator, Mapping, MutableMapping, MutableSequence
+from collections.abc import Callable, Collection, Mapping, MutableMapping, MutableSequence
 from dataclasses import replace
 from typing import Any
 
@@ -81,17 +68,8 @@ def numel(module: nn.Module) -> int:
 def nbytes(module: nn.Module, recurse: bool = True) -> int:
     """Bytes of the parameters and buffers (shared tensors once): the published
     RoundPipe's measure of a module's size for its thresholds."""
-    seen: set[int] = set()
-    total = 0
-    for t in list(module.parameters(recurse)) + list(module.buffers(recurse)):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
-
-
-def default_threshold(model: nn.Module) -> int:
-    return max(1, numel(model) // 8)
+    tensors = [*module.parameters(recurse), *module.buffers(recurse)]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
 def has_own_forward(m: nn.Module) -> bool:
@@ -107,11 +85,9 @@ _CHILD_ATTRIBUTE = re.compile(
 
 
 def reads_child_weights(m: nn.Module) -> bool:
-    """Whether ``m``'s own ``forward`` (its source, as written) uses a parameter of a child
-    directly -- ``F.conv1d(x, self.conv1d.weight)`` in Mamba's mixers -- instead of calling
-    the child. Such a module is one unit, not opened: the child's weight would be used on
-    the host outside the child's unit. Uses the scan cannot see (a helper method, a deeper
-    path) are found while the model runs (``autosplit_calls.HostReads``)."""
+    """Whether ``m``'s own ``forward`` source uses a child's parameter directly
+    (``F.conv1d(x, self.conv1d.weight)`` in Mamba's mixers): such a module is one unit, not
+    opened. Uses the scan cannot see are found while the model runs (:class:`HostReads`)."""
     try:
         source = inspect.getsource(type(m).forward)
     except (OSError, TypeError):  # no source (built in, generated): nothing to read
@@ -243,7 +219,7 @@ def split_rules(
                 )
     if upper_threshold is not None:
         return SplitRules(upper_threshold, nbytes, lower_threshold, skip_modules, override_config)
-    threshold = split_threshold if split_threshold is not None else default_threshold(model)
+    threshold = split_threshold if split_threshold is not None else max(1, numel(model) // 8)
     return SplitRules(threshold, numel, lower_threshold, skip_modules, override_config)
 
 
@@ -293,12 +269,10 @@ def token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> di
     """``kwargs`` with ``num_items_in_batch`` set so that the microbatches' Hugging Face
     losses average to the whole batch's loss, or ``None`` if ``unit`` computes no such loss.
 
-    A token-mean loss (Hugging Face's causal / masked LM loss) with ``num_items_in_batch=N``
-    is the microbatch's sum over tokens divided by ``N``. ``N`` is the whole call's count of
-    label tokens != -100 (after the shift, for a causal LM), or the caller's own
-    ``num_items_in_batch``; each microbatch gets ``N / num_microbatch``, because the merge
-    averages the microbatches' 0-dim outputs: the average is then (sum of all tokens' losses)
-    / ``N``, Hugging Face's loss, and so are its gradients.
+    With ``num_items_in_batch=N`` a token-mean loss is the microbatch's token sum over
+    ``N``; ``N`` is the whole call's label tokens != -100 (after the shift, for a causal
+    LM) or the caller's own count, and each microbatch gets ``N / num_microbatch`` because
+    the merge averages 0-dim outputs: the average is then Hugging Face's loss.
     """
     labels = kwargs.get("labels")
     shifted = _token_mean_loss(unit)
@@ -314,10 +288,9 @@ def token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> di
 
 
 def mutable_state(args: tuple, kwargs: dict) -> list[tuple[str, Any, tuple]]:
-    """``(where, object, contents)`` of the input leaves a unit could write state into for
-    later units: mutable containers the batch split does not open (a ``UserDict`` such as
-    transformers' ``KVSharingDict``, any ``MutableMapping`` or ``MutableSequence``); contents
-    by identity, so that a write during the call shows."""
+    """``(where, object, contents by identity)`` of the mutable input containers the batch
+    split does not open (transformers' ``KVSharingDict``, any ``MutableMapping`` or
+    ``MutableSequence``): where a unit could leave state for later units."""
     out = []
     for where, value in (("args", args), ("kwargs", kwargs)):
         for path, leaf in zip(leaf_paths(value, where), flatten(value)[0]):
@@ -335,10 +308,9 @@ def _contents(obj: Any) -> tuple:
 def check_no_state_written(
     state: list[tuple[str, Any, tuple]], unit_name: str, unit: nn.Module, model: nn.Module
 ) -> None:
-    """Refuse a unit call that wrote into a mutable input (state handed to later units beside
-    the call's outputs): the unit ran on a device replica, once per microbatch, so what it
-    stored is the last microbatch's, on the device, and outside the autograd graph of the
-    call -- a later unit reading it would get other rows and send no gradient back."""
+    """Refuse a unit call that wrote into a mutable input (state for later units): the unit
+    ran on a device replica once per microbatch, so what it stored is the last
+    microbatch's, outside the call's autograd graph."""
     for where, obj, before in state:
         if _contents(obj) != before:
             parent = caller_of(model, unit_name)
@@ -375,10 +347,9 @@ def spelled(name: str) -> str:
 def check_no_batch_reduction(
     out: Any, loss_normalised: bool, unit_name: str, unit: nn.Module, num_microbatch: int
 ) -> None:
-    """Refuse a 0-dim floating output of a call cut into microbatches (other than the loss
-    :func:`token_count_kwargs` normalised, the first output leaf): the merge averages the
-    microbatches' values, which is not the whole batch's value for a mean over tokens, a
-    sum, a load-balancing loss ..."""
+    """Refuse a 0-dim floating output of a call cut into microbatches (but the first leaf
+    where :func:`token_count_kwargs` normalised the loss): the merge's average is not the
+    whole batch's value for a sum, a mean over tokens, a load-balancing loss ..."""
     for i, leaf in enumerate(flatten(out)[0]):
         if not (isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and leaf.is_floating_point()):
             continue
@@ -395,12 +366,10 @@ def check_no_batch_reduction(
 
 
 class HostReads(TorchFunctionMode):
-    """Watches the host code of one ``AutoRoundPipe.forward`` (this thread only: torch
-    function modes are thread-local, the units run on worker threads) for parameters of a
-    unit used outside that unit's call -- ``F.conv1d(x, self.conv1d.weight)`` in a parent's
-    forward. Such a use computes with the model's own tensor, so its gradient lands in that
-    tensor's ``.grad``, not in the master the unit's gradients go to: the parameters found
-    are then collected from the host too (``AutoRoundPipe.host_parameters``)."""
+    """Watches the host code of one ``AutoRoundPipe.forward`` (this thread only; units run
+    on worker threads) for unit parameters used outside their unit's call
+    (``F.conv1d(x, self.conv1d.weight)`` in a parent's forward): their gradient lands in
+    the model tensor's ``.grad``, so they are collected from the host too."""
 
     def __init__(self, unit_params: Mapping[int, nn.Parameter]) -> None:
         super().__init__()
@@ -428,12 +397,10 @@ class HostReads(TorchFunctionMode):
         return out
 
 
-# ---------------------------------------------------------------- the split
-
 _log = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- chain detection
+# ---------------------------------------------------------------- chain detection
 
 
 class _Prev:
@@ -450,12 +417,9 @@ def _templates(node: Any) -> tuple[tuple, dict]:
 
 
 class FxStep(nn.Module):
-    """One step of a traced chain that is not a plain ``child(x)`` call.
-
-    It calls ``target`` (a function, a method name on the input, or a child
-    module) with the traced arguments, the previous step's output put where
-    the trace had it.
-    """
+    """One step of a traced chain that is not a plain ``child(x)`` call: ``target`` (a
+    function, a method of the input, a child) with the traced arguments, the previous
+    step's output where the trace had it."""
 
     def __init__(
         self, kind: str, target: Any, args: tuple, kwargs: dict, module: nn.Module | None = None
@@ -487,12 +451,9 @@ class FxStep(nn.Module):
 
 
 def chain_layers(module: nn.Module) -> list[nn.Module] | None:
-    """The steps of ``module`` if its forward is a chain, else ``None``.
-
-    A chain takes one input and passes each step's output, and nothing else,
-    to the next step; the last step's output is returned. Steps are direct
-    children (called once each) or functions/methods of the running value.
-    """
+    """The steps of ``module`` if its forward is a chain (one input; each step's output,
+    and nothing else, goes to the next; steps are children called once each or
+    functions/methods of the running value), else ``None``."""
     if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
         layers = list(module.children())
         return layers if layers and len({id(m) for m in layers}) == len(module) else None
@@ -571,14 +532,7 @@ def _plan_units(
     model: nn.Module, rules: SplitRules
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
     """Units (qualified name, module) and host parameters (owned directly by opened
-    modules, or by skipped ones).
-
-    A parameter may sit in several units (tied embeddings: the input embedding and the
-    LM head), or in a unit and on the host: every inner RoundPipe adds its gradients
-    into the one master the outer RoundPipe keeps, so they sum as for a parameter shared
-    by two layers of one RoundPipe. A module reached twice (one block called from
-    several places) is one unit, listed once, and called from each place.
-    """
+    modules, or by skipped ones). A module reached twice is one unit, listed once."""
     units: list[tuple[str, nn.Module]] = []
     host: list[tuple[str, nn.Parameter]] = []
     seen_modules: set[int] = set()
@@ -642,15 +596,10 @@ def _make_redirect(auto: AutoRoundPipe, index: int, batch: int | None) -> Callab
 
 
 class AutoRoundPipe(RoundPipeBase):
-    """A model that could not become one Sequential, run unit by unit on the device pool.
-
-    See the module docstring for how units are chosen and what is lost. The
-    master weights, ``step`` / ``synchronize``, ``OptimizerCtx`` and the
-    attribute fall-through are :class:`RoundPipeBase`'s (shared with
-    ``RoundPipe``, its sibling); ``forward`` runs the original model's
-    ``forward`` on the host with each unit's calls sent to an inner RoundPipe
-    on the shared pool. ``forward_backward`` raises: with no last stage to fuse,
-    compute the loss from ``forward``'s output and call ``backward()``.
+    """A model that could not become one Sequential, run unit by unit on the device pool
+    (see the module docstring). Masters, ``step`` / ``synchronize``, ``OptimizerCtx`` and
+    the attribute fall-through are :class:`RoundPipeBase`'s; ``forward`` runs the original
+    ``forward`` on the host with each unit's calls sent to its inner RoundPipe.
 
     Attributes:
         units: ``(qualified name, inner RoundPipe)`` per unit.
@@ -753,8 +702,8 @@ class AutoRoundPipe(RoundPipeBase):
                 self._collect_host_reads(watch.found)
 
     def _collect_host_reads(self, found: Mapping[int, nn.Parameter]) -> None:
-        """Unit parameters the host code used: their gradients are taken from the host too
-        (``_take_model_grads``), and they are said once, with what would keep them in one unit."""
+        """Take the unit parameters the host code used as host parameters too, and say
+        so once, with what would keep them in one unit."""
         for key in found:
             pname, uname, p = self._unit_params.pop(key)
             self.host_parameters.append((pname, p))
@@ -774,8 +723,7 @@ class AutoRoundPipe(RoundPipeBase):
 
     def _call_unit(self, index: int, batch: int | None, args: tuple, kwargs: dict) -> Any:
         """One call of unit ``index`` from the host code, on its inner RoundPipe: cut into
-        microbatches only where that gives the numbers of one whole call (the checks are
-        :mod:`roundpipe_core.autosplit_calls`)."""
+        microbatches only where that gives the numbers of one whole call."""
         name, inner = self.units[index]
         unit = self._unit_modules[index]
         cfg = RoundPipeRunConfig(requires_grad=torch.is_grad_enabled())
@@ -841,29 +789,28 @@ class AutoRoundPipe(RoundPipeBase):
         )
 
     def _take_model_grads(self) -> None:
-        """Before a step: host parameters' gradients (of glue code on the host) move from
-        their ``.grad`` to their masters (a shared parameter is its own master)."""
+        """Before a step: host parameters' ``.grad`` moves to their masters."""
         for _, p in self.host_parameters:
             if p.grad is not None and self.masters.master_of.get(id(p)) is not p:
                 self.masters.add_grad(p, p.grad)
                 p.grad = None
 
-    def _all_inner(self) -> Iterator[RoundPipe]:
-        return (inner for _, inner in self.units)
-
     def close(self) -> None:
         """Stop the inner RoundPipes, then this one (and the shared pool)."""
         try:
-            for inner in self._all_inner():
+            for _, inner in self.units:
                 inner.close()
         finally:
             super().close()
 
     def summary(self) -> str:
-        """What the split made, in one line: how many units run on the device pool, how
-        many of them are pipelined over several layers, and what stays on the host."""
+        """What the split made, in one line (units, pipelined ones, host parameters)."""
         pipelined = sum(1 for _, inner in self.units if inner.num_layers > 1)
-        shared = sum(1 for c in self._unit_param_counts().values() if c > 1)
+        counts: dict[int, int] = {}
+        for unit in self._unit_modules:
+            for p in unit.parameters():
+                counts[id(p)] = counts.get(id(p), 0) + 1
+        shared = sum(1 for c in counts.values() if c > 1)
         return (
             f"{len(self.units)} units run on the device pool ({pipelined} of them pipelined "
             f"over several layers), {len(self.host_parameters)} parameters on the host"
@@ -876,13 +823,6 @@ class AutoRoundPipe(RoundPipeBase):
             if any(p is param for p in unit.parameters()):
                 return uname
         return None
-
-    def _unit_param_counts(self) -> dict[int, int]:
-        counts: dict[int, int] = {}
-        for unit in self._unit_modules:
-            for p in unit.parameters():
-                counts[id(p)] = counts.get(id(p), 0) + 1
-        return counts
 
     def __repr__(self) -> str:
         names = ", ".join(n or "<root>" for n, _ in self.units)

@@ -15,27 +15,18 @@ buffers of this layer only    yes   yes
 buffers shared between layers yes   no
 ============================  ====  =====
 
-:func:`check_forward_rules` runs a layer's forward once while watching it and
-warns (``RuntimeWarning``) about each write it sees, naming the layer and the
-attribute: a plain attribute that is added, rebound or whose container is
-mutated (``self.calls += 1``, ``self.cache.append(...)``, ``self.cfg.x = ...``),
-a parameter written in place, or a shared buffer written in place or rebound.
-The engine calls it once per layer on the first forward (:class:`ForwardRuleChecker`).
+:func:`check_forward_rules` runs a layer's forward once while watching it and warns
+(``RuntimeWarning``) about each write it sees, naming the layer and the attribute: a plain
+attribute added, rebound or whose container is mutated (``self.calls += 1``,
+``self.cache.append(...)``, ``self.cfg.x = ...``), a parameter written in place, a shared
+buffer written or rebound. Writes to global variables cannot be seen. The engine checks
+each layer on its first forward (:class:`ForwardRuleChecker`).
 
-:class:`PlanFitChecker` refuses a manual plan whose stages cannot fit the smallest
-device (parameters, gradients, one microbatch's saved activations, the next stage's
-prefetched parameters) before the call runs, instead of an out-of-memory error
-halfway through it.
-
-Writes to global variables cannot be seen from the module and are not detected.
-
-At construction (and at each training call) a RoundPipe also refuses what it could not
-honour: parameters with post-accumulate gradient hooks
-(:func:`check_no_post_accumulate_hooks`) and, at construction, parameters another open
-RoundPipe already keeps masters of (:func:`claim_parameters`); ``forward_backward``
-refuses inputs that require grad (:func:`check_inputs_need_no_grad`), and
-:func:`watch_updates` warns when steps keep updating no master (an optimizer built
-over ``rp.parameters()``).
+The other checks refuse before a call what the engine could not honour: a manual plan
+that cannot fit the smallest device (:class:`PlanFitChecker`), post-accumulate gradient
+hooks, parameters another open RoundPipe trains (:func:`claim_parameters`), inputs of
+``forward_backward`` that require grad; :func:`watch_updates` warns when steps keep
+updating no master (an optimizer built over ``rp.parameters()``).
 """
 
 from __future__ import annotations
@@ -50,6 +41,7 @@ import torch
 from torch import nn
 
 from . import batch as batching
+from .kinds import check_byte_counts
 from .planning.profile import check_plan_fits, measure_activation_bytes, scale_activation_bytes
 from .running.carried import REPLICA_OWNED, carried_tensors
 from .stepping.masters import MasterWeights
@@ -129,23 +121,13 @@ def check_forward_rules(
     shared_buffers: Collection[str] = (),
     error: bool = False,
 ) -> Any:
-    """Run ``run()`` (the forward of ``module``) and report forward-rule violations.
-
-    Args:
-        layer_index: index of the layer in the model (named in the message).
-        module: the module whose forward ``run`` executes (the engine's copy of
-            the layer on its device, or the layer itself).
-        run: executes the forward and returns its result.
-        shared_buffers: names (as in ``module.named_buffers()``) of buffers that
-            other layers share; writing them is a violation (see
-            :func:`find_shared_buffers`).
-        error: raise ``ValueError`` instead of warning.
-
-    Returns:
-        What ``run()`` returned.
+    """Run ``run()`` (the forward of ``module``: the layer or its device copy) and report
+    forward-rule violations, naming layer ``layer_index``; returns what ``run()`` returned.
+    ``shared_buffers``: names of buffers other layers share (:func:`find_shared_buffers`),
+    which the forward must not write.
 
     Raises:
-        ValueError: with ``error=True``, on the first forward that breaks a rule.
+        ValueError: with ``error=True`` (instead of a warning), on the first violation.
     """
     attrs_before = _plain_attributes(module)
     params = [(n, p, p._version) for n, p in module.named_parameters(remove_duplicate=True)]
@@ -187,13 +169,8 @@ def check_forward_rules(
 
 
 class ForwardRuleChecker:
-    """Check each layer of a model once, on its first forward (thread-safe).
-
-    Example (engine side)::
-
-        checker = ForwardRuleChecker(layers)
-        out = checker.run(i, replica_module, lambda: replica_module(x))
-    """
+    """Check each layer of a model once, on its first forward (thread-safe):
+    ``checker.run(i, replica, lambda: replica(x))``."""
 
     def __init__(
         self, layers: Sequence[nn.Module], watch_host_rng: bool = False, error: bool = False
@@ -240,10 +217,8 @@ def warn_host_random_draws(layer_index: int, module: nn.Module) -> None:
 
 
 def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
-    """Refuse layers compiled in place (``module.compile()``).
-
-    The compiled function is bound to the host module, while devices run copies of
-    each layer: the copies would silently run uncompiled (or the host module itself).
+    """Refuse layers compiled in place (``module.compile()``): the compiled function is
+    bound to the host module, so the device copies would silently run uncompiled.
     ``torch.compile(module)`` returns a new module that copies with its compilation.
 
     Raises:
@@ -261,10 +236,9 @@ def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
 
 
 def check_carried_state(layers: Sequence[nn.Module]) -> None:
-    """Refuse a layer that keeps a tensor requiring grad as a plain attribute (not a
-    parameter): the replicas get a device copy of it, whose gradient no one downloads.
-    Other tensors kept outside parameters and buffers (a quantized layer's quant state,
-    a constant attribute) travel with every upload (``running/carried.py``).
+    """Refuse a layer that keeps a tensor requiring grad as a plain attribute: the
+    replicas get a device copy whose gradient no one downloads (other carried tensors
+    travel with every upload, ``running/carried.py``).
 
     Raises:
         ValueError: naming the layer, module and attribute, and the fix.
@@ -291,13 +265,10 @@ def check_not_on_meta(model: nn.Module) -> None:
 
 
 def check_no_post_accumulate_hooks(named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Refuse parameters that carry a ``register_post_accumulate_grad_hook`` hook.
-
-    Such a hook would be handed the parameter once its ``.grad`` is complete, typically
-    to step it inside the backward; devices backpropagate into copies of the weights,
-    so autograd never calls it, and stepping weights that later microbatches or the next
-    overlapped call still read would be wrong. (``Tensor.register_hook`` hooks are
-    honoured: ``MasterWeights.add_many`` runs them on each call's whole gradient.)
+    """Refuse parameters with a ``register_post_accumulate_grad_hook`` hook: devices
+    backpropagate into copies of the weights, so autograd never calls it (and stepping
+    weights later microbatches still read would be wrong). ``Tensor.register_hook`` hooks
+    are honoured (``MasterWeights.add_many``).
 
     Raises:
         ValueError: naming the first such parameter and what to do instead.
@@ -404,9 +375,8 @@ def watch_updates(
     fn: Callable[[], Any], masters: MasterWeights, idle: IdleSteps
 ) -> Callable[[], Any]:
     """``fn`` that also tells ``idle`` whether it changed a master that had a gradient,
-    until one step did (or the warning was given): an in-place update bumps the tensor's
-    version counter -- except torch's fused kernels, which write without bumping it, so
-    where no counter moved the first element of each master is compared too."""
+    until one step did: by version counters, and by each master's first element where no
+    counter moved (torch's fused kernels write without bumping it)."""
 
     def watched() -> Any:
         if idle.settled or idle.warned:
@@ -437,13 +407,9 @@ def watch_updates(
 class PlanFitChecker:
     """Refuses a manual plan whose stages cannot fit the smallest device, once per plan.
 
-    The check needs the layers' saved-activation bytes per microbatch; they are measured
-    once per model, on the first training call's first microbatch (two rows of it
-    when the batch is split by rows, scaled up), and kept in ``activation_bytes`` so the
-    automatic planner (``profile_of``) counts them from then on.
-
-    Args:
-        layers: the model's layers.
+    The layers' saved-activation bytes per microbatch are measured once, on two rows of
+    the first training call's first microbatch (scaled up), and kept in
+    ``activation_bytes``, which the automatic planner (``profile_of``) counts too.
     """
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
@@ -459,15 +425,7 @@ class PlanFitChecker:
             ValueError: not one non-negative number per layer.
         """
         if value is not None:
-            vals = list(value)
-            if len(vals) != len(self.layers) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in vals
-            ):
-                raise ValueError(
-                    f"layer_activation_bytes must be {len(self.layers)} non-negative numbers "
-                    f"(one per layer) or None, got {value!r}"
-                )
-            value = [float(v) for v in vals]
+            value = check_byte_counts(value, "layer_activation_bytes", len(self.layers))
         self.activation_bytes = value
         self._measured = value is not None
         self._checked.clear()

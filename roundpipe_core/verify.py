@@ -1,28 +1,16 @@
-"""Equivalence checker: a model under execution plans vs plain PyTorch.
+"""Equivalence checker: a model under execution plans vs plain PyTorch (seed 003).
 
-Seed 003 checked every new pipeline layout by running the same batch with the
-old and the new layout and comparing, tensor by tensor, module outputs, output
-gradients and parameter gradients in strict fp32. :func:`compare_plans` does
-that for RoundPipe plans: it builds the model with ``make_model()`` once for a
-plain PyTorch reference and once per plan, runs one ``forward_backward`` (no
-optimizer step) and reports, for every layer (its index in the Sequential):
+:func:`compare_plans` builds the model with ``make_model()`` once for a plain PyTorch
+reference and once per plan, runs one ``forward_backward`` (no step) and reports per
+layer the largest absolute / relative difference of its outputs, of their gradients, of
+its parameter gradients and of its recomputed outputs against the forward's own (a
+recompute that differs breaks gradients silently), plus the loss; any NaN/Inf fails.
+Default tolerances: the seed's strict fp32 ``atol=1e-5, rtol=0``.
 
-* the largest absolute / relative difference of the layer's outputs,
-* of the gradients flowing into those outputs,
-* of the layer's parameter gradients,
-* of the recomputed outputs against the forward's own (a layer whose recompute
-  differs from its forward breaks gradients silently),
-
-plus the loss, and fails on any NaN/Inf. The default tolerances are the seed's
-strict fp32 ones: ``atol=1e-5, rtol=0``.
-
-How outputs are captured: forward hooks are registered on the layers *before*
-the model is wrapped. RoundPipe runs per-worker replicas made with
-``copy.deepcopy`` of the layers, which carries the hooks along; inside a hook,
-:func:`~roundpipe_core.context.doing_recompute` tells the real forward from the
-recompute and :func:`~roundpipe_core.context.current_microbatch` places the
-microbatch. The reference loss is the sum of the per-microbatch losses over the
-same microbatch split, which is exactly what ``forward_backward`` computes.
+Forward hooks registered before wrapping travel into the device replicas (deepcopy);
+:func:`~roundpipe_core.context.doing_recompute` and
+:func:`~roundpipe_core.context.current_microbatch` place each call. The reference loss
+is the sum of per-microbatch losses over the same split, as ``forward_backward``'s.
 
 CLI (on a small residual MLP)::
 
@@ -125,10 +113,15 @@ class LayerReport:
     param_grad: Diff | None
     recompute: Diff | None
 
+    def diffs(self) -> list[tuple[str, Diff]]:
+        """``(what, Diff)`` of each comparison this layer has."""
+        named = [("output", self.output), ("output grad", self.output_grad)]
+        named += [("param grad", self.param_grad), ("recompute", self.recompute)]
+        return [(what, d) for what, d in named if d is not None]
+
     @property
     def ok(self) -> bool:
-        parts = [self.output, self.output_grad, self.param_grad, self.recompute]
-        return all(p.ok for p in parts if p is not None)
+        return all(d.ok for _, d in self.diffs())
 
 
 @dataclass
@@ -148,27 +141,16 @@ class PlanReport:
     @property
     def tensors_compared(self) -> tuple[int, int]:
         """(outputs + output gradients + recomputed outputs, parameter gradients) compared."""
-        acts = sum(
-            d.count
-            for r in self.layers
-            for d in (r.output, r.output_grad, r.recompute)
-            if d is not None
-        )
-        params = sum(r.param_grad.count for r in self.layers if r.param_grad is not None)
-        return acts, params
+        counts = [(what == "param grad", d.count) for r in self.layers for what, d in r.diffs()]
+        return sum(c for p, c in counts if not p), sum(c for p, c in counts if p)
 
     def failures(self) -> list[str]:
         out = [self.error] if self.error else []
         if not self.loss.ok:
             out.append(f"loss differs by {self.loss.max_abs:.3e} {self.loss.note}".strip())
         for r in self.layers:
-            for name, d in (
-                ("output", r.output),
-                ("output grad", r.output_grad),
-                ("param grad", r.param_grad),
-                ("recompute", r.recompute),
-            ):
-                if d is not None and not d.ok:
+            for name, d in r.diffs():
+                if not d.ok:
                     out.append(
                         f"layer {r.layer} {name}: max abs {d.max_abs:.3e}, max rel {d.max_rel:.3e}"
                         + (f" ({d.note})" if d.note else "")
@@ -277,6 +259,19 @@ def _cat(parts: dict[int, list[torch.Tensor]], k: int) -> torch.Tensor | None:
     return torch.cat(pieces, dim=0)
 
 
+def _diff(
+    pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor, str]], atol: float, rtol: float
+) -> Diff:
+    """The :class:`Diff` of ``(got, reference, what is missing if got is None)`` pairs."""
+    d = Diff()
+    for got, ref, note in pairs:
+        if got is None:
+            d.missing(note)
+        else:
+            d.add(got, ref, atol, rtol)
+    return d
+
+
 def _layers_of(model: nn.Module) -> list[nn.Module]:
     return list(model.children()) if isinstance(model, nn.Sequential) else [model]
 
@@ -330,19 +325,15 @@ def compare_plans(
 
     Args:
         make_model: builds the model (an ``nn.Sequential``) with the same weights at
-            every call (seed inside it); dropout must be off (p=0 or eval-mode modules):
-            plain PyTorch and the pipeline draw random numbers in different orders.
-        inputs: the model's positional inputs (a tensor or a tuple).
-        labels: labels, split into microbatches like the inputs.
+            every call (seed inside it), dropout off (the pipeline draws in another order).
+        inputs / labels: positional inputs (a tensor or a tuple) and labels.
         loss_fn: ``loss_fn(output, label) -> scalar`` per microbatch.
         plans: ``ModelExecutePlan`` objects, ``"fwd=... bwd=..."`` strings, or symmetric
             layouts (``"1,2,3"``, ``"0:2,1:4"``; see :func:`_as_plan`).
         devices: the RoundPipe device pool (``2``, ``"cpu:3"``, a list of devices).
-        num_microbatch: microbatches per call (default: devices + 1 on every pool,
+        num_microbatch: microbatches per call (default: devices + 1,
             :func:`~roundpipe_core.planning.plan.default_num_microbatch` of concurrent
-            devices, also on CPU workers -- whose own calls default to 1 or one per
-            worker -- so that every plan compared runs several microbatches through
-            its pipeline).
+            devices, also on CPU workers, whose own calls run 1 or one per worker).
         atol / rtol: per-element tolerance ``|a - b| <= atol + rtol * |b|``.
         recompute_grain: "stage" or "layer".
         strict: raise ``AssertionError`` on any mismatch instead of only reporting it.
@@ -382,142 +373,106 @@ def compare_plans(
     # One device pool for every plan's RoundPipe.
     pool = devices if isinstance(devices, DevicePool) else DevicePool(devices)
     try:
-        return _compare(
-            make_model,
-            inputs,
-            labels,
-            loss_fn,
-            plans,
-            pool,
-            num_microbatch,
-            atol,
-            rtol,
-            recompute_grain,
-            strict,
-            ref_model,
-            ref_rec,
-            n,
-        )
+        num_devices = len(pool)
+        # The pipeline's microbatch split, reproduced for the reference loss.
+        m = num_microbatch or default_num_microbatch(num_devices)
+        bs = batching.batch_size_of((inputs, {}))
+        sizes = batching.split_sizes(bs, m)
+        out = ref_model(*inputs)
+        outs = batching.split_tree(out, sizes, bs)
+        labs = batching.split_tree(labels, sizes, bs)
+        ref_loss = torch.stack([loss_fn(o, y) for o, y in zip(outs, labs)]).sum()
+        ref_loss.backward()
+        ref_loss = ref_loss.detach()
+        ref_outputs = [ref_rec.outputs[i][0] for i in range(n)]
+        ref_grads = [ref_rec.grads[i].get(0, {}) for i in range(n)]
+        ref_param_grads = {
+            name: p.grad for name, p in ref_model.named_parameters() if p.grad is not None
+        }
+        notes: list[str] = []
+        if any(
+            isinstance(mod, nn.Dropout) and mod.p > 0 and mod.training
+            for mod in ref_model.modules()
+        ):
+            notes.append(
+                "dropout is on: random masks differ between plain PyTorch and the pipeline"
+            )
+
+        # -- each plan ----------------------------------------------------------------------
+        reports = []
+        for spec in plans:
+            label, plan = _as_plan(spec, n, num_devices)
+            model = make_model()
+            rec = _Recorder(n)
+            for i, layer in enumerate(_layers_of(model)):
+                layer.register_forward_hook(rec.hook_for(i))
+            rp = RoundPipe(model, devices=pool)
+            try:
+                cfg = RoundPipeRunConfig(
+                    execute_plan=plan, num_microbatch=m, recompute_grain=recompute_grain
+                )
+                try:
+                    loss = rp.forward_backward(
+                        input_args=inputs, label=labels, loss_fn=loss_fn, run_config=cfg
+                    )
+                except Exception as exc:  # noqa: BLE001 - reported as this plan's failure
+                    reports.append(
+                        PlanReport(
+                            label, plan, Diff(ok=False), [], error=f"{type(exc).__name__}: {exc}"
+                        )
+                    )
+                    continue
+                got_params = {name: p.grad for name, p in rp.optim_named_parameters()}
+            finally:
+                rp.close()
+            loss_diff = Diff()
+            loss_diff.add(loss.reshape(()), ref_loss.reshape(()), atol, rtol)
+            layer_reports = []
+            for i in range(n):
+                grads = [
+                    (k, ref_g, {mb: [g[k]] for mb, g in rec.grads[i].items() if k in g})
+                    for k, ref_g in ref_grads[i].items()
+                ]
+                prefix = f"{i}." if isinstance(model, nn.Sequential) else ""
+                names = [k for k in ref_param_grads if k.startswith(prefix)]
+                pairs: list[list[tuple[torch.Tensor | None, torch.Tensor, str]]] = [
+                    [
+                        (_cat(rec.outputs[i], k), ref, f"output {k} never recorded")
+                        for k, ref in enumerate(ref_outputs[i])
+                    ],
+                    [
+                        (
+                            _cat(parts, 0) if len(parts) == len(sizes) else None,
+                            ref_g,
+                            f"output grad {k} seen for {len(parts)} of {len(sizes)} microbatches",
+                        )
+                        for k, ref_g, parts in grads
+                    ],
+                    [
+                        (got, ref_param_grads[name], f"no gradient for {name}")
+                        for name in names
+                        for got in [got_params.get(name)]
+                    ],
+                    [
+                        (a, b, "")
+                        for mb, tensors in rec.recomputed[i].items()
+                        for a, b in zip(tensors, rec.outputs[i].get(mb, []))
+                    ],
+                ]
+                wanted = (True, bool(grads), bool(names), bool(rec.recomputed[i]))
+                out_d, grad_d, par_d, rec_d = (
+                    _diff(p, atol, rtol) if w else None for p, w in zip(pairs, wanted)
+                )
+                assert out_d is not None
+                layer_reports.append(LayerReport(i, out_d, grad_d, par_d, rec_d))
+            reports.append(PlanReport(label, plan, loss_diff, layer_reports))
+        report = VerifyReport(reports, atol, rtol, ref_loss.item(), notes)
+        if strict:
+            report.raise_for_failure()
+        return report
     finally:
         if pool is not devices:
             pool.close()
-
-
-def _compare(
-    make_model: Callable[[], nn.Module],
-    inputs: tuple,
-    labels: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    plans: Sequence[PlanSpec],
-    pool: Any,
-    num_microbatch: int | None,
-    atol: float,
-    rtol: float,
-    recompute_grain: str,
-    strict: bool,
-    ref_model: nn.Module,
-    ref_rec: _Recorder,
-    n: int,
-) -> VerifyReport:
-    num_devices = len(pool)
-    # The pipeline's microbatch split, reproduced for the reference loss.
-    m = num_microbatch or default_num_microbatch(num_devices)
-    bs = batching.batch_size_of((inputs, {}))
-    sizes = batching.split_sizes(bs, m)
-    out = ref_model(*inputs)
-    outs = batching.split_tree(out, sizes, bs)
-    labs = batching.split_tree(labels, sizes, bs)
-    ref_loss = torch.stack([loss_fn(o, y) for o, y in zip(outs, labs)]).sum()
-    ref_loss.backward()
-    ref_loss = ref_loss.detach()
-    ref_outputs = [{0: ref_rec.outputs[i][0]} for i in range(n)]
-    ref_grads = [ref_rec.grads[i].get(0, {}) for i in range(n)]
-    ref_param_grads = {
-        name: p.grad for name, p in ref_model.named_parameters() if p.grad is not None
-    }
-    notes: list[str] = []
-    if any(
-        isinstance(mod, nn.Dropout) and mod.p > 0 and mod.training for mod in ref_model.modules()
-    ):
-        notes.append("dropout is on: random masks differ between plain PyTorch and the pipeline")
-
-    # -- each plan ----------------------------------------------------------------------
-    reports = []
-    for spec in plans:
-        label, plan = _as_plan(spec, n, num_devices)
-        model = make_model()
-        rec = _Recorder(n)
-        for i, layer in enumerate(_layers_of(model)):
-            layer.register_forward_hook(rec.hook_for(i))
-        rp = RoundPipe(model, devices=pool)
-        try:
-            cfg = RoundPipeRunConfig(
-                execute_plan=plan, num_microbatch=m, recompute_grain=recompute_grain
-            )
-            try:
-                loss = rp.forward_backward(
-                    input_args=inputs, label=labels, loss_fn=loss_fn, run_config=cfg
-                )
-            except Exception as exc:  # noqa: BLE001 - reported as this plan's failure
-                reports.append(
-                    PlanReport(
-                        label, plan, Diff(ok=False), [], error=f"{type(exc).__name__}: {exc}"
-                    )
-                )
-                continue
-            got_params = {name: p.grad for name, p in rp.optim_named_parameters()}
-        finally:
-            rp.close()
-        loss_diff = Diff()
-        loss_diff.add(loss.reshape(()), ref_loss.reshape(()), atol, rtol)
-        layer_reports = []
-        for i in range(n):
-            out_d = Diff()
-            for k in range(len(ref_outputs[i][0])):
-                got = _cat(rec.outputs[i], k)
-                if got is None:
-                    out_d.missing(f"output {k} never recorded")
-                    continue
-                out_d.add(got, ref_outputs[i][0][k], atol, rtol)
-            grad_d: Diff | None = None
-            if ref_grads[i]:
-                grad_d = Diff()
-                for k, ref_g in ref_grads[i].items():
-                    parts = {mb: [g[k]] for mb, g in rec.grads[i].items() if k in g}
-                    if len(parts) != len(sizes):
-                        grad_d.missing(
-                            f"output grad {k} seen for {len(parts)} of {len(sizes)} microbatches"
-                        )
-                        continue
-                    got = _cat(parts, 0)
-                    assert got is not None
-                    grad_d.add(got, ref_g, atol, rtol)
-            rec_d: Diff | None = None
-            if rec.recomputed[i]:
-                rec_d = Diff()
-                for mb, tensors in rec.recomputed[i].items():
-                    fwd = rec.outputs[i].get(mb)
-                    if fwd is None:
-                        continue
-                    for a, b in zip(tensors, fwd):
-                        rec_d.add(a, b, atol, rtol)
-            prefix = f"{i}." if isinstance(model, nn.Sequential) else ""
-            names = [k for k in ref_param_grads if k.startswith(prefix)]
-            par_d: Diff | None = None
-            if names:
-                par_d = Diff()
-                for name in names:
-                    got = got_params.get(name)
-                    if got is None:
-                        par_d.missing(f"no gradient for {name}")
-                        continue
-                    par_d.add(got, ref_param_grads[name], atol, rtol)
-            layer_reports.append(LayerReport(i, out_d, grad_d, par_d, rec_d))
-        reports.append(PlanReport(label, plan, loss_diff, layer_reports))
-    report = VerifyReport(reports, atol, rtol, ref_loss.item(), notes)
-    if strict:
-        report.raise_for_failure()
-    return report
 
 
 # -- CLI --------------------------------------------------------------------------------

@@ -1,20 +1,16 @@
 """Saying how the automatic split cut a call's inputs, for the error of a layer.
 
-The automatic split (``split_input=None``) takes the batch size from the first tensor
-and cuts *every* tensor whose first dimension has that length. A tensor that only
-happens to be as long as the batch -- a per-feature vector of 8 values with batch 8 --
-is cut too, and the layer that receives a slice of it fails with a shape error that
-never mentions the split. :func:`auto_split_note` describes what was cut, so the
-runtime can add it to such an error.
+The automatic split cuts *every* tensor whose first dimension is the batch size, also
+one only as long by chance (a per-feature vector of 8 values with batch 8), and the
+layer that receives a slice fails with a shape error that never mentions the split:
+:func:`auto_split_note` says what was cut, for the runtime to add to such an error.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import torch
-
-from .tree import RoundPipePackedData, _children
+from .tree import _children
 
 __all__ = ["AutoSplitLeaf", "auto_split_note", "leaf_paths"]
 
@@ -29,18 +25,12 @@ class AutoSplitLeaf(NamedTuple):
 
 def leaf_paths(obj: Any, where: str) -> list[str]:
     """The path of every leaf of ``obj`` in ``flatten`` order (``where`` is the root)."""
-    if isinstance(obj, (torch.Tensor, RoundPipePackedData)):
-        return [where]
-    node = _children(obj)
+    node = _children(obj)  # (None for a tensor or packed data: a leaf)
     if node is None:
         return [where]
     kids, _, keys = node
     names = keys if keys is not None else list(range(len(kids)))
     return [p for k, kid in zip(names, kids) for p in leaf_paths(kid, f"{where}[{k!r}]")]
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
 def auto_split_note(cut: tuple[AutoSplitLeaf, ...], limit: int = 6) -> str | None:
@@ -50,14 +40,14 @@ def auto_split_note(cut: tuple[AutoSplitLeaf, ...], limit: int = 6) -> str | Non
         return None
     first, rest = cut[0], cut[1:]
     pieces = "; ".join(
-        f"{leaf.path} {_shape(leaf.shape)} -> "
-        + " ".join(_shape((s, *leaf.shape[1:])) for s in leaf.sizes)
+        f"{leaf.path} {tuple(leaf.shape)} -> "
+        + " ".join(str((s, *leaf.shape[1:])) for s in leaf.sizes)
         for leaf in rest[:limit]
     )
     more = f"; and {len(rest) - limit} more" if len(rest) > limit else ""
     return (
         f"RoundPipe: the inputs were split into microbatches automatically (split_input=None): "
-        f"the batch size is {first.shape[0]}, from {first.path} {_shape(first.shape)}, and every "
+        f"the batch size is {first.shape[0]}, from {first.path} {tuple(first.shape)}, and every "
         f"other tensor whose first dimension is {first.shape[0]} was cut along it too: "
         f"{pieces}{more}. If one of these is not per-sample (say, a per-feature tensor as long "
         "as the batch), give a split_input spec that passes it whole: "

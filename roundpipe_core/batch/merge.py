@@ -14,7 +14,6 @@ from .tree import (
     _is_reducer,
     _is_replicate,
     _leaf_specs,
-    _MeanReducer,
     _SumReducer,
     flatten,
 )
@@ -40,16 +39,9 @@ class MergedOutputs(NamedTuple):
     num_microbatch: int = 1
 
     def split_output_grads(self, grads: list[torch.Tensor | None]) -> list[list[Any]]:
-        """Per-microbatch gradients of the output leaves from the merged output's.
-
-        Args:
-            grads: one gradient (or ``None``) per leaf of ``flatten(merged)``.
-
-        Returns:
-            For each microbatch, one gradient per output leaf: the matching slice of a
-            concatenation, ``g / n`` for an average, ``g`` for a sum, ``g`` to
-            microbatch 0 only for a replicated value.
-        """
+        """Per microbatch, one gradient per output leaf from ``grads`` (one per leaf of
+        ``flatten(merged)``, or ``None``): the slice of a concatenation, ``g / n`` for an
+        average, ``g`` for a sum, ``g`` to microbatch 0 only for a replicated value."""
         if self.leaf_rules is None:
             raise ValueError(
                 "outputs merged by a custom merge_output function cannot be differentiated "
@@ -134,7 +126,7 @@ def _merge_leaf(vals: list[Any], marker: Any, where: str) -> tuple[Any, tuple]:
     if _is_replicate(marker):
         value = _replicated(vals, where)
         return value, (("first",) if isinstance(v0, torch.Tensor) else ("none",))
-    if isinstance(marker, _MeanReducer):
+    if isinstance(marker, _SumReducer) and marker.mean:
         return _mean(vals), ("mean", n)
     if isinstance(marker, _SumReducer):
         return torch.stack(vals).sum(0) if isinstance(v0, torch.Tensor) else sum(vals), ("sum",)

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..kinds import check_int
 from .explain import AutoSplitLeaf, leaf_paths
 from .tree import (
     RoundPipePackedData,
@@ -17,6 +18,7 @@ from .tree import (
     _with_dim,
     batch_size_of,
     flatten,
+    spec_pair,
     split_sizes,
     split_tree,
 )
@@ -54,16 +56,9 @@ class SplitInputs(NamedTuple):
     auto_cut: tuple[AutoSplitLeaf, ...] = ()
 
     def join_input_grads(self, per_microbatch: list[list[torch.Tensor | None]]) -> list[Any]:
-        """Gradients w.r.t. the original input leaves from per-microbatch leaf gradients.
-
-        Args:
-            per_microbatch: for each microbatch, the gradients of its input leaves
-                (``flatten`` order of that microbatch's ``(args, kwargs)``).
-
-        Returns:
-            One gradient (or ``None``) per leaf of the original ``(args, kwargs)``:
-            chunks are concatenated back, replicated leaves get the sum.
-        """
+        """One gradient (or ``None``) per leaf of the original ``(args, kwargs)`` from each
+        microbatch's input-leaf gradients (``flatten`` order): chunks concatenated back,
+        replicated leaves summed."""
         if self.leaf_rules is None:
             raise ValueError(
                 "inputs split by a custom split_input function cannot take a gradient: their "
@@ -160,49 +155,22 @@ def _split_leaves(
     return per_mb, rules, row_sizes, (bs if sizes is not None else None)
 
 
-def _check_spec_pair(split_input: Any) -> tuple[Any, Any]:
-    if not (isinstance(split_input, (tuple, list)) and len(split_input) == 2):
-        raise TypeError(
-            "split_input must be None, a function f(args, kwargs, n) or a pair "
-            f"(args_spec, kwargs_spec); got {split_input!r}"
-        )
-    return split_input[0], split_input[1]
-
-
 def split_call_inputs(
     split_input: Any, args: tuple, kwargs: dict, num_microbatch: int
 ) -> SplitInputs:
-    """Cut a call's ``(args, kwargs)`` into microbatches as ``split_input`` says.
-
-    Args:
-        split_input: ``None`` (automatic), ``(args_spec, kwargs_spec)``, or a function
-            ``f(args, kwargs, n)`` returning ``(args_list, kwargs_list)`` or
-            ``[(args, kwargs), ...]``.
-        args: positional inputs.
-        kwargs: keyword inputs.
-        num_microbatch: the number of microbatches wanted (fewer when the batch is
-            smaller; packed inputs decide it themselves).
-
-    Returns:
-        A :class:`SplitInputs`.
+    """Cut a call's ``(args, kwargs)`` into ``num_microbatch`` microbatches (fewer when the
+    batch is smaller; packed inputs decide themselves) as ``split_input`` says: ``None``
+    (automatic), ``(args_spec, kwargs_spec)``, or a function ``f(args, kwargs, n)``.
 
     Raises:
         TypeError / ValueError: on a malformed spec or function result, naming it.
     """
-    if (
-        not isinstance(num_microbatch, int)
-        or isinstance(num_microbatch, bool)
-        or num_microbatch < 1
-    ):
-        raise ValueError(f"num_microbatch must be a positive int, got {num_microbatch!r}")
+    check_int(num_microbatch, "num_microbatch")
     args, kwargs = tuple(args), dict(kwargs)
     if callable(split_input):
         parts = _normalise_split_result(split_input(args, kwargs, num_microbatch))
         return SplitInputs(_unpack_packed(parts), [], None, None)
-    if split_input is None:
-        args_spec, kwargs_spec = None, None
-    else:
-        args_spec, kwargs_spec = _check_spec_pair(split_input)
+    args_spec, kwargs_spec = (None, None) if split_input is None else spec_pair(split_input)
     markers = _leaf_specs(args_spec, args, "args") + _leaf_specs(kwargs_spec, kwargs, "kwargs")
     if any((_is_reducer(m) or isinstance(m, bool)) for m, _ in markers):
         raise TypeError(
@@ -293,15 +261,9 @@ def split_call_labels(
     sizes: list[int] | None = None,
     batch_size: int | None = None,
 ) -> list[Any]:
-    """Cut ``label`` into exactly ``num_parts`` microbatches (those of the inputs).
-
-    Args:
-        split_label: ``None`` (automatic), a spec mirroring the label, or a function
-            ``f(label, n) -> [label, ...]``.
-        label: the labels.
-        num_parts: the number of input microbatches.
-        sizes / batch_size: the inputs' row split (from :class:`SplitInputs`); automatic
-            splitting uses it so label rows match input rows.
+    """Cut ``label`` into exactly ``num_parts`` microbatches (those of the inputs) as
+    ``split_label`` says (``None``, a spec, or ``f(label, n)``); ``sizes`` / ``batch_size``:
+    the inputs' row split, so automatic label rows match input rows.
 
     Raises:
         ValueError: when the labels cannot be cut into ``num_parts`` parts.

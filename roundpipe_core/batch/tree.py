@@ -23,6 +23,7 @@ __all__ = [
     "split_sizes",
     "split_tree",
     "check_run_specs",
+    "spec_pair",
 ]
 
 Rebuild = Callable[[list[Any]], Any]
@@ -113,29 +114,20 @@ class RoundPipePackedData(list):
 
 
 # --------------------------------------------------------------------------- reducers
-class _MeanReducer(Reducer):
-    """Average over microbatches (a fold cannot express a mean, so merging treats it
-    as sum then divide; its gradient is ``g / n`` per microbatch)."""
-
-    def __init__(self) -> None:
-        super().__init__(None, lambda acc, v: v if acc is None else acc + v)
-
-    def __repr__(self) -> str:
-        return "avg_reducer"
-
-
 class _SumReducer(Reducer):
-    """Sum over microbatches (gradient ``g`` to every microbatch)."""
+    """Sum over microbatches (gradient ``g`` to every microbatch), or with ``mean`` their
+    average (a fold cannot express a mean: merged as sum then divide, gradient ``g / n``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mean: bool) -> None:
         super().__init__(None, lambda acc, v: v if acc is None else acc + v)
+        self.mean = mean
 
     def __repr__(self) -> str:
-        return "sum_reducer"
+        return "avg_reducer" if self.mean else "sum_reducer"
 
 
-avg_reducer = _MeanReducer()
-sum_reducer = _SumReducer()
+avg_reducer = _SumReducer(mean=True)
+sum_reducer = _SumReducer(mean=False)
 
 
 # --------------------------------------------------------------------------- pytrees
@@ -289,13 +281,9 @@ def check_run_specs(
         TypeError: naming the field and the offending part, with the accepted forms.
     """
     if split_input is not None and not callable(split_input):
-        if not (isinstance(split_input, (tuple, list)) and len(split_input) == 2):
-            raise TypeError(
-                "split_input must be None, a function f(args, kwargs, n) or a pair "
-                f"(args_spec, kwargs_spec); got {split_input!r}"
-            )
-        _check_spec_tree(split_input[0], "split_input[0]", split=True)
-        _check_spec_tree(split_input[1], "split_input[1]", split=True)
+        args_spec, kwargs_spec = spec_pair(split_input)
+        _check_spec_tree(args_spec, "split_input[0]", split=True)
+        _check_spec_tree(kwargs_spec, "split_input[1]", split=True)
     if split_label is not None and not callable(split_label):
         _check_spec_tree(split_label, "split_label", split=True)
     if (
@@ -304,6 +292,16 @@ def check_run_specs(
         and not isinstance(merge_output, bool)
     ):
         _check_spec_tree(merge_output, "merge_output", split=False)
+
+
+def spec_pair(split_input: Any) -> tuple[Any, Any]:
+    """``split_input``'s ``(args_spec, kwargs_spec)``; TypeError unless it is a pair."""
+    if not (isinstance(split_input, (tuple, list)) and len(split_input) == 2):
+        raise TypeError(
+            "split_input must be None, a function f(args, kwargs, n) or a pair "
+            f"(args_spec, kwargs_spec); got {split_input!r}"
+        )
+    return split_input[0], split_input[1]
 
 
 def _check_spec_tree(spec: Any, where: str, split: bool) -> None:

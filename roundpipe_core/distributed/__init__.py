@@ -1,49 +1,25 @@
 """Data parallel RoundPipe across processes and nodes over ``torch.distributed``.
 
-RoundPipe drives every GPU of a node from one process; beyond one node (or, for
-tests, several processes on one machine) each process holds a full RoundPipe
-and the processes are data parallel: each trains on its own shard of the data
-and the master gradients are all-reduced before every optimizer step.
+Each process holds a full RoundPipe (driving every GPU of its node) and trains on its
+own shard of the data; the master gradients are all-reduced before every step. They
+live on the host, so the backend is **gloo** over CPU tensors (an NCCL group stages
+each bucket through the GPU and back). Nothing here imports Lightning:
 
-The master gradients live on the host (fp32 ``.grad`` of
-``rp.optim_parameters()``), so the natural backend is **gloo** over CPU
-tensors. NCCL only reduces GPU tensors: with an NCCL group the reducer stages
-each bucket through the GPU and back, which pays two PCIe copies per bucket and
-only wins on fast inter-node fabrics; gloo is the default.
+* :class:`GradientAllReducer` / :func:`sync_gradients` -- bucketed all-reduce of the
+  master gradients, overlapped with the backward through the grad hook or one-shot;
+* :class:`DataParallel` -- what a training loop needs (``connect``, ``attach``,
+  ``wrap_closure``, ``reduce``, ``abort``, ``detach``);
+* :class:`HostShard`, :class:`ShardedGradientReducer` -- ``shard_host_state=True``;
+  :func:`save_shard` / :func:`load_shards` / :func:`merge_shards` -- its checkpoints;
+* :func:`broadcast_masters` / :func:`params_in_sync` -- start from, and check, one set
+  of weights;
+* :func:`init_process_group` / :func:`dist_env_from_environ` -- set-up from a Lightning
+  ``ClusterEnvironment`` or the environment of torchrun, SLURM or a hand-written launch;
+* :func:`all_reduce`, :func:`barrier`, :func:`broadcast_object`, :func:`all_gather`.
 
-Nothing here imports Lightning (the Lightning strategy wires it in):
-
-* :class:`GradientAllReducer` -- bucketed all-reduce of the master gradients,
-  optionally overlapped with the backward pass through RoundPipe's grad hook, in a
-  ring of a few kept flat buffers (:func:`reduce_buffer_bytes`: their bytes);
-  :func:`sync_gradients` -- the one-shot, non-overlapped form.
-* :class:`DataParallel` -- what a training loop needs: ``connect``, ``attach``,
-  ``wrap_closure``, ``reduce``, ``abort``, ``detach``.
-* :class:`HostShard`, :class:`ShardedGradientReducer` -- ``DataParallel(shard_host_state=True)``:
-  each rank keeps gradients and optimizer state for its 1/N of the parameters only
-  (reduce to the owner, step the share, all-gather the weights; see ``sharded.py``).
-* :func:`save_shard` / :func:`load_shards` / :func:`merge_shards` -- checkpoints of a
-  sharded state: one file per rank, loadable on any rank count, mergeable offline.
-* :func:`broadcast_masters` -- make every rank start from rank ``src``'s weights;
-  :func:`params_in_sync` -- check that they still agree.
-* :func:`init_process_group` / :func:`dist_env_from_environ` -- process-group
-  set-up from a Lightning ``ClusterEnvironment`` or from the environment that
-  torchrun, SLURM or a hand-written launch (``MASTER_ADDR``, ``MASTER_PORT``,
-  ``WORLD_SIZE``, ``NODE_RANK``) provide, with a configurable timeout.
-* :func:`all_reduce`, :func:`barrier`, :func:`broadcast_object`,
-  :func:`all_gather` -- small collectives over the same group.
-
-Data: each process must see a different shard -- Lightning's
-``DistributedSampler`` with ``num_replicas=world_size`` (one process per node)
-and ``rank=global_rank``; in plain PyTorch pass the same to
-``torch.utils.data.DistributedSampler`` and call ``set_epoch`` every epoch.
-
-Failure: every collective is bounded by the process group's timeout
-(``timeout=`` here, ``ROUNDPIPE_DIST_TIMEOUT`` seconds in the environment,
-default 30 minutes like torch). A peer that dies closes its sockets and the
-others fail at their next collective; a peer that stalls makes them fail when
-the timeout expires. Either way a :class:`CollectiveError` naming the rank is
-raised on the calling thread, never a silent hang.
+Every collective is bounded by the process group's timeout (``timeout=``,
+``ROUNDPIPE_DIST_TIMEOUT`` seconds, default 30 minutes): a peer that dies or stalls
+makes the others raise a :class:`CollectiveError` naming the rank, never hang.
 """
 
 from .buckets import DEFAULT_BUCKET_BYTES, reduce_buffer_bytes

@@ -2,10 +2,8 @@
 travel in (:class:`~.reducer.GradientAllReducer` and its sharded subclass).
 
 A bucket is a run of masters of one dtype, laid out flat: every gradient, then one
-"has a gradient" count per master. A reducer does not keep a flat copy of every
-gradient: at most :data:`REDUCE_IN_FLIGHT` buckets are in flight, and they take turns
-in :data:`REDUCE_IN_FLIGHT` ``+ 1`` buffers per dtype (:class:`BufferRing`), each about
-as large as that dtype's largest bucket, made at the first round and kept.
+"has a gradient" count per master. At most :data:`REDUCE_IN_FLIGHT` buckets are in
+flight, taking turns in a few kept buffers per dtype (:class:`BufferRing`).
 """
 
 from __future__ import annotations
@@ -114,21 +112,14 @@ class _Bucket:
 
 
 class BufferRing:
-    """The flat host buffers ``buckets`` travel in, taken in turn: per dtype, one per
-    bucket in flight and one being filled (``REDUCE_IN_FLIGHT + 1`` slots; fewer where
-    the dtype has fewer buckets). The j-th bucket of a dtype takes slot
-    ``j mod (REDUCE_IN_FLIGHT + 1)``, whose previous bucket came ``REDUCE_IN_FLIGHT + 1``
-    or more places earlier in the reduction's fixed order -- landed (and copied out,
-    :meth:`_Bucket.unflatten`) before this one is flattened, as a reduction keeps at most
-    ``REDUCE_IN_FLIGHT`` in flight. A slot is as large as the largest bucket it takes
-    (about the largest bucket each with many buckets; with three or fewer, exactly the
-    buckets: never more than a buffer per bucket would be).
+    """The flat host buffers ``buckets`` travel in: per dtype ``REDUCE_IN_FLIGHT + 1``
+    slots (fewer with fewer buckets), the j-th bucket of a dtype in slot
+    ``j mod (REDUCE_IN_FLIGHT + 1)``, whose previous bucket has landed by then (at most
+    ``REDUCE_IN_FLIGHT`` are in flight). A slot is as large as the largest bucket it takes.
 
     The buffers are made at the first use of a dtype and kept: made and freed every step
-    they would have glibc's ``malloc`` raise its mmap threshold to their size and keep
-    the freed blocks -- theirs and every smaller tensor's -- in its heaps (the peak RSS
-    then creeps up well past the host-memory budget; see
-    :func:`~roundpipe_core.running.host_memory.limit_heap_retention`)."""
+    they would make glibc keep freed blocks in its heaps and the peak RSS creep past the
+    budget (see :func:`~roundpipe_core.running.host_memory.limit_heap_retention`)."""
 
     def __init__(self, buckets: Sequence[_Bucket]) -> None:
         self._slot: dict[int, int] = {}  # bucket index -> slot

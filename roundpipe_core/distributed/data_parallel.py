@@ -3,6 +3,7 @@ Lightning strategy) needs, behind five calls that are cheap no-ops in one proces
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -22,20 +23,17 @@ from .sharded import HostShard, ShardedGradientReducer, kept_buffer_bytes
 __all__ = ["DataParallel"]
 
 log = logging.getLogger(__name__)
-_said_heap = False
 
 
+@functools.cache
 def _say_heap_once() -> None:
-    global _said_heap
-    if not _said_heap:
-        _said_heap = True
-        log.info(
-            "shard_host_state=True: with glibc's default malloc a sharded rank keeps some of "
-            "the gradients it drops every step in malloc's heaps (peak ~1.03x the host-memory "
-            "budget, up to ~1.1x with bf16); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
-            "roundpipe_core.running.host_memory.limit_heap_retention(), for ~1.01x (slower steps "
-            "on CPU workers: docs/multi-node.md)"
-        )
+    log.info(
+        "shard_host_state=True: with glibc's default malloc a sharded rank keeps some of "
+        "the gradients it drops every step in malloc's heaps (peak ~1.03x the host-memory "
+        "budget, up to ~1.1x with bf16); launch with MALLOC_MMAP_THRESHOLD_=65536, or call "
+        "roundpipe_core.running.host_memory.limit_heap_retention(), for ~1.01x (slower steps "
+        "on CPU workers: docs/multi-node.md)"
+    )
 
 
 SYNC_ONLY = (
@@ -53,6 +51,10 @@ SYNC_ONLY = (
 def _raw_optimizer(opt: Any) -> Any:
     """The torch optimizer behind a Lightning ``LightningOptimizer`` (or ``opt`` itself)."""
     return getattr(opt, "_optimizer", opt)
+
+
+def _params_of(opt: Any) -> list[Any]:
+    return [p for g in _raw_optimizer(opt).param_groups for p in g["params"]]
 
 
 class DataParallel:
@@ -84,22 +86,14 @@ class DataParallel:
         timeout: process-group timeout (seconds / ``timedelta``; default
             ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         shard_host_state: each rank keeps gradients, optimizer state and separate masters
-            only for its 1/N of each optimizer's parameters (see :mod:`.sharded`):
-            gradients are reduced to their owner, each rank steps its share, ``after_step``
-            all-gathers the weights (separate masters too: a rank keeps those of its share
-            only, the all-gather writes the others' into its model weights -- inside the
-            step, or, attached with ``async_step=True``, when the step's weights are
-            published, so the step may overlap the next call as unsharded). Clip with
-            :meth:`clip_grad_norm_` (the norm over all shards). The budget counts the
-            collectives' kept buffers (:meth:`kept_buffer_bytes`, sharded or not); with
-            glibc's default ``malloc`` the peak is ~1.03x it (up to ~1.1x bf16), ~1.01x
-            with the mmap threshold fixed (``MALLOC_MMAP_THRESHOLD_=65536`` or
-            :func:`~roundpipe_core.running.host_memory.limit_heap_retention`; said once at INFO
-            when it is not), which slows CPU workers' steps.
+            only for its 1/N of each optimizer's parameters (see :mod:`.sharded`); clip
+            with :meth:`clip_grad_norm_`. With glibc's default ``malloc`` the peak is
+            ~1.03x the budget (up to ~1.1x bf16), ~1.01x with the mmap threshold fixed
+            (:func:`~roundpipe_core.running.host_memory.limit_heap_retention`; said once
+            at INFO when it is not), which slows CPU workers' steps.
 
-    The default group is gloo: everything the strategy communicates -- master
-    gradients, logged metrics (its root device is the CPU), broadcast objects --
-    lives in host memory, which NCCL cannot reduce.
+    The default group is gloo: everything the strategy communicates (master gradients,
+    logged metrics, broadcast objects) lives in host memory, which NCCL cannot reduce.
     """
 
     def __init__(
@@ -151,29 +145,19 @@ class DataParallel:
             init_process_group(cluster_environment, backend="gloo", timeout=self.timeout)
 
     def attach(self, rp: Any, optimizers: Sequence[Any] = (), *, async_step: bool = False) -> None:
-        """Make every rank hold rank 0's weights and build the reducers (collective).
-
-        Call after the RoundPipe is built and the optimizers point at its masters; again
-        after re-building either (the old reducers are closed first).
+        """Make every rank hold rank 0's weights and build the reducers (collective), after
+        the optimizers point at ``rp``'s masters; again after re-building either.
 
         Args:
             rp: the RoundPipe.
             optimizers: the optimizers stepping its masters (one reducer each).
-            async_step: whether ``rp``'s steps will be asynchronous
-                (``rp.step(..., is_async=True)``). Only matters with
-                ``shard_host_state=True`` and separate masters (a model not in
-                ``optim_dtype``, or ``shared_masters=False``): ``False`` releases the
-                masters other ranks own (this rank keeps its share's: 1/N of them) and the
-                all-gather writes their updates straight into the model's weights, inside
-                the step -- so ``rp`` then refuses ``step(is_async=True)`` with a
-                ValueError naming this argument. ``True`` releases them too, and the
-                owners broadcast each step's weights into every rank's model when that
-                version is *published* (the next step's publication, one step stale as
-                unsharded, or ``synchronize()``): the step may overlap the next call, and a
-                synchronous step works too. Then ``rp.synchronize()`` is collective while
-                a step's weights are unpublished (every rank calls it at the same points,
-                as Lightning's loop does). The optimizer state and the master gradients
-                are sharded either way.
+            async_step: whether ``rp``'s steps will be asynchronous. Matters only
+                sharded with separate masters, whose foreign share is released either way:
+                ``False`` all-gathers the updates into the model inside the step (``rp``
+                then refuses ``step(is_async=True)``, naming this argument); ``True``
+                broadcasts them when the step's weights are published (the step may overlap
+                the next call; ``rp.synchronize()`` is then collective while a step's
+                weights are unpublished).
         """
         check_flag(async_step, "async_step")
         self.detach()
@@ -188,6 +172,12 @@ class DataParallel:
             masters.restore_released()
         broadcast_masters(rp)
         raws = [_raw_optimizer(o) for o in optimizers]
+        kw: dict[str, Any] = dict(
+            op=self.op,
+            bucket_bytes=self.bucket_bytes,
+            overlap=self.overlap and len(raws) == 1,
+            timeout=self.timeout,
+        )
         weight_of = self._gather_targets(rp)
         # a shared master makes every step synchronous: its shard gathers inside the step
         publishes = (
@@ -200,7 +190,7 @@ class DataParallel:
         self.publishes_versions = publishes
         self._rp = rp
         for raw in raws:
-            params = [p for g in raw.param_groups for p in g["params"]]
+            params = _params_of(raw)
             if self.shard_host_state:
                 shard = self._shards[id(raw)] = HostShard(
                     params, self.bucket_bytes, self.timeout, targets=weight_of
@@ -211,23 +201,9 @@ class DataParallel:
                     masters.release(foreign, None if async_step else SYNC_ONLY)
                     if publishes:
                         masters.publishers.append(shard)
-                self._reducers[id(raw)] = ShardedGradientReducer(
-                    rp,
-                    shard,
-                    op=self.op,
-                    bucket_bytes=self.bucket_bytes,
-                    overlap=self.overlap and len(raws) == 1,
-                    timeout=self.timeout,
-                )
-                continue
-            self._reducers[id(raw)] = GradientAllReducer(
-                rp,
-                op=self.op,
-                bucket_bytes=self.bucket_bytes,
-                overlap=self.overlap and len(raws) == 1,
-                timeout=self.timeout,
-                params=params,
-            )
+                self._reducers[id(raw)] = ShardedGradientReducer(rp, shard, **kw)
+            else:
+                self._reducers[id(raw)] = GradientAllReducer(rp, params=params, **kw)
 
     @staticmethod
     def _gather_targets(rp: Any) -> dict[int, Any]:
@@ -240,18 +216,13 @@ class DataParallel:
         return {id(m): p for _, p, m in masters.copies}
 
     def kept_buffer_bytes(self, rp: Any, optimizers: Sequence[Any] = ()) -> int:
-        """Host bytes of the flat buffers this rank's collectives will keep once it trains
-        ``rp`` with ``optimizers`` (the host-memory budget's "collective buffers",
-        ``estimate_host_memory(..., collective_buffers=...)``): each optimizer's gradient
-        reduction keeps a ring of a few buckets' worth
-        (:func:`~.buckets.reduce_buffer_bytes`), sharded also the all-gather's buffer
-        (:func:`~.sharded.kept_buffer_bytes`); 0 in one process. Computed without a
-        collective, before or after :meth:`attach`."""
+        """Host bytes of the flat buffers this rank's collectives will keep training ``rp``
+        with ``optimizers`` (the host-memory budget's "collective buffers"): each
+        reduction's ring (:func:`~.buckets.reduce_buffer_bytes`), sharded also the
+        all-gather's (:func:`~.sharded.kept_buffer_bytes`); 0 in one process. No collective."""
         if self.world_size == 1:
             return 0
-        params = [
-            [p for g in _raw_optimizer(o).param_groups for p in g["params"]] for o in optimizers
-        ]
+        params = [_params_of(o) for o in optimizers]
         if self.state_shards == 1:
             return sum(reduce_buffer_bytes(ps, self.world_size, self.bucket_bytes) for ps in params)
         weight_of = self._gather_targets(rp)
@@ -284,34 +255,27 @@ class DataParallel:
         return self._shards.get(id(_raw_optimizer(optimizer)))
 
     def after_step(self, optimizer: Any) -> None:
-        """With ``shard_host_state``: all-gather the weights each rank stepped into every
-        rank's masters (or model weights, where it released the masters). Call it inside
-        the step function given to ``rp.step`` (the optimizer thread), right after
-        ``optimizer.step()``, on every rank for every step (skipped ones included). A
-        no-op unsharded, and attached with ``async_step=True`` and separate masters,
-        where the shards publish each step's weights when its version is published."""
+        """Sharded: all-gather the weights each rank stepped into every rank's masters (or
+        model weights, where it released them). Call it in the step function right after
+        ``optimizer.step()``, on every rank for every step. A no-op unsharded, and where
+        the shards publish versions (``attach(..., async_step=True)``)."""
         shard = self.shard(optimizer)
         if shard is not None and not self.publishes_versions:
             shard.gather()
 
     def clip_grad_norm_(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> Any:
-        """Clip ``optimizer``'s (reduced) gradients by their global norm, as
-        ``torch.nn.utils.clip_grad_norm_`` over all its parameters; returns the norm.
-        Sharded, each rank holds only its share of the gradients and the norm is
-        combined over the ranks (collective: every rank calls it)."""
+        """Clip ``optimizer``'s reduced gradients by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_``; returns the norm (sharded: collective)."""
         shard = self.shard(optimizer)
         if shard is not None:
             return shard.clip_grad_norm_(max_norm, norm_type)
-        raw = _raw_optimizer(optimizer)
-        params = [p for g in raw.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for p in _params_of(optimizer) if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def save_state(self, directory: str | Path, rp: Any, optimizer: Any) -> Path | None:
         """Write this rank's share of the host state (masters and ``optimizer``'s state)
-        into ``directory`` as ``shard-RANK-of-N.pt`` (see :mod:`.shard_io`): sharded, every
-        rank writes its own; unsharded, rank 0 writes the whole as one shard. No rank
-        gathers another's state. Call it on every rank with nothing in flight
-        (``rp.synchronize()``); returns the file written (None on a rank that writes none)."""
+        into ``directory`` (:mod:`.shard_io`; unsharded, rank 0 writes the whole as one
+        shard). Call it on every rank; returns the file written (None where none is)."""
         rp.synchronize()
         raw = _raw_optimizer(optimizer)
         shard = self.shard(raw)
@@ -327,10 +291,9 @@ class DataParallel:
         return save_shard(directory, named, raw, lambda p: True, 0, 1, learned=learned)
 
     def load_state(self, directory: str | Path, rp: Any, optimizer: Any) -> None:
-        """Load host-state shards written by :meth:`save_state` on any rank count:
-        this rank keeps the optimizer state it owns, every rank ends with all the
-        weights (owners broadcast theirs) in its masters and its model. Collective when
-        sharded; call it after :meth:`attach`."""
+        """Load shards :meth:`save_state` wrote on any rank count: this rank keeps the
+        optimizer state it owns and every rank all the weights. Collective when sharded;
+        call it after :meth:`attach`."""
         rp.synchronize()
         raw = _raw_optimizer(optimizer)
         shard = self.shard(raw)
@@ -352,10 +315,9 @@ class DataParallel:
             r.abort()
 
     def detach(self) -> None:
-        """Close the reducers (their groups and grad hooks) and the shards' groups. The
-        default group stays, and so does which rank owns what (until :meth:`attach`).
-        Shards that publish versions (``attach(..., async_step=True)``) first publish the
-        last step's weights (``rp.synchronize()``: collective, like every call here)."""
+        """Close the reducers and the shards' groups (the default group and which rank owns
+        what stay until :meth:`attach`); shards that publish versions first publish the
+        last step's weights (``rp.synchronize()``: collective)."""
         self._stop_publishing()
         reducers, self._reducers = list(self._reducers.values()), {}
         for r in reducers:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -48,9 +48,6 @@ _pg_timeout: timedelta | None = None  # what init_process_group() used; reducers
 _nccl_device: torch.device | None = None
 
 
-# ---------------------------------------------------------------------------------------------
-# process-group set-up
-# ---------------------------------------------------------------------------------------------
 def resolve_timeout(timeout: float | int | timedelta | None = None) -> timedelta:
     """The process-group timeout: ``timeout`` (seconds or ``timedelta``), else
     ``$ROUNDPIPE_DIST_TIMEOUT`` seconds, else 30 minutes.
@@ -130,16 +127,11 @@ def _slurm_root_address(nodelist: str) -> str:
 
 
 def dist_env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
-    """Read rank, world size and rendezvous from the environment a launcher sets.
-
-    Recognised, in this order:
-
-    * torchrun / torchelastic: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
-    * SLURM (``srun``, one task per node): ``SLURM_PROCID``, ``SLURM_NTASKS``,
-      ``SLURM_NODELIST`` (rank 0's host); port from ``MASTER_PORT`` or derived from
-      ``SLURM_JOB_ID`` (as Lightning does).
-    * a hand-written launch, one process per node: ``NODE_RANK``, ``WORLD_SIZE`` (number
-      of nodes), ``MASTER_ADDR``, ``MASTER_PORT``.
+    """Read rank, world size and rendezvous from the environment a launcher sets, in this
+    order: torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); SLURM
+    (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_NODELIST``; port from ``MASTER_PORT`` or
+    ``SLURM_JOB_ID``, as Lightning); a hand-written launch, one process per node
+    (``NODE_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 
     Raises:
         ValueError: naming the variables that are missing or malformed.
@@ -209,18 +201,10 @@ def init_process_group(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> dist.ProcessGroup:
-    """Create (or reuse) the default process group for data-parallel RoundPipe.
-
-    Args:
-        cluster_environment: a Lightning ``ClusterEnvironment`` (the strategy's; its
-            ``main_address``, ``main_port``, ``global_rank()``, ``world_size()`` are used).
-            ``None``: read the environment (:func:`dist_env_from_environ`).
-        backend: "gloo" (host gradients; the default) or "nccl".
-        timeout: bound on every collective (seconds or ``timedelta``; see :func:`resolve_timeout`).
-        rank / world_size: override the environment's values.
-
-    Returns:
-        The default process group (``torch.distributed.group.WORLD``).
+    """Create (or reuse) the default process group for data-parallel RoundPipe, from a
+    Lightning ``ClusterEnvironment`` or, without one, the environment
+    (:func:`dist_env_from_environ`); ``rank`` / ``world_size`` override them. ``backend``:
+    "gloo" (host gradients; the default) or "nccl"; ``timeout``: see :func:`resolve_timeout`.
 
     Raises:
         ValueError: a missing or inconsistent environment, or a group that already
@@ -230,21 +214,23 @@ def init_process_group(
         raise RuntimeError("torch.distributed is not available in this PyTorch build")
     td = resolve_timeout(timeout)
     if cluster_environment is not None:
-        addr, port = cluster_environment.main_address, int(cluster_environment.main_port)
-        r = cluster_environment.global_rank() if rank is None else rank
-        w = cluster_environment.world_size() if world_size is None else world_size
-        env = _checked(DistEnv(int(r), int(w), str(addr), port, type(cluster_environment).__name__))
+        ce = cluster_environment
+        env = DistEnv(
+            int(ce.global_rank()),
+            int(ce.world_size()),
+            str(ce.main_address),
+            int(ce.main_port),
+            type(ce).__name__,
+        )
     else:
         env = dist_env_from_environ()
-        env = _checked(
-            DistEnv(
-                env.rank if rank is None else rank,
-                env.world_size if world_size is None else world_size,
-                env.master_addr,
-                env.master_port,
-                env.source,
-            )
+    env = _checked(
+        replace(
+            env,
+            rank=env.rank if rank is None else rank,
+            world_size=env.world_size if world_size is None else world_size,
         )
+    )
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(
@@ -286,9 +272,8 @@ def _local_gpu(cluster_environment: Any | None, rank: int) -> torch.device:
 
 
 def _world_group() -> dist.ProcessGroup:
-    group = dist.group.WORLD
-    assert group is not None  # initialised just before
-    return group
+    assert dist.group.WORLD is not None  # initialised just before
+    return dist.group.WORLD
 
 
 def destroy_process_group() -> None:
@@ -361,13 +346,9 @@ _REDUCE_OPS = {
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any | None = None) -> torch.Tensor:
-    """The reduction of ``tensor`` over the group, as a new tensor on ``tensor``'s device.
-
-    Args:
-        tensor: the local value.
-        op: "mean", "sum", "max", "min" or "product". "mean" of an integer tensor
-            gives a float tensor.
-        group: the process group (default: the default group).
+    """The reduction of ``tensor`` over ``group`` (default: the default group) by ``op``
+    ("mean", "sum", "max", "min" or "product"; "mean" of integers is a float tensor), as
+    a new tensor on ``tensor``'s device.
 
     Raises:
         CollectiveError: the collective failed (a peer died or stalled).

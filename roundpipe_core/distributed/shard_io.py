@@ -1,16 +1,11 @@
 """Checkpoints of a sharded host state: each rank writes its own shard, no process
 ever gathers the whole state, and the shards load back on any rank count.
 
-A shard file (``shard-RRRRR-of-NNNNN.pt`` in a directory) holds, for the parameters
-its rank owned, by name: the master values and the optimizer state, plus the
-optimizer's hyperparameters (the same on every rank). Names, not positions, tie the
-state to parameters, so loading on another rank count (or unsharded) only changes
-which entries each rank keeps: every rank reads the files one at a time (memory-mapped)
-and copies the entries it owns -- its peak is its own share plus one mapped file.
-
-:func:`merge_shards` is the one place the whole state is put together: converting to
-an ordinary ``optimizer.state_dict()`` (what a plain, unsharded run loads) on a
-machine that can hold it.
+A shard file (``shard-RRRRR-of-NNNNN.pt``) holds, by parameter name, the master values
+and optimizer state of the parameters its rank owned, and the optimizer's
+hyperparameters. Names tie state to parameters, so loading on another rank count only
+changes which entries each rank keeps; files are read one at a time, memory-mapped.
+:func:`merge_shards` puts the whole state together (an ordinary ``state_dict``).
 """
 
 from __future__ import annotations
@@ -46,17 +41,10 @@ def save_shard(
     edit_groups: Callable[[list[dict[str, Any]]], None] | None = None,
     learned: Any = None,
 ) -> Path:
-    """Write this rank's shard into ``directory`` (created if missing) and return its path.
-
-    Args:
-        named_params: name -> master parameter (the optimizer's parameters).
-        owns: whether this rank owns a parameter (its state and value are written).
-        rank / world_size: this rank and the rank count (the file's name).
-        edit_groups: called on the param groups' hyperparameters before they are written
-            (an integration puts back what it changed, e.g. the user's ``fused``).
-        learned: what the engine learned that a bit-exact resume needs (which stages
-            draw random numbers, ``pool.learned_draws``), returned by :func:`load_shards`.
-    """
+    """Write this rank's shard into ``directory`` (created if missing) and return its path:
+    the values and optimizer state of the ``named_params`` it ``owns``, the param groups'
+    hyperparameters (after ``edit_groups``, where an integration puts back what it
+    changed), and ``learned`` (what a bit-exact resume needs, ``pool.learned_draws``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     name_of = {id(p): n for n, p in named_params.items()}
@@ -119,6 +107,10 @@ def shard_files(directory: str | Path) -> list[Path]:
     return [found[r][1] for r in range(world)]
 
 
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
 def _read(path: Path, rank: int, world: int) -> dict[str, Any]:
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(path, why, rank=rank)
@@ -148,11 +140,9 @@ def load_shards(
     owns: Callable[[torch.Tensor], bool] = lambda p: True,
     load_masters: bool = True,
 ) -> Any:
-    """Load the shards of ``directory`` (written by any rank count) into this rank:
-    the masters (unless ``load_masters=False``: the caller restores the weights) and
-    optimizer state of the parameters it ``owns`` (all by default: an unsharded run),
-    and the optimizer's hyperparameters. Files are read one at a time. Returns the first
-    shard's ``learned`` (see :func:`save_shard`; ``None`` if it has none).
+    """Load the shards of ``directory`` (any rank count) into this rank: masters (unless
+    ``load_masters=False``) and optimizer state of the parameters it ``owns`` (default
+    all), and the hyperparameters. Returns the first shard's ``learned`` (or ``None``).
 
     Raises:
         ValueError: a shard is unreadable or inconsistent (naming the rank that wrote
@@ -199,9 +189,7 @@ def load_shards(
                 if st is None:
                     optimizer.state.pop(p, None)
                 else:  # copies: the mapped file is released when this loop moves on
-                    optimizer.state[p] = {
-                        k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()
-                    }
+                    optimizer.state[p] = _copied(st)
     missing = sorted(set(named_params) - seen)
     if missing:
         raise ValueError(f"no host-state shard in {directory} holds {missing[:3]}")
@@ -220,10 +208,7 @@ def merge_shards(directory: str | Path) -> dict[str, Any]:
     for rank, path in enumerate(files):
         shard = _read(path, rank, len(files))
         masters.update({n: t.clone() for n, t in shard["masters"].items()})
-        for n, st in shard["state"].items():
-            state_by_name[n] = {
-                k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()
-            }
+        state_by_name.update({n: _copied(st) for n, st in shard["state"].items()})
         if not groups:
             groups = [dict(g) for g in shard["param_groups"]]
     state: dict[int, Any] = {}

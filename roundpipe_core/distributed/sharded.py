@@ -1,61 +1,37 @@
 """Sharding the host state across data-parallel ranks (``shard_host_state=True``).
 
-Unsharded, every rank holds the whole host state: masters, their gradients and the
-optimizer state. Sharded, each rank *owns* about 1/N of one optimizer's trainable
-parameters and keeps gradients and optimizer state only for those:
+Each rank *owns* about 1/N of one optimizer's trainable parameters and keeps gradients,
+optimizer state and separate masters only for those:
 
-1. **Ownership** (:func:`partition_by_bytes`): whole tensors, cut into N contiguous
-   runs of the optimizer's parameter order balanced by bytes -- a parameter belongs to
-   the rank whose 1/N of the total bytes holds its midpoint. A rank's share is off the
-   ideal by at most half of the largest tensor at each cut (a transformer's blocks are
-   many equal tensors; only an embedding much larger than total/N would unbalance it).
-   Contiguous runs keep each bucket on one owner and in layer order, so the reduction
-   still overlaps the backward layer by layer.
-2. **Reduce-scatter** (:class:`ShardedGradientReducer`): the all-reducer's buckets,
-   each within one owner's run, reduced with ``dist.reduce`` to that owner (the
-   reduce-scatter of the flat gradient, bucket by bucket). Every other rank drops the
-   bucket's ``.grad`` (``None``) once it is sent, so the optimizer never creates state
-   for a parameter this rank does not own (torch optimizers skip ``grad=None``).
-3. **Step**: each rank's ``optimizer.step()`` updates its share only.
-4. **All-gather** (:meth:`HostShard.gather`, :meth:`HostShard.publish`): each owner
-   broadcasts its updated parameters bucket by bucket into every rank's copy -- the
-   masters where they are the weights, else the model weights (below) --, after a
-   synchronous step or when an asynchronous step's weights are published, so an
-   asynchronous step keeps the one-step-stale rule.
+1. **Ownership** (:func:`partition_by_bytes`): N contiguous runs of the optimizer's
+   parameter order balanced by bytes (a parameter belongs to the rank whose share holds
+   its midpoint: off by at most half the largest tensor at each cut). Contiguous runs
+   keep each bucket on one owner and in layer order, so the reduction still overlaps
+   the backward layer by layer.
+2. **Reduce-scatter** (:class:`ShardedGradientReducer`): each bucket, within one owner's
+   run, is ``dist.reduce``-d to its owner; the other ranks drop its ``.grad`` once sent,
+   so the optimizer never makes state for a parameter this rank does not own.
+3. **Step**: each rank's ``optimizer.step()`` updates its share.
+4. **All-gather** (:meth:`HostShard.gather` / :meth:`HostShard.publish`): each owner
+   broadcasts its updated parameters bucket by bucket into every rank's copy.
 
-Clipping by the global norm needs every shard: :meth:`HostShard.clip_grad_norm_`
-all-reduces the owned part of the norm. The collectives of each purpose run on a group
-of their own (reduction: the reducer thread; all-gather: the optimizer thread; norm:
-whoever clips), so threads never interleave collectives on one group.
+Clipping by the global norm all-reduces the owned part of the norm
+(:meth:`HostShard.clip_grad_norm_`). Each purpose has a group of its own (reduction: the
+reducer thread; all-gather: the optimizer thread; norm: whoever clips), so threads never
+interleave collectives on one group.
 
-Separate masters (a model not in ``optim_dtype``, e.g. bf16 weights with fp32 masters,
-or ``shared_masters=False``) are sharded too: a rank keeps the fp32 masters of its share
-only and releases the others' (``MasterWeights.release``: a placeholder of a few bytes);
-each owner casts its updated share to the weights' dtype and the all-gather writes it
-straight into every rank's model weights (``targets``), the same rounding as the owner's
-own copy into its model. *When* depends on the step:
+Separate masters (bf16 weights with fp32 masters, or ``shared_masters=False``): a rank
+releases the masters it does not own (``MasterWeights.release``), and each owner casts
+its update to the weights' dtype, which the all-gather writes straight into every rank's
+model weights (``targets``). With a synchronous step (``attach(..., async_step=False)``)
+inside the step (the RoundPipe then refuses ``step(is_async=True)``); with an
+asynchronous one when the step's weight version is *published* (a remote publisher of
+``stepping.versions``), bucket by bucket in forward order, each waiting until no older
+call still uploads those layers. Every rank publishes each version once, in order, so the
+broadcasts match. With shared masters the master *is* the weight: nothing is released.
 
-* synchronous (``DataParallel.attach(..., async_step=False)``): inside the step
-  (:meth:`HostShard.gather` in ``after_step``). The RoundPipe then refuses
-  ``step(is_async=True)``: an asynchronous step's write would land under the next call.
-* asynchronous (``attach(..., async_step=True)``): when the step's weight version is
-  *published* (:meth:`HostShard.publish`, a remote publisher of ``stepping.versions``):
-  ahead of the next step on the optimizer thread, or in ``synchronize()``. An
-  asynchronous step's weights reach the model one step late anyway (the next call reads
-  the previous version), so the owner still holds that version in its masters then, and
-  each bucket waits, as a local copy does, until no older call still has to upload
-  those layers (in forward order: a blocking call issued meanwhile waits for each
-  layer's bucket only, and its first layers come first). Every rank
-  publishes each version once, in version order, so the broadcasts match; a
-  ``synchronize()`` with a step's weights unpublished is then collective.
-
-With shared masters (``RoundPipe(shared_masters=True)``, the synchronous CPU default) the
-master *is* the weight: nothing is released and the all-gather writes the weights inside
-the step.
-
-What is not sharded: the model's own weights (every rank's devices upload them), and the
-master gradients while the backward produces them (each rank keeps its share once they
-are reduced).
+Not sharded: the model's own weights (every rank's devices upload them), and the master
+gradients while the backward produces them.
 """
 
 from __future__ import annotations
@@ -151,14 +127,10 @@ def kept_buffer_bytes(
     bucket_bytes: int,
     targets: dict[int, torch.Tensor] | None = None,
 ) -> int:
-    """Host bytes a sharded rank keeps for one optimizer's collectives, from the first
-    step on (what the host-memory budget counts for them): the reduction's ring
-    (``buckets.BufferRing``: ``REDUCE_IN_FLIGHT + 1`` flat buffers per gradient dtype,
-    fewer where it has fewer buckets, each at most as large as its largest reduction
-    bucket with a count per tensor), and one buffer per destination dtype as large as the largest
-    all-gather bucket. The same buckets :class:`ShardedGradientReducer` and
-    :class:`HostShard` make (``targets`` as for the latter); 0 for one rank. Unsharded:
-    ``reduce_buffer_bytes``."""
+    """Host bytes a sharded rank keeps for one optimizer's collectives from the first step
+    on: the reduction's ring (``buckets.BufferRing``) and one buffer per destination dtype
+    as large as the largest all-gather bucket, over the buckets :class:`ShardedGradientReducer`
+    and :class:`HostShard` make (``targets`` as for the latter); 0 for one rank."""
     params = _unique_params(params)
     if world_size == 1 or not params:
         return 0
@@ -176,21 +148,17 @@ def _new_group(timeout: timedelta | None) -> Any:
 
 
 class HostShard:
-    """One optimizer's parameters split across the ranks: which this rank owns, the
-    all-gather of the updated masters after a step, the global gradient norm, and the
-    optimizer-state bookkeeping of a shard.
+    """One optimizer's parameters split across the ranks: ownership, the all-gather of
+    the updated masters, the global gradient norm, the optimizer state of a shard.
+    Creating it is collective (two groups): every rank builds its shards in one order.
 
     Args:
-        params: the optimizer's parameters (RoundPipe masters, in its param-group order).
+        params: the optimizer's parameters (RoundPipe masters, in param-group order).
         bucket_bytes: bytes per broadcast of the all-gather.
         timeout: bound on each collective of its groups (default: the process group's).
-        targets: ``id(param) -> tensor`` the all-gather writes a parameter's updated
-            values into on the ranks that do not own it (cast to that tensor's dtype):
-            the model weight of a separate master, whose own values those ranks released
-            (``MasterWeights.release``). Default, and for the others: the parameter itself.
-
-    Creating it is collective (two groups of all ranks): every rank builds its shards
-    in the same order.
+        targets: ``id(param) -> tensor`` the all-gather writes a parameter's update into
+            on the ranks that do not own it (the model weight of a released separate
+            master); default the parameter itself.
     """
 
     def __init__(
@@ -230,12 +198,10 @@ class HostShard:
 
     # -- after the step ---------------------------------------------------------------------------
     def gather(self) -> None:
-        """Broadcast each owner's updated parameters into every other rank's copy of
-        them: its masters, or (``targets``) the model weights of the masters it released,
-        in the weights' dtype. Collective: every rank calls it after every synchronous
-        optimizer step (on the optimizer thread, inside the step function: the RoundPipe
-        then copies the masters it holds into the model like any step's), and after
-        loading a checkpoint. An asynchronous step publishes instead (:meth:`publish`).
+        """Broadcast each owner's updated parameters into every other rank's masters, or
+        (``targets``) the model weights of the masters it released. Collective: after every
+        synchronous step (inside the step function) and after loading a checkpoint; an
+        asynchronous step publishes instead (:meth:`publish`).
 
         Raises:
             CollectiveError: a peer died or stalled (the group's timeout), naming this rank.
@@ -256,17 +222,12 @@ class HostShard:
         claim: Callable[[Sequence[int]], None],
         mark: Callable[[Sequence[int]], None],
     ) -> None:
-        """Publish weight version ``version`` of every parameter into every rank's model
-        (a remote publisher of ``stepping.versions``, for asynchronous steps: registered
-        in ``MasterWeights.publishers`` by ``DataParallel.attach(..., async_step=True)``):
-        bucket by bucket in forward order (the next call's first layers first: it
-        waits for each layer's own bucket; an older run lets go of the first layers
-        last, but the next call needs them before any other), ``claim`` the bucket's
-        parameters, the owner casts its masters (which
-        hold ``version``: a publication runs before the next step) into the kept flat
-        buffer, broadcast, every rank -- the owner too -- writes the bucket into its
-        model weights (``targets``), and ``mark`` them. Collective: every rank publishes
-        every version once, in version order (``WeightVersions.publish_remote``).
+        """Publish weight version ``version`` into every rank's model (a remote publisher
+        of ``stepping.versions``, registered by ``DataParallel.attach(..., async_step=True)``):
+        bucket by bucket in forward order (the next call needs its first layers first),
+        ``claim`` the bucket, the owner casts its masters into the flat buffer, broadcast,
+        every rank (the owner too) writes the model weights, ``mark`` the bucket.
+        Collective: every rank publishes every version once, in version order.
 
         Raises:
             CollectiveError: a peer died or stalled (the group's timeout), naming this rank.
@@ -324,10 +285,8 @@ class HostShard:
 
     # -- the global gradient norm ------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the whole optimizer's gradients, each
-        rank holding its own share of them: the norm is combined over the ranks (one
-        all-reduce), every rank scales its own gradients by the same factor.
-        Collective. Returns the total norm (the same on every rank)."""
+        """``torch.nn.utils.clip_grad_norm_`` over all ranks' shares (one all-reduce of the
+        norm; each rank scales its own). Collective; returns the total norm."""
         norm_type = float(norm_type)
         grads = [p.grad for p in self.owned if p.grad is not None]
         norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
@@ -383,11 +342,8 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class ShardedGradientReducer(GradientAllReducer):
-    """:class:`GradientAllReducer` that reduces each bucket to its owner only: buckets
-    never mix owners, the collective is ``dist.reduce(dst=owner)``, and a rank that does
-    not own a bucket drops those gradients (``.grad = None``) once they are sent. The
-    buckets travel in the base class's ring of kept flat buffers, so a rank keeps its
-    share of the gradients plus a few buckets' worth of buffers.
+    """:class:`GradientAllReducer` that reduces each bucket (never mixing owners) to its
+    owner only (``dist.reduce``); the other ranks drop those gradients once sent.
 
     Args:
         rp / op / bucket_bytes / overlap / timeout: as for :class:`GradientAllReducer`.

@@ -1,14 +1,6 @@
-"""Planning: pure functions over plans and timings — no threads, no locks, no devices.
-
-* ``layout`` / ``plan``: layout strings and :class:`ModelExecutePlan` (stages, owners,
-  validation, dict form);
-* ``schedule``: the job list of one iteration (the data the runtime executes and the
-  simulator times);
-* ``profile``: per-layer costs and memory read from a timer;
-* ``partition`` / ``search``: stage partitions and the search over them;
-* ``simulate``: the event simulator of a job list, and the planner's one iteration-time
-  estimate (``simulated_iteration_ms``);
-* ``planner``: :meth:`ModelExecutePlan.auto` and the re-plan policy.
+"""Planning: pure functions over plans and timings -- no threads, no locks, no devices:
+layouts and plans, the schedule (job list), profiles, the partition search, the event
+simulator (with the planner's one iteration-time estimate) and the planner.
 
 Imports point down to :mod:`roundpipe_core.kinds` only (``tests/core/test_layering.py``).
 """

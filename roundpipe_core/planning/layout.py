@@ -1,24 +1,17 @@
 """Layout specs: stage sizes (and owner devices) per stage, as text or Python values.
 
-A layout says how many layers each stage holds and, optionally, which device
-runs it, in a form that fits a YAML value or a command-line flag:
+A layout fits a YAML value or a command-line flag:
 
-* counts: ``"7,5"`` or ``[7, 5]`` — stage sizes, dispatched round-robin;
-* owners: ``"0:4,0:3,1:3,1:2"`` or ``[(0, 4), (0, 3), (1, 3), (1, 2)]`` —
-  ``device:count`` per stage, the stage always runs on that device;
+* counts: ``"7,5"`` or ``[7, 5]`` -- stage sizes, dispatched round-robin;
+* owners: ``"0:4,0:3,1:3,1:2"`` or ``[(0, 4), (0, 3), ...]`` -- ``device:count`` per stage;
 * full ranges: ``[range(0, 7), range(7, 12)]``;
 * ``""`` or ``[]``: no stages.
 
-This module is the grammar only: :func:`parse_layout` reads one side,
-:func:`resolve_layout` turns both sides into stage ranges and owners,
-:func:`format_layout` writes one side back. It knows nothing of plans;
-:meth:`roundpipe_core.planning.plan.ModelExecutePlan.from_layout` builds and validates
-the plan from what :func:`resolve_layout` returns.
-
-Numbers in text are ASCII decimal digits with an optional leading ``-`` (so a
-negative count is reported as such); no ``+``, no leading zeros, no other
-scripts' digits: ``"01"``, ``"²"`` or ``"٣"`` are far more likely typos or
-copy-paste accidents than intended values.
+The grammar only: :func:`parse_layout` reads one side, :func:`resolve_layout` turns both
+into stage ranges and owners (``ModelExecutePlan.from_layout`` validates the plan),
+:func:`format_layout` writes one side back. Numbers in text are ASCII digits with an
+optional ``-``, no ``+`` and no leading zeros: ``"01"``, ``"²"`` or ``"٣"`` are likelier
+typos than intended values.
 """
 
 from __future__ import annotations
@@ -113,23 +106,9 @@ def parse_int(value: Any, what: str) -> int:
     raise ValueError(f"{what} must be an integer, got {value!r}")
 
 
-def _strict_int(value: Any, what: str) -> int:
-    """An int given as a Python int (not a string, not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    return value
-
-
 def parse_layout(spec: LayoutSpec, name: str = "layout") -> ParsedLayout:
-    """Parse one side of a layout (see the module docstring for the forms).
-
-    Args:
-        spec: the layout: a string, an int (one stage), or a list of counts,
-            ``(device, count)`` pairs or ranges.
-        name: what to call this side in error messages.
-
-    Returns:
-        A :class:`ParsedLayout`.
+    """Parse one side of a layout (the forms of the module docstring, or an int: one
+    stage), called ``name`` in error messages.
 
     Raises:
         TypeError: ``spec`` is none of the accepted types.
@@ -246,13 +225,9 @@ def _merge_owners(spec: ParsedLayout, owners: Sequence[int] | None, name: str) -
             f"{name}_owners has {len(owners)} entries but the {name} layout has "
             f"{len(spec.items)} stages; give one owner device per stage"
         )
-    checked = []
-    for i, d in enumerate(owners):
-        d = _strict_int(d, f"{name}_owners[{i}]")
-        if d < 0:
-            raise ValueError(f"{name}_owners[{i}] names device {d}; devices are numbered from 0")
-        checked.append(d)
-    spec.owners = checked
+    spec.owners = [
+        check_int(d, f"{name}_owners[{i}]", 0, "a device index") for i, d in enumerate(owners)
+    ]
     return spec
 
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 __all__ = ["Partitioner", "first_true", "prefix_sums", "with_slack"]
 
 
 def prefix_sums(xs: Sequence[float]) -> list[float]:
     """``[0, x0, x0 + x1, ...]``."""
-    out = [0.0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
+    return list(accumulate(xs, initial=0.0))
 
 
 def with_slack(t: float) -> float:

@@ -1,22 +1,16 @@
 """Execution plans: how the layers of a model are grouped into pipeline stages.
 
-A plan has a forward partition (``fwd_plan``, stages of increasing layer
-ranges) and a backward partition (``bwd_plan``, stages of decreasing layer
-ranges). They may differ (asymmetric plans). Optionally a stage may be pinned
-to a device (``fwd_owners`` / ``bwd_owners``) instead of round-robin dispatch.
+A plan has a forward partition (``fwd_plan``, increasing layer ranges) and a backward
+partition (``bwd_plan``, decreasing), which may differ (asymmetric plans); a stage may be
+pinned to a device (``fwd_owners`` / ``bwd_owners``) instead of round-robin dispatch.
 
-This module is the plan's data and its validation. Layout strings are parsed
-in :mod:`roundpipe_core.planning.layout` (below this module); automatic planning lives
-in :mod:`roundpipe_core.planning.planner` (above it: it runs the simulator, which runs
-the schedule, which reads plans). ``ModelExecutePlan.auto`` therefore calls a
-planner that the planning wing installs with :meth:`ModelExecutePlan.install_planner`
-as it is imported (``planning/__init__.py``), so the published spelling keeps working
-while imports still point one way: planner -> simulate -> schedule -> plan.
+This module is the plan's data and validation. The planner sits above it (planner ->
+simulate -> schedule -> plan), so ``ModelExecutePlan.auto`` calls the planner the
+planning wing installs on import (:meth:`ModelExecutePlan.install_planner`).
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, overload
 
@@ -33,16 +27,13 @@ __all__ = ["AutoPlanner", "ModelExecutePlan", "default_num_microbatch"]
 
 
 def default_num_microbatch(num_devices: int, concurrent: bool = True, replicas: int = 1) -> int:
-    """Microbatches per call when none is asked for: on devices that compute at the same
-    time, one more than the pool has devices, the published RoundPipe's default (every
-    device busy, plus one to fill the bubble of the fused last stage); on devices that
-    compute one at a time (CPU workers) one -- they have no bubble to fill, and each
-    microbatch more only adds per-microbatch work and smaller matrix products
-    (measured: the README's main job 1.2-1.3x faster with 1 than with 4) -- or, where
-    the one-stage plan may run as one job per overlapping CPU worker
-    (``DevicePool.cpu_overlap``, ``planner.fused_replicas``), ``replicas``: one
-    microbatch per worker. The one source of that default: the engine, the planner, the
-    host-memory budget and the Lightning adapter all ask here."""
+    """Microbatches per call when none is asked for (the one source of that default).
+
+    Devices that compute at the same time: devices + 1, the published default (one more
+    fills the bubble of the fused last stage). Devices that compute one at a time (CPU
+    workers): 1 -- no bubble to fill, and each microbatch more only adds work (the
+    README's main job 1.2-1.3x faster with 1 than with 4) -- or ``replicas``, one per
+    worker where the one-stage plan runs on every overlapping worker at once."""
     return num_devices + 1 if concurrent else max(1, replicas)
 
 
@@ -64,8 +55,6 @@ def _check_cover(
     """
     if not isinstance(stages, (list, tuple)):
         raise TypeError(f"{name} must be a list of range objects, got {type(stages).__name__}")
-    starts: list[int] = []  # earlier stages, sorted by start, to find overlaps
-    owner_of: list[int] = []
     prev: range | None = None
     for i, r in enumerate(stages):
         if not isinstance(r, range):
@@ -78,19 +67,14 @@ def _check_cover(
             raise ValueError(
                 f"{name}[{i}] = {r!r} is outside the model's layers 0..{num_layers - 1}"
             )
-        k = bisect.bisect_right(starts, r.start)
-        for j in (k - 1, k):  # only the neighbours by start can overlap disjoint stages
-            if 0 <= j < len(starts):
-                other = stages[owner_of[j]]
-                lo, hi = max(r.start, other.start), min(r.stop, other.stop)
-                if lo < hi:
-                    raise ValueError(
-                        f"layer {lo} appears in {name}[{owner_of[j]}] and again in {name}[{i}]; "
-                        "each layer must appear exactly once"
-                    )
-        starts.insert(k, r.start)
-        owner_of.insert(k, i)
         if prev is not None:
+            # (stages in order are disjoint: only the previous one can overlap this one)
+            lo, hi = max(r.start, prev.start), min(r.stop, prev.stop)
+            if lo < hi:
+                raise ValueError(
+                    f"layer {lo} appears in {name}[{i - 1}] and again in {name}[{i}]; "
+                    "each layer must appear exactly once"
+                )
             if increasing and r.start < prev.stop:
                 raise ValueError(
                     f"{name}[{i}] = {r!r} comes after {name}[{i - 1}] = {prev!r}: forward stages "
@@ -161,12 +145,7 @@ class ModelExecutePlan:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ModelExecutePlan):
             return NotImplemented
-        return (
-            self.fwd_plan == other.fwd_plan
-            and self.bwd_plan == other.bwd_plan
-            and self.fwd_owners == other.fwd_owners
-            and self.bwd_owners == other.bwd_owners
-        )
+        return vars(self) == vars(other)
 
     def check_valid(
         self, num_layers: int, run_type: RunType | str, num_devices: int | None = None
@@ -205,8 +184,7 @@ class ModelExecutePlan:
                     "give one owner device per stage"
                 )
             for i, d in enumerate(owners):
-                if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-                    raise ValueError(f"{name}[{i}] = {d!r} is not a device index (int >= 0)")
+                check_int(d, f"{name}[{i}]", 0, "a device index")
                 if num_devices is not None and d >= num_devices:
                     raise ValueError(
                         f"{name}[{i}] = {d} names device {d}, but the pool has only "
@@ -242,11 +220,8 @@ class ModelExecutePlan:
     def uniform(
         num_layers: int, num_stages: int, run_type: RunType | str = RunType.FUSED
     ) -> ModelExecutePlan:
-        """A plain plan: ``num_stages`` forward and backward stages of near-equal layer counts.
-
-        For "fused" the last backward stage (which is launched first) is fused, and
-        the forward plan covers the layers before it.
-        """
+        """A plain plan: ``num_stages`` forward and backward stages of near-equal layer
+        counts; for "fused" the deepest stage is the fused one."""
         rt = parse_kind(RunType, run_type, "run_type")
         check_int(num_layers, "ModelExecutePlan.uniform: num_layers")
         check_int(num_stages, "ModelExecutePlan.uniform: num_stages")

@@ -1,13 +1,10 @@
 """Automatic planning: partition layers into stages that keep every device busy.
 
-:func:`auto` (also reachable as ``ModelExecutePlan.auto``) reads each model's
-:class:`~roundpipe_core.planning.profile.LayerProfile` — measured per-layer times, or
-size-based estimates before anything was measured — and searches the stage
-partition under a per-stage memory cap that counts parameters, gradients and
-one microbatch's saved activations. :func:`search_plans` is the search itself;
-it lives in :mod:`roundpipe_core.planning.search`, which packs stages with
-:mod:`roundpipe_core.planning.partition` and checks its shortlist with the event
-simulator, so the plan chosen is ranked by the schedule the engine runs.
+:func:`auto` (``ModelExecutePlan.auto``) reads each model's
+:class:`~roundpipe_core.planning.profile.LayerProfile` (measured per-layer times, or
+size-based estimates) and searches the partition
+(:func:`~roundpipe_core.planning.search.search_plans`) under a per-stage memory cap;
+the re-plan policy (:func:`decide_replan`) and the CPU workers' replicas live here too.
 """
 
 from __future__ import annotations
@@ -61,61 +58,50 @@ def auto(
     """Plan stages from measured layer times (``ModelExecutePlan.auto``, whose overloads
     type the one-model and several-model forms).
 
-    Stages should be even (the slowest sets the pace) and there should be enough
-    of them to keep every device busy. Forward stages cost the layers' forward
-    time, backward stages recompute + backward, the fused stage of "fused"
-    forward + backward. Each stage's memory — parameters, plus for backward and
-    fused stages their gradients and one microbatch's saved activations — stays
-    under ``model_memory_limit / 2``: one stage runs while the next one's
-    parameters are prefetched. On CPU workers that compute on the host's parameters
-    (``uploads_lend_parameters``) the parameters cost nothing and nothing is
-    prefetched: a stage's gradients and activations stay under the whole limit.
+    Stages should be even (the slowest sets the pace) and enough to keep every device
+    busy. Forward stages cost the layers' forward time, backward stages recompute +
+    backward, the fused stage forward + backward. Each stage's memory (parameters; for
+    backward and fused stages also gradients and one microbatch's saved activations)
+    stays under ``model_memory_limit / 2``: one stage runs while the next one's
+    parameters are prefetched. On CPU workers that lend the host's parameters
+    (``uploads_lend_parameters``) nothing is prefetched and the parameters are free: a
+    stage may use the whole limit.
 
-    The published planner minimises ``max(total stages, min_stages) x slowest
-    stage`` (``objective="stages"``) greedily, trying only stage caps between the
-    slowest layer and ``upper_threshold`` times that. Here ``method="exact"``
-    returns the minimum over all caps (see
-    :func:`~roundpipe_core.planning.search.search_plans`). Minimised exactly, that
-    cost favours a few huge stages, whose pipeline fill and drain it does not
-    charge; so the default ``objective="pipeline"`` minimises the round-robin
-    iteration time of the stages instead
-    (:func:`~roundpipe_core.planning.search.pipeline_estimate`, exact for equal
-    stages), and ``refine=True`` simulates the near-optimal
-    candidates and keeps the fastest. ``upper_threshold`` only steers
-    ``method="greedy"`` (the published planner's window of caps).
+    The published planner minimises ``max(total stages, min_stages) x slowest stage``
+    (``objective="stages"``) greedily over stage caps between the slowest layer and
+    ``upper_threshold`` times that (``method="greedy"``); ``method="exact"`` takes the
+    minimum over all caps. Minimised exactly, that cost favours a few huge stages (it
+    does not charge fill and drain), so the default ``objective="pipeline"`` minimises
+    the round-robin iteration time instead
+    (:func:`~roundpipe_core.planning.search.pipeline_estimate`), and ``refine=True``
+    simulates the near-optimal candidates and keeps the fastest.
 
     Args:
         run_type: "infer", "train" (``forward()`` then backward through autograd)
             or "fused" (``forward_backward()``).
-        *models: RoundPipe models (see :func:`profile_of`), or
-            :class:`~roundpipe_core.running.timer.ModelTimer` / :class:`LayerProfile`
-            objects. Several models are planned jointly with one shared stage cap
-            (e.g. an encoder and a decoder run one after another).
-        min_stages: stages below which the pipeline starves, for ``objective="stages"``;
-            default: the number of devices (the largest pool among the models). The
-            "pipeline" objective charges starvation itself and uses this only as the
-            device count when no model has a pool.
+        *models: RoundPipe models, :class:`~roundpipe_core.running.timer.ModelTimer` or
+            :class:`LayerProfile` objects; several are planned jointly with one shared
+            stage cap (e.g. an encoder and a decoder run one after another).
+        min_stages: for ``objective="stages"``; default the number of devices (the
+            largest pool among the models), which "pipeline" uses as the device count
+            when no model has a pool.
         upper_threshold: search window of ``method="greedy"``.
         model_memory_limit: GB a device may use for the model; default 60% of the
-            smallest device's memory (CPU workers report ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB``,
-            8 GB unless set). A layer bigger than half of it raises the limit, with a warning.
+            smallest device's memory (CPU workers: ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB``,
+            8 GB unless set). A layer bigger than a stage's share raises it, with a warning.
         method: "exact" (default) or "greedy".
         objective: "pipeline" (default) or "stages" (the published cost).
-        num_microbatch: microbatches per iteration, for the "pipeline" objective;
-            default RoundPipe's (:func:`~roundpipe_core.planning.plan.default_num_microbatch`):
-            devices + 1 where the devices compute at once (GPUs); where they do not
-            (CPU workers, or ``concurrent=False``) 1, or one per worker for one model
-            that may run its one-stage plan on every worker at once.
+        num_microbatch: for "pipeline"; default RoundPipe's
+            (:func:`~roundpipe_core.planning.plan.default_num_microbatch`): devices + 1
+            where the devices compute at once, 1 or one per worker on CPU workers.
         refine: simulate near-optimal candidates and walk to faster neighbours
-            ("pipeline" objective only).
-        overlap_iterations: rank plans ("fused") by the steady state of overlapped
-            ``forward_backward(blocking=False)`` calls instead of one iteration alone;
-            pass it when the engine overlaps iterations.
+            ("pipeline" only).
+        overlap_iterations: rank "fused" plans by the steady state of overlapped
+            ``forward_backward(blocking=False)`` calls.
         concurrent: whether the devices compute at the same time; default: what the
-            models' pools say (GPUs do; CPU workers compute one at a time). Where they
-            do not, every job's time adds up and the fastest plan is the one with the
-            fewest stages memory allows (the least recompute): that plan is returned,
-            the same for any timings that fit the memory.
+            models' pools say (CPU workers compute one at a time). Where they do not,
+            the plan with the fewest stages memory allows (the least recompute) is
+            returned, whatever the timings.
 
     Returns:
         One plan for one model, a list of plans (in order) for several.
@@ -192,31 +178,24 @@ def auto(
 
 def _cpu_overlap(model: Any) -> bool:
     """Whether ``model`` runs on CPU workers that compute any stages side by side
-    (``pool.cpu_stages_overlap``, ``ROUNDPIPE_CPU_CONCURRENT=1``; by default only a
-    stage's replicas do) and none of its stages was seen to draw random numbers (those
-    run alone, so a plan that counts on overlap would only add recompute)."""
+    (``pool.cpu_stages_overlap``, ``ROUNDPIPE_CPU_CONCURRENT=1``) and none of its stages
+    was seen to draw random numbers (those run alone: overlap would only add recompute)."""
     layers = _overlapping_workers(model, "cpu_stages_overlap")
     return layers is not None and not model.pool.stages_draw(layers)
 
 
 def _overlapping_workers(model: Any, overlap: str = "cpu_overlap") -> Any:
-    """``model``'s host layers where it runs on CPU workers that compute side by side
-    (the pool's ``overlap``: ``cpu_overlap``, a stage's replicas at least, or
-    ``cpu_stages_overlap``, any stages), else ``None``."""
+    """``model``'s layers where its pool's ``overlap`` flag holds, else ``None``."""
     pool = getattr(model, "pool", None)
     layers = getattr(model, "layers", None)
-    if pool is None or layers is None or not getattr(pool, overlap, False):
-        return None
-    return layers
+    return layers if pool is not None and getattr(pool, overlap, False) else None
 
 
 def may_replicate(model: Any) -> bool:
-    """Whether ``model``'s one-stage fused plan may ever run as one job per CPU worker at
-    once, from its structure alone: its CPU workers overlap (``pool.cpu_overlap``) and no
-    layer has buffers (a forward may write them, BatchNorm's running statistics: two
-    replicas would update them in another order than one stage does). Fixed for the
-    model's life, so the default microbatch count that rests on it never changes after
-    a call has learned which stages draw random numbers."""
+    """Whether ``model``'s one-stage fused plan may ever run as one job per CPU worker,
+    from its structure alone: its workers overlap (``pool.cpu_overlap``) and no layer has
+    buffers (two replicas would update BatchNorm statistics in another order). Fixed for
+    the model's life, so the default microbatch count resting on it never changes."""
     layers = _overlapping_workers(model)
     return layers is not None and not any(True for layer in layers for _ in layer.buffers())
 
@@ -229,9 +208,8 @@ def replicable(model: Any) -> bool:
 
 def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:
     """How many jobs at once a "fused" call of ``plan`` runs its stage as
-    (``build_schedule(replicas=...)``): :func:`most_fused_replicas`, where the stage was
-    seen to compute without drawing random numbers (``pool.stage_shares_cores``: a stage
-    that draws, or whose draws are not known yet, runs as one job); else 1."""
+    (``build_schedule(replicas=...)``): :func:`most_fused_replicas` where the stage was
+    seen not to draw random numbers (``pool.stage_shares_cores``), else 1."""
     workers = most_fused_replicas(model, plan, num_microbatch)
     if workers == 1:
         return 1
@@ -240,11 +218,9 @@ def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> i
 
 
 def most_fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:
-    """The jobs at once a "fused" call of ``plan`` may run its stage as once the run has
-    learned which stages draw random numbers (what the host-memory budget counts: each
-    replica holds its own gradients and activations): one per CPU worker where the plan
-    is one stage, the call has at least two microbatches and :func:`replicable` holds
-    (no stage seen to draw so far); else 1."""
+    """The most jobs at once a "fused" call of ``plan`` may run its stage as (what the
+    host-memory budget counts): one per CPU worker where the plan is one stage, the call
+    has at least two microbatches and :func:`replicable` holds; else 1."""
     if plan.fwd_plan or len(plan.bwd_plan) != 1 or num_microbatch < 2:
         return 1
     workers = int(getattr(model, "num_devices", 1) or 1)
@@ -264,10 +240,9 @@ def _split_or_fewest(
     num_microbatch: int,
     replicated: bool = False,
 ) -> ModelExecutePlan:
-    """On two overlapping CPU workers: the fastest of the one-stage plan (when memory
-    allows one stage; ``replicated``: run as one job per worker) and every
-    :func:`split_plan`, by :func:`simulated_iteration_ms` on shared cores; the one-stage
-    plan on ties and whenever memory forces several stages."""
+    """On two overlapping CPU workers: the fastest on shared cores of the one-stage plan
+    (``replicated``: one job per worker) and every :func:`split_plan`; the one-stage plan
+    on ties and whenever memory forces several stages."""
     n = profile.num_layers
     if fewest.fwd_plan or len(fewest.bwd_plan) != 1 or n < 2:
         return fewest
@@ -332,12 +307,7 @@ def predicted_speedup(
 ) -> float:
     """How much faster ``candidate`` would run than ``current``: the ratio of their
     simulated iteration times on ``model``'s profile (> 1: the candidate is faster);
-    ``concurrent=False`` for devices that compute one at a time (CPU workers).
-
-    Re-planning from noisy timings can flip between near-equal plans; a caller
-    switches only when this exceeds its threshold (e.g. ``> 1.05``), ideally with a
-    smoothed profile.
-    """
+    ``concurrent=False`` for devices that compute one at a time (CPU workers)."""
     rt = parse_kind(RunType, run_type, "run_type")
     prof = profile_of(model)
     for name, plan in (("current", current), ("candidate", candidate)):
@@ -358,17 +328,10 @@ def predicted_speedup(
 
 @dataclass(frozen=True)
 class ReplanDecision:
-    """The re-plan policy's verdict on a ``candidate`` plan against the plan in use
-    (``old``): take it only when the simulator, on the model's profile, predicts it at
-    least ``min_gain`` faster. Timings are noisy and near-equal plans trade places
-    from one measurement to the next; the threshold keeps the plan in use then.
-
-    Attributes:
-        old: the plan in use.
-        candidate: the planner's new choice.
-        gain: the predicted speed-up of ``candidate`` over ``old`` (1.0: the same plan).
-        min_gain: the threshold (0.05: 5 %).
-    """
+    """The re-plan policy's verdict: take ``candidate`` over the plan in use (``old``)
+    only when the simulator predicts it at least ``min_gain`` (0.05: 5 %) faster
+    (``gain``: the predicted speed-up). Timings are noisy and near-equal plans trade
+    places from one measurement to the next; the threshold keeps the plan in use then."""
 
     old: ModelExecutePlan
     candidate: ModelExecutePlan

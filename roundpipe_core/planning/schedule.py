@@ -1,15 +1,10 @@
 """The iteration's schedule as data: plan + dispatch policy -> an ordered job list.
 
-This is the single place that decides which device runs which stage and in
-which order. The runtime executes the list, the simulator times the same list,
-and the timer / stage-time logger annotate it. Dispatch is round-robin
-(``job k -> device (start_device + k) mod N``) unless the plan pins a stage to
-an owner device.
-
-A job prints as ``"<stage><kind code><device>"`` — ``"2F0"`` is forward stage 2
-on device 0, ``"0X1"`` the fused stage on device 1, ``"3B0"`` backward stage 3 —
-and a schedule as those codes separated by spaces; :func:`parse_schedule`
-reads them back against the plan (which knows each stage's layers).
+The one place that decides which device runs which stage, in which order: the runtime
+executes the list, the simulator times it, the timer annotates it. Dispatch is
+round-robin (``job k -> device (start_device + k) mod N``) unless the plan pins a stage.
+A job prints as ``"<stage><kind code><device>"`` (``"2F0"``, ``"0X1"``, ``"3B0"``), a
+schedule as those codes separated by spaces (:func:`parse_schedule` reads them back).
 """
 
 from __future__ import annotations
@@ -47,18 +42,12 @@ class Job:
 
     Attributes:
         index: position in launch order within the schedule.
-        kind: ``FORWARD`` (no autograd; saves stage inputs for recompute),
-            ``FUSED`` (forward + loss + backward of the last layers) or
-            ``BACKWARD`` (recompute + backward).
-        layers: the layer indices of the stage.
-        device: index of the device in the pool that runs it.
-        microbatches: the microbatch indices, run in this order.
-        stage: index of the stage in its plan (``fwd_plan`` for forward jobs,
-            ``bwd_plan`` for fused/backward jobs).
-        replica / replicas: a stage run as ``replicas`` jobs at once, each on its own
-            contiguous slice of the microbatches on its own device (the one-stage fused
-            plan on overlapping CPU workers, :func:`build_schedule`), and which of them
-            this is (its slice's order; 0 of 1 for every other job).
+        kind: ``FORWARD`` (no autograd; saves stage inputs for recompute), ``FUSED``
+            (forward + loss + backward of the last layers) or ``BACKWARD`` (recompute +
+            backward).
+        stage: index in ``fwd_plan`` (forward jobs) or ``bwd_plan`` (fused/backward).
+        replica / replicas: which of ``replicas`` jobs running one stage at once, each on
+            its own slice of the microbatches (0 of 1 for every other job).
     """
 
     index: int
@@ -109,8 +98,7 @@ def parse_schedule(text: str, plan: ModelExecutePlan, num_microbatch: int) -> li
     Raises:
         ValueError: a code that does not parse, or names a stage the plan lacks.
     """
-    if num_microbatch < 1:
-        raise ValueError(f"num_microbatch must be >= 1, got {num_microbatch}")
+    check_int(num_microbatch, "num_microbatch")
     jobs = []
     for k, tok in enumerate(text.split()):
         stage, kind, device = parse_job_code(tok)
@@ -133,29 +121,21 @@ def build_schedule(
     start_device: int = 0,
     replicas: int = 1,
 ) -> list[Job]:
-    """Build the launch-ordered job list of one iteration.
+    """Build the launch-ordered job list of one iteration of ``plan`` (validated for
+    ``run_type``) on ``num_devices`` devices, ``num_microbatch`` microbatches per stage.
 
     Args:
-        plan: a plan already validated for ``run_type``.
-        run_type: ``"infer"``, ``"train"`` (forward now, backward through autograd
-            later) or ``"fused"`` (``forward_backward``).
-        num_devices: size of the device pool.
-        num_microbatch: microbatches per stage.
-        phase: ``"all"``, ``"forward"`` or ``"backward"`` — "train" runs its forward
+        phase: ``"all"``, ``"forward"`` or ``"backward"`` -- "train" runs its forward
             and backward phases as two separate schedules.
         start_device: round-robin offset of the first job (the backward phase of
             "train" continues where its forward phase stopped).
-        replicas: where the schedule is one fused job (a one-stage "fused" plan with no
-            owner), run it as this many jobs at once instead (at most one per device and
-            per microbatch), each on the next contiguous slice of the microbatches (the
-            first ones one longer when they do not divide evenly), on devices
-            ``start_device``, ``start_device + 1``, ... Every other schedule ignores it.
+        replicas: a one-stage "fused" plan with no owner runs as this many jobs at once
+            (at most one per device and microbatch), each on the next contiguous slice
+            of the microbatches, on devices ``start_device``, ``start_device + 1``, ...
     """
     rt = parse_kind(RunType, run_type, "run_type")
-    if num_devices < 1:
-        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
-    if num_microbatch < 1:
-        raise ValueError(f"num_microbatch must be >= 1, got {num_microbatch}")
+    check_int(num_devices, "num_devices")
+    check_int(num_microbatch, "num_microbatch")
     if phase not in ("all", "forward", "backward"):
         raise ValueError(f"phase must be 'all', 'forward' or 'backward', got {phase!r}")
     mbs = range(num_microbatch)

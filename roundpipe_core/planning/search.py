@@ -1,12 +1,6 @@
-"""The stage-partition search behind :func:`roundpipe_core.planning.planner.auto`.
-
-For one stage-time cap, greedy packing from the deepest layer gives the fewest
-stages (optimal for that cap); :func:`search_plans` searches the caps — every
-one a sum of contiguous layers — for the best objective, then (``refine``)
-simulates the closest candidates and walks to neighbouring plans (the fused
-split moved, a side given a stage more or fewer, balanced again) while the
-simulated iteration gets shorter, so the plan returned is ranked by the
-schedule the engine runs, not only by the estimate.
+"""The stage-partition search behind :func:`roundpipe_core.planning.planner.auto`:
+greedy packing per stage-time cap, a search over the caps, then simulation of the
+shortlist and a walk to faster neighbouring plans (see :func:`search_plans`).
 """
 
 from __future__ import annotations
@@ -16,7 +10,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..kinds import RunType, parse_kind
+from ..kinds import RunType, check_int, parse_kind
 from .partition import Partitioner, first_true, with_slack
 from .plan import ModelExecutePlan
 from .profile import LayerProfile
@@ -37,18 +31,10 @@ _GB = 1024**3
 
 @dataclass
 class PlanSearch:
-    """Result of a planner search.
-
-    Attributes:
-        plans: one plan per model.
-        stage_ms: the stage time cap the plans were packed under (their slowest stage
-            is at most this).
-        num_stages: stages of all models together.
-        cost: the planner's objective (e.g. ``max(num_stages, min_stages) * stage_ms``;
-            with ``fewest_stages``, the summed stage time of one microbatch).
-        memory_cap_bytes: per-stage memory bound used.
-        evaluated: stage caps the search evaluated.
-    """
+    """Result of a planner search: one plan per model, the stage time cap they were
+    packed under (``stage_ms``), their total stage count, the objective's value
+    (``cost``; with ``fewest_stages``, the summed stage time of one microbatch), the
+    per-stage memory bound, and how many caps were ``evaluated``."""
 
     plans: list[ModelExecutePlan]
     stage_ms: float
@@ -184,21 +170,15 @@ def pipeline_estimate(
     num_microbatch: int,
     work_ms: float = 0.0,
 ) -> float:
-    """Estimated iteration time of a plan under round-robin dispatch.
+    """Estimated iteration time of ``S`` stages of at most ``T`` ms under round-robin
+    dispatch on ``N`` devices with ``M`` microbatches.
 
-    Device ``d`` runs stages ``d, d + N, ...``, each for all ``M`` microbatches; a
-    stage starts once its device is free and the previous stage finished its first
-    microbatch. With ``S`` equal stages of ``T`` this gives exactly
-    ``T * max(ceil(S / N) * M + (S - 1) mod N, S + M - 1)`` (the simulator agrees).
-    Stages are rarely equal, so the estimate is at least the work spread over the
-    devices plus the fill/drain ramp, ``M * work_ms / N + (min(N, M) - 1) * T``,
-    where ``work_ms`` is the summed stage time per microbatch (on one device this
-    is the exact answer; a larger fused stage saves recompute work). For equal
-    stages this never exceeds the exact formula, so that case stays exact. The
-    equal-stage term is pessimistic for uneven stages; ``refine`` corrects that.
-
-    It is non-decreasing in the stage count, the stage time and the work, which
-    the exact search relies on.
+    Equal stages take exactly ``T * max(ceil(S / N) * M + (S - 1) mod N, S + M - 1)``
+    (the simulator agrees); the estimate is at least the work spread over the devices
+    plus the fill/drain ramp, ``M * work_ms / N + (min(N, M) - 1) * T`` (``work_ms``:
+    summed stage time per microbatch; exact on one device), which never exceeds the
+    equal-stage value for equal stages. Non-decreasing in S, T and the work, which the
+    exact search relies on; ``refine`` corrects its pessimism for uneven stages.
     """
     s, n, m = num_stages, num_devices, num_microbatch
     if n == 1 and work_ms > 0:
@@ -210,11 +190,8 @@ def pipeline_estimate(
 def plan_cost(
     plan: ModelExecutePlan, profile: LayerProfile, run_type: RunType | str, min_stages: int = 1
 ) -> tuple[float, int, float]:
-    """The published cost of one plan: ``(cost, num_stages, slowest_stage_ms)``.
-
-    Forward stages cost their forward time, backward stages recompute + backward,
-    the fused stage forward + backward; ``cost = max(num_stages, min_stages) * slowest``.
-    """
+    """The published cost of one plan, ``(max(num_stages, min_stages) * slowest,
+    num_stages, slowest_stage_ms)``, from :func:`stage_times`."""
     times = stage_times(plan, profile, run_type)
     slowest = max(times)
     return max(len(times), min_stages) * slowest, len(times), slowest
@@ -267,44 +244,28 @@ def search_plans(
     overlap_iterations: bool = False,
     fewest_stages: bool = False,
 ) -> PlanSearch:
-    """Partition one or more models (planned jointly: one shared stage time cap).
+    """Partition one or more models (planned jointly: one shared stage time cap), every
+    stage under the cap and under ``memory_cap_bytes``.
 
-    Every stage's time stays under the cap and its memory under ``memory_cap_bytes``.
-    Objectives (functions of the total stage count S and the cap T):
+    Objectives of the total stage count S and the cap T: ``"stages"``, the published
+    ``max(S, min_stages) * T``; ``"pipeline"``, :func:`pipeline_estimate` on
+    ``num_devices`` and ``num_microbatch``, which also charges fill and drain.
 
-    * ``"stages"`` — the published planner's ``max(S, min_stages) * T``;
-    * ``"pipeline"`` — :func:`pipeline_estimate`, the round-robin iteration time of
-      S stages of time T on ``num_devices`` devices with ``num_microbatch``
-      microbatches. It also charges the pipeline's fill and drain, which the
-      published cost ignores (minimised exactly, that cost prefers a few huge
-      stages: fewer stages, less slack, but a longer ramp).
+    ``method="exact"`` finds the minimum: the optimal cap is one of the sums of
+    contiguous layers, greedy packing gives the fewest stages for a cap (S is a
+    non-increasing step function of T), and both objectives are non-decreasing in S and
+    T, so a pruned bisection over the sorted caps suffices. ``method="greedy"`` tries
+    only caps between the slowest layer and ``upper_threshold`` times that, as the
+    published planner does (``benchmarks/planner.py`` has a faithful rewrite).
 
-    ``method="exact"`` finds the minimum: the optimal cap is the time of some stage,
-    so it is one of the sums of contiguous layers; the stage count is a
-    non-increasing step function of the cap, computed by greedy packing (optimal
-    for a fixed cap), and both objectives are non-decreasing in S and T, so a
-    pruned bisection over the sorted candidate caps visits only caps where the
-    count drops and the objective can still improve.
-    ``method="greedy"`` restricts the caps as the published planner does: only
-    caps between the slowest layer and ``upper_threshold`` times that are tried
-    (its other rules differ; ``benchmarks/planner.py`` has a faithful rewrite).
+    ``refine=True`` ("pipeline") simulates the plans with the optimum's stage count and
+    up to :data:`REFINE_SPREAD` more or fewer, plus the greedy pick, and keeps the
+    fastest; with ``walk`` each model's plan then hill-climbs on the simulated time
+    (:func:`_walk`), never ending slower than it started. Plans are timed one iteration
+    alone, or with ``overlap_iterations`` in the steady state of overlapped calls.
 
-    ``refine=True`` (with the "pipeline" objective) then runs the event simulator
-    on the plans with the optimum's stage count and up to two stages fewer or more
-    (each at its smallest cap), plus the greedy search's pick, and keeps the
-    fastest: with uneven stages the estimate, exact for equal stages, can misrank
-    close candidates. With ``walk`` (the default) each model's plan then
-    hill-climbs on the simulated iteration time from the three best shortlisted
-    plans: the fused split moved by up to two layers, each side given up to two
-    stages more or fewer, balanced again (see :func:`_walk`). The walk never
-    returns a plan that simulates slower than the one it started from. Plans are
-    timed one iteration alone, or with ``overlap_iterations`` ("fused") in the
-    steady state of overlapped ``forward_backward(blocking=False)`` calls.
-
-    ``fewest_stages=True`` returns the plan with the fewest stages memory allows (so
-    the largest fused stage: the least recompute) instead: the fastest plan where the
-    devices compute one at a time and every job's time adds up (CPU workers). It does
-    not depend on the timings unless memory forces several stages.
+    ``fewest_stages=True`` returns the plan with the fewest stages memory allows (the
+    least recompute): the fastest where every job's time adds up (CPU workers).
 
     Raises:
         ValueError: unknown method / objective / run type, no profiles, or a layer
@@ -317,15 +278,13 @@ def search_plans(
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     if objective == "pipeline":
-        for name, v in (("num_devices", num_devices), ("num_microbatch", num_microbatch)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"objective='pipeline' needs {name} (an int >= 1), got {v!r}")
+        check_int(num_devices, "num_devices", why="objective='pipeline' needs num_devices")
+        check_int(num_microbatch, "num_microbatch", why="objective='pipeline' needs num_microbatch")
     elif refine:
         raise ValueError("refine=True needs objective='pipeline'")
     if not profiles:
         raise ValueError("give at least one model to plan")
-    if not isinstance(min_stages, int) or min_stages < 1:
-        raise ValueError(f"min_stages must be an int >= 1, got {min_stages!r}")
+    check_int(min_stages, "min_stages")
     if upper_threshold < 1.0:
         raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold!r}")
     problems = [_Problem(p, rt, memory_cap_bytes) for p in profiles]
@@ -366,13 +325,9 @@ def search_plans(
 
     if fewest_stages:
         plans = [pr.build(cands[last_idx]) for pr in problems]
+        num = int(s_at(last_idx))
         return PlanSearch(
-            plans=plans,
-            stage_ms=cands[last_idx],
-            num_stages=int(s_at(last_idx)),
-            cost=w_at(last_idx),
-            memory_cap_bytes=memory_cap_bytes,
-            evaluated=len(counts),
+            plans, cands[last_idx], num, w_at(last_idx), memory_cap_bytes, len(counts)
         )
     first = first_true(0, last_idx, lambda i: s_at(i) < math.inf)  # smallest feasible cap
     best_idx = first
@@ -418,16 +373,21 @@ def search_plans(
             if target >= 1 and s_at(last_idx) <= target:
                 shortlist.append(fewest(target))
         shortlist = sorted(set(shortlist), key=lambda i: (cost(i), i))
-        chosen = _refine(
-            rt,
-            profiles,
-            problems,
-            cands,
-            shortlist,
-            num_devices,
-            num_microbatch,
-            overlap_iterations,
-        )
+        # the shortlisted cap whose plans simulate fastest (jointly planned models run one
+        # after another), the best estimate on ties
+        simulated = {
+            i: sum(
+                simulated_iteration_ms(
+                    pr.build(cands[i]), prof, rt, num_devices, num_microbatch, overlap_iterations
+                )
+                for prof, pr in zip(profiles, problems)
+            )
+            for i in shortlist
+        }
+        chosen = shortlist[0]
+        for idx in shortlist:
+            if simulated[idx] < simulated[chosen] * (1 - 1e-9):
+                chosen = idx
     cap = cands[chosen]
     plans = [pr.build(cap) for pr in problems]
     if refine and walk and num_devices is not None and num_microbatch is not None:
@@ -446,48 +406,11 @@ def search_plans(
             for pr, prof, plan in zip(problems, profiles, plans)
         ]
         times = [t for plan, prof in zip(plans, profiles) for t in stage_times(plan, prof, rt)]
-        return PlanSearch(
-            plans=plans,
-            stage_ms=max(times),
-            num_stages=len(times),
-            cost=plan_objective(
-                plans, profiles, rt, objective, min_stages, num_devices, num_microbatch
-            ),
-            memory_cap_bytes=memory_cap_bytes,
-            evaluated=len(counts),
+        value_now = plan_objective(
+            plans, profiles, rt, objective, min_stages, num_devices, num_microbatch
         )
-    return PlanSearch(
-        plans=plans,
-        stage_ms=cap,
-        num_stages=int(s_at(chosen)),
-        cost=cost(chosen),
-        memory_cap_bytes=memory_cap_bytes,
-        evaluated=len(counts),
-    )
-
-
-def _refine(
-    run_type: RunType,
-    profiles: Sequence[LayerProfile],
-    problems: Sequence[_Problem],
-    cands: list[float],
-    shortlist: list[int],
-    num_devices: int,
-    num_microbatch: int,
-    overlap: bool = False,
-) -> int:
-    """Of the shortlisted caps (best estimate first), the one whose plans simulate fastest."""
-    best, best_time = shortlist[0], math.inf
-    for idx in shortlist:
-        total = 0.0
-        for prof, pr in zip(profiles, problems):
-            # Jointly planned models run one after another.
-            total += simulated_iteration_ms(
-                pr.build(cands[idx]), prof, run_type, num_devices, num_microbatch, overlap
-            )
-        if total < best_time * (1 - 1e-9):
-            best, best_time = idx, total
-    return best
+        return PlanSearch(plans, max(times), len(times), value_now, memory_cap_bytes, len(counts))
+    return PlanSearch(plans, cap, int(s_at(chosen)), cost(chosen), memory_cap_bytes, len(counts))
 
 
 #: Stages more or fewer per side, or layers the fused split moves, in one walk step.

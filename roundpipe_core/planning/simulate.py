@@ -1,28 +1,16 @@
 """Event simulator of one iteration of a plan on N devices.
 
-It times the job list that :func:`roundpipe_core.planning.schedule.build_schedule` returns
-— the same list the runtime executes — with the engine's rules:
+It times the job list of :func:`~roundpipe_core.planning.schedule.build_schedule` (the
+list the runtime executes) with the engine's rules: each device runs its jobs in launch
+order, a job its microbatches in order; stage k of microbatch m waits for stage k-1 of
+microbatch m (forward chain, fused stage, backward stages deep to shallow), and a
+backward stage also for the saved input its first layer's forward produced; with
+``run_type="train"`` the backward phase starts after the whole forward phase; a
+stage's upload (``upload_ms``) runs on its device's copy channel, prefetched while the
+previous job runs, and handing activations to another device costs ``activation_ms``.
 
-* each device runs its jobs in launch order, one at a time, and a job runs its
-  microbatches in order;
-* stage k of microbatch m waits for stage k-1 of microbatch m: the forward
-  stages form a chain, then the fused stage, then the backward stages (deep to
-  shallow); a backward stage also needs the saved input of its first layer,
-  produced by the forward stage that ran the layer before it;
-* with ``run_type="train"`` the backward phase starts once the whole forward
-  phase (and the loss outside the pipeline) is done;
-* optionally, a stage's parameter upload (``upload_ms``) runs on a separate
-  channel of its device and may be prefetched while the previous job on that
-  device runs (a device holds at most the running and the prefetched stage),
-  and handing activations to another device costs ``activation_ms``.
-
-The weight-binding baseline the paper compares against (stages bound to devices)
-is no schedule the engine runs; it lives beside its benchmark,
-``benchmarks/bound_baseline.py``, and reuses :class:`SimEvent` / :class:`SimResult`.
-
-Bubble ratio = share of device time without model computation over
-``makespan x devices``; efficiency = 1 - bubble ratio. Given layer sizes, the
-result also reports each device's peak memory (see :class:`SimResult`).
+The weight-binding baseline of the paper lives beside its benchmark
+(``benchmarks/bound_baseline.py``) and reuses :class:`SimEvent` / :class:`SimResult`.
 """
 
 from __future__ import annotations
@@ -32,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kinds import JobKind, RunType, check_flag, parse_kind
+from ..kinds import JobKind, RunType, check_flag, check_int, parse_kind
 from .plan import ModelExecutePlan
 from .profile import LayerProfile
-from .schedule import BACKWARD, FORWARD, FUSED, Job, build_schedule
+from .schedule import BACKWARD, FORWARD, FUSED, Job, build_schedule, jobs_by_device
 
 __all__ = [
     "SimEvent",
@@ -52,18 +40,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SimEvent:
-    """One interval on a device's timeline.
-
-    Attributes:
-        device: device index.
-        kind: "forward", "fused", "backward" (compute) or "upload" (parameter copy).
-        stage: stage index in its plan (bound policy: the bound stage).
-        microbatch: microbatch index (-1 for uploads).
-        start: start time (ms).
-        end: end time (ms).
-        job: index of the job in the schedule (-1 for the bound policy).
-        iteration: iteration index (0 unless several are simulated).
-    """
+    """One interval on a device's timeline (times in ms). ``kind``: "forward", "fused",
+    "backward" or "upload"; ``microbatch`` -1 for uploads; ``job``: index in the schedule
+    (-1 for the bound baseline); ``iteration``: 0 unless several are simulated."""
 
     device: int
     kind: str
@@ -82,15 +61,12 @@ class SimResult:
     Attributes:
         makespan_ms: time from the first job's start to the last computation's end.
         busy_ms: model-computation time per device.
-        bubble_ratio: ``1 - sum(busy_ms) / (makespan_ms * num_devices)``.
-        efficiency: ``sum(busy_ms) / (makespan_ms * num_devices)``.
-        events: the timeline, compute and upload intervals.
-        jobs: the schedule that was timed (round-robin policy).
+        bubble_ratio / efficiency: ``1 -`` / ``sum(busy_ms) / (makespan_ms * devices)``.
+        events: the timeline, compute and upload intervals; ``jobs``: the schedule timed.
         iteration_ms: makespan divided by the number of iterations simulated.
-        peak_bytes: per device, the most memory it holds at once: the running stage
-            (parameters; backward and fused stages also their gradients and one
-            microbatch's saved activations) plus the next stage's prefetched
-            parameters. Empty unless the simulation was given layer sizes.
+        peak_bytes: per device, the most memory it holds at once (running stage with its
+            gradients and one microbatch's activations, plus the next stage's prefetched
+            parameters); empty unless the simulation was given layer sizes.
     """
 
     makespan_ms: float
@@ -215,37 +191,28 @@ def simulate(
         activation_ms: latency of handing one microbatch's activations or gradients
             to a stage on another device.
         iterations: iterations to simulate back to back.
-        overlap_iterations: let the next iteration start on a
-            device as soon as that device is free, as the one-step-stale asynchronous
-            update allows, instead of after the whole previous iteration. This models
-            ``forward_backward(blocking=False)``: round-robin continues from one
-            iteration to the next, iteration ``it`` reads the weights of step ``it - 2``
-            (so it waits for iteration ``it - 2`` and that step), and its upload of a layer
-            waits until iteration ``it - 1`` has uploaded that layer (the host copy is
-            overwritten only then). Uploads follow the engine's prefetch: during the
-            previous job of the same iteration on that device if the weights are ready
-            then, else when the job itself is due; never across iterations.
-        step_ms: time of one optimizer step on the host, on one thread. Step k starts
-            when iteration k and step k - 1 are done. Its weights are published layer by
-            layer: a job of iteration k + 2 waits only for the layers it runs (not for
-            the whole step, nor for anything of iteration k + 1).
-        step_per_layer: model a step taken layer by layer (a per-parameter optimizer
-            such as a fused AdamW over each layer's parameters): a layer's share of
-            ``step_ms`` runs as soon as that layer's last gradient of the iteration is
-            in (deep layers first, as the backward finishes them) and the thread is
-            free, and its weights are published right after it. Default: the step is
-            one call that starts once the whole iteration is done.
-        step_share: each layer's share of ``step_ms`` (normalized here; default: in
+        overlap_iterations: model ``forward_backward(blocking=False)``: the next
+            iteration starts on a device as soon as it is free (round-robin continues),
+            iteration ``it`` reads the weights of step ``it - 2``, and its upload of a
+            layer waits until iteration ``it - 1`` has uploaded that layer. Uploads are
+            prefetched during the previous job of the same iteration if the weights are
+            ready then, else when the job is due; never across iterations.
+        step_ms: one optimizer step on one host thread; step k starts when iteration k
+            and step k - 1 are done, and a job of iteration k + 2 waits only for the
+            layers it runs to be published.
+        step_per_layer: a step taken layer by layer (e.g. a fused AdamW per layer): a
+            layer's share of ``step_ms`` runs once its last gradient is in and the thread
+            is free, and is published right after. Default: one call after the iteration.
+        step_share: each layer's share of ``step_ms`` (normalized; default: in
             proportion to ``param_bytes`` if given, else equal).
         param_bytes: bytes a stage upload moves per layer; with it the result reports
             each device's peak memory (``SimResult.peak_bytes``).
         grad_bytes: gradient bytes per layer held by backward/fused stages; default
             ``param_bytes``.
-        act_bytes: saved-activation bytes per layer for one microbatch, held while a
-            backward or fused stage runs it (see :mod:`roundpipe_core.planning.profile`).
-        concurrent: whether the devices compute at the same time (GPUs). ``False``
-            models CPU workers, which compute one at a time: a job starts only once
-            every device is idle, so the iteration takes the sum of its jobs.
+        act_bytes: one microbatch's saved-activation bytes per layer, held while a
+            backward or fused stage runs it.
+        concurrent: whether the devices compute at the same time (GPUs); ``False``: one
+            job at a time (CPU workers), the iteration takes the sum of its jobs.
 
     Returns:
         A :class:`SimResult`.
@@ -257,8 +224,7 @@ def simulate(
     bwd = per_layer(bwd_ms, n, "bwd_ms")
     re = per_layer(re_ms, n, "re_ms") if re_ms is not None else list(fwd)
     upl = per_layer(upload_ms, n, "upload_ms")
-    if not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
+    check_int(iterations, "iterations")
     if not activation_ms >= 0:
         raise ValueError(f"activation_ms must be >= 0, got {activation_ms!r}")
     check_flag(concurrent, "concurrent")
@@ -299,6 +265,7 @@ def simulate(
             fwd,
             bwd,
             re,
+            num_devices,
             upl,
             activation_ms,
             barrier,
@@ -349,10 +316,7 @@ def device_peak_bytes(
     grads = per_layer(grad_bytes, n, "grad_bytes") if grad_bytes is not None else params
     acts = per_layer(act_bytes, n, "act_bytes")
     peak = [0.0] * num_devices
-    queues: list[list[Job]] = [[] for _ in range(num_devices)]
-    for job in jobs:
-        queues[job.device].append(job)
-    for d, queue in enumerate(queues):
+    for d, queue in enumerate(jobs_by_device(list(jobs), num_devices)):
         for k, job in enumerate(queue):
             held = sum(params[i] for i in job.layers)
             if job.kind != FORWARD:
@@ -386,21 +350,16 @@ def simulated_iteration_ms(
     replicated: bool = False,
 ) -> float:
     """The planner's one iteration-time estimate: the simulated time of one iteration of
-    ``plan``, on one of three device models.
+    ``plan`` on one of three device models.
 
-    * ``concurrent=True`` (GPUs): the devices compute side by side at full speed; with
-      ``overlap`` ("fused" only) the steady state of back-to-back
-      ``forward_backward(blocking=False)`` calls: the time per iteration over
-      :data:`OVERLAP_ITERATIONS` iterations after as many warm-up ones.
-    * ``concurrent=False`` (CPU workers under one lock): one job computes at a time, so
-      every job's time adds up (see :func:`simulate`).
-    * ``shared_cores=True`` (CPU workers that compute side by side, ``pool.cpu_overlap``;
-      ``concurrent`` is then not read): a plan of one job computes alone on all cores
-      (the profile's times); jobs on several workers compute at once, each stage
-      :data:`SHARED_CORES_SLOWDOWN` times slower on its share of the cores.
-      ``replicated``: the one-stage plan runs as one job per worker at once
-      (``planner.fused_replicas``), each on its slice of the microbatches
-      :data:`SHARED_CORES_SLOWDOWN` times slower: the longest slice's time.
+    * ``concurrent=True`` (GPUs): devices compute side by side at full speed; with
+      ``overlap`` ("fused") the steady state of ``forward_backward(blocking=False)``
+      calls, per iteration over :data:`OVERLAP_ITERATIONS` after as many warm-up ones.
+    * ``concurrent=False`` (CPU workers under one lock): every job's time adds up.
+    * ``shared_cores=True`` (CPU workers computing side by side; ``concurrent`` unread):
+      one job computes alone on all cores; jobs on several workers at once each run
+      :data:`SHARED_CORES_SLOWDOWN` times slower. ``replicated``: the one-stage plan as
+      one job per worker on its slice of the microbatches (``planner.fused_replicas``).
     """
     run_type = parse_kind(RunType, run_type, "run_type")
     if shared_cores:
@@ -421,22 +380,15 @@ def simulated_iteration_ms(
     if not overlap or run_type != RunType.FUSED:
         fwd = [float(x) for x in profile.fwd_ms]
         re = [float(x) for x in profile.re_ms] if profile.re_ms is not None else fwd
-        n = len(fwd)
+        sched = build_schedule(plan, run_type, num_devices, num_microbatch)
         return _run_iteration(
-            build_schedule(plan, run_type, num_devices, num_microbatch),
+            sched,
             plan,
             run_type,
             fwd,
             [float(x) for x in profile.bwd_ms],
             re,
-            [0.0] * n,
-            0.0,
-            0.0,
-            0,
-            [0.0] * num_devices,
-            [0.0] * num_devices,
-            [[] for _ in range(num_devices)],
-            None,
+            num_devices,
             serial=not concurrent,
         )
 
@@ -485,9 +437,8 @@ class _WeightGate:
     last job on each device belonged to (prefetch never crosses iterations)."""
 
     def __init__(self, num_devices: int) -> None:
-        self.prev: dict[
-            int, float
-        ] = {}  # layer -> end of its last upload in the previous iteration
+        # layer -> end of its last upload in the previous iteration
+        self.prev: dict[int, float] = {}
         self.cur: dict[int, float] = {}
         self.last_iter = [-1] * num_devices
 
@@ -518,14 +469,15 @@ def _run_iteration(
     fwd: list[float],
     bwd: list[float],
     re: list[float],
-    upl: list[float],
-    act: float,
-    barrier: float,
-    it: int,
-    device_free: list[float],
-    upload_free: list[float],
-    job_ends: list[list[float]],
-    events: list[SimEvent] | None,
+    num_devices: int,
+    upl: list[float] | None = None,
+    act: float = 0.0,
+    barrier: float = 0.0,
+    it: int = 0,
+    device_free: list[float] | None = None,
+    upload_free: list[float] | None = None,
+    job_ends: list[list[float]] | None = None,
+    events: list[SimEvent] | None = None,
     gate: _WeightGate | None = None,
     layer_ready: list[float] | None = None,
     grad_done: dict[int, float] | None = None,
@@ -536,7 +488,13 @@ def _run_iteration(
     ``events=None`` only computes the end time (the planner's fast path); ``gate``
     adds the per-layer weight-version rule of overlapped iterations; ``layer_ready``:
     when each layer's weights (of the step this iteration reads) are published;
-    ``grad_done`` receives when each layer's gradients of this iteration are complete."""
+    ``grad_done`` receives when each layer's gradients of this iteration are complete.
+    The per-device state (``device_free``, ...) carries over between iterations; it
+    starts idle where not given."""
+    upl = upl or [0.0] * len(fwd)
+    device_free = device_free or [0.0] * num_devices
+    upload_free = upload_free or [0.0] * num_devices
+    job_ends = job_ends or [[] for _ in range(num_devices)]
     if gate is not None:
         gate.next_iteration()
     fwd_jobs: list[Job] = [j for j in jobs if j.kind == FORWARD]

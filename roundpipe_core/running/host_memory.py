@@ -1,66 +1,42 @@
 """The host-memory budget of a RoundPipe run, before it starts.
 
-RoundPipe keeps the whole training state in host RAM, so host RAM decides how
-large a model a machine can train. :func:`estimate_host_memory` adds up what a
-run holds at its peak, line by line:
+RoundPipe keeps the whole training state in host RAM, so host RAM decides how large a
+model a machine can train. :func:`estimate_host_memory` adds up what a run holds at its
+peak, line by line (docs/host-memory.md has the measurements):
 
-========================  ==========================================================
-weights                   the model's parameters and buffers (model dtype; a quantized
-                          layer's packed bytes and its quant state)
-masters                   the optimizer's copies of the trainable parameters
-                          (``optim_dtype``); none where a parameter is its own master
-                          (``shared_masters=True``: same dtype, synchronous step);
-                          1/N of the separate ones with the host state sharded
-gradients                 one gradient per master (``optim_dtype``)
-next gradients            with an asynchronous step (separate masters): the next
-                          iteration's gradients, which arrive while the step still
-                          reads this iteration's (``async_step``; sharded, the step
-                          reads this rank's 1/N of them: the line is 1/N too)
-optimizer state           states per parameter x master size: Adam/AdamW 2, SGD with
-                          momentum 1, without 0, ... (see :data:`OPTIMIZER_STATES`);
-                          1/N of it with the host state sharded over N data-parallel
-                          ranks (``state_shards=N``)
-pinned buffers            CUDA only: slab rounding of ``pin_model="alloc"`` and each
-                          worker's pinned download rings (staging ring and loss ring)
-worker stage copies       CPU workers only: what each worker holds beside the host
-                          state for the stage it runs and the prefetched next one (from
-                          the plan): the stage computes on the host's parameters, so its
-                          buffers and carried quant state (copied), and its gradients
-                          where they are converted to the masters' dtype
-activations               stage-boundary activations kept for recompute (if given)
-mapped file pages         the file the weights are mapped from (a checkpoint read with
-                          ``mmap``), beyond the weights in it (:func:`mapped_file_bytes`)
-worker activations        CPU workers only: per worker, one microbatch's saved tensors of
-                          the largest stage it runs with autograd (``layer_activation_bytes``)
-dequantized weights       CPU workers only: per worker, the largest 4-bit weight
-                          dequantized for its matmul (bitsandbytes frees it after)
-collective buffers        data parallel over several processes: the flat buffers the
-                          gradient reduction keeps (a ring of a few buckets) and, with
-                          the host state sharded, the all-gather's
-                          (``DataParallel.kept_buffer_bytes``)
-disk tier buffer          with ``offload_dir`` (the disk tier): the records (master +
-                          optimizer state) of ``buffer_layers`` of the largest layer
-                          resident while the step streams them, and one master read to
-                          publish it into the model; the masters and optimizer state
-                          lines are then 0 and ``disk`` (not in the total) is what the
-                          tier's two slots take under ``offload_dir``
-========================  ==========================================================
+===================  ====================================================================
+weights              parameters and buffers (model dtype; a quantized layer's packed bytes
+                     and quant state)
+masters              the optimizer's copies of the trainable parameters (``optim_dtype``);
+                     none for a parameter that is its own master (``shared_masters=True``);
+                     1/N of the separate ones with the host state sharded over N ranks
+gradients            one gradient per master (``optim_dtype``)
+next gradients       asynchronous step with separate masters: the next iteration's
+                     gradients arrive while the step still reads these (sharded: 1/N)
+optimizer state      states per parameter (:data:`OPTIMIZER_STATES`) x master size; 1/N
+                     sharded (``state_shards=N``)
+pinned buffers       CUDA: slab rounding of ``pin_model="alloc"`` and the download rings
+worker stage copies  CPU workers: per worker, what its stage and the prefetched next one
+                     copy beside the host state (buffers, carried quant state, gradients
+                     converted to the masters' dtype)
+activations          stage-boundary activations kept for recompute (if given)
+mapped file pages    the file the weights are mapped from, beyond the weights in it
+worker activations   CPU workers: per worker, one microbatch's saved tensors of its largest
+                     autograd stage (``layer_activation_bytes``)
+dequantized weights  CPU workers: per worker, the largest 4-bit weight dequantized for its
+                     matmul (bitsandbytes frees it after)
+collective buffers   several processes: the flat buffers the gradient reduction (and,
+                     sharded, the all-gather) keeps (``DataParallel.kept_buffer_bytes``)
+disk tier buffer     ``offload_dir``: ``buffer_layers`` of the largest layer's records and
+                     one master; the masters and optimizer state lines are then 0 and
+                     ``disk`` (not in the total) is what the tier's files take
+===================  ====================================================================
 
-Beside the table, ``process`` is what the process held when the estimate was made
-beyond the lines above (the interpreter, torch and the libraries it loaded -- the
-first optimizer alone loads ~70 MiB of code --, the data loader): its resident set
-then, minus the weights, masters, gradients and optimizer state already allocated (and
-the pages of mapped files already resident); ``training_code``, what of torch's code the
-first training step pages in (:data:`TRAINING_CODE_BYTES`). ``process_peak`` = ``total +
-process + training_code`` predicts the whole process's peak RSS (``benchmarks/``
-``sharded_memory.py`` measures both). :func:`check_host_memory` compares what is still
-to be allocated with what the machine has available (``psutil``, else
-``/proc/meminfo`` ``MemAvailable``, and a cgroup v2 limit when one is set) and raises
-:class:`HostMemoryError` with the table when it does not fit.
-
-Sections below: the optimizer-state table; the process beside the state; glibc's heap
-retention (:func:`limit_heap_retention`: what makes a sharded run's measured peak the
-predicted one); the lines beside the state; the budget itself.
+``process`` is the resident set at the estimate beyond those lines (interpreter, torch,
+the data loader), ``training_code`` what of torch's code the first step pages in;
+``process_peak = total + process + training_code`` predicts the process's peak RSS.
+:func:`check_host_memory` compares what is still to be allocated with what the machine
+has available and raises :class:`HostMemoryError` with the table when it does not fit.
 """
 
 from __future__ import annotations
@@ -77,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kinds import check_flag, check_int
+from ..kinds import check_byte_counts, check_flag, check_int
 from .carried import carried_tensors, logical_numel
 
 __all__ = [
@@ -108,24 +84,13 @@ class HostMemoryError(ValueError, MemoryError):
     """
 
 
-# --------------------------------------------------------------------------------------
-# the optimizer-state line: parameter-sized states per parameter of each optimizer
-# --------------------------------------------------------------------------------------
 #: Parameter-sized state tensors each optimizer keeps (torch.optim defaults; the scalar
 #: ``step`` counters are negligible). Options that add states are handled by
 #: :func:`optimizer_states_per_param`.
 OPTIMIZER_STATES: dict[str, int] = {
-    "adam": 2,
-    "adamw": 2,
-    "adamax": 2,
-    "nadam": 2,
-    "radam": 2,
-    "sparseadam": 2,
-    "adadelta": 2,
-    "rprop": 2,
-    "adagrad": 1,
-    "asgd": 1,
-    "rmsprop": 1,
+    **dict.fromkeys(("adam", "adamw", "adamax", "nadam", "radam", "sparseadam"), 2),
+    **dict.fromkeys(("adadelta", "rprop"), 2),
+    **dict.fromkeys(("adagrad", "asgd", "rmsprop"), 1),
     "sgd": 0,
 }
 
@@ -135,17 +100,12 @@ class UnknownOptimizerError(ValueError):
 
 
 def optimizer_states_per_param(optimizer: Any) -> int:
-    """Parameter-sized state tensors ``optimizer`` keeps per parameter.
-
-    Args:
-        optimizer: a ``torch.optim.Optimizer`` instance (its options are read: SGD
-            ``momentum``, Adam ``amsgrad``, RMSprop ``momentum``/``centered``), an
-            optimizer class, or a name such as ``"adamw"`` or ``"sgd"``.
+    """Parameter-sized state tensors ``optimizer`` keeps per parameter: an instance (its
+    options are read: SGD ``momentum``, Adam ``amsgrad``, RMSprop ``momentum``/``centered``),
+    a class (or subclass of a known one) or a name such as ``"adamw"``.
 
     Raises:
-        UnknownOptimizerError: (a ``ValueError``) for an optimizer this table does not
-            know, nor any of its base classes (pass ``optimizer_states=N`` to
-            :func:`estimate_host_memory` instead).
+        UnknownOptimizerError: (a ``ValueError``) for an optimizer the table does not know.
         TypeError: for anything else.
     """
     defaults: dict[str, Any] = {}
@@ -193,24 +153,10 @@ def _known_name(cls: type) -> str:
     return cls.__name__
 
 
-def optimizer_name(optimizer: Any) -> str:
-    if isinstance(optimizer, str):
-        return optimizer
-    if isinstance(optimizer, type):
-        return optimizer.__name__
-    return type(optimizer).__name__
-
-
-# --------------------------------------------------------------------------------------
-# the process beside the state (the process and training-code lines)
-# --------------------------------------------------------------------------------------
-# Its resident set now (the ``process`` line) and the code its first training step
-# will page in (the ``training code`` line): the kernels a step runs (autograd's backward,
-# the optimizer's updates, the collectives) are file-backed pages of ``libtorch_cpu.so``
-# that enter the resident set the first time they run -- 12-35 MiB on torch 2.13,
-# depending on the page cache (measured in docs/host-memory.md, "The whole process").
-# Clean file pages the kernel may drop: they count in the peak RSS, not in what
-# :func:`check_host_memory` asks to allocate.
+# The kernels a step runs (backward, the optimizer, the collectives) are file pages of
+# libtorch_cpu.so that enter the resident set the first time they run: 12-35 MiB on torch
+# 2.13 (docs/host-memory.md, "The whole process"). Clean pages the kernel may drop: in the
+# peak RSS, not in what check_host_memory asks to allocate.
 #: what a process's first training step pages in of torch's code (the allowance covers 35 MiB)
 TRAINING_CODE_BYTES = 40 * 2**20
 _stepped = False
@@ -236,20 +182,14 @@ def resident_bytes() -> int:
         return 0
 
 
-# --------------------------------------------------------------------------------------
-# glibc's heap retention: what makes a sharded run's peak the predicted one
-# --------------------------------------------------------------------------------------
-# glibc serves allocations of at least its *mmap threshold* (128 KiB at first) with a
-# mapping of their own, returned when freed; but after the first such block is freed it
-# raises the threshold to that block's size (up to 32 MiB), and tensors that size then
-# come from heaps that stay resident after ``free``. A run that frees and re-makes large
-# tensors every step (a sharded rank drops the gradients it sent) so peaks above the
-# budget: the collectives keep their flat buffers for that reason, and
-# :func:`limit_heap_retention` fixes the threshold (what ``MALLOC_MMAP_THRESHOLD_`` does
-# at start-up) at the price of a page fault per 4 KiB of every large tensor made -- on
-# CPU workers 1.1-3x slower steps. So RoundPipe does not set it on its own: a
-# memory-bound sharded run opts in, and ``DataParallel(shard_host_state=True)`` says so
-# once (INFO). Measured: docs/multi-node.md (sharded host state, peak RSS).
+# glibc's heap retention: allocations of at least its mmap threshold get a mapping of
+# their own, returned when freed; but after the first such block is freed glibc raises the
+# threshold to its size (up to 32 MiB), and tensors that size then come from heaps that
+# stay resident after free. A sharded rank, which drops and re-makes its gradients every
+# step, so peaks above its budget. The collectives keep their flat buffers for that
+# reason; limit_heap_retention fixes the threshold at the price of a page fault per 4 KiB
+# of every large tensor (1.1-3x slower steps on CPU workers), so it is opt-in
+# (docs/multi-node.md, sharded host state).
 #: glibc's own variable: a run launched with it keeps its value
 HEAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 _M_MMAP_THRESHOLD = -3  # <malloc.h>
@@ -259,7 +199,7 @@ _applied: int | None = None
 
 def limit_heap_retention(threshold: int = 64 * 1024) -> bool:
     """Serve allocations of ``threshold`` bytes or more with their own mappings, so
-    freeing a tensor returns its memory to the system (see the module docstring).
+    freeing a tensor returns its memory to the system (glibc's heap retention, above).
 
     Process-wide and for the rest of the process. Does nothing where
     ``MALLOC_MMAP_THRESHOLD_`` is set (the launch chose) or off glibc. Returns whether
@@ -291,29 +231,9 @@ def heap_retention_limited() -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# the lines beside the state: mapped file pages, CPU workers' transients
+# the lines beside the state: mapped file pages, CPU workers' transients (0 where they do
+# not apply: no mapped file; a CUDA pool's activations and dequantized weights)
 # --------------------------------------------------------------------------------------
-# The lines that are neither weights nor optimizer state:
-#
-# * :func:`mapped_file_bytes` -- the pages of a file the weights are mapped from. A
-#   Hugging Face checkpoint is read through ``mmap`` (safetensors, ``torch.load(mmap=True)``)
-#   and the parameters that are not converted on loading (a quantized model's embeddings,
-#   LM head and norms) stay views of that mapping; so the mapping stays open for the
-#   whole run, and every page of the file that was read -- loading a 4-bit model reads
-#   the whole bf16 checkpoint to quantize it -- stays in the process's resident set.
-#   Those pages are clean file cache (``MemAvailable`` counts them, the kernel drops them
-#   under pressure), but ``ps``, ``VmRSS`` and a cgroup's ``memory.current`` show them.
-# * :func:`worker_activations` -- what autograd saves inside a stage while a CPU worker
-#   runs it (on a CPU worker the "device" is host memory): per worker, one microbatch's
-#   saved tensors of the largest stage it runs with autograd (a fused or backward job),
-#   with the loss's transient where the stage computes the loss.
-# * :func:`dequantized_bytes` -- a bitsandbytes 4-bit layer on a CPU worker dequantizes
-#   its weight in every forward and backward (``MatMul4Bit``) and frees it right after:
-#   per worker, the largest such weight, in its quant state's dtype plus a copy in the
-#   layer's compute dtype where the two differ.
-#
-# All three are 0 where they do not apply (no mapped file; a CUDA pool, whose
-# activations and dequantized weights are in GPU memory).
 @dataclass(frozen=True)
 class MappedFiles:
     """The file mappings that tensors live in.
@@ -368,9 +288,13 @@ def _resident_of(ranges: set[str]) -> int:
 
 
 def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
-    """The files the storages of ``tensors`` are mapped from (see the module docstring):
-    all of each such file's mappings (the kernel may split one ``mmap`` into several),
-    each storage once. All zeros off Linux or without mapped tensors."""
+    """The files the storages of ``tensors`` are mapped from: all of each such file's
+    mappings (the kernel may split one ``mmap`` into several), each storage once. All
+    zeros off Linux or without mapped tensors.
+
+    Parameters not converted on loading stay views of a checkpoint read through ``mmap``
+    (a 4-bit model's embeddings and head), so every page of the file that was read stays
+    resident: clean cache that ``MemAvailable`` counts but RSS and a cgroup show."""
     storages: dict[int, int] = {}
     for t in tensors:
         if t.device.type != "cpu" or t.is_meta:
@@ -400,10 +324,8 @@ def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
 
 
 def fused_jobs_by_device(rp: Any, plan: Any, num_microbatch: int) -> list[list[Any]]:
-    """Each device's jobs of one "fused" call under ``plan``, as the run schedules them
-    once it has learned which stages draw random numbers: a one-stage plan's replicas
-    (``planner.most_fused_replicas``) each on its own worker, each holding its own
-    gradients and activations -- the peak a budget must count."""
+    """Each device's jobs of one "fused" call under ``plan`` with the most replicas the
+    run may use (``planner.most_fused_replicas``): the peak a budget must count."""
     from ..planning.planner import most_fused_replicas
     from ..planning.schedule import build_schedule, jobs_by_device
 
@@ -412,29 +334,12 @@ def fused_jobs_by_device(rp: Any, plan: Any, num_microbatch: int) -> list[list[A
     return jobs_by_device(jobs, rp.num_devices)
 
 
-def check_layer_bytes(value: Sequence[float] | None) -> list[float] | None:
-    """``value`` as a list of floats, or ``None``; ValueError unless byte counts >= 0."""
-    if value is None:
-        return None
-    items = list(value) if isinstance(value, (list, tuple)) else None
-    if items is None or not all(
-        isinstance(b, (int, float)) and not isinstance(b, bool) and b >= 0 for b in items
-    ):
-        raise ValueError(
-            "layer_activation_bytes must be a list of byte counts >= 0, one per layer, "
-            f"got {value!r}"
-        )
-    return [float(b) for b in items]
-
-
 def worker_activations(
     rp: Any, plan: Any, num_microbatch: int, layer_bytes: Sequence[float] | None
 ) -> int:
-    """Bytes of saved activations the CPU workers hold together while they run stages:
-    per worker, the largest sum of ``layer_bytes`` (one microbatch's saved tensors per
-    layer, the last layer's with the loss's transient: ``RoundPipe.layer_activation_bytes``)
-    over the stages it runs with autograd. A stage runs its microbatches one after the
-    other, so one microbatch's graph is alive at a time. 0 without ``layer_bytes``."""
+    """Saved activations the CPU workers hold together: per worker, the largest sum of
+    ``layer_bytes`` over the stages it runs with autograd (one microbatch's graph is alive
+    at a time). 0 without ``layer_bytes``."""
     from ..planning.schedule import FORWARD
 
     if not layer_bytes:
@@ -483,9 +388,6 @@ def dequantized_bytes(rp: Any, plan: Any, num_microbatch: int) -> int:
     )
 
 
-# --------------------------------------------------------------------------------------
-# the budget
-# --------------------------------------------------------------------------------------
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights count once). A meta
     tensor counts as the host tensor it stands for (a model built on the meta device to
@@ -517,19 +419,15 @@ def _fmt(n: float) -> str:
 
 @dataclass(frozen=True)
 class HostMemoryBudget:
-    """Host bytes a run needs at its peak, by kind (see the module docstring).
+    """Host bytes a run needs at its peak, by line (see the module docstring).
 
     Attributes:
         num_params: parameters of the model (tied ones once).
-        weights, masters, gradients, optimizer_state, pinned, worker_copies, activations,
-        next_gradients, mapped_files, worker_activations, dequantized: bytes of each line.
-        already_allocated: bytes of the lines above that existed when the estimate was
-            made (the weights, and the masters of a built RoundPipe); only the rest
-            still has to fit into available memory.
+        weights ... disk: bytes of each line (:meth:`rows`; ``disk`` is not in the total).
+        already_allocated: bytes of the lines that existed at the estimate (weights, a
+            RoundPipe's masters); only the rest has to fit into available memory.
         optimizer: the optimizer the state line assumes, with its states per parameter.
-        process / training_code: resident bytes of the process at the estimate beyond
-            its state, and the code its first training step pages in (made before it; see
-            the module docstring and :data:`TRAINING_CODE_BYTES`; 0 where RSS cannot be read).
+        process / training_code: see the module docstring (0 where RSS cannot be read).
     """
 
     num_params: int
@@ -555,21 +453,7 @@ class HostMemoryBudget:
     @property
     def total(self) -> int:
         """All lines added up: the run's peak host memory for its state."""
-        return (
-            self.weights
-            + self.masters
-            + self.gradients
-            + self.next_gradients
-            + self.optimizer_state
-            + self.pinned
-            + self.worker_copies
-            + self.activations
-            + self.mapped_files
-            + self.worker_activations
-            + self.dequantized
-            + self.collective_buffers
-            + self.tier_buffer
-        )
+        return sum(b for _, b in self.rows())
 
     @property
     def process_peak(self) -> int:
@@ -669,12 +553,10 @@ def _worker_copies(rp: Any, plan: Any, num_microbatch: int, master_dtype: dict[i
     """Peak bytes the CPU workers hold together: per worker, the largest (stage copy +
     its gradients + the next stage it prefetches) over its jobs in the plan's schedule.
 
-    Workers that lend the host's parameters (``Worker.lends_host_tensors``, the CPU
-    backend) copy only a stage's buffers and carried state, and their gradients become
-    the masters' ``.grad`` (the gradients line) unless converted to another dtype
-    (``master_dtype``: master dtype per model parameter id), which holds both for a while.
-    A replicated stage's replicas after the first hold gradients of their own until the
-    last is in (``replicas.JobGrads``): all of them beside the gradients line."""
+    Workers that lend the host's parameters copy only buffers and carried state; their
+    gradients become the masters' ``.grad`` unless converted to another dtype
+    (``master_dtype``, per parameter id). A replicated stage's replicas after the first
+    hold gradients of their own until the last is in (``replicas.JobGrads``)."""
     from ..planning.schedule import FORWARD
 
     lends = all(getattr(w, "lends_host_tensors", False) for w in rp.pool.workers)
@@ -724,51 +606,32 @@ def estimate_host_memory(
     """The host bytes a training run of ``model`` needs at its peak (see the module docstring).
 
     Args:
-        model: a built ``RoundPipe`` (its masters, device pool, pinning and default
-            "fused" plan are read), or a plain module (then: weights, separate masters,
-            gradients and optimizer state only -- the lines a RoundPipe adds need one).
-        optimizer: the optimizer (instance, class or name; see
-            :func:`optimizer_states_per_param`), or a list of optimizer instances: each
-            then counts state for the parameters it holds (as the Lightning strategy
-            has them after pointing them at the masters).
+        model: a built ``RoundPipe`` (its masters, pool, pinning and "fused" plan are read),
+            or a plain module (weights, separate masters, gradients, optimizer state only).
+        optimizer: instance, class or name (:func:`optimizer_states_per_param`), or a list
+            of optimizer instances, each counting state for the parameters it holds.
         optimizer_states: parameter-sized states per parameter; overrides ``optimizer``.
-        optim_dtype: master dtype for a plain module (default: the model's dtype; a
-            RoundPipe's own masters are measured).
+        optim_dtype: master dtype for a plain module (default: the model's dtype).
         num_microbatch: microbatches per call (default: what the RoundPipe's calls run,
-            ``num_microbatch_for()``, from
             :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
-            GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
-            every worker at once; 1 for a plain module).
+            GPUs, 1 or one per worker on CPU workers; 1 for a plain module).
         activation_bytes_per_microbatch: bytes of one stage-boundary activation of one
-            microbatch (e.g. ``mb_size * seq * hidden * 2`` for bf16 hidden states).
-            RoundPipe keeps one per forward stage boundary and microbatch for recompute.
-        plan: the "fused" ``ModelExecutePlan`` to budget the worker copies for
-            (default: the RoundPipe's current plan for ``forward_backward``).
+            microbatch, kept per forward stage boundary and microbatch for recompute.
+        plan: the "fused" plan to budget the workers for (default: the RoundPipe's).
         shared_masters: for a plain module: a trainable parameter already in
-            ``optim_dtype`` is its own master and costs no master bytes (what
-            ``RoundPipe(shared_masters=True)`` and ``RoundPipeStrategy(async_step=False)``
-            do). A RoundPipe's own masters are measured instead: a shared one counts once.
-        state_shards: the data-parallel ranks the optimizer state is sharded over
-            (``DataParallel(shard_host_state=True)``): this rank keeps 1/N of it and of the
-            separate masters, stepping synchronously or asynchronously. The gradients stay
-            whole (a backward produces all of them before they are reduced to their owners).
-        async_step: whether the step overlaps the next iteration (``step(is_async=True)``,
-            ``RoundPipeStrategy(async_step=True)``): the next iteration's gradients of the
-            separate masters then arrive while the step reads this iteration's (the "next
-            gradients" line). Default: a RoundPipe with separate masters for some trainable
-            parameter (what an asynchronous step needs; a shared master makes every step
-            synchronous) unless ``state_shards > 1``; False for a plain module.
-        layer_activation_bytes: for a RoundPipe on CPU workers, one microbatch's saved
-            activation bytes per layer, the last layer's with the loss's transient (the
-            "worker activations" line). Default: the RoundPipe's own
-            ``layer_activation_bytes`` (measured by its first training call; none before).
-        collective_buffers: bytes of the flat buffers a data-parallel rank keeps for its
-            collectives, sharded or not (``DataParallel.kept_buffer_bytes(rp, optimizers)``;
-            0 in one process).
-        offload_dir: for a plain module: the masters and optimizer state on disk (the
-            disk tier, ``RoundPipe(offload_dir=...)``; a RoundPipe's own tier is read):
-            the "disk tier buffer" line instead of the masters and optimizer state
-            lines, and ``disk``. ``buffer_layers``: the tier's resident layers (its default 3).
+            ``optim_dtype`` is its own master (``RoundPipe(shared_masters=True)``).
+        state_shards: ranks the optimizer state and the separate masters are sharded over
+            (``DataParallel(shard_host_state=True)``); the gradients stay whole (a
+            backward produces all of them before they are reduced to their owners).
+        async_step: whether the step overlaps the next iteration (the "next gradients"
+            line). Default: a RoundPipe with a separate master and ``state_shards == 1``;
+            False for a plain module.
+        layer_activation_bytes: CPU workers: one microbatch's saved activation bytes per
+            layer (default: the RoundPipe's ``layer_activation_bytes``, measured by its
+            first training call).
+        collective_buffers: the bytes ``DataParallel.kept_buffer_bytes`` reports.
+        offload_dir: for a plain module: masters and optimizer state on disk (a
+            RoundPipe's own disk tier is read); ``buffer_layers``: the tier's resident layers.
 
     Raises:
         TypeError / ValueError: for a non-module, a negative byte count or an
@@ -782,7 +645,11 @@ def estimate_host_memory(
     check_flag(shared_masters, "shared_masters")
     check_flag(async_step, "async_step", none="the masters decide")
     check_int(activation_bytes_per_microbatch, "activation_bytes_per_microbatch", 0, "bytes")
-    layer_acts = check_layer_bytes(layer_activation_bytes)
+    layer_acts = (
+        None
+        if layer_activation_bytes is None
+        else check_byte_counts(layer_activation_bytes, "layer_activation_bytes")
+    )
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
     if optimizer_states is not None:
         states, opt_label = optimizer_states, f"{optimizer_states}/param"
@@ -798,7 +665,8 @@ def estimate_host_memory(
         )
     else:
         states = optimizer_states_per_param(optimizer)
-        opt_label = f"{optimizer_name(optimizer)}: {states}/param"
+        name = optimizer if isinstance(optimizer, (str, type)) else type(optimizer)
+        opt_label = f"{getattr(name, '__name__', name)}: {states}/param"
 
     inner, pairs = _masters_of(model)
     params = {id(p): p for p in inner.parameters()}
@@ -945,9 +813,7 @@ def _tier_bytes(
 
 def _cuda_pinned(rp: Any) -> int:
     """Pinned host bytes beyond the weights: the slabs' rounding (``pin_model="alloc"``)
-    and, per CUDA worker, its download rings (``devices/downloads.py``: the staging ring
-    is allocated whole; the pinned allocator rounds each block to a power of two and
-    keeps it cached)."""
+    and each CUDA worker's download rings."""
     from .devices.memory import pack_slabs, slab_sizes
 
     extra = 0
@@ -962,8 +828,7 @@ def _cuda_pinned(rp: Any) -> int:
 
 def available_host_memory() -> int | None:
     """Bytes this process can still allocate: ``psutil``'s available memory (else
-    ``/proc/meminfo`` ``MemAvailable``), capped by a cgroup v2 ``memory.max``. ``None``
-    where neither can be read."""
+    ``MemAvailable``), capped by a cgroup v2 ``memory.max``; ``None`` where unknown."""
     avail: int | None = None
     try:
         import psutil  # type: ignore[import-untyped]
@@ -993,14 +858,9 @@ def available_host_memory() -> int | None:
 def check_host_memory(
     budget: HostMemoryBudget, available: int | None = None, headroom: float = 0.05
 ) -> None:
-    """Raise if what the run still has to allocate does not fit into available memory.
-
-    Args:
-        budget: from :func:`estimate_host_memory`.
-        available: bytes available (default: :func:`available_host_memory`; nothing is
-            checked where that is unknown).
-        headroom: fraction of ``available`` left for everything else (the Python
-            process, data loading, the page cache).
+    """Raise if what the run still has to allocate does not fit into ``available`` bytes
+    (default :func:`available_host_memory`; unknown: nothing checked) less ``headroom``,
+    the fraction left for everything else (data loading, the page cache).
 
     Raises:
         HostMemoryError: with the budget table and the numbers, when it does not fit.

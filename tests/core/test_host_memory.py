@@ -512,14 +512,14 @@ def test_sharding_says_once_how_to_get_the_budgets_peak(
 
     monkeypatch.delenv(host_memory.HEAP_THRESHOLD_ENV, raising=False)
     monkeypatch.setattr(host_memory, "_applied", None)
-    monkeypatch.setattr(dp_module, "_said_heap", False)
+    dp_module._say_heap_once.cache_clear()  # (said once per process)
     with caplog.at_level(logging.INFO, logger=dp_module.__name__):
         DataParallel(shard_host_state=True)
         DataParallel(shard_host_state=True)
     said = [r for r in caplog.records if "MALLOC_MMAP_THRESHOLD_=65536" in r.getMessage()]
     assert len(said) == 1
     caplog.clear()
-    monkeypatch.setattr(dp_module, "_said_heap", False)
+    dp_module._say_heap_once.cache_clear()  # (said once per process)
     monkeypatch.setenv(host_memory.HEAP_THRESHOLD_ENV, "65536")  # the launch chose: nothing to say
     with caplog.at_level(logging.INFO, logger=dp_module.__name__):
         DataParallel(shard_host_state=True)

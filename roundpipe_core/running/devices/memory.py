@@ -1,21 +1,18 @@
 """Host memory the devices read (the model's pinned weights) and the CUDA allocator's
 settings.
 
-``pin_model`` decides how the CPU copy of the model's weights is made
-page-locked, which is what lets parameter uploads run asynchronously at full
-PCIe bandwidth:
+``pin_model`` decides how the CPU copy of the weights is made page-locked, which lets
+uploads run asynchronously at full PCIe bandwidth:
 
-- ``"alloc"``: the weights are copied into pinned memory. The copies are packed
-  into a few large slabs, so PyTorch's pinned allocator (which rounds every
-  request up to a power of two) wastes at most the tail of each slab instead
-  of up to half of every tensor.
-- ``"register"``: the existing storages are page-locked in place with
-  ``cudaHostRegister`` (no second copy; uploads are a little slower).
-- ``"off"``: nothing is pinned (e.g. weights ``mmap``-ed from disk that must not
-  be copied); uploads go through the driver's staging buffers.
+- ``"alloc"``: the weights are copied into pinned memory, packed into a few large slabs,
+  so PyTorch's pinned allocator (which rounds every request up to a power of two)
+  wastes at most the tail of each slab instead of up to half of every tensor.
+- ``"register"``: the storages are page-locked in place (``cudaHostRegister``; no second
+  copy, uploads a little slower).
+- ``"off"``: nothing is pinned (e.g. weights ``mmap``-ed from disk); uploads go through
+  the driver's staging buffers.
 
-On the CPU backend (or any machine without CUDA) every mode is accepted and
-does nothing: there is no device to transfer to.
+Without CUDA every mode is accepted and does nothing.
 """
 
 from __future__ import annotations
@@ -73,16 +70,10 @@ DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
 
 
 def default_allocator_settings() -> bool:
-    """Ask for expandable segments before CUDA starts in this process, unless the user
-    configured the allocator (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``).
-
-    Why: a worker allocates on four streams and the caching allocator reuses a block
-    only on the stream that freed it; stages of different sizes then leave reserved
-    memory well above allocated (fragmentation). Expandable segments let a segment
-    grow and shrink in place instead of caching many fixed-size ones. The setting is
-    read when CUDA initialises, so it is left alone once CUDA runs. Returns whether it
-    was set now.
-    """
+    """Ask for expandable segments before CUDA starts, unless the user configured the
+    allocator; returns whether it was set now. A worker allocates on four streams and
+    the caching allocator reuses a block only on the stream that freed it, so stages of
+    different sizes fragment; expandable segments grow and shrink in place instead."""
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return False
     try:
@@ -100,16 +91,10 @@ _MiB = 1024**2
 
 
 def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
-    """Bytes one worker's caching allocator may reserve on top of what it allocates.
-
-    The allocator keeps a pool per stream: each stream that allocates tensors of at
-    most 1 MiB holds a 2 MiB small-pool segment of its own, and a large request is
-    served from a segment of that stream only -- with expandable segments a stream's
-    segment maps 2 MiB pages (at most one page beyond its live bytes), without them a
-    request under 10 MiB takes a 20 MiB segment. Planning counts allocated bytes, so a
-    worker plans for its memory less this, per stream: 4 MiB with expandable segments
-    (the pool's default), 22 MiB without.
-    """
+    """Bytes one worker's caching allocator may reserve on top of what it allocates: per
+    stream a 2 MiB small-pool segment, plus with expandable segments (the default) at
+    most one 2 MiB page beyond the live bytes, without them a 20 MiB segment for a
+    request under 10 MiB. A worker plans for its memory less this."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
     expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
     per_stream = (2 + 2) * _MiB if expandable else (2 + 20) * _MiB
@@ -138,10 +123,8 @@ class PinHandle:
     registered: list[tuple[int, int]] = field(default_factory=list)
 
     def release(self) -> None:
-        """Unregister what "register" pinned (call before the storages are freed).
-
-        "alloc" needs no release: the pinned slabs are freed with the tensors.
-        Idempotent.
+        """Unregister what "register" pinned (call before the storages are freed; "alloc"
+        needs none). Idempotent.
 
         Raises:
             RuntimeError: if ``cudaHostUnregister`` refused a range (after trying them all);
@@ -167,17 +150,6 @@ class PinHandle:
                 f"bytes at {ptr:#x} with CUDA error {code}; that host memory stays page-locked "
                 "until the process exits (pin_model='alloc' avoids registering)"
             )
-
-
-def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers of ``module``, each object once (tied weights appear once)."""
-    seen: set[int] = set()
-    out: list[torch.Tensor] = []
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
 
 
 def _storage_groups(
@@ -207,16 +179,9 @@ def _next_pow2(n: int) -> int:
 
 
 def pack_slabs(sizes: Sequence[int], slab_bytes: int = DEFAULT_SLAB_BYTES) -> list[tuple[int, int]]:
-    """Assign each storage (by byte size) a ``(slab index, byte offset)``, first-fit in order.
-
-    A slab holds ``slab_bytes`` (a power of two, so the pinned allocator does
-    not round it up). A storage larger than that opens a slab of the next power
-    of two, whose leftover room later small storages fill. Offsets are aligned
-    to 512 bytes.
-
-    Returns:
-        One ``(slab, offset)`` per entry of ``sizes``.
-    """
+    """Assign each storage (by byte size) a ``(slab index, byte offset)``, first-fit in
+    order, offsets aligned to 512 bytes. A slab holds ``slab_bytes``; a larger storage
+    opens a slab of the next power of two, whose leftover room later ones fill."""
     if slab_bytes <= 0:
         raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
     placement: list[tuple[int, int]] = []
@@ -261,15 +226,8 @@ def _rebind(t: torch.Tensor, storage: torch.UntypedStorage, byte_offset: int) ->
 def pack_module_tensors(
     tensors: Sequence[torch.Tensor], pin: bool, slab_bytes: int = DEFAULT_SLAB_BYTES
 ) -> tuple[int, int]:
-    """Copy the storages of ``tensors`` into packed slabs and rebind the tensors to them.
-
-    Tensors sharing a storage (tied weights, views) keep sharing it. With
-    ``pin=False`` the slabs are ordinary CPU memory, which is how the packing is
-    tested on machines without CUDA.
-
-    Returns:
-        ``(bytes packed, number of slabs)``.
-    """
+    """Copy the storages of ``tensors`` into packed slabs (pinned with ``pin``) and rebind
+    the tensors to them, shared storages staying shared; returns ``(bytes, slabs)``."""
     groups = _storage_groups(tensors)
     sizes = [storage.nbytes() for storage, _ in groups]
     placement = pack_slabs(sizes, slab_bytes)
@@ -297,15 +255,9 @@ def page_size() -> int:
 
 
 def page_ranges(spans: Iterable[tuple[int, int]], page: int | None = None) -> list[tuple[int, int]]:
-    """Merge ``(pointer, nbytes)`` spans into disjoint page-aligned ``(pointer, nbytes)`` ranges.
-
-    Small CPU tensors share pages; ``cudaHostRegister`` refuses a range that
-    overlaps one already registered, so each page is registered exactly once.
-
-    Args:
-        spans: ``(pointer, nbytes)`` of each storage; empty spans are ignored.
-        page: page size in bytes; ``None`` = this host's (``page_size()``).
-    """
+    """Merge ``(pointer, nbytes)`` spans (empty ones ignored) into disjoint ranges aligned
+    to ``page`` (default this host's): ``cudaHostRegister`` refuses a range that overlaps
+    one already registered, and small tensors share pages."""
     page = page_size() if page is None else page
     if page <= 0:
         raise ValueError(f"page must be a positive number of bytes, got {page}")
@@ -373,7 +325,9 @@ def _clear_last_cuda_error(cudart: Any) -> bool:
     if fn is not None:
         fn()
         return True
-    for lib in _loaded_cudart_candidates():
+    # the process's global symbols, then this build's sonames (dlopen returns the loaded copy)
+    major = (torch.version.cuda or "").split(".")[0]
+    for lib in [None, *([f"libcudart.so.{major}"] if major else []), "libcudart.so"]:
         try:
             get_last = ctypes.CDLL(lib).cudaGetLastError
         except (OSError, AttributeError):
@@ -382,17 +336,6 @@ def _clear_last_cuda_error(cudart: Any) -> bool:
         get_last()
         return True
     return False
-
-
-def _loaded_cudart_candidates() -> list[str | None]:
-    """Where the CUDA runtime PyTorch uses can be found: the process's global symbols,
-    then the sonames of this build's CUDA major version (dlopen returns the loaded copy)."""
-    names: list[str | None] = [None]
-    major = (torch.version.cuda or "").split(".")[0]
-    if major:
-        names.append(f"libcudart.so.{major}")
-    names.append("libcudart.so")
-    return names
 
 
 def _register(groups: list[tuple[torch.UntypedStorage, list[torch.Tensor]]]) -> PinHandle:
@@ -428,17 +371,10 @@ def pin_model(
     enabled: bool | None = None,
     slab_bytes: int = DEFAULT_SLAB_BYTES,
 ) -> PinHandle:
-    """Make the CPU copy of ``module``'s parameters and buffers page-locked.
-
-    Args:
-        module: the model whose tensors live in CPU memory.
-        mode: ``"alloc"``, ``"register"`` or ``"off"`` (see the module docstring).
-        enabled: whether the device pool uploads to CUDA. ``None`` = whether CUDA is
-            available. With False (the CPU backend) every mode is a no-op.
-        slab_bytes: slab size for ``"alloc"``.
-
-    Returns:
-        A ``PinHandle``; call ``release()`` on it before dropping a "register"-ed model.
+    """Make the CPU copy of ``module``'s parameters and buffers page-locked (``mode``: see
+    the module docstring). ``enabled``: whether the pool uploads to CUDA (``None``: whether
+    CUDA is available; False: a no-op). Returns a :class:`PinHandle`; ``release()`` it
+    before dropping a "register"-ed model.
 
     Raises:
         ValueError: for an unknown mode.
@@ -449,7 +385,8 @@ def pin_model(
         enabled = cuda_available()
     if not enabled or mode == "off":
         return PinHandle(mode=mode)
-    groups = _storage_groups(_module_tensors(module))
+    tensors = [*module.parameters(), *module.buffers()]  # (each storage handled once)
+    groups = _storage_groups(list({id(t): t for t in tensors}.values()))
     # Storages already pinned (a second RoundPipe on the same model, user-pinned) stay as they are.
     groups = [(s, ts) for s, ts in groups if not ts[0].is_pinned()]
     if not groups:
