@@ -15,9 +15,16 @@ and record what happened:
   that is zero up to rounding, as an attention key bias's, is not judged by
   its own rounding noise).
 * **automatic split**: the converter refused; the reason is its ``ValueError``.
-* **skipped**: no tiny model could be built from the config (encoder-decoder
-  and composite vision configs, configs needing values the sweep does not
-  guess); the reason is the error.
+  The automatic split (``use_sequential_preset=False``) runs the same batch
+  (``rp(input_ids=, attention_mask=, labels=).loss.backward()``, 2
+  microbatches) and is compared with Hugging Face the same way.
+* **refused**: the converter and the automatic split both refused, each with
+  its reason.
+* **not decoder-only**: not a text LM trained on ``input_ids`` alone
+  (multimodal, encoder-decoder or draft models); the reason says which.
+* **skipped**: no tiny model could be built from the config; the reason is the
+  error. Where the generic tiny sizes do not make a valid model, a family's
+  entry in :data:`FAMILY_CONFIG` sets what it needs (each with why).
 
 Usage::
 
@@ -124,8 +131,177 @@ def _two_layer_types(types: Any) -> list[str] | None:
     return (unique + unique)[:2]
 
 
-def tiny_config(config_cls: type) -> Any:
-    """A tiny config of ``config_cls``: its defaults with small sizes."""
+# model type -> (config values on top of the tiny sizes, why the generic sizes do not do)
+FAMILY_CONFIG: dict[str, tuple[dict[str, Any], str]] = {
+    "bailing_hybrid": (
+        {"num_expert_group": 1, "topk_group": 1},
+        "its expert groups (8) must divide the tiny expert count",
+    ),
+    "bamba": (
+        {"mamba_n_heads": 8, "mamba_d_state": 16, "attn_layer_indices": [1]},
+        "mamba_n_heads must divide mamba_expand * hidden_size; one Mamba and one attention layer",
+    ),
+    "cohere_compass_text": (
+        {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": None,
+            },
+        },
+        "its rotary parameters are per layer type (None: a layer without rotary)",
+    ),
+    "cpmant": (
+        {"dim_head": 8, "dim_ff": 64, "position_bias_num_buckets": 32, "prompt_length": 4},
+        "its sizes have names of their own",
+    ),
+    "dbrx": (
+        {
+            "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+            "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+        },
+        "nested attention / FFN configs the generic sizes do not reach; DbrxAttention reads "
+        "attn_config.rope_theta, which the config class lacks, and clamps with clip_qkv (8 in "
+        "the released checkpoints), which fails when None",
+    ),
+    "deepseek_v2": ({"num_experts_per_tok": 2}, "its default None reaches topk() as k"),
+    "dots1": (
+        {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+        "its defaults (None) build no experts",
+    ),
+    "dots3_note_text": (
+        {
+            "swa_num_attention_heads": 4,
+            "swa_num_key_value_heads": 4,
+            "swa_q_lora_rank": 8,
+            "swa_kv_lora_rank": 8,
+            "swa_head_dim": 16,
+            "swa_qk_nope_head_dim": 8,
+            "swa_v_head_dim": 8,
+        },
+        "its sliding-window layers take their own attention sizes (swa_*)",
+    ),
+    "ernie4_5_moe": ({"moe_k": 2}, "moe_k (6 by default) must not exceed the tiny expert count"),
+    "gemma3n_text": (
+        {
+            "vocab_size_per_layer_input": VOCAB,
+            "hidden_size_per_layer_input": 8,
+            "num_kv_shared_layers": 1,
+            "layer_types": ["sliding_attention", "sliding_attention"],
+            "activation_sparsity_pattern": [0.95, 0.0],
+        },
+        "the per-layer-input table is vocabulary-sized; KV sharing needs its layer type among "
+        "the layers before the shared ones",
+    ),
+    "gemma4_text": (
+        {
+            "vocab_size_per_layer_input": VOCAB,
+            "hidden_size_per_layer_input": 0,
+            "global_head_dim": 16,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+        },
+        "the shape of Gemma 4 26B-A4B (MoE block, wider global heads with keys = values, no "
+        "per-layer inputs); the per-layer-input table is vocabulary-sized",
+    ),
+    "gpt_neo": (
+        {"attention_types": [[["global", "local"], 1]], "window_size": 4},
+        "attention_types must list one type per layer",
+    ),
+    "granitemoehybrid": (
+        {"mamba_n_heads": 8, "mamba_d_state": 16, "layer_types": ["mamba", "attention"]},
+        "mamba_n_heads must divide mamba_expand * hidden_size; one Mamba and one attention layer",
+    ),
+    "inkling2_loop_text": (
+        {"unpadded_vocab_size": VOCAB},
+        "its LM head has the unpadded vocabulary size (200058)",
+    ),
+    "inkling2_text": (
+        {"unpadded_vocab_size": VOCAB},
+        "its LM head has the unpadded vocabulary size (200058)",
+    ),
+    "lfm2_moe": (
+        {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+        "its layer_types default to None, which the model indexes; one dense and one MoE layer",
+    ),
+    "longcat_flash": (
+        {
+            "ffn_hidden_size": 64,
+            "expert_ffn_hidden_size": 32,
+            "n_routed_experts": 4,
+            "zero_expert_num": 2,
+        },
+        "its expert and zero-expert counts and FFN sizes have names of their own",
+    ),
+    "mamba2": (
+        {"num_heads": 8, "n_groups": 2, "state_size": 16},
+        "num_heads * head_dim must equal expand * hidden_size",
+    ),
+    "plbart": (
+        {"decoder_attention_heads": 4, "encoder_attention_heads": 4},
+        "its head counts (12, 16) must divide the tiny hidden size",
+    ),
+    "qwen4_exp_text": (
+        {
+            "indexer_n_heads": 2,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 8,
+            "indexer_budget": 4,
+            "indexer_compress_ratio": 2,
+        },
+        "its indexed-attention layers need the QSA indexer sizes (None by default); no PLE "
+        "n-gram tables (ple_layer_ids empty, as by default)",
+    ),
+    "reformer": (
+        {
+            "attn_layers": ["local", "lsh"],
+            "local_attn_chunk_length": 4,
+            "lsh_attn_chunk_length": 4,
+            "num_buckets": 2,
+            "axial_pos_shape": [2, 4],
+            "axial_pos_embds_dim": [16, 16],
+            "feed_forward_size": 64,
+            "attention_head_size": 8,
+        },
+        "the axial position embedding's dims must sum to the hidden size and its shape "
+        "multiply to the sequence length; chunks within the sweep's 8 tokens",
+    ),
+    "roc_bert": (
+        {
+            "pronunciation_embed_dim": 8,
+            "pronunciation_vocab_size": 16,
+            "shape_embed_dim": 8,
+            "shape_vocab_size": 16,
+        },
+        "its pronunciation and glyph-shape embeddings have sizes of their own",
+    ),
+    "whisper": (
+        {"decoder_attention_heads": 4, "encoder_attention_heads": 4},
+        "its head counts (6) must divide the tiny hidden size",
+    ),
+    "xmod": (
+        {"default_language": "en_XX"},
+        "its language adapters need a language: the default one, as set_default_language does",
+    ),
+    "zamba": (
+        {"layer_types": ["hybrid", "hybrid"]},
+        "the shared transformer block is tied across hybrid layers: two are needed",
+    ),
+    "zamba2": (
+        {"layers_block_type": ["linear_attention", "hybrid"]},
+        "its hybrid_layer_ids are derived from layers_block_type, not from layer_types",
+    ),
+    "zaya": ({"num_experts_per_tok": 1}, "ZAYA supports num_experts_per_tok=1 only"),
+}
+
+
+def tiny_config(config_cls: type, model_type: str | None = None) -> Any:
+    """A tiny config of ``config_cls``: its defaults with small sizes, and ``model_type``'s
+    entry of :data:`FAMILY_CONFIG` on top."""
     default = config_cls()
     kwargs = {}
     for name, value in vars(default).items():
@@ -134,12 +310,16 @@ def tiny_config(config_cls: type) -> Any:
         tiny = _tiny_value(name, value)
         if tiny is not value:
             kwargs[name] = tiny
-    if getattr(default, "kv_lora_rank", None) and "num_key_value_heads" in kwargs:
+    if vars(default).get("kv_lora_rank") and "num_key_value_heads" in kwargs:
         # multi-head latent attention (DeepSeek V2/V3): one key/value head per query head
         kwargs["num_key_value_heads"] = _SIZES["num_attention_heads"]
+    kwargs.update(FAMILY_CONFIG.get(model_type or "", ({}, ""))[0])
     layer_types = _two_layer_types(getattr(default, "layer_types", None))
-    if layer_types is not None and not isinstance(
-        getattr(config_cls, "layer_types", None), property
+    given = {"layer_types", getattr(config_cls, "attribute_map", {}).get("layer_types")}
+    if (
+        not given & kwargs.keys()
+        and layer_types is not None
+        and not isinstance(getattr(config_cls, "layer_types", None), property)
     ):
         try:
             return config_cls(**kwargs, layer_types=layer_types)
@@ -167,7 +347,9 @@ def causal_lm_entries() -> list[tuple[str, str, str]]:
 class FamilyResult:
     model_type: str
     class_name: str
-    outcome: str  # "preset", "structure", "automatic split", "not decoder-only", "skipped"
+    outcome: (
+        str  # "preset", "structure", "automatic split", "refused", "not decoder-only", "skipped"
+    )
     reason: str = ""
     exact: bool | None = None
     worst_grad_err: float | None = None
@@ -189,9 +371,29 @@ def make_batch(batch: int = 5, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor
 _SUB_CONFIGS = ("vision_config", "audio_config", "vq_config", "encoder_config", "speech_config")
 
 
+# causal-LM entries that are no text LM trained on input_ids alone, found by reading their code
+_NOT_TEXT_LM = {
+    "fuyu": "FuyuForCausalLM feeds image patches into its decoder (a multimodal model); its "
+    "text decoder is Persimmon's, judged as persimmon",
+    "gemma4_assistant": "a draft model for speculative decoding: every layer attends to the "
+    "target model's keys and values (shared_kv_states), which input_ids alone do not give",
+    "gemma4_unified_assistant": "a draft model for speculative decoding: every layer attends to "
+    "the target model's keys and values (shared_kv_states), which input_ids alone do not give",
+    "musicgen": "the entry's config is the text-to-music model's (text encoder, audio encoder, "
+    "decoder); MusicgenForCausalLM is its decoder over audio codebooks (num_codebooks rows of "
+    "codes per example), not a text LM",
+    "musicgen_melody": "the entry's config is the text-to-music model's (text encoder, audio "
+    "encoder, decoder); MusicgenMelodyForCausalLM is its decoder over audio codebooks, not a "
+    "text LM",
+}
+
+
 def not_decoder_only(model_type: str) -> str | None:
     """Why ``model_type``'s causal-LM class is not a decoder-only text LM, or ``None``."""
     import transformers as tf
+
+    if model_type in _NOT_TEXT_LM:
+        return _NOT_TEXT_LM[model_type]
 
     entry = {m: (c, k) for m, c, k in causal_lm_entries()}[model_type]
     config_cls, class_name = getattr(tf, entry[0]), entry[1]
@@ -224,7 +426,7 @@ def build_tiny(model_type: str, seed: int = 0) -> Any:
 
     entry = {m: (c, k) for m, c, k in causal_lm_entries()}[model_type]
     config_cls, model_cls = getattr(tf, entry[0]), getattr(tf, entry[1])
-    config = tiny_config(config_cls)
+    config = tiny_config(config_cls, model_type)
     with torch.device("meta"):  # count first: a config the sweep cannot shrink stays large
         numel = sum(p.numel() for p in model_cls(config).parameters())
     if numel > MAX_PARAMS:
@@ -260,6 +462,7 @@ def zero_floor(grads: dict[str, torch.Tensor]) -> float:
 def check_family(model_type: str, num_microbatch: int = 2) -> FamilyResult:
     """Build, wrap and compare one family (see the module docstring)."""
     from roundpipe_core import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
+    from roundpipe_core.autosplit import AutoRoundPipe
     from roundpipe_core.presets import causal_lm_loss_fn, convert_decoder_lm, find_preset
 
     start = time.perf_counter()
@@ -295,24 +498,44 @@ def check_family(model_type: str, num_microbatch: int = 2) -> FamilyResult:
             result.reason = _short(exc)
             if not isinstance(exc, ValueError):
                 result.reason = f"converter failed: {type(exc).__name__}: {result.reason}"
-            result.seconds = time.perf_counter() - start
-            return result
+                result.seconds = time.perf_counter() - start
+                return result
+    split = result.outcome == "automatic split"
     try:
         out.loss.backward()
         ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
-        rp = wrap_model_to_roundpipe(
-            model,
-            devices="cpu:2",
-            model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
-        )
         try:
-            assert isinstance(rp, RoundPipe)
-            loss = rp.forward_backward(
-                input_kwargs={"input_ids": ids, "attention_mask": mask},
-                label=labels,
-                loss_fn=causal_lm_loss_fn(labels),
+            rp = wrap_model_to_roundpipe(
+                model,
+                use_sequential_preset=False if split else None,
+                devices="cpu:2",
+                model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
             )
+        except (TypeError, ValueError) as exc:  # the automatic split refuses too
+            if not split:
+                raise
+            result.outcome = "refused"
+            result.reason += f"; the automatic split refuses: {_short(exc)}"
+            result.seconds = time.perf_counter() - start
+            return result
+        try:
+            assert isinstance(rp, AutoRoundPipe if split else RoundPipe)
+            if split:  # no fused path: Hugging Face's loss over the whole batch, then backward
+                try:
+                    loss = rp(input_ids=ids, attention_mask=mask, labels=labels).loss
+                    loss.backward()
+                except (TypeError, ValueError) as exc:  # a split module refuses at its call
+                    result.outcome = "refused"
+                    result.reason += f"; the automatic split refuses: {_short(exc)}"
+                    return result
+                rp.synchronize()
+            else:
+                loss = rp.forward_backward(
+                    input_kwargs={"input_ids": ids, "attention_mask": mask},
+                    label=labels,
+                    loss_fn=causal_lm_loss_fn(labels),
+                )
             result.loss_err = abs(loss.item() - out.loss.item()) / abs(out.loss.item())
             worst = 0.0
             floor = zero_floor(ref)
@@ -327,7 +550,7 @@ def check_family(model_type: str, num_microbatch: int = 2) -> FamilyResult:
                 worst = max(worst, float("inf") if got is None else rel_err(got, want, floor))
             result.worst_grad_err = worst
             result.exact = worst <= RTOL and result.loss_err <= RTOL
-            if not result.exact and result.loss_err <= RTOL:
+            if not result.exact and result.loss_err <= RTOL and not split:
                 # is it summation order? compare with HF's own run over the same microbatches
                 rp.synchronize()
                 got = {
@@ -346,9 +569,11 @@ def check_family(model_type: str, num_microbatch: int = 2) -> FamilyResult:
                 )
         finally:
             rp.close()
+            result.seconds = time.perf_counter() - start
     except Exception as exc:
         result.exact = False
-        result.reason = f"{type(exc).__name__}: {_short(exc)}"
+        result.reason = f"{result.reason}; " if split else ""
+        result.reason += f"{type(exc).__name__}: {_short(exc)}"
     result.seconds = time.perf_counter() - start
     return result
 
@@ -381,7 +606,8 @@ def table(results: list[FamilyResult]) -> str:
     counts: dict[str, int] = {}
     for r in results:
         counts[r.outcome] = counts.get(r.outcome, 0) + 1
-    exact = sum(1 for r in results if r.exact)
+    exact = sum(1 for r in results if r.exact and r.outcome in ("preset", "structure"))
+    split_exact = sum(1 for r in results if r.exact and r.outcome == "automatic split")
     order = sum(
         1
         for r in results
@@ -398,7 +624,10 @@ def table(results: list[FamilyResult]) -> str:
         f"{counts.get('structure', 0)} by structure), {exact} of them exact against Hugging "
         f"Face's whole-batch gradients and {order} more against its run over the same "
         "microbatches (fp32 summation order); "
-        f"{counts.get('automatic split', 0)} automatic split; "
+        f"{counts.get('automatic split', 0)} automatic split, {split_exact} of them exact "
+        "against Hugging Face's own loss and gradients; "
+        f"{counts.get('refused', 0)} refused by the converter and the automatic split, each "
+        "saying why; "
         f"{counts.get('not decoder-only', 0)} not decoder-only text LMs; "
         f"{counts.get('skipped', 0)} skipped (no tiny model built from the config).",
         "",

@@ -156,14 +156,18 @@ class GenericDecoderBlock(nn.Module):
                 kwargs[key] = torch.arange(hidden.shape[1], device=hidden.device)
             elif source == "table":
                 kwargs[key] = tables[detail]
+            elif source == "fresh":
+                kwargs[key] = detail()
             else:  # "mask": rebuilt here from the 2D padding mask (see .state)
-                kind, with_pos = detail
+                kind, with_pos, skip = detail
                 mask_kwargs: dict[str, Any] = {
                     "config": self.config,
                     "inputs_embeds": hidden,
                     "attention_mask": attention_mask,
                     "cache": None,
                 }
+                if not skip:
+                    mask_kwargs["allow_is_causal_skip"] = False
                 if with_pos:
                     mask_kwargs["position_ids"] = position_ids
                 kwargs[key] = self.mask_fns[kind](**mask_kwargs)

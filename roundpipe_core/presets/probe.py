@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -76,8 +76,12 @@ class LayerRecipe:
     positional argument at that place after the hidden states); sources:
     ``"const"`` (detail: the value), ``"padding_mask"`` (the 2D mask),
     ``"position_ids"``, ``"cache_position"`` (``arange(seq)``), ``"mask"``
-    (detail: ``(kind, with_position_ids)``, kind a key of ``MASK_BUILDERS``) and
-    ``"table"`` (detail: index into :attr:`ModelRecipe.position_tables`).
+    (detail: ``(kind, with_position_ids, allow_is_causal_skip)``, kind a key of
+    ``MASK_BUILDERS``; the last ``False`` where the model builds a mask even for a batch
+    without padding, as DeepSeek V3.2's indexer needs one) and
+    ``"table"`` (detail: index into :attr:`ModelRecipe.position_tables`); ``"fresh"``
+    (detail: a mapping type; a new empty one per call: Gemma 4's ``shared_kv_states`` where
+    no layer reads it).
     """
 
     inputs: tuple[tuple[str | int, str, Any], ...]
@@ -369,6 +373,12 @@ def _classify(
     if key in _KNOWN_FEATURES:
         if value is None:
             return (key, "const", None)
+        if key == "shared_kv_states" and isinstance(value, MutableMapping):
+            # no layer reuses another's keys and values (find_decoder_parts refuses
+            # num_kv_shared_layers > 0): the layers only store into it, for an assistant model
+            # to read after the forward; each block gets an empty one (check_conversion would
+            # see a layer that reads it)
+            return (key, "fresh", type(value))
         raise _refuse(
             parts,
             f"{where}...: {_KNOWN_FEATURES[key]}, which would not travel between "
@@ -499,6 +509,9 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
                 entry = _with_or_without_positions(parts, i, key, entry, rec_packed, masks_packed)
             inputs.append(entry)
         recipes.append(LayerRecipe(tuple(inputs), isinstance(out, (tuple, list))))
+    if any(e[1] == "mask" for r in recipes for e in r.inputs):
+        with _small_windows(parts.config):
+            recipes = _forced_masks(parts, ids[:1], recipes)
     head_in, head_out = rec.head_call if rec.head_call is not None else (None, None)
     norm_out = rec.module_calls[norm_name][1]
     if head_in is None or not _same(_first(head_in), _first(norm_out)):
@@ -641,7 +654,7 @@ def _with_or_without_positions(
 ) -> tuple[str | int, str, Any]:
     kind, _ = entry[2]
     if rec_packed is None:
-        return (key, "mask", (kind, True))
+        return (key, "mask", (kind, True, True))
     args, kwargs = rec_packed.layer_calls[index]
     if isinstance(key, str):
         recorded = kwargs.get(key)
@@ -655,13 +668,44 @@ def _with_or_without_positions(
             and candidate is not None
             and _same(candidate, recorded)
         ):
-            return (key, "mask", (kind, with_pos))
+            return (key, "mask", (kind, with_pos, True))
     raise _refuse(
         parts,
         f"decoder layer {index}'s {key if isinstance(key, str) else f'argument {key}'} for "
         "packed position ids matches no {kind} mask "
         f"({MASK_BUILDERS[kind]}) built with or without position_ids",
     )
+
+
+def _forced_masks(
+    parts: DecoderParts, row: torch.Tensor, recipes: list[LayerRecipe]
+) -> list[LayerRecipe]:
+    """Mark the masks the model builds even without padding (``allow_is_causal_skip=False``),
+    where Hugging Face's builder would otherwise return ``None``: read from a forward of one
+    unpadded row with no padding mask."""
+    from transformers import masking_utils
+
+    rec = _record(parts, input_ids=row)
+    out = []
+    for recipe, (args, kwargs) in zip(recipes, rec.layer_calls):
+        inputs = []
+        for key, source, detail in recipe.inputs:
+            if source == "mask":
+                if isinstance(key, str):
+                    recorded = kwargs.get(key)
+                else:
+                    at = key - 1 if "hidden_states" in kwargs else key
+                    recorded = args[at] if at < len(args) else None
+                kind, with_pos, _ = detail
+                hidden = args[0] if args else kwargs["hidden_states"]
+                built = getattr(masking_utils, MASK_BUILDERS[kind])(
+                    config=parts.config, inputs_embeds=hidden, attention_mask=None, cache=None
+                )
+                if built is None and isinstance(recorded, torch.Tensor):
+                    detail = (kind, with_pos, False)
+            inputs.append((key, source, detail))
+        out.append(dataclasses.replace(recipe, inputs=tuple(inputs)))
+    return out
 
 
 def _find_norm(parts: DecoderParts, rec: _Recording, last: Any) -> tuple[str, list[str]]:

@@ -198,6 +198,13 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
             f"{type(backbone).__name__}"
         )
     num_layers = getattr(config, "num_hidden_layers", None)
+    fewer = getattr(config, "num_layers", None)
+    if isinstance(num_layers, int) and isinstance(fewer, int) and fewer < num_layers:
+        # LongCat-Flash counts two attention sublayers per decoder layer in num_hidden_layers
+        if not any(
+            isinstance(c, nn.ModuleList) and len(c) >= num_layers for c in children.values()
+        ):
+            num_layers = fewer
     lists = [
         (n, c)
         for n, c in children.items()
