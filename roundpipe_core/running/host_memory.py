@@ -58,6 +58,13 @@ to be allocated with what the machine has available (``psutil``, else
 ``/proc/meminfo`` ``MemAvailable``, and a cgroup v2 limit when one is set) and raises
 :class:`HostMemoryError` with the table when it does not fit.
 
+Of the total, ``file_backed`` is what lies in clean pages of files: the mapped file
+pages, and ``mapped_weights`` -- the frozen weights and buffers that are views of a
+mapped checkpoint (a base model loaded memory-mapped with ``pin_model="off"``, which
+nothing writes or copies). The kernel drops such pages under pressure and reads them
+back, so a run needs only ``anonymous`` (the rest) to stay resident: a memory cap
+below the model's size still lets it train.
+
 Sections below: the optimizer-state table; the process beside the state; glibc's heap
 retention (:func:`limit_heap_retention`: what makes a sharded run's measured peak the
 predicted one); the lines beside the state; the budget itself.
@@ -526,6 +533,8 @@ class HostMemoryBudget:
         already_allocated: bytes of the lines above that existed when the estimate was
             made (the weights, and the masters of a built RoundPipe); only the rest
             still has to fit into available memory.
+        mapped_weights: bytes of the weights line that are frozen views of a mapped
+            file (in ``file_backed``, reclaimable page cache; see the module docstring).
         optimizer: the optimizer the state line assumes, with its states per parameter.
         process / training_code: resident bytes of the process at the estimate beyond
             its state, and the code its first training step pages in (made before it; see
@@ -551,6 +560,7 @@ class HostMemoryBudget:
     training_code: int = 0
     tier_buffer: int = 0
     disk: int = 0
+    mapped_weights: int = 0
 
     @property
     def total(self) -> int:
@@ -570,6 +580,17 @@ class HostMemoryBudget:
             + self.collective_buffers
             + self.tier_buffer
         )
+
+    @property
+    def file_backed(self) -> int:
+        """Of the total, clean pages of mapped files (frozen mapped weights, the mapped
+        file pages): the kernel may drop and reread them, so they need not stay resident."""
+        return self.mapped_weights + self.mapped_files
+
+    @property
+    def anonymous(self) -> int:
+        """Of the total, what must stay resident: ``total - file_backed``."""
+        return self.total - self.file_backed
 
     @property
     def process_peak(self) -> int:
@@ -629,6 +650,12 @@ class HostMemoryBudget:
             f"  {'total':<{width}}  {_fmt(self.total):>11}  {self.bytes_per_param:6.2f} B/param"
         )
         lines.append(f"  {'still to allocate':<{width}}  {_fmt(self.to_allocate):>11}")
+        if self.file_backed:
+            for name, b in (
+                ("of it file-backed", self.file_backed),
+                ("of it anonymous", self.anonymous),
+            ):
+                lines.append(f"  {name:<{width}}  {_fmt(b):>11}")
         if self.disk:
             lines.append(f"  {'on disk (offload_dir)':<{width}}  {_fmt(self.disk):>11}")
         if self.process:
@@ -806,6 +833,8 @@ def estimate_host_memory(
     state_tensors = list(inner.parameters()) + list(inner.buffers()) + carried_tensors(inner)
     weights = _unique_storage_bytes(state_tensors)
     mapped = mapped_file_bytes(state_tensors)
+    # frozen tensors in a mapping stay there (a trained one is written: copy-on-write)
+    frozen_mapped = mapped_file_bytes([t for t in state_tensors if not t.requires_grad]).inside
     num_params = sum(logical_numel(p) for p in params.values())
     weight_ptrs = {
         t.untyped_storage().data_ptr() for t in list(inner.parameters()) + list(inner.buffers())
@@ -920,6 +949,7 @@ def estimate_host_memory(
         dequantized=dequantized,
         tier_buffer=tier_buffer,
         disk=disk,
+        mapped_weights=frozen_mapped,
     )
 
 
