@@ -63,25 +63,28 @@ class _AnonPeak:
         self.peak = max(self.peak, _anon_now())
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A bf16 Llama of ~42M parameters (79 MiB) saved with ``save_pretrained``."""
+def _save(path: str, vocab: int, hidden: int) -> str:
     import transformers as tf
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(
-        hidden_size=384,
-        intermediate_size=1024,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         tie_word_embeddings=False,
         use_cache=False,
     )
-    path = str(tmp_path_factory.mktemp("frozen-base"))
     tf.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A bf16 Llama of ~42M parameters (79 MiB) saved with ``save_pretrained``."""
+    return _save(str(tmp_path_factory.mktemp("frozen-base")), VOCAB, 384)
 
 
 def _lora(path: str):
@@ -98,7 +101,8 @@ def _base(pm) -> list[torch.Tensor]:
 
 def _train(rp, overlapped: bool, steps: int = 3) -> None:
     opt = torch.optim.AdamW(rp.optim_parameters(), lr=1e-3)
-    ids = torch.randint(0, VOCAB, TOKENS, generator=torch.Generator().manual_seed(0))
+    vocab = rp.config.vocab_size
+    ids = torch.randint(0, vocab, TOKENS, generator=torch.Generator().manual_seed(0))
     losses = []
     for _ in range(steps):
         out = rp.forward_backward(
@@ -162,10 +166,10 @@ def test_frozen_mapped_base_is_not_copied_into_anonymous_memory(
     del copies
 
 
-def test_frozen_mapped_base_stays_mapped_through_any_pool(checkpoint: str) -> None:
+def test_frozen_mapped_base_stays_mapped_through_any_pool(tmp_path) -> None:
     """Under ``ROUNDPIPE_TEST_DEVICE=cuda``/``fake-cuda`` this runs CUDA workers: the
     uploads read the base from the mapping (pageable copies), nothing repacks it."""
-    pm = _lora(checkpoint)
+    pm = _lora(_save(str(tmp_path), 1000, 64))  # small: the fake GPU's copies are slow
     base = _base(pm)
     ptrs = [p.data_ptr() for p in base]
     rp = wrap_model_to_roundpipe(
