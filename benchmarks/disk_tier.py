@@ -151,10 +151,11 @@ def speed(args: argparse.Namespace) -> None:
     print(json.dumps(out, indent=1))
 
 
-def _cgroup(cap: int) -> str:
+def make_memory_cgroup(cap: int, prefix: str = "roundpipe-tier") -> str:
+    """A fresh cgroup-v1 memory cgroup capped at ``cap`` bytes, without swap (as root)."""
     if not os.path.isdir(CGROUP_ROOT):
         sys.exit(f"no cgroup v1 memory controller at {CGROUP_ROOT}")
-    path = os.path.join(CGROUP_ROOT, f"roundpipe-tier-{os.getpid()}")
+    path = os.path.join(CGROUP_ROOT, f"{prefix}-{os.getpid()}")
     os.mkdir(path)
     with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
         f.write(str(cap))
@@ -165,7 +166,7 @@ def _cgroup(cap: int) -> str:
 
 def cap_parent(args: argparse.Namespace) -> None:
     cap = int(args.cap_gib * 2**30)
-    path = _cgroup(cap)
+    path = make_memory_cgroup(cap)
     cmd = [sys.executable, __file__, "--cap-child", path, *sys.argv[1:]]
     cmd.remove("--cap")
     try:

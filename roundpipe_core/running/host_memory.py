@@ -37,6 +37,13 @@ the data loader), ``training_code`` what of torch's code the first step pages in
 ``process_peak = total + process + training_code`` predicts the process's peak RSS.
 :func:`check_host_memory` compares what is still to be allocated with what the machine
 has available and raises :class:`HostMemoryError` with the table when it does not fit.
+
+Of the total, ``file_backed`` is what lies in clean pages of files: the mapped file
+pages, and ``mapped_weights`` -- frozen weights and buffers that are views of a mapped
+checkpoint (a base loaded memory-mapped with ``pin_model="off"``, which nothing writes
+or copies). The kernel drops such pages under pressure and reads them back, so a run
+needs only ``anonymous`` (the rest) to stay resident: a cap below the model's size
+still lets it train.
 """
 
 from __future__ import annotations
@@ -426,6 +433,8 @@ class HostMemoryBudget:
         weights ... disk: bytes of each line (:meth:`rows`; ``disk`` is not in the total).
         already_allocated: bytes of the lines that existed at the estimate (weights, a
             RoundPipe's masters); only the rest has to fit into available memory.
+        mapped_weights: bytes of the weights line that are frozen views of a mapped
+            file (in ``file_backed``; see the module docstring).
         optimizer: the optimizer the state line assumes, with its states per parameter.
         process / training_code: see the module docstring (0 where RSS cannot be read).
     """
@@ -449,11 +458,23 @@ class HostMemoryBudget:
     training_code: int = 0
     tier_buffer: int = 0
     disk: int = 0
+    mapped_weights: int = 0
 
     @property
     def total(self) -> int:
         """All lines added up: the run's peak host memory for its state."""
         return sum(b for _, b in self.rows())
+
+    @property
+    def file_backed(self) -> int:
+        """Of the total, clean pages of mapped files (frozen mapped weights, the mapped
+        file pages): the kernel may drop and reread them, so they need not stay resident."""
+        return self.mapped_weights + self.mapped_files
+
+    @property
+    def anonymous(self) -> int:
+        """Of the total, what must stay resident: ``total - file_backed``."""
+        return self.total - self.file_backed
 
     @property
     def process_peak(self) -> int:
@@ -513,6 +534,12 @@ class HostMemoryBudget:
             f"  {'total':<{width}}  {_fmt(self.total):>11}  {self.bytes_per_param:6.2f} B/param"
         )
         lines.append(f"  {'still to allocate':<{width}}  {_fmt(self.to_allocate):>11}")
+        if self.file_backed:
+            for name, b in (
+                ("of it file-backed", self.file_backed),
+                ("of it anonymous", self.anonymous),
+            ):
+                lines.append(f"  {name:<{width}}  {_fmt(b):>11}")
         if self.disk:
             lines.append(f"  {'on disk (offload_dir)':<{width}}  {_fmt(self.disk):>11}")
         if self.process:
@@ -674,6 +701,8 @@ def estimate_host_memory(
     state_tensors = list(inner.parameters()) + list(inner.buffers()) + carried_tensors(inner)
     weights = _unique_storage_bytes(state_tensors)
     mapped = mapped_file_bytes(state_tensors)
+    # frozen tensors in a mapping stay there (a trained one is written: copy-on-write)
+    frozen_mapped = mapped_file_bytes([t for t in state_tensors if not t.requires_grad]).inside
     num_params = sum(logical_numel(p) for p in params.values())
     weight_ptrs = {
         t.untyped_storage().data_ptr() for t in list(inner.parameters()) + list(inner.buffers())
@@ -788,6 +817,7 @@ def estimate_host_memory(
         dequantized=dequantized,
         tier_buffer=tier_buffer,
         disk=disk,
+        mapped_weights=frozen_mapped,
     )
 
 
