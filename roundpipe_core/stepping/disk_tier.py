@@ -98,22 +98,22 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _pread(fd: int, buf: torch.Tensor, offset: int) -> None:
-    view = memoryview(buf.numpy())  # type: ignore[arg-type]  # (ndarray is a buffer)
-    done, n = 0, len(view)
-    while done < n:
-        k = os.preadv(fd, [view[done:]], offset + done)
-        if k <= 0:
-            raise OSError(errno.EIO, f"short read from the disk tier at offset {offset + done}")
-        done += k
+    _whole(os.preadv, fd, buf, offset, "short read from")
 
 
 def _pwrite(fd: int, buf: torch.Tensor, offset: int) -> None:
+    _whole(os.pwritev, fd, buf, offset, "short write to")
+
+
+def _whole(io: Callable[..., int], fd: int, buf: torch.Tensor, offset: int, what: str) -> None:
+    """``io`` (``os.preadv`` / ``os.pwritev``) over all of ``buf``'s bytes at ``offset``,
+    resumed after a partial transfer; none at all is an EIO."""
     view = memoryview(buf.numpy())  # type: ignore[arg-type]  # (ndarray is a buffer)
     done, n = 0, len(view)
     while done < n:
-        k = os.pwritev(fd, [view[done:]], offset + done)
+        k = io(fd, [view[done:]], offset + done)
         if k <= 0:
-            raise OSError(errno.EIO, f"short write to the disk tier at offset {offset + done}")
+            raise OSError(errno.EIO, f"{what} the disk tier at offset {offset + done}")
         done += k
 
 
