@@ -51,6 +51,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import math
 import os
 import threading
 from collections.abc import Iterable, Sequence
@@ -61,6 +62,7 @@ import torch
 from torch import nn
 
 from ..kinds import check_byte_counts, check_flag, check_int
+from ..planning.profile import format_bytes
 from .carried import carried_tensors, logical_numel
 
 __all__ = [
@@ -330,35 +332,6 @@ def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
     return MappedFiles(extra=extra, resident=_resident_of(ranges), inside=sum(inside.values()))
 
 
-def fused_jobs_by_device(rp: Any, plan: Any, num_microbatch: int) -> list[list[Any]]:
-    """Each device's jobs of one "fused" call under ``plan`` with the most replicas the
-    run may use (``planner.most_fused_replicas``): the peak a budget must count."""
-    from ..planning.planner import most_fused_replicas
-    from ..planning.schedule import build_schedule, jobs_by_device
-
-    replicas = most_fused_replicas(rp, plan, num_microbatch)
-    jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch, replicas=replicas)
-    return jobs_by_device(jobs, rp.num_devices)
-
-
-def worker_activations(
-    rp: Any, plan: Any, num_microbatch: int, layer_bytes: Sequence[float] | None
-) -> int:
-    """Saved activations the CPU workers hold together: per worker, the largest sum of
-    ``layer_bytes`` over the stages it runs with autograd (one microbatch's graph is alive
-    at a time). 0 without ``layer_bytes``."""
-    from ..planning.schedule import FORWARD
-
-    if not layer_bytes:
-        return 0
-    total = 0
-    for queue in fused_jobs_by_device(rp, plan, num_microbatch):
-        # forward jobs of a training call save only their input: autograd's are the others
-        sizes = [sum(float(layer_bytes[k]) for k in j.layers) for j in queue if j.kind != FORWARD]
-        total += int(max(sizes, default=0.0))
-    return total
-
-
 def _dtype_size(dtype: Any) -> int:
     return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 0
 
@@ -373,26 +346,11 @@ def layer_dequantized_bytes(layer: nn.Module) -> int:
         shape = getattr(state, "shape", None)
         if state is None or not isinstance(shape, (tuple, list, torch.Size)):
             continue
-        n = 1
-        for d in shape:
-            n *= int(d)
+        n = math.prod(int(d) for d in shape)
         dq = _dtype_size(getattr(state, "dtype", None))
         compute = _dtype_size(getattr(m, "compute_dtype", None))
         largest = max(largest, n * (dq + (compute if compute and compute != dq else 0)))
     return largest
-
-
-def dequantized_bytes(rp: Any, plan: Any, num_microbatch: int) -> int:
-    """Bytes of dequantized 4-bit weights the CPU workers hold together: per worker, the
-    largest :func:`layer_dequantized_bytes` over the layers of the stages it runs (one
-    weight at a time: each is freed after its matmul)."""
-    per_layer = [layer_dequantized_bytes(layer) for layer in rp.layers]
-    if not any(per_layer):
-        return 0
-    return sum(
-        max((per_layer[k] for job in queue for k in job.layers), default=0)
-        for queue in fused_jobs_by_device(rp, plan, num_microbatch)
-    )
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
@@ -417,11 +375,22 @@ def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None
     return total
 
 
-def _fmt(n: float) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+#: The budget's lines in table order: (name, field).
+_ROWS = (
+    ("weights", "weights"),
+    ("masters", "masters"),
+    ("gradients", "gradients"),
+    ("next gradients (async step)", "next_gradients"),
+    ("optimizer state", "optimizer_state"),
+    ("pinned buffers", "pinned"),
+    ("worker stage copies", "worker_copies"),
+    ("activations", "activations"),
+    ("mapped file pages", "mapped_files"),
+    ("worker activations", "worker_activations"),
+    ("dequantized weights", "dequantized"),
+    ("collective buffers", "collective_buffers"),
+    ("disk tier buffer", "tier_buffer"),
+)
 
 
 @dataclass(frozen=True)
@@ -493,23 +462,10 @@ class HostMemoryBudget:
 
     def rows(self) -> list[tuple[str, int]]:
         """``(line, bytes)`` in table order."""
+        state = f"optimizer state ({self.optimizer})" if self.optimizer else "optimizer state"
         return [
-            ("weights", self.weights),
-            ("masters", self.masters),
-            ("gradients", self.gradients),
-            ("next gradients (async step)", self.next_gradients),
-            (
-                f"optimizer state ({self.optimizer})" if self.optimizer else "optimizer state",
-                self.optimizer_state,
-            ),
-            ("pinned buffers", self.pinned),
-            ("worker stage copies", self.worker_copies),
-            ("activations", self.activations),
-            ("mapped file pages", self.mapped_files),
-            ("worker activations", self.worker_activations),
-            ("dequantized weights", self.dequantized),
-            ("collective buffers", self.collective_buffers),
-            ("disk tier buffer", self.tier_buffer),
+            (state if name == "optimizer state" else name, getattr(self, field))
+            for name, field in _ROWS
         ]
 
     def summary(self, available: int | None = None) -> str:
@@ -517,37 +473,34 @@ class HostMemoryBudget:
         available (``available``: bytes, from :func:`available_host_memory`; ``None``:
         not known). ``str(budget)`` is the whole table."""
         need = (
-            f"{_fmt(self.process_peak)} for the whole process"
+            f"{format_bytes(self.process_peak)} for the whole process"
             if self.process
-            else f"{_fmt(self.total)} for its state"
+            else f"{format_bytes(self.total)} for its state"
         )
-        have = f"{_fmt(available)} available" if available is not None else "available unknown"
-        return f"host memory: needs {need} ({_fmt(self.to_allocate)} still to allocate), {have}"
+        have = (
+            f"{format_bytes(available)} available" if available is not None else "available unknown"
+        )
+        return f"host memory: needs {need} ({format_bytes(self.to_allocate)} still to allocate), {have}"
 
     def __str__(self) -> str:
         n = max(self.num_params, 1)
+        rows = [*self.rows(), ("total", self.total)]
+        width = max(len(name) for name, _ in rows)
         lines = [f"host memory budget for {self.num_params:,} parameters"]
-        width = max(len(name) for name, _ in self.rows())
-        for name, b in self.rows():
-            lines.append(f"  {name:<{width}}  {_fmt(b):>11}  {b / n:6.2f} B/param")
-        lines.append(
-            f"  {'total':<{width}}  {_fmt(self.total):>11}  {self.bytes_per_param:6.2f} B/param"
-        )
-        lines.append(f"  {'still to allocate':<{width}}  {_fmt(self.to_allocate):>11}")
+        lines += [
+            f"  {name:<{width}}  {format_bytes(b):>11}  {b / n:6.2f} B/param" for name, b in rows
+        ]
+        tail = [("still to allocate", self.to_allocate)]
         if self.file_backed:
-            for name, b in (
-                ("of it file-backed", self.file_backed),
-                ("of it anonymous", self.anonymous),
-            ):
-                lines.append(f"  {name:<{width}}  {_fmt(b):>11}")
+            tail += [("of it file-backed", self.file_backed), ("of it anonymous", self.anonymous)]
         if self.disk:
-            lines.append(f"  {'on disk (offload_dir)':<{width}}  {_fmt(self.disk):>11}")
+            tail.append(("on disk (offload_dir)", self.disk))
         if self.process:
-            lines.append(f"  {'+ process (libraries)':<{width}}  {_fmt(self.process):>11}")
+            tail.append(("+ process (libraries)", self.process))
             if self.training_code:
-                code = _fmt(self.training_code)
-                lines.append(f"  {'+ training code (first step)':<{width}}  {code:>11}")
-            lines.append(f"  {'= whole process':<{width}}  {_fmt(self.process_peak):>11}")
+                tail.append(("+ training code (first step)", self.training_code))
+            tail.append(("= whole process", self.process_peak))
+        lines += [f"  {name:<{width}}  {format_bytes(b):>11}" for name, b in tail]
         return "\n".join(lines)
 
 
@@ -576,16 +529,31 @@ def _existing_state_bytes(masters: Iterable[torch.Tensor], optimizers: list | No
     return grads + _unique_storage_bytes(states)
 
 
-def _worker_copies(rp: Any, plan: Any, num_microbatch: int, master_dtype: dict[int, Any]) -> int:
-    """Peak bytes the CPU workers hold together: per worker, the largest (stage copy +
-    its gradients + the next stage it prefetches) over its jobs in the plan's schedule.
+def _worker_lines(
+    rp: Any,
+    plan: Any,
+    num_microbatch: int,
+    master_dtype: dict[int, Any],
+    layer_acts: Sequence[float] | None,
+) -> tuple[int, int, int]:
+    """The CPU workers' transients together, each per worker at its peak over its jobs of
+    one "fused" call under ``plan`` with the most replicas the run may use:
 
-    Workers that lend the host's parameters copy only buffers and carried state; their
-    gradients become the masters' ``.grad`` unless converted to another dtype
-    (``master_dtype``, per parameter id). A replicated stage's replicas after the first
-    hold gradients of their own until the last is in (``replicas.JobGrads``)."""
-    from ..planning.schedule import FORWARD
+    * stage copies: the largest (stage copy + its gradients + the next stage it
+      prefetches). Workers that lend the host's parameters copy only buffers and carried
+      state; their gradients become the masters' ``.grad`` unless converted to another
+      dtype (``master_dtype``, per parameter id). A replicated stage's replicas after the
+      first hold gradients of their own until the last is in (``replicas.JobGrads``);
+    * activations: the largest sum of ``layer_acts`` over the stages it runs with
+      autograd (one microbatch's graph is alive at a time; 0 without ``layer_acts``);
+    * dequantized weights: the largest :func:`layer_dequantized_bytes` of its layers
+      (one at a time: each is freed after its matmul).
+    """
+    from ..planning.planner import most_fused_replicas
+    from ..planning.schedule import FORWARD, build_schedule, jobs_by_device
 
+    replicas = most_fused_replicas(rp, plan, num_microbatch)
+    jobs = build_schedule(plan, "fused", rp.num_devices, num_microbatch, replicas=replicas)
     lends = all(getattr(w, "lends_host_tensors", False) for w in rp.pool.workers)
     layer_bytes: list[int] = []
     layer_grads: list[int] = []
@@ -598,8 +566,9 @@ def _worker_copies(rp: Any, plan: Any, num_microbatch: int, master_dtype: dict[i
         trained = [(p, c) for p, c in zip(params, converted) if p.requires_grad]
         layer_grads.append(sum(p.nbytes for p, c in trained if c))
         replica_grads.append(sum(p.nbytes for p, _ in trained))
-    total = 0
-    for queue in fused_jobs_by_device(rp, plan, num_microbatch):
+    dequantized = [layer_dequantized_bytes(layer) for layer in rp.layers]
+    copies = acts = dq = 0
+    for queue in jobs_by_device(jobs, rp.num_devices):
         peak = 0
         for i, job in enumerate(queue):
             held = sum(layer_bytes[k] for k in job.layers)
@@ -609,8 +578,14 @@ def _worker_copies(rp: Any, plan: Any, num_microbatch: int, master_dtype: dict[i
             if i + 1 < len(queue):
                 held += sum(layer_bytes[k] for k in queue[i + 1].layers)
             peak = max(peak, held)
-        total += peak
-    return total
+        copies += peak
+        if layer_acts:  # forward jobs of a training call save only their input
+            saved = [
+                sum(float(layer_acts[k]) for k in j.layers) for j in queue if j.kind != FORWARD
+            ]
+            acts += int(max(saved, default=0.0))
+        dq += max((dequantized[k] for job in queue for k in job.layers), default=0)
+    return copies, acts, dq
 
 
 def estimate_host_memory(
@@ -773,8 +748,6 @@ def estimate_host_memory(
         if rp.pool.is_cuda:
             pinned = _cuda_pinned(rp)
         else:
-            master_dtype = {id(p): mm.dtype for p, mm in pairs}
-            worker_copies = _worker_copies(rp, run_plan, m, master_dtype)
             if layer_acts is None:
                 layer_acts = getattr(rp, "layer_activation_bytes", None)
             if layer_acts is not None and len(layer_acts) != rp.num_layers:
@@ -782,8 +755,10 @@ def estimate_host_memory(
                     f"layer_activation_bytes must hold one number per layer ({rp.num_layers}), "
                     f"got {len(layer_acts)}"
                 )
-            worker_acts = worker_activations(rp, run_plan, m, layer_acts)
-            dequantized = dequantized_bytes(rp, run_plan, m)
+            master_dtype = {id(p): mm.dtype for p, mm in pairs}
+            worker_copies, worker_acts, dequantized = _worker_lines(
+                rp, run_plan, m, master_dtype, layer_acts
+            )
         activations = activation_bytes_per_microbatch * m * max(len(run_plan.fwd_plan), 1)
     elif activation_bytes_per_microbatch:
         activations = activation_bytes_per_microbatch * (num_microbatch or 1)
@@ -909,8 +884,8 @@ def check_host_memory(
     if budget.to_allocate <= usable:
         return
     raise HostMemoryError(
-        f"this run needs {_fmt(budget.to_allocate)} more host memory, but only {_fmt(available)} is "
-        f"available ({_fmt(usable)} after {headroom:.0%} headroom).\n{budget}\n"
+        f"this run needs {format_bytes(budget.to_allocate)} more host memory, but only {format_bytes(available)} is "
+        f"available ({format_bytes(usable)} after {headroom:.0%} headroom).\n{budget}\n"
         "Reduce it: a lower-precision model (bf16 weights), optim_dtype equal to the model's dtype, "
         "an optimizer with fewer states (SGD), fewer CPU workers or smaller stages, or a machine "
         "with more memory. Set ROUNDPIPE_SKIP_MEMORY_CHECK=1 to try anyway."

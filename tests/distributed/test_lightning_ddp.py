@@ -138,13 +138,13 @@ def test_two_nodes_async_accumulate_log_resume_and_overlap_like_one_process(
     from _lit_worker import Lit
 
     from roundpipe_core.distributed import reduce_buffer_bytes
-    from roundpipe_core.running.host_memory import _fmt
+    from roundpipe_core.planning.profile import format_bytes
 
     ring = reduce_buffer_bytes(Lit().parameters(), world_size=2)
     lines = (out / "rank0.log").read_text(errors="replace").splitlines()
     budget = [line for line in lines if line.strip().startswith("collective buffers")]
     assert ring > 0 and budget, _logs(out)
-    assert all(line.split()[2:4] == _fmt(ring).split() for line in budget), (budget, ring)
+    assert all(line.split()[2:4] == format_bytes(ring).split() for line in budget), (budget, ring)
     _check_overlapped(out, ref_overlapped)
 
 
