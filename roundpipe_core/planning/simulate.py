@@ -78,26 +78,6 @@ class SimResult:
     iteration_ms: float = 0.0
     peak_bytes: list[float] = field(default_factory=list)
 
-    def chrome_trace(self) -> dict[str, Any]:
-        """The timeline in Chrome's trace-event format (open in ``chrome://tracing``
-        or Perfetto): one row per device, uploads on a row of their own."""
-        events = []
-        for e in self.events:
-            events.append(
-                {
-                    "name": f"{e.kind} s{e.stage}"
-                    + (f" mb{e.microbatch}" if e.microbatch >= 0 else ""),
-                    "cat": e.kind,
-                    "ph": "X",
-                    "ts": e.start * 1000.0,  # microseconds
-                    "dur": (e.end - e.start) * 1000.0,
-                    "pid": 0,
-                    "tid": f"device {e.device}" + (" upload" if e.kind == "upload" else ""),
-                    "args": {"job": e.job, "iteration": e.iteration},
-                }
-            )
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
-
     def timeline(self, width: int = 80) -> str:
         """ASCII rendering of the compute intervals, one row per device."""
         if self.makespan_ms <= 0:

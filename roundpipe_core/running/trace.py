@@ -1,31 +1,21 @@
-"""Timelines of pipelined calls in Chrome's trace-event format (Perfetto, chrome://tracing).
+"""Timelines of pipelined calls in Chrome's trace-event format (Perfetto, chrome://tracing):
+the one trace writer, of measured and of simulated iterations alike.
 
-A timeline is a flat list of :class:`Span` records: what ran (``name``), on which
-device (``None``: on the host), on which lane of that device (compute, parameter
-upload, activation transfer, gradient transfer, or the optimizer step), and when.
-The records come from two places that this module converts the same way, so a
-measured and a simulated iteration open side by side with the same rows:
-
-* a real call's :class:`~roundpipe_core.running.timer.CallTiming` (``RoundPipe.last_call``
-  or a ``PendingResult``'s ``timing``: its jobs and the parameter uploads, activation
-  inputs and gradient downloads its workers waited on, ``time.perf_counter`` seconds)
-  and the optimizer steps ``RoundPipe.step()`` timed, via :func:`spans_from_call` /
-  :func:`spans_from_roundpipe` (:meth:`RoundPipe.last_trace` returns them as a trace);
-* the simulator's events (:class:`roundpipe_core.planning.simulate.SimResult`), via
-  :func:`spans_from_simulation`.
-
-Measured transfer spans are host wall clock: on CUDA they cover issuing a copy and
-any wait for it, not the copy engine's own timing.
+A timeline is a flat list of :class:`Span` records: what ran, on which device lane
+(compute, parameter upload, activation or gradient transfer, the optimizer step), when.
+They come from a real call's :class:`~roundpipe_core.running.timer.CallTiming` and the
+steps ``RoundPipe.step()`` timed (:func:`spans_from_call`, :func:`spans_from_roundpipe`;
+:meth:`RoundPipe.last_trace`), or from the simulator's events (:func:`spans_from_simulation`
+of a :class:`~roundpipe_core.planning.simulate.SimResult`), converted the same way so
+that both open side by side with the same rows. Measured transfer spans are host wall
+clock: on CUDA they cover issuing a copy and any wait for it.
 
 :func:`chrome_trace` turns spans into the trace-event JSON object: one process per
-timeline, one thread (row) per device lane, named like the simulator's own
-``SimResult.chrome_trace()`` rows (``"device 0"``, ``"device 0 upload"``) and
-ordered device by device with the optimizer last. :func:`side_by_side_trace` (or
-:func:`merge_traces`) puts a measured and a simulated timeline into one file;
-:func:`write_trace` saves it.
-
-Compute spans are named like the schedule's text form of a job: ``"2F0"`` is
-stage 2, forward (``X`` fused, ``B`` backward), on device 0.
+timeline, one row per device lane (``"device 0"``, ``"device 0 upload"``), device by
+device with the optimizer last; :func:`side_by_side_trace` / :func:`merge_traces` put
+a measured and a simulated timeline into one file; :func:`write_trace` saves it.
+Compute spans are named like the schedule's text form of a job: ``"2F0"`` is stage 2,
+forward (``X`` fused, ``B`` backward), on device 0.
 """
 
 from __future__ import annotations
@@ -95,12 +85,8 @@ class Span:
     def __post_init__(self) -> None:
         if self.lane not in LANES:
             raise ValueError(f"Span.lane must be one of {LANES}; got {self.lane!r}")
-        if self.device is not None and (
-            not isinstance(self.device, int) or isinstance(self.device, bool) or self.device < 0
-        ):
-            raise ValueError(
-                f"Span.device must be a device index >= 0 or None (host); got {self.device!r}"
-            )
+        if self.device is not None:
+            check_int(self.device, "Span.device", minimum=0, why="a device index, or None (host)")
         if not isinstance(self.name, str):
             raise TypeError(f"Span.name must be a str; got {type(self.name).__name__}")
         for what, value in (("start_s", self.start_s), ("end_s", self.end_s)):
@@ -225,8 +211,7 @@ def spans_from_simulation(
         return jobs[e.iteration * per_iter + e.job]
 
     def compute_name(e: Any) -> str:
-        code = JobKind(e.kind).code
-        return f"{e.stage}{code}{e.device}"
+        return f"{e.stage}{JobKind(e.kind).code}{e.device}"
 
     out: list[Span] = []
     groups: dict[tuple[int, int], list[Any]] = {}
@@ -326,29 +311,15 @@ def chrome_trace(
         )
     if origin_s is None:
         origin_s = min((s.start_s for s in spans), default=0.0)
-    meta: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": process_name}}
-    ]
+
+    def meta(name: str, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+    rows = [meta("process_name", 0, {"name": process_name})]
     for order, (device, lane) in enumerate(rows_of(spans)):
         tid = _tid(device, lane)
-        meta.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": pid,
-                "tid": tid,
-                "args": {"name": row_name(device, lane)},
-            }
-        )
-        meta.append(
-            {
-                "name": "thread_sort_index",
-                "ph": "M",
-                "pid": pid,
-                "tid": tid,
-                "args": {"sort_index": order},
-            }
-        )
+        rows.append(meta("thread_name", tid, {"name": row_name(device, lane)}))
+        rows.append(meta("thread_sort_index", tid, {"sort_index": order}))
     events = [
         {
             "name": s.name,
@@ -362,7 +333,7 @@ def chrome_trace(
         }
         for s in spans
     ]
-    return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+    return {"traceEvents": rows + events, "displayTimeUnit": "ms"}
 
 
 def merge_traces(*traces: Mapping[str, Any]) -> dict[str, Any]:

