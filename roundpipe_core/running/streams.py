@@ -18,7 +18,6 @@ The functions take a ``PipelineRun`` (``runtime.py``): its ``rng_base``,
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -26,39 +25,15 @@ import torch
 from .devices.base import Worker
 from .devices.cpu import RNG_SHARED, RNG_WATCH, CPUWorker, StageCompute
 
-__all__ = [
-    "ComputeScope",
-    "own_rng",
-    "record_stream_start",
-    "replay_seed",
-    "seed_layer",
-    "seed_stream",
-]
-
-
-class _RngGuard:
-    """Saves the worker's generator state on entry and puts it back on exit; a plain
-    object rather than a generator context manager, since it wraps every microbatch
-    of every job."""
-
-    __slots__ = ("worker", "state")
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.state: Any = None
-
-    def __enter__(self) -> None:
-        self.state = self.worker.get_rng_state()
-
-    def __exit__(self, *exc: object) -> None:
-        self.worker.set_rng_state(self.state)
+__all__ = ["ComputeScope", "record_stream_start", "replay_seed", "seed_stream"]
 
 
 class ComputeScope:
     """``worker.compute()``, autograd on or off (``grad``; ``None`` leaves it), and the
-    worker's generator given back on exit (:func:`own_rng`), as one object: the runtime
-    enters it around every microbatch of every job, where three nested context
-    managers cost more than a small stage's own Python work.
+    worker's generator given back on exit (the seeding here must not disturb the random
+    stream of the code around RoundPipe), as one object: the runtime enters it around
+    every microbatch of every job, where three nested context managers cost more than
+    a small stage's own Python work.
 
     Given the call's ``run`` and the ``job``, a CPU worker computes in the scope its
     stage's draws allow (``CPUWorker.stage_compute``): beside other stages when the
@@ -109,34 +84,16 @@ class ComputeScope:
                 self.compute.__exit__(*exc)
 
 
-def own_rng(worker: Worker) -> AbstractContextManager[None]:
-    """Give back the worker's generator as it was: the seeding here must not disturb
-    the random stream of the code around RoundPipe."""
-    return _RngGuard(worker)
-
-
 def record_stream_start(run: Any, start: int) -> None:
     """A forward stage starts a stream at layer ``start`` (set insertion is atomic)."""
     if start not in run.stream_starts:
         run.stream_starts.add(start)
 
 
-def _stream_seed(run: Any, layer: int, mb: int) -> int:
-    return hash((run.rng_base, layer, mb)) & (2**63 - 1)
-
-
-def seed_layer(run: Any, worker: Worker, layer: int, mb: int, job_start: bool = False) -> None:
-    """Before a real forward of ``layer`` on ``mb``: a new stream where a segment starts
-    (``job_start``: the first layer of a job, always one), else the current one goes on."""
-    if job_start or run.seed_every_layer or layer in run.stream_starts:
-        seed_stream(run, worker, layer, mb)
-
-
 def seed_stream(run: Any, worker: Worker, layer: int, mb: int) -> None:
     """Start the stream of ``layer`` on ``mb``: the worker's generator seeded from
-    ``(run.rng_base, layer, mb)``. The runtime's layer loop calls it where
-    :func:`seed_layer` would, deciding inline whether a segment starts."""
-    seed = _stream_seed(run, layer, mb)
+    ``(run.rng_base, layer, mb)`` (the runtime's layer loop decides where a segment starts)."""
+    seed = hash((run.rng_base, layer, mb)) & (2**63 - 1)
     if type(worker).set_rng_state is CPUWorker.set_rng_state:
         # CPU workers draw from the process generator (alone, under the compute gate):
         # seeding it in place gives the state of a fresh seeded generator without
@@ -154,8 +111,8 @@ def seed_stream(run: Any, worker: Worker, layer: int, mb: int) -> None:
         worker.set_rng_state(gen.get_state())
 
 
-def replay_seed(run: Any, worker: Worker, layer: int, mb: int, job_start: bool = False) -> None:
-    """Before a recompute: the forward's stream again (``preserve_rng_state``), else
-    fresh numbers."""
-    if run.preserve_rng_state:
-        seed_layer(run, worker, layer, mb, job_start)
+def replay_seed(run: Any, worker: Worker, layer: int, mb: int) -> None:
+    """Before a recompute of one layer: the forward's stream again where a segment starts
+    (``preserve_rng_state``), else fresh numbers."""
+    if run.preserve_rng_state and (run.seed_every_layer or layer in run.stream_starts):
+        seed_stream(run, worker, layer, mb)
