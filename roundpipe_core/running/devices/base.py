@@ -12,13 +12,13 @@ import contextlib
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-__all__ = ["MemoryLedger", "Worker", "WorkerStartError", "no_op_context"]
+__all__ = ["MemoryLedger", "Worker", "WorkerStartError"]
 
 
 class MemoryLedger:
@@ -36,8 +36,8 @@ class MemoryLedger:
         self._total = 0  # sum of current, kept up to date instead of summed per call
 
     def alloc(self, nbytes: int, tag: str) -> None:
-        """Count ``nbytes`` more under ``tag`` (a whole batch of copies at once is fine:
-        the peak after a batch of allocations is the peak within it)."""
+        """Count ``nbytes`` more under ``tag`` (a batch of copies at once: its peak is the
+        peak within it)."""
         with self._lock:
             now = self.current.get(tag, 0) + nbytes
             self.current[tag] = now
@@ -148,8 +148,8 @@ class Worker(ABC):
             fn = args = fut = None
 
     def _start_failure(self) -> WorkerStartError:
-        """A fresh error for one caller (one exception object raised in several
-        threads would collect all their tracebacks)."""
+        """A fresh error per caller (one object raised in several threads would collect
+        all their tracebacks)."""
         cause = self._start_error
         err = WorkerStartError(
             f"{self!r} could not start its thread: {type(cause).__name__}: {cause}; "
@@ -159,12 +159,8 @@ class Worker(ABC):
         return err
 
     def wait_started(self, timeout: float = 60.0) -> None:
-        """Block until the worker's thread has set itself up.
-
-        Raises:
-            WorkerStartError: if the set-up raised.
-            TimeoutError: if it did not finish within ``timeout`` seconds.
-        """
+        """Block until the worker's thread has set itself up (``WorkerStartError`` if the
+        set-up raised, ``TimeoutError`` after ``timeout`` seconds)."""
         if not self._started.wait(timeout):
             raise TimeoutError(f"{self!r} did not start its thread within {timeout} s")
         if self._start_error is not None:
@@ -174,15 +170,9 @@ class Worker(ABC):
         """Per-thread set-up (e.g. selecting the CUDA device)."""
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on this worker's thread after the jobs already queued.
-
-        Returns:
-            A ``Future`` with the result, or the exception ``fn`` raised.
-
-        Raises:
-            RuntimeError: if the worker is closed.
-            WorkerStartError: if the worker's thread failed to start.
-        """
+        """Run ``fn(*args)`` on this worker's thread after the jobs already queued; a
+        ``Future`` of its result or exception (``RuntimeError`` on a closed worker,
+        ``WorkerStartError`` if its thread failed to start)."""
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         if self._start_error is not None:
@@ -297,8 +287,3 @@ class Worker(ABC):
 
 def _noop() -> None:
     return None
-
-
-@contextlib.contextmanager
-def no_op_context() -> Iterator[None]:
-    yield

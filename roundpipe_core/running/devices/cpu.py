@@ -117,33 +117,17 @@ def cpu_device_memory_bytes(share: int = 1) -> int:
     return int(gb * 1024**3)
 
 
-def _copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Detached copies. Activations and gradients arrive detached already, and
-    ``detach()`` costs about half a small clone, so only tensors that require grad pay
-    for it."""
-    return [t.detach().clone() if t.requires_grad else t.clone() for t in tensors]
-
-
-def _param_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Detached copies of parameters (which require grad): made with autograd off, where
-    a clone requires no grad, instead of a ``detach()`` per tensor."""
-    if not torch.is_grad_enabled():
-        return [t.clone() for t in tensors]
-    torch._C._set_grad_enabled(False)
-    try:
-        return [t.clone() for t in tensors]
-    finally:
-        torch._C._set_grad_enabled(True)
-
-
-def _aliases_or_copies(
-    tensors: Sequence[torch.Tensor], read_only: Sequence[bool]
+def _clones(
+    tensors: Sequence[torch.Tensor], read_only: Sequence[bool] | None = None
 ) -> list[torch.Tensor]:
-    """Detached aliases of the read-only tensors (same storage, a tensor object of their
-    own that requires no grad), copies of the rest made with autograd off."""
+    """Detached copies made with autograd off (where a clone requires no grad: cheaper
+    than a ``detach()`` per tensor), or detached aliases of the ``read_only`` ones (same
+    storage, a tensor object of their own)."""
     enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
+        if read_only is None:
+            return [t.clone() for t in tensors]
         return [t.detach() if ro else t.clone() for t, ro in zip(tensors, read_only)]
     finally:
         torch._C._set_grad_enabled(enabled)
@@ -422,7 +406,10 @@ class CPUWorker(Worker):
         super().__init__(index, torch.device("cpu"))
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
-        out = _param_copies(tensors) if channel == "param" else _copies(tensors)
+        if channel == "param":
+            out = _clones(tensors)
+        else:  # activations and gradients arrive detached: only those that require grad pay
+            out = [t.detach().clone() if t.requires_grad else t.clone() for t in tensors]
         self.ledger.alloc(sum(t.nbytes for t in out), channel)
         return out
 
@@ -432,7 +419,7 @@ class CPUWorker(Worker):
         # device memory is host memory: a stage that only reads a host tensor computes on
         # it (an alias of its own, so the stage's parameter wrapper and .grad are the
         # stage's); what it may write (buffers) is still copied
-        out = _aliases_or_copies(tensors, read_only)
+        out = _clones(tensors, read_only)
         self.ledger.alloc(sum(t.nbytes for t in out), "param")
         return out
 
@@ -444,13 +431,9 @@ class CPUWorker(Worker):
         self, tensors: Sequence[torch.Tensor], channel: str = "download"
     ) -> list[torch.Tensor]:
         # host memory already: what a stage hands out (its outputs, input gradients,
-        # losses, buffer copies) is made by this job and not written after it, and every
-        # consumer's copy_in copies again before it may write -- a copy here would only be
-        # thrown away
-        return [t.detach() if t.requires_grad else t for t in tensors]
-
-    def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        # host memory already, and the stage drops them: a copy would only be thrown away
+        # losses, buffer copies, gradients it drops) is made by this job and not written
+        # after it, and every consumer's copy_in copies again before it may write -- a
+        # copy here would only be thrown away (take_out is this too)
         return [t.detach() if t.requires_grad else t for t in tensors]
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:

@@ -98,14 +98,31 @@ def discover_cuda_devices() -> list[torch.device]:
         return []
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(float(raw))
-    except ValueError as exc:
-        raise ValueError(f"environment variable {name}={raw!r} must be a number") from exc
+# argument: (its environment variable, default, least value); a variable ending in _MB
+# gives MiB
+_SETTINGS = {
+    "download_staging_bytes": ("ROUNDPIPE_DOWNLOAD_STAGING_MB", DEFAULT_DOWNLOAD_STAGING_BYTES, 1),
+    "param_chunk_bytes": ("ROUNDPIPE_PARAM_CHUNK_MB", DEFAULT_PARAM_CHUNK_BYTES, 1),
+    "param_inflight_chunks": ("ROUNDPIPE_PARAM_INFLIGHT", DEFAULT_PARAM_INFLIGHT_CHUNKS, 0),
+}
+
+
+def _setting(name: str, value: int | None) -> int:
+    """Argument ``name``: ``value``, else its environment variable, else its default.
+
+    Raises:
+        ValueError: a variable that is not a number, or a value below the least.
+    """
+    env, default, least = _SETTINGS[name]
+    if value is None:
+        raw = os.environ.get(env) or ""
+        try:
+            value = int(float(raw)) * (1024**2 if env.endswith("_MB") else 1) if raw else default
+        except ValueError as exc:
+            raise ValueError(f"environment variable {env}={raw!r} must be a number") from exc
+    if value < least:
+        raise ValueError(f"{name} ({env}) must be >= {least}, got {value}")
+    return value
 
 
 def _mark_used_by(t: torch.Tensor, stream: Any) -> None:
@@ -187,34 +204,10 @@ class CUDAWorker(Worker):
         download_staging_bytes: int | None = None,
     ) -> None:
         device = _check_cuda_device(device)
-        self.download_staging_bytes = (
-            download_staging_bytes
-            if download_staging_bytes is not None
-            else _env_int(
-                "ROUNDPIPE_DOWNLOAD_STAGING_MB", DEFAULT_DOWNLOAD_STAGING_BYTES // 1024**2
-            )
-            * 1024**2
-        )
-        if self.download_staging_bytes <= 0:
-            raise ValueError(
-                f"download_staging_bytes must be positive, got {self.download_staging_bytes}"
-            )
+        self.download_staging_bytes = _setting("download_staging_bytes", download_staging_bytes)
         self._downloads = DownloadStager(self, self.download_staging_bytes)
-        self.param_chunk_bytes = (
-            param_chunk_bytes
-            if param_chunk_bytes is not None
-            else _env_int("ROUNDPIPE_PARAM_CHUNK_MB", DEFAULT_PARAM_CHUNK_BYTES // 1024**2)
-            * 1024**2
-        )
-        if self.param_chunk_bytes <= 0:
-            raise ValueError(f"param_chunk_bytes must be positive, got {self.param_chunk_bytes}")
-        depth = (
-            param_inflight_chunks
-            if param_inflight_chunks is not None
-            else _env_int("ROUNDPIPE_PARAM_INFLIGHT", DEFAULT_PARAM_INFLIGHT_CHUNKS)
-        )
-        if depth < 0:
-            raise ValueError(f"param_inflight_chunks must be >= 0, got {depth}")
+        self.param_chunk_bytes = _setting("param_chunk_bytes", param_chunk_bytes)
+        depth = _setting("param_inflight_chunks", param_inflight_chunks)
         self.pin_downloads = pin_downloads
         with torch.cuda.device(device):
             # Lower number = higher priority; out-of-range values are clamped by PyTorch.
@@ -362,24 +355,15 @@ class CUDAWorker(Worker):
         assert self._feeder is not None
         return self._feeder.submit([make_unit(p) for p in units])
 
-    def _param_event(self, ticket: int | None = None) -> torch.cuda.Event | None:
-        if self._feeder is None:
-            with self._event_lock:
-                return self._events[PARAM]
-        ticket = self._feeder.last_ticket if ticket is None else ticket
-        return self._feeder.wait_issued(ticket) if ticket else None
-
-    def _channel_event(self, channel: str) -> Any:
-        """The event of the latest copy issued on ``channel`` (None if none yet)."""
+    def wait_channel(self, channel: str) -> None:
         if channel not in CHANNELS:
             raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
-        if channel == PARAM:
-            return self._param_event()
-        with self._event_lock:
-            return self._events[channel]
-
-    def wait_channel(self, channel: str) -> None:
-        event = self._channel_event(channel)
+        if channel == PARAM and self._feeder is not None:
+            ticket = self._feeder.last_ticket
+            event = self._feeder.wait_issued(ticket) if ticket else None
+        else:
+            with self._event_lock:
+                event = self._events[channel]
         if event is not None:
             self.compute_stream.wait_event(event)
 
