@@ -83,14 +83,14 @@ class ModelTimer:
         self.layer_grad_bytes: list[int] = sizes.grad_bytes
         self._lock = threading.RLock()
         self._prior = size_prior_ms(sizes.compute_bytes)  # the planner's, before measurements
-        # EMA state per kind and layer: biased average and number of kept samples.
-        self._ema: dict[str, list[float]] = {k: [0.0] * self.num_layers for k in KINDS}
-        self._count: dict[str, list[int]] = {k: [0] * self.num_layers for k in KINDS}
-        # Iterations seen per kind and layer, counting the dropped first one.
-        self._seen: dict[str, list[int]] = {k: [0] * self.num_layers for k in KINDS}
-        # Records of the running iteration, summed per kind and layer.
-        self._pending: dict[str, dict[int, float]] = {k: {} for k in KINDS}
+        # per kind and layer: the biased average and its number of kept samples, the
+        # iterations seen (counting the dropped first one), this iteration's records
+        self._ema: dict[str, list[float]] = {}
+        self._count: dict[str, list[int]] = {}
+        self._seen: dict[str, list[int]] = {}
+        self._pending: dict[str, dict[int, float]] = {}
         self.iterations = 0
+        self.reset()
 
     # -- estimates ------------------------------------------------------------
     def _measured(self, kind: str, layer: int) -> float | None:
@@ -112,21 +112,20 @@ class ModelTimer:
     @property
     def fwd_ms(self) -> list[float]:
         """Forward estimate per layer (ms)."""
-        return self._estimates("fwd")
+        with self._lock:
+            return self._estimates_locked("fwd", range(self.num_layers))
 
     @property
     def re_ms(self) -> list[float]:
         """Recompute estimate per layer (ms); the forward estimate until measured."""
-        return self._estimates("re")
+        with self._lock:
+            return self._estimates_locked("re", range(self.num_layers))
 
     @property
     def bwd_ms(self) -> list[float]:
         """Backward estimate per layer (ms); 2 x forward until measured."""
-        return self._estimates("bwd")
-
-    def _estimates(self, kind: str) -> list[float]:
         with self._lock:
-            return self._estimates_locked(kind, range(self.num_layers))
+            return self._estimates_locked("bwd", range(self.num_layers))
 
     def _estimates_locked(self, kind: str, layers: Sequence[int]) -> list[float]:
         """``_estimate`` of many layers; the measured ones without a call each (the
@@ -325,17 +324,13 @@ class TransferTiming(NamedTuple):
 
 class CallTiming:
     """Everything one pipelined call measured -- the one record the layer timer, the
-    trace (:mod:`roundpipe_core.running.trace`), the stage-time logger and the
-    benchmarks read (``RoundPipe.last_call``, ``PendingResult.timing``).
+    trace, the stage-time logger and the benchmarks read (``RoundPipe.last_call``,
+    ``PendingResult.timing``; a ``forward()`` with autograd and its ``backward()``: one).
 
-    Each worker queue of the call hands its :class:`JobClock` over once, at its end
-    (:meth:`add`); the layer times reach a :class:`ModelTimer` only through
-    :meth:`commit`, which the RoundPipe calls once the call's jobs are all done and
-    succeeded -- so calls that overlap never mix their records within one timer
-    iteration, and on CUDA every time was read from events the job had passed.
-
-    ``forward()`` with autograd runs its forward jobs and, at ``backward()``, the
-    backward jobs as one run: one record holding both.
+    Each worker queue hands its :class:`JobClock` over once, at its end (:meth:`add`);
+    the layer times reach a :class:`ModelTimer` only through :meth:`commit`, once the
+    call's jobs all succeeded -- so overlapping calls never mix their records within one
+    timer iteration, and on CUDA every time was read from events the job had passed.
 
     Attributes:
         schedule: the jobs the call launched, in launch order (what completed is in
@@ -404,18 +399,13 @@ class CallTiming:
 
 
 class JobClock:
-    """A worker's timing marks for the jobs of one call's queue, handed to the call's
-    :class:`CallTiming` at once, at the end of the queue.
+    """A worker's timing marks for the jobs of one call's queue (handed to the call's
+    :class:`CallTiming` at the end of the queue).
 
-    A mark is ``(kind, start, stop, t0, t1)``: ``kind`` "fwd" / "re" / "bwd" of
-    layers ``start..stop-1`` between two of the worker's time points. The runtime
-    appends to ``marks`` directly in its layer loop (one tuple per layer);
-    :meth:`end_job` adds a job's marks, per microbatch, to one sum per
-    ``(kind, start, stop)`` over the worker's whole queue and notes the job's
-    :class:`JobTiming`; :meth:`transfer` notes a :class:`TransferTiming`.
-
-    Args:
-        worker: the worker whose ``time_point`` / ``elapsed_ms`` made the marks.
+    A mark is ``(kind, start, stop, t0, t1)``: "fwd" / "re" / "bwd" of layers
+    ``start..stop-1`` between two of ``worker``'s time points; the runtime appends to
+    ``marks`` directly in its layer loop. :meth:`end_job` adds a job's marks, per
+    microbatch, to one sum per ``(kind, start, stop)`` over the queue.
     """
 
     __slots__ = ("worker", "marks", "sums", "_seconds", "transfers", "jobs")
