@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,7 +24,6 @@ from .devices.downloads import complete_pending, has_pending
 
 __all__ = [
     "HostOutputs",
-    "grads_to_device",
     "grads_to_host",
     "input_and_grad_to_device",
     "to_device",
@@ -34,25 +32,30 @@ __all__ = [
 ]
 
 
-def _upload(worker: Worker, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``copy_in`` on the activation channel, deferred downloads completed first where
-    the worker would read the host memory directly."""
+def _upload(worker: Worker, leaves: list[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+    """``leaves`` with their tensors copied to ``worker`` in one ``copy_in`` on the
+    activation channel, and the copies (to release). Deferred downloads are completed
+    first where the worker would read the host memory directly."""
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    tensors = [leaves[i] for i in idx]
+    if not tensors:
+        return list(leaves), []
     if not worker.reads_pending_downloads and has_pending():
         complete_pending(tensors)
-    return worker.copy_in(tensors, "activation")
+    dev = worker.copy_in(tensors, "activation")
+    new = list(leaves)
+    for i, t in zip(idx, dev):
+        new[i] = t
+    return new, dev
 
 
 def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
     """``value`` (a pytree) with its tensors copied to ``worker``, and the copies (to release)."""
     if isinstance(value, torch.Tensor):  # the common activation: no tree to walk
-        dev = _upload(worker, [value])
-        return dev[0], dev
+        new, dev = _upload(worker, [value])
+        return new[0], dev
     leaves, rebuild = flatten(value)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    dev = _upload(worker, [leaves[i] for i in idx]) if idx else []
-    new = list(leaves)
-    for i, t in zip(idx, dev):
-        new[i] = t
+    new, dev = _upload(worker, leaves)
     return rebuild(new), dev
 
 
@@ -60,17 +63,27 @@ def to_device_pair(worker: Worker, a: Any, b: Any) -> tuple[Any, Any, list[torch
     """:func:`to_device` of two pytrees (a stage input and its label) in one copy: both
     on the device, and the copies (to release)."""
     if type(a) is torch.Tensor and type(b) is torch.Tensor:
-        dev = _upload(worker, [a, b])
-        return dev[0], dev[1], dev
+        new, dev = _upload(worker, [a, b])
+        return new[0], new[1], dev
     leaves_a, rebuild_a = flatten(a)
     leaves_b, rebuild_b = flatten(b)
-    leaves = leaves_a + leaves_b
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    dev = _upload(worker, [leaves[i] for i in idx]) if idx else []
-    for i, t in zip(idx, dev):
-        leaves[i] = t
+    new, dev = _upload(worker, leaves_a + leaves_b)
     n = len(leaves_a)
-    return rebuild_a(leaves[:n]), rebuild_b(leaves[n:]), dev
+    return rebuild_a(new[:n]), rebuild_b(new[n:]), dev
+
+
+def input_and_grad_to_device(
+    worker: Worker, value: Any, grads: list[torch.Tensor | None]
+) -> tuple[Any, list[torch.Tensor | None], list[torch.Tensor]]:
+    """A backward stage's input (a pytree) and the gradients of its output (``None``
+    stays ``None``) on ``worker`` in one copy: both, and the copies (to release)."""
+    if type(value) is torch.Tensor:  # the common stage: no tree to walk
+        new, dev = _upload(worker, [value, *grads])
+        return new[0], new[1:], dev
+    leaves, rebuild = flatten(value)
+    new, dev = _upload(worker, leaves + grads)
+    n = len(leaves)
+    return rebuild(new[:n]), new[n:], dev
 
 
 def to_host(worker: Worker, value: Any, build_later: bool = False) -> Any:
@@ -83,11 +96,7 @@ def to_host(worker: Worker, value: Any, build_later: bool = False) -> Any:
     if isinstance(value, torch.Tensor):
         return worker.copy_out_deferred([value.detach()])[0]
     leaves, rebuild = flatten(value)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    host = worker.copy_out_deferred([leaves[i].detach() for i in idx]) if idx else []
-    new = list(leaves)
-    for i, t in zip(idx, host):
-        new[i] = t
+    new, host = _download(worker, leaves)
     if host and has_pending() and not _plain_containers(value):
         if build_later:
             return _Unbuilt(new, rebuild)
@@ -136,48 +145,19 @@ def _plain_containers(value: Any) -> bool:
     return kind not in pytree.SUPPORTED_NODES  # a leaf, or a node type registered by someone
 
 
+def _download(worker: Worker, leaves: list[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+    """``leaves`` with their tensors downloaded (deferred, detached), and the host tensors."""
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    host = worker.copy_out_deferred([leaves[i].detach() for i in idx]) if idx else []
+    new = list(leaves)
+    for i, t in zip(idx, host):
+        new[i] = t
+    return new, host
+
+
 def grads_to_host(worker: Worker, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """Host copies of the gradients present (``None`` stays ``None``; deferred downloads)."""
     if len(grads) == 1:  # a stage with one tensor input: no index bookkeeping
         g = grads[0]
         return [None] if g is None else list(worker.copy_out_deferred([g]))
-    present = [(i, g) for i, g in enumerate(grads) if g is not None]
-    idx = [i for i, _ in present]
-    host = worker.copy_out_deferred([g for _, g in present]) if present else []
-    out: list[torch.Tensor | None] = [None] * len(grads)
-    for i, g in zip(idx, host):
-        out[i] = g
-    return out
-
-
-def grads_to_device(
-    worker: Worker, grads: list[torch.Tensor | None]
-) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-    """Device copies of the gradients present, and the copies (to release)."""
-    if len(grads) == 1:
-        g = grads[0]
-        if g is None:
-            return [None], []
-        dev = _upload(worker, [g])
-        return list(dev), dev
-    present = [(i, g) for i, g in enumerate(grads) if g is not None]
-    idx = [i for i, _ in present]
-    dev = _upload(worker, [g for _, g in present]) if present else []
-    out: list[torch.Tensor | None] = [None] * len(grads)
-    for i, g in zip(idx, dev):
-        out[i] = g
-    return out, dev
-
-
-def input_and_grad_to_device(
-    worker: Worker, value: Any, grads: list[torch.Tensor | None]
-) -> tuple[Any, list[torch.Tensor | None], list[torch.Tensor]]:
-    """A backward stage's input (a pytree) and the gradients of its output on ``worker``:
-    both, and the copies (to release)."""
-    if type(value) is torch.Tensor and len(grads) == 1 and grads[0] is not None:
-        # the common stage: one tensor in, its one gradient -- one copy of both
-        held = _upload(worker, [value, grads[0]])
-        return held[0], list[torch.Tensor | None](held[1:]), held
-    x_in, held = to_device(worker, value)
-    g_dev, held_g = grads_to_device(worker, grads)
-    return x_in, g_dev, held + held_g
+    return _download(worker, grads)[0]

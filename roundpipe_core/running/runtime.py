@@ -365,28 +365,79 @@ _NOTE_PREFIX = "RoundPipe: raised in "
 
 
 # -- jobs -------------------------------------------------------------------------
-def _forward_microbatch(
+def _microbatch(
     run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: JobClock
 ) -> None:
-    r = job.layers
-    record_stream_start(run, r.start)
+    """One microbatch of a job: its inputs to the device (a fused job's label, a backward
+    job's output gradients too, in the same copy), then its forward, its fused forward,
+    loss and backward, or its recompute and backward."""
+    r, kind = job.layers, job.kind
+    if kind == JobKind.BACKWARD:
+        grads_out = run.get_grad(r.stop, mb)
+    else:
+        record_stream_start(run, r.start)
     value = run.get_act(r.start, mb)
     t_in = time.perf_counter()
-    x, held = to_device(worker, value)
+    if kind == JobKind.FORWARD:
+        x, held = to_device(worker, value)
+    elif kind == JobKind.FUSED:
+        x, label, held = to_device_pair(worker, value, run.labels[mb])
+    else:
+        x, g_dev, held = input_and_grad_to_device(worker, value, grads_out)
     worker.wait_channel("activation")
     clock.transfer("activation", f"{job} in mb{mb}", t_in)
     try:
-        with ComputeScope(worker, False, run, job):
-            x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False, publish=True)
-            out = to_host(worker, x, build_later=r.stop == run.num_layers)  # the call's output
+        if kind == JobKind.FORWARD:
+            with ComputeScope(worker, False, run, job):
+                x = _run_layers(run, job, stage, worker, mb, x, clock, False, publish=True)
+                last = r.stop == run.num_layers
+                out = to_host(worker, x, build_later=last)  # the call's output if last
+            if last:
+                run.outputs[mb] = out
+            run.put_act(r.stop, mb, out)
+            return
+        needs = _needs(run, r.start)
+        layerwise = kind == JobKind.BACKWARD and run.recompute_grain == RecomputeGrain.LAYER
+        # grain "layer" turns autograd on and off per layer itself
+        with ComputeScope(worker, None if layerwise else True, run, job):
+            if layerwise:
+                tracked = _backward_layerwise(run, job, stage, worker, mb, x, g_dev, needs, clock)
+            elif kind == JobKind.FUSED:
+                x, tracked = _requires_grad_inputs(x, needs)
+                x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False)
+                _fused_loss_backward(run, worker, mb, x, label, clock, r)
+            else:
+                x, tracked = _requires_grad_inputs(x, needs)
+                x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=True)
+                t0 = worker.time_point()
+                _backward(x, g_dev)
+                clock.span("bwd", r, t0)
+            _publish_input_grad(run, r.start, mb, worker, tracked)
     except BaseException as exc:
         _annotate(exc, run, job, None, mb, worker)
         raise
     finally:
         worker.release(held, "activation")
-    if r.stop == run.num_layers:
-        run.outputs[mb] = out
-    run.put_act(r.stop, mb, out)
+
+
+def _fused_loss_backward(
+    run: PipelineRun, worker: Worker, mb: int, x: Any, label: Any, clock: JobClock, r: range
+) -> None:
+    """A fused job's end: the loss of the stage output ``x``, its backward, the loss (and,
+    with ``return_outputs``, the output) downloaded."""
+    with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
+        loss = call_loss_fn(run.loss_fn, x, label, mb, worker)
+    parts = _loss_parts(loss)
+    if run.loss_weights is not None:  # loss_reduction="mean": the microbatch's share
+        parts = [p * run.loss_weights[mb] for p in parts]
+    t0 = worker.time_point()
+    total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+    (total * run.loss_scale if run.loss_scale != 1.0 else total).backward()
+    clock.span("bwd", r, t0)
+    host = worker.copy_out_lazy([p.detach() for p in parts])  # read after the queue
+    run.losses[mb] = type(loss)(host) if isinstance(loss, (tuple, list)) else host[0]
+    if run.return_outputs:
+        run.outputs[mb] = to_host(worker, x, build_later=True)
 
 
 def _loss_parts(loss: Any) -> list[torch.Tensor]:
@@ -411,74 +462,6 @@ def _loss_parts(loss: Any) -> list[torch.Tensor]:
                 "a detached tensor"
             )
     return [p.reshape(()) for p in parts]
-
-
-def _fused_microbatch(
-    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: JobClock
-) -> None:
-    r = job.layers
-    record_stream_start(run, r.start)
-    value = run.get_act(r.start, mb)
-    t_in = time.perf_counter()
-    x, label, held = to_device_pair(worker, value, run.labels[mb])
-    worker.wait_channel("activation")
-    clock.transfer("activation", f"{job} in mb{mb}", t_in)
-    x, tracked = _requires_grad_inputs(x, _needs(run, r.start))
-    try:
-        with ComputeScope(worker, True, run, job):
-            x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=False)
-            with run.autocast.enter(worker.device):  # plain PyTorch computes the loss under it too
-                loss = call_loss_fn(run.loss_fn, x, label, mb, worker)
-            parts = _loss_parts(loss)
-            if run.loss_weights is not None:  # loss_reduction="mean": the microbatch's share
-                parts = [p * run.loss_weights[mb] for p in parts]
-            t0 = worker.time_point()
-            total = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
-            (total * run.loss_scale if run.loss_scale != 1.0 else total).backward()
-            clock.span("bwd", r, t0)
-            host = worker.copy_out_lazy([p.detach() for p in parts])  # read after the queue
-            run.losses[mb] = type(loss)(host) if isinstance(loss, (tuple, list)) else host[0]
-            if run.return_outputs:
-                run.outputs[mb] = to_host(worker, x, build_later=True)
-            _publish_input_grad(run, r.start, mb, worker, tracked)
-    except BaseException as exc:
-        _annotate(exc, run, job, None, mb, worker)
-        raise
-    finally:
-        worker.release(held, "activation")
-
-
-def _backward_microbatch(
-    run: PipelineRun, job: Job, stage: StageReplica, worker: Worker, mb: int, clock: JobClock
-) -> None:
-    r = job.layers
-    grads_out = run.get_grad(r.stop, mb)
-    value = run.get_act(r.start, mb)
-    t_in = time.perf_counter()
-    x_in, g_dev, held = input_and_grad_to_device(worker, value, grads_out)
-    worker.wait_channel("activation")
-    clock.transfer("activation", f"{job} in mb{mb}", t_in)
-    needs = _needs(run, r.start)
-    try:
-        layerwise = run.recompute_grain == RecomputeGrain.LAYER
-        # grain "layer" turns autograd on and off per layer itself
-        with ComputeScope(worker, None if layerwise else True, run, job):
-            if layerwise:
-                tracked = _backward_layerwise(
-                    run, job, stage, worker, mb, x_in, g_dev, needs, clock
-                )
-            else:
-                x, tracked = _requires_grad_inputs(x_in, needs)
-                x = _run_layers(run, job, stage, worker, mb, x, clock, recompute=True)
-                t0 = worker.time_point()
-                _backward(x, g_dev)
-                clock.span("bwd", r, t0)
-            _publish_input_grad(run, r.start, mb, worker, tracked)
-    except BaseException as exc:
-        _annotate(exc, run, job, None, mb, worker)
-        raise
-    finally:
-        worker.release(held, "activation")
 
 
 def _backward_layerwise(
@@ -518,14 +501,6 @@ def _backward_layerwise(
     return tracked
 
 
-# keyed by text: a Job's kind is the JobKind's text (members hash and compare like it)
-_RUNNERS: dict[str, Callable[[PipelineRun, Job, StageReplica, Worker, int, JobClock], None]] = {
-    JobKind.FORWARD: _forward_microbatch,
-    JobKind.FUSED: _fused_microbatch,
-    JobKind.BACKWARD: _backward_microbatch,
-}
-
-
 def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
     """Run one worker's jobs in launch order, prefetching the next job's parameters
     while the current one computes."""
@@ -556,9 +531,8 @@ def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
                     )
                     if prefetched is not None:
                         clock.transfer("upload", f"{jobs[i + 1]} params", t0)
-                runner = _RUNNERS[job.kind]
                 for mb in job.microbatches:
-                    runner(run, job, stage, worker, mb, clock)
+                    _microbatch(run, job, stage, worker, mb, clock)
                 if job.kind != JobKind.FORWARD:  # fused and backward jobs made gradients
                     t0 = time.perf_counter()
                     run.job_grads.download(job, stage)
