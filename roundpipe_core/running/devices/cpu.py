@@ -1,27 +1,23 @@
 """CPU backend: a thread that plays a device.
 
-Its memory is the host's. An upload hands the stage aliases of the host parameters
-(``lend_in``; buffers are still copied; a newer weight version is copied into the host
-only after the stage is released, ``transfer.upload_job``) -- then it
-runs the stage, hands what the stage produced (outputs, gradients) back without
-copying it, and keeps a ledger of the bytes a device would hold.
-Model code of the CPU backend runs under one process-wide gate (:class:`ComputeGate`).
-The CPU random generator is shared by all threads, so a stage that draws from it
-runs alone: only then does each (layer, microbatch) get a well-defined RNG state
-to seed and replay. A stage seen not to draw (in :data:`CLEAN_RUNS_BEFORE_SHARING`
-microbatches run alone; per first host layer, job kind, layers and train/eval mode)
-runs beside other such stages, each with its share of the intra-op threads, when
-another CPU worker has jobs in the same submission; if the generator moves there
-after all, the call fails (:class:`UnexpectedDrawError`) and the stages that saw it
-run alone from then on. When they may (``ROUNDPIPE_CPU_CONCURRENT``, read by
-:func:`cpu_sharing_from_env`): by default only the replicas of one stage
-(``Job.replicas``: independent halves of the work, which keep both shares busy; two
-stages of a split plan wait for each other's activations, and each on half of the
-threads would idle the other half), and only in a call whose caller waits for it (a
-blocking call: the caller's thread draws nothing meanwhile, while a caller that goes
-on, an overlapped iteration, draws for its next ``DataLoader`` iterator and such --
-a draw the check cannot tell from the stage's own); ``1``: any stages, in every
-call; ``0``: never, every stage alone with all of the caller's intra-op threads.
+Its memory is the host's: an upload lends the stage the host parameters (``lend_in``;
+buffers are copied; a newer weight version reaches the host only after the stage is
+released, ``transfer.upload_job``), what a stage produces is handed back without a
+copy, and a ledger keeps the bytes a device would hold.
+
+Model code runs under one process-wide gate (:class:`ComputeGate`): the CPU generator
+is shared by all threads, so a stage that draws from it runs alone -- only then does
+each (layer, microbatch) get a well-defined state to seed and replay. A stage seen not
+to draw (in :data:`CLEAN_RUNS_BEFORE_SHARING` microbatches alone; per first host layer,
+job kind, layers and train mode) runs beside other such stages, each on its share of
+the intra-op threads, when another CPU worker has jobs in the same submission; if the
+generator moves there after all, the call fails (:class:`UnexpectedDrawError`) and the
+stages that saw it run alone from then on. ``ROUNDPIPE_CPU_CONCURRENT``
+(:func:`cpu_sharing_from_env`): by default only the replicas of one stage share (two
+stages of a split plan wait for each other's activations, each idling half the
+threads) and only in a call the caller waits for (a caller that goes on, an overlapped
+iteration, may draw for its next ``DataLoader`` iterator, which the check cannot tell
+from the stage's own draws); ``1``: any stages, in every call; ``0``: never.
 """
 
 from __future__ import annotations
@@ -52,9 +48,7 @@ __all__ = [
 
 _CPU_GENERATOR = torch.default_generator
 
-#: When CPU workers compute stages that draw no random numbers at the same time, each
-#: with its share of the intra-op threads: unset, a stage's replicas in the calls the
-#: caller waits for; ``1``: any stages, in every call; ``0``: never (one at a time).
+#: Whether CPU workers compute stages that draw no random numbers side by side (above).
 CONCURRENT_ENV = "ROUNDPIPE_CPU_CONCURRENT"
 
 #: :func:`cpu_sharing_from_env`'s answers.
@@ -63,11 +57,7 @@ SHARE_WAITED, SHARE_ALWAYS, SHARE_NEVER = "waited", "always", "never"
 
 def cpu_sharing_from_env() -> str:
     """``ROUNDPIPE_CPU_CONCURRENT``: unset (or empty) :data:`SHARE_WAITED`, ``1``
-    :data:`SHARE_ALWAYS`, ``0`` :data:`SHARE_NEVER`.
-
-    Raises:
-        ValueError: any other value.
-    """
+    :data:`SHARE_ALWAYS`, ``0`` :data:`SHARE_NEVER`; ``ValueError`` for any other value."""
     raw = os.environ.get(CONCURRENT_ENV, "").strip()
     mode = {"": SHARE_WAITED, "1": SHARE_ALWAYS, "0": SHARE_NEVER}.get(raw)
     if mode is None:
@@ -87,16 +77,10 @@ _MEMORY_ENV = "ROUNDPIPE_CPU_DEVICE_MEMORY_GB"
 
 
 def cpu_device_memory_bytes(share: int = 1) -> int:
-    """Bytes a CPU worker offers: env ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB`` (GiB) if set, else
-    8 GiB or, when less, this worker's ``1/share`` of the host memory available now.
-
-    A CPU worker's stage copies come out of the same host memory as the model state, so
-    the default must not promise every worker 8 GiB of a machine that the state has
-    already filled.
-
-    Raises:
-        ValueError: if the variable is not a positive, finite number.
-    """
+    """Bytes a CPU worker offers: env ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB`` (GiB; ``ValueError``
+    unless a positive, finite number) if set, else 8 GiB or, when less, this worker's
+    ``1/share`` of the host memory available now (its stage copies come out of the host
+    memory the model state may already have filled)."""
     raw = os.environ.get(_MEMORY_ENV, "").strip()
     if not raw:
         default = int(DEFAULT_CPU_DEVICE_MEMORY_GB * 1024**3)
@@ -134,10 +118,9 @@ def _clones(
 
 
 class UnexpectedDrawError(RuntimeError):
-    """A stage seen not to draw random numbers drew from the CPU generator while it
-    computed beside other stages (``ROUNDPIPE_CPU_CONCURRENT``): its numbers came from
-    no seeded stream, so its recompute could not replay them, and the call's gradients
-    would be wrong. The stage runs alone from then on; the next call is exact."""
+    """A stage seen not to draw random numbers drew from the CPU generator beside other
+    stages: from no seeded stream, which its recompute could not replay. The stage runs
+    alone from then on; the next call is exact."""
 
 
 #: Microbatches of a stage run alone without a draw before it may compute beside others.
@@ -152,17 +135,12 @@ RNG_SHARED = 2  # beside other stages: nothing may draw, nothing is seeded
 
 class ComputeGate:
     """Who computes on the CPU backend now, process-wide (every CPU worker of every pool
-    shares the one CPU generator).
-
-    An exclusive holder computes alone: a stage that draws from the CPU generator, or one
-    whose draws are not known yet. Shared holders (stages seen not to draw) compute beside
-    each other. Re-entrant per thread: a nested entry keeps the outer one's mode. A waiting
-    exclusive request goes first, so a stream of shared ones does not starve it.
-
-    It also keeps what was learned per stage: keyed by the stage's first host layer (weakly:
-    a model that is gone takes its entries with it), then by (job kind, first layer, end,
-    train mode), the number of runs alone without a draw, or that the stage draws.
-    """
+    shares the one CPU generator): an exclusive holder alone (a stage that draws, or whose
+    draws are not known yet), shared holders beside each other. Re-entrant per thread (a
+    nested entry keeps the outer mode); a waiting exclusive request goes first, so shared
+    ones do not starve it. It keeps what was learned per stage, keyed weakly by its first
+    host layer, then by (job kind, first layer, end, train mode): the runs alone without a
+    draw, or that the stage draws (-1)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -231,11 +209,10 @@ class ComputeGate:
                 entry[key] = entry.get(key, 0) + 1
 
     def learned(self, layers: Sequence[Any]) -> list[list[Any]]:
-        """What was learned of the stages of a model with these host layers, as rows
-        ``[job kind, first layer, end, train mode, runs]`` (``runs``: alone without a
-        draw so far, ``-1``: the stage draws), for a checkpoint: a resumed run that
-        re-learned them would run its first microbatches alone, on other thread counts,
-        where the run it continues computed side by side."""
+        """What was learned of the stages of these host layers, as rows ``[job kind, first
+        layer, end, train mode, runs]``, for a checkpoint: a resumed run that re-learned
+        them would run its first microbatches alone, on other thread counts, where the
+        run it continues computed side by side."""
         with self._seen_lock:
             return [
                 [kind, start, stop, training, runs]
@@ -245,12 +222,8 @@ class ComputeGate:
             ]
 
     def relearn(self, layers: Sequence[Any], rows: Any) -> None:
-        """Make what is known of these layers' stages what :meth:`learned` returned.
-
-        Raises:
-            ValueError: a row that is not ``[kind, first, end, train, runs]`` for a stage
-                of these layers (nothing is changed then).
-        """
+        """Make what is known of these layers' stages what :meth:`learned` returned
+        (``ValueError``, changing nothing, for a row not of a stage of these layers)."""
         n = len(layers)
         table: dict[int, dict[tuple, int]] = {}
         for row in rows if isinstance(rows, (list, tuple)) else [rows]:
@@ -293,8 +266,8 @@ _GATE = ComputeGate()
 
 def _use_threads(worker: CPUWorker, n: int) -> None:
     """This worker thread's intra-op threads (``torch.set_num_threads`` sets the calling
-    thread's OpenMP and MKL counts; new threads start from its last value, so a worker
-    that shares the cores sets the caller's count back when its shared scope ends)."""
+    thread's counts, and new threads start from the last value set: a worker that shared
+    the cores sets the full count back when its shared scope ends)."""
     if n > 0 and worker.threads_now != n:
         if not worker.threads_now:
             # ATen gives a thread its count at its first parallel call, from the last count
@@ -305,10 +278,9 @@ def _use_threads(worker: CPUWorker, n: int) -> None:
 
 
 class StageCompute:
-    """The scope one microbatch of one job computes in on a CPU worker: the gate in the
-    mode the stage's draws (and ``may_share``, see the module docstring) allow, the
-    worker's intra-op threads, and the check that the stage drew what it was believed
-    to (``check_draws``, before the generator is given back)."""
+    """The scope of one microbatch of a job on a CPU worker: the gate in the mode the
+    stage's draws and ``may_share`` allow, its intra-op threads, and the check that the
+    stage drew what it was believed to (``check_draws``)."""
 
     __slots__ = ("worker", "owner", "key", "may_share", "mode", "nested", "entry")
 
@@ -443,16 +415,14 @@ class CPUWorker(Worker):
         return _GATE  # alone (the scope of every stage where workers do not overlap)
 
     def stage_compute(self, owner: Any, key: tuple, may_share: bool) -> StageCompute:
-        """The scope of one microbatch of a stage on a worker that may overlap others
-        (``concurrent``): ``owner`` is its first host layer, ``key`` ``(job kind, first
-        layer, end, train mode)`` (see :class:`ComputeGate`); ``may_share``: by default
-        it may compute beside others (a replica, in a blocking call; ``share_always``:
-        any stage)."""
+        """The :class:`StageCompute` of a stage (``owner``: its first host layer, ``key``
+        as :class:`ComputeGate`'s) on a worker that may overlap others; ``may_share``:
+        the default lets it (a replica, in a blocking call)."""
         return StageCompute(self, owner, key, may_share)
 
     def watch_seed(self, seed: int) -> None:
-        """Seed the generator for a stream while the stage's draws are watched: a draw
-        since the last seed (or the scope's start) is noted first."""
+        """Seed a stream while the stage's draws are watched, noting a draw since the last
+        seed (or the scope's start) first."""
         if not self.rng_drew and not torch.equal(_CPU_GENERATOR.get_state(), self.rng_probe):
             self.rng_drew = True
         _CPU_GENERATOR.manual_seed(seed)

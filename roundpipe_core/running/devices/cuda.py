@@ -2,44 +2,31 @@
 
 Streams of one worker (all on its GPU):
 
-- ``param``: parameter uploads. Low priority and *chunked*: a stage's weights
-  are cut into pieces of ``param_chunk_bytes`` and a feeder thread keeps at
-  most ``param_inflight_chunks`` of them queued on the GPU, so an activation
-  upload issued meanwhile waits behind a few megabytes, not a whole stage.
-  This is what lets the next stage's weights be prefetched while the running
-  stage keeps being fed its inputs.
-- ``activation``: activation uploads the running stage waits on
-  (``torch.cuda.Stream(priority=-1)``, the higher priority), issued at once.
-- ``compute``: model code (the current stream inside ``compute()`` and the
-  worker thread's default).
-- ``download``: device -> host copies through page-locked memory each worker
-  allocates once and reuses (a staging ring and a lazy ring, ``downloads.py``),
-  into ordinary pageable host tensors.
+- ``param``: parameter uploads, low priority and *chunked*: a feeder thread keeps at
+  most ``param_inflight_chunks`` pieces of ``param_chunk_bytes`` queued, so an
+  activation upload issued meanwhile waits behind a few megabytes, not a whole stage:
+  the next stage's weights are prefetched while the running stage is fed its inputs.
+- ``activation``: activation uploads the running stage waits on (higher priority).
+- ``compute``: model code (the current stream inside ``compute()`` and the thread's).
+- ``download``: device -> host copies through page-locked rings the worker allocates
+  once (``downloads.py``) into pageable host tensors.
 
-Ordering uses CUDA events, not host synchronisation: ``copy_in`` records an
-event after its copies, ``wait_channel`` makes the compute stream wait on it,
-a download makes the download stream wait on an event recorded on compute.
-An upload of an activation whose (deferred) download has not been finished
-makes its stream wait on that download's event, on whichever worker it was
-issued, and copies from the pinned staging ring itself. The host waits only in
-``copy_out`` (it returns completed host tensors: a stage's parameter gradients,
-buffers written back; a download larger than the staging ring waits once per
-piece), when the staging ring comes round to a piece still in use, at the end
-of a queue (``finish_lazy_downloads``: the losses ``copy_out_lazy`` and the
-activations ``copy_out_deferred`` left unfinished), in ``elapsed_ms`` and
+Ordering uses CUDA events, not host synchronisation: ``copy_in`` records an event
+after its copies, ``wait_channel`` makes compute wait on it, a download waits on an
+event recorded on compute, and an upload of an activation whose deferred download is
+unfinished waits on that download's event (on whichever worker) and copies from its
+pinned piece. The host waits only in ``copy_out`` (completed host tensors: parameter
+gradients, buffers written back), when the staging ring comes round to a piece still
+in use, at the end of a queue (``finish_lazy_downloads``), in ``elapsed_ms`` and in
 ``synchronize`` -- not once per microbatch.
 
-Lifetime across streams: a device tensor made by ``copy_in`` is allocated on
-its channel's stream and marked with ``record_stream(compute)``, so the caching
-allocator does not hand its memory out again until the compute work issued
-before the tensor is freed has finished — whether the runtime drops it after
-``release`` or earlier. Host sources must not be modified until their upload
-has completed (``param_fence``), which matters for weights the optimizer
-rewrites while the next iteration prefetches them.
-
-Every copy goes through ``_copy_on`` and every host buffer through
-``_new_host_tensor``: the test double of this worker (tests/conftest.py) runs
-those copies late, so a missing wait shows up as wrong data on a CPU.
+A device tensor made by ``copy_in`` is allocated on its channel's stream and marked
+``record_stream(compute)``, so the caching allocator does not reuse its memory before
+the compute issued until it is freed has finished. Host sources must not change until
+their upload has read them (``param_fence``): the optimizer rewrites weights the next
+iteration may be prefetching. Every copy goes through ``_copy_on`` and every host
+buffer through ``_new_host_tensor``: the test double of this worker (tests/conftest.py)
+runs those copies late, so a missing wait shows up as wrong data on a CPU.
 
 This module imports on machines without CUDA; only constructing a worker needs a GPU.
 """
@@ -133,8 +120,7 @@ def _mark_used_by(t: torch.Tensor, stream: Any) -> None:
 
 
 class _HeldUntilDone:
-    """A download's completion event that keeps its device sources referenced until it
-    has been waited for (or found done)."""
+    """A download's completion event, keeping its device sources until it is done."""
 
     def __init__(self, event: Any, sources: list[torch.Tensor]) -> None:
         self._event = event
@@ -268,23 +254,19 @@ class CUDAWorker(Worker):
         return torch.empty(like.shape, dtype=like.dtype, device=self.device)
 
     def _new_host_tensor(self, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised pageable host tensor a download ends in (a seam for test doubles)."""
+        """An uninitialised pageable host tensor a download ends in (a seam)."""
         return torch.empty(like.shape, dtype=like.dtype, device="cpu")
 
     def _new_pinned_buffer(self, nbytes: int) -> torch.Tensor:
-        """Uninitialised page-locked bytes: the staging buffer or lazy ring (a seam for
-        test doubles)."""
+        """Uninitialised page-locked bytes: a download ring (a seam)."""
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
     def _copy_on(
         self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool
     ) -> None:
-        """Enqueue ``dst.copy_(src)`` for each ``(dst, src)`` on ``stream``; nothing waits.
-
-        The one place copies are issued, so that the test double can run them late.
-        Autograd is off: a parameter upload's destination may already be the parameter
-        the stage computes with (a leaf that requires grad) when the feeder issues it.
-        """
+        """Enqueue ``dst.copy_(src)`` for each pair on ``stream`` (the one place copies
+        are issued: the test double runs them late). Autograd is off: an upload's
+        destination may already be the stage's parameter when the feeder issues it."""
         with torch.cuda.stream(stream), torch.no_grad():
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=non_blocking)
@@ -368,12 +350,8 @@ class CUDAWorker(Worker):
             self.compute_stream.wait_event(event)
 
     def wait_for(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Make compute wait only for the uploads that produced ``tensors``.
-
-        Finer than ``wait_channel``: a stage can wait for its own weights while
-        the next stage's prefetch, issued later on the same channel, keeps going.
-        Tensors not made by ``copy_in`` are ignored.
-        """
+        """Make compute wait only for the uploads that made ``tensors`` (others ignored):
+        a stage waits for its own weights while the next one's prefetch goes on."""
         latest_ticket = 0
         events = []
         for t in tensors:
@@ -390,9 +368,7 @@ class CUDAWorker(Worker):
                 self.compute_stream.wait_event(event)
 
     def param_fence(self) -> Callable[[], None]:
-        """A function that blocks until every parameter upload issued so far has read its
-        host source; callable later from another thread (the optimizer thread publishing
-        new weights into the host copy waits on it)."""
+        """See ``Worker.param_fence``; callable from another thread (the optimizer's)."""
         if self._feeder is None:
             with self._event_lock:
                 event = self._events[PARAM]
@@ -418,8 +394,7 @@ class CUDAWorker(Worker):
         return outs
 
     def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``copy_out`` of small tensors through the lazy ring: the host does not wait here;
-        the results are complete after ``finish_lazy_downloads`` (the end of the queue)."""
+        """``copy_out`` of small tensors through the lazy ring, without a host wait."""
         if not self.pin_downloads:
             return self.copy_out(tensors)
         srcs, outs = self._begin_download(tensors)
@@ -428,10 +403,7 @@ class CUDAWorker(Worker):
         return outs
 
     def copy_out_deferred(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Device -> host through the staging ring without a host wait: the results are
-        filled when read -- by an upload on any CUDA worker (its stream waits on this
-        download's event), by ``downloads.complete_pending``, or at the latest by
-        ``finish_lazy_downloads`` (the end of this worker's queue)."""
+        """Device -> host through the staging ring without a host wait (``downloads.py``)."""
         if not self.pin_downloads:  # a pageable download makes the host wait anyway
             return self.copy_out(tensors)
         srcs, outs = self._begin_download(tensors)
@@ -448,22 +420,16 @@ class CUDAWorker(Worker):
     def copy_out_async(
         self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
     ) -> tuple[list[torch.Tensor], Any]:
-        """Start device -> host copies after the compute issued so far; return (host tensors,
-        completion).
-
-        The host tensors are pageable and valid once ``completion.synchronize()`` (or a
-        true ``query()``) says so. The pieces go through the staging ring
-        (``downloads.DownloadStager``); the device sources are kept from reuse until the
-        download stream is done with them.
-        """
+        """Start device -> host copies after the compute issued so far: (pageable host
+        tensors, a completion whose ``synchronize()`` or true ``query()`` makes them valid)."""
         srcs, outs = self._begin_download(tensors)
         return outs, self._finish_download(srcs, outs)
 
     def _begin_download(
         self, tensors: Sequence[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Contiguous sources (made on compute), the download stream ordered after the
-        compute issued so far, and uninitialised pageable results."""
+        """Contiguous sources and uninitialised results, the download stream ordered after
+        the compute issued so far."""
         srcs = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
         with torch.cuda.device(self.device):
             ready = torch.cuda.Event()
@@ -523,11 +489,9 @@ class CUDAWorker(Worker):
         return float(start.elapsed_time(end))
 
     def memory_capacity(self) -> int:
-        """Bytes this worker may plan for: what its GPU has free plus what this process
-        already reserved there (PyTorch's cache counts as ours), shared evenly by the
-        workers of this process on that GPU, so that each does not plan for the whole card,
-        less what the caching allocator reserves above the bytes a plan allocates on this
-        worker's streams (``memory.allocator_reserve_bytes``)."""
+        """Bytes this worker may plan for: its GPU's free memory plus what this process
+        reserved there, shared evenly by this process's workers on that GPU, less what the
+        caching allocator reserves above a plan's bytes (``allocator_reserve_bytes``)."""
         try:
             free, _ = torch.cuda.mem_get_info(self.device)
             available = int(free) + int(torch.cuda.memory_reserved(self.device))

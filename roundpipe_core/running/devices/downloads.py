@@ -2,42 +2,29 @@
 
 Two buffers per worker, both allocated once:
 
-- the *staging ring* (``staging_bytes``, allocated whole at the first download): every
-  download that is not a loss is cut into pieces of at most ``staging_bytes``
-  (:func:`~roundpipe_core.running.devices.feeder.plan_chunks`); the pieces land in the
-  ring one after another by DMA and are copied from there into ordinary (pageable)
-  host tensors when the download is *finished*. A piece waits on the host only when
-  the ring comes round to memory an unfinished piece (or an upload reading one)
-  still holds: then the newest such piece's event is waited for, once.
+- the *staging ring* (``staging_bytes``): a download that is not a loss is cut into
+  pieces of at most that (``feeder.plan_chunks``) which land in the ring one after
+  another by DMA and are copied from there into pageable host tensors when the
+  download is *finished*. The host waits only when the ring comes round to memory an
+  unfinished piece (or an upload reading one) still holds, once, for the newest.
+  An *eager* download (``copy_out``: parameter gradients, buffers written back) is
+  finished before it returns; a *deferred* one (``copy_out_deferred``: a stage's
+  output, an input gradient) when something reads it: another worker's upload
+  (``read_pending``: its stream waits on the download's event and copies from the
+  pinned piece, which is not reused before that upload's event), the host
+  (``complete_pending``), or at the latest the end of the producing worker's queue
+  (``finish_all``), so a call's results are complete when it returns. Until finished,
+  a piece keeps its device sources referenced, so their memory is not handed out
+  while the DMA may still read it.
+- the *lazy ring*: small downloads read only after the queue (a microbatch's loss),
+  completed together when the ring is full or the queue ends.
 
-  A download is either *eager* (``copy_out``: the caller waits for it before it
-  returns: a stage's parameter gradients, buffers written back) or *deferred*
-  (``copy_out_deferred``: a stage's output activation, an input gradient). A deferred
-  download's host tensors are filled only when something reads them:
-
-  - another worker's upload (``read_pending``): its stream waits on the download's
-    event and copies from the pinned piece itself, so neither worker's host waits;
-    the piece is not reused until that upload's event has completed;
-  - the host (``complete_pending``: for a worker that reads host memory directly, for
-    a tree whose rebuilding reads its tensors, for another view of the memory);
-  - the end of the producing worker's queue (``finish_all``, one host wait), so that
-    everything a call returns to its caller (outputs, losses, input gradients) is
-    complete when the call returns.
-
-  Until a piece is finished it keeps its device source referenced (besides the
-  source's ``record_stream`` on the download stream), so that memory is not handed
-  out again while the DMA may still read it.
-- the *lazy ring*: small downloads the caller needs only after the queue (a
-  microbatch's loss) are placed one after another and completed together, when the
-  ring is full or the worker's queue ends (``finish_lazy``).
-
-Fresh pinned tensors per download would not do: PyTorch's pinned allocator rounds
-each block up to a power of two and keeps it for the process, and downloaded
-gradients live on as the masters' ``.grad``, so up to twice the gradient bytes
-would stay page-locked, outside the host-memory budget.
-
-Free of CUDA calls of its own: the worker passes the stream and its seams
-(``_new_pinned_buffer``, ``_copy_on``), which the fake-CUDA test double replaces.
+Fresh pinned tensors per download would not do: PyTorch's pinned allocator rounds each
+block up to a power of two and keeps it for the process, and downloaded gradients live
+on as the masters' ``.grad``: up to twice the gradient bytes would stay page-locked,
+outside the host-memory budget. Free of CUDA calls of its own: the worker passes the
+stream and its seams (``_new_pinned_buffer``, ``_copy_on``), which the fake-CUDA test
+double replaces.
 """
 
 from __future__ import annotations
@@ -114,11 +101,10 @@ class StagedDownload:
         return self._event is None or self._event.query()
 
     def finish(self, wait: bool = True) -> None:
-        """Complete the copy-out; the caller holds the stager's lock. ``wait=False``: the
-        caller already waited for a later event on the same stream (stream order).
-        A wait that raises (a failed copy) still marks the piece finished: the error goes
-        to whoever finished it, and the ring stays usable (the piece keeps its device
-        sources until its ring memory is reused, as the DMA's state is unknown)."""
+        """Complete the copy-out (stager lock held; ``wait=False``: a later event on the
+        stream was waited for). A wait that raises still marks the piece finished: the
+        error goes to whoever finished it and the ring stays usable (the piece keeps its
+        device sources until its memory is reused: the DMA's state is unknown)."""
         copies = self._copies
         if copies is None:
             return
@@ -170,14 +156,8 @@ class Download:
 
 
 class DownloadStager:
-    """The staging ring and lazy ring of one worker (see the module docstring).
-
-    Args:
-        worker: the CUDA worker; its ``_new_pinned_buffer(nbytes)`` and
-            ``_copy_on(stream, pairs, non_blocking)`` are used.
-        staging_bytes: size of the staging ring (and the largest piece of a download).
-        lazy_bytes: size of the lazy ring.
-    """
+    """The staging ring (``staging_bytes``, the largest piece) and lazy ring
+    (``lazy_bytes``) of a CUDA ``worker`` (its ``_new_pinned_buffer`` and ``_copy_on``)."""
 
     def __init__(self, worker: Any, staging_bytes: int, lazy_bytes: int = DEFAULT_LAZY_BYTES):
         self._worker = worker
@@ -241,9 +221,8 @@ class DownloadStager:
         return sum(_aligned((b - a) * srcs[i].element_size()) for i, a, b in unit)
 
     def _place(self, size: int) -> int:
-        """Where the next ``size`` bytes go: after the last piece, or from the start of the
-        ring when they do not fit before its end; pieces still there are retired first.
-        The lock is held."""
+        """Where the next ``size`` bytes go (after the last piece, or from the ring's start),
+        retiring the pieces still there first (lock held)."""
         assert self.staging is not None
         if self._head + size > self.staging.numel():
             self._head = 0
@@ -268,10 +247,8 @@ class DownloadStager:
             self._slots.remove(slot)
 
     def _prune(self) -> None:
-        """Finish the pieces whose DMA is done already (no host wait: their host tensors
-        are filled and their device sources let go early) and forget those no upload
-        reads any more, so that the pieces kept are only the ones still in use. Lock
-        held."""
+        """Finish the pieces whose DMA is done (no host wait; their device sources let go
+        early) and forget those no upload reads any more (lock held)."""
         landed = True
         keep: list[StagedDownload] = []
         for slot in self._slots:
@@ -299,8 +276,7 @@ class DownloadStager:
                 part.finish(wait=False)
 
     def finish_all(self) -> None:
-        """Complete every download in the staging ring and every lazy one (the worker's
-        queue ended: the host waits here, once per ring at most)."""
+        """Complete every download of both rings (the queue ended: one host wait per ring)."""
         with self.lock:
             try:
                 self.finish_parts(self._slots)
@@ -345,11 +321,6 @@ class DownloadStager:
             self._ring_used += need
         return True
 
-    def finish_lazy(self) -> None:
-        """Complete every deferred loss download (the host waits here, once)."""
-        with self.lock:
-            self._finish_lazy()
-
     def _finish_lazy(self) -> None:
         lazy, self._lazy, self._ring_used = self._lazy, [], 0
         self.finish_parts(lazy)
@@ -385,7 +356,7 @@ class DownloadStager:
 # readers of pending host tensors
 # ---------------------------------------------------------------------------
 def has_pending() -> bool:
-    """Whether any deferred download is unfinished (cheap: checked before lookups)."""
+    """Whether any deferred download is unfinished (cheap)."""
     return bool(_PENDING)
 
 
@@ -407,11 +378,11 @@ def read_pending(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
 ) -> Iterator[tuple[list[tuple[torch.Tensor, torch.Tensor]], list[StagedDownload]]]:
     """For an upload's ``(device destination, host source)`` pairs: the pairs to copy,
-    with each pending host source replaced by the pinned pieces a download left it in,
-    and those pieces (the upload's stream must wait on their events, and their
-    ``readers`` get the upload's event). Pieces are not finished or reused while the
-    context is open: issue the copies and register the event inside it. A source that
-    is another view of a pending tensor's memory is completed on the host first."""
+    each pending host source replaced by the pinned pieces it is in, and those pieces
+    (the upload's stream waits on their events; their ``readers`` get its event). Issue
+    the copies and register the event inside the context: pieces are not finished or
+    reused while it is open. Another view of a pending tensor's memory is completed on
+    the host first."""
     if _PENDING:
         complete_pending([src for _, src in pairs], views_only=True)
     with _PENDING_LOCK:
@@ -438,10 +409,8 @@ def read_pending(
 
 
 def complete_pending(tensors: Sequence[Any], views_only: bool = False) -> None:
-    """Fill the host tensors among ``tensors`` that a deferred download still owes (a
-    host wait each, at most): before the host itself reads them. ``views_only``: only
-    those that are other views of a pending tensor's memory (``read_pending`` copies
-    from the pinned pieces of the pending tensors themselves)."""
+    """Fill the host tensors among ``tensors`` a deferred download still owes, before the
+    host reads them (``views_only``: only other views of a pending tensor's memory)."""
     if not _PENDING:
         return
     todo: list[StagedDownload] = []
