@@ -1,18 +1,13 @@
 """Parameter upload, gradient download and accumulation.
 
-A stage is "uploaded" by giving a worker a parameter-less copy (skeleton) of
-each of its layers and filling the skeleton's parameter and buffer slots with
-device copies of the host tensors. After the stage ran for every microbatch,
-gradients are downloaded once (summed over microbatches by autograd on the
-device) and handed to the accumulator of the master copies; buffers written
-by a real forward are copied back to the host module; then the device copies
-are dropped. The same code serves every backend: only ``Worker.copy_in`` /
-``copy_out`` / ``take_out`` / ``release`` differ.
-
-What every upload of a stage does -- which host tensors, where each lands in the
-replicas, which take gradients -- is worked out once per worker, stage and
-skeleton slot (a stage layout) and checked against the host modules once per
-call, so that a job costs its copies and little else.
+A stage is uploaded by filling the parameter and buffer slots of a worker's
+parameter-less copy (skeleton) of each of its layers with device copies of the host
+tensors. After the stage ran for every microbatch its gradients (summed over them by
+autograd) are downloaded once and handed to the masters' accumulator, buffers a real
+forward wrote are copied back, and the device copies are dropped. Every backend runs
+this code: only the ``Worker`` primitives differ. What every upload of a stage does
+is worked out once per worker, stage and skeleton slot (a stage layout) and checked
+against the host modules once per call, so that a job costs its copies and little else.
 """
 
 from __future__ import annotations
@@ -71,13 +66,11 @@ class _Slot:
 
 
 class StageReplica:
-    """The layers of one job, uploaded to one worker: ``modules`` are the layers'
-    replicas in the job's layer order (the runtime indexes them per layer),
-    ``held`` the device tensors in the replicas' slots (parameters wrapped so that
-    gradients land on them), ``param_tensors`` what the worker's uploads returned
-    (what :func:`release_stage` hands back). ``released`` (set by :func:`upload_job` for
-    a stage computing on host tensors while a newer weight version may be published) is
-    set when the stage is released: until then the host weights must not change."""
+    """The layers of one job on one worker: ``modules``, the replicas in layer order;
+    ``held``, the device tensors in their slots (parameters wrapped so that gradients
+    land on them); ``param_tensors``, what the uploads returned (released by
+    :func:`release_stage`); ``released``, set at release for a stage computing on host
+    weights a newer version may replace (:func:`upload_job`)."""
 
     __slots__ = ("worker", "layout", "held", "param_tensors", "modules", "aliases_host", "released")
 
@@ -105,14 +98,9 @@ _SYNCED_TYPES = (bool, int, float, str, type(None))
 
 
 def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
-    """Deep-copy ``layer`` without copying its tensors: parameters and buffers become
-    meta-device placeholders to be filled by an upload, and so do the tensors its
-    modules keep outside them (a quantized layer's quant state: see ``carried.py``,
-    rebuilt on every upload). Shared tensors stay shared.
-
-    Raises:
-        ValueError: a module keeps a tensor that requires grad as a plain attribute.
-    """
+    """Deep-copy ``layer`` with meta placeholders for its parameters, buffers and the
+    tensors its modules keep outside them (``carried.py``), to be filled by an upload;
+    shared tensors stay shared (``ValueError`` for a plain attribute that requires grad)."""
     memo: dict[int, object] = {}
     for p in layer.parameters(recurse=True):
         memo[id(p)] = nn.Parameter(
@@ -137,10 +125,8 @@ def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
 
 
 def _signature(modules: Sequence[nn.Module]) -> tuple:
-    """Changes when the module tree under ``modules`` (a layer's modules, as cached) or
-    its tensors are replaced (the cached skeleton is then rebuilt): a submodule added,
-    removed or replaced shows in its parent's ``_modules``. Read from the modules'
-    dicts, without walking the tree again on every upload."""
+    """Changes when a submodule or tensor of ``modules`` is added, removed or replaced
+    (read from their tables without walking the tree again)."""
     return tuple(
         (
             tuple(map(id, m._modules.values())),
@@ -159,9 +145,9 @@ _MODULE_TABLES = frozenset(k for k, v in nn.Module().__dict__.items() if type(v)
 
 
 def _synced(tree: _Tree) -> bool:
-    """Whether ``tree``'s layer still has the structure its skeleton was built from
-    (no submodule, parameter or buffer replaced, no attribute added or removed); if
-    so, its replica now has the host's flags (``training``, dropout ``p``, ...)."""
+    """Whether ``tree``'s layer keeps the structure its skeleton was built from (nothing
+    replaced, no attribute added or removed); if so, its replica now has the host's
+    flags (``training``, dropout ``p``, ...)."""
     if tree.carried is not None and not tree.carried.current():
         return False
     for m, sig, host, size, rep, keys in tree.checks:
@@ -182,10 +168,9 @@ def _synced(tree: _Tree) -> bool:
 
 
 class _Tree:
-    """What a cached skeleton was built from: the layer's modules (in the replica's
-    order) and their signature, each host module beside its replica, and the upload's
-    layout: the distinct host tensors the slots mirror (tied weights once, keyed by
-    id), whether each is a parameter, and per slot the position of its source."""
+    """What a cached skeleton was built from (the layer's modules, their signature, each
+    beside its replica) and its upload's layout: the distinct host tensors the slots
+    mirror (tied weights once), whether each is a parameter, each slot's source."""
 
     def __init__(self, layer: nn.Module, replica: nn.Module, slots: list[_Slot]) -> None:
         self.modules = list(layer.modules())
@@ -239,13 +224,9 @@ class _Tree:
 def _skeleton_for(
     worker: Worker, layer: nn.Module, slot: int, epoch: object = None
 ) -> tuple[nn.Module, _Tree]:
-    """The worker's cached skeleton of ``layer``; two per layer (``slot`` 0/1) so the
-    running stage and the prefetched one never share module objects. The cache holds
-    ``(layer, tree, replica, slots)``.
-
-    A skeleton is checked against the host module's tree and synced to its flags once
-    per ``epoch`` (see :func:`upload_stage`); ``None`` checks on every upload.
-    """
+    """The worker's cached skeleton of ``layer``, two per layer (``slot`` 0/1: the running
+    and the prefetched stage never share modules), checked against the host module and
+    synced to its flags once per ``epoch`` (:func:`upload_stage`; ``None``: every time)."""
     cache = worker.skeletons
     key = (id(layer), slot)
     hit = cache.get(key)
@@ -260,13 +241,10 @@ def _skeleton_for(
 
 
 class _StageLayout:
-    """What every upload of one stage (its layers, in one skeleton slot) does, worked
-    out once: the replica modules, the host tensors to copy (per layer, each distinct
-    tensor of a layer once: tied weights stay tied), which of them become parameters
-    and which take gradients, and where each lands in the replicas' tables.
-
-    Rebuilt when a layer's cached skeleton is rebuilt; its flags are re-read once per
-    upload epoch (a parameter frozen between calls stops taking gradients)."""
+    """What every upload of one stage in one skeleton slot does, worked out once: the
+    replica modules, the host tensors to copy (tied weights once), which become
+    parameters and take gradients, where each lands. Rebuilt with a layer's skeleton;
+    flags re-read once per epoch (a parameter frozen between calls stops taking grads)."""
 
     __slots__ = (
         "layers",
@@ -324,9 +302,8 @@ class _StageLayout:
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-read which parameters require grad: ``wrap[i]`` is None for a buffer, else
-        the ``requires_grad`` of the parameter wrapping upload ``i``; ``grad_pos`` lists
-        the parameters whose gradients are downloaded."""
+        """Re-read ``wrap`` (None for a buffer, else its parameter's ``requires_grad``)
+        and ``grad_pos`` (the parameters whose gradients are downloaded)."""
         wrap = [src.requires_grad if p else None for src, p in zip(self.sources, self._is_param)]
         if wrap == self.wrap:
             return
@@ -349,9 +326,8 @@ def _stage_layout(
     slot: int,
     epoch: object,
 ) -> _StageLayout:
-    """The worker's cached layout of a stage, checked against the host modules once per
-    ``epoch`` (``None``: on every upload): each layer's skeleton as
-    :func:`_skeleton_for` checks it, rebuilt if one of them was."""
+    """The worker's cached layout of a stage, checked once per ``epoch`` through its
+    layers' skeletons (:func:`_skeleton_for`), rebuilt if one of them was."""
     cache: dict[tuple, _StageLayout] = worker.stage_layouts
     key = (slot, *map(id, layers), *indices)
     layout = cache.get(key)
@@ -379,17 +355,13 @@ def upload_stage(
     epoch: object = None,
     lend: bool = False,
 ) -> StageReplica:
-    """Issue the upload of a stage's layers to ``worker`` (asynchronous on CUDA:
-    compute must ``worker.wait_channel("param")`` before using it). ``slot`` (0/1)
-    picks the skeleton copy: consecutive jobs of a worker alternate.
-
-    ``epoch`` names a stretch of uploads during which the host modules do not change
-    (the runtime passes one per worker queue of a call: no user code runs on the host
-    modules in between); a skeleton already checked and synced in it is used as is.
-    The parameter and buffer tensors are copied on every upload, except that with
-    ``lend`` a backend whose memory is the host's computes on the parameters themselves
-    (``Worker.lend_in``; ``aliases_host`` of the result says so): the caller keeps the
-    host parameters unchanged until the stage is released (:func:`upload_job`'s fence)."""
+    """Issue the upload of a stage's layers to ``worker`` (asynchronous on CUDA: compute
+    waits with ``worker.wait_channel("param")``). ``slot`` (0/1) picks the skeleton
+    copy: consecutive jobs of a worker alternate. ``epoch`` names a stretch of uploads
+    during which the host modules do not change (one per worker queue of a call): a
+    skeleton checked in it is used as is. With ``lend`` a backend whose memory is the
+    host's computes on the parameters themselves (``Worker.lend_in``; ``aliases_host``
+    says so), which then stay unchanged until the stage is released."""
     layout = _stage_layout(worker, layers, indices, slot, epoch)
     dev: list[torch.Tensor] = []
     buffers = [layout.sources[i] for i in layout.buffer_pos]
@@ -424,9 +396,8 @@ def upload_stage(
 
 
 def _carry(layout: _StageLayout, dev: list[torch.Tensor]) -> list[Any]:
-    """The held tensors of an upload whose layers carry state: subclass parameters
-    (``Params4bit``) rebuilt around their device copies, the replica modules' carried
-    attributes (quant states) set from the uploaded tensors."""
+    """The held tensors of an upload whose layers carry state (``carried.py``): subclass
+    parameters rebuilt around their device copies, carried attributes set."""
     subclass = {base + i for c, base, _, _ in layout.carried for i in c.param_pos}
     held: list[Any] = [
         t if w is None or i in subclass else _parameter(t, w)
@@ -441,10 +412,9 @@ def _carry(layout: _StageLayout, dev: list[torch.Tensor]) -> list[Any]:
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-    """``t`` as an ``nn.Parameter`` with ``requires_grad``. A plain tensor that the upload
-    just made (no one else holds it) becomes the parameter itself: its class is
-    switched, which is all ``nn.Parameter``'s constructor adds to a plain tensor,
-    without making a second tensor object per parameter of every upload."""
+    """``t`` as an ``nn.Parameter``. A plain tensor the upload just made becomes the
+    parameter itself (its class switched: all the constructor adds), without a second
+    tensor object per parameter of every upload."""
     if type(t) is torch.Tensor:
         if requires_grad:
             t.requires_grad_(True)
@@ -456,11 +426,8 @@ def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
 def download_grads(
     stage: StageReplica, sink: GradSink, sink_many: GradSinkMany | None = None
 ) -> None:
-    """Download the gradients the stage accumulated and pass them to ``sink``, or all at
-    once to ``sink_many`` when given.
-
-    The device gradients are left to the host (``Worker.take_out``): the stage's
-    parameter wrappers that hold them die at :func:`release_stage`."""
+    """Download the stage's gradients (``Worker.take_out``) to ``sink``, or all at once to
+    ``sink_many`` when given."""
     held, sources = stage.held, stage.layout.sources
     pending_src: list[torch.Tensor] = []
     pending_dev: list[torch.Tensor] = []
@@ -504,10 +471,9 @@ def release_stage(stage: StageReplica) -> None:
 
 
 class WeightGate(Protocol):
-    """Which weight version the host copy holds (``pipelined.WeightVersions``): a
-    pipelined run's upload waits until the layers hold the version it reads, and a
-    newer version is copied into the host only after the fences of the older runs'
-    uploads of those layers returned."""
+    """Which weight version the host copy holds (``pipelined.WeightVersions``): an upload
+    waits for the version it reads; a newer one is published after the older uploads'
+    fences returned."""
 
     def ready(self, reader: Any, layers: Sequence[int]) -> bool: ...
 
@@ -521,9 +487,8 @@ class WeightGate(Protocol):
 def upload_job(
     run: Any, worker: Worker, job: Job, slot: int, wait: bool = True, epoch: object = None
 ) -> StageReplica | None:
-    """Upload a job's layers (``run``: a ``runtime.PipelineRun``; ``epoch``: see
-    :func:`upload_stage`). A pipelined run first waits until the host copy holds the
-    weight version it reads; with ``wait=False`` (prefetch) it gives up instead of
+    """Upload a job's layers for ``run`` (a ``runtime.PipelineRun``), once the host holds
+    the weight version it reads; with ``wait=False`` (prefetch) None instead of
     waiting, so the current job is not held back by the next one's weights."""
     layers = list(job.layers)
     if run.weights is not None:
@@ -553,8 +518,7 @@ _RELEASE_WAIT_S = 0.05
 
 
 def _release_fence(run: Any, released: threading.Event) -> Callable[[], None]:
-    """A fence that blocks until a stage computing on host weights is released, or its run
-    failed (its results are dropped then; the worker releases the stage as it unwinds)."""
+    """A fence until a stage computing on host weights is released, or its run failed."""
 
     def fence() -> None:
         while not released.wait(_RELEASE_WAIT_S):

@@ -70,10 +70,10 @@ DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
 
 
 def default_allocator_settings() -> bool:
-    """Ask for expandable segments before CUDA starts, unless the user configured the
-    allocator; returns whether it was set now. A worker allocates on four streams and
-    the caching allocator reuses a block only on the stream that freed it, so stages of
-    different sizes fragment; expandable segments grow and shrink in place instead."""
+    """Ask for expandable segments before CUDA starts unless the user configured the
+    allocator (whether it was set now): a worker allocates on four streams and the
+    caching allocator reuses a block only on the stream that freed it, so stages of
+    different sizes fragment; expandable segments grow and shrink in place."""
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return False
     try:
@@ -91,10 +91,9 @@ _MiB = 1024**2
 
 
 def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
-    """Bytes one worker's caching allocator may reserve on top of what it allocates: per
-    stream a 2 MiB small-pool segment, plus with expandable segments (the default) at
-    most one 2 MiB page beyond the live bytes, without them a 20 MiB segment for a
-    request under 10 MiB. A worker plans for its memory less this."""
+    """Bytes one worker's caching allocator may reserve above what it allocates: per
+    stream a 2 MiB small-pool segment, plus one 2 MiB page with expandable segments
+    (the default), else a 20 MiB segment for a request under 10 MiB."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
     expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
     per_stream = (2 + 2) * _MiB if expandable else (2 + 20) * _MiB
@@ -106,15 +105,9 @@ def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
 # ---------------------------------------------------------------------------
 @dataclass
 class PinHandle:
-    """What ``pin_model`` did, and how to undo it.
-
-    Attributes:
-        mode: the mode that was requested.
-        active: False when pinning was a no-op (CPU backend, mode "off", nothing to pin).
-        nbytes: bytes of tensor storage made page-locked.
-        slabs: for "alloc", the number of pinned slabs allocated.
-        registered: for "register", ``(pointer, nbytes)`` of each registered range.
-    """
+    """What ``pin_model`` did (``mode`` requested; ``active`` False for a no-op; ``nbytes``
+    made page-locked; "alloc": ``slabs`` allocated; "register": the ``(pointer, nbytes)``
+    ranges ``registered``), and how to undo it."""
 
     mode: str
     active: bool = False
@@ -123,13 +116,8 @@ class PinHandle:
     registered: list[tuple[int, int]] = field(default_factory=list)
 
     def release(self) -> None:
-        """Unregister what "register" pinned (call before the storages are freed; "alloc"
-        needs none). Idempotent.
-
-        Raises:
-            RuntimeError: if ``cudaHostUnregister`` refused a range (after trying them all);
-                such memory stays page-locked until the process exits.
-        """
+        """Unregister what "register" pinned, before the storages are freed (idempotent;
+        ``RuntimeError`` after trying all if ``cudaHostUnregister`` refused a range)."""
         if not self.registered:
             return
         cudart = torch.cuda.cudart()
@@ -210,10 +198,7 @@ def slab_sizes(sizes: Sequence[int], placement: Sequence[tuple[int, int]]) -> li
 
 
 def _rebind(t: torch.Tensor, storage: torch.UntypedStorage, byte_offset: int) -> None:
-    """Point ``t`` (parameter or buffer) at ``storage``, keeping its view geometry.
-
-    ``byte_offset`` is where the tensor's *original storage* starts in the new one.
-    """
+    """Point ``t`` at ``storage``, whose ``byte_offset`` is where its old storage starts."""
     elem = t.element_size()
     if byte_offset % elem:
         raise ValueError(f"misaligned slab offset {byte_offset} for element size {elem}")
@@ -313,14 +298,10 @@ def _error_code(err: Any) -> int:
 
 
 def _clear_last_cuda_error(cudart: Any) -> bool:
-    """Reset this thread's CUDA "last error" after an error we chose to handle.
-
-    The runtime remembers the last failed call, and PyTorch's check after every
-    kernel launch reads it: a handled ``cudaHostRegister`` error would otherwise
-    surface as the failure of some unrelated later kernel. PyTorch's binding
-    has no ``cudaGetLastError``, so it is looked up in the CUDA runtime the
-    process already loaded. Returns whether the error could be cleared.
-    """
+    """Reset this thread's CUDA "last error" after a handled one (whether it could be):
+    PyTorch's check after every kernel launch reads it, so a handled ``cudaHostRegister``
+    error would surface as a later kernel's failure. PyTorch's binding has no
+    ``cudaGetLastError``: it is looked up in the CUDA runtime the process loaded."""
     fn = getattr(cudart, "cudaGetLastError", None)
     if fn is not None:
         fn()
@@ -372,14 +353,10 @@ def pin_model(
     slab_bytes: int = DEFAULT_SLAB_BYTES,
 ) -> PinHandle:
     """Make the CPU copy of ``module``'s parameters and buffers page-locked (``mode``: see
-    the module docstring). ``enabled``: whether the pool uploads to CUDA (``None``: whether
-    CUDA is available; False: a no-op). Returns a :class:`PinHandle`; ``release()`` it
-    before dropping a "register"-ed model.
-
-    Raises:
-        ValueError: for an unknown mode.
-        RuntimeError: if ``cudaHostRegister`` refuses the memory.
-    """
+    the module docstring; ``ValueError`` for another). ``enabled``: whether the pool
+    uploads to CUDA (``None``: whether CUDA is available). ``release()`` the
+    :class:`PinHandle` before dropping a "register"-ed model (``RuntimeError`` if
+    ``cudaHostRegister`` refuses the memory)."""
     mode = parse_kind(PinMode, mode, "pin_model")
     if enabled is None:
         enabled = cuda_available()

@@ -47,8 +47,7 @@ def _cuda_worker(index: int, device: torch.device) -> Worker:
 
 
 def _positive_count(text: str) -> int | None:
-    """``text`` as a positive count written with the ASCII digits 0-9, else None
-    (``int()`` would also read "٣" or "+3" or " 3_0")."""
+    """``text`` as a positive count in the digits 0-9, else None (``int()`` reads "+3")."""
     text = text.strip()
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         return None
@@ -66,13 +65,9 @@ def _cpu_count_from_env() -> int:
 
 
 def resolve_devices(devices: Any) -> list[torch.device]:
-    """Turn the user's ``devices`` argument into one ``torch.device`` per worker.
-
-    ``None``: every CUDA GPU if there are any, else ``ROUNDPIPE_CPU_DEVICES`` (default 2)
-    CPU workers. ``int``: that many workers of the default kind. ``"cpu:N"``: N CPU
-    workers. A list of devices / device strings: one worker each (``"cpu"`` entries
-    each give one CPU worker).
-    """
+    """One ``torch.device`` per worker from the ``devices`` argument: ``None``, every
+    CUDA GPU if any, else ``ROUNDPIPE_CPU_DEVICES`` (default 2) CPU workers; an ``int``,
+    that many of the default kind; ``"cpu:N"``; a list of devices, one worker each."""
     has_cuda = torch.cuda.is_available()
     if devices is None:
         if has_cuda:
@@ -194,39 +189,32 @@ class DevicePool:
 
     @property
     def concurrent(self) -> bool:
-        """Whether the devices compute at the same time on hardware of their own. GPUs
-        do; CPU workers share the process's cores (they compute under one gate, side by
-        side only on shares of the cores), so on them the step is synchronous and the
-        masters are shared. ``cpu_overlap`` says whether CPU workers may compute side by
-        side (``ROUNDPIPE_CPU_CONCURRENT`` unset or ``1``)."""
+        """Whether the devices compute at the same time on hardware of their own: GPUs.
+        CPU workers share the process's cores (under one gate; side by side only on
+        shares of them, ``cpu_overlap``): on them the step is synchronous and the masters
+        are shared."""
         return self.is_cuda
 
     @property
     def cpu_overlap(self) -> bool:
-        """Whether CPU workers of this pool compute at the same time, each on its share
-        of the cores (at least two CPU workers, and ``ROUNDPIPE_CPU_CONCURRENT`` is not
-        ``0``; stages that draw random numbers still run alone, and by default so do the
-        stages of a call the caller does not wait for). ``concurrent`` stays False for them:
-        the step and the masters are those of a pool whose devices share the host's
-        cores; the planner reads this to weigh a plan whose stages overlap."""
+        """Whether this pool's CPU workers compute at the same time, each on its share of
+        the cores (two or more, ``ROUNDPIPE_CPU_CONCURRENT`` not ``0``; see ``cpu.py``):
+        the planner weighs a plan whose stages overlap by it."""
         return self.cpu_concurrent and sum(w.kind == "cpu" for w in self.workers) >= 2
 
     @property
     def cpu_stages_overlap(self) -> bool:
-        """Whether any two stages (not only a stage's replicas) of a call compute side by
-        side on these CPU workers (``ROUNDPIPE_CPU_CONCURRENT=1``): what the planner's
-        model of split plans on overlapping CPU workers rests on."""
+        """Whether any two stages of a call, not only a stage's replicas, compute side by
+        side on these CPU workers (``ROUNDPIPE_CPU_CONCURRENT=1``)."""
         return self.cpu_overlap and self.cpu_sharing == SHARE_ALWAYS
 
     def stages_draw(self, layers: Sequence[Any]) -> bool:
         """Whether a stage starting at one of these host layers was seen to draw from the
-        CPU generator (it then runs alone, whatever ``cpu_overlap`` says)."""
+        CPU generator (it then runs alone)."""
         return _GATE.draws_seen(layers)
 
     def learned_draws(self, layers: Sequence[Any]) -> list[list[Any]]:
-        """Which stages of these host layers were seen to draw random numbers, and how
-        often the others ran without (``ComputeGate.learned``): what a checkpoint keeps
-        so that a resumed run shares the cores exactly where the run it continues did."""
+        """``ComputeGate.learned`` of these host layers, for a checkpoint."""
         return _GATE.learned(layers)
 
     def restore_draws(self, layers: Sequence[Any], rows: Any) -> None:
@@ -234,10 +222,9 @@ class DevicePool:
         _GATE.relearn(layers, rows)
 
     def stage_shares_cores(self, layers: Sequence[Any], kind: str, start: int, stop: int) -> bool:
-        """Whether the ``kind`` stage of ``layers[start:stop]`` (host layers, in their
-        current train/eval mode) computes beside other stages: ``cpu_overlap``, and the
-        stage ran alone without drawing random numbers in enough microbatches
-        (``cpu.CLEAN_RUNS_BEFORE_SHARING``). Until then, or once it drew, it runs alone."""
+        """Whether the ``kind`` stage of host ``layers[start:stop]`` (in their current
+        mode) computes beside other stages: ``cpu_overlap``, and it ran alone without a
+        draw in ``cpu.CLEAN_RUNS_BEFORE_SHARING`` microbatches."""
         if not self.cpu_overlap:
             return False
         owner = layers[start]
@@ -256,14 +243,11 @@ class DevicePool:
         return any(not w.draws_from_host_generator for w in self.workers)
 
     def optimizer_threads(self) -> int | None:
-        """Intra-op threads the optimizer thread should use, or None to leave the default.
-
-        On a CUDA pool every worker is a controller thread with a parameter feeder that
-        needs a core to keep its GPU fed; an optimizer step using every core starves
-        them. As the published package does, the step keeps one core free per CUDA
-        worker when the host has more than four cores per worker
-        (:func:`optimizer_thread_cap`). CPU pools keep the default: there the step is
-        synchronous and the workers wait for it anyway."""
+        """Intra-op threads for the optimizer thread, or None for the default. A CUDA
+        worker's controller thread and feeder need a core to keep its GPU fed, so, as the
+        published package does, the step leaves one per CUDA worker when the host has
+        more than four per worker (:func:`optimizer_thread_cap`). On CPU pools the step
+        is synchronous: the workers wait for it anyway."""
         return optimizer_thread_cap(torch.get_num_threads(), self.cuda_workers)
 
     def gpu_models(self) -> list[tuple[str, int]]:
@@ -276,9 +260,8 @@ class DevicePool:
         return sorted(models)
 
     def warn_if_replay_differs(self) -> None:
-        """Warn once when a recompute may run on a GPU with another SM count than its
-        forward: a CUDA kernel's random draws follow its launch grid, which follows the
-        SM count, so the same seed and offset give other dropout masks there."""
+        """Warn once when a recompute may run on a GPU of another SM count than its forward:
+        a kernel's random draws follow its launch grid, which follows the SM count."""
         if self._replay_checked:
             return
         self._replay_checked = True
@@ -303,12 +286,9 @@ class DevicePool:
     def submit(
         self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]
     ) -> list[Future]:
-        """Queue ``run_queue(worker, queue)`` on every worker that has jobs; return the futures.
-
-        Each worker runs what it was given in submission order, so the queues of a later
-        call start on a worker as soon as it is done with the earlier ones (pipelined
-        iterations); nothing here waits.
-        """
+        """Queue ``run_queue(worker, queue)`` on every worker that has jobs, without
+        waiting; the futures. A later call's queues start on a worker as soon as it is
+        done with the earlier ones (pipelined iterations)."""
         if self._closed:
             raise RuntimeError("this RoundPipe's device pool is closed; create a new RoundPipe")
         if self.cpu_concurrent:
@@ -320,11 +300,10 @@ class DevicePool:
         ]
 
     def _share_threads(self, queues: list[list[Any]]) -> None:
-        """The caller's intra-op threads for a stage alone, and an equal share of them for
-        each CPU worker with jobs here when stages compute side by side. A worker with no
-        other CPU worker busy in this submission (a one-job plan) computes alone: there is
-        nothing to overlap, and alone its stages are seeded and give the generator back
-        as on a pool without the switch (another thread drawing then stops nothing)."""
+        """The caller's intra-op threads for a stage alone, an equal share for each busy
+        CPU worker beside others. A worker with no other CPU worker busy in this
+        submission computes alone: nothing to overlap, and alone its stages are seeded as
+        on a pool without the switch (another thread drawing then stops nothing)."""
         full = torch.get_num_threads()
         busy = [w for w, q in zip(self.workers, queues) if q and w.kind == "cpu"]
         for w in busy:
@@ -333,11 +312,8 @@ class DevicePool:
             w.has_siblings = len(busy) > 1  # type: ignore[attr-defined]
 
     def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
-        """Run ``run_queue(worker, queue)`` on every worker that has jobs; wait for all.
-
-        If any worker fails, the first failure that is not a ``PoolError`` (a job that
-        only stopped because another failed) is raised here.
-        """
+        """:meth:`submit`, then wait for all; raise the first failure that is not a
+        ``PoolError`` (a job that only stopped because another failed)."""
         futures = self.submit(queues, run_queue)
         wait(futures)
         errors = [e for f in futures if (e := f.exception()) is not None]
@@ -346,9 +322,8 @@ class DevicePool:
             raise (primary or errors)[0]
 
     def close(self) -> bool:
-        """Stop every worker thread (after the jobs already queued) and let each device
-        finish its copies. Idempotent. Returns whether every worker drained (see
-        ``Worker.drained``): only then may host memory the copies read be unregistered."""
+        """Stop every worker thread after its queued jobs and let each device finish its
+        copies (idempotent); whether every worker ``drained``."""
         if not self._closed:
             self._closed = True
             for w in self.workers:
@@ -373,10 +348,8 @@ class DevicePool:
 def _run_then_finish(
     run_queue: Callable[[Worker, list[Any]], None], worker: Worker, queue: list[Any]
 ) -> None:
-    """A worker's queue, then the downloads it deferred: whoever waits on the queue's
-    future reads complete losses, outputs and input gradients. After a failed queue the
-    downloads are finished too (nothing is left in flight), but the queue's own error is
-    the one raised."""
+    """A worker's queue, then the downloads it deferred (after a failed queue too, whose
+    own error is raised): whoever waits on its future reads complete results."""
     try:
         run_queue(worker, queue)
     except BaseException:
