@@ -279,6 +279,7 @@ class CarriedState:
                 elif k in _REPLICA_FLAGS and "quant_state" in vars(m):
                     self.flags.append((rep, k, _REPLICA_FLAGS[k]))
         self.tensors: list[torch.Tensor] = describer.extras
+        self.visited = describer.visited  # every tensor met outside the sources
         self._bindings = describer.bindings
 
     def current(self) -> bool:
@@ -327,28 +328,10 @@ class CarriedState:
             rep.__dict__[k] = None
 
 
-def _distinct_tensors(layer: nn.Module) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out: list[torch.Tensor] = []
-    for t in list(layer.parameters()) + list(layer.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def _walk(layer: nn.Module, name: str = "layer") -> _Describer:
-    sources = _distinct_tensors(layer)
-    describer = _Describer(name, sources, {id(m): m for m in layer.modules()})
-    for i, src in enumerate(sources):
-        if _is_subclass_param(src):
-            describer.param(src, f"{name}: parameter {i} ({type(src).__name__})")
-    for mod_name, m in layer.named_modules():
-        for k, v in list(vars(m).items()):
-            if k not in _MODULE_KEYS:
-                what = f"module {mod_name or '(root)'!r} ({type(m).__name__}) attribute {k!r}"
-                describer.value(v, f"{name}: {what}", 0)
-    return describer
+def _walk(layer: nn.Module, name: str = "layer") -> CarriedState:
+    """The layer's carried state described against itself (no replica)."""
+    sources = list({id(t): t for t in [*layer.parameters(), *layer.buffers()]}.values())
+    return CarriedState(layer, layer, sources, name)
 
 
 def attribute_tensors(layer: nn.Module) -> list[torch.Tensor]:
@@ -365,7 +348,7 @@ def carried_tensors(layer: nn.Module, name: str = "layer") -> list[torch.Tensor]
     Raises:
         ValueError: as :class:`CarriedState` (``name`` starts the message).
     """
-    return _walk(layer, name).extras
+    return _walk(layer, name).tensors
 
 
 def carried_bytes(layer: nn.Module) -> int:
