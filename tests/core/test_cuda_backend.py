@@ -73,11 +73,15 @@ def test_worker_rejects_missing_gpu_index(monkeypatch: pytest.MonkeyPatch) -> No
 def test_env_overrides_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROUNDPIPE_PARAM_CHUNK_MB", "lots")
     with pytest.raises(ValueError, match="ROUNDPIPE_PARAM_CHUNK_MB"):
-        cuda_mod._env_int("ROUNDPIPE_PARAM_CHUNK_MB", 32)
+        cuda_mod._setting("param_chunk_bytes", None)
     monkeypatch.setenv("ROUNDPIPE_PARAM_CHUNK_MB", "8")
-    assert cuda_mod._env_int("ROUNDPIPE_PARAM_CHUNK_MB", 32) == 8
+    assert cuda_mod._setting("param_chunk_bytes", None) == 8 * 2**20
+    assert cuda_mod._setting("param_chunk_bytes", 5) == 5  # the argument wins
+    monkeypatch.setenv("ROUNDPIPE_PARAM_INFLIGHT", "-1")
+    with pytest.raises(ValueError, match="param_inflight_chunks .* must be >= 0"):
+        cuda_mod._setting("param_inflight_chunks", None)
     monkeypatch.delenv("ROUNDPIPE_PARAM_CHUNK_MB")
-    assert cuda_mod._env_int("ROUNDPIPE_PARAM_CHUNK_MB", 32) == 32
+    assert cuda_mod._setting("param_chunk_bytes", None) == 32 * 2**20
 
 
 # ---------------------------------------------------------------------------
