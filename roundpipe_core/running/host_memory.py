@@ -87,10 +87,8 @@ __all__ = [
 
 
 class HostMemoryError(ValueError, MemoryError):
-    """The run needs more host memory than the machine has available.
-
-    A ``ValueError`` (a configuration that cannot work) and a ``MemoryError``.
-    """
+    """The run needs more host memory than the machine has available (a configuration
+    that cannot work: a ``ValueError``, and a ``MemoryError``)."""
 
 
 #: Parameter-sized state tensors each optimizer keeps (torch.optim defaults; the scalar
@@ -177,11 +175,6 @@ def note_training_step() -> None:
     _stepped = True
 
 
-def training_code_bytes() -> int:
-    """:data:`TRAINING_CODE_BYTES` until this process's first step, then 0."""
-    return 0 if _stepped else TRAINING_CODE_BYTES
-
-
 def resident_bytes() -> int:
     """This process's resident set (``/proc/self/statm``; 0 where it cannot be read)."""
     try:
@@ -208,12 +201,9 @@ _applied: int | None = None
 
 def limit_heap_retention(threshold: int = 64 * 1024) -> bool:
     """Serve allocations of ``threshold`` bytes or more with their own mappings, so
-    freeing a tensor returns its memory to the system (glibc's heap retention, above).
-
-    Process-wide and for the rest of the process. Does nothing where
-    ``MALLOC_MMAP_THRESHOLD_`` is set (the launch chose) or off glibc. Returns whether
-    the setting is in effect after the call. Idempotent.
-    """
+    freeing a tensor returns its memory to the system (above), process-wide, for good;
+    nothing where ``MALLOC_MMAP_THRESHOLD_`` is set or off glibc. Idempotent; whether the
+    setting is in effect after the call."""
     global _applied
     if os.environ.get(HEAP_THRESHOLD_ENV):
         return True
@@ -245,14 +235,9 @@ def heap_retention_limited() -> bool:
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MappedFiles:
-    """The file mappings that tensors live in.
-
-    Attributes:
-        extra: bytes of those mappings beyond the tensors inside them (what the
-            resident set reaches once every page has been read).
-        resident: bytes of those mappings resident now.
-        inside: bytes of the tensors inside them (counted by the weights line).
-    """
+    """The file mappings tensors live in: bytes ``extra`` beyond the tensors (what the
+    resident set reaches once every page was read), ``resident`` now, and ``inside``
+    (the tensors', counted by the weights line)."""
 
     extra: int = 0
     resident: int = 0
@@ -260,8 +245,8 @@ class MappedFiles:
 
 
 def _file_mappings() -> list[tuple[int, int, str, str]]:
-    """``(start, end, "start-end", file)`` of this process's file-backed mappings, by
-    start (``file``: device and inode); empty where ``/proc/self/maps`` cannot be read."""
+    """``(start, end, "start-end", "dev:inode")`` of this process's file-backed mappings
+    by start (empty where ``/proc/self/maps`` cannot be read)."""
     out = []
     try:
         with open("/proc/self/maps") as f:
@@ -279,8 +264,7 @@ def _file_mappings() -> list[tuple[int, int, str, str]]:
 
 
 def _resident_of(ranges: set[str]) -> int:
-    """Resident bytes (``Rss``) of the mappings ``ranges`` (their ``/proc/self/maps``
-    address fields), from ``/proc/self/smaps``."""
+    """Resident bytes of the mappings with these ``/proc/self/maps`` address fields."""
     total = 0
     current = False
     try:
@@ -297,13 +281,11 @@ def _resident_of(ranges: set[str]) -> int:
 
 
 def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
-    """The files the storages of ``tensors`` are mapped from: all of each such file's
-    mappings (the kernel may split one ``mmap`` into several), each storage once. All
-    zeros off Linux or without mapped tensors.
-
-    Parameters not converted on loading stay views of a checkpoint read through ``mmap``
-    (a 4-bit model's embeddings and head), so every page of the file that was read stays
-    resident: clean cache that ``MemAvailable`` counts but RSS and a cgroup show."""
+    """The files the storages of ``tensors`` are mapped from, all of each one's mappings
+    (the kernel may split an ``mmap``), each storage once; zeros off Linux. Parameters not
+    converted on loading stay views of a checkpoint read through ``mmap`` (a 4-bit
+    model's embeddings and head): every page read stays resident, clean cache that
+    ``MemAvailable`` counts but RSS and a cgroup show."""
     storages: dict[int, int] = {}
     for t in tensors:
         if t.device.type != "cpu" or t.is_meta:
@@ -337,9 +319,9 @@ def _dtype_size(dtype: Any) -> int:
 
 
 def layer_dequantized_bytes(layer: nn.Module) -> int:
-    """The largest dequantized weight of ``layer``'s bitsandbytes 4-bit modules: the
-    weight's count x its quant state's dtype size, plus x the module's compute dtype
-    size where it differs (``dequantize_4bit(...).to(compute dtype)`` holds both)."""
+    """The largest dequantized weight of ``layer``'s bitsandbytes 4-bit modules: its count
+    x its quant state's dtype size (+ the compute dtype's where it differs:
+    ``dequantize_4bit(...).to(compute dtype)`` holds both)."""
     largest = 0
     for m in layer.modules():
         state = getattr(getattr(m, "weight", None), "quant_state", None)
@@ -354,9 +336,8 @@ def layer_dequantized_bytes(layer: nn.Module) -> int:
 
 
 def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (tied weights count once). A meta
-    tensor counts as the host tensor it stands for (a model built on the meta device to
-    be budgeted), each tensor object once: meta storages have no address to share."""
+    """Bytes of the distinct host storages behind ``tensors`` (tied weights once); a meta
+    tensor counts as the host tensor it stands for, each object once (no address)."""
     seen: set[Any] = set(skip or ())
     total = 0
     for t in tensors:
@@ -402,8 +383,7 @@ class HostMemoryBudget:
         weights ... disk: bytes of each line (:meth:`rows`; ``disk`` is not in the total).
         already_allocated: bytes of the lines that existed at the estimate (weights, a
             RoundPipe's masters); only the rest has to fit into available memory.
-        mapped_weights: bytes of the weights line that are frozen views of a mapped
-            file (in ``file_backed``; see the module docstring).
+        mapped_weights: of the weights, frozen views of a mapped file (``file_backed``).
         optimizer: the optimizer the state line assumes, with its states per parameter.
         process / training_code: see the module docstring (0 where RSS cannot be read).
     """
@@ -436,8 +416,7 @@ class HostMemoryBudget:
 
     @property
     def file_backed(self) -> int:
-        """Of the total, clean pages of mapped files (frozen mapped weights, the mapped
-        file pages): the kernel may drop and reread them, so they need not stay resident."""
+        """Of the total, clean pages of mapped files, which need not stay resident."""
         return self.mapped_weights + self.mapped_files
 
     @property
@@ -447,8 +426,7 @@ class HostMemoryBudget:
 
     @property
     def process_peak(self) -> int:
-        """The whole process's predicted peak resident set:
-        ``total + process + training_code``."""
+        """The whole process's predicted peak RSS: ``total + process + training_code``."""
         return self.total + self.process + self.training_code
 
     @property
@@ -469,9 +447,8 @@ class HostMemoryBudget:
         ]
 
     def summary(self, available: int | None = None) -> str:
-        """One line for a run's set-up output: what the run needs against what is
-        available (``available``: bytes, from :func:`available_host_memory`; ``None``:
-        not known). ``str(budget)`` is the whole table."""
+        """One line for a run's set-up output: what it needs against ``available`` bytes
+        (:func:`available_host_memory`; ``None``: unknown). ``str(budget)``: the table."""
         need = (
             f"{format_bytes(self.process_peak)} for the whole process"
             if self.process
@@ -507,7 +484,7 @@ class HostMemoryBudget:
 def _masters_of(
     model: nn.Module,
 ) -> tuple[nn.Module, list[tuple[nn.Parameter, nn.Parameter]] | None]:
-    """(the wrapped module, [(param, master)]) of a RoundPipe; (model, None) for a plain module."""
+    """(wrapped module, [(param, master)]) of a RoundPipe; (model, None) for a plain one."""
     masters = getattr(model, "masters", None)
     inner = getattr(model, "model", None)
     entries = getattr(masters, "entries", None)
@@ -647,11 +624,9 @@ def estimate_host_memory(
     check_flag(shared_masters, "shared_masters")
     check_flag(async_step, "async_step", none="the masters decide")
     check_int(activation_bytes_per_microbatch, "activation_bytes_per_microbatch", 0, "bytes")
-    layer_acts = (
-        None
-        if layer_activation_bytes is None
-        else check_byte_counts(layer_activation_bytes, "layer_activation_bytes")
-    )
+    layer_acts = layer_activation_bytes
+    if layer_acts is not None:
+        layer_acts = check_byte_counts(layer_acts, "layer_activation_bytes")
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
     if optimizer_states is not None:
         states, opt_label = optimizer_states, f"{optimizer_states}/param"
@@ -736,10 +711,9 @@ def estimate_host_memory(
     # (no one plan to read): its budget counts weights, masters and optimizer state only
     if pairs is not None and callable(getattr(type(model), "num_microbatch_for", None)):
         rp: Any = model
-        run_plan = plan
-        if run_plan is None:
-            plan_for = getattr(rp, "plan_for", None)
-            run_plan = (
+        plan_for = getattr(rp, "plan_for", None)
+        if plan is None:
+            plan = (
                 plan_for("fused")
                 if callable(plan_for)
                 else rp.default_plan("fused", num_microbatch)
@@ -757,9 +731,9 @@ def estimate_host_memory(
                 )
             master_dtype = {id(p): mm.dtype for p, mm in pairs}
             worker_copies, worker_acts, dequantized = _worker_lines(
-                rp, run_plan, m, master_dtype, layer_acts
+                rp, plan, m, master_dtype, layer_acts
             )
-        activations = activation_bytes_per_microbatch * m * max(len(run_plan.fwd_plan), 1)
+        activations = activation_bytes_per_microbatch * m * max(len(plan.fwd_plan), 1)
     elif activation_bytes_per_microbatch:
         activations = activation_bytes_per_microbatch * (num_microbatch or 1)
     # the mapped pages resident now exist already; mapped weights not read yet do not
@@ -786,7 +760,7 @@ def estimate_host_memory(
         already_allocated=already,
         optimizer=opt_label,
         process=max(resident - already - existing, 0) if resident else 0,
-        training_code=training_code_bytes() if resident else 0,
+        training_code=TRAINING_CODE_BYTES if resident and not _stepped else 0,
         mapped_files=mapped.extra,
         worker_activations=worker_acts,
         dequantized=dequantized,
@@ -799,9 +773,9 @@ def estimate_host_memory(
 def _tier_bytes(
     inner: nn.Module, tier: Any, states: int, master_bytes: int, buffer_layers: int
 ) -> tuple[int, int]:
-    """(resident, on disk) of the disk tier: a built one's own bound and files; for a
-    plain module, ``buffer_layers`` of its largest layer's records (fp32 master + states,
-    each tensor page-padded) and two slots of every record."""
+    """(resident, on disk) of the disk tier: a built one's bound and files; for a plain
+    module ``buffer_layers`` of its largest layer's page-padded records (fp32 master +
+    states), and two slots of every record."""
     trainable = [p for p in inner.parameters() if p.requires_grad]
     largest_master = max((p.numel() * 4 for p in trainable), default=0)
     if tier is not None:
@@ -817,8 +791,7 @@ def _tier_bytes(
 
 
 def _cuda_pinned(rp: Any) -> int:
-    """Pinned host bytes beyond the weights: the slabs' rounding (``pin_model="alloc"``)
-    and each CUDA worker's download rings."""
+    """Pinned host bytes beyond the weights: the "alloc" slabs' rounding, the rings."""
     from .devices.memory import pack_slabs, slab_sizes
 
     extra = 0
@@ -863,14 +836,10 @@ def available_host_memory() -> int | None:
 def check_host_memory(
     budget: HostMemoryBudget, available: int | None = None, headroom: float = 0.05
 ) -> None:
-    """Raise if what the run still has to allocate does not fit into ``available`` bytes
-    (default :func:`available_host_memory`; unknown: nothing checked) less ``headroom``,
-    the fraction left for everything else (data loading, the page cache).
-
-    Raises:
-        HostMemoryError: with the budget table and the numbers, when it does not fit.
-        ValueError: for a headroom outside [0, 1).
-    """
+    """Raise :class:`HostMemoryError` (with the table) if what the run still has to
+    allocate does not fit into ``available`` bytes (default :func:`available_host_memory`;
+    unknown: nothing checked) less ``headroom``, the fraction left for everything else
+    (data loading, the page cache; ``ValueError`` outside [0, 1))."""
     if not isinstance(headroom, (int, float)) or not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be a fraction in [0, 1), got {headroom!r}")
     # an escape hatch for machines where "available" understates what works (swap, overcommit)
