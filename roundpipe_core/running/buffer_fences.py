@@ -1,16 +1,10 @@
 """Fences for host buffers: a buffer written back to the host (BatchNorm statistics)
-must not change under an upload of it that has not read it yet.
+must not change under an upload of it that has not read it yet (another worker's
+prefetch DMA would read a torn mix; parameters are fenced by weight versions).
 
-Parameters are fenced by weight versions (``stepping/versions.py``); buffers are
-written by the forward stage that ran them, on its worker's thread, while another
-worker's parameter feeder may still be copying the same host buffer for a
-prefetch: on a GPU that DMA would read a torn mix of old and new statistics.
-
-So an upload that reads host buffers registers, under one lock, the worker's
-``param_fence()`` for each of them, and a write-back takes the lock, waits for
-those fences, then writes. An upload issued after the write-back started waits
-for the lock and reads the new values whole. Synchronous backends' fences are
-no-ops; the lock is taken only for stages that hold buffers.
+An upload that reads host buffers registers, under one lock, the worker's
+``param_fence()`` for each; a write-back takes the lock, waits for those fences, then
+writes, and an upload issued meanwhile waits for the lock and reads the new values.
 """
 
 from __future__ import annotations

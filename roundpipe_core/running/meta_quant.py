@@ -89,23 +89,19 @@ def quantize_on_meta(
     blocksize: int = 64,
     skip: Collection[str] = ("lm_head",),
 ) -> nn.Module:
-    """Replace every meta ``nn.Linear`` of ``model`` (in place) by a bitsandbytes 4-bit
-    ``Linear4bit`` holding what loading with ``BitsAndBytesConfig(load_in_4bit=True,
+    """Replace every meta ``nn.Linear`` of ``model`` (in place; returned) by a bitsandbytes
+    4-bit ``Linear4bit`` holding what loading with ``BitsAndBytesConfig(load_in_4bit=True,
     bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant,
     bnb_4bit_compute_dtype=compute_dtype)`` would (see the module docstring).
 
     Args:
         model: built on the meta device (``with torch.device("meta"): ...``).
-        skip: names (the last part of a module's name, e.g. ``"lm_head"``) of linears
-            kept as they are: transformers keeps the output head unquantized.
-
-    Returns:
-        ``model``.
+        skip: last parts of module names (``"lm_head"``) of linears kept as they are
+            (transformers keeps the output head unquantized).
 
     Raises:
-        ValueError: a linear of ``model`` is not on the meta device, or an unknown
-            ``quant_type`` / a ``blocksize`` below 1.
-        ImportError: bitsandbytes is not installed.
+        ValueError: a linear not on the meta device, an unknown ``quant_type``, a
+            ``blocksize`` below 1. ImportError: bitsandbytes is not installed.
     """
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")

@@ -1,12 +1,8 @@
-"""The gradients of a stage run as several jobs at once (``Job.replicas`` > 1).
-
-The one-stage fused plan on CPU workers that compute side by side runs as one fused job
-per worker, each on its own slice of the microbatches (``schedule.build_schedule``). The
-jobs finish in whatever order the workers do; their gradients are kept per job and summed
-in the order of the slices (job 0's first) once all of them are in, so the gradients of a
-call do not depend on timing: two runs give the same bits. They reach the run's grad sink
-then, one call per replica in slice order (the sink sums them, as it sums a parameter's
-gradients from two stages).
+"""The gradients of a stage run as several jobs at once (``Job.replicas`` > 1: the
+one-stage fused plan on CPU workers that compute side by side, one job per worker on its
+slice of the microbatches). The jobs finish in any order; their gradients are kept and
+handed to the run's grad sink in slice order once all are in, so a call's gradients do
+not depend on timing: two runs give the same bits.
 """
 
 from __future__ import annotations
@@ -22,11 +18,8 @@ __all__ = ["JobGrads", "replica_microbatches"]
 
 
 class JobGrads:
-    """Where a run's jobs put the gradients they downloaded (``PipelineRun.job_grads``).
-
-    Args:
-        sink / sink_many: the run's grad sink and its one-call-per-job form (or None).
-    """
+    """Where a run's jobs put their gradients (``PipelineRun.job_grads``): the run's
+    ``sink`` and its one-call-per-job form ``sink_many`` (or None)."""
 
     def __init__(self, sink: GradSink, sink_many: GradSinkMany | None) -> None:
         self._sink = sink
@@ -36,9 +29,8 @@ class JobGrads:
         self._parts: dict[tuple[str, int], dict[int, tuple[list, list]]] = {}
 
     def download(self, job: Job, stage: StageReplica) -> None:
-        """Download ``stage``'s gradients (those of ``job``): straight to the sink for a
-        stage run as one job; for a replica, kept until its stage's last replica is in,
-        which then hands every replica's gradients to the sink in slice order."""
+        """Download ``job``'s gradients: to the sink, or for a replica kept until its
+        stage's last one is in, which hands them all on in slice order."""
         if job.replicas == 1:
             download_grads(stage, self._sink, self._sink_many)
             return
@@ -71,8 +63,6 @@ class JobGrads:
 
 
 def replica_microbatches(job: Job) -> int:
-    """What a job's measured time is divided by to be a per-microbatch time once every
-    replica of its stage added its share (``ModelTimer`` sums a layer's records of one
-    iteration): its own microbatches times the number of replicas (1 for a stage run
-    as one job)."""
+    """What a job's time is divided by to be per microbatch once every replica of its
+    stage added its share to the timer: its microbatches x its stage's replicas."""
     return len(job.microbatches) * job.replicas

@@ -1,11 +1,11 @@
 """Running jobs on a worker: forward, fused forward+loss+backward, recompute+backward.
 
-One ``PipelineRun`` holds the state of a pipelined call: the activations at layer boundaries
-(kept on the host, keyed by ``(boundary, microbatch)``), the gradients flowing back, where its
-random streams start (``streams.py``: a recompute replays the forward's numbers) and the losses.
-Jobs on different workers meet only through it: a job waits for what it needs and publishes
-what it produces, so stages on different devices overlap on different microbatches. If any
-job fails, the run is aborted and every waiting job stops (``PoolError``) instead of hanging.
+A ``PipelineRun`` holds one pipelined call's state: the host activations at layer
+boundaries by ``(boundary, microbatch)``, the gradients flowing back, where its random
+streams start (``streams.py``) and the losses. Jobs on different workers meet only
+through it (a job waits for what it needs and publishes what it produces), so stages on
+different devices overlap on different microbatches. A failed job aborts the run: every
+waiting job stops (``PoolError``) instead of hanging.
 """
 
 from __future__ import annotations
@@ -94,33 +94,27 @@ class PipelineRun:
         self.grads_done = grads_done
         self.rule_checker = rule_checker  # checks.ForwardRuleChecker: layers' first forwards
         self.store = RecomputeStore()
-        # layers passed to rule_checker so far, by any run: it checks each layer on its
-        # first forward only, so later forwards need not go through it (and its lock)
+        # layers passed to rule_checker by any run (it checks a layer's first forward only)
         self.rules_checked: set[int] = _passed_to(rule_checker)
-        # the caller's autocast, re-entered around layer compute on the worker threads
-        # (autocast state is thread-local, so it would otherwise be dropped there)
+        # the caller's autocast, re-entered on the worker threads (it is thread-local)
         self.autocast = autocast if autocast is not None else AutocastState.capture()
         self._cond = threading.Condition()
         self._acts: dict[tuple[int, int], Any] = {}
         self._grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        # Random numbers of layer l on microbatch m come from a generator seeded with (rng_base,
-        # l, m): whichever worker runs it, whenever, so a recompute replays the forward's masks.
+        # layer l's draws on microbatch m come from a stream seeded with (rng_base, l, m)
         self.rng_base = rng_base
-        # the caller waits for this run (a blocking call): only then may CPU workers
-        # compute its stages side by side by default (devices/cpu.py)
+        # a blocking call: only then may CPU workers share the cores by default (cpu.py)
         self.caller_waits = False
-        # Where a stream is seeded (streams.py): every stage start, forward (recorded by
-        # the forward jobs) and backward (the boundaries); every layer for grain "layer".
+        # where a stream is seeded (streams.py): every forward stage start (recorded by the
+        # forward jobs) and backward one (the boundaries); every layer for grain "layer"
         self.seed_every_layer = recompute_grain == RecomputeGrain.LAYER
         self.stream_starts: set[int] = set(boundaries)
         self.outputs: dict[int, Any] = HostOutputs()  # built when read, after the run
         self.losses: dict[int, torch.Tensor] = {}
         self.failed: BaseException | None = None
-        # what the call measured (its workers' clocks hand their records over at the end of
-        # their queues); the RoundPipe gives its layer times to the timer once it is done
-        self.timing = CallTiming()
-        # The uploads' weight-version gate and this run's reader (pipelined.py); None: no
-        # one writes the host weights during the run (upload_job: how uploads lend them)
+        self.timing = CallTiming()  # what the call measured (the workers' clocks hand it over)
+        # the uploads' weight-version gate and this run's reader (pipelined.py); None: no
+        # one writes the host weights during the run
         self.weights = weights
         self.reader = reader
         self.auto_cut = auto_cut  # inputs the automatic split cut: a layer's error lists them
@@ -181,11 +175,8 @@ def _passed_to(checker: Any) -> set[int]:
 def _requires_grad_inputs(
     value: Any, needs: list[bool] | None
 ) -> tuple[Any, list[torch.Tensor | None]]:
-    """Detached copy of ``value`` whose differentiable leaves require grad.
-
-    Returns the new value and, per leaf, the tensor whose ``.grad`` is the input
-    gradient (None for leaves that take no gradient).
-    """
+    """Detached copy of ``value`` whose differentiable leaves require grad, and per leaf
+    the tensor whose ``.grad`` is the input gradient (None for leaves that take none)."""
     if isinstance(value, torch.Tensor):  # the common activation: no tree to walk
         if (value.is_floating_point() or value.is_complex()) and (
             needs is None or (len(needs) > 0 and needs[0])
@@ -287,16 +278,12 @@ def _run_layers(
     publish: bool = False,
     inputs: list[Any] | None = None,
 ) -> Any:
-    """Run the job's layers on ``x`` for microbatch ``mb``: the one loop of every
-    forward and recompute.
-
-    Per layer: a new random stream where a segment starts (``streams.py``), the
-    layer's frame (``context.py``: one frame per call, its ``layer`` moved along), the
-    caller's autocast, and one time mark (each layer's span ends where the next
-    begins). A real forward passes each layer's first forward to the rule checker;
-    with ``publish`` (forward jobs) it hands on the activations at interior
-    boundaries; ``inputs`` collects each layer's input (recompute grain "layer").
-    """
+    """Run the job's layers on ``x`` for microbatch ``mb``: the one loop of every forward
+    and recompute. Per layer: a new random stream where a segment starts, the layer's
+    frame (one per call, moved along), the caller's autocast, one time mark; a real
+    forward's first pass of a layer goes through the rule checker. ``publish`` (forward
+    jobs) hands on the activations at interior boundaries; ``inputs`` collects each
+    layer's input (recompute grain "layer")."""
     r = job.layers
     seeding = not recompute or run.preserve_rng_state
     every, starts = run.seed_every_layer, run.stream_starts
@@ -441,8 +428,8 @@ def _fused_loss_backward(
 
 
 def _loss_parts(loss: Any) -> list[torch.Tensor]:
-    """The scalar losses ``loss_fn`` returned (one, or a tuple / list of several), checked
-    the way ``torch.autograd.backward`` would check them."""
+    """The scalar losses ``loss_fn`` returned (one, or a tuple / list), checked as
+    ``torch.autograd.backward`` would check them."""
     parts = list(loss) if isinstance(loss, (tuple, list)) else [loss]
     if not parts:
         raise TypeError("loss_fn returned an empty sequence; return a scalar loss tensor")
@@ -475,8 +462,8 @@ def _backward_layerwise(
     needs: list[bool] | None,
     clock: JobClock,
 ) -> list[torch.Tensor | None]:
-    """Recompute grain "layer": re-run the stage without autograd to get each layer's
-    input, then recompute and backpropagate one layer at a time (one layer's graph alive)."""
+    """Recompute grain "layer": each layer's input from a run without autograd, then one
+    layer at a time recomputed and backpropagated (one layer's graph alive)."""
     r = job.layers
     inputs: list[Any] = []
     with torch.no_grad():
@@ -502,13 +489,11 @@ def _backward_layerwise(
 
 
 def run_queue(run: PipelineRun, worker: Worker, jobs: list[Job]) -> None:
-    """Run one worker's jobs in launch order, prefetching the next job's parameters
-    while the current one computes."""
+    """Run one worker's jobs in order, prefetching the next job's parameters."""
     prefetched: StageReplica | None = None
     clock = JobClock(worker)
-    # The host modules' structure and flags are not meant to change while one call's
-    # queue runs (nothing else runs in a blocking call; a change during an overlapped
-    # call was always a race): each cached skeleton is checked and synced once per queue.
+    # the host modules do not change while a call's queue runs (a change during an
+    # overlapped call is a race): each cached skeleton is checked once per queue
     epoch = object()
     try:
         for i, job in enumerate(jobs):

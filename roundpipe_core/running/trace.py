@@ -62,17 +62,13 @@ class Span:
     """One interval on a timeline.
 
     Attributes:
-        device: index of the device in the pool; ``None`` for host work (the
-            optimizer step).
-        lane: one of :data:`LANES`: ``"compute"`` (a job's stage on a device),
-            ``"upload"`` (parameters to the device), ``"activation"`` /
-            ``"gradient"`` (transfers between stages), ``"optimizer"`` (the step).
+        device: index of the device in the pool; ``None`` for host work (the step).
+        lane: one of :data:`LANES`: a job's stage, parameters to the device, transfers
+            between stages, the optimizer step.
         name: what ran, e.g. ``"2F0"`` for a job (stage, kind code, device).
-        start_s: start time in seconds (any origin; a trace subtracts its earliest start).
-        end_s: end time in seconds, ``>= start_s``.
-        args: extra fields shown in the trace viewer; compute spans carry ``kind``
-            (``"forward"``, ``"fused"`` or ``"backward"``), ``stage``, ``layers``,
-            ``microbatches`` and ``job``.
+        start_s / end_s: seconds (any origin), ``start_s <= end_s``.
+        args: extra fields for the viewer; compute spans carry ``kind``, ``stage``,
+            ``layers``, ``microbatches`` and ``job``.
     """
 
     device: int | None
@@ -105,20 +101,14 @@ class Span:
 
     @property
     def kind(self) -> str:
-        """What the span's colour and trace category are keyed on: the job kind for
-        compute spans (``"forward"``/``"fused"``/``"backward"``), else the lane."""
+        """The span's colour and trace category: a compute span's job kind, else the lane."""
         if self.lane == "compute":
             return str(self.args.get("kind", "compute"))
         return self.lane
 
 
 def job_name(job: Any) -> str:
-    """The text form of a job: stage, kind code, device (``"2F0"``).
-
-    Args:
-        job: a :class:`roundpipe_core.planning.schedule.Job` (anything with ``stage``, ``kind``
-            and ``device``).
-    """
+    """The text form of a job (anything with ``stage``, ``kind``, ``device``): ``"2F0"``."""
     return f"{job.stage}{JobKind(str(job.kind)).code}{job.device}"
 
 
@@ -148,10 +138,8 @@ def spans_from_call(timing: CallTiming, steps: Iterable[tuple[float, float]] = (
             asynchronous step that overlaps the call shows beside it.
 
     Returns:
-        One ``"compute"`` :class:`Span` per job that ran, named by :func:`job_name`,
-        on the device that ran it; then the steps (``"optimizer"`` lane, host); then
-        a span per transfer the workers waited on (host wall clock: on CUDA the issue
-        of a copy and any wait for it, not the copy engine's own timing).
+        A ``"compute"`` :class:`Span` per job that ran (:func:`job_name`, on the device
+        that ran it), then the steps (host), then a span per transfer the workers waited on.
     """
     out = []
     for t in timing.jobs:
@@ -285,12 +273,9 @@ def chrome_trace(
     pid: int = 0,
     origin_s: float | None = None,
 ) -> dict[str, Any]:
-    """A trace-event JSON object of ``spans`` (load it in Perfetto or chrome://tracing).
-
-    Each span becomes a complete event (``"ph": "X"``) with ``ts``/``dur`` in
-    microseconds from ``origin_s``; each device lane is a thread named by
-    :func:`row_name` and sorted device by device (compute, upload, activation,
-    gradient) with host rows (the optimizer) last.
+    """A trace-event JSON object of ``spans``: a complete event (``"ph": "X"``) each, with
+    ``ts``/``dur`` in microseconds from ``origin_s``; a thread per device lane, named by
+    :func:`row_name`, in :func:`rows_of`'s order.
 
     Args:
         spans: the timeline; events keep this order.
@@ -337,13 +322,8 @@ def chrome_trace(
 
 
 def merge_traces(*traces: Mapping[str, Any]) -> dict[str, Any]:
-    """One trace holding the events of several (e.g. measured and simulated), each
-    as its own process group.
-
-    Raises:
-        ValueError: if two traces use the same ``pid`` (build them with distinct
-            ``pid`` arguments to :func:`chrome_trace`).
-    """
+    """One trace holding the events of several (measured and simulated), each its own
+    process group (``ValueError`` if two use the same ``pid``)."""
     events: list[Any] = []
     owner: dict[Any, int] = {}
     for k, trace in enumerate(traces):
@@ -372,11 +352,7 @@ def side_by_side_trace(
 
 
 def write_trace(path: str | Path, trace: Mapping[str, Any]) -> Path:
-    """Write ``trace`` as JSON to ``path`` (parent folders are created).
-
-    Returns:
-        The path written.
-    """
+    """Write ``trace`` as JSON to ``path`` (parent folders created); the path."""
     if not isinstance(trace, Mapping) or not isinstance(trace.get("traceEvents"), list):
         raise TypeError(
             "write_trace expects a trace-event object {'traceEvents': [...]}, e.g. from "

@@ -1,7 +1,5 @@
-"""Chunked parameter uploads: cut copies into pieces and feed them to a stream a few at a time.
-
-Backend-agnostic and free of CUDA calls, so it is tested on CPU with fake events;
-``cuda.py`` uses it for the parameter stream (see its module docstring).
+"""Chunked parameter uploads: cut copies into pieces and feed them to a stream a few at a
+time (``cuda.py``'s parameter stream). Free of CUDA calls: tested on CPU with fake events.
 """
 
 from __future__ import annotations
@@ -16,30 +14,16 @@ __all__ = ["FEEDER_TIMEOUT_S", "ChunkFeeder", "Piece", "plan_chunks"]
 #: Host waits on the feeder give up after this many seconds (a hang is a bug).
 FEEDER_TIMEOUT_S = 600.0
 
-# ---------------------------------------------------------------------------
-# chunk planning (pure; tested on CPU)
-# ---------------------------------------------------------------------------
 Piece = tuple[int, int, int]  # (tensor index, first element, end element)
 
 
 def plan_chunks(
     numels: Sequence[int], element_sizes: Sequence[int], chunk_bytes: int
 ) -> list[list[Piece]]:
-    """Cut the copies of several tensors into units of at most ``chunk_bytes`` bytes.
-
-    Small tensors are grouped into one unit (one feeder step, several copies);
-    a tensor larger than a chunk is split into element ranges. Every element
-    of every tensor is covered exactly once, in order. A unit never exceeds
-    ``chunk_bytes`` unless a single element does.
-
-    Args:
-        numels: element count of each tensor.
-        element_sizes: bytes per element of each tensor.
-        chunk_bytes: the unit size.
-
-    Returns:
-        A list of units, each a list of ``(tensor index, start, stop)`` element ranges.
-    """
+    """Cut the copies of tensors (``numels`` elements of ``element_sizes`` bytes each)
+    into units of ``(tensor index, start, stop)`` element ranges of at most
+    ``chunk_bytes`` bytes (unless one element is larger): small tensors share a unit
+    (one feeder step), a large one is split; every element covered once, in order."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if len(numels) != len(element_sizes):
@@ -72,23 +56,12 @@ def plan_chunks(
     return units
 
 
-# ---------------------------------------------------------------------------
-# the parameter feeder (backend-agnostic; tested on CPU with fake events)
-# ---------------------------------------------------------------------------
 class ChunkFeeder:
-    """Issues batches of copy units in order on one stream, with few units in flight.
-
-    A *unit* is a callable that enqueues asynchronous work and returns a token
-    with ``synchronize()`` (a CUDA event recorded after that work). Before
-    issuing a unit the feeder waits until fewer than ``depth`` units are still
-    running, so work on other streams (activation uploads) is never queued
-    behind more than ``depth`` units.
-
-    Args:
-        name: thread name.
-        depth: maximum units in flight (>= 1).
-        thread_init: run once on the feeder thread (selects the CUDA device).
-    """
+    """Issues batches of copy units in order on one stream (a thread named ``name``;
+    ``thread_init`` runs on it first), at most ``depth`` units in flight, so work on
+    other streams (activation uploads) never queues behind more. A *unit* is a callable
+    that enqueues asynchronous work and returns a token with ``synchronize()`` (a CUDA
+    event recorded after it)."""
 
     def __init__(
         self, name: str, depth: int, thread_init: Callable[[], None] | None = None
@@ -128,13 +101,10 @@ class ChunkFeeder:
     def wait_issued(
         self, ticket: int, timeout: float = FEEDER_TIMEOUT_S, prune: bool = True
     ) -> Any:
-        """Block until batch ``ticket`` is fully enqueued; return its last unit's token.
-
-        Tokens of earlier batches are dropped (stream order makes the latest
-        one imply them) unless ``prune`` is False (a caller on another thread
-        must not make the worker's own waits coarser). ``None`` when nothing
-        has been issued at all.
-        """
+        """Block until batch ``ticket`` is enqueued; its last unit's token (``None`` if
+        nothing was issued). Earlier batches' tokens are dropped (the latest implies them)
+        unless ``prune`` is False (a caller on another thread must not make the worker's
+        own waits coarser)."""
         with self._cv:
             ok = self._cv.wait_for(
                 lambda: self._issued >= ticket or self._error is not None, timeout
@@ -152,8 +122,8 @@ class ChunkFeeder:
             return token
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Issue the batches already submitted, then stop (waits up to ``timeout`` s).
-        Returns whether the thread ended: every submitted unit was issued."""
+        """Issue the batches submitted, then stop (waits up to ``timeout`` s); whether the
+        thread ended, every unit issued."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
