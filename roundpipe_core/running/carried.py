@@ -1,34 +1,27 @@
 """Tensors a layer keeps outside its parameters and buffers, carried with each upload.
 
-Some layers hold tensors the module tables do not list. bitsandbytes is the common
-case: a 4-bit ``Linear4bit`` keeps its packed weight in a ``Params4bit`` (a
-``Parameter`` subclass with Python attributes) whose ``quant_state`` -- absmax, the
-code book, for double quantization a nested state with its own absmax and code --
-is a plain object, shared with the module's own ``quant_state`` attribute; an 8-bit
-``Linear8bitLt`` keeps its scales in ``Int8Params.SCB`` and a ``MatmulLtState``.
-Other layers keep a plain tensor attribute (``self.mask = torch.ones(...)``).
+bitsandbytes is the common case: a 4-bit ``Linear4bit`` keeps its packed weight in a
+``Params4bit`` (a ``Parameter`` subclass with attributes) whose ``quant_state`` (absmax,
+code book, maybe a nested state) is a plain object shared with the module's own
+attribute; an 8-bit ``Linear8bitLt`` keeps scales in ``Int8Params.SCB`` and a
+``MatmulLtState``. Other layers keep a plain tensor attribute (``self.mask``).
 
-A replica of such a layer needs all of it on its device, and needs it fresh on every
-upload: bitsandbytes' forward rewrites that state (on CPU, an eval-mode forward
-repacks the weight and marks the quant state as repacked), so a state kept across
-uploads would describe the previous upload's tensors, not this one's. So the state
-is described once per skeleton (a :class:`CarriedState`) and rebuilt on every upload
-from device copies: each tensor-subclass parameter becomes the same subclass around
-its device copy, a tensor attribute (or a tuple of them) becomes a device copy, and
-each bitsandbytes state object becomes a copy of itself (class and flags kept) whose
-tensors are device copies -- each host object once, so what the host shares stays
-shared. Mutable containers and other objects a layer holds are the user's and stay
-shared with the host, as the forward rules describe. Tensors that alias a parameter or buffer (an
-``Int8Params``' ``CB`` is its own data) become views of that tensor's device copy
-instead of a second upload. The host objects are never written.
-
-The attributes rebuilt this way belong to the replica alone (each upload makes new
-ones), so a forward may write them; the replica lists them under
-:data:`REPLICA_OWNED`, which the forward-rule checker reads.
+A replica needs all of it on its device, fresh on every upload: bitsandbytes' forward
+rewrites that state (on CPU an eval forward repacks the weight), so a state kept
+across uploads would describe the previous upload's tensors. So it is described once
+per skeleton (:class:`CarriedState`) and rebuilt on every upload from device copies:
+a subclass parameter as the same subclass around its copy, a tensor attribute (or a
+tuple of them) as a copy, a bitsandbytes state object as a copy of itself whose
+tensors are copies -- each host object once, so what the host shares stays shared.
+Tensors that alias a parameter or buffer become views of its copy. Other objects are
+the user's and stay shared with the host (the forward rules); the host objects are
+never written. The rebuilt attributes belong to the replica alone, so a forward may
+write them: the replica lists them under :data:`REPLICA_OWNED` for the rule checker.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,8 +62,7 @@ _PER_REPLICA_PACKAGES = ("bitsandbytes.",)
 
 class UntrainableStateError(ValueError):
     """A layer holds, outside its parameters and buffers, a tensor that requires grad (a
-    forward that stores its own results on its module, e.g. a recurrent state): its
-    device copy could not be trained. ``where`` names the attribute."""
+    forward storing its results on its module): its copy could not be trained."""
 
     def __init__(self, message: str, where: str) -> None:
         super().__init__(message)
@@ -78,8 +70,7 @@ class UntrainableStateError(ValueError):
 
 
 def _is_subclass_param(t: torch.Tensor) -> bool:
-    """A parameter of a Parameter subclass that keeps Python attributes (Params4bit,
-    Int8Params): its replica must be the same class with those attributes."""
+    """A parameter of a subclass with attributes (Params4bit): its replica is one too."""
     return isinstance(t, nn.Parameter) and type(t) is not nn.Parameter and bool(vars(t))
 
 
@@ -231,18 +222,11 @@ class _Build:
 
 
 class CarriedState:
-    """How one layer's carried state is uploaded: built once per skeleton from the
-    host layer, its replica and the layer's parameter/buffer sources (in upload order).
-
-    ``tensors`` are the host tensors to upload besides the sources. On each upload,
-    :meth:`wrap_params` turns the device copies of subclass parameters into their class,
-    :meth:`attach` sets the replica modules' carried attributes, and :meth:`detach`
-    drops them at release.
-
-    Raises:
-        ValueError: a module keeps a tensor that requires grad as a plain attribute
-            (naming the module and attribute).
-    """
+    """How one layer's carried state is uploaded, built once per skeleton from the host
+    layer, its replica and the parameter/buffer ``sources`` (upload order): ``tensors``
+    to upload besides them; per upload :meth:`wrap_params`, :meth:`attach`, and
+    :meth:`detach` at release (``ValueError`` naming a plain attribute that requires
+    grad)."""
 
     def __init__(
         self,
@@ -335,25 +319,19 @@ def _walk(layer: nn.Module, name: str = "layer") -> CarriedState:
 
 
 def attribute_tensors(layer: nn.Module) -> list[torch.Tensor]:
-    """Every tensor ``layer`` holds outside its parameters and buffers (carried, or
-    aliasing a parameter): what a skeleton must not deep-copy."""
+    """Every tensor ``layer`` holds outside its parameters and buffers (a skeleton must
+    not deep-copy them)."""
     return list(_walk(layer).visited.values())
 
 
 def carried_tensors(layer: nn.Module, name: str = "layer") -> list[torch.Tensor]:
-    """The host tensors ``layer`` keeps outside its parameters and buffers that an upload
-    carries (quant states, plain tensor attributes), each once: what the transfer sizes
-    and the host-memory budget count besides the parameters and buffers.
-
-    Raises:
-        ValueError: as :class:`CarriedState` (``name`` starts the message).
-    """
+    """The host tensors an upload of ``layer`` carries besides its parameters and buffers,
+    each once (``ValueError`` as :class:`CarriedState`, ``name`` starting the message)."""
     return _walk(layer, name).tensors
 
 
 def carried_bytes(layer: nn.Module) -> int:
-    """Bytes of :func:`carried_tensors` (distinct storages): what an upload of ``layer``
-    moves besides its parameters and buffers."""
+    """Bytes of :func:`carried_tensors` (distinct storages)."""
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in carried_tensors(layer)
     }
@@ -361,12 +339,9 @@ def carried_bytes(layer: nn.Module) -> int:
 
 
 def logical_numel(p: torch.Tensor) -> int:
-    """The number of weights ``p`` stands for: a packed 4-bit parameter holds two per byte
-    (its quant state knows the unpacked shape); any other tensor its ``numel()``."""
+    """The weights ``p`` stands for: a packed 4-bit parameter's quant state's shape, else
+    its ``numel()``."""
     shape = getattr(getattr(p, "quant_state", None), "shape", None)
     if isinstance(shape, (tuple, list)) and all(isinstance(n, int) for n in shape):
-        total = 1
-        for n in shape:
-            total *= n
-        return total
+        return math.prod(shape)
     return p.numel()

@@ -1,12 +1,10 @@
 """What a pipelined call measured, and the per-layer estimates made from it.
 
-Each worker times its jobs (CUDA events on a GPU, a monotonic clock on the CPU
-backend) with a :class:`JobClock` and hands them, at the end of its queue, to the
-call's one :class:`CallTiming` record (``RoundPipe.last_call``), which the trace,
-the stage-time logger and the benchmarks read. Once the call is done and
-succeeded, the record gives its layer times to the :class:`ModelTimer` as one
-iteration; the planner (:meth:`ModelExecutePlan.auto`) and the simulator read
-the timer's per-layer estimates.
+Each worker times its jobs (CUDA events on a GPU, a monotonic clock on the CPU backend)
+with a :class:`JobClock` and hands them at the end of its queue to the call's
+:class:`CallTiming` (``RoundPipe.last_call``); once the call succeeded, that gives its
+layer times to the :class:`ModelTimer` as one iteration, whose per-layer estimates the
+planner and the simulator read.
 
 Statistics, per layer and kind ("fwd", "re", "bwd"):
 
@@ -165,16 +163,11 @@ class ModelTimer:
     def record(
         self, kind: str, layers: range | Sequence[int], ms: float, microbatches: int = 1
     ) -> None:
-        """Record the measured time of running ``layers`` (all microbatches of one job).
-
-        The time is split among the layers (see the module docstring) and added to
-        this iteration's records; :meth:`end_iteration` folds them into the averages.
-        With ``microbatches`` > 1 the time is divided by it, so estimates are per
-        microbatch and calls with different microbatch counts average consistently.
-
-        Raises:
-            ValueError: naming the bad kind, time, layer or microbatch count.
-        """
+        """Record the measured time of running ``layers`` (all ``microbatches`` of one
+        job; the time is divided by them, so calls of different counts average alike),
+        split among the layers (module docstring) into this iteration's records, which
+        :meth:`end_iteration` folds into the averages. ``ValueError`` names a bad kind,
+        time, layer or microbatch count."""
         check_int(microbatches, "microbatches")
         _check_kind(kind)
         ms = _check_ms(ms)
@@ -186,12 +179,8 @@ class ModelTimer:
             self._add_locked(kind, layers, ms / microbatches)
 
     def record_sums(self, sums: dict[tuple[str, int, int], float]) -> None:
-        """:meth:`record` of ``{(kind, start, stop): ms per microbatch}`` at once: the
-        layer times a :class:`CallTiming` summed over a call, under one lock acquisition.
-
-        Raises:
-            ValueError: as :meth:`record`; nothing of ``sums`` is recorded then.
-        """
+        """:meth:`record` of ``{(kind, start, stop): ms per microbatch}`` (a
+        :class:`CallTiming`'s sums) under one lock; on a ``ValueError`` nothing is."""
         n = self.num_layers
         for (kind, a, b), ms in sums.items():
             _check_kind(kind)
@@ -285,17 +274,9 @@ class ModelTimer:
 
 
 class JobTiming(NamedTuple):
-    """One job of a call as it ran.
-
-    Attributes:
-        job: the job of the schedule.
-        device: the index of the device that ran it.
-        start_s: ``time.perf_counter()`` when its parameters were on the device.
-        end_s: ``time.perf_counter()`` when its last microbatch (and, for a fused or
-            backward job, its gradient download) was done.
-        busy_ms: its compute time by the device's own clock (CUDA events on a GPU),
-            all microbatches.
-    """
+    """One job of a call as it ran on ``device``: ``time.perf_counter()`` from its
+    parameters on the device (``start_s``) to its last microbatch and gradient download
+    done (``end_s``), and ``busy_ms``, its compute time by the device's own clock."""
 
     job: Job
     device: int
@@ -305,15 +286,9 @@ class JobTiming(NamedTuple):
 
 
 class TransferTiming(NamedTuple):
-    """A transfer a worker waited on, host wall clock (``time.perf_counter()``): on
-    CUDA the issue of the copy and any wait for it, not the copy engine's own timing.
-
-    Attributes:
-        lane: "upload" (a stage's parameters), "activation" (a microbatch's stage
-            input) or "gradient" (the stage's parameter gradients out).
-        device: the index of the worker's device.
-        name: what moved, e.g. ``"2F0 params"``.
-    """
+    """A transfer a worker waited on (``lane`` "upload", "activation" or "gradient";
+    ``name`` e.g. ``"2F0 params"``), host wall clock: on CUDA the issue of the copy and
+    any wait for it."""
 
     lane: str
     device: int
@@ -333,10 +308,8 @@ class CallTiming:
     timer iteration, and on CUDA every time was read from events the job had passed.
 
     Attributes:
-        schedule: the jobs the call launched, in launch order (what completed is in
-            ``jobs``).
-        jobs: one :class:`JobTiming` per job that completed, in the order the queues
-            ended.
+        schedule: the jobs the call launched, in launch order.
+        jobs: a :class:`JobTiming` per job that completed, in the order the queues ended.
         transfers: the :class:`TransferTiming` of the transfers the workers waited on.
         wall_ms: the call's wall time as the caller saw it (for ``forward()``, the
             forward's); ``samples`` / ``tokens``: its batch size

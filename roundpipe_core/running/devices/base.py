@@ -1,9 +1,8 @@
 """The worker interface: one thread per compute device, plus transfer primitives.
 
-The scheduler, transfer engine and runtime only talk to devices through this
-interface, so the CPU backend (threads that play devices) runs exactly the
-code the CUDA backend runs. A backend implements the primitives marked
-``abstractmethod``; the thread and its job queue are shared.
+The scheduler, transfer engine and runtime talk to devices only through it, so the CPU
+backend runs exactly the code the CUDA backend runs: a backend implements the
+``abstractmethod`` primitives; the thread and its job queue are shared.
 """
 
 from __future__ import annotations
@@ -22,11 +21,8 @@ __all__ = ["MemoryLedger", "Worker", "WorkerStartError"]
 
 
 class MemoryLedger:
-    """Bytes a device holds, by tag ("param", "grad", "activation"), with the peak.
-
-    Thread-safe; the CPU backend records every copy it makes so tests can assert
-    the memory bound (a device holds only the stages it runs and prefetches).
-    """
+    """Bytes a device holds, by tag ("param", "grad", "activation"), with the peak
+    (thread-safe): tests assert the memory bound with it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -70,11 +66,8 @@ class WorkerStartError(RuntimeError):
 
 
 class Worker(ABC):
-    """A compute device driven by one controller thread.
-
-    Work is submitted as callables that run on the worker's own thread, in
-    order; ``submit`` returns a ``Future`` so failures reach the caller.
-    """
+    """A compute device driven by one controller thread, which runs the callables
+    ``submit`` is given in order (a ``Future`` each, so failures reach the caller)."""
 
     kind = "abstract"
     #: Whether model code on this worker draws from the host's (CPU) generator, so that
@@ -84,12 +77,10 @@ class Worker(ABC):
     #: ``(b - a) * 1000`` and the runtime may compute it without a call per mark.
     time_points_are_seconds = False
     #: ``lend_in`` hands the host's parameters over as they are (device memory is host
-    #: memory): a stage holds only its buffers and carried state as copies (the host-memory
-    #: budget reads it).
+    #: memory): a stage copies only its buffers and carried state.
     lends_host_tensors = False
-    #: ``copy_in`` accepts host tensors a ``copy_out_deferred`` of a CUDA worker has not
-    #: filled yet (it orders its copy after that download); a worker without it gets
-    #: them completed first (``activations.py``).
+    #: ``copy_in`` accepts host tensors a CUDA worker's ``copy_out_deferred`` has not
+    #: filled yet (ordering its copy after that download); others get them completed.
     reads_pending_downloads = False
 
     def __init__(self, index: int, device: torch.device) -> None:
@@ -105,9 +96,8 @@ class Worker(ABC):
             target=self._loop, name=f"roundpipe-{self.kind}-{index}", daemon=True
         )
         self._closed = False
-        #: After ``close()``: whether the thread ended (every queued job ran) and, for an
-        #: asynchronous backend, the device finished every copy it was given. Host
-        #: memory those copies read (registered weights) may be unregistered only then.
+        #: After ``close()``: whether the thread ended and the device finished every copy
+        #: (only then may host memory those copies read be unregistered).
         self.drained = False
         self._start_error: BaseException | None = None
         self._started = threading.Event()
@@ -212,25 +202,21 @@ class Worker(ABC):
     def lend_in(
         self, tensors: Sequence[torch.Tensor], read_only: Sequence[bool]
     ) -> list[torch.Tensor]:
-        """Host -> device for a stage's parameters and buffers when nothing writes the host
-        tensors while the stage runs (``read_only[i]``: the stage only reads tensor ``i``).
-        A backend whose device memory is host memory hands those tensors over as
-        detached aliases (no copy) and copies the rest; the ledger counts every tensor as
-        a copy, so a plan holds the same device bytes on every backend. Others copy all."""
+        """Host -> device for a stage's parameters and buffers that nothing writes while it
+        runs (``read_only[i]``: the stage only reads tensor ``i``). A backend whose memory
+        is the host's hands those over as detached aliases and copies the rest; the ledger
+        counts every tensor as a copy, as on every backend. Others copy all."""
         return self.copy_in(tensors, "param")
 
     def copy_out_deferred(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Device -> host for tensors handed to another stage (an activation, an input
-        gradient): an asynchronous backend returns host tensors that are filled when
-        read -- by an upload (``copy_in`` of a worker with ``reads_pending_downloads``),
-        by ``downloads.complete_pending``, at the latest by ``finish_lazy_downloads``
-        -- so that it need not wait for each. Synchronous backends: ``copy_out``."""
+        """Device -> host for tensors handed to another stage: an asynchronous backend's
+        host tensors are filled when read (by an upload, ``downloads.complete_pending``,
+        at the latest ``finish_lazy_downloads``), without a wait for each."""
         return self.copy_out(tensors, "download")
 
     def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Device -> host for small tensors the caller reads only after this worker's queue
-        ends (a microbatch's loss): complete after ``finish_lazy_downloads``, so an
-        asynchronous backend need not wait for each. Synchronous backends: ``copy_out``."""
+        """Device -> host for small tensors read only after the queue (a loss): complete
+        after ``finish_lazy_downloads``."""
         return self.copy_out(tensors, "download")
 
     def finish_lazy_downloads(self) -> None:  # noqa: B027 - optional hook
@@ -238,19 +224,17 @@ class Worker(ABC):
         calls it when a queue ends, so a call's results are complete when it returns)."""
 
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Device -> host for tensors the device drops right after (a stage's parameter
-        gradients): host copies, complete when this returns. A backend whose device
-        memory is host memory hands the tensors themselves over."""
+        """Device -> host for tensors the device drops right after (parameter gradients),
+        complete when this returns."""
         return self.copy_out(tensors, "download")
 
     def pinned_download_bytes(self) -> int:
-        """Page-locked host bytes this worker's downloads hold once they started (the
-        host-memory budget's line); 0 where downloads need none."""
+        """Page-locked host bytes this worker's downloads hold (the budget's line)."""
         return 0
 
     def param_fence(self) -> Callable[[], None]:
         """A function that blocks until every "param" upload issued so far has read its
-        host source (the host copy may then be overwritten). Synchronous backends: no-op."""
+        host source (which may then be overwritten)."""
         return _noop
 
     @abstractmethod
