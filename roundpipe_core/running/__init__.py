@@ -1,13 +1,8 @@
 """Running: one pipelined call on the device pool.
 
-* ``devices/``: the pool and its workers (CPU threads that play devices, CUDA GPUs),
-  device memory ledgers, pinned host memory;
-* ``runtime``: a worker's queue of jobs, the call that drives them;
-* ``transfer`` / ``streams``: stage uploads, gradient downloads, activation copies;
-* ``timer`` / ``trace``: what a call measured, per layer and as a timeline;
-* ``host_memory``: the host-memory budget of a run (``meta_quant``: a meta model laid
-  out as bitsandbytes' 4-bit, to budget models too large to build).
-
-Reads plans and schedules from :mod:`roundpipe_core.planning`; knows nothing of the
-optimizer (:mod:`roundpipe_core.stepping` sits above it).
+``devices/`` (the pool, CPU and CUDA workers, pinned memory), ``runtime`` (a worker's
+queue of jobs), ``transfer`` / ``activations`` / ``streams`` (uploads, downloads, random
+streams), ``timer`` / ``trace`` (what a call measured), ``host_memory`` (a run's budget;
+``meta_quant`` budgets 4-bit models too large to build). Reads plans from
+:mod:`roundpipe_core.planning`; knows nothing of the optimizer (``stepping`` is above).
 """

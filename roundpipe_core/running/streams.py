@@ -1,19 +1,14 @@
 """Random streams of a pipelined call: deterministic, and replayed by every recompute.
 
-Random numbers of a layer on a microbatch must not depend on which worker runs it
-or when (seeded runs repeat), and the recompute before a backward must draw the
-numbers the forward drew (dropout masks). Seeding a generator before every layer
-does both but costs a generator per layer and microbatch; here a stream is seeded
-only where a *segment* starts -- at every start of a forward or a backward stage --
-and continues through the segment's layers, O(1) per stage. A segment lies inside
-one forward stage and one backward stage, so the recompute runs it from its start
-in the forward's order and draws the same numbers. The forward stage starts are
-recorded by the forward jobs themselves, which run before any backward job of the
-same microbatch; the backward stage starts are the run's boundaries. Recompute
-grain "layer" re-runs single layers, so there every layer starts a stream.
-
-The functions take a ``PipelineRun`` (``runtime.py``): its ``rng_base``,
-``preserve_rng_state``, ``seed_every_layer`` and ``stream_starts``.
+A layer's random numbers on a microbatch must not depend on which worker runs it or
+when, and the recompute before a backward must draw what the forward drew (dropout
+masks). Seeding before every layer would cost a generator per layer and microbatch:
+a stream is seeded only where a *segment* starts -- every start of a forward or a
+backward stage (the forward jobs record theirs, before any backward job of the
+microbatch; the backward ones are the run's boundaries) -- and runs on through its
+layers. A segment lies inside one forward and one backward stage, so the recompute
+runs it from its start in the forward's order and draws the same numbers. Recompute
+grain "layer" re-runs single layers: there every layer starts a stream.
 """
 
 from __future__ import annotations
@@ -35,18 +30,17 @@ class ComputeScope:
     every microbatch of every job, where three nested context managers cost more than
     a small stage's own Python work.
 
-    Given the call's ``run`` and the ``job``, a CPU worker computes in the scope its
-    stage's draws allow (``CPUWorker.stage_compute``): beside other stages when the
-    stage was seen not to draw (nothing is then seeded, saved or given back, and a
-    draw fails the call), else alone."""
+    A CPU worker computes in the scope the ``job``'s stage's draws allow
+    (``CPUWorker.stage_compute``): beside other stages when it was seen not to draw
+    (nothing is then seeded, saved or given back), else alone."""
 
     __slots__ = ("worker", "grad", "compute", "prev", "state")
 
-    def __init__(self, worker: Worker, grad: bool | None, run: Any = None, job: Any = None) -> None:
+    def __init__(self, worker: Worker, grad: bool | None, run: Any, job: Any) -> None:
         self.worker = worker
         self.grad = grad
         stage_compute = getattr(worker, "stage_compute", None)
-        if stage_compute is not None and job is not None and worker.concurrent:  # type: ignore[attr-defined]
+        if stage_compute is not None and worker.concurrent:  # type: ignore[attr-defined]
             r = job.layers
             owner = run.layers[r.start]
             key = (str(job.kind), r.start, r.stop, owner.training)

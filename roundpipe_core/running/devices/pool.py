@@ -46,22 +46,14 @@ def _cuda_worker(index: int, device: torch.device) -> Worker:
     return CUDAWorker(index, device)
 
 
-def _positive_count(text: str) -> int | None:
-    """``text`` as a positive count in the digits 0-9, else None (``int()`` reads "+3")."""
-    text = text.strip()
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        return None
+def _cpu_count(text: str | None = None, what: str = "ROUNDPIPE_CPU_DEVICES") -> int:
+    """``text`` (default: the variable) as a positive count in the digits 0-9 (``int()``
+    would read "+3" or "٣"); ValueError naming ``what`` otherwise."""
+    if text is None:
+        text = os.environ.get("ROUNDPIPE_CPU_DEVICES", str(DEFAULT_CPU_DEVICES))
+    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) < 1:
+        raise ValueError(f"{what} must be a positive integer in the digits 0-9, got {text!r}")
     return int(text)
-
-
-def _cpu_count_from_env() -> int:
-    raw = os.environ.get("ROUNDPIPE_CPU_DEVICES", str(DEFAULT_CPU_DEVICES))
-    n = _positive_count(raw)
-    if n is None:
-        raise ValueError(
-            f"ROUNDPIPE_CPU_DEVICES must be a positive integer written with the digits 0-9, got {raw!r}"
-        )
-    return n
 
 
 def resolve_devices(devices: Any) -> list[torch.device]:
@@ -72,7 +64,7 @@ def resolve_devices(devices: Any) -> list[torch.device]:
     if devices is None:
         if has_cuda:
             return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return [torch.device("cpu")] * _cpu_count_from_env()
+        return [torch.device("cpu")] * _cpu_count()
     if isinstance(devices, bool):
         raise TypeError("devices must be None, an int, 'cpu:N' or a list of devices, got a bool")
     if isinstance(devices, int):
@@ -87,14 +79,9 @@ def resolve_devices(devices: Any) -> list[torch.device]:
         return [torch.device("cpu")] * devices
     if isinstance(devices, str):
         if devices == "cpu":
-            return [torch.device("cpu")] * _cpu_count_from_env()
+            return [torch.device("cpu")] * _cpu_count()
         if devices.startswith("cpu:"):
-            n = _positive_count(devices[4:])
-            if n is None:
-                raise ValueError(
-                    f"devices={devices!r}: write 'cpu:N' with N a positive integer in the digits 0-9"
-                )
-            return [torch.device("cpu")] * n
+            return [torch.device("cpu")] * _cpu_count(devices[4:], "N of devices='cpu:N'")
         return resolve_devices([devices])
     if isinstance(devices, Sequence):
         if len(devices) == 0:
