@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .base import Worker
+from .base import Worker, _noop
 from .downloads import DownloadStager, read_pending
 from .feeder import ChunkFeeder, Piece, plan_chunks
 from .memory import allocator_reserve_bytes, cuda_available
@@ -137,9 +137,6 @@ class _HeldUntilDone:
         return done
 
 
-# ---------------------------------------------------------------------------
-# the worker
-# ---------------------------------------------------------------------------
 def _check_cuda_device(device: torch.device | str | int) -> torch.device:
     if isinstance(device, int):
         device = torch.device("cuda", device)
@@ -369,18 +366,15 @@ class CUDAWorker(Worker):
 
     def param_fence(self) -> Callable[[], None]:
         """See ``Worker.param_fence``; callable from another thread (the optimizer's)."""
-        if self._feeder is None:
+        feeder = self._feeder
+        if feeder is None:
             with self._event_lock:
                 event = self._events[PARAM]
-        else:
-            ticket = self._feeder.last_ticket
-            event = None
+            return event.synchronize if event is not None else _noop
+        ticket = feeder.last_ticket
 
         def fence() -> None:
-            if self._feeder is None:
-                ev = event
-            else:
-                ev = self._feeder.wait_issued(ticket, prune=False) if ticket else None
+            ev = feeder.wait_issued(ticket, prune=False) if ticket else None
             if ev is not None:
                 ev.synchronize()
 

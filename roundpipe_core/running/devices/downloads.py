@@ -128,12 +128,6 @@ class StagedDownload:
         with self._stager.lock:
             self.finish()
 
-    def query(self) -> bool:
-        if self._copies is not None and not self.dma_done():
-            return False
-        self.synchronize()
-        return True
-
 
 class Download:
     """The pieces of one download: ``synchronize()`` completes the host tensors (one host
@@ -352,9 +346,6 @@ class DownloadStager:
         return part
 
 
-# ---------------------------------------------------------------------------
-# readers of pending host tensors
-# ---------------------------------------------------------------------------
 def has_pending() -> bool:
     """Whether any deferred download is unfinished (cheap)."""
     return bool(_PENDING)
