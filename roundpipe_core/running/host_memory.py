@@ -5,45 +5,36 @@ model a machine can train. :func:`estimate_host_memory` adds up what a run holds
 peak, line by line (docs/host-memory.md has the measurements):
 
 ===================  ====================================================================
-weights              parameters and buffers (model dtype; a quantized layer's packed bytes
-                     and quant state)
-masters              the optimizer's copies of the trainable parameters (``optim_dtype``);
-                     none for a parameter that is its own master (``shared_masters=True``);
-                     1/N of the separate ones with the host state sharded over N ranks
-gradients            one gradient per master (``optim_dtype``)
-next gradients       asynchronous step with separate masters: the next iteration's
-                     gradients arrive while the step still reads these (sharded: 1/N)
-optimizer state      states per parameter (:data:`OPTIMIZER_STATES`) x master size; 1/N
-                     sharded (``state_shards=N``)
+weights              parameters and buffers (a quantized layer's packed bytes, quant state)
+masters              the optimizer's copies (``optim_dtype``); none for a parameter that is
+                     its own master; 1/N of the separate ones sharded over N ranks
+gradients            one gradient per master
+next gradients       async step with separate masters: the next iteration's gradients
+                     arrive while the step still reads these (sharded: 1/N)
+optimizer state      states per parameter (:data:`OPTIMIZER_STATES`) x master size (1/N)
 pinned buffers       CUDA: slab rounding of ``pin_model="alloc"`` and the download rings
 worker stage copies  CPU workers: per worker, what its stage and the prefetched next one
-                     copy beside the host state (buffers, carried quant state, gradients
-                     converted to the masters' dtype)
+                     copy (buffers, carried quant state, gradients in another dtype)
 activations          stage-boundary activations kept for recompute (if given)
 mapped file pages    the file the weights are mapped from, beyond the weights in it
 worker activations   CPU workers: per worker, one microbatch's saved tensors of its largest
                      autograd stage (``layer_activation_bytes``)
-dequantized weights  CPU workers: per worker, the largest 4-bit weight dequantized for its
-                     matmul (bitsandbytes frees it after)
-collective buffers   several processes: the flat buffers the gradient reduction (and,
-                     sharded, the all-gather) keeps (``DataParallel.kept_buffer_bytes``)
+dequantized weights  CPU workers: per worker, its largest 4-bit weight dequantized
+collective buffers   several processes: the reduction's (and all-gather's) flat buffers
 disk tier buffer     ``offload_dir``: ``buffer_layers`` of the largest layer's records and
-                     one master; the masters and optimizer state lines are then 0 and
-                     ``disk`` (not in the total) is what the tier's files take
+                     one master; masters and optimizer state are then 0 and ``disk`` (not
+                     in the total) is what the tier's files take
 ===================  ====================================================================
 
-``process`` is the resident set at the estimate beyond those lines (interpreter, torch,
-the data loader), ``training_code`` what of torch's code the first step pages in;
-``process_peak = total + process + training_code`` predicts the process's peak RSS.
-:func:`check_host_memory` compares what is still to be allocated with what the machine
-has available and raises :class:`HostMemoryError` with the table when it does not fit.
-
-Of the total, ``file_backed`` is what lies in clean pages of files: the mapped file
-pages, and ``mapped_weights`` -- frozen weights and buffers that are views of a mapped
-checkpoint (a base loaded memory-mapped with ``pin_model="off"``, which nothing writes
-or copies). The kernel drops such pages under pressure and reads them back, so a run
-needs only ``anonymous`` (the rest) to stay resident: a cap below the model's size
-still lets it train.
+``process`` is the resident set beyond those lines (interpreter, torch, the data
+loader), ``training_code`` what of torch's code the first step pages in:
+``process_peak = total + process + training_code`` predicts the peak RSS.
+:func:`check_host_memory` raises :class:`HostMemoryError` with the table when what is
+still to be allocated does not fit. Of the total, ``file_backed`` lies in clean pages of
+files (the mapped file pages; ``mapped_weights``, frozen views of a checkpoint mapped
+with ``pin_model="off"``), which the kernel drops under pressure and reads back: a run
+needs only ``anonymous`` (the rest) resident, so a cap below the model's size still
+lets it train.
 """
 
 from __future__ import annotations
@@ -229,10 +220,6 @@ def heap_retention_limited() -> bool:
     return bool(os.environ.get(HEAP_THRESHOLD_ENV)) or _applied is not None
 
 
-# --------------------------------------------------------------------------------------
-# the lines beside the state: mapped file pages, CPU workers' transients (0 where they do
-# not apply: no mapped file; a CUDA pool's activations and dequantized weights)
-# --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MappedFiles:
     """The file mappings tensors live in: bytes ``extra`` beyond the tensors (what the

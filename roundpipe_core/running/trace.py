@@ -202,31 +202,28 @@ def spans_from_simulation(
         return f"{e.stage}{JobKind(e.kind).code}{e.device}"
 
     out: list[Span] = []
-    groups: dict[tuple[int, int], list[Any]] = {}
+    groups: dict[Any, list[Any]] = {}
     for e in events:
-        job = job_of(e)
         if e.kind == "upload":
+            job = job_of(e)
             name = f"up {job_name(job)}" if job is not None else f"up s{e.stage}"
             args = {"stage": e.stage, "job": e.job, "iteration": e.iteration}
             out.append(Span(e.device, "upload", name, e.start / 1e3, e.end / 1e3, args))
-        elif per_job and e.job >= 0:
-            groups.setdefault((e.iteration, e.job), []).append(e)
-        else:
-            args = {"kind": e.kind, "stage": e.stage, "microbatches": str(e.microbatch)}
-            args.update({"job": e.job, "iteration": e.iteration})
-            out.append(Span(e.device, "compute", compute_name(e), e.start / 1e3, e.end / 1e3, args))
-    for (it, _), evs in groups.items():
+        else:  # a job's microbatches as one span (per_job), else each on its own
+            groups.setdefault((e.iteration, e.job) if per_job and e.job >= 0 else id(e), []).append(
+                e
+            )
+    for evs in groups.values():
         e0 = evs[0]
-        job = job_of(e0)
+        job = job_of(e0) if per_job else None
         if job is not None:
             args = _job_args(job)
         else:
             mbs = sorted(e.microbatch for e in evs)
-            args = {"kind": e0.kind, "stage": e0.stage, "microbatches": f"{mbs[0]}-{mbs[-1]}"}
-            args["job"] = e0.job
-        args["iteration"] = it
-        start = min(e.start for e in evs) / 1e3
-        end = max(e.end for e in evs) / 1e3
+            mb = str(mbs[0]) if len(mbs) == 1 else f"{mbs[0]}-{mbs[-1]}"
+            args = {"kind": e0.kind, "stage": e0.stage, "microbatches": mb, "job": e0.job}
+        args["iteration"] = e0.iteration
+        start, end = min(e.start for e in evs) / 1e3, max(e.end for e in evs) / 1e3
         out.append(Span(e0.device, "compute", compute_name(e0), start, end, args))
     out.sort(key=lambda s: (s.start_s, s.end_s))
     return out
