@@ -115,25 +115,18 @@ def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
     for (_, orig), (_, rep) in zip(
         layer.named_modules(remove_duplicate=False), replica.named_modules(remove_duplicate=False)
     ):
-        for name, p in orig._parameters.items():
-            if p is not None:
-                slots.append(_Slot(rep, name, p, True))
-        for name, b in orig._buffers.items():
-            if b is not None:
-                slots.append(_Slot(rep, name, b, False))
+        for table, is_param in ((orig._parameters, True), (orig._buffers, False)):
+            slots += [_Slot(rep, n, t, is_param) for n, t in table.items() if t is not None]
     return replica, slots
 
 
-def _signature(modules: Sequence[nn.Module]) -> tuple:
-    """Changes when a submodule or tensor of ``modules`` is added, removed or replaced
-    (read from their tables without walking the tree again)."""
-    return tuple(
-        (
-            tuple(map(id, m._modules.values())),
-            tuple(map(id, m._parameters.values())),
-            tuple(map(id, m._buffers.values())),
-        )
-        for m in modules
+def _signature(m: nn.Module) -> tuple:
+    """Changes when a submodule or tensor of ``m`` is added, removed or replaced (read
+    from its tables, without walking the tree)."""
+    return (
+        tuple(map(id, m._modules.values())),
+        tuple(map(id, m._parameters.values())),
+        tuple(map(id, m._buffers.values())),
     )
 
 
@@ -151,11 +144,7 @@ def _synced(tree: _Tree) -> bool:
     if tree.carried is not None and not tree.carried.current():
         return False
     for m, sig, host, size, rep, keys in tree.checks:
-        if len(host) != size or sig != (
-            tuple(map(id, m._modules.values())),
-            tuple(map(id, m._parameters.values())),
-            tuple(map(id, m._buffers.values())),
-        ):
+        if len(host) != size or sig != _signature(m):
             return False
         for k in keys:
             v = host.get(k, _MISSING)
@@ -168,42 +157,37 @@ def _synced(tree: _Tree) -> bool:
 
 
 class _Tree:
-    """What a cached skeleton was built from (the layer's modules, their signature, each
-    beside its replica) and its upload's layout: the distinct host tensors the slots
-    mirror (tied weights once), whether each is a parameter, each slot's source."""
+    """What a cached skeleton was built from (its modules' checks) and its upload's
+    layout: the distinct host tensors the slots mirror (tied weights once), whether each
+    is a parameter, where each lands."""
 
     def __init__(self, layer: nn.Module, replica: nn.Module, slots: list[_Slot]) -> None:
-        self.modules = list(layer.modules())
-        self.signature = _signature(self.modules)
-        self.pairs = list(zip(self.modules, replica.modules()))
-        # per host module, what one check reads: its tables' contents (by id), its
-        # __dict__ and its size, the replica's __dict__, and the keys of the attributes
-        # that are not tables (the flags to sync)
+        # per host module what one check reads: its signature, its __dict__ and size, the
+        # replica's __dict__, the keys of the attributes that are not tables (flags to sync)
         self.checks = [
             (
                 m,
-                sig,
+                _signature(m),
                 m.__dict__,
                 len(m.__dict__),
                 r.__dict__,
                 tuple(k for k in m.__dict__ if k not in _MODULE_TABLES),
             )
-            for (m, r), sig in zip(self.pairs, self.signature)
+            for m, r in zip(layer.modules(), replica.modules())
         ]
-        self.slots = slots
-        self.sources: dict[int, torch.Tensor] = {}
+        sources: dict[int, torch.Tensor] = {}
         self.is_param: list[bool] = []
-        self.slot_source: list[int] = []
+        slot_source: list[int] = []
         pos: dict[int, int] = {}
         for s in slots:
             k = id(s.source)
             if k not in pos:
-                pos[k] = len(self.sources)
-                self.sources[k] = s.source
+                pos[k] = len(sources)
+                sources[k] = s.source
                 self.is_param.append(False)
-            self.slot_source.append(pos[k])
+            slot_source.append(pos[k])
             self.is_param[pos[k]] = self.is_param[pos[k]] or s.is_param
-        self.source_list = list(self.sources.values())
+        self.source_list = list(sources.values())
         # what the layer keeps outside its parameters and buffers (quant states): uploaded
         # after them, rebuilt into the replica on every upload
         carried = CarriedState(layer, replica, self.source_list)
@@ -217,7 +201,7 @@ class _Tree:
         # where each upload puts its tensors: the replica modules' own tables, found once
         self.fills: list[tuple[dict[str, Any], str, int]] = [
             (s.module._parameters if s.is_param else s.module._buffers, s.name, i)
-            for s, i in zip(slots, self.slot_source)
+            for s, i in zip(slots, slot_source)
         ]
 
 
