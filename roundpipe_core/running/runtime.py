@@ -185,20 +185,15 @@ def _requires_grad_inputs(
             return value, [value]
         return value, [None]
     leaves, rebuild = flatten(value)
-    new, tracked = [], []
-    for i, x in enumerate(leaves):
-        want = (
-            isinstance(x, torch.Tensor)
-            and (x.is_floating_point() or x.is_complex())
-            and (needs is None or (i < len(needs) and needs[i]))
-        )
-        if want:
-            x = x.detach().requires_grad_(True)
-            tracked.append(x)
-        else:
-            tracked.append(None)
-        new.append(x)
-    return rebuild(new), tracked
+    tracked: list[torch.Tensor | None] = [
+        x.detach().requires_grad_(True)
+        if isinstance(x, torch.Tensor)
+        and (x.is_floating_point() or x.is_complex())
+        and (needs is None or (i < len(needs) and needs[i]))
+        else None
+        for i, x in enumerate(leaves)
+    ]
+    return rebuild([x if t is None else t for x, t in zip(leaves, tracked)]), tracked
 
 
 def _needs(run: PipelineRun, start: int) -> list[bool] | None:

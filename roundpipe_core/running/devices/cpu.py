@@ -200,9 +200,7 @@ class ComputeGate:
 
     def record(self, owner: Any, key: tuple, drew: bool) -> None:
         with self._seen_lock:
-            entry = self._seen.get(owner)
-            if entry is None:
-                entry = self._seen[owner] = {}
+            entry = self._seen.setdefault(owner, {})
             if drew:
                 entry[key] = _DRAWS
             elif entry.get(key, 0) != _DRAWS:
@@ -359,19 +357,14 @@ class CPUWorker(Worker):
 
     def __init__(self, index: int) -> None:
         cpu_device_memory_bytes()  # a bad setting fails when the pool is built, not mid-plan
-        #: Whether stages seen not to draw random numbers may compute beside other
-        #: stages, and whether in every call or only in those the caller waits for
-        #: (``ROUNDPIPE_CPU_CONCURRENT``; the pool sets both before any job).
+        # set by the pool: whether stages seen not to draw may compute beside others, in
+        # every call; intra-op threads alone / beside others (``threads_now``: as last set,
+        # 0: never); whether another CPU worker had jobs in the latest submission
         self.concurrent = self.share_always = False
-        #: Intra-op threads of a stage alone / beside others (the pool sets them per
-        #: submission from the caller's ``torch.get_num_threads()``); ``threads_now``:
-        #: what this thread was last set to (0: never).
         self.full_threads = self.shared_threads = self.threads_now = 0
-        #: Whether another CPU worker had jobs in the latest submission (the pool sets it):
-        #: only then may a stage compute beside others; alone it is seeded as always.
         self.has_siblings = False
-        #: The generator's use in the scope computing now (``RNG_ALONE`` outside one),
-        #: and, while a stage's draws are watched, whether it drew and the state to compare.
+        # the generator's use in the scope computing now; while a stage's draws are
+        # watched, whether it drew and the state to compare
         self.rng_mode = RNG_ALONE
         self.rng_drew = False
         self.rng_probe: Any = None
