@@ -93,6 +93,15 @@ OPTIMIZER_STATES: dict[str, int] = {
 }
 
 
+# options that add a state each, per optimizer
+_OPTION_STATES = {
+    "sgd": ("momentum",),
+    "adam": ("amsgrad",),
+    "adamw": ("amsgrad",),
+    "rmsprop": ("momentum", "centered"),
+}
+
+
 class UnknownOptimizerError(ValueError):
     """The state table does not know this optimizer (pass ``optimizer_states``)."""
 
@@ -128,14 +137,7 @@ def optimizer_states_per_param(optimizer: Any) -> int:
             f"no state count known for optimizer {name!r} (known: {', '.join(sorted(OPTIMIZER_STATES))}); "
             "pass optimizer_states=<parameter-sized tensors it keeps per parameter>"
         )
-    n = OPTIMIZER_STATES[key]
-    if key == "sgd" and defaults.get("momentum"):
-        n += 1
-    if key in ("adam", "adamw") and defaults.get("amsgrad"):
-        n += 1
-    if key == "rmsprop":
-        n += int(bool(defaults.get("momentum"))) + int(bool(defaults.get("centered")))
-    return n
+    return OPTIMIZER_STATES[key] + sum(bool(defaults.get(o)) for o in _OPTION_STATES.get(key, ()))
 
 
 def _key(name: str) -> str:
