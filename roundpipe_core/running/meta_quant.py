@@ -49,35 +49,21 @@ def _quant_state(
 ) -> Any:
     from bitsandbytes.functional import QuantState
 
-    n = out_features * in_features
-    blocks = -(-n // blocksize)
-    code = _meta((16,), torch.float32)
+    blocks = -(-out_features * in_features // blocksize)
     shape = torch.Size([out_features, in_features])
+    common = {"shape": shape, "blocksize": blocksize, "quant_type": quant_type, "dtype": dtype}
+    code = _meta((16,), torch.float32)
     if not double_quant:
-        return QuantState(
-            absmax=_meta((blocks,), torch.float32),
-            shape=shape,
-            code=code,
-            blocksize=blocksize,
-            quant_type=quant_type,
-            dtype=dtype,
-        )
+        return QuantState(absmax=_meta((blocks,), torch.float32), code=code, **common)
     nested = QuantState(
         absmax=_meta((-(-blocks // _NESTED_BLOCK),), torch.float32),
         code=_meta((256,), torch.float32),
         blocksize=_NESTED_BLOCK,
         dtype=torch.float32,
     )
-    return QuantState(
-        absmax=_meta((blocks,), torch.uint8),
-        shape=shape,
-        code=code,
-        blocksize=blocksize,
-        quant_type=quant_type,
-        dtype=dtype,
-        offset=_meta((), torch.float32),
-        state2=nested,
-    )
+    offset = _meta((), torch.float32)
+    absmax = _meta((blocks,), torch.uint8)
+    return QuantState(absmax=absmax, code=code, offset=offset, state2=nested, **common)
 
 
 def quantize_on_meta(

@@ -388,21 +388,19 @@ class CUDAWorker(Worker):
         return outs
 
     def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``copy_out`` of small tensors through the lazy ring, without a host wait."""
-        if not self.pin_downloads:
-            return self.copy_out(tensors)
-        srcs, outs = self._begin_download(tensors)
-        if not self._downloads.download_lazy(self.download_stream, srcs, outs):
-            self._downloads.download(self.download_stream, srcs, outs, deferred=True)
-        return outs
+        return self.copy_out_deferred(tensors, lazy=True)
 
-    def copy_out_deferred(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Device -> host through the staging ring without a host wait (``downloads.py``)."""
+    def copy_out_deferred(
+        self, tensors: Sequence[torch.Tensor], lazy: bool = False
+    ) -> list[torch.Tensor]:
+        """Device -> host through the staging ring (``lazy``: small tensors through the
+        lazy ring) without a host wait (``downloads.py``)."""
         if not self.pin_downloads:  # a pageable download makes the host wait anyway
             return self.copy_out(tensors)
         srcs, outs = self._begin_download(tensors)
         with torch.cuda.device(self.device):
-            self._downloads.download(self.download_stream, srcs, outs, deferred=True)
+            if not (lazy and self._downloads.download_lazy(self.download_stream, srcs, outs)):
+                self._downloads.download(self.download_stream, srcs, outs, deferred=True)
         return outs
 
     def finish_lazy_downloads(self) -> None:
