@@ -81,13 +81,6 @@ class ModelTimer:
         self.layer_grad_bytes: list[int] = sizes.grad_bytes
         self._lock = threading.RLock()
         self._prior = size_prior_ms(sizes.compute_bytes)  # the planner's, before measurements
-        # per kind and layer: the biased average and its number of kept samples, the
-        # iterations seen (counting the dropped first one), this iteration's records
-        self._ema: dict[str, list[float]] = {}
-        self._count: dict[str, list[int]] = {}
-        self._seen: dict[str, list[int]] = {}
-        self._pending: dict[str, dict[int, float]] = {}
-        self.iterations = 0
         self.reset()
 
     # -- estimates ------------------------------------------------------------
@@ -101,11 +94,8 @@ class ModelTimer:
         m = self._measured(kind, layer)
         if m is not None:
             return m
-        if kind == "fwd":
-            return self._prior[layer]
-        if kind == "re":
-            return self._estimate("fwd", layer)
-        return 2.0 * self._estimate("fwd", layer)
+        fwd = self._prior[layer] if kind == "fwd" else self._estimate("fwd", layer)
+        return 2.0 * fwd if kind == "bwd" else fwd
 
     @property
     def fwd_ms(self) -> list[float]:
@@ -258,12 +248,14 @@ class ModelTimer:
 
     def reset(self) -> None:
         """Forget all measurements (back to size-proportional estimates)."""
+        n = self.num_layers
         with self._lock:
-            for k in KINDS:
-                self._ema[k] = [0.0] * self.num_layers
-                self._count[k] = [0] * self.num_layers
-                self._seen[k] = [0] * self.num_layers
-                self._pending[k] = {}
+            # per kind and layer: the biased average and its number of kept samples, the
+            # iterations seen (counting the dropped first one), this iteration's records
+            self._ema: dict[str, list[float]] = {k: [0.0] * n for k in KINDS}
+            self._count: dict[str, list[int]] = {k: [0] * n for k in KINDS}
+            self._seen: dict[str, list[int]] = {k: [0] * n for k in KINDS}
+            self._pending: dict[str, dict[int, float]] = {k: {} for k in KINDS}
             self.iterations = 0
 
     def __repr__(self) -> str:
