@@ -636,16 +636,15 @@ def estimate_host_memory(
 
     inner, pairs = _masters_of(model)
     params = {id(p): p for p in inner.parameters()}
+    weight_tensors = [*inner.parameters(), *inner.buffers()]
     # a quantized model's weights: packed parameters, and the quant state beside them
-    state_tensors = list(inner.parameters()) + list(inner.buffers()) + carried_tensors(inner)
+    state_tensors = weight_tensors + carried_tensors(inner)
     weights = _unique_storage_bytes(state_tensors)
     mapped = mapped_file_bytes(state_tensors)
     # frozen tensors in a mapping stay there (a trained one is written: copy-on-write)
     frozen_mapped = mapped_file_bytes([t for t in state_tensors if not t.requires_grad]).inside
     num_params = sum(logical_numel(p) for p in params.values())
-    weight_ptrs = {
-        t.untyped_storage().data_ptr() for t in list(inner.parameters()) + list(inner.buffers())
-    }
+    weight_ptrs = {t.untyped_storage().data_ptr() for t in weight_tensors}
     next_gradients = 0
     if pairs is not None:
         mlist = list({id(m): m for _, m in pairs}.values())
@@ -653,19 +652,19 @@ def estimate_host_memory(
         master_numel_bytes = sum(m.nbytes for m in mlist)
         already = weights + masters  # (a master a shard released: a few bytes)
         separate = {id(m): m for p, m in pairs if m is not p}
+        share = -(-sum(m.nbytes for m in separate.values()) // state_shards)  # this rank's
         # (sharded, the default step is synchronous: DataParallel.attach's default; the
         # strategies pass their own)
         is_async = async_step if async_step is not None else bool(separate) and state_shards == 1
         if state_shards > 1:  # its share's (the others' are released)
-            masters = -(-sum(m.nbytes for m in separate.values()) // state_shards)
+            masters = share
         if is_async:
             # a shared master's step is always synchronous: only separate ones overlap;
             # sharded, the step in flight reads this rank's share of them only
-            next_gradients = -(-sum(m.nbytes for m in separate.values()) // state_shards)
+            next_gradients = share
     else:
-        dtype = optim_dtype
         trainable = [p for p in params.values() if p.requires_grad]
-        itemsize = {id(p): _dtype_size(dtype or p.dtype) for p in trainable}
+        itemsize = {id(p): _dtype_size(optim_dtype or p.dtype) for p in trainable}
         master_numel_bytes = sum(p.numel() * itemsize[id(p)] for p in trainable)
         # a parameter that is its own master (same dtype, on the host) adds nothing
         masters = sum(
@@ -673,7 +672,7 @@ def estimate_host_memory(
             for p in trainable
             if not (
                 shared_masters
-                and (dtype or p.dtype) == p.dtype
+                and (optim_dtype or p.dtype) == p.dtype
                 and p.device.type in ("cpu", "meta")  # a meta model stands for a host one
             )
         )
