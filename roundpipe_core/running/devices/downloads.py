@@ -76,29 +76,23 @@ class StagedDownload:
         stager: DownloadStager,
         event: Any,
         copies: list[tuple[torch.Tensor, torch.Tensor]],
-        sources: Sequence[torch.Tensor] = (),
-        span: tuple[int, int] = (0, 0),
+        pieces: list[tuple[int, int, int, torch.Tensor]],
     ) -> None:
         self._stager = stager
-        self._event = event
+        self.event = event
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] | None = copies
-        self.sources: Sequence[torch.Tensor] = sources
-        self.span = span
+        self.pieces = pieces  # (tensor index, first element, end element, pinned view)
+        self.sources: Sequence[torch.Tensor] = ()
+        self.span = (0, 0)  # its bytes in the staging ring
         self.readers: list[Any] = []
-        # (tensor index, first element, end element, pinned view) of each piece
-        self.pieces: list[tuple[int, int, int, torch.Tensor]] = []
         self.registered: list[int] = []  # _PENDING keys that point at this piece
-
-    @property
-    def event(self) -> Any:
-        return self._event
 
     @property
     def finished(self) -> bool:
         return self._copies is None
 
     def dma_done(self) -> bool:
-        return self._event is None or self._event.query()
+        return self.event is None or self.event.query()
 
     def finish(self, wait: bool = True) -> None:
         """Complete the copy-out (stager lock held; ``wait=False``: a later event on the
@@ -109,8 +103,8 @@ class StagedDownload:
         if copies is None:
             return
         try:
-            if wait and self._event is not None and not self._event.query():
-                self._event.synchronize()
+            if wait and self.event is not None and not self.event.query():
+                self.event.synchronize()
             with torch.no_grad():
                 for dst, staged in copies:
                     dst.copy_(staged)
@@ -341,9 +335,7 @@ class DownloadStager:
         self._worker._copy_on(stream, into, True)
         event = torch.cuda.Event()
         event.record(stream)
-        part = StagedDownload(self, event, out_of)
-        part.pieces = pieces
-        return part
+        return StagedDownload(self, event, out_of, pieces)
 
 
 def has_pending() -> bool:
