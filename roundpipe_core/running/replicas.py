@@ -34,18 +34,12 @@ class JobGrads:
         if job.replicas == 1:
             download_grads(stage, self._sink, self._sink_many)
             return
-        params: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-
-        def keep(ps: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
-            params.extend(ps)
-            grads.extend(gs)
-
-        download_grads(stage, lambda p, g: keep([p], [g]), keep)
+        kept: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        download_grads(stage, self._sink, lambda ps, gs: kept.append((ps, gs)))  # one call
         key = (str(job.kind), job.stage)
         with self._lock:
             parts = self._parts.setdefault(key, {})
-            parts[job.replica] = (params, grads)
+            parts[job.replica] = kept[0] if kept else ([], [])
             if len(parts) < job.replicas:
                 return
             del self._parts[key]
