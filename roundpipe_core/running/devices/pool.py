@@ -239,12 +239,9 @@ class DevicePool:
 
     def gpu_models(self) -> list[tuple[str, int]]:
         """``(name, SM count)`` of each distinct GPU the workers use (``[]`` on CPU)."""
-        indices = {getattr(w, "gpu_index", None) for w in self.workers if w.kind == "cuda"}
-        models = set()
-        for index in sorted(i for i in indices if i is not None):
-            props = torch.cuda.get_device_properties(index)
-            models.add((str(props.name), int(props.multi_processor_count)))
-        return sorted(models)
+        indices = {getattr(w, "gpu_index", 0) for w in self.workers if w.kind == "cuda"}
+        props = [torch.cuda.get_device_properties(i) for i in sorted(indices)]
+        return sorted({(str(p.name), int(p.multi_processor_count)) for p in props})
 
     def warn_if_replay_differs(self) -> None:
         """Warn once when a recompute may run on a GPU of another SM count than its forward:
