@@ -77,13 +77,7 @@ def _is_subclass_param(t: torch.Tensor) -> bool:
 class _Describer:
     """Walks a layer once and records how to rebuild what holds tensors."""
 
-    def __init__(
-        self,
-        layer_name: str,
-        sources: Sequence[torch.Tensor],
-        replicas: dict[int, nn.Module],
-    ) -> None:
-        self.layer_name = layer_name
+    def __init__(self, sources: Sequence[torch.Tensor], replicas: dict[int, nn.Module]) -> None:
         self.position = {id(t): i for i, t in enumerate(sources)}
         self.sources = list(sources)
         self.replicas = replicas  # id(host module) -> replica module
@@ -236,7 +230,7 @@ class CarriedState:
         name: str = "layer",
     ) -> None:
         pairs = list(zip(layer.named_modules(remove_duplicate=False), replica.modules()))
-        describer = _Describer(name, sources, {id(m): r for (_, m), r in pairs})
+        describer = _Describer(sources, {id(m): r for (_, m), r in pairs})
         self.params: list[tuple[int, Any]] = [
             (i, describer.param(src, f"{name}: parameter {i} ({type(src).__name__})"))
             for i, src in enumerate(sources)
