@@ -280,6 +280,7 @@ class CUDAWorker(Worker):
         for out in outs:
             _mark_used_by(out, self.compute_stream)
             self.ledger.alloc(out.nbytes, channel)
+        ticket: Any  # a feeder ticket, or the event of the copies
         if channel == PARAM and self._feeder is not None:
             try:
                 ticket = self._submit_param(srcs, outs)
@@ -288,26 +289,23 @@ class CUDAWorker(Worker):
                 for out in outs:
                     self.ledger.free(out.nbytes, channel)
                 raise
-            for out in outs:
-                if out.numel():
-                    self._tickets[out.data_ptr()] = ticket
-            return outs
-        pairs = [(o, s) for s, o in zip(srcs, outs) if o.numel()]
-        with torch.cuda.device(self.device), read_pending(pairs) as (pairs, pending):
-            # a source still owed by a deferred download comes from its pinned piece,
-            # after that download's event (on whichever worker it was issued)
-            for piece in pending:
-                stream.wait_event(piece.event)
-            self._copy_on(stream, pairs, True)
-            event = torch.cuda.Event()
-            event.record(stream)
-            for piece in pending:  # not reused before this upload has read it
-                piece.readers.append(event)
-        with self._event_lock:
-            self._events[channel] = event
+        else:
+            pairs = [(o, s) for s, o in zip(srcs, outs) if o.numel()]
+            with torch.cuda.device(self.device), read_pending(pairs) as (pairs, pending):
+                # a source still owed by a deferred download comes from its pinned piece,
+                # after that download's event (on whichever worker it was issued)
+                for piece in pending:
+                    stream.wait_event(piece.event)
+                self._copy_on(stream, pairs, True)
+                ticket = torch.cuda.Event()
+                ticket.record(stream)
+                for piece in pending:  # not reused before this upload has read it
+                    piece.readers.append(ticket)
+            with self._event_lock:
+                self._events[channel] = ticket
         for out in outs:
             if out.numel():
-                self._tickets[out.data_ptr()] = event
+                self._tickets[out.data_ptr()] = ticket
         return outs
 
     def _submit_param(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
