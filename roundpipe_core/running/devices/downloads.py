@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .feeder import Piece, plan_chunks
+from .memory import next_pow2
 
 __all__ = [
     "ALIGN",
@@ -162,9 +163,7 @@ class DownloadStager:
     def pinned_bytes(self) -> int:
         """Page-locked bytes of both rings once allocated (each block rounded up to a power
         of two, as PyTorch's pinned allocator does)."""
-        return sum(
-            1 << max(n - 1, 0).bit_length() for n in (_aligned(self.staging_bytes), self.lazy_bytes)
-        )
+        return sum(next_pow2(n) for n in (_aligned(self.staging_bytes), self.lazy_bytes))
 
     # -- the staging ring ------------------------------------------------------------
     def download(

@@ -151,10 +151,7 @@ def _storage_groups(
         storage = t.untyped_storage()
         if storage.nbytes() == 0:
             continue
-        key = storage.data_ptr()
-        if key not in groups:
-            groups[key] = (storage, [])
-        groups[key][1].append(t)
+        groups.setdefault(storage.data_ptr(), (storage, []))[1].append(t)
     return list(groups.values())
 
 
@@ -162,7 +159,8 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The pinned allocator's block for ``n`` bytes: the next power of two."""
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -183,7 +181,7 @@ def pack_slabs(sizes: Sequence[int], slab_bytes: int = DEFAULT_SLAB_BYTES) -> li
         else:
             slab, offset = len(used), 0
             used.append(0)
-            capacity.append(slab_bytes if size <= slab_bytes else _next_pow2(size))
+            capacity.append(slab_bytes if size <= slab_bytes else next_pow2(size))
         placement.append((slab, offset))
         used[slab] = offset + size
     return placement
