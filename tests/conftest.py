@@ -257,7 +257,7 @@ def route_cpu_workers_to_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     original = pool.resolve_devices
 
     def cpu_default() -> int:
-        getter = getattr(pool, "_cpu_count_from_env", None)
+        getter = getattr(pool, "_cpu_count", None)
         return getter() if getter else int(os.environ.get("ROUNDPIPE_CPU_DEVICES", "2"))
 
     def routed(devices: Any) -> list[torch.device]:
