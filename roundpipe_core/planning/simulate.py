@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..kinds import JobKind, RunType, check_flag, check_int, parse_kind
 from .plan import ModelExecutePlan
