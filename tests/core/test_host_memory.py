@@ -420,9 +420,7 @@ def _budget(total_gib: float, allocated_gib: float = 0.0) -> HostMemoryBudget:
 
 def test_check_refuses_with_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ROUNDPIPE_SKIP_MEMORY_CHECK", raising=False)
-    with pytest.raises(
-        HostMemoryError, match=r"needs 9 GiB more.*only 8 GiB is available"
-    ) as info:
+    with pytest.raises(HostMemoryError, match=r"needs 9 GiB more.*only 8 GiB is available") as info:
         check_host_memory(_budget(10, allocated_gib=1), available=8 * 1024**3)
     assert isinstance(info.value, ValueError) and isinstance(info.value, MemoryError)
     assert "optimizer state" in str(info.value)  # the table comes with it
@@ -543,8 +541,7 @@ def test_summary_is_one_line_of_need_against_available() -> None:
     line = budget.summary(2**30)
     assert "\n" not in line
     assert line == (
-        "host memory: needs 1 MiB for the whole process (120 B still to allocate), "
-        "1 GiB available"
+        "host memory: needs 1 MiB for the whole process (120 B still to allocate), 1 GiB available"
     )
     assert budget.summary(None).endswith("available unknown")
     assert len(str(budget).splitlines()) > 10  # the table, on request

@@ -122,8 +122,6 @@ def test_a_run_that_cannot_fit_is_refused_with_the_table(
 
     monkeypatch.delenv("ROUNDPIPE_SKIP_MEMORY_CHECK", raising=False)
     monkeypatch.setattr(strategy_module, "available_host_memory", lambda: 1024)
-    with pytest.raises(
-        HostMemoryError, match=r"(?s)only 1 KiB is available.*host memory budget"
-    ):
+    with pytest.raises(HostMemoryError, match=r"(?s)only 1 KiB is available.*host memory budget"):
         rp_trainer(max_steps=1).fit(SeqModule(), loader())
     assert lightning_log.saying("1 KiB available")
