@@ -543,7 +543,7 @@ class RoundPipe(RoundPipeBase):
                 "owns (a unit of an automatic split): call the owner's forward"
             )
         steps = self._steps
-        steps.check_failure()
+        steps.raise_failure()
         self.masters.take_back_grads()
         t0 = time.perf_counter()
         with self._call_lock:

@@ -1,23 +1,13 @@
 """The one owner of a RoundPipe's optimizer side: :class:`StepOwner`.
 
-Everything a step involves -- the optimizer thread (``stepper``), weight versions and
-their publication (``versions``), the layer-wise step (``layerwise``) and the
-overlapped iterations whose gradients a step waits for (``pipelined``) -- sits behind
-this object. The model and the adapters call its verbs, and nothing else of the wing
-but the gradient buffers, pending results and masters they hand around:
-
-* steps: :meth:`~StepOwner.step`, :meth:`~StepOwner.step_layerwise`;
-* waiting: :meth:`~StepOwner.wait_step` (the step in flight), :meth:`~StepOwner.drain`
-  (the iterations in flight, before a blocking call), :meth:`~StepOwner.settle`
-  (everything: ``synchronize()``);
-* gradients: :meth:`~StepOwner.fold` (a ``forward()``'s backward's gradients into ``.grad``),
-  :meth:`~StepOwner.after_step` (work that must follow the step in flight),
-  :meth:`~StepOwner.in_step_order` (the caller's work, e.g. ``zero_grad``, in program order);
-* calls: :meth:`~StepOwner.pipelined_call` (every ``forward_backward``: the weight
-  versions its uploads read), :meth:`~StepOwner.call_ended`,
-  :meth:`~StepOwner.check_failure`;
-* lifecycle: :meth:`~StepOwner.check_open`, :attr:`~StepOwner.closed`,
-  :meth:`~StepOwner.shutdown`, :meth:`~StepOwner.unobserved_error`.
+It is the optimizer thread (``stepper``) with the weight versions and their
+publication (``versions``), the layer-wise step (``layerwise``) and the overlapped
+iterations whose gradients a step waits for (``pipelined``) behind it. The model and
+the adapters call its verbs -- steps, waiting (``wait_step``, ``drain``, ``settle``),
+gradients (``fold``, ``after_step``, ``in_step_order``), calls (``pipelined_call``,
+``call_ended``, ``raise_failure``) and the lifecycle (``check_open``, ``shutdown``) --
+and nothing else of the wing but the buffers, pending results and masters they hand
+around.
 """
 
 from __future__ import annotations
@@ -33,9 +23,7 @@ from ..planning.schedule import Job
 from ..running.devices.pool import PoolError
 from ..running.runtime import PipelineRun
 from .layerwise import GradCompletion
-from .masters import MasterWeights
 from .pipelined import GradBuffer, PendingResult, PipelinedRuns
-from .stepper import Stepper
 from .versions import PublicationGate
 
 __all__ = ["PipelinedCall", "StepOwner"]
@@ -64,11 +52,10 @@ class PipelinedCall:
         the model, through a :class:`PublicationGate` -- a copy that ended without
         copying (its step failed; the next ``step()`` raises that) lets the call read
         the weights the model holds, the last completed step's."""
-        runs = self._runs
-        publication = runs.stepper.last_publication()
+        publication = self._runs.last_publication()
         if self._blocking and publication is not None and not publication.done():
-            return PublicationGate(runs.versions, runs.stepper, publication)
-        return runs.versions
+            return PublicationGate(self._runs.versions, self._runs, publication)
+        return self._runs.versions
 
     def completion(
         self, jobs: Sequence[Job], masters_of: Callable[[Job], list[nn.Parameter]]
@@ -76,21 +63,19 @@ class PipelinedCall:
         """Which masters' gradients are complete as the call's backward goes: completing
         ones wake the optimizer thread (a layer-wise step reads them) and, with gradient
         hooks, are merged and reported at once (:meth:`PipelinedRuns.merge_completed`)."""
-        runs = self._runs
         return GradCompletion(
             jobs,
             masters_of,
-            runs.versions.notify,
-            lambda masters: runs.merge_completed(self.pending_result, masters),
+            self._runs.versions.notify,
+            lambda masters: self._runs.merge_completed(self.pending_result, masters),
         )
 
     def reserve(self, job_layers: Sequence[range], num_devices: int) -> Any:
         """The call's jobs are known: the next call starts on the device after its last,
         and its uploads read the version the next step will not overwrite under them.
         Returns the reader its uploads register with."""
-        runs = self._runs
-        runs.next_device = (runs.next_device + len(job_layers)) % num_devices
-        self.reader = runs.versions.register(runs.target_version, job_layers)
+        self._runs.next_device = (self._runs.next_device + len(job_layers)) % num_devices
+        self.reader = self._runs.versions.register(self._runs.target_version, job_layers)
         return self.reader
 
     def pending(
@@ -104,16 +89,15 @@ class PipelinedCall:
     ) -> PendingResult:
         """The handle the caller gets; the step issued before this call consumes the
         gradients before these."""
-        runs = self._runs
         pending = PendingResult(
-            runs,
-            runs.calls,
+            self._runs,
+            self._runs.calls,
             run,
             buffer,
             cfg,
             num_microbatch,
             return_outputs,
-            prev_step=runs.stepper.tail(),
+            prev_step=self._runs.tail(),
         )
         pending.completion = completion
         self.pending_result = pending
@@ -121,18 +105,17 @@ class PipelinedCall:
 
     def launch(self, pending: PendingResult) -> None:
         """The call's jobs were submitted: it is in flight from now on."""
-        runs = self._runs
-        runs.add(pending)
+        self._runs.add(pending)
         self.launched = True
-        # A failure recorded after this call's check_failure() aborted the calls in flight
+        # A failure recorded after this call's raise_failure() aborted the calls in flight
         # before this one was among them: abort it too, or its uploads would wait for a
         # weight version the failed step never publishes (the failure is recorded before
         # the calls in flight are read, and this call is added before the failure is)
-        if runs.stepper.failure is not None:
+        if self._runs.failure is not None:
             pending.run.fail(PoolError("an earlier pipelined iteration or step failed"))
 
 
-class StepOwner:
+class StepOwner(PipelinedRuns):
     """A RoundPipe's optimizer side (see the module docstring).
 
     Args:
@@ -140,19 +123,8 @@ class StepOwner:
         layers: the model's layers.
         masters: the master copies the optimizer updates.
         intra_op_threads: the optimizer thread's intra-op threads (None: the default).
+        grad_hooks: told of each master whose gradient of a call entered ``.grad``.
     """
-
-    def __init__(
-        self,
-        name: str,
-        layers: list[nn.Module],
-        masters: MasterWeights,
-        intra_op_threads: int | None = None,
-        grad_hooks: list[Callable[[list[nn.Parameter]], None]] | None = None,
-    ) -> None:
-        self.masters = masters
-        self._stepper = Stepper(name, intra_op_threads)
-        self._runs = PipelinedRuns(layers, masters, self._stepper, grad_hooks)
 
     # -- steps --------------------------------------------------------------------------
     def step(
@@ -174,26 +146,25 @@ class StepOwner:
         a wrapper adds what it keeps outside the masters).
         """
         settle = settle or self.settle
-        runs = self._runs
-        runs.raise_failure()
-        if runs.inflight():
-            runs.defer_step(fn)  # its error is raised through raise_failure()
+        self.raise_failure()
+        if self.inflight():
+            self.defer_step(fn)  # its error is raised through raise_failure()
         else:
             if is_async and may_publish_in_background and self._previous_step_lets_publish():
                 self.masters.take_back_grads()  # the copy into the model: on the thread
             else:
                 settle()  # the copy now (and the previous step's error raised)
-            runs.queue_publish_then_step(fn)  # its error is raised by settle()
+            self.queue_publish_then_step(fn)  # its error is raised by settle()
         if not is_async:
             settle()
 
     def _previous_step_lets_publish(self) -> bool:
         """The step before is a plain one that has not failed already (that error is
         raised by this ``step()``, as always)."""
-        pending = self._stepper.pending()
+        pending = self.pending()
         if pending is None:
             return True
-        if self._stepper.pending_is_guarded():
+        if self.pending_is_guarded():
             return False
         return not (pending.done() and pending.exception() is not None)
 
@@ -210,9 +181,8 @@ class StepOwner:
         in flight complete; with none in flight, one ``step_params(all masters)`` and
         ``finish()``. ``wrap`` wraps the work item (the step recorder)."""
         settle = settle or self.settle
-        runs = self._runs
-        runs.raise_failure()
-        if not runs.inflight():
+        self.raise_failure()
+        if not self.inflight():
             masters = self.masters.params()
 
             def whole() -> None:
@@ -222,53 +192,43 @@ class StepOwner:
 
             self.step(wrap(whole), is_async, may_publish_in_background, settle)
             return
-        runs.defer_layerwise_step(step_params, finish, wrap)
+        self.defer_layerwise_step(step_params, finish, wrap)
         if not is_async:
             settle()
 
     # -- waiting ------------------------------------------------------------------------
-    def wait_step(self) -> None:
-        """Block until the step in flight (if any) has run; its error is raised later,
-        by :meth:`settle`."""
-        self._stepper.wait_step()
-
     def drain(self) -> None:
         """Before a ``forward()``: wait for the iterations in flight and for the weights
         the model should hold now; raise an earlier failure. Their gradients stay
         buffered until the next step."""
-        self._runs.wait_all()
-        self._stepper.wait_publication()
-        self._runs.raise_failure()
+        self.wait_all()
+        self.wait_publication()
+        self.raise_failure()
 
     def settle(self) -> None:
         """Wait for everything in flight -- iterations and steps -- raising the first
         error; merge finished iterations not followed by a step; the masters are then
         the model's weights."""
-        runs = self._runs
-        runs.raise_failure()
-        runs.drain()
-        runs.raise_failure()
-        runs.merge_finished()
-        fut = self._stepper.take_pending()
+        self.raise_failure()
+        self.wait_idle()
+        self.raise_failure()
+        for r in self.inflight():  # all finished: merged in issue order
+            self.merge(r)
+        fut = self.take_pending()
         if fut is not None:
             fut.result()
-            runs.publish_all()
-        # work queued behind the step (in_step_order, gradient merges) ran in drain()
-        self._stepper.wait_after()
+            self.publish_all()
+        # work queued behind the step (in_step_order, gradient merges) ran in wait_idle()
+        self.wait_after()
 
     # -- gradients ----------------------------------------------------------------------
     def fold(self, buffer: GradBuffer) -> None:
         """Add the gradients of a ``forward()``'s finished backward to the masters'
         ``.grad`` (a ``forward_backward``'s go through its ``PendingResult``), once the
         step in flight (which reads and clears them) and the work queued behind it ran."""
-        self._stepper.wait_step()
-        self._stepper.wait_after()
+        self.wait_step()
+        self.wait_after()
         self.masters.add_many(buffer.take())
-
-    def after_step(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` once the step in flight has read the previous gradients: at once
-        when none is in flight, else on the optimizer thread right after it."""
-        self._stepper.after_step(fn)
 
     def in_step_order(self, fn: Callable[[], Any], settle: Callable[[], None]) -> None:
         """Run ``fn`` (e.g. an optimizer's ``zero_grad``) where the caller issued it
@@ -277,58 +237,32 @@ class StepOwner:
         in flight, whose gradients enter ``.grad`` only before the next step, ``settle()``
         first (they are merged) and ``fn`` runs at once. Its error is raised by the next
         call, ``step()`` or ``synchronize()``."""
-        if self._runs.inflight():
+        if self.inflight():
             settle()
             fn()
             return
-        self._stepper.after_step(fn)
+        self.after_step(fn)
 
     # -- calls --------------------------------------------------------------------------
-    def check_failure(self) -> None:
-        """Raise an earlier failure of a step or an overlapped iteration, once everything
-        in flight has stopped (the model then holds the last good step's weights)."""
-        self._runs.raise_failure()
-
     @contextmanager
     def pipelined_call(self, blocking: bool) -> Iterator[PipelinedCall]:
-        """Around issuing a ``forward_backward`` (after :meth:`check_failure`): a call
+        """Around issuing a ``forward_backward`` (after :meth:`raise_failure`): a call
         that is not launched releases what it reserved."""
         if not blocking:
             # a plain step in flight: its error must stop this call and the next ones
             # (the failure path); a blocking call reads the last good weights instead,
             # and the next step() raises it
-            self._stepper.guard_pending()
-        call = PipelinedCall(self._runs, blocking)
+            self.guard_pending()
+        call = PipelinedCall(self, blocking)
         try:
             yield call
         finally:
             if not call.launched and call.reader is not None:
-                self._runs.versions.finish(call.reader)
+                self.versions.finish(call.reader)
 
     def call_ended(self, pending: PendingResult) -> None:
         """A pipelined call's jobs are all done (its last worker's thread): release what
         its uploads read, and report its error to the failure path."""
-        self._runs.versions.finish(pending.run.reader)
+        self.versions.finish(pending.run.reader)
         if pending.error is not None:
-            self._runs.record_run_error(pending)
-
-    # -- lifecycle ----------------------------------------------------------------------
-    def check_open(self) -> None:
-        """Raises ``ClosedError`` after :meth:`shutdown`."""
-        self._stepper.check_open()
-
-    @property
-    def closed(self) -> bool:
-        return self._stepper.closed
-
-    def on_optimizer_thread(self) -> bool:
-        """Whether the caller is the optimizer thread (a ``step_fn`` running)."""
-        return self._stepper.on_thread()
-
-    def shutdown(self, timeout: float | None = 0.0) -> None:
-        """Stop the optimizer thread once its queue is done; wait up to ``timeout`` s."""
-        self._stepper.shutdown(timeout)
-
-    def unobserved_error(self) -> BaseException | None:
-        """An error of queued work that finished and was never raised to the caller."""
-        return self._stepper.unobserved_error()
+            self.record_run_error(pending)

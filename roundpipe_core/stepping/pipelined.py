@@ -21,7 +21,7 @@ while other devices still run k's backward tail. Three pieces make that exact:
 issue order, defers a step until the gradients it consumes are complete and
 turns a failure into one error raised by the next call.
 
-Lock order: ``PipelinedRuns._merge_lock`` before ``PipelinedRuns._lock``; the
+Lock order: ``PipelinedRuns._merge_lock`` before ``PipelinedRuns._runs_lock``; the
 stepper's and the masters' locks are innermost. No lock here is held while
 waiting for an iteration or a queued step.
 """
@@ -264,44 +264,40 @@ class PendingResult:
         return self._runs.result_of(self)
 
 
-class PipelinedRuns:
-    """The overlapped iterations of one RoundPipe: weight versions, the runs in flight,
-    the merge of their gradients and the steps deferred behind them.
-
-    Args:
-        layers: the model's layers.
-        masters: the master copies the gradients go to.
-        stepper: the optimizer thread steps and publications are queued on.
-    """
+class PipelinedRuns(Stepper):
+    """The optimizer thread with the overlapped iterations of one RoundPipe: weight
+    versions, the runs in flight, the merge of their gradients and the steps deferred
+    behind them (``StepOwner`` is the face; the arguments are its own)."""
 
     def __init__(
         self,
+        name: str,
         layers: list[nn.Module],
         masters: MasterWeights,
-        stepper: Stepper,
+        intra_op_threads: int | None = None,
         grad_hooks: list[Callable[[list[nn.Parameter]], None]] | None = None,
     ) -> None:
+        super().__init__(name, intra_op_threads)
         self.masters = masters
-        self.stepper = stepper
         # told of each master whose gradient of a call entered .grad (register_grad_hook)
         self.grad_hooks = grad_hooks if grad_hooks is not None else []
         self.versions = WeightVersions(
             layers, masters.entries, masters.released, masters.publishers
         )
-        self._lock = threading.Lock()  # guards the fields below
-        self._merge_lock = threading.Lock()  # one merge at a time; taken before _lock
+        self._runs_lock = threading.Lock()  # guards the fields below
+        self._merge_lock = threading.Lock()  # one merge at a time; taken before _runs_lock
         self._inflight: list[PendingResult] = []  # runs whose grads are not in .grad yet
         self.target_version = 0  # the weight version a call issued now computes with
         self.next_device = 0  # round-robin continues from one pipelined call to the next
         self.calls = 0
-        stepper.on_failure = self.abort_all
+        self.on_failure = self.abort_all
 
     def inflight(self) -> list[PendingResult]:
-        with self._lock:
+        with self._runs_lock:
             return list(self._inflight)
 
     def add(self, pending: PendingResult) -> None:
-        with self._lock:
+        with self._runs_lock:
             self._inflight.append(pending)
             self.calls += 1
 
@@ -326,7 +322,7 @@ class PipelinedRuns:
             if only is not None:
                 return
             r.merged = True
-            with self._lock:
+            with self._runs_lock:
                 if r in self._inflight:
                     self._inflight.remove(r)
 
@@ -345,107 +341,105 @@ class PipelinedRuns:
 
     def merge_completed(self, r: PendingResult, masters: list[nn.Parameter]) -> None:
         """Masters of ``r`` whose gradients are complete while it still runs: with gradient
-        hooks, merge and report them now -- once the step in flight has read the previous
-        gradients (on the optimizer thread right after it) -- so a data-parallel reducer
-        starts on the deep layers while the backward goes on. Only the oldest call not yet
-        merged does so (the masters' sums keep the issue order of a blocking loop); a
-        later one's masters are reported when it is merged."""
+        hooks, merge and report them once the step in flight has read the previous
+        gradients, so a data-parallel reducer starts on the deep layers while the backward
+        goes on. Only the oldest call not yet merged does so (the sums keep a blocking
+        loop's order); a later one's masters are reported when it is merged."""
         if not self.grad_hooks:
             return
 
         def merge_if_oldest() -> None:
-            with self._lock:
+            with self._runs_lock:
                 oldest = bool(self._inflight) and self._inflight[0] is r
             if oldest:
                 self.merge(r, masters)
 
-        self.stepper.after_step(merge_if_oldest)
-
-    def merge_finished(self) -> None:
-        """Merge every run in flight (all finished: the caller waited for them)."""
-        for r in self.inflight():
-            self.merge(r)
+        self.after_step(merge_if_oldest)
 
     def wait_all(self) -> None:
         for r in self.inflight():
             r.wait()
 
-    def drain(self) -> None:
+    def wait_idle(self) -> None:
         """Wait until every run in flight and the optimizer thread's queue have stopped."""
         self.wait_all()
-        self.stepper.wait_tail()
+        self.wait_tail()
 
     def raise_failure(self) -> None:
         """After a pipelined failure: wait until everything in flight has stopped, drop the
         failed pipeline's gradients, put the masters into the model (the state the last
         good step left) and raise the error once."""
-        if self.stepper.failure is None:
+        if self.failure is None:
             return
-        self.drain()
-        with self._lock:
+        self.wait_idle()
+        with self._runs_lock:
             for r in self._inflight:
                 r.buffer.clear()
             self._inflight.clear()
-        exc = self.stepper.reset_after_failure()
+        exc = self.reset_after_failure()
         self.publish_all()
         if exc is not None:
             raise exc
 
     def publish_all(self) -> None:
         """The masters are the model's weights now (``synchronize()``)."""
-        steps = self.stepper.steps
+        steps = self.steps
         self.versions.wait_ended_uploads()  # no DMA of a drained run still reads the copy
         # the released masters' values, from their owners (collective: a sharded rank's
         # first publication of this version, the same on every rank)
         self.versions.publish_remote(steps, lambda: False)
         self.masters.copy_to_model(skip=self.versions.remote_keys())  # (those: just written)
         self.versions.set_all(steps)
-        with self._lock:
+        with self._runs_lock:
             self.target_version = steps
+
+    def _retarget(self) -> tuple[int, list[PendingResult]]:
+        """A step is queued: calls issued from now on read the weights of the step before
+        it (the version a blocking ``step()`` would copy into the model now). Returns that
+        version and the runs whose gradients the step consumes."""
+        version = self.steps
+        runs = [r for r in self.inflight() if not r.merged]
+        with self._runs_lock:
+            self.target_version = version
+        return version, runs
 
     def defer_step(self, step_fn: Callable[[], Any]) -> None:
         """Queue, on the optimizer thread: publish the last step's weights (as the blocking
         ``step()`` copies them at its call), then the step itself once the gradients of
         the pipelined runs issued before it are complete."""
-        stepper = self.stepper
-        version = stepper.steps  # the blocking step() would copy this version into the model now
-        runs = [r for r in self.inflight() if not r.merged]
-        with self._lock:
-            self.target_version = version
+        version, runs = self._retarget()
         versions = self.versions
-        stepper.queue_publication(
-            lambda: versions.publish(version, lambda: stepper.failure is not None)
+        self.queue(
+            lambda: versions.publish(version, lambda: self.failure is not None),
+            guarded=True,
+            step=False,
+            publishes=True,
         )
-        merge = self.merge
 
         def deferred_step() -> None:
             for r in runs:
                 r.wait()
                 if r.error is not None:
                     raise r.error
-            failure = stepper.failure
+            failure = self.failure
             if failure is not None:
                 raise failure
             for r in runs:
-                merge(r)
+                self.merge(r)
             step_fn()
 
-        stepper.queue_guarded_step(deferred_step)
+        self.queue(deferred_step, guarded=True)
 
     def queue_publish_then_step(self, step_fn: Callable[[], Any]) -> None:
-        """After blocking calls: queue, as one plain step on the optimizer thread, the copy
-        of the last step's weights into the model (what the blocking ``step()`` used to
-        do on the caller) followed by ``step_fn``. A blocking call issued meanwhile waits
-        for each layer's copy just before uploading it.
+        """After blocking calls: queue, as one plain step, the copy of the last step's
+        weights into the model followed by ``step_fn``. A blocking call issued meanwhile
+        waits for each layer's copy just before uploading it.
 
         If the step before failed, neither runs: the model keeps the last completed
         step's weights and the error is raised by the next ``step()`` or
         ``synchronize()``, as when ``step()`` finds that failure already raised."""
-        stepper = self.stepper
-        version = stepper.steps  # the weights of the step queued before this one
-        previous = stepper.pending()
-        with self._lock:
-            self.target_version = version
+        version, _ = self._retarget()
+        previous = self.pending()
         versions = self.versions
 
         def publish_then_step() -> None:
@@ -454,8 +448,8 @@ class PipelinedRuns:
             versions.publish(version, lambda: False)
             step_fn()
 
-        stepper.queue_step(publish_then_step, publishes=True)
-        publication = stepper.last_publication()
+        self.queue(publish_then_step, guarded=False, publishes=True)
+        publication = self.last_publication()
         if publication is not None:  # a blocking upload waiting for a skipped copy wakes up
             publication.add_done_callback(lambda _: versions.notify())
 
@@ -468,43 +462,39 @@ class PipelinedRuns:
         """As :meth:`defer_step`, stepping each parameter as soon as its gradients are
         complete (``layerwise.run_layerwise``): one work item publishes the last step's
         weights and runs the step, interleaved per parameter."""
-        stepper = self.stepper
-        version = stepper.steps
-        runs = [r for r in self.inflight() if not r.merged]
-        with self._lock:
-            self.target_version = version
+        version, runs = self._retarget()
         item = functools.partial(
             run_layerwise,
             self.versions,
             self.masters,
-            stepper,
+            self,
             runs,
             version,
             step_params,
             self.merge,
             finish,
         )
-        stepper.queue_guarded_step(wrap(item), publishes=True)
+        self.queue(wrap(item), guarded=True, publishes=True)
 
     def record_run_error(self, p: PendingResult) -> None:
         """A run ended with ``p.error``: report the cause if a failure aborted it."""
         assert p.error is not None
-        failure = self.stepper.failure
+        failure = self.failure
         if isinstance(p.error, PoolError) and failure is not None:
             p.error = failure
-        self.stepper.record_failure(p.error)
+        self.record_failure(p.error)
 
     def result_of(self, r: PendingResult) -> Any:
         """``r.result()``: raise its error, or merge it (and the runs before it) and
         return what the blocking call would have returned."""
         if r.error is not None:
-            self.stepper.mark_reported(r.error)
+            self.mark_reported(r.error)
             raise r.error
         if r.prev_step is not None:
             r.prev_step.exception()  # that step consumed the gradients before these
-        if not r.merged and self.stepper.failure is not None:
+        if not r.merged and self.failure is not None:
             self.raise_failure()  # its gradients were dropped with the failed pipeline
-        with self._lock:
+        with self._runs_lock:
             # runs issued after the same step, up to this one, go into .grad together
             earlier = self._inflight[: self._inflight.index(r) + 1] if r in self._inflight else []
         for e in earlier:
