@@ -1,15 +1,10 @@
-"""RoundPipe: wraps an ``nn.Sequential``, owns its layers, the optimizer's master
-copies and the asynchronous step.
+"""RoundPipe: the pipelined calls of an ``nn.Sequential`` whose state stays on the host.
 
-The wrapped module stays on the host. Each pipelined call splits the batch into microbatches,
-builds the iteration's schedule (``schedule.py``) and runs it on the device pool (``runtime.py``).
-Gradients land in the master copies (``optim_parameters()``); ``step()`` runs the user's
-optimizer on them on a dedicated thread (``stepper.py``) and copies the result back into the
-module's own parameters.
-
-:class:`RoundPipe` adds the pipelined calls to :class:`~roundpipe_core.base.RoundPipeBase`
-(masters, step, ``synchronize``, attribute fall-through); ``AutoRoundPipe``
-(``autosplit.py``) is its sibling.
+Each call splits the batch into microbatches, builds the iteration's schedule
+(``schedule.py``) and runs it on the device pool (``runtime.py``); gradients land in the
+master copies. The masters, the step and ``synchronize`` are
+:class:`~roundpipe_core.base.RoundPipeBase`'s, the plans
+:class:`~roundpipe_core.plan_choice.PlanChoice`'s.
 """
 
 from __future__ import annotations
@@ -72,13 +67,10 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             (an automatic split runs parts of one model as inner RoundPipes): this one then
             makes no masters and accumulates its gradients into the owner's.
         shared_masters: ``True``: a trainable parameter that already has ``optim_dtype``
-            (e.g. an fp32 model with fp32 masters) is its own master -- one tensor
-            instead of two, the optimizer updates the module's weights in place and
-            ``optim_parameters()`` are the module's own parameters (the others, e.g.
-            bf16 ones, still get fp32 copies). With no second copy for devices to
-            read while a step writes, every ``step()`` is synchronous
-            (``is_async=True`` runs as ``False``, with a warning): the same numbers
-            as plain PyTorch, 4 B/param less host memory for fp32. ``None`` (default): ``True``
+            is its own master -- one tensor instead of two (4 B/param less for fp32), the
+            optimizer updates the module's weights in place (others still get copies).
+            Every ``step()`` is then synchronous (``is_async=True`` runs as ``False``,
+            with a warning), with plain PyTorch's numbers. ``None`` (default): ``True``
             on CPU workers, ``False`` on GPUs (``RoundPipeBase.default_shared_masters``).
         loss_reduction: how ``forward_backward`` combines its per-microbatch losses:
             ``"sum"`` (default, the published contract: they are added up) or ``"mean"``
@@ -86,10 +78,9 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             batch mean gives the whole batch's mean loss and gradients, also for uneven
             microbatches). Also a settable attribute; a call's ``loss_reduction=`` wins.
         offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
-            state live in files there and the layer-wise step streams them
-            (``step_layerwise(functools.partial(step_subset, opt), finish=opt.zero_grad)``;
-            ``step()`` raises ValueError). Needs ``shared_masters`` False or None. See
-            ``docs/host-memory.md``.
+            state live in files there, streamed by ``step_layerwise(functools.partial(
+            step_subset, opt), finish=opt.zero_grad)`` (``step()`` raises ValueError).
+            Needs ``shared_masters`` False or None. See ``docs/host-memory.md``.
 
     Attributes:
         loss_multiplier: ``None`` or a callable read once per ``forward_backward`` (in the
@@ -169,18 +160,6 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             cfg.split_input, args, kwargs, self.num_microbatch_for(cfg.num_microbatch)
         )
 
-    @staticmethod
-    def _split_label(cfg: RoundPipeRunConfig, label: Any, split: batching.SplitInputs) -> list:
-        return batching.split_call_labels(
-            cfg.split_label, label, len(split.parts), split.sizes, split.batch_size
-        )
-
-    def _rng_base(self) -> int:
-        """The base seed of a call's random streams: the process's seed and the call count
-        (seeded runs repeat; the global generator, the caller's sampler's, is not drawn)."""
-        self._seed_calls += 1
-        return hash((torch.initial_seed(), self._seed_calls)) & (2**62 - 1)
-
     def _new_run(
         self,
         cfg: RoundPipeRunConfig,
@@ -192,6 +171,9 @@ class RoundPipe(PlanChoice, RoundPipeBase):
         """A run's state."""
         if run_type != RunType.INFER and cfg.preserve_rng_state is not False:
             self.pool.warn_if_replay_differs()  # recompute replays the forward's draws
+        # the base seed of its random streams: the process's seed and the call count
+        # (seeded runs repeat; the global generator, the caller's sampler's, is not drawn)
+        self._seed_calls += 1
         return PipelineRun(
             self.layers,
             boundary_layers(plan, run_type),
@@ -203,7 +185,7 @@ class RoundPipe(PlanChoice, RoundPipeBase):
                 RecomputeGrain, cfg.recompute_grain or RecomputeGrain.STAGE, "recompute_grain"
             ),
             rule_checker=self._rule_checker,
-            rng_base=self._rng_base(),
+            rng_base=hash((torch.initial_seed(), self._seed_calls)) & (2**62 - 1),
             **kw,
         )
 
@@ -221,8 +203,7 @@ class RoundPipe(PlanChoice, RoundPipeBase):
         ok: bool = True,
     ) -> None:
         """The one writer of ``last_call``: a pipelined run is done (a non-blocking call's
-        on its last worker's thread, after its timing's last ``add``). A run that
-        succeeded (``ok``) gives its layer times to the timer, as one iteration."""
+        on its last worker's thread); one that succeeded gives its layer times to the timer."""
         timing = run.timing
         timing.schedule += jobs
         with self._timer_lock:
@@ -233,33 +214,11 @@ class RoundPipe(PlanChoice, RoundPipeBase):
                     timing.samples, timing.tokens = extent
             self.__dict__["last_call"] = timing  # (nn.Module's setattr is slow)
 
-    def _execute_locked(self, run: PipelineRun, jobs: list[Job]) -> None:
-        with self._call_lock:
-            self._execute(run, jobs)
-
     def _record_call(self, t0: float, args: Any, kwargs: Any) -> None:
         """Wall time and batch size of the call, on its last run's timing."""
         timing = self.last_call
         timing.wall_ms = (time.perf_counter() - t0) * 1000.0
         timing.samples, timing.tokens = batch_extent(args, kwargs)
-
-    @staticmethod
-    def _loss_weights(
-        reduction: str, loss_fn: Any, split: batching.SplitInputs
-    ) -> list[float] | None:
-        """Each microbatch's loss factor under ``reduction`` (``None``: all 1)."""
-        return microbatch_loss_weights(
-            reduction, loss_fn, split.sizes, split.batch_size, len(split.parts)
-        )
-
-    def _loss_factor(self) -> float:
-        """The loss multiplier of this call, read once in the caller's thread."""
-        if self.loss_multiplier is None:
-            return 1.0
-        factor = self.loss_multiplier()
-        if not isinstance(factor, (int, float, torch.Tensor)) or isinstance(factor, bool):
-            raise TypeError(f"loss_multiplier() must return a number, got {type(factor).__name__}")
-        return float(factor)
 
     # -- pipelined calls -------------------------------------------------------------------
     def forward(
@@ -273,7 +232,8 @@ class RoundPipe(PlanChoice, RoundPipeBase):
         t0 = time.perf_counter()
         self._check_open("forward (rp(x))")
         cfg = self._config(roundpipe_run_config)
-        self._drain_runs()
+        self._steps.drain()  # their gradients stay buffered until the next step
+        self._home().masters.take_back_grads()
         requires_grad = cfg.requires_grad
         if requires_grad is None:
             requires_grad = torch.is_grad_enabled() and bool(self._home().masters)
@@ -325,7 +285,8 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             )
 
         def execute(run: PipelineRun, jobs: list[Job]) -> None:
-            self._execute_locked(run, jobs)
+            with self._call_lock:
+                self._execute(run, jobs)
             if any(j.kind != "forward" for j in jobs):
                 self._fold_grads(buffer)  # only a backward that completed leaves gradients
 
@@ -359,13 +320,11 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             return_outputs: also return the merged outputs.
             run_config: per-call ``RoundPipeRunConfig``.
             blocking: ``None`` (default): ``True``, or what ``forward_backward_hook`` picks.
-                Every call is issued the same way; ``True`` returns its
-                ``PendingResult``'s ``result()``, ``False`` the ``PendingResult`` at once. Each device starts on it as soon as it is done
-                with the previous iterations, so the next iteration's forward overlaps this
-                one's backward tail. A following ``step()`` is deferred until the
-                iteration's gradients are complete. Results, parameters and gradients are
-                those of the same sequence of blocking calls (with ``step(is_async=True)``:
-                one step stale). A failure is raised by ``result()`` or the next call.
+                ``True`` returns the issued call's ``result()``, ``False`` its
+                ``PendingResult`` at once: each device starts on it as soon as it is done
+                with the previous iterations, and a following ``step()`` is deferred until
+                its gradients are complete. Results, parameters and gradients are those of
+                the same blocking calls. A failure is raised by ``result()`` or the next call.
             loss_reduction: ``"sum"``, ``"mean"`` or ``None`` (this RoundPipe's
                 ``loss_reduction``). ``"mean"`` multiplies microbatch ``i``'s loss by
                 ``rows_i / batch_rows`` (equal shares when a custom split reports no rows)
@@ -429,7 +388,9 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             self.loss_reduction if loss_reduction is None else loss_reduction
         )
         cfg = self._config(run_config)
-        factor = self._loss_factor()
+        factor = 1.0 if self.loss_multiplier is None else self.loss_multiplier()
+        if not isinstance(factor, (int, float, torch.Tensor)) or isinstance(factor, bool):
+            raise TypeError(f"loss_multiplier() must return a number, got {type(factor).__name__}")
         pending = self._issue(
             cfg,
             run_config,
@@ -438,7 +399,7 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             label,
             loss_fn,
             return_outputs,
-            (factor, reduction),
+            (float(factor), reduction),
             blocking,
         )
         # a blocking call is the issued call's result: one body, one gate, one finisher
@@ -458,12 +419,11 @@ class RoundPipe(PlanChoice, RoundPipeBase):
     ) -> PendingResult:
         """Schedule and submit one ``forward_backward``; returns its handle at once.
 
-        Its uploads read the weight version the steps issued before it produce (waiting,
-        layer by layer, for the optimizer thread's copy of a step still being
-        published); its gradients wait in the call's own buffer until ``result()`` -- or
-        the step issued after it -- adds them to ``.grad``, so a call that fails leaves
-        ``.grad`` as it was. ``blocking``: the caller waits for this call alone, so the
-        replicas of one stage may share the cores (``StageScope``)."""
+        Its uploads read the weight version of the steps issued before it (waiting, layer
+        by layer, for one still being published); its gradients wait in its own buffer
+        until ``result()`` or the next step adds them to ``.grad``, so a failed call leaves
+        ``.grad`` as it was. ``blocking``: the caller waits for this call alone (the
+        replicas of one stage may share the cores, ``StageScope``)."""
         if self._master_owner is not None:
             raise ValueError(
                 "forward_backward is not supported on a RoundPipe whose masters another one "
@@ -476,9 +436,13 @@ class RoundPipe(PlanChoice, RoundPipeBase):
         with self._call_lock:
             split = self._split(cfg, args, kwargs)
             plan = self._choose_plan(run_config, RunType.FUSED, cfg, split)
-            labels = self._split_label(cfg, label, split)
+            labels = batching.split_call_labels(
+                cfg.split_label, label, len(split.parts), split.sizes, split.batch_size
+            )
             factor, reduction = scaling
-            weights = self._loss_weights(reduction, loss_fn, split)
+            weights = microbatch_loss_weights(
+                reduction, loss_fn, split.sizes, split.batch_size, len(split.parts)
+            )
             with steps.pipelined_call(blocking) as call:
                 # continue round-robin where the previous call stopped: the device that
                 # ran its last job is the last to become free, so this call starts elsewhere

@@ -2,36 +2,29 @@
 state live in files under ``PATH``; the layer-wise step streams them through a bounded
 host buffer.
 
-Between steps a master holds no values (it is *released*: ``MasterWeights.release``, a
-zero-stride placeholder) and the optimizer holds no state for it. The step is the
-layer-wise one (``RoundPipe.step_layerwise(functools.partial(step_subset, opt), ...)``):
-each part it steps is split by layer, deepest first (the order the backward completes
-them), and each layer's *records* (a master's values followed by its optimizer-state
-tensors) are read on an IO thread ahead of the layer that steps next, put into the master
-and ``optimizer.state`` for the step, and written behind it on another IO thread. The
-bytes resident at once -- read ahead, stepping, being written -- never exceed
-``buffer_layers`` times the largest layer's records (:attr:`DiskTier.peak_resident`).
+Between steps a master is *released* (``MasterWeights.release``: a zero-stride
+placeholder) and the optimizer holds no state for it. The layer-wise step
+(``step_layerwise(functools.partial(step_subset, opt), ...)``) splits each part it steps
+by layer, deepest first (the order the backward completes them); each layer's *records*
+(a master's values, then its optimizer-state tensors) are read on an IO thread ahead of
+the layer that steps next and written behind it on another. The bytes resident at once
+never exceed ``buffer_layers`` times the largest layer's records (:attr:`DiskTier.peak_resident`).
 
-Write, then publish: the store has two slot files; step ``g+1`` reads slot ``g % 2`` and
-writes slot ``(g+1) % 2``, and only once every record of that step is written and the
-file ``fsync``-ed does ``index.json`` (replaced atomically, ``os.replace``) and the
-in-memory index name it current. A failed step (an IO error, a full disk, the
-optimizer's own error) leaves the last good step readable and current; its error reaches
-the caller through the optimizer thread's failure path, and the next step starts again
-from that state.
+Write, then publish: step ``g+1`` reads slot file ``g % 2`` and writes slot
+``(g+1) % 2``; only once every record is written and the file ``fsync``-ed does
+``index.json`` (replaced atomically) name it current. A failed step (an IO error, a full
+disk, the optimizer's own error) leaves the last good step current; its error reaches
+the caller through the optimizer thread's failure path.
 
-The model's weights are written from the store, not from resident masters: the tier is a
-*remote publisher* of every master (``versions.RemotePublisher``): when a step's version
-is published -- after the readers of the older weights are done with a layer, as for
-any master -- the layer's masters are read from the current slot one at a time and cast
-into the model's parameters. So the asynchronous, one-step-stale step works as in RAM,
-at the cost of reading the masters once more per step.
+The tier is a *remote publisher* of every master (``versions.RemotePublisher``): when a
+step's version is published, each layer's masters are read from the current slot and
+cast into the model's parameters, so the one-step-stale step works as in RAM, at the
+cost of reading the masters once more per step.
 
-IO uses ``O_DIRECT`` (page-aligned buffers, offsets and lengths) where the file system
-takes it, so the page cache -- charged to a cgroup's memory limit -- does not double the
-buffer; elsewhere (tmpfs) buffered IO, with ``posix_fadvise(DONTNEED)`` after each
-step's ``fsync``. ``os.preadv`` / ``os.pwritev`` go straight into the tensors' memory
-(numpy views: no copy) and release the GIL.
+IO uses ``O_DIRECT`` where the file system takes it, so the page cache (charged to a
+cgroup's memory limit) does not double the buffer; elsewhere (tmpfs) buffered IO with
+``posix_fadvise(DONTNEED)`` after each ``fsync``. ``os.preadv`` / ``os.pwritev`` go
+straight into the tensors' memory and release the GIL.
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ import contextlib
 import errno
 import functools
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -142,10 +136,7 @@ class _Layout:
 
 
 def _entry_bytes(dtype: str, shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return _pad(n * _dtype(dtype).itemsize)
+    return _pad(math.prod(shape) * _dtype(dtype).itemsize)
 
 
 class _Record:
@@ -158,12 +149,21 @@ class _Record:
         pos = 0
         for key, dt, shape in layout.entries:
             dtype = _dtype(dt)
-            n = 1
-            for s in shape:
-                n *= s
-            t = buf[pos : pos + n * dtype.itemsize].view(dtype).view(shape)
-            self.tensors[key] = t
+            n = math.prod(shape) * dtype.itemsize
+            self.tensors[key] = buf[pos : pos + n].view(dtype).view(shape)
             pos += _entry_bytes(dt, shape)
+
+
+def _positions(opt: torch.optim.Optimizer) -> dict[int, int]:
+    """Parameter id -> its position in the optimizer's groups (a state dict's key)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {id(p): pos for pos, p in enumerate(params)}
+
+
+def _cancel(fut: Future) -> None:
+    fut.cancel()
+    with contextlib.suppress(BaseException):
+        fut.result()
 
 
 def tier_disk_bytes(master_bytes: int, optimizer_states: int, num_params: int = 0) -> int:
@@ -466,9 +466,7 @@ class DiskTier:
             if i in self._wanted:
                 continue
             del self._reads[i]
-            fut.cancel()
-            with contextlib.suppress(BaseException):
-                fut.result()
+            _cancel(fut)
             self._resident -= n
             return True
         return False
@@ -673,9 +671,7 @@ class DiskTier:
         """After a failed step: drop what is resident and the half-written slot (its
         layouts are forgotten); the current generation is untouched."""
         for fut, n in self._reads.values():
-            fut.cancel()
-            with contextlib.suppress(BaseException):
-                fut.result()
+            _cancel(fut)
             self._give_bytes(n)
         self._reads = {}
         for w in self._writes:
@@ -760,19 +756,14 @@ class DiskTier:
         self._check_idle()
         recs = self._records_mapped()
         sd = opt.state_dict()
-        pos = 0
-        state: dict[int, dict[str, Any]] = {}
-        for g in opt.param_groups:
-            for p in g["params"]:
-                i = self._index.get(id(p))
-                if i is not None:
-                    rec = recs[i]
-                    entry = {k: t for k, t in rec.tensors.items() if k != _MASTER}
-                    entry.update(rec.layout.scalars)
-                    if entry:
-                        state[pos] = entry
-                pos += 1
-        sd["state"] = state
+        sd["state"] = {}
+        for pid, pos in _positions(opt).items():
+            i = self._index.get(pid)
+            if i is not None:
+                entry = {k: t for k, t in recs[i].tensors.items() if k != _MASTER}
+                entry.update(recs[i].layout.scalars)
+                if entry:
+                    sd["state"][pos] = entry
         return sd
 
     def load_state(
@@ -794,13 +785,7 @@ class DiskTier:
             opt.load_state_dict(groups_only)  # (checks the groups match)
             by_pos = {int(k): v for k, v in optimizer_state["state"].items()}
             self._optimizer_of(functools.partial(step_subset, opt))
-        pos_of: dict[int, int] = {}
-        if opt is not None:
-            pos = 0
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    pos_of[id(p)] = pos
-                    pos += 1
+        pos_of = _positions(opt) if opt is not None else {}
         nxt = (self.gen + 1) % 2
         self._pending = list(self._layouts[nxt])
         try:

@@ -1,29 +1,23 @@
 """Overlapping consecutive training iterations (``forward_backward(blocking=False)``).
 
-With the asynchronous (one-step-stale) update, iteration k+1 computes with the
-weights of step k-1, so it does not have to wait for iteration k to finish:
-a device that is done with its part of iteration k can start on iteration k+1
-while other devices still run k's backward tail. Three pieces make that exact:
+With the one-step-stale update, iteration k+1 computes with the weights of step k-1,
+so a device done with its part of iteration k can start on k+1 while others still run
+k's backward tail. Three pieces make that exact:
 
-* **Weight versions** (``versions.py``). A pipelined run reads the weights of
-  one step; a step's weights are copied into the model's host copy (published)
-  parameter by parameter once no run reading older weights still has to upload
-  it, and an upload waits until the version its run reads is published.
-* **Per-run gradient buffers** (:class:`GradBuffer`). Iteration k+1's gradients
-  may arrive while step k still reads iteration k's. They collect in the run's
-  own buffer and are added to the masters' ``.grad`` on the optimizer thread,
-  after step k and just before step k+1 (or when the caller asks for the run's
-  result) -- the order a blocking loop accumulates in.
+* **Weight versions** (``versions.py``): a run reads the weights of one step; a step's
+  weights are published into the model parameter by parameter once no run reading
+  older weights still has to upload them.
+* **Per-run gradient buffers** (:class:`GradBuffer`): iteration k+1's gradients wait in
+  its own buffer and enter the masters' ``.grad`` after step k, before step k+1 (or at
+  the run's ``result()``) -- the order a blocking loop accumulates in.
 * :class:`PendingResult`, the handle a non-blocking call returns.
 
-:class:`PipelinedRuns` ties them to the masters and the optimizer thread
-(``stepper.py``): it keeps the iterations in flight, merges their gradients in
-issue order, defers a step until the gradients it consumes are complete and
-turns a failure into one error raised by the next call.
+:class:`PipelinedRuns` (the optimizer thread, ``stepper.py``, with the iterations in
+flight) merges their gradients in issue order, defers a step until the gradients it
+consumes are complete and turns a failure into one error raised by the next call.
 
-Lock order: ``PipelinedRuns._merge_lock`` before ``PipelinedRuns._runs_lock``; the
-stepper's and the masters' locks are innermost. No lock here is held while
-waiting for an iteration or a queued step.
+Lock order: ``_merge_lock`` before ``_runs_lock``; the stepper's and the masters' locks
+are innermost. No lock here is held while waiting for an iteration or a queued step.
 """
 
 from __future__ import annotations
@@ -60,15 +54,12 @@ __all__ = [
 class GradBuffer:
     """One pipelined run's gradients, summed per master until they may enter ``.grad``.
 
-    A gradient is kept in the dtype it was downloaded in (bf16 from a bf16 model):
-    the conversion to the master's dtype happens where the buffer is merged into
-    ``.grad`` (:meth:`MasterWeights.add_many`: the optimizer thread, or the caller
-    after a blocking call), not on the worker thread that downloaded it, which
-    should go on feeding its GPU. Until the merge the host holds half the bytes.
-    ``convert_on_add=True`` converts on arrival instead (CPU workers, as before): the
-    first gradient of a master, that is; a later one (the next replica's, a shared
-    parameter's) is added to it in one mixed-dtype ``add_``, so no converted copy of a
-    whole job's gradients exists beside the bf16 ones (the host-memory budget's lines).
+    A gradient is kept in the dtype it was downloaded in (bf16 from a bf16 model) and
+    converted where the buffer is merged (:meth:`MasterWeights.add_many`), not on the
+    worker, which should go on feeding its GPU; until then the host holds half the bytes.
+    ``convert_on_add=True`` (CPU workers) converts a master's first gradient on arrival;
+    a later one is added to it in one mixed-dtype ``add_``, so no converted copy of a
+    whole job's gradients exists beside the bf16 ones.
     """
 
     def __init__(self, master_of: dict[int, nn.Parameter], convert_on_add: bool = False) -> None:
@@ -87,18 +78,15 @@ class GradBuffer:
             self._put(master, grad)
 
     def _arriving(self, master: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        """``convert_on_add``: a master's first gradient is converted here, off the lock
-        (other workers' gradients go on arriving meanwhile); a later one stays as it is
-        and is added in a mixed-dtype ``add_``. The peek without the lock only decides
-        where a conversion happens: :meth:`_put` sums either form in the master's dtype."""
+        """``convert_on_add``: a master's first gradient is converted here, off the lock.
+        The peek without the lock only decides where: :meth:`_put` sums either form."""
         if self._convert_on_add and grad.dtype != master.dtype and id(master) not in self._grads:
             return grad.to(master.dtype)
         return grad
 
     def _put(self, master: nn.Parameter, grad: torch.Tensor) -> None:
-        """Keep ``grad`` for ``master``; the lock is held. A second gradient of the same
-        master (a parameter shared by two stages, a stage's next replica) is summed in
-        the master's dtype."""
+        """Keep ``grad`` for ``master`` (the lock is held); a second one (a shared
+        parameter, a stage's next replica) is summed in the master's dtype."""
         hit = self._grads.get(id(master))
         if hit is None:
             if self._convert_on_add and grad.dtype != master.dtype:
@@ -110,9 +98,8 @@ class GradBuffer:
             self._grads[id(master)] = (master, hit[1].to(master.dtype).add_(grad))
 
     def add_many(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-        """:meth:`add` for the gradients of one job at once (one lock acquisition; the
-        runtime calls it when the run's sink is this buffer's ``add``). Where ``add``
-        was replaced (a subclass, a test's probe), each gradient goes through it."""
+        """:meth:`add` for one job's gradients under one lock acquisition (each through
+        ``add`` where it was replaced: a subclass, a test's probe)."""
         if type(self).add is not GradBuffer._plain_add:
             for param, grad in zip(params, grads):
                 self.add(param, grad)
@@ -179,10 +166,10 @@ def to_output_device(value: Any, device: Any) -> Any:
 class PendingResult:
     """The handle of a ``forward_backward(..., blocking=False)`` call.
 
-    ``result()`` waits for the iteration, puts its gradients into the masters'
-    ``.grad`` (after the step issued before the call has consumed the previous
-    ones) and returns what the blocking call would have returned. A failure of
-    the iteration -- or of an earlier one that aborted it -- is raised there.
+    ``result()`` waits for the iteration, puts its gradients into the masters' ``.grad``
+    (after the step issued before the call consumed the previous ones) and returns what
+    the blocking call would have. A failure of the iteration (or of an earlier one that
+    aborted it) is raised there.
     """
 
     def __init__(
@@ -217,8 +204,7 @@ class PendingResult:
 
     @property
     def timing(self) -> CallTiming:
-        """What the call measured (its jobs' spans and times, its transfers): complete
-        once the call is done."""
+        """What the call measured (complete once the call is done)."""
         return self.run.timing
 
     def start(self, futures: list[Future], finish: Callable[[PendingResult], Any]) -> None:
@@ -307,13 +293,10 @@ class PipelinedRuns(Stepper):
             r.run.fail(PoolError("an earlier pipelined iteration or step failed"))
 
     def merge(self, r: PendingResult, only: Sequence[nn.Parameter] | None = None) -> None:
-        """Add a finished run's gradients to the masters' ``.grad`` (once); with ``only``,
-        those masters' gradients only (complete: a layer-wise step), the run staying
-        unmerged.
-
-        Taking from the buffer and adding happen under one lock, and ``merged`` turns True
-        only after the addition: a step that finds the run merged by ``result()`` on
-        another thread, or a gradient gone from the buffer, finds it in ``.grad``."""
+        """Add a finished run's gradients to ``.grad`` (once); with ``only``, those masters'
+        only (a layer-wise step), the run staying unmerged. Taking and adding happen under
+        one lock and ``merged`` turns True after: a step that finds the run merged, or a
+        gradient gone from the buffer, finds it in ``.grad``."""
         with self._merge_lock:
             if r.merged:
                 return
@@ -432,12 +415,10 @@ class PipelinedRuns(Stepper):
 
     def queue_publish_then_step(self, step_fn: Callable[[], Any]) -> None:
         """After blocking calls: queue, as one plain step, the copy of the last step's
-        weights into the model followed by ``step_fn``. A blocking call issued meanwhile
-        waits for each layer's copy just before uploading it.
-
-        If the step before failed, neither runs: the model keeps the last completed
-        step's weights and the error is raised by the next ``step()`` or
-        ``synchronize()``, as when ``step()`` finds that failure already raised."""
+        weights into the model, then ``step_fn`` (a blocking call issued meanwhile waits
+        for each layer's copy). If the step before failed, neither runs: the model keeps
+        the last completed step's weights and the next ``step()`` / ``synchronize()``
+        raises the error."""
         version, _ = self._retarget()
         previous = self.pending()
         versions = self.versions
@@ -507,9 +488,8 @@ class PipelinedRuns(Stepper):
 
 
 class RunFinisher:
-    """Completion of a pipelined run (on the thread of its last worker): its timing
-    (``rp._call_done``), failure bookkeeping. Holds its RoundPipe weakly, so a run in
-    flight does not keep a dropped RoundPipe alive."""
+    """Completion of a pipelined run (on its last worker's thread): its timing
+    (``rp._call_done``), failure bookkeeping. Holds its RoundPipe weakly."""
 
     def __init__(self, rp: Any, jobs: list[Any], t0: float, extent: tuple[int, int]) -> None:
         self._rp = weakref.ref(rp)

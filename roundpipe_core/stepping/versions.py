@@ -1,28 +1,23 @@
 """Weight versions: which step's weights the host copy of each parameter holds.
 
-The host copy of the model's parameters is what devices upload. Version v = the
-weights produced by step v (0 = the initial ones). A run that overlaps others
-(``forward_backward(blocking=False)``), or a blocking call issued while the optimizer
-thread still copies an asynchronous step's weights into the model, reads one version.
-The new version of a parameter may be copied into the host copy (*published*) only
-after every older-version run holding it has finished uploading it and the fences of
-those uploads returned (a device copy is private, so the host may change once it was
-read; a CPU worker computes on the host tensors themselves, so its fence waits until the
-stage is released), and an upload of a layer waits until the version its run reads is
-published. Tied parameters are handled per
-parameter: all layers holding one are waited for.
+The host copy of the model's parameters is what devices upload; version v holds the
+weights of step v (0: the initial ones). A run that overlaps others, or a blocking call
+issued while the optimizer thread still copies a step's weights into the model, reads
+one version. A parameter's new version is copied into the host copy (*published*) only
+after every older-version run holding it has uploaded it and those uploads' fences
+returned (a CPU worker computes on the host tensors, so its fence waits until the stage
+is released); an upload waits until its run's version is published. Tied parameters:
+all layers holding one are waited for.
 
-The publication runs on the optimizer thread (``stepper.py``); the readers are the
-worker threads' uploads (``transfer.upload_job``). One condition variable guards
-the state; it is never held while copying.
+The publication runs on the optimizer thread; the readers are the workers' uploads
+(``transfer.upload_job``). One condition variable guards the state; it is never held
+while copying.
 
 A *remote publisher* (:class:`RemotePublisher`) publishes masters whose values this
-process does not hold: a data-parallel rank that shards the host state for asynchronous
-steps releases the masters other ranks own, and their owners broadcast each version
-straight into the model when it is published (``distributed/sharded.py``). It publishes
-all its masters of a version in one collective sequence, exactly once per version on
-every rank (the first publication of that version: a step's, or ``synchronize()``'s),
-and claims each part from here -- the same wait for older readers as a local copy.
+process does not hold (a data-parallel rank sharding the host state: their owners
+broadcast each version into the model, ``distributed/sharded.py``): all its masters of
+a version in one collective sequence, exactly once per version on every rank, claiming
+each part from here -- the same wait for older readers as a local copy.
 """
 
 from __future__ import annotations
@@ -76,16 +71,14 @@ class _Reader:
 
 
 class WeightVersions:
-    """Which step's weights the host copy of each trainable parameter holds, and
-    which pipelined runs still have to upload it.
+    """Which step's weights the host copy of each trainable parameter holds, and which
+    pipelined runs still have to upload it.
 
     Args:
         layers: the model's layers.
         masters: ``(name, model_param, master_param)`` of the trainable parameters.
-        released: ids of released masters (``MasterWeights.released``, the live set):
-            never copied into the model, their owner rank's values reach it instead.
-        publishers: the remote publishers (``MasterWeights.publishers``, the live list):
-            every publication of a version runs theirs first.
+        released: ids of released masters (the live set): never copied into the model.
+        publishers: the remote publishers (the live list), run first at each publication.
     """
 
     def __init__(
@@ -146,9 +139,8 @@ class WeightVersions:
         failed: Callable[[], bool],
         settled: Callable[[], bool] | None = None,
     ) -> None:
-        """Block until ``layers`` hold ``reader``'s version; PoolError once ``failed()``.
-        Returns early once ``settled()``: the publication it waits for ended without
-        copying (its step's predecessor failed), so the host copy stays as it is."""
+        """Block until ``layers`` hold ``reader``'s version; PoolError once ``failed()``;
+        return once ``settled()`` (the publication ended without copying)."""
         with self._cond:
             while not self._ready(reader, layers):
                 if failed():
@@ -183,13 +175,9 @@ class WeightVersions:
         )
 
     def publish(self, version: int, failed: Callable[[], bool]) -> None:
-        """Copy the masters (holding step ``version``'s weights) into the model, each
-        parameter as soon as no older-version run has still to upload it.
-
-        Deep layers are released first (their last uploads are early backward stages);
-        a pipelined run's forward of a layer starts as soon as that layer is published.
-        The remote publishers' masters come first (:meth:`publish_remote`).
-        """
+        """Copy the masters (step ``version``'s weights) into the model, each parameter
+        as soon as no older-version run has still to upload it; the remote publishers'
+        masters first (:meth:`publish_remote`)."""
         self.publish_remote(version, failed)
         todo = self.stale(version)
         while todo:
@@ -251,9 +239,8 @@ class WeightVersions:
         return [k for k in todo if k not in done]
 
     def _wait_old_uploads(self, version: int, keys: Sequence[int]) -> None:
-        """Run the fences of the uploads older-version runs issued of ``keys`` (none of
-        which they still have to upload) and of the runs that ended: after it the host
-        copy of ``keys`` may change."""
+        """Run the fences of the uploads of ``keys`` by older-version runs and by the
+        runs that ended: after it the host copy of ``keys`` may change."""
         with self._cond:
             fences = [
                 f
@@ -330,11 +317,9 @@ class WeightVersions:
 
 class PublicationGate:
     """:class:`WeightVersions` as a blocking call reads them while the optimizer thread
-    still copies a step's weights into the model (``publication``, the queued work that
-    does it): an upload waits for its own layers only. A failure of the pipelined path
-    stops the wait (the blocking run is not among the runs a failure aborts); a
-    publication that ended without copying lets the call read the weights the model
-    holds, the last completed step's."""
+    still copies a step's weights into the model (``publication``): an upload waits for
+    its own layers only; a pipelined failure stops the wait, and a publication that
+    ended without copying lets the call read the last completed step's weights."""
 
     def __init__(self, versions: WeightVersions, stepper: Stepper, publication: Future) -> None:
         self._versions = versions
