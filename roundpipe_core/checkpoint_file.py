@@ -1,26 +1,19 @@
 """Reading a checkpoint file so that a damaged one is refused with one clear error.
 
 ``torch.load`` on a truncated, garbled or foreign file fails with whatever its reader
-trips over first -- ``OSError: [Errno 22]`` from the memory map, an ``EOFError`` with no
-message, ``IndexError: pop from empty list`` from the unpickler, or the advice to retry
-with ``weights_only=False`` (unsafe, and no help for a broken file) -- and a bit flipped
-inside a tensor's storage loads without complaint and is trained on.
-:func:`read_checkpoint` checks the file first and turns every such failure into a
-:class:`CorruptCheckpointError`: "not a (complete) checkpoint: <path>: <what is wrong>".
+trips over first (``OSError: [Errno 22]``, an ``EOFError`` with no message, ``IndexError``
+from the unpickler, advice to retry with ``weights_only=False``), and a bit flipped
+inside a tensor's storage loads without complaint. :func:`read_checkpoint` checks the
+file first and turns every such failure into a :class:`CorruptCheckpointError`.
 
 **Checksums, one per tensor storage.** A ``torch.save`` archive is a zip file with one
-record per tensor storage (plus the pickled object structure), and the zip format keeps a
-CRC-32 of every record; torch writes them by default
-(``torch.utils.serialization.config.save.compute_crc32``) but never checks them when
-loading, and cannot while memory-mapping. :func:`verify_archive` checks each record's
-CRC-32 against its bytes before the file is loaded (``zlib.crc32`` over the mapped file,
-no copy), so a flipped bit names the damaged record. Per record rather than one hash of
-the whole file: the check needs no extra data written, reads each storage where it lies
-(the same pages the memory-mapped load then reads from the page cache), names what is
-damaged, and works for any ``torch.save`` archive, old files included -- RoundPipe's own,
-plain Lightning's and the host-state shards of a sharded checkpoint. Files without
-checksums still load, unchecked: records written with ``compute_crc32=False`` (their
-CRC-32 field is 0) and files in torch's legacy, non-zip format.
+record per storage, and the zip format keeps a CRC-32 of each; torch writes them by
+default but never checks them when loading. :func:`verify_archive` checks each record
+against its bytes before the load (``zlib.crc32`` over the mapped file, no copy): no
+extra data written, each storage read where it lies (the pages the memory-mapped load
+then reads from the page cache), the damaged record named, and any ``torch.save``
+archive covered, old files included. Records written with ``compute_crc32=False`` (CRC
+field 0) and files in torch's legacy, non-zip format load unchecked.
 """
 
 from __future__ import annotations

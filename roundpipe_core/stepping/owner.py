@@ -47,11 +47,9 @@ class PipelinedCall:
 
     @property
     def weights(self) -> Any:
-        """What the call's uploads wait on, layer by layer: the weight versions; for a
-        blocking call while the optimizer thread still copies a plain step's weights into
-        the model, through a :class:`PublicationGate` -- a copy that ended without
-        copying (its step failed; the next ``step()`` raises that) lets the call read
-        the weights the model holds, the last completed step's."""
+        """What the call's uploads wait on, layer by layer: the weight versions (through a
+        :class:`PublicationGate` for a blocking call while a plain step's weights are
+        still being copied into the model)."""
         publication = self._runs.last_publication()
         if self._blocking and publication is not None and not publication.done():
             return PublicationGate(self._runs.versions, self._runs, publication)
@@ -60,9 +58,9 @@ class PipelinedCall:
     def completion(
         self, jobs: Sequence[Job], masters_of: Callable[[Job], list[nn.Parameter]]
     ) -> GradCompletion:
-        """Which masters' gradients are complete as the call's backward goes: completing
-        ones wake the optimizer thread (a layer-wise step reads them) and, with gradient
-        hooks, are merged and reported at once (:meth:`PipelinedRuns.merge_completed`)."""
+        """Which masters' gradients are complete as the backward goes: completing ones
+        wake the optimizer thread (a layer-wise step) and, with gradient hooks, are merged
+        and reported (:meth:`PipelinedRuns.merge_completed`)."""
         return GradCompletion(
             jobs,
             masters_of,
@@ -71,9 +69,8 @@ class PipelinedCall:
         )
 
     def reserve(self, job_layers: Sequence[range], num_devices: int) -> Any:
-        """The call's jobs are known: the next call starts on the device after its last,
-        and its uploads read the version the next step will not overwrite under them.
-        Returns the reader its uploads register with."""
+        """The call's jobs are known: the next call starts on the device after its last;
+        returns the reader of the current target version its uploads register with."""
         self._runs.next_device = (self._runs.next_device + len(job_layers)) % num_devices
         self.reader = self._runs.versions.register(self._runs.target_version, job_layers)
         return self.reader
@@ -87,8 +84,7 @@ class PipelinedCall:
         return_outputs: bool,
         completion: GradCompletion | None = None,
     ) -> PendingResult:
-        """The handle the caller gets; the step issued before this call consumes the
-        gradients before these."""
+        """The handle the caller gets."""
         pending = PendingResult(
             self._runs,
             self._runs.calls,
@@ -107,10 +103,9 @@ class PipelinedCall:
         """The call's jobs were submitted: it is in flight from now on."""
         self._runs.add(pending)
         self.launched = True
-        # A failure recorded after this call's raise_failure() aborted the calls in flight
+        # A failure recorded since this call's raise_failure() aborted the calls in flight
         # before this one was among them: abort it too, or its uploads would wait for a
-        # weight version the failed step never publishes (the failure is recorded before
-        # the calls in flight are read, and this call is added before the failure is)
+        # weight version the failed step never publishes
         if self._runs.failure is not None:
             pending.run.fail(PoolError("an earlier pipelined iteration or step failed"))
 
@@ -134,16 +129,12 @@ class StepOwner(PipelinedRuns):
         may_publish_in_background: bool,
         settle: Callable[[], None] | None = None,
     ) -> None:
-        """Queue ``fn`` (the user's step) on the optimizer thread.
-
-        After overlapped iterations whose gradients are not all in ``.grad``, the step is
-        deferred until they are. After blocking calls, an asynchronous step copies the
-        previous step's weights into the model on the optimizer thread, ahead of its own
-        update, when ``may_publish_in_background`` (the caller's blocking calls wait
-        for that copy layer by layer) and the step before left nothing to report; else
-        that copy is made now. ``is_async=False`` returns once the step is done.
-        ``settle`` is how the caller settles before and after (default :meth:`settle`;
-        a wrapper adds what it keeps outside the masters).
+        """Queue ``fn`` (the user's step) on the optimizer thread: deferred until the
+        gradients of the iterations in flight are complete. After blocking calls the copy
+        of the previous step's weights into the model runs on the thread ahead of it when
+        ``may_publish_in_background`` and the step before left nothing to report; else
+        now. ``is_async=False`` returns once it is done. ``settle``: how the caller
+        settles (default :meth:`settle`; a wrapper adds what it keeps outside the masters).
         """
         settle = settle or self.settle
         self.raise_failure()
@@ -198,9 +189,8 @@ class StepOwner(PipelinedRuns):
 
     # -- waiting ------------------------------------------------------------------------
     def drain(self) -> None:
-        """Before a ``forward()``: wait for the iterations in flight and for the weights
-        the model should hold now; raise an earlier failure. Their gradients stay
-        buffered until the next step."""
+        """Before a ``forward()``: wait for the iterations in flight and the weights the
+        model should hold now; raise an earlier failure."""
         self.wait_all()
         self.wait_publication()
         self.raise_failure()
@@ -223,20 +213,16 @@ class StepOwner(PipelinedRuns):
 
     # -- gradients ----------------------------------------------------------------------
     def fold(self, buffer: GradBuffer) -> None:
-        """Add the gradients of a ``forward()``'s finished backward to the masters'
-        ``.grad`` (a ``forward_backward``'s go through its ``PendingResult``), once the
-        step in flight (which reads and clears them) and the work queued behind it ran."""
+        """Add a ``forward()``'s backward's gradients to ``.grad`` once the step in flight
+        (which reads and clears them) and the work queued behind it ran."""
         self.wait_step()
         self.wait_after()
         self.masters.add_many(buffer.take())
 
     def in_step_order(self, fn: Callable[[], Any], settle: Callable[[], None]) -> None:
-        """Run ``fn`` (e.g. an optimizer's ``zero_grad``) where the caller issued it
-        relative to the steps: once the step in flight has run (on the optimizer thread
-        right after it, or at once when none is in flight). With overlapped iterations
-        in flight, whose gradients enter ``.grad`` only before the next step, ``settle()``
-        first (they are merged) and ``fn`` runs at once. Its error is raised by the next
-        call, ``step()`` or ``synchronize()``."""
+        """Run ``fn`` (e.g. ``zero_grad``) in program order with the steps: after the step
+        in flight (:meth:`after_step`); with overlapped iterations in flight, whose
+        gradients enter ``.grad`` only before the next step, ``settle()`` first."""
         if self.inflight():
             settle()
             fn()
