@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from . import batch as batching
-from .autograd import AutogradForward, PipelineOps
+from .autograd import AutogradForward
 from .base import RoundPipeBase
 from .batch.tree import batch_extent
 from .checks import (
@@ -263,25 +263,16 @@ class RoundPipe(PlanChoice, RoundPipeBase):
                 "for inference (torch.no_grad() or requires_grad=False) or with "
                 "forward_backward(), or give a merge spec (None, True, TensorChunkSpec, ...)"
             )
-        out = AutogradForward(self._train_ops(cfg, plan), cfg, plan, split).run(args, kwargs)
-        self._record_call(t0, args, kwargs)
-        return out
-
-    @staticmethod
-    def _no_grads(param: torch.Tensor, grad: torch.Tensor) -> None:
-        raise RuntimeError("an inference run produced a parameter gradient")
-
-    def _train_ops(self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan) -> PipelineOps:
         buffer = GradBuffer(self._home().masters.master_of, self._convert_grads_on_add())
 
-        def new_run(needs: list[bool], grads_done: Callable[[Job], None] | None) -> PipelineRun:
+        def new_run(needs: list[bool], bwd_jobs: list[Job]) -> PipelineRun:
             return self._new_run(
                 cfg,
                 plan,
                 RunType.TRAIN,
                 buffer.add,
                 input_needs_grad=needs,
-                grads_done=grads_done,
+                grads_done=self._grad_tracker(bwd_jobs, buffer),
             )
 
         def execute(run: PipelineRun, jobs: list[Job]) -> None:
@@ -290,13 +281,15 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             if any(j.kind != "forward" for j in jobs):
                 self._fold_grads(buffer)  # only a backward that completed leaves gradients
 
-        return PipelineOps(
-            num_layers=self.num_layers,
-            num_devices=self.num_devices,
-            new_run=new_run,
-            execute=execute,
-            grad_tracker=lambda jobs: self._grad_tracker(jobs, buffer),
+        out = AutogradForward(cfg, plan, split, self.num_devices, new_run, execute).run(
+            args, kwargs
         )
+        self._record_call(t0, args, kwargs)
+        return out
+
+    @staticmethod
+    def _no_grads(param: torch.Tensor, grad: torch.Tensor) -> None:
+        raise RuntimeError("an inference run produced a parameter gradient")
 
     def forward_backward(
         self,
