@@ -37,7 +37,6 @@ from .running.runtime import PipelineRun, run_queue
 from .running.timer import CallTiming, ModelTimer
 from .stepping.pipelined import (
     GradBuffer,
-    PendingResult,
     RunFinisher,
     to_output_device,
 )
@@ -370,13 +369,11 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             )
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True or False, got {blocking!r}")
-        if not isinstance(input_args, (tuple, list)):
-            input_args = (input_args,)
-        if input_kwargs is None:
-            input_kwargs = {}
-        if not isinstance(input_kwargs, dict):
-            raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
-        check_inputs_need_no_grad(input_args, input_kwargs)
+        args = tuple(input_args) if isinstance(input_args, (tuple, list)) else (input_args,)
+        kwargs = {} if input_kwargs is None else input_kwargs
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"input_kwargs must be a dict, got {type(kwargs).__name__}")
+        check_inputs_need_no_grad(args, kwargs)
         reduction = check_loss_reduction(
             self.loss_reduction if loss_reduction is None else loss_reduction
         )
@@ -384,39 +381,11 @@ class RoundPipe(PlanChoice, RoundPipeBase):
         factor = 1.0 if self.loss_multiplier is None else self.loss_multiplier()
         if not isinstance(factor, (int, float, torch.Tensor)) or isinstance(factor, bool):
             raise TypeError(f"loss_multiplier() must return a number, got {type(factor).__name__}")
-        pending = self._issue(
-            cfg,
-            run_config,
-            tuple(input_args),
-            input_kwargs,
-            label,
-            loss_fn,
-            return_outputs,
-            (float(factor), reduction),
-            blocking,
-        )
-        # a blocking call is the issued call's result: one body, one gate, one finisher
-        return pending.result() if blocking else pending
-
-    def _issue(
-        self,
-        cfg: RoundPipeRunConfig,
-        run_config: RoundPipeRunConfig | None,
-        args: tuple,
-        kwargs: dict,
-        label: Any,
-        loss_fn: Callable[[Any, Any], Any],
-        return_outputs: bool,
-        scaling: tuple[float, str],
-        blocking: bool,
-    ) -> PendingResult:
-        """Schedule and submit one ``forward_backward``; returns its handle at once.
-
-        Its uploads read the weight version of the steps issued before it (waiting, layer
-        by layer, for one still being published); its gradients wait in its own buffer
-        until ``result()`` or the next step adds them to ``.grad``, so a failed call leaves
-        ``.grad`` as it was. ``blocking``: the caller waits for this call alone (the
-        replicas of one stage may share the cores, ``StageScope``)."""
+        # Schedule and submit the call; a blocking call is its handle's result (one body,
+        # one gate, one finisher). Its uploads read the weight version of the steps issued
+        # before it (waiting, layer by layer, for one still being published); its
+        # gradients wait in its own buffer until result() or the next step adds them to
+        # .grad, so a failed call leaves .grad as it was.
         if self._master_owner is not None:
             raise ValueError(
                 "forward_backward is not supported on a RoundPipe whose masters another one "
@@ -432,7 +401,6 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             labels = batching.split_call_labels(
                 cfg.split_label, label, len(split.parts), split.sizes, split.batch_size
             )
-            factor, reduction = scaling
             weights = microbatch_loss_weights(
                 reduction, loss_fn, split.sizes, split.batch_size, len(split.parts)
             )
@@ -455,7 +423,7 @@ class RoundPipe(PlanChoice, RoundPipeBase):
                     loss_fn=loss_fn,
                     labels=labels,
                     return_outputs=return_outputs,
-                    loss_scale=factor,
+                    loss_scale=float(factor),
                     loss_weights=weights,
                     weights=call.weights,
                     reader=reader,
@@ -473,4 +441,4 @@ class RoundPipe(PlanChoice, RoundPipeBase):
                 )
                 call.launch(pending)
                 pending.start(futures, RunFinisher(self, jobs, t0, batch_extent(args, kwargs)))
-                return pending
+        return pending.result() if blocking else pending
