@@ -174,8 +174,8 @@ def tier_disk_bytes(master_bytes: int, optimizer_states: int, num_params: int = 
 
 
 def check_offload_args(offload_dir: Any, shared_masters: bool | None, owns_masters: bool) -> bool:
-    """``shared_masters`` for a RoundPipe with ``offload_dir``: False (the tier needs
-    separate masters: a shared one is the model's weight, which must stay resident).
+    """``shared_masters`` for a RoundPipe with ``offload_dir``: False (a shared master is
+    the model's weight, which must stay resident).
 
     Raises:
         TypeError: ``offload_dir`` is not a path.
@@ -212,9 +212,8 @@ class DiskTier:
         optimizer_states: parameter-sized states per master to make room and check the
             disk space for (Adam's 2).
         direct_io: ``O_DIRECT``; ``None``: where the file system supports it.
-        free_grads: drop a master's ``.grad`` once it is stepped (what ``finish=
-            optimizer.zero_grad`` does at the end of the step anyway), so the resident
-            gradients are those not stepped yet. ``False``: they stay until ``finish``.
+        free_grads: drop a master's ``.grad`` once it is stepped (``finish=zero_grad``
+            would at the end anyway), so only those not stepped yet stay resident.
 
     Raises:
         ValueError: ``path`` is not a writable directory or lacks the space.
@@ -415,15 +414,13 @@ class DiskTier:
         return rec
 
     def _read(self, slot: int, layout: _Layout) -> _Record:
-        t0 = time.perf_counter()
         rec = _Record(layout, _aligned_empty(layout.nbytes))
-        _pread(self._fds[slot], rec.buf, layout.offset)
-        self.io_seconds += time.perf_counter() - t0
+        self._io(_pread, self._fds[slot], rec.buf, layout.offset)
         return rec
 
-    def _write(self, fd: int, buf: torch.Tensor, offset: int) -> None:
+    def _io(self, io: Callable[[int, torch.Tensor, int], None], *args: Any) -> None:
         t0 = time.perf_counter()
-        _pwrite(fd, buf, offset)
+        io(*args)
         self.io_seconds += time.perf_counter() - t0
 
     def _alloc(self, slot: int, i: int, entries: list[tuple[str, str, tuple[int, ...]]]) -> _Layout:
@@ -439,9 +436,8 @@ class DiskTier:
 
     # -- the bounded buffer --------------------------------------------------------------
     def _take_bytes(self, n: int, block: bool) -> bool:
-        """Count ``n`` bytes resident, waiting for writes behind to finish (or dropping
-        records read ahead but not needed now) while over the bound. ``block=False``:
-        only if they fit now."""
+        """Count ``n`` bytes resident, waiting for writes behind (or dropping records read
+        ahead but not needed now) while over the bound; ``block=False``: only if they fit."""
         with self._lock:
             while self._resident + n > self.limit:
                 if not block:
@@ -486,8 +482,8 @@ class DiskTier:
 
     # -- the streamed step ---------------------------------------------------------------
     def streamed(self, step_params: Callable[[list[nn.Parameter]], Any]) -> Callable[..., Any]:
-        """What ``step_layerwise`` runs in place of ``step_params``: the same step, each
-        part's masters and optimizer state paged in from the store and written behind.
+        """What ``step_layerwise`` runs in place of ``step_params``: the same step, paged
+        in from the store and written behind.
 
         Raises:
             ValueError: ``step_params`` is not ``functools.partial(step_subset, optimizer)``
@@ -534,9 +530,8 @@ class DiskTier:
         return opt
 
     def step(self, opt: torch.optim.Optimizer, part: Sequence[nn.Parameter], kwargs: dict) -> None:
-        """Step ``part`` (masters) from the store (on the optimizer thread); once every
-        master has been stepped, publish the new generation. An error aborts the step:
-        the store stays at the last good generation."""
+        """Step ``part`` (masters) from the store; once every master has been stepped,
+        publish the new generation. An error leaves the last good generation current."""
         try:
             self._step(opt, part, kwargs)
         except BaseException:
@@ -645,7 +640,7 @@ class DiskTier:
                 out = self._record_of(layout, tensors, scalars)
             del tensors, rec
             self._pending[i] = layout
-            fut = self._writer.submit(self._write, self._fds[nxt], out.buf, layout.offset)
+            fut = self._writer.submit(self._io, _pwrite, self._fds[nxt], out.buf, layout.offset)
             self.bytes_written += layout.nbytes
             fut.add_done_callback(functools.partial(self._written, n))
             self._writes.append(fut)
@@ -700,8 +695,7 @@ class DiskTier:
         mark: Callable[[Sequence[int]], None],
     ) -> None:
         """Write the current generation's masters into the model, layer by layer (shallow
-        first), each master read from the store once the readers of the older weights
-        are done with its layer."""
+        first), once the readers of the older weights are done with each."""
         del version  # the store holds exactly the last completed step
         slot = self.gen % 2
         for li in sorted(self._layer_keys):
@@ -726,8 +720,7 @@ class DiskTier:
 
     # -- checkpoints ---------------------------------------------------------------------
     def _mapped(self) -> torch.Tensor:
-        """The current slot file, memory-mapped read-only in effect (a shared mapping of
-        the file: saving reads it page by page from the page cache, no anonymous copy)."""
+        """The current slot file, memory-mapped (saving reads it from the page cache)."""
         slot = self.gen % 2
         f = os.path.join(self._dir, f"slot{slot}.bin")
         size = os.fstat(self._fds[slot]).st_size
@@ -773,9 +766,9 @@ class DiskTier:
         optimizer_state: dict[str, Any] | None = None,
     ) -> None:
         """Put a checkpoint's masters (``{name: tensor}``; a name missing: its model
-        parameter's values; ``None``: keep the current ones) and ``optimizer_state`` (an ordinary ``opt.state_dict()``,
-        from RAM or :meth:`optimizer_state_dict`) into the store as a new generation, and
-        the masters into the model's parameters; ``opt`` gets the param groups (lr, ...)."""
+        parameter's values; ``None``: keep the current ones) and ``optimizer_state`` (an
+        ordinary ``opt.state_dict()``) into the store as a new generation, and the masters
+        into the model's parameters; ``opt`` gets the param groups (lr, ...)."""
         self._check_idle()
         by_pos: dict[int, dict[str, Any]] = {}
         if optimizer_state is not None:

@@ -111,15 +111,8 @@ class PipelinedCall:
 
 
 class StepOwner(PipelinedRuns):
-    """A RoundPipe's optimizer side (see the module docstring).
-
-    Args:
-        name: the RoundPipe's name (thread names, messages).
-        layers: the model's layers.
-        masters: the master copies the optimizer updates.
-        intra_op_threads: the optimizer thread's intra-op threads (None: the default).
-        grad_hooks: told of each master whose gradient of a call entered ``.grad``.
-    """
+    """A RoundPipe's optimizer side (see the module docstring; arguments as
+    :class:`PipelinedRuns`)."""
 
     # -- steps --------------------------------------------------------------------------
     def step(

@@ -253,7 +253,15 @@ class PendingResult:
 class PipelinedRuns(Stepper):
     """The optimizer thread with the overlapped iterations of one RoundPipe: weight
     versions, the runs in flight, the merge of their gradients and the steps deferred
-    behind them (``StepOwner`` is the face; the arguments are its own)."""
+    behind them.
+
+    Args:
+        name: the RoundPipe's name (thread names, messages).
+        layers: the model's layers.
+        masters: the master copies the optimizer updates.
+        intra_op_threads: the optimizer thread's intra-op threads (None: the default).
+        grad_hooks: told of each master whose gradient of a call entered ``.grad``.
+    """
 
     def __init__(
         self,
@@ -265,7 +273,6 @@ class PipelinedRuns(Stepper):
     ) -> None:
         super().__init__(name, intra_op_threads)
         self.masters = masters
-        # told of each master whose gradient of a call entered .grad (register_grad_hook)
         self.grad_hooks = grad_hooks if grad_hooks is not None else []
         self.versions = WeightVersions(
             layers, masters.entries, masters.released, masters.publishers
@@ -323,11 +330,9 @@ class PipelinedRuns(Stepper):
             hook(fresh)
 
     def merge_completed(self, r: PendingResult, masters: list[nn.Parameter]) -> None:
-        """Masters of ``r`` whose gradients are complete while it still runs: with gradient
-        hooks, merge and report them once the step in flight has read the previous
-        gradients, so a data-parallel reducer starts on the deep layers while the backward
-        goes on. Only the oldest call not yet merged does so (the sums keep a blocking
-        loop's order); a later one's masters are reported when it is merged."""
+        """With gradient hooks, merge and report masters of ``r`` complete while it still
+        runs (after the step in flight), so a data-parallel reducer starts on the deep
+        layers early. Only the oldest unmerged call does so (a blocking loop's order)."""
         if not self.grad_hooks:
             return
 
@@ -349,9 +354,8 @@ class PipelinedRuns(Stepper):
         self.wait_tail()
 
     def raise_failure(self) -> None:
-        """After a pipelined failure: wait until everything in flight has stopped, drop the
-        failed pipeline's gradients, put the masters into the model (the state the last
-        good step left) and raise the error once."""
+        """After a pipelined failure: wait until everything has stopped, drop the failed
+        pipeline's gradients, put the masters into the model and raise the error once."""
         if self.failure is None:
             return
         self.wait_idle()
@@ -377,9 +381,8 @@ class PipelinedRuns(Stepper):
             self.target_version = steps
 
     def _retarget(self) -> tuple[int, list[PendingResult]]:
-        """A step is queued: calls issued from now on read the weights of the step before
-        it (the version a blocking ``step()`` would copy into the model now). Returns that
-        version and the runs whose gradients the step consumes."""
+        """A step is queued: calls issued from now on read the version before it; returns
+        that version and the runs whose gradients the step consumes."""
         version = self.steps
         runs = [r for r in self.inflight() if not r.merged]
         with self._runs_lock:
@@ -387,9 +390,8 @@ class PipelinedRuns(Stepper):
         return version, runs
 
     def defer_step(self, step_fn: Callable[[], Any]) -> None:
-        """Queue, on the optimizer thread: publish the last step's weights (as the blocking
-        ``step()`` copies them at its call), then the step itself once the gradients of
-        the pipelined runs issued before it are complete."""
+        """Queue the publication of the last step's weights, then the step itself once the
+        gradients of the runs issued before it are complete."""
         version, runs = self._retarget()
         versions = self.versions
         self.queue(
@@ -441,8 +443,7 @@ class PipelinedRuns(Stepper):
         wrap: Callable[[Callable[[], None]], Callable[[], None]],
     ) -> None:
         """As :meth:`defer_step`, stepping each parameter as soon as its gradients are
-        complete (``layerwise.run_layerwise``): one work item publishes the last step's
-        weights and runs the step, interleaved per parameter."""
+        complete, in one work item (``layerwise.run_layerwise``)."""
         version, runs = self._retarget()
         item = functools.partial(
             run_layerwise,
@@ -466,8 +467,7 @@ class PipelinedRuns(Stepper):
         self.record_failure(p.error)
 
     def result_of(self, r: PendingResult) -> Any:
-        """``r.result()``: raise its error, or merge it (and the runs before it) and
-        return what the blocking call would have returned."""
+        """``r.result()``: raise its error, or merge it (and the runs before it)."""
         if r.error is not None:
             self.mark_reported(r.error)
             raise r.error

@@ -100,14 +100,9 @@ def exit_wait_s() -> float:
 
 
 def _finish_at_exit() -> None:
-    """At interpreter exit, let each optimizer thread finish what is queued.
-
-    A daemon thread still inside a torch kernel when the interpreter finalizes is
-    killed as it re-takes the GIL, and the C++ unwinding aborts the process (SIGABRT,
-    "terminate called without an active exception"). So exit waits -- up to
-    ``exit_wait_s()`` per thread, since a ``step_fn`` that never returns must not keep
-    the process alive -- and warns about work it drops.
-    """
+    """At interpreter exit, let each optimizer thread finish what is queued (up to
+    ``exit_wait_s()`` each; warns about work it drops): a daemon thread still inside a
+    torch kernel when the interpreter finalizes aborts the process (SIGABRT)."""
     bound = exit_wait_s()
     for worker in list(_LIVE_OPTIMIZERS):
         worker.shutdown(timeout=0.0)  # the thread ends after what is queued
