@@ -1,12 +1,7 @@
 """``forward()`` with autograd: the pipelined forward inside an ``autograd.Function``
-whose backward runs the backward plan on the device pool.
-
-The Function sees the call's input tensors and returns the output tensors, so
-``loss.backward()`` on anything computed from the outputs reaches
-:meth:`AutogradForward.backward_phase`: the output gradients are split per
-microbatch like the outputs were merged, the backward stages recompute and
-backpropagate on the pool, the parameter gradients go to the masters and the
-input gradients are merged back for the caller.
+whose backward (:meth:`AutogradForward.backward_phase`) splits the output gradients per
+microbatch like the outputs were merged, runs the backward plan on the pool (the
+parameter gradients go to the masters) and merges the input gradients for the caller.
 """
 
 from __future__ import annotations

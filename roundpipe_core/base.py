@@ -320,21 +320,16 @@ class RoundPipeBase(nn.Module):
 
     def register_grad_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> Callable[[], None]:
         """Call ``hook(masters)`` as soon as those master gradients are complete for the
-        current pipelined call (every backward stage holding them has been accumulated).
-
-        It runs on a worker thread while later stages still compute, so a data-parallel
-        reducer can start reducing early layers (deep layers finish first); while an
-        asynchronous step is in flight, on the optimizer thread right after that step
-        (the worker does not wait for it). Returns a function that removes the hook.
+        current pipelined call: on a worker thread while later stages still compute (a
+        data-parallel reducer starts early), or on the optimizer thread right after a
+        step in flight. Returns a function that removes the hook.
         """
         self._grad_hooks.append(hook)
         return lambda: self._grad_hooks.remove(hook) if hook in self._grad_hooks else None
 
     def _check_param_hooks(self) -> None:
-        """At each training call: refuse a post-accumulate gradient hook registered on a
-        model parameter or a master since wrapping (see
-        :func:`~roundpipe_core.checks.check_no_post_accumulate_hooks`); tensor hooks
-        (``register_hook``) registered at any time are run on each call's gradient."""
+        """At each training call: refuse a post-accumulate gradient hook registered since
+        wrapping (:func:`~roundpipe_core.checks.check_no_post_accumulate_hooks`)."""
         masters = self._home().masters
         check_no_post_accumulate_hooks(
             (name, t) for name, p, m in masters.entries for t in ((p, m) if p is not m else (p,))
@@ -343,11 +338,9 @@ class RoundPipeBase(nn.Module):
     def _grad_tracker(
         self, jobs: list[Job], buffer: GradBuffer | None = None
     ) -> Callable[[Job], None] | None:
-        """The gradient countdown of a ``forward()``'s backward (the one of the pipelined
-        calls, :class:`~roundpipe_core.stepping.layerwise.GradCompletion`): when a master's
-        last job is done, move its buffered gradient into ``.grad`` and report it to the
-        hooks, once the step in flight has read the previous gradients (on the optimizer
-        thread if need be: the worker goes on to its next job)."""
+        """The gradient countdown of a ``forward()``'s backward (``GradCompletion``): when a
+        master's last job is done, move its gradient into ``.grad`` and report it to the
+        hooks, after the step in flight (on the optimizer thread if need be)."""
         if not self._grad_hooks:
             return None
         home, hooks = self._home(), self._grad_hooks
@@ -524,11 +517,9 @@ class RoundPipeBase(nn.Module):
         self._home()._steps.in_step_order(fn, self._settle)
 
     def last_trace(self) -> dict[str, Any]:
-        """The last pipelined call's measured timeline (blocking or not) as a Chrome
-        trace-event object: a row per device with its jobs' compute spans, rows under it
-        for parameter uploads, activation and gradient transfers, and an ``optimizer`` row
-        with the ``step()`` calls that ran during or after the call. Save it with
-        :func:`roundpipe_core.running.trace.write_trace` and open it in Perfetto.
+        """The last pipelined call's measured timeline as a Chrome trace-event object: a
+        row per device (compute, uploads, transfers) and an ``optimizer`` row with the
+        steps. Save it with :func:`roundpipe_core.running.trace.write_trace`.
         """
         return chrome_trace(spans_from_roundpipe(self))
 

@@ -1,9 +1,5 @@
-"""``RoundPipeRunConfig``: how one pipelined call runs, and its validation.
-
-A field left ``None`` falls back to the model's ``model_run_config``, then to
-the default noted on the field. Validation happens once, when a config meets
-the engine (construction of a RoundPipe, or a call), so a bad value fails
-before any compute starts.
+"""``RoundPipeRunConfig``: how one pipelined call runs, and its validation (once, when a
+config meets the engine, so a bad value fails before any compute starts).
 """
 
 from __future__ import annotations

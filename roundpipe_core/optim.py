@@ -293,12 +293,9 @@ def use_fastest_(optimizer: torch.optim.Optimizer) -> bool:
 def check_state_matches(
     optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None
 ) -> None:
-    """Raise if a per-parameter state tensor (``exp_avg``, ``momentum_buffer``...) does
-    not have its parameter's shape.
-
-    torch's fused kernels do not check: a state loaded for other parameters -- a
-    checkpoint saved while the optimizer listed them in another order -- trains to NaN
-    or corrupts memory instead of raising. Scalar entries (``step``) are not compared.
+    """Raise if a per-parameter state tensor (``exp_avg``, ...) does not have its
+    parameter's shape: torch's fused kernels do not check, and a state loaded for other
+    parameters trains to NaN or corrupts memory. Scalar entries are not compared.
 
     Args:
         optimizer: the optimizer whose ``state`` to check.

@@ -1,13 +1,8 @@
-"""Which plan a call of a ``RoundPipe`` runs: the planner's state for one model.
-
-The per-run-type plans set with ``set_plan``, the model's configured plan, or the
-default plan that the planner makes and re-makes once measured timings have settled;
-and the activation bytes the planner's memory cap counts. :class:`PlanChoice` is the
-part of ``RoundPipe`` that holds them.
-
-It sits in the engine layer, not in ``planning/``: it reads the model's run
-configuration, device pool and timer, and the plan-fit checker, which the pure
-planning wing may not import.
+"""Which plan a call of a ``RoundPipe`` runs (:class:`PlanChoice`, part of ``RoundPipe``):
+the plans set with ``set_plan``, the configured plan, or the default plan the planner
+makes and re-makes once measured timings have settled; and the activation bytes the
+planner's memory cap counts. It reads the run configuration, pool, timer and plan-fit
+checker, which the pure ``planning/`` wing may not import.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from ..running.devices.pool import PoolError
 from ..running.runtime import PipelineRun
 from .layerwise import GradCompletion
 from .pipelined import GradBuffer, PendingResult, PipelinedRuns
-from .versions import PublicationGate
 
 __all__ = ["PipelinedCall", "StepOwner"]
 
@@ -47,12 +46,7 @@ class PipelinedCall:
 
     @property
     def weights(self) -> Any:
-        """What the call's uploads wait on, layer by layer: the weight versions (through a
-        :class:`PublicationGate` for a blocking call while a plain step's weights are
-        still being copied into the model)."""
-        publication = self._runs.last_publication()
-        if self._blocking and publication is not None and not publication.done():
-            return PublicationGate(self._runs.versions, self._runs, publication)
+        """What the call's uploads wait on, layer by layer: the weight versions."""
         return self._runs.versions
 
     def completion(
@@ -70,9 +64,16 @@ class PipelinedCall:
 
     def reserve(self, job_layers: Sequence[range], num_devices: int) -> Any:
         """The call's jobs are known: the next call starts on the device after its last;
-        returns the reader of the current target version its uploads register with."""
-        self._runs.next_device = (self._runs.next_device + len(job_layers)) % num_devices
-        self.reader = self._runs.versions.register(self._runs.target_version, job_layers)
+        returns the reader of the current target version its uploads register with (for a
+        blocking call while a plain step's weights are still being copied into the model,
+        gated by that copy: ``versions._Reader``)."""
+        runs = self._runs
+        runs.next_device = (runs.next_device + len(job_layers)) % num_devices
+        publication = runs.last_publication()
+        gate = None
+        if self._blocking and publication is not None and not publication.done():
+            gate = (publication, lambda: runs.failure is not None)
+        self.reader = runs.versions.register(runs.target_version, job_layers, gate)
         return self.reader
 
     def pending(

@@ -32,9 +32,8 @@ from torch import nn
 
 from ..running.devices.pool import PoolError
 from .masters import copy_pairs
-from .stepper import Stepper
 
-__all__ = ["PublicationGate", "RemotePublisher", "WeightVersions"]
+__all__ = ["RemotePublisher", "WeightVersions"]
 
 _WAIT_SLICE_S = 0.05
 
@@ -62,12 +61,22 @@ class RemotePublisher(Protocol):
 
 class _Reader:
     """A pipelined run as a reader of weight version ``version``: how many of its
-    jobs still have to upload each layer, and the fences of the uploads issued."""
+    jobs still have to upload each layer, and the fences of the uploads issued.
+    ``gate``: a blocking call issued while the optimizer thread still copies a step's
+    weights into the model (that work's future, and whether the pipelined path failed):
+    its wait stops at a failure, and once that copy ended (without copying: the call
+    reads the last completed step's weights)."""
 
-    def __init__(self, version: int, counts: dict[int, int]) -> None:
+    def __init__(
+        self,
+        version: int,
+        counts: dict[int, int],
+        gate: tuple[Future, Callable[[], bool]] | None = None,
+    ) -> None:
         self.version = version
         self.pending = counts
         self.fences: dict[int, list[Callable[[], None]]] = {}
+        self.gate = gate
 
 
 class WeightVersions:
@@ -112,13 +121,18 @@ class WeightVersions:
         self._ended_fences: list[Callable[[], None]] = []
 
     # -- readers (worker threads) ----------------------------------------------------
-    def register(self, version: int, job_layers: Sequence[range]) -> _Reader:
+    def register(
+        self,
+        version: int,
+        job_layers: Sequence[range],
+        gate: tuple[Future, Callable[[], bool]] | None = None,
+    ) -> _Reader:
         """A run that reads ``version`` and uploads each of ``job_layers`` once."""
         counts: dict[int, int] = {}
         for r in job_layers:
             for i in r:
                 counts[i] = counts.get(i, 0) + 1
-        reader = _Reader(version, counts)
+        reader = _Reader(version, counts, gate)
         with self._cond:
             self._readers.append(reader)
         return reader
@@ -130,22 +144,21 @@ class WeightVersions:
 
     def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
         with self._cond:
-            return self._ready(reader, layers)
+            return self._ready(reader, layers) or (
+                reader.gate is not None and reader.gate[0].done()
+            )
 
     def wait_ready(
-        self,
-        reader: _Reader,
-        layers: Sequence[int],
-        failed: Callable[[], bool],
-        settled: Callable[[], bool] | None = None,
+        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]
     ) -> None:
-        """Block until ``layers`` hold ``reader``'s version; PoolError once ``failed()``;
-        return once ``settled()`` (the publication ended without copying)."""
+        """Block until ``layers`` hold ``reader``'s version (or its gate opened);
+        PoolError once ``failed()``."""
+        gate = reader.gate
         with self._cond:
             while not self._ready(reader, layers):
-                if failed():
+                if failed() or (gate is not None and gate[1]()):
                     raise PoolError("stopped waiting for weights to upload: the run was aborted")
-                if settled is not None and settled():
+                if gate is not None and gate[0].done():
                     return
                 self._cond.wait(_WAIT_SLICE_S)
 
@@ -313,32 +326,3 @@ class WeightVersions:
     def active(self) -> int:
         with self._cond:
             return len(self._readers)
-
-
-class PublicationGate:
-    """:class:`WeightVersions` as a blocking call reads them while the optimizer thread
-    still copies a step's weights into the model (``publication``): an upload waits for
-    its own layers only; a pipelined failure stops the wait, and a publication that
-    ended without copying lets the call read the last completed step's weights."""
-
-    def __init__(self, versions: WeightVersions, stepper: Stepper, publication: Future) -> None:
-        self._versions = versions
-        self._stepper = stepper
-        self._publication = publication
-
-    def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        return self._versions.ready(reader, layers) or self._publication.done()
-
-    def wait_ready(
-        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]
-    ) -> None:
-        stepper = self._stepper
-        self._versions.wait_ready(
-            reader,
-            layers,
-            lambda: failed() or stepper.failure is not None,
-            settled=self._publication.done,
-        )
-
-    def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
-        self._versions.uploaded(reader, layers, fence)
