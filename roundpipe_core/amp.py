@@ -84,10 +84,9 @@ class GradScaler:
         backoff_factor: factor the scale is multiplied by after an iteration with
             inf/NaN gradients (whose optimizer step is skipped).
         growth_interval: iterations without inf/NaN before the scale grows.
-        enabled: ``False`` makes ``step`` a plain ``optimizer.step()`` and every
-            other method a no-op.
-        wait_timeout: seconds ``scale()`` / ``get_scale()`` / ``state_dict()`` wait for a
-            deferred ``update()`` to find its ``step()`` before raising ``RuntimeError``.
+        enabled: ``False`` makes ``step`` a plain ``optimizer.step()``, the rest no-ops.
+        wait_timeout: seconds a call waits for a deferred ``update()`` to find its
+            ``step()`` before raising ``RuntimeError``.
 
     ``torch.amp.GradScaler``'s signature is accepted too (``GradScaler("cuda", 1024.0)``,
     ``GradScaler(device="cpu", init_scale=8.0)``); the scale lives with the masters on

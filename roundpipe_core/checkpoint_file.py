@@ -85,8 +85,7 @@ def _crc32(f: BinaryIO, begin: int, end: int) -> int:
 
 def verify_archive(path: str | Path) -> int:
     """Check every record of the ``torch.save`` zip archive at ``path`` against its
-    CRC-32 (records without one -- CRC field 0 -- are skipped). Returns the number of
-    records checked.
+    CRC-32 (CRC field 0: skipped). Returns the number of records checked.
 
     Raises:
         CorruptCheckpointError: a record's bytes do not match its checksum, lie past the
@@ -131,12 +130,6 @@ def verify_archive(path: str | Path) -> int:
                 )
             checked += 1
     return checked
-
-
-def _is_unsupported_global(exc: BaseException) -> bool:
-    """torch's ``weights_only`` unpickler refusing a type in a *complete* file: a question of
-    trust, not damage (its own message says what to do, as under plain Lightning)."""
-    return isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -207,8 +200,8 @@ def read_checkpoint(
         pickle.UnpicklingError,
         RuntimeError,
     ) as exc:
-        if _is_unsupported_global(exc):
-            raise
+        if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):
+            raise  # refusing a type in a complete file: trust, not damage (torch says what to do)
         if isinstance(exc, RuntimeError) and not _is_reader_error(exc):
             raise  # not the file's fault (map_location names a missing device, ...)
         raise CorruptCheckpointError(

@@ -48,23 +48,20 @@ class RoundPipe(PlanChoice, RoundPipeBase):
     """Train or run an ``nn.Sequential`` whose state lives in host memory on a pool of devices.
 
     Args:
-        model: an ``nn.Sequential`` (each child is a layer) or any module (one layer).
-            It is wrapped in place: after ``synchronize()`` its parameters hold the
-            trained values.
+        model: an ``nn.Sequential`` (each child is a layer) or any module (one layer),
+            wrapped in place: after ``synchronize()`` its parameters hold the trained values.
         optim_dtype: dtype of the master copies the optimizer updates (default: the
-            model's). Typical: bf16/fp16 model, ``torch.float32`` masters.
+            model's; typically ``torch.float32`` for a bf16/fp16 model).
         name: a name for logs.
         model_run_config: default ``RoundPipeRunConfig`` of this model's calls.
         pin_model: host memory of the parameters on CUDA: "alloc" (pinned copies),
-            "register" (pin the existing storage) or "off" (pageable, e.g. mmap-loaded).
-            Accepted and ignored on the CPU backend.
+            "register" (pin the existing storage) or "off" (pageable); ignored on CPU.
         devices: ``None`` (all GPUs, else ``ROUNDPIPE_CPU_DEVICES`` CPU workers, default 2),
             an int, ``"cpu:N"``, a list of devices, or the ``DevicePool`` of another RoundPipe.
-        original_model: the object attribute lookups fall through to (a preset passes the
-            Hugging Face model it converted); default ``model``.
-        master_owner: another RoundPipe whose master copies cover this model's parameters
-            (an automatic split runs parts of one model as inner RoundPipes): this one then
-            makes no masters and accumulates its gradients into the owner's.
+        original_model: the object attribute lookups fall through to (default ``model``;
+            a preset passes the Hugging Face model it converted).
+        master_owner: another RoundPipe whose masters cover this model's parameters (an
+            automatic split's inner units): this one accumulates into the owner's.
         shared_masters: ``True``: a trainable parameter that already has ``optim_dtype``
             is its own master -- one tensor instead of two (4 B/param less for fp32), the
             optimizer updates the module's weights in place (others still get copies).
@@ -72,10 +69,9 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             with a warning), with plain PyTorch's numbers. ``None`` (default): ``True``
             on CPU workers, ``False`` on GPUs (``RoundPipeBase.default_shared_masters``).
         loss_reduction: how ``forward_backward`` combines its per-microbatch losses:
-            ``"sum"`` (default, the published contract: they are added up) or ``"mean"``
-            (each is weighted by its share of the batch rows, so a ``loss_fn`` returning a
-            batch mean gives the whole batch's mean loss and gradients, also for uneven
-            microbatches). Also a settable attribute; a call's ``loss_reduction=`` wins.
+            ``"sum"`` (default, the published contract) or ``"mean"`` (each weighted by
+            its share of the batch rows: a ``loss_fn`` returning a batch mean gives the
+            whole batch's mean). Also a settable attribute; a call's argument wins.
         offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
             state live in files there, streamed by ``step_layerwise(functools.partial(
             step_subset, opt), finish=opt.zero_grad)`` (``step()`` raises ValueError).
@@ -84,15 +80,13 @@ class RoundPipe(PlanChoice, RoundPipeBase):
     Attributes:
         loss_multiplier: ``None`` or a callable read once per ``forward_backward`` (in the
             caller's thread): each microbatch loss is multiplied by its value before its
-            backward; the call still returns the unmultiplied loss (gradient accumulation
-            and loss scaling use it).
+            backward; the call still returns the unmultiplied loss.
         forward_backward_hook: ``None`` or ``hook(call, kwargs)``, run in the caller's thread
             around each ``forward_backward``; ``call(**kwargs)`` is the engine's own, and
-            ``kwargs["blocking"]`` is ``None`` unless the caller chose (an integration may
-            pick the default and wrap the result, as the Lightning strategy does).
+            ``kwargs["blocking"]`` is ``None`` unless the caller chose.
         last_call: the :class:`~roundpipe_core.running.timer.CallTiming` of the last
-            pipelined call (blocking or not): its schedule, each job's device, span and
-            busy time, the transfers its workers waited on, its wall time and batch size.
+            pipelined call: its schedule, each job's device, span and busy time, the
+            transfers waited on, its wall time and batch size.
     """
 
     def __init__(
@@ -325,12 +319,11 @@ class RoundPipe(PlanChoice, RoundPipeBase):
                 ``model_output_loss``) is not reweighted.
 
         Returns:
-            The sum of the (weighted) per-microbatch losses -- under ``"mean"`` the batch
-            mean -- as a detached CPU tensor (a tuple of sums for a loss_fn returning
-            several), or ``(loss, outputs)``. Gradients of that sum
-            are accumulated into the master copies' ``.grad`` -- only if the whole call
+            The sum of the (weighted) per-microbatch losses as a detached CPU tensor (a
+            tuple of sums for a loss_fn returning several), or ``(loss, outputs)``; its
+            gradients are accumulated into the masters' ``.grad`` only if the whole call
             succeeds. With ``blocking=False``: a ``PendingResult`` whose ``result()``
-            returns that (and has put the gradients into ``.grad``).
+            returns that.
         """
         kwargs = dict(
             input_args=input_args,

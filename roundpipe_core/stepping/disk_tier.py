@@ -153,6 +153,10 @@ class _Record:
             self.tensors[key] = buf[pos : pos + n].view(dtype).view(shape)
             pos += _entry_bytes(dt, shape)
 
+    def state(self) -> dict[str, Any]:
+        """The optimizer state it holds: its tensors but the master's, and its scalars."""
+        return {**{k: t for k, t in self.tensors.items() if k != _MASTER}, **self.layout.scalars}
+
 
 def _positions(opt: torch.optim.Optimizer) -> dict[int, int]:
     """Parameter id -> its position in the optimizer's groups (a state dict's key)."""
@@ -559,7 +563,9 @@ class DiskTier:
             self._read_ahead(piece, block=True)  # those that did not fit before
             records = {i: self._take_read(i) for i in piece}
             self._read_ahead(order[pos:], block=False)  # the next layers, while this steps
-            self._install(opt, records)
+            for i, (rec, _) in records.items():  # the part's masters and state, resident
+                self._params[i].data = rec.tensors[_MASTER]
+                opt.state[self._params[i]] = rec.state()
             step_subset(opt, [self._params[i] for i in piece], **kw)
             self._write_behind(opt, records)
             self._stepped.update(piece)
@@ -582,17 +588,6 @@ class DiskTier:
             raise
         self.bytes_read += n
         return rec, n
-
-    def _install(self, opt: torch.optim.Optimizer, records: dict[int, tuple[_Record, int]]) -> None:
-        for i, (rec, _) in records.items():
-            m = self._params[i]
-            m.data = rec.tensors[_MASTER]
-            state = {k: t for k, t in rec.tensors.items() if k != _MASTER}
-            state.update(rec.layout.scalars)
-            if state:
-                opt.state[m] = state
-            else:
-                opt.state.pop(m, None)
 
     def _write_behind(
         self, opt: torch.optim.Optimizer, records: dict[int, tuple[_Record, int]]
@@ -642,11 +637,8 @@ class DiskTier:
             self._pending[i] = layout
             fut = self._writer.submit(self._io, _pwrite, self._fds[nxt], out.buf, layout.offset)
             self.bytes_written += layout.nbytes
-            fut.add_done_callback(functools.partial(self._written, n))
+            fut.add_done_callback(lambda _, n=n: self._give_bytes(n))  # type: ignore[misc]
             self._writes.append(fut)
-
-    def _written(self, n: int, _fut: Future) -> None:
-        self._give_bytes(n)
 
     def _commit(self) -> None:
         """Every master stepped: wait for the writes, fsync, then publish the generation."""
@@ -752,11 +744,8 @@ class DiskTier:
         sd["state"] = {}
         for pid, pos in _positions(opt).items():
             i = self._index.get(pid)
-            if i is not None:
-                entry = {k: t for k, t in recs[i].tensors.items() if k != _MASTER}
-                entry.update(recs[i].layout.scalars)
-                if entry:
-                    sd["state"][pos] = entry
+            if i is not None and (entry := recs[i].state()):
+                sd["state"][pos] = entry
         return sd
 
     def load_state(

@@ -127,10 +127,6 @@ class GradBuffer:
                 return items
             return [hit for m in masters if (hit := self._grads.pop(id(m), None)) is not None]
 
-    def clear(self) -> None:
-        with self._lock:
-            self._grads = {}
-
 
 def assemble_result(
     cfg: RoundPipeRunConfig,
@@ -361,7 +357,7 @@ class PipelinedRuns(Stepper):
         self.wait_idle()
         with self._runs_lock:
             for r in self._inflight:
-                r.buffer.clear()
+                r.buffer.take()  # dropped
             self._inflight.clear()
         exc = self.reset_after_failure()
         self.publish_all()
