@@ -95,19 +95,12 @@ class GradScaler:
 
     def __init__(self, *args: Any, wait_timeout: float = 300.0, **kwargs: Any) -> None:
         values = _scaler_arguments(args, kwargs)
-        init_scale, growth_factor, backoff_factor = (
-            values["init_scale"],
-            values["growth_factor"],
-            values["backoff_factor"],
-        )
-        growth_interval, enabled = values["growth_interval"], values["enabled"]
+        growth_interval = values["growth_interval"]
         if not isinstance(growth_interval, int) or isinstance(growth_interval, bool):
             raise TypeError(f"growth_interval must be an int, got {growth_interval!r}")
         if wait_timeout <= 0:
             raise ValueError(f"wait_timeout must be positive seconds, got {wait_timeout!r}")
-        self._impl = torch.amp.GradScaler(
-            "cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled
-        )
+        self._impl = torch.amp.GradScaler("cpu", **values)
         if self._impl.is_enabled():
             # the scale lives with the fp32 masters on the CPU; scale() copies it to the
             # loss's device

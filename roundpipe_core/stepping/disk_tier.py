@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kinds import check_int
 from .layerwise import step_subset, steps_elementwise
 from .masters import MasterWeights
 
@@ -234,8 +235,7 @@ class DiskTier:
         direct_io: bool | None = None,
         free_grads: bool = True,
     ) -> None:
-        if not isinstance(buffer_layers, int) or buffer_layers < 1:
-            raise ValueError(f"buffer_layers must be an int >= 1, got {buffer_layers!r}")
+        check_int(buffer_layers, "buffer_layers")
         self.path = os.fspath(path)
         self.free_grads = free_grads
         self.masters = masters

@@ -135,23 +135,19 @@ class StepOwner(PipelinedRuns):
         if self.inflight():
             self.defer_step(fn)  # its error is raised through raise_failure()
         else:
-            if is_async and may_publish_in_background and self._previous_step_lets_publish():
+            # the step before is a plain one that has not failed already (that error is
+            # raised by this step(), as always)
+            pending = self.pending()
+            lets_publish = pending is None or not (
+                self.pending_is_guarded() or (pending.done() and pending.exception() is not None)
+            )
+            if is_async and may_publish_in_background and lets_publish:
                 self.masters.take_back_grads()  # the copy into the model: on the thread
             else:
                 settle()  # the copy now (and the previous step's error raised)
             self.queue_publish_then_step(fn)  # its error is raised by settle()
         if not is_async:
             settle()
-
-    def _previous_step_lets_publish(self) -> bool:
-        """The step before is a plain one that has not failed already (that error is
-        raised by this ``step()``, as always)."""
-        pending = self.pending()
-        if pending is None:
-            return True
-        if self.pending_is_guarded():
-            return False
-        return not (pending.done() and pending.exception() is not None)
 
     def step_layerwise(
         self,
