@@ -440,23 +440,21 @@ class RoundPipeBase(nn.Module):
         if is_async and self._home().masters.num_shared:
             if not self._warned_sync_step:
                 self._warned_sync_step = True
+                why = (
+                    "on CPU workers (they compute on the cores an overlapped step would take; "
+                    "the masters are the model's own weights, shared_masters=None)"
+                    if self._shared_by_default
+                    else "because shared_masters=True (the optimizer updates the weights "
+                    "devices read, in place)"
+                )
+                msg = (
+                    f"RoundPipe {self.name!r}: step(is_async=True) is synchronous {why}; pass "
+                    "shared_masters=False for an asynchronous, one-step-stale step"
+                )
                 if self._shared_by_default:
-                    _log.info(
-                        "RoundPipe %r: step() is synchronous on CPU workers (they compute on "
-                        "the cores an overlapped step would take; the masters are the "
-                        "model's own weights, shared_masters=None); pass shared_masters=False "
-                        "for an asynchronous, one-step-stale step",
-                        self.name,
-                    )
+                    _log.info("%s", msg)
                 else:
-                    warnings.warn(
-                        f"RoundPipe {self.name!r}: step(is_async=True) runs synchronously "
-                        "because shared_masters=True (the optimizer updates the weights "
-                        "devices read, in place); pass shared_masters=False for an "
-                        "asynchronous, one-step-stale step",
-                        UserWarning,
-                        stacklevel=3,
-                    )
+                    warnings.warn(msg, UserWarning, stacklevel=3)
             return False
         return is_async
 

@@ -39,7 +39,7 @@ from ..running.host_memory import note_training_step
 
 __all__ = ["ClosedError", "Stepper"]
 
-_Item = tuple[Future, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+_Item = tuple[Future, Callable[..., Any], tuple[Any, ...]]
 
 
 class ClosedError(RuntimeError):
@@ -56,17 +56,17 @@ def _serve(work: queue.SimpleQueue[_Item | None], intra_op_threads: int | None =
         item = work.get()
         if item is None:
             return
-        fut, fn, args, kwargs = item
+        fut, fn, args = item
         del item
         if fut.set_running_or_notify_cancel():
             try:
-                result = fn(*args, **kwargs)
+                result = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the future's owner
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
                 del result
-        del fut, fn, args, kwargs
+        del fut, fn, args
 
 
 #: seconds interpreter exit waits for an optimizer thread's queued work (env override)
@@ -82,21 +82,18 @@ _RUNNING_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 def exit_wait_s() -> float:
     """How long interpreter exit waits for each optimizer thread (``$ROUNDPIPE_EXIT_WAIT_S``)."""
     raw = os.environ.get(EXIT_WAIT_ENV, "").strip()
-    if not raw:
-        return _DEFAULT_EXIT_WAIT_S
     try:
-        value = float(raw)
+        value = float(raw) if raw else _DEFAULT_EXIT_WAIT_S
     except ValueError:
         value = -1.0
-    if not value >= 0:
-        warnings.warn(
-            f"${EXIT_WAIT_ENV}={raw!r} is not a number of seconds >= 0; using "
-            f"{_DEFAULT_EXIT_WAIT_S:g}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return _DEFAULT_EXIT_WAIT_S
-    return value
+    if value >= 0:
+        return value
+    warnings.warn(
+        f"${EXIT_WAIT_ENV}={raw!r} is not a number of seconds >= 0; using {_DEFAULT_EXIT_WAIT_S:g}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return _DEFAULT_EXIT_WAIT_S
 
 
 def _finish_at_exit() -> None:
@@ -163,7 +160,7 @@ class Stepper:
         fut: Future = Future()
         with self._lock:
             self.check_open()
-            self._queue.put((fut, fn, args, {}))
+            self._queue.put((fut, fn, args))
         return fut
 
     # -- state -----------------------------------------------------------------------

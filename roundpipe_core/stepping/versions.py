@@ -100,7 +100,7 @@ class WeightVersions:
         self._released = released if released is not None else set()
         self._publishers = publishers if publishers is not None else []
         master_of = {id(p): (p, m) for _, p, m in masters}
-        self._cond = threading.Condition()
+        self.cond = threading.Condition()  # notified on every upload, publication, run end
         # per layer: the (model param, master) pairs it holds; per master: the layers holding it
         self.layer_pairs: list[list[tuple[nn.Parameter, nn.Parameter]]] = []
         self.holders: dict[int, list[int]] = {}
@@ -133,7 +133,7 @@ class WeightVersions:
             for i in r:
                 counts[i] = counts.get(i, 0) + 1
         reader = _Reader(version, counts, gate)
-        with self._cond:
+        with self.cond:
             self._readers.append(reader)
         return reader
 
@@ -143,7 +143,7 @@ class WeightVersions:
         )
 
     def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        with self._cond:
+        with self.cond:
             return self._ready(reader, layers) or (
                 reader.gate is not None and reader.gate[0].done()
             )
@@ -154,30 +154,30 @@ class WeightVersions:
         """Block until ``layers`` hold ``reader``'s version (or its gate opened);
         PoolError once ``failed()``."""
         gate = reader.gate
-        with self._cond:
+        with self.cond:
             while not self._ready(reader, layers):
                 if failed() or (gate is not None and gate[1]()):
                     raise PoolError("stopped waiting for weights to upload: the run was aborted")
                 if gate is not None and gate[0].done():
                     return
-                self._cond.wait(_WAIT_SLICE_S)
+                self.cond.wait(_WAIT_SLICE_S)
 
     def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
         """``reader`` issued the upload of ``layers``; ``fence()`` blocks until the host copy
         may change under it (read by a device; released, where it computes on the host's)."""
-        with self._cond:
+        with self.cond:
             for i in layers:
                 reader.pending[i] -= 1
                 reader.fences.setdefault(i, []).append(fence)
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     def finish(self, reader: _Reader) -> None:
         """The run is over (done, failed or aborted): it uploads nothing more."""
-        with self._cond:
+        with self.cond:
             if reader in self._readers:
                 self._readers.remove(reader)
                 self._ended_fences.extend(f for fs in reader.fences.values() for f in fs)
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     # -- publication (optimizer thread) ------------------------------------------------
     def _blocked(self, mid: int, version: int) -> bool:
@@ -194,27 +194,22 @@ class WeightVersions:
         self.publish_remote(version, failed)
         todo = self.stale(version)
         while todo:
-            with self._cond:
+            with self.cond:
                 while True:
                     if failed():
                         raise PoolError("weight publication stopped: a pipelined iteration failed")
                     if self.any_publishable(version, todo):
                         break
-                    self._cond.wait(_WAIT_SLICE_S)
+                    self.cond.wait(_WAIT_SLICE_S)
             todo = self.publish_ready(version, todo)
 
-    @property
-    def cond(self) -> threading.Condition:
-        """Notified on every upload, publication and end of a run."""
-        return self._cond
-
     def notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
 
     def stale(self, version: int) -> list[int]:
         """The masters (ids) whose host copy holds a version older than ``version``."""
-        with self._cond:
+        with self.cond:
             return [k for k, v in self.version.items() if v < version]
 
     def any_publishable(self, version: int, todo: Sequence[int]) -> bool:
@@ -224,7 +219,7 @@ class WeightVersions:
     def publish_ready(self, version: int, todo: Sequence[int]) -> list[int]:
         """Publish those of ``todo`` that no older-version run still has to upload (does
         not wait for uploads); return the others."""
-        with self._cond:
+        with self.cond:
             ready = [k for k in todo if not self._blocked(k, version)]
             if not ready:
                 return list(todo)
@@ -254,7 +249,7 @@ class WeightVersions:
     def _wait_old_uploads(self, version: int, keys: Sequence[int]) -> None:
         """Run the fences of the uploads of ``keys`` by older-version runs and by the
         runs that ended: after it the host copy of ``keys`` may change."""
-        with self._cond:
+        with self.cond:
             fences = [
                 f
                 for r in self._readers
@@ -272,10 +267,10 @@ class WeightVersions:
                 fence()
 
     def _mark(self, keys: Sequence[int], version: int) -> None:
-        with self._cond:
+        with self.cond:
             for k in keys:
                 self.version[k] = version
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     # -- remote publication (the optimizer thread, or synchronize()) --------------------------
     def publish_remote(self, version: int, failed: Callable[[], bool]) -> None:
@@ -285,11 +280,11 @@ class WeightVersions:
 
         def claim(part: Sequence[int]) -> None:
             part = [k for k in part if k in self.version]
-            with self._cond:
+            with self.cond:
                 while any(self._blocked(k, version) for k in part):
                     if failed():
                         raise PoolError("weight publication stopped: a pipelined iteration failed")
-                    self._cond.wait(_WAIT_SLICE_S)
+                    self.cond.wait(_WAIT_SLICE_S)
             self._wait_old_uploads(version, part)
 
         def mark(part: Sequence[int]) -> None:
@@ -297,7 +292,7 @@ class WeightVersions:
 
         for pub in list(self._publishers):
             keys = [k for k in pub.keys if k in self.version]
-            with self._cond:
+            with self.cond:
                 if all(self.version[k] >= version for k in keys):
                     continue  # published already (a synchronize() before this step's)
             pub.publish(version, claim, mark)
@@ -309,7 +304,7 @@ class WeightVersions:
     def wait_ended_uploads(self) -> None:
         """Block until the uploads of runs that ended have read the host copy (before the
         whole copy is overwritten, ``set_all``)."""
-        with self._cond:
+        with self.cond:
             ended, self._ended_fences = self._ended_fences, []
         for fence in ended:
             with contextlib.suppress(Exception):  # a failed upload: its run reports it
@@ -317,12 +312,12 @@ class WeightVersions:
 
     def set_all(self, version: int) -> None:
         """The host copy was overwritten with the masters (``synchronize()``)."""
-        with self._cond:
+        with self.cond:
             for k in self.version:
                 self.version[k] = version
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     @property
     def active(self) -> int:
-        with self._cond:
+        with self.cond:
             return len(self._readers)
