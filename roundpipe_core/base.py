@@ -31,16 +31,13 @@ from .checks import (
     watch_updates,
 )
 from .kinds import PinMode, check_flag, parse_kind
-from .planning.schedule import Job
 from .running.devices import memory
 from .running.devices.pool import DevicePool
 from .running.trace import chrome_trace, spans_from_roundpipe
 from .stepping.disk_tier import STEP_UNSUPPORTED, DiskTier, check_offload_args
-from .stepping.layerwise import GradCompletion
 from .stepping.masters import MasterWeights
 from .stepping.owner import StepOwner
 from .stepping.pipelined import GradBuffer
-from .stepping.stepper import ClosedError
 
 _log = logging.getLogger(__name__)
 
@@ -335,28 +332,6 @@ class RoundPipeBase(nn.Module):
             (name, t) for name, p, m in masters.entries for t in ((p, m) if p is not m else (p,))
         )
 
-    def _grad_tracker(
-        self, jobs: list[Job], buffer: GradBuffer | None = None
-    ) -> Callable[[Job], None] | None:
-        """The gradient countdown of a ``forward()``'s backward (``GradCompletion``): when a
-        master's last job is done, move its gradient into ``.grad`` and report it to the
-        hooks, after the step in flight (on the optimizer thread if need be)."""
-        if not self._grad_hooks:
-            return None
-        home, hooks = self._home(), self._grad_hooks
-
-        def merge_and_report(final: list[nn.Parameter]) -> None:
-            if buffer is not None:
-                home.masters.add_many(buffer.take(final))
-            for hook in list(hooks):
-                hook(final)
-
-        def complete(final: list[nn.Parameter]) -> None:
-            home._steps.after_step(functools.partial(merge_and_report, final))
-
-        masters_of = lambda job: home.masters.of_layers([self.layers[i] for i in job.layers])  # noqa: E731
-        return GradCompletion(jobs, masters_of, on_complete=complete).job_done
-
     # -- optimizer step ---------------------------------------------------------------
     def step(
         self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
@@ -578,12 +553,7 @@ class RoundPipeBase(nn.Module):
 
     def _check_open(self, what: str = "this call") -> None:
         self._check_not_reentrant(what)
-        try:
-            self._steps.check_open()
-        except ClosedError:
-            raise ClosedError(
-                f"this RoundPipe ({self.name!r}) is closed; create a new one to keep training"
-            ) from None
+        self._steps.check_open()
 
     def close(self) -> None:
         """Finish the pending step and stop this RoundPipe's threads. Safe to call twice."""

@@ -9,6 +9,7 @@ master copies. The masters, the step and ``synchronize`` are
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from .planning.plan import ModelExecutePlan
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .running.runtime import PipelineRun, run_queue
 from .running.timer import CallTiming, ModelTimer
+from .stepping.layerwise import GradCompletion
 from .stepping.pipelined import (
     GradBuffer,
     RunFinisher,
@@ -256,16 +258,31 @@ class RoundPipe(PlanChoice, RoundPipeBase):
                 "for inference (torch.no_grad() or requires_grad=False) or with "
                 "forward_backward(), or give a merge spec (None, True, TensorChunkSpec, ...)"
             )
-        buffer = GradBuffer(self._home().masters.master_of, self._convert_grads_on_add())
+        home, hooks = self._home(), self._grad_hooks
+        buffer = GradBuffer(home.masters.master_of, self._convert_grads_on_add())
+
+        def merge_and_report(final: list[nn.Parameter]) -> None:
+            home.masters.add_many(buffer.take(final))
+            for hook in list(hooks):
+                hook(final)
 
         def new_run(needs: list[bool], bwd_jobs: list[Job]) -> PipelineRun:
+            # with gradient hooks, the backward's countdown: a master's complete gradient
+            # enters .grad and the hooks after the step in flight (on its thread if need be)
+            countdown = hooks and GradCompletion(
+                bwd_jobs,
+                lambda job: home.masters.of_layers([self.layers[i] for i in job.layers]),
+                on_complete=lambda final: home._steps.after_step(
+                    functools.partial(merge_and_report, final)
+                ),
+            )
             return self._new_run(
                 cfg,
                 plan,
                 RunType.TRAIN,
                 buffer.add,
                 input_needs_grad=needs,
-                grads_done=self._grad_tracker(bwd_jobs, buffer),
+                grads_done=countdown.job_done if countdown else None,
             )
 
         def execute(run: PipelineRun, jobs: list[Job]) -> None:

@@ -315,7 +315,9 @@ class Stepper:
     def check_open(self) -> None:
         """Raises ClosedError after ``shutdown()``."""
         if self._closed:
-            raise ClosedError("this RoundPipe is closed; create a new one to keep training")
+            raise ClosedError(
+                f"this RoundPipe ({self.name!r}) is closed; create a new one to keep training"
+            )
 
     def shutdown(self, timeout: float | None = 0.0) -> None:
         """Stop taking work; the thread ends after what is queued. Waits up to ``timeout``
