@@ -86,19 +86,9 @@ class PipelinedCall:
         completion: GradCompletion | None = None,
     ) -> PendingResult:
         """The handle the caller gets."""
-        pending = PendingResult(
-            self._runs,
-            self._runs.calls,
-            run,
-            buffer,
-            cfg,
-            num_microbatch,
-            return_outputs,
-            prev_step=self._runs.tail(),
-        )
-        pending.completion = completion
-        self.pending_result = pending
-        return pending
+        args = (run, buffer, cfg, num_microbatch, return_outputs, completion)
+        self.pending_result = PendingResult(self._runs, *args)
+        return self.pending_result
 
     def launch(self, pending: PendingResult) -> None:
         """The call's jobs were submitted: it is in flight from now on."""

@@ -171,22 +171,22 @@ class PendingResult:
     def __init__(
         self,
         runs: PipelinedRuns,
-        index: int,
         run: PipelineRun,
         buffer: GradBuffer,
         cfg: RoundPipeRunConfig,
         num_microbatch: int,
         return_outputs: bool,
-        prev_step: Future | None,
+        completion: GradCompletion | None,
     ) -> None:
         self._runs = runs
-        self.index = index  # pipelined calls of this RoundPipe, counted from 0
+        self.index = runs.calls  # pipelined calls of this RoundPipe, counted from 0
         self.run = run
         self.buffer = buffer
         self.cfg = cfg
         self.num_microbatch = num_microbatch
         self.return_outputs = return_outputs
-        self.prev_step = prev_step  # the step that consumes the gradients issued before these
+        # the step that consumes the gradients issued before these
+        self.prev_step: Future | None = runs.tail()
         self._futures: list[Future] = []
         self._finish: Callable[[PendingResult], Any] | None = None
         self._done = threading.Event()
@@ -196,7 +196,7 @@ class PendingResult:
         self.merged = False
         self.reported: set[int] = set()  # masters the gradient hooks heard of (by id)
         # which masters' gradients are complete while the run is still going
-        self.completion: GradCompletion | None = None
+        self.completion = completion
 
     @property
     def timing(self) -> CallTiming:
