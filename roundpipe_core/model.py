@@ -39,6 +39,7 @@ from .running.timer import CallTiming, ModelTimer
 from .stepping.layerwise import GradCompletion
 from .stepping.pipelined import (
     GradBuffer,
+    PendingResult,
     RunFinisher,
     to_output_device,
 )
@@ -443,8 +444,8 @@ class RoundPipe(PlanChoice, RoundPipeBase):
                 run.caller_waits = blocking
                 for i, mb in enumerate(split.parts):
                     run.put_act(0, i, mb)
-                pending = call.pending(
-                    run, buffer, cfg, len(split.parts), return_outputs, completion
+                pending = call.pending_result = PendingResult(
+                    steps, run, buffer, cfg, len(split.parts), return_outputs, completion
                 )
                 futures = self.pool.submit(
                     jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)

@@ -18,10 +18,8 @@ from typing import Any
 
 from torch import nn
 
-from ..config import RoundPipeRunConfig
 from ..planning.schedule import Job
 from ..running.devices.pool import PoolError
-from ..running.runtime import PipelineRun
 from .layerwise import GradCompletion
 from .pipelined import GradBuffer, PendingResult, PipelinedRuns
 
@@ -42,7 +40,8 @@ class PipelinedCall:
         self.start_device = runs.next_device if running else 0
         self.reader: Any = None
         self.launched = False
-        self.pending_result: Any = None  # the call's PendingResult, once made
+        # the call's PendingResult: made (by the caller) before its jobs are submitted
+        self.pending_result: Any = None
 
     @property
     def weights(self) -> Any:
@@ -75,20 +74,6 @@ class PipelinedCall:
             gate = (publication, lambda: runs.failure is not None)
         self.reader = runs.versions.register(runs.target_version, job_layers, gate)
         return self.reader
-
-    def pending(
-        self,
-        run: PipelineRun,
-        buffer: GradBuffer,
-        cfg: RoundPipeRunConfig,
-        num_microbatch: int,
-        return_outputs: bool,
-        completion: GradCompletion | None = None,
-    ) -> PendingResult:
-        """The handle the caller gets."""
-        args = (run, buffer, cfg, num_microbatch, return_outputs, completion)
-        self.pending_result = PendingResult(self._runs, *args)
-        return self.pending_result
 
     def launch(self, pending: PendingResult) -> None:
         """The call's jobs were submitted: it is in flight from now on."""
