@@ -42,7 +42,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -126,14 +126,6 @@ class _Layout:
     @property
     def nbytes(self) -> int:
         return sum(_entry_bytes(dt, shape) for _, dt, shape in self.entries)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "offset": self.offset,
-            "capacity": self.capacity,
-            "entries": [[k, dt, list(s)] for k, dt, s in self.entries],
-            "scalars": self.scalars,
-        }
 
 
 def _entry_bytes(dtype: str, shape: Sequence[int]) -> int:
@@ -392,7 +384,7 @@ class DiskTier:
             "gen": self.gen,
             "slot": slot,
             "names": self._names,
-            "records": [lay.to_json() for lay in self._layouts[slot]],
+            "records": [asdict(lay) for lay in self._layouts[slot]],
         }
         tmp = os.path.join(self._dir, "index.json.tmp")
         with open(tmp, "w") as f:
