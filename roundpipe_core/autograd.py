@@ -107,11 +107,7 @@ class AutogradForward:
         self.execute(run, self.bwd_jobs)
         run.drop_activations()
         self.run_state = None
-        return self._input_grads(run, n)
-
-    def _input_grads(self, run: PipelineRun, n: int) -> list[torch.Tensor | None]:
-        """The gradients of the call's input tensors, joined over microbatches as the
-        inputs were split."""
+        # the input tensors' gradients, joined over microbatches as the inputs were split
         if not any(run.input_needs_grad or []):
             return [None for x in self.in_leaves if isinstance(x, torch.Tensor)]
         joined = self.split.join_input_grads([run.take_grad(0, m) or [] for m in range(n)])

@@ -6,8 +6,7 @@ accumulate in the masters' ``.grad``; a step's result reaches the module through
 :meth:`MasterWeights.copy_to_model`.
 
 With ``share=True`` a host parameter that already has the masters' dtype is its own
-master (one tensor): such a *shared* entry has nothing to copy or hand over, and every
-step is synchronous (no second copy exists for devices to read while a step writes).
+master: a *shared* entry has nothing to copy or hand over (every step is synchronous).
 
 A separate master can be *released* (:meth:`MasterWeights.release`): its values dropped
 (a zero-stride placeholder, which refuses an in-place write), its gradient still

@@ -1,13 +1,10 @@
-"""The one owner of a RoundPipe's optimizer side: :class:`StepOwner`.
-
-It is the optimizer thread (``stepper``) with the weight versions and their
-publication (``versions``), the layer-wise step (``layerwise``) and the overlapped
-iterations whose gradients a step waits for (``pipelined``) behind it. The model and
-the adapters call its verbs -- steps, waiting (``wait_step``, ``drain``, ``settle``),
-gradients (``fold``, ``after_step``, ``in_step_order``), calls (``pipelined_call``,
-``call_ended``, ``raise_failure``) and the lifecycle (``check_open``, ``shutdown``) --
-and nothing else of the wing but the buffers, pending results and masters they hand
-around.
+"""The one owner of a RoundPipe's optimizer side, :class:`StepOwner`: the optimizer
+thread (``stepper``) with the overlapped iterations (``pipelined``), the weight versions
+and the layer-wise step behind it. The model and the adapters call its verbs -- steps,
+waiting (``wait_step``, ``drain``, ``settle``), gradients (``fold``, ``after_step``,
+``in_step_order``), calls (``pipelined_call``, ``call_ended``, ``raise_failure``), the
+lifecycle (``check_open``, ``shutdown``) -- and nothing else of the wing but the
+buffers, pending results and masters they hand around.
 """
 
 from __future__ import annotations
