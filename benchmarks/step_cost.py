@@ -307,7 +307,7 @@ def bench(params: float, width: int, dtype: torch.dtype, rounds: int) -> list[Ro
         )
         rp.wait_step()
 
-    versions = rp._steps._runs.versions  # the pipelined path's per-layer publication
+    versions = rp._steps.versions  # the pipelined path's per-layer publication
 
     def publish() -> None:
         newer = max(versions.version.values(), default=0) + 1

@@ -1,19 +1,16 @@
 """Loss scaling for fp16 training with RoundPipe's asynchronous optimizer thread.
 
 :class:`GradScaler` is a drop-in for ``torch.amp.GradScaler`` (same arguments, methods
-and state dict; the arithmetic *is* torch's: it drives a ``torch.amp.GradScaler("cpu")``
-internally). What it adds is the threading RoundPipe needs: ``scale()`` runs in the
-loss function on device worker threads, ``step()`` runs inside ``rp.step(step_fn)`` on
-the optimizer thread, and ``update()`` is called on the training thread right after
-``rp.step(...)`` returns -- before the optimizer thread has looked at the gradients.
-
-So ``update()`` does not need the step to have happened yet: when no inf check of this
-iteration has been recorded, it is *deferred* and completes on the optimizer thread as
-soon as ``step()`` has run for the optimizers the scaler steps each iteration. Until
-then, ``scale()``, ``get_scale()`` and ``state_dict()`` wait for it (a timeout turns a
-forgotten ``step()`` into an error, never a hang). Each iteration therefore scales its
-loss with exactly the scale ``torch.amp.GradScaler`` would use, and ``step()`` unscales
-the gradients with the scale they were made with -- whatever the thread timing.
+and state dict; the arithmetic is a ``torch.amp.GradScaler("cpu")``'s). It adds the
+threading RoundPipe needs: ``scale()`` runs in the loss function on worker threads,
+``step()`` inside ``rp.step(step_fn)`` on the optimizer thread, and ``update()`` on the
+training thread right after ``rp.step(...)`` returns -- before the optimizer thread has
+looked at the gradients. So an ``update()`` with no inf check of this iteration yet is
+*deferred* and completes on the optimizer thread once ``step()`` has run for the
+optimizers the scaler steps each iteration; until then ``scale()``, ``get_scale()`` and
+``state_dict()`` wait for it (a timeout turns a forgotten ``step()`` into an error).
+Each iteration scales its loss with exactly the scale torch would use, whatever the
+thread timing.
 
 Usage (the published RoundPipe's pattern)::
 
@@ -25,18 +22,10 @@ Usage (the published RoundPipe's pattern)::
         scaler.update()
 
 With several optimizers, "this iteration's step" means a ``step()`` of every optimizer
-the scaler has stepped before; in the very first iteration it knows only those stepped
-so far, so there call ``rp.synchronize()`` before ``update()`` (or step them all before
-the first ``update()``).
-
-``scaler.update(is_async=False)`` (the published package's 0.1.2 argument) waits, with
-the same timeout, until that deferred update is done: the scale of this iteration's
-outcome is then readable at once.
-
-Calling ``update()`` inside ``step_fn`` (after ``scaler.step``) is exact too when the
-step is synchronous (``rp.step(fn, is_async=False)``); with an asynchronous step the
-next iteration's losses may be scaled before that ``update()`` runs, so keep
-``update()`` on the training thread there.
+the scaler has stepped before; in the first iteration call ``rp.synchronize()`` before
+``update()`` (or step them all before the first ``update()``).
+``scaler.update(is_async=False)`` waits until the deferred update is done. ``update()``
+inside ``step_fn`` is exact only with a synchronous step (``rp.step(fn, is_async=False)``).
 """
 
 from __future__ import annotations
@@ -95,32 +84,23 @@ class GradScaler:
         backoff_factor: factor the scale is multiplied by after an iteration with
             inf/NaN gradients (whose optimizer step is skipped).
         growth_interval: iterations without inf/NaN before the scale grows.
-        enabled: ``False`` makes ``step`` a plain ``optimizer.step()`` and every
-            other method a no-op.
-        wait_timeout: seconds ``scale()`` / ``get_scale()`` / ``state_dict()`` wait for a
-            deferred ``update()`` to find its ``step()`` before raising ``RuntimeError``.
+        enabled: ``False`` makes ``step`` a plain ``optimizer.step()``, the rest no-ops.
+        wait_timeout: seconds a call waits for a deferred ``update()`` to find its
+            ``step()`` before raising ``RuntimeError``.
 
-    ``torch.amp.GradScaler``'s signature is accepted too: ``GradScaler("cpu")``,
-    ``GradScaler("cuda", 1024.0)``, ``GradScaler(device="cpu", init_scale=8.0)`` -- a
-    device (string or ``torch.device``) as the first argument comes before the others,
-    as in torch. The scale lives with the masters on the CPU whatever it names.
+    ``torch.amp.GradScaler``'s signature is accepted too (``GradScaler("cuda", 1024.0)``,
+    ``GradScaler(device="cpu", init_scale=8.0)``); the scale lives with the masters on
+    the CPU whatever device it names.
     """
 
     def __init__(self, *args: Any, wait_timeout: float = 300.0, **kwargs: Any) -> None:
         values = _scaler_arguments(args, kwargs)
-        init_scale, growth_factor, backoff_factor = (
-            values["init_scale"],
-            values["growth_factor"],
-            values["backoff_factor"],
-        )
-        growth_interval, enabled = values["growth_interval"], values["enabled"]
+        growth_interval = values["growth_interval"]
         if not isinstance(growth_interval, int) or isinstance(growth_interval, bool):
             raise TypeError(f"growth_interval must be an int, got {growth_interval!r}")
         if wait_timeout <= 0:
             raise ValueError(f"wait_timeout must be positive seconds, got {wait_timeout!r}")
-        self._impl = torch.amp.GradScaler(
-            "cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled
-        )
+        self._impl = torch.amp.GradScaler("cpu", **values)
         if self._impl.is_enabled():
             # the scale lives with the fp32 masters on the CPU; scale() copies it to the
             # loss's device
@@ -148,11 +128,8 @@ class GradScaler:
     def scale(self, outputs: abc.Iterable[torch.Tensor]) -> abc.Iterable[torch.Tensor]: ...
 
     def scale(self, outputs: Any) -> Any:
-        """Multiply a tensor (or an iterable of tensors) by the current scale.
-
-        Safe to call from any thread; waits while an ``update()`` is deferred.
-        Returns ``outputs`` unchanged when disabled.
-        """
+        """Multiply a tensor (or an iterable of tensors) by the current scale (unchanged
+        when disabled). Safe from any thread; waits while an ``update()`` is deferred."""
         if not self.is_enabled():
             return outputs
         with self._cond:
@@ -163,10 +140,8 @@ class GradScaler:
 
     # -- the optimizer side ---------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale (optional; ``step`` does it).
-
-        Gradients are checked for inf/NaN as part of it, exactly as torch does.
-        """
+        """Divide the optimizer's gradients by the scale and check them for inf/NaN, as
+        torch does (optional; ``step`` does it)."""
         if not self.is_enabled():
             return
         with self._step_lock:
@@ -193,18 +168,14 @@ class GradScaler:
     # -- the training-thread side -------------------------------------------------------
     def update(self, new_scale: float | torch.Tensor | None = None, is_async: bool = True) -> None:
         """Update the scale for the next iteration (torch's rule: back off after an
-        iteration with inf/NaN, grow after ``growth_interval`` clean ones).
-
-        Called before the optimizer thread has run ``step()`` for this iteration, the
-        update is deferred until it has (see the module docs).
+        iteration with inf/NaN, grow after ``growth_interval`` clean ones); deferred
+        until this iteration's ``step()`` has run (see the module docs).
 
         Args:
             new_scale: set this scale instead of the automatic rule.
             is_async: ``True`` (default): return at once, a deferred update completing
-                on the optimizer thread. ``False``: return only once the update is done,
-                waiting for this iteration's ``step()`` if need be (as the published
-                RoundPipe's ``update(is_async=False)``), e.g. to read the scale of this
-                iteration's outcome or to checkpoint right after.
+                on the optimizer thread. ``False``: return once the update is done (as
+                the published RoundPipe's), e.g. to read the scale or checkpoint.
 
         Raises:
             TypeError: ``is_async`` is not a bool.

@@ -1,18 +1,12 @@
 """``forward()`` with autograd: the pipelined forward inside an ``autograd.Function``
-whose backward runs the backward plan on the device pool.
-
-The Function sees the call's input tensors and returns the output tensors, so
-``loss.backward()`` on anything computed from the outputs reaches
-:meth:`AutogradForward.backward_phase`: the output gradients are split per
-microbatch like the outputs were merged, the backward stages recompute and
-backpropagate on the pool, the parameter gradients go to the masters and the
-input gradients are merged back for the caller.
+whose backward (:meth:`AutogradForward.backward_phase`) splits the output gradients per
+microbatch like the outputs were merged, runs the backward plan on the pool (the
+parameter gradients go to the masters) and merges the input gradients for the caller.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,42 +19,32 @@ from .planning.schedule import Job, build_schedule
 from .running.runtime import PipelineRun
 from .stepping.pipelined import to_output_device
 
-__all__ = ["AutogradForward", "PipelineOps"]
-
-
-@dataclass(frozen=True)
-class PipelineOps:
-    """What a forward-with-autograd call needs from its RoundPipe.
-
-    Attributes:
-        num_layers: layers of the model.
-        num_devices: devices of the pool.
-        new_run: a ``TRAIN`` run's state, given which input leaves take a gradient and
-            the per-job callback of its backward (see ``grad_tracker``).
-        execute: run a job list of a run on the pool (blocking), serialized with the
-            RoundPipe's other calls.
-        grad_tracker: the per-job callback that reports completed master gradients
-            to the gradient hooks (None when there are none).
-    """
-
-    num_layers: int
-    num_devices: int
-    new_run: Callable[[list[bool], Callable[[Job], None] | None], PipelineRun]
-    execute: Callable[[PipelineRun, list[Job]], None]
-    grad_tracker: Callable[[list[Job]], Callable[[Job], None] | None]
+__all__ = ["AutogradForward"]
 
 
 class AutogradForward:
-    """One ``forward()`` call under grad mode (see the module docstring)."""
+    """One ``forward()`` call under grad mode (see the module docstring).
+
+    Args:
+        cfg / plan / split: the call's configuration, plan and split inputs.
+        num_devices: devices of the pool.
+        new_run: a ``TRAIN`` run's state, given which input leaves take a gradient and
+            the backward's jobs.
+        execute: run a job list of a run on the pool (blocking), serialized with the
+            RoundPipe's other calls.
+    """
 
     def __init__(
         self,
-        ops: PipelineOps,
         cfg: RoundPipeRunConfig,
         plan: ModelExecutePlan,
         split: batching.SplitInputs,
+        num_devices: int,
+        new_run: Callable[[list[bool], list[Job]], PipelineRun],
+        execute: Callable[[PipelineRun, list[Job]], None],
     ) -> None:
-        self.ops, self.cfg, self.plan = ops, cfg, plan
+        self.cfg, self.plan, self.num_devices = cfg, plan, num_devices
+        self.new_run, self.execute = new_run, execute
         self.split = split
         self.mbs = split.parts
         self.merged: batching.MergedOutputs | None = None
@@ -82,26 +66,25 @@ class AutogradForward:
         return to_output_device(self.out_rebuild(leaves), self.cfg.output_device)
 
     def forward_phase(self, needs_grad: list[bool]) -> tuple[torch.Tensor, ...]:
-        ops = self.ops
         # which leaves of the (args, kwargs) pytree take a gradient
         it = iter(needs_grad)
         needs = [next(it) if isinstance(x, torch.Tensor) else False for x in self.in_leaves]
         n = len(self.mbs)
-        jobs = build_schedule(self.plan, RunType.TRAIN, ops.num_devices, n, phase="forward")
+        jobs = build_schedule(self.plan, RunType.TRAIN, self.num_devices, n, phase="forward")
         # the backward's jobs are known now: the run is complete before it starts
         self.bwd_jobs = build_schedule(
             self.plan,
             RunType.TRAIN,
-            ops.num_devices,
+            self.num_devices,
             n,
             phase="backward",
-            start_device=len(jobs) % ops.num_devices,
+            start_device=len(jobs) % self.num_devices,
         )
-        run = ops.new_run(needs, ops.grad_tracker(self.bwd_jobs))
+        run = self.new_run(needs, self.bwd_jobs)
         run.auto_cut = self.split.auto_cut  # a layer's error lists what the automatic split cut
         for i, mb in enumerate(self.mbs):
             run.put_act(0, i, mb)
-        ops.execute(run, jobs)
+        self.execute(run, jobs)
         self.run_state = run
         outputs = [run.outputs[i] for i in range(len(self.mbs))]
         self.merged = batching.merge_outputs_with_grad(self.cfg.merge_output, outputs)
@@ -111,7 +94,7 @@ class AutogradForward:
     def backward_phase(
         self, grad_outputs: tuple[torch.Tensor | None, ...]
     ) -> list[torch.Tensor | None]:
-        ops, run = self.ops, self.run_state
+        run = self.run_state
         if run is None:
             raise RuntimeError("backward through a RoundPipe forward can only run once")
         n = len(self.mbs)
@@ -120,15 +103,11 @@ class AutogradForward:
         leaf_grads = [next(it) if isinstance(x, torch.Tensor) else None for x in self.out_leaves]
         per_mb = self.merged.split_output_grads(leaf_grads)
         for m in range(n):
-            run.put_grad(ops.num_layers, m, per_mb[m])
-        ops.execute(run, self.bwd_jobs)
+            run.put_grad(len(run.layers), m, per_mb[m])
+        self.execute(run, self.bwd_jobs)
         run.drop_activations()
         self.run_state = None
-        return self._input_grads(run, n)
-
-    def _input_grads(self, run: PipelineRun, n: int) -> list[torch.Tensor | None]:
-        """The gradients of the call's input tensors, joined over microbatches as the
-        inputs were split."""
+        # the input tensors' gradients, joined over microbatches as the inputs were split
         if not any(run.input_needs_grad or []):
             return [None for x in self.in_leaves if isinstance(x, torch.Tensor)]
         joined = self.split.join_input_grads([run.take_grad(0, m) or [] for m in range(n)])

@@ -1,11 +1,8 @@
-"""What every RoundPipe wrapper shares (:class:`RoundPipeBase`): the wrapped module
-and its layers, the optimizer's master copies and their gradients, the
-asynchronous step and ``synchronize()``, the device pool, attribute
-fall-through to the original model, and ``OptimizerCtx``.
+"""What every RoundPipe wrapper shares (:class:`RoundPipeBase`), and ``OptimizerCtx``.
 
 ``RoundPipe`` (``model.py``) adds the pipelined calls of an ``nn.Sequential``;
-``AutoRoundPipe`` (``autosplit.py``) runs a model that is not one. Both subclass
-:class:`RoundPipeBase`; neither subclasses the other.
+``AutoRoundPipe`` (``autosplit.py``) runs a model that is not one; neither subclasses
+the other.
 """
 
 from __future__ import annotations
@@ -33,17 +30,14 @@ from .checks import (
     claim_parameters,
     watch_updates,
 )
-from .kinds import PinMode, parse_kind
-from .planning.schedule import Job
+from .kinds import PinMode, check_flag, parse_kind
 from .running.devices import memory
 from .running.devices.pool import DevicePool
 from .running.trace import chrome_trace, spans_from_roundpipe
 from .stepping.disk_tier import STEP_UNSUPPORTED, DiskTier, check_offload_args
-from .stepping.layerwise import GradCompletion
 from .stepping.masters import MasterWeights
 from .stepping.owner import StepOwner
 from .stepping.pipelined import GradBuffer
-from .stepping.stepper import ClosedError
 
 _log = logging.getLogger(__name__)
 
@@ -72,38 +66,15 @@ class OptimizerCtx:
         _OPTIM_CTX.depth -= 1
 
 
-def _default_dtype_of(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.get_default_dtype()
-
-
-def _merge_and_report(
-    home: RoundPipeBase,
-    buffer: GradBuffer | None,
-    final: list[nn.Parameter],
-    hooks: list[Callable[[list[nn.Parameter]], None]],
-) -> None:
-    """Move the complete gradients of ``final`` into ``.grad`` and tell the grad hooks."""
-    if buffer is not None:
-        home.masters.add_many(buffer.take(final))
-    for hook in list(hooks):
-        hook(final)
-
-
 def release_roundpipe(
     name: str, pool: DevicePool, owns_pool: bool, steps: StepOwner, pin_handle: Any = None
 ) -> None:
     """Free a RoundPipe's threads and memory (``close()``, garbage collection or exit).
 
-    It never waits for a step still running -- a stuck ``step_fn`` must not hang
-    interpreter exit -- and warns about a step error nobody has seen.
-
-    Order: the pool drains its queues and its devices finish every copy
-    (``DevicePool.close``; ``synchronize`` for a pool passed in, which stays open)
-    before registered host memory is unregistered: unregistering under a DMA that
-    still reads it is undefined. A pool that did not drain leaves it registered.
+    It never waits for a step still running (a stuck ``step_fn`` must not hang
+    interpreter exit) and warns about a step error nobody has seen. The pool drains
+    (``DevicePool.close``; ``synchronize`` for a pool passed in) before registered host
+    memory is unregistered: unregistering under a DMA still reading it is undefined.
     """
     unseen = steps.unobserved_error()
     steps.shutdown()
@@ -131,23 +102,7 @@ def release_roundpipe(
 class RoundPipeBase(nn.Module):
     """What every RoundPipe wrapper shares: the wrapped module and its layers, the master
     copies and their gradients, the asynchronous step, ``synchronize()``, the device pool
-    and attribute fall-through to the original model.
-
-    Args:
-        model: the module; its layers are the children of an ``nn.Sequential``, else itself.
-        optim_dtype: dtype of the master copies (default: the model's).
-        name: a name for logs.
-        pin_model: host memory of the parameters on CUDA: "alloc", "register" or "off".
-        devices: the device pool (see ``RoundPipe``), or a ``DevicePool`` to share.
-        original_model: where attribute reads and writes fall through to (default ``model``).
-        master_owner: another RoundPipe whose master copies cover this model's parameters;
-            this one then makes no masters and accumulates its gradients into the owner's.
-        shared_masters: a trainable host parameter whose dtype is ``optim_dtype`` is its
-            own master (one tensor instead of two; see ``RoundPipe``). Every ``step()``
-            is then synchronous. ``None``: what the pool does best -- ``True`` on CPU
-            workers, ``False`` on GPUs (:meth:`default_shared_masters`).
-        offload_dir: a directory: the masters and the optimizer state live in files
-            there, streamed by ``step_layerwise`` (the disk tier, ``stepping.disk_tier``).
+    and attribute fall-through to the original model. The arguments are ``RoundPipe``'s.
     """
 
     def __init__(
@@ -176,11 +131,7 @@ class RoundPipeBase(nn.Module):
             raise TypeError(
                 f"optim_dtype must be a floating torch.dtype such as torch.float32, got {optim_dtype!r}"
             )
-        if shared_masters is not None and not isinstance(shared_masters, bool):
-            raise TypeError(
-                f"shared_masters must be True, False or None (the pool's default), got "
-                f"{shared_masters!r} ({type(shared_masters).__name__})"
-            )
+        check_flag(shared_masters, "shared_masters", none="the pool's default")
         if master_owner is not None and not isinstance(master_owner, RoundPipeBase):
             raise TypeError(f"master_owner must be a RoundPipe, got {type(master_owner).__name__}")
         self.model = model
@@ -199,7 +150,10 @@ class RoundPipeBase(nn.Module):
         )
         self.name = name or type(model).__name__
         self.pin_model = pin
-        self.optim_dtype = optim_dtype or _default_dtype_of(model)
+        self.optim_dtype = optim_dtype or next(
+            (p.dtype for p in model.parameters() if p.is_floating_point()),
+            torch.get_default_dtype(),
+        )
         if offload_dir is not None:  # (before any thread is started)
             shared_masters = check_offload_args(offload_dir, shared_masters, master_owner is None)
         object.__setattr__(
@@ -363,43 +317,20 @@ class RoundPipeBase(nn.Module):
 
     def register_grad_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> Callable[[], None]:
         """Call ``hook(masters)`` as soon as those master gradients are complete for the
-        current pipelined call (every backward stage holding them has been accumulated).
-
-        It runs on a worker thread while later stages still compute, so a data-parallel
-        reducer can start reducing early layers (deep layers finish first); while an
-        asynchronous step is in flight, on the optimizer thread right after that step
-        (the worker does not wait for it). Returns a function that removes the hook.
+        current pipelined call: on a worker thread while later stages still compute (a
+        data-parallel reducer starts early), or on the optimizer thread right after a
+        step in flight. Returns a function that removes the hook.
         """
         self._grad_hooks.append(hook)
         return lambda: self._grad_hooks.remove(hook) if hook in self._grad_hooks else None
 
     def _check_param_hooks(self) -> None:
-        """At each training call: refuse a post-accumulate gradient hook registered on a
-        model parameter or a master since wrapping (see
-        :func:`~roundpipe_core.checks.check_no_post_accumulate_hooks`); tensor hooks
-        (``register_hook``) registered at any time are run on each call's gradient."""
+        """At each training call: refuse a post-accumulate gradient hook registered since
+        wrapping (:func:`~roundpipe_core.checks.check_no_post_accumulate_hooks`)."""
         masters = self._home().masters
         check_no_post_accumulate_hooks(
             (name, t) for name, p, m in masters.entries for t in ((p, m) if p is not m else (p,))
         )
-
-    def _grad_tracker(
-        self, jobs: list[Job], buffer: GradBuffer | None = None
-    ) -> Callable[[Job], None] | None:
-        """The gradient countdown of a ``forward()``'s backward (the one of the pipelined
-        calls, :class:`~roundpipe_core.stepping.layerwise.GradCompletion`): when a master's
-        last job is done, move its buffered gradient into ``.grad`` and report it to the
-        hooks, once the step in flight has read the previous gradients (on the optimizer
-        thread if need be: the worker goes on to its next job)."""
-        if not self._grad_hooks:
-            return None
-        home, hooks = self._home(), self._grad_hooks
-
-        def complete(final: list[nn.Parameter]) -> None:
-            home._steps.after_step(functools.partial(_merge_and_report, home, buffer, final, hooks))
-
-        masters_of = lambda job: home.masters.of_layers([self.layers[i] for i in job.layers])  # noqa: E731
-        return GradCompletion(jobs, masters_of, on_complete=complete).job_done
 
     # -- optimizer step ---------------------------------------------------------------
     def step(
@@ -411,24 +342,18 @@ class RoundPipeBase(nn.Module):
         With ``is_async=True`` it returns at once and the next call overlaps with the
         update; the new weights enter the model at the next ``step()`` / ``synchronize()``,
         so each iteration computes with weights one step stale (as upstream RoundPipe).
-        After blocking calls the next ``step()`` leaves that copy to the optimizer thread,
-        ahead of its own update: the call after it waits for each layer's copy just
-        before uploading the layer, and ``wait_step()`` / ``synchronize()`` for all of it.
+        The optimizer thread makes that copy ahead of the update; the next call waits for
+        each layer's copy just before uploading it.
 
-        With shared masters (``shared_masters=True``, and the default on CPU workers) and
-        at least one parameter that is its own master, every step is synchronous:
-        ``is_async=True`` runs as ``is_async=False`` -- a warning says so once where
-        ``shared_masters=True`` was passed, an info log where the pool's default chose it.
-        On CPU workers that is the faster step (an overlapped one would compute on the
-        workers' cores) with plain PyTorch's numbers; ``shared_masters=False`` gives the
-        asynchronous one there too. The step writes the very weights devices upload, so
-        nothing may read them while it runs; it waits for the calls issued before it.
+        With shared masters (``shared_masters=True``, the default on CPU workers) and a
+        parameter that is its own master, every step is synchronous (``is_async=True``
+        runs as ``False``; said once: a warning where ``shared_masters=True`` was passed,
+        an info log where the pool's default chose it): the step writes the weights
+        devices read. On CPU workers that is the faster step, with plain PyTorch's numbers.
 
-        After a non-blocking ``forward_backward(blocking=False)`` whose gradients are not
-        in ``.grad`` yet, the step is deferred (this call does not wait): the optimizer
-        thread runs it once those gradients are complete, and the previous step's weights
-        reach the model layer by layer as the in-flight iterations stop reading the old
-        ones -- the same math as the blocking loop.
+        After ``forward_backward(blocking=False)`` calls whose gradients are not in
+        ``.grad`` yet, the step is deferred (this call does not wait) until they are
+        complete -- the same math as the blocking loop.
 
         Raises:
             TypeError: ``step_fn`` is not callable.
@@ -437,8 +362,7 @@ class RoundPipeBase(nn.Module):
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
-        if not isinstance(is_async, bool):
-            raise TypeError(f"is_async must be True or False, got {is_async!r}")
+        check_flag(is_async, "is_async")
         self._check_open("step()")
         if self._home().disk_tier is not None:
             raise ValueError(STEP_UNSUPPORTED)
@@ -461,24 +385,19 @@ class RoundPipeBase(nn.Module):
         return timed
 
     def _convert_grads_on_add(self) -> bool:
-        """Whether a call's gradient buffer converts gradients to the masters' dtype as
-        they arrive (``GradBuffer(convert_on_add)``): on CPU workers, unless the masters
-        are on disk (the disk tier keeps the model-dtype gradients, half the bytes, until
-        a part is stepped)."""
+        """``GradBuffer(convert_on_add)``: on CPU workers, unless the masters are on disk
+        (the tier keeps model-dtype gradients, half the bytes, until a part is stepped)."""
         return self.pool.cuda_workers == 0 and self._home().disk_tier is None
 
     def _may_publish_in_background(self) -> bool:
-        """Whether an asynchronous ``step()`` after blocking calls may leave the copy of
-        the previous step's weights to the optimizer thread: only a wrapper whose
-        blocking calls wait for that copy layer by layer (``RoundPipe`` overrides this)."""
+        """Whether an asynchronous ``step()`` may leave the copy of the previous step's
+        weights to the optimizer thread: only where the blocking calls wait for it."""
         return False
 
     @property
     def uploads_lend_parameters(self) -> bool:
         """Whether every upload computes on the host's parameters instead of copying them
-        (the devices' memory is the host's: ``Worker.lends_host_tensors``; a newer step's
-        weights wait until the stage using them is released). The planner counts such
-        parameters as free on the device."""
+        (``Worker.lends_host_tensors``); the planner counts them as free on the device."""
         workers = self.pool.workers
         return bool(workers) and all(w.lends_host_tensors for w in workers)
 
@@ -489,31 +408,28 @@ class RoundPipeBase(nn.Module):
         return not pool.concurrent
 
     def _async_allowed(self, is_async: bool) -> bool:
-        """``is_async``, unless a master is shared (the step then writes the weights devices
-        read): said once, as a warning for ``shared_masters=True``, else at INFO; refused
-        while masters are released (``MasterWeights.sync_only``: a sharded host state)."""
+        """``is_async``, unless a master is shared (said once: see ``step()``); refused while
+        masters are released (``MasterWeights.sync_only``: a sharded host state)."""
         if is_async and self._home().masters.sync_only:
             raise ValueError(self._home().masters.sync_only)
         if is_async and self._home().masters.num_shared:
             if not self._warned_sync_step:
                 self._warned_sync_step = True
+                why = (
+                    "on CPU workers (they compute on the cores an overlapped step would take; "
+                    "the masters are the model's own weights, shared_masters=None)"
+                    if self._shared_by_default
+                    else "because shared_masters=True (the optimizer updates the weights "
+                    "devices read, in place)"
+                )
+                msg = (
+                    f"RoundPipe {self.name!r}: step(is_async=True) is synchronous {why}; pass "
+                    "shared_masters=False for an asynchronous, one-step-stale step"
+                )
                 if self._shared_by_default:
-                    _log.info(
-                        "RoundPipe %r: step() is synchronous on CPU workers (they compute on "
-                        "the cores an overlapped step would take; the masters are the "
-                        "model's own weights, shared_masters=None); pass shared_masters=False "
-                        "for an asynchronous, one-step-stale step",
-                        self.name,
-                    )
+                    _log.info("%s", msg)
                 else:
-                    warnings.warn(
-                        f"RoundPipe {self.name!r}: step(is_async=True) runs synchronously "
-                        "because shared_masters=True (the optimizer updates the weights "
-                        "devices read, in place); pass shared_masters=False for an "
-                        "asynchronous, one-step-stale step",
-                        UserWarning,
-                        stacklevel=3,
-                    )
+                    warnings.warn(msg, UserWarning, stacklevel=3)
             return False
         return is_async
 
@@ -526,14 +442,13 @@ class RoundPipeBase(nn.Module):
         """``step()``, taken parameter by parameter as their gradients complete.
 
         ``step_params(masters)`` must update exactly the given masters from their
-        ``.grad`` -- e.g. :func:`roundpipe_core.stepping.layerwise.step_subset` of an Adam or SGD
-        (:func:`roundpipe_core.stepping.layerwise.steps_elementwise` says which optimizers give
-        the same result stepped in parts) -- and ``finish()`` runs once all are
-        stepped (e.g. ``zero_grad``). After non-blocking calls whose gradients are not
-        complete yet, the optimizer thread steps the deepest layers while the backward
-        still runs on the first ones: the next iterations wait less for the weights
-        they need. Otherwise it is one ``step_params(all masters)`` and ``finish()``.
-        The result is that of ``step()``; an error is raised as ``step()``'s.
+        ``.grad`` -- e.g. :func:`roundpipe_core.stepping.layerwise.step_subset` of an Adam or
+        SGD (:func:`~roundpipe_core.stepping.layerwise.steps_elementwise` says which
+        optimizers give the same result stepped in parts) -- and ``finish()`` runs once
+        all are stepped (e.g. ``zero_grad``). After non-blocking calls the optimizer
+        thread steps the deepest layers while the backward still runs on the first ones;
+        otherwise it is one ``step_params(all masters)`` and ``finish()``. The result and
+        errors are those of ``step()``.
 
         Raises:
             TypeError: ``step_params`` or ``finish`` is not callable.
@@ -543,8 +458,7 @@ class RoundPipeBase(nn.Module):
             raise TypeError(f"step_params must be callable, got {type(step_params).__name__}")
         if finish is not None and not callable(finish):
             raise TypeError(f"finish must be callable or None, got {type(finish).__name__}")
-        if not isinstance(is_async, bool):
-            raise TypeError(f"is_async must be True or False, got {is_async!r}")
+        check_flag(is_async, "is_async")
         self._check_open("step_layerwise()")
         tier = self._home().disk_tier
         if tier is not None:
@@ -562,11 +476,9 @@ class RoundPipeBase(nn.Module):
     def after_step(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` -- typically an optimizer's ``zero_grad`` called outside
         ``step_fn`` -- in program order with the asynchronous step: after the step queued
-        by ``step()`` has run (on the optimizer thread, so this call does not wait), at
-        once when none is in flight. Clearing the masters' ``.grad`` directly while a
-        step still runs would race with it and lose its update.
-
-        Its error is raised by the next ``synchronize()`` or blocking ``forward_backward``.
+        by ``step()`` has run (on the optimizer thread; this call does not wait), at once
+        when none is in flight. Clearing ``.grad`` directly while a step runs would race
+        with it. Its error is raised by the next ``synchronize()`` or blocking call.
 
         Raises:
             TypeError: ``fn`` is not callable.
@@ -578,11 +490,9 @@ class RoundPipeBase(nn.Module):
         self._home()._steps.in_step_order(fn, self._settle)
 
     def last_trace(self) -> dict[str, Any]:
-        """The last pipelined call's measured timeline (blocking or not) as a Chrome
-        trace-event object: a row per device with its jobs' compute spans, rows under it
-        for parameter uploads, activation and gradient transfers, and an ``optimizer`` row
-        with the ``step()`` calls that ran during or after the call. Save it with
-        :func:`roundpipe_core.running.trace.write_trace` and open it in Perfetto.
+        """The last pipelined call's measured timeline as a Chrome trace-event object: a
+        row per device (compute, uploads, transfers) and an ``optimizer`` row with the
+        steps. Save it with :func:`roundpipe_core.running.trace.write_trace`.
         """
         return chrome_trace(spans_from_roundpipe(self))
 
@@ -595,12 +505,6 @@ class RoundPipeBase(nn.Module):
         self._check_not_reentrant("wait_step()")
         self._steps.wait_step()
 
-    def _drain_runs(self) -> None:
-        """Before a ``forward()``: wait for the pipelined runs and for the weights the
-        model should hold now; their gradients stay buffered until the next step."""
-        self._steps.drain()
-        self._home().masters.take_back_grads()
-
     def synchronize(self) -> None:
         """Wait for everything in flight -- pipelined iterations and steps -- (re-raising
         an error), copy the masters into the model and show the accumulated gradients on
@@ -608,21 +512,17 @@ class RoundPipeBase(nn.Module):
 
         Afterwards, as in upstream RoundPipe, each trainable parameter of the wrapped
         module holds the latest weights and its ``.grad`` the gradients accumulated since
-        the last step (in the parameter's dtype; the master's own tensor when the dtypes
-        match), so an optimizer over the module's parameters works::
+        the last step (in the parameter's dtype), so an optimizer over the module's
+        parameters works::
 
             opt = torch.optim.Adam(model.parameters())
             rp.forward_backward(...); rp.synchronize(); opt.step(); opt.zero_grad()
 
-        The masters keep their ``.grad`` too. At the next call, ``step()`` or
-        ``synchronize()``, what was done to the module's ``.grad`` in between decides
-        the masters' ``.grad``: set to None (``zero_grad()``) -> None; replaced or
-        changed in place -> that tensor; untouched -> the masters' ``.grad`` stands
-        (a ``step()`` on the masters consumed it). The module's ``.grad`` is then
-        cleared again: the masters hold the gradients between synchronizations.
-
-        A parameter that is its own master (``shared_masters=True``) holds its gradients
-        in its own ``.grad`` all the time; nothing is handed over or cleared for it.
+        At the next call, ``step()`` or ``synchronize()``, what was done to the module's
+        ``.grad`` decides the masters' ``.grad``: set to None -> None; replaced or changed
+        in place -> that tensor; untouched -> the masters' ``.grad`` stands. The module's
+        ``.grad`` is then cleared again (a parameter that is its own master keeps its
+        gradients in its ``.grad`` all the time).
         """
         self._check_not_reentrant("synchronize()")
         self._settle()
@@ -653,12 +553,7 @@ class RoundPipeBase(nn.Module):
 
     def _check_open(self, what: str = "this call") -> None:
         self._check_not_reentrant(what)
-        try:
-            self._steps.check_open()
-        except ClosedError:
-            raise ClosedError(
-                f"this RoundPipe ({self.name!r}) is closed; create a new one to keep training"
-            ) from None
+        self._steps.check_open()
 
     def close(self) -> None:
         """Finish the pending step and stop this RoundPipe's threads. Safe to call twice."""

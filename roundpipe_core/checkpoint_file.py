@@ -1,26 +1,19 @@
 """Reading a checkpoint file so that a damaged one is refused with one clear error.
 
 ``torch.load`` on a truncated, garbled or foreign file fails with whatever its reader
-trips over first -- ``OSError: [Errno 22]`` from the memory map, an ``EOFError`` with no
-message, ``IndexError: pop from empty list`` from the unpickler, or the advice to retry
-with ``weights_only=False`` (unsafe, and no help for a broken file) -- and a bit flipped
-inside a tensor's storage loads without complaint and is trained on.
-:func:`read_checkpoint` checks the file first and turns every such failure into a
-:class:`CorruptCheckpointError`: "not a (complete) checkpoint: <path>: <what is wrong>".
+trips over first (``OSError: [Errno 22]``, an ``EOFError`` with no message, ``IndexError``
+from the unpickler, advice to retry with ``weights_only=False``), and a bit flipped
+inside a tensor's storage loads without complaint. :func:`read_checkpoint` checks the
+file first and turns every such failure into a :class:`CorruptCheckpointError`.
 
 **Checksums, one per tensor storage.** A ``torch.save`` archive is a zip file with one
-record per tensor storage (plus the pickled object structure), and the zip format keeps a
-CRC-32 of every record; torch writes them by default
-(``torch.utils.serialization.config.save.compute_crc32``) but never checks them when
-loading, and cannot while memory-mapping. :func:`verify_archive` checks each record's
-CRC-32 against its bytes before the file is loaded (``zlib.crc32`` over the mapped file,
-no copy), so a flipped bit names the damaged record. Per record rather than one hash of
-the whole file: the check needs no extra data written, reads each storage where it lies
-(the same pages the memory-mapped load then reads from the page cache), names what is
-damaged, and works for any ``torch.save`` archive, old files included -- RoundPipe's own,
-plain Lightning's and the host-state shards of a sharded checkpoint. Files without
-checksums still load, unchecked: records written with ``compute_crc32=False`` (their
-CRC-32 field is 0) and files in torch's legacy, non-zip format.
+record per storage, and the zip format keeps a CRC-32 of each; torch writes them by
+default but never checks them when loading. :func:`verify_archive` checks each record
+against its bytes before the load (``zlib.crc32`` over the mapped file, no copy): no
+extra data written, each storage read where it lies (the pages the memory-mapped load
+then reads from the page cache), the damaged record named, and any ``torch.save``
+archive covered, old files included. Records written with ``compute_crc32=False`` (CRC
+field 0) and files in torch's legacy, non-zip format load unchecked.
 """
 
 from __future__ import annotations
@@ -92,8 +85,7 @@ def _crc32(f: BinaryIO, begin: int, end: int) -> int:
 
 def verify_archive(path: str | Path) -> int:
     """Check every record of the ``torch.save`` zip archive at ``path`` against its
-    CRC-32 (records without one -- CRC field 0 -- are skipped). Returns the number of
-    records checked.
+    CRC-32 (CRC field 0: skipped). Returns the number of records checked.
 
     Raises:
         CorruptCheckpointError: a record's bytes do not match its checksum, lie past the
@@ -138,12 +130,6 @@ def verify_archive(path: str | Path) -> int:
                 )
             checked += 1
     return checked
-
-
-def _is_unsupported_global(exc: BaseException) -> bool:
-    """torch's ``weights_only`` unpickler refusing a type in a *complete* file: a question of
-    trust, not damage (its own message says what to do, as under plain Lightning)."""
-    return isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -214,8 +200,8 @@ def read_checkpoint(
         pickle.UnpicklingError,
         RuntimeError,
     ) as exc:
-        if _is_unsupported_global(exc):
-            raise
+        if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):
+            raise  # refusing a type in a complete file: trust, not damage (torch says what to do)
         if isinstance(exc, RuntimeError) and not _is_reader_error(exc):
             raise  # not the file's fault (map_location names a missing device, ...)
         raise CorruptCheckpointError(

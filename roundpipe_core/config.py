@@ -1,13 +1,10 @@
-"""``RoundPipeRunConfig``: how one pipelined call runs, and its validation.
-
-A field left ``None`` falls back to the model's ``model_run_config``, then to
-the default noted on the field. Validation happens once, when a config meets
-the engine (construction of a RoundPipe, or a call), so a bad value fails
-before any compute starts.
+"""``RoundPipeRunConfig``: how one pipelined call runs, and its validation (once, when a
+config meets the engine, so a bad value fails before any compute starts).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -103,24 +100,16 @@ def output_device(value: object) -> torch.device:
         ValueError: it names no device (``"nonsense"``) or none this machine has
             (``"cuda:0"`` without CUDA), so the call fails before compute.
     """
-    if isinstance(value, torch.device):
-        return _usable(value)
+    device = value if isinstance(value, torch.device) else None
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(RuntimeError):
             device = torch.device(value)
-        except RuntimeError:
-            pass
-        else:
-            return _usable(device)
-    raise ValueError(
-        f"output_device must be a torch.device or a device string such as 'cpu' or 'cuda:0', "
-        f"got {value!r}"
-    )
-
-
-def _usable(device: torch.device) -> torch.device:
-    """``device``, if this machine has it (``cuda:0`` without CUDA would fail only after
-    the call computed)."""
+    if device is None:
+        raise ValueError(
+            "output_device must be a torch.device or a device string such as 'cpu' or "
+            f"'cuda:0', got {value!r}"
+        )
+    # one this machine has (cuda:0 without CUDA would fail only after the call computed)
     if device.type in ("cpu", "meta"):
         return device
     backend = getattr(torch, device.type, None)

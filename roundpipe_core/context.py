@@ -1,9 +1,7 @@
-"""Thread-local execution context of the layer a worker is running.
-
-Model code may ask whether it is being recomputed (``doing_recompute``) and
-keep non-deterministic decisions of its forward (MoE routing, say) for the
-recompute pass (``save_for_recompute`` / ``get_recompute_data``). The caller's
-autocast state (``AutocastState``) travels to the worker threads the same way.
+"""Thread-local execution context of the layer a worker is running: whether it is being
+recomputed (``doing_recompute``), data its forward keeps for the recompute pass
+(``save_for_recompute`` / ``get_recompute_data``, e.g. MoE routing), and the caller's
+autocast state (``AutocastState``).
 """
 
 from __future__ import annotations
@@ -54,12 +52,8 @@ class RecomputeStore:
 
 
 class LayerFrame:
-    """What the running layer's code may ask about: layer, microbatch, recompute or not.
-
-    The engine keeps one frame per stage and microbatch and moves ``layer`` along
-    as the stage's layers run (see :func:`set_frame`), instead of building a
-    context manager per layer.
-    """
+    """What the running layer's code may ask about: layer, microbatch, recompute or not
+    (one frame per stage and microbatch, ``layer`` moved along: :func:`set_frame`)."""
 
     __slots__ = ("layer", "microbatch", "recompute", "store", "device")
 
@@ -156,13 +150,9 @@ _NO_AUTOCAST = nullcontext()  # reusable: it keeps no state between uses
 
 
 class AutocastState:
-    """The calling thread's ``torch.autocast`` state, per device type, captured so that
-    worker threads compute under the autocast the caller asked for.
-
-    A worker enters the state recorded for *its own* device type: a CPU worker the
-    caller's CPU autocast, a CUDA worker the caller's CUDA autocast -- what plain
-    PyTorch would do with the model on that device.
-    """
+    """The calling thread's ``torch.autocast`` state per device type, captured so that a
+    worker computes under the caller's autocast for *its own* device type (what plain
+    PyTorch would do with the model on that device)."""
 
     __slots__ = ("cache_enabled", "states")
 

@@ -1,9 +1,6 @@
 """The engine's small vocabularies as ``str`` Enums, validated in one place, and the one
-checker of its plain arguments (counts, flags).
-
-Each member *is* its text (``RunType.FUSED == "fused"``), so a user may pass the
-plain string and logs, layouts and traces print it unchanged. Code inside the
-engine compares against the members, never against bare literals.
+checker of its plain arguments (counts, flags). Each member *is* its text
+(``RunType.FUSED == "fused"``): a user may pass the string, and logs print it.
 """
 
 from __future__ import annotations

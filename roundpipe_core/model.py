@@ -1,19 +1,15 @@
-"""RoundPipe: wraps an ``nn.Sequential``, owns its layers, the optimizer's master
-copies and the asynchronous step.
+"""RoundPipe: the pipelined calls of an ``nn.Sequential`` whose state stays on the host.
 
-The wrapped module stays on the host. Each pipelined call splits the batch into microbatches,
-builds the iteration's schedule (``schedule.py``) and runs it on the device pool (``runtime.py``).
-Gradients land in the master copies (``optim_parameters()``); ``step()`` runs the user's
-optimizer on them on a dedicated thread (``stepper.py``) and copies the result back into the
-module's own parameters.
-
-:class:`RoundPipe` adds the pipelined calls to :class:`~roundpipe_core.base.RoundPipeBase`
-(masters, step, ``synchronize``, attribute fall-through); ``AutoRoundPipe``
-(``autosplit.py``) is its sibling.
+Each call splits the batch into microbatches, builds the iteration's schedule
+(``schedule.py``) and runs it on the device pool (``runtime.py``); gradients land in the
+master copies. The masters, the step and ``synchronize`` are
+:class:`~roundpipe_core.base.RoundPipeBase`'s, the plans
+:class:`~roundpipe_core.plan_choice.PlanChoice`'s.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -24,7 +20,7 @@ import torch
 from torch import nn
 
 from . import batch as batching
-from .autograd import AutogradForward, PipelineOps
+from .autograd import AutogradForward
 from .base import RoundPipeBase
 from .batch.tree import batch_extent
 from .checks import (
@@ -37,10 +33,10 @@ from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
 from .loss import check_loss_reduction, default_loss_fn, microbatch_loss_weights
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
-from .planning.planner import ReplanDecision
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .running.runtime import PipelineRun, run_queue
 from .running.timer import CallTiming, ModelTimer
+from .stepping.layerwise import GradCompletion
 from .stepping.pipelined import (
     GradBuffer,
     PendingResult,
@@ -51,59 +47,49 @@ from .stepping.pipelined import (
 __all__ = ["RoundPipe"]
 
 
-class RoundPipe(RoundPipeBase):
+class RoundPipe(PlanChoice, RoundPipeBase):
     """Train or run an ``nn.Sequential`` whose state lives in host memory on a pool of devices.
 
     Args:
-        model: an ``nn.Sequential`` (each child is a layer) or any module (one layer).
-            It is wrapped in place: after ``synchronize()`` its parameters hold the
-            trained values.
+        model: an ``nn.Sequential`` (each child is a layer) or any module (one layer),
+            wrapped in place: after ``synchronize()`` its parameters hold the trained values.
         optim_dtype: dtype of the master copies the optimizer updates (default: the
-            model's). Typical: bf16/fp16 model, ``torch.float32`` masters.
+            model's; typically ``torch.float32`` for a bf16/fp16 model).
         name: a name for logs.
         model_run_config: default ``RoundPipeRunConfig`` of this model's calls.
         pin_model: host memory of the parameters on CUDA: "alloc" (pinned copies),
-            "register" (pin the existing storage) or "off" (pageable, e.g. mmap-loaded).
-            Accepted and ignored on the CPU backend.
+            "register" (pin the existing storage) or "off" (pageable); ignored on CPU.
         devices: ``None`` (all GPUs, else ``ROUNDPIPE_CPU_DEVICES`` CPU workers, default 2),
             an int, ``"cpu:N"``, a list of devices, or the ``DevicePool`` of another RoundPipe.
-        original_model: the object attribute lookups fall through to (a preset passes the
-            Hugging Face model it converted); default ``model``.
-        master_owner: another RoundPipe whose master copies cover this model's parameters
-            (an automatic split runs parts of one model as inner RoundPipes): this one then
-            makes no masters and accumulates its gradients into the owner's.
+        original_model: the object attribute lookups fall through to (default ``model``;
+            a preset passes the Hugging Face model it converted).
+        master_owner: another RoundPipe whose masters cover this model's parameters (an
+            automatic split's inner units): this one accumulates into the owner's.
         shared_masters: ``True``: a trainable parameter that already has ``optim_dtype``
-            (e.g. an fp32 model with fp32 masters) is its own master -- one tensor
-            instead of two, the optimizer updates the module's weights in place and
-            ``optim_parameters()`` are the module's own parameters (the others, e.g.
-            bf16 ones, still get fp32 copies). With no second copy for devices to
-            read while a step writes, every ``step()`` is synchronous
-            (``is_async=True`` runs as ``False``, with a warning): the same numbers
-            as plain PyTorch, 4 B/param less host memory for fp32. ``None`` (default): ``True``
+            is its own master -- one tensor instead of two (4 B/param less for fp32), the
+            optimizer updates the module's weights in place (others still get copies).
+            Every ``step()`` is then synchronous (``is_async=True`` runs as ``False``,
+            with a warning), with plain PyTorch's numbers. ``None`` (default): ``True``
             on CPU workers, ``False`` on GPUs (``RoundPipeBase.default_shared_masters``).
         loss_reduction: how ``forward_backward`` combines its per-microbatch losses:
-            ``"sum"`` (default, the published contract: they are added up) or ``"mean"``
-            (each is weighted by its share of the batch rows, so a ``loss_fn`` returning a
-            batch mean gives the whole batch's mean loss and gradients, also for uneven
-            microbatches). Also a settable attribute; a call's ``loss_reduction=`` wins.
+            ``"sum"`` (default, the published contract) or ``"mean"`` (each weighted by
+            its share of the batch rows: a ``loss_fn`` returning a batch mean gives the
+            whole batch's mean). Also a settable attribute; a call's argument wins.
         offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
-            state live in files there and the layer-wise step streams them
-            (``step_layerwise(functools.partial(step_subset, opt), finish=opt.zero_grad)``;
-            ``step()`` raises ValueError). Needs ``shared_masters`` False or None. See
-            ``docs/host-memory.md``.
+            state live in files there, streamed by ``step_layerwise(functools.partial(
+            step_subset, opt), finish=opt.zero_grad)`` (``step()`` raises ValueError).
+            Needs ``shared_masters`` False or None. See ``docs/host-memory.md``.
 
     Attributes:
         loss_multiplier: ``None`` or a callable read once per ``forward_backward`` (in the
             caller's thread): each microbatch loss is multiplied by its value before its
-            backward; the call still returns the unmultiplied loss (gradient accumulation
-            and loss scaling use it).
+            backward; the call still returns the unmultiplied loss.
         forward_backward_hook: ``None`` or ``hook(call, kwargs)``, run in the caller's thread
             around each ``forward_backward``; ``call(**kwargs)`` is the engine's own, and
-            ``kwargs["blocking"]`` is ``None`` unless the caller chose (an integration may
-            pick the default and wrap the result, as the Lightning strategy does).
+            ``kwargs["blocking"]`` is ``None`` unless the caller chose.
         last_call: the :class:`~roundpipe_core.running.timer.CallTiming` of the last
-            pipelined call (blocking or not): its schedule, each job's device, span and
-            busy time, the transfers its workers waited on, its wall time and batch size.
+            pipelined call: its schedule, each job's device, span and busy time, the
+            transfers waited on, its wall time and batch size.
     """
 
     def __init__(
@@ -140,7 +126,7 @@ class RoundPipe(RoundPipeBase):
         self.model_timer = ModelTimer(self.layers)
         self._rule_checker = ForwardRuleChecker(self.layers, self.pool.unreplayed_host_draws)
         self._timer_lock = threading.Lock()
-        self.plans = PlanChoice(self)  # which plan each call runs
+        self._init_plans()  # which plan each call runs
         self._seed_calls = 0  # pipelined calls so far: each gets its own random streams
         self.last_call = CallTiming()
         self.loss_multiplier: Callable[[], float] | None = None
@@ -151,78 +137,6 @@ class RoundPipe(RoundPipeBase):
 
     def __repr__(self) -> str:
         return f"RoundPipe(name={self.name!r}, layers={self.num_layers}, devices={self.pool!r})"
-
-    # -- plans (held by self.plans) ----------------------------------------------------------
-    def set_plan(self, run_type: RunType | str, plan: ModelExecutePlan | None) -> None:
-        """Use ``plan`` for the calls of ``run_type`` ("infer", "train", "fused") that do
-        not pass their own ``execute_plan``; ``None`` returns that run type to the model's
-        default plan.
-
-        Raises:
-            TypeError: ``plan`` is not a ``ModelExecutePlan``.
-            ValueError: ``run_type`` is unknown, or ``plan`` is not valid for this model,
-                run type and device pool.
-        """
-        self.plans.set_plan(run_type, plan)
-
-    def plan_for(
-        self, run_type: RunType | str, run_config: RoundPipeRunConfig | None = None
-    ) -> ModelExecutePlan:
-        """The plan a call of ``run_type`` with ``run_config`` runs.
-
-        Precedence: ``run_config.execute_plan``, then the plan given to ``set_plan``,
-        then ``model_run_config.execute_plan``, then ``default_plan``.
-        """
-        return self.plans.plan_for(run_type, run_config)
-
-    def num_microbatch_for(self, num_microbatch: int | None = None) -> int:
-        """Microbatches a call runs: ``num_microbatch`` if given, else the model's
-        ``model_run_config.num_microbatch``, else the default for this pool
-        (:func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
-        devices that compute at once; on CPU workers 1, or one per worker where their
-        one-stage plan may run as one job per worker at once)."""
-        return self.plans.num_microbatch_for(num_microbatch)
-
-    def default_plan(
-        self, run_type: RunType | str, num_microbatch: int | None = None
-    ) -> ModelExecutePlan:
-        """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
-
-        Planned from size-proportional estimates, then once more when the timer's averages
-        rest on ``PlanChoice.DEFAULT_REPLAN_AFTER`` (3) measured iterations (one noisy
-        measurement made identical models pick different plans); the new plan is taken
-        only if predicted ``PlanChoice.DEFAULT_REPLAN_MIN_GAIN`` (5 %) faster.
-        ``AutoReplan`` re-plans on demand.
-        """
-        return self.plans.default_plan(run_type, num_microbatch)
-
-    def replan(
-        self, run_type: RunType | str, min_gain: float | None = None, **auto_kwargs: Any
-    ) -> ReplanDecision:
-        """Plan ``run_type`` from the timer now and install the result for its calls
-        (``set_plan``): the planner's choice if predicted at least ``min_gain``
-        (default ``PlanChoice.DEFAULT_REPLAN_MIN_GAIN``, 5 %) faster than the plan in use,
-        else the plan in use (:func:`~roundpipe_core.planning.planner.decide_replan`, the
-        policy the default plan's own re-plan follows). ``auto_kwargs`` go to
-        ``ModelExecutePlan.auto``; their ``concurrent`` (default: the pool's) also
-        decides how the gain is simulated.
-
-        Returns:
-            The decision: old and candidate plan, predicted gain, whether it changed.
-        """
-        return self.plans.replan(run_type, min_gain, **auto_kwargs)
-
-    @property
-    def layer_activation_bytes(self) -> list[float] | None:
-        """Saved-activation bytes per layer for one microbatch of the first training call
-        (``None`` until measured), the last layer's with the loss's transient (see
-        ``measure_activation_bytes``); the planner counts them. Set it
-        (one number per layer) to give them without that measurement."""
-        return self.plans.fits.activation_bytes
-
-    @layer_activation_bytes.setter
-    def layer_activation_bytes(self, value: list[float] | None) -> None:
-        self.plans.set_activation_bytes(value)
 
     # -- call set-up -------------------------------------------------------------------------
     def _config(self, run_config: RoundPipeRunConfig | None) -> RoundPipeRunConfig:
@@ -242,18 +156,6 @@ class RoundPipe(RoundPipeBase):
             cfg.split_input, args, kwargs, self.num_microbatch_for(cfg.num_microbatch)
         )
 
-    @staticmethod
-    def _split_label(cfg: RoundPipeRunConfig, label: Any, split: batching.SplitInputs) -> list:
-        return batching.split_call_labels(
-            cfg.split_label, label, len(split.parts), split.sizes, split.batch_size
-        )
-
-    def _rng_base(self) -> int:
-        """The base seed of a call's random streams: the process's seed and the call count
-        (seeded runs repeat; the global generator, the caller's sampler's, is not drawn)."""
-        self._seed_calls += 1
-        return hash((torch.initial_seed(), self._seed_calls)) & (2**62 - 1)
-
     def _new_run(
         self,
         cfg: RoundPipeRunConfig,
@@ -265,6 +167,9 @@ class RoundPipe(RoundPipeBase):
         """A run's state."""
         if run_type != RunType.INFER and cfg.preserve_rng_state is not False:
             self.pool.warn_if_replay_differs()  # recompute replays the forward's draws
+        # the base seed of its random streams: the process's seed and the call count
+        # (seeded runs repeat; the global generator, the caller's sampler's, is not drawn)
+        self._seed_calls += 1
         return PipelineRun(
             self.layers,
             boundary_layers(plan, run_type),
@@ -276,7 +181,7 @@ class RoundPipe(RoundPipeBase):
                 RecomputeGrain, cfg.recompute_grain or RecomputeGrain.STAGE, "recompute_grain"
             ),
             rule_checker=self._rule_checker,
-            rng_base=self._rng_base(),
+            rng_base=hash((torch.initial_seed(), self._seed_calls)) & (2**62 - 1),
             **kw,
         )
 
@@ -294,8 +199,7 @@ class RoundPipe(RoundPipeBase):
         ok: bool = True,
     ) -> None:
         """The one writer of ``last_call``: a pipelined run is done (a non-blocking call's
-        on its last worker's thread, after its timing's last ``add``). A run that
-        succeeded (``ok``) gives its layer times to the timer, as one iteration."""
+        on its last worker's thread); one that succeeded gives its layer times to the timer."""
         timing = run.timing
         timing.schedule += jobs
         with self._timer_lock:
@@ -306,33 +210,11 @@ class RoundPipe(RoundPipeBase):
                     timing.samples, timing.tokens = extent
             self.__dict__["last_call"] = timing  # (nn.Module's setattr is slow)
 
-    def _execute_locked(self, run: PipelineRun, jobs: list[Job]) -> None:
-        with self._call_lock:
-            self._execute(run, jobs)
-
     def _record_call(self, t0: float, args: Any, kwargs: Any) -> None:
         """Wall time and batch size of the call, on its last run's timing."""
         timing = self.last_call
         timing.wall_ms = (time.perf_counter() - t0) * 1000.0
         timing.samples, timing.tokens = batch_extent(args, kwargs)
-
-    @staticmethod
-    def _loss_weights(
-        reduction: str, loss_fn: Any, split: batching.SplitInputs
-    ) -> list[float] | None:
-        """Each microbatch's loss factor under ``reduction`` (``None``: all 1)."""
-        return microbatch_loss_weights(
-            reduction, loss_fn, split.sizes, split.batch_size, len(split.parts)
-        )
-
-    def _loss_factor(self) -> float:
-        """The loss multiplier of this call, read once in the caller's thread."""
-        if self.loss_multiplier is None:
-            return 1.0
-        factor = self.loss_multiplier()
-        if not isinstance(factor, (int, float, torch.Tensor)) or isinstance(factor, bool):
-            raise TypeError(f"loss_multiplier() must return a number, got {type(factor).__name__}")
-        return float(factor)
 
     # -- pipelined calls -------------------------------------------------------------------
     def forward(
@@ -346,7 +228,8 @@ class RoundPipe(RoundPipeBase):
         t0 = time.perf_counter()
         self._check_open("forward (rp(x))")
         cfg = self._config(roundpipe_run_config)
-        self._drain_runs()
+        self._steps.drain()  # their gradients stay buffered until the next step
+        self._home().masters.take_back_grads()
         requires_grad = cfg.requires_grad
         if requires_grad is None:
             requires_grad = torch.is_grad_enabled() and bool(self._home().masters)
@@ -356,7 +239,7 @@ class RoundPipe(RoundPipeBase):
         with self._call_lock:
             split = self._split(cfg, args, kwargs)
             mbs = split.parts
-            plan = self.plans.choose(roundpipe_run_config, run_type, cfg, split)
+            plan = self._choose_plan(roundpipe_run_config, run_type, cfg, split)
             if run_type == RunType.INFER:
                 run = self._new_run(cfg, plan, run_type, self._no_grads, auto_cut=split.auto_cut)
                 for i, mb in enumerate(mbs):
@@ -376,39 +259,48 @@ class RoundPipe(RoundPipeBase):
                 "for inference (torch.no_grad() or requires_grad=False) or with "
                 "forward_backward(), or give a merge spec (None, True, TensorChunkSpec, ...)"
             )
-        out = AutogradForward(self._train_ops(cfg, plan), cfg, plan, split).run(args, kwargs)
-        self._record_call(t0, args, kwargs)
-        return out
+        home, hooks = self._home(), self._grad_hooks
+        buffer = GradBuffer(home.masters.master_of, self._convert_grads_on_add())
 
-    @staticmethod
-    def _no_grads(param: torch.Tensor, grad: torch.Tensor) -> None:
-        raise RuntimeError("an inference run produced a parameter gradient")
+        def merge_and_report(final: list[nn.Parameter]) -> None:
+            home.masters.add_many(buffer.take(final))
+            for hook in list(hooks):
+                hook(final)
 
-    def _train_ops(self, cfg: RoundPipeRunConfig, plan: ModelExecutePlan) -> PipelineOps:
-        buffer = GradBuffer(self._home().masters.master_of, self._convert_grads_on_add())
-
-        def new_run(needs: list[bool], grads_done: Callable[[Job], None] | None) -> PipelineRun:
+        def new_run(needs: list[bool], bwd_jobs: list[Job]) -> PipelineRun:
+            # with gradient hooks, the backward's countdown: a master's complete gradient
+            # enters .grad and the hooks after the step in flight (on its thread if need be)
+            countdown = hooks and GradCompletion(
+                bwd_jobs,
+                lambda job: home.masters.of_layers([self.layers[i] for i in job.layers]),
+                on_complete=lambda final: home._steps.after_step(
+                    functools.partial(merge_and_report, final)
+                ),
+            )
             return self._new_run(
                 cfg,
                 plan,
                 RunType.TRAIN,
                 buffer.add,
                 input_needs_grad=needs,
-                grads_done=grads_done,
+                grads_done=countdown.job_done if countdown else None,
             )
 
         def execute(run: PipelineRun, jobs: list[Job]) -> None:
-            self._execute_locked(run, jobs)
+            with self._call_lock:
+                self._execute(run, jobs)
             if any(j.kind != "forward" for j in jobs):
                 self._fold_grads(buffer)  # only a backward that completed leaves gradients
 
-        return PipelineOps(
-            num_layers=self.num_layers,
-            num_devices=self.num_devices,
-            new_run=new_run,
-            execute=execute,
-            grad_tracker=lambda jobs: self._grad_tracker(jobs, buffer),
+        out = AutogradForward(cfg, plan, split, self.num_devices, new_run, execute).run(
+            args, kwargs
         )
+        self._record_call(t0, args, kwargs)
+        return out
+
+    @staticmethod
+    def _no_grads(param: torch.Tensor, grad: torch.Tensor) -> None:
+        raise RuntimeError("an inference run produced a parameter gradient")
 
     def forward_backward(
         self,
@@ -432,13 +324,11 @@ class RoundPipe(RoundPipeBase):
             return_outputs: also return the merged outputs.
             run_config: per-call ``RoundPipeRunConfig``.
             blocking: ``None`` (default): ``True``, or what ``forward_backward_hook`` picks.
-                Every call is issued the same way; ``True`` returns its
-                ``PendingResult``'s ``result()``, ``False`` the ``PendingResult`` at once. Each device starts on it as soon as it is done
-                with the previous iterations, so the next iteration's forward overlaps this
-                one's backward tail. A following ``step()`` is deferred until the
-                iteration's gradients are complete. Results, parameters and gradients are
-                those of the same sequence of blocking calls (with ``step(is_async=True)``:
-                one step stale). A failure is raised by ``result()`` or the next call.
+                ``True`` returns the issued call's ``result()``, ``False`` its
+                ``PendingResult`` at once: each device starts on it as soon as it is done
+                with the previous iterations, and a following ``step()`` is deferred until
+                its gradients are complete. Results, parameters and gradients are those of
+                the same blocking calls. A failure is raised by ``result()`` or the next call.
             loss_reduction: ``"sum"``, ``"mean"`` or ``None`` (this RoundPipe's
                 ``loss_reduction``). ``"mean"`` multiplies microbatch ``i``'s loss by
                 ``rows_i / batch_rows`` (equal shares when a custom split reports no rows)
@@ -447,12 +337,11 @@ class RoundPipe(RoundPipeBase):
                 ``model_output_loss``) is not reweighted.
 
         Returns:
-            The sum of the (weighted) per-microbatch losses -- under ``"mean"`` the batch
-            mean -- as a detached CPU tensor (a tuple of sums for a loss_fn returning
-            several), or ``(loss, outputs)``. Gradients of that sum
-            are accumulated into the master copies' ``.grad`` -- only if the whole call
+            The sum of the (weighted) per-microbatch losses as a detached CPU tensor (a
+            tuple of sums for a loss_fn returning several), or ``(loss, outputs)``; its
+            gradients are accumulated into the masters' ``.grad`` only if the whole call
             succeeds. With ``blocking=False``: a ``PendingResult`` whose ``result()``
-            returns that (and has put the gradients into ``.grad``).
+            returns that.
         """
         kwargs = dict(
             input_args=input_args,
@@ -491,71 +380,45 @@ class RoundPipe(RoundPipeBase):
             )
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking must be True or False, got {blocking!r}")
-        if not isinstance(input_args, (tuple, list)):
-            input_args = (input_args,)
-        if input_kwargs is None:
-            input_kwargs = {}
-        if not isinstance(input_kwargs, dict):
-            raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
-        check_inputs_need_no_grad(input_args, input_kwargs)
+        args = tuple(input_args) if isinstance(input_args, (tuple, list)) else (input_args,)
+        kwargs = {} if input_kwargs is None else input_kwargs
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"input_kwargs must be a dict, got {type(kwargs).__name__}")
+        check_inputs_need_no_grad(args, kwargs)
         reduction = check_loss_reduction(
             self.loss_reduction if loss_reduction is None else loss_reduction
         )
         cfg = self._config(run_config)
-        factor = self._loss_factor()
-        pending = self._issue(
-            cfg,
-            run_config,
-            tuple(input_args),
-            input_kwargs,
-            label,
-            loss_fn,
-            return_outputs,
-            (factor, reduction),
-            blocking,
-        )
-        # a blocking call is the issued call's result: one body, one gate, one finisher
-        return pending.result() if blocking else pending
-
-    def _issue(
-        self,
-        cfg: RoundPipeRunConfig,
-        run_config: RoundPipeRunConfig | None,
-        args: tuple,
-        kwargs: dict,
-        label: Any,
-        loss_fn: Callable[[Any, Any], Any],
-        return_outputs: bool,
-        scaling: tuple[float, str],
-        blocking: bool,
-    ) -> PendingResult:
-        """Schedule and submit one ``forward_backward``; returns its handle at once.
-
-        Its uploads read the weight version the steps issued before it produce (waiting,
-        layer by layer, for the optimizer thread's copy of a step still being
-        published); its gradients wait in the call's own buffer until ``result()`` -- or
-        the step issued after it -- adds them to ``.grad``, so a call that fails leaves
-        ``.grad`` as it was. ``blocking``: the caller waits for this call alone, so the
-        replicas of one stage may share the cores (``StageScope``)."""
+        factor = 1.0 if self.loss_multiplier is None else self.loss_multiplier()
+        if not isinstance(factor, (int, float, torch.Tensor)) or isinstance(factor, bool):
+            raise TypeError(f"loss_multiplier() must return a number, got {type(factor).__name__}")
+        # Schedule and submit the call; a blocking call is its handle's result (one body,
+        # one gate, one finisher). Its uploads read the weight version of the steps issued
+        # before it (waiting, layer by layer, for one still being published); its
+        # gradients wait in its own buffer until result() or the next step adds them to
+        # .grad, so a failed call leaves .grad as it was.
         if self._master_owner is not None:
             raise ValueError(
                 "forward_backward is not supported on a RoundPipe whose masters another one "
                 "owns (a unit of an automatic split): call the owner's forward"
             )
         steps = self._steps
-        steps.check_failure()
+        steps.raise_failure()
         self.masters.take_back_grads()
         t0 = time.perf_counter()
         with self._call_lock:
             split = self._split(cfg, args, kwargs)
-            plan = self.plans.choose(run_config, RunType.FUSED, cfg, split)
-            labels = self._split_label(cfg, label, split)
-            factor, reduction = scaling
-            weights = self._loss_weights(reduction, loss_fn, split)
+            plan = self._choose_plan(run_config, RunType.FUSED, cfg, split)
+            labels = batching.split_call_labels(
+                cfg.split_label, label, len(split.parts), split.sizes, split.batch_size
+            )
+            weights = microbatch_loss_weights(
+                reduction, loss_fn, split.sizes, split.batch_size, len(split.parts)
+            )
             with steps.pipelined_call(blocking) as call:
                 # continue round-robin where the previous call stopped: the device that
                 # ran its last job is the last to become free, so this call starts elsewhere
-                jobs = self.plans.fused_schedule(plan, len(split.parts), call.start_device)
+                jobs = self._fused_schedule(plan, len(split.parts), call.start_device)
                 reader = call.reserve([j.layers for j in jobs], self.num_devices)
                 buffer = GradBuffer(self.masters.master_of, self._convert_grads_on_add())
                 # which masters are complete as the backward goes: the layer-wise step
@@ -571,7 +434,7 @@ class RoundPipe(RoundPipeBase):
                     loss_fn=loss_fn,
                     labels=labels,
                     return_outputs=return_outputs,
-                    loss_scale=factor,
+                    loss_scale=float(factor),
                     loss_weights=weights,
                     weights=call.weights,
                     reader=reader,
@@ -581,12 +444,12 @@ class RoundPipe(RoundPipeBase):
                 run.caller_waits = blocking
                 for i, mb in enumerate(split.parts):
                     run.put_act(0, i, mb)
-                pending = call.pending(
-                    run, buffer, cfg, len(split.parts), return_outputs, completion
+                pending = call.pending_result = PendingResult(
+                    steps, run, buffer, cfg, len(split.parts), return_outputs, completion
                 )
                 futures = self.pool.submit(
                     jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
                 )
                 call.launch(pending)
                 pending.start(futures, RunFinisher(self, jobs, t0, batch_extent(args, kwargs)))
-                return pending
+        return pending.result() if blocking else pending

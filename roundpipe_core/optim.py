@@ -1,18 +1,13 @@
 """CPU optimizers under the published RoundPipe's names, backed by torch's own.
 
-RoundPipe runs the optimizer on the CPU over fp32 master weights, so its speed is the
-CPU speed of the update. Each class here *is* the torch optimizer of the same name
-(a subclass: same constructor signature and defaults, same ``state_dict``, works with
-LR schedulers and ``torch.amp.GradScaler``); the only change is which of torch's
-implementations runs when the caller leaves ``fused`` / ``foreach`` unset:
-
-* ``fused=True`` where torch has a fused CPU kernel (Adam, AdamW, SGD, Adagrad) and
-  every parameter is a floating-point tensor on a device that kernel supports;
-* torch's default otherwise: torch's multi-tensor (foreach) path measured slower
-  than its per-tensor loop on CPU for all the others (``benchmarks/optimizers.py``).
-
-A value the caller passes is always respected. :func:`fused_variant` and
-:func:`use_fastest_` give a user's plain torch optimizer the same treatment.
+RoundPipe runs the optimizer on the CPU over fp32 master weights. Each class here *is*
+the torch optimizer of the same name (a subclass: same signature, defaults and
+``state_dict``; works with LR schedulers and ``torch.amp.GradScaler``); the only change:
+when the caller leaves ``fused`` / ``foreach`` unset, ``fused=True`` where torch has a
+fused CPU kernel (Adam, AdamW, SGD, Adagrad) and every parameter is a floating-point
+tensor on a device that kernel supports, else torch's default (its foreach path measured
+slower than its per-tensor loop on CPU for all the others: ``benchmarks/optimizers.py``).
+:func:`fused_variant` and :func:`use_fastest_` do the same for a plain torch optimizer.
 """
 
 from __future__ import annotations
@@ -43,12 +38,10 @@ __all__ = [
     "use_fastest_",
 ]
 
-# Which torch implementation runs by default, per optimizer (CPU). "fused" where torch
-# has a fused CPU kernel; elsewhere "default" (torch's per-tensor loop on CPU), because
-# benchmarks/optimizers.py --variants measured torch 2.13's foreach path *slower* on CPU
-# for every one of them (0.5-0.95x the loop's CPU time, 20M fp32 params in 31 tensors):
-# its CPU kernels loop over the tensors anyway and allocate more temporaries. "foreach"
-# stays available for an optimizer where that changes.
+# Which torch implementation runs by default, per optimizer (CPU): "fused" where torch
+# has a fused CPU kernel, else "default" (benchmarks/optimizers.py --variants measured
+# torch 2.13's foreach path at 0.5-0.95x the loop's speed on CPU for every one of them).
+# "foreach" stays available for an optimizer where that changes.
 _IMPL: dict[str, str] = {
     "Adam": "fused",
     "AdamW": "fused",
@@ -199,11 +192,7 @@ class Adafactor(_FastestByDefault, torch.optim.Adafactor):
     pass
 
 
-_OURS: dict[str, type[torch.optim.Optimizer]] = {
-    c.__name__: c
-    for c in (Adam, AdamW, SGD, Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop)
-    + (Adafactor,)
-}
+_OURS: dict[str, type[Any]] = {c.__name__: c for c in _FastestByDefault.__subclasses__()}
 
 
 # --------------------------------------------------------------------------- user optimizers
@@ -271,7 +260,7 @@ def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | N
         g["fused" if impl == "fused" else "foreach"] = True
         groups.append(g)
     cls = _OURS[name]
-    new = cls(groups)  # type: ignore[call-arg]  # each of our classes takes the torch signature
+    new = cls(groups)
     for k, v in optimizer.defaults.items():
         new.defaults.setdefault(k, v)
     new.state.update(_fused_steps(optimizer) if impl == "fused" else optimizer.state)
@@ -279,9 +268,8 @@ def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | N
 
 
 def use_fastest_(optimizer: torch.optim.Optimizer) -> bool:
-    """Switch ``optimizer`` in place to the implementation :func:`fused_variant` would use.
-
-    The object stays the same, so LR schedulers and references to it keep working.
+    """Switch ``optimizer`` in place to the implementation :func:`fused_variant` would use
+    (the object stays the same, so LR schedulers and references to it keep working).
 
     Returns:
         Whether it was switched (``False`` in every case :func:`fused_variant` returns None).
@@ -291,7 +279,7 @@ def use_fastest_(optimizer: torch.optim.Optimizer) -> bool:
         return False
     _, impl = target
     key = "fused" if impl == "fused" else "foreach"
-    if impl == "fused":
+    if key == "fused":
         for p, s in _fused_steps(optimizer).items():
             optimizer.state[p] = s
         # fused kernels unscale inside the step when torch.amp.GradScaler asks them to
@@ -305,12 +293,9 @@ def use_fastest_(optimizer: torch.optim.Optimizer) -> bool:
 def check_state_matches(
     optimizer: torch.optim.Optimizer, names: dict[int, str] | None = None
 ) -> None:
-    """Raise if a per-parameter state tensor (``exp_avg``, ``momentum_buffer``...) does
-    not have its parameter's shape.
-
-    torch's fused kernels do not check: a state loaded for other parameters -- a
-    checkpoint saved while the optimizer listed them in another order -- trains to NaN
-    or corrupts memory instead of raising. Scalar entries (``step``) are not compared.
+    """Raise if a per-parameter state tensor (``exp_avg``, ...) does not have its
+    parameter's shape: torch's fused kernels do not check, and a state loaded for other
+    parameters trains to NaN or corrupts memory. Scalar entries are not compared.
 
     Args:
         optimizer: the optimizer whose ``state`` to check.

@@ -2,36 +2,29 @@
 state live in files under ``PATH``; the layer-wise step streams them through a bounded
 host buffer.
 
-Between steps a master holds no values (it is *released*: ``MasterWeights.release``, a
-zero-stride placeholder) and the optimizer holds no state for it. The step is the
-layer-wise one (``RoundPipe.step_layerwise(functools.partial(step_subset, opt), ...)``):
-each part it steps is split by layer, deepest first (the order the backward completes
-them), and each layer's *records* (a master's values followed by its optimizer-state
-tensors) are read on an IO thread ahead of the layer that steps next, put into the master
-and ``optimizer.state`` for the step, and written behind it on another IO thread. The
-bytes resident at once -- read ahead, stepping, being written -- never exceed
-``buffer_layers`` times the largest layer's records (:attr:`DiskTier.peak_resident`).
+Between steps a master is *released* (``MasterWeights.release``: a zero-stride
+placeholder) and the optimizer holds no state for it. The layer-wise step
+(``step_layerwise(functools.partial(step_subset, opt), ...)``) splits each part it steps
+by layer, deepest first (the order the backward completes them); each layer's *records*
+(a master's values, then its optimizer-state tensors) are read on an IO thread ahead of
+the layer that steps next and written behind it on another. The bytes resident at once
+never exceed ``buffer_layers`` times the largest layer's records (:attr:`DiskTier.peak_resident`).
 
-Write, then publish: the store has two slot files; step ``g+1`` reads slot ``g % 2`` and
-writes slot ``(g+1) % 2``, and only once every record of that step is written and the
-file ``fsync``-ed does ``index.json`` (replaced atomically, ``os.replace``) and the
-in-memory index name it current. A failed step (an IO error, a full disk, the
-optimizer's own error) leaves the last good step readable and current; its error reaches
-the caller through the optimizer thread's failure path, and the next step starts again
-from that state.
+Write, then publish: step ``g+1`` reads slot file ``g % 2`` and writes slot
+``(g+1) % 2``; only once every record is written and the file ``fsync``-ed does
+``index.json`` (replaced atomically) name it current. A failed step (an IO error, a full
+disk, the optimizer's own error) leaves the last good step current; its error reaches
+the caller through the optimizer thread's failure path.
 
-The model's weights are written from the store, not from resident masters: the tier is a
-*remote publisher* of every master (``versions.RemotePublisher``): when a step's version
-is published -- after the readers of the older weights are done with a layer, as for
-any master -- the layer's masters are read from the current slot one at a time and cast
-into the model's parameters. So the asynchronous, one-step-stale step works as in RAM,
-at the cost of reading the masters once more per step.
+The tier is a *remote publisher* of every master (``versions.RemotePublisher``): when a
+step's version is published, each layer's masters are read from the current slot and
+cast into the model's parameters, so the one-step-stale step works as in RAM, at the
+cost of reading the masters once more per step.
 
-IO uses ``O_DIRECT`` (page-aligned buffers, offsets and lengths) where the file system
-takes it, so the page cache -- charged to a cgroup's memory limit -- does not double the
-buffer; elsewhere (tmpfs) buffered IO, with ``posix_fadvise(DONTNEED)`` after each
-step's ``fsync``. ``os.preadv`` / ``os.pwritev`` go straight into the tensors' memory
-(numpy views: no copy) and release the GIL.
+IO uses ``O_DIRECT`` where the file system takes it, so the page cache (charged to a
+cgroup's memory limit) does not double the buffer; elsewhere (tmpfs) buffered IO with
+``posix_fadvise(DONTNEED)`` after each ``fsync``. ``os.preadv`` / ``os.pwritev`` go
+straight into the tensors' memory and release the GIL.
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ import contextlib
 import errno
 import functools
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -48,12 +42,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..kinds import check_int
 from .layerwise import step_subset, steps_elementwise
 from .masters import MasterWeights
 
@@ -132,20 +127,9 @@ class _Layout:
     def nbytes(self) -> int:
         return sum(_entry_bytes(dt, shape) for _, dt, shape in self.entries)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "offset": self.offset,
-            "capacity": self.capacity,
-            "entries": [[k, dt, list(s)] for k, dt, s in self.entries],
-            "scalars": self.scalars,
-        }
-
 
 def _entry_bytes(dtype: str, shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return _pad(n * _dtype(dtype).itemsize)
+    return _pad(math.prod(shape) * _dtype(dtype).itemsize)
 
 
 class _Record:
@@ -158,12 +142,25 @@ class _Record:
         pos = 0
         for key, dt, shape in layout.entries:
             dtype = _dtype(dt)
-            n = 1
-            for s in shape:
-                n *= s
-            t = buf[pos : pos + n * dtype.itemsize].view(dtype).view(shape)
-            self.tensors[key] = t
+            n = math.prod(shape) * dtype.itemsize
+            self.tensors[key] = buf[pos : pos + n].view(dtype).view(shape)
             pos += _entry_bytes(dt, shape)
+
+    def state(self) -> dict[str, Any]:
+        """The optimizer state it holds: its tensors but the master's, and its scalars."""
+        return {**{k: t for k, t in self.tensors.items() if k != _MASTER}, **self.layout.scalars}
+
+
+def _positions(opt: torch.optim.Optimizer) -> dict[int, int]:
+    """Parameter id -> its position in the optimizer's groups (a state dict's key)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {id(p): pos for pos, p in enumerate(params)}
+
+
+def _cancel(fut: Future) -> None:
+    fut.cancel()
+    with contextlib.suppress(BaseException):
+        fut.result()
 
 
 def tier_disk_bytes(master_bytes: int, optimizer_states: int, num_params: int = 0) -> int:
@@ -174,8 +171,8 @@ def tier_disk_bytes(master_bytes: int, optimizer_states: int, num_params: int = 
 
 
 def check_offload_args(offload_dir: Any, shared_masters: bool | None, owns_masters: bool) -> bool:
-    """``shared_masters`` for a RoundPipe with ``offload_dir``: False (the tier needs
-    separate masters: a shared one is the model's weight, which must stay resident).
+    """``shared_masters`` for a RoundPipe with ``offload_dir``: False (a shared master is
+    the model's weight, which must stay resident).
 
     Raises:
         TypeError: ``offload_dir`` is not a path.
@@ -212,9 +209,8 @@ class DiskTier:
         optimizer_states: parameter-sized states per master to make room and check the
             disk space for (Adam's 2).
         direct_io: ``O_DIRECT``; ``None``: where the file system supports it.
-        free_grads: drop a master's ``.grad`` once it is stepped (what ``finish=
-            optimizer.zero_grad`` does at the end of the step anyway), so the resident
-            gradients are those not stepped yet. ``False``: they stay until ``finish``.
+        free_grads: drop a master's ``.grad`` once it is stepped (``finish=zero_grad``
+            would at the end anyway), so only those not stepped yet stay resident.
 
     Raises:
         ValueError: ``path`` is not a writable directory or lacks the space.
@@ -231,8 +227,7 @@ class DiskTier:
         direct_io: bool | None = None,
         free_grads: bool = True,
     ) -> None:
-        if not isinstance(buffer_layers, int) or buffer_layers < 1:
-            raise ValueError(f"buffer_layers must be an int >= 1, got {buffer_layers!r}")
+        check_int(buffer_layers, "buffer_layers")
         self.path = os.fspath(path)
         self.free_grads = free_grads
         self.masters = masters
@@ -389,7 +384,7 @@ class DiskTier:
             "gen": self.gen,
             "slot": slot,
             "names": self._names,
-            "records": [lay.to_json() for lay in self._layouts[slot]],
+            "records": [asdict(lay) for lay in self._layouts[slot]],
         }
         tmp = os.path.join(self._dir, "index.json.tmp")
         with open(tmp, "w") as f:
@@ -415,15 +410,13 @@ class DiskTier:
         return rec
 
     def _read(self, slot: int, layout: _Layout) -> _Record:
-        t0 = time.perf_counter()
         rec = _Record(layout, _aligned_empty(layout.nbytes))
-        _pread(self._fds[slot], rec.buf, layout.offset)
-        self.io_seconds += time.perf_counter() - t0
+        self._io(_pread, self._fds[slot], rec.buf, layout.offset)
         return rec
 
-    def _write(self, fd: int, buf: torch.Tensor, offset: int) -> None:
+    def _io(self, io: Callable[[int, torch.Tensor, int], None], *args: Any) -> None:
         t0 = time.perf_counter()
-        _pwrite(fd, buf, offset)
+        io(*args)
         self.io_seconds += time.perf_counter() - t0
 
     def _alloc(self, slot: int, i: int, entries: list[tuple[str, str, tuple[int, ...]]]) -> _Layout:
@@ -439,9 +432,8 @@ class DiskTier:
 
     # -- the bounded buffer --------------------------------------------------------------
     def _take_bytes(self, n: int, block: bool) -> bool:
-        """Count ``n`` bytes resident, waiting for writes behind to finish (or dropping
-        records read ahead but not needed now) while over the bound. ``block=False``:
-        only if they fit now."""
+        """Count ``n`` bytes resident, waiting for writes behind (or dropping records read
+        ahead but not needed now) while over the bound; ``block=False``: only if they fit."""
         with self._lock:
             while self._resident + n > self.limit:
                 if not block:
@@ -466,9 +458,7 @@ class DiskTier:
             if i in self._wanted:
                 continue
             del self._reads[i]
-            fut.cancel()
-            with contextlib.suppress(BaseException):
-                fut.result()
+            _cancel(fut)
             self._resident -= n
             return True
         return False
@@ -488,8 +478,8 @@ class DiskTier:
 
     # -- the streamed step ---------------------------------------------------------------
     def streamed(self, step_params: Callable[[list[nn.Parameter]], Any]) -> Callable[..., Any]:
-        """What ``step_layerwise`` runs in place of ``step_params``: the same step, each
-        part's masters and optimizer state paged in from the store and written behind.
+        """What ``step_layerwise`` runs in place of ``step_params``: the same step, paged
+        in from the store and written behind.
 
         Raises:
             ValueError: ``step_params`` is not ``functools.partial(step_subset, optimizer)``
@@ -536,9 +526,8 @@ class DiskTier:
         return opt
 
     def step(self, opt: torch.optim.Optimizer, part: Sequence[nn.Parameter], kwargs: dict) -> None:
-        """Step ``part`` (masters) from the store (on the optimizer thread); once every
-        master has been stepped, publish the new generation. An error aborts the step:
-        the store stays at the last good generation."""
+        """Step ``part`` (masters) from the store; once every master has been stepped,
+        publish the new generation. An error leaves the last good generation current."""
         try:
             self._step(opt, part, kwargs)
         except BaseException:
@@ -566,7 +555,9 @@ class DiskTier:
             self._read_ahead(piece, block=True)  # those that did not fit before
             records = {i: self._take_read(i) for i in piece}
             self._read_ahead(order[pos:], block=False)  # the next layers, while this steps
-            self._install(opt, records)
+            for i, (rec, _) in records.items():  # the part's masters and state, resident
+                self._params[i].data = rec.tensors[_MASTER]
+                opt.state[self._params[i]] = rec.state()
             step_subset(opt, [self._params[i] for i in piece], **kw)
             self._write_behind(opt, records)
             self._stepped.update(piece)
@@ -589,17 +580,6 @@ class DiskTier:
             raise
         self.bytes_read += n
         return rec, n
-
-    def _install(self, opt: torch.optim.Optimizer, records: dict[int, tuple[_Record, int]]) -> None:
-        for i, (rec, _) in records.items():
-            m = self._params[i]
-            m.data = rec.tensors[_MASTER]
-            state = {k: t for k, t in rec.tensors.items() if k != _MASTER}
-            state.update(rec.layout.scalars)
-            if state:
-                opt.state[m] = state
-            else:
-                opt.state.pop(m, None)
 
     def _write_behind(
         self, opt: torch.optim.Optimizer, records: dict[int, tuple[_Record, int]]
@@ -647,13 +627,10 @@ class DiskTier:
                 out = self._record_of(layout, tensors, scalars)
             del tensors, rec
             self._pending[i] = layout
-            fut = self._writer.submit(self._write, self._fds[nxt], out.buf, layout.offset)
+            fut = self._writer.submit(self._io, _pwrite, self._fds[nxt], out.buf, layout.offset)
             self.bytes_written += layout.nbytes
-            fut.add_done_callback(functools.partial(self._written, n))
+            fut.add_done_callback(lambda _, n=n: self._give_bytes(n))  # type: ignore[misc]
             self._writes.append(fut)
-
-    def _written(self, n: int, _fut: Future) -> None:
-        self._give_bytes(n)
 
     def _commit(self) -> None:
         """Every master stepped: wait for the writes, fsync, then publish the generation."""
@@ -673,9 +650,7 @@ class DiskTier:
         """After a failed step: drop what is resident and the half-written slot (its
         layouts are forgotten); the current generation is untouched."""
         for fut, n in self._reads.values():
-            fut.cancel()
-            with contextlib.suppress(BaseException):
-                fut.result()
+            _cancel(fut)
             self._give_bytes(n)
         self._reads = {}
         for w in self._writes:
@@ -704,8 +679,7 @@ class DiskTier:
         mark: Callable[[Sequence[int]], None],
     ) -> None:
         """Write the current generation's masters into the model, layer by layer (shallow
-        first), each master read from the store once the readers of the older weights
-        are done with its layer."""
+        first), once the readers of the older weights are done with each."""
         del version  # the store holds exactly the last completed step
         slot = self.gen % 2
         for li in sorted(self._layer_keys):
@@ -730,8 +704,7 @@ class DiskTier:
 
     # -- checkpoints ---------------------------------------------------------------------
     def _mapped(self) -> torch.Tensor:
-        """The current slot file, memory-mapped read-only in effect (a shared mapping of
-        the file: saving reads it page by page from the page cache, no anonymous copy)."""
+        """The current slot file, memory-mapped (saving reads it from the page cache)."""
         slot = self.gen % 2
         f = os.path.join(self._dir, f"slot{slot}.bin")
         size = os.fstat(self._fds[slot]).st_size
@@ -760,19 +733,11 @@ class DiskTier:
         self._check_idle()
         recs = self._records_mapped()
         sd = opt.state_dict()
-        pos = 0
-        state: dict[int, dict[str, Any]] = {}
-        for g in opt.param_groups:
-            for p in g["params"]:
-                i = self._index.get(id(p))
-                if i is not None:
-                    rec = recs[i]
-                    entry = {k: t for k, t in rec.tensors.items() if k != _MASTER}
-                    entry.update(rec.layout.scalars)
-                    if entry:
-                        state[pos] = entry
-                pos += 1
-        sd["state"] = state
+        sd["state"] = {}
+        for pid, pos in _positions(opt).items():
+            i = self._index.get(pid)
+            if i is not None and (entry := recs[i].state()):
+                sd["state"][pos] = entry
         return sd
 
     def load_state(
@@ -782,9 +747,9 @@ class DiskTier:
         optimizer_state: dict[str, Any] | None = None,
     ) -> None:
         """Put a checkpoint's masters (``{name: tensor}``; a name missing: its model
-        parameter's values; ``None``: keep the current ones) and ``optimizer_state`` (an ordinary ``opt.state_dict()``,
-        from RAM or :meth:`optimizer_state_dict`) into the store as a new generation, and
-        the masters into the model's parameters; ``opt`` gets the param groups (lr, ...)."""
+        parameter's values; ``None``: keep the current ones) and ``optimizer_state`` (an
+        ordinary ``opt.state_dict()``) into the store as a new generation, and the masters
+        into the model's parameters; ``opt`` gets the param groups (lr, ...)."""
         self._check_idle()
         by_pos: dict[int, dict[str, Any]] = {}
         if optimizer_state is not None:
@@ -794,13 +759,7 @@ class DiskTier:
             opt.load_state_dict(groups_only)  # (checks the groups match)
             by_pos = {int(k): v for k, v in optimizer_state["state"].items()}
             self._optimizer_of(functools.partial(step_subset, opt))
-        pos_of: dict[int, int] = {}
-        if opt is not None:
-            pos = 0
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    pos_of[id(p)] = pos
-                    pos += 1
+        pos_of = _positions(opt) if opt is not None else {}
         nxt = (self.gen + 1) % 2
         self._pending = list(self._layouts[nxt])
         try:

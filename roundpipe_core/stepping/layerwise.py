@@ -1,25 +1,18 @@
 """Stepping the optimizer layer by layer, as each layer's gradients complete.
 
-With overlapped iterations (``forward_backward(blocking=False)``) and the
-one-step-stale update, iteration k+2 needs step k's weights. A step taken in
-one call can only start once iteration k's last gradient is in -- that of the
-first layers, at the very end of its backward -- so a host step longer than
-the gap between iterations delays k+2's first forward. The backward completes
-the deepest layers first: stepping each parameter as soon as its gradient is
-complete in every iteration of the window hides most of the step behind the
-rest of the backward (``benchmarks/planner.py`` simulates both).
+With overlapped iterations and the one-step-stale update, iteration k+2 needs step k's
+weights; a step taken in one call starts only once iteration k's last gradient (the
+first layers') is in. The backward completes the deepest layers first: stepping each
+parameter as soon as its gradient is complete in every iteration of the window hides
+most of the step behind the rest of the backward (``benchmarks/planner.py``).
 
-``RoundPipe.step_layerwise(step_params)`` takes a function that updates *some*
-masters from their ``.grad``. That equals one step only for an optimizer whose
-update of a parameter reads nothing but that parameter's gradient and state
-(Adam, SGD, ...; not LBFGS, not a step that clips by the global norm first):
-:func:`steps_elementwise` tells which torch optimizers qualify.
-
-The optimizer thread runs one work item per step (:func:`run_layerwise`): it
-publishes the previous step's weights for each parameter as soon as no older
-iteration still has to upload it (as ``WeightVersions.publish`` does), and
-steps every published parameter whose gradients are complete, in chunks, in
-the order they complete, each parameter exactly once.
+``RoundPipe.step_layerwise(step_params)`` takes a function that updates *some* masters
+from their ``.grad``; that equals one step only for an optimizer whose update of a
+parameter reads nothing but its gradient and state (Adam, SGD; not LBFGS, not global
+norm clipping): :func:`steps_elementwise` tells which qualify. The optimizer thread runs
+one work item per step (:func:`run_layerwise`): it publishes the previous step's weights
+parameter by parameter and steps every published parameter whose gradients are
+complete, in chunks, each exactly once.
 """
 
 from __future__ import annotations
@@ -68,10 +61,9 @@ _WAIT_SLICE_S = 0.05
 
 def steps_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` over a subset of its parameters at a time equals one
-    ``step()``: one of :data:`ELEMENTWISE_OPTIMIZERS` whose ``step`` is torch's own (a
-    subclass overriding it may couple parameters), or a class that declares it with a
-    class attribute ``roundpipe_elementwise = True``; and no step hooks (they would
-    run once per subset)."""
+    ``step()``: one of :data:`ELEMENTWISE_OPTIMIZERS` with torch's own ``step``, or a
+    class declaring ``roundpipe_elementwise = True``; and no step hooks (they would run
+    once per subset)."""
     cls = type(optimizer)
     declared = getattr(cls, "roundpipe_elementwise", None) is True
     if not declared and not any(cls.step is base.step for base in ELEMENTWISE_OPTIMIZERS):
@@ -88,10 +80,9 @@ def steps_elementwise(optimizer: torch.optim.Optimizer) -> bool:
 def step_subset(
     optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], **kwargs: Any
 ) -> Any:
-    """``optimizer.step(**kwargs)`` over those of its parameters that are in ``params``
-    (the others are left alone: their ``.grad`` and state are not read). For an
-    optimizer where :func:`steps_elementwise` holds, stepping disjoint subsets that
-    cover all parameters equals one ``step()``."""
+    """``optimizer.step(**kwargs)`` over those of its parameters in ``params`` (the others'
+    ``.grad`` and state are not read). Where :func:`steps_elementwise` holds, stepping
+    disjoint subsets that cover all parameters equals one ``step()``."""
     ids = {id(p) for p in params}
     groups = optimizer.param_groups
     saved = [g["params"] for g in groups]
@@ -106,9 +97,8 @@ def step_subset(
 
 class GradCompletion:
     """The one gradient countdown of a call: a master's gradient is complete once every
-    backward job holding one of its layers has downloaded its gradients. The layer-wise
-    step reads it (:meth:`complete`), the gradient hooks and the data-parallel reducer
-    hear of each master as it completes (``on_complete``).
+    backward job holding one of its layers has downloaded its gradients (the layer-wise
+    step reads :meth:`complete`; hooks and the reducer hear of it, ``on_complete``).
 
     Args:
         jobs: the call's schedule.
@@ -158,9 +148,7 @@ class GradCompletion:
 
 
 class LayerwiseRun(Protocol):
-    """What the layer-wise step reads of an in-flight run (a ``PendingResult``); a
-    protocol, so this module does not import the overlapped-iterations module that
-    calls it."""
+    """What the layer-wise step reads of an in-flight run (a ``PendingResult``)."""
 
     error: BaseException | None
     completion: GradCompletion | None
@@ -191,9 +179,9 @@ def run_layerwise(
     finish: Callable[[], Any] | None,
 ) -> None:
     """One deferred step, on the optimizer thread: publish ``version`` parameter by
-    parameter, step each published parameter once its gradients are complete in every
-    run of ``runs`` (``merge(run, chunk)`` adds them to ``.grad``, in issue order as the
-    one-call step does), mark each run merged with ``merge(run)``, then ``finish()``."""
+    parameter, step each published one once its gradients are complete in every run
+    (``merge(run, chunk)`` adds them to ``.grad`` in issue order), mark each run merged
+    with ``merge(run)``, then ``finish()``."""
     by_id = {id(m): m for m in masters.params()}
     # masters published from other ranks (a sharded host state): all of them first, in
     # one collective sequence; the parameters then step as their gradients complete

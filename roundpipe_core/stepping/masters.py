@@ -1,24 +1,18 @@
 """The optimizer's master copies of a model's trainable parameters and their gradients.
 
 The wrapped module keeps its own parameters (what devices upload); the masters
-(``optim_dtype``, usually fp32) are what the optimizer updates. Gradients of
-every pipelined call are accumulated into the masters' ``.grad``; a step's
-result reaches the module through :meth:`MasterWeights.copy_to_model`.
+(``optim_dtype``, usually fp32) are what the optimizer updates. Every call's gradients
+accumulate in the masters' ``.grad``; a step's result reaches the module through
+:meth:`MasterWeights.copy_to_model`.
 
-With ``share=True`` a host parameter that already has the masters' dtype is its
-own master (one tensor, not two): the optimizer updates the module's weights in
-place and its ``.grad`` is the master's. Such a *shared* entry has nothing to
-copy and nothing to hand over; the RoundPipe then runs every step synchronously,
-since no second copy exists for devices to read while a step writes.
+With ``share=True`` a host parameter that already has the masters' dtype is its own
+master: a *shared* entry has nothing to copy or hand over (every step is synchronous).
 
 A separate master can be *released* (:meth:`MasterWeights.release`): its values dropped
-(a zero-stride placeholder of its shape, a few bytes), its gradient still accumulated. A
-data-parallel rank that shards the host state releases the masters another rank owns:
-it never steps them, and their new values reach its model weights from their owner
-(``roundpipe_core.distributed.sharded``: inside a synchronous step, or when an
-asynchronous step's version is published, through :attr:`MasterWeights.publishers`), so
-nothing copies a released master into the model. Writing one in place fails loudly (a
-zero-stride tensor refuses it).
+(a zero-stride placeholder, which refuses an in-place write), its gradient still
+accumulated. A data-parallel rank that shards the host state releases the masters
+another rank owns; their values reach its model from the owner
+(``roundpipe_core.distributed.sharded``, through :attr:`MasterWeights.publishers`).
 """
 
 from __future__ import annotations
@@ -40,14 +34,11 @@ def run_tensor_hooks(
     name: str = "",
 ) -> torch.Tensor:
     """``grad`` after the tensor hooks (``Tensor.register_hook``) of ``params`` (the model
-    parameters ``master`` is a separate copy of) and then of ``master``, each tensor's in
-    registration order, each hook getting what the previous one returned (``None``:
-    unchanged), as autograd runs a leaf's hooks before accumulating its gradient.
-
-    Devices backpropagate into their own copies of the weights, so autograd never calls
-    these hooks itself; they run here on the call's complete gradient. The master's own
-    hooks get it in the master's dtype. This may run on a worker or the optimizer thread
-    (wherever the gradient completes), so a hook must be thread-safe.
+    parameters ``master`` copies), then of ``master`` (in its dtype), in registration
+    order, each getting what the previous returned (``None``: unchanged), as autograd
+    runs a leaf's hooks before accumulating. Devices backpropagate into their own copies,
+    so autograd never calls these hooks; they run here on the call's complete gradient,
+    on a worker or the optimizer thread (a hook must be thread-safe).
 
     Raises:
         RuntimeError: a hook returned something other than None or a tensor of the
@@ -75,13 +66,10 @@ def run_tensor_hooks(
 
 
 def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``p.copy_(m)`` for each ``(p, m)`` (a cast where the dtypes differ).
-
-    One ``torch._foreach_copy_`` for the plain tensors instead of a Python loop: a loop
-    re-takes the GIL for every tensor, and while other threads run Python (workers, a
-    data loader) each re-take can wait a whole switch interval. Tensor subclasses, which
-    that kernel may not take, copy themselves one by one.
-    """
+    """``p.copy_(m)`` for each ``(p, m)`` (a cast where the dtypes differ): one
+    ``torch._foreach_copy_`` for plain tensors (a loop re-takes the GIL per tensor, each
+    re-take may wait a switch interval while other threads run Python); tensor
+    subclasses one by one."""
     kinds = (torch.Tensor, nn.Parameter)
     plain = [pm for pm in pairs if type(pm[0]) in kinds and type(pm[1]) in kinds]
     with torch.no_grad():
@@ -102,9 +90,8 @@ class MasterWeights:
         create: False for a model whose masters another RoundPipe owns (none are made).
         share: a trainable host parameter of dtype ``optim_dtype`` is its own master
             (no copy); other parameters still get copies.
-        values: False: the separate masters are made without values (zero-stride
-            placeholders, as :meth:`release` leaves them): the disk tier writes them
-            to its files from the model's parameters, one at a time, and releases them.
+        values: False: the separate masters are made as released placeholders (the disk
+            tier writes them to its files from the model's parameters, one at a time).
     """
 
     def __init__(
@@ -170,9 +157,7 @@ class MasterWeights:
         master = self.master_of.get(id(param))
         if master is None:
             return  # frozen parameter
-        self.add_to_master(master, grad.to(master.dtype))
-
-    def add_to_master(self, master: nn.Parameter, grad: torch.Tensor) -> None:
+        grad = grad.to(master.dtype)
         with self.grad_lock:
             if master.grad is None:
                 master.grad = grad
@@ -180,20 +165,13 @@ class MasterWeights:
                 master.grad.add_(grad)
 
     def add_many(self, items: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """Add ``(master, grad)`` pairs (a pipelined run's buffered gradients).
+        """Add ``(master, grad)`` pairs, each one call's whole gradient of that master.
 
-        A master without ``.grad`` takes ``grad`` itself (no copy, no zero-fill: the
-        buffer's tensor is the caller's to give away), converted to the master's dtype
-        if it is another (a bf16 gradient of fp32 masters: converted here, on the thread
-        that merges, not on the worker that downloaded it); the others are accumulated
-        with one ``torch._foreach_add_`` per dtype and device instead of a Python loop
-        (a gradient of another dtype is added in one mixed-dtype ``add_``, no copy).
-
-        Each pair is one call's whole gradient of that master (every microbatch summed),
-        added once per call: the tensor hooks of the master and of its model parameters
-        (``Tensor.register_hook``, e.g. ``wandb.watch``) run on it first, as plain
-        PyTorch runs a leaf's hooks on its gradient once per backward before
-        accumulating it (:func:`run_tensor_hooks`).
+        A master without ``.grad`` takes ``grad`` itself (the buffer's to give away),
+        converted to its dtype here, on the merging thread; the others accumulate with
+        one ``torch._foreach_add_`` per dtype and device (another dtype: one mixed-dtype
+        ``add_``). The tensor hooks (e.g. ``wandb.watch``) run on each first, once per
+        call, as plain PyTorch runs a leaf's hooks once per backward (:func:`run_tensor_hooks`).
         """
         items = [
             (m, run_tensor_hooks(m, g, self.params_of.get(id(m), ()), self.name_of.get(id(m), "")))
@@ -235,14 +213,11 @@ class MasterWeights:
 
     def release(self, masters: Iterable[nn.Parameter], sync_only: str | None) -> int:
         """Drop the values of these separate masters (see the module docstring): each
-        becomes a zero-stride placeholder of its shape and dtype, so the optimizer, the
-        gradient reduction and the names still see the same parameter. Shared masters
-        (the model's own weights) and tensors that are not masters are left alone.
-        With ``sync_only``, from now on ``step(is_async=True)`` raises
-        ``ValueError(sync_only)``: whoever writes the released masters' values into the
-        model does so inside the step, which must not overlap a call reading the weights.
-        ``None``: a remote publisher (:attr:`publishers`) writes them when their version
-        is published, and a step may be asynchronous. Returns the bytes freed."""
+        becomes a zero-stride placeholder of its shape and dtype (the same parameter to
+        the optimizer and the names); others are left alone. With ``sync_only``,
+        ``step(is_async=True)`` raises ``ValueError(sync_only)`` from now on (the released
+        values reach the model inside the step); ``None``: a remote publisher
+        (:attr:`publishers`) writes them at publication. Returns the bytes freed."""
         separate = {id(m) for _, _, m in self.copies}
         freed = 0
         for m in masters:

@@ -1,23 +1,10 @@
-"""The one owner of a RoundPipe's optimizer side: :class:`StepOwner`.
-
-Everything a step involves -- the optimizer thread (``stepper``), weight versions and
-their publication (``versions``), the layer-wise step (``layerwise``) and the
-overlapped iterations whose gradients a step waits for (``pipelined``) -- sits behind
-this object. The model and the adapters call its verbs, and nothing else of the wing
-but the gradient buffers, pending results and masters they hand around:
-
-* steps: :meth:`~StepOwner.step`, :meth:`~StepOwner.step_layerwise`;
-* waiting: :meth:`~StepOwner.wait_step` (the step in flight), :meth:`~StepOwner.drain`
-  (the iterations in flight, before a blocking call), :meth:`~StepOwner.settle`
-  (everything: ``synchronize()``);
-* gradients: :meth:`~StepOwner.fold` (a ``forward()``'s backward's gradients into ``.grad``),
-  :meth:`~StepOwner.after_step` (work that must follow the step in flight),
-  :meth:`~StepOwner.in_step_order` (the caller's work, e.g. ``zero_grad``, in program order);
-* calls: :meth:`~StepOwner.pipelined_call` (every ``forward_backward``: the weight
-  versions its uploads read), :meth:`~StepOwner.call_ended`,
-  :meth:`~StepOwner.check_failure`;
-* lifecycle: :meth:`~StepOwner.check_open`, :attr:`~StepOwner.closed`,
-  :meth:`~StepOwner.shutdown`, :meth:`~StepOwner.unobserved_error`.
+"""The one owner of a RoundPipe's optimizer side, :class:`StepOwner`: the optimizer
+thread (``stepper``) with the overlapped iterations (``pipelined``), the weight versions
+and the layer-wise step behind it. The model and the adapters call its verbs -- steps,
+waiting (``wait_step``, ``drain``, ``settle``), gradients (``fold``, ``after_step``,
+``in_step_order``), calls (``pipelined_call``, ``call_ended``, ``raise_failure``), the
+lifecycle (``check_open``, ``shutdown``) -- and nothing else of the wing but the
+buffers, pending results and masters they hand around.
 """
 
 from __future__ import annotations
@@ -28,15 +15,10 @@ from typing import Any
 
 from torch import nn
 
-from ..config import RoundPipeRunConfig
 from ..planning.schedule import Job
 from ..running.devices.pool import PoolError
-from ..running.runtime import PipelineRun
 from .layerwise import GradCompletion
-from .masters import MasterWeights
 from .pipelined import GradBuffer, PendingResult, PipelinedRuns
-from .stepper import Stepper
-from .versions import PublicationGate
 
 __all__ = ["PipelinedCall", "StepOwner"]
 
@@ -55,104 +37,55 @@ class PipelinedCall:
         self.start_device = runs.next_device if running else 0
         self.reader: Any = None
         self.launched = False
-        self.pending_result: Any = None  # the call's PendingResult, once made
+        # the call's PendingResult: made (by the caller) before its jobs are submitted
+        self.pending_result: Any = None
 
     @property
     def weights(self) -> Any:
-        """What the call's uploads wait on, layer by layer: the weight versions; for a
-        blocking call while the optimizer thread still copies a plain step's weights into
-        the model, through a :class:`PublicationGate` -- a copy that ended without
-        copying (its step failed; the next ``step()`` raises that) lets the call read
-        the weights the model holds, the last completed step's."""
-        runs = self._runs
-        publication = runs.stepper.last_publication()
-        if self._blocking and publication is not None and not publication.done():
-            return PublicationGate(runs.versions, runs.stepper, publication)
-        return runs.versions
+        """What the call's uploads wait on, layer by layer: the weight versions."""
+        return self._runs.versions
 
     def completion(
         self, jobs: Sequence[Job], masters_of: Callable[[Job], list[nn.Parameter]]
     ) -> GradCompletion:
-        """Which masters' gradients are complete as the call's backward goes: completing
-        ones wake the optimizer thread (a layer-wise step reads them) and, with gradient
-        hooks, are merged and reported at once (:meth:`PipelinedRuns.merge_completed`)."""
-        runs = self._runs
+        """Which masters' gradients are complete as the backward goes: completing ones
+        wake the optimizer thread (a layer-wise step) and, with gradient hooks, are merged
+        and reported (:meth:`PipelinedRuns.merge_completed`)."""
         return GradCompletion(
             jobs,
             masters_of,
-            runs.versions.notify,
-            lambda masters: runs.merge_completed(self.pending_result, masters),
+            self._runs.versions.notify,
+            lambda masters: self._runs.merge_completed(self.pending_result, masters),
         )
 
     def reserve(self, job_layers: Sequence[range], num_devices: int) -> Any:
-        """The call's jobs are known: the next call starts on the device after its last,
-        and its uploads read the version the next step will not overwrite under them.
-        Returns the reader its uploads register with."""
+        """The call's jobs are known: the next call starts on the device after its last;
+        returns the reader of the current target version its uploads register with (for a
+        blocking call while a plain step's weights are still being copied into the model,
+        gated by that copy: ``versions._Reader``)."""
         runs = self._runs
         runs.next_device = (runs.next_device + len(job_layers)) % num_devices
-        self.reader = runs.versions.register(runs.target_version, job_layers)
+        publication = runs.last_publication()
+        gate = None
+        if self._blocking and publication is not None and not publication.done():
+            gate = (publication, lambda: runs.failure is not None)
+        self.reader = runs.versions.register(runs.target_version, job_layers, gate)
         return self.reader
-
-    def pending(
-        self,
-        run: PipelineRun,
-        buffer: GradBuffer,
-        cfg: RoundPipeRunConfig,
-        num_microbatch: int,
-        return_outputs: bool,
-        completion: GradCompletion | None = None,
-    ) -> PendingResult:
-        """The handle the caller gets; the step issued before this call consumes the
-        gradients before these."""
-        runs = self._runs
-        pending = PendingResult(
-            runs,
-            runs.calls,
-            run,
-            buffer,
-            cfg,
-            num_microbatch,
-            return_outputs,
-            prev_step=runs.stepper.tail(),
-        )
-        pending.completion = completion
-        self.pending_result = pending
-        return pending
 
     def launch(self, pending: PendingResult) -> None:
         """The call's jobs were submitted: it is in flight from now on."""
-        runs = self._runs
-        runs.add(pending)
+        self._runs.add(pending)
         self.launched = True
-        # A failure recorded after this call's check_failure() aborted the calls in flight
+        # A failure recorded since this call's raise_failure() aborted the calls in flight
         # before this one was among them: abort it too, or its uploads would wait for a
-        # weight version the failed step never publishes (the failure is recorded before
-        # the calls in flight are read, and this call is added before the failure is)
-        if runs.stepper.failure is not None:
+        # weight version the failed step never publishes
+        if self._runs.failure is not None:
             pending.run.fail(PoolError("an earlier pipelined iteration or step failed"))
 
 
-class StepOwner:
-    """A RoundPipe's optimizer side (see the module docstring).
-
-    Args:
-        name: the RoundPipe's name (thread names, messages).
-        layers: the model's layers.
-        masters: the master copies the optimizer updates.
-        intra_op_threads: the optimizer thread's intra-op threads (None: the default).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        layers: list[nn.Module],
-        masters: MasterWeights,
-        intra_op_threads: int | None = None,
-        grad_hooks: list[Callable[[list[nn.Parameter]], None]] | None = None,
-    ) -> None:
-        self.masters = masters
-        self._stepper = Stepper(name, intra_op_threads)
-        self._runs = PipelinedRuns(layers, masters, self._stepper, grad_hooks)
+class StepOwner(PipelinedRuns):
+    """A RoundPipe's optimizer side (see the module docstring; arguments as
+    :class:`PipelinedRuns`)."""
 
     # -- steps --------------------------------------------------------------------------
     def step(
@@ -162,40 +95,31 @@ class StepOwner:
         may_publish_in_background: bool,
         settle: Callable[[], None] | None = None,
     ) -> None:
-        """Queue ``fn`` (the user's step) on the optimizer thread.
-
-        After overlapped iterations whose gradients are not all in ``.grad``, the step is
-        deferred until they are. After blocking calls, an asynchronous step copies the
-        previous step's weights into the model on the optimizer thread, ahead of its own
-        update, when ``may_publish_in_background`` (the caller's blocking calls wait
-        for that copy layer by layer) and the step before left nothing to report; else
-        that copy is made now. ``is_async=False`` returns once the step is done.
-        ``settle`` is how the caller settles before and after (default :meth:`settle`;
-        a wrapper adds what it keeps outside the masters).
+        """Queue ``fn`` (the user's step) on the optimizer thread: deferred until the
+        gradients of the iterations in flight are complete. After blocking calls the copy
+        of the previous step's weights into the model runs on the thread ahead of it when
+        ``may_publish_in_background`` and the step before left nothing to report; else
+        now. ``is_async=False`` returns once it is done. ``settle``: how the caller
+        settles (default :meth:`settle`; a wrapper adds what it keeps outside the masters).
         """
         settle = settle or self.settle
-        runs = self._runs
-        runs.raise_failure()
-        if runs.inflight():
-            runs.defer_step(fn)  # its error is raised through raise_failure()
+        self.raise_failure()
+        if self.inflight():
+            self.defer_step(fn)  # its error is raised through raise_failure()
         else:
-            if is_async and may_publish_in_background and self._previous_step_lets_publish():
+            # the step before is a plain one that has not failed already (that error is
+            # raised by this step(), as always)
+            pending = self.pending()
+            lets_publish = pending is None or not (
+                self.pending_is_guarded() or (pending.done() and pending.exception() is not None)
+            )
+            if is_async and may_publish_in_background and lets_publish:
                 self.masters.take_back_grads()  # the copy into the model: on the thread
             else:
                 settle()  # the copy now (and the previous step's error raised)
-            runs.queue_publish_then_step(fn)  # its error is raised by settle()
+            self.queue_publish_then_step(fn)  # its error is raised by settle()
         if not is_async:
             settle()
-
-    def _previous_step_lets_publish(self) -> bool:
-        """The step before is a plain one that has not failed already (that error is
-        raised by this ``step()``, as always)."""
-        pending = self._stepper.pending()
-        if pending is None:
-            return True
-        if self._stepper.pending_is_guarded():
-            return False
-        return not (pending.done() and pending.exception() is not None)
 
     def step_layerwise(
         self,
@@ -210,9 +134,8 @@ class StepOwner:
         in flight complete; with none in flight, one ``step_params(all masters)`` and
         ``finish()``. ``wrap`` wraps the work item (the step recorder)."""
         settle = settle or self.settle
-        runs = self._runs
-        runs.raise_failure()
-        if not runs.inflight():
+        self.raise_failure()
+        if not self.inflight():
             masters = self.masters.params()
 
             def whole() -> None:
@@ -222,113 +145,72 @@ class StepOwner:
 
             self.step(wrap(whole), is_async, may_publish_in_background, settle)
             return
-        runs.defer_layerwise_step(step_params, finish, wrap)
+        self.defer_layerwise_step(step_params, finish, wrap)
         if not is_async:
             settle()
 
     # -- waiting ------------------------------------------------------------------------
-    def wait_step(self) -> None:
-        """Block until the step in flight (if any) has run; its error is raised later,
-        by :meth:`settle`."""
-        self._stepper.wait_step()
-
     def drain(self) -> None:
-        """Before a ``forward()``: wait for the iterations in flight and for the weights
-        the model should hold now; raise an earlier failure. Their gradients stay
-        buffered until the next step."""
-        self._runs.wait_all()
-        self._stepper.wait_publication()
-        self._runs.raise_failure()
+        """Before a ``forward()``: wait for the iterations in flight and the weights the
+        model should hold now; raise an earlier failure."""
+        self.wait_all()
+        self.wait_publication()
+        self.raise_failure()
 
     def settle(self) -> None:
         """Wait for everything in flight -- iterations and steps -- raising the first
         error; merge finished iterations not followed by a step; the masters are then
         the model's weights."""
-        runs = self._runs
-        runs.raise_failure()
-        runs.drain()
-        runs.raise_failure()
-        runs.merge_finished()
-        fut = self._stepper.take_pending()
+        self.raise_failure()
+        self.wait_idle()
+        self.raise_failure()
+        for r in self.inflight():  # all finished: merged in issue order
+            self.merge(r)
+        fut = self.take_pending()
         if fut is not None:
             fut.result()
-            runs.publish_all()
-        # work queued behind the step (in_step_order, gradient merges) ran in drain()
-        self._stepper.wait_after()
+            self.publish_all()
+        # work queued behind the step (in_step_order, gradient merges) ran in wait_idle()
+        self.wait_after()
 
     # -- gradients ----------------------------------------------------------------------
     def fold(self, buffer: GradBuffer) -> None:
-        """Add the gradients of a ``forward()``'s finished backward to the masters'
-        ``.grad`` (a ``forward_backward``'s go through its ``PendingResult``), once the
-        step in flight (which reads and clears them) and the work queued behind it ran."""
-        self._stepper.wait_step()
-        self._stepper.wait_after()
+        """Add a ``forward()``'s backward's gradients to ``.grad`` once the step in flight
+        (which reads and clears them) and the work queued behind it ran."""
+        self.wait_step()
+        self.wait_after()
         self.masters.add_many(buffer.take())
 
-    def after_step(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` once the step in flight has read the previous gradients: at once
-        when none is in flight, else on the optimizer thread right after it."""
-        self._stepper.after_step(fn)
-
     def in_step_order(self, fn: Callable[[], Any], settle: Callable[[], None]) -> None:
-        """Run ``fn`` (e.g. an optimizer's ``zero_grad``) where the caller issued it
-        relative to the steps: once the step in flight has run (on the optimizer thread
-        right after it, or at once when none is in flight). With overlapped iterations
-        in flight, whose gradients enter ``.grad`` only before the next step, ``settle()``
-        first (they are merged) and ``fn`` runs at once. Its error is raised by the next
-        call, ``step()`` or ``synchronize()``."""
-        if self._runs.inflight():
+        """Run ``fn`` (e.g. ``zero_grad``) in program order with the steps: after the step
+        in flight (:meth:`after_step`); with overlapped iterations in flight, whose
+        gradients enter ``.grad`` only before the next step, ``settle()`` first."""
+        if self.inflight():
             settle()
             fn()
             return
-        self._stepper.after_step(fn)
+        self.after_step(fn)
 
     # -- calls --------------------------------------------------------------------------
-    def check_failure(self) -> None:
-        """Raise an earlier failure of a step or an overlapped iteration, once everything
-        in flight has stopped (the model then holds the last good step's weights)."""
-        self._runs.raise_failure()
-
     @contextmanager
     def pipelined_call(self, blocking: bool) -> Iterator[PipelinedCall]:
-        """Around issuing a ``forward_backward`` (after :meth:`check_failure`): a call
+        """Around issuing a ``forward_backward`` (after :meth:`raise_failure`): a call
         that is not launched releases what it reserved."""
         if not blocking:
             # a plain step in flight: its error must stop this call and the next ones
             # (the failure path); a blocking call reads the last good weights instead,
             # and the next step() raises it
-            self._stepper.guard_pending()
-        call = PipelinedCall(self._runs, blocking)
+            self.guard_pending()
+        call = PipelinedCall(self, blocking)
         try:
             yield call
         finally:
             if not call.launched and call.reader is not None:
-                self._runs.versions.finish(call.reader)
+                self.versions.finish(call.reader)
 
     def call_ended(self, pending: PendingResult) -> None:
         """A pipelined call's jobs are all done (its last worker's thread): release what
         its uploads read, and report its error to the failure path."""
-        self._runs.versions.finish(pending.run.reader)
+        self.versions.finish(pending.run.reader)
         if pending.error is not None:
-            self._runs.record_run_error(pending)
-
-    # -- lifecycle ----------------------------------------------------------------------
-    def check_open(self) -> None:
-        """Raises ``ClosedError`` after :meth:`shutdown`."""
-        self._stepper.check_open()
-
-    @property
-    def closed(self) -> bool:
-        return self._stepper.closed
-
-    def on_optimizer_thread(self) -> bool:
-        """Whether the caller is the optimizer thread (a ``step_fn`` running)."""
-        return self._stepper.on_thread()
-
-    def shutdown(self, timeout: float | None = 0.0) -> None:
-        """Stop the optimizer thread once its queue is done; wait up to ``timeout`` s."""
-        self._stepper.shutdown(timeout)
-
-    def unobserved_error(self) -> BaseException | None:
-        """An error of queued work that finished and was never raised to the caller."""
-        return self._stepper.unobserved_error()
+            self.record_run_error(pending)

@@ -1,29 +1,23 @@
 """Overlapping consecutive training iterations (``forward_backward(blocking=False)``).
 
-With the asynchronous (one-step-stale) update, iteration k+1 computes with the
-weights of step k-1, so it does not have to wait for iteration k to finish:
-a device that is done with its part of iteration k can start on iteration k+1
-while other devices still run k's backward tail. Three pieces make that exact:
+With the one-step-stale update, iteration k+1 computes with the weights of step k-1,
+so a device done with its part of iteration k can start on k+1 while others still run
+k's backward tail. Three pieces make that exact:
 
-* **Weight versions** (``versions.py``). A pipelined run reads the weights of
-  one step; a step's weights are copied into the model's host copy (published)
-  parameter by parameter once no run reading older weights still has to upload
-  it, and an upload waits until the version its run reads is published.
-* **Per-run gradient buffers** (:class:`GradBuffer`). Iteration k+1's gradients
-  may arrive while step k still reads iteration k's. They collect in the run's
-  own buffer and are added to the masters' ``.grad`` on the optimizer thread,
-  after step k and just before step k+1 (or when the caller asks for the run's
-  result) -- the order a blocking loop accumulates in.
+* **Weight versions** (``versions.py``): a run reads the weights of one step; a step's
+  weights are published into the model parameter by parameter once no run reading
+  older weights still has to upload them.
+* **Per-run gradient buffers** (:class:`GradBuffer`): iteration k+1's gradients wait in
+  its own buffer and enter the masters' ``.grad`` after step k, before step k+1 (or at
+  the run's ``result()``) -- the order a blocking loop accumulates in.
 * :class:`PendingResult`, the handle a non-blocking call returns.
 
-:class:`PipelinedRuns` ties them to the masters and the optimizer thread
-(``stepper.py``): it keeps the iterations in flight, merges their gradients in
-issue order, defers a step until the gradients it consumes are complete and
-turns a failure into one error raised by the next call.
+:class:`PipelinedRuns` (the optimizer thread, ``stepper.py``, with the iterations in
+flight) merges their gradients in issue order, defers a step until the gradients it
+consumes are complete and turns a failure into one error raised by the next call.
 
-Lock order: ``PipelinedRuns._merge_lock`` before ``PipelinedRuns._lock``; the
-stepper's and the masters' locks are innermost. No lock here is held while
-waiting for an iteration or a queued step.
+Lock order: ``_merge_lock`` before ``_runs_lock``; the stepper's and the masters' locks
+are innermost. No lock here is held while waiting for an iteration or a queued step.
 """
 
 from __future__ import annotations
@@ -60,15 +54,12 @@ __all__ = [
 class GradBuffer:
     """One pipelined run's gradients, summed per master until they may enter ``.grad``.
 
-    A gradient is kept in the dtype it was downloaded in (bf16 from a bf16 model):
-    the conversion to the master's dtype happens where the buffer is merged into
-    ``.grad`` (:meth:`MasterWeights.add_many`: the optimizer thread, or the caller
-    after a blocking call), not on the worker thread that downloaded it, which
-    should go on feeding its GPU. Until the merge the host holds half the bytes.
-    ``convert_on_add=True`` converts on arrival instead (CPU workers, as before): the
-    first gradient of a master, that is; a later one (the next replica's, a shared
-    parameter's) is added to it in one mixed-dtype ``add_``, so no converted copy of a
-    whole job's gradients exists beside the bf16 ones (the host-memory budget's lines).
+    A gradient is kept in the dtype it was downloaded in (bf16 from a bf16 model) and
+    converted where the buffer is merged (:meth:`MasterWeights.add_many`), not on the
+    worker, which should go on feeding its GPU; until then the host holds half the bytes.
+    ``convert_on_add=True`` (CPU workers) converts a master's first gradient on arrival;
+    a later one is added to it in one mixed-dtype ``add_``, so no converted copy of a
+    whole job's gradients exists beside the bf16 ones.
     """
 
     def __init__(self, master_of: dict[int, nn.Parameter], convert_on_add: bool = False) -> None:
@@ -87,18 +78,15 @@ class GradBuffer:
             self._put(master, grad)
 
     def _arriving(self, master: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        """``convert_on_add``: a master's first gradient is converted here, off the lock
-        (other workers' gradients go on arriving meanwhile); a later one stays as it is
-        and is added in a mixed-dtype ``add_``. The peek without the lock only decides
-        where a conversion happens: :meth:`_put` sums either form in the master's dtype."""
+        """``convert_on_add``: a master's first gradient is converted here, off the lock.
+        The peek without the lock only decides where: :meth:`_put` sums either form."""
         if self._convert_on_add and grad.dtype != master.dtype and id(master) not in self._grads:
             return grad.to(master.dtype)
         return grad
 
     def _put(self, master: nn.Parameter, grad: torch.Tensor) -> None:
-        """Keep ``grad`` for ``master``; the lock is held. A second gradient of the same
-        master (a parameter shared by two stages, a stage's next replica) is summed in
-        the master's dtype."""
+        """Keep ``grad`` for ``master`` (the lock is held); a second one (a shared
+        parameter, a stage's next replica) is summed in the master's dtype."""
         hit = self._grads.get(id(master))
         if hit is None:
             if self._convert_on_add and grad.dtype != master.dtype:
@@ -110,9 +98,8 @@ class GradBuffer:
             self._grads[id(master)] = (master, hit[1].to(master.dtype).add_(grad))
 
     def add_many(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-        """:meth:`add` for the gradients of one job at once (one lock acquisition; the
-        runtime calls it when the run's sink is this buffer's ``add``). Where ``add``
-        was replaced (a subclass, a test's probe), each gradient goes through it."""
+        """:meth:`add` for one job's gradients under one lock acquisition (each through
+        ``add`` where it was replaced: a subclass, a test's probe)."""
         if type(self).add is not GradBuffer._plain_add:
             for param, grad in zip(params, grads):
                 self.add(param, grad)
@@ -139,10 +126,6 @@ class GradBuffer:
                 items, self._grads = list(self._grads.values()), {}
                 return items
             return [hit for m in masters if (hit := self._grads.pop(id(m), None)) is not None]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._grads = {}
 
 
 def assemble_result(
@@ -179,31 +162,31 @@ def to_output_device(value: Any, device: Any) -> Any:
 class PendingResult:
     """The handle of a ``forward_backward(..., blocking=False)`` call.
 
-    ``result()`` waits for the iteration, puts its gradients into the masters'
-    ``.grad`` (after the step issued before the call has consumed the previous
-    ones) and returns what the blocking call would have returned. A failure of
-    the iteration -- or of an earlier one that aborted it -- is raised there.
+    ``result()`` waits for the iteration, puts its gradients into the masters' ``.grad``
+    (after the step issued before the call consumed the previous ones) and returns what
+    the blocking call would have. A failure of the iteration (or of an earlier one that
+    aborted it) is raised there.
     """
 
     def __init__(
         self,
         runs: PipelinedRuns,
-        index: int,
         run: PipelineRun,
         buffer: GradBuffer,
         cfg: RoundPipeRunConfig,
         num_microbatch: int,
         return_outputs: bool,
-        prev_step: Future | None,
+        completion: GradCompletion | None,
     ) -> None:
         self._runs = runs
-        self.index = index  # pipelined calls of this RoundPipe, counted from 0
+        self.index = runs.calls  # pipelined calls of this RoundPipe, counted from 0
         self.run = run
         self.buffer = buffer
         self.cfg = cfg
         self.num_microbatch = num_microbatch
         self.return_outputs = return_outputs
-        self.prev_step = prev_step  # the step that consumes the gradients issued before these
+        # the step that consumes the gradients issued before these
+        self.prev_step: Future | None = runs.tail()
         self._futures: list[Future] = []
         self._finish: Callable[[PendingResult], Any] | None = None
         self._done = threading.Event()
@@ -213,12 +196,11 @@ class PendingResult:
         self.merged = False
         self.reported: set[int] = set()  # masters the gradient hooks heard of (by id)
         # which masters' gradients are complete while the run is still going
-        self.completion: GradCompletion | None = None
+        self.completion = completion
 
     @property
     def timing(self) -> CallTiming:
-        """What the call measured (its jobs' spans and times, its transfers): complete
-        once the call is done."""
+        """What the call measured (complete once the call is done)."""
         return self.run.timing
 
     def start(self, futures: list[Future], finish: Callable[[PendingResult], Any]) -> None:
@@ -264,44 +246,47 @@ class PendingResult:
         return self._runs.result_of(self)
 
 
-class PipelinedRuns:
-    """The overlapped iterations of one RoundPipe: weight versions, the runs in flight,
-    the merge of their gradients and the steps deferred behind them.
+class PipelinedRuns(Stepper):
+    """The optimizer thread with the overlapped iterations of one RoundPipe: weight
+    versions, the runs in flight, the merge of their gradients and the steps deferred
+    behind them.
 
     Args:
+        name: the RoundPipe's name (thread names, messages).
         layers: the model's layers.
-        masters: the master copies the gradients go to.
-        stepper: the optimizer thread steps and publications are queued on.
+        masters: the master copies the optimizer updates.
+        intra_op_threads: the optimizer thread's intra-op threads (None: the default).
+        grad_hooks: told of each master whose gradient of a call entered ``.grad``.
     """
 
     def __init__(
         self,
+        name: str,
         layers: list[nn.Module],
         masters: MasterWeights,
-        stepper: Stepper,
+        intra_op_threads: int | None = None,
         grad_hooks: list[Callable[[list[nn.Parameter]], None]] | None = None,
     ) -> None:
+        super().__init__(name, intra_op_threads)
         self.masters = masters
-        self.stepper = stepper
-        # told of each master whose gradient of a call entered .grad (register_grad_hook)
         self.grad_hooks = grad_hooks if grad_hooks is not None else []
         self.versions = WeightVersions(
             layers, masters.entries, masters.released, masters.publishers
         )
-        self._lock = threading.Lock()  # guards the fields below
-        self._merge_lock = threading.Lock()  # one merge at a time; taken before _lock
+        self._runs_lock = threading.Lock()  # guards the fields below
+        self._merge_lock = threading.Lock()  # one merge at a time; taken before _runs_lock
         self._inflight: list[PendingResult] = []  # runs whose grads are not in .grad yet
         self.target_version = 0  # the weight version a call issued now computes with
         self.next_device = 0  # round-robin continues from one pipelined call to the next
         self.calls = 0
-        stepper.on_failure = self.abort_all
+        self.on_failure = self.abort_all
 
     def inflight(self) -> list[PendingResult]:
-        with self._lock:
+        with self._runs_lock:
             return list(self._inflight)
 
     def add(self, pending: PendingResult) -> None:
-        with self._lock:
+        with self._runs_lock:
             self._inflight.append(pending)
             self.calls += 1
 
@@ -311,13 +296,10 @@ class PipelinedRuns:
             r.run.fail(PoolError("an earlier pipelined iteration or step failed"))
 
     def merge(self, r: PendingResult, only: Sequence[nn.Parameter] | None = None) -> None:
-        """Add a finished run's gradients to the masters' ``.grad`` (once); with ``only``,
-        those masters' gradients only (complete: a layer-wise step), the run staying
-        unmerged.
-
-        Taking from the buffer and adding happen under one lock, and ``merged`` turns True
-        only after the addition: a step that finds the run merged by ``result()`` on
-        another thread, or a gradient gone from the buffer, finds it in ``.grad``."""
+        """Add a finished run's gradients to ``.grad`` (once); with ``only``, those masters'
+        only (a layer-wise step), the run staying unmerged. Taking and adding happen under
+        one lock and ``merged`` turns True after: a step that finds the run merged, or a
+        gradient gone from the buffer, finds it in ``.grad``."""
         with self._merge_lock:
             if r.merged:
                 return
@@ -326,7 +308,7 @@ class PipelinedRuns:
             if only is not None:
                 return
             r.merged = True
-            with self._lock:
+            with self._runs_lock:
                 if r in self._inflight:
                     self._inflight.remove(r)
 
@@ -344,108 +326,99 @@ class PipelinedRuns:
             hook(fresh)
 
     def merge_completed(self, r: PendingResult, masters: list[nn.Parameter]) -> None:
-        """Masters of ``r`` whose gradients are complete while it still runs: with gradient
-        hooks, merge and report them now -- once the step in flight has read the previous
-        gradients (on the optimizer thread right after it) -- so a data-parallel reducer
-        starts on the deep layers while the backward goes on. Only the oldest call not yet
-        merged does so (the masters' sums keep the issue order of a blocking loop); a
-        later one's masters are reported when it is merged."""
+        """With gradient hooks, merge and report masters of ``r`` complete while it still
+        runs (after the step in flight), so a data-parallel reducer starts on the deep
+        layers early. Only the oldest unmerged call does so (a blocking loop's order)."""
         if not self.grad_hooks:
             return
 
         def merge_if_oldest() -> None:
-            with self._lock:
+            with self._runs_lock:
                 oldest = bool(self._inflight) and self._inflight[0] is r
             if oldest:
                 self.merge(r, masters)
 
-        self.stepper.after_step(merge_if_oldest)
-
-    def merge_finished(self) -> None:
-        """Merge every run in flight (all finished: the caller waited for them)."""
-        for r in self.inflight():
-            self.merge(r)
+        self.after_step(merge_if_oldest)
 
     def wait_all(self) -> None:
         for r in self.inflight():
             r.wait()
 
-    def drain(self) -> None:
+    def wait_idle(self) -> None:
         """Wait until every run in flight and the optimizer thread's queue have stopped."""
         self.wait_all()
-        self.stepper.wait_tail()
+        self.wait_tail()
 
     def raise_failure(self) -> None:
-        """After a pipelined failure: wait until everything in flight has stopped, drop the
-        failed pipeline's gradients, put the masters into the model (the state the last
-        good step left) and raise the error once."""
-        if self.stepper.failure is None:
+        """After a pipelined failure: wait until everything has stopped, drop the failed
+        pipeline's gradients, put the masters into the model and raise the error once."""
+        if self.failure is None:
             return
-        self.drain()
-        with self._lock:
+        self.wait_idle()
+        with self._runs_lock:
             for r in self._inflight:
-                r.buffer.clear()
+                r.buffer.take()  # dropped
             self._inflight.clear()
-        exc = self.stepper.reset_after_failure()
+        exc = self.reset_after_failure()
         self.publish_all()
         if exc is not None:
             raise exc
 
     def publish_all(self) -> None:
         """The masters are the model's weights now (``synchronize()``)."""
-        steps = self.stepper.steps
+        steps = self.steps
         self.versions.wait_ended_uploads()  # no DMA of a drained run still reads the copy
         # the released masters' values, from their owners (collective: a sharded rank's
         # first publication of this version, the same on every rank)
         self.versions.publish_remote(steps, lambda: False)
         self.masters.copy_to_model(skip=self.versions.remote_keys())  # (those: just written)
         self.versions.set_all(steps)
-        with self._lock:
+        with self._runs_lock:
             self.target_version = steps
 
-    def defer_step(self, step_fn: Callable[[], Any]) -> None:
-        """Queue, on the optimizer thread: publish the last step's weights (as the blocking
-        ``step()`` copies them at its call), then the step itself once the gradients of
-        the pipelined runs issued before it are complete."""
-        stepper = self.stepper
-        version = stepper.steps  # the blocking step() would copy this version into the model now
+    def _retarget(self) -> tuple[int, list[PendingResult]]:
+        """A step is queued: calls issued from now on read the version before it; returns
+        that version and the runs whose gradients the step consumes."""
+        version = self.steps
         runs = [r for r in self.inflight() if not r.merged]
-        with self._lock:
+        with self._runs_lock:
             self.target_version = version
+        return version, runs
+
+    def defer_step(self, step_fn: Callable[[], Any]) -> None:
+        """Queue the publication of the last step's weights, then the step itself once the
+        gradients of the runs issued before it are complete."""
+        version, runs = self._retarget()
         versions = self.versions
-        stepper.queue_publication(
-            lambda: versions.publish(version, lambda: stepper.failure is not None)
+        self.queue(
+            lambda: versions.publish(version, lambda: self.failure is not None),
+            guarded=True,
+            step=False,
+            publishes=True,
         )
-        merge = self.merge
 
         def deferred_step() -> None:
             for r in runs:
                 r.wait()
                 if r.error is not None:
                     raise r.error
-            failure = stepper.failure
+            failure = self.failure
             if failure is not None:
                 raise failure
             for r in runs:
-                merge(r)
+                self.merge(r)
             step_fn()
 
-        stepper.queue_guarded_step(deferred_step)
+        self.queue(deferred_step, guarded=True)
 
     def queue_publish_then_step(self, step_fn: Callable[[], Any]) -> None:
-        """After blocking calls: queue, as one plain step on the optimizer thread, the copy
-        of the last step's weights into the model (what the blocking ``step()`` used to
-        do on the caller) followed by ``step_fn``. A blocking call issued meanwhile waits
-        for each layer's copy just before uploading it.
-
-        If the step before failed, neither runs: the model keeps the last completed
-        step's weights and the error is raised by the next ``step()`` or
-        ``synchronize()``, as when ``step()`` finds that failure already raised."""
-        stepper = self.stepper
-        version = stepper.steps  # the weights of the step queued before this one
-        previous = stepper.pending()
-        with self._lock:
-            self.target_version = version
+        """After blocking calls: queue, as one plain step, the copy of the last step's
+        weights into the model, then ``step_fn`` (a blocking call issued meanwhile waits
+        for each layer's copy). If the step before failed, neither runs: the model keeps
+        the last completed step's weights and the next ``step()`` / ``synchronize()``
+        raises the error."""
+        version, _ = self._retarget()
+        previous = self.pending()
         versions = self.versions
 
         def publish_then_step() -> None:
@@ -454,8 +427,8 @@ class PipelinedRuns:
             versions.publish(version, lambda: False)
             step_fn()
 
-        stepper.queue_step(publish_then_step, publishes=True)
-        publication = stepper.last_publication()
+        self.queue(publish_then_step, guarded=False, publishes=True)
+        publication = self.last_publication()
         if publication is not None:  # a blocking upload waiting for a skipped copy wakes up
             publication.add_done_callback(lambda _: versions.notify())
 
@@ -466,45 +439,39 @@ class PipelinedRuns:
         wrap: Callable[[Callable[[], None]], Callable[[], None]],
     ) -> None:
         """As :meth:`defer_step`, stepping each parameter as soon as its gradients are
-        complete (``layerwise.run_layerwise``): one work item publishes the last step's
-        weights and runs the step, interleaved per parameter."""
-        stepper = self.stepper
-        version = stepper.steps
-        runs = [r for r in self.inflight() if not r.merged]
-        with self._lock:
-            self.target_version = version
+        complete, in one work item (``layerwise.run_layerwise``)."""
+        version, runs = self._retarget()
         item = functools.partial(
             run_layerwise,
             self.versions,
             self.masters,
-            stepper,
+            self,
             runs,
             version,
             step_params,
             self.merge,
             finish,
         )
-        stepper.queue_guarded_step(wrap(item), publishes=True)
+        self.queue(wrap(item), guarded=True, publishes=True)
 
     def record_run_error(self, p: PendingResult) -> None:
         """A run ended with ``p.error``: report the cause if a failure aborted it."""
         assert p.error is not None
-        failure = self.stepper.failure
+        failure = self.failure
         if isinstance(p.error, PoolError) and failure is not None:
             p.error = failure
-        self.stepper.record_failure(p.error)
+        self.record_failure(p.error)
 
     def result_of(self, r: PendingResult) -> Any:
-        """``r.result()``: raise its error, or merge it (and the runs before it) and
-        return what the blocking call would have returned."""
+        """``r.result()``: raise its error, or merge it (and the runs before it)."""
         if r.error is not None:
-            self.stepper.mark_reported(r.error)
+            self.mark_reported(r.error)
             raise r.error
         if r.prev_step is not None:
             r.prev_step.exception()  # that step consumed the gradients before these
-        if not r.merged and self.stepper.failure is not None:
+        if not r.merged and self.failure is not None:
             self.raise_failure()  # its gradients were dropped with the failed pipeline
-        with self._lock:
+        with self._runs_lock:
             # runs issued after the same step, up to this one, go into .grad together
             earlier = self._inflight[: self._inflight.index(r) + 1] if r in self._inflight else []
         for e in earlier:
@@ -517,9 +484,8 @@ class PipelinedRuns:
 
 
 class RunFinisher:
-    """Completion of a pipelined run (on the thread of its last worker): its timing
-    (``rp._call_done``), failure bookkeeping. Holds its RoundPipe weakly, so a run in
-    flight does not keep a dropped RoundPipe alive."""
+    """Completion of a pipelined run (on its last worker's thread): its timing
+    (``rp._call_done``), failure bookkeeping. Holds its RoundPipe weakly."""
 
     def __init__(self, rp: Any, jobs: list[Any], t0: float, extent: tuple[int, int]) -> None:
         self._rp = weakref.ref(rp)

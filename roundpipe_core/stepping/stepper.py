@@ -1,32 +1,24 @@
 """The optimizer thread of a RoundPipe: queued steps, their order, their failures.
 
-``step()`` hands the user's ``step_fn`` to one dedicated thread, so the update
-of the masters overlaps the next pipelined call. Work queued there runs in
-submission order (one thread): a weight publication, the merge of pipelined
-gradients, a step.
+``step()`` hands the user's ``step_fn`` to one dedicated thread, so the update of the
+masters overlaps the next pipelined call; work queued there (a weight publication, the
+merge of pipelined gradients, a step) runs in submission order. Two kinds of work:
 
-Two kinds of queued work:
+* a **plain step** (after blocking calls): its error stays in its future and is raised
+  by the next ``synchronize()`` (which ``step()`` and ``close()`` call).
+* **guarded work** (the pipelined path: deferred steps, weight publications): an error
+  becomes the stepper's *failure*; everything queued after it is skipped,
+  ``on_failure`` aborts the iterations in flight, and the error is raised exactly once,
+  by the next call.
 
-* a **plain step** (after blocking calls): its error stays in its future and
-  is raised by the next ``synchronize()`` (which ``step()`` and ``close()``
-  call).
-* **guarded work** (the pipelined path: deferred steps and weight
-  publications): an error becomes the stepper's *failure*; everything queued
-  after it is skipped, ``on_failure`` aborts the iterations in flight, and the
-  error is raised exactly once, by the next call.
+One lock, ``Stepper._lock``, guards every mutable field; it is held only to read or
+assign them and to queue work -- never while waiting on a future, running queued work
+or calling ``on_failure`` -- so it cannot take part in a lock-order cycle.
 
-Locking discipline: one lock, ``Stepper._lock``, guards every mutable field
-(pending step, queue tail, last publication, step count, failure and whether
-it was reported). It is held only to read or assign those fields and to put
-work on the queue -- never while waiting on a future, running queued work or
-calling ``on_failure`` -- so it cannot take part in a lock-order cycle.
-Several fields that change together change in one method here.
-
-The thread is a daemon and the stepper holds no reference to its RoundPipe:
-a RoundPipe dropped without ``close()`` can be garbage-collected. At
-interpreter exit the queued work is finished, for at most
-``$ROUNDPIPE_EXIT_WAIT_S`` seconds per thread (:func:`exit_wait_s`), so a step
-that never returns cannot keep the interpreter from exiting.
+The thread is a daemon whose target references only the queue: a RoundPipe dropped
+without ``close()`` can be garbage-collected. At interpreter exit the queued work is
+finished, for at most ``$ROUNDPIPE_EXIT_WAIT_S`` seconds per thread
+(:func:`exit_wait_s`), so a step that never returns cannot keep the interpreter alive.
 """
 
 from __future__ import annotations
@@ -45,9 +37,9 @@ import torch
 
 from ..running.host_memory import note_training_step
 
-__all__ = ["ClosedError", "OptimizerThread", "Stepper"]
+__all__ = ["ClosedError", "Stepper"]
 
-_Item = tuple[Future, Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+_Item = tuple[Future, Callable[..., Any], tuple[Any, ...]]
 
 
 class ClosedError(RuntimeError):
@@ -64,17 +56,17 @@ def _serve(work: queue.SimpleQueue[_Item | None], intra_op_threads: int | None =
         item = work.get()
         if item is None:
             return
-        fut, fn, args, kwargs = item
+        fut, fn, args = item
         del item
         if fut.set_running_or_notify_cancel():
             try:
-                result = fn(*args, **kwargs)
+                result = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - handed to the future's owner
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
                 del result
-        del fut, fn, args, kwargs
+        del fut, fn, args
 
 
 #: seconds interpreter exit waits for an optimizer thread's queued work (env override)
@@ -83,39 +75,31 @@ _DEFAULT_EXIT_WAIT_S = 60.0
 
 # the exit hook's view (weak): the optimizer threads to stop, and the threads to wait
 # for -- a running thread stays in the second even after its RoundPipe was dropped
-_LIVE_OPTIMIZERS: weakref.WeakSet[OptimizerThread] = weakref.WeakSet()
+_LIVE_OPTIMIZERS: weakref.WeakSet[Stepper] = weakref.WeakSet()
 _RUNNING_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 def exit_wait_s() -> float:
     """How long interpreter exit waits for each optimizer thread (``$ROUNDPIPE_EXIT_WAIT_S``)."""
     raw = os.environ.get(EXIT_WAIT_ENV, "").strip()
-    if not raw:
-        return _DEFAULT_EXIT_WAIT_S
     try:
-        value = float(raw)
+        value = float(raw) if raw else _DEFAULT_EXIT_WAIT_S
     except ValueError:
         value = -1.0
-    if not value >= 0:
-        warnings.warn(
-            f"${EXIT_WAIT_ENV}={raw!r} is not a number of seconds >= 0; using "
-            f"{_DEFAULT_EXIT_WAIT_S:g}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return _DEFAULT_EXIT_WAIT_S
-    return value
+    if value >= 0:
+        return value
+    warnings.warn(
+        f"${EXIT_WAIT_ENV}={raw!r} is not a number of seconds >= 0; using {_DEFAULT_EXIT_WAIT_S:g}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return _DEFAULT_EXIT_WAIT_S
 
 
 def _finish_at_exit() -> None:
-    """At interpreter exit, let each optimizer thread finish what is queued.
-
-    A daemon thread still inside a torch kernel when the interpreter finalizes is
-    killed as it re-takes the GIL, and the C++ unwinding aborts the process (SIGABRT,
-    "terminate called without an active exception"). So exit waits -- up to
-    ``exit_wait_s()`` per thread, since a ``step_fn`` that never returns must not keep
-    the process alive -- and warns about work it drops.
-    """
+    """At interpreter exit, let each optimizer thread finish what is queued (up to
+    ``exit_wait_s()`` each; warns about work it drops): a daemon thread still inside a
+    torch kernel when the interpreter finalizes aborts the process (SIGABRT)."""
     bound = exit_wait_s()
     for worker in list(_LIVE_OPTIMIZERS):
         worker.shutdown(timeout=0.0)  # the thread ends after what is queued
@@ -135,67 +119,30 @@ def _finish_at_exit() -> None:
 atexit.register(_finish_at_exit)
 
 
-class OptimizerThread:
-    """One daemon thread running submitted callables in order, each into a ``Future``.
-
-    ``intra_op_threads``: ``torch.set_num_threads`` for the thread's work (None: the
-    default); the pool decides (``DevicePool.optimizer_threads``)."""
-
-    def __init__(self, name: str, intra_op_threads: int | None = None) -> None:
-        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(
-            target=_serve, args=(self._queue, intra_op_threads), name=name, daemon=True
-        )
-        self._thread.start()
-        _LIVE_OPTIMIZERS.add(self)
-        _RUNNING_THREADS.add(self._thread)
-
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
-        """Queue ``fn(*args, **kwargs)``.
-
-        Raises:
-            ClosedError: after ``shutdown()``.
-        """
-        fut: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise ClosedError("this RoundPipe is closed; create a new one to keep training")
-            self._queue.put((fut, fn, args, kwargs))
-        return fut
-
-    def shutdown(self, timeout: float | None = 0.0) -> None:
-        """Stop taking work; the thread ends after what is queued. Waits up to ``timeout``
-        seconds for that (``None``: until it has ended)."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._queue.put(None)
-        if threading.current_thread() is not self._thread and (timeout is None or timeout > 0):
-            self._thread.join(timeout)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def is_current(self) -> bool:
-        """Whether the caller runs on this thread (inside a queued callable)."""
-        return threading.current_thread() is self._thread
-
-
 class Stepper:
-    """The optimizer thread of one RoundPipe with its pending step and failure state.
+    """The optimizer thread of one RoundPipe: a daemon thread running queued callables in
+    order, each into a ``Future``, with the pending step and the failure state.
 
     Args:
         name: the RoundPipe's name (names the thread).
-        intra_op_threads: intra-op threads of the optimizer thread (None: the default).
+        intra_op_threads: ``torch.set_num_threads`` for the thread's work (None: the
+            default); the pool decides (``DevicePool.optimizer_threads``).
     """
 
     def __init__(self, name: str, intra_op_threads: int | None = None) -> None:
         self.name = name
-        self._thread = OptimizerThread(f"roundpipe-optim-{name}", intra_op_threads)
-        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=_serve,
+            args=(self._queue, intra_op_threads),
+            name=f"roundpipe-optim-{name}",
+            daemon=True,
+        )
+        self._thread.start()
+        _LIVE_OPTIMIZERS.add(self)
+        _RUNNING_THREADS.add(self._thread)
+        self._lock = threading.RLock()
         self._pending: Future | None = None  # the last step queued
         self._pending_guarded = False  # whether its error goes to the failure state
         self._tail: Future | None = None  # the last work queued
@@ -207,6 +154,14 @@ class Stepper:
         self._after: list[Future] = []
         # aborts the pipelined iterations in flight when guarded work fails
         self.on_failure: Callable[[], None] | None = None
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Queue ``fn(*args)``; ClosedError after ``shutdown()``."""
+        fut: Future = Future()
+        with self._lock:
+            self.check_open()
+            self._queue.put((fut, fn, args))
+        return fut
 
     # -- state -----------------------------------------------------------------------
     @property
@@ -221,7 +176,7 @@ class Stepper:
 
     @property
     def closed(self) -> bool:
-        return self._thread.closed
+        return self._closed
 
     def pending(self) -> Future | None:
         with self._lock:
@@ -241,37 +196,23 @@ class Stepper:
             return self._publish
 
     # -- queueing ----------------------------------------------------------------------
-    def queue_step(self, step_fn: Callable[[], Any], publishes: bool = False) -> None:
-        """A plain step: its error is raised by the next ``take_pending().result()``.
-        ``publishes``: it also copies the previous step's weights into the model first."""
+    def queue(
+        self, fn: Callable[[], Any], guarded: bool, step: bool = True, publishes: bool = False
+    ) -> None:
+        """Queue ``fn``: guarded work (the pipelined path) or a plain step, whose error is
+        raised by the next ``take_pending().result()``. ``step``: it is a step (the
+        pending one; step k produces weight version k); ``publishes``: it writes a step's
+        weights into the model."""
         with self._lock:
-            fut = self._thread.submit(step_fn)
-            self._pending = self._tail = fut
+            fut = self._submit(self._run_guarded, fn) if guarded else self._submit(fn)
+            self._tail = fut
             if publishes:
                 self._publish = fut
-            self._pending_guarded = False
-            self._steps += 1
-        note_training_step()  # the host-memory budget's training-code line
-
-    def queue_guarded_step(self, fn: Callable[[], Any], publishes: bool = False) -> int:
-        """A step of the pipelined path; returns the weight version it produces.
-        ``publishes``: it also publishes the previous step's weights (a layer-wise step)."""
-        with self._lock:
-            fut = self._thread.submit(self._run_guarded, fn)
-            self._pending = self._tail = fut
-            if publishes:
-                self._publish = fut
-            self._pending_guarded = True
-            self._steps += 1
-            version = self._steps
-        note_training_step()
-        return version
-
-    def queue_publication(self, fn: Callable[[], Any]) -> None:
-        """Guarded work that writes a step's weights into the model."""
-        with self._lock:
-            fut = self._thread.submit(self._run_guarded, fn)
-            self._publish = self._tail = fut
+            if step:
+                self._pending, self._pending_guarded = fut, guarded
+                self._steps += 1
+        if step:
+            note_training_step()  # the host-memory budget's training-code line
 
     def guard_pending(self) -> None:
         """Route the error of a plain step still in flight to the failure state: a
@@ -280,22 +221,18 @@ class Stepper:
             fut = self._pending
             if fut is None or self._pending_guarded:
                 return
-            self._pending = self._tail = self._thread.submit(self._run_guarded, fut.result)
+            self._pending = self._tail = self._submit(self._run_guarded, fut.result)
             self._pending_guarded = True
 
     def after_step(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` once the pending step has run: at once when none is in flight, else
-        on the optimizer thread right after it.
-
-        A worker thread that has downloaded gradients hands their merge into the masters'
-        ``.grad`` (which the step in flight reads and clears) here instead of waiting for
-        the step: a device never waits for a step. Errors are raised by ``wait_after()``.
-        """
+        on the optimizer thread right after it (a worker that downloaded gradients hands
+        their merge into ``.grad``, which the step reads and clears, here: a device never
+        waits for a step). Errors are raised by ``wait_after()``."""
         with self._lock:
             pending = self._pending
             if pending is not None and not pending.done():
-                fut = self._thread.submit(fn)
-                self._tail = fut
+                self._tail = fut = self._submit(fn)
                 self._after.append(fut)
                 return
         fn()
@@ -348,23 +285,17 @@ class Stepper:
             self._pending = self._tail = self._publish = None
         return fut
 
-    # -- waiting -----------------------------------------------------------------------
+    # -- waiting (an error is not raised here) -------------------------------------------
     def wait_step(self) -> None:
-        """Block until the pending step has run (its error is not raised here)."""
-        fut = self.pending()
-        if fut is not None:
-            fut.exception()
+        """Block until the pending step has run (its error is raised by ``synchronize()``)."""
+        _wait(self.pending())
 
     def wait_tail(self) -> None:
         """Block until everything queued so far has run."""
-        fut = self.tail()
-        if fut is not None:
-            fut.exception()
+        _wait(self.tail())
 
     def wait_publication(self) -> None:
-        fut = self.last_publication()
-        if fut is not None:
-            fut.exception()
+        _wait(self.last_publication())
 
     # -- end -------------------------------------------------------------------------
     def unobserved_error(self) -> BaseException | None:
@@ -377,15 +308,28 @@ class Stepper:
             return fut.exception()
         return None
 
-    def on_thread(self) -> bool:
+    def on_optimizer_thread(self) -> bool:
         """Whether the caller runs on the optimizer thread (inside a step)."""
-        return self._thread.is_current()
+        return threading.current_thread() is self._thread
 
     def check_open(self) -> None:
         """Raises ClosedError after ``shutdown()``."""
-        if self._thread.closed:
-            raise ClosedError("this RoundPipe is closed; create a new one to keep training")
+        if self._closed:
+            raise ClosedError(
+                f"this RoundPipe ({self.name!r}) is closed; create a new one to keep training"
+            )
 
     def shutdown(self, timeout: float | None = 0.0) -> None:
-        """Stop the thread once its queue is done; wait up to ``timeout`` seconds."""
-        self._thread.shutdown(timeout)
+        """Stop taking work; the thread ends after what is queued. Waits up to ``timeout``
+        seconds for that (``None``: until it has ended)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
+        if not self.on_optimizer_thread() and (timeout is None or timeout > 0):
+            self._thread.join(timeout)
+
+
+def _wait(fut: Future | None) -> None:
+    if fut is not None:
+        fut.exception()

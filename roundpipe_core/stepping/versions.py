@@ -1,28 +1,23 @@
 """Weight versions: which step's weights the host copy of each parameter holds.
 
-The host copy of the model's parameters is what devices upload. Version v = the
-weights produced by step v (0 = the initial ones). A run that overlaps others
-(``forward_backward(blocking=False)``), or a blocking call issued while the optimizer
-thread still copies an asynchronous step's weights into the model, reads one version.
-The new version of a parameter may be copied into the host copy (*published*) only
-after every older-version run holding it has finished uploading it and the fences of
-those uploads returned (a device copy is private, so the host may change once it was
-read; a CPU worker computes on the host tensors themselves, so its fence waits until the
-stage is released), and an upload of a layer waits until the version its run reads is
-published. Tied parameters are handled per
-parameter: all layers holding one are waited for.
+The host copy of the model's parameters is what devices upload; version v holds the
+weights of step v (0: the initial ones). A run that overlaps others, or a blocking call
+issued while the optimizer thread still copies a step's weights into the model, reads
+one version. A parameter's new version is copied into the host copy (*published*) only
+after every older-version run holding it has uploaded it and those uploads' fences
+returned (a CPU worker computes on the host tensors, so its fence waits until the stage
+is released); an upload waits until its run's version is published. Tied parameters:
+all layers holding one are waited for.
 
-The publication runs on the optimizer thread (``stepper.py``); the readers are the
-worker threads' uploads (``transfer.upload_job``). One condition variable guards
-the state; it is never held while copying.
+The publication runs on the optimizer thread; the readers are the workers' uploads
+(``transfer.upload_job``). One condition variable guards the state; it is never held
+while copying.
 
 A *remote publisher* (:class:`RemotePublisher`) publishes masters whose values this
-process does not hold: a data-parallel rank that shards the host state for asynchronous
-steps releases the masters other ranks own, and their owners broadcast each version
-straight into the model when it is published (``distributed/sharded.py``). It publishes
-all its masters of a version in one collective sequence, exactly once per version on
-every rank (the first publication of that version: a step's, or ``synchronize()``'s),
-and claims each part from here -- the same wait for older readers as a local copy.
+process does not hold (a data-parallel rank sharding the host state: their owners
+broadcast each version into the model, ``distributed/sharded.py``): all its masters of
+a version in one collective sequence, exactly once per version on every rank, claiming
+each part from here -- the same wait for older readers as a local copy.
 """
 
 from __future__ import annotations
@@ -37,9 +32,8 @@ from torch import nn
 
 from ..running.devices.pool import PoolError
 from .masters import copy_pairs
-from .stepper import Stepper
 
-__all__ = ["PublicationGate", "RemotePublisher", "WeightVersions"]
+__all__ = ["RemotePublisher", "WeightVersions"]
 
 _WAIT_SLICE_S = 0.05
 
@@ -67,25 +61,33 @@ class RemotePublisher(Protocol):
 
 class _Reader:
     """A pipelined run as a reader of weight version ``version``: how many of its
-    jobs still have to upload each layer, and the fences of the uploads issued."""
+    jobs still have to upload each layer, and the fences of the uploads issued.
+    ``gate``: a blocking call issued while the optimizer thread still copies a step's
+    weights into the model (that work's future, and whether the pipelined path failed):
+    its wait stops at a failure, and once that copy ended (without copying: the call
+    reads the last completed step's weights)."""
 
-    def __init__(self, version: int, counts: dict[int, int]) -> None:
+    def __init__(
+        self,
+        version: int,
+        counts: dict[int, int],
+        gate: tuple[Future, Callable[[], bool]] | None = None,
+    ) -> None:
         self.version = version
         self.pending = counts
         self.fences: dict[int, list[Callable[[], None]]] = {}
+        self.gate = gate
 
 
 class WeightVersions:
-    """Which step's weights the host copy of each trainable parameter holds, and
-    which pipelined runs still have to upload it.
+    """Which step's weights the host copy of each trainable parameter holds, and which
+    pipelined runs still have to upload it.
 
     Args:
         layers: the model's layers.
         masters: ``(name, model_param, master_param)`` of the trainable parameters.
-        released: ids of released masters (``MasterWeights.released``, the live set):
-            never copied into the model, their owner rank's values reach it instead.
-        publishers: the remote publishers (``MasterWeights.publishers``, the live list):
-            every publication of a version runs theirs first.
+        released: ids of released masters (the live set): never copied into the model.
+        publishers: the remote publishers (the live list), run first at each publication.
     """
 
     def __init__(
@@ -98,7 +100,7 @@ class WeightVersions:
         self._released = released if released is not None else set()
         self._publishers = publishers if publishers is not None else []
         master_of = {id(p): (p, m) for _, p, m in masters}
-        self._cond = threading.Condition()
+        self.cond = threading.Condition()  # notified on every upload, publication, run end
         # per layer: the (model param, master) pairs it holds; per master: the layers holding it
         self.layer_pairs: list[list[tuple[nn.Parameter, nn.Parameter]]] = []
         self.holders: dict[int, list[int]] = {}
@@ -119,14 +121,19 @@ class WeightVersions:
         self._ended_fences: list[Callable[[], None]] = []
 
     # -- readers (worker threads) ----------------------------------------------------
-    def register(self, version: int, job_layers: Sequence[range]) -> _Reader:
+    def register(
+        self,
+        version: int,
+        job_layers: Sequence[range],
+        gate: tuple[Future, Callable[[], bool]] | None = None,
+    ) -> _Reader:
         """A run that reads ``version`` and uploads each of ``job_layers`` once."""
         counts: dict[int, int] = {}
         for r in job_layers:
             for i in r:
                 counts[i] = counts.get(i, 0) + 1
-        reader = _Reader(version, counts)
-        with self._cond:
+        reader = _Reader(version, counts, gate)
+        with self.cond:
             self._readers.append(reader)
         return reader
 
@@ -136,43 +143,41 @@ class WeightVersions:
         )
 
     def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        with self._cond:
-            return self._ready(reader, layers)
+        with self.cond:
+            return self._ready(reader, layers) or (
+                reader.gate is not None and reader.gate[0].done()
+            )
 
     def wait_ready(
-        self,
-        reader: _Reader,
-        layers: Sequence[int],
-        failed: Callable[[], bool],
-        settled: Callable[[], bool] | None = None,
+        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]
     ) -> None:
-        """Block until ``layers`` hold ``reader``'s version; PoolError once ``failed()``.
-        Returns early once ``settled()``: the publication it waits for ended without
-        copying (its step's predecessor failed), so the host copy stays as it is."""
-        with self._cond:
+        """Block until ``layers`` hold ``reader``'s version (or its gate opened);
+        PoolError once ``failed()``."""
+        gate = reader.gate
+        with self.cond:
             while not self._ready(reader, layers):
-                if failed():
+                if failed() or (gate is not None and gate[1]()):
                     raise PoolError("stopped waiting for weights to upload: the run was aborted")
-                if settled is not None and settled():
+                if gate is not None and gate[0].done():
                     return
-                self._cond.wait(_WAIT_SLICE_S)
+                self.cond.wait(_WAIT_SLICE_S)
 
     def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
         """``reader`` issued the upload of ``layers``; ``fence()`` blocks until the host copy
         may change under it (read by a device; released, where it computes on the host's)."""
-        with self._cond:
+        with self.cond:
             for i in layers:
                 reader.pending[i] -= 1
                 reader.fences.setdefault(i, []).append(fence)
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     def finish(self, reader: _Reader) -> None:
         """The run is over (done, failed or aborted): it uploads nothing more."""
-        with self._cond:
+        with self.cond:
             if reader in self._readers:
                 self._readers.remove(reader)
                 self._ended_fences.extend(f for fs in reader.fences.values() for f in fs)
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     # -- publication (optimizer thread) ------------------------------------------------
     def _blocked(self, mid: int, version: int) -> bool:
@@ -183,37 +188,28 @@ class WeightVersions:
         )
 
     def publish(self, version: int, failed: Callable[[], bool]) -> None:
-        """Copy the masters (holding step ``version``'s weights) into the model, each
-        parameter as soon as no older-version run has still to upload it.
-
-        Deep layers are released first (their last uploads are early backward stages);
-        a pipelined run's forward of a layer starts as soon as that layer is published.
-        The remote publishers' masters come first (:meth:`publish_remote`).
-        """
+        """Copy the masters (step ``version``'s weights) into the model, each parameter
+        as soon as no older-version run has still to upload it; the remote publishers'
+        masters first (:meth:`publish_remote`)."""
         self.publish_remote(version, failed)
         todo = self.stale(version)
         while todo:
-            with self._cond:
+            with self.cond:
                 while True:
                     if failed():
                         raise PoolError("weight publication stopped: a pipelined iteration failed")
                     if self.any_publishable(version, todo):
                         break
-                    self._cond.wait(_WAIT_SLICE_S)
+                    self.cond.wait(_WAIT_SLICE_S)
             todo = self.publish_ready(version, todo)
 
-    @property
-    def cond(self) -> threading.Condition:
-        """Notified on every upload, publication and end of a run."""
-        return self._cond
-
     def notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
 
     def stale(self, version: int) -> list[int]:
         """The masters (ids) whose host copy holds a version older than ``version``."""
-        with self._cond:
+        with self.cond:
             return [k for k, v in self.version.items() if v < version]
 
     def any_publishable(self, version: int, todo: Sequence[int]) -> bool:
@@ -223,7 +219,7 @@ class WeightVersions:
     def publish_ready(self, version: int, todo: Sequence[int]) -> list[int]:
         """Publish those of ``todo`` that no older-version run still has to upload (does
         not wait for uploads); return the others."""
-        with self._cond:
+        with self.cond:
             ready = [k for k in todo if not self._blocked(k, version)]
             if not ready:
                 return list(todo)
@@ -251,10 +247,9 @@ class WeightVersions:
         return [k for k in todo if k not in done]
 
     def _wait_old_uploads(self, version: int, keys: Sequence[int]) -> None:
-        """Run the fences of the uploads older-version runs issued of ``keys`` (none of
-        which they still have to upload) and of the runs that ended: after it the host
-        copy of ``keys`` may change."""
-        with self._cond:
+        """Run the fences of the uploads of ``keys`` by older-version runs and by the
+        runs that ended: after it the host copy of ``keys`` may change."""
+        with self.cond:
             fences = [
                 f
                 for r in self._readers
@@ -272,10 +267,10 @@ class WeightVersions:
                 fence()
 
     def _mark(self, keys: Sequence[int], version: int) -> None:
-        with self._cond:
+        with self.cond:
             for k in keys:
                 self.version[k] = version
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     # -- remote publication (the optimizer thread, or synchronize()) --------------------------
     def publish_remote(self, version: int, failed: Callable[[], bool]) -> None:
@@ -285,11 +280,11 @@ class WeightVersions:
 
         def claim(part: Sequence[int]) -> None:
             part = [k for k in part if k in self.version]
-            with self._cond:
+            with self.cond:
                 while any(self._blocked(k, version) for k in part):
                     if failed():
                         raise PoolError("weight publication stopped: a pipelined iteration failed")
-                    self._cond.wait(_WAIT_SLICE_S)
+                    self.cond.wait(_WAIT_SLICE_S)
             self._wait_old_uploads(version, part)
 
         def mark(part: Sequence[int]) -> None:
@@ -297,7 +292,7 @@ class WeightVersions:
 
         for pub in list(self._publishers):
             keys = [k for k in pub.keys if k in self.version]
-            with self._cond:
+            with self.cond:
                 if all(self.version[k] >= version for k in keys):
                     continue  # published already (a synchronize() before this step's)
             pub.publish(version, claim, mark)
@@ -309,7 +304,7 @@ class WeightVersions:
     def wait_ended_uploads(self) -> None:
         """Block until the uploads of runs that ended have read the host copy (before the
         whole copy is overwritten, ``set_all``)."""
-        with self._cond:
+        with self.cond:
             ended, self._ended_fences = self._ended_fences, []
         for fence in ended:
             with contextlib.suppress(Exception):  # a failed upload: its run reports it
@@ -317,43 +312,12 @@ class WeightVersions:
 
     def set_all(self, version: int) -> None:
         """The host copy was overwritten with the masters (``synchronize()``)."""
-        with self._cond:
+        with self.cond:
             for k in self.version:
                 self.version[k] = version
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     @property
     def active(self) -> int:
-        with self._cond:
+        with self.cond:
             return len(self._readers)
-
-
-class PublicationGate:
-    """:class:`WeightVersions` as a blocking call reads them while the optimizer thread
-    still copies a step's weights into the model (``publication``, the queued work that
-    does it): an upload waits for its own layers only. A failure of the pipelined path
-    stops the wait (the blocking run is not among the runs a failure aborts); a
-    publication that ended without copying lets the call read the weights the model
-    holds, the last completed step's."""
-
-    def __init__(self, versions: WeightVersions, stepper: Stepper, publication: Future) -> None:
-        self._versions = versions
-        self._stepper = stepper
-        self._publication = publication
-
-    def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        return self._versions.ready(reader, layers) or self._publication.done()
-
-    def wait_ready(
-        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]
-    ) -> None:
-        stepper = self._stepper
-        self._versions.wait_ready(
-            reader,
-            layers,
-            lambda: failed() or stepper.failure is not None,
-            settled=self._publication.done,
-        )
-
-    def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
-        self._versions.uploaded(reader, layers, fence)

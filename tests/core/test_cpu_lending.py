@@ -201,7 +201,7 @@ def test_a_call_behind_a_pending_publication_lends_after_waiting() -> None:
         masters = [m.detach().clone() for m in rp.optim_parameters()]
         # an asynchronous step whose copy into the model is held back
         release = threading.Event()
-        rp._steps._stepper._thread.submit(release.wait, 10.0)
+        rp._steps._submit(release.wait, 10.0)
         rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
         threading.Timer(0.3, release.set).start()
         SEEN.clear()

@@ -89,11 +89,11 @@ def test_async_step_is_one_step_stale(copy_held_back):
             assert torch.equal(p.detach(), q)
         if copy_held_back:  # the optimizer thread is busy until the timer fires
             release = threading.Event()
-            rp._steps._stepper._thread.submit(release.wait, 10.0)
+            rp._steps._submit(release.wait, 10.0)
             threading.Timer(0.5, release.set).start()
         rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
         if copy_held_back:  # w1 cannot be in the model yet
-            assert not rp._steps._stepper.pending().done()
+            assert not rp._steps.pending().done()
             assert torch.equal(next(model.parameters()).detach(), w0[0])
         else:  # once step 2 is done the model holds w1 (copied ahead of it), the masters w2
             rp.wait_step()
@@ -179,7 +179,7 @@ def test_a_failed_async_step_still_running_at_the_next_step_is_raised_once():
 
         rp.forward_backward((batches[0][0],), label=batches[0][1], loss_fn=sum_sq)
         rp.step(slow_bad, is_async=True)
-        assert not rp._steps._stepper.pending().done(), "step1 must still run when step2 is queued"
+        assert not rp._steps.pending().done(), "step1 must still run when step2 is queued"
         rp.step(
             lambda: (opt.step(), opt.zero_grad()), is_async=True
         )  # returns at once: step1 still runs

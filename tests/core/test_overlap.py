@@ -382,16 +382,16 @@ def test_a_call_issued_as_a_failure_is_recorded_is_aborted_not_left_waiting(monk
     try:
         # the optimizer thread is busy: the deferred steps (and the publication of the
         # first step's weights, which a call issued after the second step reads) wait
-        rp._steps._stepper._thread.submit(release.wait, 30.0)
+        rp._steps._submit(release.wait, 30.0)
         issued = []
         for _ in range(2):
             issued.append(rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False))
             rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
         for p in issued:
             p.wait(timeout=60)  # done: the failure below finds no call running
-        stepper = rp._steps._stepper
+        stepper = rp._steps
         stepper.record_failure(ArithmeticError("step failed meanwhile"))
-        monkeypatch.setattr(rp._steps, "check_failure", lambda: None)
+        monkeypatch.setattr(rp._steps, "raise_failure", lambda: None)
         late = rp.forward_backward((x,), label=y, loss_fn=sum_sq, blocking=False)
         release.set()
         with pytest.raises(ArithmeticError, match="step failed meanwhile"):

@@ -165,7 +165,7 @@ def test_async_step_warns_once_and_runs_synchronously() -> None:
             _check_against(rp, ref, _grads_by_name(rp))
             rp.step(lambda: (opt.step(), opt.zero_grad(set_to_none=True)))  # is_async=True
             # the step already ran: nothing pending, the weights are this step's (not stale)
-            assert rp._steps._stepper.pending() is None
+            assert rp._steps.pending() is None
             _check_weights(rp, ref)
     said = [w for w in caught if "shared_masters" in str(w.message)]
     assert len(said) == 1 and "is_async" in str(said[0].message)
@@ -199,9 +199,9 @@ def test_non_blocking_calls_match_pytorch_and_no_upload_meets_a_step(per_step: i
     readers_during_step: list[int] = []
 
     def step() -> None:
-        readers_during_step.append(rp._steps._runs.versions.active)
+        readers_during_step.append(rp._steps.versions.active)
         time.sleep(0.05)  # a later call issued too early would register its run meanwhile
-        readers_during_step.append(rp._steps._runs.versions.active)
+        readers_during_step.append(rp._steps.versions.active)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -319,7 +319,7 @@ def test_the_default_shares_on_cpu_workers_and_says_so_once(
             for (x, y), ref in zip(batches, refs):
                 rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq)
                 rp.step(lambda: (opt.step(), opt.zero_grad(set_to_none=True)))  # is_async=True
-                assert rp._steps._stepper.pending() is None  # it already ran
+                assert rp._steps.pending() is None  # it already ran
                 _check_weights(rp, ref)  # not one step stale
         said = [r for r in caplog.records if "synchronous on CPU workers" in r.getMessage()]
         assert len(said) == 1 and "shared_masters=False" in said[0].getMessage()
@@ -337,7 +337,7 @@ def test_the_default_keeps_separate_masters_where_devices_overlap(concurrent_pla
         rp.forward_backward(input_args=(x,), label=y, loss_fn=sum_sq)
         release = threading.Event()
         rp.step(lambda: release.wait(10.0))  # is_async=True: returns while it runs
-        assert rp._steps._stepper.pending() is not None
+        assert rp._steps.pending() is not None
         release.set()
         rp.synchronize()
     finally:
