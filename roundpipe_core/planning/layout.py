@@ -7,11 +7,9 @@ A layout fits a YAML value or a command-line flag:
 * full ranges: ``[range(0, 7), range(7, 12)]``;
 * ``""`` or ``[]``: no stages.
 
-The grammar only: :func:`parse_layout` reads one side, :func:`resolve_layout` turns both
-into stage ranges and owners (``ModelExecutePlan.from_layout`` validates the plan),
-:func:`format_layout` writes one side back. Numbers in text are ASCII digits with an
-optional ``-``, no ``+`` and no leading zeros: ``"01"``, ``"²"`` or ``"٣"`` are likelier
-typos than intended values.
+:func:`parse_layout` reads one side, :func:`resolve_layout` turns both into stage
+ranges and owners, :func:`format_layout` writes one side back. Numbers in text are ASCII
+digits with an optional ``-`` and no leading zeros (``"01"``, ``"²"`` are likelier typos).
 """
 
 from __future__ import annotations
@@ -40,15 +38,8 @@ LayoutSpec = Union[str, int, Sequence[Any]]
 
 @dataclass
 class ParsedLayout:
-    """One side of a layout: exactly one of ``counts`` / ``ranges`` is set.
-
-    Attributes:
-        name: the side's name in messages ("fwd", "bwd", "layout").
-        items: each stage's text as given, for messages.
-        counts: layers per stage, in the order given (``None`` for full ranges).
-        ranges: the stages as ranges (``None`` for counts).
-        owners: owner device per stage (``None`` = round-robin).
-    """
+    """One side of a layout (``name`` and ``items`` as given, for messages): exactly one
+    of ``counts`` / ``ranges`` is set; ``owners`` per stage, ``None`` = round-robin."""
 
     name: str
     items: list[str]
@@ -68,12 +59,6 @@ class ParsedLayout:
             return sum(self.counts)
         return max((r.stop for r in self.ranges or []), default=0)
 
-    def first_size(self) -> int:
-        """Layers of the first stage (0 when there is none)."""
-        if self.counts is not None:
-            return self.counts[0] if self.counts else 0
-        return len(self.ranges[0]) if self.ranges else 0
-
 
 @dataclass
 class ResolvedLayout:
@@ -87,10 +72,8 @@ class ResolvedLayout:
 
 
 def parse_int(value: Any, what: str) -> int:
-    """An int from an int or an ASCII decimal string, else ``ValueError`` naming ``what``.
-
-    Accepted strings are ``-?[0-9]+`` without leading zeros (after surrounding spaces).
-    """
+    """An int from an int or a ``-?[0-9]+`` string without leading zeros, else
+    ``ValueError`` naming ``what``."""
     if isinstance(value, bool):
         raise ValueError(f"{what} must be an integer, got {value!r}")
     if isinstance(value, int):
@@ -107,8 +90,7 @@ def parse_int(value: Any, what: str) -> int:
 
 
 def parse_layout(spec: LayoutSpec, name: str = "layout") -> ParsedLayout:
-    """Parse one side of a layout (the forms of the module docstring, or an int: one
-    stage), called ``name`` in error messages.
+    """Parse one side of a layout (the module docstring's forms, or an int: one stage).
 
     Raises:
         TypeError: ``spec`` is none of the accepted types.
@@ -263,11 +245,7 @@ def resolve_layout(
     bwd_owners: Sequence[int] | None = None,
 ) -> ResolvedLayout:
     """Both sides of a layout as stage ranges and owners (arguments as in
-    :meth:`~roundpipe_core.planning.plan.ModelExecutePlan.from_layout`).
-
-    Counts are checked against ``num_layers`` before any range is built, so a
-    huge count fails at once. The result is not yet validated as a plan.
-    """
+    ``ModelExecutePlan.from_layout``), counts checked before any range is built."""
     rt = parse_kind(RunType, run_type, "run_type")
     if num_layers is not None:
         check_int(num_layers, "num_layers")
@@ -319,7 +297,7 @@ def resolve_layout(
         if rt == RunType.FUSED:
             assert num_layers is not None  # set above from bwd or required
             if b is not None:
-                fused = b.first_size()
+                fused = b.counts[0] if b.counts else len(b.ranges[0]) if b.ranges else 0
                 expect = num_layers - fused
                 if total != expect:
                     raise ValueError(
