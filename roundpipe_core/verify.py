@@ -1,16 +1,10 @@
 """Equivalence checker: a model under execution plans vs plain PyTorch (seed 003).
 
-:func:`compare_plans` builds the model with ``make_model()`` once for a plain PyTorch
-reference and once per plan, runs one ``forward_backward`` (no step) and reports per
-layer the largest absolute / relative difference of its outputs, of their gradients, of
-its parameter gradients and of its recomputed outputs against the forward's own (a
-recompute that differs breaks gradients silently), plus the loss; any NaN/Inf fails.
-Default tolerances: the seed's strict fp32 ``atol=1e-5, rtol=0``.
-
-Forward hooks registered before wrapping travel into the device replicas (deepcopy);
-:func:`~roundpipe_core.context.doing_recompute` and
-:func:`~roundpipe_core.context.current_microbatch` place each call. The reference loss
-is the sum of per-microbatch losses over the same split, as ``forward_backward``'s.
+:func:`compare_plans` runs one ``forward_backward`` per plan and reports per layer the
+largest differences of its outputs, their gradients, its parameter gradients and its
+recomputed outputs against the forward's own, plus the loss; any NaN/Inf fails. Forward
+hooks travel into the device replicas (deepcopy); ``doing_recompute`` and
+``current_microbatch`` place each call.
 
 CLI (on a small residual MLP)::
 
@@ -277,12 +271,8 @@ def _layers_of(model: nn.Module) -> list[nn.Module]:
 
 
 def _as_plan(spec: PlanSpec, num_layers: int, num_devices: int) -> tuple[str, ModelExecutePlan]:
-    """A plan from a plan object, a ``"fwd=... bwd=..."`` string, or a symmetric layout.
-
-    A bare layout (``"1,2,3"``, ``"0:2,1:4"``, ``[1, 2, 3]``) lists stage sizes from
-    the input side; the last stage is the fused one and the backward stages mirror
-    the forward ones (same owners).
-    """
+    """A plan from a plan object, a ``"fwd=... bwd=..."`` string, or a symmetric layout
+    (``"1,2,3"``, ``"0:2,1:4"``: stage sizes from the input side, the last one fused)."""
     if isinstance(spec, ModelExecutePlan):
         return repr(spec), spec
     if isinstance(spec, str) and ("fwd=" in spec or "bwd=" in spec):
@@ -331,9 +321,7 @@ def compare_plans(
         plans: ``ModelExecutePlan`` objects, ``"fwd=... bwd=..."`` strings, or symmetric
             layouts (``"1,2,3"``, ``"0:2,1:4"``; see :func:`_as_plan`).
         devices: the RoundPipe device pool (``2``, ``"cpu:3"``, a list of devices).
-        num_microbatch: microbatches per call (default: devices + 1,
-            :func:`~roundpipe_core.planning.plan.default_num_microbatch` of concurrent
-            devices, also on CPU workers, whose own calls run 1 or one per worker).
+        num_microbatch: microbatches per call (default: devices + 1, also on CPU workers).
         atol / rtol: per-element tolerance ``|a - b| <= atol + rtol * |b|``.
         recompute_grain: "stage" or "layer".
         strict: raise ``AssertionError`` on any mismatch instead of only reporting it.
