@@ -67,7 +67,14 @@ class Diff:
     count: int = 0
     note: str = ""
 
-    def add(self, got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
+    def add(
+        self, got: torch.Tensor | None, ref: torch.Tensor, atol: float, rtol: float, missing: str
+    ) -> None:
+        """Compare ``got`` with ``ref``; ``got`` ``None`` fails with ``missing`` as the note."""
+        if got is None:
+            self.ok = False
+            self.note = missing
+            return
         self.count += 1
         if got.shape != ref.shape:
             self.ok = False
@@ -91,10 +98,6 @@ class Diff:
         )
         if not bool((err <= atol + rtol * ref.abs()).all()):
             self.ok = False
-
-    def missing(self, what: str) -> None:
-        self.ok = False
-        self.note = what
 
 
 @dataclass
@@ -253,19 +256,6 @@ def _cat(parts: dict[int, list[torch.Tensor]], k: int) -> torch.Tensor | None:
     return torch.cat(pieces, dim=0)
 
 
-def _diff(
-    pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor, str]], atol: float, rtol: float
-) -> Diff:
-    """The :class:`Diff` of ``(got, reference, what is missing if got is None)`` pairs."""
-    d = Diff()
-    for got, ref, note in pairs:
-        if got is None:
-            d.missing(note)
-        else:
-            d.add(got, ref, atol, rtol)
-    return d
-
-
 def _layers_of(model: nn.Module) -> list[nn.Module]:
     return list(model.children()) if isinstance(model, nn.Sequential) else [model]
 
@@ -337,10 +327,9 @@ def compare_plans(
 
     # -- reference ----------------------------------------------------------------
     ref_model = make_model()
-    check = make_model()
-    ref_state, again = ref_model.state_dict(), check.state_dict()
-    for k in ref_state:
-        a, b = ref_state[k], again[k]
+    again = make_model().state_dict()
+    for k, a in ref_model.state_dict().items():
+        b = again[k]
         same = (
             torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
             if a.is_floating_point() and a.shape == b.shape
@@ -351,7 +340,6 @@ def compare_plans(
                 f"make_model() built different weights on two calls ({k!r} differs); "
                 "seed it (torch.manual_seed) so every plan starts from the same model"
             )
-    del check
     layers = _layers_of(ref_model)
     n = len(layers)
     ref_rec = _Recorder(n)
@@ -414,45 +402,36 @@ def compare_plans(
             finally:
                 rp.close()
             loss_diff = Diff()
-            loss_diff.add(loss.reshape(()), ref_loss.reshape(()), atol, rtol)
+            loss_diff.add(loss.reshape(()), ref_loss.reshape(()), atol, rtol, "")
             layer_reports = []
             for i in range(n):
-                grads = [
-                    (k, ref_g, {mb: [g[k]] for mb, g in rec.grads[i].items() if k in g})
-                    for k, ref_g in ref_grads[i].items()
-                ]
+                out_d, grad_d, par_d, rec_d = Diff(), Diff(), Diff(), Diff()
+                for k, ref in enumerate(ref_outputs[i]):
+                    out_d.add(
+                        _cat(rec.outputs[i], k), ref, atol, rtol, f"output {k} never recorded"
+                    )
+                for k, ref in ref_grads[i].items():
+                    parts = {mb: [g[k]] for mb, g in rec.grads[i].items() if k in g}
+                    got = _cat(parts, 0) if len(parts) == len(sizes) else None
+                    seen = f"output grad {k} seen for {len(parts)} of {len(sizes)} microbatches"
+                    grad_d.add(got, ref, atol, rtol, seen)
                 prefix = f"{i}." if isinstance(model, nn.Sequential) else ""
                 names = [k for k in ref_param_grads if k.startswith(prefix)]
-                pairs: list[list[tuple[torch.Tensor | None, torch.Tensor, str]]] = [
-                    [
-                        (_cat(rec.outputs[i], k), ref, f"output {k} never recorded")
-                        for k, ref in enumerate(ref_outputs[i])
-                    ],
-                    [
-                        (
-                            _cat(parts, 0) if len(parts) == len(sizes) else None,
-                            ref_g,
-                            f"output grad {k} seen for {len(parts)} of {len(sizes)} microbatches",
-                        )
-                        for k, ref_g, parts in grads
-                    ],
-                    [
-                        (got, ref_param_grads[name], f"no gradient for {name}")
-                        for name in names
-                        for got in [got_params.get(name)]
-                    ],
-                    [
-                        (a, b, "")
-                        for mb, tensors in rec.recomputed[i].items()
-                        for a, b in zip(tensors, rec.outputs[i].get(mb, []))
-                    ],
-                ]
-                wanted = (True, bool(grads), bool(names), bool(rec.recomputed[i]))
-                out_d, grad_d, par_d, rec_d = (
-                    _diff(p, atol, rtol) if w else None for p, w in zip(pairs, wanted)
+                for name in names:
+                    got = got_params.get(name)
+                    par_d.add(got, ref_param_grads[name], atol, rtol, f"no gradient for {name}")
+                for mb, tensors in rec.recomputed[i].items():
+                    for a, b in zip(tensors, rec.outputs[i].get(mb, [])):
+                        rec_d.add(a, b, atol, rtol, "")
+                layer_reports.append(
+                    LayerReport(
+                        i,
+                        out_d,
+                        grad_d if ref_grads[i] else None,
+                        par_d if names else None,
+                        rec_d if rec.recomputed[i] else None,
+                    )
                 )
-                assert out_d is not None
-                layer_reports.append(LayerReport(i, out_d, grad_d, par_d, rec_d))
             reports.append(PlanReport(label, plan, loss_diff, layer_reports))
         report = VerifyReport(reports, atol, rtol, ref_loss.item(), notes)
         if strict:

@@ -323,12 +323,6 @@ def _check_spec_tree(spec: Any, where: str, split: bool) -> None:
         _check_spec_tree(kid, f"{where}[{keys[i]!r}]" if keys else f"{where}[{i}]", split)
 
 
-def _with_dim(shape: torch.Size, dim: int, size: int) -> list[int]:
-    s = list(shape)
-    s[dim] = size
-    return s
-
-
 def _chunk_dim(spec: Any, leaf: Any, where: str) -> int:
     if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
         raise TypeError(

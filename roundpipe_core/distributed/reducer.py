@@ -103,25 +103,11 @@ def params_in_sync(rp: Any, group: Any | None = None) -> bool:
         if masters is not None and masters.released
         else rp.optim_parameters()
     )
-    sums = (
-        torch.stack(
-            [
-                torch.stack(
-                    [
-                        m.detach().double().sum(),
-                        m.detach().double().abs().sum(),
-                        (
-                            m.detach().double().reshape(-1)
-                            * torch.arange(1, m.numel() + 1, dtype=torch.float64)
-                        ).sum(),
-                    ]
-                )
-                for m in held
-            ]
-        )
-        if held
-        else torch.zeros(1, 3, dtype=torch.float64)
-    )
+    sums = torch.zeros(max(len(held), 1), 3, dtype=torch.float64)
+    for i, m in enumerate(held):
+        x = m.detach().double().reshape(-1)
+        weights = torch.arange(1, x.numel() + 1, dtype=torch.float64)
+        sums[i] = torch.stack([x.sum(), x.abs().sum(), (x * weights).sum()])
     everyone = all_gather(sums, group)
     return bool((everyone == everyone[0:1]).all())
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Union
 
 from ..kinds import RunType, check_int, parse_kind
@@ -191,7 +192,15 @@ def format_layout(stages: Sequence[range], owners: Sequence[int] | None) -> str:
     return ",".join(f"{d}:{len(r)}" for d, r in zip(owners, stages))
 
 
-def _merge_owners(spec: ParsedLayout, owners: Sequence[int] | None, name: str) -> ParsedLayout:
+def _parse_side(
+    layout: LayoutSpec | None, owners: Sequence[int] | None, name: str
+) -> ParsedLayout | None:
+    """Parse one side with its ``{name}_owners``, if given."""
+    if layout is None:
+        if owners is not None:
+            raise ValueError(f"{name}_owners given without a {name} layout; give {name} too")
+        return None
+    spec = parse_layout(layout, name)
     if owners is None:
         return spec
     if spec.owners is not None:
@@ -215,18 +224,10 @@ def _merge_owners(spec: ParsedLayout, owners: Sequence[int] | None, name: str) -
 
 def _counts_to_ranges(counts: Sequence[int], end: int, descending: bool) -> list[range]:
     """Forward counts fill layers 0.. upward; backward counts fill ..end downward."""
-    out: list[range] = []
+    bounds = list(accumulate(counts, initial=0))
     if descending:
-        stop = end
-        for c in counts:
-            out.append(range(stop - c, stop))
-            stop -= c
-    else:
-        start = 0
-        for c in counts:
-            out.append(range(start, start + c))
-            start += c
-    return out
+        return [range(end - b, end - a) for a, b in zip(bounds, bounds[1:])]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def check_num_devices(num_devices: Any) -> None:
@@ -250,16 +251,8 @@ def resolve_layout(
     if num_layers is not None:
         check_int(num_layers, "num_layers")
     check_num_devices(num_devices)
-    f = parse_layout(fwd, "fwd") if fwd is not None else None
-    b = parse_layout(bwd, "bwd") if bwd is not None else None
-    if f is not None:
-        f = _merge_owners(f, fwd_owners, "fwd")
-    elif fwd_owners is not None:
-        raise ValueError("fwd_owners given without a fwd layout; give fwd too")
-    if b is not None:
-        b = _merge_owners(b, bwd_owners, "bwd")
-    elif bwd_owners is not None:
-        raise ValueError("bwd_owners given without a bwd layout; give bwd too")
+    f = _parse_side(fwd, fwd_owners, "fwd")
+    b = _parse_side(bwd, bwd_owners, "bwd")
     if f is None and b is None:
         raise ValueError("give at least one of fwd= and bwd= to build a plan from a layout")
     if f is None and rt == RunType.INFER:

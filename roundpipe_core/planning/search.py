@@ -6,6 +6,7 @@ shortlist and a walk to faster neighbouring plans (see :func:`search_plans`).
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -271,18 +272,14 @@ def search_plans(
         raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold!r}")
     problems = [_Problem(p, rt, memory_cap_bytes) for p in profiles]
     cands = sorted({c for pr in problems for c in pr.candidates()})
-    counts: dict[int, float] = {}
-    works: dict[int, float] = {}
 
+    @functools.cache
     def s_at(idx: int) -> float:
-        if idx not in counts:
-            counts[idx] = sum(pr.stages(cands[idx]) for pr in problems)
-        return counts[idx]
+        return sum(pr.stages(cands[idx]) for pr in problems)
 
+    @functools.cache
     def w_at(idx: int) -> float:
-        if idx not in works:
-            works[idx] = sum(pr.work(cands[idx]) for pr in problems)
-        return works[idx]
+        return sum(pr.work(cands[idx]) for pr in problems)
 
     def value(num: float, cap: float, work: float) -> float:
         if objective == "stages":
@@ -305,12 +302,12 @@ def search_plans(
         count never grows with the cap)."""
         return first_true(0, last_idx, lambda i: s_at(i) <= at_most)
 
+    def found(plans: list[ModelExecutePlan], cap: float, num: int, cost: float) -> PlanSearch:
+        return PlanSearch(plans, cap, num, cost, memory_cap_bytes, s_at.cache_info().currsize)
+
     if fewest_stages:
         plans = [pr.build(cands[last_idx]) for pr in problems]
-        num = int(s_at(last_idx))
-        return PlanSearch(
-            plans, cands[last_idx], num, w_at(last_idx), memory_cap_bytes, len(counts)
-        )
+        return found(plans, cands[last_idx], int(s_at(last_idx)), w_at(last_idx))
     first = first_true(0, last_idx, lambda i: s_at(i) < math.inf)  # smallest feasible cap
     best_idx = first
 
@@ -391,8 +388,8 @@ def search_plans(
         value_now = plan_objective(
             plans, profiles, rt, objective, min_stages, num_devices, num_microbatch
         )
-        return PlanSearch(plans, max(times), len(times), value_now, memory_cap_bytes, len(counts))
-    return PlanSearch(plans, cap, int(s_at(chosen)), cost(chosen), memory_cap_bytes, len(counts))
+        return found(plans, max(times), len(times), value_now)
+    return found(plans, cap, int(s_at(chosen)), cost(chosen))
 
 
 #: Stages more or fewer per side, or layers the fused split moves, in one walk step.
