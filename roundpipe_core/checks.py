@@ -177,27 +177,20 @@ class ForwardRuleChecker:
         if not first:
             return run()
         shared = self.shared[layer_index] if layer_index < len(self.shared) else set()
-        if not self.watch_host_rng:
-            return check_forward_rules(layer_index, module, run, shared, self.error)
-        before = torch.default_generator.get_state()
+        before = torch.default_generator.get_state() if self.watch_host_rng else None
         out = check_forward_rules(layer_index, module, run, shared, self.error)
-        if not torch.equal(before, torch.default_generator.get_state()):
-            warn_host_random_draws(layer_index, module)
+        if before is not None and not torch.equal(before, torch.default_generator.get_state()):
+            # (or another thread drew meanwhile: reported the same way)
+            warnings.warn(
+                f"layer {layer_index} ({type(module).__name__}) drew from the CPU random "
+                "generator in its forward on a GPU worker; RoundPipe's recompute replays only "
+                "the GPU's generator, so its backward sees other random numbers than its "
+                "forward. Draw on the layer's device (torch.rand(..., device=x.device)), or "
+                "use save_for_recompute() to keep what the forward drew",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return out
-
-
-def warn_host_random_draws(layer_index: int, module: nn.Module) -> None:
-    """Warn that a layer drew from the CPU generator in its forward on a GPU worker (or
-    another thread did meanwhile): its recompute would see other numbers."""
-    warnings.warn(
-        f"layer {layer_index} ({type(module).__name__}) drew from the CPU random generator "
-        "in its forward on a GPU worker; RoundPipe's recompute replays only the GPU's "
-        "generator, so its backward sees other random numbers than its forward. Draw on "
-        "the layer's device (torch.rand(..., device=x.device)), or use "
-        "save_for_recompute() to keep what the forward drew",
-        RuntimeWarning,
-        stacklevel=2,
-    )
 
 
 def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
@@ -286,8 +279,6 @@ def check_inputs_need_no_grad(args: Any, kwargs: dict[str, Any]) -> None:
                 )
 
 
-# -- who trains a parameter, and whether a step trains anything ---------------------------
-
 # model parameter id -> (the parameter, the RoundPipe making its master), both weak: one
 # open RoundPipe per parameter (two would step two copies, one update lost)
 _PARAM_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -375,9 +366,6 @@ def watch_updates(
         return result
 
     return watched
-
-
-# -- manual plans against device memory ----------------------------------------------------
 
 
 class PlanFitChecker:

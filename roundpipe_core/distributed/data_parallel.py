@@ -250,11 +250,7 @@ class DataParallel:
     def save_state(self, directory: str | Path, rp: Any, optimizer: Any) -> Path | None:
         """Write this rank's share of the host state into ``directory`` (:mod:`.shard_io`;
         unsharded, rank 0 writes one shard). Call it on every rank; returns the file or None."""
-        rp.synchronize()
-        raw = _raw_optimizer(optimizer)
-        shard = self.shard(raw)
-        named = dict(rp.optim_named_parameters())
-        layers = getattr(rp, "layers", None)  # (an AutoRoundPipe's units learn their own)
+        raw, shard, named, layers = self._state_of(rp, optimizer)
         learned = None if layers is None else rp.pool.learned_draws(layers)
         if shard is not None:
             return save_shard(
@@ -267,20 +263,23 @@ class DataParallel:
     def load_state(self, directory: str | Path, rp: Any, optimizer: Any) -> None:
         """Load shards :meth:`save_state` wrote on any rank count (collective when sharded;
         after :meth:`attach`)."""
-        rp.synchronize()
-        raw = _raw_optimizer(optimizer)
-        shard = self.shard(raw)
-        named = dict(rp.optim_named_parameters())
+        raw, shard, named, layers = self._state_of(rp, optimizer)
         learned = load_shards(
             directory, named, raw, shard.owns if shard is not None else (lambda p: True)
         )
-        layers = getattr(rp, "layers", None)  # (as save_state: an AutoRoundPipe has none)
         if learned is not None and layers is not None:
             rp.pool.restore_draws(layers, learned)  # the resumed run computes as before
         if shard is not None:
             shard.drop_foreign_state(raw)
             shard.gather()  # the shares of the others (into the masters or the weights)
         rp.masters.copy_to_model()  # this rank's masters (a released one has no values)
+
+    def _state_of(self, rp: Any, optimizer: Any) -> tuple[Any, HostShard | None, dict, Any]:
+        """(raw optimizer, its shard, ``rp``'s named masters, its layers) once no step runs;
+        an AutoRoundPipe has no layers (its units learn their own draws)."""
+        rp.synchronize()
+        raw = _raw_optimizer(optimizer)
+        return raw, self.shard(raw), dict(rp.optim_named_parameters()), getattr(rp, "layers", None)
 
     def abort(self) -> None:
         """Drop armed rounds without further collectives (after an exception)."""

@@ -338,9 +338,6 @@ def collective(what: str, group: Any | None = None) -> Iterator[None]:
         raise collective_error(what, exc, group) from exc
 
 
-# ---------------------------------------------------------------------------------------------
-# small collectives (identities without a process group)
-# ---------------------------------------------------------------------------------------------
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,

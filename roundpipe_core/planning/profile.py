@@ -123,9 +123,6 @@ class LayerProfile:
         return params, [p + g + a for p, g, a in zip(params, grads, acts)]
 
 
-# -- sizes ------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class LayerSizes:
     """Bytes per layer, from the modules.
@@ -192,8 +189,6 @@ def size_prior_ms(compute_bytes: Sequence[int]) -> list[float]:
     floor = top * PRIOR_FLOOR_SHARE if top > 0 else 1.0
     return [max(r, floor) for r in raw]
 
-
-# -- activations ------------------------------------------------------------------------
 
 #: fp32 copies of the last layer's output a loss holds at its peak (an estimate):
 #: cross-entropy upcasts the logits and keeps the log-softmax, its backward a gradient.
@@ -279,9 +274,6 @@ def scale_activation_bytes(
             f"token counts must be >= 1, got measured_tokens={measured_tokens}, tokens={tokens}"
         )
     return [float(b) * tokens / measured_tokens for b in measured]
-
-
-# -- stage memory -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -375,9 +367,6 @@ def check_plan_fits(
                 "split the stage, use fewer tokens per microbatch (more microbatches), or "
                 "recompute_grain='layer'"
             )
-
-
-# -- a model's profile ---------------------------------------------------------------
 
 
 def profile_of(model: Any) -> LayerProfile:
