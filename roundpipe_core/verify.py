@@ -325,7 +325,6 @@ def compare_plans(
     if not plans:
         raise ValueError("give at least one plan or layout to compare")
 
-    # -- reference ----------------------------------------------------------------
     ref_model = make_model()
     again = make_model().state_dict()
     for k, a in ref_model.state_dict().items():
@@ -374,7 +373,6 @@ def compare_plans(
                 "dropout is on: random masks differ between plain PyTorch and the pipeline"
             )
 
-        # -- each plan ----------------------------------------------------------------------
         reports = []
         for spec in plans:
             label, plan = _as_plan(spec, n, num_devices)
@@ -440,9 +438,6 @@ def compare_plans(
     finally:
         if pool is not devices:
             pool.close()
-
-
-# -- CLI --------------------------------------------------------------------------------
 
 
 class ResidualBlock(nn.Module):

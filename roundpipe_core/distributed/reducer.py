@@ -124,7 +124,6 @@ class _Round:
         self.error: BaseException | None = None
         self.misuse: RuntimeError | None = None
         self.thread: threading.Thread | None = None
-        self.issue_times: list[float] = []
 
     def set_all_ready(self) -> None:
         for e in self.ready:
@@ -213,16 +212,10 @@ class GradientAllReducer:
         self._closed = False
         self.last_finish_wait_s = 0.0
         """Seconds the last ``finish()`` blocked the caller (the exposed communication)."""
-        self.last_reduce_s = 0.0
-        """Seconds from the last round's first collective to its last result."""
 
     @property
     def world_size(self) -> int:
         return self._world_size
-
-    @property
-    def armed(self) -> bool:
-        return self._round is not None
 
     def kept_buffers(self) -> list[torch.Tensor]:
         """The flat host buffers kept between rounds (none before the first round)."""
@@ -233,7 +226,6 @@ class GradientAllReducer:
         """Host bytes of :meth:`kept_buffers` (:func:`~.buckets.reduce_buffer_bytes`)."""
         return sum(t.untyped_storage().nbytes() for t in self.kept_buffers())
 
-    # -- overlap ------------------------------------------------------------------------------
     def arm(self) -> None:
         """Start a round now: buckets are reduced as the grad hook reports them complete.
 
@@ -281,7 +273,6 @@ class GradientAllReducer:
                 if rnd.remaining[slot] == 0:
                     rnd.ready[slot].set()
 
-    # -- the reduction --------------------------------------------------------------------------
     def _reduce(self, rnd: _Round) -> None:
         """Issue one async all-reduce per bucket in the fixed order, then wait for each
         and write the result back into ``.grad``. Errors are kept for ``finish()``."""
@@ -320,15 +311,11 @@ class GradientAllReducer:
                 sent = host
                 if is_nccl(self.group):
                     sent = host.to(comm_device(self.group), non_blocking=True)
-                if not rnd.issue_times:
-                    rnd.issue_times.append(time.perf_counter())
                 pending.append((b, host, sent, self._issue(b, sent)))
                 while len(pending) > REDUCE_IN_FLIGHT:
                     land_oldest()  # the ring has one slot more than buckets in flight
             while pending:
                 land_oldest()
-            if rnd.issue_times:
-                rnd.issue_times.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - handed to finish() on the caller's thread
             rnd.error = rnd.error or exc
         finally:
@@ -376,9 +363,6 @@ class GradientAllReducer:
             while rnd.thread.is_alive():
                 rnd.thread.join(0.5)  # short joins keep Ctrl-C working
         self.last_finish_wait_s = time.perf_counter() - start
-        self.last_reduce_s = (
-            rnd.issue_times[-1] - rnd.issue_times[0] if len(rnd.issue_times) == 2 else 0.0
-        )
         if rnd.misuse is not None:
             raise rnd.misuse
         if rnd.error is not None:

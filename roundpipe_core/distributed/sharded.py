@@ -159,7 +159,6 @@ class HostShard:
         self._gather_buckets = _gather_plan(
             self.params, owners, self.world_size, bucket_bytes, targets or {}
         )
-        self.last_gather_s = 0.0
         self._gather_flat: dict[torch.dtype, torch.Tensor] = {}  # made once, reused
 
     def owner(self, param: torch.Tensor) -> int:
@@ -169,12 +168,6 @@ class HostShard:
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._owned_ids
 
-    @property
-    def owners(self) -> dict[int, int]:
-        """``id(param) -> owner rank`` for every parameter."""
-        return dict(self._owner)
-
-    # -- after the step ---------------------------------------------------------------------------
     def gather(self) -> None:
         """Broadcast each owner's updated parameters into every other rank's copy.
         Collective: inside every synchronous step and after loading a checkpoint.
@@ -250,7 +243,6 @@ class HostShard:
             flat = self._gather_flat[dtype] = torch.empty(size, dtype=dtype)
         return flat[: sum(t.numel() for t in bucket)]
 
-    # -- the global gradient norm ------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over all ranks' shares (one all-reduce of the
         norm; each rank scales its own). Collective; returns the total norm."""
@@ -276,7 +268,6 @@ class HostShard:
             torch._foreach_mul_(grads, coef)
         return total_norm
 
-    # -- optimizer state --------------------------------------------------------------------------
     def drop_foreign_state(self, optimizer: torch.optim.Optimizer) -> int:
         """Delete ``optimizer``'s state of parameters this rank does not own; returns how many."""
         dropped = [p for p in list(optimizer.state) if id(p) in self._owner and not self.owns(p)]

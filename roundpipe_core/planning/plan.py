@@ -83,16 +83,10 @@ def _check_cover(
                     "must go from deep to shallow layers (decreasing order)"
                 )
         prev = r
-    if full:
-        ordered = sorted(stages, key=lambda r: r.start)
-        gaps: list[range] = []
-        at = 0
-        for r in ordered:
-            if r.start > at:
-                gaps.append(range(at, r.start))
-            at = max(at, r.stop)
-        if at < num_layers:
-            gaps.append(range(at, num_layers))
+    if full:  # (the stages are disjoint by now)
+        ordered = sorted(stages, key=lambda r: r.start) + [range(num_layers, num_layers)]
+        stops = [0] + [r.stop for r in ordered[:-1]]
+        gaps = [range(at, r.start) for at, r in zip(stops, ordered) if r.start > at]
         if gaps:
             missing = sum(len(g) for g in gaps)
             raise ValueError(
@@ -222,7 +216,6 @@ class ModelExecutePlan:
         fwd = stages if rt != RunType.FUSED else stages[:-1]
         return ModelExecutePlan(fwd, bwd if rt != RunType.INFER else [])
 
-    # -- plain data -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """JSON/YAML-friendly form: ``{"fwd": [[0, 7], [7, 12]], "bwd": [...], ...}``."""
         return {
@@ -268,7 +261,6 @@ class ModelExecutePlan:
             stages("fwd"), stages("bwd"), owners("fwd_owners"), owners("bwd_owners")
         )
 
-    # -- layouts: plans from layer counts (and owner devices) per stage ---------------
     @staticmethod
     def from_layout(
         fwd: LayoutSpec | None = None,
@@ -338,7 +330,6 @@ class ModelExecutePlan:
             run_type=run_type,
         )
 
-    # -- automatic planning -----------------------------------------------------------
     @overload
     @classmethod
     def auto(cls, run_type: RunType | str, model: Any, /, **options: Any) -> ModelExecutePlan: ...

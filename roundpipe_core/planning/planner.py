@@ -36,9 +36,6 @@ DEFAULT_MEMORY_SHARE = 0.6
 _GB = 1024**3
 
 
-# -- auto() -----------------------------------------------------------------------------
-
-
 def auto(
     run_type: RunType | str,
     *models: Any,
