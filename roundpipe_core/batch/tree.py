@@ -270,17 +270,13 @@ def check_run_specs(
     Raises:
         TypeError: naming the field and the offending part, with the accepted forms.
     """
+    # (None, the automatic rule, passes as a marker)
     if split_input is not None and not callable(split_input):
-        args_spec, kwargs_spec = spec_pair(split_input)
-        _check_spec_tree(args_spec, "split_input[0]", split=True)
-        _check_spec_tree(kwargs_spec, "split_input[1]", split=True)
-    if split_label is not None and not callable(split_label):
+        for i, spec in enumerate(spec_pair(split_input)):
+            _check_spec_tree(spec, f"split_input[{i}]", split=True)
+    if not callable(split_label):
         _check_spec_tree(split_label, "split_label", split=True)
-    if (
-        merge_output is not None
-        and not callable(merge_output)
-        and not isinstance(merge_output, bool)
-    ):
+    if not callable(merge_output) and not isinstance(merge_output, bool):
         _check_spec_tree(merge_output, "merge_output", split=False)
 
 

@@ -162,15 +162,8 @@ def dist_env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
             "set all of "
             f"{rank_var}, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
         )
-    return _checked(
-        DistEnv(
-            _int_var(env, rank_var),
-            _int_var(env, "WORLD_SIZE"),
-            env["MASTER_ADDR"],
-            _int_var(env, "MASTER_PORT"),
-            source,
-        )
-    )
+    rank, world, port = (_int_var(env, v) for v in (rank_var, "WORLD_SIZE", "MASTER_PORT"))
+    return _checked(DistEnv(rank, world, env["MASTER_ADDR"], port, source))
 
 
 def _checked(e: DistEnv) -> DistEnv:
