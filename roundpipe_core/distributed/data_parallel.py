@@ -162,14 +162,13 @@ class DataParallel:
         )
         weight_of = self._gather_targets(rp)
         # a shared master makes every step synchronous: its shard gathers inside the step
-        publishes = (
+        self.publishes_versions = publishes = (
             self.shard_host_state
             and async_step
             and masters is not None
             and bool(masters.copies)
             and not masters.num_shared
         )
-        self.publishes_versions = publishes
         self._rp = rp
         for raw in raws:
             params = _params_of(raw)

@@ -145,7 +145,6 @@ def load_shards(
     files = shard_files(directory)
     world = len(files)
     seen: set[str] = set()
-    groups_loaded = False
     learned = None
     for rank, path in enumerate(files):
         shard = _read(path, rank, world)
@@ -155,7 +154,7 @@ def load_shards(
                 f"host-state shard of rank {rank} ({path}) holds parameters this model does not "
                 f"have: {unknown[:3]}"
             )
-        if not groups_loaded:
+        if rank == 0:  # the hyperparameters, the same in every shard
             saved_groups = shard["param_groups"]
             if len(saved_groups) != len(optimizer.param_groups):
                 raise ValueError(
@@ -164,7 +163,6 @@ def load_shards(
                 )
             for g, saved in zip(optimizer.param_groups, saved_groups):
                 g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-            groups_loaded = True
             learned = shard.get("learned")
         with torch.no_grad():
             for n, value in shard["masters"].items():

@@ -236,12 +236,9 @@ def _split_or_fewest(
             replicated=replicated,
         )
 
-    best_ms = ms_of(fewest, replicated)
-    best = fewest
-    for split in range(1, n):
-        cand = split_plan(n, split)
-        ms = ms_of(cand)
-        if ms < best_ms * (1 - 1e-9):
+    best, best_ms = fewest, ms_of(fewest, replicated)
+    for cand in (split_plan(n, split) for split in range(1, n)):
+        if (ms := ms_of(cand)) < best_ms * (1 - 1e-9):
             best, best_ms = cand, ms
     return best
 
