@@ -15,6 +15,7 @@ CLI (on a small residual MLP)::
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import threading
@@ -234,16 +235,13 @@ class _Recorder:
                 store[index][mb] = [t.detach().to("cpu", copy=True) for t in tensors]
             for k, t in enumerate(tensors):
                 if t.requires_grad and t.is_floating_point():
-                    t.register_hook(self._grad_hook(index, mb, k))
+                    t.register_hook(functools.partial(self._store_grad, index, mb, k))
 
         return hook
 
-    def _grad_hook(self, index: int, mb: int, k: int) -> Callable[[torch.Tensor], None]:
-        def on_grad(g: torch.Tensor) -> None:
-            with self.lock:
-                self.grads[index].setdefault(mb, {})[k] = g.detach().to("cpu", copy=True)
-
-        return on_grad
+    def _store_grad(self, index: int, mb: int, k: int, g: torch.Tensor) -> None:
+        with self.lock:
+            self.grads[index].setdefault(mb, {})[k] = g.detach().to("cpu", copy=True)
 
 
 def _cat(parts: dict[int, list[torch.Tensor]], k: int) -> torch.Tensor | None:
@@ -404,14 +402,14 @@ def compare_plans(
             layer_reports = []
             for i in range(n):
                 out_d, grad_d, par_d, rec_d = Diff(), Diff(), Diff(), Diff()
-                for k, ref in enumerate(ref_outputs[i]):
+                for j, ref in enumerate(ref_outputs[i]):
                     out_d.add(
-                        _cat(rec.outputs[i], k), ref, atol, rtol, f"output {k} never recorded"
+                        _cat(rec.outputs[i], j), ref, atol, rtol, f"output {j} never recorded"
                     )
-                for k, ref in ref_grads[i].items():
-                    parts = {mb: [g[k]] for mb, g in rec.grads[i].items() if k in g}
+                for j, ref in ref_grads[i].items():
+                    parts = {mb: [g[j]] for mb, g in rec.grads[i].items() if j in g}
                     got = _cat(parts, 0) if len(parts) == len(sizes) else None
-                    seen = f"output grad {k} seen for {len(parts)} of {len(sizes)} microbatches"
+                    seen = f"output grad {j} seen for {len(parts)} of {len(sizes)} microbatches"
                     grad_d.add(got, ref, atol, rtol, seen)
                 prefix = f"{i}." if isinstance(model, nn.Sequential) else ""
                 names = [k for k in ref_param_grads if k.startswith(prefix)]

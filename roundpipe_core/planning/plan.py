@@ -238,24 +238,21 @@ class ModelExecutePlan:
             )
 
         def stages(key: str) -> list[range]:
-            out = []
-            for i, pair in enumerate(data.get(key) or []):
+            pairs = list(data.get(key) or [])
+            for i, pair in enumerate(pairs):
                 if (
                     not isinstance(pair, (list, tuple))
                     or len(pair) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
                 ):
                     raise ValueError(f"plan dict {key}[{i}] = {pair!r} must be [start, stop]")
-                out.append(range(pair[0], pair[1]))
-            return out
+            return [range(start, stop) for start, stop in pairs]
 
         def owners(key: str) -> list[int] | None:
             value = data.get(key)
-            if value is None:
-                return None
-            if not isinstance(value, (list, tuple)):
+            if value is not None and not isinstance(value, (list, tuple)):
                 raise ValueError(f"plan dict {key} must be a list of device indices or None")
-            return list(value)
+            return None if value is None else list(value)
 
         return ModelExecutePlan(
             stages("fwd"), stages("bwd"), owners("fwd_owners"), owners("bwd_owners")
