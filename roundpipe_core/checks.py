@@ -1,8 +1,7 @@
-"""Detect violations of the rules a layer's forward must follow under RoundPipe.
+"""Checks of a model and a call before RoundPipe runs them.
 
-RoundPipe runs different layers at the same time on different devices
-(threads), on per-device copies of their parameters and buffers. A layer's
-``forward`` may therefore *read* anything, but may *write* only its own
+Layers run at the same time on different devices, on per-device copies of their
+parameters and buffers, so a ``forward`` may *read* anything but *write* only its own
 buffers:
 
 ============================  ====  =====
@@ -15,18 +14,11 @@ buffers of this layer only    yes   yes
 buffers shared between layers yes   no
 ============================  ====  =====
 
-:func:`check_forward_rules` runs a layer's forward once while watching it and warns
-(``RuntimeWarning``) about each write it sees, naming the layer and the attribute: a plain
-attribute added, rebound or whose container is mutated (``self.calls += 1``,
-``self.cache.append(...)``, ``self.cfg.x = ...``), a parameter written in place, a shared
-buffer written or rebound. Writes to global variables cannot be seen. The engine checks
-each layer on its first forward (:class:`ForwardRuleChecker`).
-
-The other checks refuse before a call what the engine could not honour: a manual plan
-that cannot fit the smallest device (:class:`PlanFitChecker`), post-accumulate gradient
-hooks, parameters another open RoundPipe trains (:func:`claim_parameters`), inputs of
-``forward_backward`` that require grad; :func:`watch_updates` warns when steps keep
-updating no master (an optimizer built over ``rp.parameters()``).
+:func:`check_forward_rules` watches a layer's forward once (the engine: each layer's
+first, :class:`ForwardRuleChecker`) and warns about each write it sees (``self.calls +=
+1``, ``self.cache.append(...)``, a parameter written in place, a shared buffer written);
+writes to globals cannot be seen. The other checks refuse before a call what the engine
+could not honour, or warn (:func:`watch_updates`) when steps keep updating no master.
 """
 
 from __future__ import annotations
@@ -98,10 +90,6 @@ def _plain_attributes(module: nn.Module) -> dict[tuple[str, str], Any]:
     return snap
 
 
-def _qualified(mod_name: str, key: str) -> str:
-    return f"{mod_name}.{key}" if mod_name else key
-
-
 def find_shared_buffers(layers: Sequence[nn.Module]) -> list[set[str]]:
     """For each layer, the names of its buffers that another layer also holds (same tensor)."""
     owners: dict[int, set[int]] = {}
@@ -121,10 +109,9 @@ def check_forward_rules(
     shared_buffers: Collection[str] = (),
     error: bool = False,
 ) -> Any:
-    """Run ``run()`` (the forward of ``module``: the layer or its device copy) and report
-    forward-rule violations, naming layer ``layer_index``; returns what ``run()`` returned.
-    ``shared_buffers``: names of buffers other layers share (:func:`find_shared_buffers`),
-    which the forward must not write.
+    """Run ``run()`` (the forward of ``module``) and warn about each forward-rule
+    violation, naming layer ``layer_index``; returns what ``run()`` returned.
+    ``shared_buffers``: buffers other layers share (:func:`find_shared_buffers`).
 
     Raises:
         ValueError: with ``error=True`` (instead of a warning), on the first violation.
@@ -145,7 +132,7 @@ def check_forward_rules(
         if before == after:
             continue
         what = "added" if before is None else ("deleted" if after is None else "written")
-        problems.append(f"plain attribute '{_qualified(*key)}' {what}")
+        problems.append(f"plain attribute '{'.'.join(k for k in key if k)}' {what}")
     for name, p, version in params:
         if p._version != version:
             problems.append(f"parameter '{name}' written in place (parameters are read-only)")
@@ -182,44 +169,33 @@ class ForwardRuleChecker:
         self._lock = threading.Lock()
 
     def run(self, layer_index: int, module: nn.Module, run: Callable[[], Any]) -> Any:
-        """``run()``, watched for violations the first time ``layer_index`` runs; with
-        ``watch_host_rng`` (a pool whose recompute does not replay CPU draws: GPUs) also
-        for draws from the host's random generator (:func:`warn_host_random_draws`)."""
+        """``run()``, watched the first time ``layer_index`` runs; with ``watch_host_rng``
+        (GPUs: recompute does not replay CPU draws) also for host random draws."""
         with self._lock:
             first = layer_index not in self._done
             self._done.add(layer_index)
         if not first:
             return run()
         shared = self.shared[layer_index] if layer_index < len(self.shared) else set()
-        if not self.watch_host_rng:
-            return check_forward_rules(layer_index, module, run, shared, self.error)
-        before = torch.default_generator.get_state()
+        before = torch.default_generator.get_state() if self.watch_host_rng else None
         out = check_forward_rules(layer_index, module, run, shared, self.error)
-        if not torch.equal(before, torch.default_generator.get_state()):
-            warn_host_random_draws(layer_index, module)
+        if before is not None and not torch.equal(before, torch.default_generator.get_state()):
+            # (or another thread drew meanwhile: reported the same way)
+            warnings.warn(
+                f"layer {layer_index} ({type(module).__name__}) drew from the CPU random "
+                "generator in its forward on a GPU worker; RoundPipe's recompute replays only "
+                "the GPU's generator, so its backward sees other random numbers than its "
+                "forward. Draw on the layer's device (torch.rand(..., device=x.device)), or "
+                "use save_for_recompute() to keep what the forward drew",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return out
 
 
-def warn_host_random_draws(layer_index: int, module: nn.Module) -> None:
-    """Say that a layer drew from the CPU generator in its forward on a GPU worker: the
-    recompute before its backward replays the GPU's generator only, so a mask or noise
-    drawn on the CPU differs between the forward and the gradients' computation.
-    (Another thread drawing CPU numbers at the same moment is reported the same way.)"""
-    warnings.warn(
-        f"layer {layer_index} ({type(module).__name__}) drew from the CPU random generator "
-        "in its forward on a GPU worker; RoundPipe's recompute replays only the GPU's "
-        "generator, so its backward sees other random numbers than its forward. Draw on "
-        "the layer's device (torch.rand(..., device=x.device)), or use "
-        "save_for_recompute() to keep what the forward drew",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-
-
 def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
-    """Refuse layers compiled in place (``module.compile()``): the compiled function is
-    bound to the host module, so the device copies would silently run uncompiled.
-    ``torch.compile(module)`` returns a new module that copies with its compilation.
+    """Refuse layers compiled in place (``module.compile()``): the device copies would
+    silently run uncompiled (``torch.compile(module)`` copies with its compilation).
 
     Raises:
         ValueError: naming the first such module and the fix.
@@ -236,9 +212,8 @@ def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
 
 
 def check_carried_state(layers: Sequence[nn.Module]) -> None:
-    """Refuse a layer that keeps a tensor requiring grad as a plain attribute: the
-    replicas get a device copy whose gradient no one downloads (other carried tensors
-    travel with every upload, ``running/carried.py``).
+    """Refuse a layer that keeps a tensor requiring grad as a plain attribute: its device
+    copy's gradient would never be downloaded (``running/carried.py``).
 
     Raises:
         ValueError: naming the layer, module and attribute, and the fix.
@@ -248,7 +223,7 @@ def check_carried_state(layers: Sequence[nn.Module]) -> None:
 
 
 def check_not_on_meta(model: nn.Module) -> None:
-    """Refuse a model whose parameters or buffers are on the meta device (no data): it
+    """Refuse a model with parameters or buffers on the meta device (no data), which
     would fail only at the first call, on a worker thread.
 
     Raises:
@@ -266,9 +241,7 @@ def check_not_on_meta(model: nn.Module) -> None:
 
 def check_no_post_accumulate_hooks(named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Refuse parameters with a ``register_post_accumulate_grad_hook`` hook: devices
-    backpropagate into copies of the weights, so autograd never calls it (and stepping
-    weights later microbatches still read would be wrong). ``Tensor.register_hook`` hooks
-    are honoured (``MasterWeights.add_many``).
+    backpropagate into copies, so autograd never calls it (``register_hook`` works).
 
     Raises:
         ValueError: naming the first such parameter and what to do instead.
@@ -288,8 +261,7 @@ def check_no_post_accumulate_hooks(named: Iterable[tuple[str, torch.Tensor]]) ->
 
 def check_inputs_need_no_grad(args: Any, kwargs: dict[str, Any]) -> None:
     """Refuse ``forward_backward`` inputs that require grad: it backpropagates into the
-    RoundPipe's parameters only, so such an input would silently get no ``.grad`` (and
-    the graph that produced it no gradient).
+    RoundPipe's parameters only, so such an input would silently get no ``.grad``.
 
     Raises:
         ValueError: naming the input and the two ways out.
@@ -307,11 +279,8 @@ def check_inputs_need_no_grad(args: Any, kwargs: dict[str, Any]) -> None:
                 )
 
 
-# -- who trains a parameter, and whether a step trains anything ---------------------------
-
-# model parameter id -> (the parameter, the RoundPipe making its master), both weak: a
-# parameter may have masters in one open RoundPipe only (two would step two copies and
-# one update would be lost)
+# model parameter id -> (the parameter, the RoundPipe making its master), both weak: one
+# open RoundPipe per parameter (two would step two copies, one update lost)
 _PARAM_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _PARAM_OWNERS_LOCK = threading.Lock()
 
@@ -344,17 +313,16 @@ def claim_parameters(model: nn.Module, owner: Any) -> None:
 
 
 class IdleSteps:
-    """Counts consecutive steps that updated no master although gradients were there."""
+    """Counts consecutive steps that updated no master although gradients were there;
+    warns after :attr:`LIMIT` (a loss scaler may skip a few on purpose)."""
 
-    #: so many in a row before the warning: a loss scaler may skip a few steps on purpose
     LIMIT = 3
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.count = 0
         self.warned = False
-        #: a step updated a master: the optimizer holds them, nothing left to watch
-        self.settled = False
+        self.settled = False  # a step updated a master: nothing left to watch
 
     def observe(self, updated: bool) -> None:
         self.settled |= updated
@@ -374,9 +342,8 @@ class IdleSteps:
 def watch_updates(
     fn: Callable[[], Any], masters: MasterWeights, idle: IdleSteps
 ) -> Callable[[], Any]:
-    """``fn`` that also tells ``idle`` whether it changed a master that had a gradient,
-    until one step did: by version counters, and by each master's first element where no
-    counter moved (torch's fused kernels write without bumping it)."""
+    """``fn`` that also tells ``idle`` whether it changed a master that had a gradient
+    (by version counters, else by each first element: fused kernels bump no counter)."""
 
     def watched() -> Any:
         if idle.settled or idle.warned:
@@ -401,16 +368,10 @@ def watch_updates(
     return watched
 
 
-# -- manual plans against device memory ----------------------------------------------------
-
-
 class PlanFitChecker:
     """Refuses a manual plan whose stages cannot fit the smallest device, once per plan.
-
-    The layers' saved-activation bytes per microbatch are measured once, on two rows of
-    the first training call's first microbatch (scaled up), and kept in
-    ``activation_bytes``, which the automatic planner (``profile_of``) counts too.
-    """
+    ``activation_bytes`` (measured once on two rows of the first training call, scaled
+    up) is what the automatic planner counts too."""
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.layers = list(layers)
@@ -419,11 +380,8 @@ class PlanFitChecker:
         self._checked: set[tuple] = set()
 
     def set_activation_bytes(self, value: Sequence[float] | None) -> None:
-        """Give the bytes instead of measuring them (``None``: measure again).
-
-        Raises:
-            ValueError: not one non-negative number per layer.
-        """
+        """Give the bytes instead of measuring them (``None``: measure again); ValueError
+        unless one non-negative number per layer."""
         if value is not None:
             value = check_byte_counts(value, "layer_activation_bytes", len(self.layers))
         self.activation_bytes = value
@@ -431,19 +389,16 @@ class PlanFitChecker:
         self._checked.clear()
 
     def measure(self, args: tuple, kwargs: dict, rows: int) -> None:
-        """Saved-activation bytes of a microbatch of ``rows`` rows, measured on two rows
-        (``rows`` 0: on the whole microbatch as given). Runs once; a layer that cannot run
-        on the host leaves the bytes unknown with a warning."""
+        """Saved-activation bytes of a microbatch of ``rows`` rows, measured once on two
+        (a layer that cannot run on the host leaves them unknown, with a warning)."""
         if self._measured:
             return
         self._measured = True
-        # two rows, not one: saved tensors grow with the rows, and a training BatchNorm
-        # refuses a single value per channel
+        # two rows: a training BatchNorm refuses a single value per channel
         sample = min(rows, 2)
         if rows > sample:
             (args, kwargs), _ = batching.split_tree((args, kwargs), [sample, rows - sample], rows)
-        # the measuring forward must leave no trace: the caller's random stream and the
-        # layers' buffers (BatchNorm statistics) are as they were
+        # leave no trace: the random stream and the buffers (BatchNorm statistics)
         saved = [(b, b.detach().clone()) for layer in self.layers for b in layer.buffers()]
         try:
             with torch.random.fork_rng(devices=[]):
@@ -474,13 +429,8 @@ class PlanFitChecker:
         profile: Callable[[], Any],
         capacity_bytes: Callable[[], float],
     ) -> None:
-        """``check_plan_fits`` for ``plan`` unless it already passed for this run type.
-        ``profile()`` and ``capacity_bytes()`` are asked only then: building a profile and
-        reading free memory cost more than the rest of a small call's set-up.
-
-        Raises:
-            ValueError: a stage of ``plan`` needs more memory than ``capacity_bytes()``.
-        """
+        """``check_plan_fits`` for ``plan`` unless it already passed for this run type
+        (``profile()`` and ``capacity_bytes()`` are asked only then: they cost)."""
         key = (
             str(run_type),
             tuple((r.start, r.stop) for r in plan.fwd_plan),

@@ -1,16 +1,10 @@
 """Equivalence checker: a model under execution plans vs plain PyTorch (seed 003).
 
-:func:`compare_plans` builds the model with ``make_model()`` once for a plain PyTorch
-reference and once per plan, runs one ``forward_backward`` (no step) and reports per
-layer the largest absolute / relative difference of its outputs, of their gradients, of
-its parameter gradients and of its recomputed outputs against the forward's own (a
-recompute that differs breaks gradients silently), plus the loss; any NaN/Inf fails.
-Default tolerances: the seed's strict fp32 ``atol=1e-5, rtol=0``.
-
-Forward hooks registered before wrapping travel into the device replicas (deepcopy);
-:func:`~roundpipe_core.context.doing_recompute` and
-:func:`~roundpipe_core.context.current_microbatch` place each call. The reference loss
-is the sum of per-microbatch losses over the same split, as ``forward_backward``'s.
+:func:`compare_plans` runs one ``forward_backward`` per plan and reports per layer the
+largest differences of its outputs, their gradients, its parameter gradients and its
+recomputed outputs against the forward's own, plus the loss; any NaN/Inf fails. Forward
+hooks travel into the device replicas (deepcopy); ``doing_recompute`` and
+``current_microbatch`` place each call.
 
 CLI (on a small residual MLP)::
 
@@ -21,6 +15,7 @@ CLI (on a small residual MLP)::
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import threading
@@ -73,7 +68,14 @@ class Diff:
     count: int = 0
     note: str = ""
 
-    def add(self, got: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
+    def add(
+        self, got: torch.Tensor | None, ref: torch.Tensor, atol: float, rtol: float, missing: str
+    ) -> None:
+        """Compare ``got`` with ``ref``; ``got`` ``None`` fails with ``missing`` as the note."""
+        if got is None:
+            self.ok = False
+            self.note = missing
+            return
         self.count += 1
         if got.shape != ref.shape:
             self.ok = False
@@ -97,10 +99,6 @@ class Diff:
         )
         if not bool((err <= atol + rtol * ref.abs()).all()):
             self.ok = False
-
-    def missing(self, what: str) -> None:
-        self.ok = False
-        self.note = what
 
 
 @dataclass
@@ -237,16 +235,13 @@ class _Recorder:
                 store[index][mb] = [t.detach().to("cpu", copy=True) for t in tensors]
             for k, t in enumerate(tensors):
                 if t.requires_grad and t.is_floating_point():
-                    t.register_hook(self._grad_hook(index, mb, k))
+                    t.register_hook(functools.partial(self._store_grad, index, mb, k))
 
         return hook
 
-    def _grad_hook(self, index: int, mb: int, k: int) -> Callable[[torch.Tensor], None]:
-        def on_grad(g: torch.Tensor) -> None:
-            with self.lock:
-                self.grads[index].setdefault(mb, {})[k] = g.detach().to("cpu", copy=True)
-
-        return on_grad
+    def _store_grad(self, index: int, mb: int, k: int, g: torch.Tensor) -> None:
+        with self.lock:
+            self.grads[index].setdefault(mb, {})[k] = g.detach().to("cpu", copy=True)
 
 
 def _cat(parts: dict[int, list[torch.Tensor]], k: int) -> torch.Tensor | None:
@@ -259,30 +254,13 @@ def _cat(parts: dict[int, list[torch.Tensor]], k: int) -> torch.Tensor | None:
     return torch.cat(pieces, dim=0)
 
 
-def _diff(
-    pairs: Sequence[tuple[torch.Tensor | None, torch.Tensor, str]], atol: float, rtol: float
-) -> Diff:
-    """The :class:`Diff` of ``(got, reference, what is missing if got is None)`` pairs."""
-    d = Diff()
-    for got, ref, note in pairs:
-        if got is None:
-            d.missing(note)
-        else:
-            d.add(got, ref, atol, rtol)
-    return d
-
-
 def _layers_of(model: nn.Module) -> list[nn.Module]:
     return list(model.children()) if isinstance(model, nn.Sequential) else [model]
 
 
 def _as_plan(spec: PlanSpec, num_layers: int, num_devices: int) -> tuple[str, ModelExecutePlan]:
-    """A plan from a plan object, a ``"fwd=... bwd=..."`` string, or a symmetric layout.
-
-    A bare layout (``"1,2,3"``, ``"0:2,1:4"``, ``[1, 2, 3]``) lists stage sizes from
-    the input side; the last stage is the fused one and the backward stages mirror
-    the forward ones (same owners).
-    """
+    """A plan from a plan object, a ``"fwd=... bwd=..."`` string, or a symmetric layout
+    (``"1,2,3"``, ``"0:2,1:4"``: stage sizes from the input side, the last one fused)."""
     if isinstance(spec, ModelExecutePlan):
         return repr(spec), spec
     if isinstance(spec, str) and ("fwd=" in spec or "bwd=" in spec):
@@ -331,9 +309,7 @@ def compare_plans(
         plans: ``ModelExecutePlan`` objects, ``"fwd=... bwd=..."`` strings, or symmetric
             layouts (``"1,2,3"``, ``"0:2,1:4"``; see :func:`_as_plan`).
         devices: the RoundPipe device pool (``2``, ``"cpu:3"``, a list of devices).
-        num_microbatch: microbatches per call (default: devices + 1,
-            :func:`~roundpipe_core.planning.plan.default_num_microbatch` of concurrent
-            devices, also on CPU workers, whose own calls run 1 or one per worker).
+        num_microbatch: microbatches per call (default: devices + 1, also on CPU workers).
         atol / rtol: per-element tolerance ``|a - b| <= atol + rtol * |b|``.
         recompute_grain: "stage" or "layer".
         strict: raise ``AssertionError`` on any mismatch instead of only reporting it.
@@ -347,12 +323,10 @@ def compare_plans(
     if not plans:
         raise ValueError("give at least one plan or layout to compare")
 
-    # -- reference ----------------------------------------------------------------
     ref_model = make_model()
-    check = make_model()
-    ref_state, again = ref_model.state_dict(), check.state_dict()
-    for k in ref_state:
-        a, b = ref_state[k], again[k]
+    again = make_model().state_dict()
+    for k, a in ref_model.state_dict().items():
+        b = again[k]
         same = (
             torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
             if a.is_floating_point() and a.shape == b.shape
@@ -363,7 +337,6 @@ def compare_plans(
                 f"make_model() built different weights on two calls ({k!r} differs); "
                 "seed it (torch.manual_seed) so every plan starts from the same model"
             )
-    del check
     layers = _layers_of(ref_model)
     n = len(layers)
     ref_rec = _Recorder(n)
@@ -398,7 +371,6 @@ def compare_plans(
                 "dropout is on: random masks differ between plain PyTorch and the pipeline"
             )
 
-        # -- each plan ----------------------------------------------------------------------
         reports = []
         for spec in plans:
             label, plan = _as_plan(spec, n, num_devices)
@@ -426,45 +398,36 @@ def compare_plans(
             finally:
                 rp.close()
             loss_diff = Diff()
-            loss_diff.add(loss.reshape(()), ref_loss.reshape(()), atol, rtol)
+            loss_diff.add(loss.reshape(()), ref_loss.reshape(()), atol, rtol, "")
             layer_reports = []
             for i in range(n):
-                grads = [
-                    (k, ref_g, {mb: [g[k]] for mb, g in rec.grads[i].items() if k in g})
-                    for k, ref_g in ref_grads[i].items()
-                ]
+                out_d, grad_d, par_d, rec_d = Diff(), Diff(), Diff(), Diff()
+                for j, ref in enumerate(ref_outputs[i]):
+                    out_d.add(
+                        _cat(rec.outputs[i], j), ref, atol, rtol, f"output {j} never recorded"
+                    )
+                for j, ref in ref_grads[i].items():
+                    parts = {mb: [g[j]] for mb, g in rec.grads[i].items() if j in g}
+                    got = _cat(parts, 0) if len(parts) == len(sizes) else None
+                    seen = f"output grad {j} seen for {len(parts)} of {len(sizes)} microbatches"
+                    grad_d.add(got, ref, atol, rtol, seen)
                 prefix = f"{i}." if isinstance(model, nn.Sequential) else ""
                 names = [k for k in ref_param_grads if k.startswith(prefix)]
-                pairs: list[list[tuple[torch.Tensor | None, torch.Tensor, str]]] = [
-                    [
-                        (_cat(rec.outputs[i], k), ref, f"output {k} never recorded")
-                        for k, ref in enumerate(ref_outputs[i])
-                    ],
-                    [
-                        (
-                            _cat(parts, 0) if len(parts) == len(sizes) else None,
-                            ref_g,
-                            f"output grad {k} seen for {len(parts)} of {len(sizes)} microbatches",
-                        )
-                        for k, ref_g, parts in grads
-                    ],
-                    [
-                        (got, ref_param_grads[name], f"no gradient for {name}")
-                        for name in names
-                        for got in [got_params.get(name)]
-                    ],
-                    [
-                        (a, b, "")
-                        for mb, tensors in rec.recomputed[i].items()
-                        for a, b in zip(tensors, rec.outputs[i].get(mb, []))
-                    ],
-                ]
-                wanted = (True, bool(grads), bool(names), bool(rec.recomputed[i]))
-                out_d, grad_d, par_d, rec_d = (
-                    _diff(p, atol, rtol) if w else None for p, w in zip(pairs, wanted)
+                for name in names:
+                    got = got_params.get(name)
+                    par_d.add(got, ref_param_grads[name], atol, rtol, f"no gradient for {name}")
+                for mb, tensors in rec.recomputed[i].items():
+                    for a, b in zip(tensors, rec.outputs[i].get(mb, [])):
+                        rec_d.add(a, b, atol, rtol, "")
+                layer_reports.append(
+                    LayerReport(
+                        i,
+                        out_d,
+                        grad_d if ref_grads[i] else None,
+                        par_d if names else None,
+                        rec_d if rec.recomputed[i] else None,
+                    )
                 )
-                assert out_d is not None
-                layer_reports.append(LayerReport(i, out_d, grad_d, par_d, rec_d))
             reports.append(PlanReport(label, plan, loss_diff, layer_reports))
         report = VerifyReport(reports, atol, rtol, ref_loss.item(), notes)
         if strict:
@@ -473,9 +436,6 @@ def compare_plans(
     finally:
         if pool is not devices:
             pool.close()
-
-
-# -- CLI --------------------------------------------------------------------------------
 
 
 class ResidualBlock(nn.Module):

@@ -15,7 +15,6 @@ from .tree import (
     _is_reducer,
     _is_replicate,
     _leaf_specs,
-    _with_dim,
     batch_size_of,
     flatten,
     spec_pair,
@@ -72,7 +71,9 @@ class SplitInputs(NamedTuple):
             elif rule.kind == "chunk":
                 ref = next(p for p in parts if p is not None)
                 full = [
-                    p if p is not None else ref.new_zeros(_with_dim(ref.shape, rule.dim, s))
+                    p
+                    if p is not None
+                    else ref.new_zeros((*ref.shape[: rule.dim], s, *ref.shape[rule.dim + 1 :]))
                     for p, s in zip(parts, rule.sizes)
                 ]
                 out.append(torch.cat(full, dim=rule.dim))
@@ -169,7 +170,8 @@ def split_call_inputs(
     args, kwargs = tuple(args), dict(kwargs)
     if callable(split_input):
         parts = _normalise_split_result(split_input(args, kwargs, num_microbatch))
-        return SplitInputs(_unpack_packed(parts), [], None, None)
+        parts = [_take_packed(part, i, len(parts)) for i, part in enumerate(parts)]
+        return SplitInputs([(tuple(a), dict(k)) for a, k in parts], [], None, None)
     args_spec, kwargs_spec = (None, None) if split_input is None else spec_pair(split_input)
     markers = _leaf_specs(args_spec, args, "args") + _leaf_specs(kwargs_spec, kwargs, "kwargs")
     if any((_is_reducer(m) or isinstance(m, bool)) for m, _ in markers):
@@ -231,27 +233,15 @@ def _normalise_split_result(result: Any) -> list[tuple[tuple, dict]]:
     return out
 
 
-def _unpack_packed(parts: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
-    """Microbatch ``i`` takes element ``i`` of any packed leaf a custom split passed on."""
-    out = []
-    for i, part in enumerate(parts):
-        leaves, rebuild = flatten(part)
-        if not any(isinstance(x, RoundPipePackedData) for x in leaves):
-            out.append(part)
-            continue
-        new = []
-        for x in leaves:
-            if isinstance(x, RoundPipePackedData):
-                if len(x) != len(parts):
-                    raise ValueError(
-                        f"packed input holds {len(x)} microbatches but split_input made "
-                        f"{len(parts)}"
-                    )
-                x = x[i]
-            new.append(x)
-        a, k = rebuild(new)
-        out.append((tuple(a), dict(k)))
-    return out
+def _take_packed(value: Any, i: int, n: int | None = None) -> Any:
+    """``value`` with element ``i`` of each packed leaf (checked to hold ``n``)."""
+    leaves, rebuild = flatten(value)
+    if not any(isinstance(x, RoundPipePackedData) for x in leaves):
+        return value
+    for x in leaves:
+        if isinstance(x, RoundPipePackedData) and n is not None and len(x) != n:
+            raise ValueError(f"packed input holds {len(x)} microbatches but split_input made {n}")
+    return rebuild([x[i] if isinstance(x, RoundPipePackedData) else x for x in leaves])
 
 
 def split_call_labels(
@@ -277,10 +267,9 @@ def split_call_labels(
             )
         labels = list(labels)
     elif num_parts == 1:
-        labels = [_single(label)]
+        labels = [_take_packed(label, 0)]
     elif split_label is None and sizes and len(sizes) == num_parts:
-        leaves, rebuild = flatten(label)
-        if any(isinstance(x, RoundPipePackedData) for x in leaves):
+        if any(isinstance(x, RoundPipePackedData) for x in flatten(label)[0]):
             labels = _split_marked(label, None, num_parts)
         else:
             labels = split_tree(label, sizes, batch_size)
@@ -292,13 +281,6 @@ def split_call_labels(
             "labels and inputs must split into the same number of microbatches"
         )
     return labels
-
-
-def _single(value: Any) -> Any:
-    leaves, rebuild = flatten(value)
-    if not any(isinstance(x, RoundPipePackedData) for x in leaves):
-        return value
-    return rebuild([x[0] if isinstance(x, RoundPipePackedData) else x for x in leaves])
 
 
 def _split_marked(label: Any, spec: Any, n: int) -> list[Any]:

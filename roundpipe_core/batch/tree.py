@@ -28,10 +28,8 @@ __all__ = [
 
 Rebuild = Callable[[list[Any]], Any]
 
-# torch.distributed.pipelining's markers (TensorChunkSpec, _Replicate, _CustomReducer) are
-# what the published RoundPipe documents; they are accepted wherever ours are. Importing
-# that package costs seconds (it pulls in torch.distributed), so it is never imported
-# here: a spec built from torch's classes means the module is loaded already.
+# torch.distributed.pipelining's markers (what the published RoundPipe documents) are
+# accepted too, never imported (it costs seconds): a spec built from them means it is loaded.
 _TORCH_MB = "torch.distributed.pipelining.microbatch"
 
 
@@ -84,13 +82,10 @@ def _is_reducer(spec: Any) -> bool:
     )
 
 
-# --------------------------------------------------------------------------- packed data
 class RoundPipePackedData(list):
     """The per-microbatch values of one output leaf, kept apart (``merge_output=False``).
-
-    Given as an input (or label) leaf to a RoundPipe call, it is moved and split as a
-    whole: microbatch ``i`` gets element ``i``, the call runs ``len(data)`` microbatches,
-    and other batch tensors are split with the same sizes so rows stay aligned.
+    As an input (or label) leaf of a call, microbatch ``i`` gets element ``i`` and other
+    batch tensors are split with the same sizes.
 
     Args:
         data: one value per microbatch.
@@ -113,10 +108,8 @@ class RoundPipePackedData(list):
         return f"RoundPipePackedData({list.__repr__(self)})"
 
 
-# --------------------------------------------------------------------------- reducers
 class _SumReducer(Reducer):
-    """Sum over microbatches (gradient ``g`` to every microbatch), or with ``mean`` their
-    average (a fold cannot express a mean: merged as sum then divide, gradient ``g / n``)."""
+    """Sum over microbatches, or with ``mean`` their average (which a fold cannot express)."""
 
     def __init__(self, mean: bool) -> None:
         super().__init__(None, lambda acc, v: v if acc is None else acc + v)
@@ -130,7 +123,6 @@ avg_reducer = _SumReducer(mean=True)
 sum_reducer = _SumReducer(mean=False)
 
 
-# --------------------------------------------------------------------------- pytrees
 def _children(obj: Any) -> tuple[list[Any], Callable[[list[Any]], Any], list[Any] | None] | None:
     """One level of ``obj``: (children, rebuild, dict keys or None), or None for a leaf."""
     if isinstance(obj, (torch.Tensor, RoundPipePackedData)):
@@ -178,9 +170,8 @@ def batch_size_of(obj: Any) -> int | None:
 
 
 def batch_extent(args: Any, kwargs: Any) -> tuple[int, int]:
-    """(samples, tokens) of a call: the leading dimension of the first input tensor and,
-    if that tensor holds integer token ids (two or more dimensions), its number of
-    elements (else 0)."""
+    """(samples, tokens) of a call: the first input tensor's leading dimension and, for
+    integer token ids (two or more dims), its number of elements (else 0)."""
     stack: list[Any] = [args, kwargs]
     while stack:
         x = stack.pop(0)
@@ -225,7 +216,6 @@ def split_tree(obj: Any, sizes: list[int], batch_size: int | None) -> list[Any]:
     return [rebuild([parts[i] for parts in per_leaf]) for i in range(len(sizes))]
 
 
-# --------------------------------------------------------------------------- specs
 def _is_replicate(spec: Any) -> bool:
     return spec is Replicate or isinstance(spec, Replicate) or _torch_marker(spec, "_Replicate")
 
@@ -280,17 +270,13 @@ def check_run_specs(
     Raises:
         TypeError: naming the field and the offending part, with the accepted forms.
     """
+    # (None, the automatic rule, passes as a marker)
     if split_input is not None and not callable(split_input):
-        args_spec, kwargs_spec = spec_pair(split_input)
-        _check_spec_tree(args_spec, "split_input[0]", split=True)
-        _check_spec_tree(kwargs_spec, "split_input[1]", split=True)
-    if split_label is not None and not callable(split_label):
+        for i, spec in enumerate(spec_pair(split_input)):
+            _check_spec_tree(spec, f"split_input[{i}]", split=True)
+    if not callable(split_label):
         _check_spec_tree(split_label, "split_label", split=True)
-    if (
-        merge_output is not None
-        and not callable(merge_output)
-        and not isinstance(merge_output, bool)
-    ):
+    if not callable(merge_output) and not isinstance(merge_output, bool):
         _check_spec_tree(merge_output, "merge_output", split=False)
 
 
@@ -321,12 +307,6 @@ def _check_spec_tree(spec: Any, where: str, split: bool) -> None:
     kids, _, keys = node
     for i, kid in enumerate(kids):
         _check_spec_tree(kid, f"{where}[{keys[i]!r}]" if keys else f"{where}[{i}]", split)
-
-
-def _with_dim(shape: torch.Size, dim: int, size: int) -> list[int]:
-    s = list(shape)
-    s[dim] = size
-    return s
 
 
 def _chunk_dim(spec: Any, leaf: Any, where: str) -> int:

@@ -1,9 +1,7 @@
 """Data parallel RoundPipe across processes and nodes over ``torch.distributed``.
 
-Each process holds a full RoundPipe (driving every GPU of its node) and trains on its
-own shard of the data; the master gradients are all-reduced before every step. They
-live on the host, so the backend is **gloo** over CPU tensors (an NCCL group stages
-each bucket through the GPU and back). Nothing here imports Lightning:
+Each process holds a full RoundPipe and trains on its shard of the data; the host
+master gradients are all-reduced (gloo) before every step. Nothing here imports Lightning:
 
 * :class:`GradientAllReducer` / :func:`sync_gradients` -- bucketed all-reduce of the
   master gradients, overlapped with the backward through the grad hook or one-shot;
@@ -17,9 +15,8 @@ each bucket through the GPU and back). Nothing here imports Lightning:
   ``ClusterEnvironment`` or the environment of torchrun, SLURM or a hand-written launch;
 * :func:`all_reduce`, :func:`barrier`, :func:`broadcast_object`, :func:`all_gather`.
 
-Every collective is bounded by the process group's timeout (``timeout=``,
-``ROUNDPIPE_DIST_TIMEOUT`` seconds, default 30 minutes): a peer that dies or stalls
-makes the others raise a :class:`CollectiveError` naming the rank, never hang.
+A peer that dies or stalls makes the others raise :class:`CollectiveError` at the group's
+timeout (``timeout=``, ``ROUNDPIPE_DIST_TIMEOUT``, 30 minutes), never hang.
 """
 
 from .buckets import DEFAULT_BUCKET_BYTES, reduce_buffer_bytes

@@ -1,10 +1,5 @@
-"""The buckets a gradient reduction sends and the ring of flat host buffers they
-travel in (:class:`~.reducer.GradientAllReducer` and its sharded subclass).
-
-A bucket is a run of masters of one dtype, laid out flat: every gradient, then one
-"has a gradient" count per master. At most :data:`REDUCE_IN_FLIGHT` buckets are in
-flight, taking turns in a few kept buffers per dtype (:class:`BufferRing`).
-"""
+"""The buckets a gradient reduction sends and the ring of flat host buffers they travel
+in (:class:`BufferRing`)."""
 
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ def _unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _bucketize(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of ``params`` of one dtype, each up to ``bucket_bytes``
-    (a single larger tensor gets a bucket of its own)."""
+    """Consecutive runs of ``params`` of one dtype, each up to ``bucket_bytes``."""
     buckets: list[list[torch.Tensor]] = []
     size = 0
     for p in params:
@@ -51,8 +45,7 @@ def _bucketize(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch
 
 
 def copy_from_flat(flat: torch.Tensor, tensors: Iterable[torch.Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` into ``tensors`` (what a broadcast bucket holds,
-    back into its tensors; a cast where their dtype differs)."""
+    """Copy consecutive slices of ``flat`` into ``tensors`` (cast where dtypes differ)."""
     off = 0
     with torch.no_grad():
         for t in tensors:
@@ -71,8 +64,7 @@ class _Bucket:
         self.params = params
         self.dtype = params[0].dtype
         self.numel = sum(p.numel() for p in params)
-        self.flat_numel = self.numel + len(params)
-        """Elements of its flat buffer: the gradients and one count per master."""
+        self.flat_numel = self.numel + len(params)  # the gradients, one count per master
 
     def flatten(self, buf: torch.Tensor) -> torch.Tensor:
         """Copy the gradients and the counts into ``buf`` (``flat_numel`` elements)."""
@@ -93,8 +85,8 @@ class _Bucket:
         return buf
 
     def unflatten(self, buf: torch.Tensor, divisor: int) -> None:
-        """Write the reduced ``buf`` into the masters' ``.grad`` by copy (a new gradient
-        is a clone), never as a view: ``buf`` is a ring slot later buckets reuse."""
+        """Copy the reduced ``buf`` into the masters' ``.grad`` (never a view: later
+        buckets reuse the slot)."""
         if divisor != 1:
             buf[: self.numel].div_(divisor)
         off = 0
@@ -113,13 +105,9 @@ class _Bucket:
 
 class BufferRing:
     """The flat host buffers ``buckets`` travel in: per dtype ``REDUCE_IN_FLIGHT + 1``
-    slots (fewer with fewer buckets), the j-th bucket of a dtype in slot
-    ``j mod (REDUCE_IN_FLIGHT + 1)``, whose previous bucket has landed by then (at most
-    ``REDUCE_IN_FLIGHT`` are in flight). A slot is as large as the largest bucket it takes.
-
-    The buffers are made at the first use of a dtype and kept: made and freed every step
-    they would make glibc keep freed blocks in its heaps and the peak RSS creep past the
-    budget (see :func:`~roundpipe_core.running.host_memory.limit_heap_retention`)."""
+    slots, the j-th bucket of a dtype in slot ``j mod (REDUCE_IN_FLIGHT + 1)``, each as
+    large as the largest bucket it takes. Made at a dtype's first use and kept: made and
+    freed every step they would stay in glibc's heaps and creep past the budget."""
 
     def __init__(self, buckets: Sequence[_Bucket]) -> None:
         self._slot: dict[int, int] = {}  # bucket index -> slot
@@ -131,8 +119,7 @@ class BufferRing:
         self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def slot(self, bucket: _Bucket) -> torch.Tensor:
-        """A view of ``bucket``'s slot, ``flat_numel`` elements (its dtype's buffers are
-        made at the first call)."""
+        """A view of ``bucket``'s slot, ``flat_numel`` elements."""
         slots = self._buffers.get(bucket.dtype)
         if slots is None:
             slots = self._buffers[bucket.dtype] = [
@@ -146,15 +133,13 @@ class BufferRing:
 
     @staticmethod
     def nbytes(buckets: Iterable[list[torch.Tensor]]) -> int:
-        """The bytes a ring of ``buckets`` (each a list of tensors, in reduction order)
-        holds once every dtype has been used: what :meth:`slot` makes."""
+        """The bytes a ring of ``buckets`` (lists of tensors, in reduction order) holds."""
         sizes = _slot_sizes((b[0].dtype, sum(t.numel() for t in b) + len(b)) for b in buckets)
         return sum(sum(ns) * torch.empty((), dtype=d).element_size() for d, ns in sizes.items())
 
 
 def _slot_sizes(buckets: Iterable[tuple[torch.dtype, int]]) -> dict[torch.dtype, list[int]]:
-    """Per dtype, the elements of each ring slot: the largest of the buckets (given as
-    dtype and flat elements, in reduction order) that take it."""
+    """Per dtype, each ring slot's elements: the largest bucket that takes it."""
     sizes: dict[torch.dtype, list[int]] = {}
     seen: dict[torch.dtype, int] = {}
     for dtype, numel in buckets:
@@ -171,9 +156,8 @@ def _slot_sizes(buckets: Iterable[tuple[torch.dtype, int]]) -> dict[torch.dtype,
 def reduce_buffer_bytes(
     params: Iterable[torch.Tensor], world_size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> int:
-    """Host bytes an (unsharded) :class:`~.reducer.GradientAllReducer` of ``params``
-    keeps over ``world_size`` ranks from its first round on: its :class:`BufferRing`
-    (0 for one rank: it reduces nothing). The same buckets the reducer makes."""
+    """Host bytes an unsharded :class:`~.reducer.GradientAllReducer` of ``params`` keeps
+    over ``world_size`` ranks (its :class:`BufferRing`; 0 for one rank)."""
     if world_size == 1:
         return 0
     return BufferRing.nbytes(_bucketize(list(reversed(_unique_params(params))), bucket_bytes))

@@ -72,28 +72,20 @@ class DataParallel:
     ``abort()`` / ``detach()``  after an exception / at teardown
     ========================  ====================================================
 
-    In one process every call is a cheap no-op, so a strategy can call them
-    unconditionally.
+    In one process every call is a cheap no-op.
 
     Args:
         op: "mean" (as DDP) or "sum" of the gradients over processes.
-        overlap: start reducing buckets from the grad hook during the last backward.
-            Used when there is a single optimizer (with several, the steps of manual
-            optimization each reduce their own parameters at ``reduce()``).
-        bucket_bytes: gradient bytes per all-reduce (each optimizer's reducer keeps up
-            to ``REDUCE_IN_FLIGHT + 1`` = 3 flat buffers per gradient dtype, none larger
-            than its largest bucket).
+        overlap: start reducing buckets from the grad hook during the last backward
+            (with a single optimizer only).
+        bucket_bytes: gradient bytes per all-reduce.
         timeout: process-group timeout (seconds / ``timedelta``; default
             ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         shard_host_state: each rank keeps gradients, optimizer state and separate masters
             only for its 1/N of each optimizer's parameters (see :mod:`.sharded`); clip
-            with :meth:`clip_grad_norm_`. With glibc's default ``malloc`` the peak is
-            ~1.03x the budget (up to ~1.1x bf16), ~1.01x with the mmap threshold fixed
-            (:func:`~roundpipe_core.running.host_memory.limit_heap_retention`; said once
-            at INFO when it is not), which slows CPU workers' steps.
+            with :meth:`clip_grad_norm_`.
 
-    The default group is gloo: everything the strategy communicates (master gradients,
-    logged metrics, broadcast objects) lives in host memory, which NCCL cannot reduce.
+    The default group is gloo: everything communicated lives in host memory.
     """
 
     def __init__(
@@ -115,8 +107,7 @@ class DataParallel:
             _say_heap_once()
         self._reducers: dict[int, GradientAllReducer] = {}
         self._shards: dict[int, HostShard] = {}
-        # attach(async_step=True) with separate masters: the shards publish each version
-        # into the model (MasterWeights.publishers) instead of gathering in after_step
+        # attach(async_step=True), separate masters: shards publish versions instead
         self.publishes_versions = False
         self._rp: Any = None
 
@@ -132,13 +123,8 @@ class DataParallel:
     def connect(
         self, cluster_environment: Any | None = None, world_size: int | None = None
     ) -> None:
-        """Create the default process group when the job has several processes.
-
-        Args:
-            cluster_environment: the strategy's Lightning ``ClusterEnvironment`` (None: read
-                the environment).
-            world_size: the number of processes (the strategy's ``world_size``); 1 = no-op.
-        """
+        """Create the default process group from a Lightning ``ClusterEnvironment`` (None:
+        the environment) when ``world_size`` (default: the environment's) is above 1."""
         if world_size is None:
             world_size = cluster_environment.world_size() if cluster_environment is not None else 1
         if world_size > 1:
@@ -151,13 +137,10 @@ class DataParallel:
         Args:
             rp: the RoundPipe.
             optimizers: the optimizers stepping its masters (one reducer each).
-            async_step: whether ``rp``'s steps will be asynchronous. Matters only
-                sharded with separate masters, whose foreign share is released either way:
-                ``False`` all-gathers the updates into the model inside the step (``rp``
-                then refuses ``step(is_async=True)``, naming this argument); ``True``
-                broadcasts them when the step's weights are published (the step may overlap
-                the next call; ``rp.synchronize()`` is then collective while a step's
-                weights are unpublished).
+            async_step: whether ``rp``'s steps will be asynchronous (sharded with separate
+                masters only): ``False`` all-gathers the updates inside the step (``rp``
+                then refuses ``step(is_async=True)``); ``True`` when the step's weights
+                are published (``rp.synchronize()`` is then collective meanwhile).
         """
         check_flag(async_step, "async_step")
         self.detach()
@@ -167,8 +150,7 @@ class DataParallel:
             return
         masters = getattr(rp, "masters", None)
         if masters is not None and masters.released:
-            # attached before: the masters another rank owned restart from the model's
-            # weights (exact in optim_dtype; save_state / load_state keep them exactly)
+            # attached before: masters another rank owned restart from the model's weights
             masters.restore_released()
         broadcast_masters(rp)
         raws = [_raw_optimizer(o) for o in optimizers]
@@ -180,14 +162,13 @@ class DataParallel:
         )
         weight_of = self._gather_targets(rp)
         # a shared master makes every step synchronous: its shard gathers inside the step
-        publishes = (
+        self.publishes_versions = publishes = (
             self.shard_host_state
             and async_step
             and masters is not None
             and bool(masters.copies)
             and not masters.num_shared
         )
-        self.publishes_versions = publishes
         self._rp = rp
         for raw in raws:
             params = _params_of(raw)
@@ -207,9 +188,7 @@ class DataParallel:
 
     @staticmethod
     def _gather_targets(rp: Any) -> dict[int, Any]:
-        """Where the all-gather writes a separate master's update on the ranks that do not
-        own it: the model weight (those ranks released the master); a shared master is
-        the weight itself."""
+        """Where non-owners write a separate master's update: the model weight."""
         masters = getattr(rp, "masters", None)
         if masters is None:
             return {}
@@ -217,9 +196,7 @@ class DataParallel:
 
     def kept_buffer_bytes(self, rp: Any, optimizers: Sequence[Any] = ()) -> int:
         """Host bytes of the flat buffers this rank's collectives will keep training ``rp``
-        with ``optimizers`` (the host-memory budget's "collective buffers"): each
-        reduction's ring (:func:`~.buckets.reduce_buffer_bytes`), sharded also the
-        all-gather's (:func:`~.sharded.kept_buffer_bytes`); 0 in one process. No collective."""
+        with ``optimizers`` (the host-memory budget's "collective buffers"); no collective."""
         if self.world_size == 1:
             return 0
         params = [_params_of(o) for o in optimizers]
@@ -231,8 +208,7 @@ class DataParallel:
         )
 
     def wrap_closure(self, optimizer: Any, closure: Any) -> Any:
-        """``closure`` preceded by arming ``optimizer``'s reducer (``closure`` itself when
-        there is nothing to overlap)."""
+        """``closure`` preceded by arming ``optimizer``'s reducer (if it overlaps)."""
         reducer = self._reducers.get(id(_raw_optimizer(optimizer)))
         if reducer is None or not reducer.overlap:
             return closure
@@ -255,10 +231,8 @@ class DataParallel:
         return self._shards.get(id(_raw_optimizer(optimizer)))
 
     def after_step(self, optimizer: Any) -> None:
-        """Sharded: all-gather the weights each rank stepped into every rank's masters (or
-        model weights, where it released them). Call it in the step function right after
-        ``optimizer.step()``, on every rank for every step. A no-op unsharded, and where
-        the shards publish versions (``attach(..., async_step=True)``)."""
+        """Sharded: all-gather the stepped weights (:meth:`HostShard.gather`). Call it right
+        after ``optimizer.step()`` on every rank; a no-op unsharded or where shards publish."""
         shard = self.shard(optimizer)
         if shard is not None and not self.publishes_versions:
             shard.gather()
@@ -273,14 +247,9 @@ class DataParallel:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def save_state(self, directory: str | Path, rp: Any, optimizer: Any) -> Path | None:
-        """Write this rank's share of the host state (masters and ``optimizer``'s state)
-        into ``directory`` (:mod:`.shard_io`; unsharded, rank 0 writes the whole as one
-        shard). Call it on every rank; returns the file written (None where none is)."""
-        rp.synchronize()
-        raw = _raw_optimizer(optimizer)
-        shard = self.shard(raw)
-        named = dict(rp.optim_named_parameters())
-        layers = getattr(rp, "layers", None)  # (an AutoRoundPipe's units learn their own)
+        """Write this rank's share of the host state into ``directory`` (:mod:`.shard_io`;
+        unsharded, rank 0 writes one shard). Call it on every rank; returns the file or None."""
+        raw, shard, named, layers = self._state_of(rp, optimizer)
         learned = None if layers is None else rp.pool.learned_draws(layers)
         if shard is not None:
             return save_shard(
@@ -291,17 +260,12 @@ class DataParallel:
         return save_shard(directory, named, raw, lambda p: True, 0, 1, learned=learned)
 
     def load_state(self, directory: str | Path, rp: Any, optimizer: Any) -> None:
-        """Load shards :meth:`save_state` wrote on any rank count: this rank keeps the
-        optimizer state it owns and every rank all the weights. Collective when sharded;
-        call it after :meth:`attach`."""
-        rp.synchronize()
-        raw = _raw_optimizer(optimizer)
-        shard = self.shard(raw)
-        named = dict(rp.optim_named_parameters())
+        """Load shards :meth:`save_state` wrote on any rank count (collective when sharded;
+        after :meth:`attach`)."""
+        raw, shard, named, layers = self._state_of(rp, optimizer)
         learned = load_shards(
             directory, named, raw, shard.owns if shard is not None else (lambda p: True)
         )
-        layers = getattr(rp, "layers", None)  # (as save_state: an AutoRoundPipe has none)
         if learned is not None and layers is not None:
             rp.pool.restore_draws(layers, learned)  # the resumed run computes as before
         if shard is not None:
@@ -309,28 +273,32 @@ class DataParallel:
             shard.gather()  # the shares of the others (into the masters or the weights)
         rp.masters.copy_to_model()  # this rank's masters (a released one has no values)
 
+    def _state_of(self, rp: Any, optimizer: Any) -> tuple[Any, HostShard | None, dict, Any]:
+        """(raw optimizer, its shard, ``rp``'s named masters, its layers) once no step runs;
+        an AutoRoundPipe has no layers (its units learn their own draws)."""
+        rp.synchronize()
+        raw = _raw_optimizer(optimizer)
+        return raw, self.shard(raw), dict(rp.optim_named_parameters()), getattr(rp, "layers", None)
+
     def abort(self) -> None:
         """Drop armed rounds without further collectives (after an exception)."""
         for r in self._reducers.values():
             r.abort()
 
     def detach(self) -> None:
-        """Close the reducers and the shards' groups (the default group and which rank owns
-        what stay until :meth:`attach`); shards that publish versions first publish the
+        """Close the reducers and the shards' groups; publishing shards first publish the
         last step's weights (``rp.synchronize()``: collective)."""
         self._stop_publishing()
         reducers, self._reducers = list(self._reducers.values()), {}
         for r in reducers:
             r.close()
-        # the shards' groups go, their ownership stays until the next attach(): the
-        # optimizers still hold only this rank's share, and a checkpoint saved after
-        # training (save_state, the strategy's) must still be written shard by shard
+        # ownership stays until the next attach(): a checkpoint saved after training
+        # must still be written shard by shard
         for s in self._shards.values():
             s.close()
 
     def _stop_publishing(self) -> None:
-        """Publish what is pending while the shards' groups are open, then unregister them
-        from the RoundPipe (a later publication has nobody to receive from)."""
+        """Publish what is pending while the groups are open, then unregister the shards."""
         rp, self._rp = self._rp, None
         masters = getattr(rp, "masters", None)
         if masters is None or not masters.publishers:

@@ -1,17 +1,14 @@
-"""Process-group set-up and the small collectives of data-parallel RoundPipe.
-
-Everything here is an identity (or a no-op) without a process group, so code
-written for several processes runs unchanged in one. Every collective is
-bounded by the process group's timeout, and a collective that fails -- a peer
-died (gloo: "Connection reset by peer") or stalled past the timeout -- raises a
-``RuntimeError`` that names this rank and the cause, with gloo's own error chained.
+"""Process-group set-up and the small collectives of data-parallel RoundPipe: identities
+without a process group; a failed collective (a peer died or stalled past the timeout)
+raises :class:`CollectiveError` naming this rank, the backend's error chained.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -41,10 +38,8 @@ TIMEOUT_ENV = "ROUNDPIPE_DIST_TIMEOUT"
 """Environment variable: the process-group timeout in seconds."""
 
 _pg_timeout: timedelta | None = None  # what init_process_group() used; reducers' groups inherit it
-# NCCL: this rank's GPU, named once at init_process_group. Every thread that calls a
-# collective (the reducer thread's current device is cuda:0) must use the one GPU the
-# communicator was made for: another device makes NCCL build a second communicator,
-# which can hang a multi-node job.
+# NCCL: this rank's GPU, named once at init_process_group. Every thread must use it: another
+# device makes NCCL build a second communicator, which can hang a multi-node job.
 _nccl_device: torch.device | None = None
 
 
@@ -87,14 +82,8 @@ def resolve_timeout(timeout: float | int | timedelta | None = None) -> timedelta
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process sits in the job, as read from the environment.
-
-    Attributes:
-        rank: global rank of this process (its node's rank with one process per node).
-        world_size: number of processes.
-        master_addr / master_port: the rendezvous of rank 0.
-        source: which launcher the values came from ("torchrun", "slurm", "env").
-    """
+    """Where this process sits in the job: global ``rank``, ``world_size``, rank 0's
+    rendezvous, and the launcher they came from ("torchrun", "slurm", "env")."""
 
     rank: int
     world_size: int
@@ -173,15 +162,8 @@ def dist_env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
             "set all of "
             f"{rank_var}, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
         )
-    return _checked(
-        DistEnv(
-            _int_var(env, rank_var),
-            _int_var(env, "WORLD_SIZE"),
-            env["MASTER_ADDR"],
-            _int_var(env, "MASTER_PORT"),
-            source,
-        )
-    )
+    rank, world, port = (_int_var(env, v) for v in (rank_var, "WORLD_SIZE", "MASTER_PORT"))
+    return _checked(DistEnv(rank, world, env["MASTER_ADDR"], port, source))
 
 
 def _checked(e: DistEnv) -> DistEnv:
@@ -201,10 +183,9 @@ def init_process_group(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> dist.ProcessGroup:
-    """Create (or reuse) the default process group for data-parallel RoundPipe, from a
-    Lightning ``ClusterEnvironment`` or, without one, the environment
-    (:func:`dist_env_from_environ`); ``rank`` / ``world_size`` override them. ``backend``:
-    "gloo" (host gradients; the default) or "nccl"; ``timeout``: see :func:`resolve_timeout`.
+    """Create (or reuse) the default process group from a Lightning ``ClusterEnvironment``
+    or the environment (:func:`dist_env_from_environ`); ``rank`` / ``world_size`` override
+    them. ``backend``: "gloo" or "nccl"; ``timeout``: see :func:`resolve_timeout`.
 
     Raises:
         ValueError: a missing or inconsistent environment, or a group that already
@@ -258,8 +239,7 @@ def init_process_group(
 
 
 def _local_gpu(cluster_environment: Any | None, rank: int) -> torch.device:
-    """This rank's GPU for NCCL: its local rank (the cluster environment's, else
-    ``$LOCAL_RANK``, else the global rank) modulo the visible GPUs."""
+    """This rank's GPU for NCCL: its local rank (else the global one) modulo the GPUs."""
     count = torch.cuda.device_count()
     if count < 1:
         raise ValueError("backend='nccl' needs a CUDA GPU on every rank; use backend='gloo'")
@@ -297,16 +277,25 @@ def is_nccl(group: Any | None = None) -> bool:
         return False
 
 
-def group_timeout() -> timedelta | None:
-    """The timeout :func:`init_process_group` created the default group with (None:
-    the group was made elsewhere, or not at all)."""
-    return _pg_timeout
+def new_group(timeout: float | int | timedelta | None = None) -> Any:
+    """A new gloo group of all ranks (collective), bounded by ``timeout``, else the timeout
+    :func:`init_process_group` used, else :func:`resolve_timeout`'s default."""
+    td = resolve_timeout(timeout) if timeout is not None or _pg_timeout is None else _pg_timeout
+    return dist.new_group(backend="gloo", timeout=td)
+
+
+def destroy_group(group: Any | None) -> None:
+    """Free a group made by :func:`new_group` (``None``: nothing to free)."""
+    if group is not None:
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError, AssertionError):
+            pass  # the default group is already gone (teardown order)
 
 
 def comm_device(group: Any | None = None) -> torch.device:
-    """Where ``group`` reduces tensors: for NCCL this rank's GPU (the one
-    :func:`init_process_group` bound, whatever the calling thread's current device;
-    the current device for a group made elsewhere), the host for gloo."""
+    """Where ``group`` reduces tensors: the host for gloo; for NCCL the GPU
+    :func:`init_process_group` bound (else the current device)."""
     if is_nccl(group):
         if _nccl_device is not None:
             return _nccl_device
@@ -315,13 +304,12 @@ def comm_device(group: Any | None = None) -> torch.device:
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed on this rank: a peer died, stalled past the timeout or
-    called a different collective. The backend's own error is the ``__cause__``."""
+    """A collective failed on this rank (a peer died, stalled or called another one)."""
 
 
 def collective_error(what: str, exc: BaseException, group: Any | None = None) -> CollectiveError:
-    """The error to raise for ``exc`` from the collective ``what``: names this rank and
-    the likely cause, so a dead peer reads the same wherever it is first noticed."""
+    """The error for ``exc`` from the collective ``what``, naming this rank and the likely
+    cause, so a dead peer reads the same wherever it is first noticed."""
     try:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
     except (RuntimeError, ValueError):
@@ -334,9 +322,15 @@ def collective_error(what: str, exc: BaseException, group: Any | None = None) ->
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# small collectives (identities without a process group)
-# ---------------------------------------------------------------------------------------------
+@contextmanager
+def collective(what: str, group: Any | None = None) -> Iterator[None]:
+    """Raise :func:`collective_error` for a ``RuntimeError`` of the collective ``what``."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise collective_error(what, exc, group) from exc
+
+
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
@@ -346,9 +340,8 @@ _REDUCE_OPS = {
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any | None = None) -> torch.Tensor:
-    """The reduction of ``tensor`` over ``group`` (default: the default group) by ``op``
-    ("mean", "sum", "max", "min" or "product"; "mean" of integers is a float tensor), as
-    a new tensor on ``tensor``'s device.
+    """The reduction of ``tensor`` over ``group`` by ``op`` ("mean", "sum", "max", "min" or
+    "product"; "mean" of integers is a float tensor), as a new tensor on its device.
 
     Raises:
         CollectiveError: the collective failed (a peer died or stalled).
@@ -365,10 +358,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "mean", group: Any | None = None)
     if group_size(group) == 1:
         return out
     comm = out.to(comm_device(group))  # gloo reduces host tensors, NCCL GPU tensors
-    try:
+    with collective(f"all_reduce({op})", group):
         dist.all_reduce(comm, op=_REDUCE_OPS.get(op, dist.ReduceOp.SUM), group=group)
-    except RuntimeError as exc:
-        raise collective_error(f"all_reduce({op})", exc, group) from exc
     if op == "mean":
         comm.div_(dist.get_world_size(group))
     return comm.to(tensor.device)
@@ -383,7 +374,7 @@ def barrier(group: Any | None = None, timeout: float | int | timedelta | None = 
     """
     if group_size(group) == 1:
         return
-    try:
+    with collective("barrier", group):
         if is_nccl(group):
             # on the communicator's GPU: without device_ids NCCL guesses cuda:(rank % n)
             dist.barrier(group=group, device_ids=[comm_device(group).index])
@@ -391,8 +382,6 @@ def barrier(group: Any | None = None, timeout: float | int | timedelta | None = 
             dist.monitored_barrier(
                 group=group, timeout=resolve_timeout(timeout), wait_all_ranks=True
             )
-    except RuntimeError as exc:
-        raise collective_error("barrier", exc, group) from exc
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any | None = None) -> Any:
@@ -404,18 +393,14 @@ def broadcast_object(obj: Any, src: int = 0, group: Any | None = None) -> Any:
     if group_size(group) == 1:
         return obj
     box = [obj]
-    try:
+    with collective(f"broadcast_object(src={src})", group):
         dist.broadcast_object_list(box, src=src, group=group)
-    except RuntimeError as exc:
-        raise collective_error(f"broadcast_object(src={src})", exc, group) from exc
     return box[0]
 
 
 def all_gather(tensor: torch.Tensor, group: Any | None = None) -> torch.Tensor:
-    """Every rank's ``tensor`` stacked along a new first dimension (``[world, *shape]``).
-
-    Ranks may pass tensors whose sizes differ (not their number of dimensions or
-    dtype): they are padded with zeros to the largest size along each dimension.
+    """Every rank's ``tensor`` stacked along a new first dimension; sizes may differ
+    between ranks (not dims or dtype): they are zero-padded to the largest.
 
     Raises:
         CollectiveError: the collective failed (a peer died or stalled).
@@ -427,7 +412,7 @@ def all_gather(tensor: torch.Tensor, group: Any | None = None) -> torch.Tensor:
     if world == 1:
         return t.clone().unsqueeze(0)
     dev = comm_device(group)
-    try:
+    with collective("all_gather", group):
         shape = torch.tensor(list(t.shape), dtype=torch.long, device=dev)
         shapes = [torch.empty_like(shape) for _ in range(world)]
         dist.all_gather(shapes, shape, group=group)
@@ -436,6 +421,4 @@ def all_gather(tensor: torch.Tensor, group: Any | None = None) -> torch.Tensor:
         padded[tuple(slice(0, n) for n in t.shape)] = t.to(dev)
         parts = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(parts, padded, group=group)
-    except RuntimeError as exc:
-        raise collective_error("all_gather", exc, group) from exc
     return torch.stack(parts).to(tensor.device)

@@ -1,18 +1,14 @@
-"""Master weights and gradients across ranks: bucketed gradient all-reduce
-(optionally overlapped with the backward pass through RoundPipe's grad hook),
-and broadcasting / checking the master weights.
-
-The buckets travel in flat host buffers: the master gradients live on the host, so
-gloo reduces them in place; an NCCL group stages each bucket through its GPU. A reducer
-keeps a small ring of them (:data:`REDUCE_IN_FLIGHT` ``+ 1`` per dtype, each at most
-as large as the largest bucket), not a flat copy of every gradient (``buckets.py``).
+"""Master weights and gradients across ranks: bucketed gradient all-reduce (optionally
+overlapped with the backward through RoundPipe's grad hook), and broadcasting / checking
+the master weights. Buckets travel in a small ring of flat host buffers (``buckets.py``);
+gloo reduces them in place, an NCCL group stages each through its GPU.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -32,11 +28,13 @@ from .buckets import (
 )
 from .group import (
     all_gather,
+    collective,
     collective_error,
     comm_device,
+    destroy_group,
     group_size,
-    group_timeout,
     is_nccl,
+    new_group,
     resolve_timeout,
 )
 
@@ -47,13 +45,13 @@ __all__ = [
     "params_in_sync",
 ]
 
+
+#: How gradients combine over ranks.
 REDUCE_OPS = ("mean", "sum")
-"""How gradients combine over ranks."""
 
 
 def check_reduce_arguments(op: object, bucket_bytes: object) -> None:
-    """ValueError unless ``op`` is one of :data:`REDUCE_OPS` and ``bucket_bytes`` an int >= 1
-    (``DataParallel`` and the reducers it makes take the same two)."""
+    """ValueError unless ``op`` is one of :data:`REDUCE_OPS` and ``bucket_bytes`` an int >= 1."""
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be 'mean' or 'sum', got {op!r}")
     check_int(bucket_bytes, "bucket_bytes")
@@ -62,33 +60,12 @@ def check_reduce_arguments(op: object, bucket_bytes: object) -> None:
 _POLL_S = 0.05  # how often waiting threads look for an abort
 
 
-# ---------------------------------------------------------------------------------------------
-# weights
-# ---------------------------------------------------------------------------------------------
-def _broadcast_tensors(
-    tensors: Sequence[torch.Tensor], src: int, group: Any | None, bucket_bytes: int
-) -> None:
-    """Broadcast tensors in place, flattened into per-dtype buckets."""
-    dev = comm_device(group)
-    for bucket in _bucketize(list(tensors), bucket_bytes):
-        flat = torch.cat([t.detach().reshape(-1).to(dev) for t in bucket])
-        try:
-            dist.broadcast(flat, src=src, group=group)
-        except RuntimeError as exc:
-            raise collective_error(f"broadcast of rank {src}'s weights", exc, group) from exc
-        copy_from_flat(flat, bucket)
-
-
 def broadcast_masters(
     rp: Any, src: int = 0, group: Any | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> None:
-    """Make every rank hold rank ``src``'s weights: the fp32 master parameters, the
-    frozen parameters and the buffers (BatchNorm statistics) of ``rp.model``; then
-    copy the masters into the model's own parameters.
-
-    Call it once after building the RoundPipe (and after loading a checkpoint on one
-    rank only), before the first step. Collective: every rank must call it.
-    """
+    """Make every rank hold rank ``src``'s masters, frozen parameters and buffers
+    (BatchNorm statistics), then copy the masters into the model. Collective: call it
+    on every rank after building the RoundPipe (or loading a checkpoint on one rank)."""
     if group_size(group) == 1:
         return
     rp.synchronize()  # no step in flight writes the masters while we overwrite them
@@ -103,16 +80,21 @@ def broadcast_masters(
     tensors.extend(
         b for b in rp.model.buffers() if b.is_floating_point() or b.dtype in (torch.long, torch.int)
     )
-    _broadcast_tensors(tensors, src, group, bucket_bytes)
+    dev = comm_device(group)
+    for bucket in _bucketize(tensors, bucket_bytes):
+        flat = torch.cat([t.detach().reshape(-1).to(dev) for t in bucket])
+        with collective(f"broadcast of rank {src}'s weights", group):
+            dist.broadcast(flat, src=src, group=group)
+        copy_from_flat(flat, bucket)
     with torch.no_grad():
         for p, m in pairs:
             p.copy_(m)
 
 
 def params_in_sync(rp: Any, group: Any | None = None) -> bool:
-    """True when every rank holds bit-identical master parameters -- the model's
-    trainable weights where a sharded host state released the masters other ranks own
-    (a debugging aid: one all-gather of a checksum per parameter). Collective."""
+    """True when every rank holds bit-identical masters (the model's trainable weights
+    where a sharded state released them): a debugging aid, one all-gather of checksums.
+    Collective."""
     if group_size(group) == 1:
         return True
     masters = getattr(rp, "masters", None)
@@ -121,32 +103,15 @@ def params_in_sync(rp: Any, group: Any | None = None) -> bool:
         if masters is not None and masters.released
         else rp.optim_parameters()
     )
-    sums = (
-        torch.stack(
-            [
-                torch.stack(
-                    [
-                        m.detach().double().sum(),
-                        m.detach().double().abs().sum(),
-                        (
-                            m.detach().double().reshape(-1)
-                            * torch.arange(1, m.numel() + 1, dtype=torch.float64)
-                        ).sum(),
-                    ]
-                )
-                for m in held
-            ]
-        )
-        if held
-        else torch.zeros(1, 3, dtype=torch.float64)
-    )
+    sums = torch.zeros(max(len(held), 1), 3, dtype=torch.float64)
+    for i, m in enumerate(held):
+        x = m.detach().double().reshape(-1)
+        weights = torch.arange(1, x.numel() + 1, dtype=torch.float64)
+        sums[i] = torch.stack([x.sum(), x.abs().sum(), (x * weights).sum()])
     everyone = all_gather(sums, group)
     return bool((everyone == everyone[0:1]).all())
 
 
-# ---------------------------------------------------------------------------------------------
-# gradient all-reduce
-# ---------------------------------------------------------------------------------------------
 class _Round:
     """One reduction: readiness of each bucket, the worker thread, the first error."""
 
@@ -159,7 +124,6 @@ class _Round:
         self.error: BaseException | None = None
         self.misuse: RuntimeError | None = None
         self.thread: threading.Thread | None = None
-        self.issue_times: list[float] = []
 
     def set_all_ready(self) -> None:
         for e in self.ready:
@@ -169,13 +133,11 @@ class _Round:
 class GradientAllReducer:
     """All-reduce RoundPipe's master gradients over a process group.
 
-    Buckets hold the masters in *reverse* parameter order (the deepest layers'
-    gradients are complete first) and are always all-reduced in that fixed order,
-    from one thread per round, so every rank issues the same collectives in the same
-    order whatever order the grad hooks fire in on each rank. At most
-    :data:`REDUCE_IN_FLIGHT` buckets are in flight; they travel in a ring of flat host
-    buffers kept from the first round on (``buckets.BufferRing``, :attr:`kept_bytes`), so a
-    rank holds a few buckets' worth of buffers beside its gradients, not a copy of them.
+    Buckets hold the masters in *reverse* parameter order (the deepest gradients are
+    complete first) and are reduced in that fixed order from one thread per round, so
+    every rank issues the same collectives in the same order whatever order its grad
+    hooks fire in. At most :data:`REDUCE_IN_FLIGHT` are in flight, in a ring of kept flat
+    host buffers (``buckets.BufferRing``, :attr:`kept_bytes`).
 
     Usage (one optimizer step, ``k`` accumulation micro-steps)::
 
@@ -187,32 +149,25 @@ class GradientAllReducer:
         reducer.finish()               # all reduced; .grad holds the mean over ranks
         rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=...)
 
-    Without ``arm()`` (or with ``overlap=False``), ``finish()`` reduces everything
-    then and there. ``finish()`` may follow any number of pipelined calls; it treats
-    every gradient as complete when it is called.
+    Without ``arm()`` (or with ``overlap=False``), ``finish()`` reduces everything then;
+    it treats every gradient as complete when called.
 
     Args:
         rp: the ``RoundPipe`` whose ``optim_parameters()`` gradients are reduced.
-        process_group: the group to reduce over. Default: a new gloo group of all ranks,
-            owned by this reducer, so that collectives the training loop issues on the
-            default group while a round is armed (``self.log(..., sync_dist=True)``,
-            barriers) cannot interleave with the reducer thread's -- two threads issuing
-            collectives on one group would order them differently on different ranks.
-            Creating it is collective: every rank constructs its reducers in the same order.
-            Pass a group only if nothing else uses it while a round is armed. With world
-            size 1 (or no process group) the reducer does nothing.
+        process_group: the group to reduce over. Default: a new gloo group of its own
+            (made collectively: every rank builds its reducers in one order), so the
+            training loop's collectives on the default group (``sync_dist=True``,
+            barriers) never interleave with the reducer thread's. Pass a group only if
+            nothing else uses it while a round is armed. In one process: a no-op.
         op: "mean" (divide the sum by the world size, as DDP) or "sum".
         bucket_bytes: gradient bytes per collective.
         overlap: register a grad hook so an armed round starts reducing a bucket as
             soon as its gradients are complete.
-        params: the tensors whose ``.grad`` is reduced (default: all of
-            ``rp.optim_parameters()``). An optimizer's parameters (e.g. one reducer per
-            optimizer), which may include tensors outside RoundPipe that get their
-            gradients through ordinary autograd: those are reduced too, only never early.
-        timeout: bound on every collective of the reducer's own group (default: the
-            timeout :func:`init_process_group` used, else ``$ROUNDPIPE_DIST_TIMEOUT``, else
-            30 minutes). With an explicit ``process_group``: a bound on waiting for each
-            all-reduce (default: that group's own timeout).
+        params: the tensors whose ``.grad`` is reduced (default ``rp.optim_parameters()``);
+            tensors outside RoundPipe are reduced too, only never early.
+        timeout: bound on every collective of its own group (default:
+            :func:`~.group.new_group`'s); with an explicit ``process_group``, on waiting
+            for each all-reduce (default: that group's own timeout).
     """
 
     def __init__(
@@ -233,9 +188,7 @@ class GradientAllReducer:
         self.overlap = bool(overlap)
         self._owns_group = process_group is None and group_size(None) > 1
         if self._owns_group:
-            inherited = group_timeout()
-            td = resolve_timeout(timeout) if timeout is not None or inherited is None else inherited
-            process_group = dist.new_group(backend="gloo", timeout=td)
+            process_group = new_group(timeout)
             self.timeout = None  # the group's own timeout bounds every collective
         else:
             self.timeout = None if timeout is None else resolve_timeout(timeout)
@@ -250,10 +203,8 @@ class GradientAllReducer:
         self._slot = {id(p): b.index for b in self.buckets for p in b.params}
         self._ring = BufferRing(self.buckets)  # the flat buffers, kept across rounds
         self._lock = threading.Lock()
-        # The masters' own lock on their .grad, held while a bucket is read or written back:
-        # the caller's synchronize() hands those gradients to the model meanwhile, and two
-        # threads, one reading a tensor's .grad while the other replaces it, can crash the
-        # process (a segfault in the Lightning sharded test, before the lock).
+        # The masters' lock on their .grad, held while a bucket is read or written back:
+        # synchronize() may replace a .grad meanwhile, and that race can segfault.
         masters = getattr(rp, "masters", None)
         self._grad_lock = getattr(masters, "grad_lock", None) or threading.Lock()
         self._round: _Round | None = None
@@ -261,36 +212,25 @@ class GradientAllReducer:
         self._closed = False
         self.last_finish_wait_s = 0.0
         """Seconds the last ``finish()`` blocked the caller (the exposed communication)."""
-        self.last_reduce_s = 0.0
-        """Seconds from the last round's first collective to its last result."""
 
     @property
     def world_size(self) -> int:
         return self._world_size
 
-    @property
-    def armed(self) -> bool:
-        return self._round is not None
-
     def kept_buffers(self) -> list[torch.Tensor]:
-        """The flat host buffers the reducer keeps between rounds (its ring; none before
-        the first round, after :meth:`close` and in one process)."""
+        """The flat host buffers kept between rounds (none before the first round)."""
         return self._ring.buffers()
 
     @property
     def kept_bytes(self) -> int:
-        """Host bytes of :meth:`kept_buffers`: from the first round on what
-        :func:`~.buckets.reduce_buffer_bytes` says for its parameters (sharded:
-        ``sharded.kept_buffer_bytes`` counts them beside the all-gather's buffer)."""
+        """Host bytes of :meth:`kept_buffers` (:func:`~.buckets.reduce_buffer_bytes`)."""
         return sum(t.untyped_storage().nbytes() for t in self.kept_buffers())
 
-    # -- overlap ------------------------------------------------------------------------------
     def arm(self) -> None:
         """Start a round now: buckets are reduced as the grad hook reports them complete.
 
-        Call it right before the *last* gradient-producing pipelined call of the
-        optimizer step (the last ``forward_backward`` / ``loss.backward()`` of the
-        accumulation window). A no-op with ``overlap=False`` or world size 1.
+        Call it right before the *last* gradient-producing call of the optimizer step.
+        A no-op with ``overlap=False`` or world size 1.
 
         Raises:
             RuntimeError: a round is already armed (call ``finish()`` first).
@@ -333,18 +273,15 @@ class GradientAllReducer:
                 if rnd.remaining[slot] == 0:
                     rnd.ready[slot].set()
 
-    # -- the reduction --------------------------------------------------------------------------
     def _reduce(self, rnd: _Round) -> None:
         """Issue one async all-reduce per bucket in the fixed order, then wait for each
         and write the result back into ``.grad``. Errors are kept for ``finish()``."""
         # (host slot, what the collective reduces: the slot, or its copy on an NCCL GPU)
         pending: list[tuple[_Bucket, torch.Tensor, torch.Tensor, Any]] = []
         try:
-            # An asynchronous optimizer step still in flight reads and clears the grads.
-            # Accumulating a gradient waits for it, but a master of a stage that produced
-            # no gradient at all is reported without that wait: wait here too -- unless
-            # this is the optimizer thread itself (a reduction queued in front of a step),
-            # where every earlier step has run.
+            # A step in flight reads and clears the grads; a master of a stage that made
+            # no gradient is reported without waiting for it, so wait here (unless this
+            # is the optimizer thread, where every earlier step has run).
             if not self.rp._home()._steps.on_optimizer_thread():
                 self.rp.wait_step()
             divisor = self.world_size if self.op == "mean" else 1
@@ -356,10 +293,8 @@ class GradientAllReducer:
                 else:
                     work.wait(self.timeout)
                 if sent is not host:
-                    # NCCL: back into the slot, blocking, on the stream that uploaded it
-                    # and waits for the collective -- once this returns the upload has
-                    # read the slot too (stream order), so a later bucket may refill it
-                    # (the pageable upload itself copies to staging before returning)
+                    # NCCL: blocking copy back on the upload's stream, so the slot is
+                    # free for a later bucket once it returns
                     host.copy_(sent)
                 with self._grad_lock:
                     self._land(b, host, divisor)
@@ -376,15 +311,11 @@ class GradientAllReducer:
                 sent = host
                 if is_nccl(self.group):
                     sent = host.to(comm_device(self.group), non_blocking=True)
-                if not rnd.issue_times:
-                    rnd.issue_times.append(time.perf_counter())
                 pending.append((b, host, sent, self._issue(b, sent)))
                 while len(pending) > REDUCE_IN_FLIGHT:
                     land_oldest()  # the ring has one slot more than buckets in flight
             while pending:
                 land_oldest()
-            if rnd.issue_times:
-                rnd.issue_times.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - handed to finish() on the caller's thread
             rnd.error = rnd.error or exc
         finally:
@@ -392,14 +323,11 @@ class GradientAllReducer:
                 self._retire_ring(rnd)
 
     def _retire_ring(self, rnd: _Round) -> None:
-        """Give later rounds a ring of their own: ``rnd``'s collectives may still be
-        writing into its slots (a round aborted or failed with buckets in flight). The
-        old buffers go once those collectives let go of them."""
+        """Give later rounds a new ring: ``rnd``'s collectives may still write its slots."""
         if self._ring is rnd.ring:
             self._ring = BufferRing(self.buckets)
 
-    # what a sharded reducer (``sharded.py``) does differently: the buckets, the collective
-    # that reduces one, and what becomes of its result on this rank (the ring is shared)
+    # what a sharded reducer overrides: the buckets, their collective, the result's use
     def _group_params(
         self, params: list[torch.Tensor], bucket_bytes: int
     ) -> list[list[torch.Tensor]]:
@@ -412,9 +340,8 @@ class GradientAllReducer:
         bucket.unflatten(buf, divisor)
 
     def finish(self) -> None:
-        """Complete the reduction; on return every master's ``.grad`` is the sum (or
-        mean) over ranks. Treats all gradients as complete now. Collective: every rank
-        must call it once per optimizer step, skipped steps included.
+        """Complete the reduction: every master's ``.grad`` is then the sum (or mean) over
+        ranks. Collective: once per optimizer step on every rank, skipped steps included.
 
         Raises:
             RuntimeError: a collective failed or timed out (a peer died or stalled), or
@@ -436,9 +363,6 @@ class GradientAllReducer:
             while rnd.thread.is_alive():
                 rnd.thread.join(0.5)  # short joins keep Ctrl-C working
         self.last_finish_wait_s = time.perf_counter() - start
-        self.last_reduce_s = (
-            rnd.issue_times[-1] - rnd.issue_times[0] if len(rnd.issue_times) == 2 else 0.0
-        )
         if rnd.misuse is not None:
             raise rnd.misuse
         if rnd.error is not None:
@@ -449,15 +373,13 @@ class GradientAllReducer:
             raise RuntimeError("this GradientAllReducer is closed; make a new one")
 
     def abort(self) -> None:
-        """Drop an armed round without issuing any further collective (after a failed
-        pipelined call). Peers waiting on this rank fail at the group's timeout."""
+        """Drop an armed round without further collectives (after a failed call); peers
+        waiting on this rank fail at the group's timeout."""
         with self._lock:
             rnd, self._round = self._round, None
         if rnd is not None:
             rnd.aborted.set()
             rnd.set_all_ready()
-            # its thread may still have buckets in flight, and the next round may start
-            # before it notices the abort: that round must not reuse these slots
             self._retire_ring(rnd)
 
     def close(self) -> None:
@@ -468,12 +390,9 @@ class GradientAllReducer:
         if self._remove_hook is not None:
             self._remove_hook()
             self._remove_hook = None
-        if self._owns_group and self.group is not None:
+        if self._owns_group:
             group, self.group = self.group, None
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError, AssertionError):
-                pass  # the default group is already gone (teardown order); nothing left to free
+            destroy_group(group)
 
     def __enter__(self) -> GradientAllReducer:
         return self
@@ -485,12 +404,8 @@ class GradientAllReducer:
 def sync_gradients(
     rp: Any, group: Any | None = None, op: str = "mean", bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> None:
-    """All-reduce ``rp``'s master gradients now (no overlap). Collective.
-
-    Equivalent to ``GradientAllReducer(rp, group, op, overlap=False).finish()`` on the
-    default group (called from the training loop's own thread, so no group of its own
-    is needed -- and creating one every step would cost a rendezvous).
-    """
+    """All-reduce ``rp``'s master gradients now, on the default group (the caller's
+    thread needs no group of its own, which would cost a rendezvous a step). Collective."""
     if group is None and group_size(None) > 1:
         group = dist.group.WORLD
     reducer = GradientAllReducer(rp, group, op=op, bucket_bytes=bucket_bytes, overlap=False)

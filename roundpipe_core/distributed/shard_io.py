@@ -1,11 +1,7 @@
-"""Checkpoints of a sharded host state: each rank writes its own shard, no process
-ever gathers the whole state, and the shards load back on any rank count.
-
-A shard file (``shard-RRRRR-of-NNNNN.pt``) holds, by parameter name, the master values
-and optimizer state of the parameters its rank owned, and the optimizer's
-hyperparameters. Names tie state to parameters, so loading on another rank count only
-changes which entries each rank keeps; files are read one at a time, memory-mapped.
-:func:`merge_shards` puts the whole state together (an ordinary ``state_dict``).
+"""Checkpoints of a sharded host state: each rank writes its own shard
+(``shard-RRRRR-of-NNNNN.pt``: by parameter name, the masters and optimizer state it owned,
+and the hyperparameters), no process gathers the whole state, and names let the shards
+load back on any rank count, one memory-mapped file at a time.
 """
 
 from __future__ import annotations
@@ -41,10 +37,8 @@ def save_shard(
     edit_groups: Callable[[list[dict[str, Any]]], None] | None = None,
     learned: Any = None,
 ) -> Path:
-    """Write this rank's shard into ``directory`` (created if missing) and return its path:
-    the values and optimizer state of the ``named_params`` it ``owns``, the param groups'
-    hyperparameters (after ``edit_groups``, where an integration puts back what it
-    changed), and ``learned`` (what a bit-exact resume needs, ``pool.learned_draws``)."""
+    """Write this rank's shard into ``directory`` and return its path: what it ``owns``,
+    the hyperparameters (after ``edit_groups``) and ``learned`` (``pool.learned_draws``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     name_of = {id(p): n for n, p in named_params.items()}
@@ -151,7 +145,6 @@ def load_shards(
     files = shard_files(directory)
     world = len(files)
     seen: set[str] = set()
-    groups_loaded = False
     learned = None
     for rank, path in enumerate(files):
         shard = _read(path, rank, world)
@@ -161,7 +154,7 @@ def load_shards(
                 f"host-state shard of rank {rank} ({path}) holds parameters this model does not "
                 f"have: {unknown[:3]}"
             )
-        if not groups_loaded:
+        if rank == 0:  # the hyperparameters, the same in every shard
             saved_groups = shard["param_groups"]
             if len(saved_groups) != len(optimizer.param_groups):
                 raise ValueError(
@@ -170,7 +163,6 @@ def load_shards(
                 )
             for g, saved in zip(optimizer.param_groups, saved_groups):
                 g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-            groups_loaded = True
             learned = shard.get("learned")
         with torch.no_grad():
             for n, value in shard["masters"].items():

@@ -3,35 +3,27 @@
 Each rank *owns* about 1/N of one optimizer's trainable parameters and keeps gradients,
 optimizer state and separate masters only for those:
 
-1. **Ownership** (:func:`partition_by_bytes`): N contiguous runs of the optimizer's
-   parameter order balanced by bytes (a parameter belongs to the rank whose share holds
-   its midpoint: off by at most half the largest tensor at each cut). Contiguous runs
-   keep each bucket on one owner and in layer order, so the reduction still overlaps
-   the backward layer by layer.
-2. **Reduce-scatter** (:class:`ShardedGradientReducer`): each bucket, within one owner's
-   run, is ``dist.reduce``-d to its owner; the other ranks drop its ``.grad`` once sent,
-   so the optimizer never makes state for a parameter this rank does not own.
+1. **Ownership** (:func:`partition_by_bytes`): N contiguous runs of the parameter order
+   balanced by bytes, so each bucket stays on one owner and in layer order (the
+   reduction still overlaps the backward).
+2. **Reduce-scatter** (:class:`ShardedGradientReducer`): each bucket is ``dist.reduce``-d
+   to its owner; the other ranks drop its ``.grad``, so their optimizers make no state
+   for it.
 3. **Step**: each rank's ``optimizer.step()`` updates its share.
 4. **All-gather** (:meth:`HostShard.gather` / :meth:`HostShard.publish`): each owner
    broadcasts its updated parameters bucket by bucket into every rank's copy.
 
-Clipping by the global norm all-reduces the owned part of the norm
-(:meth:`HostShard.clip_grad_norm_`). Each purpose has a group of its own (reduction: the
-reducer thread; all-gather: the optimizer thread; norm: whoever clips), so threads never
-interleave collectives on one group.
+Each purpose has a group of its own (reduction, all-gather, norm for clipping), so
+threads never interleave collectives on one group.
 
-Separate masters (bf16 weights with fp32 masters, or ``shared_masters=False``): a rank
-releases the masters it does not own (``MasterWeights.release``), and each owner casts
-its update to the weights' dtype, which the all-gather writes straight into every rank's
-model weights (``targets``). With a synchronous step (``attach(..., async_step=False)``)
-inside the step (the RoundPipe then refuses ``step(is_async=True)``); with an
-asynchronous one when the step's weight version is *published* (a remote publisher of
-``stepping.versions``), bucket by bucket in forward order, each waiting until no older
-call still uploads those layers. Every rank publishes each version once, in order, so the
-broadcasts match. With shared masters the master *is* the weight: nothing is released.
+Separate masters (bf16 weights, or ``shared_masters=False``): a rank releases the masters
+it does not own (``MasterWeights.release``) and the all-gather writes the owners' updates,
+cast, straight into every rank's model weights (``targets``): inside a synchronous step,
+or, with ``attach(..., async_step=True)``, when the step's weight version is published
+(a remote publisher of ``stepping.versions``), in version order on every rank.
 
-Not sharded: the model's own weights (every rank's devices upload them), and the master
-gradients while the backward produces them.
+Not sharded: the model's own weights, and the master gradients while the backward
+produces them.
 """
 
 from __future__ import annotations
@@ -46,7 +38,7 @@ import torch.distributed as dist
 
 from ..kinds import check_int
 from .buckets import BufferRing, _Bucket, _bucketize, _unique_params, copy_from_flat
-from .group import collective_error, group_size, group_timeout, resolve_timeout
+from .group import collective, destroy_group, group_size, new_group
 from .reducer import GradientAllReducer
 
 __all__ = [
@@ -60,8 +52,7 @@ __all__ = [
 
 def partition_by_bytes(params: Sequence[torch.Tensor], world_size: int) -> list[int]:
     """The owner rank of each of ``params``: ``world_size`` contiguous runs balanced by
-    bytes (whole tensors; a parameter goes to the rank whose share of the total bytes
-    holds its midpoint). Deterministic, so every rank computes the same partition.
+    bytes (a parameter goes to the rank whose share holds its midpoint). Deterministic.
 
     Raises:
         ValueError: ``world_size`` is not a positive int.
@@ -85,9 +76,8 @@ def _gather_plan(
     bucket_bytes: int,
     where: dict[int, torch.Tensor],
 ) -> list[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:
-    """The all-gather's buckets: per owner, in forward order, consecutive runs of one
-    destination dtype up to ``bucket_bytes``, each as (owner, its parameters, where the
-    other ranks write them: ``where``, else the parameter itself)."""
+    """The all-gather's buckets, per owner in forward order: (owner, its parameters, where
+    the other ranks write them: ``where``, else the parameter itself)."""
     plan = []
     for rank in range(world_size):
         mine = [p for p, o in zip(params, owners) if o == rank]
@@ -101,8 +91,7 @@ def _gather_plan(
 def _reduce_plan(
     params: list[torch.Tensor], owner: Callable[[torch.Tensor], int], bucket_bytes: int
 ) -> list[list[torch.Tensor]]:
-    """The reduction's buckets over ``params`` (in reverse order): consecutive runs of
-    one owner, each cut into one-dtype buckets up to ``bucket_bytes``."""
+    """The reduction's buckets: runs of one owner cut into one-dtype buckets."""
     runs: list[list[torch.Tensor]] = []
     for p in params:
         if runs and owner(runs[-1][0]) == owner(p):
@@ -127,10 +116,8 @@ def kept_buffer_bytes(
     bucket_bytes: int,
     targets: dict[int, torch.Tensor] | None = None,
 ) -> int:
-    """Host bytes a sharded rank keeps for one optimizer's collectives from the first step
-    on: the reduction's ring (``buckets.BufferRing``) and one buffer per destination dtype
-    as large as the largest all-gather bucket, over the buckets :class:`ShardedGradientReducer`
-    and :class:`HostShard` make (``targets`` as for the latter); 0 for one rank."""
+    """Host bytes a sharded rank keeps for one optimizer's collectives: the reduction's
+    ring and one all-gather buffer per dtype (``targets`` as for :class:`HostShard`)."""
     params = _unique_params(params)
     if world_size == 1 or not params:
         return 0
@@ -141,24 +128,16 @@ def kept_buffer_bytes(
     return BufferRing.nbytes(reduce) + sum(_largest(b for _, _, b in gather).values())
 
 
-def _new_group(timeout: timedelta | None) -> Any:
-    inherited = group_timeout()
-    td = resolve_timeout(timeout) if timeout is not None or inherited is None else inherited
-    return dist.new_group(backend="gloo", timeout=td)
-
-
 class HostShard:
-    """One optimizer's parameters split across the ranks: ownership, the all-gather of
-    the updated masters, the global gradient norm, the optimizer state of a shard.
-    Creating it is collective (two groups): every rank builds its shards in one order.
+    """One optimizer's parameters split across the ranks. Creating it is collective (two
+    groups): every rank builds its shards in one order.
 
     Args:
         params: the optimizer's parameters (RoundPipe masters, in param-group order).
         bucket_bytes: bytes per broadcast of the all-gather.
         timeout: bound on each collective of its groups (default: the process group's).
-        targets: ``id(param) -> tensor`` the all-gather writes a parameter's update into
-            on the ranks that do not own it (the model weight of a released separate
-            master); default the parameter itself.
+        targets: ``id(param) -> tensor`` the non-owners write a parameter's update into
+            (the model weight of a released master); default the parameter itself.
     """
 
     def __init__(
@@ -175,13 +154,11 @@ class HostShard:
         self._owner = {id(p): o for p, o in zip(self.params, owners)}
         self.owned = [p for p, o in zip(self.params, owners) if o == self.rank]
         self._owned_ids = {id(p) for p in self.owned}
-        td = None if timeout is None else resolve_timeout(timeout)
-        self._gather_group = _new_group(td) if self.world_size > 1 else None
-        self._norm_group = _new_group(td) if self.world_size > 1 else None
+        self._gather_group = new_group(timeout) if self.world_size > 1 else None
+        self._norm_group = new_group(timeout) if self.world_size > 1 else None
         self._gather_buckets = _gather_plan(
             self.params, owners, self.world_size, bucket_bytes, targets or {}
         )
-        self.last_gather_s = 0.0
         self._gather_flat: dict[torch.dtype, torch.Tensor] = {}  # made once, reused
 
     def owner(self, param: torch.Tensor) -> int:
@@ -191,17 +168,9 @@ class HostShard:
     def owns(self, param: torch.Tensor) -> bool:
         return id(param) in self._owned_ids
 
-    @property
-    def owners(self) -> dict[int, int]:
-        """``id(param) -> owner rank`` for every parameter."""
-        return dict(self._owner)
-
-    # -- after the step ---------------------------------------------------------------------------
     def gather(self) -> None:
-        """Broadcast each owner's updated parameters into every other rank's masters, or
-        (``targets``) the model weights of the masters it released. Collective: after every
-        synchronous step (inside the step function) and after loading a checkpoint; an
-        asynchronous step publishes instead (:meth:`publish`).
+        """Broadcast each owner's updated parameters into every other rank's copy.
+        Collective: inside every synchronous step and after loading a checkpoint.
 
         Raises:
             CollectiveError: a peer died or stalled (the group's timeout), naming this rank.
@@ -223,11 +192,8 @@ class HostShard:
         mark: Callable[[Sequence[int]], None],
     ) -> None:
         """Publish weight version ``version`` into every rank's model (a remote publisher
-        of ``stepping.versions``, registered by ``DataParallel.attach(..., async_step=True)``):
-        bucket by bucket in forward order (the next call needs its first layers first),
-        ``claim`` the bucket, the owner casts its masters into the flat buffer, broadcast,
-        every rank (the owner too) writes the model weights, ``mark`` the bucket.
-        Collective: every rank publishes every version once, in version order.
+        of ``stepping.versions``): per bucket in forward order, ``claim`` it, broadcast,
+        write the model weights on every rank, ``mark`` it. Collective, in version order.
 
         Raises:
             CollectiveError: a peer died or stalled (the group's timeout), naming this rank.
@@ -248,9 +214,8 @@ class HostShard:
         bucket: list[torch.Tensor],
         write_own: bool,
     ) -> None:
-        """One all-gather bucket: rank ``src`` puts ``sources`` into the flat buffer (cast
-        to the destinations' dtype), broadcasts it, and the other ranks -- ``src`` too
-        with ``write_own`` -- copy it into ``bucket``."""
+        """Rank ``src`` broadcasts ``sources`` (cast); the others (``src`` too with
+        ``write_own``) copy them into ``bucket``."""
         group = self._gather_group
         if group is None:
             raise RuntimeError("this HostShard is closed (DataParallel.detach()); attach again")
@@ -261,19 +226,14 @@ class HostShard:
                 for t in sources:
                     flat[off : off + t.numel()].copy_(t.detach().reshape(-1))
                     off += t.numel()
-        try:
+        with collective(f"all-gather of the updated weights (rank {src}'s share)", group):
             dist.broadcast(flat, src=src, group=group)
-        except RuntimeError as exc:
-            raise collective_error(
-                f"all-gather of the updated weights (rank {src}'s share)", exc, group
-            ) from exc
         if src != self.rank or write_own:
             copy_from_flat(flat, bucket)
 
     def _flat_for(self, bucket: list[torch.Tensor]) -> torch.Tensor:
-        """A view of the kept flat buffer of the bucket's dtype (the largest gather bucket
-        of that dtype, made at the first step): one bucket is broadcast at a time, and a
-        buffer made and freed every step would stay in glibc's heaps (``buckets.BufferRing``)."""
+        """A view of the kept buffer of the bucket's dtype (made once: one freed every step
+        would stay in glibc's heaps, ``buckets.BufferRing``)."""
         dtype = bucket[0].dtype
         flat = self._gather_flat.get(dtype)
         if flat is None:
@@ -283,7 +243,6 @@ class HostShard:
             flat = self._gather_flat[dtype] = torch.empty(size, dtype=dtype)
         return flat[: sum(t.numel() for t in bucket)]
 
-    # -- the global gradient norm ------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over all ranks' shares (one all-reduce of the
         norm; each rank scales its own). Collective; returns the total norm."""
@@ -300,10 +259,8 @@ class HostShard:
         if self.world_size > 1:
             if self._norm_group is None:
                 raise RuntimeError("this HostShard is closed (DataParallel.detach()); attach again")
-            try:
+            with collective("gradient-norm all-reduce", self._norm_group):
                 dist.all_reduce(total, op=op, group=self._norm_group)
-            except RuntimeError as exc:
-                raise collective_error("gradient-norm all-reduce", exc, self._norm_group) from exc
         total_norm = total[0] if math.isinf(norm_type) else total[0] ** (1.0 / norm_type)
         total_norm = total_norm.float()
         coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
@@ -311,22 +268,16 @@ class HostShard:
             torch._foreach_mul_(grads, coef)
         return total_norm
 
-    # -- optimizer state --------------------------------------------------------------------------
     def drop_foreign_state(self, optimizer: torch.optim.Optimizer) -> int:
-        """Delete ``optimizer``'s state of the parameters this rank does not own (after
-        loading a full or another rank count's state). Returns the entries dropped."""
+        """Delete ``optimizer``'s state of parameters this rank does not own; returns how many."""
         dropped = [p for p in list(optimizer.state) if id(p) in self._owner and not self.owns(p)]
         for p in dropped:
             del optimizer.state[p]
         return len(dropped)
 
     def close(self) -> None:
-        for group in (self._gather_group, self._norm_group):
-            if group is not None:
-                try:
-                    dist.destroy_process_group(group)
-                except (RuntimeError, ValueError, AssertionError):
-                    pass  # the default group is already gone (teardown order)
+        destroy_group(self._gather_group)
+        destroy_group(self._norm_group)
         self._gather_group = self._norm_group = None
         self._gather_flat.clear()
 
@@ -342,8 +293,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class ShardedGradientReducer(GradientAllReducer):
-    """:class:`GradientAllReducer` that reduces each bucket (never mixing owners) to its
-    owner only (``dist.reduce``); the other ranks drop those gradients once sent.
+    """:class:`GradientAllReducer` that reduces each bucket to its owner only.
 
     Args:
         rp / op / bucket_bytes / overlap / timeout: as for :class:`GradientAllReducer`.

@@ -10,10 +10,8 @@ from typing import cast
 from .plan import AutoPlanner, ModelExecutePlan
 from .planner import auto
 
-# The planner sits above plan.py (it runs the simulator, which reads plans), so the
-# wing, not plan.py, connects the published spelling ModelExecutePlan.auto to it:
-# importing any planning module runs this first. (cast: the planner's overloads are
-# one callable of the protocol's shape, which mypy does not infer from overloads)
+# The planner sits above plan.py, so the wing connects ModelExecutePlan.auto to it
+# (importing any planning module runs this first).
 ModelExecutePlan.install_planner(cast(AutoPlanner, auto))
 
 __all__ = ["ModelExecutePlan", "auto"]

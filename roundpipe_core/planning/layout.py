@@ -7,17 +7,16 @@ A layout fits a YAML value or a command-line flag:
 * full ranges: ``[range(0, 7), range(7, 12)]``;
 * ``""`` or ``[]``: no stages.
 
-The grammar only: :func:`parse_layout` reads one side, :func:`resolve_layout` turns both
-into stage ranges and owners (``ModelExecutePlan.from_layout`` validates the plan),
-:func:`format_layout` writes one side back. Numbers in text are ASCII digits with an
-optional ``-``, no ``+`` and no leading zeros: ``"01"``, ``"²"`` or ``"٣"`` are likelier
-typos than intended values.
+:func:`parse_layout` reads one side, :func:`resolve_layout` turns both into stage
+ranges and owners, :func:`format_layout` writes one side back. Numbers in text are ASCII
+digits with an optional ``-`` and no leading zeros (``"01"``, ``"²"`` are likelier typos).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Union
 
 from ..kinds import RunType, check_int, parse_kind
@@ -40,15 +39,8 @@ LayoutSpec = Union[str, int, Sequence[Any]]
 
 @dataclass
 class ParsedLayout:
-    """One side of a layout: exactly one of ``counts`` / ``ranges`` is set.
-
-    Attributes:
-        name: the side's name in messages ("fwd", "bwd", "layout").
-        items: each stage's text as given, for messages.
-        counts: layers per stage, in the order given (``None`` for full ranges).
-        ranges: the stages as ranges (``None`` for counts).
-        owners: owner device per stage (``None`` = round-robin).
-    """
+    """One side of a layout (``name`` and ``items`` as given, for messages): exactly one
+    of ``counts`` / ``ranges`` is set; ``owners`` per stage, ``None`` = round-robin."""
 
     name: str
     items: list[str]
@@ -68,12 +60,6 @@ class ParsedLayout:
             return sum(self.counts)
         return max((r.stop for r in self.ranges or []), default=0)
 
-    def first_size(self) -> int:
-        """Layers of the first stage (0 when there is none)."""
-        if self.counts is not None:
-            return self.counts[0] if self.counts else 0
-        return len(self.ranges[0]) if self.ranges else 0
-
 
 @dataclass
 class ResolvedLayout:
@@ -87,10 +73,8 @@ class ResolvedLayout:
 
 
 def parse_int(value: Any, what: str) -> int:
-    """An int from an int or an ASCII decimal string, else ``ValueError`` naming ``what``.
-
-    Accepted strings are ``-?[0-9]+`` without leading zeros (after surrounding spaces).
-    """
+    """An int from an int or a ``-?[0-9]+`` string without leading zeros, else
+    ``ValueError`` naming ``what``."""
     if isinstance(value, bool):
         raise ValueError(f"{what} must be an integer, got {value!r}")
     if isinstance(value, int):
@@ -107,8 +91,7 @@ def parse_int(value: Any, what: str) -> int:
 
 
 def parse_layout(spec: LayoutSpec, name: str = "layout") -> ParsedLayout:
-    """Parse one side of a layout (the forms of the module docstring, or an int: one
-    stage), called ``name`` in error messages.
+    """Parse one side of a layout (the module docstring's forms, or an int: one stage).
 
     Raises:
         TypeError: ``spec`` is none of the accepted types.
@@ -209,7 +192,15 @@ def format_layout(stages: Sequence[range], owners: Sequence[int] | None) -> str:
     return ",".join(f"{d}:{len(r)}" for d, r in zip(owners, stages))
 
 
-def _merge_owners(spec: ParsedLayout, owners: Sequence[int] | None, name: str) -> ParsedLayout:
+def _parse_side(
+    layout: LayoutSpec | None, owners: Sequence[int] | None, name: str
+) -> ParsedLayout | None:
+    """Parse one side with its ``{name}_owners``, if given."""
+    if layout is None:
+        if owners is not None:
+            raise ValueError(f"{name}_owners given without a {name} layout; give {name} too")
+        return None
+    spec = parse_layout(layout, name)
     if owners is None:
         return spec
     if spec.owners is not None:
@@ -233,18 +224,10 @@ def _merge_owners(spec: ParsedLayout, owners: Sequence[int] | None, name: str) -
 
 def _counts_to_ranges(counts: Sequence[int], end: int, descending: bool) -> list[range]:
     """Forward counts fill layers 0.. upward; backward counts fill ..end downward."""
-    out: list[range] = []
+    bounds = list(accumulate(counts, initial=0))
     if descending:
-        stop = end
-        for c in counts:
-            out.append(range(stop - c, stop))
-            stop -= c
-    else:
-        start = 0
-        for c in counts:
-            out.append(range(start, start + c))
-            start += c
-    return out
+        return [range(end - b, end - a) for a, b in zip(bounds, bounds[1:])]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def check_num_devices(num_devices: Any) -> None:
@@ -263,25 +246,13 @@ def resolve_layout(
     bwd_owners: Sequence[int] | None = None,
 ) -> ResolvedLayout:
     """Both sides of a layout as stage ranges and owners (arguments as in
-    :meth:`~roundpipe_core.planning.plan.ModelExecutePlan.from_layout`).
-
-    Counts are checked against ``num_layers`` before any range is built, so a
-    huge count fails at once. The result is not yet validated as a plan.
-    """
+    ``ModelExecutePlan.from_layout``), counts checked before any range is built."""
     rt = parse_kind(RunType, run_type, "run_type")
     if num_layers is not None:
         check_int(num_layers, "num_layers")
     check_num_devices(num_devices)
-    f = parse_layout(fwd, "fwd") if fwd is not None else None
-    b = parse_layout(bwd, "bwd") if bwd is not None else None
-    if f is not None:
-        f = _merge_owners(f, fwd_owners, "fwd")
-    elif fwd_owners is not None:
-        raise ValueError("fwd_owners given without a fwd layout; give fwd too")
-    if b is not None:
-        b = _merge_owners(b, bwd_owners, "bwd")
-    elif bwd_owners is not None:
-        raise ValueError("bwd_owners given without a bwd layout; give bwd too")
+    f = _parse_side(fwd, fwd_owners, "fwd")
+    b = _parse_side(bwd, bwd_owners, "bwd")
     if f is None and b is None:
         raise ValueError("give at least one of fwd= and bwd= to build a plan from a layout")
     if f is None and rt == RunType.INFER:
@@ -319,7 +290,7 @@ def resolve_layout(
         if rt == RunType.FUSED:
             assert num_layers is not None  # set above from bwd or required
             if b is not None:
-                fused = b.first_size()
+                fused = b.counts[0] if b.counts else len(b.ranges[0]) if b.ranges else 0
                 expect = num_layers - fused
                 if total != expect:
                     raise ValueError(

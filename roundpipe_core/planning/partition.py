@@ -1,10 +1,6 @@
 """Contiguous partitions of layers under a stage-time cap and a stage-memory cap.
-
-The planner's search cuts a row of layers into contiguous stages (so does the
-weight-bound baseline of ``benchmarks/bound_baseline.py``, with the same packer).
-Packing greedily from the deepest layer is optimal for a fixed cap (a stage
-that takes as many layers as fit never forces an extra stage later), so the
-fewest stages under a cap is one pass of binary searches over prefix sums.
+Packing greedily from the deepest layer is optimal for a fixed cap, so the fewest
+stages under a cap is one pass of binary searches over prefix sums.
 """
 
 from __future__ import annotations
@@ -41,12 +37,8 @@ def first_true(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
 
 
 class Partitioner:
-    """Layers 0..n-1 with a stage cost and a stage memory per layer; packs stages from the end.
-
-    Args:
-        cost: cost of each layer (a stage costs the sum of its layers).
-        mem: memory of each layer (a stage holds the sum); default none.
-    """
+    """Layers 0..n-1 with a ``cost`` and a ``mem`` (default 0) each, summed per stage;
+    packs stages from the end."""
 
     def __init__(self, cost: Sequence[float], mem: Sequence[float] | None = None) -> None:
         self.cost_prefix = prefix_sums(cost)
@@ -91,8 +83,7 @@ class Partitioner:
         return out
 
     def segment_sums(self, n: int) -> list[float]:
-        """Sorted distinct costs of every contiguous run of layers inside 0..n-1 (every
-        cap that can be some stage's exact cost)."""
+        """Sorted distinct costs of every contiguous run of layers inside 0..n-1."""
         if n not in self._sums:
             p = self.cost_prefix
             self._sums[n] = sorted({p[j] - p[i] for i in range(n) for j in range(i + 1, n + 1)})
@@ -101,14 +92,9 @@ class Partitioner:
     def smallest_cap(
         self, n: int, k: float, hi: float, mem_cap: float = math.inf, rel_tol: float = 1e-13
     ) -> float:
-        """The smallest cap under which layers 0..n-1 pack into at most ``k`` stages,
-        given that ``hi`` is such a cap (to ``rel_tol``: a larger one trades exactness
-        for fewer packings).
-
-        Bisection on the real line (the count never grows with the cap), then snapped
-        to the slowest stage of that packing: a segment's exact cost, under which
-        greedy packing needs no more stages. No list of candidate caps is built.
-        """
+        """The smallest cap (to ``rel_tol``) under which layers 0..n-1 pack into at most
+        ``k`` stages, given such a cap ``hi``: bisection, then snapped to the slowest
+        stage of that packing (a segment's exact cost)."""
         p = self.cost_prefix
         lo = (p[n] - p[0]) / k if k > 0 else 0.0  # the slowest stage is at least the mean
         lo = min(lo, hi) * (1 - 1e-12)
@@ -123,8 +109,7 @@ class Partitioner:
         return max(p[r.stop] - p[r.start] for r in self.pack(n, hi, mem_cap))
 
     def balanced(self, n: int, cap: float, mem_cap: float = math.inf) -> list[range]:
-        """As few stages as under ``cap``, packed under the smallest cap that keeps them
-        that few (deepest first): the stages come out as even as the count allows."""
+        """As few stages as under ``cap``, as even as that count allows (deepest first)."""
         if n == 0:
             return []
         best = self.smallest_cap(n, self.count(n, cap, mem_cap), cap, mem_cap)

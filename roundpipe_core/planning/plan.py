@@ -1,12 +1,7 @@
-"""Execution plans: how the layers of a model are grouped into pipeline stages.
-
-A plan has a forward partition (``fwd_plan``, increasing layer ranges) and a backward
-partition (``bwd_plan``, decreasing), which may differ (asymmetric plans); a stage may be
-pinned to a device (``fwd_owners`` / ``bwd_owners``) instead of round-robin dispatch.
-
-This module is the plan's data and validation. The planner sits above it (planner ->
-simulate -> schedule -> plan), so ``ModelExecutePlan.auto`` calls the planner the
-planning wing installs on import (:meth:`ModelExecutePlan.install_planner`).
+"""Execution plans, their data and validation: a forward partition (``fwd_plan``,
+increasing layer ranges) and a backward one (``bwd_plan``, decreasing), which may differ;
+a stage may be pinned to a device (``fwd_owners`` / ``bwd_owners``). The planner sits
+above (``ModelExecutePlan.auto`` calls the one installed by :meth:`install_planner`).
 """
 
 from __future__ import annotations
@@ -23,18 +18,23 @@ from .layout import (
     resolve_layout,
 )
 
-__all__ = ["AutoPlanner", "ModelExecutePlan", "default_num_microbatch"]
+__all__ = ["AutoPlanner", "ModelExecutePlan", "default_num_microbatch", "even_ranges"]
 
 
 def default_num_microbatch(num_devices: int, concurrent: bool = True, replicas: int = 1) -> int:
-    """Microbatches per call when none is asked for (the one source of that default).
-
-    Devices that compute at the same time: devices + 1, the published default (one more
-    fills the bubble of the fused last stage). Devices that compute one at a time (CPU
-    workers): 1 -- no bubble to fill, and each microbatch more only adds work (the
-    README's main job 1.2-1.3x faster with 1 than with 4) -- or ``replicas``, one per
-    worker where the one-stage plan runs on every overlapping worker at once."""
+    """Microbatches per call when none is asked for (the one source of that default):
+    devices + 1 where devices compute at the same time (the published default; one more
+    fills the fused stage's bubble); else 1 (no bubble to fill, each microbatch more only
+    adds work), or ``replicas`` where the one-stage plan runs on every worker at once."""
     return num_devices + 1 if concurrent else max(1, replicas)
+
+
+def even_ranges(n: int, parts: int) -> list[range]:
+    """``range(n)`` cut into ``parts`` contiguous ranges, the first ones one longer where
+    it does not divide evenly: 3 in 2 -> ``[0, 1], [2]``."""
+    base, extra = divmod(n, parts)
+    bounds = [k * base + min(k, extra) for k in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 class AutoPlanner(Protocol):
@@ -48,11 +48,8 @@ class AutoPlanner(Protocol):
 def _check_cover(
     stages: Sequence[range], num_layers: int, name: str, increasing: bool, full: bool = True
 ) -> None:
-    """Validate that ``stages`` covers its layers exactly once in the required order.
-
-    Works on the ranges' ends only (never per layer), so a plan that claims
-    millions of layers is rejected as fast as a small one.
-    """
+    """Validate that ``stages`` covers its layers exactly once in the required order
+    (on the ranges' ends only: a plan claiming millions of layers fails as fast)."""
     if not isinstance(stages, (list, tuple)):
         raise TypeError(f"{name} must be a list of range objects, got {type(stages).__name__}")
     prev: range | None = None
@@ -86,16 +83,10 @@ def _check_cover(
                     "must go from deep to shallow layers (decreasing order)"
                 )
         prev = r
-    if full:
-        ordered = sorted(stages, key=lambda r: r.start)
-        gaps: list[range] = []
-        at = 0
-        for r in ordered:
-            if r.start > at:
-                gaps.append(range(at, r.start))
-            at = max(at, r.stop)
-        if at < num_layers:
-            gaps.append(range(at, num_layers))
+    if full:  # (the stages are disjoint by now)
+        ordered = sorted(stages, key=lambda r: r.start) + [range(num_layers, num_layers)]
+        stops = [0] + [r.stop for r in ordered[:-1]]
+        gaps = [range(at, r.start) for at, r in zip(stops, ordered) if r.start > at]
         if gaps:
             missing = sum(len(g) for g in gaps)
             raise ValueError(
@@ -115,8 +106,7 @@ class ModelExecutePlan:
         bwd_owners: optional device index per backward stage (``None`` = round-robin).
     """
 
-    #: The automatic planner behind :meth:`auto`; ``roundpipe_core`` installs
-    #: :func:`roundpipe_core.planning.planner.auto` on import.
+    #: The automatic planner behind :meth:`auto` (installed on import).
     _planner: ClassVar[AutoPlanner | None] = None
 
     def __init__(
@@ -150,14 +140,11 @@ class ModelExecutePlan:
     def check_valid(
         self, num_layers: int, run_type: RunType | str, num_devices: int | None = None
     ) -> None:
-        """Raise ``ValueError`` (naming the offending stage/layer) unless the plan is usable.
-
-        Rules: forward stages cover every layer exactly once in increasing order
-        ("infer"/"train"); backward stages cover every layer exactly once in
-        decreasing order ("train"/"fused"); for "fused" the forward plan covers
-        exactly the layers before the first backward stage, which fuses the forward
-        of its own layers with the loss and the backward. Owners, when given, name
-        one device of the pool per stage.
+        """Raise ``ValueError`` (naming the offending stage/layer) unless the plan is usable:
+        forward stages cover every layer once in increasing order ("infer"/"train");
+        backward stages every layer once in decreasing order ("train"/"fused"); for
+        "fused" the forward plan covers exactly the layers before the first (fused)
+        backward stage. Owners, when given, name one device of the pool per stage.
         """
         rt = parse_kind(RunType, run_type, "run_type")
         check_int(num_layers, "num_layers")
@@ -220,26 +207,17 @@ class ModelExecutePlan:
     def uniform(
         num_layers: int, num_stages: int, run_type: RunType | str = RunType.FUSED
     ) -> ModelExecutePlan:
-        """A plain plan: ``num_stages`` forward and backward stages of near-equal layer
-        counts; for "fused" the deepest stage is the fused one."""
+        """``num_stages`` stages of near-equal layer counts (for "fused" the deepest fused)."""
         rt = parse_kind(RunType, run_type, "run_type")
         check_int(num_layers, "ModelExecutePlan.uniform: num_layers")
         check_int(num_stages, "ModelExecutePlan.uniform: num_stages")
-        num_stages = min(num_stages, num_layers)
-        base, extra = divmod(num_layers, num_stages)
-        stages, start = [], 0
-        for i in range(num_stages):
-            n = base + (1 if i < extra else 0)
-            stages.append(range(start, start + n))
-            start += n
+        stages = even_ranges(num_layers, min(num_stages, num_layers))
         bwd = list(reversed(stages))
         fwd = stages if rt != RunType.FUSED else stages[:-1]
         return ModelExecutePlan(fwd, bwd if rt != RunType.INFER else [])
 
-    # -- plain data -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """JSON/YAML-friendly form: ``{"fwd": [[0, 7], [7, 12]], "bwd": [...], ...}``
-        (each stage as ``[start, stop)``, owners as lists or ``None``)."""
+        """JSON/YAML-friendly form: ``{"fwd": [[0, 7], [7, 12]], "bwd": [...], ...}``."""
         return {
             "fwd": [[r.start, r.stop] for r in self.fwd_plan],
             "bwd": [[r.start, r.stop] for r in self.bwd_plan],
@@ -260,30 +238,26 @@ class ModelExecutePlan:
             )
 
         def stages(key: str) -> list[range]:
-            out = []
-            for i, pair in enumerate(data.get(key) or []):
+            pairs = list(data.get(key) or [])
+            for i, pair in enumerate(pairs):
                 if (
                     not isinstance(pair, (list, tuple))
                     or len(pair) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
                 ):
                     raise ValueError(f"plan dict {key}[{i}] = {pair!r} must be [start, stop]")
-                out.append(range(pair[0], pair[1]))
-            return out
+            return [range(start, stop) for start, stop in pairs]
 
         def owners(key: str) -> list[int] | None:
             value = data.get(key)
-            if value is None:
-                return None
-            if not isinstance(value, (list, tuple)):
+            if value is not None and not isinstance(value, (list, tuple)):
                 raise ValueError(f"plan dict {key} must be a list of device indices or None")
-            return list(value)
+            return None if value is None else list(value)
 
         return ModelExecutePlan(
             stages("fwd"), stages("bwd"), owners("fwd_owners"), owners("bwd_owners")
         )
 
-    # -- layouts: plans from layer counts (and owner devices) per stage ---------------
     @staticmethod
     def from_layout(
         fwd: LayoutSpec | None = None,
@@ -296,18 +270,13 @@ class ModelExecutePlan:
     ) -> ModelExecutePlan:
         """Build a plan from layer counts per stage, optionally with an owner device each.
 
-        A spec is a string fit for YAML or a command line, or a Python list (see
-        :mod:`roundpipe_core.planning.layout`): ``"7,5"`` / ``[7, 5]`` (counts, round-robin),
-        ``"0:4,0:3,1:3,1:2"`` / ``[(0, 4), (0, 3), ...]`` (``device:count``),
-        ``[range(0, 7), range(7, 12)]``, or ``""`` (no stages: a "fused" plan whose
-        fused stage holds every layer).
+        A spec (:mod:`roundpipe_core.planning.layout`): ``"7,5"`` / ``[7, 5]`` (counts,
+        round-robin), ``"0:4,0:3,1:3,1:2"`` / ``[(0, 4), (0, 3), ...]`` (``device:count``),
+        ``[range(0, 7), range(7, 12)]``, or ``""`` (no stages).
 
-        Forward stages are listed shallow to deep; backward stages deep to shallow
-        (launch order), so for "fused" the first backward item is the fused stage.
-        A missing side mirrors the other: ``fwd`` defaults to the backward stages
-        reversed (without the fused one), ``bwd`` to the forward stages reversed
-        (for "fused" with the remaining deepest layers as the fused stage, which
-        needs ``num_layers``).
+        Forward stages go shallow to deep, backward stages deep to shallow (for "fused"
+        the first is the fused stage). A missing side mirrors the other (for "fused"
+        from ``fwd`` alone, the remaining deepest layers are fused: needs ``num_layers``).
 
         Args:
             fwd: forward stages.
@@ -329,11 +298,8 @@ class ModelExecutePlan:
         return plan
 
     def to_layout(self) -> dict[str, str]:
-        """The plan as layout strings, e.g. ``{"fwd": "7,5", "bwd": "0:4,1:4,0:4"}``.
-
-        ``ModelExecutePlan.from_layout(**plan.to_layout(), run_type=...)`` rebuilds
-        a plan whose stages cover layers 0.. contiguously (every valid plan does).
-        """
+        """The plan as layout strings, e.g. ``{"fwd": "7,5", "bwd": "0:4,1:4,0:4"}``, which
+        ``from_layout(**plan.to_layout(), run_type=...)`` rebuilds."""
         return {
             "fwd": format_layout(self.fwd_plan, self.fwd_owners),
             "bwd": format_layout(self.bwd_plan, self.bwd_owners),
@@ -361,7 +327,6 @@ class ModelExecutePlan:
             run_type=run_type,
         )
 
-    # -- automatic planning -----------------------------------------------------------
     @overload
     @classmethod
     def auto(cls, run_type: RunType | str, model: Any, /, **options: Any) -> ModelExecutePlan: ...
@@ -376,10 +341,8 @@ class ModelExecutePlan:
     def auto(
         cls, run_type: RunType | str, /, *models: Any, **options: Any
     ) -> ModelExecutePlan | list[ModelExecutePlan]:
-        """Plan stages from measured layer times: one plan per model (a list for several).
-
-        See :func:`roundpipe_core.planning.planner.auto` for the arguments.
-        """
+        """Plan stages from measured layer times: one plan per model (a list for several);
+        arguments: :func:`roundpipe_core.planning.planner.auto`."""
         planner = ModelExecutePlan._planner
         if planner is None:
             raise RuntimeError(

@@ -1,10 +1,7 @@
-"""Automatic planning: partition layers into stages that keep every device busy.
-
-:func:`auto` (``ModelExecutePlan.auto``) reads each model's
-:class:`~roundpipe_core.planning.profile.LayerProfile` (measured per-layer times, or
-size-based estimates) and searches the partition
-(:func:`~roundpipe_core.planning.search.search_plans`) under a per-stage memory cap;
-the re-plan policy (:func:`decide_replan`) and the CPU workers' replicas live here too.
+"""Automatic planning (:func:`auto`, ``ModelExecutePlan.auto``): each model's
+:class:`~roundpipe_core.planning.profile.LayerProfile` searched
+(:func:`~roundpipe_core.planning.search.search_plans`) under a per-stage memory cap; the
+re-plan policy (:func:`decide_replan`) and the CPU workers' replicas.
 """
 
 from __future__ import annotations
@@ -39,9 +36,6 @@ DEFAULT_MEMORY_SHARE = 0.6
 _GB = 1024**3
 
 
-# -- auto() -----------------------------------------------------------------------------
-
-
 def auto(
     run_type: RunType | str,
     *models: Any,
@@ -59,22 +53,17 @@ def auto(
     type the one-model and several-model forms).
 
     Stages should be even (the slowest sets the pace) and enough to keep every device
-    busy. Forward stages cost the layers' forward time, backward stages recompute +
-    backward, the fused stage forward + backward. Each stage's memory (parameters; for
-    backward and fused stages also gradients and one microbatch's saved activations)
-    stays under ``model_memory_limit / 2``: one stage runs while the next one's
-    parameters are prefetched. On CPU workers that lend the host's parameters
-    (``uploads_lend_parameters``) nothing is prefetched and the parameters are free: a
-    stage may use the whole limit.
+    busy. Each stage's memory (parameters; for backward and fused stages also gradients
+    and one microbatch's saved activations) stays under ``model_memory_limit / 2``, as
+    the next stage's parameters are prefetched (on CPU workers that lend the host's
+    parameters, under the whole limit).
 
     The published planner minimises ``max(total stages, min_stages) x slowest stage``
-    (``objective="stages"``) greedily over stage caps between the slowest layer and
-    ``upper_threshold`` times that (``method="greedy"``); ``method="exact"`` takes the
-    minimum over all caps. Minimised exactly, that cost favours a few huge stages (it
-    does not charge fill and drain), so the default ``objective="pipeline"`` minimises
-    the round-robin iteration time instead
-    (:func:`~roundpipe_core.planning.search.pipeline_estimate`), and ``refine=True``
-    simulates the near-optimal candidates and keeps the fastest.
+    (``objective="stages"``) greedily over caps up to ``upper_threshold`` times the
+    slowest layer (``method="greedy"``). That cost ignores fill and drain, so the default
+    ``objective="pipeline"`` minimises the round-robin iteration time
+    (:func:`~roundpipe_core.planning.search.pipeline_estimate`) over all caps
+    (``method="exact"``), and ``refine=True`` simulates the best candidates.
 
     Args:
         run_type: "infer", "train" (``forward()`` then backward through autograd)
@@ -83,8 +72,7 @@ def auto(
             :class:`LayerProfile` objects; several are planned jointly with one shared
             stage cap (e.g. an encoder and a decoder run one after another).
         min_stages: for ``objective="stages"``; default the number of devices (the
-            largest pool among the models), which "pipeline" uses as the device count
-            when no model has a pool.
+            largest pool; "pipeline" uses it as the device count when no model has one).
         upper_threshold: search window of ``method="greedy"``.
         model_memory_limit: GB a device may use for the model; default 60% of the
             smallest device's memory (CPU workers: ``ROUNDPIPE_CPU_DEVICE_MEMORY_GB``,
@@ -98,10 +86,8 @@ def auto(
             ("pipeline" only).
         overlap_iterations: rank "fused" plans by the steady state of overlapped
             ``forward_backward(blocking=False)`` calls.
-        concurrent: whether the devices compute at the same time; default: what the
-            models' pools say (CPU workers compute one at a time). Where they do not,
-            the plan with the fewest stages memory allows (the least recompute) is
-            returned, whatever the timings.
+        concurrent: whether the devices compute at the same time (default: the pools
+            say). Where not, the plan with the fewest stages memory allows is returned.
 
     Returns:
         One plan for one model, a list of plans (in order) for several.
@@ -144,9 +130,8 @@ def auto(
                 f"model_memory_limit must be a positive number of GB, got {model_memory_limit!r}"
             )
         limit_bytes = float(model_memory_limit) * _GB
-    # Half the limit per stage: one stage runs while the next one's parameters are
-    # prefetched. Where every upload lends the host's parameters there is nothing to
-    # prefetch (the profiles count the lent parameters as free), so a stage may use it all.
+    # Half the limit per stage (the next one's parameters are prefetched), unless every
+    # upload lends the host's parameters: nothing to prefetch.
     lending = all(bool(getattr(m, "uploads_lend_parameters", False)) for m in models)
     cap = _memory_cap(profiles, rt, limit_bytes, 1 if lending else 2)
     num_devices = max(devices) if devices else min_stages
@@ -177,9 +162,8 @@ def auto(
 
 
 def _cpu_overlap(model: Any) -> bool:
-    """Whether ``model`` runs on CPU workers that compute any stages side by side
-    (``pool.cpu_stages_overlap``, ``ROUNDPIPE_CPU_CONCURRENT=1``) and none of its stages
-    was seen to draw random numbers (those run alone: overlap would only add recompute)."""
+    """Whether ``model``'s CPU workers compute stages side by side
+    (``pool.cpu_stages_overlap``) and none of its stages was seen to draw random numbers."""
     layers = _overlapping_workers(model, "cpu_stages_overlap")
     return layers is not None and not model.pool.stages_draw(layers)
 
@@ -192,24 +176,21 @@ def _overlapping_workers(model: Any, overlap: str = "cpu_overlap") -> Any:
 
 
 def may_replicate(model: Any) -> bool:
-    """Whether ``model``'s one-stage fused plan may ever run as one job per CPU worker,
-    from its structure alone: its workers overlap (``pool.cpu_overlap``) and no layer has
-    buffers (two replicas would update BatchNorm statistics in another order). Fixed for
-    the model's life, so the default microbatch count resting on it never changes."""
+    """Whether ``model``'s one-stage fused plan may run as one job per CPU worker, from its
+    structure alone (fixed for its life): its workers overlap (``pool.cpu_overlap``) and
+    no layer has buffers (replicas would update BatchNorm statistics out of order)."""
     layers = _overlapping_workers(model)
     return layers is not None and not any(True for layer in layers for _ in layer.buffers())
 
 
 def replicable(model: Any) -> bool:
-    """:func:`may_replicate`, and no stage was seen to draw random numbers (those run
-    alone): what :func:`fused_replicas` and the planner's cost model rest on."""
+    """:func:`may_replicate`, and no stage was seen to draw random numbers."""
     return may_replicate(model) and not model.pool.stages_draw(model.layers)
 
 
 def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:
-    """How many jobs at once a "fused" call of ``plan`` runs its stage as
-    (``build_schedule(replicas=...)``): :func:`most_fused_replicas` where the stage was
-    seen not to draw random numbers (``pool.stage_shares_cores``), else 1."""
+    """How many jobs at once a "fused" call of ``plan`` runs its stage as: 1, or
+    :func:`most_fused_replicas` where ``pool.stage_shares_cores`` allows."""
     workers = most_fused_replicas(model, plan, num_microbatch)
     if workers == 1:
         return 1
@@ -218,9 +199,8 @@ def fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> i
 
 
 def most_fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int) -> int:
-    """The most jobs at once a "fused" call of ``plan`` may run its stage as (what the
-    host-memory budget counts): one per CPU worker where the plan is one stage, the call
-    has at least two microbatches and :func:`replicable` holds; else 1."""
+    """The most jobs at once a "fused" call of ``plan`` may run its stage as: one per CPU
+    worker for a one-stage plan, two or more microbatches and :func:`replicable`; else 1."""
     if plan.fwd_plan or len(plan.bwd_plan) != 1 or num_microbatch < 2:
         return 1
     workers = int(getattr(model, "num_devices", 1) or 1)
@@ -228,9 +208,8 @@ def most_fused_replicas(model: Any, plan: ModelExecutePlan, num_microbatch: int)
 
 
 def split_plan(num_layers: int, split: int) -> ModelExecutePlan:
-    """The two-worker plan of a CPU pool whose workers overlap: forward ``[0, split)``,
-    the fused stage ``[split, L)`` beside it on the other worker, then the backward of
-    ``[0, split)`` (recomputed)."""
+    """Forward ``[0, split)``, the fused stage ``[split, L)``, then the backward of
+    ``[0, split)``: a plan for two overlapping CPU workers."""
     return ModelExecutePlan([range(0, split)], [range(split, num_layers), range(0, split)])
 
 
@@ -240,9 +219,8 @@ def _split_or_fewest(
     num_microbatch: int,
     replicated: bool = False,
 ) -> ModelExecutePlan:
-    """On two overlapping CPU workers: the fastest on shared cores of the one-stage plan
-    (``replicated``: one job per worker) and every :func:`split_plan`; the one-stage plan
-    on ties and whenever memory forces several stages."""
+    """On two overlapping CPU workers: the fastest of the one-stage plan and every
+    :func:`split_plan` (the one-stage plan on ties, or when memory forces several)."""
     n = profile.num_layers
     if fewest.fwd_plan or len(fewest.bwd_plan) != 1 or n < 2:
         return fewest
@@ -258,12 +236,9 @@ def _split_or_fewest(
             replicated=replicated,
         )
 
-    best_ms = ms_of(fewest, replicated)
-    best = fewest
-    for split in range(1, n):
-        cand = split_plan(n, split)
-        ms = ms_of(cand)
-        if ms < best_ms * (1 - 1e-9):
+    best, best_ms = fewest, ms_of(fewest, replicated)
+    for cand in (split_plan(n, split) for split in range(1, n)):
+        if (ms := ms_of(cand)) < best_ms * (1 - 1e-9):
             best, best_ms = cand, ms
     return best
 
@@ -271,8 +246,7 @@ def _split_or_fewest(
 def _memory_cap(
     profiles: Sequence[LayerProfile], run_type: RunType, limit: float, parts: int
 ) -> float:
-    """A stage's cap, ``limit / parts``, raised (with a warning) to the largest single
-    layer when one exceeds it."""
+    """``limit / parts``, raised (with a warning) to the largest layer's need."""
     cap = limit / parts
     share = "model_memory_limit" if parts == 1 else f"model_memory_limit / {parts}"
     need, which = 0.0, (0, 0)
@@ -305,9 +279,8 @@ def predicted_speedup(
     overlap_iterations: bool = False,
     concurrent: bool = True,
 ) -> float:
-    """How much faster ``candidate`` would run than ``current``: the ratio of their
-    simulated iteration times on ``model``'s profile (> 1: the candidate is faster);
-    ``concurrent=False`` for devices that compute one at a time (CPU workers)."""
+    """Simulated iteration time of ``current`` over ``candidate`` on ``model``'s profile
+    (> 1: the candidate is faster); ``concurrent=False``: devices compute one at a time."""
     rt = parse_kind(RunType, run_type, "run_type")
     prof = profile_of(model)
     for name, plan in (("current", current), ("candidate", candidate)):
@@ -328,10 +301,9 @@ def predicted_speedup(
 
 @dataclass(frozen=True)
 class ReplanDecision:
-    """The re-plan policy's verdict: take ``candidate`` over the plan in use (``old``)
-    only when the simulator predicts it at least ``min_gain`` (0.05: 5 %) faster
-    (``gain``: the predicted speed-up). Timings are noisy and near-equal plans trade
-    places from one measurement to the next; the threshold keeps the plan in use then."""
+    """The re-plan policy's verdict: take ``candidate`` over ``old`` only when predicted
+    at least ``min_gain`` (0.05: 5 %) faster (``gain``): near-equal plans trade places
+    with noisy timings, and the threshold keeps the plan in use then."""
 
     old: ModelExecutePlan
     candidate: ModelExecutePlan
@@ -359,9 +331,8 @@ def decide_replan(
     min_gain: float,
     concurrent: bool = True,
 ) -> ReplanDecision:
-    """The one re-plan policy of the engine (the default plan's re-plan and
-    ``AutoReplan`` both ask here): see :class:`ReplanDecision`. ``concurrent``: as
-    :func:`predicted_speedup`."""
+    """The engine's one re-plan policy (the default plan's re-plan and ``AutoReplan``):
+    see :class:`ReplanDecision`."""
     gain = (
         1.0
         if candidate == old

@@ -1,21 +1,15 @@
 """What the planner knows about a model's layers: times, sizes and activation memory.
 
 * :class:`LayerProfile` — per-layer times (ms) and bytes, the planner's input.
-* :func:`layer_sizes` — bytes per layer from the modules: what a stage upload
-  moves, what gradients it holds, and how much of it is dense compute. A tied
-  (shared) parameter is uploaded by every stage whose layers use it, but it is
-  one tensor in host memory and costs compute only where it multiplies: an
-  embedding table is read a few rows at a time, so its bytes say nothing about
-  its time, while the LM head that shares it runs a full matrix product.
-* :func:`measure_activation_bytes` — saved-tensor bytes per layer, measured with
-  ``torch.autograd.graph.saved_tensors_hooks`` on a small real forward;
-  :func:`scale_activation_bytes` extends them to another token count.
-* :func:`stage_memory` / :func:`check_plan_fits` — the memory a plan's stages
-  need on a device, and a clear refusal of a plan that cannot fit.
+* :func:`layer_sizes` — bytes per layer from the modules (upload, gradients, dense
+  compute: an embedding table tied to the LM head is read a few rows at a time, so its
+  bytes say nothing about its time).
+* :func:`measure_activation_bytes` / :func:`scale_activation_bytes` — saved-tensor bytes
+  per layer, measured on a small real forward.
+* :func:`stage_memory` / :func:`check_plan_fits` — the memory a plan's stages need.
 
-A backward or fused stage holds its parameters, their gradients and, while it
-runs one microbatch, the saved activations of its layers; a forward stage runs
-without autograd and holds only its parameters. One more stage's parameters
+A backward or fused stage holds its parameters, their gradients and one microbatch's
+saved activations; a forward stage only its parameters. One more stage's parameters
 may be prefetched beside it.
 """
 
@@ -28,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..kinds import JobKind, RunType, parse_kind
 from .plan import ModelExecutePlan
@@ -100,10 +95,8 @@ class LayerProfile:
 
     @classmethod
     def from_timer(cls, timer: Any, act_bytes: Sequence[float] | None = None) -> LayerProfile:
-        """The current estimates of a :class:`~roundpipe_core.running.timer.ModelTimer`.
-
-        ``act_bytes`` defaults to the timer's ``layer_activation_bytes`` when it has them.
-        """
+        """The current estimates of a :class:`~roundpipe_core.running.timer.ModelTimer`
+        (``act_bytes`` default: its ``layer_activation_bytes``)."""
         if act_bytes is None:
             act_bytes = getattr(timer, "layer_activation_bytes", None)
         return cls(
@@ -130,23 +123,19 @@ class LayerProfile:
         return params, [p + g + a for p, g, a in zip(params, grads, acts)]
 
 
-# -- sizes ------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class LayerSizes:
     """Bytes per layer, from the modules.
 
     Attributes:
-        upload_bytes: parameters + buffers a stage upload moves (a tensor shared by
-            two layers is uploaded by each stage that runs one of them).
+        upload_bytes: parameters + buffers a stage upload moves (a shared tensor in
+            each stage that uses it).
         grad_bytes: trainable parameters (gradients a backward stage holds).
-        compute_bytes: dense weights the layer computes with: parameters of lookup
-            modules (``nn.Embedding``, ``nn.EmbeddingBag``) are left out unless the
-            layer also uses the same tensor in a dense op.
-        host_bytes: the model's parameters and buffers with every tensor counted once.
-        parameter_bytes: the parameters among ``upload_bytes`` (what an upload to a device
-            whose memory is the host's lends instead of copying, ``Worker.lend_in``).
+        compute_bytes: dense weights: parameters of ``nn.Embedding`` / ``EmbeddingBag``
+            are left out unless the layer also uses the tensor in a dense op.
+        host_bytes: the model's parameters and buffers, every tensor counted once.
+        parameter_bytes: the parameters among ``upload_bytes`` (what an upload to
+            host memory lends instead of copying, ``Worker.lend_in``).
     """
 
     upload_bytes: list[int]
@@ -201,31 +190,18 @@ def size_prior_ms(compute_bytes: Sequence[int]) -> list[float]:
     return [max(r, floor) for r in raw]
 
 
-# -- activations ------------------------------------------------------------------------
-
-
-def _leaves(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _leaves(v)]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _leaves(v)]
-    return []
-
-
-#: fp32 copies of the last layer's output a loss holds at its peak: cross-entropy on
-#: logits upcasts them and keeps the log-softmax, and its backward makes a gradient
-#: of the same size, while the output itself is alive (an estimate, by construction).
+#: fp32 copies of the last layer's output a loss holds at its peak (an estimate):
+#: cross-entropy upcasts the logits and keeps the log-softmax, its backward a gradient.
 LOSS_TRANSIENT_FP32_COPIES = 2
 
 
 def loss_transient_bytes(output: Any) -> int:
     """Bytes the loss adds on top of the last layer's saved tensors: its output (the
-    logits) and ``LOSS_TRANSIENT_FP32_COPIES`` fp32 copies of its floating-point tensors.
-    For a language model this is the largest transient of a step (tokens x vocabulary)."""
+    logits) and ``LOSS_TRANSIENT_FP32_COPIES`` fp32 copies of its floating-point tensors."""
     total = 0
-    for t in _leaves(output):
+    for t in pytree.tree_leaves(output):
+        if not isinstance(t, torch.Tensor):
+            continue
         total += t.nbytes
         if t.is_floating_point():
             total += LOSS_TRANSIENT_FP32_COPIES * t.numel() * 4
@@ -238,14 +214,10 @@ def measure_activation_bytes(
     with_loss_transient: bool = False,
     **kwargs: Any,
 ) -> list[int]:
-    """Saved-tensor bytes per layer of one forward with autograd, on ``args``/``kwargs``.
-
-    Layer 0 gets ``(*args, **kwargs)``, every later layer the previous output
-    (``nn.Sequential`` semantics). Every tensor autograd saves for the backward is
-    counted once per layer by its storage; the model's own parameters and buffers
-    are not activations and are left out. With ``with_loss_transient`` the last
-    layer also counts :func:`loss_transient_bytes` of its output (the stage that
-    computes the loss holds it). Run it on a small batch on the CPU and
+    """Saved-tensor bytes per layer of one forward with autograd (``nn.Sequential``
+    semantics: layer 0 gets ``(*args, **kwargs)``), each storage counted once per layer,
+    parameters and buffers left out. With ``with_loss_transient`` the last layer also
+    counts :func:`loss_transient_bytes` of its output. Run it on a small batch and
     :func:`scale_activation_bytes` to the real one.
     """
     if isinstance(layers, nn.Module):
@@ -260,11 +232,13 @@ def measure_activation_bytes(
     with torch.enable_grad():
         for i, layer in enumerate(layers):
             counter = _SavedBytes(state)
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                 x = layer(*args, **kwargs) if i == 0 else layer(x)
-            out.append(counter.total)
+            out.append(sum(counter.seen.values()))
             # Detach between layers: each layer's graph is measured on its own.
-            x = _detach_tree(x)
+            x = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.detach().requires_grad_(t.is_floating_point()), x
+            )
     if with_loss_transient and out:
         out[-1] += loss_transient_bytes(x)
     return out
@@ -278,10 +252,8 @@ class _SavedBytes:
         self.seen: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        # What is saved is a detached alias: a node that saves its own output (sigmoid,
-        # exp, attention) would otherwise hold that output, grad_fn and all, from C++ --
-        # a cycle Python's collector cannot see, which kept the whole measured graph
-        # (a forward's activations) alive for the life of the process.
+        # A detached alias: a node saving its own output (sigmoid, exp) would otherwise
+        # hold it, grad_fn and all, from C++ -- a cycle that kept the graph alive.
         if t.device.type == "meta":  # no storage to share: count the tensor
             self.seen[id(t)] = t.nbytes
             return t.detach()
@@ -291,33 +263,12 @@ class _SavedBytes:
             self.seen[ptr] = max(self.seen.get(ptr, 0), storage.nbytes())
         return t.detach()
 
-    @property
-    def total(self) -> int:
-        return sum(self.seen.values())
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _detach_tree(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.is_floating_point())
-    if isinstance(x, tuple):
-        items = [_detach_tree(v) for v in x]
-        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
-    if isinstance(x, list):
-        return [_detach_tree(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _detach_tree(v) for k, v in x.items()}
-    return x
-
 
 def scale_activation_bytes(
     measured: Sequence[float], measured_tokens: int, tokens: int
 ) -> list[float]:
     """Activation bytes for ``tokens`` tokens per microbatch from a measurement at
-    ``measured_tokens`` (saved tensors grow with the tokens a layer processes)."""
+    ``measured_tokens`` (saved tensors grow with the tokens)."""
     if measured_tokens < 1 or tokens < 1:
         raise ValueError(
             f"token counts must be >= 1, got measured_tokens={measured_tokens}, tokens={tokens}"
@@ -325,20 +276,11 @@ def scale_activation_bytes(
     return [float(b) * tokens / measured_tokens for b in measured]
 
 
-# -- stage memory -----------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class StageMemory:
-    """Bytes one stage holds on its device while it runs.
-
-    Attributes:
-        kind: the job kind of the stage.
-        stage: its index in its plan.
-        layers: its layers.
-        param_bytes / grad_bytes / act_bytes: parameters, gradients, saved activations
-            of one microbatch (the last two are 0 for a forward stage).
-    """
+    """Bytes one stage (``kind``, index ``stage`` in its plan, ``layers``) holds while it
+    runs: parameters, gradients and one microbatch's saved activations (the last two 0
+    for a forward stage)."""
 
     kind: JobKind
     stage: int
@@ -393,14 +335,10 @@ def check_plan_fits(
     run_type: RunType | str,
     capacity_bytes: float,
 ) -> None:
-    """Refuse a plan whose stages cannot fit a device of ``capacity_bytes``.
-
-    A device holds the running stage and the next stage's prefetched parameters;
-    the check asks that the running stage plus the largest other stage's
-    parameters fit (round-robin may put any stage next). A backward or fused
-    stage also holds, from its second microbatch on, a fresh gradient while it is
-    added to the accumulated one: the largest layer's gradient bytes are counted
-    once more (the fake-CUDA caching allocator measured that transient).
+    """Refuse a plan whose stages cannot fit a device of ``capacity_bytes``: each stage
+    plus the largest other stage's parameters (round-robin may prefetch any next) must
+    fit, and a backward or fused stage also holds its largest layer's gradient once more
+    (a fresh one being added to the accumulated one, measured on fake CUDA).
 
     Raises:
         ValueError: naming the stage, its layers and the bytes it needs.
@@ -431,19 +369,10 @@ def check_plan_fits(
             )
 
 
-# -- a model's profile ---------------------------------------------------------------
-
-
 def profile_of(model: Any) -> LayerProfile:
     """The planner's view of one model: a :class:`LayerProfile` as given, a
-    ``ModelTimer``'s estimates, or a RoundPipe model's.
-
-    Before anything was measured, the timer's estimates come from its layers' sizes
-    (:func:`size_prior_ms`): time follows the dense weights a layer computes with, so
-    an embedding table — even one tied to the LM head — does not look as slow as
-    the head. Saved-activation bytes
-    per microbatch come from the model's (or its timer's) ``layer_activation_bytes``
-    when it records them.
+    ``ModelTimer``'s estimates (before measurements: :func:`size_prior_ms`), or a
+    RoundPipe model's, with its ``layer_activation_bytes`` when it records them.
     """
     if isinstance(model, LayerProfile):
         return model
@@ -461,10 +390,8 @@ def profile_of(model: Any) -> LayerProfile:
 
 
 def _with_lent_parameters(profile: LayerProfile, sizes: LayerSizes) -> LayerProfile:
-    """``profile`` for a pool whose uploads lend the host's parameters (CPU workers with
-    nothing writing the weights during a call): a stage's parameters cost its device
-    nothing -- it computes on the host's -- so only what is still copied (buffers, a
-    quantized layer's state) counts; gradients and activations are real memory."""
+    """``profile`` for a pool whose uploads lend the host's parameters: only what is still
+    copied (buffers, quantized state) counts as upload; gradients are real memory."""
     n = profile.num_layers
     uploads = list(profile.param_bytes) if profile.param_bytes is not None else [0] * n
     grads = list(profile.grad_bytes) if profile.grad_bytes is not None else uploads

@@ -1,10 +1,8 @@
-"""The iteration's schedule as data: plan + dispatch policy -> an ordered job list.
-
-The one place that decides which device runs which stage, in which order: the runtime
-executes the list, the simulator times it, the timer annotates it. Dispatch is
-round-robin (``job k -> device (start_device + k) mod N``) unless the plan pins a stage.
-A job prints as ``"<stage><kind code><device>"`` (``"2F0"``, ``"0X1"``, ``"3B0"``), a
-schedule as those codes separated by spaces (:func:`parse_schedule` reads them back).
+"""The iteration's schedule as data: plan + dispatch policy -> an ordered job list, the
+one place that decides which device runs which stage (the runtime executes it, the
+simulator times it). Dispatch is round-robin (``job k -> device (start_device + k) mod
+N``) unless the plan pins a stage. A job prints as ``"<stage><kind code><device>"``
+(``"2F0"``, ``"0X1"``, ``"3B0"``), a schedule as those codes separated by spaces.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..kinds import JobKind, RunType, check_int, parse_kind
-from .plan import ModelExecutePlan
+from .plan import ModelExecutePlan, even_ranges
 
 __all__ = [
     "BACKWARD",
@@ -38,16 +36,15 @@ _CODE = re.compile(r"([0-9]+)([A-Z])([0-9]+)")
 
 @dataclass(frozen=True)
 class Job:
-    """One stage execution: upload its layers to ``device``, run every microbatch, drop them.
+    """One stage execution: upload its layers to ``device``, run its microbatches, drop them.
 
     Attributes:
-        index: position in launch order within the schedule.
-        kind: ``FORWARD`` (no autograd; saves stage inputs for recompute), ``FUSED``
-            (forward + loss + backward of the last layers) or ``BACKWARD`` (recompute +
-            backward).
+        index: position in launch order.
+        kind: ``FORWARD`` (no autograd), ``FUSED`` (forward + loss + backward) or
+            ``BACKWARD`` (recompute + backward).
         stage: index in ``fwd_plan`` (forward jobs) or ``bwd_plan`` (fused/backward).
         replica / replicas: which of ``replicas`` jobs running one stage at once, each on
-            its own slice of the microbatches (0 of 1 for every other job).
+            its own slice of the microbatches (0 of 1 otherwise).
     """
 
     index: int
@@ -121,17 +118,15 @@ def build_schedule(
     start_device: int = 0,
     replicas: int = 1,
 ) -> list[Job]:
-    """Build the launch-ordered job list of one iteration of ``plan`` (validated for
-    ``run_type``) on ``num_devices`` devices, ``num_microbatch`` microbatches per stage.
+    """The launch-ordered job list of one iteration of ``plan`` on ``num_devices``
+    devices, ``num_microbatch`` microbatches per stage.
 
     Args:
-        phase: ``"all"``, ``"forward"`` or ``"backward"`` -- "train" runs its forward
-            and backward phases as two separate schedules.
-        start_device: round-robin offset of the first job (the backward phase of
-            "train" continues where its forward phase stopped).
+        phase: ``"all"``, ``"forward"`` or ``"backward"`` ("train" runs two schedules).
+        start_device: round-robin offset of the first job.
         replicas: a one-stage "fused" plan with no owner runs as this many jobs at once
-            (at most one per device and microbatch), each on the next contiguous slice
-            of the microbatches, on devices ``start_device``, ``start_device + 1``, ...
+            (at most one per device and microbatch), each on a contiguous slice of the
+            microbatches, on devices ``start_device``, ``start_device + 1``, ...
     """
     rt = parse_kind(RunType, run_type, "run_type")
     check_int(num_devices, "num_devices")
@@ -146,21 +141,18 @@ def build_schedule(
         owners = plan.fwd_owners
         for i, r in enumerate(plan.fwd_plan):
             entries.append((FORWARD, r, i, owners[i] if owners else None))
-    if rt == RunType.FUSED and do_fwd:
+    if (rt == RunType.FUSED and do_fwd) or (rt == RunType.TRAIN and do_bwd):
         owners = plan.bwd_owners
         for i, r in enumerate(plan.bwd_plan):
-            entries.append((FUSED if i == 0 else BACKWARD, r, i, owners[i] if owners else None))
-    if rt == RunType.TRAIN and do_bwd:
-        owners = plan.bwd_owners
-        for i, r in enumerate(plan.bwd_plan):
-            entries.append((BACKWARD, r, i, owners[i] if owners else None))
+            kind = FUSED if rt == RunType.FUSED and i == 0 else BACKWARD
+            entries.append((kind, r, i, owners[i] if owners else None))
     check_int(replicas, "replicas")
     count = min(replicas, num_devices, num_microbatch)
     if count > 1 and len(entries) == 1 and entries[0][0] == FUSED and entries[0][3] is None:
         _, r, stage, _ = entries[0]
         return [
             Job(k, FUSED, r, (start_device + k) % num_devices, part, stage, k, count)
-            for k, part in enumerate(_slices(num_microbatch, count))
+            for k, part in enumerate(even_ranges(num_microbatch, count))
         ]
     jobs = []
     for k, (kind, r, stage, owner) in enumerate(entries):
@@ -169,24 +161,8 @@ def build_schedule(
     return jobs
 
 
-def _slices(num_microbatch: int, count: int) -> list[range]:
-    """``range(num_microbatch)`` cut into ``count`` contiguous slices, the first ones one
-    longer where it does not divide evenly: 3 on 2 -> ``[0, 1], [2]``."""
-    base, extra = divmod(num_microbatch, count)
-    out, start = [], 0
-    for k in range(count):
-        stop = start + base + (1 if k < extra else 0)
-        out.append(range(start, stop))
-        start = stop
-    return out
-
-
 def boundary_layers(plan: ModelExecutePlan, run_type: RunType | str) -> set[int]:
-    """Layer indices whose inputs a forward pass must keep for the backward stages.
-
-    Only each backward stage's input is kept (full recompute); with asymmetric
-    plans these need not coincide with forward stage boundaries.
-    """
+    """Layers whose inputs a forward keeps for the backward: each backward stage's first."""
     if parse_kind(RunType, run_type, "run_type") == RunType.INFER:
         return set()
     return {r.start for r in plan.bwd_plan}

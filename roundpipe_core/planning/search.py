@@ -6,6 +6,7 @@ shortlist and a walk to faster neighbouring plans (see :func:`search_plans`).
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,10 +32,9 @@ _GB = 1024**3
 
 @dataclass
 class PlanSearch:
-    """Result of a planner search: one plan per model, the stage time cap they were
-    packed under (``stage_ms``), their total stage count, the objective's value
-    (``cost``; with ``fewest_stages``, the summed stage time of one microbatch), the
-    per-stage memory bound, and how many caps were ``evaluated``."""
+    """One plan per model, the stage time cap (``stage_ms``), the total stage count, the
+    objective's ``cost`` (``fewest_stages``: the summed stage time), the memory bound
+    and how many caps were ``evaluated``."""
 
     plans: list[ModelExecutePlan]
     stage_ms: float
@@ -76,11 +76,8 @@ class _Problem:
         return 1 + self.fwd.count(f, cap, m) + self.bwd.count(f, cap, m)
 
     def work(self, cap: float) -> float:
-        """Summed stage time (per microbatch) of the plan packed under ``cap``.
-
-        Only "fused" depends on the cap: a larger fused stage saves its recompute.
-        Non-increasing in the cap.
-        """
+        """Summed stage time per microbatch under ``cap`` (non-increasing: only "fused"
+        depends on it, a larger fused stage saving its recompute)."""
         n = self.n
         total = self.fwd.cost_prefix[n]
         if self.run_type == RunType.TRAIN:
@@ -118,8 +115,7 @@ class _Problem:
         return ModelExecutePlan(fwd, bwd)
 
     def _split(self, part: Partitioner, f: int, k: int) -> list[range] | None:
-        """Layers 0..f-1 in at most ``k`` stages as even as memory allows (deepest
-        first), or ``None`` when ``k`` stages cannot hold them."""
+        """Layers 0..f-1 in at most ``k`` even stages (deepest first), or ``None``."""
         key = (id(part), f, k)
         if key not in self._splits:
             self._splits[key] = None
@@ -132,8 +128,8 @@ class _Problem:
         return self._splits[key]
 
     def neighbours(self, plan: ModelExecutePlan, spread: int) -> Iterator[ModelExecutePlan]:
-        """Plans one move from ``plan``: the fused split moved by up to ``spread`` layers,
-        or the sides given up to ``spread`` stages more or fewer; every side balanced."""
+        """Plans one move from ``plan``: the fused split moved, or the sides given up to
+        ``spread`` stages more or fewer; every side balanced."""
         n, rt = self.n, self.run_type
         fused = rt == RunType.FUSED
         f0 = plan.bwd_plan[0].start if fused else n
@@ -170,15 +166,11 @@ def pipeline_estimate(
     num_microbatch: int,
     work_ms: float = 0.0,
 ) -> float:
-    """Estimated iteration time of ``S`` stages of at most ``T`` ms under round-robin
-    dispatch on ``N`` devices with ``M`` microbatches.
-
-    Equal stages take exactly ``T * max(ceil(S / N) * M + (S - 1) mod N, S + M - 1)``
-    (the simulator agrees); the estimate is at least the work spread over the devices
-    plus the fill/drain ramp, ``M * work_ms / N + (min(N, M) - 1) * T`` (``work_ms``:
-    summed stage time per microbatch; exact on one device), which never exceeds the
-    equal-stage value for equal stages. Non-decreasing in S, T and the work, which the
-    exact search relies on; ``refine`` corrects its pessimism for uneven stages.
+    """Estimated iteration time of ``S`` stages of at most ``T`` ms, round-robin on ``N``
+    devices with ``M`` microbatches: exactly ``T * max(ceil(S / N) * M + (S - 1) mod N,
+    S + M - 1)`` for equal stages, and at least ``M * work_ms / N + (min(N, M) - 1) * T``
+    (``work_ms``: summed stage time). Non-decreasing in S, T and the work, which the
+    exact search relies on.
     """
     s, n, m = num_stages, num_devices, num_microbatch
     if n == 1 and work_ms > 0:
@@ -190,8 +182,7 @@ def pipeline_estimate(
 def plan_cost(
     plan: ModelExecutePlan, profile: LayerProfile, run_type: RunType | str, min_stages: int = 1
 ) -> tuple[float, int, float]:
-    """The published cost of one plan, ``(max(num_stages, min_stages) * slowest,
-    num_stages, slowest_stage_ms)``, from :func:`stage_times`."""
+    """``(max(num_stages, min_stages) * slowest, num_stages, slowest_stage_ms)``."""
     times = stage_times(plan, profile, run_type)
     slowest = max(times)
     return max(len(times), min_stages) * slowest, len(times), slowest
@@ -244,28 +235,20 @@ def search_plans(
     overlap_iterations: bool = False,
     fewest_stages: bool = False,
 ) -> PlanSearch:
-    """Partition one or more models (planned jointly: one shared stage time cap), every
-    stage under the cap and under ``memory_cap_bytes``.
+    """Partition one or more models (jointly: one shared stage time cap T), every stage
+    under T and ``memory_cap_bytes``, minimising ``"stages"``, ``max(S, min_stages) * T``,
+    or ``"pipeline"``, :func:`pipeline_estimate` (S: the total stage count).
 
-    Objectives of the total stage count S and the cap T: ``"stages"``, the published
-    ``max(S, min_stages) * T``; ``"pipeline"``, :func:`pipeline_estimate` on
-    ``num_devices`` and ``num_microbatch``, which also charges fill and drain.
+    ``method="exact"`` finds the minimum: the optimal cap is a sum of contiguous layers,
+    greedy packing gives the fewest stages for a cap, and both objectives are monotone
+    in S and T, so a pruned bisection over the sorted caps suffices. ``method="greedy"``
+    tries caps up to ``upper_threshold`` times the slowest layer, as published.
 
-    ``method="exact"`` finds the minimum: the optimal cap is one of the sums of
-    contiguous layers, greedy packing gives the fewest stages for a cap (S is a
-    non-increasing step function of T), and both objectives are non-decreasing in S and
-    T, so a pruned bisection over the sorted caps suffices. ``method="greedy"`` tries
-    only caps between the slowest layer and ``upper_threshold`` times that, as the
-    published planner does (``benchmarks/planner.py`` has a faithful rewrite).
-
-    ``refine=True`` ("pipeline") simulates the plans with the optimum's stage count and
-    up to :data:`REFINE_SPREAD` more or fewer, plus the greedy pick, and keeps the
-    fastest; with ``walk`` each model's plan then hill-climbs on the simulated time
-    (:func:`_walk`), never ending slower than it started. Plans are timed one iteration
-    alone, or with ``overlap_iterations`` in the steady state of overlapped calls.
-
-    ``fewest_stages=True`` returns the plan with the fewest stages memory allows (the
-    least recompute): the fastest where every job's time adds up (CPU workers).
+    ``refine=True`` ("pipeline") simulates the optimum's stage count and up to
+    :data:`REFINE_SPREAD` more or fewer, plus the greedy pick, and keeps the fastest;
+    with ``walk`` each plan then hill-climbs on the simulated time (:func:`_walk`).
+    ``overlap_iterations`` times the steady state of overlapped calls.
+    ``fewest_stages=True`` returns the plan with the fewest stages memory allows.
 
     Raises:
         ValueError: unknown method / objective / run type, no profiles, or a layer
@@ -289,18 +272,14 @@ def search_plans(
         raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold!r}")
     problems = [_Problem(p, rt, memory_cap_bytes) for p in profiles]
     cands = sorted({c for pr in problems for c in pr.candidates()})
-    counts: dict[int, float] = {}
-    works: dict[int, float] = {}
 
+    @functools.cache
     def s_at(idx: int) -> float:
-        if idx not in counts:
-            counts[idx] = sum(pr.stages(cands[idx]) for pr in problems)
-        return counts[idx]
+        return sum(pr.stages(cands[idx]) for pr in problems)
 
+    @functools.cache
     def w_at(idx: int) -> float:
-        if idx not in works:
-            works[idx] = sum(pr.work(cands[idx]) for pr in problems)
-        return works[idx]
+        return sum(pr.work(cands[idx]) for pr in problems)
 
     def value(num: float, cap: float, work: float) -> float:
         if objective == "stages":
@@ -323,12 +302,12 @@ def search_plans(
         count never grows with the cap)."""
         return first_true(0, last_idx, lambda i: s_at(i) <= at_most)
 
+    def found(plans: list[ModelExecutePlan], cap: float, num: int, cost: float) -> PlanSearch:
+        return PlanSearch(plans, cap, num, cost, memory_cap_bytes, s_at.cache_info().currsize)
+
     if fewest_stages:
         plans = [pr.build(cands[last_idx]) for pr in problems]
-        num = int(s_at(last_idx))
-        return PlanSearch(
-            plans, cands[last_idx], num, w_at(last_idx), memory_cap_bytes, len(counts)
-        )
+        return found(plans, cands[last_idx], int(s_at(last_idx)), w_at(last_idx))
     first = first_true(0, last_idx, lambda i: s_at(i) < math.inf)  # smallest feasible cap
     best_idx = first
 
@@ -409,8 +388,8 @@ def search_plans(
         value_now = plan_objective(
             plans, profiles, rt, objective, min_stages, num_devices, num_microbatch
         )
-        return PlanSearch(plans, max(times), len(times), value_now, memory_cap_bytes, len(counts))
-    return PlanSearch(plans, cap, int(s_at(chosen)), cost(chosen), memory_cap_bytes, len(counts))
+        return found(plans, max(times), len(times), value_now)
+    return found(plans, cap, int(s_at(chosen)), cost(chosen))
 
 
 #: Stages more or fewer per side, or layers the fused split moves, in one walk step.
@@ -429,13 +408,8 @@ def _walk(
     num_microbatch: int,
     overlap: bool = False,
 ) -> ModelExecutePlan:
-    """Hill-climb on the simulated iteration time from each start through its neighbours;
-    the fastest plan seen (the first start on ties).
-
-    The cap search ranks plans by an estimate that is exact only for equal stages;
-    the schedule's real iteration time also depends on where the fused split falls
-    and how many stages each side has, which the walk tries directly.
-    """
+    """Hill-climb on the simulated iteration time from each start through its neighbours
+    (the cap search's estimate is exact only for equal stages); the fastest plan seen."""
     seen: dict[str, float] = {}
 
     def simulated(p: ModelExecutePlan) -> float:

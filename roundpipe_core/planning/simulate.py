@@ -1,16 +1,10 @@
-"""Event simulator of one iteration of a plan on N devices.
-
-It times the job list of :func:`~roundpipe_core.planning.schedule.build_schedule` (the
-list the runtime executes) with the engine's rules: each device runs its jobs in launch
-order, a job its microbatches in order; stage k of microbatch m waits for stage k-1 of
-microbatch m (forward chain, fused stage, backward stages deep to shallow), and a
-backward stage also for the saved input its first layer's forward produced; with
-``run_type="train"`` the backward phase starts after the whole forward phase; a
-stage's upload (``upload_ms``) runs on its device's copy channel, prefetched while the
-previous job runs, and handing activations to another device costs ``activation_ms``.
-
-The weight-binding baseline of the paper lives beside its benchmark
-(``benchmarks/bound_baseline.py``) and reuses :class:`SimEvent` / :class:`SimResult`.
+"""Event simulator of a plan on N devices: it times the job list of
+:func:`~roundpipe_core.planning.schedule.build_schedule` (what the runtime executes) with
+the engine's rules. Each device runs its jobs in launch order, a job its microbatches in
+order; stage k of microbatch m waits for stage k-1 of microbatch m, and a backward stage
+also for the saved input its first layer's forward produced; "train" starts its backward
+phase after the whole forward phase; an upload runs on its device's copy channel,
+prefetched while the previous job runs.
 """
 
 from __future__ import annotations
@@ -39,9 +33,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SimEvent:
-    """One interval on a device's timeline (times in ms). ``kind``: "forward", "fused",
-    "backward" or "upload"; ``microbatch`` -1 for uploads; ``job``: index in the schedule
-    (-1 for the bound baseline); ``iteration``: 0 unless several are simulated."""
+    """One interval on a device's timeline (ms). ``kind``: "forward", "fused", "backward" or
+    "upload"; ``microbatch`` -1 for uploads; ``job``: index in the schedule (-1: none)."""
 
     device: int
     kind: str
@@ -63,9 +56,8 @@ class SimResult:
         bubble_ratio / efficiency: ``1 -`` / ``sum(busy_ms) / (makespan_ms * devices)``.
         events: the timeline, compute and upload intervals; ``jobs``: the schedule timed.
         iteration_ms: makespan divided by the number of iterations simulated.
-        peak_bytes: per device, the most memory it holds at once (running stage with its
-            gradients and one microbatch's activations, plus the next stage's prefetched
-            parameters); empty unless the simulation was given layer sizes.
+        peak_bytes: per device, the most memory it holds at once
+            (:func:`device_peak_bytes`); empty unless given layer sizes.
     """
 
     makespan_ms: float
@@ -171,17 +163,13 @@ def simulate(
             to a stage on another device.
         iterations: iterations to simulate back to back.
         overlap_iterations: model ``forward_backward(blocking=False)``: the next
-            iteration starts on a device as soon as it is free (round-robin continues),
-            iteration ``it`` reads the weights of step ``it - 2``, and its upload of a
-            layer waits until iteration ``it - 1`` has uploaded that layer. Uploads are
-            prefetched during the previous job of the same iteration if the weights are
-            ready then, else when the job is due; never across iterations.
+            iteration starts on a device as soon as it is free, iteration ``it`` reads the
+            weights of step ``it - 2``, and its upload of a layer waits for iteration
+            ``it - 1``'s; uploads are never prefetched across iterations.
         step_ms: one optimizer step on one host thread; step k starts when iteration k
-            and step k - 1 are done, and a job of iteration k + 2 waits only for the
-            layers it runs to be published.
-        step_per_layer: a step taken layer by layer (e.g. a fused AdamW per layer): a
-            layer's share of ``step_ms`` runs once its last gradient is in and the thread
-            is free, and is published right after. Default: one call after the iteration.
+            and step k - 1 are done; a job of iteration k + 2 waits for its layers only.
+        step_per_layer: a layer's share of ``step_ms`` runs once its last gradient is in
+            (a layer-wise step). Default: one call after the iteration.
         step_share: each layer's share of ``step_ms`` (normalized; default: in
             proportion to ``param_bytes`` if given, else equal).
         param_bytes: bytes a stage upload moves per layer; with it the result reports
@@ -285,11 +273,8 @@ def device_peak_bytes(
     grad_bytes: Sequence[float] | None = None,
     act_bytes: Sequence[float] | None = None,
 ) -> list[float]:
-    """Peak memory of each device running ``jobs`` (see ``SimResult.peak_bytes``).
-
-    A device holds the stage it runs and, prefetched, the parameters of its next
-    job; a forward stage runs without autograd and keeps no saved activations.
-    """
+    """Peak memory of each device running ``jobs``: the running stage (with gradients and
+    one microbatch's activations unless a forward) and its next job's parameters."""
     n = len(param_bytes)
     params = per_layer(param_bytes, n, "param_bytes")
     grads = per_layer(grad_bytes, n, "grad_bytes") if grad_bytes is not None else params
@@ -328,17 +313,14 @@ def simulated_iteration_ms(
     shared_cores: bool = False,
     replicated: bool = False,
 ) -> float:
-    """The planner's one iteration-time estimate: the simulated time of one iteration of
-    ``plan`` on one of three device models.
+    """The planner's one iteration-time estimate, on one of three device models:
 
-    * ``concurrent=True`` (GPUs): devices compute side by side at full speed; with
-      ``overlap`` ("fused") the steady state of ``forward_backward(blocking=False)``
-      calls, per iteration over :data:`OVERLAP_ITERATIONS` after as many warm-up ones.
+    * ``concurrent=True`` (GPUs): devices compute side by side; with ``overlap``
+      ("fused") the steady state of overlapped calls over :data:`OVERLAP_ITERATIONS`.
     * ``concurrent=False`` (CPU workers under one lock): every job's time adds up.
-    * ``shared_cores=True`` (CPU workers computing side by side; ``concurrent`` unread):
-      one job computes alone on all cores; jobs on several workers at once each run
-      :data:`SHARED_CORES_SLOWDOWN` times slower. ``replicated``: the one-stage plan as
-      one job per worker on its slice of the microbatches (``planner.fused_replicas``).
+    * ``shared_cores=True`` (overlapping CPU workers): jobs on several workers at once
+      each run :data:`SHARED_CORES_SLOWDOWN` times slower. ``replicated``: the one-stage
+      plan as one job per worker (``planner.fused_replicas``).
     """
     run_type = parse_kind(RunType, run_type, "run_type")
     if shared_cores:
@@ -384,9 +366,8 @@ def simulated_iteration_ms(
             overlap_iterations=True,
         ).makespan_ms
 
-    # Overlapped iterations can settle into a period of more than one iteration (two
-    # calls sharing one fill, then a wait for the step two back), so the steady state
-    # is measured over a whole window after a warm-up window of the same length.
+    # Overlapped iterations can settle into a period of several iterations: measure a
+    # whole window after a warm-up window of the same length.
     k = OVERLAP_ITERATIONS
     return (span(2 * k) - span(k)) / k
 
@@ -411,18 +392,13 @@ def _stage_time(job: Job, fwd: list[float], bwd: list[float], re: list[float]) -
 
 
 class _WeightGate:
-    """Per-layer weight versions of overlapped iterations (the engine's WeightVersions):
-    when each layer was last uploaded by the previous iteration, and which iteration the
-    last job on each device belonged to (prefetch never crosses iterations)."""
+    """Per-layer weight versions of overlapped iterations: when the previous iteration
+    last uploaded each layer (``prev``), and each device's last job's iteration."""
 
     def __init__(self, num_devices: int) -> None:
-        # layer -> end of its last upload in the previous iteration
         self.prev: dict[int, float] = {}
         self.cur: dict[int, float] = {}
         self.last_iter = [-1] * num_devices
-
-    def next_iteration(self) -> None:
-        self.prev, self.cur = self.cur, {}
 
     def upload_start(self, job: Job, it: int, job_ends: list[float], barrier: float) -> float:
         d = job.device
@@ -462,20 +438,18 @@ def _run_iteration(
     grad_done: dict[int, float] | None = None,
     serial: bool = False,
 ) -> float:
-    """Time one iteration's jobs in launch order (every dependency points backwards).
+    """Time one iteration's jobs in launch order; returns its end.
 
-    ``events=None`` only computes the end time (the planner's fast path); ``gate``
-    adds the per-layer weight-version rule of overlapped iterations; ``layer_ready``:
-    when each layer's weights (of the step this iteration reads) are published;
-    ``grad_done`` receives when each layer's gradients of this iteration are complete.
-    The per-device state (``device_free``, ...) carries over between iterations; it
-    starts idle where not given."""
+    ``events=None`` only computes the end (the planner's fast path); ``gate``: overlapped
+    iterations' weight versions; ``layer_ready``: when each layer's weights are published;
+    ``grad_done`` receives when each layer's gradients are complete. The per-device
+    state carries over between iterations (idle where not given)."""
     upl = upl or [0.0] * len(fwd)
     device_free = device_free or [0.0] * num_devices
     upload_free = upload_free or [0.0] * num_devices
     job_ends = job_ends or [[] for _ in range(num_devices)]
     if gate is not None:
-        gate.next_iteration()
+        gate.prev, gate.cur = gate.cur, {}
     fwd_jobs: list[Job] = [j for j in jobs if j.kind == FORWARD]
     fwd_starts = [j.layers.start for j in fwd_jobs]
     end: dict[int, list[float]] = {}  # job index -> end time of each of its microbatches
@@ -491,23 +465,18 @@ def _run_iteration(
         # Parameter upload, prefetched on the device's copy channel.
         params_ready = barrier
         up = sum(upl[i] for i in job.layers)
-        if gate is not None:
-            ustart = max(upload_free[d], gate.upload_start(job, it, job_ends[d], barrier))
-            upload_free[d] = ustart + up
-            params_ready = ustart + up
-            gate.uploaded(job, ustart + up)
+        if gate is not None or up > 0:
+            if gate is not None:
+                due = gate.upload_start(job, it, job_ends[d], barrier)
+            else:
+                due = max(job_ends[d][-2] if len(job_ends[d]) >= 2 else 0.0, barrier)
+            ustart = max(upload_free[d], due)
+            params_ready = upload_free[d] = ustart + up
+            if gate is not None:
+                gate.uploaded(job, params_ready)
             if up > 0 and events is not None:
                 events.append(
-                    SimEvent(d, "upload", job.stage, -1, ustart, ustart + up, job.index, it)
-                )
-        elif up > 0:
-            prev2 = job_ends[d][-2] if len(job_ends[d]) >= 2 else 0.0
-            ustart = max(upload_free[d], prev2, barrier)
-            upload_free[d] = ustart + up
-            params_ready = ustart + up
-            if events is not None:
-                events.append(
-                    SimEvent(d, "upload", job.stage, -1, ustart, ustart + up, job.index, it)
+                    SimEvent(d, "upload", job.stage, -1, ustart, params_ready, job.index, it)
                 )
         if job.kind != FORWARD:
             bwd_job_of_stage[job.stage] = job
