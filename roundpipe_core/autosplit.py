@@ -231,15 +231,44 @@ _TOKEN_MEAN_LOSSES = {"ForCausalLM": True, "ForConditionalGeneration": True, "Fo
 _IGNORE_INDEX = -100
 
 
+def _input_leaves(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` of every leaf of a unit call's inputs (as the batch split sees them)."""
+    return [
+        pair
+        for where, value in (("args", args), ("kwargs", kwargs))
+        for pair in zip(leaf_paths(value, where), flatten(value)[0])
+    ]
+
+
 def not_batch_leading(args: tuple, kwargs: dict, batch: int | None) -> str | None:
     """The first input tensor whose dim 0 is neither the call's batch nor 1 (a broadcast
     dim), described; ``None`` if every tensor is batch-leading."""
-    for where, value in (("args", args), ("kwargs", kwargs)):
-        for path, leaf in zip(leaf_paths(value, where), flatten(value)[0]):
-            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
-                if leaf.shape[0] not in (batch, 1):
-                    return f"input {path} of shape {tuple(leaf.shape)}"
+    for path, leaf in _input_leaves(args, kwargs):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] not in (batch, 1):
+            return f"input {path} of shape {tuple(leaf.shape)}"
     return None
+
+
+def check_no_cache(
+    args: tuple, kwargs: dict, unit_name: str, unit: nn.Module, model: nn.Module
+) -> None:
+    """Refuse a unit call given a transformers ``Cache`` (XLM builds one even in training):
+    the unit writes its keys and values into it for the later units' calls, state that
+    a device replica run per microbatch would fill with one microbatch's tensors."""
+    for path, leaf in _input_leaves(args, kwargs):
+        if any(
+            c.__name__ == "Cache" and c.__module__.startswith("transformers")
+            for c in type(leaf).__mro__
+        ):
+            raise ValueError(
+                f"automatic split: unit {unit_name or '<root>'!r} ({type(unit).__name__}) takes "
+                f"a transformers {type(leaf).__name__} as its input {path}: a decoding cache it "
+                "writes into for later units, outside the call's inputs and outputs, which "
+                "separate units on the device pool cannot share. Load the model with "
+                "use_cache=False if it honours that, or make the module that passes the cache "
+                f"one unit: override_config={{{spelled(caller_of(model, unit_name))}: "
+                "RoundPipeRunConfig()} in wrap_model_to_roundpipe / auto_wrap"
+            )
 
 
 #: ``split_input`` of a call that must not be cut: every input whole, in one microbatch
@@ -291,12 +320,11 @@ def mutable_state(args: tuple, kwargs: dict) -> list[tuple[str, Any, tuple]]:
     """``(where, object, contents by identity)`` of the mutable input containers the batch
     split does not open (transformers' ``KVSharingDict``, any ``MutableMapping`` or
     ``MutableSequence``): where a unit could leave state for later units."""
-    out = []
-    for where, value in (("args", args), ("kwargs", kwargs)):
-        for path, leaf in zip(leaf_paths(value, where), flatten(value)[0]):
-            if isinstance(leaf, (MutableMapping, MutableSequence)):
-                out.append((path, leaf, _contents(leaf)))
-    return out
+    return [
+        (path, leaf, _contents(leaf))
+        for path, leaf in _input_leaves(args, kwargs)
+        if isinstance(leaf, (MutableMapping, MutableSequence))
+    ]
 
 
 def _contents(obj: Any) -> tuple:
@@ -748,6 +776,7 @@ class AutoRoundPipe(RoundPipeBase):
                     )
                 cfg = replace(cfg, num_microbatch=1, split_input=WHOLE_CALL)
                 n = 1
+        check_no_cache(args, kwargs, name, unit, self.model)
         normalised = token_count_kwargs(unit, kwargs, n) if n > 1 else None
         state = mutable_state(args, kwargs)
         watch = self._host_reads

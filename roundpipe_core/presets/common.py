@@ -1,108 +1,96 @@
-"""Building blocks shared by the Hugging Face presets.
+"""The pipeline layers of a converted causal LM, and the *decoder state* they pass on.
 
-A preset turns a causal language model into an ``nn.Sequential`` of
+A converted model is ``nn.Sequential(CausalLMInputAdapter, GenericDecoderBlock...,
+CausalLMOutputAdapter)`` (the last in :mod:`.head`). The layers *reuse* the Hugging Face
+modules, so the Sequential shares every parameter with the original model (tied
+embeddings stay one ``Parameter``) and training updates it in place.
 
-* an **input adapter** (token embeddings, position ids, rotary cos/sin),
-* one **decoder block** per transformer layer, and
-* an **output adapter** (final norm + LM head + loss, :mod:`.head`).
+The decoder state is a plain tuple ``(hidden_states, tables, position_ids,
+attention_mask, labels, extras)``; every tensor in it has the batch as dim 0, so the
+engine splits it into microbatches along dim 0. ``tables`` holds the position tables
+(rotary cos/sin) computed once in layer 0; ``extras`` is a dict of call options and
+running sums: ``return_logits``, ``logits_to_keep``, ``num_items_in_batch`` (0-dim tensor
+or ``None``), ``output_router_logits`` and ``router_stats`` (:mod:`.moe`). The 4D
+attention mask does not travel: for long sequences a ``(B, 1, S, S)`` mask is larger
+than the hidden states, so each block rebuilds it from the 2D padding mask on its own
+device, with Hugging Face's own mask functions (exact for every attention implementation).
 
-The pieces *reuse* the Hugging Face module objects, so the Sequential shares
-every parameter with the original model: training it updates the original
-model in place and ``model.state_dict()`` stays current. Tied embeddings stay
-tied (the input and output adapters hold the same ``Parameter``). What travels
-between the layers is described in :mod:`.state`; each block rebuilds its 4D
-attention mask with Hugging Face's own mask functions (``create_causal_mask``
-and friends), which keeps the conversion exact for every attention
-implementation (eager, sdpa, flash).
-
-Forward rules (what a layer may do when RoundPipe runs it): none of these modules writes a plain attribute
-or a shared buffer during forward, and every temporary is created on the
-device of its input.
+Forward rules: no layer writes a plain attribute or a shared buffer in forward, and
+every temporary is created on the device of its input.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..kinds import check_flag
-from .loss import IGNORE_INDEX
-from .moe import (
-    Rescore,
-    RouterStats,
-    add_router_stats,
-    install_router_replay,
-    rescore_softmax_then_topk,
-    run_with_router_replay,
-)
-from .state import DecoderState, unpack_state
+from .moe import RouterStats, add_router_stats, run_with_router_replay
+from .probe import MASK_BUILDERS, LayerRecipe
 
-__all__ = [
-    "CausalLMInputAdapter",
-    "DecoderBlock",
-    "build_sequential",
-    "convert_rotary_decoder_lm",
-    "mask_functions",
-    "output_adapter",
-    "prepare_hf_model",
-    "split_call",
-]
+__all__ = ["STATE_FIELDS", "CausalLMInputAdapter", "GenericDecoderBlock", "unpack_state"]
+
+DecoderState = tuple[Any, ...]
+STATE_FIELDS = ("hidden_states", "tables", "position_ids", "attention_mask", "labels", "extras")
 
 
-# --------------------------------------------------------------------------- adapters
+def unpack_state(state: tuple[Any, ...]) -> DecoderState:
+    """Accept the decoder state either splatted (``layer(*state)``) or as one tuple."""
+    if len(state) == 1 and isinstance(state[0], (tuple, list)):
+        state = tuple(state[0])
+    if len(state) != len(STATE_FIELDS):
+        raise TypeError(
+            f"a preset layer expects the decoder state {STATE_FIELDS} from the previous layer, "
+            f"got {len(state)} values; run the layers of a converted model in order"
+        )
+    return state
 
 
 class CausalLMInputAdapter(nn.Module):
-    """Layer 0 of a converted causal LM: embeddings, position ids, rotary tables, call options.
+    """Layer 0 of a converted causal LM: embeddings, position ids, position tables, call options.
 
     Args:
         embed_tokens: the model's token embedding (shared, not copied).
-        rotary_emb: the model's rotary embedding module, or ``None``.
-        position_embedding: learned absolute position embedding (GPT-2), or ``None``.
-        dropout: embedding dropout (GPT-2), or ``None``.
+        position_tables: the position-embedding calls of the model's layers (rotary
+            embeddings; Gemma 3's local and global ones), as ``(module, layer_type or
+            None)`` pairs, each computed once, ``module(hidden, position_ids[,
+            layer_type])``; the state's ``tables`` holds their outputs in this order.
+        position_embedding: a learned or sinusoidal position embedding added to the
+            embeddings (GPT-2's ``wpe``, OPT's ``embed_positions``), or ``None``.
+        position_embedding_inputs: how ``position_embedding`` is called, as
+            ``(keyword or position, source, detail)`` triples with sources ``"const"``
+            (detail: the value), ``"padding_mask"`` and ``"position_ids"``; ``None``:
+            ``position_embedding(position_ids)``.
+        positions_from_mask: default position ids counted over the padding mask,
+            ``cumsum(mask) * mask - 1`` (OPT), instead of ``0..S-1``.
+        dropout: embedding dropout, or ``None``.
         router_logits_default: MoE models: ``config.output_router_logits`` (the
             default of ``output_router_logits``); ``None`` for dense models,
             which do not take the argument.
         embed_scale: multiply the embeddings (also given ``inputs_embeds``) by this
-            (Granite's ``embedding_multiplier``, AFMoE's ``hidden_size ** 0.5``), or ``None``.
-        embed_scale_as_tensor: multiply by a tensor of the embeddings' dtype
-            (``torch.tensor(scale, dtype=hidden.dtype)``, as Gemma-style code writes it)
-            instead of a Python float; the two round differently in half precision.
-        position_tables: instead of ``rotary_emb``: the position-embedding calls of a
-            model whose layers take different tables (Gemma 3's local and global
-            rotary embeddings), as ``(module, layer_type or None)`` pairs. Each is
-            computed once, ``module(hidden, position_ids[, layer_type])``, and the
-            state's ``cos`` field holds their outputs as a tuple in this order
-            (``sin`` is ``None``); a block picks its table by index.
-        position_embedding_inputs: how ``position_embedding`` is called, as
-            ``(keyword or position, source, detail)`` triples with sources ``"const"``
-            (detail: the value), ``"padding_mask"`` and ``"position_ids"`` (OPT's
-            ``embed_positions(attention_mask, 0, position_ids=...)``); ``None``:
-            ``position_embedding(position_ids)``.
-        positions_from_mask: default position ids counted over the padding mask,
-            ``cumsum(mask) * mask - 1`` (OPT), instead of ``0..S-1``.
+            (Gemma's ``hidden_size ** 0.5``, Granite's ``embedding_multiplier``), or ``None``.
+        embed_scale_as_tensor: multiply by a tensor of the embeddings' dtype (as
+            Gemma-style code writes it) instead of a Python float; the two round
+            differently in half precision.
     """
 
     def __init__(
         self,
         embed_tokens: nn.Module,
-        rotary_emb: nn.Module | None = None,
+        position_tables: Sequence[tuple[nn.Module, str | None]] = (),
         position_embedding: nn.Module | None = None,
+        position_embedding_inputs: Sequence[tuple[str | int, str, Any]] | None = None,
+        positions_from_mask: bool = False,
         dropout: nn.Module | None = None,
         router_logits_default: bool | None = None,
         embed_scale: float | None = None,
         embed_scale_as_tensor: bool = False,
-        position_tables: Sequence[tuple[nn.Module, str | None]] | None = None,
-        position_embedding_inputs: Sequence[tuple[str | int, str, Any]] | None = None,
-        positions_from_mask: bool = False,
     ) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
-        self.rotary_emb = rotary_emb
         self.position_embedding = position_embedding
         self.position_embedding_inputs = (
             None if position_embedding_inputs is None else tuple(position_embedding_inputs)
@@ -112,20 +100,15 @@ class CausalLMInputAdapter(nn.Module):
         self.router_logits_default = router_logits_default
         self.embed_scale = embed_scale
         self.embed_scale_as_tensor = embed_scale_as_tensor
-        self.position_modules: nn.ModuleList | None = None
-        self.position_calls: tuple[tuple[int, str | None], ...] = ()
-        if position_tables is not None:
-            if rotary_emb is not None:
-                raise ValueError("give rotary_emb or position_tables, not both")
-            modules: list[nn.Module] = []
-            calls = []
-            for module, layer_type in position_tables:
-                index = next((i for i, m in enumerate(modules) if m is module), len(modules))
-                if index == len(modules):
-                    modules.append(module)
-                calls.append((index, layer_type))
-            self.position_modules = nn.ModuleList(modules)
-            self.position_calls = tuple(calls)
+        modules: list[nn.Module] = []
+        calls = []
+        for module, layer_type in position_tables:
+            index = next((i for i, m in enumerate(modules) if m is module), len(modules))
+            if index == len(modules):
+                modules.append(module)
+            calls.append((index, layer_type))
+        self.position_modules = nn.ModuleList(modules)
+        self.position_calls = tuple(calls)
 
     def forward(
         self,
@@ -140,7 +123,7 @@ class CausalLMInputAdapter(nn.Module):
         logits_to_keep: int = 0,
         **unsupported: Any,
     ) -> DecoderState:
-        """Embed the tokens and build the decoder state (see :mod:`.state`).
+        """Embed the tokens and build the decoder state.
 
         Args:
             input_ids / inputs_embeds: exactly one of them.
@@ -221,16 +204,12 @@ class CausalLMInputAdapter(nn.Module):
             hidden = hidden + positions.to(hidden.device)
         if self.dropout is not None:
             hidden = self.dropout(hidden)
-        cos = sin = None
-        if self.rotary_emb is not None:
-            cos, sin = self.rotary_emb(hidden, position_ids)
-        elif self.position_modules is not None:
-            cos = tuple(
-                self.position_modules[i](hidden, position_ids)
-                if layer_type is None
-                else self.position_modules[i](hidden, position_ids, layer_type)
-                for i, layer_type in self.position_calls
-            )
+        tables = tuple(
+            self.position_modules[i](hidden, position_ids)
+            if layer_type is None
+            else self.position_modules[i](hidden, position_ids, layer_type)
+            for i, layer_type in self.position_calls
+        )
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(
@@ -249,7 +228,7 @@ class CausalLMInputAdapter(nn.Module):
             "output_router_logits": bool(output_router_logits),
             "router_stats": None,
         }
-        return (hidden, cos, sin, position_ids, attention_mask, labels, extras)
+        return (hidden, tables, position_ids, attention_mask, labels, extras)
 
 
 def split_call(inputs: dict[str | int, Any]) -> tuple[list[Any], dict[str, Any]]:
@@ -276,211 +255,90 @@ def _check_num_items(value: Any, device: torch.device) -> torch.Tensor | None:
     return torch.tensor(value, device=device)
 
 
-MaskFn = Callable[..., Any]
-
-
-class DecoderBlock(nn.Module):
-    """One Hugging Face decoder layer as one pipeline layer.
-
-    It rebuilds the 4D attention mask for its layer type from the 2D padding
-    mask (with the same Hugging Face function the original model uses), then
-    calls the original layer.
+class GenericDecoderBlock(nn.Module):
+    """One decoder layer as one pipeline layer, called as the model's own forward called it.
 
     Args:
         layer: the Hugging Face decoder layer (shared, not copied).
-        config: the model config (read only).
-        mask_fn: ``create_causal_mask`` or ``create_sliding_window_causal_mask``.
-        rotary: whether the layer takes ``position_embeddings=(cos, sin)``.
-        routers: router modules inside the layer whose top-k choice must be
-            replayed in the recompute pass (MoE), see :mod:`.moe`.
-        mask_with_position_ids: pass ``position_ids`` to the mask function (as
-            the original model does; GPT-OSS does not).
+        config: the model's (text) config (read only).
+        recipe: the layer's arguments and where each comes from (:class:`.probe.LayerRecipe`).
+        routers: MoE routers inside the layer (with :func:`.moe.install_router_replay`):
+            their choice is replayed in the recompute, and with ``output_router_logits``
+            their statistics are added to the state for the load-balancing loss.
     """
 
     def __init__(
         self,
         layer: nn.Module,
         config: Any,
-        mask_fn: MaskFn,
-        rotary: bool = True,
+        recipe: LayerRecipe,
         routers: Sequence[nn.Module] = (),
-        mask_with_position_ids: bool = True,
     ) -> None:
         super().__init__()
+        from transformers import masking_utils
+
         self.layer = layer
+        self.num_routers = len(routers)
         # Plain (read-only) attributes: never written in forward.
         self.config = config
-        self.mask_fn = mask_fn
-        self.rotary = rotary
-        self.num_routers = len(routers)
-        self.mask_with_position_ids = mask_with_position_ids
+        self.recipe = recipe
+        self.mask_fns = {
+            kind: getattr(masking_utils, name)
+            for kind, name in MASK_BUILDERS.items()
+            if hasattr(masking_utils, name)
+        }
 
     def forward(self, *state: Any) -> DecoderState:
-        hidden, cos, sin, position_ids, attention_mask, labels, extras = unpack_state(state)
-        mask_kwargs: dict[str, Any] = {
-            "config": self.config,
-            "inputs_embeds": hidden,
-            "attention_mask": attention_mask,
-            "cache": None,
-        }
-        if self.mask_with_position_ids:
-            mask_kwargs["position_ids"] = position_ids
-        kwargs: dict[str, Any] = {
-            "attention_mask": self.mask_fn(**mask_kwargs),
-            "position_ids": position_ids,
-        }
-        if self.rotary:
-            kwargs["position_embeddings"] = (cos, sin)
-        out, extras = call_layer(
-            lambda: self.layer(hidden, **kwargs), self.num_routers, extras, attention_mask, hidden
-        )
-        return (out, cos, sin, position_ids, attention_mask, labels, extras)
+        hidden, tables, position_ids, attention_mask, labels, extras = unpack_state(state)
+        kwargs: dict[str | int, Any] = {}
+        for key, source, detail in self.recipe.inputs:
+            if source == "const":
+                kwargs[key] = detail
+            elif source == "padding_mask":
+                kwargs[key] = attention_mask
+            elif source == "position_ids":
+                kwargs[key] = position_ids
+            elif source == "cache_position":
+                kwargs[key] = torch.arange(hidden.shape[1], device=hidden.device)
+            elif source == "table":
+                kwargs[key] = tables[detail]
+            elif source == "fresh":
+                kwargs[key] = detail()
+            else:  # "mask": rebuilt here from the 2D padding mask
+                kind, with_pos, skip = detail
+                mask_kwargs: dict[str, Any] = {
+                    "config": self.config,
+                    "inputs_embeds": hidden,
+                    "attention_mask": attention_mask,
+                    "cache": None,
+                }
+                if not skip:
+                    mask_kwargs["allow_is_causal_skip"] = False
+                if with_pos:
+                    mask_kwargs["position_ids"] = position_ids
+                kwargs[key] = self.mask_fns[kind](**mask_kwargs)
+        args, named = split_call(kwargs)
 
+        def run() -> Any:
+            return self.layer(hidden, *args, **named)
 
-def call_layer(
-    run: Callable[[], Any],
-    num_routers: int,
-    extras: dict[str, Any],
-    attention_mask: torch.Tensor | None,
-    hidden: torch.Tensor,
-) -> tuple[Any, dict[str, Any]]:
-    """Run a decoder layer (``run()``); with MoE routers, replay their choices in recompute
-    and, when the call asks for ``output_router_logits``, add their statistics to
-    ``extras`` (a new dict: the input state may be kept by the engine for the recompute)."""
-    if not num_routers:
-        return run(), extras
-    captured: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    if extras["output_router_logits"]:
-        captured = []
-    out = run_with_router_replay(run, num_routers, capture=captured)
-    if captured is not None:
-        previous = extras["router_stats"]
-        stats = add_router_stats(
-            None if previous is None else RouterStats(*previous),
-            captured,
-            attention_mask,
-            hidden.shape[0],
-            hidden.shape[1],
-        )
-        extras = {**extras, "router_stats": None if stats is None else tuple(stats)}
-    return out, extras
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def prepare_hf_model(model: Any) -> None:
-    """Settings a Hugging Face model needs before conversion (training without cache)."""
-    checkpointing = getattr(model, "is_activation_checkpointing", None)
-    if checkpointing is None:  # transformers < 5
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    if checkpointing:
-        # RoundPipe already recomputes every stage; HF checkpointing on top would run it twice.
-        warnings.warn(
-            "Hugging Face gradient checkpointing is turned off for RoundPipe, which recomputes "
-            "activations itself",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        disable = getattr(model, "activation_checkpointing_disable", None)
-        (disable or model.gradient_checkpointing_disable)()
-
-
-def build_sequential(
-    input_adapter: nn.Module, blocks: Sequence[nn.Module], output_adapter: nn.Module
-) -> nn.Sequential:
-    """``nn.Sequential(input_adapter, *blocks, output_adapter)``."""
-    return nn.Sequential(input_adapter, *blocks, output_adapter)
-
-
-def mask_functions(config: Any) -> tuple[MaskFn, MaskFn]:
-    """Hugging Face's (full, sliding-window) causal mask builders."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    return create_causal_mask, create_sliding_window_causal_mask
-
-
-def output_adapter(
-    norm: nn.Module,
-    lm_head: nn.Module,
-    num_experts: int | None = None,
-    router_aux_loss_coef: float = 0.0,
-    logit_ops: tuple[tuple[str, float], ...] = (),
-) -> nn.Module:
-    """The last layer (:class:`.head.CausalLMOutputAdapter`); ``num_experts`` only for MoE models,
-    ``logit_ops`` for models that scale or soft-cap their logits."""
-    # imported here: .head needs transformers, an optional dependency of roundpipe_core
-    from .head import CausalLMOutputAdapter
-
-    return CausalLMOutputAdapter(
-        norm,
-        lm_head,
-        ignore_index=IGNORE_INDEX,
-        num_experts=num_experts,
-        router_aux_loss_coef=router_aux_loss_coef,
-        logit_ops=logit_ops,
-    )
-
-
-def convert_rotary_decoder_lm(
-    model: Any,
-    layer_kinds: Sequence[str] | None = None,
-    router_of: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
-    rescore: Rescore = rescore_softmax_then_topk,
-    mask_with_position_ids: bool = True,
-) -> nn.Sequential:
-    """Convert a Llama-family causal LM (``model.model.{embed_tokens,layers,norm,rotary_emb}``, ``model.lm_head``).
-
-    Args:
-        model: the ``*ForCausalLM`` module.
-        layer_kinds: per layer ``"full_attention"`` or ``"sliding_attention"``;
-            ``None`` = all full.
-        router_of: MoE models: the routers inside a decoder layer (empty for
-            dense layers); their choices are replayed in recompute, and the
-            model takes ``output_router_logits`` (needs ``model.num_experts``
-            and ``model.router_aux_loss_coef``, as Hugging Face's MoE models have).
-        rescore: how the routers turn logits into the weights of given experts.
-        mask_with_position_ids: whether the original model passes
-            ``position_ids`` to its mask functions.
-    """
-    prepare_hf_model(model)
-    backbone = model.model
-    config = model.config
-    full_mask, sliding_mask = mask_functions(config)
-    layers = list(backbone.layers[: config.num_hidden_layers])
-    if layer_kinds is None:
-        layer_kinds = ["full_attention"] * len(layers)
-    blocks = []
-    for layer, kind in zip(layers, layer_kinds):
-        if kind not in ("full_attention", "sliding_attention"):
-            raise ValueError(f"unsupported attention layer type {kind!r} for a RoundPipe preset")
-        routers = list(router_of(layer)) if router_of is not None else []
-        for router in routers:
-            install_router_replay(router, rescore)
-        blocks.append(
-            DecoderBlock(
-                layer,
-                config,
-                sliding_mask if kind == "sliding_attention" else full_mask,
-                rotary=True,
-                routers=routers,
-                mask_with_position_ids=mask_with_position_ids,
+        if not self.num_routers:
+            out = run()
+        elif not extras["output_router_logits"]:
+            out = run_with_router_replay(run, self.num_routers)
+        else:
+            captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+            out = run_with_router_replay(run, self.num_routers, capture=captured)
+            previous = extras["router_stats"]
+            stats = add_router_stats(
+                None if previous is None else RouterStats(*previous),
+                captured,
+                attention_mask,
+                hidden.shape[0],
+                hidden.shape[1],
             )
-        )
-    moe = router_of is not None
-    return build_sequential(
-        CausalLMInputAdapter(
-            backbone.embed_tokens,
-            rotary_emb=backbone.rotary_emb,
-            router_logits_default=bool(getattr(config, "output_router_logits", False))
-            if moe
-            else None,
-        ),
-        blocks,
-        output_adapter(
-            backbone.norm,
-            model.lm_head,
-            num_experts=int(model.num_experts) if moe else None,
-            router_aux_loss_coef=float(getattr(model, "router_aux_loss_coef", 0.0)) if moe else 0.0,
-        ),
-    )
+            # a new dict: the engine may keep the input state for the recompute
+            extras = {**extras, "router_stats": None if stats is None else tuple(stats)}
+        if self.recipe.tuple_output:
+            out = out[0]
+        return (out, tables, position_ids, attention_mask, labels, extras)

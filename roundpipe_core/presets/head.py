@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+from .common import unpack_state
 from .loss import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     IGNORE_INDEX,
@@ -44,7 +45,6 @@ from .loss import (
     token_cross_entropy,
 )
 from .moe import aux_loss_from_stats
-from .state import unpack_state
 
 __all__ = [
     "LOGIT_OPS",
@@ -234,7 +234,7 @@ class CausalLMOutputAdapter(nn.Module):
         )
 
     def forward(self, *state: Any) -> Any:
-        hidden, _cos, _sin, _pos, _mask, labels, extras = unpack_state(state)
+        hidden, _tables, _pos, _mask, labels, extras = unpack_state(state)
         hidden = self.norm(hidden)
         keep = extras.get("logits_to_keep", 0)
         logits = None

@@ -338,3 +338,46 @@ def test_state_a_units_forward_keeps_on_its_module_is_refused_naming_it() -> Non
     skip = [layer for layer in model.model.layers if hasattr(layer.temporal_block, "rg_lru")]
     assert len(skip) == 2
     _compare_with_hf(model, {"skip_modules": skip}, **_batch()).close()
+
+
+def _xlm() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.XLMConfig(
+        vocab_size=VOCAB,
+        emb_dim=32,
+        n_layers=2,
+        n_heads=4,
+        dropout=0.0,
+        attention_dropout=0.0,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    return transformers.XLMWithLMHeadModel(cfg).train()
+
+
+def test_a_unit_given_a_transformers_cache_is_refused_and_the_named_fix_is_exact() -> None:
+    # XLM builds an EncoderDecoderCache even in training and hands it to every attention
+    model = _xlm()
+    rp = wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=False,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        devices="cpu:2",
+    )
+    try:
+        with pytest.raises(
+            ValueError,
+            match=r"unit 'transformer.attentions.0' \(MultiHeadAttention\) takes a transformers "
+            r"EncoderDecoderCache as its input kwargs\['cache'\].*"
+            r"override_config=\{model.transformer: RoundPipeRunConfig\(\)\}",
+        ):
+            rp(**_batch())
+    finally:
+        rp.close()
+    model = _xlm()
+    override = {  # its prediction layer's mean loss is refused too, with this fix
+        model.transformer: RoundPipeRunConfig(),
+        model.pred_layer: RoundPipeRunConfig(num_microbatch=1),
+    }
+    rp = _compare_with_hf(model, {"override_config": override}, **_batch())
+    rp.close()

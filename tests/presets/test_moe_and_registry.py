@@ -18,7 +18,7 @@ from roundpipe_core.presets import (  # noqa: E402
     known_presets,
     register_preset,
 )
-from roundpipe_core.presets.common import DecoderBlock  # noqa: E402
+from roundpipe_core.presets.common import GenericDecoderBlock  # noqa: E402
 
 
 def _capture_expert_choice(model) -> tuple[list, list]:
@@ -36,7 +36,7 @@ def test_moe_recompute_replays_forward_routing() -> None:
     model = make_model("qwen3_moe")
     seq = convert_to_sequential(model)
     block = seq[1]
-    assert isinstance(block, DecoderBlock) and block.num_routers == 1
+    assert isinstance(block, GenericDecoderBlock) and block.num_routers == 1
     ids, mask, _ = make_batch(padding="right")
     state = seq[0](input_ids=ids, attention_mask=mask)
     seen, handles = _capture_expert_choice(model)
