@@ -74,7 +74,7 @@ from .session import (
     check_pool_devices,
     expose_settings,
 )
-from .sharded_checkpoint import fabric_shards_dir, load_optimizer_state, of_optimizer
+from .sharded_checkpoint import fabric_shards_dir
 
 __all__ = ["RoundPipeFabricStrategy"]
 
@@ -686,12 +686,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         for key, obj in state.items():
             adopted = self._adopted(obj) if isinstance(obj, Optimizer) else None
             if adopted is not None:
-                directory = fabric_shards_dir(path, key)  # (checks the key, sharded or not)
-                run, raw = adopted
-                shard = run.sharding(raw)
-                if shard is not None:
-                    named = of_optimizer(run.masters_by_name(), raw)
-                    D.save_shard(directory, named, raw, shard.owns, shard.rank, shard.world_size)
+                # (the key is checked, sharded or not)
+                adopted[0].save_shard(adopted[1], fabric_shards_dir(path, key))
             run_of_module = self._run_of(obj) if isinstance(obj, nn.Module) else None
             if run_of_module is not None:
                 sections[key] = run_of_module.section(run_of_module.optimizers)
@@ -757,14 +753,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 if strict:
                     raise KeyError(f"fabric.load(): the checkpoint {path} has no {key!r}")
                 continue
-            if run.load_optimizer_state(raw, remainder[key]):
-                del remainder[key]
-                continue
-            # a state dict, or the marker of shards (any node count); sharded, this node
-            # keeps what it owns now
-            directory = fabric_shards_dir(path, key)
-            shard = run.sharding(raw)
-            load_optimizer_state(directory, raw, remainder.pop(key), shard, run.masters_by_name())
+            # a state dict, or the marker of shards (any node count)
+            run.load_optimizer(raw, remainder.pop(key), fabric_shards_dir(path, key))
         for run in self._runs:
             run.fuse_again()
         return remainder

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from enum import Enum
+from pathlib import Path
 from typing import Any, TypedDict, TypeVar
 
 import torch
@@ -57,7 +58,13 @@ from ._private import (
 )
 from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section, restore_learned
 from .plans import resolve_execute_plan
-from .sharded_checkpoint import is_marker, marker, sharded_masters
+from .sharded_checkpoint import (
+    is_marker,
+    load_optimizer_state,
+    marker,
+    of_optimizer,
+    sharded_masters,
+)
 
 __all__ = [
     "SessionSettings",
@@ -1114,20 +1121,39 @@ class Session:
         state = self.tier.masters_state()
         return {name: state[key] for name, key in self._tier_names().items()}
 
-    def load_optimizer_state(self, opt: Optimizer, state: dict[str, Any]) -> bool:
-        """With a disk tier: ``state`` (an ordinary state dict, saved in RAM or from a
-        tier) into the tier's files and ``opt``'s param groups; returns False (nothing
-        done) without one."""
+    def save_shard(self, opt: Optimizer, directory: Path) -> None:
+        """Every rank, sharded: its share of ``opt``'s state (with the user's fused /
+        foreach) into ``directory``; nothing for an optimizer that is not sharded."""
+        shard = self.dp.shard(opt)
+        if shard is None:
+            return
+        choice = self.user_impl.get(id(opt))
+        named = of_optimizer(self.masters_by_name(), opt)
+        D.save_shard(
+            directory,
+            named,
+            opt,
+            shard.owns,
+            shard.rank,
+            shard.world_size,
+            edit_groups=lambda groups: restore_impl_choice({"param_groups": groups}, choice),
+        )
+
+    def load_optimizer(self, opt: Optimizer, state: Any, directory: Path | None) -> None:
+        """Restore ``opt`` from ``state``: a state dict (into the disk tier's files where
+        there is one), or the marker of the shards in ``directory``
+        (:func:`~roundpipe_lightning.sharded_checkpoint.load_optimizer_state`)."""
         if self.tier is None:
-            return False
-        if is_marker(state):
+            named = self.masters_by_name()
+            load_optimizer_state(directory, opt, state, self.dp.shard(opt), named)
+        elif is_marker(state):
             raise ValueError(
                 f"{self.settings.owner}(offload_dir=...): this checkpoint's optimizer state is "
                 "sharded across processes; merge it first with "
                 "roundpipe_lightning.convert_sharded_checkpoint(path, out)"
             )
-        self.tier.load_state(None, opt, state)
-        return True
+        else:
+            self.tier.load_state(None, opt, state)
 
     def read_section(self, section: Any, strict: bool) -> Mapping[str, Tensor]:
         """The saved masters of a checkpoint's section, checked before anything is loaded."""

@@ -24,9 +24,8 @@ optimizer states merged, in one process) that plain Lightning loads.
 
 from __future__ import annotations
 
-import functools
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,32 +101,6 @@ def sharded_masters(dp: D.DataParallel, optimizers: Sequence[Any]) -> set[int]:
     return {id(p) for opt in optimizers if (s := dp.shard(opt)) is not None for p in s.params}
 
 
-def save_host_shards(
-    filepath: str | Path,
-    optimizers: Sequence[Any],
-    dp: D.DataParallel,
-    named_masters: Mapping[str, torch.Tensor],
-    edit_groups: Callable[[int, list[dict[str, Any]]], None] | None = None,
-) -> None:
-    """Every rank: write its share of each sharded optimizer's state beside ``filepath``
-    (``edit_groups(i, groups)``: what to put back into optimizer ``i``'s groups)."""
-    for i, opt in enumerate(optimizers):
-        shard = dp.shard(opt)
-        if shard is None:
-            continue
-        raw = getattr(opt, "_optimizer", opt)
-        edit = None if edit_groups is None else functools.partial(edit_groups, i)
-        D.save_shard(
-            shards_dir(filepath, i),
-            of_optimizer(named_masters, raw),
-            raw,
-            shard.owns,
-            shard.rank,
-            shard.world_size,
-            edit_groups=edit,
-        )
-
-
 def load_optimizer_state(
     directory: Path | None,
     optimizer: Any,
@@ -160,21 +133,6 @@ def load_optimizer_state(
         raw.load_state_dict(state)
     if shard is not None:
         shard.drop_foreign_state(raw)
-
-
-def load_optimizer_states(
-    checkpoint_path: str | Path | None,
-    optimizers: Sequence[Any],
-    states: Sequence[Any],
-    dp: D.DataParallel,
-    named_masters: Mapping[str, torch.Tensor],
-) -> None:
-    """Restore each optimizer from its saved state: an ordinary state dict, or the
-    shards its marker points to (any rank count); sharded, this rank keeps only the
-    state of the parameters it owns."""
-    for i, (opt, state) in enumerate(zip(optimizers, states)):
-        directory = None if checkpoint_path is None else shards_dir(checkpoint_path, i)
-        load_optimizer_state(directory, opt, state, dp.shard(opt), named_masters)
 
 
 def _put_back_masters(ckpt: dict[str, Any], masters: Mapping[str, torch.Tensor]) -> None:

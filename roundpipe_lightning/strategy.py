@@ -1,37 +1,15 @@
 """``RoundPipeStrategy``: train a LightningModule's ``nn.Sequential`` with RoundPipe.
 
 A thin adapter of Lightning's ``ParallelStrategy`` hooks over the training session
-(:mod:`roundpipe_lightning.session`), which the Fabric strategy shares.
-
-At setup the strategy wraps what ``configure_sequential()`` returns in a plain ``RoundPipe``
-whose pool is the Trainer's devices (``accelerator="cpu", devices=N``: N CPU workers; ``"gpu"``:
-N GPUs), in this one process, and sets ``lightning_module.roundpipe``. It composes the engine
-through its hooks: ``loss_multiplier`` (``1/accumulate_grad_batches`` times the loss scale),
-``set_plan`` (layouts, ``AutoReplan``) and the caller's autocast state, which the engine carries
-to its worker threads.
-
-* ``training_step`` calls ``self.roundpipe.forward_backward(...)`` (any of the
-  engine's arguments, ``blocking=False`` included): it already backpropagated
-  into the fp32 master gradients, so its backward is a no-op; a loss built from
-  ``self.roundpipe(x)`` is backpropagated through the pipeline as usual.
-* The optimizer built in ``configure_optimizers`` is pointed at the masters; its step is
-  ``roundpipe.step(step_fn, is_async=async_step)``. Everything that looks at gradients (reduction
-  over processes, unscaling, ``on_before_optimizer_step``, clipping) runs on the main thread first
-  (:class:`RoundPipePrecision`); ``step_fn`` runs ``optimizer.step()`` with the hyperparameters of
-  the moment it was queued, then clears the gradients (Lightning's ``zero_grad`` is a no-op).
-* With ``async_step=True`` the weights are flushed before every hook where users
-  read them: epoch and training end, validation / test / predict start, checkpoints.
-* With ``async_step=True`` (and ``overlap_iterations=True``, the default) iterations
-  overlap: ``training_step``'s ``forward_backward`` is issued non-blocking through the
-  engine's ``forward_backward_hook`` and returns a lazily resolved loss
-  (``docs/lightning.md``, "Overlapped iterations", says when its value is read).
-* A checkpoint holds, beyond Lightning's own, ``checkpoint["roundpipe"]``: the fp32 masters
-  of a half-precision model, the loss scaler and the layer timer; it is written and read by
-  :class:`~roundpipe_lightning.checkpoint_io.StreamingCheckpointIO` by default (streamed,
-  atomic, memory-mapped on load).
-
-Several processes (one per node) are data parallel over ``torch.distributed``
-(:mod:`roundpipe_core.distributed`); collectives are identities in one process.
+(:mod:`roundpipe_lightning.session`), which the Fabric strategy shares; docs/lightning.md
+("What maps to what") says what each hook becomes. At setup it wraps what
+``configure_sequential()`` returns in a ``RoundPipe`` whose pool is the Trainer's devices
+and sets ``lightning_module.roundpipe``; ``training_step`` calls its ``forward_backward``
+(already backpropagated: the strategy's backward is then a no-op). The optimizer steps
+the masters on RoundPipe's optimizer thread with the hyperparameters of the moment it was
+queued, after everything that reads gradients ran on the main thread
+(:class:`RoundPipePrecision`); with ``async_step=True`` the weights are flushed before
+every hook where users read them.
 """
 
 from __future__ import annotations
@@ -86,10 +64,9 @@ from .session import (
     check_type,
     expose_settings,
     host_memory_budget,
-    restore_impl_choice,
     setup_summary,
 )
-from .sharded_checkpoint import load_optimizer_states, remove_shards, save_host_shards
+from .sharded_checkpoint import remove_shards, shards_dir
 
 __all__ = ["RoundPipeStrategy", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
 
@@ -105,13 +82,12 @@ _LOSS_HINT = (
 
 # -- the run's phases ----------------------------------------------------------------------------
 class Phase(str, Enum):
-    """Where a run stands::
+    """Where a run stands (``on_exception`` to FAILED; teardown back to NO_RUN)::
 
     NO_RUN --setup--> OPEN <--training_step--> IN_TRAINING_STEP
                         |  \\--on_exception--> FAILED
                         v                        |
                       CLOSED <-----close---------/
-    (teardown: back to NO_RUN)
     """
 
     NO_RUN = "no_run"  # no RoundPipe: before setup, after teardown
@@ -122,8 +98,8 @@ class Phase(str, Enum):
 
 
 class RunState:
-    """The strategy's run state: a :class:`Phase`, and ``overlap`` (whether this fit
-    overlaps its iterations, decided once at train start)."""
+    """A :class:`Phase`, and ``overlap`` (whether this fit overlaps its iterations,
+    decided once at train start)."""
 
     def __init__(self) -> None:
         self.phase = Phase.NO_RUN
@@ -131,7 +107,6 @@ class RunState:
 
     @property
     def is_open(self) -> bool:
-        """Whether the RoundPipe exists and was not closed."""
         return self.phase in (Phase.OPEN, Phase.IN_TRAINING_STEP, Phase.FAILED)
 
     @property
@@ -143,12 +118,10 @@ class RunState:
         return self.phase is Phase.FAILED
 
     def open(self) -> None:
-        """A RoundPipe was built (setup)."""
         self.phase = Phase.OPEN
 
     @contextmanager
     def training_step(self) -> Iterator[None]:
-        """Inside the LightningModule's ``training_step``."""
         before = self.phase
         if before is Phase.OPEN:
             self.phase = Phase.IN_TRAINING_STEP
@@ -159,30 +132,26 @@ class RunState:
                 self.phase = before
 
     def fail(self) -> None:
-        """Lightning reported an exception (``on_exception``)."""
         if self.is_open:
             self.phase = Phase.FAILED
 
     def close(self) -> bool:
-        """The RoundPipe is being closed. Returns whether the run had failed."""
+        """Returns whether the run had failed."""
         failed = self.phase is Phase.FAILED
         self.phase = Phase.CLOSED
         self.overlap = False
         return failed
 
     def end(self) -> None:
-        """Teardown: nothing of this run remains."""
         self.phase = Phase.NO_RUN
         self.overlap = False
 
 
 class FlushWeights(Callback):
-    """Calls ``flush`` (the strategy's: finish the queued optimizer step and copy its
-    weights into the module) before each hook where users read weights
-    (:data:`FLUSH_HOOKS`). The strategy with ``async_step=True`` puts it first in
-    ``trainer.callbacks``: callback hooks run before the LightningModule's and the
-    strategy's own, so every user callback and module hook then sees the weights of
-    every step taken so far."""
+    """Calls ``flush`` (finish the queued step) before each hook where users read weights
+    (:data:`FLUSH_HOOKS`). First in ``trainer.callbacks`` with ``async_step=True``:
+    callback hooks run before the LightningModule's and the strategy's own, so all of
+    them see the weights of every step taken so far."""
 
     def __init__(self, flush: Callable[[], None]) -> None:
         self._flush = flush
@@ -203,8 +172,8 @@ for _hook in FLUSH_HOOKS:
 
 # -- Trainer-only checks ---------------------------------------------------------------------------
 def check_plugins(checkpoint_io: Any, precision_plugin: Any) -> None:
-    """TypeErrors for a ``checkpoint_io`` / ``precision_plugin`` of the wrong kind (they
-    would fail only at the first save or at teardown, or be silently ignored)."""
+    """Refuse plugins of the wrong kind now (else they fail at the first save, at
+    teardown, or are silently ignored)."""
     check_type("checkpoint_io", checkpoint_io, (CheckpointIO,), "a lightning CheckpointIO")
     if isinstance(precision_plugin, (str, int)):
         raise TypeError(
@@ -215,8 +184,7 @@ def check_plugins(checkpoint_io: Any, precision_plugin: Any) -> None:
 
 
 def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
-    """Refuse ``shard_host_state=True`` with a loss scaler (``16-mixed``): each process
-    sees only its share of the gradients, so their overflow checks would disagree."""
+    """Refuse ``shard_host_state=True`` with a loss scaler (``16-mixed``)."""
     if shard_host_state and loss_scaler is not None:
         raise ValueError(
             "RoundPipeStrategy(shard_host_state=True) does not support precision='16-mixed': each "
@@ -262,7 +230,6 @@ def sequential_of(lm: pl.LightningModule) -> nn.Module:
 
 
 def trainer_of(lm: pl.LightningModule | None) -> pl.Trainer | None:
-    """The Trainer ``lm`` is attached to, or None."""
     try:
         return None if lm is None else lm.trainer
     except RuntimeError:  # "not attached to a Trainer"
@@ -270,7 +237,6 @@ def trainer_of(lm: pl.LightningModule | None) -> pl.Trainer | None:
 
 
 def raw_optimizer(opt: Any) -> Optimizer:
-    """The user's optimizer behind Lightning's ``LightningOptimizer`` wrapper."""
     return opt.optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
@@ -384,7 +350,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         self.settings = SessionSettings.of(_OWNER, arguments)
         self._num_nodes = 1
         self._session: Session | None = None
-        self._run = RunState()  # phase and overlap: one object, not flags
+        self._run = RunState()
         self._zero_grad_wrappers: list[Any] = []  # LightningOptimizers (manual optimization)
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
@@ -434,8 +400,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def check_launch(self) -> ClusterEnvironment | None:
-        """The cluster environment, after checking that this process was started as one
-        process per node (the only layout a RoundPipe run has)."""
+        """The cluster environment, after checking one process per node."""
         env, devices = self.cluster_environment, len(self.compute_devices)
         check_one_process_per_node(_OWNER, "Trainer", env, self.world_size, self.num_nodes, devices)
         return env
@@ -481,7 +446,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
 
     @property
     def _loss_scaler(self) -> LossScaler | None:
-        """The loss scaler of ``16-mixed`` (None otherwise)."""
         return self.precision_plugin.scaler
 
     # -- setup ---------------------------------------------------------------------------------
@@ -519,8 +483,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
                 rp, opts, settings.num_microbatch, self._dp, self.async_step
             )
             available = available_host_memory()
-            # as Lightning says its set-up facts ("GPU available: ..."): a few lines, the
-            # whole budget table only at DEBUG (or from estimate_host_memory())
+            # a few lines beside Lightning's own set-up facts; the whole table at DEBUG
             chosen = settings.async_step is not None
             rank_zero_info(
                 setup_summary(_OWNER, rp, settings.num_microbatch, self.async_step, chosen)
@@ -561,8 +524,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         object.__setattr__(lm, "roundpipe", rp)
 
     def _loss_multiplier(self) -> float:
-        """Factor on each microbatch loss inside ``forward_backward``: ``1/k`` for
-        ``accumulate_grad_batches=k`` (as Lightning divides the loss) times the loss scale."""
+        """``1/accumulate_grad_batches`` (as Lightning divides the loss) times the loss scale."""
         if not self._run.in_training_step:
             return 1.0
         factor = 1.0
@@ -637,8 +599,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """Backward through the precision plugin: a no-op for a ``forward_backward`` loss
-        (already backpropagated), a normal backward for one built from ``self.roundpipe(x)``."""
+        """A no-op for a ``forward_backward`` loss (already backpropagated)."""
         if self._session is not None:
             check_loss_went_through(closure_loss, self._session.rp)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -651,9 +612,8 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run the closure (training_step) and prepare the master gradients on this thread
-        (reduce over processes, unscale, hooks, clipping), then hand ``optimizer.step()``
-        to RoundPipe."""
+        """Run the closure and prepare the master gradients on this thread (reduce,
+        unscale, hooks, clipping), then hand ``optimizer.step()`` to RoundPipe."""
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule) and self._session is not None
         opt = raw_optimizer(optimizer)
@@ -690,10 +650,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
 
     # -- the weights users read are current ------------------------------------------------------
     def _sync_weights(self) -> None:
-        """Finish the queued step and copy the masters into the module. A failed queued
-        step is raised here; it was already counted by Lightning when it was queued, so
-        the count is taken back (a checkpoint saved on the exception then records the
-        global step its weights belong to)."""
+        """Finish the queued step. A failed one is raised here, its count (Lightning's,
+        at queueing) taken back, so a checkpoint saved on the exception records the
+        global step its weights belong to."""
         if self._session is None or not self._run.is_open:
             return
         try:
@@ -703,9 +662,8 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             raise
 
     def _pipeline_failed(self) -> None:
-        """An overlapped iteration failed (raised by the next call or by its lazy loss):
-        the steps deferred behind it are dropped. Wait until nothing is in flight, then
-        take their counts back, before the error reaches Lightning's exception hooks."""
+        """An overlapped iteration failed: once nothing is in flight, take back the
+        counts of the steps dropped behind it, before Lightning's exception hooks run."""
         if self._session is None:
             return
         if self._run.is_open:
@@ -735,8 +693,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """Streaming, atomic saves and memory-mapped loads (:class:`StreamingCheckpointIO`)
-        unless a ``checkpoint_io`` was passed to the strategy or the Trainer's plugins."""
+        """:class:`StreamingCheckpointIO` unless a ``checkpoint_io`` was given."""
         if self._checkpoint_io is None:
             self._checkpoint_io = StreamingCheckpointIO()
         elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
@@ -747,10 +704,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     @checkpoint_io.setter
     def checkpoint_io(self, io: CheckpointIO | None) -> None:
         self._checkpoint_io = io
-
-    def _named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        """(LightningModule parameter name, model parameter, master) for every trainable parameter."""
-        return [] if self._session is None else self._session.named_masters()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -767,11 +720,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         return self._session.optimizer_state(raw_optimizer(optimizer), full)
 
     def roundpipe_state_dict(self) -> dict[str, Any]:
-        """What the strategy adds to a checkpoint under ``checkpoint["roundpipe"]``
-        (:meth:`~roundpipe_lightning.session.Session.section`): master weights that
-        differ in dtype from the model's, the loss scaler, the layer timer and which
-        stages draw random numbers. The step is drained here and nothing updates the
-        (live) masters until the save returns."""
+        """``checkpoint["roundpipe"]`` (:meth:`~roundpipe_lightning.session.Session.section`),
+        after the step in flight finished: nothing updates the live masters until the
+        save returns."""
         self._sync_weights()
         assert self._session is not None
         return self._session.section(self.optimizers, self._loss_scaler)
@@ -780,18 +731,11 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        session = self._session
+        session, lm = self._session, self.lightning_module
         if session is not None:
             checkpoint[CHECKPOINT_KEY] = self.roundpipe_state_dict()
-
-            def user_groups(i: int, groups: list[dict[str, Any]]) -> None:
-                choice = session.user_impl.get(id(raw_optimizer(self.optimizers[i])))
-                restore_impl_choice({"param_groups": groups}, choice)
-
-            # shard_host_state: every rank writes its share of the optimizer state
-            named = session.masters_by_name()
-            save_host_shards(filepath, self.optimizers, self._dp, named, user_groups)
-        lm = self.lightning_module
+            for i, opt in enumerate(self.optimizers):
+                session.save_shard(raw_optimizer(opt), shards_dir(filepath, i))
         if lm is not None and session is not None:
             # steps Lightning counted when queued whose update failed: the weights saved
             # here never received them (read after the weights were flushed above)
@@ -801,20 +745,15 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        """``False``: Lightning reads ``fit(ckpt_path=...)``'s file before setup, with the
-        ``weights_only`` the user passed (its after-setup path drops it: ``Trainer._run``
-        calls ``_restore_modules_and_callbacks(ckpt_path)`` without it, so a trusted
-        checkpoint holding, say, a ``pathlib.Path`` could not be resumed). The model state
-        itself waits in :meth:`load_model_state_dict` until setup has built the RoundPipe
-        and its masters; optimizer and loop state are restored after setup as always."""
+        """``False``: the file is read before setup with the user's ``weights_only``
+        (Lightning's after-setup path drops it); the model state waits in
+        :meth:`load_model_state_dict` until setup built the masters."""
         return False
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
-        """Remove the checkpoint file and, for a sharded one, its ``.shards/`` directory
-        (``ModelCheckpoint(save_top_k=...)`` calls this for the checkpoints it drops).
-        Rank 0 removes both, as it wrote the file: the shards live on a file system
-        every node sees."""
+        """The file and its ``.shards/`` directory (rank 0, which wrote the file: the
+        shards are on a file system every node sees)."""
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
             remove_shards(filepath)
@@ -847,13 +786,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         self._sync_weights()
         assert self._session is not None
         path = getattr(self, "_loaded_checkpoint_path", None)
-        states = checkpoint["optimizer_states"]
-        named = self._session.masters_by_name()
-        opts = [raw_optimizer(o) for o in self.optimizers]
-        if not (
-            len(opts) == len(states) == 1 and self._session.load_optimizer_state(opts[0], states[0])
-        ):
-            load_optimizer_states(path, self.optimizers, states, self._dp, named)
+        for i, (opt, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            directory = None if path is None else shards_dir(path, i)
+            self._session.load_optimizer(raw_optimizer(opt), state, directory)
         self._check_optimizer_states()
         self._session.fuse_again()
 
@@ -868,7 +803,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         self._dp.abort()
 
     def _close_roundpipe(self) -> None:
-        """Finish the in-flight step, stop the worker threads, undo what setup installed."""
+        """Stop the RoundPipe and undo what setup installed."""
         session = self._session
         if session is None or not self._run.is_open:
             return
