@@ -56,7 +56,7 @@ from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from typing_extensions import Unpack, override
+from typing_extensions import override
 
 from roundpipe_core import AutoRoundPipe, RoundPipe
 from roundpipe_core import distributed as D
@@ -67,7 +67,6 @@ from .session import (
     Session,
     SessionHost,
     SessionSettings,
-    SettingsArguments,
     all_reduce,
     check_loss_went_through,
     check_one_process_per_node,
@@ -336,7 +335,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
-        **settings: Unpack[SettingsArguments],
+        **settings: Any,
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
