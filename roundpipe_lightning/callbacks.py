@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan
+from roundpipe_core.kinds import check_int
 from roundpipe_core.planning.simulate import simulate
 from roundpipe_core.running.trace import (
     side_by_side_trace,
@@ -31,26 +32,18 @@ __all__ = ["AutoReplan", "StageTimeLogger"]
 
 
 def trace_file_name(step: int) -> str:
-    """The trace file of Lightning's step ``step``: zero-padded, so names sort in step order."""
+    """Zero-padded, so names sort in step order."""
     return f"step_{step:08d}.json"
 
 
-def _roundpipe_of(trainer: Trainer, who: str) -> Any:
+def _strategy_of(trainer: Trainer, who: str) -> RoundPipeStrategy:
     strategy = trainer.strategy
     if not isinstance(strategy, RoundPipeStrategy):
         raise TypeError(
             f"{who} needs Trainer(strategy=RoundPipeStrategy(...)); this Trainer uses "
             f"{type(strategy).__name__}"
         )
-    return strategy.roundpipe
-
-
-def _check_strategy(trainer: Trainer, who: str) -> None:
-    if not isinstance(trainer.strategy, RoundPipeStrategy):
-        raise TypeError(
-            f"{who} needs Trainer(strategy=RoundPipeStrategy(...)); this Trainer uses "
-            f"{type(trainer.strategy).__name__}"
-        )
+    return strategy
 
 
 class AutoReplan(Callback):
@@ -66,11 +59,9 @@ class AutoReplan(Callback):
     and ``roundpipe/plan_changed`` (1.0 if the plan differs from the one before,
     else 0.0); the installed plan is saved in checkpoints and re-installed on resume.
 
-    Timings are noisy, and near-equal plans trade places from one measurement to
-    the next. A new plan is therefore installed only when the simulator, on the
-    timer's moving averages, predicts it at least ``min_gain`` faster than the plan
-    in use; otherwise the plan in use stays. Either way the log line says why, with
-    the predicted gain.
+    Timings are noisy, so a new plan is installed only when the simulator predicts it
+    at least ``min_gain`` faster than the plan in use; the log line says why, with the
+    predicted gain.
 
     Args:
         warmup_steps: optimizer steps measured before the first re-plan (the
@@ -92,14 +83,9 @@ class AutoReplan(Callback):
         min_gain: float = 0.05,
         **auto_kwargs: Any,
     ) -> None:
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
-        if every_n_steps is not None and (
-            not isinstance(every_n_steps, int)
-            or isinstance(every_n_steps, bool)
-            or every_n_steps < 1
-        ):
-            raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
+        check_int(warmup_steps, "warmup_steps")
+        if every_n_steps is not None:
+            check_int(every_n_steps, "every_n_steps", why="or None")
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
         if (
@@ -120,14 +106,14 @@ class AutoReplan(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _check_strategy(trainer, "AutoReplan")
+        _strategy_of(trainer, "AutoReplan")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A plan restored from a checkpoint goes back into the new RoundPipe.
         if self.plan is not None:
             try:
-                _roundpipe_of(trainer, "AutoReplan").set_plan(self.run_type, self.plan)
+                _strategy_of(trainer, "AutoReplan").roundpipe.set_plan(self.run_type, self.plan)
             except ValueError as exc:
                 raise ValueError(
                     f"AutoReplan: the plan restored from the checkpoint ({self.plan}) does not "
@@ -148,7 +134,7 @@ class AutoReplan(Callback):
         step = trainer.global_step
         if not self._due(step):
             return
-        rp = _roundpipe_of(trainer, "AutoReplan")
+        rp = _strategy_of(trainer, "AutoReplan").roundpipe
         if not rp.model_timer.has_measurements():
             return  # nothing measured yet (e.g. the training step never ran the pipeline)
         self.replan(trainer, rp, step)
@@ -156,13 +142,13 @@ class AutoReplan(Callback):
     def replan(self, trainer: Trainer, rp: Any, step: int) -> ModelExecutePlan:
         """Plan from the timer now, install and log the plan; returns it."""
         decision = rp.replan(self.run_type, self.min_gain, **self.auto_kwargs)
-        old, candidate, gain, changed = (
+        old, candidate, gain, changed, plan = (
             decision.old,
             decision.candidate,
             decision.gain,
             decision.changed,
+            decision.plan,
         )
-        plan = decision.plan
         self.last_predicted_gain = gain
         self.plan, self.last_replan_step = plan, step
         self.history.append((step, plan))
@@ -271,12 +257,8 @@ class StageTimeLogger(Callback):
         trace_dir: str | Path | None = None,
         log_timeline: bool = True,
     ) -> None:
-        if every_n_steps is not None and (
-            not isinstance(every_n_steps, int)
-            or isinstance(every_n_steps, bool)
-            or every_n_steps < 1
-        ):
-            raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
+        if every_n_steps is not None:
+            check_int(every_n_steps, "every_n_steps", why="or None")
         if trace_dir is not None and not isinstance(trace_dir, (str, Path)):
             raise TypeError(
                 f"trace_dir must be a folder path (str or Path) or None, got {type(trace_dir).__name__}"
@@ -294,7 +276,7 @@ class StageTimeLogger(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _check_strategy(trainer, "StageTimeLogger")
+        _strategy_of(trainer, "StageTimeLogger")
 
     @override
     def on_train_batch_start(
@@ -318,7 +300,7 @@ class StageTimeLogger(Callback):
         if not due or step == self._last_step:
             return
         self._last_step = step
-        rp = _roundpipe_of(trainer, "StageTimeLogger")
+        rp = _strategy_of(trainer, "StageTimeLogger").roundpipe
         sim = self._simulate(rp)
         metrics = self.collect(rp, step_ms, sim)
         self.last_metrics = metrics
@@ -344,8 +326,7 @@ class StageTimeLogger(Callback):
                 lg.experiment.add_image("roundpipe/timeline", image, step, dataformats="HWC")
 
     def collect(self, rp: Any, step_ms: float, sim: Any = None) -> dict[str, float]:
-        """The metrics of the last pipelined call of ``rp`` (see the class docstring);
-        ``sim`` is its simulation (:meth:`_simulate`), ``None`` for no ``sim_*`` tags."""
+        """The metrics of ``rp``'s last call (the class docstring); ``sim``: its simulation."""
         m: dict[str, float] = {}
         timer = rp.model_timer
         if self.log_layers:
@@ -376,8 +357,7 @@ class StageTimeLogger(Callback):
 
     @staticmethod
     def _simulate(rp: Any) -> Any:
-        """One iteration of the last call's plan, simulated with the timer's estimates
-        (already per microbatch: the timer divides each job's time by its microbatches)."""
+        """One iteration of the last call's plan on the timer's per-microbatch estimates."""
         jobs = rp.last_call.schedule
         if not jobs:
             return None
@@ -405,8 +385,7 @@ class StageTimeLogger(Callback):
 
 
 def _plan_of(jobs: list[Any]) -> ModelExecutePlan:
-    """The plan a schedule ran, read back from its jobs (stage order within each pass;
-    a stage run as several jobs at once, ``Job.replicas``, is one stage of the plan)."""
+    """The plan a schedule ran (a stage run as several jobs, ``Job.replicas``, is one)."""
     first = [j for j in jobs if j.replica == 0]
     fwd = sorted((j for j in first if j.kind == "forward"), key=lambda j: j.stage)
     bwd = sorted((j for j in first if j.kind != "forward"), key=lambda j: j.stage)

@@ -1,8 +1,6 @@
-"""``RoundPipeFabricStrategy``: ``Fabric(strategy="roundpipe")``.
-
-A thin adapter of Lightning Fabric's strategy hooks over the training session
-(:mod:`roundpipe_lightning.session`) that :class:`RoundPipeStrategy` shares, with the same
-argument names and defaults::
+"""``RoundPipeFabricStrategy``: ``Fabric(strategy="roundpipe")``, a thin adapter of
+Fabric's strategy hooks over the training session (:mod:`roundpipe_lightning.session`)
+that :class:`RoundPipeStrategy` shares (docs/fabric.md)::
 
     fabric = Fabric(strategy="roundpipe", accelerator="cpu", devices=2)
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -10,32 +8,12 @@ argument names and defaults::
     opt.step()
     opt.zero_grad()
 
-* ``fabric.setup(net, opt)`` wraps ``net`` (an ``nn.Sequential``, or a Hugging Face
-  model a preset converts) in a ``RoundPipe`` whose pool is Fabric's ``devices``, in
-  this one process, and points ``opt`` at the fp32 master copies. Fabric returns a
-  ``_FabricModule`` whose ``forward`` runs the RoundPipe and whose other attributes are
-  looked up on the module the user passed; so that module gains, as plain functions
-  (Fabric would report bound methods found there as bypassing the strategy):
-  ``forward_backward(...)`` (``RoundPipe.forward_backward`` under the precision plugin's
-  input conversion and forward context), ``synchronize()`` and ``roundpipe``; and its
-  ``state_dict()`` synchronizes first. They are removed at ``teardown()``.
-* ``opt.step()`` is ``roundpipe.step(...)``: the update runs on the masters
-  (asynchronously with ``async_step=True``, one step stale) and clears their
-  gradients, right after the update (a ``zero_grad()`` on the main thread would race
-  with a step still running). So ``opt.zero_grad()`` only clears what no queued step
-  will: gradients produced after the last step, after waiting for everything in flight.
-  Fabric's optimizer wrapper finds ``zero_grad`` on the class of what it wraps, so it
-  wraps a view of the user's optimizer whose class has this ``zero_grad``
-  (:func:`roundpipe_lightning._private.optimizer_view`).
-* ``fabric.backward(loss)`` backpropagates a loss computed from ``model(x)`` through
-  the pipeline; for a loss ``forward_backward`` returned it does nothing (the call
-  already backpropagated it).
-* ``fabric.save`` / ``fabric.load`` hold the module's weights, its fp32 masters where
-  their dtype differs from the weights' (``checkpoint["roundpipe"][key]``), the
-  optimizer state and the layer timings; everything in flight is finished first.
-
-Model state stays in host memory: ``fabric.device`` is the CPU, batches stay there,
-and the pool's devices are RoundPipe's business.
+Fabric's ``_FabricModule`` looks attributes up on the module the user passed, so that
+module gains ``forward_backward``, ``synchronize`` and ``roundpipe`` as plain functions
+(bound methods found there would count as bypassing the strategy), removed at teardown.
+``opt.step()`` queues the update on the masters, which clears their gradients right
+after it; ``opt.zero_grad()`` only clears what no queued step will. Model state stays
+in host memory: ``fabric.device`` is the CPU.
 """
 
 from __future__ import annotations
@@ -96,7 +74,6 @@ def _check_precision(plugin: Precision) -> None:
 
 
 def _check_free(module: nn.Module) -> None:
-    """Refuse a module that has one of the RoundPipe calls already (set up before)."""
     clash = [name for name in CALLS if hasattr(module, name)]
     if clash:
         raise ValueError(
@@ -107,10 +84,8 @@ def _check_free(module: nn.Module) -> None:
 
 
 class _SetUpModule(Session):
-    """The session of one module given to ``fabric.setup()``: the calls it gains, the
-    losses ``forward_backward`` returned, and the user's loop around its gradients
-    (reduced over the nodes once per step; cleared by ``zero_grad`` only when no queued
-    step will clear them)."""
+    """The session of one module given to ``fabric.setup()``: its calls, the losses
+    ``forward_backward`` returned, and the user's loop around its gradients."""
 
     def install(self, precision: Callable[[], Precision]) -> None:
         """Give the module its calls (``precision``: Fabric's plugin, read at each call)."""
@@ -156,7 +131,7 @@ class _SetUpModule(Session):
             # parameters would enter the module's state dict a second time)
             object.__setattr__(module, name, value)
 
-    def _remember(self, loss: Any) -> None:
+    def _remember(self, loss: Any) -> None:  # a loss, or a tuple / list of them
         if isinstance(loss, Tensor):
             self._losses[id(loss)] = loss
         elif isinstance(loss, (tuple, list)):
@@ -168,28 +143,26 @@ class _SetUpModule(Session):
         return self._losses.get(id(tensor)) is tensor
 
     def holds(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer`` has parameters of this module (or their masters)."""
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         mine = {id(p) for p in self.rp.model.parameters()}
         mine |= {id(m) for m in self.rp.optim_parameters()}
         return bool(ids & mine)
 
     def adopt_view(self, optimizer: Optimizer) -> Optimizer:
-        """Adopt ``optimizer`` (:meth:`Session.adopt`) with :meth:`zero_grad` as its
-        ``zero_grad``; returns the view of it that Fabric wraps."""
+        """Adopt ``optimizer`` with :meth:`zero_grad`; returns the view Fabric wraps."""
         policy = functools.partial(self.zero_grad, optimizer)
         self.adopt(optimizer, policy, "the module's parameters()")
         return optimizer_view(optimizer, policy)
 
     def owns(self, optimizer: Any) -> Optimizer | None:
-        """The user's optimizer of which ``optimizer`` is the view (or itself), if adopted."""
+        """The adopted optimizer ``optimizer`` is (or is the view of), or None."""
         for opt in self.optimizers:
             if optimizer is opt or getattr(optimizer, "__dict__", None) is vars(opt):
                 return opt
         return None
 
     def zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
-        """Clear the master gradients no queued step will clear (see the module docstring)."""
+        """Clear the master gradients no queued step will clear."""
         if not self.grads_fresh:
             return
         self.rp.synchronize()  # nothing in flight: a pending iteration's gradients are in
@@ -198,9 +171,7 @@ class _SetUpModule(Session):
         self.reduced.clear()
 
     def reduce(self, optimizer: Optimizer) -> None:
-        """Reduce ``optimizer``'s master gradients over the nodes, once per step (at
-        ``opt.step()``, or at ``fabric.clip_gradients`` before it). Collective; a no-op in
-        one process."""
+        """Reduce the master gradients over the nodes, once per step (collective)."""
         if self.dp.world_size == 1 or id(optimizer) in self.reduced:
             return
         self.rp.synchronize()  # pending iterations' gradients are in; the last step is done
@@ -208,8 +179,7 @@ class _SetUpModule(Session):
         self.reduced.add(id(optimizer))
 
     def check_not_reduced(self) -> None:
-        """Refuse new gradients once this step's were reduced over the nodes (they would
-        miss the reduction)."""
+        """Refuse new gradients once this step's were reduced (they would miss it)."""
         if self.reduced:
             raise RuntimeError(
                 "RoundPipeFabricStrategy: this step's gradients were already reduced over the "
@@ -218,21 +188,19 @@ class _SetUpModule(Session):
             )
 
     def sharding(self, optimizer: Any) -> D.HostShard | None:
-        """The shard of ``optimizer`` (the user's, or the view Fabric wraps) when its state
-        is sharded over several nodes, else None."""
+        """The shard of ``optimizer`` (or of what it is the view of), or None."""
         raw = self.owns(optimizer)
         return self.dp.shard(raw) if raw is not None else None
 
     def load_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
-        """Load the module's weights and make the masters equal to them."""
+        """The module's weights, and the masters equal to them."""
         self.rp.synchronize()
         self.module.load_state_dict(state_dict, strict=strict)
         self.load_masters({})
         self.grads_fresh = False
 
     def close(self, failed: bool = False) -> None:
-        """Finish what is in flight, stop the RoundPipe's threads, take the installed
-        calls off the module and give the optimizers their own ``zero_grad`` back."""
+        """:meth:`Session.close`, and the installed calls taken off the module."""
         self._state_dict_hook.remove()
         try:
             super().close(failed)
@@ -244,8 +212,7 @@ class _SetUpModule(Session):
 
 def _from_environment(name: str | None, alone: int) -> Any:
     """A property read from the cluster environment's method ``name`` (``alone``
-    without an environment, or always for ``name=None``), whose setter ignores what
-    it is given."""
+    without one, or for ``name=None``); its setter ignores what it is given."""
 
     def read(self: Any) -> int:
         env = self.cluster_environment
@@ -278,35 +245,16 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     (:class:`~roundpipe_lightning.session.SessionSettings`).
 
     Args:
-        loss_reduction: ``"mean"`` (default): a ``loss_fn`` returning a batch mean gives
-            plain Fabric's loss and gradients for any microbatch count; ``"sum"``: the
-            published sum of the microbatch losses.
+        loss_reduction, execute_plan, optim_dtype, pin_model, async_step, fuse_optimizer,
+            recompute_grain, preserve_rng_state, model_run_config, grad_reduce_op,
+            process_group_timeout, shard_host_state, offload_dir: as for
+            :class:`~roundpipe_lightning.RoundPipeStrategy` (``"mean"``: a ``loss_fn``
+            returning a batch mean gives plain Fabric's loss and gradients; sharded,
+            ``fabric.save`` writes a shard per node).
         num_microbatch: microbatches per pipelined call (default: the engine's,
             :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
             GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
             every worker at once -- the default for a model without buffers).
-        execute_plan: the plan of ``forward_backward`` (``None``, ``"auto"``, a layout
-            string, a dict of ``from_layout`` arguments or a ``ModelExecutePlan``).
-        optim_dtype: dtype of the master weights (default fp32; a name works too).
-        pin_model: host memory of the parameters on CUDA ("alloc", "register", "off").
-        async_step: overlap the step with the next iteration (one step stale); ``None``
-            (default): ``True`` on GPUs, ``False`` on CPU workers.
-        fuse_optimizer: switch Adam, AdamW, SGD, Adagrad to torch's fused CPU kernel.
-        recompute_grain: "stage" or "layer" (None: the engine's default).
-        preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
-        model_run_config: further ``RoundPipeRunConfig`` defaults.
-        grad_reduce_op: with several nodes, "mean" (as DDP) or "sum" of the master
-            gradients over the nodes.
-        process_group_timeout: seconds (or a ``timedelta``) after which a collective whose
-            peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        shard_host_state: with several nodes, each keeps master gradients, optimizer state
-            and masters for its 1/N of the parameters only (``docs/multi-node.md``);
-            ``fabric.save`` writes a shard per node.
-        offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
-            state live in files there, streamed layer by layer by each ``opt.step()`` --
-            the same weights as in RAM. An nn.Sequential, one elementwise optimizer
-            (Adam, AdamW, SGD, ...) and one process; checkpoints as without it
-            (``docs/fabric.md``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
@@ -448,8 +396,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """Streaming, atomic saves and memory-mapped loads (``StreamingCheckpointIO``)
-        unless Fabric was given a ``CheckpointIO`` plugin."""
+        """``StreamingCheckpointIO`` unless Fabric was given a ``CheckpointIO``."""
         if self._checkpoint_io is None:
             self._checkpoint_io = StreamingCheckpointIO()
         return self._checkpoint_io
@@ -473,8 +420,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     # -- set-up ----------------------------------------------------------------------------------
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Wrap ``module`` in a RoundPipe (what ``model(x)`` runs) and give ``module`` the
-        RoundPipe calls."""
+        """Wrap ``module`` in a RoundPipe (what ``model(x)`` runs) and give it its calls."""
         self._check_run()
         if not isinstance(module, nn.Module):
             raise TypeError(f"fabric.setup() takes an nn.Module, got {type(module).__name__}")
@@ -520,14 +466,14 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         return view
 
     def _run_of(self, obj: Any) -> _SetUpModule | None:
-        """The run of a set-up module (its RoundPipe or the module itself) or optimizer."""
+        """The run of a set-up module, its RoundPipe, or an adopted optimizer."""
         for run in self._runs:
             if obj is run.rp or obj is run.module or run.owns(obj) is not None:
                 return run
         return None
 
     def _adopted(self, optimizer: Any) -> tuple[_SetUpModule, Optimizer] | None:
-        """The run of ``optimizer`` and the user's optimizer behind it, if set up here."""
+        """The run of ``optimizer`` and the user's optimizer behind it, or None."""
         run = self._run_of(optimizer)
         raw = run.owns(optimizer) if run is not None else None
         return None if run is None or raw is None else (run, raw)
@@ -535,8 +481,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     # -- training --------------------------------------------------------------------------------
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """Backpropagate a loss computed from ``model(x)`` through the pipeline; nothing
-        for a loss ``forward_backward`` returned (already backpropagated)."""
+        """Nothing for a loss ``forward_backward`` returned (already backpropagated)."""
         if any(run.returned(tensor) for run in self._runs):
             return
         if not isinstance(tensor, Tensor) or not tensor.requires_grad:
@@ -563,8 +508,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Queue ``optimizer.step()`` on RoundPipe's optimizer thread (its own step clears
-        the gradients); with ``async_step=False`` it has run when this returns."""
+        """Queue ``optimizer.step()`` (which clears the gradients) on RoundPipe."""
         adopted = self._adopted(optimizer)
         if adopted is None:
             raise ValueError(
@@ -630,8 +574,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         return super().clip_gradients_value(module, optimizer, clip_val)
 
     def _reduce_for_clipping(self, optimizer: Any) -> _SetUpModule | None:
-        """Several nodes: reduce ``optimizer``'s gradients now (clipping reads reduced
-        gradients, as under DDP); returns its run (None: not set up here)."""
+        """Reduce ``optimizer``'s gradients now (clipping reads reduced gradients, as
+        under DDP); returns its run, or None."""
         adopted = self._adopted(optimizer)
         if adopted is None:
             return None
@@ -676,9 +620,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Fabric's save, plus ``checkpoint["roundpipe"][key]`` for each set-up module
-        under ``key``: its higher-precision masters and layer timings. Sharded
-        (``shard_host_state=True`` on several nodes), every node writes its share of the
-        optimizer under ``key`` into ``<path>.shards/key/``; the file holds a marker."""
+        under ``key``; sharded, every node writes its share of the optimizer under
+        ``key`` into ``<path>.shards/key/``."""
         self._synchronize()
         checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
         sections = {}
@@ -710,10 +653,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Fabric's load; a set-up module's masters follow its weights (or come from
-        ``checkpoint["roundpipe"]`` where they were saved in a higher precision), and the
-        optimizers run fused again. An optimizer state saved sharded is read from its
-        shards on any node count (sharded, each node keeps what it owns now)."""
+        """Fabric's load; a set-up module's masters follow its weights or its section,
+        an optimizer saved sharded is read from its shards (any node count)."""
         self._synchronize()
         # the set-up optimizers are restored here, after the modules: their state may be
         # a marker whose shards lie beside the file
@@ -761,8 +702,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     # -- end -------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        """Finish every step, stop the RoundPipes' threads and undo what setup installed
-        (the modules then hold the trained weights)."""
+        """Stop every RoundPipe and undo what setup installed (the modules then hold
+        the trained weights)."""
         try:
             while self._runs:
                 run = self._runs.pop()
