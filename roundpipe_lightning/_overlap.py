@@ -21,8 +21,6 @@ from roundpipe_core.stepping.layerwise import steps_elementwise
 
 from ._private import make_wrapper_tensor, op_is_mutable
 
-__all__ = ["LazyLoss", "OverlappedForwardBackward", "overlap_blocker", "steps_in_parts"]
-
 
 def steps_in_parts(optimizer: Optimizer, module: pl.LightningModule) -> bool:
     """Whether an overlapped iteration's step may run layer by layer as the gradients

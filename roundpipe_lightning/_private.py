@@ -17,20 +17,6 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer import call as _call
 from torch.optim import Optimizer
 
-__all__ = [
-    "WrappingCheckpointIO",
-    "call_before_optimizer_step_hooks",
-    "defer_zero_grad",
-    "is_lr_scheduler_step_wrapper",
-    "lightning_log_step",
-    "make_wrapper_tensor",
-    "mark_lr_scheduler_step_called",
-    "op_is_mutable",
-    "optimizer_view",
-    "restore_zero_grad",
-    "uncount_saved_steps",
-]
-
 #: Lightning's base of ``AsyncCheckpointIO``: a checkpoint IO that wraps another one.
 #: The strategy gives one created without an inner IO the streaming IO.
 WrappingCheckpointIO = _WrappingCheckpointIO

@@ -49,30 +49,25 @@ def _strategy_of(trainer: Trainer, who: str) -> RoundPipeStrategy:
 class AutoReplan(Callback):
     """Re-plan the stage partition from measured layer times.
 
-    After ``warmup_steps`` optimizer steps (and then every ``every_n_steps`` if
-    given) it runs ``ModelExecutePlan.auto(run_type, roundpipe, **auto_kwargs)``
-    on the layer timer's moving averages and installs the result for the
-    strategy's ``run_type`` calls (``"fused"``: ``forward_backward``). Each
-    re-plan is logged, at the optimizer step it ran after, as the text
-    ``roundpipe/plan_<run_type>`` (TensorBoard) and the scalars
-    ``roundpipe/plan_fwd_stages`` / ``roundpipe/plan_bwd_stages`` (stage counts)
-    and ``roundpipe/plan_changed`` (1.0 if the plan differs from the one before,
-    else 0.0); the installed plan is saved in checkpoints and re-installed on resume.
+    After ``warmup_steps`` optimizer steps (then every ``every_n_steps`` if given) it
+    runs ``ModelExecutePlan.auto(run_type, roundpipe, **auto_kwargs)`` on the layer
+    timer's moving averages and installs the result for ``run_type`` calls. Each re-plan
+    is logged at its step as the text ``roundpipe/plan_<run_type>`` (TensorBoard) and
+    the scalars ``roundpipe/plan_fwd_stages`` / ``roundpipe/plan_bwd_stages`` and
+    ``roundpipe/plan_changed`` (1.0 or 0.0); the plan is saved in checkpoints and
+    re-installed on resume.
 
     Timings are noisy, so a new plan is installed only when the simulator predicts it
     at least ``min_gain`` faster than the plan in use; the log line says why, with the
     predicted gain.
 
     Args:
-        warmup_steps: optimizer steps measured before the first re-plan (the
-            timer drops each layer's first measurement).
+        warmup_steps: optimizer steps measured before the first re-plan.
         every_n_steps: re-plan again every this many steps after the first; None: once.
-        run_type: the kind of call to plan: "fused" (``forward_backward``),
-            "train" (``roundpipe(x)`` + backward) or "infer".
-        min_gain: the predicted speed-up (0.05: 5 %) a new plan must bring to replace
-            the plan in use.
-        **auto_kwargs: passed to ``ModelExecutePlan.auto`` (``min_stages``,
-            ``upper_threshold``, ``model_memory_limit``, ``num_microbatch``, ...).
+        run_type: "fused" (``forward_backward``), "train" (``roundpipe(x)`` + backward)
+            or "infer".
+        min_gain: the predicted speed-up (0.05: 5 %) a new plan must bring.
+        **auto_kwargs: passed to ``ModelExecutePlan.auto`` (``min_stages``, ...).
     """
 
     def __init__(
@@ -110,7 +105,6 @@ class AutoReplan(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # A plan restored from a checkpoint goes back into the new RoundPipe.
         if self.plan is not None:
             try:
                 _strategy_of(trainer, "AutoReplan").roundpipe.set_plan(self.run_type, self.plan)
@@ -140,7 +134,7 @@ class AutoReplan(Callback):
         self.replan(trainer, rp, step)
 
     def replan(self, trainer: Trainer, rp: Any, step: int) -> ModelExecutePlan:
-        """Plan from the timer now, install and log the plan; returns it."""
+        """Plan from the timer now, install, log and return the plan."""
         decision = rp.replan(self.run_type, self.min_gain, **self.auto_kwargs)
         old, candidate, gain, changed, plan = (
             decision.old,
@@ -212,35 +206,28 @@ class AutoReplan(Callback):
 class StageTimeLogger(Callback):
     """Log RoundPipe's timings through ``trainer.loggers`` (TensorBoard by default).
 
-    It logs at the steps Lightning logs its own metrics: after the optimizer step of
-    the batch where ``(step + 1) % every_n_steps == 0``, at Lightning's logging step
-    ``step`` (the number of optimizer steps before that batch), so with
-    ``log_every_n_steps=5`` both land at steps 4, 9, 14 (and, like Lightning's, at
-    the step after which ``trainer.should_stop`` ends training). Under ``roundpipe/``:
+    It logs where Lightning logs its own metrics (``(step + 1) % every_n_steps == 0``,
+    at Lightning's logging step, and where ``trainer.should_stop`` ends training).
+    Under ``roundpipe/``:
 
     * ``layer_XX/fwd_ms``, ``layer_XX/re_ms``, ``layer_XX/bwd_ms``: the layer timer's
       moving averages for one microbatch (``log_layers=False`` turns them off);
-    * ``stage/<kind><stage>_ms``: busy time of each job of the last pipelined call,
-      all its microbatches (``fused0``, ``forward0``, ``backward2``, ...; a stage run
-      as one job per CPU worker at once, ``Job.replicas``, adds up its jobs' times);
+    * ``stage/<kind><stage>_ms``: busy time of each job of the last pipelined call
+      (``fused0``, ``backward2``, ...; a stage run as several jobs adds them up);
     * ``device_D/busy_ms``: busy time of device ``D`` in that call;
     * ``call_ms``: the call's wall time (``RoundPipe.last_call.wall_ms``);
     * ``bubble_ratio``: ``1 - sum(busy) / (call_ms x devices)``;
-    * ``sim_iteration_ms`` / ``sim_bubble_ratio``: one iteration of the same plan
-      simulated with the timer's per-microbatch estimates (``roundpipe_core.planning.simulate``),
-      on the scale of ``call_ms``: a simulated time far below the measured one means
-      time goes to something the estimates do not hold (transfers, launch overhead,
-      a loaded host);
-    * ``step_ms``: the training step's wall time (batch start to batch end), with
-      ``samples_per_s`` and, for token-id inputs, ``tokens_per_s`` derived from it;
-    * the image ``roundpipe/timeline`` (TensorBoard loggers, needs matplotlib): the
-      last call measured above its simulation, same time scale, a lane per device,
-      stages coloured by kind (:func:`roundpipe_lightning.timeline.render_timeline`).
+    * ``sim_iteration_ms`` / ``sim_bubble_ratio``: the same plan simulated with the
+      timer's estimates, on the scale of ``call_ms`` (far below it: time goes to what
+      the estimates do not hold, such as transfers or a loaded host);
+    * ``step_ms``: the training step's wall time, with ``samples_per_s`` and, for
+      token-id inputs, ``tokens_per_s``;
+    * the image ``roundpipe/timeline`` (TensorBoard, needs matplotlib): the last call
+      measured above its simulation (:func:`roundpipe_lightning.timeline.render_timeline`).
 
-    With ``trace_dir`` it also writes ``trace_dir/step_<step>.json`` (the step zero-padded
-    to 8 digits, so the files sort in step order: ``step_00000009.json``) at each logging
-    step: the measured call (``RoundPipe.last_trace()``'s spans) and its simulation
-    side by side as Chrome trace-event JSON (open in https://ui.perfetto.dev).
+    With ``trace_dir`` it also writes ``trace_dir/step_<step>.json`` (``step_00000009.json``)
+    at each logging step: the measured call and its simulation side by side as Chrome
+    trace-event JSON (open in https://ui.perfetto.dev).
 
     Args:
         every_n_steps: logging interval in optimizer steps (default: the Trainer's

@@ -56,16 +56,12 @@ def _is_local(path: str | Path) -> bool:
 
 def _fsync_dir(directory: str) -> None:
     """Make the rename durable. Not every platform can open a directory (Windows)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class _WriteSink:
@@ -125,7 +121,7 @@ class StreamingCheckpointIO(TorchCheckpointIO):
     def __init__(self, mmap: bool = True, fsync: bool = True, verify: bool = True) -> None:
         super().__init__()
         for name, value in (("mmap", mmap), ("fsync", fsync), ("verify", verify)):
-            check_flag(value, f"StreamingCheckpointIO({name}=...): {name}")
+            check_flag(value, f"StreamingCheckpointIO({name}={value!r}): {name}")
         self.mmap = mmap
         self.fsync = fsync
         self.verify = verify

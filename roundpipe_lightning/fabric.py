@@ -117,15 +117,13 @@ class _SetUpModule(Session):
             self._remember(out[0] if kw.get("return_outputs") else out)
             return out
 
-        @functools.wraps(rp.synchronize)
-        def synchronize() -> None:
-            rp.synchronize()
-
         # ``model.state_dict()`` holds the weights of every step queued so far (with
         # async_step=True the module's own tensors lag one step behind)
         self._state_dict_hook = module.register_state_dict_pre_hook(
             lambda *_args, **_kwargs: rp.synchronize()
         )
+        # a plain function (a bound method there would count as bypassing the strategy)
+        synchronize = functools.wraps(rp.synchronize)(lambda: rp.synchronize())
         for name, value in zip(CALLS, (forward_backward, synchronize, rp)):
             # not nn.Module.__setattr__: the RoundPipe must not become a submodule (its
             # parameters would enter the module's state dict a second time)
@@ -187,11 +185,6 @@ class _SetUpModule(Session):
                 "clip, then opt.step()"
             )
 
-    def sharding(self, optimizer: Any) -> D.HostShard | None:
-        """The shard of ``optimizer`` (or of what it is the view of), or None."""
-        raw = self.owns(optimizer)
-        return self.dp.shard(raw) if raw is not None else None
-
     def load_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
         """The module's weights, and the masters equal to them."""
         self.rp.synchronize()
@@ -230,19 +223,13 @@ def _env_world_size() -> int:
 
 @expose_settings
 class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
-    """Run the modules given to ``fabric.setup()`` with RoundPipe (see the module docstring).
+    """Run the modules given to ``fabric.setup()`` with RoundPipe.
 
-    One process drives the whole pool (Fabric's ``devices``: N CPU workers or N GPUs), so
-    it is a single-device strategy to Fabric: ``fabric.launch()`` is optional. Several
-    nodes (``Fabric(num_nodes=N)``, one process per node started by torchrun, SLURM or
-    the environment) are data parallel as under ``RoundPipeStrategy``: rank 0's weights
-    are broadcast at ``fabric.setup()``, the master gradients are reduced over the nodes
-    when ``opt.step()`` (or ``fabric.clip_gradients``) is called, and
-    ``fabric.setup_dataloaders`` gives each node its ``DistributedSampler`` shard.
-
-    The RoundPipe arguments are :class:`~roundpipe_lightning.RoundPipeStrategy`'s, with
-    the same meanings and defaults, validated into the same ``settings``
-    (:class:`~roundpipe_lightning.session.SessionSettings`).
+    One process drives the whole pool (Fabric's ``devices``), so it is a single-device
+    strategy to Fabric: ``fabric.launch()`` is optional. Several nodes (one process each)
+    are data parallel as under ``RoundPipeStrategy``: rank 0's weights are broadcast at
+    ``fabric.setup()``, the master gradients reduced at ``opt.step()`` (or
+    ``fabric.clip_gradients``), and ``fabric.setup_dataloaders`` shards the data.
 
     Args:
         loss_reduction, execute_plan, optim_dtype, pin_model, async_step, fuse_optimizer,
@@ -259,18 +246,11 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
 
-    ``overlap_iterations`` has no Fabric counterpart: the loop is the user's, so pass
-    ``blocking=False`` to ``forward_backward`` to overlap iterations. Several processes on
-    one node (``torchrun --nproc-per-node 2``) are refused. The gradient reduction runs
-    on the optimizer thread right before the step, after the backward, not overlapped
-    with it (the loop is the user's: which backward is the last of an accumulation window
-    is not known); with ``blocking=False`` calls it overlaps the next iteration.
-
-    The RoundPipe arguments are keywords only.
-
-    Raises:
-        TypeError / ValueError: an unknown keyword, or an argument of the wrong type or
-            value (the message names the argument and what it accepts).
+    The RoundPipe arguments are keywords only. ``overlap_iterations`` has no Fabric
+    counterpart (the loop is the user's: pass ``blocking=False`` to ``forward_backward``),
+    and the gradient reduction runs right before the step, not overlapped with the
+    backward (which backward ends an accumulation window is not known). A wrong argument
+    is a TypeError / ValueError naming it and what it accepts.
     """
 
     strategy_name = "roundpipe"
@@ -288,8 +268,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
         )
-        # the loop is the user's: it overlaps iterations (blocking=False), and which backward
-        # is the last of an accumulation window (to overlap the reduction with) is not known
         fixed = {"overlap_iterations": False, "overlap_grad_reduce": False}
         self.settings = SessionSettings.of(_OWNER, settings, fixed)
         # Fabric's connector fills these in (it looks for the attributes)
@@ -544,10 +522,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        # the master gradients of pending iterations enter .grad first
-        self._synchronize()
-        run = self._reduce_for_clipping(optimizer)
-        shard = run.sharding(optimizer) if run is not None else None
+        shard = self._reduce_for_clipping(optimizer)
         if shard is None:
             return super().clip_gradients_norm(
                 module,
@@ -569,18 +544,18 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     def clip_gradients_value(
         self, module: nn.Module, optimizer: Optimizer, clip_val: float | int
     ) -> None:
-        self._synchronize()
         self._reduce_for_clipping(optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
 
-    def _reduce_for_clipping(self, optimizer: Any) -> _SetUpModule | None:
-        """Reduce ``optimizer``'s gradients now (clipping reads reduced gradients, as
-        under DDP); returns its run, or None."""
+    def _reduce_for_clipping(self, optimizer: Any) -> D.HostShard | None:
+        """Once the pending iterations' gradients are in, reduce ``optimizer``'s now
+        (clipping reads reduced gradients, as under DDP); returns its shard, or None."""
+        self._synchronize()
         adopted = self._adopted(optimizer)
         if adopted is None:
             return None
         adopted[0].reduce(adopted[1])
-        return adopted[0]
+        return adopted[0].dp.shard(adopted[1])
 
     # -- checkpoints -----------------------------------------------------------------------------
     @override

@@ -113,10 +113,6 @@ class RunState:
     def in_training_step(self) -> bool:
         return self.phase is Phase.IN_TRAINING_STEP
 
-    @property
-    def failed(self) -> bool:
-        return self.phase is Phase.FAILED
-
     def open(self) -> None:
         self.phase = Phase.OPEN
 
@@ -245,39 +241,32 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     """Run a LightningModule's ``configure_sequential()`` network with RoundPipe.
 
     Args:
-        loss_reduction: how ``self.roundpipe.forward_backward`` combines its microbatch
-            losses (``RoundPipe.loss_reduction``). ``"mean"`` (default): each is weighted by
-            its share of the batch, so a ``loss_fn`` returning a batch mean
-            (``F.cross_entropy``) gives plain Lightning's loss and gradients, whatever the
-            microbatch count. ``"sum"``: RoundPipe's published contract, the losses added up.
+        loss_reduction: how ``forward_backward`` combines its microbatch losses.
+            ``"mean"`` (default): each weighted by its share of the batch, so a ``loss_fn``
+            returning a batch mean gives plain Lightning's loss and gradients, whatever the
+            microbatch count. ``"sum"``: RoundPipe's published contract, their sum.
         num_microbatch: microbatches per pipelined call (default: the engine's,
             :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
             GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
             every worker at once -- the default for a model without buffers).
         execute_plan: the stage plan of ``forward_backward``: ``None`` (the engine's
-            default), ``"auto"`` (``ModelExecutePlan.auto`` at setup), a
-            ``ModelExecutePlan``, a layout string such as ``"fwd=3,2 bwd=1,2,2,1"``
-            (see :func:`roundpipe_lightning.plans.resolve_execute_plan`) or a dict of
-            ``ModelExecutePlan.from_layout`` arguments.
+            default), ``"auto"``, a ``ModelExecutePlan``, a layout string such as
+            ``"fwd=3,2 bwd=1,2,2,1"`` or a dict of ``from_layout`` arguments
+            (:mod:`roundpipe_lightning.plans`).
         optim_dtype: dtype of the optimizer's master weights (default fp32; a name
             such as ``"float32"`` works too, for YAML configs). ``None``: the model's dtype.
         pin_model: host memory of the parameters on CUDA ("alloc", "register", "off").
         async_step: overlap the optimizer step with the next iteration (weights one
-            step stale, as in RoundPipe). ``False``: the same computation as plain PyTorch,
-            and parameters already in ``optim_dtype`` (an fp32 module) are their own
-            masters (``RoundPipe(shared_masters=True)``): one copy of the weights in host
-            memory instead of two, the same numbers. ``None`` (the default) follows the
-            hardware: ``True`` on GPUs, where the host step runs beside the devices;
-            ``False`` on CPU workers, where the optimizer thread would compete with the
-            workers for the same cores (slower, and one step stale for nothing).
-        fuse_optimizer: run the optimizers of ``configure_optimizers`` on torch's fused
-            CPU kernel (Adam, AdamW, SGD, Adagrad) when they were built without a
-            ``fused`` / ``foreach`` choice: switched in place at setup, the same update
-            within fp32 rounding, several times faster on the host. ``False``: as built.
+            step stale). ``False``: plain PyTorch's computation, and parameters already
+            in ``optim_dtype`` are their own masters (one copy of the weights in host
+            memory). ``None`` (default): ``True`` on GPUs; ``False`` on CPU workers, whose
+            cores the optimizer thread would compete for.
+        fuse_optimizer: switch optimizers built without a ``fused`` / ``foreach`` choice
+            (Adam, AdamW, SGD, Adagrad) in place to torch's fused CPU kernel: the same
+            update within fp32 rounding, several times faster. ``False``: as built.
         overlap_iterations: with ``async_step=True``, ``training_step``'s
-            ``self.roundpipe.forward_backward(...)`` runs non-blocking and returns a lazy
-            loss (see the module docstring for when it is computed). Same numbers as
-            ``False``. ``blocking=True`` passed to ``forward_backward`` is respected.
+            ``forward_backward`` runs non-blocking and returns a lazy loss (same numbers;
+            docs/lightning.md, "Overlapped iterations"); ``blocking=True`` is respected.
         recompute_grain: "stage" or "layer" (None: the engine's default).
         preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
         model_run_config: further ``RoundPipeRunConfig`` defaults; the explicit
@@ -290,25 +279,17 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         shard_host_state: with several processes, each keeps gradients, optimizer state and
             masters for its 1/N of the parameters (``docs/multi-node.md``).
-        offload_dir: a directory for the disk tier (``RoundPipe(offload_dir=...)``): the
-            fp32 masters and the optimizer state live in files there, streamed layer by
-            layer through a bounded host buffer by each step -- the same weights, bit for
-            bit, as in RAM. Needs an nn.Sequential, one optimizer for which
-            ``steps_elementwise`` holds (Adam, AdamW, SGD, ...) and one process; the
-            masters are separate (``shared_masters=False``) whatever ``async_step``.
-            Checkpoints have the same format as without it, and resume either way
-            (``docs/lightning.md``, "Masters and optimizer state on disk").
+        offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
+            state live in files there, streamed layer by layer by each step -- the same
+            weights, bit for bit, as in RAM. Needs an nn.Sequential, one elementwise
+            optimizer (Adam, AdamW, SGD, ...) and one process; checkpoints as without it
+            (docs/lightning.md, "Masters and optimizer state on disk").
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
 
-    The arguments are kept, validated, in ``settings``
-    (:class:`~roundpipe_lightning.session.SessionSettings`) and read as attributes
-    (``strategy.num_microbatch``).
-
-    Raises:
-        TypeError / ValueError: an argument of the wrong type or value (the message
-            names the argument and what it accepts).
+    The arguments are kept, checked, in ``settings`` and read as attributes
+    (``strategy.num_microbatch``); a wrong one is a TypeError / ValueError naming it.
     """
 
     strategy_name = "roundpipe"
