@@ -92,7 +92,9 @@ class LazyLoss(torch.Tensor):
         cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        lazy = [a for a in _flat((args, kwargs)) if isinstance(a, LazyLoss) and not a.resolved]
+        leaves: list[Any] = []
+        _map((args, kwargs), leaves.append)
+        lazy = [a for a in leaves if isinstance(a, LazyLoss) and not a.resolved]
         if lazy and not op_is_mutable(func):
             meta = _on_meta(func, args, kwargs)
             if isinstance(meta, torch.Tensor):
@@ -102,14 +104,6 @@ class LazyLoss(torch.Tensor):
 
                 return LazyLoss(later, meta.shape, meta.dtype)
         return func(*_real(args), **_real(kwargs))
-
-
-def _flat(tree: Any) -> list[Any]:
-    if isinstance(tree, (list, tuple)):
-        return [x for item in tree for x in _flat(item)]
-    if isinstance(tree, dict):
-        return [x for item in tree.values() for x in _flat(item)]
-    return [tree]
 
 
 def _map(tree: Any, fn: Callable[[Any], Any]) -> Any:
@@ -181,12 +175,9 @@ def overlap_blocker(trainer: Any, async_step: bool, has_scaler: bool) -> str | N
 
 class OverlappedForwardBackward:
     """A ``RoundPipe.forward_backward_hook``: while ``active()`` holds, a call that did
-    not choose ``blocking`` runs non-blocking and returns the loss as a :class:`LazyLoss`.
-
-    An explicit ``blocking=...`` and ``return_outputs=True`` (outputs are not lazy) run
-    as asked. The first call runs blocking: its result gives the loss's shape and dtype
-    (a loss_fn returning several losses keeps every call blocking).
-    """
+    not choose ``blocking`` (nor ``return_outputs``) runs non-blocking and returns a
+    :class:`LazyLoss`. The first runs blocking: its result gives the loss's shape and
+    dtype (a loss_fn returning several losses keeps every call blocking)."""
 
     def __init__(
         self,

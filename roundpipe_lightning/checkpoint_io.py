@@ -106,16 +106,13 @@ def _remove_stale_temporaries(directory: str, prefix: str) -> None:
 
 
 class StreamingCheckpointIO(TorchCheckpointIO):
-    """Atomic, unbuffered checkpoint writes and memory-mapped reads (see the module docstring).
+    """Atomic, unbuffered checkpoint writes and memory-mapped reads.
 
     Args:
-        mmap: load checkpoints memory-mapped (``torch.load(mmap=True)``). Files in
-            torch's legacy (non-zip) format are read normally.
-        fsync: flush the file and its directory to disk before the save returns
-            (a crash right after the save then still finds the checkpoint).
-        verify: before loading, check every tensor storage against the CRC-32 that
-            ``torch.save`` wrote for it (:func:`roundpipe_core.checkpoint_file.verify_archive`):
-            a damaged file is refused instead of trained on. One read of the file.
+        mmap: load memory-mapped (legacy non-zip files are read normally).
+        fsync: flush the file and its directory to disk before the save returns.
+        verify: before loading, check every tensor storage against its CRC-32
+            (:func:`roundpipe_core.checkpoint_file.verify_archive`): one read of the file.
     """
 
     def __init__(self, mmap: bool = True, fsync: bool = True, verify: bool = True) -> None:

@@ -40,7 +40,7 @@ from roundpipe_core import AutoRoundPipe, RoundPipe
 from roundpipe_core import distributed as D
 
 from ._private import optimizer_view
-from .checkpoint_io import CHECKPOINT_KEY, StreamingCheckpointIO
+from .checkpoint_io import CHECKPOINT_KEY
 from .session import (
     Session,
     SessionHost,
@@ -273,15 +273,10 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         # Fabric's connector fills these in (it looks for the attributes)
         self.parallel_devices = parallel_devices
         self.cluster_environment = cluster_environment
-        self._num_nodes = 1
         self._checked = False
         self._runs: list[_SetUpModule] = []
 
     # -- where it runs: one process per node drives the node's pool ----------------------------
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
 
     # SingleDeviceStrategy.__init__ assigns the one-process values (0, 0, 1); the cluster
     # environment decides, so the setters ignore them (Fabric reads them with getattr)
@@ -370,19 +365,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         return obj if self.world_size == 1 else D.broadcast_object(obj, src)
 
-    # -- plugins -------------------------------------------------------------------------------
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """``StreamingCheckpointIO`` unless Fabric was given a ``CheckpointIO``."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = StreamingCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
+    # -- plugins (the checkpoint_io: SessionHost's) ----------------------------------------------
     @property
     @override
     def precision(self) -> Precision:
@@ -500,9 +483,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             )
         kwargs.pop("closure", None)
         run, raw = adopted
-        # several nodes: the master gradients are reduced over the nodes on the optimizer
-        # thread, in front of the step, once the calls in flight are in (so calls issued
-        # with blocking=False still overlap) -- unless fabric.clip_gradients reduced them
+        # several nodes: reduced on the optimizer thread before the step, once the calls in
+        # flight are in (blocking=False calls still overlap), unless clipping reduced them
         reduce_first = id(raw) not in run.reduced
         # the step clears the gradients there are now
         run.grads_fresh = False
@@ -631,8 +613,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         """Fabric's load; a set-up module's masters follow its weights or its section,
         an optimizer saved sharded is read from its shards (any node count)."""
         self._synchronize()
-        # the set-up optimizers are restored here, after the modules: their state may be
-        # a marker whose shards lie beside the file
+        # the set-up optimizers after the modules: their state may be a marker of shards
         ours = {}
         if isinstance(state, Mapping):
             for key, obj in state.items():
@@ -658,8 +639,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             for key, obj in state.items():
                 of_module = self._run_of(obj) if isinstance(obj, nn.Module) else None
                 if of_module is not None:
-                    # the masters saved with a higher precision than the module's weights,
-                    # and what the RoundPipe learned (after load_state)
+                    # masters saved in a higher precision, what the RoundPipe learned
                     saved = of_module.read_section(sections.get(key), strict)
                     of_module.load_masters(saved, from_weights=False)
                     of_module.restore(sections.get(key))

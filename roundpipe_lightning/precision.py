@@ -228,12 +228,8 @@ class RoundPipePrecision(Precision):
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> RoundPipePrecision:
-        """The RoundPipe counterpart of a Lightning precision plugin (the Trainer's).
-
-        Raises:
-            ValueError: for plugins RoundPipe cannot run (64-bit, Transformer Engine,
-                bitsandbytes, DeepSpeed/FSDP/XLA precision, custom plugins).
-        """
+        """The RoundPipe counterpart of a Lightning precision plugin (the Trainer's); a
+        ValueError for one it cannot run (64-bit, Transformer Engine, custom, ...)."""
         if plugin is None or type(plugin) is Precision:
             return cls("32-true")
         if isinstance(plugin, RoundPipePrecision):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -42,12 +43,18 @@ from roundpipe_core.stepping.disk_tier import DiskTier, check_offload_args
 from roundpipe_core.stepping.layerwise import step_subset
 
 from ._private import (
+    WrappingCheckpointIO,
     defer_zero_grad,
     is_lr_scheduler_step_wrapper,
     mark_lr_scheduler_step_called,
     restore_zero_grad,
 )
-from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section, restore_learned
+from .checkpoint_io import (
+    CHECKPOINT_FORMAT,
+    StreamingCheckpointIO,
+    check_roundpipe_section,
+    restore_learned,
+)
 from .plans import resolve_execute_plan
 from .sharded_checkpoint import (
     is_marker,
@@ -311,9 +318,9 @@ class SessionSettings:
         rp = auto_wrap(net, **common)
         kind = type(net).__name__
         said = (
-            f"{source} a {kind}: not an nn.Sequential, and neither a preset nor the converter "
-            "by structure converts it (the log of roundpipe_core.presets says why), so RoundPipe splits it automatically (as wrap_model_to_roundpipe("
-            "use_sequential_preset=False) does): "
+            f"{source} a {kind}: not an nn.Sequential, and no preset or the converter by "
+            "structure converts it (the log of roundpipe_core.presets says why), so RoundPipe "
+            "splits it automatically: "
         )
         if not isinstance(rp, RoundPipe) and self.execute_plan is not None:
             rp.close()
@@ -327,11 +334,10 @@ class SessionSettings:
             rank_zero_info(said + f"a chain of {rp.num_layers} layers, pipelined as a Sequential.")
             return rp
         rank_zero_warn(
-            said
-            + f"AutoRoundPipe: {rp.summary()}; the code between the units runs on the host. It is slower than a Sequential and has no forward_backward: {hint}. "
-            "For full speed give an nn.Sequential of its layers, or "
-            f"register a preset: roundpipe_core.presets.register_preset({kind!r}, "
-            "lambda model: nn.Sequential(...)) (docs/add-a-preset.md)."
+            f"{said}AutoRoundPipe: {rp.summary()}; the code between the units runs on the "
+            f"host, slower, and there is no forward_backward: {hint}. For full speed give an "
+            f"nn.Sequential of its layers, or register_preset({kind!r}, lambda model: "
+            "nn.Sequential(...)) from roundpipe_core.presets (docs/add-a-preset.md)."
         )
         return rp
 
@@ -345,6 +351,30 @@ class SessionHost:
 
     settings: SessionSettings
     parallel_devices: list[torch.device] | None
+    _checkpoint_io: CheckpointIO | None
+    _num_nodes = 1  # Fabric's connector sets it directly
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`StreamingCheckpointIO` unless a ``checkpoint_io`` was given."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = StreamingCheckpointIO()
+        elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
+            # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
+            self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     @property
     def compute_devices(self) -> list[torch.device]:
@@ -438,9 +468,8 @@ def check_one_process_per_node(
     if num_nodes > 1 and (env is None or not env.creates_processes_externally):
         raise ValueError(
             f"{owner} with num_nodes={num_nodes} runs one process per node, started by a "
-            "launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
-            "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 "
-            "environment. This process was not started that way."
+            "launcher (torchrun --nproc-per-node 1, srun with one task per node, or the "
+            "MASTER_ADDR / WORLD_SIZE / NODE_RANK environment); this process was not."
         )
 
 
@@ -746,16 +775,13 @@ def _frozen(value: Any) -> Any:
 class QueuedStep:
     """``optimizer.step(**kwargs)`` with the hyperparameters the param groups hold now.
 
-    With ``async_step=True`` a strategy's step returns before ``optimizer.step()`` has
-    run, and an LR scheduler may then write the *next* step's values into the live param
-    groups. So the groups are copied when the step is queued (create this on the main
-    thread; call :meth:`run` on the optimizer thread), and the step runs on a *twin*: an
-    instance of the same class sharing everything with the user's optimizer (state,
-    hooks, defaults) except ``param_groups``. The user's object keeps its class and its
-    groups; what the step writes into its groups or rebinds on the twin (step counters)
-    is carried back. A ``step`` set on the instance is honoured: an LR scheduler's
-    wrapper gives way to the class's ``step``; a method bound to the optimizer is bound
-    to the twin; any other callable runs on the live optimizer, with a warning.
+    An LR scheduler may write the *next* step's values into the live groups before a
+    queued step runs, so the groups are copied when it is queued (on the main thread)
+    and the step runs on a *twin*: an instance of the same class sharing everything with
+    the user's optimizer but ``param_groups``; what the step writes into its groups or
+    rebinds on the twin (step counters) is carried back. A ``step`` set on the instance:
+    an LR scheduler's wrapper gives way to the class's, a method of the optimizer is
+    bound to the twin, any other callable runs on the live optimizer with a warning.
     """
 
     def __init__(self, optimizer: Optimizer) -> None:

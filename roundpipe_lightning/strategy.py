@@ -44,11 +44,10 @@ from roundpipe_core import distributed as D
 from roundpipe_core.running.host_memory import available_host_memory, check_host_memory
 
 from ._overlap import OverlappedForwardBackward, overlap_blocker, steps_in_parts
-from ._private import WrappingCheckpointIO, defer_zero_grad, restore_zero_grad, uncount_saved_steps
+from ._private import defer_zero_grad, restore_zero_grad, uncount_saved_steps
 from .checkpoint_io import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
-    StreamingCheckpointIO,
     check_lightning_checkpoint,
 )
 from .precision import LossScaler, RoundPipePrecision
@@ -329,7 +328,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         )
         arguments = {k: v for k, v in locals().items() if k in SETTINGS}
         self.settings = SessionSettings.of(_OWNER, arguments)
-        self._num_nodes = 1
         self._session: Session | None = None
         self._run = RunState()
         self._zero_grad_wrappers: list[Any] = []  # LightningOptimizers (manual optimization)
@@ -350,14 +348,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         return self._session.rp
 
     # -- where it runs: one process per node drives the node's pool --------------------------
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
     @property
     @override
     def root_device(self) -> torch.device:
@@ -602,13 +592,11 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
 
         def closure_and_reduce() -> Any:
             if overlap:
-                # the window may still run: its gradients are reduced over the processes
-                # on the optimizer thread, when they are in, right before the step (and
-                # the clipping) -- while the next iteration computes
+                # the window may still run: its gradients are reduced on the optimizer
+                # thread once they are in, before the clipping and the step
                 return closure()
-            # blocking calls: the closure's backward starts all-reducing finished layers
-            # (several processes); the gradients are then complete (a step in flight: the
-            # reducer waits); reduced, then shown on the module: later hooks see them reduced (DDP)
+            # blocking calls: the backward starts all-reducing finished layers; once all are
+            # reduced they are shown on the module, so later hooks see them reduced (DDP)
             result = self._dp.wrap_closure(opt, closure)()
             self._dp.reduce(opt)
             self._sync_weights()
@@ -670,22 +658,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     def on_train_end(self) -> None:
         self._sync_weights()
 
-    # -- checkpoints -----------------------------------------------------------------------------
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """:class:`StreamingCheckpointIO` unless a ``checkpoint_io`` was given."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = StreamingCheckpointIO()
-        elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
-            # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
-            self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
+    # -- checkpoints (the checkpoint_io: SessionHost's) ----------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._sync_weights()

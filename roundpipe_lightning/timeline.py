@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from roundpipe_core.kinds import check_int
 from roundpipe_core.running.trace import Span, row_name, rows_of, spans_from_simulation
 
 __all__ = ["KIND_COLORS", "render_timeline", "spans_from_simulation"]
@@ -126,10 +127,8 @@ def render_timeline(
     sim = _check(simulated, "simulated")
     if not meas and not sim:
         raise ValueError("render_timeline got no spans to draw (measured and simulated are empty)")
-    if not isinstance(width_px, int) or width_px < 200:
-        raise ValueError(f"width_px must be an int >= 200; got {width_px!r}")
-    if not isinstance(dpi, int) or dpi < 10:
-        raise ValueError(f"dpi must be an int >= 10; got {dpi!r}")
+    check_int(width_px, "width_px", 200)
+    check_int(dpi, "dpi", 10)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
