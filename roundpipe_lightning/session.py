@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -35,8 +35,9 @@ from roundpipe_core.kinds import PinMode, RecomputeGrain, check_flag
 from roundpipe_core.loss import LOSS_REDUCTIONS
 from roundpipe_core.optim import check_state_matches, fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
-    HostMemoryBudget,
     UnknownOptimizerError,
+    available_host_memory,
+    check_host_memory,
     estimate_host_memory,
 )
 from roundpipe_core.stepping.disk_tier import DiskTier, check_offload_args
@@ -519,38 +520,6 @@ ASSUMED_OPTIMIZER_STATES = 2
 _SAID: set[tuple[str, str]] = set()
 
 
-def host_memory_budget(
-    rp: RP,
-    optimizers: list[Optimizer],
-    num_microbatch: int | None,
-    dp: D.DataParallel | None = None,
-    async_step: bool | None = None,
-) -> HostMemoryBudget:
-    """The host memory ``rp`` trained by ``optimizers`` needs. An optimizer of unknown
-    state size does not stop training: the budget assumes Adam's and says so once."""
-    shards = 1 if dp is None else dp.state_shards
-    buffers = 0 if dp is None else dp.kept_buffer_bytes(rp, optimizers)
-    common: dict[str, Any] = dict(
-        num_microbatch=num_microbatch, state_shards=shards, async_step=async_step
-    )
-    try:
-        return estimate_host_memory(rp, optimizer=optimizers, collective_buffers=buffers, **common)
-    except UnknownOptimizerError as exc:
-        names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
-        if ("budget", names) not in _SAID:
-            _SAID.add(("budget", names))
-            rank_zero_warn(
-                f"RoundPipe cannot tell how much state {names} keeps ({exc}); the host-memory "
-                f"budget assumes {ASSUMED_OPTIMIZER_STATES} parameter-sized tensors per parameter"
-            )
-        return estimate_host_memory(
-            rp,
-            optimizer_states=ASSUMED_OPTIMIZER_STATES,
-            collective_buffers=buffers,
-            **common,
-        )
-
-
 # -- optimizers ----------------------------------------------------------------------------------
 def point_at_masters(opt: Optimizer, rp: RP, build_hint: str = "self.parameters()") -> None:
     """Replace the parameters in ``opt``'s groups by their masters. LBFGS is refused:
@@ -864,6 +833,38 @@ class Session:
         self.steps = StepLedger()
         #: the disk tier (``offload_dir``): the masters and the optimizer state in files
         self.tier: DiskTier | None = getattr(rp, "disk_tier", None)
+
+    def check_host_budget(self) -> None:
+        """Say the set-up line and the host-memory budget (the whole table at DEBUG), and
+        refuse, with numbers, a run whose state cannot fit. An optimizer of unknown state
+        size does not stop training: the budget assumes Adam's and says so once."""
+        rp, dp, opts, settings = self.rp, self.dp, self.optimizers, self.settings
+        common: dict[str, Any] = dict(
+            num_microbatch=settings.num_microbatch,
+            state_shards=dp.state_shards,
+            async_step=self.async_step,
+            collective_buffers=dp.kept_buffer_bytes(rp, opts),
+        )
+        try:
+            budget = estimate_host_memory(rp, optimizer=opts, **common)
+        except UnknownOptimizerError as exc:
+            names = ", ".join(sorted({type(o).__name__ for o in opts}))
+            if ("budget", names) not in _SAID:
+                _SAID.add(("budget", names))
+                rank_zero_warn(
+                    f"RoundPipe cannot tell how much state {names} keeps ({exc}); the host-memory "
+                    f"budget assumes {ASSUMED_OPTIMIZER_STATES} parameter-sized tensors per parameter"
+                )
+            budget = estimate_host_memory(rp, optimizer_states=ASSUMED_OPTIMIZER_STATES, **common)
+        available = available_host_memory()
+        chosen = settings.async_step is not None
+        summary = setup_summary(
+            settings.owner, rp, settings.num_microbatch, self.async_step, chosen
+        )
+        rank_zero_info(summary)
+        rank_zero_info(f"{settings.owner}: {budget.summary(available)}")
+        rank_zero_debug(f"RoundPipe host memory:\n{budget}")
+        check_host_memory(budget, available)
 
     # -- optimizers ----------------------------------------------------------------------------
     def adopt(

@@ -34,14 +34,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
-from roundpipe_core.running.host_memory import available_host_memory, check_host_memory
 
 from ._overlap import OverlappedForwardBackward, overlap_blocker, steps_in_parts
 from ._private import defer_zero_grad, restore_zero_grad, uncount_saved_steps
@@ -62,8 +61,6 @@ from .session import (
     check_pool_devices,
     check_type,
     expose_settings,
-    host_memory_budget,
-    setup_summary,
 )
 from .sharded_checkpoint import remove_shards, shards_dir
 
@@ -447,23 +444,10 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             callbacks.insert(0, self._flush_callback)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            # refuse, with numbers, a run whose state cannot fit in host memory
-            opts = [raw_optimizer(o) for o in self.optimizers]
-            rp, settings = self.roundpipe, self.settings
-            budget = host_memory_budget(
-                rp, opts, settings.num_microbatch, self._dp, self.async_step
-            )
-            available = available_host_memory()
-            # a few lines beside Lightning's own set-up facts; the whole table at DEBUG
-            chosen = settings.async_step is not None
-            rank_zero_info(
-                setup_summary(_OWNER, rp, settings.num_microbatch, self.async_step, chosen)
-            )
-            rank_zero_info(f"{_OWNER}: {budget.summary(available)}")
-            rank_zero_debug(f"RoundPipe host memory:\n{budget}")
-            check_host_memory(budget, available)
+            assert self._session is not None
+            self._session.check_host_budget()  # a few lines beside Lightning's set-up facts
             # every process starts from rank 0's weights; one gradient reducer per optimizer
-            self._dp.attach(rp, self.optimizers, async_step=self.async_step)
+            self._dp.attach(self.roundpipe, self.optimizers, async_step=self.async_step)
             sharded = self._dp.state_shards > 1  # clipping: the norm over every process's share
             self.precision_plugin.clip_norm_fn = self._dp.clip_grad_norm_ if sharded else None
         self.setup_precision_plugin()
