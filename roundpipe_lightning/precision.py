@@ -221,9 +221,8 @@ class RoundPipePrecision(Precision):
                 f"{type(scaler).__name__}"
             )
         self.precision = precision  # type: ignore[assignment]
-        self.scaler: LossScaler | None = scaler
-        if precision == "16-mixed" and scaler is None:
-            self.scaler = AmpLossScaler()
+        default = AmpLossScaler() if precision == "16-mixed" else None
+        self.scaler: LossScaler | None = default if scaler is None else scaler
         self._lightning = _lightning_plugin(precision, device)
 
     @classmethod
