@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
@@ -20,14 +21,11 @@ from roundpipe_core.stepping.layerwise import steps_elementwise
 
 from ._private import make_wrapper_tensor, op_is_mutable
 
-__all__ = ["LazyLoss", "OverlappedForwardBackward", "overlap_blocker", "steps_in_parts"]
-
 
 def steps_in_parts(optimizer: Optimizer, module: pl.LightningModule) -> bool:
-    """Whether an overlapped iteration's queued step may run parameter by parameter as
-    the gradients complete (``RoundPipe.step_layerwise``) with the result of one step:
-    an elementwise torch optimizer and no gradient clipping (the global norm needs every
-    gradient before the first parameter is updated)."""
+    """Whether an overlapped iteration's step may run layer by layer as the gradients
+    complete (``RoundPipe.step_layerwise``): an elementwise optimizer and no clipping
+    (the global norm needs every gradient first)."""
     if module.trainer.gradient_clip_val or is_overridden(
         "configure_gradient_clipping", module, pl.LightningModule
     ):
@@ -36,16 +34,11 @@ def steps_in_parts(optimizer: Optimizer, module: pl.LightningModule) -> bool:
 
 
 class LazyLoss(torch.Tensor):
-    """A loss whose value is computed later: the result of a non-blocking
-    ``forward_backward`` seen as a tensor.
-
-    Pure tensor operations on it (``detach``, ``clone``, arithmetic, dtype casts -- what
-    ``self.log`` and Lightning's loop do with a loss) return further lazy tensors and
-    wait for nothing. Anything that needs the number -- ``float()``, ``.item()``,
-    printing, a comparison, an in-place write into another tensor -- waits for the
-    iteration and computes it once. Shape and dtype are known up front (``shape``,
-    ``dtype``); the value is checked against them when it arrives.
-    """
+    """The loss of a non-blocking ``forward_backward`` as a tensor. Pure operations on it
+    (``detach``, arithmetic, casts: what ``self.log`` and Lightning's loop do) return
+    further lazy tensors; anything that needs the number (``float()``, ``.item()``,
+    printing, an in-place write) waits for the iteration and computes it once. Shape and
+    dtype are known up front; the value is checked against them."""
 
     _thunk: Callable[[], torch.Tensor] | None
     _value: torch.Tensor | None
@@ -75,7 +68,6 @@ class LazyLoss(torch.Tensor):
 
     @property
     def resolved(self) -> bool:
-        """Whether the value has been computed."""
         return self._value is not None
 
     def resolve(self) -> torch.Tensor:
@@ -100,7 +92,9 @@ class LazyLoss(torch.Tensor):
         cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        lazy = [a for a in _flat((args, kwargs)) if isinstance(a, LazyLoss) and not a.resolved]
+        leaves: list[Any] = []
+        _map((args, kwargs), leaves.append)
+        lazy = [a for a in leaves if isinstance(a, LazyLoss) and not a.resolved]
         if lazy and not op_is_mutable(func):
             meta = _on_meta(func, args, kwargs)
             if isinstance(meta, torch.Tensor):
@@ -110,14 +104,6 @@ class LazyLoss(torch.Tensor):
 
                 return LazyLoss(later, meta.shape, meta.dtype)
         return func(*_real(args), **_real(kwargs))
-
-
-def _flat(tree: Any) -> list[Any]:
-    if isinstance(tree, (list, tuple)):
-        return [x for item in tree for x in _flat(item)]
-    if isinstance(tree, dict):
-        return [x for item in tree.values() for x in _flat(item)]
-    return [tree]
 
 
 def _map(tree: Any, fn: Callable[[Any], Any]) -> Any:
@@ -133,8 +119,8 @@ def _real(tree: Any) -> Any:
 
 
 def _on_meta(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func`` on shape-only copies of its tensors: the output's shape and dtype, or
-    None when that is not a single tensor computed on CPU (then the value is needed now)."""
+    """``func`` on shape-only copies of its tensors, or None when its output is not one
+    CPU tensor (then the value is needed now)."""
 
     def to_meta(a: Any) -> Any:
         if isinstance(a, LazyLoss):
@@ -170,9 +156,6 @@ _GRAD_HOOKS_CALLBACK = ("on_after_backward", "on_before_optimizer_step")
 
 def overlap_blocker(trainer: Any, async_step: bool, has_scaler: bool) -> str | None:
     """Why this run cannot overlap its iterations (None if it can)."""
-    from lightning.pytorch import Callback
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
     lm = trainer.lightning_module
     if not async_step:
         return "async_step=False: each iteration computes with the weights of every step before it"
@@ -192,12 +175,9 @@ def overlap_blocker(trainer: Any, async_step: bool, has_scaler: bool) -> str | N
 
 class OverlappedForwardBackward:
     """A ``RoundPipe.forward_backward_hook``: while ``active()`` holds, a call that did
-    not choose ``blocking`` runs non-blocking and returns the loss as a :class:`LazyLoss`.
-
-    An explicit ``blocking=...`` and ``return_outputs=True`` (outputs are not lazy) run
-    as asked. The first call runs blocking: its result gives the loss's shape and dtype
-    (a loss_fn returning several losses keeps every call blocking).
-    """
+    not choose ``blocking`` (nor ``return_outputs``) runs non-blocking and returns a
+    :class:`LazyLoss`. The first runs blocking: its result gives the loss's shape and
+    dtype (a loss_fn returning several losses keeps every call blocking)."""
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from roundpipe_core import ModelExecutePlan
+from roundpipe_core.kinds import check_int
 from roundpipe_core.planning.simulate import simulate
 from roundpipe_core.running.trace import (
     side_by_side_trace,
@@ -31,57 +32,42 @@ __all__ = ["AutoReplan", "StageTimeLogger"]
 
 
 def trace_file_name(step: int) -> str:
-    """The trace file of Lightning's step ``step``: zero-padded, so names sort in step order."""
+    """Zero-padded, so names sort in step order."""
     return f"step_{step:08d}.json"
 
 
-def _roundpipe_of(trainer: Trainer, who: str) -> Any:
+def _strategy_of(trainer: Trainer, who: str) -> RoundPipeStrategy:
     strategy = trainer.strategy
     if not isinstance(strategy, RoundPipeStrategy):
         raise TypeError(
             f"{who} needs Trainer(strategy=RoundPipeStrategy(...)); this Trainer uses "
             f"{type(strategy).__name__}"
         )
-    return strategy.roundpipe
-
-
-def _check_strategy(trainer: Trainer, who: str) -> None:
-    if not isinstance(trainer.strategy, RoundPipeStrategy):
-        raise TypeError(
-            f"{who} needs Trainer(strategy=RoundPipeStrategy(...)); this Trainer uses "
-            f"{type(trainer.strategy).__name__}"
-        )
+    return strategy
 
 
 class AutoReplan(Callback):
     """Re-plan the stage partition from measured layer times.
 
-    After ``warmup_steps`` optimizer steps (and then every ``every_n_steps`` if
-    given) it runs ``ModelExecutePlan.auto(run_type, roundpipe, **auto_kwargs)``
-    on the layer timer's moving averages and installs the result for the
-    strategy's ``run_type`` calls (``"fused"``: ``forward_backward``). Each
-    re-plan is logged, at the optimizer step it ran after, as the text
-    ``roundpipe/plan_<run_type>`` (TensorBoard) and the scalars
-    ``roundpipe/plan_fwd_stages`` / ``roundpipe/plan_bwd_stages`` (stage counts)
-    and ``roundpipe/plan_changed`` (1.0 if the plan differs from the one before,
-    else 0.0); the installed plan is saved in checkpoints and re-installed on resume.
+    After ``warmup_steps`` optimizer steps (then every ``every_n_steps`` if given) it
+    runs ``ModelExecutePlan.auto(run_type, roundpipe, **auto_kwargs)`` on the layer
+    timer's moving averages and installs the result for ``run_type`` calls. Each re-plan
+    is logged at its step as the text ``roundpipe/plan_<run_type>`` (TensorBoard) and
+    the scalars ``roundpipe/plan_fwd_stages`` / ``roundpipe/plan_bwd_stages`` and
+    ``roundpipe/plan_changed`` (1.0 or 0.0); the plan is saved in checkpoints and
+    re-installed on resume.
 
-    Timings are noisy, and near-equal plans trade places from one measurement to
-    the next. A new plan is therefore installed only when the simulator, on the
-    timer's moving averages, predicts it at least ``min_gain`` faster than the plan
-    in use; otherwise the plan in use stays. Either way the log line says why, with
-    the predicted gain.
+    Timings are noisy, so a new plan is installed only when the simulator predicts it
+    at least ``min_gain`` faster than the plan in use; the log line says why, with the
+    predicted gain.
 
     Args:
-        warmup_steps: optimizer steps measured before the first re-plan (the
-            timer drops each layer's first measurement).
+        warmup_steps: optimizer steps measured before the first re-plan.
         every_n_steps: re-plan again every this many steps after the first; None: once.
-        run_type: the kind of call to plan: "fused" (``forward_backward``),
-            "train" (``roundpipe(x)`` + backward) or "infer".
-        min_gain: the predicted speed-up (0.05: 5 %) a new plan must bring to replace
-            the plan in use.
-        **auto_kwargs: passed to ``ModelExecutePlan.auto`` (``min_stages``,
-            ``upper_threshold``, ``model_memory_limit``, ``num_microbatch``, ...).
+        run_type: "fused" (``forward_backward``), "train" (``roundpipe(x)`` + backward)
+            or "infer".
+        min_gain: the predicted speed-up (0.05: 5 %) a new plan must bring.
+        **auto_kwargs: passed to ``ModelExecutePlan.auto`` (``min_stages``, ...).
     """
 
     def __init__(
@@ -92,14 +78,9 @@ class AutoReplan(Callback):
         min_gain: float = 0.05,
         **auto_kwargs: Any,
     ) -> None:
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
-        if every_n_steps is not None and (
-            not isinstance(every_n_steps, int)
-            or isinstance(every_n_steps, bool)
-            or every_n_steps < 1
-        ):
-            raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
+        check_int(warmup_steps, "warmup_steps")
+        if every_n_steps is not None:
+            check_int(every_n_steps, "every_n_steps", why="or None")
         if run_type not in ("infer", "train", "fused"):
             raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
         if (
@@ -120,14 +101,13 @@ class AutoReplan(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _check_strategy(trainer, "AutoReplan")
+        _strategy_of(trainer, "AutoReplan")
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # A plan restored from a checkpoint goes back into the new RoundPipe.
         if self.plan is not None:
             try:
-                _roundpipe_of(trainer, "AutoReplan").set_plan(self.run_type, self.plan)
+                _strategy_of(trainer, "AutoReplan").roundpipe.set_plan(self.run_type, self.plan)
             except ValueError as exc:
                 raise ValueError(
                     f"AutoReplan: the plan restored from the checkpoint ({self.plan}) does not "
@@ -148,21 +128,21 @@ class AutoReplan(Callback):
         step = trainer.global_step
         if not self._due(step):
             return
-        rp = _roundpipe_of(trainer, "AutoReplan")
+        rp = _strategy_of(trainer, "AutoReplan").roundpipe
         if not rp.model_timer.has_measurements():
             return  # nothing measured yet (e.g. the training step never ran the pipeline)
         self.replan(trainer, rp, step)
 
     def replan(self, trainer: Trainer, rp: Any, step: int) -> ModelExecutePlan:
-        """Plan from the timer now, install and log the plan; returns it."""
+        """Plan from the timer now, install, log and return the plan."""
         decision = rp.replan(self.run_type, self.min_gain, **self.auto_kwargs)
-        old, candidate, gain, changed = (
+        old, candidate, gain, changed, plan = (
             decision.old,
             decision.candidate,
             decision.gain,
             decision.changed,
+            decision.plan,
         )
-        plan = decision.plan
         self.last_predicted_gain = gain
         self.plan, self.last_replan_step = plan, step
         self.history.append((step, plan))
@@ -226,35 +206,28 @@ class AutoReplan(Callback):
 class StageTimeLogger(Callback):
     """Log RoundPipe's timings through ``trainer.loggers`` (TensorBoard by default).
 
-    It logs at the steps Lightning logs its own metrics: after the optimizer step of
-    the batch where ``(step + 1) % every_n_steps == 0``, at Lightning's logging step
-    ``step`` (the number of optimizer steps before that batch), so with
-    ``log_every_n_steps=5`` both land at steps 4, 9, 14 (and, like Lightning's, at
-    the step after which ``trainer.should_stop`` ends training). Under ``roundpipe/``:
+    It logs where Lightning logs its own metrics (``(step + 1) % every_n_steps == 0``,
+    at Lightning's logging step, and where ``trainer.should_stop`` ends training).
+    Under ``roundpipe/``:
 
     * ``layer_XX/fwd_ms``, ``layer_XX/re_ms``, ``layer_XX/bwd_ms``: the layer timer's
       moving averages for one microbatch (``log_layers=False`` turns them off);
-    * ``stage/<kind><stage>_ms``: busy time of each job of the last pipelined call,
-      all its microbatches (``fused0``, ``forward0``, ``backward2``, ...; a stage run
-      as one job per CPU worker at once, ``Job.replicas``, adds up its jobs' times);
+    * ``stage/<kind><stage>_ms``: busy time of each job of the last pipelined call
+      (``fused0``, ``backward2``, ...; a stage run as several jobs adds them up);
     * ``device_D/busy_ms``: busy time of device ``D`` in that call;
     * ``call_ms``: the call's wall time (``RoundPipe.last_call.wall_ms``);
     * ``bubble_ratio``: ``1 - sum(busy) / (call_ms x devices)``;
-    * ``sim_iteration_ms`` / ``sim_bubble_ratio``: one iteration of the same plan
-      simulated with the timer's per-microbatch estimates (``roundpipe_core.planning.simulate``),
-      on the scale of ``call_ms``: a simulated time far below the measured one means
-      time goes to something the estimates do not hold (transfers, launch overhead,
-      a loaded host);
-    * ``step_ms``: the training step's wall time (batch start to batch end), with
-      ``samples_per_s`` and, for token-id inputs, ``tokens_per_s`` derived from it;
-    * the image ``roundpipe/timeline`` (TensorBoard loggers, needs matplotlib): the
-      last call measured above its simulation, same time scale, a lane per device,
-      stages coloured by kind (:func:`roundpipe_lightning.timeline.render_timeline`).
+    * ``sim_iteration_ms`` / ``sim_bubble_ratio``: the same plan simulated with the
+      timer's estimates, on the scale of ``call_ms`` (far below it: time goes to what
+      the estimates do not hold, such as transfers or a loaded host);
+    * ``step_ms``: the training step's wall time, with ``samples_per_s`` and, for
+      token-id inputs, ``tokens_per_s``;
+    * the image ``roundpipe/timeline`` (TensorBoard, needs matplotlib): the last call
+      measured above its simulation (:func:`roundpipe_lightning.timeline.render_timeline`).
 
-    With ``trace_dir`` it also writes ``trace_dir/step_<step>.json`` (the step zero-padded
-    to 8 digits, so the files sort in step order: ``step_00000009.json``) at each logging
-    step: the measured call (``RoundPipe.last_trace()``'s spans) and its simulation
-    side by side as Chrome trace-event JSON (open in https://ui.perfetto.dev).
+    With ``trace_dir`` it also writes ``trace_dir/step_<step>.json`` (``step_00000009.json``)
+    at each logging step: the measured call and its simulation side by side as Chrome
+    trace-event JSON (open in https://ui.perfetto.dev).
 
     Args:
         every_n_steps: logging interval in optimizer steps (default: the Trainer's
@@ -271,12 +244,8 @@ class StageTimeLogger(Callback):
         trace_dir: str | Path | None = None,
         log_timeline: bool = True,
     ) -> None:
-        if every_n_steps is not None and (
-            not isinstance(every_n_steps, int)
-            or isinstance(every_n_steps, bool)
-            or every_n_steps < 1
-        ):
-            raise ValueError(f"every_n_steps must be an int >= 1 or None, got {every_n_steps!r}")
+        if every_n_steps is not None:
+            check_int(every_n_steps, "every_n_steps", why="or None")
         if trace_dir is not None and not isinstance(trace_dir, (str, Path)):
             raise TypeError(
                 f"trace_dir must be a folder path (str or Path) or None, got {type(trace_dir).__name__}"
@@ -294,7 +263,7 @@ class StageTimeLogger(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        _check_strategy(trainer, "StageTimeLogger")
+        _strategy_of(trainer, "StageTimeLogger")
 
     @override
     def on_train_batch_start(
@@ -318,7 +287,7 @@ class StageTimeLogger(Callback):
         if not due or step == self._last_step:
             return
         self._last_step = step
-        rp = _roundpipe_of(trainer, "StageTimeLogger")
+        rp = _strategy_of(trainer, "StageTimeLogger").roundpipe
         sim = self._simulate(rp)
         metrics = self.collect(rp, step_ms, sim)
         self.last_metrics = metrics
@@ -344,8 +313,7 @@ class StageTimeLogger(Callback):
                 lg.experiment.add_image("roundpipe/timeline", image, step, dataformats="HWC")
 
     def collect(self, rp: Any, step_ms: float, sim: Any = None) -> dict[str, float]:
-        """The metrics of the last pipelined call of ``rp`` (see the class docstring);
-        ``sim`` is its simulation (:meth:`_simulate`), ``None`` for no ``sim_*`` tags."""
+        """The metrics of ``rp``'s last call (the class docstring); ``sim``: its simulation."""
         m: dict[str, float] = {}
         timer = rp.model_timer
         if self.log_layers:
@@ -376,8 +344,7 @@ class StageTimeLogger(Callback):
 
     @staticmethod
     def _simulate(rp: Any) -> Any:
-        """One iteration of the last call's plan, simulated with the timer's estimates
-        (already per microbatch: the timer divides each job's time by its microbatches)."""
+        """One iteration of the last call's plan on the timer's per-microbatch estimates."""
         jobs = rp.last_call.schedule
         if not jobs:
             return None
@@ -405,8 +372,7 @@ class StageTimeLogger(Callback):
 
 
 def _plan_of(jobs: list[Any]) -> ModelExecutePlan:
-    """The plan a schedule ran, read back from its jobs (stage order within each pass;
-    a stage run as several jobs at once, ``Job.replicas``, is one stage of the plan)."""
+    """The plan a schedule ran (a stage run as several jobs, ``Job.replicas``, is one)."""
     first = [j for j in jobs if j.replica == 0]
     fwd = sorted((j for j in first if j.kind == "forward"), key=lambda j: j.stage)
     bwd = sorted((j for j in first if j.kind != "forward"), key=lambda j: j.stage)

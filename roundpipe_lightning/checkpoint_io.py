@@ -1,30 +1,13 @@
 """``StreamingCheckpointIO``: checkpoints that cost no host memory beyond the state itself.
 
-RoundPipe keeps the whole training state in host memory, so a checkpoint must
-not need a second copy of it. Lightning's default ``TorchCheckpointIO`` first
-serialises the checkpoint into an in-memory ``BytesIO`` (to write the file in
-one go) -- a whole checkpoint's worth of RAM on top of training. This
-``CheckpointIO`` instead:
-
-* **saves** with ``torch.save`` into an open temporary file next to the target.
-  ``torch.save`` pickles only the (small) object structure into memory; each
-  tensor storage is written from its own memory straight into the zip
-  archive, so nothing is buffered or cloned. The temporary file is flushed,
-  ``fsync``-ed and renamed over the target (``os.replace``), and the directory
-  is ``fsync``-ed: the target is always either the previous complete file or
-  the new complete file, never a half-written one.
-* **loads** with ``torch.load(mmap=True)``: tensors are views of the mapped
-  file, read page by page as they are copied into the model, so restoring does
-  not hold a second copy of the state in anonymous memory. Because every save
-  writes a *new* file and renames it, a mapped checkpoint is never modified in
-  place while a run still reads from it. Before loading, every tensor storage is
-  checked against the CRC-32 ``torch.save`` wrote for it, and a truncated,
-  damaged or foreign file is refused with ``CorruptCheckpointError``
-  (:mod:`roundpipe_core.checkpoint_file`).
-
-Files are ordinary ``torch.save`` archives: ``torch.load(path, weights_only=True)``
-and ``LightningModule.load_from_checkpoint`` read them. Paths that are not on
-the local filesystem (``s3://...``) fall back to Lightning's ``TorchCheckpointIO``.
+RoundPipe keeps the whole training state in host memory; Lightning's default
+``TorchCheckpointIO`` serialises a checkpoint into a ``BytesIO`` first, a second copy.
+This one saves with ``torch.save`` straight into a temporary file beside the target
+(each tensor written from its own memory), ``fsync``-ed and renamed over it: the target
+is always a complete file, old or new. It loads with ``torch.load(mmap=True)`` after
+checking every storage's CRC-32 (:mod:`roundpipe_core.checkpoint_file`); as every save
+writes a new file, a mapped checkpoint never changes under a run. Files are ordinary
+``torch.save`` archives; non-local paths (``s3://...``) fall back to ``TorchCheckpointIO``.
 """
 
 from __future__ import annotations
@@ -45,6 +28,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from roundpipe_core.checkpoint_file import CorruptCheckpointError, read_checkpoint
+from roundpipe_core.kinds import check_flag
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -72,21 +56,16 @@ def _is_local(path: str | Path) -> bool:
 
 def _fsync_dir(directory: str) -> None:
     """Make the rename durable. Not every platform can open a directory (Windows)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class _WriteSink:
-    """The file ``torch.save`` writes to: passes each chunk (a view of a tensor's memory)
-    straight to the file and remembers the first write that failed."""
+    """The file ``torch.save`` writes to; remembers the first write that failed."""
 
     def __init__(self, f: Any) -> None:
         self._f = f
@@ -118,8 +97,7 @@ def _file_mode(target: str) -> int:
 
 
 def _remove_stale_temporaries(directory: str, prefix: str) -> None:
-    """Temporary files of saves of the same target that were killed (SIGKILL) before
-    they could clean up; they can be as large as the checkpoint."""
+    """Remove the temporaries of killed saves of the same target (as large as a checkpoint)."""
     pattern = os.path.join(glob.escape(directory), glob.escape(prefix) + "?" * 8 + ".tmp")
     for stale in glob.glob(pattern):
         with contextlib.suppress(OSError):
@@ -128,25 +106,19 @@ def _remove_stale_temporaries(directory: str, prefix: str) -> None:
 
 
 class StreamingCheckpointIO(TorchCheckpointIO):
-    """Atomic, unbuffered checkpoint writes and memory-mapped reads (see the module docstring).
+    """Atomic, unbuffered checkpoint writes and memory-mapped reads.
 
     Args:
-        mmap: load checkpoints memory-mapped (``torch.load(mmap=True)``). Files in
-            torch's legacy (non-zip) format are read normally.
-        fsync: flush the file and its directory to disk before the save returns
-            (a crash right after the save then still finds the checkpoint).
-        verify: before loading, check every tensor storage against the CRC-32 that
-            ``torch.save`` wrote for it (:func:`roundpipe_core.checkpoint_file.verify_archive`):
-            a damaged file is refused instead of trained on. One read of the file.
+        mmap: load memory-mapped (legacy non-zip files are read normally).
+        fsync: flush the file and its directory to disk before the save returns.
+        verify: before loading, check every tensor storage against its CRC-32
+            (:func:`roundpipe_core.checkpoint_file.verify_archive`): one read of the file.
     """
 
     def __init__(self, mmap: bool = True, fsync: bool = True, verify: bool = True) -> None:
         super().__init__()
         for name, value in (("mmap", mmap), ("fsync", fsync), ("verify", verify)):
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"StreamingCheckpointIO({name}=...) takes a bool, got {name}={value!r}"
-                )
+            check_flag(value, f"StreamingCheckpointIO({name}={value!r}): {name}")
         self.mmap = mmap
         self.fsync = fsync
         self.verify = verify
@@ -155,16 +127,8 @@ class StreamingCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None
     ) -> None:
-        """Write ``checkpoint`` to ``path`` atomically, streaming each tensor to the file.
-
-        Args:
-            checkpoint: the checkpoint dict (as Lightning's ``dump_checkpoint`` builds it).
-            path: target file; its directory is created if needed.
-            storage_options: not supported (as for ``TorchCheckpointIO``).
-
-        Raises:
-            TypeError: if ``storage_options`` is given.
-        """
+        """Write ``checkpoint`` to ``path`` (its directory created) atomically, streaming
+        each tensor; ``storage_options`` is refused (a TypeError), as by ``TorchCheckpointIO``."""
         if storage_options is not None:
             raise TypeError(
                 f"{type(self).__name__}.save_checkpoint does not take storage_options "
@@ -213,21 +177,9 @@ class StreamingCheckpointIO(TorchCheckpointIO):
         map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Load a checkpoint; local zip-format files are memory-mapped.
-
-        Args:
-            path: the checkpoint file.
-            map_location: as for ``torch.load``.
-            weights_only: as for ``torch.load``; ``None`` means ``True`` (only tensors and
-                plain containers are unpickled -- a crafted file cannot run code). Pass
-                ``False`` only for a trusted file that holds other objects.
-
-        Raises:
-            FileNotFoundError: if ``path`` does not exist.
-            CorruptCheckpointError: (a ``ValueError``) the file is empty, truncated,
-                damaged (a storage fails its checksum) or not a torch file: "not a
-                (complete) checkpoint: <path>: <what is wrong>".
-        """
+        """Load a checkpoint; local zip-format files are memory-mapped. ``weights_only=None``
+        means ``True`` (a crafted file cannot run code; pass ``False`` only for a trusted
+        file). A damaged file raises ``CorruptCheckpointError`` (a ``ValueError``)."""
         if weights_only is None:
             weights_only = True
         if not _is_local(path):
@@ -244,12 +196,8 @@ class StreamingCheckpointIO(TorchCheckpointIO):
 
 
 def check_lightning_checkpoint(checkpoint: Any, path: str | Path) -> None:
-    """What ``Trainer.fit(ckpt_path=...)`` read from ``path`` is a Lightning checkpoint:
-    a dict with the model's ``state_dict`` (else Lightning fails with a bare ``KeyError``).
-
-    Raises:
-        CorruptCheckpointError: it is not a dict, or has no ``state_dict``.
-    """
+    """``CorruptCheckpointError`` unless ``checkpoint`` is a dict with a ``state_dict``
+    (else Lightning fails with a bare ``KeyError``)."""
     if not isinstance(checkpoint, Mapping):
         raise CorruptCheckpointError(
             path, f"it holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict"
@@ -266,23 +214,9 @@ def check_lightning_checkpoint(checkpoint: Any, path: str | Path) -> None:
 def check_roundpipe_section(
     section: Any, params: Mapping[str, torch.Tensor], strict: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Validate the ``"roundpipe"`` section of a checkpoint before anything is loaded from it.
-
-    Args:
-        section: ``checkpoint.get("roundpipe")``; ``None`` (a checkpoint written without
-            RoundPipe) is valid and has no masters.
-        params: the trainable parameters that have master copies, by LightningModule name.
-        strict: as for ``load_state_dict``: masters of names that are not such
-            parameters are an error (otherwise ignored).
-
-    Returns:
-        The saved master weights by parameter name (possibly empty).
-
-    Raises:
-        TypeError: if the section, its ``"masters"`` or a master is of the wrong type.
-        ValueError: for an unknown ``"format"`` version, a master whose shape differs
-            from its parameter's, or (``strict``) a master of an unknown parameter.
-    """
+    """The saved masters by name of a ``"roundpipe"`` section (``None``: a checkpoint
+    written without RoundPipe), checked against ``params`` (the parameters with masters)
+    before anything is loaded; ``strict``: a master of another name is an error."""
     if section is None:
         return {}
     if not isinstance(section, Mapping):
@@ -327,11 +261,9 @@ def check_roundpipe_section(
 
 
 def restore_learned(rp: Any, section: Mapping[str, Any]) -> None:
-    """What a RoundPipe learned while it ran, from a checkpoint's ``"roundpipe"`` section:
-    the layer timer (the plans ``auto()`` makes from it) and which stages draw random
-    numbers (where CPU workers compute side by side, the stages that share the cores: a resumed run then computes each on the thread count
-    the run it continues did, so it continues bit-exactly). A part saved for another
-    model is skipped with a warning: the run goes on, re-learning it."""
+    """The layer timer and which stages draw random numbers (so a resumed run computes
+    each on the thread count it had: bit-exact), from a ``"roundpipe"`` section. A part
+    saved for another model is skipped with a warning and re-learned."""
     for key, what, load in (
         ("timer", "layer timings", rp.model_timer.load_state_dict),
         ("draws", "learned stage draws", lambda rows: rp.pool.restore_draws(rp.layers, rows)),

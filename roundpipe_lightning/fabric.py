@@ -1,8 +1,6 @@
-"""``RoundPipeFabricStrategy``: ``Fabric(strategy="roundpipe")``.
-
-A thin adapter of Lightning Fabric's strategy hooks over the training session
-(:mod:`roundpipe_lightning.session`) that :class:`RoundPipeStrategy` shares, with the same
-argument names and defaults::
+"""``RoundPipeFabricStrategy``: ``Fabric(strategy="roundpipe")``, a thin adapter of
+Fabric's strategy hooks over the training session (:mod:`roundpipe_lightning.session`)
+that :class:`RoundPipeStrategy` shares (docs/fabric.md)::
 
     fabric = Fabric(strategy="roundpipe", accelerator="cpu", devices=2)
     model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -10,32 +8,12 @@ argument names and defaults::
     opt.step()
     opt.zero_grad()
 
-* ``fabric.setup(net, opt)`` wraps ``net`` (an ``nn.Sequential``, or a Hugging Face
-  model a preset converts) in a ``RoundPipe`` whose pool is Fabric's ``devices``, in
-  this one process, and points ``opt`` at the fp32 master copies. Fabric returns a
-  ``_FabricModule`` whose ``forward`` runs the RoundPipe and whose other attributes are
-  looked up on the module the user passed; so that module gains, as plain functions
-  (Fabric would report bound methods found there as bypassing the strategy):
-  ``forward_backward(...)`` (``RoundPipe.forward_backward`` under the precision plugin's
-  input conversion and forward context), ``synchronize()`` and ``roundpipe``; and its
-  ``state_dict()`` synchronizes first. They are removed at ``teardown()``.
-* ``opt.step()`` is ``roundpipe.step(...)``: the update runs on the masters
-  (asynchronously with ``async_step=True``, one step stale) and clears their
-  gradients, right after the update (a ``zero_grad()`` on the main thread would race
-  with a step still running). So ``opt.zero_grad()`` only clears what no queued step
-  will: gradients produced after the last step, after waiting for everything in flight.
-  Fabric's optimizer wrapper finds ``zero_grad`` on the class of what it wraps, so it
-  wraps a view of the user's optimizer whose class has this ``zero_grad``
-  (:func:`roundpipe_lightning._private.optimizer_view`).
-* ``fabric.backward(loss)`` backpropagates a loss computed from ``model(x)`` through
-  the pipeline; for a loss ``forward_backward`` returned it does nothing (the call
-  already backpropagated it).
-* ``fabric.save`` / ``fabric.load`` hold the module's weights, its fp32 masters where
-  their dtype differs from the weights' (``checkpoint["roundpipe"][key]``), the
-  optimizer state and the layer timings; everything in flight is finished first.
-
-Model state stays in host memory: ``fabric.device`` is the CPU, batches stay there,
-and the pool's devices are RoundPipe's business.
+Fabric's ``_FabricModule`` looks attributes up on the module the user passed, so that
+module gains ``forward_backward``, ``synchronize`` and ``roundpipe`` as plain functions
+(bound methods found there would count as bypassing the strategy), removed at teardown.
+``opt.step()`` queues the update on the masters, which clears their gradients right
+after it; ``opt.zero_grad()`` only clears what no queued step will. Model state stays
+in host memory: ``fabric.device`` is the CPU.
 """
 
 from __future__ import annotations
@@ -56,25 +34,24 @@ from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from typing_extensions import Unpack, override
+from typing_extensions import override
 
 from roundpipe_core import AutoRoundPipe, RoundPipe
 from roundpipe_core import distributed as D
 
 from ._private import optimizer_view
-from .checkpoint_io import CHECKPOINT_KEY, StreamingCheckpointIO
+from .checkpoint_io import CHECKPOINT_KEY
 from .session import (
     Session,
     SessionHost,
     SessionSettings,
-    SettingsArguments,
     all_reduce,
     check_loss_went_through,
     check_one_process_per_node,
     check_pool_devices,
     expose_settings,
 )
-from .sharded_checkpoint import fabric_shards_dir, load_optimizer_state, of_optimizer
+from .sharded_checkpoint import fabric_shards_dir
 
 __all__ = ["RoundPipeFabricStrategy"]
 
@@ -97,7 +74,6 @@ def _check_precision(plugin: Precision) -> None:
 
 
 def _check_free(module: nn.Module) -> None:
-    """Refuse a module that has one of the RoundPipe calls already (set up before)."""
     clash = [name for name in CALLS if hasattr(module, name)]
     if clash:
         raise ValueError(
@@ -108,10 +84,8 @@ def _check_free(module: nn.Module) -> None:
 
 
 class _SetUpModule(Session):
-    """The session of one module given to ``fabric.setup()``: the calls it gains, the
-    losses ``forward_backward`` returned, and the user's loop around its gradients
-    (reduced over the nodes once per step; cleared by ``zero_grad`` only when no queued
-    step will clear them)."""
+    """The session of one module given to ``fabric.setup()``: its calls, the losses
+    ``forward_backward`` returned, and the user's loop around its gradients."""
 
     def install(self, precision: Callable[[], Precision]) -> None:
         """Give the module its calls (``precision``: Fabric's plugin, read at each call)."""
@@ -143,21 +117,19 @@ class _SetUpModule(Session):
             self._remember(out[0] if kw.get("return_outputs") else out)
             return out
 
-        @functools.wraps(rp.synchronize)
-        def synchronize() -> None:
-            rp.synchronize()
-
         # ``model.state_dict()`` holds the weights of every step queued so far (with
         # async_step=True the module's own tensors lag one step behind)
         self._state_dict_hook = module.register_state_dict_pre_hook(
             lambda *_args, **_kwargs: rp.synchronize()
         )
+        # a plain function (a bound method there would count as bypassing the strategy)
+        synchronize = functools.wraps(rp.synchronize)(lambda: rp.synchronize())
         for name, value in zip(CALLS, (forward_backward, synchronize, rp)):
             # not nn.Module.__setattr__: the RoundPipe must not become a submodule (its
             # parameters would enter the module's state dict a second time)
             object.__setattr__(module, name, value)
 
-    def _remember(self, loss: Any) -> None:
+    def _remember(self, loss: Any) -> None:  # a loss, or a tuple / list of them
         if isinstance(loss, Tensor):
             self._losses[id(loss)] = loss
         elif isinstance(loss, (tuple, list)):
@@ -169,28 +141,26 @@ class _SetUpModule(Session):
         return self._losses.get(id(tensor)) is tensor
 
     def holds(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer`` has parameters of this module (or their masters)."""
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         mine = {id(p) for p in self.rp.model.parameters()}
         mine |= {id(m) for m in self.rp.optim_parameters()}
         return bool(ids & mine)
 
     def adopt_view(self, optimizer: Optimizer) -> Optimizer:
-        """Adopt ``optimizer`` (:meth:`Session.adopt`) with :meth:`zero_grad` as its
-        ``zero_grad``; returns the view of it that Fabric wraps."""
+        """Adopt ``optimizer`` with :meth:`zero_grad`; returns the view Fabric wraps."""
         policy = functools.partial(self.zero_grad, optimizer)
         self.adopt(optimizer, policy, "the module's parameters()")
         return optimizer_view(optimizer, policy)
 
     def owns(self, optimizer: Any) -> Optimizer | None:
-        """The user's optimizer of which ``optimizer`` is the view (or itself), if adopted."""
+        """The adopted optimizer ``optimizer`` is (or is the view of), or None."""
         for opt in self.optimizers:
             if optimizer is opt or getattr(optimizer, "__dict__", None) is vars(opt):
                 return opt
         return None
 
     def zero_grad(self, optimizer: Optimizer, set_to_none: bool = True) -> None:
-        """Clear the master gradients no queued step will clear (see the module docstring)."""
+        """Clear the master gradients no queued step will clear."""
         if not self.grads_fresh:
             return
         self.rp.synchronize()  # nothing in flight: a pending iteration's gradients are in
@@ -199,9 +169,7 @@ class _SetUpModule(Session):
         self.reduced.clear()
 
     def reduce(self, optimizer: Optimizer) -> None:
-        """Reduce ``optimizer``'s master gradients over the nodes, once per step (at
-        ``opt.step()``, or at ``fabric.clip_gradients`` before it). Collective; a no-op in
-        one process."""
+        """Reduce the master gradients over the nodes, once per step (collective)."""
         if self.dp.world_size == 1 or id(optimizer) in self.reduced:
             return
         self.rp.synchronize()  # pending iterations' gradients are in; the last step is done
@@ -209,8 +177,7 @@ class _SetUpModule(Session):
         self.reduced.add(id(optimizer))
 
     def check_not_reduced(self) -> None:
-        """Refuse new gradients once this step's were reduced over the nodes (they would
-        miss the reduction)."""
+        """Refuse new gradients once this step's were reduced (they would miss it)."""
         if self.reduced:
             raise RuntimeError(
                 "RoundPipeFabricStrategy: this step's gradients were already reduced over the "
@@ -218,22 +185,15 @@ class _SetUpModule(Session):
                 "clip, then opt.step()"
             )
 
-    def sharding(self, optimizer: Any) -> D.HostShard | None:
-        """The shard of ``optimizer`` (the user's, or the view Fabric wraps) when its state
-        is sharded over several nodes, else None."""
-        raw = self.owns(optimizer)
-        return self.dp.shard(raw) if raw is not None else None
-
     def load_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
-        """Load the module's weights and make the masters equal to them."""
+        """The module's weights, and the masters equal to them."""
         self.rp.synchronize()
         self.module.load_state_dict(state_dict, strict=strict)
         self.load_masters({})
         self.grads_fresh = False
 
     def close(self, failed: bool = False) -> None:
-        """Finish what is in flight, stop the RoundPipe's threads, take the installed
-        calls off the module and give the optimizers their own ``zero_grad`` back."""
+        """:meth:`Session.close`, and the installed calls taken off the module."""
         self._state_dict_hook.remove()
         try:
             super().close(failed)
@@ -245,8 +205,7 @@ class _SetUpModule(Session):
 
 def _from_environment(name: str | None, alone: int) -> Any:
     """A property read from the cluster environment's method ``name`` (``alone``
-    without an environment, or always for ``name=None``), whose setter ignores what
-    it is given."""
+    without one, or for ``name=None``); its setter ignores what it is given."""
 
     def read(self: Any) -> int:
         env = self.cluster_environment
@@ -264,66 +223,34 @@ def _env_world_size() -> int:
 
 @expose_settings
 class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
-    """Run the modules given to ``fabric.setup()`` with RoundPipe (see the module docstring).
+    """Run the modules given to ``fabric.setup()`` with RoundPipe.
 
-    One process drives the whole pool (Fabric's ``devices``: N CPU workers or N GPUs), so
-    it is a single-device strategy to Fabric: ``fabric.launch()`` is optional. Several
-    nodes (``Fabric(num_nodes=N)``, one process per node started by torchrun, SLURM or
-    the environment) are data parallel as under ``RoundPipeStrategy``: rank 0's weights
-    are broadcast at ``fabric.setup()``, the master gradients are reduced over the nodes
-    when ``opt.step()`` (or ``fabric.clip_gradients``) is called, and
-    ``fabric.setup_dataloaders`` gives each node its ``DistributedSampler`` shard.
-
-    The RoundPipe arguments are :class:`~roundpipe_lightning.RoundPipeStrategy`'s, with
-    the same meanings and defaults, validated into the same ``settings``
-    (:class:`~roundpipe_lightning.session.SessionSettings`).
+    One process drives the whole pool (Fabric's ``devices``), so it is a single-device
+    strategy to Fabric: ``fabric.launch()`` is optional. Several nodes (one process each)
+    are data parallel as under ``RoundPipeStrategy``: rank 0's weights are broadcast at
+    ``fabric.setup()``, the master gradients reduced at ``opt.step()`` (or
+    ``fabric.clip_gradients``), and ``fabric.setup_dataloaders`` shards the data.
 
     Args:
-        loss_reduction: ``"mean"`` (default): a ``loss_fn`` returning a batch mean gives
-            plain Fabric's loss and gradients for any microbatch count; ``"sum"``: the
-            published sum of the microbatch losses.
+        loss_reduction, execute_plan, optim_dtype, pin_model, async_step, fuse_optimizer,
+            recompute_grain, preserve_rng_state, model_run_config, grad_reduce_op,
+            process_group_timeout, shard_host_state, offload_dir: as for
+            :class:`~roundpipe_lightning.RoundPipeStrategy` (``"mean"``: a ``loss_fn``
+            returning a batch mean gives plain Fabric's loss and gradients; sharded,
+            ``fabric.save`` writes a shard per node).
         num_microbatch: microbatches per pipelined call (default: the engine's,
             :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
             GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
             every worker at once -- the default for a model without buffers).
-        execute_plan: the plan of ``forward_backward`` (``None``, ``"auto"``, a layout
-            string, a dict of ``from_layout`` arguments or a ``ModelExecutePlan``).
-        optim_dtype: dtype of the master weights (default fp32; a name works too).
-        pin_model: host memory of the parameters on CUDA ("alloc", "register", "off").
-        async_step: overlap the step with the next iteration (one step stale); ``None``
-            (default): ``True`` on GPUs, ``False`` on CPU workers.
-        fuse_optimizer: switch Adam, AdamW, SGD, Adagrad to torch's fused CPU kernel.
-        recompute_grain: "stage" or "layer" (None: the engine's default).
-        preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
-        model_run_config: further ``RoundPipeRunConfig`` defaults.
-        grad_reduce_op: with several nodes, "mean" (as DDP) or "sum" of the master
-            gradients over the nodes.
-        process_group_timeout: seconds (or a ``timedelta``) after which a collective whose
-            peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
-        shard_host_state: with several nodes, each keeps master gradients, optimizer state
-            and masters for its 1/N of the parameters only (``docs/multi-node.md``);
-            ``fabric.save`` writes a shard per node.
-        offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
-            state live in files there, streamed layer by layer by each ``opt.step()`` --
-            the same weights as in RAM. An nn.Sequential, one elementwise optimizer
-            (Adam, AdamW, SGD, ...) and one process; checkpoints as without it
-            (``docs/fabric.md``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
 
-    ``overlap_iterations`` has no Fabric counterpart: the loop is the user's, so pass
-    ``blocking=False`` to ``forward_backward`` to overlap iterations. Several processes on
-    one node (``torchrun --nproc-per-node 2``) are refused. The gradient reduction runs
-    on the optimizer thread right before the step, after the backward, not overlapped
-    with it (the loop is the user's: which backward is the last of an accumulation window
-    is not known); with ``blocking=False`` calls it overlaps the next iteration.
-
-    The RoundPipe arguments are keywords only.
-
-    Raises:
-        TypeError / ValueError: an unknown keyword, or an argument of the wrong type or
-            value (the message names the argument and what it accepts).
+    The RoundPipe arguments are keywords only. ``overlap_iterations`` has no Fabric
+    counterpart (the loop is the user's: pass ``blocking=False`` to ``forward_backward``),
+    and the gradient reduction runs right before the step, not overlapped with the
+    backward (which backward ends an accumulation window is not known). A wrong argument
+    is a TypeError / ValueError naming it and what it accepts.
     """
 
     strategy_name = "roundpipe"
@@ -336,27 +263,20 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
-        **settings: Unpack[SettingsArguments],
+        **settings: Any,
     ) -> None:
         super().__init__(
             device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision
         )
-        # the loop is the user's: it overlaps iterations (blocking=False), and which backward
-        # is the last of an accumulation window (to overlap the reduction with) is not known
         fixed = {"overlap_iterations": False, "overlap_grad_reduce": False}
         self.settings = SessionSettings.of(_OWNER, settings, fixed)
         # Fabric's connector fills these in (it looks for the attributes)
         self.parallel_devices = parallel_devices
         self.cluster_environment = cluster_environment
-        self._num_nodes = 1
         self._checked = False
         self._runs: list[_SetUpModule] = []
 
     # -- where it runs: one process per node drives the node's pool ----------------------------
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
 
     # SingleDeviceStrategy.__init__ assigns the one-process values (0, 0, 1); the cluster
     # environment decides, so the setters ignore them (Fabric reads them with getattr)
@@ -445,20 +365,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         return obj if self.world_size == 1 else D.broadcast_object(obj, src)
 
-    # -- plugins -------------------------------------------------------------------------------
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Streaming, atomic saves and memory-mapped loads (``StreamingCheckpointIO``)
-        unless Fabric was given a ``CheckpointIO`` plugin."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = StreamingCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
+    # -- plugins (the checkpoint_io: SessionHost's) ----------------------------------------------
     @property
     @override
     def precision(self) -> Precision:
@@ -474,8 +381,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     # -- set-up ----------------------------------------------------------------------------------
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Wrap ``module`` in a RoundPipe (what ``model(x)`` runs) and give ``module`` the
-        RoundPipe calls."""
+        """Wrap ``module`` in a RoundPipe (what ``model(x)`` runs) and give it its calls."""
         self._check_run()
         if not isinstance(module, nn.Module):
             raise TypeError(f"fabric.setup() takes an nn.Module, got {type(module).__name__}")
@@ -521,14 +427,14 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         return view
 
     def _run_of(self, obj: Any) -> _SetUpModule | None:
-        """The run of a set-up module (its RoundPipe or the module itself) or optimizer."""
+        """The run of a set-up module, its RoundPipe, or an adopted optimizer."""
         for run in self._runs:
             if obj is run.rp or obj is run.module or run.owns(obj) is not None:
                 return run
         return None
 
     def _adopted(self, optimizer: Any) -> tuple[_SetUpModule, Optimizer] | None:
-        """The run of ``optimizer`` and the user's optimizer behind it, if set up here."""
+        """The run of ``optimizer`` and the user's optimizer behind it, or None."""
         run = self._run_of(optimizer)
         raw = run.owns(optimizer) if run is not None else None
         return None if run is None or raw is None else (run, raw)
@@ -536,8 +442,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     # -- training --------------------------------------------------------------------------------
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        """Backpropagate a loss computed from ``model(x)`` through the pipeline; nothing
-        for a loss ``forward_backward`` returned (already backpropagated)."""
+        """Nothing for a loss ``forward_backward`` returned (already backpropagated)."""
         if any(run.returned(tensor) for run in self._runs):
             return
         if not isinstance(tensor, Tensor) or not tensor.requires_grad:
@@ -564,8 +469,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Queue ``optimizer.step()`` on RoundPipe's optimizer thread (its own step clears
-        the gradients); with ``async_step=False`` it has run when this returns."""
+        """Queue ``optimizer.step()`` (which clears the gradients) on RoundPipe."""
         adopted = self._adopted(optimizer)
         if adopted is None:
             raise ValueError(
@@ -579,9 +483,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             )
         kwargs.pop("closure", None)
         run, raw = adopted
-        # several nodes: the master gradients are reduced over the nodes on the optimizer
-        # thread, in front of the step, once the calls in flight are in (so calls issued
-        # with blocking=False still overlap) -- unless fabric.clip_gradients reduced them
+        # several nodes: reduced on the optimizer thread before the step, once the calls in
+        # flight are in (blocking=False calls still overlap), unless clipping reduced them
         reduce_first = id(raw) not in run.reduced
         # the step clears the gradients there are now
         run.grads_fresh = False
@@ -601,10 +504,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        # the master gradients of pending iterations enter .grad first
-        self._synchronize()
-        run = self._reduce_for_clipping(optimizer)
-        shard = run.sharding(optimizer) if run is not None else None
+        shard = self._reduce_for_clipping(optimizer)
         if shard is None:
             return super().clip_gradients_norm(
                 module,
@@ -626,18 +526,18 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     def clip_gradients_value(
         self, module: nn.Module, optimizer: Optimizer, clip_val: float | int
     ) -> None:
-        self._synchronize()
         self._reduce_for_clipping(optimizer)
         return super().clip_gradients_value(module, optimizer, clip_val)
 
-    def _reduce_for_clipping(self, optimizer: Any) -> _SetUpModule | None:
-        """Several nodes: reduce ``optimizer``'s gradients now (clipping reads reduced
-        gradients, as under DDP); returns its run (None: not set up here)."""
+    def _reduce_for_clipping(self, optimizer: Any) -> D.HostShard | None:
+        """Once the pending iterations' gradients are in, reduce ``optimizer``'s now
+        (clipping reads reduced gradients, as under DDP); returns its shard, or None."""
+        self._synchronize()
         adopted = self._adopted(optimizer)
         if adopted is None:
             return None
         adopted[0].reduce(adopted[1])
-        return adopted[0]
+        return adopted[0].dp.shard(adopted[1])
 
     # -- checkpoints -----------------------------------------------------------------------------
     @override
@@ -677,21 +577,16 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Fabric's save, plus ``checkpoint["roundpipe"][key]`` for each set-up module
-        under ``key``: its higher-precision masters and layer timings. Sharded
-        (``shard_host_state=True`` on several nodes), every node writes its share of the
-        optimizer under ``key`` into ``<path>.shards/key/``; the file holds a marker."""
+        under ``key``; sharded, every node writes its share of the optimizer under
+        ``key`` into ``<path>.shards/key/``."""
         self._synchronize()
         checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
         sections = {}
         for key, obj in state.items():
             adopted = self._adopted(obj) if isinstance(obj, Optimizer) else None
             if adopted is not None:
-                directory = fabric_shards_dir(path, key)  # (checks the key, sharded or not)
-                run, raw = adopted
-                shard = run.sharding(raw)
-                if shard is not None:
-                    named = of_optimizer(run.masters_by_name(), raw)
-                    D.save_shard(directory, named, raw, shard.owns, shard.rank, shard.world_size)
+                # (the key is checked, sharded or not)
+                adopted[0].save_shard(adopted[1], fabric_shards_dir(path, key))
             run_of_module = self._run_of(obj) if isinstance(obj, nn.Module) else None
             if run_of_module is not None:
                 sections[key] = run_of_module.section(run_of_module.optimizers)
@@ -715,13 +610,10 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Fabric's load; a set-up module's masters follow its weights (or come from
-        ``checkpoint["roundpipe"]`` where they were saved in a higher precision), and the
-        optimizers run fused again. An optimizer state saved sharded is read from its
-        shards on any node count (sharded, each node keeps what it owns now)."""
+        """Fabric's load; a set-up module's masters follow its weights or its section,
+        an optimizer saved sharded is read from its shards (any node count)."""
         self._synchronize()
-        # the set-up optimizers are restored here, after the modules: their state may be
-        # a marker whose shards lie beside the file
+        # the set-up optimizers after the modules: their state may be a marker of shards
         ours = {}
         if isinstance(state, Mapping):
             for key, obj in state.items():
@@ -747,8 +639,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             for key, obj in state.items():
                 of_module = self._run_of(obj) if isinstance(obj, nn.Module) else None
                 if of_module is not None:
-                    # the masters saved with a higher precision than the module's weights,
-                    # and what the RoundPipe learned (after load_state)
+                    # masters saved in a higher precision, what the RoundPipe learned
                     saved = of_module.read_section(sections.get(key), strict)
                     of_module.load_masters(saved, from_weights=False)
                     of_module.restore(sections.get(key))
@@ -757,14 +648,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 if strict:
                     raise KeyError(f"fabric.load(): the checkpoint {path} has no {key!r}")
                 continue
-            if run.load_optimizer_state(raw, remainder[key]):
-                del remainder[key]
-                continue
-            # a state dict, or the marker of shards (any node count); sharded, this node
-            # keeps what it owns now
-            directory = fabric_shards_dir(path, key)
-            shard = run.sharding(raw)
-            load_optimizer_state(directory, raw, remainder.pop(key), shard, run.masters_by_name())
+            # a state dict, or the marker of shards (any node count)
+            run.load_optimizer(raw, remainder.pop(key), fabric_shards_dir(path, key))
         for run in self._runs:
             run.fuse_again()
         return remainder
@@ -772,8 +657,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     # -- end -------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        """Finish every step, stop the RoundPipes' threads and undo what setup installed
-        (the modules then hold the trained weights)."""
+        """Stop every RoundPipe and undo what setup installed (the modules then hold
+        the trained weights)."""
         try:
             while self._runs:
                 run = self._runs.pop()

@@ -1,16 +1,8 @@
-"""Turn the strategy's ``execute_plan`` argument into a ``ModelExecutePlan``.
-
-Accepted forms (all checked against the model's layers and the device pool):
-
-* ``None`` -- the engine's default plan;
-* ``"auto"`` -- ``ModelExecutePlan.auto(run_type, roundpipe)`` (before any
-  measurement the layer timer's estimates are proportional to layer size;
-  :class:`~roundpipe_lightning.AutoReplan` re-plans from measured times);
-* a layout string, e.g. ``"fwd=3,2 bwd=1,2,2,1"`` or with owner devices
-  ``"fwd=0:3,1:2 bwd=0:1,1:2,0:2,1:1"`` (``;`` also separates) -- see
-  ``ModelExecutePlan.from_layout``;
-* a dict of ``ModelExecutePlan.from_layout`` arguments (``{"fwd": "3,2", "bwd": "1,2,2,1"}``);
-* a ``ModelExecutePlan``.
+"""The strategy's ``execute_plan`` argument as a ``ModelExecutePlan``: ``None`` (the
+engine's default), ``"auto"`` (``ModelExecutePlan.auto`` from the timer's estimates,
+proportional to layer size before any measurement), a layout string such as
+``"fwd=0:3,1:2 bwd=0:1,1:2,0:2,1:1"``, a dict of ``ModelExecutePlan.from_layout``
+arguments, or a ``ModelExecutePlan``; each checked against the layers and the pool.
 """
 
 from __future__ import annotations
@@ -21,12 +13,6 @@ from typing import Any
 from roundpipe_core import ModelExecutePlan
 
 __all__ = ["describe_plan", "resolve_execute_plan"]
-
-
-def _one_plan(plan: ModelExecutePlan | list[ModelExecutePlan]) -> ModelExecutePlan:
-    """``ModelExecutePlan.auto`` of one model returns one plan (a list for several)."""
-    assert isinstance(plan, ModelExecutePlan)
-    return plan
 
 
 def describe_plan(plan: ModelExecutePlan) -> str:
@@ -40,13 +26,8 @@ def describe_plan(plan: ModelExecutePlan) -> str:
 def resolve_execute_plan(
     spec: Any, roundpipe: Any, run_type: str = "fused"
 ) -> ModelExecutePlan | None:
-    """The plan ``spec`` describes for ``roundpipe`` and ``run_type``.
-
-    Raises:
-        ValueError: the spec is malformed or does not fit the model / pool; the
-            message names the offending item and repeats the spec.
-        TypeError: the spec has an unsupported type.
-    """
+    """The plan ``spec`` describes; a ValueError (naming the item and repeating the spec)
+    where it is malformed or does not fit, a TypeError for another type."""
     if spec is None:
         return None
     num_layers, num_devices = roundpipe.num_layers, roundpipe.num_devices
@@ -54,7 +35,8 @@ def resolve_execute_plan(
         if isinstance(spec, ModelExecutePlan):
             plan = spec
         elif isinstance(spec, str) and spec.strip().lower() == "auto":
-            plan = _one_plan(ModelExecutePlan.auto(run_type, roundpipe))
+            plan = ModelExecutePlan.auto(run_type, roundpipe)
+            assert isinstance(plan, ModelExecutePlan)  # (a list for several models)
         elif isinstance(spec, str):
             plan = ModelExecutePlan.from_layout_string(
                 spec, num_layers=num_layers, num_devices=num_devices, run_type=run_type

@@ -1,22 +1,11 @@
 """``RoundPipePrecision``: Lightning's precision modes under RoundPipe.
 
-The plugin owns everything precision-specific of a RoundPipe run:
-
-* ``32-true``: nothing to do.
-* ``16-true`` / ``bf16-true``: the module is cast to half precision before the
-  strategy wraps it; RoundPipe keeps fp32 master copies (``optim_dtype``), so the
-  optimizer updates fp32 weights.
-* ``bf16-mixed`` / ``16-mixed``: fp32 weights, layers run under ``torch.autocast``.
-  The plugin enters autocast around ``training_step`` / ``validation_step`` on
-  the main thread (as Lightning's ``MixedPrecision`` does) and the engine carries
-  the caller's autocast state to the worker threads that run the layers.
-* ``16-mixed`` also scales the loss dynamically (a :class:`LossScaler`): every
-  microbatch loss is multiplied by the scale (the strategy's loss multiplier),
-  the master gradients are unscaled before clipping and the step, and a step
-  whose gradients overflowed is skipped.
-
-The Trainer's own plugin (``precision="bf16-mixed"``, ``plugins=[MixedPrecision(...)]``)
-is converted by :meth:`RoundPipePrecision.from_plugin` when the strategy receives it.
+``16-true`` / ``bf16-true`` cast the module before the strategy wraps it (the optimizer
+updates fp32 masters); ``*-mixed`` enter autocast on the main thread, which the engine
+carries to its workers; ``16-mixed`` also scales each microbatch loss (a
+:class:`LossScaler`), unscales the master gradients before clipping and the step, and
+skips a step whose gradients overflowed. The Trainer's own plugin is converted by
+:meth:`RoundPipePrecision.from_plugin`.
 """
 
 from __future__ import annotations
@@ -45,8 +34,7 @@ SUPPORTED = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
 @runtime_checkable
 class LossScaler(Protocol):
-    """What the plugin needs of a loss scaler (so another implementation -- e.g. one
-    of another scaling rule -- can replace :class:`AmpLossScaler`)."""
+    """What the plugin needs of a loss scaler (another rule may replace :class:`AmpLossScaler`)."""
 
     def get_scale(self) -> float:
         """The factor the losses of the current accumulation window are multiplied by."""
@@ -66,9 +54,8 @@ class LossScaler(Protocol):
 
 
 class _WindowGradients:
-    """Stands in for an optimizer in :class:`roundpipe_core.amp.GradScaler`'s bookkeeping:
-    its ``param_groups`` are the window's master parameters and its ``step()`` only notes
-    that the scaler found them finite (the real step is queued on RoundPipe later)."""
+    """An optimizer to :class:`roundpipe_core.amp.GradScaler`: the window's masters, and a
+    ``step()`` that only notes they were found finite (the real step is queued later)."""
 
     def __init__(self) -> None:
         self.param_groups: list[dict[str, Any]] = [{"params": []}]
@@ -80,20 +67,10 @@ class _WindowGradients:
 
 class AmpLossScaler:
     """The ``16-mixed`` loss scaler: :class:`roundpipe_core.amp.GradScaler` (torch's
-    ``GradScaler`` arithmetic, thread-safe) behind the :class:`LossScaler` protocol.
-
-    The loss is multiplied by the scale before backward. Before the step the master
-    gradients are divided by it and checked: if any is inf/NaN the step is skipped and
-    the scale shrinks by ``backoff_factor``; after ``growth_interval`` clean steps in a
-    row it grows by ``growth_factor`` -- the numbers of ``torch.amp.GradScaler``.
-
-    All of it runs on the training thread between the accumulation window and the
-    (possibly asynchronous) optimizer step: the plugin unscales and checks the masters
-    before ``on_before_optimizer_step`` and clipping, and knows whether to queue the
-    step at all. So the scale is final before the next window's losses are scaled and
-    the optimizer thread never has to be waited for. The state dict is
-    ``torch.amp.GradScaler``'s (plus ``skipped_steps``); a state dict with
-    ``growth_tracker`` instead of ``_growth_tracker`` loads too.
+    ``GradScaler`` arithmetic and state dict, plus ``skipped_steps``; thread-safe) behind
+    the :class:`LossScaler` protocol. It runs on the training thread between the window
+    and the queued step, so the scale is final before the next window's losses are
+    scaled and the optimizer thread is never waited for.
 
     Args:
         init_scale, growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
@@ -135,8 +112,8 @@ class AmpLossScaler:
 
     @classmethod
     def from_grad_scaler(cls, scaler: Any | None) -> AmpLossScaler:
-        """Wrap a ``roundpipe_core.amp.GradScaler``, or take the settings (and current
-        scale) of a ``torch.amp.GradScaler`` such as Lightning's plugin holds; defaults for None."""
+        """Wrap a ``roundpipe_core.amp.GradScaler``, or take the settings and scale of a
+        ``torch.amp.GradScaler`` (Lightning's plugin's); defaults for None."""
         if scaler is None:
             return cls()
         if isinstance(scaler, GradScaler):
@@ -155,14 +132,12 @@ class AmpLossScaler:
 
     @property
     def scale(self) -> float:
-        """The current scale."""
         return self.get_scale()
 
     def get_scale(self) -> float:
         return float(self.grad_scaler.get_scale())
 
     def unscale_(self, params: Iterable[Tensor]) -> bool:
-        """Divide the gradients of ``params`` by the scale; True if any is not finite."""
         window = self._window
         window.param_groups = [{"params": [p for p in params if p.grad is not None]}]
         window.finite = False
@@ -178,7 +153,6 @@ class AmpLossScaler:
             window.param_groups = [{"params": []}]  # hold no parameters between windows
 
     def update(self, found_inf: bool) -> None:
-        """Shrink the scale after an overflow, grow it after enough clean steps."""
         if not self._checked:
             return
         self._checked = False
@@ -205,8 +179,7 @@ DynamicLossScaler = AmpLossScaler
 
 
 def _lightning_plugin(precision: str, device: str) -> Precision:
-    """Lightning's own plugin for ``precision``: it provides the module conversion and
-    the forward contexts (default dtype, autocast) that RoundPipePrecision reuses."""
+    """Lightning's plugin for ``precision``, whose conversions and contexts are reused."""
     if precision == "32-true":
         return Precision()
     if precision in ("16-true", "bf16-true"):
@@ -216,7 +189,7 @@ def _lightning_plugin(precision: str, device: str) -> Precision:
 
 
 class RoundPipePrecision(Precision):
-    """Precision plugin of :class:`~roundpipe_lightning.RoundPipeStrategy` (see the module docstring).
+    """Precision plugin of :class:`~roundpipe_lightning.RoundPipeStrategy`.
 
     Args:
         precision: one of ``SUPPORTED`` ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true").
@@ -248,19 +221,14 @@ class RoundPipePrecision(Precision):
                 f"{type(scaler).__name__}"
             )
         self.precision = precision  # type: ignore[assignment]
-        self.scaler: LossScaler | None = scaler
-        if precision == "16-mixed" and scaler is None:
-            self.scaler = AmpLossScaler()
+        default = AmpLossScaler() if precision == "16-mixed" else None
+        self.scaler: LossScaler | None = default if scaler is None else scaler
         self._lightning = _lightning_plugin(precision, device)
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> RoundPipePrecision:
-        """The RoundPipe counterpart of a Lightning precision plugin (the Trainer's).
-
-        Raises:
-            ValueError: for plugins RoundPipe cannot run (64-bit, Transformer Engine,
-                bitsandbytes, DeepSpeed/FSDP/XLA precision, custom plugins).
-        """
+        """The RoundPipe counterpart of a Lightning precision plugin (the Trainer's); a
+        ValueError for one it cannot run (64-bit, Transformer Engine, custom, ...)."""
         if plugin is None or type(plugin) is Precision:
             return cls("32-true")
         if isinstance(plugin, RoundPipePrecision):
@@ -283,7 +251,6 @@ class RoundPipePrecision(Precision):
 
     # -- loss scale ------------------------------------------------------------------------
     def loss_scale(self) -> float:
-        """The factor on the losses of the current window (1.0 without a scaler)."""
         return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
 
     # -- module and contexts: Lightning's own plugin for the mode -----------------------------
@@ -345,32 +312,19 @@ class RoundPipePrecision(Precision):
         closure: Callable[[], Any],
         defer_clipping: bool = False,
     ) -> tuple[Any, bool]:
-        """Everything of an optimizer step except ``optimizer.step()`` itself, on the
-        calling thread: run the closure (training_step and backward), unscale the
-        gradients, call ``on_before_optimizer_step`` and clip, update the loss scale.
-
-        Args:
-            defer_clipping: leave gradient clipping to :meth:`clip_masters`, called where
-                the window's gradients are complete (the optimizer thread, right before
-                the step, when iterations overlap).
-
-        Returns:
-            ``(closure_result, do_update)``: ``do_update`` is False when the step must be
-            skipped (the closure returned None in automatic optimization, or the scaled
-            gradients overflowed).
-        """
+        """Everything of a step but ``optimizer.step()``: the closure, unscaling, the
+        hooks, clipping (``defer_clipping``: left to :meth:`clip_masters` on the optimizer
+        thread), the scale's update. Returns ``(closure_result, do_update)``; no update
+        for a closure that returned None (automatic optimization) or an overflow."""
         closure_result = closure()
         skip = closure_result is None and model.automatic_optimization
         found_inf = False
         if self.scaler is not None and not skip:
             found_inf = self.scaler.unscale_(p for g in optimizer.param_groups for p in g["params"])
         if defer_clipping:
-            trainer = model.trainer
-            call_before_optimizer_step_hooks(trainer, optimizer)
+            call_before_optimizer_step_hooks(model.trainer, optimizer)
         else:
-            self._after_closure(
-                model, optimizer
-            )  # hooks + gradient clipping, as Lightning's plugins
+            self._after_closure(model, optimizer)  # hooks and clipping, as Lightning's
         if self.scaler is not None and not skip:
             self.scaler.update(found_inf)
         return closure_result, not (skip or found_inf)
@@ -388,11 +342,9 @@ class RoundPipePrecision(Precision):
 
     @staticmethod
     def clip_masters(optimizer: Optimizer, model: pl.LightningModule) -> None:
-        """Clip the optimizer's (master) gradients as the Trainer's ``gradient_clip_val`` /
-        ``gradient_clip_algorithm`` say -- what ``configure_gradient_clipping`` does
-        when it is not overridden; reads the Trainer, writes only the gradients."""
-        trainer = model.trainer
-        if trainer.gradient_clip_val:
+        """Clip the master gradients as the Trainer's ``gradient_clip_*`` say (what an
+        unoverridden ``configure_gradient_clipping`` does)."""
+        if model.trainer.gradient_clip_val:
             model.clip_gradients(optimizer)
 
     @override

@@ -1,21 +1,12 @@
 """A RoundPipe training session: what the Trainer strategy (:mod:`.strategy`) and the
-Fabric strategy (:mod:`.fabric`) both do, as Lightning's ``pytorch/strategies/fsdp.py``
-builds on ``fabric/strategies/fsdp.py``. The two strategies are thin adapters over it.
-
-* :class:`SessionSettings`: a strategy's RoundPipe arguments, validated once (a wrong
-  value is a ``TypeError`` / ``ValueError`` naming the argument and the fix).
-* The process topology: one process per node drives the node's whole device pool
-  (:func:`check_one_process_per_node`, :func:`check_pool_devices`); collectives go through
-  :mod:`roundpipe_core.distributed` (identities in one process).
-* :class:`Session`: one RoundPipe being trained -- its optimizers (pointed at the
-  masters, fused, their ``zero_grad`` handed to the step), the step queued on the
-  RoundPipe (:class:`QueuedStep`: with the hyperparameters of the moment it was queued;
-  :class:`StepLedger`: the steps counted and lost), and its checkpoint section (the
-  masters that differ in dtype from the weights, the loss scaler, the layer timer).
+Fabric strategy (:mod:`.fabric`) both do -- the arguments (:class:`SessionSettings`), one
+process per node, and :class:`Session` (the optimizers, the queued step, the checkpoint
+section) -- as Lightning's ``pytorch/strategies/fsdp.py`` builds on ``fabric/strategies/fsdp.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -23,14 +14,16 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from enum import Enum
-from typing import Any, TypedDict, TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -42,22 +35,35 @@ from roundpipe_core.kinds import PinMode, RecomputeGrain, check_flag
 from roundpipe_core.loss import LOSS_REDUCTIONS
 from roundpipe_core.optim import check_state_matches, fastest_impl, use_fastest_
 from roundpipe_core.running.host_memory import (
-    HostMemoryBudget,
     UnknownOptimizerError,
+    available_host_memory,
+    check_host_memory,
     estimate_host_memory,
 )
 from roundpipe_core.stepping.disk_tier import DiskTier, check_offload_args
 from roundpipe_core.stepping.layerwise import step_subset
 
 from ._private import (
+    WrappingCheckpointIO,
     defer_zero_grad,
     is_lr_scheduler_step_wrapper,
     mark_lr_scheduler_step_called,
     restore_zero_grad,
 )
-from .checkpoint_io import CHECKPOINT_FORMAT, check_roundpipe_section, restore_learned
+from .checkpoint_io import (
+    CHECKPOINT_FORMAT,
+    StreamingCheckpointIO,
+    check_roundpipe_section,
+    restore_learned,
+)
 from .plans import resolve_execute_plan
-from .sharded_checkpoint import is_marker, marker, sharded_masters
+from .sharded_checkpoint import (
+    is_marker,
+    load_optimizer_state,
+    marker,
+    of_optimizer,
+    sharded_masters,
+)
 
 __all__ = [
     "SessionSettings",
@@ -100,9 +106,7 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def check_bool(name: str, value: Any, owner: str = "RoundPipeStrategy") -> bool:
-    """``value`` if it is a bool (the core's :func:`~roundpipe_core.kinds.check_flag`: no
-    ``bool()`` coercion, ``"False"`` would become True), the message naming ``owner``
-    (here and below: the class whose argument it is)."""
+    """``value`` if it is a bool (no ``bool()`` coercion: ``"False"`` would be True)."""
     try:
         return bool(check_flag(value, name))
     except TypeError as exc:
@@ -118,7 +122,6 @@ def _values(kind: type[Enum]) -> tuple[str, ...]:
 def check_choice(
     name: str, value: Any, choices: tuple[Any, ...], owner: str = "RoundPipeStrategy"
 ) -> Any:
-    """``value`` if it is one of ``choices`` (a clear TypeError / ValueError otherwise)."""
     kinds = {type(c) for c in choices if c is not None}
     if value is not None and not isinstance(value, tuple(kinds)):
         raise TypeError(
@@ -131,7 +134,6 @@ def check_choice(
 
 
 def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | None:
-    """``value`` if it is None or an int >= 1."""
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
@@ -151,7 +153,6 @@ def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | 
 def check_type(
     name: str, value: Any, types: tuple[type, ...], accepted: str, owner: str = "RoundPipeStrategy"
 ) -> None:
-    """A TypeError naming ``name`` unless ``value`` is None or one of ``types``."""
     if value is not None and not isinstance(value, types):
         raise TypeError(
             f"{owner}({name}=...): {name} must be None or {accepted}, got {type(value).__name__}"
@@ -159,46 +160,17 @@ def check_type(
 
 
 def _prefixed(owner: str, fn: Callable[[], Any]) -> Any:
-    """``fn()``, its TypeError / ValueError prefixed with ``owner``."""
     try:
         return fn()
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{owner}: {exc}") from None
 
 
-class SettingsArguments(TypedDict, total=False):
-    """The RoundPipe keyword arguments of both strategies (documented on
-    :class:`~roundpipe_lightning.RoundPipeStrategy`; defaults: :class:`SessionSettings`)."""
-
-    loss_reduction: str
-    num_microbatch: int | None
-    execute_plan: ModelExecutePlan | str | dict | None
-    optim_dtype: torch.dtype | str | None
-    pin_model: str
-    async_step: bool | None
-    fuse_optimizer: bool
-    overlap_iterations: bool
-    recompute_grain: str | None
-    preserve_rng_state: bool
-    model_run_config: RoundPipeRunConfig | None
-    grad_reduce_op: str
-    overlap_grad_reduce: bool
-    process_group_timeout: float | timedelta | None
-    shard_host_state: bool
-    offload_dir: str | os.PathLike[str] | None
-
-
-#: the names of the arguments
-SETTINGS = frozenset(SettingsArguments.__annotations__)
-_BOOLS = "fuse_optimizer overlap_iterations preserve_rng_state overlap_grad_reduce shard_host_state"
-
-
 @dataclass(frozen=True)
 class SessionSettings:
-    """The RoundPipe arguments of a strategy, validated once (:meth:`of`); the meanings
-    are documented on :class:`~roundpipe_lightning.RoundPipeStrategy`. ``owner`` names
-    the strategy in messages; ``async_step`` is as requested (``None``: follow the
-    hardware, :meth:`resolve_async_step`); ``process_group_timeout`` is resolved."""
+    """A strategy's RoundPipe arguments (documented on
+    :class:`~roundpipe_lightning.RoundPipeStrategy`), checked once by :meth:`of`; ``owner``
+    names the strategy in messages."""
 
     owner: str
     loss_reduction: str = "mean"
@@ -222,9 +194,8 @@ class SessionSettings:
     def of(
         cls, owner: str, arguments: Mapping[str, Any], fixed: Mapping[str, Any] = {}
     ) -> SessionSettings:
-        """The settings of a strategy's keyword ``arguments`` (those of
-        :class:`SettingsArguments` but the ``fixed`` ones; a missing one takes its
-        default), each checked."""
+        """The checked settings of keyword ``arguments`` (any field but ``owner`` and the
+        ``fixed`` ones)."""
         unknown = sorted(set(arguments) - SETTINGS.difference(fixed))
         if unknown:
             raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
@@ -249,8 +220,9 @@ class SessionSettings:
         a["optim_dtype"] = _prefixed(owner, lambda: parse_dtype(a["optim_dtype"]))
         if a["async_step"] is not None:  # (None follows the hardware)
             check_bool("async_step", a["async_step"], owner)
-        for name in _BOOLS.split():
-            check_bool(name, a[name], owner)
+        for f in fields(cls):
+            if isinstance(f.default, bool):  # the switches
+                check_bool(f.name, a[f.name], owner)
         timeout = a["process_group_timeout"]
         a["process_group_timeout"] = _prefixed(owner, lambda: D.resolve_timeout(timeout))
         if a["offload_dir"] is not None:
@@ -264,13 +236,13 @@ class SessionSettings:
         return cls(owner=owner, **a)
 
     def resolve_async_step(self, devices: Sequence[torch.device]) -> bool:
-        """Whether the optimizer step overlaps the next iteration: as given, or, for
-        ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
+        """``async_step``, or for None whether the pool is GPUs (on CPU workers the
+        optimizer thread would compete with them for the cores)."""
         return self.async_step if self.async_step is not None else devices[0].type != "cpu"
 
     def check_processes(self, world_size: int) -> None:
-        """Refuse ``offload_dir`` with several processes: the data parallel's weight
-        broadcast and reducers work on resident masters, which the disk tier's are not."""
+        """Refuse ``offload_dir`` with several processes: the data parallel works on
+        resident masters."""
         if self.offload_dir is not None and world_size > 1:
             raise ValueError(
                 f"{self.owner}(offload_dir=...) runs in one process: the disk tier's masters "
@@ -279,7 +251,6 @@ class SessionSettings:
             )
 
     def data_parallel(self, overlap: bool) -> D.DataParallel:
-        """The data parallel over processes of a session (no-ops in one process)."""
         return _prefixed(
             self.owner,
             lambda: D.DataParallel(
@@ -293,19 +264,11 @@ class SessionSettings:
     def build_roundpipe(
         self, module: nn.Module, name: str, devices: list[torch.device], source: str, hint: str
     ) -> RoundPipe | AutoRoundPipe:
-        """The RoundPipe a strategy trains: ``module`` (:func:`network_of`: as it is, or a
-        preset's conversion) on a pool of ``devices`` (CPU workers or GPUs), with these
-        settings' run-config defaults and ``execute_plan`` set for ``forward_backward``.
-        ``source`` and ``hint`` word the messages ("configure_sequential() returned";
-        how to compute a loss without ``forward_backward``).
-
-        An ``nn.Sequential`` is wrapped as it is; any other module gets the automatic
-        split, as ``wrap_model_to_roundpipe(use_sequential_preset=False)`` does. A
-        synchronous step may update the weights in place, so with
-        ``async_step=False`` the parameters already in ``optim_dtype`` are their own
-        masters (no separate fp32 copy) -- except with ``offload_dir``, whose masters
-        are separate and live in the disk tier's files (an nn.Sequential only).
-        """
+        """The RoundPipe a strategy trains: ``module`` (:func:`network_of`) on ``devices``,
+        with ``execute_plan`` set for ``forward_backward``; ``source`` and ``hint`` word
+        the messages. A synchronous step may update the weights in place, so with
+        ``async_step=False`` parameters already in ``optim_dtype`` are their own masters
+        (not with ``offload_dir``, whose masters live in its files)."""
         net, original = network_of(module, source)
         cfg = self.model_run_config or RoundPipeRunConfig()
         if self.num_microbatch is not None:
@@ -352,15 +315,13 @@ class SessionSettings:
     def _split(
         self, net: nn.Module, common: dict[str, Any], source: str, hint: str
     ) -> RoundPipe | AutoRoundPipe:
-        """The automatic split of a module that is no ``nn.Sequential``, said once: a chain
-        of children becomes a ``RoundPipe`` over them; anything else (skip connections,
-        several inputs) an ``AutoRoundPipe``, whose glue code runs on the host."""
+        """The automatic split of a module that is no ``nn.Sequential``, said once."""
         rp = auto_wrap(net, **common)
         kind = type(net).__name__
         said = (
-            f"{source} a {kind}: not an nn.Sequential, and neither a preset nor the converter "
-            "by structure converts it (the log of roundpipe_core.presets says why), so RoundPipe splits it automatically (as wrap_model_to_roundpipe("
-            "use_sequential_preset=False) does): "
+            f"{source} a {kind}: not an nn.Sequential, and no preset or the converter by "
+            "structure converts it (the log of roundpipe_core.presets says why), so RoundPipe "
+            "splits it automatically: "
         )
         if not isinstance(rp, RoundPipe) and self.execute_plan is not None:
             rp.close()
@@ -374,20 +335,47 @@ class SessionSettings:
             rank_zero_info(said + f"a chain of {rp.num_layers} layers, pipelined as a Sequential.")
             return rp
         rank_zero_warn(
-            said
-            + f"AutoRoundPipe: {rp.summary()}; the code between the units runs on the host. It is slower than a Sequential and has no forward_backward: {hint}. "
-            "For full speed give an nn.Sequential of its layers, or "
-            f"register a preset: roundpipe_core.presets.register_preset({kind!r}, "
-            "lambda model: nn.Sequential(...)) (docs/add-a-preset.md)."
+            f"{said}AutoRoundPipe: {rp.summary()}; the code between the units runs on the "
+            f"host, slower, and there is no forward_backward: {hint}. For full speed give an "
+            f"nn.Sequential of its layers, or register_preset({kind!r}, lambda model: "
+            "nn.Sequential(...)) from roundpipe_core.presets (docs/add-a-preset.md)."
         )
         return rp
 
 
+#: the argument names
+SETTINGS = frozenset(f.name for f in fields(SessionSettings)) - {"owner"}
+
+
 class SessionHost:
-    """What both strategies read of their settings and devices (a mixin)."""
+    """A mixin: what both strategies read of their settings and devices."""
 
     settings: SessionSettings
     parallel_devices: list[torch.device] | None
+    _checkpoint_io: CheckpointIO | None
+    _num_nodes = 1  # Fabric's connector sets it directly
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """:class:`StreamingCheckpointIO` unless a ``checkpoint_io`` was given."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = StreamingCheckpointIO()
+        elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
+            # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
+            self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
 
     @property
     def compute_devices(self) -> list[torch.device]:
@@ -396,8 +384,7 @@ class SessionHost:
 
     @property
     def async_step(self) -> bool:
-        """Whether the optimizer step overlaps the next iteration: as given, or, for
-        ``async_step=None``, whether the pool's devices are GPUs (CPU workers: no)."""
+        """Whether the optimizer step overlaps the next iteration (resolved)."""
         return self.settings.resolve_async_step(self.compute_devices)
 
 
@@ -405,8 +392,7 @@ _S = TypeVar("_S", bound=type)
 
 
 def expose_settings(cls: _S) -> _S:
-    """Class decorator: each :class:`SessionSettings` field the strategy does not define
-    itself is a read-only attribute of it (``strategy.num_microbatch``)."""
+    """Class decorator: each setting the class does not define is a read-only attribute."""
     for f in fields(SessionSettings):
         if f.name in SETTINGS and not hasattr(cls, f.name):
             getter = functools.partial(lambda name, self: getattr(self.settings, name), f.name)
@@ -415,10 +401,8 @@ def expose_settings(cls: _S) -> _S:
 
 
 def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
-    """``(network, original)`` of a module a strategy wraps: an ``nn.Sequential`` as it
-    is, a Hugging Face model a preset converts with that model as ``original``, any other
-    module as it is (split automatically). ``source`` starts the error message
-    ("configure_sequential() returned", "fabric.setup() got")."""
+    """``(network, original)``: an ``nn.Sequential`` as it is, a model a preset converts
+    with itself as ``original``, any other as it is (split automatically)."""
     if isinstance(net, nn.Sequential):
         if len(net) == 0:
             raise ValueError(f"{source} an empty nn.Sequential; give it layers")
@@ -436,9 +420,7 @@ def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
 def check_pool_devices(
     devices: list[torch.device], owner: str = "RoundPipeStrategy", entry: str = "Trainer"
 ) -> list[torch.device]:
-    """``devices`` if they are all CPU workers or all CUDA GPUs; a single CPU worker
-    gets a hint that nothing is pipelined and how to ask for more. ``entry`` is what
-    takes ``devices`` (Trainer, Fabric)."""
+    """``devices`` if they are all CPU workers or all CUDA GPUs (one CPU worker: a hint)."""
     kinds = {d.type for d in devices}
     if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
         raise ValueError(
@@ -458,9 +440,7 @@ def check_pool_devices(
 
 
 def crowded_node(local_rank: int, processes: int, num_nodes: int) -> str | None:
-    """What shows that the launcher started more than one process on this node
-    (``torchrun --nproc-per-node 2``, ``srun --ntasks-per-node 2``, ``LOCAL_RANK=1``, more
-    processes than nodes), or None."""
+    """What shows that the launcher started several processes on this node, or None."""
     local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
     if local_world.isdigit() and int(local_world) > 1:
         return f"LOCAL_WORLD_SIZE={local_world}"
@@ -474,9 +454,8 @@ def crowded_node(local_rank: int, processes: int, num_nodes: int) -> str | None:
 def check_one_process_per_node(
     owner: str, entry: str, env: Any, processes: int, num_nodes: int, devices: int
 ) -> None:
-    """Refuse several processes on one node (each would claim all of the node's
-    ``devices``) and several nodes in a process no launcher started. ``entry`` is what
-    the user builds (``Trainer`` / ``Fabric``), ``env`` its cluster environment."""
+    """Refuse several processes on one node (each would claim all of its devices) and
+    several nodes in a process no launcher started."""
     crowded = crowded_node(env.local_rank() if env is not None else 0, processes, num_nodes)
     if crowded is not None:
         raise ValueError(
@@ -490,15 +469,13 @@ def check_one_process_per_node(
     if num_nodes > 1 and (env is None or not env.creates_processes_externally):
         raise ValueError(
             f"{owner} with num_nodes={num_nodes} runs one process per node, started by a "
-            "launcher: torchrun (--nnodes N --nproc-per-node 1), SLURM (srun, one task per node) "
-            "or the MASTER_ADDR / MASTER_PORT / WORLD_SIZE / NODE_RANK / LOCAL_RANK=0 "
-            "environment. This process was not started that way."
+            "launcher (torchrun --nproc-per-node 1, srun with one task per node, or the "
+            "MASTER_ADDR / WORLD_SIZE / NODE_RANK environment); this process was not."
         )
 
 
 def op_name(reduce_op: Any) -> str:
-    """Lightning's ``reduce_op`` ("mean", "avg", "sum", ``ReduceOp.SUM``, None) as the
-    op name of :func:`roundpipe_core.distributed.all_reduce`."""
+    """Lightning's ``reduce_op`` ("avg", ``ReduceOp.SUM``, None, ...) as a core op name."""
     if reduce_op is None:
         return "sum"
     name = reduce_op if isinstance(reduce_op, str) else str(getattr(reduce_op, "name", reduce_op))
@@ -507,7 +484,6 @@ def op_name(reduce_op: Any) -> str:
 
 
 def all_reduce(tensor: Any, group: Any, reduce_op: Any) -> Any:
-    """A strategy's ``reduce`` / ``all_reduce``: tensors over the processes, anything else as it is."""
     if not isinstance(tensor, Tensor):
         return tensor
     return D.all_reduce(tensor, op_name(reduce_op), group)
@@ -517,9 +493,7 @@ def all_reduce(tensor: Any, group: Any, reduce_op: Any) -> Any:
 def setup_summary(
     owner: str, rp: RP, num_microbatch: int | None, async_step: bool, chosen: bool
 ) -> str:
-    """The one line a run's set-up says beside Lightning's own: the device pool, the plan
-    of ``forward_backward`` and its microbatches, and the step mode (``chosen``:
-    ``async_step`` was passed, else the hardware chose it)."""
+    """The set-up line: pool, plan, microbatches, step mode (``chosen``: passed)."""
     workers = rp.pool.workers
     n = len(workers)
     if rp.pool.is_cuda:
@@ -546,47 +520,10 @@ ASSUMED_OPTIMIZER_STATES = 2
 _SAID: set[tuple[str, str]] = set()
 
 
-def host_memory_budget(
-    rp: RP,
-    optimizers: list[Optimizer],
-    num_microbatch: int | None,
-    dp: D.DataParallel | None = None,
-    async_step: bool | None = None,
-) -> HostMemoryBudget:
-    """The host memory ``rp`` trained by ``optimizers`` needs (``dp``: the data-parallel
-    wrapper, whose sharding divides the state and adds its collectives' buffers;
-    ``async_step``: whether the step overlaps the next iteration, whose gradients then
-    arrive beside the step's). An optimizer whose state size is unknown (a third-party
-    class) does not stop training: the budget assumes Adam's two states per parameter
-    and says so once."""
-    shards = 1 if dp is None else dp.state_shards
-    buffers = 0 if dp is None else dp.kept_buffer_bytes(rp, optimizers)
-    common: dict[str, Any] = dict(
-        num_microbatch=num_microbatch, state_shards=shards, async_step=async_step
-    )
-    try:
-        return estimate_host_memory(rp, optimizer=optimizers, collective_buffers=buffers, **common)
-    except UnknownOptimizerError as exc:
-        names = ", ".join(sorted({type(o).__name__ for o in optimizers}))
-        if ("budget", names) not in _SAID:
-            _SAID.add(("budget", names))
-            rank_zero_warn(
-                f"RoundPipe cannot tell how much state {names} keeps ({exc}); the host-memory "
-                f"budget assumes {ASSUMED_OPTIMIZER_STATES} parameter-sized tensors per parameter"
-            )
-        return estimate_host_memory(
-            rp,
-            optimizer_states=ASSUMED_OPTIMIZER_STATES,
-            collective_buffers=buffers,
-            **common,
-        )
-
-
 # -- optimizers ----------------------------------------------------------------------------------
 def point_at_masters(opt: Optimizer, rp: RP, build_hint: str = "self.parameters()") -> None:
-    """Replace the model parameters in ``opt``'s param groups by their master copies
-    (a frozen parameter stays; a shared master is the parameter itself). LBFGS is
-    refused: its ``step()`` re-evaluates the loss, which a queued step cannot."""
+    """Replace the parameters in ``opt``'s groups by their masters. LBFGS is refused:
+    its ``step()`` re-evaluates the loss, which a queued step cannot."""
     if isinstance(opt, torch.optim.LBFGS):
         raise TypeError(
             "LBFGS re-evaluates the loss inside optimizer.step(), which RoundPipe's (asynchronous) "
@@ -639,12 +576,9 @@ def _not_fused_reason(opt: Optimizer) -> str:
 
 
 def fuse_optimizer(opt: Optimizer) -> bool:
-    """Switch ``opt`` in place to torch's fused CPU kernel when it has one and the user
-    left ``fused`` unset (:func:`roundpipe_core.optim.use_fastest_`); the object stays the
-    same, so LR schedulers built on it keep working. The update is the same arithmetic
-    (within fp32 rounding) and, on the host, several times faster than the per-tensor
-    loop torch picks for CPU tensors by default. When it cannot switch, it logs why once
-    per optimizer class and reason. Returns whether ``opt`` now runs fused."""
+    """Switch ``opt`` in place (LR schedulers keep working) to torch's fused CPU kernel
+    where the user left ``fused`` unset (:func:`roundpipe_core.optim.use_fastest_`);
+    else log why once. Returns whether ``opt`` now runs fused."""
     if any(g.get("fused") for g in opt.param_groups):
         return True
     # fused=False is a choice too (use_fastest_ only leaves fused=True / foreach= alone)
@@ -659,14 +593,12 @@ def fuse_optimizer(opt: Optimizer) -> bool:
     return False
 
 
-#: the param-group keys that choose torch's implementation (fuse_optimizer may set them)
 IMPL_KEYS = ("fused", "foreach")
 
 
 def restore_impl_choice(state: dict[str, Any], choice: list[dict[str, Any]] | None) -> None:
-    """Put the user's ``fused`` / ``foreach`` back into an optimizer ``state_dict()``:
-    a checkpoint must not say ``fused=True`` because RoundPipe switched it on (plain
-    Lightning would then resume it fused)."""
+    """The user's ``fused`` / ``foreach`` back into an optimizer ``state_dict()`` (else
+    plain Lightning would resume it fused)."""
     groups = state.get("param_groups")
     if choice is None or not isinstance(groups, list) or len(groups) != len(choice):
         return
@@ -680,8 +612,7 @@ def restore_impl_choice(state: dict[str, Any], choice: list[dict[str, Any]] | No
 
 # -- the loss --------------------------------------------------------------------------------------
 def reaches_params(loss: Tensor, params: set[int]) -> int | None:
-    """The id of one of ``params`` (by id) that ``loss``'s autograd graph accumulates
-    into, or None."""
+    """The id of one of ``params`` that ``loss``'s graph accumulates into, or None."""
     stack, seen = [loss.grad_fn], set()
     while stack:
         fn = stack.pop()
@@ -708,11 +639,9 @@ _DIRECT_CALL = (
 
 
 def check_loss_went_through(loss: Tensor, rp: RP, message: str = _DIRECT_CALL) -> None:
-    """Refuse a loss whose graph reaches the wrapped network's own parameters: the
-    network ran outside RoundPipe, its gradients would never reach the masters the
-    optimizer steps, and training would silently do nothing. ``message`` says what to
-    call instead (the Lightning strategy's by default; ``{param}`` is the parameter the
-    loss reaches)."""
+    """Refuse a loss whose graph reaches the network's own parameters: it ran outside
+    RoundPipe, and training would silently do nothing (``message``: what to call
+    instead; ``{param}``: the parameter reached)."""
     names = {id(p): name for name, p in rp.model.named_parameters()}
     if isinstance(rp, AutoRoundPipe):  # its glue code uses these on the host, legitimately
         for _, p in rp.host_parameters:
@@ -737,12 +666,8 @@ def check_loss_went_through(loss: Tensor, rp: RP, message: str = _DIRECT_CALL) -
 
 # -- the step --------------------------------------------------------------------------------------
 class StepLedger:
-    """Optimizer steps in flight and lost, shared by the training and optimizer threads.
-
-    Lightning counts a step when ``optimizer_step`` returns; an asynchronous step reaches
-    the weights later, on the optimizer thread, or fails there. ``lost`` is what a
-    checkpoint written now must take back from Lightning's count.
-    """
+    """Optimizer steps in flight and lost (training and optimizer threads). Lightning
+    counts a step when it is queued; ``lost`` is what a checkpoint must take back."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -751,29 +676,33 @@ class StepLedger:
         self._failed = False
 
     def queued(self) -> None:
-        """A step was handed to the optimizer thread (training thread)."""
         with self._lock:
             self._unapplied += 1
 
     def applied(self) -> None:
-        """A queued step reached the weights (optimizer thread)."""
         with self._lock:
             self._unapplied -= 1
 
     def mark_failed(self) -> None:
-        """A queued step raised on the optimizer thread."""
         with self._lock:
             self._failed = True
 
+    @contextlib.contextmanager
+    def failing(self) -> Iterator[None]:
+        """Marks the step failed where the block raises (optimizer thread)."""
+        try:
+            yield
+        except BaseException:
+            self.mark_failed()
+            raise
+
     @property
     def step_failed(self) -> bool:
-        """Whether a queued step failed and was not yet taken back."""
         with self._lock:
             return self._failed
 
     def take_back(self) -> int:
-        """After a failure, with nothing in flight: the steps still unapplied are lost.
-        Returns how many were lost now."""
+        """After a failure, nothing in flight: the unapplied steps are lost (how many)."""
         with self._lock:
             lost, self._unapplied, self._failed = self._unapplied, 0, False
             self._lost += lost
@@ -781,7 +710,6 @@ class StepLedger:
 
     @property
     def lost(self) -> int:
-        """Steps Lightning counted that never reached the weights."""
         with self._lock:
             return self._lost
 
@@ -793,17 +721,15 @@ class StepLedger:
 
 _MISSING = object()
 
-#: instance attributes a twin does not take over: its own groups, and the LR scheduler's
-#: per-instance ``step`` wrapper (bound to the user's object, it would step that one)
+# not taken over by a twin: its own groups, and an LR scheduler's per-instance step
+# wrapper (bound to the user's object, it would step that one)
 _NOT_SHARED = ("param_groups", "step")
 
-#: optimizers already warned about an instance-level step that reads the live groups
 _WARNED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
 def _own_step(optimizer: Optimizer) -> Any:
-    """``step`` set on the instance, or None (the class's, or an LR scheduler's wrapper
-    that only marks the call)."""
+    """``step`` set on the instance, or None (also for an LR scheduler's wrapper)."""
     own = vars(optimizer).get("step")
     if own is None or is_lr_scheduler_step_wrapper(own):
         return None
@@ -818,16 +744,13 @@ def _frozen(value: Any) -> Any:
 class QueuedStep:
     """``optimizer.step(**kwargs)`` with the hyperparameters the param groups hold now.
 
-    With ``async_step=True`` a strategy's step returns before ``optimizer.step()`` has
-    run, and an LR scheduler may then write the *next* step's values into the live param
-    groups. So the groups are copied when the step is queued (create this on the main
-    thread; call :meth:`run` on the optimizer thread), and the step runs on a *twin*: an
-    instance of the same class sharing everything with the user's optimizer (state,
-    hooks, defaults) except ``param_groups``. The user's object keeps its class and its
-    groups; what the step writes into its groups or rebinds on the twin (step counters)
-    is carried back. A ``step`` set on the instance is honoured: an LR scheduler's
-    wrapper gives way to the class's ``step``; a method bound to the optimizer is bound
-    to the twin; any other callable runs on the live optimizer, with a warning.
+    An LR scheduler may write the *next* step's values into the live groups before a
+    queued step runs, so the groups are copied when it is queued (on the main thread)
+    and the step runs on a *twin*: an instance of the same class sharing everything with
+    the user's optimizer but ``param_groups``; what the step writes into its groups or
+    rebinds on the twin (step counters) is carried back. A ``step`` set on the instance:
+    an LR scheduler's wrapper gives way to the class's, a method of the optimizer is
+    bound to the twin, any other callable runs on the live optimizer with a warning.
     """
 
     def __init__(self, optimizer: Optimizer) -> None:
@@ -838,9 +761,7 @@ class QueuedStep:
         self.live = list(live)
 
     def _twin(self, own_step: types.MethodType | None) -> tuple[Optimizer, dict[str, Any]]:
-        """A same-class optimizer sharing the user's state and hooks, with this step's
-        groups (and ``own_step``, a method of the user's optimizer, bound to it); and
-        the attributes it started with (to see what the step rebinds)."""
+        """The twin (``own_step`` bound to it), and the attributes it started with."""
         opt = self.optimizer
         shared = {k: v for k, v in vars(opt).items() if k not in _NOT_SHARED}
         twin = object.__new__(type(opt))
@@ -851,9 +772,8 @@ class QueuedStep:
         return twin, shared
 
     def optimizer_for_step(self) -> tuple[Optimizer, Callable[[], None]]:
-        """The optimizer the step runs on -- the twin, or the live optimizer where a
-        ``step`` set on the instance reads the live groups (with a warning) -- and what
-        to call once the whole step ran (carries back what it wrote)."""
+        """The optimizer the step runs on (the twin, or with a warning the live one), and
+        what to call once the whole step ran (carries back what it wrote)."""
         opt = self.optimizer
         own = _own_step(opt)
         if own is not None and not (isinstance(own, types.MethodType) and own.__self__ is opt):
@@ -884,7 +804,6 @@ class QueuedStep:
                     live[key] = value
 
     def run(self, params: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
-        """The step, over ``params`` only if given (a layer-wise step's part)."""
         opt, done = self.optimizer_for_step()
         out = opt.step(**kwargs) if params is None else step_subset(opt, params, **kwargs)
         done()
@@ -893,16 +812,8 @@ class QueuedStep:
 
 # -- one RoundPipe being trained -----------------------------------------------------------------
 class Session:
-    """One RoundPipe being trained (see the module docstring).
-
-    Args:
-        settings: the strategy's settings.
-        rp: the RoundPipe (from :meth:`SessionSettings.build_roundpipe`).
-        module: the module whose parameter names a checkpoint uses (the LightningModule,
-            or what was given to ``fabric.setup()``).
-        dp: its data parallel over processes (no-ops in one process).
-        async_step: whether its steps overlap the next iteration.
-    """
+    """One RoundPipe being trained; ``module`` names the parameters in checkpoints (the
+    LightningModule, or what was given to ``fabric.setup()``)."""
 
     def __init__(
         self,
@@ -923,6 +834,38 @@ class Session:
         #: the disk tier (``offload_dir``): the masters and the optimizer state in files
         self.tier: DiskTier | None = getattr(rp, "disk_tier", None)
 
+    def check_host_budget(self) -> None:
+        """Say the set-up line and the host-memory budget (the whole table at DEBUG), and
+        refuse, with numbers, a run whose state cannot fit. An optimizer of unknown state
+        size does not stop training: the budget assumes Adam's and says so once."""
+        rp, dp, opts, settings = self.rp, self.dp, self.optimizers, self.settings
+        common: dict[str, Any] = dict(
+            num_microbatch=settings.num_microbatch,
+            state_shards=dp.state_shards,
+            async_step=self.async_step,
+            collective_buffers=dp.kept_buffer_bytes(rp, opts),
+        )
+        try:
+            budget = estimate_host_memory(rp, optimizer=opts, **common)
+        except UnknownOptimizerError as exc:
+            names = ", ".join(sorted({type(o).__name__ for o in opts}))
+            if ("budget", names) not in _SAID:
+                _SAID.add(("budget", names))
+                rank_zero_warn(
+                    f"RoundPipe cannot tell how much state {names} keeps ({exc}); the host-memory "
+                    f"budget assumes {ASSUMED_OPTIMIZER_STATES} parameter-sized tensors per parameter"
+                )
+            budget = estimate_host_memory(rp, optimizer_states=ASSUMED_OPTIMIZER_STATES, **common)
+        available = available_host_memory()
+        chosen = settings.async_step is not None
+        summary = setup_summary(
+            settings.owner, rp, settings.num_microbatch, self.async_step, chosen
+        )
+        rank_zero_info(summary)
+        rank_zero_info(f"{settings.owner}: {budget.summary(available)}")
+        rank_zero_debug(f"RoundPipe host memory:\n{budget}")
+        check_host_memory(budget, available)
+
     # -- optimizers ----------------------------------------------------------------------------
     def adopt(
         self,
@@ -930,10 +873,9 @@ class Session:
         zero_grad: Callable[..., None] | None = None,
         build_hint: str = "self.parameters()",
     ) -> None:
-        """Point ``opt`` at the masters (refusing LBFGS), switch it to the fused kernel
-        (``fuse_optimizer``) and make ``zero_grad`` (default: a no-op) its ``zero_grad``:
-        clearing the masters' gradients while a queued step reads them would lose its
-        update, so the step calls the real one right after it (``real_zero_grad``)."""
+        """Point ``opt`` at the masters, fuse it, and make ``zero_grad`` (default: a no-op)
+        its ``zero_grad``: clearing the gradients while a queued step reads them would
+        lose its update, so the step calls the real one right after it."""
         self.user_impl[id(opt)] = [{k: g[k] for k in IMPL_KEYS if k in g} for g in opt.param_groups]
         point_at_masters(opt, self.rp, build_hint)
         if self.settings.fuse_optimizer:
@@ -972,9 +914,11 @@ class Session:
         step) to the RoundPipe: asynchronous with ``async_step``, with the
         hyperparameters of now. On the optimizer thread, once the gradients of the calls
         before it are in: ``reduce_first`` reduces them over the processes (collective:
-        every process queues every step, skipped ones too; the calls may still run when it
-        is queued), then ``clip`` runs, then the step. ``layerwise``: the deepest layers
-        step while the backward still runs (in one process: a reduction needs them all)."""
+        every process queues every step, skipped ones too), then ``clip`` runs, then the
+        step. ``layerwise``: the deepest layers step while the backward still runs (in
+        one process: a reduction needs them all). With ``offload_dir`` the step is
+        layer-wise, paging masters and optimizer state in from the files; the strategy
+        then clips before queueing (it does not overlap iterations that clip)."""
         steps, dp = self.steps, self.dp
         reduce_first = reduce_first and dp.world_size > 1
         layerwise = layerwise and not reduce_first
@@ -983,42 +927,42 @@ class Session:
         zero_grad = self.real_zero_grad.get(id(opt), opt.zero_grad)
 
         def update_params(params: Sequence[Tensor] | None = None) -> None:
-            try:
+            with steps.failing():
                 if params is None and clip is not None:
                     clip()
                 if queued is not None:
                     queued.run(params, **kwargs)
                 elif update:
                     opt.step(**kwargs)
-            except BaseException:
-                steps.mark_failed()
-                raise
 
         def finish() -> None:
-            try:
+            with steps.failing():
                 zero_grad(set_to_none=True)
                 dp.after_step(opt)  # sharded: all-gather the weights each process stepped
-            except BaseException:
-                steps.mark_failed()
-                raise
             if update:
                 steps.applied()
 
         def whole() -> None:
             if reduce_first:
-                try:
+                with steps.failing():
                     dp.reduce(opt)
-                except BaseException:
-                    steps.mark_failed()
-                    raise
             update_params()
             finish()
 
         if update:
             mark_lr_scheduler_step_called(opt)
             steps.queued()
-        if self.tier is not None:
-            self._queue_tier_step(opt, queued, finish if update else None, finish)
+        if self.tier is not None and not update:
+            self.rp.after_step(finish)  # the clearing, in step order
+        elif self.tier is not None:
+            target, done = queued.optimizer_for_step() if queued is not None else (opt, None)
+
+            def finished() -> None:
+                if done is not None:
+                    done()
+                finish()
+
+            self.rp.step_layerwise(self._tier_step(target), finished, is_async=self.async_step)
         elif layerwise and queued is not None:
             self.rp.step_layerwise(update_params, finish)
         else:
@@ -1029,34 +973,9 @@ class Session:
         # the one form of step the disk tier streams (it reads the optimizer out of it)
         return functools.partial(step_subset, opt)
 
-    def _queue_tier_step(
-        self,
-        opt: Optimizer,
-        queued: QueuedStep | None,
-        finish: Callable[[], None] | None,
-        skipped: Callable[[], None],
-    ) -> None:
-        """The step with ``offload_dir``: layer-wise, the masters and the optimizer state
-        paged in from the files (``finish`` None: a skipped step, ``skipped`` only clears
-        the gradients in step order). The optimizer is the twin of ``queued`` (the
-        hyperparameters of now), or ``opt`` itself for a synchronous step. Gradients are
-        clipped before it is queued: the strategy does not overlap iterations that clip
-        with a tier (the layer-wise step cannot wait for the global norm)."""
-        if finish is None:
-            self.rp.after_step(skipped)
-            return
-        target, done = queued.optimizer_for_step() if queued is not None else (opt, None)
-
-        def finished() -> None:
-            if done is not None:
-                done()
-            finish()
-
-        self.rp.step_layerwise(self._tier_step(target), finished, is_async=self.async_step)
-
     # -- checkpoints ---------------------------------------------------------------------------
     def named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        """(module parameter name, model parameter, master) of every trainable parameter."""
+        """(name, parameter, master) of every trainable parameter."""
         out = []
         for name, p in self.module.named_parameters():
             m = self.rp.master_param(p)
@@ -1068,9 +987,8 @@ class Session:
         return {name: m for name, _, m in self.named_masters()}
 
     def optimizer_state(self, opt: Optimizer, full: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """What a checkpoint holds of ``opt`` (call after the step in flight finished):
-        ``full()`` with the user's fused / foreach, or, sharded, the marker of the
-        shards each process writes."""
+        """What a checkpoint holds of ``opt``: ``full()`` with the user's fused / foreach,
+        or, sharded, the marker of the shards."""
         shard = self.dp.shard(opt)
         if shard is not None:
             return marker(shard.world_size)
@@ -1080,11 +998,9 @@ class Session:
         return state
 
     def section(self, optimizers: Sequence[Any], loss_scaler: Any = None) -> dict[str, Any]:
-        """What a checkpoint holds beyond the module's state dict (``checkpoint["roundpipe"]``;
-        call after the step in flight finished): the masters whose dtype differs from
-        their parameter's (fp32 masters of a half-precision model) -- the live tensors,
-        not copies; those of a sharded optimizer are in its shards instead --, the loss
-        scaler, the layer timer and which stages draw random numbers."""
+        """``checkpoint["roundpipe"]``: the masters whose dtype differs from their
+        parameter's (live tensors, not copies; a sharded optimizer's are in its shards),
+        the loss scaler, the layer timer and which stages draw random numbers."""
         in_shards = sharded_masters(self.dp, optimizers)
         values = self._master_values()
         masters = {
@@ -1101,44 +1017,61 @@ class Session:
         return state
 
     def _tier_names(self) -> dict[str, str]:
-        """{module parameter name: the disk tier's name of its master}."""
+        """{parameter name: the disk tier's name of its master}."""
         of_master = {id(m): name for name, _, m in self.rp.masters.copies}
         return {name: of_master[id(m)] for name, _, m in self.named_masters() if id(m) in of_master}
 
     def _master_values(self) -> Mapping[str, Tensor]:
-        """The masters' values by module parameter name where they are not the master
-        tensors themselves: the disk tier's (mapping its files, valid until the second
-        step from now); empty without a tier."""
+        """The disk tier's masters by parameter name (mapping its files, valid until the
+        second step from now); empty without a tier."""
         if self.tier is None:
             return {}
         state = self.tier.masters_state()
         return {name: state[key] for name, key in self._tier_names().items()}
 
-    def load_optimizer_state(self, opt: Optimizer, state: dict[str, Any]) -> bool:
-        """With a disk tier: ``state`` (an ordinary state dict, saved in RAM or from a
-        tier) into the tier's files and ``opt``'s param groups; returns False (nothing
-        done) without one."""
+    def save_shard(self, opt: Optimizer, directory: Path) -> None:
+        """Every rank, sharded: its share of ``opt``'s state (with the user's fused /
+        foreach) into ``directory``; nothing for an optimizer that is not sharded."""
+        shard = self.dp.shard(opt)
+        if shard is None:
+            return
+        choice = self.user_impl.get(id(opt))
+        named = of_optimizer(self.masters_by_name(), opt)
+        D.save_shard(
+            directory,
+            named,
+            opt,
+            shard.owns,
+            shard.rank,
+            shard.world_size,
+            edit_groups=lambda groups: restore_impl_choice({"param_groups": groups}, choice),
+        )
+
+    def load_optimizer(self, opt: Optimizer, state: Any, directory: Path | None) -> None:
+        """Restore ``opt`` from ``state``: a state dict (into the disk tier's files where
+        there is one), or the marker of the shards in ``directory``
+        (:func:`~roundpipe_lightning.sharded_checkpoint.load_optimizer_state`)."""
         if self.tier is None:
-            return False
-        if is_marker(state):
+            named = self.masters_by_name()
+            load_optimizer_state(directory, opt, state, self.dp.shard(opt), named)
+        elif is_marker(state):
             raise ValueError(
                 f"{self.settings.owner}(offload_dir=...): this checkpoint's optimizer state is "
                 "sharded across processes; merge it first with "
                 "roundpipe_lightning.convert_sharded_checkpoint(path, out)"
             )
-        self.tier.load_state(None, opt, state)
-        return True
+        else:
+            self.tier.load_state(None, opt, state)
 
     def read_section(self, section: Any, strict: bool) -> Mapping[str, Tensor]:
-        """The saved masters of a checkpoint's section, checked before anything is loaded."""
+        """The saved masters of a section, checked before anything is loaded."""
         params = {name: p for name, p, _ in self.named_masters()}
         return check_roundpipe_section(section, params, strict=strict)
 
     def load_masters(self, saved: Mapping[str, Tensor], from_weights: bool = True) -> None:
-        """Each master becomes its saved value, else (``from_weights``, after the module's
-        weights were loaded) its weight, its gradient dropped; ``from_weights=False``
-        leaves the others as they are (restored from an optimizer's shards). Another
-        process's share is left to its shard (a shared master is the weight: loaded)."""
+        """Each master becomes its saved value, else (``from_weights``, after the weights
+        were loaded) its weight, its gradient dropped; otherwise (restored from shards)
+        as it is. Another process's share is left to its shard."""
         if self.tier is not None:
             # the saved ones, else (from_weights) each from its weight: a new generation
             if saved or from_weights:
@@ -1165,7 +1098,7 @@ class Session:
                     m.grad = None
 
     def restore(self, section: Any, loss_scaler: Any = None) -> None:
-        """What the RoundPipe learned (layer timer, stages' draws) and the loss scaler."""
+        """The loss scaler and what the RoundPipe learned (layer timer, stages' draws)."""
         state = section or {}
         if loss_scaler is not None and "loss_scaler" in state:
             loss_scaler.load_state_dict(state["loss_scaler"])
@@ -1173,17 +1106,14 @@ class Session:
             restore_learned(self.rp, state)
 
     def check_optimizer_states(self, optimizers: Sequence[Optimizer]) -> None:
-        """Every per-parameter state tensor of ``optimizers`` has its parameter's shape
-        (torch's fused kernels do not check, and train to NaN or corrupt memory instead)."""
+        """Each state tensor has its parameter's shape (fused kernels do not check)."""
         names = {id(m): name for name, _, m in self.named_masters()}
         for opt in optimizers:
             check_state_matches(opt, names)
 
     # -- end -------------------------------------------------------------------------------------
     def close(self, failed: bool = False) -> None:
-        """Finish what is in flight, stop the RoundPipe's threads (an error of a run that
-        had ``failed`` already is only logged) and give the optimizers their own
-        ``zero_grad`` back."""
+        """Stop the RoundPipe (after a failure its error is only logged) and release."""
         try:
             self.rp.close()
         except BaseException as exc:

@@ -1,32 +1,15 @@
-"""Lightning checkpoints of ``RoundPipeStrategy(shard_host_state=True)``.
-
-Each rank owns the optimizer state of its share of the parameters, so no rank can
-write the whole checkpoint without gathering the others' state. Instead:
-
-* rank 0 writes the Lightning checkpoint file as always (the weights -- every rank
-  holds them all --, loops, callbacks, the RoundPipe section), with a small marker in
-  place of each sharded optimizer's state;
-* every rank writes its share of that optimizer's state next to it, into
-  ``<checkpoint>.shards/optimizer<i>/shard-RRRRR-of-NNNNN.pt``
-  (:func:`roundpipe_core.distributed.save_shard`). Several nodes need a file system
-  they all see, as for any multi-node resume.
-
-``RoundPipeFabricStrategy(shard_host_state=True)`` does the same for ``fabric.save``:
-the optimizer saved under the state key ``KEY`` leaves a marker in the file and its
-shards in ``<checkpoint>.shards/KEY/`` (:func:`fabric_shards_dir`); ``fabric.load``
-reads them back on any node count.
-
-Resuming (``Trainer.fit(ckpt_path=...)``) reads the shards of any rank count, each rank
-keeping the entries it owns now -- sharded or not, on 1, 2, 4 ... ranks.
-:func:`convert_sharded_checkpoint` turns such a checkpoint into an ordinary one (the
-optimizer states merged, in one process) that plain Lightning loads.
+"""Checkpoints of ``shard_host_state=True``: each rank owns its share of the optimizer
+state, so rank 0 writes the checkpoint file as always with a marker in place of each
+sharded optimizer's state, and every rank writes its share beside it, into
+``<checkpoint>.shards/optimizer<i>/`` (``fabric.save``: ``<checkpoint>.shards/KEY/``).
+A resume reads them on any rank count; :func:`convert_sharded_checkpoint` merges them
+into an ordinary checkpoint that plain Lightning loads.
 """
 
 from __future__ import annotations
 
-import functools
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +34,13 @@ SHARDS_KEY = "roundpipe_host_shards"
 
 
 def shards_dir(checkpoint_path: str | Path, index: int) -> Path:
-    """Where the shards of optimizer ``index`` of the checkpoint ``checkpoint_path`` live."""
+    """Where the shards of optimizer ``index`` of ``checkpoint_path`` live."""
     return Path(f"{checkpoint_path}.shards") / f"optimizer{index}"
 
 
 def fabric_shards_dir(checkpoint_path: str | Path, key: str) -> Path:
-    """Where the shards of the optimizer a ``fabric.save`` state holds under ``key`` live.
-
-    Raises:
-        ValueError: ``key`` cannot name a directory (empty, ``.``/``..`` or a path separator).
-    """
+    """Where the shards of the optimizer ``fabric.save`` holds under ``key`` live (a
+    ValueError for a key that cannot name a directory)."""
     if not isinstance(key, str) or key in ("", ".", "..") or "/" in key or "\\" in key:
         raise ValueError(
             f"fabric.save(): a sharded optimizer's state key names the directory of its shards "
@@ -70,7 +50,7 @@ def fabric_shards_dir(checkpoint_path: str | Path, key: str) -> Path:
 
 
 def remove_shards(checkpoint_path: str | Path) -> None:
-    """Delete ``<checkpoint_path>.shards/`` (all optimizers' shards), if there is one."""
+    """Delete ``<checkpoint_path>.shards/``, if there is one."""
     directory = Path(f"{checkpoint_path}.shards")
     if directory.is_dir():
         shutil.rmtree(directory)
@@ -88,44 +68,16 @@ def is_marker(state: Any) -> bool:
 def of_optimizer(
     named_masters: Mapping[str, torch.Tensor], optimizer: Any
 ) -> dict[str, torch.Tensor]:
-    """The entries of ``named_masters`` that ``optimizer`` steps: its shards hold those
-    only (with several optimizers, the others' are in their own shards)."""
+    """The entries of ``named_masters`` that ``optimizer`` steps (what its shards hold)."""
     raw = getattr(optimizer, "_optimizer", optimizer)
     ids = {id(p) for g in raw.param_groups for p in g["params"]}
     return {n: p for n, p in named_masters.items() if id(p) in ids}
 
 
 def sharded_masters(dp: D.DataParallel, optimizers: Sequence[Any]) -> set[int]:
-    """Ids of the masters a sharded checkpoint keeps in its shards, each in its owner's
-    (not in the checkpoint file: rank 0 may hold the values of its own share only; loading
-    broadcasts each owner's into every rank's model)."""
+    """Ids of the masters kept in shards, not in the file (rank 0 may hold only its own
+    share's values; loading broadcasts each owner's)."""
     return {id(p) for opt in optimizers if (s := dp.shard(opt)) is not None for p in s.params}
-
-
-def save_host_shards(
-    filepath: str | Path,
-    optimizers: Sequence[Any],
-    dp: D.DataParallel,
-    named_masters: Mapping[str, torch.Tensor],
-    edit_groups: Callable[[int, list[dict[str, Any]]], None] | None = None,
-) -> None:
-    """Every rank: write its share of each sharded optimizer's state beside ``filepath``
-    (``edit_groups(i, groups)``: what to put back into optimizer ``i``'s groups)."""
-    for i, opt in enumerate(optimizers):
-        shard = dp.shard(opt)
-        if shard is None:
-            continue
-        raw = getattr(opt, "_optimizer", opt)
-        edit = None if edit_groups is None else functools.partial(edit_groups, i)
-        D.save_shard(
-            shards_dir(filepath, i),
-            of_optimizer(named_masters, raw),
-            raw,
-            shard.owns,
-            shard.rank,
-            shard.world_size,
-            edit_groups=edit,
-        )
 
 
 def load_optimizer_state(
@@ -135,13 +87,9 @@ def load_optimizer_state(
     shard: D.HostShard | None,
     named_masters: Mapping[str, torch.Tensor],
 ) -> None:
-    """Restore one optimizer from ``state``: an ordinary state dict, or a marker whose
-    shards are in ``directory`` (written on any rank count). Sharded (``shard``), this
-    rank keeps only the state of the parameters it owns. From shards the masters of
-    those parameters are restored too (a separate fp32 master exactly, which the file's
-    half-precision weights cannot give; a shared one is its weight: the same value), and
-    broadcast into the other ranks' model weights (collective: every rank loads the same
-    optimizers)."""
+    """Restore ``optimizer`` from a state dict or a marker of the shards in ``directory``
+    (any rank count; sharded, this rank keeps what it owns). From shards the masters are
+    restored exactly too, and broadcast into the other ranks' weights (collective)."""
     raw = getattr(optimizer, "_optimizer", optimizer)
     if is_marker(state):
         if directory is None:
@@ -162,24 +110,8 @@ def load_optimizer_state(
         shard.drop_foreign_state(raw)
 
 
-def load_optimizer_states(
-    checkpoint_path: str | Path | None,
-    optimizers: Sequence[Any],
-    states: Sequence[Any],
-    dp: D.DataParallel,
-    named_masters: Mapping[str, torch.Tensor],
-) -> None:
-    """Restore each optimizer from its saved state: an ordinary state dict, or the
-    shards its marker points to (any rank count); sharded, this rank keeps only the
-    state of the parameters it owns."""
-    for i, (opt, state) in enumerate(zip(optimizers, states)):
-        directory = None if checkpoint_path is None else shards_dir(checkpoint_path, i)
-        load_optimizer_state(directory, opt, state, dp.shard(opt), named_masters)
-
-
 def _put_back_masters(ckpt: dict[str, Any], masters: Mapping[str, torch.Tensor]) -> None:
-    """The shards' masters whose dtype differs from the saved weight's, into the
-    checkpoint's RoundPipe section (where an unsharded run keeps them)."""
+    """The shards' masters whose dtype differs from the weight's, into the section."""
     section = ckpt.get(CHECKPOINT_KEY)
     weights = ckpt.get("state_dict", {})
     if not isinstance(section, dict):
@@ -192,19 +124,11 @@ def _put_back_masters(ckpt: dict[str, Any], masters: Mapping[str, torch.Tensor])
 
 
 def convert_sharded_checkpoint(checkpoint_path: str | Path, out_path: str | Path) -> Path:
-    """Write an ordinary Lightning checkpoint from a sharded one: the optimizer states
-    merged from ``<checkpoint_path>.shards/``, and the masters the shards hold that are
-    of another dtype than their weights (the fp32 masters of a bf16 module) put back
-    into the RoundPipe section, as an unsharded run writes them; everything else as
-    saved. The result loads with any strategy (``Trainer(ckpt_path=out_path)``) and
-    ``LightningModule.load_from_checkpoint``. Needs the memory of the whole state, in
-    this one process. Returns ``out_path``.
-
-    Raises:
-        ValueError: a shard is missing or unreadable (naming the rank that wrote it);
-            :class:`~roundpipe_core.checkpoint_file.CorruptCheckpointError` for a damaged
-            checkpoint file or shard.
-    """
+    """Write at ``out_path`` (returned) an ordinary Lightning checkpoint of a sharded one,
+    as an unsharded run writes it: the optimizer states merged from the shards, their
+    masters of another dtype than the weights in the RoundPipe section. It loads with
+    any strategy; this process needs the memory of the whole state. A missing or
+    damaged shard is a ``ValueError`` naming the rank that wrote it."""
     ckpt = read_checkpoint(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)
     states = ckpt.get("optimizer_states", [])
     for i, state in enumerate(states):

@@ -1,37 +1,15 @@
 """``RoundPipeStrategy``: train a LightningModule's ``nn.Sequential`` with RoundPipe.
 
 A thin adapter of Lightning's ``ParallelStrategy`` hooks over the training session
-(:mod:`roundpipe_lightning.session`), which the Fabric strategy shares.
-
-At setup the strategy wraps what ``configure_sequential()`` returns in a plain ``RoundPipe``
-whose pool is the Trainer's devices (``accelerator="cpu", devices=N``: N CPU workers; ``"gpu"``:
-N GPUs), in this one process, and sets ``lightning_module.roundpipe``. It composes the engine
-through its hooks: ``loss_multiplier`` (``1/accumulate_grad_batches`` times the loss scale),
-``set_plan`` (layouts, ``AutoReplan``) and the caller's autocast state, which the engine carries
-to its worker threads.
-
-* ``training_step`` calls ``self.roundpipe.forward_backward(...)`` (any of the
-  engine's arguments, ``blocking=False`` included): it already backpropagated
-  into the fp32 master gradients, so its backward is a no-op; a loss built from
-  ``self.roundpipe(x)`` is backpropagated through the pipeline as usual.
-* The optimizer built in ``configure_optimizers`` is pointed at the masters; its step is
-  ``roundpipe.step(step_fn, is_async=async_step)``. Everything that looks at gradients (reduction
-  over processes, unscaling, ``on_before_optimizer_step``, clipping) runs on the main thread first
-  (:class:`RoundPipePrecision`); ``step_fn`` runs ``optimizer.step()`` with the hyperparameters of
-  the moment it was queued, then clears the gradients (Lightning's ``zero_grad`` is a no-op).
-* With ``async_step=True`` the weights are flushed before every hook where users
-  read them: epoch and training end, validation / test / predict start, checkpoints.
-* With ``async_step=True`` (and ``overlap_iterations=True``, the default) iterations
-  overlap: ``training_step``'s ``forward_backward`` is issued non-blocking through the
-  engine's ``forward_backward_hook`` and returns a lazily resolved loss
-  (``docs/lightning.md``, "Overlapped iterations", says when its value is read).
-* A checkpoint holds, beyond Lightning's own, ``checkpoint["roundpipe"]``: the fp32 masters
-  of a half-precision model, the loss scaler and the layer timer; it is written and read by
-  :class:`~roundpipe_lightning.checkpoint_io.StreamingCheckpointIO` by default (streamed,
-  atomic, memory-mapped on load).
-
-Several processes (one per node) are data parallel over ``torch.distributed``
-(:mod:`roundpipe_core.distributed`); collectives are identities in one process.
+(:mod:`roundpipe_lightning.session`), which the Fabric strategy shares; docs/lightning.md
+("What maps to what") says what each hook becomes. At setup it wraps what
+``configure_sequential()`` returns in a ``RoundPipe`` whose pool is the Trainer's devices
+and sets ``lightning_module.roundpipe``; ``training_step`` calls its ``forward_backward``
+(already backpropagated: the strategy's backward is then a no-op). The optimizer steps
+the masters on RoundPipe's optimizer thread with the hyperparameters of the moment it was
+queued, after everything that reads gradients ran on the main thread
+(:class:`RoundPipePrecision`); with ``async_step=True`` the weights are flushed before
+every hook where users read them.
 """
 
 from __future__ import annotations
@@ -56,21 +34,19 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from roundpipe_core import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe_core import distributed as D
-from roundpipe_core.running.host_memory import available_host_memory, check_host_memory
 
 from ._overlap import OverlappedForwardBackward, overlap_blocker, steps_in_parts
-from ._private import WrappingCheckpointIO, defer_zero_grad, restore_zero_grad, uncount_saved_steps
+from ._private import defer_zero_grad, restore_zero_grad, uncount_saved_steps
 from .checkpoint_io import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
-    StreamingCheckpointIO,
     check_lightning_checkpoint,
 )
 from .precision import LossScaler, RoundPipePrecision
@@ -85,11 +61,8 @@ from .session import (
     check_pool_devices,
     check_type,
     expose_settings,
-    host_memory_budget,
-    restore_impl_choice,
-    setup_summary,
 )
-from .sharded_checkpoint import load_optimizer_states, remove_shards, save_host_shards
+from .sharded_checkpoint import remove_shards, shards_dir
 
 __all__ = ["RoundPipeStrategy", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
 
@@ -105,13 +78,12 @@ _LOSS_HINT = (
 
 # -- the run's phases ----------------------------------------------------------------------------
 class Phase(str, Enum):
-    """Where a run stands::
+    """Where a run stands (``on_exception`` to FAILED; teardown back to NO_RUN)::
 
     NO_RUN --setup--> OPEN <--training_step--> IN_TRAINING_STEP
                         |  \\--on_exception--> FAILED
                         v                        |
                       CLOSED <-----close---------/
-    (teardown: back to NO_RUN)
     """
 
     NO_RUN = "no_run"  # no RoundPipe: before setup, after teardown
@@ -122,8 +94,8 @@ class Phase(str, Enum):
 
 
 class RunState:
-    """The strategy's run state: a :class:`Phase`, and ``overlap`` (whether this fit
-    overlaps its iterations, decided once at train start)."""
+    """A :class:`Phase`, and ``overlap`` (whether this fit overlaps its iterations,
+    decided once at train start)."""
 
     def __init__(self) -> None:
         self.phase = Phase.NO_RUN
@@ -131,24 +103,17 @@ class RunState:
 
     @property
     def is_open(self) -> bool:
-        """Whether the RoundPipe exists and was not closed."""
         return self.phase in (Phase.OPEN, Phase.IN_TRAINING_STEP, Phase.FAILED)
 
     @property
     def in_training_step(self) -> bool:
         return self.phase is Phase.IN_TRAINING_STEP
 
-    @property
-    def failed(self) -> bool:
-        return self.phase is Phase.FAILED
-
     def open(self) -> None:
-        """A RoundPipe was built (setup)."""
         self.phase = Phase.OPEN
 
     @contextmanager
     def training_step(self) -> Iterator[None]:
-        """Inside the LightningModule's ``training_step``."""
         before = self.phase
         if before is Phase.OPEN:
             self.phase = Phase.IN_TRAINING_STEP
@@ -159,30 +124,26 @@ class RunState:
                 self.phase = before
 
     def fail(self) -> None:
-        """Lightning reported an exception (``on_exception``)."""
         if self.is_open:
             self.phase = Phase.FAILED
 
     def close(self) -> bool:
-        """The RoundPipe is being closed. Returns whether the run had failed."""
+        """Returns whether the run had failed."""
         failed = self.phase is Phase.FAILED
         self.phase = Phase.CLOSED
         self.overlap = False
         return failed
 
     def end(self) -> None:
-        """Teardown: nothing of this run remains."""
         self.phase = Phase.NO_RUN
         self.overlap = False
 
 
 class FlushWeights(Callback):
-    """Calls ``flush`` (the strategy's: finish the queued optimizer step and copy its
-    weights into the module) before each hook where users read weights
-    (:data:`FLUSH_HOOKS`). The strategy with ``async_step=True`` puts it first in
-    ``trainer.callbacks``: callback hooks run before the LightningModule's and the
-    strategy's own, so every user callback and module hook then sees the weights of
-    every step taken so far."""
+    """Calls ``flush`` (finish the queued step) before each hook where users read weights
+    (:data:`FLUSH_HOOKS`). First in ``trainer.callbacks`` with ``async_step=True``:
+    callback hooks run before the LightningModule's and the strategy's own, so all of
+    them see the weights of every step taken so far."""
 
     def __init__(self, flush: Callable[[], None]) -> None:
         self._flush = flush
@@ -203,8 +164,8 @@ for _hook in FLUSH_HOOKS:
 
 # -- Trainer-only checks ---------------------------------------------------------------------------
 def check_plugins(checkpoint_io: Any, precision_plugin: Any) -> None:
-    """TypeErrors for a ``checkpoint_io`` / ``precision_plugin`` of the wrong kind (they
-    would fail only at the first save or at teardown, or be silently ignored)."""
+    """Refuse plugins of the wrong kind now (else they fail at the first save, at
+    teardown, or are silently ignored)."""
     check_type("checkpoint_io", checkpoint_io, (CheckpointIO,), "a lightning CheckpointIO")
     if isinstance(precision_plugin, (str, int)):
         raise TypeError(
@@ -215,8 +176,7 @@ def check_plugins(checkpoint_io: Any, precision_plugin: Any) -> None:
 
 
 def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
-    """Refuse ``shard_host_state=True`` with a loss scaler (``16-mixed``): each process
-    sees only its share of the gradients, so their overflow checks would disagree."""
+    """Refuse ``shard_host_state=True`` with a loss scaler (``16-mixed``)."""
     if shard_host_state and loss_scaler is not None:
         raise ValueError(
             "RoundPipeStrategy(shard_host_state=True) does not support precision='16-mixed': each "
@@ -262,7 +222,6 @@ def sequential_of(lm: pl.LightningModule) -> nn.Module:
 
 
 def trainer_of(lm: pl.LightningModule | None) -> pl.Trainer | None:
-    """The Trainer ``lm`` is attached to, or None."""
     try:
         return None if lm is None else lm.trainer
     except RuntimeError:  # "not attached to a Trainer"
@@ -270,7 +229,6 @@ def trainer_of(lm: pl.LightningModule | None) -> pl.Trainer | None:
 
 
 def raw_optimizer(opt: Any) -> Optimizer:
-    """The user's optimizer behind Lightning's ``LightningOptimizer`` wrapper."""
     return opt.optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
@@ -279,39 +237,32 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     """Run a LightningModule's ``configure_sequential()`` network with RoundPipe.
 
     Args:
-        loss_reduction: how ``self.roundpipe.forward_backward`` combines its microbatch
-            losses (``RoundPipe.loss_reduction``). ``"mean"`` (default): each is weighted by
-            its share of the batch, so a ``loss_fn`` returning a batch mean
-            (``F.cross_entropy``) gives plain Lightning's loss and gradients, whatever the
-            microbatch count. ``"sum"``: RoundPipe's published contract, the losses added up.
+        loss_reduction: how ``forward_backward`` combines its microbatch losses.
+            ``"mean"`` (default): each weighted by its share of the batch, so a ``loss_fn``
+            returning a batch mean gives plain Lightning's loss and gradients, whatever the
+            microbatch count. ``"sum"``: RoundPipe's published contract, their sum.
         num_microbatch: microbatches per pipelined call (default: the engine's,
             :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
             GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
             every worker at once -- the default for a model without buffers).
         execute_plan: the stage plan of ``forward_backward``: ``None`` (the engine's
-            default), ``"auto"`` (``ModelExecutePlan.auto`` at setup), a
-            ``ModelExecutePlan``, a layout string such as ``"fwd=3,2 bwd=1,2,2,1"``
-            (see :func:`roundpipe_lightning.plans.resolve_execute_plan`) or a dict of
-            ``ModelExecutePlan.from_layout`` arguments.
+            default), ``"auto"``, a ``ModelExecutePlan``, a layout string such as
+            ``"fwd=3,2 bwd=1,2,2,1"`` or a dict of ``from_layout`` arguments
+            (:mod:`roundpipe_lightning.plans`).
         optim_dtype: dtype of the optimizer's master weights (default fp32; a name
             such as ``"float32"`` works too, for YAML configs). ``None``: the model's dtype.
         pin_model: host memory of the parameters on CUDA ("alloc", "register", "off").
         async_step: overlap the optimizer step with the next iteration (weights one
-            step stale, as in RoundPipe). ``False``: the same computation as plain PyTorch,
-            and parameters already in ``optim_dtype`` (an fp32 module) are their own
-            masters (``RoundPipe(shared_masters=True)``): one copy of the weights in host
-            memory instead of two, the same numbers. ``None`` (the default) follows the
-            hardware: ``True`` on GPUs, where the host step runs beside the devices;
-            ``False`` on CPU workers, where the optimizer thread would compete with the
-            workers for the same cores (slower, and one step stale for nothing).
-        fuse_optimizer: run the optimizers of ``configure_optimizers`` on torch's fused
-            CPU kernel (Adam, AdamW, SGD, Adagrad) when they were built without a
-            ``fused`` / ``foreach`` choice: switched in place at setup, the same update
-            within fp32 rounding, several times faster on the host. ``False``: as built.
+            step stale). ``False``: plain PyTorch's computation, and parameters already
+            in ``optim_dtype`` are their own masters (one copy of the weights in host
+            memory). ``None`` (default): ``True`` on GPUs; ``False`` on CPU workers, whose
+            cores the optimizer thread would compete for.
+        fuse_optimizer: switch optimizers built without a ``fused`` / ``foreach`` choice
+            (Adam, AdamW, SGD, Adagrad) in place to torch's fused CPU kernel: the same
+            update within fp32 rounding, several times faster. ``False``: as built.
         overlap_iterations: with ``async_step=True``, ``training_step``'s
-            ``self.roundpipe.forward_backward(...)`` runs non-blocking and returns a lazy
-            loss (see the module docstring for when it is computed). Same numbers as
-            ``False``. ``blocking=True`` passed to ``forward_backward`` is respected.
+            ``forward_backward`` runs non-blocking and returns a lazy loss (same numbers;
+            docs/lightning.md, "Overlapped iterations"); ``blocking=True`` is respected.
         recompute_grain: "stage" or "layer" (None: the engine's default).
         preserve_rng_state: replay the forward's RNG in recompute (dropout masks).
         model_run_config: further ``RoundPipeRunConfig`` defaults; the explicit
@@ -324,25 +275,17 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             whose peer died fails (default ``$ROUNDPIPE_DIST_TIMEOUT`` or 30 minutes).
         shard_host_state: with several processes, each keeps gradients, optimizer state and
             masters for its 1/N of the parameters (``docs/multi-node.md``).
-        offload_dir: a directory for the disk tier (``RoundPipe(offload_dir=...)``): the
-            fp32 masters and the optimizer state live in files there, streamed layer by
-            layer through a bounded host buffer by each step -- the same weights, bit for
-            bit, as in RAM. Needs an nn.Sequential, one optimizer for which
-            ``steps_elementwise`` holds (Adam, AdamW, SGD, ...) and one process; the
-            masters are separate (``shared_masters=False``) whatever ``async_step``.
-            Checkpoints have the same format as without it, and resume either way
-            (``docs/lightning.md``, "Masters and optimizer state on disk").
+        offload_dir: a directory for the disk tier: the fp32 masters and the optimizer
+            state live in files there, streamed layer by layer by each step -- the same
+            weights, bit for bit, as in RAM. Needs an nn.Sequential, one elementwise
+            optimizer (Adam, AdamW, SGD, ...) and one process; checkpoints as without it
+            (docs/lightning.md, "Masters and optimizer state on disk").
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy`` (normally left to the Trainer). The
             precision plugin becomes a :class:`~roundpipe_lightning.precision.RoundPipePrecision`.
 
-    The arguments are kept, validated, in ``settings``
-    (:class:`~roundpipe_lightning.session.SessionSettings`) and read as attributes
-    (``strategy.num_microbatch``).
-
-    Raises:
-        TypeError / ValueError: an argument of the wrong type or value (the message
-            names the argument and what it accepts).
+    The arguments are kept, checked, in ``settings`` and read as attributes
+    (``strategy.num_microbatch``); a wrong one is a TypeError / ValueError naming it.
     """
 
     strategy_name = "roundpipe"
@@ -382,9 +325,8 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         )
         arguments = {k: v for k, v in locals().items() if k in SETTINGS}
         self.settings = SessionSettings.of(_OWNER, arguments)
-        self._num_nodes = 1
         self._session: Session | None = None
-        self._run = RunState()  # phase and overlap: one object, not flags
+        self._run = RunState()
         self._zero_grad_wrappers: list[Any] = []  # LightningOptimizers (manual optimization)
         self._previous_attr: Any = _MISSING
         self._flush_callback = FlushWeights(self._sync_weights)
@@ -403,14 +345,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         return self._session.rp
 
     # -- where it runs: one process per node drives the node's pool --------------------------
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
     @property
     @override
     def root_device(self) -> torch.device:
@@ -434,8 +368,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def check_launch(self) -> ClusterEnvironment | None:
-        """The cluster environment, after checking that this process was started as one
-        process per node (the only layout a RoundPipe run has)."""
+        """The cluster environment, after checking one process per node."""
         env, devices = self.cluster_environment, len(self.compute_devices)
         check_one_process_per_node(_OWNER, "Trainer", env, self.world_size, self.num_nodes, devices)
         return env
@@ -481,7 +414,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
 
     @property
     def _loss_scaler(self) -> LossScaler | None:
-        """The loss scaler of ``16-mixed`` (None otherwise)."""
         return self.precision_plugin.scaler
 
     # -- setup ---------------------------------------------------------------------------------
@@ -512,24 +444,10 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             callbacks.insert(0, self._flush_callback)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            # refuse, with numbers, a run whose state cannot fit in host memory
-            opts = [raw_optimizer(o) for o in self.optimizers]
-            rp, settings = self.roundpipe, self.settings
-            budget = host_memory_budget(
-                rp, opts, settings.num_microbatch, self._dp, self.async_step
-            )
-            available = available_host_memory()
-            # as Lightning says its set-up facts ("GPU available: ..."): a few lines, the
-            # whole budget table only at DEBUG (or from estimate_host_memory())
-            chosen = settings.async_step is not None
-            rank_zero_info(
-                setup_summary(_OWNER, rp, settings.num_microbatch, self.async_step, chosen)
-            )
-            rank_zero_info(f"{_OWNER}: {budget.summary(available)}")
-            rank_zero_debug(f"RoundPipe host memory:\n{budget}")
-            check_host_memory(budget, available)
+            assert self._session is not None
+            self._session.check_host_budget()  # a few lines beside Lightning's set-up facts
             # every process starts from rank 0's weights; one gradient reducer per optimizer
-            self._dp.attach(rp, self.optimizers, async_step=self.async_step)
+            self._dp.attach(self.roundpipe, self.optimizers, async_step=self.async_step)
             sharded = self._dp.state_shards > 1  # clipping: the norm over every process's share
             self.precision_plugin.clip_norm_fn = self._dp.clip_grad_norm_ if sharded else None
         self.setup_precision_plugin()
@@ -561,8 +479,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         object.__setattr__(lm, "roundpipe", rp)
 
     def _loss_multiplier(self) -> float:
-        """Factor on each microbatch loss inside ``forward_backward``: ``1/k`` for
-        ``accumulate_grad_batches=k`` (as Lightning divides the loss) times the loss scale."""
+        """``1/accumulate_grad_batches`` (as Lightning divides the loss) times the loss scale."""
         if not self._run.in_training_step:
             return 1.0
         factor = 1.0
@@ -637,8 +554,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """Backward through the precision plugin: a no-op for a ``forward_backward`` loss
-        (already backpropagated), a normal backward for one built from ``self.roundpipe(x)``."""
+        """A no-op for a ``forward_backward`` loss (already backpropagated)."""
         if self._session is not None:
             check_loss_went_through(closure_loss, self._session.rp)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -651,9 +567,8 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         model: pl.LightningModule | nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run the closure (training_step) and prepare the master gradients on this thread
-        (reduce over processes, unscale, hooks, clipping), then hand ``optimizer.step()``
-        to RoundPipe."""
+        """Run the closure and prepare the master gradients on this thread (reduce,
+        unscale, hooks, clipping), then hand ``optimizer.step()`` to RoundPipe."""
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule) and self._session is not None
         opt = raw_optimizer(optimizer)
@@ -661,13 +576,11 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
 
         def closure_and_reduce() -> Any:
             if overlap:
-                # the window may still run: its gradients are reduced over the processes
-                # on the optimizer thread, when they are in, right before the step (and
-                # the clipping) -- while the next iteration computes
+                # the window may still run: its gradients are reduced on the optimizer
+                # thread once they are in, before the clipping and the step
                 return closure()
-            # blocking calls: the closure's backward starts all-reducing finished layers
-            # (several processes); the gradients are then complete (a step in flight: the
-            # reducer waits); reduced, then shown on the module: later hooks see them reduced (DDP)
+            # blocking calls: the backward starts all-reducing finished layers; once all are
+            # reduced they are shown on the module, so later hooks see them reduced (DDP)
             result = self._dp.wrap_closure(opt, closure)()
             self._dp.reduce(opt)
             self._sync_weights()
@@ -690,10 +603,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
 
     # -- the weights users read are current ------------------------------------------------------
     def _sync_weights(self) -> None:
-        """Finish the queued step and copy the masters into the module. A failed queued
-        step is raised here; it was already counted by Lightning when it was queued, so
-        the count is taken back (a checkpoint saved on the exception then records the
-        global step its weights belong to)."""
+        """Finish the queued step. A failed one is raised here, its count (Lightning's,
+        at queueing) taken back, so a checkpoint saved on the exception records the
+        global step its weights belong to."""
         if self._session is None or not self._run.is_open:
             return
         try:
@@ -703,9 +615,8 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             raise
 
     def _pipeline_failed(self) -> None:
-        """An overlapped iteration failed (raised by the next call or by its lazy loss):
-        the steps deferred behind it are dropped. Wait until nothing is in flight, then
-        take their counts back, before the error reaches Lightning's exception hooks."""
+        """An overlapped iteration failed: once nothing is in flight, take back the
+        counts of the steps dropped behind it, before Lightning's exception hooks run."""
         if self._session is None:
             return
         if self._run.is_open:
@@ -731,27 +642,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     def on_train_end(self) -> None:
         self._sync_weights()
 
-    # -- checkpoints -----------------------------------------------------------------------------
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        """Streaming, atomic saves and memory-mapped loads (:class:`StreamingCheckpointIO`)
-        unless a ``checkpoint_io`` was passed to the strategy or the Trainer's plugins."""
-        if self._checkpoint_io is None:
-            self._checkpoint_io = StreamingCheckpointIO()
-        elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
-            # an AsyncCheckpointIO without its own inner IO (the setter keeps a configured one)
-            self._checkpoint_io.checkpoint_io = StreamingCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO | None) -> None:
-        self._checkpoint_io = io
-
-    def _named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        """(LightningModule parameter name, model parameter, master) for every trainable parameter."""
-        return [] if self._session is None else self._session.named_masters()
-
+    # -- checkpoints (the checkpoint_io: SessionHost's) ----------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._sync_weights()
@@ -767,11 +658,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         return self._session.optimizer_state(raw_optimizer(optimizer), full)
 
     def roundpipe_state_dict(self) -> dict[str, Any]:
-        """What the strategy adds to a checkpoint under ``checkpoint["roundpipe"]``
-        (:meth:`~roundpipe_lightning.session.Session.section`): master weights that
-        differ in dtype from the model's, the loss scaler, the layer timer and which
-        stages draw random numbers. The step is drained here and nothing updates the
-        (live) masters until the save returns."""
+        """``checkpoint["roundpipe"]`` (:meth:`~roundpipe_lightning.session.Session.section`),
+        after the step in flight finished: nothing updates the live masters until the
+        save returns."""
         self._sync_weights()
         assert self._session is not None
         return self._session.section(self.optimizers, self._loss_scaler)
@@ -780,18 +669,11 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        session = self._session
+        session, lm = self._session, self.lightning_module
         if session is not None:
             checkpoint[CHECKPOINT_KEY] = self.roundpipe_state_dict()
-
-            def user_groups(i: int, groups: list[dict[str, Any]]) -> None:
-                choice = session.user_impl.get(id(raw_optimizer(self.optimizers[i])))
-                restore_impl_choice({"param_groups": groups}, choice)
-
-            # shard_host_state: every rank writes its share of the optimizer state
-            named = session.masters_by_name()
-            save_host_shards(filepath, self.optimizers, self._dp, named, user_groups)
-        lm = self.lightning_module
+            for i, opt in enumerate(self.optimizers):
+                session.save_shard(raw_optimizer(opt), shards_dir(filepath, i))
         if lm is not None and session is not None:
             # steps Lightning counted when queued whose update failed: the weights saved
             # here never received them (read after the weights were flushed above)
@@ -801,20 +683,15 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        """``False``: Lightning reads ``fit(ckpt_path=...)``'s file before setup, with the
-        ``weights_only`` the user passed (its after-setup path drops it: ``Trainer._run``
-        calls ``_restore_modules_and_callbacks(ckpt_path)`` without it, so a trusted
-        checkpoint holding, say, a ``pathlib.Path`` could not be resumed). The model state
-        itself waits in :meth:`load_model_state_dict` until setup has built the RoundPipe
-        and its masters; optimizer and loop state are restored after setup as always."""
+        """``False``: the file is read before setup with the user's ``weights_only``
+        (Lightning's after-setup path drops it); the model state waits in
+        :meth:`load_model_state_dict` until setup built the masters."""
         return False
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
-        """Remove the checkpoint file and, for a sharded one, its ``.shards/`` directory
-        (``ModelCheckpoint(save_top_k=...)`` calls this for the checkpoints it drops).
-        Rank 0 removes both, as it wrote the file: the shards live on a file system
-        every node sees."""
+        """The file and its ``.shards/`` directory (rank 0, which wrote the file: the
+        shards are on a file system every node sees)."""
         super().remove_checkpoint(filepath)
         if self.is_global_zero:
             remove_shards(filepath)
@@ -847,13 +724,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         self._sync_weights()
         assert self._session is not None
         path = getattr(self, "_loaded_checkpoint_path", None)
-        states = checkpoint["optimizer_states"]
-        named = self._session.masters_by_name()
-        opts = [raw_optimizer(o) for o in self.optimizers]
-        if not (
-            len(opts) == len(states) == 1 and self._session.load_optimizer_state(opts[0], states[0])
-        ):
-            load_optimizer_states(path, self.optimizers, states, self._dp, named)
+        for i, (opt, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            directory = None if path is None else shards_dir(path, i)
+            self._session.load_optimizer(raw_optimizer(opt), state, directory)
         self._check_optimizer_states()
         self._session.fuse_again()
 
@@ -868,7 +741,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         self._dp.abort()
 
     def _close_roundpipe(self) -> None:
-        """Finish the in-flight step, stop the worker threads, undo what setup installed."""
+        """Stop the RoundPipe and undo what setup installed."""
         session = self._session
         if session is None or not self._run.is_open:
             return

@@ -1,22 +1,12 @@
 """A picture of one pipelined iteration: measured above simulated, on one time scale.
 
 :func:`render_timeline` draws :class:`roundpipe_core.running.trace.Span` lists with
-matplotlib's Agg backend (no display, safe in a training process) and returns the
-picture as an ``H x W x 3`` ``uint8`` array, ready for TensorBoard::
+matplotlib's Agg backend (no display, safe in a training process), a panel per
+timeline with a lane per device (compute, then thin transfer rows), bars coloured by
+kind and labelled where they are wide enough::
 
     image = render_timeline(measured, spans_from_simulation(sim, iteration=-1))
     logger.experiment.add_image("roundpipe/timeline", image, step, dataformats="HWC")
-
-Each timeline gets a panel with one lane per device (compute on the main row,
-parameter upload / activation / gradient transfers on thin rows below it, the
-optimizer step on its own row last); bars are coloured by kind (forward, fused,
-backward, upload, transfers, optimizer) and labelled with the job's text form
-(``"2F0"``) where they are wide enough. Both panels share the x axis (ms from each
-timeline's first start), so the simulated iteration can be compared with the
-measured one by eye.
-
-matplotlib is needed only when a picture is drawn (``pip install matplotlib``,
-part of the ``lightning`` extra).
 """
 
 from __future__ import annotations
@@ -27,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from roundpipe_core.kinds import check_int
 from roundpipe_core.running.trace import Span, row_name, rows_of, spans_from_simulation
 
 __all__ = ["KIND_COLORS", "render_timeline", "spans_from_simulation"]
 
-#: Bar colour per kind (a compute span's job kind, else its lane); colour-blind safe
-#: hues with the three compute kinds clearly apart.
+#: Bar colour per kind (a compute span's job kind, else its lane); colour-blind safe.
 KIND_COLORS: dict[str, str] = {
     "forward": "#4C72B0",
     "fused": "#8172B3",
@@ -49,23 +39,21 @@ _THIN = 0.35
 
 
 def _check(spans: Sequence[Span] | None, what: str) -> list[Span]:
-    if spans is None:
-        return []
-    spans = list(spans)
-    for s in spans:
-        if not isinstance(s, Span):
-            raise TypeError(
-                f"{what} must be a list of roundpipe_core.running.trace.Span; got {type(s).__name__} "
-                "(convert a call's timing with spans_from_call, a SimResult with "
-                "spans_from_simulation)"
-            )
+    spans = list(spans or [])
+    wrong = next((s for s in spans if not isinstance(s, Span)), None)
+    if wrong is not None:
+        raise TypeError(
+            f"{what} must be a list of roundpipe_core.running.trace.Span; got {type(wrong).__name__} "
+            "(convert a call's timing with spans_from_call, a SimResult with "
+            "spans_from_simulation)"
+        )
     return spans
 
 
 def _draw_panel(
     ax: Any, spans: list[Span], title: str, x_max_ms: float, width_px: float
 ) -> set[str]:
-    """Draw one timeline into ``ax``; return the kinds it used (for the legend)."""
+    """Draw one timeline into ``ax``; returns the kinds it used."""
     rows = rows_of(spans)
     t0 = min((s.start_s for s in spans), default=0.0)
     # y position of each row, top to bottom; thin rows take less room
@@ -79,15 +67,14 @@ def _draw_panel(
     px_per_ms = width_px / x_max_ms if x_max_ms > 0 else 0.0
     for s in spans:
         h = _LANE_HEIGHT.get(s.lane, _THIN)
-        kind = s.kind
-        used.add(kind)
+        used.add(s.kind)
         x = (s.start_s - t0) * 1e3
         w = max(s.duration_s * 1e3, 0.0)
         yc = ypos[(s.device, s.lane)]
         ax.broken_barh(
             [(x, w)],
             (yc - h / 2, h),
-            facecolors=KIND_COLORS.get(kind, KIND_COLORS["compute"]),
+            facecolors=KIND_COLORS.get(s.kind, KIND_COLORS["compute"]),
             edgecolors="white",
             linewidth=0.6,
         )
@@ -124,33 +111,24 @@ def render_timeline(
     """Draw the measured iteration (and the simulated one below it) as a picture.
 
     Args:
-        measured: spans of the measured iteration (e.g. ``spans_from_roundpipe(rp)``:
-            its jobs, transfers and optimizer steps).
+        measured: spans of the measured iteration (e.g. ``spans_from_roundpipe(rp)``).
         simulated: spans of the simulated iteration (``spans_from_simulation(sim)``),
-            drawn below on the same time scale; ``None`` draws the measured panel only.
-        path: where to save the picture as PNG (parent folders are created); ``None``
-            saves nothing.
+            drawn below on the same time scale; ``None``: the measured panel only.
+        path: where to save the picture as PNG (parent folders created); ``None``: nowhere.
         title: a line above the panels.
         width_px: picture width in pixels.
         dpi: pixels per inch of the figure (text size in pixels scales with it).
 
     Returns:
-        The picture as an ``H x W x 3`` ``uint8`` array (``dataformats="HWC"`` for
-        TensorBoard's ``add_image``); the PNG at ``path`` has the same pixels.
-
-    Raises:
-        TypeError: if a span list holds something other than :class:`Span`.
-        ValueError: if there is nothing to draw or a size is not positive.
-        ImportError: if matplotlib is not installed.
+        The picture as an ``H x W x 3`` ``uint8`` array (the PNG's pixels); an
+        ImportError without matplotlib.
     """
     meas = _check(measured, "measured")
     sim = _check(simulated, "simulated")
     if not meas and not sim:
         raise ValueError("render_timeline got no spans to draw (measured and simulated are empty)")
-    if not isinstance(width_px, int) or width_px < 200:
-        raise ValueError(f"width_px must be an int >= 200; got {width_px!r}")
-    if not isinstance(dpi, int) or dpi < 10:
-        raise ValueError(f"dpi must be an int >= 10; got {dpi!r}")
+    check_int(width_px, "width_px", 200)
+    check_int(dpi, "dpi", 10)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

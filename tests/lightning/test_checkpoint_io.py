@@ -57,7 +57,7 @@ def test_masters_are_saved_without_copies(tmp_path: Path) -> None:
     strategy = t.strategy
     assert isinstance(strategy, RoundPipeStrategy)
     # (after fit the RoundPipe is closed; its masters are still the strategy's)
-    live = {name: mp for name, _, mp in strategy._named_masters()}
+    live = {name: mp for name, _, mp in strategy._session.named_masters()}
     section = strategy.roundpipe_state_dict()
     assert sorted(section["masters"]) == sorted(live)
     for name, saved in section["masters"].items():
@@ -98,7 +98,7 @@ def test_round_trip_is_exact(tmp_path: Path, precision: str) -> None:
     strategy = t.strategy
     assert isinstance(strategy, RoundPipeStrategy)
     opt = t.optimizers[0]
-    masters = {name: mp for name, _, mp in strategy._named_masters()}
+    masters = {name: mp for name, _, mp in strategy._session.named_masters()}
     for ck in (
         torch.load(path, weights_only=True),  # plain torch
         StreamingCheckpointIO().load_checkpoint(path),  # memory-mapped

@@ -117,11 +117,11 @@ def test_a_run_that_cannot_fit_is_refused_with_the_table(
 ) -> None:
     """The summary's "available" is the number the check compares with: too little, and
     the set-up refuses with the whole table (the one place it is shown unasked)."""
-    import roundpipe_lightning.strategy as strategy_module
+    import roundpipe_lightning.session as session_module
     from roundpipe_core.running.host_memory import HostMemoryError
 
     monkeypatch.delenv("ROUNDPIPE_SKIP_MEMORY_CHECK", raising=False)
-    monkeypatch.setattr(strategy_module, "available_host_memory", lambda: 1024)
+    monkeypatch.setattr(session_module, "available_host_memory", lambda: 1024)
     with pytest.raises(HostMemoryError, match=r"(?s)only 1 KiB is available.*host memory budget"):
         rp_trainer(max_steps=1).fit(SeqModule(), loader())
     assert lightning_log.saying("1 KiB available")

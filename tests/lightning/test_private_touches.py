@@ -264,7 +264,7 @@ def test_deferred_zero_grad_keeps_gradients_until_restored() -> None:
 def test_replaced_zero_grad_runs_instead_and_is_restored() -> None:
     opt = _sgd()
     calls: list[bool] = []
-    real = _private.replace_zero_grad(opt, lambda set_to_none=True: calls.append(set_to_none))
+    real = _private.defer_zero_grad(opt, lambda set_to_none=True: calls.append(set_to_none))
     opt.zero_grad(set_to_none=False)
     assert calls == [False] and opt.param_groups[0]["params"][0].grad is not None
     real()

@@ -21,7 +21,7 @@ def test_a_run_goes_through_its_phases() -> None:
         assert run.in_training_step and run.is_open
     assert run.phase is Phase.OPEN
     run.fail()
-    assert run.failed and run.is_open  # still to be closed
+    assert run.phase is Phase.FAILED and run.is_open  # still to be closed
     assert run.close() is True  # closing knows the run had failed
     assert run.phase is Phase.CLOSED and not run.is_open
     run.end()
