@@ -33,6 +33,7 @@ from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
 from .loss import check_loss_reduction, default_loss_fn, microbatch_loss_weights
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
+from .planning.planner import ReplanDecision
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .running.runtime import PipelineRun, run_queue
 from .running.timer import CallTiming, ModelTimer
@@ -47,7 +48,7 @@ from .stepping.pipelined import (
 __all__ = ["RoundPipe"]
 
 
-class RoundPipe(PlanChoice, RoundPipeBase):
+class RoundPipe(RoundPipeBase):
     """Train or run an ``nn.Sequential`` whose state lives in host memory on a pool of devices.
 
     Args:
@@ -126,7 +127,7 @@ class RoundPipe(PlanChoice, RoundPipeBase):
         self.model_timer = ModelTimer(self.layers)
         self._rule_checker = ForwardRuleChecker(self.layers, self.pool.unreplayed_host_draws)
         self._timer_lock = threading.Lock()
-        self._init_plans()  # which plan each call runs
+        self.plans = PlanChoice(self)  # which plan each call runs
         self._seed_calls = 0  # pipelined calls so far: each gets its own random streams
         self.last_call = CallTiming()
         self.loss_multiplier: Callable[[], float] | None = None
@@ -137,6 +138,78 @@ class RoundPipe(PlanChoice, RoundPipeBase):
 
     def __repr__(self) -> str:
         return f"RoundPipe(name={self.name!r}, layers={self.num_layers}, devices={self.pool!r})"
+
+    # -- plans (held by self.plans) ----------------------------------------------------------
+    def set_plan(self, run_type: RunType | str, plan: ModelExecutePlan | None) -> None:
+        """Use ``plan`` for the calls of ``run_type`` ("infer", "train", "fused") that do
+        not pass their own ``execute_plan``; ``None`` returns that run type to the model's
+        default plan.
+
+        Raises:
+            TypeError: ``plan`` is not a ``ModelExecutePlan``.
+            ValueError: ``run_type`` is unknown, or ``plan`` is not valid for this model,
+                run type and device pool.
+        """
+        self.plans.set_plan(run_type, plan)
+
+    def plan_for(
+        self, run_type: RunType | str, run_config: RoundPipeRunConfig | None = None
+    ) -> ModelExecutePlan:
+        """The plan a call of ``run_type`` with ``run_config`` runs.
+
+        Precedence: ``run_config.execute_plan``, then the plan given to ``set_plan``,
+        then ``model_run_config.execute_plan``, then ``default_plan``.
+        """
+        return self.plans.plan_for(run_type, run_config)
+
+    def num_microbatch_for(self, num_microbatch: int | None = None) -> int:
+        """Microbatches a call runs: ``num_microbatch`` if given, else the model's
+        ``model_run_config.num_microbatch``, else the default for this pool
+        (:func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
+        devices that compute at once; on CPU workers 1, or one per worker where their
+        one-stage plan may run as one job per worker at once)."""
+        return self.plans.num_microbatch_for(num_microbatch)
+
+    def default_plan(
+        self, run_type: RunType | str, num_microbatch: int | None = None
+    ) -> ModelExecutePlan:
+        """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
+
+        Planned from size-proportional estimates, then once more when the timer's averages
+        rest on ``PlanChoice.DEFAULT_REPLAN_AFTER`` (3) measured iterations (one noisy
+        measurement made identical models pick different plans); the new plan is taken
+        only if predicted ``PlanChoice.DEFAULT_REPLAN_MIN_GAIN`` (5 %) faster.
+        ``AutoReplan`` re-plans on demand.
+        """
+        return self.plans.default_plan(run_type, num_microbatch)
+
+    def replan(
+        self, run_type: RunType | str, min_gain: float | None = None, **auto_kwargs: Any
+    ) -> ReplanDecision:
+        """Plan ``run_type`` from the timer now and install the result for its calls
+        (``set_plan``): the planner's choice if predicted at least ``min_gain``
+        (default ``PlanChoice.DEFAULT_REPLAN_MIN_GAIN``, 5 %) faster than the plan in use,
+        else the plan in use (:func:`~roundpipe_core.planning.planner.decide_replan`, the
+        policy the default plan's own re-plan follows). ``auto_kwargs`` go to
+        ``ModelExecutePlan.auto``; their ``concurrent`` (default: the pool's) also
+        decides how the gain is simulated.
+
+        Returns:
+            The decision: old and candidate plan, predicted gain, whether it changed.
+        """
+        return self.plans.replan(run_type, min_gain, **auto_kwargs)
+
+    @property
+    def layer_activation_bytes(self) -> list[float] | None:
+        """Saved-activation bytes per layer for one microbatch of the first training call
+        (``None`` until measured), the last layer's with the loss's transient (see
+        ``measure_activation_bytes``); the planner counts them. Set it
+        (one number per layer) to give them without that measurement."""
+        return self.plans.fits.activation_bytes
+
+    @layer_activation_bytes.setter
+    def layer_activation_bytes(self, value: list[float] | None) -> None:
+        self.plans.set_activation_bytes(value)
 
     # -- call set-up -------------------------------------------------------------------------
     def _config(self, run_config: RoundPipeRunConfig | None) -> RoundPipeRunConfig:
@@ -239,7 +312,7 @@ class RoundPipe(PlanChoice, RoundPipeBase):
         with self._call_lock:
             split = self._split(cfg, args, kwargs)
             mbs = split.parts
-            plan = self._choose_plan(roundpipe_run_config, run_type, cfg, split)
+            plan = self.plans.choose(roundpipe_run_config, run_type, cfg, split)
             if run_type == RunType.INFER:
                 run = self._new_run(cfg, plan, run_type, self._no_grads, auto_cut=split.auto_cut)
                 for i, mb in enumerate(mbs):
@@ -408,7 +481,7 @@ class RoundPipe(PlanChoice, RoundPipeBase):
         t0 = time.perf_counter()
         with self._call_lock:
             split = self._split(cfg, args, kwargs)
-            plan = self._choose_plan(run_config, RunType.FUSED, cfg, split)
+            plan = self.plans.choose(run_config, RunType.FUSED, cfg, split)
             labels = batching.split_call_labels(
                 cfg.split_label, label, len(split.parts), split.sizes, split.batch_size
             )
@@ -418,7 +491,7 @@ class RoundPipe(PlanChoice, RoundPipeBase):
             with steps.pipelined_call(blocking) as call:
                 # continue round-robin where the previous call stopped: the device that
                 # ran its last job is the last to become free, so this call starts elsewhere
-                jobs = self._fused_schedule(plan, len(split.parts), call.start_device)
+                jobs = self.plans.fused_schedule(plan, len(split.parts), call.start_device)
                 reader = call.reserve([j.layers for j in jobs], self.num_devices)
                 buffer = GradBuffer(self.masters.master_of, self._convert_grads_on_add())
                 # which masters are complete as the backward goes: the layer-wise step

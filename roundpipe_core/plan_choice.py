@@ -1,4 +1,4 @@
-"""Which plan a call of a ``RoundPipe`` runs (:class:`PlanChoice`, part of ``RoundPipe``):
+"""Which plan a call of a ``RoundPipe`` runs (:class:`PlanChoice`, held as ``rp.plans``):
 the plans set with ``set_plan``, the configured plan, or the default plan the planner
 makes and re-makes once measured timings have settled; and the activation bytes the
 planner's memory cap counts. It reads the run configuration, pool, timer and plan-fit
@@ -8,8 +8,6 @@ checker, which the pure ``planning/`` wing may not import.
 from __future__ import annotations
 
 from typing import Any
-
-from torch import nn
 
 from . import batch as batching
 from .checks import PlanFitChecker
@@ -24,43 +22,34 @@ __all__ = ["PlanChoice"]
 
 
 class PlanChoice:
-    """The plans of a ``RoundPipe`` (see the module docstring): planned for the model
-    itself (``ModelExecutePlan.auto(run_type, rp)`` reads its layers, pool, timer and
-    activation bytes), with ``model_run_config`` read at every call."""
+    """The plans of one RoundPipe ``model`` (see the module docstring).
+
+    It plans for ``model`` itself (``ModelExecutePlan.auto(run_type, model)`` reads its
+    layers, pool, timer and activation bytes) and reads ``model.model_run_config`` at
+    every call, so a run configuration assigned later counts.
+    """
 
     #: Measured iterations the timer's averages need before the default plan is re-planned.
     DEFAULT_REPLAN_AFTER = 3
     #: Predicted speed-up a re-planned default plan needs to replace the first one.
     DEFAULT_REPLAN_MIN_GAIN = 0.05
 
-    layers: list[nn.Module]
-    model_run_config: RoundPipeRunConfig
-    pool: Any
-    model_timer: Any
-
-    def _init_plans(self) -> None:
-        self._fits = PlanFitChecker(self.layers)
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.fits = PlanFitChecker(model.layers)
         # (run type, microbatches) -> (plan, made from settled timings)
         self._defaults: dict[tuple[RunType, int], tuple[ModelExecutePlan, bool]] = {}
         self._chosen: dict[RunType, ModelExecutePlan] = {}  # set_plan's
 
     def set_plan(self, run_type: RunType | str, plan: ModelExecutePlan | None) -> None:
-        """Use ``plan`` for the calls of ``run_type`` ("infer", "train", "fused") that do
-        not pass their own ``execute_plan``; ``None`` returns that run type to the model's
-        default plan.
-
-        Raises:
-            TypeError: ``plan`` is not a ``ModelExecutePlan``.
-            ValueError: ``run_type`` is unknown, or ``plan`` is not valid for this model,
-                run type and device pool.
-        """
+        """``RoundPipe.set_plan``."""
         rt = parse_kind(RunType, run_type, "run_type")
         if plan is None:
             self._chosen.pop(rt, None)
             return
         if not isinstance(plan, ModelExecutePlan):
             raise TypeError(f"plan must be a ModelExecutePlan or None, got {type(plan).__name__}")
-        plan.check_valid(len(self.layers), rt, len(self.pool))
+        plan.check_valid(self.model.num_layers, rt, self.model.num_devices)
         self._chosen[rt] = plan
 
     def plan_for(
@@ -69,25 +58,21 @@ class PlanChoice:
         run_config: RoundPipeRunConfig | None = None,
         num_microbatch: int | None = None,
     ) -> ModelExecutePlan:
-        """The plan a call of ``run_type`` with ``run_config`` runs.
-
-        Precedence: ``run_config.execute_plan``, then the plan given to ``set_plan``,
-        then ``model_run_config.execute_plan``, then ``default_plan`` (for
-        ``num_microbatch``; default: the call's, else the model's).
-        """
+        """``RoundPipe.plan_for``; ``num_microbatch``: the microbatches a default plan is
+        made for (default: the call's, else the model's)."""
         rt = parse_kind(RunType, run_type, "run_type")
         if run_config is not None and run_config.execute_plan is not None:
             return run_config.execute_plan
         plan = self._chosen.get(rt)
         if plan is not None:
             return plan
-        config = self.model_run_config
+        config = self.model.model_run_config
         if config.execute_plan is not None:
             return config.execute_plan
         m = num_microbatch or (run_config.num_microbatch if run_config is not None else None)
         return self.default_plan(rt, m or config.num_microbatch)
 
-    def _fused_schedule(
+    def fused_schedule(
         self, plan: ModelExecutePlan, num_microbatch: int, start_device: int = 0
     ) -> list[Job]:
         """The job list of a ``forward_backward`` call of ``plan``: its one stage as one
@@ -96,13 +81,13 @@ class PlanChoice:
         return build_schedule(
             plan,
             RunType.FUSED,
-            len(self.pool),
+            self.model.num_devices,
             num_microbatch,
             start_device=start_device,
-            replicas=fused_replicas(self, plan, num_microbatch),
+            replicas=fused_replicas(self.model, plan, num_microbatch),
         )
 
-    def _choose_plan(
+    def choose(
         self,
         run_config: RoundPipeRunConfig | None,
         run_type: RunType,
@@ -112,39 +97,32 @@ class PlanChoice:
         """The plan a call runs; a default plan is made for the microbatches the batch
         gives (a batch of 6 cannot make the 10**6 microbatches asked for: nor plan them).
         A plan the user chose is checked against the smallest device's memory."""
+        model = self.model
         n = len(split.parts)
         if run_type != RunType.INFER:
             # Before any plan is made: the automatic planner caps each stage for its
             # parameters, gradients and saved activations, so it needs the activations of
             # the first training call (measured once; only autograd stages save them).
             args, kwargs = split.parts[0]
-            known = self._fits.activation_bytes is not None
-            self._fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
-            if not known and self._fits.activation_bytes is not None:
+            known = self.fits.activation_bytes is not None
+            self.fits.measure(args, kwargs, split.sizes[0] if split.sizes else 0)
+            if not known and self.fits.activation_bytes is not None:
                 self._forget_training_plans()
         asked = self.num_microbatch_for(cfg.num_microbatch)
         plan = self.plan_for(run_type, run_config, n if n < asked else None)
-        plan.check_valid(len(self.layers), run_type, len(self.pool))
+        plan.check_valid(model.num_layers, run_type, model.num_devices)
         manual = (
             (run_config is not None and run_config.execute_plan is not None)
             or run_type in self._chosen
-            or self.model_run_config.execute_plan is not None
+            or model.model_run_config.execute_plan is not None
         )
         if manual:
-            self._fits.check(plan, run_type, lambda: profile_of(self), self.pool.memory_capacity)
+            self.fits.check(plan, run_type, lambda: profile_of(model), model.pool.memory_capacity)
         return plan
 
-    @property
-    def layer_activation_bytes(self) -> list[float] | None:
-        """Saved-activation bytes per layer for one microbatch of the first training call
-        (``None`` until measured), the last layer's with the loss's transient (see
-        ``measure_activation_bytes``); the planner counts them. Set it
-        (one number per layer) to give them without that measurement."""
-        return self._fits.activation_bytes
-
-    @layer_activation_bytes.setter
-    def layer_activation_bytes(self, value: list[float] | None) -> None:
-        self._fits.set_activation_bytes(value)
+    def set_activation_bytes(self, value: list[float] | None) -> None:
+        """``RoundPipe.layer_activation_bytes = value``."""
+        self.fits.set_activation_bytes(value)
         self._forget_training_plans()
 
     def _forget_training_plans(self) -> None:
@@ -153,48 +131,38 @@ class PlanChoice:
             del self._defaults[key]
 
     def num_microbatch_for(self, num_microbatch: int | None = None) -> int:
-        """Microbatches a call runs: ``num_microbatch`` if given, else the model's
-        ``model_run_config.num_microbatch``, else the default for this pool
-        (:func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
-        devices that compute at once; on CPU workers 1, or one per worker where their
-        one-stage plan may run as one job per worker at once)."""
-        given = num_microbatch or self.model_run_config.num_microbatch
+        """``RoundPipe.num_microbatch_for``."""
+        given = num_microbatch or self.model.model_run_config.num_microbatch
         if given:
             return given
-        n = len(self.pool)
-        replicas = n if may_replicate(self) else 1
-        return default_num_microbatch(n, self.pool.concurrent, replicas)
+        n = self.model.num_devices
+        replicas = n if may_replicate(self.model) else 1
+        return default_num_microbatch(n, self.model.pool.concurrent, replicas)
 
     def default_plan(
         self, run_type: RunType | str, num_microbatch: int | None = None
     ) -> ModelExecutePlan:
-        """The plan used when none is given: ``ModelExecutePlan.auto`` for this model.
-
-        Planned from size-proportional estimates, then once more when the timer's averages
-        rest on :attr:`DEFAULT_REPLAN_AFTER` (3) measured iterations (one noisy
-        measurement made identical models pick different plans); the new plan is taken
-        only if predicted :attr:`DEFAULT_REPLAN_MIN_GAIN` (5 %) faster.
-        ``AutoReplan`` re-plans on demand.
-        """
+        """``RoundPipe.default_plan``."""
+        model = self.model
         rt = parse_kind(RunType, run_type, "run_type")
         m = self.num_microbatch_for(num_microbatch)
-        settled = self.model_timer.measured_iterations() >= self.DEFAULT_REPLAN_AFTER
+        settled = model.model_timer.measured_iterations() >= self.DEFAULT_REPLAN_AFTER
         key = (rt, m)
         cached = self._defaults.get(key)
         if cached is not None and (cached[1] or not settled):
             return cached[0]
-        plan = ModelExecutePlan.auto(rt, self, num_microbatch=m)
+        plan = ModelExecutePlan.auto(rt, model, num_microbatch=m)
         assert isinstance(plan, ModelExecutePlan)  # one model in, one plan out
         if cached is not None:
             plan = decide_replan(
                 cached[0],
                 plan,
-                self,
+                model,
                 rt,
-                len(self.pool),
+                model.num_devices,
                 m,
                 self.DEFAULT_REPLAN_MIN_GAIN,
-                concurrent=self.pool.concurrent,
+                concurrent=model.pool.concurrent,
             ).plan
         self._defaults[key] = (plan, settled)
         return plan
@@ -202,31 +170,22 @@ class PlanChoice:
     def replan(
         self, run_type: RunType | str, min_gain: float | None = None, **auto_kwargs: Any
     ) -> ReplanDecision:
-        """Plan ``run_type`` from the timer now and install the result for its calls
-        (``set_plan``): the planner's choice if predicted at least ``min_gain``
-        (default :attr:`DEFAULT_REPLAN_MIN_GAIN`, 5 %) faster than the plan in use,
-        else the plan in use (:func:`~roundpipe_core.planning.planner.decide_replan`, the
-        policy the default plan's own re-plan follows). ``auto_kwargs`` go to
-        ``ModelExecutePlan.auto``; their ``concurrent`` (default: the pool's) also
-        decides how the gain is simulated.
-
-        Returns:
-            The decision: old and candidate plan, predicted gain, whether it changed.
-        """
+        """``RoundPipe.replan``."""
+        model = self.model
         rt = parse_kind(RunType, run_type, "run_type")
         gain = self.DEFAULT_REPLAN_MIN_GAIN if min_gain is None else min_gain
         m = self.num_microbatch_for(auto_kwargs.get("num_microbatch"))
         concurrent = auto_kwargs.get("concurrent")
         if concurrent is None:
-            concurrent = self.pool.concurrent
+            concurrent = model.pool.concurrent
         old = self.plan_for(rt)
         candidate = ModelExecutePlan.auto(
-            rt, self, **{**auto_kwargs, "num_microbatch": m, "concurrent": concurrent}
+            rt, model, **{**auto_kwargs, "num_microbatch": m, "concurrent": concurrent}
         )
         assert isinstance(candidate, ModelExecutePlan)  # one model in, one plan out
         # the gain is simulated on the device model the candidate was planned for
         decision = decide_replan(
-            old, candidate, self, rt, len(self.pool), m, gain, concurrent=concurrent
+            old, candidate, model, rt, model.num_devices, m, gain, concurrent=concurrent
         )
         self.set_plan(rt, decision.plan)
         return decision
