@@ -309,7 +309,9 @@ def compare_plans(
         plans: ``ModelExecutePlan`` objects, ``"fwd=... bwd=..."`` strings, or symmetric
             layouts (``"1,2,3"``, ``"0:2,1:4"``; see :func:`_as_plan`).
         devices: the RoundPipe device pool (``2``, ``"cpu:3"``, a list of devices).
-        num_microbatch: microbatches per call (default: devices + 1, also on CPU workers).
+        num_microbatch: microbatches per call (default: devices + 1,
+            :func:`~roundpipe_core.planning.plan.default_num_microbatch` of concurrent
+            devices, also on CPU workers, whose own calls run 1 or one per worker).
         atol / rtol: per-element tolerance ``|a - b| <= atol + rtol * |b|``.
         recompute_grain: "stage" or "layer".
         strict: raise ``AssertionError`` on any mismatch instead of only reporting it.

@@ -231,13 +231,14 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     ``fabric.setup()``, the master gradients reduced at ``opt.step()`` (or
     ``fabric.clip_gradients``), and ``fabric.setup_dataloaders`` shards the data.
 
+    ``loss_reduction``, ``execute_plan``, ``optim_dtype``, ``pin_model``, ``async_step``,
+    ``fuse_optimizer``, ``recompute_grain``, ``preserve_rng_state``, ``model_run_config``,
+    ``grad_reduce_op``, ``process_group_timeout``, ``shard_host_state`` and ``offload_dir``
+    are as for :class:`~roundpipe_lightning.RoundPipeStrategy` (``"mean"``: a ``loss_fn``
+    returning a batch mean gives plain Fabric's loss and gradients; sharded,
+    ``fabric.save`` writes a shard per node).
+
     Args:
-        loss_reduction, execute_plan, optim_dtype, pin_model, async_step, fuse_optimizer,
-            recompute_grain, preserve_rng_state, model_run_config, grad_reduce_op,
-            process_group_timeout, shard_host_state, offload_dir: as for
-            :class:`~roundpipe_lightning.RoundPipeStrategy` (``"mean"``: a ``loss_fn``
-            returning a batch mean gives plain Fabric's loss and gradients; sharded,
-            ``fabric.save`` writes a shard per node).
         num_microbatch: microbatches per pipelined call (default: the engine's,
             :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
             GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
