@@ -18,8 +18,9 @@ A module whose forward uses a child's parameter itself (``self.conv1d.weight``) 
 unit. Where the split cannot see the code it is never silently wrong: a unit parameter
 the host code uses is found while ``forward`` runs (:class:`HostReads`) and trained from
 the host too; a unit call whose inputs are not batch-leading runs whole; a unit computing
-Hugging Face's loss gets the whole call's token count; other reductions over microbatches
-and state a unit leaves for later are refused, naming the unit and the fix.
+Hugging Face's loss gets the whole call's token count; other reductions over microbatches,
+state a unit leaves for later and a transformers ``Cache`` handed to a unit are refused,
+naming the unit and the fix.
 
 The published options refine the cut (:class:`SplitRules`): ``upper_threshold`` measures
 bytes of parameters and buffers instead of parameters; ``lower_threshold`` (bytes) keeps a

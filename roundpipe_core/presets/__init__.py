@@ -1,27 +1,19 @@
-"""Hugging Face presets: convert a causal LM into an equivalent ``nn.Sequential``.
+"""Hugging Face causal LMs: convert one into an equivalent ``nn.Sequential`` and wrap it.
 
-``wrap_model_to_roundpipe(model)`` looks the model's class up in a registry of
-*presets* (converters), converts it and wraps the result in a ``RoundPipe``
-whose attribute access falls through to the original model
-(``rp.config``, ``rp.vocab_size`` keep working); a model without a preset
-gets the experimental automatic split. Users add presets for their own
-classes with :func:`register_preset`.
+``wrap_model_to_roundpipe(model)`` converts the model with the *preset* registered for
+its class (:func:`register_preset`; classes matched by name along the MRO, so
+``transformers`` is imported only when a model is converted), else by its structure
+(:func:`.generic.convert_decoder_lm`), and wraps the result in a ``RoundPipe`` whose
+attribute access falls through to the original model (``rp.config`` keeps working).
+The built-in presets (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``,
+``MistralForCausalLM``, ``GPT2LMHeadModel``, ``Qwen3MoeForCausalLM``,
+``GptOssForCausalLM``) are the converter by structure registered by name. What no
+converter takes gets the experimental automatic split, with a log line saying why.
 
-Built-in presets: ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
-``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``GPT2LMHeadModel``,
-``Qwen3MoeForCausalLM``, ``GptOssForCausalLM``. Classes are matched by name
-along the MRO, so ``transformers`` is imported only when a model is converted.
-Any other decoder-only causal LM is converted by its structure
-(:func:`.generic.convert_decoder_lm`); what that converter refuses gets the
-automatic split, with a log line saying why.
-
-A converted model is called like the original (``input_ids``,
-``attention_mask``, ``position_ids``, ``labels``, ``num_items_in_batch``, and
-``return_logits=False`` for a loss computed in token chunks without the full
-logits; MoE models: ``output_router_logits``) and returns a Hugging Face
-``ModelOutput`` (:mod:`.head`).
-
-Nothing here imports Lightning.
+A converted model is called like the original (``input_ids``, ``attention_mask``,
+``position_ids``, ``labels``, ``num_items_in_batch``, ``return_logits=False`` for a loss
+computed in token chunks without the full logits; MoE models: ``output_router_logits``)
+and returns a Hugging Face ``ModelOutput`` (:mod:`.head`).
 """
 
 from __future__ import annotations
@@ -136,24 +128,8 @@ def convert_to_sequential(model: nn.Module) -> nn.Sequential:
             (:func:`.generic.convert_decoder_lm`) refuses the model; the message
             says why and lists the known presets.
     """
-    base = unwrap_peft(model)
-    converter = find_preset(base)
-    if converter is None:
-        try:
-            return convert_decoder_lm(base)
-        except ValueError as exc:
-            raise NoPresetError(
-                f"no RoundPipe preset for {type(base).__name__}, and it cannot be converted by "
-                f"structure: {exc}. Known presets: {', '.join(known_presets())}. Register one "
-                "with roundpipe_core.presets.register_preset(cls, converter), convert the model "
-                "to an nn.Sequential yourself, or pass use_sequential_preset=None/False for the "
-                "experimental automatic split"
-            ) from exc
-    seq = converter(base)
-    if not isinstance(seq, nn.Sequential):
-        raise TypeError(
-            f"the preset for {type(base).__name__} returned {type(seq).__name__}, not nn.Sequential"
-        )
+    seq = _convert(model, strict=True)
+    assert seq is not None
     return seq
 
 
@@ -165,34 +141,55 @@ def convert_if_possible(model: nn.Module) -> nn.Sequential | None:
     if the converter failed with anything but its ``ValueError``) and the caller
     uses the automatic split. A preset's own errors propagate.
     """
+    return _convert(model, strict=False)
+
+
+def _convert(model: nn.Module, strict: bool) -> nn.Sequential | None:
     base = unwrap_peft(model)
-    if find_preset(base) is not None:
-        seq = convert_to_sequential(model)
-        how = "its sequential preset"
+    name = type(base).__name__
+    converter = find_preset(base)
+    if converter is not None:
+        seq = converter(base)
+        if not isinstance(seq, nn.Sequential):
+            raise TypeError(
+                f"the preset for {name} returned {type(seq).__name__}, not nn.Sequential"
+            )
+        how = "its preset"
     else:
         try:
             seq = convert_decoder_lm(base)
         except ValueError as exc:
+            if strict:
+                raise NoPresetError(
+                    f"no RoundPipe preset for {name}, and it cannot be converted by structure: "
+                    f"{exc}. Known presets: {', '.join(known_presets())}. Register one with "
+                    "roundpipe_core.presets.register_preset(cls, converter), convert the model "
+                    "to an nn.Sequential yourself, or pass use_sequential_preset=None/False for "
+                    "the experimental automatic split"
+                ) from exc
             _log.info(
                 "%s gets the automatic split (no fused forward_backward, not pipelined layer by "
                 "layer): %s",
-                type(base).__name__,
+                name,
                 exc,
             )
             return None
-        except Exception as exc:  # a converter bug must not stop a model the split can run
+        except Exception as exc:
+            if strict:
+                raise
+            # a converter bug must not stop a model the split can run
             _log.warning(
                 "%s gets the automatic split: the converter by structure failed with %s: %s "
                 "(please report it)",
-                type(base).__name__,
+                name,
                 type(exc).__name__,
                 exc,
             )
             return None
-        how = "its structure (the generic decoder converter)"
+        how = "its structure"
     _log.info(
         "%s converted by %s; pass use_sequential_preset=False for the automatic split instead",
-        type(base).__name__,
+        name,
         how,
     )
     return seq
@@ -221,68 +218,6 @@ def model_output_loss(outputs: Any, labels: Any = None) -> torch.Tensor:
             "without one; call the model with labels="
         )
     return loss
-
-
-def _check_wrap_arguments(
-    use_sequential_preset: Any,
-    lower_threshold: Any,
-    upper_threshold: Any,
-    skip_modules: Any,
-    override_config: Any,
-    model_run_config: Any,
-    name: Any,
-    split_threshold: Any,
-) -> None:
-    if use_sequential_preset is not None and not isinstance(use_sequential_preset, bool):
-        raise TypeError(
-            "use_sequential_preset must be None (try a preset, else split automatically), True "
-            f"(a preset or an error) or False (automatic split), got {use_sequential_preset!r}"
-        )
-    # checked here too where a preset converts the model (the split's options unused)
-    check_split_arguments(
-        split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
-    )
-    if model_run_config is not None:
-        check_run_config(model_run_config, "model_run_config")
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
-
-
-def _num_devices(devices: Any) -> int:
-    if isinstance(devices, DevicePool):
-        return len(devices)
-    return len(resolve_devices(devices))
-
-
-def _auto_split(
-    model: nn.Module,
-    lower_threshold: int,
-    upper_threshold: int | None,
-    skip_modules: Collection[nn.Module],
-    override_config: Mapping[nn.Module, Any] | None,
-    model_run_config: Any,
-    optim_dtype: torch.dtype | None,
-    split_threshold: int | None,
-    roundpipe_kwargs: dict[str, Any],
-) -> Any:
-    """The automatic split (:func:`roundpipe_core.autosplit.auto_wrap`). Without a
-    threshold, as the published RoundPipe: the model's bytes spread over one unit more
-    than there are devices."""
-    if split_threshold is None and upper_threshold is None:
-        upper_threshold = max(
-            1, nbytes(model) // (_num_devices(roundpipe_kwargs.get("devices")) + 1)
-        )
-    return auto_wrap(
-        model,
-        split_threshold=split_threshold,
-        model_run_config=model_run_config,
-        optim_dtype=optim_dtype,
-        upper_threshold=upper_threshold,
-        lower_threshold=lower_threshold,
-        skip_modules=skip_modules,
-        override_config=override_config,
-        **roundpipe_kwargs,
-    )
 
 
 def wrap_model_to_roundpipe(
@@ -337,30 +272,32 @@ def wrap_model_to_roundpipe(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap_model_to_roundpipe needs an nn.Module, got {type(model).__name__}")
-    _check_wrap_arguments(
-        use_sequential_preset,
-        lower_threshold,
-        upper_threshold,
-        skip_modules,
-        override_config,
-        model_run_config,
-        name,
-        split_threshold,
+    if use_sequential_preset is not None and not isinstance(use_sequential_preset, bool):
+        raise TypeError(
+            "use_sequential_preset must be None (try a preset, else split automatically), True "
+            f"(a preset or an error) or False (automatic split), got {use_sequential_preset!r}"
+        )
+    # checked here too where a preset converts the model (the split's options unused)
+    check_split_arguments(
+        split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
     )
+    if model_run_config is not None:
+        check_run_config(model_run_config, "model_run_config")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
     if name is not None:
         roundpipe_kwargs["name"] = name
-    if isinstance(model, nn.Sequential) and use_sequential_preset is not False:
-        return RoundPipe(
-            model, optim_dtype=optim_dtype, model_run_config=model_run_config, **roundpipe_kwargs
-        )
     if use_sequential_preset is not False:
-        base = unwrap_peft(model)
-        if use_sequential_preset:
-            seq: nn.Sequential | None = convert_to_sequential(model)
-        else:
-            seq = convert_if_possible(model)
+        if isinstance(model, nn.Sequential):
+            return RoundPipe(
+                model,
+                optim_dtype=optim_dtype,
+                model_run_config=model_run_config,
+                **roundpipe_kwargs,
+            )
+        seq = _convert(model, strict=bool(use_sequential_preset))
         if seq is not None:
-            roundpipe_kwargs.setdefault("name", type(base).__name__)
+            roundpipe_kwargs.setdefault("name", type(unwrap_peft(model)).__name__)
             return RoundPipe(
                 seq,
                 optim_dtype=optim_dtype,
@@ -368,16 +305,21 @@ def wrap_model_to_roundpipe(
                 original_model=model,
                 **roundpipe_kwargs,
             )
-    return _auto_split(
+    if split_threshold is None and upper_threshold is None:
+        # as the published RoundPipe: the model's bytes over one unit more than there are devices
+        devices = roundpipe_kwargs.get("devices")
+        count = len(devices) if isinstance(devices, DevicePool) else len(resolve_devices(devices))
+        upper_threshold = max(1, nbytes(model) // (count + 1))
+    return auto_wrap(
         model,
-        lower_threshold,
-        upper_threshold,
-        skip_modules,
-        override_config,
-        model_run_config,
-        optim_dtype,
-        split_threshold,
-        roundpipe_kwargs,
+        split_threshold=split_threshold,
+        model_run_config=model_run_config,
+        optim_dtype=optim_dtype,
+        upper_threshold=upper_threshold,
+        lower_threshold=lower_threshold,
+        skip_modules=skip_modules,
+        override_config=override_config,
+        **roundpipe_kwargs,
     )
 
 
@@ -390,8 +332,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# The built-in presets are the converter by structure, registered by name: a refusal is
-# raised for them (a bug to report), not met with the automatic split.
+# The built-in presets: the converter by structure, registered so that a refusal is raised
+# (a bug to report) rather than met with the automatic split.
 for _name in (
     "LlamaForCausalLM",
     "Qwen3ForCausalLM",

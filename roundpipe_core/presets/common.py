@@ -62,7 +62,7 @@ class CausalLMInputAdapter(nn.Module):
             embeddings (GPT-2's ``wpe``, OPT's ``embed_positions``), or ``None``.
         position_embedding_inputs: how ``position_embedding`` is called, as
             ``(keyword or position, source, detail)`` triples with sources ``"const"``
-            (detail: the value), ``"padding_mask"`` and ``"position_ids"``; ``None``:
+            (detail: the value), ``"padding_mask"`` and ``"position_ids"``; default:
             ``position_embedding(position_ids)``.
         positions_from_mask: default position ids counted over the padding mask,
             ``cumsum(mask) * mask - 1`` (OPT), instead of ``0..S-1``.
@@ -82,7 +82,9 @@ class CausalLMInputAdapter(nn.Module):
         embed_tokens: nn.Module,
         position_tables: Sequence[tuple[nn.Module, str | None]] = (),
         position_embedding: nn.Module | None = None,
-        position_embedding_inputs: Sequence[tuple[str | int, str, Any]] | None = None,
+        position_embedding_inputs: Sequence[tuple[str | int, str, Any]] = (
+            (0, "position_ids", None),
+        ),
         positions_from_mask: bool = False,
         dropout: nn.Module | None = None,
         router_logits_default: bool | None = None,
@@ -92,9 +94,7 @@ class CausalLMInputAdapter(nn.Module):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.position_embedding = position_embedding
-        self.position_embedding_inputs = (
-            None if position_embedding_inputs is None else tuple(position_embedding_inputs)
-        )
+        self.position_embedding_inputs = tuple(position_embedding_inputs)
         self.positions_from_mask = positions_from_mask
         self.dropout = dropout
         self.router_logits_default = router_logits_default
@@ -190,18 +190,14 @@ class CausalLMInputAdapter(nn.Module):
         # Expanded so that it can be split into microbatches along dim 0 like the rest.
         position_ids = position_ids.expand(batch, -1).contiguous()
         if self.position_embedding is not None:
-            if self.position_embedding_inputs is None:
-                positions = self.position_embedding(position_ids)
-            else:
-                given = {"padding_mask": attention_mask, "position_ids": position_ids}
-                args, kwargs = split_call(
-                    {
-                        key: detail if source == "const" else given[source]
-                        for key, source, detail in self.position_embedding_inputs
-                    }
-                )
-                positions = self.position_embedding(*args, **kwargs)
-            hidden = hidden + positions.to(hidden.device)
+            given = {"padding_mask": attention_mask, "position_ids": position_ids}
+            args, kwargs = split_call(
+                {
+                    key: detail if source == "const" else given[source]
+                    for key, source, detail in self.position_embedding_inputs
+                }
+            )
+            hidden = hidden + self.position_embedding(*args, **kwargs).to(hidden.device)
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         tables = tuple(

@@ -1,28 +1,19 @@
 """The last pipeline layer of a converted causal LM and the ``ModelOutput`` it returns.
 
-A converted model returns a Hugging Face ``ModelOutput`` like the original:
-``.logits``, and with ``labels=`` a ``.loss``; MoE models with
-``output_router_logits=True`` also ``.aux_loss`` (added to ``.loss`` times
-``router_aux_loss_coef``, as Hugging Face does).
+A converted model returns a Hugging Face ``ModelOutput`` like the original: ``.logits``,
+with ``labels=`` a ``.loss``, and for MoE models with ``output_router_logits=True`` an
+``.aux_loss`` (added to ``.loss`` times ``router_aux_loss_coef``, as Hugging Face does).
+The loss is the sum of token losses over the counted tokens, or over
+``num_items_in_batch`` where given (then the microbatch losses of ``forward_backward``
+sum to the whole batch's loss).
 
-**Why the outputs carry per-sample sums.** The engine runs the model per
-microbatch and merges the microbatch outputs; a scalar loss cannot be merged
-into Hugging Face's loss of the whole batch (a mean over *all* counted tokens,
-and for MoE a product of two whole-batch averages) whatever rule merges
-scalars. So each microbatch's output also holds, per sample, the sum of its
-token losses, its counted tokens and its router sums (fields
-``per_sample_*``); batch-leading tensors merge by concatenation, and the
-output computes ``.loss`` / ``.aux_loss`` from them whenever it is built --
-for a microbatch inside the engine, and again for the merged output. The
-merged ``.loss`` is therefore exactly Hugging Face's loss of the batch, and it
-is differentiable (``rp(..., labels=y).loss.backward()``).
-
-Loss semantics (per call of the converted model, like Hugging Face's):
-
-* ``num_items_in_batch=None``: sum of token losses / counted tokens.
-* ``num_items_in_batch=N``: sum of token losses / ``N`` (gradient
-  accumulation: the per-microbatch losses of ``forward_backward`` then sum to
-  the loss of the whole batch when ``N`` counts the whole batch's tokens).
+**Why the outputs carry per-sample sums.** The engine merges the microbatch outputs,
+and no rule merging scalars gives Hugging Face's loss of the whole batch (a mean over
+*all* counted tokens; for MoE a product of two whole-batch averages). So each output
+also holds, per sample, its token-loss sum, counted tokens and router sums (the
+``per_sample_*`` fields, which merge by concatenation), and computes ``.loss`` /
+``.aux_loss`` from them whenever it is built: the merged ``.loss`` is exactly Hugging
+Face's, and differentiable (``rp(..., labels=y).loss.backward()``).
 
 This module imports ``transformers``; it is loaded only when a model is converted.
 """
@@ -45,6 +36,7 @@ from .loss import (
     token_cross_entropy,
 )
 from .moe import aux_loss_from_stats
+from .probe import apply_logit_ops
 
 __all__ = [
     "LOGIT_OPS",
@@ -155,10 +147,8 @@ class CausalLMOutputAdapter(nn.Module):
         num_experts: MoE models: experts per layer (``None`` for dense models).
         router_aux_loss_coef: MoE models: weight of the aux loss in ``.loss``.
         loss_chunk_tokens: tokens per chunk of the ``return_logits=False`` loss.
-        logit_ops: what the model's ``forward`` does to the LM head's output, in order:
-            ``("mul", s)`` (Cohere's ``logit_scale``), ``("div", d)`` (Granite's
-            ``logits_scaling``), ``("softcap", c)`` = ``c * tanh(logits / c)`` (Gemma 2/3's
-            ``final_logit_softcapping``). Empty for most models.
+        logit_ops: what the model's ``forward`` does to the LM head's output, in order
+            (:func:`.probe.apply_logit_ops`); empty for most models.
     """
 
     def __init__(
@@ -189,20 +179,6 @@ class CausalLMOutputAdapter(nn.Module):
                     f"logit_ops takes (op, number) pairs with op in {LOGIT_OPS}, got {(op, value)!r}"
                 )
         self.logit_ops = tuple((op, float(value)) for op, value in logit_ops)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head, then the model's logit scaling / soft-capping (as its ``forward`` does)."""
-        logits = self.lm_head(hidden)
-        for op, value in self.logit_ops:
-            if op == "mul":
-                logits = logits * value
-            elif op == "div":
-                logits = logits / value
-            else:  # "softcap", written as Hugging Face writes it
-                logits = logits / value
-                logits = torch.tanh(logits)
-                logits = logits * value
-        return logits
 
     def _token_losses(
         self, hidden: torch.Tensor, logits: torch.Tensor | None, target: torch.Tensor
@@ -239,7 +215,9 @@ class CausalLMOutputAdapter(nn.Module):
         keep = extras.get("logits_to_keep", 0)
         logits = None
         if extras.get("return_logits", True):
-            logits = self._logits(hidden[:, -keep:] if keep else hidden)
+            logits = apply_logit_ops(
+                self.lm_head(hidden[:, -keep:] if keep else hidden), self.logit_ops
+            )
         fields: dict[str, Any] = {"logits": logits}
         batch = hidden.shape[0]
         if labels is not None:

@@ -1,26 +1,19 @@
-"""Mixture-of-experts support of the presets: routing replay and the router load-balancing loss.
+"""Mixture-of-experts support of the converter: routing replay and the load-balancing loss.
 
-**Routing replay.** A top-k router picks experts per token. The recompute
-pass of the backward must use the *same* experts as the forward, or the
-backward differentiates a different network: routing can change between the
-two passes when kernels are non-deterministic or scores tie. A forward hook on
-each router records its choice in the forward pass (``save_for_recompute``)
-and substitutes it in the recompute (``get_recompute_data``); the routing
-*weights* of the replayed experts are recomputed from the router logits, the
-way that router computes them (its ``rescore`` function), so their gradient
-still reaches the router.
+**Routing replay.** The recompute pass of the backward must route every token to the
+*same* experts as the forward (non-deterministic kernels and ties could change the
+choice), or it differentiates a different network. A forward hook on each router records
+its choice in the forward (``save_for_recompute``) and substitutes it in the recompute
+(``get_recompute_data``); the weights of the replayed experts are recomputed from the
+router logits the way that router computes them (its ``rescore``), so the router still
+gets its gradient.
 
 **Load-balancing loss** (``output_router_logits=True``). Hugging Face's
-``load_balancing_loss_func`` is, per expert, (share of top-k assignments) x
-(mean router probability), both averaged over all non-padding tokens of all
-MoE layers of the *whole batch*. Both averages are sums over tokens divided by
-a token count, so each decoder block adds its per-sample sums to running
-``RouterStats`` that travel with the hidden states; the model's output turns
-them into the loss (:func:`aux_loss_from_stats`). Per-sample sums concatenate
-over microbatches, so the merged output gives HF's loss of the whole batch
-exactly, and the probability sums stay differentiable.
-
-Nothing here imports ``transformers``.
+``load_balancing_loss_func`` is, per expert, (share of top-k assignments) x (mean router
+probability), both averaged over the non-padding tokens of all MoE layers of the *whole
+batch*. So each decoder block adds per-sample sums to ``RouterStats`` travelling with the
+hidden states; they concatenate over microbatches, and the output turns them into the
+whole batch's loss exactly (:func:`aux_loss_from_stats`), differentiably.
 """
 
 from __future__ import annotations
@@ -126,12 +119,8 @@ def _replay_hook(
 
 
 def install_router_replay(router: nn.Module, rescore: Rescore = rescore_softmax_then_topk) -> None:
-    """Register the replay/capture hook on ``router`` once (idempotent).
-
-    Args:
-        router: a module whose forward returns ``(router_logits, scores, indices)``.
-        rescore: how that router turns logits into the weights of given experts.
-    """
+    """Register the replay/capture hook once on ``router``, a module returning
+    ``(router_logits, scores, indices)`` that weighs given experts as ``rescore`` does."""
     for hook in router._forward_hooks.values():
         if getattr(hook, "func", None) is _replay_hook:
             return
@@ -197,14 +186,9 @@ def add_router_stats(
     batch: int,
     seq: int,
 ) -> RouterStats | None:
-    """``stats`` plus the per-sample sums of the router calls in ``captured``.
-
-    Args:
-        stats: running sums from earlier layers, or ``None``.
-        captured: ``(router_logits (B*S, E), indices (B*S, k))`` per router call.
-        attention_mask: ``(B, S)`` padding mask, or ``None`` (every token counts).
-        batch, seq: ``B`` and ``S``.
-    """
+    """``stats`` (or ``None``) plus the per-sample sums of ``captured``, the
+    ``(router_logits (B*S, E), indices (B*S, k))`` of each router call; padding
+    (``attention_mask`` 0) does not count."""
     for logits, indices in captured:
         num_experts = logits.shape[-1]
         probs = torch.softmax(logits.float(), dim=-1).view(batch, seq, num_experts)

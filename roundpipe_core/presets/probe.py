@@ -1,35 +1,20 @@
-"""Read how a causal LM calls its parts from one recorded forward of the model itself.
+"""Read how a causal LM calls its parts from recorded forwards of the model itself.
 
-:mod:`.structure` finds *which* modules a model has; this module finds *how*
-its backbone calls them, by running the Hugging Face model once on a tiny
-probe batch (two rows, one left-padded) with hooks on its parts, and matching
-each recorded value against what the converter knows how to rebuild:
+:mod:`.structure` finds *which* modules a model has; this module runs the model on a
+tiny probe batch (two rows, one left-padded) with hooks on its parts and matches each
+recorded value against what the converter can rebuild: the first layer's input (the
+token embedding, scaled as the config says, plus a learned position embedding), every
+argument of every decoder-layer call (a constant, the padding mask, the position ids,
+``cache_position``, a 4D mask from one of Hugging Face's mask functions, a position table
+of the backbone's), the chain from layer to layer, the final norm feeding the LM head,
+and the logits (scaled or soft-capped as the config says). Anything else raises a
+``ValueError`` naming it. Sliding windows and chunk sizes are shrunk below the probe's
+length for the recording, so that full and windowed masks differ. Further recordings
+tell whether the masks take ``position_ids`` (packed sequences), whether a mask is built
+even without padding, and which dropout the embeddings get in training.
 
-* the first layer's input: the token embedding, or the embedding times a
-  scale from the config (Gemma's ``hidden_size ** 0.5``, Granite's
-  ``embedding_multiplier``), as a tensor of the embedding's dtype or a float;
-* every keyword of every decoder-layer call: a constant (``None``, a flag), the
-  2D padding mask, the position ids, ``cache_position``, a 4D mask from one of
-  Hugging Face's mask functions (full causal, sliding window, chunked), or the
-  output of one of the backbone's position modules (optionally per layer type,
-  as Gemma 3's local and global rotary tables);
-* the layers are chained: each layer's input is the previous one's output;
-* the final norm takes the last layer's output and feeds the LM head, and
-  the logits are the head's output, optionally scaled / soft-capped as the
-  config says (``logit_scale``, ``logits_scaling``, ``final_logit_softcapping``).
-
-Anything else — a value the layers share through a dict (Gemma 3n's KV
-sharing), an ALiBi bias, per-layer inputs, code between layers — raises a
-``ValueError`` naming it. Sliding windows and chunk sizes are shrunk below the
-probe's length for the recording, so that full and windowed masks differ;
-the config is restored afterwards. A second recording without a padding mask
-and with packed position ids tells whether the model builds its masks with
-``position_ids`` (packed-sequence detection) or without.
-
-:func:`check_conversion` then runs the converted ``nn.Sequential`` layer by
-layer on the probe batch and compares logits and loss with the model's own,
-and runs it on each row alone (as a microbatch does): a model whose rows
-depend on each other (Doge's padding-dependent attention path) is refused.
+:func:`check_conversion` then runs the converted ``nn.Sequential`` on the probe batch,
+and on each row alone (as a microbatch does), against the model's own logits and loss.
 """
 
 from __future__ import annotations
@@ -138,11 +123,11 @@ def _first(out: Any) -> Any:
 
 
 @contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module, training: bool = False) -> Iterator[None]:
     """``model.eval()`` for the probe (dropout off, so rows can be compared alone and in a
-    batch), every module's training flag restored afterwards."""
+    batch), or ``model.train()``; every module's training flag restored afterwards."""
     flags = [(m, m.training) for m in model.modules()]
-    model.eval()
+    model.train(training)
     try:
         yield
     finally:
@@ -338,21 +323,27 @@ def _logit_ops(parts: DecoderParts, head_out: torch.Tensor, logits: torch.Tensor
     options += [(c,) for c in caps]
     options += [(s, c) for s in scales for c in caps]
     for ops in options:
-        got = head_out
-        for op, value in ops:
-            if op == "mul":
-                got = got * value
-            elif op == "div":
-                got = got / value
-            else:
-                got = torch.tanh(got / value) * value
-        if _same(logits, got):
+        if _same(logits, apply_logit_ops(head_out, ops)):
             return ops
     raise _refuse(
         parts,
         "its logits are not the LM head's output (nor scaled by config.logit_scale / "
         "logits_scaling or soft-capped by config.final_logit_softcapping)",
     )
+
+
+def apply_logit_ops(logits: torch.Tensor, ops: tuple[tuple[str, float], ...]) -> torch.Tensor:
+    """What a model's forward does to its LM head's output, as Hugging Face writes it:
+    ``("mul", s)`` (Cohere's ``logit_scale``), ``("div", d)`` (Granite's ``logits_scaling``),
+    ``("softcap", c)`` = ``c * tanh(logits / c)`` (Gemma 2/3's ``final_logit_softcapping``)."""
+    for op, value in ops:
+        if op == "mul":
+            logits = logits * value
+        elif op == "div":
+            logits = logits / value
+        else:
+            logits = torch.tanh(logits / value) * value
+    return logits
 
 
 def _classify(
@@ -601,11 +592,9 @@ def _embedding_dropout(
         got.append(args[0] if args else kwargs["hidden_states"])
         raise _FirstLayerReached
 
-    flags = [(m, m.training) for m in parts.model.modules()]
     handle = parts.layers[0].register_forward_pre_hook(stop, with_kwargs=True)
     try:
-        parts.model.train()
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with eval_mode(parts.model, training=True), torch.no_grad(), torch.random.fork_rng([]):
             torch.manual_seed(PROBE_SEED)
             try:
                 parts.model(input_ids=ids, attention_mask=mask, use_cache=False)
@@ -619,8 +608,6 @@ def _embedding_dropout(
                 ) from exc
     finally:
         handle.remove()
-        for module, training in flags:
-            module.training = training
     if not got:
         raise _refuse(parts, "its first decoder layer is not called in training mode")
     if _same(first, got[0]):
@@ -644,6 +631,15 @@ def _embedding_dropout(
     )
 
 
+def _argument(args: tuple, kwargs: dict, key: str | int) -> Any:
+    """The recorded layer call's argument ``key`` (an int: positional, after the hidden
+    states unless those came as a keyword), or ``None``."""
+    if isinstance(key, str):
+        return kwargs.get(key)
+    at = key - 1 if "hidden_states" in kwargs else key
+    return args[at] if at < len(args) else None
+
+
 def _with_or_without_positions(
     parts: DecoderParts,
     index: int,
@@ -655,12 +651,7 @@ def _with_or_without_positions(
     kind, _ = entry[2]
     if rec_packed is None:
         return (key, "mask", (kind, True, True))
-    args, kwargs = rec_packed.layer_calls[index]
-    if isinstance(key, str):
-        recorded = kwargs.get(key)
-    else:  # positional: after the hidden states, unless those came as a keyword
-        at = key - 1 if "hidden_states" in kwargs else key
-        recorded = args[at] if at < len(args) else None
+    recorded = _argument(*rec_packed.layer_calls[index], key)
     for with_pos in (True, False):
         candidate = masks_packed.get((kind, with_pos))
         if (candidate is None and recorded is None) or (
@@ -691,11 +682,7 @@ def _forced_masks(
         inputs = []
         for key, source, detail in recipe.inputs:
             if source == "mask":
-                if isinstance(key, str):
-                    recorded = kwargs.get(key)
-                else:
-                    at = key - 1 if "hidden_states" in kwargs else key
-                    recorded = args[at] if at < len(args) else None
+                recorded = _argument(args, kwargs, key)
                 kind, with_pos, _ = detail
                 hidden = args[0] if args else kwargs["hidden_states"]
                 built = getattr(masking_utils, MASK_BUILDERS[kind])(

@@ -1,23 +1,13 @@
 """Find the parts of a decoder-only causal LM by its structure, not by its class name.
 
-Hugging Face builds its decoder-only ``*ForCausalLM`` models one way: a
-*backbone* (``model.base_model``) holding a token embedding, one
-``nn.ModuleList`` of decoder layers, a final norm and position-embedding
-modules (rotary tables without parameters), and an LM head on the causal LM
-itself. :func:`find_decoder_parts` finds those parts from the module tree and
-refuses, with a ``ValueError`` naming the part, what it cannot place: a model
-that is not a causal LM, an encoder-decoder, a backbone module with weights
-that is none of the above, and features known not to survive the cut into
-pipeline layers (KV sharing between layers, per-layer input embeddings, ALiBi
-biases of batch x heads, a decoding cache in training, weights rescaled in
-place between training and inference, layers skipped at random in training).
-A backbone that only wraps a decoder (OPT's ``model.decoder``) is looked into.
-
-Which call each part gets (which mask, which position table, which scaling)
-is read from one recorded forward of the model itself (:mod:`.probe`); the
-converter (:mod:`.generic`) builds the pipeline layers from both.
-
-Nothing here imports ``transformers``.
+Hugging Face builds its decoder-only ``*ForCausalLM`` models one way: a *backbone*
+(``model.base_model``; a decoder it only wraps, OPT's ``model.decoder``, is looked into)
+holding a token embedding, one ``nn.ModuleList`` of decoder layers, a final norm and
+position modules (rotary tables without parameters), and an LM head on the causal LM.
+:func:`find_decoder_parts` finds them and refuses, with a ``ValueError`` naming it, what
+it cannot place: not a causal LM, an encoder-decoder, a backbone module with weights that
+is none of the above, and features known not to survive the cut into pipeline layers.
+How the parts are called, :mod:`.probe` reads. Nothing here imports ``transformers``.
 """
 
 from __future__ import annotations
