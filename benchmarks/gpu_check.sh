@@ -22,8 +22,8 @@
 #      under .whl/                                                        (T_PUB=55)
 #   4. a forced multi-stage plan (8 decoder layers, 5 stages) on two workers
 #      sharing GPU 0: peak allocated memory checked against running stage +
-#      prefetched stage per worker + one microbatch of the heaviest stage + one
-#      accumulated gradient of the largest parameter per worker; peak reserved
+#      prefetched stage + one microbatch of its heaviest stage + one
+#      accumulated gradient of the largest parameter, per worker; peak reserved
 #      against that plus the allocator's per-stream slack                  (T_MULTI=40)
 #   5. the CUDA tests, verbose (-v -rA): the cuda-marked tests and the engine
 #      equivalence / recompute / memory tests with every worker on CUDA  (T_TESTS=45)

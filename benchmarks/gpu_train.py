@@ -40,8 +40,8 @@ reserved, GiB), and for roundpipe_core the stage sizes of the plan used.
 
 ``--check-memory`` (roundpipe_core, with a GPU) compares the peak GPU memory of
 the timed steps with what the design allows each worker: its running stage
-(parameters and gradients) plus the stage it prefetches, plus the memory one
-microbatch of the heaviest stage needs (measured alone beforehand), plus what
+(parameters and gradients) plus the stage it prefetches plus the memory one
+microbatch of its heaviest stage needs (measured alone beforehand), plus what
 stays allocated between steps (library workspaces). The result row says
 pass/FAIL with the numbers.
 """
@@ -443,8 +443,8 @@ def _check_memory(
     cfg: Any,
     args: argparse.Namespace,
 ) -> None:
-    """Peak GPU memory of the timed steps vs. running + prefetched stage per worker
-    + one microbatch of the heaviest stage + what stays allocated between steps."""
+    """Peak GPU memory of the timed steps vs. running + prefetched stage and one
+    microbatch of its heaviest stage per worker + what stays allocated between steps."""
     if not torch.cuda.is_available():
         result["mem_check"] = "skipped (no GPU)"
         progress("memory check: skipped, no GPU here")
@@ -467,8 +467,15 @@ def _check_memory(
         held += worst
     mb = cfg.num_microbatch if cfg is not None and cfg.num_microbatch else args.num_microbatch
     mb = mb or max(len(j.microbatches) for j in jobs)
-    heaviest = {j.layers for j in jobs if j.kind != "forward"}
-    act = max(_microbatch_peak(rp, r, ids, labels, loss_fn, mb) for r in heaviest)
+    # Workers compute side by side: each may hold one microbatch of the heaviest
+    # backward / fused stage it runs at the same time as the others hold theirs.
+    peaks: dict[range, int] = {}
+    act = 0
+    for queue in per_worker.values():
+        for j in queue:
+            if j.kind != "forward" and j.layers not in peaks:
+                peaks[j.layers] = _microbatch_peak(rp, j.layers, ids, labels, loss_fn, mb)
+        act += max((peaks[j.layers] for j in queue if j.kind != "forward"), default=0)
     # From the second microbatch on, autograd accumulates a parameter's gradient by
     # allocating the new one before adding it: one more gradient of the largest
     # parameter per worker at once (the tied embedding / LM head of the 1.7B shape)
@@ -496,8 +503,8 @@ def _check_memory(
     )
     progress(
         f"memory check: peak allocated {peak / GIB:.3f} GiB vs bound {bound / GIB:.3f} GiB = "
-        f"stages held {held / GIB:.3f} (running + prefetched, {len(per_worker)} worker(s)) + one "
-        f"microbatch {act / GIB:.3f} + accumulated gradient {accum / GIB:.3f} + resident "
+        f"stages held {held / GIB:.3f} (running + prefetched, {len(per_worker)} worker(s)) + a "
+        f"microbatch per worker {act / GIB:.3f} + accumulated gradient {accum / GIB:.3f} + resident "
         f"{resident / GIB:.3f}; peak reserved {reserved / GIB:.3f} GiB vs "
         f"{reserved_bound / GIB:.3f}: {result['mem_check']}"
     )
@@ -642,7 +649,7 @@ def print_table(path: str) -> None:
             if r.get("mem_bound_gib") is not None:
                 note += (
                     f" (peak alloc {r.get('peak_alloc_gib')} <= bound {r['mem_bound_gib']} GiB: "
-                    f"stages {r.get('mem_stages_gib')} + one microbatch "
+                    f"stages {r.get('mem_stages_gib')} + a microbatch per worker "
                     f"{r.get('mem_microbatch_gib')} + accumulated grad "
                     f"{r.get('mem_accumulation_gib')} + resident "
                     f"{round(r.get('resident_between_steps_bytes', 0) / GIB, 3)}; peak reserved "

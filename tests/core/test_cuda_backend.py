@@ -438,7 +438,9 @@ def test_cuda_chunked_param_upload_roundtrip(worker: CUDAWorker) -> None:
     for h, o in zip(host, out):
         expect = h * 2 if h.is_floating_point() else h + 1
         torch.testing.assert_close(o, expect, rtol=0, atol=0)
-        assert o.is_pinned() or o.numel() == 0
+        # results are pageable: the page-locked memory is the worker's staging ring,
+        # allocated once (downloads.py), never one pinned block per download
+        assert not o.is_pinned()
     assert worker._feeder.max_inflight_seen <= 2
     assert worker.ledger.current["param"] == 0
     assert worker.ledger.peak["param"] == sum(h.numel() * h.element_size() for h in host)
