@@ -65,20 +65,6 @@ from .sharded_checkpoint import (
     sharded_masters,
 )
 
-__all__ = [
-    "SessionSettings",
-    "SessionHost",
-    "Session",
-    "QueuedStep",
-    "StepLedger",
-    "check_one_process_per_node",
-    "check_pool_devices",
-    "check_loss_went_through",
-    "network_of",
-    "op_name",
-    "setup_summary",
-]
-
 log = logging.getLogger(__name__)
 
 RP = RoundPipe | AutoRoundPipe
@@ -529,11 +515,7 @@ def point_at_masters(opt: Optimizer, rp: RP, build_hint: str = "self.parameters(
             "LBFGS re-evaluates the loss inside optimizer.step(), which RoundPipe's (asynchronous) "
             "step cannot do; choose another optimizer"
         )
-    masters = {}
-    for p in rp.model.parameters():
-        m = rp.master_param(p)
-        if m is not None:
-            masters[id(p)] = m
+    masters = {id(p): m for p in rp.model.parameters() if (m := rp.master_param(p)) is not None}
     adopted = 0
     for group in opt.param_groups:
         new, seen = [], set()
@@ -976,12 +958,8 @@ class Session:
     # -- checkpoints ---------------------------------------------------------------------------
     def named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
         """(name, parameter, master) of every trainable parameter."""
-        out = []
-        for name, p in self.module.named_parameters():
-            m = self.rp.master_param(p)
-            if m is not None:
-                out.append((name, p, m))
-        return out
+        named = self.module.named_parameters()
+        return [(name, p, m) for name, p in named if (m := self.rp.master_param(p)) is not None]
 
     def masters_by_name(self) -> dict[str, nn.Parameter]:
         return {name: m for name, _, m in self.named_masters()}
