@@ -283,12 +283,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             timeout = self.settings.process_group_timeout
             D.init_process_group(env, backend="gloo", timeout=timeout)
         self._checked = True
-        if self.settings.async_step is None:
-            pool = "GPU" if self.compute_devices[0].type != "cpu" else "CPU-worker"
-            rank_zero_info(
-                f"{_OWNER}: async_step={self.async_step} on this {pool} pool "
-                "(async_step=None follows the hardware; pass True or False to choose)"
-            )
 
     @override
     def setup_environment(self) -> None:
@@ -373,6 +367,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             dp = self.settings.data_parallel(overlap=False)
             run = _SetUpModule(self.settings, rp, module, dp, self.async_step)
             run.install(lambda: self.precision)
+            rank_zero_info(run.summary())
         except BaseException:
             rp.close()
             raise

@@ -476,28 +476,6 @@ def all_reduce(tensor: Any, group: Any, reduce_op: Any) -> Any:
 
 
 # -- set-up --------------------------------------------------------------------------------------
-def setup_summary(
-    owner: str, rp: RP, num_microbatch: int | None, async_step: bool, chosen: bool
-) -> str:
-    """The set-up line: pool, plan, microbatches, step mode (``chosen``: passed)."""
-    workers = rp.pool.workers
-    n = len(workers)
-    if rp.pool.is_cuda:
-        pool = f"{n} GPU{'s' if n != 1 else ''} ({', '.join(str(w.device) for w in workers)})"
-    else:
-        pool = f"{n} CPU worker{'s' if n != 1 else ''}"
-    if isinstance(rp, RoundPipe):
-        m = rp.num_microbatch_for(num_microbatch)
-        layout = rp.plan_for("fused").to_layout_string()
-        plan = f'plan "{layout}", {m} microbatch{"es" if m != 1 else ""}'
-    else:
-        plan = f"{len(rp.units)} units split automatically"
-    step = "asynchronous (one step stale)" if async_step else "synchronous"
-    if not chosen:
-        step += " (async_step=None follows the hardware; pass True or False to choose)"
-    return f"{owner}: {pool}, {rp.num_layers} layers, {plan}; step {step}"
-
-
 #: parameter-sized states per parameter assumed for an optimizer the host-memory table
 #: does not know: Adam's two moments, more than most optimizers keep
 ASSUMED_OPTIMIZER_STATES = 2
@@ -710,14 +688,6 @@ _NOT_SHARED = ("param_groups", "step")
 _WARNED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
-def _own_step(optimizer: Optimizer) -> Any:
-    """``step`` set on the instance, or None (also for an LR scheduler's wrapper)."""
-    own = vars(optimizer).get("step")
-    if own is None or is_lr_scheduler_step_wrapper(own):
-        return None
-    return own
-
-
 def _frozen(value: Any) -> Any:
     # schedulers update tensor learning rates in place (``lr.fill_``)
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
@@ -757,7 +727,9 @@ class QueuedStep:
         """The optimizer the step runs on (the twin, or with a warning the live one), and
         what to call once the whole step ran (carries back what it wrote)."""
         opt = self.optimizer
-        own = _own_step(opt)
+        own = vars(opt).get("step")  # an LR scheduler's wrapper gives way to the class's
+        if own is not None and is_lr_scheduler_step_wrapper(own):
+            own = None
         if own is not None and not (isinstance(own, types.MethodType) and own.__self__ is opt):
             if opt not in _WARNED:
                 _WARNED.add(opt)
@@ -816,6 +788,25 @@ class Session:
         #: the disk tier (``offload_dir``): the masters and the optimizer state in files
         self.tier: DiskTier | None = getattr(rp, "disk_tier", None)
 
+    def summary(self) -> str:
+        """The set-up line: pool, plan, microbatches, step mode."""
+        rp, workers = self.rp, self.rp.pool.workers
+        n = len(workers)
+        if rp.pool.is_cuda:
+            pool = f"{n} GPU{'s' if n != 1 else ''} ({', '.join(str(w.device) for w in workers)})"
+        else:
+            pool = f"{n} CPU worker{'s' if n != 1 else ''}"
+        if isinstance(rp, RoundPipe):
+            m = rp.num_microbatch_for(self.settings.num_microbatch)
+            layout = rp.plan_for("fused").to_layout_string()
+            plan = f'plan "{layout}", {m} microbatch{"es" if m != 1 else ""}'
+        else:
+            plan = f"{len(rp.units)} units split automatically"
+        step = "asynchronous (one step stale)" if self.async_step else "synchronous"
+        if self.settings.async_step is None:
+            step += " (async_step=None follows the hardware; pass True or False to choose)"
+        return f"{self.settings.owner}: {pool}, {rp.num_layers} layers, {plan}; step {step}"
+
     def check_host_budget(self) -> None:
         """Say the set-up line and the host-memory budget (the whole table at DEBUG), and
         refuse, with numbers, a run whose state cannot fit. An optimizer of unknown state
@@ -839,11 +830,7 @@ class Session:
                 )
             budget = estimate_host_memory(rp, optimizer_states=ASSUMED_OPTIMIZER_STATES, **common)
         available = available_host_memory()
-        chosen = settings.async_step is not None
-        summary = setup_summary(
-            settings.owner, rp, settings.num_microbatch, self.async_step, chosen
-        )
-        rank_zero_info(summary)
+        rank_zero_info(self.summary())
         rank_zero_info(f"{settings.owner}: {budget.summary(available)}")
         rank_zero_debug(f"RoundPipe host memory:\n{budget}")
         check_host_memory(budget, available)
