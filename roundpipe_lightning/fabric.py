@@ -21,7 +21,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -260,14 +260,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         if self.world_size == 1:
             return None
         return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def _set_world_ranks(self) -> None:
-        """Called by Fabric's connector once ``num_nodes`` is known: one rank per node."""
-        env = self.cluster_environment
-        if env is not None and self._num_nodes > 1:
-            env.set_global_rank(env.node_rank())
-            env.set_world_size(self._num_nodes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _check_run(self) -> None:
         """Refuse what this strategy cannot run, once, before the first module is built."""

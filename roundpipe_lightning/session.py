@@ -22,8 +22,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.rank_zero import (
+    rank_zero_debug,
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_warn,
+)
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -338,6 +343,7 @@ class SessionHost:
 
     settings: SessionSettings
     parallel_devices: list[torch.device] | None
+    cluster_environment: ClusterEnvironment | None
     _checkpoint_io: CheckpointIO | None
     _num_nodes = 1  # Fabric's connector sets it directly
 
@@ -348,6 +354,18 @@ class SessionHost:
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
+
+    def set_world_ranks(self) -> None:
+        """One rank per node, once ``num_nodes`` is known (called by the Trainer's connector,
+        and by Fabric's as ``_set_world_ranks``)."""
+        env = self.cluster_environment
+        if env is not None and self.num_nodes > 1:
+            env.set_global_rank(env.node_rank())
+            env.set_world_size(self.num_nodes)
+        rank = env.global_rank() if env is not None else 0
+        rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+    _set_world_ranks = set_world_ranks
 
     @property
     def checkpoint_io(self) -> CheckpointIO:

@@ -27,7 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -349,12 +349,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # one process per node: the node's whole pool consumes one shard
         return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank)
-            self.cluster_environment.set_world_size(self.num_nodes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def check_launch(self) -> ClusterEnvironment | None:
         """The cluster environment, after checking one process per node."""
