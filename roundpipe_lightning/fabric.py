@@ -423,7 +423,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 "reach the master weights the optimizer steps. Call the module fabric.setup() "
                 "returned instead: out = model(x), or loss = model.forward_backward(...)",
             )
-        for run in self._runs:
             run.check_not_reduced()
         super().backward(tensor, module, *args, **kwargs)
         for run in self._runs:

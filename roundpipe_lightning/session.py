@@ -356,8 +356,7 @@ class SessionHost:
         self._num_nodes = num_nodes
 
     def set_world_ranks(self) -> None:
-        """One rank per node, once ``num_nodes`` is known (called by the Trainer's connector,
-        and by Fabric's as ``_set_world_ranks``)."""
+        """One rank per node (the Trainer's connector calls it; Fabric's, _set_world_ranks)."""
         env = self.cluster_environment
         if env is not None and self.num_nodes > 1:
             env.set_global_rank(env.node_rank())
@@ -942,11 +941,12 @@ class Session:
         if self.tier is not None and not update:
             self.rp.after_step(finish)  # the clearing, in step order
         elif self.tier is not None:
-            target, done = queued.optimizer_for_step() if queued is not None else (opt, None)
+            target, done = (
+                queued.optimizer_for_step() if queued is not None else (opt, lambda: None)
+            )
 
             def finished() -> None:
-                if done is not None:
-                    done()
+                done()
                 finish()
 
             self.rp.step_layerwise(self._tier_step(target), finished, is_async=self.async_step)
