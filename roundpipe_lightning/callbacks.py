@@ -136,18 +136,12 @@ class AutoReplan(Callback):
     def replan(self, trainer: Trainer, rp: Any, step: int) -> ModelExecutePlan:
         """Plan from the timer now, install, log and return the plan."""
         decision = rp.replan(self.run_type, self.min_gain, **self.auto_kwargs)
-        old, candidate, gain, changed, plan = (
-            decision.old,
-            decision.candidate,
-            decision.gain,
-            decision.changed,
-            decision.plan,
-        )
+        old, candidate, gain, plan = decision.old, decision.candidate, decision.gain, decision.plan
         self.last_predicted_gain = gain
         self.plan, self.last_replan_step = plan, step
         self.history.append((step, plan))
         text = describe_plan(plan)
-        if changed:
+        if decision.changed:
             why = (
                 f"new {self.run_type} plan {text} (was {describe_plan(old)}): predicted {gain:.3f}x"
             )
@@ -162,7 +156,7 @@ class AutoReplan(Callback):
         metrics = {
             "roundpipe/plan_fwd_stages": float(len(plan.fwd_plan)),
             "roundpipe/plan_bwd_stages": float(len(plan.bwd_plan)),
-            "roundpipe/plan_changed": float(changed),
+            "roundpipe/plan_changed": float(decision.changed),
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)

@@ -1,19 +1,9 @@
 """``RoundPipeFabricStrategy``: ``Fabric(strategy="roundpipe")``, a thin adapter of
 Fabric's strategy hooks over the training session (:mod:`roundpipe_lightning.session`)
-that :class:`RoundPipeStrategy` shares (docs/fabric.md)::
-
-    fabric = Fabric(strategy="roundpipe", accelerator="cpu", devices=2)
-    model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-    opt.step()
-    opt.zero_grad()
-
-Fabric's ``_FabricModule`` looks attributes up on the module the user passed, so that
-module gains ``forward_backward``, ``synchronize`` and ``roundpipe`` as plain functions
-(bound methods found there would count as bypassing the strategy), removed at teardown.
-``opt.step()`` queues the update on the masters, which clears their gradients right
-after it; ``opt.zero_grad()`` only clears what no queued step will. Model state stays
-in host memory: ``fabric.device`` is the CPU.
+that :class:`RoundPipeStrategy` shares (docs/fabric.md). Fabric's ``_FabricModule`` looks
+attributes up on the module the user passed, so that module gains ``forward_backward``,
+``synchronize`` and ``roundpipe`` (removed at teardown). Model state stays in host
+memory: ``fabric.device`` is the CPU.
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -59,28 +49,6 @@ _OWNER = "RoundPipeFabricStrategy"
 
 #: the attributes ``fabric.setup()``'s module gains
 CALLS = ("forward_backward", "synchronize", "roundpipe")
-
-
-def _check_precision(plugin: Precision) -> None:
-    """Refuse a Fabric precision plugin the strategy does not run."""
-    mixed_bf16 = isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
-    if type(plugin) is not Precision and not mixed_bf16:
-        name = getattr(plugin, "precision", type(plugin).__name__)
-        raise ValueError(
-            f"{_OWNER} runs Fabric(precision='32-true') or 'bf16-mixed', got {name!r}. For "
-            "half-precision weights, cast the module yourself (net.to(torch.bfloat16)) and keep "
-            "'32-true': the optimizer then updates fp32 master copies (optim_dtype)."
-        )
-
-
-def _check_free(module: nn.Module) -> None:
-    clash = [name for name in CALLS if hasattr(module, name)]
-    if clash:
-        raise ValueError(
-            f"{type(module).__name__} already has {', '.join(map(repr, clash))}: "
-            "RoundPipeFabricStrategy gives the module passed to fabric.setup() the attributes "
-            f"{', '.join(CALLS)}. Rename yours, and set each module up once."
-        )
 
 
 class _SetUpModule(Session):
@@ -145,12 +113,6 @@ class _SetUpModule(Session):
         mine = {id(p) for p in self.rp.model.parameters()}
         mine |= {id(m) for m in self.rp.optim_parameters()}
         return bool(ids & mine)
-
-    def adopt_view(self, optimizer: Optimizer) -> Optimizer:
-        """Adopt ``optimizer`` with :meth:`zero_grad`; returns the view Fabric wraps."""
-        policy = functools.partial(self.zero_grad, optimizer)
-        self.adopt(optimizer, policy, "the module's parameters()")
-        return optimizer_view(optimizer, policy)
 
     def owns(self, optimizer: Any) -> Optimizer | None:
         """The adopted optimizer ``optimizer`` is (or is the view of), or None."""
@@ -299,14 +261,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             return None
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    def _set_world_ranks(self) -> None:
-        """Called by Fabric's connector once ``num_nodes`` is known: one rank per node."""
-        env = self.cluster_environment
-        if env is not None and self._num_nodes > 1:
-            env.set_global_rank(env.node_rank())
-            env.set_world_size(self._num_nodes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
     def _check_run(self) -> None:
         """Refuse what this strategy cannot run, once, before the first module is built."""
         if self._checked:
@@ -321,12 +275,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             timeout = self.settings.process_group_timeout
             D.init_process_group(env, backend="gloo", timeout=timeout)
         self._checked = True
-        if self.settings.async_step is None:
-            pool = "GPU" if self.compute_devices[0].type != "cpu" else "CPU-worker"
-            rank_zero_info(
-                f"{_OWNER}: async_step={self.async_step} on this {pool} pool "
-                "(async_step=None follows the hardware; pass True or False to choose)"
-            )
 
     @override
     def setup_environment(self) -> None:
@@ -375,8 +323,14 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     @precision.setter
     def precision(self, plugin: Precision | None) -> None:
         # checked when Fabric(...) hands it over, before anything (the module) is converted
-        if plugin is not None:
-            _check_precision(plugin)
+        mixed_bf16 = isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed"
+        if plugin is not None and type(plugin) is not Precision and not mixed_bf16:
+            name = getattr(plugin, "precision", type(plugin).__name__)
+            raise ValueError(
+                f"{_OWNER} runs Fabric(precision='32-true') or 'bf16-mixed', got {name!r}. For "
+                "half-precision weights, cast the module yourself (net.to(torch.bfloat16)) and "
+                "keep '32-true': the optimizer then updates fp32 master copies (optim_dtype)."
+            )
         self._precision = plugin
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -391,7 +345,13 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 "fabric.setup() got a RoundPipe; give it the plain nn.Sequential (or Hugging "
                 f"Face model) instead -- {_OWNER} wraps it and returns the pipelined module"
             )
-        _check_free(module)  # before a RoundPipe claims its parameters
+        clash = [name for name in CALLS if hasattr(module, name)]
+        if clash:  # refused before a RoundPipe claims its parameters
+            raise ValueError(
+                f"{type(module).__name__} already has {', '.join(map(repr, clash))}: "
+                f"{_OWNER} gives the module passed to fabric.setup() the attributes "
+                f"{', '.join(CALLS)}. Rename yours, and set each module up once."
+            )
         hint = "compute the loss from out = model(x) and call fabric.backward(loss)"
         name, devices = type(module).__name__, self.compute_devices
         rp = self.settings.build_roundpipe(module, name, devices, "fabric.setup() got", hint)
@@ -399,6 +359,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             dp = self.settings.data_parallel(overlap=False)
             run = _SetUpModule(self.settings, rp, module, dp, self.async_step)
             run.install(lambda: self.precision)
+            rank_zero_info(run.summary())
         except BaseException:
             rp.close()
             raise
@@ -422,23 +383,23 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 "module: model, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=...))"
             )
         run = runs[0]
-        view = run.adopt_view(optimizer)
+        policy = functools.partial(run.zero_grad, optimizer)
+        run.adopt(optimizer, policy, "the module's parameters()")
         # several nodes: one gradient reducer per optimizer (and, sharded, its ownership)
         run.dp.attach(run.rp, run.optimizers, async_step=self.async_step)
-        return view
+        return optimizer_view(optimizer, policy)  # what Fabric wraps
 
-    def _run_of(self, obj: Any) -> _SetUpModule | None:
-        """The run of a set-up module, its RoundPipe, or an adopted optimizer."""
-        for run in self._runs:
-            if obj is run.rp or obj is run.module or run.owns(obj) is not None:
-                return run
-        return None
+    def _run_of(self, module: Any) -> _SetUpModule | None:
+        """The run of a set-up module or of its RoundPipe, or None."""
+        return next((run for run in self._runs if module in (run.rp, run.module)), None)
 
     def _adopted(self, optimizer: Any) -> tuple[_SetUpModule, Optimizer] | None:
         """The run of ``optimizer`` and the user's optimizer behind it, or None."""
-        run = self._run_of(optimizer)
-        raw = run.owns(optimizer) if run is not None else None
-        return None if run is None or raw is None else (run, raw)
+        for run in self._runs:
+            raw = run.owns(optimizer)
+            if raw is not None:
+                return run, raw
+        return None
 
     # -- training --------------------------------------------------------------------------------
     @override
@@ -462,7 +423,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 "reach the master weights the optimizer steps. Call the module fabric.setup() "
                 "returned instead: out = model(x), or loss = model.forward_backward(...)",
             )
-        for run in self._runs:
             run.check_not_reduced()
         super().backward(tensor, module, *args, **kwargs)
         for run in self._runs:
@@ -584,13 +544,12 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
         sections = {}
         for key, obj in state.items():
-            adopted = self._adopted(obj) if isinstance(obj, Optimizer) else None
+            adopted, run = self._adopted(obj), self._run_of(obj)
             if adopted is not None:
                 # (the key is checked, sharded or not)
                 adopted[0].save_shard(adopted[1], fabric_shards_dir(path, key))
-            run_of_module = self._run_of(obj) if isinstance(obj, nn.Module) else None
-            if run_of_module is not None:
-                sections[key] = run_of_module.section(run_of_module.optimizers)
+            elif run is not None:
+                sections[key] = run.section(run.optimizers)
         if sections:
             if CHECKPOINT_KEY in checkpoint:
                 raise ValueError(
@@ -617,28 +576,23 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         # the set-up optimizers after the modules: their state may be a marker of shards
         ours = {}
         if isinstance(state, Mapping):
-            for key, obj in state.items():
-                adopted = self._adopted(obj) if isinstance(obj, Optimizer) else None
-                if adopted is not None:
-                    ours[key] = adopted
+            adopted = {key: self._adopted(obj) for key, obj in state.items()}
+            ours = {key: a for key, a in adopted.items() if a is not None}
+        plain: Any = state
         if ours:
             assert isinstance(state, Mapping)
-            rest = {k: v for k, v in state.items() if k not in ours}
-            remainder = super().load_checkpoint(
-                path, state=rest or None, strict=strict, weights_only=weights_only
-            )
-            if isinstance(state, dict):
-                state.update(rest)  # plain entries were restored into the copy
-        else:
-            remainder = super().load_checkpoint(
-                path, state=state, strict=strict, weights_only=weights_only
-            )
+            plain = {k: v for k, v in state.items() if k not in ours} or None
+        remainder = super().load_checkpoint(
+            path, state=plain, strict=strict, weights_only=weights_only
+        )
+        if ours and isinstance(state, dict):
+            state.update(plain or {})  # plain entries were restored into the copy
         # the masters first: with offload_dir a generation of masters holds the optimizer
         # state too, which the optimizers' own load replaces next
         if isinstance(state, Mapping) and state and CHECKPOINT_KEY not in state:
             sections = remainder.pop(CHECKPOINT_KEY, None) or {}
             for key, obj in state.items():
-                of_module = self._run_of(obj) if isinstance(obj, nn.Module) else None
+                of_module = self._run_of(obj)
                 if of_module is not None:
                     # masters saved in a higher precision, what the RoundPipe learned
                     saved = of_module.read_section(sections.get(key), strict)

@@ -22,8 +22,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.rank_zero import (
+    rank_zero_debug,
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_warn,
+)
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -64,20 +69,6 @@ from .sharded_checkpoint import (
     of_optimizer,
     sharded_masters,
 )
-
-__all__ = [
-    "SessionSettings",
-    "SessionHost",
-    "Session",
-    "QueuedStep",
-    "StepLedger",
-    "check_one_process_per_node",
-    "check_pool_devices",
-    "check_loss_went_through",
-    "network_of",
-    "op_name",
-    "setup_summary",
-]
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +343,7 @@ class SessionHost:
 
     settings: SessionSettings
     parallel_devices: list[torch.device] | None
+    cluster_environment: ClusterEnvironment | None
     _checkpoint_io: CheckpointIO | None
     _num_nodes = 1  # Fabric's connector sets it directly
 
@@ -362,6 +354,17 @@ class SessionHost:
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
+
+    def set_world_ranks(self) -> None:
+        """One rank per node (the Trainer's connector calls it; Fabric's, _set_world_ranks)."""
+        env = self.cluster_environment
+        if env is not None and self.num_nodes > 1:
+            env.set_global_rank(env.node_rank())
+            env.set_world_size(self.num_nodes)
+        rank = env.global_rank() if env is not None else 0
+        rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+    _set_world_ranks = set_world_ranks
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -490,28 +493,6 @@ def all_reduce(tensor: Any, group: Any, reduce_op: Any) -> Any:
 
 
 # -- set-up --------------------------------------------------------------------------------------
-def setup_summary(
-    owner: str, rp: RP, num_microbatch: int | None, async_step: bool, chosen: bool
-) -> str:
-    """The set-up line: pool, plan, microbatches, step mode (``chosen``: passed)."""
-    workers = rp.pool.workers
-    n = len(workers)
-    if rp.pool.is_cuda:
-        pool = f"{n} GPU{'s' if n != 1 else ''} ({', '.join(str(w.device) for w in workers)})"
-    else:
-        pool = f"{n} CPU worker{'s' if n != 1 else ''}"
-    if isinstance(rp, RoundPipe):
-        m = rp.num_microbatch_for(num_microbatch)
-        layout = rp.plan_for("fused").to_layout_string()
-        plan = f'plan "{layout}", {m} microbatch{"es" if m != 1 else ""}'
-    else:
-        plan = f"{len(rp.units)} units split automatically"
-    step = "asynchronous (one step stale)" if async_step else "synchronous"
-    if not chosen:
-        step += " (async_step=None follows the hardware; pass True or False to choose)"
-    return f"{owner}: {pool}, {rp.num_layers} layers, {plan}; step {step}"
-
-
 #: parameter-sized states per parameter assumed for an optimizer the host-memory table
 #: does not know: Adam's two moments, more than most optimizers keep
 ASSUMED_OPTIMIZER_STATES = 2
@@ -529,11 +510,7 @@ def point_at_masters(opt: Optimizer, rp: RP, build_hint: str = "self.parameters(
             "LBFGS re-evaluates the loss inside optimizer.step(), which RoundPipe's (asynchronous) "
             "step cannot do; choose another optimizer"
         )
-    masters = {}
-    for p in rp.model.parameters():
-        m = rp.master_param(p)
-        if m is not None:
-            masters[id(p)] = m
+    masters = {id(p): m for p in rp.model.parameters() if (m := rp.master_param(p)) is not None}
     adopted = 0
     for group in opt.param_groups:
         new, seen = [], set()
@@ -728,14 +705,6 @@ _NOT_SHARED = ("param_groups", "step")
 _WARNED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
-def _own_step(optimizer: Optimizer) -> Any:
-    """``step`` set on the instance, or None (also for an LR scheduler's wrapper)."""
-    own = vars(optimizer).get("step")
-    if own is None or is_lr_scheduler_step_wrapper(own):
-        return None
-    return own
-
-
 def _frozen(value: Any) -> Any:
     # schedulers update tensor learning rates in place (``lr.fill_``)
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
@@ -775,7 +744,9 @@ class QueuedStep:
         """The optimizer the step runs on (the twin, or with a warning the live one), and
         what to call once the whole step ran (carries back what it wrote)."""
         opt = self.optimizer
-        own = _own_step(opt)
+        own = vars(opt).get("step")  # an LR scheduler's wrapper gives way to the class's
+        if own is not None and is_lr_scheduler_step_wrapper(own):
+            own = None
         if own is not None and not (isinstance(own, types.MethodType) and own.__self__ is opt):
             if opt not in _WARNED:
                 _WARNED.add(opt)
@@ -834,6 +805,25 @@ class Session:
         #: the disk tier (``offload_dir``): the masters and the optimizer state in files
         self.tier: DiskTier | None = getattr(rp, "disk_tier", None)
 
+    def summary(self) -> str:
+        """The set-up line: pool, plan, microbatches, step mode."""
+        rp, workers = self.rp, self.rp.pool.workers
+        n = len(workers)
+        if rp.pool.is_cuda:
+            pool = f"{n} GPU{'s' if n != 1 else ''} ({', '.join(str(w.device) for w in workers)})"
+        else:
+            pool = f"{n} CPU worker{'s' if n != 1 else ''}"
+        if isinstance(rp, RoundPipe):
+            m = rp.num_microbatch_for(self.settings.num_microbatch)
+            layout = rp.plan_for("fused").to_layout_string()
+            plan = f'plan "{layout}", {m} microbatch{"es" if m != 1 else ""}'
+        else:
+            plan = f"{len(rp.units)} units split automatically"
+        step = "asynchronous (one step stale)" if self.async_step else "synchronous"
+        if self.settings.async_step is None:
+            step += " (async_step=None follows the hardware; pass True or False to choose)"
+        return f"{self.settings.owner}: {pool}, {rp.num_layers} layers, {plan}; step {step}"
+
     def check_host_budget(self) -> None:
         """Say the set-up line and the host-memory budget (the whole table at DEBUG), and
         refuse, with numbers, a run whose state cannot fit. An optimizer of unknown state
@@ -857,11 +847,7 @@ class Session:
                 )
             budget = estimate_host_memory(rp, optimizer_states=ASSUMED_OPTIMIZER_STATES, **common)
         available = available_host_memory()
-        chosen = settings.async_step is not None
-        summary = setup_summary(
-            settings.owner, rp, settings.num_microbatch, self.async_step, chosen
-        )
-        rank_zero_info(summary)
+        rank_zero_info(self.summary())
         rank_zero_info(f"{settings.owner}: {budget.summary(available)}")
         rank_zero_debug(f"RoundPipe host memory:\n{budget}")
         check_host_memory(budget, available)
@@ -955,11 +941,12 @@ class Session:
         if self.tier is not None and not update:
             self.rp.after_step(finish)  # the clearing, in step order
         elif self.tier is not None:
-            target, done = queued.optimizer_for_step() if queued is not None else (opt, None)
+            target, done = (
+                queued.optimizer_for_step() if queued is not None else (opt, lambda: None)
+            )
 
             def finished() -> None:
-                if done is not None:
-                    done()
+                done()
                 finish()
 
             self.rp.step_layerwise(self._tier_step(target), finished, is_async=self.async_step)
@@ -976,12 +963,8 @@ class Session:
     # -- checkpoints ---------------------------------------------------------------------------
     def named_masters(self) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
         """(name, parameter, master) of every trainable parameter."""
-        out = []
-        for name, p in self.module.named_parameters():
-            m = self.rp.master_param(p)
-            if m is not None:
-                out.append((name, p, m))
-        return out
+        named = self.module.named_parameters()
+        return [(name, p, m) for name, p in named if (m := self.rp.master_param(p)) is not None]
 
     def masters_by_name(self) -> dict[str, nn.Parameter]:
         return {name: m for name, _, m in self.named_masters()}

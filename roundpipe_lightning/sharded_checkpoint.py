@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
 from roundpipe_core import distributed as D
 from roundpipe_core.checkpoint_file import read_checkpoint
@@ -66,11 +67,10 @@ def is_marker(state: Any) -> bool:
 
 
 def of_optimizer(
-    named_masters: Mapping[str, torch.Tensor], optimizer: Any
+    named_masters: Mapping[str, torch.Tensor], optimizer: Optimizer
 ) -> dict[str, torch.Tensor]:
     """The entries of ``named_masters`` that ``optimizer`` steps (what its shards hold)."""
-    raw = getattr(optimizer, "_optimizer", optimizer)
-    ids = {id(p) for g in raw.param_groups for p in g["params"]}
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     return {n: p for n, p in named_masters.items() if id(p) in ids}
 
 
@@ -82,7 +82,7 @@ def sharded_masters(dp: D.DataParallel, optimizers: Sequence[Any]) -> set[int]:
 
 def load_optimizer_state(
     directory: Path | None,
-    optimizer: Any,
+    optimizer: Optimizer,
     state: Any,
     shard: D.HostShard | None,
     named_masters: Mapping[str, torch.Tensor],
@@ -90,7 +90,6 @@ def load_optimizer_state(
     """Restore ``optimizer`` from a state dict or a marker of the shards in ``directory``
     (any rank count; sharded, this rank keeps what it owns). From shards the masters are
     restored exactly too, and broadcast into the other ranks' weights (collective)."""
-    raw = getattr(optimizer, "_optimizer", optimizer)
     if is_marker(state):
         if directory is None:
             raise ValueError(
@@ -99,15 +98,15 @@ def load_optimizer_state(
                 "merge it first with roundpipe_lightning.convert_sharded_checkpoint(path, out)"
             )
         owns = shard.owns if shard is not None else (lambda p: True)
-        D.load_shards(directory, of_optimizer(named_masters, raw), raw, owns)
+        D.load_shards(directory, of_optimizer(named_masters, optimizer), optimizer, owns)
         if shard is not None:
             # (collective) each owner's exact masters into the others' copies: their
             # model weights (a separate master) or the master itself (a shared one)
             shard.gather()
     else:
-        raw.load_state_dict(state)
+        optimizer.load_state_dict(state)
     if shard is not None:
-        shard.drop_foreign_state(raw)
+        shard.drop_foreign_state(optimizer)
 
 
 def _put_back_masters(ckpt: dict[str, Any], masters: Mapping[str, torch.Tensor]) -> None:

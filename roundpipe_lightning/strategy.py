@@ -2,14 +2,7 @@
 
 A thin adapter of Lightning's ``ParallelStrategy`` hooks over the training session
 (:mod:`roundpipe_lightning.session`), which the Fabric strategy shares; docs/lightning.md
-("What maps to what") says what each hook becomes. At setup it wraps what
-``configure_sequential()`` returns in a ``RoundPipe`` whose pool is the Trainer's devices
-and sets ``lightning_module.roundpipe``; ``training_step`` calls its ``forward_backward``
-(already backpropagated: the strategy's backward is then a no-op). The optimizer steps
-the masters on RoundPipe's optimizer thread with the hyperparameters of the moment it was
-queued, after everything that reads gradients ran on the main thread
-(:class:`RoundPipePrecision`); with ``async_step=True`` the weights are flushed before
-every hook where users read them.
+("What maps to what") says what each hook becomes.
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -163,18 +156,6 @@ for _hook in FLUSH_HOOKS:
 
 
 # -- Trainer-only checks ---------------------------------------------------------------------------
-def check_plugins(checkpoint_io: Any, precision_plugin: Any) -> None:
-    """Refuse plugins of the wrong kind now (else they fail at the first save, at
-    teardown, or are silently ignored)."""
-    check_type("checkpoint_io", checkpoint_io, (CheckpointIO,), "a lightning CheckpointIO")
-    if isinstance(precision_plugin, (str, int)):
-        raise TypeError(
-            f"RoundPipeStrategy(precision_plugin={precision_plugin!r}): pass the precision to "
-            f"the Trainer instead: Trainer(precision={precision_plugin!r}, strategy=...)"
-        )
-    check_type("precision_plugin", precision_plugin, (Precision,), "a lightning Precision plugin")
-
-
 def check_shardable(shard_host_state: bool, loss_scaler: object | None) -> None:
     """Refuse ``shard_host_state=True`` with a loss scaler (``16-mixed``)."""
     if shard_host_state and loss_scaler is not None:
@@ -315,7 +296,15 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         self._default_precision = RoundPipePrecision()
-        check_plugins(checkpoint_io, precision_plugin)
+        # wrong plugins fail now, not at the first save, at teardown, or silently ignored
+        check_type("checkpoint_io", checkpoint_io, (CheckpointIO,), "a lightning CheckpointIO")
+        if isinstance(precision_plugin, (str, int)):
+            raise TypeError(
+                f"RoundPipeStrategy(precision_plugin={precision_plugin!r}): pass the precision to "
+                f"the Trainer instead: Trainer(precision={precision_plugin!r}, strategy=...)"
+            )
+        accepted = "a lightning Precision plugin"
+        check_type("precision_plugin", precision_plugin, (Precision,), accepted)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -360,12 +349,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # one process per node: the node's whole pool consumes one shard
         return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank)
-            self.cluster_environment.set_world_size(self.num_nodes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def check_launch(self) -> ClusterEnvironment | None:
         """The cluster environment, after checking one process per node."""
@@ -625,22 +608,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             except BaseException as exc:  # the failure being raised, or its consequence
                 log.debug("synchronize() after a pipelined failure raised: %r", exc)
         self._session.steps.take_back()
-
-    @override
-    def on_validation_start(self) -> None:
-        self._sync_weights()
-
-    @override
-    def on_test_start(self) -> None:
-        self._sync_weights()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._sync_weights()
-
-    @override
-    def on_train_end(self) -> None:
-        self._sync_weights()
 
     # -- checkpoints (the checkpoint_io: SessionHost's) ----------------------------------------
     @override
