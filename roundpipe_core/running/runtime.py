@@ -28,9 +28,7 @@ from ..planning.schedule import Job
 from .activations import (
     HostOutputs,
     grads_to_host,
-    input_and_grad_to_device,
     to_device,
-    to_device_pair,
     to_host,
 )
 from .devices.base import Worker
@@ -80,9 +78,7 @@ class PipelineRun:
         self.layers = layers
         self.num_layers = len(layers)
         self.boundaries = boundaries
-        self.grad_sink = grad_sink
-        self.grad_sink_many = batched_sink(grad_sink)  # one call per job where it can
-        self.job_grads = JobGrads(grad_sink, self.grad_sink_many)  # replicas: in slice order
+        self.job_grads = JobGrads(batched_sink(grad_sink))  # replicas: in slice order
         self.preserve_rng_state = preserve_rng_state
         self.recompute_grain = recompute_grain
         self.loss_fn = loss_fn
@@ -95,7 +91,10 @@ class PipelineRun:
         self.rule_checker = rule_checker  # checks.ForwardRuleChecker: layers' first forwards
         self.store = RecomputeStore()
         # layers passed to rule_checker by any run (it checks a layer's first forward only)
-        self.rules_checked: set[int] = _passed_to(rule_checker)
+        self.rules_checked: set[int] = set()
+        if rule_checker is not None:
+            with _PASSED_LOCK:
+                self.rules_checked = _PASSED.setdefault(rule_checker, set())
         # the caller's autocast, re-entered on the worker threads (it is thread-local)
         self.autocast = autocast if autocast is not None else AutocastState.capture()
         self._cond = threading.Condition()
@@ -164,14 +163,6 @@ _PASSED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 _PASSED_LOCK = threading.Lock()
 
 
-def _passed_to(checker: Any) -> set[int]:
-    """The layers already handed to ``checker`` (shared by all runs that use it)."""
-    if checker is None:
-        return set()
-    with _PASSED_LOCK:
-        return _PASSED.setdefault(checker, set())
-
-
 def _requires_grad_inputs(
     value: Any, needs: list[bool] | None
 ) -> tuple[Any, list[torch.Tensor | None]]:
@@ -194,24 +185,6 @@ def _requires_grad_inputs(
         for i, x in enumerate(leaves)
     ]
     return rebuild([x if t is None else t for x, t in zip(leaves, tracked)]), tracked
-
-
-def _needs(run: PipelineRun, start: int) -> list[bool] | None:
-    """Which input leaves take a gradient: all float leaves inside the model; at layer 0
-    only the call's inputs that require grad."""
-    if start > 0:
-        return None
-    return run.input_needs_grad if run.input_needs_grad is not None else []
-
-
-def _publish_input_grad(
-    run: PipelineRun, start: int, mb: int, worker: Worker, tracked: list[torch.Tensor | None]
-) -> None:
-    """Hand the gradient of the stage input to the stage before (or to the caller at layer 0)."""
-    if start > 0 or bool(run.input_needs_grad and any(run.input_needs_grad)):
-        run.put_grad(
-            start, mb, grads_to_host(worker, [t.grad if t is not None else None for t in tracked])
-        )
 
 
 def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
@@ -363,9 +336,9 @@ def _microbatch(
     if kind == JobKind.FORWARD:
         x, held = to_device(worker, value)
     elif kind == JobKind.FUSED:
-        x, label, held = to_device_pair(worker, value, run.labels[mb])
+        x, label, held = to_device(worker, value, run.labels[mb])
     else:
-        x, g_dev, held = input_and_grad_to_device(worker, value, grads_out)
+        x, *g_dev, held = to_device(worker, value, *grads_out)
     worker.wait_channel("activation")
     clock.transfer("activation", f"{job} in mb{mb}", t_in)
     try:
@@ -378,7 +351,9 @@ def _microbatch(
                 run.outputs[mb] = out
             run.put_act(r.stop, mb, out)
             return
-        needs = _needs(run, r.start)
+        # the input leaves that take a gradient: every float leaf inside the model, at
+        # layer 0 only the call's inputs that require grad
+        needs = None if r.start else (run.input_needs_grad or [])
         layerwise = kind == JobKind.BACKWARD and run.recompute_grain == RecomputeGrain.LAYER
         # grain "layer" turns autograd on and off per layer itself
         with ComputeScope(worker, None if layerwise else True, run, job):
@@ -394,7 +369,10 @@ def _microbatch(
                 t0 = worker.time_point()
                 _backward(x, g_dev)
                 clock.span("bwd", r, t0)
-            _publish_input_grad(run, r.start, mb, worker, tracked)
+            # the stage input's gradient, for the stage before (at layer 0: the caller)
+            if r.start or any(needs or ()):
+                grads = [t.grad if t is not None else None for t in tracked]
+                run.put_grad(r.start, mb, grads_to_host(worker, grads))
     except BaseException as exc:
         _annotate(exc, run, job, None, mb, worker)
         raise

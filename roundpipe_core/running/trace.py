@@ -198,9 +198,6 @@ def spans_from_simulation(
             return None
         return jobs[e.iteration * per_iter + e.job]
 
-    def compute_name(e: Any) -> str:
-        return f"{e.stage}{JobKind(e.kind).code}{e.device}"
-
     out: list[Span] = []
     groups: dict[Any, list[Any]] = {}
     for e in events:
@@ -224,7 +221,7 @@ def spans_from_simulation(
             args = {"kind": e0.kind, "stage": e0.stage, "microbatches": mb, "job": e0.job}
         args["iteration"] = e0.iteration
         start, end = min(e.start for e in evs) / 1e3, max(e.end for e in evs) / 1e3
-        out.append(Span(e0.device, "compute", compute_name(e0), start, end, args))
+        out.append(Span(e0.device, "compute", job_name(e0), start, end, args))
     out.sort(key=lambda s: (s.start_s, s.end_s))
     return out
 

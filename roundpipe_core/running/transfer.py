@@ -47,14 +47,18 @@ GradSinkMany = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
 """Called as ``sink_many(host_params, host_grads)`` with a job's gradients at once."""
 
 
-def batched_sink(sink: GradSink) -> GradSinkMany | None:
-    """The one-call-per-job form of ``sink``, if it has one: a sink that is the bound
-    ``add`` of an object with ``add_many(params, grads)`` (``pipelined.GradBuffer``)."""
-    owner = getattr(sink, "__self__", None)
-    if owner is None or getattr(sink, "__name__", None) != "add":
-        return None
-    many = getattr(owner, "add_many", None)
-    return many if callable(many) else None
+def batched_sink(sink: GradSink) -> GradSinkMany:
+    """The one-call-per-job form of ``sink``: the ``add_many(params, grads)`` of the object
+    whose bound ``add`` it is (``pipelined.GradBuffer``), else a loop over ``sink``."""
+    many = getattr(getattr(sink, "__self__", None), "add_many", None)
+    if callable(many) and getattr(sink, "__name__", None) == "add":
+        return many
+
+    def each(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        for p, g in zip(params, grads):
+            sink(p, g)
+
+    return each
 
 
 @dataclass
@@ -407,11 +411,8 @@ def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=requires_grad)
 
 
-def download_grads(
-    stage: StageReplica, sink: GradSink, sink_many: GradSinkMany | None = None
-) -> None:
-    """Download the stage's gradients (``Worker.take_out``) to ``sink``, or all at once to
-    ``sink_many`` when given."""
+def download_grads(stage: StageReplica, sink_many: GradSinkMany) -> None:
+    """Download the stage's gradients (``Worker.take_out``) to ``sink_many`` in one call."""
     held, sources = stage.held, stage.layout.sources
     pending_src: list[torch.Tensor] = []
     pending_dev: list[torch.Tensor] = []
@@ -420,14 +421,8 @@ def download_grads(
         if g is not None:
             pending_src.append(sources[i])
             pending_dev.append(g)
-    if not pending_dev:
-        return
-    host = stage.worker.take_out(pending_dev)
-    if sink_many is not None:
-        sink_many(pending_src, host)
-        return
-    for src, g in zip(pending_src, host):
-        sink(src, g)
+    if pending_dev:
+        sink_many(pending_src, stage.worker.take_out(pending_dev))
 
 
 def write_back_buffers(stage: StageReplica) -> None:
