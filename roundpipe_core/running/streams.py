@@ -20,7 +20,7 @@ import torch
 from .devices.base import Worker
 from .devices.cpu import RNG_SHARED, RNG_WATCH, CPUWorker, StageCompute
 
-__all__ = ["ComputeScope", "record_stream_start", "replay_seed", "seed_stream"]
+__all__ = ["ComputeScope", "replay_seed", "seed_stream"]
 
 
 class ComputeScope:
@@ -76,12 +76,6 @@ class ComputeScope:
                 torch._C._set_grad_enabled(self.prev)
                 self.state = None
                 self.compute.__exit__(*exc)
-
-
-def record_stream_start(run: Any, start: int) -> None:
-    """A forward stage starts a stream at layer ``start`` (set insertion is atomic)."""
-    if start not in run.stream_starts:
-        run.stream_starts.add(start)
 
 
 def seed_stream(run: Any, worker: Worker, layer: int, mb: int) -> None:

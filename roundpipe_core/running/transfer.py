@@ -213,23 +213,6 @@ class _StageLayout:
     parameters and take gradients, where each lands. Rebuilt with a layer's skeleton;
     flags re-read once per epoch (a parameter frozen between calls stops taking grads)."""
 
-    __slots__ = (
-        "layers",
-        "trees",
-        "modules",
-        "position",
-        "chunks",
-        "read_only",
-        "sources",
-        "wrap",
-        "fills",
-        "grad_pos",
-        "buffer_pos",
-        "epoch",
-        "carried",
-        "_is_param",
-    )
-
     def __init__(
         self,
         layers: Sequence[nn.Module],
