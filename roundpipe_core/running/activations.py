@@ -25,9 +25,7 @@ from .devices.downloads import complete_pending, has_pending
 __all__ = [
     "HostOutputs",
     "grads_to_host",
-    "input_and_grad_to_device",
     "to_device",
-    "to_device_pair",
     "to_host",
 ]
 
@@ -49,41 +47,19 @@ def _upload(worker: Worker, leaves: list[Any]) -> tuple[list[Any], list[torch.Te
     return new, dev
 
 
-def to_device(worker: Worker, value: Any) -> tuple[Any, list[torch.Tensor]]:
-    """``value`` (a pytree) with its tensors copied to ``worker``, and the copies (to release)."""
-    if isinstance(value, torch.Tensor):  # the common activation: no tree to walk
-        new, dev = _upload(worker, [value])
-        return new[0], dev
-    leaves, rebuild = flatten(value)
-    new, dev = _upload(worker, leaves)
-    return rebuild(new), dev
-
-
-def to_device_pair(worker: Worker, a: Any, b: Any) -> tuple[Any, Any, list[torch.Tensor]]:
-    """:func:`to_device` of two pytrees (a stage input and its label) in one copy: both
-    on the device, and the copies (to release)."""
-    if type(a) is torch.Tensor and type(b) is torch.Tensor:
-        new, dev = _upload(worker, [a, b])
-        return new[0], new[1], dev
-    leaves_a, rebuild_a = flatten(a)
-    leaves_b, rebuild_b = flatten(b)
-    new, dev = _upload(worker, leaves_a + leaves_b)
-    n = len(leaves_a)
-    return rebuild_a(new[:n]), rebuild_b(new[n:]), dev
-
-
-def input_and_grad_to_device(
-    worker: Worker, value: Any, grads: list[torch.Tensor | None]
-) -> tuple[Any, list[torch.Tensor | None], list[torch.Tensor]]:
-    """A backward stage's input (a pytree) and the gradients of its output (``None``
-    stays ``None``) on ``worker`` in one copy: both, and the copies (to release)."""
-    if type(value) is torch.Tensor:  # the common stage: no tree to walk
-        new, dev = _upload(worker, [value, *grads])
-        return new[0], new[1:], dev
-    leaves, rebuild = flatten(value)
-    new, dev = _upload(worker, leaves + grads)
-    n = len(leaves)
-    return rebuild(new[:n]), new[n:], dev
+def to_device(worker: Worker, *values: Any) -> tuple[Any, ...]:
+    """``values`` (pytrees: a stage input, its label or its output gradients) with their
+    tensors copied to ``worker`` in one copy, then the copies (to release)."""
+    if all(v is None or type(v) is torch.Tensor for v in values):  # no tree to walk
+        new, dev = _upload(worker, list(values))
+        return (*new, dev)
+    trees = [flatten(v) for v in values]
+    new, dev = _upload(worker, [x for leaves, _ in trees for x in leaves])
+    out, pos = [], 0
+    for leaves, rebuild in trees:
+        out.append(rebuild(new[pos : pos + len(leaves)]))
+        pos += len(leaves)
+    return (*out, dev)
 
 
 def to_host(worker: Worker, value: Any, build_later: bool = False) -> Any:

@@ -199,8 +199,7 @@ class _Build:
             return r[1]
         if kind == "seq":
             _, cls, host, items = r
-            out = [h if i is _STATIC else self.value(i) for h, i in zip(host, items)]
-            return tuple(out)
+            return tuple(h if i is _STATIC else self.value(i) for h, i in zip(host, items))
         # a plain object holding tensors: a copy of it per upload
         key = id(r)
         made = self.made.get(key)

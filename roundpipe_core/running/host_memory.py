@@ -46,7 +46,7 @@ import math
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -345,22 +345,9 @@ def _unique_storage_bytes(tensors: Iterable[torch.Tensor], skip: set[int] | None
     return total
 
 
-#: The budget's lines in table order: (name, field).
-_ROWS = (
-    ("weights", "weights"),
-    ("masters", "masters"),
-    ("gradients", "gradients"),
-    ("next gradients (async step)", "next_gradients"),
-    ("optimizer state", "optimizer_state"),
-    ("pinned buffers", "pinned"),
-    ("worker stage copies", "worker_copies"),
-    ("activations", "activations"),
-    ("mapped file pages", "mapped_files"),
-    ("worker activations", "worker_activations"),
-    ("dequantized weights", "dequantized"),
-    ("collective buffers", "collective_buffers"),
-    ("disk tier buffer", "tier_buffer"),
-)
+def _line(name: str) -> Any:
+    """A budget field that is a line of its table, ``name`` there (table order: the fields')."""
+    return field(default=0, metadata={"line": name})
 
 
 @dataclass(frozen=True)
@@ -378,23 +365,23 @@ class HostMemoryBudget:
     """
 
     num_params: int
-    weights: int
-    masters: int
-    gradients: int
-    optimizer_state: int
-    pinned: int
-    worker_copies: int
-    activations: int
+    weights: int = _line("weights")
+    masters: int = _line("masters")
+    gradients: int = _line("gradients")
+    next_gradients: int = _line("next gradients (async step)")
+    optimizer_state: int = _line("optimizer state")
+    pinned: int = _line("pinned buffers")
+    worker_copies: int = _line("worker stage copies")
+    activations: int = _line("activations")
+    mapped_files: int = _line("mapped file pages")
+    worker_activations: int = _line("worker activations")
+    dequantized: int = _line("dequantized weights")
+    collective_buffers: int = _line("collective buffers")
+    tier_buffer: int = _line("disk tier buffer")
     already_allocated: int = 0
     optimizer: str = ""
     process: int = 0
-    next_gradients: int = 0
-    mapped_files: int = 0
-    worker_activations: int = 0
-    dequantized: int = 0
-    collective_buffers: int = 0
     training_code: int = 0
-    tier_buffer: int = 0
     disk: int = 0
     mapped_weights: int = 0
 
@@ -431,8 +418,9 @@ class HostMemoryBudget:
         """``(line, bytes)`` in table order."""
         state = f"optimizer state ({self.optimizer})" if self.optimizer else "optimizer state"
         return [
-            (state if name == "optimizer state" else name, getattr(self, field))
-            for name, field in _ROWS
+            (state if f.name == "optimizer_state" else f.metadata["line"], getattr(self, f.name))
+            for f in fields(self)
+            if f.metadata
         ]
 
     def summary(self, available: int | None = None) -> str:

@@ -12,17 +12,16 @@ import threading
 import torch
 
 from ..planning.schedule import Job
-from .transfer import GradSink, GradSinkMany, StageReplica, download_grads
+from .transfer import GradSinkMany, StageReplica, download_grads
 
 __all__ = ["JobGrads", "replica_microbatches"]
 
 
 class JobGrads:
     """Where a run's jobs put their gradients (``PipelineRun.job_grads``): the run's
-    ``sink`` and its one-call-per-job form ``sink_many`` (or None)."""
+    one-call-per-job sink (``transfer.batched_sink``)."""
 
-    def __init__(self, sink: GradSink, sink_many: GradSinkMany | None) -> None:
-        self._sink = sink
+    def __init__(self, sink_many: GradSinkMany) -> None:
         self._sink_many = sink_many
         self._lock = threading.Lock()
         # per replicated stage (kind, stage): each replica's (host params, host grads)
@@ -32,10 +31,10 @@ class JobGrads:
         """Download ``job``'s gradients: to the sink, or for a replica kept until its
         stage's last one is in, which hands them all on in slice order."""
         if job.replicas == 1:
-            download_grads(stage, self._sink, self._sink_many)
+            download_grads(stage, self._sink_many)
             return
         kept: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        download_grads(stage, self._sink, lambda ps, gs: kept.append((ps, gs)))  # one call
+        download_grads(stage, lambda ps, gs: kept.append((ps, gs)))  # one call
         key = (str(job.kind), job.stage)
         with self._lock:
             parts = self._parts.setdefault(key, {})
@@ -47,13 +46,8 @@ class JobGrads:
         # gradient of a master is kept, the next ones added to it): slice order
         for k in range(job.replicas):
             ps, gs = parts[k]
-            if not ps:
-                continue
-            if self._sink_many is not None:
+            if ps:
                 self._sink_many(ps, gs)
-                continue
-            for p, g in zip(ps, gs):
-                self._sink(p, g)
 
 
 def replica_microbatches(job: Job) -> int:

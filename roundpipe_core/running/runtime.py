@@ -15,6 +15,7 @@ import time
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -28,15 +29,13 @@ from ..planning.schedule import Job
 from .activations import (
     HostOutputs,
     grads_to_host,
-    input_and_grad_to_device,
     to_device,
-    to_device_pair,
     to_host,
 )
 from .devices.base import Worker
 from .devices.pool import PoolError
 from .replicas import JobGrads, replica_microbatches
-from .streams import ComputeScope, record_stream_start, replay_seed, seed_stream
+from .streams import ComputeScope, replay_seed, seed_stream
 from .timer import CallTiming, JobClock
 from .transfer import (
     GradSink,
@@ -53,71 +52,56 @@ __all__ = ["PipelineRun", "run_queue"]
 _WAIT_SLICE_S = 0.05
 
 
+@dataclass(eq=False, repr=False)
 class PipelineRun:
     """Shared state of one pipelined forward / backward / forward_backward call."""
 
-    def __init__(
-        self,
-        layers: list[nn.Module],
-        boundaries: set[int],
-        grad_sink: GradSink,
-        preserve_rng_state: bool = True,
-        recompute_grain: RecomputeGrain = RecomputeGrain.STAGE,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        labels: list[Any] | None = None,
-        return_outputs: bool = False,
-        input_needs_grad: list[bool] | None = None,
-        grads_done: Callable[[Job], None] | None = None,
-        rule_checker: Any = None,
-        autocast: AutocastState | None = None,
-        loss_scale: float = 1.0,
-        loss_weights: list[float] | None = None,
-        rng_base: int = 0,
-        weights: WeightGate | None = None,
-        reader: Any = None,
-        auto_cut: tuple[AutoSplitLeaf, ...] = (),
-    ) -> None:
-        self.layers = layers
-        self.num_layers = len(layers)
-        self.boundaries = boundaries
-        self.grad_sink = grad_sink
-        self.grad_sink_many = batched_sink(grad_sink)  # one call per job where it can
-        self.job_grads = JobGrads(grad_sink, self.grad_sink_many)  # replicas: in slice order
-        self.preserve_rng_state = preserve_rng_state
-        self.recompute_grain = recompute_grain
-        self.loss_fn = loss_fn
-        self.loss_scale = loss_scale  # multiplies each loss before its backward only
-        self.loss_weights = loss_weights  # per microbatch: its loss, returned and backpropagated
-        self.labels = labels or []
-        self.return_outputs = return_outputs
-        self.input_needs_grad = input_needs_grad
-        self.grads_done = grads_done
-        self.rule_checker = rule_checker  # checks.ForwardRuleChecker: layers' first forwards
+    layers: list[nn.Module]
+    boundaries: set[int]
+    grad_sink: InitVar[GradSink]
+    preserve_rng_state: bool = True
+    recompute_grain: RecomputeGrain = RecomputeGrain.STAGE
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    labels: list[Any] = field(default_factory=list)
+    return_outputs: bool = False
+    input_needs_grad: list[bool] | None = None
+    grads_done: Callable[[Job], None] | None = None
+    rule_checker: Any = None  # checks.ForwardRuleChecker: layers' first forwards
+    # the caller's autocast, re-entered on the worker threads (it is thread-local)
+    autocast: AutocastState = field(default_factory=AutocastState.capture)
+    loss_scale: float = 1.0  # multiplies each loss before its backward only
+    loss_weights: list[float] | None = None  # per microbatch: its loss, returned and backpropagated
+    # layer l's draws on microbatch m come from a stream seeded with (rng_base, l, m)
+    rng_base: int = 0
+    # the uploads' weight-version gate and this run's reader (pipelined.py); None: no
+    # one writes the host weights during the run
+    weights: WeightGate | None = None
+    reader: Any = None
+    # inputs the automatic split cut: a layer's error lists them
+    auto_cut: tuple[AutoSplitLeaf, ...] = ()
+
+    def __post_init__(self, grad_sink: GradSink) -> None:
+        self.num_layers = len(self.layers)
+        self.job_grads = JobGrads(batched_sink(grad_sink))  # replicas: in slice order
         self.store = RecomputeStore()
         # layers passed to rule_checker by any run (it checks a layer's first forward only)
-        self.rules_checked: set[int] = _passed_to(rule_checker)
-        # the caller's autocast, re-entered on the worker threads (it is thread-local)
-        self.autocast = autocast if autocast is not None else AutocastState.capture()
+        self.rules_checked: set[int] = set()
+        if self.rule_checker is not None:
+            with _PASSED_LOCK:
+                self.rules_checked = _PASSED.setdefault(self.rule_checker, set())
         self._cond = threading.Condition()
         self._acts: dict[tuple[int, int], Any] = {}
         self._grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        # layer l's draws on microbatch m come from a stream seeded with (rng_base, l, m)
-        self.rng_base = rng_base
         # a blocking call: only then may CPU workers share the cores by default (cpu.py)
         self.caller_waits = False
         # where a stream is seeded (streams.py): every forward stage start (recorded by the
         # forward jobs) and backward one (the boundaries); every layer for grain "layer"
-        self.seed_every_layer = recompute_grain == RecomputeGrain.LAYER
-        self.stream_starts: set[int] = set(boundaries)
+        self.seed_every_layer = self.recompute_grain == RecomputeGrain.LAYER
+        self.stream_starts: set[int] = set(self.boundaries)
         self.outputs: dict[int, Any] = HostOutputs()  # built when read, after the run
         self.losses: dict[int, torch.Tensor] = {}
         self.failed: BaseException | None = None
         self.timing = CallTiming()  # what the call measured (the workers' clocks hand it over)
-        # the uploads' weight-version gate and this run's reader (pipelined.py); None: no
-        # one writes the host weights during the run
-        self.weights = weights
-        self.reader = reader
-        self.auto_cut = auto_cut  # inputs the automatic split cut: a layer's error lists them
 
     # -- rendezvous -----------------------------------------------------------
     def put_act(self, boundary: int, mb: int, value: Any) -> None:
@@ -164,14 +148,6 @@ _PASSED: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
 _PASSED_LOCK = threading.Lock()
 
 
-def _passed_to(checker: Any) -> set[int]:
-    """The layers already handed to ``checker`` (shared by all runs that use it)."""
-    if checker is None:
-        return set()
-    with _PASSED_LOCK:
-        return _PASSED.setdefault(checker, set())
-
-
 def _requires_grad_inputs(
     value: Any, needs: list[bool] | None
 ) -> tuple[Any, list[torch.Tensor | None]]:
@@ -194,24 +170,6 @@ def _requires_grad_inputs(
         for i, x in enumerate(leaves)
     ]
     return rebuild([x if t is None else t for x, t in zip(leaves, tracked)]), tracked
-
-
-def _needs(run: PipelineRun, start: int) -> list[bool] | None:
-    """Which input leaves take a gradient: all float leaves inside the model; at layer 0
-    only the call's inputs that require grad."""
-    if start > 0:
-        return None
-    return run.input_needs_grad if run.input_needs_grad is not None else []
-
-
-def _publish_input_grad(
-    run: PipelineRun, start: int, mb: int, worker: Worker, tracked: list[torch.Tensor | None]
-) -> None:
-    """Hand the gradient of the stage input to the stage before (or to the caller at layer 0)."""
-    if start > 0 or bool(run.input_needs_grad and any(run.input_needs_grad)):
-        run.put_grad(
-            start, mb, grads_to_host(worker, [t.grad if t is not None else None for t in tracked])
-        )
 
 
 def _backward(out: Any, grads: list[torch.Tensor | None]) -> None:
@@ -357,15 +315,15 @@ def _microbatch(
     if kind == JobKind.BACKWARD:
         grads_out = run.get_grad(r.stop, mb)
     else:
-        record_stream_start(run, r.start)
+        run.stream_starts.add(r.start)  # a forward stage starts a stream (atomic insertion)
     value = run.get_act(r.start, mb)
     t_in = time.perf_counter()
     if kind == JobKind.FORWARD:
         x, held = to_device(worker, value)
     elif kind == JobKind.FUSED:
-        x, label, held = to_device_pair(worker, value, run.labels[mb])
+        x, label, held = to_device(worker, value, run.labels[mb])
     else:
-        x, g_dev, held = input_and_grad_to_device(worker, value, grads_out)
+        x, *g_dev, held = to_device(worker, value, *grads_out)
     worker.wait_channel("activation")
     clock.transfer("activation", f"{job} in mb{mb}", t_in)
     try:
@@ -378,7 +336,9 @@ def _microbatch(
                 run.outputs[mb] = out
             run.put_act(r.stop, mb, out)
             return
-        needs = _needs(run, r.start)
+        # the input leaves that take a gradient: every float leaf inside the model, at
+        # layer 0 only the call's inputs that require grad
+        needs = None if r.start else (run.input_needs_grad or [])
         layerwise = kind == JobKind.BACKWARD and run.recompute_grain == RecomputeGrain.LAYER
         # grain "layer" turns autograd on and off per layer itself
         with ComputeScope(worker, None if layerwise else True, run, job):
@@ -394,7 +354,10 @@ def _microbatch(
                 t0 = worker.time_point()
                 _backward(x, g_dev)
                 clock.span("bwd", r, t0)
-            _publish_input_grad(run, r.start, mb, worker, tracked)
+            # the stage input's gradient, for the stage before (at layer 0: the caller)
+            if r.start or any(needs or ()):
+                grads = [t.grad if t is not None else None for t in tracked]
+                run.put_grad(r.start, mb, grads_to_host(worker, grads))
     except BaseException as exc:
         _annotate(exc, run, job, None, mb, worker)
         raise

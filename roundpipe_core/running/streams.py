@@ -20,7 +20,7 @@ import torch
 from .devices.base import Worker
 from .devices.cpu import RNG_SHARED, RNG_WATCH, CPUWorker, StageCompute
 
-__all__ = ["ComputeScope", "record_stream_start", "replay_seed", "seed_stream"]
+__all__ = ["ComputeScope", "replay_seed", "seed_stream"]
 
 
 class ComputeScope:
@@ -30,22 +30,22 @@ class ComputeScope:
     every microbatch of every job, where three nested context managers cost more than
     a small stage's own Python work.
 
-    A CPU worker computes in the scope the ``job``'s stage's draws allow
-    (``CPUWorker.stage_compute``): beside other stages when it was seen not to draw
-    (nothing is then seeded, saved or given back), else alone."""
+    A CPU worker that may overlap others computes in the scope the ``job``'s stage's draws
+    allow (:class:`~.devices.cpu.StageCompute`): beside other stages when it was seen not
+    to draw (nothing is then seeded, saved or given back), else alone."""
 
     __slots__ = ("worker", "grad", "compute", "prev", "state")
 
     def __init__(self, worker: Worker, grad: bool | None, run: Any, job: Any) -> None:
         self.worker = worker
         self.grad = grad
-        stage_compute = getattr(worker, "stage_compute", None)
-        if stage_compute is not None and worker.concurrent:  # type: ignore[attr-defined]
+        if isinstance(worker, CPUWorker) and worker.concurrent:
             r = job.layers
             owner = run.layers[r.start]
             key = (str(job.kind), r.start, r.stop, owner.training)
             # by default only the replicas of one stage in a blocking call share the cores
-            self.compute = stage_compute(owner, key, run.caller_waits and job.replicas > 1)
+            share = run.caller_waits and job.replicas > 1
+            self.compute: Any = StageCompute(worker, owner, key, share)
         else:
             self.compute = worker.compute()
         self.prev = True
@@ -76,12 +76,6 @@ class ComputeScope:
                 torch._C._set_grad_enabled(self.prev)
                 self.state = None
                 self.compute.__exit__(*exc)
-
-
-def record_stream_start(run: Any, start: int) -> None:
-    """A forward stage starts a stream at layer ``start`` (set insertion is atomic)."""
-    if start not in run.stream_starts:
-        run.stream_starts.add(start)
 
 
 def seed_stream(run: Any, worker: Worker, layer: int, mb: int) -> None:

@@ -401,19 +401,12 @@ class JobClock:
         with different microbatch counts average consistently) and note its timing
         from ``start`` (``time.perf_counter()``, its parameters ready) to now. On CUDA
         this reads the job's events, which its last microbatch has passed."""
-        sums = self.sums
-        total = 0.0
-        if self._seconds:
-            for kind, a, b, t0, t1 in self.marks:
-                ms = (t1 - t0) * 1000.0
-                sums[kind, a, b] = sums.get((kind, a, b), 0.0) + ms / microbatches
-                total += ms
-        else:
-            elapsed = self.worker.elapsed_ms
-            for kind, a, b, t0, t1 in self.marks:
-                ms = elapsed(t0, t1)
-                sums[kind, a, b] = sums.get((kind, a, b), 0.0) + ms / microbatches
-                total += ms
+        sums, total = self.sums, 0.0
+        elapsed = None if self._seconds else self.worker.elapsed_ms
+        for kind, a, b, t0, t1 in self.marks:
+            ms = (t1 - t0) * 1000.0 if elapsed is None else elapsed(t0, t1)
+            sums[kind, a, b] = sums.get((kind, a, b), 0.0) + ms / microbatches
+            total += ms
         self.marks.clear()
         timing = JobTiming(job, self.worker.index, start, time.perf_counter(), total)
         self.jobs.append(timing)

@@ -10,12 +10,8 @@ of a :class:`~roundpipe_core.planning.simulate.SimResult`), converted the same w
 that both open side by side with the same rows. Measured transfer spans are host wall
 clock: on CUDA they cover issuing a copy and any wait for it.
 
-:func:`chrome_trace` turns spans into the trace-event JSON object: one process per
-timeline, one row per device lane (``"device 0"``, ``"device 0 upload"``), device by
-device with the optimizer last; :func:`side_by_side_trace` / :func:`merge_traces` put
-a measured and a simulated timeline into one file; :func:`write_trace` saves it.
-Compute spans are named like the schedule's text form of a job: ``"2F0"`` is stage 2,
-forward (``X`` fused, ``B`` backward), on device 0.
+:func:`chrome_trace` turns spans into the trace-event JSON object, one row per device
+lane; compute spans are named like the schedule's text form of a job (:func:`job_name`).
 """
 
 from __future__ import annotations
@@ -198,9 +194,6 @@ def spans_from_simulation(
             return None
         return jobs[e.iteration * per_iter + e.job]
 
-    def compute_name(e: Any) -> str:
-        return f"{e.stage}{JobKind(e.kind).code}{e.device}"
-
     out: list[Span] = []
     groups: dict[Any, list[Any]] = {}
     for e in events:
@@ -224,7 +217,7 @@ def spans_from_simulation(
             args = {"kind": e0.kind, "stage": e0.stage, "microbatches": mb, "job": e0.job}
         args["iteration"] = e0.iteration
         start, end = min(e.start for e in evs) / 1e3, max(e.end for e in evs) / 1e3
-        out.append(Span(e0.device, "compute", compute_name(e0), start, end, args))
+        out.append(Span(e0.device, "compute", job_name(e0), start, end, args))
     out.sort(key=lambda s: (s.start_s, s.end_s))
     return out
 

@@ -16,7 +16,6 @@ import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -34,7 +33,6 @@ __all__ = [
     "batched_sink",
     "StageReplica",
     "download_grads",
-    "make_skeleton",
     "release_stage",
     "upload_job",
     "upload_stage",
@@ -47,22 +45,18 @@ GradSinkMany = Callable[[list[torch.Tensor], list[torch.Tensor]], None]
 """Called as ``sink_many(host_params, host_grads)`` with a job's gradients at once."""
 
 
-def batched_sink(sink: GradSink) -> GradSinkMany | None:
-    """The one-call-per-job form of ``sink``, if it has one: a sink that is the bound
-    ``add`` of an object with ``add_many(params, grads)`` (``pipelined.GradBuffer``)."""
-    owner = getattr(sink, "__self__", None)
-    if owner is None or getattr(sink, "__name__", None) != "add":
-        return None
-    many = getattr(owner, "add_many", None)
-    return many if callable(many) else None
+def batched_sink(sink: GradSink) -> GradSinkMany:
+    """The one-call-per-job form of ``sink``: the ``add_many(params, grads)`` of the object
+    whose bound ``add`` it is (``pipelined.GradBuffer``), else a loop over ``sink``."""
+    many = getattr(getattr(sink, "__self__", None), "add_many", None)
+    if callable(many) and getattr(sink, "__name__", None) == "add":
+        return many
 
+    def each(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        for p, g in zip(params, grads):
+            sink(p, g)
 
-@dataclass
-class _Slot:
-    module: nn.Module  # a module inside the replica
-    name: str  # attribute name of the parameter / buffer in it
-    source: torch.Tensor  # the host tensor it mirrors
-    is_param: bool
+    return each
 
 
 class StageReplica:
@@ -95,29 +89,6 @@ class StageReplica:
 
 
 _SYNCED_TYPES = (bool, int, float, str, type(None))
-
-
-def make_skeleton(layer: nn.Module) -> tuple[nn.Module, list[_Slot]]:
-    """Deep-copy ``layer`` with meta placeholders for its parameters, buffers and the
-    tensors its modules keep outside them (``carried.py``), to be filled by an upload;
-    shared tensors stay shared (``ValueError`` for a plain attribute that requires grad)."""
-    memo: dict[int, object] = {}
-    for p in layer.parameters(recurse=True):
-        memo[id(p)] = nn.Parameter(
-            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
-        )
-    for b in layer.buffers(recurse=True):
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    for t in attribute_tensors(layer):
-        memo.setdefault(id(t), torch.empty_like(t, device="meta"))
-    replica = copy.deepcopy(layer, memo)
-    slots: list[_Slot] = []
-    for (_, orig), (_, rep) in zip(
-        layer.named_modules(remove_duplicate=False), replica.named_modules(remove_duplicate=False)
-    ):
-        for table, is_param in ((orig._parameters, True), (orig._buffers, False)):
-            slots += [_Slot(rep, n, t, is_param) for n, t in table.items() if t is not None]
-    return replica, slots
 
 
 def _signature(m: nn.Module) -> tuple:
@@ -157,11 +128,24 @@ def _synced(tree: _Tree) -> bool:
 
 
 class _Tree:
-    """What a cached skeleton was built from (its modules' checks) and its upload's
-    layout: the distinct host tensors the slots mirror (tied weights once), whether each
-    is a parameter, where each lands."""
+    """A skeleton of ``layer``: ``replica``, a deep copy with meta placeholders for its
+    parameters, buffers and the tensors its modules keep outside them (``carried.py``),
+    shared tensors staying shared (``ValueError`` for a plain attribute that requires
+    grad), to be filled by an upload; what it was built from (its modules' checks); its
+    upload's layout: the distinct host tensors its slots mirror (tied weights once),
+    whether each is a parameter, where each lands."""
 
-    def __init__(self, layer: nn.Module, replica: nn.Module, slots: list[_Slot]) -> None:
+    def __init__(self, layer: nn.Module) -> None:
+        memo: dict[int, object] = {}
+        for p in layer.parameters(recurse=True):
+            memo[id(p)] = nn.Parameter(
+                torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+            )
+        for b in layer.buffers(recurse=True):
+            memo[id(b)] = torch.empty_like(b, device="meta")
+        for t in attribute_tensors(layer):
+            memo.setdefault(id(t), torch.empty_like(t, device="meta"))
+        self.replica = replica = copy.deepcopy(layer, memo)
         # per host module what one check reads: its signature, its __dict__ and size, the
         # replica's __dict__, the keys of the attributes that are not tables (flags to sync)
         self.checks = [
@@ -175,19 +159,26 @@ class _Tree:
             )
             for m, r in zip(layer.modules(), replica.modules())
         ]
-        sources: dict[int, torch.Tensor] = {}
+        self.source_list: list[torch.Tensor] = []
         self.is_param: list[bool] = []
-        slot_source: list[int] = []
+        # where each upload puts its tensors: the replica modules' own tables, found once
+        self.fills: list[tuple[dict[str, Any], str, int]] = []
         pos: dict[int, int] = {}
-        for s in slots:
-            k = id(s.source)
-            if k not in pos:
-                pos[k] = len(sources)
-                sources[k] = s.source
-                self.is_param.append(False)
-            slot_source.append(pos[k])
-            self.is_param[pos[k]] = self.is_param[pos[k]] or s.is_param
-        self.source_list = list(sources.values())
+        for (_, orig), (_, rep) in zip(
+            layer.named_modules(remove_duplicate=False),
+            replica.named_modules(remove_duplicate=False),
+        ):
+            for table, is_param in ((orig._parameters, True), (orig._buffers, False)):
+                into = rep._parameters if is_param else rep._buffers
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    i = pos.setdefault(id(t), len(self.source_list))
+                    if i == len(self.source_list):
+                        self.source_list.append(t)
+                        self.is_param.append(False)
+                    self.is_param[i] = self.is_param[i] or is_param
+                    self.fills.append((into, name, i))
         # what the layer keeps outside its parameters and buffers (quant states): uploaded
         # after them, rebuilt into the replica on every upload
         carried = CarriedState(layer, replica, self.source_list)
@@ -198,16 +189,9 @@ class _Tree:
             self.source_list.extend(self.carried.tensors)
             self.is_param.extend(False for _ in self.carried.tensors)
         self.epoch: object = None  # the stretch of uploads that last checked and synced it
-        # where each upload puts its tensors: the replica modules' own tables, found once
-        self.fills: list[tuple[dict[str, Any], str, int]] = [
-            (s.module._parameters if s.is_param else s.module._buffers, s.name, i)
-            for s, i in zip(slots, slot_source)
-        ]
 
 
-def _skeleton_for(
-    worker: Worker, layer: nn.Module, slot: int, epoch: object = None
-) -> tuple[nn.Module, _Tree]:
+def _skeleton_for(worker: Worker, layer: nn.Module, slot: int, epoch: object = None) -> _Tree:
     """The worker's cached skeleton of ``layer``, two per layer (``slot`` 0/1: the running
     and the prefetched stage never share modules), checked against the host module and
     synced to its flags once per ``epoch`` (:func:`upload_stage`; ``None``: every time)."""
@@ -215,13 +199,12 @@ def _skeleton_for(
     key = (id(layer), slot)
     hit = cache.get(key)
     if hit is not None and epoch is not None and hit[1].epoch is epoch and hit[0] is layer:
-        return hit[2], hit[1]
+        return hit[1]
     if hit is None or hit[0] is not layer or not _synced(hit[1]):
-        replica, slots = make_skeleton(layer)
-        hit = (layer, _Tree(layer, replica, slots), replica, slots)
+        hit = (layer, _Tree(layer))
         cache[key] = hit  # a fresh deep copy: its flags are the host's already
     hit[1].epoch = epoch
-    return hit[2], hit[1]
+    return hit[1]
 
 
 class _StageLayout:
@@ -230,32 +213,15 @@ class _StageLayout:
     parameters and take gradients, where each lands. Rebuilt with a layer's skeleton;
     flags re-read once per epoch (a parameter frozen between calls stops taking grads)."""
 
-    __slots__ = (
-        "layers",
-        "trees",
-        "modules",
-        "position",
-        "chunks",
-        "read_only",
-        "sources",
-        "wrap",
-        "fills",
-        "grad_pos",
-        "buffer_pos",
-        "epoch",
-        "carried",
-        "_is_param",
-    )
-
     def __init__(
         self,
         layers: Sequence[nn.Module],
         indices: Sequence[int],
-        skeletons: Sequence[tuple[nn.Module, _Tree]],
+        trees: Sequence[_Tree],
     ) -> None:
         self.layers = list(layers)
-        self.trees = [tree for _, tree in skeletons]
-        self.modules = [module for module, _ in skeletons]
+        self.trees = list(trees)
+        self.modules = [tree.replica for tree in trees]
         self.position = {idx: k for k, idx in enumerate(indices)}
         # one copy_in per layer, as a failed upload must release the layers before it
         self.chunks = [tree.source_list for tree in self.trees]
@@ -317,13 +283,13 @@ def _stage_layout(
     layout = cache.get(key)
     if layout is not None and epoch is not None and layout.epoch is epoch:
         return layout
-    skeletons = [_skeleton_for(worker, layer, slot, epoch) for layer in layers]
+    trees = [_skeleton_for(worker, layer, slot, epoch) for layer in layers]
     # the key's ids name these very layers: the cached layout keeps them alive; trees
     # compare by identity (no __eq__)
-    if layout is None or layout.trees != [t for _, t in skeletons]:
+    if layout is None or layout.trees != trees:
         if len(cache) >= _MAX_LAYOUTS:
             cache.clear()
-        layout = _StageLayout(layers, indices, skeletons)
+        layout = _StageLayout(layers, indices, trees)
         cache[key] = layout
     else:
         layout.refresh()
@@ -407,11 +373,8 @@ def _parameter(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=requires_grad)
 
 
-def download_grads(
-    stage: StageReplica, sink: GradSink, sink_many: GradSinkMany | None = None
-) -> None:
-    """Download the stage's gradients (``Worker.take_out``) to ``sink``, or all at once to
-    ``sink_many`` when given."""
+def download_grads(stage: StageReplica, sink_many: GradSinkMany) -> None:
+    """Download the stage's gradients (``Worker.take_out``) to ``sink_many`` in one call."""
     held, sources = stage.held, stage.layout.sources
     pending_src: list[torch.Tensor] = []
     pending_dev: list[torch.Tensor] = []
@@ -420,14 +383,8 @@ def download_grads(
         if g is not None:
             pending_src.append(sources[i])
             pending_dev.append(g)
-    if not pending_dev:
-        return
-    host = stage.worker.take_out(pending_dev)
-    if sink_many is not None:
-        sink_many(pending_src, host)
-        return
-    for src, g in zip(pending_src, host):
-        sink(src, g)
+    if pending_dev:
+        sink_many(pending_src, stage.worker.take_out(pending_dev))
 
 
 def write_back_buffers(stage: StageReplica) -> None:

@@ -35,9 +35,9 @@ def test_failed_upload_of_layer_k_releases_layers_before_it() -> None:
         with pytest.raises(torch.OutOfMemoryError):
             worker.submit(upload_stage, worker, layers, range(4)).result(timeout=30)
         assert worker.ledger.current.get("param", 0) == 0
-        for _, _, replica, _ in worker.skeletons.values():
+        for _, tree in worker.skeletons.values():
             # a skeleton never filled holds meta placeholders; a filled one, device tensors
-            tensors = list(replica.parameters()) + list(replica.buffers())
+            tensors = list(tree.replica.parameters()) + list(tree.replica.buffers())
             held = [t for t in tensors if not t.is_meta]
             assert held == [], "a cached skeleton still holds device tensors"
     finally:

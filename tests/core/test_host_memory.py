@@ -162,14 +162,14 @@ def test_replicas_hold_the_gradients_the_budget_counts(monkeypatch: pytest.Monke
     handed: list[tuple[int, int]] = []  # (replica, gradient bytes) per replicated job
     real = replicas_mod.download_grads
 
-    def counting(stage, sink, sink_many):  # type: ignore[no-untyped-def]
+    def counting(stage, sink_many):  # type: ignore[no-untyped-def]
         got: list[torch.Tensor] = []
 
         def keep(ps: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
             got.extend(gs)
             sink_many(ps, gs)
 
-        real(stage, lambda p, g: keep([p], [g]), keep)
+        real(stage, keep)
         handed.append((current[0], _bytes(got)))
 
     current = [0]

@@ -122,7 +122,7 @@ def test_an_upload_holds_one_device_tensor_per_distinct_host_tensor_of_a_layer()
         assert worker.ledger.current["param"] == emb.weight.nbytes
         replica(torch.tensor([[1, 2]])).sum().backward()
         got: list[tuple[torch.Tensor, torch.Tensor]] = []
-        download_grads(stage, lambda p, g: got.append((p, g)))
+        download_grads(stage, lambda ps, gs: got.extend(zip(ps, gs)))
         assert len(got) == 1 and got[0][0] is emb.weight
         release_stage(stage)
         assert worker.ledger.current["param"] == 0
@@ -178,7 +178,7 @@ def test_a_stages_gradients_leave_the_device_once_and_exactly() -> None:
             replica(x).sum().backward()
             on_device = [replica.weight.grad, replica.bias.grad]
             got: list[tuple[torch.Tensor, torch.Tensor]] = []
-            download_grads(stage, lambda p, g, out=got: out.append((p, g)))
+            download_grads(stage, lambda ps, gs, out=got: out.extend(zip(ps, gs)))
             assert [p for p, _ in got] == [layer.weight, layer.bias]
             for (_, g), d, e in zip(got, on_device, expected):
                 assert (g is d) == same

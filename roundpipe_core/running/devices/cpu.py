@@ -276,9 +276,11 @@ def _use_threads(worker: CPUWorker, n: int) -> None:
 
 
 class StageCompute:
-    """The scope of one microbatch of a job on a CPU worker: the gate in the mode the
-    stage's draws and ``may_share`` allow, its intra-op threads, and the check that the
-    stage drew what it was believed to (``check_draws``)."""
+    """The scope of one microbatch of a job on a CPU worker that may overlap others: the
+    gate in the mode the stage's draws and ``may_share`` (the default lets a replica in a
+    blocking call share) allow, its intra-op threads, and the check that the stage drew
+    what it was believed to (``check_draws``). ``owner``: the stage's first host layer,
+    ``key`` as :class:`ComputeGate`'s."""
 
     __slots__ = ("worker", "owner", "key", "may_share", "mode", "nested", "entry")
 
@@ -406,12 +408,6 @@ class CPUWorker(Worker):
 
     def compute(self) -> contextlib.AbstractContextManager:
         return _GATE  # alone (the scope of every stage where workers do not overlap)
-
-    def stage_compute(self, owner: Any, key: tuple, may_share: bool) -> StageCompute:
-        """The :class:`StageCompute` of a stage (``owner``: its first host layer, ``key``
-        as :class:`ComputeGate`'s) on a worker that may overlap others; ``may_share``:
-        the default lets it (a replica, in a blocking call)."""
-        return StageCompute(self, owner, key, may_share)
 
     def watch_seed(self, seed: int) -> None:
         """Seed a stream while the stage's draws are watched, noting a draw since the last

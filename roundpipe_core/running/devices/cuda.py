@@ -450,14 +450,11 @@ class CUDAWorker(Worker):
 
     # -- compute ------------------------------------------------------------
     @contextlib.contextmanager
-    def _compute_ctx(self) -> Iterator[None]:
+    def compute(self) -> Iterator[None]:
         shared = _DEVICE_USERS[self.gpu_index] > 1
         lock = self._device_lock if shared else contextlib.nullcontext()
         with lock, torch.cuda.device(self.device), torch.cuda.stream(self.compute_stream):
             yield
-
-    def compute(self) -> contextlib.AbstractContextManager:
-        return self._compute_ctx()
 
     def get_rng_state(self) -> Any:
         # Model code on this worker draws from the GPU's generator. The CPU

@@ -38,14 +38,6 @@ WORKER_START_TIMEOUT_S = 120.0
 _live_pools: weakref.WeakSet = weakref.WeakSet()
 
 
-def _cuda_worker(index: int, device: torch.device) -> Worker:
-    from .cuda import CUDAWorker  # imported lazily: CUDA pieces stay optional
-    from .memory import default_allocator_settings
-
-    default_allocator_settings()  # before the worker starts CUDA
-    return CUDAWorker(index, device)
-
-
 def _cpu_count(text: str | None = None, what: str = "ROUNDPIPE_CPU_DEVICES") -> int:
     """``text`` (default: the variable) as a positive count in the digits 0-9 (``int()``
     would read "+3" or "٣"); ValueError naming ``what`` otherwise."""
@@ -154,7 +146,11 @@ class DevicePool:
                     cpu_worker.share_always = self.cpu_sharing == SHARE_ALWAYS
                     self.workers.append(cpu_worker)
                 else:
-                    self.workers.append(_cuda_worker(i, d))
+                    from .cuda import CUDAWorker  # imported lazily: CUDA pieces stay optional
+                    from .memory import default_allocator_settings
+
+                    default_allocator_settings()  # before the worker starts CUDA
+                    self.workers.append(CUDAWorker(i, d))
             # A worker whose thread set-up failed would fail every job it is given while
             # the other workers wait for its activations: refuse the pool up front.
             for w in self.workers:
@@ -276,24 +272,21 @@ class DevicePool:
         if self._closed:
             raise RuntimeError("this RoundPipe's device pool is closed; create a new RoundPipe")
         if self.cpu_concurrent:
-            self._share_threads(queues)
+            # the caller's intra-op threads for a stage alone, an equal share for each busy
+            # CPU worker beside others; one with no other CPU worker busy in this
+            # submission computes alone: nothing to overlap, and alone its stages are
+            # seeded as on a pool without the switch (another thread drawing stops nothing)
+            full = torch.get_num_threads()
+            busy = [w for w, q in zip(self.workers, queues) if q and w.kind == "cpu"]
+            for w in busy:
+                w.full_threads = full  # type: ignore[attr-defined]
+                w.shared_threads = max(1, full // len(busy))  # type: ignore[attr-defined]
+                w.has_siblings = len(busy) > 1  # type: ignore[attr-defined]
         return [
             worker.submit(_run_then_finish, run_queue, worker, q)
             for worker, q in zip(self.workers, queues)
             if q
         ]
-
-    def _share_threads(self, queues: list[list[Any]]) -> None:
-        """The caller's intra-op threads for a stage alone, an equal share for each busy
-        CPU worker beside others. A worker with no other CPU worker busy in this
-        submission computes alone: nothing to overlap, and alone its stages are seeded as
-        on a pool without the switch (another thread drawing then stops nothing)."""
-        full = torch.get_num_threads()
-        busy = [w for w, q in zip(self.workers, queues) if q and w.kind == "cpu"]
-        for w in busy:
-            w.full_threads = full  # type: ignore[attr-defined]
-            w.shared_threads = max(1, full // len(busy))  # type: ignore[attr-defined]
-            w.has_siblings = len(busy) > 1  # type: ignore[attr-defined]
 
     def run(self, queues: list[list[Any]], run_queue: Callable[[Worker, list[Any]], None]) -> None:
         """:meth:`submit`, then wait for all; raise the first failure that is not a
