@@ -56,7 +56,6 @@ __all__ = [
     "STEP_UNSUPPORTED",
     "DiskTier",
     "check_offload_args",
-    "tier_disk_bytes",
 ]
 
 _ALIGN = 4096
@@ -163,13 +162,6 @@ def _cancel(fut: Future) -> None:
         fut.result()
 
 
-def tier_disk_bytes(master_bytes: int, optimizer_states: int, num_params: int = 0) -> int:
-    """Disk bytes the tier needs: two slots of every record (master + its parameter-sized
-    states, each page-padded: ``num_params`` pages of padding at most per tensor)."""
-    per_slot = master_bytes * (1 + optimizer_states) + num_params * (2 + optimizer_states) * _ALIGN
-    return 2 * per_slot
-
-
 def check_offload_args(offload_dir: Any, shared_masters: bool | None, owns_masters: bool) -> bool:
     """``shared_masters`` for a RoundPipe with ``offload_dir``: False (a shared master is
     the model's weight, which must stay resident).
@@ -241,13 +233,8 @@ class DiskTier:
         # a master's layer: the first holding it (the backward completes deep layers first)
         self._layer: list[int] = [0] * len(self._params)
         self._layer_keys: dict[int, list[int]] = {}
-        seen: set[int] = set()
-        for li, layer in enumerate(layers):
-            for p in layer.parameters():
-                m = masters.master_of.get(id(p))
-                if m is None or id(m) not in self._index or id(m) in seen:
-                    continue
-                seen.add(id(m))
+        for li in reversed(range(len(layers))):  # (a shallower layer overwrites a deeper)
+            for m in masters.of_layers([layers[li]]):
                 self._layer[self._index[id(m)]] = li
         for i in range(len(self._params)):
             self._layer_keys.setdefault(self._layer[i], []).append(i)
@@ -356,20 +343,14 @@ class DiskTier:
                 f"offload_dir {self.path!r}: could not create the store's files ({e}); "
                 "check the directory's space and permissions"
             ) from e
-        if self.direct and not self._direct_io_works(fds[0]):
-            for fd in fds:
-                os.close(fd)
-            return self._open_slots(size, False)
+        if self.direct:  # a file system may accept O_DIRECT at open and refuse the IO
+            try:
+                _pwrite(fds[0], _aligned_empty(_ALIGN), 0)
+            except OSError:
+                for fd in fds:
+                    os.close(fd)
+                return self._open_slots(size, False)
         return fds
-
-    @staticmethod
-    def _direct_io_works(fd: int) -> bool:
-        buf = _aligned_empty(_ALIGN)
-        try:
-            _pwrite(fd, buf, 0)
-        except OSError:
-            return False
-        return True
 
     def _sync_slot(self, slot: int) -> None:
         os.fsync(self._fds[slot])
@@ -487,11 +468,7 @@ class DiskTier:
         """
         opt = self._optimizer_of(step_params)
         kwargs = dict(step_params.keywords) if isinstance(step_params, functools.partial) else {}
-
-        def step_part(part: list[nn.Parameter]) -> None:
-            self.step(opt, part, kwargs)
-
-        return step_part
+        return functools.partial(self.step, opt, kwargs=kwargs)
 
     def _optimizer_of(self, step_params: Any) -> torch.optim.Optimizer:
         if not (
@@ -615,12 +592,11 @@ class DiskTier:
             same = entries == rec.layout.entries and all(
                 rec.tensors[k].data_ptr() == t.data_ptr() for k, t in tensors.items()
             )
+            layout = self._alloc(nxt, i, entries)
             if same:  # stepped in place in the read buffer: write it as it is
-                layout = self._alloc(nxt, i, entries)
                 layout.scalars = scalars
                 out = rec
             else:  # new state tensors (a first step): gather them into one buffer
-                layout = self._alloc(nxt, i, entries)
                 if layout.nbytes > n:  # (the read reserved the record's room)
                     self._take_bytes(layout.nbytes - n, block=True)
                     n = layout.nbytes
@@ -696,23 +672,18 @@ class DiskTier:
         """Master ``i``'s values in the current generation (read now, a fresh tensor)."""
         slot = self.gen % 2 if slot is None else slot
         lay = self._layouts[slot][i]
-        dt, shape = lay.entries[0][1], lay.entries[0][2]
-        head = _Layout(lay.offset, lay.capacity, [(_MASTER, dt, shape)])
+        head = _Layout(lay.offset, lay.capacity, lay.entries[:1])  # the master's entry only
         rec = self._read(slot, head)
         self.bytes_read += head.nbytes
         return rec.tensors[_MASTER]
 
     # -- checkpoints ---------------------------------------------------------------------
-    def _mapped(self) -> torch.Tensor:
-        """The current slot file, memory-mapped (saving reads it from the page cache)."""
+    def _records_mapped(self) -> list[_Record]:
+        """The current slot's records, memory-mapped (saving reads them from the page cache)."""
         slot = self.gen % 2
         f = os.path.join(self._dir, f"slot{slot}.bin")
         size = os.fstat(self._fds[slot]).st_size
-        return torch.from_file(f, shared=True, size=size, dtype=torch.uint8)
-
-    def _records_mapped(self) -> list[_Record]:
-        mapped = self._mapped()
-        slot = self.gen % 2
+        mapped = torch.from_file(f, shared=True, size=size, dtype=torch.uint8)
         return [
             _Record(lay, mapped[lay.offset : lay.offset + lay.nbytes])
             for lay in self._layouts[slot]
