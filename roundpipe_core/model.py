@@ -29,7 +29,7 @@ from .checks import (
     check_not_compiled_in_place,
 )
 from .config import RoundPipeRunConfig, check_run_config
-from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
+from .kinds import PinMode, RecomputeGrain, RunType, check_flag, parse_kind
 from .loss import check_loss_reduction, default_loss_fn, microbatch_loss_weights
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
@@ -451,8 +451,7 @@ class RoundPipe(RoundPipeBase):
             raise TypeError(
                 f"loss_fn must be callable as loss_fn(output, label), got {type(loss_fn).__name__}"
             )
-        if not isinstance(blocking, bool):
-            raise TypeError(f"blocking must be True or False, got {blocking!r}")
+        check_flag(blocking, "blocking")
         args = tuple(input_args) if isinstance(input_args, (tuple, list)) else (input_args,)
         kwargs = {} if input_kwargs is None else input_kwargs
         if not isinstance(kwargs, dict):

@@ -35,15 +35,11 @@ class PipelinedCall:
         # become free); with every device idle a call starts on the first, as a lone one
         running = any(not r.done() for r in runs.inflight())
         self.start_device = runs.next_device if running else 0
+        self.weights = runs.versions  # what the call's uploads wait on, layer by layer
         self.reader: Any = None
         self.launched = False
         # the call's PendingResult: made (by the caller) before its jobs are submitted
         self.pending_result: Any = None
-
-    @property
-    def weights(self) -> Any:
-        """What the call's uploads wait on, layer by layer: the weight versions."""
-        return self._runs.versions
 
     def completion(
         self, jobs: Sequence[Job], masters_of: Callable[[Job], list[nn.Parameter]]
@@ -210,7 +206,11 @@ class StepOwner(PipelinedRuns):
 
     def call_ended(self, pending: PendingResult) -> None:
         """A pipelined call's jobs are all done (its last worker's thread): release what
-        its uploads read, and report its error to the failure path."""
+        its uploads read, and report its error to the failure path (the failure itself
+        where one aborted the call)."""
         self.versions.finish(pending.run.reader)
         if pending.error is not None:
-            self.record_run_error(pending)
+            failure = self.failure
+            if isinstance(pending.error, PoolError) and failure is not None:
+                pending.error = failure
+            self.record_failure(pending.error)

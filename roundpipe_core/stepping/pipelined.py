@@ -454,14 +454,6 @@ class PipelinedRuns(Stepper):
         )
         self.queue(wrap(item), guarded=True, publishes=True)
 
-    def record_run_error(self, p: PendingResult) -> None:
-        """A run ended with ``p.error``: report the cause if a failure aborted it."""
-        assert p.error is not None
-        failure = self.failure
-        if isinstance(p.error, PoolError) and failure is not None:
-            p.error = failure
-        self.record_failure(p.error)
-
     def result_of(self, r: PendingResult) -> Any:
         """``r.result()``: raise its error, or merge it (and the runs before it)."""
         if r.error is not None:
