@@ -237,7 +237,6 @@ class RoundPipe(RoundPipeBase):
         grad_sink: Callable[[torch.Tensor, torch.Tensor], None],
         **kw: Any,
     ) -> PipelineRun:
-        """A run's state."""
         if run_type != RunType.INFER and cfg.preserve_rng_state is not False:
             self.pool.warn_if_replay_differs()  # recompute replays the forward's draws
         # the base seed of its random streams: the process's seed and the call count
@@ -247,9 +246,7 @@ class RoundPipe(RoundPipeBase):
             self.layers,
             boundary_layers(plan, run_type),
             grad_sink,
-            preserve_rng_state=bool(
-                cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True
-            ),
+            preserve_rng_state=cfg.preserve_rng_state is not False,  # (None: True)
             recompute_grain=parse_kind(
                 RecomputeGrain, cfg.recompute_grain or RecomputeGrain.STAGE, "recompute_grain"
             ),

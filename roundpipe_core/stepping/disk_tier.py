@@ -198,9 +198,6 @@ class DiskTier:
         name: the RoundPipe's name (thread names, messages).
         buffer_layers: layers' records resident at most (read ahead, stepping, written
             behind); at least 1.
-        optimizer_states: parameter-sized states per master to make room and check the
-            disk space for (Adam's 2).
-        direct_io: ``O_DIRECT``; ``None``: where the file system supports it.
         free_grads: drop a master's ``.grad`` once it is stepped (``finish=zero_grad``
             would at the end anyway), so only those not stepped yet stay resident.
 
@@ -215,8 +212,6 @@ class DiskTier:
         layers: Sequence[nn.Module],
         name: str = "RoundPipe",
         buffer_layers: int = 3,
-        optimizer_states: int = _RESERVED_STATES,
-        direct_io: bool | None = None,
         free_grads: bool = True,
     ) -> None:
         check_int(buffer_layers, "buffer_layers")
@@ -239,7 +234,7 @@ class DiskTier:
         for i in range(len(self._params)):
             self._layer_keys.setdefault(self._layer[i], []).append(i)
         capacities = [
-            _pad(m.numel() * m.element_size()) * (1 + optimizer_states) + _ALIGN
+            _pad(m.numel() * m.element_size()) * (1 + _RESERVED_STATES) + _ALIGN
             for m in self._params
         ]
         #: the resident bound: buffer_layers of the largest layer's records (their states
@@ -261,7 +256,7 @@ class DiskTier:
             end += cap
         self._end = [end, end]
         self.direct = False
-        self._fds = self._open_slots(end, direct_io)
+        self._fds = self._open_slots(end)
         self.gen = 0
         self._pending: list[_Layout] | None = None  # the next slot's layouts, being written
         self._stepped: set[int] = set()
@@ -315,20 +310,18 @@ class DiskTier:
             )
         return store
 
-    def _open_slots(self, size: int, direct_io: bool | None) -> list[int]:
+    def _open_slots(self, size: int, direct: bool = True) -> list[int]:
+        """The two slot files, ``O_DIRECT`` where the file system takes it."""
         flags = os.O_RDWR | os.O_CREAT
         fds: list[int] = []
         try:
             for s in (0, 1):
                 f = os.path.join(self._dir, f"slot{s}.bin")
                 fd = -1
-                if direct_io is not False and hasattr(os, "O_DIRECT"):
-                    try:
+                if direct and hasattr(os, "O_DIRECT"):
+                    with contextlib.suppress(OSError):
                         fd = os.open(f, flags | os.O_DIRECT, 0o600)
                         self.direct = True
-                    except OSError:
-                        if direct_io:
-                            raise
                 if fd < 0:
                     fd = os.open(f, flags, 0o600)
                     self.direct = False

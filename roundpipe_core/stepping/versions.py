@@ -308,10 +308,7 @@ class WeightVersions:
 
     def set_all(self, version: int) -> None:
         """The host copy was overwritten with the masters (``synchronize()``)."""
-        with self.cond:
-            for k in self.version:
-                self.version[k] = version
-            self.cond.notify_all()
+        self._mark(list(self.version), version)
 
     @property
     def active(self) -> int:
