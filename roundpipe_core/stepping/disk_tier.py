@@ -195,7 +195,7 @@ class DiskTier:
             removed when the RoundPipe closes.
         masters: the RoundPipe's masters (all separate copies); released here.
         layers: the model's layers (a master belongs to the first layer holding it).
-        name: the RoundPipe's name (thread names, messages).
+        name: the RoundPipe's name (for its IO threads' names).
         buffer_layers: layers' records resident at most (read ahead, stepping, written
             behind); at least 1.
         free_grads: drop a master's ``.grad`` once it is stepped (``finish=zero_grad``
@@ -218,7 +218,6 @@ class DiskTier:
         self.path = os.fspath(path)
         self.free_grads = free_grads
         self.masters = masters
-        self.name = name
         self._params = [m for _, _, m in masters.copies]
         if len(self._params) != len(masters.entries):
             raise ValueError("offload_dir needs separate masters (shared_masters=False)")
@@ -239,13 +238,11 @@ class DiskTier:
         ]
         #: the resident bound: buffer_layers of the largest layer's records (their states
         #: included: a record is at most its capacity)
-        self.buffer_layers = buffer_layers
         self.limit = buffer_layers * max(
             [sum(capacities[i] for i in keys) for keys in self._layer_keys.values()] or [0]
         )
-        need = 2 * sum(capacities)
-        self.disk_bytes = need
-        self._dir = self._make_store(need)
+        self.disk_bytes = 2 * sum(capacities)
+        self._dir = self._make_store(self.disk_bytes)
         # allocate the two slots' layouts: the same place in each
         self._layouts: list[list[_Layout]] = [[], []]
         end = 0
