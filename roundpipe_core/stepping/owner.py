@@ -89,16 +89,15 @@ class StepOwner(PipelinedRuns):
         fn: Callable[[], Any],
         is_async: bool,
         may_publish_in_background: bool,
-        settle: Callable[[], None] | None = None,
+        settle: Callable[[], None],
     ) -> None:
         """Queue ``fn`` (the user's step) on the optimizer thread: deferred until the
         gradients of the iterations in flight are complete. After blocking calls the copy
         of the previous step's weights into the model runs on the thread ahead of it when
         ``may_publish_in_background`` and the step before left nothing to report; else
         now. ``is_async=False`` returns once it is done. ``settle``: how the caller
-        settles (default :meth:`settle`; a wrapper adds what it keeps outside the masters).
+        settles (:meth:`settle` and what a wrapper keeps outside the masters).
         """
-        settle = settle or self.settle
         self.raise_failure()
         if self.inflight():
             self.defer_step(fn)  # its error is raised through raise_failure()
@@ -124,12 +123,11 @@ class StepOwner(PipelinedRuns):
         is_async: bool,
         may_publish_in_background: bool,
         wrap: Callable[[Callable[[], None]], Callable[[], None]],
-        settle: Callable[[], None] | None = None,
+        settle: Callable[[], None],
     ) -> None:
         """:meth:`step` taken parameter by parameter as the gradients of the iterations
         in flight complete; with none in flight, one ``step_params(all masters)`` and
         ``finish()``. ``wrap`` wraps the work item (the step recorder)."""
-        settle = settle or self.settle
         self.raise_failure()
         if not self.inflight():
             masters = self.masters.params()

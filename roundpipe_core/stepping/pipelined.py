@@ -249,12 +249,9 @@ class PendingResult:
 class PipelinedRuns(Stepper):
     """The optimizer thread with the overlapped iterations of one RoundPipe: weight
     versions, the runs in flight, the merge of their gradients and the steps deferred
-    behind them.
+    behind them (``name``, ``layers`` and ``masters``: the RoundPipe's).
 
     Args:
-        name: the RoundPipe's name (thread names, messages).
-        layers: the model's layers.
-        masters: the master copies the optimizer updates.
         intra_op_threads: the optimizer thread's intra-op threads (None: the default).
         grad_hooks: told of each master whose gradient of a call entered ``.grad``.
     """
