@@ -271,8 +271,6 @@ class GradScaler:
 
 
 def _apply_scale(outputs: Any, scale: torch.Tensor) -> Any:
-    if isinstance(outputs, torch.Tensor):
-        return outputs * scale.to(device=outputs.device, non_blocking=True)
     cache: dict[torch.device, torch.Tensor] = {}
 
     def apply(val: Any) -> Any:
