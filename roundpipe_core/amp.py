@@ -206,7 +206,6 @@ class GradScaler:
             return self._impl.get_scale()
 
     def is_enabled(self) -> bool:
-        """Whether scaling is on."""
         return self._impl.is_enabled()
 
     def get_growth_factor(self, up_to_date: bool = False) -> float:
@@ -215,27 +214,22 @@ class GradScaler:
             return self._impl.get_growth_factor()
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor."""
         with self._step_lock, self._cond:
             self._impl.set_growth_factor(new_factor)
 
     def get_backoff_factor(self, up_to_date: bool = False) -> float:
-        """The backoff factor."""
         with self._cond:
             return self._impl.get_backoff_factor()
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor."""
         with self._step_lock, self._cond:
             self._impl.set_backoff_factor(new_factor)
 
     def get_growth_interval(self, up_to_date: bool = False) -> int:
-        """The growth interval."""
         with self._cond:
             return self._impl.get_growth_interval()
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval."""
         with self._step_lock, self._cond:
             self._impl.set_growth_interval(new_interval)
 
@@ -277,8 +271,6 @@ class GradScaler:
 
 
 def _apply_scale(outputs: Any, scale: torch.Tensor) -> Any:
-    if isinstance(outputs, torch.Tensor):
-        return outputs * scale.to(device=outputs.device, non_blocking=True)
     cache: dict[torch.device, torch.Tensor] = {}
 
     def apply(val: Any) -> Any:

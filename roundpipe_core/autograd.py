@@ -80,10 +80,7 @@ class AutogradForward:
             phase="backward",
             start_device=len(jobs) % self.num_devices,
         )
-        run = self.new_run(needs, self.bwd_jobs)
-        run.auto_cut = self.split.auto_cut  # a layer's error lists what the automatic split cut
-        for i, mb in enumerate(self.mbs):
-            run.put_act(0, i, mb)
+        run = self.new_run(needs, self.bwd_jobs)  # (its inputs in place)
         self.execute(run, jobs)
         self.run_state = run
         outputs = [run.outputs[i] for i in range(len(self.mbs))]

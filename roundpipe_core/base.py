@@ -345,11 +345,10 @@ class RoundPipeBase(nn.Module):
         The optimizer thread makes that copy ahead of the update; the next call waits for
         each layer's copy just before uploading it.
 
-        With shared masters (``shared_masters=True``, the default on CPU workers) and a
-        parameter that is its own master, every step is synchronous (``is_async=True``
-        runs as ``False``; said once: a warning where ``shared_masters=True`` was passed,
-        an info log where the pool's default chose it): the step writes the weights
-        devices read. On CPU workers that is the faster step, with plain PyTorch's numbers.
+        With a parameter that is its own master (``shared_masters``) every step is
+        synchronous, as it writes the weights devices read: ``is_async=True`` runs as
+        ``False``, said once (a warning where ``shared_masters=True`` was passed, an info
+        log where the pool's default chose it).
 
         After ``forward_backward(blocking=False)`` calls whose gradients are not in
         ``.grad`` yet, the step is deferred (this call does not wait) until they are

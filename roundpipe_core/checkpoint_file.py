@@ -35,6 +35,8 @@ __all__ = ["CorruptCheckpointError", "read_checkpoint", "verify_archive"]
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 _ZIP_MAGIC = b"PK\x03\x04"  # also the signature of every record's local header
 _LOCAL_HEADER_SIZE = 30
+#: What a ``RuntimeError`` of ``torch.load`` says when it comes from reading the archive.
+_READER_ERROR_MARKERS = ("PytorchStreamReader", "zip archive", "miniz", "corrupt", "unexpected EOF")
 #: Bytes mapped and checksummed at once: large enough to run at memory speed, small
 #: enough that checking a checkpoint of any size keeps little of it resident.
 _CHUNK = 64 << 20
@@ -202,15 +204,8 @@ def read_checkpoint(
     ) as exc:
         if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):
             raise  # refusing a type in a complete file: trust, not damage (torch says what to do)
-        if isinstance(exc, RuntimeError) and not _is_reader_error(exc):
+        if isinstance(exc, RuntimeError) and not any(k in str(exc) for k in _READER_ERROR_MARKERS):
             raise  # not the file's fault (map_location names a missing device, ...)
         raise CorruptCheckpointError(
             target, f"torch.load could not read it ({_first_line(exc)})"
         ) from None
-
-
-def _is_reader_error(exc: RuntimeError) -> bool:
-    """Whether a ``RuntimeError`` from ``torch.load`` comes from reading the archive."""
-    text = str(exc)
-    markers = ("PytorchStreamReader", "zip archive", "miniz", "corrupt", "unexpected EOF")
-    return any(k in text for k in markers)

@@ -159,12 +159,9 @@ class ForwardRuleChecker:
     """Check each layer of a model once, on its first forward (thread-safe):
     ``checker.run(i, replica, lambda: replica(x))``."""
 
-    def __init__(
-        self, layers: Sequence[nn.Module], watch_host_rng: bool = False, error: bool = False
-    ) -> None:
+    def __init__(self, layers: Sequence[nn.Module], watch_host_rng: bool = False) -> None:
         self.shared = find_shared_buffers(layers)
         self.watch_host_rng = watch_host_rng
-        self.error = error
         self._done: set[int] = set()
         self._lock = threading.Lock()
 
@@ -178,7 +175,7 @@ class ForwardRuleChecker:
             return run()
         shared = self.shared[layer_index] if layer_index < len(self.shared) else set()
         before = torch.default_generator.get_state() if self.watch_host_rng else None
-        out = check_forward_rules(layer_index, module, run, shared, self.error)
+        out = check_forward_rules(layer_index, module, run, shared)
         if before is not None and not torch.equal(before, torch.default_generator.get_state()):
             # (or another thread drew meanwhile: reported the same way)
             warnings.warn(

@@ -179,9 +179,7 @@ class AutocastState:
 
     def enter(self, device: torch.device) -> AbstractContextManager[Any]:
         """A context running ``device``'s compute under the captured autocast (or nothing)."""
-        if not self.states:
-            return _NO_AUTOCAST  # the common case, once per layer: no new object
         dtype = self.states.get(device.type)
         if dtype is None:
-            return _NO_AUTOCAST
+            return _NO_AUTOCAST  # the common case, once per layer: no new object
         return torch.autocast(device.type, dtype=dtype, cache_enabled=self.cache_enabled)

@@ -29,7 +29,7 @@ from .checks import (
     check_not_compiled_in_place,
 )
 from .config import RoundPipeRunConfig, check_run_config
-from .kinds import PinMode, RecomputeGrain, RunType, parse_kind
+from .kinds import PinMode, RecomputeGrain, RunType, check_flag, parse_kind
 from .loss import check_loss_reduction, default_loss_fn, microbatch_loss_weights
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
@@ -235,28 +235,31 @@ class RoundPipe(RoundPipeBase):
         plan: ModelExecutePlan,
         run_type: RunType,
         grad_sink: Callable[[torch.Tensor, torch.Tensor], None],
+        split: batching.SplitInputs,
         **kw: Any,
     ) -> PipelineRun:
-        """A run's state."""
+        """A run of ``split``'s microbatches, its inputs in place."""
         if run_type != RunType.INFER and cfg.preserve_rng_state is not False:
             self.pool.warn_if_replay_differs()  # recompute replays the forward's draws
         # the base seed of its random streams: the process's seed and the call count
         # (seeded runs repeat; the global generator, the caller's sampler's, is not drawn)
         self._seed_calls += 1
-        return PipelineRun(
+        run = PipelineRun(
             self.layers,
             boundary_layers(plan, run_type),
             grad_sink,
-            preserve_rng_state=bool(
-                cfg.preserve_rng_state if cfg.preserve_rng_state is not None else True
-            ),
+            preserve_rng_state=cfg.preserve_rng_state is not False,  # (None: True)
             recompute_grain=parse_kind(
                 RecomputeGrain, cfg.recompute_grain or RecomputeGrain.STAGE, "recompute_grain"
             ),
             rule_checker=self._rule_checker,
             rng_base=hash((torch.initial_seed(), self._seed_calls)) & (2**62 - 1),
+            auto_cut=split.auto_cut,  # a layer's error lists what the automatic split cut
             **kw,
         )
+        for i, mb in enumerate(split.parts):
+            run.put_act(0, i, mb)
+        return run
 
     def _execute(self, run: PipelineRun, jobs: list[Job]) -> None:
         run.caller_waits = True  # (pool.run waits for the jobs)
@@ -314,9 +317,7 @@ class RoundPipe(RoundPipeBase):
             mbs = split.parts
             plan = self.plans.choose(roundpipe_run_config, run_type, cfg, split)
             if run_type == RunType.INFER:
-                run = self._new_run(cfg, plan, run_type, self._no_grads, auto_cut=split.auto_cut)
-                for i, mb in enumerate(mbs):
-                    run.put_act(0, i, mb)
+                run = self._new_run(cfg, plan, run_type, self._no_grads, split)
                 jobs = build_schedule(plan, run_type, self.num_devices, len(mbs))
                 self._execute(run, jobs)
                 merged = batching.merge_outputs(
@@ -355,6 +356,7 @@ class RoundPipe(RoundPipeBase):
                 plan,
                 RunType.TRAIN,
                 buffer.add,
+                split,
                 input_needs_grad=needs,
                 grads_done=countdown.job_done if countdown else None,
             )
@@ -451,8 +453,7 @@ class RoundPipe(RoundPipeBase):
             raise TypeError(
                 f"loss_fn must be callable as loss_fn(output, label), got {type(loss_fn).__name__}"
             )
-        if not isinstance(blocking, bool):
-            raise TypeError(f"blocking must be True or False, got {blocking!r}")
+        check_flag(blocking, "blocking")
         args = tuple(input_args) if isinstance(input_args, (tuple, list)) else (input_args,)
         kwargs = {} if input_kwargs is None else input_kwargs
         if not isinstance(kwargs, dict):
@@ -504,6 +505,7 @@ class RoundPipe(RoundPipeBase):
                     plan,
                     RunType.FUSED,
                     buffer.add,
+                    split,
                     loss_fn=loss_fn,
                     labels=labels,
                     return_outputs=return_outputs,
@@ -511,12 +513,9 @@ class RoundPipe(RoundPipeBase):
                     loss_weights=weights,
                     weights=call.weights,
                     reader=reader,
-                    auto_cut=split.auto_cut,
                     grads_done=completion.job_done,
                 )
                 run.caller_waits = blocking
-                for i, mb in enumerate(split.parts):
-                    run.put_act(0, i, mb)
                 pending = call.pending_result = PendingResult(
                     steps, run, buffer, cfg, len(split.parts), return_outputs, completion
                 )

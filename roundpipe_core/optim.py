@@ -95,6 +95,22 @@ def _foreach_ok(tensors: list[torch.Tensor]) -> bool:
     )
 
 
+def _faster_impl(
+    name: str, settings: Iterable[dict[str, Any]], tensors: list[torch.Tensor]
+) -> str | None:
+    """``"fused"`` or ``"foreach"`` to switch on for optimizer ``name`` with these
+    arguments / param groups, or None: the caller chose (``fused=False`` too), neither
+    fast path supports ``differentiable`` / ``capturable``, torch's default is the
+    fastest, or the fast path does not take these tensors."""
+    if any(s.get("fused") is not None or s.get("foreach") is not None for s in settings):
+        return None
+    if any(s.get("differentiable") or s.get("capturable") for s in settings):
+        return None
+    impl = _IMPL.get(name, "default")
+    fits = {"fused": _fused_ok, "foreach": _foreach_ok}.get(impl)
+    return impl if fits is not None and fits(tensors) else None
+
+
 class _FastestByDefault:
     """Mixin: fill ``fused`` / ``foreach`` with this module's choice when left unset."""
 
@@ -122,7 +138,9 @@ class _FastestByDefault:
             )
         params = list(params) if isinstance(params, Iterable) else params
         bound.arguments["params"] = params
-        _choose_impl(self._torch_cls.__name__, bound.arguments, _param_tensors(params))
+        impl = _faster_impl(self._torch_cls.__name__, [bound.arguments], _param_tensors(params))
+        if impl is not None:
+            bound.arguments[impl] = True
         super().__init__(*bound.args, **bound.kwargs)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -130,18 +148,6 @@ class _FastestByDefault:
         kernel this class runs by default would not notice a state of other shapes."""
         super().load_state_dict(state_dict)  # type: ignore[misc]
         check_state_matches(self)  # type: ignore[arg-type]
-
-
-def _choose_impl(name: str, arguments: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-    if arguments.get("fused") is not None or arguments.get("foreach") is not None:
-        return  # the caller chose
-    if arguments.get("differentiable") or arguments.get("capturable"):
-        return  # neither fast path supports these; torch decides
-    impl = _IMPL[name]
-    if impl == "fused" and _fused_ok(tensors):
-        arguments["fused"] = True
-    elif impl == "foreach" and _foreach_ok(tensors):
-        arguments["foreach"] = True
 
 
 class Adam(_FastestByDefault, torch.optim.Adam):
@@ -203,20 +209,10 @@ def _upgrade(optimizer: torch.optim.Optimizer) -> tuple[str, str] | None:
     )
     if torch_cls is None or type(optimizer) not in (torch_cls, _OURS.get(torch_cls.__name__)):
         return None  # an unknown class, or a user subclass that may rely on its own step
-    impl = _IMPL.get(torch_cls.__name__, "default")
-    if impl == "default":
-        return None
     groups = optimizer.param_groups
-    if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
-        return None  # already fast, or the user chose an implementation (fused=False too)
-    if any(g.get("differentiable") or g.get("capturable") for g in groups):
-        return None
     tensors = [p for g in groups for p in g["params"]]
-    if impl == "fused" and not _fused_ok(tensors):
-        return None
-    if impl == "foreach" and not _foreach_ok(tensors):
-        return None
-    return torch_cls.__name__, impl
+    impl = _faster_impl(torch_cls.__name__, groups, tensors)  # (None: also already fast)
+    return None if impl is None else (torch_cls.__name__, impl)
 
 
 def _fused_steps(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
@@ -257,7 +253,7 @@ def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | N
     groups = []
     for g in optimizer.param_groups:
         g = dict(g)
-        g["fused" if impl == "fused" else "foreach"] = True
+        g[impl] = True
         groups.append(g)
     cls = _OURS[name]
     new = cls(groups)
@@ -277,8 +273,7 @@ def use_fastest_(optimizer: torch.optim.Optimizer) -> bool:
     target = _upgrade(optimizer)
     if target is None:
         return False
-    _, impl = target
-    key = "fused" if impl == "fused" else "foreach"
+    _, key = target
     if key == "fused":
         for p, s in _fused_steps(optimizer).items():
             optimizer.state[p] = s

@@ -215,13 +215,17 @@ class VerifyReport:
 
 
 class _Recorder:
-    """Forward hooks that keep each layer's outputs and output gradients per microbatch."""
+    """Forward hooks on ``layers`` that keep each one's outputs and output gradients per
+    microbatch."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.lock = threading.Lock()
-        self.outputs: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_layers)]
-        self.recomputed: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(num_layers)]
-        self.grads: list[dict[int, dict[int, torch.Tensor]]] = [{} for _ in range(num_layers)]
+        n = len(layers)
+        self.outputs: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(n)]
+        self.recomputed: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(n)]
+        self.grads: list[dict[int, dict[int, torch.Tensor]]] = [{} for _ in range(n)]
+        for i, layer in enumerate(layers):
+            layer.register_forward_hook(self.hook_for(i))
 
     def hook_for(self, index: int) -> Callable[..., None]:
         # A plain closure: deepcopy keeps functions as they are, so every replica of
@@ -341,9 +345,7 @@ def compare_plans(
             )
     layers = _layers_of(ref_model)
     n = len(layers)
-    ref_rec = _Recorder(n)
-    for i, layer in enumerate(layers):
-        layer.register_forward_hook(ref_rec.hook_for(i))
+    ref_rec = _Recorder(layers)
 
     # One device pool for every plan's RoundPipe.
     pool = devices if isinstance(devices, DevicePool) else DevicePool(devices)
@@ -377,9 +379,7 @@ def compare_plans(
         for spec in plans:
             label, plan = _as_plan(spec, n, num_devices)
             model = make_model()
-            rec = _Recorder(n)
-            for i, layer in enumerate(_layers_of(model)):
-                layer.register_forward_hook(rec.hook_for(i))
+            rec = _Recorder(_layers_of(model))
             rp = RoundPipe(model, devices=pool)
             try:
                 cfg = RoundPipeRunConfig(

@@ -56,7 +56,6 @@ __all__ = [
     "STEP_UNSUPPORTED",
     "DiskTier",
     "check_offload_args",
-    "tier_disk_bytes",
 ]
 
 _ALIGN = 4096
@@ -163,13 +162,6 @@ def _cancel(fut: Future) -> None:
         fut.result()
 
 
-def tier_disk_bytes(master_bytes: int, optimizer_states: int, num_params: int = 0) -> int:
-    """Disk bytes the tier needs: two slots of every record (master + its parameter-sized
-    states, each page-padded: ``num_params`` pages of padding at most per tensor)."""
-    per_slot = master_bytes * (1 + optimizer_states) + num_params * (2 + optimizer_states) * _ALIGN
-    return 2 * per_slot
-
-
 def check_offload_args(offload_dir: Any, shared_masters: bool | None, owns_masters: bool) -> bool:
     """``shared_masters`` for a RoundPipe with ``offload_dir``: False (a shared master is
     the model's weight, which must stay resident).
@@ -203,12 +195,9 @@ class DiskTier:
             removed when the RoundPipe closes.
         masters: the RoundPipe's masters (all separate copies); released here.
         layers: the model's layers (a master belongs to the first layer holding it).
-        name: the RoundPipe's name (thread names, messages).
+        name: the RoundPipe's name (for its IO threads' names).
         buffer_layers: layers' records resident at most (read ahead, stepping, written
             behind); at least 1.
-        optimizer_states: parameter-sized states per master to make room and check the
-            disk space for (Adam's 2).
-        direct_io: ``O_DIRECT``; ``None``: where the file system supports it.
         free_grads: drop a master's ``.grad`` once it is stepped (``finish=zero_grad``
             would at the end anyway), so only those not stepped yet stay resident.
 
@@ -223,15 +212,12 @@ class DiskTier:
         layers: Sequence[nn.Module],
         name: str = "RoundPipe",
         buffer_layers: int = 3,
-        optimizer_states: int = _RESERVED_STATES,
-        direct_io: bool | None = None,
         free_grads: bool = True,
     ) -> None:
         check_int(buffer_layers, "buffer_layers")
         self.path = os.fspath(path)
         self.free_grads = free_grads
         self.masters = masters
-        self.name = name
         self._params = [m for _, _, m in masters.copies]
         if len(self._params) != len(masters.entries):
             raise ValueError("offload_dir needs separate masters (shared_masters=False)")
@@ -241,29 +227,22 @@ class DiskTier:
         # a master's layer: the first holding it (the backward completes deep layers first)
         self._layer: list[int] = [0] * len(self._params)
         self._layer_keys: dict[int, list[int]] = {}
-        seen: set[int] = set()
-        for li, layer in enumerate(layers):
-            for p in layer.parameters():
-                m = masters.master_of.get(id(p))
-                if m is None or id(m) not in self._index or id(m) in seen:
-                    continue
-                seen.add(id(m))
+        for li in reversed(range(len(layers))):  # (a shallower layer overwrites a deeper)
+            for m in masters.of_layers([layers[li]]):
                 self._layer[self._index[id(m)]] = li
         for i in range(len(self._params)):
             self._layer_keys.setdefault(self._layer[i], []).append(i)
         capacities = [
-            _pad(m.numel() * m.element_size()) * (1 + optimizer_states) + _ALIGN
+            _pad(m.numel() * m.element_size()) * (1 + _RESERVED_STATES) + _ALIGN
             for m in self._params
         ]
         #: the resident bound: buffer_layers of the largest layer's records (their states
         #: included: a record is at most its capacity)
-        self.buffer_layers = buffer_layers
         self.limit = buffer_layers * max(
             [sum(capacities[i] for i in keys) for keys in self._layer_keys.values()] or [0]
         )
-        need = 2 * sum(capacities)
-        self.disk_bytes = need
-        self._dir = self._make_store(need)
+        self.disk_bytes = 2 * sum(capacities)
+        self._dir = self._make_store(self.disk_bytes)
         # allocate the two slots' layouts: the same place in each
         self._layouts: list[list[_Layout]] = [[], []]
         end = 0
@@ -274,7 +253,7 @@ class DiskTier:
             end += cap
         self._end = [end, end]
         self.direct = False
-        self._fds = self._open_slots(end, direct_io)
+        self._fds = self._open_slots(end)
         self.gen = 0
         self._pending: list[_Layout] | None = None  # the next slot's layouts, being written
         self._stepped: set[int] = set()
@@ -328,20 +307,18 @@ class DiskTier:
             )
         return store
 
-    def _open_slots(self, size: int, direct_io: bool | None) -> list[int]:
+    def _open_slots(self, size: int, direct: bool = True) -> list[int]:
+        """The two slot files, ``O_DIRECT`` where the file system takes it."""
         flags = os.O_RDWR | os.O_CREAT
         fds: list[int] = []
         try:
             for s in (0, 1):
                 f = os.path.join(self._dir, f"slot{s}.bin")
                 fd = -1
-                if direct_io is not False and hasattr(os, "O_DIRECT"):
-                    try:
+                if direct and hasattr(os, "O_DIRECT"):
+                    with contextlib.suppress(OSError):
                         fd = os.open(f, flags | os.O_DIRECT, 0o600)
                         self.direct = True
-                    except OSError:
-                        if direct_io:
-                            raise
                 if fd < 0:
                     fd = os.open(f, flags, 0o600)
                     self.direct = False
@@ -356,20 +333,14 @@ class DiskTier:
                 f"offload_dir {self.path!r}: could not create the store's files ({e}); "
                 "check the directory's space and permissions"
             ) from e
-        if self.direct and not self._direct_io_works(fds[0]):
-            for fd in fds:
-                os.close(fd)
-            return self._open_slots(size, False)
+        if self.direct:  # a file system may accept O_DIRECT at open and refuse the IO
+            try:
+                _pwrite(fds[0], _aligned_empty(_ALIGN), 0)
+            except OSError:
+                for fd in fds:
+                    os.close(fd)
+                return self._open_slots(size, False)
         return fds
-
-    @staticmethod
-    def _direct_io_works(fd: int) -> bool:
-        buf = _aligned_empty(_ALIGN)
-        try:
-            _pwrite(fd, buf, 0)
-        except OSError:
-            return False
-        return True
 
     def _sync_slot(self, slot: int) -> None:
         os.fsync(self._fds[slot])
@@ -487,11 +458,7 @@ class DiskTier:
         """
         opt = self._optimizer_of(step_params)
         kwargs = dict(step_params.keywords) if isinstance(step_params, functools.partial) else {}
-
-        def step_part(part: list[nn.Parameter]) -> None:
-            self.step(opt, part, kwargs)
-
-        return step_part
+        return functools.partial(self.step, opt, kwargs=kwargs)
 
     def _optimizer_of(self, step_params: Any) -> torch.optim.Optimizer:
         if not (
@@ -615,12 +582,11 @@ class DiskTier:
             same = entries == rec.layout.entries and all(
                 rec.tensors[k].data_ptr() == t.data_ptr() for k, t in tensors.items()
             )
+            layout = self._alloc(nxt, i, entries)
             if same:  # stepped in place in the read buffer: write it as it is
-                layout = self._alloc(nxt, i, entries)
                 layout.scalars = scalars
                 out = rec
             else:  # new state tensors (a first step): gather them into one buffer
-                layout = self._alloc(nxt, i, entries)
                 if layout.nbytes > n:  # (the read reserved the record's room)
                     self._take_bytes(layout.nbytes - n, block=True)
                     n = layout.nbytes
@@ -696,23 +662,18 @@ class DiskTier:
         """Master ``i``'s values in the current generation (read now, a fresh tensor)."""
         slot = self.gen % 2 if slot is None else slot
         lay = self._layouts[slot][i]
-        dt, shape = lay.entries[0][1], lay.entries[0][2]
-        head = _Layout(lay.offset, lay.capacity, [(_MASTER, dt, shape)])
+        head = _Layout(lay.offset, lay.capacity, lay.entries[:1])  # the master's entry only
         rec = self._read(slot, head)
         self.bytes_read += head.nbytes
         return rec.tensors[_MASTER]
 
     # -- checkpoints ---------------------------------------------------------------------
-    def _mapped(self) -> torch.Tensor:
-        """The current slot file, memory-mapped (saving reads it from the page cache)."""
+    def _records_mapped(self) -> list[_Record]:
+        """The current slot's records, memory-mapped (saving reads them from the page cache)."""
         slot = self.gen % 2
         f = os.path.join(self._dir, f"slot{slot}.bin")
         size = os.fstat(self._fds[slot]).st_size
-        return torch.from_file(f, shared=True, size=size, dtype=torch.uint8)
-
-    def _records_mapped(self) -> list[_Record]:
-        mapped = self._mapped()
-        slot = self.gen % 2
+        mapped = torch.from_file(f, shared=True, size=size, dtype=torch.uint8)
         return [
             _Record(lay, mapped[lay.offset : lay.offset + lay.nbytes])
             for lay in self._layouts[slot]

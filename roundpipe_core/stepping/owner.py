@@ -35,15 +35,11 @@ class PipelinedCall:
         # become free); with every device idle a call starts on the first, as a lone one
         running = any(not r.done() for r in runs.inflight())
         self.start_device = runs.next_device if running else 0
+        self.weights = runs.versions  # what the call's uploads wait on, layer by layer
         self.reader: Any = None
         self.launched = False
         # the call's PendingResult: made (by the caller) before its jobs are submitted
         self.pending_result: Any = None
-
-    @property
-    def weights(self) -> Any:
-        """What the call's uploads wait on, layer by layer: the weight versions."""
-        return self._runs.versions
 
     def completion(
         self, jobs: Sequence[Job], masters_of: Callable[[Job], list[nn.Parameter]]
@@ -93,16 +89,15 @@ class StepOwner(PipelinedRuns):
         fn: Callable[[], Any],
         is_async: bool,
         may_publish_in_background: bool,
-        settle: Callable[[], None] | None = None,
+        settle: Callable[[], None],
     ) -> None:
         """Queue ``fn`` (the user's step) on the optimizer thread: deferred until the
         gradients of the iterations in flight are complete. After blocking calls the copy
         of the previous step's weights into the model runs on the thread ahead of it when
         ``may_publish_in_background`` and the step before left nothing to report; else
         now. ``is_async=False`` returns once it is done. ``settle``: how the caller
-        settles (default :meth:`settle`; a wrapper adds what it keeps outside the masters).
+        settles (:meth:`settle` and what a wrapper keeps outside the masters).
         """
-        settle = settle or self.settle
         self.raise_failure()
         if self.inflight():
             self.defer_step(fn)  # its error is raised through raise_failure()
@@ -128,12 +123,11 @@ class StepOwner(PipelinedRuns):
         is_async: bool,
         may_publish_in_background: bool,
         wrap: Callable[[Callable[[], None]], Callable[[], None]],
-        settle: Callable[[], None] | None = None,
+        settle: Callable[[], None],
     ) -> None:
         """:meth:`step` taken parameter by parameter as the gradients of the iterations
         in flight complete; with none in flight, one ``step_params(all masters)`` and
         ``finish()``. ``wrap`` wraps the work item (the step recorder)."""
-        settle = settle or self.settle
         self.raise_failure()
         if not self.inflight():
             masters = self.masters.params()
@@ -210,7 +204,11 @@ class StepOwner(PipelinedRuns):
 
     def call_ended(self, pending: PendingResult) -> None:
         """A pipelined call's jobs are all done (its last worker's thread): release what
-        its uploads read, and report its error to the failure path."""
+        its uploads read, and report its error to the failure path (the failure itself
+        where one aborted the call)."""
         self.versions.finish(pending.run.reader)
         if pending.error is not None:
-            self.record_run_error(pending)
+            failure = self.failure
+            if isinstance(pending.error, PoolError) and failure is not None:
+                pending.error = failure
+            self.record_failure(pending.error)

@@ -249,12 +249,9 @@ class PendingResult:
 class PipelinedRuns(Stepper):
     """The optimizer thread with the overlapped iterations of one RoundPipe: weight
     versions, the runs in flight, the merge of their gradients and the steps deferred
-    behind them.
+    behind them (``name``, ``layers`` and ``masters``: the RoundPipe's).
 
     Args:
-        name: the RoundPipe's name (thread names, messages).
-        layers: the model's layers.
-        masters: the master copies the optimizer updates.
         intra_op_threads: the optimizer thread's intra-op threads (None: the default).
         grad_hooks: told of each master whose gradient of a call entered ``.grad``.
     """
@@ -453,14 +450,6 @@ class PipelinedRuns(Stepper):
             finish,
         )
         self.queue(wrap(item), guarded=True, publishes=True)
-
-    def record_run_error(self, p: PendingResult) -> None:
-        """A run ended with ``p.error``: report the cause if a failure aborted it."""
-        assert p.error is not None
-        failure = self.failure
-        if isinstance(p.error, PoolError) and failure is not None:
-            p.error = failure
-        self.record_failure(p.error)
 
     def result_of(self, r: PendingResult) -> Any:
         """``r.result()``: raise its error, or merge it (and the runs before it)."""

@@ -304,18 +304,11 @@ class WeightVersions:
     def wait_ended_uploads(self) -> None:
         """Block until the uploads of runs that ended have read the host copy (before the
         whole copy is overwritten, ``set_all``)."""
-        with self.cond:
-            ended, self._ended_fences = self._ended_fences, []
-        for fence in ended:
-            with contextlib.suppress(Exception):  # a failed upload: its run reports it
-                fence()
+        self._wait_old_uploads(0, ())  # (no run reads a version older than 0)
 
     def set_all(self, version: int) -> None:
         """The host copy was overwritten with the masters (``synchronize()``)."""
-        with self.cond:
-            for k in self.version:
-                self.version[k] = version
-            self.cond.notify_all()
+        self._mark(list(self.version), version)
 
     @property
     def active(self) -> int:
