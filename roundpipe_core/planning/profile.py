@@ -1,12 +1,5 @@
-"""What the planner knows about a model's layers: times, sizes and activation memory.
-
-* :class:`LayerProfile` — per-layer times (ms) and bytes, the planner's input.
-* :func:`layer_sizes` — bytes per layer from the modules (upload, gradients, dense
-  compute: an embedding table tied to the LM head is read a few rows at a time, so its
-  bytes say nothing about its time).
-* :func:`measure_activation_bytes` / :func:`scale_activation_bytes` — saved-tensor bytes
-  per layer, measured on a small real forward.
-* :func:`stage_memory` / :func:`check_plan_fits` — the memory a plan's stages need.
+"""What the planner knows about a model's layers (:class:`LayerProfile`): times, sizes
+and activation memory, and the memory a plan's stages need.
 
 A backward or fused stage holds its parameters, their gradients and one microbatch's
 saved activations; a forward stage only its parameters. One more stage's parameters
@@ -107,6 +100,12 @@ class LayerProfile:
             grad_bytes=getattr(timer, "layer_grad_bytes", None),
             act_bytes=act_bytes,
         )
+
+    def layer_ms(self) -> tuple[list[float], list[float], list[float]]:
+        """Forward, recompute (default: the forward) and backward ms per layer."""
+        fwd = [float(x) for x in self.fwd_ms]
+        re = [float(x) for x in self.re_ms] if self.re_ms is not None else fwd
+        return fwd, re, [float(x) for x in self.bwd_ms]
 
     def layer_bytes(self) -> tuple[list[float], list[float], list[float]]:
         """Parameter, gradient and activation bytes per layer, the defaults filled in."""

@@ -24,6 +24,7 @@ __all__ = [
     "OVERLAP_ITERATIONS",
     "SHARED_CORES_SLOWDOWN",
     "device_peak_bytes",
+    "job_ms",
     "per_layer",
     "simulate",
     "simulated_iteration_ms",
@@ -339,15 +340,14 @@ def simulated_iteration_ms(
     if not concurrent:
         overlap = False  # nothing overlaps where one job computes at a time
     if not overlap or run_type != RunType.FUSED:
-        fwd = [float(x) for x in profile.fwd_ms]
-        re = [float(x) for x in profile.re_ms] if profile.re_ms is not None else fwd
+        fwd, re, bwd = profile.layer_ms()
         sched = build_schedule(plan, run_type, num_devices, num_microbatch)
         return _run_iteration(
             sched,
             plan,
             run_type,
             fwd,
-            [float(x) for x in profile.bwd_ms],
+            bwd,
             re,
             num_devices,
             serial=not concurrent,
@@ -383,7 +383,9 @@ def _step_shares(weights: Sequence[float] | None, n: int) -> list[float]:
     return [x / total for x in w]
 
 
-def _stage_time(job: Job, fwd: list[float], bwd: list[float], re: list[float]) -> float:
+def job_ms(job: Job, fwd: list[float], bwd: list[float], re: list[float]) -> float:
+    """One microbatch of ``job``: forward, forward + backward (fused), or recompute +
+    backward, summed over its layers."""
     if job.kind == FORWARD:
         return sum(fwd[i] for i in job.layers)
     if job.kind == FUSED:
@@ -459,7 +461,7 @@ def _run_iteration(
     outer = barrier
     for job in jobs:
         d = job.device
-        dur = _stage_time(job, fwd, bwd, re)
+        dur = job_ms(job, fwd, bwd, re)
         if layer_ready is not None:  # this job's layers hold the weights it reads
             barrier = max([outer] + [layer_ready[i] for i in job.layers])
         # Parameter upload, prefetched on the device's copy channel.
