@@ -324,6 +324,7 @@ def simulated_iteration_ms(
       plan as one job per worker (``planner.fused_replicas``).
     """
     run_type = parse_kind(RunType, run_type, "run_type")
+    f = 1.0  # how much slower each job runs
     if shared_cores:
         jobs = len(plan.fwd_plan) + len(plan.bwd_plan)
         f, overlap = SHARED_CORES_SLOWDOWN, False
@@ -331,16 +332,10 @@ def simulated_iteration_ms(
             alone = simulated_iteration_ms(plan, profile, run_type, 1, 1, concurrent=False)
             return alone * f * -(-num_microbatch // min(num_devices, num_microbatch))
         concurrent = jobs > 1 and num_devices > 1
-        if concurrent:
-            profile = LayerProfile(
-                fwd_ms=[t * f for t in profile.fwd_ms],
-                bwd_ms=[t * f for t in profile.bwd_ms],
-                re_ms=[t * f for t in profile.re_ms] if profile.re_ms is not None else None,
-            )
-    if not concurrent:
-        overlap = False  # nothing overlaps where one job computes at a time
+    if not concurrent:  # one job computes at a time: nothing overlaps or shares cores
+        overlap, f = False, 1.0
     if not overlap or run_type != RunType.FUSED:
-        fwd, re, bwd = profile.layer_ms()
+        fwd, re, bwd = ([t * f for t in ms] for ms in profile.layer_ms())
         sched = build_schedule(plan, run_type, num_devices, num_microbatch)
         return _run_iteration(
             sched,
