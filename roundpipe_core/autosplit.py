@@ -22,15 +22,9 @@ Hugging Face's loss gets the whole call's token count; other reductions over mic
 state a unit leaves for later and a transformers ``Cache`` handed to a unit are refused,
 naming the unit and the fix.
 
-The published options refine the cut (:class:`SplitRules`): ``upper_threshold`` measures
-bytes of parameters and buffers instead of parameters; ``lower_threshold`` (bytes) keeps a
-module whose own tensors reach it whole and runs smaller units as one microbatch;
-``skip_modules`` stay plain host modules (still trained); ``override_config`` makes a
-module one unit with its own run config.
-
-``AutoRoundPipe.forward_backward`` raises ``TypeError``: the host code computes the loss
-after several pipelined calls, so there is no stage to fuse. It is slower than a
-hand-written Sequential (docs/presets.md says why).
+The published options refine the cut (:class:`SplitRules`, :func:`auto_wrap`'s Args).
+An AutoRoundPipe has no ``forward_backward`` and is slower than a hand-written
+Sequential (docs/presets.md says why).
 """
 
 from __future__ import annotations
@@ -115,9 +109,6 @@ class SplitRules:
         self.threshold, self.size, self.lower = threshold, size, lower_threshold
         self.skip = {id(m) for m in skip_modules}
         self.override = {id(m): c for m, c in (override_config or {}).items()}
-
-    def holds_skipped(self, m: nn.Module) -> bool:
-        return bool(self.skip) and any(id(x) in self.skip for x in m.modules())
 
     def whole(self, m: nn.Module) -> bool:
         """``m`` (holding no skipped module) becomes one unit without being opened."""
@@ -241,12 +232,15 @@ def _input_leaves(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
     ]
 
 
-def not_batch_leading(args: tuple, kwargs: dict, batch: int | None) -> str | None:
-    """The first input tensor whose dim 0 is neither the call's batch nor 1 (a broadcast
-    dim), described; ``None`` if every tensor is batch-leading."""
+def why_not_cut(args: tuple, kwargs: dict, batch: int | None) -> str | None:
+    """Why a unit call cannot be cut along the AutoRoundPipe call's ``batch``: there is
+    none, or an input tensor's dim 0 is neither it nor 1 (a broadcast dim); else ``None``."""
+    if batch is None:
+        return "the AutoRoundPipe call has no batch dim to cut along"
     for path, leaf in _input_leaves(args, kwargs):
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] not in (batch, 1):
-            return f"input {path} of shape {tuple(leaf.shape)}"
+            shape = tuple(leaf.shape)
+            return f"its input {path} of shape {shape} has a dim 0 that is not the batch ({batch})"
     return None
 
 
@@ -277,24 +271,6 @@ def check_no_cache(
 WHOLE_CALL = (Replicate, Replicate)
 
 
-def _takes_loss_kwargs(unit: nn.Module) -> bool:
-    params = inspect.signature(type(unit).forward).parameters.values()
-    return any(
-        p.kind is inspect.Parameter.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params
-    )
-
-
-def _token_mean_loss(unit: nn.Module) -> bool | None:
-    """Whether ``unit``'s Hugging Face loss shifts its labels (a causal LM), ``False`` for a
-    masked LM, ``None`` for anything else (not a Hugging Face model, another loss, a
-    ``loss_function`` of the user's). As ``PreTrainedModel.loss_function``: a model without
-    a ``loss_type`` (GPT-2's class name names none) computes the causal LM loss."""
-    if not hasattr(type(unit), "loss_function") or "_loss_function" in vars(unit):
-        return None
-    loss_type = getattr(unit, "loss_type", None) or "ForCausalLM"
-    return _TOKEN_MEAN_LOSSES.get(loss_type)
-
-
 def token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> dict | None:
     """``kwargs`` with ``num_items_in_batch`` set so that the microbatches' Hugging Face
     losses average to the whole batch's loss, or ``None`` if ``unit`` computes no such loss.
@@ -305,8 +281,15 @@ def token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> di
     the merge averages 0-dim outputs: the average is then Hugging Face's loss.
     """
     labels = kwargs.get("labels")
-    shifted = _token_mean_loss(unit)
-    if not isinstance(labels, torch.Tensor) or shifted is None or not _takes_loss_kwargs(unit):
+    # Hugging Face's own loss only (not a loss_function of the user's); as
+    # PreTrainedModel.loss_function, a model without a loss_type (GPT-2) is a causal LM
+    if not hasattr(type(unit), "loss_function") or "_loss_function" in vars(unit):
+        return None
+    shifted = _TOKEN_MEAN_LOSSES.get(getattr(unit, "loss_type", None) or "ForCausalLM")
+    if not isinstance(labels, torch.Tensor) or shifted is None:
+        return None
+    params = inspect.signature(type(unit).forward).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params):
         return None
     count = kwargs.get("num_items_in_batch")
     if count is None:
@@ -582,7 +565,7 @@ def _plan_units(
             return
         if numel(m) == 0:
             return  # no parameters: it runs on the host as glue
-        if not rules.holds_skipped(m) and has_own_forward(m):
+        if has_own_forward(m) and not any(id(x) in rules.skip for x in m.modules()):
             has_param_children = any(numel(c) for c in m.children())
             if (
                 rules.whole(m)
@@ -758,11 +741,7 @@ class AutoRoundPipe(RoundPipeBase):
         cfg = RoundPipeRunConfig(requires_grad=torch.is_grad_enabled())
         n = len(split_sizes(batch_size_of((args, kwargs)), inner.num_microbatch_for()))
         if n > 1:
-            odd = not_batch_leading(args, kwargs, batch)
-            if batch is None:
-                odd = "the AutoRoundPipe call has no batch dim to cut along"
-            elif odd is not None:
-                odd = f"its {odd} has a dim 0 that is not the batch ({batch})"
+            odd = why_not_cut(args, kwargs, batch)
             if odd is not None:
                 # cutting along a dim 0 that is not the batch would misalign the pieces
                 # (Bloom's ALiBi: batch x heads; MoE experts: experts x tokens)

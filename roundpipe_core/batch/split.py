@@ -104,15 +104,9 @@ def _split_leaves(
     sizes: list[int] | None = None
     if packed:
         n = len(packed[0])
-        psizes = [
-            int(v.shape[0]) if isinstance(v, torch.Tensor) and v.dim() >= 1 else None
-            for v in packed[0]
-        ]
-        if all(s is not None for s in psizes):
-            sizes = [int(s) for s in psizes]  # type: ignore[arg-type]
-            bs = sum(sizes)
-        else:
-            sizes, bs = None, None
+        if all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in packed[0]):
+            sizes = [int(v.shape[0]) for v in packed[0]]
+        bs = sum(sizes) if sizes is not None else None
     else:
         dims = [
             int(x.shape[d])
@@ -152,8 +146,7 @@ def _split_leaves(
         for i in range(n):
             per_mb[i].append(chunks[i])
         rules.append(rule)
-    row_sizes = sizes if sizes is not None else []
-    return per_mb, rules, row_sizes, (bs if sizes is not None else None)
+    return per_mb, rules, sizes or [], (bs if sizes is not None else None)
 
 
 def split_call_inputs(
@@ -219,18 +212,12 @@ def _normalise_split_result(result: Any) -> list[tuple[tuple, dict]]:
                 )
     if not pairs:
         raise ValueError("split_input returned no microbatches")
-    out = []
-    for i, (a, k) in enumerate(pairs):
+    for i, (a, _) in enumerate(pairs):  # (both forms checked the kwargs are dicts)
         if not isinstance(a, (tuple, list)):
             raise TypeError(
                 f"split_input: the args of microbatch {i} are a {type(a).__name__}, not a tuple"
             )
-        if not isinstance(k, dict):
-            raise TypeError(
-                f"split_input: the kwargs of microbatch {i} are a {type(k).__name__}, not a dict"
-            )
-        out.append((tuple(a), dict(k)))
-    return out
+    return [(tuple(a), dict(k)) for a, k in pairs]
 
 
 def _take_packed(value: Any, i: int, n: int | None = None) -> Any:

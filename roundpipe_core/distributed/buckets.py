@@ -110,12 +110,8 @@ class BufferRing:
     freed every step they would stay in glibc's heaps and creep past the budget."""
 
     def __init__(self, buckets: Sequence[_Bucket]) -> None:
-        self._slot: dict[int, int] = {}  # bucket index -> slot
-        self._sizes = _slot_sizes((b.dtype, b.flat_numel) for b in buckets)
-        seen: dict[torch.dtype, int] = {}
-        for b in buckets:  # (the same order as _slot_sizes)
-            j = seen[b.dtype] = seen.get(b.dtype, -1) + 1
-            self._slot[b.index] = j % (REDUCE_IN_FLIGHT + 1)
+        slots, self._sizes = _slots((b.dtype, b.flat_numel) for b in buckets)
+        self._slot = {b.index: k for b, k in zip(buckets, slots)}  # bucket index -> slot
         self._buffers: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def slot(self, bucket: _Bucket) -> torch.Tensor:
@@ -134,23 +130,27 @@ class BufferRing:
     @staticmethod
     def nbytes(buckets: Iterable[list[torch.Tensor]]) -> int:
         """The bytes a ring of ``buckets`` (lists of tensors, in reduction order) holds."""
-        sizes = _slot_sizes((b[0].dtype, sum(t.numel() for t in b) + len(b)) for b in buckets)
+        _, sizes = _slots((b[0].dtype, sum(t.numel() for t in b) + len(b)) for b in buckets)
         return sum(sum(ns) * torch.empty((), dtype=d).element_size() for d, ns in sizes.items())
 
 
-def _slot_sizes(buckets: Iterable[tuple[torch.dtype, int]]) -> dict[torch.dtype, list[int]]:
-    """Per dtype, each ring slot's elements: the largest bucket that takes it."""
+def _slots(
+    buckets: Iterable[tuple[torch.dtype, int]],
+) -> tuple[list[int], dict[torch.dtype, list[int]]]:
+    """Each bucket's ring slot (the j-th of a dtype: ``j mod (REDUCE_IN_FLIGHT + 1)``) and,
+    per dtype, each slot's elements: the largest bucket that takes it."""
+    slots: list[int] = []
     sizes: dict[torch.dtype, list[int]] = {}
     seen: dict[torch.dtype, int] = {}
     for dtype, numel in buckets:
-        j = seen[dtype] = seen.get(dtype, -1) + 1
-        slots = sizes.setdefault(dtype, [])
-        if j <= REDUCE_IN_FLIGHT:
-            slots.append(numel)
-        else:
-            k = j % (REDUCE_IN_FLIGHT + 1)
-            slots[k] = max(slots[k], numel)
-    return sizes
+        seen[dtype] = seen.get(dtype, -1) + 1
+        k = seen[dtype] % (REDUCE_IN_FLIGHT + 1)
+        row = sizes.setdefault(dtype, [])
+        if k == len(row):  # the first REDUCE_IN_FLIGHT + 1 buckets of the dtype
+            row.append(0)
+        row[k] = max(row[k], numel)
+        slots.append(k)
+    return slots, sizes
 
 
 def reduce_buffer_bytes(

@@ -1,5 +1,4 @@
-"""``DataParallel``: the whole multi-process interface a training loop (the
-Lightning strategy) needs, behind five calls that are cheap no-ops in one process."""
+"""``DataParallel``: the whole multi-process interface a training loop needs."""
 
 from __future__ import annotations
 
@@ -59,20 +58,9 @@ def _params_of(opt: Any) -> list[Any]:
 
 class DataParallel:
     """Everything a training loop (the Lightning strategy) needs for data parallel
-    RoundPipe over several processes, behind five calls:
-
-    ========================  ====================================================
-    ``connect(env, world)``   create the process group (``world_size > 1`` only)
-    ``attach(rp, opts)``      broadcast rank 0's weights; one reducer per optimizer
-    ``wrap_closure(opt, c)``  arm that optimizer's reducer, then run ``c`` (the
-                              window's last training step): overlap its backward
-    ``reduce(opt)``           finish: that optimizer's gradients are reduced
-    ``after_step(opt)``       in the step function, after ``opt.step()``: with
-                              ``shard_host_state`` (synchronous), all-gather the weights
-    ``abort()`` / ``detach()``  after an exception / at teardown
-    ========================  ====================================================
-
-    In one process every call is a cheap no-op.
+    RoundPipe over several processes: :meth:`connect`, :meth:`attach`,
+    :meth:`wrap_closure`, :meth:`reduce`, :meth:`after_step`, :meth:`abort` and
+    :meth:`detach` (docs/multi-node.md shows the loop). In one process each is a no-op.
 
     Args:
         op: "mean" (as DDP) or "sum" of the gradients over processes.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -102,17 +103,9 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
 
 def _slurm_root_address(nodelist: str) -> str:
     """First host of a SLURM node list: ``node[003-005,9],gpu1`` -> ``node003``."""
-    depth, first = 0, ""
-    for ch in nodelist.strip():
-        if ch == "," and depth == 0:
-            break
-        depth += ch == "["
-        depth -= ch == "]"
-        first += ch
-    if "[" not in first:
-        return first
-    prefix, rest = first.split("[", 1)
-    return prefix + rest.rstrip("]").split(",")[0].split("-")[0]
+    m = re.match(r"([^,\[]*)(?:\[([^,\]-]*))?", nodelist.strip())
+    assert m is not None  # (the pattern matches any string)
+    return m.group(1) + (m.group(2) or "")
 
 
 def dist_env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:

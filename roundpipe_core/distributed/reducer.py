@@ -137,20 +137,8 @@ class GradientAllReducer:
     complete first) and are reduced in that fixed order from one thread per round, so
     every rank issues the same collectives in the same order whatever order its grad
     hooks fire in. At most :data:`REDUCE_IN_FLIGHT` are in flight, in a ring of kept flat
-    host buffers (``buckets.BufferRing``, :attr:`kept_bytes`).
-
-    Usage (one optimizer step, ``k`` accumulation micro-steps)::
-
-        reducer = GradientAllReducer(rp, op="mean")
-        for i, (x, y) in enumerate(micro_batches):
-            if i == k - 1:
-                reducer.arm()          # overlap the reduction with this last backward
-            rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-        reducer.finish()               # all reduced; .grad holds the mean over ranks
-        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=...)
-
-    Without ``arm()`` (or with ``overlap=False``), ``finish()`` reduces everything then;
-    it treats every gradient as complete when called.
+    host buffers (``buckets.BufferRing``, :attr:`kept_bytes`). Usage: docs/multi-node.md
+    (:meth:`arm` before the window's last backward, :meth:`finish` before the step).
 
     Args:
         rp: the ``RoundPipe`` whose ``optim_parameters()`` gradients are reduced.
@@ -194,9 +182,8 @@ class GradientAllReducer:
             self.timeout = None if timeout is None else resolve_timeout(timeout)
         self.group = process_group
         # fixed at construction: a reducer built before the process group stays a no-op
-        self._world_size = group_size(process_group)
-        chosen = _unique_params(rp.optim_parameters() if params is None else params)
-        params = list(reversed(chosen))
+        self.world_size = group_size(process_group)
+        params = list(reversed(_unique_params(rp.optim_parameters() if params is None else params)))
         self.buckets = [
             _Bucket(i, b) for i, b in enumerate(self._group_params(params, bucket_bytes))
         ]
@@ -212,10 +199,6 @@ class GradientAllReducer:
         self._closed = False
         self.last_finish_wait_s = 0.0
         """Seconds the last ``finish()`` blocked the caller (the exposed communication)."""
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
 
     def kept_buffers(self) -> list[torch.Tensor]:
         """The flat host buffers kept between rounds (none before the first round)."""

@@ -1,29 +1,14 @@
-"""Sharding the host state across data-parallel ranks (``shard_host_state=True``).
-
-Each rank *owns* about 1/N of one optimizer's trainable parameters and keeps gradients,
-optimizer state and separate masters only for those:
-
-1. **Ownership** (:func:`partition_by_bytes`): N contiguous runs of the parameter order
-   balanced by bytes, so each bucket stays on one owner and in layer order (the
-   reduction still overlaps the backward).
-2. **Reduce-scatter** (:class:`ShardedGradientReducer`): each bucket is ``dist.reduce``-d
-   to its owner; the other ranks drop its ``.grad``, so their optimizers make no state
-   for it.
-3. **Step**: each rank's ``optimizer.step()`` updates its share.
-4. **All-gather** (:meth:`HostShard.gather` / :meth:`HostShard.publish`): each owner
-   broadcasts its updated parameters bucket by bucket into every rank's copy.
+"""Sharding the host state across data-parallel ranks (``shard_host_state=True``): each
+rank owns about 1/N of one optimizer's trainable parameters (:func:`partition_by_bytes`)
+and keeps gradients, optimizer state and separate masters only for those; the scheme
+(ownership, reduce to the owner, step, all-gather) is docs/multi-node.md's "Sharding the
+host state".
 
 Each purpose has a group of its own (reduction, all-gather, norm for clipping), so
-threads never interleave collectives on one group.
-
-Separate masters (bf16 weights, or ``shared_masters=False``): a rank releases the masters
-it does not own (``MasterWeights.release``) and the all-gather writes the owners' updates,
-cast, straight into every rank's model weights (``targets``): inside a synchronous step,
+threads never interleave collectives on one group. A released master's update is written,
+cast, straight into every rank's model weight (``targets``): inside a synchronous step,
 or, with ``attach(..., async_step=True)``, when the step's weight version is published
 (a remote publisher of ``stepping.versions``), in version order on every rank.
-
-Not sharded: the model's own weights, and the master gradients while the backward
-produces them.
 """
 
 from __future__ import annotations
@@ -37,7 +22,14 @@ import torch
 import torch.distributed as dist
 
 from ..kinds import check_int
-from .buckets import BufferRing, _Bucket, _bucketize, _unique_params, copy_from_flat
+from .buckets import (
+    DEFAULT_BUCKET_BYTES,
+    BufferRing,
+    _Bucket,
+    _bucketize,
+    _unique_params,
+    copy_from_flat,
+)
 from .group import collective, destroy_group, group_size, new_group
 from .reducer import GradientAllReducer
 
@@ -102,11 +94,10 @@ def _reduce_plan(
 
 
 def _largest(buckets: Iterable[list[torch.Tensor]]) -> dict[torch.dtype, int]:
-    """Per dtype, the bytes of the largest bucket."""
+    """Per dtype, the elements of the largest bucket."""
     out: dict[torch.dtype, int] = {}
     for b in buckets:
-        size = sum(t.numel() for t in b) * b[0].element_size()
-        out[b[0].dtype] = max(out.get(b[0].dtype, 0), size)
+        out[b[0].dtype] = max(out.get(b[0].dtype, 0), sum(t.numel() for t in b))
     return out
 
 
@@ -125,7 +116,8 @@ def kept_buffer_bytes(
     owner = dict(zip((id(p) for p in params), owners))
     reduce = _reduce_plan(list(reversed(params)), lambda p: owner[id(p)], bucket_bytes)
     gather = _gather_plan(params, owners, world_size, bucket_bytes, targets or {})
-    return BufferRing.nbytes(reduce) + sum(_largest(b for _, _, b in gather).values())
+    largest = _largest(b for _, _, b in gather)
+    return BufferRing.nbytes(reduce) + sum(n * d.itemsize for d, n in largest.items())
 
 
 class HostShard:
@@ -237,9 +229,7 @@ class HostShard:
         dtype = bucket[0].dtype
         flat = self._gather_flat.get(dtype)
         if flat is None:
-            size = max(
-                sum(t.numel() for t in b) for _, _, b in self._gather_buckets if b[0].dtype == dtype
-            )
+            size = _largest(b for _, _, b in self._gather_buckets)[dtype]
             flat = self._gather_flat[dtype] = torch.empty(size, dtype=dtype)
         return flat[: sum(t.numel() for t in bucket)]
 
@@ -305,7 +295,7 @@ class ShardedGradientReducer(GradientAllReducer):
         rp: Any,
         shard: HostShard,
         op: str = "mean",
-        bucket_bytes: int = 25 * 2**20,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap: bool = True,
         timeout: float | int | timedelta | None = None,
     ) -> None:

@@ -5,13 +5,11 @@ simulator (with the planner's one iteration-time estimate) and the planner.
 Imports point down to :mod:`roundpipe_core.kinds` only (``tests/core/test_layering.py``).
 """
 
-from typing import cast
-
-from .plan import AutoPlanner, ModelExecutePlan
+from .plan import ModelExecutePlan
 from .planner import auto
 
 # The planner sits above plan.py, so the wing connects ModelExecutePlan.auto to it
 # (importing any planning module runs this first).
-ModelExecutePlan.install_planner(cast(AutoPlanner, auto))
+ModelExecutePlan.install_planner(auto)
 
 __all__ = ["ModelExecutePlan", "auto"]

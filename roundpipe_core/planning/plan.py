@@ -6,8 +6,8 @@ above (``ModelExecutePlan.auto`` calls the one installed by :meth:`install_plann
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, overload
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, overload
 
 from ..kinds import RunType, check_int, parse_kind
 from .layout import (
@@ -37,12 +37,8 @@ def even_ranges(n: int, parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-class AutoPlanner(Protocol):
-    """What :meth:`ModelExecutePlan.auto` delegates to (``roundpipe_core.planning.planner.auto``)."""
-
-    def __call__(
-        self, run_type: RunType | str, *models: Any, **options: Any
-    ) -> ModelExecutePlan | list[ModelExecutePlan]: ...
+#: What :meth:`ModelExecutePlan.auto` delegates to (``roundpipe_core.planning.planner.auto``).
+AutoPlanner = Callable[..., "ModelExecutePlan | list[ModelExecutePlan]"]
 
 
 def _check_cover(

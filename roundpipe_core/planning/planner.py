@@ -105,8 +105,6 @@ def auto(
             profiles.append(profile_of(m))
         except TypeError as exc:
             raise TypeError(f"model {i}: {exc}") from None
-        if isinstance(m, LayerProfile):
-            continue
         if getattr(m, "num_devices", None) is not None:
             devices.append(int(m.num_devices))
         pool = getattr(m, "pool", None)

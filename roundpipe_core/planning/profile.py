@@ -1,12 +1,5 @@
-"""What the planner knows about a model's layers: times, sizes and activation memory.
-
-* :class:`LayerProfile` — per-layer times (ms) and bytes, the planner's input.
-* :func:`layer_sizes` — bytes per layer from the modules (upload, gradients, dense
-  compute: an embedding table tied to the LM head is read a few rows at a time, so its
-  bytes say nothing about its time).
-* :func:`measure_activation_bytes` / :func:`scale_activation_bytes` — saved-tensor bytes
-  per layer, measured on a small real forward.
-* :func:`stage_memory` / :func:`check_plan_fits` — the memory a plan's stages need.
+"""What the planner knows about a model's layers (:class:`LayerProfile`): times, sizes
+and activation memory, and the memory a plan's stages need.
 
 A backward or fused stage holds its parameters, their gradients and one microbatch's
 saved activations; a forward stage only its parameters. One more stage's parameters
@@ -107,6 +100,12 @@ class LayerProfile:
             grad_bytes=getattr(timer, "layer_grad_bytes", None),
             act_bytes=act_bytes,
         )
+
+    def layer_ms(self) -> tuple[list[float], list[float], list[float]]:
+        """Forward, recompute (default: the forward) and backward ms per layer."""
+        fwd = [float(x) for x in self.fwd_ms]
+        re = [float(x) for x in self.re_ms] if self.re_ms is not None else fwd
+        return fwd, re, [float(x) for x in self.bwd_ms]
 
     def layer_bytes(self) -> tuple[list[float], list[float], list[float]]:
         """Parameter, gradient and activation bytes per layer, the defaults filled in."""
@@ -346,15 +345,11 @@ def check_plan_fits(
     if not capacity_bytes > 0:
         raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes!r}")
     stages = stage_memory(plan, profile, run_type)
-    grads = profile.grad_bytes if profile.grad_bytes is not None else profile.param_bytes
+    _, grads, _ = profile.layer_bytes()
     for s in stages:
-        others = [o.param_bytes for o in stages if o is not s]
-        prefetch = max(others, default=0.0)
-        accumulating = (
-            max((float(grads[j]) for j in s.layers), default=0.0)
-            if grads is not None and s.kind != JobKind.FORWARD
-            else 0.0
-        )
+        prefetch = max((o.param_bytes for o in stages if o is not s), default=0.0)
+        forward = s.kind == JobKind.FORWARD
+        accumulating = 0.0 if forward else max((grads[j] for j in s.layers), default=0.0)
         need = s.total_bytes + accumulating + prefetch
         if need > capacity_bytes:
             raise ValueError(
@@ -392,12 +387,10 @@ def profile_of(model: Any) -> LayerProfile:
 def _with_lent_parameters(profile: LayerProfile, sizes: LayerSizes) -> LayerProfile:
     """``profile`` for a pool whose uploads lend the host's parameters: only what is still
     copied (buffers, quantized state) counts as upload; gradients are real memory."""
-    n = profile.num_layers
-    uploads = list(profile.param_bytes) if profile.param_bytes is not None else [0] * n
-    grads = list(profile.grad_bytes) if profile.grad_bytes is not None else uploads
+    uploads, grads, _ = profile.layer_bytes()
     lent = sizes.parameter_bytes
     return replace(
         profile,
         param_bytes=[max(0, int(u) - int(p)) for u, p in zip(uploads, lent)],
-        grad_bytes=grads,
+        grad_bytes=[int(g) for g in grads],
     )

@@ -15,7 +15,8 @@ from ..kinds import RunType, check_int, parse_kind
 from .partition import Partitioner, first_true, with_slack
 from .plan import ModelExecutePlan
 from .profile import LayerProfile
-from .simulate import simulated_iteration_ms
+from .schedule import build_schedule
+from .simulate import job_ms, simulated_iteration_ms
 
 __all__ = [
     "OBJECTIVES",
@@ -51,9 +52,7 @@ class _Problem:
         self.run_type = run_type
         self.n = profile.num_layers
         self.mem_cap = mem_cap
-        fwd = list(profile.fwd_ms)
-        bwd = list(profile.bwd_ms)
-        re = list(profile.re_ms) if profile.re_ms is not None else fwd
+        fwd, re, bwd = profile.layer_ms()
         fmem, bmem = profile.stage_mem()
         self.fwd = Partitioner(fwd, fmem)
         self.bwd = Partitioner([r + b for r, b in zip(re, bwd)], bmem)
@@ -192,16 +191,8 @@ def stage_times(
     plan: ModelExecutePlan, profile: LayerProfile, run_type: RunType | str
 ) -> list[float]:
     """Per-microbatch time of every stage the plan runs for ``run_type``, in launch order."""
-    rt = parse_kind(RunType, run_type, "run_type")
-    fwd = list(profile.fwd_ms)
-    re = list(profile.re_ms) if profile.re_ms is not None else fwd
-    bwd = list(profile.bwd_ms)
-    times = [sum(fwd[i] for i in r) for r in plan.fwd_plan]
-    if rt != RunType.INFER:
-        for k, r in enumerate(plan.bwd_plan):
-            first = fwd if (rt == RunType.FUSED and k == 0) else re
-            times.append(sum(first[i] + bwd[i] for i in r))
-    return times
+    fwd, re, bwd = profile.layer_ms()
+    return [job_ms(job, fwd, bwd, re) for job in build_schedule(plan, run_type, 1, 1)]
 
 
 def plan_objective(
@@ -385,10 +376,7 @@ def search_plans(
             for pr, prof, plan in zip(problems, profiles, plans)
         ]
         times = [t for plan, prof in zip(plans, profiles) for t in stage_times(plan, prof, rt)]
-        value_now = plan_objective(
-            plans, profiles, rt, objective, min_stages, num_devices, num_microbatch
-        )
-        return found(plans, max(times), len(times), value_now)
+        return found(plans, max(times), len(times), value(len(times), max(times), sum(times)))
     return found(plans, cap, int(s_at(chosen)), cost(chosen))
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "OVERLAP_ITERATIONS",
     "SHARED_CORES_SLOWDOWN",
     "device_peak_bytes",
+    "job_ms",
     "per_layer",
     "simulate",
     "simulated_iteration_ms",
@@ -323,6 +324,7 @@ def simulated_iteration_ms(
       plan as one job per worker (``planner.fused_replicas``).
     """
     run_type = parse_kind(RunType, run_type, "run_type")
+    f = 1.0  # how much slower each job runs
     if shared_cores:
         jobs = len(plan.fwd_plan) + len(plan.bwd_plan)
         f, overlap = SHARED_CORES_SLOWDOWN, False
@@ -330,24 +332,17 @@ def simulated_iteration_ms(
             alone = simulated_iteration_ms(plan, profile, run_type, 1, 1, concurrent=False)
             return alone * f * -(-num_microbatch // min(num_devices, num_microbatch))
         concurrent = jobs > 1 and num_devices > 1
-        if concurrent:
-            profile = LayerProfile(
-                fwd_ms=[t * f for t in profile.fwd_ms],
-                bwd_ms=[t * f for t in profile.bwd_ms],
-                re_ms=[t * f for t in profile.re_ms] if profile.re_ms is not None else None,
-            )
-    if not concurrent:
-        overlap = False  # nothing overlaps where one job computes at a time
+    if not concurrent:  # one job computes at a time: nothing overlaps or shares cores
+        overlap, f = False, 1.0
     if not overlap or run_type != RunType.FUSED:
-        fwd = [float(x) for x in profile.fwd_ms]
-        re = [float(x) for x in profile.re_ms] if profile.re_ms is not None else fwd
+        fwd, re, bwd = ([t * f for t in ms] for ms in profile.layer_ms())
         sched = build_schedule(plan, run_type, num_devices, num_microbatch)
         return _run_iteration(
             sched,
             plan,
             run_type,
             fwd,
-            [float(x) for x in profile.bwd_ms],
+            bwd,
             re,
             num_devices,
             serial=not concurrent,
@@ -383,7 +378,9 @@ def _step_shares(weights: Sequence[float] | None, n: int) -> list[float]:
     return [x / total for x in w]
 
 
-def _stage_time(job: Job, fwd: list[float], bwd: list[float], re: list[float]) -> float:
+def job_ms(job: Job, fwd: list[float], bwd: list[float], re: list[float]) -> float:
+    """One microbatch of ``job``: forward, forward + backward (fused), or recompute +
+    backward, summed over its layers."""
     if job.kind == FORWARD:
         return sum(fwd[i] for i in job.layers)
     if job.kind == FUSED:
@@ -459,7 +456,7 @@ def _run_iteration(
     outer = barrier
     for job in jobs:
         d = job.device
-        dur = _stage_time(job, fwd, bwd, re)
+        dur = job_ms(job, fwd, bwd, re)
         if layer_ready is not None:  # this job's layers hold the weights it reads
             barrier = max([outer] + [layer_ready[i] for i in job.layers])
         # Parameter upload, prefetched on the device's copy channel.

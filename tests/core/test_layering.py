@@ -60,7 +60,7 @@ PLANNING = {
     "schedule": {"plan"},
     "profile": {"plan"},
     "simulate": {"plan", "profile", "schedule"},
-    "search": {"partition", "plan", "profile", "simulate"},
+    "search": {"partition", "plan", "profile", "schedule", "simulate"},
     "planner": {"plan", "profile", "search", "simulate"},
 }
 

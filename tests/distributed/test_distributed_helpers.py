@@ -216,7 +216,7 @@ def test_the_reducer_waits_for_the_masters_grad_lock(rp: RoundPipe) -> None:
         buf.mul_(2)  # this rank's gradients plus an equal peer's
         return Done()
 
-    r._world_size, r._issue = 2, issue  # what a two-rank group would give
+    r.world_size, r._issue = 2, issue  # what a two-rank group would give
     finished = threading.Event()
     errors: list[BaseException] = []
 
