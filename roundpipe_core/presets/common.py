@@ -323,8 +323,10 @@ class GenericDecoderBlock(nn.Module):
                 kwargs[key] = tables[detail]
             elif source == "fresh":
                 kwargs[key] = detail()
-            elif source == "per_layer_input":
-                kwargs[key] = extras["per_layer_inputs"][:, :, detail]
+            elif source == "per_layer_input":  # this layer's is first; the rest go on
+                rest = extras["per_layer_inputs"]
+                kwargs[key] = rest[:, :, 0]
+                extras = {**extras, "per_layer_inputs": rest[:, :, 1:]}
             elif source == "shared_kv":  # a fresh store: what the layer stores goes out below
                 kwargs[key] = store = detail(extras.get("shared_kv") or {})
             else:  # "mask": rebuilt here from the 2D padding mask

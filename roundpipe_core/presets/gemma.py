@@ -4,7 +4,9 @@
   embedding the backbone computes ``per_layer_inputs`` ``(batch, seq, layers, dim)``
   and layer ``i`` takes ``[:, :, i]``. :class:`PerLayerInputs` computes them in the input
   adapter with the backbone's own methods, and they travel in the decoder state's
-  ``extras`` (batch-first), so their gradient flows back to the tables that made them.
+  ``extras`` (batch-first), so their gradient flows back to the tables that made them;
+  each block takes the first slice and passes the rest on (in E2B they are six times the
+  hidden states' size, so each stage hands on only what the later layers still need).
 * **KV sharing** (``config.num_kv_shared_layers``): the last layers read the keys and
   values an earlier layer stored into ``shared_kv_states``. A block builds a fresh store
   from ``extras["shared_kv"]`` and puts what its layer stored back into its *output*

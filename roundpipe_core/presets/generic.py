@@ -164,7 +164,13 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
 
 def _input_adapter(parts: DecoderParts, recipe: ModelRecipe, moe: bool) -> CausalLMInputAdapter:
     pos = recipe.position_embedding
-    per_layer = any(e[1] == "per_layer_input" for r in recipe.layers for e in r.inputs)
+    takes = [any(e[1] == "per_layer_input" for e in r.inputs) for r in recipe.layers]
+    per_layer = all(takes)  # each takes the first of those left: all or none do
+    if any(takes) and not per_layer:
+        raise ValueError(
+            f"{type(parts.model).__name__} cannot be converted by structure: only some of its "
+            "layers take per-layer inputs"
+        )
     altup = altup_projections(parts.backbone) if recipe.layers[0].stacked else None
     return CausalLMInputAdapter(
         parts.embed_tokens,
