@@ -69,8 +69,8 @@ class LayerRecipe:
     (detail: a mapping type; a new empty one per call: Gemma 4's ``shared_kv_states`` where
     no layer reads it); ``"shared_kv"`` (detail: the mapping type: one filled with the keys
     and values earlier layers stored, KV sharing) and ``"per_layer_input"`` (detail: the
-    layer's index into the per-layer inputs; each block takes the first of those left); see :mod:`.gemma`. ``stacked``: the layer
-    takes Gemma 3n's AltUp stack.
+    layer's index into the per-layer inputs; each block takes the first of those left);
+    see :mod:`.gemma`. ``stacked``: the layer takes Gemma 3n's AltUp stack.
     """
 
     inputs: tuple[tuple[str | int, str, Any], ...]
