@@ -196,7 +196,10 @@ FAMILY_CONFIG: dict[str, tuple[dict[str, Any], str]] = {
     "gemma4_text": (
         {
             "vocab_size_per_layer_input": VOCAB,
-            "hidden_size_per_layer_input": 0,
+            "hidden_size_per_layer_input": 8,
+            "num_kv_shared_layers": 1,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "full_attention", "full_attention"],
             "global_head_dim": 16,
             "enable_moe_block": True,
             "num_experts": 4,
@@ -205,8 +208,9 @@ FAMILY_CONFIG: dict[str, tuple[dict[str, Any], str]] = {
             "attention_k_eq_v": True,
             "num_global_key_value_heads": 1,
         },
-        "the shape of Gemma 4 26B-A4B (MoE block, wider global heads with keys = values, no "
-        "per-layer inputs); the per-layer-input table is vocabulary-sized",
+        "Gemma 4 E2B's per-layer inputs and KV sharing (the last layer reuses the keys and "
+        "values of the one before) with 26B-A4B's MoE block and wider global heads with keys "
+        "= values, in three layers; the per-layer-input table is vocabulary-sized",
     ),
     "gpt_neo": (
         {"attention_types": [[["global", "local"], 1]], "window_size": 4},

@@ -75,6 +75,11 @@ class CausalLMInputAdapter(nn.Module):
         embed_scale_as_tensor: multiply by a tensor of the embeddings' dtype (as
             Gemma-style code writes it) instead of a Python float; the two round
             differently in half precision.
+        per_layer_inputs: ``module(input_ids, embeddings)`` giving the per-layer inputs
+            ``extras["per_layer_inputs"]`` (Gemma 3n/4, :class:`.gemma.PerLayerInputs`), or
+            ``None``.
+        stack: ``module(embeddings)`` giving the hidden states the layers take (Gemma 3n's
+            AltUp stack, :class:`.gemma.AltUpStack`), or ``None``.
     """
 
     def __init__(
@@ -90,8 +95,12 @@ class CausalLMInputAdapter(nn.Module):
         router_logits_default: bool | None = None,
         embed_scale: float | None = None,
         embed_scale_as_tensor: bool = False,
+        per_layer_inputs: nn.Module | None = None,
+        stack: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        self.per_layer_inputs = per_layer_inputs
+        self.stack = stack
         self.embed_tokens = embed_tokens
         self.position_embedding = position_embedding
         self.position_embedding_inputs = tuple(position_embedding_inputs)
@@ -150,6 +159,11 @@ class CausalLMInputAdapter(nn.Module):
             )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids or inputs_embeds")
+        if input_ids is None and self.per_layer_inputs is not None:
+            raise ValueError(
+                "this model looks its per-layer inputs up by token id: give input_ids, not "
+                "inputs_embeds"
+            )
         check_flag(return_logits, "return_logits")
         if not return_logits and labels is None:
             raise ValueError(
@@ -224,6 +238,10 @@ class CausalLMInputAdapter(nn.Module):
             "output_router_logits": bool(output_router_logits),
             "router_stats": None,
         }
+        if self.per_layer_inputs is not None:
+            extras["per_layer_inputs"] = self.per_layer_inputs(input_ids, hidden)
+        if self.stack is not None:
+            hidden = self.stack(hidden)
         return (hidden, tables, position_ids, attention_mask, labels, extras)
 
 
@@ -286,7 +304,12 @@ class GenericDecoderBlock(nn.Module):
 
     def forward(self, *state: Any) -> DecoderState:
         hidden, tables, position_ids, attention_mask, labels, extras = unpack_state(state)
+        # Gemma 3n's AltUp stack travels batch-first; its layer takes (inputs, batch, ...)
+        embeds = hidden[:, 0] if self.recipe.stacked else hidden
+        if self.recipe.stacked:
+            hidden = hidden.transpose(0, 1).contiguous()
         kwargs: dict[str | int, Any] = {}
+        store = None
         for key, source, detail in self.recipe.inputs:
             if source == "const":
                 kwargs[key] = detail
@@ -295,16 +318,22 @@ class GenericDecoderBlock(nn.Module):
             elif source == "position_ids":
                 kwargs[key] = position_ids
             elif source == "cache_position":
-                kwargs[key] = torch.arange(hidden.shape[1], device=hidden.device)
+                kwargs[key] = torch.arange(embeds.shape[1], device=hidden.device)
             elif source == "table":
                 kwargs[key] = tables[detail]
             elif source == "fresh":
                 kwargs[key] = detail()
+            elif source == "per_layer_input":  # this layer's is first; the rest go on
+                rest = extras["per_layer_inputs"]
+                kwargs[key] = rest[:, :, 0]
+                extras = {**extras, "per_layer_inputs": rest[:, :, 1:]}
+            elif source == "shared_kv":  # a fresh store: what the layer stores goes out below
+                kwargs[key] = store = detail(extras.get("shared_kv") or {})
             else:  # "mask": rebuilt here from the 2D padding mask
                 kind, with_pos, skip = detail
                 mask_kwargs: dict[str, Any] = {
                     "config": self.config,
-                    "inputs_embeds": hidden,
+                    "inputs_embeds": embeds,
                     "attention_mask": attention_mask,
                     "cache": None,
                 }
@@ -330,11 +359,15 @@ class GenericDecoderBlock(nn.Module):
                 None if previous is None else RouterStats(*previous),
                 captured,
                 attention_mask,
-                hidden.shape[0],
-                hidden.shape[1],
+                embeds.shape[0],
+                embeds.shape[1],
             )
             # a new dict: the engine may keep the input state for the recompute
             extras = {**extras, "router_stats": None if stats is None else tuple(stats)}
         if self.recipe.tuple_output:
             out = out[0]
+        if self.recipe.stacked:
+            out = out.transpose(0, 1)
+        if store is not None:
+            extras = {**extras, "shared_kv": dict(store)}
         return (out, tables, position_ids, attention_mask, labels, extras)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .common import CausalLMInputAdapter, GenericDecoderBlock
+from .gemma import AltUpMerge, AltUpStack, PerLayerInputs, altup_projections
 from .moe import (
     Rescore,
     install_router_replay,
@@ -147,7 +148,7 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
                 for layer, r, rs in zip(parts.layers, recipe.layers, routers)
             ),
             CausalLMOutputAdapter(
-                parts.other_modules[recipe.norm_name],
+                _final_norm(parts, recipe),
                 parts.lm_head,
                 num_experts=num_experts,
                 router_aux_loss_coef=float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0),
@@ -163,6 +164,14 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
 
 def _input_adapter(parts: DecoderParts, recipe: ModelRecipe, moe: bool) -> CausalLMInputAdapter:
     pos = recipe.position_embedding
+    takes = [any(e[1] == "per_layer_input" for e in r.inputs) for r in recipe.layers]
+    per_layer = all(takes)  # each takes the first of those left: all or none do
+    if any(takes) and not per_layer:
+        raise ValueError(
+            f"{type(parts.model).__name__} cannot be converted by structure: only some of its "
+            "layers take per-layer inputs"
+        )
+    altup = altup_projections(parts.backbone) if recipe.layers[0].stacked else None
     return CausalLMInputAdapter(
         parts.embed_tokens,
         position_tables=[(parts.position_modules[n], t) for n, t in recipe.position_tables],
@@ -175,4 +184,12 @@ def _input_adapter(parts: DecoderParts, recipe: ModelRecipe, moe: bool) -> Causa
         else None,
         embed_scale=recipe.embed_scale,
         embed_scale_as_tensor=recipe.embed_scale_as_tensor,
+        per_layer_inputs=PerLayerInputs(parts.backbone) if per_layer else None,
+        stack=None if altup is None else AltUpStack(altup[0]),
     )
+
+
+def _final_norm(parts: DecoderParts, recipe: ModelRecipe) -> nn.Module:
+    norm = parts.other_modules[recipe.norm_name]
+    altup = altup_projections(parts.backbone)
+    return norm if altup is None else AltUpMerge(altup[1], norm)

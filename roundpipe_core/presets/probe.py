@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .gemma import GEMMA_PARTS, AltUpStack, PerLayerInputs, altup_merge, altup_projections
 from .structure import DecoderParts
 
 __all__ = ["LayerRecipe", "ModelRecipe", "check_conversion", "eval_mode", "probe_decoder"]
@@ -66,11 +67,15 @@ class LayerRecipe:
     without padding, as DeepSeek V3.2's indexer needs one) and
     ``"table"`` (detail: index into :attr:`ModelRecipe.position_tables`); ``"fresh"``
     (detail: a mapping type; a new empty one per call: Gemma 4's ``shared_kv_states`` where
-    no layer reads it).
+    no layer reads it); ``"shared_kv"`` (detail: the mapping type: one filled with the keys
+    and values earlier layers stored, KV sharing) and ``"per_layer_input"`` (detail: the
+    layer's index into the per-layer inputs; each block takes the first of those left);
+    see :mod:`.gemma`. ``stacked``: the layer takes Gemma 3n's AltUp stack.
     """
 
     inputs: tuple[tuple[str | int, str, Any], ...]
     tuple_output: bool
+    stacked: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,15 +366,18 @@ def _classify(
         if isinstance(key, str)
         else f"decoder layer {index} gets as positional argument {key} "
     )
+    per_layer = known.get("per_layer_inputs")
+    if isinstance(value, torch.Tensor) and per_layer is not None:
+        if _same(per_layer[:, :, index], value):
+            return (key, "per_layer_input", index)
     if key in _KNOWN_FEATURES:
         if value is None:
             return (key, "const", None)
         if key == "shared_kv_states" and isinstance(value, MutableMapping):
-            # no layer reuses another's keys and values (find_decoder_parts refuses
-            # num_kv_shared_layers > 0): the layers only store into it, for an assistant model
-            # to read after the forward; each block gets an empty one (check_conversion would
-            # see a layer that reads it)
-            return (key, "fresh", type(value))
+            # without KV sharing the layers only store into it, for an assistant model to
+            # read after the forward: each block gets an empty one
+            shared = getattr(parts.config, "num_kv_shared_layers", 0)
+            return (key, "shared_kv" if shared else "fresh", type(value))
         raise _refuse(
             parts,
             f"{where}...: {_KNOWN_FEATURES[key]}, which would not travel between "
@@ -433,6 +441,12 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
         first = first_args[0] if first_args else first_kwargs.get("hidden_states")
         if not isinstance(first, torch.Tensor):
             raise _refuse(parts, "its decoder layers do not take the hidden states first")
+        layer_input, altup = first, altup_projections(parts.backbone)
+        if altup is not None:  # Gemma 3n: the layers take an AltUp stack of the embeddings
+            with torch.no_grad():
+                if not _same(first, AltUpStack(altup[0])(first[0]).transpose(0, 1)):
+                    raise _refuse(parts, "its first layer's input is not the AltUp stack")
+            first = first[0]
         pos_hf = torch.arange(PROBE_SEQ, device=device).unsqueeze(0)
         pos = pos_hf.expand(PROBE_BATCH, -1)
         masks = _masks(parts, first, mask, pos_hf)
@@ -447,15 +461,22 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
                 raise
             rec_packed = None  # a model that needs a padding mask: masks take the position ids
         masks_packed = _masks(parts, first, None, packed)
-    norm_name, called = _find_norm(parts, rec, _first(rec.layer_outputs[-1]))
+    last = _first(rec.layer_outputs[-1])
+    per_layer = PerLayerInputs.of(parts.backbone, parts.config)
     with torch.no_grad():
+        if altup is not None:
+            last = altup_merge(altup[1], last)
         embedded = parts.embed_tokens(ids)
+        per_layer_inputs = None if per_layer is None else per_layer(ids, first)
+    norm_name, called = _find_norm(parts, rec, last)
+    called = [n for n in called if n not in GEMMA_PARTS]
     pos_name, embed_scale, as_tensor = _position_embedding(parts, rec, called, embedded, first)
     known = {
         "padding_mask": mask,
         "position_ids": pos,
         "mask_positions": (torch.cumsum(mask, dim=1) * mask - 1).long(),
         "cache_position": torch.arange(PROBE_SEQ, device=device),
+        "per_layer_inputs": per_layer_inputs,
     }
     pos_inputs: list[tuple[str | int, str, Any]] = []
     if pos_name is not None:
@@ -499,7 +520,9 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
             if entry[1] == "mask":
                 entry = _with_or_without_positions(parts, i, key, entry, rec_packed, masks_packed)
             inputs.append(entry)
-        recipes.append(LayerRecipe(tuple(inputs), isinstance(out, (tuple, list))))
+        recipes.append(
+            LayerRecipe(tuple(inputs), isinstance(out, (tuple, list)), altup is not None)
+        )
     if any(e[1] == "mask" for r in recipes for e in r.inputs):
         with _small_windows(parts.config):
             recipes = _forced_masks(parts, ids[:1], recipes)
@@ -524,7 +547,7 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
         ]
         pos_inputs = [_from_mask(e) for e in pos_inputs]
     with _small_windows(parts.config):
-        dropout = _embedding_dropout(parts, ids, mask, first)
+        dropout = _embedding_dropout(parts, ids, mask, layer_input)
     return ModelRecipe(
         layers=tuple(recipes),
         embed_scale=embed_scale,

@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from .gemma import GEMMA_PARTS
+
 __all__ = ["DecoderParts", "find_decoder_parts", "text_config"]
 
 
@@ -88,18 +90,6 @@ def _call_getter(module: nn.Module, getter: str) -> Any:
 
 def _unsupported_feature(config: Any, backbone: nn.Module) -> str | None:
     """A known feature that cannot be cut into pipeline layers, named, or ``None``."""
-    shared = getattr(config, "num_kv_shared_layers", 0)
-    if isinstance(shared, int) and shared > 0:
-        return (
-            f"its last {shared} layers reuse earlier layers' keys and values (KV sharing, "
-            "config.num_kv_shared_layers); that state would not carry gradients between "
-            "pipeline layers"
-        )
-    if getattr(config, "hidden_size_per_layer_input", None):
-        return (
-            "its layers take per-layer input embeddings (config.hidden_size_per_layer_input), "
-            "computed next to the token embedding"
-        )
     if getattr(config, "alibi", False) or callable(getattr(backbone, "build_alibi_tensor", None)):
         return (
             "it adds an ALiBi bias whose first dim is batch x heads, not batch, so it cannot be "
@@ -199,6 +189,7 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
         (n, c)
         for n, c in children.items()
         if isinstance(c, nn.ModuleList)
+        and n not in GEMMA_PARTS  # Gemma 3n's AltUp projections, one per stacked input
         and len(c) > 0
         and (num_layers is None or len(c) >= num_layers)
     ]

@@ -209,3 +209,46 @@ def hf_grads(model, **kwargs):
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return out, grads
+
+
+def gemma_kv_sharing_model(kind: str, seed: int = 0):
+    """A tiny Gemma 3n (AltUp) or Gemma 4 E2B-shaped model (``kind`` "gemma3n" / "gemma4"):
+    per-layer inputs, the last two of four layers reusing the keys and values of the two
+    before them (one sliding, one full), every parameter moved off its initial value so that
+    no gradient path is zero (Gemma 3n's AltUp output scale starts at zero)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        sliding_window=4,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        pad_token_id=0,
+        use_cache=False,
+    )
+    if kind == "gemma3n":
+        cfg = tf.Gemma3nTextConfig(
+            **common,
+            laurel_rank=4,
+            altup_num_inputs=3,
+            activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+        )
+        model = tf.Gemma3nForCausalLM(cfg)
+    else:  # Gemma 4 E2B: wider global heads, a wider MLP in the sharing layers, soft-capping
+        cfg = tf.Gemma4TextConfig(
+            **common, global_head_dim=16, use_double_wide_mlp=True, final_logit_softcapping=30.0
+        )
+        model = tf.Gemma4ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()

@@ -13,8 +13,8 @@ biases and a sliding window (Starcoder2), layers without rotary (SmolLM3), pure 
 mixers, short convolutions beside attention (LFM2), sliding + full attention with a
 logit scale (Cohere 2), a MoE without router loss (Mixtral), a learned position
 embedding with layers taking positional arguments (GPT-BigCode), a preset family (Llama),
-a key/value store the layers only write (Gemma 4's ``shared_kv_states``, per-family tiny
-config), a mask built even without padding (DeepSeek V3.2's indexer) and a refusal of the
+per-layer inputs and keys/values shared between layers (Gemma 4 E2B's, with Gemma 4's MoE
+block, per-family tiny config; Gemma 3n's, with its AltUp stack), a mask built even without padding (DeepSeek V3.2's indexer) and a refusal of the
 converter whose automatic split is exact (Bloom: ALiBi).
 """
 
@@ -45,6 +45,7 @@ SELECTION = {
     "mixtral": "structure",
     "gpt_bigcode": "structure",
     "bloom": "automatic split",
+    "gemma3n_text": "structure",
     "gemma4_text": "structure",
     "deepseek_v32": "structure",
 }

@@ -167,30 +167,6 @@ def test_check_conversion_catches_a_wrong_layer() -> None:
         check_conversion(parts, seq)
 
 
-def _gemma3n(shared: int = 1):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.Gemma3nTextConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=97,
-        vocab_size_per_layer_input=97,
-        hidden_size_per_layer_input=8,
-        sliding_window=4,
-        num_kv_shared_layers=shared,
-        laurel_rank=4,
-        altup_num_inputs=2,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        activation_sparsity_pattern=[0.0] * 4,
-    )
-    return tf.Gemma3nForCausalLM(cfg)
-
-
 def _opt_with_layerdrop():
     model = build_tiny("opt")
     model.config.layerdrop = 0.1
@@ -206,19 +182,15 @@ def _minimax_m2_with_router_loss():
 @pytest.mark.parametrize(
     ("make", "words"),
     [
-        (_gemma3n, "KV sharing"),
         (lambda: build_tiny("bloom"), "ALiBi"),
         (lambda: build_tiny("recurrent_gemma"), "decoding cache"),
-        (lambda: _gemma3n(shared=0), "per-layer input"),
         (lambda: build_tiny("mpt"), "ALiBi bias of \\(heads, 1, max_seq_len\\)"),
         (_opt_with_layerdrop, "config.layerdrop=0.1"),
         (_minimax_m2_with_router_loss, "output_router_logits=True"),
     ],
     ids=[
-        "gemma3n",
         "bloom",
         "recurrent_gemma",
-        "gemma3n-unshared",
         "mpt",
         "opt-layerdrop",
         "minimax-m2-aux",
@@ -279,7 +251,9 @@ def test_generic_family_with_lora_matches_peft() -> None:
         rp.close()
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen3_next", "jamba"])
+@pytest.mark.parametrize(
+    "model_type", ["gemma3_text", "qwen3_next", "jamba", "gemma3n_text", "gemma4_text"]
+)
 def test_generic_blocks_follow_the_forward_rules(model_type: str) -> None:
     """Every layer of a converted model runs under check_forward_rules without a warning
     (no writes to plain attributes, parameters or shared buffers in forward)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -16,6 +18,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
+from hf_tiny import gemma_kv_sharing_model  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from sweep_hf_families import build_tiny, make_batch  # noqa: E402
 
@@ -40,9 +43,9 @@ def _assert_same_update(got: dict, want: dict, start: dict) -> None:
 
 
 class HFLit(L.LightningModule):
-    def __init__(self, model_type: str, roundpipe: bool) -> None:
+    def __init__(self, model: str | Callable[[], Any], roundpipe: bool) -> None:
         super().__init__()
-        self.lm = build_tiny(model_type)
+        self.lm = build_tiny(model) if isinstance(model, str) else model()
         self.use_rp = roundpipe
 
     def configure_sequential(self):
@@ -77,10 +80,20 @@ def _trainer(strategy: Any = "auto", devices: int = 1) -> Any:
     )
 
 
-def test_trainer_trains_a_generic_family_like_plain_lightning() -> None:
+@pytest.mark.parametrize(
+    "model",
+    [
+        "gemma2",
+        partial(gemma_kv_sharing_model, "gemma3n"),
+        partial(gemma_kv_sharing_model, "gemma4"),
+    ],
+    ids=["gemma2", "gemma3n", "gemma4-e2b"],
+)
+def test_trainer_trains_a_generic_family_like_plain_lightning(model: Any) -> None:
+    """Gemma 3n and Gemma 4 E2B: per-layer inputs and KV sharing through the strategy too."""
     data = [tuple(t.unsqueeze(0) for t in b) for b in _data()]
     dl = torch.utils.data.DataLoader(data, batch_size=None)
-    m, ref = HFLit("gemma2", True), HFLit("gemma2", False)
+    m, ref = HFLit(model, True), HFLit(model, False)
     start = {n: p.detach().clone() for n, p in m.named_parameters()}
     _trainer(RoundPipeStrategy(num_microbatch=2), devices=2).fit(m, dl)
     assert m.block_type is GenericDecoderBlock  # converted by structure, fused path
