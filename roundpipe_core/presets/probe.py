@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..running.carried import REPLICA_FLAGS
 from .gemma import GEMMA_PARTS, AltUpStack, PerLayerInputs, altup_merge, altup_projections
 from .structure import DecoderParts
 
@@ -130,14 +131,21 @@ def _first(out: Any) -> Any:
 @contextlib.contextmanager
 def eval_mode(model: nn.Module, training: bool = False) -> Iterator[None]:
     """``model.eval()`` for the probe (dropout off, so rows can be compared alone and in a
-    batch), or ``model.train()``; every module's training flag restored afterwards."""
+    batch), or ``model.train()``, with the flags replicas run with (``REPLICA_FLAGS``:
+    bitsandbytes would repack a 4-bit weight for its CPU kernel for good on an eval
+    forward without grad); every module's training flag and those flags restored after."""
     flags = [(m, m.training) for m in model.modules()]
+    kept = [(m, k, getattr(m, k)) for m in model.modules() for k in REPLICA_FLAGS if hasattr(m, k)]
     model.train(training)
+    for module, key, _ in kept:
+        setattr(module, key, REPLICA_FLAGS[key])
     try:
         yield
     finally:
         for module, training in flags:
             module.training = training
+        for module, key, value in kept:
+            setattr(module, key, value)
 
 
 @contextlib.contextmanager

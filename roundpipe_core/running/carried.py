@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "REPLICA_FLAGS",
     "REPLICA_OWNED",
     "CarriedState",
     "UntrainableStateError",
@@ -52,8 +53,9 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__) | {"training", REPLICA_OWNED}
 # weight (repacked on every upload) and a bf16 kernel, and any other forward from the
 # weight as it is. A training call's forward stages run without grad and are
 # recomputed with grad: with that path on, the recompute would not compute what the
-# forward did (its gradients off by about 0.5 %). Replicas take the one path.
-_REPLICA_FLAGS = {"support_avx512bf16_for_cpu": False}
+# forward did (its gradients off by about 0.5 %). Replicas take the one path, and so
+# does a converter's probe of the host model (the repack would stay in its weights).
+REPLICA_FLAGS = {"support_avx512bf16_for_cpu": False}
 # Packages whose layers keep per-layer state objects that their forward writes even
 # when no tensor is in them yet (Linear8bitLt's MatmulLtState takes the weight's CB and
 # SCB on every forward): each replica gets its own copy, made on every upload.
@@ -253,8 +255,8 @@ class CarriedState:
                     self.attrs.append((rep, k, r))
                     self.owned.setdefault(id(rep), (rep, set()))[1].add(k)
                     describer.bindings.append((vars(m), k, v))
-                elif k in _REPLICA_FLAGS and "quant_state" in vars(m):
-                    self.flags.append((rep, k, _REPLICA_FLAGS[k]))
+                elif k in REPLICA_FLAGS and "quant_state" in vars(m):
+                    self.flags.append((rep, k, REPLICA_FLAGS[k]))
         self.tensors: list[torch.Tensor] = describer.extras
         self.visited = describer.visited  # every tensor met outside the sources
         self._bindings = describer.bindings

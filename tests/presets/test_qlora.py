@@ -361,3 +361,27 @@ def test_dequantized_weight_with_another_compute_dtype_holds_both() -> None:
     lin.compute_dtype = torch.bfloat16
     assert layer_dequantized_bytes(layer) == 64 * 128 * 2
     assert layer_dequantized_bytes(nn.Linear(4, 4)) == 0
+
+
+def test_converting_never_repacks_the_host_base(saved) -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes' Linear4bit repacks its weight for good on
+    an eval-mode forward without grad, and then computes through a kernel autograd does
+    not know (adapters without gradients, the loss off by 2.5e-5). The converter's probe
+    runs such forwards on the host model, so it must run them as replicas do (the flag
+    off). The flag is forced on here so that any CPU shows it."""
+    import bitsandbytes as bnb
+
+    from roundpipe_core.presets import convert_to_sequential
+
+    pm = load_qlora(saved, "nf4")
+    layers = [m for m in pm.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers
+    for m in layers:
+        m.support_avx512bf16_for_cpu = True
+    before = base_state(pm)
+    convert_to_sequential(pm)
+    assert all(m.support_avx512bf16_for_cpu for m in layers), "the flag is restored"
+    repacked = [m for m in layers if getattr(m.weight.quant_state, "packing_format_for_cpu", 0)]
+    assert not repacked, f"{len(repacked)} 4-bit weights repacked by the probe"
+    for k, v in base_state(pm).items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), f"host {k} changed"
