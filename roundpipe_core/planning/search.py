@@ -332,6 +332,7 @@ def search_plans(
             stack.append((mid, b))
             stack.append((a, mid))
     chosen = best_idx
+    shortlist: list[int] = []  # greedy caps have no shortlist: the walk starts at its pick
     if refine and method == "exact" and num_devices is not None and num_microbatch is not None:
         greedy_pick = min(
             range(first, greedy_end), key=lambda i: (max(s_at(i), min_stages) * cands[i], i)

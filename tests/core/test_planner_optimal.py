@@ -232,6 +232,23 @@ def test_refine_never_slower_than_greedy_in_simulation():
         assert ours <= theirs * (1 + 1e-9)
 
 
+def test_greedy_refined_walks_from_its_pick():
+    """``method="greedy"`` with ``refine`` has no shortlist of caps: the walk starts from
+    the greedy pick alone and never makes it slower in simulation."""
+    from roundpipe_core.planning.simulate import simulate
+
+    fwd = [0.5, 1.0, 1.5, 1.0, 2.0, 5.0]
+    prof = LayerProfile(fwd, [2 * f for f in fwd])
+    kw = dict(num_devices=2, num_microbatch=3)
+    walked = search_plans(
+        "fused", [prof], 2, method="greedy", objective="pipeline", refine=True, **kw
+    )
+    greedy = search_plans("fused", [prof], 2, method="greedy")
+    ours = simulate(walked.plans[0], fwd, prof.bwd_ms, 2, 3).makespan_ms
+    theirs = simulate(greedy.plans[0], fwd, prof.bwd_ms, 2, 3).makespan_ms
+    assert ours <= theirs * (1 + 1e-9)
+
+
 def test_search_rejects_bad_arguments():
     prof = LayerProfile([1.0, 2.0], [1.0, 2.0], param_bytes=[10, 10])
     with pytest.raises(ValueError, match="method"):
