@@ -202,6 +202,29 @@ def assert_grads_match(
     assert checked > 0
 
 
+def assert_fused_and_inference_match_hf(
+    rp, model, ids, mask, labels, reference, where: str, **grads_match
+) -> None:
+    """``rp.forward_backward`` with HF's loss: loss, logits and every master gradient equal
+    ``reference`` (:func:`hf_reference`'s) within :data:`RTOL`, and so do the logits of an
+    inference call. ``grads_match``: :func:`assert_grads_match`'s options."""
+    from roundpipe_core.presets import causal_lm_loss_fn
+
+    ref_logits, ref_loss, ref_grads = reference
+    loss, out = rp.forward_backward(
+        input_kwargs={"input_ids": ids, "attention_mask": mask},
+        label=labels,
+        loss_fn=causal_lm_loss_fn(labels),
+        return_outputs=True,
+    )
+    assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
+    assert rel_err(out.logits, ref_logits) <= RTOL
+    assert_grads_match(rp, model, ref_grads, where, **grads_match)
+    with torch.no_grad():
+        logits = rp(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(logits, ref_logits) <= RTOL
+
+
 def hf_grads(model, **kwargs):
     """Hugging Face's own forward + backward: (output, {name: grad}), grads cleared after."""
     out = model(**kwargs)

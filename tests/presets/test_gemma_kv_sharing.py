@@ -11,16 +11,14 @@ import torch
 pytest.importorskip("transformers")
 
 from hf_tiny import (  # noqa: E402
-    RTOL,
-    assert_grads_match,
+    assert_fused_and_inference_match_hf,
     gemma_kv_sharing_model,
     hf_reference,
     make_batch,
-    rel_err,
 )
 
 from roundpipe_core import RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe  # noqa: E402
-from roundpipe_core.presets import GenericDecoderBlock, causal_lm_loss_fn  # noqa: E402
+from roundpipe_core.presets import GenericDecoderBlock  # noqa: E402
 
 
 @pytest.mark.parametrize("num_microbatch", [2, 3])
@@ -28,7 +26,8 @@ from roundpipe_core.presets import GenericDecoderBlock, causal_lm_loss_fn  # noq
 def test_fused_forward_backward_matches_hf(kind: str, num_microbatch: int) -> None:
     model = gemma_kv_sharing_model(kind)
     ids, mask, labels = make_batch(padding="left")
-    ref_logits, ref_loss, ref_grads = hf_reference(model, ids, mask, labels)
+    reference = hf_reference(model, ids, mask, labels)
+    ref_grads = reference[2]
     for name in (
         "embed_tokens_per_layer",
         "per_layer_model_projection",
@@ -42,18 +41,9 @@ def test_fused_forward_backward_matches_hf(kind: str, num_microbatch: int) -> No
     try:
         assert type(rp) is RoundPipe and rp.num_layers == 6
         assert all(isinstance(rp.layers[i], GenericDecoderBlock) for i in range(1, 5))
-        loss, out = rp.forward_backward(
-            input_kwargs={"input_ids": ids, "attention_mask": mask},
-            label=labels,
-            loss_fn=causal_lm_loss_fn(labels),
-            return_outputs=True,
+        assert_fused_and_inference_match_hf(
+            rp, model, ids, mask, labels, reference, f"{kind}/{num_microbatch}", every_master=True
         )
-        assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
-        assert rel_err(out.logits, ref_logits) <= RTOL
-        assert_grads_match(rp, model, ref_grads, f"{kind}/{num_microbatch}", every_master=True)
-        with torch.no_grad():
-            logits = rp(input_ids=ids, attention_mask=mask).logits
-        assert rel_err(logits, ref_logits) <= RTOL
     finally:
         rp.close()
 
