@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..running.devices.memory import ReusedHostTensors
+
 __all__ = ["MasterWeights", "copy_pairs", "run_tensor_hooks"]
 
 
@@ -140,6 +142,8 @@ class MasterWeights:
         self.publishers: list[Any] = []
         # model parameter id -> (param, master, the .grad handed to it, its version, shared)
         self._handed: dict[int, tuple[nn.Parameter, nn.Parameter, torch.Tensor, int, bool]] = {}
+        # converted gradients' memory, written again every step (see _first_grad)
+        self._converted = ReusedHostTensors()
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -157,12 +161,24 @@ class MasterWeights:
         master = self.master_of.get(id(param))
         if master is None:
             return  # frozen parameter
-        grad = grad.to(master.dtype)
         with self.grad_lock:
             if master.grad is None:
-                master.grad = grad
+                master.grad = self._first_grad(master, grad)
             else:
                 master.grad.add_(grad)
+
+    def _first_grad(self, master: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` as ``master``'s new ``.grad``: itself in the master's dtype, else
+        converted into memory reused across steps (a fresh fp32 tensor per step would be
+        faulted in page by page: see ``ReusedHostTensors``)."""
+        if grad.dtype == master.dtype:
+            return grad
+        if master.device.type != "cpu" or not master.is_contiguous():
+            return grad.to(master.dtype)
+        out = self._converted.take(
+            master.shape, master.dtype, lambda: torch.empty(master.shape, dtype=master.dtype)
+        )
+        return out.copy_(grad)
 
     def add_many(self, items: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> None:
         """Add ``(master, grad)`` pairs, each one call's whole gradient of that master.
@@ -190,7 +206,7 @@ class MasterWeights:
             for master, g in items:
                 have = master.grad
                 if have is None:
-                    master.grad = g if g.dtype == master.dtype else g.to(master.dtype)
+                    master.grad = self._first_grad(master, g)
                     continue
                 if id(master) in batched:
                     flush()  # the same master again: its earlier addition first, as a loop would

@@ -474,6 +474,45 @@ def test_gradients_come_back_pageable_and_pinned_memory_stays_bounded(
         rp.close()
 
 
+def test_gradient_downloads_reuse_memory_only_once_nobody_holds_it(fake_cuda: type) -> None:
+    from torch import nn
+
+    from roundpipe_core import RoundPipe
+
+    torch.manual_seed(0)
+    rp = RoundPipe(
+        nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]),
+        devices=["cuda:0", "cuda:0"],
+        pin_model="off",
+    )
+    x, y = torch.randn(4, 32), torch.randn(4, 32)
+    masters = [p for _, p in rp.optim_named_parameters()]
+
+    def call() -> list[torch.Tensor]:
+        for p in masters:
+            p.grad = None  # zero_grad(set_to_none=True)
+        rp.forward_backward((x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+        rp.synchronize()
+        return [p.grad for p in masters]
+
+    try:
+        first = call()
+        values = [g.clone() for g in first]
+        second = call()  # the first call's gradients are still held here
+        for a, b, v in zip(first, second, values):
+            assert torch.equal(a, v), "a held gradient was overwritten"
+            assert a.data_ptr() != b.data_ptr()
+            assert torch.equal(b, v)
+        ptrs = {g.data_ptr() for g in first + second}
+        del first, second
+        third = call()
+        assert {g.data_ptr() for g in third} <= ptrs  # written again, not fresh memory
+        for g, v in zip(third, values):
+            assert torch.equal(g, v)
+    finally:
+        rp.close()
+
+
 def test_a_cuda_pool_asks_for_expandable_segments_unless_configured(
     fake_cuda: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:

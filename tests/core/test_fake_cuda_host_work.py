@@ -74,13 +74,18 @@ def test_bf16_gradients_become_fp32_off_the_worker_threads(
     ref = copy.deepcopy(model)
     x, y = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(6, 4, dtype=torch.bfloat16)
     conversions: list[str] = []
-    original_to = torch.Tensor.to
+    original_to, original_copy = torch.Tensor.to, torch.Tensor.copy_
 
     def recording_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = original_to(self, *args, **kwargs)
         if self.dtype == torch.bfloat16 and out.dtype == torch.float32:
             conversions.append(threading.current_thread().name)
         return out
+
+    def recording_copy(self: torch.Tensor, src: torch.Tensor, *args: Any) -> torch.Tensor:
+        if src.dtype == torch.bfloat16 and self.dtype == torch.float32:  # into reused memory
+            conversions.append(threading.current_thread().name)
+        return original_copy(self, src, *args)
 
     rp = RoundPipe(model, devices=["cuda:0", "cuda:0"], pin_model="off", optim_dtype=torch.float32)
     plan = ModelExecutePlan()
@@ -89,11 +94,13 @@ def test_bf16_gradients_become_fp32_off_the_worker_threads(
         cfg = RoundPipeRunConfig(num_microbatch=1, execute_plan=plan)
         rp.layer_activation_bytes = [0.0] * 3
         monkeypatch.setattr(torch.Tensor, "to", recording_to)
+        monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
         rp.forward_backward(
             (x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum(), run_config=cfg
         )
         rp.synchronize()
         monkeypatch.setattr(torch.Tensor, "to", original_to)
+        monkeypatch.setattr(torch.Tensor, "copy_", original_copy)
         got = {n: m.grad for n, m in zip(dict(model.named_parameters()), rp.optim_parameters())}
     finally:
         rp.close()

@@ -49,6 +49,30 @@ def test_merge_of_another_dtype_adds_in_the_masters_dtype():
         assert torch.equal(m.grad, a + b.float())
 
 
+def test_a_converted_gradient_reuses_memory_only_once_nobody_holds_it():
+    masters = MasterWeights(mlp(), torch.float32)
+    ms = masters.params()
+    low = _grads(masters, 7, torch.bfloat16)
+    masters.add_many(zip(ms, low))
+    kept = [m.grad for m in ms]  # someone holds the first step's gradients
+    for m in ms:
+        m.grad = None  # zero_grad(set_to_none=True)
+    masters.add_many(zip(ms, _grads(masters, 8, torch.bfloat16)))
+    for m, k, g in zip(ms, kept, low):
+        assert torch.equal(k, g.float())  # never written while held
+        assert m.grad.data_ptr() != k.data_ptr()
+    ptrs = {m.grad.data_ptr() for m in ms} | {k.data_ptr() for k in kept}
+    del kept
+    for m in ms:
+        m.grad = None
+    again = _grads(masters, 9, torch.bfloat16)
+    masters.add_many(zip(ms, again))
+    for m, g in zip(ms, again):
+        assert m.grad.data_ptr() in ptrs  # memory written before, not a fresh tensor
+        assert m.grad.dtype == torch.float32 and m.grad.shape == m.shape
+        assert torch.equal(m.grad, g.float())
+
+
 def test_copy_to_model_writes_every_parameter_and_casts_like_copy_():
     for dtype in (torch.float32, torch.bfloat16):
         model = mlp().to(dtype)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +46,7 @@ import torch
 from .base import Worker, _noop
 from .downloads import DownloadStager, read_pending
 from .feeder import ChunkFeeder, Piece, plan_chunks
-from .memory import allocator_reserve_bytes, cuda_available
+from .memory import ReusedHostTensors, allocator_reserve_bytes, cuda_available
 
 __all__ = [
     "CUDAWorker",
@@ -189,6 +190,8 @@ class CUDAWorker(Worker):
         device = _check_cuda_device(device)
         self.download_staging_bytes = _setting("download_staging_bytes", download_staging_bytes)
         self._downloads = DownloadStager(self, self.download_staging_bytes)
+        # parameter gradients land in memory written before (see ReusedHostTensors)
+        self._gradient_results = ReusedHostTensors()
         self.param_chunk_bytes = _setting("param_chunk_bytes", param_chunk_bytes)
         depth = _setting("param_inflight_chunks", param_inflight_chunks)
         self.pin_downloads = pin_downloads
@@ -385,6 +388,11 @@ class CUDAWorker(Worker):
         done.synchronize()
         return outs
 
+    def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        srcs, outs = self._begin_download(tensors, self._gradient_results)
+        self._finish_download(srcs, outs).synchronize()
+        return outs
+
     def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self.copy_out_deferred(tensors, lazy=True)
 
@@ -416,10 +424,10 @@ class CUDAWorker(Worker):
         return outs, self._finish_download(srcs, outs)
 
     def _begin_download(
-        self, tensors: Sequence[torch.Tensor]
+        self, tensors: Sequence[torch.Tensor], reuse: ReusedHostTensors | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Contiguous sources and uninitialised results, the download stream ordered after
-        the compute issued so far."""
+        """Contiguous sources and uninitialised results (from ``reuse`` where given), the
+        download stream ordered after the compute issued so far."""
         srcs = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
         with torch.cuda.device(self.device):
             ready = torch.cuda.Event()
@@ -427,7 +435,10 @@ class CUDAWorker(Worker):
             self.download_stream.wait_event(ready)
         for src in srcs:
             _mark_used_by(src, self.download_stream)
-        return srcs, [self._new_host_tensor(src) for src in srcs]
+        if reuse is None:
+            return srcs, [self._new_host_tensor(src) for src in srcs]
+        new = self._new_host_tensor
+        return srcs, [reuse.take(src.shape, src.dtype, functools.partial(new, src)) for src in srcs]
 
     def _finish_download(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
         stream = self.download_stream

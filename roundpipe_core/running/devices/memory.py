@@ -13,6 +13,9 @@ uploads run asynchronously at full PCIe bandwidth:
   the driver's staging buffers.
 
 Without CUDA every mode is accepted and does nothing.
+
+``ReusedHostTensors`` hands out pageable host memory for results written every step
+(downloaded and converted gradients) again once nobody holds it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import bisect
 import ctypes
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,7 @@ from ...kinds import PinMode, parse_kind
 __all__ = [
     "DEFAULT_SLAB_BYTES",
     "PinHandle",
+    "ReusedHostTensors",
     "cuda_available",
     "default_allocator_settings",
     "pack_module_tensors",
@@ -98,6 +102,48 @@ def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
     expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
     per_stream = (2 + 2) * _MiB if expandable else (2 + 20) * _MiB
     return streams * per_stream
+
+
+class ReusedHostTensors:
+    """Host tensors whose memory is handed out again once nothing else holds it.
+
+    Why: the first write to fresh pageable memory faults it in page by page. On an H200
+    host a download into a fresh tensor ran at 1.0-1.2 GB/s, into memory written before
+    at 11-13 GB/s (docs/benchmarks.md, "First run on a GPU"), and a gradient has the same
+    shape every step. A storage is reused only while this holds its sole reference, so a
+    tensor anyone kept (a ``.grad`` not zeroed yet, a view of it) is never overwritten.
+    Keeps at most as many storages of each size as were in use at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[int, list[torch.UntypedStorage]] = {}
+
+    def take(
+        self, shape: torch.Size, dtype: torch.dtype, new: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """An uninitialised contiguous tensor: reused memory, else ``new()`` (kept for later)."""
+        nbytes = shape.numel() * dtype.itemsize
+        if nbytes == 0 or _use_count is None:
+            return new()
+        with self._lock:
+            kept = self._kept.setdefault(nbytes, [])
+            for storage in kept:
+                if _use_count(storage._cdata) == 1:  # only this list holds it
+                    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+            out = new()
+            kept.append(out.untyped_storage())
+            return out
+
+    def nbytes(self) -> int:
+        """Bytes of the storages kept (in use or free)."""
+        with self._lock:
+            return sum(size * len(kept) for size, kept in self._kept.items())
+
+
+# how many tensors and storage handles share a storage (private, present since torch 1.13;
+# without it nothing is reused)
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 # ---------------------------------------------------------------------------
