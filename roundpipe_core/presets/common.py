@@ -29,7 +29,7 @@ from torch import nn
 
 from ..kinds import check_flag
 from .moe import RouterStats, add_router_stats, run_with_router_replay
-from .probe import MASK_BUILDERS, LayerRecipe
+from .probe import LayerRecipe, mask_builders
 
 __all__ = ["STATE_FIELDS", "CausalLMInputAdapter", "GenericDecoderBlock", "unpack_state"]
 
@@ -289,18 +289,12 @@ class GenericDecoderBlock(nn.Module):
         routers: Sequence[nn.Module] = (),
     ) -> None:
         super().__init__()
-        from transformers import masking_utils
-
         self.layer = layer
         self.num_routers = len(routers)
         # Plain (read-only) attributes: never written in forward.
         self.config = config
         self.recipe = recipe
-        self.mask_fns = {
-            kind: getattr(masking_utils, name)
-            for kind, name in MASK_BUILDERS.items()
-            if hasattr(masking_utils, name)
-        }
+        self.mask_fns = mask_builders()
 
     def forward(self, *state: Any) -> DecoderState:
         hidden, tables, position_ids, attention_mask, labels, extras = unpack_state(state)
@@ -335,7 +329,6 @@ class GenericDecoderBlock(nn.Module):
                     "config": self.config,
                     "inputs_embeds": embeds,
                     "attention_mask": attention_mask,
-                    "cache": None,
                 }
                 if not skip:
                     mask_kwargs["allow_is_causal_skip"] = False

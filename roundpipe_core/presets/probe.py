@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import math
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -46,6 +48,22 @@ MASK_BUILDERS = {
     "sliding": "create_sliding_window_causal_mask",
     "chunked": "create_chunked_causal_mask",
 }
+
+
+def mask_builders() -> dict[str, Any]:
+    """Hugging Face's mask builders by kind, called with no cache: its parameter is
+    ``cache`` in the pinned transformers, ``past_key_values`` in older ones (5.17)."""
+    from transformers import masking_utils
+
+    out = {}
+    for kind, name in MASK_BUILDERS.items():
+        fn = getattr(masking_utils, name, None)
+        if fn is not None:
+            cache = "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+            out[kind] = functools.partial(fn, **{cache: None})
+    return out
+
+
 # what well-known refused keywords are, for the error message
 _KNOWN_FEATURES = {
     "shared_kv_states": "KV sharing between layers (Gemma 3n/4)",
@@ -239,19 +257,13 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
 
 def _masks(parts: DecoderParts, hidden: torch.Tensor, mask: Any, pos: torch.Tensor) -> dict:
     """Candidate masks: ``{(kind, with_position_ids): mask}`` from Hugging Face's builders."""
-    from transformers import masking_utils
-
     out = {}
-    for kind, builder in MASK_BUILDERS.items():
-        fn = getattr(masking_utils, builder, None)
-        if fn is None:
-            continue
+    for kind, fn in mask_builders().items():
         for with_pos in (True, False):
             kwargs: dict[str, Any] = {
                 "config": parts.config,
                 "inputs_embeds": hidden,
                 "attention_mask": mask,
-                "cache": None,
             }
             if with_pos:
                 kwargs["position_ids"] = pos
@@ -705,8 +717,7 @@ def _forced_masks(
     """Mark the masks the model builds even without padding (``allow_is_causal_skip=False``),
     where Hugging Face's builder would otherwise return ``None``: read from a forward of one
     unpadded row with no padding mask."""
-    from transformers import masking_utils
-
+    builders = mask_builders()
     rec = _record(parts, input_ids=row)
     out = []
     for recipe, (args, kwargs) in zip(recipes, rec.layer_calls):
@@ -716,8 +727,8 @@ def _forced_masks(
                 recorded = _argument(args, kwargs, key)
                 kind, with_pos, _ = detail
                 hidden = args[0] if args else kwargs["hidden_states"]
-                built = getattr(masking_utils, MASK_BUILDERS[kind])(
-                    config=parts.config, inputs_embeds=hidden, attention_mask=None, cache=None
+                built = builders[kind](
+                    config=parts.config, inputs_embeds=hidden, attention_mask=None
                 )
                 if built is None and isinstance(recorded, torch.Tensor):
                     detail = (kind, with_pos, False)

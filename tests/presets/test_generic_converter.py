@@ -25,6 +25,7 @@ pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 
+import hf_tiny  # noqa: E402
 from hf_tiny import RTOL, assert_fused_and_inference_match_hf, hf_reference, rel_err  # noqa: E402
 from hf_tiny import assert_grads_match as _assert_grads_match  # noqa: E402
 from sweep_hf_families import build_tiny, make_batch  # noqa: E402
@@ -295,3 +296,40 @@ def test_embedding_dropout_is_read_from_a_training_forward(model_type, attr, dro
     assert (got.p if got is not None else None) == dropout
     if got is not None:
         assert got.training == backbone.training
+
+
+def test_mask_builders_spelled_as_in_older_transformers_are_called_right(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """transformers 5.17's mask builders name their cache parameter ``past_key_values``
+    (the pinned release: ``cache``): the converter calls either spelling, and Qwen3 (full
+    and sliding-window layers, sdpa) still converts and matches HF. Without it, every
+    candidate mask raised and the probe refused Qwen3 (seen on the GPU machine's 5.17)."""
+    from transformers import masking_utils
+
+    # built first: the model's module binds the real builders when it is imported
+    model = hf_tiny.make_model("qwen3")
+    assert len(set(model.config.layer_types)) == 2  # full and sliding: both builders
+    ids, mask, labels = hf_tiny.make_batch(padding="left")
+    reference = hf_reference(model, ids, mask, labels)
+    for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
+        real = getattr(masking_utils, name)
+
+        def older(config, inputs_embeds, attention_mask, past_key_values, *, _real=real, **kw):
+            return _real(
+                config=config,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                cache=past_key_values,
+                **kw,
+            )
+
+        monkeypatch.setattr(masking_utils, name, older)
+    rp = wrap_model_to_roundpipe(
+        model, devices="cpu:2", model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
+    try:
+        assert type(rp) is RoundPipe
+        assert_fused_and_inference_match_hf(rp, model, ids, mask, labels, reference, "qwen3")
+    finally:
+        rp.close()
