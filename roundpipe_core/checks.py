@@ -1,24 +1,11 @@
 """Checks of a model and a call before RoundPipe runs them.
 
-Layers run at the same time on different devices, on per-device copies of their
-parameters and buffers, so a ``forward`` may *read* anything but *write* only its own
-buffers:
-
-============================  ====  =====
-what                          read  write
-============================  ====  =====
-global variables              yes   no
-plain attributes (``self.x``)  yes   no
-parameters                    yes   no
-buffers of this layer only    yes   yes
-buffers shared between layers yes   no
-============================  ====  =====
-
 :func:`check_forward_rules` watches a layer's forward once (the engine: each layer's
-first, :class:`ForwardRuleChecker`) and warns about each write it sees (``self.calls +=
-1``, ``self.cache.append(...)``, a parameter written in place, a shared buffer written);
-writes to globals cannot be seen. The other checks refuse before a call what the engine
-could not honour, or warn (:func:`watch_updates`) when steps keep updating no master.
+first, :class:`ForwardRuleChecker`) and warns about each write the forward rules forbid
+(docs/presets.md#forward-rules: layers run at once on per-device copies, so a forward
+writes only its own buffers); writes to globals cannot be seen. The other checks refuse
+before a call what the engine could not honour, or warn (:func:`watch_updates`) when
+steps keep updating no master.
 """
 
 from __future__ import annotations

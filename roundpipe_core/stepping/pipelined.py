@@ -1,20 +1,11 @@
-"""Overlapping consecutive training iterations (``forward_backward(blocking=False)``).
+"""Overlapping consecutive training iterations (``forward_backward(blocking=False)``);
+see docs/architecture.md#overlapped-iterations for the weight versions (``versions.py``).
 
-With the one-step-stale update, iteration k+1 computes with the weights of step k-1,
-so a device done with its part of iteration k can start on k+1 while others still run
-k's backward tail. Three pieces make that exact:
-
-* **Weight versions** (``versions.py``): a run reads the weights of one step; a step's
-  weights are published into the model parameter by parameter once no run reading
-  older weights still has to upload them.
-* **Per-run gradient buffers** (:class:`GradBuffer`): iteration k+1's gradients wait in
-  its own buffer and enter the masters' ``.grad`` after step k, before step k+1 (or at
-  the run's ``result()``) -- the order a blocking loop accumulates in.
-* :class:`PendingResult`, the handle a non-blocking call returns.
-
-:class:`PipelinedRuns` (the optimizer thread, ``stepper.py``, with the iterations in
-flight) merges their gradients in issue order, defers a step until the gradients it
-consumes are complete and turns a failure into one error raised by the next call.
+Iteration k+1's gradients wait in its own :class:`GradBuffer` and enter the masters'
+``.grad`` after step k, before step k+1 (or at the run's ``result()``) -- the order a
+blocking loop accumulates in. :class:`PipelinedRuns` merges them in issue order, defers
+a step until the gradients it consumes are complete and turns a failure into one error
+raised by the next call; :class:`PendingResult` is a non-blocking call's handle.
 
 Lock order: ``_merge_lock`` before ``_runs_lock``; the stepper's and the masters' locks
 are innermost. No lock here is held while waiting for an iteration or a queued step.
