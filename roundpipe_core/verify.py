@@ -1,10 +1,6 @@
-"""Equivalence checker: a model under execution plans vs plain PyTorch (seed 003).
-
-:func:`compare_plans` runs one ``forward_backward`` per plan and reports per layer the
-largest differences of its outputs, their gradients, its parameter gradients and its
-recomputed outputs against the forward's own, plus the loss; any NaN/Inf fails. Forward
-hooks travel into the device replicas (deepcopy); ``doing_recompute`` and
-``current_microbatch`` place each call.
+"""Equivalence checker: a model under execution plans vs plain PyTorch (seed 003),
+per layer (:func:`compare_plans`). Forward hooks travel into the device replicas
+(deepcopy); ``doing_recompute`` and ``current_microbatch`` place each call.
 
 CLI (on a small residual MLP)::
 
@@ -303,7 +299,10 @@ def compare_plans(
     recompute_grain: str = "stage",
     strict: bool = False,
 ) -> VerifyReport:
-    """Run ``make_model()`` under plain PyTorch and under each plan; compare per layer.
+    """Run ``make_model()`` under plain PyTorch and under each plan (one
+    ``forward_backward`` each); compare the loss and, per layer, the outputs, their
+    gradients, the parameter gradients and the recomputed outputs against the forward's
+    own. Any NaN/Inf fails.
 
     Args:
         make_model: builds the model (an ``nn.Sequential``) with the same weights at
