@@ -33,7 +33,7 @@ from .kinds import PinMode, RecomputeGrain, RunType, check_flag, parse_kind
 from .loss import check_loss_reduction, default_loss_fn, microbatch_loss_weights
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
-from .planning.planner import ReplanDecision
+from .planning.planner import ReplanDecision, fused_replicas
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .running.runtime import PipelineRun, run_queue
 from .running.timer import CallTiming, ModelTimer
@@ -488,8 +488,16 @@ class RoundPipe(RoundPipeBase):
             )
             with steps.pipelined_call(blocking) as call:
                 # continue round-robin where the previous call stopped: the device that
-                # ran its last job is the last to become free, so this call starts elsewhere
-                jobs = self.plans.fused_schedule(plan, len(split.parts), call.start_device)
+                # ran its last job is the last to become free, so this call starts elsewhere;
+                # (fused_replicas: a one-stage plan as one job per CPU worker at once)
+                jobs = build_schedule(
+                    plan,
+                    RunType.FUSED,
+                    self.num_devices,
+                    len(split.parts),
+                    start_device=call.start_device,
+                    replicas=fused_replicas(self, plan, len(split.parts)),
+                )
                 reader = call.reserve([j.layers for j in jobs], self.num_devices)
                 buffer = GradBuffer(self.masters.master_of, self._convert_grads_on_add())
                 # which masters are complete as the backward goes: the layer-wise step

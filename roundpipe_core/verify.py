@@ -1,11 +1,7 @@
 """Equivalence checker: a model under execution plans vs plain PyTorch (seed 003),
 per layer (:func:`compare_plans`). Forward hooks travel into the device replicas
-(deepcopy); ``doing_recompute`` and ``current_microbatch`` place each call.
-
-CLI (on a small residual MLP)::
-
-    python -m roundpipe_core.verify --layers 6 --plans "3,3" "1,2,3" "0:2,1:4" \\
-        "fwd=2,2 bwd=1:2,0:2,1:2" --devices 2 --microbatches 3
+(deepcopy); ``doing_recompute`` and ``current_microbatch`` place each call. The CLI
+(:func:`main`, on a small residual MLP): docs/layouts-and-planner.md.
 """
 
 from __future__ import annotations
