@@ -318,9 +318,7 @@ def compare_plans(
     Returns:
         A :class:`VerifyReport`; ``report.ok`` tells whether every plan matched.
     """
-    if not isinstance(inputs, (tuple, list)):
-        inputs = (inputs,)
-    inputs = tuple(inputs)
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not plans:
         raise ValueError("give at least one plan or layout to compare")
 
