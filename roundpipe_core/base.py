@@ -310,9 +310,8 @@ class RoundPipeBase(nn.Module):
         return owner._home() if owner is not None else self
 
     def _fold_grads(self, buffer: GradBuffer) -> None:
-        """Add a finished call's buffered gradients to the masters' ``.grad``."""
-        # the asynchronous step in flight reads and clears the master grads: the home's
-        # owner waits for it (and for the merges workers handed to it) before adding
+        """Add a finished call's buffered gradients to the home's masters' ``.grad``
+        (``StepOwner.fold``: after the step in flight, which reads and clears them)."""
         self._home()._steps.fold(buffer)
 
     def register_grad_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> Callable[[], None]:
@@ -347,8 +346,7 @@ class RoundPipeBase(nn.Module):
 
         With a parameter that is its own master (``shared_masters``) every step is
         synchronous, as it writes the weights devices read: ``is_async=True`` runs as
-        ``False``, said once (a warning where ``shared_masters=True`` was passed, an info
-        log where the pool's default chose it).
+        ``False``, said once.
 
         After ``forward_backward(blocking=False)`` calls whose gradients are not in
         ``.grad`` yet, the step is deferred (this call does not wait) until they are
@@ -407,8 +405,9 @@ class RoundPipeBase(nn.Module):
         return not pool.concurrent
 
     def _async_allowed(self, is_async: bool) -> bool:
-        """``is_async``, unless a master is shared (said once: see ``step()``); refused while
-        masters are released (``MasterWeights.sync_only``: a sharded host state)."""
+        """``is_async``, unless a master is shared (said once: a warning where
+        ``shared_masters=True`` was passed, an info log where the pool's default chose it);
+        refused while masters are released (``MasterWeights.sync_only``: a sharded host state)."""
         if is_async and self._home().masters.sync_only:
             raise ValueError(self._home().masters.sync_only)
         if is_async and self._home().masters.num_shared:

@@ -1,19 +1,11 @@
 """Reading a checkpoint file so that a damaged one is refused with one clear error.
 
 ``torch.load`` on a truncated, garbled or foreign file fails with whatever its reader
-trips over first (``OSError: [Errno 22]``, an ``EOFError`` with no message, ``IndexError``
-from the unpickler, advice to retry with ``weights_only=False``), and a bit flipped
-inside a tensor's storage loads without complaint. :func:`read_checkpoint` checks the
-file first and turns every such failure into a :class:`CorruptCheckpointError`.
-
-**Checksums, one per tensor storage.** A ``torch.save`` archive is a zip file with one
-record per storage, and the zip format keeps a CRC-32 of each; torch writes them by
-default but never checks them when loading. :func:`verify_archive` checks each record
-against its bytes before the load (``zlib.crc32`` over the mapped file, no copy): no
-extra data written, each storage read where it lies (the pages the memory-mapped load
-then reads from the page cache), the damaged record named, and any ``torch.save``
-archive covered, old files included. Records written with ``compute_crc32=False`` (CRC
-field 0) and files in torch's legacy, non-zip format load unchecked.
+trips over first, and a bit flipped inside a tensor's storage loads without complaint.
+:func:`read_checkpoint` checks the file first (:func:`verify_archive`: each zip record
+against the CRC-32 torch writes but never checks) and turns every such failure into a
+:class:`CorruptCheckpointError`. What is refused and what loads unchecked:
+docs/failure-semantics.md ("A damaged file", "A flipped bit inside a storage").
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Checks of a model and a call before RoundPipe runs them.
 
-Layers run at the same time on different devices, on per-device copies of their
-parameters and buffers, so a ``forward`` may *read* anything but *write* only its own
-buffers:
-
-============================  ====  =====
-what                          read  write
-============================  ====  =====
-global variables              yes   no
-plain attributes (``self.x``)  yes   no
-parameters                    yes   no
-buffers of this layer only    yes   yes
-buffers shared between layers yes   no
-============================  ====  =====
-
 :func:`check_forward_rules` watches a layer's forward once (the engine: each layer's
-first, :class:`ForwardRuleChecker`) and warns about each write it sees (``self.calls +=
-1``, ``self.cache.append(...)``, a parameter written in place, a shared buffer written);
-writes to globals cannot be seen. The other checks refuse before a call what the engine
-could not honour, or warn (:func:`watch_updates`) when steps keep updating no master.
+first, :class:`ForwardRuleChecker`) and warns about each write the forward rules forbid
+(docs/presets.md#forward-rules: layers run at once on per-device copies, so a forward
+writes only its own buffers); writes to globals cannot be seen. The other checks refuse
+before a call what the engine could not honour, or warn (:func:`watch_updates`) when
+steps keep updating no master.
 """
 
 from __future__ import annotations
@@ -220,12 +207,8 @@ def check_carried_state(layers: Sequence[nn.Module]) -> None:
 
 
 def check_not_on_meta(model: nn.Module) -> None:
-    """Refuse a model with parameters or buffers on the meta device (no data), which
-    would fail only at the first call, on a worker thread.
-
-    Raises:
-        ValueError: naming the first such tensor and how to materialize it.
-    """
+    """Refuse (ValueError) a model with parameters or buffers on the meta device (no
+    data), which would fail only at the first call, on a worker thread."""
     for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
         for name, t in named:
             if t.device.type == "meta":
@@ -237,12 +220,8 @@ def check_not_on_meta(model: nn.Module) -> None:
 
 
 def check_no_post_accumulate_hooks(named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Refuse parameters with a ``register_post_accumulate_grad_hook`` hook: devices
-    backpropagate into copies, so autograd never calls it (``register_hook`` works).
-
-    Raises:
-        ValueError: naming the first such parameter and what to do instead.
-    """
+    """Refuse (ValueError) parameters with a ``register_post_accumulate_grad_hook`` hook:
+    devices backpropagate into copies, so autograd never calls it (``register_hook`` works)."""
     for name, p in named:
         if getattr(p, "_post_accumulate_grad_hooks", None):
             raise ValueError(
@@ -257,12 +236,8 @@ def check_no_post_accumulate_hooks(named: Iterable[tuple[str, torch.Tensor]]) ->
 
 
 def check_inputs_need_no_grad(args: Any, kwargs: dict[str, Any]) -> None:
-    """Refuse ``forward_backward`` inputs that require grad: it backpropagates into the
-    RoundPipe's parameters only, so such an input would silently get no ``.grad``.
-
-    Raises:
-        ValueError: naming the input and the two ways out.
-    """
+    """Refuse (ValueError) ``forward_backward`` inputs that require grad: it backpropagates
+    into the RoundPipe's parameters only, so such an input would silently get no ``.grad``."""
     for where, value in [("input_args", args), ("input_kwargs", kwargs)]:
         leaves, _ = batching.tree.flatten(value)
         for i, leaf in enumerate(leaves):

@@ -33,7 +33,7 @@ from .kinds import PinMode, RecomputeGrain, RunType, check_flag, parse_kind
 from .loss import check_loss_reduction, default_loss_fn, microbatch_loss_weights
 from .plan_choice import PlanChoice
 from .planning.plan import ModelExecutePlan
-from .planning.planner import ReplanDecision
+from .planning.planner import ReplanDecision, fused_replicas
 from .planning.schedule import Job, boundary_layers, build_schedule, jobs_by_device
 from .running.runtime import PipelineRun, run_queue
 from .running.timer import CallTiming, ModelTimer
@@ -405,9 +405,8 @@ class RoundPipe(RoundPipeBase):
                 its gradients are complete. Results, parameters and gradients are those of
                 the same blocking calls. A failure is raised by ``result()`` or the next call.
             loss_reduction: ``"sum"``, ``"mean"`` or ``None`` (this RoundPipe's
-                ``loss_reduction``). ``"mean"`` multiplies microbatch ``i``'s loss by
-                ``rows_i / batch_rows`` (equal shares when a custom split reports no rows)
-                before it is returned and backpropagated; a loss_fn marked
+                ``loss_reduction``; :func:`~roundpipe_core.loss.microbatch_loss_weights`
+                gives each microbatch's factor). A loss_fn marked
                 :func:`~roundpipe_core.loss.batch_normalized` (``causal_lm_loss_fn``,
                 ``model_output_loss``) is not reweighted.
 
@@ -466,11 +465,9 @@ class RoundPipe(RoundPipeBase):
         factor = 1.0 if self.loss_multiplier is None else self.loss_multiplier()
         if not isinstance(factor, (int, float, torch.Tensor)) or isinstance(factor, bool):
             raise TypeError(f"loss_multiplier() must return a number, got {type(factor).__name__}")
-        # Schedule and submit the call; a blocking call is its handle's result (one body,
-        # one gate, one finisher). Its uploads read the weight version of the steps issued
-        # before it (waiting, layer by layer, for one still being published); its
-        # gradients wait in its own buffer until result() or the next step adds them to
-        # .grad, so a failed call leaves .grad as it was.
+        # One call path (docs/architecture.md#overlapped-iterations): a blocking call is
+        # its handle's result; its gradients wait in its own buffer until result() or the
+        # next step adds them to .grad, so a failed call leaves .grad as it was.
         if self._master_owner is not None:
             raise ValueError(
                 "forward_backward is not supported on a RoundPipe whose masters another one "
@@ -491,8 +488,16 @@ class RoundPipe(RoundPipeBase):
             )
             with steps.pipelined_call(blocking) as call:
                 # continue round-robin where the previous call stopped: the device that
-                # ran its last job is the last to become free, so this call starts elsewhere
-                jobs = self.plans.fused_schedule(plan, len(split.parts), call.start_device)
+                # ran its last job is the last to become free, so this call starts elsewhere;
+                # (fused_replicas: a one-stage plan as one job per CPU worker at once)
+                jobs = build_schedule(
+                    plan,
+                    RunType.FUSED,
+                    self.num_devices,
+                    len(split.parts),
+                    start_device=call.start_device,
+                    replicas=fused_replicas(self, plan, len(split.parts)),
+                )
                 reader = call.reserve([j.layers for j in jobs], self.num_devices)
                 buffer = GradBuffer(self.masters.master_of, self._convert_grads_on_add())
                 # which masters are complete as the backward goes: the layer-wise step

@@ -38,9 +38,8 @@ __all__ = [
     "use_fastest_",
 ]
 
-# Which torch implementation runs by default, per optimizer (CPU): "fused" where torch
-# has a fused CPU kernel, else "default" (benchmarks/optimizers.py --variants measured
-# torch 2.13's foreach path at 0.5-0.95x the loop's speed on CPU for every one of them).
+# Which torch implementation runs by default, per optimizer (see the module docstring;
+# --variants measured torch 2.13's foreach path at 0.5-0.95x the loop's speed on CPU).
 # "foreach" stays available for an optimizer where that changes.
 _IMPL: dict[str, str] = {
     "Adam": "fused",

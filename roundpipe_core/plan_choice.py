@@ -14,9 +14,8 @@ from .checks import PlanFitChecker
 from .config import RoundPipeRunConfig
 from .kinds import RunType, parse_kind
 from .planning.plan import ModelExecutePlan, default_num_microbatch
-from .planning.planner import ReplanDecision, decide_replan, fused_replicas, may_replicate
+from .planning.planner import ReplanDecision, decide_replan, may_replicate
 from .planning.profile import profile_of
-from .planning.schedule import Job, build_schedule
 
 __all__ = ["PlanChoice"]
 
@@ -71,21 +70,6 @@ class PlanChoice:
             return config.execute_plan
         m = num_microbatch or (run_config.num_microbatch if run_config is not None else None)
         return self.default_plan(rt, m or config.num_microbatch)
-
-    def fused_schedule(
-        self, plan: ModelExecutePlan, num_microbatch: int, start_device: int = 0
-    ) -> list[Job]:
-        """The job list of a ``forward_backward`` call of ``plan``: its one stage as one
-        job per CPU worker at once where the pool's workers compute side by side and the
-        stage may be replicated (:func:`~roundpipe_core.planning.planner.fused_replicas`)."""
-        return build_schedule(
-            plan,
-            RunType.FUSED,
-            self.model.num_devices,
-            num_microbatch,
-            start_device=start_device,
-            replicas=fused_replicas(self.model, plan, num_microbatch),
-        )
 
     def choose(
         self,

@@ -1,15 +1,7 @@
-"""Equivalence checker: a model under execution plans vs plain PyTorch (seed 003).
-
-:func:`compare_plans` runs one ``forward_backward`` per plan and reports per layer the
-largest differences of its outputs, their gradients, its parameter gradients and its
-recomputed outputs against the forward's own, plus the loss; any NaN/Inf fails. Forward
-hooks travel into the device replicas (deepcopy); ``doing_recompute`` and
-``current_microbatch`` place each call.
-
-CLI (on a small residual MLP)::
-
-    python -m roundpipe_core.verify --layers 6 --plans "3,3" "1,2,3" "0:2,1:4" \\
-        "fwd=2,2 bwd=1:2,0:2,1:2" --devices 2 --microbatches 3
+"""Equivalence checker: a model under execution plans vs plain PyTorch (seed 003),
+per layer (:func:`compare_plans`). Forward hooks travel into the device replicas
+(deepcopy); ``doing_recompute`` and ``current_microbatch`` place each call. The CLI
+(:func:`main`, on a small residual MLP): docs/layouts-and-planner.md.
 """
 
 from __future__ import annotations
@@ -303,7 +295,10 @@ def compare_plans(
     recompute_grain: str = "stage",
     strict: bool = False,
 ) -> VerifyReport:
-    """Run ``make_model()`` under plain PyTorch and under each plan; compare per layer.
+    """Run ``make_model()`` under plain PyTorch and under each plan (one
+    ``forward_backward`` each); compare the loss and, per layer, the outputs, their
+    gradients, the parameter gradients and the recomputed outputs against the forward's
+    own. Any NaN/Inf fails.
 
     Args:
         make_model: builds the model (an ``nn.Sequential``) with the same weights at
@@ -323,9 +318,7 @@ def compare_plans(
     Returns:
         A :class:`VerifyReport`; ``report.ok`` tells whether every plan matched.
     """
-    if not isinstance(inputs, (tuple, list)):
-        inputs = (inputs,)
-    inputs = tuple(inputs)
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not plans:
         raise ValueError("give at least one plan or layout to compare")
 

@@ -1,30 +1,13 @@
 """The disk tier (``RoundPipe(..., offload_dir=PATH)``): the fp32 masters and the optimizer
-state live in files under ``PATH``; the layer-wise step streams them through a bounded
-host buffer.
+state live in files under ``PATH``, streamed layer by layer, deepest first, through a
+bounded host buffer by the layer-wise step; between steps a master is *released*
+(``MasterWeights.release``) and the optimizer holds no state for it. The layout, the
+write-then-publish rule of the two slot files and the IO (``O_DIRECT``) are in
+docs/host-memory.md ("Beyond host RAM").
 
-Between steps a master is *released* (``MasterWeights.release``: a zero-stride
-placeholder) and the optimizer holds no state for it. The layer-wise step
-(``step_layerwise(functools.partial(step_subset, opt), ...)``) splits each part it steps
-by layer, deepest first (the order the backward completes them); each layer's *records*
-(a master's values, then its optimizer-state tensors) are read on an IO thread ahead of
-the layer that steps next and written behind it on another. The bytes resident at once
-never exceed ``buffer_layers`` times the largest layer's records (:attr:`DiskTier.peak_resident`).
-
-Write, then publish: step ``g+1`` reads slot file ``g % 2`` and writes slot
-``(g+1) % 2``; only once every record is written and the file ``fsync``-ed does
-``index.json`` (replaced atomically) name it current. A failed step (an IO error, a full
-disk, the optimizer's own error) leaves the last good step current; its error reaches
-the caller through the optimizer thread's failure path.
-
-The tier is a *remote publisher* of every master (``versions.RemotePublisher``): when a
-step's version is published, each layer's masters are read from the current slot and
-cast into the model's parameters, so the one-step-stale step works as in RAM, at the
-cost of reading the masters once more per step.
-
-IO uses ``O_DIRECT`` where the file system takes it, so the page cache (charged to a
-cgroup's memory limit) does not double the buffer; elsewhere (tmpfs) buffered IO with
-``posix_fadvise(DONTNEED)`` after each ``fsync``. ``os.preadv`` / ``os.pwritev`` go
-straight into the tensors' memory and release the GIL.
+The tier is a *remote publisher* of every master (``versions.RemotePublisher``): a step's
+version is published by reading each layer's masters from the current slot into the
+model, so the one-step-stale step works as in RAM.
 """
 
 from __future__ import annotations

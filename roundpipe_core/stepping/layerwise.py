@@ -6,13 +6,10 @@ first layers') is in. The backward completes the deepest layers first: stepping 
 parameter as soon as its gradient is complete in every iteration of the window hides
 most of the step behind the rest of the backward (``benchmarks/planner.py``).
 
-``RoundPipe.step_layerwise(step_params)`` takes a function that updates *some* masters
-from their ``.grad``; that equals one step only for an optimizer whose update of a
-parameter reads nothing but its gradient and state (Adam, SGD; not LBFGS, not global
-norm clipping): :func:`steps_elementwise` tells which qualify. The optimizer thread runs
-one work item per step (:func:`run_layerwise`): it publishes the previous step's weights
-parameter by parameter and steps every published parameter whose gradients are
-complete, in chunks, each exactly once.
+``RoundPipe.step_layerwise(step_params)`` steps *some* masters at a time, which equals
+one step only for an optimizer whose update of a parameter reads nothing but its
+gradient and state (:func:`steps_elementwise`: Adam, SGD; not LBFGS, not global norm
+clipping). The optimizer thread runs one work item per step (:func:`run_layerwise`).
 """
 
 from __future__ import annotations

@@ -228,9 +228,8 @@ class MasterWeights:
         copy_pairs([(p, m) for _, p, m in self.copies if id(m) not in left_out])
 
     def release(self, masters: Iterable[nn.Parameter], sync_only: str | None) -> int:
-        """Drop the values of these separate masters (see the module docstring): each
-        becomes a zero-stride placeholder of its shape and dtype (the same parameter to
-        the optimizer and the names); others are left alone. With ``sync_only``,
+        """Release these separate masters (see the module docstring; others are left
+        alone), each still the same parameter to the optimizer. With ``sync_only``,
         ``step(is_async=True)`` raises ``ValueError(sync_only)`` from now on (the released
         values reach the model inside the step); ``None``: a remote publisher
         (:attr:`publishers`) writes them at publication. Returns the bytes freed."""

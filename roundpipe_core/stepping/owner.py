@@ -1,10 +1,7 @@
 """The one owner of a RoundPipe's optimizer side, :class:`StepOwner`: the optimizer
 thread (``stepper``) with the overlapped iterations (``pipelined``), the weight versions
-and the layer-wise step behind it. The model and the adapters call its verbs -- steps,
-waiting (``wait_step``, ``drain``, ``settle``), gradients (``fold``, ``after_step``,
-``in_step_order``), calls (``pipelined_call``, ``call_ended``, ``raise_failure``), the
-lifecycle (``check_open``, ``shutdown``) -- and nothing else of the wing but the
-buffers, pending results and masters they hand around.
+and the layer-wise step behind it. The model and the adapters call its verbs and nothing
+else of the wing but the buffers, pending results and masters they hand around.
 """
 
 from __future__ import annotations
@@ -125,9 +122,8 @@ class StepOwner(PipelinedRuns):
         wrap: Callable[[Callable[[], None]], Callable[[], None]],
         settle: Callable[[], None],
     ) -> None:
-        """:meth:`step` taken parameter by parameter as the gradients of the iterations
-        in flight complete; with none in flight, one ``step_params(all masters)`` and
-        ``finish()``. ``wrap`` wraps the work item (the step recorder)."""
+        """``RoundPipeBase.step_layerwise``; ``wrap`` wraps the work item (the step
+        recorder)."""
         self.raise_failure()
         if not self.inflight():
             masters = self.masters.params()

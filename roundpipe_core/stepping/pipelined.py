@@ -1,20 +1,11 @@
-"""Overlapping consecutive training iterations (``forward_backward(blocking=False)``).
+"""Overlapping consecutive training iterations (``forward_backward(blocking=False)``);
+see docs/architecture.md#overlapped-iterations for the weight versions (``versions.py``).
 
-With the one-step-stale update, iteration k+1 computes with the weights of step k-1,
-so a device done with its part of iteration k can start on k+1 while others still run
-k's backward tail. Three pieces make that exact:
-
-* **Weight versions** (``versions.py``): a run reads the weights of one step; a step's
-  weights are published into the model parameter by parameter once no run reading
-  older weights still has to upload them.
-* **Per-run gradient buffers** (:class:`GradBuffer`): iteration k+1's gradients wait in
-  its own buffer and enter the masters' ``.grad`` after step k, before step k+1 (or at
-  the run's ``result()``) -- the order a blocking loop accumulates in.
-* :class:`PendingResult`, the handle a non-blocking call returns.
-
-:class:`PipelinedRuns` (the optimizer thread, ``stepper.py``, with the iterations in
-flight) merges their gradients in issue order, defers a step until the gradients it
-consumes are complete and turns a failure into one error raised by the next call.
+Iteration k+1's gradients wait in its own :class:`GradBuffer` and enter the masters'
+``.grad`` after step k, before step k+1 (or at the run's ``result()``) -- the order a
+blocking loop accumulates in. :class:`PipelinedRuns` merges them in issue order, defers
+a step until the gradients it consumes are complete and turns a failure into one error
+raised by the next call; :class:`PendingResult` is a non-blocking call's handle.
 
 Lock order: ``_merge_lock`` before ``_runs_lock``; the stepper's and the masters' locks
 are innermost. No lock here is held while waiting for an iteration or a queued step.
@@ -47,7 +38,6 @@ __all__ = [
     "PendingResult",
     "PipelinedRuns",
     "RunFinisher",
-    "assemble_result",
 ]
 
 
@@ -126,29 +116,6 @@ class GradBuffer:
                 items, self._grads = list(self._grads.values()), {}
                 return items
             return [hit for m in masters if (hit := self._grads.pop(id(m), None)) is not None]
-
-
-def assemble_result(
-    cfg: RoundPipeRunConfig,
-    losses: dict[int, Any],
-    outputs: dict[int, Any],
-    num_microbatch: int,
-    return_outputs: bool,
-) -> Any:
-    """What ``forward_backward`` returns from a finished run's per-microbatch losses and outputs."""
-    loss = sum_losses([losses[i] for i in range(num_microbatch)])
-    if not return_outputs:
-        return loss
-    merged = batching.merge_outputs(cfg.merge_output, [outputs[i] for i in range(num_microbatch)])
-    return loss, to_output_device(merged, cfg.output_device)
-
-
-def sum_losses(per_microbatch: list[Any]) -> Any:
-    """The sum over microbatches; a loss_fn returning several losses gives one sum each."""
-    first = per_microbatch[0]
-    if isinstance(first, (tuple, list)):
-        return type(first)(torch.stack(parts).sum() for parts in zip(*per_microbatch))
-    return torch.stack(per_microbatch).sum()
 
 
 def to_output_device(value: Any, device: Any) -> Any:
@@ -244,6 +211,20 @@ class PendingResult:
         """The loss (or ``(loss, outputs)``) of the call; raises its error if it failed."""
         self.wait(timeout)
         return self._runs.result_of(self)
+
+    def assembled(self) -> Any:
+        """What ``forward_backward`` returns from the finished run's per-microbatch losses
+        (summed; a loss_fn returning several losses gives one sum each) and outputs."""
+        run, n = self.run, self.num_microbatch
+        losses = [run.losses[i] for i in range(n)]
+        if isinstance(losses[0], (tuple, list)):
+            loss = type(losses[0])(torch.stack(parts).sum() for parts in zip(*losses))
+        else:
+            loss = torch.stack(losses).sum()
+        if not self.return_outputs:
+            return loss
+        merged = batching.merge_outputs(self.cfg.merge_output, [run.outputs[i] for i in range(n)])
+        return loss, to_output_device(merged, self.cfg.output_device)
 
 
 class PipelinedRuns(Stepper):
@@ -467,9 +448,7 @@ class PipelinedRuns(Stepper):
             e.wait()  # never under a lock: a run's completion callback takes them
         for e in earlier:
             self.merge(e)
-        return assemble_result(
-            r.cfg, r.run.losses, r.run.outputs, r.num_microbatch, r.return_outputs
-        )
+        return r.assembled()
 
 
 class RunFinisher:

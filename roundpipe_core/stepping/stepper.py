@@ -15,10 +15,8 @@ One lock, ``Stepper._lock``, guards every mutable field; it is held only to read
 assign them and to queue work -- never while waiting on a future, running queued work
 or calling ``on_failure`` -- so it cannot take part in a lock-order cycle.
 
-The thread is a daemon whose target references only the queue: a RoundPipe dropped
-without ``close()`` can be garbage-collected. At interpreter exit the queued work is
-finished, for at most ``$ROUNDPIPE_EXIT_WAIT_S`` seconds per thread
-(:func:`exit_wait_s`), so a step that never returns cannot keep the interpreter alive.
+The thread is a daemon whose target references only the queue, so a RoundPipe dropped
+without ``close()`` can be garbage-collected; exit: docs/failure-semantics.md.
 """
 
 from __future__ import annotations

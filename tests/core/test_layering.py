@@ -265,7 +265,6 @@ STEPPING_FACE = {
         "GradBuffer",
         "PendingResult",
         "RunFinisher",  # a pipelined call's completion handle (its timings, its end)
-        "assemble_result",
         "to_output_device",
     },
     "roundpipe_core.stepping.stepper": {"ClosedError"},
