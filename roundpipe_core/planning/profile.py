@@ -17,8 +17,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..kinds import JobKind, RunType, parse_kind
+from ..kinds import JobKind, RunType
 from .plan import ModelExecutePlan
+from .schedule import build_schedule
 
 __all__ = [
     "LayerProfile",
@@ -298,26 +299,14 @@ def stage_memory(
     plan: ModelExecutePlan, profile: LayerProfile, run_type: RunType | str
 ) -> list[StageMemory]:
     """What each stage of ``plan`` holds while it runs, in launch order."""
-    rt = parse_kind(RunType, run_type, "run_type")
     params, grads, acts = profile.layer_bytes()
-    out = [
-        StageMemory(JobKind.FORWARD, i, r, sum(params[j] for j in r), 0.0, 0.0)
-        for i, r in enumerate(plan.fwd_plan)
-    ]
-    if rt != RunType.INFER:
-        for i, r in enumerate(plan.bwd_plan):
-            kind = JobKind.FUSED if (rt == RunType.FUSED and i == 0) else JobKind.BACKWARD
-            out.append(
-                StageMemory(
-                    kind,
-                    i,
-                    r,
-                    sum(params[j] for j in r),
-                    sum(grads[j] for j in r),
-                    sum(acts[j] for j in r),
-                )
-            )
-    return out
+    stages = []
+    for job in build_schedule(plan, run_type, 1, 1):
+        held = [sum(b[j] for j in job.layers) for b in (params, grads, acts)]
+        if job.kind == JobKind.FORWARD:
+            held[1:] = 0.0, 0.0  # a forward stage keeps no gradients or activations
+        stages.append(StageMemory(job.kind, job.stage, job.layers, *held))
+    return stages
 
 
 def format_bytes(n: float) -> str:

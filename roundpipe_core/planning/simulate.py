@@ -228,7 +228,6 @@ def simulate(
         grad_done: dict[int, float] = {}
         ends = _run_iteration(
             sched,
-            plan,
             rt,
             fwd,
             bwd,
@@ -339,7 +338,6 @@ def simulated_iteration_ms(
         sched = build_schedule(plan, run_type, num_devices, num_microbatch)
         return _run_iteration(
             sched,
-            plan,
             run_type,
             fwd,
             bwd,
@@ -416,7 +414,6 @@ class _WeightGate:
 
 def _run_iteration(
     jobs: list[Job],
-    plan: ModelExecutePlan,
     run_type: RunType,
     fwd: list[float],
     bwd: list[float],
