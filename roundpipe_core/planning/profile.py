@@ -17,9 +17,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..kinds import JobKind, RunType
+from ..kinds import JobKind, RunType, parse_kind
 from .plan import ModelExecutePlan
-from .schedule import build_schedule
 
 __all__ = [
     "LayerProfile",
@@ -299,14 +298,17 @@ def stage_memory(
     plan: ModelExecutePlan, profile: LayerProfile, run_type: RunType | str
 ) -> list[StageMemory]:
     """What each stage of ``plan`` holds while it runs, in launch order."""
+    rt = parse_kind(RunType, run_type, "run_type")
     params, grads, acts = profile.layer_bytes()
-    stages = []
-    for job in build_schedule(plan, run_type, 1, 1):
-        held = [sum(b[j] for j in job.layers) for b in (params, grads, acts)]
-        if job.kind == JobKind.FORWARD:
-            held[1:] = 0.0, 0.0  # a forward stage keeps no gradients or activations
-        stages.append(StageMemory(job.kind, job.stage, job.layers, *held))
-    return stages
+    out = [
+        StageMemory(JobKind.FORWARD, i, r, sum(params[j] for j in r), 0.0, 0.0)
+        for i, r in enumerate(plan.fwd_plan)
+    ]
+    for i, r in enumerate(plan.bwd_plan if rt != RunType.INFER else []):
+        kind = JobKind.FUSED if (rt == RunType.FUSED and i == 0) else JobKind.BACKWARD
+        held = [sum(b[j] for j in r) for b in (params, grads, acts)]
+        out.append(StageMemory(kind, i, r, *held))
+    return out
 
 
 def format_bytes(n: float) -> str:
