@@ -1,14 +1,9 @@
-"""Sharding the host state across data-parallel ranks (``shard_host_state=True``): each
-rank owns about 1/N of one optimizer's trainable parameters (:func:`partition_by_bytes`)
-and keeps gradients, optimizer state and separate masters only for those; the scheme
-(ownership, reduce to the owner, step, all-gather) is docs/multi-node.md's "Sharding the
-host state".
-
-Each purpose has a group of its own (reduction, all-gather, norm for clipping), so
-threads never interleave collectives on one group. A released master's update is written,
-cast, straight into every rank's model weight (``targets``): inside a synchronous step,
-or, with ``attach(..., async_step=True)``, when the step's weight version is published
-(a remote publisher of ``stepping.versions``), in version order on every rank.
+"""Sharding the host state across data-parallel ranks (``shard_host_state=True``): the
+scheme (ownership by :func:`partition_by_bytes`, reduce to the owner, step, all-gather
+into the model weights, published in version order for asynchronous steps) is
+docs/multi-node.md's "Sharding the host state". Each purpose has a group of its own
+(reduction, all-gather, norm for clipping), so threads never interleave collectives on
+one group.
 """
 
 from __future__ import annotations
