@@ -1,11 +1,5 @@
-"""Layout specs: stage sizes (and owner devices) per stage, as text or Python values.
-
-A layout fits a YAML value or a command-line flag:
-
-* counts: ``"7,5"`` or ``[7, 5]`` -- stage sizes, dispatched round-robin;
-* owners: ``"0:4,0:3,1:3,1:2"`` or ``[(0, 4), (0, 3), ...]`` -- ``device:count`` per stage;
-* full ranges: ``[range(0, 7), range(7, 12)]``;
-* ``""`` or ``[]``: no stages.
+"""Layout specs: stage sizes (and owner devices) per stage, as text or Python values
+(the forms: :data:`LayoutSpec`, docs/layouts-and-planner.md "Layout strings").
 
 :func:`parse_layout` reads one side, :func:`resolve_layout` turns both into stage
 ranges and owners, :func:`format_layout` writes one side back. Numbers in text are ASCII
@@ -32,7 +26,8 @@ __all__ = [
     "resolve_layout",
 ]
 
-#: A layout spec: ``"7,5"``, ``"0:4,0:3"``, ``[7, 5]``, ``[(0, 4), (0, 3)]`` or ``[range(0, 7), ...]``.
+#: A layout spec: ``"7,5"``, ``"0:4,0:3"``, ``[7, 5]``, ``[(0, 4), (0, 3)]``, ``[range(0, 7), ...]``
+#: (counts round-robin, ``device:count`` per stage, full ranges), or ``""`` / ``[]``: no stages.
 LayoutSpec = Union[str, int, Sequence[Any]]
 
 
