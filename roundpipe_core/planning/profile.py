@@ -1,9 +1,6 @@
 """What the planner knows about a model's layers (:class:`LayerProfile`): times, sizes
-and activation memory, and the memory a plan's stages need.
-
-A backward or fused stage holds its parameters, their gradients and one microbatch's
-saved activations; a forward stage only its parameters. One more stage's parameters
-may be prefetched beside it.
+and activation memory, and the memory a plan's stages need (:class:`StageMemory`,
+:func:`check_plan_fits`).
 """
 
 from __future__ import annotations
