@@ -140,7 +140,6 @@ class HostShard:
         owners = partition_by_bytes(self.params, self.world_size)
         self._owner = {id(p): o for p, o in zip(self.params, owners)}
         self.owned = [p for p, o in zip(self.params, owners) if o == self.rank]
-        self._owned_ids = {id(p) for p in self.owned}
         self._gather_group = new_group(timeout) if self.world_size > 1 else None
         self._norm_group = new_group(timeout) if self.world_size > 1 else None
         self._gather_buckets = _gather_plan(
@@ -153,7 +152,7 @@ class HostShard:
         return self._owner[id(param)]
 
     def owns(self, param: torch.Tensor) -> bool:
-        return id(param) in self._owned_ids
+        return self._owner.get(id(param)) == self.rank
 
     def gather(self) -> None:
         """Broadcast each owner's updated parameters into every other rank's copy.
