@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, MutableMapping, MutableSequence
 from dataclasses import replace
 from typing import Any
@@ -95,18 +96,43 @@ def reads_child_weights(m: nn.Module) -> bool:
 
 
 class SplitRules:
-    """How the tree is cut into units: the size measure and its thresholds, the modules
-    kept on the host, and the modules that take their own run config."""
+    """How the tree is cut into units, from auto_wrap's arguments (each checked): the size
+    measure and its thresholds, the modules kept on the host, and the modules that take
+    their own run config."""
 
     def __init__(
         self,
-        threshold: int,
-        size: Callable[[nn.Module], int] = numel,
-        lower_threshold: int | None = None,
-        skip_modules: Collection[nn.Module] = (),
-        override_config: Mapping[nn.Module, RoundPipeRunConfig] | None = None,
+        model: nn.Module,
+        split_threshold: int | None,
+        upper_threshold: int | None,
+        lower_threshold: int | None,
+        skip_modules: Collection[nn.Module],
+        override_config: Mapping[nn.Module, RoundPipeRunConfig] | None,
     ) -> None:
-        self.threshold, self.size, self.lower = threshold, size, lower_threshold
+        check_split_arguments(
+            split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
+        )
+        for m in override_config or {}:
+            if not has_own_forward(m):
+                raise ValueError(
+                    f"override_config names a {type(m).__name__}, which has no forward of its "
+                    "own and cannot run as one unit; name its children instead"
+                )
+        inside = {id(x) for x in model.modules()}
+        for what, mods in (
+            ("skip_modules", list(skip_modules)),
+            ("override_config", list(override_config or {})),
+        ):
+            for m in mods:
+                if id(m) not in inside:
+                    raise ValueError(
+                        f"{what} holds a {type(m).__name__} that is not a submodule of the model"
+                    )
+        self.threshold = max(1, numel(model) // 8) if split_threshold is None else split_threshold
+        self.size: Callable[[nn.Module], int] = numel
+        if upper_threshold is not None:  # bytes, as the published RoundPipe
+            self.threshold, self.size = upper_threshold, nbytes
+        self.lower = lower_threshold
         self.skip = {id(m) for m in skip_modules}
         self.override = {id(m): c for m, c in (override_config or {}).items()}
 
@@ -149,7 +175,7 @@ def check_split_arguments(
 ) -> None:
     """The automatic split's arguments, each checked on its own (``auto_wrap``,
     ``AutoRoundPipe`` and ``wrap_model_to_roundpipe`` take the same ones); what needs
-    the model (submodules, forwards of their own) :func:`split_rules` checks."""
+    the model (submodules, forwards of their own) :class:`SplitRules` checks."""
     if split_threshold is not None:
         check_int(split_threshold, "split_threshold", why="parameters")
     _check_bytes("upper_threshold", upper_threshold, 1)
@@ -181,40 +207,6 @@ def check_split_arguments(
         check_run_config(cfg, f"override_config[{type(m).__name__}]")
 
 
-def split_rules(
-    model: nn.Module,
-    split_threshold: int | None,
-    upper_threshold: int | None,
-    lower_threshold: int | None,
-    skip_modules: Collection[nn.Module],
-    override_config: Mapping[nn.Module, RoundPipeRunConfig] | None,
-) -> SplitRules:
-    """The split rules from auto_wrap's arguments, each checked."""
-    check_split_arguments(
-        split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
-    )
-    for m in override_config or {}:
-        if not has_own_forward(m):
-            raise ValueError(
-                f"override_config names a {type(m).__name__}, which has no forward of its own "
-                "and cannot run as one unit; name its children instead"
-            )
-    inside = {id(x) for x in model.modules()}
-    for what, mods in (
-        ("skip_modules", list(skip_modules)),
-        ("override_config", list(override_config or {})),
-    ):
-        for m in mods:
-            if id(m) not in inside:
-                raise ValueError(
-                    f"{what} holds a {type(m).__name__} that is not a submodule of the model"
-                )
-    if upper_threshold is not None:
-        return SplitRules(upper_threshold, nbytes, lower_threshold, skip_modules, override_config)
-    threshold = split_threshold if split_threshold is not None else max(1, numel(model) // 8)
-    return SplitRules(threshold, numel, lower_threshold, skip_modules, override_config)
-
-
 # ---------------------------------------------------------------- unit calls
 
 #: Hugging Face loss types whose loss is a mean over label tokens != -100, and whether the
@@ -242,28 +234,6 @@ def why_not_cut(args: tuple, kwargs: dict, batch: int | None) -> str | None:
             shape = tuple(leaf.shape)
             return f"its input {path} of shape {shape} has a dim 0 that is not the batch ({batch})"
     return None
-
-
-def check_no_cache(
-    args: tuple, kwargs: dict, unit_name: str, unit: nn.Module, model: nn.Module
-) -> None:
-    """Refuse a unit call given a transformers ``Cache`` (XLM builds one even in training):
-    the unit writes its keys and values into it for the later units' calls, state that
-    a device replica run per microbatch would fill with one microbatch's tensors."""
-    for path, leaf in _input_leaves(args, kwargs):
-        if any(
-            c.__name__ == "Cache" and c.__module__.startswith("transformers")
-            for c in type(leaf).__mro__
-        ):
-            raise ValueError(
-                f"automatic split: unit {unit_name or '<root>'!r} ({type(unit).__name__}) takes "
-                f"a transformers {type(leaf).__name__} as its input {path}: a decoding cache it "
-                "writes into for later units, outside the call's inputs and outputs, which "
-                "separate units on the device pool cannot share. Load the model with "
-                "use_cache=False if it honours that, or make the module that passes the cache "
-                f"one unit: override_config={{{spelled(caller_of(model, unit_name))}: "
-                "RoundPipeRunConfig()} in wrap_model_to_roundpipe / auto_wrap"
-            )
 
 
 #: ``split_input`` of a call that must not be cut: every input whole, in one microbatch
@@ -300,15 +270,31 @@ def token_count_kwargs(unit: nn.Module, kwargs: dict, num_microbatch: int) -> di
     return {**kwargs, "num_items_in_batch": count / num_microbatch}
 
 
-def mutable_state(args: tuple, kwargs: dict) -> list[tuple[str, Any, tuple]]:
+def mutable_state(
+    args: tuple, kwargs: dict, unit_name: str, unit: nn.Module, model: nn.Module
+) -> list[tuple[str, Any, tuple]]:
     """``(where, object, contents by identity)`` of the mutable input containers the batch
     split does not open (transformers' ``KVSharingDict``, any ``MutableMapping`` or
-    ``MutableSequence``): where a unit could leave state for later units."""
-    return [
-        (path, leaf, _contents(leaf))
-        for path, leaf in _input_leaves(args, kwargs)
-        if isinstance(leaf, (MutableMapping, MutableSequence))
-    ]
+    ``MutableSequence``): where a unit could leave state for later units. A transformers
+    ``Cache`` input (XLM builds one even in training) is refused."""
+    state = []
+    for path, leaf in _input_leaves(args, kwargs):
+        if any(
+            c.__name__ == "Cache" and c.__module__.startswith("transformers")
+            for c in type(leaf).__mro__
+        ):
+            raise ValueError(
+                f"automatic split: unit {unit_name or '<root>'!r} ({type(unit).__name__}) takes "
+                f"a transformers {type(leaf).__name__} as its input {path}: a decoding cache it "
+                "writes into for later units, outside the call's inputs and outputs, which "
+                "separate units on the device pool cannot share. Load the model with "
+                "use_cache=False if it honours that, or make the module that passes the cache "
+                f"one unit: override_config={{{spelled(caller_of(model, unit_name))}: "
+                "RoundPipeRunConfig()} in wrap_model_to_roundpipe / auto_wrap"
+            )
+        if isinstance(leaf, (MutableMapping, MutableSequence)):
+            state.append((path, leaf, _contents(leaf)))
+    return state
 
 
 def _contents(obj: Any) -> tuple:
@@ -320,9 +306,7 @@ def _contents(obj: Any) -> tuple:
 def check_no_state_written(
     state: list[tuple[str, Any, tuple]], unit_name: str, unit: nn.Module, model: nn.Module
 ) -> None:
-    """Refuse a unit call that wrote into a mutable input (state for later units): the unit
-    ran on a device replica once per microbatch, so what it stored is the last
-    microbatch's, outside the call's autograd graph."""
+    """Refuse a unit call that wrote into a mutable input of :func:`mutable_state`."""
     for where, obj, before in state:
         if _contents(obj) != before:
             parent = caller_of(model, unit_name)
@@ -360,8 +344,7 @@ def check_no_batch_reduction(
     out: Any, loss_normalised: bool, unit_name: str, unit: nn.Module, num_microbatch: int
 ) -> None:
     """Refuse a 0-dim floating output of a call cut into microbatches (but the first leaf
-    where :func:`token_count_kwargs` normalised the loss): the merge's average is not the
-    whole batch's value for a sum, a mean over tokens, a load-balancing loss ..."""
+    where :func:`token_count_kwargs` normalised the loss): the merge averages it."""
     for i, leaf in enumerate(flatten(out)[0]):
         if not (isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and leaf.is_floating_point()):
             continue
@@ -638,7 +621,7 @@ class AutoRoundPipe(RoundPipeBase):
     ) -> None:
         if model_run_config is not None:
             check_run_config(model_run_config, "model_run_config")
-        rules = split_rules(
+        rules = SplitRules(
             model, split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
         )
         super().__init__(
@@ -756,9 +739,8 @@ class AutoRoundPipe(RoundPipeBase):
                     )
                 cfg = replace(cfg, num_microbatch=1, split_input=WHOLE_CALL)
                 n = 1
-        check_no_cache(args, kwargs, name, unit, self.model)
+        state = mutable_state(args, kwargs, name, unit, self.model)
         normalised = token_count_kwargs(unit, kwargs, n) if n > 1 else None
-        state = mutable_state(args, kwargs)
         watch = self._host_reads
         if watch is not None:
             watch.paused += 1  # the unit's own call reads its parameters legitimately
@@ -815,10 +797,7 @@ class AutoRoundPipe(RoundPipeBase):
     def summary(self) -> str:
         """What the split made, in one line (units, pipelined ones, host parameters)."""
         pipelined = sum(1 for _, inner in self.units if inner.num_layers > 1)
-        counts: dict[int, int] = {}
-        for unit in self._unit_modules:
-            for p in unit.parameters():
-                counts[id(p)] = counts.get(id(p), 0) + 1
+        counts = Counter(id(p) for unit in self._unit_modules for p in unit.parameters())
         shared = sum(1 for c in counts.values() if c > 1)
         return (
             f"{len(self.units)} units run on the device pool ({pipelined} of them pipelined "
@@ -872,7 +851,7 @@ def auto_wrap(
         TypeError / ValueError: a threshold, skipped module or override is malformed or
             names a module outside ``model``.
     """
-    rules = split_rules(
+    rules = SplitRules(
         model, split_threshold, upper_threshold, lower_threshold, skip_modules, override_config
     )
     # a skipped or separately configured inner module needs the unit-by-unit form

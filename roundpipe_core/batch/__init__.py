@@ -1,21 +1,9 @@
-"""Split inputs and labels into microbatches and merge outputs back (any pytree).
-
-How a call is cut (``RoundPipeRunConfig``): **automatic** (``None``: tensors whose dim 0
-is the batch size split into near-equal parts, larger first; every other leaf
-replicated), **specs** mirroring the value (``TensorChunkSpec(dim)``, ``Replicate``,
-``None`` for automatic; torch.distributed.pipelining's markers work the same), or **a
-function** (``split_input(args, kwargs, n)`` returning ``(args_list, kwargs_list)`` or
-``[(args, kwargs), ...]``; ``split_label(label, n)``).
-
-Merging (``merge_output``): ``None``/``True`` concatenates tensors along dim 0,
-**averages** 0-dim tensors and keeps non-tensors equal in every microbatch; a spec uses
-``TensorChunkSpec(dim)``, ``Replicate`` or a reducer (``avg_reducer``, ``sum_reducer``,
-any ``Reducer``); a function gets the list of outputs; ``False`` returns every leaf as
-a :class:`RoundPipePackedData`, which a following call takes as already split.
-
-Containers: tuples, lists, dicts, namedtuples, ``torch.utils._pytree`` nodes (Hugging
-Face ``ModelOutput``) and dataclasses. Pieces: :mod:`.tree` (pytrees, packed data,
-markers), :mod:`.split` and :mod:`.merge`.
+"""Split inputs and labels into microbatches and merge outputs back, for any pytree
+(tuples, lists, dicts, namedtuples, ``torch.utils._pytree`` nodes such as Hugging Face's
+``ModelOutput``, dataclasses). The rules (automatic, specs, functions, reducers such as
+``avg_reducer`` / ``sum_reducer``, ``merge_output=False``) are docs/user-guide.md's
+"Run configuration". Pieces: :mod:`.tree` (pytrees, packed data, markers), :mod:`.split`
+and :mod:`.merge`.
 """
 
 from .explain import AutoSplitLeaf, auto_split_note

@@ -66,7 +66,7 @@ class MergedOutputs(NamedTuple):
 
 
 def merge_outputs(merge_output: Any, outputs: list[Any]) -> Any:
-    """Merge the per-microbatch outputs as ``merge_output`` says (see the module doc)."""
+    """Merge the per-microbatch outputs as ``merge_output`` says (:mod:`roundpipe_core.batch`)."""
     return merge_outputs_with_grad(merge_output, outputs).merged
 
 
@@ -76,10 +76,8 @@ def merge_outputs_with_grad(merge_output: Any, outputs: list[Any]) -> MergedOutp
         raise ValueError("no microbatch outputs to merge")
     n = len(outputs)
     if merge_output is False:
-        leaves, rebuild = flatten(outputs[0])
-        flat = _same_structure(outputs)
-        packed = [RoundPipePackedData([f[i] for f in flat]) for i in range(len(leaves))]
-        return MergedOutputs(rebuild(packed), None, n)
+        packed = [RoundPipePackedData(vals) for vals in _per_leaf(outputs)]
+        return MergedOutputs(flatten(outputs[0])[1](packed), None, n)
     if callable(merge_output):
         return MergedOutputs(merge_output(list(outputs)), None, n)
     if merge_output is None or merge_output is True:
@@ -90,11 +88,9 @@ def merge_outputs_with_grad(merge_output: Any, outputs: list[Any]) -> MergedOutp
         leaves, _ = flatten(outputs[0])
         rules = [("first",) if isinstance(x, torch.Tensor) else ("none",) for x in leaves]
         return MergedOutputs(outputs[0], rules, 1)
-    flat = _same_structure(outputs)
     rebuild = flatten(outputs[0])[1]
     merged, rules = [], []
-    for i in range(len(flat[0])):
-        vals = [f[i] for f in flat]
+    for i, vals in enumerate(_per_leaf(outputs)):
         m, w = spec_leaves[i] if spec_leaves is not None else (None, f"output leaf {i}")
         value, rule = _merge_leaf(vals, m, w)
         merged.append(value)
@@ -102,13 +98,14 @@ def merge_outputs_with_grad(merge_output: Any, outputs: list[Any]) -> MergedOutp
     return MergedOutputs(rebuild(merged), rules, n)
 
 
-def _same_structure(outputs: list[Any]) -> list[list[Any]]:
+def _per_leaf(outputs: list[Any]) -> list[list[Any]]:
+    """Per leaf of the outputs' common structure, its value in each microbatch."""
     flat = [flatten(o)[0] for o in outputs]
     if any(len(f) != len(flat[0]) for f in flat):
         raise ValueError(
             "microbatch outputs have different structures; give a merge_output function"
         )
-    return flat
+    return [list(vals) for vals in zip(*flat)]
 
 
 def _merge_leaf(vals: list[Any], marker: Any, where: str) -> tuple[Any, tuple]:
@@ -177,10 +174,8 @@ def sum_merge_output(outputs: list[Any]) -> Any:
     over tokens, a token count) whose total is wanted rather than their average."""
     if len(outputs) == 1:
         return outputs[0]
-    flat = _same_structure(outputs)
     merged = []
-    for i in range(len(flat[0])):
-        vals = [f[i] for f in flat]
+    for vals in _per_leaf(outputs):
         v0 = vals[0]
         if isinstance(v0, torch.Tensor):
             merged.append(torch.stack(vals).sum(0) if v0.dim() == 0 else torch.cat(vals, dim=0))

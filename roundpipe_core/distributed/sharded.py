@@ -1,14 +1,9 @@
-"""Sharding the host state across data-parallel ranks (``shard_host_state=True``): each
-rank owns about 1/N of one optimizer's trainable parameters (:func:`partition_by_bytes`)
-and keeps gradients, optimizer state and separate masters only for those; the scheme
-(ownership, reduce to the owner, step, all-gather) is docs/multi-node.md's "Sharding the
-host state".
-
-Each purpose has a group of its own (reduction, all-gather, norm for clipping), so
-threads never interleave collectives on one group. A released master's update is written,
-cast, straight into every rank's model weight (``targets``): inside a synchronous step,
-or, with ``attach(..., async_step=True)``, when the step's weight version is published
-(a remote publisher of ``stepping.versions``), in version order on every rank.
+"""Sharding the host state across data-parallel ranks (``shard_host_state=True``): the
+scheme (ownership by :func:`partition_by_bytes`, reduce to the owner, step, all-gather
+into the model weights, published in version order for asynchronous steps) is
+docs/multi-node.md's "Sharding the host state". Each purpose has a group of its own
+(reduction, all-gather, norm for clipping), so threads never interleave collectives on
+one group.
 """
 
 from __future__ import annotations
@@ -145,7 +140,6 @@ class HostShard:
         owners = partition_by_bytes(self.params, self.world_size)
         self._owner = {id(p): o for p, o in zip(self.params, owners)}
         self.owned = [p for p, o in zip(self.params, owners) if o == self.rank]
-        self._owned_ids = {id(p) for p in self.owned}
         self._gather_group = new_group(timeout) if self.world_size > 1 else None
         self._norm_group = new_group(timeout) if self.world_size > 1 else None
         self._gather_buckets = _gather_plan(
@@ -158,7 +152,7 @@ class HostShard:
         return self._owner[id(param)]
 
     def owns(self, param: torch.Tensor) -> bool:
-        return id(param) in self._owned_ids
+        return self._owner.get(id(param)) == self.rank
 
     def gather(self) -> None:
         """Broadcast each owner's updated parameters into every other rank's copy.

@@ -1,11 +1,5 @@
-"""Layout specs: stage sizes (and owner devices) per stage, as text or Python values.
-
-A layout fits a YAML value or a command-line flag:
-
-* counts: ``"7,5"`` or ``[7, 5]`` -- stage sizes, dispatched round-robin;
-* owners: ``"0:4,0:3,1:3,1:2"`` or ``[(0, 4), (0, 3), ...]`` -- ``device:count`` per stage;
-* full ranges: ``[range(0, 7), range(7, 12)]``;
-* ``""`` or ``[]``: no stages.
+"""Layout specs: stage sizes (and owner devices) per stage, as text or Python values
+(the forms: :data:`LayoutSpec`, docs/layouts-and-planner.md "Layout strings").
 
 :func:`parse_layout` reads one side, :func:`resolve_layout` turns both into stage
 ranges and owners, :func:`format_layout` writes one side back. Numbers in text are ASCII
@@ -24,7 +18,6 @@ from ..kinds import RunType, check_int, parse_kind
 __all__ = [
     "LayoutSpec",
     "ParsedLayout",
-    "ResolvedLayout",
     "check_num_devices",
     "format_layout",
     "parse_int",
@@ -33,7 +26,8 @@ __all__ = [
     "resolve_layout",
 ]
 
-#: A layout spec: ``"7,5"``, ``"0:4,0:3"``, ``[7, 5]``, ``[(0, 4), (0, 3)]`` or ``[range(0, 7), ...]``.
+#: A layout spec: ``"7,5"``, ``"0:4,0:3"``, ``[7, 5]``, ``[(0, 4), (0, 3)]``, ``[range(0, 7), ...]``
+#: (counts round-robin, ``device:count`` per stage, full ranges), or ``""`` / ``[]``: no stages.
 LayoutSpec = Union[str, int, Sequence[Any]]
 
 
@@ -59,17 +53,6 @@ class ParsedLayout:
         if self.counts is not None:
             return sum(self.counts)
         return max((r.stop for r in self.ranges or []), default=0)
-
-
-@dataclass
-class ResolvedLayout:
-    """Both sides of a layout as stage ranges, ready to become a plan."""
-
-    fwd: list[range]
-    bwd: list[range]
-    fwd_owners: list[int] | None
-    bwd_owners: list[int] | None
-    num_layers: int
 
 
 def parse_int(value: Any, what: str) -> int:
@@ -244,9 +227,10 @@ def resolve_layout(
     run_type: RunType | str = RunType.FUSED,
     fwd_owners: Sequence[int] | None = None,
     bwd_owners: Sequence[int] | None = None,
-) -> ResolvedLayout:
-    """Both sides of a layout as stage ranges and owners (arguments as in
-    ``ModelExecutePlan.from_layout``), counts checked before any range is built."""
+) -> tuple[int, list[range], list[range], list[int] | None, list[int] | None]:
+    """``(num_layers, fwd, bwd, fwd_owners, bwd_owners)``: both sides of a layout as stage
+    ranges and owners (arguments as in ``ModelExecutePlan.from_layout``), counts checked
+    before any range is built."""
     rt = parse_kind(RunType, run_type, "run_type")
     if num_layers is not None:
         check_int(num_layers, "num_layers")
@@ -337,10 +321,6 @@ def resolve_layout(
         else:
             start = fwd_ranges[-1].stop if fwd_ranges else 0
             bwd_ranges = [range(start, num_layers)] + list(reversed(fwd_ranges))
-    return ResolvedLayout(
-        fwd_ranges,
-        bwd_ranges,
-        f.owners if f is not None else None,
-        b.owners if b is not None else None,
-        num_layers,
-    )
+    fwd_own = f.owners if f is not None else None
+    bwd_own = b.owners if b is not None else None
+    return num_layers, fwd_ranges, bwd_ranges, fwd_own, bwd_own

@@ -288,9 +288,11 @@ class ModelExecutePlan:
                 counts that do not add up to the layers they cover, an owner outside the
                 pool, forms mixed within a spec, owners given twice.
         """
-        lay = resolve_layout(fwd, bwd, num_layers, num_devices, run_type, fwd_owners, bwd_owners)
-        plan = ModelExecutePlan(lay.fwd, lay.bwd, lay.fwd_owners, lay.bwd_owners)
-        plan.check_valid(lay.num_layers, run_type, num_devices)
+        n, fwd_plan, bwd_plan, fwd_own, bwd_own = resolve_layout(
+            fwd, bwd, num_layers, num_devices, run_type, fwd_owners, bwd_owners
+        )
+        plan = ModelExecutePlan(fwd_plan, bwd_plan, fwd_own, bwd_own)
+        plan.check_valid(n, run_type, num_devices)
         return plan
 
     def to_layout(self) -> dict[str, str]:

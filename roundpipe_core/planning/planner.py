@@ -52,18 +52,10 @@ def auto(
     """Plan stages from measured layer times (``ModelExecutePlan.auto``, whose overloads
     type the one-model and several-model forms).
 
-    Stages should be even (the slowest sets the pace) and enough to keep every device
-    busy. Each stage's memory (parameters; for backward and fused stages also gradients
-    and one microbatch's saved activations) stays under ``model_memory_limit / 2``, as
-    the next stage's parameters are prefetched (on CPU workers that lend the host's
-    parameters, under the whole limit).
-
-    The published planner minimises ``max(total stages, min_stages) x slowest stage``
-    (``objective="stages"``) greedily over caps up to ``upper_threshold`` times the
-    slowest layer (``method="greedy"``). That cost ignores fill and drain, so the default
-    ``objective="pipeline"`` minimises the round-robin iteration time
-    (:func:`~roundpipe_core.planning.search.pipeline_estimate`) over all caps
-    (``method="exact"``), and ``refine=True`` simulates the best candidates.
+    Each stage's memory stays under ``model_memory_limit / 2`` (the next stage's
+    parameters are prefetched; the whole limit on CPU workers that lend the host's), and
+    the objective is minimised over the stage-time caps: docs/layouts-and-planner.md
+    ("Automatic planning") says how and why it differs from the published planner.
 
     Args:
         run_type: "infer", "train" (``forward()`` then backward through autograd)

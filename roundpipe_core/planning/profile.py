@@ -1,9 +1,6 @@
 """What the planner knows about a model's layers (:class:`LayerProfile`): times, sizes
-and activation memory, and the memory a plan's stages need.
-
-A backward or fused stage holds its parameters, their gradients and one microbatch's
-saved activations; a forward stage only its parameters. One more stage's parameters
-may be prefetched beside it.
+and activation memory, and the memory a plan's stages need (:class:`StageMemory`,
+:func:`check_plan_fits`).
 """
 
 from __future__ import annotations
@@ -304,19 +301,10 @@ def stage_memory(
         StageMemory(JobKind.FORWARD, i, r, sum(params[j] for j in r), 0.0, 0.0)
         for i, r in enumerate(plan.fwd_plan)
     ]
-    if rt != RunType.INFER:
-        for i, r in enumerate(plan.bwd_plan):
-            kind = JobKind.FUSED if (rt == RunType.FUSED and i == 0) else JobKind.BACKWARD
-            out.append(
-                StageMemory(
-                    kind,
-                    i,
-                    r,
-                    sum(params[j] for j in r),
-                    sum(grads[j] for j in r),
-                    sum(acts[j] for j in r),
-                )
-            )
+    for i, r in enumerate(plan.bwd_plan if rt != RunType.INFER else []):
+        kind = JobKind.FUSED if (rt == RunType.FUSED and i == 0) else JobKind.BACKWARD
+        held = [sum(b[j] for j in r) for b in (params, grads, acts)]
+        out.append(StageMemory(kind, i, r, *held))
     return out
 
 
