@@ -1,22 +1,15 @@
 """The pipeline layers of a converted causal LM, and the *decoder state* they pass on.
 
 A converted model is ``nn.Sequential(CausalLMInputAdapter, GenericDecoderBlock...,
-CausalLMOutputAdapter)`` (the last in :mod:`.head`). The layers *reuse* the Hugging Face
-modules, so the Sequential shares every parameter with the original model (tied
-embeddings stay one ``Parameter``) and training updates it in place.
-
-The decoder state is a plain tuple ``(hidden_states, tables, position_ids,
-attention_mask, labels, extras)``; every tensor in it has the batch as dim 0, so the
-engine splits it into microbatches along dim 0. ``tables`` holds the position tables
-(rotary cos/sin) computed once in layer 0; ``extras`` is a dict of call options and
-running sums: ``return_logits``, ``logits_to_keep``, ``num_items_in_batch`` (0-dim tensor
-or ``None``), ``output_router_logits`` and ``router_stats`` (:mod:`.moe`). The 4D
-attention mask does not travel: for long sequences a ``(B, 1, S, S)`` mask is larger
-than the hidden states, so each block rebuilds it from the 2D padding mask on its own
-device, with Hugging Face's own mask functions (exact for every attention implementation).
-
-Forward rules: no layer writes a plain attribute or a shared buffer in forward, and
-every temporary is created on the device of its input.
+CausalLMOutputAdapter)`` (the last in :mod:`.head`), made of the Hugging Face model's own
+modules. The decoder state is a plain tuple ``(hidden_states, tables, position_ids,
+attention_mask, labels, extras)``, every tensor batch-first so that the engine splits it
+into microbatches along dim 0. ``tables`` holds the position tables (rotary cos/sin)
+computed once in layer 0; ``extras`` is a dict of call options and running sums:
+``return_logits``, ``logits_to_keep``, ``num_items_in_batch`` (0-dim tensor or ``None``),
+``output_router_logits`` and ``router_stats`` (:mod:`.moe`). The 4D attention mask does not
+travel (for long sequences it is larger than the hidden states): each block rebuilds it
+from the 2D padding mask with Hugging Face's own mask functions. See docs/presets.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The converter by structure: any decoder-only causal LM built the way transformers builds them.
 
-``convert_decoder_lm(model)`` finds the parts (:mod:`.structure`), reads how the backbone
-calls them from one recorded forward (:mod:`.probe`), builds::
-
-    Sequential(CausalLMInputAdapter, one GenericDecoderBlock per decoder layer, output adapter)
-
-from the model's own modules (:mod:`.common`, :mod:`.head`), and checks the result
-against the model on the probe batch (logits and loss, the whole batch and each row
-alone), with the model in eval mode and its training flags restored afterwards. The
-built-in presets (Llama, GPT-2, Qwen3-MoE, ...) are this converter registered by class
-name. Whatever it cannot rebuild exactly raises ``ValueError`` naming the part.
+:func:`convert_decoder_lm` finds the parts (:mod:`.structure`), reads how the backbone
+calls them (:mod:`.probe`), builds the Sequential from the model's own modules
+(:mod:`.common`, :mod:`.head`) and checks it against the model. See docs/presets.md.
 """
 
 from __future__ import annotations

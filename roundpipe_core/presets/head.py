@@ -1,12 +1,5 @@
 """The last pipeline layer of a converted causal LM and the ``ModelOutput`` it returns.
 
-A converted model returns a Hugging Face ``ModelOutput`` like the original: ``.logits``,
-with ``labels=`` a ``.loss``, and for MoE models with ``output_router_logits=True`` an
-``.aux_loss`` (added to ``.loss`` times ``router_aux_loss_coef``, as Hugging Face does).
-The loss is the sum of token losses over the counted tokens, or over
-``num_items_in_batch`` where given (then the microbatch losses of ``forward_backward``
-sum to the whole batch's loss).
-
 **Why the outputs carry per-sample sums.** The engine merges the microbatch outputs,
 and no rule merging scalars gives Hugging Face's loss of the whole batch (a mean over
 *all* counted tokens; for MoE a product of two whole-batch averages). So each output

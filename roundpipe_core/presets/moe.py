@@ -1,12 +1,9 @@
 """Mixture-of-experts support of the converter: routing replay and the load-balancing loss.
 
-**Routing replay.** The recompute pass of the backward must route every token to the
-*same* experts as the forward (non-deterministic kernels and ties could change the
-choice), or it differentiates a different network. A forward hook on each router records
-its choice in the forward (``save_for_recompute``) and substitutes it in the recompute
-(``get_recompute_data``); the weights of the replayed experts are recomputed from the
-router logits the way that router computes them (its ``rescore``), so the router still
-gets its gradient.
+**Routing replay** (docs/presets.md): a forward hook on each router records its choice in
+the forward (``save_for_recompute``) and substitutes it in the recompute
+(``get_recompute_data``); the replayed experts' weights are recomputed from the router
+logits (its ``rescore``), so the router still gets its gradient.
 
 **Load-balancing loss** (``output_router_logits=True``). Hugging Face's
 ``load_balancing_loss_func`` is, per expert, (share of top-k assignments) x (mean router

@@ -2,19 +2,9 @@
 
 :mod:`.structure` finds *which* modules a model has; this module runs the model on a
 tiny probe batch (two rows, one left-padded) with hooks on its parts and matches each
-recorded value against what the converter can rebuild: the first layer's input (the
-token embedding, scaled as the config says, plus a learned position embedding), every
-argument of every decoder-layer call (a constant, the padding mask, the position ids,
-``cache_position``, a 4D mask from one of Hugging Face's mask functions, a position table
-of the backbone's), the chain from layer to layer, the final norm feeding the LM head,
-and the logits (scaled or soft-capped as the config says). Anything else raises a
-``ValueError`` naming it. Sliding windows and chunk sizes are shrunk below the probe's
-length for the recording, so that full and windowed masks differ. Further recordings
-tell whether the masks take ``position_ids`` (packed sequences), whether a mask is built
-even without padding, and which dropout the embeddings get in training.
-
-:func:`check_conversion` then runs the converted ``nn.Sequential`` on the probe batch,
-and on each row alone (as a microbatch does), against the model's own logits and loss.
+recorded value against what the converter can rebuild; anything else raises a
+``ValueError`` naming it. :func:`check_conversion` then runs the converted layers against
+the model. See docs/presets.md, "the converter by structure".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Find the parts of a decoder-only causal LM by its structure, not by its class name.
 
-Hugging Face builds its decoder-only ``*ForCausalLM`` models one way: a *backbone*
-(``model.base_model``; a decoder it only wraps, OPT's ``model.decoder``, is looked into)
-holding a token embedding, one ``nn.ModuleList`` of decoder layers, a final norm and
-position modules (rotary tables without parameters), and an LM head on the causal LM.
-:func:`find_decoder_parts` finds them and refuses, with a ``ValueError`` naming it, what
-it cannot place: not a causal LM, an encoder-decoder, a backbone module with weights that
-is none of the above, and features known not to survive the cut into pipeline layers.
 How the parts are called, :mod:`.probe` reads. Nothing here imports ``transformers``.
+See docs/presets.md, "the converter by structure".
 """
 
 from __future__ import annotations
