@@ -280,21 +280,17 @@ def wrap_model_to_roundpipe(
     if name is not None:
         roundpipe_kwargs["name"] = name
     if use_sequential_preset is not False:
-        if isinstance(model, nn.Sequential):
-            return RoundPipe(
-                model,
-                optim_dtype=optim_dtype,
-                model_run_config=model_run_config,
-                **roundpipe_kwargs,
-            )
-        seq = _convert(model, strict=bool(use_sequential_preset))
+        seq: nn.Module | None = model
+        if not isinstance(model, nn.Sequential):
+            seq = _convert(model, strict=bool(use_sequential_preset))
         if seq is not None:
-            roundpipe_kwargs.setdefault("name", type(unwrap_peft(model)).__name__)
+            if seq is not model:
+                roundpipe_kwargs.setdefault("name", type(unwrap_peft(model)).__name__)
+                roundpipe_kwargs["original_model"] = model
             return RoundPipe(
                 seq,
                 optim_dtype=optim_dtype,
                 model_run_config=model_run_config,
-                original_model=model,
                 **roundpipe_kwargs,
             )
     if split_threshold is None and upper_threshold is None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..kinds import check_flag
 from .moe import RouterStats, add_router_stats, run_with_router_replay
-from .probe import MASK_BUILDERS, LayerRecipe
+from .probe import LayerRecipe, build_mask
 
 __all__ = ["STATE_FIELDS", "CausalLMInputAdapter", "GenericDecoderBlock", "unpack_state"]
 
@@ -174,12 +174,10 @@ class CausalLMInputAdapter(nn.Module):
             )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_scale is not None:
+            scale: Any = self.embed_scale
             if self.embed_scale_as_tensor:
-                hidden = hidden * torch.tensor(
-                    self.embed_scale, dtype=hidden.dtype, device=hidden.device
-                )
-            else:
-                hidden = hidden * self.embed_scale
+                scale = torch.tensor(scale, dtype=hidden.dtype, device=hidden.device)
+            hidden = hidden * scale
         batch, seq = hidden.shape[:2]
         if position_ids is None and self.positions_from_mask and attention_mask is not None:
             counted = attention_mask.to(hidden.device)
@@ -282,18 +280,11 @@ class GenericDecoderBlock(nn.Module):
         routers: Sequence[nn.Module] = (),
     ) -> None:
         super().__init__()
-        from transformers import masking_utils
-
         self.layer = layer
         self.num_routers = len(routers)
         # Plain (read-only) attributes: never written in forward.
         self.config = config
         self.recipe = recipe
-        self.mask_fns = {
-            kind: getattr(masking_utils, name)
-            for kind, name in MASK_BUILDERS.items()
-            if hasattr(masking_utils, name)
-        }
 
     def forward(self, *state: Any) -> DecoderState:
         hidden, tables, position_ids, attention_mask, labels, extras = unpack_state(state)
@@ -324,17 +315,8 @@ class GenericDecoderBlock(nn.Module):
                 kwargs[key] = store = detail(extras.get("shared_kv") or {})
             else:  # "mask": rebuilt here from the 2D padding mask
                 kind, with_pos, skip = detail
-                mask_kwargs: dict[str, Any] = {
-                    "config": self.config,
-                    "inputs_embeds": embeds,
-                    "attention_mask": attention_mask,
-                    "cache": None,
-                }
-                if not skip:
-                    mask_kwargs["allow_is_causal_skip"] = False
-                if with_pos:
-                    mask_kwargs["position_ids"] = position_ids
-                kwargs[key] = self.mask_fns[kind](**mask_kwargs)
+                pos = position_ids if with_pos else None
+                kwargs[key] = build_mask(self.config, kind, embeds, attention_mask, pos, skip)
         args, named = split_call(kwargs)
 
         def run() -> Any:

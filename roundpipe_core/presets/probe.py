@@ -176,6 +176,27 @@ def _probe_batch(parts: DecoderParts, device: torch.device) -> tuple[torch.Tenso
     return ids.to(device), mask.to(device)
 
 
+class _FirstLayerReached(Exception):
+    pass
+
+
+def _forward(parts: DecoderParts, mode: str, **call: Any) -> Any:
+    """The model's own forward with the probe's seed (``None`` where a hook stopped it at its
+    first layer); a failure is refused, saying so."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(PROBE_SEED)
+        try:
+            return parts.model(use_cache=False, **call)
+        except _FirstLayerReached:
+            return None
+        except Exception as exc:
+            raise _refuse(
+                parts,
+                f"its own forward{mode} fails on the probe batch ({sorted(call)}): "
+                f"{type(exc).__name__}: {exc}",
+            ) from exc
+
+
 def _record(parts: DecoderParts, **call: Any) -> _Recording:
     """One forward of the model with hooks on layers, backbone parts and head."""
     rec = _Recording([], [], {}, {}, None, None)
@@ -204,17 +225,7 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
         for name, module in parts.other_modules.items():
             handles.append(module.register_forward_hook(part_hook(name), with_kwargs=True))
         handles.append(parts.lm_head.register_forward_hook(head_hook))
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(PROBE_SEED)
-            try:
-                out = parts.model(use_cache=False, **call)
-            except Exception as exc:
-                raise _refuse(
-                    parts,
-                    f"its own forward fails on the probe batch ({sorted(call)}): "
-                    f"{type(exc).__name__}: {exc}",
-                ) from exc
-        rec.logits = getattr(out, "logits", None)
+        rec.logits = getattr(_forward(parts, "", **call), "logits", None)
     finally:
         for h in handles:
             h.remove()
@@ -227,27 +238,36 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
     return rec
 
 
-def _masks(parts: DecoderParts, hidden: torch.Tensor, mask: Any, pos: torch.Tensor) -> dict:
-    """Candidate masks: ``{(kind, with_position_ids): mask}`` from Hugging Face's builders."""
+def build_mask(
+    config: Any,
+    kind: str,
+    embeds: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    skip: bool = True,
+) -> Any:
+    """Hugging Face's ``kind`` mask (a key of ``MASK_BUILDERS``), given ``position_ids`` where
+    not ``None``, and built even without padding where not ``skip`` (``allow_is_causal_skip``)."""
     from transformers import masking_utils
 
+    extra: dict[str, Any] = {} if position_ids is None else {"position_ids": position_ids}
+    if not skip:
+        extra["allow_is_causal_skip"] = False
+    return getattr(masking_utils, MASK_BUILDERS[kind])(
+        config=config, inputs_embeds=embeds, attention_mask=padding_mask, cache=None, **extra
+    )
+
+
+def _masks(parts: DecoderParts, hidden: torch.Tensor, mask: Any, pos: torch.Tensor) -> dict:
+    """Candidate masks: ``{(kind, with_position_ids): mask}`` from Hugging Face's builders."""
     out = {}
-    for kind, builder in MASK_BUILDERS.items():
-        fn = getattr(masking_utils, builder, None)
-        if fn is None:
-            continue
+    for kind in MASK_BUILDERS:
         for with_pos in (True, False):
-            kwargs: dict[str, Any] = {
-                "config": parts.config,
-                "inputs_embeds": hidden,
-                "attention_mask": mask,
-                "cache": None,
-            }
-            if with_pos:
-                kwargs["position_ids"] = pos
             try:
-                out[(kind, with_pos)] = fn(**kwargs)
-            except Exception:  # a builder this config cannot use (e.g. no chunk size)
+                out[(kind, with_pos)] = build_mask(
+                    parts.config, kind, hidden, mask, pos if with_pos else None
+                )
+            except Exception:  # a builder this config cannot use (no chunk size) or lacks
                 continue
     return out
 
@@ -276,7 +296,7 @@ def _embed_scale(
     embedded: torch.Tensor,
     first: torch.Tensor,
     added: torch.Tensor | None = None,
-) -> tuple:
+) -> tuple[float | None, bool]:
     """``(scale, as_tensor)`` with ``embedded * scale (+ added) == first``, or ``(None, False)``."""
 
     def plus(x: torch.Tensor) -> torch.Tensor:
@@ -574,29 +594,17 @@ def _position_embedding(
     """``(name, scale, as_tensor)``: which backbone part (if any) adds a position embedding to
     the (scaled) token embedding to give the first layer's input; any other part the backbone
     runs is refused, named."""
-    for name in called:
-        out = rec.module_calls[name][1]
-        if not isinstance(out, torch.Tensor) or out.shape[-1:] != first.shape[-1:]:
-            continue
-        try:
-            scale, as_tensor = _embed_scale(parts, embedded, first, out)
-        except ValueError:
-            continue
-        others = [n for n in called if n != name]
-        if others:
-            break
-        return name, scale, as_tensor
+    if len(called) == 1:
+        out = rec.module_calls[called[0]][1]
+        if isinstance(out, torch.Tensor) and out.shape[-1:] == first.shape[-1:]:
+            with contextlib.suppress(ValueError):
+                return (called[0], *_embed_scale(parts, embedded, first, out))
     if called:
         raise _refuse(
             parts,
             f"its backbone also runs {', '.join(called)}, which the converter does not place",
         )
-    scale, as_tensor = _embed_scale(parts, embedded, first)
-    return None, scale, as_tensor
-
-
-class _FirstLayerReached(Exception):
-    pass
+    return (None, *_embed_scale(parts, embedded, first))
 
 
 def _embedding_dropout(
@@ -615,18 +623,8 @@ def _embedding_dropout(
 
     handle = parts.layers[0].register_forward_pre_hook(stop, with_kwargs=True)
     try:
-        with eval_mode(parts.model, training=True), torch.no_grad(), torch.random.fork_rng([]):
-            torch.manual_seed(PROBE_SEED)
-            try:
-                parts.model(input_ids=ids, attention_mask=mask, use_cache=False)
-            except _FirstLayerReached:
-                pass
-            except Exception as exc:
-                raise _refuse(
-                    parts,
-                    f"its own forward in training mode fails on the probe batch: "
-                    f"{type(exc).__name__}: {exc}",
-                ) from exc
+        with eval_mode(parts.model, training=True):
+            _forward(parts, " in training mode", input_ids=ids, attention_mask=mask)
     finally:
         handle.remove()
     if not got:
@@ -695,8 +693,6 @@ def _forced_masks(
     """Mark the masks the model builds even without padding (``allow_is_causal_skip=False``),
     where Hugging Face's builder would otherwise return ``None``: read from a forward of one
     unpadded row with no padding mask."""
-    from transformers import masking_utils
-
     rec = _record(parts, input_ids=row)
     out = []
     for recipe, (args, kwargs) in zip(recipes, rec.layer_calls):
@@ -706,9 +702,7 @@ def _forced_masks(
                 recorded = _argument(args, kwargs, key)
                 kind, with_pos, _ = detail
                 hidden = args[0] if args else kwargs["hidden_states"]
-                built = getattr(masking_utils, MASK_BUILDERS[kind])(
-                    config=parts.config, inputs_embeds=hidden, attention_mask=None, cache=None
-                )
+                built = build_mask(parts.config, kind, hidden, None)
                 if built is None and isinstance(recorded, torch.Tensor):
                     detail = (kind, with_pos, False)
             inputs.append((key, source, detail))
@@ -742,27 +736,28 @@ def check_conversion(parts: DecoderParts, seq: nn.Sequential) -> None:
     device = next(parts.model.parameters()).device
     ids, mask = _probe_batch(parts, device)
     labels = ids.masked_fill(mask == 0, -100)
+
+    def run(**inputs: Any) -> Any:
+        torch.manual_seed(PROBE_SEED)
+        state = seq[0](**inputs)
+        for layer in list(seq)[1:]:
+            state = layer(*state)
+        return state
+
     with torch.no_grad(), torch.random.fork_rng(devices=[]), eval_mode(seq):
-        torch.manual_seed(PROBE_SEED)
-        ref = parts.model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-        torch.manual_seed(PROBE_SEED)
+        ref = _forward(parts, "", input_ids=ids, attention_mask=mask, labels=labels)
         try:
-            state = seq[0](input_ids=ids, attention_mask=mask, labels=labels)
-            for layer in list(seq)[1:]:
-                state = layer(*state)
+            state = run(input_ids=ids, attention_mask=mask, labels=labels)
         except Exception as exc:
             raise _refuse(
                 parts,
                 f"the converted layers fail on the probe batch: {type(exc).__name__}: {exc}",
             ) from exc
         # each row alone, as a microbatch runs it: the unpadded row takes the no-mask path
-        rows = []
-        for row in range(PROBE_BATCH):
-            torch.manual_seed(PROBE_SEED)
-            part = seq[0](input_ids=ids[row : row + 1], attention_mask=mask[row : row + 1])
-            for layer in list(seq)[1:]:
-                part = layer(*part)
-            rows.append(part.logits)
+        rows = [
+            run(input_ids=ids[r : r + 1], attention_mask=mask[r : r + 1]).logits
+            for r in range(PROBE_BATCH)
+        ]
     dtype = ref.logits.dtype
     tol = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
     errors = {
