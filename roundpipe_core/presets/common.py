@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..kinds import check_flag
-from .moe import RouterStats, add_router_stats, run_with_router_replay
+from .moe import add_router_stats, run_with_router_replay
 from .probe import LayerRecipe, build_mask
 
 __all__ = ["STATE_FIELDS", "CausalLMInputAdapter", "GenericDecoderBlock", "unpack_state"]
@@ -108,7 +108,7 @@ class CausalLMInputAdapter(nn.Module):
             index = next((i for i, m in enumerate(modules) if m is module), len(modules))
             if index == len(modules):
                 modules.append(module)
-            calls.append((index, layer_type))
+            calls.append((index, () if layer_type is None else (layer_type,)))
         self.position_modules = nn.ModuleList(modules)
         self.position_calls = tuple(calls)
 
@@ -206,10 +206,8 @@ class CausalLMInputAdapter(nn.Module):
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         tables = tuple(
-            self.position_modules[i](hidden, position_ids)
-            if layer_type is None
-            else self.position_modules[i](hidden, position_ids, layer_type)
-            for i, layer_type in self.position_calls
+            self.position_modules[i](hidden, position_ids, *type_args)
+            for i, type_args in self.position_calls
         )
         if attention_mask is not None:
             if attention_mask.dim() != 2:
@@ -220,13 +218,13 @@ class CausalLMInputAdapter(nn.Module):
             attention_mask = attention_mask.to(hidden.device)
         if labels is not None:
             labels = labels.to(hidden.device)
-        if output_router_logits is None:
-            output_router_logits = bool(self.router_logits_default)
         extras = {
             "return_logits": return_logits,
             "logits_to_keep": logits_to_keep,
             "num_items_in_batch": _check_num_items(num_items_in_batch, hidden.device),
-            "output_router_logits": bool(output_router_logits),
+            "output_router_logits": bool(
+                self.router_logits_default if output_router_logits is None else output_router_logits
+            ),
             "router_stats": None,
         }
         if self.per_layer_inputs is not None:
@@ -329,13 +327,8 @@ class GenericDecoderBlock(nn.Module):
         else:
             captured: list[tuple[torch.Tensor, torch.Tensor]] = []
             out = run_with_router_replay(run, self.num_routers, capture=captured)
-            previous = extras["router_stats"]
             stats = add_router_stats(
-                None if previous is None else RouterStats(*previous),
-                captured,
-                attention_mask,
-                embeds.shape[0],
-                embeds.shape[1],
+                extras["router_stats"], captured, attention_mask, embeds.shape[0], embeds.shape[1]
             )
             # a new dict: the engine may keep the input state for the recompute
             extras = {**extras, "router_stats": None if stats is None else tuple(stats)}
