@@ -54,9 +54,8 @@ class CausalLMInputAdapter(nn.Module):
         position_embedding: a learned or sinusoidal position embedding added to the
             embeddings (GPT-2's ``wpe``, OPT's ``embed_positions``), or ``None``.
         position_embedding_inputs: how ``position_embedding`` is called, as
-            ``(keyword or position, source, detail)`` triples with sources ``"const"``
-            (detail: the value), ``"padding_mask"`` and ``"position_ids"``; default:
-            ``position_embedding(position_ids)``.
+            :class:`.probe.LayerRecipe` inputs with sources ``"const"``, ``"padding_mask"``
+            and ``"position_ids"``; default: ``position_embedding(position_ids)``.
         positions_from_mask: default position ids counted over the padding mask,
             ``cumsum(mask) * mask - 1`` (OPT), instead of ``0..S-1``.
         dropout: embedding dropout, or ``None``.

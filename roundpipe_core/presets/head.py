@@ -88,8 +88,7 @@ class RoundPipeCausalLMOutput(CausalLMOutputWithPast):
 class RoundPipeMoeCausalLMOutput(MoeCausalLMOutputWithPast):
     """``MoeCausalLMOutputWithPast`` of a converted MoE model (``.loss``, ``.aux_loss``, ``.logits``).
 
-    ``router_logits`` is not returned (they would travel through every
-    pipeline stage); ``aux_loss`` is computed from per-sample router sums.
+    ``router_logits`` is not returned: they would travel through every pipeline stage.
 
     Attributes:
         per_sample_loss_sum, per_sample_num_tokens, per_sample_num_items: as
