@@ -3,17 +3,9 @@
 ``wrap_model_to_roundpipe(model)`` converts the model with the *preset* registered for
 its class (:func:`register_preset`; classes matched by name along the MRO, so
 ``transformers`` is imported only when a model is converted), else by its structure
-(:func:`.generic.convert_decoder_lm`), and wraps the result in a ``RoundPipe`` whose
-attribute access falls through to the original model (``rp.config`` keeps working).
-The built-in presets (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen2ForCausalLM``,
-``MistralForCausalLM``, ``GPT2LMHeadModel``, ``Qwen3MoeForCausalLM``,
-``GptOssForCausalLM``) are the converter by structure registered by name. What no
-converter takes gets the experimental automatic split, with a log line saying why.
-
-A converted model is called like the original (``input_ids``, ``attention_mask``,
-``position_ids``, ``labels``, ``num_items_in_batch``, ``return_logits=False`` for a loss
-computed in token chunks without the full logits; MoE models: ``output_router_logits``)
-and returns a Hugging Face ``ModelOutput`` (:mod:`.head`).
+(:func:`.generic.convert_decoder_lm`), else uses the experimental automatic split, with a
+log line saying why. A converted model is called like the original and returns a Hugging
+Face ``ModelOutput`` (:mod:`.head`). See docs/presets.md.
 """
 
 from __future__ import annotations
@@ -288,21 +280,17 @@ def wrap_model_to_roundpipe(
     if name is not None:
         roundpipe_kwargs["name"] = name
     if use_sequential_preset is not False:
-        if isinstance(model, nn.Sequential):
-            return RoundPipe(
-                model,
-                optim_dtype=optim_dtype,
-                model_run_config=model_run_config,
-                **roundpipe_kwargs,
-            )
-        seq = _convert(model, strict=bool(use_sequential_preset))
+        seq: nn.Module | None = model
+        if not isinstance(model, nn.Sequential):
+            seq = _convert(model, strict=bool(use_sequential_preset))
         if seq is not None:
-            roundpipe_kwargs.setdefault("name", type(unwrap_peft(model)).__name__)
+            if seq is not model:
+                roundpipe_kwargs.setdefault("name", type(unwrap_peft(model)).__name__)
+                roundpipe_kwargs["original_model"] = model
             return RoundPipe(
                 seq,
                 optim_dtype=optim_dtype,
                 model_run_config=model_run_config,
-                original_model=model,
                 **roundpipe_kwargs,
             )
     if split_threshold is None and upper_threshold is None:

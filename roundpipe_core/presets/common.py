@@ -1,22 +1,15 @@
 """The pipeline layers of a converted causal LM, and the *decoder state* they pass on.
 
 A converted model is ``nn.Sequential(CausalLMInputAdapter, GenericDecoderBlock...,
-CausalLMOutputAdapter)`` (the last in :mod:`.head`). The layers *reuse* the Hugging Face
-modules, so the Sequential shares every parameter with the original model (tied
-embeddings stay one ``Parameter``) and training updates it in place.
-
-The decoder state is a plain tuple ``(hidden_states, tables, position_ids,
-attention_mask, labels, extras)``; every tensor in it has the batch as dim 0, so the
-engine splits it into microbatches along dim 0. ``tables`` holds the position tables
-(rotary cos/sin) computed once in layer 0; ``extras`` is a dict of call options and
-running sums: ``return_logits``, ``logits_to_keep``, ``num_items_in_batch`` (0-dim tensor
-or ``None``), ``output_router_logits`` and ``router_stats`` (:mod:`.moe`). The 4D
-attention mask does not travel: for long sequences a ``(B, 1, S, S)`` mask is larger
-than the hidden states, so each block rebuilds it from the 2D padding mask on its own
-device, with Hugging Face's own mask functions (exact for every attention implementation).
-
-Forward rules: no layer writes a plain attribute or a shared buffer in forward, and
-every temporary is created on the device of its input.
+CausalLMOutputAdapter)`` (the last in :mod:`.head`), made of the Hugging Face model's own
+modules. The decoder state is a plain tuple ``(hidden_states, tables, position_ids,
+attention_mask, labels, extras)``, every tensor batch-first so that the engine splits it
+into microbatches along dim 0. ``tables`` holds the position tables (rotary cos/sin)
+computed once in layer 0; ``extras`` is a dict of call options and running sums:
+``return_logits``, ``logits_to_keep``, ``num_items_in_batch`` (0-dim tensor or ``None``),
+``output_router_logits`` and ``router_stats`` (:mod:`.moe`). The 4D attention mask does not
+travel (for long sequences it is larger than the hidden states): each block rebuilds it
+from the 2D padding mask with Hugging Face's own mask functions. See docs/presets.md.
 """
 
 from __future__ import annotations
@@ -28,8 +21,8 @@ import torch
 from torch import nn
 
 from ..kinds import check_flag
-from .moe import RouterStats, add_router_stats, run_with_router_replay
-from .probe import LayerRecipe, mask_builders
+from .moe import add_router_stats, run_with_router_replay
+from .probe import LayerRecipe, build_mask
 
 __all__ = ["STATE_FIELDS", "CausalLMInputAdapter", "GenericDecoderBlock", "unpack_state"]
 
@@ -61,9 +54,8 @@ class CausalLMInputAdapter(nn.Module):
         position_embedding: a learned or sinusoidal position embedding added to the
             embeddings (GPT-2's ``wpe``, OPT's ``embed_positions``), or ``None``.
         position_embedding_inputs: how ``position_embedding`` is called, as
-            ``(keyword or position, source, detail)`` triples with sources ``"const"``
-            (detail: the value), ``"padding_mask"`` and ``"position_ids"``; default:
-            ``position_embedding(position_ids)``.
+            :class:`.probe.LayerRecipe` inputs with sources ``"const"``, ``"padding_mask"``
+            and ``"position_ids"``; default: ``position_embedding(position_ids)``.
         positions_from_mask: default position ids counted over the padding mask,
             ``cumsum(mask) * mask - 1`` (OPT), instead of ``0..S-1``.
         dropout: embedding dropout, or ``None``.
@@ -115,7 +107,7 @@ class CausalLMInputAdapter(nn.Module):
             index = next((i for i, m in enumerate(modules) if m is module), len(modules))
             if index == len(modules):
                 modules.append(module)
-            calls.append((index, layer_type))
+            calls.append((index, () if layer_type is None else (layer_type,)))
         self.position_modules = nn.ModuleList(modules)
         self.position_calls = tuple(calls)
 
@@ -181,12 +173,10 @@ class CausalLMInputAdapter(nn.Module):
             )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_scale is not None:
+            scale: Any = self.embed_scale
             if self.embed_scale_as_tensor:
-                hidden = hidden * torch.tensor(
-                    self.embed_scale, dtype=hidden.dtype, device=hidden.device
-                )
-            else:
-                hidden = hidden * self.embed_scale
+                scale = torch.tensor(scale, dtype=hidden.dtype, device=hidden.device)
+            hidden = hidden * scale
         batch, seq = hidden.shape[:2]
         if position_ids is None and self.positions_from_mask and attention_mask is not None:
             counted = attention_mask.to(hidden.device)
@@ -215,10 +205,8 @@ class CausalLMInputAdapter(nn.Module):
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         tables = tuple(
-            self.position_modules[i](hidden, position_ids)
-            if layer_type is None
-            else self.position_modules[i](hidden, position_ids, layer_type)
-            for i, layer_type in self.position_calls
+            self.position_modules[i](hidden, position_ids, *type_args)
+            for i, type_args in self.position_calls
         )
         if attention_mask is not None:
             if attention_mask.dim() != 2:
@@ -229,13 +217,13 @@ class CausalLMInputAdapter(nn.Module):
             attention_mask = attention_mask.to(hidden.device)
         if labels is not None:
             labels = labels.to(hidden.device)
-        if output_router_logits is None:
-            output_router_logits = bool(self.router_logits_default)
         extras = {
             "return_logits": return_logits,
             "logits_to_keep": logits_to_keep,
             "num_items_in_batch": _check_num_items(num_items_in_batch, hidden.device),
-            "output_router_logits": bool(output_router_logits),
+            "output_router_logits": bool(
+                self.router_logits_default if output_router_logits is None else output_router_logits
+            ),
             "router_stats": None,
         }
         if self.per_layer_inputs is not None:
@@ -294,7 +282,6 @@ class GenericDecoderBlock(nn.Module):
         # Plain (read-only) attributes: never written in forward.
         self.config = config
         self.recipe = recipe
-        self.mask_fns = mask_builders()
 
     def forward(self, *state: Any) -> DecoderState:
         hidden, tables, position_ids, attention_mask, labels, extras = unpack_state(state)
@@ -325,16 +312,8 @@ class GenericDecoderBlock(nn.Module):
                 kwargs[key] = store = detail(extras.get("shared_kv") or {})
             else:  # "mask": rebuilt here from the 2D padding mask
                 kind, with_pos, skip = detail
-                mask_kwargs: dict[str, Any] = {
-                    "config": self.config,
-                    "inputs_embeds": embeds,
-                    "attention_mask": attention_mask,
-                }
-                if not skip:
-                    mask_kwargs["allow_is_causal_skip"] = False
-                if with_pos:
-                    mask_kwargs["position_ids"] = position_ids
-                kwargs[key] = self.mask_fns[kind](**mask_kwargs)
+                pos = position_ids if with_pos else None
+                kwargs[key] = build_mask(self.config, kind, embeds, attention_mask, pos, skip)
         args, named = split_call(kwargs)
 
         def run() -> Any:
@@ -347,13 +326,8 @@ class GenericDecoderBlock(nn.Module):
         else:
             captured: list[tuple[torch.Tensor, torch.Tensor]] = []
             out = run_with_router_replay(run, self.num_routers, capture=captured)
-            previous = extras["router_stats"]
             stats = add_router_stats(
-                None if previous is None else RouterStats(*previous),
-                captured,
-                attention_mask,
-                embeds.shape[0],
-                embeds.shape[1],
+                extras["router_stats"], captured, attention_mask, embeds.shape[0], embeds.shape[1]
             )
             # a new dict: the engine may keep the input state for the recompute
             extras = {**extras, "router_stats": None if stats is None else tuple(stats)}

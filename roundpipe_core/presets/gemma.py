@@ -1,22 +1,10 @@
-"""What Gemma 3n and Gemma 4 E2B/E4B add to a decoder, as parts of the converted layers.
+"""What Gemma 3n and Gemma 4 E2B/E4B add to a decoder (per-layer inputs, KV sharing, Gemma
+3n's AltUp stack), as parts of the converted layers. See docs/presets.md.
 
-* **Per-layer inputs** (``config.hidden_size_per_layer_input``): next to the token
-  embedding the backbone computes ``per_layer_inputs`` ``(batch, seq, layers, dim)``
-  and layer ``i`` takes ``[:, :, i]``. :class:`PerLayerInputs` computes them in the input
-  adapter with the backbone's own methods, and they travel in the decoder state's
-  ``extras`` (batch-first), so their gradient flows back to the tables that made them;
-  each block takes the first slice and passes the rest on (in E2B they are six times the
-  hidden states' size, so each stage hands on only what the later layers still need).
-* **KV sharing** (``config.num_kv_shared_layers``): the last layers read the keys and
-  values an earlier layer stored into ``shared_kv_states``. A block builds a fresh store
-  from ``extras["shared_kv"]`` and puts what its layer stored back into its *output*
-  state (keys and values are ``(batch, heads, seq, dim)``): nothing is written outside a
-  block's outputs, and a recomputed block stores the same tensors again.
-* **AltUp** (Gemma 3n): the layers take a stack ``(inputs, batch, seq, hidden)`` of the
-  embeddings and projections of them, averaged back before the final norm. The state
-  carries it batch-first, ``(batch, inputs, seq, hidden)``; each block swaps the first
-  two dims around its layer's call. :class:`AltUpStack` and :class:`AltUpMerge` are the
-  backbone's inline code at the two ends, written as Hugging Face writes it.
+The per-layer inputs travel in the decoder state's ``extras`` and each block passes on only
+the slices later layers still need (in E2B they are six times the hidden states' size).
+:class:`AltUpStack` and :class:`AltUpMerge` are the backbone's inline code at the two ends,
+written as Hugging Face writes it, for exactness.
 """
 
 from __future__ import annotations

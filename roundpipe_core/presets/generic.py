@@ -1,15 +1,8 @@
 """The converter by structure: any decoder-only causal LM built the way transformers builds them.
 
-``convert_decoder_lm(model)`` finds the parts (:mod:`.structure`), reads how the backbone
-calls them from one recorded forward (:mod:`.probe`), builds::
-
-    Sequential(CausalLMInputAdapter, one GenericDecoderBlock per decoder layer, output adapter)
-
-from the model's own modules (:mod:`.common`, :mod:`.head`), and checks the result
-against the model on the probe batch (logits and loss, the whole batch and each row
-alone), with the model in eval mode and its training flags restored afterwards. The
-built-in presets (Llama, GPT-2, Qwen3-MoE, ...) are this converter registered by class
-name. Whatever it cannot rebuild exactly raises ``ValueError`` naming the part.
+:func:`convert_decoder_lm` finds the parts (:mod:`.structure`), reads how the backbone
+calls them (:mod:`.probe`), builds the Sequential from the model's own modules
+(:mod:`.common`, :mod:`.head`) and checks it against the model. See docs/presets.md.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from .moe import (
     rescore_softmax_topk_renormalised,
     rescore_topk_then_softmax,
 )
-from .probe import PROBE_SEED, ModelRecipe, check_conversion, eval_mode, probe_decoder
+from .probe import PROBE_SEED, ModelRecipe, check_conversion, eval_mode, probe_decoder, refuse
 from .structure import DecoderParts, find_decoder_parts
 
 __all__ = ["convert_decoder_lm"]
@@ -129,15 +122,17 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
         routers, rescore, num_experts = _find_routers(parts)
         moe = rescore is not None
         if not moe and getattr(config, "output_router_logits", False):
-            raise ValueError(
-                f"{type(model).__name__} cannot be converted by structure: it adds the router "
-                "load-balancing loss (config.output_router_logits=True), and its routers are not "
-                "ones the converter can read (returning router_logits, scores and indices, "
-                "weighing experts as a known rescore function does); set "
+            raise refuse(
+                parts,
+                "it adds the router load-balancing loss (config.output_router_logits=True), and "
+                "its routers are not ones the converter can read (returning router_logits, "
+                "scores and indices, weighing experts as a known rescore function does); set "
                 "config.output_router_logits = False, or register a preset of your own "
-                "(see docs/add-a-preset.md)"
+                "(see docs/add-a-preset.md)",
             )
         recipe = probe_decoder(parts)
+        norm = parts.other_modules[recipe.norm_name]
+        altup = altup_projections(parts.backbone)
         for router in (r for rs in routers for r in rs):
             assert rescore is not None
             install_router_replay(router, rescore)
@@ -148,7 +143,7 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
                 for layer, r, rs in zip(parts.layers, recipe.layers, routers)
             ),
             CausalLMOutputAdapter(
-                _final_norm(parts, recipe),
+                norm if altup is None else AltUpMerge(altup[1], norm),
                 parts.lm_head,
                 num_experts=num_experts,
                 router_aux_loss_coef=float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0),
@@ -167,10 +162,7 @@ def _input_adapter(parts: DecoderParts, recipe: ModelRecipe, moe: bool) -> Causa
     takes = [any(e[1] == "per_layer_input" for e in r.inputs) for r in recipe.layers]
     per_layer = all(takes)  # each takes the first of those left: all or none do
     if any(takes) and not per_layer:
-        raise ValueError(
-            f"{type(parts.model).__name__} cannot be converted by structure: only some of its "
-            "layers take per-layer inputs"
-        )
+        raise refuse(parts, "only some of its layers take per-layer inputs")
     altup = altup_projections(parts.backbone) if recipe.layers[0].stacked else None
     return CausalLMInputAdapter(
         parts.embed_tokens,
@@ -187,9 +179,3 @@ def _input_adapter(parts: DecoderParts, recipe: ModelRecipe, moe: bool) -> Causa
         per_layer_inputs=PerLayerInputs(parts.backbone) if per_layer else None,
         stack=None if altup is None else AltUpStack(altup[0]),
     )
-
-
-def _final_norm(parts: DecoderParts, recipe: ModelRecipe) -> nn.Module:
-    norm = parts.other_modules[recipe.norm_name]
-    altup = altup_projections(parts.backbone)
-    return norm if altup is None else AltUpMerge(altup[1], norm)

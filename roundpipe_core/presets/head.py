@@ -1,12 +1,5 @@
 """The last pipeline layer of a converted causal LM and the ``ModelOutput`` it returns.
 
-A converted model returns a Hugging Face ``ModelOutput`` like the original: ``.logits``,
-with ``labels=`` a ``.loss``, and for MoE models with ``output_router_logits=True`` an
-``.aux_loss`` (added to ``.loss`` times ``router_aux_loss_coef``, as Hugging Face does).
-The loss is the sum of token losses over the counted tokens, or over
-``num_items_in_batch`` where given (then the microbatch losses of ``forward_backward``
-sum to the whole batch's loss).
-
 **Why the outputs carry per-sample sums.** The engine merges the microbatch outputs,
 and no rule merging scalars gives Hugging Face's loss of the whole batch (a mean over
 *all* counted tokens; for MoE a product of two whole-batch averages). So each output
@@ -95,8 +88,7 @@ class RoundPipeCausalLMOutput(CausalLMOutputWithPast):
 class RoundPipeMoeCausalLMOutput(MoeCausalLMOutputWithPast):
     """``MoeCausalLMOutputWithPast`` of a converted MoE model (``.loss``, ``.aux_loss``, ``.logits``).
 
-    ``router_logits`` is not returned (they would travel through every
-    pipeline stage); ``aux_loss`` is computed from per-sample router sums.
+    ``router_logits`` is not returned: they would travel through every pipeline stage.
 
     Attributes:
         per_sample_loss_sum, per_sample_num_tokens, per_sample_num_items: as

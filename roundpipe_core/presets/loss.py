@@ -1,11 +1,9 @@
 """Causal-LM losses of converted models, including the chunked linear + cross-entropy.
 
-Hugging Face's loss comes out of a converted model as ``loss_fn`` of ``forward_backward``
-(:func:`causal_lm_loss_fn`, from the logits), or from the model called with ``labels=``
-(:mod:`.head`). With ``return_logits=False`` that loss is computed by
-:func:`chunked_linear_cross_entropy` from the final hidden states and the LM-head weight a
-chunk of tokens at a time: at 2K tokens a 152K-vocab head's fp32 logits alone are ~1.2 GB
-per microbatch. Nothing here imports ``transformers``.
+With ``return_logits=False`` the loss is computed by :func:`chunked_linear_cross_entropy`
+from the final hidden states and the LM-head weight a chunk of tokens at a time: at 2K
+tokens a 152K-vocab head's fp32 logits alone are ~1.2 GB per microbatch. Nothing here
+imports ``transformers``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Mixture-of-experts support of the converter: routing replay and the load-balancing loss.
 
-**Routing replay.** The recompute pass of the backward must route every token to the
-*same* experts as the forward (non-deterministic kernels and ties could change the
-choice), or it differentiates a different network. A forward hook on each router records
-its choice in the forward (``save_for_recompute``) and substitutes it in the recompute
-(``get_recompute_data``); the weights of the replayed experts are recomputed from the
-router logits the way that router computes them (its ``rescore``), so the router still
-gets its gradient.
+**Routing replay** (docs/presets.md): a forward hook on each router records its choice in
+the forward (``save_for_recompute``) and substitutes it in the recompute
+(``get_recompute_data``); the replayed experts' weights are recomputed from the router
+logits (its ``rescore``), so the router still gets its gradient.
 
 **Load-balancing loss** (``output_router_logits=True``). Hugging Face's
 ``load_balancing_loss_func`` is, per expert, (share of top-k assignments) x (mean router
@@ -180,15 +177,15 @@ def run_with_router_replay(
 
 
 def add_router_stats(
-    stats: RouterStats | None,
+    stats: tuple[torch.Tensor, ...] | None,
     captured: list[tuple[torch.Tensor, torch.Tensor]],
     attention_mask: torch.Tensor | None,
     batch: int,
     seq: int,
-) -> RouterStats | None:
-    """``stats`` (or ``None``) plus the per-sample sums of ``captured``, the
-    ``(router_logits (B*S, E), indices (B*S, k))`` of each router call; padding
-    (``attention_mask`` 0) does not count."""
+) -> tuple[torch.Tensor, ...] | None:
+    """``stats`` (a :class:`RouterStats` tuple, or ``None``) plus the per-sample sums of
+    ``captured``, the ``(router_logits (B*S, E), indices (B*S, k))`` of each router call, as a
+    :class:`RouterStats`; padding (``attention_mask`` 0) does not count."""
     for logits, indices in captured:
         num_experts = logits.shape[-1]
         probs = torch.softmax(logits.float(), dim=-1).view(batch, seq, num_experts)
@@ -198,17 +195,14 @@ def add_router_stats(
             mask = attention_mask.to(device=probs.device, dtype=torch.float32)
         chosen = torch.zeros(batch * seq, num_experts, dtype=torch.float32, device=probs.device)
         chosen.scatter_add_(1, indices, torch.ones(indices.shape, device=probs.device))
-        tokens = (chosen.view(batch, seq, num_experts) * mask.unsqueeze(-1)).sum(1)
-        router_probs = (probs * mask.unsqueeze(-1)).sum(1)
-        rows = mask.sum(1)
-        if stats is None:
-            stats = RouterStats(tokens, router_probs, rows)
-        else:
-            stats = RouterStats(
-                stats.expert_tokens + tokens.to(stats.expert_tokens.device),
-                stats.router_probs + router_probs.to(stats.router_probs.device),
-                stats.rows + rows.to(stats.rows.device),
-            )
+        sums = RouterStats(
+            (chosen.view(batch, seq, num_experts) * mask.unsqueeze(-1)).sum(1),
+            (probs * mask.unsqueeze(-1)).sum(1),
+            mask.sum(1),
+        )
+        if stats is not None:
+            sums = RouterStats(*(old + new.to(old.device) for old, new in zip(stats, sums)))
+        stats = sums
     return stats
 
 

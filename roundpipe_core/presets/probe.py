@@ -2,19 +2,9 @@
 
 :mod:`.structure` finds *which* modules a model has; this module runs the model on a
 tiny probe batch (two rows, one left-padded) with hooks on its parts and matches each
-recorded value against what the converter can rebuild: the first layer's input (the
-token embedding, scaled as the config says, plus a learned position embedding), every
-argument of every decoder-layer call (a constant, the padding mask, the position ids,
-``cache_position``, a 4D mask from one of Hugging Face's mask functions, a position table
-of the backbone's), the chain from layer to layer, the final norm feeding the LM head,
-and the logits (scaled or soft-capped as the config says). Anything else raises a
-``ValueError`` naming it. Sliding windows and chunk sizes are shrunk below the probe's
-length for the recording, so that full and windowed masks differ. Further recordings
-tell whether the masks take ``position_ids`` (packed sequences), whether a mask is built
-even without padding, and which dropout the embeddings get in training.
-
-:func:`check_conversion` then runs the converted ``nn.Sequential`` on the probe batch,
-and on each row alone (as a microbatch does), against the model's own logits and loss.
+recorded value against what the converter can rebuild; anything else raises a
+``ValueError`` naming it. :func:`check_conversion` then runs the converted layers against
+the model. See docs/presets.md, "the converter by structure".
 """
 
 from __future__ import annotations
@@ -48,22 +38,6 @@ MASK_BUILDERS = {
     "sliding": "create_sliding_window_causal_mask",
     "chunked": "create_chunked_causal_mask",
 }
-
-
-def mask_builders() -> dict[str, Any]:
-    """Hugging Face's mask builders by kind, called with no cache: its parameter is
-    ``cache`` in the pinned transformers, ``past_key_values`` in older ones (5.17)."""
-    from transformers import masking_utils
-
-    out = {}
-    for kind, name in MASK_BUILDERS.items():
-        fn = getattr(masking_utils, name, None)
-        if fn is not None:
-            cache = "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
-            out[kind] = functools.partial(fn, **{cache: None})
-    return out
-
-
 # what well-known refused keywords are, for the error message
 _KNOWN_FEATURES = {
     "shared_kv_states": "KV sharing between layers (Gemma 3n/4)",
@@ -75,21 +49,19 @@ _KNOWN_FEATURES = {
 
 @dataclasses.dataclass(frozen=True)
 class LayerRecipe:
-    """How one decoder layer is called: ``layer(hidden, **kwargs)``.
+    """How one decoder layer is called: ``layer(hidden, *args, **kwargs)``.
 
-    ``inputs`` holds ``(keyword, source, detail)`` triples (an int keyword is the
-    positional argument at that place after the hidden states); sources:
-    ``"const"`` (detail: the value), ``"padding_mask"`` (the 2D mask),
-    ``"position_ids"``, ``"cache_position"`` (``arange(seq)``), ``"mask"``
-    (detail: ``(kind, with_position_ids, allow_is_causal_skip)``, kind a key of
-    ``MASK_BUILDERS``; the last ``False`` where the model builds a mask even for a batch
-    without padding, as DeepSeek V3.2's indexer needs one) and
-    ``"table"`` (detail: index into :attr:`ModelRecipe.position_tables`); ``"fresh"``
-    (detail: a mapping type; a new empty one per call: Gemma 4's ``shared_kv_states`` where
-    no layer reads it); ``"shared_kv"`` (detail: the mapping type: one filled with the keys
-    and values earlier layers stored, KV sharing) and ``"per_layer_input"`` (detail: the
-    layer's index into the per-layer inputs; each block takes the first of those left);
-    see :mod:`.gemma`. ``stacked``: the layer takes Gemma 3n's AltUp stack.
+    ``inputs`` holds ``(keyword, source, detail)`` triples, an int keyword being the
+    positional argument at that place after the hidden states. Sources (detail in brackets):
+    ``"const"`` (the value), ``"padding_mask"`` (2D), ``"position_ids"``, ``"cache_position"``
+    (``arange(seq)``), ``"mask"`` (``(kind, with_position_ids, allow_is_causal_skip)``, kind a
+    key of ``MASK_BUILDERS``; the last ``False`` where the model builds a mask even without
+    padding, as DeepSeek V3.2's indexer needs), ``"table"`` (an index into
+    :attr:`ModelRecipe.position_tables`), and, see :mod:`.gemma`, ``"fresh"`` (a mapping type:
+    an empty one per call, Gemma 4's ``shared_kv_states`` where no layer reads it),
+    ``"shared_kv"`` (the mapping type: one filled with the keys and values earlier layers
+    stored) and ``"per_layer_input"`` (the layer's index; each block takes the first left).
+    ``stacked``: the layer takes Gemma 3n's AltUp stack.
     """
 
     inputs: tuple[tuple[str | int, str, Any], ...]
@@ -99,17 +71,9 @@ class LayerRecipe:
 
 @dataclasses.dataclass(frozen=True)
 class ModelRecipe:
-    """What the probe found: everything the converter needs besides the parts.
-
-    ``position_embedding`` names a backbone part whose output is added to the
-    embeddings (a learned or sinusoidal table: GPT-BigCode's ``wpe``, OPT's
-    ``embed_positions``), called with ``position_embedding_inputs`` (as
-    :class:`LayerRecipe` inputs; an int key is a positional argument).
-    ``positions_from_mask``: the default position ids count only the unpadded
-    tokens (``cumsum(mask) * mask - 1``, OPT) instead of ``0..S-1``.
-    ``embed_dropout``: the dropout the backbone applies to the embeddings in
-    training (read from a training-mode forward), or ``None``.
-    """
+    """What the probe found: everything the converter needs besides the parts. Fields named
+    as :class:`.common.CausalLMInputAdapter`'s arguments mean what those do, with a backbone
+    part given by its attribute name and the dropout by its rate."""
 
     layers: tuple[LayerRecipe, ...]
     embed_scale: float | None
@@ -123,7 +87,7 @@ class ModelRecipe:
     embed_dropout: float | None = None
 
 
-def _refuse(parts: DecoderParts, what: str) -> ValueError:
+def refuse(parts: DecoderParts, what: str) -> ValueError:
     return ValueError(f"{type(parts.model).__name__} cannot be converted by structure: {what}")
 
 
@@ -186,8 +150,7 @@ def _small_windows(config: Any) -> Iterator[None]:
 class _Recording:
     layer_calls: list[tuple[tuple, dict]]
     layer_outputs: list[Any]
-    module_calls: dict[str, tuple[Any, Any]]
-    module_kwargs: dict[str, dict]
+    module_calls: dict[str, tuple[Any, dict, Any]]  # name -> (args, kwargs, output)
     head_call: tuple[Any, Any] | None
     logits: torch.Tensor | None
 
@@ -204,9 +167,30 @@ def _probe_batch(parts: DecoderParts, device: torch.device) -> tuple[torch.Tenso
     return ids.to(device), mask.to(device)
 
 
+class _FirstLayerReached(Exception):
+    pass
+
+
+def _forward(parts: DecoderParts, mode: str, **call: Any) -> Any:
+    """The model's own forward with the probe's seed (``None`` where a hook stopped it at its
+    first layer); a failure is refused, saying so."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(PROBE_SEED)
+        try:
+            return parts.model(use_cache=False, **call)
+        except _FirstLayerReached:
+            return None
+        except Exception as exc:
+            raise refuse(
+                parts,
+                f"its own forward{mode} fails on the probe batch ({sorted(call)}): "
+                f"{type(exc).__name__}: {exc}",
+            ) from exc
+
+
 def _record(parts: DecoderParts, **call: Any) -> _Recording:
     """One forward of the model with hooks on layers, backbone parts and head."""
-    rec = _Recording([], [], {}, {}, None, None)
+    rec = _Recording([], [], {}, None, None)
     handles = []
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -217,8 +201,7 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
 
     def part_hook(name: str) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            rec.module_calls.setdefault(name, (args, out))
-            rec.module_kwargs.setdefault(name, dict(kwargs))
+            rec.module_calls.setdefault(name, (args, dict(kwargs), out))
 
         return hook
 
@@ -232,22 +215,12 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
         for name, module in parts.other_modules.items():
             handles.append(module.register_forward_hook(part_hook(name), with_kwargs=True))
         handles.append(parts.lm_head.register_forward_hook(head_hook))
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(PROBE_SEED)
-            try:
-                out = parts.model(use_cache=False, **call)
-            except Exception as exc:
-                raise _refuse(
-                    parts,
-                    f"its own forward fails on the probe batch ({sorted(call)}): "
-                    f"{type(exc).__name__}: {exc}",
-                ) from exc
-        rec.logits = getattr(out, "logits", None)
+        rec.logits = getattr(_forward(parts, "", **call), "logits", None)
     finally:
         for h in handles:
             h.remove()
     if len(rec.layer_calls) != len(parts.layers):
-        raise _refuse(
+        raise refuse(
             parts,
             f"its forward made {len(rec.layer_calls)} calls to its {len(parts.layers)} decoder "
             "layers; one call each is expected",
@@ -255,21 +228,43 @@ def _record(parts: DecoderParts, **call: Any) -> _Recording:
     return rec
 
 
+def build_mask(
+    config: Any,
+    kind: str,
+    embeds: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    skip: bool = True,
+) -> Any:
+    """Hugging Face's ``kind`` mask (a key of ``MASK_BUILDERS``), given ``position_ids`` where
+    not ``None``, and built even without padding where not ``skip`` (``allow_is_causal_skip``)."""
+    from transformers import masking_utils
+
+    extra: dict[str, Any] = {} if position_ids is None else {"position_ids": position_ids}
+    if not skip:
+        extra["allow_is_causal_skip"] = False
+    fn = getattr(masking_utils, MASK_BUILDERS[kind])
+    extra[_cache_parameter(fn)] = None
+    return fn(config=config, inputs_embeds=embeds, attention_mask=padding_mask, **extra)
+
+
+@functools.cache
+def _cache_parameter(builder: Any) -> str:
+    """A mask builder's cache parameter: ``cache`` in the pinned transformers,
+    ``past_key_values`` in older ones (5.17)."""
+    return "cache" if "cache" in inspect.signature(builder).parameters else "past_key_values"
+
+
 def _masks(parts: DecoderParts, hidden: torch.Tensor, mask: Any, pos: torch.Tensor) -> dict:
     """Candidate masks: ``{(kind, with_position_ids): mask}`` from Hugging Face's builders."""
     out = {}
-    for kind, fn in mask_builders().items():
+    for kind in MASK_BUILDERS:
         for with_pos in (True, False):
-            kwargs: dict[str, Any] = {
-                "config": parts.config,
-                "inputs_embeds": hidden,
-                "attention_mask": mask,
-            }
-            if with_pos:
-                kwargs["position_ids"] = pos
             try:
-                out[(kind, with_pos)] = fn(**kwargs)
-            except Exception:  # a builder this config cannot use (e.g. no chunk size)
+                out[(kind, with_pos)] = build_mask(
+                    parts.config, kind, hidden, mask, pos if with_pos else None
+                )
+            except Exception:  # a builder this config cannot use (no chunk size) or lacks
                 continue
     return out
 
@@ -280,16 +275,12 @@ def _tables(parts: DecoderParts, hidden: torch.Tensor, pos: torch.Tensor) -> dic
     layer_types = sorted(set(getattr(parts.config, "layer_types", None) or ()))
     for name, module in parts.position_modules.items():
         for layer_type in [None, *layer_types]:
+            args = (hidden, pos) if layer_type is None else (hidden, pos, layer_type)
             try:
                 with torch.no_grad():
-                    value = (
-                        module(hidden, pos)
-                        if layer_type is None
-                        else module(hidden, pos, layer_type)
-                    )
+                    out[(name, layer_type)] = module(*args)
             except Exception:  # a module that does not take this call
                 continue
-            out[(name, layer_type)] = value
     return out
 
 
@@ -298,7 +289,7 @@ def _embed_scale(
     embedded: torch.Tensor,
     first: torch.Tensor,
     added: torch.Tensor | None = None,
-) -> tuple:
+) -> tuple[float | None, bool]:
     """``(scale, as_tensor)`` with ``embedded * scale (+ added) == first``, or ``(None, False)``."""
 
     def plus(x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +311,7 @@ def _embed_scale(
             factor: Any = torch.tensor(scale, dtype=embedded.dtype) if as_tensor else scale
             if _same(first, plus(embedded * factor)):
                 return scale, as_tensor
-    raise _refuse(
+    raise refuse(
         parts,
         "the first decoder layer's input is not the token embedding (nor the embedding times "
         "hidden_size ** 0.5 or a multiplier from the config"
@@ -344,13 +335,12 @@ def _logit_ops(parts: DecoderParts, head_out: torch.Tensor, logits: torch.Tensor
         scales.append(("div", float(div)))
     cap = getattr(config, "final_logit_softcapping", None)
     caps = [("softcap", float(cap))] if isinstance(cap, (int, float)) and cap else []
-    options: list[tuple[tuple[str, float], ...]] = [(s,) for s in scales]
-    options += [(c,) for c in caps]
+    options: list[tuple[tuple[str, float], ...]] = [(op,) for op in scales + caps]
     options += [(s, c) for s in scales for c in caps]
     for ops in options:
         if _same(logits, apply_logit_ops(head_out, ops)):
             return ops
-    raise _refuse(
+    raise refuse(
         parts,
         "its logits are not the LM head's output (nor scaled by config.logit_scale / "
         "logits_scaling or soft-capped by config.final_logit_softcapping)",
@@ -398,7 +388,7 @@ def _classify(
             # read after the forward: each block gets an empty one
             shared = getattr(parts.config, "num_kv_shared_layers", 0)
             return (key, "shared_kv" if shared else "fresh", type(value))
-        raise _refuse(
+        raise refuse(
             parts,
             f"{where}...: {_KNOWN_FEATURES[key]}, which would not travel between "
             "pipeline layers; use the automatic split",
@@ -430,7 +420,7 @@ def _classify(
     kind = type(value).__name__
     if isinstance(value, torch.Tensor):
         kind = f"a tensor of shape {tuple(value.shape)}"
-    raise _refuse(
+    raise refuse(
         parts,
         f"{where}{kind}, which is none of what the converter rebuilds per layer (padding mask, "
         "position ids, a causal / sliding / chunked mask, a position table of the backbone's, a "
@@ -446,10 +436,10 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
     """
     params = list(parts.model.parameters())
     if not params:
-        raise _refuse(parts, "it has no parameters")
+        raise refuse(parts, "it has no parameters")
     device = params[0].device
     if device.type == "meta":
-        raise _refuse(
+        raise refuse(
             parts,
             "its parameters are on the meta device; the converter runs the model once on a "
             "probe batch to read how it calls its layers",
@@ -460,12 +450,12 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
         first_args, first_kwargs = rec.layer_calls[0]
         first = first_args[0] if first_args else first_kwargs.get("hidden_states")
         if not isinstance(first, torch.Tensor):
-            raise _refuse(parts, "its decoder layers do not take the hidden states first")
+            raise refuse(parts, "its decoder layers do not take the hidden states first")
         layer_input, altup = first, altup_projections(parts.backbone)
         if altup is not None:  # Gemma 3n: the layers take an AltUp stack of the embeddings
             with torch.no_grad():
                 if not _same(first, AltUpStack(altup[0])(first[0]).transpose(0, 1)):
-                    raise _refuse(parts, "its first layer's input is not the AltUp stack")
+                    raise refuse(parts, "its first layer's input is not the AltUp stack")
             first = first[0]
         pos_hf = torch.arange(PROBE_SEQ, device=device).unsqueeze(0)
         pos = pos_hf.expand(PROBE_BATCH, -1)
@@ -488,8 +478,15 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
             last = altup_merge(altup[1], last)
         embedded = parts.embed_tokens(ids)
         per_layer_inputs = None if per_layer is None else per_layer(ids, first)
-    norm_name, called = _find_norm(parts, rec, last)
-    called = [n for n in called if n not in GEMMA_PARTS]
+    norms = [n for n, (args, _, _) in rec.module_calls.items() if args and _same(args[0], last)]
+    if len(norms) != 1:
+        raise refuse(
+            parts,
+            "found no final norm taking the last decoder layer's output among "
+            f"{sorted(parts.other_modules) or 'the backbone parts'}",
+        )
+    norm_name = norms[0]
+    called = [n for n in rec.module_calls if n != norm_name and n not in GEMMA_PARTS]
     pos_name, embed_scale, as_tensor = _position_embedding(parts, rec, called, embedded, first)
     known = {
         "padding_mask": mask,
@@ -500,15 +497,12 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
     }
     pos_inputs: list[tuple[str | int, str, Any]] = []
     if pos_name is not None:
-        pos_args, _ = rec.module_calls[pos_name]
-        pos_calls: list[tuple[str | int, Any]] = [
-            *enumerate(pos_args),
-            *rec.module_kwargs[pos_name].items(),
-        ]
+        pos_args, pos_kwargs, _ = rec.module_calls[pos_name]
+        pos_calls: list[tuple[str | int, Any]] = [*enumerate(pos_args), *pos_kwargs.items()]
         for key, value in pos_calls:
             entry = _classify(parts, 0, key, value, known, {}, {}, [])
             if entry[1] not in ("const", "padding_mask", "position_ids", "mask_positions"):
-                raise _refuse(
+                raise refuse(
                     parts,
                     f"its position embedding {pos_name} gets {key}= a value the converter does "
                     "not rebuild (a padding mask, position ids or a constant)",
@@ -519,15 +513,12 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
     previous = None
     for i, ((args, kwargs), out) in enumerate(zip(rec.layer_calls, rec.layer_outputs)):
         if "hidden_states" in kwargs:
-            hidden, kwargs = (
-                kwargs["hidden_states"],
-                {k: v for k, v in kwargs.items() if k != "hidden_states"},
-            )
-            extra = args
+            kwargs = dict(kwargs)
+            hidden, extra = kwargs.pop("hidden_states"), args
         else:
             hidden, extra = (args[0], args[1:]) if args else (None, ())
         if previous is not None and not _same(hidden, previous):
-            raise _refuse(
+            raise refuse(
                 parts,
                 f"decoder layer {i}'s input is not layer {i - 1}'s output: the backbone runs code "
                 "between its layers",
@@ -547,16 +538,16 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
         with _small_windows(parts.config):
             recipes = _forced_masks(parts, ids[:1], recipes)
     head_in, head_out = rec.head_call if rec.head_call is not None else (None, None)
-    norm_out = rec.module_calls[norm_name][1]
+    norm_out = rec.module_calls[norm_name][2]
     if head_in is None or not _same(_first(head_in), _first(norm_out)):
-        raise _refuse(parts, "its LM head does not take the final norm's output")
+        raise refuse(parts, "its LM head does not take the final norm's output")
     if rec.logits is None or not isinstance(head_out, torch.Tensor):
-        raise _refuse(parts, "its forward returns no .logits, or its LM head no tensor")
+        raise refuse(parts, "its forward returns no .logits, or its LM head no tensor")
     ops = _logit_ops(parts, head_out, rec.logits)
     sources = {e[1] for r in recipes for e in r.inputs} | {e[1] for e in pos_inputs}
     from_mask = "mask_positions" in sources
     if from_mask and "position_ids" in sources:
-        raise _refuse(
+        raise refuse(
             parts,
             "it uses two kinds of default position ids (0..S-1 and counted over the padding "
             "mask) in one forward",
@@ -596,29 +587,17 @@ def _position_embedding(
     """``(name, scale, as_tensor)``: which backbone part (if any) adds a position embedding to
     the (scaled) token embedding to give the first layer's input; any other part the backbone
     runs is refused, named."""
-    for name in called:
-        out = rec.module_calls[name][1]
-        if not isinstance(out, torch.Tensor) or out.shape[-1:] != first.shape[-1:]:
-            continue
-        try:
-            scale, as_tensor = _embed_scale(parts, embedded, first, out)
-        except ValueError:
-            continue
-        others = [n for n in called if n != name]
-        if others:
-            break
-        return name, scale, as_tensor
+    if len(called) == 1:
+        out = rec.module_calls[called[0]][2]
+        if isinstance(out, torch.Tensor) and out.shape[-1:] == first.shape[-1:]:
+            with contextlib.suppress(ValueError):
+                return (called[0], *_embed_scale(parts, embedded, first, out))
     if called:
-        raise _refuse(
+        raise refuse(
             parts,
             f"its backbone also runs {', '.join(called)}, which the converter does not place",
         )
-    scale, as_tensor = _embed_scale(parts, embedded, first)
-    return None, scale, as_tensor
-
-
-class _FirstLayerReached(Exception):
-    pass
+    return (None, *_embed_scale(parts, embedded, first))
 
 
 def _embedding_dropout(
@@ -637,22 +616,12 @@ def _embedding_dropout(
 
     handle = parts.layers[0].register_forward_pre_hook(stop, with_kwargs=True)
     try:
-        with eval_mode(parts.model, training=True), torch.no_grad(), torch.random.fork_rng([]):
-            torch.manual_seed(PROBE_SEED)
-            try:
-                parts.model(input_ids=ids, attention_mask=mask, use_cache=False)
-            except _FirstLayerReached:
-                pass
-            except Exception as exc:
-                raise _refuse(
-                    parts,
-                    f"its own forward in training mode fails on the probe batch: "
-                    f"{type(exc).__name__}: {exc}",
-                ) from exc
+        with eval_mode(parts.model, training=True):
+            _forward(parts, " in training mode", input_ids=ids, attention_mask=mask)
     finally:
         handle.remove()
     if not got:
-        raise _refuse(parts, "its first decoder layer is not called in training mode")
+        raise refuse(parts, "its first decoder layer is not called in training mode")
     if _same(first, got[0]):
         return None
     candidates = {m.p for m in parts.backbone.children() if isinstance(m, nn.Dropout)}
@@ -666,7 +635,7 @@ def _embedding_dropout(
             dropped = nn.functional.dropout(first, p, training=True)
         if _same(dropped, got[0]):
             return p
-    raise _refuse(
+    raise refuse(
         parts,
         "in training mode its first decoder layer's input is neither the embeddings nor a "
         "dropout of them with a probability its backbone or config names: the backbone does "
@@ -696,14 +665,9 @@ def _with_or_without_positions(
         return (key, "mask", (kind, True, True))
     recorded = _argument(*rec_packed.layer_calls[index], key)
     for with_pos in (True, False):
-        candidate = masks_packed.get((kind, with_pos))
-        if (candidate is None and recorded is None) or (
-            isinstance(recorded, torch.Tensor)
-            and candidate is not None
-            and _same(candidate, recorded)
-        ):
+        if _same(masks_packed.get((kind, with_pos)), recorded):
             return (key, "mask", (kind, with_pos, True))
-    raise _refuse(
+    raise refuse(
         parts,
         f"decoder layer {index}'s {key if isinstance(key, str) else f'argument {key}'} for "
         "packed position ids matches no {kind} mask "
@@ -717,7 +681,6 @@ def _forced_masks(
     """Mark the masks the model builds even without padding (``allow_is_causal_skip=False``),
     where Hugging Face's builder would otherwise return ``None``: read from a forward of one
     unpadded row with no padding mask."""
-    builders = mask_builders()
     rec = _record(parts, input_ids=row)
     out = []
     for recipe, (args, kwargs) in zip(recipes, rec.layer_calls):
@@ -727,27 +690,12 @@ def _forced_masks(
                 recorded = _argument(args, kwargs, key)
                 kind, with_pos, _ = detail
                 hidden = args[0] if args else kwargs["hidden_states"]
-                built = builders[kind](
-                    config=parts.config, inputs_embeds=hidden, attention_mask=None
-                )
+                built = build_mask(parts.config, kind, hidden, None)
                 if built is None and isinstance(recorded, torch.Tensor):
                     detail = (kind, with_pos, False)
             inputs.append((key, source, detail))
         out.append(dataclasses.replace(recipe, inputs=tuple(inputs)))
     return out
-
-
-def _find_norm(parts: DecoderParts, rec: _Recording, last: Any) -> tuple[str, list[str]]:
-    """The final norm's name, and the other backbone parts the forward ran."""
-    names = [n for n, (args, _) in rec.module_calls.items() if args and _same(args[0], last)]
-    called_others = [n for n in rec.module_calls if n not in names]
-    if len(names) != 1:
-        raise _refuse(
-            parts,
-            "found no final norm taking the last decoder layer's output among "
-            f"{sorted(parts.other_modules) or 'the backbone parts'}",
-        )
-    return names[0], called_others
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -763,27 +711,28 @@ def check_conversion(parts: DecoderParts, seq: nn.Sequential) -> None:
     device = next(parts.model.parameters()).device
     ids, mask = _probe_batch(parts, device)
     labels = ids.masked_fill(mask == 0, -100)
+
+    def run(**inputs: Any) -> Any:
+        torch.manual_seed(PROBE_SEED)
+        state = seq[0](**inputs)
+        for layer in list(seq)[1:]:
+            state = layer(*state)
+        return state
+
     with torch.no_grad(), torch.random.fork_rng(devices=[]), eval_mode(seq):
-        torch.manual_seed(PROBE_SEED)
-        ref = parts.model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-        torch.manual_seed(PROBE_SEED)
+        ref = _forward(parts, "", input_ids=ids, attention_mask=mask, labels=labels)
         try:
-            state = seq[0](input_ids=ids, attention_mask=mask, labels=labels)
-            for layer in list(seq)[1:]:
-                state = layer(*state)
+            state = run(input_ids=ids, attention_mask=mask, labels=labels)
         except Exception as exc:
-            raise _refuse(
+            raise refuse(
                 parts,
                 f"the converted layers fail on the probe batch: {type(exc).__name__}: {exc}",
             ) from exc
         # each row alone, as a microbatch runs it: the unpadded row takes the no-mask path
-        rows = []
-        for row in range(PROBE_BATCH):
-            torch.manual_seed(PROBE_SEED)
-            part = seq[0](input_ids=ids[row : row + 1], attention_mask=mask[row : row + 1])
-            for layer in list(seq)[1:]:
-                part = layer(*part)
-            rows.append(part.logits)
+        rows = [
+            run(input_ids=ids[r : r + 1], attention_mask=mask[r : r + 1]).logits
+            for r in range(PROBE_BATCH)
+        ]
     dtype = ref.logits.dtype
     tol = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
     errors = {
@@ -793,7 +742,7 @@ def check_conversion(parts: DecoderParts, seq: nn.Sequential) -> None:
     }
     for what, err in errors.items():
         if not math.isfinite(err) or err > tol:
-            raise _refuse(
+            raise refuse(
                 parts,
                 f"the converted layers' {what} differ from the model's own on the whole probe "
                 f"batch (relative error {err:.2e} > {tol:.0e})"

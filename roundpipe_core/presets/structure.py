@@ -1,13 +1,7 @@
 """Find the parts of a decoder-only causal LM by its structure, not by its class name.
 
-Hugging Face builds its decoder-only ``*ForCausalLM`` models one way: a *backbone*
-(``model.base_model``; a decoder it only wraps, OPT's ``model.decoder``, is looked into)
-holding a token embedding, one ``nn.ModuleList`` of decoder layers, a final norm and
-position modules (rotary tables without parameters), and an LM head on the causal LM.
-:func:`find_decoder_parts` finds them and refuses, with a ``ValueError`` naming it, what
-it cannot place: not a causal LM, an encoder-decoder, a backbone module with weights that
-is none of the above, and features known not to survive the cut into pipeline layers.
 How the parts are called, :mod:`.probe` reads. Nothing here imports ``transformers``.
+See docs/presets.md, "the converter by structure".
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ from torch import nn
 
 from .gemma import GEMMA_PARTS
 
-__all__ = ["DecoderParts", "find_decoder_parts", "text_config"]
+__all__ = ["DecoderParts", "find_decoder_parts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +25,6 @@ class DecoderParts:
         config: its (text) config.
         backbone: ``model.base_model``, whose forward runs embedding, layers and norm.
         embed_tokens: the token embedding (``backbone.get_input_embeddings()``).
-        layers_name: the backbone attribute holding the decoder layers.
         layers: the decoder layers, in order.
         lm_head: the LM head (``model.get_output_embeddings()``).
         position_modules: backbone children that compute position tables (rotary
@@ -45,35 +38,14 @@ class DecoderParts:
     config: Any
     backbone: nn.Module
     embed_tokens: nn.Module
-    layers_name: str
     layers: tuple[nn.Module, ...]
     lm_head: nn.Module
     position_modules: dict[str, nn.Module]
     other_modules: dict[str, nn.Module]
 
 
-def text_config(model: nn.Module) -> Any:
-    """The model's text config (``config.get_text_config()`` where it has one)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        raise ValueError(
-            f"{type(model).__name__} has no .config: not a Hugging Face model; convert it to an "
-            "nn.Sequential yourself or use the automatic split"
-        )
-    get_text = getattr(config, "get_text_config", None)
-    return get_text() if callable(get_text) else config
-
-
 def _has_weights(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-def _is_position_module(name: str, module: nn.Module) -> bool:
-    """A rotary-style table: named so, and no parameters (its buffers are recomputed tables)."""
-    label = f"{name} {type(module).__name__}".lower()
-    if not any(word in label for word in ("rotary", "rope")):
-        return False
-    return not any(True for _ in module.parameters())
 
 
 def _call_getter(module: nn.Module, getter: str) -> Any:
@@ -122,9 +94,8 @@ def _unsupported_feature(config: Any, backbone: nn.Module) -> str | None:
 def _inner_decoder(backbone: nn.Module) -> nn.Module:
     """The module that holds the embedding and layers: ``backbone`` itself, or its only child
     with weights when the backbone just wraps a decoder (OPT's ``model.decoder``)."""
-    if _call_getter(backbone, "get_input_embeddings") is not None and any(
-        _call_getter(backbone, "get_input_embeddings") is c for c in backbone.children()
-    ):
+    embed = _call_getter(backbone, "get_input_embeddings")
+    if embed is not None and any(embed is c for c in backbone.children()):
         return backbone
     weighted = [c for c in backbone.children() if _has_weights(c)]
     if len(weighted) == 1 and _call_getter(weighted[0], "get_input_embeddings") is not None:
@@ -143,7 +114,13 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
             automatic split is the way to run the model).
     """
     name = type(model).__name__
-    config = text_config(model)
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(
+            f"{name} has no .config: not a Hugging Face model; convert it to an nn.Sequential "
+            "yourself or use the automatic split"
+        )
+    config = _call_getter(config, "get_text_config") or config
     if getattr(config, "is_encoder_decoder", False) or getattr(
         model.config, "is_encoder_decoder", False
     ):
@@ -186,7 +163,7 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
         ):
             num_layers = fewer
     lists = [
-        (n, c)
+        c
         for n, c in children.items()
         if isinstance(c, nn.ModuleList)
         and n not in GEMMA_PARTS  # Gemma 3n's AltUp projections, one per stacked input
@@ -201,14 +178,16 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
             f"{name}: expected one list of {num_layers} decoder layers in "
             f"{type(backbone).__name__}, found {found or 'none'}"
         )
-    layers_name, layer_list = lists[0]
-    layers = tuple(layer_list[:num_layers] if num_layers is not None else layer_list)
+    layer_list = lists[0]
+    layers = tuple(layer_list[:num_layers])  # num_layers None: all
     position_modules: dict[str, nn.Module] = {}
     other_modules: dict[str, nn.Module] = {}
     for child_name, child in children.items():
         if child is embed or child is layer_list:
             continue
-        if _is_position_module(child_name, child):
+        label = f"{child_name} {type(child).__name__}".lower()
+        if any(w in label for w in ("rotary", "rope")) and next(child.parameters(), None) is None:
+            # a rotary-style table: its buffers are tables recomputed from the config
             position_modules[child_name] = child
         elif isinstance(child, nn.Dropout):
             continue  # an embedding dropout: the probe finds it in a training-mode forward
@@ -220,7 +199,6 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
         config=config,
         backbone=backbone,
         embed_tokens=embed,
-        layers_name=layers_name,
         layers=layers,
         lm_head=lm_head,
         position_modules=position_modules,
