@@ -490,18 +490,10 @@ def _worker_lines(
     master_dtype: dict[int, Any],
     layer_acts: Sequence[float] | None,
 ) -> tuple[int, int, int]:
-    """The CPU workers' transients together, each per worker at its peak over its jobs of
-    one "fused" call under ``plan`` with the most replicas the run may use:
-
-    * stage copies: the largest (stage copy + its gradients + the next stage it
-      prefetches). Workers that lend the host's parameters copy only buffers and carried
-      state; their gradients become the masters' ``.grad`` unless converted to another
-      dtype (``master_dtype``, per parameter id). A replicated stage's replicas after the
-      first hold gradients of their own until the last is in (``replicas.JobGrads``);
-    * activations: the largest sum of ``layer_acts`` over the stages it runs with
-      autograd (one microbatch's graph is alive at a time; 0 without ``layer_acts``);
-    * dequantized weights: the largest :func:`layer_dequantized_bytes` of its layers
-      (one at a time: each is freed after its matmul).
+    """The CPU workers' (stage copies, activations, dequantized weights), each summed over
+    the workers of each one's peak over its jobs of one "fused" call under ``plan`` with
+    the most replicas the run may use (module docstring; ``master_dtype``: per parameter
+    id, a gradient in another dtype is held beside its conversion).
     """
     from ..planning.planner import most_fused_replicas
     from ..planning.schedule import FORWARD, build_schedule, jobs_by_device
@@ -527,6 +519,7 @@ def _worker_lines(
         for i, job in enumerate(queue):
             held = sum(layer_bytes[k] for k in job.layers)
             if job.kind != FORWARD:
+                # a replica after the first holds gradients of its own until the last is in
                 grads = replica_grads if job.replica > 0 else layer_grads
                 held += sum(grads[k] for k in job.layers)
             if i + 1 < len(queue):

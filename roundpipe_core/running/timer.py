@@ -1,25 +1,14 @@
-"""What a pipelined call measured, and the per-layer estimates made from it.
+"""What a pipelined call measured (:class:`CallTiming`, from each worker's
+:class:`JobClock`), and the per-layer estimates made from it (:class:`ModelTimer`,
+read by the planner and the simulator; docs/layouts-and-planner.md, "Inputs").
 
-Each worker times its jobs (CUDA events on a GPU, a monotonic clock on the CPU backend)
-with a :class:`JobClock` and hands them at the end of its queue to the call's
-:class:`CallTiming` (``RoundPipe.last_call``); once the call succeeded, that gives its
-layer times to the :class:`ModelTimer` as one iteration, whose per-layer estimates the
-planner and the simulator read.
-
-Statistics, per layer and kind ("fwd", "re", "bwd"):
-
-* before any measurement, forward estimates follow the dense weights a layer
-  computes with (:func:`~roundpipe_core.planning.profile.size_prior_ms`, the
-  planner's prior); backward = 2 x forward, recompute = forward;
-* the first iteration in which a (layer, kind) is measured is dropped
-  (allocator warm-up, kernel autotuning, lazy initialisation);
-* later iterations feed an exponential moving average with factor 0.9 and
-  bias correction, so the first kept measurement is the estimate itself
-  rather than a tenth of it.
-
-A job runs several layers at once, so its time is split among them: a forward
-or recompute record in proportion to the current estimates of that kind, a
-backward record in proportion to the recompute estimates (backward cost follows
+Per layer and kind ("fwd", "re", "bwd"): before any measurement the forward estimate is
+the planner's size prior (:func:`~roundpipe_core.planning.profile.size_prior_ms`),
+backward = 2 x forward, recompute = forward; a (layer, kind)'s first measured
+iteration is dropped (warm-up), later ones feed an exponential moving average (factor
+0.9) with bias correction, so the first kept measurement is the estimate itself. A job
+runs several layers, so its time is split among them in proportion to the current
+estimates: of its kind for "fwd" and "re", of "re" for "bwd" (backward cost follows
 forward cost much more closely than parameter size does).
 """
 

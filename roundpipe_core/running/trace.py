@@ -1,17 +1,12 @@
 """Timelines of pipelined calls in Chrome's trace-event format (Perfetto, chrome://tracing):
 the one trace writer, of measured and of simulated iterations alike.
 
-A timeline is a flat list of :class:`Span` records: what ran, on which device lane
-(compute, parameter upload, activation or gradient transfer, the optimizer step), when.
-They come from a real call's :class:`~roundpipe_core.running.timer.CallTiming` and the
-steps ``RoundPipe.step()`` timed (:func:`spans_from_call`, :func:`spans_from_roundpipe`;
-:meth:`RoundPipe.last_trace`), or from the simulator's events (:func:`spans_from_simulation`
-of a :class:`~roundpipe_core.planning.simulate.SimResult`), converted the same way so
-that both open side by side with the same rows. Measured transfer spans are host wall
-clock: on CUDA they cover issuing a copy and any wait for it.
-
-:func:`chrome_trace` turns spans into the trace-event JSON object, one row per device
-lane; compute spans are named like the schedule's text form of a job (:func:`job_name`).
+A timeline is a flat list of :class:`Span` records, from a real call
+(:func:`spans_from_call`, :func:`spans_from_roundpipe`) or from the simulator
+(:func:`spans_from_simulation`), converted alike so that both open side by side with
+the same rows; :func:`chrome_trace` makes the trace-event object, one row per device
+lane. Measured transfer spans are host wall clock: on CUDA they cover issuing a copy
+and any wait for it.
 """
 
 from __future__ import annotations

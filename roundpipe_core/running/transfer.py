@@ -436,12 +436,9 @@ def upload_job(
         if not wait and not run.weights.ready(run.reader, layers):
             return None
         run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
-    # A host-memory backend computes on the host weights (a copy would hold the stage
-    # twice in host memory, next to the weights it copied); a backend with its own memory
-    # (CUDA) copies in lend_in. Without a weight gate nothing writes the host weights while
-    # this call runs (PipelineRun.weights). With one, the publication of a newer version
-    # waits for the fence given below: for lent tensors, until the stage computing on
-    # them is released (not only until they are read).
+    # a host-memory backend computes on the host weights (a copy would hold the stage
+    # twice in host memory): a newer version's publication then waits until the stage
+    # is released, not only until the weights were read (the fence below)
     stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot, epoch, lend=True)
     if run.weights is not None:
         if stage.aliases_host:

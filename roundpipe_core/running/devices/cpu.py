@@ -1,23 +1,9 @@
-"""CPU backend: a thread that plays a device.
-
-Its memory is the host's: an upload lends the stage the host parameters (``lend_in``;
-buffers are copied; a newer weight version reaches the host only after the stage is
-released, ``transfer.upload_job``), what a stage produces is handed back without a
-copy, and a ledger keeps the bytes a device would hold.
-
-Model code runs under one process-wide gate (:class:`ComputeGate`): the CPU generator
-is shared by all threads, so a stage that draws from it runs alone -- only then does
-each (layer, microbatch) get a well-defined state to seed and replay. A stage seen not
-to draw (in :data:`CLEAN_RUNS_BEFORE_SHARING` microbatches alone; per first host layer,
-job kind, layers and train mode) runs beside other such stages, each on its share of
-the intra-op threads, when another CPU worker has jobs in the same submission; if the
-generator moves there after all, the call fails (:class:`UnexpectedDrawError`) and the
-stages that saw it run alone from then on. ``ROUNDPIPE_CPU_CONCURRENT``
-(:func:`cpu_sharing_from_env`): by default only the replicas of one stage share (two
-stages of a split plan wait for each other's activations, each idling half the
-threads) and only in a call the caller waits for (a caller that goes on, an overlapped
-iteration, may draw for its next ``DataLoader`` iterator, which the check cannot tell
-from the stage's own draws); ``1``: any stages, in every call; ``0``: never.
+"""CPU backend: a thread that plays a device on host memory (uploads lend the host
+parameters, outputs are handed back without a copy, a ledger keeps the bytes a device
+would hold), and the process-wide :class:`ComputeGate` under which model code runs,
+since every CPU worker shares the one CPU generator. See docs/architecture.md, "Two
+backends", for when stages compute side by side (``ROUNDPIPE_CPU_CONCURRENT``,
+:func:`cpu_sharing_from_env`).
 """
 
 from __future__ import annotations

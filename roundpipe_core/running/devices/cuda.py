@@ -1,24 +1,6 @@
-"""CUDA backend: one controller thread per GPU, four streams, events between them.
-
-Streams of one worker (all on its GPU):
-
-- ``param``: parameter uploads, low priority and *chunked*: a feeder thread keeps at
-  most ``param_inflight_chunks`` pieces of ``param_chunk_bytes`` queued, so an
-  activation upload issued meanwhile waits behind a few megabytes, not a whole stage:
-  the next stage's weights are prefetched while the running stage is fed its inputs.
-- ``activation``: activation uploads the running stage waits on (higher priority).
-- ``compute``: model code (the current stream inside ``compute()`` and the thread's).
-- ``download``: device -> host copies through page-locked rings the worker allocates
-  once (``downloads.py``) into pageable host tensors.
-
-Ordering uses CUDA events, not host synchronisation: ``copy_in`` records an event
-after its copies, ``wait_channel`` makes compute wait on it, a download waits on an
-event recorded on compute, and an upload of an activation whose deferred download is
-unfinished waits on that download's event (on whichever worker) and copies from its
-pinned piece. The host waits only in ``copy_out`` (completed host tensors: parameter
-gradients, buffers written back), when the staging ring comes round to a piece still
-in use, at the end of a queue (``finish_lazy_downloads``), in ``elapsed_ms`` and in
-``synchronize`` -- not once per microbatch.
+"""CUDA backend: one controller thread per GPU, four streams (``param``, chunked by a
+feeder; ``activation``; ``compute``; ``download``, through ``downloads.py``'s rings),
+ordered by CUDA events, not host waits. See docs/architecture.md, "Two backends".
 
 A device tensor made by ``copy_in`` is allocated on its channel's stream and marked
 ``record_stream(compute)``, so the caching allocator does not reuse its memory before
