@@ -73,16 +73,10 @@ class ModelTimer:
         self.reset()
 
     # -- estimates ------------------------------------------------------------
-    def _measured(self, kind: str, layer: int) -> float | None:
-        n = self._count[kind][layer]
-        if n == 0:
-            return None
-        return self._ema[kind][layer] / (1.0 - self.EMA_FACTOR**n)
-
     def _estimate(self, kind: str, layer: int) -> float:
-        m = self._measured(kind, layer)
-        if m is not None:
-            return m
+        n = self._count[kind][layer]
+        if n:
+            return self._ema[kind][layer] / (1.0 - self.EMA_FACTOR**n)
         fwd = self._prior[layer] if kind == "fwd" else self._estimate("fwd", layer)
         return 2.0 * fwd if kind == "bwd" else fwd
 
@@ -201,7 +195,7 @@ class ModelTimer:
                     ema[i] = f * ema[i] + (1.0 - f) * x
                     count[i] += 1
                     if verbose:
-                        est = self._measured(kind, i)
+                        est = self._estimate(kind, i)
                         lines.append(
                             f"Layer {i} {kind:<5}new record: {x:.3f} ms  new estimate: {est:.3f} ms"
                         )

@@ -395,7 +395,14 @@ class CUDAWorker(Worker):
         """Start device -> host copies after the compute issued so far: (pageable host
         tensors, a completion whose ``synchronize()`` or true ``query()`` makes them valid)."""
         srcs, outs = self._begin_download(tensors)
-        return outs, self._finish_download(srcs, outs)
+        stream = self.download_stream
+        with torch.cuda.device(self.device):
+            if self.pin_downloads:
+                return outs, self._downloads.download(stream, srcs, outs)
+            self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return outs, _HeldUntilDone(done, srcs)
 
     def _begin_download(
         self, tensors: Sequence[torch.Tensor]
@@ -410,16 +417,6 @@ class CUDAWorker(Worker):
         for src in srcs:
             _mark_used_by(src, self.download_stream)
         return srcs, [self._new_host_tensor(src) for src in srcs]
-
-    def _finish_download(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
-        stream = self.download_stream
-        with torch.cuda.device(self.device):
-            if self.pin_downloads:
-                return self._downloads.download(stream, srcs, outs)
-            self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
-            done = torch.cuda.Event()
-            done.record(stream)
-            return _HeldUntilDone(done, srcs)
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         for t in tensors:

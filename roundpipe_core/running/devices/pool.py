@@ -233,21 +233,17 @@ class DevicePool:
         is synchronous: the workers wait for it anyway."""
         return optimizer_thread_cap(torch.get_num_threads(), self.cuda_workers)
 
-    def gpu_models(self) -> list[tuple[str, int]]:
-        """``(name, SM count)`` of each distinct GPU the workers use (``[]`` on CPU)."""
-        indices = {getattr(w, "gpu_index", 0) for w in self.workers if w.kind == "cuda"}
-        props = [torch.cuda.get_device_properties(i) for i in sorted(indices)]
-        return sorted({(str(p.name), int(p.multi_processor_count)) for p in props})
-
     def warn_if_replay_differs(self) -> None:
         """Warn once when a recompute may run on a GPU of another SM count than its forward:
         a kernel's random draws follow its launch grid, which follows the SM count."""
         if self._replay_checked:
             return
         self._replay_checked = True
-        if len({getattr(w, "gpu_index", None) for w in self.workers}) < 2:
+        indices = {getattr(w, "gpu_index", None) for w in self.workers}
+        if len(indices) < 2:
             return  # one GPU or CPU workers: every recompute runs on the same GPU model
-        models = self.gpu_models()
+        props = [torch.cuda.get_device_properties(i) for i in sorted(indices - {None})]
+        models = sorted({(str(p.name), int(p.multi_processor_count)) for p in props})
         if len({sm for _, sm in models}) > 1:
             warnings.warn(
                 f"the device pool mixes GPUs with different SM counts ({models}): a "
