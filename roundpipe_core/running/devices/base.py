@@ -237,9 +237,9 @@ class Worker(ABC):
         host source (which may then be overwritten)."""
         return _noop
 
-    @abstractmethod
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         """Forget device tensors (ledger bookkeeping; CUDA keeps them alive until their streams are done)."""
+        self.ledger.free(sum(t.nbytes for t in tensors), tag)
 
     # -- compute ------------------------------------------------------------
     @abstractmethod

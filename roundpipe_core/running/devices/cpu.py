@@ -389,9 +389,6 @@ class CPUWorker(Worker):
         # copy here would only be thrown away (take_out is this too)
         return [t.detach() if t.requires_grad else t for t in tensors]
 
-    def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
-        self.ledger.free(sum(t.nbytes for t in tensors), tag)
-
     def compute(self) -> contextlib.AbstractContextManager:
         return _GATE  # alone (the scope of every stage where workers do not overlap)
 

@@ -419,8 +419,8 @@ class CUDAWorker(Worker):
         return srcs, [self._new_host_tensor(src) for src in srcs]
 
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
+        super().release(tensors, tag)
         for t in tensors:
-            self.ledger.free(t.nbytes, tag)
             if t.numel():
                 self._tickets.pop(t.data_ptr(), None)
             # Uploads already carry record_stream(compute); this covers device
