@@ -664,12 +664,10 @@ def estimate_host_memory(
     gradients = master_numel_bytes
     if optimizers is not None and optimizer_states is None:
         # each optimizer keeps state for the parameters it holds (the strategy's masters)
+        held = [{id(p): p for g in o.param_groups for p in g["params"]} for o in optimizers]
         optimizer_state = sum(
-            optimizer_states_per_param(o)
-            * sum(
-                p.nbytes for p in {id(p): p for g in o.param_groups for p in g["params"]}.values()
-            )
-            for o in optimizers
+            optimizer_states_per_param(o) * sum(p.nbytes for p in ps.values())
+            for o, ps in zip(optimizers, held)
         )
     else:
         optimizer_state = states * master_numel_bytes
@@ -680,13 +678,8 @@ def estimate_host_memory(
     # (no one plan to read): its budget counts weights, masters and optimizer state only
     if pairs is not None and callable(getattr(type(model), "num_microbatch_for", None)):
         rp: Any = model
-        plan_for = getattr(rp, "plan_for", None)
         if plan is None:
-            plan = (
-                plan_for("fused")
-                if callable(plan_for)
-                else rp.default_plan("fused", num_microbatch)
-            )
+            plan = rp.plan_for("fused")
         m = rp.num_microbatch_for(num_microbatch)
         if rp.pool.is_cuda:
             pinned = _cuda_pinned(rp)
