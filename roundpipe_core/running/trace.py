@@ -198,9 +198,8 @@ def spans_from_simulation(
             args = {"stage": e.stage, "job": e.job, "iteration": e.iteration}
             out.append(Span(e.device, "upload", name, e.start / 1e3, e.end / 1e3, args))
         else:  # a job's microbatches as one span (per_job), else each on its own
-            groups.setdefault((e.iteration, e.job) if per_job and e.job >= 0 else id(e), []).append(
-                e
-            )
+            key = (e.iteration, e.job) if per_job and e.job >= 0 else id(e)
+            groups.setdefault(key, []).append(e)
     for evs in groups.values():
         e0 = evs[0]
         job = job_of(e0) if per_job else None
@@ -208,7 +207,7 @@ def spans_from_simulation(
             args = _job_args(job)
         else:
             mbs = sorted(e.microbatch for e in evs)
-            mb = str(mbs[0]) if len(mbs) == 1 else f"{mbs[0]}-{mbs[-1]}"
+            mb = _range_text(range(mbs[0], mbs[-1] + 1))
             args = {"kind": e0.kind, "stage": e0.stage, "microbatches": mb, "job": e0.job}
         args["iteration"] = e0.iteration
         start, end = min(e.start for e in evs) / 1e3, max(e.end for e in evs) / 1e3

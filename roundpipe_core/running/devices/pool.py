@@ -54,9 +54,7 @@ def resolve_devices(devices: Any) -> list[torch.device]:
     that many of the default kind; ``"cpu:N"``; a list of devices, one worker each."""
     has_cuda = torch.cuda.is_available()
     if devices is None:
-        if has_cuda:
-            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return [torch.device("cpu")] * _cpu_count()
+        devices = torch.cuda.device_count() if has_cuda else _cpu_count()
     if isinstance(devices, bool):
         raise TypeError("devices must be None, an int, 'cpu:N' or a list of devices, got a bool")
     if isinstance(devices, int):
