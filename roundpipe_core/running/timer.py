@@ -347,14 +347,9 @@ class CallTiming:
 
 
 class JobClock:
-    """A worker's timing marks for the jobs of one call's queue (handed to the call's
-    :class:`CallTiming` at the end of the queue).
-
-    A mark is ``(kind, start, stop, t0, t1)``: "fwd" / "re" / "bwd" of layers
-    ``start..stop-1`` between two of ``worker``'s time points; the runtime appends to
-    ``marks`` directly in its layer loop. :meth:`end_job` adds a job's marks, per
-    microbatch, to one sum per ``(kind, start, stop)`` over the queue.
-    """
+    """A worker's timing marks for the jobs of one call's queue, handed to the call's
+    :class:`CallTiming` at its end. A mark is ``(kind, start, stop, t0, t1)`` between two
+    of ``worker``'s time points; the runtime appends to ``marks`` in its layer loop."""
 
     __slots__ = ("worker", "marks", "sums", "_seconds", "transfers", "jobs")
 
