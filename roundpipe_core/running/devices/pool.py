@@ -240,7 +240,8 @@ class DevicePool:
         indices = {getattr(w, "gpu_index", None) for w in self.workers}
         if len(indices) < 2:
             return  # one GPU or CPU workers: every recompute runs on the same GPU model
-        props = [torch.cuda.get_device_properties(i) for i in sorted(indices - {None})]
+        gpus = sorted(i for i in indices if i is not None)
+        props = [torch.cuda.get_device_properties(i) for i in gpus]
         models = sorted({(str(p.name), int(p.multi_processor_count)) for p in props})
         if len({sm for _, sm in models}) > 1:
             warnings.warn(
