@@ -376,10 +376,6 @@ class CPUWorker(Worker):
         self.ledger.alloc(sum(t.nbytes for t in out), "param")
         return out
 
-    def wait_channel(self, channel: str) -> None:
-        # Copies are synchronous on the CPU backend.
-        return None
-
     def copy_out(
         self, tensors: Sequence[torch.Tensor], channel: str = "download"
     ) -> list[torch.Tensor]:
