@@ -27,14 +27,9 @@ disk tier buffer     ``offload_dir``: ``buffer_layers`` of the largest layer's r
 ===================  ====================================================================
 
 ``process`` is the resident set beyond those lines (interpreter, torch, the data
-loader), ``training_code`` what of torch's code the first step pages in:
-``process_peak = total + process + training_code`` predicts the peak RSS.
-:func:`check_host_memory` raises :class:`HostMemoryError` with the table when what is
-still to be allocated does not fit. Of the total, ``file_backed`` lies in clean pages of
-files (the mapped file pages; ``mapped_weights``, frozen views of a checkpoint mapped
-with ``pin_model="off"``), which the kernel drops under pressure and reads back: a run
-needs only ``anonymous`` (the rest) resident, so a cap below the model's size still
-lets it train.
+loader), ``training_code`` what of torch's code the first step pages in. Of the total,
+``file_backed`` lies in clean pages of files, which the kernel drops under pressure and
+reads back (docs/host-memory.md, "LoRA on a frozen base read from its files").
 """
 
 from __future__ import annotations
@@ -562,8 +557,7 @@ def estimate_host_memory(
         optimizer_states: parameter-sized states per parameter; overrides ``optimizer``.
         optim_dtype: master dtype for a plain module (default: the model's dtype).
         num_microbatch: microbatches per call (default: what the RoundPipe's calls run,
-            :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
-            GPUs, 1 or one per worker on CPU workers; 1 for a plain module).
+            ``RoundPipe.num_microbatch_for``; 1 for a plain module).
         activation_bytes_per_microbatch: bytes of one stage-boundary activation of one
             microbatch, kept per forward stage boundary and microbatch for recompute.
         plan: the "fused" plan to budget the workers for (default: the RoundPipe's).

@@ -436,9 +436,6 @@ class CUDAWorker(Worker):
             yield
 
     def get_rng_state(self) -> Any:
-        # Model code on this worker draws from the GPU's generator. The CPU
-        # generator is shared by all GPU threads and is not part of the state:
-        # layers must not draw CPU random numbers they need replayed.
         return torch.cuda.get_rng_state(self.device)
 
     def set_rng_state(self, state: Any) -> None:

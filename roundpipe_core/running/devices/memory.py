@@ -100,9 +100,6 @@ def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
     return streams * per_stream
 
 
-# ---------------------------------------------------------------------------
-# pin_model
-# ---------------------------------------------------------------------------
 @dataclass
 class PinHandle:
     """What ``pin_model`` did (``mode`` requested; ``active`` False for a no-op; ``nbytes``
