@@ -334,7 +334,7 @@ class StageCompute:
 
 
 class CPUWorker(Worker):
-    """A thread that plays a device: uploads are copies, the ledger counts their bytes."""
+    """A thread that plays a device on host memory; the ledger counts what a device would hold."""
 
     kind = "cpu"
     time_points_are_seconds = True

@@ -224,11 +224,9 @@ class DevicePool:
         return any(not w.draws_from_host_generator for w in self.workers)
 
     def optimizer_threads(self) -> int | None:
-        """Intra-op threads for the optimizer thread, or None for the default. A CUDA
-        worker's controller thread and feeder need a core to keep its GPU fed, so, as the
-        published package does, the step leaves one per CUDA worker when the host has
-        more than four per worker (:func:`optimizer_thread_cap`). On CPU pools the step
-        is synchronous: the workers wait for it anyway."""
+        """Intra-op threads for the optimizer thread, or None for the default: a CUDA
+        worker's controller thread and feeder need a core to keep its GPU fed
+        (:func:`optimizer_thread_cap`; on CPU pools the step is synchronous)."""
         return optimizer_thread_cap(torch.get_num_threads(), self.cuda_workers)
 
     def warn_if_replay_differs(self) -> None:
