@@ -557,7 +557,8 @@ def estimate_host_memory(
         optimizer_states: parameter-sized states per parameter; overrides ``optimizer``.
         optim_dtype: master dtype for a plain module (default: the model's dtype).
         num_microbatch: microbatches per call (default: what the RoundPipe's calls run,
-            ``RoundPipe.num_microbatch_for``; 1 for a plain module).
+            :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
+            GPUs, 1 or one per worker on CPU workers; 1 for a plain module).
         activation_bytes_per_microbatch: bytes of one stage-boundary activation of one
             microbatch, kept per forward stage boundary and microbatch for recompute.
         plan: the "fused" plan to budget the workers for (default: the RoundPipe's).
