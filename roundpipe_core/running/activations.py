@@ -1,12 +1,9 @@
 """Activations and their gradients between host and device: pytrees whose tensors are
 copied through a worker's transfer primitives (``copy_in`` / ``copy_out_deferred``).
 
-What a stage hands on (its output, its input gradient) is downloaded *deferred*: on
-a CUDA worker the host tensors are filled only when read, so the worker does not wait
-for each microbatch's download (``devices/downloads.py``). The next stage's upload
-reads them through ``copy_in`` of a worker that orders its copy after the download
-(``Worker.reads_pending_downloads``); for any other worker they are completed here,
-just before its copy.
+What a stage hands on is downloaded *deferred* (``devices/downloads.py``): a worker
+that orders its upload after the download (``Worker.reads_pending_downloads``) reads
+it as it is; for any other worker it is completed here, just before its copy.
 """
 
 from __future__ import annotations

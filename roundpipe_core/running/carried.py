@@ -9,12 +9,8 @@ attribute; an 8-bit ``Linear8bitLt`` keeps scales in ``Int8Params.SCB`` and a
 A replica needs all of it on its device, fresh on every upload: bitsandbytes' forward
 rewrites that state (on CPU an eval forward repacks the weight), so a state kept
 across uploads would describe the previous upload's tensors. So it is described once
-per skeleton (:class:`CarriedState`) and rebuilt on every upload from device copies:
-a subclass parameter as the same subclass around its copy, a tensor attribute (or a
-tuple of them) as a copy, a bitsandbytes state object as a copy of itself whose
-tensors are copies -- each host object once, so what the host shares stays shared.
-Tensors that alias a parameter or buffer become views of its copy. Other objects are
-the user's and stay shared with the host (the forward rules); the host objects are
+per skeleton (:class:`CarriedState`) and rebuilt on every upload from device copies,
+each host object once, so what the host shares stays shared; the host objects are
 never written. The rebuilt attributes belong to the replica alone, so a forward may
 write them: the replica lists them under :data:`REPLICA_OWNED` for the rule checker.
 """

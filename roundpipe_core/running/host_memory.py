@@ -27,14 +27,9 @@ disk tier buffer     ``offload_dir``: ``buffer_layers`` of the largest layer's r
 ===================  ====================================================================
 
 ``process`` is the resident set beyond those lines (interpreter, torch, the data
-loader), ``training_code`` what of torch's code the first step pages in:
-``process_peak = total + process + training_code`` predicts the peak RSS.
-:func:`check_host_memory` raises :class:`HostMemoryError` with the table when what is
-still to be allocated does not fit. Of the total, ``file_backed`` lies in clean pages of
-files (the mapped file pages; ``mapped_weights``, frozen views of a checkpoint mapped
-with ``pin_model="off"``), which the kernel drops under pressure and reads back: a run
-needs only ``anonymous`` (the rest) resident, so a cap below the model's size still
-lets it train.
+loader), ``training_code`` what of torch's code the first step pages in. Of the total,
+``file_backed`` lies in clean pages of files, which the kernel drops under pressure and
+reads back (docs/host-memory.md, "LoRA on a frozen base read from its files").
 """
 
 from __future__ import annotations
@@ -490,18 +485,10 @@ def _worker_lines(
     master_dtype: dict[int, Any],
     layer_acts: Sequence[float] | None,
 ) -> tuple[int, int, int]:
-    """The CPU workers' transients together, each per worker at its peak over its jobs of
-    one "fused" call under ``plan`` with the most replicas the run may use:
-
-    * stage copies: the largest (stage copy + its gradients + the next stage it
-      prefetches). Workers that lend the host's parameters copy only buffers and carried
-      state; their gradients become the masters' ``.grad`` unless converted to another
-      dtype (``master_dtype``, per parameter id). A replicated stage's replicas after the
-      first hold gradients of their own until the last is in (``replicas.JobGrads``);
-    * activations: the largest sum of ``layer_acts`` over the stages it runs with
-      autograd (one microbatch's graph is alive at a time; 0 without ``layer_acts``);
-    * dequantized weights: the largest :func:`layer_dequantized_bytes` of its layers
-      (one at a time: each is freed after its matmul).
+    """The CPU workers' (stage copies, activations, dequantized weights), each summed over
+    the workers of each one's peak over its jobs of one "fused" call under ``plan`` with
+    the most replicas the run may use (module docstring; ``master_dtype``: per parameter
+    id, a gradient in another dtype is held beside its conversion).
     """
     from ..planning.planner import most_fused_replicas
     from ..planning.schedule import FORWARD, build_schedule, jobs_by_device
@@ -527,6 +514,7 @@ def _worker_lines(
         for i, job in enumerate(queue):
             held = sum(layer_bytes[k] for k in job.layers)
             if job.kind != FORWARD:
+                # a replica after the first holds gradients of its own until the last is in
                 grads = replica_grads if job.replica > 0 else layer_grads
                 held += sum(grads[k] for k in job.layers)
             if i + 1 < len(queue):
@@ -671,12 +659,10 @@ def estimate_host_memory(
     gradients = master_numel_bytes
     if optimizers is not None and optimizer_states is None:
         # each optimizer keeps state for the parameters it holds (the strategy's masters)
+        held = [{id(p): p for g in o.param_groups for p in g["params"]} for o in optimizers]
         optimizer_state = sum(
-            optimizer_states_per_param(o)
-            * sum(
-                p.nbytes for p in {id(p): p for g in o.param_groups for p in g["params"]}.values()
-            )
-            for o in optimizers
+            optimizer_states_per_param(o) * sum(p.nbytes for p in ps.values())
+            for o, ps in zip(optimizers, held)
         )
     else:
         optimizer_state = states * master_numel_bytes
@@ -687,13 +673,8 @@ def estimate_host_memory(
     # (no one plan to read): its budget counts weights, masters and optimizer state only
     if pairs is not None and callable(getattr(type(model), "num_microbatch_for", None)):
         rp: Any = model
-        plan_for = getattr(rp, "plan_for", None)
         if plan is None:
-            plan = (
-                plan_for("fused")
-                if callable(plan_for)
-                else rp.default_plan("fused", num_microbatch)
-            )
+            plan = rp.plan_for("fused")
         m = rp.num_microbatch_for(num_microbatch)
         if rp.pool.is_cuda:
             pinned = _cuda_pinned(rp)

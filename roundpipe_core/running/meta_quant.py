@@ -2,19 +2,10 @@
 to build (Llama-3.1-70B) without its weights.
 
 bitsandbytes cannot quantize a meta tensor (its kernels read the values), but what a
-quantized ``Linear4bit`` holds does not depend on them: :func:`quantize_on_meta`
-replaces each ``nn.Linear`` of a meta model by a ``bnb.nn.Linear4bit`` whose
-``Params4bit`` and ``QuantState`` have the shapes and dtypes real quantization gives
-(bitsandbytes 0.45 to 0.50, checked against it by ``tests/presets/test_qlora_meta.py``):
-
-* the packed weight: ``ceil(n / 2)`` bytes (``uint8``, shape ``(ceil(n / 2), 1)``) for
-  ``n = out x in`` weights;
-* ``absmax``: one per block of ``blocksize`` (64) weights, ``float32``; with double
-  quantization (``bnb_4bit_use_double_quant``) a ``uint8`` per block instead, plus an
-  ``offset`` (one ``float32``) and a nested state: a ``float32`` absmax per 256 blocks
-  and a 256-entry ``float32`` code book;
-* the 16-entry ``float32`` code book of NF4 / FP4 (each layer its own, as on loading).
-
+quantized ``Linear4bit`` holds does not depend on them: :func:`quantize_on_meta` gives
+it the ``Params4bit`` and ``QuantState`` (``_quant_state``) of the shapes and dtypes
+real quantization gives (bitsandbytes 0.45 to 0.50, checked against it by
+``tests/presets/test_qlora_meta.py``).
 :func:`~roundpipe_core.running.host_memory.estimate_host_memory` counts a meta tensor's
 bytes as if it were allocated, so the budget of the meta model is the budget of the
 loaded one (peft adds its adapters to the meta model as to a loaded one).

@@ -232,11 +232,8 @@ def _run_layers(
     inputs: list[Any] | None = None,
 ) -> Any:
     """Run the job's layers on ``x`` for microbatch ``mb``: the one loop of every forward
-    and recompute. Per layer: a new random stream where a segment starts, the layer's
-    frame (one per call, moved along), the caller's autocast, one time mark; a real
-    forward's first pass of a layer goes through the rule checker. ``publish`` (forward
-    jobs) hands on the activations at interior boundaries; ``inputs`` collects each
-    layer's input (recompute grain "layer")."""
+    and recompute. ``publish`` (forward jobs) hands on the activations at interior
+    boundaries; ``inputs`` collects each layer's input (recompute grain "layer")."""
     r = job.layers
     seeding = not recompute or run.preserve_rng_state
     every, starts = run.seed_every_layer, run.stream_starts

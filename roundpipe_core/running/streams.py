@@ -1,14 +1,11 @@
-"""Random streams of a pipelined call: deterministic, and replayed by every recompute.
+"""Random streams of a pipelined call: deterministic, and replayed by every recompute
+(docs/numerical-contract.md, "Random numbers").
 
-A layer's random numbers on a microbatch must not depend on which worker runs it or
-when, and the recompute before a backward must draw what the forward drew (dropout
-masks). Seeding before every layer would cost a generator per layer and microbatch:
-a stream is seeded only where a *segment* starts -- every start of a forward or a
+A stream is seeded only where a *segment* starts -- every start of a forward or a
 backward stage (the forward jobs record theirs, before any backward job of the
 microbatch; the backward ones are the run's boundaries) -- and runs on through its
-layers. A segment lies inside one forward and one backward stage, so the recompute
-runs it from its start in the forward's order and draws the same numbers. Recompute
-grain "layer" re-runs single layers: there every layer starts a stream.
+layers: a segment lies inside one forward and one backward stage, so the recompute
+runs it from its start in the forward's order and draws the same numbers.
 """
 
 from __future__ import annotations
@@ -26,13 +23,9 @@ __all__ = ["ComputeScope", "replay_seed", "seed_stream"]
 class ComputeScope:
     """``worker.compute()``, autograd on or off (``grad``; ``None`` leaves it), and the
     worker's generator given back on exit (the seeding here must not disturb the random
-    stream of the code around RoundPipe), as one object: the runtime enters it around
-    every microbatch of every job, where three nested context managers cost more than
-    a small stage's own Python work.
-
-    A CPU worker that may overlap others computes in the scope the ``job``'s stage's draws
-    allow (:class:`~.devices.cpu.StageCompute`): beside other stages when it was seen not
-    to draw (nothing is then seeded, saved or given back), else alone."""
+    stream of the code around RoundPipe), as one object: three nested context managers per
+    microbatch cost more than a small stage's own Python work. A CPU worker that may
+    overlap others computes in the scope its stage's draws allow (``cpu.StageCompute``)."""
 
     __slots__ = ("worker", "grad", "compute", "prev", "state")
 

@@ -1,25 +1,14 @@
-"""What a pipelined call measured, and the per-layer estimates made from it.
+"""What a pipelined call measured (:class:`CallTiming`, from each worker's
+:class:`JobClock`), and the per-layer estimates made from it (:class:`ModelTimer`,
+read by the planner and the simulator; docs/layouts-and-planner.md, "Inputs").
 
-Each worker times its jobs (CUDA events on a GPU, a monotonic clock on the CPU backend)
-with a :class:`JobClock` and hands them at the end of its queue to the call's
-:class:`CallTiming` (``RoundPipe.last_call``); once the call succeeded, that gives its
-layer times to the :class:`ModelTimer` as one iteration, whose per-layer estimates the
-planner and the simulator read.
-
-Statistics, per layer and kind ("fwd", "re", "bwd"):
-
-* before any measurement, forward estimates follow the dense weights a layer
-  computes with (:func:`~roundpipe_core.planning.profile.size_prior_ms`, the
-  planner's prior); backward = 2 x forward, recompute = forward;
-* the first iteration in which a (layer, kind) is measured is dropped
-  (allocator warm-up, kernel autotuning, lazy initialisation);
-* later iterations feed an exponential moving average with factor 0.9 and
-  bias correction, so the first kept measurement is the estimate itself
-  rather than a tenth of it.
-
-A job runs several layers at once, so its time is split among them: a forward
-or recompute record in proportion to the current estimates of that kind, a
-backward record in proportion to the recompute estimates (backward cost follows
+Per layer and kind ("fwd", "re", "bwd"): before any measurement the forward estimate is
+the planner's size prior (:func:`~roundpipe_core.planning.profile.size_prior_ms`),
+backward = 2 x forward, recompute = forward; a (layer, kind)'s first measured
+iteration is dropped (warm-up), later ones feed an exponential moving average (factor
+0.9) with bias correction, so the first kept measurement is the estimate itself. A job
+runs several layers, so its time is split among them in proportion to the current
+estimates: of its kind for "fwd" and "re", of "re" for "bwd" (backward cost follows
 forward cost much more closely than parameter size does).
 """
 
@@ -84,16 +73,10 @@ class ModelTimer:
         self.reset()
 
     # -- estimates ------------------------------------------------------------
-    def _measured(self, kind: str, layer: int) -> float | None:
-        n = self._count[kind][layer]
-        if n == 0:
-            return None
-        return self._ema[kind][layer] / (1.0 - self.EMA_FACTOR**n)
-
     def _estimate(self, kind: str, layer: int) -> float:
-        m = self._measured(kind, layer)
-        if m is not None:
-            return m
+        n = self._count[kind][layer]
+        if n:
+            return self._ema[kind][layer] / (1.0 - self.EMA_FACTOR**n)
         fwd = self._prior[layer] if kind == "fwd" else self._estimate("fwd", layer)
         return 2.0 * fwd if kind == "bwd" else fwd
 
@@ -212,7 +195,7 @@ class ModelTimer:
                     ema[i] = f * ema[i] + (1.0 - f) * x
                     count[i] += 1
                     if verbose:
-                        est = self._measured(kind, i)
+                        est = self._estimate(kind, i)
                         lines.append(
                             f"Layer {i} {kind:<5}new record: {x:.3f} ms  new estimate: {est:.3f} ms"
                         )
@@ -364,14 +347,9 @@ class CallTiming:
 
 
 class JobClock:
-    """A worker's timing marks for the jobs of one call's queue (handed to the call's
-    :class:`CallTiming` at the end of the queue).
-
-    A mark is ``(kind, start, stop, t0, t1)``: "fwd" / "re" / "bwd" of layers
-    ``start..stop-1`` between two of ``worker``'s time points; the runtime appends to
-    ``marks`` directly in its layer loop. :meth:`end_job` adds a job's marks, per
-    microbatch, to one sum per ``(kind, start, stop)`` over the queue.
-    """
+    """A worker's timing marks for the jobs of one call's queue, handed to the call's
+    :class:`CallTiming` at its end. A mark is ``(kind, start, stop, t0, t1)`` between two
+    of ``worker``'s time points; the runtime appends to ``marks`` in its layer loop."""
 
     __slots__ = ("worker", "marks", "sums", "_seconds", "transfers", "jobs")
 

@@ -1,17 +1,12 @@
 """Timelines of pipelined calls in Chrome's trace-event format (Perfetto, chrome://tracing):
 the one trace writer, of measured and of simulated iterations alike.
 
-A timeline is a flat list of :class:`Span` records: what ran, on which device lane
-(compute, parameter upload, activation or gradient transfer, the optimizer step), when.
-They come from a real call's :class:`~roundpipe_core.running.timer.CallTiming` and the
-steps ``RoundPipe.step()`` timed (:func:`spans_from_call`, :func:`spans_from_roundpipe`;
-:meth:`RoundPipe.last_trace`), or from the simulator's events (:func:`spans_from_simulation`
-of a :class:`~roundpipe_core.planning.simulate.SimResult`), converted the same way so
-that both open side by side with the same rows. Measured transfer spans are host wall
-clock: on CUDA they cover issuing a copy and any wait for it.
-
-:func:`chrome_trace` turns spans into the trace-event JSON object, one row per device
-lane; compute spans are named like the schedule's text form of a job (:func:`job_name`).
+A timeline is a flat list of :class:`Span` records, from a real call
+(:func:`spans_from_call`, :func:`spans_from_roundpipe`) or from the simulator
+(:func:`spans_from_simulation`), converted alike so that both open side by side with
+the same rows; :func:`chrome_trace` makes the trace-event object, one row per device
+lane. Measured transfer spans are host wall clock: on CUDA they cover issuing a copy
+and any wait for it.
 """
 
 from __future__ import annotations
@@ -203,9 +198,8 @@ def spans_from_simulation(
             args = {"stage": e.stage, "job": e.job, "iteration": e.iteration}
             out.append(Span(e.device, "upload", name, e.start / 1e3, e.end / 1e3, args))
         else:  # a job's microbatches as one span (per_job), else each on its own
-            groups.setdefault((e.iteration, e.job) if per_job and e.job >= 0 else id(e), []).append(
-                e
-            )
+            key = (e.iteration, e.job) if per_job and e.job >= 0 else id(e)
+            groups.setdefault(key, []).append(e)
     for evs in groups.values():
         e0 = evs[0]
         job = job_of(e0) if per_job else None
@@ -213,7 +207,7 @@ def spans_from_simulation(
             args = _job_args(job)
         else:
             mbs = sorted(e.microbatch for e in evs)
-            mb = str(mbs[0]) if len(mbs) == 1 else f"{mbs[0]}-{mbs[-1]}"
+            mb = _range_text(range(mbs[0], mbs[-1] + 1))
             args = {"kind": e0.kind, "stage": e0.stage, "microbatches": mb, "job": e0.job}
         args["iteration"] = e0.iteration
         start, end = min(e.start for e in evs) / 1e3, max(e.end for e in evs) / 1e3

@@ -223,13 +223,7 @@ class _StageLayout:
         self.trees = list(trees)
         self.modules = [tree.replica for tree in trees]
         self.position = {idx: k for k, idx in enumerate(indices)}
-        # one copy_in per layer, as a failed upload must release the layers before it
-        self.chunks = [tree.source_list for tree in self.trees]
-        # what a stage only reads (its parameters), per chunk: a backend whose memory is
-        # the host's may lend those instead of copying (Worker.lend_in); buffers are
-        # copied, as a forward may write them and its recompute must not write them twice
-        self.read_only = [tree.is_param for tree in self.trees]
-        self.sources: list[torch.Tensor] = [t for chunk in self.chunks for t in chunk]
+        self.sources: list[torch.Tensor] = [t for tree in trees for t in tree.source_list]
         self.fills: list[tuple[dict[str, Any], str, int]] = []
         is_param: list[bool] = []
         carried_pos: set[int] = set()
@@ -318,15 +312,19 @@ def upload_stage(
     try:
         with reading_buffers(worker, buffers):  # a write-back waits for these reads
             aliases = False
-            if lend:
-                for chunk, read_only in zip(layout.chunks, layout.read_only):
-                    lent = worker.lend_in(chunk, read_only)
+            # one upload per layer, as a failed upload must release the layers before it.
+            # A stage only reads its parameters (``is_param``): a backend whose memory is
+            # the host's may lend those (Worker.lend_in); buffers are copied, as a forward
+            # may write them and its recompute must not write them twice
+            for tree in layout.trees:
+                chunk = tree.source_list
+                if lend:
+                    lent = worker.lend_in(chunk, tree.is_param)
                     aliases = aliases or any(
                         d.data_ptr() == h.data_ptr() != 0 for d, h in zip(lent, chunk)
                     )
                     dev.extend(lent)
-            else:
-                for chunk in layout.chunks:
+                else:
                     dev.extend(worker.copy_in(chunk, "param"))  # every backend detaches
         if layout.carried:
             held = _carry(layout, dev)
@@ -436,12 +434,9 @@ def upload_job(
         if not wait and not run.weights.ready(run.reader, layers):
             return None
         run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
-    # A host-memory backend computes on the host weights (a copy would hold the stage
-    # twice in host memory, next to the weights it copied); a backend with its own memory
-    # (CUDA) copies in lend_in. Without a weight gate nothing writes the host weights while
-    # this call runs (PipelineRun.weights). With one, the publication of a newer version
-    # waits for the fence given below: for lent tensors, until the stage computing on
-    # them is released (not only until they are read).
+    # a host-memory backend computes on the host weights (a copy would hold the stage
+    # twice in host memory): a newer version's publication then waits until the stage
+    # is released, not only until the weights were read (the fence below)
     stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot, epoch, lend=True)
     if run.weights is not None:
         if stage.aliases_host:

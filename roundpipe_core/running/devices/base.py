@@ -189,8 +189,7 @@ class Worker(ABC):
         "activation" (the running stage waits on it). The copies are safe to use by
         compute issued after ``wait_channel(channel)``."""
 
-    @abstractmethod
-    def wait_channel(self, channel: str) -> None:
+    def wait_channel(self, channel: str) -> None:  # noqa: B027 - synchronous copies need nothing
         """Make subsequent compute wait for every copy issued so far on ``channel``."""
 
     @abstractmethod
@@ -237,9 +236,9 @@ class Worker(ABC):
         host source (which may then be overwritten)."""
         return _noop
 
-    @abstractmethod
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         """Forget device tensors (ledger bookkeeping; CUDA keeps them alive until their streams are done)."""
+        self.ledger.free(sum(t.nbytes for t in tensors), tag)
 
     # -- compute ------------------------------------------------------------
     @abstractmethod

@@ -1,23 +1,9 @@
-"""CPU backend: a thread that plays a device.
-
-Its memory is the host's: an upload lends the stage the host parameters (``lend_in``;
-buffers are copied; a newer weight version reaches the host only after the stage is
-released, ``transfer.upload_job``), what a stage produces is handed back without a
-copy, and a ledger keeps the bytes a device would hold.
-
-Model code runs under one process-wide gate (:class:`ComputeGate`): the CPU generator
-is shared by all threads, so a stage that draws from it runs alone -- only then does
-each (layer, microbatch) get a well-defined state to seed and replay. A stage seen not
-to draw (in :data:`CLEAN_RUNS_BEFORE_SHARING` microbatches alone; per first host layer,
-job kind, layers and train mode) runs beside other such stages, each on its share of
-the intra-op threads, when another CPU worker has jobs in the same submission; if the
-generator moves there after all, the call fails (:class:`UnexpectedDrawError`) and the
-stages that saw it run alone from then on. ``ROUNDPIPE_CPU_CONCURRENT``
-(:func:`cpu_sharing_from_env`): by default only the replicas of one stage share (two
-stages of a split plan wait for each other's activations, each idling half the
-threads) and only in a call the caller waits for (a caller that goes on, an overlapped
-iteration, may draw for its next ``DataLoader`` iterator, which the check cannot tell
-from the stage's own draws); ``1``: any stages, in every call; ``0``: never.
+"""CPU backend: a thread that plays a device on host memory (uploads lend the host
+parameters, outputs are handed back without a copy, a ledger keeps the bytes a device
+would hold), and the process-wide :class:`ComputeGate` under which model code runs,
+since every CPU worker shares the one CPU generator. See docs/architecture.md, "Two
+backends", for when stages compute side by side (``ROUNDPIPE_CPU_CONCURRENT``,
+:func:`cpu_sharing_from_env`).
 """
 
 from __future__ import annotations
@@ -348,7 +334,7 @@ class StageCompute:
 
 
 class CPUWorker(Worker):
-    """A thread that plays a device: uploads are copies, the ledger counts their bytes."""
+    """A thread that plays a device on host memory; the ledger counts what a device would hold."""
 
     kind = "cpu"
     time_points_are_seconds = True
@@ -390,10 +376,6 @@ class CPUWorker(Worker):
         self.ledger.alloc(sum(t.nbytes for t in out), "param")
         return out
 
-    def wait_channel(self, channel: str) -> None:
-        # Copies are synchronous on the CPU backend.
-        return None
-
     def copy_out(
         self, tensors: Sequence[torch.Tensor], channel: str = "download"
     ) -> list[torch.Tensor]:
@@ -402,9 +384,6 @@ class CPUWorker(Worker):
         # after it, and every consumer's copy_in copies again before it may write -- a
         # copy here would only be thrown away (take_out is this too)
         return [t.detach() if t.requires_grad else t for t in tensors]
-
-    def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
-        self.ledger.free(sum(t.nbytes for t in tensors), tag)
 
     def compute(self) -> contextlib.AbstractContextManager:
         return _GATE  # alone (the scope of every stage where workers do not overlap)

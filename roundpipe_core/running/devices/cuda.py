@@ -1,24 +1,6 @@
-"""CUDA backend: one controller thread per GPU, four streams, events between them.
-
-Streams of one worker (all on its GPU):
-
-- ``param``: parameter uploads, low priority and *chunked*: a feeder thread keeps at
-  most ``param_inflight_chunks`` pieces of ``param_chunk_bytes`` queued, so an
-  activation upload issued meanwhile waits behind a few megabytes, not a whole stage:
-  the next stage's weights are prefetched while the running stage is fed its inputs.
-- ``activation``: activation uploads the running stage waits on (higher priority).
-- ``compute``: model code (the current stream inside ``compute()`` and the thread's).
-- ``download``: device -> host copies through page-locked rings the worker allocates
-  once (``downloads.py``) into pageable host tensors.
-
-Ordering uses CUDA events, not host synchronisation: ``copy_in`` records an event
-after its copies, ``wait_channel`` makes compute wait on it, a download waits on an
-event recorded on compute, and an upload of an activation whose deferred download is
-unfinished waits on that download's event (on whichever worker) and copies from its
-pinned piece. The host waits only in ``copy_out`` (completed host tensors: parameter
-gradients, buffers written back), when the staging ring comes round to a piece still
-in use, at the end of a queue (``finish_lazy_downloads``), in ``elapsed_ms`` and in
-``synchronize`` -- not once per microbatch.
+"""CUDA backend: one controller thread per GPU, four streams (``param``, chunked by a
+feeder; ``activation``; ``compute``; ``download``, through ``downloads.py``'s rings),
+ordered by CUDA events, not host waits. See docs/architecture.md, "Two backends".
 
 A device tensor made by ``copy_in`` is allocated on its channel's stream and marked
 ``record_stream(compute)``, so the caching allocator does not reuse its memory before
@@ -389,8 +371,8 @@ class CUDAWorker(Worker):
         return outs
 
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        srcs, outs = self._begin_download(tensors, self._gradient_results)
-        self._finish_download(srcs, outs).synchronize()
+        outs, done = self.copy_out_async(tensors, DOWNLOAD, self._gradient_results)
+        done.synchronize()
         return outs
 
     def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -416,12 +398,23 @@ class CUDAWorker(Worker):
         return self._downloads.pinned_bytes() if self.pin_downloads else 0
 
     def copy_out_async(
-        self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
+        self,
+        tensors: Sequence[torch.Tensor],
+        channel: str = DOWNLOAD,
+        reuse: ReusedHostTensors | None = None,
     ) -> tuple[list[torch.Tensor], Any]:
         """Start device -> host copies after the compute issued so far: (pageable host
-        tensors, a completion whose ``synchronize()`` or true ``query()`` makes them valid)."""
-        srcs, outs = self._begin_download(tensors)
-        return outs, self._finish_download(srcs, outs)
+        tensors, from ``reuse`` where given, and a completion whose ``synchronize()`` or
+        true ``query()`` makes them valid)."""
+        srcs, outs = self._begin_download(tensors, reuse)
+        stream = self.download_stream
+        with torch.cuda.device(self.device):
+            if self.pin_downloads:
+                return outs, self._downloads.download(stream, srcs, outs)
+            self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return outs, _HeldUntilDone(done, srcs)
 
     def _begin_download(
         self, tensors: Sequence[torch.Tensor], reuse: ReusedHostTensors | None = None
@@ -440,19 +433,9 @@ class CUDAWorker(Worker):
         new = self._new_host_tensor
         return srcs, [reuse.take(src.shape, src.dtype, functools.partial(new, src)) for src in srcs]
 
-    def _finish_download(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> Any:
-        stream = self.download_stream
-        with torch.cuda.device(self.device):
-            if self.pin_downloads:
-                return self._downloads.download(stream, srcs, outs)
-            self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
-            done = torch.cuda.Event()
-            done.record(stream)
-            return _HeldUntilDone(done, srcs)
-
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
+        super().release(tensors, tag)
         for t in tensors:
-            self.ledger.free(t.nbytes, tag)
             if t.numel():
                 self._tickets.pop(t.data_ptr(), None)
             # Uploads already carry record_stream(compute); this covers device
@@ -468,9 +451,6 @@ class CUDAWorker(Worker):
             yield
 
     def get_rng_state(self) -> Any:
-        # Model code on this worker draws from the GPU's generator. The CPU
-        # generator is shared by all GPU threads and is not part of the state:
-        # layers must not draw CPU random numbers they need replayed.
         return torch.cuda.get_rng_state(self.device)
 
     def set_rng_state(self, state: Any) -> None:

@@ -1,23 +1,13 @@
-"""Device -> host downloads of a CUDA worker through page-locked memory it reuses.
+"""Device -> host downloads of a CUDA worker through page-locked memory it reuses
+(docs/architecture.md, "Two backends", says when each kind of download is finished).
 
-Two buffers per worker, both allocated once:
-
-- the *staging ring* (``staging_bytes``): a download that is not a loss is cut into
-  pieces of at most that (``feeder.plan_chunks``) which land in the ring one after
-  another by DMA and are copied from there into pageable host tensors when the
-  download is *finished*. The host waits only when the ring comes round to memory an
-  unfinished piece (or an upload reading one) still holds, once, for the newest.
-  An *eager* download (``copy_out``: parameter gradients, buffers written back) is
-  finished before it returns; a *deferred* one (``copy_out_deferred``: a stage's
-  output, an input gradient) when something reads it: another worker's upload
-  (``read_pending``: its stream waits on the download's event and copies from the
-  pinned piece, which is not reused before that upload's event), the host
-  (``complete_pending``), or at the latest the end of the producing worker's queue
-  (``finish_all``), so a call's results are complete when it returns. Until finished,
-  a piece keeps its device sources referenced, so their memory is not handed out
-  while the DMA may still read it.
-- the *lazy ring*: small downloads read only after the queue (a microbatch's loss),
-  completed together when the ring is full or the queue ends.
+Two buffers per worker, both allocated once: the *staging ring* (``staging_bytes``),
+into which a download is cut in pieces (``feeder.plan_chunks``) that are copied into
+pageable host tensors when finished; the host waits only when the ring comes round to
+memory an unfinished piece (or an upload reading one, ``read_pending``) still holds.
+Until finished, a piece keeps its device sources referenced, so their memory is not
+handed out while the DMA may still read it. The *lazy ring* takes small downloads read
+only after the queue (a microbatch's loss), completed together.
 
 Fresh pinned tensors per download would not do: PyTorch's pinned allocator rounds each
 block up to a power of two and keeps it for the process, and downloaded gradients live

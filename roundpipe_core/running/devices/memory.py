@@ -146,9 +146,6 @@ class ReusedHostTensors:
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-# ---------------------------------------------------------------------------
-# pin_model
-# ---------------------------------------------------------------------------
 @dataclass
 class PinHandle:
     """What ``pin_model`` did (``mode`` requested; ``active`` False for a no-op; ``nbytes``

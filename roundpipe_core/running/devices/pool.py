@@ -54,9 +54,7 @@ def resolve_devices(devices: Any) -> list[torch.device]:
     that many of the default kind; ``"cpu:N"``; a list of devices, one worker each."""
     has_cuda = torch.cuda.is_available()
     if devices is None:
-        if has_cuda:
-            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return [torch.device("cpu")] * _cpu_count()
+        devices = torch.cuda.device_count() if has_cuda else _cpu_count()
     if isinstance(devices, bool):
         raise TypeError("devices must be None, an int, 'cpu:N' or a list of devices, got a bool")
     if isinstance(devices, int):
@@ -226,18 +224,10 @@ class DevicePool:
         return any(not w.draws_from_host_generator for w in self.workers)
 
     def optimizer_threads(self) -> int | None:
-        """Intra-op threads for the optimizer thread, or None for the default. A CUDA
-        worker's controller thread and feeder need a core to keep its GPU fed, so, as the
-        published package does, the step leaves one per CUDA worker when the host has
-        more than four per worker (:func:`optimizer_thread_cap`). On CPU pools the step
-        is synchronous: the workers wait for it anyway."""
+        """Intra-op threads for the optimizer thread, or None for the default: a CUDA
+        worker's controller thread and feeder need a core to keep its GPU fed
+        (:func:`optimizer_thread_cap`; on CPU pools the step is synchronous)."""
         return optimizer_thread_cap(torch.get_num_threads(), self.cuda_workers)
-
-    def gpu_models(self) -> list[tuple[str, int]]:
-        """``(name, SM count)`` of each distinct GPU the workers use (``[]`` on CPU)."""
-        indices = {getattr(w, "gpu_index", 0) for w in self.workers if w.kind == "cuda"}
-        props = [torch.cuda.get_device_properties(i) for i in sorted(indices)]
-        return sorted({(str(p.name), int(p.multi_processor_count)) for p in props})
 
     def warn_if_replay_differs(self) -> None:
         """Warn once when a recompute may run on a GPU of another SM count than its forward:
@@ -245,9 +235,12 @@ class DevicePool:
         if self._replay_checked:
             return
         self._replay_checked = True
-        if len({getattr(w, "gpu_index", None) for w in self.workers}) < 2:
+        indices = {getattr(w, "gpu_index", None) for w in self.workers}
+        if len(indices) < 2:
             return  # one GPU or CPU workers: every recompute runs on the same GPU model
-        models = self.gpu_models()
+        gpus = sorted(i for i in indices if i is not None)
+        props = [torch.cuda.get_device_properties(i) for i in gpus]
+        models = sorted({(str(p.name), int(p.multi_processor_count)) for p in props})
         if len({sm for _, sm in models}) > 1:
             warnings.warn(
                 f"the device pool mixes GPUs with different SM counts ({models}): a "
