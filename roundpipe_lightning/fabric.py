@@ -176,13 +176,6 @@ def _from_environment(name: str | None, alone: int) -> Any:
     return property(read, lambda self, _ignored: None)
 
 
-def _env_world_size() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
 @expose_settings
 class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     """Run the modules given to ``fabric.setup()`` with RoundPipe.
@@ -266,7 +259,10 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         if self._checked:
             return
         env = self.cluster_environment
-        processes = max(env.world_size() if env is not None else 1, _env_world_size())
+        launched = os.environ.get("WORLD_SIZE", "1")
+        processes = max(
+            env.world_size() if env is not None else 1, int(launched) if launched.isdigit() else 1
+        )
         devices = len(self.compute_devices)
         check_one_process_per_node(_OWNER, "Fabric", env, processes, self._num_nodes, devices)
         check_pool_devices(self.compute_devices, _OWNER, "Fabric")
@@ -595,9 +591,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 of_module = self._run_of(obj)
                 if of_module is not None:
                     # masters saved in a higher precision, what the RoundPipe learned
-                    saved = of_module.read_section(sections.get(key), strict)
-                    of_module.load_masters(saved, from_weights=False)
-                    of_module.restore(sections.get(key))
+                    of_module.load_section(sections.get(key), strict)
         for key, (run, raw) in ours.items():
             if key not in remainder:
                 if strict:

@@ -442,24 +442,20 @@ def check_pool_devices(
     return devices
 
 
-def crowded_node(local_rank: int, processes: int, num_nodes: int) -> str | None:
-    """What shows that the launcher started several processes on this node, or None."""
-    local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    if local_world.isdigit() and int(local_world) > 1:
-        return f"LOCAL_WORLD_SIZE={local_world}"
-    if local_rank > 0:
-        return f"LOCAL_RANK={local_rank}"
-    if processes > num_nodes:
-        return f"{processes} processes (WORLD_SIZE) for num_nodes={num_nodes}"
-    return None
-
-
 def check_one_process_per_node(
     owner: str, entry: str, env: Any, processes: int, num_nodes: int, devices: int
 ) -> None:
     """Refuse several processes on one node (each would claim all of its devices) and
     several nodes in a process no launcher started."""
-    crowded = crowded_node(env.local_rank() if env is not None else 0, processes, num_nodes)
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    local_rank = env.local_rank() if env is not None else 0
+    crowded = None  # what shows that the launcher started several processes on this node
+    if local_world.isdigit() and int(local_world) > 1:
+        crowded = f"LOCAL_WORLD_SIZE={local_world}"
+    elif local_rank > 0:
+        crowded = f"LOCAL_RANK={local_rank}"
+    elif processes > num_nodes:
+        crowded = f"{processes} processes (WORLD_SIZE) for num_nodes={num_nodes}"
     if crowded is not None:
         raise ValueError(
             f"{owner} runs one process per node, and that process drives all of the node's "
@@ -985,7 +981,10 @@ class Session:
         parameter's (live tensors, not copies; a sharded optimizer's are in its shards),
         the loss scaler, the layer timer and which stages draw random numbers."""
         in_shards = sharded_masters(self.dp, optimizers)
-        values = self._master_values()
+        values: Mapping[str, Tensor] = {}
+        if self.tier is not None:  # mapping its files, valid until the second step from now
+            files = self.tier.masters_state()
+            values = {name: files[key] for name, key in self._tier_names().items()}
         masters = {
             name: values.get(name, m).detach()
             for name, p, m in self.named_masters()
@@ -1003,14 +1002,6 @@ class Session:
         """{parameter name: the disk tier's name of its master}."""
         of_master = {id(m): name for name, _, m in self.rp.masters.copies}
         return {name: of_master[id(m)] for name, _, m in self.named_masters() if id(m) in of_master}
-
-    def _master_values(self) -> Mapping[str, Tensor]:
-        """The disk tier's masters by parameter name (mapping its files, valid until the
-        second step from now); empty without a tier."""
-        if self.tier is None:
-            return {}
-        state = self.tier.masters_state()
-        return {name: state[key] for name, key in self._tier_names().items()}
 
     def save_shard(self, opt: Optimizer, directory: Path) -> None:
         """Every rank, sharded: its share of ``opt``'s state (with the user's fused /
@@ -1046,11 +1037,6 @@ class Session:
         else:
             self.tier.load_state(None, opt, state)
 
-    def read_section(self, section: Any, strict: bool) -> Mapping[str, Tensor]:
-        """The saved masters of a section, checked before anything is loaded."""
-        params = {name: p for name, p, _ in self.named_masters()}
-        return check_roundpipe_section(section, params, strict=strict)
-
     def load_masters(self, saved: Mapping[str, Tensor], from_weights: bool = True) -> None:
         """Each master becomes its saved value, else (``from_weights``, after the weights
         were loaded) its weight, its gradient dropped; otherwise (restored from shards)
@@ -1080,12 +1066,25 @@ class Session:
                 if from_weights:
                     m.grad = None
 
-    def restore(self, section: Any, loss_scaler: Any = None) -> None:
-        """The loss scaler and what the RoundPipe learned (layer timer, stages' draws)."""
+    def load_section(
+        self,
+        section: Any,
+        strict: bool,
+        load_weights: Callable[[], None] | None = None,
+        loss_scaler: Any = None,
+    ) -> None:
+        """Restore a checkpoint's section, checked before anything (``load_weights``: the
+        module's weights, which the masters then follow) is loaded, so a bad file leaves
+        the model as it was: the masters, the loss scaler, what the RoundPipe learned."""
+        params = {name: p for name, p, _ in self.named_masters()}
+        saved = check_roundpipe_section(section, params, strict=strict)
+        if load_weights is not None:
+            load_weights()
+        self.load_masters(saved, from_weights=load_weights is not None)
         state = section or {}
         if loss_scaler is not None and "loss_scaler" in state:
             loss_scaler.load_state_dict(state["loss_scaler"])
-        if isinstance(self.rp, RoundPipe):
+        if isinstance(self.rp, RoundPipe):  # the layer timer, the stages' draws
             restore_learned(self.rp, state)
 
     def check_optimizer_states(self, optimizers: Sequence[Optimizer]) -> None:

@@ -669,12 +669,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             self._deferred_model_state = (checkpoint, strict)
             return
         self._sync_weights()
+        load_weights = functools.partial(super().load_model_state_dict, checkpoint, strict=strict)
         section = checkpoint.get(CHECKPOINT_KEY)
-        # checked before anything is loaded, so a bad file leaves the model as it was
-        saved = self._session.read_section(section, strict)
-        super().load_model_state_dict(checkpoint, strict=strict)
-        self._session.load_masters(saved)
-        self._session.restore(section, self._loss_scaler)
+        self._session.load_section(section, strict, load_weights, self._loss_scaler)
 
     @override
     def load_checkpoint(
