@@ -1,13 +1,7 @@
-"""``StreamingCheckpointIO``: checkpoints that cost no host memory beyond the state itself.
-
-RoundPipe keeps the whole training state in host memory; Lightning's default
-``TorchCheckpointIO`` serialises a checkpoint into a ``BytesIO`` first, a second copy.
-This one saves with ``torch.save`` straight into a temporary file beside the target
-(each tensor written from its own memory), ``fsync``-ed and renamed over it: the target
-is always a complete file, old or new. It loads with ``torch.load(mmap=True)`` after
-checking every storage's CRC-32 (:mod:`roundpipe_core.checkpoint_file`); as every save
-writes a new file, a mapped checkpoint never changes under a run. Files are ordinary
-``torch.save`` archives; non-local paths (``s3://...``) fall back to ``TorchCheckpointIO``.
+"""``StreamingCheckpointIO``: checkpoints that cost no host memory beyond the state itself
+(Lightning's ``TorchCheckpointIO`` serialises into a ``BytesIO`` first: a second copy of
+the host-resident state). How it saves, checks and loads: docs/host-memory.md,
+"Checkpoints"; non-local paths (``s3://...``) fall back to ``TorchCheckpointIO``.
 """
 
 from __future__ import annotations

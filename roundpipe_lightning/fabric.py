@@ -1,9 +1,6 @@
 """``RoundPipeFabricStrategy``: ``Fabric(strategy="roundpipe")``, a thin adapter of
 Fabric's strategy hooks over the training session (:mod:`roundpipe_lightning.session`)
-that :class:`RoundPipeStrategy` shares (docs/fabric.md). Fabric's ``_FabricModule`` looks
-attributes up on the module the user passed, so that module gains ``forward_backward``,
-``synchronize`` and ``roundpipe`` (removed at teardown). Model state stays in host
-memory: ``fabric.device`` is the CPU.
+that :class:`RoundPipeStrategy` shares; what the set-up module gains: docs/fabric.md.
 """
 
 from __future__ import annotations

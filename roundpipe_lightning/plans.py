@@ -1,9 +1,5 @@
-"""The strategy's ``execute_plan`` argument as a ``ModelExecutePlan``: ``None`` (the
-engine's default), ``"auto"`` (``ModelExecutePlan.auto`` from the timer's estimates,
-proportional to layer size before any measurement), a layout string such as
-``"fwd=0:3,1:2 bwd=0:1,1:2,0:2,1:1"``, a dict of ``ModelExecutePlan.from_layout``
-arguments, or a ``ModelExecutePlan``; each checked against the layers and the pool.
-"""
+"""The strategies' ``execute_plan`` argument as a ``ModelExecutePlan``, checked against
+the layers and the pool."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""``RoundPipePrecision``: Lightning's precision modes under RoundPipe.
-
-``16-true`` / ``bf16-true`` cast the module before the strategy wraps it (the optimizer
-updates fp32 masters); ``*-mixed`` enter autocast on the main thread, which the engine
-carries to its workers; ``16-mixed`` also scales each microbatch loss (a
-:class:`LossScaler`), unscales the master gradients before clipping and the step, and
-skips a step whose gradients overflowed. The Trainer's own plugin is converted by
+"""``RoundPipePrecision``: Lightning's precision modes under RoundPipe (what each does:
+docs/precision-and-checkpoints.md); the Trainer's own plugin is converted by
 :meth:`RoundPipePrecision.from_plugin`.
 """
 
