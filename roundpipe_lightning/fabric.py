@@ -542,7 +542,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 # (the key is checked, sharded or not)
                 adopted[0].save_shard(adopted[1], fabric_shards_dir(path, key))
             elif run is not None:
-                sections[key] = run.section(run.optimizers)
+                sections[key] = run.section()
         if sections:
             if CHECKPOINT_KEY in checkpoint:
                 raise ValueError(
@@ -596,8 +596,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 continue
             # a state dict, or the marker of shards (any node count)
             run.load_optimizer(raw, remainder.pop(key), fabric_shards_dir(path, key))
-        for run in self._runs:
-            run.fuse_again()
         return remainder
 
     # -- end -------------------------------------------------------------------------------------

@@ -877,12 +877,6 @@ class Session:
         if all(o is not opt for o in self.optimizers):
             self.optimizers.append(opt)
 
-    def fuse_again(self) -> None:
-        """After a load: a checkpoint of an unfused run brings back ``fused=None``."""
-        if self.settings.fuse_optimizer:
-            for opt in self.optimizers:
-                fuse_optimizer(opt)
-
     def queue_step(
         self,
         opt: Optimizer,
@@ -976,11 +970,11 @@ class Session:
         restore_impl_choice(state, self.user_impl.get(id(opt)))
         return state
 
-    def section(self, optimizers: Sequence[Any], loss_scaler: Any = None) -> dict[str, Any]:
+    def section(self, loss_scaler: Any = None) -> dict[str, Any]:
         """``checkpoint["roundpipe"]``: the masters whose dtype differs from their
         parameter's (live tensors, not copies; a sharded optimizer's are in its shards),
         the loss scaler, the layer timer and which stages draw random numbers."""
-        in_shards = sharded_masters(self.dp, optimizers)
+        in_shards = sharded_masters(self.dp, self.optimizers)
         values: Mapping[str, Tensor] = {}
         if self.tier is not None:  # mapping its files, valid until the second step from now
             files = self.tier.masters_state()
@@ -1036,6 +1030,8 @@ class Session:
             )
         else:
             self.tier.load_state(None, opt, state)
+        if self.settings.fuse_optimizer:  # a checkpoint of an unfused run has fused=None
+            fuse_optimizer(opt)
 
     def load_masters(self, saved: Mapping[str, Tensor], from_weights: bool = True) -> None:
         """Each master becomes its saved value, else (``from_weights``, after the weights
@@ -1087,10 +1083,10 @@ class Session:
         if isinstance(self.rp, RoundPipe):  # the layer timer, the stages' draws
             restore_learned(self.rp, state)
 
-    def check_optimizer_states(self, optimizers: Sequence[Optimizer]) -> None:
+    def check_optimizer_states(self) -> None:
         """Each state tensor has its parameter's shape (fused kernels do not check)."""
         names = {id(m): name for name, _, m in self.named_masters()}
-        for opt in optimizers:
+        for opt in self.optimizers:
             check_state_matches(opt, names)
 
     # -- end -------------------------------------------------------------------------------------

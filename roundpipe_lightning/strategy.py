@@ -503,7 +503,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
                 if wrapper is not raw:
                     defer_zero_grad(wrapper, ordered)
                     self._zero_grad_wrappers.append(wrapper)
-        self._check_optimizer_states()  # also state a hook loaded, before the first step
+        session.check_optimizer_states()  # also state a hook loaded, before the first step
         rp = session.rp
         if not self.settings.overlap_iterations or not isinstance(rp, RoundPipe):
             return  # (an AutoRoundPipe has no forward_backward to overlap)
@@ -630,7 +630,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         save returns."""
         self._sync_weights()
         assert self._session is not None
-        return self._session.section(self.optimizers, self._loss_scaler)
+        return self._session.section(self._loss_scaler)
 
     @override
     def save_checkpoint(
@@ -691,12 +691,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         for i, (opt, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
             directory = None if path is None else shards_dir(path, i)
             self._session.load_optimizer(raw_optimizer(opt), state, directory)
-        self._check_optimizer_states()
-        self._session.fuse_again()
-
-    def _check_optimizer_states(self) -> None:
-        if self._session is not None:
-            self._session.check_optimizer_states([raw_optimizer(o) for o in self.optimizers])
+        self._session.check_optimizer_states()
 
     # -- teardown --------------------------------------------------------------------------------
     @override
