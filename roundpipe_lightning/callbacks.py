@@ -25,7 +25,6 @@ from roundpipe_core.running.trace import (
 )
 
 from ._private import lightning_log_step
-from .plans import describe_plan
 from .strategy import RoundPipeStrategy
 
 __all__ = ["AutoReplan", "StageTimeLogger"]
@@ -140,16 +139,14 @@ class AutoReplan(Callback):
         self.last_predicted_gain = gain
         self.plan, self.last_replan_step = plan, step
         self.history.append((step, plan))
-        text = describe_plan(plan)
+        text = plan.to_layout_string()
         if decision.changed:
-            why = (
-                f"new {self.run_type} plan {text} (was {describe_plan(old)}): predicted {gain:.3f}x"
-            )
+            why = f"new {self.run_type} plan {text} (was {old.to_layout_string()}): predicted {gain:.3f}x"
         elif candidate == old:
             why = f"kept {self.run_type} plan {text}: the planner chose it again"
         else:
             why = (
-                f"kept {self.run_type} plan {text}: the best alternative {describe_plan(candidate)} "
+                f"kept {self.run_type} plan {text}: the best alternative {candidate.to_layout_string()} "
                 f"is predicted {gain:.3f}x, below the {1.0 + self.min_gain:.3f}x threshold (min_gain)"
             )
         rank_zero_info(f"AutoReplan (step {step}): {why}")

@@ -568,13 +568,11 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         self._synchronize()
         # the set-up optimizers after the modules: their state may be a marker of shards
         ours = {}
-        if isinstance(state, Mapping):
-            adopted = {key: self._adopted(obj) for key, obj in state.items()}
-            ours = {key: a for key, a in adopted.items() if a is not None}
         plain: Any = state
-        if ours:
-            assert isinstance(state, Mapping)
-            plain = {k: v for k, v in state.items() if k not in ours} or None
+        if isinstance(state, Mapping):
+            ours = {key: a for key, obj in state.items() if (a := self._adopted(obj)) is not None}
+            if ours:
+                plain = {k: v for k, v in state.items() if k not in ours} or None
         remainder = super().load_checkpoint(
             path, state=plain, strict=strict, weights_only=weights_only
         )
