@@ -34,8 +34,6 @@ from .session import (
     SessionSettings,
     all_reduce,
     check_loss_went_through,
-    check_one_process_per_node,
-    check_pool_devices,
     expose_settings,
 )
 from .sharded_checkpoint import fabric_shards_dir
@@ -178,10 +176,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     """Run the modules given to ``fabric.setup()`` with RoundPipe.
 
     One process drives the whole pool (Fabric's ``devices``), so it is a single-device
-    strategy to Fabric: ``fabric.launch()`` is optional. Several nodes (one process each)
-    are data parallel as under ``RoundPipeStrategy``: rank 0's weights are broadcast at
-    ``fabric.setup()``, the master gradients reduced at ``opt.step()`` (or
-    ``fabric.clip_gradients``), and ``fabric.setup_dataloaders`` shards the data.
+    strategy to Fabric; several nodes (one process each) are data parallel as under
+    ``RoundPipeStrategy`` (docs/fabric.md, "Several nodes").
 
     ``loss_reduction``, ``execute_plan``, ``optim_dtype``, ``pin_model``, ``async_step``,
     ``fuse_optimizer``, ``recompute_grain``, ``preserve_rng_state``, ``model_run_config``,
@@ -207,6 +203,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     """
 
     strategy_name = "roundpipe"
+    _entry = "Fabric"
 
     def __init__(
         self,
@@ -260,10 +257,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         processes = max(
             env.world_size() if env is not None else 1, int(launched) if launched.isdigit() else 1
         )
-        devices = len(self.compute_devices)
-        check_one_process_per_node(_OWNER, "Fabric", env, processes, self._num_nodes, devices)
-        check_pool_devices(self.compute_devices, _OWNER, "Fabric")
-        self.settings.check_processes(processes)
+        self.check_launch(processes)
         if self.world_size > 1:  # here: Fabric calls setup_environment only from fabric.launch()
             timeout = self.settings.process_group_timeout
             D.init_process_group(env, backend="gloo", timeout=timeout)
@@ -519,7 +513,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         if adopted is None:
             return full()
         adopted[0].rp.synchronize()  # the step in flight writes the state
-        # the user's fused / foreach; sharded, each node writes its share (save_checkpoint)
         return adopted[0].optimizer_state(adopted[1], full)
 
     @override
@@ -585,14 +578,12 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             for key, obj in state.items():
                 of_module = self._run_of(obj)
                 if of_module is not None:
-                    # masters saved in a higher precision, what the RoundPipe learned
                     of_module.load_section(sections.get(key), strict)
         for key, (run, raw) in ours.items():
             if key not in remainder:
                 if strict:
                     raise KeyError(f"fabric.load(): the checkpoint {path} has no {key!r}")
                 continue
-            # a state dict, or the marker of shards (any node count)
             run.load_optimizer(raw, remainder.pop(key), fabric_shards_dir(path, key))
         return remainder
 

@@ -346,6 +346,7 @@ class SessionHost:
     cluster_environment: ClusterEnvironment | None
     _checkpoint_io: CheckpointIO | None
     _num_nodes = 1  # Fabric's connector sets it directly
+    _entry = "Trainer"  # what the messages tell the user to configure
 
     @property
     def num_nodes(self) -> int:
@@ -365,6 +366,57 @@ class SessionHost:
         rank_zero_only.rank = rank  # type: ignore[attr-defined]
 
     _set_world_ranks = set_world_ranks
+
+    def check_launch(self, processes: int | None = None) -> ClusterEnvironment | None:
+        """The cluster environment, after refusing several processes on one node (each
+        would claim all of its devices), several nodes in a process no launcher started,
+        a pool not all CPU workers or all CUDA GPUs, and what the settings cannot run in
+        ``processes`` (default: the environment's world size)."""
+        owner, entry, env = self.settings.owner, self._entry, self.cluster_environment
+        num_nodes, devices = self.num_nodes, self.compute_devices
+        if processes is None:
+            processes = env.world_size() if env is not None else 1
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        local_rank = env.local_rank() if env is not None else 0
+        crowded = None  # what shows that the launcher started several processes on this node
+        if local_world.isdigit() and int(local_world) > 1:
+            crowded = f"LOCAL_WORLD_SIZE={local_world}"
+        elif local_rank > 0:
+            crowded = f"LOCAL_RANK={local_rank}"
+        elif processes > num_nodes:
+            crowded = f"{processes} processes (WORLD_SIZE) for num_nodes={num_nodes}"
+        if crowded is not None:
+            raise ValueError(
+                f"{owner} runs one process per node, and that process drives all of the node's "
+                f"devices ({entry}(devices={len(devices)})); this process is one of several on its node "
+                f"({crowded}), so each would claim the same devices. Launch one process per node: "
+                "on one machine plain `python train.py` (no torchrun); on N machines `torchrun "
+                f"--nnodes N --nproc-per-node 1 train.py` with {entry}(num_nodes=N), or `srun "
+                "--ntasks-per-node=1`."
+            )
+        if num_nodes > 1 and (env is None or not env.creates_processes_externally):
+            raise ValueError(
+                f"{owner} with num_nodes={num_nodes} runs one process per node, started by a "
+                "launcher (torchrun --nproc-per-node 1, srun with one task per node, or the "
+                "MASTER_ADDR / WORLD_SIZE / NODE_RANK environment); this process was not."
+            )
+        kinds = {d.type for d in devices}
+        if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
+            raise ValueError(
+                f"{owner} runs on CPU workers or CUDA GPUs, got devices {devices}; "
+                f"use {entry}(accelerator='cpu' or 'gpu', devices=N)"
+            )
+        if devices[0].type == "cpu" and len(devices) == 1:
+            # devices="auto" on CPU is one device: training works but nothing overlaps
+            log.warning(
+                f"{owner} runs on 1 CPU worker (what {entry}(devices='auto') gives on "
+                "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
+                f"{entry}(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
+                "machine's cores); RoundPipe used without Lightning takes devices=N or reads "
+                "ROUNDPIPE_CPU_DEVICES."
+            )
+        self.settings.check_processes(processes)
+        return env
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -417,60 +469,6 @@ def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
     if seq is not None:
         return seq, net
     return net, None
-
-
-# -- the process topology: one process per node ------------------------------------------------
-def check_pool_devices(
-    devices: list[torch.device], owner: str = "RoundPipeStrategy", entry: str = "Trainer"
-) -> list[torch.device]:
-    """``devices`` if they are all CPU workers or all CUDA GPUs (one CPU worker: a hint)."""
-    kinds = {d.type for d in devices}
-    if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
-        raise ValueError(
-            f"{owner} runs on CPU workers or CUDA GPUs, got devices {devices}; "
-            f"use {entry}(accelerator='cpu' or 'gpu', devices=N)"
-        )
-    if devices[0].type == "cpu" and len(devices) == 1:
-        # devices="auto" on CPU is one device: training works but nothing overlaps
-        log.warning(
-            f"{owner} runs on 1 CPU worker (what {entry}(devices='auto') gives on "
-            "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
-            f"{entry}(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
-            "machine's cores); RoundPipe used without Lightning takes devices=N or reads "
-            "ROUNDPIPE_CPU_DEVICES."
-        )
-    return devices
-
-
-def check_one_process_per_node(
-    owner: str, entry: str, env: Any, processes: int, num_nodes: int, devices: int
-) -> None:
-    """Refuse several processes on one node (each would claim all of its devices) and
-    several nodes in a process no launcher started."""
-    local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    local_rank = env.local_rank() if env is not None else 0
-    crowded = None  # what shows that the launcher started several processes on this node
-    if local_world.isdigit() and int(local_world) > 1:
-        crowded = f"LOCAL_WORLD_SIZE={local_world}"
-    elif local_rank > 0:
-        crowded = f"LOCAL_RANK={local_rank}"
-    elif processes > num_nodes:
-        crowded = f"{processes} processes (WORLD_SIZE) for num_nodes={num_nodes}"
-    if crowded is not None:
-        raise ValueError(
-            f"{owner} runs one process per node, and that process drives all of the node's "
-            f"devices ({entry}(devices={devices})); this process is one of several on its node "
-            f"({crowded}), so each would claim the same devices. Launch one process per node: "
-            "on one machine plain `python train.py` (no torchrun); on N machines `torchrun "
-            f"--nnodes N --nproc-per-node 1 train.py` with {entry}(num_nodes=N), or `srun "
-            "--ntasks-per-node=1`."
-        )
-    if num_nodes > 1 and (env is None or not env.creates_processes_externally):
-        raise ValueError(
-            f"{owner} with num_nodes={num_nodes} runs one process per node, started by a "
-            "launcher (torchrun --nproc-per-node 1, srun with one task per node, or the "
-            "MASTER_ADDR / WORLD_SIZE / NODE_RANK environment); this process was not."
-        )
 
 
 def op_name(reduce_op: Any) -> str:
@@ -886,15 +884,12 @@ class Session:
         reduce_first: bool = False,
         layerwise: bool = False,
     ) -> None:
-        """Hand ``opt.step(**kwargs)`` (``update=False``: only the clearing, a skipped
-        step) to the RoundPipe: asynchronous with ``async_step``, with the
-        hyperparameters of now. On the optimizer thread, once the gradients of the calls
-        before it are in: ``reduce_first`` reduces them over the processes (collective:
-        every process queues every step, skipped ones too), then ``clip`` runs, then the
-        step. ``layerwise``: the deepest layers step while the backward still runs (in
-        one process: a reduction needs them all). With ``offload_dir`` the step is
-        layer-wise, paging masters and optimizer state in from the files; the strategy
-        then clips before queueing (it does not overlap iterations that clip)."""
+        """Hand ``opt.step(**kwargs)`` with the hyperparameters of now to the RoundPipe
+        (``update=False``: a skipped step, only the clearing). On the optimizer thread,
+        once the calls before it are in: ``reduce_first`` reduces the gradients
+        (collective: every process queues every step, skipped ones too), ``clip`` runs,
+        then the step; ``layerwise`` (one process) steps the deepest layers while the
+        backward still runs, as ``offload_dir`` always does, paging from its files."""
         steps, dp = self.steps, self.dp
         reduce_first = reduce_first and dp.world_size > 1
         layerwise = layerwise and not reduce_first

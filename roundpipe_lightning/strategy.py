@@ -50,8 +50,6 @@ from .session import (
     SessionSettings,
     all_reduce,
     check_loss_went_through,
-    check_one_process_per_node,
-    check_pool_devices,
     check_type,
     expose_settings,
 )
@@ -350,12 +348,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         # one process per node: the node's whole pool consumes one shard
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    def check_launch(self) -> ClusterEnvironment | None:
-        """The cluster environment, after checking one process per node."""
-        env, devices = self.cluster_environment, len(self.compute_devices)
-        check_one_process_per_node(_OWNER, "Trainer", env, self.world_size, self.num_nodes, devices)
-        return env
-
     @override
     def model_to_device(self) -> None:
         return None  # parameters stay in host memory; RoundPipe uploads stages
@@ -405,11 +397,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         # fail on an unsupported configuration before anything starts
         _ = self.precision_plugin
         env = self.check_launch()
-        self.settings.check_processes(self.world_size)
         if self.world_size > 1:
             check_shardable(self._dp.shard_host_state, self._loss_scaler)
             self._dp.connect(env, self.world_size)
-        check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
         self.accelerator.setup_device(self.compute_devices[0])
 
@@ -477,8 +467,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         super().setup_optimizers(trainer)
         assert self._session is not None
         for opt in self.optimizers:
-            # Lightning zeroes the gradients *after* training_step in automatic optimization,
-            # which would wipe what forward_backward produced: the queued step clears them
             self._session.adopt(raw_optimizer(opt))
 
     # -- training ------------------------------------------------------------------------------
@@ -579,7 +567,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             update=do_update,
             clip=clip if overlap and do_update else None,
             reduce_first=overlap,
-            # the deepest layers step while the backward still runs on the first ones
             layerwise=overlap and steps_in_parts(opt, model),
         )
         return closure_result
@@ -621,7 +608,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         full = functools.partial(super().optimizer_state, optimizer)
         if self._session is None:
             return full()
-        # the user's fused / foreach; sharded, each rank writes its own share (save_checkpoint)
         return self._session.optimizer_state(raw_optimizer(optimizer), full)
 
     def roundpipe_state_dict(self) -> dict[str, Any]:
@@ -736,7 +722,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             callbacks: list[Callback] = getattr(trainer, "callbacks", [])
             if self._flush_callback in callbacks:
                 callbacks.remove(self._flush_callback)
-            # ParallelStrategy.teardown: cluster environment, optimizers/model to CPU, plugins
             super().teardown()
 
 
