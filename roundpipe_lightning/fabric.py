@@ -535,7 +535,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 # (the key is checked, sharded or not)
                 adopted[0].save_shard(adopted[1], fabric_shards_dir(path, key))
             elif run is not None:
-                sections[key] = run.section()
+                sections[key] = run.section(run.optimizers)
         if sections:
             if CHECKPOINT_KEY in checkpoint:
                 raise ValueError(

@@ -965,11 +965,11 @@ class Session:
         restore_impl_choice(state, self.user_impl.get(id(opt)))
         return state
 
-    def section(self, loss_scaler: Any = None) -> dict[str, Any]:
+    def section(self, optimizers: Sequence[Any], loss_scaler: Any = None) -> dict[str, Any]:
         """``checkpoint["roundpipe"]``: the masters whose dtype differs from their
         parameter's (live tensors, not copies; a sharded optimizer's are in its shards),
         the loss scaler, the layer timer and which stages draw random numbers."""
-        in_shards = sharded_masters(self.dp, self.optimizers)
+        in_shards = sharded_masters(self.dp, optimizers)
         values: Mapping[str, Tensor] = {}
         if self.tier is not None:  # mapping its files, valid until the second step from now
             files = self.tier.masters_state()

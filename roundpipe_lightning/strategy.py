@@ -616,7 +616,8 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         save returns."""
         self._sync_weights()
         assert self._session is not None
-        return self._session.section(self._loss_scaler)
+        # (this fit's optimizers: a save after teardown finds them here, not in the session)
+        return self._session.section(self.optimizers, self._loss_scaler)
 
     @override
     def save_checkpoint(
