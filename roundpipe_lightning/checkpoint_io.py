@@ -48,16 +48,6 @@ def _is_local(path: str | Path) -> bool:
     return "file" in protocols or "local" in protocols
 
 
-def _fsync_dir(directory: str) -> None:
-    """Make the rename durable. Not every platform can open a directory (Windows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 class _WriteSink:
     """The file ``torch.save`` writes to; remembers the first write that failed."""
 
@@ -88,15 +78,6 @@ def _file_mode(target: str) -> int:
         mask = os.umask(0)  # the only way to read the umask; set back at once
         os.umask(mask)
         return 0o666 & ~mask
-
-
-def _remove_stale_temporaries(directory: str, prefix: str) -> None:
-    """Remove the temporaries of killed saves of the same target (as large as a checkpoint)."""
-    pattern = os.path.join(glob.escape(directory), glob.escape(prefix) + "?" * 8 + ".tmp")
-    for stale in glob.glob(pattern):
-        with contextlib.suppress(OSError):
-            os.unlink(stale)
-            log.info("Removed the temporary file of an interrupted save: %s", stale)
 
 
 class StreamingCheckpointIO(TorchCheckpointIO):
@@ -159,9 +140,19 @@ class StreamingCheckpointIO(TorchCheckpointIO):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        _remove_stale_temporaries(directory, prefix)
-        if self.fsync:
-            _fsync_dir(directory)
+        # the temporaries of killed saves of the same target (each as large as a checkpoint)
+        pattern = os.path.join(glob.escape(directory), glob.escape(prefix) + "?" * 8 + ".tmp")
+        for stale in glob.glob(pattern):
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+                log.info("Removed the temporary file of an interrupted save: %s", stale)
+        if self.fsync:  # the rename, durable (not every platform can open a directory)
+            with contextlib.suppress(OSError):
+                fd = os.open(directory, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         log.debug("Saved checkpoint %s", target)
 
     @override

@@ -546,22 +546,21 @@ def _not_fused_reason(opt: Optimizer) -> str:
     )
 
 
-def fuse_optimizer(opt: Optimizer) -> bool:
+def fuse_optimizer(opt: Optimizer) -> None:
     """Switch ``opt`` in place (LR schedulers keep working) to torch's fused CPU kernel
     where the user left ``fused`` unset (:func:`roundpipe_core.optim.use_fastest_`);
-    else log why once. Returns whether ``opt`` now runs fused."""
+    else log why once."""
     if any(g.get("fused") for g in opt.param_groups):
-        return True
+        return
     # fused=False is a choice too (use_fastest_ only leaves fused=True / foreach= alone)
     explicit = any(g.get("fused") is False for g in opt.param_groups)
     if not explicit and use_fastest_(opt):
-        return True
+        return
     reason = _not_fused_reason(opt)
     key = (type(opt).__qualname__, reason)
     if key not in _SAID:
         _SAID.add(key)
         rank_zero_info(f"RoundPipeStrategy runs {type(opt).__name__} unfused: {reason}")
-    return False
 
 
 IMPL_KEYS = ("fused", "foreach")
@@ -854,8 +853,7 @@ class Session:
         build_hint: str = "self.parameters()",
     ) -> None:
         """Point ``opt`` at the masters, fuse it, and make ``zero_grad`` (default: a no-op)
-        its ``zero_grad``: clearing the gradients while a queued step reads them would
-        lose its update, so the step calls the real one right after it."""
+        its ``zero_grad``; the queued step calls the real one (:func:`defer_zero_grad`)."""
         self.user_impl[id(opt)] = [{k: g[k] for k in IMPL_KEYS if k in g} for g in opt.param_groups]
         point_at_masters(opt, self.rp, build_hint)
         if self.settings.fuse_optimizer:

@@ -413,8 +413,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         self._build_roundpipe()
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if self.async_step and self._flush_callback not in callbacks:
-            # first: callback hooks run before the module's and the strategy's
-            callbacks.insert(0, self._flush_callback)
+            callbacks.insert(0, self._flush_callback)  # first (FlushWeights says why)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             assert self._session is not None
