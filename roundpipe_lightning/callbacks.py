@@ -345,10 +345,15 @@ class StageTimeLogger(Callback):
             return None  # forward and backward phases ran as separate calls
         # the call's microbatches (a stage run as several jobs at once splits them)
         mbs = max(j.microbatches.stop for j in jobs)
+        # the plan that ran (the default may have been re-planned since; a stage run as
+        # several jobs, ``Job.replicas``, is one)
+        first = [j for j in jobs if j.replica == 0]
+        fwd = sorted((j for j in first if j.kind == "forward"), key=lambda j: j.stage)
+        bwd = sorted((j for j in first if j.kind != "forward"), key=lambda j: j.stage)
         timer = rp.model_timer
         try:
             return simulate(
-                _plan_of(jobs),  # the plan that ran (the default may have been re-planned since)
+                ModelExecutePlan([j.layers for j in fwd], [j.layers for j in bwd]),
                 timer.fwd_ms,
                 timer.bwd_ms,
                 rp.num_devices,
@@ -360,11 +365,3 @@ class StageTimeLogger(Callback):
             )
         except ValueError:
             return None
-
-
-def _plan_of(jobs: list[Any]) -> ModelExecutePlan:
-    """The plan a schedule ran (a stage run as several jobs, ``Job.replicas``, is one)."""
-    first = [j for j in jobs if j.replica == 0]
-    fwd = sorted((j for j in first if j.kind == "forward"), key=lambda j: j.stage)
-    bwd = sorted((j for j in first if j.kind != "forward"), key=lambda j: j.stage)
-    return ModelExecutePlan([j.layers for j in fwd], [j.layers for j in bwd])
