@@ -1,8 +1,6 @@
 """Overlapped iterations of :class:`~roundpipe_lightning.RoundPipeStrategy`
 (``async_step=True, overlap_iterations=True``): ``training_step``'s ``forward_backward``
-is issued non-blocking through the engine's ``forward_backward_hook`` and returns a
-:class:`LazyLoss`; :func:`overlap_blocker` says why a run cannot overlap, and
-:func:`steps_in_parts` whether its queued step may run layer by layer."""
+issued non-blocking through the engine's ``forward_backward_hook``, as a :class:`LazyLoss`."""
 
 from __future__ import annotations
 

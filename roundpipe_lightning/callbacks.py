@@ -25,7 +25,6 @@ from roundpipe_core.running.trace import (
 )
 
 from ._private import lightning_log_step
-from .plans import describe_plan
 from .strategy import RoundPipeStrategy
 
 __all__ = ["AutoReplan", "StageTimeLogger"]
@@ -140,16 +139,14 @@ class AutoReplan(Callback):
         self.last_predicted_gain = gain
         self.plan, self.last_replan_step = plan, step
         self.history.append((step, plan))
-        text = describe_plan(plan)
+        text = plan.to_layout_string()
         if decision.changed:
-            why = (
-                f"new {self.run_type} plan {text} (was {describe_plan(old)}): predicted {gain:.3f}x"
-            )
+            why = f"new {self.run_type} plan {text} (was {old.to_layout_string()}): predicted {gain:.3f}x"
         elif candidate == old:
             why = f"kept {self.run_type} plan {text}: the planner chose it again"
         else:
             why = (
-                f"kept {self.run_type} plan {text}: the best alternative {describe_plan(candidate)} "
+                f"kept {self.run_type} plan {text}: the best alternative {candidate.to_layout_string()} "
                 f"is predicted {gain:.3f}x, below the {1.0 + self.min_gain:.3f}x threshold (min_gain)"
             )
         rank_zero_info(f"AutoReplan (step {step}): {why}")
@@ -348,10 +345,15 @@ class StageTimeLogger(Callback):
             return None  # forward and backward phases ran as separate calls
         # the call's microbatches (a stage run as several jobs at once splits them)
         mbs = max(j.microbatches.stop for j in jobs)
+        # the plan that ran (the default may have been re-planned since; a stage run as
+        # several jobs, ``Job.replicas``, is one)
+        first = [j for j in jobs if j.replica == 0]
+        fwd = sorted((j for j in first if j.kind == "forward"), key=lambda j: j.stage)
+        bwd = sorted((j for j in first if j.kind != "forward"), key=lambda j: j.stage)
         timer = rp.model_timer
         try:
             return simulate(
-                _plan_of(jobs),  # the plan that ran (the default may have been re-planned since)
+                ModelExecutePlan([j.layers for j in fwd], [j.layers for j in bwd]),
                 timer.fwd_ms,
                 timer.bwd_ms,
                 rp.num_devices,
@@ -363,11 +365,3 @@ class StageTimeLogger(Callback):
             )
         except ValueError:
             return None
-
-
-def _plan_of(jobs: list[Any]) -> ModelExecutePlan:
-    """The plan a schedule ran (a stage run as several jobs, ``Job.replicas``, is one)."""
-    first = [j for j in jobs if j.replica == 0]
-    fwd = sorted((j for j in first if j.kind == "forward"), key=lambda j: j.stage)
-    bwd = sorted((j for j in first if j.kind != "forward"), key=lambda j: j.stage)
-    return ModelExecutePlan([j.layers for j in fwd], [j.layers for j in bwd])

@@ -1,13 +1,7 @@
-"""``StreamingCheckpointIO``: checkpoints that cost no host memory beyond the state itself.
-
-RoundPipe keeps the whole training state in host memory; Lightning's default
-``TorchCheckpointIO`` serialises a checkpoint into a ``BytesIO`` first, a second copy.
-This one saves with ``torch.save`` straight into a temporary file beside the target
-(each tensor written from its own memory), ``fsync``-ed and renamed over it: the target
-is always a complete file, old or new. It loads with ``torch.load(mmap=True)`` after
-checking every storage's CRC-32 (:mod:`roundpipe_core.checkpoint_file`); as every save
-writes a new file, a mapped checkpoint never changes under a run. Files are ordinary
-``torch.save`` archives; non-local paths (``s3://...``) fall back to ``TorchCheckpointIO``.
+"""``StreamingCheckpointIO``: checkpoints that cost no host memory beyond the state itself
+(Lightning's ``TorchCheckpointIO`` serialises into a ``BytesIO`` first: a second copy of
+the host-resident state). How it saves, checks and loads: docs/host-memory.md,
+"Checkpoints"; non-local paths (``s3://...``) fall back to ``TorchCheckpointIO``.
 """
 
 from __future__ import annotations
@@ -54,16 +48,6 @@ def _is_local(path: str | Path) -> bool:
     return "file" in protocols or "local" in protocols
 
 
-def _fsync_dir(directory: str) -> None:
-    """Make the rename durable. Not every platform can open a directory (Windows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 class _WriteSink:
     """The file ``torch.save`` writes to; remembers the first write that failed."""
 
@@ -94,15 +78,6 @@ def _file_mode(target: str) -> int:
         mask = os.umask(0)  # the only way to read the umask; set back at once
         os.umask(mask)
         return 0o666 & ~mask
-
-
-def _remove_stale_temporaries(directory: str, prefix: str) -> None:
-    """Remove the temporaries of killed saves of the same target (as large as a checkpoint)."""
-    pattern = os.path.join(glob.escape(directory), glob.escape(prefix) + "?" * 8 + ".tmp")
-    for stale in glob.glob(pattern):
-        with contextlib.suppress(OSError):
-            os.unlink(stale)
-            log.info("Removed the temporary file of an interrupted save: %s", stale)
 
 
 class StreamingCheckpointIO(TorchCheckpointIO):
@@ -165,9 +140,19 @@ class StreamingCheckpointIO(TorchCheckpointIO):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        _remove_stale_temporaries(directory, prefix)
-        if self.fsync:
-            _fsync_dir(directory)
+        # the temporaries of killed saves of the same target (each as large as a checkpoint)
+        pattern = os.path.join(glob.escape(directory), glob.escape(prefix) + "?" * 8 + ".tmp")
+        for stale in glob.glob(pattern):
+            with contextlib.suppress(OSError):
+                os.unlink(stale)
+                log.info("Removed the temporary file of an interrupted save: %s", stale)
+        if self.fsync:  # the rename, durable (not every platform can open a directory)
+            with contextlib.suppress(OSError):
+                fd = os.open(directory, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         log.debug("Saved checkpoint %s", target)
 
     @override

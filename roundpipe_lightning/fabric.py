@@ -1,9 +1,6 @@
 """``RoundPipeFabricStrategy``: ``Fabric(strategy="roundpipe")``, a thin adapter of
 Fabric's strategy hooks over the training session (:mod:`roundpipe_lightning.session`)
-that :class:`RoundPipeStrategy` shares (docs/fabric.md). Fabric's ``_FabricModule`` looks
-attributes up on the module the user passed, so that module gains ``forward_backward``,
-``synchronize`` and ``roundpipe`` (removed at teardown). Model state stays in host
-memory: ``fabric.device`` is the CPU.
+that :class:`RoundPipeStrategy` shares; what the set-up module gains: docs/fabric.md.
 """
 
 from __future__ import annotations
@@ -37,8 +34,6 @@ from .session import (
     SessionSettings,
     all_reduce,
     check_loss_went_through,
-    check_one_process_per_node,
-    check_pool_devices,
     expose_settings,
 )
 from .sharded_checkpoint import fabric_shards_dir
@@ -176,22 +171,13 @@ def _from_environment(name: str | None, alone: int) -> Any:
     return property(read, lambda self, _ignored: None)
 
 
-def _env_world_size() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
 @expose_settings
 class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     """Run the modules given to ``fabric.setup()`` with RoundPipe.
 
     One process drives the whole pool (Fabric's ``devices``), so it is a single-device
-    strategy to Fabric: ``fabric.launch()`` is optional. Several nodes (one process each)
-    are data parallel as under ``RoundPipeStrategy``: rank 0's weights are broadcast at
-    ``fabric.setup()``, the master gradients reduced at ``opt.step()`` (or
-    ``fabric.clip_gradients``), and ``fabric.setup_dataloaders`` shards the data.
+    strategy to Fabric; several nodes (one process each) are data parallel as under
+    ``RoundPipeStrategy`` (docs/fabric.md, "Several nodes").
 
     ``loss_reduction``, ``execute_plan``, ``optim_dtype``, ``pin_model``, ``async_step``,
     ``fuse_optimizer``, ``recompute_grain``, ``preserve_rng_state``, ``model_run_config``,
@@ -217,6 +203,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     """
 
     strategy_name = "roundpipe"
+    _entry = "Fabric"
 
     def __init__(
         self,
@@ -266,11 +253,11 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         if self._checked:
             return
         env = self.cluster_environment
-        processes = max(env.world_size() if env is not None else 1, _env_world_size())
-        devices = len(self.compute_devices)
-        check_one_process_per_node(_OWNER, "Fabric", env, processes, self._num_nodes, devices)
-        check_pool_devices(self.compute_devices, _OWNER, "Fabric")
-        self.settings.check_processes(processes)
+        launched = os.environ.get("WORLD_SIZE", "1")
+        processes = max(
+            env.world_size() if env is not None else 1, int(launched) if launched.isdigit() else 1
+        )
+        self.check_launch(processes)
         if self.world_size > 1:  # here: Fabric calls setup_environment only from fabric.launch()
             timeout = self.settings.process_group_timeout
             D.init_process_group(env, backend="gloo", timeout=timeout)
@@ -526,7 +513,6 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         if adopted is None:
             return full()
         adopted[0].rp.synchronize()  # the step in flight writes the state
-        # the user's fused / foreach; sharded, each node writes its share (save_checkpoint)
         return adopted[0].optimizer_state(adopted[1], full)
 
     @override
@@ -575,13 +561,11 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         self._synchronize()
         # the set-up optimizers after the modules: their state may be a marker of shards
         ours = {}
-        if isinstance(state, Mapping):
-            adopted = {key: self._adopted(obj) for key, obj in state.items()}
-            ours = {key: a for key, a in adopted.items() if a is not None}
         plain: Any = state
-        if ours:
-            assert isinstance(state, Mapping)
-            plain = {k: v for k, v in state.items() if k not in ours} or None
+        if isinstance(state, Mapping):
+            ours = {key: a for key, obj in state.items() if (a := self._adopted(obj)) is not None}
+            if ours:
+                plain = {k: v for k, v in state.items() if k not in ours} or None
         remainder = super().load_checkpoint(
             path, state=plain, strict=strict, weights_only=weights_only
         )
@@ -594,19 +578,13 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
             for key, obj in state.items():
                 of_module = self._run_of(obj)
                 if of_module is not None:
-                    # masters saved in a higher precision, what the RoundPipe learned
-                    saved = of_module.read_section(sections.get(key), strict)
-                    of_module.load_masters(saved, from_weights=False)
-                    of_module.restore(sections.get(key))
+                    of_module.load_section(sections.get(key), strict)
         for key, (run, raw) in ours.items():
             if key not in remainder:
                 if strict:
                     raise KeyError(f"fabric.load(): the checkpoint {path} has no {key!r}")
                 continue
-            # a state dict, or the marker of shards (any node count)
             run.load_optimizer(raw, remainder.pop(key), fabric_shards_dir(path, key))
-        for run in self._runs:
-            run.fuse_again()
         return remainder
 
     # -- end -------------------------------------------------------------------------------------

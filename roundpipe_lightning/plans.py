@@ -1,33 +1,20 @@
-"""The strategy's ``execute_plan`` argument as a ``ModelExecutePlan``: ``None`` (the
-engine's default), ``"auto"`` (``ModelExecutePlan.auto`` from the timer's estimates,
-proportional to layer size before any measurement), a layout string such as
-``"fwd=0:3,1:2 bwd=0:1,1:2,0:2,1:1"``, a dict of ``ModelExecutePlan.from_layout``
-arguments, or a ``ModelExecutePlan``; each checked against the layers and the pool.
-"""
+"""The strategies' ``execute_plan`` argument as a ``ModelExecutePlan``, checked against
+the layers and the pool."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from roundpipe_core import ModelExecutePlan
 
-__all__ = ["describe_plan", "resolve_execute_plan"]
-
-
-def describe_plan(plan: ModelExecutePlan) -> str:
-    """One line for logs: the layout string (``fwd=3,2 bwd=1,2,2,1``)."""
-    try:
-        return plan.to_layout_string()
-    except Exception:  # noqa: BLE001 - any plan still has a repr
-        return repr(plan)
+__all__ = ["resolve_execute_plan"]
 
 
 def resolve_execute_plan(
     spec: Any, roundpipe: Any, run_type: str = "fused"
 ) -> ModelExecutePlan | None:
     """The plan ``spec`` describes; a ValueError (naming the item and repeating the spec)
-    where it is malformed or does not fit, a TypeError for another type."""
+    where it is malformed or does not fit."""
     if spec is None:
         return None
     num_layers, num_devices = roundpipe.num_layers, roundpipe.num_devices
@@ -41,7 +28,7 @@ def resolve_execute_plan(
             plan = ModelExecutePlan.from_layout_string(
                 spec, num_layers=num_layers, num_devices=num_devices, run_type=run_type
             )
-        elif isinstance(spec, Mapping):
+        else:  # a Mapping (SessionSettings.of checked the type)
             unknown = set(spec) - {"fwd", "bwd", "fwd_owners", "bwd_owners"}
             if unknown:
                 raise ValueError(
@@ -49,11 +36,6 @@ def resolve_execute_plan(
                 )
             plan = ModelExecutePlan.from_layout(
                 **dict(spec), num_layers=num_layers, num_devices=num_devices, run_type=run_type
-            )
-        else:
-            raise TypeError(
-                "execute_plan must be None, 'auto', a layout string, a dict of layout arguments or a "
-                f"ModelExecutePlan, got {type(spec).__name__}"
             )
         plan.check_valid(num_layers, run_type, num_devices)
     except ValueError as exc:

@@ -1,10 +1,5 @@
-"""``RoundPipePrecision``: Lightning's precision modes under RoundPipe.
-
-``16-true`` / ``bf16-true`` cast the module before the strategy wraps it (the optimizer
-updates fp32 masters); ``*-mixed`` enter autocast on the main thread, which the engine
-carries to its workers; ``16-mixed`` also scales each microbatch loss (a
-:class:`LossScaler`), unscales the master gradients before clipping and the step, and
-skips a step whose gradients overflowed. The Trainer's own plugin is converted by
+"""``RoundPipePrecision``: Lightning's precision modes under RoundPipe (what each does:
+docs/precision-and-checkpoints.md); the Trainer's own plugin is converted by
 :meth:`RoundPipePrecision.from_plugin`.
 """
 
@@ -178,16 +173,6 @@ class AmpLossScaler:
 DynamicLossScaler = AmpLossScaler
 
 
-def _lightning_plugin(precision: str, device: str) -> Precision:
-    """Lightning's plugin for ``precision``, whose conversions and contexts are reused."""
-    if precision == "32-true":
-        return Precision()
-    if precision in ("16-true", "bf16-true"):
-        return HalfPrecision(precision)  # type: ignore[arg-type]
-    # its GradScaler stays unused: the master gradients are unscaled by our LossScaler
-    return MixedPrecision(precision, device)  # type: ignore[arg-type]
-
-
 class RoundPipePrecision(Precision):
     """Precision plugin of :class:`~roundpipe_lightning.RoundPipeStrategy`.
 
@@ -223,7 +208,14 @@ class RoundPipePrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
         default = AmpLossScaler() if precision == "16-mixed" else None
         self.scaler: LossScaler | None = default if scaler is None else scaler
-        self._lightning = _lightning_plugin(precision, device)
+        # Lightning's plugin for the mode, whose conversions and contexts are reused (a
+        # MixedPrecision's GradScaler stays unused: our LossScaler unscales the masters)
+        if precision == "32-true":
+            self._lightning: Precision = Precision()
+        elif precision in ("16-true", "bf16-true"):
+            self._lightning = HalfPrecision(precision)  # type: ignore[arg-type]
+        else:
+            self._lightning = MixedPrecision(precision, device)  # type: ignore[arg-type]
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> RoundPipePrecision:

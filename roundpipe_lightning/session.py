@@ -346,6 +346,7 @@ class SessionHost:
     cluster_environment: ClusterEnvironment | None
     _checkpoint_io: CheckpointIO | None
     _num_nodes = 1  # Fabric's connector sets it directly
+    _entry = "Trainer"  # what the messages tell the user to configure
 
     @property
     def num_nodes(self) -> int:
@@ -365,6 +366,57 @@ class SessionHost:
         rank_zero_only.rank = rank  # type: ignore[attr-defined]
 
     _set_world_ranks = set_world_ranks
+
+    def check_launch(self, processes: int | None = None) -> ClusterEnvironment | None:
+        """The cluster environment, after refusing several processes on one node (each
+        would claim all of its devices), several nodes in a process no launcher started,
+        a pool not all CPU workers or all CUDA GPUs, and what the settings cannot run in
+        ``processes`` (default: the environment's world size)."""
+        owner, entry, env = self.settings.owner, self._entry, self.cluster_environment
+        num_nodes, devices = self.num_nodes, self.compute_devices
+        if processes is None:
+            processes = env.world_size() if env is not None else 1
+        local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        local_rank = env.local_rank() if env is not None else 0
+        crowded = None  # what shows that the launcher started several processes on this node
+        if local_world.isdigit() and int(local_world) > 1:
+            crowded = f"LOCAL_WORLD_SIZE={local_world}"
+        elif local_rank > 0:
+            crowded = f"LOCAL_RANK={local_rank}"
+        elif processes > num_nodes:
+            crowded = f"{processes} processes (WORLD_SIZE) for num_nodes={num_nodes}"
+        if crowded is not None:
+            raise ValueError(
+                f"{owner} runs one process per node, and that process drives all of the node's "
+                f"devices ({entry}(devices={len(devices)})); this process is one of several on its node "
+                f"({crowded}), so each would claim the same devices. Launch one process per node: "
+                "on one machine plain `python train.py` (no torchrun); on N machines `torchrun "
+                f"--nnodes N --nproc-per-node 1 train.py` with {entry}(num_nodes=N), or `srun "
+                "--ntasks-per-node=1`."
+            )
+        if num_nodes > 1 and (env is None or not env.creates_processes_externally):
+            raise ValueError(
+                f"{owner} with num_nodes={num_nodes} runs one process per node, started by a "
+                "launcher (torchrun --nproc-per-node 1, srun with one task per node, or the "
+                "MASTER_ADDR / WORLD_SIZE / NODE_RANK environment); this process was not."
+            )
+        kinds = {d.type for d in devices}
+        if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
+            raise ValueError(
+                f"{owner} runs on CPU workers or CUDA GPUs, got devices {devices}; "
+                f"use {entry}(accelerator='cpu' or 'gpu', devices=N)"
+            )
+        if devices[0].type == "cpu" and len(devices) == 1:
+            # devices="auto" on CPU is one device: training works but nothing overlaps
+            log.warning(
+                f"{owner} runs on 1 CPU worker (what {entry}(devices='auto') gives on "
+                "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
+                f"{entry}(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
+                "machine's cores); RoundPipe used without Lightning takes devices=N or reads "
+                "ROUNDPIPE_CPU_DEVICES."
+            )
+        self.settings.check_processes(processes)
+        return env
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -417,64 +469,6 @@ def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
     if seq is not None:
         return seq, net
     return net, None
-
-
-# -- the process topology: one process per node ------------------------------------------------
-def check_pool_devices(
-    devices: list[torch.device], owner: str = "RoundPipeStrategy", entry: str = "Trainer"
-) -> list[torch.device]:
-    """``devices`` if they are all CPU workers or all CUDA GPUs (one CPU worker: a hint)."""
-    kinds = {d.type for d in devices}
-    if not kinds <= {"cpu", "cuda"} or len(kinds) != 1:
-        raise ValueError(
-            f"{owner} runs on CPU workers or CUDA GPUs, got devices {devices}; "
-            f"use {entry}(accelerator='cpu' or 'gpu', devices=N)"
-        )
-    if devices[0].type == "cpu" and len(devices) == 1:
-        # devices="auto" on CPU is one device: training works but nothing overlaps
-        log.warning(
-            f"{owner} runs on 1 CPU worker (what {entry}(devices='auto') gives on "
-            "CPU): one worker runs every stage in turn, so nothing is pipelined. Pass "
-            f"{entry}(accelerator='cpu', devices=N) with N >= 2 for N workers (they share this "
-            "machine's cores); RoundPipe used without Lightning takes devices=N or reads "
-            "ROUNDPIPE_CPU_DEVICES."
-        )
-    return devices
-
-
-def crowded_node(local_rank: int, processes: int, num_nodes: int) -> str | None:
-    """What shows that the launcher started several processes on this node, or None."""
-    local_world = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    if local_world.isdigit() and int(local_world) > 1:
-        return f"LOCAL_WORLD_SIZE={local_world}"
-    if local_rank > 0:
-        return f"LOCAL_RANK={local_rank}"
-    if processes > num_nodes:
-        return f"{processes} processes (WORLD_SIZE) for num_nodes={num_nodes}"
-    return None
-
-
-def check_one_process_per_node(
-    owner: str, entry: str, env: Any, processes: int, num_nodes: int, devices: int
-) -> None:
-    """Refuse several processes on one node (each would claim all of its devices) and
-    several nodes in a process no launcher started."""
-    crowded = crowded_node(env.local_rank() if env is not None else 0, processes, num_nodes)
-    if crowded is not None:
-        raise ValueError(
-            f"{owner} runs one process per node, and that process drives all of the node's "
-            f"devices ({entry}(devices={devices})); this process is one of several on its node "
-            f"({crowded}), so each would claim the same devices. Launch one process per node: "
-            "on one machine plain `python train.py` (no torchrun); on N machines `torchrun "
-            f"--nnodes N --nproc-per-node 1 train.py` with {entry}(num_nodes=N), or `srun "
-            "--ntasks-per-node=1`."
-        )
-    if num_nodes > 1 and (env is None or not env.creates_processes_externally):
-        raise ValueError(
-            f"{owner} with num_nodes={num_nodes} runs one process per node, started by a "
-            "launcher (torchrun --nproc-per-node 1, srun with one task per node, or the "
-            "MASTER_ADDR / WORLD_SIZE / NODE_RANK environment); this process was not."
-        )
 
 
 def op_name(reduce_op: Any) -> str:
@@ -552,22 +546,21 @@ def _not_fused_reason(opt: Optimizer) -> str:
     )
 
 
-def fuse_optimizer(opt: Optimizer) -> bool:
+def fuse_optimizer(opt: Optimizer) -> None:
     """Switch ``opt`` in place (LR schedulers keep working) to torch's fused CPU kernel
     where the user left ``fused`` unset (:func:`roundpipe_core.optim.use_fastest_`);
-    else log why once. Returns whether ``opt`` now runs fused."""
+    else log why once."""
     if any(g.get("fused") for g in opt.param_groups):
-        return True
+        return
     # fused=False is a choice too (use_fastest_ only leaves fused=True / foreach= alone)
     explicit = any(g.get("fused") is False for g in opt.param_groups)
     if not explicit and use_fastest_(opt):
-        return True
+        return
     reason = _not_fused_reason(opt)
     key = (type(opt).__qualname__, reason)
     if key not in _SAID:
         _SAID.add(key)
         rank_zero_info(f"RoundPipeStrategy runs {type(opt).__name__} unfused: {reason}")
-    return False
 
 
 IMPL_KEYS = ("fused", "foreach")
@@ -860,8 +853,7 @@ class Session:
         build_hint: str = "self.parameters()",
     ) -> None:
         """Point ``opt`` at the masters, fuse it, and make ``zero_grad`` (default: a no-op)
-        its ``zero_grad``: clearing the gradients while a queued step reads them would
-        lose its update, so the step calls the real one right after it."""
+        its ``zero_grad``; the queued step calls the real one (:func:`defer_zero_grad`)."""
         self.user_impl[id(opt)] = [{k: g[k] for k in IMPL_KEYS if k in g} for g in opt.param_groups]
         point_at_masters(opt, self.rp, build_hint)
         if self.settings.fuse_optimizer:
@@ -881,12 +873,6 @@ class Session:
         if all(o is not opt for o in self.optimizers):
             self.optimizers.append(opt)
 
-    def fuse_again(self) -> None:
-        """After a load: a checkpoint of an unfused run brings back ``fused=None``."""
-        if self.settings.fuse_optimizer:
-            for opt in self.optimizers:
-                fuse_optimizer(opt)
-
     def queue_step(
         self,
         opt: Optimizer,
@@ -896,15 +882,12 @@ class Session:
         reduce_first: bool = False,
         layerwise: bool = False,
     ) -> None:
-        """Hand ``opt.step(**kwargs)`` (``update=False``: only the clearing, a skipped
-        step) to the RoundPipe: asynchronous with ``async_step``, with the
-        hyperparameters of now. On the optimizer thread, once the gradients of the calls
-        before it are in: ``reduce_first`` reduces them over the processes (collective:
-        every process queues every step, skipped ones too), then ``clip`` runs, then the
-        step. ``layerwise``: the deepest layers step while the backward still runs (in
-        one process: a reduction needs them all). With ``offload_dir`` the step is
-        layer-wise, paging masters and optimizer state in from the files; the strategy
-        then clips before queueing (it does not overlap iterations that clip)."""
+        """Hand ``opt.step(**kwargs)`` with the hyperparameters of now to the RoundPipe
+        (``update=False``: a skipped step, only the clearing). On the optimizer thread,
+        once the calls before it are in: ``reduce_first`` reduces the gradients
+        (collective: every process queues every step, skipped ones too), ``clip`` runs,
+        then the step; ``layerwise`` (one process) steps the deepest layers while the
+        backward still runs, as ``offload_dir`` always does, paging from its files."""
         steps, dp = self.steps, self.dp
         reduce_first = reduce_first and dp.world_size > 1
         layerwise = layerwise and not reduce_first
@@ -985,7 +968,10 @@ class Session:
         parameter's (live tensors, not copies; a sharded optimizer's are in its shards),
         the loss scaler, the layer timer and which stages draw random numbers."""
         in_shards = sharded_masters(self.dp, optimizers)
-        values = self._master_values()
+        values: Mapping[str, Tensor] = {}
+        if self.tier is not None:  # mapping its files, valid until the second step from now
+            files = self.tier.masters_state()
+            values = {name: files[key] for name, key in self._tier_names().items()}
         masters = {
             name: values.get(name, m).detach()
             for name, p, m in self.named_masters()
@@ -1003,14 +989,6 @@ class Session:
         """{parameter name: the disk tier's name of its master}."""
         of_master = {id(m): name for name, _, m in self.rp.masters.copies}
         return {name: of_master[id(m)] for name, _, m in self.named_masters() if id(m) in of_master}
-
-    def _master_values(self) -> Mapping[str, Tensor]:
-        """The disk tier's masters by parameter name (mapping its files, valid until the
-        second step from now); empty without a tier."""
-        if self.tier is None:
-            return {}
-        state = self.tier.masters_state()
-        return {name: state[key] for name, key in self._tier_names().items()}
 
     def save_shard(self, opt: Optimizer, directory: Path) -> None:
         """Every rank, sharded: its share of ``opt``'s state (with the user's fused /
@@ -1045,11 +1023,8 @@ class Session:
             )
         else:
             self.tier.load_state(None, opt, state)
-
-    def read_section(self, section: Any, strict: bool) -> Mapping[str, Tensor]:
-        """The saved masters of a section, checked before anything is loaded."""
-        params = {name: p for name, p, _ in self.named_masters()}
-        return check_roundpipe_section(section, params, strict=strict)
+        if self.settings.fuse_optimizer:  # a checkpoint of an unfused run has fused=None
+            fuse_optimizer(opt)
 
     def load_masters(self, saved: Mapping[str, Tensor], from_weights: bool = True) -> None:
         """Each master becomes its saved value, else (``from_weights``, after the weights
@@ -1080,18 +1055,31 @@ class Session:
                 if from_weights:
                     m.grad = None
 
-    def restore(self, section: Any, loss_scaler: Any = None) -> None:
-        """The loss scaler and what the RoundPipe learned (layer timer, stages' draws)."""
+    def load_section(
+        self,
+        section: Any,
+        strict: bool,
+        load_weights: Callable[[], None] | None = None,
+        loss_scaler: Any = None,
+    ) -> None:
+        """Restore a checkpoint's section, checked before anything (``load_weights``: the
+        module's weights, which the masters then follow) is loaded, so a bad file leaves
+        the model as it was: the masters, the loss scaler, what the RoundPipe learned."""
+        params = {name: p for name, p, _ in self.named_masters()}
+        saved = check_roundpipe_section(section, params, strict=strict)
+        if load_weights is not None:
+            load_weights()
+        self.load_masters(saved, from_weights=load_weights is not None)
         state = section or {}
         if loss_scaler is not None and "loss_scaler" in state:
             loss_scaler.load_state_dict(state["loss_scaler"])
-        if isinstance(self.rp, RoundPipe):
+        if isinstance(self.rp, RoundPipe):  # the layer timer, the stages' draws
             restore_learned(self.rp, state)
 
-    def check_optimizer_states(self, optimizers: Sequence[Optimizer]) -> None:
+    def check_optimizer_states(self) -> None:
         """Each state tensor has its parameter's shape (fused kernels do not check)."""
         names = {id(m): name for name, _, m in self.named_masters()}
-        for opt in optimizers:
+        for opt in self.optimizers:
             check_state_matches(opt, names)
 
     # -- end -------------------------------------------------------------------------------------

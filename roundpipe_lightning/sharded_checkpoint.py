@@ -1,9 +1,6 @@
-"""Checkpoints of ``shard_host_state=True``: each rank owns its share of the optimizer
-state, so rank 0 writes the checkpoint file as always with a marker in place of each
-sharded optimizer's state, and every rank writes its share beside it, into
-``<checkpoint>.shards/optimizer<i>/`` (``fabric.save``: ``<checkpoint>.shards/KEY/``).
-A resume reads them on any rank count; :func:`convert_sharded_checkpoint` merges them
-into an ordinary checkpoint that plain Lightning loads.
+"""Checkpoints of ``shard_host_state=True``: rank 0's file holds a marker in place of each
+sharded optimizer's state, every rank writes its share into ``<checkpoint>.shards/``
+(layout, resume on any rank count, merging: docs/multi-node.md).
 """
 
 from __future__ import annotations

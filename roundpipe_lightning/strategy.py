@@ -50,8 +50,6 @@ from .session import (
     SessionSettings,
     all_reduce,
     check_loss_went_through,
-    check_one_process_per_node,
-    check_pool_devices,
     check_type,
     expose_settings,
 )
@@ -350,12 +348,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         # one process per node: the node's whole pool consumes one shard
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-    def check_launch(self) -> ClusterEnvironment | None:
-        """The cluster environment, after checking one process per node."""
-        env, devices = self.cluster_environment, len(self.compute_devices)
-        check_one_process_per_node(_OWNER, "Trainer", env, self.world_size, self.num_nodes, devices)
-        return env
-
     @override
     def model_to_device(self) -> None:
         return None  # parameters stay in host memory; RoundPipe uploads stages
@@ -405,11 +397,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         # fail on an unsupported configuration before anything starts
         _ = self.precision_plugin
         env = self.check_launch()
-        self.settings.check_processes(self.world_size)
         if self.world_size > 1:
             check_shardable(self._dp.shard_host_state, self._loss_scaler)
             self._dp.connect(env, self.world_size)
-        check_pool_devices(self.compute_devices)
         assert self.accelerator is not None
         self.accelerator.setup_device(self.compute_devices[0])
 
@@ -423,8 +413,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         self._build_roundpipe()
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if self.async_step and self._flush_callback not in callbacks:
-            # first: callback hooks run before the module's and the strategy's
-            callbacks.insert(0, self._flush_callback)
+            callbacks.insert(0, self._flush_callback)  # first (FlushWeights says why)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             assert self._session is not None
@@ -477,8 +466,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         super().setup_optimizers(trainer)
         assert self._session is not None
         for opt in self.optimizers:
-            # Lightning zeroes the gradients *after* training_step in automatic optimization,
-            # which would wipe what forward_backward produced: the queued step clears them
             self._session.adopt(raw_optimizer(opt))
 
     # -- training ------------------------------------------------------------------------------
@@ -503,7 +490,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
                 if wrapper is not raw:
                     defer_zero_grad(wrapper, ordered)
                     self._zero_grad_wrappers.append(wrapper)
-        self._check_optimizer_states()  # also state a hook loaded, before the first step
+        session.check_optimizer_states()  # also state a hook loaded, before the first step
         rp = session.rp
         if not self.settings.overlap_iterations or not isinstance(rp, RoundPipe):
             return  # (an AutoRoundPipe has no forward_backward to overlap)
@@ -579,7 +566,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             update=do_update,
             clip=clip if overlap and do_update else None,
             reduce_first=overlap,
-            # the deepest layers step while the backward still runs on the first ones
             layerwise=overlap and steps_in_parts(opt, model),
         )
         return closure_result
@@ -621,7 +607,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         full = functools.partial(super().optimizer_state, optimizer)
         if self._session is None:
             return full()
-        # the user's fused / foreach; sharded, each rank writes its own share (save_checkpoint)
         return self._session.optimizer_state(raw_optimizer(optimizer), full)
 
     def roundpipe_state_dict(self) -> dict[str, Any]:
@@ -630,6 +615,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         save returns."""
         self._sync_weights()
         assert self._session is not None
+        # (this fit's optimizers: a save after teardown finds them here, not in the session)
         return self._session.section(self.optimizers, self._loss_scaler)
 
     @override
@@ -669,12 +655,9 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             self._deferred_model_state = (checkpoint, strict)
             return
         self._sync_weights()
+        load_weights = functools.partial(super().load_model_state_dict, checkpoint, strict=strict)
         section = checkpoint.get(CHECKPOINT_KEY)
-        # checked before anything is loaded, so a bad file leaves the model as it was
-        saved = self._session.read_section(section, strict)
-        super().load_model_state_dict(checkpoint, strict=strict)
-        self._session.load_masters(saved)
-        self._session.restore(section, self._loss_scaler)
+        self._session.load_section(section, strict, load_weights, self._loss_scaler)
 
     @override
     def load_checkpoint(
@@ -694,12 +677,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         for i, (opt, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
             directory = None if path is None else shards_dir(path, i)
             self._session.load_optimizer(raw_optimizer(opt), state, directory)
-        self._check_optimizer_states()
-        self._session.fuse_again()
-
-    def _check_optimizer_states(self) -> None:
-        if self._session is not None:
-            self._session.check_optimizer_states([raw_optimizer(o) for o in self.optimizers])
+        self._session.check_optimizer_states()
 
     # -- teardown --------------------------------------------------------------------------------
     @override
@@ -744,7 +722,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
             callbacks: list[Callback] = getattr(trainer, "callbacks", [])
             if self._flush_callback in callbacks:
                 callbacks.remove(self._flush_callback)
-            # ParallelStrategy.teardown: cluster environment, optimizers/model to CPU, plugins
             super().teardown()
 
 

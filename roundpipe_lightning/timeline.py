@@ -1,12 +1,5 @@
-"""A picture of one pipelined iteration: measured above simulated, on one time scale.
-
-:func:`render_timeline` draws :class:`roundpipe_core.running.trace.Span` lists with
-matplotlib's Agg backend (no display, safe in a training process), a panel per
-timeline with a lane per device (compute, then thin transfer rows), bars coloured by
-kind and labelled where they are wide enough::
-
-    image = render_timeline(measured, spans_from_simulation(sim, iteration=-1))
-    logger.experiment.add_image("roundpipe/timeline", image, step, dataformats="HWC")
+"""A picture of one pipelined iteration: measured above simulated, on one time scale,
+drawn with matplotlib's Agg backend (no display: safe in a training process).
 """
 
 from __future__ import annotations
