@@ -131,9 +131,7 @@ class _Tree:
     """A skeleton of ``layer``: ``replica``, a deep copy with meta placeholders for its
     parameters, buffers and the tensors its modules keep outside them (``carried.py``),
     shared tensors staying shared (``ValueError`` for a plain attribute that requires
-    grad), to be filled by an upload; what it was built from (its modules' checks); its
-    upload's layout: the distinct host tensors its slots mirror (tied weights once),
-    whether each is a parameter, where each lands."""
+    grad), to be filled by an upload; its host tensors in upload order, tied ones once."""
 
     def __init__(self, layer: nn.Module) -> None:
         memo: dict[int, object] = {}

@@ -120,13 +120,12 @@ RNG_SHARED = 2  # beside other stages: nothing may draw, nothing is seeded
 
 
 class ComputeGate:
-    """Who computes on the CPU backend now, process-wide (every CPU worker of every pool
-    shares the one CPU generator): an exclusive holder alone (a stage that draws, or whose
-    draws are not known yet), shared holders beside each other. Re-entrant per thread (a
-    nested entry keeps the outer mode); a waiting exclusive request goes first, so shared
-    ones do not starve it. It keeps what was learned per stage, keyed weakly by its first
-    host layer, then by (job kind, first layer, end, train mode): the runs alone without a
-    draw, or that the stage draws (-1)."""
+    """Who computes on the CPU backend now, process-wide: an exclusive holder alone (a
+    stage that draws, or whose draws are not known yet), shared holders beside each
+    other. Re-entrant per thread (a nested entry keeps the outer mode); a waiting
+    exclusive request goes first, so shared ones do not starve it. It keeps what was
+    learned per stage, keyed weakly by its first host layer, then by (job kind, first
+    layer, end, train mode): the runs alone without a draw, or that the stage draws (-1)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
