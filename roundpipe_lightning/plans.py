@@ -11,7 +11,7 @@ __all__ = ["resolve_execute_plan"]
 
 
 def resolve_execute_plan(
-    spec: Any, roundpipe: Any, run_type: str = "fused"
+    spec: Any, roundpipe: Any, run_type: str = "fused", owner: str = "RoundPipeStrategy"
 ) -> ModelExecutePlan | None:
     """The plan ``spec`` describes; a ValueError (naming the item and repeating the spec)
     where it is malformed or does not fit."""
@@ -40,7 +40,7 @@ def resolve_execute_plan(
         plan.check_valid(num_layers, run_type, num_devices)
     except ValueError as exc:
         raise ValueError(
-            f"RoundPipeStrategy(execute_plan={spec!r}) does not fit the model ({num_layers} layers from "
-            f"configure_sequential(), {num_devices} device(s)): {exc}"
+            f"{owner}(execute_plan={spec!r}) does not fit the model ({num_layers} layers, "
+            f"{num_devices} device(s)): {exc}"
         ) from exc
     return plan

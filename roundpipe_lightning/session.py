@@ -295,7 +295,7 @@ class SessionSettings:
             rp = self._split(net, common, source, hint)
         if isinstance(rp, RoundPipe):  # (an AutoRoundPipe has no fused call to plan)
             try:
-                plan = resolve_execute_plan(self.execute_plan, rp, "fused")
+                plan = resolve_execute_plan(self.execute_plan, rp, "fused", self.owner)
                 if plan is not None:
                     rp.set_plan("fused", plan)
             except BaseException:

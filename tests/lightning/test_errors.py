@@ -81,6 +81,7 @@ def test_bad_layout_string(layout: str, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern) as info:
         rp_trainer(max_steps=1, strategy_kw=dict(execute_plan=layout)).fit(SeqModule(), loader())
     assert "7 layers" in str(info.value) and "2 device" in str(info.value)
+    assert str(info.value).startswith(f"RoundPipeStrategy(execute_plan={layout!r})")
     assert roundpipe_threads() == []
 
 
