@@ -135,11 +135,6 @@ class ReusedHostTensors:
             kept.append(out.untyped_storage())
             return out
 
-    def nbytes(self) -> int:
-        """Bytes of the storages kept (in use or free)."""
-        with self._lock:
-            return sum(size * len(kept) for size, kept in self._kept.items())
-
 
 # how many tensors and storage handles share a storage (private, present since torch 1.13;
 # without it nothing is reused)
