@@ -13,6 +13,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -521,9 +522,10 @@ class RoundPipe(RoundPipeBase):
                     grads_done=completion.job_done,
                 )
                 run.caller_waits = blocking
-                pending = call.pending_result = PendingResult(
+                pending = PendingResult(
                     steps, run, buffer, cfg, len(split.parts), return_outputs, completion
                 )
+                call.pending_ref = weakref.ref(pending)
                 futures = self.pool.submit(
                     jobs_by_device(jobs, self.num_devices), lambda w, q: run_queue(run, w, q)
                 )

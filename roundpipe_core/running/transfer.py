@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -439,7 +440,7 @@ def upload_job(
     if run.weights is not None:
         if stage.aliases_host:
             stage.released = threading.Event()
-            fence = _release_fence(run, stage.released)
+            fence = _ReleaseFence(run, stage.released)
         else:
             # the host copy of these layers may be overwritten once this upload has read it
             fence = worker.param_fence()
@@ -451,12 +452,23 @@ def upload_job(
 _RELEASE_WAIT_S = 0.05
 
 
-def _release_fence(run: Any, released: threading.Event) -> Callable[[], None]:
-    """A fence until a stage computing on host weights is released, or its run failed."""
+class _ReleaseFence:
+    """A fence until a stage computing on host weights is released, or its run failed.
+    It holds the run weakly and says when it is ``settled()``: the fences of ended runs
+    wait for the next publication, which a loop without steps never reaches, and a
+    settled one is not kept (each would keep its run's records and outputs alive)."""
 
-    def fence() -> None:
-        while not released.wait(_RELEASE_WAIT_S):
-            if run.failed is not None:
+    __slots__ = ("_run", "released")
+
+    def __init__(self, run: Any, released: threading.Event) -> None:
+        self._run = weakref.ref(run)
+        self.released = released
+
+    def settled(self) -> bool:
+        return self.released.is_set()
+
+    def __call__(self) -> None:
+        while not self.released.wait(_RELEASE_WAIT_S):
+            run = self._run()
+            if run is None or run.failed is not None:
                 return
-
-    return fence

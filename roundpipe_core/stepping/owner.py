@@ -35,8 +35,10 @@ class PipelinedCall:
         self.weights = runs.versions  # what the call's uploads wait on, layer by layer
         self.reader: Any = None
         self.launched = False
-        # the call's PendingResult: made (by the caller) before its jobs are submitted
-        self.pending_result: Any = None
+        # the call's PendingResult, set by the caller before its jobs are submitted;
+        # weakly, as that result holds this call's completion callback: a strong
+        # reference would make every call a cycle that only the garbage collector frees
+        self.pending_ref: Callable[[], PendingResult | None] = lambda: None
 
     def completion(
         self, jobs: Sequence[Job], masters_of: Callable[[Job], list[nn.Parameter]]
@@ -48,8 +50,13 @@ class PipelinedCall:
             jobs,
             masters_of,
             self._runs.versions.notify,
-            lambda masters: self._runs.merge_completed(self.pending_result, masters),
+            self._merge_completed,
         )
+
+    def _merge_completed(self, masters: list[nn.Parameter]) -> None:
+        pending = self.pending_ref()
+        if pending is not None:  # (else no longer in flight: merged, nothing to do)
+            self._runs.merge_completed(pending, masters)
 
     def reserve(self, job_layers: Sequence[range], num_devices: int) -> Any:
         """The call's jobs are known: the next call starts on the device after its last;

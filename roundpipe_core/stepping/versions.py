@@ -59,6 +59,12 @@ class RemotePublisher(Protocol):
         ...
 
 
+def _settled(fence: Callable[[], None]) -> bool:
+    """Whether ``fence`` says it would return at once (a fence may have ``settled()``)."""
+    settled = getattr(fence, "settled", None)
+    return settled is not None and settled()
+
+
 class _Reader:
     """A pipelined run as a reader of weight version ``version``: how many of its
     jobs still have to upload each layer, and the fences of the uploads issued.
@@ -176,7 +182,9 @@ class WeightVersions:
         with self.cond:
             if reader in self._readers:
                 self._readers.remove(reader)
-                self._ended_fences.extend(f for fs in reader.fences.values() for f in fs)
+                self._ended_fences.extend(
+                    f for fs in reader.fences.values() for f in fs if not _settled(f)
+                )
             self.cond.notify_all()
 
     # -- publication (optimizer thread) ------------------------------------------------

@@ -37,6 +37,32 @@ def test_dropped_roundpipe_is_garbage_collected() -> None:
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
 
 
+def test_a_finished_call_is_freed_without_the_garbage_collector() -> None:
+    # a loop of calls without a step in between keeps memory flat: each call's run (its
+    # losses, outputs and timing records) goes with its handle, by reference counting
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    rp = RoundPipe(mlp(), devices="cpu:2")
+    rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+    gc.collect()
+    gc.disable()
+    try:
+        runs = []
+        for _ in range(3):
+            handle = rp.forward_backward(
+                (x,), label=y, loss_fn=sum_sq, return_outputs=True, blocking=False
+            )
+            handle.result(timeout=60)
+            runs.append(weakref.ref(handle.run))
+            del handle
+        rp.forward_backward((x,), label=y, loss_fn=sum_sq)
+        alive = [r() for r in runs]
+        assert alive == [None] * 3, [
+            [type(o).__name__ for o in gc.get_referrers(run)] for run in alive if run is not None
+        ]
+    finally:
+        gc.enable()
+
+
 def _run(
     script: str, timeout: float = 90.0, env_extra: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
