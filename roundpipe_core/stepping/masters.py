@@ -112,6 +112,7 @@ class MasterWeights:
         # (Tensor.register_hook) are run on the call's gradient in add_many
         self.params_of: dict[int, list[nn.Parameter]] = {}
         self.name_of: dict[int, str] = {}  # master id -> its parameter's name
+        self._of_layers: dict[tuple[int, ...], tuple[tuple[nn.Module, ...], list]] = {}
         # guards the masters' .grad: workers add to it while the caller may read it
         self.grad_lock = threading.Lock()
         if create:
@@ -260,14 +261,23 @@ class MasterWeights:
         return restored
 
     def of_layers(self, layers: Sequence[nn.Module]) -> list[nn.Parameter]:
-        """The masters of the parameters of ``layers`` (each once)."""
+        """The masters of the parameters of ``layers`` (each once; a shared list, not to
+        be changed). Kept per layer run, as the masters never change: every call asks it
+        for each of its backward jobs."""
+        key = tuple(map(id, layers))
+        known = self._of_layers.get(key)
+        if known is not None:
+            return known[1]
         seen: dict[int, nn.Parameter] = {}
         for layer in layers:
             for p in layer.parameters():
                 m = self.master_of.get(id(p))
                 if m is not None:
                     seen[id(m)] = m
-        return list(seen.values())
+        masters = list(seen.values())
+        # the layers are kept with their masters: while cached, no other module has their ids
+        self._of_layers[key] = (tuple(layers), masters)
+        return masters
 
     def hand_grads_to_model(self) -> None:
         """Show each master's accumulated gradient as its model parameter's ``.grad``

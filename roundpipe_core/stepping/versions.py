@@ -121,6 +121,11 @@ class WeightVersions:
                     self._pair[id(pm[1])] = pm
             self.layer_pairs.append(pairs)
         self.version: dict[int, int] = {k: 0 for k in self._pair}
+        # how many masters hold each version, and the oldest one held: a run reading a
+        # version no newer than that finds every layer ready without walking its masters
+        # (the common case: one check per job)
+        self._holding: dict[int, int] = {0: len(self.version)} if self.version else {}
+        self.floor = 0
         self._readers: list[_Reader] = []
         # fences of uploads that runs which ended (an aborted one too) had issued: the
         # next publication waits for them, so it never rewrites a host copy under a DMA
@@ -144,11 +149,13 @@ class WeightVersions:
         return reader
 
     def _ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        return all(
+        return self.floor >= reader.version or all(
             self.version[id(m)] >= reader.version for i in layers for _, m in self.layer_pairs[i]
         )
 
     def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
+        if self.floor >= reader.version:  # (the floor only rises: no lock needed to see it)
+            return True
         with self.cond:
             return self._ready(reader, layers) or (
                 reader.gate is not None and reader.gate[0].done()
@@ -159,6 +166,8 @@ class WeightVersions:
     ) -> None:
         """Block until ``layers`` hold ``reader``'s version (or its gate opened);
         PoolError once ``failed()``."""
+        if self.floor >= reader.version:
+            return
         gate = reader.gate
         with self.cond:
             while not self._ready(reader, layers):
@@ -277,7 +286,14 @@ class WeightVersions:
     def _mark(self, keys: Sequence[int], version: int) -> None:
         with self.cond:
             for k in keys:
-                self.version[k] = version
+                old = self.version[k]
+                if old != version:
+                    self._holding[old] -= 1
+                    if not self._holding[old]:
+                        del self._holding[old]
+                    self._holding[version] = self._holding.get(version, 0) + 1
+                    self.version[k] = version
+            self.floor = min(self._holding, default=version)
             self.cond.notify_all()
 
     # -- remote publication (the optimizer thread, or synchronize()) --------------------------
