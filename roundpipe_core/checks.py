@@ -22,13 +22,12 @@ from torch import nn
 from . import batch as batching
 from .kinds import check_byte_counts
 from .planning.profile import check_plan_fits, measure_activation_bytes, scale_activation_bytes
-from .running.carried import REPLICA_OWNED, carried_tensors
+from .running.carried import REPLICA_OWNED
 from .stepping.masters import MasterWeights
 
 __all__ = [
     "ForwardRuleChecker",
     "PlanFitChecker",
-    "check_carried_state",
     "check_forward_rules",
     "check_not_compiled_in_place",
     "find_shared_buffers",
@@ -193,17 +192,6 @@ def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
                     "per-device copies cannot keep; compile it as a new module instead "
                     "(layers[i] = torch.compile(layer)) before wrapping"
                 )
-
-
-def check_carried_state(layers: Sequence[nn.Module]) -> None:
-    """Refuse a layer that keeps a tensor requiring grad as a plain attribute: its device
-    copy's gradient would never be downloaded (``running/carried.py``).
-
-    Raises:
-        ValueError: naming the layer, module and attribute, and the fix.
-    """
-    for i, layer in enumerate(layers):
-        carried_tensors(layer, f"layer {i}")
 
 
 def check_not_on_meta(model: nn.Module) -> None:
