@@ -177,12 +177,9 @@ class ForwardRuleChecker:
 
 
 def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
-    """Refuse layers compiled in place (``module.compile()``): the device copies would
-    silently run uncompiled (``torch.compile(module)`` copies with its compilation).
-
-    Raises:
-        ValueError: naming the first such module and the fix.
-    """
+    """Refuse (ValueError, naming the first such module and the fix) layers compiled in
+    place (``module.compile()``): the device copies would silently run uncompiled
+    (``torch.compile(module)`` copies with its compilation)."""
     for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
             if getattr(module, "_compiled_call_impl", None) is not None:

@@ -429,11 +429,8 @@ def _classify(
 
 
 def probe_decoder(parts: DecoderParts) -> ModelRecipe:
-    """Record one forward of ``parts.model`` and read how it calls its parts.
-
-    Raises:
-        ValueError: naming the first thing the converter cannot rebuild.
-    """
+    """Record one forward of ``parts.model`` and read how it calls its parts; ValueError
+    naming the first thing the converter cannot rebuild."""
     params = list(parts.model.parameters())
     if not params:
         raise refuse(parts, "it has no parameters")
@@ -703,11 +700,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_conversion(parts: DecoderParts, seq: nn.Sequential) -> None:
-    """Run ``seq`` layer by layer on the probe batch; logits and loss must be the model's own.
-
-    Raises:
-        ValueError: if they differ (the message gives the relative error).
-    """
+    """Run ``seq`` layer by layer on the probe batch; logits and loss must be the model's
+    own (else ValueError, giving the relative error)."""
     device = next(parts.model.parameters()).device
     ids, mask = _probe_batch(parts, device)
     labels = ids.masked_fill(mask == 0, -100)
