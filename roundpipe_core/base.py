@@ -27,7 +27,6 @@ from .checks import (
     check_not_compiled_in_place,
     check_not_on_meta,
     claim_parameters,
-    watch_updates,
 )
 from .kinds import PinMode, check_flag, parse_kind
 from .running.carried import carried_tensors
@@ -370,7 +369,7 @@ class RoundPipeBase(nn.Module):
             raise ValueError(STEP_UNSUPPORTED)
         is_async = self._async_allowed(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
-        fn = self._timed_step(watch_updates(fn, self._home().masters, self._idle))
+        fn = self._timed_step(self._idle.watch(fn, self._home().masters))
         self._steps.step(fn, is_async, self._may_publish_in_background(), settle=self._settle)
 
     def _timed_step(self, fn: Callable[[], Any]) -> Callable[[], Any]:

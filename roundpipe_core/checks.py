@@ -4,7 +4,7 @@
 first, :class:`ForwardRuleChecker`) and warns about each write the forward rules forbid
 (docs/presets.md#forward-rules: layers run at once on per-device copies, so a forward
 writes only its own buffers); writes to globals cannot be seen. The other checks refuse
-before a call what the engine could not honour, or warn (:func:`watch_updates`) when
+before a call what the engine could not honour, or warn (:meth:`IdleSteps.watch`) when
 steps keep updating no master.
 """
 
@@ -295,34 +295,32 @@ class IdleSteps:
                 stacklevel=1,
             )
 
+    def watch(self, fn: Callable[[], Any], masters: MasterWeights) -> Callable[[], Any]:
+        """``fn`` that also observes whether it changed a master that had a gradient (by
+        version counters, else by each first element: fused kernels bump no counter)."""
 
-def watch_updates(
-    fn: Callable[[], Any], masters: MasterWeights, idle: IdleSteps
-) -> Callable[[], Any]:
-    """``fn`` that also tells ``idle`` whether it changed a master that had a gradient
-    (by version counters, else by each first element: fused kernels bump no counter)."""
+        def watched() -> Any:
+            if self.settled or self.warned:
+                return fn()
+            with torch.no_grad():
+                before = [
+                    (m, m._version, m.detach().reshape(-1)[:1].clone())
+                    for m in masters.params()
+                    if m.grad is not None and m.numel()
+                ]
+            result = fn()
+            if before:
+                updated = any(m._version != v for m, v, _ in before)
+                if not updated:
+                    with torch.no_grad():
+                        updated = any(
+                            not torch.equal(m.detach().reshape(-1)[:1], first)
+                            for m, _, first in before
+                        )
+                self.observe(updated)
+            return result
 
-    def watched() -> Any:
-        if idle.settled or idle.warned:
-            return fn()
-        with torch.no_grad():
-            before = [
-                (m, m._version, m.detach().reshape(-1)[:1].clone())
-                for m in masters.params()
-                if m.grad is not None and m.numel()
-            ]
-        result = fn()
-        if before:
-            updated = any(m._version != v for m, v, _ in before)
-            if not updated:
-                with torch.no_grad():
-                    updated = any(
-                        not torch.equal(m.detach().reshape(-1)[:1], first) for m, _, first in before
-                    )
-            idle.observe(updated)
-        return result
-
-    return watched
+        return watched
 
 
 class PlanFitChecker:
