@@ -277,8 +277,7 @@ def _tables(parts: DecoderParts, hidden: torch.Tensor, pos: torch.Tensor) -> dic
         for layer_type in [None, *layer_types]:
             args = (hidden, pos) if layer_type is None else (hidden, pos, layer_type)
             try:
-                with torch.no_grad():
-                    out[(name, layer_type)] = module(*args)
+                out[(name, layer_type)] = module(*args)
             except Exception:  # a module that does not take this call
                 continue
     return out
@@ -450,9 +449,8 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
             raise refuse(parts, "its decoder layers do not take the hidden states first")
         layer_input, altup = first, altup_projections(parts.backbone)
         if altup is not None:  # Gemma 3n: the layers take an AltUp stack of the embeddings
-            with torch.no_grad():
-                if not _same(first, AltUpStack(altup[0])(first[0]).transpose(0, 1)):
-                    raise refuse(parts, "its first layer's input is not the AltUp stack")
+            if not _same(first, AltUpStack(altup[0])(first[0]).transpose(0, 1)):
+                raise refuse(parts, "its first layer's input is not the AltUp stack")
             first = first[0]
         pos_hf = torch.arange(PROBE_SEQ, device=device).unsqueeze(0)
         pos = pos_hf.expand(PROBE_BATCH, -1)
@@ -470,11 +468,10 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
         masks_packed = _masks(parts, first, None, packed)
     last = _first(rec.layer_outputs[-1])
     per_layer = PerLayerInputs.of(parts.backbone, parts.config)
-    with torch.no_grad():
-        if altup is not None:
-            last = altup_merge(altup[1], last)
-        embedded = parts.embed_tokens(ids)
-        per_layer_inputs = None if per_layer is None else per_layer(ids, first)
+    if altup is not None:
+        last = altup_merge(altup[1], last)
+    embedded = parts.embed_tokens(ids)
+    per_layer_inputs = None if per_layer is None else per_layer(ids, first)
     norms = [n for n, (args, _, _) in rec.module_calls.items() if args and _same(args[0], last)]
     if len(norms) != 1:
         raise refuse(
