@@ -139,8 +139,7 @@ class RoundPipeBase(nn.Module):
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
         check_not_compiled_in_place(layers)
         for i, layer in enumerate(layers):
-            # refuses a tensor requiring grad kept as a plain attribute (its device copy's
-            # gradient would never be downloaded), naming the layer, module and the fix
+            # refuses a plain attribute requiring grad: its device copy's gradient is lost
             carried_tensors(layer, f"layer {i}")
         check_no_post_accumulate_hooks(model.named_parameters())
         check_not_on_meta(model)

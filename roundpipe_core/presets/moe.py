@@ -107,9 +107,8 @@ def _replay_hook(
     if record is not None:
         record.append(indices.detach())
     elif replay is not None:
-        saved = replay.pop(0).to(indices.device)
-        indices = saved
-        result = (router_logits, rescore(module, router_logits, saved), saved)
+        indices = replay.pop(0).to(indices.device)
+        result = (router_logits, rescore(module, router_logits, indices), indices)
     if capture is not None:
         capture.append((router_logits, indices))
     return result
