@@ -101,9 +101,7 @@ def _same(a: Any, b: Any) -> bool:
         return a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if a is None or b is None:
-        return a is None and b is None
-    return False
+    return a is None and b is None
 
 
 def _first(out: Any) -> Any:
