@@ -258,12 +258,10 @@ def _masks(parts: DecoderParts, hidden: torch.Tensor, mask: Any, pos: torch.Tens
     out = {}
     for kind in MASK_BUILDERS:
         for with_pos in (True, False):
-            try:
+            with contextlib.suppress(Exception):  # a builder this config cannot use, or lacks
                 out[(kind, with_pos)] = build_mask(
                     parts.config, kind, hidden, mask, pos if with_pos else None
                 )
-            except Exception:  # a builder this config cannot use (no chunk size) or lacks
-                continue
     return out
 
 
@@ -274,10 +272,8 @@ def _tables(parts: DecoderParts, hidden: torch.Tensor, pos: torch.Tensor) -> dic
     for name, module in parts.position_modules.items():
         for layer_type in [None, *layer_types]:
             args = (hidden, pos) if layer_type is None else (hidden, pos, layer_type)
-            try:
+            with contextlib.suppress(Exception):  # a module that does not take this call
                 out[(name, layer_type)] = module(*args)
-            except Exception:  # a module that does not take this call
-                continue
     return out
 
 
