@@ -1,30 +1,13 @@
 """Experimental automatic split of an arbitrary model (``use_sequential_preset=False``).
 
-:func:`auto_wrap` walks the module tree:
-
-1. A *chain* -- an ``nn.Sequential``, or a module whose ``forward`` (traced with
-   ``torch.fx``, its children as leaves) feeds one input through its children and
-   single-input functions in turn -- becomes an ``nn.Sequential`` of those steps, steps
-   above ``split_threshold`` parameters that are chains split further: a plain
-   :class:`RoundPipe` with every feature.
-2. Otherwise (skip connections, several inputs, control flow) an :class:`AutoRoundPipe`:
-   a submodule within ``split_threshold``, or a chain, becomes a *unit* run by an inner
-   RoundPipe on the shared pool; bigger modules are opened. The glue code between units
-   (the opened modules' ``forward``) and the parameters opened modules own run on the
-   host. A parameter in several units (tied embeddings) or a module reached twice sums
-   its gradients into the outer RoundPipe's one master.
-
-A module whose forward uses a child's parameter itself (``self.conv1d.weight``) is one
-unit. Where the split cannot see the code it is never silently wrong: a unit parameter
-the host code uses is found while ``forward`` runs (:class:`HostReads`) and trained from
-the host too; a unit call whose inputs are not batch-leading runs whole; a unit computing
-Hugging Face's loss gets the whole call's token count; other reductions over microbatches,
-state a unit leaves for later and a transformers ``Cache`` handed to a unit are refused,
-naming the unit and the fix.
-
-The published options refine the cut (:class:`SplitRules`, :func:`auto_wrap`'s Args).
-An AutoRoundPipe has no ``forward_backward`` and is slower than a hand-written
-Sequential (docs/presets.md says why).
+:func:`auto_wrap` turns a *chain* (an ``nn.Sequential``, or a module whose ``forward``,
+traced with ``torch.fx``, feeds one input through its children in turn) into a plain
+:class:`RoundPipe` over the chain's steps, and any other model into an
+:class:`AutoRoundPipe`: submodules within the threshold (or chains) become *units*, each
+run by an inner RoundPipe on the shared pool, and the glue code of the opened modules
+runs on the host. Where the split cannot see the code it is never silently wrong: what a
+unit call cannot honour is refused, naming the unit and the fix. See docs/presets.md,
+"Automatic split".
 """
 
 from __future__ import annotations

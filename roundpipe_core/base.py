@@ -23,14 +23,13 @@ from torch import nn
 
 from .checks import (
     IdleSteps,
-    check_carried_state,
     check_no_post_accumulate_hooks,
     check_not_compiled_in_place,
     check_not_on_meta,
     claim_parameters,
-    watch_updates,
 )
 from .kinds import PinMode, check_flag, parse_kind
+from .running.carried import carried_tensors
 from .running.devices import memory
 from .running.devices.pool import DevicePool
 from .running.trace import chrome_trace, spans_from_roundpipe
@@ -139,7 +138,9 @@ class RoundPipeBase(nn.Module):
         if not layers:
             raise ValueError("the nn.Sequential is empty; give it at least one layer")
         check_not_compiled_in_place(layers)
-        check_carried_state(layers)
+        for i, layer in enumerate(layers):
+            # refuses a plain attribute requiring grad: its device copy's gradient is lost
+            carried_tensors(layer, f"layer {i}")
         check_no_post_accumulate_hooks(model.named_parameters())
         check_not_on_meta(model)
         if master_owner is None:
@@ -166,7 +167,9 @@ class RoundPipeBase(nn.Module):
 
         self._shared_by_default = shared_masters is None
         if shared_masters is None:
-            shared_masters = self.default_shared_masters(self.pool)
+            # shared on CPU workers (the synchronous step is faster on the host's cores they
+            # compute on); separate on GPUs, for the async step
+            shared_masters = not self.pool.concurrent
         self.masters = MasterWeights(
             model,
             self.optim_dtype,
@@ -365,7 +368,7 @@ class RoundPipeBase(nn.Module):
             raise ValueError(STEP_UNSUPPORTED)
         is_async = self._async_allowed(is_async)
         fn = functools.partial(step_fn, *args, **kwargs) if args or kwargs else step_fn
-        fn = self._timed_step(watch_updates(fn, self._home().masters, self._idle))
+        fn = self._timed_step(self._idle.watch(fn, self._home().masters))
         self._steps.step(fn, is_async, self._may_publish_in_background(), settle=self._settle)
 
     def _timed_step(self, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -397,12 +400,6 @@ class RoundPipeBase(nn.Module):
         (``Worker.lends_host_tensors``); the planner counts them as free on the device."""
         workers = self.pool.workers
         return bool(workers) and all(w.lends_host_tensors for w in workers)
-
-    @staticmethod
-    def default_shared_masters(pool: DevicePool) -> bool:
-        """``shared_masters=None``: share on CPU workers (one at a time on the host's cores:
-        the synchronous step is faster there); separate on GPUs, for the async step."""
-        return not pool.concurrent
 
     def _async_allowed(self, is_async: bool) -> bool:
         """``is_async``, unless a master is shared (said once: a warning where

@@ -4,7 +4,7 @@
 first, :class:`ForwardRuleChecker`) and warns about each write the forward rules forbid
 (docs/presets.md#forward-rules: layers run at once on per-device copies, so a forward
 writes only its own buffers); writes to globals cannot be seen. The other checks refuse
-before a call what the engine could not honour, or warn (:func:`watch_updates`) when
+before a call what the engine could not honour, or warn (:meth:`IdleSteps.watch`) when
 steps keep updating no master.
 """
 
@@ -22,13 +22,12 @@ from torch import nn
 from . import batch as batching
 from .kinds import check_byte_counts
 from .planning.profile import check_plan_fits, measure_activation_bytes, scale_activation_bytes
-from .running.carried import REPLICA_OWNED, carried_tensors
+from .running.carried import REPLICA_OWNED
 from .stepping.masters import MasterWeights
 
 __all__ = [
     "ForwardRuleChecker",
     "PlanFitChecker",
-    "check_carried_state",
     "check_forward_rules",
     "check_not_compiled_in_place",
     "find_shared_buffers",
@@ -178,12 +177,9 @@ class ForwardRuleChecker:
 
 
 def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
-    """Refuse layers compiled in place (``module.compile()``): the device copies would
-    silently run uncompiled (``torch.compile(module)`` copies with its compilation).
-
-    Raises:
-        ValueError: naming the first such module and the fix.
-    """
+    """Refuse (ValueError, naming the first such module and the fix) layers compiled in
+    place (``module.compile()``): the device copies would silently run uncompiled
+    (``torch.compile(module)`` copies with its compilation)."""
     for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
             if getattr(module, "_compiled_call_impl", None) is not None:
@@ -193,17 +189,6 @@ def check_not_compiled_in_place(layers: Sequence[nn.Module]) -> None:
                     "per-device copies cannot keep; compile it as a new module instead "
                     "(layers[i] = torch.compile(layer)) before wrapping"
                 )
-
-
-def check_carried_state(layers: Sequence[nn.Module]) -> None:
-    """Refuse a layer that keeps a tensor requiring grad as a plain attribute: its device
-    copy's gradient would never be downloaded (``running/carried.py``).
-
-    Raises:
-        ValueError: naming the layer, module and attribute, and the fix.
-    """
-    for i, layer in enumerate(layers):
-        carried_tensors(layer, f"layer {i}")
 
 
 def check_not_on_meta(model: nn.Module) -> None:
@@ -310,34 +295,32 @@ class IdleSteps:
                 stacklevel=1,
             )
 
+    def watch(self, fn: Callable[[], Any], masters: MasterWeights) -> Callable[[], Any]:
+        """``fn`` that also observes whether it changed a master that had a gradient (by
+        version counters, else by each first element: fused kernels bump no counter)."""
 
-def watch_updates(
-    fn: Callable[[], Any], masters: MasterWeights, idle: IdleSteps
-) -> Callable[[], Any]:
-    """``fn`` that also tells ``idle`` whether it changed a master that had a gradient
-    (by version counters, else by each first element: fused kernels bump no counter)."""
+        def watched() -> Any:
+            if self.settled or self.warned:
+                return fn()
+            with torch.no_grad():
+                before = [
+                    (m, m._version, m.detach().reshape(-1)[:1].clone())
+                    for m in masters.params()
+                    if m.grad is not None and m.numel()
+                ]
+            result = fn()
+            if before:
+                updated = any(m._version != v for m, v, _ in before)
+                if not updated:
+                    with torch.no_grad():
+                        updated = any(
+                            not torch.equal(m.detach().reshape(-1)[:1], first)
+                            for m, _, first in before
+                        )
+                self.observe(updated)
+            return result
 
-    def watched() -> Any:
-        if idle.settled or idle.warned:
-            return fn()
-        with torch.no_grad():
-            before = [
-                (m, m._version, m.detach().reshape(-1)[:1].clone())
-                for m in masters.params()
-                if m.grad is not None and m.numel()
-            ]
-        result = fn()
-        if before:
-            updated = any(m._version != v for m, v, _ in before)
-            if not updated:
-                with torch.no_grad():
-                    updated = any(
-                        not torch.equal(m.detach().reshape(-1)[:1], first) for m, _, first in before
-                    )
-            idle.observe(updated)
-        return result
-
-    return watched
+        return watched
 
 
 class PlanFitChecker:

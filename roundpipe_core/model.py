@@ -72,7 +72,7 @@ class RoundPipe(RoundPipeBase):
             optimizer updates the module's weights in place (others still get copies).
             Every ``step()`` is then synchronous (``is_async=True`` runs as ``False``,
             with a warning), with plain PyTorch's numbers. ``None`` (default): ``True``
-            on CPU workers, ``False`` on GPUs (``RoundPipeBase.default_shared_masters``).
+            on CPU workers, ``False`` on GPUs (``DevicePool.concurrent``).
         loss_reduction: how ``forward_backward`` combines its per-microbatch losses:
             ``"sum"`` (default, the published contract) or ``"mean"`` (each weighted by
             its share of the batch rows: a ``loss_fn`` returning a batch mean gives the

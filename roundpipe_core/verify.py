@@ -170,6 +170,13 @@ class VerifyReport:
 
     def table(self) -> str:
         """A per-layer table of the largest differences (max abs / max rel)."""
+
+        def fmt(d: Diff | None, rel: bool = True) -> str:
+            if d is None:
+                return "-"
+            text = f"{d.max_abs:8.1e} /{d.max_rel:8.1e}" if rel else f"{d.max_abs:.1e}"
+            return text + ("" if d.ok else " !")
+
         lines = [f"atol={self.atol:g} rtol={self.rtol:g}  reference loss {self.reference_loss:.6f}"]
         for p in self.plans:
             acts, params = p.tensors_compared
@@ -187,21 +194,10 @@ class VerifyReport:
                 f"  {'layer':>5}  {'output abs/rel':>19}  {'out grad abs/rel':>19}  "
                 f"{'param grad abs/rel':>19}  {'recompute abs':>13}"
             )
-
-            def fmt(d: Diff | None) -> str:
-                if d is None:
-                    return f"{'-':>19}"
-                mark = "" if d.ok else " !"
-                return f"{d.max_abs:8.1e} /{d.max_rel:8.1e}{mark}".rjust(19)
-
             for r in p.layers:
-                rec = (
-                    "-"
-                    if r.recompute is None
-                    else f"{r.recompute.max_abs:.1e}" + ("" if r.recompute.ok else " !")
-                )
                 lines.append(
-                    f"  {r.layer:>5}  {fmt(r.output)}  {fmt(r.output_grad)}  {fmt(r.param_grad)}  {rec:>13}"
+                    f"  {r.layer:>5}  {fmt(r.output):>19}  {fmt(r.output_grad):>19}  "
+                    f"{fmt(r.param_grad):>19}  {fmt(r.recompute, rel=False):>13}"
                 )
         return "\n".join(lines)
 

@@ -237,21 +237,15 @@ def wrap_model_to_roundpipe(
             :class:`NoPresetError` (saying why, listing the known presets).
             ``False``: the automatic split
             (:mod:`roundpipe_core.autosplit`), even if a preset exists.
-        lower_threshold: automatic split: modules holding at least this many
-            bytes of their own parameters/buffers are wrapped whole (default 16 KiB).
-        upper_threshold: automatic split: modules larger than this many bytes
-            are split further (default: the model's bytes / (devices + 1)).
-        skip_modules: automatic split: modules left as they are.
-        override_config: automatic split: ``{submodule: RoundPipeRunConfig}``.
+        lower_threshold / upper_threshold / split_threshold / skip_modules /
+            override_config: the automatic split's options, as
+            :func:`~roundpipe_core.autosplit.auto_wrap`'s (ignored when the model is
+            converted); here ``lower_threshold`` defaults to 16 KiB and
+            ``upper_threshold`` to the model's bytes / (devices + 1).
         model_run_config: default ``RoundPipeRunConfig`` of the model.
         name: a name for logs (default: the model's class name).
         optim_dtype: dtype of the optimizer's master weights (``None`` = as the model).
-        split_threshold: automatic split: the threshold in parameters instead
-            of ``upper_threshold`` bytes.
         **roundpipe_kwargs: more ``RoundPipe(...)`` arguments (``pin_model``, ``devices``).
-
-    The automatic-split options are ignored when a preset or the converter by structure
-    converts the model.
 
     Returns:
         A ``RoundPipe`` (attribute access falls through to ``model``), or an

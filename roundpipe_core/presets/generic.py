@@ -62,8 +62,7 @@ def _find_routers(parts: DecoderParts) -> tuple[list[list[nn.Module]], Rescore |
     g = torch.Generator().manual_seed(PROBE_SEED)
     x = torch.randn(1, 6, hidden, generator=g).to(device=weight.device, dtype=weight.dtype)
     try:
-        with torch.no_grad():
-            out = first(x)
+        out = first(x)
     except Exception:  # a router that takes more than the hidden states (a bias, a mask)
         return none
     if not (
@@ -73,8 +72,7 @@ def _find_routers(parts: DecoderParts) -> tuple[list[list[nn.Module]], Rescore |
     logits, scores, indices = out
     for rescore in _RESCORES:
         try:
-            with torch.no_grad():
-                got = rescore(first, logits, indices)
+            got = rescore(first, logits, indices)
         except Exception:  # indices of another layout than (tokens, k)
             continue
         if got.shape == scores.shape and torch.allclose(
@@ -118,7 +116,7 @@ def convert_decoder_lm(model: Any) -> nn.Sequential:
     parts = find_decoder_parts(model)
     _prepare(model)
     config = parts.config
-    with eval_mode(model):
+    with eval_mode(model), torch.no_grad():  # the probe reads the model, trains nothing
         routers, rescore, num_experts = _find_routers(parts)
         moe = rescore is not None
         if not moe and getattr(config, "output_router_logits", False):

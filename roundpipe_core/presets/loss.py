@@ -202,13 +202,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         hidden, weight, bias, target, lse_all = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        )
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_b = (
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            if need_b and bias is not None
-            else None
+            torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
         )
         for start in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(start, start + ctx.chunk)

@@ -107,9 +107,8 @@ def _replay_hook(
     if record is not None:
         record.append(indices.detach())
     elif replay is not None:
-        saved = replay.pop(0).to(indices.device)
-        indices = saved
-        result = (router_logits, rescore(module, router_logits, saved), saved)
+        indices = replay.pop(0).to(indices.device)
+        result = (router_logits, rescore(module, router_logits, indices), indices)
     if capture is not None:
         capture.append((router_logits, indices))
     return result
@@ -148,29 +147,23 @@ def run_with_router_replay(
                     f"expected the routing of {num_routers} router(s) saved by the forward pass, got {saved!r}"
                 )
             _routing.replay = list(saved)
-            try:
-                out = run()
-                if _routing.replay:
-                    raise RuntimeError(
-                        "a router saved in forward was not called again in the recompute"
-                    )
-            finally:
-                _routing.replay = None
+            out = run()
+            if _routing.replay:
+                raise RuntimeError(
+                    "a router saved in forward was not called again in the recompute"
+                )
             return out
         _routing.record = []
-        try:
-            out = run()
-            recorded = tuple(_routing.record)
-        finally:
-            _routing.record = None
+        out = run()
+        recorded = tuple(_routing.record)
         if len(recorded) != num_routers:
             raise RuntimeError(
                 f"expected {num_routers} router call(s) in this layer's forward, saw {len(recorded)}"
             )
         save_for_recompute(*recorded)
         return out
-    finally:
-        _routing.capture = None
+    finally:  # the thread's routing state ends with the layer call, however it ends
+        _routing.capture = _routing.replay = _routing.record = None
 
 
 # --------------------------------------------------------------------------- load-balancing loss

@@ -101,9 +101,7 @@ def _same(a: Any, b: Any) -> bool:
         return a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if a is None or b is None:
-        return a is None and b is None
-    return False
+    return a is None and b is None
 
 
 def _first(out: Any) -> Any:
@@ -260,12 +258,10 @@ def _masks(parts: DecoderParts, hidden: torch.Tensor, mask: Any, pos: torch.Tens
     out = {}
     for kind in MASK_BUILDERS:
         for with_pos in (True, False):
-            try:
+            with contextlib.suppress(Exception):  # a builder this config cannot use, or lacks
                 out[(kind, with_pos)] = build_mask(
                     parts.config, kind, hidden, mask, pos if with_pos else None
                 )
-            except Exception:  # a builder this config cannot use (no chunk size) or lacks
-                continue
     return out
 
 
@@ -276,11 +272,8 @@ def _tables(parts: DecoderParts, hidden: torch.Tensor, pos: torch.Tensor) -> dic
     for name, module in parts.position_modules.items():
         for layer_type in [None, *layer_types]:
             args = (hidden, pos) if layer_type is None else (hidden, pos, layer_type)
-            try:
-                with torch.no_grad():
-                    out[(name, layer_type)] = module(*args)
-            except Exception:  # a module that does not take this call
-                continue
+            with contextlib.suppress(Exception):  # a module that does not take this call
+                out[(name, layer_type)] = module(*args)
     return out
 
 
@@ -429,11 +422,8 @@ def _classify(
 
 
 def probe_decoder(parts: DecoderParts) -> ModelRecipe:
-    """Record one forward of ``parts.model`` and read how it calls its parts.
-
-    Raises:
-        ValueError: naming the first thing the converter cannot rebuild.
-    """
+    """Record one forward of ``parts.model`` and read how it calls its parts; ValueError
+    naming the first thing the converter cannot rebuild."""
     params = list(parts.model.parameters())
     if not params:
         raise refuse(parts, "it has no parameters")
@@ -453,9 +443,8 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
             raise refuse(parts, "its decoder layers do not take the hidden states first")
         layer_input, altup = first, altup_projections(parts.backbone)
         if altup is not None:  # Gemma 3n: the layers take an AltUp stack of the embeddings
-            with torch.no_grad():
-                if not _same(first, AltUpStack(altup[0])(first[0]).transpose(0, 1)):
-                    raise refuse(parts, "its first layer's input is not the AltUp stack")
+            if not _same(first, AltUpStack(altup[0])(first[0]).transpose(0, 1)):
+                raise refuse(parts, "its first layer's input is not the AltUp stack")
             first = first[0]
         pos_hf = torch.arange(PROBE_SEQ, device=device).unsqueeze(0)
         pos = pos_hf.expand(PROBE_BATCH, -1)
@@ -473,11 +462,10 @@ def probe_decoder(parts: DecoderParts) -> ModelRecipe:
         masks_packed = _masks(parts, first, None, packed)
     last = _first(rec.layer_outputs[-1])
     per_layer = PerLayerInputs.of(parts.backbone, parts.config)
-    with torch.no_grad():
-        if altup is not None:
-            last = altup_merge(altup[1], last)
-        embedded = parts.embed_tokens(ids)
-        per_layer_inputs = None if per_layer is None else per_layer(ids, first)
+    if altup is not None:
+        last = altup_merge(altup[1], last)
+    embedded = parts.embed_tokens(ids)
+    per_layer_inputs = None if per_layer is None else per_layer(ids, first)
     norms = [n for n, (args, _, _) in rec.module_calls.items() if args and _same(args[0], last)]
     if len(norms) != 1:
         raise refuse(
@@ -703,11 +691,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_conversion(parts: DecoderParts, seq: nn.Sequential) -> None:
-    """Run ``seq`` layer by layer on the probe batch; logits and loss must be the model's own.
-
-    Raises:
-        ValueError: if they differ (the message gives the relative error).
-    """
+    """Run ``seq`` layer by layer on the probe batch; logits and loss must be the model's
+    own (else ValueError, giving the relative error)."""
     device = next(parts.model.parameters()).device
     ids, mask = _probe_batch(parts, device)
     labels = ids.masked_fill(mask == 0, -100)

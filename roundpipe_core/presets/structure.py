@@ -104,15 +104,9 @@ def _inner_decoder(backbone: nn.Module) -> nn.Module:
 
 
 def find_decoder_parts(model: nn.Module) -> DecoderParts:
-    """Find embedding, decoder layers, head and the backbone's other parts of ``model``.
-
-    Args:
-        model: a Hugging Face decoder-only causal LM (``*ForCausalLM``).
-
-    Raises:
-        ValueError: naming what is missing or cannot be placed (then the
-            automatic split is the way to run the model).
-    """
+    """Find embedding, decoder layers, head and the backbone's other parts of ``model``, a
+    Hugging Face decoder-only causal LM (``*ForCausalLM``); ValueError naming what is
+    missing or cannot be placed (then the automatic split is the way to run the model)."""
     name = type(model).__name__
     config = getattr(model, "config", None)
     if config is None:
