@@ -28,8 +28,6 @@ class MemoryLedger:
         self._lock = threading.Lock()
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = {}
-        self.peak_total = 0
-        self._total = 0  # sum of current, kept up to date instead of summed per call
 
     def alloc(self, nbytes: int, tag: str) -> None:
         """Count ``nbytes`` more under ``tag`` (a batch of copies at once: its peak is the
@@ -39,23 +37,10 @@ class MemoryLedger:
             self.current[tag] = now
             if now > self.peak.get(tag, 0):
                 self.peak[tag] = now
-            self._total += nbytes
-            if self._total > self.peak_total:
-                self.peak_total = self._total
 
     def free(self, nbytes: int, tag: str) -> None:
         with self._lock:
             self.current[tag] = self.current.get(tag, 0) - nbytes
-            self._total -= nbytes
-
-    def total(self) -> int:
-        with self._lock:
-            return self._total
-
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak = dict(self.current)
-            self.peak_total = self._total
 
 
 _STOP = object()
