@@ -1,7 +1,7 @@
 """CUDA backend and host-memory helpers.
 
 The first part runs everywhere: it tests the logic of ``devices/cuda.py`` and
-``devices/memory.py`` that needs no GPU (device discovery, errors, chunk
+``devices/memory.py`` that needs no GPU (CUDA detection, errors, chunk
 planning, the parameter feeder with fake events, slab packing, pin modes as
 no-ops). The second part (marked ``cuda``) drives a real
 ``CUDAWorker`` and is skipped without a GPU.
@@ -19,7 +19,7 @@ from torch import nn
 
 from roundpipe_core.running.devices import cuda as cuda_mod
 from roundpipe_core.running.devices import memory
-from roundpipe_core.running.devices.cuda import CUDAWorker, discover_cuda_devices
+from roundpipe_core.running.devices.cuda import CUDAWorker
 from roundpipe_core.running.devices.feeder import ChunkFeeder, plan_chunks
 
 
@@ -31,26 +31,18 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------------------
-# discovery and errors
+# detection and errors
 # ---------------------------------------------------------------------------
-def test_module_imports_and_discovers_nothing_without_cuda(no_cuda: None) -> None:
-    assert discover_cuda_devices() == []
+def test_module_imports_and_finds_no_cuda_without_it(no_cuda: None) -> None:
     assert memory.cuda_available() is False
 
 
-def test_discovery_survives_a_broken_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_check_survives_a_broken_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom() -> bool:
         raise RuntimeError("driver exploded")
 
     monkeypatch.setattr(torch.cuda, "is_available", boom)
-    assert discover_cuda_devices() == []
     assert memory.cuda_available() is False
-
-
-def test_discovery_lists_fake_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
-    assert discover_cuda_devices() == [torch.device("cuda", i) for i in range(3)]
 
 
 def test_worker_without_cuda_is_a_clear_value_error(no_cuda: None) -> None:

@@ -34,7 +34,6 @@ __all__ = [
     "CUDAWorker",
     "DEFAULT_PARAM_CHUNK_BYTES",
     "DEFAULT_PARAM_INFLIGHT_CHUNKS",
-    "discover_cuda_devices",
 ]
 
 PARAM = "param"
@@ -56,16 +55,6 @@ DEFAULT_PARAM_INFLIGHT_CHUNKS = 2
 _DEVICE_LOCKS: dict[int, threading.RLock] = collections.defaultdict(threading.RLock)
 _DEVICE_USERS: collections.Counter[int] = collections.Counter()
 _REGISTRY_LOCK = threading.Lock()
-
-
-def discover_cuda_devices() -> list[torch.device]:
-    """The visible GPUs as ``torch.device("cuda", i)``; ``[]`` without CUDA. Never raises."""
-    if not cuda_available():
-        return []
-    try:
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001 - a broken driver means no GPUs here
-        return []
 
 
 # argument: (its environment variable, default, least value); a variable ending in _MB
