@@ -439,28 +439,6 @@ def test_cuda_chunked_param_upload_roundtrip(worker: CUDAWorker) -> None:
 
 
 @pytest.mark.cuda
-def test_cuda_wait_for_waits_only_for_its_own_upload(worker: CUDAWorker) -> None:
-    a, b = torch.randn(10000).pin_memory(), torch.randn(20000).pin_memory()
-
-    def job():
-        da = worker.copy_in([a], "param")
-        db = worker.copy_in([b], "param")  # a "prefetch" issued after
-        worker.wait_for(da)
-        with worker.compute():
-            sa = da[0].sum()
-        worker.wait_for(db)
-        with worker.compute():
-            sb = db[0].sum()
-        out = worker.copy_out([sa, sb])
-        worker.release(da + db, "param")
-        return out
-
-    sa, sb = _on(worker, job)
-    torch.testing.assert_close(sa, a.sum(), rtol=1e-5, atol=1e-3)
-    torch.testing.assert_close(sb, b.sum(), rtol=1e-5, atol=1e-3)
-
-
-@pytest.mark.cuda
 def test_cuda_released_memory_is_not_reused_under_running_compute(worker: CUDAWorker) -> None:
     """Free an upload while compute still reads it, upload new data at once: result unchanged."""
     n = 1 << 22

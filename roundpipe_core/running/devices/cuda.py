@@ -176,8 +176,6 @@ class CUDAWorker(Worker):
         # Last event recorded on each upload channel (activation; param without a feeder).
         self._events: dict[str, torch.cuda.Event | None] = {PARAM: None, ACTIVATION: None}
         self._event_lock = threading.Lock()
-        # Per-copy tickets: data_ptr of a param upload -> (feeder ticket or event).
-        self._tickets: dict[int, Any] = {}
         self._feeder = (
             ChunkFeeder(
                 f"roundpipe-cuda-{index}-param", depth, lambda: torch.cuda.set_device(device)
@@ -254,10 +252,9 @@ class CUDAWorker(Worker):
         for out in outs:
             _mark_used_by(out, self.compute_stream)
             self.ledger.alloc(out.nbytes, channel)
-        ticket: Any  # a feeder ticket, or the event of the copies
         if channel == PARAM and self._feeder is not None:
             try:
-                ticket = self._submit_param(srcs, outs)
+                self._submit_param(srcs, outs)
             except BaseException:
                 # the caller never gets these tensors, so it cannot release them
                 for out in outs:
@@ -277,12 +274,9 @@ class CUDAWorker(Worker):
                     piece.readers.append(ticket)
             with self._event_lock:
                 self._events[channel] = ticket
-        for out in outs:
-            if out.numel():
-                self._tickets[out.data_ptr()] = ticket
         return outs
 
-    def _submit_param(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
+    def _submit_param(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Cut a parameter upload into units and hand them to the feeder."""
         srcs = [s if s.is_contiguous() else s.contiguous() for s in srcs]
         flat_src = [s.reshape(-1) for s in srcs]
@@ -304,7 +298,7 @@ class CUDAWorker(Worker):
             return unit
 
         assert self._feeder is not None
-        return self._feeder.submit([make_unit(p) for p in units])
+        self._feeder.submit([make_unit(p) for p in units])
 
     def wait_channel(self, channel: str) -> None:
         if channel not in CHANNELS:
@@ -317,24 +311,6 @@ class CUDAWorker(Worker):
                 event = self._events[channel]
         if event is not None:
             self.compute_stream.wait_event(event)
-
-    def wait_for(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Make compute wait only for the uploads that made ``tensors`` (others ignored):
-        a stage waits for its own weights while the next one's prefetch goes on."""
-        latest_ticket = 0
-        events = []
-        for t in tensors:
-            got = self._tickets.get(t.data_ptr()) if t.numel() else None
-            if isinstance(got, int):
-                latest_ticket = max(latest_ticket, got)
-            elif got is not None:
-                events.append(got)
-        if latest_ticket:
-            assert self._feeder is not None  # tickets come only from the feeder
-            events.append(self._feeder.wait_issued(latest_ticket))
-        for event in events:
-            if event is not None:
-                self.compute_stream.wait_event(event)
 
     def param_fence(self) -> Callable[[], None]:
         """See ``Worker.param_fence``; callable from another thread (the optimizer's)."""
@@ -425,8 +401,6 @@ class CUDAWorker(Worker):
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         super().release(tensors, tag)
         for t in tensors:
-            if t.numel():
-                self._tickets.pop(t.data_ptr(), None)
             # Uploads already carry record_stream(compute); this covers device
             # tensors the runtime made itself on another stream.
             _mark_used_by(t, self.compute_stream)
