@@ -178,9 +178,7 @@ class Worker(ABC):
         """Make subsequent compute wait for every copy issued so far on ``channel``."""
 
     @abstractmethod
-    def copy_out(
-        self, tensors: Sequence[torch.Tensor], channel: str = "download"
-    ) -> list[torch.Tensor]:
+    def copy_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host copies, complete when this returns (ordered after compute so far)."""
 
     def lend_in(
@@ -196,12 +194,12 @@ class Worker(ABC):
         """Device -> host for tensors handed to another stage: an asynchronous backend's
         host tensors are filled when read (by an upload, ``downloads.complete_pending``,
         at the latest ``finish_lazy_downloads``), without a wait for each."""
-        return self.copy_out(tensors, "download")
+        return self.copy_out(tensors)
 
     def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host for small tensors read only after the queue (a loss): complete
         after ``finish_lazy_downloads``."""
-        return self.copy_out(tensors, "download")
+        return self.copy_out(tensors)
 
     def finish_lazy_downloads(self) -> None:  # noqa: B027 - optional hook
         """Complete every ``copy_out_lazy`` and ``copy_out_deferred`` so far (the pool
@@ -210,7 +208,7 @@ class Worker(ABC):
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host for tensors the device drops right after (parameter gradients),
         complete when this returns."""
-        return self.copy_out(tensors, "download")
+        return self.copy_out(tensors)
 
     def pinned_download_bytes(self) -> int:
         """Page-locked host bytes this worker's downloads hold (the budget's line)."""

@@ -38,7 +38,6 @@ __all__ = [
 
 PARAM = "param"
 ACTIVATION = "activation"
-DOWNLOAD = "download"
 CHANNELS = (PARAM, ACTIVATION)
 
 #: Size of one parameter-upload piece; env ROUNDPIPE_PARAM_CHUNK_MB overrides.
@@ -328,15 +327,13 @@ class CUDAWorker(Worker):
 
         return fence
 
-    def copy_out(
-        self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
-    ) -> list[torch.Tensor]:
-        outs, done = self.copy_out_async(tensors, channel)
+    def copy_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        outs, done = self.copy_out_async(tensors)
         done.synchronize()
         return outs
 
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        outs, done = self.copy_out_async(tensors, DOWNLOAD, self._gradient_results)
+        outs, done = self.copy_out_async(tensors, self._gradient_results)
         done.synchronize()
         return outs
 
@@ -363,10 +360,7 @@ class CUDAWorker(Worker):
         return self._downloads.pinned_bytes() if self.pin_downloads else 0
 
     def copy_out_async(
-        self,
-        tensors: Sequence[torch.Tensor],
-        channel: str = DOWNLOAD,
-        reuse: ReusedHostTensors | None = None,
+        self, tensors: Sequence[torch.Tensor], reuse: ReusedHostTensors | None = None
     ) -> tuple[list[torch.Tensor], Any]:
         """Start device -> host copies after the compute issued so far: (pageable host
         tensors, from ``reuse`` where given, and a completion whose ``synchronize()`` or
