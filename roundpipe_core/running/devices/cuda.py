@@ -90,24 +90,6 @@ def _mark_used_by(t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
 
-class _HeldUntilDone:
-    """A download's completion event, keeping its device sources until it is done."""
-
-    def __init__(self, event: Any, sources: list[torch.Tensor]) -> None:
-        self._event = event
-        self._sources: list[torch.Tensor] | None = sources
-
-    def synchronize(self) -> None:
-        self._event.synchronize()
-        self._sources = None
-
-    def query(self) -> bool:
-        done = bool(self._event.query())
-        if done:
-            self._sources = None
-        return done
-
-
 def _check_cuda_device(device: torch.device | str | int) -> torch.device:
     if isinstance(device, int):
         device = torch.device("cuda", device)
@@ -138,10 +120,8 @@ class CUDAWorker(Worker):
         param_chunk_bytes: piece size of parameter uploads.
         param_inflight_chunks: pieces queued at once on the parameter stream
             (0 = no feeder: issue a whole upload at once).
-        pin_downloads: download through a pinned staging buffer (DMA); False = straight
-            into pageable memory (the driver stages it).
-        download_staging_bytes: size of that staging ring (``downloads.py``); larger
-            downloads go through it in pieces.
+        download_staging_bytes: size of the pinned staging ring downloads go through
+            (``downloads.py``); larger downloads go through it in pieces.
     """
 
     kind = "cuda"
@@ -154,7 +134,6 @@ class CUDAWorker(Worker):
         device: torch.device | str | int,
         param_chunk_bytes: int | None = None,
         param_inflight_chunks: int | None = None,
-        pin_downloads: bool = True,
         download_staging_bytes: int | None = None,
     ) -> None:
         device = _check_cuda_device(device)
@@ -164,7 +143,6 @@ class CUDAWorker(Worker):
         self._gradient_results = ReusedHostTensors()
         self.param_chunk_bytes = _setting("param_chunk_bytes", param_chunk_bytes)
         depth = _setting("param_inflight_chunks", param_inflight_chunks)
-        self.pin_downloads = pin_downloads
         with torch.cuda.device(device):
             # Lower number = higher priority; out-of-range values are clamped by PyTorch.
             self.param_stream = torch.cuda.Stream(device, priority=0)
@@ -229,15 +207,13 @@ class CUDAWorker(Worker):
         """Uninitialised page-locked bytes: a download ring (a seam)."""
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
-    def _copy_on(
-        self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool
-    ) -> None:
+    def _copy_on(self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Enqueue ``dst.copy_(src)`` for each pair on ``stream`` (the one place copies
         are issued: the test double runs them late). Autograd is off: an upload's
         destination may already be the stage's parameter when the feeder issues it."""
         with torch.cuda.stream(stream), torch.no_grad():
             for dst, src in pairs:
-                dst.copy_(src, non_blocking=non_blocking)
+                dst.copy_(src, non_blocking=True)
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
         if channel not in CHANNELS:
@@ -266,7 +242,7 @@ class CUDAWorker(Worker):
                 # after that download's event (on whichever worker it was issued)
                 for piece in pending:
                     stream.wait_event(piece.event)
-                self._copy_on(stream, pairs, True)
+                self._copy_on(stream, pairs)
                 ticket = torch.cuda.Event()
                 ticket.record(stream)
                 for piece in pending:  # not reused before this upload has read it
@@ -287,9 +263,7 @@ class CUDAWorker(Worker):
 
         def make_unit(pieces: list[Piece]) -> Callable[[], torch.cuda.Event]:
             def unit() -> torch.cuda.Event:
-                self._copy_on(
-                    stream, [(flat_dst[i][a:b], flat_src[i][a:b]) for i, a, b in pieces], True
-                )
+                self._copy_on(stream, [(flat_dst[i][a:b], flat_src[i][a:b]) for i, a, b in pieces])
                 event = torch.cuda.Event()
                 event.record(stream)
                 return event
@@ -345,8 +319,6 @@ class CUDAWorker(Worker):
     ) -> list[torch.Tensor]:
         """Device -> host through the staging ring (``lazy``: small tensors through the
         lazy ring) without a host wait (``downloads.py``)."""
-        if not self.pin_downloads:  # a pageable download makes the host wait anyway
-            return self.copy_out(tensors)
         srcs, outs = self._begin_download(tensors)
         with torch.cuda.device(self.device):
             if not (lazy and self._downloads.download_lazy(self.download_stream, srcs, outs)):
@@ -357,7 +329,7 @@ class CUDAWorker(Worker):
         self._downloads.finish_all()
 
     def pinned_download_bytes(self) -> int:
-        return self._downloads.pinned_bytes() if self.pin_downloads else 0
+        return self._downloads.pinned_bytes()
 
     def copy_out_async(
         self, tensors: Sequence[torch.Tensor], reuse: ReusedHostTensors | None = None
@@ -366,14 +338,8 @@ class CUDAWorker(Worker):
         tensors, from ``reuse`` where given, and a completion whose ``synchronize()`` or
         true ``query()`` makes them valid)."""
         srcs, outs = self._begin_download(tensors, reuse)
-        stream = self.download_stream
         with torch.cuda.device(self.device):
-            if self.pin_downloads:
-                return outs, self._downloads.download(stream, srcs, outs)
-            self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return outs, _HeldUntilDone(done, srcs)
+            return outs, self._downloads.download(self.download_stream, srcs, outs)
 
     def _begin_download(
         self, tensors: Sequence[torch.Tensor], reuse: ReusedHostTensors | None = None
