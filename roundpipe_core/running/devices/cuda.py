@@ -66,11 +66,8 @@ _SETTINGS = {
 
 
 def _setting(name: str, value: int | None) -> int:
-    """Argument ``name``: ``value``, else its environment variable, else its default.
-
-    Raises:
-        ValueError: a variable that is not a number, or a value below the least.
-    """
+    """Argument ``name``: ``value``, else its environment variable, else its default
+    (``ValueError`` for a variable that is not a number, or a value below the least)."""
     env, default, least = _SETTINGS[name]
     if value is None:
         raw = os.environ.get(env) or ""
