@@ -675,10 +675,7 @@ def _cpu_backed_worker_class() -> type:
                 rng.set_state(self.gpu_index, state)
 
         def _copy_on(
-            self,
-            stream: _FakeStream,
-            pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-            non_blocking: bool,
+            self, stream: _FakeStream, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
         ) -> None:
             with host_side():  # the snapshots are the fake's, not device memory
                 self._enqueue_copies(stream, list(pairs))

@@ -132,11 +132,10 @@ def load_shards(
     named_params: Mapping[str, torch.Tensor],
     optimizer: torch.optim.Optimizer,
     owns: Callable[[torch.Tensor], bool] = lambda p: True,
-    load_masters: bool = True,
 ) -> Any:
-    """Load the shards of ``directory`` (any rank count) into this rank: masters (unless
-    ``load_masters=False``) and optimizer state of the parameters it ``owns`` (default
-    all), and the hyperparameters. Returns the first shard's ``learned`` (or ``None``).
+    """Load the shards of ``directory`` (any rank count) into this rank: masters and
+    optimizer state of the parameters it ``owns`` (default all), and the hyperparameters.
+    Returns the first shard's ``learned`` (or ``None``).
 
     Raises:
         ValueError: a shard is unreadable or inconsistent (naming the rank that wrote
@@ -175,8 +174,7 @@ def load_shards(
                         f"host-state shard of rank {rank}: {n} has shape {tuple(value.shape)}, "
                         f"the model {tuple(p.shape)}"
                     )
-                if load_masters:
-                    p.copy_(value)
+                p.copy_(value)
                 st = shard["state"].get(n)
                 if st is None:
                     optimizer.state.pop(p, None)

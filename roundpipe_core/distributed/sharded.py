@@ -252,12 +252,10 @@ class HostShard:
             torch._foreach_mul_(grads, coef)
         return total_norm
 
-    def drop_foreign_state(self, optimizer: torch.optim.Optimizer) -> int:
-        """Delete ``optimizer``'s state of parameters this rank does not own; returns how many."""
-        dropped = [p for p in list(optimizer.state) if id(p) in self._owner and not self.owns(p)]
-        for p in dropped:
+    def drop_foreign_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Delete ``optimizer``'s state of parameters this rank does not own."""
+        for p in [p for p in optimizer.state if id(p) in self._owner and not self.owns(p)]:
             del optimizer.state[p]
-        return len(dropped)
 
     def close(self) -> None:
         destroy_group(self._gather_group)

@@ -198,10 +198,8 @@ def limit_heap_retention(threshold: int = 64 * 1024) -> bool:
     with _lock:
         if _applied == threshold:
             return True
-        name = ctypes.util.find_library("c")
         try:
-            libc = ctypes.CDLL(name)
-            mallopt = libc.mallopt
+            mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
         except (OSError, AttributeError, TypeError):
             return False  # not glibc (musl, macOS): nothing to tune
         mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

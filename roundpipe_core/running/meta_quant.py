@@ -30,18 +30,11 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _quant_state(
-    out_features: int,
-    in_features: int,
-    dtype: torch.dtype,
-    quant_type: str,
-    double_quant: bool,
-    blocksize: int,
-) -> Any:
+def _quant_state(lin: nn.Linear, quant_type: str, double_quant: bool, blocksize: int) -> Any:
     from bitsandbytes.functional import QuantState
 
-    blocks = -(-out_features * in_features // blocksize)
-    shape = torch.Size([out_features, in_features])
+    shape, dtype = lin.weight.shape, lin.weight.dtype  # (out_features, in_features)
+    blocks = -(-shape.numel() // blocksize)
     common = {"shape": shape, "blocksize": blocksize, "quant_type": quant_type, "dtype": dtype}
     code = _meta((16,), torch.float32)
     if not double_quant:
@@ -110,14 +103,7 @@ def quantize_on_meta(
         q.weight = bnb.nn.Params4bit(
             _meta((-(-n // 2), 1), torch.uint8),
             requires_grad=False,
-            quant_state=_quant_state(
-                lin.out_features,
-                lin.in_features,
-                lin.weight.dtype,
-                quant_type,
-                double_quant,
-                blocksize,
-            ),
+            quant_state=_quant_state(lin, quant_type, double_quant, blocksize),
             blocksize=blocksize,
             compress_statistics=double_quant,
             quant_type=quant_type,

@@ -375,10 +375,9 @@ class JobClock:
         self.marks.append((kind, layers.start, layers.stop, start, self.worker.time_point()))
 
     def end_job(self, job: Job, microbatches: int, start: float) -> JobTiming:
-        """Add the marks of ``job``, just run, to the sums as ms per microbatch (so calls
-        with different microbatch counts average consistently) and note its timing
-        from ``start`` (``time.perf_counter()``, its parameters ready) to now. On CUDA
-        this reads the job's events, which its last microbatch has passed."""
+        """Add the marks of ``job``, just run, to the sums as ms per microbatch and note its
+        timing from ``start`` (``time.perf_counter()``, its parameters ready) to now. On
+        CUDA this reads the job's events, which its last microbatch has passed."""
         sums, total = self.sums, 0.0
         elapsed = None if self._seconds else self.worker.elapsed_ms
         for kind, a, b, t0, t1 in self.marks:

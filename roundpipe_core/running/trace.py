@@ -5,8 +5,7 @@ A timeline is a flat list of :class:`Span` records, from a real call
 (:func:`spans_from_call`, :func:`spans_from_roundpipe`) or from the simulator
 (:func:`spans_from_simulation`), converted alike so that both open side by side with
 the same rows; :func:`chrome_trace` makes the trace-event object, one row per device
-lane. Measured transfer spans are host wall clock: on CUDA they cover issuing a copy
-and any wait for it.
+lane.
 """
 
 from __future__ import annotations

@@ -390,7 +390,7 @@ def write_back_buffers(stage: StageReplica) -> None:
     if not pos:
         return
     sources, held = stage.layout.sources, stage.held
-    host = stage.worker.copy_out([held[i] for i in pos], "download")
+    host = stage.worker.copy_out([held[i] for i in pos])
     # not under another worker's upload of these buffers that has not read them yet
     write_back([sources[i] for i in pos], host)
 

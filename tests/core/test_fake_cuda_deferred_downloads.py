@@ -270,7 +270,7 @@ def test_a_download_whose_device_source_is_freed_before_it_ran_is_caught(
     def job() -> None:
         src = torch.ones(8)
         dst = torch.empty(8)
-        worker._copy_on(worker.download_stream, [(dst, src)], True)
+        worker._copy_on(worker.download_stream, [(dst, src)])
         del src
         event = torch.cuda.Event()
         event.record(worker.download_stream)

@@ -160,7 +160,7 @@ def test_a_stages_gradients_leave_the_device_once_and_exactly() -> None:
     from roundpipe_core.running.devices.base import Worker
 
     class Copying(CPUWorker):
-        def copy_out(self, tensors, channel="download"):  # a device's: real copies
+        def copy_out(self, tensors):  # a device's: real copies
             return [t.detach().clone() for t in tensors]
 
         def take_out(self, tensors):  # the base class's: a download copy

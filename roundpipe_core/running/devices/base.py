@@ -28,8 +28,6 @@ class MemoryLedger:
         self._lock = threading.Lock()
         self.current: dict[str, int] = {}
         self.peak: dict[str, int] = {}
-        self.peak_total = 0
-        self._total = 0  # sum of current, kept up to date instead of summed per call
 
     def alloc(self, nbytes: int, tag: str) -> None:
         """Count ``nbytes`` more under ``tag`` (a batch of copies at once: its peak is the
@@ -39,23 +37,10 @@ class MemoryLedger:
             self.current[tag] = now
             if now > self.peak.get(tag, 0):
                 self.peak[tag] = now
-            self._total += nbytes
-            if self._total > self.peak_total:
-                self.peak_total = self._total
 
     def free(self, nbytes: int, tag: str) -> None:
         with self._lock:
             self.current[tag] = self.current.get(tag, 0) - nbytes
-            self._total -= nbytes
-
-    def total(self) -> int:
-        with self._lock:
-            return self._total
-
-    def reset_peak(self) -> None:
-        with self._lock:
-            self.peak = dict(self.current)
-            self.peak_total = self._total
 
 
 _STOP = object()
@@ -193,9 +178,7 @@ class Worker(ABC):
         """Make subsequent compute wait for every copy issued so far on ``channel``."""
 
     @abstractmethod
-    def copy_out(
-        self, tensors: Sequence[torch.Tensor], channel: str = "download"
-    ) -> list[torch.Tensor]:
+    def copy_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host copies, complete when this returns (ordered after compute so far)."""
 
     def lend_in(
@@ -211,12 +194,12 @@ class Worker(ABC):
         """Device -> host for tensors handed to another stage: an asynchronous backend's
         host tensors are filled when read (by an upload, ``downloads.complete_pending``,
         at the latest ``finish_lazy_downloads``), without a wait for each."""
-        return self.copy_out(tensors, "download")
+        return self.copy_out(tensors)
 
     def copy_out_lazy(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host for small tensors read only after the queue (a loss): complete
         after ``finish_lazy_downloads``."""
-        return self.copy_out(tensors, "download")
+        return self.copy_out(tensors)
 
     def finish_lazy_downloads(self) -> None:  # noqa: B027 - optional hook
         """Complete every ``copy_out_lazy`` and ``copy_out_deferred`` so far (the pool
@@ -225,7 +208,7 @@ class Worker(ABC):
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Device -> host for tensors the device drops right after (parameter gradients),
         complete when this returns."""
-        return self.copy_out(tensors, "download")
+        return self.copy_out(tensors)
 
     def pinned_download_bytes(self) -> int:
         """Page-locked host bytes this worker's downloads hold (the budget's line)."""

@@ -375,9 +375,7 @@ class CPUWorker(Worker):
         self.ledger.alloc(sum(t.nbytes for t in out), "param")
         return out
 
-    def copy_out(
-        self, tensors: Sequence[torch.Tensor], channel: str = "download"
-    ) -> list[torch.Tensor]:
+    def copy_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # host memory already: what a stage hands out (its outputs, input gradients,
         # losses, buffer copies, gradients it drops) is made by this job and not written
         # after it, and every consumer's copy_in copies again before it may write -- a

@@ -34,12 +34,10 @@ __all__ = [
     "CUDAWorker",
     "DEFAULT_PARAM_CHUNK_BYTES",
     "DEFAULT_PARAM_INFLIGHT_CHUNKS",
-    "discover_cuda_devices",
 ]
 
 PARAM = "param"
 ACTIVATION = "activation"
-DOWNLOAD = "download"
 CHANNELS = (PARAM, ACTIVATION)
 
 #: Size of one parameter-upload piece; env ROUNDPIPE_PARAM_CHUNK_MB overrides.
@@ -58,16 +56,6 @@ _DEVICE_USERS: collections.Counter[int] = collections.Counter()
 _REGISTRY_LOCK = threading.Lock()
 
 
-def discover_cuda_devices() -> list[torch.device]:
-    """The visible GPUs as ``torch.device("cuda", i)``; ``[]`` without CUDA. Never raises."""
-    if not cuda_available():
-        return []
-    try:
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001 - a broken driver means no GPUs here
-        return []
-
-
 # argument: (its environment variable, default, least value); a variable ending in _MB
 # gives MiB
 _SETTINGS = {
@@ -78,11 +66,8 @@ _SETTINGS = {
 
 
 def _setting(name: str, value: int | None) -> int:
-    """Argument ``name``: ``value``, else its environment variable, else its default.
-
-    Raises:
-        ValueError: a variable that is not a number, or a value below the least.
-    """
+    """Argument ``name``: ``value``, else its environment variable, else its default
+    (``ValueError`` for a variable that is not a number, or a value below the least)."""
     env, default, least = _SETTINGS[name]
     if value is None:
         raw = os.environ.get(env) or ""
@@ -100,24 +85,6 @@ def _mark_used_by(t: torch.Tensor, stream: Any) -> None:
     out again after ``t`` is freed until the work queued on ``stream`` by then is done."""
     if t.is_cuda and t.numel():
         t.record_stream(stream)
-
-
-class _HeldUntilDone:
-    """A download's completion event, keeping its device sources until it is done."""
-
-    def __init__(self, event: Any, sources: list[torch.Tensor]) -> None:
-        self._event = event
-        self._sources: list[torch.Tensor] | None = sources
-
-    def synchronize(self) -> None:
-        self._event.synchronize()
-        self._sources = None
-
-    def query(self) -> bool:
-        done = bool(self._event.query())
-        if done:
-            self._sources = None
-        return done
 
 
 def _check_cuda_device(device: torch.device | str | int) -> torch.device:
@@ -150,10 +117,8 @@ class CUDAWorker(Worker):
         param_chunk_bytes: piece size of parameter uploads.
         param_inflight_chunks: pieces queued at once on the parameter stream
             (0 = no feeder: issue a whole upload at once).
-        pin_downloads: download through a pinned staging buffer (DMA); False = straight
-            into pageable memory (the driver stages it).
-        download_staging_bytes: size of that staging ring (``downloads.py``); larger
-            downloads go through it in pieces.
+        download_staging_bytes: size of the pinned staging ring downloads go through
+            (``downloads.py``); larger downloads go through it in pieces.
     """
 
     kind = "cuda"
@@ -166,7 +131,6 @@ class CUDAWorker(Worker):
         device: torch.device | str | int,
         param_chunk_bytes: int | None = None,
         param_inflight_chunks: int | None = None,
-        pin_downloads: bool = True,
         download_staging_bytes: int | None = None,
     ) -> None:
         device = _check_cuda_device(device)
@@ -176,7 +140,6 @@ class CUDAWorker(Worker):
         self._gradient_results = ReusedHostTensors()
         self.param_chunk_bytes = _setting("param_chunk_bytes", param_chunk_bytes)
         depth = _setting("param_inflight_chunks", param_inflight_chunks)
-        self.pin_downloads = pin_downloads
         with torch.cuda.device(device):
             # Lower number = higher priority; out-of-range values are clamped by PyTorch.
             self.param_stream = torch.cuda.Stream(device, priority=0)
@@ -187,8 +150,6 @@ class CUDAWorker(Worker):
         # Last event recorded on each upload channel (activation; param without a feeder).
         self._events: dict[str, torch.cuda.Event | None] = {PARAM: None, ACTIVATION: None}
         self._event_lock = threading.Lock()
-        # Per-copy tickets: data_ptr of a param upload -> (feeder ticket or event).
-        self._tickets: dict[int, Any] = {}
         self._feeder = (
             ChunkFeeder(
                 f"roundpipe-cuda-{index}-param", depth, lambda: torch.cuda.set_device(device)
@@ -243,15 +204,13 @@ class CUDAWorker(Worker):
         """Uninitialised page-locked bytes: a download ring (a seam)."""
         return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
 
-    def _copy_on(
-        self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool
-    ) -> None:
+    def _copy_on(self, stream: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Enqueue ``dst.copy_(src)`` for each pair on ``stream`` (the one place copies
         are issued: the test double runs them late). Autograd is off: an upload's
         destination may already be the stage's parameter when the feeder issues it."""
         with torch.cuda.stream(stream), torch.no_grad():
             for dst, src in pairs:
-                dst.copy_(src, non_blocking=non_blocking)
+                dst.copy_(src, non_blocking=True)
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
         if channel not in CHANNELS:
@@ -265,10 +224,9 @@ class CUDAWorker(Worker):
         for out in outs:
             _mark_used_by(out, self.compute_stream)
             self.ledger.alloc(out.nbytes, channel)
-        ticket: Any  # a feeder ticket, or the event of the copies
         if channel == PARAM and self._feeder is not None:
             try:
-                ticket = self._submit_param(srcs, outs)
+                self._submit_param(srcs, outs)
             except BaseException:
                 # the caller never gets these tensors, so it cannot release them
                 for out in outs:
@@ -281,19 +239,16 @@ class CUDAWorker(Worker):
                 # after that download's event (on whichever worker it was issued)
                 for piece in pending:
                     stream.wait_event(piece.event)
-                self._copy_on(stream, pairs, True)
+                self._copy_on(stream, pairs)
                 ticket = torch.cuda.Event()
                 ticket.record(stream)
                 for piece in pending:  # not reused before this upload has read it
                     piece.readers.append(ticket)
             with self._event_lock:
                 self._events[channel] = ticket
-        for out in outs:
-            if out.numel():
-                self._tickets[out.data_ptr()] = ticket
         return outs
 
-    def _submit_param(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
+    def _submit_param(self, srcs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Cut a parameter upload into units and hand them to the feeder."""
         srcs = [s if s.is_contiguous() else s.contiguous() for s in srcs]
         flat_src = [s.reshape(-1) for s in srcs]
@@ -305,9 +260,7 @@ class CUDAWorker(Worker):
 
         def make_unit(pieces: list[Piece]) -> Callable[[], torch.cuda.Event]:
             def unit() -> torch.cuda.Event:
-                self._copy_on(
-                    stream, [(flat_dst[i][a:b], flat_src[i][a:b]) for i, a, b in pieces], True
-                )
+                self._copy_on(stream, [(flat_dst[i][a:b], flat_src[i][a:b]) for i, a, b in pieces])
                 event = torch.cuda.Event()
                 event.record(stream)
                 return event
@@ -315,7 +268,7 @@ class CUDAWorker(Worker):
             return unit
 
         assert self._feeder is not None
-        return self._feeder.submit([make_unit(p) for p in units])
+        self._feeder.submit([make_unit(p) for p in units])
 
     def wait_channel(self, channel: str) -> None:
         if channel not in CHANNELS:
@@ -328,24 +281,6 @@ class CUDAWorker(Worker):
                 event = self._events[channel]
         if event is not None:
             self.compute_stream.wait_event(event)
-
-    def wait_for(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Make compute wait only for the uploads that made ``tensors`` (others ignored):
-        a stage waits for its own weights while the next one's prefetch goes on."""
-        latest_ticket = 0
-        events = []
-        for t in tensors:
-            got = self._tickets.get(t.data_ptr()) if t.numel() else None
-            if isinstance(got, int):
-                latest_ticket = max(latest_ticket, got)
-            elif got is not None:
-                events.append(got)
-        if latest_ticket:
-            assert self._feeder is not None  # tickets come only from the feeder
-            events.append(self._feeder.wait_issued(latest_ticket))
-        for event in events:
-            if event is not None:
-                self.compute_stream.wait_event(event)
 
     def param_fence(self) -> Callable[[], None]:
         """See ``Worker.param_fence``; callable from another thread (the optimizer's)."""
@@ -363,15 +298,13 @@ class CUDAWorker(Worker):
 
         return fence
 
-    def copy_out(
-        self, tensors: Sequence[torch.Tensor], channel: str = DOWNLOAD
-    ) -> list[torch.Tensor]:
-        outs, done = self.copy_out_async(tensors, channel)
+    def copy_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        outs, done = self.copy_out_async(tensors)
         done.synchronize()
         return outs
 
     def take_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        outs, done = self.copy_out_async(tensors, DOWNLOAD, self._gradient_results)
+        outs, done = self.copy_out_async(tensors, self._gradient_results)
         done.synchronize()
         return outs
 
@@ -383,8 +316,6 @@ class CUDAWorker(Worker):
     ) -> list[torch.Tensor]:
         """Device -> host through the staging ring (``lazy``: small tensors through the
         lazy ring) without a host wait (``downloads.py``)."""
-        if not self.pin_downloads:  # a pageable download makes the host wait anyway
-            return self.copy_out(tensors)
         srcs, outs = self._begin_download(tensors)
         with torch.cuda.device(self.device):
             if not (lazy and self._downloads.download_lazy(self.download_stream, srcs, outs)):
@@ -395,26 +326,17 @@ class CUDAWorker(Worker):
         self._downloads.finish_all()
 
     def pinned_download_bytes(self) -> int:
-        return self._downloads.pinned_bytes() if self.pin_downloads else 0
+        return self._downloads.pinned_bytes()
 
     def copy_out_async(
-        self,
-        tensors: Sequence[torch.Tensor],
-        channel: str = DOWNLOAD,
-        reuse: ReusedHostTensors | None = None,
+        self, tensors: Sequence[torch.Tensor], reuse: ReusedHostTensors | None = None
     ) -> tuple[list[torch.Tensor], Any]:
         """Start device -> host copies after the compute issued so far: (pageable host
         tensors, from ``reuse`` where given, and a completion whose ``synchronize()`` or
         true ``query()`` makes them valid)."""
         srcs, outs = self._begin_download(tensors, reuse)
-        stream = self.download_stream
         with torch.cuda.device(self.device):
-            if self.pin_downloads:
-                return outs, self._downloads.download(stream, srcs, outs)
-            self._copy_on(stream, [(h, s) for h, s in zip(outs, srcs) if s.numel()], False)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return outs, _HeldUntilDone(done, srcs)
+            return outs, self._downloads.download(self.download_stream, srcs, outs)
 
     def _begin_download(
         self, tensors: Sequence[torch.Tensor], reuse: ReusedHostTensors | None = None
@@ -436,8 +358,6 @@ class CUDAWorker(Worker):
     def release(self, tensors: Sequence[torch.Tensor], tag: str) -> None:
         super().release(tensors, tag)
         for t in tensors:
-            if t.numel():
-                self._tickets.pop(t.data_ptr(), None)
             # Uploads already carry record_stream(compute); this covers device
             # tensors the runtime made itself on another stream.
             _mark_used_by(t, self.compute_stream)

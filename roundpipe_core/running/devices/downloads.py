@@ -321,7 +321,7 @@ class DownloadStager:
             out_of.append((flat_out[i][a:b], view))
             pieces.append((i, a, b, view))
             off += _aligned(nbytes)
-        self._worker._copy_on(stream, into, True)
+        self._worker._copy_on(stream, into)
         event = torch.cuda.Event()
         event.record(stream)
         return StagedDownload(self, event, out_of, pieces)

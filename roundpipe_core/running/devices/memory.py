@@ -333,15 +333,15 @@ def _error_code(err: Any) -> int:
     return int(err.value) if hasattr(err, "value") else int(err)
 
 
-def _clear_last_cuda_error(cudart: Any) -> bool:
-    """Reset this thread's CUDA "last error" after a handled one (whether it could be):
+def _clear_last_cuda_error(cudart: Any) -> None:
+    """Reset this thread's CUDA "last error" after a handled one (where it can be):
     PyTorch's check after every kernel launch reads it, so a handled ``cudaHostRegister``
     error would surface as a later kernel's failure. PyTorch's binding has no
     ``cudaGetLastError``: it is looked up in the CUDA runtime the process loaded."""
     fn = getattr(cudart, "cudaGetLastError", None)
     if fn is not None:
         fn()
-        return True
+        return
     # the process's global symbols, then this build's sonames (dlopen returns the loaded copy)
     major = (torch.version.cuda or "").split(".")[0]
     for lib in [None, *([f"libcudart.so.{major}"] if major else []), "libcudart.so"]:
@@ -351,8 +351,7 @@ def _clear_last_cuda_error(cudart: Any) -> bool:
             continue
         get_last.restype = ctypes.c_int
         get_last()
-        return True
-    return False
+        return
 
 
 def _register(groups: list[tuple[torch.UntypedStorage, list[torch.Tensor]]]) -> PinHandle:
