@@ -1011,7 +1011,8 @@ class Session:
     def load_optimizer(self, opt: Optimizer, state: Any, directory: Path | None) -> None:
         """Restore ``opt`` from ``state``: a state dict (into the disk tier's files where
         there is one), or the marker of the shards in ``directory``
-        (:func:`~roundpipe_lightning.sharded_checkpoint.load_optimizer_state`)."""
+        (:func:`~roundpipe_lightning.sharded_checkpoint.load_optimizer_state`); then
+        :meth:`check_optimizer_states`."""
         if self.tier is None:
             named = self.masters_by_name()
             load_optimizer_state(directory, opt, state, self.dp.shard(opt), named)
@@ -1025,6 +1026,7 @@ class Session:
             self.tier.load_state(None, opt, state)
         if self.settings.fuse_optimizer:  # a checkpoint of an unfused run has fused=None
             fuse_optimizer(opt)
+        self.check_optimizer_states([opt])
 
     def load_masters(self, saved: Mapping[str, Tensor], from_weights: bool = True) -> None:
         """Each master becomes its saved value, else (``from_weights``, after the weights
@@ -1076,10 +1078,11 @@ class Session:
         if isinstance(self.rp, RoundPipe):  # the layer timer, the stages' draws
             restore_learned(self.rp, state)
 
-    def check_optimizer_states(self) -> None:
-        """Each state tensor has its parameter's shape (fused kernels do not check)."""
+    def check_optimizer_states(self, optimizers: Sequence[Optimizer] | None = None) -> None:
+        """Each state tensor of ``optimizers`` (default: all) has its parameter's shape
+        (fused kernels do not check)."""
         names = {id(m): name for name, _, m in self.named_masters()}
-        for opt in self.optimizers:
+        for opt in self.optimizers if optimizers is None else optimizers:
             check_state_matches(opt, names)
 
     # -- end -------------------------------------------------------------------------------------

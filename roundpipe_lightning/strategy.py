@@ -677,7 +677,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         for i, (opt, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
             directory = None if path is None else shards_dir(path, i)
             self._session.load_optimizer(raw_optimizer(opt), state, directory)
-        self._session.check_optimizer_states()
 
     # -- teardown --------------------------------------------------------------------------------
     @override
