@@ -142,13 +142,6 @@ class _SetUpModule(Session):
                 "clip, then opt.step()"
             )
 
-    def load_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
-        """The module's weights, and the masters equal to them."""
-        self.rp.synchronize()
-        self.module.load_state_dict(state_dict, strict=strict)
-        self.load_masters({})
-        self.grads_fresh = False
-
     def close(self, failed: bool = False) -> None:
         """:meth:`Session.close`, and the installed calls taken off the module."""
         self._state_dict_hook.remove()
@@ -491,10 +484,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         run = self._run_of(module)
-        if run is None:
-            return super().get_module_state_dict(module)
-        run.rp.synchronize()
-        return run.module.state_dict()
+        # a set-up module's state_dict() synchronizes first (the hook install() adds)
+        return super().get_module_state_dict(module if run is None else run.module)
 
     @override
     def load_module_state_dict(
@@ -503,8 +494,11 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         run = self._run_of(module)
         if run is None:
             super().load_module_state_dict(module, state_dict, strict=strict)
-        else:
-            run.load_state(state_dict, strict)
+            return
+        run.rp.synchronize()
+        run.module.load_state_dict(state_dict, strict=strict)
+        run.load_masters({})  # each master equal to its weight just loaded
+        run.grads_fresh = False
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:

@@ -5,8 +5,8 @@ docs/precision-and-checkpoints.md); the Trainer's own plugin is converted by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -259,12 +259,10 @@ class RoundPipePrecision(Precision):
         return self._lightning.module_init_context()
 
     @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
+    def forward_context(self) -> AbstractContextManager:
         # entered on the main thread around the step methods; the engine captures the
         # autocast state there and re-enters it on its worker threads
-        with self._lightning.forward_context():
-            yield
+        return self._lightning.forward_context()
 
     @override
     def convert_input(self, data: Any) -> Any:

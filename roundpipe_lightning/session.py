@@ -1019,8 +1019,8 @@ class Session:
         elif is_marker(state):
             raise ValueError(
                 f"{self.settings.owner}(offload_dir=...): this checkpoint's optimizer state is "
-                "sharded across processes; merge it first with "
-                "roundpipe_lightning.convert_sharded_checkpoint(path, out)"
+                "sharded across processes; merge it first with roundpipe_lightning."
+                "sharded_checkpoint.convert_sharded_checkpoint(path, out)"
             )
         else:
             self.tier.load_state(None, opt, state)
