@@ -34,7 +34,6 @@ from .session import (
     SessionSettings,
     all_reduce,
     check_loss_went_through,
-    expose_settings,
 )
 from .sharded_checkpoint import fabric_shards_dir
 
@@ -164,7 +163,6 @@ def _from_environment(name: str | None, alone: int) -> Any:
     return property(read, lambda self, _ignored: None)
 
 
-@expose_settings
 class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     """Run the modules given to ``fabric.setup()`` with RoundPipe.
 

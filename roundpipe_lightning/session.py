@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -339,7 +339,8 @@ SETTINGS = frozenset(f.name for f in fields(SessionSettings)) - {"owner"}
 
 
 class SessionHost:
-    """A mixin: what both strategies read of their settings and devices."""
+    """A mixin: what both strategies read of their settings and devices; each setting a
+    subclass does not define is a read-only attribute of it."""
 
     settings: SessionSettings
     parallel_devices: list[torch.device] | None
@@ -347,6 +348,13 @@ class SessionHost:
     _checkpoint_io: CheckpointIO | None
     _num_nodes = 1  # Fabric's connector sets it directly
     _entry = "Trainer"  # what the messages tell the user to configure
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in SETTINGS:
+            if not hasattr(cls, name):
+                getter = functools.partial(lambda name, self: getattr(self.settings, name), name)
+                setattr(cls, name, property(getter, doc=f"The ``{name}`` setting."))
 
     @property
     def num_nodes(self) -> int:
@@ -441,18 +449,6 @@ class SessionHost:
     def async_step(self) -> bool:
         """Whether the optimizer step overlaps the next iteration (resolved)."""
         return self.settings.resolve_async_step(self.compute_devices)
-
-
-_S = TypeVar("_S", bound=type)
-
-
-def expose_settings(cls: _S) -> _S:
-    """Class decorator: each setting the class does not define is a read-only attribute."""
-    for f in fields(SessionSettings):
-        if f.name in SETTINGS and not hasattr(cls, f.name):
-            getter = functools.partial(lambda name, self: getattr(self.settings, name), f.name)
-            setattr(cls, f.name, property(getter, doc=f"The ``{f.name}`` setting."))
-    return cls
 
 
 def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:

@@ -51,7 +51,6 @@ from .session import (
     all_reduce,
     check_loss_went_through,
     check_type,
-    expose_settings,
 )
 from .sharded_checkpoint import remove_shards, shards_dir
 
@@ -211,7 +210,6 @@ def raw_optimizer(opt: Any) -> Optimizer:
     return opt.optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
-@expose_settings
 class RoundPipeStrategy(SessionHost, ParallelStrategy):
     """Run a LightningModule's ``configure_sequential()`` network with RoundPipe.
 
