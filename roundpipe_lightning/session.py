@@ -96,10 +96,11 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     )
 
 
-def check_bool(name: str, value: Any, owner: str = "RoundPipeStrategy") -> bool:
-    """``value`` if it is a bool (no ``bool()`` coercion: ``"False"`` would be True)."""
+def check_bool(name: str, value: Any, owner: str, none: str = "") -> None:
+    """Refuse a ``value`` that is not a bool (no ``bool()`` coercion: ``"False"`` would
+    be True), nor None where ``none`` says what None means."""
     try:
-        return bool(check_flag(value, name))
+        check_flag(value, name, none)
     except TypeError as exc:
         raise TypeError(
             f"{owner}({name}={value!r}): {exc}; in YAML write true / false without quotes"
@@ -209,8 +210,7 @@ class SessionSettings:
         )
         check_num_microbatch(a["num_microbatch"], owner)
         a["optim_dtype"] = _prefixed(owner, lambda: parse_dtype(a["optim_dtype"]))
-        if a["async_step"] is not None:  # (None follows the hardware)
-            check_bool("async_step", a["async_step"], owner)
+        check_bool("async_step", a["async_step"], owner, none="follows the hardware")
         for f in fields(cls):
             if isinstance(f.default, bool):  # the switches
                 check_bool(f.name, a[f.name], owner)
