@@ -546,11 +546,8 @@ def fuse_optimizer(opt: Optimizer) -> None:
     """Switch ``opt`` in place (LR schedulers keep working) to torch's fused CPU kernel
     where the user left ``fused`` unset (:func:`roundpipe_core.optim.use_fastest_`);
     else log why once."""
-    if any(g.get("fused") for g in opt.param_groups):
-        return
-    # fused=False is a choice too (use_fastest_ only leaves fused=True / foreach= alone)
-    explicit = any(g.get("fused") is False for g in opt.param_groups)
-    if not explicit and use_fastest_(opt):
+    # (use_fastest_ leaves an explicit fused= / foreach= as it is)
+    if any(g.get("fused") for g in opt.param_groups) or use_fastest_(opt):
         return
     reason = _not_fused_reason(opt)
     key = (type(opt).__qualname__, reason)
