@@ -111,9 +111,7 @@ def _values(kind: type[Enum]) -> tuple[str, ...]:
     return tuple(member.value for member in kind)
 
 
-def check_choice(
-    name: str, value: Any, choices: tuple[Any, ...], owner: str = "RoundPipeStrategy"
-) -> Any:
+def check_choice(name: str, value: Any, choices: tuple[Any, ...], owner: str) -> None:
     kinds = {type(c) for c in choices if c is not None}
     if value is not None and not isinstance(value, tuple(kinds)):
         raise TypeError(
@@ -122,12 +120,11 @@ def check_choice(
         )
     if value not in choices:
         raise ValueError(f"{owner}({name}={value!r}): {name} must be one of {choices}")
-    return value
 
 
-def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | None:
+def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> None:
     if value is None:
-        return None
+        return
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(
             f"{owner}(num_microbatch={value!r}): num_microbatch must be a positive int "
@@ -139,7 +136,6 @@ def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | 
             "for the engine's default: devices + 1 on GPUs, 1 or one per worker on CPU "
             "workers)"
         )
-    return value
 
 
 def check_type(
