@@ -458,9 +458,7 @@ def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
 
     # a preset, else the converter by structure (it logs why it refuses a model)
     seq = convert_if_possible(net)
-    if seq is not None:
-        return seq, net
-    return net, None
+    return (seq, net) if seq is not None else (net, None)
 
 
 def op_name(reduce_op: Any) -> str:
