@@ -334,7 +334,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         name, devices = type(module).__name__, self.compute_devices
         rp = self.settings.build_roundpipe(module, name, devices, "fabric.setup() got", hint)
         try:
-            dp = self.settings.data_parallel(overlap=False)
+            dp = self.settings.data_parallel()
             run = _SetUpModule(self.settings, rp, module, dp, self.async_step)
             run.install(lambda: self.precision)
             rank_zero_info(run.summary())

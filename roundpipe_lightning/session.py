@@ -237,12 +237,12 @@ class SessionSettings:
                 "and reduce them. Train on one node, or drop offload_dir."
             )
 
-    def data_parallel(self, overlap: bool) -> D.DataParallel:
+    def data_parallel(self) -> D.DataParallel:
         return _prefixed(
             self.owner,
             lambda: D.DataParallel(
                 op=self.grad_reduce_op,
-                overlap=overlap,
+                overlap=self.overlap_grad_reduce,
                 timeout=self.process_group_timeout,
                 shard_host_state=self.shard_host_state,
             ),

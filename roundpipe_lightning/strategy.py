@@ -318,7 +318,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         #: a checkpoint's model state read before setup, applied once setup built the masters
         self._deferred_model_state: tuple[Mapping[str, Any], bool] | None = None
         # one process per node, data parallel over torch.distributed (no-ops in one process)
-        self._dp = self.settings.data_parallel(overlap=self.settings.overlap_grad_reduce)
+        self._dp = self.settings.data_parallel()
 
     @property
     def roundpipe(self) -> RoundPipe | AutoRoundPipe:
