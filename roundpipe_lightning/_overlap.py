@@ -177,11 +177,7 @@ class OverlappedForwardBackward:
     :class:`LazyLoss`. The first runs blocking: its result gives the loss's shape and
     dtype (a loss_fn returning several losses keeps every call blocking)."""
 
-    def __init__(
-        self,
-        active: Callable[[], bool],
-        on_failure: Callable[[], None] = lambda: None,
-    ) -> None:
+    def __init__(self, active: Callable[[], bool], on_failure: Callable[[], None]) -> None:
         self.active, self.on_failure = active, on_failure
         self.meta: tuple[torch.Size, torch.dtype] | None = None
         self.seen = False

@@ -249,7 +249,6 @@ class StageTimeLogger(Callback):
         self._global_step_at_start = 0
         self._last_step: int | None = None
         self.last_metrics: dict[str, float] = {}
-        self.last_trace_path: Path | None = None
         self.last_image: np.ndarray | None = None
 
     @override
@@ -288,7 +287,7 @@ class StageTimeLogger(Callback):
         simulated = spans_from_simulation(sim, iteration=-1) if sim is not None else None
         if self.trace_dir is not None and measured:
             path = self.trace_dir / trace_file_name(step)
-            self.last_trace_path = write_trace(path, side_by_side_trace(measured, simulated))
+            write_trace(path, side_by_side_trace(measured, simulated))
         tensorboards = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
         if self.log_timeline and tensorboards and measured:
             try:

@@ -34,7 +34,6 @@ from .session import (
     SessionSettings,
     all_reduce,
     check_loss_went_through,
-    expose_settings,
 )
 from .sharded_checkpoint import fabric_shards_dir
 
@@ -142,13 +141,6 @@ class _SetUpModule(Session):
                 "clip, then opt.step()"
             )
 
-    def load_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
-        """The module's weights, and the masters equal to them."""
-        self.rp.synchronize()
-        self.module.load_state_dict(state_dict, strict=strict)
-        self.load_masters({})
-        self.grads_fresh = False
-
     def close(self, failed: bool = False) -> None:
         """:meth:`Session.close`, and the installed calls taken off the module."""
         self._state_dict_hook.remove()
@@ -171,7 +163,6 @@ def _from_environment(name: str | None, alone: int) -> Any:
     return property(read, lambda self, _ignored: None)
 
 
-@expose_settings
 class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     """Run the modules given to ``fabric.setup()`` with RoundPipe.
 
@@ -343,7 +334,7 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         name, devices = type(module).__name__, self.compute_devices
         rp = self.settings.build_roundpipe(module, name, devices, "fabric.setup() got", hint)
         try:
-            dp = self.settings.data_parallel(overlap=False)
+            dp = self.settings.data_parallel()
             run = _SetUpModule(self.settings, rp, module, dp, self.async_step)
             run.install(lambda: self.precision)
             rank_zero_info(run.summary())
@@ -491,10 +482,8 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         run = self._run_of(module)
-        if run is None:
-            return super().get_module_state_dict(module)
-        run.rp.synchronize()
-        return run.module.state_dict()
+        # a set-up module's state_dict() synchronizes first (the hook install() adds)
+        return super().get_module_state_dict(module if run is None else run.module)
 
     @override
     def load_module_state_dict(
@@ -503,8 +492,11 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
         run = self._run_of(module)
         if run is None:
             super().load_module_state_dict(module, state_dict, strict=strict)
-        else:
-            run.load_state(state_dict, strict)
+            return
+        run.rp.synchronize()
+        run.module.load_state_dict(state_dict, strict=strict)
+        run.load_masters({})  # each master equal to its weight just loaded
+        run.grads_fresh = False
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:

@@ -5,8 +5,8 @@ docs/precision-and-checkpoints.md); the Trainer's own plugin is converted by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -106,23 +106,16 @@ class AmpLossScaler:
         self._checked = False
 
     @classmethod
-    def from_grad_scaler(cls, scaler: Any | None) -> AmpLossScaler:
+    def from_grad_scaler(cls, scaler: GradScaler | torch.amp.GradScaler) -> AmpLossScaler:
         """Wrap a ``roundpipe_core.amp.GradScaler``, or take the settings and scale of a
-        ``torch.amp.GradScaler`` (Lightning's plugin's); defaults for None."""
-        if scaler is None:
-            return cls()
+        ``torch.amp.GradScaler`` (Lightning's plugin's)."""
         if isinstance(scaler, GradScaler):
             return cls(grad_scaler=scaler)
-        if isinstance(scaler, torch.amp.GradScaler):
-            return cls(
-                init_scale=float(scaler.get_scale()) if scaler.is_enabled() else 2.0**16,
-                growth_factor=float(scaler.get_growth_factor()),
-                backoff_factor=float(scaler.get_backoff_factor()),
-                growth_interval=int(scaler.get_growth_interval()),
-            )
-        raise TypeError(
-            "expected a torch.amp.GradScaler or a roundpipe_core.amp.GradScaler, got "
-            f"{type(scaler).__name__}"
+        return cls(
+            init_scale=float(scaler.get_scale()) if scaler.is_enabled() else 2.0**16,
+            growth_factor=float(scaler.get_growth_factor()),
+            backoff_factor=float(scaler.get_backoff_factor()),
+            growth_interval=int(scaler.get_growth_interval()),
         )
 
     @property
@@ -186,7 +179,10 @@ class RoundPipePrecision(Precision):
     """
 
     def __init__(
-        self, precision: str = "32-true", scaler: LossScaler | None = None, device: str = "cpu"
+        self,
+        precision: str = "32-true",
+        scaler: LossScaler | GradScaler | torch.amp.GradScaler | None = None,
+        device: str = "cpu",
     ) -> None:
         if precision not in SUPPORTED:
             raise ValueError(
@@ -227,11 +223,8 @@ class RoundPipePrecision(Precision):
             return plugin
         if type(plugin) is HalfPrecision:
             return cls(plugin.precision)
-        if type(plugin) is MixedPrecision:
-            scaler = None
-            if plugin.precision == "16-mixed":
-                scaler = AmpLossScaler.from_grad_scaler(plugin.scaler)
-            out = cls(plugin.precision, scaler=scaler, device=plugin.device)
+        if type(plugin) is MixedPrecision:  # (its scaler: 16-mixed's GradScaler, else None)
+            out = cls(plugin.precision, scaler=plugin.scaler, device=plugin.device)
             out._lightning = plugin  # the user's own autocast settings (device)
             return out
         name = getattr(plugin, "precision", None)
@@ -259,12 +252,10 @@ class RoundPipePrecision(Precision):
         return self._lightning.module_init_context()
 
     @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
+    def forward_context(self) -> AbstractContextManager:
         # entered on the main thread around the step methods; the engine captures the
         # autocast state there and re-enters it on its worker threads
-        with self._lightning.forward_context():
-            yield
+        return self._lightning.forward_context()
 
     @override
     def convert_input(self, data: Any) -> Any:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -96,10 +96,11 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     )
 
 
-def check_bool(name: str, value: Any, owner: str = "RoundPipeStrategy") -> bool:
-    """``value`` if it is a bool (no ``bool()`` coercion: ``"False"`` would be True)."""
+def check_bool(name: str, value: Any, owner: str, none: str = "") -> None:
+    """Refuse a ``value`` that is not a bool (no ``bool()`` coercion: ``"False"`` would
+    be True), nor None where ``none`` says what None means."""
     try:
-        return bool(check_flag(value, name))
+        check_flag(value, name, none)
     except TypeError as exc:
         raise TypeError(
             f"{owner}({name}={value!r}): {exc}; in YAML write true / false without quotes"
@@ -110,9 +111,7 @@ def _values(kind: type[Enum]) -> tuple[str, ...]:
     return tuple(member.value for member in kind)
 
 
-def check_choice(
-    name: str, value: Any, choices: tuple[Any, ...], owner: str = "RoundPipeStrategy"
-) -> Any:
+def check_choice(name: str, value: Any, choices: tuple[Any, ...], owner: str) -> None:
     kinds = {type(c) for c in choices if c is not None}
     if value is not None and not isinstance(value, tuple(kinds)):
         raise TypeError(
@@ -121,12 +120,11 @@ def check_choice(
         )
     if value not in choices:
         raise ValueError(f"{owner}({name}={value!r}): {name} must be one of {choices}")
-    return value
 
 
-def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | None:
+def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> None:
     if value is None:
-        return None
+        return
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(
             f"{owner}(num_microbatch={value!r}): num_microbatch must be a positive int "
@@ -138,7 +136,6 @@ def check_num_microbatch(value: Any, owner: str = "RoundPipeStrategy") -> int | 
             "for the engine's default: devices + 1 on GPUs, 1 or one per worker on CPU "
             "workers)"
         )
-    return value
 
 
 def check_type(
@@ -209,8 +206,7 @@ class SessionSettings:
         )
         check_num_microbatch(a["num_microbatch"], owner)
         a["optim_dtype"] = _prefixed(owner, lambda: parse_dtype(a["optim_dtype"]))
-        if a["async_step"] is not None:  # (None follows the hardware)
-            check_bool("async_step", a["async_step"], owner)
+        check_bool("async_step", a["async_step"], owner, none="follows the hardware")
         for f in fields(cls):
             if isinstance(f.default, bool):  # the switches
                 check_bool(f.name, a[f.name], owner)
@@ -241,12 +237,12 @@ class SessionSettings:
                 "and reduce them. Train on one node, or drop offload_dir."
             )
 
-    def data_parallel(self, overlap: bool) -> D.DataParallel:
+    def data_parallel(self) -> D.DataParallel:
         return _prefixed(
             self.owner,
             lambda: D.DataParallel(
                 op=self.grad_reduce_op,
-                overlap=overlap,
+                overlap=self.overlap_grad_reduce,
                 timeout=self.process_group_timeout,
                 shard_host_state=self.shard_host_state,
             ),
@@ -339,7 +335,8 @@ SETTINGS = frozenset(f.name for f in fields(SessionSettings)) - {"owner"}
 
 
 class SessionHost:
-    """A mixin: what both strategies read of their settings and devices."""
+    """A mixin: what both strategies read of their settings and devices; each setting a
+    subclass does not define is a read-only attribute of it."""
 
     settings: SessionSettings
     parallel_devices: list[torch.device] | None
@@ -347,6 +344,13 @@ class SessionHost:
     _checkpoint_io: CheckpointIO | None
     _num_nodes = 1  # Fabric's connector sets it directly
     _entry = "Trainer"  # what the messages tell the user to configure
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in SETTINGS:
+            if not hasattr(cls, name):
+                getter = functools.partial(lambda name, self: getattr(self.settings, name), name)
+                setattr(cls, name, property(getter, doc=f"The ``{name}`` setting."))
 
     @property
     def num_nodes(self) -> int:
@@ -443,18 +447,6 @@ class SessionHost:
         return self.settings.resolve_async_step(self.compute_devices)
 
 
-_S = TypeVar("_S", bound=type)
-
-
-def expose_settings(cls: _S) -> _S:
-    """Class decorator: each setting the class does not define is a read-only attribute."""
-    for f in fields(SessionSettings):
-        if f.name in SETTINGS and not hasattr(cls, f.name):
-            getter = functools.partial(lambda name, self: getattr(self.settings, name), f.name)
-            setattr(cls, f.name, property(getter, doc=f"The ``{f.name}`` setting."))
-    return cls
-
-
 def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
     """``(network, original)``: an ``nn.Sequential`` as it is, a model a preset converts
     with itself as ``original``, any other as it is (split automatically)."""
@@ -466,9 +458,7 @@ def network_of(net: nn.Module, source: str) -> tuple[nn.Module, Any]:
 
     # a preset, else the converter by structure (it logs why it refuses a model)
     seq = convert_if_possible(net)
-    if seq is not None:
-        return seq, net
-    return net, None
+    return (seq, net) if seq is not None else (net, None)
 
 
 def op_name(reduce_op: Any) -> str:
@@ -550,11 +540,8 @@ def fuse_optimizer(opt: Optimizer) -> None:
     """Switch ``opt`` in place (LR schedulers keep working) to torch's fused CPU kernel
     where the user left ``fused`` unset (:func:`roundpipe_core.optim.use_fastest_`);
     else log why once."""
-    if any(g.get("fused") for g in opt.param_groups):
-        return
-    # fused=False is a choice too (use_fastest_ only leaves fused=True / foreach= alone)
-    explicit = any(g.get("fused") is False for g in opt.param_groups)
-    if not explicit and use_fastest_(opt):
+    # (use_fastest_ leaves an explicit fused= / foreach= as it is)
+    if any(g.get("fused") for g in opt.param_groups) or use_fastest_(opt):
         return
     reason = _not_fused_reason(opt)
     key = (type(opt).__qualname__, reason)
@@ -1011,20 +998,22 @@ class Session:
     def load_optimizer(self, opt: Optimizer, state: Any, directory: Path | None) -> None:
         """Restore ``opt`` from ``state``: a state dict (into the disk tier's files where
         there is one), or the marker of the shards in ``directory``
-        (:func:`~roundpipe_lightning.sharded_checkpoint.load_optimizer_state`)."""
+        (:func:`~roundpipe_lightning.sharded_checkpoint.load_optimizer_state`); then
+        :meth:`check_optimizer_states`."""
         if self.tier is None:
             named = self.masters_by_name()
             load_optimizer_state(directory, opt, state, self.dp.shard(opt), named)
         elif is_marker(state):
             raise ValueError(
                 f"{self.settings.owner}(offload_dir=...): this checkpoint's optimizer state is "
-                "sharded across processes; merge it first with "
-                "roundpipe_lightning.convert_sharded_checkpoint(path, out)"
+                "sharded across processes; merge it first with roundpipe_lightning."
+                "sharded_checkpoint.convert_sharded_checkpoint(path, out)"
             )
         else:
             self.tier.load_state(None, opt, state)
         if self.settings.fuse_optimizer:  # a checkpoint of an unfused run has fused=None
             fuse_optimizer(opt)
+        self.check_optimizer_states([opt])
 
     def load_masters(self, saved: Mapping[str, Tensor], from_weights: bool = True) -> None:
         """Each master becomes its saved value, else (``from_weights``, after the weights
@@ -1076,10 +1065,11 @@ class Session:
         if isinstance(self.rp, RoundPipe):  # the layer timer, the stages' draws
             restore_learned(self.rp, state)
 
-    def check_optimizer_states(self) -> None:
-        """Each state tensor has its parameter's shape (fused kernels do not check)."""
+    def check_optimizer_states(self, optimizers: Sequence[Optimizer] | None = None) -> None:
+        """Each state tensor of ``optimizers`` (default: all) has its parameter's shape
+        (fused kernels do not check)."""
         names = {id(m): name for name, _, m in self.named_masters()}
-        for opt in self.optimizers:
+        for opt in self.optimizers if optimizers is None else optimizers:
             check_state_matches(opt, names)
 
     # -- end -------------------------------------------------------------------------------------

@@ -91,8 +91,9 @@ def load_optimizer_state(
         if directory is None:
             raise ValueError(
                 "this checkpoint's optimizer state is sharded across ranks "
-                "(<checkpoint>.shards/); load it through Trainer(ckpt_path=...), or "
-                "merge it first with roundpipe_lightning.convert_sharded_checkpoint(path, out)"
+                "(<checkpoint>.shards/); load it through Trainer(ckpt_path=...), or merge it "
+                "first with roundpipe_lightning.sharded_checkpoint.convert_sharded_checkpoint"
+                "(path, out)"
             )
         owns = shard.owns if shard is not None else (lambda p: True)
         D.load_shards(directory, of_optimizer(named_masters, optimizer), optimizer, owns)

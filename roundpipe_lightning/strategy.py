@@ -51,7 +51,6 @@ from .session import (
     all_reduce,
     check_loss_went_through,
     check_type,
-    expose_settings,
 )
 from .sharded_checkpoint import remove_shards, shards_dir
 
@@ -211,7 +210,6 @@ def raw_optimizer(opt: Any) -> Optimizer:
     return opt.optimizer if isinstance(opt, LightningOptimizer) else opt
 
 
-@expose_settings
 class RoundPipeStrategy(SessionHost, ParallelStrategy):
     """Run a LightningModule's ``configure_sequential()`` network with RoundPipe.
 
@@ -320,7 +318,7 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         #: a checkpoint's model state read before setup, applied once setup built the masters
         self._deferred_model_state: tuple[Mapping[str, Any], bool] | None = None
         # one process per node, data parallel over torch.distributed (no-ops in one process)
-        self._dp = self.settings.data_parallel(overlap=self.settings.overlap_grad_reduce)
+        self._dp = self.settings.data_parallel()
 
     @property
     def roundpipe(self) -> RoundPipe | AutoRoundPipe:
@@ -677,7 +675,6 @@ class RoundPipeStrategy(SessionHost, ParallelStrategy):
         for i, (opt, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
             directory = None if path is None else shards_dir(path, i)
             self._session.load_optimizer(raw_optimizer(opt), state, directory)
-        self._session.check_optimizer_states()
 
     # -- teardown --------------------------------------------------------------------------------
     @override
