@@ -186,8 +186,8 @@ PLANTS: tuple[Plant, ...] = (
         '(the engine\'s "sum": a batch-mean loss_fn is num_microbatch times too large)',
         file="roundpipe_lightning/session.py",
         old="                loss_reduction=self.loss_reduction,\n"
-        "                shared_masters=not self.resolve_async_step(devices),\n",
-        new="                shared_masters=not self.resolve_async_step(devices),\n",
+        "                # the disk tier keeps every master in its files: never the weight itself\n",
+        new="                # the disk tier keeps every master in its files: never the weight itself\n",
         tests=(
             "tests/lightning/test_strategy_loss_reduction.py"
             "::test_mean_loss_matches_plain_lightning[3]",
