@@ -198,7 +198,6 @@ def simulate(
     plan.check_valid(n, rt, num_devices)
     if not step_ms >= 0:
         raise ValueError(f"step_ms must be >= 0, got {step_ms!r}")
-    jobs = build_schedule(plan, rt, num_devices, num_microbatch)
     events: list[SimEvent] = []
     gate = _WeightGate(num_devices) if overlap_iterations else None
     share = _step_shares(step_share if step_share is not None else param_bytes, n)
@@ -214,7 +213,7 @@ def simulate(
     iter_ends: list[float] = []
     all_jobs: list[Job] = []
     for it in range(iterations):
-        start_device = (it * len(jobs)) % num_devices if overlap_iterations else 0
+        start_device = len(all_jobs) % num_devices if overlap_iterations else 0
         sched = build_schedule(plan, rt, num_devices, num_microbatch, start_device=start_device)
         all_jobs += sched
         # One-step-stale update: iteration it uses the weights of step it - 2 (the step
