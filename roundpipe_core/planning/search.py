@@ -276,13 +276,12 @@ def search_plans(
     def cost(idx: int) -> float:
         return value(s_at(idx), cands[idx], w_at(idx))
 
-    # Smallest feasible cap (feasibility is monotone in the cap).
-    if s_at(len(cands) - 1) == math.inf:
+    last_idx = len(cands) - 1
+    if s_at(last_idx) == math.inf:  # (feasibility is monotone in the cap)
         raise ValueError(
             f"a layer needs more than the memory cap of {memory_cap_bytes / _GB:.3f} GB per "
             "stage; raise model_memory_limit"
         )
-    last_idx = len(cands) - 1
 
     def fewest(at_most: float) -> int:
         """Smallest cap index whose plans have at most ``at_most`` stages (the stage
@@ -354,7 +353,7 @@ def search_plans(
     if refine and walk and num_devices is not None and num_microbatch is not None:
         # Jointly planned models run one after another: each walks on its own, from
         # the chosen plan and from the other shortlisted ones.
-        seeds = [cands[i] for i in [chosen, *shortlist] if i != chosen][: WALK_SEEDS - 1]
+        seeds = [cands[i] for i in shortlist if i != chosen][: WALK_SEEDS - 1]
         plans = [
             _walk(
                 pr,
