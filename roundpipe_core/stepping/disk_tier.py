@@ -373,16 +373,16 @@ class DiskTier:
         io(*args)
         self.io_seconds += time.perf_counter() - t0
 
-    def _alloc(self, slot: int, i: int, entries: list[tuple[str, str, tuple[int, ...]]]) -> _Layout:
-        """Record ``i``'s layout for writing ``entries`` into ``slot``: where it was if it
+    def _alloc(self, slot: int, i: int, tensors: dict[str, torch.Tensor]) -> _Layout:
+        """Record ``i``'s layout for writing ``tensors`` into ``slot``: where it was if it
         fits there, else at the end of the slot file."""
         old = self._pending[i] if self._pending is not None else self._layouts[slot][i]
-        need = sum(_entry_bytes(dt, s) for _, dt, s in entries)
-        if need <= old.capacity:
-            return _Layout(old.offset, old.capacity, entries)
-        offset = self._end[slot]
-        self._end[slot] += need
-        return _Layout(offset, need, entries)
+        entries = [(k, str(t.dtype), tuple(t.shape)) for k, t in tensors.items()]
+        new = _Layout(old.offset, old.capacity, entries)
+        if new.nbytes > old.capacity:
+            new.offset, new.capacity = self._end[slot], new.nbytes
+            self._end[slot] += new.nbytes
+        return new
 
     # -- the bounded buffer --------------------------------------------------------------
     def _take_bytes(self, n: int, block: bool) -> bool:
@@ -561,11 +561,10 @@ class DiskTier:
             if self.free_grads:
                 with self.masters.grad_lock:
                     m.grad = None  # consumed: resident gradients are the ones not stepped yet
-            entries = [(k, str(t.dtype), tuple(t.shape)) for k, t in tensors.items()]
-            same = entries == rec.layout.entries and all(
+            layout = self._alloc(nxt, i, tensors)
+            same = layout.entries == rec.layout.entries and all(
                 rec.tensors[k].data_ptr() == t.data_ptr() for k, t in tensors.items()
             )
-            layout = self._alloc(nxt, i, entries)
             if same:  # stepped in place in the read buffer: write it as it is
                 layout.scalars = scalars
                 out = rec
@@ -724,8 +723,7 @@ class DiskTier:
                         tensors[str(k)] = v.detach().cpu()
                     else:
                         scalars[str(k)] = v
-                entries = [(k, str(t.dtype), tuple(t.shape)) for k, t in tensors.items()]
-                layout = self._alloc(nxt, i, entries)
+                layout = self._alloc(nxt, i, tensors)
                 rec = self._record_of(layout, tensors, scalars)
                 _pwrite(self._fds[nxt], rec.buf, layout.offset)
                 self._pending[i] = layout
