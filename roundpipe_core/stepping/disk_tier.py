@@ -181,8 +181,6 @@ class DiskTier:
         name: the RoundPipe's name (for its IO threads' names).
         buffer_layers: layers' records resident at most (read ahead, stepping, written
             behind); at least 1.
-        free_grads: drop a master's ``.grad`` once it is stepped (``finish=zero_grad``
-            would at the end anyway), so only those not stepped yet stay resident.
 
     Raises:
         ValueError: ``path`` is not a writable directory or lacks the space.
@@ -195,11 +193,9 @@ class DiskTier:
         layers: Sequence[nn.Module],
         name: str = "RoundPipe",
         buffer_layers: int = 3,
-        free_grads: bool = True,
     ) -> None:
         check_int(buffer_layers, "buffer_layers")
         self.path = os.fspath(path)
-        self.free_grads = free_grads
         self.masters = masters
         self._params = [m for _, _, m in masters.copies]
         if len(self._params) != len(masters.entries):
@@ -558,9 +554,8 @@ class DiskTier:
                         f"state; {type(opt).__name__}'s state {k!r} is a {type(v).__name__}"
                     )
             m.data = torch.zeros((), dtype=m.dtype).expand(m.shape)
-            if self.free_grads:
-                with self.masters.grad_lock:
-                    m.grad = None  # consumed: resident gradients are the ones not stepped yet
+            with self.masters.grad_lock:
+                m.grad = None  # consumed: resident gradients are the ones not stepped yet
             layout = self._alloc(nxt, i, tensors)
             same = layout.entries == rec.layout.entries and all(
                 rec.tensors[k].data_ptr() == t.data_ptr() for k, t in tensors.items()
