@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import itertools
 import json
 import math
 import os
@@ -488,11 +489,8 @@ class DiskTier:
             nxt = (self.gen + 1) % 2
             self._pending = list(self._layouts[nxt])
         # deepest layer first, one layer's part at a time
-        by_layer: dict[int, list[int]] = {}
-        for i in idx:
-            by_layer.setdefault(self._layer[i], []).append(i)
-        pieces = [by_layer[li] for li in sorted(by_layer, reverse=True)]
-        order = [i for piece in pieces for i in piece]
+        order = sorted(idx, key=lambda i: -self._layer[i])
+        pieces = [list(g) for _, g in itertools.groupby(order, key=lambda i: self._layer[i])]
         self._wanted = set(order)
         self._read_ahead(order, block=False)
         pos = 0
