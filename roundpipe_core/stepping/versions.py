@@ -107,13 +107,11 @@ class WeightVersions:
         self.holders: dict[int, list[int]] = {}
         self._pair: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         for i, layer in enumerate(layers):
-            pairs = []
-            for p in layer.parameters():  # deduplicated within the layer
-                if id(p) in master_of:
-                    pm = master_of[id(p)]
-                    pairs.append(pm)
-                    self.holders.setdefault(id(pm[1]), []).append(i)
-                    self._pair[id(pm[1])] = pm
+            # (parameters() deduplicates within the layer)
+            pairs = [master_of[id(p)] for p in layer.parameters() if id(p) in master_of]
+            for pm in pairs:
+                self.holders.setdefault(id(pm[1]), []).append(i)
+                self._pair[id(pm[1])] = pm
             self.layer_pairs.append(pairs)
         self.version: dict[int, int] = {k: 0 for k in self._pair}
         self._readers: list[_Reader] = []
