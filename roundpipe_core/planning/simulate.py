@@ -76,8 +76,7 @@ class SimResult:
             return ""
         rows = []
         scale = width / self.makespan_ms
-        ndev = len(self.busy_ms)
-        for d in range(ndev):
+        for d in range(len(self.busy_ms)):
             row = [" "] * width
             for e in self.events:
                 if e.device != d or e.kind == "upload":
@@ -85,8 +84,7 @@ class SimResult:
                 ch = JobKind(e.kind).code
                 a = min(width - 1, int(e.start * scale))
                 b = max(a + 1, min(width, int(round(e.end * scale))))
-                for x in range(a, b):
-                    row[x] = ch
+                row[a:b] = [ch] * (b - a)
             rows.append(f"dev{d} |" + "".join(row) + "|")
         return "\n".join(rows)
 
