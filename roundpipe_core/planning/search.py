@@ -21,10 +21,10 @@ from .simulate import job_ms, simulated_iteration_ms
 __all__ = [
     "OBJECTIVES",
     "PlanSearch",
+    "fewest_stage_plans",
     "pipeline_estimate",
     "plan_cost",
     "plan_objective",
-    "fewest_stage_plans",
     "search_plans",
     "stage_times",
 ]
