@@ -77,20 +77,16 @@ def _param_tensors(params: list[Any]) -> list[torch.Tensor]:
     return out
 
 
-def _fused_ok(tensors: list[torch.Tensor]) -> bool:
-    devices = _get_fused_kernels_supported_devices()
-    return bool(tensors) and all(
-        type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.device.type in devices
-        and torch.is_floating_point(t)
-        and not t.is_sparse
-        for t in tensors
-    )
-
-
 def _foreach_ok(tensors: list[torch.Tensor]) -> bool:
     return bool(tensors) and all(
         type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_sparse for t in tensors
+    )
+
+
+def _fused_ok(tensors: list[torch.Tensor]) -> bool:
+    devices = _get_fused_kernels_supported_devices()
+    return _foreach_ok(tensors) and all(
+        t.device.type in devices and torch.is_floating_point(t) for t in tensors
     )
 
 
@@ -220,12 +216,7 @@ def _fused_steps(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
     for p, s in optimizer.state.items():
         s = dict(s)
         if "step" in s:
-            step = s["step"]
-            s["step"] = (
-                step.to(dtype=torch.float32, device=p.device)
-                if isinstance(step, torch.Tensor)
-                else torch.tensor(float(step), dtype=torch.float32, device=p.device)
-            )
+            s["step"] = torch.as_tensor(s["step"], dtype=torch.float32, device=p.device)
         state[p] = s
     return state
 
@@ -249,13 +240,7 @@ def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | N
     if target is None:
         return None
     name, impl = target
-    groups = []
-    for g in optimizer.param_groups:
-        g = dict(g)
-        g[impl] = True
-        groups.append(g)
-    cls = _OURS[name]
-    new = cls(groups)
+    new = _OURS[name]([{**g, impl: True} for g in optimizer.param_groups])
     for k, v in optimizer.defaults.items():
         new.defaults.setdefault(k, v)
     new.state.update(_fused_steps(optimizer) if impl == "fused" else optimizer.state)

@@ -10,6 +10,7 @@ from ..kinds import check_int
 from .explain import AutoSplitLeaf, leaf_paths
 from .tree import (
     RoundPipePackedData,
+    _batch_leading,
     _chunk_dim,
     _is_chunk,
     _is_reducer,
@@ -128,13 +129,7 @@ def _split_leaves(
             dim = _chunk_dim(m, x, w)
             chunks = list(torch.tensor_split(x, n, dim=dim))
             rule = _LeafRule("chunk", dim, tuple(int(c.shape[dim]) for c in chunks))
-        elif (
-            m is None
-            and sizes is not None
-            and isinstance(x, torch.Tensor)
-            and x.dim() >= 1
-            and x.shape[0] == bs
-        ):
+        elif m is None and sizes is not None and _batch_leading(x, bs):
             chunks = list(torch.split(x, sizes, dim=0))
             rule = _LeafRule("chunk", 0, tuple(sizes))
         elif m is None or _is_replicate(m):

@@ -186,6 +186,11 @@ def batch_extent(args: Any, kwargs: Any) -> tuple[int, int]:
     return 0, 0
 
 
+def _batch_leading(x: Any, batch_size: int | None) -> bool:
+    """Whether ``x`` is a tensor whose first dimension is ``batch_size``."""
+    return isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == batch_size
+
+
 def split_sizes(batch_size: int | None, num_microbatch: int) -> list[int]:
     """Near-equal microbatch sizes; fewer microbatches when the batch is smaller."""
     if num_microbatch < 1:
@@ -204,12 +209,7 @@ def split_tree(obj: Any, sizes: list[int], batch_size: int | None) -> list[Any]:
     leaves, rebuild = flatten(obj)
     per_leaf = []
     for leaf in leaves:
-        if (
-            batch_size is not None
-            and isinstance(leaf, torch.Tensor)
-            and leaf.dim() >= 1
-            and leaf.shape[0] == batch_size
-        ):
+        if _batch_leading(leaf, batch_size):
             per_leaf.append(list(torch.split(leaf, sizes, dim=0)))
         else:
             per_leaf.append([leaf] * len(sizes))

@@ -41,9 +41,7 @@ def even_ranges(n: int, parts: int) -> list[range]:
 AutoPlanner = Callable[..., "ModelExecutePlan | list[ModelExecutePlan]"]
 
 
-def _check_cover(
-    stages: Sequence[range], num_layers: int, name: str, increasing: bool, full: bool = True
-) -> None:
+def _check_cover(stages: Sequence[range], num_layers: int, name: str, increasing: bool) -> None:
     """Validate that ``stages`` covers its layers exactly once in the required order
     (on the ranges' ends only: a plan claiming millions of layers fails as fast)."""
     if not isinstance(stages, (list, tuple)):
@@ -79,17 +77,17 @@ def _check_cover(
                     "must go from deep to shallow layers (decreasing order)"
                 )
         prev = r
-    if full:  # (the stages are disjoint by now)
-        ordered = sorted(stages, key=lambda r: r.start) + [range(num_layers, num_layers)]
-        stops = [0] + [r.stop for r in ordered[:-1]]
-        gaps = [range(at, r.start) for at, r in zip(stops, ordered) if r.start > at]
-        if gaps:
-            missing = sum(len(g) for g in gaps)
-            raise ValueError(
-                f"{name} does not cover layer {gaps[0].start}"
-                + (f" (and {missing - 1} more)" if missing > 1 else "")
-                + f"; the stages must cover all layers 0..{num_layers - 1} exactly once"
-            )
+    # (the stages are disjoint by now)
+    ordered = sorted(stages, key=lambda r: r.start) + [range(num_layers, num_layers)]
+    stops = [0] + [r.stop for r in ordered[:-1]]
+    gaps = [range(at, r.start) for at, r in zip(stops, ordered) if r.start > at]
+    if gaps:
+        missing = sum(len(g) for g in gaps)
+        raise ValueError(
+            f"{name} does not cover layer {gaps[0].start}"
+            + (f" (and {missing - 1} more)" if missing > 1 else "")
+            + f"; the stages must cover all layers 0..{num_layers - 1} exactly once"
+        )
 
 
 class ModelExecutePlan:

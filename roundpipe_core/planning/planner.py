@@ -15,7 +15,7 @@ from typing import Any
 from ..kinds import RunType, check_flag, check_int, parse_kind
 from .plan import ModelExecutePlan, default_num_microbatch
 from .profile import LayerProfile, profile_of
-from .search import search_plans
+from .search import fewest_stage_plans, search_plans
 from .simulate import simulated_iteration_ms
 
 __all__ = [
@@ -129,12 +129,10 @@ def auto(
         replicas = num_devices if len(models) == 1 and may_replicate(models[0]) else 1
         num_microbatch = default_num_microbatch(num_devices, concurrent is not False, replicas)
     if concurrent is False:
-        fewest = search_plans(rt, profiles, 1, cap, fewest_stages=True)
+        fewest = fewest_stage_plans(rt, profiles, cap)
         if overlap and rt == RunType.FUSED and num_devices == 2:
-            return _split_or_fewest(
-                fewest.plans[0], profiles[0], num_microbatch, replicable(models[0])
-            )
-        return fewest.plans[0] if len(models) == 1 else fewest.plans
+            return _split_or_fewest(fewest[0], profiles[0], num_microbatch, replicable(models[0]))
+        return fewest[0] if len(models) == 1 else fewest
     result = search_plans(
         rt,
         profiles,

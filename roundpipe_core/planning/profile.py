@@ -32,7 +32,6 @@ __all__ = [
     "stage_memory",
 ]
 
-_GB = 1024**3
 #: Milliseconds assumed per byte of dense layer weights before anything was measured
 #: (only ratios matter to the planner; the scale keeps the numbers readable).
 PRIOR_MS_PER_BYTE = 1.0 / 100e6

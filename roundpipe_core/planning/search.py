@@ -21,6 +21,7 @@ from .simulate import job_ms, simulated_iteration_ms
 __all__ = [
     "OBJECTIVES",
     "PlanSearch",
+    "fewest_stage_plans",
     "pipeline_estimate",
     "plan_cost",
     "plan_objective",
@@ -33,16 +34,13 @@ _GB = 1024**3
 
 @dataclass
 class PlanSearch:
-    """One plan per model, the stage time cap (``stage_ms``), the total stage count, the
-    objective's ``cost`` (``fewest_stages``: the summed stage time), the memory bound
-    and how many caps were ``evaluated``."""
+    """One plan per model, the stage time cap (``stage_ms``), the total stage count and
+    the objective's ``cost``."""
 
     plans: list[ModelExecutePlan]
     stage_ms: float
     num_stages: int
     cost: float
-    memory_cap_bytes: float
-    evaluated: int
 
 
 class _Problem:
@@ -224,7 +222,6 @@ def search_plans(
     refine: bool = False,
     walk: bool = True,
     overlap_iterations: bool = False,
-    fewest_stages: bool = False,
 ) -> PlanSearch:
     """Partition one or more models (jointly: one shared stage time cap T), every stage
     under T and ``memory_cap_bytes``, minimising ``"stages"``, ``max(S, min_stages) * T``,
@@ -239,7 +236,6 @@ def search_plans(
     :data:`REFINE_SPREAD` more or fewer, plus the greedy pick, and keeps the fastest;
     with ``walk`` each plan then hill-climbs on the simulated time (:func:`_walk`).
     ``overlap_iterations`` times the steady state of overlapped calls.
-    ``fewest_stages=True`` returns the plan with the fewest stages memory allows.
 
     Raises:
         ValueError: unknown method / objective / run type, no profiles, or a layer
@@ -280,25 +276,18 @@ def search_plans(
     def cost(idx: int) -> float:
         return value(s_at(idx), cands[idx], w_at(idx))
 
-    # Smallest feasible cap (feasibility is monotone in the cap).
-    if s_at(len(cands) - 1) == math.inf:
+    last_idx = len(cands) - 1
+    if s_at(last_idx) == math.inf:  # (feasibility is monotone in the cap)
         raise ValueError(
             f"a layer needs more than the memory cap of {memory_cap_bytes / _GB:.3f} GB per "
             "stage; raise model_memory_limit"
         )
-    last_idx = len(cands) - 1
 
     def fewest(at_most: float) -> int:
         """Smallest cap index whose plans have at most ``at_most`` stages (the stage
         count never grows with the cap)."""
         return first_true(0, last_idx, lambda i: s_at(i) <= at_most)
 
-    def found(plans: list[ModelExecutePlan], cap: float, num: int, cost: float) -> PlanSearch:
-        return PlanSearch(plans, cap, num, cost, memory_cap_bytes, s_at.cache_info().currsize)
-
-    if fewest_stages:
-        plans = [pr.build(cands[last_idx]) for pr in problems]
-        return found(plans, cands[last_idx], int(s_at(last_idx)), w_at(last_idx))
     first = first_true(0, last_idx, lambda i: s_at(i) < math.inf)  # smallest feasible cap
     best_idx = first
 
@@ -364,7 +353,7 @@ def search_plans(
     if refine and walk and num_devices is not None and num_microbatch is not None:
         # Jointly planned models run one after another: each walks on its own, from
         # the chosen plan and from the other shortlisted ones.
-        seeds = [cands[i] for i in [chosen, *shortlist] if i != chosen][: WALK_SEEDS - 1]
+        seeds = [cands[i] for i in shortlist if i != chosen][: WALK_SEEDS - 1]
         plans = [
             _walk(
                 pr,
@@ -377,8 +366,17 @@ def search_plans(
             for pr, prof, plan in zip(problems, profiles, plans)
         ]
         times = [t for plan, prof in zip(plans, profiles) for t in stage_times(plan, prof, rt)]
-        return found(plans, max(times), len(times), value(len(times), max(times), sum(times)))
-    return found(plans, cap, int(s_at(chosen)), cost(chosen))
+        return PlanSearch(plans, max(times), len(times), value(len(times), max(times), sum(times)))
+    return PlanSearch(plans, cap, int(s_at(chosen)), cost(chosen))
+
+
+def fewest_stage_plans(
+    run_type: RunType, profiles: Sequence[LayerProfile], memory_cap_bytes: float
+) -> list[ModelExecutePlan]:
+    """One plan per model with the fewest stages ``memory_cap_bytes`` allows (stage time
+    unbounded: capped by the largest a stage can take), each side balanced."""
+    problems = [_Problem(p, run_type, memory_cap_bytes) for p in profiles]
+    return [pr.build(max(pr.candidates())) for pr in problems]
 
 
 #: Stages more or fewer per side, or layers the fused split moves, in one walk step.

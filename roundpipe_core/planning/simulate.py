@@ -76,8 +76,7 @@ class SimResult:
             return ""
         rows = []
         scale = width / self.makespan_ms
-        ndev = len(self.busy_ms)
-        for d in range(ndev):
+        for d in range(len(self.busy_ms)):
             row = [" "] * width
             for e in self.events:
                 if e.device != d or e.kind == "upload":
@@ -85,8 +84,7 @@ class SimResult:
                 ch = JobKind(e.kind).code
                 a = min(width - 1, int(e.start * scale))
                 b = max(a + 1, min(width, int(round(e.end * scale))))
-                for x in range(a, b):
-                    row[x] = ch
+                row[a:b] = [ch] * (b - a)
             rows.append(f"dev{d} |" + "".join(row) + "|")
         return "\n".join(rows)
 
@@ -198,23 +196,20 @@ def simulate(
     plan.check_valid(n, rt, num_devices)
     if not step_ms >= 0:
         raise ValueError(f"step_ms must be >= 0, got {step_ms!r}")
-    jobs = build_schedule(plan, rt, num_devices, num_microbatch)
     events: list[SimEvent] = []
     gate = _WeightGate(num_devices) if overlap_iterations else None
+    devices = _Devices(
+        num_devices, rt, fwd, bwd, re, upl, activation_ms, not concurrent, events, gate
+    )
     share = _step_shares(step_share if step_share is not None else param_bytes, n)
     step_ends: list[float] = []
     # per step: when each layer's new weights are published
     published: list[list[float]] = []
     opt_free = 0.0  # the optimizer thread
-    device_free = [0.0] * num_devices
-    upload_free = [0.0] * num_devices
-    # End times of the last two jobs per device: a prefetch may start once the job
-    # before the previous one released its parameters.
-    job_ends: list[list[float]] = [[] for _ in range(num_devices)]
     iter_ends: list[float] = []
     all_jobs: list[Job] = []
     for it in range(iterations):
-        start_device = (it * len(jobs)) % num_devices if overlap_iterations else 0
+        start_device = len(all_jobs) % num_devices if overlap_iterations else 0
         sched = build_schedule(plan, rt, num_devices, num_microbatch, start_device=start_device)
         all_jobs += sched
         # One-step-stale update: iteration it uses the weights of step it - 2 (the step
@@ -224,26 +219,7 @@ def simulate(
         if not overlap_iterations:
             barrier = max([step_ends[it - 2] if it >= 2 else 0.0] + iter_ends[-1:])
         grad_done: dict[int, float] = {}
-        ends = _run_iteration(
-            sched,
-            rt,
-            fwd,
-            bwd,
-            re,
-            num_devices,
-            upl,
-            activation_ms,
-            barrier,
-            it,
-            device_free,
-            upload_free,
-            job_ends,
-            events,
-            gate,
-            layer_ready,
-            grad_done,
-            serial=not concurrent,
-        )
+        ends = devices.run(sched, barrier, it, layer_ready, grad_done)
         iter_ends.append(max([ends] + iter_ends))
         ready = [0.0] * n
         if step_per_layer:
@@ -334,15 +310,7 @@ def simulated_iteration_ms(
     if not overlap or run_type != RunType.FUSED:
         fwd, re, bwd = ([t * f for t in ms] for ms in profile.layer_ms())
         sched = build_schedule(plan, run_type, num_devices, num_microbatch)
-        return _run_iteration(
-            sched,
-            run_type,
-            fwd,
-            bwd,
-            re,
-            num_devices,
-            serial=not concurrent,
-        )
+        return _Devices(num_devices, run_type, fwd, bwd, re, serial=not concurrent).run(sched)
 
     def span(iterations: int) -> float:
         return simulate(
@@ -410,110 +378,126 @@ class _WeightGate:
             self.cur[i] = max(self.cur.get(i, 0.0), end)
 
 
-def _run_iteration(
-    jobs: list[Job],
-    run_type: RunType,
-    fwd: list[float],
-    bwd: list[float],
-    re: list[float],
-    num_devices: int,
-    upl: list[float] | None = None,
-    act: float = 0.0,
-    barrier: float = 0.0,
-    it: int = 0,
-    device_free: list[float] | None = None,
-    upload_free: list[float] | None = None,
-    job_ends: list[list[float]] | None = None,
-    events: list[SimEvent] | None = None,
-    gate: _WeightGate | None = None,
-    layer_ready: list[float] | None = None,
-    grad_done: dict[int, float] | None = None,
-    serial: bool = False,
-) -> float:
-    """Time one iteration's jobs in launch order; returns its end.
+class _Devices:
+    """The devices iterations are timed on (per-layer ms, ``upl``: upload ms, ``act``:
+    activation hand-over latency), with their state carried from one iteration to the
+    next: when each device and its copy channel are free, and its jobs' end times (a
+    prefetch may start once the job before the previous one released its parameters).
+    ``serial``: one compute unit for all devices (CPU workers under one lock);
+    ``events=None`` only computes the ends (the planner's fast path); ``gate``:
+    overlapped iterations' weight versions."""
 
-    ``events=None`` only computes the end (the planner's fast path); ``gate``: overlapped
-    iterations' weight versions; ``layer_ready``: when each layer's weights are published;
-    ``grad_done`` receives when each layer's gradients are complete. The per-device
-    state carries over between iterations (idle where not given)."""
-    upl = upl or [0.0] * len(fwd)
-    device_free = device_free or [0.0] * num_devices
-    upload_free = upload_free or [0.0] * num_devices
-    job_ends = job_ends or [[] for _ in range(num_devices)]
-    if gate is not None:
-        gate.prev, gate.cur = gate.cur, {}
-    fwd_jobs: list[Job] = [j for j in jobs if j.kind == FORWARD]
-    fwd_starts = [j.layers.start for j in fwd_jobs]
-    end: dict[int, list[float]] = {}  # job index -> end time of each of its microbatches
-    bwd_job_of_stage: dict[int, Job] = {}
-    forward_done = barrier
-    last = barrier
-    outer = barrier
-    for job in jobs:
-        d = job.device
-        dur = job_ms(job, fwd, bwd, re)
-        if layer_ready is not None:  # this job's layers hold the weights it reads
-            barrier = max([outer] + [layer_ready[i] for i in job.layers])
-        # Parameter upload, prefetched on the device's copy channel.
-        params_ready = barrier
-        up = sum(upl[i] for i in job.layers)
-        if gate is not None or up > 0:
-            if gate is not None:
-                due = gate.upload_start(job, it, job_ends[d], barrier)
+    def __init__(
+        self,
+        num_devices: int,
+        run_type: RunType,
+        fwd: list[float],
+        bwd: list[float],
+        re: list[float],
+        upl: list[float] | None = None,
+        act: float = 0.0,
+        serial: bool = False,
+        events: list[SimEvent] | None = None,
+        gate: _WeightGate | None = None,
+    ) -> None:
+        self.run_type = run_type
+        self.fwd = fwd
+        self.bwd = bwd
+        self.re = re
+        self.upl = upl or [0.0] * len(fwd)
+        self.act = act
+        self.serial = serial
+        self.events = events
+        self.gate = gate
+        self.device_free = [0.0] * num_devices
+        self.upload_free = [0.0] * num_devices
+        self.job_ends: list[list[float]] = [[] for _ in range(num_devices)]
+
+    def run(
+        self,
+        jobs: list[Job],
+        barrier: float = 0.0,
+        it: int = 0,
+        layer_ready: list[float] | None = None,
+        grad_done: dict[int, float] | None = None,
+    ) -> float:
+        """Time one iteration's jobs in launch order; returns its end. ``layer_ready``:
+        when each layer's weights are published; ``grad_done`` receives when each
+        layer's gradients are complete."""
+        gate, events, device_free = self.gate, self.events, self.device_free
+        if gate is not None:
+            gate.prev, gate.cur = gate.cur, {}
+        fwd_jobs: list[Job] = [j for j in jobs if j.kind == FORWARD]
+        fwd_starts = [j.layers.start for j in fwd_jobs]
+        end: dict[int, list[float]] = {}  # job index -> end time of each of its microbatches
+        bwd_job_of_stage: dict[int, Job] = {}
+        forward_done = barrier
+        last = barrier
+        outer = barrier
+        for job in jobs:
+            d = job.device
+            dur = job_ms(job, self.fwd, self.bwd, self.re)
+            if layer_ready is not None:  # this job's layers hold the weights it reads
+                barrier = max([outer] + [layer_ready[i] for i in job.layers])
+            # Parameter upload, prefetched on the device's copy channel.
+            params_ready = barrier
+            up = sum(self.upl[i] for i in job.layers)
+            if gate is not None or up > 0:
+                if gate is not None:
+                    due = gate.upload_start(job, it, self.job_ends[d], barrier)
+                else:
+                    due = max(self.job_ends[d][-2] if len(self.job_ends[d]) >= 2 else 0.0, barrier)
+                ustart = max(self.upload_free[d], due)
+                params_ready = self.upload_free[d] = ustart + up
+                if gate is not None:
+                    gate.uploaded(job, params_ready)
+                if up > 0 and events is not None:
+                    events.append(
+                        SimEvent(d, "upload", job.stage, -1, ustart, params_ready, job.index, it)
+                    )
+            if job.kind != FORWARD:
+                bwd_job_of_stage[job.stage] = job
+            saved_from: Job | None = None
+            if job.kind == BACKWARD and job.layers.start > 0 and fwd_jobs:
+                # The forward job that ran the layer just below this stage saved its input.
+                k = bisect.bisect_right(fwd_starts, job.layers.start - 1) - 1
+                saved_from = fwd_jobs[k]
+            prev: Job | None = None
+            start = max(max(device_free) if self.serial else device_free[d], params_ready, barrier)
+            if job.kind == FORWARD:
+                if job.stage > 0:
+                    prev = fwd_jobs[job.stage - 1]
+            elif job.stage == 0:
+                if self.run_type == RunType.FUSED and fwd_jobs:
+                    prev = fwd_jobs[-1]
+                elif self.run_type == RunType.TRAIN:
+                    start = max(start, forward_done)
             else:
-                due = max(job_ends[d][-2] if len(job_ends[d]) >= 2 else 0.0, barrier)
-            ustart = max(upload_free[d], due)
-            params_ready = upload_free[d] = ustart + up
-            if gate is not None:
-                gate.uploaded(job, params_ready)
-            if up > 0 and events is not None:
-                events.append(
-                    SimEvent(d, "upload", job.stage, -1, ustart, params_ready, job.index, it)
-                )
-        if job.kind != FORWARD:
-            bwd_job_of_stage[job.stage] = job
-        saved_from: Job | None = None
-        if job.kind == BACKWARD and job.layers.start > 0 and fwd_jobs:
-            # The forward job that ran the layer just below this stage saved its input.
-            k = bisect.bisect_right(fwd_starts, job.layers.start - 1) - 1
-            saved_from = fwd_jobs[k]
-        prev: Job | None = None
-        # serial: one compute unit for all devices (CPU workers under one lock)
-        start = max(max(device_free) if serial else device_free[d], params_ready, barrier)
-        if job.kind == FORWARD:
-            if job.stage > 0:
-                prev = fwd_jobs[job.stage - 1]
-        elif job.stage == 0:
-            if run_type == RunType.FUSED and fwd_jobs:
-                prev = fwd_jobs[-1]
-            elif run_type == RunType.TRAIN:
-                start = max(start, forward_done)
-        else:
-            prev = bwd_job_of_stage[job.stage - 1]
-        # Every job of a schedule runs the same microbatches in the same order, so a
-        # dependency's end times line up with this job's by position.
-        prev_ends = end[prev.index] if prev is not None else None
-        delay = act if prev is not None and prev.device != d else 0.0
-        saved_ends = end[saved_from.index] if saved_from is not None else None
-        t = start
-        ends: list[float] = []
-        for pos, m in enumerate(job.microbatches):
-            ready = t
-            if prev_ends is not None and prev_ends[pos] + delay > ready:
-                ready = prev_ends[pos] + delay
-            if saved_ends is not None and saved_ends[pos] > ready:
-                ready = saved_ends[pos]
-            t = ready + dur
-            ends.append(t)
-            if events is not None:
-                events.append(SimEvent(d, str(job.kind), job.stage, m, ready, t, job.index, it))
-        end[job.index] = ends
-        if grad_done is not None and job.kind != FORWARD:
-            for i in job.layers:
-                grad_done[i] = max(grad_done.get(i, 0.0), t)
-        device_free[d] = t
-        last = max(last, t)
-        if job.kind == FORWARD:
-            forward_done = max(forward_done, t)
-        job_ends[d].append(device_free[d])
-    return last
+                prev = bwd_job_of_stage[job.stage - 1]
+            # Every job of a schedule runs the same microbatches in the same order, so a
+            # dependency's end times line up with this job's by position.
+            prev_ends = end[prev.index] if prev is not None else None
+            delay = self.act if prev is not None and prev.device != d else 0.0
+            saved_ends = end[saved_from.index] if saved_from is not None else None
+            t = start
+            ends: list[float] = []
+            for pos, m in enumerate(job.microbatches):
+                ready = t
+                if prev_ends is not None and prev_ends[pos] + delay > ready:
+                    ready = prev_ends[pos] + delay
+                if saved_ends is not None and saved_ends[pos] > ready:
+                    ready = saved_ends[pos]
+                t = ready + dur
+                ends.append(t)
+                if events is not None:
+                    events.append(SimEvent(d, str(job.kind), job.stage, m, ready, t, job.index, it))
+            end[job.index] = ends
+            if grad_done is not None and job.kind != FORWARD:
+                for i in job.layers:
+                    grad_done[i] = max(grad_done.get(i, 0.0), t)
+            device_free[d] = t
+            last = max(last, t)
+            if job.kind == FORWARD:
+                forward_done = max(forward_done, t)
+            self.job_ends[d].append(t)
+        return last

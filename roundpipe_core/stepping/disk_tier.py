@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import itertools
 import json
 import math
 import os
@@ -181,8 +182,6 @@ class DiskTier:
         name: the RoundPipe's name (for its IO threads' names).
         buffer_layers: layers' records resident at most (read ahead, stepping, written
             behind); at least 1.
-        free_grads: drop a master's ``.grad`` once it is stepped (``finish=zero_grad``
-            would at the end anyway), so only those not stepped yet stay resident.
 
     Raises:
         ValueError: ``path`` is not a writable directory or lacks the space.
@@ -195,11 +194,9 @@ class DiskTier:
         layers: Sequence[nn.Module],
         name: str = "RoundPipe",
         buffer_layers: int = 3,
-        free_grads: bool = True,
     ) -> None:
         check_int(buffer_layers, "buffer_layers")
         self.path = os.fspath(path)
-        self.free_grads = free_grads
         self.masters = masters
         self._params = [m for _, _, m in masters.copies]
         if len(self._params) != len(masters.entries):
@@ -373,16 +370,16 @@ class DiskTier:
         io(*args)
         self.io_seconds += time.perf_counter() - t0
 
-    def _alloc(self, slot: int, i: int, entries: list[tuple[str, str, tuple[int, ...]]]) -> _Layout:
-        """Record ``i``'s layout for writing ``entries`` into ``slot``: where it was if it
+    def _alloc(self, slot: int, i: int, tensors: dict[str, torch.Tensor]) -> _Layout:
+        """Record ``i``'s layout for writing ``tensors`` into ``slot``: where it was if it
         fits there, else at the end of the slot file."""
         old = self._pending[i] if self._pending is not None else self._layouts[slot][i]
-        need = sum(_entry_bytes(dt, s) for _, dt, s in entries)
-        if need <= old.capacity:
-            return _Layout(old.offset, old.capacity, entries)
-        offset = self._end[slot]
-        self._end[slot] += need
-        return _Layout(offset, need, entries)
+        entries = [(k, str(t.dtype), tuple(t.shape)) for k, t in tensors.items()]
+        new = _Layout(old.offset, old.capacity, entries)
+        if new.nbytes > old.capacity:
+            new.offset, new.capacity = self._end[slot], new.nbytes
+            self._end[slot] += new.nbytes
+        return new
 
     # -- the bounded buffer --------------------------------------------------------------
     def _take_bytes(self, n: int, block: bool) -> bool:
@@ -492,11 +489,8 @@ class DiskTier:
             nxt = (self.gen + 1) % 2
             self._pending = list(self._layouts[nxt])
         # deepest layer first, one layer's part at a time
-        by_layer: dict[int, list[int]] = {}
-        for i in idx:
-            by_layer.setdefault(self._layer[i], []).append(i)
-        pieces = [by_layer[li] for li in sorted(by_layer, reverse=True)]
-        order = [i for piece in pieces for i in piece]
+        order = sorted(idx, key=lambda i: -self._layer[i])
+        pieces = [list(g) for _, g in itertools.groupby(order, key=lambda i: self._layer[i])]
         self._wanted = set(order)
         self._read_ahead(order, block=False)
         pos = 0
@@ -558,14 +552,12 @@ class DiskTier:
                         f"state; {type(opt).__name__}'s state {k!r} is a {type(v).__name__}"
                     )
             m.data = torch.zeros((), dtype=m.dtype).expand(m.shape)
-            if self.free_grads:
-                with self.masters.grad_lock:
-                    m.grad = None  # consumed: resident gradients are the ones not stepped yet
-            entries = [(k, str(t.dtype), tuple(t.shape)) for k, t in tensors.items()]
-            same = entries == rec.layout.entries and all(
+            with self.masters.grad_lock:
+                m.grad = None  # consumed: resident gradients are the ones not stepped yet
+            layout = self._alloc(nxt, i, tensors)
+            same = layout.entries == rec.layout.entries and all(
                 rec.tensors[k].data_ptr() == t.data_ptr() for k, t in tensors.items()
             )
-            layout = self._alloc(nxt, i, entries)
             if same:  # stepped in place in the read buffer: write it as it is
                 layout.scalars = scalars
                 out = rec
@@ -724,8 +716,7 @@ class DiskTier:
                         tensors[str(k)] = v.detach().cpu()
                     else:
                         scalars[str(k)] = v
-                entries = [(k, str(t.dtype), tuple(t.shape)) for k, t in tensors.items()]
-                layout = self._alloc(nxt, i, entries)
+                layout = self._alloc(nxt, i, tensors)
                 rec = self._record_of(layout, tensors, scalars)
                 _pwrite(self._fds[nxt], rec.buf, layout.offset)
                 self._pending[i] = layout

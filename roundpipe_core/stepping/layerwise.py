@@ -15,6 +15,7 @@ clipping). The optimizer thread runs one work item per step (:func:`run_layerwis
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -112,15 +113,9 @@ class GradCompletion:
         on_complete: Callable[[list[nn.Parameter]], None] | None = None,
     ) -> None:
         self._lock = threading.Lock()
-        self._owners: dict[int, list[nn.Parameter]] = {}
-        self._remaining: dict[int, int] = {}
-        for job in jobs:
-            if job.kind == "forward":
-                continue
-            seen = masters_of(job)
-            self._owners[job.index] = seen
-            for m in seen:
-                self._remaining[id(m)] = self._remaining.get(id(m), 0) + 1
+        # backward job index -> its masters; master id -> backward jobs still to complete
+        self._owners = {job.index: masters_of(job) for job in jobs if job.kind != "forward"}
+        self._remaining = Counter(id(m) for ms in self._owners.values() for m in ms)
         self.masters = {id(m): m for ms in self._owners.values() for m in ms}
         self._notify = notify
         self._on_complete = on_complete

@@ -94,12 +94,11 @@ class GradBuffer:
             for param, grad in zip(params, grads):
                 self.add(param, grad)
             return
-        master_of = self._master_of
-        pairs = []
-        for param, grad in zip(params, grads):
-            master = master_of.get(id(param))
-            if master is not None:
-                pairs.append((master, self._arriving(master, grad)))
+        pairs = [
+            (master, self._arriving(master, grad))
+            for param, grad in zip(params, grads)
+            if (master := self._master_of.get(id(param))) is not None
+        ]
         with self._lock:
             for master, grad in pairs:
                 self._put(master, grad)

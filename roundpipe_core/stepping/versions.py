@@ -23,6 +23,7 @@ each part from here -- the same wait for older readers as a local copy.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -112,13 +113,11 @@ class WeightVersions:
         self.holders: dict[int, list[int]] = {}
         self._pair: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         for i, layer in enumerate(layers):
-            pairs = []
-            for p in layer.parameters():  # deduplicated within the layer
-                if id(p) in master_of:
-                    pm = master_of[id(p)]
-                    pairs.append(pm)
-                    self.holders.setdefault(id(pm[1]), []).append(i)
-                    self._pair[id(pm[1])] = pm
+            # (parameters() deduplicates within the layer)
+            pairs = [master_of[id(p)] for p in layer.parameters() if id(p) in master_of]
+            for pm in pairs:
+                self.holders.setdefault(id(pm[1]), []).append(i)
+                self._pair[id(pm[1])] = pm
             self.layer_pairs.append(pairs)
         self.version: dict[int, int] = {k: 0 for k in self._pair}
         # how many masters hold each version, and the oldest one held: a run reading a
@@ -245,21 +244,15 @@ class WeightVersions:
         # iteration's first forward waits for its own layer only, not for the copy
         # of the whole model
         ready.sort(key=lambda k: self.holders[k][0])
-        start = 0
-        while start < len(ready):
+        for _, layer_keys in itertools.groupby(ready, key=lambda k: self.holders[k][0]):
             # a layer's parameters, then one wake-up of the workers waiting for that
             # layer (a wake-up per tensor costs every waiting worker a lock round each)
-            layer = self.holders[ready[start]][0]
-            end = start
-            while end < len(ready) and self.holders[ready[end]][0] == layer:
-                end += 1
-            keys = ready[start:end]
+            keys = list(layer_keys)
             # a shared master already is the weight: the step wrote it; a released one
             # has no values (its owner's reached the model)
             pairs = [self._pair[k] for k in keys if k not in self._released]
             copy_pairs([pm for pm in pairs if pm[0] is not pm[1]])
             self._mark(keys, version)
-            start = end
         done = set(ready)
         return [k for k in todo if k not in done]
 
