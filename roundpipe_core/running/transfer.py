@@ -438,6 +438,7 @@ def upload_job(
     # is released, not only until the weights were read (the fence below)
     stage = upload_stage(worker, [run.layers[i] for i in layers], layers, slot, epoch, lend=True)
     if run.weights is not None:
+        fence: Callable[[], None]
         if stage.aliases_host:
             stage.released = threading.Event()
             fence = _ReleaseFence(run, stage.released)
