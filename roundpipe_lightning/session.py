@@ -507,7 +507,7 @@ def point_at_masters(opt: Optimizer, rp: RP, build_hint: str = "self.parameters(
         group["params"] = new
     if adopted == 0 and any(len(g["params"]) for g in opt.param_groups) and masters:
         rank_zero_warn(
-            f"{type(opt).__name__} holds none of the parameters of configure_sequential()'s network; "
+            f"{type(opt).__name__} holds none of the parameters of the network RoundPipe runs; "
             f"RoundPipe will not train it. Build it from {build_hint}."
         )
 
@@ -612,7 +612,7 @@ def check_loss_went_through(loss: Tensor, rp: RP, message: str = _DIRECT_CALL) -
         unit = rp.unit_of(param)
         if unit is not None:
             # the model's own code cannot be the cause: AutoRoundPipe.forward finds the host
-            # code's uses of a unit's parameter and trains them (autosplit._HostReads)
+            # code's uses of a unit's parameter and trains them (autosplit.HostReads)
             text += (
                 f". (It is a parameter of the automatic split's unit {unit or '<root>'!r}; uses of "
                 "it by the model's own code inside self.roundpipe(...) are found and trained, so "
