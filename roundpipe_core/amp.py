@@ -1,16 +1,13 @@
 """Loss scaling for fp16 training with RoundPipe's asynchronous optimizer thread.
 
 :class:`GradScaler` is a drop-in for ``torch.amp.GradScaler`` (same arguments, methods
-and state dict; the arithmetic is a ``torch.amp.GradScaler("cpu")``'s). It adds the
-threading RoundPipe needs: ``scale()`` runs in the loss function on worker threads,
-``step()`` inside ``rp.step(step_fn)`` on the optimizer thread, and ``update()`` on the
-training thread right after ``rp.step(...)`` returns -- before the optimizer thread has
-looked at the gradients. So an ``update()`` with no inf check of this iteration yet is
-*deferred* and completes on the optimizer thread once ``step()`` has run for the
-optimizers the scaler steps each iteration; until then ``scale()``, ``get_scale()`` and
-``state_dict()`` wait for it (a timeout turns a forgotten ``step()`` into an error).
-Each iteration scales its loss with exactly the scale torch would use, whatever the
-thread timing.
+and state dict; the arithmetic is a ``torch.amp.GradScaler("cpu")``'s) that keeps
+torch's scale sequence whatever the thread timing (docs/differences.md, "GradScaler"):
+``scale()`` runs in the loss function on worker threads, ``step()`` inside
+``rp.step(step_fn)`` on the optimizer thread, and an ``update()`` the training thread
+calls before this iteration's ``step()`` has run is *deferred* until it has; until
+then ``scale()``, ``get_scale()`` and ``state_dict()`` wait for it (a timeout turns a
+forgotten ``step()`` into an error).
 
 Usage (the published RoundPipe's pattern)::
 
@@ -23,9 +20,8 @@ Usage (the published RoundPipe's pattern)::
 
 With several optimizers, "this iteration's step" means a ``step()`` of every optimizer
 the scaler has stepped before; in the first iteration call ``rp.synchronize()`` before
-``update()`` (or step them all before the first ``update()``).
-``scaler.update(is_async=False)`` waits until the deferred update is done. ``update()``
-inside ``step_fn`` is exact only with a synchronous step (``rp.step(fn, is_async=False)``).
+``update()`` (or step them all before the first ``update()``). ``update()`` inside
+``step_fn`` is exact only with a synchronous step (``rp.step(fn, is_async=False)``).
 """
 
 from __future__ import annotations

@@ -241,9 +241,7 @@ def _cat(parts: dict[int, list[torch.Tensor]], k: int) -> torch.Tensor | None:
     pieces = [parts[m][k] for m in sorted(parts) if k < len(parts[m])]
     if not pieces:
         return None
-    if pieces[0].dim() == 0:
-        return torch.stack(pieces)
-    return torch.cat(pieces, dim=0)
+    return torch.stack(pieces) if pieces[0].dim() == 0 else torch.cat(pieces, dim=0)
 
 
 def _layers_of(model: nn.Module) -> list[nn.Module]:

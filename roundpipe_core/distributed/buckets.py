@@ -18,15 +18,12 @@ for the bucket ``REDUCE_IN_FLIGHT + 1`` places later."""
 
 
 def _unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
+    out: dict[int, torch.Tensor] = {}  # (in the order first seen)
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"params must be tensors (parameters), got {type(p).__name__}")
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+        out.setdefault(id(p), p)
+    return list(out.values())
 
 
 def _bucketize(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:

@@ -56,6 +56,12 @@ def _params_of(opt: Any) -> list[Any]:
     return [p for g in _raw_optimizer(opt).param_groups for p in g["params"]]
 
 
+def _gather_targets(rp: Any) -> dict[int, Any]:
+    """Where non-owners write a separate master's update: the model weight."""
+    masters = getattr(rp, "masters", None)
+    return {} if masters is None else {id(m): p for _, p, m in masters.copies}
+
+
 class DataParallel:
     """Everything a training loop (the Lightning strategy) needs for data parallel
     RoundPipe over several processes: :meth:`connect`, :meth:`attach`,
@@ -148,7 +154,7 @@ class DataParallel:
             overlap=self.overlap and len(raws) == 1,
             timeout=self.timeout,
         )
-        weight_of = self._gather_targets(rp)
+        weight_of = _gather_targets(rp)
         # a shared master makes every step synchronous: its shard gathers inside the step
         self.publishes_versions = publishes = (
             self.shard_host_state
@@ -174,14 +180,6 @@ class DataParallel:
             else:
                 self._reducers[id(raw)] = GradientAllReducer(rp, params=params, **kw)
 
-    @staticmethod
-    def _gather_targets(rp: Any) -> dict[int, Any]:
-        """Where non-owners write a separate master's update: the model weight."""
-        masters = getattr(rp, "masters", None)
-        if masters is None:
-            return {}
-        return {id(m): p for _, p, m in masters.copies}
-
     def kept_buffer_bytes(self, rp: Any, optimizers: Sequence[Any] = ()) -> int:
         """Host bytes of the flat buffers this rank's collectives will keep training ``rp``
         with ``optimizers`` (the host-memory budget's "collective buffers"); no collective."""
@@ -190,7 +188,7 @@ class DataParallel:
         params = [_params_of(o) for o in optimizers]
         if self.state_shards == 1:
             return sum(reduce_buffer_bytes(ps, self.world_size, self.bucket_bytes) for ps in params)
-        weight_of = self._gather_targets(rp)
+        weight_of = _gather_targets(rp)
         return sum(
             kept_buffer_bytes(ps, self.world_size, self.bucket_bytes, weight_of) for ps in params
         )

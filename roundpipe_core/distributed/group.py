@@ -9,7 +9,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -280,10 +280,9 @@ def new_group(timeout: float | int | timedelta | None = None) -> Any:
 def destroy_group(group: Any | None) -> None:
     """Free a group made by :func:`new_group` (``None``: nothing to free)."""
     if group is not None:
-        try:
+        # (the default group may already be gone: teardown order)
+        with suppress(RuntimeError, ValueError, AssertionError):
             dist.destroy_process_group(group)
-        except (RuntimeError, ValueError, AssertionError):
-            pass  # the default group is already gone (teardown order)
 
 
 def comm_device(group: Any | None = None) -> torch.device:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -128,7 +128,6 @@ class LayerSizes:
         grad_bytes: trainable parameters (gradients a backward stage holds).
         compute_bytes: dense weights: parameters of ``nn.Embedding`` / ``EmbeddingBag``
             are left out unless the layer also uses the tensor in a dense op.
-        host_bytes: the model's parameters and buffers, every tensor counted once.
         parameter_bytes: the parameters among ``upload_bytes`` (what an upload to
             host memory lends instead of copying, ``Worker.lend_in``).
     """
@@ -136,8 +135,7 @@ class LayerSizes:
     upload_bytes: list[int]
     grad_bytes: list[int]
     compute_bytes: list[int]
-    host_bytes: int
-    parameter_bytes: list[int] = field(default_factory=list)
+    parameter_bytes: list[int]
 
 
 def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
@@ -145,8 +143,6 @@ def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
     if isinstance(layers, nn.Module):
         layers = list(layers.children()) if isinstance(layers, nn.Sequential) else [layers]
     upload, grads, compute, params = [], [], [], []
-    everywhere: set[int] = set()
-    host = 0
     for layer in layers:
         seen: set[int] = set()
         up = gr = pa = 0
@@ -159,9 +155,6 @@ def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
                 pa += t.nbytes
                 if t.requires_grad:
                     gr += t.nbytes
-            if id(t) not in everywhere:
-                everywhere.add(id(t))
-                host += t.nbytes
         lookup: set[int] = set()
         dense: set[int] = set()
         for mod in layer.modules():
@@ -173,7 +166,7 @@ def layer_sizes(layers: Sequence[nn.Module] | nn.Module) -> LayerSizes:
         grads.append(gr)
         compute.append(comp)
         params.append(pa)
-    return LayerSizes(upload, grads, compute, host, params)
+    return LayerSizes(upload, grads, compute, params)
 
 
 def size_prior_ms(compute_bytes: Sequence[int]) -> list[float]:

@@ -622,20 +622,18 @@ class DiskTier:
         """Write the current generation's masters into the model, layer by layer (shallow
         first), once the readers of the older weights are done with each."""
         del version  # the store holds exactly the last completed step
-        slot = self.gen % 2
         for li in sorted(self._layer_keys):
             keys = self._layer_keys[li]
             ids = [id(self._params[i]) for i in keys]
             claim(ids)
             for i in keys:
-                values = self.master_values(i, slot)
                 with torch.no_grad():
-                    self._model_param[i].copy_(values)
+                    self._model_param[i].copy_(self.master_values(i))
             mark(ids)
 
-    def master_values(self, i: int, slot: int | None = None) -> torch.Tensor:
+    def master_values(self, i: int) -> torch.Tensor:
         """Master ``i``'s values in the current generation (read now, a fresh tensor)."""
-        slot = self.gen % 2 if slot is None else slot
+        slot = self.gen % 2
         lay = self._layouts[slot][i]
         head = _Layout(lay.offset, lay.capacity, lay.entries[:1])  # the master's entry only
         rec = self._read(slot, head)
