@@ -591,6 +591,7 @@ def estimate_host_memory(
     if layer_acts is not None:
         layer_acts = check_byte_counts(layer_acts, "layer_activation_bytes")
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
+    held_state = 0  # a list's: each optimizer keeps state for the parameters (masters) it holds
     if optimizer_states is not None:
         states, opt_label = optimizer_states, f"{optimizer_states}/param"
     elif optimizers is not None:
@@ -599,10 +600,12 @@ def estimate_host_memory(
                 "optimizer given as a list must hold torch.optim.Optimizer instances (their parameters "
                 f"decide which masters carry state), got {[type(o).__name__ for o in optimizers]}"
             )
-        states = 0  # per optimizer below
-        opt_label = ", ".join(
-            f"{type(o).__name__}: {optimizer_states_per_param(o)}/param" for o in optimizers
-        )
+        states = 0
+        counts = [optimizer_states_per_param(o) for o in optimizers]
+        opt_label = ", ".join(f"{type(o).__name__}: {n}/param" for o, n in zip(optimizers, counts))
+        for o, n in zip(optimizers, counts):
+            held = {id(p): p for g in o.param_groups for p in g["params"]}
+            held_state += n * sum(p.nbytes for p in held.values())
     else:
         states = optimizer_states_per_param(optimizer)
         name = optimizer if isinstance(optimizer, (str, type)) else type(optimizer)
@@ -655,16 +658,8 @@ def estimate_host_memory(
         if async_step:
             next_gradients = masters  # a gradient per separate master of its share
     gradients = master_numel_bytes
-    if optimizers is not None and optimizer_states is None:
-        # each optimizer keeps state for the parameters it holds (the strategy's masters)
-        held = [{id(p): p for g in o.param_groups for p in g["params"]} for o in optimizers]
-        optimizer_state = sum(
-            optimizer_states_per_param(o) * sum(p.nbytes for p in ps.values())
-            for o, ps in zip(optimizers, held)
-        )
-    else:
-        optimizer_state = states * master_numel_bytes
-    optimizer_state = -(-optimizer_state // state_shards)  # this rank's share (rounded up)
+    # this rank's share (rounded up)
+    optimizer_state = -(-(states * master_numel_bytes + held_state) // state_shards)
 
     pinned = worker_copies = activations = worker_acts = dequantized = 0
     # a RoundPipe's pool side; an AutoRoundPipe's units plan their calls each on their own
