@@ -41,9 +41,8 @@ __all__ = [
 #: The lanes of a device, in the order their rows appear under it.
 LANES: tuple[str, ...] = ("compute", "upload", "activation", "gradient", "optimizer")
 
-# Rows of one device take this many consecutive thread ids; host rows (device None)
+# Rows of one device take len(LANES) consecutive thread ids; host rows (device None)
 # start at _HOST_TID so they sort after every device.
-_TID_STRIDE = len(LANES)
 _HOST_TID = 1_000_000
 
 
@@ -166,7 +165,7 @@ def spans_from_simulation(
         Spans sorted by start time: ``"compute"`` spans named like measured ones
         (``"2F0"``), ``"upload"`` spans named ``"up 2F0"``.
     """
-    events = list(getattr(sim, "events", None) or [])
+    events = sim.events
     if iteration is not None:
         iterations = sorted({e.iteration for e in events})
         if not iterations:
@@ -179,8 +178,8 @@ def spans_from_simulation(
         keep = iterations[iteration]
         events = [e for e in events if e.iteration == keep]
     # Jobs of iteration k occupy sim.jobs[k * per_iter : (k + 1) * per_iter].
-    jobs = list(getattr(sim, "jobs", None) or [])
-    total = max((e.iteration for e in getattr(sim, "events", [])), default=0) + 1
+    jobs = sim.jobs
+    total = max((e.iteration for e in sim.events), default=0) + 1
     per_iter = len(jobs) // total if jobs and len(jobs) % total == 0 else 0
 
     def job_of(e: Any) -> Any:
@@ -233,7 +232,7 @@ def _tid(device: int | None, lane: str) -> int:
     lane_index = LANES.index(lane)
     if device is None:
         return _HOST_TID + lane_index
-    return 1 + device * _TID_STRIDE + lane_index
+    return 1 + device * len(LANES) + lane_index
 
 
 def _json_value(value: Any) -> Any:
