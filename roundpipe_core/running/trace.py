@@ -139,7 +139,7 @@ def spans_from_call(timing: CallTiming, steps: Iterable[tuple[float, float]] = (
         out.append(Span(t.device, "compute", job_name(t.job), t.start_s, t.end_s, args))
     first = min((s.start_s for s in out), default=-math.inf)
     out += [Span(None, "optimizer", "step", a, b) for a, b in steps if b >= first]
-    return out + [Span(t.device, t.lane, t.name, t.start_s, t.end_s) for t in timing.transfers]
+    return out + timing.transfers
 
 
 def spans_from_roundpipe(rp: Any) -> list[Span]:
@@ -193,7 +193,7 @@ def spans_from_simulation(
         if e.kind == "upload":
             job = job_of(e)
             name = f"up {job_name(job)}" if job is not None else f"up s{e.stage}"
-            args = {"stage": e.stage, "job": e.job, "iteration": e.iteration}
+            args: dict[str, Any] = {"stage": e.stage, "job": e.job, "iteration": e.iteration}
             out.append(Span(e.device, "upload", name, e.start / 1e3, e.end / 1e3, args))
         else:  # a job's microbatches as one span (per_job), else each on its own
             key = (e.iteration, e.job) if per_job and e.job >= 0 else id(e)
