@@ -253,16 +253,14 @@ def pack_module_tensors(
     return sum(sizes), len(slabs)
 
 
-_FALLBACK_PAGE = 4096
-
-
 def page_size() -> int:
-    """The host's memory page size (4 KiB on most x86 hosts, 64 KiB on some ARM servers)."""
+    """The host's memory page size (4 KiB on most x86 hosts, 64 KiB on some ARM servers;
+    4 KiB where it cannot be read)."""
     try:
         size = int(os.sysconf("SC_PAGE_SIZE"))
     except (AttributeError, ValueError, OSError):  # not a POSIX host
-        return _FALLBACK_PAGE
-    return size if size > 0 else _FALLBACK_PAGE
+        size = 0
+    return size if size > 0 else 4096
 
 
 def page_ranges(spans: Iterable[tuple[int, int]], page: int | None = None) -> list[tuple[int, int]]:
