@@ -21,7 +21,6 @@ from ..kinds import JobKind, check_int
 
 if TYPE_CHECKING:  # the simulator is only read here, never needed at import time
     from ..planning.simulate import SimResult
-    from .timer import CallTiming
 
 __all__ = [
     "LANES",
@@ -117,7 +116,7 @@ def _job_args(job: Any) -> dict[str, Any]:
     }
 
 
-def spans_from_call(timing: CallTiming, steps: Iterable[tuple[float, float]] = ()) -> list[Span]:
+def spans_from_call(timing: Any, steps: Iterable[tuple[float, float]] = ()) -> list[Span]:
     """The measured timeline of one pipelined call.
 
     Args:
