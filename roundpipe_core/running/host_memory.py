@@ -50,6 +50,7 @@ from torch import nn
 from ..kinds import check_byte_counts, check_flag, check_int
 from ..planning.profile import format_bytes
 from .carried import carried_tensors, logical_numel
+from .devices.memory import pack_slabs, page_size, slab_sizes
 
 __all__ = [
     "HEAP_THRESHOLD_ENV",
@@ -167,8 +168,8 @@ def resident_bytes() -> int:
     """This process's resident set (``/proc/self/statm``; 0 where it cannot be read)."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
+            return int(f.read().split()[1]) * page_size()
+    except (OSError, ValueError, IndexError):
         return 0
 
 
@@ -742,8 +743,6 @@ def _tier_bytes(
 
 def _cuda_pinned(rp: Any) -> int:
     """Pinned host bytes beyond the weights: the "alloc" slabs' rounding, the rings."""
-    from .devices.memory import pack_slabs, slab_sizes
-
     extra = 0
     if rp.pin_model == "alloc":
         storages = {
