@@ -298,7 +298,7 @@ def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
 
 
 def _dtype_size(dtype: Any) -> int:
-    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 0
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 0
 
 
 def layer_dequantized_bytes(layer: nn.Module) -> int:
