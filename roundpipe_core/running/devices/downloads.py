@@ -12,9 +12,7 @@ only after the queue (a microbatch's loss), completed together.
 Fresh pinned tensors per download would not do: PyTorch's pinned allocator rounds each
 block up to a power of two and keeps it for the process, and downloaded gradients live
 on as the masters' ``.grad``: up to twice the gradient bytes would stay page-locked,
-outside the host-memory budget. Free of CUDA calls of its own: the worker passes the
-stream and its seams (``_new_pinned_buffer``, ``_copy_on``), which the fake-CUDA test
-double replaces.
+outside the host-memory budget.
 """
 
 from __future__ import annotations
@@ -136,7 +134,8 @@ class Download:
 
 class DownloadStager:
     """The staging ring (``staging_bytes``, the largest piece) and lazy ring
-    (``lazy_bytes``) of a CUDA ``worker`` (its ``_new_pinned_buffer`` and ``_copy_on``)."""
+    (``lazy_bytes``) of a CUDA ``worker``, through its seams ``_new_pinned_buffer`` and
+    ``_copy_on`` (which the fake-CUDA test double replaces)."""
 
     def __init__(self, worker: Any, staging_bytes: int, lazy_bytes: int = DEFAULT_LAZY_BYTES):
         self._worker = worker
