@@ -149,11 +149,10 @@ def _known_name(cls: type) -> str:
     return cls.__name__
 
 
-# The kernels a step runs (backward, the optimizer, the collectives) are file pages of
-# libtorch_cpu.so that enter the resident set the first time they run: 12-35 MiB on torch
-# 2.13 (docs/host-memory.md, "The whole process"). Clean pages the kernel may drop: in the
-# peak RSS, not in what check_host_memory asks to allocate.
-#: what a process's first training step pages in of torch's code (the allowance covers 35 MiB)
+# The kernels a step runs (backward, the optimizer, the collectives) are clean file pages
+# of libtorch_cpu.so, resident from their first run: in the peak RSS, not in what
+# check_host_memory asks to allocate (docs/host-memory.md, "The whole process").
+#: what a process's first training step pages in of torch's code (12-35 MiB measured)
 TRAINING_CODE_BYTES = 40 * 2**20
 _stepped = False
 
