@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["CallTiming", "JobClock", "JobTiming", "ModelTimer"]
 
 KINDS = ("fwd", "re", "bwd")
-_INF = float("inf")
 
 
 class ModelTimer:
@@ -387,6 +386,6 @@ def _check_kind(kind: str) -> None:
 
 def _check_ms(ms: float) -> float:
     ms = float(ms)
-    if not 0 <= ms < _INF:  # negative, NaN or Inf: a broken clock, never a timing
+    if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
         raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
     return ms
