@@ -101,17 +101,13 @@ class HostOutputs(dict):
         return value
 
 
-_PLAIN_SEQUENCES = (tuple, list)
-_PLAIN_MAPPINGS = (dict, collections.OrderedDict, collections.defaultdict)
-
-
 def _plain_containers(value: Any) -> bool:
     """Whether every container in ``value`` is a plain tuple, list or dict (or a named
     tuple): rebuilding those runs no code of the value's own."""
     kind = type(value)
-    if kind in _PLAIN_SEQUENCES or (kind.__base__ is tuple and hasattr(kind, "_fields")):
+    if kind in (tuple, list) or (kind.__base__ is tuple and hasattr(kind, "_fields")):
         return all(_plain_containers(v) for v in value)
-    if kind in _PLAIN_MAPPINGS:
+    if kind in (dict, collections.OrderedDict, collections.defaultdict):
         return all(_plain_containers(v) for v in value.values())
     if isinstance(value, (tuple, list, dict)) or dataclasses.is_dataclass(value):
         return False  # a subclass (ModelOutput is an OrderedDict) or a dataclass

@@ -138,7 +138,7 @@ class _Describer:
             items = [self.value(x, f"{where}[{k}]", depth + 1) for k, x in enumerate(v)]
             if all(r is _STATIC for r in items):
                 return _STATIC
-            return ("seq", type(v), tuple(v), tuple(items))
+            return ("seq", v, tuple(items))
         # Mutable containers and other objects are the user's: a layer may share them on
         # purpose (a log, a cache), so replicas keep reading and writing the host's, as
         # before (the forward rules warn about writes). Only the state objects of the
@@ -196,7 +196,7 @@ class _Build:
         if kind == "module":
             return r[1]
         if kind == "seq":
-            _, cls, host, items = r
+            _, host, items = r
             return tuple(h if i is _STATIC else self.value(i) for h, i in zip(host, items))
         # a plain object holding tensors: a copy of it per upload
         key = id(r)

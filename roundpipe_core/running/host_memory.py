@@ -50,6 +50,7 @@ from torch import nn
 from ..kinds import check_byte_counts, check_flag, check_int
 from ..planning.profile import format_bytes
 from .carried import carried_tensors, logical_numel
+from .devices.memory import pack_slabs, page_size, slab_sizes
 
 __all__ = [
     "HEAP_THRESHOLD_ENV",
@@ -148,11 +149,10 @@ def _known_name(cls: type) -> str:
     return cls.__name__
 
 
-# The kernels a step runs (backward, the optimizer, the collectives) are file pages of
-# libtorch_cpu.so that enter the resident set the first time they run: 12-35 MiB on torch
-# 2.13 (docs/host-memory.md, "The whole process"). Clean pages the kernel may drop: in the
-# peak RSS, not in what check_host_memory asks to allocate.
-#: what a process's first training step pages in of torch's code (the allowance covers 35 MiB)
+# The kernels a step runs (backward, the optimizer, the collectives) are clean file pages
+# of libtorch_cpu.so, resident from their first run: in the peak RSS, not in what
+# check_host_memory asks to allocate (docs/host-memory.md, "The whole process").
+#: what a process's first training step pages in of torch's code (12-35 MiB measured)
 TRAINING_CODE_BYTES = 40 * 2**20
 _stepped = False
 
@@ -167,8 +167,8 @@ def resident_bytes() -> int:
     """This process's resident set (``/proc/self/statm``; 0 where it cannot be read)."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
+            return int(f.read().split()[1]) * page_size()
+    except (OSError, ValueError, IndexError):
         return 0
 
 
@@ -297,7 +297,7 @@ def mapped_file_bytes(tensors: Iterable[torch.Tensor]) -> MappedFiles:
 
 
 def _dtype_size(dtype: Any) -> int:
-    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 0
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 0
 
 
 def layer_dequantized_bytes(layer: nn.Module) -> int:
@@ -591,6 +591,7 @@ def estimate_host_memory(
     if layer_acts is not None:
         layer_acts = check_byte_counts(layer_acts, "layer_activation_bytes")
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else None
+    held_state = 0  # a list's: each optimizer keeps state for the parameters (masters) it holds
     if optimizer_states is not None:
         states, opt_label = optimizer_states, f"{optimizer_states}/param"
     elif optimizers is not None:
@@ -599,10 +600,12 @@ def estimate_host_memory(
                 "optimizer given as a list must hold torch.optim.Optimizer instances (their parameters "
                 f"decide which masters carry state), got {[type(o).__name__ for o in optimizers]}"
             )
-        states = 0  # per optimizer below
-        opt_label = ", ".join(
-            f"{type(o).__name__}: {optimizer_states_per_param(o)}/param" for o in optimizers
-        )
+        states = 0
+        counts = [optimizer_states_per_param(o) for o in optimizers]
+        opt_label = ", ".join(f"{type(o).__name__}: {n}/param" for o, n in zip(optimizers, counts))
+        for o, n in zip(optimizers, counts):
+            held = {id(p): p for g in o.param_groups for p in g["params"]}
+            held_state += n * sum(p.nbytes for p in held.values())
     else:
         states = optimizer_states_per_param(optimizer)
         name = optimizer if isinstance(optimizer, (str, type)) else type(optimizer)
@@ -655,16 +658,8 @@ def estimate_host_memory(
         if async_step:
             next_gradients = masters  # a gradient per separate master of its share
     gradients = master_numel_bytes
-    if optimizers is not None and optimizer_states is None:
-        # each optimizer keeps state for the parameters it holds (the strategy's masters)
-        held = [{id(p): p for g in o.param_groups for p in g["params"]} for o in optimizers]
-        optimizer_state = sum(
-            optimizer_states_per_param(o) * sum(p.nbytes for p in ps.values())
-            for o, ps in zip(optimizers, held)
-        )
-    else:
-        optimizer_state = states * master_numel_bytes
-    optimizer_state = -(-optimizer_state // state_shards)  # this rank's share (rounded up)
+    # this rank's share (rounded up)
+    optimizer_state = -(-(states * master_numel_bytes + held_state) // state_shards)
 
     pinned = worker_copies = activations = worker_acts = dequantized = 0
     # a RoundPipe's pool side; an AutoRoundPipe's units plan their calls each on their own
@@ -747,8 +742,6 @@ def _tier_bytes(
 
 def _cuda_pinned(rp: Any) -> int:
     """Pinned host bytes beyond the weights: the "alloc" slabs' rounding, the rings."""
-    from .devices.memory import pack_slabs, slab_sizes
-
     extra = 0
     if rp.pin_model == "alloc":
         storages = {

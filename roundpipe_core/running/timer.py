@@ -26,14 +26,14 @@ from ..kinds import check_int
 from ..planning.profile import layer_sizes, size_prior_ms
 from ..planning.schedule import Job
 from .carried import carried_bytes
+from .trace import Span
 
 if TYPE_CHECKING:
     from .devices.base import Worker
 
-__all__ = ["CallTiming", "JobClock", "JobTiming", "ModelTimer", "TransferTiming"]
+__all__ = ["CallTiming", "JobClock", "JobTiming", "ModelTimer"]
 
 KINDS = ("fwd", "re", "bwd")
-_INF = float("inf")
 
 
 class ModelTimer:
@@ -260,18 +260,6 @@ class JobTiming(NamedTuple):
     busy_ms: float
 
 
-class TransferTiming(NamedTuple):
-    """A transfer a worker waited on (``lane`` "upload", "activation" or "gradient";
-    ``name`` e.g. ``"2F0 params"``), host wall clock: on CUDA the issue of the copy and
-    any wait for it."""
-
-    lane: str
-    device: int
-    name: str
-    start_s: float
-    end_s: float
-
-
 class CallTiming:
     """Everything one pipelined call measured -- the one record the layer timer, the
     trace, the stage-time logger and the benchmarks read (``RoundPipe.last_call``,
@@ -285,7 +273,10 @@ class CallTiming:
     Attributes:
         schedule: the jobs the call launched, in launch order.
         jobs: a :class:`JobTiming` per job that completed, in the order the queues ended.
-        transfers: the :class:`TransferTiming` of the transfers the workers waited on.
+        transfers: a :class:`~roundpipe_core.running.trace.Span` per transfer a worker
+            waited on (lane "upload", "activation" or "gradient"; ``name`` e.g.
+            ``"2F0 params"``), host wall clock: on CUDA the issue of the copy and any wait
+            for it.
         wall_ms: the call's wall time as the caller saw it (for ``forward()``, the
             forward's); ``samples`` / ``tokens``: its batch size
             (:func:`~roundpipe_core.batch.tree.batch_extent`). Zero until the call
@@ -295,7 +286,7 @@ class CallTiming:
     def __init__(self) -> None:
         self.schedule: list[Job] = []
         self.jobs: list[JobTiming] = []
-        self.transfers: list[TransferTiming] = []
+        self.transfers: list[Span] = []
         self.wall_ms = 0.0
         self.samples = self.tokens = 0
         # {(kind, start, stop): ms per microbatch} not yet given to the timer
@@ -355,7 +346,7 @@ class JobClock:
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.transfers: list[TransferTiming] = []
+        self.transfers: list[Span] = []
         self.jobs: list[JobTiming] = []
         self.marks: list[tuple[str, int, int, Any, Any]] = []
         # (kind, start, stop) -> ms per microbatch, summed over the ended jobs
@@ -366,9 +357,7 @@ class JobClock:
     def transfer(self, lane: str, name: str, start: float) -> None:
         """Record a transfer of ``lane`` ("upload", "activation", "gradient") that
         started at ``start`` (``time.perf_counter()``) and ended now."""
-        self.transfers.append(
-            TransferTiming(lane, self.worker.index, name, start, time.perf_counter())
-        )
+        self.transfers.append(Span(self.worker.index, lane, name, start, time.perf_counter()))
 
     def span(self, kind: str, layers: range, start: Any) -> None:
         """Mark ``kind`` of ``layers`` from ``start`` (a time point) to now."""
@@ -397,6 +386,6 @@ def _check_kind(kind: str) -> None:
 
 def _check_ms(ms: float) -> float:
     ms = float(ms)
-    if not 0 <= ms < _INF:  # negative, NaN or Inf: a broken clock, never a timing
+    if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
         raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
     return ms

@@ -21,7 +21,6 @@ from ..kinds import JobKind, check_int
 
 if TYPE_CHECKING:  # the simulator is only read here, never needed at import time
     from ..planning.simulate import SimResult
-    from .timer import CallTiming
 
 __all__ = [
     "LANES",
@@ -41,9 +40,8 @@ __all__ = [
 #: The lanes of a device, in the order their rows appear under it.
 LANES: tuple[str, ...] = ("compute", "upload", "activation", "gradient", "optimizer")
 
-# Rows of one device take this many consecutive thread ids; host rows (device None)
+# Rows of one device take len(LANES) consecutive thread ids; host rows (device None)
 # start at _HOST_TID so they sort after every device.
-_TID_STRIDE = len(LANES)
 _HOST_TID = 1_000_000
 
 
@@ -118,7 +116,7 @@ def _job_args(job: Any) -> dict[str, Any]:
     }
 
 
-def spans_from_call(timing: CallTiming, steps: Iterable[tuple[float, float]] = ()) -> list[Span]:
+def spans_from_call(timing: Any, steps: Iterable[tuple[float, float]] = ()) -> list[Span]:
     """The measured timeline of one pipelined call.
 
     Args:
@@ -140,7 +138,7 @@ def spans_from_call(timing: CallTiming, steps: Iterable[tuple[float, float]] = (
         out.append(Span(t.device, "compute", job_name(t.job), t.start_s, t.end_s, args))
     first = min((s.start_s for s in out), default=-math.inf)
     out += [Span(None, "optimizer", "step", a, b) for a, b in steps if b >= first]
-    return out + [Span(t.device, t.lane, t.name, t.start_s, t.end_s) for t in timing.transfers]
+    return out + timing.transfers
 
 
 def spans_from_roundpipe(rp: Any) -> list[Span]:
@@ -166,7 +164,7 @@ def spans_from_simulation(
         Spans sorted by start time: ``"compute"`` spans named like measured ones
         (``"2F0"``), ``"upload"`` spans named ``"up 2F0"``.
     """
-    events = list(getattr(sim, "events", None) or [])
+    events = sim.events
     if iteration is not None:
         iterations = sorted({e.iteration for e in events})
         if not iterations:
@@ -179,8 +177,8 @@ def spans_from_simulation(
         keep = iterations[iteration]
         events = [e for e in events if e.iteration == keep]
     # Jobs of iteration k occupy sim.jobs[k * per_iter : (k + 1) * per_iter].
-    jobs = list(getattr(sim, "jobs", None) or [])
-    total = max((e.iteration for e in getattr(sim, "events", [])), default=0) + 1
+    jobs = sim.jobs
+    total = max((e.iteration for e in sim.events), default=0) + 1
     per_iter = len(jobs) // total if jobs and len(jobs) % total == 0 else 0
 
     def job_of(e: Any) -> Any:
@@ -194,7 +192,7 @@ def spans_from_simulation(
         if e.kind == "upload":
             job = job_of(e)
             name = f"up {job_name(job)}" if job is not None else f"up s{e.stage}"
-            args = {"stage": e.stage, "job": e.job, "iteration": e.iteration}
+            args: dict[str, Any] = {"stage": e.stage, "job": e.job, "iteration": e.iteration}
             out.append(Span(e.device, "upload", name, e.start / 1e3, e.end / 1e3, args))
         else:  # a job's microbatches as one span (per_job), else each on its own
             key = (e.iteration, e.job) if per_job and e.job >= 0 else id(e)
@@ -233,7 +231,7 @@ def _tid(device: int | None, lane: str) -> int:
     lane_index = LANES.index(lane)
     if device is None:
         return _HOST_TID + lane_index
-    return 1 + device * _TID_STRIDE + lane_index
+    return 1 + device * len(LANES) + lane_index
 
 
 def _json_value(value: Any) -> Any:

@@ -358,10 +358,7 @@ class CPUWorker(Worker):
         super().__init__(index, torch.device("cpu"))
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
-        if channel == "param":
-            out = _clones(tensors)
-        else:  # activations and gradients arrive detached: only those that require grad pay
-            out = [t.detach().clone() if t.requires_grad else t.clone() for t in tensors]
+        out = _clones(tensors)
         self.ledger.alloc(sum(t.nbytes for t in out), channel)
         return out
 

@@ -12,9 +12,7 @@ only after the queue (a microbatch's loss), completed together.
 Fresh pinned tensors per download would not do: PyTorch's pinned allocator rounds each
 block up to a power of two and keeps it for the process, and downloaded gradients live
 on as the masters' ``.grad``: up to twice the gradient bytes would stay page-locked,
-outside the host-memory budget. Free of CUDA calls of its own: the worker passes the
-stream and its seams (``_new_pinned_buffer``, ``_copy_on``), which the fake-CUDA test
-double replaces.
+outside the host-memory budget.
 """
 
 from __future__ import annotations
@@ -136,7 +134,8 @@ class Download:
 
 class DownloadStager:
     """The staging ring (``staging_bytes``, the largest piece) and lazy ring
-    (``lazy_bytes``) of a CUDA ``worker`` (its ``_new_pinned_buffer`` and ``_copy_on``)."""
+    (``lazy_bytes``) of a CUDA ``worker``, through its seams ``_new_pinned_buffer`` and
+    ``_copy_on`` (which the fake-CUDA test double replaces)."""
 
     def __init__(self, worker: Any, staging_bytes: int, lazy_bytes: int = DEFAULT_LAZY_BYTES):
         self._worker = worker
@@ -175,8 +174,6 @@ class DownloadStager:
                 units.append(unit)
             else:  # alignment pushed a unit of several pieces past the ring: one each
                 units.extend([piece] for piece in unit)
-        flat_src = [s.reshape(-1) for s in srcs]
-        flat_out = [o.view(-1) for o in outs]
         parts: list[StagedDownload] = []
         with self.lock:
             if self.staging is None:
@@ -185,7 +182,7 @@ class DownloadStager:
             for unit in units:
                 size = self._unit_bytes(unit, srcs)
                 start = self._place(size)
-                part = self._issue(self.staging, start, stream, unit, flat_src, flat_out)
+                part = self._issue(self.staging, start, stream, unit, srcs, outs)
                 part.sources, part.span = srcs, (start, start + size)
                 self._slots.append(part)
                 parts.append(part)
@@ -285,14 +282,12 @@ class DownloadStager:
         if need > self.lazy_bytes // 4:
             return False
         unit: list[Piece] = [(i, 0, s.numel()) for i, s in enumerate(srcs) if s.numel()]
-        flat_src = [s.reshape(-1) for s in srcs]
-        flat_out = [o.view(-1) for o in outs]
         with self.lock:
             if self._ring_used + need > self.lazy_bytes:
                 self._finish_lazy()
             if self.ring is None:
                 self.ring = self._worker._new_pinned_buffer(self.lazy_bytes)
-            part = self._issue(self.ring, self._ring_used, stream, unit, flat_src, flat_out)
+            part = self._issue(self.ring, self._ring_used, stream, unit, srcs, outs)
             part.sources = srcs
             self._lazy.append(part)
             self._ring_used += need
@@ -308,17 +303,18 @@ class DownloadStager:
         base: int,
         stream: Any,
         unit: list[Piece],
-        flat_src: list[torch.Tensor],
-        flat_out: list[torch.Tensor],
+        srcs: list[torch.Tensor],
+        outs: list[torch.Tensor],
     ) -> StagedDownload:
-        """Enqueue one unit of pieces into ``buffer`` from byte ``base``; the lock is held."""
+        """Enqueue one unit of pieces (elements of the flattened tensors) into ``buffer``
+        from byte ``base``; the lock is held."""
         into, out_of, off, pieces = [], [], base, []
         for i, a, b in unit:
-            src = flat_src[i][a:b]
+            src = srcs[i].reshape(-1)[a:b]
             nbytes = (b - a) * src.element_size()
             view = buffer[off : off + nbytes].view(src.dtype)
             into.append((view, src))
-            out_of.append((flat_out[i][a:b], view))
+            out_of.append((outs[i].view(-1)[a:b], view))
             pieces.append((i, a, b, view))
             off += _aligned(nbytes)
         self._worker._copy_on(stream, into)

@@ -69,10 +69,6 @@ def cuda_available() -> bool:
         return False
 
 
-#: What RoundPipe asks of PyTorch's CUDA caching allocator unless the user set it.
-DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
-
-
 def default_allocator_settings() -> bool:
     """Ask for expandable segments before CUDA starts unless the user configured the
     allocator (whether it was set now): a worker allocates on four streams and the
@@ -85,23 +81,18 @@ def default_allocator_settings() -> bool:
             return False
     except Exception:  # noqa: BLE001 - a broken driver: CUDA will not start either
         return False
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_CUDA_ALLOC_CONF
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return True
 
 
-#: Streams a CUDA worker allocates on (parameter and activation uploads, compute, downloads).
-WORKER_STREAMS = 4
-_MiB = 1024**2
-
-
-def allocator_reserve_bytes(streams: int = WORKER_STREAMS) -> int:
-    """Bytes one worker's caching allocator may reserve above what it allocates: per
-    stream a 2 MiB small-pool segment, plus one 2 MiB page with expandable segments
-    (the default), else a 20 MiB segment for a request under 10 MiB."""
+def allocator_reserve_bytes() -> int:
+    """Bytes one worker's caching allocator may reserve above what it allocates: on each of
+    its 4 streams (parameter and activation uploads, compute, downloads) a 2 MiB
+    small-pool segment, plus one 2 MiB page with expandable segments (the default), else
+    a 20 MiB segment for a request under 10 MiB."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
     expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
-    per_stream = (2 + 2) * _MiB if expandable else (2 + 20) * _MiB
-    return streams * per_stream
+    return 4 * (2 + (2 if expandable else 20)) * 1024**2
 
 
 class ReusedHostTensors:
@@ -144,13 +135,12 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 @dataclass
 class PinHandle:
     """What ``pin_model`` did (``mode`` requested; ``active`` False for a no-op; ``nbytes``
-    made page-locked; "alloc": ``slabs`` allocated; "register": the ``(pointer, nbytes)``
-    ranges ``registered``), and how to undo it."""
+    made page-locked; "register": the ``(pointer, nbytes)`` ranges ``registered``), and
+    how to undo it."""
 
     mode: str
     active: bool = False
     nbytes: int = 0
-    slabs: int = 0
     registered: list[tuple[int, int]] = field(default_factory=list)
 
     def release(self) -> None:
@@ -263,16 +253,14 @@ def pack_module_tensors(
     return sum(sizes), len(slabs)
 
 
-_FALLBACK_PAGE = 4096
-
-
 def page_size() -> int:
-    """The host's memory page size (4 KiB on most x86 hosts, 64 KiB on some ARM servers)."""
+    """The host's memory page size (4 KiB on most x86 hosts, 64 KiB on some ARM servers;
+    4 KiB where it cannot be read)."""
     try:
         size = int(os.sysconf("SC_PAGE_SIZE"))
     except (AttributeError, ValueError, OSError):  # not a POSIX host
-        return _FALLBACK_PAGE
-    return size if size > 0 else _FALLBACK_PAGE
+        size = 0
+    return size if size > 0 else 4096
 
 
 def page_ranges(spans: Iterable[tuple[int, int]], page: int | None = None) -> list[tuple[int, int]]:
@@ -406,5 +394,5 @@ def pin_model(
     if mode == "register":
         return _register(groups)
     tensors = [t for _, ts in groups for t in ts]
-    nbytes, slabs = pack_module_tensors(tensors, pin=True, slab_bytes=slab_bytes)
-    return PinHandle(mode=mode, active=True, nbytes=nbytes, slabs=slabs)
+    nbytes, _ = pack_module_tensors(tensors, pin=True, slab_bytes=slab_bytes)
+    return PinHandle(mode=mode, active=True, nbytes=nbytes)

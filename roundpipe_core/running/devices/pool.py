@@ -127,9 +127,7 @@ class DevicePool:
         self._replay_checked = False  # warn_if_replay_differs said its piece
         try:
             num_cpu = sum(d.type == "cpu" for d in devs)
-            #: ``ROUNDPIPE_CPU_CONCURRENT`` read when the pool was built: whether CPU
-            #: workers compute stages that draw no random numbers at the same time (in
-            #: the calls the caller waits for, by default; in every call with ``1``).
+            #: ``ROUNDPIPE_CPU_CONCURRENT`` when the pool was built (:func:`cpu_sharing_from_env`)
             self.cpu_sharing = cpu_sharing_from_env()
             self.cpu_concurrent = self.cpu_sharing != SHARE_NEVER
             # ATen gives a thread its intra-op count at its first parallel call from the
