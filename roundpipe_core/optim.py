@@ -36,6 +36,7 @@ __all__ = [
     "check_state_matches",
     "fused_variant",
     "use_fastest_",
+    "why_not_faster",
 ]
 
 # Which torch implementation runs by default, per optimizer (see the module docstring;
@@ -92,18 +93,21 @@ def _fused_ok(tensors: list[torch.Tensor]) -> bool:
 
 def _faster_impl(
     name: str, settings: Iterable[dict[str, Any]], tensors: list[torch.Tensor]
-) -> str | None:
-    """``"fused"`` or ``"foreach"`` to switch on for optimizer ``name`` with these
-    arguments / param groups, or None: the caller chose (``fused=False`` too), neither
-    fast path supports ``differentiable`` / ``capturable``, torch's default is the
-    fastest, or the fast path does not take these tensors."""
+) -> tuple[str | None, str]:
+    """``("fused" | "foreach", "")`` to switch on for optimizer ``name`` with these
+    arguments / param groups, or ``(None, why not)``."""
+    settings = list(settings)
     if any(s.get("fused") is not None or s.get("foreach") is not None for s in settings):
-        return None
+        return None, "it was built with an explicit fused=/foreach= choice, which is kept"
     if any(s.get("differentiable") or s.get("capturable") for s in settings):
-        return None
+        return None, "it was built with differentiable=True or capturable=True"
     impl = _IMPL.get(name, "default")
     fits = {"fused": _fused_ok, "foreach": _foreach_ok}.get(impl)
-    return impl if fits is not None and fits(tensors) else None
+    if fits is None:
+        return None, f"torch has no fused CPU kernel for {name}"
+    if not fits(tensors):
+        return None, "some of its parameters are not dense floating-point tensors it takes"
+    return impl, ""
 
 
 class _FastestByDefault:
@@ -133,7 +137,7 @@ class _FastestByDefault:
             )
         params = list(params) if isinstance(params, Iterable) else params
         bound.arguments["params"] = params
-        impl = _faster_impl(self._torch_cls.__name__, [bound.arguments], _param_tensors(params))
+        impl, _ = _faster_impl(self._torch_cls.__name__, [bound.arguments], _param_tensors(params))
         if impl is not None:
             bound.arguments[impl] = True
         super().__init__(*bound.args, **bound.kwargs)
@@ -197,17 +201,23 @@ _OURS: dict[str, type[Any]] = {c.__name__: c for c in _FastestByDefault.__subcla
 
 
 # --------------------------------------------------------------------------- user optimizers
-def _upgrade(optimizer: torch.optim.Optimizer) -> tuple[str, str] | None:
-    """(torch class name, implementation) to switch ``optimizer`` to, or None to leave it."""
+def _upgrade(optimizer: torch.optim.Optimizer) -> tuple[str, str | None, str]:
+    """(torch class name, implementation to switch ``optimizer`` to or None, why not)."""
     torch_cls = next(
         (c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim")), None
     )
-    if torch_cls is None or type(optimizer) not in (torch_cls, _OURS.get(torch_cls.__name__)):
-        return None  # an unknown class, or a user subclass that may rely on its own step
+    if torch_cls is None:
+        return "", None, "it is not a torch.optim optimizer"
+    name = torch_cls.__name__
+    if type(optimizer) not in (torch_cls, _OURS.get(name)):
+        return name, None, f"it is a subclass of {name} that may rely on its own step()"
     groups = optimizer.param_groups
-    tensors = [p for g in groups for p in g["params"]]
-    impl = _faster_impl(torch_cls.__name__, groups, tensors)  # (None: also already fast)
-    return None if impl is None else (torch_cls.__name__, impl)
+    return (name, *_faster_impl(name, groups, [p for g in groups for p in g["params"]]))
+
+
+def why_not_faster(optimizer: torch.optim.Optimizer) -> str:
+    """Why :func:`use_fastest_` leaves ``optimizer`` as it is ("" where it switches it)."""
+    return _upgrade(optimizer)[2]
 
 
 def _fused_steps(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
@@ -236,10 +246,9 @@ def fused_variant(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | N
         caller chose an implementation, a subclass with its own ``step``, or parameters
         the fast path does not take (non-float, sparse, unsupported device).
     """
-    target = _upgrade(optimizer)
-    if target is None:
+    name, impl, _ = _upgrade(optimizer)
+    if impl is None:
         return None
-    name, impl = target
     new = _OURS[name]([{**g, impl: True} for g in optimizer.param_groups])
     for k, v in optimizer.defaults.items():
         new.defaults.setdefault(k, v)
@@ -254,10 +263,9 @@ def use_fastest_(optimizer: torch.optim.Optimizer) -> bool:
     Returns:
         Whether it was switched (``False`` in every case :func:`fused_variant` returns None).
     """
-    target = _upgrade(optimizer)
-    if target is None:
+    _, key, _ = _upgrade(optimizer)
+    if key is None:
         return False
-    _, key = target
     if key == "fused":
         for p, s in _fused_steps(optimizer).items():
             optimizer.state[p] = s

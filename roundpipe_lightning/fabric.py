@@ -170,18 +170,14 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     strategy to Fabric; several nodes (one process each) are data parallel as under
     ``RoundPipeStrategy`` (docs/fabric.md, "Several nodes").
 
-    ``loss_reduction``, ``execute_plan``, ``optim_dtype``, ``pin_model``, ``async_step``,
-    ``fuse_optimizer``, ``recompute_grain``, ``preserve_rng_state``, ``model_run_config``,
-    ``grad_reduce_op``, ``process_group_timeout``, ``shard_host_state`` and ``offload_dir``
-    are as for :class:`~roundpipe_lightning.RoundPipeStrategy` (``"mean"``: a ``loss_fn``
-    returning a batch mean gives plain Fabric's loss and gradients; sharded,
-    ``fabric.save`` writes a shard per node).
+    ``loss_reduction``, ``num_microbatch``, ``execute_plan``, ``optim_dtype``, ``pin_model``,
+    ``async_step``, ``fuse_optimizer``, ``recompute_grain``, ``preserve_rng_state``,
+    ``model_run_config``, ``grad_reduce_op``, ``process_group_timeout``, ``shard_host_state``
+    and ``offload_dir`` are as for :class:`~roundpipe_lightning.RoundPipeStrategy`
+    (``"mean"``: a ``loss_fn`` returning a batch mean gives plain Fabric's loss and
+    gradients; sharded, ``fabric.save`` writes a shard per node).
 
     Args:
-        num_microbatch: microbatches per pipelined call (default: the engine's,
-            :func:`~roundpipe_core.planning.plan.default_num_microbatch`: devices + 1 on
-            GPUs; on CPU workers 1, or one per worker where the one-stage plan runs on
-            every worker at once -- the default for a model without buffers).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.

@@ -38,7 +38,7 @@ from roundpipe_core.autosplit import auto_wrap
 from roundpipe_core.distributed.reducer import REDUCE_OPS
 from roundpipe_core.kinds import PinMode, RecomputeGrain, check_flag
 from roundpipe_core.loss import LOSS_REDUCTIONS
-from roundpipe_core.optim import check_state_matches, fastest_impl, use_fastest_
+from roundpipe_core.optim import check_state_matches, use_fastest_, why_not_faster
 from roundpipe_core.running.host_memory import (
     UnknownOptimizerError,
     available_host_memory,
@@ -512,30 +512,6 @@ def point_at_masters(opt: Optimizer, rp: RP, build_hint: str = "self.parameters(
         )
 
 
-def _not_fused_reason(opt: Optimizer) -> str:
-    """Why :func:`roundpipe_core.optim.use_fastest_` left ``opt`` as it is (for the log)."""
-    torch_cls = next((c for c in type(opt).__mro__ if c.__module__.startswith("torch.optim")), None)
-    if torch_cls is None:
-        return "it is not a torch.optim optimizer"
-    try:
-        impl = fastest_impl(torch_cls.__name__)
-    except ValueError:
-        impl = "default"
-    if impl != "fused":
-        return f"torch has no fused CPU kernel for {torch_cls.__name__}"
-    if type(opt) is not torch_cls and type(opt).__module__ != "roundpipe_core.optim":
-        return f"it is a subclass of {torch_cls.__name__} that may rely on its own step()"
-    groups = opt.param_groups
-    if any(g.get("fused") is False or g.get("foreach") is not None for g in groups):
-        return "the optimizer was built with an explicit fused=/foreach= choice, which is kept"
-    if any(g.get("differentiable") or g.get("capturable") for g in groups):
-        return "it was built with differentiable=True or capturable=True"
-    return (
-        "some of its parameters are not floating-point dense tensors on a device with the "
-        "fused kernel"
-    )
-
-
 def fuse_optimizer(opt: Optimizer) -> None:
     """Switch ``opt`` in place (LR schedulers keep working) to torch's fused CPU kernel
     where the user left ``fused`` unset (:func:`roundpipe_core.optim.use_fastest_`);
@@ -543,7 +519,7 @@ def fuse_optimizer(opt: Optimizer) -> None:
     # (use_fastest_ leaves an explicit fused= / foreach= as it is)
     if any(g.get("fused") for g in opt.param_groups) or use_fastest_(opt):
         return
-    reason = _not_fused_reason(opt)
+    reason = why_not_faster(opt)
     key = (type(opt).__qualname__, reason)
     if key not in _SAID:
         _SAID.add(key)

@@ -139,6 +139,13 @@ def test_no_variant_when_nothing_is_faster_or_the_user_chose():
     ints = [torch.zeros(3, dtype=torch.float64), torch.zeros(2, dtype=torch.float16)]
     assert optim.fused_variant(torch.optim.SGD(ints)) is not None  # any float dtype fuses
     assert optim.use_fastest_(torch.optim.Rprop(ps, foreach=False)) is False
+    # each case says why (what the Lightning strategy logs)
+    why = optim.why_not_faster
+    assert why(torch.optim.Adamax(ps)) == "torch has no fused CPU kernel for Adamax"
+    assert "explicit fused=/foreach=" in why(torch.optim.Adam(ps, foreach=False))
+    assert "subclass of Adam" in why(MyAdam(ps))
+    assert "not dense floating-point" in why(torch.optim.SGD([torch.zeros(2, dtype=torch.int64)]))
+    assert why(torch.optim.Adam(ps)) == ""
 
 
 def test_an_explicit_fused_false_is_kept() -> None:
