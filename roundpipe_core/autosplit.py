@@ -394,10 +394,10 @@ def _templates(node: Any) -> tuple[tuple, dict]:
     )
 
 
-class FxStep(nn.Module):
-    """One step of a traced chain that is not a plain ``child(x)`` call: ``target`` (a
+class TracedOp(nn.Module):
+    """One operation of a traced chain that is not a plain ``child(x)`` call: ``target`` (a
     function, a method of the input, a child) with the traced arguments, the previous
-    step's output where the trace had it."""
+    operation's output where the trace had it."""
 
     def __init__(
         self, kind: str, target: Any, args: tuple, kwargs: dict, module: nn.Module | None = None
@@ -474,9 +474,9 @@ def chain_layers(module: nn.Module) -> list[nn.Module] | None:
             if node.args == (prev,) and not node.kwargs:
                 steps.append(child)
             else:
-                steps.append(FxStep("call_module", node.target, *_templates(node), module=child))
+                steps.append(TracedOp("call_module", node.target, *_templates(node), module=child))
         else:
-            steps.append(FxStep(node.op, node.target, *_templates(node)))
+            steps.append(TracedOp(node.op, node.target, *_templates(node)))
         prev = node
     return None
 

@@ -12,7 +12,7 @@ from hf_tiny import rel_err
 from torch import nn
 
 from roundpipe_core import OptimizerCtx, RoundPipe, RoundPipeRunConfig, wrap_model_to_roundpipe
-from roundpipe_core.autosplit import AutoRoundPipe, FxStep, auto_wrap, chain_layers
+from roundpipe_core.autosplit import AutoRoundPipe, TracedOp, auto_wrap, chain_layers
 
 RTOL = 1e-5
 
@@ -63,7 +63,7 @@ class SkipNet(nn.Module):
 
 def test_chain_detection() -> None:
     steps = chain_layers(ChainNet())
-    assert steps is not None and len(steps) == 4 and isinstance(steps[2], FxStep)
+    assert steps is not None and len(steps) == 4 and isinstance(steps[2], TracedOp)
     assert chain_layers(Block(4)) is None
     assert chain_layers(SkipNet()) is None
     assert chain_layers(nn.ModuleList([nn.Linear(2, 2)])) is None
