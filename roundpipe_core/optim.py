@@ -13,7 +13,7 @@ slower than its per-tensor loop on CPU for all the others: ``benchmarks/optimize
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -92,11 +92,10 @@ def _fused_ok(tensors: list[torch.Tensor]) -> bool:
 
 
 def _faster_impl(
-    name: str, settings: Iterable[dict[str, Any]], tensors: list[torch.Tensor]
+    name: str, settings: Sequence[dict[str, Any]], tensors: list[torch.Tensor]
 ) -> tuple[str | None, str]:
     """``("fused" | "foreach", "")`` to switch on for optimizer ``name`` with these
     arguments / param groups, or ``(None, why not)``."""
-    settings = list(settings)
     if any(s.get("fused") is not None or s.get("foreach") is not None for s in settings):
         return None, "it was built with an explicit fused=/foreach= choice, which is kept"
     if any(s.get("differentiable") or s.get("capturable") for s in settings):

@@ -326,8 +326,3 @@ class WeightVersions:
     def set_all(self, version: int) -> None:
         """The host copy was overwritten with the masters (``synchronize()``)."""
         self._mark(list(self.version), version)
-
-    @property
-    def active(self) -> int:
-        with self.cond:
-            return len(self._readers)
