@@ -237,11 +237,10 @@ def wrap_model_to_roundpipe(
             :class:`NoPresetError` (saying why, listing the known presets).
             ``False``: the automatic split
             (:mod:`roundpipe_core.autosplit`), even if a preset exists.
-        lower_threshold / upper_threshold / split_threshold / skip_modules /
-            override_config: the automatic split's options, as
-            :func:`~roundpipe_core.autosplit.auto_wrap`'s (ignored when the model is
-            converted); here ``lower_threshold`` defaults to 16 KiB and
-            ``upper_threshold`` to the model's bytes / (devices + 1).
+        lower_threshold, upper_threshold, split_threshold, skip_modules, override_config:
+            the automatic split's options, as :func:`~roundpipe_core.autosplit.auto_wrap`'s
+            (ignored when the model is converted); here ``lower_threshold`` defaults to
+            16 KiB and ``upper_threshold`` to the model's bytes / (devices + 1).
         model_run_config: default ``RoundPipeRunConfig`` of the model.
         name: a name for logs (default: the model's class name).
         optim_dtype: dtype of the optimizer's master weights (``None`` = as the model).
