@@ -61,6 +61,7 @@ def test_a_finished_call_is_freed_without_the_garbage_collector() -> None:
         ]
     finally:
         gc.enable()
+        rp.close()  # its threads end now, not at some later collection
 
 
 def _run(

@@ -90,10 +90,14 @@ def test_every_num_microbatch_default_says_what_the_code_does() -> None:
         planner.auto,
         compare_plans,
         RoundPipeStrategy,
-        RoundPipeFabricStrategy,
     ):
         doc = _argument_doc(obj, "num_microbatch")
         assert "default_num_microbatch" in doc and "CPU workers" in doc, (obj, doc)
+    # the Fabric strategy documents it by pointing at RoundPipeStrategy's entry (checked above)
+    fabric = " ".join((inspect.getdoc(RoundPipeFabricStrategy) or "").split())
+    shared = fabric.split(" are as for :class:`~roundpipe_lightning.RoundPipeStrategy`")
+    assert len(shared) == 2 and "``num_microbatch``" in shared[0], fabric
+    assert "devices + 1" not in fabric
     with pytest.raises(ValueError, match="1 or one per worker on CPU workers"):
         check_num_microbatch(0)
     # what the code does on CPU workers: one per worker, 1 for a model with buffers
