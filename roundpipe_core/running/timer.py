@@ -156,9 +156,9 @@ class ModelTimer:
         :class:`CallTiming`'s sums) under one lock; on a ``ValueError`` nothing is."""
         n = self.num_layers
         for (kind, a, b), ms in sums.items():
-            _check_kind(kind)
-            _check_ms(ms)
-            if not 0 <= a < b <= n:
+            if kind not in KINDS or not 0 <= ms < float("inf") or not 0 <= a < b <= n:
+                _check_kind(kind)  # (one test per entry; these name what is wrong)
+                _check_ms(ms)
                 bad = a if not 0 <= a < n else b - 1
                 raise ValueError(f"layer {bad} is outside the timed layers 0..{n - 1}")
         with self._lock:
