@@ -152,9 +152,10 @@ def _convert(model: nn.Module, strict: bool) -> nn.Sequential | None:
             seq = convert_decoder_lm(base)
         except ValueError as exc:
             if strict:
+                why = str(exc).removeprefix(f"{name} cannot be converted by structure: ")
                 raise NoPresetError(
                     f"no RoundPipe preset for {name}, and it cannot be converted by structure: "
-                    f"{exc}. Known presets: {', '.join(known_presets())}. Register one with "
+                    f"{why}. Known presets: {', '.join(known_presets())}. Register one with "
                     "roundpipe_core.presets.register_preset(cls, converter), convert the model "
                     "to an nn.Sequential yourself, or pass use_sequential_preset=None/False for "
                     "the experimental automatic split"
