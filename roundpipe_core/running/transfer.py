@@ -64,10 +64,10 @@ class StageReplica:
     """The layers of one job on one worker: ``modules``, the replicas in layer order;
     ``held``, the device tensors in their slots (parameters wrapped so that gradients
     land on them); ``param_tensors``, what the uploads returned (released by
-    :func:`release_stage`); ``released``, set at release for a stage computing on host
-    weights a newer version may replace (:func:`upload_job`)."""
+    :func:`release_stage`); ``lent``, a lock held until release by a stage computing on
+    host weights a newer version may replace (:func:`upload_job`)."""
 
-    __slots__ = ("worker", "layout", "held", "param_tensors", "modules", "aliases_host", "released")
+    __slots__ = ("worker", "layout", "held", "param_tensors", "modules", "aliases_host", "lent")
 
     def __init__(
         self,
@@ -82,7 +82,7 @@ class StageReplica:
         self.param_tensors = param_tensors
         self.modules: list[nn.Module] = layout.modules
         self.aliases_host = False  # some device tensor is a host tensor itself (lent)
-        self.released: threading.Event | None = None
+        self.lent: threading.Lock | None = None
 
     def layer(self, index: int) -> nn.Module:
         """The replica of model layer ``index`` (``KeyError`` if not in this stage)."""
@@ -404,8 +404,9 @@ def release_stage(stage: StageReplica) -> None:
         carried.detach()
     stage.held = []
     stage.param_tensors = []
-    if stage.released is not None:
-        stage.released.set()
+    lent, stage.lent = stage.lent, None  # (released once)
+    if lent is not None:
+        lent.release()
 
 
 class WeightGate(Protocol):
@@ -440,8 +441,9 @@ def upload_job(
     if run.weights is not None:
         fence: Callable[[], None]
         if stage.aliases_host:
-            stage.released = threading.Event()
-            fence = _ReleaseFence(run, stage.released)
+            stage.lent = threading.Lock()
+            stage.lent.acquire()
+            fence = _ReleaseFence(run, stage.lent)
         else:
             # the host copy of these layers may be overwritten once this upload has read it
             fence = worker.param_fence()
@@ -459,17 +461,18 @@ class _ReleaseFence:
     wait for the next publication, which a loop without steps never reaches, and a
     settled one is not kept (each would keep its run's records and outputs alive)."""
 
-    __slots__ = ("_run", "released")
+    __slots__ = ("_run", "lent")
 
-    def __init__(self, run: Any, released: threading.Event) -> None:
+    def __init__(self, run: Any, lent: threading.Lock) -> None:
         self._run = weakref.ref(run)
-        self.released = released
+        self.lent = lent  # held until the stage is released
 
     def settled(self) -> bool:
-        return self.released.is_set()
+        return not self.lent.locked()
 
     def __call__(self) -> None:
-        while not self.released.wait(_RELEASE_WAIT_S):
+        while not self.lent.acquire(timeout=_RELEASE_WAIT_S):
             run = self._run()
             if run is None or run.failed is not None:
                 return
+        self.lent.release()  # (for the other fences of the stage)
