@@ -14,6 +14,7 @@ forward cost much more closely than parameter size does).
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -156,7 +157,7 @@ class ModelTimer:
         :class:`CallTiming`'s sums) under one lock; on a ``ValueError`` nothing is."""
         n = self.num_layers
         for (kind, a, b), ms in sums.items():
-            if kind not in KINDS or not 0 <= ms < float("inf") or not 0 <= a < b <= n:
+            if kind not in KINDS or not 0 <= ms < math.inf or not 0 <= a < b <= n:
                 _check_kind(kind)  # (one test per entry; these name what is wrong)
                 _check_ms(ms)
                 bad = a if not 0 <= a < n else b - 1
@@ -386,6 +387,6 @@ def _check_kind(kind: str) -> None:
 
 def _check_ms(ms: float) -> float:
     ms = float(ms)
-    if not 0 <= ms < float("inf"):  # negative, NaN or Inf: a broken clock, never a timing
+    if not 0 <= ms < math.inf:  # negative, NaN or Inf: a broken clock, never a timing
         raise ValueError(f"measured time must be a finite number >= 0 ms, got {ms!r}")
     return ms

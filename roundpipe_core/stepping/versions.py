@@ -120,9 +120,8 @@ class WeightVersions:
                 self._pair[id(pm[1])] = pm
             self.layer_pairs.append(pairs)
         self.version: dict[int, int] = {k: 0 for k in self._pair}
-        # how many masters hold each version, and the oldest one held: a run reading a
-        # version no newer than that finds every layer ready without walking its masters
-        # (the common case: one check per job)
+        # masters per version held, and the oldest one held: a run reading no newer version
+        # finds its layers ready without walking their masters (one test per job, no lock)
         self._holding: dict[int, int] = {0: len(self.version)} if self.version else {}
         self.floor = 0
         self._readers: list[_Reader] = []
@@ -148,12 +147,12 @@ class WeightVersions:
         return reader
 
     def _ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        return self.floor >= reader.version or all(
+        return all(
             self.version[id(m)] >= reader.version for i in layers for _, m in self.layer_pairs[i]
         )
 
     def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
-        if self.floor >= reader.version:  # (the floor only rises: no lock needed to see it)
+        if self.floor >= reader.version:  # (the floor only rises: seen without the lock)
             return True
         with self.cond:
             return self._ready(reader, layers) or (
