@@ -287,7 +287,7 @@ class CallTiming:
     def __init__(self) -> None:
         self.schedule: list[Job] = []
         self.jobs: list[JobTiming] = []
-        self.transfers: list[Span] = []
+        self._transfers: list[tuple[int, str, str, float, float]] = []
         self.wall_ms = 0.0
         self.samples = self.tokens = 0
         # {(kind, start, stop): ms per microbatch} not yet given to the timer
@@ -299,7 +299,7 @@ class CallTiming:
         record's lock)."""
         with self._lock:
             self.jobs += clock.jobs
-            self.transfers += clock.transfers
+            self._transfers += clock.transfers
             ms = self._layer_ms
             for key, value in clock.sums.items():
                 ms[key] = ms.get(key, 0.0) + value
@@ -315,6 +315,12 @@ class CallTiming:
         if sums:
             timer.record_sums(sums)
         timer.end_iteration()
+
+    @property
+    def transfers(self) -> list[Span]:
+        # kept as tuples until read: a Span (and its args dict) per transfer made the
+        # garbage collector run twice as often in a call of small layers
+        return [Span(*t) for t in self._transfers]
 
     def device_busy_ms(self, num_devices: int) -> list[float]:
         """Compute time per device over the call's jobs."""
@@ -334,7 +340,7 @@ class CallTiming:
     def __repr__(self) -> str:
         return (
             f"CallTiming({len(self.jobs)}/{len(self.schedule)} jobs, "
-            f"{len(self.transfers)} transfers, wall_ms={self.wall_ms:.3f})"
+            f"{len(self._transfers)} transfers, wall_ms={self.wall_ms:.3f})"
         )
 
 
@@ -347,7 +353,7 @@ class JobClock:
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.transfers: list[Span] = []
+        self.transfers: list[tuple[int, str, str, float, float]] = []  # Span's fields
         self.jobs: list[JobTiming] = []
         self.marks: list[tuple[str, int, int, Any, Any]] = []
         # (kind, start, stop) -> ms per microbatch, summed over the ended jobs
@@ -358,7 +364,7 @@ class JobClock:
     def transfer(self, lane: str, name: str, start: float) -> None:
         """Record a transfer of ``lane`` ("upload", "activation", "gradient") that
         started at ``start`` (``time.perf_counter()``) and ended now."""
-        self.transfers.append(Span(self.worker.index, lane, name, start, time.perf_counter()))
+        self.transfers.append((self.worker.index, lane, name, start, time.perf_counter()))
 
     def span(self, kind: str, layers: range, start: Any) -> None:
         """Mark ``kind`` of ``layers`` from ``start`` (a time point) to now."""
