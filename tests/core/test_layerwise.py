@@ -35,8 +35,12 @@ def _train(
     make: Any, mode: str, blocking: bool, accumulate: int = 1, devices: int = 3
 ) -> tuple[list[torch.Tensor], list[int]]:
     """``mode``: "step" (one call) or "layerwise"; returns the weights and the sizes of
-    the parts the layer-wise steps took."""
+    the parts the layer-wise steps took. A layer-wise run slows its first layer's backward
+    (its numbers unchanged) so that each step after the first finds deep layers complete
+    while the backward still runs, however loaded the machine."""
     model = mlp()
+    if mode == "layerwise" and not blocking:
+        model[0] = _SlowFirst(model[0], delay=0.02)
     plan = ModelExecutePlan.uniform(len(model), 3, "fused")
     rp = RoundPipe(
         model,
@@ -97,25 +101,27 @@ def test_layerwise_after_blocking_calls_is_one_part() -> None:
 
 class _SlowBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, delay: float) -> torch.Tensor:
+        ctx.delay = delay
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.05)
-        return g
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.delay)
+        return g, None
 
 
 class _SlowFirst(nn.Module):
     """The first layer: its backward is slow, so the deep layers' gradients are complete
     long before the iteration ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, lin: nn.Module | None = None, delay: float = 0.05) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 12)
+        self.lin = nn.Linear(8, 12) if lin is None else lin
+        self.delay = delay
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SlowBackward.apply(self.lin(x))
+        return _SlowBackward.apply(self.lin(x), self.delay)
 
 
 def test_deep_layers_step_while_the_backward_still_runs() -> None:
