@@ -58,14 +58,8 @@ class RoundPipeRunConfig:
 
     def merged_over(self, base: RoundPipeRunConfig) -> RoundPipeRunConfig:
         """This config with its ``None`` fields taken from ``base``."""
-        return replace(
-            base,
-            **{
-                f.name: getattr(self, f.name)
-                for f in fields(self)
-                if getattr(self, f.name) is not None
-            },
-        )
+        mine = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(base, **{k: v for k, v in mine.items() if v is not None})
 
 
 def check_run_config(cfg: object, name: str = "run_config") -> RoundPipeRunConfig:

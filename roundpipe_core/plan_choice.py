@@ -159,9 +159,8 @@ class PlanChoice:
         rt = parse_kind(RunType, run_type, "run_type")
         gain = self.DEFAULT_REPLAN_MIN_GAIN if min_gain is None else min_gain
         m = self.num_microbatch_for(auto_kwargs.get("num_microbatch"))
-        concurrent = auto_kwargs.get("concurrent")
-        if concurrent is None:
-            concurrent = model.pool.concurrent
+        asked = auto_kwargs.get("concurrent")
+        concurrent = model.pool.concurrent if asked is None else asked
         old = self.plan_for(rt)
         candidate = ModelExecutePlan.auto(
             rt, model, **{**auto_kwargs, "num_microbatch": m, "concurrent": concurrent}

@@ -170,23 +170,18 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     strategy to Fabric; several nodes (one process each) are data parallel as under
     ``RoundPipeStrategy`` (docs/fabric.md, "Several nodes").
 
-    ``loss_reduction``, ``num_microbatch``, ``execute_plan``, ``optim_dtype``, ``pin_model``,
-    ``async_step``, ``fuse_optimizer``, ``recompute_grain``, ``preserve_rng_state``,
-    ``model_run_config``, ``grad_reduce_op``, ``process_group_timeout``, ``shard_host_state``
-    and ``offload_dir`` are as for :class:`~roundpipe_lightning.RoundPipeStrategy`
-    (``"mean"``: a ``loss_fn`` returning a batch mean gives plain Fabric's loss and
-    gradients; sharded, ``fabric.save`` writes a shard per node).
+    The RoundPipe arguments, keywords only, are those of
+    :class:`~roundpipe_lightning.RoundPipeStrategy` (``loss_reduction="mean"``: a ``loss_fn``
+    returning a batch mean gives plain Fabric's loss and gradients; sharded, ``fabric.save``
+    writes a shard per node) but two: ``overlap_iterations`` (the loop is the user's: pass
+    ``blocking=False`` to ``forward_backward``) and ``overlap_grad_reduce`` (the reduction
+    runs right before the step: which backward ends an accumulation window is not known).
+    A wrong argument is a TypeError / ValueError naming it and what it accepts.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
-
-    The RoundPipe arguments are keywords only. ``overlap_iterations`` has no Fabric
-    counterpart (the loop is the user's: pass ``blocking=False`` to ``forward_backward``),
-    and the gradient reduction runs right before the step, not overlapped with the
-    backward (which backward ends an accumulation window is not known). A wrong argument
-    is a TypeError / ValueError naming it and what it accepts.
     """
 
     strategy_name = "roundpipe"
@@ -411,12 +406,11 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
                 f"{type(optimizer).__name__} was not set up with a module of {_OWNER}; pass it "
                 "to fabric.setup(module, optimizer)"
             )
-        if kwargs.get("closure") is not None:
+        if kwargs.pop("closure", None) is not None:
             raise TypeError(
                 f"{_OWNER} runs optimizer.step() on the master weights later (on the optimizer "
                 "thread), where a closure cannot re-evaluate the loss; call opt.step() without one"
             )
-        kwargs.pop("closure", None)
         run, raw = adopted
         # several nodes: reduced on the optimizer thread before the step, once the calls in
         # flight are in (blocking=False calls still overlap), unless clipping reduced them
