@@ -152,8 +152,7 @@ def dist_env_from_environ(environ: Mapping[str, str] | None = None) -> DistEnv:
     if missing:
         raise ValueError(
             f"distributed launch ({source}) is missing environment variable(s) {', '.join(missing)}; "
-            "set all of "
-            f"{rank_var}, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+            f"set all of {rank_var}, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
         )
     rank, world, port = (_int_var(env, v) for v in (rank_var, "WORLD_SIZE", "MASTER_PORT"))
     return _checked(DistEnv(rank, world, env["MASTER_ADDR"], port, source))
@@ -198,13 +197,9 @@ def init_process_group(
         )
     else:
         env = dist_env_from_environ()
-    env = _checked(
-        replace(
-            env,
-            rank=env.rank if rank is None else rank,
-            world_size=env.world_size if world_size is None else world_size,
-        )
-    )
+    rank = env.rank if rank is None else rank
+    world_size = env.world_size if world_size is None else world_size
+    env = _checked(replace(env, rank=rank, world_size=world_size))
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise ValueError(

@@ -321,11 +321,9 @@ def decide_replan(
 ) -> ReplanDecision:
     """The engine's one re-plan policy (the default plan's re-plan and ``AutoReplan``):
     see :class:`ReplanDecision`."""
-    gain = (
-        1.0
-        if candidate == old
-        else predicted_speedup(
+    gain = 1.0
+    if candidate != old:
+        gain = predicted_speedup(
             old, candidate, model, run_type, num_devices, num_microbatch, concurrent=concurrent
         )
-    )
     return ReplanDecision(old, candidate, gain, float(min_gain))
