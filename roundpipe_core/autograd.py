@@ -6,6 +6,7 @@ parameter gradients go to the masters) and merges the input gradients for the ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -69,17 +70,12 @@ class AutogradForward:
         # which leaves of the (args, kwargs) pytree take a gradient
         it = iter(needs_grad)
         needs = [next(it) if isinstance(x, torch.Tensor) else False for x in self.in_leaves]
-        n = len(self.mbs)
-        jobs = build_schedule(self.plan, RunType.TRAIN, self.num_devices, n, phase="forward")
-        # the backward's jobs are known now: the run is complete before it starts
-        self.bwd_jobs = build_schedule(
-            self.plan,
-            RunType.TRAIN,
-            self.num_devices,
-            n,
-            phase="backward",
-            start_device=len(jobs) % self.num_devices,
+        schedule = functools.partial(
+            build_schedule, self.plan, RunType.TRAIN, self.num_devices, len(self.mbs)
         )
+        jobs = schedule(phase="forward")
+        # the backward's jobs are known now: the run is complete before it starts
+        self.bwd_jobs = schedule(phase="backward", start_device=len(jobs) % self.num_devices)
         run = self.new_run(needs, self.bwd_jobs)  # (its inputs in place)
         self.execute(run, jobs)
         self.run_state = run

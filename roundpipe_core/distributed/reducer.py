@@ -391,8 +391,5 @@ def sync_gradients(
     thread needs no group of its own, which would cost a rendezvous a step). Collective."""
     if group is None and group_size(None) > 1:
         group = dist.group.WORLD
-    reducer = GradientAllReducer(rp, group, op=op, bucket_bytes=bucket_bytes, overlap=False)
-    try:
+    with GradientAllReducer(rp, group, op=op, bucket_bytes=bucket_bytes, overlap=False) as reducer:
         reducer.finish()
-    finally:
-        reducer.close()
