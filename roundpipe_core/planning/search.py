@@ -102,14 +102,11 @@ class _Problem:
 
     def build(self, cap: float) -> ModelExecutePlan:
         n, m = self.n, self.mem_cap
-        if self.run_type == RunType.FUSED:
-            f = self.fused_start(cap)
-            fwd = list(reversed(self.fwd.balanced(f, cap, m)))
-            bwd = [range(f, n)] + self.bwd.balanced(f, cap, m)
-            return ModelExecutePlan(fwd, bwd)
-        fwd = list(reversed(self.fwd.balanced(n, cap, m)))
-        bwd = self.bwd.balanced(n, cap, m) if self.run_type == RunType.TRAIN else []
-        return ModelExecutePlan(fwd, bwd)
+        fused = self.run_type == RunType.FUSED
+        f = self.fused_start(cap) if fused else n  # the layers before the fused stage
+        fwd = list(reversed(self.fwd.balanced(f, cap, m)))
+        bwd = self.bwd.balanced(f, cap, m) if self.run_type != RunType.INFER else []
+        return ModelExecutePlan(fwd, ([range(f, n)] if fused else []) + bwd)
 
     def _split(self, part: Partitioner, f: int, k: int) -> list[range] | None:
         """Layers 0..f-1 in at most ``k`` even stages (deepest first), or ``None``."""
