@@ -80,10 +80,8 @@ def merge_outputs_with_grad(merge_output: Any, outputs: list[Any]) -> MergedOutp
         return MergedOutputs(flatten(outputs[0])[1](packed), None, n)
     if callable(merge_output):
         return MergedOutputs(merge_output(list(outputs)), None, n)
-    if merge_output is None or merge_output is True:
-        spec_leaves = None
-    else:
-        spec_leaves = _leaf_specs(merge_output, outputs[0], "merge_output")
+    automatic = merge_output is None or merge_output is True
+    spec_leaves = None if automatic else _leaf_specs(merge_output, outputs[0], "merge_output")
     if n == 1:
         leaves, _ = flatten(outputs[0])
         rules = [("first",) if isinstance(x, torch.Tensor) else ("none",) for x in leaves]

@@ -207,12 +207,10 @@ def split_sizes(batch_size: int | None, num_microbatch: int) -> list[int]:
 def split_tree(obj: Any, sizes: list[int], batch_size: int | None) -> list[Any]:
     """Split every batch-leading tensor of ``obj`` by ``sizes``; broadcast the rest."""
     leaves, rebuild = flatten(obj)
-    per_leaf = []
-    for leaf in leaves:
-        if _batch_leading(leaf, batch_size):
-            per_leaf.append(list(torch.split(leaf, sizes, dim=0)))
-        else:
-            per_leaf.append([leaf] * len(sizes))
+    per_leaf = [
+        list(torch.split(x, sizes, dim=0)) if _batch_leading(x, batch_size) else [x] * len(sizes)
+        for x in leaves
+    ]
     return [rebuild([parts[i] for parts in per_leaf]) for i in range(len(sizes))]
 
 
