@@ -271,4 +271,5 @@ def chunked_linear_cross_entropy(
         )
     target = target.to(hidden.device)
     _check_targets(target, weight.shape[0], ignore_index)
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, target, ignore_index, chunk_tokens)
+    out = _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, target, ignore_index, chunk_tokens)
+    return out
