@@ -170,18 +170,23 @@ class RoundPipeFabricStrategy(SessionHost, SingleDeviceStrategy):
     strategy to Fabric; several nodes (one process each) are data parallel as under
     ``RoundPipeStrategy`` (docs/fabric.md, "Several nodes").
 
-    The RoundPipe arguments, keywords only, are those of
-    :class:`~roundpipe_lightning.RoundPipeStrategy` (``loss_reduction="mean"``: a ``loss_fn``
-    returning a batch mean gives plain Fabric's loss and gradients; sharded, ``fabric.save``
-    writes a shard per node) but two: ``overlap_iterations`` (the loop is the user's: pass
-    ``blocking=False`` to ``forward_backward``) and ``overlap_grad_reduce`` (the reduction
-    runs right before the step: which backward ends an accumulation window is not known).
-    A wrong argument is a TypeError / ValueError naming it and what it accepts.
+    ``loss_reduction``, ``num_microbatch``, ``execute_plan``, ``optim_dtype``, ``pin_model``,
+    ``async_step``, ``fuse_optimizer``, ``recompute_grain``, ``preserve_rng_state``,
+    ``model_run_config``, ``grad_reduce_op``, ``process_group_timeout``, ``shard_host_state``
+    and ``offload_dir`` are as for :class:`~roundpipe_lightning.RoundPipeStrategy`
+    (``"mean"``: a ``loss_fn`` returning a batch mean gives plain Fabric's loss and
+    gradients; sharded, ``fabric.save`` writes a shard per node).
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: as for
             any Fabric strategy (normally left to ``Fabric(...)``). Precision: ``"32-true"``
             or ``"bf16-mixed"``.
+
+    The RoundPipe arguments are keywords only. ``overlap_iterations`` has no Fabric
+    counterpart (the loop is the user's: pass ``blocking=False`` to ``forward_backward``),
+    and the gradient reduction runs right before the step, not overlapped with the
+    backward (which backward ends an accumulation window is not known). A wrong argument
+    is a TypeError / ValueError naming it and what it accepts.
     """
 
     strategy_name = "roundpipe"
