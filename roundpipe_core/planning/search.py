@@ -324,9 +324,8 @@ def search_plans(
             range(first, greedy_end), key=lambda i: (max(s_at(i), min_stages) * cands[i], i)
         )
         shortlist = [best_idx, greedy_pick]
-        for target in range(
-            int(s_at(best_idx)) - REFINE_SPREAD, int(s_at(best_idx)) + REFINE_SPREAD + 1
-        ):
+        optimum = int(s_at(best_idx))  # the estimate's best stage count
+        for target in range(optimum - REFINE_SPREAD, optimum + REFINE_SPREAD + 1):
             if target >= 1 and s_at(last_idx) <= target:
                 shortlist.append(fewest(target))
         shortlist = sorted(set(shortlist), key=lambda i: (cost(i), i))

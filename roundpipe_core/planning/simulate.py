@@ -189,13 +189,12 @@ def simulate(
     re = per_layer(re_ms, n, "re_ms") if re_ms is not None else list(fwd)
     upl = per_layer(upload_ms, n, "upload_ms")
     check_int(iterations, "iterations")
-    if not activation_ms >= 0:
-        raise ValueError(f"activation_ms must be >= 0, got {activation_ms!r}")
+    for name, value in (("activation_ms", activation_ms), ("step_ms", step_ms)):
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
     check_flag(concurrent, "concurrent")
     rt = parse_kind(RunType, run_type, "run_type")
     plan.check_valid(n, rt, num_devices)
-    if not step_ms >= 0:
-        raise ValueError(f"step_ms must be >= 0, got {step_ms!r}")
     events: list[SimEvent] = []
     gate = _WeightGate(num_devices) if overlap_iterations else None
     devices = _Devices(
