@@ -658,7 +658,7 @@ def _with_or_without_positions(
     raise refuse(
         parts,
         f"decoder layer {index}'s {key if isinstance(key, str) else f'argument {key}'} for "
-        "packed position ids matches no {kind} mask "
+        f"packed position ids matches no {kind} mask "
         f"({MASK_BUILDERS[kind]}) built with or without position_ids",
     )
 
