@@ -34,6 +34,8 @@ from .loss import (
     count_label_tokens,
     shift_labels,
 )
+from .probe import LayerRecipe, check_conversion
+from .structure import find_decoder_parts
 
 _log = logging.getLogger(__name__)
 
@@ -335,16 +337,19 @@ __all__ = [
     "CausalLMLossFn",
     "CausalLMOutputAdapter",
     "GenericDecoderBlock",
+    "LayerRecipe",
     "NoPresetError",
     "RoundPipeCausalLMOutput",
     "RoundPipeMoeCausalLMOutput",
     "causal_lm_loss",
     "causal_lm_loss_fn",
+    "check_conversion",
     "chunked_linear_cross_entropy",
     "convert_decoder_lm",
     "convert_if_possible",
     "convert_to_sequential",
     "count_label_tokens",
+    "find_decoder_parts",
     "find_preset",
     "known_presets",
     "model_output_loss",
