@@ -318,8 +318,8 @@ class CallTiming:
 
     @property
     def transfers(self) -> list[Span]:
-        # kept as tuples until read: a Span (and its args dict) per transfer made the
-        # garbage collector run twice as often in a call of small layers
+        # kept as tuples until read: a Span per transfer, tracked by the garbage collector
+        # until the call ended, made it collect twice as often in a call of small layers
         return [Span(*t) for t in self._transfers]
 
     def device_busy_ms(self, num_devices: int) -> list[float]:
