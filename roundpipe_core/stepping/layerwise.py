@@ -15,8 +15,8 @@ clipping). The optimizer thread runs one work item per step (:func:`run_layerwis
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -113,30 +113,51 @@ class GradCompletion:
         on_complete: Callable[[list[nn.Parameter]], None] | None = None,
     ) -> None:
         self._lock = threading.Lock()
-        # backward job index -> its masters; master id -> backward jobs still to complete
-        self._owners = {job.index: masters_of(job) for job in jobs if job.kind != "forward"}
-        self._remaining = Counter(id(m) for ms in self._owners.values() for m in ms)
-        self.masters = {id(m): m for ms in self._owners.values() for m in ms}
         self._notify = notify
         self._on_complete = on_complete
+        # backward job index -> its masters; the backward jobs done. C-level passes, and a
+        # job's countdown one set insert: per master Python steps showed as cost per job
+        self._owners = {job.index: masters_of(job) for job in jobs if job.kind != "forward"}
+        self._done: set[int] = set()
+        every = list(chain.from_iterable(self._owners.values()))
+        self.masters = dict(zip(map(id, every), every))
+        # master id -> the backward job holding it; masters that several hold (a shared
+        # parameter, a stage's replicas) -> all of them, counted down under the lock
+        self._job_of: dict[int, int] = {}
+        for index, ms in self._owners.items():
+            self._job_of.update(zip(map(id, ms), repeat(index)))
+        self._shared: dict[int, list[int]] = {}
+        if len(self.masters) < len(every):
+            for index, ms in self._owners.items():
+                for m in ms:
+                    self._shared.setdefault(id(m), []).append(index)
+            self._shared = {k: js for k, js in self._shared.items() if len(js) > 1}
 
     def job_done(self, job: Job) -> None:
         """``job``'s gradients are in the run's buffer (a worker's ``grads_done``)."""
-        final = []
-        with self._lock:
-            for m in self._owners.get(job.index, ()):
-                self._remaining[id(m)] -= 1
-                if self._remaining[id(m)] == 0:
-                    final.append(m)
+        masters = self._owners.get(job.index)
+        if not masters:
+            return
+        if not self._shared:
+            self._done.add(job.index)
+            final = list(masters)
+        else:
+            with self._lock:
+                self._done.add(job.index)
+                final = [m for m in masters if self._complete_locked(id(m))]
         if final:
             if self._notify is not None:
                 self._notify()
             if self._on_complete is not None:
                 self._on_complete(final)
 
+    def _complete_locked(self, master_id: int) -> bool:
+        jobs = self._shared.get(master_id) or (self._job_of.get(master_id),)
+        return all(j is None or j in self._done for j in jobs)
+
     def complete(self, master_id: int) -> bool:
         with self._lock:
-            return self._remaining.get(master_id, 0) == 0
+            return self._complete_locked(master_id)
 
 
 class LayerwiseRun(Protocol):

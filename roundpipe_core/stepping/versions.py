@@ -82,7 +82,8 @@ class _Reader:
     ) -> None:
         self.version = version
         self.pending = counts
-        self.fences: dict[int, list[Callable[[], None]]] = {}
+        # (layers, fence) per upload issued, not per layer: a run's end walks them all
+        self.fences: list[tuple[Sequence[int], Callable[[], None]]] = []
         self.gate = gate
 
 
@@ -181,7 +182,7 @@ class WeightVersions:
         with self.cond:
             for i in layers:
                 reader.pending[i] -= 1
-                reader.fences.setdefault(i, []).append(fence)
+            reader.fences.append((layers, fence))
             self.cond.notify_all()
 
     def finish(self, reader: _Reader) -> None:
@@ -189,9 +190,7 @@ class WeightVersions:
         with self.cond:
             if reader in self._readers:
                 self._readers.remove(reader)
-                self._ended_fences.extend(
-                    f for fs in reader.fences.values() for f in fs if not _settled(f)
-                )
+                self._ended_fences.extend(f for _, f in reader.fences if not _settled(f))
             self.cond.notify_all()
 
     # -- publication (optimizer thread) ------------------------------------------------
@@ -258,14 +257,14 @@ class WeightVersions:
     def _wait_old_uploads(self, version: int, keys: Sequence[int]) -> None:
         """Run the fences of the uploads of ``keys`` by older-version runs and by the
         runs that ended: after it the host copy of ``keys`` may change."""
+        layers = {i for k in keys for i in self.holders[k]}
         with self.cond:
             fences = [
                 f
                 for r in self._readers
                 if r.version < version
-                for k in keys
-                for i in self.holders[k]
-                for f in r.fences.get(i, [])
+                for held, f in r.fences
+                if not layers.isdisjoint(held)
             ]
             ended, self._ended_fences = self._ended_fences, []
         for fence in fences:  # async (CUDA) uploads must have read the host copy
