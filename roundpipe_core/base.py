@@ -16,6 +16,8 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ _log = logging.getLogger(__name__)
 __all__ = ["OptimizerCtx", "RoundPipeBase"]
 
 _CLOSE_JOIN_S = 10.0
+_POST_HOOKS = attrgetter("_post_accumulate_grad_hooks")
 
 
 class _OptimCtxState(threading.local):
@@ -328,11 +331,11 @@ class RoundPipeBase(nn.Module):
 
     def _check_param_hooks(self) -> None:
         """At each training call: refuse a post-accumulate gradient hook registered since
-        wrapping (:func:`~roundpipe_core.checks.check_no_post_accumulate_hooks`)."""
+        wrapping (:func:`~roundpipe_core.checks.check_no_post_accumulate_hooks`); a C-level
+        pass first, the names only where it finds one."""
         masters = self._home().masters
-        check_no_post_accumulate_hooks(
-            (name, t) for name, p, m in masters.entries for t in ((p, m) if p is not m else (p,))
-        )
+        if any(map(_POST_HOOKS, chain.from_iterable(masters.hooked_by.values()))):
+            check_no_post_accumulate_hooks((n, t) for n, p, m in masters.entries for t in (p, m))
 
     # -- optimizer step ---------------------------------------------------------------
     def step(

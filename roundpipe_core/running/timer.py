@@ -164,15 +164,15 @@ class ModelTimer:
                 raise ValueError(f"layer {bad} is outside the timed layers 0..{n - 1}")
         with self._lock:
             for (kind, a, b), ms in sums.items():
-                self._add_locked(kind, range(a, b), ms)
+                if b - a == 1:  # one layer's span (most are): no split, no call
+                    pending = self._pending[kind]
+                    pending[a] = pending.get(a, 0.0) + ms
+                else:
+                    self._add_locked(kind, range(a, b), ms)
 
     def _add_locked(self, kind: str, layers: Sequence[int], ms: float) -> None:
         """Add ``ms`` of ``kind`` over ``layers`` to this iteration's records."""
         pending = self._pending[kind]
-        if len(layers) == 1:
-            i = layers[0]
-            pending[i] = pending.get(i, 0.0) + ms
-            return
         weights = self._estimates_locked("fwd" if kind == "fwd" else "re", layers)
         total = sum(weights)
         for i, w in zip(layers, weights):
@@ -301,8 +301,11 @@ class CallTiming:
             self.jobs += clock.jobs
             self._transfers += clock.transfers
             ms = self._layer_ms
-            for key, value in clock.sums.items():
-                ms[key] = ms.get(key, 0.0) + value
+            if not ms:  # the first queue's sums: taken whole
+                self._layer_ms = clock.sums
+            else:
+                for key, value in clock.sums.items():
+                    ms[key] = ms.get(key, 0.0) + value
         clock.jobs, clock.transfers, clock.sums = [], [], {}
 
     def commit(self, timer: ModelTimer) -> None:

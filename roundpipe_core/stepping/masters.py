@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from itertools import chain
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
@@ -28,15 +30,14 @@ from ..running.devices.memory import ReusedHostTensors
 
 __all__ = ["MasterWeights", "copy_pairs", "run_tensor_hooks"]
 
+_HOOKS = attrgetter("_backward_hooks")
+
 
 def run_tensor_hooks(
-    master: nn.Parameter,
-    grad: torch.Tensor,
-    params: Sequence[nn.Parameter] = (),
-    name: str = "",
+    master: nn.Parameter, grad: torch.Tensor, tensors: Sequence[torch.Tensor], name: str = ""
 ) -> torch.Tensor:
-    """``grad`` after the tensor hooks (``Tensor.register_hook``) of ``params`` (the model
-    parameters ``master`` copies), then of ``master`` (in its dtype), in registration
+    """``grad`` after the tensor hooks (``Tensor.register_hook``) of ``tensors`` (the model
+    parameters ``master`` copies, then ``master``, in its dtype), in registration
     order, each getting what the previous returned (``None``: unchanged), as autograd
     runs a leaf's hooks before accumulating. Devices backpropagate into their own copies,
     so autograd never calls these hooks; they run here on the call's complete gradient,
@@ -46,7 +47,7 @@ def run_tensor_hooks(
         RuntimeError: a hook returned something other than None or a tensor of the
             gradient's shape (naming the parameter ``name``).
     """
-    for t in (*params, master):
+    for t in tensors:
         hooks = t._backward_hooks
         if not hooks:
             continue
@@ -108,9 +109,9 @@ class MasterWeights:
         # the entries whose master is a separate tensor (what copy_to_model writes)
         self.copies: list[tuple[str, nn.Parameter, nn.Parameter]] = []
         self.master_of: dict[int, nn.Parameter] = {}
-        # master id -> the model parameters it is a separate copy of: their tensor hooks
-        # (Tensor.register_hook) are run on the call's gradient in add_many
-        self.params_of: dict[int, list[nn.Parameter]] = {}
+        # master id -> the tensors whose hooks (Tensor.register_hook) run on its gradient
+        # in add_many: the model parameters it is a separate copy of, then itself
+        self.hooked_by: dict[int, tuple[torch.Tensor, ...]] = {}
         self.name_of: dict[int, str] = {}  # master id -> its parameter's name
         self._of_layers: dict[tuple[int, ...], tuple[tuple[nn.Module, ...], list]] = {}
         # guards the masters' .grad: workers add to it while the caller may read it
@@ -131,8 +132,8 @@ class MasterWeights:
                 self.entries.append((pname, p, m))
                 self.master_of[id(p)] = m
                 self.name_of.setdefault(id(m), pname)
-                if m is not p:
-                    self.params_of.setdefault(id(m), []).append(p)
+                held = self.hooked_by.get(id(m), (m,))[:-1] + ((p,) if p is not m else ())
+                self.hooked_by[id(m)] = (*held, m)
         # ids of the released masters (see release()); shared with the weight versions,
         # whose publication skips them too
         self.released: set[int] = set()
@@ -190,10 +191,15 @@ class MasterWeights:
         ``add_``). The tensor hooks (e.g. ``wandb.watch``) run on each first, once per
         call, as plain PyTorch runs a leaf's hooks once per backward (:func:`run_tensor_hooks`).
         """
-        items = [
-            (m, run_tensor_hooks(m, g, self.params_of.get(id(m), ()), self.name_of.get(id(m), "")))
-            for m, g in items
-        ]
+        items = list(items)
+        hooked_by = self.hooked_by
+        # hooks are rare: a C-level pass over the items' tensors looks for any first (a
+        # Python step per parameter showed as engine cost per job on small layers)
+        held = map(hooked_by.__getitem__, map(id, map(itemgetter(0), items)))
+        if any(map(_HOOKS, chain.from_iterable(held))):
+            items = [
+                (m, run_tensor_hooks(m, g, hooked_by[id(m)], self.name_of[id(m)])) for m, g in items
+            ]
         acc: dict[tuple[torch.dtype, torch.device], tuple[list, list]] = {}
         batched: set[int] = set()
 
@@ -207,7 +213,7 @@ class MasterWeights:
             for master, g in items:
                 have = master.grad
                 if have is None:
-                    master.grad = self._first_grad(master, g)
+                    master.grad = g if g.dtype == master.dtype else self._first_grad(master, g)
                     continue
                 if id(master) in batched:
                     flush()  # the same master again: its earlier addition first, as a loop would

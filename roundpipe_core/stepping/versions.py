@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
@@ -138,11 +139,7 @@ class WeightVersions:
         gate: tuple[Future, Callable[[], bool]] | None = None,
     ) -> _Reader:
         """A run that reads ``version`` and uploads each of ``job_layers`` once."""
-        counts: dict[int, int] = {}
-        for r in job_layers:
-            for i in r:
-                counts[i] = counts.get(i, 0) + 1
-        reader = _Reader(version, counts, gate)
+        reader = _Reader(version, Counter(itertools.chain.from_iterable(job_layers)), gate)
         with self.cond:
             self._readers.append(reader)
         return reader

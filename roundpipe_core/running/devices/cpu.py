@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..host_memory import available_host_memory
-from .base import Worker
+from .base import NBYTES, Worker
 
 __all__ = [
     "CONCURRENT_ENV",
@@ -359,7 +359,7 @@ class CPUWorker(Worker):
 
     def copy_in(self, tensors: Sequence[torch.Tensor], channel: str) -> list[torch.Tensor]:
         out = _clones(tensors)
-        self.ledger.alloc(sum(t.nbytes for t in out), channel)
+        self.ledger.alloc(sum(map(NBYTES, out)), channel)
         return out
 
     def lend_in(
@@ -369,7 +369,7 @@ class CPUWorker(Worker):
         # it (an alias of its own, so the stage's parameter wrapper and .grad are the
         # stage's); what it may write (buffers) is still copied
         out = _clones(tensors, read_only)
-        self.ledger.alloc(sum(t.nbytes for t in out), "param")
+        self.ledger.alloc(sum(map(NBYTES, out)), "param")
         return out
 
     def copy_out(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
