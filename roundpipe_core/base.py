@@ -331,8 +331,7 @@ class RoundPipeBase(nn.Module):
 
     def _check_param_hooks(self) -> None:
         """At each training call: refuse a post-accumulate gradient hook registered since
-        wrapping (:func:`~roundpipe_core.checks.check_no_post_accumulate_hooks`); a C-level
-        pass first, the names only where it finds one."""
+        wrapping (:func:`~roundpipe_core.checks.check_no_post_accumulate_hooks`)."""
         masters = self._home().masters
         if any(map(_POST_HOOKS, chain.from_iterable(masters.hooked_by.values()))):
             check_no_post_accumulate_hooks((n, t) for n, p, m in masters.entries for t in (p, m))

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from torch import nn
@@ -152,18 +153,18 @@ class ModelTimer:
         with self._lock:
             self._add_locked(kind, layers, ms / microbatches)
 
-    def record_sums(self, sums: dict[tuple[str, int, int], float]) -> None:
-        """:meth:`record` of ``{(kind, start, stop): ms per microbatch}`` (a
-        :class:`CallTiming`'s sums) under one lock; on a ``ValueError`` nothing is."""
+    def record_sums(self, *sums: dict[tuple[str, int, int], float]) -> None:
+        """:meth:`record` of each ``{(kind, start, stop): ms per microbatch}`` (a
+        :class:`CallTiming`'s, one per queue) under one lock; on a ``ValueError`` none is."""
         n = self.num_layers
-        for (kind, a, b), ms in sums.items():
+        for (kind, a, b), ms in chain.from_iterable(map(dict.items, sums)):
             if kind not in KINDS or not 0 <= ms < math.inf or not 0 <= a < b <= n:
                 _check_kind(kind)  # (one test per entry; these name what is wrong)
                 _check_ms(ms)
                 bad = a if not 0 <= a < n else b - 1
                 raise ValueError(f"layer {bad} is outside the timed layers 0..{n - 1}")
         with self._lock:
-            for (kind, a, b), ms in sums.items():
+            for (kind, a, b), ms in chain.from_iterable(map(dict.items, sums)):
                 if b - a == 1:  # one layer's span (most are): no split, no call
                     pending = self._pending[kind]
                     pending[a] = pending.get(a, 0.0) + ms
@@ -290,8 +291,8 @@ class CallTiming:
         self._transfers: list[tuple[int, str, str, float, float]] = []
         self.wall_ms = 0.0
         self.samples = self.tokens = 0
-        # {(kind, start, stop): ms per microbatch} not yet given to the timer
-        self._layer_ms: dict[tuple[str, int, int], float] = {}
+        # per queue, {(kind, start, stop): ms per microbatch} not yet given to the timer
+        self._layer_ms: list[dict[tuple[str, int, int], float]] = []
         self._lock = threading.Lock()
 
     def add(self, clock: JobClock) -> None:
@@ -300,23 +301,15 @@ class CallTiming:
         with self._lock:
             self.jobs += clock.jobs
             self._transfers += clock.transfers
-            ms = self._layer_ms
-            if not ms:  # the first queue's sums: taken whole
-                self._layer_ms = clock.sums
-            else:
-                for key, value in clock.sums.items():
-                    ms[key] = ms.get(key, 0.0) + value
+            self._layer_ms.append(clock.sums)
         clock.jobs, clock.transfers, clock.sums = [], [], {}
 
     def commit(self, timer: ModelTimer) -> None:
         """Fold the layer times added since the last commit into ``timer`` as one
-        iteration (summing before the timer splits a stage's time over its layers
-        changes nothing: the split is linear and its weights hold still within an
-        iteration)."""
+        iteration."""
         with self._lock:
-            sums, self._layer_ms = self._layer_ms, {}
-        if sums:
-            timer.record_sums(sums)
+            sums, self._layer_ms = self._layer_ms, []
+        timer.record_sums(*sums)
         timer.end_iteration()
 
     @property

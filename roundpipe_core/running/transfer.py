@@ -414,11 +414,9 @@ class WeightGate(Protocol):
     waits for the version it reads; a newer one is published after the older uploads'
     fences returned."""
 
-    def ready(self, reader: Any, layers: Sequence[int]) -> bool: ...
-
     def wait_ready(
-        self, reader: Any, layers: Sequence[int], failed: Callable[[], bool]
-    ) -> None: ...
+        self, reader: Any, layers: Sequence[int], failed: Callable[[], bool], block: bool = True
+    ) -> bool: ...
 
     def uploaded(self, reader: Any, layers: Sequence[int], fence: Callable[[], None]) -> None: ...
 
@@ -431,9 +429,8 @@ def upload_job(
     waiting, so the current job is not held back by the next one's weights."""
     layers = list(job.layers)
     if run.weights is not None:
-        if not wait and not run.weights.ready(run.reader, layers):
+        if not run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None, wait):
             return None
-        run.weights.wait_ready(run.reader, layers, lambda: run.failed is not None)
     # a host-memory backend computes on the host weights (a copy would hold the stage
     # twice in host memory): a newer version's publication then waits until the stage
     # is released, not only until the weights were read (the fence below)

@@ -165,16 +165,14 @@ class MasterWeights:
             return  # frozen parameter
         with self.grad_lock:
             if master.grad is None:
-                master.grad = self._first_grad(master, grad)
+                master.grad = grad if grad.dtype == master.dtype else self._first_grad(master, grad)
             else:
                 master.grad.add_(grad)
 
     def _first_grad(self, master: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` as ``master``'s new ``.grad``: itself in the master's dtype, else
-        converted into memory reused across steps (a fresh fp32 tensor per step would be
-        faulted in page by page: see ``ReusedHostTensors``)."""
-        if grad.dtype == master.dtype:
-            return grad
+        """``grad`` (of another dtype) as ``master``'s new ``.grad``: converted into memory
+        reused across steps (a fresh fp32 tensor per step would be faulted in page by
+        page: see ``ReusedHostTensors``)."""
         if master.device.type != "cpu" or not master.is_contiguous():
             return grad.to(master.dtype)
         out = self._converted.take(

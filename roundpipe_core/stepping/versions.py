@@ -149,29 +149,24 @@ class WeightVersions:
             self.version[id(m)] >= reader.version for i in layers for _, m in self.layer_pairs[i]
         )
 
-    def ready(self, reader: _Reader, layers: Sequence[int]) -> bool:
+    def wait_ready(
+        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool], block: bool = True
+    ) -> bool:
+        """Whether ``layers`` hold ``reader``'s version (or its gate opened), blocking until
+        they do unless ``block`` is False; blocking, PoolError once ``failed()``."""
         if self.floor >= reader.version:  # (the floor only rises: seen without the lock)
             return True
-        with self.cond:
-            return self._ready(reader, layers) or (
-                reader.gate is not None and reader.gate[0].done()
-            )
-
-    def wait_ready(
-        self, reader: _Reader, layers: Sequence[int], failed: Callable[[], bool]
-    ) -> None:
-        """Block until ``layers`` hold ``reader``'s version (or its gate opened);
-        PoolError once ``failed()``."""
-        if self.floor >= reader.version:
-            return
         gate = reader.gate
         with self.cond:
             while not self._ready(reader, layers):
-                if failed() or (gate is not None and gate[1]()):
+                if block and (failed() or (gate is not None and gate[1]())):
                     raise PoolError("stopped waiting for weights to upload: the run was aborted")
                 if gate is not None and gate[0].done():
-                    return
+                    return True
+                if not block:
+                    return False
                 self.cond.wait(_WAIT_SLICE_S)
+        return True
 
     def uploaded(self, reader: _Reader, layers: Sequence[int], fence: Callable[[], None]) -> None:
         """``reader`` issued the upload of ``layers``; ``fence()`` blocks until the host copy
